@@ -1,0 +1,1 @@
+"""The fixed, model-agnostic runtime: it never names a model family."""
