@@ -1,0 +1,114 @@
+"""The public API, in vLLM's style: LLM(model=dir, ...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence as Seq, Union
+
+import torch
+
+from xllm_gen.runtime.engine import LLMEngine
+from xllm_gen.runtime.outputs import RequestOutput
+from xllm_gen.runtime.sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """Some requests were rejected. The valid ones were served: `.outputs` holds every request's output
+    in prompt order, a rejected request's with `.error` set."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class LLM:
+    def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
+                 block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
+                 _debug: Optional[dict] = None, **unused: Any):
+        self.engine = LLMEngine(model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                                block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                                seed=seed, debug=_debug)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[str, dict, Seq[Union[str, dict]]],
+                 sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *,
+                 on_error: str = "raise", use_tqdm: bool = False) -> list[RequestOutput]:
+        """Serves every valid request; outputs come back in prompt order.
+
+        A bad request (empty prompt, too long, token id out of vocab, bad sampling values, bad images)
+        does not fail the others: with on_error="raise" (default) an InvalidRequestError naming each bad
+        request is raised after the valid ones are served (its .outputs has them all); with
+        on_error="return" the bad request's output carries .error instead."""
+        if on_error not in ("raise", "return"):
+            raise ValueError("on_error must be 'raise' or 'return'")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.engine
+        outputs: list[Optional[RequestOutput]] = [None] * len(prompts)
+        seq_index: dict[int, int] = {}
+        errors = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                seq = engine.make_sequence(i, prompt, p)
+            except ValueError as e:
+                msg = str(e) if str(e).startswith(f"request {i}") else f"request {i}: {e}"
+                errors.append(msg)
+                text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+                outputs[i] = RequestOutput(i, text if isinstance(text, str) else None, [], [], True, msg)
+                continue
+            seq_index[seq.seq_id] = i
+            engine.scheduler.add(seq)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(seq_index), desc="generate")
+        try:
+            while engine.scheduler.has_unfinished():
+                for seq in engine.step():
+                    i = seq_index[seq.seq_id]
+                    outputs[i] = engine.output_of(i, seq)
+                    if bar:
+                        bar.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call (Ctrl-C or a failing rank mid-batch).
+            for q in (engine.scheduler.waiting, engine.scheduler.running):
+                while q:
+                    engine.block_manager.free(q.pop())
+            raise
+        finally:
+            if bar:
+                bar.close()
+        if errors and on_error == "raise":
+            raise InvalidRequestError("; ".join(errors), outputs)
+        return outputs
+
+    @torch.inference_mode()
+    def prefill_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [len, vocab] of every prompt position (a test hook for parity checks)."""
+        engine = self.engine
+        seq = engine.make_sequence(0, {"prompt_token_ids": list(prompt_token_ids)}, SamplingParams(max_tokens=1))
+        engine.block_manager.allocate(seq, seq.num_tokens)
+        seq.chunk_len = seq.num_tokens
+        try:
+            return engine.runner.run([seq], True, all_rows=True)
+        finally:
+            engine.block_manager.free(seq)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,182 @@
+"""The fixed runner machinery. A generated runner module subclasses ModelRunner and sets, from the spec,
+which model module it runs, how positions are formed (rope / mrope), the decode-graph buckets, the max
+batch and the prefill mode. This file never names a model family.
+
+One step: build the flattened inputs and the ForwardContext of the scheduled sequences, plan attention
+once, run the model, and return float32 logits of each sequence's last row (sampling is the engine's).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from xllm_gen.runtime import layers as L
+from xllm_gen.runtime.context import ForwardContext, reset_context, set_context
+from xllm_gen.runtime.distributed import get_tp_rank, get_tp_size
+from xllm_gen.runtime.loader import load_weights
+from xllm_gen.runtime.sequence import Sequence
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    # Set by the generated runner module (from the spec's runner section).
+    model_module = None
+    position_kind = "rope"          # "rope": positions [N]; "mrope": positions [3, N]
+    graph_buckets: tuple = (1, 2, 4, 8)
+    max_batch = 256
+    prefill_mode = "whole"          # "whole" prompts or "chunked"
+
+    def __init__(self, model_dir: str, hf_config: dict, *, device: torch.device, dtype: torch.dtype,
+                 block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int, gpu_memory_utilization: float = 0.85,
+                 enforce_eager: bool = False, debug: Optional[dict] = None):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.debug = dict(debug or {})
+        self.enforce_eager = enforce_eager or self.device.type != "cuda"
+        self.config = self.model_module.Config.from_hf(hf_config)
+        with torch.device(self.device), _default_dtype(dtype):
+            self.model = self.model_module.Model(self.config)
+        self.model.eval()
+        self.loaded_params = load_weights(
+            self.model, self.model_module.weight_plan(self.config), model_dir,
+            tp_size=get_tp_size(), tp_rank=get_tp_rank(),
+            ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()))
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
+        self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
+        self._allocate_kv_cache()
+        self.backend = self._make_backend()
+        self._apply_debug()
+        self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
+        if not self.enforce_eager and self.graph_buckets:
+            from xllm_gen.runtime.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _kv_bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+
+    def _auto_num_blocks(self, gpu_memory_utilization: float) -> int:
+        per_block = self._kv_bytes_per_block()
+        worst = self.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * gpu_memory_utilization - used - 512 * 2**20   # headroom for activations/graphs
+            return max(16, min(worst, int(budget // per_block)))
+        return max(16, min(worst, int(2 * 2**30 // per_block)))         # CPU: at most 2 GiB of KV
+
+    def _allocate_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _make_backend(self):
+        if self.device.type == "cuda" and not self.debug.get("torch_attention"):
+            from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
+            a = self.attn_layers[0]
+            return FlashInferBackend(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                                     block_size=self.block_size, dtype=self.dtype, device=self.device,
+                                     max_batch=max(self.max_num_seqs, max(self.graph_buckets or (1,))),
+                                     max_num_blocks=self.num_kv_blocks)
+        from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
+        return TorchPagedBackend()
+
+    def _apply_debug(self) -> None:
+        """Test-only switches for sensitivity arms (a wrong mRoPE layout must change vision outputs)."""
+        layout = self.debug.get("mrope_layout")
+        if layout:
+            for m in self.model.modules():
+                if isinstance(m, L.Rotary) and m.kind.startswith("mrope"):
+                    m.kind = f"mrope_{layout}"
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def positions_of(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        if self.position_kind == "rope":
+            return torch.arange(start, end, dtype=torch.int64)
+        mm = seq.mm_inputs
+        if mm is None:                                      # text-only: three equal rows
+            return torch.arange(start, end, dtype=torch.int64).expand(3, -1)
+        prompt_len = mm.mrope_positions.shape[1]
+        parts = []
+        if start < prompt_len:
+            parts.append(mm.mrope_positions[:, start:min(end, prompt_len)])
+        if end > prompt_len:                                # generated tokens: p + delta on every row
+            lo = max(start, prompt_len)
+            parts.append((torch.arange(lo, end, dtype=torch.int64) + mm.mrope_delta).expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool):
+        bs = self.block_size
+        input_ids, positions, slots, cu_q, seq_lens, qlens = [], [], [], [0], [], []
+        for seq in seqs:
+            start = seq.num_computed_tokens if is_prefill else seq.num_tokens - 1
+            end = start + seq.chunk_len if is_prefill else seq.num_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.append(self.positions_of(seq, start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_q.append(cu_q[-1] + end - start)
+            seq_lens.append(end)
+            qlens.append(end - start)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [-1] * (max_blocks - len(s.block_table)) for s in seqs]
+        dev = self.device
+        ctx = ForwardContext(
+            is_prefill=is_prefill,
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            block_size=bs, seq_lens_cpu=seq_lens, query_lens_cpu=qlens, backend=self.backend)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.cat(positions, dim=-1).to(dev)
+        last_rows = torch.tensor(cu_q[1:], dtype=torch.int64, device=dev) - 1
+        return ids, pos, ctx, last_rows
+
+    # ---- execution ------------------------------------------------------------------------------
+    def embed_multimodal(self, seqs: list[Sequence], ids: torch.Tensor, ctx: ForwardContext):
+        """inputs_embeds for steps with visual tokens (set up by multimodal runners); None otherwise."""
+        return None
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool, all_rows: bool = False) -> torch.Tensor:
+        """Float32 logits [B, vocab] of each sequence's last row (all rows of the step when all_rows)."""
+        ids, pos, ctx, last_rows = self.prepare(seqs, is_prefill)
+        try:
+            if not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs)):
+                hidden = self.graphs.replay(ids, pos, ctx)  # plans its bucket's attention, then replays
+            else:
+                embeds = self.embed_multimodal(seqs, ids, ctx) if is_prefill else None
+                self.backend.plan(ctx)                  # once per step; every layer reuses the plan
+                set_context(ctx)
+                hidden = self.forward(ids, pos, ctx, embeds)
+            rows = hidden if all_rows else hidden[last_rows]
+            return self.model.compute_logits(rows).float()
+        finally:
+            reset_context()
+            self.after_step(ctx)
+
+    def forward(self, ids, pos, ctx, embeds):
+        return self.model(ids, pos, embeds)
+
+    def after_step(self, ctx: ForwardContext) -> None:
+        """Hook to clear per-step buffers (deepstack) so nothing leaks into the next request."""

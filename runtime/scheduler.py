@@ -1,0 +1,99 @@
+"""Continuous batching: each step is either a prefill batch (new or resumed requests, possibly one chunk
+of a long prompt) or a decode batch of all running requests. When KV blocks run out during decode, the
+most recently admitted request is preempted: its blocks are freed and it is recomputed later from its
+prompt plus the tokens it already generated, so its output is unchanged."""
+from __future__ import annotations
+
+from collections import deque
+
+from xllm_gen.runtime.block_manager import BlockManager, blocks_for
+from xllm_gen.runtime.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        while self.waiting and len(scheduled) + len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if self.chunked_prefill:
+                n = min(remaining, budget)
+            else:
+                n = remaining
+                if n > budget and scheduled:   # whole prompts: the first one always fits
+                    break
+            if n <= 0:
+                break
+            # Keep blocks for one decode step ahead free when others are running, to avoid thrashing.
+            if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            seq.chunk_len = n
+            budget -= n
+            scheduled.append(seq)
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                break                          # a partial chunk: this sequence stays at the queue head
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if budget <= 0:
+                break
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        bm = self.block_manager
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not bm.can_allocate(seq, seq.num_tokens):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                bm.allocate(seq, seq.num_tokens)
+                seq.chunk_len = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.block_manager.free(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+
+    def fits_at_all(self, num_tokens: int) -> bool:
+        return blocks_for(num_tokens, self.block_manager.block_size) <= self.block_manager.num_blocks

@@ -1,0 +1,59 @@
+"""One request's state while it is served: tokens, KV blocks, sampling state."""
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any, Optional
+
+from xllm_gen.runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: Optional[str] = None, mm_inputs: Any = None):
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.mm_inputs = mm_inputs              # runtime.multimodal.MultiModalInputs for VL requests
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0            # tokens whose KV is in the cache
+        self.chunk_len = 0                      # tokens this step computes (prefill chunk, or 1 in decode)
+        self.finish_reason: Optional[str] = None
+        self.logprobs: list[dict] = []
+        self.cumulative_logprob = 0.0
+        self.num_preemptions = 0
+        self.generator = None                   # per-request torch.Generator when params.seed is set
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
