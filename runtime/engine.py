@@ -53,6 +53,7 @@ class LLMEngine:
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
+                 load_format: str = "auto",
                  debug: Optional[dict] = None):
         self.model_dir = Path(model)
         cfg_path = self.model_dir / "config.json"
@@ -75,7 +76,7 @@ class LLMEngine:
                              num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                             debug=debug)
+                             load_format=load_format, debug=debug)
         if tensor_parallel_size > 1:
             from xllm_gen.runtime.tp import TensorParallelRunner
             self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,

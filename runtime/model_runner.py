@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from xllm_gen.runtime import layers as L
-from xllm_gen.runtime.context import ForwardContext, reset_context, set_context
+from xllm_gen.runtime.context import DeepstackInput, ForwardContext, reset_context, set_context
 from xllm_gen.runtime.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.loader import load_weights
 from xllm_gen.runtime.sequence import Sequence
@@ -36,11 +36,13 @@ class ModelRunner:
     graph_buckets: tuple = (1, 2, 4, 8)
     max_batch = 256
     prefill_mode = "whole"          # "whole" prompts or "chunked"
+    multimodal = False              # vision inputs: the model has embed_input_ids / encode_vision
+    deepstack_levels_field = None   # Config field giving the number of deepstack levels (0 when absent)
 
     def __init__(self, model_dir: str, hf_config: dict, *, device: torch.device, dtype: torch.dtype,
                  block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.85,
-                 enforce_eager: bool = False, debug: Optional[dict] = None):
+                 enforce_eager: bool = False, load_format: str = "auto", debug: Optional[dict] = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -53,21 +55,36 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(dtype):
             self.model = self.model_module.Model(self.config)
         self.model.eval()
-        self.loaded_params = load_weights(
-            self.model, self.model_module.weight_plan(self.config), model_dir,
-            tp_size=get_tp_size(), tp_rank=get_tp_rank(),
-            ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()))
+        if load_format == "dummy":         # random weights, for benchmarks of a shape without a checkpoint
+            self.loaded_params = self._init_dummy_weights()
+        else:
+            self.loaded_params = load_weights(
+                self.model, self.model_module.weight_plan(self.config), model_dir,
+                tp_size=get_tp_size(), tp_rank=get_tp_rank(),
+                ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()))
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
         self._allocate_kv_cache()
         self.backend = self._make_backend()
         self._apply_debug()
+        if self.multimodal:
+            self._allocate_deepstack()
         self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
     # ---- set-up -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_dummy_weights(self) -> set[str]:
+        gen = torch.Generator(device=self.device).manual_seed(1234)
+        for name, p in self.model.named_parameters():
+            if p.dim() == 1:    # norm weights near 1 keep activations in range
+                p.copy_(1.0 + 0.02 * torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32))
+        return {n for n, _ in self.model.named_parameters()}
+
     def _kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -152,10 +169,67 @@ class ModelRunner:
         last_rows = torch.tensor(cu_q[1:], dtype=torch.int64, device=dev) - 1
         return ids, pos, ctx, last_rows
 
-    # ---- execution ------------------------------------------------------------------------------
+    # ---- multimodal -----------------------------------------------------------------------------
+    def _allocate_deepstack(self) -> None:
+        """Deepstack buffers: allocated once, fixed size and address, zeroed after every use, so a text
+        request after an image request never sees stale features."""
+        levels = getattr(self.config, self.deepstack_levels_field) if self.deepstack_levels_field else 0
+        hidden = self.config.hidden_size
+        self.deepstack_levels = levels
+        self.deepstack_rows = torch.zeros(self.max_num_batched_tokens, dtype=torch.int64, device=self.device)
+        self.deepstack_embeds = torch.zeros(max(levels, 1), self.max_num_batched_tokens, hidden,
+                                            dtype=self.dtype, device=self.device)
+        self._deepstack_used = 0
+
+    def _vision_features(self, seq: Sequence):
+        """(embeds [M, hidden], deepstack [levels, M, hidden]) of a request's images then videos, computed
+        once per request at its first prefill chunk with visual tokens (the vision tower runs eagerly)."""
+        cache = getattr(seq, "vision_cache", None)
+        if cache is None:
+            pixels, grid = seq.mm_inputs.vision_batch()
+            embeds, deepstack = self.model.encode_vision(pixels.to(self.device, self.dtype), grid.to(self.device))
+            if self.debug.get("zero_deepstack"):
+                deepstack = torch.zeros_like(deepstack)
+            cache = seq.vision_cache = (embeds, deepstack)
+        return cache
+
     def embed_multimodal(self, seqs: list[Sequence], ids: torch.Tensor, ctx: ForwardContext):
-        """inputs_embeds for steps with visual tokens (set up by multimodal runners); None otherwise."""
-        return None
+        """inputs_embeds with the visual features at the visual-token rows of this prefill step, and the
+        step's deepstack input (rows aligned with chunk boundaries); None for a text-only step."""
+        if not self.multimodal:
+            return None
+        rows, feats, stacks = [], [], []
+        cu = ctx.cu_seqlens_q.tolist()
+        for i, seq in enumerate(seqs):
+            mm = seq.mm_inputs
+            if mm is None or not mm.has_vision:
+                continue
+            start = seq.num_computed_tokens
+            end = start + seq.chunk_len
+            pos = mm.visual_token_positions
+            sel = ((pos >= start) & (pos < end)).nonzero().flatten()
+            if sel.numel():
+                embeds, deepstack = self._vision_features(seq)
+                rows.append((pos[sel] - start + cu[i]).to(self.device))
+                sel = sel.to(self.device)
+                feats.append(embeds[sel])
+                stacks.append(deepstack[:, sel])
+            if pos.numel() == 0 or end > int(pos.max()):
+                seq.vision_cache = None          # every visual row is consumed: free the features
+        if not rows:
+            return None
+        rows_t = torch.cat(rows)
+        embeds = self.model.embed_input_ids(ids)
+        embeds[rows_t] = torch.cat(feats).to(embeds.dtype)
+        m = rows_t.numel()
+        if self.deepstack_levels:
+            self.deepstack_rows[:m] = rows_t
+            self.deepstack_embeds[: self.deepstack_levels, :m] = torch.cat(stacks, dim=1).to(self.dtype)
+            self._deepstack_used = m
+            ctx.deepstack = DeepstackInput(self.deepstack_rows[:m], self.deepstack_embeds[: self.deepstack_levels, :m])
+        return embeds
+
+    # ---- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, all_rows: bool = False) -> torch.Tensor:
@@ -179,4 +253,8 @@ class ModelRunner:
         return self.model(ids, pos, embeds)
 
     def after_step(self, ctx: ForwardContext) -> None:
-        """Hook to clear per-step buffers (deepstack) so nothing leaks into the next request."""
+        """Clears the deepstack rows used by this step so nothing leaks into the next request."""
+        if self.multimodal and self._deepstack_used:
+            self.deepstack_embeds[:, : self._deepstack_used].zero_()
+            self.deepstack_rows[: self._deepstack_used].zero_()
+            self._deepstack_used = 0
