@@ -31,6 +31,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
         self.generator = None                   # per-request torch.Generator when params.seed is set
+        self.vision_cache = None                # (embeds, deepstack) while the prompt's visual rows are prefilled
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,301 @@
+"""The resolved spec: frozen dataclasses with every derived size computed (by resolver.py).
+
+Sizes stay symbolic (`Size`: a sum of products of ints and config symbols) so that the generated code
+works for any checkpoint of the family; `VariantIR` holds the same sizes evaluated for a named variant,
+per tensor-parallel size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Tuple, Union
+
+Factor = Union[int, str]
+
+
+@dataclass(frozen=True)
+class Size:
+    """sum(prod(term)) over terms; a term is a tuple of ints and config symbol names."""
+    terms: Tuple[Tuple[Factor, ...], ...]
+
+    @staticmethod
+    def of(*factors: Factor) -> "Size":
+        return Size((tuple(factors),))
+
+    def __add__(self, other: "Size") -> "Size":
+        return Size(self.terms + other.terms)
+
+    def __mul__(self, other: "Size") -> "Size":
+        return Size(tuple(a + b for a in self.terms for b in other.terms))
+
+    def eval(self, values: Mapping[str, Any]) -> int:
+        total = 0
+        for term in self.terms:
+            prod = 1
+            for f in term:
+                prod *= values[f] if isinstance(f, str) else f
+            total += prod
+        return total
+
+    @staticmethod
+    def _clean(term: Tuple[Factor, ...]) -> Tuple[Factor, ...]:
+        kept = tuple(f for f in term if f != 1)
+        return kept or (1,)
+
+    def py(self, config: str = "config") -> str:
+        return " + ".join(" * ".join(f"{config}.{f}" if isinstance(f, str) else str(f) for f in self._clean(t))
+                          for t in self.terms)
+
+    def __str__(self) -> str:
+        # merge equal terms for display: a*b + c*b + c*b -> a*b + 2*c*b
+        counts: dict = {}
+        for t in self.terms:
+            t = self._clean(t)
+            counts[t] = counts.get(t, 0) + 1
+        parts = []
+        for t, n in counts.items():
+            s = " * ".join(str(f) for f in t)
+            parts.append(s if n == 1 else f"{n} * {s}")
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class Value:
+    """A number or flag: a literal or a config symbol."""
+    literal: Any = None
+    symbol: Optional[str] = None
+
+    def py(self, config: str = "config") -> str:
+        return f"{config}.{self.symbol}" if self.symbol else repr(self.literal)
+
+    def eval(self, values: Mapping[str, Any]) -> Any:
+        return values[self.symbol] if self.symbol else self.literal
+
+    def __str__(self) -> str:
+        return self.symbol or repr(self.literal)
+
+
+@dataclass(frozen=True)
+class ConfigFieldIR:
+    name: str
+    type: str                     # int | float | bool | int_tuple
+    paths: Tuple[str, ...]
+    default: Any                  # MISSING when required
+    has_default: bool
+    doc: str = ""
+
+    @property
+    def py_type(self) -> str:
+        return {"int": "int", "float": "float", "bool": "bool", "int_tuple": "tuple"}[self.type]
+
+
+@dataclass(frozen=True)
+class SegmentIR:
+    name: str
+    heads: Size
+    unit: Size
+    replicate_ok: bool = False
+
+    def py(self) -> str:
+        unit = "" if self.unit.terms == ((1,),) else f", {self.unit.py()}"
+        rep = ", replicate_ok=True" if self.replicate_ok else ""
+        return f'Segment("{self.name}", {self.heads.py()}{unit}{rep})'
+
+
+@dataclass(frozen=True)
+class ParamIR:
+    name: str                     # e.g. "model.layers.{i}.self_attn.qkv_proj.weight"
+    block: str                    # spec path of the block that creates it, e.g. "decoder.layers.blocks.self_attn"
+    shape: Tuple[Size, ...]
+    shard: str                    # the sharding its layer implies: replicated | colwise | rowwise | vocab
+    segments: Tuple[SegmentIR, ...] = ()
+    vocab: Optional[Size] = None
+    per_layer: bool = False
+    only_if_untied: Optional[str] = None   # lm_head: exists only when this bool config symbol is false
+
+
+@dataclass(frozen=True)
+class WeightIR:
+    param: ParamIR
+    sources: Tuple[str, ...]      # with "{i}" for the layer index
+
+    @property
+    def shard(self) -> str:
+        return self.param.shard
+
+
+@dataclass(frozen=True)
+class NormIR:
+    kind: str                     # rmsnorm | layernorm
+    name: str
+    dim: Size
+    eps: Value
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class EmbeddingIR:
+    name: str
+    vocab: Size
+    dim: Size
+
+
+@dataclass(frozen=True)
+class LinearIR:
+    kind: str                     # linear | fused_linear
+    name: str
+    in_features: Size
+    out_sizes: Tuple[Tuple[str, Size], ...]   # (segment name, size); one segment for a plain linear
+    parallel: str                 # column | row | replicated
+    bias: bool
+
+
+@dataclass(frozen=True)
+class RotaryIR:
+    kind: str
+    theta: Value
+    max_position: Size
+    mrope_section: Optional[Value] = None     # literal tuple or an int_tuple symbol
+
+
+@dataclass(frozen=True)
+class AttentionIR:
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    heads: Size
+    kv_heads: Size
+    head_dim: Size
+    qkv_name: str
+    qkv_segments: Tuple[str, str, str]
+    qkv_bias: bool
+    out_name: str
+    out_bias: bool
+    rotary: RotaryIR
+    qk_norm: Optional[Tuple[str, str, Value]]  # (q module, k module, eps)
+    scale: Optional[Value]
+
+    @property
+    def q_size(self) -> Size:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> Size:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class GatedMLPIR:
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    intermediate: Size
+    activation: str
+    gate_up_name: str
+    gate_up_segments: Tuple[str, str]
+    gate_up_bias: bool
+    down_name: str
+    down_bias: bool
+
+
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR]
+
+
+@dataclass(frozen=True)
+class StepIR:
+    norm: str
+    block: str
+    takes_positions: bool         # attention blocks get (positions, hidden), the others (hidden)
+
+
+@dataclass(frozen=True)
+class LayerIR:
+    class_name: str
+    count: Size
+    blocks: Tuple[BlockIR, ...]
+    steps: Tuple[StepIR, ...]
+
+
+@dataclass(frozen=True)
+class LMHeadIR:
+    name: str
+    vocab: Size
+    dim: Size
+    tie: Value                    # literal bool or a bool config symbol
+
+
+@dataclass(frozen=True)
+class RunnerIR:
+    max_batch: int
+    graph_buckets: Tuple[int, ...]
+    prefill_mode: str
+    position_kind: str            # rope | mrope
+
+
+@dataclass(frozen=True)
+class RankTableIR:
+    """Per-rank view of one variant at one tensor-parallel size."""
+    tp: int
+    heads_per_rank: Tuple[Tuple[str, int, int], ...]     # (attention block, q heads, kv heads) per rank
+    params: Tuple[Tuple[str, Tuple[int, ...], int], ...]  # (param, per-rank shape, numel), layer params once
+    layer_numel: int
+    total_numel: int
+
+
+@dataclass(frozen=True)
+class VariantIR:
+    name: str
+    values: Tuple[Tuple[str, Any], ...]                   # every config symbol, defaults filled in
+    tied: bool
+    layers: int
+    ranks: Tuple[RankTableIR, ...]                       # tp=1 first, then each declared TP size
+
+    @property
+    def full(self) -> RankTableIR:
+        return self.ranks[0]
+
+
+@dataclass(frozen=True)
+class ModelIR:
+    name: str
+    spec_path: str                # relative to the repository (or cwd)
+    spec_files: Tuple[str, ...]   # the spec and those it extends
+    description: str
+    class_prefix: str
+    architectures: Tuple[str, ...]
+    config: Tuple[ConfigFieldIR, ...]
+    embed: EmbeddingIR
+    layer: LayerIR
+    norm: NormIR
+    lm_head: LMHeadIR
+    deepstack_after: Tuple[int, ...]
+    params: Tuple[ParamIR, ...]
+    weights: Tuple[WeightIR, ...]  # in parameter order
+    ignored: Tuple[str, ...]
+    runner: RunnerIR
+    tp_sizes: Tuple[int, ...]
+    variants: Tuple[VariantIR, ...]
+
+    @property
+    def model_class(self) -> str:
+        return f"{self.class_prefix}ForCausalLM"
+
+    @property
+    def weights_before_layers(self) -> Tuple[WeightIR, ...]:
+        first = next((i for i, w in enumerate(self.weights) if w.param.per_layer), len(self.weights))
+        return tuple(w for w in self.weights[:first] if not w.param.only_if_untied)
+
+    @property
+    def weights_after_layers(self) -> Tuple[WeightIR, ...]:
+        first = next((i for i, w in enumerate(self.weights) if w.param.per_layer), len(self.weights))
+        return tuple(w for w in self.weights[first:] if not w.param.per_layer and not w.param.only_if_untied)
+
+    @property
+    def deepstack_is_prefix(self) -> bool:
+        """Deepstack after layers 0, 1, ..., k-1 (Qwen3-VL): rendered as one enumerate loop."""
+        return self.deepstack_after == tuple(range(len(self.deepstack_after)))
+
+    @property
+    def attention_blocks(self) -> Tuple[AttentionIR, ...]:
+        return tuple(b for b in self.layer.blocks if isinstance(b, AttentionIR))
