@@ -124,6 +124,7 @@ class ModelRunner:
             for m in self.model.modules():
                 if isinstance(m, L.Rotary) and m.kind.startswith("mrope"):
                     m.kind = f"mrope_{layout}"
+                    m.axis_map = L.mrope_axis_map(m.kind, m.mrope_section, m.head_dim // 2).to(self.device)
 
     # ---- inputs ---------------------------------------------------------------------------------
     def positions_of(self, seq: Sequence, start: int, end: int) -> torch.Tensor:

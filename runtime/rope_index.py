@@ -11,7 +11,9 @@ front of each frame block; the tokens between blocks are text). HF's algorithm:
 - a visual run takes the next grid of its kind: rows are (current + t_index, current + h_index,
   current + w_index) over the merged grid (t_index is 0 for a video frame block), and `current`
   advances by max(h, w) / merge (not by t);
-- delta = max(position) + 1 - L. In decode, the token at sequence position p has position p + delta on
+- delta = max(position) + 1 - L.
+Items placed back to back (no text between them) form one run in HF, whose get_rope_index then fails; here
+such a run is consumed grid by grid, as if the items were separated. In decode, the token at sequence position p has position p + delta on
   all 3 rows.
 """
 from __future__ import annotations
@@ -76,20 +78,22 @@ def get_rope_index(
             current += n
             continue
         name = "image" if kind == IMAGE else "video frame"
-        if used[kind] >= len(queues[kind]):
-            raise ValueError(f"more {name} placeholder runs in the prompt than {name} grids "
-                             f"({len(queues[kind])})")
-        t, h, w = queues[kind][used[kind]]
-        used[kind] += 1
-        gt, gh, gw = t, h // m, w // m
-        if gt * gh * gw != n:
-            raise ValueError(f"{name} {used[kind] - 1}: grid {(t, h, w)} needs {gt * gh * gw} tokens, "
-                             f"the prompt has a run of {n}")
-        tt = torch.arange(gt).view(-1, 1, 1).expand(gt, gh, gw)
-        hh = torch.arange(gh).view(1, -1, 1).expand(gt, gh, gw)
-        ww = torch.arange(gw).view(1, 1, -1).expand(gt, gh, gw)
-        pieces.append(torch.stack([tt, hh, ww]).reshape(3, -1) + current)
-        current += max(h, w) // m
+        while n > 0:                  # items placed back to back form one run: take grids until it is used up
+            if used[kind] >= len(queues[kind]):
+                raise ValueError(f"more {name} placeholder tokens in the prompt than the {name} grids "
+                                 f"({len(queues[kind])}) account for")
+            t, h, w = queues[kind][used[kind]]
+            used[kind] += 1
+            gt, gh, gw = t, h // m, w // m
+            if gt * gh * gw > n:
+                raise ValueError(f"{name} {used[kind] - 1}: grid {(t, h, w)} needs {gt * gh * gw} tokens, "
+                                 f"the prompt has a run of {n}")
+            tt = torch.arange(gt).view(-1, 1, 1).expand(gt, gh, gw)
+            hh = torch.arange(gh).view(1, -1, 1).expand(gt, gh, gw)
+            ww = torch.arange(gw).view(1, 1, -1).expand(gt, gh, gw)
+            pieces.append(torch.stack([tt, hh, ww]).reshape(3, -1) + current)
+            current += max(h, w) // m
+            n -= gt * gh * gw
     for kind, name in ((IMAGE, "image"), (VIDEO, "video frame")):
         if used[kind] != len(queues[kind]):
             raise ValueError(f"{len(queues[kind])} {name} grids but {used[kind]} {name} placeholder runs "
