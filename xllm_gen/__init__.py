@@ -3,7 +3,15 @@
 The import package maps the repository's top-level folders: xllm_gen.codegen (codegen/),
 xllm_gen.runtime (runtime/), xllm_gen.generated (generated/), xllm_gen.templates, xllm_gen.specs.
 """
+import os as _os
+
 __version__ = "0.1.0"
+
+# From a source checkout that is not installed (e.g. `PYTHONPATH=.` on a GPU host), the top-level folders
+# are found through this package's path; an installed package (editable or wheel) maps them itself.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "runtime", "model_runner.py")) and _root not in __path__:
+    __path__.append(_root)
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
