@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from .ir import AttentionIR, GatedMLPIR, LinearIR, ModelIR, NormIR, RankTableIR, VariantIR
+from .ir import (AttentionIR, GatedMLPIR, LinearIR, ModelIR, NormIR, PatchMergerIR, RankTableIR, VariantIR,
+                 VisionAttentionIR, VisionMLPIR)
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4,
                "float": 4, "float8": 1, "fp8": 1}
@@ -26,6 +27,14 @@ def _block(b) -> str:
                 f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}]{' +bias' if b.qkv_bias else ''}, "
                 f"{b.out_name}{' +bias' if b.out_bias else ''}, rotary={rot}{qk}, "
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'})")
+    if isinstance(b, VisionAttentionIR):
+        return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
+                f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
+    if isinstance(b, VisionMLPIR):
+        return f"vision_mlp(hidden={b.hidden}, intermediate={b.intermediate}, {b.activation}, linear_fc1, linear_fc2)"
+    if isinstance(b, PatchMergerIR):
+        return (f"patch_merger(dim={b.dim}, merged={b.merged}, out={b.out}, layernorm {b.norm.replace('_', ' ')}, "
+                f"eps={b.eps}, gelu)")
     if isinstance(b, GatedMLPIR):
         return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, {b.activation}, "
                 f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}], {b.down_name})")
@@ -43,10 +52,13 @@ def format_resolved(ir: ModelIR) -> str:
     w("config (symbol <- config.json):")
     width = max(len(f.name) for f in ir.config)
     for f in ir.config:
+        if f.length_of:
+            w(f"  {f.name:<{width}}  {f.type:<9}  = len({f.length_of})")
+            continue
         default = f"  (default {f.default!r})" if f.has_default else "  (required)"
         w(f"  {f.name:<{width}}  {f.type:<9}  <- {' | '.join(f.paths)}{default}")
     w("")
-    w(f"decoder:")
+    w(f"decoder:" if ir.decoder_prefix == "model" else f"decoder ({ir.decoder_prefix}):")
     w(f"  embed_tokens  embedding(vocab={ir.embed.vocab}, dim={ir.embed.dim})")
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
@@ -56,11 +68,31 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"      residual: {s.norm} -> {s.block}")
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
+    if ir.deepstack_levels:
+        w(f"  deepstack: level k after layer k, k < {ir.deepstack_levels}")
     w(f"  norm  {_block(ir.norm)}")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie})")
+    v = ir.vision
+    if v:
+        pe = v.patch_embed
+        w(f"vision ({v.prefix}, {v.class_name}), merge {v.merge}:")
+        w(f"  patch_embed  conv3d_patch_embed(in_channels={pe.in_channels}, kernel=stride=({pe.temporal_patch}, "
+          f"{pe.patch}, {pe.patch}), dim={pe.dim})")
+        w(f"  pos_embed  interpolated_pos_embed(positions={v.pos_embed.positions}, dim={v.pos_embed.dim}, bilinear)")
+        w(f"  rotary_pos_emb  rotary_2d(head_dim={v.attention.head_dim}, theta={v.attention.theta})")
+        w(f"  blocks x {v.count}  ({v.block_class}):")
+        for b in v.blocks:
+            w(f"    {b.name}: {_block(b)}")
+        w(f"    dataflow:")
+        for st in v.steps:
+            w(f"      x = x + {st.block}({st.norm}(x))")
+        w(f"  merger  {_block(v.merger)}")
+        if v.deepstack_merger:
+            w(f"  deepstack_merger_list x {v.deepstack_count}  {_block(v.deepstack_merger)}, level k <- block "
+              f"{v.deepstack_taps}[k]")
     w("")
     w("parameters (shape; sharding; checkpoint source):")
-    for wt in ir.weights:
+    for wt in ir.weights + (ir.vision.weights if ir.vision else ()):
         p = wt.param
         shape = "[" + ", ".join(str(s) for s in p.shape) + "]"
         shard = p.shard
@@ -70,6 +102,10 @@ def format_resolved(ir: ModelIR) -> str:
         if p.vocab is not None:
             shard += f" (padded {p.vocab})"
         cond = f"  [only if not {p.only_if_untied}]" if p.only_if_untied else ""
+        if p.tp_if:
+            shard += f" if tp divides {p.tp_if[1]}, else replicated"
+        if p.repeat is not None:
+            cond += f"  x {p.repeat}"
         w(f"  {p.name}  {shape}  {shard}{cond}")
         w(f"      <- {' + '.join(wt.sources)}")
     if ir.ignored:

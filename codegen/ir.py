@@ -59,6 +59,27 @@ class Size:
 
 
 @dataclass(frozen=True)
+class Ratio:
+    """num // den, exact (the resolver checks divisibility for every variant), e.g. a vision head_dim =
+    hidden / heads. Quacks like Size where a segment unit or a constructor argument is rendered."""
+    num: Size
+    den: Size
+
+    @property
+    def terms(self) -> tuple:
+        return ()
+
+    def eval(self, values: Mapping[str, Any]) -> int:
+        return self.num.eval(values) // self.den.eval(values)
+
+    def py(self, config: str = "config") -> str:
+        return f"{self.num.py(config)} // {self.den.py(config)}"
+
+    def __str__(self) -> str:
+        return f"{self.num} / {self.den}"
+
+
+@dataclass(frozen=True)
 class Value:
     """A number or flag: a literal or a config symbol."""
     literal: Any = None
@@ -82,6 +103,7 @@ class ConfigFieldIR:
     default: Any                  # MISSING when required
     has_default: bool
     doc: str = ""
+    length_of: Optional[str] = None   # derived: len() of this int_tuple symbol (read from no config.json path)
 
     @property
     def py_type(self) -> str:
@@ -111,6 +133,9 @@ class ParamIR:
     vocab: Optional[Size] = None
     per_layer: bool = False
     only_if_untied: Optional[str] = None   # lm_head: exists only when this bool config symbol is false
+    repeat: Optional[Size] = None          # vision: one per block / deepstack level ({i}); None: once or per layer
+    tp_if: Optional[Tuple[str, Size]] = None   # vision: (flag, units): sharded only when TP divides units,
+                                               # else replicated (the runtime vision layers decide alike)
 
 
 @dataclass(frozen=True)
@@ -231,6 +256,8 @@ class RunnerIR:
     graph_buckets: Tuple[int, ...]
     prefill_mode: str
     position_kind: str            # rope | mrope
+    multimodal: bool = False
+    deepstack_levels_field: Optional[str] = None   # the Config field with the number of deepstack levels
 
 
 @dataclass(frozen=True)
@@ -257,6 +284,93 @@ class VariantIR:
 
 
 @dataclass(frozen=True)
+class PatchEmbedIR:
+    name: str
+    in_channels: Size
+    temporal_patch: Size
+    patch: Size
+    dim: Size
+
+
+@dataclass(frozen=True)
+class PosEmbedIR:
+    name: str
+    positions: Size
+    dim: Size
+
+
+@dataclass(frozen=True)
+class VisionAttentionIR:
+    kind: str
+    name: str
+    hidden: Size
+    heads: Size
+    head_dim: Ratio
+    theta: Value
+
+
+@dataclass(frozen=True)
+class VisionMLPIR:
+    kind: str
+    name: str
+    hidden: Size
+    intermediate: Size
+    activation: str               # gelu_tanh | gelu
+
+    @property
+    def approximate(self) -> str:
+        return "tanh" if self.activation == "gelu_tanh" else "none"
+
+
+@dataclass(frozen=True)
+class PatchMergerIR:
+    name: str
+    dim: Size
+    out: Size
+    merged: Size                  # dim * merge * merge
+    norm: str                     # before_merge | after_merge
+    eps: Value
+
+
+@dataclass(frozen=True)
+class VisionStepIR:
+    norm: str
+    block: str
+    takes_rotary: bool            # attention gets (x, cu_seqlens, rotary); the MLP (x)
+
+
+@dataclass(frozen=True)
+class VisionIR:
+    prefix: str                   # e.g. model.visual
+    class_name: str
+    block_class: str
+    merge: Size
+    patch_embed: PatchEmbedIR
+    pos_embed: PosEmbedIR
+    attention: VisionAttentionIR  # the blocks' attention: its head_dim and theta make the shared rotary
+    count: Size
+    blocks: Tuple[Any, ...]       # NormIR | VisionAttentionIR | VisionMLPIR
+    steps: Tuple[VisionStepIR, ...]
+    merger: PatchMergerIR
+    deepstack_taps: Optional[Value]        # int_tuple symbol or literal tuple
+    deepstack_count: Optional[Size]        # number of deepstack mergers (= levels)
+    deepstack_merger: Optional[PatchMergerIR]
+    weights: Tuple["WeightIR", ...] = ()
+
+    @property
+    def attr(self) -> str:
+        return self.prefix.rsplit(".", 1)[-1]
+
+    @property
+    def tp_flags(self) -> Tuple[Tuple[str, Size], ...]:
+        seen: dict = {}
+        for w in self.weights:
+            if w.param.tp_if and w.param.tp_if[0] not in seen:
+                seen[w.param.tp_if[0]] = w.param.tp_if[1]
+        return tuple(seen.items())
+
+
+@dataclass(frozen=True)
 class ModelIR:
     name: str
     spec_path: str                # relative to the repository (or cwd)
@@ -276,10 +390,35 @@ class ModelIR:
     runner: RunnerIR
     tp_sizes: Tuple[int, ...]
     variants: Tuple[VariantIR, ...]
+    decoder_prefix: str = "model"
+    deepstack_levels: Optional[Size] = None    # deepstack after layers 0..levels-1 (a loop bound)
+    vision: Optional[VisionIR] = None
 
     @property
     def model_class(self) -> str:
-        return f"{self.class_prefix}ForCausalLM"
+        return f"{self.class_prefix}ForConditionalGeneration" if self.vision else f"{self.class_prefix}ForCausalLM"
+
+    @property
+    def text_model_class(self) -> str:
+        return f"{self.class_prefix}Model" if self.decoder_prefix == "model" else f"{self.class_prefix}TextModel"
+
+    @property
+    def decoder_attr(self) -> str:
+        """The decoder's attribute in the container `model` ('' when the decoder is `model` itself)."""
+        return "" if self.decoder_prefix == "model" else self.decoder_prefix.split(".", 1)[1]
+
+    @property
+    def decoder_path(self) -> str:
+        """The decoder module as an expression on the top-level model (self.model, self.model.language_model)."""
+        return "self." + self.decoder_prefix
+
+    @property
+    def derived_config(self) -> Tuple[ConfigFieldIR, ...]:
+        return tuple(f for f in self.config if f.length_of)
+
+    @property
+    def read_config(self) -> Tuple[ConfigFieldIR, ...]:
+        return tuple(f for f in self.config if not f.length_of)
 
     @property
     def weights_before_layers(self) -> Tuple[WeightIR, ...]:

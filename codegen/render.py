@@ -88,7 +88,7 @@ def render(ir: ModelIR, tree: SpecTree) -> Dict[str, str]:
     context = {
         "ir": ir,
         "banner": banner(ir, source_hash(tree)),
-        "from_hf": {f.name: from_hf_expr(f) for f in ir.config},
+        "from_hf": {f.name: from_hf_expr(f) for f in ir.read_config},
     }
     out = {}
     for name, template in OUTPUTS.items():

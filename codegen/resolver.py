@@ -8,6 +8,7 @@ mRoPE sections, deepstack layers); divisibility for every declared tensor-parall
 """
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -16,11 +17,12 @@ from xllm_gen.runtime.sharding import Segment, check_segment, heads_per_rank, pa
 
 from .errors import SpecError, did_you_mean
 from .ir import (AttentionIR, ConfigFieldIR, EmbeddingIR, GatedMLPIR, LayerIR, LinearIR, LMHeadIR, ModelIR,
-                 NormIR, ParamIR, RankTableIR, RotaryIR, RunnerIR, SegmentIR, Size, StepIR, Value, VariantIR,
+                 NormIR, ParamIR, PatchEmbedIR, PatchMergerIR, PosEmbedIR, RankTableIR, Ratio, RotaryIR, RunnerIR,
+                 SegmentIR, Size, StepIR, Value, VariantIR, VisionAttentionIR, VisionIR, VisionMLPIR, VisionStepIR,
                  WeightIR)
 from .loader import LoadedSpec
 from .schema import (AttentionBlock, FusedLinearBlock, GatedMLPBlock, LayerNormBlock, LinearBlock,
-                     RMSNormBlock, Spec)
+                     RMSNormBlock, Spec, VisionAttentionBlock, VisionMLPBlock)
 from .yaml_loader import display_path
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -114,32 +116,86 @@ class _Resolver:
         norm = self.resolve_norm(("decoder", "norm"), "norm", d.norm)
         lm_head = self.resolve_lm_head(embed)
         self.check_widths(embed, layer, norm)
-        deepstack = tuple(d.deepstack.after_layers) if d.deepstack else ()
+        self.prefix = self.resolve_prefix()
+        deepstack, levels = (), None
         if d.deepstack:
-            dp = ("decoder", "deepstack", "after_layers")
-            if not deepstack:
-                raise self.err(dp, "decoder.deepstack.after_layers: list at least one layer index")
-            if list(deepstack) != sorted(set(deepstack)) or deepstack[0] < 0:
-                raise self.err(dp, "decoder.deepstack.after_layers: layer indices must be >= 0, sorted and unique")
+            dsp = ("decoder", "deepstack")
+            if (d.deepstack.after_layers is None) == (d.deepstack.levels is None):
+                raise self.err(dsp, "decoder.deepstack: give one of `after_layers: [0, 1, ...]` or `levels: <n or "
+                                    "config symbol>` (after layers 0..n-1)", at_key=True)
+            if d.deepstack.levels is not None:
+                levels = self.dim(dsp + ("levels",), d.deepstack.levels)
+            else:
+                deepstack = tuple(d.deepstack.after_layers)
+                dp = dsp + ("after_layers",)
+                if not deepstack:
+                    raise self.err(dp, "decoder.deepstack.after_layers: list at least one layer index")
+                if list(deepstack) != sorted(set(deepstack)) or deepstack[0] < 0:
+                    raise self.err(dp, "decoder.deepstack.after_layers: layer indices must be >= 0, sorted and unique")
+        vision = self.resolve_vision(levels) if s.vision else None
 
         params = self.collect_params(embed, layer, norm, lm_head)
         weights = self.resolve_weights(params)
+        if vision:
+            vparams = self.vision_params(vision)
+            vision = dataclasses.replace(vision, weights=self.resolve_weights(vparams, ("vision", "weights")))
+            params = params + vparams
         ignored = self.resolve_ignored()
-        runner = self.resolve_runner(layer)
+        runner = self.resolve_runner(layer, vision, levels)
         tp_sizes = self.resolve_tp()
-        variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack)
+        variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack, levels, vision, embed)
                          for name in s.variants)
         return ModelIR(
             name=s.name, spec_path=display_path(self.tree.files[0]),
             spec_files=tuple(display_path(f) for f in self.tree.files), description=s.description.strip(),
             class_prefix=s.class_prefix, architectures=tuple(s.architectures), config=tuple(self.config.values()),
             embed=embed, layer=layer, norm=norm, lm_head=lm_head, deepstack_after=deepstack, params=params,
-            weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants)
+            weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
+            decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision)
+
+    # ---- module paths -----------------------------------------------------------------------------
+    def resolve_prefix(self) -> str:
+        """The decoder's module path: `model`, or `model.<name>` beside a vision tower `model.<other>`."""
+        s = self.spec
+        pp = ("decoder", "prefix")
+        prefix = s.decoder.prefix
+        parts = prefix.split(".")
+        if parts[0] != "model" or len(parts) > 2 or any(not _IDENT.match(p) or keyword.iskeyword(p) for p in parts):
+            raise self.err(pp, f"decoder.prefix: '{prefix}' is not `model` or `model.<name>`")
+        if s.vision:
+            vp = ("vision", "prefix")
+            vparts = s.vision.prefix.split(".")
+            if len(parts) != 2:
+                raise self.err(pp, "decoder.prefix: with a vision tower the decoder lives beside it in the container "
+                                   "`model`: write `model.<name>` (e.g. model.language_model)")
+            if vparts[0] != "model" or len(vparts) != 2 or not _IDENT.match(vparts[1]) or keyword.iskeyword(vparts[1]):
+                raise self.err(vp, f"vision.prefix: '{s.vision.prefix}' is not `model.<name>`")
+            if vparts[1] == parts[1]:
+                raise self.err(vp, f"vision.prefix: '{s.vision.prefix}' is also the decoder's prefix")
+        return prefix
+
+    def rename(self, name: str) -> str:
+        """A decoder tensor written `model.<rest>` in `weights` is `<decoder.prefix>.<rest>`."""
+        if self.prefix != "model" and name.startswith("model."):
+            return self.prefix + name[len("model"):]
+        return name
 
     def resolve_config(self) -> None:
         for name, f in self.spec.config.items():
             path = ("config", name)
             self.ident(path, name, "config symbol", at_key=True)
+            if f.length_of is not None:
+                if f.from_ is not None:
+                    raise self.err(path + ("length_of",), f"config.{name}: give `from` (config.json paths) or "
+                                                          f"`length_of` (a derived symbol), not both")
+                if f.type != "int" or f.default is not None:
+                    raise self.err(path + ("length_of",), f"config.{name}.length_of: a derived length is "
+                                                          f"`type: int` without a default")
+                self.config[name] = ConfigFieldIR(name, "int", (), None, False, f.doc.strip(), f.length_of)
+                continue
+            if f.from_ is None:
+                raise self.err(path, f"config.{name}: missing required key 'from' (or `length_of` for a derived "
+                                     f"symbol)", at_key=True)
             paths = (f.from_,) if isinstance(f.from_, str) else tuple(f.from_)
             if not paths or any(not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", p)
                                 for p in paths):
@@ -154,6 +210,14 @@ class _Resolver:
                 default = tuple(default)
             self.config[name] = ConfigFieldIR(name, f.type, paths, default if has_default else None, has_default,
                                               f.doc.strip())
+        for name, f in self.config.items():
+            if f.length_of:
+                src = ("config", name, "length_of")
+                if f.length_of == name:
+                    raise self.err(src, f"config.{name}.length_of: a symbol cannot be its own length")
+                ref = self.symbol(src, f.length_of, ("int_tuple",))
+                if ref.length_of:  # pragma: no cover - an int symbol is never int_tuple
+                    raise self.err(src, f"config.{name}.length_of: '{f.length_of}' is itself derived")
 
     def resolve_norm(self, path, name, b) -> NormIR:
         if isinstance(b, RMSNormBlock):
@@ -263,6 +327,161 @@ class _Resolver:
                               b.activation, g, tuple(segs), b.gate_up.bias, dn, b.down.bias)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
+    # ---- vision tower -----------------------------------------------------------------------------
+    def resolve_vision(self, levels: Optional[Size]) -> VisionIR:
+        v = self.spec.vision
+        base = ("vision",)
+        prefix = self.spec.class_prefix
+        merge = self.dim(base + ("merge",), v.merge)
+        pe = v.patch_embed
+        pp = base + ("patch_embed",)
+        patch = PatchEmbedIR("patch_embed", self.dim(pp + ("in_channels",), pe.in_channels),
+                             self.dim(pp + ("temporal_patch",), pe.temporal_patch), self.dim(pp + ("patch",), pe.patch),
+                             self.dim(pp + ("dim",), pe.dim))
+        pos = PosEmbedIR("pos_embed", self.dim(base + ("pos_embed", "positions"), v.pos_embed.positions),
+                         self.dim(base + ("pos_embed", "dim"), v.pos_embed.dim))
+        width = patch.dim
+        if pos.dim != width:
+            raise self.err(base + ("pos_embed", "dim"), f"vision.pos_embed.dim: is {pos.dim}, but the patch embedding "
+                                                        f"has width {width} (vision.patch_embed.dim)")
+        lp = base + ("blocks",)
+        count = self.dim(lp + ("count",), v.blocks.count)
+        blocks: Dict[str, Any] = {}
+        attn = None
+        for name, b in v.blocks.blocks.items():
+            bp = lp + ("blocks", name)
+            self.ident(bp, name, "block name", at_key=True)
+            if isinstance(b, VisionAttentionBlock):
+                if attn is not None:
+                    raise self.err(bp, f"vision.blocks.blocks.{name}: a vision block has one vision_attention "
+                                       f"(its 2-D rotary is shared by the tower); '{attn.name}' is the other",
+                                   at_key=True)
+                hidden, heads = self.dim(bp + ("hidden",), b.hidden), self.dim(bp + ("heads",), b.heads)
+                attn = blocks[name] = VisionAttentionIR("vision_attention", name, hidden, heads, Ratio(hidden, heads),
+                                                        self.num(bp + ("rotary", "theta"), b.rotary.theta))
+            elif isinstance(b, VisionMLPBlock):
+                blocks[name] = VisionMLPIR("vision_mlp", name, self.dim(bp + ("hidden",), b.hidden),
+                                           self.dim(bp + ("intermediate",), b.intermediate), b.activation)
+            else:
+                blocks[name] = self.resolve_norm(bp, name, b)
+            dims = [(bp + ("dim",), blocks[name].dim)] if isinstance(blocks[name], NormIR) else \
+                [(bp + ("hidden",), blocks[name].hidden)]
+            for path, size in dims:
+                if size != width:
+                    raise self.err(path, f"{self._where(path)}: is {size}, but the vision tower's width is {width} "
+                                         f"(vision.patch_embed.dim)")
+        if attn is None:
+            raise self.err(lp + ("blocks",), "vision.blocks.blocks: a vision block needs a vision_attention block",
+                           at_key=True)
+        steps, used = [], {}
+        for i, st in enumerate(v.blocks.dataflow):
+            sp = lp + ("dataflow", i)
+            for role, ref, kinds in (("norm", st.norm, ("layernorm", "rmsnorm")),
+                                     ("block", st.block, ("vision_attention", "vision_mlp"))):
+                if ref not in blocks:
+                    raise self.err(sp + (role,), f"vision.blocks.dataflow[{i}].{role}: no block '{ref}' in "
+                                                 f"vision.blocks.blocks{did_you_mean(ref, blocks)}")
+                if blocks[ref].kind not in kinds:
+                    raise self.err(sp + (role,), f"vision.blocks.dataflow[{i}].{role}: block '{ref}' is "
+                                                 f"{blocks[ref].kind}, expected {' or '.join(kinds)}")
+                if ref in used:
+                    raise self.err(sp + (role,), f"vision.blocks.dataflow[{i}].{role}: block '{ref}' is already "
+                                                 f"used by dataflow[{used[ref]}]; each block is used once")
+                used[ref] = i
+            steps.append(VisionStepIR(st.norm, st.block, isinstance(blocks[st.block], VisionAttentionIR)))
+        if not steps:
+            raise self.err(lp + ("dataflow",), "vision.blocks.dataflow: list at least one residual step")
+        for name in blocks:
+            if name not in used:
+                raise self.err(lp + ("blocks", name), f"vision.blocks.blocks.{name}: block is never used by "
+                                                      f"vision.blocks.dataflow", at_key=True)
+
+        def merger(path, name, m) -> PatchMergerIR:
+            d = self.dim(path + ("dim",), m.dim)
+            if d != width:
+                raise self.err(path + ("dim",), f"{self._where(path)}.dim: is {d}, but the vision tower's width is "
+                                                f"{width} (vision.patch_embed.dim)")
+            return PatchMergerIR(name, d, self.dim(path + ("out",), m.out), d * merge * merge, m.norm,
+                                 self.num(path + ("eps",), m.eps))
+
+        main = merger(base + ("merger",), "merger", v.merger)
+        taps = count_ds = ds_merger = None
+        if v.deepstack:
+            dp = base + ("deepstack",)
+            if isinstance(v.deepstack.taps, str):
+                self.symbol(dp + ("taps",), v.deepstack.taps, ("int_tuple",))
+                taps = Value(symbol=v.deepstack.taps)
+                derived = [f.name for f in self.config.values() if f.length_of == v.deepstack.taps]
+                count_ds = Size.of(derived[0]) if derived else None
+            else:
+                taps = Value(literal=tuple(v.deepstack.taps))
+                count_ds = Size.of(len(v.deepstack.taps)) if v.deepstack.taps else None
+            if count_ds is None:
+                raise self.err(dp + ("taps",), f"vision.deepstack.taps: declare the number of levels as a derived "
+                                               f"symbol, e.g. `deepstack_levels: {{type: int, length_of: "
+                                               f"{v.deepstack.taps}}}`, so the mergers and the decoder can use it")
+            ds_merger = merger(dp + ("merger",), "deepstack_merger_list", v.deepstack.merger)
+            if levels is None:
+                raise self.err(dp, "vision.deepstack: the decoder has no `decoder.deepstack` to inject the levels "
+                                   "into", at_key=True)
+            if levels != count_ds:
+                raise self.err(("decoder", "deepstack", "levels"),
+                               f"decoder.deepstack.levels: is {levels}, but vision.deepstack has {count_ds} levels "
+                               f"(one per tap of {taps})")
+        elif levels is not None:
+            raise self.err(("decoder", "deepstack"), "decoder.deepstack: the vision tower has no `vision.deepstack` "
+                                                     "mergers that produce the levels", at_key=True)
+        return VisionIR(v.prefix, f"{prefix}VisionModel", f"{prefix}VisionBlock", merge, patch, pos, attn, count,
+                        tuple(blocks.values()), tuple(steps), main, taps, count_ds, ds_merger)
+
+    def vision_params(self, v: VisionIR) -> Tuple[ParamIR, ...]:
+        p, one = v.prefix, Size.of(1)
+        out: List[ParamIR] = []
+
+        def P(name, block, shape, shard="replicated", segments=(), repeat=None, tp_if=None):
+            out.append(ParamIR(f"{p}.{name}", block, tuple(shape), shard, tuple(segments), repeat=repeat, tp_if=tp_if))
+
+        pe = v.patch_embed
+        P("patch_embed.proj.weight", "vision.patch_embed", (pe.dim, pe.in_channels, pe.temporal_patch, pe.patch, pe.patch))
+        P("patch_embed.proj.bias", "vision.patch_embed", (pe.dim,))
+        P("pos_embed.weight", "vision.pos_embed", (v.pos_embed.positions, v.pos_embed.dim))
+        for b in v.blocks:
+            blk = f"vision.blocks.blocks.{b.name}"
+            pre = f"blocks.{{i}}.{b.name}"
+            if isinstance(b, NormIR):
+                P(f"{pre}.weight", blk, (b.dim,), repeat=v.count)
+                if b.bias:
+                    P(f"{pre}.bias", blk, (b.dim,), repeat=v.count)
+            elif isinstance(b, VisionAttentionIR):
+                flag = (f"{b.name}_tp", b.heads)
+                segs = [SegmentIR(n, b.heads, b.head_dim) for n in ("q", "k", "v")]
+                three = Size.of(3) * b.hidden
+                P(f"{pre}.qkv.weight", blk, (three, b.hidden), "colwise", segs, v.count, flag)
+                P(f"{pre}.qkv.bias", blk, (three,), "colwise", segs, v.count, flag)
+                P(f"{pre}.proj.weight", blk, (b.hidden, b.hidden), "rowwise", [SegmentIR("proj", b.heads, b.head_dim)],
+                  v.count, flag)
+                P(f"{pre}.proj.bias", blk, (b.hidden,), repeat=v.count)
+            else:
+                flag = (f"{b.name}_tp", b.intermediate)
+                seg = [SegmentIR("linear_fc1", b.intermediate, one)]
+                P(f"{pre}.linear_fc1.weight", blk, (b.intermediate, b.hidden), "colwise", seg, v.count, flag)
+                P(f"{pre}.linear_fc1.bias", blk, (b.intermediate,), "colwise", seg, v.count, flag)
+                P(f"{pre}.linear_fc2.weight", blk, (b.hidden, b.intermediate), "rowwise", seg, v.count, flag)
+                P(f"{pre}.linear_fc2.bias", blk, (b.hidden,), repeat=v.count)
+        for m, block, repeat in ((v.merger, "vision.merger", None),
+                                 (v.deepstack_merger, "vision.deepstack.merger", v.deepstack_count)):
+            if m is None:
+                continue
+            pre = m.name + (".{i}" if repeat else "")
+            nd = m.dim if m.norm == "before_merge" else m.merged
+            P(f"{pre}.norm.weight", block, (nd,), repeat=repeat)
+            P(f"{pre}.norm.bias", block, (nd,), repeat=repeat)
+            P(f"{pre}.linear_fc1.weight", block, (m.merged, m.merged), repeat=repeat)
+            P(f"{pre}.linear_fc1.bias", block, (m.merged,), repeat=repeat)
+            P(f"{pre}.linear_fc2.weight", block, (m.out, m.merged), repeat=repeat)
+            P(f"{pre}.linear_fc2.bias", block, (m.out,), repeat=repeat)
+        return tuple(out)
+
     def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: NormIR) -> None:
         """Everything on the residual stream has the embedding's width."""
         checks = [(("decoder", "norm", "dim"), "decoder.norm.dim", norm.dim)]
@@ -290,11 +509,12 @@ class _Resolver:
     # ---- parameters and weights -------------------------------------------------------------------
     def collect_params(self, embed, layer, norm, lm_head) -> Tuple[ParamIR, ...]:
         out: List[ParamIR] = []
-        out.append(ParamIR("model.embed_tokens.weight", "decoder.embed_tokens", (embed.vocab, embed.dim), "vocab",
+        pre = self.prefix
+        out.append(ParamIR(f"{pre}.embed_tokens.weight", "decoder.embed_tokens", (embed.vocab, embed.dim), "vocab",
                            vocab=embed.vocab))
         for b in layer.blocks:
-            out += self.block_params(f"model.layers.{{i}}.{b.name}", f"decoder.layers.blocks.{b.name}", b, True)
-        out += self.block_params("model.norm", "decoder.norm", norm, False)
+            out += self.block_params(f"{pre}.layers.{{i}}.{b.name}", f"decoder.layers.blocks.{b.name}", b, True)
+        out += self.block_params(f"{pre}.norm", "decoder.norm", norm, False)
         if lm_head.tie.literal is not True:
             out.append(ParamIR("lm_head.weight", "lm_head", (lm_head.vocab, lm_head.dim), "vocab", vocab=lm_head.vocab,
                                only_if_untied=lm_head.tie.symbol))
@@ -352,50 +572,63 @@ class _Resolver:
             return ps
         raise AssertionError(type(b))  # pragma: no cover
 
-    def resolve_weights(self, params: Tuple[ParamIR, ...]) -> Tuple[WeightIR, ...]:
+    def resolve_weights(self, params: Tuple[ParamIR, ...], section: Tuple[str, ...] = ("weights",)) -> Tuple[WeightIR, ...]:
         by_name = {p.name: p for p in params}
-        entries = self.spec.weights
-        for key in entries:
-            if key not in by_name:
-                hint = did_you_mean(key, by_name)
-                if not hint and "{i}" not in key and re.search(r"\.layers\.\d+\.", key):
+        top = section == ("weights",)
+        raw = self.spec.weights if top else self.spec.vision.weights
+        rename = self.rename if top else (lambda n: n)
+        where_s = ".".join(section)
+        entries, keys = {}, {}
+        for key, e in raw.items():
+            name = rename(key)
+            entries[name], keys[name] = e, key
+            if name not in by_name:
+                shown = {(n if not top or self.prefix == "model" or not n.startswith(self.prefix + ".")
+                          else "model" + n[len(self.prefix):]): n for n in by_name}
+                hint = did_you_mean(key, shown)
+                if not hint and "{i}" not in key and re.search(r"\.(layers|blocks|deepstack_merger_list)\.\d+\.", key):
                     hint = " (write the layer index as {i})"
-                raise self.err(("weights", key), f"weights: '{key}' is not a parameter of the model{hint}",
+                moved = f" (decoder tensors are written `model.*`, meaning `{self.prefix}.*`)" \
+                    if top and self.prefix != "model" and not hint else ""
+                raise self.err(section + (key,), f"{where_s}: '{key}' is not a parameter of the model{hint}{moved}",
                                at_key=True)
         out = []
         for p in params:
             if p.name not in entries:
+                shown = p.name if not top or self.prefix == "model" or not p.name.startswith(self.prefix + ".") \
+                    else "model" + p.name[len(self.prefix):]
                 raise self.err(tuple(p.block.split(".")),
-                               f"{p.block}: parameter '{p.name}' has no entry in `weights` (add "
-                               f"'{p.name}: {{from: <checkpoint tensor>, shard: {p.shard}}}')", at_key=True)
+                               f"{p.block}: parameter '{shown}' has no entry in `{where_s}` (add "
+                               f"'{shown}: {{from: <checkpoint tensor>, shard: {p.shard}}}')", at_key=True)
             e = entries[p.name]
-            path = ("weights", p.name)
+            path = section + (keys[p.name],)
             if e.shard != p.shard:
-                raise self.err(path + ("shard",), f"weights['{p.name}'].shard: '{e.shard}' does not fit the "
+                raise self.err(path + ("shard",), f"{where_s}['{keys[p.name]}'].shard: '{e.shard}' does not fit the "
                                                   f"parameter (its layer is {_SHARD_WORDS[p.shard]}): expected '{p.shard}'")
             if e.from_ is None:
                 sources = (p.name,)
             elif isinstance(e.from_, str):
-                sources = (e.from_,)
+                sources = (rename(e.from_),)
             else:
                 names = [s.name for s in p.segments]
                 if len(p.segments) < 2:
-                    raise self.err(path + ("from",), f"weights['{p.name}'].from: a mapping of segments stacks a fused "
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: a mapping of segments stacks a fused "
                                                      f"parameter; this one has no segments, give one tensor name")
                 if list(e.from_) != names:
                     bad = next((k for k in e.from_ if k not in names), None)
                     where = path + ("from", bad) if bad else path + ("from",)
                     hint = did_you_mean(bad, names) if bad else ""
-                    raise self.err(where, f"weights['{p.name}'].from: segments must be {names} in this order, got "
+                    raise self.err(where, f"{where_s}['{keys[p.name]}'].from: segments must be {names} in this order, got "
                                           f"{list(e.from_)}{hint}", at_key=bool(bad))
-                sources = tuple(e.from_.values())
+                sources = tuple(rename(v) for v in e.from_.values())
+            looped = p.per_layer or p.repeat is not None
             for i, src in enumerate(sources):
-                if p.per_layer and "{i}" not in src:
-                    raise self.err(path + ("from",), f"weights['{p.name}'].from: '{src}' is a per-layer tensor; "
+                if looped and "{i}" not in src:
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}' is a per-layer tensor; "
                                                      f"name it with {{i}} for the layer index")
                 if re.sub(r"\{i\}", "", src).count("{") or re.sub(r"\{i\}", "", src).count("}") or \
-                        (not p.per_layer and "{i}" in src):
-                    raise self.err(path + ("from",), f"weights['{p.name}'].from: '{src}': only per-layer tensors "
+                        (not looped and "{i}" in src):
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': only per-layer tensors "
                                                      f"may use {{i}}, and no other placeholder exists")
             out.append(WeightIR(p, sources))
         return tuple(out)
@@ -408,7 +641,7 @@ class _Resolver:
                 raise self.err(("ignore_checkpoint_tensors", i), f"ignore_checkpoint_tensors[{i}]: bad regex: {e}")
         return tuple(self.spec.ignore_checkpoint_tensors)
 
-    def resolve_runner(self, layer: LayerIR) -> RunnerIR:
+    def resolve_runner(self, layer: LayerIR, vision: Optional[VisionIR], levels: Optional[Size]) -> RunnerIR:
         r = self.spec.runner
         if r.max_batch < 1:
             raise self.err(("runner", "max_batch"), f"runner.max_batch: must be >= 1, got {r.max_batch}")
@@ -429,7 +662,23 @@ class _Resolver:
                     raise self.err(bp + (i,), f"runner.graph_buckets[{i}]: bucket {b} exceeds runner.max_batch "
                                               f"{r.max_batch}")
         mrope = any(isinstance(b, AttentionIR) and b.rotary.kind.startswith("mrope") for b in layer.blocks)
-        return RunnerIR(r.max_batch, buckets, r.prefill_mode, "mrope" if mrope else "rope")
+        kind = "mrope" if mrope else "rope"
+        if r.position_kind is not None and r.position_kind != kind:
+            raise self.err(("runner", "position_kind"), f"runner.position_kind: '{r.position_kind}' does not fit the "
+                                                        f"decoder's rotary: its positions are '{kind}'")
+        multimodal = vision is not None if r.multimodal is None else r.multimodal
+        if multimodal != (vision is not None):
+            raise self.err(("runner", "multimodal"), "runner.multimodal: true needs a `vision` tower" if multimodal
+                           else "runner.multimodal: false, but the spec has a `vision` tower")
+        field = None
+        if multimodal and levels is not None:
+            sym = levels.terms[0][0]
+            if not isinstance(sym, str):
+                raise self.err(("decoder", "deepstack", "levels"),
+                               "decoder.deepstack.levels: a multimodal runner reads the number of levels from "
+                               "Config: name a config symbol, e.g. `levels: deepstack_levels`")
+            field = sym
+        return RunnerIR(r.max_batch, buckets, r.prefill_mode, kind, multimodal, field)
 
     def resolve_tp(self) -> Tuple[int, ...]:
         sizes = self.spec.tensor_parallel.sizes
@@ -442,7 +691,8 @@ class _Resolver:
         return tuple(sizes)
 
     # ---- variants ---------------------------------------------------------------------------------
-    def resolve_variant(self, name, layer, lm_head, params, tp_sizes, deepstack) -> VariantIR:
+    def resolve_variant(self, name, layer, lm_head, params, tp_sizes, deepstack, levels=None, vision=None,
+                        embed=None) -> VariantIR:
         vp = ("variants", name)
         given = self.spec.variants[name]
         for key, value in given.items():
@@ -451,16 +701,28 @@ class _Resolver:
                                             f"{did_you_mean(key, self.config)}", at_key=True)
             if not _type_ok(self.config[key].type, value):
                 raise self.err(vp + (key,), f"variants.{name}.{key}: {value!r} is not {self.config[key].type}")
+            if self.config[key].length_of:
+                raise self.err(vp + (key,), f"variants.{name}.{key}: '{key}' is derived (the length of "
+                                            f"'{self.config[key].length_of}'): set that instead", at_key=True)
         values: Dict[str, Any] = {}
         for sym, f in self.config.items():
+            if f.length_of:
+                continue
             if sym in given:
                 values[sym] = given[sym]
             elif f.has_default:
                 values[sym] = f.default
             else:
                 raise self.err(vp, f"variants.{name}: no value for '{sym}' (it has no default)", at_key=True)
+        for sym, f in self.config.items():
+            if f.length_of:
+                values[sym] = len(values[f.length_of])
+        values = {sym: values[sym] for sym in self.config}
 
         def at(sym: Optional[str]):
+            f = self.config.get(sym) if sym else None
+            if f is not None and f.length_of:
+                sym = f.length_of
             return vp + (sym,) if sym in given else vp
 
         def check_ints(size: Size):
@@ -471,7 +733,8 @@ class _Resolver:
 
         for p in params:
             for s in p.shape:
-                check_ints(s)
+                if isinstance(s, Size):
+                    check_ints(s)
         layers = layer.count.eval(values)
         check_ints(layer.count)
         for b in layer.blocks:
@@ -492,6 +755,16 @@ class _Resolver:
             raise self.err(("decoder", "deepstack", "after_layers"),
                            f"decoder.deepstack.after_layers: layer {deepstack[-1]} does not exist in variant "
                            f"{name} ({layers} layers)")
+        if levels is not None:
+            n = levels.eval(values)
+            sym = levels.terms[0][0] if isinstance(levels.terms[0][0], str) else None
+            where = at(sym) if sym and at(sym) != vp else ("decoder", "deepstack", "levels")
+            if n < 1 or n > layers:
+                raise self.err(where, f"variants.{name}: decoder.deepstack.levels is {n}, but deepstack levels are "
+                                      f"injected after decoder layers 0..levels-1 and there are {layers} layers"
+                               if n > layers else f"variants.{name}: decoder.deepstack.levels must be >= 1, got {n}")
+        if vision is not None:
+            self.check_vision_variant(name, values, vision, embed, at, vp)
         tied = bool(lm_head.tie.eval(values))
         ranks = []
         for i, tp in enumerate((1,) + tuple(t for t in tp_sizes if t != 1)):
@@ -499,13 +772,46 @@ class _Resolver:
             ranks.append(self.rank_table(name, values, layer, params, tied, tp, where))
         return VariantIR(name, tuple(values.items()), tied, layers, tuple(ranks))
 
+    def check_vision_variant(self, name, values, v: VisionIR, embed, at, vp) -> None:
+        a = v.attention
+        hidden, heads = a.hidden.eval(values), a.heads.eval(values)
+        sym = a.heads.terms[0][0] if isinstance(a.heads.terms[0][0], str) else None
+        if hidden % heads or (hidden // heads) % 4:
+            raise self.err(at(sym), f"variants.{name}: vision {a.name}.hidden ({hidden}) must be a multiple of "
+                                    f"4 * {a.name}.heads ({heads}): head_dim = hidden / heads, split in 2-D rotary halves")
+        side = int(round(v.pos_embed.positions.eval(values) ** 0.5))
+        if side * side != v.pos_embed.positions.eval(values):
+            f = v.pos_embed.positions.terms[0][0]
+            raise self.err(at(f if isinstance(f, str) else None),
+                           f"variants.{name}: vision.pos_embed.positions ({v.pos_embed.positions.eval(values)}) "
+                           f"must be a square (side x side table)")
+        text = embed.dim.eval(values)
+        for m, path in ((v.merger, ("vision", "merger", "out")), (v.deepstack_merger, ("vision", "deepstack", "merger", "out"))):
+            if m is not None and m.out.eval(values) != text:
+                f = m.out.terms[0][0]
+                raise self.err(at(f if isinstance(f, str) else None) if isinstance(f, str) and at(f) != vp else path,
+                               f"variants.{name}: {'.'.join(path)} is {m.out.eval(values)}, but the text width "
+                               f"(decoder.embed_tokens.dim) is {text}")
+        if v.deepstack_taps is not None:
+            taps = list(v.deepstack_taps.eval(values))
+            depth = v.count.eval(values)
+            where = at(v.deepstack_taps.symbol) if v.deepstack_taps.symbol else ("vision", "deepstack", "taps")
+            if where == vp:
+                where = ("vision", "deepstack", "taps")
+            bad = [t for t in taps if not 0 <= t < depth]
+            if bad or len(set(taps)) != len(taps):
+                raise self.err(where, f"variants.{name}: vision.deepstack.taps {taps} must be unique vision block "
+                                      f"indices in 0..{depth - 1} ({depth} blocks)")
+
     def rank_table(self, vname, values, layer, params, tied, tp, where) -> RankTableIR:
         rows, layer_numel, total = [], 0, 0
         for p in params:
             if p.only_if_untied and tied:
                 continue
             shape = [s.eval(values) for s in p.shape]
-            if p.shard in ("colwise", "rowwise"):
+            if p.tp_if is not None and not (tp > 1 and p.tp_if[1].eval(values) % tp == 0):
+                pass                               # replicated at this TP size (runtime vision layers alike)
+            elif p.shard in ("colwise", "rowwise"):
                 dim = 0 if p.shard == "colwise" else 1
                 n = 0
                 for s in p.segments:
@@ -523,6 +829,8 @@ class _Resolver:
             rows.append((p.name, tuple(shape), numel))
             if p.per_layer:
                 layer_numel += numel
+            elif p.repeat is not None:
+                total += numel * p.repeat.eval(values)
             else:
                 total += numel
         layers = layer.count.eval(values)

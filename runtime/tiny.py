@@ -96,14 +96,21 @@ def build_tokenizer(bpe_vocab_size: int = 500):
 
 # ------------------------------------------------------------------------------------------ weight init
 def _widen_init(
-    model, seed: int, *, embed_std: float = 1.0, gain: float = 1.0, head_gain: float = 3.0, out_gain: float = 1.0
+    model,
+    seed: int,
+    *,
+    embed_std: float = 1.0,
+    gain: float = 1.0,
+    head_gain: float = 3.0,
+    out_gain: float = 1.0,
 ) -> None:
     """Re-initialize every parameter from one seeded generator, much wider than HF's 0.02 default:
 
     - embeddings N(0, embed_std); linear / conv weights N(0, gain/sqrt(fan_in)); lm_head head_gain; the
-      projections that write into the text residual stream (o_proj, down_proj) out_gain, so that each layer's
-      output outweighs the token embedding (with a tied head a weak residual branch makes greedy decoding
-      repeat the input token forever);
+      projections that add into the text residual stream (o_proj, down_proj, and the deepstack mergers'
+      linear_fc2, whose output is added after decoder layers) out_gain, so that each layer's output
+      outweighs the token embedding (with a tied head a weak residual branch makes greedy decoding repeat
+      the input token forever) and zeroing the deepstack features visibly changes the output;
     - biases N(0, 0.1); norm weights U(0.5, 1.5) (so a missing or misplaced norm changes the output).
     Parameters are visited in name order so the result depends only on the seed and the shapes."""
     import torch
@@ -123,7 +130,9 @@ def _widen_init(
                 g = gain
                 if name.startswith("lm_head"):
                     g = head_gain
-                elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                elif name.endswith(("o_proj.weight", "down_proj.weight")) or (
+                    "deepstack_merger_list" in name and name.endswith("linear_fc2.weight")
+                ):
                     g = out_gain
                 p.copy_(torch.randn(p.shape, generator=gen) * (g / math.sqrt(fan_in)))
             else:
@@ -257,7 +266,7 @@ def make_tiny_qwen3_vl(
     mrope_section: tuple[int, int, int] = (4, 2, 2),
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 1024,
-    rope_theta: float = 10000.0,
+    rope_theta: float = 100.0,
     vision_depth: int = 3,
     vision_hidden_size: int = 32,
     vision_num_heads: int = 2,
@@ -279,6 +288,8 @@ def make_tiny_qwen3_vl(
     the Qwen-VL special tokens, Qwen3VLProcessor + its image processor + Qwen3VLVideoProcessor) and return
     its path. AutoProcessor.from_pretrained(path) loads it offline.
 
+    rope_theta defaults to 100 (not Qwen's 5e6) so that the text mRoPE layout matters at the tiny grid sizes:
+    with slow frequencies a wrong (blocked) layout would change the output too little to be caught.
     Pixel budgets default to small values (factor = patch_size * spatial_merge_size): an image gets between
     1 and 16 merged tokens; a video at most 64 merged tokens in total over all its frames."""
     import torch

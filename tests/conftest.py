@@ -1,0 +1,146 @@
+"""Shared fixtures: tiny complete HF checkpoints built offline once per session, and a cached LLM factory.
+
+Checkpoints (session-scoped fixtures, each a Path to a checkpoint dir):
+
+    qwen3_tied      Qwen3, tied lm_head, heads 4 / kv_heads 2, head_dim 16, 2 layers (the default)
+    qwen3_untied    Qwen3, untied lm_head, heads 4 / kv_heads 2, head_dim 32 (q width 128 != hidden 64), 3 layers
+    qwen3_kv1       Qwen3, tied, heads 4 / kv_heads 1 (MQA)
+    qwen3_mha       Qwen3, untied, heads 8 / kv_heads 8, head_dim 8 (MHA)
+    qwen3_sharded   same weights as qwen3_tied, split into several safetensors files + index
+    qwen3_vl_tied   Qwen3-VL, tied lm_head, 3 text layers, vision depth 3, deepstack [0, 1, 2]
+    qwen3_vl_untied Qwen3-VL, untied lm_head, 4 text layers, deepstack [0, 2], seed 1
+
+`QWEN3_VARIANTS` / `QWEN3_VL_VARIANTS` hold the make_tiny_* kwargs of each, `qwen3_variant(name)` builds by
+name (for parametrized tests use `request.getfixturevalue(name)`).
+
+`make_llm(ckpt_dir, **overrides)` (session-scoped) returns a cached `xllm_gen.LLM` built with the test
+defaults device="cpu", dtype="float32", tensor_parallel_size=1, block_size=4 (small, so that prompts cross
+page boundaries); a different override set gives a different engine.
+
+Set XLLM_TEST_CKPT_DIR to build the checkpoints there (reused across runs when the files exist).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+QWEN3_VARIANTS: dict[str, dict] = {
+    "qwen3_tied": dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2, seed=0),
+    "qwen3_untied": dict(
+        tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_hidden_layers=3, intermediate_size=96, seed=1,
+    ),
+    "qwen3_kv1": dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=1, seed=2),
+    "qwen3_mha": dict(
+        tie_word_embeddings=False, num_attention_heads=8, num_key_value_heads=8, head_dim=8, seed=3,
+    ),
+    # Same arguments as qwen3_tied (so the same weights), several files.
+    "qwen3_sharded": dict(
+        tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2, seed=0, max_shard_size="64KB",
+    ),
+}
+
+QWEN3_VL_VARIANTS: dict[str, dict] = {
+    "qwen3_vl_tied": dict(tie_word_embeddings=True, seed=1),
+    "qwen3_vl_untied": dict(
+        tie_word_embeddings=False, num_hidden_layers=4, deepstack_visual_indexes=(0, 2), seed=1,
+    ),
+}
+
+LLM_DEFAULTS = dict(device="cpu", dtype="float32", tensor_parallel_size=1, block_size=4)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vl: Qwen3-VL parity tests (tiny checkpoint, CPU)")
+    config.addinivalue_line("markers", "engine: needs the xllm_gen engine (LLM.generate)")
+
+
+def _base_dir(tmp_path_factory) -> Path:
+    env = os.environ.get("XLLM_TEST_CKPT_DIR")
+    if env:
+        p = Path(env)
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+    return tmp_path_factory.getbasetemp() / "tiny_ckpts"
+
+
+_BUILT: dict[str, Path] = {}
+
+
+def _build(tmp_path_factory, name: str) -> Path:
+    if name in _BUILT:
+        return _BUILT[name]
+    from xllm_gen.runtime.tiny import make_tiny_qwen3, make_tiny_qwen3_vl
+
+    out = _base_dir(tmp_path_factory) / name
+    if name in QWEN3_VARIANTS:
+        make, kwargs = make_tiny_qwen3, QWEN3_VARIANTS[name]
+    else:
+        make, kwargs = make_tiny_qwen3_vl, QWEN3_VL_VARIANTS[name]
+    done = out / ".complete"
+    if not (os.environ.get("XLLM_TEST_CKPT_DIR") and done.exists()):
+        make(out, **kwargs)
+        done.write_text(repr(sorted(kwargs.items())))
+    _BUILT[name] = out
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_variant(tmp_path_factory):
+    """Build (once) and return the checkpoint dir of a variant by name."""
+    return lambda name: _build(tmp_path_factory, name)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tied(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_tied")
+
+
+@pytest.fixture(scope="session")
+def qwen3_untied(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_untied")
+
+
+@pytest.fixture(scope="session")
+def qwen3_kv1(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_kv1")
+
+
+@pytest.fixture(scope="session")
+def qwen3_mha(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_mha")
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_sharded")
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_tied(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_vl_tied")
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_untied(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_vl_untied")
+
+
+@pytest.fixture(scope="session")
+def make_llm():
+    """make_llm(ckpt_dir, **overrides) -> xllm_gen.LLM, cached per (dir, overrides)."""
+    cache: dict = {}
+
+    def make(ckpt_dir, **overrides):
+        from xllm_gen import LLM
+
+        kwargs = {**LLM_DEFAULTS, **overrides}
+        key = (str(ckpt_dir), repr(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = LLM(model=str(ckpt_dir), **kwargs)
+        return cache[key]
+
+    yield make
+    cache.clear()
