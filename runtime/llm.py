@@ -94,10 +94,13 @@ class LLM:
         return outputs
 
     @torch.inference_mode()
-    def prefill_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
-        """Float32 logits [len, vocab] of every prompt position (a test hook for parity checks)."""
+    def prefill_logits(self, prompt: Union[list, str, dict]) -> torch.Tensor:
+        """Float32 logits [len, vocab] of every prompt position (a test hook for parity checks).
+        `prompt` is a list of token ids or any prompt `generate` accepts (text, token ids, multimodal)."""
         engine = self.engine
-        seq = engine.make_sequence(0, {"prompt_token_ids": list(prompt_token_ids)}, SamplingParams(max_tokens=1))
+        if isinstance(prompt, (list, tuple)):
+            prompt = {"prompt_token_ids": list(prompt)}
+        seq = engine.make_sequence(0, prompt, SamplingParams(max_tokens=1))
         engine.block_manager.allocate(seq, seq.num_tokens)
         seq.chunk_len = seq.num_tokens
         try:

@@ -7,8 +7,11 @@ Checkpoints (session-scoped fixtures, each a Path to a checkpoint dir):
     qwen3_kv1       Qwen3, tied, heads 4 / kv_heads 1 (MQA)
     qwen3_mha       Qwen3, untied, heads 8 / kv_heads 8, head_dim 8 (MHA)
     qwen3_sharded   same weights as qwen3_tied, split into several safetensors files + index
-    qwen3_vl_tied   Qwen3-VL, tied lm_head, 3 text layers, vision depth 3, deepstack [0, 1, 2]
-    qwen3_vl_untied Qwen3-VL, untied lm_head, 4 text layers, deepstack [0, 2], seed 1
+    qwen3_hub_config Qwen3, untied, config.json written as older Hub checkpoints do (rope_theta at the top
+                    level, torch_dtype), seed 4
+    qwen3_vl_tied   Qwen3-VL, tied lm_head, 3 text layers, vision depth 3, deepstack [0, 1, 2], seed 1
+    qwen3_vl_untied Qwen3-VL, untied lm_head, 4 text layers, deepstack [0, 2], seed 1, Hub-style config.json
+                    (text rope_theta + rope_scaling {mrope_section, mrope_interleaved}, as Qwen3-VL-8B ships)
 
 `QWEN3_VARIANTS` / `QWEN3_VL_VARIANTS` hold the make_tiny_* kwargs of each, `qwen3_variant(name)` builds by
 name (for parametrized tests use `request.getfixturevalue(name)`).
@@ -40,12 +43,14 @@ QWEN3_VARIANTS: dict[str, dict] = {
     "qwen3_sharded": dict(
         tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2, seed=0, max_shard_size="64KB",
     ),
+    "qwen3_hub_config": dict(tie_word_embeddings=False, hub_style_config=True, seed=4),
 }
 
 QWEN3_VL_VARIANTS: dict[str, dict] = {
     "qwen3_vl_tied": dict(tie_word_embeddings=True, seed=1),
     "qwen3_vl_untied": dict(
         tie_word_embeddings=False, num_hidden_layers=4, deepstack_visual_indexes=(0, 2), seed=1,
+        hub_style_config=True,
     ),
 }
 
@@ -116,6 +121,11 @@ def qwen3_mha(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_sharded(tmp_path_factory) -> Path:
     return _build(tmp_path_factory, "qwen3_sharded")
+
+
+@pytest.fixture(scope="session")
+def qwen3_hub_config(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "qwen3_hub_config")
 
 
 @pytest.fixture(scope="session")
