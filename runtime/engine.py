@@ -53,7 +53,7 @@ class LLMEngine:
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
-                 load_format: str = "auto",
+                 load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
                  debug: Optional[dict] = None):
         self.model_dir = Path(model)
         cfg_path = self.model_dir / "config.json"
@@ -70,7 +70,8 @@ class LLMEngine:
         ctx_len = self.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx_len, ctx_len)
         max_num_seqs = min(max_num_seqs, runner_cls.max_batch)
-        chunked = runner_cls.prefill_mode == "chunked"
+        # The spec's prefill mode, unless the user chooses: chunks of max_num_batched_tokens tokens.
+        chunked = (runner_cls.prefill_mode == "chunked") if enable_chunked_prefill is None else enable_chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens or (8192 if chunked else max(8192, self.max_model_len))
         runner_kwargs = dict(device=self.device, dtype=self.dtype, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,

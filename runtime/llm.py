@@ -24,13 +24,14 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
-                 load_format: str = "auto",
+                 load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
                  _debug: Optional[dict] = None, **unused: Any):
         self.engine = LLMEngine(model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                                 block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                                seed=seed, load_format=load_format, debug=_debug)
+                                seed=seed, load_format=load_format,
+                                enable_chunked_prefill=enable_chunked_prefill, debug=_debug)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
