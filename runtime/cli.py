@@ -15,7 +15,7 @@ from pathlib import Path
 def default_checkpoint(kind: str = "qwen3") -> Path:
     from xllm_gen.runtime import tiny
     root = Path(os.environ.get("XLLM_GEN_CACHE", Path.home() / ".cache" / "xllm_gen"))
-    out = root / f"tiny-{kind}"
+    out = root / f"tiny-{kind}-v{tiny.TINY_VERSION}"      # a new tiny recipe never reuses an old build
     if not (out / "config.json").exists():
         maker = tiny.make_tiny_qwen3 if kind == "qwen3" else tiny.make_tiny_qwen3_vl
         maker(out)

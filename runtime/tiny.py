@@ -15,6 +15,9 @@ import json
 import math
 from pathlib import Path
 
+# Bumped whenever the files written for the same arguments change (cache dirs of built checkpoints can key on it).
+TINY_VERSION = 2
+
 # Special tokens appended after the BPE vocabulary (as in Qwen, where they follow the merges' tokens).
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -182,6 +185,9 @@ def _to_hub_style(out: Path) -> None:
     flatten(cfg)
     if isinstance(cfg.get("text_config"), dict):
         flatten(cfg["text_config"])
+    vision = cfg.get("vision_config")
+    if isinstance(vision, dict) and vision.get("rope_parameters") == {"rope_theta": 10000.0, "rope_type": "axial"}:
+        del vision["rope_parameters"]  # Hub Qwen3-VL configs carry no vision rope fields (this is the default)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

@@ -198,6 +198,17 @@ def test_sharded_checkpoint_loads_identically(qwen3_tied, qwen3_sharded, make_ll
                         "sharded")
 
 
+@pytest.mark.engine
+def test_hub_style_config(qwen3_hub_config, make_llm):
+    """config.json as most Hub checkpoints have it (rope_theta at the top level, torch_dtype)."""
+    cfg = json.loads((qwen3_hub_config / "config.json").read_text())
+    assert "rope_theta" in cfg and "rope_parameters" not in cfg
+    prompts, ids = prompts_for(qwen3_hub_config)
+    outs = make_llm(qwen3_hub_config).generate(prompts[:5], _sp())
+    _assert_same_tokens([o.outputs[0].token_ids for o in outs], hf_greedy(qwen3_hub_config, ids[:5], MAX_TOKENS),
+                        "hub-style config")
+
+
 # --------------------------------------------------------------------------------------- stop conditions
 def _prompt_with_eos(ckpt) -> tuple[list[int], list[int], int]:
     """A prompt whose greedy (EOS-ignoring) continuation contains EOS early: (ids, continuation, eos)."""

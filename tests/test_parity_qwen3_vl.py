@@ -147,7 +147,8 @@ def test_fixture_checkpoint_is_consistent(qwen3_vl_tied, qwen3_vl_untied):
         assert type(proc).__name__ == "Qwen3VLProcessor"
         assert type(proc.video_processor).__name__ == "Qwen3VLVideoProcessor"
         assert proc.image_processor.patch_size == cfg["vision_config"]["patch_size"]
-        sec = cfg["text_config"]["rope_parameters"]["mrope_section"]
+        tc = cfg["text_config"]
+        sec = (tc.get("rope_parameters") or tc.get("rope_scaling"))["mrope_section"]
         assert 2 * sum(sec) == cfg["text_config"]["head_dim"]
     assert json.loads((qwen3_vl_tied / "config.json").read_text())["tie_word_embeddings"] is True
     assert json.loads((qwen3_vl_untied / "config.json").read_text())["tie_word_embeddings"] is False

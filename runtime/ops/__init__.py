@@ -1,0 +1,143 @@
+"""Fused ops: each one a torch reference (ops/reference.py), a Triton kernel (ops/triton_kernels.py) and a
+torch custom op `xllm::<name>` with a fake implementation. CUDA tensors go to the Triton kernel, anything
+else to the reference. Set XLLM_OPS=torch to force the references on CUDA too (debugging).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from xllm_gen.runtime.ops import reference
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope", "qk_norm_rope", "store_kvcache",
+           "reference", "use_triton"]
+
+_FORCE_TORCH = os.environ.get("XLLM_OPS", "").lower() == "torch"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and not _FORCE_TORCH
+
+
+def _tk():
+    from xllm_gen.runtime.ops import triton_kernels
+    return triton_kernels
+
+
+# ---------------------------------------------------------------- rms_norm
+@torch.library.custom_op("xllm::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x):
+        return _tk().rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+@_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not x.is_cuda:  # skip the custom-op dispatch cost on the CPU path
+        return reference.rms_norm(x, weight, eps)
+    return torch.ops.xllm.rms_norm(x, weight, eps)
+
+
+# ---------------------------------------------------------------- fused residual add + rms_norm
+@torch.library.custom_op("xllm::fused_add_rms_norm", mutates_args=())
+def _fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return _tk().fused_add_rms_norm(x, residual, weight, eps)
+    y, r = reference.fused_add_rms_norm(x, residual, weight, eps)
+    return y, r
+
+
+@_fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    r = torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return torch.empty_like(r, dtype=torch.promote_types(r.dtype, weight.dtype)), r
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """Returns (rms_norm(x + residual), x + residual)."""
+    if not x.is_cuda:
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    return torch.ops.xllm.fused_add_rms_norm(x, residual, weight, eps)
+
+
+# ---------------------------------------------------------------- silu_and_mul
+@torch.library.custom_op("xllm::silu_and_mul", mutates_args=())
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        return _tk().silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+@_silu_and_mul.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if not x.is_cuda:
+        return reference.silu_and_mul(x)
+    return torch.ops.xllm.silu_and_mul(x)
+
+
+# ---------------------------------------------------------------- q/k norm + rotary
+@torch.library.custom_op("xllm::qk_norm_rope", mutates_args=())
+def _qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
+                  k_weight: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
+                  inv_freq: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  axis_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        return _tk().qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, axis_map)
+    qo, ko = reference.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map)
+    return qo.contiguous(), ko.contiguous()
+
+
+@_qk_norm_rope.register_fake
+def _(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map=None):
+    """q [N, H, D], k [N, Hk, D] -> per-head RMSNorm (weights may be None: no norm) then rotary.
+
+    positions [N] (neox) or [3, N] (mRoPE, axis_map [D/2] int32 gives each frequency slot's axis).
+    The CPU path computes cos/sin from inv_freq as HF does; the Triton path reads cos_sin_cache
+    [max_position, D] float32 (cos | sin halves).
+    """
+    if not q.is_cuda:
+        return reference.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map)
+    return torch.ops.xllm.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map)
+
+
+def rope(q, k, positions, inv_freq, cos_sin_cache, axis_map=None):
+    return qk_norm_rope(q, k, None, None, 0.0, positions, inv_freq, cos_sin_cache, axis_map)
+
+
+# ---------------------------------------------------------------- KV-cache write
+@torch.library.custom_op("xllm::store_kvcache", mutates_args=("k_cache", "v_cache"))
+def _store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    if use_triton(k):
+        _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+@_store_kvcache.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping):
+    return None
+
+
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k, v [N, Hk, D] -> caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped."""
+    if not k.is_cuda:
+        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        return
+    torch.ops.xllm.store_kvcache(k, v, k_cache, v_cache, slot_mapping)

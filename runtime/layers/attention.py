@@ -1,0 +1,39 @@
+"""The attention layer: writes this step's K/V into the paged cache, then runs the step's backend."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xllm_gen.runtime import ops
+from xllm_gen.runtime.context import get_context
+
+
+class Attention(nn.Module):
+    """forward(q [N, H, D], k [N, Hk, D], v [N, Hk, D]) -> [N, H * D]. Head counts are per rank.
+
+    `k_cache` / `v_cache` ([num_blocks, block_size, Hk, D], NHD) are plain attributes attached by the runner
+    (not parameters or buffers: they are not part of the state dict). The backend comes from the forward
+    context (`ctx.backend`, already planned for the step); this layer never imports a backend.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = torch.tensor([])
+        self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_cache.numel() and self.v_cache.numel():
+            ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}"

@@ -1,0 +1,57 @@
+"""Vocabulary-parallel embedding and LM head (vocab padded to a multiple of 64 * tp)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xllm_gen.runtime.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
+from xllm_gen.runtime.sharding import padded_vocab, vocab_range
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.tp_size = get_tp_size()
+        self.tp_rank = get_tp_rank()
+        self.vocab_size = vocab
+        self.dim = dim
+        self.padded_vocab = padded_vocab(vocab, self.tp_size)
+        self.vocab_start, self.vocab_end = vocab_range(vocab, self.tp_size, self.tp_rank)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        mask = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(mask, ids - self.vocab_start, torch.zeros_like(ids))
+        y = F.embedding(local, self.weight)
+        y = y.masked_fill(~mask.unsqueeze(-1), 0)
+        return all_reduce(y)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.vocab_size} (padded {self.padded_vocab}), rows [{self.vocab_start}, "
+                f"{self.vocab_end}), dim={self.dim}")
+
+
+class ParallelLMHead(nn.Module):
+    """forward(hidden [B, dim]) -> logits [B, vocab] float32, gathered over ranks, padding trimmed.
+    A tied head shares the embedding's parameter object (`head.weight = embed.weight`)."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.tp_size = get_tp_size()
+        self.tp_rank = get_tp_rank()
+        self.vocab_size = vocab
+        self.dim = dim
+        self.padded_vocab = padded_vocab(vocab, self.tp_size)
+        self.vocab_start, self.vocab_end = vocab_range(vocab, self.tp_size, self.tp_rank)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, dim))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = all_gather(logits, -1)
+        return logits[..., : self.vocab_size].float()
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size} (padded {self.padded_vocab}), dim={self.dim}"

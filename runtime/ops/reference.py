@@ -1,0 +1,87 @@
+"""Pure-torch references of the fused ops.
+
+These are the CPU implementations and the oracles of the Triton kernels. Their arithmetic follows
+Hugging Face transformers' Qwen3 / Qwen3-VL modules step by step (same op order, same dtype casts), so
+that float32 runs on CPU match HF bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3RMSNorm: float32 variance, `weight * x_normed.to(input_dtype)`."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(residual + x), residual + x); the sum is rounded to the input dtype first (as HF)."""
+    new_residual = residual + x
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    return F.silu(x[..., :n]) * x[..., n:]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, axis_map: Optional[torch.Tensor], dtype):
+    """cos, sin [N, D] in `dtype`, computed as HF's rotary embedding modules do.
+
+    positions [N] (neox) or [3, N] (mRoPE, with axis_map [D/2] giving the position axis of each frequency slot).
+    """
+    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float)
+    freqs = positions[..., None].float() * inv_freq          # [N, D/2] or [3, N, D/2]
+    cos = freqs.cos()
+    sin = freqs.sin()
+    if positions.dim() == 2:
+        idx = axis_map.to(device=positions.device, dtype=torch.long).view(1, 1, -1).expand(1, cos.shape[1], -1)
+        cos = cos.gather(0, idx).squeeze(0)
+        sin = sin.gather(0, idx).squeeze(0)
+    cos = torch.cat((cos, cos), dim=-1).to(dtype)
+    sin = torch.cat((sin, sin), dim=-1).to(dtype)
+    return cos, sin
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+         axis_map: Optional[torch.Tensor] = None):
+    """HF apply_rotary_pos_emb on q [N, H, D], k [N, Hk, D] (neox / rotate_half layout)."""
+    cos, sin = rope_cos_sin(positions, inv_freq, axis_map, q.dtype)
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    q_out = (q * cos) + (rotate_half(q) * sin)
+    k_out = (k * cos) + (rotate_half(k) * sin)
+    return q_out, k_out
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map=None):
+    """Per-head RMSNorm of q and k (when weights are given), then rotary."""
+    if q_weight is not None:
+        q = rms_norm(q, q_weight, eps)
+    if k_weight is not None:
+        k = rms_norm(k, k_weight, eps)
+    return rope(q, k, positions, inv_freq, axis_map)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """k, v [N, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    kc[slots] = k[keep].to(kc.dtype)
+    vc[slots] = v[keep].to(vc.dtype)

@@ -1,0 +1,206 @@
+"""Triton kernels of the fused ops, and their launchers.
+
+The arithmetic follows ops/reference.py (and so HF): statistics in float32, and the same roundings to the
+activation dtype at the same points (normalized x is cast to the input dtype before the weight product;
+q*cos and rotate_half(q)*sin are each rounded before the sum), so bf16 results stay close to HF's modules.
+The launchers accept CPU tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _warps(block: int) -> int:
+    return max(1, min(8, block // 256))
+
+
+# ---------------------------------------------------------------------------------------------- rms_norm
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, stride_x, stride_r, D, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(ro_ptr.dtype.element_ty)
+        tl.store(ro_ptr + row * D + offs, x, mask=mask)
+    in_dtype = x.dtype
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / D
+    xn = (xf * (1.0 / tl.sqrt(var + eps))).to(in_dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + offs, (w * xn).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    D = x.shape[-1]
+    x2 = _rows(x)
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    M = x2.shape[0]
+    if M:
+        B = triton.next_power_of_2(D)
+        _rms_norm_kernel[(M,)](x2, x2, weight, y, y, x2.stride(0), 0, D, eps, HAS_RESIDUAL=False, BLOCK=B,
+                               num_warps=_warps(B))
+    return y
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    D = x.shape[-1]
+    x2, r2 = _rows(x), _rows(residual)
+    rdt = torch.promote_types(x.dtype, residual.dtype)
+    new_r = torch.empty(x.shape, dtype=rdt, device=x.device)
+    y = torch.empty(x.shape, dtype=torch.promote_types(rdt, weight.dtype), device=x.device)
+    M = x2.shape[0]
+    if M:
+        B = triton.next_power_of_2(D)
+        _rms_norm_kernel[(M,)](x2, r2, weight, y, new_r, x2.stride(0), r2.stride(0), D, eps, HAS_RESIDUAL=True,
+                               BLOCK=B, num_warps=_warps(B))
+    return y, new_r
+
+
+# ---------------------------------------------------------------------------------------------- silu_and_mul
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    b = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
+    af = a.to(tl.float32)
+    s = (af / (1.0 + tl.exp(-af))).to(a.dtype).to(tl.float32)
+    tl.store(y_ptr + row * n + offs, (s * b.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    x2 = _rows(x)
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    M = x2.shape[0]
+    if M and n:
+        B = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(M, triton.cdiv(n, B))](x2, y, x2.stride(0), n, BLOCK=B, num_warps=_warps(B))
+    return y
+
+
+# ---------------------------------------------------------------------------------------------- q/k norm + rope
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, axis_ptr,
+                         sqn, sqh, skn, skh, stride_pos_axis, H, Hk, eps,
+                         HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                         HAS_NORM: tl.constexpr, IS_MROPE: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    hid = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, HALF_BLOCK)
+    mask = j < HALF
+    if hid < H:
+        src = q_ptr + n * sqn + hid * sqh
+        dst = qo_ptr + (n * H + hid) * HEAD_DIM
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + n * skn + (hid - H) * skh
+        dst = ko_ptr + (n * Hk + (hid - H)) * HEAD_DIM
+        w_ptr = kw_ptr
+    x1 = tl.load(src + j, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + j, mask=mask, other=0.0)
+    dt = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if HAS_NORM:
+        var = (tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM
+        rstd = 1.0 / tl.sqrt(var + eps)
+        w1 = tl.load(w_ptr + j, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + j, mask=mask, other=0.0).to(tl.float32)
+        f1 = (w1 * (f1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        f2 = (w2 * (f2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if IS_MROPE:
+        axis = tl.load(axis_ptr + j, mask=mask, other=0).to(tl.int64)
+        p = tl.load(pos_ptr + axis * stride_pos_axis + n, mask=mask, other=0).to(tl.int64)
+    else:
+        p = tl.load(pos_ptr + n).to(tl.int64)
+    c = tl.load(cache_ptr + p * HEAD_DIM + j, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(cache_ptr + p * HEAD_DIM + HALF + j, mask=mask, other=0.0).to(dt).to(tl.float32)
+    o1 = (f1 * c).to(dt).to(tl.float32) + (-f2 * s).to(dt).to(tl.float32)
+    o2 = (f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32)
+    tl.store(dst + j, o1.to(dt), mask=mask)
+    tl.store(dst + HALF + j, o2.to(dt), mask=mask)
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
+                 k_weight: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, axis_map: Optional[torch.Tensor]):
+    N, H, D = q.shape
+    Hk = k.shape[1]
+    q, k = _heads(q), _heads(k)
+    qo = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
+    ko = torch.empty((N, Hk, D), dtype=k.dtype, device=k.device)
+    if N == 0:
+        return qo, ko
+    has_norm = q_weight is not None
+    if has_norm != (k_weight is not None):
+        raise ValueError("qk_norm_rope: give both q and k norm weights or neither")
+    is_mrope = positions.dim() == 2
+    if positions.stride(-1) != 1:
+        positions = positions.contiguous()
+    qw = q_weight if has_norm else q
+    kw = k_weight if has_norm else k
+    ax = axis_map if is_mrope else positions
+    half_block = triton.next_power_of_2(D // 2)
+    _qk_norm_rope_kernel[(N, H + Hk)](
+        q, k, qw, kw, qo, ko, positions, cos_sin_cache, ax,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0) if is_mrope else 0, H, Hk, eps,
+        HEAD_DIM=D, HALF_BLOCK=half_block, HAS_NORM=has_norm, IS_MROPE=is_mrope, num_warps=1)
+    return qo, ko
+
+
+# ---------------------------------------------------------------------------------------------- KV-cache write
+@triton.jit
+def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, skn, svn, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs < ROW) & (slot >= 0)
+    kk = tl.load(k_ptr + n * skn + offs, mask=mask, other=0.0)
+    vv = tl.load(v_ptr + n * svn + offs, mask=mask, other=0.0)
+    tl.store(kc_ptr + slot * ROW + offs, kk.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + slot * ROW + offs, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _kv_rows(x: torch.Tensor) -> torch.Tensor:
+    N, Hk, D = x.shape
+    if x.stride(2) != 1 or x.stride(1) != D:
+        x = x.contiguous()
+    return x
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    N, Hk, D = k.shape
+    if N == 0:
+        return
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kvcache: caches must be contiguous [num_blocks, block_size, Hk, D]")
+    k, v = _kv_rows(k), _kv_rows(v)
+    row = Hk * D
+    B = triton.next_power_of_2(row)
+    _store_kvcache_kernel[(N,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=B,
+                                num_warps=_warps(B))

@@ -1,0 +1,139 @@
+"""Fused ops: every Triton kernel runs on CPU under TRITON_INTERPRET=1 (in a subprocess, since the variable
+must be set before triton is imported) against its torch reference; the custom ops pass torch.library.opcheck
+(schema, fake implementation, mutation annotations) on the CPU path."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# ------------------------------------------------------------------------------------------------ kernel checks
+# Each check returns the error of the Triton kernel vs the reference (max |a-b| / max(1, max |ref|)) and the
+# tolerance it must meet.
+
+
+def _checks():
+    from xllm_gen.runtime import layers as L
+    from xllm_gen.runtime.ops import reference as R
+    from xllm_gen.runtime.ops import triton_kernels as T
+
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def err(a, b):
+        """max |a - b| / max(1, max |b|): the error in units of the output's scale."""
+        if not a.numel():
+            return 0.0
+        return (a.float() - b.float()).abs().max().item() / max(1.0, b.float().abs().max().item())
+
+    tol = {torch.float32: 1e-6, torch.bfloat16: 3e-2}   # bf16: a few ulps at the max
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        n = str(dt).split(".")[-1]
+        t = tol[dt]
+        x = rnd(5, 64, dtype=dt)[:, :48]                       # strided rows, D not a power of 2
+        w = rnd(48, dtype=dt)
+        r = rnd(5, 48, dtype=dt)
+        out[f"rms_norm_{n}"] = (err(T.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6)), t)
+        y, nr = T.fused_add_rms_norm(x, r, w, 1e-6)
+        y2, nr2 = R.fused_add_rms_norm(x, r, w, 1e-6)
+        out[f"fused_add_rms_norm_{n}"] = (max(err(y, y2), err(nr, nr2)), t)
+        x3 = rnd(2, 3, 2 * 40, dtype=dt)
+        out[f"silu_and_mul_{n}"] = (err(T.silu_and_mul(x3), R.silu_and_mul(x3)), t)
+        D, H, Hk, N = 32, 4, 2, 7
+        qkv = rnd(N, (H + 2 * Hk) * D, dtype=dt)
+        q, k, v = qkv.split([H * D, Hk * D, Hk * D], -1)
+        q, k, v = q.view(N, H, D), k.view(N, Hk, D), v.view(N, Hk, D)
+        qw, kw = rnd(D, dtype=dt), rnd(D, dtype=dt)
+        for kind in ("neox", "mrope_interleaved", "mrope_blocked"):
+            rot = L.Rotary(D, 1e6, 256, kind, None if kind == "neox" else [6, 5, 5])
+            pos = torch.randint(0, 256, (N,) if kind == "neox" else (3, N), generator=g)
+            for norm in (True, False):
+                a = T.qk_norm_rope(q, k, qw if norm else None, kw if norm else None, 1e-6, pos, rot.cos_sin_cache,
+                                   rot.axis_map)
+                b = R.qk_norm_rope(q, k, qw if norm else None, kw if norm else None, 1e-6, pos, rot.inv_freq,
+                                   rot.axis_map)
+                # cos/sin: the kernel reads the table, the reference computes on the fly (1 ulp apart in fp32)
+                out[f"qk_norm_rope_{kind}_{'norm' if norm else 'nonorm'}_{n}"] = (
+                    max(err(a[0], b[0]), err(a[1], b[1])), t)
+        kc, vc = rnd(6, 4, Hk, D, dtype=dt), rnd(6, 4, Hk, D, dtype=dt)
+        kc2, vc2 = kc.clone(), vc.clone()
+        slots = torch.tensor([3, -1, 23, 0, 9, -1, 17])
+        T.store_kvcache(k, v, kc, vc, slots)
+        R.store_kvcache(k, v, kc2, vc2, slots)
+        out[f"store_kvcache_{n}"] = (max(err(kc, kc2), err(vc, vc2)), 0.0)
+    # empty inputs launch nothing
+    e = torch.empty(0, 48)
+    out["empty"] = (float(T.rms_norm(e, torch.ones(48), 1e-6).shape != (0, 48)), 0.0)
+    return out
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--interpret":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    print("RESULT " + json.dumps(_checks()))
+    sys.exit(0)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+KERNEL_CASES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope_neox", "qk_norm_rope_mrope_interleaved",
+                "qk_norm_rope_mrope_blocked", "store_kvcache"]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_triton_kernel_interpreted_vs_reference(interpreted, case):
+    got = {k: v for k, v in interpreted.items() if k.startswith(case + "_")}
+    if case == "rms_norm":
+        got = {k: v for k, v in got.items() if not k.startswith("rms_norm_") or k.count("_") == 2}
+    assert got, interpreted.keys()
+    for name, (e, tol) in got.items():
+        assert e <= tol, f"{name}: max error {e} > {tol}"
+    assert interpreted["empty"][0] == 0.0
+
+
+# ------------------------------------------------------------------------------------------------ custom ops
+def test_custom_ops_opcheck():
+    from xllm_gen.runtime import ops  # noqa: F401  (registers xllm::*)
+    from xllm_gen.runtime import layers as L
+    x = torch.randn(3, 16)
+    w = torch.randn(16)
+    xo = torch.ops.xllm
+    torch.library.opcheck(xo.rms_norm, (x, w, 1e-6))
+    torch.library.opcheck(xo.fused_add_rms_norm, (x, torch.randn(3, 16), w, 1e-6))
+    torch.library.opcheck(xo.silu_and_mul, (torch.randn(3, 32),))
+    rot = L.Rotary(16, 1e4, 64, "mrope_interleaved", [4, 2, 2])
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    pos = torch.randint(0, 64, (3, 3))
+    torch.library.opcheck(xo.qk_norm_rope, (q, k, w, w, 1e-6, pos, rot.inv_freq, rot.cos_sin_cache, rot.axis_map))
+    torch.library.opcheck(xo.qk_norm_rope, (q, k, None, None, 0.0, pos[0], rot.inv_freq, rot.cos_sin_cache, None))
+    kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    torch.library.opcheck(xo.store_kvcache, (k, k, kc, vc, torch.tensor([1, -1, 6])))
+    # the custom op on CPU equals the direct reference call
+    from xllm_gen.runtime.ops import reference as R
+    assert torch.equal(xo.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6))
+
+
+def test_fake_impls_trace():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from xllm_gen.runtime import ops  # noqa: F401
+    with FakeTensorMode():
+        x = torch.empty(4, 8, dtype=torch.bfloat16)
+        w = torch.empty(8, dtype=torch.bfloat16)
+        assert torch.ops.xllm.rms_norm(x, w, 1e-6).shape == (4, 8)
+        y, r = torch.ops.xllm.fused_add_rms_norm(x, x, w, 1e-6)
+        assert y.shape == r.shape == (4, 8) and y.dtype == torch.bfloat16
+        assert torch.ops.xllm.silu_and_mul(x).shape == (4, 4)
