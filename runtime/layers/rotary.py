@@ -32,6 +32,23 @@ def mrope_axis_map(kind: str, sections: Sequence[int], half: int) -> torch.Tenso
     return axis
 
 
+_TABLES: dict = {}
+
+
+def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.device):
+    """(inv_freq [D/2], cos|sin [max_position, D]) in float32, built once per (shape, theta, device) and
+    shared by every layer: a 262k-position table is 134 MB, too much to hold once per layer."""
+    key = (head_dim, theta, max_position, str(device))
+    if key not in _TABLES:
+        cpu = _TABLES.get((head_dim, theta, max_position, "cpu"))
+        if cpu is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+            cpu = _TABLES[(head_dim, theta, max_position, "cpu")] = (inv_freq, torch.cat((freqs.cos(), freqs.sin()), -1))
+        _TABLES[key] = tuple(t.to(device) for t in cpu)
+    return _TABLES[key]
+
+
 class Rotary(nn.Module):
     """forward(positions, q [N, H, D], k [N, Hk, D]) -> (q, k).
 
@@ -55,11 +72,7 @@ class Rotary(nn.Module):
         self.kind = kind
         self.mrope_section = list(mrope_section) if mrope_section is not None else None
         half = head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
-        self.inv_freq = inv_freq
-        t = torch.arange(max_position, dtype=torch.float, device="cpu")
-        freqs = t[:, None] * inv_freq[None, :]
-        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)   # [max_position, D]
+        self.inv_freq, self.cos_sin_cache = _rope_tables(head_dim, self.theta, max_position, torch.device("cpu"))
         if kind == "neox":
             if mrope_section is not None:
                 raise ValueError("mrope_section is only for the mrope kinds")
@@ -71,8 +84,7 @@ class Rotary(nn.Module):
 
     def _to(self, device: torch.device) -> None:
         if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
-            self.cos_sin_cache = self.cos_sin_cache.to(device)
+            self.inv_freq, self.cos_sin_cache = _rope_tables(self.head_dim, self.theta, self.max_position, device)
             if self.axis_map is not None:
                 self.axis_map = self.axis_map.to(device)
 
