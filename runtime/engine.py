@@ -67,6 +67,11 @@ class LLMEngine:
         model_module, runner_module = registry.resolve(self.hf_config)
         runner_cls = runner_module.Runner
         self.config = model_module.Config.from_hf(self.hf_config)
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        if tensor_parallel_size != 1:     # impossible sizes fail here, before any process starts
+            from xllm_gen.runtime.tp import check_tensor_parallel
+            check_tensor_parallel(model_module, self.hf_config, tensor_parallel_size, config=self.config)
         ctx_len = self.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx_len, ctx_len)
         max_num_seqs = min(max_num_seqs, runner_cls.max_batch)
@@ -84,15 +89,19 @@ class LLMEngine:
                                                tensor_parallel_size, runner_kwargs)
         else:
             self.runner = runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens, chunked)
-        self.sampler = Sampler(seed)
-        self.tokenizer = self._load_tokenizer()
-        self.mm_processor = None
-        if getattr(runner_cls, "multimodal", False):
-            from xllm_gen.runtime.multimodal import MultiModalProcessor
-            self.mm_processor = MultiModalProcessor(str(self.model_dir), self.hf_config)
-        self.eos_token_ids = _eos_ids(self.model_dir, self.config, self.tokenizer)
+        try:
+            self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size)
+            self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens, chunked)
+            self.sampler = Sampler(seed)
+            self.tokenizer = self._load_tokenizer()
+            self.mm_processor = None
+            if getattr(runner_cls, "multimodal", False):
+                from xllm_gen.runtime.multimodal import MultiModalProcessor
+                self.mm_processor = MultiModalProcessor(str(self.model_dir), self.hf_config)
+            self.eos_token_ids = _eos_ids(self.model_dir, self.config, self.tokenizer)
+        except BaseException:
+            self.shutdown()              # stop TP ranks at once, not at garbage collection
+            raise
         self.vocab_size = self.config.vocab_size
         self._next_id = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}

@@ -42,8 +42,8 @@ def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.d
     if key not in _TABLES:
         cpu = _TABLES.get((head_dim, theta, max_position, "cpu"))
         if cpu is None:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+            freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
             cpu = _TABLES[(head_dim, theta, max_position, "cpu")] = (inv_freq, torch.cat((freqs.cos(), freqs.sin()), -1))
         _TABLES[key] = tuple(t.to(device) for t in cpu)
     return _TABLES[key]

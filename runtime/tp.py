@@ -1,0 +1,918 @@
+"""Tensor parallelism: one process per rank; rank 0 (the caller's process) schedules and samples.
+
+    rank 0: LLMEngine -> TensorParallelRunner.run(seqs)        ranks 1..N-1: _serve() loop
+        broadcast the step description (gloo control group) ----> rebuild equivalent Sequences
+        runner.run(seqs)  <-- all-reduce / all-gather over the tensor group -->  runner.run(seqs)
+        float32 logits [B, vocab] (ParallelLMHead gathers)                        (logits dropped)
+
+Start-up. `TensorParallelRunner` first checks statically that the model can be split over N ranks
+(`check_tensor_parallel`: one ValueError, before any process starts). Single host: rank 0 opens a
+TCPStore on a free port and starts ranks 1..N-1 with torch.multiprocessing's spawn context (daemon
+processes); under torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment) every rank runs
+the user's script, the rendezvous is `env://`, rank 0 drives and the other ranks stay inside
+`TensorParallelRunner(...)` serving steps until rank 0 shuts down, then exit (docs/tensor_parallel.md).
+Each rank joins the default process group (NCCL with device cuda:rank on CUDA, gloo on CPU; the tensor
+group, with a finite timeout), a gloo control group (step descriptions; no timeout, since workers wait
+for the next step as long as rank 0 is idle) and a gloo start-up group (the agreement after loading, with
+the start-up timeout), records its place with `distributed.init_process_group`,
+and builds `runner_cls(model_dir, hf_config, **runner_kwargs)`: its layers shard themselves from
+get_tp_size/get_tp_rank and the loader reads only its slices. The KV block count is the minimum over
+ranks (all-reduce MIN), so every rank's cache has the same pages.
+
+Steps. Rank 0 keeps, per sequence, how many tokens the workers already hold; a step carries only the
+new tokens (the whole prompt once, then one token per decode step), block tables, num_computed_tokens,
+chunk_len, and multimodal inputs (tensors, CPU) the first time a sequence is seen. Workers keep mirror
+Sequence objects (dropped when rank 0's sequence finishes or is garbage-collected).
+
+Failures. A worker that raises (at load time or in a step) sends its traceback to rank 0 (a
+multiprocessing queue; the TCPStore under torchrun) and exits; its sockets close, so rank 0's pending
+gloo collective fails at once, and rank 0 raises a RuntimeError carrying the worker's traceback. A
+monitor thread on rank 0 also watches the worker processes (a rank killed by a signal is reported) and,
+on CUDA, aborts the NCCL group so a blocked collective returns. Collectives have a finite timeout
+(XLLM_TP_TIMEOUT_S, default 600 s), so a stuck rank is an error, not a hang. After a failure the group
+is torn down; the runner refuses further steps.
+
+No orphans. Workers are daemon processes; `shutdown()` sends a shutdown message, joins with a timeout,
+then terminates and kills; a weakref.finalize (also run at interpreter exit) does the same when the
+runner is garbage-collected; workers ignore SIGINT and exit when their parent process disappears.
+Ctrl-C on rank 0 during a step is deferred to the end of the step (a second Ctrl-C interrupts at once
+and tears the group down), so an interrupted generate() leaves a usable engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import os
+import queue as queue_mod
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from xllm_gen.runtime import distributed as tpdist
+from xllm_gen.runtime.sequence import Sequence, SequenceStatus
+from xllm_gen.runtime.sharding import ShardingError, check_segment, padded_vocab, segment_range
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+COLLECTIVE_TIMEOUT_S = _env_seconds("XLLM_TP_TIMEOUT_S", 600.0)        # one tensor collective of a step
+STARTUP_TIMEOUT_S = _env_seconds("XLLM_TP_STARTUP_TIMEOUT_S", 600.0)   # process start + rendezvous
+SHUTDOWN_TIMEOUT_S = 10.0                                              # graceful exit before terminate
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)   # workers wait for the next step while rank 0 is idle
+_CPU = torch.device("cpu")
+_STORE_PREFIX = "xllm_tp/"
+
+
+# =============================================================================================== checks
+@contextlib.contextmanager
+def _tp_state(rank: int, size: int):
+    """This process's TP state set to (rank, size) for a moment (static checks), then restored."""
+    saved = (tpdist.get_tp_rank(), tpdist.get_tp_size(), tpdist.get_tp_group())
+    tpdist.init_tp(rank, size, None)
+    try:
+        yield
+    finally:
+        tpdist.init_tp(*saved)
+
+
+def _weight_plan(model_module, config, tp_size: int):
+    """The plan as rank 0 of `tp_size` ranks will execute it: a plan may depend on the TP size (Qwen3-VL's
+    vision tower is split only where its heads divide, else replicated), read from get_tp_size()."""
+    with _tp_state(0, tp_size):
+        return list(model_module.weight_plan(config))
+
+
+def _plan_problems(plan, tp_size: int) -> list[str]:
+    grouped: dict[tuple[str, str], int] = {}
+    for rule in plan:
+        if rule.shard not in ("colwise", "rowwise"):
+            continue                                       # replicated: nothing to split; vocab: padded
+        for seg in rule.segments:
+            msg = check_segment(seg, tp_size)
+            if msg:
+                key = (re.sub(r"\.\d+\.", ".*.", rule.param), msg)    # one line for all decoder layers
+                grouped[key] = grouped.get(key, 0) + 1
+    return [f"{param}: {msg}" for (param, msg) in grouped]
+
+
+def _expected_dim(rule, tp_size: int) -> Optional[tuple[int, int]]:
+    """(dim, size per rank) that the loader will give `rule`'s parameter at rank 0, when known."""
+    if rule.shard == "vocab":
+        return 0, padded_vocab(rule.vocab_size, tp_size) // tp_size
+    if rule.shard in ("colwise", "rowwise") and rule.segments:
+        rows = 0
+        for seg in rule.segments:
+            a, b = segment_range(seg, tp_size, 0)
+            rows += b - a
+        return (0 if rule.shard == "colwise" else 1), rows
+    return None
+
+
+def _meta_build_problems(model_module, config, plan, tp_size: int) -> list[str]:
+    """Builds rank 0's model on the meta device (no memory, no weights) under a temporary TP state, so the
+    layers' own sharding checks run, and compares per-rank shapes with what the weight plan will load."""
+    try:
+        with _tp_state(0, tp_size), torch.device("meta"):
+            model = model_module.Model(config)
+    except ShardingError as e:
+        return [str(e)]
+    except Exception:          # not a sharding problem: the real build reports it with its own message
+        return []
+    params = dict(model.named_parameters())
+    problems = []
+    for rule in plan:
+        p = params.get(rule.param)
+        exp = _expected_dim(rule, tp_size)
+        if p is None or exp is None or p.dim() <= exp[0]:
+            continue
+        dim, size = exp
+        if p.shape[dim] != size:
+            problems.append(f"{rule.param}: the model's per-rank shape {tuple(p.shape)} has {p.shape[dim]} along "
+                            f"dim {dim}, but its weight rule ({rule.shard}) gives {size} per rank")
+    return problems
+
+
+def tensor_parallel_problems(model_module, config, tp_size: int, *, build: bool = False) -> list[str]:
+    """Why `config` (a resolved generated Config) cannot be split over `tp_size` ranks; [] when it can.
+
+    Uses the generated module's own check when it renders one (`tensor_parallel_problems(config, tp)`),
+    the weight plan's segments (runtime.sharding.check_segment: q heads, KV heads with replication,
+    intermediate size; the vocabulary is padded, never a problem), and, with `build`, a meta-device build
+    of rank 0's model (the layers' own checks, and per-rank shapes against the plan). `build` is off by
+    default: it costs as much as building the model's modules (seconds for an 8B model, most of it in
+    rotary tables), and the ranks run the same layer checks when they build for real."""
+    problems: list[str] = []
+    hook = getattr(model_module, "tensor_parallel_problems", None)
+    if callable(hook):
+        problems.extend(str(p) for p in hook(config, tp_size))
+    plan = _weight_plan(model_module, config, tp_size)
+    problems.extend(_plan_problems(plan, tp_size))
+    if build and not problems:
+        problems.extend(_meta_build_problems(model_module, config, plan, tp_size))
+    return list(dict.fromkeys(problems))
+
+
+def check_tensor_parallel(model_module, hf_config: dict, tp_size: Any, config=None, *, build: bool = False) -> None:
+    """Raises one ValueError when `tp_size` is impossible for the checkpoint (before any process starts)."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
+    if tp_size == 1:
+        return
+    if config is None:
+        config = model_module.Config.from_hf(hf_config)
+    problems = tensor_parallel_problems(model_module, config, tp_size, build=build)
+    if not problems:
+        return
+    possible = [t for t in range(1, 65)
+                if not _plan_problems(_weight_plan(model_module, config, t), t)
+                and not (callable(getattr(model_module, "tensor_parallel_problems", None))
+                         and model_module.tensor_parallel_problems(config, t))]
+    archs = ", ".join(hf_config.get("architectures") or [getattr(model_module, "__name__", "?")])
+    raise ValueError(f"tensor_parallel_size={tp_size} is not possible for this checkpoint ({archs}):\n  - "
+                     + "\n  - ".join(problems)
+                     + f"\nsizes that divide it (up to 64): {', '.join(map(str, possible))}")
+
+
+# =========================================================================================== launching
+def torchrun_env() -> Optional[dict]:
+    """The torchrun (torch.distributed.elastic) environment of this process, or None outside torchrun."""
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(k in os.environ for k in keys):
+        return None
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))}
+
+
+def is_driver() -> bool:
+    """False only on the non-zero ranks of a torchrun launch (they serve steps inside LLM(...) and exit)."""
+    env = torchrun_env()
+    return env is None or env["rank"] == 0
+
+
+def _class_path(cls) -> tuple[str, str]:
+    mod, qual = cls.__module__, cls.__qualname__
+    try:
+        if _import_path((mod, qual)) is cls:
+            return mod, qual
+    except Exception:
+        pass
+    raise ValueError(f"runner class {cls!r} must be importable by name ({mod}.{qual}) to start rank processes")
+
+
+def _import_path(path: tuple[str, str]):
+    obj = importlib.import_module(path[0])
+    for part in path[1].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclasses.dataclass
+class _Launch:
+    """What a spawned worker needs (picklable; the runner class travels by name)."""
+    host: str
+    port: int
+    world_size: int
+    device_type: str
+    device_base: int
+    timeout_s: float
+    startup_timeout_s: float
+    runner_path: tuple
+    model_dir: str
+    hf_config: dict
+    runner_kwargs: dict
+    parent_pid: int
+    num_threads: int
+
+
+@dataclasses.dataclass
+class _RankState:
+    rank: int
+    size: int
+    device: torch.device
+    ctrl: Any                                  # gloo control group: step descriptions (no timeout)
+    boot: Any                                  # gloo group for start-up agreements (start-up timeout)
+
+
+def _join_group(rank: int, size: int, device: torch.device, timeout_s: float, startup_timeout_s: float, *,
+                store=None, init_method: Optional[str] = None) -> _RankState:
+    """Joins the default process group (the tensor group) and creates the gloo control groups."""
+    cuda = device.type == "cuda"
+    if cuda:
+        # On a timeout or a failed peer, abort the communicators and raise instead of killing the process.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        torch.cuda.set_device(device)
+    kw: dict = dict(backend="nccl" if cuda else "gloo", rank=rank, world_size=size,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+    if store is not None:
+        kw["store"] = store
+    else:
+        kw["init_method"] = init_method
+    if cuda:
+        kw["device_id"] = device
+    dist.init_process_group(**kw)
+    ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    boot = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
+    tpdist.init_process_group(rank, size, device=device)      # group exists: records the TP state only
+    return _RankState(rank, size, device, ctrl, boot)
+
+
+def _leave_group() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    tpdist.reset_tp()
+
+
+def _all_reduce_int(value: int, op, ctrl) -> int:
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(t, op=op, group=ctrl)
+    return int(t.item())
+
+
+def _build_rank_runner(runner_cls, model_dir: str, hf_config: dict, runner_kwargs: dict, state: _RankState):
+    """runner_cls(...) on this rank, with the KV block count agreed over ranks (MIN). The agreements run
+    on the start-up group: a rank stuck while loading is an error after the start-up timeout."""
+    agree = lambda n: _all_reduce_int(n, dist.ReduceOp.MIN, state.boot)  # noqa: E731
+    cls = runner_cls
+    base_auto = getattr(runner_cls, "_auto_num_blocks", None)
+    if callable(base_auto):
+        # The runner sizes its KV cache from free memory, which may differ per rank: agree before allocating.
+        cls = type(runner_cls.__name__, (runner_cls,),
+                   {"_auto_num_blocks": lambda self, *a, **k: agree(base_auto(self, *a, **k)),
+                    "__module__": runner_cls.__module__, "__qualname__": runner_cls.__qualname__})
+    kwargs = dict(runner_kwargs)
+    kwargs["device"] = state.device
+    runner = cls(model_dir, hf_config, **kwargs)
+    lo = agree(runner.num_kv_blocks)
+    hi = _all_reduce_int(runner.num_kv_blocks, dist.ReduceOp.MAX, state.boot)
+    if lo != hi and runner.num_kv_blocks != lo:
+        _resize_kv(runner, lo)
+    return runner
+
+
+def _resize_kv(runner, n: int) -> None:
+    if hasattr(runner, "resize_kv_cache"):
+        runner.resize_kv_cache(n)
+        return
+    runner.num_kv_blocks = n
+    if hasattr(runner, "_allocate_kv_cache"):
+        for layer in getattr(runner, "attn_layers", ()):
+            layer.k_cache = layer.v_cache = None
+        runner._allocate_kv_cache()
+
+
+# ----------------------------------------------------------------------------------------- rank queries
+def _q_loaded_params(runner):
+    return set(runner.loaded_params), {n for n, _ in runner.model.named_parameters()}
+
+
+def _q_param(runner, name):
+    return dict(runner.model.named_parameters())[name].detach().cpu().clone()
+
+
+def _q_mirror(runner):
+    return sorted(_WORKER_MIRROR.seqs) if _WORKER_MIRROR is not None else None
+
+
+def _q_info(runner):
+    model = getattr(runner, "model", None)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()} if model is not None else {}
+    return {"rank": tpdist.get_tp_rank(), "pid": os.getpid(), "device": str(getattr(runner, "device", "")),
+            "num_kv_blocks": runner.num_kv_blocks, "param_shapes": shapes}
+
+
+_QUERIES = {"loaded_params": _q_loaded_params, "info": _q_info, "param": _q_param, "mirror": _q_mirror}
+_WORKER_MIRROR = None           # a worker's mirror (for the "mirror" query)
+
+
+# --------------------------------------------------------------------------------------------- workers
+class _Mirror:
+    """A worker's copies of rank 0's sequences, updated from step descriptions."""
+
+    def __init__(self):
+        self.seqs: dict[int, Sequence] = {}
+
+    def apply(self, drops, items) -> list[Sequence]:
+        for sid in drops:
+            self.seqs.pop(sid, None)
+        out = []
+        for sid, offset, new_tokens, num_prompt, table, computed, chunk_len, mm_box in items:
+            seq = self.seqs.get(sid)
+            if seq is None or offset == 0:
+                seq = Sequence(sid, [], None)
+                self.seqs[sid] = seq
+            del seq.token_ids[offset:]
+            seq.token_ids.extend(new_tokens)
+            if mm_box is not None:
+                seq.mm_inputs = mm_box[0]
+            seq.num_prompt_tokens = num_prompt
+            seq.block_table = list(table)
+            seq.num_computed_tokens = computed
+            seq.chunk_len = chunk_len
+            seq.status = SequenceStatus.RUNNING
+            out.append(seq)
+        return out
+
+
+def _serve(runner, state: _RankState) -> None:
+    """A worker's loop: receive a message from rank 0, act on it, until "shutdown"."""
+    global _WORKER_MIRROR
+    mirror = _WORKER_MIRROR = _Mirror()
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=state.ctrl, device=_CPU)
+        msg = box[0]
+        kind = msg[0]
+        if kind == "step":
+            _, is_prefill, all_rows, drops, items = msg
+            seqs = mirror.apply(drops, items)
+            if seqs:
+                runner.run(seqs, is_prefill, all_rows)
+        elif kind == "query":
+            dist.gather_object(_QUERIES[msg[1]](runner, *msg[2]), None, dst=0, group=state.ctrl)
+        elif kind == "shutdown":
+            return
+        else:
+            raise RuntimeError(f"unknown control message {kind!r}")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)                            # rank 0 is gone (killed): do not linger as an orphan
+        time.sleep(0.5)
+
+
+def _worker_entry(rank: int, launch: _Launch, reports) -> None:
+    """Entry point of a spawned rank 1..N-1."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is rank 0's to handle; it tells us to stop
+    threading.Thread(target=_watch_parent, args=(launch.parent_pid,), daemon=True, name="xllm-tp-parent").start()
+    try:
+        reports.put(("hello", rank, os.getpid()))
+        if launch.device_type == "cpu":
+            torch.set_num_threads(launch.num_threads)
+        runner_cls = _import_path(launch.runner_path)
+        device = (torch.device("cuda", launch.device_base + rank) if launch.device_type == "cuda" else _CPU)
+        store = dist.TCPStore(launch.host, launch.port, launch.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=launch.startup_timeout_s))
+        state = _join_group(rank, launch.world_size, device, launch.timeout_s, launch.startup_timeout_s,
+                            store=store)
+        runner = _build_rank_runner(runner_cls, launch.model_dir, launch.hf_config, launch.runner_kwargs, state)
+        reports.put(("ready", rank, os.getpid()))
+        _serve(runner, state)
+    except BaseException:
+        try:
+            reports.put(("error", rank, traceback.format_exc()))
+            reports.close()
+            reports.join_thread()                  # the report reaches rank 0 before our sockets close
+        finally:
+            os._exit(1)
+    del runner
+    _leave_group()
+    reports.close()
+    reports.join_thread()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)                                    # skip interpreter teardown: the group is already gone
+
+
+def _torchrun_worker(runner_cls, model_dir, hf_config, runner_kwargs, env, state: _RankState):
+    """A non-zero torchrun rank: serve until rank 0 shuts down, then exit the process (never returns)."""
+    store = _default_store()
+    try:
+        runner = _build_rank_runner(runner_cls, model_dir, hf_config, runner_kwargs, state)
+        _serve(runner, state)
+    except BaseException:
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(f"{_STORE_PREFIX}error/{state.rank}", traceback.format_exc())
+        raise
+    _leave_group()
+    sys.exit(0)
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+# ============================================================================================ teardown
+class TensorParallelError(RuntimeError):
+    """A rank failed (its traceback is in the message), a collective timed out, or the group is shut down."""
+
+
+_COMM_MARKERS = ("Connection closed by peer", "Connection reset", "Timed out waiting", "gloo", "NCCL",
+                 "c10d", "Broken pipe", "ProcessGroup")
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(m in text for m in _COMM_MARKERS)
+
+
+def _is_comm_report(text: str) -> bool:
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    return any(m in last for m in _COMM_MARKERS)
+
+
+class _Group:
+    """Everything teardown needs, held apart from the runner: the monitor thread and the finalizer keep
+    this object alive, never the runner, so dropping the runner lets it be collected (and torn down)."""
+
+    def __init__(self, size: int, device: torch.device, procs=(), reports=None, store=None):
+        self.size = size
+        self.device = device
+        self.procs: list = list(procs)             # spawned ranks 1..N-1 (empty under torchrun)
+        self.reports = reports                     # multiprocessing queue from the workers
+        self.store = store                         # torchrun: workers' error reports
+        self.ctrl = None
+        self.failures: dict[int, str] = {}         # rank -> traceback text (or exit description)
+        self.pids: dict[int, int] = {}
+        self.ready: set[int] = set()
+        self.lock = threading.RLock()
+        self.stop = threading.Event()
+        self.closed = False
+        self.in_step = False
+        self.monitor: Optional[threading.Thread] = None
+        self.keep = None
+        self.saved_threads: Optional[int] = None   # rank 0's torch threads before the group (CPU)
+
+    # -- failure intake
+    def drain(self, timeout: float = 0.0) -> None:
+        """Moves pending reports into pids/ready/failures (waiting up to `timeout` for the first queued one)
+        and notes ranks that died without a report. Called by the monitor thread and by rank 0's thread."""
+        with self.lock:
+            self._drain_queue(timeout)
+            if self.store is not None:
+                for r in range(1, self.size):
+                    key = f"{_STORE_PREFIX}error/{r}"
+                    with contextlib.suppress(Exception):
+                        if r not in self.failures and self.store.check([key]):
+                            self.failures[r] = self.store.get(key).decode(errors="replace")
+            dead = [(r, p) for r, p in enumerate(self.procs, start=1)
+                    if p.exitcode is not None and r not in self.failures and not self.closed]  # not our kill
+            if dead:
+                self._drain_queue(0.05)        # a report may still be in flight
+                for r, p in dead:
+                    if r not in self.failures:
+                        code = p.exitcode
+                        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                        self.failures[r] = f"rank {r} (pid {p.pid}) {how} without a report (see its stderr)"
+
+    def _drain_queue(self, timeout: float) -> None:
+        if self.reports is None:
+            return
+        block = timeout > 0
+        while True:
+            try:
+                kind, rank, payload = self.reports.get(True, timeout) if block else self.reports.get_nowait()
+            except (queue_mod.Empty, EOFError, OSError, ValueError):
+                return
+            block = False
+            if kind == "hello":
+                self.pids[rank] = payload
+            elif kind == "ready":
+                self.ready.add(rank)
+            elif kind == "error":
+                self.failures[rank] = payload
+
+    def root_failures(self) -> list[tuple[int, str]]:
+        """Failures, root causes first (a rank that merely lost its peers reports a connection error)."""
+        items = sorted(self.failures.items())
+        return sorted(items, key=lambda kv: _is_comm_report(kv[1]))
+
+    def wait_for_root_cause(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.drain(timeout=0.1)
+            if any(not _is_comm_report(t) for t in self.failures.values()):
+                return
+            if self.procs and all(p.exitcode is not None for p in self.procs):
+                self.drain()
+                return
+
+    def describe(self) -> str:
+        roots = self.root_failures()
+        if not roots:
+            return "no rank reported an error"
+        (rank, text), rest = roots[0], roots[1:]
+        msg = f"tensor-parallel rank {rank} of {self.size} failed:\n{text.rstrip()}"
+        for r, t in rest:
+            last = t.strip().splitlines()[-1] if t.strip() else t
+            msg += f"\n(rank {r} also stopped: {last})"
+        return msg
+
+    # -- monitor
+    def start_monitor(self) -> None:
+        self.monitor = threading.Thread(target=self._monitor, daemon=True, name="xllm-tp-monitor")
+        self.monitor.start()
+
+    def _monitor(self) -> None:
+        while not self.stop.wait(0.2):
+            with contextlib.suppress(Exception):
+                n = len(self.failures)
+                self.drain()
+                if len(self.failures) > n and self.in_step and self.device.type == "cuda":
+                    self._abort_nccl()     # a blocked NCCL collective never notices a dead peer by itself
+
+    def _abort_nccl(self) -> None:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                abort(dist.group.WORLD)
+
+    # -- teardown
+    def teardown(self, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.stop.set()
+        if self.monitor is not None and self.monitor is not threading.current_thread():
+            self.monitor.join(2.0)                 # before the groups and the store go away
+        if graceful and self.ctrl is not None and not self.failures:
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([("shutdown",)], src=0, group=self.ctrl, device=_CPU)
+        deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if graceful else 0.5)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(3.0)
+            if p.is_alive():
+                p.kill()
+                p.join(3.0)
+        if self.failures and self.device.type == "cuda":
+            self._abort_nccl()
+        _leave_group()
+        if self.saved_threads is not None:
+            torch.set_num_threads(self.saved_threads)
+        if self.reports is not None:
+            with contextlib.suppress(Exception):
+                self.drain()
+                self.reports.cancel_join_thread()
+                self.reports.close()
+
+
+def _teardown(group: _Group) -> None:          # the finalizer (garbage collection, interpreter exit)
+    with contextlib.suppress(Exception):
+        group.teardown(graceful=True)
+
+
+# ========================================================================================= the driver
+@contextlib.contextmanager
+def _defer_sigint():
+    """Ctrl-C during a step takes effect when the step ends (every rank is then between steps); a second
+    Ctrl-C interrupts at once. Only in the main thread, and only over Python's default handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    hits = []
+
+    def handler(signum, frame):
+        hits.append(signum)
+        if len(hits) > 1:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hits:
+        raise KeyboardInterrupt
+
+
+def _to_cpu(obj):
+    """Multimodal inputs travel pickled over gloo: CUDA tensors are moved to the CPU first."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu() if obj.device.type != "cpu" else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _to_cpu(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if all(changes[k] is getattr(obj, k) for k in changes):
+            return obj
+        new = object.__new__(type(obj))
+        new.__dict__.update(obj.__dict__)
+        new.__dict__.update(changes)
+        return new
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class _Sent:
+    __slots__ = ("ref", "ntok", "mm")
+
+    def __init__(self, ref, ntok, mm):
+        self.ref, self.ntok, self.mm = ref, ntok, mm
+
+
+class TensorParallelRunner:
+    """A model runner over `tp_size` ranks with the interface LLMEngine uses: `num_kv_blocks`,
+    `run(seqs, is_prefill, all_rows=False) -> float32 logits` (on rank 0), `shutdown()`, `config`.
+
+    Rank 0's own runner is `.runner` (attributes not defined here are read from it, e.g. `.model`)."""
+
+    def __init__(self, runner_cls, model_dir: str, hf_config: dict, tp_size: int, runner_kwargs: dict, *,
+                 timeout_s: Optional[float] = None, startup_timeout_s: Optional[float] = None):
+        model_module = getattr(runner_cls, "model_module", None)
+        if model_module is not None:
+            check_tensor_parallel(model_module, hf_config, tp_size)
+        elif not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
+        self.tp_size = tp_size
+        self.timeout_s = float(timeout_s or COLLECTIVE_TIMEOUT_S)
+        self.startup_timeout_s = float(startup_timeout_s or STARTUP_TIMEOUT_S)
+        device = torch.device(runner_kwargs.get("device") or "cpu")
+        env = torchrun_env()
+        if env is not None and env["world_size"] != tp_size:
+            raise ValueError(f"under torchrun, tensor_parallel_size ({tp_size}) must equal WORLD_SIZE "
+                             f"({env['world_size']})")
+        if dist.is_initialized():
+            raise ValueError("torch.distributed is already initialized in this process (another tensor-parallel "
+                             "LLM is alive?): shut it down before starting a new one")
+        if device.type == "cuda":
+            base = 0 if env is not None else (device.index or 0)
+            n_dev = torch.cuda.device_count()
+            local_n = tp_size if env is None else None
+            if local_n is not None and base + local_n > n_dev:
+                raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} GPUs from cuda:{base}, but "
+                                 f"{n_dev} are visible (for several hosts, launch with torchrun)")
+        elif device.type != "cpu":
+            raise ValueError(f"tensor parallelism runs on cuda or cpu devices, not {device}")
+        self._sent: dict[int, _Sent] = {}
+        self._group: Optional[_Group] = None
+        self._finalizer = None
+        self.runner = None
+        try:
+            if env is None:
+                self._start_spawn(runner_cls, model_dir, hf_config, runner_kwargs, device)
+            else:
+                self._start_torchrun(runner_cls, model_dir, hf_config, runner_kwargs, device, env)
+        except BaseException as e:
+            if self._group is not None:
+                self._fail(e, "start-up")
+            raise
+
+    # ---- start-up -------------------------------------------------------------------------------
+    def _start_spawn(self, runner_cls, model_dir, hf_config, runner_kwargs, device) -> None:
+        import torch.multiprocessing as mp
+
+        path = _class_path(runner_cls)
+        store = dist.TCPStore("127.0.0.1", 0, self.tp_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.startup_timeout_s))
+        ctx = mp.get_context("spawn")
+        reports = ctx.Queue()
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cpus = os.cpu_count() or 1
+        launch = _Launch("127.0.0.1", store.port, self.tp_size, device.type,
+                         (device.index or 0) if device.type == "cuda" else 0, self.timeout_s,
+                         self.startup_timeout_s, path, str(model_dir), dict(hf_config), dict(runner_kwargs),
+                         os.getpid(), max(1, cpus // self.tp_size))
+        procs = [ctx.Process(target=_worker_entry, args=(r, launch, reports), daemon=True, name=f"xllm-tp-rank{r}")
+                 for r in range(1, self.tp_size)]
+        group = self._group = _Group(self.tp_size, device, procs, reports)
+        if device.type == "cpu":       # the ranks share this host's cores: rank 0 takes its share too
+            group.saved_threads = torch.get_num_threads()
+            torch.set_num_threads(launch.num_threads)
+        self._finalizer = weakref.finalize(self, _teardown, group)
+        for p in procs:
+            p.start()
+        # Every worker must be alive and past its imports before rank 0 blocks in the rendezvous.
+        deadline = time.monotonic() + self.startup_timeout_s
+        while len(group.pids) < len(procs):
+            group.drain(timeout=0.1)
+            if group.failures:
+                hint = ""
+                if len(group.pids) < len(procs) and not any("Traceback" in t for t in group.failures.values()):
+                    hint = ("\n(a rank that exits before running any code usually means the script that "
+                            "creates the LLM lacks the `if __name__ == \"__main__\":` guard: ranks are "
+                            "started with multiprocessing's spawn, which re-imports the main module)")
+                raise TensorParallelError(f"start-up failed: {group.describe()}{hint}")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel ranks did not start within {self.startup_timeout_s:.0f} s")
+        dev0 = device if device.type == "cpu" else torch.device("cuda", launch.device_base)
+        state = _join_group(0, self.tp_size, dev0, self.timeout_s, self.startup_timeout_s, store=store)
+        group.ctrl = state.ctrl
+        group.keep = store                        # the TCPStore master lives as long as the group
+        group.start_monitor()
+        self.runner = _build_rank_runner(runner_cls, model_dir, hf_config, runner_kwargs, state)
+
+    def _start_torchrun(self, runner_cls, model_dir, hf_config, runner_kwargs, device, env) -> None:
+        rank = env["rank"]
+        dev = torch.device("cuda", env["local_rank"]) if device.type == "cuda" else _CPU
+        state = _join_group(rank, self.tp_size, dev, self.timeout_s, self.startup_timeout_s, init_method="env://")
+        if rank != 0:
+            _torchrun_worker(runner_cls, model_dir, hf_config, runner_kwargs, env, state)   # exits
+        group = self._group = _Group(self.tp_size, dev, store=_default_store())
+        group.ctrl = state.ctrl
+        self._finalizer = weakref.finalize(self, _teardown, group)
+        group.start_monitor()
+        self.runner = _build_rank_runner(runner_cls, model_dir, hf_config, runner_kwargs, state)
+
+    # ---- the interface LLMEngine uses ------------------------------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks
+
+    @property
+    def config(self):
+        return self.runner.config
+
+    @property
+    def loaded_params(self):
+        return self.runner.loaded_params
+
+    def __getattr__(self, name):
+        runner = self.__dict__.get("runner")
+        if runner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(runner, name)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool, all_rows: bool = False) -> torch.Tensor:
+        """One step on every rank; float32 logits [B, vocab] of each sequence's last row (all rows of the
+        step when all_rows), as computed on rank 0."""
+        self._check_usable()
+        msg, commit = self._step_message(seqs, is_prefill, all_rows)
+        group = self._group
+        with _defer_sigint():
+            group.in_step = True
+            try:
+                dist.broadcast_object_list([msg], src=0, group=group.ctrl, device=_CPU)
+                commit()
+                logits = self.runner.run(seqs, is_prefill, all_rows)
+            except BaseException as e:
+                self._fail(e, "a step")
+            finally:
+                group.in_step = False
+        if group.failures:                        # a rank failed after its last collective of the step
+            self._check_usable()
+        return logits
+
+    def _step_message(self, seqs, is_prefill: bool, all_rows: bool):
+        """(message, commit): the step description, and a function recording what the workers then hold
+        (called once the broadcast went out, so a failure while building the message changes nothing)."""
+        sent = self._sent
+        live = {s.seq_id for s in seqs}
+        drops = [sid for sid, e in sent.items() if sid not in live
+                 and ((seq := e.ref()) is None or seq.status == SequenceStatus.FINISHED)]
+        items, updates = [], {}
+        for seq in seqs:
+            entry = sent.get(seq.seq_id)
+            toks = seq.token_ids
+            fresh = entry is None or entry.ref() is not seq or entry.ntok > len(toks)
+            offset = 0 if fresh else entry.ntok
+            mm_ref = None if fresh else entry.mm
+            mm_box = None
+            if seq.mm_inputs is not None and (mm_ref is None or mm_ref() is not seq.mm_inputs):
+                mm_box = (_to_cpu(seq.mm_inputs),)
+                mm_ref = _ref_or_const(seq.mm_inputs)
+            items.append((seq.seq_id, offset, toks[offset:], seq.num_prompt_tokens, list(seq.block_table),
+                          seq.num_computed_tokens, seq.chunk_len, mm_box))
+            updates[seq.seq_id] = _Sent(weakref.ref(seq), len(toks), mm_ref)
+
+        def commit():
+            for sid in drops:
+                sent.pop(sid, None)
+            sent.update(updates)
+        return ("step", bool(is_prefill), bool(all_rows), drops, items), commit
+
+    # ---- tests and tools ------------------------------------------------------------------------
+    def gather(self, query: str, *args) -> list:
+        """Every rank's answer to a named query, in rank order: "loaded_params", "info", "param" (name),
+        "mirror" (the sequence ids a rank holds; rank 0: those it has sent)."""
+        if query not in _QUERIES:
+            raise ValueError(f"unknown query {query!r}; known: {', '.join(_QUERIES)}")
+        self._check_usable()
+        group = self._group
+        out = [None] * self.tp_size
+        mine = sorted(self._sent) if query == "mirror" else _QUERIES[query](self.runner, *args)
+        with _defer_sigint():
+            try:
+                dist.broadcast_object_list([("query", query, args)], src=0, group=group.ctrl, device=_CPU)
+                dist.gather_object(mine, out, dst=0, group=group.ctrl)
+            except BaseException as e:
+                self._fail(e, f"query {query!r}")
+        return out
+
+    def loaded_param_sets(self) -> list[tuple[set, set]]:
+        """Per rank: (names the loader filled, names of the model's parameters)."""
+        return self.gather("loaded_params")
+
+    def rank_info(self) -> list[dict]:
+        """Per rank: pid, device, num_kv_blocks, per-rank parameter shapes."""
+        return self.gather("info")
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._group.procs] if self._group else []
+
+    # ---- failures and shutdown ------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        group = self._group
+        if group is None:
+            raise TensorParallelError("the tensor-parallel runner did not start")
+        if not group.closed and group.failures:
+            group.wait_for_root_cause(2.0)
+            group.teardown(graceful=False)
+        if group.closed:
+            why = f":\n{group.describe()}" if group.failures else ""
+            raise TensorParallelError(f"the tensor-parallel group is shut down{why}")
+
+    def _fail(self, exc: BaseException, where: str):
+        """Tears the group down after `exc` on rank 0 and raises the most useful error: when rank 0 only saw
+        a broken connection or a timeout, the failing worker's traceback; else rank 0's own exception."""
+        group = self._group
+        if isinstance(exc, TensorParallelError):
+            group.teardown(graceful=False)
+            raise exc
+        comm = _is_comm_error(exc)
+        timed_out = "timed out" in str(exc).lower()        # a stuck rank: it will not report anything
+        group.wait_for_root_cause(0.5 if timed_out or not comm else 5.0)
+        group.teardown(graceful=False)
+        if comm:
+            if group.failures:
+                raise TensorParallelError(f"tensor parallelism failed during {where}: {group.describe()}") from exc
+            raise TensorParallelError(f"tensor parallelism failed during {where} (rank 0: {exc})") from exc
+        raise exc
+
+    def shutdown(self) -> None:
+        """Stops every rank (idempotent): shutdown message, join with a timeout, then terminate/kill."""
+        if self._finalizer is not None:
+            self._finalizer()
+        elif self._group is not None:
+            self._group.teardown()
+
+
+def _ref_or_const(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
