@@ -109,11 +109,15 @@ class ModelRunner:
     def _make_backend(self):
         if self.device.type == "cuda" and not self.debug.get("torch_attention"):
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
+            from xllm_gen.runtime.cuda_graph import graph_buckets
             a = self.attn_layers[0]
+            buckets = () if self.enforce_eager else graph_buckets(self.graph_buckets, self.max_num_seqs)
             return FlashInferBackend(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                                      block_size=self.block_size, dtype=self.dtype, device=self.device,
-                                     max_batch=max(self.max_num_seqs, max(self.graph_buckets or (1,))),
-                                     max_num_blocks=self.num_kv_blocks)
+                                     max_batch=max((self.max_num_seqs,) + buckets),
+                                     max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
+                                     max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets,
+                                     sm_scale=a.scale)
         from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
         return TorchPagedBackend()
 
@@ -235,6 +239,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, all_rows: bool = False) -> torch.Tensor:
         """Float32 logits [B, vocab] of each sequence's last row (all rows of the step when all_rows)."""
+        if not is_prefill and not all_rows and self.graphs is not None and self.graphs.fits(len(seqs)):
+            # decode graphs build the step's inputs from the sequences (pinned memory, one copy), plan, replay
+            return self.model.compute_logits(self.graphs.run(seqs)).float()
         ids, pos, ctx, last_rows = self.prepare(seqs, is_prefill)
         try:
             if not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs)):

@@ -1,0 +1,377 @@
+"""Decode CUDA graphs: one graph per batch-size bucket, captured once at start-up, replayed every decode step.
+
+Buckets come from the generated runner (`graph_buckets`, from the spec: 1, 2, 4, 8, then multiples of 16 up
+to the spec's max batch), capped at the engine's `max_num_seqs` (the cap itself closes the list, so every
+decode batch the scheduler can form fits). A batch of B sequences runs in the smallest bucket >= B; rows
+B..bucket-1 are padding rows, empty sequences: token 0 at position 0, KV slot -1 (the KV write skips it), no
+KV pages (the page-index pointer repeats, never decreasing), last-page length 1. No page is allocated for them.
+
+Where things live:
+- static inputs: one int64 device buffer holds a bucket's token ids, positions ([B] for rope, [3, B] for
+  mRoPE) and KV slots, laid out per bucket as [ids | positions | slots], so one host-to-device copy fills a
+  step;
+- attention: the backend's per-bucket decode wrappers (`backend.graph_wrappers[b]`, built with
+  use_cuda_graph=True over persistent indptr / last-page-length buffers and one page-index buffer shared by
+  all buckets, `backend.page_indices_buf`, sized for the worst case; made by `backend.ensure_graph_buckets`).
+  The host builds the step's metadata in pinned memory (block tables converted to arrays once per change,
+  reused as a whole while the batch and its page counts stay the same); the page indices go straight into
+  the shared buffer (one copy), and the bucket's wrapper is planned once per step, outside the graph (see
+  _BucketAttention for the re-plan);
+- outputs: each graph's hidden states [bucket, hidden] live in one memory pool shared by all graphs
+  (torch.cuda.graph_pool_handle()); logits and sampling run outside the graph, on the first B rows.
+
+Host work per step (the `run(seqs)` path): a few list comprehensions over the sequences, numpy writes into
+two pinned buffers, two non-blocking host-to-device copies plus the planner's two small ones, the planner,
+and the replay. Measured on an H200 host at batch 1: about 0.03 ms inputs, 0.04 ms copies, 0.1 ms plan.
+
+Every bucket gets a warm-up run before capture (Triton compiles, cuBLAS picks its kernels, lazily moved
+tables reach the device); buckets are captured largest first so smaller graphs reuse the pool's blocks.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from xllm_gen.runtime.attention.base import AttentionBackend
+from xllm_gen.runtime.context import ForwardContext, reset_context, set_context
+
+
+def graph_buckets(spec_buckets, max_num_seqs: int) -> tuple[int, ...]:
+    """The spec's buckets up to max_num_seqs; when the spec has larger buckets but none equal to
+    max_num_seqs, max_num_seqs itself closes the list (so any batch the scheduler forms has a graph)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    spec = [int(b) for b in spec_buckets]
+    buckets = sorted({b for b in spec if 0 < b <= max_num_seqs})
+    if any(b > max_num_seqs for b in spec) and (not buckets or buckets[-1] < max_num_seqs):
+        buckets.append(max_num_seqs)
+    return tuple(buckets)
+
+
+class _BucketAttention(AttentionBackend):
+    """The attention backend seen by the layers inside one bucket's graph: the bucket's FlashInfer decode
+    wrapper, planned once per step (outside the graph) by DecodeGraphs.
+
+    Re-planning: the first plan goes through the wrapper's `plan()`. Later ones, for the configuration the
+    decode graphs use (FlashInfer 0.6, tensor-core decode = fa2 prefill kernels, CUDA-graph mode), do only
+    what `plan()` does on a re-plan of the same bucket: copy indptr / last-page length into the persistent
+    buffers (the page indices are already in place) and run the scheduler (`module.plan`) with the KV
+    lengths computed here with numpy. This skips the wrapper's per-call Python work, among it a Python
+    `max()` over a tensor of KV lengths (about 3 us per row: 0.35 ms per step at batch 112). Anything else,
+    or XLLM_GRAPH_FAST_PLAN=0, keeps `plan()` every step."""
+
+    def __init__(self, backend, wrapper, batch_size: int):
+        self.backend = backend
+        self.wrapper = wrapper
+        self.batch_size = batch_size
+        self._replan = None
+
+    def plan(self, ctx: ForwardContext) -> None:         # pragma: no cover - DecodeGraphs plans directly
+        raise RuntimeError("a graph bucket is planned by DecodeGraphs, not through plan(ctx)")
+
+    def plan_decode(self, indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor) -> None:
+        """indptr [B+1] / last_page_len [B]: int32 host tensors; indices: the step's pages, already in the
+        wrapper's (shared) page-index buffer."""
+        if self._replan is not None:
+            self._replan(indptr, last_page_len)
+            return
+        be = self.backend
+        self.wrapper.plan(indptr, indices, last_page_len, be.num_heads, be.num_kv_heads, be.head_dim,
+                          be.block_size, q_data_type=be.dtype, kv_data_type=getattr(be, "kv_dtype", be.dtype),
+                          sm_scale=be.sm_scale)
+        self._replan = self._fast_replan()
+
+    def _fast_replan(self):
+        import os
+        w = self.wrapper
+        try:
+            import flashinfer
+            version_ok = flashinfer.__version__.startswith("0.6.")
+        except Exception:                                  # pragma: no cover
+            version_ok = False
+        attrs = ("_cached_module", "_plan_info", "_float_workspace_buffer", "_int_workspace_buffer",
+                 "_pin_memory_int_workspace_buffer", "_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf")
+        if not (version_ok and os.environ.get("XLLM_GRAPH_FAST_PLAN", "1") != "0"
+                and getattr(w, "_use_tensor_cores", False) and getattr(w, "_use_cuda_graph", False)
+                and getattr(w, "_backend", None) == "fa2" and getattr(w, "_jit_module", 0) is None
+                and getattr(w, "_window_left", -1) == -1 and all(hasattr(w, a) for a in attrs)):
+            return None
+        be = self.backend
+        B, page = self.batch_size, be.block_size
+        qo_indptr = torch.arange(B + 1, dtype=torch.int32)
+        kv_lens = torch.empty(B, dtype=torch.int32)
+        kv_np = kv_lens.numpy()
+        module = w._cached_module
+        # BatchDecodeWithPagedKVCacheWrapper.plan, tensor-core branch: total_num_rows, batch, heads, kv heads,
+        # page size, cuda graph, head_dim qk / vo, causal, window_left; fa2: fixed_split_size, disable_split_kv,
+        # num_colocated_ctas.
+        tail = (B, B, be.num_heads, be.num_kv_heads, page, True, be.head_dim, be.head_dim, False, -1, -1, False, 0)
+
+        def replan(indptr: torch.Tensor, last_page_len: torch.Tensor) -> None:
+            w._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
+            w._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
+            ip = indptr.numpy()
+            np.maximum(ip[1:] - ip[:-1] - 1, 0, out=kv_np)          # flashinfer.page.get_seq_lens
+            np.multiply(kv_np, page, out=kv_np)
+            np.add(kv_np, last_page_len.numpy(), out=kv_np)
+            w._max_kv_len = int(kv_np.max())
+            w._plan_info = module.plan(w._float_workspace_buffer, w._int_workspace_buffer,
+                                       w._pin_memory_int_workspace_buffer, qo_indptr, indptr, kv_lens, *tail)
+        return replan
+
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+        return self.wrapper.run(q, (k_cache, v_cache))
+
+
+class DecodeGraphs:
+    """`fits(B)`: a decode batch of B sequences has a graph. `run(seqs)`: the fast path, builds the step's
+    inputs from the sequences in pinned memory, plans attention, replays. `replay(ids, pos, ctx)`: the same
+    from what ModelRunner.prepare already built. Both return hidden states [B, hidden] (a view of the graph's
+    static output, valid until the next replay)."""
+
+    def __init__(self, runner, *, progress: bool = True):
+        if runner.device.type != "cuda":
+            raise RuntimeError("decode CUDA graphs need a CUDA device")
+        self.runner = runner
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.buckets = graph_buckets(runner.graph_buckets, runner.max_num_seqs)
+        if not self.buckets:
+            raise ValueError("no decode graph bucket (graph_buckets is empty)")
+        self.max_bs = self.buckets[-1]
+        self._bucket_of = [0] * (self.max_bs + 1)
+        it = iter(self.buckets)
+        b = next(it)
+        for n in range(1, self.max_bs + 1):
+            while n > b:
+                b = next(it)
+            self._bucket_of[n] = b
+        self.mrope = runner.position_kind == "mrope"
+        self.P = 3 if self.mrope else 1                     # rows of positions
+
+        backend = runner.backend
+        ensure = getattr(backend, "ensure_graph_buckets", None)
+        if ensure is not None:
+            ensure(self.buckets)                               # per-bucket decode wrappers (before capture)
+        wrappers = getattr(backend, "graph_wrappers", None)
+        missing = [b for b in self.buckets if wrappers is None or b not in wrappers]
+        if missing:
+            raise RuntimeError(f"{type(backend).__name__} has no CUDA-graph decode wrapper for bucket(s) "
+                               f"{missing}: build the backend with graph_buckets={self.buckets}")
+        self.page_indices = backend.page_indices_buf           # shared by all buckets (worst-case size)
+        self.max_pages = self.page_indices.numel()
+
+        # Static inputs: for bucket Bk the layout is [ids (Bk) | positions (P*Bk) | slots (Bk)].
+        n64 = (2 + self.P) * self.max_bs
+        self._h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=True)
+        self._h64_np = self._h64.numpy()
+        self._d64 = torch.zeros(n64, dtype=torch.int64, device=self.device)
+        # Attention metadata on the host: [indptr (max+1) | last_page_len (max) | indices (max_pages)].
+        m = self.max_bs
+        self._ind0 = 2 * m + 1
+        self._h32 = torch.zeros(self._ind0 + self.max_pages, dtype=torch.int32, pin_memory=True)
+        self._h32_np = self._h32.numpy()
+        self._indptr_h = [self._h32[: b + 1] for b in range(m + 1)]            # views per batch size
+        self._last_h = [self._h32[m + 1: m + 1 + b] for b in range(m + 1)]
+        self._table_cache: dict = {}                       # id(block table) -> (table, len, int32 array)
+        self._prev_pages = None                            # (tables, page counts) whose indices the buffer holds
+        self._copied = torch.cuda.Event()                  # pinned buffers are rewritten only after their copy
+        self._copied.record()
+
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._ctx: dict[int, ForwardContext] = {}
+        self._attn: dict[int, _BucketAttention] = {b: _BucketAttention(backend, wrappers[b], b) for b in self.buckets}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self._capture_all(progress)
+
+    # ---- buckets ------------------------------------------------------------------------------------
+    def fits(self, batch_size: int) -> bool:
+        return 0 < batch_size <= self.max_bs
+
+    def bucket_for(self, batch_size: int) -> int:
+        return self._bucket_of[batch_size]
+
+    def _views(self, Bk: int):
+        d = self._d64
+        ids = d[:Bk]
+        pos = d[Bk: (1 + self.P) * Bk]
+        if self.mrope:
+            pos = pos.view(3, Bk)
+        slots = d[(1 + self.P) * Bk: (2 + self.P) * Bk]
+        return ids, pos, slots
+
+    # ---- capture ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _capture_all(self, progress: bool) -> None:
+        runner = self.runner
+        t0 = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        order = sorted(self.buckets, reverse=True)
+        bar = None
+        if progress:
+            try:
+                from tqdm import tqdm
+                bar = tqdm(order, desc="Capturing decode CUDA graphs", unit="graph")
+            except ImportError:                            # pragma: no cover
+                bar = None
+        for Bk in (bar if bar is not None else order):
+            ids, pos, slots = self._views(Bk)
+            ctx = ForwardContext(
+                is_prefill=False,
+                cu_seqlens_q=torch.arange(Bk + 1, dtype=torch.int32, device=self.device),
+                seq_lens=torch.ones(Bk, dtype=torch.int32, device=self.device),
+                slot_mapping=slots,
+                block_tables=torch.zeros(Bk, 0, dtype=torch.int32, device=self.device),
+                block_size=self.block_size, seq_lens_cpu=None, query_lens_cpu=[1] * Bk,
+                backend=self._attn[Bk], extra={"graph_bucket": Bk})
+            self._ctx[Bk] = ctx
+            total = self._write_step(0, Bk, [], [], [], [], [])  # every row a padding row
+            self._upload(Bk, total)
+            self._plan(Bk, total)                          # planned outside the graph
+            set_context(ctx)
+            try:
+                runner.forward(ids, pos, ctx, None)        # warm-up: compiles, lazily moved tables, cuBLAS
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    out = runner.forward(ids, pos, ctx, None)
+            finally:
+                reset_context()
+            self.graphs[Bk] = g
+            self.outputs[Bk] = out
+        if bar is not None:
+            bar.close()
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def _write_step(self, B: int, Bk: int, ids, pos, slots, lens, tables) -> int:
+        """Writes one step's inputs and attention metadata (padded to Bk rows) into the pinned buffers;
+        returns the number of KV pages of the step. `lens`: KV length of each sequence after the step."""
+        if not self._copied.query():                       # the previous step's copy still reads them
+            self._copied.synchronize()
+        bs = self.block_size
+        P = self.P
+        h = self._h64_np
+        h[:B] = ids
+        h[B:Bk] = 0
+        if P == 1:
+            h[Bk: Bk + B] = pos
+            h[Bk + B: 2 * Bk] = 0
+        else:
+            block = h[Bk: 4 * Bk].reshape(3, Bk)
+            block[:, :B] = np.asarray(pos, dtype=np.int64).reshape(3, B)
+            block[:, B:] = 0
+        s0 = (1 + P) * Bk
+        h[s0: s0 + B] = slots
+        h[s0 + B: s0 + Bk] = -1
+        m = self.max_bs
+        h32 = self._h32_np
+        h32[0] = 0
+        total = 0
+        if B:
+            L = np.asarray(lens, dtype=np.int64)
+            npages = (L + bs - 1) // bs
+            ptr = np.cumsum(npages)
+            total = int(ptr[-1])
+            if total > self.max_pages:
+                raise RuntimeError(f"decode step needs {total} KV pages; the graph page buffer holds {self.max_pages}")
+            h32[1: B + 1] = ptr
+            h32[m + 1: m + 1 + B] = L - (npages - 1) * bs
+            if total:
+                self._write_pages(tables, npages, total)
+        else:
+            self._prev_pages = None
+        h32[B + 1: Bk + 1] = total                         # padding rows: pointer repeated (no pages)
+        h32[m + 1 + B: m + 1 + Bk] = 1                     # padding rows: last-page length 1
+        return total
+
+    def _write_pages(self, tables: list, npages: np.ndarray, total: int) -> None:
+        """The step's page indices, concatenated into the pinned buffer. Usually a decode batch is the last
+        one again with no sequence grown by a page: then the buffer already holds them. Otherwise each table
+        is converted once per change. Both rely on BlockManager only appending to a table or replacing it by
+        a new list (free): the same list object with the same page count has the same first pages. The
+        references kept here keep the objects alive, so their identities are not reused."""
+        prev = self._prev_pages
+        counts = npages.tolist()
+        if (prev is not None and prev[1] == counts and all(a is b for a, b in zip(prev[0], tables))):
+            return
+        cache, nxt = self._table_cache, {}
+        parts = []
+        for t, k in zip(tables, counts):
+            hit = cache.get(id(t))
+            if hit is None or hit[0] is not t or hit[1] != len(t):
+                hit = (t, len(t), np.asarray(t, dtype=np.int32))
+            nxt[id(t)] = hit
+            parts.append(hit[2][:k])
+        self._table_cache = nxt
+        np.concatenate(parts, out=self._h32_np[self._ind0: self._ind0 + total])
+        self._prev_pages = (list(tables), counts)
+
+    def _upload(self, Bk: int, total_pages: int) -> None:
+        n64 = (2 + self.P) * Bk
+        self._d64[:n64].copy_(self._h64[:n64], non_blocking=True)
+        if total_pages:
+            self.page_indices[:total_pages].copy_(self._h32[self._ind0: self._ind0 + total_pages],
+                                                  non_blocking=True)
+        self._copied.record()
+
+    def _plan(self, Bk: int, total_pages: int) -> None:
+        """Plans the bucket's wrapper once for the step, outside the graph. indptr / last_page_len go as pinned
+        host views (the planner needs them on the host, and copies them into the bucket's persistent buffers);
+        the page indices are already in the shared device buffer (so the planner's copy is a no-op)."""
+        self._attn[Bk].plan_decode(self._indptr_h[Bk], self._last_h[Bk], self.page_indices[:total_pages])
+        self._copied.record()
+
+    def run(self, seqs) -> torch.Tensor:
+        """The decode step of `seqs` (each one's last token not yet in the KV cache); hidden [B, hidden]."""
+        B = len(seqs)
+        Bk = self._bucket_of[B]
+        bs = self.block_size
+        lens = [s.num_tokens for s in seqs]
+        tables = [s.block_table for s in seqs]
+        ids = [s.token_ids[-1] for s in seqs]
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
+        if self.mrope:       # generated tokens: position p + delta on all three rows, per request
+            row = []
+            for s, n in zip(seqs, lens):
+                mm = s.mm_inputs
+                if mm is not None and n - 1 < mm.mrope_positions.shape[1]:
+                    raise RuntimeError("decode step inside a multimodal prompt")
+                row.append(n - 1 + (int(mm.mrope_delta) if mm is not None else 0))
+            pos = row * 3
+        else:
+            pos = [n - 1 for n in lens]
+        total = self._write_step(B, Bk, ids, pos, slots, lens, tables)
+        self._upload(Bk, total)
+        self._plan(Bk, total)
+        self.graphs[Bk].replay()
+        return self.outputs[Bk][:B]
+
+    def replay(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The ModelRunner hook, with the inputs prepare() built (device tensors): lengths from
+        ctx.seq_lens_cpu; block tables from ctx.extra["block_tables_cpu"] when given, else read back from the
+        device (one small copy)."""
+        B = ids.shape[0]
+        Bk = self._bucket_of[B]
+        lens = list(ctx.seq_lens_cpu) if ctx.seq_lens_cpu is not None else ctx.seq_lens.tolist()
+        tables = (ctx.extra or {}).get("block_tables_cpu")
+        if tables is None:
+            tables = ctx.block_tables.cpu().tolist()
+        bs = self.block_size
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
+        total = self._write_step(B, Bk, [0] * B, [0] * (B * self.P), slots, lens, tables)
+        self._upload(Bk, total)
+        s_ids, s_pos, _ = self._views(Bk)                  # prepare()'s device inputs over the placeholders
+        s_ids[:B].copy_(ids)
+        if self.mrope:
+            s_pos[:, :B].copy_(pos)
+        else:
+            s_pos[:B].copy_(pos)
+        self._plan(Bk, total)
+        self.graphs[Bk].replay()
+        return self.outputs[Bk][:B]
