@@ -68,6 +68,22 @@ def _checks():
         T.store_kvcache(k, v, kc, vc, slots)
         R.store_kvcache(k, v, kc2, vc2, slots)
         out[f"store_kvcache_{n}"] = (max(err(kc, kc2), err(vc, vc2)), 0.0)
+    # skinny GEMM (decode GEMV) vs F.linear: M rows <= 8, K a multiple of BLOCK_K (64, 32) or not (96, 160: masked
+    # K tail), with and without bias. BLOCK_N is raised (fewer interpreted programs): 8 for N 64, 64 for N 96 (the
+    # second program's rows 96..127 are clamped reads, never stored)
+    import torch.nn.functional as F
+    for dt in (torch.float32, torch.bfloat16):
+        n = str(dt).split(".")[-1]
+        for M in (1, 3, 8):
+            for N, K in ((64, 32), (96, 160)):
+                xs = rnd(M, K + 16, dtype=dt)[:, :K]                # strided rows
+                ws = rnd(N, K, dtype=dt)
+                bs = rnd(N, dtype=dt)
+                for has_bias in (False, True):
+                    b = bs if has_bias else None
+                    key = f"skinny_gemm_M{M}_N{N}_K{K}_{'bias' if has_bias else 'nobias'}_{n}"
+                    out[key] = (err(T.skinny_gemm(xs, ws, b, block_n=8 if N == 64 else 64), F.linear(xs, ws, b)),
+                                1e-5 if dt == torch.float32 else tol[dt])
     # empty inputs launch nothing
     e = torch.empty(0, 48)
     out["empty"] = (float(T.rms_norm(e, torch.ones(48), 1e-6).shape != (0, 48)), 0.0)
@@ -91,7 +107,7 @@ def interpreted():
 
 
 KERNEL_CASES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope_neox", "qk_norm_rope_mrope_interleaved",
-                "qk_norm_rope_mrope_blocked", "store_kvcache"]
+                "qk_norm_rope_mrope_blocked", "store_kvcache", "skinny_gemm"]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
@@ -122,6 +138,9 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(xo.qk_norm_rope, (q, k, None, None, 0.0, pos[0], rot.inv_freq, rot.cos_sin_cache, None))
     kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
     torch.library.opcheck(xo.store_kvcache, (k, k, kc, vc, torch.tensor([1, -1, 6])))
+    x8, w8 = torch.randn(3, 16), torch.randn(24, 16)
+    torch.library.opcheck(xo.skinny_gemm, (x8, w8, torch.randn(24)))
+    torch.library.opcheck(xo.skinny_gemm, (x8, w8, None))
     # the custom op on CPU equals the direct reference call
     from xllm_gen.runtime.ops import reference as R
     assert torch.equal(xo.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6))
@@ -137,3 +156,27 @@ def test_fake_impls_trace():
         y, r = torch.ops.xllm.fused_add_rms_norm(x, x, w, 1e-6)
         assert y.shape == r.shape == (4, 8) and y.dtype == torch.bfloat16
         assert torch.ops.xllm.silu_and_mul(x).shape == (4, 4)
+        y = torch.ops.xllm.skinny_gemm(x, torch.empty(12, 8, dtype=torch.bfloat16), None)
+        assert y.shape == (4, 12) and y.dtype == torch.bfloat16
+
+
+def test_skinny_gemm_config_table():
+    """The fixed launch table: enough programs for 132 SMs, mask-free K loop on the Qwen3-0.6B shapes."""
+    from xllm_gen.runtime.ops import triton_kernels as T
+    for M in range(1, 9):
+        for N, K in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+            bn, bk, warps, stages = T.skinny_gemm_config(M, N, K)
+            assert K % bk == 0 and bk == 1024 and warps == 4 and stages == 3
+            assert -(-N // bn) >= 256 and 1 <= bn <= 8
+    assert T.skinny_gemm_config(1, 96, 160) == (1, 256, 4, 3)
+    assert T.skinny_gemm_config(1, 4096, 1536)[1] == 512        # largest divisor of K, mask-free
+    assert T.skinny_gemm_config(1, 4096, 1000)[1] == 1024       # no divisor >= 128: masked tail
+
+
+def test_linear_dispatch_cpu_is_f_linear():
+    """On CPU (and with XLLM_SKINNY_GEMM off) the linear layers stay F.linear, bit for bit."""
+    import torch.nn.functional as F
+    from xllm_gen.runtime.layers import linear as LL
+    x, w, b = torch.randn(3, 16), torch.randn(24, 16), torch.randn(24)
+    assert torch.equal(LL._linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(LL._linear(x, w), F.linear(x, w))

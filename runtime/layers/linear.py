@@ -1,14 +1,31 @@
 """Tensor-parallel linear layers. Sizes given to constructors are global; parameters are per rank."""
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xllm_gen.runtime.ops import skinny_gemm
 from xllm_gen.runtime.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.sharding import Segment, ShardingError, check_segment, heads_per_rank
+
+
+# Decode-sized GEMMs (<= 8 rows, bf16/fp16 weights) through the skinny-GEMM Triton kernel (ops.skinny_gemm)
+# instead of cuBLAS. Off by default until a GPU benchmark shows it faster: XLLM_SKINNY_GEMM=1 turns it on.
+SKINNY_GEMM = os.environ.get("XLLM_SKINNY_GEMM", "0") == "1"
+_SKINNY_MAX_ROWS = 8
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, or the skinny-GEMM kernel for a CUDA decode batch of at most 8 rows (when SKINNY_GEMM)."""
+    if (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_MAX_ROWS
+            and weight.dtype in _SKINNY_DTYPES and x.dtype == weight.dtype):
+        return skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _split(size: int, tp: int, what: str) -> int:
@@ -29,7 +46,7 @@ class _Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (per rank), bias={self.bias is not None}, "
@@ -96,8 +113,8 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return _linear(x, self.weight, self.bias)
+        y = _linear(x, self.weight)
         if self.reduce:
             y = all_reduce(y)
         if self.bias is not None:

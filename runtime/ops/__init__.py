@@ -8,11 +8,12 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from xllm_gen.runtime.ops import reference
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope", "qk_norm_rope", "store_kvcache",
-           "reference", "use_triton"]
+           "skinny_gemm", "reference", "use_triton"]
 
 _FORCE_TORCH = os.environ.get("XLLM_OPS", "").lower() == "torch"
 
@@ -159,3 +160,31 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
         _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         return
     torch.ops.xllm.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+# ---------------------------------------------------------------- skinny GEMM (decode GEMV)
+def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The torch reference of skinny_gemm: F.linear (output in x's dtype)."""
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+@torch.library.custom_op("xllm::skinny_gemm", mutates_args=())
+def _skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if use_triton(x):
+        return _tk().skinny_gemm(x, weight, bias)
+    return skinny_gemm_reference(x, weight, bias)
+
+
+@_skinny_gemm.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias), M <= 8, in x's dtype (fp32 accumulation): a Triton kernel
+    that streams the weight at HBM speed for decode batches; F.linear on CPU."""
+    if not x.is_cuda:
+        return skinny_gemm_reference(x, weight, bias)
+    if _direct():
+        return _tk().skinny_gemm(x, weight, bias)
+    return torch.ops.xllm.skinny_gemm(x, weight, bias)
