@@ -186,7 +186,12 @@ class LLMEngine:
         finished = []
         if ready:
             ready_seqs = [seqs[i] for i in ready]
-            tokens = self.sampler(logits[ready], ready_seqs)
+            logits = logits[ready]
+            for row, seq in enumerate(ready_seqs):   # min_tokens: EOS and stop tokens are not allowed yet
+                if seq.num_completion_tokens < seq.params.min_tokens:
+                    banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
+                    logits[row, [t for t in banned if 0 <= t < logits.shape[1]]] = float("-inf")
+            tokens = self.sampler(logits, ready_seqs)
             for seq, tok in zip(ready_seqs, tokens):
                 seq.append_token(tok)
                 reason = self._finish_reason(seq, tok)
@@ -201,6 +206,12 @@ class LLMEngine:
             return "stop"
         if tok in p.stop_token_ids:
             return "stop"
+        if p.stop and self.tokenizer is not None:
+            # a stop string ends in the newest token: decoding a short tail of the completion finds it
+            window = max(len(s) for s in p.stop) + 4
+            tail = self.decode_text(seq.completion_token_ids[-window:])
+            if any(s in tail for s in p.stop):
+                return "stop"
         if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -218,7 +229,12 @@ class LLMEngine:
                 for entry in logprobs:
                     for tid, lp in entry.items():
                         lp.decoded_token = self.tokenizer.decode([tid])
-        comp = CompletionOutput(0, self.decode_text(seq.completion_token_ids), seq.completion_token_ids,
+        text = self.decode_text(seq.completion_token_ids)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        if hits:                               # cut the text at the first stop string
+            at, s = min(hits)
+            text = text[:at + len(s)] if seq.params.include_stop_str_in_output else text[:at]
+        comp = CompletionOutput(0, text, seq.completion_token_ids,
                                 seq.finish_reason, logprobs,
                                 seq.cumulative_logprob if seq.params.logprobs is not None else None)
         return RequestOutput(index, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [comp], True, None)

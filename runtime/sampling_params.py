@@ -13,10 +13,15 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: List[int] = field(default_factory=list)
+    stop: List[str] = field(default_factory=list)    # stop strings (excluded from .text, as in vLLM)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0                  # EOS and stop tokens cannot be sampled before this many tokens
     seed: Optional[int] = None           # per-request generator: same output whatever the batch around it
     logprobs: Optional[int] = None       # top-N logprobs per generated token (the sampled one is always added)
 
     def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         problems = self.problems()
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
@@ -37,6 +42,11 @@ class SamplingParams:
             p.append(f"seed must be an integer, got {self.seed!r}")
         if not all(isinstance(t, int) for t in self.stop_token_ids):
             p.append("stop_token_ids must be integers")
+        if not all(isinstance(t, str) and t for t in self.stop):
+            p.append("stop must be non-empty strings")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
+                isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens):
+            p.append(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         return p
 
     @property

@@ -246,3 +246,43 @@ def test_outputs_in_prompt_order_with_mixed_lengths(qwen3_tied, make_llm):
     for o, p, m in zip(outs, prompts, (3, 20, 1, 9)):
         assert list(o.prompt_token_ids) == p["prompt_token_ids"]
         assert len(o.outputs[0].token_ids) == m
+
+
+# ------------------------------------------------------------------ stop strings and min_tokens
+@pytest.mark.engine
+def test_stop_strings_cut_text_and_finish(qwen3_tied, make_llm):
+    from xllm_gen import SamplingParams
+
+    llm = make_llm(qwen3_tied)
+    prompt = "The quick brown fox"
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    text = full.text
+    assert len(text) > 12, text
+    stop = text[6:9]
+    at = text.find(stop)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop"
+    assert c.text == text[:at]
+    assert c.token_ids == full.token_ids[:len(c.token_ids)] and len(c.token_ids) < len(full.token_ids)
+    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=stop,
+                                                 include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[:at + len(stop)]
+
+
+@pytest.mark.engine
+def test_min_tokens_holds_back_stop_tokens(qwen3_tied, make_llm):
+    from xllm_gen import SamplingParams
+
+    llm = make_llm(qwen3_tied)
+    ids = {"prompt_token_ids": [5, 17, 99, 3]}
+    first = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    t0 = first.token_ids[0]
+    stopped = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                 stop_token_ids=[t0]))[0].outputs[0]
+    assert stopped.token_ids == [t0] and stopped.finish_reason == "stop"
+    held = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[t0],
+                                              min_tokens=3))[0].outputs[0]
+    assert len(held.token_ids) >= 3 and t0 not in held.token_ids[:3]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
