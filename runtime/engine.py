@@ -3,7 +3,7 @@ and detokenization. Rank 0 owns scheduling and sampling; model runners (one per 
 from __future__ import annotations
 
 import json
-import time
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,6 +16,8 @@ from xllm_gen.runtime.sampler import Sampler
 from xllm_gen.runtime.sampling_params import SamplingParams
 from xllm_gen.runtime.scheduler import Scheduler
 from xllm_gen.runtime.sequence import Sequence
+
+logger = logging.getLogger("xllm_gen")
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -170,7 +172,14 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         seqs, is_prefill = self.scheduler.schedule()
+        finished = self.scheduler.take_finished_by_capacity()
+        if finished:
+            logger.warning("%d request(s) outgrew the KV cache (%d blocks of %d tokens) and end with "
+                           "finish_reason 'length'", len(finished), self.block_manager.num_blocks,
+                           self.block_manager.block_size)
         if not seqs:
+            if finished:
+                return finished
             raise RuntimeError("scheduler made no progress: KV cache too small for any running request")
         logits = self.runner.run(seqs, is_prefill)
         self.stats["steps"] += 1
@@ -183,7 +192,6 @@ class LLMEngine:
             self.stats["prefill_tokens"] += sum(s.chunk_len for s in seqs)
         else:
             self.stats["decode_tokens"] += len(seqs)
-        finished = []
         if ready:
             ready_seqs = [seqs[i] for i in ready]
             logits = logits[ready]

@@ -20,6 +20,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.finished_by_capacity: list[Sequence] = []   # ended with "length": longer than the KV cache
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -31,7 +32,11 @@ class Scheduler:
         scheduled = self._schedule_prefill()
         if scheduled:
             return scheduled, True
-        return self._schedule_decode(), False
+        scheduled = self._schedule_decode()
+        if scheduled or not self.waiting:
+            return scheduled, False
+        # Decode preempted every running request: the blocks it freed let the waiting head go on.
+        return self._schedule_prefill(), True
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -48,7 +53,6 @@ class Scheduler:
                     break
             if n <= 0:
                 break
-            # Keep blocks for one decode step ahead free when others are running, to avoid thrashing.
             if not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 break
             bm.allocate(seq, seq.num_computed_tokens + n)
@@ -83,11 +87,26 @@ class Scheduler:
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.block_manager.free(seq)
-        self.waiting.appendleft(seq)
+        if not self.fits_at_all(seq.num_tokens):
+            # It has outgrown the whole KV cache: it could never be resumed, so it ends here.
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "length"
+            self.finished_by_capacity.append(seq)
+            return
+        seq.status = SequenceStatus.WAITING
+        # Back to the front of the queue, but behind a half-prefilled head: that one holds blocks and must
+        # finish its prompt first, or neither could make progress in a small pool.
+        if self.waiting and self.waiting[0].num_computed_tokens > 0:
+            self.waiting.insert(1, seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def take_finished_by_capacity(self) -> list[Sequence]:
+        done, self.finished_by_capacity = self.finished_by_capacity, []
+        return done
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
