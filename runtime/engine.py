@@ -106,6 +106,8 @@ class LLMEngine:
             raise
         self.vocab_size = self.config.vocab_size
         self._next_id = 0
+        self._requests: dict = {}            # request id -> Sequence (add_request / abort_request)
+        self._request_of: dict = {}          # seq id -> request id
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
 
     def _load_tokenizer(self):
@@ -168,6 +170,38 @@ class LLMEngine:
         seq = Sequence(self._next_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
         self._next_id += 1
         return seq
+
+    # ---- request-level API (what a server drives: add, step, abort) -----------------------------------
+    def add_request(self, request_id: Any, prompt: Any, params: SamplingParams) -> None:
+        """Queues one request; raises ValueError("request {request_id}: ...") when it cannot be served."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id}: a request with this id is already queued")
+        seq = self.make_sequence(request_id, prompt, params)
+        self._requests[request_id] = seq
+        self._request_of[seq.seq_id] = request_id
+        self.scheduler.add(seq)
+
+    def step_outputs(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of the requests that finished in it."""
+        outs = []
+        for seq in self.step():
+            rid = self._request_of.pop(seq.seq_id, None)
+            if rid is not None:
+                self._requests.pop(rid, None)
+                outs.append(self.output_of(rid, seq))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_request(self, request_id: Any) -> bool:
+        """Drops a queued or running request and frees its KV blocks; False when it is unknown."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self._request_of.pop(seq.seq_id, None)
+        self.scheduler.abort(seq)
+        return True
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:

@@ -104,6 +104,14 @@ class Scheduler:
         else:
             self.waiting.appendleft(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+
     def take_finished_by_capacity(self) -> list[Sequence]:
         done, self.finished_by_capacity = self.finished_by_capacity, []
         return done

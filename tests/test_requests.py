@@ -286,3 +286,35 @@ def test_min_tokens_holds_back_stop_tokens(qwen3_tied, make_llm):
     assert len(held.token_ids) >= 3 and t0 not in held.token_ids[:3]
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
+
+
+# ------------------------------------------------------------------ the request-level engine API
+@pytest.mark.engine
+def test_engine_add_step_abort(qwen3_tied, make_llm):
+    """add_request / step_outputs / abort_request, as a server drives the engine: an aborted request frees
+    its blocks, and the others end with the tokens they get alone."""
+    from xllm_gen import SamplingParams
+
+    llm = make_llm(qwen3_tied)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = {rid: llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids
+             for rid, p in (("a", [3, 4, 5]), ("c", [9, 8, 7, 6]))}
+    free = eng.block_manager.num_free_blocks
+    eng.add_request("a", {"prompt_token_ids": [3, 4, 5]}, params)
+    eng.add_request("b", {"prompt_token_ids": [11, 12]}, params)
+    with pytest.raises(ValueError, match="request b: .*already queued"):
+        eng.add_request("b", {"prompt_token_ids": [1]}, params)
+    with pytest.raises(ValueError, match="request z: empty prompt"):
+        eng.add_request("z", {"prompt_token_ids": []}, params)
+    done = {}
+    for o in eng.step_outputs():
+        done[o.request_id] = o
+    assert eng.abort_request("b") and not eng.abort_request("b")
+    eng.add_request("c", {"prompt_token_ids": [9, 8, 7, 6]}, params)
+    while eng.has_unfinished_requests():
+        for o in eng.step_outputs():
+            done[o.request_id] = o
+    assert set(done) == {"a", "c"}
+    assert done["a"].outputs[0].token_ids == alone["a"] and done["c"].outputs[0].token_ids == alone["c"]
+    assert eng.block_manager.num_free_blocks == free
