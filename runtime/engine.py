@@ -72,7 +72,7 @@ class LLMEngine:
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if tensor_parallel_size != 1:     # impossible sizes fail here, before any process starts
-            from xllm_gen.runtime.tp import check_tensor_parallel
+            from xllm_gen.runtime.tp_check import check_tensor_parallel
             check_tensor_parallel(model_module, self.hf_config, tensor_parallel_size, config=self.config)
         ctx_len = self.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx_len, ctx_len)
