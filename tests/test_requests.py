@@ -318,3 +318,30 @@ def test_engine_add_step_abort(qwen3_tied, make_llm):
     assert set(done) == {"a", "c"}
     assert done["a"].outputs[0].token_ids == alone["a"] and done["c"].outputs[0].token_ids == alone["c"]
     assert eng.block_manager.num_free_blocks == free
+
+
+@pytest.mark.engine
+def test_interrupted_generate_leaves_a_usable_engine(qwen3_tied, make_llm, monkeypatch):
+    """Ctrl-C (or a failing step) in the middle of generate() frees every request's blocks; the next call
+    serves normally."""
+    from xllm_gen import SamplingParams
+
+    llm = make_llm(qwen3_tied)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": [6, 7]}]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    free = eng.block_manager.num_free_blocks
+    real_run, calls = eng.runner.run, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(eng.runner, "run", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    assert eng.block_manager.num_free_blocks == free and not eng.scheduler.has_unfinished()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
