@@ -94,6 +94,41 @@ class LLM:
             raise InvalidRequestError("; ".join(errors), outputs)
         return outputs
 
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *,
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             mm_processor_kwargs: Optional[dict] = None, **generate_kwargs: Any) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, rendered with the checkpoint's chat
+        template (its processor's for multimodal checkpoints). Content parts {"type": "image", "image": PIL}
+        and {"type": "video", "video": frames} become placeholders plus multi_modal_data, in order."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        engine = self.engine
+        renderer = engine.mm_processor.processor if engine.mm_processor is not None else engine.tokenizer
+        if renderer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
+        prompts = []
+        for i, conv in enumerate(conversations):
+            media: dict[str, list] = {"image": [], "video": []}
+            for message in conv:
+                content = message.get("content") if isinstance(message, dict) else None
+                for part in content if isinstance(content, list) else []:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind in media:
+                        if kind not in part:
+                            raise ValueError(f"request {i}: a {kind!r} content part needs the {kind} under key {kind!r}")
+                        media[kind].append(part[kind])
+            try:
+                text = renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt)
+            except Exception as e:        # no template, malformed messages: name the conversation
+                raise ValueError(f"request {i}: cannot apply the chat template: {e}") from e
+            prompt: dict = {"prompt": text}
+            if media["image"] or media["video"]:
+                prompt["multi_modal_data"] = {k: v for k, v in media.items() if v}
+                prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs or {})
+            prompts.append(prompt)
+        return self.generate(prompts, sampling_params, **generate_kwargs)
+
     @torch.inference_mode()
     def prefill_logits(self, prompt: Union[list, str, dict]) -> torch.Tensor:
         """Float32 logits [len, vocab] of every prompt position (a test hook for parity checks).
