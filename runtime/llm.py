@@ -10,6 +10,11 @@ from xllm_gen.runtime.outputs import RequestOutput
 from xllm_gen.runtime.sampling_params import SamplingParams
 
 
+# vLLM arguments that have no meaning here (no remote code, no download): accepted so scripts run unchanged.
+_IGNORED_VLLM_KWARGS = {"trust_remote_code", "download_dir", "revision", "disable_log_stats", "swap_space",
+                        "disable_custom_all_reduce", "load_format_kwargs"}
+
+
 class InvalidRequestError(ValueError):
     """Some requests were rejected. The valid ones were served: `.outputs` holds every request's output
     in prompt order, a rejected request's with `.error` set."""
@@ -25,7 +30,10 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
-                 _debug: Optional[dict] = None, **unused: Any):
+                 _debug: Optional[dict] = None, **vllm_kwargs: Any):
+        unknown = set(vllm_kwargs) - _IGNORED_VLLM_KWARGS
+        if unknown:       # a typo must not pass silently (tensor_parallel=2 would serve on one rank)
+            raise TypeError(f"LLM got unknown argument(s) {sorted(unknown)}")
         self.engine = LLMEngine(model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                                 block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

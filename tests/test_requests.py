@@ -345,3 +345,9 @@ def test_interrupted_generate_leaves_a_usable_engine(qwen3_tied, make_llm, monke
         llm.generate(prompts, params)
     assert eng.block_manager.num_free_blocks == free and not eng.scheduler.has_unfinished()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+
+def test_unknown_llm_arguments_are_errors(qwen3_tied):
+    from xllm_gen import LLM
+    with pytest.raises(TypeError, match="tensor_parallel"):
+        LLM(model=str(qwen3_tied), device="cpu", tensor_parallel=2)
