@@ -244,13 +244,10 @@ class ModelRunner:
             return self.model.compute_logits(self.graphs.run(seqs)).float()
         ids, pos, ctx, last_rows = self.prepare(seqs, is_prefill)
         try:
-            if not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs)):
-                hidden = self.graphs.replay(ids, pos, ctx)  # plans its bucket's attention, then replays
-            else:
-                embeds = self.embed_multimodal(seqs, ids, ctx) if is_prefill else None
-                self.backend.plan(ctx)                  # once per step; every layer reuses the plan
-                set_context(ctx)
-                hidden = self.forward(ids, pos, ctx, embeds)
+            embeds = self.embed_multimodal(seqs, ids, ctx) if is_prefill else None
+            self.backend.plan(ctx)                      # once per step; every layer reuses the plan
+            set_context(ctx)
+            hidden = self.forward(ids, pos, ctx, embeds)
             rows = hidden if all_rows else hidden[last_rows]
             return self.model.compute_logits(rows).float()
         finally:

@@ -191,6 +191,17 @@ def _to_hub_style(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def _tokenizer_and_vocab(vocab_size: int | None):
+    """The tiny tokenizer and the model's vocabulary size (None: the tokenizer's, padded to 64)."""
+    tok = build_tokenizer()
+    n_tok = len(tok)
+    if vocab_size is None:
+        vocab_size = _pad_vocab(n_tok)
+    if vocab_size < n_tok:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({n_tok} tokens)")
+    return tok, vocab_size
+
+
 # ------------------------------------------------------------------------------------------------ Qwen3
 def make_tiny_qwen3(
     out_dir,
@@ -221,12 +232,7 @@ def make_tiny_qwen3(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    n_tok = len(tok)
-    if vocab_size is None:
-        vocab_size = _pad_vocab(n_tok)
-    if vocab_size < n_tok:
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({n_tok} tokens)")
+    tok, vocab_size = _tokenizer_and_vocab(vocab_size)
     eos_id = tok.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen3Config(
         vocab_size=vocab_size,
@@ -315,12 +321,7 @@ def make_tiny_qwen3_vl(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    n_tok = len(tok)
-    if vocab_size is None:
-        vocab_size = _pad_vocab(n_tok)
-    if vocab_size < n_tok:
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({n_tok} tokens)")
+    tok, vocab_size = _tokenizer_and_vocab(vocab_size)
     ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
     eos_id = ids["<|endoftext|>"]
 

@@ -9,7 +9,9 @@ from xllm_gen.runtime.distributed import all_gather, all_reduce, get_tp_rank, ge
 from xllm_gen.runtime.sharding import padded_vocab, vocab_range
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabShard(nn.Module):
+    """This rank's rows [vocab_start, vocab_end) of a vocabulary padded to a multiple of 64 * tp."""
+
     def __init__(self, vocab: int, dim: int):
         super().__init__()
         self.tp_size = get_tp_size()
@@ -20,6 +22,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = vocab_range(vocab, self.tp_size, self.tp_rank)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, dim))
 
+
+class VocabParallelEmbedding(_VocabShard):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
@@ -34,19 +38,9 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.vocab_end}), dim={self.dim}")
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabShard):
     """forward(hidden [B, dim]) -> logits [B, vocab] float32, gathered over ranks, padding trimmed.
     A tied head shares the embedding's parameter object (`head.weight = embed.weight`)."""
-
-    def __init__(self, vocab: int, dim: int):
-        super().__init__()
-        self.tp_size = get_tp_size()
-        self.tp_rank = get_tp_rank()
-        self.vocab_size = vocab
-        self.dim = dim
-        self.padded_vocab = padded_vocab(vocab, self.tp_size)
-        self.vocab_start, self.vocab_end = vocab_range(vocab, self.tp_size, self.tp_rank)
-        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, dim))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
