@@ -133,7 +133,7 @@ def make_llm(model_dir: Path, *, max_num_seqs: int, max_model_len: int, num_kv_b
 
 def runner_has_fast_path() -> bool:
     import inspect
-    from xllm_gen.runtime.model_runner import ModelRunner
+    from xllm_gen.runtime.executor.model_runner import ModelRunner
     return "graphs.run(" in inspect.getsource(ModelRunner.run)
 
 

@@ -13,7 +13,7 @@ import keyword
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from xllm_gen.runtime.sharding import Segment, check_segment, heads_per_rank, padded_vocab
+from xllm_gen.runtime.executor.sharding import Segment, check_segment, heads_per_rank, padded_vocab
 
 from .errors import SpecError, did_you_mean
 from .ir import (AttentionIR, ConfigFieldIR, EmbeddingIR, GatedMLPIR, LayerIR, LinearIR, LMHeadIR, ModelIR,

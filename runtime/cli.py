@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from xllm_gen import LLM, SamplingParams
-    from xllm_gen.runtime.llm import InvalidRequestError
+    from xllm_gen.runtime.engine.llm import InvalidRequestError
 
     model = args.model or str(default_checkpoint())
     prompts = args.prompt or ["The quick brown fox", "Once upon a time", "Paged attention is"]

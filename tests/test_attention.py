@@ -8,7 +8,7 @@ import torch
 
 from xllm_gen.runtime import layers as L
 from xllm_gen.runtime.attention import AttentionBackend, TorchPagedBackend
-from xllm_gen.runtime.context import ForwardContext, reset_context, set_context
+from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 
 
 def dense_causal(q, k, v, scale):

@@ -234,7 +234,7 @@ def hf_checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def generated(hf_checkpoint):
     from xllm_gen.generated.qwen3_vl import model as gen
-    from xllm_gen.runtime.loader import load_weights
+    from xllm_gen.runtime.loading.loader import load_weights
     hf, d, tied = hf_checkpoint
     config = gen.Config.from_hf(json.loads((d / "config.json").read_text()))
     m = gen.Model(config).float().eval()
@@ -347,8 +347,8 @@ def test_weight_plan_shards_fit_the_layers(hf_checkpoint, tp):
     """Every rank's slices fit the rank's parameters: at tp=4 the 2 vision heads are replicated, the vision
     MLP (64 rows) and the text layers are split; the fused attn.qkv is split into q/k/v before sharding."""
     from xllm_gen.generated.qwen3_vl import model as gen
-    from xllm_gen.runtime import distributed as D
-    from xllm_gen.runtime.loader import load_weights
+    from xllm_gen.runtime.executor import distributed as D
+    from xllm_gen.runtime.loading.loader import load_weights
     _, d, _ = hf_checkpoint
     config = gen.Config.from_hf(json.loads((d / "config.json").read_text()))
     for rank in (0, tp - 1):

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from xllm_gen.runtime import layers as L
-from xllm_gen.runtime import distributed as D
-from xllm_gen.runtime.context import DeepstackInput, ForwardContext, reset_context, set_context
-from xllm_gen.runtime.sharding import Segment, padded_vocab, segment_range, vocab_range
+from xllm_gen.runtime.executor import distributed as D
+from xllm_gen.runtime.executor.context import DeepstackInput, ForwardContext, reset_context, set_context
+from xllm_gen.runtime.executor.sharding import Segment, padded_vocab, segment_range, vocab_range
 
 
 def _init(mod, seed=0, scale=1.0):
@@ -203,7 +203,7 @@ def test_embedding_and_head_tp1():
 
 
 def test_sharding_errors():
-    from xllm_gen.runtime.sharding import ShardingError
+    from xllm_gen.runtime.executor.sharding import ShardingError
     D.init_tp(0, 4)
     try:
         with pytest.raises(ShardingError):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from xllm_gen.runtime import registry
-from xllm_gen.runtime.loader import CheckpointError, load_weights
+from xllm_gen.runtime.loading import registry
+from xllm_gen.runtime.loading.loader import CheckpointError, load_weights
 from xllm_gen.runtime.tiny import make_tiny_qwen3
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xllm_gen.runtime.rope_index import decode_positions, get_rope_index, text_positions
+from xllm_gen.runtime.multimodal.rope_index import decode_positions, get_rope_index, text_positions
 
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 

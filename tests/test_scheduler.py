@@ -10,13 +10,13 @@ import zlib
 import pytest
 import torch
 
-from xllm_gen.runtime.block_manager import BlockManager
-from xllm_gen.runtime.engine import LLMEngine
-from xllm_gen.runtime.model_runner import ModelRunner
-from xllm_gen.runtime.sampler import Sampler
-from xllm_gen.runtime.sampling_params import SamplingParams
-from xllm_gen.runtime.scheduler import Scheduler
-from xllm_gen.runtime.sequence import Sequence
+from xllm_gen.runtime.engine.block_manager import BlockManager
+from xllm_gen.runtime.engine.engine import LLMEngine
+from xllm_gen.runtime.executor.model_runner import ModelRunner
+from xllm_gen.runtime.engine.sampler import Sampler
+from xllm_gen.runtime.engine.sampling_params import SamplingParams
+from xllm_gen.runtime.engine.scheduler import Scheduler
+from xllm_gen.runtime.engine.sequence import Sequence
 
 VOCAB = 97
 

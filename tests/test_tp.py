@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xllm_gen.runtime.distributed import get_tp_rank, get_tp_size
-from xllm_gen.runtime.sampling_params import SamplingParams
-from xllm_gen.runtime.sequence import Sequence, SequenceStatus
+from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
+from xllm_gen.runtime.engine.sampling_params import SamplingParams
+from xllm_gen.runtime.engine.sequence import Sequence, SequenceStatus
 
 try:
     import psutil
@@ -119,7 +119,7 @@ def _seq(sid, tokens, table, chunk, computed=0, mm=None):
 
 
 def _tp(tp=2, cls=FakeRunner, **cfg):
-    from xllm_gen.runtime.tp import TensorParallelRunner
+    from xllm_gen.runtime.executor.tp import TensorParallelRunner
 
     timeout = cfg.pop("timeout_s", None)
     return TensorParallelRunner(cls, "/nonexistent", dict(cfg), tp, {"device": torch.device("cpu")},
@@ -313,7 +313,7 @@ import os, sys
 sys.path.insert(0, {tests!r})
 import torch
 from test_tp import _expected_logits, _seq, _tp
-from xllm_gen.runtime.tp import is_driver
+from xllm_gen.runtime.executor.tp import is_driver
 
 print("BEFORE", os.environ["RANK"], is_driver(), flush=True)
 r = _tp(2)                                  # ranks other than 0 serve inside this call, then exit
@@ -374,7 +374,7 @@ def _qwen3_cfg(**kw):
 
 def test_static_checks_on_real_sizes(no_meta_leak):
     from xllm_gen.generated.qwen3 import model as M
-    from xllm_gen.runtime.tp import check_tensor_parallel, tensor_parallel_problems
+    from xllm_gen.runtime.executor.tp import check_tensor_parallel, tensor_parallel_problems
 
     q8b = M.Config.from_hf(_qwen3_cfg())
     for tp in (1, 2, 4, 8, 16, 32):                 # 16, 32: KV heads (8) replicated
@@ -409,9 +409,9 @@ def test_meta_build_catches_plan_model_mismatch(no_meta_leak):
     import types
 
     from xllm_gen.runtime import layers as L
-    from xllm_gen.runtime.sharding import Segment
-    from xllm_gen.runtime.tp import tensor_parallel_problems
-    from xllm_gen.runtime.weights import WeightRule
+    from xllm_gen.runtime.executor.sharding import Segment
+    from xllm_gen.runtime.executor.tp import tensor_parallel_problems
+    from xllm_gen.runtime.loading.weights import WeightRule
 
     class Model(nn.Module):
         def __init__(self, config):
@@ -575,7 +575,7 @@ def test_qwen3_vl_static_checks(qwen3_vl_tied, no_meta_leak):
     import json
 
     from xllm_gen.generated.qwen3_vl import model as M
-    from xllm_gen.runtime.tp import tensor_parallel_problems
+    from xllm_gen.runtime.executor.tp import tensor_parallel_problems
 
     cfg = M.Config.from_hf(json.loads((qwen3_vl_tied / "config.json").read_text()))
     assert cfg.vision_num_heads == 2

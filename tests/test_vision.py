@@ -201,7 +201,7 @@ def vl_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mmp(vl_ckpt):
-    from xllm_gen.runtime.multimodal import MultiModalProcessor
+    from xllm_gen.runtime.multimodal.processor import MultiModalProcessor
     return MultiModalProcessor(str(vl_ckpt), json.loads((vl_ckpt / "config.json").read_text()))
 
 
@@ -338,8 +338,8 @@ def _load_draft():
 
 def _draft_prefill(mod, ckpt: Path, mm, zero_deepstack=False, blocked=False, device="cpu", dtype=torch.float32):
     from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
-    from xllm_gen.runtime.context import DeepstackInput, ForwardContext, reset_context, set_context
-    from xllm_gen.runtime.loader import load_weights
+    from xllm_gen.runtime.executor.context import DeepstackInput, ForwardContext, reset_context, set_context
+    from xllm_gen.runtime.loading.loader import load_weights
 
     cfg = mod.Config.from_hf(json.loads((ckpt / "config.json").read_text()))
     with torch.device(device):
@@ -406,8 +406,8 @@ def test_draft_model_prefill_logits_match_hf(vl_ckpt, mmp, hf_vl, case):
 # ------------------------------------------------------------------------------------ TP over gloo
 def _vision_tp_worker(rank, world, port, result_q):
     import torch.distributed as dist
-    from xllm_gen.runtime import distributed as D
-    from xllm_gen.runtime.sharding import Segment, segment_range
+    from xllm_gen.runtime.executor import distributed as D
+    from xllm_gen.runtime.executor.sharding import Segment, segment_range
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         D.init_tp(rank, world)

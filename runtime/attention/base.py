@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from xllm_gen.runtime.context import ForwardContext
+from xllm_gen.runtime.executor.context import ForwardContext
 
 
 class AttentionBackend:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from xllm_gen.runtime.attention.base import AttentionBackend
-from xllm_gen.runtime.context import ForwardContext
+from xllm_gen.runtime.executor.context import ForwardContext
 
 
 class FlashInferBackend(AttentionBackend):

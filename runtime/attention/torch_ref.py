@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from xllm_gen.runtime.attention.base import AttentionBackend
-from xllm_gen.runtime.context import ForwardContext
+from xllm_gen.runtime.executor.context import ForwardContext
 
 
 class TorchPagedBackend(AttentionBackend):

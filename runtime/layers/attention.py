@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from xllm_gen.runtime import ops
-from xllm_gen.runtime.context import get_context
+from xllm_gen.runtime.executor.context import get_context
 
 
 class Attention(nn.Module):

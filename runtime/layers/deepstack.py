@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xllm_gen.runtime import context as _context
+from xllm_gen.runtime.executor import context as _context
 
 
 def inject_deepstack(hidden: torch.Tensor, level: int) -> torch.Tensor:

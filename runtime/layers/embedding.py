@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_gen.runtime.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.sharding import padded_vocab, vocab_range
+from xllm_gen.runtime.executor.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
+from xllm_gen.runtime.executor.sharding import padded_vocab, vocab_range
 
 
 class _VocabShard(nn.Module):

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime.ops import skinny_gemm
-from xllm_gen.runtime.distributed import all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.sharding import Segment, ShardingError, check_segment, heads_per_rank
+from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
+from xllm_gen.runtime.executor.sharding import Segment, ShardingError, check_segment, heads_per_rank
 
 
 # Decode-sized GEMMs (<= 8 rows, bf16/fp16 weights) through the skinny-GEMM Triton kernel (ops.skinny_gemm)

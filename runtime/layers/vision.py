@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_gen.runtime.distributed import get_tp_size
+from xllm_gen.runtime.executor.distributed import get_tp_size
 from xllm_gen.runtime.layers.activation import GELU
 from xllm_gen.runtime.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                             RowParallelLinear)

@@ -132,7 +132,7 @@ def _prompts(n: int, vocab: int, seed: int, lo=3, hi=70):
 
 
 def test_buckets(llm):
-    from xllm_gen.runtime.cuda_graph import graph_buckets
+    from xllm_gen.runtime.executor.cuda_graph import graph_buckets
     g = llm.engine.runner.graphs
     assert g.buckets == graph_buckets(llm.engine.runner.graph_buckets, MAX_NUM_SEQS)
     assert list(g.buckets[:4]) == [1, 2, 4, 8] and all(b % 16 == 0 for b in g.buckets[4:])

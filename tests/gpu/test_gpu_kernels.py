@@ -188,7 +188,7 @@ flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else
 
 
 def _make_ctx(seq_lens, query_lens, bs, num_blocks, pad_rows=0, seed=0, is_prefill=None):
-    from xllm_gen.runtime.context import ForwardContext
+    from xllm_gen.runtime.executor.context import ForwardContext
     rng = random.Random(seed)
     free = list(range(num_blocks))
     rng.shuffle(free)

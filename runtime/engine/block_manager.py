@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from xllm_gen.runtime.sequence import Sequence
+from xllm_gen.runtime.engine.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

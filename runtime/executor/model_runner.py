@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 
 from xllm_gen.runtime import layers as L
-from xllm_gen.runtime.context import DeepstackInput, ForwardContext, reset_context, set_context
-from xllm_gen.runtime.distributed import get_tp_rank, get_tp_size
-from xllm_gen.runtime.loader import load_weights
-from xllm_gen.runtime.sequence import Sequence
+from xllm_gen.runtime.executor.context import DeepstackInput, ForwardContext, reset_context, set_context
+from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
+from xllm_gen.runtime.loading.loader import load_weights
+from xllm_gen.runtime.engine.sequence import Sequence
 
 
 @contextlib.contextmanager
@@ -71,7 +71,7 @@ class ModelRunner:
             self._allocate_deepstack()
         self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
         if not self.enforce_eager and self.graph_buckets:
-            from xllm_gen.runtime.cuda_graph import DecodeGraphs
+            from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ class ModelRunner:
     def _make_backend(self):
         if self.device.type == "cuda" and not self.debug.get("torch_attention"):
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
-            from xllm_gen.runtime.cuda_graph import graph_buckets
+            from xllm_gen.runtime.executor.cuda_graph import graph_buckets
             a = self.attn_layers[0]
             buckets = () if self.enforce_eager else graph_buckets(self.graph_buckets, self.max_num_seqs)
             return FlashInferBackend(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-from xllm_gen.runtime.sharding import Segment
+from xllm_gen.runtime.executor.sharding import Segment
 
 SHARD_KINDS = ("replicated", "colwise", "rowwise", "vocab")
 

@@ -9,13 +9,13 @@ from typing import Any, Optional
 
 import torch
 
-from xllm_gen.runtime import registry
-from xllm_gen.runtime.block_manager import BlockManager, blocks_for
-from xllm_gen.runtime.outputs import CompletionOutput, RequestOutput
-from xllm_gen.runtime.sampler import Sampler
-from xllm_gen.runtime.sampling_params import SamplingParams
-from xllm_gen.runtime.scheduler import Scheduler
-from xllm_gen.runtime.sequence import Sequence
+from xllm_gen.runtime.loading import registry
+from xllm_gen.runtime.engine.block_manager import BlockManager, blocks_for
+from xllm_gen.runtime.engine.outputs import CompletionOutput, RequestOutput
+from xllm_gen.runtime.engine.sampler import Sampler
+from xllm_gen.runtime.engine.sampling_params import SamplingParams
+from xllm_gen.runtime.engine.scheduler import Scheduler
+from xllm_gen.runtime.engine.sequence import Sequence
 
 logger = logging.getLogger("xllm_gen")
 
@@ -72,7 +72,7 @@ class LLMEngine:
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if tensor_parallel_size != 1:     # impossible sizes fail here, before any process starts
-            from xllm_gen.runtime.tp_check import check_tensor_parallel
+            from xllm_gen.runtime.executor.tp_check import check_tensor_parallel
             check_tensor_parallel(model_module, self.hf_config, tensor_parallel_size, config=self.config)
         ctx_len = self.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx_len, ctx_len)
@@ -86,7 +86,7 @@ class LLMEngine:
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              load_format=load_format, debug=debug)
         if tensor_parallel_size > 1:
-            from xllm_gen.runtime.tp import TensorParallelRunner
+            from xllm_gen.runtime.executor.tp import TensorParallelRunner
             self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,
                                                tensor_parallel_size, runner_kwargs)
         else:
@@ -98,7 +98,7 @@ class LLMEngine:
             self.tokenizer = self._load_tokenizer()
             self.mm_processor = None
             if getattr(runner_cls, "multimodal", False):
-                from xllm_gen.runtime.multimodal import MultiModalProcessor
+                from xllm_gen.runtime.multimodal.processor import MultiModalProcessor
                 self.mm_processor = MultiModalProcessor(str(self.model_dir), self.hf_config)
             self.eos_token_ids = _eos_ids(self.model_dir, self.config, self.tokenizer)
         except BaseException:

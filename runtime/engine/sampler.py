@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from xllm_gen.runtime.outputs import Logprob
-from xllm_gen.runtime.sequence import Sequence
+from xllm_gen.runtime.engine.outputs import Logprob
+from xllm_gen.runtime.engine.sequence import Sequence
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -5,9 +5,9 @@ from typing import Any, Optional, Sequence as Seq, Union
 
 import torch
 
-from xllm_gen.runtime.engine import LLMEngine
-from xllm_gen.runtime.outputs import RequestOutput
-from xllm_gen.runtime.sampling_params import SamplingParams
+from xllm_gen.runtime.engine.engine import LLMEngine
+from xllm_gen.runtime.engine.outputs import RequestOutput
+from xllm_gen.runtime.engine.sampling_params import SamplingParams
 
 
 # vLLM arguments that have no meaning here (no remote code, no download): accepted so scripts run unchanged.

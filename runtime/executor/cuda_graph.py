@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from xllm_gen.runtime.attention.base import AttentionBackend
-from xllm_gen.runtime.context import ForwardContext, reset_context, set_context
+from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 
 
 def graph_buckets(spec_buckets, max_num_seqs: int) -> tuple[int, ...]:

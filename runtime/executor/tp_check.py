@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 import torch
 
-from xllm_gen.runtime import distributed as tpdist
-from xllm_gen.runtime.sharding import ShardingError, check_segment, padded_vocab, segment_range
+from xllm_gen.runtime.executor import distributed as tpdist
+from xllm_gen.runtime.executor.sharding import ShardingError, check_segment, padded_vocab, segment_range
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from xllm_gen.runtime.rope_index import get_rope_index, text_positions
+from xllm_gen.runtime.multimodal.rope_index import get_rope_index, text_positions
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
-from xllm_gen.runtime.sharding import segment_range, vocab_range
-from xllm_gen.runtime.weights import WeightRule
+from xllm_gen.runtime.executor.sharding import segment_range, vocab_range
+from xllm_gen.runtime.loading.weights import WeightRule
 
 
 class CheckpointError(ValueError):

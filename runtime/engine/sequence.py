@@ -4,7 +4,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import Any, Optional
 
-from xllm_gen.runtime.sampling_params import SamplingParams
+from xllm_gen.runtime.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from xllm_gen.runtime.block_manager import BlockManager, blocks_for
-from xllm_gen.runtime.sequence import Sequence, SequenceStatus
+from xllm_gen.runtime.engine.block_manager import BlockManager, blocks_for
+from xllm_gen.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:

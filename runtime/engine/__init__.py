@@ -1,0 +1,1 @@
+"""Engine and scheduling: the public LLM API, the engine step loop, scheduler, paged KV blocks, requests, sampling."""

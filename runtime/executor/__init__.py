@@ -1,0 +1,1 @@
+"""Executor: the model runner, decode CUDA graphs, the per-step forward context, tensor parallelism."""

@@ -1,0 +1,1 @@
+"""Loading: config.json reading, the generated-package registry, checkpoint weights."""

@@ -1,0 +1,1 @@
+"""Multimodal requests: images and videos through the checkpoint's own HF processor."""
