@@ -11,9 +11,8 @@ from typing import List, Optional
 
 from .compiler import Compiled, compile_spec
 from .errors import SpecError, SpecErrors
-from .explain import DTYPE_BYTES, explain, format_resolved, format_variant
-from .resolver import rank_table_for
-from .writer import check, output_dir, write
+from .explain import DTYPE_BYTES, explain, format_resolved, format_variant, model_module_of, tp_rank_table
+from .writer import check, claimed_architectures, output_dir, write
 from .yaml_loader import display_path
 
 
@@ -73,6 +72,20 @@ def _main(argv: Optional[List[str]] = None) -> int:
                   f"both would write generated/{c.ir.name}/", file=sys.stderr)
             failed = True
         names[c.ir.name] = c.ir.spec_path
+    # one spec per architecture: among the specs compiled together and the packages already generated
+    compiled_names = {c.ir.name for c in compiled}
+    seen: dict = {}
+    for c in compiled:
+        existing = claimed_architectures(output_dir(c.ir.name, args.out, c.ir.spec_file).parent, skip=c.ir.name)
+        for arch in c.ir.architectures:
+            other = seen.get(arch)
+            if other is None and arch in existing and Path(existing[arch]).name not in compiled_names:
+                other = existing[arch]
+            if other:
+                print(f"{c.ir.spec_path}: error: architecture {arch} is also claimed by {other}: one spec per "
+                      f"architecture (the runtime could not tell which serves a checkpoint)", file=sys.stderr)
+                failed = True
+            seen.setdefault(arch, c.ir.spec_path)
     if failed:
         return 2
 
@@ -81,12 +94,16 @@ def _main(argv: Optional[List[str]] = None) -> int:
             if args.tp is None:
                 print(explain(c.ir, args.dtype))
                 continue
+            from xllm_gen.runtime.executor.sharding import ShardingError
+
             parts = [format_resolved(c.ir)]
+            module = model_module_of(c.ir, c.files)
             for v in c.ir.variants:
-                try:
-                    table = rank_table_for(c.ir, c.loaded, v, args.tp)
-                except SpecError as e:
-                    print(f"error: --tp {args.tp}: {e.message}", file=sys.stderr)
+                try:         # the runtime's per-rank plan: the generated Model built on the meta device
+                    table = tp_rank_table(c.ir, c.files, v, args.tp, module)
+                except ShardingError as e:
+                    lines = "\n  ".join(e.problems)
+                    print(f"error: --tp {args.tp}: variant {v.name}: {lines}", file=sys.stderr)
                     return 2
                 parts.append(format_variant(c.ir, v, table, args.dtype))
             print("\n".join(parts))
@@ -100,7 +117,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if args.check:
         stale = False
         for c in compiled:
-            directory = output_dir(c.ir.name, args.out)
+            directory = output_dir(c.ir.name, args.out, c.ir.spec_file)
             diffs = check(c.files, directory)
             if diffs:
                 stale = True
@@ -112,7 +129,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         return 1 if stale else 0
 
     for c in compiled:
-        directory = output_dir(c.ir.name, args.out)
+        directory = output_dir(c.ir.name, args.out, c.ir.spec_file)
         for path, written in write(c.files, directory):
             print(f"{'wrote' if written else 'unchanged'}: {display_path(path)}")
     return 0

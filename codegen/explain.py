@@ -15,18 +15,22 @@ DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "fl
 
 def _block(b) -> str:
     if isinstance(b, NormIR):
-        return f"{b.kind}(dim={b.dim}, eps={b.eps}{', bias' if b.bias else ''})"
+        off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
+        return f"{b.kind}(dim={b.dim}, eps={b.eps}{', bias' if b.bias else ''}{off})"
     if isinstance(b, LinearIR):
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
     if isinstance(b, AttentionIR):
         rot = f"{b.rotary.kind}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
-        rot += f", mrope_section={b.rotary.mrope_section})" if b.rotary.mrope_section else ")"
+        rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
+        rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
         qk = f", qk_norm=rmsnorm({b.qk_norm[0]}, {b.qk_norm[1]}, eps={b.qk_norm[2]})" if b.qk_norm else ""
         return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
-                f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}]{' +bias' if b.qkv_bias else ''}, "
-                f"{b.out_name}{' +bias' if b.out_bias else ''}, rotary={rot}{qk}, "
-                f"scale={b.scale if b.scale else 'head_dim ** -0.5'})")
+                f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}, "
+                f"{b.out_name} bias={b.out_bias}, rotary={rot}{qk}, "
+                f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
+                + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
+                + (f", softcap={b.softcap}" if b.softcap else "") + ")")
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
@@ -36,8 +40,9 @@ def _block(b) -> str:
         return (f"patch_merger(dim={b.dim}, merged={b.merged}, out={b.out}, layernorm {b.norm.replace('_', ' ')}, "
                 f"eps={b.eps}, gelu)")
     if isinstance(b, GatedMLPIR):
-        return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, {b.activation}, "
-                f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}], {b.down_name})")
+        return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
+                f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
+                f"bias={b.down_bias})")
     return repr(b)
 
 
@@ -52,26 +57,43 @@ def format_resolved(ir: ModelIR) -> str:
     w("config (symbol <- config.json):")
     width = max(len(f.name) for f in ir.config)
     for f in ir.config:
-        if f.length_of:
-            w(f"  {f.name:<{width}}  {f.type:<9}  = len({f.length_of})")
+        if f.derived:
+            w(f"  {f.name:<{width}}  {f.type:<9}  = {f.expr}")
             continue
-        default = f"  (default {f.default!r})" if f.has_default else "  (required)"
-        w(f"  {f.name:<{width}}  {f.type:<9}  <- {' | '.join(f.paths)}{default}")
+        if f.default_expr is not None:
+            default = f"  (default {f.default_expr})"
+        elif f.default is not None:
+            default = f"  (default {f.default!r})"
+        else:
+            default = "  (optional)" if f.optional else "  (required)"
+        extra = (f"  values: {', '.join(f.values)}" if f.values else "") + \
+            (f"  in [{f.bounds[0]}, {f.bounds[1]}]" if f.bounds != (None, None) else "")
+        w(f"  {f.name:<{width}}  {f.type:<9}  <- {' | '.join(f.paths)}{default}{extra}")
+    if ir.config_assume:
+        w("config assumed (not modelled; another value is refused): " +
+          ", ".join(f"{k}={v!r}" for k, v in ir.config_assume))
+    if ir.config_ignore:
+        w("config ignored (does not change the math): " + ", ".join(ir.config_ignore))
     w("")
     w(f"decoder:" if ir.decoder_prefix == "model" else f"decoder ({ir.decoder_prefix}):")
-    w(f"  embed_tokens  embedding(vocab={ir.embed.vocab}, dim={ir.embed.dim})")
+    w(f"  embed_tokens  embedding(vocab={ir.embed.vocab}, dim={ir.embed.dim}"
+      + (f", scale={ir.embed.scale})" if ir.embed.scale else ")"))
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")
     w(f"    dataflow:")
     for s in ir.layer.steps:
-        w(f"      residual: {s.norm} -> {s.block}")
+        if hasattr(s, "branches"):
+            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" for b in s.branches))
+        else:
+            w(f"      residual: {s.norm} -> {s.block}" + (f" -> {s.post_norm}" if s.post_norm else ""))
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
         w(f"  deepstack: level k after layer k, k < {ir.deepstack_levels}")
     w(f"  norm  {_block(ir.norm)}")
-    w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie})")
+    w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"
+      + (f", softcap={ir.lm_head.softcap})" if ir.lm_head.softcap else ")"))
     v = ir.vision
     if v:
         pe = v.patch_embed
@@ -112,8 +134,7 @@ def format_resolved(ir: ModelIR) -> str:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))
     w("")
     r = ir.runner
-    w(f"runner: position_kind={r.position_kind}, max_batch={r.max_batch}, prefill_mode={r.prefill_mode}, "
-      f"graph_buckets={', '.join(map(str, r.graph_buckets))}")
+    w(f"runner: positions {r.position_kind}" + (", multimodal" if r.multimodal else ""))
     w(f"tensor parallel sizes checked: {', '.join(map(str, ir.tp_sizes))}")
     return "\n".join(out) + "\n"
 
@@ -153,3 +174,69 @@ def explain(ir: ModelIR, dtype: str = "bfloat16", tables: Optional[List[RankTabl
     for i, v in enumerate(ir.variants):
         parts.append(format_variant(ir, v, tables[i] if tables else v.full, dtype))
     return "\n".join(parts)
+
+
+# ------------------------------------------------------------------ per-rank tables from the runtime's plan
+def model_module_of(ir: ModelIR, files: dict):
+    """The spec's generated model module, rendered (`files`, from the compiler) and imported as a fresh
+    module: what `--explain --tp N` builds on the meta device. Nothing is written."""
+    import importlib.util
+    import sys
+
+    name = f"_xllm_gen_explain_{ir.name}"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = f"<generated/{ir.name}/model.py, rendered by --explain>"
+    sys.modules[name] = module                     # dataclasses resolve their module while the class is made
+    try:
+        exec(compile(files["model.py"], module.__file__, "exec"), module.__dict__)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+def variant_config(module, ir: ModelIR, v: VariantIR):
+    """The generated Config of a variant: its symbol values written at each symbol's config.json path, read
+    back by the generated `Config.from_hf` (defaults and derived symbols as for a real checkpoint)."""
+    values = dict(v.values)
+    hf: dict = {"architectures": list(ir.architectures)}
+    for f in ir.config:
+        if not f.paths or values.get(f.name) is None:
+            continue
+        *parents, leaf = f.paths[0].split(".")
+        node = hf
+        for p in parents:
+            node = node.setdefault(p, {})
+        value = values[f.name]
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    return module.Config.from_hf(hf)
+
+
+def rank_table_from_plan(ir: ModelIR, plan, rank: int = 0) -> RankTableIR:
+    """A RankTableIR (what format_variant prints) from one rank of runtime tp_check.tp_plan: parameters of
+    repeated blocks (decoder layers, vision blocks, deepstack mergers) once, as `{i}`, with this rank's
+    shapes; per layer = one decoder layer; total = everything this rank holds."""
+    import re
+
+    r = plan.ranks[[x.rank for x in plan.ranks].index(rank)]
+    layer0 = f"{ir.decoder_prefix}.layers.0."
+    rows, seen, layer_numel = [], set(), 0
+    for p in r.params:
+        key = re.sub(r"\.\d+\.", ".{i}.", p.name)
+        if p.name.startswith(layer0):
+            layer_numel += p.numel
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append((key, tuple(p.shape), p.numel))
+    heads = tuple((n[len(layer0):].split(".")[0], h, kv) for n, h, kv in r.heads if n.startswith(layer0))
+    return RankTableIR(plan.tp_size, heads, tuple(rows), layer_numel, r.numel)
+
+
+def tp_rank_table(ir: ModelIR, files: dict, v: VariantIR, tp: int, module=None) -> RankTableIR:
+    """Rank 0's table of variant `v` at TP size `tp`, from the runtime's own plan (the layers' sharding).
+    A size that cannot be split raises the runtime's ShardingError naming the parameters."""
+    from xllm_gen.runtime.executor.tp_check import tp_plan
+
+    module = module or model_module_of(ir, files)
+    return rank_table_from_plan(ir, tp_plan(module, variant_config(module, ir, v), tp, ranks=(0,)))

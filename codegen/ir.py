@@ -22,10 +22,24 @@ class Size:
         return Size((tuple(factors),))
 
     def __add__(self, other: "Size") -> "Size":
+        if not isinstance(other, Size):
+            return other + self           # an expression (codegen/expr.py) absorbs a linear size
         return Size(self.terms + other.terms)
 
     def __mul__(self, other: "Size") -> "Size":
+        if not isinstance(other, Size):
+            return other * self
         return Size(tuple(a + b for a in self.terms for b in other.terms))
+
+    def eval_layer(self, values: Mapping[str, Any], layer: Optional[int] = None) -> int:
+        return self.eval(values)
+
+    @property
+    def symbol(self) -> Optional[str]:
+        """The config symbol when this size is exactly one symbol, else None."""
+        if len(self.terms) == 1 and len(self.terms[0]) == 1 and isinstance(self.terms[0][0], str):
+            return self.terms[0][0]
+        return None
 
     def eval(self, values: Mapping[str, Any]) -> int:
         total = 0
@@ -81,33 +95,58 @@ class Ratio:
 
 @dataclass(frozen=True)
 class Value:
-    """A number or flag: a literal or a config symbol."""
+    """A number, flag or string: a literal, a config symbol, or an expression (codegen/expr.py)."""
     literal: Any = None
     symbol: Optional[str] = None
+    expr: Any = None                      # an Expr
 
     def py(self, config: str = "config") -> str:
+        if self.expr is not None:
+            return self.expr.py(config)
         return f"{config}.{self.symbol}" if self.symbol else repr(self.literal)
 
-    def eval(self, values: Mapping[str, Any]) -> Any:
+    def eval(self, values: Mapping[str, Any], layer: Optional[int] = None) -> Any:
+        if self.expr is not None:
+            return self.expr.eval(values, layer)
         return values[self.symbol] if self.symbol else self.literal
 
+    @property
+    def per_layer(self) -> bool:
+        return self.expr is not None and self.expr.per_layer
+
+    @property
+    def is_none(self) -> bool:
+        return self.expr is None and self.symbol is None and self.literal is None
+
     def __str__(self) -> str:
+        if self.expr is not None:
+            return str(self.expr)
         return self.symbol or repr(self.literal)
 
 
 @dataclass(frozen=True)
 class ConfigFieldIR:
     name: str
-    type: str                     # int | float | bool | int_tuple
+    type: str                     # int | float | bool | str | int_tuple | float_tuple | str_tuple | rope
     paths: Tuple[str, ...]
-    default: Any                  # MISSING when required
+    default: Any                  # None when required (has_default False)
     has_default: bool
     doc: str = ""
-    length_of: Optional[str] = None   # derived: len() of this int_tuple symbol (read from no config.json path)
+    expr: Any = None              # derived symbol: an Expr over other symbols (reads no config.json path)
+    default_expr: Any = None      # fallback Expr when no path is present
+    values: Optional[Tuple[str, ...]] = None   # str / rope: the admitted values
+    optional: bool = False        # None admitted
+    bounds: Tuple[Any, Any] = (None, None)     # inclusive (min, max), None = unbounded
+
+    @property
+    def derived(self) -> bool:
+        return self.expr is not None
 
     @property
     def py_type(self) -> str:
-        return {"int": "int", "float": "float", "bool": "bool", "int_tuple": "tuple"}[self.type]
+        t = {"int": "int", "float": "float", "bool": "bool", "str": "str", "int_tuple": "tuple",
+             "float_tuple": "tuple", "str_tuple": "tuple", "rope": "dict"}[self.type]
+        return f"{t} | None" if self.optional else t
 
 
 @dataclass(frozen=True)
@@ -155,6 +194,7 @@ class NormIR:
     dim: Size
     eps: Value
     bias: bool = False
+    weight_offset: float = 0.0    # rmsnorm: y = x_normed * (weight_offset + w)
 
 
 @dataclass(frozen=True)
@@ -162,6 +202,7 @@ class EmbeddingIR:
     name: str
     vocab: Size
     dim: Size
+    scale: Optional[Value] = None     # output multiplier (Gemma: hidden_size ** 0.5)
 
 
 @dataclass(frozen=True)
@@ -180,6 +221,7 @@ class RotaryIR:
     theta: Value
     max_position: Size
     mrope_section: Optional[Value] = None     # literal tuple or an int_tuple symbol
+    scaling: Optional[str] = None             # a `type: rope` config symbol
 
 
 @dataclass(frozen=True)
@@ -193,12 +235,14 @@ class AttentionIR:
     head_dim: Size
     qkv_name: str
     qkv_segments: Tuple[str, str, str]
-    qkv_bias: bool
+    qkv_bias: Value
     out_name: str
-    out_bias: bool
+    out_bias: Value
     rotary: RotaryIR
     qk_norm: Optional[Tuple[str, str, Value]]  # (q module, k module, eps)
     scale: Optional[Value]
+    sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
+    softcap: Optional[Value] = None
 
     @property
     def q_size(self) -> Size:
@@ -216,12 +260,12 @@ class GatedMLPIR:
     class_name: str
     hidden: Size
     intermediate: Size
-    activation: str
+    activation: Value             # a Hugging Face activation name, or a str config symbol (dispatch)
     gate_up_name: str
     gate_up_segments: Tuple[str, str]
-    gate_up_bias: bool
+    gate_up_bias: Value
     down_name: str
-    down_bias: bool
+    down_bias: Value
 
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR]
@@ -229,9 +273,17 @@ BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR]
 
 @dataclass(frozen=True)
 class StepIR:
+    """A residual step: residual += hidden; hidden = post_norm(block(norm(residual)))."""
     norm: str
     block: str
     takes_positions: bool         # attention blocks get (positions, hidden), the others (hidden)
+    post_norm: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ParallelStepIR:
+    """Parallel residual: every branch reads the same residual; their outputs are summed."""
+    branches: Tuple[StepIR, ...]
 
 
 @dataclass(frozen=True)
@@ -248,13 +300,12 @@ class LMHeadIR:
     vocab: Size
     dim: Size
     tie: Value                    # literal bool or a bool config symbol
+    softcap: Optional[Value] = None   # final logit soft-capping
 
 
 @dataclass(frozen=True)
 class RunnerIR:
-    max_batch: int
-    graph_buckets: Tuple[int, ...]
-    prefill_mode: str
+    """What the generated runner specializes (derived from the model; deployment is engine options)."""
     position_kind: str            # rope | mrope
     multimodal: bool = False
     deepstack_levels_field: Optional[str] = None   # the Config field with the number of deepstack levels
@@ -393,6 +444,9 @@ class ModelIR:
     decoder_prefix: str = "model"
     deepstack_levels: Optional[Size] = None    # deepstack after layers 0..levels-1 (a loop bound)
     vision: Optional[VisionIR] = None
+    spec_file: str = ""                                # absolute path of the spec (where its project is)
+    config_assume: Tuple[Tuple[str, Any], ...] = ()   # config.json path -> the value the spec assumes
+    config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
 
     @property
     def model_class(self) -> str:
@@ -414,11 +468,11 @@ class ModelIR:
 
     @property
     def derived_config(self) -> Tuple[ConfigFieldIR, ...]:
-        return tuple(f for f in self.config if f.length_of)
+        return tuple(f for f in self.config if f.derived)
 
     @property
     def read_config(self) -> Tuple[ConfigFieldIR, ...]:
-        return tuple(f for f in self.config if not f.length_of)
+        return tuple(f for f in self.config if not f.derived)
 
     @property
     def weights_before_layers(self) -> Tuple[WeightIR, ...]:

@@ -73,13 +73,45 @@ def banner(ir: ModelIR, digest: str) -> str:
             f"# sha256(spec + templates): {digest}")
 
 
-def from_hf_expr(f: ConfigFieldIR) -> str:
-    """`int(config_value(hf, "a.b", "c", default=1))`: the config mapping of one symbol."""
-    args = ", ".join(f'"{p}"' for p in f.paths)
-    if f.has_default:
-        args += f", default={f.default!r}"
-    cast = {"int": "int", "float": "float", "bool": "bool", "int_tuple": "_int_tuple"}[f.type]
-    return f"{cast}(config_value(hf, {args}))"
+def config_order(ir: ModelIR) -> list:
+    """Config symbols in dependency order (a symbol after those its expressions read)."""
+    fields = {f.name: f for f in ir.config}
+    done: Dict[str, bool] = {}
+    out = []
+
+    def visit(f):
+        if f.name in done:
+            return
+        done[f.name] = True
+        e = f.expr if f.derived else f.default_expr
+        for n in (e.names if e is not None else ()):
+            if n in fields:
+                visit(fields[n])
+        out.append(f)
+
+    for f in ir.config:
+        visit(f)
+    return out
+
+
+def from_hf_line(f: ConfigFieldIR) -> str:
+    """`r.read("head_dim", "int", ("head_dim",), default_fn=lambda: ...)`: the config mapping of one symbol."""
+    if f.derived:
+        opt = ", optional=True" if f.optional else ""
+        return f'r.derive("{f.name}", "{f.type}", lambda: {f.expr.py("c", subscript=True)}{opt})'
+    paths = "(" + ", ".join(f'"{p}"' for p in f.paths) + ("," if len(f.paths) == 1 else "") + ")"
+    args = [f'"{f.name}"', f'"{f.type}"', paths]
+    if f.default_expr is not None:
+        args.append(f"default_fn=lambda: {f.default_expr.py('c', subscript=True)}")
+    elif f.default is not None:
+        args.append(f"default={f.default!r}")
+    if f.values:
+        args.append(f"values={tuple(f.values)!r}")
+    if f.optional:
+        args.append("optional=True")
+    if f.bounds != (None, None):
+        args.append(f"bounds={tuple(f.bounds)!r}")
+    return f"r.read({', '.join(args)})"
 
 
 def render(ir: ModelIR, tree: SpecTree) -> Dict[str, str]:
@@ -88,7 +120,7 @@ def render(ir: ModelIR, tree: SpecTree) -> Dict[str, str]:
     context = {
         "ir": ir,
         "banner": banner(ir, source_hash(tree)),
-        "from_hf": {f.name: from_hf_expr(f) for f in ir.read_config},
+        "config_lines": [from_hf_line(f) for f in config_order(ir)],
     }
     out = {}
     for name, template in OUTPUTS.items():

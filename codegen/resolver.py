@@ -10,38 +10,59 @@ from __future__ import annotations
 
 import dataclasses
 import keyword
+import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from xllm_gen.runtime.executor.sharding import Segment, check_segment, heads_per_rank, padded_vocab
 
 from .errors import SpecError, did_you_mean
+from .expr import Expr, ExprError, is_symbol
+from .expr import parse as parse_expr
 from .ir import (AttentionIR, ConfigFieldIR, EmbeddingIR, GatedMLPIR, LayerIR, LinearIR, LMHeadIR, ModelIR,
-                 NormIR, ParamIR, PatchEmbedIR, PatchMergerIR, PosEmbedIR, RankTableIR, Ratio, RotaryIR, RunnerIR,
+                 NormIR, ParallelStepIR, ParamIR, PatchEmbedIR, PatchMergerIR, PosEmbedIR, RankTableIR, Ratio, RotaryIR, RunnerIR,
                  SegmentIR, Size, StepIR, Value, VariantIR, VisionAttentionIR, VisionIR, VisionMLPIR, VisionStepIR,
                  WeightIR)
 from .loader import LoadedSpec
-from .schema import (AttentionBlock, FusedLinearBlock, GatedMLPBlock, LayerNormBlock, LinearBlock,
+from .schema import (AttentionBlock, FusedLinearBlock, GatedMLPBlock, LayerNormBlock, LinearBlock, ParallelStep,
                      RMSNormBlock, Spec, VisionAttentionBlock, VisionMLPBlock)
 from .yaml_loader import display_path
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def default_buckets(max_batch: int) -> Tuple[int, ...]:
-    """1, 2, 4, 8, then multiples of 16 up to max_batch."""
-    small = [b for b in (1, 2, 4, 8) if b <= max_batch]
-    return tuple(small + list(range(16, max_batch + 1, 16)))
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _type_ok(kind: str, value: Any) -> bool:
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_ITEM_OK = {"int_tuple": _is_int, "float_tuple": _is_num, "str_tuple": lambda v: isinstance(v, str)}
+
+
+def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
+    if value is None:
+        return optional
     if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
+        return _is_int(value)
     if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return _is_num(value)
     if kind == "bool":
         return isinstance(value, bool)
-    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "rope":
+        return isinstance(value, dict)
+    return isinstance(value, (list, tuple)) and all(_ITEM_OK[kind](v) for v in value)
+
+
+# Hugging Face activation names (config hidden_act) the runtime's gated activations implement
+GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
+
+# rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 class _Resolver:
@@ -50,6 +71,7 @@ class _Resolver:
         self.tree = loaded.tree
         self.smap = loaded.tree.smap
         self.config: Dict[str, ConfigFieldIR] = {}
+        self.positives: List[Tuple[tuple, Value]] = []   # (path, value) that must be > 0 in every variant
 
     # ---- helpers ----------------------------------------------------------------------------------
     def err(self, path, message: str, at_key: bool = False) -> SpecError:
@@ -72,23 +94,61 @@ class _Resolver:
                                  f"expected {' or '.join(types)}")
         return field
 
-    def dim(self, path, value) -> Size:
+    def expr(self, path, source: str, per_layer: bool = False) -> Expr:
+        """A spec expression over config symbols (and `layer` where per_layer), parsed and checked."""
+        try:
+            e = parse_expr(source)
+        except ExprError as exc:
+            raise self.err(path, f"{self._where(path)}: {exc}") from None
+        for n in e.names:
+            if n == "layer" and per_layer:
+                continue
+            if n == "layer":
+                raise self.err(path, f"{self._where(path)}: `layer` (the layer index) is only defined for "
+                                     f"per-layer values of decoder layer blocks")
+            if n not in self.config:
+                raise self.err(path, f"{self._where(path)}: unknown config symbol '{n}'"
+                                     f"{did_you_mean(n, self.config)}; symbols are the keys of `config`")
+        return e
+
+    def dim(self, path, value, per_layer: bool = False):
         if isinstance(value, str):
-            self.symbol(path, value, ("int",))
-        elif value <= 0:
+            if is_symbol(value):
+                self.symbol(path, value, ("int",))
+                return Size.of(value)
+            return self.expr(path, value, per_layer)
+        if value <= 0:
             raise self.err(path, f"{self._where(path)}: a size must be positive, got {value}")
         return Size.of(value)
 
-    def num(self, path, value) -> Value:
+    def num(self, path, value, per_layer: bool = False, optional: bool = False) -> Value:
         if isinstance(value, str):
-            self.symbol(path, value, ("float", "int"))
-            return Value(symbol=value)
+            if is_symbol(value):
+                f = self.symbol(path, value, ("float", "int"))
+                if f.optional and not optional:
+                    raise self.err(path, f"{self._where(path)}: config symbol '{value}' is optional (may be "
+                                         f"None), which this field does not admit")
+                return Value(symbol=value)
+            return Value(expr=self.expr(path, value, per_layer))
+        if not math.isfinite(value):
+            raise self.err(path, f"{self._where(path)}: must be finite, got {value}")
         return Value(literal=value)
+
+    def positive(self, path, value, per_layer: bool = False, optional: bool = False) -> Value:
+        """A number that must be > 0 (eps, theta, scale, soft-cap): literals checked here, symbols and
+        expressions for every variant (and at load, by the symbol's bounds)."""
+        v = self.num(path, value, per_layer, optional)
+        if v.expr is None and v.symbol is None and v.literal <= 0:
+            raise self.err(path, f"{self._where(path)}: must be > 0, got {v.literal}")
+        self.positives.append((path, v))
+        return v
 
     def flag(self, path, value) -> Value:
         if isinstance(value, str):
-            self.symbol(path, value, ("bool",))
-            return Value(symbol=value)
+            if is_symbol(value):
+                self.symbol(path, value, ("bool",))
+                return Value(symbol=value)
+            return Value(expr=self.expr(path, value))
         return Value(literal=value)
 
     def ident(self, path, name: str, what: str, at_key: bool = False) -> str:
@@ -110,8 +170,11 @@ class _Resolver:
         self.resolve_config()
 
         d = s.decoder
-        embed = EmbeddingIR("embed_tokens", self.dim(("decoder", "embed_tokens", "vocab"), d.embed_tokens.vocab),
-                            self.dim(("decoder", "embed_tokens", "dim"), d.embed_tokens.dim))
+        ep = ("decoder", "embed_tokens")
+        embed = EmbeddingIR("embed_tokens", self.dim(ep + ("vocab",), d.embed_tokens.vocab),
+                            self.dim(ep + ("dim",), d.embed_tokens.dim),
+                            self.positive(ep + ("scale",), d.embed_tokens.scale)
+                            if d.embed_tokens.scale is not None else None)
         layer = self.resolve_layer()
         norm = self.resolve_norm(("decoder", "norm"), "norm", d.norm)
         lm_head = self.resolve_lm_head(embed)
@@ -151,7 +214,8 @@ class _Resolver:
             class_prefix=s.class_prefix, architectures=tuple(s.architectures), config=tuple(self.config.values()),
             embed=embed, layer=layer, norm=norm, lm_head=lm_head, deepstack_after=deepstack, params=params,
             weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
-            decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision)
+            decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
+            spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore))
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:
@@ -181,48 +245,126 @@ class _Resolver:
         return name
 
     def resolve_config(self) -> None:
+        pending = []
         for name, f in self.spec.config.items():
             path = ("config", name)
             self.ident(path, name, "config symbol", at_key=True)
-            if f.length_of is not None:
-                if f.from_ is not None:
-                    raise self.err(path + ("length_of",), f"config.{name}: give `from` (config.json paths) or "
-                                                          f"`length_of` (a derived symbol), not both")
-                if f.type != "int" or f.default is not None:
-                    raise self.err(path + ("length_of",), f"config.{name}.length_of: a derived length is "
-                                                          f"`type: int` without a default")
-                self.config[name] = ConfigFieldIR(name, "int", (), None, False, f.doc.strip(), f.length_of)
+            if name in ("layer", "config") or name in ("len", "min", "max", "int", "float", "bool", "range"):
+                raise self.err(path, f"config.{name}: '{name}' is reserved in spec expressions", at_key=True)
+            if f.values is not None:
+                if f.type not in ("str", "rope"):
+                    raise self.err(path + ("values",), f"config.{name}.values: only str and rope symbols take values")
+                if not f.values or len(set(f.values)) != len(f.values):
+                    raise self.err(path + ("values",), f"config.{name}.values: list the admitted values, each once")
+                if f.type == "rope":
+                    for i, v in enumerate(f.values):
+                        if v not in ROPE_TYPES:
+                            raise self.err(path + ("values", i), f"config.{name}.values[{i}]: unknown rope type "
+                                                                 f"'{v}'{did_you_mean(v, ROPE_TYPES)}; known: "
+                                                                 f"{', '.join(ROPE_TYPES)}")
+            elif f.type == "rope":
+                raise self.err(path, f"config.{name}: a rope symbol lists the rope types the spec models: "
+                                     f"`values: [default, ...]`", at_key=True)
+            for key in ("min", "max"):
+                bound = getattr(f, key)
+                if bound is not None and (f.type not in ("int", "float") or not math.isfinite(bound)):
+                    raise self.err(path + (key,), f"config.{name}.{key}: bounds are finite numbers of int / float "
+                                                  f"symbols")
+            if f.expr is not None:
+                if f.from_ is not None or f.default is not None or f.default_expr is not None:
+                    raise self.err(path + ("expr",), f"config.{name}: a derived symbol (`expr`) reads no config.json "
+                                                     f"field: drop `from` / `default`")
+                pending.append((name, f, path))
+                self.config[name] = ConfigFieldIR(name, f.type, (), None, False, f.doc.strip(), expr=True,
+                                                  optional=f.optional)
                 continue
             if f.from_ is None:
-                raise self.err(path, f"config.{name}: missing required key 'from' (or `length_of` for a derived "
+                raise self.err(path, f"config.{name}: missing required key 'from' (or `expr` for a derived "
                                      f"symbol)", at_key=True)
             paths = (f.from_,) if isinstance(f.from_, str) else tuple(f.from_)
             if not paths or any(not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", p)
                                 for p in paths):
                 raise self.err(path + ("from",), f"config.{name}.from: give one or more dotted config.json paths")
-            has_default = f.default is not None
-            if has_default and not _type_ok(f.type, f.default):
-                raise self.err(path + ("default",), f"config.{name}.default: {f.default!r} is not {f.type}")
+            if f.default is not None and f.default_expr is not None:
+                raise self.err(path + ("default_expr",), f"config.{name}: give `default` or `default_expr`, not both")
             default = f.default
-            if f.type == "float" and has_default:
-                default = float(default)
-            if f.type == "int_tuple" and has_default:
-                default = tuple(default)
-            self.config[name] = ConfigFieldIR(name, f.type, paths, default if has_default else None, has_default,
-                                              f.doc.strip())
-        for name, f in self.config.items():
-            if f.length_of:
-                src = ("config", name, "length_of")
-                if f.length_of == name:
-                    raise self.err(src, f"config.{name}.length_of: a symbol cannot be its own length")
-                ref = self.symbol(src, f.length_of, ("int_tuple",))
-                if ref.length_of:  # pragma: no cover - an int symbol is never int_tuple
-                    raise self.err(src, f"config.{name}.length_of: '{f.length_of}' is itself derived")
+            if default is not None:
+                if not _type_ok(f.type, default):
+                    raise self.err(path + ("default",), f"config.{name}.default: {default!r} is not {f.type}")
+                if f.type == "float":
+                    default = float(default)
+                if f.type.endswith("_tuple"):
+                    default = tuple(default)
+            has_default = default is not None or f.optional or f.default_expr is not None or f.type == "rope"
+            if f.default_expr is not None:
+                pending.append((name, f, path))
+            self.config[name] = ConfigFieldIR(
+                name, f.type, paths, default, has_default, f.doc.strip(),
+                values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max))
+            if f.values and default is not None:
+                self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
+        for name, f, path in pending:       # expressions may name symbols declared after them
+            key = "expr" if f.expr is not None else "default_expr"
+            e = self.expr(path + (key,), getattr(f, key))
+            if name in e.names:
+                raise self.err(path + (key,), f"config.{name}.{key}: a symbol cannot refer to itself")
+            self.config[name] = dataclasses.replace(self.config[name], **{"expr" if key == "expr" else "default_expr":
+                                                                          e})
+        self.check_cycles()
+        self.resolve_guard()
+
+    def check_cycles(self) -> None:
+        """Derived symbols and default expressions form no cycle."""
+        deps = {n: set((f.expr or f.default_expr).names) if (f.expr or f.default_expr) else set()
+                for n, f in self.config.items()}
+        state: Dict[str, int] = {}
+
+        def visit(n, chain):
+            if state.get(n) == 2:
+                return
+            if state.get(n) == 1:
+                raise self.err(("config", n), f"config.{n}: expressions form a cycle: {' -> '.join(chain + [n])}",
+                               at_key=True)
+            state[n] = 1
+            for d in sorted(deps.get(n, ())):
+                visit(d, chain + [n])
+            state[n] = 2
+
+        for n in self.config:
+            visit(n, [])
+
+    def check_value(self, path, where: str, f: ConfigFieldIR, value) -> None:
+        """A str / rope value against the symbol's admitted values, and numbers against its bounds."""
+        if f.values and value is not None:
+            v = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
+            if v not in f.values:
+                raise self.err(path, f"{where}: {v!r} is not one of the values the spec models: "
+                                     f"{', '.join(f.values)}")
+        lo, hi = f.bounds
+        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            raise self.err(path, f"{where}: {value!r} is outside [{lo}, {hi}]")
+
+    def resolve_guard(self) -> None:
+        """config_assume / config_ignore: the fields the spec does not read are declared."""
+        read = {p for f in self.config.values() for p in f.paths}
+        for key, value in self.spec.config_assume.items():
+            path = ("config_assume", key)
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", key):
+                raise self.err(path, f"config_assume: '{key}' is not a dotted config.json path", at_key=True)
+            if key in read:
+                raise self.err(path, f"config_assume.{key}: this field is read by a config symbol; a field is "
+                                     f"either read or assumed", at_key=True)
+        for i, pat in enumerate(self.spec.config_ignore):
+            if not pat or not re.match(r"^[A-Za-z0-9_.*?\[\]]+$", pat):
+                raise self.err(("config_ignore", i), f"config_ignore[{i}]: '{pat}' is not a dotted path pattern")
 
     def resolve_norm(self, path, name, b) -> NormIR:
+        eps = self.positive(path + ("eps",), b.eps)
         if isinstance(b, RMSNormBlock):
-            return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), self.num(path + ("eps",), b.eps))
-        return NormIR("layernorm", name, self.dim(path + ("dim",), b.dim), self.num(path + ("eps",), b.eps), b.bias)
+            if not math.isfinite(b.weight_offset):
+                raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
+            return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, weight_offset=float(b.weight_offset))
+        return NormIR("layernorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias)
 
     def resolve_layer(self) -> LayerIR:
         L = self.spec.decoder.layers
@@ -237,21 +379,41 @@ class _Resolver:
             self.ident(path, name, "block name", at_key=True)
             blocks[name] = self.resolve_block(path, name, b, unique_kind=kinds_seen[b.kind] == 1)
         steps, used = [], {}
-        for i, st in enumerate(L.dataflow):
-            sp = base + ("dataflow", i)
-            for role, ref, kinds in (("norm", st.norm, ("rmsnorm",)),
-                                     ("block", st.block, ("attention", "gated_mlp"))):
+
+        def step(st, sp, where, shared_norm_ok=()):
+            roles = [("norm", st.norm, ("rmsnorm", "layernorm")), ("block", st.block, ("attention", "gated_mlp"))]
+            if st.post_norm is not None:
+                roles.append(("post_norm", st.post_norm, ("rmsnorm", "layernorm")))
+            for role, ref, kinds in roles:
                 if ref not in blocks:
-                    raise self.err(sp + (role,), f"decoder.layers.dataflow[{i}].{role}: no block '{ref}' in "
+                    raise self.err(sp + (role,), f"{where}.{role}: no block '{ref}' in "
                                                  f"decoder.layers.blocks{did_you_mean(ref, blocks)}")
                 if blocks[ref].kind not in kinds:
-                    raise self.err(sp + (role,), f"decoder.layers.dataflow[{i}].{role}: block '{ref}' is "
+                    raise self.err(sp + (role,), f"{where}.{role}: block '{ref}' is "
                                                  f"{blocks[ref].kind}, expected {' or '.join(kinds)}")
-                if ref in used:
-                    raise self.err(sp + (role,), f"decoder.layers.dataflow[{i}].{role}: block '{ref}' is already "
-                                                 f"used by dataflow[{used[ref]}]; each block is used once")
-                used[ref] = i
-            steps.append(StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR)))
+                if ref in used and not (role == "norm" and ref in shared_norm_ok):
+                    raise self.err(sp + (role,), f"{where}.{role}: block '{ref}' is already "
+                                                 f"used by {used[ref]}; each block is used once")
+                used[ref] = where
+            return StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR), st.post_norm)
+
+        for i, st in enumerate(L.dataflow):
+            sp = base + ("dataflow", i)
+            if isinstance(st, ParallelStep):
+                if len(st.parallel) < 2:
+                    raise self.err(sp + ("parallel",), f"decoder.layers.dataflow[{i}].parallel: list two or more "
+                                                       f"branches")
+                branches = []
+                for j, br in enumerate(st.parallel):
+                    if br.post_norm is not None:
+                        raise self.err(sp + ("parallel", j, "post_norm"), f"decoder.layers.dataflow[{i}]."
+                                       f"parallel[{j}].post_norm: not supported in a parallel step")
+                    shared = (st.parallel[0].norm,) if j else ()
+                    branches.append(step(br, sp + ("parallel", j), f"decoder.layers.dataflow[{i}].parallel[{j}]",
+                                         shared))
+                steps.append(ParallelStepIR(tuple(branches)))
+            else:
+                steps.append(step(st, sp, f"decoder.layers.dataflow[{i}]"))
         if not steps:
             raise self.err(base + ("dataflow",), "decoder.layers.dataflow: list at least one residual step")
         for name in blocks:
@@ -283,9 +445,11 @@ class _Resolver:
                 modules[mname] = mpath
                 return mname
             qkv_segs = b.qkv.segments
-            if len(qkv_segs) != 3 or len(set(qkv_segs)) != 3:
-                raise self.err(path + ("qkv", "segments"), f"{self._where(path)}.qkv.segments: name the three "
-                                                          f"segments q, k, v (in this order), e.g. [q, k, v]")
+            if list(qkv_segs) != ["q", "k", "v"]:
+                # the segments are stacked in the order the forward pass splits them: q | k | v
+                raise self.err(path + ("qkv", "segments"), f"{self._where(path)}.qkv.segments: the forward pass "
+                                                          f"splits the fused projection as [q, k, v]; got "
+                                                          f"{list(qkv_segs)}")
             rot = b.rotary
             rp = path + ("rotary",)
             mrope = None
@@ -299,33 +463,73 @@ class _Resolver:
                     mrope = Value(literal=tuple(rot.mrope_section))
             elif rot.mrope_section is not None:
                 raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: only for mrope rotary kinds")
+            scaling = None
+            if rot.scaling is not None:
+                self.symbol(rp + ("scaling",), rot.scaling, ("rope",))
+                scaling = rot.scaling
+                if rot.kind != "neox":
+                    raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
+                                                      f"rotary only")
             qk = None
             if b.qk_norm:
                 qp = path + ("qk_norm",)
                 qk = (module(qp + ("q",), b.qk_norm.q), module(qp + ("k",), b.qk_norm.k),
-                      self.num(qp + ("eps",), b.qk_norm.eps))
+                      self.positive(qp + ("eps",), b.qk_norm.eps))
+            window = softcap = None
+            if b.sliding_window is not None:
+                window = self.num(path + ("sliding_window",), b.sliding_window, per_layer=True, optional=True)
+                if window.symbol is None and window.expr is None and (not _is_int(window.literal) or window.literal < 1):
+                    raise self.err(path + ("sliding_window",), f"{self._where(path)}.sliding_window: a window is an "
+                                                              f"int >= 1 (or None), got {window.literal!r}")
+            if b.softcap is not None:
+                softcap = self.positive(path + ("softcap",), b.softcap, optional=True)
             return AttentionIR(
                 kind="attention", name=name, class_name=f"{prefix}Attention" if unique_kind else f"{prefix}{camel}",
                 hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
                 kv_heads=self.dim(path + ("kv_heads",), b.kv_heads), head_dim=self.dim(path + ("head_dim",), b.head_dim),
-                qkv_name=module(path + ("qkv", "name"), b.qkv.name), qkv_segments=tuple(qkv_segs), qkv_bias=b.qkv.bias,
-                out_name=module(path + ("out", "name"), b.out.name), out_bias=b.out.bias,
-                rotary=RotaryIR(rot.kind, self.num(rp + ("theta",), rot.theta),
-                                self.dim(rp + ("max_position",), rot.max_position), mrope),
-                qk_norm=qk, scale=self.num(path + ("scale",), b.scale) if b.scale is not None else None)
+                qkv_name=module(path + ("qkv", "name"), b.qkv.name), qkv_segments=tuple(qkv_segs),
+                qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
+                out_name=module(path + ("out", "name"), b.out.name),
+                out_bias=self.flag(path + ("out", "bias"), b.out.bias),
+                rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta),
+                                self.dim(rp + ("max_position",), rot.max_position), mrope, scaling),
+                qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
+                sliding_window=window, softcap=softcap)
         if isinstance(b, GatedMLPBlock):
             segs = b.gate_up.segments
-            if len(segs) != 2 or len(set(segs)) != 2:
-                raise self.err(path + ("gate_up", "segments"), f"{self._where(path)}.gate_up.segments: name the two "
-                                                              f"segments gate, up (in this order), e.g. [gate, up]")
+            if list(segs) != ["gate", "up"]:
+                # act(gate) * up: the forward pass splits the fused projection as [gate, up]
+                raise self.err(path + ("gate_up", "segments"), f"{self._where(path)}.gate_up.segments: the forward "
+                                                              f"pass splits the fused projection as [gate, up]; got "
+                                                              f"{list(segs)}")
+            act = self.activation(path + ("activation",), b.activation)
             g = self.ident(path + ("gate_up", "name"), b.gate_up.name, "module name")
             dn = self.ident(path + ("down", "name"), b.down.name, "module name")
             if g == dn:
                 raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
             return GatedMLPIR("gated_mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
-                              b.activation, g, tuple(segs), b.gate_up.bias, dn, b.down.bias)
+                              act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
+                              self.flag(path + ("down", "bias"), b.down.bias))
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
+
+    def activation(self, path, name: str) -> Value:
+        """A gated activation: a Hugging Face activation name, or a str config symbol whose values all are."""
+        if name in self.config:
+            f = self.symbol(path, name, ("str",))
+            if not f.values:
+                raise self.err(path, f"{self._where(path)}: config symbol '{name}' selects the activation: list the "
+                                     f"activations the spec models in its `values`")
+            for v in f.values:
+                if v not in GATED_ACTIVATIONS:
+                    raise self.err(("config", name, "values"), f"config.{name}.values: '{v}' is not a gated "
+                                                                f"activation the runtime has ({', '.join(GATED_ACTIVATIONS)})")
+            return Value(symbol=name)
+        if name not in GATED_ACTIVATIONS:
+            raise self.err(path, f"{self._where(path)}: '{name}' is neither a gated activation "
+                                 f"({', '.join(GATED_ACTIVATIONS)}) nor a str config symbol"
+                                 f"{did_you_mean(name, list(GATED_ACTIVATIONS) + list(self.config))}")
+        return Value(literal=name)
 
     # ---- vision tower -----------------------------------------------------------------------------
     def resolve_vision(self, levels: Optional[Size]) -> VisionIR:
@@ -411,15 +615,16 @@ class _Resolver:
             if isinstance(v.deepstack.taps, str):
                 self.symbol(dp + ("taps",), v.deepstack.taps, ("int_tuple",))
                 taps = Value(symbol=v.deepstack.taps)
-                derived = [f.name for f in self.config.values() if f.length_of == v.deepstack.taps]
+                derived = [f.name for f in self.config.values()
+                           if f.derived and f.expr.source == f"len({v.deepstack.taps})"]
                 count_ds = Size.of(derived[0]) if derived else None
             else:
                 taps = Value(literal=tuple(v.deepstack.taps))
                 count_ds = Size.of(len(v.deepstack.taps)) if v.deepstack.taps else None
             if count_ds is None:
                 raise self.err(dp + ("taps",), f"vision.deepstack.taps: declare the number of levels as a derived "
-                                               f"symbol, e.g. `deepstack_levels: {{type: int, length_of: "
-                                               f"{v.deepstack.taps}}}`, so the mergers and the decoder can use it")
+                                               f"symbol, e.g. `deepstack_levels: {{type: int, expr: \"len("
+                                               f"{v.deepstack.taps})\"}}`, so the mergers and the decoder can use it")
             ds_merger = merger(dp + ("merger",), "deepstack_merger_list", v.deepstack.merger)
             if levels is None:
                 raise self.err(dp, "vision.deepstack: the decoder has no `decoder.deepstack` to inject the levels "
@@ -492,7 +697,7 @@ class _Resolver:
             elif isinstance(b, (AttentionIR, GatedMLPIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
-            if size != embed.dim:
+            if str(size) != str(embed.dim):
                 raise self.err(path, f"{where}: is {size}, but the residual stream has the embedding's width "
                                      f"{embed.dim} (decoder.embed_tokens.dim)")
 
@@ -500,8 +705,9 @@ class _Resolver:
         h = self.spec.lm_head
         p = ("lm_head",)
         head = LMHeadIR("lm_head", self.dim(p + ("vocab",), h.vocab), self.dim(p + ("dim",), h.dim),
-                        self.flag(p + ("tie",), h.tie))
-        if head.tie.literal is not False and (head.vocab != embed.vocab or head.dim != embed.dim):
+                        self.flag(p + ("tie",), h.tie),
+                        self.positive(p + ("softcap",), h.softcap, optional=True) if h.softcap is not None else None)
+        if head.tie.literal is not False and (str(head.vocab) != str(embed.vocab) or str(head.dim) != str(embed.dim)):
             raise self.err(p, f"lm_head: a tied head must have the embedding's shape: vocab {head.vocab} vs "
                               f"{embed.vocab}, dim {head.dim} vs {embed.dim}", at_key=True)
         return head
@@ -558,8 +764,8 @@ class _Resolver:
             q, k, v = b.qkv_segments
             segs = [SegmentIR(q, b.heads, b.head_dim), SegmentIR(k, b.kv_heads, b.head_dim, True),
                     SegmentIR(v, b.kv_heads, b.head_dim, True)]
-            ps = column(f"{b.qkv_name}.", b.hidden, segs, b.qkv_bias)
-            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, b.out_bias)
+            ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))
             if b.qk_norm:
                 ps += [P(f"{b.qk_norm[0]}.weight", (b.head_dim,), "replicated"),
                        P(f"{b.qk_norm[1]}.weight", (b.head_dim,), "replicated")]
@@ -567,8 +773,8 @@ class _Resolver:
         if isinstance(b, GatedMLPIR):
             g, u = b.gate_up_segments
             ps = column(f"{b.gate_up_name}.", b.hidden, [SegmentIR(g, b.intermediate, one),
-                                                         SegmentIR(u, b.intermediate, one)], b.gate_up_bias)
-            ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, b.down_bias)
+                                                         SegmentIR(u, b.intermediate, one)], _maybe(b.gate_up_bias))
+            ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
             return ps
         raise AssertionError(type(b))  # pragma: no cover
 
@@ -594,18 +800,17 @@ class _Resolver:
                                at_key=True)
         out = []
         for p in params:
-            if p.name not in entries:
-                shown = p.name if not top or self.prefix == "model" or not p.name.startswith(self.prefix + ".") \
-                    else "model" + p.name[len(self.prefix):]
-                raise self.err(tuple(p.block.split(".")),
-                               f"{p.block}: parameter '{shown}' has no entry in `{where_s}` (add "
-                               f"'{shown}: {{from: <checkpoint tensor>, shard: {p.shard}}}')", at_key=True)
-            e = entries[p.name]
-            path = section + (keys[p.name],)
-            if e.shard != p.shard:
-                raise self.err(path + ("shard",), f"{where_s}['{keys[p.name]}'].shard: '{e.shard}' does not fit the "
-                                                  f"parameter (its layer is {_SHARD_WORDS[p.shard]}): expected '{p.shard}'")
-            if e.from_ is None:
+            e = entries.get(p.name)
+            path = section + (keys.get(p.name, ""),)
+            if e is None:
+                if p.segments and len(p.segments) > 1 and not (p.tp_if or p.repeat):
+                    shown = p.name if not top or self.prefix == "model" or not p.name.startswith(self.prefix + ".") \
+                        else "model" + p.name[len(self.prefix):]
+                    names = ", ".join(f"{sg.name}: <tensor>" for sg in p.segments)
+                    raise self.err(tuple(p.block.split(".")),
+                                   f"{p.block}: fused parameter '{shown}' has no entry in `{where_s}`: say which "
+                                   f"checkpoint tensor fills each segment ('{shown}: {{from: {{{names}}}}}')",
+                                   at_key=True)
                 sources = (p.name,)
             elif isinstance(e.from_, str):
                 sources = (rename(e.from_),)
@@ -641,44 +846,17 @@ class _Resolver:
                 raise self.err(("ignore_checkpoint_tensors", i), f"ignore_checkpoint_tensors[{i}]: bad regex: {e}")
         return tuple(self.spec.ignore_checkpoint_tensors)
 
-    def resolve_runner(self, layer: LayerIR, vision: Optional[VisionIR], levels: Optional[Size]) -> RunnerIR:
-        r = self.spec.runner
-        if r.max_batch < 1:
-            raise self.err(("runner", "max_batch"), f"runner.max_batch: must be >= 1, got {r.max_batch}")
-        if r.graph_buckets is None:
-            buckets = default_buckets(r.max_batch)
-        else:
-            buckets = tuple(r.graph_buckets)
-            bp = ("runner", "graph_buckets")
-            if not buckets:
-                raise self.err(bp, "runner.graph_buckets: list at least one batch size (or leave it out for the default)")
-            for i, b in enumerate(buckets):
-                if b < 1:
-                    raise self.err(bp + (i,), f"runner.graph_buckets[{i}]: batch size must be >= 1, got {b}")
-                if i and b <= buckets[i - 1]:
-                    raise self.err(bp + (i,), f"runner.graph_buckets[{i}]: buckets must be sorted ascending and "
-                                              f"unique: {b} after {buckets[i - 1]}")
-                if b > r.max_batch:
-                    raise self.err(bp + (i,), f"runner.graph_buckets[{i}]: bucket {b} exceeds runner.max_batch "
-                                              f"{r.max_batch}")
+    def resolve_runner(self, layer: LayerIR, vision: Optional[VisionIR], levels) -> RunnerIR:
+        """What the generated runner specializes, derived from the model (deployment is engine options)."""
         mrope = any(isinstance(b, AttentionIR) and b.rotary.kind.startswith("mrope") for b in layer.blocks)
-        kind = "mrope" if mrope else "rope"
-        if r.position_kind is not None and r.position_kind != kind:
-            raise self.err(("runner", "position_kind"), f"runner.position_kind: '{r.position_kind}' does not fit the "
-                                                        f"decoder's rotary: its positions are '{kind}'")
-        multimodal = vision is not None if r.multimodal is None else r.multimodal
-        if multimodal != (vision is not None):
-            raise self.err(("runner", "multimodal"), "runner.multimodal: true needs a `vision` tower" if multimodal
-                           else "runner.multimodal: false, but the spec has a `vision` tower")
         field = None
-        if multimodal and levels is not None:
-            sym = levels.terms[0][0]
-            if not isinstance(sym, str):
+        if vision is not None and levels is not None:
+            field = levels.symbol if isinstance(levels, Size) else None
+            if field is None:
                 raise self.err(("decoder", "deepstack", "levels"),
                                "decoder.deepstack.levels: a multimodal runner reads the number of levels from "
                                "Config: name a config symbol, e.g. `levels: deepstack_levels`")
-            field = sym
-        return RunnerIR(r.max_batch, buckets, r.prefill_mode, kind, multimodal, field)
+        return RunnerIR("mrope" if mrope else "rope", vision is not None, field)
 
     def resolve_tp(self) -> Tuple[int, ...]:
         sizes = self.spec.tensor_parallel.sizes
@@ -699,33 +877,57 @@ class _Resolver:
             if key not in self.config:
                 raise self.err(vp + (key,), f"variants.{name}: unknown config symbol '{key}'"
                                             f"{did_you_mean(key, self.config)}", at_key=True)
-            if not _type_ok(self.config[key].type, value):
-                raise self.err(vp + (key,), f"variants.{name}.{key}: {value!r} is not {self.config[key].type}")
-            if self.config[key].length_of:
-                raise self.err(vp + (key,), f"variants.{name}.{key}: '{key}' is derived (the length of "
-                                            f"'{self.config[key].length_of}'): set that instead", at_key=True)
+            f = self.config[key]
+            if f.derived:
+                raise self.err(vp + (key,), f"variants.{name}.{key}: '{key}' is derived ({f.expr}): set the "
+                                            f"symbols it reads instead", at_key=True)
+            if not _type_ok(f.type, value, f.optional):
+                raise self.err(vp + (key,), f"variants.{name}.{key}: {value!r} is not {f.type}")
+            self.check_value(vp + (key,), f"variants.{name}.{key}", f, value)
         values: Dict[str, Any] = {}
         for sym, f in self.config.items():
-            if f.length_of:
+            if f.derived or (sym not in given and f.default_expr is not None):
                 continue
             if sym in given:
-                values[sym] = given[sym]
+                values[sym] = tuple(given[sym]) if isinstance(given[sym], list) else given[sym]
             elif f.has_default:
-                values[sym] = f.default
+                values[sym] = f.default if f.type != "rope" or f.default is not None else {"rope_type": "default"}
             else:
                 raise self.err(vp, f"variants.{name}: no value for '{sym}' (it has no default)", at_key=True)
-        for sym, f in self.config.items():
-            if f.length_of:
-                values[sym] = len(values[f.length_of])
+        for _ in range(len(self.config)):   # expressions in dependency order (cycles are refused earlier)
+            for sym, f in self.config.items():
+                e = f.expr if f.derived else (f.default_expr if sym not in values else None)
+                if e is not None and sym not in values and all(n in values for n in e.names):
+                    try:
+                        values[sym] = e.eval(values)
+                    except Exception as exc:  # noqa: BLE001 - any failure of a spec formula is the spec's error
+                        raise self.err(("config", sym), f"variants.{name}: config.{sym} = {e} fails: "
+                                                        f"{type(exc).__name__}: {exc}", at_key=True) from None
+                    if not _type_ok(f.type, values[sym], f.optional):
+                        raise self.err(("config", sym), f"variants.{name}: config.{sym} = {e} gives "
+                                                        f"{values[sym]!r}, not {f.type}", at_key=True)
         values = {sym: values[sym] for sym in self.config}
 
         def at(sym: Optional[str]):
             f = self.config.get(sym) if sym else None
-            if f is not None and f.length_of:
-                sym = f.length_of
+            if f is not None and f.derived and len(f.expr.names) == 1:
+                sym = f.expr.names[0]
             return vp + (sym,) if sym in given else vp
 
-        def check_ints(size: Size):
+        for path, v in self.positives:
+            for li in (range(min(layer.count.eval(values), 64)) if v.per_layer else (None,)):
+                x = v.eval(values, li)
+                if x is not None and (not _is_num(x) or x <= 0):
+                    where = at(v.symbol) if v.symbol and at(v.symbol) != vp else path
+                    raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; it must be > 0")
+
+        def check_ints(size):
+            if not isinstance(size, Size):
+                x = size.eval(values)
+                if not _is_int(x) or x <= 0:
+                    raise self.err(vp, f"variants.{name}: {size} is {x!r}; a size must be a positive int",
+                                   at_key=True)
+                return
             for t in size.terms:
                 for f in t:
                     if isinstance(f, str) and values[f] <= 0:
@@ -733,15 +935,25 @@ class _Resolver:
 
         for p in params:
             for s in p.shape:
-                if isinstance(s, Size):
+                if isinstance(s, Size) or hasattr(s, "source"):
                     check_ints(s)
         layers = layer.count.eval(values)
         check_ints(layer.count)
         for b in layer.blocks:
             if isinstance(b, AttentionIR):
                 h, kv, hd = b.heads.eval(values), b.kv_heads.eval(values), b.head_dim.eval(values)
+                if b.rotary.kind == "neox" and hd % 2:
+                    raise self.err(at(b.head_dim.symbol) if isinstance(b.head_dim, Size) else vp,
+                                   f"variants.{name}: {b.name}.head_dim is {hd}; rotary needs an even head_dim")
+                if b.sliding_window is not None:
+                    for li in range(layers):
+                        w = b.sliding_window.eval(values, li)
+                        if w is not None and (not _is_int(w) or w < 1):
+                            raise self.err(("decoder", "layers", "blocks", b.name, "sliding_window"),
+                                           f"variants.{name}: {b.name}.sliding_window of layer {li} is {w!r}; a "
+                                           f"window is an int >= 1 or None")
                 if h % kv:
-                    sym = b.kv_heads.terms[0][0] if isinstance(b.kv_heads.terms[0][0], str) else None
+                    sym = b.kv_heads.symbol if isinstance(b.kv_heads, Size) else None
                     raise self.err(at(sym), f"variants.{name}: {b.name}.heads ({h}) must be a multiple of "
                                             f"{b.name}.kv_heads ({kv})")
                 if b.rotary.mrope_section is not None:
@@ -757,7 +969,7 @@ class _Resolver:
                            f"{name} ({layers} layers)")
         if levels is not None:
             n = levels.eval(values)
-            sym = levels.terms[0][0] if isinstance(levels.terms[0][0], str) else None
+            sym = levels.symbol if isinstance(levels, Size) else None
             where = at(sym) if sym and at(sym) != vp else ("decoder", "deepstack", "levels")
             if n < 1 or n > layers:
                 raise self.err(where, f"variants.{name}: decoder.deepstack.levels is {n}, but deepstack levels are "
@@ -775,20 +987,20 @@ class _Resolver:
     def check_vision_variant(self, name, values, v: VisionIR, embed, at, vp) -> None:
         a = v.attention
         hidden, heads = a.hidden.eval(values), a.heads.eval(values)
-        sym = a.heads.terms[0][0] if isinstance(a.heads.terms[0][0], str) else None
+        sym = a.heads.symbol if isinstance(a.heads, Size) else None
         if hidden % heads or (hidden // heads) % 4:
             raise self.err(at(sym), f"variants.{name}: vision {a.name}.hidden ({hidden}) must be a multiple of "
                                     f"4 * {a.name}.heads ({heads}): head_dim = hidden / heads, split in 2-D rotary halves")
         side = int(round(v.pos_embed.positions.eval(values) ** 0.5))
         if side * side != v.pos_embed.positions.eval(values):
-            f = v.pos_embed.positions.terms[0][0]
-            raise self.err(at(f if isinstance(f, str) else None),
+            f = v.pos_embed.positions.symbol if isinstance(v.pos_embed.positions, Size) else None
+            raise self.err(at(f),
                            f"variants.{name}: vision.pos_embed.positions ({v.pos_embed.positions.eval(values)}) "
                            f"must be a square (side x side table)")
         text = embed.dim.eval(values)
         for m, path in ((v.merger, ("vision", "merger", "out")), (v.deepstack_merger, ("vision", "deepstack", "merger", "out"))):
             if m is not None and m.out.eval(values) != text:
-                f = m.out.terms[0][0]
+                f = m.out.symbol if isinstance(m.out, Size) else 0
                 raise self.err(at(f if isinstance(f, str) else None) if isinstance(f, str) and at(f) != vp else path,
                                f"variants.{name}: {'.'.join(path)} is {m.out.eval(values)}, but the text width "
                                f"(decoder.embed_tokens.dim) is {text}")
@@ -837,6 +1049,11 @@ class _Resolver:
         heads = tuple((b.name, heads_per_rank(b.heads.eval(values), tp), heads_per_rank(b.kv_heads.eval(values), tp))
                       for b in layer.blocks if isinstance(b, AttentionIR))
         return RankTableIR(tp, heads, tuple(rows), layer_numel, total + layer_numel * layers)
+
+
+def _maybe(flag: Value) -> bool:
+    """Whether a flag may be true for some checkpoint (a literal False never is)."""
+    return not (flag.expr is None and flag.symbol is None and flag.literal is False)
 
 
 _SHARD_WORDS = {"colwise": "column-parallel", "rowwise": "row-parallel", "vocab": "vocab-parallel",

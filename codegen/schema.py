@@ -1,9 +1,11 @@
 """The spec language: pydantic v2 models, strict, unknown keys forbidden.
 
-This file is the reference for what a spec may contain. Sizes and numbers are either literals or names of
-config symbols (keys of the `config` section); there are no expressions: derived sizes are computed by the
-resolver. Cross-field checks (symbols exist, dataflow references, weights vs parameters, TP divisibility,
-variants) live in resolver.py, in one place.
+This file is the reference for what a spec may contain (`xllm-gen --json-schema` exports it for editors).
+Sizes, numbers and flags are literals, config symbol names, or expressions over config symbols
+(codegen/expr.py: `hidden_size // num_attention_heads`; per-layer values may read `layer`). Cross-field
+checks (symbols exist, dataflow references, weights vs parameters, TP divisibility, variants) live in
+resolver.py, in one place. The model spec holds only the model: deployment (graph buckets, batch sizes,
+chunked prefill, TP size) are engine options.
 """
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ from typing import Annotated, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 Symbol = StrictStr                                   # the name of a config symbol
-Dim = Union[StrictInt, Symbol]                       # a size: an int literal or an int config symbol
-Num = Union[StrictInt, StrictFloat, Symbol]          # a number: a literal or a float/int config symbol
-Flag = Union[StrictBool, Symbol]                     # a bool literal or a bool config symbol
-Scalar = Union[StrictBool, StrictInt, StrictFloat, List[StrictInt]]
+Dim = Union[StrictInt, StrictStr]                    # a size: an int literal, a symbol or an expression
+Num = Union[StrictInt, StrictFloat, StrictStr]       # a number: a literal, a symbol or an expression
+Flag = Union[StrictBool, StrictStr]                  # a bool literal, a bool symbol or an expression
+Scalar = Union[StrictBool, StrictInt, StrictFloat, StrictStr, None, List[Union[StrictInt, StrictFloat, StrictStr]],
+               Dict[StrictStr, Union[StrictBool, StrictInt, StrictFloat, StrictStr, None, List[StrictInt]]]]
 
 
 class Strict(BaseModel):
@@ -27,13 +30,23 @@ class Strict(BaseModel):
 class ConfigField(Strict):
     """`name: {type: int, from: [dotted.path, fallback.path], default: 10}`; the first present path wins.
 
-    A derived symbol reads no config.json field: `name: {type: int, length_of: other}` is the length of the
-    int_tuple symbol `other` (e.g. the number of deepstack levels = len(deepstack_visual_indexes)); it is
-    rendered as a property of Config and evaluated for every variant."""
-    type: Literal["int", "float", "bool", "int_tuple"]
+    Types are strict at load (no bool("false"), no int(2.7)): int, float (ints accepted), bool, str,
+    int_tuple / float_tuple / str_tuple (a scalar is a 1-tuple), and rope (the rope-parameters mapping,
+    transformers' `rope_parameters` or the older `rope_scaling`: its `rope_type` must be one of `values`).
+    `values` restricts a str (or rope) symbol to the variants the spec models: a checkpoint with another
+    value is refused at load, naming the spec and the field. `optional: true` admits null / absence (None).
+    `default` is a literal; `default_expr` an expression over other symbols (`hidden_size //
+    num_attention_heads`). A derived symbol reads no config.json field: `expr: "len(deepstack_visual_indexes)"`
+    (rendered as a Config property, evaluated for every variant)."""
+    type: Literal["int", "float", "bool", "str", "int_tuple", "float_tuple", "str_tuple", "rope"]
     from_: Optional[Union[StrictStr, List[StrictStr]]] = Field(default=None, alias="from")
-    length_of: Optional[Symbol] = None
     default: Optional[Scalar] = None
+    default_expr: Optional[StrictStr] = None
+    expr: Optional[StrictStr] = None
+    values: Optional[List[StrictStr]] = None
+    optional: StrictBool = False
+    min: Optional[Union[StrictInt, StrictFloat]] = None   # inclusive bounds checked at load (and for variants)
+    max: Optional[Union[StrictInt, StrictFloat]] = None
     doc: StrictStr = ""
 
 
@@ -42,26 +55,31 @@ class ConfigField(Strict):
 class Projection(Strict):
     """A linear projection inside a composite block; `name` is its module (and parameter) name."""
     name: StrictStr
-    bias: StrictBool = False
+    bias: Flag = False
 
 
 class FusedProjection(Strict):
-    """A fused projection: several named output segments stacked along the output dim."""
+    """A fused projection: several named output segments stacked along the output dim, in the order of the
+    block's forward split (attention: q, k, v; gated MLP: gate, up)."""
     name: StrictStr
     segments: List[StrictStr]
-    bias: StrictBool = False
+    bias: Flag = False
 
 
 class EmbeddingBlock(Strict):
+    """Vocab-parallel embedding; `scale` multiplies the output (Gemma: hidden_size ** 0.5, in the model dtype)."""
     kind: Literal["embedding"]
     vocab: Dim
     dim: Dim
+    scale: Optional[Num] = None
 
 
 class RMSNormBlock(Strict):
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma)."""
     kind: Literal["rmsnorm"]
     dim: Dim
     eps: Num
+    weight_offset: Union[StrictInt, StrictFloat] = 0
 
 
 class LayerNormBlock(Strict):
@@ -96,10 +114,14 @@ class QKNorm(Strict):
 
 
 class Rotary(Strict):
+    """Rotary position embedding (rotate-half layout). `scaling` names a `type: rope` config symbol: rope
+    scaling as transformers computes it (default, linear, dynamic, yarn, llama3; the symbol's `values` say
+    which the spec models)."""
     kind: Literal["neox", "mrope_interleaved", "mrope_blocked"]
     theta: Num
     max_position: Dim
     mrope_section: Optional[Union[List[StrictInt], Symbol]] = None
+    scaling: Optional[Symbol] = None
 
 
 class AttentionBlock(Strict):
@@ -114,15 +136,19 @@ class AttentionBlock(Strict):
     out: Projection
     rotary: Rotary
     qk_norm: Optional[QKNorm] = None
-    scale: Optional[Num] = None          # default head_dim ** -0.5
+    scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
+    sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
+    softcap: Optional[Num] = None        # attention logit soft-capping: cap * tanh(scores / cap); None = off
 
 
 class GatedMLPBlock(Strict):
-    """down(act(gate(x)) * up(x)) with gate/up fused into one projection (segments gate, up)."""
+    """down(act(gate(x)) * up(x)) with gate/up fused into one projection (segments gate, up). `activation` is a
+    Hugging Face activation name (silu, gelu, gelu_pytorch_tanh, gelu_new, ...) or a str config symbol
+    (`hidden_act`) whose `values` are such names: dispatched when the model is built."""
     kind: Literal["gated_mlp"]
     hidden: Dim
     intermediate: Dim
-    activation: Literal["silu"]
+    activation: StrictStr
     gate_up: FusedProjection
     down: Projection
 
@@ -132,6 +158,7 @@ class LMHeadBlock(Strict):
     vocab: Dim
     dim: Dim
     tie: Flag                            # true, false, or a bool config symbol (decided by the checkpoint)
+    softcap: Optional[Num] = None        # final logit soft-capping (Gemma 2); None = off
 
 
 LayerBlock = Annotated[
@@ -142,15 +169,23 @@ NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="
 
 
 class ResidualStep(Strict):
-    """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add)."""
+    """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add).
+    `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2)."""
     norm: StrictStr
     block: StrictStr
+    post_norm: Optional[StrictStr] = None
+
+
+class ParallelStep(Strict):
+    """`{parallel: [{norm: N1, block: B1}, {norm: N2, block: B2}]}`: both blocks read the same residual and
+    their outputs are summed into it (GPT-J / NeoX style parallel residual). N1 and N2 may be one norm."""
+    parallel: List[ResidualStep]
 
 
 class Layers(Strict):
     count: Dim
     blocks: Dict[StrictStr, LayerBlock]
-    dataflow: List[ResidualStep]
+    dataflow: List[Union[ResidualStep, ParallelStep]]
 
 
 class Deepstack(Strict):
@@ -174,12 +209,12 @@ class Decoder(Strict):
 
 
 class WeightEntry(Strict):
-    """How one parameter is loaded: checkpoint source(s) and sharding rule.
+    """Where one parameter comes from in the checkpoint (names only: the layer kind implies the sharding).
 
-    `from` defaults to the parameter's own name; a mapping {segment: tensor} stacks several checkpoint
-    tensors into a fused parameter, in the block's segment order. `{i}` stands for the layer index."""
-    from_: Optional[Union[StrictStr, Dict[StrictStr, StrictStr]]] = Field(default=None, alias="from")
-    shard: Literal["replicated", "colwise", "rowwise", "vocab"]
+    A parameter without an entry loads the tensor of its own name. `from` renames it; a mapping
+    {segment: tensor} stacks several checkpoint tensors into a fused parameter, in the block's segment order
+    (which is the order of its forward split). `{i}` stands for the layer index."""
+    from_: Union[StrictStr, Dict[StrictStr, StrictStr]] = Field(alias="from")
 
 
 # ---- vision tower ----------------------------------------------------------------------------------------
@@ -252,7 +287,7 @@ class VisionLayers(Strict):
 class VisionDeepstack(Strict):
     """Deepstack mergers (module list `deepstack_merger_list`): level k merges the output of vision block
     taps[k]; `taps` is an int_tuple config symbol (deepstack_visual_indexes) or a literal list."""
-    taps: Union[List[StrictInt], Symbol]
+    taps: Union[List[StrictInt], StrictStr]
     merger: PatchMergerBlock
 
 
@@ -266,36 +301,35 @@ class Vision(Strict):
     blocks: VisionLayers
     merger: PatchMergerBlock
     deepstack: Optional[VisionDeepstack] = None
-    weights: Dict[StrictStr, WeightEntry]  # full tensor names; {i} is the block (or deepstack level) index
+    weights: Dict[StrictStr, WeightEntry] = {}  # full tensor names; {i} is the block (or deepstack level) index
 
 
 # ---- weights, runner, tensor parallel -------------------------------------------------------------------
 
-class Runner(Strict):
-    max_batch: StrictInt
-    multimodal: Optional[StrictBool] = None          # default: whether the spec has a `vision` tower
-    position_kind: Optional[Literal["rope", "mrope"]] = None   # default: mrope when the rotary is mRoPE
-    graph_buckets: Optional[List[StrictInt]] = None   # default 1, 2, 4, 8, then multiples of 16 up to max_batch
-    prefill_mode: Literal["whole", "chunked"] = "whole"   # prefill whole prompts, or in chunks
-
-
 class TensorParallel(Strict):
+    """The TP sizes the spec's shapes must allow, checked statically for every variant (the TP size a model
+    is served with is an engine option)."""
     sizes: List[StrictInt]
 
 
 class Spec(Strict):
-    spec_version: Literal[1]
+    spec_version: Literal[2]
     name: StrictStr
     description: StrictStr = ""
     class_prefix: StrictStr
     architectures: List[StrictStr]
     config: Dict[StrictStr, ConfigField]
+    # config.json fields that change the math but that the spec does not read, with the value it assumes
+    # (a checkpoint with another value is refused); dotted paths
+    config_assume: Dict[StrictStr, Scalar] = {}
+    # config.json fields that do not change the math (fnmatch patterns over dotted paths); a checkpoint field
+    # that is neither read, assumed, ignored nor a generic transformers field is refused at load
+    config_ignore: List[StrictStr] = []
     decoder: Decoder
     lm_head: LMHeadBlock
     vision: Optional[Vision] = None
-    weights: Dict[StrictStr, WeightEntry]
+    weights: Dict[StrictStr, WeightEntry] = {}
     ignore_checkpoint_tensors: List[StrictStr] = []
-    runner: Runner
     tensor_parallel: TensorParallel
     variants: Dict[StrictStr, Dict[StrictStr, Scalar]] = {}
 

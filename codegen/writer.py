@@ -7,12 +7,45 @@ from typing import Dict, List, Tuple
 
 from .yaml_loader import display_path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GENERATED_DIR = REPO_ROOT / "generated"
+def project_generated_dir(spec_path: Path) -> Path:
+    """The generated/ directory of the project that holds a spec: <project>/specs/x.yaml ->
+    <project>/generated/; a spec in any other folder writes <folder>/generated/."""
+    folder = Path(spec_path).resolve().parent
+    return (folder.parent if folder.name == "specs" else folder) / "generated"
 
 
-def output_dir(name: str, out_root: Path | None = None) -> Path:
-    return (Path(out_root) if out_root else GENERATED_DIR) / name
+def output_dir(name: str, out_root: Path | None = None, spec_path: Path | None = None) -> Path:
+    """generated/<name>/ under --out, else under the generated/ of the project that holds the spec."""
+    if out_root:
+        return Path(out_root) / name
+    if spec_path is None:
+        raise ValueError("output_dir needs the spec path or an output root")
+    return project_generated_dir(spec_path) / name
+
+
+def claimed_architectures(root: Path, skip: str) -> Dict[str, str]:
+    """architecture -> generated package dir, for the packages already in `root` other than `skip`
+    (read from their __init__.py, which holds ARCHITECTURES as a literal)."""
+    import ast
+
+    out: Dict[str, str] = {}
+    if not root.is_dir():
+        return out
+    for init in sorted(root.glob("*/__init__.py")):
+        if init.parent.name == skip:
+            continue
+        try:
+            tree = ast.parse(init.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "ARCHITECTURES" for t in node.targets):
+                try:
+                    for arch in ast.literal_eval(node.value):
+                        out[str(arch)] = display_path(init.parent)
+                except ValueError:
+                    pass
+    return out
 
 
 def write(files: Dict[str, str], directory: Path) -> List[Tuple[Path, bool]]:

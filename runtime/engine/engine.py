@@ -56,7 +56,7 @@ class LLMEngine:
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
-                 debug: Optional[dict] = None):
+                 cuda_graph_sizes: Optional[list] = None, debug: Optional[dict] = None):
         self.model_dir = Path(model)
         cfg_path = self.model_dir / "config.json"
         if not cfg_path.exists():
@@ -76,15 +76,16 @@ class LLMEngine:
             check_tensor_parallel(model_module, self.hf_config, tensor_parallel_size, config=self.config)
         ctx_len = self.config.max_position_embeddings
         self.max_model_len = min(max_model_len or ctx_len, ctx_len)
-        max_num_seqs = min(max_num_seqs, runner_cls.max_batch)
-        # The spec's prefill mode, unless the user chooses: chunks of max_num_batched_tokens tokens.
-        chunked = (runner_cls.prefill_mode == "chunked") if enable_chunked_prefill is None else enable_chunked_prefill
+        if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        # Whole prompts by default; enable_chunked_prefill=True prefills in chunks of max_num_batched_tokens.
+        chunked = bool(enable_chunked_prefill)
         self.max_num_batched_tokens = max_num_batched_tokens or (8192 if chunked else max(8192, self.max_model_len))
         runner_kwargs = dict(device=self.device, dtype=self.dtype, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                             load_format=load_format, debug=debug)
+                             load_format=load_format, cuda_graph_sizes=cuda_graph_sizes, debug=debug)
         if tensor_parallel_size > 1:
             from xllm_gen.runtime.executor.tp import TensorParallelRunner
             self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,

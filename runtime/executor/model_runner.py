@@ -29,20 +29,27 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode-graph batch sizes when the engine is given none: 1, 2, 4, 8, then multiples of 16 up to
+    max_num_seqs (which closes the list)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
 class ModelRunner:
-    # Set by the generated runner module (from the spec's runner section).
+    # Set by the generated runner module (what the spec's model needs; deployment comes from the engine).
     model_module = None
     position_kind = "rope"          # "rope": positions [N]; "mrope": positions [3, N]
-    graph_buckets: tuple = (1, 2, 4, 8)
-    max_batch = 256
-    prefill_mode = "whole"          # "whole" prompts or "chunked"
     multimodal = False              # vision inputs: the model has embed_input_ids / encode_vision
     deepstack_levels_field = None   # Config field giving the number of deepstack levels (0 when absent)
 
     def __init__(self, model_dir: str, hf_config: dict, *, device: torch.device, dtype: torch.dtype,
                  block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.85,
-                 enforce_eager: bool = False, load_format: str = "auto", debug: Optional[dict] = None):
+                 enforce_eager: bool = False, load_format: str = "auto", cuda_graph_sizes=None,
+                 debug: Optional[dict] = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -50,6 +57,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.debug = dict(debug or {})
+        sizes = default_graph_sizes(max_num_seqs) if cuda_graph_sizes is None else tuple(cuda_graph_sizes)
+        if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive integers, got {cuda_graph_sizes!r}")
+        self.graph_buckets = tuple(sorted(set(sizes)))
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.config = self.model_module.Config.from_hf(hf_config)
         with torch.device(self.device), _default_dtype(dtype):
@@ -59,7 +70,7 @@ class ModelRunner:
             self.loaded_params = self._init_dummy_weights()
         else:
             self.loaded_params = load_weights(
-                self.model, self.model_module.weight_plan(self.config), model_dir,
+                self.model, self.model_module.weight_plan(self.model), model_dir,
                 tp_size=get_tp_size(), tp_rank=get_tp_rank(),
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()))
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]

@@ -1,32 +1,246 @@
-"""Reading a checkpoint's config.json through the spec's declared mapping (rendered into Config.from_hf)."""
+"""Reading a checkpoint's config.json through a spec's declared mapping (rendered into Config.from_hf).
+
+Types are strict (no bool("false"), no int(2.7)), values are checked against what the spec models, and the
+config guard refuses a checkpoint with a field that changes the math but that the spec neither reads nor
+assumes: a checkpoint that loads is served right, or not at all. Every error names the spec and the field.
+"""
 from __future__ import annotations
 
-from typing import Any
+import fnmatch
+import math
+from typing import Any, Callable, Iterable, Mapping, Optional
 
-_MISSING = object()
+MISSING = object()
 
 
 class ConfigError(ValueError):
     pass
 
 
-def _lookup(cfg: dict, path: str) -> Any:
+# Fields of every transformers config that do not change the math of a forward pass (any nesting level).
+GENERIC_FIELDS = frozenset("""
+    _name_or_path _commit_hash _attn_implementation _attn_implementation_autoset _attn_implementation_internal
+    transformers_version model_type architectures dtype torch_dtype use_bfloat16 return_dict output_hidden_states
+    output_attentions torchscript tf_legacy_loss pruned_heads tie_encoder_decoder is_encoder_decoder is_decoder
+    cross_attention_hidden_size add_cross_attention chunk_size_feed_forward finetuning_task id2label label2id
+    num_labels task_specific_params problem_type tokenizer_class prefix bos_token_id pad_token_id eos_token_id
+    sep_token_id decoder_start_token_id use_cache initializer_range max_length min_length do_sample early_stopping
+    num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p repetition_penalty
+    length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences
+    output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
+    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens attention_dropout
+""".split())
+
+# Keys a rope-parameters mapping may hold, per rope type (transformers' modeling_rope_utils); rope_theta and the
+# mRoPE keys are read by other symbols of the spec.
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_ROPE_SHARED = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
+
+
+def _lookup(cfg: Any, path: str) -> Any:
     node: Any = cfg
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node or node[part] is None:
-            return _MISSING
+            return MISSING
         node = node[part]
     return node
 
 
-def config_value(cfg: dict, *paths: str, default: Any = _MISSING) -> Any:
-    """The first of `paths` (dotted, e.g. "rope_parameters.rope_theta") present in `cfg`, else `default`.
-
-    A missing field without a default raises a ConfigError that names every path tried."""
+def config_value(cfg: dict, *paths: str, default: Any = MISSING) -> Any:
+    """The first of `paths` present in `cfg`, else `default` (a missing field without one raises)."""
     for path in paths:
         value = _lookup(cfg, path)
-        if value is not _MISSING:
+        if value is not MISSING:
             return value
-    if default is _MISSING:
+    if default is MISSING:
         raise ConfigError(f"config.json: missing field {' or '.join(repr(p) for p in paths)}")
     return default
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _flatten(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif prefix:
+        yield prefix, node
+
+
+class ConfigReader:
+    """Reads the symbols of one spec from a config.json dict, then (`finish`) applies the config guard."""
+
+    def __init__(self, hf: Any, spec: str, *, assume: Optional[Mapping[str, Any]] = None,
+                 ignore: Iterable[str] = ()):
+        if not isinstance(hf, dict):
+            raise ConfigError(f"config.json: the top level must be an object, got {type(hf).__name__}")
+        self.hf = hf
+        self.spec = spec
+        self.assume = dict(assume or {})
+        self.ignore = tuple(ignore)
+        self.read_paths: set[str] = set()
+        self.values: dict[str, Any] = {}
+
+    def error(self, msg: str) -> ConfigError:
+        return ConfigError(f"{self.spec}: {msg}")
+
+    def read(self, name: str, type_: str, paths: tuple[str, ...], *, default: Any = MISSING,
+             default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
+             optional: bool = False, bounds: tuple = (None, None)) -> Any:
+        self.read_paths.update(paths)
+        where = None
+        for p in paths:
+            v = _lookup(self.hf, p)
+            if v is not MISSING:
+                where, value = p, v
+                break
+        if where is None:
+            if default_fn is not None:
+                value = default_fn()
+            elif default is not MISSING:
+                value = default
+            elif optional or type_ == "rope":     # no rope parameters: the default rope
+                value = None
+            else:
+                raise self.error(f"config.json has no field {' or '.join(repr(p) for p in paths)} (symbol '{name}')")
+            where = f"{paths[0]} (default)"
+        value = self.check(name, type_, where, value, values, optional, bounds)
+        self.values[name] = value
+        return value
+
+    def derive(self, name: str, type_: str, fn: Callable[[], Any], *, optional: bool = False) -> Any:
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - a formula that fails on this checkpoint is a config error
+            raise self.error(f"symbol '{name}' cannot be computed from config.json: {type(exc).__name__}: {exc}") \
+                from None
+        self.values[name] = self.check(name, type_, f"{name} (derived)", value, None, optional, (None, None))
+        return self.values[name]
+
+    def check(self, name, type_, where, value, values, optional, bounds) -> Any:
+        if value is None:
+            if optional or type_ == "rope":
+                return {"rope_type": "default"} if type_ == "rope" else None
+            raise self.error(f"config.json field '{where}' is null (symbol '{name}' needs a {type_})")
+        bad = self.error(f"config.json field '{where}' = {value!r} is not {_ARTICLE.get(type_, 'a ' + type_)}")
+        if type_ == "int":
+            if not _is_int(value):
+                raise bad
+        elif type_ == "float":
+            if not _is_num(value) or not math.isfinite(value):
+                raise bad
+            value = float(value)
+        elif type_ == "bool":
+            if not isinstance(value, bool):
+                raise bad
+        elif type_ == "str":
+            if not isinstance(value, str):
+                raise bad
+        elif type_.endswith("_tuple"):
+            items = value if isinstance(value, (list, tuple)) else [value]
+            ok = {"int_tuple": _is_int, "float_tuple": lambda x: _is_num(x) and math.isfinite(x),
+                  "str_tuple": lambda x: isinstance(x, str)}[type_]
+            if not all(ok(x) for x in items):
+                raise bad
+            value = tuple(items)
+        elif type_ == "rope":
+            value = self.rope(where, value, values)
+            values = None
+        if values is not None and value not in values:
+            raise self.error(f"does not model {where.split(' ')[0]}={value!r} (it models: {', '.join(values)})")
+        lo, hi = bounds
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
+            raise self.error(f"config.json field '{where}' = {value!r} must be {rng}")
+        return value
+
+    def rope(self, where: str, value: Any, types: Optional[tuple]) -> dict:
+        """A rope-parameters mapping, normalized to {'rope_type': ..., <its keys>}; checked per type."""
+        path = where.split(" ")[0]
+        if not isinstance(value, dict):
+            raise self.error(f"config.json field '{path}' = {value!r} is not a rope-parameters object")
+        rtype = value.get("rope_type", value.get("type", "default"))
+        if types is not None and rtype not in types:
+            raise self.error(f"does not model {path}.rope_type={rtype!r} (it models: {', '.join(types)})")
+        if rtype not in _ROPE_KEYS:
+            raise self.error(f"does not model {path}.rope_type={rtype!r}")
+        out: dict = {"rope_type": rtype}
+        for key, v in value.items():
+            if key in _ROPE_SHARED:
+                continue
+            if key not in _ROPE_KEYS[rtype]:
+                if v is None:
+                    continue
+                raise self.error(f"does not model {path}.{key}={v!r} (rope type {rtype!r} reads: "
+                                 f"{', '.join(_ROPE_KEYS[rtype]) or 'nothing'})")
+            if key == "truncate":
+                if not isinstance(v, bool):
+                    raise self.error(f"config.json field '{path}.{key}' = {v!r} is not a bool")
+            elif v is not None and (not _is_num(v) or not math.isfinite(v) or v <= 0):
+                raise self.error(f"config.json field '{path}.{key}' = {v!r} must be a positive number")
+            if v is not None:
+                out[key] = v
+        for key in _ROPE_REQUIRED.get(rtype, ()):
+            if key not in out:
+                if key == "original_max_position_embeddings":
+                    mpe = _lookup(self.hf, "max_position_embeddings")
+                    if _is_int(mpe):   # transformers falls back to max_position_embeddings
+                        out[key] = mpe
+                        continue
+                raise self.error(f"config.json field '{path}' (rope type {rtype!r}) has no '{key}'")
+        return out
+
+    def finish(self) -> dict:
+        """The config guard: every field is read, assumed (with the value the spec assumes), ignored, or generic."""
+        for key, expected in self.assume.items():
+            got = _lookup(self.hf, key)
+            if got is not MISSING and not _same(got, expected):
+                raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint has {key}={got!r}: "
+                                 f"the spec does not model it")
+        unknown = []
+        for path, value in _flatten(self.hf):
+            if value is None or value == [] or value == {}:
+                continue
+            parts = path.split(".")
+            prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            if any(p in self.read_paths or p in self.assume or parts[i] in GENERIC_FIELDS
+                   for i, p in enumerate(prefixes)):
+                continue
+            if any(fnmatch.fnmatchcase(p, pat) for p in prefixes for pat in self.ignore):
+                continue
+            unknown.append(f"{path}={value!r}" if not isinstance(value, (list, dict)) or len(repr(value)) < 60
+                           else path)
+        if unknown:
+            shown = ", ".join(unknown[:6]) + (f" (and {len(unknown) - 6} more)" if len(unknown) > 6 else "")
+            raise self.error(f"does not model config.json field(s) {shown}: the spec neither reads them nor declares "
+                             f"them (config_assume / config_ignore), so this checkpoint could be served wrong")
+        return self.values
+
+
+_ARTICLE = {"int": "an int", "float": "a finite number", "bool": "a bool (true / false)", "str": "a string",
+            "int_tuple": "a list of ints", "float_tuple": "a list of numbers", "str_tuple": "a list of strings"}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if _is_num(a) and _is_num(b):
+        return a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
