@@ -1,20 +1,44 @@
-"""Tensor-parallel sharding math, shared by the compiler's static checks and the loader.
+"""Tensor-parallel sharding: the split math, and the weight loaders that layers attach to their parameters.
 
-A weight is split along one dimension into *segments* (q/k/v of a fused projection, gate/up of a fused
-MLP, or one segment for a plain linear). A segment is `heads` units of `unit` rows each; every rank
-takes its share of every segment and the shares are concatenated. When a segment has fewer heads than
-ranks (KV heads < TP), heads are replicated: rank r serves head r // (tp // heads).
+A layer (runtime/layers) is the single source of its sharding. When it is built it computes, for this
+rank, a `ParamSplit` per parameter: along which dim the parameter is split (None = replicated) and, per
+*segment* of that dim (q/k/v of a fused projection, gate/up of a fused MLP, one segment for a plain linear,
+the vocabulary of an embedding), the segment's global size and the rows [start, stop) this rank holds.
+The same object loads the parameter (`param.weight_loader = split.load`, the nano-vllm pattern), so the
+loader, the static TP check (tp_check.tp_plan) and `xllm-gen --explain --tp N` read one plan.
+
+A segment is `heads` units of `unit` rows each; every rank takes its share of every segment and the shares
+are concatenated. When a segment has fewer heads than ranks (KV heads < TP) and may be replicated, rank r
+serves head r // (tp // heads).
+
+`weight_loader(param, loaded, shard_id=None)`: `loaded` is a lazy safetensors slice (`get_shape()`,
+`[a:b]`, `[:, a:b]`) or a tensor; each rank reads only its rows. `shard_id` names the segment that
+`loaded` fills (a name, or its index); None means `loaded` is the whole parameter (for a fused layer: its
+segments stacked in order, e.g. a checkpoint's fused q|k|v, split here before sharding).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+if TYPE_CHECKING:     # torch is imported where tensors are handled: the compiler imports the split math only
+    import torch
 
 
 class ShardingError(ValueError):
-    pass
+    """A size that cannot be split over the tensor-parallel ranks. `problems`: one line per problem."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()):
+        super().__init__(message)
+        self.problems = list(problems) or [message]
 
 
+class WeightLoadError(ValueError):
+    """A checkpoint tensor that does not fit its parameter (shape, dtype, unknown segment)."""
+
+
+# ------------------------------------------------------------------------------------------ split math
 @dataclass(frozen=True)
 class Segment:
     name: str
@@ -64,3 +88,218 @@ def vocab_range(vocab: int, tp: int, rank: int, multiple: int = 64) -> tuple[int
     """Padded row range [start, stop) of the vocabulary that `rank` holds."""
     per = padded_vocab(vocab, tp, multiple) // tp
     return rank * per, (rank + 1) * per
+
+
+# --------------------------------------------------------------------------- deferred sharding errors
+_DEFERRED: Optional[list] = None
+
+
+@contextlib.contextmanager
+def deferred_sharding_errors():
+    """While active, a layer that cannot split a size records the problem (`module.sharding_errors`) and
+    builds with a stand-in shape instead of raising, so tp_check.tp_plan can name every parameter at
+    fault. Outside it (a real build) the layer raises ShardingError at once."""
+    global _DEFERRED
+    saved, _DEFERRED = _DEFERRED, []
+    try:
+        yield
+    finally:
+        _DEFERRED = saved
+
+
+def raise_or_defer(module, problems: Sequence[str]) -> None:
+    """Called by a layer after computing its splits: raise its problems, or keep them when deferred."""
+    if not problems:
+        return
+    if _DEFERRED is None:
+        raise ShardingError(f"{type(module).__name__}: " + "; ".join(problems), problems)
+    module.sharding_errors = list(problems)
+
+
+@dataclass(frozen=True)
+class SegmentSlice:
+    """This rank's share of one segment of a split dimension."""
+    name: str
+    size: int           # global rows of the segment (in the checkpoint)
+    start: int          # this rank's rows [start, stop) within the segment
+    stop: int
+    heads: int = 0      # units of the segment (heads for attention), 0 when rows
+    unit: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def split_segment(seg: Segment, tp: int, rank: int, problems: list) -> SegmentSlice:
+    """This rank's SegmentSlice of `seg`; a segment that cannot be split appends its message to `problems`
+    and gets a stand-in share (ceil) so a deferred build can go on."""
+    msg = check_segment(seg, tp)
+    if msg:
+        problems.append(msg)
+        per = -(-seg.heads // tp) * seg.unit
+        return SegmentSlice(seg.name, seg.size, 0, per, seg.heads, seg.unit)
+    a, b = segment_range(seg, tp, rank)
+    return SegmentSlice(seg.name, seg.size, a, b, seg.heads, seg.unit)
+
+
+# ------------------------------------------------------------------------------------------ loading
+def source_shape(loaded) -> tuple[int, ...]:
+    """Global shape of a lazy safetensors slice or a tensor."""
+    if hasattr(loaded, "get_shape"):
+        return tuple(int(s) for s in loaded.get_shape())
+    return tuple(loaded.shape)
+
+
+def read_range(loaded, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of `loaded` along `dim` (a lazy slice reads only those bytes)."""
+    if dim == 0:
+        return loaded[start:stop]
+    return loaded[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def read_all(loaded) -> torch.Tensor:
+    return loaded[:] if hasattr(loaded, "get_shape") else loaded
+
+
+class RowWindow:
+    """Rows [start, stop) (dim 0) of a lazy slice or tensor, itself sliceable lazily: how a fused
+    checkpoint tensor (vision `attn.qkv`: q | k | v stacked) is split before sharding."""
+
+    def __init__(self, base, start: int, stop: int):
+        self.base, self.start, self.stop = base, start, stop
+
+    def get_shape(self) -> list[int]:
+        return [self.stop - self.start] + list(source_shape(self.base)[1:])
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        first = idx[0]
+        if not isinstance(first, slice) or first.step not in (None, 1):
+            raise TypeError("RowWindow supports plain slices only")
+        n = self.stop - self.start
+        a, b, _ = first.indices(n)
+        rows = slice(self.start + a, self.start + max(a, b))
+        rest = idx[1:]
+        return self.base[(rows,) + rest] if rest else self.base[rows]
+
+
+def _fmt(shape) -> str:
+    return str(tuple(int(s) for s in shape))
+
+
+def _mismatch(shape, want, what: str = "") -> WeightLoadError:
+    shape, want = tuple(shape), tuple(want)
+    if len(shape) != len(want):
+        why = f"{len(shape)} dims, expected {len(want)}"
+    else:
+        why = "; ".join(f"dim {d} is {a}, expected {b}" for d, (a, b) in enumerate(zip(shape, want)) if a != b)
+    return WeightLoadError(f"shape {_fmt(shape)}, expected {_fmt(want)}{what}: {why}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    import torch
+
+    if dst.is_floating_point() and not (src.is_floating_point()):
+        raise WeightLoadError(f"dtype {src.dtype} cannot fill a {dst.dtype} parameter")
+    if tuple(dst.shape) != tuple(src.shape):        # a reader that returned a different shape (never silently)
+        raise WeightLoadError(f"read shape {_fmt(src.shape)}, expected {_fmt(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(dtype=dst.dtype))
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """How one parameter is split over the TP ranks, for this rank; `load` is its weight loader.
+
+    kind: replicated | column (dim 0) | row (dim 1) | vocab (dim 0, padded rows zeroed).
+    segments: the split dim's segments in order (empty for replicated).
+    shape: this rank's parameter shape."""
+    kind: str
+    dim: Optional[int]
+    segments: tuple[SegmentSlice, ...]
+    shape: tuple[int, ...]
+    tp_size: int = 1
+    tp_rank: int = 0
+    owner: str = ""                  # the layer class, for messages
+
+    @property
+    def segment_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.segments)
+
+    def global_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        s = list(self.shape)
+        s[self.dim] = sum(seg.size for seg in self.segments)
+        return tuple(s)
+
+    def segment_index(self, shard_id: Union[int, str]) -> int:
+        names = self.segment_names
+        if isinstance(shard_id, int) and not isinstance(shard_id, bool) and 0 <= shard_id < len(names) \
+                and len(names) > 1:
+            return shard_id
+        if isinstance(shard_id, str) and shard_id in names and len(names) > 1:
+            return names.index(shard_id)
+        have = f"its segments are {', '.join(names)}" if len(names) > 1 else "it has no segments (one source)"
+        raise WeightLoadError(f"{self.owner or 'the layer'} has no segment {shard_id!r}: {have}")
+
+    def load(self, param: torch.Tensor, loaded, shard_id: Union[int, str, None] = None) -> None:
+        """The weight loader: copies this rank's part of `loaded` into `param`."""
+        shape = source_shape(loaded)
+        if self.dim is None or self.kind == "vocab" or shard_id is None:
+            if shard_id is not None:
+                self.segment_index(shard_id)                      # raises: no segments
+            if self.kind == "vocab":
+                return self._load_vocab(param, loaded, shape)
+            want = self.global_shape()
+            if shape != want:
+                raise _mismatch(shape, want)
+            if self.dim is None:
+                return _copy(param, read_all(loaded))
+            offset, dst = 0, 0                                    # whole (possibly fused) tensor: per segment
+            for seg in self.segments:
+                _copy(param.narrow(self.dim, dst, seg.rows),
+                      read_range(loaded, self.dim, offset + seg.start, offset + seg.stop))
+                offset += seg.size
+                dst += seg.rows
+            return
+        i = self.segment_index(shard_id)
+        seg = self.segments[i]
+        want = list(self.shape)
+        want[self.dim] = seg.size
+        if shape != tuple(want):
+            raise _mismatch(shape, want, f" (segment {seg.name!r})")
+        dst = sum(s.rows for s in self.segments[:i])
+        _copy(param.narrow(self.dim, dst, seg.rows), read_range(loaded, self.dim, seg.start, seg.stop))
+
+    def _load_vocab(self, param, loaded, shape) -> None:
+        seg = self.segments[0]
+        want = (seg.size,) + tuple(self.shape[1:])
+        if shape != want:
+            raise _mismatch(shape, want, f" (vocab size {seg.size})")
+        real = max(0, min(seg.stop, seg.size) - seg.start)
+        if real:
+            _copy(param.narrow(0, 0, real), read_range(loaded, 0, seg.start, seg.start + real))
+        if real < seg.rows:                                        # padding rows past the vocabulary
+            import torch
+
+            with torch.no_grad():
+                param.narrow(0, real, seg.rows - real).zero_()
+
+
+def attach(param: torch.nn.Parameter, split: ParamSplit) -> torch.nn.Parameter:
+    """Gives `param` its split (`param.tp_split`) and weight loader (`param.weight_loader`)."""
+    param.tp_split = split
+    param.weight_loader = split.load
+    return param
+
+
+def replicated(param: torch.nn.Parameter, owner: str = "") -> torch.nn.Parameter:
+    return attach(param, ParamSplit("replicated", None, (), tuple(param.shape), owner=owner))
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
+    """For a parameter without a weight loader (norms, vision embeddings): a full copy, shape checked."""
+    split = getattr(param, "tp_split", None) or ParamSplit("replicated", None, (), tuple(param.shape))
+    split.load(param, loaded, shard_id)

@@ -1,4 +1,8 @@
-"""Vocabulary-parallel embedding and LM head (vocab padded to a multiple of 64 * tp)."""
+"""Vocabulary-parallel embedding and LM head (vocab padded to a multiple of 64 * tp).
+
+Weight loader (both): this rank's rows [vocab_start, vocab_end) of the padded vocabulary from the
+checkpoint's [vocab, dim] tensor; rows past the vocabulary are zeroed. A tied head shares the embedding's
+parameter (and so its loader): the weight plan has no rule for it."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime.executor.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.executor.sharding import padded_vocab, vocab_range
+from xllm_gen.runtime.executor.sharding import ParamSplit, SegmentSlice, attach, padded_vocab, vocab_range
 
 
 class _VocabShard(nn.Module):
@@ -21,6 +25,9 @@ class _VocabShard(nn.Module):
         self.padded_vocab = padded_vocab(vocab, self.tp_size)
         self.vocab_start, self.vocab_end = vocab_range(vocab, self.tp_size, self.tp_rank)
         self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, dim))
+        seg = SegmentSlice("vocab", vocab, self.vocab_start, self.vocab_end)
+        attach(self.weight, ParamSplit("vocab", 0, (seg,), tuple(self.weight.shape), self.tp_size, self.tp_rank,
+                                       type(self).__name__))
 
 
 class VocabParallelEmbedding(_VocabShard):

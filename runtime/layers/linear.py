@@ -1,4 +1,11 @@
-"""Tensor-parallel linear layers. Sizes given to constructors are global; parameters are per rank."""
+"""Tensor-parallel linear layers. Sizes given to constructors are global; parameters are per rank.
+
+Each layer is the single source of its sharding: it computes this rank's split of every parameter
+(runtime.executor.sharding.ParamSplit) and attaches it with its weight loader, `param.weight_loader(param,
+loaded, shard_id=None)`: replicated (full copy), column (this rank's rows), row (this rank's columns; the
+bias is not split), merged column (per named segment), QKV (per q/k/v segment; KV heads replicated when
+num_kv_heads < tp: rank r holds KV head r // (tp // num_kv_heads)). `shard_id=None` on a fused layer
+means the checkpoint tensor holds all its segments stacked (e.g. a fused q|k|v), split before sharding."""
 from __future__ import annotations
 
 import os
@@ -10,7 +17,8 @@ from torch import nn
 
 from xllm_gen.runtime.ops import skinny_gemm
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.executor.sharding import Segment, ShardingError, check_segment, heads_per_rank
+from xllm_gen.runtime.executor.sharding import (ParamSplit, Segment, attach, raise_or_defer, replicated,
+                                                split_segment)
 
 
 # Decode-sized GEMMs (<= 8 rows, bf16/fp16 weights) through the skinny-GEMM Triton kernel (ops.skinny_gemm)
@@ -28,14 +36,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
     return F.linear(x, weight, bias)
 
 
-def _split(size: int, tp: int, what: str) -> int:
-    msg = check_segment(Segment(what, size), tp)
-    if msg:
-        raise ShardingError(msg)
-    return size // tp
-
-
 class _Linear(nn.Module):
+    kind = "replicated"
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.tp_size = get_tp_size()
@@ -44,6 +47,21 @@ class _Linear(nn.Module):
         self.out_features = out_features      # per rank
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def _attach(self, dim: Optional[int] = None, segments: tuple = ()) -> None:
+        """Attaches each parameter's split and weight loader; the bias of a row-parallel layer is replicated."""
+        owner = type(self).__name__
+        if dim is None:
+            replicated(self.weight, owner)
+        else:
+            attach(self.weight, ParamSplit(self.kind, dim, tuple(segments), tuple(self.weight.shape),
+                                           self.tp_size, self.tp_rank, owner))
+        if self.bias is not None:
+            if dim == 0:
+                attach(self.bias, ParamSplit(self.kind, 0, tuple(segments), tuple(self.bias.shape),
+                                             self.tp_size, self.tp_rank, owner))
+            else:
+                replicated(self.bias, owner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.weight, self.bias)
@@ -56,48 +74,71 @@ class _Linear(nn.Module):
 class ReplicatedLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias)
+        self._attach()
 
 
 class ColumnParallelLinear(_Linear):
     """Output features split over ranks; no gather (the next row-parallel layer consumes the shard)."""
+    kind = "column"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, _split(out_features, get_tp_size(), "out_features"), bias)
+        problems: list = []
+        seg = split_segment(Segment("out_features", out_features), get_tp_size(), get_tp_rank(), problems)
+        super().__init__(in_features, seg.rows, bias)
+        raise_or_defer(self, problems)
+        self._attach(0, (seg,))
 
 
 class MergedColumnParallelLinear(_Linear):
     """Several column-parallel outputs fused along dim 0 (e.g. gate | up); each one split over ranks.
-    `out_sizes` holds the per-rank sizes."""
+    `out_sizes` holds the per-rank sizes. A checkpoint tensor fills one segment, named by `segment_names`
+    (e.g. ("gate", "up")) or by its index; shard_id None means all segments stacked in one tensor."""
+    kind = "column"
 
-    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False):
-        tp = get_tp_size()
-        sizes = [_split(o, tp, f"out_sizes[{i}]") for i, o in enumerate(out_sizes)]
-        super().__init__(in_features, sum(sizes), bias)
-        self.out_sizes = sizes
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
+                 segment_names: Optional[Sequence[str]] = None):
+        out_sizes = list(out_sizes)
+        if segment_names is None:
+            names = [f"out_sizes[{i}]" for i in range(len(out_sizes))]
+        else:
+            names = [str(n) for n in segment_names]
+            if len(names) != len(out_sizes) or len(set(names)) != len(names):
+                raise ValueError(f"MergedColumnParallelLinear: segment_names {names} must be {len(out_sizes)} "
+                                 f"distinct names, one per out_sizes entry")
+        tp, rank = get_tp_size(), get_tp_rank()
+        problems: list = []
+        segs = tuple(split_segment(Segment(n, o), tp, rank, problems) for n, o in zip(names, out_sizes))
+        super().__init__(in_features, sum(s.rows for s in segs), bias)
+        raise_or_defer(self, problems)
+        self.out_sizes = [s.rows for s in segs]
+        self.segment_names = tuple(names)
+        self._attach(0, segs)
 
 
 class QKVParallelLinear(_Linear):
-    """Fused q | k | v projection, split by heads. KV heads are replicated when num_kv_heads < tp
-    (rank r holds KV head r // (tp // num_kv_heads)). Attributes are per rank."""
+    """Fused q | k | v projection, split by heads; segments "q", "k", "v". KV heads are replicated when
+    num_kv_heads < tp (rank r holds KV head r // (tp // num_kv_heads)). Attributes are per rank."""
+    kind = "column"
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp = get_tp_size()
-        for seg in (Segment("q", num_heads, head_dim), Segment("k", num_kv_heads, head_dim, replicate_ok=True)):
-            msg = check_segment(seg, tp)
-            if msg:
-                raise ShardingError(msg)
-        h, hk = heads_per_rank(num_heads, tp), heads_per_rank(num_kv_heads, tp)
-        super().__init__(hidden, (h + 2 * hk) * head_dim, bias)
+        tp, rank = get_tp_size(), get_tp_rank()
+        problems: list = []
+        q = split_segment(Segment("q", num_heads, head_dim), tp, rank, problems)
+        k = split_segment(Segment("k", num_kv_heads, head_dim, replicate_ok=True), tp, rank, problems)
+        v = split_segment(Segment("v", num_kv_heads, head_dim, replicate_ok=True), tp, rank, [])  # as k
+        super().__init__(hidden, q.rows + k.rows + v.rows, bias)
+        raise_or_defer(self, problems)
         self.head_dim = head_dim
         self.total_num_heads = num_heads
         self.total_num_kv_heads = num_kv_heads
-        self.num_heads = h
-        self.num_kv_heads = hk
+        self.num_heads = q.rows // head_dim
+        self.num_kv_heads = k.rows // head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
+        self._attach(0, (q, k, v))
 
     def segments(self) -> tuple[Segment, Segment, Segment]:
-        """The global q/k/v segments of dim 0 (what a weight rule shards by)."""
+        """The global q/k/v segments of dim 0."""
         D = self.head_dim
         return (Segment("q", self.total_num_heads, D), Segment("k", self.total_num_kv_heads, D, True),
                 Segment("v", self.total_num_kv_heads, D, True))
@@ -105,11 +146,16 @@ class QKVParallelLinear(_Linear):
 
 class RowParallelLinear(_Linear):
     """Input features split over ranks; partial outputs are summed with an all-reduce (reduce=True).
-    The bias is added once, after the reduction."""
+    The bias is added once, after the reduction (and loaded whole on every rank)."""
+    kind = "row"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
-        super().__init__(_split(in_features, get_tp_size(), "in_features"), out_features, bias)
+        problems: list = []
+        seg = split_segment(Segment("in_features", in_features), get_tp_size(), get_tp_rank(), problems)
+        super().__init__(seg.rows, out_features, bias)
+        raise_or_defer(self, problems)
         self.reduce = reduce
+        self._attach(1, (seg,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

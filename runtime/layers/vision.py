@@ -8,9 +8,11 @@ within one image or one video *frame* (temporal patch) and never across them.
 
 Parameter names follow the HF checkpoint (`patch_embed.proj.weight`, `pos_embed.weight`,
 `blocks.{i}.attn.qkv.*`, `merger.*`, `deepstack_merger_list.{j}.*`), so weight rules are one-to-one.
-TP: attention heads are split over ranks when `num_heads % tp == 0` (fused qkv colwise in q/k/v segments,
-proj rowwise), else the block is replicated; the MLP the same with its intermediate size; patch embedding,
-position table and mergers are replicated. `vision_tp_plan(...)` tells a weight plan which one applies.
+TP: attention heads are split over ranks when `num_heads % tp == 0` (qkv column-parallel in q/k/v segments,
+proj row-parallel), else the block is replicated; the MLP the same with its intermediate size; patch
+embedding, position table and mergers are replicated. The layers decide this and load accordingly (each
+parameter's `weight_loader`), so a weight plan names only tensors: the checkpoint's fused `attn.qkv` is one
+source (q | k | v stacked), split into q/k/v by the attention's qkv loader before sharding.
 """
 from __future__ import annotations
 
@@ -193,7 +195,11 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 class VisionAttention(nn.Module):
     """Fused qkv projection (`qkv`, bias) -> 2-D rotary on q/k -> attention within each image / frame ->
-    `proj`. Heads split over TP ranks when divisible, else replicated."""
+    `proj`. Heads split over TP ranks when divisible, else replicated.
+
+    Loading: `qkv.weight` / `qkv.bias` take the checkpoint's fused tensor whole (shard_id None). Sharded,
+    the QKV loader splits it into its q, k, v segments (rows [0, H*D), [H*D, 2*H*D), [2*H*D, 3*H*D)) and
+    reads this rank's heads of each; replicated, it is copied as it is."""
 
     def __init__(self, hidden: int, num_heads: int, head_dim: Optional[int] = None):
         super().__init__()

@@ -1,24 +1,41 @@
 """Loads an HF checkpoint dir into a generated model by executing its weight plan.
 
-Each rank reads only its slices (safetensors `get_slice`), never the whole tensor. Strict: a missing,
-unexpected or mis-shaped tensor is an error that names it, and every parameter is loaded exactly once.
+The plan names tensors only; each parameter's own `weight_loader(param, loaded, shard_id)` (attached by
+its layer, runtime.executor.sharding) decides which rows this rank reads from the lazy safetensors slice,
+so each rank reads only its slices, never the whole tensor. Strict: a missing, unexpected, mis-shaped or
+non-float tensor, a missing or unreadable file, and a parameter loaded twice or never are errors that
+name the tensor, parameter or file.
 """
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from safetensors import safe_open
 
-from xllm_gen.runtime.executor.sharding import segment_range, vocab_range
+from xllm_gen.runtime.executor.sharding import WeightLoadError, default_weight_loader
 from xllm_gen.runtime.loading.weights import WeightRule
+
+# safetensors dtype names (get_dtype()) that hold floating-point values
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
 
 
 class CheckpointError(ValueError):
     pass
+
+
+def _open(path: Path):
+    """safe_open, or a CheckpointError naming the file (empty, truncated, garbage header)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as e:             # safetensors raises SafetensorError / OSError for a bad file
+        size = path.stat().st_size if path.exists() else 0
+        raise CheckpointError(f"{path}: not a readable safetensors file ({size} bytes): {e}") from None
 
 
 class Checkpoint:
@@ -28,17 +45,31 @@ class Checkpoint:
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         self.file_of: dict[str, str] = {}
+        self._handles: dict[str, object] = {}
         if index.exists():
-            self.file_of = dict(json.loads(index.read_text())["weight_map"])
+            self.file_of = self._read_index(index)
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.dir}: no *.safetensors files and no model.safetensors.index.json")
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    for name in h.keys():
-                        self.file_of[name] = f.name
-        self._handles: dict[str, object] = {}
+                h = self._handles[f.name] = _open(f)
+                for name in h.keys():
+                    self.file_of[name] = f.name
+
+    @staticmethod
+    def _read_index(index: Path) -> dict[str, str]:
+        try:
+            data = json.loads(index.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: not valid JSON: {e}") from None
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object (tensor name -> file name)")
+        bad = [k for k, v in wm.items() if not isinstance(v, str) or not v]
+        if bad:
+            raise CheckpointError(f"{index}: weight_map entry {bad[0]!r} does not name a file")
+        return dict(wm)
 
     def names(self) -> Iterable[str]:
         return self.file_of.keys()
@@ -51,55 +82,45 @@ class Checkpoint:
             path = self.dir / fname
             if not path.exists():
                 raise CheckpointError(f"{self.dir}: index names {fname!r} for {name!r}, but the file is missing")
-            self._handles[fname] = safe_open(str(path), framework="pt")
-        return self._handles[fname].get_slice(name)
+            self._handles[fname] = _open(path)
+        try:
+            return self._handles[fname].get_slice(name)
+        except Exception as e:
+            raise CheckpointError(f"{self.dir / fname}: cannot read tensor {name!r} (the index names this "
+                                  f"file for it): {e}") from None
 
 
-def _read_rule(ckpt: Checkpoint, rule: WeightRule, tp_size: int, tp_rank: int) -> torch.Tensor:
-    if rule.shard == "replicated":
-        return ckpt.slice(rule.sources[0])[:]
-    if rule.shard == "vocab":
-        sl = ckpt.slice(rule.sources[0])
-        shape = sl.get_shape()
-        if shape[0] != rule.vocab_size:
-            raise CheckpointError(f"tensor {rule.sources[0]!r}: {shape[0]} rows, expected vocab size {rule.vocab_size}")
-        start, stop = vocab_range(rule.vocab_size, tp_size, tp_rank)
-        part = sl[start:min(stop, rule.vocab_size)]
-        if part.shape[0] < stop - start:   # padding rows past the vocabulary
-            pad = torch.zeros((stop - start - part.shape[0],) + tuple(part.shape[1:]), dtype=part.dtype)
-            part = torch.cat([part, pad])
-        return part
-    dim = 0 if rule.shard == "colwise" else 1
-    pieces = []
-    if len(rule.sources) > 1:
-        for name, seg in zip(rule.sources, rule.segments):
-            sl = ckpt.slice(name)
-            shape = sl.get_shape()
-            if shape[dim] != seg.size:
-                raise CheckpointError(f"tensor {name!r}: dim {dim} is {shape[dim]}, expected {seg.size} "
-                                      f"(segment {seg.name!r} of {rule.param!r})")
-            a, b = segment_range(seg, tp_size, tp_rank)
-            pieces.append(sl[a:b] if dim == 0 else sl[:, a:b])
-    else:
-        name = rule.sources[0]
-        sl = ckpt.slice(name)
-        shape = sl.get_shape()
-        total = sum(s.size for s in rule.segments)
-        if shape[dim] != total:
-            raise CheckpointError(f"tensor {name!r}: dim {dim} is {shape[dim]}, expected {total} for {rule.param!r}")
-        offset = 0
-        for seg in rule.segments:   # a fused source (e.g. vision attn.qkv): split before sharding
-            a, b = segment_range(seg, tp_size, tp_rank)
-            pieces.append(sl[offset + a:offset + b] if dim == 0 else sl[:, offset + a:offset + b])
-            offset += seg.size
-    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+def _check_dtype(sl, name: str, param: torch.Tensor, pname: str) -> None:
+    try:
+        dtype = sl.get_dtype()
+    except AttributeError:
+        return
+    if param.is_floating_point() and dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {name!r}: dtype {dtype} cannot fill the floating-point parameter "
+                              f"{pname!r} ({param.dtype})")
+
+
+def _check_tp(params: dict, tp_size: Optional[int], tp_rank: Optional[int]) -> None:
+    """The model's layers were built for one TP rank; loading it as another would read the wrong rows."""
+    for name, p in params.items():
+        split = getattr(p, "tp_split", None)
+        if split is None or split.dim is None:
+            continue
+        if (tp_size is not None and split.tp_size != tp_size) or (tp_rank is not None and split.tp_rank != tp_rank):
+            raise CheckpointError(f"parameter {name!r} was built for tp rank {split.tp_rank}/{split.tp_size}, "
+                                  f"but the loader was asked for rank {tp_rank}/{tp_size}")
+        return
 
 
 def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str | Path, *,
-                 tp_size: int = 1, tp_rank: int = 0, ignored: Iterable[str] = ()) -> set[str]:
-    """Fills `model`'s parameters from the checkpoint; returns the set of loaded parameter names."""
+                 tp_size: Optional[int] = None, tp_rank: Optional[int] = None, ignored: Iterable[str] = ()) -> set[str]:
+    """Fills `model`'s parameters from the checkpoint; returns the set of loaded parameter names.
+
+    The TP rank is the one the model's layers were built for (get_tp_rank() at build time); `tp_size` /
+    `tp_rank`, when given, must agree with it."""
     ckpt = Checkpoint(model_dir)
     params = dict(model.named_parameters())
+    _check_tp(params, tp_size, tp_rank)
     loaded: set[str] = set()
     used_sources: set[str] = set()
     for rule in plan:
@@ -107,13 +128,24 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
             raise CheckpointError(f"weight plan names parameter {rule.param!r}, which the model does not have")
         if rule.param in loaded:
             raise CheckpointError(f"parameter {rule.param!r} is loaded twice by the weight plan")
-        tensor = _read_rule(ckpt, rule, tp_size, tp_rank)
         param = params[rule.param]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(f"tensor {', '.join(rule.sources)}: shape {tuple(tensor.shape)} does not fit "
-                                  f"parameter {rule.param!r} of shape {tuple(param.shape)} (tp rank {tp_rank}/{tp_size})")
-        with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        shard_ids = rule.segments or (None,)
+        for name, shard_id in zip(rule.sources, shard_ids):
+            sl = ckpt.slice(name)
+            _check_dtype(sl, name, param, rule.param)
+            try:
+                loader(param, sl, shard_id)
+            except WeightLoadError as e:
+                seg = f" (segment {shard_id!r})" if shard_id is not None and "segment" not in str(e) else ""
+                raise CheckpointError(f"tensor {name!r} -> parameter {rule.param!r}{seg}: {e}") from None
+        split = getattr(param, "tp_split", None)
+        if rule.segments and split is not None:
+            filled = {split.segment_index(s) for s in rule.segments}
+            left = [n for i, n in enumerate(split.segment_names) if i not in filled]
+            if left:
+                raise CheckpointError(f"parameter {rule.param!r}: the weight plan fills segments "
+                                      f"{', '.join(map(str, rule.segments))} but not {', '.join(left)}")
         loaded.add(rule.param)
         used_sources.update(rule.sources)
     missing = sorted(set(params) - loaded)
