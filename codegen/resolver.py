@@ -1062,14 +1062,3 @@ _SHARD_WORDS = {"colwise": "column-parallel", "rowwise": "row-parallel", "vocab"
 
 def resolve(loaded: LoadedSpec) -> ModelIR:
     return _Resolver(loaded).resolve()
-
-
-def rank_table_for(ir: ModelIR, loaded: LoadedSpec, variant: VariantIR, tp: int) -> RankTableIR:
-    """Per-rank table at any TP size (for `--explain --tp N`); an impossible N raises SpecError."""
-    for r in variant.ranks:
-        if r.tp == tp:
-            return r
-    res = _Resolver(loaded)
-    res.config = {f.name: f for f in ir.config}
-    return res.rank_table(variant.name, dict(variant.values), ir.layer, ir.params, variant.tied, tp,
-                          ("variants", variant.name))
