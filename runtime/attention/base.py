@@ -1,21 +1,69 @@
-"""The attention backend interface."""
+"""The attention backend interface, and the attention variants (sliding window, logit soft-capping)."""
 from __future__ import annotations
+
+import math
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 
 from xllm_gen.runtime.executor.context import ForwardContext
 
 
+class AttentionVariant(NamedTuple):
+    """What a layer's attention computes besides plain causal softmax attention (HF semantics):
+
+    - sliding_window W (None: off): key j is visible to query i iff j <= i and j > i - W
+      (transformers masking_utils.sliding_window_causal_mask_function); FlashInfer's window_left = W - 1.
+    - logit_softcap c (None: off): scores = c * tanh(scores / c) on the scaled scores, before masking (Gemma 2).
+
+    Layers with different variants need their own attention plan; backends plan once per distinct variant.
+    """
+    sliding_window: Optional[int] = None
+    logit_softcap: Optional[float] = None
+
+    @property
+    def window_left(self) -> int:
+        return -1 if self.sliding_window is None else self.sliding_window - 1
+
+
+FULL = AttentionVariant()
+
+
+def make_variant(sliding_window=None, logit_softcap=None) -> AttentionVariant:
+    """A validated AttentionVariant: sliding_window None or an int >= 1, logit_softcap None or a finite float > 0."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if logit_softcap is not None:
+        if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float)) \
+                or not math.isfinite(logit_softcap) or logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
+        logit_softcap = float(logit_softcap)
+    return AttentionVariant(sliding_window, logit_softcap)
+
+
+def attention_variants(layers: Iterable) -> tuple[AttentionVariant, ...]:
+    """The distinct variants of attention layers (objects with a `variant` attribute; FULL for those without),
+    in order of first appearance."""
+    seen: dict = {}
+    for layer in layers:
+        seen.setdefault(getattr(layer, "variant", FULL), None)
+    return tuple(seen)
+
+
 class AttentionBackend:
     """plan(ctx) once per step (outside graph capture), shared by all layers; forward(...) per layer.
 
     When forward runs, the step's K/V are already written to (k_cache, v_cache) ([num_blocks, block_size,
-    Hk, D], NHD) by the Attention layer. q [N, H, D], k/v [N, Hk, D] -> out [N, H, D].
+    Hk, D], NHD) by the Attention layer. q [N, H, D], k/v [N, Hk, D] -> out [N, H, D]. `variant` (an
+    AttentionVariant; None = FULL) selects the layer's sliding window / soft-cap; the Attention layer passes it
+    only when it is not FULL, so a backend without variants keeps working for plain models.
     """
 
     def plan(self, ctx: ForwardContext) -> None:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: ForwardContext, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, ctx: ForwardContext, scale: float,
+                variant: Optional[AttentionVariant] = None) -> torch.Tensor:
         raise NotImplementedError

@@ -2,7 +2,9 @@
 
 KV cache layout NHD: each layer's (k_cache, v_cache) are [num_pages, page_size, Hk, D] (page = KV block).
 
-Per step, `plan(ctx)` (outside any CUDA graph) picks and plans one wrapper:
+Per step, `plan(ctx)` (outside any CUDA graph) picks one kind of wrapper and plans it once per attention variant
+(AttentionVariant: sliding window -> window_left = W - 1, logit soft-cap -> logits_soft_cap; each variant has
+its own wrappers, all over the one float workspace, which they never use concurrently):
 - prefill without cached prefix (every query_len == seq_len): BatchPrefillWithRaggedKVCacheWrapper on the
   step's k/v directly (causal);
 - prefill with a cached prefix (chunked prefill, prefix cache, mixed rows): BatchPrefillWithPagedKVCacheWrapper
@@ -11,6 +13,11 @@ Per step, `plan(ctx)` (outside any CUDA graph) picks and plans one wrapper:
   batch size equals a graph bucket, that bucket's wrapper is used: built with use_cuda_graph=True over
   persistent buffers (indptr [b+1], last_page_len [b] per bucket; one page-index buffer shared by all
   buckets, sized for the worst case), so a graph captured after a plan stays valid when later steps re-plan.
+Variants: those given to the constructor (`variants`, default FULL only) and `add_variants(...)` (DecodeGraphs
+adds the model's before capture) are planned every step; a layer whose variant is not registered yet is
+planned on its first use in an eager step (never inside a graph capture) and registered from then on. Each
+layer's forward picks its variant's plan. The `prefill_ragged` / `prefill_paged` / `decode` / `graph_wrappers`
+attributes are the first variant's wrappers; `variant_graph_wrappers[variant][bucket]` holds them all.
 Padding rows of a captured batch are empty sequences: seq_len 0 -> no pages, index pointer repeated,
 last-page length 1 (FlashInfer's kernels read a row with no pages as length 0). No dummy page is allocated.
 
@@ -25,8 +32,23 @@ from typing import Optional, Sequence
 
 import torch
 
-from xllm_gen.runtime.attention.base import AttentionBackend
+from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant
 from xllm_gen.runtime.executor.context import ForwardContext
+
+
+class _VariantWrappers:
+    """One attention variant's wrappers: ragged / paged prefill, eager decode, and the CUDA-graph decode wrapper
+    of each bucket (over the bucket's persistent indptr / last-page-length buffers, shared by all variants)."""
+
+    def __init__(self, backend: "FlashInferBackend", variant: AttentionVariant):
+        import flashinfer
+        ws = backend.workspace
+        self.variant = variant
+        self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend.prefill_backend)
+        self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend.prefill_backend)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD",
+                                                                    use_tensor_cores=backend.decode_tensor_cores)
+        self.graph: dict = {}
 
 
 class FlashInferBackend(AttentionBackend):
@@ -36,9 +58,7 @@ class FlashInferBackend(AttentionBackend):
                  max_num_tokens: int = 8192, graph_buckets: Sequence[int] = (),
                  sm_scale: Optional[float] = None, kv_dtype: Optional[torch.dtype] = None,
                  prefill_backend: str = "fa2", decode_tensor_cores: Optional[bool] = None,
-                 workspace_bytes: Optional[int] = None):
-        import flashinfer
-
+                 workspace_bytes: Optional[int] = None, variants: Optional[Sequence[AttentionVariant]] = None):
         self.num_heads = num_heads                 # per rank
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -47,6 +67,7 @@ class FlashInferBackend(AttentionBackend):
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_batch = max_batch
+        self.prefill_backend = prefill_backend
         # the shared page-index buffer: a decode batch never holds more pages than either bound
         bounds = []
         if max_model_len:
@@ -63,38 +84,79 @@ class FlashInferBackend(AttentionBackend):
                                                     max_num_tokens, num_sms)
         self.workspace_bytes = ws
         self.workspace = torch.zeros(ws, dtype=torch.uint8, device=self.device)
-        self.prefill_ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD",
-                                                                              backend=prefill_backend)
-        self.prefill_paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                            backend=prefill_backend)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                    use_tensor_cores=decode_tensor_cores)
-        # graph buckets: persistent index buffers
+        # graph buckets: persistent index buffers (per bucket, shared by the variants' wrappers)
         self.page_indices_buf = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
         self.graph_buckets: tuple[int, ...] = ()
-        self.graph_wrappers = {}
         self.graph_buffers = {}
+        self._sets: dict[AttentionVariant, _VariantWrappers] = {}
+        self.variants: tuple[AttentionVariant, ...] = ()
+        self.add_variants(tuple(variants) if variants else (FULL,))
         self.ensure_graph_buckets(graph_buckets)
         self._mode: Optional[str] = None
         self._wrapper = None
+        self._plans: dict = {}
+        self._plan_inputs = None
         self._ctx: Optional[ForwardContext] = None
 
-    def ensure_graph_buckets(self, buckets: Sequence[int]) -> None:
-        """Builds the CUDA-graph decode wrappers of `buckets` that do not exist yet (call before capture)."""
+    # ---- the first variant's wrappers (what a plain model uses) ----------------------------------------
+    @property
+    def prefill_ragged(self):
+        return self._sets[self.variants[0]].ragged
+
+    @property
+    def prefill_paged(self):
+        return self._sets[self.variants[0]].paged
+
+    @property
+    def decode(self):
+        return self._sets[self.variants[0]].decode
+
+    @property
+    def graph_wrappers(self) -> dict:
+        return self._sets[self.variants[0]].graph
+
+    @property
+    def variant_graph_wrappers(self) -> dict:
+        """{variant: {bucket: CUDA-graph decode wrapper}}."""
+        return {v: self._sets[v].graph for v in self.variants}
+
+    def add_variants(self, variants: Sequence[AttentionVariant]) -> None:
+        """Registers attention variants (each gets its wrappers, graph ones for every bucket); registered
+        variants are planned every step. Call before capturing graphs that use them."""
+        for v in variants:
+            v = AttentionVariant(*v)
+            if v in self._sets:
+                continue
+            self._sets[v] = _VariantWrappers(self, v)
+            self.variants = self.variants + (v,)
+            self._make_graph_wrappers(v, self.graph_buckets)
+
+    def _make_graph_wrappers(self, variant: AttentionVariant, buckets: Sequence[int]) -> None:
         import flashinfer
+        graph = self._sets[variant].graph
+        for b in buckets:
+            if b in graph:
+                continue
+            indptr, last = self.graph_buffers[b]
+            graph[b] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=self.page_indices_buf,
+                paged_kv_last_page_len_buffer=last)
+
+    def ensure_graph_buckets(self, buckets: Sequence[int]) -> None:
+        """Builds the CUDA-graph decode wrappers of `buckets` that do not exist yet, for every registered
+        variant (call before capture)."""
         for b in sorted(set(int(b) for b in buckets)):
-            if b in self.graph_wrappers:
+            if b in self.graph_buffers:
                 continue
             if not 0 < b <= self.max_batch:
                 raise ValueError(f"graph bucket {b} is outside 1..max_batch={self.max_batch}")
             indptr = torch.zeros(b + 1, dtype=torch.int32, device=self.device)
             last = torch.ones(b, dtype=torch.int32, device=self.device)
             self.graph_buffers[b] = (indptr, last)
-            self.graph_wrappers[b] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=self.page_indices_buf,
-                paged_kv_last_page_len_buffer=last)
-        self.graph_buckets = tuple(sorted(self.graph_wrappers))
+        self.graph_buckets = tuple(sorted(self.graph_buffers))
+        for v in self.variants:
+            self._make_graph_wrappers(v, self.graph_buckets)
 
     # ------------------------------------------------------------------------------------------ sizing
     @staticmethod
@@ -134,36 +196,61 @@ class FlashInferBackend(AttentionBackend):
         else:
             cu = ctx.cu_seqlens_q.tolist()
             q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         qo_indptr = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
         decode = not ctx.is_prefill
         if decode and any(q != 1 for q in q_lens):
             raise ValueError("a decode step has one query token per row")
         if not decode and all(q == L for q, L in zip(q_lens, seq_lens)):
-            self.prefill_ragged.plan(qo_indptr, qo_indptr, H, Hk, D, causal=True, sm_scale=self.sm_scale,
-                                     q_data_type=self.dtype, kv_data_type=self.dtype)
-            self._mode, self._wrapper = "ragged", self.prefill_ragged
+            self._mode, self._plan_inputs = "ragged", (qo_indptr,)
         else:
             indptr, indices, last = self._page_table(ctx, seq_lens)
-            if decode:
-                B = len(q_lens)
-                wrapper = self.graph_wrappers.get(B, self.decode)
-                wrapper.plan(indptr, indices, last, H, Hk, D, ctx.block_size, q_data_type=self.dtype,
-                             kv_data_type=self.kv_dtype, sm_scale=self.sm_scale)
-                self._mode, self._wrapper = "decode", wrapper
-            else:
-                self.prefill_paged.plan(qo_indptr, indptr, indices, last, H, Hk, D, ctx.block_size, causal=True,
-                                        sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
-                self._mode, self._wrapper = "paged_prefill", self.prefill_paged
+            self._mode = "decode" if decode else "paged_prefill"
+            self._plan_inputs = (qo_indptr, indptr, indices, last, ctx.block_size)
         self._ctx = ctx
+        self._plans = {}
+        for v in self.variants:
+            self._plan_variant(v)
+        self._wrapper = self._plans[self.variants[0]]
+
+    def _plan_variant(self, v: AttentionVariant):
+        """Plans variant v's wrapper of the step's mode (inputs from plan(ctx)); returns it."""
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        ws = self._sets[v]
+        kw = dict(sm_scale=self.sm_scale, window_left=v.window_left, logits_soft_cap=v.logit_softcap)
+        if self._mode == "ragged":
+            (qo_indptr,) = self._plan_inputs
+            ws.ragged.plan(qo_indptr, qo_indptr, H, Hk, D, causal=True, q_data_type=self.dtype,
+                           kv_data_type=self.dtype, **kw)
+            wrapper = ws.ragged
+        else:
+            qo_indptr, indptr, indices, last, page = self._plan_inputs
+            if self._mode == "decode":
+                wrapper = ws.graph.get(len(last), ws.decode)
+                wrapper.plan(indptr, indices, last, H, Hk, D, page, q_data_type=self.dtype,
+                             kv_data_type=self.kv_dtype, **kw)
+            else:
+                wrapper = ws.paged
+                wrapper.plan(qo_indptr, indptr, indices, last, H, Hk, D, page, causal=True,
+                             q_data_type=self.dtype, kv_data_type=self.kv_dtype, **kw)
+        self._plans[v] = wrapper
+        return wrapper
 
     # ------------------------------------------------------------------------------------------ running
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None):
         if self._wrapper is None:
             raise RuntimeError("FlashInferBackend.forward before plan(ctx)")
         if abs(scale - self.sm_scale) > 1e-9 * max(1.0, abs(scale)):
             raise ValueError(f"attention scale {scale} differs from the planned one {self.sm_scale}")
+        variant = variant or FULL
+        wrapper = self._plans.get(variant)
+        if wrapper is None:
+            # a variant seen for the first time: register it and plan it for this step (eager steps only)
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"attention variant {variant} was not planned before graph capture: "
+                                   "register it with add_variants(...) first")
+            self.add_variants((variant,))
+            wrapper = self._plan_variant(variant)
         if self._mode == "ragged":
-            return self._wrapper.run(q, k.contiguous(), v.contiguous())
-        return self._wrapper.run(q, (k_cache, v_cache))
+            return wrapper.run(q, k.contiguous(), v.contiguous())
+        return wrapper.run(q, (k_cache, v_cache))

@@ -10,7 +10,9 @@ Where things live:
 - static inputs: one int64 device buffer holds a bucket's token ids, positions ([B] for rope, [3, B] for
   mRoPE) and KV slots, laid out per bucket as [ids | positions | slots], so one host-to-device copy fills a
   step;
-- attention: the backend's per-bucket decode wrappers (`backend.graph_wrappers[b]`, built with
+- attention: the backend's per-bucket decode wrappers, one per attention variant of the model (sliding window /
+  soft-cap; `backend.variant_graph_wrappers[variant][b]`, registered from `runner.attn_layers` before capture;
+  a plain model has one variant, `backend.graph_wrappers[b]`), built with
   use_cuda_graph=True over persistent indptr / last-page-length buffers and one page-index buffer shared by
   all buckets, `backend.page_indices_buf`, sized for the worst case; made by `backend.ensure_graph_buckets`).
   The host builds the step's metadata in pinned memory (block tables converted to arrays once per change,
@@ -30,11 +32,12 @@ tables reach the device); buckets are captured largest first so smaller graphs r
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import numpy as np
 import torch
 
-from xllm_gen.runtime.attention.base import AttentionBackend
+from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant, attention_variants
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 
 
@@ -52,19 +55,24 @@ def graph_buckets(spec_buckets, max_num_seqs: int) -> tuple[int, ...]:
 
 class _BucketAttention(AttentionBackend):
     """The attention backend seen by the layers inside one bucket's graph: the bucket's FlashInfer decode
-    wrapper, planned once per step (outside the graph) by DecodeGraphs.
+    wrappers, one per attention variant of the model (sliding window / soft-cap; a plain model has one), all
+    planned once per step (outside the graph) by DecodeGraphs; each layer's forward picks its variant's.
 
-    Re-planning: the first plan goes through the wrapper's `plan()`. Later ones, for the configuration the
+    Re-planning: the first plan goes through each wrapper's `plan()`. Later ones, for the configuration the
     decode graphs use (FlashInfer 0.6, tensor-core decode = fa2 prefill kernels, CUDA-graph mode), do only
     what `plan()` does on a re-plan of the same bucket: copy indptr / last-page length into the persistent
-    buffers (the page indices are already in place) and run the scheduler (`module.plan`) with the KV
-    lengths computed here with numpy. This skips the wrapper's per-call Python work, among it a Python
-    `max()` over a tensor of KV lengths (about 3 us per row: 0.35 ms per step at batch 112). Anything else,
-    or XLLM_GRAPH_FAST_PLAN=0, keeps `plan()` every step."""
+    buffers (once: the variants' wrappers share them; the page indices are already in place) and run the
+    scheduler (`module.plan`, with the variant's window_left) with the KV lengths computed here with numpy.
+    This skips the wrapper's per-call Python work, among it a Python `max()` over a tensor of KV lengths
+    (about 3 us per row: 0.35 ms per step at batch 112). Anything else, or XLLM_GRAPH_FAST_PLAN=0, keeps
+    `plan()` every step."""
 
-    def __init__(self, backend, wrapper, batch_size: int):
+    def __init__(self, backend, wrappers, batch_size: int):
         self.backend = backend
-        self.wrapper = wrapper
+        if not isinstance(wrappers, dict):                 # one wrapper: a model without variants
+            wrappers = {FULL: wrappers}
+        self.wrappers = {AttentionVariant(*v): w for v, w in wrappers.items()}
+        self.wrapper = next(iter(self.wrappers.values()))
         self.batch_size = batch_size
         self._replan = None
 
@@ -73,56 +81,74 @@ class _BucketAttention(AttentionBackend):
 
     def plan_decode(self, indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor) -> None:
         """indptr [B+1] / last_page_len [B]: int32 host tensors; indices: the step's pages, already in the
-        wrapper's (shared) page-index buffer."""
+        wrappers' (shared) page-index buffer."""
         if self._replan is not None:
             self._replan(indptr, last_page_len)
             return
         be = self.backend
-        self.wrapper.plan(indptr, indices, last_page_len, be.num_heads, be.num_kv_heads, be.head_dim,
-                          be.block_size, q_data_type=be.dtype, kv_data_type=getattr(be, "kv_dtype", be.dtype),
-                          sm_scale=be.sm_scale)
+        for v, w in self.wrappers.items():
+            w.plan(indptr, indices, last_page_len, be.num_heads, be.num_kv_heads, be.head_dim,
+                   be.block_size, q_data_type=be.dtype, kv_data_type=getattr(be, "kv_dtype", be.dtype),
+                   sm_scale=be.sm_scale, window_left=v.window_left, logits_soft_cap=v.logit_softcap)
         self._replan = self._fast_replan()
 
     def _fast_replan(self):
         import os
-        w = self.wrapper
         try:
             import flashinfer
             version_ok = flashinfer.__version__.startswith("0.6.")
         except Exception:                                  # pragma: no cover
             version_ok = False
         attrs = ("_cached_module", "_plan_info", "_float_workspace_buffer", "_int_workspace_buffer",
-                 "_pin_memory_int_workspace_buffer", "_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf")
-        if not (version_ok and os.environ.get("XLLM_GRAPH_FAST_PLAN", "1") != "0"
-                and getattr(w, "_use_tensor_cores", False) and getattr(w, "_use_cuda_graph", False)
-                and getattr(w, "_backend", None) == "fa2" and getattr(w, "_jit_module", 0) is None
-                and getattr(w, "_window_left", -1) == -1 and all(hasattr(w, a) for a in attrs)):
+                 "_pin_memory_int_workspace_buffer", "_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf",
+                 "_window_left")
+        if not (version_ok and os.environ.get("XLLM_GRAPH_FAST_PLAN", "1") != "0"):
             return None
+        for w in self.wrappers.values():
+            if not (getattr(w, "_use_tensor_cores", False) and getattr(w, "_use_cuda_graph", False)
+                    and getattr(w, "_backend", None) == "fa2" and getattr(w, "_jit_module", 0) is None
+                    and all(hasattr(w, a) for a in attrs)):
+                return None
         be = self.backend
         B, page = self.batch_size, be.block_size
         qo_indptr = torch.arange(B + 1, dtype=torch.int32)
         kv_lens = torch.empty(B, dtype=torch.int32)
         kv_np = kv_lens.numpy()
-        module = w._cached_module
         # BatchDecodeWithPagedKVCacheWrapper.plan, tensor-core branch: total_num_rows, batch, heads, kv heads,
         # page size, cuda graph, head_dim qk / vo, causal, window_left; fa2: fixed_split_size, disable_split_kv,
         # num_colocated_ctas.
-        tail = (B, B, be.num_heads, be.num_kv_heads, page, True, be.head_dim, be.head_dim, False, -1, -1, False, 0)
+        plans = [(w, w._cached_module,
+                  (B, B, be.num_heads, be.num_kv_heads, page, True, be.head_dim, be.head_dim, False,
+                   int(w._window_left), -1, False, 0))
+                 for w in self.wrappers.values()]
+        # the persistent indptr / last-page-length buffers, each copied once per step (variants share them)
+        buffers, seen = [], set()
+        for w in self.wrappers.values():
+            for buf, which in ((w._paged_kv_indptr_buf, 0), (w._paged_kv_last_page_len_buf, 1)):
+                if id(buf) not in seen:
+                    seen.add(id(buf))
+                    buffers.append((buf, which))
 
         def replan(indptr: torch.Tensor, last_page_len: torch.Tensor) -> None:
-            w._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
-            w._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
+            for buf, which in buffers:
+                buf.copy_(last_page_len if which else indptr, non_blocking=True)
             ip = indptr.numpy()
             np.maximum(ip[1:] - ip[:-1] - 1, 0, out=kv_np)          # flashinfer.page.get_seq_lens
             np.multiply(kv_np, page, out=kv_np)
             np.add(kv_np, last_page_len.numpy(), out=kv_np)
-            w._max_kv_len = int(kv_np.max())
-            w._plan_info = module.plan(w._float_workspace_buffer, w._int_workspace_buffer,
-                                       w._pin_memory_int_workspace_buffer, qo_indptr, indptr, kv_lens, *tail)
+            max_kv = int(kv_np.max())
+            for w, module, tail in plans:
+                w._max_kv_len = max_kv
+                w._plan_info = module.plan(w._float_workspace_buffer, w._int_workspace_buffer,
+                                           w._pin_memory_int_workspace_buffer, qo_indptr, indptr, kv_lens, *tail)
         return replan
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale):
-        return self.wrapper.run(q, (k_cache, v_cache))
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None):
+        w = self.wrappers.get(variant or FULL)
+        if w is None:
+            raise RuntimeError(f"decode graph bucket {self.batch_size} has no wrapper for attention variant "
+                               f"{variant}: the backend was not given the model's variants before capture")
+        return w.run(q, (k_cache, v_cache))
 
 
 class DecodeGraphs:
@@ -152,14 +178,25 @@ class DecodeGraphs:
         self.P = 3 if self.mrope else 1                     # rows of positions
 
         backend = runner.backend
+        # the model's attention variants (sliding window / soft-cap per layer): one decode wrapper per variant
+        # per bucket, all made before capture
+        variants = attention_variants(getattr(runner, "attn_layers", ()))
+        add = getattr(backend, "add_variants", None)
+        if add is not None and variants:
+            add(variants)
         ensure = getattr(backend, "ensure_graph_buckets", None)
         if ensure is not None:
             ensure(self.buckets)                               # per-bucket decode wrappers (before capture)
-        wrappers = getattr(backend, "graph_wrappers", None)
-        missing = [b for b in self.buckets if wrappers is None or b not in wrappers]
+        by_variant = getattr(backend, "variant_graph_wrappers", None)
+        if by_variant is None:
+            wrappers = getattr(backend, "graph_wrappers", None)
+            by_variant = {FULL: wrappers} if wrappers is not None else {}
+        variants = variants or (FULL,)
+        missing = [(b, v) for v in variants for b in self.buckets if b not in by_variant.get(v, {})]
         if missing:
-            raise RuntimeError(f"{type(backend).__name__} has no CUDA-graph decode wrapper for bucket(s) "
-                               f"{missing}: build the backend with graph_buckets={self.buckets}")
+            raise RuntimeError(f"{type(backend).__name__} has no CUDA-graph decode wrapper for (bucket, variant) "
+                               f"{missing}: build the backend with graph_buckets={self.buckets} and the model's "
+                               "attention variants")
         self.page_indices = backend.page_indices_buf           # shared by all buckets (worst-case size)
         self.max_pages = self.page_indices.numel()
 
@@ -183,7 +220,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._ctx: dict[int, ForwardContext] = {}
-        self._attn: dict[int, _BucketAttention] = {b: _BucketAttention(backend, wrappers[b], b) for b in self.buckets}
+        self._attn: dict[int, _BucketAttention] = {
+            b: _BucketAttention(backend, {v: by_variant[v][b] for v in variants}, b) for b in self.buckets}
         self.pool = None
         self.capture_seconds = 0.0
         self._capture_all(progress)

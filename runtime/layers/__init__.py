@@ -3,18 +3,18 @@
 Constructor sizes are global (unsharded); layers derive per-rank shapes from get_tp_size()/get_tp_rank().
 Parameters are created with torch.empty and filled by the loader.
 """
-from xllm_gen.runtime.layers.activation import GELU, SiluAndMul
+from xllm_gen.runtime.layers.activation import GATED_ACTIVATIONS, GELU, GeluAndMul, SiluAndMul, gated_act
 from xllm_gen.runtime.layers.attention import Attention
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from xllm_gen.runtime.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                             ReplicatedLinear, RowParallelLinear)
 from xllm_gen.runtime.layers.norm import LayerNorm, RMSNorm
-from xllm_gen.runtime.layers.rotary import ROTARY_KINDS, Rotary, mrope_axis_map, qk_norm_rope
+from xllm_gen.runtime.layers.rotary import ROPE_TYPES, ROTARY_KINDS, Rotary, mrope_axis_map, qk_norm_rope, rope_parameters
 
 __all__ = [
     "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
-    "SiluAndMul", "GELU", "Rotary", "ROTARY_KINDS", "mrope_axis_map", "qk_norm_rope", "Attention",
-    "inject_deepstack",
+    "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_TYPES",
+    "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack",
 ]

@@ -1,4 +1,4 @@
-"""Activations."""
+"""Activations: gated (SiluAndMul, GeluAndMul, `gated_act` from a Hugging Face activation name) and GELU."""
 from __future__ import annotations
 
 import torch
@@ -15,11 +15,31 @@ class SiluAndMul(nn.Module):
         return ops.silu_and_mul(x)
 
 
+def _check_approximate(approximate: str) -> None:
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"GELU approximate must be 'tanh' or 'none', not {approximate!r}")
+
+
+class GeluAndMul(nn.Module):
+    """x [..., 2n] -> gelu(x[..., :n]) * x[..., n:]; approximate "tanh" (HF gelu_pytorch_tanh, Gemma) or "none"
+    (exact erf GELU, HF gelu). Same op order and roundings as HF's `act_fn(gate_proj(x)) * up_proj(x)`."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        _check_approximate(approximate)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.gelu_and_mul(x, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
 class GELU(nn.Module):
     def __init__(self, approximate: str = "tanh"):
         super().__init__()
-        if approximate not in ("tanh", "none"):
-            raise ValueError(f"GELU approximate must be 'tanh' or 'none', not {approximate!r}")
+        _check_approximate(approximate)
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,3 +47,25 @@ class GELU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
+
+
+# Hugging Face activation names (config `hidden_act` / `hidden_activation`) -> gated op. gelu_new is HF's
+# NewGELUActivation, the tanh approximation written out (equal to gelu_pytorch_tanh up to float rounding).
+_GATED = {
+    "silu": ("silu", None),
+    "swish": ("silu", None),
+    "gelu": ("gelu", "none"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_new": ("gelu", "tanh"),
+}
+GATED_ACTIVATIONS: tuple[str, ...] = tuple(_GATED)
+
+
+def gated_act(name: str) -> nn.Module:
+    """The gated activation module (x [..., 2n] -> act(x[..., :n]) * x[..., n:]) for a Hugging Face activation
+    name: silu, swish -> SiluAndMul; gelu -> GeluAndMul("none"); gelu_pytorch_tanh, gelu_new ->
+    GeluAndMul("tanh"). Any other name raises ValueError."""
+    if name not in _GATED:
+        raise ValueError(f"unsupported gated activation {name!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
+    kind, approximate = _GATED[name]
+    return SiluAndMul() if kind == "silu" else GeluAndMul(approximate)

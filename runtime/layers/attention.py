@@ -1,27 +1,39 @@
 """The attention layer: writes this step's K/V into the paged cache, then runs the step's backend."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from xllm_gen.runtime import ops
+from xllm_gen.runtime.attention.base import FULL, make_variant
 from xllm_gen.runtime.executor.context import get_context
 
 
 class Attention(nn.Module):
     """forward(q [N, H, D], k [N, Hk, D], v [N, Hk, D]) -> [N, H * D]. Head counts are per rank.
 
+    sliding_window (None or an int >= 1): key j is visible to query i iff j <= i and j > i - sliding_window
+    (HF masking_utils). logit_softcap (None or > 0): scores = cap * tanh(scores / cap) on the scaled scores,
+    before masking (Gemma 2). Both are per layer: `variant` (an AttentionVariant) is what the backend plans for;
+    layers of one model may differ (Gemma 2 alternates sliding and full layers).
+
     `k_cache` / `v_cache` ([num_blocks, block_size, Hk, D], NHD) are plain attributes attached by the runner
     (not parameters or buffers: they are not part of the state dict). The backend comes from the forward
     context (`ctx.backend`, already planned for the step); this layer never imports a backend.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.variant = make_variant(sliding_window, logit_softcap)
+        self.sliding_window = self.variant.sliding_window
+        self.logit_softcap = self.variant.logit_softcap
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
 
@@ -32,8 +44,16 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel() and self.v_cache.numel():
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        if self.variant == FULL:
+            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        else:
+            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}"
+        s = f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}"
+        if self.sliding_window is not None:
+            s += f", sliding_window={self.sliding_window}"
+        if self.logit_softcap is not None:
+            s += f", logit_softcap={self.logit_softcap}"
+        return s

@@ -11,27 +11,32 @@ from xllm_gen.runtime import ops
 
 
 class RMSNorm(nn.Module):
-    """HF Qwen3RMSNorm math (float32 variance, `weight * x_normed.to(input_dtype)`).
+    """RMSNorm with HF math.
+
+    weight_offset 0.0 (default): HF Qwen3RMSNorm / LlamaRMSNorm (float32 variance,
+    `weight * x_normed.to(input_dtype)`). weight_offset 1.0: HF Gemma2RMSNorm's (1 + w) norm, all in float32
+    (`x_normed * (1.0 + weight.float())`, then cast to the input dtype); the checkpoint stores w (zero-centred).
 
     forward(x) -> y; forward(x, residual) -> (y, x + residual) with y = rmsnorm(x + residual);
     forward(x, None) -> (rmsnorm(x), x)  (the first layer of a residual stream).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0):
         super().__init__()
         self.dim = dim
         self.eps = eps
+        self.weight_offset = float(weight_offset)
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
         if residual is ...:
-            return ops.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, self.weight_offset)
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, self.weight_offset), x
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"
+        return f"{self.dim}, eps={self.eps}" + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
 
 
 class LayerNorm(nn.Module):

@@ -1,8 +1,10 @@
 """Rotary position embeddings: neox (rotate_half) layout, and mRoPE with interleaved (Qwen3-VL) or
-blocked (Qwen2-VL) frequency sections."""
+blocked (Qwen2-VL) frequency sections; frequencies from transformers' rope types (default, linear, dynamic,
+yarn, llama3)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -32,35 +34,205 @@ def mrope_axis_map(kind: str, sections: Sequence[int], half: int) -> torch.Tenso
     return axis
 
 
+# ------------------------------------------------------------------------------------------ rope scaling
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+# Keys of a transformers rope-parameter mapping, per rope type: (required, optional). Every type also accepts
+# rope_type / type (its name), rope_theta (must equal `theta`), partial_rotary_factor (must be 1.0) and the
+# mRoPE keys (taken from the rotary kind, not from here).
+_ROPE_KEYS = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ("original_max_position_embeddings",)),
+    "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                           "mscale", "mscale_all_dim", "truncate")),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
+}
+_COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def rope_parameters(head_dim: int, theta: float, max_position: int,
+                    scaling: Optional[Mapping[str, Any]] = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32, attention_factor) of a transformers rope-parameter mapping.
+
+    Same arithmetic as transformers 5 (modeling_rope_utils.ROPE_INIT_FUNCTIONS and the models' default init),
+    written here so that serving does not import transformers. `max_position` plays HF's
+    config.max_position_embeddings (the default of original_max_position_embeddings, and the yarn factor when
+    the mapping gives factor None). cos and sin are multiplied by attention_factor (1.0 except for yarn).
+
+    - default: inv_freq = 1 / theta ** (arange(0, D, 2) / D).
+    - linear: default / factor.
+    - llama3: Llama 3.1's per-wavelength scaling (factor, low_freq_factor, high_freq_factor,
+      original_max_position_embeddings).
+    - yarn: NTK-by-parts interpolation between default and default / factor with the linear ramp over
+      [beta_fast, beta_slow] rotations at original_max_position_embeddings (truncate: floor/ceil the ramp
+      bounds, default True); attention_factor given, or 0.1 * mscale * ln(factor) + 1 (ratio of the mscale and
+      mscale_all_dim forms when both are given).
+    - dynamic (NTK): transformers computes its initial inv_freq with seq_len = max_position_embeddings, which is
+      the default inv_freq (the base factor ((factor * L / L) - (factor - 1)) ** (D / (D - 2)) is 1 up to
+      rounding, reproduced here as written), and recomputes the base from the current sequence length only
+      when a forward pass sees positions beyond max_position_embeddings (the "original" length for this type;
+      an original_max_position_embeddings key is ignored, as transformers ignores it). That per-call rescale
+      cannot be reproduced with a paged KV cache (cached keys keep the rotation they were written with), so
+      this runtime uses the initial (default) inv_freq at every position: exact within max_position, plain
+      extrapolation beyond it. vLLM instead fixes one NTK base for all positions, computed at
+      max_position * factor, which differs from transformers already within the original length. A spec that
+      serves dynamic rope should cap the engine's max_model_len at max_position.
+
+    Unknown rope types, unknown keys and missing required keys raise ValueError naming them.
+    """
+    half = head_dim // 2
+    if not scaling:
+        scaling = {"rope_type": "default"}
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"rope scaling must be a mapping of rope parameters, not {type(scaling).__name__}")
+    p = dict(scaling)
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    required, optional = _ROPE_KEYS[rope_type]
+    for key in required:
+        if key not in p:
+            raise ValueError(f"rope_type {rope_type!r} needs rope parameter {key!r}")
+    unknown = sorted(set(p) - set(required) - set(optional) - set(_COMMON_KEYS))
+    if unknown:
+        raise ValueError(f"rope_type {rope_type!r}: unknown rope parameter(s) {', '.join(map(repr, unknown))}; "
+                         f"allowed: {', '.join(required + optional)}")
+    if p.get("rope_theta") is not None and float(p["rope_theta"]) != float(theta):
+        raise ValueError(f"rope parameter 'rope_theta' = {p['rope_theta']} differs from theta = {theta}")
+    if p.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ValueError(f"rope parameter 'partial_rotary_factor' = {p['partial_rotary_factor']} is not supported "
+                         "(only 1.0)")
+    base = theta
+    dim = head_dim
+    attention_factor = 1.0
+
+    def default_inv_freq(b):
+        return 1.0 / (b ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+
+    def number(key):
+        v = p[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"rope parameter {key!r} must be a finite number, got {v!r}")
+        return v
+
+    if rope_type == "default":
+        inv_freq = default_inv_freq(base)
+    elif rope_type == "linear":
+        factor = number("factor")
+        inv_freq = default_inv_freq(base)
+        inv_freq /= factor
+    elif rope_type == "dynamic":
+        factor = number("factor")
+        seq_len = max_position
+        base = base * ((factor * seq_len / max_position) - (factor - 1)) ** (dim / (dim - 2))
+        inv_freq = default_inv_freq(base)
+    elif rope_type == "llama3":
+        factor = number("factor")
+        low_freq_factor = number("low_freq_factor")
+        high_freq_factor = number("high_freq_factor")
+        old_context_len = p.get("original_max_position_embeddings", max_position)
+        inv_freq = default_inv_freq(base)
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    else:                                                   # yarn
+        original = p.get("original_max_position_embeddings", max_position)
+        factor = p["factor"]
+        if factor is None:
+            factor = max_position / original
+        else:
+            factor = number("factor")
+        attention_factor = p.get("attention_factor")
+        mscale = p.get("mscale")
+        mscale_all_dim = p.get("mscale_all_dim")
+
+        def get_mscale(scale, m=1):
+            if scale <= 1:
+                return 1.0
+            return 0.1 * m * math.log(scale) + 1.0
+
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            else:
+                attention_factor = get_mscale(factor)
+        beta_fast = p.get("beta_fast") or 32
+        beta_slow = p.get("beta_slow") or 1
+        truncate = p.get("truncate", True)
+
+        def find_correction_dim(num_rotations):
+            return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low = find_correction_dim(beta_fast)
+        high = find_correction_dim(beta_slow)
+        if truncate:
+            low = math.floor(low)
+            high = math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001                                   # as transformers: no singular ramp
+        ramp = torch.clamp((torch.arange(half, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+        inv_freq_extrapolation = 1.0 / pos_freqs
+        inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+        extrapolation_factor = 1 - ramp
+        inv_freq = (inv_freq_interpolation * (1 - extrapolation_factor)
+                    + inv_freq_extrapolation * extrapolation_factor)
+    return inv_freq.to(torch.float32), float(attention_factor)
+
+
+def _scaling_key(scaling: Optional[Mapping[str, Any]]):
+    if not scaling:
+        return None
+    return tuple(sorted((k, repr(v)) for k, v in dict(scaling).items()))
+
+
 _TABLES: dict = {}
 
 
-def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.device):
-    """(inv_freq [D/2], cos|sin [max_position, D]) in float32, built once per (shape, theta, device) and
-    shared by every layer: a 262k-position table is 134 MB, too much to hold once per layer."""
-    key = (head_dim, theta, max_position, str(device))
+def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.device,
+                 scaling: Optional[Mapping[str, Any]] = None):
+    """(inv_freq [D/2], cos|sin [max_position, D], attention_factor): float32 tensors, cos and sin already
+    multiplied by attention_factor (as transformers does before casting), built once per (shape, theta,
+    scaling, device) and shared by every layer: a 262k-position table is 134 MB, too much to hold once per
+    layer."""
+    skey = _scaling_key(scaling)
+    key = (head_dim, theta, max_position, skey, str(device))
     if key not in _TABLES:
-        cpu = _TABLES.get((head_dim, theta, max_position, "cpu"))
+        cpu_key = (head_dim, theta, max_position, skey, "cpu")
+        cpu = _TABLES.get(cpu_key)
         if cpu is None:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+            inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling)
             freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
-            cpu = _TABLES[(head_dim, theta, max_position, "cpu")] = (inv_freq, torch.cat((freqs.cos(), freqs.sin()), -1))
-        _TABLES[key] = tuple(t.to(device) for t in cpu)
+            cos, sin = freqs.cos(), freqs.sin()
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
+            cpu = _TABLES[cpu_key] = (inv_freq, torch.cat((cos, sin), -1), factor)
+        _TABLES[key] = (cpu[0].to(device), cpu[1].to(device), cpu[2])
     return _TABLES[key]
 
 
 class Rotary(nn.Module):
     """forward(positions, q [N, H, D], k [N, Hk, D]) -> (q, k).
 
-    positions: [N] for kind "neox", [3, N] (t, h, w) for the mrope kinds. Frequencies follow HF's default
-    rope init: inv_freq = 1 / theta ** (arange(0, D, 2) / D) in float32; the CPU path computes cos/sin from
-    positions exactly as HF does, the CUDA kernel reads a float32 [max_position, D] cos|sin table.
-    The tables are plain attributes (not buffers): they stay float32 whatever the model is cast to, and
-    follow the inputs' device on first use.
+    positions: [N] for kind "neox", [3, N] (t, h, w) for the mrope kinds. `scaling`: a transformers
+    rope-parameter mapping (config.json `rope_parameters` / `rope_scaling`): rope_type default | linear |
+    dynamic | yarn | llama3 with that type's keys (see `rope_parameters` for the math and for dynamic's
+    behaviour beyond max_position); None means default. inv_freq and the attention factor are computed as
+    transformers 5 does, in float32; cos/sin are multiplied by the attention factor. The CPU path computes
+    cos/sin from positions exactly as HF does, the CUDA kernel reads a float32 [max_position, D] cos|sin
+    table (already scaled). The tables are plain attributes (not buffers): they stay float32 whatever the
+    model is cast to, and follow the inputs' device on first use.
     """
 
     def __init__(self, head_dim: int, theta: float, max_position: int, kind: str = "neox",
-                 mrope_section: Optional[Sequence[int]] = None):
+                 mrope_section: Optional[Sequence[int]] = None, scaling: Optional[Mapping[str, Any]] = None):
         super().__init__()
         if kind not in ROTARY_KINDS:
             raise ValueError(f"rotary kind must be one of {ROTARY_KINDS}, not {kind!r}")
@@ -71,8 +243,11 @@ class Rotary(nn.Module):
         self.max_position = max_position
         self.kind = kind
         self.mrope_section = list(mrope_section) if mrope_section is not None else None
+        self.scaling = dict(scaling) if scaling else None
+        self.rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
         half = head_dim // 2
-        self.inv_freq, self.cos_sin_cache = _rope_tables(head_dim, self.theta, max_position, torch.device("cpu"))
+        self.inv_freq, self.cos_sin_cache, self.attention_factor = _rope_tables(
+            head_dim, self.theta, max_position, torch.device("cpu"), self.scaling)
         if kind == "neox":
             if mrope_section is not None:
                 raise ValueError("mrope_section is only for the mrope kinds")
@@ -84,7 +259,8 @@ class Rotary(nn.Module):
 
     def _to(self, device: torch.device) -> None:
         if self.inv_freq.device != device:
-            self.inv_freq, self.cos_sin_cache = _rope_tables(self.head_dim, self.theta, self.max_position, device)
+            self.inv_freq, self.cos_sin_cache, _ = _rope_tables(self.head_dim, self.theta, self.max_position,
+                                                                device, self.scaling)
             if self.axis_map is not None:
                 self.axis_map = self.axis_map.to(device)
 
@@ -96,23 +272,30 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         self._check_positions(positions)
         self._to(q.device)
-        return ops.rope(q, k, positions, self.inv_freq, self.cos_sin_cache, self.axis_map)
+        return ops.rope(q, k, positions, self.inv_freq, self.cos_sin_cache, self.axis_map, self.attention_factor)
 
     def extra_repr(self) -> str:
         s = f"head_dim={self.head_dim}, theta={self.theta}, max_position={self.max_position}, kind={self.kind!r}"
-        return s + (f", mrope_section={self.mrope_section}" if self.mrope_section else "")
+        s += f", mrope_section={self.mrope_section}" if self.mrope_section else ""
+        return s + (f", scaling={self.scaling}" if self.scaling else "")
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, rotary: Rotary):
     """Per-head RMSNorm of q [N, H, D] and k [N, Hk, D] (q_norm/k_norm: RMSNorm(head_dim) modules or None),
-    then rotary. One fused Triton kernel on CUDA; the HF-exact reference composition on CPU."""
+    then rotary (with its scaled cos/sin). One fused Triton kernel on CUDA; the HF-exact reference composition
+    on CPU. Norms the fused kernel does not cover (one of the two missing, different eps, a weight_offset) run
+    as the modules themselves, then rotary."""
     rotary._check_positions(positions)
     rotary._to(q.device)
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and (
+            q_norm.eps != k_norm.eps or getattr(q_norm, "weight_offset", 0.0) or getattr(k_norm, "weight_offset", 0.0))):
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        return rotary(positions, q, k)
     qw = q_norm.weight if q_norm is not None else None
     kw = k_norm.weight if k_norm is not None else None
-    eps = q_norm.eps if q_norm is not None else (k_norm.eps if k_norm is not None else 0.0)
-    if q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps:
-        q = q_norm(q)
-        k = k_norm(k)
-        return rotary(positions, q, k)
-    return ops.qk_norm_rope(q, k, qw, kw, eps, positions, rotary.inv_freq, rotary.cos_sin_cache, rotary.axis_map)
+    eps = q_norm.eps if q_norm is not None else 0.0
+    return ops.qk_norm_rope(q, k, qw, kw, eps, positions, rotary.inv_freq, rotary.cos_sin_cache, rotary.axis_map,
+                            rotary.attention_factor)

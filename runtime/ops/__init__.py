@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from xllm_gen.runtime.ops import reference
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rope", "qk_norm_rope", "store_kvcache",
+__all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "qk_norm_rope", "store_kvcache",
            "skinny_gemm", "reference", "use_triton"]
 
 _FORCE_TORCH = os.environ.get("XLLM_OPS", "").lower() == "torch"
@@ -35,49 +35,55 @@ def _tk():
 
 
 # ---------------------------------------------------------------- rms_norm
+def _norm_dtype(x_dtype, w_dtype, weight_offset):
+    return x_dtype if weight_offset else torch.promote_types(x_dtype, w_dtype)
+
+
 @torch.library.custom_op("xllm::rms_norm", mutates_args=())
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
     if use_triton(x):
-        return _tk().rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return _tk().rms_norm(x, weight, eps, weight_offset)
+    return reference.rms_norm(x, weight, eps, weight_offset)
 
 
 @_rms_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _(x, weight, eps, weight_offset=0.0):
+    return torch.empty_like(x, dtype=_norm_dtype(x.dtype, weight.dtype, weight_offset))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    """weight_offset 0: HF Llama/Qwen3 RMSNorm (`weight * x_normed.to(dtype)`); 1.0: HF Gemma's (1 + weight)
+    norm computed in float32 and cast to x's dtype."""
     if not x.is_cuda:  # skip the custom-op dispatch cost on the CPU path
-        return reference.rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps, weight_offset)
     if _direct():
-        return _tk().rms_norm(x, weight, eps)
-    return torch.ops.xllm.rms_norm(x, weight, eps)
+        return _tk().rms_norm(x, weight, eps, weight_offset)
+    return torch.ops.xllm.rms_norm(x, weight, eps, weight_offset)
 
 
 # ---------------------------------------------------------------- fused residual add + rms_norm
 @torch.library.custom_op("xllm::fused_add_rms_norm", mutates_args=())
 def _fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
-        return _tk().fused_add_rms_norm(x, residual, weight, eps)
-    y, r = reference.fused_add_rms_norm(x, residual, weight, eps)
+        return _tk().fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+    y, r = reference.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
     return y, r
 
 
 @_fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, weight_offset=0.0):
     r = torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
-    return torch.empty_like(r, dtype=torch.promote_types(r.dtype, weight.dtype)), r
+    return torch.empty_like(r, dtype=_norm_dtype(r.dtype, weight.dtype, weight_offset)), r
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps, weight_offset: float = 0.0):
     """Returns (rms_norm(x + residual), x + residual)."""
     if not x.is_cuda:
-        return reference.fused_add_rms_norm(x, residual, weight, eps)
+        return reference.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
     if _direct():
-        return _tk().fused_add_rms_norm(x, residual, weight, eps)
-    return torch.ops.xllm.fused_add_rms_norm(x, residual, weight, eps)
+        return _tk().fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+    return torch.ops.xllm.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
 
 
 # ---------------------------------------------------------------- silu_and_mul
@@ -101,39 +107,64 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.xllm.silu_and_mul(x)
 
 
+# ---------------------------------------------------------------- gelu_and_mul
+@torch.library.custom_op("xllm::gelu_and_mul", mutates_args=())
+def _gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    if use_triton(x):
+        return _tk().gelu_and_mul(x, approximate)
+    return reference.gelu_and_mul(x, approximate)
+
+
+@_gelu_and_mul.register_fake
+def _(x, approximate="tanh"):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """x [..., 2n] -> gelu(x[..., :n]) * x[..., n:]; approximate "tanh" (gelu_pytorch_tanh) or "none" (erf)."""
+    if not x.is_cuda:
+        return reference.gelu_and_mul(x, approximate)
+    if _direct():
+        return _tk().gelu_and_mul(x, approximate)
+    return torch.ops.xllm.gelu_and_mul(x, approximate)
+
+
 # ---------------------------------------------------------------- q/k norm + rotary
 @torch.library.custom_op("xllm::qk_norm_rope", mutates_args=())
 def _qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
                   k_weight: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
                   inv_freq: torch.Tensor, cos_sin_cache: torch.Tensor,
-                  axis_map: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                  axis_map: Optional[torch.Tensor], attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(q):
         return _tk().qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, axis_map)
-    qo, ko = reference.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map)
+    qo, ko = reference.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map, attention_factor)
     return qo.contiguous(), ko.contiguous()
 
 
 @_qk_norm_rope.register_fake
-def _(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map):
+def _(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map, attention_factor=1.0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
 
 
-def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map=None):
+def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map=None,
+                 attention_factor: float = 1.0):
     """q [N, H, D], k [N, Hk, D] -> per-head RMSNorm (weights may be None: no norm) then rotary.
 
     positions [N] (neox) or [3, N] (mRoPE, axis_map [D/2] int32 gives each frequency slot's axis).
-    The CPU path computes cos/sin from inv_freq as HF does; the Triton path reads cos_sin_cache
-    [max_position, D] float32 (cos | sin halves).
+    The CPU path computes cos/sin from inv_freq as HF does, times attention_factor (the rope type's, e.g.
+    yarn's); the Triton path reads cos_sin_cache [max_position, D] float32 (cos | sin halves), which already
+    holds that factor (Rotary builds it so).
     """
     if not q.is_cuda:
-        return reference.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map)
+        return reference.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map, attention_factor)
     if _direct():
         return _tk().qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache, axis_map)
-    return torch.ops.xllm.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map)
+    return torch.ops.xllm.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, cos_sin_cache, axis_map,
+                                       attention_factor)
 
 
-def rope(q, k, positions, inv_freq, cos_sin_cache, axis_map=None):
-    return qk_norm_rope(q, k, None, None, 0.0, positions, inv_freq, cos_sin_cache, axis_map)
+def rope(q, k, positions, inv_freq, cos_sin_cache, axis_map=None, attention_factor: float = 1.0):
+    return qk_norm_rope(q, k, None, None, 0.0, positions, inv_freq, cos_sin_cache, axis_map, attention_factor)
 
 
 # ---------------------------------------------------------------- KV-cache write

@@ -12,24 +12,36 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen3RMSNorm: float32 variance, `weight * x_normed.to(input_dtype)`."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    """weight_offset 0: HF Qwen3RMSNorm / LlamaRMSNorm, float32 variance, `weight * x_normed.to(input_dtype)`.
+    weight_offset != 0: HF Gemma2RMSNorm (offset 1), all in float32, `(x_normed * (offset + weight.float()))`
+    cast to the input dtype at the end."""
     dtype = x.dtype
     h = x.to(torch.float32)
     var = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(var + eps)
+    if weight_offset:
+        return (h * (weight_offset + weight.float())).to(dtype)
     return weight * h.to(dtype)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       weight_offset: float = 0.0):
     """(rms_norm(residual + x), residual + x); the sum is rounded to the input dtype first (as HF)."""
     new_residual = residual + x
-    return rms_norm(new_residual, weight, eps), new_residual
+    return rms_norm(new_residual, weight, eps, weight_offset), new_residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     return F.silu(x[..., :n]) * x[..., n:]
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(x[..., :n]) * x[..., n:] (HF Gemma MLP: act_fn(gate_proj(x)) * up_proj(x)); approximate "tanh" or
+    "none" (exact erf)."""
+    n = x.shape[-1] // 2
+    return F.gelu(x[..., :n], approximate=approximate) * x[..., n:]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +50,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, axis_map: Optional[torch.Tensor], dtype):
-    """cos, sin [N, D] in `dtype`, computed as HF's rotary embedding modules do.
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, axis_map: Optional[torch.Tensor], dtype,
+                 attention_factor: float = 1.0):
+    """cos, sin [N, D] in `dtype`, computed as HF's rotary embedding modules do (float32, multiplied by the rope
+    type's attention factor, then cast).
 
     positions [N] (neox) or [3, N] (mRoPE, with axis_map [D/2] giving the position axis of each frequency slot).
     """
@@ -51,15 +65,18 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, axis_map: Opti
         idx = axis_map.to(device=positions.device, dtype=torch.long).view(1, 1, -1).expand(1, cos.shape[1], -1)
         cos = cos.gather(0, idx).squeeze(0)
         sin = sin.gather(0, idx).squeeze(0)
-    cos = torch.cat((cos, cos), dim=-1).to(dtype)
-    sin = torch.cat((sin, sin), dim=-1).to(dtype)
-    return cos, sin
+    cos = torch.cat((cos, cos), dim=-1)
+    sin = torch.cat((sin, sin), dim=-1)
+    if attention_factor != 1.0:
+        cos = cos * attention_factor
+        sin = sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-         axis_map: Optional[torch.Tensor] = None):
+         axis_map: Optional[torch.Tensor] = None, attention_factor: float = 1.0):
     """HF apply_rotary_pos_emb on q [N, H, D], k [N, Hk, D] (neox / rotate_half layout)."""
-    cos, sin = rope_cos_sin(positions, inv_freq, axis_map, q.dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, axis_map, q.dtype, attention_factor)
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     q_out = (q * cos) + (rotate_half(q) * sin)
@@ -67,13 +84,13 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
     return q_out, k_out
 
 
-def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map=None):
+def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map=None, attention_factor=1.0):
     """Per-head RMSNorm of q and k (when weights are given), then rotary."""
     if q_weight is not None:
         q = rms_norm(q, q_weight, eps)
     if k_weight is not None:
         k = rms_norm(k, k_weight, eps)
-    return rope(q, k, positions, inv_freq, axis_map)
+    return rope(q, k, positions, inv_freq, axis_map, attention_factor)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
