@@ -7,18 +7,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 
-def default_checkpoint(kind: str = "qwen3") -> Path:
+def default_checkpoint() -> Path:
+    """The embedded default checkpoint dir, built on first use under $XLLM_GEN_CACHE (~/.cache/xllm_gen)."""
     from xllm_gen.runtime import tiny
     root = Path(os.environ.get("XLLM_GEN_CACHE", Path.home() / ".cache" / "xllm_gen"))
-    out = root / f"tiny-{kind}-v{tiny.TINY_VERSION}"      # a new tiny recipe never reuses an old build
+    out = root / f"tiny-qwen3-v{tiny.TINY_VERSION}"      # a new tiny recipe never reuses an old build
     if not (out / "config.json").exists():
-        maker = tiny.make_tiny_qwen3 if kind == "qwen3" else tiny.make_tiny_qwen3_vl
-        maker(out)
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")   # built aside, then moved: never half-written
+        tiny.make_default_checkpoint(tmp)
+        if out.exists() and not (out / "config.json").exists():
+            shutil.rmtree(out, ignore_errors=True)             # a half-written build of an older version
+        try:
+            os.replace(tmp, out)
+        except OSError:                                        # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -1,6 +1,9 @@
 """Shared fixtures: tiny complete HF checkpoints built offline once per session, and a cached LLM factory.
 
-Checkpoints (session-scoped fixtures, each a Path to a checkpoint dir):
+`tiny_checkpoint(architecture, overrides=None, seed=0, ...)` (session-scoped) builds any architecture's tiny
+checkpoint (tests/fixtures/tiny_hf.py, make_tiny_checkpoint) once per session per distinct arguments.
+
+Named Qwen checkpoints (session-scoped fixtures, each a Path to a checkpoint dir):
 
     qwen3_tied      Qwen3, tied lm_head, heads 4 / kv_heads 2, head_dim 16, 2 layers (the default)
     qwen3_untied    Qwen3, untied lm_head, heads 4 / kv_heads 2, head_dim 32 (q width 128 != hidden 64), 3 layers
@@ -13,8 +16,8 @@ Checkpoints (session-scoped fixtures, each a Path to a checkpoint dir):
     qwen3_vl_untied Qwen3-VL, untied lm_head, 4 text layers, deepstack [0, 2], seed 1, Hub-style config.json
                     (text rope_theta + rope_scaling {mrope_section, mrope_interleaved}, as Qwen3-VL-8B ships)
 
-`QWEN3_VARIANTS` / `QWEN3_VL_VARIANTS` hold the make_tiny_* kwargs of each, `qwen3_variant(name)` builds by
-name (for parametrized tests use `request.getfixturevalue(name)`).
+`QWEN3_VARIANTS` / `QWEN3_VL_VARIANTS` hold the make_tiny_qwen3 / make_tiny_qwen3_vl kwargs of each,
+`qwen3_variant(name)` builds by name (for parametrized tests use `request.getfixturevalue(name)`).
 
 `make_llm(ckpt_dir, **overrides)` (session-scoped) returns a cached `xllm_gen.LLM` built with the test
 defaults device="cpu", dtype="float32", tensor_parallel_size=1, block_size=4 (small, so that prompts cross
@@ -28,6 +31,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from fixtures.tiny_hf import CheckpointCache, make_tiny_qwen3, make_tiny_qwen3_vl
 
 QWEN3_VARIANTS: dict[str, dict] = {
     "qwen3_tied": dict(tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2, seed=0),
@@ -62,34 +67,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "engine: needs the xllm_gen engine (LLM.generate)")
 
 
-def _base_dir(tmp_path_factory) -> Path:
-    env = os.environ.get("XLLM_TEST_CKPT_DIR")
-    if env:
-        p = Path(env)
-        p.mkdir(parents=True, exist_ok=True)
-        return p
-    return tmp_path_factory.getbasetemp() / "tiny_ckpts"
+_CACHE: list[CheckpointCache] = []
 
 
-_BUILT: dict[str, Path] = {}
+def _cache(tmp_path_factory) -> CheckpointCache:
+    """The session's checkpoint cache (XLLM_TEST_CKPT_DIR: built there and reused across sessions)."""
+    if not _CACHE:
+        env = os.environ.get("XLLM_TEST_CKPT_DIR")
+        if env:
+            Path(env).mkdir(parents=True, exist_ok=True)
+            _CACHE.append(CheckpointCache(env, reuse=True))
+        else:
+            _CACHE.append(CheckpointCache(tmp_path_factory.getbasetemp() / "tiny_ckpts"))
+    return _CACHE[0]
 
 
 def _build(tmp_path_factory, name: str) -> Path:
-    if name in _BUILT:
-        return _BUILT[name]
-    from xllm_gen.runtime.tiny import make_tiny_qwen3, make_tiny_qwen3_vl
-
-    out = _base_dir(tmp_path_factory) / name
     if name in QWEN3_VARIANTS:
-        make, kwargs = make_tiny_qwen3, QWEN3_VARIANTS[name]
-    else:
-        make, kwargs = make_tiny_qwen3_vl, QWEN3_VL_VARIANTS[name]
-    done = out / ".complete"
-    if not (os.environ.get("XLLM_TEST_CKPT_DIR") and done.exists()):
-        make(out, **kwargs)
-        done.write_text(repr(sorted(kwargs.items())))
-    _BUILT[name] = out
-    return out
+        return _cache(tmp_path_factory).get(name, make_tiny_qwen3, **QWEN3_VARIANTS[name])
+    return _cache(tmp_path_factory).get(name, make_tiny_qwen3_vl, **QWEN3_VL_VARIANTS[name])
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(architecture, overrides=None, seed=0, **make_tiny_checkpoint kwargs) -> checkpoint dir,
+    built once per session per distinct arguments."""
+    return lambda architecture, **kwargs: _cache(tmp_path_factory).tiny(architecture, **kwargs)
 
 
 @pytest.fixture(scope="session")

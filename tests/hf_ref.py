@@ -40,14 +40,12 @@ def _key(ckpt_dir) -> str:
 def _load_model(key: str):
     import json
 
+    import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     cfg = json.loads((Path(key) / "config.json").read_text())
     arch = (cfg.get("architectures") or [""])[0]
-    if arch == "Qwen3VLForConditionalGeneration":
-        from transformers import Qwen3VLForConditionalGeneration as cls
-    else:
-        cls = AutoModelForCausalLM
+    cls = getattr(transformers, arch, None) or AutoModelForCausalLM   # the checkpoint's own model class
     model = cls.from_pretrained(key, dtype=torch.float32, attn_implementation="eager").eval()
     # No EOS, no sampling defaults: greedy until max_new_tokens.
     model.generation_config = GenerationConfig(

@@ -102,7 +102,7 @@ def test_fixture_files(qwen3_tied, qwen3_untied, qwen3_sharded):
 
 
 def test_tiny_is_deterministic(tmp_path):
-    from xllm_gen.runtime.tiny import make_tiny_qwen3
+    from fixtures.tiny_hf import make_tiny_qwen3
 
     a = make_tiny_qwen3(tmp_path / "a", seed=5)
     b = make_tiny_qwen3(tmp_path / "b", seed=5)

@@ -195,7 +195,7 @@ def test_items_encode_independently(tower):
 # ------------------------------------------------------------------------------- tiny checkpoint
 @pytest.fixture(scope="module")
 def vl_ckpt(tmp_path_factory):
-    from xllm_gen.runtime.tiny import make_tiny_qwen3_vl
+    from fixtures.tiny_hf import make_tiny_qwen3_vl
     return make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl"), seed=0)
 
 

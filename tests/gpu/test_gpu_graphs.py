@@ -111,7 +111,7 @@ def _compare(ref_outs, test_outs, what: str) -> dict:
 # ------------------------------------------------------------------------------------------------ Qwen3
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from xllm_gen.runtime.tiny import make_tiny_qwen3
+    from fixtures.tiny_hf import make_tiny_qwen3
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_gpu"), hidden_size=256, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
                            max_position_embeddings=2048, seed=0)
@@ -267,7 +267,7 @@ def vl_llm(tmp_path_factory):
     if not _vl_available():
         pytest.skip("generated/qwen3_vl is not generated yet (xllm-gen specs/qwen3_vl.yaml)")
     from xllm_gen import LLM
-    from xllm_gen.runtime.tiny import make_tiny_qwen3_vl
+    from fixtures.tiny_hf import make_tiny_qwen3_vl
     d = make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_gpu"), hidden_size=256, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=128, intermediate_size=512, mrope_section=(24, 20, 20),
                            max_position_embeddings=4096, rope_theta=10000.0, seed=0)
