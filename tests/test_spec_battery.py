@@ -1,97 +1,301 @@
-"""The spec-level regression battery: the same checks for every spec in specs/.
+"""The spec-level regression battery: the same checks for every spec in specs/, found by globbing.
 
-For each spec: generated/ is up to date, the resolved spec equals its golden, and a tiny random-weight
-checkpoint of the architecture gives the same greedy tokens as Hugging Face transformers (float32, CPU),
-alone and at tensor parallel size 2 (gloo). Graph vs eager runs on a GPU host (tests/gpu/).
-A new spec fails here until it has a tiny checkpoint maker and requests in BATTERY below.
+Nothing is listed per spec. Each specs/*.yaml is read as YAML (its `architectures[0]` and `name`, and its
+`config:` section with the `extends` chain followed) and gets:
+
+  (a) generated/<name>/ is up to date (`xllm-gen --check`);
+  (b) the resolved spec equals tests/golden/<name>.resolved.txt (`xllm-gen --explain`);
+  (c) greedy parity with Hugging Face transformers (float32, CPU) on the tiny checkpoint of the architecture
+      (tests/fixtures/tiny_hf.py): prompts of 3, 9, 17 and 30 tokens (the tiny sliding window is 6) in one
+      `LLM.generate` call, block_size 4, 16 new tokens, at TP 1 and at TP 2 (gloo), one engine each; a
+      vision-language architecture adds one image request;
+  (d) rope scaling: for every `type: rope` config symbol, one tiny checkpoint per non-default rope type in
+      its `values` (standard parameters in ROPE_ARMS, chosen so that scaling matters at these lengths),
+      greedy parity at TP 1 (and HF's own output must differ from the unscaled checkpoint's);
+  (e) sliding window: where the architecture's tiny config uses a sliding window, serving the checkpoint
+      with `sliding_window` removed from config.json changes the output (and matches HF without it).
+
+Checkpoints are built once per session (conftest `tiny_checkpoint`); HF and engine tokens are computed once
+per checkpoint and reused across arms. Graph vs eager runs on a GPU host (tests/gpu/).
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
-from hf_ref import hf_greedy, hf_vl_greedy, hf_vl_inputs
+from fixtures.tiny_hf import SPECIAL_TOKENS, edit_config, text_config_of, tiny_config, tokenizer_size
+from hf_ref import hf_greedy, hf_model, hf_vl_greedy, hf_vl_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
+PROMPT_LENS = (3, 9, 17, 30)
 MAX_TOKENS = 16
+BLOCK_SIZE = 4
+
+# Standard parameters per rope type (transformers 5's rope_parameters form; rope_theta is added from the tiny
+# config). Factor 4 with an original context of 16 positions, so that scaling changes the output at the
+# prompt lengths above. "dynamic" grows from max_position_embeddings in HF (it reads no original length), so
+# its arm also sets max_position_embeddings to 16: the engine must then serve past it, up to 16 * factor.
+ROPE_ARMS: dict[str, dict[str, Any]] = {
+    "linear": {"factor": 4.0},
+    "dynamic": {"factor": 4.0},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+ROPE_LEVEL_OVERRIDES: dict[str, dict[str, Any]] = {"dynamic": {"max_position_embeddings": 16}}
+UNSCALED_ROPE_TYPES = ("default", "mrope")   # the parity arm (c) covers them
 
 
+# ------------------------------------------------------------------------------------------- spec reading
+@dataclasses.dataclass(frozen=True)
+class RopeSymbol:
+    symbol: str
+    location: str               # dotted config.json path of the rope-parameters dict
+    values: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecCase:
+    path: Path
+    name: str
+    architecture: str | None
+    rope: tuple[RopeSymbol, ...] = ()
+    error: str | None = None
+
+    @property
+    def rel(self) -> str:
+        return str(self.path.relative_to(ROOT))
+
+    def check(self) -> None:
+        if self.error:
+            pytest.fail(f"{self.rel}: {self.error}")
+
+
+def _spec_config(path: Path, depth: int = 0) -> dict:
+    """The spec's `config:` section with its `extends` chain merged in (a child's entry updates its parent's)."""
+    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    config: dict = {}
+    if doc.get("extends") and depth < 8:
+        config = _spec_config(path.parent / doc["extends"], depth + 1)
+    for key, value in (doc.get("config") or {}).items():
+        base = config.get(key)
+        config[key] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+    return config
+
+
+def _rope_location(from_: Any) -> str:
+    paths = [from_] if isinstance(from_, str) else list(from_ or [])
+    for p in paths:
+        parts = p.split(".")
+        if parts[-1] == "rope_type":
+            parts = parts[:-1]
+        if parts and parts[-1] in ("rope_parameters", "rope_scaling"):
+            return ".".join(parts[:-1] + ["rope_parameters"])
+    return "rope_parameters"
+
+
+def _read_spec(path: Path) -> SpecCase:
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        name = doc.get("name") or path.stem
+        archs = doc.get("architectures") or []
+        if not archs:
+            return SpecCase(path, name, None, error="no `architectures` list")
+        rope = tuple(
+            RopeSymbol(sym, _rope_location(entry.get("from")), tuple(entry.get("values") or ()))
+            for sym, entry in _spec_config(path).items()
+            if isinstance(entry, dict) and entry.get("type") == "rope"
+        )
+        return SpecCase(path, name, archs[0], rope)
+    except Exception as e:  # a broken spec fails its own tests, not the collection of the others
+        return SpecCase(path, path.stem, None, error=f"cannot read the spec: {type(e).__name__}: {e}")
+
+
+SPECS = [_read_spec(p) for p in sorted((ROOT / "specs").glob("*.yaml"))]
+
+
+def _uses_sliding_window(architecture: str | None) -> bool:
+    """Whether the architecture's tiny config (tiny_hf) has layers with a sliding window."""
+    if architecture is None:
+        return False
+    try:
+        text = text_config_of(tiny_config(architecture))
+    except Exception:
+        return False
+    if getattr(text, "sliding_window", None) is None or getattr(text, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(text, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+ROPE_CASES = [
+    pytest.param(spec, sym, rope_type, id=f"{spec.name}-{sym.symbol}-{rope_type}")
+    for spec in SPECS for sym in spec.rope for rope_type in sym.values if rope_type not in UNSCALED_ROPE_TYPES
+]
+SLIDING_CASES = [pytest.param(spec, id=spec.name) for spec in SPECS if _uses_sliding_window(spec.architecture)]
+
+
+def _ids(specs):
+    return [s.name for s in specs]
+
+
+# ---------------------------------------------------------------------------------------------- requests
 def _image(h: int, w: int, seed: int):
     from PIL import Image
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8))
 
 
-def _text_requests(ckpt):
-    return [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 6, 13)]
+def _requests(ckpt: Path) -> list[dict]:
+    """Token-id prompts of PROMPT_LENS tokens (ordinary BPE tokens, no special ones); plus one image request
+    for a vision-language checkpoint."""
+    import json
+
+    rng = np.random.default_rng(0)
+    n_regular = tokenizer_size() - len(SPECIAL_TOKENS)
+    reqs: list[dict] = [{"prompt_token_ids": rng.integers(0, n_regular, n).tolist()} for n in PROMPT_LENS]
+    if "vision_config" in json.loads((ckpt / "config.json").read_text()):
+        img = "<|vision_start|><|image_pad|><|vision_end|>"
+        reqs.append({"prompt": f"{img}What is in this picture?", "multi_modal_data": {"image": [_image(64, 96, 1)]}})
+    return reqs
 
 
-def _vl_requests(ckpt):
-    img = "<|vision_start|><|image_pad|><|vision_end|>"
-    return _text_requests(ckpt) + [
-        {"prompt": f"{img}What is this?", "multi_modal_data": {"image": [_image(64, 96, 1)]}},
-        {"prompt": f"A {img} and a {img}.", "multi_modal_data": {"image": [_image(32, 64, 2), _image(64, 64, 3)]}},
-    ]
+def _fresh(model) -> None:
+    """Forget per-request state HF keeps on the model: Qwen-VL's rope_deltas, and dynamic rope's grown
+    frequencies (HF grows them with the longest sequence seen and keeps them for the next prompt)."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "rope_deltas"):
+        inner.rope_deltas = None
+    for m in model.modules():
+        if hasattr(m, "original_inv_freq") and hasattr(m, "original_max_seq_len"):
+            m.register_buffer("inv_freq", m.original_inv_freq.clone(), persistent=False)
+            m.max_seq_len_cached = m.original_max_seq_len
 
 
-def _make(name: str, out: Path) -> Path:
-    from xllm_gen.runtime import tiny
-    return {"qwen3": tiny.make_tiny_qwen3, "qwen3_vl": tiny.make_tiny_qwen3_vl}[name](out)
+class Tokens:
+    """HF and engine greedy tokens per checkpoint, computed once per session."""
+
+    def __init__(self):
+        self._hf: dict[str, list[list[int]]] = {}
+        self._engine: dict[tuple[str, int], list[list[int]]] = {}
+
+    def hf(self, ckpt: Path) -> list[list[int]]:
+        key = str(ckpt)
+        if key not in self._hf:
+            model = hf_model(ckpt)
+            out = []
+            for r in _requests(ckpt):
+                _fresh(model)
+                if "multi_modal_data" in r:
+                    inputs = hf_vl_inputs(ckpt, r["prompt"], images=r["multi_modal_data"]["image"])
+                    out.append(hf_vl_greedy(ckpt, inputs, MAX_TOKENS))
+                else:
+                    out.append(hf_greedy(ckpt, [r["prompt_token_ids"]], MAX_TOKENS)[0])
+            _fresh(model)
+            self._hf[key] = out
+        return self._hf[key]
+
+    def engine(self, ckpt: Path, tp: int = 1) -> list[list[int]]:
+        key = (str(ckpt), tp)
+        if key not in self._engine:
+            from xllm_gen import LLM, SamplingParams
+
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+                     tensor_parallel_size=tp) as llm:
+                self._engine[key] = [o.outputs[0].token_ids for o in llm.generate(_requests(ckpt), params)]
+        return self._engine[key]
 
 
-BATTERY = {"qwen3": _text_requests, "qwen3_vl": _vl_requests}
+@pytest.fixture(scope="session")
+def tokens() -> Tokens:
+    return Tokens()
 
 
-def _hf_tokens(ckpt, request) -> list[int]:
-    if "multi_modal_data" in request:
-        inputs = hf_vl_inputs(ckpt, request["prompt"], images=request["multi_modal_data"].get("image"))
-        return hf_vl_greedy(ckpt, inputs, MAX_TOKENS)
-    return hf_greedy(ckpt, [request["prompt_token_ids"]], MAX_TOKENS)[0]
+def _assert_same(got, want, what: str) -> None:
+    bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert len(got) == len(want) and not bad, f"{what}: engine != HF for requests " + "; ".join(
+        f"#{i} (prompt {PROMPT_LENS[i] if i < len(PROMPT_LENS) else 'image'}): {g} != {w}" for i, g, w in bad)
 
 
-@pytest.fixture(scope="module", params=SPECS)
-def spec(request, tmp_path_factory):
-    name = request.param
-    if name not in BATTERY:
-        pytest.fail(f"specs/{name}.yaml has no entry in tests/test_spec_battery.py BATTERY (tiny checkpoint + requests)")
-    return name, _make(name, tmp_path_factory.mktemp(name) / "ckpt")
-
-
+# ------------------------------------------------------------------------------------------------ arms
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "xllm_gen.codegen.cli", *args], cwd=ROOT,
                           capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("name", SPECS)
-def test_generated_is_up_to_date(name):
-    r = _cli("--check", f"specs/{name}.yaml")
+@pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
+def test_generated_is_up_to_date(spec):
+    spec.check()
+    r = _cli("--check", spec.rel)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("name", SPECS)
-def test_resolved_spec_equals_golden(name):
-    r = _cli("--explain", f"specs/{name}.yaml")
+@pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
+def test_resolved_spec_equals_golden(spec):
+    spec.check()
+    r = _cli("--explain", spec.rel)
     assert r.returncode == 0, r.stderr
-    golden = ROOT / "tests" / "golden" / f"{name}.resolved.txt"
-    assert golden.exists(), f"no golden for {name}: xllm-gen --explain specs/{name}.yaml > {golden}"
-    assert r.stdout == golden.read_text(), f"resolved spec changed; refresh {golden} if intended"
+    golden = ROOT / "tests" / "golden" / f"{spec.name}.resolved.txt"
+    assert golden.exists(), f"no golden for {spec.name}: xllm-gen --explain {spec.rel} > {golden.relative_to(ROOT)}"
+    assert r.stdout == golden.read_text(), f"resolved spec changed; refresh {golden.relative_to(ROOT)} if intended"
 
 
 @pytest.mark.engine
-def test_greedy_matches_hf_at_tp1_and_tp2(spec):
-    from xllm_gen import LLM, SamplingParams
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
+def test_greedy_matches_hf(spec, tp, tiny_checkpoint, tokens):
+    spec.check()
+    ckpt = tiny_checkpoint(spec.architecture)
+    _assert_same(tokens.engine(ckpt, tp), tokens.hf(ckpt), f"{spec.name} ({spec.architecture}) tp={tp}")
 
-    name, ckpt = spec
-    requests = BATTERY[name](ckpt)
-    want = [_hf_tokens(ckpt, r) for r in requests]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for tp in (1, 2):
-        with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp) as llm:
-            got = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert g == w, f"{name} tp={tp} request {i}: engine {g} != HF {w}"
+
+@pytest.mark.engine
+@pytest.mark.parametrize("spec, sym, rope_type", ROPE_CASES)
+def test_rope_scaling_matches_hf(spec, sym, rope_type, tiny_checkpoint, tokens):
+    spec.check()
+    if rope_type not in ROPE_ARMS:
+        pytest.fail(f"{spec.rel}: config.{sym.symbol} admits rope type {rope_type!r}, which has no standard "
+                    f"parameters in ROPE_ARMS (tests/test_spec_battery.py): add them there")
+    base_cfg = tiny_config(spec.architecture)
+    node: Any = base_cfg
+    for part in sym.location.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    theta = (node or {}).get("rope_theta")
+    assert theta is not None, f"the tiny {spec.architecture} config has no rope_theta at {sym.location}"
+    level = sym.location.rpartition(".")[0]
+    prefix = f"{level}." if level else ""
+    overrides = {sym.location: {"rope_type": rope_type, "rope_theta": theta, **ROPE_ARMS[rope_type]}}
+    overrides.update({prefix + k: v for k, v in ROPE_LEVEL_OVERRIDES.get(rope_type, {}).items()})
+    ckpt = tiny_checkpoint(spec.architecture, overrides=overrides)
+    want = tokens.hf(ckpt)
+    assert want != tokens.hf(tiny_checkpoint(spec.architecture)), (
+        f"fixture: rope {rope_type} {overrides} does not change HF's output at these prompt lengths")
+    _assert_same(tokens.engine(ckpt, 1), want, f"{spec.name} rope {rope_type} tp=1")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("spec", SLIDING_CASES)
+def test_sliding_window_matters(spec, tiny_checkpoint, tokens, tmp_path_factory):
+    spec.check()
+    ckpt = tiny_checkpoint(spec.architecture)
+
+    def drop_window(cfg: dict) -> None:
+        level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        assert "sliding_window" in level, "the tiny config.json has no sliding_window"
+        del level["sliding_window"]
+
+    no_window = edit_config(ckpt, tmp_path_factory.mktemp(f"{spec.name}_no_window"), drop_window)
+    assert tokens.hf(no_window) != tokens.hf(ckpt), (
+        "fixture: HF's output does not depend on the tiny sliding window at these prompt lengths")
+    got = tokens.engine(no_window, 1)
+    assert got != tokens.engine(ckpt, 1), (
+        f"{spec.name}: removing sliding_window from config.json does not change the engine's output")
+    _assert_same(got, tokens.hf(no_window), f"{spec.name} without sliding_window tp=1")
