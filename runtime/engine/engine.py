@@ -2,8 +2,10 @@
 and detokenization. Rank 0 owns scheduling and sampling; model runners (one per TP rank) execute."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,7 +15,7 @@ from xllm_gen.runtime.loading import registry
 from xllm_gen.runtime.engine.block_manager import BlockManager, blocks_for
 from xllm_gen.runtime.engine.outputs import CompletionOutput, RequestOutput
 from xllm_gen.runtime.engine.sampler import Sampler
-from xllm_gen.runtime.engine.sampling_params import SamplingParams
+from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
 
@@ -50,14 +52,54 @@ def _eos_ids(model_dir: Path, config, tokenizer) -> set[int]:
     return ids
 
 
+def _check_unicode(where: str, text: Any) -> None:
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: prompt is not valid Unicode (lone surrogate at character {e.start})") from None
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of completion token ids, emitted only when whole characters are complete (a
+    multi-byte character split over tokens is held back until its last byte), as vLLM and TGI do: decode a
+    short window of context plus the new tokens and keep what the new tokens add."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
+
+    def step(self, ids: list[int], final: bool = False) -> str:
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        new = self._decode(ids[self.prefix_offset:])
+        if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
+            delta = new[len(prefix):]
+            self.text += delta
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return delta
+        return ""
+
+    def flush(self, ids: list[int]) -> str:
+        return self.step(ids, final=True) if self.read_offset < len(ids) else ""
+
+
 class LLMEngine:
     def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
-                 cuda_graph_sizes: Optional[list] = None, debug: Optional[dict] = None):
+                 cuda_graph_sizes: Optional[list] = None, debug: Optional[dict] = None,
+                 tokenizer: Optional[str] = None):
         self.model_dir = Path(model)
+        self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
         if not cfg_path.exists():
             raise ValueError(f"{self.model_dir}: not a Hugging Face checkpoint dir (no config.json)")
@@ -110,86 +152,184 @@ class LLMEngine:
         self._requests: dict = {}            # request id -> Sequence (add_request / abort_request)
         self._request_of: dict = {}          # seq id -> request id
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
 
     def _load_tokenizer(self):
         try:
             from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(str(self.model_dir))
-        except Exception:      # a checkpoint without a tokenizer still serves prompt_token_ids
+            return AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        except Exception as e:  # a checkpoint without a tokenizer still serves prompt_token_ids
+            if self.tokenizer_dir != self.model_dir:
+                raise ValueError(f"tokenizer {self.tokenizer_dir}: cannot be loaded ({type(e).__name__}: {e})") from e
             return None
 
     # ---- admission ------------------------------------------------------------------------------
-    def make_sequence(self, index: int, prompt: Any, params: SamplingParams) -> Sequence:
-        """Validates one request; raises ValueError("request {index}: ...") when it cannot be served."""
+    def make_sequence(self, index: Any, prompt: Any, params: SamplingParams) -> Sequence:
+        """Validates one request; raises ValueError("request {index}: ...") naming the field when it cannot
+        be served. The sequence gets a validated private copy of `params`."""
         where = f"request {index}"
+        try:
+            return self._make_sequence(where, index, prompt, params)
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        except Exception as e:             # whatever the input holds, admission answers with a ValueError
+            raise ValueError(f"{where}: invalid request ({type(e).__name__}: {e})") from None
+
+    def _make_sequence(self, where: str, index: Any, prompt: Any, params: SamplingParams) -> Sequence:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
-        problems = params.problems()
-        if problems:
-            raise ValueError(f"{where}: " + "; ".join(problems))
+        try:
+            params = params.validated()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        except Exception as e:         # an attribute deleted or replaced by something odd
+            raise ValueError(f"{where}: sampling params are malformed ({type(e).__name__}: {e})") from None
         text, mm_inputs = None, None
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
             if unknown:
-                raise ValueError(f"{where}: unknown prompt key(s) {sorted(unknown)}")
+                raise ValueError(f"{where}: unknown prompt key(s) {sorted(map(str, unknown))}")
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if (text is None) == (token_ids is None):
                 raise ValueError(f"{where}: give exactly one of 'prompt' and 'prompt_token_ids'")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
+            if isinstance(text, str):
+                _check_unicode(where, text)
             mm_data = prompt.get("multi_modal_data")
+            kwargs = prompt.get("mm_processor_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise ValueError(f"{where}: mm_processor_kwargs must be a dict, got {type(kwargs).__name__}")
+            if mm_data is not None and not isinstance(mm_data, dict):
+                raise ValueError(f"{where}: multi_modal_data must be a dict, got {type(mm_data).__name__}")
             if mm_data:
                 if self.mm_processor is None:
                     raise ValueError(f"{where}: multi_modal_data given, but this checkpoint is text-only")
-                mm_inputs = self.mm_processor.process(index, text, token_ids, mm_data,
-                                                      prompt.get("mm_processor_kwargs") or {})
+                mm_inputs = self.mm_processor.process(index, text, token_ids, mm_data, kwargs)
                 token_ids = list(mm_inputs.prompt_token_ids)
         else:
             raise ValueError(f"{where}: a prompt is a str or a dict, got {type(prompt).__name__}")
         if token_ids is None:
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: 'prompt' must be a string")
+            _check_unicode(where, text)
             if self.tokenizer is None:
                 raise ValueError(f"{where}: text prompt, but the checkpoint has no tokenizer")
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+            try:
+                token_ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+            except Exception as e:
+                raise ValueError(f"{where}: prompt cannot be tokenized ({type(e).__name__}: {e})") from None
         if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                                for t in token_ids):
             raise ValueError(f"{where}: prompt_token_ids must be a list of ints")
+        token_ids = [int(t) for t in token_ids]
         if len(token_ids) == 0:
             raise ValueError(f"{where}: empty prompt")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"{where}: token id {bad[0]} out of vocabulary (size {self.vocab_size})")
+            raise ValueError(f"{where}: prompt_token_ids: token id {bad[0]} out of vocabulary (size {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"{where}: prompt of {len(token_ids)} tokens does not fit the model's context "
                              f"of {self.max_model_len} tokens (max_model_len)")
         if not self.scheduler.fits_at_all(len(token_ids) + 1):
             raise ValueError(f"{where}: prompt of {len(token_ids)} tokens needs more KV blocks than the cache "
                              f"holds ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"{where}: logit_bias: token id {max(params.logit_bias)} out of vocabulary "
+                             f"(size {self.vocab_size})")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"{where}: stop_token_ids: token id {max(params.stop_token_ids)} out of vocabulary "
+                             f"(size {self.vocab_size})")
         if mm_inputs is None and self.mm_processor is not None:
             self.mm_processor.check_no_placeholders(index, token_ids)
         seq = Sequence(self._next_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
         self._next_id += 1
+        seq.arrival_time = time.monotonic()
         return seq
 
+    def make_sequences(self, index: Any, prompt: Any, params: SamplingParams) -> list[Sequence]:
+        """The `params.n` sequences of one request (a seed s gives completion i the seed s + i)."""
+        first = self.make_sequence(index, prompt, params)
+        seqs = [first]
+        for i in range(1, first.params.n):
+            p = copy.copy(first.params)
+            if p.seed is not None:
+                p.seed = (p.seed + i) % SEED_MOD
+            s = Sequence(self._next_id, first.token_ids, p, prompt=first.prompt, mm_inputs=first.mm_inputs)
+            self._next_id += 1
+            s.index, s.arrival_time = i, first.arrival_time
+            seqs.append(s)
+        return seqs
+
     # ---- request-level API (what a server drives: add, step, abort) -----------------------------------
-    def add_request(self, request_id: Any, prompt: Any, params: SamplingParams) -> None:
-        """Queues one request; raises ValueError("request {request_id}: ...") when it cannot be served."""
+    def add_request(self, request_id: Any, prompt: Any, params: SamplingParams,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queues one request (its `params.n` completions); raises ValueError("request {request_id}: ...")
+        naming the field when it cannot be served."""
+        try:
+            hash(request_id)
+        except TypeError:
+            raise ValueError(f"request_id must be hashable, got {type(request_id).__name__}") from None
         if request_id in self._requests:
             raise ValueError(f"request {request_id}: a request with this id is already queued")
-        seq = self.make_sequence(request_id, prompt, params)
-        self._requests[request_id] = seq
-        self._request_of[seq.seq_id] = request_id
-        self.scheduler.add(seq)
+        seqs = self.make_sequences(request_id, prompt, params)
+        if arrival_time is not None:
+            for s in seqs:
+                s.arrival_time = arrival_time
+        self._requests[request_id] = seqs
+        for s in seqs:
+            self._request_of[s.seq_id] = request_id
+            self.scheduler.add(s)
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def _step_requests(self) -> tuple[list, list]:
+        """One step; (request ids with progress, request ids that finished), in order."""
+        done = self.step()
+        touched, finished = [], []
+        for seq in self._last_progress + done:
+            rid = self._request_of.get(seq.seq_id)
+            if rid is not None and rid not in touched:
+                touched.append(rid)
+        for rid in touched:
+            if all(s.is_finished for s in self._requests[rid]):
+                finished.append(rid)
+        return touched, finished
+
+    def _retire(self, rid: Any) -> list[Sequence]:
+        seqs = self._requests.pop(rid)
+        for s in seqs:
+            self._request_of.pop(s.seq_id, None)
+        return seqs
 
     def step_outputs(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of the requests that finished in it."""
+        """Runs one step; returns the final outputs of the requests that finished in it."""
+        _, finished = self._step_requests()
+        return [self.request_output(rid, self._retire(rid)) for rid in finished]
+
+    def step_deltas(self) -> list[RequestOutput]:
+        """Runs one step; returns one delta output for every request that made progress in it: each of its
+        completions that changed carries only what is new (token ids, text safe for multi-byte characters
+        and stop strings, logprobs); `finished` is set on the last one, with the finish and stop reasons
+        (and `error` when it failed). The first delta of a request carries its prompt logprobs."""
+        touched, finished = self._step_requests()
         outs = []
-        for seq in self.step():
-            rid = self._request_of.pop(seq.seq_id, None)
-            if rid is not None:
-                self._requests.pop(rid, None)
-                outs.append(self.output_of(rid, seq))
+        for rid in touched:
+            seqs = self._requests[rid]
+            done = rid in finished
+            comps = [c for c in (self._delta_of(s) for s in seqs) if c is not None]
+            first = seqs[0]
+            out = RequestOutput(rid, first.prompt, first.token_ids[:first.num_prompt_tokens], comps, done,
+                                self._error_of(seqs), None, first.num_cached_tokens)
+            if not getattr(first, "_prompt_logprobs_sent", False) and first.params.prompt_logprobs is not None \
+                    and first.prompt_logprobs is not None and len(first.prompt_logprobs) >= first.num_prompt_tokens:
+                out.prompt_logprobs = self._decorate(first.prompt_logprobs)
+                first._prompt_logprobs_sent = True
+            outs.append(out)
+            if done:
+                self._retire(rid)
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -197,26 +337,62 @@ class LLMEngine:
 
     def abort_request(self, request_id: Any) -> bool:
         """Drops a queued or running request and frees its KV blocks; False when it is unknown."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
+        try:
+            seqs = self._requests.pop(request_id, None)
+        except TypeError:
             return False
-        self._request_of.pop(seq.seq_id, None)
-        self.scheduler.abort(seq)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            self._request_of.pop(seq.seq_id, None)
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
         return True
+
+    def abort_all(self) -> list:
+        """Aborts every request; returns their ids."""
+        ids = list(self._requests)
+        for rid in ids:
+            self.abort_request(rid)
+        for q in (self.scheduler.waiting, self.scheduler.running):      # sequences queued directly
+            while q:
+                self.scheduler.abort(q[0])
+        return ids
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
+        """One step; returns the sequences that finished in it (also those that failed alone: `.error`)."""
+        self._last_progress: list[Sequence] = []
         seqs, is_prefill = self.scheduler.schedule()
         finished = self.scheduler.take_finished_by_capacity()
         if finished:
             logger.warning("%d request(s) outgrew the KV cache (%d blocks of %d tokens) and end with "
                            "finish_reason 'length'", len(finished), self.block_manager.num_blocks,
                            self.block_manager.block_size)
+            for seq in finished:
+                self._flush(seq)
         if not seqs:
             if finished:
                 return finished
             raise RuntimeError("scheduler made no progress: KV cache too small for any running request")
-        logits = self.runner.run(seqs, is_prefill)
+        starts = [s.num_computed_tokens for s in seqs]
+        want_prompt_lp = is_prefill and any(
+            s.params.prompt_logprobs is not None and len(s.prompt_logprobs or ()) < s.num_prompt_tokens
+            for s in seqs)
+        if want_prompt_lp:
+            rows = self.runner.run(seqs, is_prefill, all_rows=True)
+            ends, off = [], 0
+            for seq, start in zip(seqs, starts):
+                if seq.params.prompt_logprobs is not None:
+                    try:
+                        self.sampler.record_prompt_logprobs(rows[off:off + seq.chunk_len], seq, start)
+                    except Exception as e:
+                        seq.error = f"prompt_logprobs failed: {type(e).__name__}: {e}"
+                off += seq.chunk_len
+                ends.append(off - 1)
+            logits = rows[ends]
+        else:
+            logits = self.runner.run(seqs, is_prefill)
         self.stats["steps"] += 1
         ready = []       # sequences whose logits give a new token (prefill complete, or decode)
         for i, seq in enumerate(seqs):
@@ -229,58 +405,140 @@ class LLMEngine:
             self.stats["decode_tokens"] += len(seqs)
         if ready:
             ready_seqs = [seqs[i] for i in ready]
-            logits = logits[ready]
-            for row, seq in enumerate(ready_seqs):   # min_tokens: EOS and stop tokens are not allowed yet
-                if seq.num_completion_tokens < seq.params.min_tokens:
-                    banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_token_ids))
-                    logits[row, [t for t in banned if 0 <= t < logits.shape[1]]] = float("-inf")
-            tokens = self.sampler(logits, ready_seqs)
+            tokens = self.sampler(logits[ready], ready_seqs, self.eos_token_ids)
+            now = time.monotonic()
             for seq, tok in zip(ready_seqs, tokens):
+                if tok is None or seq.error:
+                    continue
                 seq.append_token(tok)
-                reason = self._finish_reason(seq, tok)
-                if reason:
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.last_token_time = now
+                self._last_progress.append(seq)
+                try:
+                    reason = self._finish_reason(seq, tok)
+                except Exception as e:             # detokenization or stop checks: this request alone
+                    logger.exception("post-processing failed for sequence %s", seq.seq_id)
+                    seq.error, reason = f"post-processing failed: {type(e).__name__}: {e}", None
+                if reason and not seq.error:
                     self.scheduler.finish(seq, reason)
+                    if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+                        self._flush(seq)
                     finished.append(seq)
+        for seq in seqs:                           # failed after admission: fails alone, blocks freed
+            if seq.error and not seq.is_finished:
+                self.scheduler.abort(seq)
+                seq.finish_reason = "error"
+                finished.append(seq)
         return finished
+
+    def _detok(self, seq: Sequence) -> Optional["IncrementalDetokenizer"]:
+        if self.tokenizer is None:
+            return None
+        if seq.detok is None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        return seq.detok
+
+    def _flush(self, seq: Sequence) -> None:
+        d = self._detok(seq)
+        if d is not None:
+            try:
+                d.flush(seq.completion_token_ids)
+            except Exception as e:
+                seq.error = f"detokenization failed: {type(e).__name__}: {e}"
 
     def _finish_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
+        d = self._detok(seq)
+        old_len = 0
+        if d is not None:
+            old_len = len(d.text)
+            d.step(seq.completion_token_ids)
         if not p.ignore_eos and tok in self.eos_token_ids:
             return "stop"
         if tok in p.stop_token_ids:
+            seq.stop_reason = tok
             return "stop"
-        if p.stop and self.tokenizer is not None:
-            # a stop string ends in the newest token: decoding a short tail of the completion finds it
-            window = max(len(s) for s in p.stop) + 4
-            tail = self.decode_text(seq.completion_token_ids[-window:])
-            if any(s in tail for s in p.stop):
+        if p.stop and d is not None:
+            hits = []
+            for s in p.stop:
+                at = d.text.find(s, max(0, old_len - len(s) + 1))
+                if at >= 0:
+                    hits.append((at, s))
+            if hits:
+                at, s = min(hits)
+                d.text = d.text[:at + len(s)] if p.include_stop_str_in_output else d.text[:at]
+                seq.stop_reason = s
                 return "stop"
         if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def decode_text(self, token_ids: list[int]) -> str:
+    def decode_text(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def output_of(self, index: int, seq: Sequence) -> RequestOutput:
-        logprobs = None
-        if seq.params.logprobs is not None:
-            logprobs = seq.logprobs
-            if self.tokenizer is not None:
-                for entry in logprobs:
-                    for tid, lp in entry.items():
+    def _decorate(self, entries):
+        """Fills decoded_token on logprob entries (in place); returns them."""
+        if self.tokenizer is not None and entries:
+            for entry in entries:
+                for tid, lp in (entry or {}).items():
+                    if lp.decoded_token is None:
                         lp.decoded_token = self.tokenizer.decode([tid])
-        text = self.decode_text(seq.completion_token_ids)
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
-        if hits:                               # cut the text at the first stop string
-            at, s = min(hits)
-            text = text[:at + len(s)] if seq.params.include_stop_str_in_output else text[:at]
-        comp = CompletionOutput(0, text, seq.completion_token_ids,
-                                seq.finish_reason, logprobs,
-                                seq.cumulative_logprob if seq.params.logprobs is not None else None)
-        return RequestOutput(index, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [comp], True, None)
+        return entries
+
+    def _text_of(self, seq: Sequence, final: bool) -> str:
+        d = self._detok(seq)
+        if d is None:
+            return ""
+        if final or seq.is_finished:
+            return d.text
+        p = seq.params
+        hold = max(len(s) for s in p.stop) - 1 if p.stop and not p.include_stop_str_in_output else 0
+        return d.text[:max(0, len(d.text) - hold)]
+
+    @staticmethod
+    def _error_of(seqs: list[Sequence]) -> Optional[str]:
+        errors = [s.error for s in seqs if s.error]
+        return "; ".join(errors) if errors else None
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        want_lp = seq.params.logprobs is not None
+        return CompletionOutput(seq.index, self._text_of(seq, True), seq.completion_token_ids,
+                                None if seq.finish_reason == "error" else seq.finish_reason,
+                                self._decorate(seq.logprobs) if want_lp else None,
+                                seq.cumulative_logprob if want_lp else None, seq.stop_reason)
+
+    def _delta_of(self, seq: Sequence) -> Optional[CompletionOutput]:
+        """What is new in `seq` since its last delta; None when nothing is."""
+        ids = seq.completion_token_ids
+        text = self._text_of(seq, False)
+        new_ids = ids[seq.num_emitted_tokens:]
+        new_text = text[seq.num_emitted_chars:]
+        ending = seq.is_finished and not getattr(seq, "_end_sent", False)
+        if not new_ids and not new_text and not ending:
+            return None
+        want_lp = seq.params.logprobs is not None
+        lps = self._decorate(seq.logprobs[seq.num_emitted_tokens:]) if want_lp else None
+        seq.num_emitted_tokens, seq.num_emitted_chars = len(ids), max(seq.num_emitted_chars, len(text))
+        if seq.is_finished:
+            seq._end_sent = True
+        return CompletionOutput(seq.index, new_text, new_ids,
+                                None if seq.finish_reason == "error" else seq.finish_reason,
+                                lps, seq.cumulative_logprob if want_lp else None, seq.stop_reason)
+
+    def request_output(self, request_id: Any, seqs: list[Sequence]) -> RequestOutput:
+        """The final output of a request (all its completions, in index order)."""
+        first = seqs[0]
+        plp = self._decorate(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None
+        return RequestOutput(request_id, first.prompt, first.token_ids[:first.num_prompt_tokens],
+                             [self._completion(s) for s in seqs], True, self._error_of(seqs), plp,
+                             first.num_cached_tokens)
+
+    def output_of(self, index: Any, seq: Sequence) -> RequestOutput:
+        """The final output of one sequence (kept for drivers that queue sequences directly)."""
+        return self.request_output(index, [seq])
 
     def shutdown(self) -> None:
         close = getattr(self.runner, "shutdown", None)

@@ -25,7 +25,7 @@ class InvalidRequestError(ValueError):
 
 
 class LLM:
-    def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
+    def __init__(self, model: str, *, tokenizer: Optional[str] = None, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
@@ -40,7 +40,7 @@ class LLM:
                                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                                 seed=seed, load_format=load_format,
                                 enable_chunked_prefill=enable_chunked_prefill, cuda_graph_sizes=cuda_graph_sizes,
-                                debug=_debug)
+                                debug=_debug, tokenizer=tokenizer)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -66,35 +66,46 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine = self.engine
         outputs: list[Optional[RequestOutput]] = [None] * len(prompts)
-        seq_index: dict[int, int] = {}
         errors = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                seq = engine.make_sequence(i, prompt, p)
-            except ValueError as e:
-                msg = str(e) if str(e).startswith(f"request {i}") else f"request {i}: {e}"
-                errors.append(msg)
-                text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-                outputs[i] = RequestOutput(i, text if isinstance(text, str) else None, [], [], True, msg)
-                continue
-            seq_index[seq.seq_id] = i
-            engine.scheduler.add(seq)
+        self._calls = getattr(self, "_calls", 0) + 1
+        keys: dict = {}                      # engine request id -> prompt index
         bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(seq_index), desc="generate")
         try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                key = ("generate", self._calls, i)
+                try:
+                    engine.add_request(key, prompt, p)
+                except ValueError as e:
+                    msg = str(e).replace(f"request {key}", f"request {i}")
+                    msg = msg if msg.startswith(f"request {i}") else f"request {i}: {msg}"
+                    errors.append(msg)
+                    text = prompt if isinstance(prompt, str) else (
+                        prompt.get("prompt") if isinstance(prompt, dict) else None)
+                    outputs[i] = RequestOutput(i, text if isinstance(text, str) else None, [], [], True, msg)
+                    continue
+                keys[key] = i
+            if use_tqdm:
+                from tqdm import tqdm
+                bar = tqdm(total=len(keys), desc="generate")
             while engine.scheduler.has_unfinished():
-                for seq in engine.step():
-                    i = seq_index[seq.seq_id]
-                    outputs[i] = engine.output_of(i, seq)
+                for out in engine.step_outputs():
+                    i = keys.pop(out.request_id, None)
+                    if i is None:
+                        continue
+                    out.request_id = i
+                    if out.error:
+                        out.error = f"request {i}: {out.error}"
+                        errors.append(out.error)
+                    outputs[i] = out
                     if bar:
                         bar.update(1)
         except BaseException:
             # Leave the engine clean for the next call (Ctrl-C or a failing rank mid-batch).
+            for key in keys:
+                engine.abort_request(key)
             for q in (engine.scheduler.waiting, engine.scheduler.running):
                 while q:
-                    engine.block_manager.free(q.pop())
+                    engine.scheduler.abort(q[0])
             raise
         finally:
             if bar:

@@ -1,13 +1,23 @@
-"""Sampling on rank 0, outside any captured graph: greedy, temperature, top-k, top-p, per-request seeds,
-and logprobs of the model's distribution (before temperature, as vLLM reports them)."""
+"""Sampling on rank 0, outside any captured graph.
+
+Per row, in vLLM's order: min_tokens (EOS and stop tokens banned), logit_bias, repetition_penalty (HF/CTRL,
+over prompt and output), frequency and presence penalties (OpenAI, over the output), then greedy argmax or
+temperature -> min_p -> top-k -> top-p -> a draw from the request's own generator when it has a seed.
+Logprobs are those of the model's distribution (before any processing, as vLLM reports them by default).
+
+A row that fails (whatever the cause) fails its request alone: its token is None and `seq.error` says why."""
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Iterable, Optional
 
 import torch
 
 from xllm_gen.runtime.engine.outputs import Logprob
+from xllm_gen.runtime.engine.sampling_params import SEED_MOD
 from xllm_gen.runtime.engine.sequence import Sequence
+
+logger = logging.getLogger("xllm_gen")
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -24,46 +34,133 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drops tokens whose probability is below min_p times the top token's (as HF's MinPLogitsWarper)."""
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """logit_bias, repetition, frequency and presence penalties on one row (a new tensor)."""
+    p = seq.params
+    vocab = logits.shape[-1]
+    logits = logits.clone()
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < vocab]
+        if ids:
+            bias = torch.tensor([max(-100.0, min(100.0, float(p.logit_bias[t]))) for t in ids], dtype=logits.dtype)
+            logits[ids] += bias.to(logits.device)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+        seen = seen[seen < vocab]
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        out = seq.completion_token_ids
+        if out:
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab]
+            counts = counts.to(device=logits.device, dtype=logits.dtype)
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def process_row(logits: torch.Tensor, seq: Sequence, banned: Iterable[int] = ()) -> torch.Tensor:
+    """The logits the request samples from (float32, one row): min_tokens bans, bias, penalties."""
+    p = seq.params
+    vocab = logits.shape[-1]
+    if seq.num_completion_tokens < p.min_tokens:
+        ids = [t for t in banned if 0 <= t < vocab]
+        if ids:
+            logits = logits.clone()
+            logits[ids] = float("-inf")
+    if p.needs_processing:
+        logits = apply_penalties(logits, seq)
+    return logits
+
+
+def sample_row(logits: torch.Tensor, seq: Sequence, default_generator: torch.Generator) -> int:
+    p = seq.params
+    if p.greedy:
+        return int(torch.argmax(logits).item())
+    # subtract the max first: any temperature > 0 gives finite values (no inf - inf)
+    row = (logits - logits.max()) / p.temperature
+    row = apply_min_p(row, p.min_p)
+    row = _filter_top_k_top_p(row, p.top_k, p.top_p)
+    probs = torch.softmax(row, dim=-1)
+    if p.seed is not None and seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(p.seed % SEED_MOD)
+    gen = seq.generator if seq.generator is not None else default_generator
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.default_generator = torch.Generator().manual_seed(seed % SEED_MOD)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits [B, vocab] float32 for the last token of each sequence; returns one token id each."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 eos_token_ids: Iterable[int] = ()) -> list[Optional[int]]:
+        """logits [B, vocab] float32 for the last token of each sequence; returns one token id each (None
+        for a row that failed: its sequence's `.error` is set)."""
         logits = logits.float()
-        tokens = logits.argmax(dim=-1).tolist()          # greedy rows
-        cpu_logits: Optional[torch.Tensor] = None
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.greedy:
-                continue
-            if cpu_logits is None:
-                cpu_logits = logits.cpu()
-            row = _filter_top_k_top_p(cpu_logits[i] / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, dim=-1)
-            if p.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator().manual_seed(p.seed)
-            gen = seq.generator if seq.generator is not None else self.default_generator
-            tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
-        self._record_logprobs(logits, seqs, tokens)
+        plain = [i for i, s in enumerate(seqs)
+                 if s.params.greedy and not s.params.needs_processing
+                 and s.num_completion_tokens >= s.params.min_tokens]
+        tokens: list[Optional[int]] = [None] * len(seqs)
+        if plain:
+            for i, t in zip(plain, logits[plain].argmax(dim=-1).tolist()):
+                tokens[i] = int(t)
+        rest = [i for i in range(len(seqs)) if tokens[i] is None]
+        if rest:
+            eos = list(eos_token_ids)
+            cpu_logits = logits[rest].cpu()
+            for row, i in enumerate(rest):
+                seq = seqs[i]
+                try:
+                    banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else eos)
+                    tokens[i] = sample_row(process_row(cpu_logits[row], seq, banned), seq, self.default_generator)
+                except Exception as e:           # this request fails alone
+                    logger.exception("sampling failed for sequence %s", seq.seq_id)
+                    seq.error = f"sampling failed: {type(e).__name__}: {e}"
+        try:
+            self._record_logprobs(logits, seqs, tokens)
+        except Exception as e:
+            for i, s in enumerate(seqs):
+                if tokens[i] is not None and s.params.logprobs is not None:
+                    s.error, tokens[i] = f"logprobs failed: {type(e).__name__}: {e}", None
         return tokens
 
     @staticmethod
-    def _record_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    def _topn(lp: torch.Tensor, n: int, chosen: int) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        if n > 0:
+            vals, ids = torch.topk(lp, min(n, lp.numel()))
+            for r, (v, t) in enumerate(zip(vals.tolist(), ids.tolist())):
+                entry[t] = Logprob(v, r + 1)
+        if chosen not in entry:
+            rank = int((lp > lp[chosen]).sum().item()) + 1
+            entry[chosen] = Logprob(float(lp[chosen]), rank)
+        return entry
+
+    def _record_logprobs(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[Optional[int]]) -> None:
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and tokens[i] is not None]
         if not wanted:
             return
         logp = torch.log_softmax(logits[wanted].float(), dim=-1).cpu()
         for row, i in enumerate(wanted):
-            seq, tok, n = seqs[i], tokens[i], seqs[i].params.logprobs
-            lp = logp[row]
-            entry: dict[int, Logprob] = {}
-            if n > 0:
-                vals, ids = torch.topk(lp, min(n, lp.numel()))
-                for r, (v, t) in enumerate(zip(vals.tolist(), ids.tolist())):
-                    entry[t] = Logprob(v, r + 1)
-            if tok not in entry:
-                rank = int((lp > lp[tok]).sum().item()) + 1
-                entry[tok] = Logprob(float(lp[tok]), rank)
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += float(lp[tok])
+            seq, tok = seqs[i], tokens[i]
+            seq.logprobs.append(self._topn(logp[row], seq.params.logprobs, tok))
+            seq.cumulative_logprob += float(logp[row][tok])
+
+    def record_prompt_logprobs(self, rows: torch.Tensor, seq: Sequence, start: int) -> None:
+        """rows [m, vocab]: logits of prompt positions start .. start+m-1; row j scores prompt token start+j+1."""
+        n = seq.params.prompt_logprobs
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs = [None]
+        m = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
+        if m <= 0 or start + 1 != len(seq.prompt_logprobs):      # recomputed after preemption: already there
+            return
+        logp = torch.log_softmax(rows[:m].float(), dim=-1).cpu()
+        for j in range(m):
+            seq.prompt_logprobs.append(self._topn(logp[j], n, seq.token_ids[start + j + 1]))

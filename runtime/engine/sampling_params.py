@@ -1,15 +1,43 @@
-"""SamplingParams with vLLM's names. Invalid values raise ValueError at construction."""
+"""SamplingParams with vLLM's names. Invalid values raise ValueError at construction, and again at admission:
+the engine re-validates (`problems()`) and serves a normalized copy (`validated()`), so fields changed after
+construction cannot bypass the checks and later changes do not reach a running request."""
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1e-38 must not divide logits into inf - inf.
+GREEDY_EPS = 1e-5
+SEED_MOD = 2 ** 64             # torch.Generator takes seeds in [-(2**63), 2**64); larger ones are reduced mod 2**64
+MAX_LOGPROBS = 20              # as OpenAI's top_logprobs (vLLM's default max_logprobs)
+MAX_N = 128
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    return _is_num(v) and math.isfinite(v)
 
 
 @dataclass
 class SamplingParams:
+    n: int = 1                           # completions per prompt (seed s gives child i the seed s + i)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                      # -1 (or 0): no top-k
+    min_p: float = 0.0                   # drop tokens below min_p * p(top token)
+    presence_penalty: float = 0.0        # OpenAI: - penalty once per token present in the output
+    frequency_penalty: float = 0.0       # OpenAI: - penalty * count in the output
+    repetition_penalty: float = 1.0      # HF/CTRL: over prompt and output, logit / p if > 0 else logit * p
+    logit_bias: Optional[Dict[int, float]] = None   # token id -> added to its logit (clamped to [-100, 100])
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: List[int] = field(default_factory=list)
@@ -18,6 +46,8 @@ class SamplingParams:
     min_tokens: int = 0                  # EOS and stop tokens cannot be sampled before this many tokens
     seed: Optional[int] = None           # per-request generator: same output whatever the batch around it
     logprobs: Optional[int] = None       # top-N logprobs per generated token (the sampled one is always added)
+    prompt_logprobs: Optional[int] = None  # top-N logprobs per prompt token (None for the first one)
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -27,28 +57,88 @@ class SamplingParams:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
-        p = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Every problem, each naming its field; never raises whatever the fields hold."""
+        p: list[str] = []
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            p.append(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             p.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
-            p.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not _finite(self.temperature) or self.temperature < 0:
+            p.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not (0.0 < self.top_p <= 1.0):
             p.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             p.append(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            p.append(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not _finite(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            p.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2.0 <= v <= 2.0:
+                p.append(f"{name} must be in [-2, 2], got {v!r}")
+        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            p.append(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        lb = self.logit_bias
+        if lb is not None:
+            if not isinstance(lb, dict):
+                p.append(f"logit_bias must be a dict of token id -> bias, got {type(lb).__name__}")
+            elif not all(_is_int(k) and k >= 0 for k in lb):
+                p.append("logit_bias keys must be token ids (integers >= 0)")
+            elif not all(_finite(v) for v in lb.values()):
+                p.append("logit_bias values must be finite numbers")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                p.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if self.seed is not None and not _is_int(self.seed):
             p.append(f"seed must be an integer, got {self.seed!r}")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
-            p.append("stop_token_ids must be integers")
-        if not all(isinstance(t, str) and t for t in self.stop):
-            p.append("stop must be non-empty strings")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
-                isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens):
+        sti = self.stop_token_ids
+        if not isinstance(sti, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in sti):
+            p.append("stop_token_ids must be a list of token ids (integers >= 0)")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(t, str) and t for t in stop):
+            p.append("stop must be a non-empty string or a list of them")
+        elif not all(_utf8(s) for s in stop):
+            p.append("stop strings must be valid Unicode (no lone surrogates)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                _is_int(self.max_tokens) and self.min_tokens > self.max_tokens):
             p.append(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                p.append(f"{name} must be a bool, got {getattr(self, name)!r}")
         return p
+
+    def validated(self) -> "SamplingParams":
+        """A checked, normalized, private copy (raises ValueError naming the fields)."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        c = copy.copy(self)
+        c.stop = [c.stop] if isinstance(c.stop, str) else list(c.stop)
+        c.stop_token_ids = list(c.stop_token_ids)
+        c.logit_bias = dict(c.logit_bias) if c.logit_bias else None
+        c.temperature = float(c.temperature)
+        if c.temperature < GREEDY_EPS:
+            c.temperature = 0.0
+        if c.seed is not None:
+            c.seed %= SEED_MOD
+        return c
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether logits change before greedy/sampling (penalties, bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

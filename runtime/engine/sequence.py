@@ -32,6 +32,17 @@ class Sequence:
         self.num_preemptions = 0
         self.generator = None                   # per-request torch.Generator when params.seed is set
         self.vision_cache = None                # (embeds, deepstack) while the prompt's visual rows are prefilled
+        self.stop_reason = None                 # the stop string or stop token id that ended it
+        self.error: Optional[str] = None        # set when the request failed after admission
+        self.prompt_logprobs: Optional[list] = None
+        self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at first admission
+        self.index = 0                          # completion index within its request (n > 1)
+        self.detok = None                       # engine.IncrementalDetokenizer
+        self.num_emitted_tokens = 0             # tokens / logprobs already reported in deltas
+        self.num_emitted_chars = 0
+        self.arrival_time = 0.0
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
