@@ -1,0 +1,124 @@
+"""OpenAI chat messages -> one engine prompt: the checkpoint's chat template (its processor's for multimodal
+checkpoints) and the media of `image_url` / `video` content parts.
+
+Images: `{"type": "image_url", "image_url": {"url": U}}` where U is a `data:image/...;base64,...` URL, a
+`file://` URL or a local path. Videos: `{"type": "video", "video": [U, ...]}` (one URL or path per frame) or
+`{"type": "video_url", "video_url": {"url": U}}` with U a local `.npy` file of uint8 frames (T, H, W, 3).
+Remote (http/https) URLs are refused: the server has no network."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from typing import Any, Optional
+from urllib.parse import unquote, urlparse
+
+from xllm_gen.runtime.serving.protocol import APIError
+
+
+def _open_image(url: Any, where: str):
+    from PIL import Image
+
+    if not isinstance(url, str) or not url:
+        raise APIError(f"{where}: the image url must be a non-empty string", param="messages")
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        if ";base64" not in head:
+            raise APIError(f"{where}: only base64 data: URLs are supported", param="messages")
+        try:
+            raw = base64.b64decode(data, validate=False)
+        except (binascii.Error, ValueError) as e:
+            raise APIError(f"{where}: bad base64 in the data: URL ({e})", param="messages") from None
+        src: Any = io.BytesIO(raw)
+    else:
+        scheme = urlparse(url).scheme.lower()
+        if scheme in ("http", "https", "ftp"):
+            raise APIError(f"{where}: remote URLs are not supported (the server has no network access); "
+                           "send the image as a data: URL (base64) or a local file path", param="messages")
+        path = unquote(urlparse(url).path) if scheme == "file" else url
+        if not os.path.isfile(path):
+            raise APIError(f"{where}: no such local image file: {path}", param="messages")
+        src = path
+    try:
+        img = Image.open(src)
+        img.load()
+        return img.convert("RGB")
+    except Exception as e:
+        raise APIError(f"{where}: cannot read the image ({type(e).__name__}: {e})", param="messages") from None
+
+
+def _open_video(part: dict, where: str):
+    import numpy as np
+
+    if part.get("type") == "video":
+        frames = part.get("video")
+        if not isinstance(frames, list) or not frames:
+            raise APIError(f"{where}: a video part is a list of frame URLs or paths", param="messages")
+        return [np.asarray(_open_image(f, f"{where} frame {k}")) for k, f in enumerate(frames)]
+    url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
+    if not isinstance(url, str):
+        raise APIError(f"{where}: video_url needs {{'url': ...}}", param="messages")
+    scheme = urlparse(url).scheme.lower()
+    if scheme in ("http", "https", "ftp", "data"):
+        raise APIError(f"{where}: video_url takes a local .npy file of uint8 frames (T, H, W, 3); remote and data "
+                       "URLs are not supported", param="messages")
+    path = unquote(urlparse(url).path) if scheme == "file" else url
+    if not os.path.isfile(path):
+        raise APIError(f"{where}: no such local video file: {path}", param="messages")
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise APIError(f"{where}: cannot read the video ({type(e).__name__}: {e})", param="messages") from None
+
+
+def render_chat(engine, messages: list, chat_template: Optional[str] = None,
+                add_generation_prompt: bool = True) -> dict:
+    """The engine prompt dict ({"prompt": text[, "multi_modal_data": ...]}) of an OpenAI conversation."""
+    multimodal = engine.mm_processor is not None
+    renderer = engine.mm_processor.processor if multimodal else engine.tokenizer
+    if renderer is None:
+        raise APIError("this model has no tokenizer, so chat is not available; use /v1/completions with token ids",
+                       param="messages")
+    media: dict[str, list] = {"image": [], "video": []}
+    conv = []
+    for m, msg in enumerate(messages):
+        content = msg.content
+        if content is None or isinstance(content, str):
+            conv.append({"role": msg.role, "content": content or ""})
+            continue
+        parts = []
+        for k, part in enumerate(content):
+            where = f"messages[{m}].content[{k}]"
+            kind = part.get("type")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise APIError(f"{where}: a text part needs 'text' (a string)", param="messages")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image_url", "image", "input_image"):
+                if not multimodal:
+                    raise APIError(f"{where}: this model takes no images", param="messages")
+                ref = part.get("image_url", part.get("image"))
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                media["image"].append(_open_image(url, where))
+                parts.append({"type": "image", "image": media["image"][-1]})
+            elif kind in ("video", "video_url"):
+                if not multimodal:
+                    raise APIError(f"{where}: this model takes no videos", param="messages")
+                media["video"].append(_open_video(part, where))
+                parts.append({"type": "video", "video": media["video"][-1]})
+            else:
+                raise APIError(f"{where}: unsupported content part type {kind!r}", param="messages")
+        if not multimodal:          # a text tokenizer's template wants a string
+            conv.append({"role": msg.role, "content": "".join(p["text"] for p in parts)})
+        else:
+            conv.append({"role": msg.role, "content": parts})
+    try:
+        text = renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+    except Exception as e:
+        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+    prompt: dict = {"prompt": text}
+    if media["image"] or media["video"]:
+        prompt["multi_modal_data"] = {k: v for k, v in media.items() if v}
+    return prompt

@@ -1,0 +1,89 @@
+"""Prometheus metrics of one server (own registry, so several servers can live in one process). Names
+follow vLLM's (`vllm:` prefix replaced by `xllm:`)."""
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0)
+_TOKEN_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                  0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        r = self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge("xllm:num_requests_running", "Requests in the running batch", lab, registry=r)
+        self.waiting = Gauge("xllm:num_requests_waiting", "Requests waiting for KV blocks or a batch slot", lab,
+                             registry=r)
+        self.kv_usage = Gauge("xllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", lab, registry=r)
+        self.prefix_hit_rate = Gauge("xllm:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / "
+                                     "prompt tokens looked up", lab, registry=r)
+        self.prefix_queries = Counter("xllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      lab, registry=r)
+        self.prefix_hits = Counter("xllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", lab,
+                                   registry=r)
+        self.preemptions = Counter("xllm:num_preemptions", "Requests preempted (recomputed later)", lab, registry=r)
+        self.prompt_tokens = Counter("xllm:prompt_tokens", "Prompt tokens admitted", lab, registry=r)
+        self.generation_tokens = Counter("xllm:generation_tokens", "Tokens generated", lab, registry=r)
+        self.tokens_per_s = Gauge("xllm:generation_tokens_per_second", "Tokens generated per second (last 10 s)",
+                                  lab, registry=r)
+        self.success = Counter("xllm:request_success", "Finished requests by finish reason", lab + ["finished_reason"],
+                               registry=r)
+        self.rejected = Counter("xllm:request_rejected", "Requests refused (bad request or full queue)",
+                                lab + ["reason"], registry=r)
+        self.ttft = Histogram("xllm:time_to_first_token_seconds", "Time to first token", lab, buckets=_LATENCY,
+                              registry=r)
+        self.tpot = Histogram("xllm:time_per_output_token_seconds", "Mean time per output token after the first, "
+                              "per request", lab, buckets=_TOKEN_LATENCY, registry=r)
+        self.itl = Histogram("xllm:inter_token_latency_seconds", "Time between consecutive tokens", lab,
+                             buckets=_TOKEN_LATENCY, registry=r)
+        self.e2e = Histogram("xllm:e2e_request_latency_seconds", "Request latency, arrival to last token", lab,
+                             buckets=_LATENCY, registry=r)
+        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_hit_rate, self.prefix_queries,
+                       self.prefix_hits, self.preemptions, self.prompt_tokens, self.generation_tokens,
+                       self.tokens_per_s, self.ttft, self.tpot, self.itl, self.e2e):
+            self.labels(metric)              # exported (as 0) from the start
+        self._window: collections.deque = collections.deque()     # (time, tokens) of the last 10 s
+        self._last_preemptions = 0
+        self._last_hits = (0, 0)
+
+    def labels(self, metric, **kw):
+        return metric.labels(model_name=self.model_name, **kw)
+
+    def on_step(self, engine, new_tokens: int) -> None:
+        """Gauges and counters after one engine step (engine thread)."""
+        sched, bm = engine.scheduler, engine.block_manager
+        self.labels(self.running).set(len(sched.running))
+        self.labels(self.waiting).set(len(sched.waiting))
+        used = getattr(bm, "num_used_blocks", None)
+        used = used if used is not None else bm.num_blocks - bm.num_free_blocks
+        self.labels(self.kv_usage).set(used / max(1, bm.num_blocks))
+        d = sched.num_preemptions - self._last_preemptions
+        if d > 0:
+            self.labels(self.preemptions).inc(d)
+        self._last_preemptions = sched.num_preemptions
+        hits, queries = getattr(bm, "prefix_hits", 0), getattr(bm, "prefix_queries", 0)
+        dh, dq = hits - self._last_hits[0], queries - self._last_hits[1]
+        if dq > 0:
+            self.labels(self.prefix_queries).inc(dq)
+            self.labels(self.prefix_hits).inc(max(0, dh))
+        self._last_hits = (hits, queries)
+        if queries:
+            self.labels(self.prefix_hit_rate).set(hits / queries)
+        now = time.monotonic()
+        if new_tokens:
+            self.labels(self.generation_tokens).inc(new_tokens)
+            self._window.append((now, new_tokens))
+        while self._window and self._window[0][0] < now - 10.0:
+            self._window.popleft()
+        span = (now - self._window[0][0]) if len(self._window) > 1 else 0.0
+        self.labels(self.tokens_per_s).set(sum(n for _, n in self._window) / span if span > 0 else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

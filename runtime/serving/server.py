@@ -1,0 +1,436 @@
+"""`xllm-gen-serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
+
+    xllm-gen-serve [MODEL] [--host 127.0.0.1 --port 8000 --tensor-parallel-size 1 --max-model-len N
+                   --max-num-seqs 256 --max-queue 256 ...]
+
+Without MODEL it serves the embedded default (a tiny random-weight Qwen3 built offline on first use).
+Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true gives Server-Sent Events in
+OpenAI's chunk format ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from xllm_gen.runtime.serving.async_engine import QueueFullError
+from xllm_gen.runtime.serving.chat import render_chat
+from xllm_gen.runtime.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_of
+
+logger = logging.getLogger("xllm_gen.serving")
+
+
+# ------------------------------------------------------------------------------------ response shaping
+def _completion_logprobs(c, engine, text_offset: int) -> Optional[dict]:
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        lp = entry.get(tid)
+        s = lp.decoded_token if lp and lp.decoded_token is not None else engine.decode_text([tid])
+        tokens.append(s)
+        token_lps.append(lp.logprob if lp else None)
+        tops.append({(v.decoded_token or ""): v.logprob for t, v in entry.items()})
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(c, n_top: int) -> Optional[dict]:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        lp = entry.get(tid)
+        tok = lp.decoded_token or ""
+        tops = sorted(((v.rank, t, v) for t, v in entry.items() if v.rank <= n_top), key=lambda x: x[0])
+        content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8", "replace")),
+                        "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
+                                          "bytes": list((v.decoded_token or "").encode("utf-8", "replace"))}
+                                         for _, _, v in tops[:n_top]]})
+    return {"content": content}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ------------------------------------------------------------------------------------ the app
+def build_app(async_engine, model_name: str, metrics):
+    engine = async_engine.engine
+
+    @asynccontextmanager
+    async def lifespan(app):
+        async_engine.start(asyncio.get_running_loop())
+        yield
+        await asyncio.to_thread(async_engine.stop)
+
+    app = FastAPI(title="xllm-gen", lifespan=lifespan)
+    app.state.async_engine = async_engine
+
+    def error(e: APIError) -> JSONResponse:
+        if metrics is not None:
+            metrics.labels(metrics.rejected, reason=str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return error(APIError(f"{where}: {first.get('msg', 'invalid request body')}", param=param))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error(exc)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.alive:
+            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "xllm-gen", "root": str(engine.model_dir),
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def check_model(body) -> None:
+        if body.model not in (None, model_name, str(engine.model_dir)):
+            raise APIError(f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                           status=404, param="model", type="not_found_error")
+
+    async def admit(rid: str, prompt: Any, params) -> asyncio.Queue:
+        try:
+            return await async_engine.add(rid, prompt, params)
+        except QueueFullError as e:
+            raise APIError(str(e), status=503, type="server_overloaded") from None
+        except ValueError as e:
+            msg = str(e).replace(f"request {rid}: ", "")
+            raise APIError(msg, param=param_of(msg) or "prompt") from None
+        except RuntimeError as e:
+            raise APIError(str(e), status=503, type="server_error") from None
+
+    async def admit_all(base: str, prompts: list, params) -> list:
+        queues = []
+        try:
+            for i, p in enumerate(prompts):
+                queues.append((f"{base}-{i}", await admit(f"{base}-{i}", p, params)))
+        except BaseException:
+            for rid, _ in queues:
+                async_engine.abort(rid)
+            raise
+        return queues
+
+    async def results(rid: str, q: asyncio.Queue):
+        """The deltas of one request until it finishes."""
+        while True:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise APIError(f"the engine failed: {type(item).__name__}: {item}", status=500, type="server_error")
+            yield item
+            if item.finished:
+                return
+
+    async def collect(rid: str, q: asyncio.Queue, request: Request):
+        """Accumulates a request's deltas (non-streaming); aborts it when the client goes away."""
+        texts: dict[int, str] = {}
+        ids: dict[int, list] = {}
+        lps: dict[int, list] = {}
+        final: dict[int, Any] = {}
+        prompt_ids: list = []
+        err = None
+        gen = results(rid, q)
+        try:
+            while True:
+                nxt = asyncio.ensure_future(gen.__anext__())
+                while not nxt.done():
+                    await asyncio.wait([nxt], timeout=1.0)
+                    if not nxt.done() and await request.is_disconnected():
+                        nxt.cancel()
+                        async_engine.abort(rid)
+                        return None
+                try:
+                    out = nxt.result()
+                except StopAsyncIteration:
+                    break
+                prompt_ids = out.prompt_token_ids
+                err = err or out.error
+                for c in out.outputs:
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    ids.setdefault(c.index, []).extend(c.token_ids)
+                    if c.logprobs is not None:
+                        lps.setdefault(c.index, []).extend(c.logprobs)
+                    final[c.index] = c
+        except BaseException:
+            async_engine.abort(rid)
+            raise
+        if err:
+            raise APIError(err, status=500, type="server_error")
+        from xllm_gen.runtime.engine.outputs import CompletionOutput
+        comps = [CompletionOutput(i, texts.get(i, ""), ids.get(i, []), final[i].finish_reason,
+                                  lps.get(i) if final[i].logprobs is not None else None, None, final[i].stop_reason)
+                 for i in sorted(final)]
+        return prompt_ids, comps
+
+    # ---- /v1/completions ------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        prompts = body.prompts()
+        params = body.sampling_params(engine.max_model_len)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        queues = await admit_all(base, prompts, params)
+        n = params.n
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_completions(base, created, queues, n, include_usage, params),
+                                     media_type="text/event-stream")
+        choices, p_tok, c_tok = [], 0, 0
+        for k, (rid, q) in enumerate(queues):
+            got = await collect(rid, q, request)
+            if got is None:
+                for r, _ in queues:
+                    async_engine.abort(r)
+                return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+            prompt_ids, comps = got
+            p_tok += len(prompt_ids)
+            for c in comps:
+                c_tok += len(c.token_ids)
+                choices.append({"index": k * n + c.index, "text": c.text,
+                                "logprobs": _completion_logprobs(c, engine, 0), "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        return {"id": base, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(p_tok, c_tok)}
+
+    async def stream_completions(base, created, queues, n, include_usage, params) -> AsyncIterator[str]:
+        p_tok, c_tok = 0, 0
+        offsets: dict = {}
+        live = {rid for rid, _ in queues}
+        try:
+            for k, (rid, q) in enumerate(queues):
+                async for out in results(rid, q):
+                    if not out.outputs and not out.finished:
+                        continue
+                    if out.prompt_token_ids and rid not in offsets:
+                        offsets[rid] = {}
+                        p_tok += len(out.prompt_token_ids)
+                    for c in out.outputs:
+                        c_tok += len(c.token_ids)
+                        off = offsets[rid].get(c.index, 0)
+                        offsets[rid][c.index] = off + len(c.text)
+                        chunk = {"id": base, "object": "text_completion", "created": created, "model": model_name,
+                                 "choices": [{"index": k * n + c.index, "text": c.text,
+                                              "logprobs": _completion_logprobs(c, engine, off),
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": c.stop_reason}]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield _sse(chunk)
+                    if out.error:
+                        yield _sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
+                live.discard(rid)
+            if include_usage:
+                yield _sse({"id": base, "object": "text_completion", "created": created, "model": model_name,
+                            "choices": [], "usage": _usage(p_tok, c_tok)})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+        finally:                              # client gone (cancelled) or finished: free what is left
+            for rid in live:
+                async_engine.abort(rid)
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        body.check_supported()
+        params = body.sampling_params(engine.max_model_len)
+        prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template,
+                                         bool(body.add_generation_prompt))
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        rid, q = (await admit_all(base, [prompt], params))[0]
+        n_top = body.top_logprobs or 0
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top),
+                                     media_type="text/event-stream")
+        got = await collect(rid, q, request)
+        if got is None:
+            return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+        prompt_ids, comps = got
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c, n_top), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in comps]
+        return {"id": base, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
+
+    async def stream_chat(base, created, rid, q, n, include_usage, n_top) -> AsyncIterator[str]:
+        head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
+        p_tok, c_tok = 0, 0
+        finished = False
+        try:
+            for i in range(n):
+                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+            async for out in results(rid, q):
+                p_tok = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    c_tok += len(c.token_ids)
+                    delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
+                    chunk = {**head, "choices": [{"index": c.index, "delta": delta,
+                                                  "logprobs": _chat_logprobs(c, n_top),
+                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                if out.error:
+                    yield _sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
+            finished = True
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(p_tok, c_tok)})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            finished = True
+            yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                async_engine.abort(rid)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------ command line
+def _parser() -> argparse.ArgumentParser:
+    from xllm_gen.runtime.engine.engine import _DTYPES
+
+    ap = argparse.ArgumentParser(prog="xllm-gen-serve", description="An OpenAI-compatible server (completions, "
+                                 "chat, streaming, metrics) over a Hugging Face checkpoint dir.")
+    ap.add_argument("model", nargs="?", help="HF checkpoint dir (default: the embedded tiny Qwen3, built on first use)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one, printed at start)")
+    ap.add_argument("--served-model-name", help="model name in the API (default: the checkpoint dir name)")
+    ap.add_argument("--tokenizer", help="tokenizer dir (default: the checkpoint dir)")
+    ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="tensor-parallel ranks")
+    ap.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    ap.add_argument("--max-queue", type=int, default=256,
+                    help="most requests waiting beyond the batch; more are refused with HTTP 503")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="tokens per prefill step")
+    ap.add_argument("--enable-chunked-prefill", action="store_true", help="prefill long prompts in chunks")
+    ap.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto"] + sorted(_DTYPES), help="weights and KV dtype")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: from --gpu-memory-utilization)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory to use")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse the KV of shared prompt prefixes (on by default)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="log level")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    return ap
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("xllm-gen")
+    except Exception:
+        return "unknown"
+
+
+def make_engine(args):
+    import inspect
+
+    from xllm_gen.runtime.engine.engine import LLMEngine
+
+    model = args.model
+    if not model:
+        from xllm_gen.runtime.cli import default_checkpoint
+        model = str(default_checkpoint())
+    kw = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill or None, tokenizer=args.tokenizer)
+    if args.enable_prefix_caching is not None:
+        if "enable_prefix_caching" not in inspect.signature(LLMEngine.__init__).parameters:
+            raise ValueError("--enable-prefix-caching: this engine has no prefix cache")
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
+    return LLMEngine(model, **kw)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    import uvicorn
+
+    from xllm_gen.runtime.serving.async_engine import AsyncEngine
+    from xllm_gen.runtime.serving.metrics import ServerMetrics
+
+    try:
+        engine = make_engine(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or engine.model_dir.name
+    metrics = ServerMetrics(name)
+    aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue)
+    app = build_app(aeng, name, metrics)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    server = uvicorn.Server(config)
+    bm = engine.block_manager
+    logger.info("serving %s as %r: dtype %s, %d KV blocks of %d tokens, max_model_len %d, max_num_seqs %d",
+                engine.model_dir, name, str(engine.dtype).replace("torch.", ""), bm.num_blocks, bm.block_size,
+                engine.max_model_len, engine.scheduler.max_num_seqs)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal with the handlers found at
+    # start: these make that a clean exit (0 for SIGTERM, 130 for Ctrl-C) instead of a kill or a traceback.
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+    try:
+        server.run()
+    finally:
+        if aeng._thread is None:            # the app never started: still stop the ranks
+            engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

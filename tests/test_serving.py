@@ -1,0 +1,294 @@
+"""The OpenAI-compatible server, as a real process on a free local port, driven by the official `openai`
+client (and httpx for malformed bodies): completions, chat, streaming (the streamed text equals the
+non-streamed greedy text and the in-process engine's), n / stop / logprobs / usage, bad bodies answered 400
+with the field named while the server stays up, /metrics parses, a full queue answers 503, a client that
+disconnects mid-stream frees its blocks, SIGTERM shuts down cleanly."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from serving_util import ServerProcess
+
+pytestmark = pytest.mark.engine
+
+openai = pytest.importorskip("openai")
+
+SERVER_ARGS = ("--block-size", "4", "--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-queue", "256")
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_tied):
+    srv = ServerProcess(qwen3_tied, *SERVER_ARGS)
+    yield srv
+    rc = srv.stop()
+    assert rc == 0, (rc, srv.log.read_text()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def local(qwen3_tied, make_llm):
+    return make_llm(qwen3_tied)
+
+
+def _sp(**kw):
+    from xllm_gen import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, **kw})
+
+
+def test_models_and_health(server, client, qwen3_tied):
+    models = client.models.list().data
+    assert [m.id for m in models] == [qwen3_tied.name]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_engine(client, model_name, local):
+    r = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    want = local.generate(["The quick brown fox"], _sp())[0]
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids) and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    ids = client.completions.create(model=model_name, prompt=[5, 17, 99, 3], max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == local.generate([{"prompt_token_ids": [5, 17, 99, 3]}], _sp())[0].outputs[0].text
+
+
+def test_streaming_equals_non_streaming(client, model_name):
+    kw = dict(model=model_name, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    for prompt in ["Once upon a time", "Paged attention is", "日本語のテキスト 🎉"]:
+        full = client.completions.create(prompt=prompt, **kw).choices[0].text
+        chunks = list(client.completions.create(prompt=prompt, stream=True,
+                                                stream_options={"include_usage": True}, **kw))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        msgs = [{"role": "user", "content": prompt}]
+        chat = client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
+        streamed = list(client.chat.completions.create(messages=msgs, stream=True, **kw))
+        assert streamed[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat
+
+
+def test_chat_matches_llm_chat(client, model_name, local):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the weather."}]
+    r = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    want = local.chat(msgs, _sp())[0]
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "more."}]}]
+    r2 = client.chat.completions.create(model=model_name, messages=parts, max_tokens=4, temperature=0)
+    assert r2.choices[0].message.content == local.chat([{"role": "user", "content": "Tell me more."}],
+                                                       _sp(max_tokens=4, ignore_eos=False))[0].outputs[0].text
+
+
+def test_sampling_fields(client, model_name, local):
+    base = dict(model=model_name, prompt="Hello there", max_tokens=10)
+    a = client.completions.create(n=3, temperature=1.0, seed=7, **base)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    b = client.completions.create(n=3, temperature=1.0, seed=7, **base)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    want = local.generate(["Hello there"], _sp(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=False))[0]
+    assert [c.text for c in sorted(a.choices, key=lambda c: c.index)] == [c.text for c in want.outputs]
+    extra = dict(top_k=5, min_p=0.05, repetition_penalty=1.2, ignore_eos=True)
+    c = client.completions.create(temperature=0.8, top_p=0.9, seed=3, presence_penalty=0.5, frequency_penalty=0.3,
+                                  extra_body=extra, **base)
+    w = local.generate(["Hello there"], _sp(temperature=0.8, top_p=0.9, seed=3, presence_penalty=0.5,
+                                            frequency_penalty=0.3, max_tokens=10, **extra))[0].outputs[0]
+    assert c.choices[0].text == w.text
+    full = client.completions.create(temperature=0, extra_body={"ignore_eos": True}, **base).choices[0].text
+    stop = full[4:6]
+    s = client.completions.create(temperature=0, stop=[stop], extra_body={"ignore_eos": True}, **base).choices[0]
+    assert s.text == full[:full.find(stop)] and s.finish_reason == "stop" and s.model_extra["stop_reason"] == stop
+    lp = client.completions.create(temperature=0, logprobs=2, extra_body={"ignore_eos": True}, **base).choices[0]
+    wl = local.generate(["Hello there"], _sp(logprobs=2, max_tokens=10))[0].outputs[0]
+    assert len(lp.logprobs.tokens) == 10 and all(len(t) >= 2 for t in lp.logprobs.top_logprobs)
+    for got, entry, tid in zip(lp.logprobs.token_logprobs, wl.logprobs, wl.token_ids):
+        assert abs(got - entry[tid].logprob) < 1e-4
+    ch = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                        temperature=0, logprobs=True, top_logprobs=3)
+    content = ch.choices[0].logprobs.content
+    assert len(content) == ch.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "top_p": 7}, "top_p"),
+    ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"999999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [10 ** 9]}, "prompt"),
+    ({"prompt": "x" * 5000}, "prompt"),
+    ({"prompt": "\ud800 lone"}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "model": "nope"}, "model"),
+])
+def test_bad_completion_bodies(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps(body), timeout=30,    # \ud800 escaped
+                   headers={"content-type": "application/json"})
+    assert r.status_code in (400, 404), r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"], err
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                  "image_url": {"url": "https://example.com/a.png"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_chat_bodies(server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_malformed_json_and_server_stays_up(server, client, model_name):
+    for raw in (b"{not json", b"[]", b'"str"', b"\xff\xfe"):
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "error" in r.json()
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=model_name, prompt="x", top_p=3.0)
+    assert client.completions.create(model=model_name, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_disconnect_mid_stream_frees_blocks(server, model_name):
+    body = {"model": model_name, "prompt": "Tell a long story", "max_tokens": 400, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n == 5:
+                break
+    m = server.wait_idle()
+    assert m["xllm:request_success_total[('finished_reason', 'abort')]"] >= 1
+
+
+def test_metrics_parse(server, client, model_name):
+    client.completions.create(model=model_name, prompt="metrics", max_tokens=4)
+    m = server.wait_idle()
+    for name in ("xllm:time_to_first_token_seconds_count", "xllm:time_per_output_token_seconds_count",
+                 "xllm:e2e_request_latency_seconds_count", "xllm:generation_tokens_total",
+                 "xllm:prompt_tokens_total", "xllm:num_preemptions_total", "xllm:generation_tokens_per_second",
+                 "xllm:kv_cache_usage_perc", "xllm:num_requests_running", "xllm:num_requests_waiting"):
+        assert name in m, sorted(m)
+    assert m["xllm:time_to_first_token_seconds_count"] >= 1 and m["xllm:generation_tokens_total"] >= 4
+
+
+def test_event_loop_not_blocked_by_steps(server, model_name):
+    """While long generations step, /health answers at once."""
+    body = {"model": model_name, "prompt": "busy", "max_tokens": 300, "ignore_eos": True, "n": 4}
+    t = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120))
+    t.start()
+    time.sleep(0.5)
+    worst = 0.0
+    for _ in range(10):
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+    t.join()
+    assert worst < 1.0, worst
+
+
+async def _stream_client(url, model, prompt, rng, results, i):
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+        stream = await c.completions.create(model=model, prompt=prompt, max_tokens=rng.randint(4, 40), stream=True,
+                                            temperature=0, extra_body={"ignore_eos": True})
+        cut = rng.randint(1, 10) if rng.random() < 0.4 else None
+        text, k = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            k += 1
+            if cut is not None and k >= cut:
+                await stream.close()          # disconnect mid-stream
+                results[i] = ("cut", text)
+                return
+        results[i] = ("done", text)
+
+
+@pytest.mark.slow
+def test_64_concurrent_streams_with_disconnects(server, client, model_name):
+    rng = random.Random(0)
+    prompts = [f"client {i} says {rng.randrange(1000)}" for i in range(64)]
+    results: dict = {}
+
+    async def main():
+        await asyncio.gather(*(_stream_client(server.url, model_name, p, random.Random(i), results, i)
+                               for i, p in enumerate(prompts)))
+
+    asyncio.run(main())
+    assert len(results) == 64 and any(r[0] == "cut" for r in results.values())
+    m = server.wait_idle()
+    assert m["xllm:num_preemptions_total"] >= 0
+    for i in [i for i, r in results.items() if r[0] == "done"][:8]:     # full streams: the greedy text
+        mt = random.Random(i).randint(4, 40)
+        want = client.completions.create(model=model_name, prompt=prompts[i], max_tokens=mt, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        assert results[i][1] == want
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_full_queue_and_sigterm(qwen3_tied):
+    """--max-num-seqs 1 --max-queue 1: a third concurrent request is refused with 503; SIGTERM lets the
+    in-flight stream finish and the process exits 0."""
+    srv = ServerProcess(qwen3_tied, "--block-size", "4", "--max-num-seqs", "1", "--max-queue", "1")
+    try:
+        body = {"prompt": "slow", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        got: dict = {}
+
+        def stream(k):
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                got[k] = [line for line in r.iter_lines() if line]
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while srv.metrics()["xllm:num_requests_running"] + srv.metrics()["xllm:num_requests_waiting"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "more", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded"
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert srv.proc.wait(60) == 0
+        for lines in got.values():
+            assert lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.stop(signal.SIGKILL)
