@@ -361,8 +361,9 @@ def test_step_deltas_concatenate_to_final_outputs(qwen3_tied, make_llm):
             assert a["ids"] == c.token_ids and a["text"] == c.text
             assert (a["fr"], a["sr"]) == (c.finish_reason, c.stop_reason)
             if params[i].logprobs is not None:
-                assert [{t: round(lp.logprob, 5) for t, lp in e.items()} for e in a["lp"]] == \
-                       [{t: round(lp.logprob, 5) for t, lp in e.items()} for e in c.logprobs]
+                assert [set(e) for e in a["lp"]] == [set(e) for e in c.logprobs]
+                for e, f in zip(a["lp"], c.logprobs):      # a prefix-cache hit may round differently
+                    assert all(abs(e[t].logprob - f[t].logprob) < 1e-4 for t in e)
     assert len(plp["r3"]) == len(final[3].prompt_logprobs)
     assert eng.scheduler.num_preemptions > 0
     _clean(llm)

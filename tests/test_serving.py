@@ -292,3 +292,14 @@ def test_full_queue_and_sigterm(qwen3_tied):
             assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_prefix_cache_hits_in_metrics(server, client, model_name):
+    prompt = "A long shared system prompt that many requests repeat word for word. " * 3
+    kw = dict(model=model_name, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    first = client.completions.create(prompt=prompt + "First?", **kw).choices[0].text
+    before = server.wait_idle()["xllm:prefix_cache_hits_total"]
+    again = client.completions.create(prompt=prompt + "First?", **kw).choices[0].text
+    m = server.wait_idle()
+    assert again == first
+    assert m["xllm:prefix_cache_hits_total"] > before and 0 < m["xllm:prefix_cache_hit_rate"] <= 1

@@ -97,7 +97,7 @@ class LLMEngine:
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
                  cuda_graph_sizes: Optional[list] = None, debug: Optional[dict] = None,
-                 tokenizer: Optional[str] = None):
+                 tokenizer: Optional[str] = None, enable_prefix_caching: bool = True):
         self.model_dir = Path(model)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
@@ -135,7 +135,8 @@ class LLMEngine:
         else:
             self.runner = runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs)
         try:
-            self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size)
+            self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
+                                              enable_caching=bool(enable_prefix_caching))
             self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens, chunked)
             self.sampler = Sampler(seed)
             self.tokenizer = self._load_tokenizer()
@@ -244,6 +245,7 @@ class LLMEngine:
         if mm_inputs is None and self.mm_processor is not None:
             self.mm_processor.check_no_placeholders(index, token_ids)
         seq = Sequence(self._next_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
+        seq.no_prefix_cache = params.prompt_logprobs is not None     # needs every prompt row computed
         self._next_id += 1
         seq.arrival_time = time.monotonic()
         return seq
@@ -258,7 +260,7 @@ class LLMEngine:
                 p.seed = (p.seed + i) % SEED_MOD
             s = Sequence(self._next_id, first.token_ids, p, prompt=first.prompt, mm_inputs=first.mm_inputs)
             self._next_id += 1
-            s.index, s.arrival_time = i, first.arrival_time
+            s.index, s.arrival_time, s.no_prefix_cache = i, first.arrival_time, first.no_prefix_cache
             seqs.append(s)
         return seqs
 
@@ -397,6 +399,7 @@ class LLMEngine:
         ready = []       # sequences whose logits give a new token (prefill complete, or decode)
         for i, seq in enumerate(seqs):
             seq.num_computed_tokens += seq.chunk_len
+            self.block_manager.commit(seq)          # full blocks join the prefix cache
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(i)
         if is_prefill:

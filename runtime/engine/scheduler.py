@@ -44,18 +44,23 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and len(scheduled) + len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            fresh = not seq.block_table and seq.num_computed_tokens == 0
+            hit = bm.acquire_prefix(seq) if fresh else 0      # cached prefix blocks (prefix caching)
             remaining = seq.num_tokens - seq.num_computed_tokens
             if self.chunked_prefill:
                 n = min(remaining, budget)
             else:
                 n = remaining
                 if n > budget and scheduled:   # whole prompts: the first one always fits
+                    self._release_prefix(seq, hit)
                     break
-            if n <= 0:
-                break
-            if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+            if n <= 0 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                self._release_prefix(seq, hit)
                 break
             bm.allocate(seq, seq.num_computed_tokens + n)
+            if fresh and bm.enable_caching:
+                bm.prefix_queries += seq.num_tokens
+                bm.prefix_hits += hit
             seq.chunk_len = n
             budget -= n
             scheduled.append(seq)
@@ -67,6 +72,13 @@ class Scheduler:
             if budget <= 0:
                 break
         return scheduled
+
+    def _release_prefix(self, seq: Sequence, hit: int) -> None:
+        """Undoes acquire_prefix for a sequence that stays waiting (its blocks go back to the cache)."""
+        if hit:
+            self.block_manager.free(seq)
+            if seq.num_completion_tokens == 0:
+                seq.num_cached_tokens = 0
 
     def _schedule_decode(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
