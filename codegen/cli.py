@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from .compiler import Compiled, compile_spec
 from .errors import SpecError, SpecErrors
-from .explain import DTYPE_BYTES, explain, format_resolved, format_variant, model_module_of, tp_rank_table
+from .explain import DTYPE_BYTES, format_resolved, format_variant, model_module_of, tp_rank_table
 from .writer import check, claimed_architectures, output_dir, write
 from .yaml_loader import display_path
 
@@ -91,16 +91,15 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     if args.explain:
         for c in compiled:
-            if args.tp is None:
-                print(explain(c.ir, args.dtype))
-                continue
+            # every table, tp=1 included, comes from the runtime's plan: the generated Model built on the meta
+            # device (parameters a config flag leaves out, such as absent biases, are not counted)
             from xllm_gen.runtime.executor.sharding import ShardingError
 
             parts = [format_resolved(c.ir)]
             module = model_module_of(c.ir, c.files)
             for v in c.ir.variants:
                 try:         # the runtime's per-rank plan: the generated Model built on the meta device
-                    table = tp_rank_table(c.ir, c.files, v, args.tp, module)
+                    table = tp_rank_table(c.ir, c.files, v, args.tp or 1, module)
                 except ShardingError as e:
                     lines = "\n  ".join(e.problems)
                     print(f"error: --tp {args.tp}: variant {v.name}: {lines}", file=sys.stderr)

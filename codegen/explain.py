@@ -146,13 +146,31 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+def _runs(value) -> str:
+    """A long per-layer list with runs of equal items, written as runs: ['full_attention' * 28]."""
+    if not isinstance(value, (list, tuple)) or len(value) < 8:
+        return str(value)
+    for period in (2, 3, 4):            # a repeated pattern: ['sliding_attention', 'full_attention'] * 21
+        if len(value) % period == 0 and list(value) == list(value[:period]) * (len(value) // period) \
+                and len(set(value[:period])) > 1:
+            return f"{list(value[:period])} * {len(value) // period}"
+    parts, i = [], 0
+    while i < len(value):
+        j = i
+        while j < len(value) and value[j] == value[i]:
+            j += 1
+        parts.append(repr(value[i]) + (f" * {j - i}" if j - i > 1 else ""))
+        i = j
+    return "[" + ", ".join(parts) + "]"
+
+
 def format_variant(ir: ModelIR, v: VariantIR, table: RankTableIR, dtype: str) -> str:
     nbytes = DTYPE_BYTES[dtype]
     out: List[str] = []
     w = out.append
     per_rank = f", per rank at tp={table.tp}" if table.tp > 1 else ""
     w(f"variant {v.name} ({v.layers} layers, {'tied' if v.tied else 'untied'} lm_head, {dtype}{per_rank})")
-    sets = ", ".join(f"{k}={val}" for k, val in v.values)
+    sets = ", ".join(f"{k}={_runs(val)}" for k, val in v.values)
     w(f"  {sets}")
     for name, h, kv in table.heads_per_rank:
         w(f"  {name}: {h} q heads, {kv} kv heads per rank")

@@ -155,6 +155,11 @@ def _merge(base: Any, over: Any, path: PathT, bmap: SourceMap, omap: SourceMap) 
             if sub in omap.keys:
                 bmap.keys[sub] = omap.keys[sub]
         bmap.values[path] = omap.values.get(path, bmap.values.get(path))
+        shared = [k for k in over if k in base and k in out]
+        if shared != [k for k in base if k in shared]:
+            # the child relists inherited keys in another order (fused segments, steps): its order wins, so
+            # the order checks see what the child wrote
+            out = {**{k: out[k] for k in over if k in out}, **out}
         return out
     bmap.drop(path)
     _copy_locations(omap, bmap, path)

@@ -274,6 +274,7 @@ def test_explain_tables(capsys):
     assert "total (28 layers)" in out and "596,049,920" in out          # Qwen3-0.6B: 0.6B parameters, tied
     assert "8,190,735,360" in out                                        # Qwen3-8B
     assert "32,762,123,264" in out                                       # Qwen3-32B
+    assert "qkv_proj.bias" not in out.split("variant Qwen3-0.6B")[1]    # attention_bias false: no bias
 
 
 def test_explain_tp(capsys):

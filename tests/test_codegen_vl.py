@@ -70,7 +70,6 @@ def test_vl_spec_compiles():
     assert 'deepstack_levels_field = "deepstack_levels"' in runner
     model = c.files["model.py"]
     assert "for level, layer in enumerate(self.layers[:self.deepstack_levels]):" in model
-    assert "def deepstack_levels(self) -> int:" in model
 
 
 def test_check_clean_for_both_specs(capsys):
@@ -112,39 +111,29 @@ BAD = {
     "unknown_vision_block_kind": (
         "mlp: {kind: vision_mlp,", "mlp: {kind: vision_mpl,",
         "vision.blocks.blocks.mlp: unknown block kind 'vision_mpl' (did you mean 'vision_mlp'?)", "vision_mpl"),
-    "vision_weights_entry_missing": (
-        "    model.visual.blocks.{i}.attn.qkv.bias: {shard: colwise}\n", "",
-        "vision.blocks.blocks.attn: parameter 'model.visual.blocks.{i}.attn.qkv.bias' has no entry in "
-        "`vision.weights`", "      attn:"),
-    "vision_weights_key_without_param": (
-        "    model.visual.pos_embed.weight: {shard: replicated}",
-        "    model.visual.pos_embed.weight: {shard: replicated}\n    model.visual.blocks.{i}.attn.q_norm.weight: "
-        "{shard: replicated}",
-        "vision.weights: 'model.visual.blocks.{i}.attn.q_norm.weight' is not a parameter of the model",
-        "attn.q_norm.weight"),
-    "vision_wrong_shard": (
-        "    model.visual.blocks.{i}.attn.proj.weight: {shard: rowwise}",
-        "    model.visual.blocks.{i}.attn.proj.weight: {shard: colwise}",
-        "vision.weights['model.visual.blocks.{i}.attn.proj.weight'].shard: 'colwise' does not fit the parameter "
-        "(its layer is row-parallel): expected 'rowwise'", "attn.proj.weight: {shard: colwise}"),
     "merger_width_not_text_width": (
         "vision_out_hidden_size: 2048", "vision_out_hidden_size: 1024",
         "variants.Qwen3-VL-2B: vision.merger.out is 1024, but the text width (decoder.embed_tokens.dim) is 2048",
         "vision_out_hidden_size: 1024"),
-    "length_of_not_a_tuple": (
-        "deepstack_levels:         {type: int, length_of: deepstack_visual_indexes}",
-        "deepstack_levels:         {type: int, length_of: vision_depth}",
-        "config.deepstack_levels.length_of: config symbol 'vision_depth' is int, expected int_tuple",
-        "length_of: vision_depth"),
+    "deepstack_levels_not_the_tap_count": (
+        'deepstack_levels:         {type: int, expr: "len(deepstack_visual_indexes)"}',
+        'deepstack_levels:         {type: int, expr: "len(vision_depth)"}',
+        "vision.deepstack.taps: declare the number of levels as a derived symbol", "taps: deepstack_visual_indexes"),
+    "vision_weights_key_without_param": (
+        "\ndecoder:\n",
+        "\nweights:\n  model.visual.blocks.{i}.attn.q_norm.weight:\n    from: model.visual.blocks.{i}.attn.q_norm.weight"
+        "\ndecoder:\n",
+        "'model.visual.blocks.{i}.attn.q_norm.weight' is not a parameter of the model", "attn.q_norm.weight:\n"),
+    "inherited_segments_out_of_order": (
+        "\ndecoder:\n",
+        "\nweights:\n  model.layers.{i}.self_attn.qkv_proj.weight:\n    from:\n      q: a.{i}.q\n      v: a.{i}.v\n"
+        "      k: a.{i}.k\ndecoder:\n",
+        "segments must be ['q', 'k', 'v'] in this order, got ['q', 'v', 'k']", "      q: a.{i}.q"),
     "variant_sets_derived_symbol": (
         "num_position_embeddings: 2304, deepstack_visual_indexes: [5, 11, 17]}",
         "num_position_embeddings: 2304, deepstack_visual_indexes: [5, 11, 17], deepstack_levels: 3}",
-        "variants.Qwen3-VL-2B.deepstack_levels: 'deepstack_levels' is derived (the length of "
-        "'deepstack_visual_indexes'): set that instead", "deepstack_levels: 3}"),
-    "position_kind_mismatch": (
-        "  position_kind: mrope", "  position_kind: rope",
-        "runner.position_kind: 'rope' does not fit the decoder's rotary: its positions are 'mrope'",
-        "position_kind: rope"),
+        "variants.Qwen3-VL-2B.deepstack_levels: 'deepstack_levels' is derived (len(deepstack_visual_indexes)): "
+        "set the symbols it reads instead", "deepstack_levels: 3}"),
     "decoder_prefix_without_container": (
         "  prefix: model.language_model", "  prefix: model",
         "decoder.prefix: with a vision tower the decoder lives beside it in the container `model`",
@@ -176,8 +165,8 @@ def test_malformed_vl_spec(case, tmp_path, capsys):
 
 def test_inherited_weights_use_model_names_under_a_prefix(tmp_path, capsys):
     """A decoder key written with the real prefix is not the spec's convention: the error says so."""
-    path, text = mutated(tmp_path, "runner:\n", "weights:\n  model.language_model.norm.weight: {shard: replicated}\n"
-                                                "runner:\n")
+    path, text = mutated(tmp_path, "\ndecoder:\n", "\nweights:\n  model.language_model.norm.weight: "
+                                                "{from: model.language_model.norm.weight}\ndecoder:\n")
     code, _, err = run_cli(capsys, path, "--dry-run")
     assert code == 2 and "is not a parameter of the model" in err
     assert f"bad_vl.yaml:{line_of(text, 'model.language_model.norm.weight')}:" in err
@@ -238,7 +227,7 @@ def generated(hf_checkpoint):
     hf, d, tied = hf_checkpoint
     config = gen.Config.from_hf(json.loads((d / "config.json").read_text()))
     m = gen.Model(config).float().eval()
-    loaded = load_weights(m, gen.weight_plan(config), d, ignored=gen.IGNORED_CHECKPOINT_TENSORS)
+    loaded = load_weights(m, gen.weight_plan(m), d, ignored=gen.IGNORED_CHECKPOINT_TENSORS)
     return m, config, loaded
 
 
@@ -355,7 +344,7 @@ def test_weight_plan_shards_fit_the_layers(hf_checkpoint, tp):
         D.init_tp(rank, tp)
         try:
             m = gen.Model(config).float()
-            loaded = load_weights(m, gen.weight_plan(config), d, tp_size=tp, tp_rank=rank,
+            loaded = load_weights(m, gen.weight_plan(m), d, tp_size=tp, tp_rank=rank,
                                   ignored=gen.IGNORED_CHECKPOINT_TENSORS)
             assert loaded == {n for n, _ in m.named_parameters()}
             attn = m.model.visual.blocks[0].attn

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import random
 import signal
 import threading
@@ -303,3 +304,26 @@ def test_prefix_cache_hits_in_metrics(server, client, model_name):
     m = server.wait_idle()
     assert again == first
     assert m["xllm:prefix_cache_hits_total"] > before and 0 < m["xllm:prefix_cache_hit_rate"] <= 1
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    """bench/bench_serve.py runs against the CPU server: every request completes, percentiles are ordered."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = bench          # dataclasses look their module up while the file executes
+    spec.loader.exec_module(bench)
+    out = tmp_path / "report.json"
+    rc = bench.main(["--base-url", server.url, "--num-prompts", "12", "--request-rate", "50", "--input-len", "24",
+                     "--output-len", "8", "--shared-prefix-len", "16", "--vocab-size", "400", "--max-concurrency",
+                     "6", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["completed"] == 12 and report["failed"] == 0
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = report[k]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"], (k, s)
+    assert report["output_throughput"] > 0
+    server.wait_idle()

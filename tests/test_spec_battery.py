@@ -40,8 +40,9 @@ BLOCK_SIZE = 4
 
 # Standard parameters per rope type (transformers 5's rope_parameters form; rope_theta is added from the tiny
 # config). Factor 4 with an original context of 16 positions, so that scaling changes the output at the
-# prompt lengths above. "dynamic" grows from max_position_embeddings in HF (it reads no original length), so
-# its arm also sets max_position_embeddings to 16: the engine must then serve past it, up to 16 * factor.
+# prompt lengths above. "dynamic" is the default rope up to max_position_embeddings in HF (it rescales only
+# beyond it, per forward call, which a paged KV cache cannot reproduce): its arm checks parity within the
+# context and that a prompt past a shortened max_position_embeddings is refused, never served differently.
 ROPE_ARMS: dict[str, dict[str, Any]] = {
     "linear": {"factor": 4.0},
     "dynamic": {"factor": 4.0},
@@ -49,7 +50,7 @@ ROPE_ARMS: dict[str, dict[str, Any]] = {
     "llama3": {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16},
 }
-ROPE_LEVEL_OVERRIDES: dict[str, dict[str, Any]] = {"dynamic": {"max_position_embeddings": 16}}
+WITHIN_CONTEXT_ONLY = ("dynamic",)
 UNSCALED_ROPE_TYPES = ("default", "mrope")   # the parity arm (c) covers them
 
 
@@ -273,12 +274,26 @@ def test_rope_scaling_matches_hf(spec, sym, rope_type, tiny_checkpoint, tokens):
     level = sym.location.rpartition(".")[0]
     prefix = f"{level}." if level else ""
     overrides = {sym.location: {"rope_type": rope_type, "rope_theta": theta, **ROPE_ARMS[rope_type]}}
-    overrides.update({prefix + k: v for k, v in ROPE_LEVEL_OVERRIDES.get(rope_type, {}).items()})
     ckpt = tiny_checkpoint(spec.architecture, overrides=overrides)
     want = tokens.hf(ckpt)
+    if rope_type in WITHIN_CONTEXT_ONLY:
+        _assert_same(tokens.engine(ckpt, 1), want, f"{spec.name} rope {rope_type} tp=1 within the context")
+        short = tiny_checkpoint(spec.architecture, overrides={**overrides, prefix + "max_position_embeddings": 16})
+        _assert_refuses_past_context(short, 17)
+        return
     assert want != tokens.hf(tiny_checkpoint(spec.architecture)), (
         f"fixture: rope {rope_type} {overrides} does not change HF's output at these prompt lengths")
     _assert_same(tokens.engine(ckpt, 1), want, f"{spec.name} rope {rope_type} tp=1")
+
+
+def _assert_refuses_past_context(ckpt: Path, prompt_len: int) -> None:
+    """A prompt longer than max_position_embeddings is refused by name, not served with other frequencies."""
+    from xllm_gen import LLM, SamplingParams
+    from xllm_gen.runtime.engine.llm import InvalidRequestError
+
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=BLOCK_SIZE) as llm:
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            llm.generate([{"prompt_token_ids": list(range(prompt_len))}], SamplingParams(max_tokens=2))
 
 
 @pytest.mark.engine

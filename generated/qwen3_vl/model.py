@@ -49,12 +49,12 @@ class Qwen3VLConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    eos_token_id: tuple
     hidden_act: str
     attention_bias: bool
     mrope_section: tuple
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_id: tuple
     vision_depth: int
     vision_hidden_size: int
     vision_num_heads: int
@@ -87,12 +87,12 @@ class Qwen3VLConfig:
         r.read("rms_norm_eps", "float", ("text_config.rms_norm_eps",), default=1e-06)
         r.read("rope_theta", "float", ("text_config.rope_parameters.rope_theta", "text_config.rope_theta"), default=500000.0)
         r.read("rope_scaling", "rope", ("text_config.rope_parameters", "text_config.rope_scaling"), values=('default',))
-        r.read("max_position_embeddings", "int", ("text_config.max_position_embeddings",), default=262144)
-        r.read("tie_word_embeddings", "bool", ("tie_word_embeddings", "text_config.tie_word_embeddings"), default=False)
-        r.read("eos_token_id", "int_tuple", ("text_config.eos_token_id", "eos_token_id"), default=())
         r.read("hidden_act", "str", ("text_config.hidden_act",), default='silu', values=('silu',))
         r.read("attention_bias", "bool", ("text_config.attention_bias",), default=False)
         r.read("mrope_section", "int_tuple", ("text_config.rope_parameters.mrope_section", "text_config.rope_scaling.mrope_section"), default=(24, 20, 20))
+        r.read("max_position_embeddings", "int", ("text_config.max_position_embeddings",), default=262144)
+        r.read("tie_word_embeddings", "bool", ("tie_word_embeddings", "text_config.tie_word_embeddings"), default=False)
+        r.read("eos_token_id", "int_tuple", ("text_config.eos_token_id", "eos_token_id"), default=())
         r.read("vision_depth", "int", ("vision_config.depth",))
         r.read("vision_hidden_size", "int", ("vision_config.hidden_size",))
         r.read("vision_num_heads", "int", ("vision_config.num_heads",))

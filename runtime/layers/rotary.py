@@ -208,11 +208,12 @@ def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.d
         cpu_key = (head_dim, theta, max_position, skey, "cpu")
         cpu = _TABLES.get(cpu_key)
         if cpu is None:
-            inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling)
-            freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
-            cos, sin = freqs.cos(), freqs.sin()
-            if factor != 1.0:
-                cos, sin = cos * factor, sin * factor
+            with torch.device("cpu"):       # computed on CPU even inside a torch.device("meta"/"cuda") build
+                inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling)
+                freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+                cos, sin = freqs.cos(), freqs.sin()
+                if factor != 1.0:
+                    cos, sin = cos * factor, sin * factor
             cpu = _TABLES[cpu_key] = (inv_freq, torch.cat((cos, sin), -1), factor)
         _TABLES[key] = (cpu[0].to(device), cpu[1].to(device), cpu[2])
     return _TABLES[key]
