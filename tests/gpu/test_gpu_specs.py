@@ -1,0 +1,110 @@
+"""Every text spec in specs/ on a GPU: bf16 weights, FlashInfer attention, decode CUDA graphs on, against
+Hugging Face transformers on the same tiny checkpoint (built from the transformers config class the spec's
+`architectures` names, so a new spec is covered without a list to maintain).
+
+The reference is HF in float32 (eager attention). bf16 noise is measured, not guessed: HF itself in bf16 gives
+the scale of rounding error on these weights, and the engine's error must stay within a small multiple of it.
+Prompts cross the tiny sliding window (32) where the architecture has one. Figures go to $XLLM_TEST_REPORT.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT_LENS = (5, 40, 100)        # 40 and 100 cross the window of 32
+NEW_TOKENS = 32
+WINDOW = 32
+NEAR_TIE = 0.05
+
+
+def _text_specs():
+    out = []
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict) or "vision" in data or not data.get("architectures"):
+            continue            # the vision-language specs run in test_gpu_graphs.py
+        out.append(pytest.param(data["architectures"][0], id=path.stem))
+    return out
+
+
+def _report(**kw):
+    print(json.dumps(kw))
+    path = os.environ.get("XLLM_TEST_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(kw) + "\n")
+
+
+def _checkpoint(architecture: str, out: Path) -> Path:
+    from fixtures.tiny_hf import make_tiny_checkpoint, model_class
+    default = model_class(architecture).config_class().to_dict()
+    overrides = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                     intermediate_size=512, num_hidden_layers=4, max_position_embeddings=1024)
+    if "sliding_window" in default:
+        overrides["sliding_window"] = WINDOW
+    return make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
+
+
+def _hf(ckpt: Path, dtype):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype, attn_implementation="eager").cuda().eval()
+
+
+@pytest.mark.parametrize("architecture", _text_specs())
+def test_spec_bf16_graphs_vs_hf(architecture, tmp_path):
+    from xllm_gen import LLM, SamplingParams
+
+    ckpt = _checkpoint(architecture, tmp_path / "ckpt")
+    rng = random.Random(3)
+    vocab = json.loads((ckpt / "config.json").read_text()).get("vocab_size", 1000)
+    prompts = [[rng.randrange(min(vocab, 5000)) for _ in range(n)] for n in PROMPT_LENS]
+    llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=16, num_kv_blocks=512, max_model_len=512)
+    try:
+        assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        with torch.inference_mode():
+            prefill = [llm.prefill_logits(p).float() for p in prompts]
+    finally:
+        llm.shutdown()
+
+    hf32, hf16 = _hf(ckpt, torch.float32), _hf(ckpt, torch.bfloat16)
+    worst = dict(engine_prefill=0.0, hf16_prefill=0.0, engine_decode=0.0, hf16_decode=0.0)
+    first_token_bad, agree, total = [], 0, 0
+    with torch.inference_mode():
+        for i, (p, o, ours_prefill) in enumerate(zip(prompts, outs, prefill)):
+            toks = list(o.token_ids)
+            full = torch.tensor([p + toks], device="cuda")
+            lp32 = torch.log_softmax(hf32(full).logits[0].float(), -1)
+            lp16 = torch.log_softmax(hf16(full).logits[0].float(), -1)
+            ref_prefill = hf32(torch.tensor([p], device="cuda")).logits[0].float()
+            hf16_prefill = hf16(torch.tensor([p], device="cuda")).logits[0].float()
+            scale = ref_prefill.abs().max().item()
+            worst["engine_prefill"] = max(worst["engine_prefill"], (ours_prefill - ref_prefill).abs().max().item() / scale)
+            worst["hf16_prefill"] = max(worst["hf16_prefill"], (hf16_prefill - ref_prefill).abs().max().item() / scale)
+            rows = [len(p) - 1 + j for j in range(len(toks))]
+            for j, (r, t) in enumerate(zip(rows, toks)):
+                worst["engine_decode"] = max(worst["engine_decode"], abs(o.logprobs[j][t].logprob - lp32[r, t].item()))
+                worst["hf16_decode"] = max(worst["hf16_decode"], abs(lp16[r, t].item() - lp32[r, t].item()))
+                agree += int(lp32[r].argmax().item() == t)
+                total += 1
+            top2 = lp32[rows[0]].topk(2).values
+            if lp32[rows[0]].argmax().item() != toks[0] and (top2[0] - top2[1]).item() >= NEAR_TIE:
+                first_token_bad.append(i)
+    _report(test="spec_bf16_graphs_vs_hf", architecture=architecture, prompt_lens=list(PROMPT_LENS),
+            new_tokens=NEW_TOKENS, **{f"max_{k}_err": v for k, v in worst.items()},
+            hf32_argmax_agree=f"{agree}/{total}")
+    assert not first_token_bad, f"{architecture}: first greedy token differs from HF float32 for requests {first_token_bad}"
+    # prefill logits relative to the largest logit, decode as the logprob of each chosen token
+    assert worst["engine_prefill"] <= max(3 * worst["hf16_prefill"], 0.02), worst
+    assert worst["engine_decode"] <= max(3 * worst["hf16_decode"], 0.05), worst
+    assert agree >= total - max(2, total // 20), f"{architecture}: {agree}/{total} tokens are HF float32's argmax"
