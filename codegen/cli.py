@@ -1,11 +1,21 @@
 """`xllm-gen SPEC [SPEC ...]`: validate, resolve and render specs into generated/<name>/.
 
+`xllm-gen --json-schema [PATH]` prints (writes) the JSON Schema of the spec language (for editors:
+yaml-language-server); `--check` also checks a `spec.schema.json` that sits beside the checked specs.
+
 Exit codes: 0 ok; 1 `--check` found stale or hand-edited files; 2 a bad spec or bad arguments.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import copy
+import difflib
+import io
+import json
 import sys
+import tokenize
+import typing
 from pathlib import Path
 from typing import List, Optional
 
@@ -19,7 +29,7 @@ from .yaml_loader import display_path
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="xllm-gen", description="Compile model specs (YAML) into generated model and runner modules.")
-    p.add_argument("specs", nargs="+", metavar="SPEC", help="spec files, e.g. specs/*.yaml")
+    p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files, e.g. specs/*.yaml")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",
                       help="write nothing; exit 1 with a unified diff when generated files are stale or edited")
@@ -29,7 +39,163 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, metavar="N", help="with --explain: per-rank shapes and bytes at TP size N")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="with --explain (default bfloat16)")
     p.add_argument("--out", metavar="DIR", help="write generated/<name>/ under DIR instead of the repository's generated/")
+    p.add_argument("--json-schema", nargs="?", const="-", metavar="PATH",
+                   help="print (or write to PATH) the JSON Schema of the spec language, e.g. specs/spec.schema.json")
     return p
+
+
+# ---- JSON Schema of the spec language (`--json-schema`) ------------------------------------------------
+
+SCHEMA_FILE = "spec.schema.json"     # beside the specs; a spec's first line: # yaml-language-server: $schema=...
+
+
+def _field_docs(module) -> dict:
+    """{class: {field: doc}} from the comments of schema.py: a field's trailing `# ...` comment and the
+    comment lines right above it (the spec language documents its fields there)."""
+    source = open(module.__file__, encoding="utf-8").read()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    out: dict = {}
+    for cls in ast.parse(source).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                above, n = [], node.lineno - 1
+                while n >= 1 and lines[n - 1].strip().startswith("#"):
+                    above.insert(0, comments.get(n, ""))
+                    n -= 1
+                parts = above + ([comments[node.end_lineno]] if node.end_lineno in comments else [])
+                if parts:
+                    out.setdefault(cls.name, {})[node.target.id] = " ".join(parts)
+    return out
+
+
+def _value_word(module, annotation) -> str:
+    """What a Dim / Num / Flag field takes, for hover text."""
+    args = set(map(repr, typing.get_args(annotation))) - {repr(type(None))}
+    for alias, word in ((module.Dim, "a size: an int literal, an int config symbol, or an expression over config "
+                                     "symbols"),
+                        (module.Num, "a number: a literal, a config symbol, or an expression over config symbols"),
+                        (module.Flag, "true / false, a bool config symbol, or an expression")):
+        if args and args == set(map(repr, typing.get_args(alias))):
+            return word
+    return ""
+
+
+def _relaxed(node, strict_items: bool = True):
+    """The schema of a spec that `extends` another: every key optional, `~` (null) deletes an inherited key."""
+    if isinstance(node, list):
+        return [_relaxed(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref":
+            out[key] = value + "Extension"
+        elif key == "required" or key == "discriminator":
+            continue
+        elif key == "oneOf":                   # a block that only overrides some keys may omit `kind`
+            out["anyOf"] = _relaxed(value)
+        elif key == "properties":
+            out[key] = {k: _nullable(_relaxed(v)) for k, v in value.items()}
+        elif key == "additionalProperties" and isinstance(value, dict):
+            out[key] = _nullable(_relaxed(value))
+        elif key == "items":                   # lists replace the inherited list: items stay complete
+            out[key] = value
+        else:
+            out[key] = _relaxed(value)
+    return out
+
+
+def _nullable(node: dict) -> dict:
+    if node.get("type") == "null" or any(m.get("type") == "null" for m in node.get("anyOf", ())):
+        return node
+    if "anyOf" in node:
+        return {**node, "anyOf": node["anyOf"] + [{"type": "null"}]}
+    keep = {k: node[k] for k in ("title", "description", "default") if k in node}
+    inner = {k: v for k, v in node.items() if k not in keep}
+    return {"anyOf": [inner, {"type": "null"}], **keep}
+
+
+def spec_json_schema(S=None) -> dict:
+    """The JSON Schema (draft 2020-12) of a spec file, from the pydantic models of codegen/schema.py (or the
+    module `S`) with the field comments as descriptions. A file with `extends` is an overlay: keys optional,
+    `~` deletes."""
+    if S is None:
+        from . import schema as S
+
+    docs = _field_docs(S)
+    top = S.Spec.model_json_schema()
+    defs = top.pop("$defs")
+    defs["Spec"] = top
+    for name, d in defs.items():
+        cls = getattr(S, name)
+        fields = {(f.alias or n): (n, f) for n, f in cls.model_fields.items()}
+        for key, prop in d.get("properties", {}).items():
+            n, f = fields[key]
+            text = " ".join(x for x in (docs.get(name, {}).get(n, ""), _value_word(S, f.annotation)) if x)
+            if text:
+                prop["description"] = text[0].upper() + text[1:]
+    defs["Spec"]["properties"]["extends"] = {
+        "type": "string", "title": "Extends",
+        "description": "Path of another spec (relative to this file) that this spec is deep-merged over: mappings "
+                       "merge key by key, lists and scalars replace, `key: ~` deletes an inherited key."}
+    defs["Spec"]["description"] = ("An xllm-gen model spec (spec_version 2): one architecture, as data. "
+                                   "The language: codegen/README.md.")
+    for name in list(defs):
+        ext = _relaxed(defs[name])
+        ext["title"] = f"{defs[name].get('title', name)} (extending spec)"
+        defs[name + "Extension"] = ext
+    defs["SpecExtension"]["required"] = ["extends"]
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "xllm-gen model spec",
+        "description": defs["Spec"]["description"],
+        "type": "object",
+        "if": {"required": ["extends"]},
+        "then": {"$ref": "#/$defs/SpecExtension"},
+        "else": {"$ref": "#/$defs/Spec"},
+        "$defs": defs,
+    }
+
+
+def spec_json_schema_text(S=None) -> str:
+    return json.dumps(spec_json_schema(S), indent=2, ensure_ascii=False) + "\n"
+
+
+def _json_schema(target: str) -> int:
+    text = spec_json_schema_text()
+    if target == "-":
+        sys.stdout.write(text)
+        return 0
+    path = Path(target)
+    old = path.read_text(encoding="utf-8") if path.is_file() else None
+    if old != text:
+        path.write_text(text, encoding="utf-8")
+    print(f"{'wrote' if old != text else 'unchanged'}: {display_path(path)}")
+    return 0
+
+
+def _check_json_schemas(spec_paths) -> bool:
+    """`--check`: a spec.schema.json beside the checked specs must equal the current export."""
+    ok, text = True, None
+    for folder in sorted({Path(s).resolve().parent for s in spec_paths}):
+        path = folder / SCHEMA_FILE
+        if not path.is_file():
+            continue
+        text = text or spec_json_schema_text()
+        old = path.read_text(encoding="utf-8")
+        if old != text:
+            ok = False
+            shown = display_path(path)
+            sys.stdout.write("".join(difflib.unified_diff(old.splitlines(keepends=True), text.splitlines(keepends=True),
+                                                          fromfile=f"{shown} (on disk)", tofile=f"{shown} (schema.py)")))
+            print(f"error: {shown} is stale: run: xllm-gen --json-schema {shown}", file=sys.stderr)
+        else:
+            print(f"up to date: {display_path(path)}")
+    return ok
 
 
 def _report(err) -> None:
@@ -48,6 +214,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.json_schema is not None:
+        if args.specs or args.check or args.dry_run or args.explain:
+            print("error: --json-schema takes no specs and no other mode", file=sys.stderr)
+            return 2
+        return _json_schema(args.json_schema)
+    if not args.specs:
+        print("error: give one or more SPEC files (or --json-schema)", file=sys.stderr)
+        return 2
     if args.tp is not None and not args.explain:
         print("error: --tp only goes with --explain", file=sys.stderr)
         return 2
@@ -125,6 +299,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
                       f"run: xllm-gen {c.ir.spec_path}", file=sys.stderr)
             else:
                 print(f"up to date: {display_path(directory)}/ ({c.ir.spec_path})")
+        if not _check_json_schemas(args.specs):
+            stale = True
         return 1 if stale else 0
 
     for c in compiled:

@@ -38,16 +38,17 @@ class ConfigField(Strict):
     `default` is a literal; `default_expr` an expression over other symbols (`hidden_size //
     num_attention_heads`). A derived symbol reads no config.json field: `expr: "len(deepstack_visual_indexes)"`
     (rendered as a Config property, evaluated for every variant)."""
-    type: Literal["int", "float", "bool", "str", "int_tuple", "float_tuple", "str_tuple", "rope"]
+    type: Literal["int", "float", "bool", "str", "int_tuple", "float_tuple", "str_tuple", "rope"]  # strict at load
+    # dotted config.json path, or a list of them: the first present wins
     from_: Optional[Union[StrictStr, List[StrictStr]]] = Field(default=None, alias="from")
-    default: Optional[Scalar] = None
-    default_expr: Optional[StrictStr] = None
-    expr: Optional[StrictStr] = None
-    values: Optional[List[StrictStr]] = None
-    optional: StrictBool = False
+    default: Optional[Scalar] = None     # a literal used when no path is present (none: the field is required)
+    default_expr: Optional[StrictStr] = None  # an expression over other symbols used when no path is present
+    expr: Optional[StrictStr] = None     # a derived symbol: an expression, no config.json field read
+    values: Optional[List[StrictStr]] = None  # str / rope symbols: the values (rope types) the spec models
+    optional: StrictBool = False         # null / absent is admitted (the symbol is None)
     min: Optional[Union[StrictInt, StrictFloat]] = None   # inclusive bounds checked at load (and for variants)
     max: Optional[Union[StrictInt, StrictFloat]] = None
-    doc: StrictStr = ""
+    doc: StrictStr = ""                         # a free-text note about the symbol (not rendered)
 
 
 # ---- blocks ----------------------------------------------------------------------------------------------
@@ -313,24 +314,26 @@ class TensorParallel(Strict):
 
 
 class Spec(Strict):
-    spec_version: Literal[2]
-    name: StrictStr
-    description: StrictStr = ""
-    class_prefix: StrictStr
-    architectures: List[StrictStr]
-    config: Dict[StrictStr, ConfigField]
+    spec_version: Literal[2]                           # the language version: 2
+    name: StrictStr                      # output package generated/<name>/ (a Python identifier)
+    description: StrictStr = ""          # the generated model's docstring
+    class_prefix: StrictStr              # generated class names: <prefix>Config, <prefix>Attention, <prefix>ForCausalLM
+    architectures: List[StrictStr]       # config.json `architectures` this spec serves (one spec per architecture)
+    config: Dict[StrictStr, ConfigField]  # config symbols: spec name -> how it is read from config.json
     # config.json fields that change the math but that the spec does not read, with the value it assumes
     # (a checkpoint with another value is refused); dotted paths
     config_assume: Dict[StrictStr, Scalar] = {}
     # config.json fields that do not change the math (fnmatch patterns over dotted paths); a checkpoint field
     # that is neither read, assumed, ignored nor a generic transformers field is refused at load
     config_ignore: List[StrictStr] = []
-    decoder: Decoder
-    lm_head: LMHeadBlock
-    vision: Optional[Vision] = None
+    decoder: Decoder                     # embedding, decoder layers (blocks + dataflow), final norm
+    lm_head: LMHeadBlock                 # the output projection (tied or not)
+    vision: Optional[Vision] = None      # a vision tower (multimodal models)
+    # parameter name -> checkpoint tensor(s), only where they differ ({i} = layer index)
     weights: Dict[StrictStr, WeightEntry] = {}
-    ignore_checkpoint_tensors: List[StrictStr] = []
-    tensor_parallel: TensorParallel
+    ignore_checkpoint_tensors: List[StrictStr] = []  # regexes of checkpoint tensors that are not parameters
+    tensor_parallel: TensorParallel      # TP sizes every variant's shapes must allow (a static check)
+    # named config.json value sets (symbol -> value; others take their defaults) for static checks and --explain
     variants: Dict[StrictStr, Dict[StrictStr, Scalar]] = {}
 
 
