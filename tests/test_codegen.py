@@ -460,7 +460,9 @@ def test_extends_composes(tmp_path, capsys):
     assert 'kind="mrope_interleaved"' in model and "mrope_section=config.mrope_section" in model
     assert "for level, layer in enumerate(self.layers[:3]):" in model and "L.inject_deepstack(hidden_states, level)" in model
     runner = c.files["runner.py"]
-    assert 'position_kind = "mrope"' in runner
+    # text-only mRoPE: three equal rows of positions, no vision merge, no deepstack buffers
+    assert "position_rows = 3" in runner and "def positions_of(" in runner and "def decode_positions(" in runner
+    assert "multimodal" not in runner and "prefill_embeds" not in runner and "deepstack" not in runner
     code, out, _ = run_cli(capsys, path, "--out", tmp_path / "gen")
     assert code == 0 and (tmp_path / "gen" / "qwen3_mrope_text" / "model.py").is_file()
     ast.parse((tmp_path / "gen" / "qwen3_mrope_text" / "model.py").read_text())

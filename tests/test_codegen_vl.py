@@ -66,8 +66,13 @@ def test_vl_spec_compiles():
     assert v["Qwen3-VL-2B"].tied and not v["Qwen3-VL-8B"].tied and not v["Qwen3-VL-32B"].tied
     assert dict(v["Qwen3-VL-8B"].values)["deepstack_levels"] == 3
     runner = c.files["runner.py"]
-    assert "multimodal = True" in runner and 'position_kind = "mrope"' in runner
-    assert 'deepstack_levels_field = "deepstack_levels"' in runner
+    # the step logic the spec implies is in the generated runner: mRoPE positions, vision merge, deepstack
+    assert "multimodal = True" in runner and "position_rows = 3" in runner
+    for hook in ("def positions_of(", "def decode_positions(", "def allocate_step_buffers(",
+                 "def prefill_embeds(", "def vision_features(", "def after_step("):
+        assert hook in runner, hook
+    assert "self.deepstack_levels = self.config.deepstack_levels" in runner
+    assert "ctx.deepstack = DeepstackInput(" in runner
     model = c.files["model.py"]
     assert "for level, layer in enumerate(self.layers[:self.deepstack_levels]):" in model
 
@@ -324,8 +329,8 @@ def test_generated_vl_imports_without_the_compiler():
         assert pkg.ARCHITECTURES == ("Qwen3VLForConditionalGeneration",)
         from xllm_gen.generated.qwen3_vl import model, runner
         assert model.Model.__name__ == "Qwen3VLForConditionalGeneration"
-        assert runner.Runner.multimodal and runner.Runner.position_kind == "mrope"
-        assert runner.Runner.deepstack_levels_field == "deepstack_levels"
+        assert runner.Runner.multimodal and runner.Runner.position_rows == 3
+        assert "prefill_embeds" in vars(runner.Runner) and "allocate_step_buffers" in vars(runner.Runner)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr

@@ -32,7 +32,7 @@ class PagedFakeRunner:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_kv_blocks = num_blocks
         self.prep = ModelRunner.__new__(ModelRunner)          # reuse the real input preparation
-        self.prep.block_size, self.prep.device, self.prep.position_kind = block_size, torch.device("cpu"), "rope"
+        self.prep.block_size, self.prep.device = block_size, torch.device("cpu")
         self.prep.backend = None
         self.cache: dict[int, tuple[int, int]] = {}
         self.bs = block_size

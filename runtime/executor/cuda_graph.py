@@ -1,15 +1,15 @@
 """Decode CUDA graphs: one graph per batch-size bucket, captured once at start-up, replayed every decode step.
 
-Buckets come from the generated runner (`graph_buckets`, from the spec: 1, 2, 4, 8, then multiples of 16 up
-to the spec's max batch), capped at the engine's `max_num_seqs` (the cap itself closes the list, so every
-decode batch the scheduler can form fits). A batch of B sequences runs in the smallest bucket >= B; rows
+Buckets come from the engine's `cuda_graph_sizes` (default: 1, 2, 4, 8, then multiples of 16 up to
+`max_num_seqs`), capped at `max_num_seqs` (the cap itself closes the list, so every decode batch the
+scheduler can form fits). A batch of B sequences runs in the smallest bucket >= B; rows
 B..bucket-1 are padding rows, empty sequences: token 0 at position 0, KV slot -1 (the KV write skips it), no
 KV pages (the page-index pointer repeats, never decreasing), last-page length 1. No page is allocated for them.
 
 Where things live:
-- static inputs: one int64 device buffer holds a bucket's token ids, positions ([B] for rope, [3, B] for
-  mRoPE) and KV slots, laid out per bucket as [ids | positions | slots], so one host-to-device copy fills a
-  step;
+- static inputs: one int64 device buffer holds a bucket's token ids, positions ([B], or [R, B] for a runner
+  with `position_rows` R > 1, e.g. mRoPE) and KV slots, laid out per bucket as [ids | positions | slots], so
+  one host-to-device copy fills a step; the runner's `decode_positions(seqs)` gives the positions;
 - attention: the backend's per-bucket decode wrappers, one per attention variant of the model (sliding window /
   soft-cap; `backend.variant_graph_wrappers[variant][b]`, registered from `runner.attn_layers` before capture;
   a plain model has one variant, `backend.graph_wrappers[b]`), built with
@@ -42,7 +42,7 @@ from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set
 
 
 def graph_buckets(spec_buckets, max_num_seqs: int) -> tuple[int, ...]:
-    """The spec's buckets up to max_num_seqs; when the spec has larger buckets but none equal to
+    """The requested buckets up to max_num_seqs; when larger ones were requested but none equal to
     max_num_seqs, max_num_seqs itself closes the list (so any batch the scheduler forms has a graph)."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -174,8 +174,7 @@ class DecodeGraphs:
             while n > b:
                 b = next(it)
             self._bucket_of[n] = b
-        self.mrope = runner.position_kind == "mrope"
-        self.P = 3 if self.mrope else 1                     # rows of positions
+        self.P = int(runner.position_rows)                  # rows of positions: [B] (1) or [P, B]
 
         backend = runner.backend
         # the model's attention variants (sliding window / soft-cap per layer): one decode wrapper per variant
@@ -237,8 +236,8 @@ class DecodeGraphs:
         d = self._d64
         ids = d[:Bk]
         pos = d[Bk: (1 + self.P) * Bk]
-        if self.mrope:
-            pos = pos.view(3, Bk)
+        if self.P > 1:
+            pos = pos.view(self.P, Bk)
         slots = d[(1 + self.P) * Bk: (2 + self.P) * Bk]
         return ids, pos, slots
 
@@ -301,8 +300,8 @@ class DecodeGraphs:
             h[Bk: Bk + B] = pos
             h[Bk + B: 2 * Bk] = 0
         else:
-            block = h[Bk: 4 * Bk].reshape(3, Bk)
-            block[:, :B] = np.asarray(pos, dtype=np.int64).reshape(3, B)
+            block = h[Bk: (1 + P) * Bk].reshape(P, Bk)
+            block[:, :B] = np.asarray(pos, dtype=np.int64).reshape(P, B)
             block[:, B:] = 0
         s0 = (1 + P) * Bk
         h[s0: s0 + B] = slots
@@ -374,16 +373,7 @@ class DecodeGraphs:
         tables = [s.block_table for s in seqs]
         ids = [s.token_ids[-1] for s in seqs]
         slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
-        if self.mrope:       # generated tokens: position p + delta on all three rows, per request
-            row = []
-            for s, n in zip(seqs, lens):
-                mm = s.mm_inputs
-                if mm is not None and n - 1 < mm.mrope_positions.shape[1]:
-                    raise RuntimeError("decode step inside a multimodal prompt")
-                row.append(n - 1 + (int(mm.mrope_delta) if mm is not None else 0))
-            pos = row * 3
-        else:
-            pos = [n - 1 for n in lens]
+        pos = self.runner.decode_positions(seqs)           # [P * B], row-major
         total = self._write_step(B, Bk, ids, pos, slots, lens, tables)
         self._upload(Bk, total)
         self._plan(Bk, total)
@@ -406,7 +396,7 @@ class DecodeGraphs:
         self._upload(Bk, total)
         s_ids, s_pos, _ = self._views(Bk)                  # prepare()'s device inputs over the placeholders
         s_ids[:B].copy_(ids)
-        if self.mrope:
+        if self.P > 1:
             s_pos[:, :B].copy_(pos)
         else:
             s_pos[:B].copy_(pos)

@@ -1,6 +1,18 @@
-"""The fixed runner machinery. A generated runner module subclasses ModelRunner and sets, from the spec,
-which model module it runs, how positions are formed (rope / mrope), the decode-graph buckets, the max
-batch and the prefill mode. This file never names a model family.
+"""The generic runner machinery: KV-cache allocation, input preparation, attention planning, decode graphs,
+logits. A generated runner module (generated/<name>/runner.py) subclasses ModelRunner with the model module
+it runs and the step logic its spec implies, through the hooks below; this file knows no model.
+
+Hooks (neutral defaults: a text model with 1-D positions needs none of them):
+- `position_rows`: rows of the positions tensor (1: positions [N]; R > 1: positions [R, N]);
+- `positions_of(seq, start, end)`: the positions of a sequence's tokens start..end-1 (default: arange);
+- `decode_positions(seqs)`: the flattened [position_rows * B] positions of a decode step, as decode graphs
+  write them into their static inputs (default: each sequence's last index);
+- `allocate_step_buffers()`: fixed-size buffers a step needs, made once before any graph capture;
+- `prefill_embeds(seqs, ids, ctx)`: inputs_embeds of a prefill step (e.g. merged vision features), or None to
+  let the model embed the token ids;
+- `after_step(ctx)`: called after every eager step, also after a failure (e.g. clears step buffers).
+
+Deployment (graph sizes, batch limits, chunked prefill, TP size) comes from the engine's options.
 
 One step: build the flattened inputs and the ForwardContext of the scheduled sequences, plan attention
 once, run the model, and return float32 logits of each sequence's last row (sampling is the engine's).
@@ -13,7 +25,7 @@ from typing import Optional
 import torch
 
 from xllm_gen.runtime import layers as L
-from xllm_gen.runtime.executor.context import DeepstackInput, ForwardContext, reset_context, set_context
+from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.loading.loader import load_weights
 from xllm_gen.runtime.engine.sequence import Sequence
@@ -41,9 +53,8 @@ def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
 class ModelRunner:
     # Set by the generated runner module (what the spec's model needs; deployment comes from the engine).
     model_module = None
-    position_kind = "rope"          # "rope": positions [N]; "mrope": positions [3, N]
-    multimodal = False              # vision inputs: the model has embed_input_ids / encode_vision
-    deepstack_levels_field = None   # Config field giving the number of deepstack levels (0 when absent)
+    position_rows = 1               # 1: positions [N]; R > 1: positions [R, N]
+    multimodal = False              # requests carry images / videos through the checkpoint's processor
 
     def __init__(self, model_dir: str, hf_config: dict, *, device: torch.device, dtype: torch.dtype,
                  block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,
@@ -78,8 +89,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.backend = self._make_backend()
         self._apply_debug()
-        if self.multimodal:
-            self._allocate_deepstack()
+        self.allocate_step_buffers()       # fixed size and address, before any graph capture
         self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
@@ -133,7 +143,8 @@ class ModelRunner:
         return TorchPagedBackend()
 
     def _apply_debug(self) -> None:
-        """Test-only switches for sensitivity arms (a wrong mRoPE layout must change vision outputs)."""
+        """Test-only switches for sensitivity arms: `mrope_layout` ("blocked" / "interleaved") re-lays the
+        frequency sections of every multi-axis rotary (a wrong layout must change vision outputs)."""
         layout = self.debug.get("mrope_layout")
         if layout:
             for m in self.model.modules():
@@ -141,22 +152,26 @@ class ModelRunner:
                     m.kind = f"mrope_{layout}"
                     m.axis_map = L.mrope_axis_map(m.kind, m.mrope_section, m.head_dim // 2).to(self.device)
 
-    # ---- inputs ---------------------------------------------------------------------------------
-    def positions_of(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        if self.position_kind == "rope":
-            return torch.arange(start, end, dtype=torch.int64)
-        mm = seq.mm_inputs
-        if mm is None:                                      # text-only: three equal rows
-            return torch.arange(start, end, dtype=torch.int64).expand(3, -1)
-        prompt_len = mm.mrope_positions.shape[1]
-        parts = []
-        if start < prompt_len:
-            parts.append(mm.mrope_positions[:, start:min(end, prompt_len)])
-        if end > prompt_len:                                # generated tokens: p + delta on every row
-            lo = max(start, prompt_len)
-            parts.append((torch.arange(lo, end, dtype=torch.int64) + mm.mrope_delta).expand(3, -1))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    # ---- hooks (the generated runner overrides what its spec needs) ----------------------------------
+    def allocate_step_buffers(self) -> None:
+        """Fixed-size buffers of the model's steps; none by default."""
 
+    def positions_of(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Positions of the sequence's tokens start..end-1: [end - start] (position_rows 1)."""
+        return torch.arange(start, end, dtype=torch.int64)
+
+    def decode_positions(self, seqs: list[Sequence]) -> list[int]:
+        """Positions of a decode step's tokens (each sequence's last), flattened row-major: [position_rows * B]."""
+        return [s.num_tokens - 1 for s in seqs]
+
+    def prefill_embeds(self, seqs: list[Sequence], ids: torch.Tensor, ctx: ForwardContext) -> Optional[torch.Tensor]:
+        """inputs_embeds [N, hidden] of a prefill step, or None: the model embeds the token ids itself."""
+        return None
+
+    def after_step(self, ctx: ForwardContext) -> None:
+        """Called after every eager step (also after a failure); nothing by default."""
+
+    # ---- inputs ---------------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
         bs = self.block_size
         input_ids, positions, slots, cu_q, seq_lens, qlens = [], [], [], [0], [], []
@@ -185,66 +200,6 @@ class ModelRunner:
         last_rows = torch.tensor(cu_q[1:], dtype=torch.int64, device=dev) - 1
         return ids, pos, ctx, last_rows
 
-    # ---- multimodal -----------------------------------------------------------------------------
-    def _allocate_deepstack(self) -> None:
-        """Deepstack buffers: allocated once, fixed size and address, zeroed after every use, so a text
-        request after an image request never sees stale features."""
-        levels = getattr(self.config, self.deepstack_levels_field) if self.deepstack_levels_field else 0
-        hidden = self.config.hidden_size
-        self.deepstack_levels = levels
-        self.deepstack_rows = torch.zeros(self.max_num_batched_tokens, dtype=torch.int64, device=self.device)
-        self.deepstack_embeds = torch.zeros(max(levels, 1), self.max_num_batched_tokens, hidden,
-                                            dtype=self.dtype, device=self.device)
-        self._deepstack_used = 0
-
-    def _vision_features(self, seq: Sequence):
-        """(embeds [M, hidden], deepstack [levels, M, hidden]) of a request's images then videos, computed
-        once per request at its first prefill chunk with visual tokens (the vision tower runs eagerly)."""
-        cache = getattr(seq, "vision_cache", None)
-        if cache is None:
-            pixels, grid = seq.mm_inputs.vision_batch()
-            embeds, deepstack = self.model.encode_vision(pixels.to(self.device, self.dtype), grid.to(self.device))
-            if self.debug.get("zero_deepstack"):
-                deepstack = torch.zeros_like(deepstack)
-            cache = seq.vision_cache = (embeds, deepstack)
-        return cache
-
-    def embed_multimodal(self, seqs: list[Sequence], ids: torch.Tensor, ctx: ForwardContext):
-        """inputs_embeds with the visual features at the visual-token rows of this prefill step, and the
-        step's deepstack input (rows aligned with chunk boundaries); None for a text-only step."""
-        if not self.multimodal:
-            return None
-        rows, feats, stacks = [], [], []
-        cu = ctx.cu_seqlens_q.tolist()
-        for i, seq in enumerate(seqs):
-            mm = seq.mm_inputs
-            if mm is None or not mm.has_vision:
-                continue
-            start = seq.num_computed_tokens
-            end = start + seq.chunk_len
-            pos = mm.visual_token_positions
-            sel = ((pos >= start) & (pos < end)).nonzero().flatten()
-            if sel.numel():
-                embeds, deepstack = self._vision_features(seq)
-                rows.append((pos[sel] - start + cu[i]).to(self.device))
-                sel = sel.to(self.device)
-                feats.append(embeds[sel])
-                stacks.append(deepstack[:, sel])
-            if pos.numel() == 0 or end > int(pos.max()):
-                seq.vision_cache = None          # every visual row is consumed: free the features
-        if not rows:
-            return None
-        rows_t = torch.cat(rows)
-        embeds = self.model.embed_input_ids(ids)
-        embeds[rows_t] = torch.cat(feats).to(embeds.dtype)
-        m = rows_t.numel()
-        if self.deepstack_levels:
-            self.deepstack_rows[:m] = rows_t
-            self.deepstack_embeds[: self.deepstack_levels, :m] = torch.cat(stacks, dim=1).to(self.dtype)
-            self._deepstack_used = m
-            ctx.deepstack = DeepstackInput(self.deepstack_rows[:m], self.deepstack_embeds[: self.deepstack_levels, :m])
-        return embeds
-
     # ---- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -255,7 +210,7 @@ class ModelRunner:
             return self.model.compute_logits(self.graphs.run(seqs)).float()
         ids, pos, ctx, last_rows = self.prepare(seqs, is_prefill)
         try:
-            embeds = self.embed_multimodal(seqs, ids, ctx) if is_prefill else None
+            embeds = self.prefill_embeds(seqs, ids, ctx) if is_prefill else None
             self.backend.plan(ctx)                      # once per step; every layer reuses the plan
             set_context(ctx)
             hidden = self.forward(ids, pos, ctx, embeds)
@@ -267,10 +222,3 @@ class ModelRunner:
 
     def forward(self, ids, pos, ctx, embeds):
         return self.model(ids, pos, embeds)
-
-    def after_step(self, ctx: ForwardContext) -> None:
-        """Clears the deepstack rows used by this step so nothing leaks into the next request."""
-        if self.multimodal and self._deepstack_used:
-            self.deepstack_embeds[:, : self._deepstack_used].zero_()
-            self.deepstack_rows[: self._deepstack_used].zero_()
-            self._deepstack_used = 0

@@ -13,7 +13,7 @@ A request is `prompt` (text with `<|image_pad|>` / `<|video_pad|>` placeholders,
   item's placeholder token. Each expansion starts after and ends with a special token, so it tokenizes
   exactly as inside a full prompt: the result equals what HF gives for the decoded prompt.
 
-Then the 3-row mRoPE positions and the decode delta are computed (runtime.rope_index, HF's algorithm).
+Then the 3-row mRoPE positions and the decode delta are computed (runtime.multimodal.rope_index, HF's algorithm).
 Images are PIL images, or uint8 arrays/tensors (H, W, 3) / (H, W); videos are uint8 arrays/tensors
 (T, H, W, 3), lists of PIL frames, or `(frames, metadata_dict)` (metadata as HF VideoMetadata: `fps`,
 `total_num_frames`, `frames_indices`, ...; without it HF assumes 24 fps for sampling and timestamps).

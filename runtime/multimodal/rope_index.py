@@ -1,4 +1,5 @@
-"""3-row (temporal, height, width) position ids of one request, as HF Qwen3-VL `get_rope_index` computes them.
+"""3-row (temporal, height, width) mRoPE position ids of one request with image / video grids (transformers'
+`get_rope_index` of vision-language models with timestamped video frame blocks).
 
 Standalone (torch only). The prompt's token ids are already expanded: every image is a run of
 `t*h*w/merge^2` image tokens, every video is split per temporal patch, each frame block being
@@ -111,6 +112,19 @@ def text_positions(length: int, start: int = 0) -> torch.Tensor:
     return torch.arange(start, start + length, dtype=torch.long).expand(3, -1).contiguous()
 
 
+def request_positions(prompt_positions: torch.Tensor, delta: int, start: int, end: int) -> torch.Tensor:
+    """[R, end - start] positions of a request's tokens start..end-1: the prompt's columns of
+    `prompt_positions` [R, L] (from get_rope_index), then p + delta on every row for generated tokens."""
+    prompt_len = prompt_positions.shape[1]
+    parts = []
+    if start < prompt_len:
+        parts.append(prompt_positions[:, start:min(end, prompt_len)])
+    if end > prompt_len:
+        lo = max(start, prompt_len)
+        parts.append((torch.arange(lo, end, dtype=torch.int64) + int(delta)).expand(prompt_positions.shape[0], -1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
 def decode_positions(seq_positions: Union[torch.Tensor, int], delta: Union[torch.Tensor, int]) -> torch.Tensor:
     """mRoPE positions of decode tokens: p + delta on all 3 rows. `seq_positions` [N] (or an int) are the
     tokens' 0-based indices in their sequences, `delta` [N] (or an int) the per-request deltas -> [3, N]."""
@@ -125,4 +139,4 @@ def visual_token_mask(input_ids: torch.Tensor, image_token_id: int, video_token_
     return (ids == image_token_id) | (ids == video_token_id)
 
 
-__all__ = ["get_rope_index", "decode_positions", "text_positions", "visual_token_mask"]
+__all__ = ["get_rope_index", "request_positions", "decode_positions", "text_positions", "visual_token_mask"]

@@ -291,7 +291,7 @@ class _Runner:
         self.block_size = block_size
         self.graph_buckets = buckets
         self.max_num_seqs = max_num_seqs
-        self.position_kind = "rope"
+        self.position_rows = 1
         self.backend = backend
         self.model = model
         self.attn_layers = [m for m in model.modules() if isinstance(m, L.Attention)]
