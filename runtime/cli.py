@@ -1,7 +1,7 @@
 """`xllm-gen-generate`: generate text from a checkpoint dir on the command line.
 
-Without --model it serves the embedded default: a tiny random-weight Qwen3 checkpoint (real HF format,
-tokenizer included) that the project builds itself, so it runs on a fresh machine with no download."""
+Without --model it serves the embedded default (runtime/tiny.py): a tiny random-weight checkpoint (real HF
+format, tokenizer included) that the project builds itself, so it runs on a fresh machine with no download."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,7 @@ def default_checkpoint() -> Path:
     """The embedded default checkpoint dir, built on first use under $XLLM_GEN_CACHE (~/.cache/xllm_gen)."""
     from xllm_gen.runtime import tiny
     root = Path(os.environ.get("XLLM_GEN_CACHE", Path.home() / ".cache" / "xllm_gen"))
-    out = root / f"tiny-qwen3-v{tiny.TINY_VERSION}"      # a new tiny recipe never reuses an old build
+    out = root / f"tiny-default-v{tiny.TINY_VERSION}"      # a new tiny recipe never reuses an old build
     if not (out / "config.json").exists():
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")   # built aside, then moved: never half-written
         tiny.make_default_checkpoint(tmp)
@@ -32,7 +32,7 @@ def default_checkpoint() -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="xllm-gen-generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="HF checkpoint dir (default: the embedded tiny Qwen3, built on first use)")
+    ap.add_argument("--model", help="HF checkpoint dir (default: the embedded tiny checkpoint, built on first use)")
     ap.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -14,7 +14,7 @@ class AttentionVariant(NamedTuple):
 
     - sliding_window W (None: off): key j is visible to query i iff j <= i and j > i - W
       (transformers masking_utils.sliding_window_causal_mask_function); FlashInfer's window_left = W - 1.
-    - logit_softcap c (None: off): scores = c * tanh(scores / c) on the scaled scores, before masking (Gemma 2).
+    - logit_softcap c (None: off): scores = c * tanh(scores / c) on the scaled scores, before masking.
 
     Layers with different variants need their own attention plan; backends plan once per distinct variant.
     """

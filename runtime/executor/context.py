@@ -23,7 +23,7 @@ class ForwardContext:
     seq_lens_cpu: Optional[list] = None   # host copies, so backends can plan without a device sync
     query_lens_cpu: Optional[list] = None
     backend: Any = None                   # the AttentionBackend, already planned for this step
-    # Qwen3-VL deepstack: level k is added to hidden states at rows visual_rows after decoder layer k.
+    # deepstack injection: level k is added to hidden states at rows visual_rows after decoder layer k.
     deepstack: Optional["DeepstackInput"] = None
     extra: dict = field(default_factory=dict)
 

@@ -21,7 +21,7 @@ def _check_approximate(approximate: str) -> None:
 
 
 class GeluAndMul(nn.Module):
-    """x [..., 2n] -> gelu(x[..., :n]) * x[..., n:]; approximate "tanh" (HF gelu_pytorch_tanh, Gemma) or "none"
+    """x [..., 2n] -> gelu(x[..., :n]) * x[..., n:]; approximate "tanh" (HF gelu_pytorch_tanh) or "none"
     (exact erf GELU, HF gelu). Same op order and roundings as HF's `act_fn(gate_proj(x)) * up_proj(x)`."""
 
     def __init__(self, approximate: str = "tanh"):

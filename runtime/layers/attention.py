@@ -16,8 +16,8 @@ class Attention(nn.Module):
 
     sliding_window (None or an int >= 1): key j is visible to query i iff j <= i and j > i - sliding_window
     (HF masking_utils). logit_softcap (None or > 0): scores = cap * tanh(scores / cap) on the scaled scores,
-    before masking (Gemma 2). Both are per layer: `variant` (an AttentionVariant) is what the backend plans for;
-    layers of one model may differ (Gemma 2 alternates sliding and full layers).
+    before masking. Both are per layer: `variant` (an AttentionVariant) is what the backend plans for;
+    layers of one model may differ (e.g. alternating sliding-window and full layers).
 
     `k_cache` / `v_cache` ([num_blocks, block_size, Hk, D], NHD) are plain attributes attached by the runner
     (not parameters or buffers: they are not part of the state dict). The backend comes from the forward

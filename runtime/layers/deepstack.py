@@ -1,5 +1,5 @@
-"""Qwen3-VL deepstack injection: level k's visual features are added at the visual-token rows after
-decoder layer k."""
+"""Deepstack injection: level k's visual features (from the vision tower's intermediate blocks) are added at
+the visual-token rows after decoder layer k."""
 from __future__ import annotations
 
 import torch

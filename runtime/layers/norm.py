@@ -13,8 +13,8 @@ from xllm_gen.runtime import ops
 class RMSNorm(nn.Module):
     """RMSNorm with HF math.
 
-    weight_offset 0.0 (default): HF Qwen3RMSNorm / LlamaRMSNorm (float32 variance,
-    `weight * x_normed.to(input_dtype)`). weight_offset 1.0: HF Gemma2RMSNorm's (1 + w) norm, all in float32
+    weight_offset 0.0 (default): the w-scaled norm (float32 variance,
+    `weight * x_normed.to(input_dtype)`). weight_offset 1.0: the (1 + w) norm, all in float32
     (`x_normed * (1.0 + weight.float())`, then cast to the input dtype); the checkpoint stores w (zero-centred).
 
     forward(x) -> y; forward(x, residual) -> (y, x + residual) with y = rmsnorm(x + residual);

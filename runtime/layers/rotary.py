@@ -1,5 +1,5 @@
-"""Rotary position embeddings: neox (rotate_half) layout, and mRoPE with interleaved (Qwen3-VL) or
-blocked (Qwen2-VL) frequency sections; frequencies from transformers' rope types (default, linear, dynamic,
+"""Rotary position embeddings: neox (rotate_half) layout, and mRoPE (positions [3, N]) with interleaved or
+blocked (contiguous) frequency sections; frequencies from transformers' rope types (default, linear, dynamic,
 yarn, llama3)."""
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ ROTARY_KINDS = ("neox", "mrope_interleaved", "mrope_blocked")
 def mrope_axis_map(kind: str, sections: Sequence[int], half: int) -> torch.Tensor:
     """[half] int32: which position axis (0=t, 1=h, 2=w) drives each frequency slot.
 
-    interleaved (HF Qwen3-VL apply_interleaved_mrope): slot j takes h when j % 3 == 1 and j < 3 * s_h,
-    w when j % 3 == 2 and j < 3 * s_w, else t.  blocked (Qwen2-VL): t for the first s_t slots, then h, then w.
+    interleaved (transformers' apply_interleaved_mrope): slot j takes h when j % 3 == 1 and j < 3 * s_h,
+    w when j % 3 == 2 and j < 3 * s_w, else t.  blocked: t for the first s_t slots, then h, then w.
     """
     if len(sections) != 3 or sum(sections) != half:
         raise ValueError(f"mrope_section {list(sections)} must have 3 entries summing to head_dim/2 = {half}")
@@ -62,7 +62,7 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
 
     - default: inv_freq = 1 / theta ** (arange(0, D, 2) / D).
     - linear: default / factor.
-    - llama3: Llama 3.1's per-wavelength scaling (factor, low_freq_factor, high_freq_factor,
+    - llama3: per-wavelength scaling (factor, low_freq_factor, high_freq_factor,
       original_max_position_embeddings).
     - yarn: NTK-by-parts interpolation between default and default / factor with the linear ramp over
       [beta_fast, beta_slow] rotations at original_max_position_embeddings (truncate: floor/ceil the ramp
@@ -136,11 +136,11 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         low_freq_wavelen = old_context_len / low_freq_factor
         high_freq_wavelen = old_context_len / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        inv_freq_scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
         smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        smoothed_inv_freq = (1 - smooth_factor) * inv_freq_scaled / factor + smooth_factor * inv_freq_scaled
         is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        inv_freq = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+        inv_freq = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_scaled)
     else:                                                   # yarn
         original = p.get("original_max_position_embeddings", max_position)
         factor = p["factor"]

@@ -1,4 +1,5 @@
-"""Vision-tower building blocks (ViT with 2x2 patch merging, as Qwen3-VL's), composed by generated code.
+"""Vision-tower building blocks (a ViT with 2-D rotary, interpolated learned positions and m x m patch merging),
+composed by generated code.
 
 Input layout (what the HF image/video processors produce): `pixel_values [P, C*tp*p*p]`, one row per
 patch, rows of each image / video in the order (t, h/m, w/m, m, m) -- i.e. every m x m merge block is 4

@@ -55,7 +55,7 @@ def _user_namespace() -> list[str]:
 
 
 def generated_packages() -> dict[str, str]:
-    """architecture name -> generated package name (e.g. "xllm_gen.generated.qwen3")."""
+    """architecture name -> generated package name (e.g. "xllm_gen.generated.<spec name>")."""
     candidates: list[str] = []
     for info in pkgutil.iter_modules(generated_pkg.__path__):
         if info.ispkg:

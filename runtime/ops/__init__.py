@@ -52,8 +52,8 @@ def _(x, weight, eps, weight_offset=0.0):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
-    """weight_offset 0: HF Llama/Qwen3 RMSNorm (`weight * x_normed.to(dtype)`); 1.0: HF Gemma's (1 + weight)
-    norm computed in float32 and cast to x's dtype."""
+    """weight_offset 0: HF's w-scaled RMSNorm (`weight * x_normed.to(dtype)`); 1.0: the (1 + weight) RMSNorm,
+    computed in float32 and cast to x's dtype."""
     if not x.is_cuda:  # skip the custom-op dispatch cost on the CPU path
         return reference.rms_norm(x, weight, eps, weight_offset)
     if _direct():

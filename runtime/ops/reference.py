@@ -1,7 +1,7 @@
 """Pure-torch references of the fused ops.
 
 These are the CPU implementations and the oracles of the Triton kernels. Their arithmetic follows
-Hugging Face transformers' Qwen3 / Qwen3-VL modules step by step (same op order, same dtype casts), so
+Hugging Face transformers' modules (RMSNorm, rotary, gated MLP, attention) step by step (same op order, same dtype casts), so
 that float32 runs on CPU match HF bit for bit.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
-    """weight_offset 0: HF Qwen3RMSNorm / LlamaRMSNorm, float32 variance, `weight * x_normed.to(input_dtype)`.
-    weight_offset != 0: HF Gemma2RMSNorm (offset 1), all in float32, `(x_normed * (offset + weight.float()))`
-    cast to the input dtype at the end."""
+    """weight_offset 0: HF's w-scaled RMSNorm, float32 variance, `weight * x_normed.to(input_dtype)`.
+    weight_offset != 0: HF's (offset + w) RMSNorm (offset 1), all in float32,
+    `(x_normed * (offset + weight.float()))` cast to the input dtype at the end."""
     dtype = x.dtype
     h = x.to(torch.float32)
     var = h.pow(2).mean(-1, keepdim=True)
@@ -38,7 +38,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """gelu(x[..., :n]) * x[..., n:] (HF Gemma MLP: act_fn(gate_proj(x)) * up_proj(x)); approximate "tanh" or
+    """gelu(x[..., :n]) * x[..., n:] (HF's GELU-gated MLP: act_fn(gate_proj(x)) * up_proj(x)); approximate "tanh" or
     "none" (exact erf)."""
     n = x.shape[-1] // 2
     return F.gelu(x[..., :n], approximate=approximate) * x[..., n:]

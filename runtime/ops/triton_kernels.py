@@ -34,9 +34,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, stride_x, stride_r, D, 
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / D
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_OFFSET:      # Gemma: (x_normed * (offset + w)) in float32, one rounding at the end
+    if HAS_OFFSET:      # (offset + w) norm: (x_normed * (offset + w)) in float32, one rounding at the end
         y = (xf * (1.0 / tl.sqrt(var + eps))) * (offset + w)
-    else:               # Llama / Qwen: x_normed rounded to the input dtype, then times w
+    else:               # w norm: x_normed rounded to the input dtype, then times w
         y = w * (xf * (1.0 / tl.sqrt(var + eps))).to(in_dtype).to(tl.float32)
     tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -49,7 +49,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype, weight_offset: float) -> torch.dtype:
-    """The output dtype of rms_norm: HF's `weight * x.to(dtype)` promotes (offset 0); Gemma's `.type_as(x)`
+    """The output dtype of rms_norm: HF's `weight * x.to(dtype)` promotes (offset 0); the (offset + w) norm's `.type_as(x)`
     keeps the input dtype (offset != 0)."""
     return x_dtype if weight_offset else torch.promote_types(x_dtype, w_dtype)
 
@@ -374,7 +374,7 @@ def skinny_gemm_config(M: int, N: int, K: int, elem_size: int = 2) -> tuple[int,
       BLOCK_N: 8 rows (the x chunk a thread loads is reused by 8 rows: x reads stay <= the W stream up to M = 8),
                halved while the grid has fewer than 512 programs (M <= 2) / 256 programs (M > 2: the x chunk
                costs M / BLOCK_N of the W bytes, so fewer, wider programs), down to 1.
-    Qwen3-0.6B (N, K) at M 1 / 8: (4096, 1024) -> 8 / 8; (6144, 1024) -> 8 / 8; (1024, 2048), (1024, 3072) -> 2 / 4."""
+    A 0.6B model's (N, K) (hidden 1024, 16 x 128 heads) at M 1 / 8: (4096, 1024) -> 8 / 8; (6144, 1024) -> 8 / 8; (1024, 2048), (1024, 3072) -> 2 / 4."""
     vec = 16 // elem_size
     full = vec * 32 * 4
     if K < full:

@@ -3,7 +3,7 @@
     xllm-gen-serve [MODEL] [--host 127.0.0.1 --port 8000 --tensor-parallel-size 1 --max-model-len N
                    --max-num-seqs 256 --max-queue 256 ...]
 
-Without MODEL it serves the embedded default (a tiny random-weight Qwen3 built offline on first use).
+Without MODEL it serves the embedded default (runtime/tiny.py: a tiny random-weight checkpoint built offline on first use).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true gives Server-Sent Events in
 OpenAI's chunk format ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus)."""
 from __future__ import annotations
@@ -336,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="xllm-gen-serve", description="An OpenAI-compatible server (completions, "
                                  "chat, streaming, metrics) over a Hugging Face checkpoint dir.")
-    ap.add_argument("model", nargs="?", help="HF checkpoint dir (default: the embedded tiny Qwen3, built on first use)")
+    ap.add_argument("model", nargs="?", help="HF checkpoint dir (default: the embedded tiny checkpoint, built on first use)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one, printed at start)")
     ap.add_argument("--served-model-name", help="model name in the API (default: the checkpoint dir name)")
