@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from .ir import (AttentionIR, GatedMLPIR, LinearIR, ModelIR, NormIR, PatchMergerIR, RankTableIR, VariantIR,
+from .ir import (AttentionIR, GatedMLPIR, LinearIR, ModelIR, MoEIR, NormIR, PatchMergerIR, RankTableIR, VariantIR,
                  VisionAttentionIR, VisionMLPIR)
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4,
@@ -43,6 +43,11 @@ def _block(b) -> str:
         return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
                 f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
                 f"bias={b.down_bias})")
+    if isinstance(b, MoEIR):
+        return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
+                f"intermediate={b.intermediate}, act={b.activation}, norm_topk_prob={b.norm_topk_prob}, router "
+                f"{b.router_name} (replicated, softmax top-k), experts.gate_up_proj=[gate, up], experts.down_proj, "
+                f"{b.parallel} parallel)")
     return repr(b)
 
 
@@ -86,7 +91,9 @@ def format_resolved(ir: ModelIR) -> str:
         if hasattr(s, "branches"):
             w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" for b in s.branches))
         else:
-            w(f"      residual: {s.norm} -> {s.block}" + (f" -> {s.post_norm}" if s.post_norm else ""))
+            block = s.block if s.choice is None else \
+                f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
+            w(f"      residual: {s.norm} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else ""))
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
@@ -128,6 +135,10 @@ def format_resolved(ir: ModelIR) -> str:
             shard += f" if tp divides {p.tp_if[1]}, else replicated"
         if p.repeat is not None:
             cond += f"  x {p.repeat}"
+        if p.experts is not None:
+            shard += " (per expert)" if p.shard != "expert" else ""
+        if p.when is not None:
+            cond += f"  [only where {'' if p.when[1] else 'not '}({p.when[0]})]"
         w(f"  {p.name}  {shape}  {shard}{cond}")
         w(f"      <- {' + '.join(wt.sources)}")
     if ir.ignored:

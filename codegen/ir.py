@@ -175,6 +175,12 @@ class ParamIR:
     repeat: Optional[Size] = None          # vision: one per block / deepstack level ({i}); None: once or per layer
     tp_if: Optional[Tuple[str, Size]] = None   # vision: (flag, units): sharded only when TP divides units,
                                                # else replicated (the runtime vision layers decide alike)
+    experts: Optional[Size] = None         # a stacked expert parameter [experts, ...]: sources name `{e}`; the
+                                           # split dim of colwise / rowwise is the one after the expert dim
+    when: Optional[Tuple[Any, bool]] = None    # per-layer choice: exists in layer i iff cond(i) == the bool
+
+    def in_layer(self, values: Mapping[str, Any], layer: int) -> bool:
+        return self.when is None or bool(self.when[0].eval(values, layer)) == self.when[1]
 
 
 @dataclass(frozen=True)
@@ -268,16 +274,42 @@ class GatedMLPIR:
     down_bias: Value
 
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR]
+@dataclass(frozen=True)
+class MoEIR:
+    """Mixture of experts: replicated router -> softmax -> top-k (renormalized when norm_topk_prob) -> stacked
+    gated-MLP experts (runtime layers.moe.FusedMoE), split over TP ranks by intermediate rows or by experts."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    experts: Size
+    top_k: Size
+    intermediate: Size
+    activation: Value
+    norm_topk_prob: Value
+    router_name: str
+    parallel: str                 # tensor | expert
+
+
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MoEIR]
+
+
+@dataclass(frozen=True)
+class ChoiceIR:
+    """A per-layer choice of block: layer i builds `then` where cond(i) holds, else `else_`; one module `name`."""
+    cond: Value                   # a bool expression over config symbols and `layer`
+    then: str
+    else_: str
 
 
 @dataclass(frozen=True)
 class StepIR:
     """A residual step: residual += hidden; hidden = post_norm(block(norm(residual)))."""
     norm: str
-    block: str
+    block: str                    # the module (for a choice: the module both alternatives become)
     takes_positions: bool         # attention blocks get (positions, hidden), the others (hidden)
     post_norm: Optional[str] = None
+    choice: Optional[ChoiceIR] = None
 
 
 @dataclass(frozen=True)
@@ -488,6 +520,23 @@ class ModelIR:
     def deepstack_is_prefix(self) -> bool:
         """Deepstack after layers 0, 1, ..., k-1 (Qwen3-VL): rendered as one enumerate loop."""
         return self.deepstack_after == tuple(range(len(self.deepstack_after)))
+
+    @property
+    def choices(self) -> Tuple[ChoiceIR, ...]:
+        out = []
+        for s in self.layer.steps:
+            for st in getattr(s, "branches", (s,)):
+                if st.choice is not None:
+                    out.append(st.choice)
+        return tuple(out)
+
+    def choice_of(self, block: str) -> Optional[Tuple[ChoiceIR, str]]:
+        """(the choice, its module name) when `block` is an alternative of a per-layer choice."""
+        for s in self.layer.steps:
+            for st in getattr(s, "branches", (s,)):
+                if st.choice is not None and block in (st.choice.then, st.choice.else_):
+                    return st.choice, st.block
+        return None
 
     @property
     def attention_blocks(self) -> Tuple[AttentionIR, ...]:

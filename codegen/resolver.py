@@ -19,12 +19,13 @@ from xllm_gen.runtime.executor.sharding import Segment, check_segment, heads_per
 from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
-from .ir import (AttentionIR, ConfigFieldIR, EmbeddingIR, GatedMLPIR, LayerIR, LinearIR, LMHeadIR, ModelIR,
+from .ir import (AttentionIR, ChoiceIR, ConfigFieldIR, MoEIR, EmbeddingIR, GatedMLPIR, LayerIR, LinearIR, LMHeadIR, ModelIR,
                  NormIR, ParallelStepIR, ParamIR, PatchEmbedIR, PatchMergerIR, PosEmbedIR, RankTableIR, Ratio, RotaryIR, RunnerIR,
                  SegmentIR, Size, StepIR, Value, VariantIR, VisionAttentionIR, VisionIR, VisionMLPIR, VisionStepIR,
                  WeightIR)
 from .loader import LoadedSpec
-from .schema import (AttentionBlock, FusedLinearBlock, GatedMLPBlock, LayerNormBlock, LinearBlock, ParallelStep,
+from .schema import (AttentionBlock, Choice, FusedLinearBlock, GatedMLPBlock, LayerNormBlock, LinearBlock, MoEBlock,
+                     ParallelStep,
                      RMSNormBlock, Spec, VisionAttentionBlock, VisionMLPBlock)
 from .yaml_loader import display_path
 
@@ -381,20 +382,44 @@ class _Resolver:
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            roles = [("norm", st.norm, ("rmsnorm", "layernorm")), ("block", st.block, ("attention", "gated_mlp"))]
+            mixers = ("attention", "gated_mlp", "moe")
+            choice = None
+            if isinstance(st.block, Choice):
+                c = st.block
+                roles = [("norm", st.norm, ("rmsnorm", "layernorm")), (("block", "then"), c.then, mixers),
+                         (("block", "else"), c.else_, mixers)]
+                cond = self.expr(sp + ("block", "if"), c.if_, per_layer=True)
+                module = self.ident(sp + ("block", "name"), c.name or c.else_, "module name")
+                if module in blocks and module not in (c.then, c.else_):
+                    raise self.err(sp + ("block", "name"), f"{where}.block.name: '{module}' is another block's name")
+                choice = ChoiceIR(Value(expr=cond), c.then, c.else_)
+            else:
+                roles = [("norm", st.norm, ("rmsnorm", "layernorm")), ("block", st.block, mixers)]
+                module = st.block
             if st.post_norm is not None:
                 roles.append(("post_norm", st.post_norm, ("rmsnorm", "layernorm")))
             for role, ref, kinds in roles:
+                rp = sp + (role if isinstance(role, tuple) else (role,))
+                role = ".".join(role) if isinstance(role, tuple) else role
                 if ref not in blocks:
-                    raise self.err(sp + (role,), f"{where}.{role}: no block '{ref}' in "
-                                                 f"decoder.layers.blocks{did_you_mean(ref, blocks)}")
+                    raise self.err(rp, f"{where}.{role}: no block '{ref}' in "
+                                       f"decoder.layers.blocks{did_you_mean(ref, blocks)}")
                 if blocks[ref].kind not in kinds:
-                    raise self.err(sp + (role,), f"{where}.{role}: block '{ref}' is "
-                                                 f"{blocks[ref].kind}, expected {' or '.join(kinds)}")
+                    raise self.err(rp, f"{where}.{role}: block '{ref}' is "
+                                       f"{blocks[ref].kind}, expected {' or '.join(kinds)}")
                 if ref in used and not (role == "norm" and ref in shared_norm_ok):
-                    raise self.err(sp + (role,), f"{where}.{role}: block '{ref}' is already "
-                                                 f"used by {used[ref]}; each block is used once")
+                    raise self.err(rp, f"{where}.{role}: block '{ref}' is already "
+                                       f"used by {used[ref]}; each block is used once")
                 used[ref] = where
+            if choice is not None:
+                if choice.then == choice.else_:
+                    raise self.err(sp + ("block", "then"), f"{where}.block: `then` and `else` name the same block")
+                if (blocks[choice.then].kind == "attention") != (blocks[choice.else_].kind == "attention"):
+                    raise self.err(sp + ("block",), f"{where}.block: the alternatives of a choice take the same input; "
+                                                    f"an attention block (positions, hidden) cannot alternate with "
+                                                    f"'{blocks[choice.else_ if blocks[choice.then].kind == 'attention' else choice.then].kind}' (hidden)",
+                                   at_key=True)
+                return StepIR(st.norm, module, isinstance(blocks[choice.then], AttentionIR), st.post_norm, choice)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR), st.post_norm)
 
         for i, st in enumerate(L.dataflow):
@@ -511,6 +536,16 @@ class _Resolver:
                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                               self.flag(path + ("down", "bias"), b.down.bias))
+        if isinstance(b, MoEBlock):
+            router = self.ident(path + ("router", "name"), b.router.name, "module name")
+            if router == "experts":
+                raise self.err(path + ("router", "name"), f"{self._where(path)}.router.name: 'experts' is the "
+                                                          f"stacked experts' module")
+            return MoEIR("moe", name, f"{prefix}SparseMoeBlock" if unique_kind else f"{prefix}{camel}",
+                         self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
+                         self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
+                         self.activation(path + ("activation",), b.activation),
+                         self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
     def activation(self, path, name: str) -> Value:
@@ -694,7 +729,7 @@ class _Resolver:
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
-            elif isinstance(b, (AttentionIR, GatedMLPIR)):
+            elif isinstance(b, (AttentionIR, GatedMLPIR, MoEIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):
@@ -718,8 +753,17 @@ class _Resolver:
         pre = self.prefix
         out.append(ParamIR(f"{pre}.embed_tokens.weight", "decoder.embed_tokens", (embed.vocab, embed.dim), "vocab",
                            vocab=embed.vocab))
+        module_of, when_of = {}, {}
+        for s in layer.steps:
+            for st in getattr(s, "branches", (s,)):
+                if st.choice is not None:
+                    c = st.choice
+                    module_of[c.then], when_of[c.then] = st.block, (c.cond, True)
+                    module_of[c.else_], when_of[c.else_] = st.block, (c.cond, False)
         for b in layer.blocks:
-            out += self.block_params(f"{pre}.layers.{{i}}.{b.name}", f"decoder.layers.blocks.{b.name}", b, True)
+            ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
+                                   b, True)
+            out += [dataclasses.replace(p, when=when_of[b.name]) for p in ps] if b.name in when_of else ps
         out += self.block_params(f"{pre}.norm", "decoder.norm", norm, False)
         if lm_head.tie.literal is not True:
             out.append(ParamIR("lm_head.weight", "lm_head", (lm_head.vocab, lm_head.dim), "vocab", vocab=lm_head.vocab,
@@ -770,6 +814,21 @@ class _Resolver:
                 ps += [P(f"{b.qk_norm[0]}.weight", (b.head_dim,), "replicated"),
                        P(f"{b.qk_norm[1]}.weight", (b.head_dim,), "replicated")]
             return ps
+        if isinstance(b, MoEIR):
+            E = b.experts
+            if b.parallel == "tensor":
+                up = ParamIR(f"{prefix}.experts.gate_up_proj", block, (E, Size.of(2) * b.intermediate, b.hidden),
+                             "colwise", (SegmentIR("gate", b.intermediate, one), SegmentIR("up", b.intermediate, one)),
+                             per_layer=per_layer, experts=E)
+                down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate), "rowwise",
+                               (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
+            else:                         # expert parallel: whole experts per rank (dim 0), segments as loaded
+                up = ParamIR(f"{prefix}.experts.gate_up_proj", block, (E, Size.of(2) * b.intermediate, b.hidden),
+                             "expert", (SegmentIR("gate", b.intermediate, one), SegmentIR("up", b.intermediate, one)),
+                             per_layer=per_layer, experts=E)
+                down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate), "expert",
+                               (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
+            return [P(f"{b.router_name}.weight", (E, b.hidden), "replicated"), up, down]
         if isinstance(b, GatedMLPIR):
             g, u = b.gate_up_segments
             ps = column(f"{b.gate_up_name}.", b.hidden, [SegmentIR(g, b.intermediate, one),
@@ -803,7 +862,7 @@ class _Resolver:
             e = entries.get(p.name)
             path = section + (keys.get(p.name, ""),)
             if e is None:
-                if p.segments and len(p.segments) > 1 and not (p.tp_if or p.repeat):
+                if p.segments and len(p.segments) > 1 and not (p.tp_if or p.repeat or p.experts):
                     shown = p.name if not top or self.prefix == "model" or not p.name.startswith(self.prefix + ".") \
                         else "model" + p.name[len(self.prefix):]
                     names = ", ".join(f"{sg.name}: <tensor>" for sg in p.segments)
@@ -827,14 +886,19 @@ class _Resolver:
                                           f"{list(e.from_)}{hint}", at_key=bool(bad))
                 sources = tuple(rename(v) for v in e.from_.values())
             looped = p.per_layer or p.repeat is not None
+            per_expert = p.experts is not None and e is not None and any("{e}" in src for src in sources)
             for i, src in enumerate(sources):
                 if looped and "{i}" not in src:
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}' is a per-layer tensor; "
                                                      f"name it with {{i}} for the layer index")
-                if re.sub(r"\{i\}", "", src).count("{") or re.sub(r"\{i\}", "", src).count("}") or \
-                        (not looped and "{i}" in src):
+                if per_expert and "{e}" not in src:
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': the experts are "
+                                                     f"stacked from per-expert tensors: name each with {{e}}")
+                rest = re.sub(r"\{[ie]\}" if p.experts is not None else r"\{i\}", "", src)
+                if rest.count("{") or rest.count("}") or (not looped and "{i}" in src):
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': only per-layer tensors "
-                                                     f"may use {{i}}, and no other placeholder exists")
+                                                     f"may use {{i}}, only stacked expert parameters {{e}}, and no "
+                                                     f"other placeholder exists")
             out.append(WeightIR(p, sources))
         return tuple(out)
 
@@ -963,6 +1027,24 @@ class _Resolver:
                             ("decoder", "layers", "blocks", b.name, "rotary", "mrope_section")
                         raise self.err(where, f"variants.{name}: mrope_section {list(sec)} sums to {sum(sec)}, "
                                               f"expected head_dim / 2 = {hd // 2}")
+            if isinstance(b, MoEIR) and b.top_k.eval(values) > b.experts.eval(values):
+                raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
+                               f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "
+                               f"({b.experts.eval(values)})")
+        for i, stp in enumerate(layer.steps):
+            for st in getattr(stp, "branches", (stp,)):
+                if st.choice is None:
+                    continue
+                for li in range(layers):
+                    try:
+                        x = st.choice.cond.eval(values, li)
+                    except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
+                        raise self.err(("decoder", "layers", "dataflow", i, "block", "if"),
+                                       f"variants.{name}: the choice's `if` fails for layer {li}: "
+                                       f"{type(exc).__name__}: {exc}") from None
+                    if not isinstance(x, bool):
+                        raise self.err(("decoder", "layers", "dataflow", i, "block", "if"),
+                                       f"variants.{name}: the choice's `if` gives {x!r} for layer {li}, not a bool")
         if deepstack and deepstack[-1] >= layers:
             raise self.err(("decoder", "deepstack", "after_layers"),
                            f"decoder.deepstack.after_layers: layer {deepstack[-1]} does not exist in variant "
@@ -1023,8 +1105,14 @@ class _Resolver:
             shape = [s.eval(values) for s in p.shape]
             if p.tp_if is not None and not (tp > 1 and p.tp_if[1].eval(values) % tp == 0):
                 pass                               # replicated at this TP size (runtime vision layers alike)
+            elif p.shard == "expert":          # whole experts per rank
+                E = shape[0]
+                if E % tp:
+                    raise self.err(where, f"tensor parallel size {tp}, variant {vname}: {p.name}: {E} experts are "
+                                          f"not divisible by the expert-parallel size {tp}")
+                shape[0] = E // tp
             elif p.shard in ("colwise", "rowwise"):
-                dim = 0 if p.shard == "colwise" else 1
+                dim = (0 if p.shard == "colwise" else 1) + (1 if p.experts is not None else 0)
                 n = 0
                 for s in p.segments:
                     seg = Segment(s.name, s.heads.eval(values), s.unit.eval(values), s.replicate_ok)
@@ -1039,7 +1127,11 @@ class _Resolver:
             for d in shape:
                 numel *= d
             rows.append((p.name, tuple(shape), numel))
-            if p.per_layer:
+            if p.per_layer and p.when is not None:      # a per-layer choice: only the layers that build it
+                n_layers = layer.count.eval(values)
+                layer_numel += numel if p.in_layer(values, 0) else 0
+                total += numel * sum(p.in_layer(values, li) for li in range(n_layers))
+            elif p.per_layer:
                 layer_numel += numel
             elif p.repeat is not None:
                 total += numel * p.repeat.eval(values)
@@ -1048,7 +1140,9 @@ class _Resolver:
         layers = layer.count.eval(values)
         heads = tuple((b.name, heads_per_rank(b.heads.eval(values), tp), heads_per_rank(b.kv_heads.eval(values), tp))
                       for b in layer.blocks if isinstance(b, AttentionIR))
-        return RankTableIR(tp, heads, tuple(rows), layer_numel, total + layer_numel * layers)
+        plain = sum(c for (n, _, c), p in zip(rows, [p for p in params if not (p.only_if_untied and tied)])
+                    if p.per_layer and p.when is None)
+        return RankTableIR(tp, heads, tuple(rows), layer_numel, total + plain * layers)
 
 
 def _maybe(flag: Value) -> bool:

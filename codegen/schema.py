@@ -154,6 +154,29 @@ class GatedMLPBlock(Strict):
     down: Projection
 
 
+class Router(Strict):
+    """The router of a mixture-of-experts block: a replicated linear hidden -> experts (no bias)."""
+    name: StrictStr = "gate"
+
+
+class MoEBlock(Strict):
+    """Mixture of experts: a replicated router (`router.name`: linear hidden -> experts), softmax over the experts,
+    the `top_k` largest probabilities (renormalized to sum 1 when `norm_topk_prob`), and the experts as one stacked
+    gated MLP (module `experts`, parameters `gate_up_proj [experts, 2 * intermediate, hidden]` with segments
+    gate | up, and `down_proj [experts, hidden, intermediate]`); the output is the routing-weighted sum of the
+    chosen experts. `activation` as a gated MLP's. `parallel: tensor` splits every expert over the
+    intermediate dimension (column / row, one all-reduce); `parallel: expert` gives each rank whole experts."""
+    kind: Literal["moe"]
+    hidden: Dim
+    experts: Dim
+    top_k: Dim
+    intermediate: Dim
+    activation: StrictStr
+    norm_topk_prob: Flag = False
+    router: Router = Router()
+    parallel: Literal["tensor", "expert"] = "tensor"
+
+
 class LMHeadBlock(Strict):
     kind: Literal["lm_head"]
     vocab: Dim
@@ -163,17 +186,29 @@ class LMHeadBlock(Strict):
 
 
 LayerBlock = Annotated[
-    Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock],
+    Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MoEBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
 
 
+class Choice(Strict):
+    """A per-layer choice of block: `{if: <bool expression over config symbols and `layer`>, then: A, else: B}`.
+    Layer i builds A where the expression is true for i, else B; both become the same module, named `name`
+    (default: the name of B). A and B take the same input (neither may be attention if the other is not)."""
+    if_: StrictStr = Field(alias="if")
+    then: StrictStr
+    else_: StrictStr = Field(alias="else")
+    name: Optional[StrictStr] = None
+
+
 class ResidualStep(Strict):
     """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add).
-    `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2)."""
+    `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2).
+    `block` may be a per-layer choice `{if: expr, then: A, else: B}` (e.g. a MoE on some layers, a dense MLP on
+    the others)."""
     norm: StrictStr
-    block: StrictStr
+    block: Union[StrictStr, Choice]
     post_norm: Optional[StrictStr] = None
 
 
@@ -214,7 +249,8 @@ class WeightEntry(Strict):
 
     A parameter without an entry loads the tensor of its own name. `from` renames it; a mapping
     {segment: tensor} stacks several checkpoint tensors into a fused parameter, in the block's segment order
-    (which is the order of its forward split). `{i}` stands for the layer index."""
+    (which is the order of its forward split). `{i}` stands for the layer index, `{e}` for the expert index of a
+    stacked expert parameter (the per-expert tensors are stacked at load; each rank reads only its slices)."""
     from_: Union[StrictStr, Dict[StrictStr, StrictStr]] = Field(alias="from")
 
 
@@ -337,6 +373,6 @@ class Spec(Strict):
     variants: Dict[StrictStr, Dict[StrictStr, Scalar]] = {}
 
 
-BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "lm_head",
+BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "moe", "lm_head",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

@@ -9,6 +9,7 @@ from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from xllm_gen.runtime.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                             ReplicatedLinear, RowParallelLinear)
+from xllm_gen.runtime.layers.moe import FusedMoE
 from xllm_gen.runtime.layers.norm import LayerNorm, RMSNorm
 from xllm_gen.runtime.layers.rotary import ROPE_TYPES, ROTARY_KINDS, Rotary, mrope_axis_map, qk_norm_rope, rope_parameters
 
@@ -16,5 +17,5 @@ __all__ = [
     "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_TYPES",
-    "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack",
+    "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
 ]

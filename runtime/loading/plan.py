@@ -1,7 +1,9 @@
 """The weight plan of a model: what each parameter loads from the checkpoint.
 
 A generated model module gives only the names that differ (`WEIGHT_SOURCES`: renamed tensors and the
-segments of fused parameters); every other parameter loads the tensor of its own name. How a tensor is
+segments of fused parameters); every other parameter loads the tensor of its own name. `{i}` in a name is the
+layer index; `{e}` in a source is the expert index of a stacked expert parameter: the rule lists one tensor per
+expert the parameter's rank holds (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>". How a tensor is
 sharded is the business of the parameter's layer (its `weight_loader`), never restated here.
 """
 from __future__ import annotations
@@ -20,17 +22,32 @@ def _pattern(name: str) -> re.Pattern:
     return re.compile("^" + re.escape(name).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
 
 
+def _per_expert(name: str, param, fill, src: Sources) -> WeightRule:
+    """The rule of a stacked expert parameter from per-expert tensor names (`{e}`)."""
+    ids = getattr(getattr(param, "tp_split", None), "expert_ids", None)
+    if ids is None:
+        raise ValueError(f"weight plan: {name!r} is stacked from per-expert tensors ({{e}}), but its layer holds no "
+                         f"experts (param.tp_split.expert_ids)")
+    if isinstance(src, str):
+        return WeightRule(name, tuple(fill(src).replace("{e}", str(e)) for e in ids),
+                          segments=tuple(str(e) for e in ids))
+    return WeightRule(name, tuple(fill(s).replace("{e}", str(e)) for e in ids for s in src.values()),
+                      segments=tuple(f"{e}.{seg}" for e in ids for seg in src))
+
+
 def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources]) -> list[WeightRule]:
     """One rule per parameter of `model` (shared parameters once, under their first name)."""
     table = [(_pattern(k), v) for k, v in sources.items()]
     rules = []
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         for pat, src in table:
             m = pat.match(name)
             if m is None:
                 continue
             fill = (lambda s: s.replace("{i}", m.group("i"))) if "i" in pat.groupindex else (lambda s: s)
-            if isinstance(src, str):
+            if any("{e}" in s for s in ([src] if isinstance(src, str) else src.values())):
+                rules.append(_per_expert(name, param, fill, src))
+            elif isinstance(src, str):
                 rules.append(WeightRule(name, (fill(src),)))
             else:
                 rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src)))

@@ -1,0 +1,185 @@
+"""Mixture of experts: the experts as one stacked gated MLP, routed by softmax top-k.
+
+`FusedMoE(num_experts, hidden, intermediate, top_k, renormalize, activation, parallel)` holds
+`gate_up_proj [E, 2 * I, H]` (per expert: gate rows | up rows) and `down_proj [E, H, I]`; its forward takes the
+hidden states and the router logits (the router is a replicated linear of the block that owns this layer).
+
+Sharding, decided here (and only here):
+  parallel="tensor": every rank holds every expert, split over the intermediate dimension: gate_up_proj is
+      column-parallel along dim 1 (per segment gate / up), down_proj row-parallel along dim 2; the partial
+      outputs are summed with one all-reduce.
+  parallel="expert": rank r holds experts [r * E / tp, (r + 1) * E / tp) whole; pairs routed to another rank's
+      experts contribute nothing here, and the all-reduce sums the ranks' outputs.
+
+Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
+(down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
+means `loaded` is the whole stacked tensor [E, ...]. `param.tp_split.expert_ids` are the experts this rank
+holds (the weight plan reads only those tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
+from xllm_gen.runtime.executor.sharding import (ParamSplit, Segment, SegmentSlice, WeightLoadError, raise_or_defer,
+                                                source_shape, split_segment)
+from xllm_gen.runtime.layers.activation import gated_act
+from xllm_gen.runtime.ops import moe as moe_ops
+
+PARALLEL_MODES = ("tensor", "expert")
+
+
+class _ExpertWindow:
+    """Expert e of a stacked [E, ...] tensor or lazy slice, itself sliceable lazily (rows, columns)."""
+
+    def __init__(self, base, e: int):
+        self.base, self.e = base, e
+
+    def get_shape(self) -> list[int]:
+        return list(source_shape(self.base)[1:])
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        return self.base[(slice(self.e, self.e + 1),) + idx][0]
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """How a stacked expert parameter [E_local, rows, cols] is split, for this rank; `load` is its weight loader.
+
+    `inner` splits one expert's matrix (column: rows per segment; row: columns); experts
+    [expert_start, expert_start + E_local) are held. Reads as a ParamSplit for the TP plan: kind, dim,
+    segments, global_shape()."""
+    inner: ParamSplit
+    num_experts: int
+    expert_start: int
+    expert_stop: int
+    mode: str                              # tensor | expert
+    owner: str = ""
+
+    # ---- the ParamSplit view (tp_check, loader) ----
+    @property
+    def kind(self) -> str:
+        return "expert" if self.mode == "expert" else self.inner.kind
+
+    @property
+    def dim(self) -> Optional[int]:
+        if self.mode == "expert":
+            return 0 if self.tp_size > 1 else None
+        return None if self.inner.dim is None else self.inner.dim + 1
+
+    @property
+    def segments(self) -> tuple[SegmentSlice, ...]:
+        if self.mode == "expert":
+            return (SegmentSlice("experts", self.num_experts, self.expert_start, self.expert_stop),)
+        return self.inner.segments
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.expert_stop - self.expert_start,) + tuple(self.inner.shape)
+
+    @property
+    def tp_size(self) -> int:
+        return self.inner.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.inner.tp_rank
+
+    @property
+    def expert_ids(self) -> range:
+        return range(self.expert_start, self.expert_stop)
+
+    def global_shape(self) -> tuple[int, ...]:
+        return (self.num_experts,) + tuple(self.inner.global_shape())
+
+    @property
+    def segment_names(self) -> tuple[str, ...]:
+        names = self.inner.segment_names if len(self.inner.segments) > 1 else ("",)
+        return tuple(f"{e}.{n}" if n else str(e) for e in self.expert_ids for n in names)
+
+    def segment_index(self, shard_id: Union[int, str]) -> int:
+        names = self.segment_names
+        if isinstance(shard_id, str) and shard_id in names:
+            return names.index(shard_id)
+        raise WeightLoadError(f"{self.owner or 'the layer'} has no expert segment {shard_id!r}: this rank holds "
+                              f"experts {self.expert_start}..{self.expert_stop - 1}, shard ids are 'e' or "
+                              f"'e.<segment>' ({', '.join(self.inner.segment_names)})")
+
+    def load(self, param: torch.Tensor, loaded, shard_id: Union[int, str, None] = None) -> None:
+        if shard_id is None:                                      # the whole stacked tensor [E, ...]
+            shape = source_shape(loaded)
+            if not shape or shape[0] != self.num_experts:
+                raise WeightLoadError(f"shape {tuple(shape)}: expected {self.num_experts} stacked experts in dim 0")
+            for e in self.expert_ids:
+                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e), None)
+            return
+        self.segment_index(shard_id)                              # raises for an unknown id / another rank's
+        e, _, seg = str(shard_id).partition(".")
+        self.inner.load(param[int(e) - self.expert_start], loaded, seg or None)
+
+
+def _attach_experts(param: nn.Parameter, split: ExpertSplit) -> None:
+    param.tp_split = split
+    param.weight_loader = split.load
+
+
+class FusedMoE(nn.Module):
+    """Experts as one stacked gated MLP: out[t] = sum_k w[t, k] * down_e(act(gate_e(x)) * up_e(x)),
+    e = ids[t, k], from softmax top-k routing of the router logits (renormalized when `renormalize`)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
+                 activation: str, parallel: str = "tensor"):
+        super().__init__()
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"FusedMoE: top_k {top_k} must be in 1..{num_experts} (the number of experts)")
+        tp, rank = get_tp_size(), get_tp_rank()
+        self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, bool(renormalize)
+        self.activation = activation
+        self.act_fn = gated_act(activation)
+        problems: list = []
+        owner = type(self).__name__
+        if parallel == "tensor":
+            gate = split_segment(Segment("gate", intermediate), tp, rank, problems)
+            up = split_segment(Segment("up", intermediate), tp, rank, [])
+            down = split_segment(Segment("down_proj", intermediate), tp, rank, [])
+            e0, e1 = 0, num_experts
+        else:
+            ex = split_segment(Segment("experts", num_experts), tp, rank, problems)
+            e0, e1 = ex.start, ex.stop
+            gate, up, down = (SegmentSlice(n, intermediate, 0, intermediate) for n in ("gate", "up", "down_proj"))
+        self.intermediate = gate.rows                                    # per rank
+        self.expert_start, self.num_local_experts = e0, e1 - e0
+        self.gate_up_proj = nn.Parameter(torch.empty(e1 - e0, 2 * gate.rows, hidden))
+        self.down_proj = nn.Parameter(torch.empty(e1 - e0, hidden, down.rows))
+        raise_or_defer(self, problems)
+        # per expert: gate_up_proj column-parallel (rows of each segment), down_proj row-parallel (columns);
+        # with parallel="expert" the segments are whole (every row), the experts are what is split
+        _attach_experts(self.gate_up_proj, ExpertSplit(
+            ParamSplit("column", 0, (gate, up), (2 * gate.rows, hidden), tp, rank, owner),
+            num_experts, e0, e1, parallel, owner))
+        _attach_experts(self.down_proj, ExpertSplit(
+            ParamSplit("row", 1, (down,), (hidden, down.rows), tp, rank, owner), num_experts, e0, e1, parallel, owner))
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe_ops.topk_softmax(router_logits, self.top_k, self.renormalize)
+        if self.parallel == "expert" and self.tp_size > 1:            # other ranks' experts: routed nowhere here
+            local = ids - self.expert_start
+            mine = (local >= 0) & (local < self.num_local_experts)
+            ids = torch.where(mine, local, torch.full_like(local, self.num_local_experts))
+        out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                                self.act_fn)
+        return all_reduce(out) if self.tp_size > 1 else out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
+                f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
+                f"activation={self.activation!r}, parallel={self.parallel!r}, tp={self.tp_size}")
+

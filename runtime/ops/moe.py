@@ -1,0 +1,100 @@
+"""Mixture-of-experts ops: routing (softmax top-k), alignment of (token, slot) pairs by expert, and the
+experts' stacked gated MLP as a grouped GEMM.
+
+Shapes: x [T, H]; w13 [E, 2 * I, H] (gate rows | up rows per expert); w2 [E, H, I]; topk_ids / topk_weights
+[T, K]. An id outside 0..E-1 (use E) routes the pair nowhere: it contributes zero (padding rows of a
+captured batch, experts held by another rank).
+
+Everything here has static shapes and never reads a tensor on the host, so it can be captured in a CUDA
+graph. `moe_align` is the data the grouped kernels consume (the torch reference here and the Triton kernel
+in ops/moe_triton.py): the pairs sorted by expert, each expert's group padded to a multiple of `block_m`,
+one expert per block of `block_m` rows.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax over the experts (float32), the top_k largest probabilities and their experts; with
+    `renormalize` the top_k weights are divided by their sum. Weights are returned in the logits' dtype."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+class Alignment(NamedTuple):
+    sorted_pairs: torch.Tensor     # [P] int64: index of a (token, slot) pair (t * K + k), or T * K for padding
+    block_expert: torch.Tensor     # [P / block_m] int64: the expert of each block of block_m rows (E: unused)
+    num_rows: torch.Tensor         # [1] int64: rows in use (the padded groups of experts 0..E-1)
+
+
+def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The static row count P: every pair, plus at most block_m - 1 padding rows per expert, in whole blocks."""
+    rows = num_pairs + num_experts * (block_m - 1)
+    return (rows + block_m - 1) // block_m * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sorts the (token, slot) pairs by expert (stable: tokens in order within an expert) and pads each
+    expert's group to a multiple of block_m rows. Pairs routed nowhere (ids outside 0..E-1) are dropped."""
+    E, device = num_experts, topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    flat = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))     # E: nowhere
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[E] = 0
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)                     # pair indices sorted by expert
+    expert_sorted = flat[order]
+    first = torch.cumsum(counts, 0) - counts                     # where each expert's pairs start in `order`
+    within = torch.arange(n, device=device) - first[expert_sorted]
+    P = padded_rows(n, E, block_m)
+    dest = torch.where(expert_sorted < E, starts[expert_sorted] + within, torch.full_like(within, P))
+    sorted_pairs = torch.full((P + 1,), n, dtype=torch.int64, device=device)
+    sorted_pairs.scatter_(0, dest, order)
+    block_start = torch.arange(0, P, block_m, device=device)
+    block_expert = torch.searchsorted(ends[:E].contiguous(), block_start, right=True)
+    return Alignment(sorted_pairs[:P], block_expert, ends[E - 1:E].clone())
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                        block_m: int = 16) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * w2[e] @ act(w13[e] @ x[t]) with e = topk_ids[t, k], grouped by expert.
+
+    `act` is the gated activation ([..., 2I] -> [..., I]: act(gate) * up). Each block of block_m rows (one
+    expert) is one batched GEMM against that expert's weights; each token's outputs are summed in increasing
+    expert order (as a per-expert loop with index_add would). Static shapes, no host sync."""
+    T, H = x.shape
+    E, K = w13.shape[0], topk_ids.shape[-1]
+    al = moe_align(topk_ids, E, block_m)
+    nb = al.block_expert.numel()
+    token = al.sorted_pairs // K                                  # T for padding rows
+    xs = torch.cat([x, x.new_zeros(1, H)])[token].view(nb, block_m, H)
+    expert = al.block_expert.clamp(max=E - 1)                     # unused blocks read expert E-1, rows are zero
+    h = act(torch.bmm(xs, w13[expert].transpose(1, 2)))           # [nb, block_m, I]
+    y = torch.bmm(h, w2[expert].transpose(1, 2)).view(-1, H)      # [P, H]
+    w = torch.cat([topk_weights.reshape(-1), topk_weights.new_zeros(1)])[al.sorted_pairs]
+    y = y * w.unsqueeze(1).to(y.dtype)
+    out = x.new_zeros(T + 1, H)
+    out.index_add_(0, token, y.to(x.dtype))
+    return out[:T]
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The experts' output: the Triton grouped kernel (ops/moe_triton.py) for a SiLU gate on CUDA, else the
+    torch reference. `activation` names the gate ("silu", "gelu_tanh", ...), `act` is its gated module."""
+    if x.is_cuda and activation == "silu":
+        from xllm_gen.runtime.ops import use_triton
+        if use_triton(x):
+            from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
+            return fused_moe_silu(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, act)
