@@ -462,7 +462,7 @@ def test_extends_composes(tmp_path, capsys):
     runner = c.files["runner.py"]
     # text-only mRoPE: three equal rows of positions, no vision merge, no deepstack buffers
     assert "position_rows = 3" in runner and "def positions_of(" in runner and "def decode_positions(" in runner
-    assert "multimodal" not in runner and "prefill_embeds" not in runner and "deepstack" not in runner
+    assert "multimodal = True" not in runner and "prefill_embeds" not in runner and "deepstack" not in runner
     code, out, _ = run_cli(capsys, path, "--out", tmp_path / "gen")
     assert code == 0 and (tmp_path / "gen" / "qwen3_mrope_text" / "model.py").is_file()
     ast.parse((tmp_path / "gen" / "qwen3_mrope_text" / "model.py").read_text())
