@@ -120,7 +120,10 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
     from xllm_gen import LLM
-    llm = LLM(str(tiny_dir), dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=4096, max_model_len=512)
+    # prefix caching off: graph and eager runs of the same prompts must compute the same things (a cached
+    # prefix changes the prefill split, hence bf16 rounding, and flips near-ties)
+    llm = LLM(str(tiny_dir), dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=4096, max_model_len=512,
+              enable_prefix_caching=False)
     assert llm.engine.runner.graphs is not None, "graphs were not captured"
     yield llm
     llm.shutdown()
@@ -271,7 +274,8 @@ def vl_llm(tmp_path_factory):
     d = make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_gpu"), hidden_size=256, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=128, intermediate_size=512, mrope_section=(24, 20, 20),
                            max_position_embeddings=4096, rope_theta=10000.0, seed=0)
-    llm = LLM(str(d), dtype="bfloat16", max_num_seqs=16, num_kv_blocks=1024, max_model_len=2048)
+    llm = LLM(str(d), dtype="bfloat16", max_num_seqs=16, num_kv_blocks=1024, max_model_len=2048,
+              enable_prefix_caching=False)
     assert llm.engine.runner.graphs is not None
     yield llm
     llm.shutdown()

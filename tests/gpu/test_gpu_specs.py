@@ -79,7 +79,7 @@ def test_spec_bf16_graphs_vs_hf(architecture, tmp_path):
 
     hf32, hf16 = _hf(ckpt, torch.float32), _hf(ckpt, torch.bfloat16)
     worst = dict(engine_prefill=0.0, hf16_prefill=0.0, engine_decode=0.0, hf16_decode=0.0)
-    first_token_bad, agree, total = [], 0, 0
+    first_token_bad, agree, hf16_agree, total = [], 0, 0, 0
     with torch.inference_mode():
         for i, (p, o, ours_prefill) in enumerate(zip(prompts, outs, prefill)):
             toks = list(o.token_ids)
@@ -96,15 +96,18 @@ def test_spec_bf16_graphs_vs_hf(architecture, tmp_path):
                 worst["engine_decode"] = max(worst["engine_decode"], abs(o.logprobs[j][t].logprob - lp32[r, t].item()))
                 worst["hf16_decode"] = max(worst["hf16_decode"], abs(lp16[r, t].item() - lp32[r, t].item()))
                 agree += int(lp32[r].argmax().item() == t)
+                hf16_agree += int(lp16[r].argmax().item() == lp32[r].argmax().item())
                 total += 1
             top2 = lp32[rows[0]].topk(2).values
             if lp32[rows[0]].argmax().item() != toks[0] and (top2[0] - top2[1]).item() >= NEAR_TIE:
                 first_token_bad.append(i)
     _report(test="spec_bf16_graphs_vs_hf", architecture=architecture, prompt_lens=list(PROMPT_LENS),
             new_tokens=NEW_TOKENS, **{f"max_{k}_err": v for k, v in worst.items()},
-            hf32_argmax_agree=f"{agree}/{total}")
+            hf32_argmax_agree=f"{agree}/{total}", hf16_vs_hf32_argmax_agree=f"{hf16_agree}/{total}")
     assert not first_token_bad, f"{architecture}: first greedy token differs from HF float32 for requests {first_token_bad}"
     # prefill logits relative to the largest logit, decode as the logprob of each chosen token
     assert worst["engine_prefill"] <= max(3 * worst["hf16_prefill"], 0.02), worst
     assert worst["engine_decode"] <= max(3 * worst["hf16_decode"], 0.05), worst
-    assert agree >= total - max(2, total // 20), f"{architecture}: {agree}/{total} tokens are HF float32's argmax"
+    # near-ties flip under bf16 rounding: HF's own bf16 argmax agreement is the bar, with a little slack
+    assert agree >= min(hf16_agree, total - 2) - 2, (
+        f"{architecture}: {agree}/{total} tokens are HF float32's argmax (HF bf16: {hf16_agree}/{total})")
