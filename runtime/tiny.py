@@ -111,7 +111,7 @@ def widen_init(
 ) -> None:
     """Re-initialize every parameter from one seeded generator, much wider than HF's 0.02 default:
 
-    - embeddings N(0, embed_std); linear / conv weights N(0, gain/sqrt(fan_in)); lm_head head_gain; the
+    - embeddings N(0, embed_std); linear / conv / stacked expert weights N(0, gain/sqrt(fan_in)); lm_head head_gain; the
       projections that add into the text residual stream (o_proj, down_proj, and the deepstack mergers'
       linear_fc2, whose output is added after decoder layers) out_gain, so that each layer's output
       outweighs the token embedding (with a tied head a weak residual branch makes greedy decoding repeat
@@ -131,7 +131,8 @@ def widen_init(
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             elif p.dim() >= 2:
-                fan_in = math.prod(p.shape[1:])
+                # a stacked experts parameter [experts, out, in] is one linear per expert: fan_in is `in`
+                fan_in = p.shape[-1] if ".experts." in name and p.dim() == 3 else math.prod(p.shape[1:])
                 g = gain
                 if name.startswith("lm_head"):
                     g = head_gain

@@ -13,8 +13,9 @@ Sharding, decided here (and only here):
 
 Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
 (down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
-means `loaded` is the whole stacked tensor [E, ...]. `param.tp_split.expert_ids` are the experts this rank
-holds (the weight plan reads only those tensors).
+means `loaded` is the whole stacked tensor [E, ...]. The weight plan names every expert's tensors
+(`param.tp_split.expert_ids`: all experts, so that every checkpoint tensor is accounted for); an expert another
+rank holds is skipped without reading its bytes (`param.tp_split.local_expert_ids` are this rank's).
 """
 from __future__ import annotations
 
@@ -92,6 +93,11 @@ class ExpertSplit:
 
     @property
     def expert_ids(self) -> range:
+        """Every expert: the shard ids the weight plan fills (another rank's are skipped at load)."""
+        return range(self.num_experts)
+
+    @property
+    def local_expert_ids(self) -> range:
         return range(self.expert_start, self.expert_stop)
 
     def global_shape(self) -> tuple[int, ...]:
@@ -103,23 +109,26 @@ class ExpertSplit:
         return tuple(f"{e}.{n}" if n else str(e) for e in self.expert_ids for n in names)
 
     def segment_index(self, shard_id: Union[int, str]) -> int:
-        names = self.segment_names
-        if isinstance(shard_id, str) and shard_id in names:
-            return names.index(shard_id)
-        raise WeightLoadError(f"{self.owner or 'the layer'} has no expert segment {shard_id!r}: this rank holds "
-                              f"experts {self.expert_start}..{self.expert_stop - 1}, shard ids are 'e' or "
-                              f"'e.<segment>' ({', '.join(self.inner.segment_names)})")
+        segs = self.inner.segment_names if len(self.inner.segments) > 1 else ()
+        e, dot, seg = str(shard_id).partition(".") if isinstance(shard_id, str) else ("", "", "")
+        if e.isdigit() and int(e) < self.num_experts and str(int(e)) == e and bool(dot) == bool(segs) \
+                and (not segs or seg in segs):
+            return int(e) * max(1, len(segs)) + (segs.index(seg) if segs else 0)
+        raise WeightLoadError(f"{self.owner or 'the layer'} has no expert segment {shard_id!r}: shard ids are 'e' "
+                              f"(e < {self.num_experts}) or 'e.<segment>' ({', '.join(self.inner.segment_names)})")
 
     def load(self, param: torch.Tensor, loaded, shard_id: Union[int, str, None] = None) -> None:
         if shard_id is None:                                      # the whole stacked tensor [E, ...]
             shape = source_shape(loaded)
             if not shape or shape[0] != self.num_experts:
                 raise WeightLoadError(f"shape {tuple(shape)}: expected {self.num_experts} stacked experts in dim 0")
-            for e in self.expert_ids:
+            for e in self.local_expert_ids:
                 self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e), None)
             return
-        self.segment_index(shard_id)                              # raises for an unknown id / another rank's
+        self.segment_index(shard_id)                              # raises for an unknown id
         e, _, seg = str(shard_id).partition(".")
+        if not self.expert_start <= int(e) < self.expert_stop:    # another rank's expert: nothing read
+            return
         self.inner.load(param[int(e) - self.expert_start], loaded, seg or None)
 
 

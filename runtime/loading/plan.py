@@ -3,7 +3,7 @@
 A generated model module gives only the names that differ (`WEIGHT_SOURCES`: renamed tensors and the
 segments of fused parameters); every other parameter loads the tensor of its own name. `{i}` in a name is the
 layer index; `{e}` in a source is the expert index of a stacked expert parameter: the rule lists one tensor per
-expert the parameter's rank holds (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>". How a tensor is
+expert (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>" (the layer skips another rank's). How a tensor is
 sharded is the business of the parameter's layer (its `weight_loader`), never restated here.
 """
 from __future__ import annotations

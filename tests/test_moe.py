@@ -1,0 +1,279 @@
+"""Mixture of experts: the routing and grouped-expert ops, the FusedMoE layer's sharding (tensor and expert
+parallel) and loading (per-expert tensors stacked, each rank its slices), the spec language's `moe` block and
+per-layer choice, and sensitivity arms on the tiny Qwen3-MoE checkpoint (a wrong top-k or unnormalized routing
+weights change the output; the engine still matches transformers with those configs)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xllm_gen.runtime.executor.tp_check import _tp_state
+from xllm_gen.runtime.layers import moe as moe_layer
+from xllm_gen.runtime.ops import moe as M
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCH = "Qwen3MoeForCausalLM"
+
+
+def _act(h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[-1] // 2
+    return F.silu(h[..., :n]) * h[..., n:]
+
+
+def _loop_reference(x, w13, w2, weights, ids):
+    """Per-expert loop with index_add, as transformers computes the experts."""
+    out = torch.zeros_like(x)
+    E = w13.shape[0]
+    for e in range(E):
+        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        y = F.linear(_act(F.linear(x[tok], w13[e])), w2[e]) * weights[tok, slot, None]
+        out.index_add_(0, tok, y)
+    return out
+
+
+def _problem(T=9, H=16, I=8, E=6, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    logits = torch.randn(T, E, generator=g)
+    return x, w13, w2, logits
+
+
+# ------------------------------------------------------------------------------------------------- ops
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_softmax(renormalize):
+    logits = torch.randn(5, 7)
+    w, ids = M.topk_softmax(logits, 3, renormalize)
+    p = logits.softmax(-1)
+    want, want_ids = p.topk(3, -1)
+    if renormalize:
+        want = want / want.sum(-1, keepdim=True)
+    assert torch.equal(ids, want_ids) and torch.allclose(w, want)
+    assert torch.allclose(w.sum(-1), torch.ones(5)) == renormalize
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_align_sorts_pairs_by_expert(block_m):
+    E, T, K = 5, 7, 3
+    ids = torch.randint(0, E, (T, K))
+    ids[2, 1] = E                                            # routed nowhere
+    al = M.moe_align(ids, E, block_m)
+    P = M.padded_rows(T * K, E, block_m)
+    assert al.sorted_pairs.shape == (P,) and al.block_expert.shape == (P // block_m,)
+    flat = ids.reshape(-1)
+    valid = al.sorted_pairs[al.sorted_pairs < T * K]
+    assert sorted(valid.tolist()) == [i for i in range(T * K) if flat[i] < E]      # each routed pair once
+    for b, e in enumerate(al.block_expert.tolist()):
+        rows = al.sorted_pairs[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < T * K]
+        assert all(flat[r] == e for r in rows.tolist())                              # one expert per block
+    assert al.block_expert.tolist() == sorted(al.block_expert.tolist())
+    assert int(al.num_rows) % block_m == 0 and int(al.num_rows) <= P
+
+
+@pytest.mark.parametrize("block_m", [1, 3, 16])
+def test_fused_moe_reference_matches_per_expert_loop(block_m):
+    x, w13, w2, logits = _problem()
+    w, ids = M.topk_softmax(logits, 2, True)
+    got = M.fused_moe_reference(x, w13, w2, w, ids, _act, block_m=block_m)
+    torch.testing.assert_close(got, _loop_reference(x, w13, w2, w, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_pairs_routed_nowhere_contribute_nothing():
+    x, w13, w2, logits = _problem()
+    w, ids = M.topk_softmax(logits, 2, True)
+    E = w13.shape[0]
+    pad = ids.clone()
+    pad[3:] = E                                              # padding rows of a captured batch
+    got = M.fused_moe_reference(x, w13, w2, w, pad, _act)
+    assert torch.all(got[3:] == 0)
+    torch.testing.assert_close(got[:3], _loop_reference(x[:3], w13, w2, w[:3], ids[:3]), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------- layer sharding
+def _stacked_layer(tp, rank, parallel, w13, w2, E, H, I, K):
+    with _tp_state(rank, tp):
+        layer = moe_layer.FusedMoE(E, H, I, K, True, "silu", parallel)
+    for p, full in ((layer.gate_up_proj, w13), (layer.down_proj, w2)):
+        p.weight_loader(p, full, None)                       # the whole stacked tensor
+    return layer
+
+
+@pytest.mark.parametrize("parallel", ["tensor", "expert"])
+def test_ranks_sum_to_the_unsharded_layer(parallel, monkeypatch):
+    E, H, I, K = 4, 16, 8, 2
+    x, w13, w2, logits = _problem(E=E, H=H, I=I, K=K)
+    full = _stacked_layer(1, 0, "tensor", w13, w2, E, H, I, K)
+    want = full(x, logits)
+    torch.testing.assert_close(want, _loop_reference(x, w13, w2, *M.topk_softmax(logits, K, True)))
+    monkeypatch.setattr(moe_layer, "all_reduce", lambda t: t)          # sum the ranks by hand
+    parts = [_stacked_layer(2, r, parallel, w13, w2, E, H, I, K) for r in range(2)]
+    if parallel == "tensor":
+        assert parts[1].gate_up_proj.shape == (E, I, H) and parts[1].down_proj.shape == (E, H, I // 2)
+        assert torch.equal(parts[1].gate_up_proj[:, :I // 2], w13[:, I // 2:I])        # gate rows of rank 1
+        assert torch.equal(parts[1].gate_up_proj[:, I // 2:], w13[:, I + I // 2:])     # up rows of rank 1
+    else:
+        assert parts[1].gate_up_proj.shape == (E // 2, 2 * I, H)
+        assert torch.equal(parts[1].gate_up_proj, w13[E // 2:])
+    got = sum(p(x, logits) for p in parts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_per_expert_shards_and_plan():
+    E, H, I = 4, 8, 6
+    with _tp_state(1, 2):
+        layer = moe_layer.FusedMoE(E, H, I, 2, False, "silu", "tensor")
+    split = layer.gate_up_proj.tp_split
+    assert split.kind == "column" and split.dim == 1 and split.global_shape() == (E, 2 * I, H)
+    assert layer.down_proj.tp_split.dim == 2 and list(split.expert_ids) == list(range(E))
+    gate = torch.randn(I, H)
+    layer.gate_up_proj.weight_loader(layer.gate_up_proj, gate, "2.gate")
+    assert torch.equal(layer.gate_up_proj[2, :I // 2], gate[I // 2:])
+    with pytest.raises(ValueError, match="no expert segment"):
+        layer.gate_up_proj.weight_loader(layer.gate_up_proj, gate, "7.gate")
+    with pytest.raises(ValueError, match="expected"):
+        layer.gate_up_proj.weight_loader(layer.gate_up_proj, torch.randn(I + 1, H), "1.up")
+    from xllm_gen.runtime.loading.plan import plan_from_parameters
+
+    rules = plan_from_parameters(layer, {"gate_up_proj": {"gate": "x.{e}.g", "up": "x.{e}.u"}, "down_proj": "x.{e}.d"})
+    by = {r.param: r for r in rules}
+    assert by["gate_up_proj"].sources[:3] == ("x.0.g", "x.0.u", "x.1.g")
+    assert by["gate_up_proj"].segments[:3] == ("0.gate", "0.up", "1.gate")
+    assert by["down_proj"].segments == ("0", "1", "2", "3")
+
+
+def test_expert_parallel_needs_divisible_experts():
+    from xllm_gen.runtime.executor.sharding import ShardingError
+
+    with _tp_state(0, 4), pytest.raises(ShardingError, match="experts"):
+        moe_layer.FusedMoE(6, 8, 8, 2, True, "silu", "expert")
+
+
+# ---------------------------------------------------------------------------------- checkpoint loading
+@pytest.mark.parametrize("rank", [0, 1])
+def test_loader_stacks_per_expert_tensors_for_each_rank(rank, tiny_checkpoint):
+    from safetensors import safe_open
+
+    from xllm_gen.generated.qwen3_moe import model as gen
+    from xllm_gen.runtime.loading.loader import load_weights
+
+    ckpt = tiny_checkpoint(ARCH)
+    cfg = gen.Config.from_hf(json.loads((ckpt / "config.json").read_text()))
+    assert cfg.mlp_only_layers == (1,) and cfg.norm_topk_prob is True
+    with _tp_state(rank, 2):
+        model = gen.Model(cfg)
+        load_weights(model, gen.weight_plan(model), ckpt, tp_size=2, tp_rank=rank,
+                     ignored=gen.IGNORED_CHECKPOINT_TENSORS)
+    layers = model.model.layers
+    assert isinstance(layers[0].mlp, gen.Qwen3MoeSparseMoeBlock) and isinstance(layers[1].mlp, gen.Qwen3MoeMLP)
+    I = cfg.moe_intermediate_size
+    half = slice(rank * I // 2, (rank + 1) * I // 2)
+    f = safe_open(str(ckpt / "model.safetensors"), "pt")
+    exp = layers[2].mlp.experts
+    for e in range(cfg.num_experts):
+        pre = f"model.layers.2.mlp.experts.{e}."
+        assert torch.equal(exp.gate_up_proj[e, :I // 2], f.get_tensor(pre + "gate_proj.weight")[half])
+        assert torch.equal(exp.gate_up_proj[e, I // 2:], f.get_tensor(pre + "up_proj.weight")[half])
+        assert torch.equal(exp.down_proj[e], f.get_tensor(pre + "down_proj.weight")[:, half])
+    assert torch.equal(layers[2].mlp.gate.weight, f.get_tensor("model.layers.2.mlp.gate.weight"))
+
+
+# ------------------------------------------------------------------------------------- the spec language
+BASE = ROOT / "specs" / "qwen3_moe.yaml"
+
+
+def _child(tmp_path, body: str) -> Path:
+    p = tmp_path / "child.yaml"
+    p.write_text(f"spec_version: 2\nextends: {BASE}\nname: moe_child\n" + body)
+    return p
+
+
+def _compile(path):
+    from xllm_gen.codegen.compiler import compile_spec
+
+    return compile_spec(path)
+
+
+def test_moe_spec_resolves():
+    c = _compile(BASE)
+    moe = next(b for b in c.ir.layer.blocks if b.kind == "moe")
+    assert moe.parallel == "tensor" and str(moe.top_k) == "num_experts_per_tok"
+    step = c.ir.layer.steps[1]
+    assert step.block == "mlp" and step.choice.then == "moe" and step.choice.else_ == "mlp"
+    v = {x.name: x for x in c.ir.variants}
+    # total parameters as published: 30.5B and 235B
+    assert round(v["Qwen3-30B-A3B"].full.total_numel / 1e9, 1) == 30.5
+    assert round(v["Qwen3-235B-A22B"].full.total_numel / 1e9) == 235
+    assert "self.mlp = Qwen3MoeSparseMoeBlock(config, layer_idx)" in c.files["model.py"]
+
+
+def test_expert_parallel_mode_compiles(tmp_path):
+    c = _compile(_child(tmp_path, "decoder:\n  layers:\n    blocks:\n      moe: {parallel: expert}\n"))
+    assert 'parallel="expert"' in c.files["model.py"]
+    p = next(p for p in c.ir.params if p.name.endswith("experts.gate_up_proj"))
+    assert p.shard == "expert"
+
+
+@pytest.mark.parametrize("body, match", [
+    ("decoder:\n  layers:\n    blocks:\n      moe: {top_k: num_experts_pr_tok}\n", "unknown config symbol"),
+    ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
+     "      - {norm: post_attention_layernorm, block: {if: 'layer > 0', then: moe, else: mlpp}}\n", "no block 'mlpp'"),
+    ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: {if: 'layer > 0', then: self_attn, "
+     "else: mlp}}\n      - {norm: post_attention_layernorm, block: moe}\n", "same input"),
+    ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
+     "      - {norm: post_attention_layernorm, block: {if: 'layr > 0', then: moe, else: mlp}}\n", "unknown config symbol"),
+    ("weights:\n  model.layers.{i}.mlp.experts.down_proj: {from: 'model.layers.{i}.mlp.experts.{x}.down_proj.weight'}\n",
+     "placeholder"),
+    ("weights:\n  model.layers.{i}.mlp.experts.gate_up_proj:\n    from: {gate: 'model.layers.{i}.mlp.experts.{e}.gate_proj.weight',"
+     " up: 'model.layers.{i}.mlp.experts.up_proj.weight'}\n", "name each with {e}"),
+    ("variants:\n  Qwen3-30B-A3B: {num_experts_per_tok: 200}\n", "exceeds its experts"),
+    ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
+     "      - {norm: post_attention_layernorm, block: {if: 'layer + 1', then: moe, else: mlp}}\n", "not a bool"),
+])
+def test_moe_spec_errors(tmp_path, body, match):
+    from xllm_gen.codegen.errors import SpecError
+
+    with pytest.raises((SpecError, ValueError), match=match):
+        _compile(_child(tmp_path, body))
+
+
+# ------------------------------------------------------------------------------------- sensitivity arms
+def _engine_tokens(ckpt, prompts, tp=1):
+    from xllm_gen import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("field, value", [("num_experts_per_tok", 1), ("num_experts_per_tok", 3),
+                                          ("norm_topk_prob", False)],
+                         ids=["top_k_1", "top_k_3", "unnormalized"])
+def test_routing_config_matters(field, value, tiny_checkpoint, tmp_path_factory):
+    """A wrong top-k or unnormalized routing weights change the output (and the engine still follows HF)."""
+    from fixtures.tiny_hf import edit_config
+    from hf_ref import hf_greedy
+
+    ckpt = tiny_checkpoint(ARCH)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 400, n).tolist() for n in (5, 13)]
+    base = _engine_tokens(ckpt, prompts)
+    assert base == hf_greedy(ckpt, prompts, 12)
+
+    def edit(cfg):
+        assert cfg[field] != value
+        cfg[field] = value
+
+    other = edit_config(ckpt, tmp_path_factory.mktemp(f"moe_{field}_{value}"), edit)
+    got = _engine_tokens(other, prompts)
+    assert got != base, f"{field}={value} does not change the engine's output"
+    assert got == hf_greedy(other, prompts, 12)
