@@ -270,6 +270,36 @@ def test_vl_no_stale_deepstack(qwen3_vl_tied, make_llm):
     _check(qwen3_vl_tied, ["text"], llm.generate([REQUESTS["text"]], _sp()), "text after video: ")
 
 
+@pytest.mark.engine
+def test_deepstack_buffers_fixed_used_and_cleared(qwen3_vl_tied, make_llm):
+    """The generated runner's deepstack buffers keep their size and address, carry the image's features into
+    the prefill step (ctx.deepstack), and hold zeros again after every step."""
+    llm = make_llm(qwen3_vl_tied)
+    runner = llm.engine.runner
+    before = [(t.data_ptr(), tuple(t.shape)) for t in (runner.deepstack_rows, runner.deepstack_embeds)]
+    steps = []                                       # (deepstack rows used, nonzero features, clean after)
+    orig = runner.after_step
+
+    def spy(ctx):
+        ds = ctx.deepstack
+        used = (0, False) if ds is None else (ds.visual_rows.numel(), bool(ds.embeds.any()))
+        orig(ctx)
+        steps.append(used + (not runner.deepstack_embeds.any() and not runner.deepstack_rows.any(),))
+
+    runner.after_step = spy
+    try:
+        outs = llm.generate([REQUESTS["image"], REQUESTS["text"]], _sp())
+    finally:
+        del runner.after_step
+    assert _tokens(outs[0]) == hf_ref(str(qwen3_vl_tied), "image")
+    n_visual = outs[0].prompt_token_ids.count(llm.engine.hf_config["image_token_id"])
+    used = [s for s in steps if s[0]]
+    assert used and all(nonzero for _, nonzero, _ in used), steps
+    assert sum(n for n, _, _ in used) == n_visual > 0
+    assert all(clean for _, _, clean in steps), "deepstack buffers not cleared after a step"
+    assert [(t.data_ptr(), tuple(t.shape)) for t in (runner.deepstack_rows, runner.deepstack_embeds)] == before
+
+
 # ------------------------------------------------------------------------------------ sensitivity arms
 @pytest.mark.engine
 def test_zeroed_deepstack_changes_image_output(qwen3_vl_tied, make_llm):
