@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .compiler import Compiled, compile_spec
-from .errors import SpecError, SpecErrors
+from .errors import Location, SpecError, SpecErrors
 from .explain import DTYPE_BYTES, format_resolved, format_variant, model_module_of, tp_rank_table
 from .writer import check, claimed_architectures, output_dir, write
 from .yaml_loader import display_path
@@ -198,10 +198,15 @@ def _check_json_schemas(spec_paths) -> bool:
     return ok
 
 
+def _one_line(text: str) -> str:
+    """Control characters (a key named "\\r", a newline in a value) escaped: one error is one line."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
 def _report(err) -> None:
     errors = err.errors if isinstance(err, SpecErrors) else [err]
     for e in errors:
-        print(str(e), file=sys.stderr)
+        print(_one_line(str(e)), file=sys.stderr)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -236,14 +241,18 @@ def _main(argv: Optional[List[str]] = None) -> int:
             compiled.append(compile_spec(Path(spec)))
         except (SpecError, SpecErrors) as e:
             if isinstance(e, SpecError) and e.location is None:
-                e = SpecError(f"{spec}: {e.message}")
+                e = SpecError(e.message, Location(display_path(Path(spec)), 1, 1))
             _report(e)
+            failed = True
+        except Exception as e:  # noqa: BLE001 - a compiler bug: still one located line, never a traceback
+            _report(SpecError(f"internal error while compiling this spec ({type(e).__name__}: {e}); please "
+                              f"report it with the spec", Location(display_path(Path(spec)), 1, 1)))
             failed = True
     names = {}
     for c in compiled:
         if c.ir.name in names:
-            print(f"{c.ir.spec_path}: error: spec name '{c.ir.name}' is also the name of {names[c.ir.name]}: "
-                  f"both would write generated/{c.ir.name}/", file=sys.stderr)
+            _report(SpecError(f"spec name '{c.ir.name}' is also the name of {names[c.ir.name]}: both would write "
+                              f"generated/{c.ir.name}/", c.loaded.tree.smap.value(("name",))))
             failed = True
         names[c.ir.name] = c.ir.spec_path
     # one spec per architecture: among the specs compiled together and the packages already generated
@@ -251,13 +260,14 @@ def _main(argv: Optional[List[str]] = None) -> int:
     seen: dict = {}
     for c in compiled:
         existing = claimed_architectures(output_dir(c.ir.name, args.out, c.ir.spec_file).parent, skip=c.ir.name)
-        for arch in c.ir.architectures:
+        for i, arch in enumerate(c.ir.architectures):
             other = seen.get(arch)
             if other is None and arch in existing and Path(existing[arch]).name not in compiled_names:
                 other = existing[arch]
             if other:
-                print(f"{c.ir.spec_path}: error: architecture {arch} is also claimed by {other}: one spec per "
-                      f"architecture (the runtime could not tell which serves a checkpoint)", file=sys.stderr)
+                _report(SpecError(f"architecture {arch} is also claimed by {other}: one spec per architecture "
+                                  f"(the runtime could not tell which serves a checkpoint)",
+                                  c.loaded.tree.smap.value(("architectures", i))))
                 failed = True
             seen.setdefault(arch, c.ir.spec_path)
     if failed:

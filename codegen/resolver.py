@@ -65,6 +65,11 @@ GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 # rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
+# Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
+# (int32-indexable), the layer count bounds per-layer loops, an eps is a small positive number.
+MAX_SIZE = 2 ** 31 - 1
+MAX_LAYERS = 10_000
+
 
 class _Resolver:
     def __init__(self, loaded: LoadedSpec):
@@ -73,6 +78,8 @@ class _Resolver:
         self.smap = loaded.tree.smap
         self.config: Dict[str, ConfigFieldIR] = {}
         self.positives: List[Tuple[tuple, Value]] = []   # (path, value) that must be > 0 in every variant
+        self.below: List[Tuple[tuple, Value, float]] = []  # (path, value, bound): value < bound in every variant
+        self.sizes: List[Tuple[tuple, Any]] = []         # (path, size) of every symbolic size: 1..MAX_SIZE
 
     # ---- helpers ----------------------------------------------------------------------------------
     def err(self, path, message: str, at_key: bool = False) -> SpecError:
@@ -116,10 +123,15 @@ class _Resolver:
         if isinstance(value, str):
             if is_symbol(value):
                 self.symbol(path, value, ("int",))
-                return Size.of(value)
-            return self.expr(path, value, per_layer)
+                size = Size.of(value)
+            else:
+                size = self.expr(path, value, per_layer)
+            self.sizes.append((path, size))
+            return size
         if value <= 0:
             raise self.err(path, f"{self._where(path)}: a size must be positive, got {value}")
+        if value > MAX_SIZE:
+            raise self.err(path, f"{self._where(path)}: a size must be at most 2**31 - 1, got {value}")
         return Size.of(value)
 
     def num(self, path, value, per_layer: bool = False, optional: bool = False) -> Value:
@@ -135,13 +147,19 @@ class _Resolver:
             raise self.err(path, f"{self._where(path)}: must be finite, got {value}")
         return Value(literal=value)
 
-    def positive(self, path, value, per_layer: bool = False, optional: bool = False) -> Value:
-        """A number that must be > 0 (eps, theta, scale, soft-cap): literals checked here, symbols and
-        expressions for every variant (and at load, by the symbol's bounds)."""
+    def positive(self, path, value, per_layer: bool = False, optional: bool = False,
+                 below: Optional[float] = None) -> Value:
+        """A number that must be > 0 (eps, theta, scale, soft-cap), and < `below` when given (eps < 1):
+        literals checked here, symbols and expressions for every variant (and at load, by the symbol's
+        bounds)."""
         v = self.num(path, value, per_layer, optional)
         if v.expr is None and v.symbol is None and v.literal <= 0:
             raise self.err(path, f"{self._where(path)}: must be > 0, got {v.literal}")
+        if below is not None and v.expr is None and v.symbol is None and v.literal >= below:
+            raise self.err(path, f"{self._where(path)}: must be < {below}, got {v.literal}")
         self.positives.append((path, v))
+        if below is not None:
+            self.below.append((path, v, below))
         return v
 
     def flag(self, path, value) -> Value:
@@ -205,6 +223,7 @@ class _Resolver:
             vision = dataclasses.replace(vision, weights=self.resolve_weights(vparams, ("vision", "weights")))
             params = params + vparams
         ignored = self.resolve_ignored()
+        self.check_defaults()
         runner = self.resolve_runner(layer, vision, levels)
         tp_sizes = self.resolve_tp()
         variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack, levels, vision, embed)
@@ -302,7 +321,7 @@ class _Resolver:
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
                 values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max))
-            if f.values and default is not None:
+            if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
         for name, f, path in pending:       # expressions may name symbols declared after them
             key = "expr" if f.expr is not None else "default_expr"
@@ -313,6 +332,24 @@ class _Resolver:
                                                                           e})
         self.check_cycles()
         self.resolve_guard()
+
+    def check_defaults(self) -> None:
+        """A literal `default` of a symbol used as a size, or as a positive number (eps, theta, scale, ...), is
+        in range: a checkpoint without the field gets it, whatever the variants set."""
+        def bad(sym, ok, what):
+            f = self.config.get(sym) if sym else None
+            if f is None or f.default is None or isinstance(f.default, (tuple, dict, str, bool)):
+                return
+            if not ok(f.default):
+                raise self.err(("config", sym, "default"), f"config.{sym}.default: {f.default!r}; {what}")
+
+        for _, size in self.sizes:
+            bad(getattr(size, "symbol", None) if isinstance(size, Size) else None,
+                lambda x: _is_int(x) and 0 < x <= MAX_SIZE, "it is used as a size (an int in 1..2**31-1)")
+        for _, v in self.positives:
+            bad(v.symbol, lambda x: _is_num(x) and x > 0, "it is used where a number must be > 0")
+        for _, v, bound in self.below:
+            bad(v.symbol, lambda x, b=bound: _is_num(x) and x < b, f"it is used where a number must be < {bound}")
 
     def check_cycles(self) -> None:
         """Derived symbols and default expressions form no cycle."""
@@ -360,7 +397,7 @@ class _Resolver:
                 raise self.err(("config_ignore", i), f"config_ignore[{i}]: '{pat}' is not a dotted path pattern")
 
     def resolve_norm(self, path, name, b) -> NormIR:
-        eps = self.positive(path + ("eps",), b.eps)
+        eps = self.positive(path + ("eps",), b.eps, below=1.0)
         if isinstance(b, RMSNormBlock):
             if not math.isfinite(b.weight_offset):
                 raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
@@ -485,7 +522,11 @@ class _Resolver:
                     self.symbol(rp + ("mrope_section",), rot.mrope_section, ("int_tuple",))
                     mrope = Value(symbol=rot.mrope_section)
                 else:
-                    mrope = Value(literal=tuple(rot.mrope_section))
+                    sec = list(rot.mrope_section)
+                    if len(sec) != 3 or any(x < 0 for x in sec):
+                        raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: three sections "
+                                                                f"(t, h, w), each >= 0; got {sec}")
+                    mrope = Value(literal=tuple(sec))
             elif rot.mrope_section is not None:
                 raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: only for mrope rotary kinds")
             scaling = None
@@ -499,7 +540,7 @@ class _Resolver:
             if b.qk_norm:
                 qp = path + ("qk_norm",)
                 qk = (module(qp + ("q",), b.qk_norm.q), module(qp + ("k",), b.qk_norm.k),
-                      self.positive(qp + ("eps",), b.qk_norm.eps))
+                      self.positive(qp + ("eps",), b.qk_norm.eps, below=1.0))
             window = softcap = None
             if b.sliding_window is not None:
                 window = self.num(path + ("sliding_window",), b.sliding_window, per_layer=True, optional=True)
@@ -597,7 +638,7 @@ class _Resolver:
                                    at_key=True)
                 hidden, heads = self.dim(bp + ("hidden",), b.hidden), self.dim(bp + ("heads",), b.heads)
                 attn = blocks[name] = VisionAttentionIR("vision_attention", name, hidden, heads, Ratio(hidden, heads),
-                                                        self.num(bp + ("rotary", "theta"), b.rotary.theta))
+                                                        self.positive(bp + ("rotary", "theta"), b.rotary.theta))
             elif isinstance(b, VisionMLPBlock):
                 blocks[name] = VisionMLPIR("vision_mlp", name, self.dim(bp + ("hidden",), b.hidden),
                                            self.dim(bp + ("intermediate",), b.intermediate), b.activation)
@@ -641,7 +682,7 @@ class _Resolver:
                 raise self.err(path + ("dim",), f"{self._where(path)}.dim: is {d}, but the vision tower's width is "
                                                 f"{width} (vision.patch_embed.dim)")
             return PatchMergerIR(name, d, self.dim(path + ("out",), m.out), d * merge * merge, m.norm,
-                                 self.num(path + ("eps",), m.eps))
+                                 self.positive(path + ("eps",), m.eps, below=1.0))
 
         main = merger(base + ("merger",), "merger", v.merger)
         taps = count_ds = ds_merger = None
@@ -978,6 +1019,26 @@ class _Resolver:
                 sym = f.expr.names[0]
             return vp + (sym,) if sym in given else vp
 
+        for path, size in self.sizes:
+            try:
+                x = size.eval(values)
+            except Exception as exc:  # noqa: BLE001 - a spec formula that fails is the spec's error
+                raise self.err(path, f"variants.{name}: {self._where(path)} = {size} fails: "
+                                     f"{type(exc).__name__}: {exc}") from None
+            if not _is_int(x) or not 0 < x <= MAX_SIZE:
+                sym = getattr(size, "symbol", None) if isinstance(size, Size) else None
+                where = at(sym) if sym and at(sym) != vp else path
+                raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; a size is an int in "
+                                      f"1..2**31-1")
+        if layer.count.eval(values) > MAX_LAYERS:
+            sym = layer.count.symbol if isinstance(layer.count, Size) else None
+            raise self.err(at(sym) if sym and at(sym) != vp else ("decoder", "layers", "count"),
+                           f"variants.{name}: {layer.count.eval(values)} decoder layers; at most {MAX_LAYERS}")
+        for path, v, bound in self.below:
+            x = v.eval(values, 0) if v.per_layer else v.eval(values)
+            if _is_num(x) and x >= bound:
+                where = at(v.symbol) if v.symbol and at(v.symbol) != vp else path
+                raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; it must be < {bound}")
         for path, v in self.positives:
             for li in (range(min(layer.count.eval(values), 64)) if v.per_layer else (None,)):
                 x = v.eval(values, li)
@@ -1022,6 +1083,11 @@ class _Resolver:
                                             f"{b.name}.kv_heads ({kv})")
                 if b.rotary.mrope_section is not None:
                     sec = b.rotary.mrope_section.eval(values)
+                    if len(sec) != 3 or any(x < 0 for x in sec):
+                        where = at(b.rotary.mrope_section.symbol) if b.rotary.mrope_section.symbol else \
+                            ("decoder", "layers", "blocks", b.name, "rotary", "mrope_section")
+                        raise self.err(where, f"variants.{name}: mrope_section {list(sec)}: three sections (t, h, "
+                                              f"w), each >= 0")
                     if sum(sec) != hd // 2 or hd % 2:
                         where = at(b.rotary.mrope_section.symbol) if b.rotary.mrope_section.symbol else \
                             ("decoder", "layers", "blocks", b.name, "rotary", "mrope_section")
