@@ -12,8 +12,9 @@ processes); under torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the envir
 the user's script, the rendezvous is `env://`, rank 0 drives and the other ranks stay inside
 `TensorParallelRunner(...)` serving steps until rank 0 shuts down, then exit (docs/tensor_parallel.md).
 Each rank joins the default process group (NCCL with device cuda:rank on CUDA, gloo on CPU; the tensor
-group, with a finite timeout), a gloo control group (step descriptions; no timeout, since workers wait
-for the next step as long as rank 0 is idle) and a gloo start-up group (the agreement after loading, with
+group, with a finite timeout), a gloo control group (step descriptions: rank 0's side has the same
+finite timeout, so a stopped or stuck worker is an error on the next step instead of a hang; the workers'
+side has none, since they wait for the next step as long as rank 0 is idle) and a gloo start-up group (the agreement after loading, with
 the start-up timeout), records its place with `distributed.init_process_group`,
 and builds `runner_cls(model_dir, hf_config, **runner_kwargs)`: its layers shard themselves from
 get_tp_size/get_tp_rank and the loader reads only its slices. The KV block count is the minimum over
@@ -28,15 +29,19 @@ Failures. A worker that raises (at load time or in a step) sends its traceback t
 multiprocessing queue; the TCPStore under torchrun) and exits; its sockets close, so rank 0's pending
 gloo collective fails at once, and rank 0 raises a RuntimeError carrying the worker's traceback. A
 monitor thread on rank 0 also watches the worker processes (a rank killed by a signal is reported) and,
-on CUDA, aborts the NCCL group so a blocked collective returns. Collectives have a finite timeout
-(XLLM_TP_TIMEOUT_S, default 600 s), so a stuck rank is an error, not a hang. After a failure the group
-is torn down; the runner refuses further steps.
+on CUDA, aborts the NCCL group so a blocked collective returns. Collectives and rank 0's control messages
+have a finite timeout (XLLM_TP_TIMEOUT_S, default 300 s, read when the runner starts), so a stopped, stuck
+or dead rank is an error naming the rank (stopped / gone / still running, from /proc), idle or mid-step,
+not a hang. After a failure the group is torn down; the runner refuses further steps.
 
 No orphans. Workers are daemon processes; `shutdown()` sends a shutdown message, joins with a timeout,
 then terminates and kills; a weakref.finalize (also run at interpreter exit) does the same when the
 runner is garbage-collected; workers ignore SIGINT and exit when their parent process disappears.
-Ctrl-C on rank 0 during a step is deferred to the end of the step (a second Ctrl-C interrupts at once
-and tears the group down), so an interrupted generate() leaves a usable engine.
+Ctrl-C on rank 0 during a step is deferred to the end of the step, so an interrupted generate() leaves a
+usable engine. A second Ctrl-C interrupts at once, even while rank 0 is blocked inside a collective (where
+Python runs no signal handler): the signal also reaches a wake-up socket that the monitor thread watches;
+it kills the worker processes, the blocked collective fails, and the step raises KeyboardInterrupt with the
+group torn down.
 """
 from __future__ import annotations
 
@@ -46,7 +51,9 @@ import datetime
 import importlib
 import os
 import queue as queue_mod
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -69,8 +76,10 @@ def _env_seconds(name: str, default: float) -> float:
         return default
 
 
-COLLECTIVE_TIMEOUT_S = _env_seconds("XLLM_TP_TIMEOUT_S", 600.0)        # one tensor collective of a step
-STARTUP_TIMEOUT_S = _env_seconds("XLLM_TP_STARTUP_TIMEOUT_S", 600.0)   # process start + rendezvous
+DEFAULT_TIMEOUT_S = 300.0           # XLLM_TP_TIMEOUT_S: one collective or control message of a step
+DEFAULT_STARTUP_TIMEOUT_S = 600.0   # XLLM_TP_STARTUP_TIMEOUT_S: process start + rendezvous + loading
+COLLECTIVE_TIMEOUT_S = _env_seconds("XLLM_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S)          # at import (compat)
+STARTUP_TIMEOUT_S = _env_seconds("XLLM_TP_STARTUP_TIMEOUT_S", DEFAULT_STARTUP_TIMEOUT_S)
 SHUTDOWN_TIMEOUT_S = 10.0                                              # graceful exit before terminate
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)   # workers wait for the next step while rank 0 is idle
 _CPU = torch.device("cpu")
@@ -154,7 +163,10 @@ def _join_group(rank: int, size: int, device: torch.device, timeout_s: float, st
     if cuda:
         kw["device_id"] = device
     dist.init_process_group(**kw)
-    ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    # rank 0 sends the step descriptions and must not wait forever on a stopped worker; the workers wait for
+    # the next step as long as rank 0 is idle (gloo timeouts are per process)
+    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s) if rank == 0
+                          else _CONTROL_TIMEOUT)
     boot = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
     tpdist.init_process_group(rank, size, device=device)      # group exists: records the TP state only
     return _RankState(rank, size, device, ctrl, boot)
@@ -387,6 +399,14 @@ class _Group:
         self.monitor: Optional[threading.Thread] = None
         self.keep = None
         self.saved_threads: Optional[int] = None   # rank 0's torch threads before the group (CPU)
+        self.timeout_s: Optional[float] = None
+        self.sigints = 0                           # Ctrl-C seen by the monitor during the current step
+        self.interrupted = False                   # a second Ctrl-C aborted the group
+        self.wake_r = self.wake_w = None           # signal wake-up socket (signal.set_wakeup_fd)
+        with contextlib.suppress(Exception):
+            self.wake_r, self.wake_w = socket.socketpair()
+            self.wake_r.setblocking(False)
+            self.wake_w.setblocking(False)
 
     # -- failure intake
     def drain(self, timeout: float = 0.0) -> None:
@@ -442,6 +462,24 @@ class _Group:
                 self.drain()
                 return
 
+    def unresponsive(self) -> str:
+        """Why no answer came (called on a timeout, before teardown): each worker stopped, gone, or running."""
+        if not self.procs:
+            return "a rank did not answer (under torchrun: check every rank's host)"
+        parts, running = [], []
+        for r, p in enumerate(self.procs, start=1):
+            state = _proc_state(p.pid)
+            if state in ("T", "t"):
+                parts.append(f"rank {r} (pid {p.pid}) is stopped (SIGSTOP, job control or a debugger)")
+            elif state in (None, "Z", "X") or p.exitcode is not None:
+                parts.append(f"rank {r} (pid {p.pid}) is gone")
+            else:
+                running.append(f"rank {r} (pid {p.pid})")
+        if running:
+            parts.append(f"{', '.join(running)} {'is' if len(running) == 1 else 'are'} running but did not answer "
+                         f"(stuck in a step?)")
+        return "; ".join(parts)
+
     def describe(self) -> str:
         roots = self.root_failures()
         if not roots:
@@ -458,8 +496,32 @@ class _Group:
         self.monitor = threading.Thread(target=self._monitor, daemon=True, name="xllm-tp-monitor")
         self.monitor.start()
 
+    def _wait_tick(self) -> bool:
+        """Waits up to 0.2 s, reading the signal wake-up socket; False when the group is stopping."""
+        if self.wake_r is None:
+            return not self.stop.wait(0.2)
+        with contextlib.suppress(Exception):
+            ready, _, _ = select.select([self.wake_r], [], [], 0.2)
+            if ready:
+                data = self.wake_r.recv(256)
+                n = data.count(bytes([int(signal.SIGINT)]))
+                if n and self.in_step:
+                    self.sigints += n
+                    if self.sigints >= 2 and not self.interrupted:
+                        self.interrupt()
+        return not self.stop.is_set()
+
+    def interrupt(self) -> None:
+        """A second Ctrl-C during a step: kill the workers so that rank 0's blocked collective fails now."""
+        self.interrupted = True
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                p.kill()
+        if self.device.type == "cuda":
+            self._abort_nccl()
+
     def _monitor(self) -> None:
-        while not self.stop.wait(0.2):
+        while self._wait_tick():
             with contextlib.suppress(Exception):
                 n = len(self.failures)
                 self.drain()
@@ -489,6 +551,8 @@ class _Group:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(Exception):
+                    os.kill(p.pid, signal.SIGCONT)     # a stopped rank acts on SIGTERM only once continued
         for p in self.procs:
             p.join(3.0)
             if p.is_alive():
@@ -504,6 +568,21 @@ class _Group:
                 self.drain()
                 self.reports.cancel_join_thread()
                 self.reports.close()
+        for sock in (self.wake_r, self.wake_w):
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.close()
+
+
+def _proc_state(pid: int) -> Optional[str]:
+    """The process state letter from /proc (R, S, D, T, t, Z, ...), None when gone, '?' off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+    except Exception:
+        return "?"
 
 
 def _teardown(group: _Group) -> None:          # the finalizer (garbage collection, interpreter exit)
@@ -513,25 +592,40 @@ def _teardown(group: _Group) -> None:          # the finalizer (garbage collecti
 
 # ========================================================================================= the driver
 @contextlib.contextmanager
-def _defer_sigint():
+def _defer_sigint(group: Optional["_Group"] = None):
     """Ctrl-C during a step takes effect when the step ends (every rank is then between steps); a second
-    Ctrl-C interrupts at once. Only in the main thread, and only over Python's default handler."""
+    Ctrl-C interrupts at once. Only in the main thread, and only over Python's default handler.
+
+    With a group, the signal also goes to the group's wake-up socket: the monitor thread counts it even
+    while this thread is blocked in a collective (no Python handler runs there) and, on the second one,
+    kills the workers so that the collective fails (group.interrupted; the caller raises KeyboardInterrupt)."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
     hits = []
+    wake = group.wake_w if group is not None and group.monitor is not None else None
 
     def handler(signum, frame):
         hits.append(signum)
-        if len(hits) > 1:
+        if len(hits) > 1 and wake is None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
+    old_fd = None
+    if wake is not None:
+        group.sigints = 0
+        try:
+            old_fd = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            wake = None
     signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if wake is not None:
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(old_fd if old_fd is not None else -1)
     if hits:
         raise KeyboardInterrupt
 
@@ -576,8 +670,12 @@ class TensorParallelRunner:
         elif not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp_size!r}")
         self.tp_size = tp_size
-        self.timeout_s = float(timeout_s or COLLECTIVE_TIMEOUT_S)
-        self.startup_timeout_s = float(startup_timeout_s or STARTUP_TIMEOUT_S)
+        self.timeout_s = float(timeout_s or _env_seconds("XLLM_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        self.startup_timeout_s = float(startup_timeout_s or _env_seconds("XLLM_TP_STARTUP_TIMEOUT_S",
+                                                                         DEFAULT_STARTUP_TIMEOUT_S))
+        if not (self.timeout_s > 0 and self.startup_timeout_s > 0):
+            raise ValueError(f"tensor-parallel timeouts must be > 0 s, got {self.timeout_s} and "
+                             f"{self.startup_timeout_s} (XLLM_TP_TIMEOUT_S / XLLM_TP_STARTUP_TIMEOUT_S)")
         device = torch.device(runner_kwargs.get("device") or "cpu")
         env = torchrun_env()
         if env is not None and env["world_size"] != tp_size:
@@ -629,6 +727,7 @@ class TensorParallelRunner:
         procs = [ctx.Process(target=_worker_entry, args=(r, launch, reports), daemon=True, name=f"xllm-tp-rank{r}")
                  for r in range(1, self.tp_size)]
         group = self._group = _Group(self.tp_size, device, procs, reports)
+        group.timeout_s = self.timeout_s
         if device.type == "cpu":       # the ranks share this host's cores: rank 0 takes its share too
             group.saved_threads = torch.get_num_threads()
             torch.set_num_threads(launch.num_threads)
@@ -662,6 +761,7 @@ class TensorParallelRunner:
         if rank != 0:
             _torchrun_worker(runner_cls, model_dir, hf_config, runner_kwargs, env, state)   # exits
         group = self._group = _Group(self.tp_size, dev, store=_default_store())
+        group.timeout_s = self.timeout_s
         group.ctrl = state.ctrl
         self._finalizer = weakref.finalize(self, _teardown, group)
         group.start_monitor()
@@ -692,16 +792,24 @@ class TensorParallelRunner:
         self._check_usable()
         msg, commit = self._step_message(seqs, is_prefill, all_rows)
         group = self._group
-        with _defer_sigint():
-            group.in_step = True
-            try:
-                dist.broadcast_object_list([msg], src=0, group=group.ctrl, device=_CPU)
-                commit()
-                logits = self.runner.run(seqs, is_prefill, all_rows)
-            except BaseException as e:
-                self._fail(e, "a step")
-            finally:
-                group.in_step = False
+        try:
+            with _defer_sigint(group):
+                group.in_step = True
+                try:
+                    dist.broadcast_object_list([msg], src=0, group=group.ctrl, device=_CPU)
+                    commit()
+                    logits = self.runner.run(seqs, is_prefill, all_rows)
+                except BaseException as e:
+                    self._fail(e, "a step")
+                finally:
+                    group.in_step = False
+        except KeyboardInterrupt:
+            if group.interrupted:
+                group.teardown(graceful=False)
+            raise
+        if group.interrupted:                     # the step finished although the workers were killed
+            group.teardown(graceful=False)
+            raise KeyboardInterrupt
         if group.failures:                        # a rank failed after its last collective of the step
             self._check_usable()
         return logits
@@ -744,12 +852,20 @@ class TensorParallelRunner:
         group = self._group
         out = [None] * self.tp_size
         mine = sorted(self._sent) if query == "mirror" else _QUERIES[query](self.runner, *args)
-        with _defer_sigint():
-            try:
-                dist.broadcast_object_list([("query", query, args)], src=0, group=group.ctrl, device=_CPU)
-                dist.gather_object(mine, out, dst=0, group=group.ctrl)
-            except BaseException as e:
-                self._fail(e, f"query {query!r}")
+        try:
+            with _defer_sigint(group):
+                group.in_step = True
+                try:
+                    dist.broadcast_object_list([("query", query, args)], src=0, group=group.ctrl, device=_CPU)
+                    dist.gather_object(mine, out, dst=0, group=group.ctrl)
+                except BaseException as e:
+                    self._fail(e, f"query {query!r}")
+                finally:
+                    group.in_step = False
+        except KeyboardInterrupt:
+            if group.interrupted:
+                group.teardown(graceful=False)
+            raise
         return out
 
     def loaded_param_sets(self) -> list[tuple[set, set]]:
@@ -779,14 +895,22 @@ class TensorParallelRunner:
         """Tears the group down after `exc` on rank 0 and raises the most useful error: when rank 0 only saw
         a broken connection or a timeout, the failing worker's traceback; else rank 0's own exception."""
         group = self._group
+        if group.interrupted or isinstance(exc, KeyboardInterrupt):
+            group.interrupted = True
+            group.teardown(graceful=False)
+            raise KeyboardInterrupt from None      # a second Ctrl-C: the workers were killed on purpose
         if isinstance(exc, TensorParallelError):
             group.teardown(graceful=False)
             raise exc
         comm = _is_comm_error(exc)
-        timed_out = "timed out" in str(exc).lower()        # a stuck rank: it will not report anything
+        timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()   # a stuck rank: no report
         group.wait_for_root_cause(0.5 if timed_out or not comm else 5.0)
+        stuck = group.unresponsive() if comm and timed_out and not group.root_failures() else ""
         group.teardown(graceful=False)
         if comm:
+            if stuck:
+                raise TensorParallelError(f"tensor parallelism failed during {where}: timed out, no answer within "
+                                          f"{self.timeout_s:g} s (XLLM_TP_TIMEOUT_S): {stuck}") from None
             if group.failures:
                 raise TensorParallelError(f"tensor parallelism failed during {where}: {group.describe()}") from exc
             raise TensorParallelError(f"tensor parallelism failed during {where} (rank 0: {exc})") from exc
