@@ -277,3 +277,24 @@ def test_routing_config_matters(field, value, tiny_checkpoint, tmp_path_factory)
     got = _engine_tokens(other, prompts)
     assert got != base, f"{field}={value} does not change the engine's output"
     assert got == hf_greedy(other, prompts, 12)
+
+
+@pytest.mark.engine
+def test_expert_parallel_matches_hf_at_tp2(tiny_checkpoint, tmp_path, tmp_path_factory, monkeypatch):
+    """The same model with `parallel: expert` (whole experts per rank), compiled from a child spec into a user
+    generated/ dir (XLLM_GEN_PATH), serves the tiny checkpoint at TP 2 with HF's greedy tokens."""
+    from fixtures.tiny_hf import edit_config
+    from hf_ref import hf_greedy
+
+    spec = _child(tmp_path, "architectures: [Qwen3MoeExpertParallelForCausalLM]\n"
+                            "decoder:\n  layers:\n    blocks:\n      moe: {parallel: expert}\n")
+    from xllm_gen.codegen.cli import main as cli_main
+
+    assert cli_main([str(spec), "--out", str(tmp_path / "generated")]) == 0
+    monkeypatch.setenv("XLLM_GEN_PATH", str(tmp_path / "generated"))
+    ckpt = tiny_checkpoint(ARCH)
+    ep = edit_config(ckpt, tmp_path_factory.mktemp("moe_ep"),
+                     lambda cfg: cfg.__setitem__("architectures", ["Qwen3MoeExpertParallelForCausalLM"]))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 400, n).tolist() for n in (4, 11, 19)]
+    assert _engine_tokens(ep, prompts, tp=2) == hf_greedy(ckpt, prompts, 12)

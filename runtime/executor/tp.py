@@ -113,6 +113,9 @@ def _class_path(cls) -> tuple[str, str]:
 
 
 def _import_path(path: tuple[str, str]):
+    if path[0].split(".")[0] == "xllm_gen_user":     # a user's generated/ dir (XLLM_GEN_PATH): set up its namespace
+        from xllm_gen.runtime.loading import registry
+        registry.generated_packages()
     obj = importlib.import_module(path[0])
     for part in path[1].split("."):
         obj = getattr(obj, part)
