@@ -353,3 +353,19 @@ def test_tp_sharded_linears_equal_unsharded(world, kv_heads):
         for key in ("mlp", "logits"):
             assert errs[key] < 1e-4, (rank, key, errs)
         assert errs["logits_shape"] and errs["fake"], errs
+
+
+def test_layernorm_residual_protocol_matches_rmsnorm():
+    """A decoder step may use a LayerNorm where it uses an RMSNorm: (y, x + residual) with y = norm(x + r)."""
+    torch.manual_seed(0)
+    ln = L.LayerNorm(16, 1e-5)
+    torch.nn.init.normal_(ln.weight)
+    torch.nn.init.normal_(ln.bias)
+    x, r = torch.randn(5, 16), torch.randn(5, 16)
+    ref = torch.nn.functional.layer_norm(x + r, (16,), ln.weight, ln.bias, 1e-5)
+    y, s = ln(x, r)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(s, x + r)
+    y0, s0 = ln(x, None)
+    torch.testing.assert_close(y0, torch.nn.functional.layer_norm(x, (16,), ln.weight, ln.bias, 1e-5))
+    assert s0 is x

@@ -40,7 +40,11 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """nn.LayerNorm math with params `weight` [dim] and `bias` [dim] (when bias=True)."""
+    """nn.LayerNorm math with params `weight` [dim] and `bias` [dim] (when bias=True).
+
+    Same residual protocol as RMSNorm, so a decoder step may use either: forward(x) -> y;
+    forward(x, residual) -> (layernorm(x + residual), x + residual); forward(x, None) -> (layernorm(x), x).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6, bias: bool = True):
         super().__init__()
@@ -49,8 +53,16 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
+        if residual is ...:
+            return self._norm(x)
+        if residual is None:
+            return self._norm(x), x
+        x = x + residual
+        return self._norm(x), x
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, bias={self.bias is not None}"
