@@ -392,6 +392,12 @@ def test_config_from_hf():
     del bad["hidden_size"]
     with pytest.raises(ValueError, match="hidden_size"):
         model.Config.from_hf(bad)
+    # a whole-head partial_rotary_factor is what the spec computes; any other value is refused by name
+    whole = _hf_config(rope_parameters={"rope_theta": 5000.0, "rope_type": "default", "partial_rotary_factor": 1.0})
+    assert model.Config.from_hf(whole).rope_scaling == {"rope_type": "default"}
+    half = _hf_config(rope_parameters={"rope_theta": 5000.0, "rope_type": "default", "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        model.Config.from_hf(half)
 
 
 @pytest.mark.parametrize("tied", [True, False])

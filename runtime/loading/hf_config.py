@@ -183,6 +183,8 @@ class ConfigReader:
         for key, v in value.items():
             if key in _ROPE_SHARED:
                 continue
+            if key == "partial_rotary_factor" and not isinstance(v, bool) and v in (None, 1, 1.0):
+                continue                       # the whole head rotates: what every rotary kind computes
             if key not in _ROPE_KEYS[rtype]:
                 if v is None:
                     continue
