@@ -224,6 +224,7 @@ class _Resolver:
             params = params + vparams
         ignored = self.resolve_ignored()
         self.check_defaults()
+        self.imply_bounds()
         runner = self.resolve_runner(layer, vision, levels)
         tp_sizes = self.resolve_tp()
         variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack, levels, vision, embed)
@@ -350,6 +351,20 @@ class _Resolver:
             bad(v.symbol, lambda x: _is_num(x) and x > 0, "it is used where a number must be > 0")
         for _, v, bound in self.below:
             bad(v.symbol, lambda x, b=bound: _is_num(x) and x < b, f"it is used where a number must be < {bound}")
+
+    def imply_bounds(self) -> None:
+        """An int symbol read from config.json and used as a size gets the bounds [1, 2**31-1] (narrowed by
+        its own min / max), checked when a checkpoint is loaded: a config.json with a zero or negative size
+        is refused naming the field, before any tensor is built."""
+        for _, size in self.sizes:
+            sym = getattr(size, "symbol", None) if isinstance(size, Size) else None
+            f = self.config.get(sym) if sym else None
+            if f is None or f.derived or f.type != "int":
+                continue
+            lo, hi = f.bounds
+            bounds = (1 if lo is None else max(lo, 1), MAX_SIZE if hi is None else min(hi, MAX_SIZE))
+            if bounds != tuple(f.bounds):
+                self.config[sym] = dataclasses.replace(f, bounds=bounds)
 
     def check_cycles(self) -> None:
         """Derived symbols and default expressions form no cycle."""
