@@ -336,3 +336,23 @@ def test_expert_parallel_matches_hf_at_tp2(tiny_checkpoint, tmp_path, tmp_path_f
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 400, n).tolist() for n in (4, 11, 19)]
     assert _engine_tokens(ep, prompts, tp=2) == hf_greedy(ckpt, prompts, 12)
+
+
+def test_stacked_checkpoint_tensor_in_either_layout(tmp_path):
+    """A stacked [E, out, in] tensor, or [E, in, out] as some checkpoints store it, fills each rank's slices."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    E, H, I = 4, 8, 6
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    save_file({"gu": w13.transpose(1, 2).contiguous(), "d": w2.transpose(1, 2).contiguous()}, tmp_path / "t.safetensors")
+    f = safe_open(str(tmp_path / "t.safetensors"), "pt")
+    for rank in range(2):
+        want = _stacked_layer(2, rank, "tensor", w13, w2, E, H, I, 2)
+        with _tp_state(rank, 2):
+            got = moe_layer.FusedMoE(E, H, I, 2, True, "silu")
+        got.gate_up_proj.weight_loader(got.gate_up_proj, f.get_slice("gu"), None)
+        got.down_proj.weight_loader(got.down_proj, f.get_slice("d"), None)
+        assert torch.equal(got.gate_up_proj, want.gate_up_proj) and torch.equal(got.down_proj, want.down_proj)
+    with pytest.raises(ValueError, match="experts, out, in"):
+        got.down_proj.weight_loader(got.down_proj, torch.randn(E, H, I + 1), None)

@@ -13,7 +13,8 @@ Sharding, decided here (and only here):
 
 Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
 (down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
-means `loaded` is the whole stacked tensor [E, ...]. The weight plan names every expert's tensors
+means `loaded` is the whole stacked tensor, [E, out, in] or, as some checkpoints store it, [E, in, out] (read
+transposed; as in transformers, a square matrix is taken as [out, in]). The weight plan names every expert's tensors
 (`param.tp_split.expert_ids`: all experts, so that every checkpoint tensor is accounted for); an expert another
 rank holds is skipped without reading its bytes (`param.tp_split.local_expert_ids` are this rank's).
 """
@@ -35,17 +36,22 @@ PARALLEL_MODES = ("tensor", "expert")
 
 
 class _ExpertWindow:
-    """Expert e of a stacked [E, ...] tensor or lazy slice, itself sliceable lazily (rows, columns)."""
+    """Expert e of a stacked [E, rows, cols] tensor or lazy slice, itself sliceable lazily ([rows], [:, cols]).
+    `transposed`: the stacked tensor holds each expert's matrix as [cols, rows] (read, then transposed)."""
 
-    def __init__(self, base, e: int):
-        self.base, self.e = base, e
+    def __init__(self, base, e: int, transposed: bool = False):
+        self.base, self.e, self.transposed = base, e, transposed
 
     def get_shape(self) -> list[int]:
-        return list(source_shape(self.base)[1:])
+        shape = list(source_shape(self.base)[1:])
+        return shape[::-1] if self.transposed else shape
 
     def __getitem__(self, idx):
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        return self.base[(slice(self.e, self.e + 1),) + idx][0]
+        idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * 2
+        rows, cols = idx[0], idx[1]
+        if not self.transposed:
+            return self.base[(slice(self.e, self.e + 1), rows, cols)][0]
+        return self.base[(slice(self.e, self.e + 1), cols, rows)][0].transpose(0, 1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,13 @@ class ExpertSplit:
                               f"(e < {self.num_experts}) or 'e.<segment>' ({', '.join(self.inner.segment_names)})")
 
     def load(self, param: torch.Tensor, loaded, shard_id: Union[int, str, None] = None) -> None:
-        if shard_id is None:                                      # the whole stacked tensor [E, ...]
-            shape = source_shape(loaded)
-            if not shape or shape[0] != self.num_experts:
-                raise WeightLoadError(f"shape {tuple(shape)}: expected {self.num_experts} stacked experts in dim 0")
+        if shard_id is None:                                      # the whole stacked tensor [E, out, in] / [E, in, out]
+            shape, want = tuple(source_shape(loaded)), self.global_shape()
+            if shape != want and shape != (want[0], want[2], want[1]):
+                raise WeightLoadError(f"shape {shape}, expected {want} (experts, out, in) or "
+                                      f"{(want[0], want[2], want[1])} (experts, in, out)")
             for e in self.local_expert_ids:
-                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e), None)
+                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e, shape != want), None)
             return
         self.segment_index(shard_id)                              # raises for an unknown id
         e, _, seg = str(shard_id).partition(".")
