@@ -356,3 +356,23 @@ def test_stacked_checkpoint_tensor_in_either_layout(tmp_path):
         assert torch.equal(got.gate_up_proj, want.gate_up_proj) and torch.equal(got.down_proj, want.down_proj)
     with pytest.raises(ValueError, match="experts, out, in"):
         got.down_proj.weight_loader(got.down_proj, torch.randn(E, H, I + 1), None)
+
+
+def test_decode_padding_rows_are_routed_nowhere():
+    """In a decode step, rows without a KV slot (padding rows of a captured batch) skip the experts."""
+    from xllm_gen.runtime.executor import context as C
+
+    E, H, I, K = 4, 16, 8, 2
+    x, w13, w2, logits = _problem(T=6, E=E, H=H, I=I, K=K)
+    layer = _stacked_layer(1, 0, "tensor", w13, w2, E, H, I, K)
+    eager = layer(x, logits)
+    slots = torch.tensor([5, 9, 2, -1, -1, -1])
+    ctx = C.ForwardContext(is_prefill=False, cu_seqlens_q=torch.arange(7, dtype=torch.int32),
+                           seq_lens=torch.ones(6, dtype=torch.int32), slot_mapping=slots,
+                           block_tables=torch.zeros(6, 1, dtype=torch.int32))
+    C.set_context(ctx)
+    try:
+        got = layer(x, logits)
+    finally:
+        C.reset_context()
+    assert torch.all(got[3:] == 0) and torch.equal(got[:3], eager[:3]) and torch.any(eager[3:] != 0)

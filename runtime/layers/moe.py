@@ -26,6 +26,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from xllm_gen.runtime.executor import context as fwd_context
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import (ParamSplit, Segment, SegmentSlice, WeightLoadError, raise_or_defer,
                                                 source_shape, split_segment)
@@ -186,10 +187,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = moe_ops.topk_softmax(router_logits, self.top_k, self.renormalize)
+        nowhere = torch.full_like(ids, self.num_local_experts)
         if self.parallel == "expert" and self.tp_size > 1:            # other ranks' experts: routed nowhere here
             local = ids - self.expert_start
-            mine = (local >= 0) & (local < self.num_local_experts)
-            ids = torch.where(mine, local, torch.full_like(local, self.num_local_experts))
+            ids = torch.where((local >= 0) & (local < self.num_local_experts), local, nowhere)
+        padding = _decode_padding_rows(hidden_states.shape[0])
+        if padding is not None:                                        # padding rows of a captured decode batch
+            ids = torch.where(padding.unsqueeze(1), nowhere, ids)
         out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
                                 self.act_fn)
         return all_reduce(out) if self.tp_size > 1 else out
@@ -199,3 +203,11 @@ class FusedMoE(nn.Module):
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
                 f"activation={self.activation!r}, parallel={self.parallel!r}, tp={self.tp_size}")
 
+
+def _decode_padding_rows(rows: int) -> Optional[torch.Tensor]:
+    """[rows] bool: the padding rows of a decode step (no KV slot: slot -1), which the experts skip; None
+    outside a decode step. Static shape, no host sync: fine inside a captured graph."""
+    ctx = fwd_context._CONTEXT
+    if ctx is None or ctx.is_prefill or ctx.slot_mapping is None or ctx.slot_mapping.shape[0] != rows:
+        return None
+    return ctx.slot_mapping < 0
