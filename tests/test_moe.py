@@ -376,3 +376,38 @@ def test_decode_padding_rows_are_routed_nowhere():
     finally:
         C.reset_context()
     assert torch.all(got[3:] == 0) and torch.equal(got[:3], eager[:3]) and torch.any(eager[3:] != 0)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_vl_moe_text_image_video_match_hf(tp, tiny_checkpoint):
+    """Qwen3-VL-MoE (specs/qwen3_vl_moe.yaml): text, video, and image + video requests in one generate call
+    give HF's greedy tokens at TP 1 and 2 (the spec battery covers text and one image)."""
+    from hf_ref import hf_vl_greedy, hf_vl_inputs
+    from test_parity_qwen3_vl import REQUESTS
+
+    from xllm_gen import LLM, SamplingParams
+
+    ckpt = tiny_checkpoint("Qwen3VLMoeForConditionalGeneration")
+    names = ["text", "video", "image_video"]
+    want = []
+    for n in names:
+        req, mm = REQUESTS[n], REQUESTS[n].get("multi_modal_data") or {}
+        inputs = hf_vl_inputs(ckpt, req["prompt"], mm.get("image"), mm.get("video"), req.get("mm_processor_kwargs"))
+        want.append(list(hf_vl_greedy(ckpt, inputs, 12)))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp) as llm:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate([REQUESTS[n] for n in names], params)]
+    assert got == want
+
+
+def test_explain_tp_shows_per_rank_expert_bytes(capsys):
+    """`xllm-gen --explain --tp 4`: the experts split over the intermediate rows, per-rank bytes."""
+    from xllm_gen.codegen.cli import main as cli_main
+
+    assert cli_main(["--explain", str(BASE), "--tp", "4"]) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("variant Qwen3-30B-A3B"):]
+    assert "per rank at tp=4" in block
+    assert "mlp.experts.gate_up_proj         [128, 384, 2048]      100,663,296      201,326,592" in block
+    assert "mlp.experts.down_proj            [128, 2048, 192]" in block
