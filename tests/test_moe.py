@@ -77,6 +77,8 @@ def test_align_sorts_pairs_by_expert(block_m):
         assert all(flat[r] == e for r in rows.tolist())                              # one expert per block
     assert al.block_expert.tolist() == sorted(al.block_expert.tolist())
     assert int(al.num_rows) % block_m == 0 and int(al.num_rows) <= P
+    # a decode token with top-8 of 128 experts: at most 8 blocks of 16 rows, not one per expert
+    assert M.padded_rows(8, 128, 16) == 8 * 16
 
 
 @pytest.mark.parametrize("block_m", [1, 3, 16])

@@ -34,8 +34,9 @@ class Alignment(NamedTuple):
 
 
 def padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The static row count P: every pair, plus at most block_m - 1 padding rows per expert, in whole blocks."""
-    rows = num_pairs + num_experts * (block_m - 1)
+    """The static row count P: every pair, plus at most block_m - 1 padding rows per expert in use (at most
+    min(experts, pairs) of them), in whole blocks. A decode step of T tokens thus has at most T * top_k blocks."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return (rows + block_m - 1) // block_m * block_m
 
 
