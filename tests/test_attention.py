@@ -133,3 +133,34 @@ def test_paged_matches_hf_eager_attention():
     # cache-less path (no KV cache attached) gives the same result
     out2 = TorchPagedBackend().forward(q, k, v, torch.tensor([]), torch.tensor([]), ctx, D ** -0.5)
     torch.testing.assert_close(out2, out, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [(None, None), (5, None), (None, 3.0), (7, 2.5)], ids=str)
+def test_batched_paged_equals_per_sequence_oracle(variant):
+    """The batched gather/mask path equals `attend` run sequence by sequence (the oracle), for a step that mixes
+    whole prefills, chunked prefills, decodes and padding rows, with NaN in every page the step does not own
+    (a row must never read past its own length)."""
+    from xllm_gen.runtime.attention.base import AttentionVariant
+    from xllm_gen.runtime.attention.torch_ref import attend
+    torch.manual_seed(0)
+    H, Hk, D, bs, num_blocks = 8, 2, 16, 4, 64
+    seq_lens, query_lens = [9, 23, 1, 14, 30], [9, 6, 1, 1, 30]
+    ctx, tables = make_step(seq_lens, query_lens, bs, num_blocks, seed=3, pad_rows=2)
+    kc = torch.full((num_blocks, bs, Hk, D), float("nan"))
+    vc = torch.full((num_blocks, bs, Hk, D), float("nan"))
+    for L, t in zip(seq_lens, tables):
+        for p in range(L):
+            kc[t[p // bs], p % bs] = torch.randn(Hk, D)
+            vc[t[p // bs], p % bs] = torch.randn(Hk, D)
+    N = sum(query_lens) + 2
+    q = torch.randn(N, H, D) * 3
+    var = AttentionVariant(*variant)
+    out = TorchPagedBackend().forward(q, torch.zeros(N, Hk, D), torch.zeros(N, Hk, D), kc, vc, ctx, D ** -0.5, var)
+    start = 0
+    for L, Q, t in zip(seq_lens, query_lens, tables):
+        idx = [t[p // bs] * bs + p % bs for p in range(L)]
+        ks, vs = kc.view(-1, Hk, D)[idx], vc.view(-1, Hk, D)[idx]
+        want = attend(q[start:start + Q], ks, vs, D ** -0.5, L - Q, var.sliding_window, var.logit_softcap)
+        torch.testing.assert_close(out[start:start + Q], want, rtol=1e-5, atol=1e-5)
+        start += Q
+    assert torch.equal(out[start:], torch.zeros(2, H, D))          # padding rows

@@ -10,22 +10,71 @@ from xllm_gen.runtime.executor.context import ForwardContext
 
 
 class TorchPagedBackend(AttentionBackend):
-    """Gathers each sequence's K/V from the paged cache through its block table and runs causal attention
-    in float32; the query's tokens are the last `query_len` of the sequence's `seq_len` tokens. GQA: query
-    head h reads KV head h // (H // Hk). A sequence with no KV (padding row) gives zeros.
+    """Causal attention over the paged cache in float32, all sequences of a step in one batched computation:
+    each sequence's K/V pages are gathered through its block table into a padded [B, L, Hk, D] batch, its query
+    tokens (the last `query_len` of its `seq_len` tokens) into [B, Q, H, D], and one masked softmax covers all
+    (HF eager semantics, see `attend`, the per-sequence oracle this path is tested against). GQA without
+    copies: query heads are grouped [Hk, H // Hk] against their KV head. A row with no KV (padding) gives zeros.
     If the caches are empty (no KV cache attached, e.g. a cache-less prefill), the step's k/v are used.
-    Variants (sliding window, logit soft-cap) are applied per call: no per-variant plan is needed."""
+    Variants (sliding window, logit soft-cap) only change the mask / scores: no per-variant plan is needed."""
 
     def __init__(self):
         self._ctx = None
         self._seq_lens = None
         self._q_bounds = None
+        self._batch = None
 
     def plan(self, ctx: ForwardContext) -> None:
         self._ctx = ctx
         self._seq_lens = ctx.seq_lens_cpu if ctx.seq_lens_cpu is not None else ctx.seq_lens.tolist()
         cu = ctx.cu_seqlens_q.tolist()
         self._q_bounds = list(zip(cu[:-1], cu[1:]))
+        self._batch = None
+        self._masks = {}
+        self._live = [i for i, ((q0, q1), n) in enumerate(zip(self._q_bounds, self._seq_lens)) if q1 > q0 and n > 0]
+
+    def reset(self) -> None:
+        self._ctx = None
+        self._seq_lens = None
+        self._q_bounds = None
+        self._batch = None
+
+    def _index(self, device):
+        """Per step: the rows with work, their query token indices [B, Q] (padded with the row's first) and
+        validity, key positions' validity [B, L], and each query's absolute position [B, Q]."""
+        if self._batch is None:
+            rows = [(i, q0, q1, L) for i, ((q0, q1), L) in enumerate(zip(self._q_bounds, self._seq_lens))
+                    if q1 > q0 and L > 0]
+            if not rows:
+                self._batch = ()
+                return self._batch
+            Q = max(q1 - q0 for _, q0, q1, _ in rows)
+            L = max(n for *_, n in rows)
+            j = torch.arange(Q)
+            q0 = torch.tensor([r[1] for r in rows])
+            qlen = torch.tensor([r[2] - r[1] for r in rows])
+            lens = torch.tensor([r[3] for r in rows])
+            q_valid = j[None, :] < qlen[:, None]
+            q_index = torch.where(q_valid, q0[:, None] + j[None, :], q0[:, None])
+            q_pos = (lens - qlen)[:, None] + j[None, :]
+            k_valid = torch.arange(L)[None, :] < lens[:, None]
+            self._batch = (torch.tensor([r[0] for r in rows]), q_index.to(device), q_valid.to(device),
+                           q_pos.to(device), k_valid.to(device), L)
+        return self._batch
+
+    def _mask(self, variant: AttentionVariant, q_pos, k_valid, q_valid):
+        """[B, 1, 1, Q, L]: key p visible to the query at position i iff p <= i (and p > i - W with a window W);
+        padded query rows see key 0 (their output is dropped) so that no softmax row is empty."""
+        key = variant.sliding_window
+        if key not in self._masks:
+            kpos = torch.arange(k_valid.shape[1], device=k_valid.device)[None, None, :]
+            qpos = q_pos[:, :, None]
+            visible = (kpos <= qpos) & k_valid[:, None, :]
+            if variant.sliding_window is not None:
+                visible &= kpos > qpos - variant.sliding_window
+            visible |= (~q_valid[:, :, None]) & (kpos == 0)
+            self._masks[key] = visible[:, None, None]
+        return self._masks[key]
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None):
         if ctx is not self._ctx:
@@ -33,30 +82,45 @@ class TorchPagedBackend(AttentionBackend):
         variant = variant or FULL
         N, H, D = q.shape
         Hk = k.shape[1]
+        g = H // Hk
         out = torch.zeros(N, H, D, dtype=q.dtype, device=q.device)
         use_cache = k_cache is not None and k_cache.numel() > 0
-        bs = k_cache.shape[1] if use_cache else ctx.block_size
-        for i, ((q0, q1), L) in enumerate(zip(self._q_bounds, self._seq_lens)):
-            qlen = q1 - q0
-            if qlen == 0 or L == 0:
-                continue
-            if use_cache:
-                nblk = (L + bs - 1) // bs
-                blocks = ctx.block_tables[i, :nblk].long()
-                ks = k_cache[blocks].reshape(-1, Hk, D)[:L]
-                vs = v_cache[blocks].reshape(-1, Hk, D)[:L]
-            else:
-                if L != qlen:
-                    raise ValueError("without a KV cache every sequence must be computed whole")
-                ks, vs = k[q0:q1], v[q0:q1]
-            out[q0:q1] = attend(q[q0:q1], ks, vs, scale, L - qlen, variant.sliding_window,
+        if not self._live:
+            return out
+        if len(self._live) == 1 and use_cache:   # one sequence: slices, no gather indices (cheaper at batch 1)
+            i = self._live[0]
+            (q0, q1), n = self._q_bounds[i], self._seq_lens[i]
+            bs = k_cache.shape[1]
+            blocks = ctx.block_tables[i, :(n + bs - 1) // bs].long()
+            ks, vs = k_cache[blocks].reshape(-1, Hk, D)[:n], v_cache[blocks].reshape(-1, Hk, D)[:n]
+            out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
                                 variant.logit_softcap).to(q.dtype)
+            return out
+        rows, q_index, q_valid, q_pos, k_valid, L = self._index(q.device)
+        B = len(rows)
+        if use_cache:
+            bs = k_cache.shape[1]
+            nblk = (L + bs - 1) // bs
+            blocks = ctx.block_tables[rows.to(ctx.block_tables.device), :nblk].long()
+            ks = k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L]
+            vs = v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L]
+        else:
+            if any(q1 - q0 != n for (q0, q1), n in zip(self._q_bounds, self._seq_lens) if n):
+                raise ValueError("without a KV cache every sequence must be computed whole")
+            kv_index = q_index[:, :L]            # the whole sequence is the query: same token indices
+            ks, vs = k[kv_index], v[kv_index]
+        qf = q[q_index].float().view(B, -1, Hk, g, D).permute(0, 2, 3, 1, 4)       # [B, Hk, g, Q, D]
+        kf = ks.float().permute(0, 2, 1, 3)[:, :, None]                             # [B, Hk, 1, L, D]
+        # positions past a row's length may hold stale or unwritten pages: zero V there (0 * NaN is NaN)
+        vf = torch.where(k_valid[:, :, None, None], vs.float(), 0.0).permute(0, 2, 1, 3)[:, :, None]
+        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                          # [B, Hk, g, Q, L]
+        if variant.logit_softcap is not None:
+            s = torch.tanh(s / variant.logit_softcap) * variant.logit_softcap
+        s = s.masked_fill(~self._mask(variant, q_pos, k_valid, q_valid), float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), vf)                             # [B, Hk, g, Q, D]
+        o = o.permute(0, 3, 1, 2, 4).reshape(B, -1, H, D)
+        out[q_index[q_valid]] = o[q_valid].to(q.dtype)
         return out
-
-    def reset(self) -> None:
-        self._ctx = None
-        self._seq_lens = None
-        self._q_bounds = None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
