@@ -30,6 +30,16 @@ def default_checkpoint() -> Path:
     return out
 
 
+def _one_error(e: BaseException) -> str:
+    """An exception as one message: a rank's traceback carried in it shrinks to its first and last lines."""
+    text = str(e).strip() or type(e).__name__
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+        lines = [lines[0], lines[-1].strip()]
+    msg = " | ".join(lines)
+    return msg if isinstance(e, ValueError) else f"{type(e).__name__}: {msg}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="xllm-gen-generate", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="HF checkpoint dir (default: the embedded tiny checkpoint, built on first use)")
@@ -62,8 +72,11 @@ def main(argv=None) -> int:
     try:
         llm = LLM(model=model, device=args.device, dtype=args.dtype,
                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:     # the checkpoint's faults name the file and the field
+        print(f"error: {_one_error(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - anything else (memory, a failed rank): one line, no traceback
+        print(f"error: {model}: cannot be loaded: {_one_error(e)}", file=sys.stderr)
         return 2
     t1 = time.perf_counter()
     rc = 0
@@ -72,6 +85,10 @@ def main(argv=None) -> int:
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         outs, rc = e.outputs, 1
+    except Exception as e:  # noqa: BLE001 - a failure while generating: one line, no traceback
+        print(f"error: generation failed: {_one_error(e)}", file=sys.stderr)
+        llm.shutdown()
+        return 1
     t2 = time.perf_counter()
     for out in outs:
         if args.json:

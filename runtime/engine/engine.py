@@ -3,7 +3,6 @@ and detokenization. Rank 0 owns scheduling and sampling; model runners (one per 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 from pathlib import Path
@@ -12,6 +11,8 @@ from typing import Any, Optional
 import torch
 
 from xllm_gen.runtime.loading import registry
+from xllm_gen.runtime.loading.checkpoint_files import (CheckpointFileError, generation_eos_ids, load_tokenizer,
+                                                       read_config_json, read_generation_config)
 from xllm_gen.runtime.engine.block_manager import BlockManager, blocks_for
 from xllm_gen.runtime.engine.outputs import CompletionOutput, RequestOutput
 from xllm_gen.runtime.engine.sampler import Sampler
@@ -39,14 +40,11 @@ def resolve_dtype(dtype: Any, hf_config: dict, device: torch.device) -> torch.dt
     return _DTYPES[dtype]
 
 
-def _eos_ids(model_dir: Path, config, tokenizer) -> set[int]:
+def _eos_ids(generation_config: dict, config, tokenizer) -> set[int]:
     ids: set[int] = set()
     for src in (getattr(config, "eos_token_id", None),):
         ids.update(src if isinstance(src, (tuple, list)) else ([src] if src is not None else []))
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(e if isinstance(e, list) else ([e] if e is not None else []))
+    ids.update(generation_eos_ids(generation_config))      # validated: ints in the vocabulary
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -101,16 +99,20 @@ class LLMEngine:
         self.model_dir = Path(model)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
-        if not cfg_path.exists():
-            raise ValueError(f"{self.model_dir}: not a Hugging Face checkpoint dir (no config.json)")
-        self.hf_config = json.loads(cfg_path.read_text())
+        self.hf_config = read_config_json(self.model_dir)      # errors name the file (and JSON line / column)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
-        model_module, runner_module = registry.resolve(self.hf_config)
+        try:
+            model_module, runner_module = registry.resolve(self.hf_config)
+            self.config = model_module.Config.from_hf(self.hf_config)
+        except registry.RegistryError:
+            raise
+        except ValueError as e:          # a field of config.json: name the file too
+            raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from None
         runner_cls = runner_module.Runner
-        self.config = model_module.Config.from_hf(self.hf_config)
+        self.generation_config = read_generation_config(self.model_dir, self.config.vocab_size)
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if tensor_parallel_size != 1:     # impossible sizes fail here, before any process starts
@@ -144,7 +146,7 @@ class LLMEngine:
             if getattr(runner_cls, "multimodal", False):
                 from xllm_gen.runtime.multimodal.processor import MultiModalProcessor
                 self.mm_processor = MultiModalProcessor(str(self.model_dir), self.hf_config)
-            self.eos_token_ids = _eos_ids(self.model_dir, self.config, self.tokenizer)
+            self.eos_token_ids = _eos_ids(self.generation_config, self.config, self.tokenizer)
         except BaseException:
             self.shutdown()              # stop TP ranks at once, not at garbage collection
             raise
@@ -157,13 +159,9 @@ class LLMEngine:
         self._stream_text = False                  # set by step_deltas: detokenize every step
 
     def _load_tokenizer(self):
-        try:
-            from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
-        except Exception as e:  # a checkpoint without a tokenizer still serves prompt_token_ids
-            if self.tokenizer_dir != self.model_dir:
-                raise ValueError(f"tokenizer {self.tokenizer_dir}: cannot be loaded ({type(e).__name__}: {e})") from e
-            return None
+        """The checkpoint's (or `tokenizer=`) tokenizer; None only when the checkpoint has no tokenizer file (it
+        then serves prompt_token_ids). One that is present but cannot be loaded is an error naming the file."""
+        return load_tokenizer(self.tokenizer_dir, required=self.tokenizer_dir != self.model_dir)
 
     # ---- admission ------------------------------------------------------------------------------
     def make_sequence(self, index: Any, prompt: Any, params: SamplingParams) -> Sequence:

@@ -74,6 +74,10 @@ class Checkpoint:
     def names(self) -> Iterable[str]:
         return self.file_of.keys()
 
+    def path_of(self, name: str) -> Path:
+        """The file that holds tensor `name` (for messages)."""
+        return self.dir / self.file_of.get(name, "?")
+
     def slice(self, name: str):
         if name not in self.file_of:
             raise CheckpointError(f"{self.dir}: missing tensor {name!r}")
@@ -90,14 +94,14 @@ class Checkpoint:
                                   f"file for it): {e}") from None
 
 
-def _check_dtype(sl, name: str, param: torch.Tensor, pname: str) -> None:
+def _check_dtype(sl, name: str, param: torch.Tensor, pname: str, where: Path) -> None:
     try:
         dtype = sl.get_dtype()
     except AttributeError:
         return
     if param.is_floating_point() and dtype not in _FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name!r}: dtype {dtype} cannot fill the floating-point parameter "
-                              f"{pname!r} ({param.dtype})")
+                              f"{pname!r} ({param.dtype}) (file {where})")
 
 
 def _check_tp(params: dict, tp_size: Optional[int], tp_rank: Optional[int]) -> None:
@@ -133,12 +137,18 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         shard_ids = rule.segments or (None,)
         for name, shard_id in zip(rule.sources, shard_ids):
             sl = ckpt.slice(name)
-            _check_dtype(sl, name, param, rule.param)
+            _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
             try:
                 loader(param, sl, shard_id)
             except WeightLoadError as e:
                 seg = f" (segment {shard_id!r})" if shard_id is not None and "segment" not in str(e) else ""
-                raise CheckpointError(f"tensor {name!r} -> parameter {rule.param!r}{seg}: {e}") from None
+                raise CheckpointError(f"tensor {name!r} -> parameter {rule.param!r}{seg}: {e} "
+                                      f"(file {ckpt.path_of(name)})") from None
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a read that fails mid-tensor (file truncated after its header)
+                raise CheckpointError(f"tensor {name!r}: cannot be read from {ckpt.path_of(name)}: "
+                                      f"{type(e).__name__}: {e}") from None
         split = getattr(param, "tp_split", None)
         if rule.segments and split is not None:
             filled = {split.segment_index(s) for s in rule.segments}
