@@ -3,7 +3,7 @@ or interrupted (SIGINT on rank 0), idle and mid-step.
 
 - A stopped worker, idle or mid-step, or during a query, is an error within XLLM_TP_TIMEOUT_S that names
   the rank and says it is stopped (rank 0's control messages have the timeout too, not only collectives).
-- A worker killed mid-step is reported at once.
+- A worker killed mid-step is reported at once; SIGINT to a worker, idle or mid-step, changes nothing.
 - A second Ctrl-C interrupts a step blocked on a stopped worker at once (KeyboardInterrupt, long before
   the timeout); the group is torn down and the runner refuses further steps.
 - Every case leaves no rank process behind.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from test_tp import _rank_children, _seq, _tp, _wait_gone
+from test_tp import _expected_logits, _rank_children, _seq, _tp, _wait_gone
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -112,6 +112,25 @@ def test_killed_worker_mid_step_is_reported_at_once():
         with pytest.raises(RuntimeError, match="killed by signal 9|Connection closed|rank 1"):
             r.run([_seq(0, [555], [0], chunk=1)], True)
         assert time.monotonic() - t0 < 15, "waited for the timeout instead of noticing the dead rank"
+    finally:
+        r.shutdown()
+    _no_orphans(pids)
+
+
+def test_sigint_to_a_worker_idle_or_mid_step_changes_nothing():
+    """Ctrl-C belongs to rank 0: a worker ignores SIGINT (a terminal sends it to the whole process group)."""
+    import torch
+
+    r = _tp(2, timeout_s=30)
+    pids = r.worker_pids()
+    try:
+        os.kill(pids[0], signal.SIGINT)                         # idle
+        time.sleep(0.3)
+        s = _seq(0, [1, 2], [0], chunk=2)
+        assert torch.equal(r.run([s], True), _expected_logits([s], 2))
+        threading.Timer(0.5, os.kill, args=(pids[0], signal.SIGINT)).start()   # inside the slow step
+        s = _seq(1, [555], [1], chunk=1)
+        assert torch.equal(r.run([s], True), _expected_logits([s], 2))
     finally:
         r.shutdown()
     _no_orphans(pids)
