@@ -354,6 +354,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: from --gpu-memory-utilization)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory to use")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights of the config's shapes, no checkpoint read (benchmarks)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV of shared prompt prefixes (on by default)")
     ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
@@ -386,7 +388,8 @@ def make_engine(args):
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill or None, tokenizer=args.tokenizer)
+              seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill or None, tokenizer=args.tokenizer,
+              load_format=args.load_format)
     if args.enable_prefix_caching is not None:
         if "enable_prefix_caching" not in inspect.signature(LLMEngine.__init__).parameters:
             raise ValueError("--enable-prefix-caching: this engine has no prefix cache")
