@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Serving benchmark on a GPU host over HTTP (bench/bench_serve.py against xllm-gen-serve), random bf16 weights
+# of Qwen3 shapes (--load-format dummy, config.json from specs/qwen3.yaml variants via bench_decode.write_config):
+#   1. Qwen3-0.6B: random prompts, fixed concurrency (16), input 1024, output 128
+#   2. Qwen3-0.6B: shared-prefix prompts (896 of 1024 tokens common), prefix caching on, then off
+#   3. Qwen3-8B: as 1
+# Each server runs alone; the reports (JSON + the printed table) go to $OUT/serve_*.json and $OUT/serve.log.
+#   usage: OUT=/tmp/out bash bench/serve_gpu.sh [0.6b,prefix,8b]
+set -u
+phases=",${1:-0.6b,prefix,8b},"
+OUT=${OUT:-/tmp/xllm_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+L=$OUT/serve.log
+W=$(mktemp -d)
+python - "$W" <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from bench_decode import write_config
+for name in ("Qwen3-0.6B", "Qwen3-8B"):
+    write_config(Path(sys.argv[1]), name)
+EOF
+port=8311
+serve_bench() {   # tag model_dir server-args -- bench-args
+  local tag=$1 dir=$2; shift 2
+  local sargs=() ; while [ "$1" != "--" ]; do sargs+=("$1"); shift; done; shift
+  echo "=== $tag: server ${sargs[*]}; bench $*" | tee -a "$L"
+  xllm-gen-serve "$dir" --load-format dummy --dtype bfloat16 --port $port --max-model-len 2048 --log-level warning \
+    "${sargs[@]}" >> "$L" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+  timeout 240 python bench/bench_serve.py --base-url "http://127.0.0.1:$port" --json "$OUT/serve_$tag.json" "$@" 2>&1 | tee -a "$L"
+  kill -TERM $pid; wait $pid 2>/dev/null
+  port=$((port + 1))
+}
+common="--num-prompts 64 --request-rate inf --max-concurrency 16 --input-len 1024 --output-len 128"
+[[ $phases == *,0.6b,* ]] && serve_bench 0.6b_random "$W/Qwen3-0.6B" -- $common
+if [[ $phases == *,prefix,* ]]; then
+  serve_bench 0.6b_prefix_on "$W/Qwen3-0.6B" -- $common --shared-prefix-len 896
+  serve_bench 0.6b_prefix_off "$W/Qwen3-0.6B" --no-enable-prefix-caching -- $common --shared-prefix-len 896
+fi
+[[ $phases == *,8b,* ]] && serve_bench 8b_random "$W/Qwen3-8B" -- $common
+echo "=== done" | tee -a "$L"
