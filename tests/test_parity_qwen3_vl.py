@@ -274,7 +274,7 @@ def test_vl_no_stale_deepstack(qwen3_vl_tied, make_llm):
 def test_deepstack_buffers_fixed_used_and_cleared(qwen3_vl_tied, make_llm):
     """The generated runner's deepstack buffers keep their size and address, carry the image's features into
     the prefill step (ctx.deepstack), and hold zeros again after every step."""
-    llm = make_llm(qwen3_vl_tied)
+    llm = make_llm(qwen3_vl_tied, enable_prefix_caching=False)    # every visual row is computed here
     runner = llm.engine.runner
     before = [(t.data_ptr(), tuple(t.shape)) for t in (runner.deepstack_rows, runner.deepstack_embeds)]
     steps = []                                       # (deepstack rows used, nonzero features, clean after)
