@@ -546,6 +546,7 @@ class LLMEngine:
         return self.request_output(index, [seq])
 
     def shutdown(self) -> None:
+        """Stops the runner (every TP rank) and releases the model, KV cache and graphs; idempotent."""
         close = getattr(self.runner, "shutdown", None)
         if close:
             close()

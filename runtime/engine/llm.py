@@ -1,6 +1,7 @@
 """The public API, in vLLM's style: LLM(model=dir, ...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Sequence as Seq, Union
 
 import torch
@@ -43,6 +44,8 @@ class LLM:
                                 enable_chunked_prefill=enable_chunked_prefill, cuda_graph_sizes=cuda_graph_sizes,
                                 debug=_debug, tokenizer=tokenizer,
                                 enable_prefix_caching=enable_prefix_caching)
+        # `del llm` (or the object going out of scope) releases the model, KV cache and graphs like shutdown()
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -167,7 +170,8 @@ class LLM:
             engine.block_manager.free(seq)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stops the engine and releases its memory (GPU included) now; idempotent."""
+        self._finalizer()
 
     def __enter__(self):
         return self

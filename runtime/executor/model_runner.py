@@ -19,6 +19,8 @@ once, run the model, and return float32 logits of each sequence's last row (samp
 """
 from __future__ import annotations
 
+import gc
+
 import contextlib
 from typing import Optional
 
@@ -95,6 +97,20 @@ class ModelRunner:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
 
+    def shutdown(self) -> None:
+        """Releases the model, the KV cache, the decode graphs, the attention workspaces and every step
+        buffer now, so that the next engine of this process gets the memory (idempotent; the runner cannot
+        run afterwards)."""
+        if getattr(self, "model", None) is None:
+            return
+        for name, value in list(vars(self).items()):
+            if isinstance(value, (torch.Tensor, torch.nn.Module)) or name in ("graphs", "backend", "attn_layers"):
+                setattr(self, name, None)
+        gc.collect()                           # graphs and modules may hold each other
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     # ---- set-up -------------------------------------------------------------------------------
     @torch.no_grad()
     def _init_dummy_weights(self) -> set[str]:
@@ -115,10 +131,21 @@ class ModelRunner:
         per_block = self._kv_bytes_per_block()
         worst = self.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
         if self.device.type == "cuda":
+            gc.collect()                       # an engine deleted in this process gives its memory back first
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = total * gpu_memory_utilization - used - 512 * 2**20   # headroom for activations/graphs
-            return max(16, min(worst, int(budget // per_block)))
+            blocks = min(worst, int(budget // per_block))
+            one_seq = (self.max_model_len + self.block_size - 1) // self.block_size
+            if blocks < one_seq:
+                raise ValueError(
+                    f"not enough GPU memory for the KV cache: {max(blocks, 0)} blocks of {self.block_size} tokens fit "
+                    f"in gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.1f} GiB "
+                    f"({used / 2**30:.1f} GiB already in use), one sequence of max_model_len={self.max_model_len} "
+                    f"needs {one_seq}; lower max_model_len, raise gpu_memory_utilization, or free the GPU "
+                    "(shut down other engines: LLM.shutdown() or `with LLM(...)`)")
+            return blocks
         return max(16, min(worst, int(2 * 2**30 // per_block)))         # CPU: at most 2 GiB of KV
 
     def _allocate_kv_cache(self) -> None:
