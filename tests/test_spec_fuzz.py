@@ -160,6 +160,29 @@ def tree_mutant(draw):
     return name, yaml.safe_dump(data, sort_keys=False, allow_unicode=True).encode()
 
 
+_HOSTILE_NUMBERS = st.sampled_from([0, -1, 1, 2, 3, 7, 2 ** 31 - 1, 2 ** 31, 2 ** 62, -2 ** 31, 0.0, -0.0, -1e-6, 1e-300,
+                                     1e300, 0.5, 1.0, 2.5, float("nan"), float("inf"), -float("inf")])
+
+
+@st.composite
+def value_mutant(draw):
+    """A leaf that reaches the resolver (a number, a symbol, an expression, a list of numbers) replaced by a
+    hostile number, another symbol of the spec, or an expression: the semantic checks, not the schema."""
+    name = draw(st.sampled_from(NAMES))
+    data = yaml.safe_load(SOURCE[name].decode())
+    symbols = sorted(data.get("config", {}))
+    leaves = [p for p in _paths(data) if p and p[0] in ("decoder", "lm_head", "vision", "variants", "config",
+                                                        "tensor_parallel")
+              and isinstance(_get(data, p), (int, float, str)) and not isinstance(_get(data, p), bool)
+              and p[-1] not in ("kind", "name", "from", "type", "doc", "norm", "block", "post_norm")]
+    for _ in range(draw(st.integers(1, 2))):
+        path = draw(st.sampled_from(leaves))
+        new = draw(st.one_of(_HOSTILE_NUMBERS, st.sampled_from(symbols or ["x"]), st.sampled_from(_EXPRS),
+                             st.lists(_HOSTILE_NUMBERS, min_size=1, max_size=4)))
+        _set(data, path, new)
+    return name, yaml.safe_dump(data, sort_keys=False, allow_unicode=True).encode()
+
+
 @st.composite
 def text_mutant(draw):
     name = draw(st.sampled_from(NAMES))
@@ -206,6 +229,14 @@ def test_real_specs_compile(workdir):
 @FUZZ(160)
 @given(tree_mutant())
 def test_tree_mutants(workdir, mutant):
+    name, raw = mutant
+    rc, err = run_cli(_write(workdir, name, raw), workdir / "out")
+    check_outcome(rc, err, raw.decode(errors="replace"))
+
+
+@FUZZ(120)
+@given(value_mutant())
+def test_value_mutants(workdir, mutant):
     name, raw = mutant
     rc, err = run_cli(_write(workdir, name, raw), workdir / "out")
     check_outcome(rc, err, raw.decode(errors="replace"))
