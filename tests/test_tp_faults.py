@@ -103,6 +103,16 @@ def test_stopped_worker_during_a_query_is_named():
     _no_orphans(pids)
 
 
+def test_shutdown_with_a_stopped_worker_is_prompt():
+    r = _tp(2, timeout_s=60)
+    pids = r.worker_pids()
+    _stop(pids[0])
+    t0 = time.monotonic()
+    r.shutdown()
+    assert time.monotonic() - t0 < 10, "shutdown waited on the stopped rank"
+    _no_orphans(pids)
+
+
 def test_killed_worker_mid_step_is_reported_at_once():
     r = _tp(2, timeout_s=60)
     pids = r.worker_pids()

@@ -545,6 +545,8 @@ class _Group:
         self.stop.set()
         if self.monitor is not None and self.monitor is not threading.current_thread():
             self.monitor.join(2.0)                 # before the groups and the store go away
+        if graceful and any(_proc_state(p.pid) in ("T", "t") for p in self.procs if p.pid):
+            graceful = False                       # a stopped rank would hold the shutdown message for the timeout
         if graceful and self.ctrl is not None and not self.failures:
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list([("shutdown",)], src=0, group=self.ctrl, device=_CPU)
