@@ -26,10 +26,18 @@ serve_bench() {   # tag model_dir server-args -- bench-args
   local tag=$1 dir=$2; shift 2
   local sargs=() ; while [ "$1" != "--" ]; do sargs+=("$1"); shift; done; shift
   echo "=== $tag: server ${sargs[*]}; bench $*" | tee -a "$L"
-  xllm-gen-serve "$dir" --load-format dummy --dtype bfloat16 --port $port --max-model-len 2048 --log-level warning \
+  python -m xllm_gen.runtime.serving.server "$dir" --load-format dummy --dtype bfloat16 --port $port --max-model-len 2048 --log-level warning \
     "${sargs[@]}" >> "$L" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
+  python - "$port" <<'PY'
+import sys, time, urllib.request
+for _ in range(480):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
+        break
+    except Exception:
+        time.sleep(0.25)
+PY
   timeout 240 python bench/bench_serve.py --base-url "http://127.0.0.1:$port" --json "$OUT/serve_$tag.json" "$@" 2>&1 | tee -a "$L"
   kill -TERM $pid; wait $pid 2>/dev/null
   port=$((port + 1))
