@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import difflib
 import io
 import json

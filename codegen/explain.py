@@ -4,7 +4,7 @@ The resolved-spec text is also the golden file of the tests (tests/golden/<name>
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 from .ir import (AttentionIR, GatedMLPIR, LinearIR, ModelIR, MoEIR, NormIR, PatchMergerIR, RankTableIR, VariantIR,
                  VisionAttentionIR, VisionMLPIR)
@@ -80,13 +80,13 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.config_ignore:
         w("config ignored (does not change the math): " + ", ".join(ir.config_ignore))
     w("")
-    w(f"decoder:" if ir.decoder_prefix == "model" else f"decoder ({ir.decoder_prefix}):")
+    w("decoder:" if ir.decoder_prefix == "model" else f"decoder ({ir.decoder_prefix}):")
     w(f"  embed_tokens  embedding(vocab={ir.embed.vocab}, dim={ir.embed.dim}"
       + (f", scale={ir.embed.scale})" if ir.embed.scale else ")"))
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")
-    w(f"    dataflow:")
+    w("    dataflow:")
     for s in ir.layer.steps:
         if hasattr(s, "branches"):
             w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" for b in s.branches))
@@ -112,7 +112,7 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  blocks x {v.count}  ({v.block_class}):")
         for b in v.blocks:
             w(f"    {b.name}: {_block(b)}")
-        w(f"    dataflow:")
+        w("    dataflow:")
         for st in v.steps:
             w(f"      x = x + {st.block}({st.norm}(x))")
         w(f"  merger  {_block(v.merger)}")
@@ -198,10 +198,13 @@ def format_variant(ir: ModelIR, v: VariantIR, table: RankTableIR, dtype: str) ->
     return "\n".join(out) + "\n"
 
 
-def explain(ir: ModelIR, dtype: str = "bfloat16", tables: Optional[List[RankTableIR]] = None) -> str:
+def explain(ir: ModelIR, files: dict, dtype: str = "bfloat16", tp: int = 1) -> str:
+    """The resolved spec and each variant's table at TP size `tp`, from the runtime's plan (the rendered model
+    built on the meta device). A size that cannot be split raises ShardingError."""
+    module = model_module_of(ir, files)
     parts = [format_resolved(ir)]
-    for i, v in enumerate(ir.variants):
-        parts.append(format_variant(ir, v, tables[i] if tables else v.full, dtype))
+    for v in ir.variants:
+        parts.append(format_variant(ir, v, tp_rank_table(ir, files, v, tp, module), dtype))
     return "\n".join(parts)
 
 

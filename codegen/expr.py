@@ -15,7 +15,6 @@ with the checkpoint's values) and is evaluated here by a small interpreter for t
 from __future__ import annotations
 
 import ast
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Tuple

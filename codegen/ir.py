@@ -359,11 +359,6 @@ class VariantIR:
     values: Tuple[Tuple[str, Any], ...]                   # every config symbol, defaults filled in
     tied: bool
     layers: int
-    ranks: Tuple[RankTableIR, ...]                       # tp=1 first, then each declared TP size
-
-    @property
-    def full(self) -> RankTableIR:
-        return self.ranks[0]
 
 
 @dataclass(frozen=True)

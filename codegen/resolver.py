@@ -14,13 +14,12 @@ import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from xllm_gen.runtime.executor.sharding import Segment, check_segment, heads_per_rank, padded_vocab
 
 from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
 from .ir import (AttentionIR, ChoiceIR, ConfigFieldIR, MoEIR, EmbeddingIR, GatedMLPIR, LayerIR, LinearIR, LMHeadIR, ModelIR,
-                 NormIR, ParallelStepIR, ParamIR, PatchEmbedIR, PatchMergerIR, PosEmbedIR, RankTableIR, Ratio, RotaryIR, RunnerIR,
+                 NormIR, ParallelStepIR, ParamIR, PatchEmbedIR, PatchMergerIR, PosEmbedIR, Ratio, RotaryIR, RunnerIR,
                  SegmentIR, Size, StepIR, Value, VariantIR, VisionAttentionIR, VisionIR, VisionMLPIR, VisionStepIR,
                  WeightIR)
 from .loader import LoadedSpec
@@ -1141,11 +1140,8 @@ class _Resolver:
         if vision is not None:
             self.check_vision_variant(name, values, vision, embed, at, vp)
         tied = bool(lm_head.tie.eval(values))
-        ranks = []
-        for i, tp in enumerate((1,) + tuple(t for t in tp_sizes if t != 1)):
-            where = ("tensor_parallel", "sizes", tp_sizes.index(tp)) if tp in tp_sizes else vp
-            ranks.append(self.rank_table(name, values, layer, params, tied, tp, where))
-        return VariantIR(name, tuple(values.items()), tied, layers, tuple(ranks))
+        # the declared TP sizes are checked on the rendered model (compiler.check_tp_sizes), the runtime's plan
+        return VariantIR(name, tuple(values.items()), tied, layers)
 
     def check_vision_variant(self, name, values, v: VisionIR, embed, at, vp) -> None:
         a = v.attention
@@ -1177,53 +1173,6 @@ class _Resolver:
             if bad or len(set(taps)) != len(taps):
                 raise self.err(where, f"variants.{name}: vision.deepstack.taps {taps} must be unique vision block "
                                       f"indices in 0..{depth - 1} ({depth} blocks)")
-
-    def rank_table(self, vname, values, layer, params, tied, tp, where) -> RankTableIR:
-        rows, layer_numel, total = [], 0, 0
-        for p in params:
-            if p.only_if_untied and tied:
-                continue
-            shape = [s.eval(values) for s in p.shape]
-            if p.tp_if is not None and not (tp > 1 and p.tp_if[1].eval(values) % tp == 0):
-                pass                               # replicated at this TP size (runtime vision layers alike)
-            elif p.shard == "expert":          # whole experts per rank
-                E = shape[0]
-                if E % tp:
-                    raise self.err(where, f"tensor parallel size {tp}, variant {vname}: {p.name}: {E} experts are "
-                                          f"not divisible by the expert-parallel size {tp}")
-                shape[0] = E // tp
-            elif p.shard in ("colwise", "rowwise"):
-                dim = (0 if p.shard == "colwise" else 1) + (1 if p.experts is not None else 0)
-                n = 0
-                for s in p.segments:
-                    seg = Segment(s.name, s.heads.eval(values), s.unit.eval(values), s.replicate_ok)
-                    msg = check_segment(seg, tp)
-                    if msg:
-                        raise self.err(where, f"tensor parallel size {tp}, variant {vname}: {p.name}: {msg}")
-                    n += heads_per_rank(seg.heads, tp) * seg.unit
-                shape[dim] = n
-            elif p.shard == "vocab":
-                shape[0] = padded_vocab(shape[0], tp) // tp
-            numel = 1
-            for d in shape:
-                numel *= d
-            rows.append((p.name, tuple(shape), numel))
-            if p.per_layer and p.when is not None:      # a per-layer choice: only the layers that build it
-                n_layers = layer.count.eval(values)
-                layer_numel += numel if p.in_layer(values, 0) else 0
-                total += numel * sum(p.in_layer(values, li) for li in range(n_layers))
-            elif p.per_layer:
-                layer_numel += numel
-            elif p.repeat is not None:
-                total += numel * p.repeat.eval(values)
-            else:
-                total += numel
-        layers = layer.count.eval(values)
-        heads = tuple((b.name, heads_per_rank(b.heads.eval(values), tp), heads_per_rank(b.kv_heads.eval(values), tp))
-                      for b in layer.blocks if isinstance(b, AttentionIR))
-        plain = sum(c for (n, _, c), p in zip(rows, [p for p in params if not (p.only_if_untied and tied)])
-                    if p.per_layer and p.when is None)
-        return RankTableIR(tp, heads, tuple(rows), layer_numel, total + plain * layers)
 
 
 def _maybe(flag: Value) -> bool:
