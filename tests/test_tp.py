@@ -464,7 +464,8 @@ def _prompts(ckpt):
     return ids
 
 
-@pytest.mark.parametrize("ckpt_name, tp", [("qwen3_tied", 2), ("qwen3_tied", 4), ("qwen3_untied", 4)])
+@pytest.mark.parametrize("ckpt_name, tp", [("qwen3_tied", 2), pytest.param("qwen3_tied", 4, marks=pytest.mark.slow),
+                                           ("qwen3_untied", 2), pytest.param("qwen3_untied", 4, marks=pytest.mark.slow)])
 def test_qwen3_tp_matches_tp1_and_hf(request, make_llm, ckpt_name, tp):
     from hf_ref import hf_greedy
     from safetensors import safe_open
