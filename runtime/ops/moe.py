@@ -49,7 +49,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
     flat = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))     # E: nowhere
     counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[E] = 0
+    padded[E:].zero_()                                            # a kernel: no host copy (graph capture)
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
     order = torch.argsort(flat, stable=True)                     # pair indices sorted by expert

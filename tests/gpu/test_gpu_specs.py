@@ -27,12 +27,21 @@ NEAR_TIE = 0.05
 
 
 def _text_specs():
+    """(architecture, spec name) of every spec whose architecture has no vision tower (the vision-language
+    specs run in test_gpu_graphs.py), found from the transformers config class, so `extends` chains count."""
+    from fixtures.tiny_hf import model_class
     out = []
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         data = yaml.safe_load(path.read_text())
-        if not isinstance(data, dict) or "vision" in data or not data.get("architectures"):
-            continue            # the vision-language specs run in test_gpu_graphs.py
-        out.append(pytest.param(data["architectures"][0], id=path.stem))
+        if not isinstance(data, dict) or not data.get("architectures"):
+            continue
+        arch = data["architectures"][0]
+        try:
+            if "vision_config" in model_class(arch).config_class().to_dict():
+                continue
+        except Exception:        # noqa: BLE001 - an architecture this transformers lacks: reported by the test
+            pass
+        out.append(pytest.param(arch, id=path.stem))
     return out
 
 
@@ -99,12 +108,18 @@ def test_spec_bf16_graphs_vs_hf(architecture, tmp_path):
                 hf16_agree += int(lp16[r].argmax().item() == lp32[r].argmax().item())
                 total += 1
             top2 = lp32[rows[0]].topk(2).values
-            if lp32[rows[0]].argmax().item() != toks[0] and (top2[0] - top2[1]).item() >= NEAR_TIE:
-                first_token_bad.append(i)
+            if lp32[rows[0]].argmax().item() != toks[0]:
+                first_token_bad.append((i, (top2[0] - top2[1]).item()))
     _report(test="spec_bf16_graphs_vs_hf", architecture=architecture, prompt_lens=list(PROMPT_LENS),
             new_tokens=NEW_TOKENS, **{f"max_{k}_err": v for k, v in worst.items()},
-            hf32_argmax_agree=f"{agree}/{total}", hf16_vs_hf32_argmax_agree=f"{hf16_agree}/{total}")
-    assert not first_token_bad, f"{architecture}: first greedy token differs from HF float32 for requests {first_token_bad}"
+            hf32_argmax_agree=f"{agree}/{total}", hf16_vs_hf32_argmax_agree=f"{hf16_agree}/{total}",
+            first_token_differs=first_token_bad)
+    # a first token may differ from float32 only at a near-tie: a top-2 gap within bf16 noise, which HF's own bf16
+    # run measures on these weights (twice its worst logprob error), and never less than NEAR_TIE
+    near_tie = max(NEAR_TIE, 2 * worst["hf16_decode"])
+    bad = [(i, gap) for i, gap in first_token_bad if gap >= near_tie]
+    assert not bad, (f"{architecture}: first greedy token differs from HF float32 (request, top-2 gap) {bad}; "
+                     f"bf16 near-tie bound {near_tie:.3f}")
     # prefill logits relative to the largest logit, decode as the logprob of each chosen token
     assert worst["engine_prefill"] <= max(3 * worst["hf16_prefill"], 0.02), worst
     assert worst["engine_decode"] <= max(3 * worst["hf16_decode"], 0.05), worst
