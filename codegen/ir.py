@@ -137,6 +137,7 @@ class ConfigFieldIR:
     values: Optional[Tuple[str, ...]] = None   # str / rope: the admitted values
     optional: bool = False        # None admitted
     bounds: Tuple[Any, Any] = (None, None)     # inclusive (min, max), None = unbounded
+    positive: bool = False        # used where a number must be > 0 (eps, theta, scales): checked at load
 
     @property
     def derived(self) -> bool:

@@ -111,6 +111,8 @@ def from_hf_line(f: ConfigFieldIR) -> str:
         args.append("optional=True")
     if f.bounds != (None, None):
         args.append(f"bounds={tuple(f.bounds)!r}")
+    if f.positive:
+        args.append("positive=True")
     return f"r.read({', '.join(args)})"
 
 

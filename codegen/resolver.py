@@ -364,6 +364,13 @@ class _Resolver:
             bounds = (1 if lo is None else max(lo, 1), MAX_SIZE if hi is None else min(hi, MAX_SIZE))
             if bounds != tuple(f.bounds):
                 self.config[sym] = dataclasses.replace(f, bounds=bounds)
+        # a number used where it must be > 0 (norm eps, rope theta, scales, soft-caps): a config.json with 0 or
+        # a negative value is refused naming the field, instead of serving NaN or a silently wrong model
+        for _, v in self.positives:
+            sym = getattr(v, "symbol", None)
+            f = self.config.get(sym) if sym else None
+            if f is not None and not f.derived and f.type in ("int", "float") and not f.positive:
+                self.config[sym] = dataclasses.replace(f, positive=True)
 
     def check_cycles(self) -> None:
         """Derived symbols and default expressions form no cycle."""

@@ -398,6 +398,11 @@ def test_config_from_hf():
     half = _hf_config(rope_parameters={"rope_theta": 5000.0, "rope_type": "default", "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
         model.Config.from_hf(half)
+    # numbers the spec uses where they must be > 0 are checked at load: zero / negative eps or theta refused
+    for field, value, shown in (("rms_norm_eps", 0.0, "rms_norm_eps' = 0.0"), ("rms_norm_eps", -1e-6, "-1e-06"),
+                                ("rope_parameters", {"rope_theta": 0.0, "rope_type": "default"}, "rope_theta' = 0.0")):
+        with pytest.raises(ValueError, match=f"{shown}.* must be > 0"):
+            model.Config.from_hf(_hf_config(**{field: value}))
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -101,7 +101,7 @@ class ConfigReader:
 
     def read(self, name: str, type_: str, paths: tuple[str, ...], *, default: Any = MISSING,
              default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
-             optional: bool = False, bounds: tuple = (None, None)) -> Any:
+             optional: bool = False, bounds: tuple = (None, None), positive: bool = False) -> Any:
         self.read_paths.update(paths)
         where = None
         for p in paths:
@@ -120,6 +120,8 @@ class ConfigReader:
                 raise self.error(f"config.json has no field {' or '.join(repr(p) for p in paths)} (symbol '{name}')")
             where = f"{paths[0]} (default)"
         value = self.check(name, type_, where, value, values, optional, bounds)
+        if positive and value is not None and not value > 0:
+            raise self.error(f"config.json field '{where}' = {value!r} must be > 0")
         self.values[name] = value
         return value
 
