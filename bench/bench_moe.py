@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -86,6 +85,7 @@ def kernel_table(log, tokens=(1, 16, 64, 512), tp: int = 1) -> list:
     """One MoE layer of the variant's shapes (experts split over `tp` by intermediate rows): Triton fused MoE
     vs the torch reference, CUDA-event medians."""
     import torch.nn.functional as F
+
     from xllm_gen.runtime.ops.moe import fused_moe_reference, topk_softmax
     from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
 

@@ -6,8 +6,19 @@ from __future__ import annotations
 
 from typing import List
 
-from .ir import (AttentionIR, GatedMLPIR, LinearIR, ModelIR, MoEIR, NormIR, PatchMergerIR, RankTableIR, VariantIR,
-                 VisionAttentionIR, VisionMLPIR)
+from .ir import (
+    AttentionIR,
+    GatedMLPIR,
+    LinearIR,
+    ModelIR,
+    MoEIR,
+    NormIR,
+    PatchMergerIR,
+    RankTableIR,
+    VariantIR,
+    VisionAttentionIR,
+    VisionMLPIR,
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4,
                "float": 4, "float8": 1, "fp8": 1}

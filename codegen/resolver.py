@@ -14,18 +14,55 @@ import math
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-
 from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
-from .ir import (AttentionIR, ChoiceIR, ConfigFieldIR, MoEIR, EmbeddingIR, GatedMLPIR, LayerIR, LinearIR, LMHeadIR, ModelIR,
-                 NormIR, ParallelStepIR, ParamIR, PatchEmbedIR, PatchMergerIR, PosEmbedIR, Ratio, RotaryIR, RunnerIR,
-                 SegmentIR, Size, StepIR, Value, VariantIR, VisionAttentionIR, VisionIR, VisionMLPIR, VisionStepIR,
-                 WeightIR)
+from .ir import (
+    AttentionIR,
+    ChoiceIR,
+    ConfigFieldIR,
+    EmbeddingIR,
+    GatedMLPIR,
+    LayerIR,
+    LinearIR,
+    LMHeadIR,
+    ModelIR,
+    MoEIR,
+    NormIR,
+    ParallelStepIR,
+    ParamIR,
+    PatchEmbedIR,
+    PatchMergerIR,
+    PosEmbedIR,
+    Ratio,
+    RotaryIR,
+    RunnerIR,
+    SegmentIR,
+    Size,
+    StepIR,
+    Value,
+    VariantIR,
+    VisionAttentionIR,
+    VisionIR,
+    VisionMLPIR,
+    VisionStepIR,
+    WeightIR,
+)
 from .loader import LoadedSpec
-from .schema import (AttentionBlock, Choice, FusedLinearBlock, GatedMLPBlock, LayerNormBlock, LinearBlock, MoEBlock,
-                     ParallelStep,
-                     RMSNormBlock, Spec, VisionAttentionBlock, VisionMLPBlock)
+from .schema import (
+    AttentionBlock,
+    Choice,
+    FusedLinearBlock,
+    GatedMLPBlock,
+    LayerNormBlock,
+    LinearBlock,
+    MoEBlock,
+    ParallelStep,
+    RMSNormBlock,
+    Spec,
+    VisionAttentionBlock,
+    VisionMLPBlock,
+)
 from .yaml_loader import display_path
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -7,6 +7,7 @@ from typing import Dict, List, Tuple
 
 from .yaml_loader import display_path
 
+
 def project_generated_dir(spec_path: Path) -> Path:
     """The generated/ directory of the project that holds a spec: <project>/specs/x.yaml ->
     <project>/generated/; a spec in any other folder writes <folder>/generated/."""

@@ -31,7 +31,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from fixtures.tiny_hf import CheckpointCache, make_tiny_qwen3, make_tiny_qwen3_vl
 
 QWEN3_VARIANTS: dict[str, dict] = {

@@ -34,10 +34,10 @@ def make_step(seq_lens, query_lens, block_size, num_blocks, max_blocks=None, see
     tables, slots = [], []
     nblk = [(L + block_size - 1) // block_size for L in seq_lens]
     max_blocks = max_blocks or max(nblk + [1])
-    for L, Q, nb in zip(seq_lens, query_lens, nblk):
+    for n, Q, nb in zip(seq_lens, query_lens, nblk):
         blocks = [free.pop() for _ in range(nb)]
         tables.append(blocks + [-1] * (max_blocks - nb))
-        for p in range(L - Q, L):
+        for p in range(n - Q, n):
             slots.append(blocks[p // block_size] * block_size + p % block_size)
     for _ in range(pad_rows):                           # padding rows: one query token, no KV, slot -1
         tables.append([-1] * max_blocks)
@@ -148,8 +148,8 @@ def test_batched_paged_equals_per_sequence_oracle(variant):
     ctx, tables = make_step(seq_lens, query_lens, bs, num_blocks, seed=3, pad_rows=2)
     kc = torch.full((num_blocks, bs, Hk, D), float("nan"))
     vc = torch.full((num_blocks, bs, Hk, D), float("nan"))
-    for L, t in zip(seq_lens, tables):
-        for p in range(L):
+    for n, t in zip(seq_lens, tables):
+        for p in range(n):
             kc[t[p // bs], p % bs] = torch.randn(Hk, D)
             vc[t[p // bs], p % bs] = torch.randn(Hk, D)
     N = sum(query_lens) + 2
@@ -157,10 +157,10 @@ def test_batched_paged_equals_per_sequence_oracle(variant):
     var = AttentionVariant(*variant)
     out = TorchPagedBackend().forward(q, torch.zeros(N, Hk, D), torch.zeros(N, Hk, D), kc, vc, ctx, D ** -0.5, var)
     start = 0
-    for L, Q, t in zip(seq_lens, query_lens, tables):
-        idx = [t[p // bs] * bs + p % bs for p in range(L)]
+    for n, Q, t in zip(seq_lens, query_lens, tables):
+        idx = [t[p // bs] * bs + p % bs for p in range(n)]
         ks, vs = kc.view(-1, Hk, D)[idx], vc.view(-1, Hk, D)[idx]
-        want = attend(q[start:start + Q], ks, vs, D ** -0.5, L - Q, var.sliding_window, var.logit_softcap)
+        want = attend(q[start:start + Q], ks, vs, D ** -0.5, n - Q, var.sliding_window, var.logit_softcap)
         torch.testing.assert_close(out[start:start + Q], want, rtol=1e-5, atol=1e-5)
         start += Q
     assert torch.equal(out[start:], torch.zeros(2, H, D))          # padding rows

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from hf_ref import hf_tokenizer, hf_vl_greedy, hf_vl_inputs
 
 pytestmark = pytest.mark.engine

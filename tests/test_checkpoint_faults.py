@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.tiny_hf import make_tiny_qwen3
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-
-from fixtures.tiny_hf import make_tiny_qwen3
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ and deepstack rows must be aligned with each chunk (a lesson from other engines)
 from __future__ import annotations
 
 import pytest
-
 from hf_ref import hf_greedy
 from test_parity_qwen3 import MAX_TOKENS, _assert_same_tokens, prompts_for
 from test_parity_qwen3 import _sp as text_sp

@@ -20,7 +20,6 @@ import pytest
 from xllm_gen.codegen import cli
 from xllm_gen.codegen.compiler import compile_spec
 
-
 REPO = Path(__file__).resolve().parent.parent
 QWEN3 = REPO / "specs" / "qwen3.yaml"
 QWEN3_TEXT = QWEN3.read_text()
@@ -410,6 +409,7 @@ def test_weight_plan_covers_every_parameter_once(tied):
     """The plan comes from the model's own parameters: each once (a tied head shares the embedding's), fused
     parameters from their segments in the layer's order, every other from the tensor of its own name."""
     import torch
+
     from xllm_gen.generated.qwen3 import model
     config = model.Config.from_hf(_hf_config(tie_word_embeddings=tied))
     with torch.device("meta"):

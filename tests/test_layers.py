@@ -2,7 +2,6 @@
 linears over 2 and 4 gloo processes vs the unsharded result."""
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
@@ -321,7 +320,7 @@ def _tp_worker(rank: int, world: int, port: int, kv_heads: int, result_q):
                             and tuple(D.all_gather(ft, 0).shape) == (3 * world, 4))
         result_q.put((rank, errs))
         dist.destroy_process_group()
-    except BaseException as e:  # surface to the parent instead of hanging
+    except BaseException:  # surface to the parent instead of hanging
         import traceback
         result_q.put((rank, traceback.format_exc()))
 

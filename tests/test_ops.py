@@ -123,8 +123,8 @@ def test_triton_kernel_interpreted_vs_reference(interpreted, case):
 
 # ------------------------------------------------------------------------------------------------ custom ops
 def test_custom_ops_opcheck():
-    from xllm_gen.runtime import ops  # noqa: F401  (registers xllm::*)
     from xllm_gen.runtime import layers as L
+    from xllm_gen.runtime import ops  # noqa: F401  (registers xllm::*)
     x = torch.randn(3, 16)
     w = torch.randn(16)
     xo = torch.ops.xllm
@@ -148,6 +148,7 @@ def test_custom_ops_opcheck():
 
 def test_fake_impls_trace():
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from xllm_gen.runtime import ops  # noqa: F401
     with FakeTensorMode():
         x = torch.empty(4, 8, dtype=torch.bfloat16)
@@ -176,6 +177,7 @@ def test_skinny_gemm_config_table():
 def test_linear_dispatch_cpu_is_f_linear():
     """On CPU (and with XLLM_SKINNY_GEMM off) the linear layers stay F.linear, bit for bit."""
     import torch.nn.functional as F
+
     from xllm_gen.runtime.layers import linear as LL
     x, w, b = torch.randn(3, 16), torch.randn(24, 16), torch.randn(24)
     assert torch.equal(LL._linear(x, w, b), F.linear(x, w, b))

@@ -17,7 +17,6 @@ import random
 
 import pytest
 import torch
-
 from hf_ref import hf_greedy, hf_prefill_logits, hf_tokenizer
 
 MAX_TOKENS = 32

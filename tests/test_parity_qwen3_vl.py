@@ -19,7 +19,6 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from hf_ref import (
     hf_blocked_mrope,
     hf_model,

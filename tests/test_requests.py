@@ -17,7 +17,6 @@ import re
 
 import pytest
 import torch
-
 from hf_ref import hf_greedy, hf_greedy_logprobs
 
 pytestmark = pytest.mark.engine

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
 from xllm_gen.runtime.multimodal.rope_index import decode_positions, get_rope_index, text_positions
-
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
 IMG, VID, VS, VE = 151655, 151656, 151652, 151653
 # transformers < 5.2x names the cache argument past_key_values

@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-
 from hf_ref import hf_model, hf_prefill_logits
 
 pytestmark = pytest.mark.engine
@@ -39,6 +38,7 @@ V = 97
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
 def test_repetition_penalty_matches_hf(penalty):
     from transformers import RepetitionPenaltyLogitsProcessor
+
     from xllm_gen.runtime.engine.sampler import process_row
 
     g = torch.Generator().manual_seed(1)
@@ -65,6 +65,7 @@ def test_frequency_presence_penalties_match_openai_formula():
 
 def test_logit_bias_matches_hf_sequence_bias():
     from transformers import SequenceBiasLogitsProcessor
+
     from xllm_gen.runtime.engine.sampler import process_row
 
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3))
@@ -78,6 +79,7 @@ def test_logit_bias_matches_hf_sequence_bias():
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
 def test_min_p_matches_hf(min_p):
     from transformers import MinPLogitsWarper
+
     from xllm_gen.runtime.engine.sampler import apply_min_p
 
     logits = torch.randn(V, generator=torch.Generator().manual_seed(4)) * 2
@@ -90,6 +92,7 @@ def test_min_p_matches_hf(min_p):
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (-1, 0.6), (20, 0.9)])
 def test_top_k_top_p_match_hf(top_k, top_p):
     from transformers import TopKLogitsWarper, TopPLogitsWarper
+
     from xllm_gen.runtime.engine.sampler import _filter_top_k_top_p
 
     logits = torch.randn(V, generator=torch.Generator().manual_seed(5)) * 2
@@ -318,6 +321,7 @@ def test_failure_after_admission_fails_alone(qwen3_tied, make_llm, monkeypatch):
 # ------------------------------------------------------------------ incremental outputs
 def test_incremental_detokenizer_multibyte(qwen3_tied):
     from transformers import AutoTokenizer
+
     from xllm_gen.runtime.engine.engine import IncrementalDetokenizer
 
     tok = AutoTokenizer.from_pretrained(str(qwen3_tied))

@@ -12,11 +12,11 @@ import torch
 
 from xllm_gen.runtime.engine.block_manager import BlockManager
 from xllm_gen.runtime.engine.engine import LLMEngine
-from xllm_gen.runtime.executor.model_runner import ModelRunner
 from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
+from xllm_gen.runtime.executor.model_runner import ModelRunner
 
 VOCAB = 97
 

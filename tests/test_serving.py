@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import random
 import signal
+import sys
 import threading
 import time
 
 import httpx
 import pytest
-
 from serving_util import ServerProcess
 
 pytestmark = pytest.mark.engine

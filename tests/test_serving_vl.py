@@ -8,7 +8,6 @@ import io
 import httpx
 import numpy as np
 import pytest
-
 from serving_util import ServerProcess
 
 pytestmark = pytest.mark.engine
@@ -31,6 +30,7 @@ def _png(img) -> bytes:
 
 def test_image_chat_matches_llm_chat(vl_server, qwen3_vl_tied, make_llm, tmp_path):
     from PIL import Image
+
     from xllm_gen import SamplingParams
 
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import re
 import shutil
 import signal

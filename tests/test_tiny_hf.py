@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fixtures.tiny_hf import make_tiny_checkpoint, tiny_config, tokenizer_size
 from hf_ref import hf_greedy
 

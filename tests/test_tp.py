@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
 from xllm_gen.runtime.engine.sequence import Sequence, SequenceStatus
+from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 
 try:
     import psutil

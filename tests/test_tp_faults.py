@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_tp import _expected_logits, _rank_children, _seq, _tp, _wait_gone
 
 TESTS_DIR = Path(__file__).resolve().parent

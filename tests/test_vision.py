@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-
-from xllm_gen.runtime.layers import vision as V
-
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
-                                       get_vision_position_ids)
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+)
+
+from xllm_gen.runtime.layers import vision as V
 
 TOL = 1e-5
 
@@ -229,8 +231,9 @@ REQUESTS = {
 
 
 def _hf_rope(ids, mm_types, image_grid, video_grid, merge=2):
-    from types import SimpleNamespace
     import functools
+    from types import SimpleNamespace
+
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
     self = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge)),
                            get_vision_position_ids=functools.partial(Qwen3VLModel.get_vision_position_ids, None))
@@ -406,6 +409,7 @@ def test_draft_model_prefill_logits_match_hf(vl_ckpt, mmp, hf_vl, case):
 # ------------------------------------------------------------------------------------ TP over gloo
 def _vision_tp_worker(rank, world, port, result_q):
     import torch.distributed as dist
+
     from xllm_gen.runtime.executor import distributed as D
     from xllm_gen.runtime.executor.sharding import Segment, segment_range
     try:
@@ -459,6 +463,7 @@ def _vision_tp_worker(rank, world, port, result_q):
 def test_vision_tower_tp_equals_hf(world):
     """world 2: heads and MLP split; world 4: 2 heads don't divide -> attention replicated, MLP split."""
     import socket
+
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,15 +10,20 @@ from typing import Any, Optional
 
 import torch
 
-from xllm_gen.runtime.loading import registry
-from xllm_gen.runtime.loading.checkpoint_files import (CheckpointFileError, generation_eos_ids, load_tokenizer,
-                                                       read_config_json, read_generation_config)
-from xllm_gen.runtime.engine.block_manager import BlockManager, blocks_for
+from xllm_gen.runtime.engine.block_manager import BlockManager
 from xllm_gen.runtime.engine.outputs import CompletionOutput, RequestOutput
 from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
+from xllm_gen.runtime.loading import registry
+from xllm_gen.runtime.loading.checkpoint_files import (
+    CheckpointFileError,
+    generation_eos_ids,
+    load_tokenizer,
+    read_config_json,
+    read_generation_config,
+)
 
 logger = logging.getLogger("xllm_gen")
 

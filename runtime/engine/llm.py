@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Sequence as Seq, Union
+from typing import Any, Optional, Union
+from typing import Sequence as Seq
 
 import torch
 
 from xllm_gen.runtime.engine.engine import LLMEngine
 from xllm_gen.runtime.engine.outputs import RequestOutput
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
-
 
 # vLLM arguments that have no meaning here (no remote code, no download): accepted so scripts run unchanged.
 _IGNORED_VLLM_KWARGS = {"trust_remote_code", "download_dir", "revision", "disable_log_stats", "swap_space",

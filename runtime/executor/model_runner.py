@@ -19,18 +19,17 @@ once, run the model, and return float32 logits of each sequence's last row (samp
 """
 from __future__ import annotations
 
-import gc
-
 import contextlib
+import gc
 from typing import Optional
 
 import torch
 
 from xllm_gen.runtime import layers as L
+from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.loading.loader import load_weights
-from xllm_gen.runtime.engine.sequence import Sequence
 
 
 @contextlib.contextmanager

@@ -64,8 +64,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from xllm_gen.runtime.executor import distributed as tpdist
 from xllm_gen.runtime.engine.sequence import Sequence, SequenceStatus
+from xllm_gen.runtime.executor import distributed as tpdist
 from xllm_gen.runtime.executor.tp_check import check_tensor_parallel, tensor_parallel_problems  # noqa: F401 (re-exported)
 
 

@@ -18,8 +18,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from xllm_gen.runtime.executor import distributed as tpdist
-from xllm_gen.runtime.executor.sharding import (ShardingError, SegmentSlice, deferred_sharding_errors,
-                                                padded_vocab, segment_range)
+from xllm_gen.runtime.executor.sharding import (
+    SegmentSlice,
+    ShardingError,
+    deferred_sharding_errors,
+    padded_vocab,
+    segment_range,
+)
 
 
 @contextlib.contextmanager

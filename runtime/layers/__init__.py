@@ -7,11 +7,23 @@ from xllm_gen.runtime.layers.activation import GATED_ACTIVATIONS, GELU, GeluAndM
 from xllm_gen.runtime.layers.attention import Attention
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from xllm_gen.runtime.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                            ReplicatedLinear, RowParallelLinear)
+from xllm_gen.runtime.layers.linear import (
+                                            ColumnParallelLinear,
+                                            MergedColumnParallelLinear,
+                                            QKVParallelLinear,
+                                            ReplicatedLinear,
+                                            RowParallelLinear,
+)
 from xllm_gen.runtime.layers.moe import FusedMoE
 from xllm_gen.runtime.layers.norm import LayerNorm, RMSNorm
-from xllm_gen.runtime.layers.rotary import ROPE_TYPES, ROTARY_KINDS, Rotary, mrope_axis_map, qk_norm_rope, rope_parameters
+from xllm_gen.runtime.layers.rotary import (
+                                            ROPE_TYPES,
+                                            ROTARY_KINDS,
+                                            Rotary,
+                                            mrope_axis_map,
+                                            qk_norm_rope,
+                                            rope_parameters,
+)
 
 __all__ = [
     "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",

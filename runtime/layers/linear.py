@@ -15,11 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xllm_gen.runtime.ops import skinny_gemm
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.executor.sharding import (ParamSplit, Segment, attach, raise_or_defer, replicated,
-                                                split_segment)
-
+from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, replicated, split_segment
+from xllm_gen.runtime.ops import skinny_gemm
 
 # Decode-sized GEMMs (<= 8 rows, bf16/fp16 weights) through the skinny-GEMM Triton kernel (ops.skinny_gemm)
 # instead of cuBLAS. Off by default until a GPU benchmark shows it faster: XLLM_SKINNY_GEMM=1 turns it on.

@@ -28,8 +28,15 @@ from torch import nn
 
 from xllm_gen.runtime.executor import context as fwd_context
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.executor.sharding import (ParamSplit, Segment, SegmentSlice, WeightLoadError, raise_or_defer,
-                                                source_shape, split_segment)
+from xllm_gen.runtime.executor.sharding import (
+    ParamSplit,
+    Segment,
+    SegmentSlice,
+    WeightLoadError,
+    raise_or_defer,
+    source_shape,
+    split_segment,
+)
 from xllm_gen.runtime.layers.activation import gated_act
 from xllm_gen.runtime.ops import moe as moe_ops
 

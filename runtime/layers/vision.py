@@ -25,8 +25,7 @@ from torch import nn
 
 from xllm_gen.runtime.executor.distributed import get_tp_size
 from xllm_gen.runtime.layers.activation import GELU
-from xllm_gen.runtime.layers.linear import (ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                            RowParallelLinear)
+from xllm_gen.runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from xllm_gen.runtime.layers.norm import LayerNorm
 
 GridLike = Union[torch.Tensor, Sequence[Sequence[int]]]

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from xllm_gen.runtime.engine.outputs import RequestOutput

@@ -269,8 +269,9 @@ def _vl_available() -> bool:
 def vl_llm(tmp_path_factory):
     if not _vl_available():
         pytest.skip("generated/qwen3_vl is not generated yet (xllm-gen specs/qwen3_vl.yaml)")
-    from xllm_gen import LLM
     from fixtures.tiny_hf import make_tiny_qwen3_vl
+
+    from xllm_gen import LLM
     d = make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_gpu"), hidden_size=256, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=128, intermediate_size=512, mrope_section=(24, 20, 20),
                            max_position_embeddings=4096, rope_theta=10000.0, seed=0)
