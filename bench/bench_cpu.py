@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from xllm_gen.runtime import tiny
+        from xllm_gen import default_model as tiny
         model = str(tiny.make_default_checkpoint(tempfile.mkdtemp(prefix="xllm_bench_cpu_")))
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {model}")
     print("| batch | engine step ms (median) | HF eager step ms (median) | engine / HF |")

@@ -1,6 +1,6 @@
 """`xllm-gen-generate`: generate text from a checkpoint dir on the command line.
 
-Without --model it serves the embedded default (runtime/tiny.py): a tiny random-weight checkpoint (real HF
+Without --model it serves the embedded default (xllm_gen/default_model.py): a tiny random-weight checkpoint (real HF
 format, tokenizer included) that the project builds itself, so it runs on a fresh machine with no download."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 def default_checkpoint() -> Path:
     """The embedded default checkpoint dir, built on first use under $XLLM_GEN_CACHE (~/.cache/xllm_gen)."""
-    from xllm_gen.runtime import tiny
+    from xllm_gen import default_model as tiny
     root = Path(os.environ.get("XLLM_GEN_CACHE", Path.home() / ".cache" / "xllm_gen"))
     out = root / f"tiny-default-v{tiny.TINY_VERSION}"      # a new tiny recipe never reuses an old build
     if not (out / "config.json").exists():

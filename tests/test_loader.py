@@ -16,7 +16,7 @@ from xllm_gen.runtime.loading.loader import CheckpointError, load_weights
 try:
     from fixtures.tiny_hf import make_tiny_qwen3
 except ImportError:                                   # before the tiny makers moved to tests/fixtures
-    from xllm_gen.runtime.tiny import make_tiny_qwen3
+    from xllm_gen.default_model import make_tiny_qwen3
 
 
 @pytest.fixture(scope="module")

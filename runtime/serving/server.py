@@ -3,7 +3,7 @@
     xllm-gen-serve [MODEL] [--host 127.0.0.1 --port 8000 --tensor-parallel-size 1 --max-model-len N
                    --max-num-seqs 256 --max-queue 256 ...]
 
-Without MODEL it serves the embedded default (runtime/tiny.py: a tiny random-weight checkpoint built offline on first use).
+Without MODEL it serves the embedded default (xllm_gen/default_model.py: a tiny random-weight checkpoint built offline on first use).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream: true gives Server-Sent Events in
 OpenAI's chunk format ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus)."""
 from __future__ import annotations

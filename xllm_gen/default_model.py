@@ -1,6 +1,6 @@
 """The embedded default: a tiny random-weight Qwen3 checkpoint in real Hugging Face format, built offline
 (no download). `xllm-gen-generate` without --model builds it on first use and serves it (runtime/cli.py);
-`python -m xllm_gen.runtime.tiny DIR` writes it to DIR.
+`python -m xllm_gen.default_model DIR` writes it to DIR.
 
 `make_default_checkpoint(dir)` writes config.json, model.safetensors (float32), a byte-level BPE tokenizer
 trained here with the `tokenizers` library (Qwen's special tokens, a chat template) and generation_config.json.
