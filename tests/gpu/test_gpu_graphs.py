@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
-import os
 import random
 
 import pytest
 import torch
+from fixtures.report import report as _report
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,12 +35,6 @@ NEAR_TIE = 0.05          # logprob gap between the top two tokens under which bf
 MAX_LOGPROB_DIFF = 0.1   # bf16 noise between padded (graph) and unpadded (eager) kernels stays far below
 
 
-def _report(**kw):
-    print(json.dumps(kw))
-    path = os.environ.get("XLLM_TEST_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import random
 
 import pytest
 import torch
+from fixtures.report import report as _report
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -300,13 +301,6 @@ class _Runner:
         return self.model(ids, pos)
 
 
-def _report(**kw):
-    import json
-    import os
-    path = os.environ.get("XLLM_TEST_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 @needs_flashinfer

@@ -9,13 +9,13 @@ Prompts cross the tiny sliding window (32) where the architecture has one. Figur
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from fixtures.report import report as _report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -45,12 +45,6 @@ def _text_specs():
     return out
 
 
-def _report(**kw):
-    print(json.dumps(kw))
-    path = os.environ.get("XLLM_TEST_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 def _checkpoint(architecture: str, out: Path) -> Path:
