@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from .compiler import Compiled, compile_spec
 from .errors import Location, SpecError, SpecErrors
-from .explain import DTYPE_BYTES, format_resolved, format_variant, model_module_of, tp_rank_table
+from .explain import DTYPE_BYTES, format_resolved, format_variant, tp_rank_table
 from .writer import check, claimed_architectures, output_dir, write
 from .yaml_loader import display_path
 
@@ -279,7 +279,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             from xllm_gen.runtime.executor.sharding import ShardingError
 
             parts = [format_resolved(c.ir)]
-            module = model_module_of(c.ir, c.files)
+            module = c.module()
             for v in c.ir.variants:
                 try:         # the runtime's per-rank plan: the generated Model built on the meta device
                     table = tp_rank_table(c.ir, c.files, v, args.tp or 1, module)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Any, Dict, Optional
 
 from .errors import SpecError
 from .ir import ModelIR
@@ -17,6 +17,14 @@ class Compiled:
     loaded: LoadedSpec
     ir: ModelIR
     files: Dict[str, str]
+    model_module: Optional[Any] = None      # the rendered model.py, imported (built once, by the TP check)
+
+    def module(self):
+        """The rendered model module (imported once; --explain builds its tables on it)."""
+        if self.model_module is None:
+            from .explain import model_module_of
+            self.model_module = model_module_of(self.ir, self.files)
+        return self.model_module
 
 
 def compile_spec(path) -> Compiled:
@@ -24,23 +32,24 @@ def compile_spec(path) -> Compiled:
     model; raises SpecError/SpecErrors on a bad spec."""
     loaded = load_spec(Path(path))
     ir = resolve(loaded)
-    files = render(ir, loaded.tree)
-    check_tp_sizes(loaded, ir, files)
-    return Compiled(loaded, ir, files)
+    compiled = Compiled(loaded, ir, render(ir, loaded.tree))
+    check_tp_sizes(compiled)
+    return compiled
 
 
-def check_tp_sizes(loaded: LoadedSpec, ir: ModelIR, files: Dict[str, str]) -> None:
+def check_tp_sizes(compiled: Compiled) -> None:
     """The static TP check of `tensor_parallel.sizes`, on the runtime's own plan: the rendered Model of every
     variant built on the meta device under each size, every layer's weight_loader deciding its shard: the code
     that the loader and `--explain --tp N` run, so the check cannot drift from what serving does."""
+    loaded, ir, files = compiled.loaded, compiled.ir, compiled.files
     sizes = [t for t in ir.tp_sizes if t > 1]
     if not sizes:
         return
     from xllm_gen.runtime.executor.sharding import ShardingError
 
-    from .explain import model_module_of, tp_rank_table
+    from .explain import tp_rank_table
 
-    module = model_module_of(ir, files)
+    module = compiled.module()
     for v in ir.variants:
         for tp in sizes:
             try:
