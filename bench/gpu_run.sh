@@ -2,12 +2,14 @@
 # One call on an offline GPU host: install the carried wheels (.whl, see ../shared/gpu/wheels.sh), restore
 # saved FlashInfer kernels (.fi_cache, with reuse-kernels.sh inside), then run the requested phases, each
 # under its own time limit so that one slow phase leaves the others' results:
-#   tests       pytest -m gpu tests/gpu/test_gpu_graphs.py (JSON lines in $OUT/test_report.jsonl)
+#   tests       pytest -m gpu $TEST_FILES (default tests/gpu/test_gpu_graphs.py; JSON lines in $OUT/test_report.jsonl)
 #   sweep       bench: copy bandwidth + Qwen3-0.6B sweep (eager, graph, graph-fast)
 #   8b          bench: Qwen3-8B at batch 1, 16, 64
 #   profile     bench: where a graph decode step goes (batch 1 and 100)
 #   throughput  bench: 256 requests, random lengths 100-1024
 #   hf          bench: transformers baseline (static cache + torch.compile)
+#   moe         bench: Qwen3-30B-A3B shapes, bench/bench_moe.py ($OUT/h200_moe.md)
+#   serve       bench/serve_gpu.sh over HTTP ($SERVE_PHASES, default 0.6b,prefix,8b; needs .whl_serve wheels)
 # The bench phases add to one table, $OUT/h200.md (+ .json). Everything is logged to $OUT/log.
 #   usage: bash bench/gpu_run.sh tests,sweep,8b,throughput,hf
 set -u
@@ -27,8 +29,8 @@ pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 ||
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}
 had_kernels=0
 saved=.fi_cache
-if [ -f .fi_cache/fi_kernels.tar ]; then
-  mkdir -p /tmp/fik && tar xf .fi_cache/fi_kernels.tar -C /tmp/fik && saved=/tmp/fik/cached_ops
+if [ -f .fi_cache/fi_kernels.tgz ]; then   # ./NAME/NAME.so entries, as saved below
+  mkdir -p /tmp/fik && tar xzf .fi_cache/fi_kernels.tgz -C /tmp/fik && saved=/tmp/fik
 fi
 if compgen -G "$saved/*/*.so" >/dev/null; then
   bash .fi_cache/reuse-kernels.sh "$saved" /tmp/site >/dev/null && had_kernels=1
@@ -48,7 +50,7 @@ EOF
 if [[ $phases == *,tests,* ]]; then
   stamp "tests"
   XLLM_TEST_REPORT=$OUT/test_report.jsonl timeout ${T_TESTS:-300} python -m pytest -q -rs -m gpu -s \
-    tests/gpu/test_gpu_graphs.py -p no:cacheprovider 2>&1 | grep -v "^Capturing\|it/s\]$" | tail -n 200
+    ${TEST_FILES:-tests/gpu/test_gpu_graphs.py} -p no:cacheprovider 2>&1 | grep -v "^Capturing\|it/s\]$" | tail -n 200
 fi
 # APPEND_RESULTS=1: start from the committed results (bench/results/h200.json) and add to them
 [ "${APPEND_RESULTS:-0}" = 1 ] && [ -f bench/results/h200.json ] && cp bench/results/h200.json "$OUT/h200.json"
@@ -58,9 +60,16 @@ bench() { timeout "$1" python bench/bench_decode.py --out "$OUT/h200.md" --appen
 [[ $phases == *,8b,* ]] && { stamp "8b"; bench ${T_8B:-150} 8b; }
 [[ $phases == *,throughput,* ]] && { stamp "throughput"; bench ${T_TP:-90} throughput; }
 [[ $phases == *,hf,* ]] && { stamp "hf"; bench ${T_HF:-200} hf; }
-if [ $had_kernels = 0 ] && compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops" >/dev/null; then
-  stamp "saving built FlashInfer kernels"
-  (cd "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops && tar czf - $(find . -name "*.so")) | split -b 15M - "$OUT/fi_kernels.tgz.part-"
-  ls -la "$OUT"
+[[ $phases == *,moe,* ]] && { stamp "moe"; timeout ${T_MOE:-180} python bench/bench_moe.py --out "$OUT/h200_moe.md"; }
+if [[ $phases == *,serve,* ]]; then
+  stamp "serve"
+  python -m pip install -q --no-index --find-links .whl_serve fastapi uvicorn prometheus_client httpx
+  timeout ${T_SERVE:-420} bash bench/serve_gpu.sh ${SERVE_PHASES:-0.6b,prefix,8b}
+fi
+# kernels built in this run (not among the restored ones) come back as one tar to merge into .fi_cache
+if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.so" >/dev/null; then
+  stamp "saving newly built FlashInfer kernels"
+  (cd "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops && tar czf "$OUT/fi_new_kernels.tgz" $(find . -name "*.so"))
+  ls -la "$OUT/fi_new_kernels.tgz"
 fi
 stamp "done"
