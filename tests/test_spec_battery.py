@@ -313,3 +313,18 @@ def test_sliding_window_matters(spec, tiny_checkpoint, tokens, tmp_path_factory)
     assert got != tokens.engine(ckpt, 1), (
         f"{spec.name}: removing sliding_window from config.json does not change the engine's output")
     _assert_same(got, tokens.hf(no_window), f"{spec.name} without sliding_window tp=1")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
+def test_explicit_head_dim_is_read(spec):
+    """config.json may state `head_dim` (transformers 5.17's Phi3Config writes it; Gemma 2 / Qwen3 always do):
+    every architecture in transformers honours it, so every spec must read it, not refuse or ignore it.
+    A head_dim different from hidden / heads must reach the model's Config."""
+    from xllm_gen.runtime.loading import registry
+    spec.check()
+    cfg = tiny_config(spec.architecture).to_dict()
+    level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    level["head_dim"] = 2 * level["hidden_size"] // level["num_attention_heads"]   # not the hidden / heads default
+    model_module, _ = registry.resolve(cfg)
+    config = model_module.Config.from_hf(cfg)
+    assert config.head_dim == level["head_dim"], f"{spec.name}: config.json head_dim is not read"

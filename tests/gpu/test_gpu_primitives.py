@@ -15,6 +15,7 @@ without CUDA). Max errors are printed (run with -s to see them).
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import random
 
@@ -344,28 +345,38 @@ def test_decode_graphs_alternating_window_softcap():
                               seq_lens_cpu=seq_lens, query_lens_cpu=list(qlens),
                               extra={"block_tables_cpu": [list(t) for t in tables]})
 
-    def eager(ctx, ids, pos, backend):
+    def eager(ctx, ids, pos, backend, m=model):
         ctx.backend = backend
         backend.plan(ctx)
         set_context(ctx)
         try:
             with torch.inference_mode():
-                return model(ids, pos)
+                return m(ids, pos)
         finally:
             reset_context()
 
-    caches = lambda: [(a.k_cache.clone(), a.v_cache.clone()) for a in model.attn]     # noqa: E731
+    caches = lambda m=model: [(a.k_cache.clone(), a.v_cache.clone()) for a in m.attn]     # noqa: E731
 
-    def restore(saved):
-        for a, (k, v) in zip(model.attn, saved):
+    def restore(saved, m=model):
+        for a, (k, v) in zip(m.attn, saved):
             a.k_cache.copy_(k)
             a.v_cache.copy_(v)
+
+    # the float32 reference: the same weights in float32 with its own float32 cache (torch attention). Four
+    # un-normalised layers with x4 weights amplify bf16 rounding, so FlashInfer's bf16 error is judged against
+    # the error of the torch backend in bf16 on the same model, both measured against this reference.
+    model32 = copy.deepcopy(model).float()
+    for a in model32.attn:
+        a.k_cache = torch.zeros(num_blocks, bs, a.num_kv_heads, a.head_dim, device=DEV, dtype=torch.float32)
+        a.v_cache = torch.zeros_like(a.k_cache)
 
     # prefill (eager FlashInfer, ragged)
     ids = torch.tensor([t for ts in tokens for t in ts], device=DEV)
     pos = torch.cat([torch.arange(n) for n in lens]).to(DEV)
     eager(ctx_of([0] * 3, lens, True), ids, pos, fi)
-    errs = {"graph_vs_eager": 0.0, "eager_vs_torch": 0.0, "window_off_vs_on": float("inf")}
+    eager(ctx_of([0] * 3, lens, True), ids, pos, TorchPagedBackend(), model32)
+    errs = {"graph_vs_eager": 0.0, "eager_vs_torch": 0.0, "flashinfer_vs_fp32": 0.0, "torch_bf16_vs_fp32": 0.0,
+            "window_off_vs_on": float("inf")}
     cur = list(lens)
     for step in range(12):                               # decode: batch 3 in bucket 4 (one padding row)
         nxt = [rng.randrange(128) for _ in lens]
@@ -376,6 +387,7 @@ def test_decode_graphs_alternating_window_softcap():
         restore(saved)
         out_ref = eager(ctx_of(cur, [1] * 3, False), ids, pos, TorchPagedBackend()).clone()
         restore(saved)
+        out_32 = eager(ctx_of(cur, [1] * 3, False), ids, pos, TorchPagedBackend(), model32).clone()
         for a in model.attn:                             # sensitivity arm: every layer full attention
             a.variant = FULL if a.sliding_window is not None else a.variant
         out_nowin = eager(ctx_of(cur, [1] * 3, False), ids, pos, TorchPagedBackend()).clone()
@@ -386,10 +398,14 @@ def test_decode_graphs_alternating_window_softcap():
             out_graph = graphs.replay(ids, pos, ctx_of(cur, [1] * 3, False)).clone()
         errs["graph_vs_eager"] = max(errs["graph_vs_eager"], _rel(out_graph, out_eager))
         errs["eager_vs_torch"] = max(errs["eager_vs_torch"], _rel(out_eager, out_ref))
+        errs["flashinfer_vs_fp32"] = max(errs["flashinfer_vs_fp32"], _rel(out_eager.float(), out_32))
+        errs["torch_bf16_vs_fp32"] = max(errs["torch_bf16_vs_fp32"], _rel(out_ref.float(), out_32))
         errs["window_off_vs_on"] = min(errs["window_off_vs_on"], _rel(out_nowin, out_ref))
         cur = [n + 1 for n in cur]
     print("\n[decode graphs, alternating window/full + softcap, bf16]", {k: f"{v:.2e}" for k, v in errs.items()})
     _report(test="decode_graphs_alternating_window_softcap", **errs)
-    assert errs["graph_vs_eager"] < 2e-2 and errs["eager_vs_torch"] < 3e-2
-    assert errs["window_off_vs_on"] > 5e-2
+    assert errs["graph_vs_eager"] < 2e-2
+    # FlashInfer in bf16 is as close to float32 as the torch backend in bf16 is (within 1.5x + 0.01)
+    assert errs["flashinfer_vs_fp32"] < 1.5 * errs["torch_bf16_vs_fp32"] + 1e-2, errs
+    assert errs["window_off_vs_on"] > 5 * errs["torch_bf16_vs_fp32"], errs      # the window matters beyond noise
     assert isinstance(model.attn[0], L.Attention)
