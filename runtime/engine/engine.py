@@ -99,7 +99,8 @@ class LLMEngine:
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, enforce_eager: bool = False, seed: int = 0,
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
-                 cuda_graph_sizes: Optional[list] = None, debug: Optional[dict] = None,
+                 cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
+                 debug: Optional[dict] = None,
                  tokenizer: Optional[str] = None, enable_prefix_caching: bool = True):
         self.model_dir = Path(model)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
@@ -134,7 +135,8 @@ class LLMEngine:
                              num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                             load_format=load_format, cuda_graph_sizes=cuda_graph_sizes, debug=debug)
+                             load_format=load_format, cuda_graph_sizes=cuda_graph_sizes,
+                             prefill_graph_sizes=prefill_graph_sizes, debug=debug)
         if tensor_parallel_size > 1:
             from xllm_gen.runtime.executor.tp import TensorParallelRunner
             self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,

@@ -6,7 +6,7 @@ taking extra arguments (nano-vllm's idea). Tensors here are on the model's devic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,6 +26,8 @@ class ForwardContext:
     # deepstack injection: level k is added to hidden states at rows visual_rows after decoder layer k.
     deepstack: Optional["DeepstackInput"] = None
     extra: dict = field(default_factory=dict)
+    # set only while PrefillGraphs captures: attention layers hand (layer, q, k, v) to it instead of attending
+    graph_break: Optional[Callable] = None
 
 
 @dataclass

@@ -29,6 +29,8 @@ from xllm_gen.runtime import layers as L
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
+from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs
+from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as prefill_graph_sizes_of
 from xllm_gen.runtime.loading.loader import load_weights
 
 
@@ -61,7 +63,7 @@ class ModelRunner:
                  block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.85,
                  enforce_eager: bool = False, load_format: str = "auto", cuda_graph_sizes=None,
-                 debug: Optional[dict] = None):
+                 prefill_graph_sizes=None, debug: Optional[dict] = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -95,6 +97,12 @@ class ModelRunner:
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+        # piecewise prefill graphs (runtime/executor/prefill_graphs.py), for runners whose step is model(ids, pos)
+        self.prefill_graphs = None
+        psizes = prefill_graph_sizes_of(prefill_graph_sizes, max_num_batched_tokens)
+        plain_step = type(self).forward is ModelRunner.forward and type(self).prefill_embeds is ModelRunner.prefill_embeds
+        if not self.enforce_eager and psizes and plain_step and self.attn_layers:
+            self.prefill_graphs = PrefillGraphs(self, psizes)
 
     def shutdown(self) -> None:
         """Releases the model, the KV cache, the decode graphs, the attention workspaces and every step
@@ -103,7 +111,8 @@ class ModelRunner:
         if getattr(self, "model", None) is None:
             return
         for name, value in list(vars(self).items()):
-            if isinstance(value, (torch.Tensor, torch.nn.Module)) or name in ("graphs", "backend", "attn_layers"):
+            if isinstance(value, (torch.Tensor, torch.nn.Module)) or name in ("graphs", "prefill_graphs", "backend",
+                                                                              "attn_layers"):
                 setattr(self, name, None)
         gc.collect()                           # graphs and modules may hold each other
         if self.device.type == "cuda":
@@ -239,7 +248,10 @@ class ModelRunner:
             embeds = self.prefill_embeds(seqs, ids, ctx) if is_prefill else None
             self.backend.plan(ctx)                      # once per step; every layer reuses the plan
             set_context(ctx)
-            hidden = self.forward(ids, pos, ctx, embeds)
+            if is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(ids.shape[0]):
+                hidden = self.prefill_graphs.run(ids, pos, ctx)
+            else:
+                hidden = self.forward(ids, pos, ctx, embeds)
             rows = hidden if all_rows else hidden[last_rows]
             return self.model.compute_logits(rows).float()
         finally:

@@ -42,6 +42,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if ctx.graph_break is not None:      # piecewise prefill capture: attention runs between captured pieces
+            return ctx.graph_break(self, q, k, v)
         if self.k_cache.numel() and self.v_cache.numel():
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if self.variant == FULL:

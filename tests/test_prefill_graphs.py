@@ -1,0 +1,86 @@
+"""Piecewise prefill CUDA graphs (runtime/executor/prefill_graphs.py), the parts that do not need a GPU:
+
+- bucket options: validated, capped at max_num_batched_tokens, [] switches them off;
+- the piece boundary protocol, for every spec in specs/: with the forward context's `graph_break` set, each
+  attention layer of the generated model hands its (q, k, v) to the break exactly once per forward, in layer
+  order, with [T, heads, head_dim] shapes, and the model consumes what the break returns (the output changes
+  with it). A model that attended any other way would be captured wrongly, so it must fail here.
+- which runners may use them: plain text runners yes; a runner with its own step code (vision inputs,
+  deepstack buffers: it overrides forward / prefill_embeds) prefills eagerly.
+Replay against eager prefill runs on a GPU (tests/gpu/test_gpu_prefill_graphs.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from fixtures.tiny_hf import tiny_config
+
+from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
+from xllm_gen.runtime.executor.model_runner import ModelRunner
+from xllm_gen.runtime.executor.prefill_graphs import DEFAULT_PREFILL_GRAPH_SIZES, prefill_graph_sizes
+from xllm_gen.runtime.loading import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+
+
+def test_bucket_options():
+    assert prefill_graph_sizes(None, 10**6) == DEFAULT_PREFILL_GRAPH_SIZES
+    assert prefill_graph_sizes(None, 1000) == tuple(b for b in DEFAULT_PREFILL_GRAPH_SIZES if b <= 1000)
+    assert prefill_graph_sizes([64, 16, 64, 5000], 4096) == (16, 64)
+    assert prefill_graph_sizes([], 4096) == ()
+    for bad in ([0], [16, -1], [1.5], [True]):
+        with pytest.raises(ValueError, match="prefill_graph_sizes"):
+            prefill_graph_sizes(bad, 4096)
+
+
+def _architecture(path: Path) -> str:
+    spec = yaml.safe_load(path.read_text())
+    while "architectures" not in spec:
+        spec = yaml.safe_load((path.parent / spec["extends"]).read_text())
+    return spec["architectures"][0]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[p.stem for p in SPECS])
+def test_every_attention_layer_breaks_once(spec):
+    torch.manual_seed(0)
+    cfg = tiny_config(_architecture(spec)).to_dict()
+    model_module, runner_module = registry.resolve(cfg)
+    runner_cls = runner_module.Runner
+    plain = runner_cls.forward is ModelRunner.forward and runner_cls.prefill_embeds is ModelRunner.prefill_embeds
+    assert plain == (not runner_cls.multimodal), (
+        f"{spec.stem}: a runner with its own step code must not use prefill graphs (and a plain one should)")
+    if not plain:
+        return
+    with torch.device("cpu"):
+        model = model_module.Model(model_module.Config.from_hf(cfg)).float().eval()
+    from xllm_gen.runtime import layers as L
+    attn = [m for m in model.modules() if isinstance(m, L.Attention)]
+    T = 7
+    ids = torch.randint(0, 100, (T,))
+    pos = torch.arange(T)
+    calls = []
+
+    def run(fill: float):
+        def graph_break(layer, q, k, v):
+            calls.append(layer)
+            assert q.shape == (T, layer.num_heads, layer.head_dim)
+            assert k.shape == v.shape == (T, layer.num_kv_heads, layer.head_dim)
+            return torch.full((T, layer.num_heads * layer.head_dim), fill)
+        set_context(ForwardContext(is_prefill=True, cu_seqlens_q=None, seq_lens=None, slot_mapping=None,
+                                   block_tables=None, graph_break=graph_break))
+        try:
+            with torch.inference_mode():
+                return model(ids, pos)
+        finally:
+            reset_context()
+
+    out_a = run(0.5)
+    assert calls == attn, f"{spec.stem}: {len(calls)} attention breaks for {len(attn)} attention layers"
+    calls.clear()
+    out_b = run(-0.5)
+    assert out_a.shape == (T, model_module.Config.from_hf(cfg).hidden_size)
+    assert not torch.allclose(out_a, out_b), f"{spec.stem}: the attention output does not reach the model's output"
