@@ -84,3 +84,13 @@ def test_every_attention_layer_breaks_once(spec):
     out_b = run(-0.5)
     assert out_a.shape == (T, model_module.Config.from_hf(cfg).hidden_size)
     assert not torch.allclose(out_a, out_b), f"{spec.stem}: the attention output does not reach the model's output"
+
+
+def test_server_flags():
+    from xllm_gen.runtime.serving.server import _parser
+    ap = _parser()
+    assert ap.parse_args([]).prefill_graph_sizes is None                    # the default buckets
+    assert ap.parse_args(["--prefill-graph-sizes"]).prefill_graph_sizes == []     # eager prefill
+    a = ap.parse_args(["--prefill-graph-sizes", "16", "256", "--cuda-graph-sizes", "1", "8"])
+    assert a.prefill_graph_sizes == [16, 256] and a.cuda_graph_sizes == [1, 8]
+    assert all(action.help for action in ap._actions), "every flag has help text"

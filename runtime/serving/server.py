@@ -354,6 +354,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: from --gpu-memory-utilization)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory to use")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--cuda-graph-sizes", type=int, nargs="*",
+                    help="decode CUDA-graph batch sizes (default: 1 2 4 8, then multiples of 16 up to --max-num-seqs)")
+    ap.add_argument("--prefill-graph-sizes", type=int, nargs="*",
+                    help="token counts of the piecewise prefill CUDA graphs (default: 16 ... 4096; none: eager prefill)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights of the config's shapes, no checkpoint read (benchmarks)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -389,7 +393,8 @@ def make_engine(args):
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill or None, tokenizer=args.tokenizer,
-              load_format=args.load_format)
+              load_format=args.load_format, cuda_graph_sizes=args.cuda_graph_sizes,
+              prefill_graph_sizes=args.prefill_graph_sizes)
     if args.enable_prefix_caching is not None:
         if "enable_prefix_caching" not in inspect.signature(LLMEngine.__init__).parameters:
             raise ValueError("--enable-prefix-caching: this engine has no prefix cache")
