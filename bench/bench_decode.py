@@ -365,7 +365,10 @@ def profile_decode(llm, B: int, in_len: int, steps: int = 60) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ HF
-def hf_baseline(model_dir: Path, in_len: int, out_len: int, log, eager_tokens: int = 32) -> dict:
+def hf_baseline(model_dir: Path, in_len: int, out_len: int, log, eager_tokens: int = 32,
+                compile: bool = True) -> dict:
+    """transformers' generate() at batch 1: eager (dynamic cache), and with `compile` static cache +
+    torch.compile (minutes for a large model: compile=False skips it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(str(model_dir))
     t0 = time.perf_counter()
@@ -395,6 +398,10 @@ def hf_baseline(model_dir: Path, in_len: int, out_len: int, log, eager_tokens: i
     tn = statistics.median(timed(eager_tokens, disable_compile=True) for _ in range(2))
     res["eager"] = dict(ttft_ms=1e3 * t1, tpot_ms=1e3 * (tn - t1) / (eager_tokens - 1))
     log(f"HF eager: {res['eager']}")
+    if not compile:
+        model = None
+        free_cuda()
+        return res
     # static cache + torch.compile (mode reduce-overhead, the generate() default for a static cache)
     t = time.perf_counter()
     timed(out_len, cache_implementation="static")

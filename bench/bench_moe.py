@@ -1,10 +1,15 @@
 """Mixture-of-experts decode benchmark: TPOT of the generated Qwen3-MoE runner (random bf16 weights of
 Qwen3-30B-A3B's shapes, from specs/qwen3_moe.yaml) at batch 1 / 16 / 64, eager and CUDA-graph decode, beside
 the floor of the bytes a decode step actually reads (the active experts only) and transformers in the same run;
-plus a kernel table (Triton fused MoE vs the torch reference at one layer's shapes).
+plus a kernel table (Triton fused MoE vs the torch reference at one layer's shapes, GPU time inside CUDA graphs)
+and a sweep of the fused MoE's tile configs per number of tokens (the JSON's "kernel_sweep": the data for
+ops/moe_triton.py default_config). The report (.md + .json) is rewritten after every section.
 
     python bench/bench_moe.py --out bench/results/h200_moe.md                 # one GPU
+    python bench/bench_moe.py --sections kernel,sweep --out /tmp/moe_k.md     # the kernel sections only (~1 min)
     python bench/bench_moe.py --tp 2 --out bench/results/h200x2_moe.md        # TP 2 (nvidia-h200-x2)
+
+transformers runs eager only (its static cache + torch.compile takes minutes for this model: --hf-compile).
 
 Floor: a decode step of B tokens reads every non-expert parameter once and, per MoE layer, the experts its
 B * top_k (token, slot) pairs pick; with the random router those are ~uniform, so the expected number of
@@ -16,8 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,6 +36,7 @@ import bench_decode as BD  # noqa: E402  (the shared step driver, bandwidth and 
 
 VARIANT = "Qwen3-30B-A3B"
 BATCHES = [1, 16, 64]
+TOKENS = (1, 16, 64, 512)
 
 
 def moe_variant(name: str = VARIANT) -> dict:
@@ -81,39 +90,228 @@ def make_llm(model_dir: Path, tp: int, max_num_seqs: int, max_model_len: int, nu
     return llm, time.perf_counter() - t0
 
 
-def kernel_table(log, tokens=(1, 16, 64, 512), tp: int = 1) -> list:
-    """One MoE layer of the variant's shapes (experts split over `tp` by intermediate rows): Triton fused MoE
-    vs the torch reference, CUDA-event medians."""
-    import torch.nn.functional as F
+# ------------------------------------------------------------------------------------------------ kernels
+def graph_ms(fn, inner: int = 10, reps: int = 20) -> float:
+    """GPU time of one fn() call with static inputs, host launch overhead excluded: `inner` calls captured in one
+    CUDA graph (after two warm-up calls on a side stream: Triton compiles there), the graph replayed `reps` times
+    back to back, each replay between two CUDA events; median / inner (ms)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(a.elapsed_time(b) for a, b in ev) / inner
+    del g
+    return ms
 
-    from xllm_gen.runtime.ops.moe import fused_moe_reference, topk_softmax
-    from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
 
-    v = moe_variant()
-    H, I, E, K = v["hidden_size"], v["moe_intermediate_size"] // tp, v["num_experts"], v["num_experts_per_tok"]
-    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
-    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+class Layer:
+    """One MoE layer of the variant's shapes (experts split over `tp` by intermediate rows), random bf16 weights,
+    and seeded inputs for T tokens (the same routing for the kernel table and the sweep)."""
 
-    def act(h):
-        return F.silu(h[..., :I]) * h[..., I:]
+    def __init__(self, tp: int = 1):
+        v = moe_variant()
+        self.H, self.I = v["hidden_size"], v["moe_intermediate_size"] // tp
+        self.E, self.K = v["num_experts"], v["num_experts_per_tok"]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.w13 = torch.randn(self.E, 2 * self.I, self.H, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.w13 /= self.H ** 0.5
+        self.w2 = torch.randn(self.E, self.H, self.I, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.w2 /= self.I ** 0.5
 
+    def inputs(self, T: int):
+        from xllm_gen.runtime.ops.moe import topk_softmax
+        dev, dt = self.w13.device, self.w13.dtype
+        g = torch.Generator(device=dev).manual_seed(1000 + T)
+        x = torch.randn(T, self.H, device=dev, dtype=dt, generator=g)
+        logits = torch.randn(T, self.E, device=dev, dtype=dt, generator=g)
+        w, ids = topk_softmax(logits, self.K, True)
+        hit = int(ids.unique().numel())
+        return x, w, ids, hit, hit * (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
+    def act(self, h):
+        import torch.nn.functional as F
+        return F.silu(h[..., :self.I]) * h[..., self.I:]
+
+
+def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
+    """Per T: the Triton fused MoE (default config) eager (host launches of moe_align's ~15 torch ops included)
+    and inside a CUDA graph (GPU time only), moe_align alone in a graph, the torch reference in a graph; the
+    achieved bandwidth = bytes of the experts hit / graph time."""
+    from xllm_gen.runtime.ops.moe import fused_moe_reference, moe_align
+    from xllm_gen.runtime.ops.moe_triton import default_config, fused_moe_silu
+
+    L = layer
     rows = []
     for T in tokens:
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        w, ids = topk_softmax(torch.randn(T, E, device="cuda", dtype=torch.bfloat16), K, True)
-        row = dict(tokens=T, experts_hit=int(ids.unique().numel()))
-        row["bytes"] = row["experts_hit"] * (w13[0].numel() + w2[0].numel()) * 2
-        for name, fn in (("triton", lambda: fused_moe_silu(x, w13, w2, w, ids)),
-                         ("torch_ref", lambda: fused_moe_reference(x, w13, w2, w, ids, act))):
+        x, w, ids, hit, nbytes = L.inputs(T)
+        cfg = default_config(T, L.E, L.K, L.H, L.I)
+        row = dict(tokens=T, experts_hit=hit, bytes=nbytes, config=asdict(cfg))
+        cases = (("triton_eager", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), None),
+                 ("triton_graph", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), 10),
+                 ("align_graph", lambda: moe_align(ids, L.E, cfg.block_m), 10),
+                 ("torch_ref_graph", lambda: fused_moe_reference(x, L.w13, L.w2, w, ids, L.act), 2))
+        for name, fn, inner in cases:
             try:
-                fn()                                  # warm-up (Triton compiles on the first call)
-                row[name + "_ms"] = BD._ev_ms(fn, 20)
+                if inner is None:
+                    fn()                                  # warm-up (Triton compiles on the first call)
+                    row[name + "_ms"] = BD._ev_ms(fn, 20)
+                else:
+                    row[name + "_ms"] = graph_ms(fn, inner=inner)
             except Exception as e:   # noqa: BLE001  (keep the other results)
                 row[name + "_ms"] = None
-                row[name + "_error"] = f"{type(e).__name__}: {e}"
+                row[name + "_error"] = f"{type(e).__name__}: {e}"[:500]
+        if row.get("triton_graph_ms"):
+            row["triton_graph_GBs"] = nbytes / (row["triton_graph_ms"] * 1e-3) / 1e9
         log(f"kernel T={T}: {row}")
         rows.append(row)
     return rows
+
+
+def sweep_candidates(T: int, layer: Layer) -> list:
+    """~10 configs per T (block_n 32/64/128, block_k 64/128/256, 4/8 warps, 2-4 stages; more rows per block only
+    where blocks fill up); the default first. Combinations a GPU cannot compile (shared memory) are skipped."""
+    from xllm_gen.runtime.ops.moe_triton import MoeConfig, default_config
+    c = [default_config(T, layer.E, layer.K, layer.H, layer.I)]
+    for t in [(16, 32, 128, 32, 128, 4, 3), (16, 32, 256, 64, 128, 4, 3), (16, 64, 128, 64, 128, 4, 3),
+              (16, 64, 128, 128, 64, 4, 4), (16, 64, 256, 128, 128, 8, 3), (16, 128, 64, 128, 64, 4, 4),
+              (16, 128, 128, 128, 128, 8, 3), (16, 32, 64, 32, 64, 4, 2), (16, 64, 64, 64, 64, 8, 4)]:
+        c.append(MoeConfig(*t))
+    if T >= 64:
+        c += [MoeConfig(32, 64, 128, 64, 128, 4, 3), MoeConfig(64, 128, 64, 128, 64, 8, 3)]
+    return list(dict.fromkeys(c))                       # frozen dataclass: hashable, duplicates dropped
+
+
+def config_sweep(log, layer: Layer, tokens=TOKENS, budget_s: float = 45.0) -> dict:
+    """Per T, each candidate config of fused_moe_silu timed in a CUDA graph (graph_ms), its output checked
+    against the default config's (max |diff| / max |default|; bf16, so differences of a rounding are expected,
+    > 3e-2 marks it wrong and it cannot be best); the best config, its time and bandwidth. Stops trying configs
+    after budget_s (compiles included), the rest marked skipped (the default config is always timed)."""
+    from xllm_gen.runtime.ops.moe_triton import default_config, fused_moe_silu
+
+    L = layer
+    t0 = time.perf_counter()
+    out = dict(shapes=dict(H=L.H, I=L.I, E=L.E, top_k=L.K, dtype=str(L.w13.dtype).replace("torch.", "")),
+               budget_s=budget_s, by_tokens=[])
+    for T in tokens:
+        x, w, ids, hit, nbytes = L.inputs(T)
+        dflt = default_config(T, L.E, L.K, L.H, L.I)
+        ref = fused_moe_silu(x, L.w13, L.w2, w, ids, config=dflt).float()
+        scale = ref.abs().max().clamp(min=1e-6)
+        res = []
+        for cfg in sweep_candidates(T, L):
+            r = dict(config=asdict(cfg), default=cfg == dflt)
+            if time.perf_counter() - t0 > budget_s and not r["default"]:      # the default is always timed
+                r["skipped"] = "sweep time budget spent"
+                res.append(r)
+                continue
+            try:
+                fn = (lambda c=cfg: fused_moe_silu(x, L.w13, L.w2, w, ids, config=c))
+                r["rel_err"] = ((fn().float() - ref).abs().max() / scale).item()      # compiles here
+                r["ms"] = graph_ms(fn, inner=10)
+                r["GBs"] = nbytes / (r["ms"] * 1e-3) / 1e9
+            except Exception as e:   # noqa: BLE001  (a config the GPU cannot run: skipped)
+                r["error"] = f"{type(e).__name__}: {e}"[:300]
+            res.append(r)
+        ok = [r for r in res if r.get("ms") is not None and r["rel_err"] <= 3e-2]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        d = next((r for r in res if r["default"]), {})
+        entry = dict(tokens=T, experts_hit=hit, bytes=nbytes, results=res, default_ms=d.get("ms"),
+                     best=None if best is None else dict(config=best["config"], ms=best["ms"], GBs=best["GBs"]))
+        out["by_tokens"].append(entry)
+        log(f"sweep T={T}: best {entry['best']} (default {entry['default_ms']} ms; "
+            f"{sum('ms' in r for r in res)} timed, {sum('error' in r for r in res)} failed, "
+            f"{sum('skipped' in r for r in res)} skipped; {time.perf_counter() - t0:.0f} s)")
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _cfg_str(c: dict) -> str:
+    return (f"m{c['block_m']} gu {c['block_n1']}x{c['block_k1']} dn {c['block_n2']}x{c['block_k2']} "
+            f"w{c['num_warps']} s{c['num_stages']}")
+
+
+def markdown(R: dict) -> str:
+    f = BD.fmt
+    L = [f"# Qwen3-MoE decode ({R['variant']}, random bf16 weights, TP {R['tp']})\n",
+         f"command: `{R['command']}`; versions: {R['versions']}; copy bandwidth "
+         f"{R.get('copy_bandwidth_GBs', 0):.0f} GB/s; input {R['input_len']}, output {R['output_len']}\n"]
+    if "engine" in R:
+        L.append("| batch | floor (active experts) ms | graph TPOT ms | eager TPOT ms | step bytes (GB) | all params (GB) |")
+        L.append("|---:|---:|---:|---:|---:|---:|")
+        for r in R["engine"]:
+            L.append(f"| {r['batch']} | {r['floor_ms']:.3f} | {f(r['graph'].get('tpot_ms'))} | "
+                     f"{f(r['eager'].get('tpot_ms'))} | {r['step_bytes'] / 1e9:.2f} | "
+                     f"{r['all_params_bytes'] / 1e9:.2f} |")
+    if "engine_error" in R:
+        L.append(f"\nengine: {R['engine_error']}\n")
+    if "hf" in R:
+        L.append(f"\ntransformers (batch 1, eager{'' if R.get('hf_compile') else '; static cache + compile not run'}):"
+                 f" {json.dumps(R['hf'])}\n")
+    if "kernel" in R:
+        L.append("\nOne MoE layer, Triton fused MoE (default config) vs the torch reference. *graph*: GPU time inside a "
+                 "CUDA graph (10 calls per replay, median of 20 replays); *eager*: host launches included; "
+                 "GB/s: bytes of the experts hit / Triton graph time.\n")
+        L.append("| tokens | experts hit | expert bytes (MB) | Triton eager ms | Triton graph ms | of it moe_align ms "
+                 "| Triton GB/s | torch ref graph ms |")
+        L.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in R["kernel"]:
+            L.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bytes'] / 1e6:.1f} | {f(r.get('triton_eager_ms'))} "
+                     f"| {f(r.get('triton_graph_ms'))} | {f(r.get('align_graph_ms'))} | "
+                     f"{f(r.get('triton_graph_GBs'), 0)} | {f(r.get('torch_ref_graph_ms'))} |")
+        errs = {f"T={r['tokens']} {k}": v for r in R["kernel"] for k, v in r.items() if k.endswith("_error")}
+        if errs:
+            L.append(f"\nerrors: {json.dumps(errs)}\n")
+    if "kernel_error" in R:
+        L.append(f"\nkernel table: {R['kernel_error']}\n")
+    S = R.get("kernel_sweep")
+    if S:
+        L.append(f"\nConfig sweep of fused_moe_silu (CUDA graph, ms; shapes {S['shapes']}; {S.get('seconds', 0):.0f} s). "
+                 "Config: rows per block, gate/up tile N x K, down tile N x K, warps, stages.\n")
+        L.append("| tokens | best config | best ms | best GB/s | default ms | speed-up |")
+        L.append("|---:|---|---:|---:|---:|---:|")
+        for e in S["by_tokens"]:
+            b = e["best"]
+            if b is None:
+                L.append(f"| {e['tokens']} | - | - | - | {f(e['default_ms'])} | - |")
+                continue
+            up = f"{e['default_ms'] / b['ms']:.2f}x" if e.get("default_ms") else "-"
+            L.append(f"| {e['tokens']} | {_cfg_str(b['config'])} | {b['ms']:.4f} | {b['GBs']:.0f} | "
+                     f"{f(e['default_ms'], 4)} | {up} |")
+        cfgs = list(dict.fromkeys(_cfg_str(r["config"]) for e in S["by_tokens"] for r in e["results"]))
+        dflt = {_cfg_str(r["config"]) for e in S["by_tokens"] for r in e["results"] if r["default"]}
+        Ts = [e["tokens"] for e in S["by_tokens"]]
+        L.append("\n| config | " + " | ".join(f"T={t} ms" for t in Ts) + " |")
+        L.append("|---|" + "---:|" * len(Ts))
+        for c in cfgs:
+            cells = []
+            for e in S["by_tokens"]:
+                r = next((r for r in e["results"] if _cfg_str(r["config"]) == c), None)
+                if r is None:
+                    cells.append("")
+                elif "ms" in r:
+                    cells.append(f"{r['ms']:.4f}" + (" (wrong)" if r["rel_err"] > 3e-2 else ""))
+                else:
+                    cells.append("skipped" if "skipped" in r else "failed")
+            L.append(f"| {c}{' (default)' if c in dflt else ''} | " + " | ".join(cells) + " |")
+    if "kernel_sweep_error" in R:
+        L.append(f"\nconfig sweep: {R['kernel_sweep_error']}\n")
+    return "\n".join(L) + "\n"
 
 
 def main(argv=None) -> int:
@@ -123,7 +321,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default=",".join(map(str, BATCHES)))
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--sections", default="kernel,engine,hf", help="comma list of kernel, engine, hf")
+    ap.add_argument("--sections", default="kernel,sweep,engine,hf",
+                    help="comma list of kernel (Triton vs torch, CUDA graphs), sweep (fused MoE configs), engine, hf")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts of the kernel table and sweep")
+    ap.add_argument("--sweep-budget-s", type=float, default=45.0, help="time limit of the config sweep (compiles included)")
+    ap.add_argument("--hf-compile", action="store_true",
+                    help="also run transformers' static cache + torch.compile (minutes for this model; off by default)")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -131,7 +334,7 @@ def main(argv=None) -> int:
         return 2
     sections = set(args.sections.split(","))
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    lines: list[str] = []
+    tokens = tuple(int(t) for t in args.tokens.split(","))
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -139,63 +342,73 @@ def main(argv=None) -> int:
     import tempfile
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_moe_"))
     model_dir = write_config(root)
-    R: dict = dict(versions=BD.versions(), variant=VARIANT, tp=args.tp, input_len=args.input_len,
+    command = "python " + " ".join(shlex.quote(a) for a in ["bench/bench_moe.py"] +
+                                   list(argv if argv is not None else sys.argv[1:]))
+    R: dict = dict(command=command, versions=BD.versions(), variant=VARIANT, tp=args.tp, input_len=args.input_len,
                    output_len=args.output_len)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:                      # after every section: a timeout later keeps what was measured
+        out.write_text(markdown(R))
+        out.with_suffix(".json").write_text(json.dumps(R, indent=1, default=str))
+        log(f"wrote {out}")
+
     bw = BD.copy_bandwidth()
     R["copy_bandwidth_GBs"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    if "kernel" in sections:
-        R["kernel"] = kernel_table(log, tp=args.tp)
+    save()
+    if sections & {"kernel", "sweep"}:
+        layer = Layer(args.tp)
+        if "kernel" in sections:
+            t = time.perf_counter()
+            try:
+                R["kernel"] = kernel_table(log, layer, tokens)
+            except Exception as e:   # noqa: BLE001
+                R["kernel_error"] = f"{type(e).__name__}: {e}"[:1000]
+            log(f"kernel table: {time.perf_counter() - t:.0f} s")
+            save()
+        if "sweep" in sections:
+            try:
+                R["kernel_sweep"] = config_sweep(log, layer, tokens, args.sweep_budget_s)
+            except Exception as e:   # noqa: BLE001
+                R["kernel_sweep_error"] = f"{type(e).__name__}: {e}"[:1000]
+            save()
+        del layer
+        BD.free_cuda()
     if "engine" in sections:
-        blocks = max(batches) * math.ceil((args.input_len + args.output_len) / 16) + 64
-        llm, load_s = make_llm(model_dir, args.tp, max(batches), args.input_len + args.output_len + 16, blocks)
-        R["load_and_capture_s"] = load_s
-        model = llm.engine.runner.model
-        rows, saved = [], {}
-        for B in batches:
-            b = step_bytes(model, B)
-            row = dict(batch=B, **{k + "_bytes": v for k, v in b.items()}, floor_ms=b["step"] / bw * 1e3)
-            for mode in ("graph", "eager"):
-                BD.set_mode(llm, mode, saved)
-                try:
-                    row[mode] = BD.bench_batch(llm, B, args.input_len, args.output_len,
-                                               1 if mode == "eager" else BD.runs_for(B), seed=B)
-                except Exception as e:   # noqa: BLE001
-                    row[mode] = dict(error=f"{type(e).__name__}: {e}")
-                log(f"B={B} {mode}: {row[mode]}  (floor {row['floor_ms']:.3f} ms)")
-            BD.set_mode(llm, "graph", saved)
-            rows.append(row)
-        R["engine"] = rows
-        del llm, model
+        try:
+            blocks = max(batches) * math.ceil((args.input_len + args.output_len) / 16) + 64
+            llm, load_s = make_llm(model_dir, args.tp, max(batches), args.input_len + args.output_len + 16, blocks)
+            R["load_and_capture_s"] = load_s
+            model = llm.engine.runner.model
+            R["engine"], saved = [], {}
+            for B in batches:
+                b = step_bytes(model, B)
+                row = dict(batch=B, **{k + "_bytes": v for k, v in b.items()}, floor_ms=b["step"] / bw * 1e3)
+                for mode in ("graph", "eager"):
+                    BD.set_mode(llm, mode, saved)
+                    try:
+                        row[mode] = BD.bench_batch(llm, B, args.input_len, args.output_len,
+                                                   1 if mode == "eager" else BD.runs_for(B), seed=B)
+                    except Exception as e:   # noqa: BLE001
+                        row[mode] = dict(error=f"{type(e).__name__}: {e}")
+                    log(f"B={B} {mode}: {row[mode]}  (floor {row['floor_ms']:.3f} ms)")
+                BD.set_mode(llm, "graph", saved)
+                R["engine"].append(row)
+                save()
+            del llm, model
+        except Exception as e:   # noqa: BLE001
+            R["engine_error"] = f"{type(e).__name__}: {e}"[:1000]
+            save()
         BD.free_cuda()
     if "hf" in sections and args.tp == 1:
+        R["hf_compile"] = args.hf_compile
         try:
-            R["hf"] = BD.hf_baseline(model_dir, args.input_len, args.output_len, log)
+            R["hf"] = BD.hf_baseline(model_dir, args.input_len, args.output_len, log, compile=args.hf_compile)
         except Exception as e:   # noqa: BLE001
             R["hf"] = dict(error=f"{type(e).__name__}: {e}")
-    lines.append(f"# Qwen3-MoE decode ({VARIANT}, random bf16 weights, TP {args.tp})\n")
-    lines.append(f"versions: {R['versions']}; copy bandwidth {R['copy_bandwidth_GBs']:.0f} GB/s; input "
-                 f"{args.input_len}, output {args.output_len}\n")
-    if "engine" in R:
-        lines.append("| batch | floor (active experts) ms | graph TPOT ms | eager TPOT ms | step bytes (GB) | all params (GB) |")
-        lines.append("|---:|---:|---:|---:|---:|---:|")
-        for r in R["engine"]:
-            lines.append(f"| {r['batch']} | {r['floor_ms']:.3f} | {BD.fmt(r['graph'].get('tpot_ms'))} | "
-                         f"{BD.fmt(r['eager'].get('tpot_ms'))} | {r['step_bytes'] / 1e9:.2f} | "
-                         f"{r['all_params_bytes'] / 1e9:.2f} |")
-    if "hf" in R:
-        lines.append(f"\ntransformers (batch 1): {json.dumps(R['hf'])}\n")
-    if "kernel" in R:
-        lines.append("\n| tokens | experts hit | expert bytes (MB) | Triton ms | torch reference ms |")
-        lines.append("|---:|---:|---:|---:|---:|")
-        for r in R["kernel"]:
-            lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bytes'] / 1e6:.1f} | "
-                         f"{BD.fmt(r['triton_ms'])} | {BD.fmt(r['torch_ref_ms'])} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(R, indent=1, default=str))
-    log(f"wrote {out}")
+        save()
     return 0
 
 

@@ -8,8 +8,14 @@ and out[t] = sum_k y[t * K + k]. Shapes are static for a given number of tokens 
 the used ones do no work: their loop bound is 0), nothing is read on the host: capturable in a CUDA graph.
 Pairs routed nowhere (ids outside 0..E-1: padding rows, other ranks' experts) contribute zero. The launcher
 accepts CPU tensors under TRITON_INTERPRET=1 (tests compare it with ops.moe.fused_moe_reference).
+
+The tiles and launch parameters are a MoeConfig (BLOCK_M rows per block, BLOCK_N x BLOCK_K tiles of each GEMM,
+num_warps, num_stages); `default_config` picks one from the shapes (bench/bench_moe.py's sweep measures the
+candidates on a GPU and reports the best per number of tokens).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -89,29 +95,71 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles and launch parameters of the two grouped GEMMs: block_m sorted rows per block (each expert's group is
+    padded to a multiple of it), the gate/up GEMM's BLOCK_N (of I) x BLOCK_K (of H) tile (block_n1, block_k1),
+    the down GEMM's (of H x of I: block_n2, block_k2), and num_warps / num_stages of both launches. Block sizes
+    are powers of two >= 16 (tl.dot's minimum); a tile larger than its dimension is masked (correct, wasted)."""
+    block_m: int = 16
+    block_n1: int = 64
+    block_k1: int = 64
+    block_n2: int = 64
+    block_k2: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 16 and _pow2(v)):
+                raise ValueError(f"MoeConfig.{name} must be a power of two >= 16, got {v!r}")
+        if not (isinstance(self.num_warps, int) and _pow2(self.num_warps)):
+            raise ValueError(f"MoeConfig.num_warps must be a power of two, got {self.num_warps!r}")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"MoeConfig.num_stages must be >= 1, got {self.num_stages!r}")
+
+
+def default_config(T: int, E: int, top_k: int, H: int, I: int) -> MoeConfig:
+    """The config for T tokens of top_k of E experts, hidden H and (this rank's) intermediate I.
+
+    For now one config for every T (the tiles of 64 capped by the dimensions, 16 rows per block); the per-T
+    choice belongs here once bench/bench_moe.py's sweep ("kernel_sweep" of its JSON report) has measured the
+    candidates at the model's shapes on the target GPU."""
+    del T, E, top_k                                             # not used yet: see the docstring
+    return MoeConfig(block_m=16, block_n1=_block(I, 64), block_k1=_block(H, 64),
+                     block_n2=_block(H, 64), block_k2=_block(I, 64), num_warps=4, num_stages=3)
+
+
 def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, block_m: int = 16) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, K] -> [T, H] (see the module doc)."""
+                   topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, K] -> [T, H] (see the module doc).
+    `config`: the tiles and launch parameters (None: default_config of the shapes)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     K = topk_ids.shape[1]
+    cfg = config if config is not None else default_config(T, E, K, H, I)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"      # float32 stays float32 (no TF32 rounding)
-    al = moe_align(topk_ids, E, block_m)
+    al = moe_align(topk_ids, E, cfg.block_m)
     P = al.sorted_pairs.numel()
     nb = al.block_expert.numel()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    bn1, bk1 = _block(I, 64), _block(H, 64)
-    _moe_gate_up_kernel[(nb, triton.cdiv(I, bn1))](
+    _moe_gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n1))](
         x, w13, h, al.sorted_pairs, al.block_expert, T * K, K, E, I, H,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, PREC=prec)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    bn2, bk2 = _block(H, 64), _block(I, 64)
-    _moe_down_kernel[(nb, triton.cdiv(H, bn2))](
+    _moe_down_kernel[(nb, triton.cdiv(H, cfg.block_n2))](
         h, w2, y, al.sorted_pairs, al.block_expert, weights, T * K, E, H, I,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, PREC=prec)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.view(T, K, H).sum(dim=1)
