@@ -122,11 +122,14 @@ def kv_bytes_per_token(runner) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ engine
+DEBUG: dict = {}          # runner debug switches for every engine of the run (--decode-tensor-cores)
+
+
 def make_llm(model_dir: Path, *, max_num_seqs: int, max_model_len: int, num_kv_blocks: int, eager: bool = False):
     from xllm_gen import LLM
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=max_num_seqs,
-              max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, enforce_eager=eager)
+              max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, enforce_eager=eager, _debug=dict(DEBUG))
     torch.cuda.synchronize()
     return llm, time.perf_counter() - t0
 
@@ -139,13 +142,17 @@ def runner_has_fast_path() -> bool:
 
 
 def set_mode(llm, mode: str, saved: dict):
-    """mode: eager (graphs off), graph (the runner as it is), graph-fast (the runner patched to call
-    DecodeGraphs.run(seqs) directly, the patch proposed for ModelRunner.run)."""
+    """mode: eager (no graphs), graph (the runner as it is: decode graphs and piecewise prefill graphs),
+    graph-eager-prefill (decode graphs, eager prefill: the TTFT baseline of prefill graphs), graph-fast (the
+    runner patched to call DecodeGraphs.run(seqs) directly, the patch proposed for ModelRunner.run)."""
     runner = llm.engine.runner
     if "graphs" not in saved:
         saved["graphs"] = runner.graphs
+        saved["prefill_graphs"] = getattr(runner, "prefill_graphs", None)
         saved["run"] = runner.run
     runner.graphs = None if mode == "eager" else saved["graphs"]
+    if hasattr(runner, "prefill_graphs"):
+        runner.prefill_graphs = None if mode in ("eager", "graph-eager-prefill") else saved["prefill_graphs"]
     runner.run = saved["run"]
     if mode == "graph-fast":
         orig = saved["run"]
@@ -225,12 +232,15 @@ def sweep(model_dir: Path, name: str, batches: list[int], modes: list[str], in_l
                            num_kv_blocks=blocks)
     runner = llm.engine.runner
     g = runner.graphs
+    pg = getattr(runner, "prefill_graphs", None)
     res = dict(model=name, load_and_capture_s=load_s, capture_s=g.capture_seconds if g else None,
+               prefill_capture_s=pg.capture_seconds if pg else None, prefill_buckets=list(pg.sizes) if pg else [],
                buckets=list(g.buckets) if g else [], param_bytes=param_bytes(runner.model),
                kv_bytes_per_token=kv_bytes_per_token(runner), rows=[])
     w_floor = res["param_bytes"] / bw * 1e3
     res["weight_floor_ms"] = w_floor
-    log(f"{name}: loaded + captured in {load_s:.1f} s (capture {res['capture_s']}), params "
+    log(f"{name}: loaded + captured in {load_s:.1f} s (decode capture {res['capture_s']}, prefill capture "
+        f"{res['prefill_capture_s']} for {res['prefill_buckets']}), params "
         f"{res['param_bytes'] / 1e9:.2f} GB, weight-read floor {w_floor:.3f} ms")
     saved: dict = {}
     for B in batches:
@@ -453,7 +463,8 @@ def markdown(R: dict) -> str:
         L.append(f"## {S['model']}: input {S['in_len']}, output {S['out_len']}\n")
         L.append(f"parameters {S['param_bytes'] / 1e9:.3f} GB; weight-read floor {S['weight_floor_ms']:.3f} ms; "
                  f"graph buckets {S['buckets']}; engine start (random init + capture) {S['load_and_capture_s']:.1f} s, "
-                 f"capture {fmt(S['capture_s'], 2)} s\n")
+                 f"capture {fmt(S['capture_s'], 2)} s; prefill graph buckets {S.get('prefill_buckets', [])}, capture "
+                 f"{fmt(S.get('prefill_capture_s'), 2)} s\n")
         hdr = ["batch", "bucket"] + [f"TTFT {m} ms" for m in modes] + [f"TPOT {m} ms" for m in modes] + \
               ["floor weights+KV ms", "best graph TPOT / floor"]
         L.append("| " + " | ".join(hdr) + " |")
@@ -573,8 +584,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default=",".join(map(str, SWEEP_BATCHES)))
     ap.add_argument("--batch-sizes-8b", default=",".join(map(str, BATCHES_8B)))
     ap.add_argument("--modes", default="auto",
-                    help="comma list of eager, graph, graph-fast; auto = eager,graph (+graph-fast when "
-                         "ModelRunner.run does not call DecodeGraphs.run yet)")
+                    help="comma list of eager, graph, graph-eager-prefill, graph-fast; auto = eager,graph "
+                         "(+graph-fast when ModelRunner.run does not call DecodeGraphs.run yet)")
+    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto",
+                    help="FlashInfer decode kernel: auto (the backend's rule), on (tensor-core / prefill kernel), "
+                         "off (CUDA-core decode kernel)")
     ap.add_argument("--modes-8b", default="graph,eager")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -595,6 +609,8 @@ def main(argv=None) -> int:
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 2
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if args.decode_tensor_cores != "auto":
+        DEBUG["decode_tensor_cores"] = args.decode_tensor_cores == "on"
     modes = (["eager", "graph"] + ([] if runner_has_fast_path() else ["graph-fast"])
              if args.modes == "auto" else [m.strip() for m in args.modes.split(",")])
     lo, hi = (int(x) for x in args.throughput_range.split(","))
