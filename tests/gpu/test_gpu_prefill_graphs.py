@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.gpu,
 
 BUCKETS = [16, 64, 256, 1024]
 NEAR_TIE = 0.05
+VOCAB = 500              # token ids below the tiny tokenizer size (507)
 MAX_LOGPROB_DIFF = 0.1
 
 
@@ -99,14 +100,14 @@ def test_prefill_graphs_equal_eager_prefill(engines):
     counter = _count_replays(graph)
     rng = random.Random(0)
     lens = [1, 5, 16, 17, 63, 100, 255, 700, 1023, 1024, 1500]
-    singles = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(n)]} for n in lens]
+    singles = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(n)]} for n in lens]
     ref, got = [], []
     for p in singles:                                   # one prefill step each
         ref += eager.generate([p], _params())
         got += graph.generate([p], _params())
     assert counter["n"] == sum(1 for n in lens if n <= BUCKETS[-1]), counter   # 1500 prefills eagerly
     _compare(ref, got, "prefill_graphs_single")
-    batch = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(rng.randint(3, 40))]} for _ in range(24)]
+    batch = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))]} for _ in range(24)]
     _compare(eager.generate(batch, _params()), graph.generate(batch, _params()), "prefill_graphs_batch")
 
 
@@ -116,8 +117,8 @@ def test_prefill_graphs_chunked_with_prefix_cache(tiny_dir):
     try:
         counter = _count_replays(graph)
         rng = random.Random(1)
-        prefix = [rng.randrange(1000) for _ in range(300)]
-        prompts = [{"prompt_token_ids": prefix + [rng.randrange(1000) for _ in range(rng.randint(1, 200))]}
+        prefix = [rng.randrange(VOCAB) for _ in range(300)]
+        prompts = [{"prompt_token_ids": prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 200))]}
                    for _ in range(6)]
         ref, got = [], []
         for chunk in (prompts[:2], prompts[2:]):        # the second call hits the cached prefix
@@ -134,7 +135,7 @@ def test_sensitivity_pieces_without_attention_differ(engines):
     graph, eager = engines
     pg = graph.engine.runner.prefill_graphs
     rng = random.Random(2)
-    p = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(200)]}]
+    p = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(200)]}]
     ref = eager.generate(p, _params(8))
 
     def broken_run(ids, pos, ctx):                      # the pieces alone: attention outputs stay stale zeros
