@@ -61,3 +61,18 @@ def test_fused_moe_in_cuda_graph_with_padding_rows():
     torch.cuda.synchronize()
     want = fused_moe_silu(x_static, w13, w2, w_static, ids_static)
     assert torch.all(out[real:] == 0) and torch.equal(out, want) and not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 700, 1500])
+def test_triton_align_equals_torch_align(T):
+    """The one-program alignment (decode-sized steps, up to TRITON_ALIGN_MAX_PAIRS pairs) equals ops.moe.moe_align
+    exactly on the GPU, padding rows routed nowhere included."""
+    from xllm_gen.runtime.ops.moe import moe_align
+    from xllm_gen.runtime.ops.moe_triton import moe_align_triton
+
+    *_, ids = _problem(T, H=64, I=32)
+    ids[-1] = 128
+    for bm in (16, 64):
+        a, b = moe_align(ids, 128, bm), moe_align_triton(ids, 128, bm)
+        for x, y, name in zip(a, b, a._fields):
+            assert torch.equal(x, y), (T, bm, name)
