@@ -43,10 +43,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_default_config_keeps_the_fixed_tiles():
-    # Qwen3-30B-A3B's shapes: the tiles of 64 (capped by the dimensions), 16 rows per block, Triton's launch defaults
-    assert default_config(1, 128, 8, 2048, 768) == MoeConfig(16, 64, 64, 64, 64, 4, 3)
-    assert default_config(512, 128, 8, 2048, 768) == MoeConfig(16, 64, 64, 64, 64, 4, 3)
+def test_default_config_follows_the_sweep():
+    # Qwen3-30B-A3B's shapes: the H200 sweep's best configs for decode-sized and prefill-sized steps
+    assert default_config(1, 128, 8, 2048, 768) == MoeConfig(16, 32, 256, 64, 128, 4, 3)
+    assert default_config(64, 128, 8, 2048, 768) == MoeConfig(16, 32, 256, 64, 128, 4, 3)
+    assert default_config(512, 128, 8, 2048, 768) == MoeConfig(64, 128, 64, 128, 64, 8, 3)
     # small dimensions cap the tiles (at least 16: tl.dot's minimum)
     assert default_config(5, 4, 2, 64, 32) == MoeConfig(16, 32, 64, 64, 32, 4, 3)
     assert default_config(5, 4, 2, 8, 8) == MoeConfig(16, 16, 16, 16, 16, 4, 3)

@@ -189,14 +189,17 @@ class MoeConfig:
 
 
 def default_config(T: int, E: int, top_k: int, H: int, I: int) -> MoeConfig:
-    """The config for T tokens of top_k of E experts, hidden H and (this rank's) intermediate I.
-
-    For now one config for every T (the tiles of 64 capped by the dimensions, 16 rows per block); the per-T
-    choice belongs here once bench/bench_moe.py's sweep ("kernel_sweep" of its JSON report) has measured the
-    candidates at the model's shapes on the target GPU."""
-    del T, E, top_k                                             # not used yet: see the docstring
-    return MoeConfig(block_m=16, block_n1=_block(I, 64), block_k1=_block(H, 64),
-                     block_n2=_block(H, 64), block_k2=_block(I, 64), num_warps=4, num_stages=3)
+    """The config for T tokens of top_k of E experts, hidden H and (this rank's) intermediate I, tiles capped by
+    the dimensions. From bench/bench_moe.py's sweep on an H200 at Qwen3-30B-A3B's shapes (H 2048, I 768, 128
+    experts, top-8; bench/results/h200_moe.md): up to 64 tokens 16 rows per block with narrow, deep gate/up tiles
+    (32 x 256) was best (4-8% over 64 x 64 tiles); at 512 tokens 64 rows per block, 128 x 64 tiles, 8 warps
+    (16% better). The crossover between 64 and 512 tokens was not measured; 128 splits it."""
+    del E, top_k
+    if T <= 128:
+        return MoeConfig(block_m=16, block_n1=_block(I, 32), block_k1=_block(H, 256),
+                         block_n2=_block(H, 64), block_k2=_block(I, 128), num_warps=4, num_stages=3)
+    return MoeConfig(block_m=64, block_n1=_block(I, 128), block_k1=_block(H, 64),
+                     block_n2=_block(H, 128), block_k2=_block(I, 64), num_warps=8, num_stages=3)
 
 
 def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
