@@ -135,7 +135,7 @@ def _moe_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr, n, E, 
     tl.store(num_rows_ptr + e_idx * 0, tl.max(tl.where(e_idx < E, ends, 0), axis=0).to(tl.int64), mask=e_idx == 0)
 
 
-TRITON_ALIGN_MAX_PAIRS = 8192       # one program handles up to this many pairs; larger steps use the torch path
+TRITON_ALIGN_MAX_PAIRS = 2048   # one program (one SM) aligns up to this many pairs (decode sizes); larger steps: torch path
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
