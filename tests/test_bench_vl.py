@@ -1,0 +1,31 @@
+"""bench/bench_vl.py end to end on the CPU (tiny Qwen3-VL fixture checkpoint, float32): both inputs get numbers
+for our engine and transformers, and the report is written. The GPU run is the same script with its defaults."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_vl_cpu_smoke(tmp_path):
+    out = tmp_path / "vl.md"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_vl.py"), "--device", "cpu", "--variant", "tiny",
+           "--image-size", "64", "--frames", "2", "--frame-size", "64", "--runs", "2", "--warmup", "1",
+           "--out", str(out)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    R = json.loads(out.with_suffix(".json").read_text())
+    assert set(R["rows"]) == {"image", "video"}
+    for name, row in R["rows"].items():
+        errors = {k: v for k, v in row.items() if k.endswith("_error")}
+        assert not errors, f"{name}: {errors}"
+        for key in ("xllm_ttft", "hf_ttft", "hf_generate", "xllm_vision", "hf_vision", "xllm_preprocess"):
+            assert row[key]["median_ms"] > 0, (name, key, row[key])
+        assert row["prompt_tokens"] == row["hf_prompt_tokens"] > row["visual_tokens"] > 0
+        assert row["grid_thw"] == row["hf_grid_thw"]
+    assert not [k for k in R if k.endswith("_error")], R
+    md = out.read_text()
+    assert "| image |" in md and "| video |" in md
