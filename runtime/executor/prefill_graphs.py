@@ -1,5 +1,5 @@
 """Piecewise prefill CUDA graphs: an eager prefill is host-bound (about 15 ms of Python and launches for
-Qwen3-0.6B, whatever the prompt length, against a few ms of GPU work at 1024 tokens), so prefill steps replay
+a 0.6B-parameter model, whatever the prompt length, against a few ms of GPU work at 1024 tokens), so prefill steps replay
 graphs too. Attention cannot be captured whole (its plan depends on every sequence's length), so the model is
 captured in pieces, split at every attention layer:
 

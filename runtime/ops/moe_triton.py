@@ -190,7 +190,7 @@ class MoeConfig:
 
 def default_config(T: int, E: int, top_k: int, H: int, I: int) -> MoeConfig:
     """The config for T tokens of top_k of E experts, hidden H and (this rank's) intermediate I, tiles capped by
-    the dimensions. From bench/bench_moe.py's sweep on an H200 at Qwen3-30B-A3B's shapes (H 2048, I 768, 128
+    the dimensions. From bench/bench_moe.py's sweep on an H200 at a 30B-A3B MoE's shapes (H 2048, I 768, 128
     experts, top-8; bench/results/h200_moe.md): up to 64 tokens 16 rows per block with narrow, deep gate/up tiles
     (32 x 256) was best (4-8% over 64 x 64 tiles); at 512 tokens 64 rows per block, 128 x 64 tiles, 8 warps
     (16% better). The crossover between 64 and 512 tokens was not measured; 128 splits it."""
