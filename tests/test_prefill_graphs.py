@@ -5,8 +5,9 @@
   attention layer of the generated model hands its (q, k, v) to the break exactly once per forward, in layer
   order, with [T, heads, head_dim] shapes, and the model consumes what the break returns (the output changes
   with it). A model that attended any other way would be captured wrongly, so it must fail here.
-- which runners may use them: plain text runners yes; a runner with its own step code (vision inputs,
-  deepstack buffers: it overrides forward / prefill_embeds) prefills eagerly.
+- which runners may use them: every generated runner (its step is model(ids, positions, inputs_embeds));
+  multimodal ones are captured on inputs_embeds, with their deepstack buffers in the capture context (the
+  deepstack rows of that context must reach the output: zero vs non-zero features differ).
 Replay against eager prefill runs on a GPU (tests/gpu/test_gpu_prefill_graphs.py).
 """
 from __future__ import annotations
@@ -50,18 +51,25 @@ def test_every_attention_layer_breaks_once(spec):
     cfg = tiny_config(_architecture(spec)).to_dict()
     model_module, runner_module = registry.resolve(cfg)
     runner_cls = runner_module.Runner
-    plain = runner_cls.forward is ModelRunner.forward and runner_cls.prefill_embeds is ModelRunner.prefill_embeds
-    assert plain == (not runner_cls.multimodal), (
-        f"{spec.stem}: a runner with its own step code must not use prefill graphs (and a plain one should)")
-    if not plain:
-        return
     with torch.device("cpu"):
         model = model_module.Model(model_module.Config.from_hf(cfg)).float().eval()
+    with torch.no_grad():                      # parameters are allocated uninitialised (the loader fills them)
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name and p.dim() == 1 else 0.05 * torch.randn_like(p))
+    embeds_input = runner_cls.prefill_embeds is not ModelRunner.prefill_embeds
+    assert runner_cls.forward is ModelRunner.forward, f"{spec.stem}: a runner overriding forward prefills eagerly"
+    assert embeds_input == runner_cls.multimodal
+    assert not embeds_input or callable(getattr(model, "embed_input_ids", None)), (
+        f"{spec.stem}: a multimodal runner's prefill graphs embed text-only steps with model.embed_input_ids")
     from xllm_gen.runtime import layers as L
     attn = [m for m in model.modules() if isinstance(m, L.Attention)]
     T = 7
     ids = torch.randint(0, 100, (T,))
-    pos = torch.arange(T)
+    cfg_obj = model_module.Config.from_hf(cfg)
+    pos = torch.arange(T) if runner_cls.position_rows == 1 else torch.arange(T).expand(runner_cls.position_rows, T)
+    embeds = model.embed_input_ids(ids) if embeds_input else None
+    levels = getattr(cfg_obj, "deepstack_levels", 0)
+    deepstack = None
     calls = []
 
     def run(fill: float):
@@ -71,19 +79,33 @@ def test_every_attention_layer_breaks_once(spec):
             assert k.shape == v.shape == (T, layer.num_kv_heads, layer.head_dim)
             return torch.full((T, layer.num_heads * layer.head_dim), fill)
         set_context(ForwardContext(is_prefill=True, cu_seqlens_q=None, seq_lens=None, slot_mapping=None,
-                                   block_tables=None, graph_break=graph_break))
+                                   block_tables=None, graph_break=graph_break, deepstack=deepstack))
         try:
             with torch.inference_mode():
-                return model(ids, pos)
+                return model(ids, pos, embeds) if embeds_input else model(ids, pos)
         finally:
             reset_context()
 
     out_a = run(0.5)
+    assert torch.isfinite(out_a).all()
     assert calls == attn, f"{spec.stem}: {len(calls)} attention breaks for {len(attn)} attention layers"
     calls.clear()
     out_b = run(-0.5)
-    assert out_a.shape == (T, model_module.Config.from_hf(cfg).hidden_size)
+    assert out_a.shape == (T, cfg_obj.hidden_size)
     assert not torch.allclose(out_a, out_b), f"{spec.stem}: the attention output does not reach the model's output"
+    if levels:       # deepstack buffers as prefill_graph_context gives them: rows of the step, zero elsewhere
+        from xllm_gen.runtime.executor.context import DeepstackInput
+        rows = torch.zeros(T, dtype=torch.int64)
+        feats = torch.zeros(levels, T, cfg_obj.hidden_size)
+        deepstack = DeepstackInput(rows, feats)
+        calls.clear()
+        assert torch.equal(run(0.5), out_a), f"{spec.stem}: zero deepstack rows must change nothing"
+        rows[:2] = torch.tensor([3, 5])
+        feats[:, :2] = torch.randn(levels, 2, cfg_obj.hidden_size)
+        calls.clear()
+        out_c = run(0.5)
+        changed = (out_c - out_a).abs().amax(dim=-1) > 1e-6
+        assert changed[3] and changed[5], f"{spec.stem}: deepstack features in the context do not reach the output"
 
 
 def test_server_flags():

@@ -1,5 +1,5 @@
-"""The generic runner machinery: KV-cache allocation, input preparation, attention planning, decode graphs,
-logits. A generated runner module (generated/<name>/runner.py) subclasses ModelRunner with the model module
+"""The generic runner machinery: KV-cache allocation, input preparation, attention planning, decode and
+prefill graphs, logits. A generated runner module (generated/<name>/runner.py) subclasses ModelRunner with the model module
 it runs and the step logic its spec implies, through the hooks below; this file knows no model.
 
 Hooks (neutral defaults: a text model with 1-D positions needs none of them):
@@ -10,7 +10,9 @@ Hooks (neutral defaults: a text model with 1-D positions needs none of them):
 - `allocate_step_buffers()`: fixed-size buffers a step needs, made once before any graph capture;
 - `prefill_embeds(seqs, ids, ctx)`: inputs_embeds of a prefill step (e.g. merged vision features), or None to
   let the model embed the token ids;
-- `after_step(ctx)`: called after every eager step, also after a failure (e.g. clears step buffers).
+- `after_step(ctx)`: called after every prefill or eager step, also after a failure (e.g. clears step buffers);
+- `prefill_graph_context(ctx, T)`: puts the static step inputs layers read from the forward context (e.g.
+  deepstack buffers of T rows) into ctx before a prefill graph of T tokens is captured.
 
 Deployment (graph sizes, batch limits, chunked prefill, TP size) comes from the engine's options.
 
@@ -29,7 +31,7 @@ from xllm_gen.runtime import layers as L
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
-from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs
+from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as prefill_graph_sizes_of
 from xllm_gen.runtime.loading.loader import load_weights
 
@@ -100,8 +102,7 @@ class ModelRunner:
         # piecewise prefill graphs (runtime/executor/prefill_graphs.py), for runners whose step is model(ids, pos)
         self.prefill_graphs = None
         psizes = prefill_graph_sizes_of(prefill_graph_sizes, max_num_batched_tokens)
-        plain_step = type(self).forward is ModelRunner.forward and type(self).prefill_embeds is ModelRunner.prefill_embeds
-        if not self.enforce_eager and psizes and plain_step and self.attn_layers:
+        if not self.enforce_eager and psizes and self.attn_layers and supports_prefill_graphs(self):
             self.prefill_graphs = PrefillGraphs(self, psizes)
 
     def shutdown(self) -> None:
@@ -206,6 +207,10 @@ class ModelRunner:
     def after_step(self, ctx: ForwardContext) -> None:
         """Called after every eager step (also after a failure); nothing by default."""
 
+    def prefill_graph_context(self, ctx: ForwardContext, num_tokens: int) -> None:
+        """Puts the static step inputs that layers read from the forward context (fixed-size buffers of
+        num_tokens rows) into `ctx` before a prefill graph is captured; nothing by default."""
+
     # ---- inputs ---------------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
         bs = self.block_size
@@ -249,7 +254,7 @@ class ModelRunner:
             self.backend.plan(ctx)                      # once per step; every layer reuses the plan
             set_context(ctx)
             if is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(ids.shape[0]):
-                hidden = self.prefill_graphs.run(ids, pos, ctx)
+                hidden = self.prefill_graphs.run(ids, pos, ctx, embeds)
             else:
                 hidden = self.forward(ids, pos, ctx, embeds)
             rows = hidden if all_rows else hidden[last_rows]

@@ -21,8 +21,12 @@ Rows never mix outside attention (every other op is row-wise), so padding rows c
 All pieces of all buckets share one memory pool; buckets are captured largest first and replayed one at a
 time, so the pool's blocks are reused safely (torch.cuda.graph's rule: replay in capture order).
 
-Runners whose step code goes beyond `model(ids, positions)` (a generated runner that overrides `forward` or
-`prefill_embeds`: vision inputs, deepstack buffers) prefill eagerly; so do steps larger than the largest bucket.
+Runners with multimodal steps (their `prefill_embeds` returns inputs_embeds with vision features at the
+visual rows) are captured on a static inputs_embeds buffer instead of token ids: a text-only step fills it with
+`model.embed_input_ids(ids)`. Step inputs that layers read from the forward context (deepstack features) are
+put there, as static buffers of the bucket's size, by the runner's `prefill_graph_context(ctx, T)` hook; a
+step writes its rows into them before the replay (rows it does not use hold zeros). A runner that overrides
+`forward` prefills eagerly, and so does a step larger than the largest bucket.
 """
 from __future__ import annotations
 
@@ -44,6 +48,21 @@ def prefill_graph_sizes(requested, max_num_batched_tokens: int) -> tuple[int, ..
     if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
         raise ValueError(f"prefill_graph_sizes must be positive integers, got {requested!r}")
     return tuple(sorted({b for b in sizes if b <= max_num_batched_tokens}))
+
+
+def uses_inputs_embeds(runner) -> bool:
+    """Whether the runner's prefill steps may carry inputs_embeds (it overrides ModelRunner.prefill_embeds)."""
+    from xllm_gen.runtime.executor.model_runner import ModelRunner
+    return type(runner).prefill_embeds is not ModelRunner.prefill_embeds
+
+
+def supports_prefill_graphs(runner) -> bool:
+    """A runner whose step is `model(ids, positions, inputs_embeds)` (it does not override forward), and whose
+    model can embed token ids itself when its steps may carry inputs_embeds."""
+    from xllm_gen.runtime.executor.model_runner import ModelRunner
+    if type(runner).forward is not ModelRunner.forward:
+        return False
+    return not uses_inputs_embeds(runner) or callable(getattr(runner.model, "embed_input_ids", None))
 
 
 class _Pieces:
@@ -73,6 +92,10 @@ class PrefillGraphs:
         T = self.max_tokens
         self._ids = torch.zeros(T, dtype=torch.int64, device=self.device)
         self._pos = torch.zeros((self.P, T) if self.P > 1 else (T,), dtype=torch.int64, device=self.device)
+        # multimodal runners: the pieces read inputs_embeds [T, hidden] (vision features merged by prefill_embeds)
+        self.embeds_input = uses_inputs_embeds(runner)
+        self._embeds = (torch.zeros(T, runner.config.hidden_size, dtype=runner.dtype, device=self.device)
+                        if self.embeds_input else None)
         # attention inputs / output, shared by every layer (and bucket) of one shape: (H, Hk, D, dtype) -> q, k, v, o
         self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
         for layer in runner.attn_layers:
@@ -124,6 +147,7 @@ class PrefillGraphs:
         runner = self.runner
         ids = self._ids[:T]
         pos = self._pos[..., :T]
+        embeds = self._embeds[:T] if self.embeds_input else None
         pieces = _Pieces()
         capturing = False
 
@@ -143,17 +167,18 @@ class PrefillGraphs:
 
         ctx = ForwardContext(is_prefill=True, cu_seqlens_q=None, seq_lens=None, slot_mapping=None,
                              block_tables=None, graph_break=graph_break)
+        runner.prefill_graph_context(ctx, T)               # static step inputs read by layers (deepstack)
         set_context(ctx)
         try:
             with torch.cuda.stream(stream):
-                runner.forward(ids, pos, ctx, None)         # warm-up: Triton compiles, cuBLAS picks its kernels
+                runner.forward(ids, pos, ctx, embeds)       # warm-up: Triton compiles, cuBLAS picks its kernels
                 stream.synchronize()
                 capturing = True
                 g = torch.cuda.CUDAGraph()
                 g.capture_begin(pool=self.pool)
                 pieces.graphs.append(g)
                 try:
-                    pieces.output = runner.forward(ids, pos, ctx, None)
+                    pieces.output = runner.forward(ids, pos, ctx, embeds)
                 finally:
                     pieces.graphs[-1].capture_end()
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -165,11 +190,16 @@ class PrefillGraphs:
         return pieces
 
     # ---- one step -----------------------------------------------------------------------------------
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext,
+            embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`embeds`: the step's inputs_embeds from the runner's prefill_embeds (None: embed the ids)."""
         N = ids.shape[0]
         pieces = self.pieces[self.bucket_for(N)]
-        self._ids[:N].copy_(ids, non_blocking=True)
         self._pos[..., :N].copy_(pos, non_blocking=True)
+        if self.embeds_input:
+            self._embeds[:N].copy_(embeds if embeds is not None else self.runner.model.embed_input_ids(ids))
+        else:
+            self._ids[:N].copy_(ids, non_blocking=True)
         graphs, holes = pieces.graphs, pieces.holes
         for i, layer_key in enumerate(holes):
             graphs[i].replay()

@@ -8,7 +8,9 @@
 - Qwen3-VL (when generated/qwen3_vl exists): image and video requests identical under graph and eager, and
   the four deepstack arms {eager, graph} x {normal, zeroed deepstack}, also after text-only warm-up requests.
 
-Graph and eager runs share one engine (the graphs are switched off for eager: `runner.graphs = None`). In
+Graph and eager runs share one engine (the graphs are switched off for eager: `runner.graphs = None` and
+`runner.prefill_graphs = None`; the VL arms thus compare decode + piecewise prefill graphs with deepstack
+against a fully eager engine). In
 bf16 a padded batch may run other GEMM / split-KV kernels than the unpadded eager batch, so a token may flip
 where the top two logprobs tie to bf16 rounding: a divergence passes only at such a near tie (gap < NEAR_TIE),
 and the chosen tokens' logprobs must agree to MAX_LOGPROB_DIFF while the tokens agree; a real fault (wrong
@@ -39,12 +41,15 @@ MAX_LOGPROB_DIFF = 0.1   # bf16 noise between padded (graph) and unpadded (eager
 
 @contextlib.contextmanager
 def _eager(llm):
+    """No decode graphs and no prefill graphs."""
     runner = llm.engine.runner
     graphs, runner.graphs = runner.graphs, None
+    prefill, runner.prefill_graphs = runner.prefill_graphs, None
     try:
         yield
     finally:
         runner.graphs = graphs
+        runner.prefill_graphs = prefill
 
 
 @contextlib.contextmanager
@@ -271,6 +276,8 @@ def vl_llm(tmp_path_factory):
     llm = LLM(str(d), dtype="bfloat16", max_num_seqs=16, num_kv_blocks=1024, max_model_len=2048,
               enable_prefix_caching=False)
     assert llm.engine.runner.graphs is not None
+    pg = llm.engine.runner.prefill_graphs          # image / video prefills replay pieces over inputs_embeds
+    assert pg is not None and pg.embeds_input
     yield llm
     llm.shutdown()
 
