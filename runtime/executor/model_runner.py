@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from typing import Optional
 
 import torch
@@ -34,6 +35,8 @@ from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as prefill_graph_sizes_of
 from xllm_gen.runtime.loading.loader import load_weights
+
+logger = logging.getLogger("xllm_gen")
 
 
 @contextlib.contextmanager
@@ -103,7 +106,13 @@ class ModelRunner:
         self.prefill_graphs = None
         psizes = prefill_graph_sizes_of(prefill_graph_sizes, max_num_batched_tokens)
         if not self.enforce_eager and psizes and self.attn_layers and supports_prefill_graphs(self):
-            self.prefill_graphs = PrefillGraphs(self, psizes)
+            try:
+                self.prefill_graphs = PrefillGraphs(self, psizes)
+            except Exception as e:        # a model that cannot be captured still serves, with eager prefill
+                logger.warning("prefill CUDA graphs could not be captured, prefill runs eagerly: %s: %s",
+                               type(e).__name__, e)
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
 
     def shutdown(self) -> None:
         """Releases the model, the KV cache, the decode graphs, the attention workspaces and every step
