@@ -20,9 +20,10 @@ per checkpoint and reused across arms. Graph vs eager runs on a GPU host (tests/
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -227,8 +228,16 @@ def _assert_same(got, want, what: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ arms
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "xllm_gen.codegen.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True)
+    """`xllm-gen ARGS` run in this process, from the repository root (a subprocess would spend ~4 s importing
+    torch for each of the 2 x specs calls; test_codegen.py runs the real command line)."""
+    from xllm_gen.codegen.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
