@@ -22,9 +22,11 @@ and builds `runner_cls(model_dir, hf_config, **runner_kwargs)`: its layers shard
 get_tp_size/get_tp_rank and the loader reads only its slices. The KV block count is the minimum over
 ranks (all-reduce MIN), so every rank's cache has the same pages.
 
-Steps. Rank 0 keeps, per sequence, how many tokens the workers already hold; a step carries only the
-new tokens (the whole prompt once, then one token per decode step), block tables, num_computed_tokens,
-chunk_len, and multimodal inputs (tensors, CPU) the first time a sequence is seen. Workers keep mirror
+Steps. Rank 0 keeps, per sequence, how many tokens and which block table the workers already hold; a step
+carries only the new tokens (the whole prompt once, then one token per decode step), the block-table change
+(new blocks, or the whole table when it was replaced), num_computed_tokens, chunk_len, and multimodal inputs
+(tensors, CPU) the first time a sequence is seen. A step travels packed in int64 tensors over the control
+group (tp_worker.send_control), pickled only when it carries multimodal inputs. Workers keep mirror
 Sequence objects (dropped when rank 0's sequence finishes or is garbage-collected).
 
 Failures. A worker that raises (at load time or in a step) sends its traceback to rank 0 (a
@@ -77,6 +79,7 @@ from xllm_gen.runtime.executor.tp_worker import (
     _leave_group,
     _torchrun_worker,
     _worker_entry,
+    send_control,
 )
 
 
@@ -299,7 +302,7 @@ class _Group:
             graceful = False                       # a stopped rank would hold the shutdown message for the timeout
         if graceful and self.ctrl is not None and not self.failures:
             with contextlib.suppress(Exception):
-                dist.broadcast_object_list([("shutdown",)], src=0, group=self.ctrl, device=_CPU)
+                send_control(("shutdown",), self.ctrl)
         deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if graceful else 0.5)
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -405,10 +408,11 @@ def _to_cpu(obj):
 
 
 class _Sent:
-    __slots__ = ("ref", "ntok", "mm")
+    """What the workers hold of one sequence: its object (weakly), token count, multimodal inputs, block table."""
+    __slots__ = ("ref", "ntok", "mm", "table")
 
-    def __init__(self, ref, ntok, mm):
-        self.ref, self.ntok, self.mm = ref, ntok, mm
+    def __init__(self, ref, ntok, mm, table):
+        self.ref, self.ntok, self.mm, self.table = ref, ntok, mm, table
 
 
 class TensorParallelRunner:
@@ -551,7 +555,7 @@ class TensorParallelRunner:
             with _defer_sigint(group):
                 group.in_step = True
                 try:
-                    dist.broadcast_object_list([msg], src=0, group=group.ctrl, device=_CPU)
+                    send_control(msg, group.ctrl)
                     commit()
                     logits = self.runner.run(seqs, is_prefill, all_rows)
                 except BaseException as e:
@@ -587,9 +591,17 @@ class TensorParallelRunner:
             if seq.mm_inputs is not None and (mm_ref is None or mm_ref() is not seq.mm_inputs):
                 mm_box = (_to_cpu(seq.mm_inputs),)
                 mm_ref = _ref_or_const(seq.mm_inputs)
-            items.append((seq.seq_id, offset, toks[offset:], seq.num_prompt_tokens, list(seq.block_table),
+            table, held = seq.block_table, None if fresh else entry.table
+            if held is not None and table == held:                        # unchanged: send nothing
+                start, tail = len(held), []
+            elif held is not None and len(table) > len(held) and table[:len(held)] == held:
+                start, tail = len(held), table[len(held):]                # grew: send the new blocks
+            else:
+                start, tail, held = 0, list(table), None
+            items.append((seq.seq_id, offset, toks[offset:], seq.num_prompt_tokens, start, tail,
                           seq.num_computed_tokens, seq.chunk_len, mm_box))
-            updates[seq.seq_id] = _Sent(weakref.ref(seq), len(toks), mm_ref)
+            updates[seq.seq_id] = _Sent(weakref.ref(seq), len(toks), mm_ref,
+                                        held if held is not None and not tail else list(table))
 
         def commit():
             for sid in drops:
@@ -611,7 +623,7 @@ class TensorParallelRunner:
             with _defer_sigint(group):
                 group.in_step = True
                 try:
-                    dist.broadcast_object_list([("query", query, args)], src=0, group=group.ctrl, device=_CPU)
+                    send_control(("query", query, args), group.ctrl)
                     dist.gather_object(mine, out, dst=0, group=group.ctrl)
                 except BaseException as e:
                     self._fail(e, f"query {query!r}")

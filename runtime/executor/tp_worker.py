@@ -14,8 +14,10 @@ import sys
 import threading
 import time
 import traceback
+from itertools import chain
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -171,6 +173,79 @@ _QUERIES = {"loaded_params": _q_loaded_params, "info": _q_info, "param": _q_para
 _WORKER_MIRROR = None           # a worker's mirror (for the "mirror" query)
 
 
+# ---------------------------------------------------------------------------------------- control channel
+# Rank 0 -> workers over the gloo control group. A step without new multimodal inputs travels packed in int64
+# (header [_STEP, n], then the n values): nothing is pickled. Anything else (a query, shutdown, a step that
+# carries images) follows the header [_OBJECT, 0] as one pickled object. Step items, per sequence:
+#   (seq_id, token_offset, new_tokens, num_prompt_tokens, table_start, table_tail, num_computed, chunk_len, mm)
+# the block table is sent as a change: the worker keeps table[:table_start] and appends table_tail (a table
+# that only grew sends its new blocks, an unchanged one nothing).
+_STEP, _OBJECT = 1, 2
+_ITEM = 8                                  # packed int64 per sequence (every field of an item but mm)
+
+
+def pack_step(is_prefill: bool, all_rows: bool, drops: list, items: list) -> Optional[np.ndarray]:
+    """The step packed as int64 [is_prefill, all_rows, #drops, #items, drops, items' fields, tokens, table
+    tails], or None when an item carries multimodal inputs (then the step is pickled)."""
+    if any(it[8] is not None for it in items):
+        return None
+    nd, ni = len(drops), len(items)
+    meta = [(it[0], it[1], len(it[2]), it[3], it[4], len(it[5]), it[6], it[7]) for it in items]
+    toks = list(chain.from_iterable(it[2] for it in items))
+    tails = list(chain.from_iterable(it[5] for it in items))
+    head = 4 + nd + _ITEM * ni
+    out = np.empty(head + len(toks) + len(tails), dtype=np.int64)
+    out[:4] = (int(is_prefill), int(all_rows), nd, ni)
+    out[4:4 + nd] = drops
+    if ni:
+        out[4 + nd:head] = np.asarray(meta, dtype=np.int64).reshape(-1)
+    out[head:head + len(toks)] = toks
+    out[head + len(toks):] = tails
+    return out
+
+
+def unpack_step(packed) -> tuple:
+    """("step", is_prefill, all_rows, drops, items) from pack_step's array."""
+    a = packed.tolist()
+    is_prefill, all_rows, nd, ni = a[:4]
+    drops = a[4:4 + nd]
+    p = 4 + nd
+    metas = [a[p + i * _ITEM: p + (i + 1) * _ITEM] for i in range(ni)]
+    tok = p + _ITEM * ni
+    tab = tok + sum(m[2] for m in metas)
+    items = []
+    for sid, off, ntok, nprompt, tstart, ntab, computed, chunk in metas:
+        items.append((sid, off, a[tok:tok + ntok], nprompt, tstart, a[tab:tab + ntab], computed, chunk, None))
+        tok += ntok
+        tab += ntab
+    return ("step", bool(is_prefill), bool(all_rows), drops, items)
+
+
+def send_control(msg: tuple, group) -> None:
+    """Rank 0: one control message to every worker (see the channel's comment)."""
+    packed = pack_step(*msg[1:]) if msg[0] == "step" else None
+    if packed is not None:
+        dist.broadcast(torch.tensor([_STEP, packed.size], dtype=torch.int64), src=0, group=group)
+        dist.broadcast(torch.from_numpy(packed), src=0, group=group)
+    else:
+        dist.broadcast(torch.tensor([_OBJECT, 0], dtype=torch.int64), src=0, group=group)
+        dist.broadcast_object_list([msg], src=0, group=group, device=_CPU)
+
+
+def recv_control(group) -> tuple:
+    """A worker: the next control message from rank 0."""
+    head = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(head, src=0, group=group)
+    kind, n = head.tolist()
+    if kind == _STEP:
+        packed = torch.empty(n, dtype=torch.int64)
+        dist.broadcast(packed, src=0, group=group)
+        return unpack_step(packed.numpy())
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=group, device=_CPU)
+    return box[0]
+
+
 # --------------------------------------------------------------------------------------------- workers
 class _Mirror:
     """A worker's copies of rank 0's sequences, updated from step descriptions."""
@@ -182,7 +257,7 @@ class _Mirror:
         for sid in drops:
             self.seqs.pop(sid, None)
         out = []
-        for sid, offset, new_tokens, num_prompt, table, computed, chunk_len, mm_box in items:
+        for sid, offset, new_tokens, num_prompt, table_start, table_tail, computed, chunk_len, mm_box in items:
             seq = self.seqs.get(sid)
             if seq is None or offset == 0:
                 seq = Sequence(sid, [], None)
@@ -192,7 +267,7 @@ class _Mirror:
             if mm_box is not None:
                 seq.mm_inputs = mm_box[0]
             seq.num_prompt_tokens = num_prompt
-            seq.block_table = list(table)
+            seq.block_table = seq.block_table[:table_start] + list(table_tail)
             seq.num_computed_tokens = computed
             seq.chunk_len = chunk_len
             seq.status = SequenceStatus.RUNNING
@@ -205,9 +280,7 @@ def _serve(runner, state: _RankState) -> None:
     global _WORKER_MIRROR
     mirror = _WORKER_MIRROR = _Mirror()
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=state.ctrl, device=_CPU)
-        msg = box[0]
+        msg = recv_control(state.ctrl)
         kind = msg[0]
         if kind == "step":
             _, is_prefill, all_rows, drops, items = msg
