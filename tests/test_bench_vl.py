@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow            # a benchmark's smoke run (16 s); --runslow
 def test_bench_vl_cpu_smoke(tmp_path):
     out = tmp_path / "vl.md"
     cmd = [sys.executable, str(REPO / "bench" / "bench_vl.py"), "--device", "cpu", "--variant", "tiny",

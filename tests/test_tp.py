@@ -328,7 +328,7 @@ print("OK", flush=True)                     # no shutdown(): rank 0's exit relea
 """
 
 
-@pytest.mark.parametrize("mode", ["sigint", "kill"])
+@pytest.mark.parametrize("mode", ["sigint", pytest.param("kill", marks=pytest.mark.slow)])   # kill: also test_killed_worker_is_reported
 def test_no_orphans_after_exit_ctrl_c_or_kill(mode, tmp_path):
     script = tmp_path / "tp_script.py"
     script.write_text(_SCRIPT.format(tests=str(TESTS_DIR)))
