@@ -32,9 +32,11 @@ def test_pack_round_trip():
         assert unpack_step(packed) == ("step", *step)
 
 
-def test_a_step_with_images_is_not_packed():
+def test_a_step_with_images_or_non_integers_is_not_packed():
     items = [(1, 0, [5, 6], 2, 0, [3], 0, 2, ("mm",))]
     assert pack_step(True, False, [], items) is None
+    assert pack_step(True, False, [], [("req-1", 0, [5], 1, 0, [3], 0, 1, None)]) is None
+    assert pack_step(True, False, [2**70], []) is None
 
 
 def test_mirror_follows_rank0_through_table_changes():

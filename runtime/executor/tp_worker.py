@@ -195,12 +195,15 @@ def pack_step(is_prefill: bool, all_rows: bool, drops: list, items: list) -> Opt
     tails = list(chain.from_iterable(it[5] for it in items))
     head = 4 + nd + _ITEM * ni
     out = np.empty(head + len(toks) + len(tails), dtype=np.int64)
-    out[:4] = (int(is_prefill), int(all_rows), nd, ni)
-    out[4:4 + nd] = drops
-    if ni:
-        out[4 + nd:head] = np.asarray(meta, dtype=np.int64).reshape(-1)
-    out[head:head + len(toks)] = toks
-    out[head + len(toks):] = tails
+    try:
+        out[:4] = (int(is_prefill), int(all_rows), nd, ni)
+        out[4:4 + nd] = drops
+        if ni:
+            out[4 + nd:head] = np.asarray(meta, dtype=np.int64).reshape(-1)
+        out[head:head + len(toks)] = toks
+        out[head + len(toks):] = tails
+    except (TypeError, ValueError, OverflowError):      # not all integers (e.g. a non-int sequence id): pickle
+        return None
     return out
 
 
