@@ -11,6 +11,7 @@ import xllm_gen
 import xllm_gen.templates
 
 from .ir import ConfigFieldIR, ModelIR
+from .resolver import HF_ROPE_TYPES
 from .yaml_loader import SpecTree
 
 TEMPLATES_DIR = Path(xllm_gen.templates.__file__).resolve().parent
@@ -105,7 +106,9 @@ def from_hf_line(f: ConfigFieldIR) -> str:
         args.append(f"default_fn=lambda: {f.default_expr.py('c', subscript=True)}")
     elif f.default is not None:
         args.append(f"default={f.default!r}")
-    if f.values:
+    if f.values and f.type == "rope":          # checkpoint names -> the rotary's scaling kinds
+        args.append(f"values={ {v: HF_ROPE_TYPES[v] for v in f.values}!r}")
+    elif f.values:
         args.append(f"values={tuple(f.values)!r}")
     if f.optional:
         args.append("optional=True")

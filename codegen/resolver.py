@@ -91,7 +91,11 @@ def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
 GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 # rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
+# (runtime/rope_kinds.py); a spec's `type: rope` symbol lists the names it models.
+HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
+                 "llama3": "frequency_bands"}
+ROPE_TYPES = tuple(HF_ROPE_TYPES)
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
 # (int32-indexable), the layer count bounds per-layer loops, an eps is a small positive number.

@@ -3,7 +3,7 @@
 - rope scaling: `L.rope_parameters` (inv_freq, attention factor) bit-equal to
   transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS (and the default init) for default / linear / dynamic /
   yarn (Qwen3, DeepSeek mscale forms, explicit attention_factor, truncate off, implied original length) /
-  llama3; `L.Rotary(..., scaling=)` and `L.qk_norm_rope` bit-equal to HF's rotary embedding +
+  llama3 (the rotary's frequency_bands kind); `L.Rotary(..., scaling=)` and `L.qk_norm_rope` bit-equal to HF's rotary embedding +
   apply_rotary_pos_emb (float32, bfloat16), the float32 table the CUDA kernel reads close to HF's cos/sin,
   mRoPE with scaling vs HF Qwen3-VL; errors name the rope type or key; dynamic beyond max_position documented;
 - (1 + w) RMSNorm (`weight_offset=1.0`) bit-equal to Gemma2RMSNorm, plain and fused with the residual add;
@@ -79,11 +79,20 @@ def _hf_rope_init(cfg):
     return ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
 
 
+def _kind(params: dict) -> dict:
+    """The mapping as the generated config reader hands it to the rotary: transformers' rope_type name
+    translated to the primitive's scaling kind (codegen.resolver.HF_ROPE_TYPES)."""
+    from xllm_gen.codegen.resolver import HF_ROPE_TYPES
+    name = params.get("rope_type", params.get("type", "default"))
+    out = {k: v for k, v in params.items() if k != "type"}
+    return dict(out, rope_type=HF_ROPE_TYPES[name])
+
+
 @pytest.mark.parametrize("case", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
 def test_rope_parameters_match_transformers(case):
     _, params, D, theta, max_position = case
     want_inv, want_factor = _hf_rope_init(_llama_config(params, D, theta, max_position))
-    inv, factor = L.rope_parameters(D, theta, max_position, params)
+    inv, factor = L.rope_parameters(D, theta, max_position, _kind(params))
     assert inv.dtype == torch.float32 and inv.shape == (D // 2,)
     assert torch.equal(inv, want_inv)
     assert factor == want_factor
@@ -113,7 +122,7 @@ def test_rotary_scaled_matches_hf_rotary_embedding(name, dtype):
     q = torch.randn(N, 4, D, generator=g).to(dtype)
     k = torch.randn(N, 2, D, generator=g).to(dtype)
     qh, kh, cos, sin = _hf_rotate(LlamaRotaryEmbedding(cfg), pos, q, k, dtype)
-    rot = L.Rotary(D, theta, max_position, "neox", scaling=params)
+    rot = L.Rotary(D, theta, max_position, "neox", scaling=_kind(params))
     qo, ko = rot(pos, q, k)
     assert qo.dtype == dtype
     assert torch.equal(qo, qh) and torch.equal(ko, kh)
@@ -169,7 +178,7 @@ def test_rope_dynamic_within_and_beyond_max_position():
     _, params, D, theta, max_position = next(c for c in ROPE_CASES if c[0] == "dynamic")
     cfg = _llama_config(params, D, theta, max_position)
     q, k = torch.randn(3, 4, D), torch.randn(3, 2, D)
-    rot = L.Rotary(D, theta, max_position, "neox", scaling=params)
+    rot = L.Rotary(D, theta, max_position, "neox", scaling=_kind(params))
     inside = torch.tensor([0, 1000, max_position - 1])
     qh, kh, _, _ = _hf_rotate(LlamaRotaryEmbedding(cfg), inside, q, k, torch.float32)
     qo, ko = rot(inside, q, k)
@@ -188,7 +197,7 @@ def test_rope_scaling_errors_name_the_key():
     with pytest.raises(ValueError, match="'factor'"):
         L.Rotary(64, 1e4, 128, scaling={"rope_type": "linear"})
     with pytest.raises(ValueError, match="'high_freq_factor'"):
-        L.Rotary(64, 1e4, 128, scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0})
+        L.Rotary(64, 1e4, 128, scaling={"rope_type": "frequency_bands", "factor": 8.0, "low_freq_factor": 1.0})
     with pytest.raises(ValueError, match="'beta_fastt'"):
         L.Rotary(64, 1e4, 128, scaling={"rope_type": "yarn", "factor": 2.0, "beta_fastt": 32})
     with pytest.raises(ValueError, match="rope_theta"):

@@ -62,7 +62,7 @@ class MixtralConfig:
         r.read("head_dim", "int", ("head_dim",), default_fn=lambda: (c['hidden_size'] // c['num_attention_heads']), bounds=(1, 2147483647))
         r.read("rms_norm_eps", "float", ("rms_norm_eps",), default=1e-06, bounds=(0.0, None), positive=True)
         r.read("rope_theta", "float", ("rope_parameters.rope_theta", "rope_theta"), default=10000.0, positive=True)
-        r.read("rope_scaling", "rope", ("rope_parameters", "rope_scaling"), values=('default',))
+        r.read("rope_scaling", "rope", ("rope_parameters", "rope_scaling"), values={'default': 'default'})
         r.read("max_position_embeddings", "int", ("max_position_embeddings",), default=2048, bounds=(1, 2147483647))
         r.read("tie_word_embeddings", "bool", ("tie_word_embeddings",), default=False)
         r.read("eos_token_id", "int_tuple", ("eos_token_id",), default=())

@@ -63,7 +63,7 @@ class Qwen2Config:
         r.read("head_dim", "int", ("head_dim",), default_fn=lambda: (c['hidden_size'] // c['num_attention_heads']), bounds=(1, 2147483647))
         r.read("rms_norm_eps", "float", ("rms_norm_eps",), default=1e-06, bounds=(0.0, None), positive=True)
         r.read("rope_theta", "float", ("rope_parameters.rope_theta", "rope_theta"), default=10000.0, positive=True)
-        r.read("rope_scaling", "rope", ("rope_parameters", "rope_scaling"), values=('default', 'linear', 'dynamic', 'yarn'))
+        r.read("rope_scaling", "rope", ("rope_parameters", "rope_scaling"), values={'default': 'default', 'linear': 'linear', 'dynamic': 'dynamic', 'yarn': 'yarn'})
         r.read("max_position_embeddings", "int", ("max_position_embeddings",), default=32768, bounds=(1, 2147483647))
         r.read("sliding_window", "int", ("sliding_window",), optional=True, bounds=(1, None))
         r.read("use_sliding_window", "bool", ("use_sliding_window",), default=False)

@@ -89,7 +89,7 @@ class Qwen3VLMoeConfig:
         r.read("head_dim", "int", ("text_config.head_dim",), default_fn=lambda: (c['hidden_size'] // c['num_attention_heads']), bounds=(1, 2147483647))
         r.read("rms_norm_eps", "float", ("text_config.rms_norm_eps",), default=1e-06, positive=True)
         r.read("rope_theta", "float", ("text_config.rope_parameters.rope_theta", "text_config.rope_theta"), default=500000.0, positive=True)
-        r.read("rope_scaling", "rope", ("text_config.rope_parameters", "text_config.rope_scaling"), values=('default',))
+        r.read("rope_scaling", "rope", ("text_config.rope_parameters", "text_config.rope_scaling"), values={'default': 'default'})
         r.read("hidden_act", "str", ("text_config.hidden_act",), default='silu', values=('silu',))
         r.read("attention_bias", "bool", ("text_config.attention_bias",), default=False)
         r.read("mrope_section", "int_tuple", ("text_config.rope_parameters.mrope_section", "text_config.rope_scaling.mrope_section"), default=(24, 20, 20))

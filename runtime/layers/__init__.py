@@ -17,17 +17,17 @@ from xllm_gen.runtime.layers.linear import (
 from xllm_gen.runtime.layers.moe import FusedMoE
 from xllm_gen.runtime.layers.norm import LayerNorm, RMSNorm
 from xllm_gen.runtime.layers.rotary import (
-                                            ROPE_TYPES,
                                             ROTARY_KINDS,
                                             Rotary,
                                             mrope_axis_map,
                                             qk_norm_rope,
                                             rope_parameters,
 )
+from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
     "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
-    "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_TYPES",
+    "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
 ]

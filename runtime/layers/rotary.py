@@ -1,6 +1,6 @@
 """Rotary position embeddings: neox (rotate_half) layout, and mRoPE (positions [3, N]) with interleaved or
-blocked (contiguous) frequency sections; frequencies from transformers' rope types (default, linear, dynamic,
-yarn, llama3)."""
+blocked (contiguous) frequency sections; frequencies from the rope scaling kinds (default, linear, dynamic,
+yarn, frequency_bands: runtime/rope_kinds.py), with transformers' arithmetic."""
 from __future__ import annotations
 
 import math
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from xllm_gen.runtime import ops
+from xllm_gen.runtime.rope_kinds import ROPE_KINDS, ROPE_SCALING_KEYS
 
 ROTARY_KINDS = ("neox", "mrope_interleaved", "mrope_blocked")
 
@@ -35,25 +36,15 @@ def mrope_axis_map(kind: str, sections: Sequence[int], half: int) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------ rope scaling
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-
-# Keys of a transformers rope-parameter mapping, per rope type: (required, optional). Every type also accepts
-# rope_type / type (its name), rope_theta (must equal `theta`), partial_rotary_factor (must be 1.0) and the
-# mRoPE keys (taken from the rotary kind, not from here).
-_ROPE_KEYS = {
-    "default": ((), ()),
-    "linear": (("factor",), ()),
-    "dynamic": (("factor",), ("original_max_position_embeddings",)),
-    "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-                           "mscale", "mscale_all_dim", "truncate")),
-    "llama3": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
-}
+# Every mapping also accepts rope_type / type (its kind), rope_theta (must equal `theta`), partial_rotary_factor
+# (must be 1.0) and the mRoPE keys (taken from the rotary kind, not from here).
 _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
 def rope_parameters(head_dim: int, theta: float, max_position: int,
                     scaling: Optional[Mapping[str, Any]] = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] float32, attention_factor) of a transformers rope-parameter mapping.
+    """(inv_freq [head_dim/2] float32, attention_factor) of a rope-parameter mapping whose rope_type is a kind
+    of rope_kinds.py (the generated config reader translates transformers' names).
 
     Same arithmetic as transformers 5 (modeling_rope_utils.ROPE_INIT_FUNCTIONS and the models' default init),
     written here so that serving does not import transformers. `max_position` plays HF's
@@ -62,7 +53,7 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
 
     - default: inv_freq = 1 / theta ** (arange(0, D, 2) / D).
     - linear: default / factor.
-    - llama3: per-wavelength scaling (factor, low_freq_factor, high_freq_factor,
+    - frequency_bands: per-wavelength scaling (factor, low_freq_factor, high_freq_factor,
       original_max_position_embeddings).
     - yarn: NTK-by-parts interpolation between default and default / factor with the linear ramp over
       [beta_fast, beta_slow] rotations at original_max_position_embeddings (truncate: floor/ceil the ramp
@@ -88,9 +79,9 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         raise ValueError(f"rope scaling must be a mapping of rope parameters, not {type(scaling).__name__}")
     p = dict(scaling)
     rope_type = p.get("rope_type", p.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    required, optional = _ROPE_KEYS[rope_type]
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_KINDS)}")
+    required, optional = ROPE_SCALING_KEYS[rope_type]
     for key in required:
         if key not in p:
             raise ValueError(f"rope_type {rope_type!r} needs rope parameter {key!r}")
@@ -127,7 +118,7 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         seq_len = max_position
         base = base * ((factor * seq_len / max_position) - (factor - 1)) ** (dim / (dim - 2))
         inv_freq = default_inv_freq(base)
-    elif rope_type == "llama3":
+    elif rope_type == "frequency_bands":
         factor = number("factor")
         low_freq_factor = number("low_freq_factor")
         high_freq_factor = number("high_freq_factor")
@@ -222,10 +213,10 @@ def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.d
 class Rotary(nn.Module):
     """forward(positions, q [N, H, D], k [N, Hk, D]) -> (q, k).
 
-    positions: [N] for kind "neox", [3, N] (t, h, w) for the mrope kinds. `scaling`: a transformers
-    rope-parameter mapping (config.json `rope_parameters` / `rope_scaling`): rope_type default | linear |
-    dynamic | yarn | llama3 with that type's keys (see `rope_parameters` for the math and for dynamic's
-    behaviour beyond max_position); None means default. inv_freq and the attention factor are computed as
+    positions: [N] for kind "neox", [3, N] (t, h, w) for the mrope kinds. `scaling`: a rope-parameter mapping
+    (config.json `rope_parameters` / `rope_scaling` as the config reader normalizes it): rope_type default |
+    linear | dynamic | yarn | frequency_bands (runtime/rope_kinds.py) with that kind's keys (see
+    `rope_parameters` for the math and for dynamic's behaviour beyond max_position); None means default. inv_freq and the attention factor are computed as
     transformers 5 does, in float32; cos/sin are multiplied by the attention factor. The CPU path computes
     cos/sin from positions exactly as HF does, the CUDA kernel reads a float32 [max_position, D] cos|sin
     table (already scaled). The tables are plain attributes (not buffers): they stay float32 whatever the

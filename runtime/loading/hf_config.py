@@ -10,6 +10,8 @@ import fnmatch
 import math
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from xllm_gen.runtime.rope_kinds import ROPE_SCALING_KEYS
+
 MISSING = object()
 
 
@@ -31,18 +33,10 @@ GENERIC_FIELDS = frozenset("""
     exponential_decay_length_penalty suppress_tokens begin_suppress_tokens attention_dropout
 """.split())
 
-# Keys a rope-parameters mapping may hold, per rope type (transformers' modeling_rope_utils); rope_theta and the
-# mRoPE keys are read by other symbols of the spec.
-_ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+# A rope-parameters mapping's keys per scaling kind: runtime/rope_kinds.py (the rotary primitive reads the
+# same table). Read like transformers: original_max_position_embeddings falls back to max_position_embeddings
+# where a kind needs it. rope_theta and the mRoPE keys are read by other symbols of the spec.
+_ROPE_NEEDS_ORIGINAL = ("frequency_bands",)
 _ROPE_SHARED = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
 
 
@@ -171,27 +165,30 @@ class ConfigReader:
             raise self.error(f"config.json field '{where}' = {value!r} must be {rng}")
         return value
 
-    def rope(self, where: str, value: Any, types: Optional[tuple]) -> dict:
-        """A rope-parameters mapping, normalized to {'rope_type': ..., <its keys>}; checked per type."""
+    def rope(self, where: str, value: Any, types: Optional[dict]) -> dict:
+        """A rope-parameters mapping, normalized to {'rope_type': <scaling kind>, <its keys>}; checked per kind.
+        `types` maps the checkpoint's rope_type names the spec models to the rotary's scaling kinds."""
         path = where.split(" ")[0]
         if not isinstance(value, dict):
             raise self.error(f"config.json field '{path}' = {value!r} is not a rope-parameters object")
-        rtype = value.get("rope_type", value.get("type", "default"))
-        if types is not None and rtype not in types:
-            raise self.error(f"does not model {path}.rope_type={rtype!r} (it models: {', '.join(types)})")
-        if rtype not in _ROPE_KEYS:
-            raise self.error(f"does not model {path}.rope_type={rtype!r}")
+        name = value.get("rope_type", value.get("type", "default"))
+        types = types if types is not None else {k: k for k in ROPE_SCALING_KEYS}
+        if name not in types:
+            raise self.error(f"does not model {path}.rope_type={name!r} (it models: {', '.join(types)})")
+        rtype = types[name]
+        required, optional = ROPE_SCALING_KEYS[rtype]
+        known = required + optional
         out: dict = {"rope_type": rtype}
         for key, v in value.items():
             if key in _ROPE_SHARED:
                 continue
             if key == "partial_rotary_factor" and not isinstance(v, bool) and v in (None, 1, 1.0):
                 continue                       # the whole head rotates: what every rotary kind computes
-            if key not in _ROPE_KEYS[rtype]:
+            if key not in known:
                 if v is None:
                     continue
-                raise self.error(f"does not model {path}.{key}={v!r} (rope type {rtype!r} reads: "
-                                 f"{', '.join(_ROPE_KEYS[rtype]) or 'nothing'})")
+                raise self.error(f"does not model {path}.{key}={v!r} (rope type {name!r} reads: "
+                                 f"{', '.join(known) or 'nothing'})")
             if key == "truncate":
                 if not isinstance(v, bool):
                     raise self.error(f"config.json field '{path}.{key}' = {v!r} is not a bool")
@@ -199,14 +196,14 @@ class ConfigReader:
                 raise self.error(f"config.json field '{path}.{key}' = {v!r} must be a positive number")
             if v is not None:
                 out[key] = v
-        for key in _ROPE_REQUIRED.get(rtype, ()):
+        for key in required + (("original_max_position_embeddings",) if rtype in _ROPE_NEEDS_ORIGINAL else ()):
             if key not in out:
                 if key == "original_max_position_embeddings":
                     mpe = _lookup(self.hf, "max_position_embeddings")
                     if _is_int(mpe):   # transformers falls back to max_position_embeddings
                         out[key] = mpe
                         continue
-                raise self.error(f"config.json field '{path}' (rope type {rtype!r}) has no '{key}'")
+                raise self.error(f"config.json field '{path}' (rope type {name!r}) has no '{key}'")
         return out
 
     def finish(self) -> dict:
