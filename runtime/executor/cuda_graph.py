@@ -53,6 +53,17 @@ def graph_buckets(spec_buckets, max_num_seqs: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def capture_progress(items, desc: str, unit: str, enabled: bool = True):
+    """`items`, in a tqdm progress bar when enabled and tqdm is installed (the bar closes when the loop ends)."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(items, desc=desc, unit=unit)
+        except ImportError:                                # pragma: no cover
+            pass
+    return items
+
+
 class _BucketAttention(AttentionBackend):
     """The attention backend seen by the layers inside one bucket's graph: the bucket's FlashInfer decode
     wrappers, one per attention variant of the model (sliding window / soft-cap; a plain model has one), all
@@ -248,14 +259,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         order = sorted(self.buckets, reverse=True)
-        bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
-                bar = tqdm(order, desc="Capturing decode CUDA graphs", unit="graph")
-            except ImportError:                            # pragma: no cover
-                bar = None
-        for Bk in (bar if bar is not None else order):
+        for Bk in capture_progress(order, "Capturing decode CUDA graphs", "graph", progress):
             ids, pos, slots = self._views(Bk)
             ctx = ForwardContext(
                 is_prefill=False,
@@ -280,8 +284,6 @@ class DecodeGraphs:
                 reset_context()
             self.graphs[Bk] = g
             self.outputs[Bk] = out
-        if bar is not None:
-            bar.close()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
 

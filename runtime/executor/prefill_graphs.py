@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
+from xllm_gen.runtime.executor.cuda_graph import capture_progress
 
 # token-count buckets; prompts above the largest one are compute-bound enough to prefill eagerly
 DEFAULT_PREFILL_GRAPH_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -127,19 +128,10 @@ class PrefillGraphs:
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         order = sorted(self.sizes, reverse=True)          # largest first: smaller buckets reuse the pool's blocks
-        bar = None
-        if progress:
-            try:
-                from tqdm import tqdm
-                bar = tqdm(order, desc="Capturing prefill CUDA graphs", unit="bucket")
-            except ImportError:                            # pragma: no cover
-                bar = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))     # the zeroed buffers
-        for T in (bar if bar is not None else order):
+        for T in capture_progress(order, "Capturing prefill CUDA graphs", "bucket", progress):
             self.pieces[T] = self._capture(T, stream)
-        if bar is not None:
-            bar.close()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
 
