@@ -195,6 +195,27 @@ def timed(fn, runs: int, warmup: int, device: str) -> dict:
     return dict(median_ms=statistics.median(ms), min_ms=min(ms), runs_ms=[round(x, 3) for x in ms])
 
 
+def top_kernels(fn, device: str, calls: int = 3, n: int = 15) -> dict:
+    """torch.profiler over `calls` calls of fn: GPU ms per call in all, and the top-n kernels (name, launches per
+    call, GPU ms per call): where the time of a step goes. On a CPU: the top operators, CPU ms."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    sync(device)
+    gpu = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    ka = prof.key_averages()
+    key = ("device_time_total" if hasattr(ka[0], "device_time_total") else "cuda_time_total") if gpu \
+        else "self_cpu_time_total"
+    rows = sorted(ka, key=lambda e: getattr(e, key), reverse=True)
+    kernels = [e for e in rows if not e.key.startswith(("cuda", "Activity"))]
+    return {"unit": "GPU" if gpu else "CPU", "gpu_ms": sum(getattr(e, key) for e in kernels) / calls / 1e3,
+            "launches": sum(e.count for e in kernels) // calls,
+            "kernels": [(e.key[:100], e.count // calls, getattr(e, key) / calls / 1e3) for e in kernels[:n]]}
+
+
 def free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
@@ -271,6 +292,12 @@ def bench_xllm(R: dict, model_dir: Path, load_format: str, reqs: dict, args, log
                     with torch.inference_mode():
                         model.encode_vision(pix_d, grid_d)
                 row["xllm_vision"] = timed(vision, args.runs, args.warmup, dev)
+                if args.profile:
+                    try:
+                        row["xllm_vision_profile"] = top_kernels(vision, dev)
+                        row["xllm_ttft_profile"] = top_kernels(lambda: llm.generate([req], sp), dev, 1)
+                    except Exception as e:   # noqa: BLE001  (the timings stand without it)
+                        row["xllm_profile_error"] = err(e)
                 log(f"xllm {name}: {row['prompt_tokens']} prompt tokens, TTFT {row['xllm_ttft']['median_ms']:.2f} ms, "
                     f"vision {row['xllm_vision']['median_ms']:.2f} ms, "
                     f"preprocess {row['xllm_preprocess']['median_ms']:.2f} ms")
@@ -349,6 +376,11 @@ def bench_hf(R: dict, model_dir: Path, reqs: dict, args, log, save) -> None:
                     with torch.inference_mode():
                         visual(pix_d, grid_thw=grid_d)
                 row["hf_vision"] = timed(vision, args.runs, args.warmup, dev)
+                if args.profile:
+                    try:
+                        row["hf_vision_profile"] = top_kernels(vision, dev)
+                    except Exception as e:   # noqa: BLE001
+                        row["hf_profile_error"] = err(e)
                 log(f"hf {name}: {row['hf_prompt_tokens']} prompt tokens, TTFT {row['hf_ttft']['median_ms']:.2f} ms "
                     f"(generate {row['hf_generate']['median_ms']:.2f} ms), vision {row['hf_vision']['median_ms']:.2f} ms")
             except Exception as e:   # noqa: BLE001
@@ -406,6 +438,15 @@ def markdown(R: dict) -> str:
                 if r.get("prompt_tokens") and r.get("hf_prompt_tokens") and r["prompt_tokens"] != r["hf_prompt_tokens"]}
         if mism:
             L.append(f"\nprompt token counts differ (xllm, HF): {json.dumps(mism)}\n")
+    for name, r in rows.items():
+        for key, what in (("xllm_vision_profile", "xllm vision tower"), ("hf_vision_profile", "HF vision tower"),
+                          ("xllm_ttft_profile", "xllm LLM.generate(max_tokens=1)")):
+            prof = r.get(key)
+            if prof:
+                u = prof.get("unit", "GPU")
+                L.append(f"\n{name}, {what}: {prof['gpu_ms']:.2f} {u} ms in {prof['launches']} kernel launches "
+                         f"per call; top kernels (launches, {u} ms per call):\n")
+                L += [f"- `{k}` {c} {ms:.3f}" for k, c, ms in prof["kernels"]]
     info = {k: R[k] for k in ("xllm_load_s", "xllm_section_s", "xllm_peak_gib", "xllm_prefill_graphs", "hf_load_s",
                               "hf_section_s", "hf_peak_gib", "hf_attn_implementation", "xllm_processor",
                               "hf_processor", "checkpoint") if k in R}
@@ -432,6 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda | cpu")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--hf-attn", default=None, help="transformers attn_implementation (default: its own, sdpa)")
+    ap.add_argument("--profile", action="store_true", help="also the top GPU kernels of the vision towers and of "
+                    "our whole request (torch.profiler)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_vl.md"))
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir, removed)")
     args = ap.parse_args(argv)
