@@ -63,9 +63,9 @@ def _count_replays(llm):
     counter = {"n": 0}
     orig = pg.run
 
-    def run(ids, pos, ctx):
+    def run(*args, **kwargs):
         counter["n"] += 1
-        return orig(ids, pos, ctx)
+        return orig(*args, **kwargs)
     pg.run = run
     return counter
 
@@ -138,7 +138,7 @@ def test_sensitivity_pieces_without_attention_differ(engines):
     p = [{"prompt_token_ids": [rng.randrange(VOCAB) for _ in range(200)]}]
     ref = eager.generate(p, _params(8))
 
-    def broken_run(ids, pos, ctx):                      # the pieces alone: attention outputs stay stale zeros
+    def broken_run(ids, pos, ctx, embeds=None):         # the pieces alone: attention outputs stay stale zeros
         N = ids.shape[0]
         pieces = pg.pieces[pg.bucket_for(N)]
         pg._ids[:N].copy_(ids)
