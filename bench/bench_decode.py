@@ -143,13 +143,18 @@ def runner_has_fast_path() -> bool:
 
 def set_mode(llm, mode: str, saved: dict):
     """mode: eager (no graphs), graph (the runner as it is: decode graphs and piecewise prefill graphs),
-    graph-eager-prefill (decode graphs, eager prefill: the TTFT baseline of prefill graphs), graph-fast (the
-    runner patched to call DecodeGraphs.run(seqs) directly, the patch proposed for ModelRunner.run)."""
+    graph-eager-prefill (decode graphs, eager prefill: the TTFT baseline of prefill graphs), graph-sync (graphs,
+    async scheduling off: each decode step's tokens are read before the next step is prepared; the baseline of
+    async scheduling), graph-fast (the runner patched to call DecodeGraphs.run(seqs) directly, the patch
+    proposed for ModelRunner.run)."""
     runner = llm.engine.runner
     if "graphs" not in saved:
         saved["graphs"] = runner.graphs
         saved["prefill_graphs"] = getattr(runner, "prefill_graphs", None)
         saved["run"] = runner.run
+        saved["async"] = getattr(llm.engine, "_async", None)
+    if hasattr(llm.engine, "_async"):
+        llm.engine._async = None if mode == "graph-sync" else saved["async"]
     runner.graphs = None if mode == "eager" else saved["graphs"]
     if hasattr(runner, "prefill_graphs"):
         runner.prefill_graphs = None if mode in ("eager", "graph-eager-prefill") else saved["prefill_graphs"]
@@ -584,7 +589,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default=",".join(map(str, SWEEP_BATCHES)))
     ap.add_argument("--batch-sizes-8b", default=",".join(map(str, BATCHES_8B)))
     ap.add_argument("--modes", default="auto",
-                    help="comma list of eager, graph, graph-eager-prefill, graph-fast; auto = eager,graph "
+                    help="comma list of eager, graph, graph-eager-prefill, graph-sync, graph-fast; auto = eager,graph "
                          "(+graph-fast when ModelRunner.run does not call DecodeGraphs.run yet)")
     ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto",
                     help="FlashInfer decode kernel: auto (the backend's rule), on (tensor-core / prefill kernel), "

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from xllm_gen.runtime.engine.async_decode import AsyncDecode
 from xllm_gen.runtime.engine.block_manager import BlockManager
 from xllm_gen.runtime.engine.outputs import CompletionOutput, RequestOutput
 from xllm_gen.runtime.engine.sampler import Sampler
@@ -101,7 +102,7 @@ class LLMEngine:
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
                  cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
                  debug: Optional[dict] = None,
-                 tokenizer: Optional[str] = None, enable_prefix_caching: bool = True):
+                 tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True):
         self.model_dir = Path(model)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
@@ -164,6 +165,10 @@ class LLMEngine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
         self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
         self._stream_text = False                  # set by step_deltas: detokenize every step
+        # greedy decode steps launched ahead of reading the previous one's tokens (runtime/engine/async_decode.py)
+        self._async = None
+        if async_scheduling and hasattr(self.runner, "decode_greedy"):
+            self._async = AsyncDecode(self.runner, max_num_seqs, self.device)
 
     def _load_tokenizer(self):
         """The checkpoint's (or `tokenizer=`) tokenizer; None only when the checkpoint has no tokenizer file (it
@@ -361,6 +366,8 @@ class LLMEngine:
     def abort_all(self) -> list:
         """Aborts every request; returns their ids."""
         ids = list(self._requests)
+        if self._async is not None:
+            self._async.inflight = None
         for rid in ids:
             self.abort_request(rid)
         for q in (self.scheduler.waiting, self.scheduler.running):      # sequences queued directly
@@ -370,8 +377,25 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One step; returns the sequences that finished in it (also those that failed alone: `.error`)."""
+        """One step; returns the sequences that finished in it (also those that failed alone: `.error`).
+
+        Async scheduling: a greedy decode step is launched without waiting for its tokens; the next call
+        launches the following decode step (when it can be decided without them) and only then reads them, so
+        the host's work overlaps the GPU's. Its tokens and finished sequences are those of the step read."""
         self._last_progress: list[Sequence] = []
+        prev = self._async.inflight if self._async is not None else None
+        if prev is not None:
+            self._async.inflight = None
+            ahead = self._async.next_batch(self.scheduler, self.max_model_len)
+            if ahead:
+                self._async.inflight = self._async.launch(ahead, prev)
+                self._count_decode(ahead)
+            tokens = self._async.read(prev)
+            live = [(s, t) for s, t in zip(prev.seqs, tokens) if not s.is_finished]    # not ended / aborted since
+            finished: list[Sequence] = []
+            self._accept([s for s, _ in live], [t for _, t in live], finished, commit=True)
+            self._fail_errored([s for s, _ in live], finished)
+            return finished
         seqs, is_prefill = self.scheduler.schedule()
         finished = self.scheduler.take_finished_by_capacity()
         if finished:
@@ -384,6 +408,10 @@ class LLMEngine:
             if finished:
                 return finished
             raise RuntimeError("scheduler made no progress: KV cache too small for any running request")
+        if not is_prefill and self._async is not None and self._async.can_launch(seqs):
+            self._async.inflight = self._async.launch(seqs)
+            self._count_decode(seqs)
+            return finished
         starts = [s.num_computed_tokens for s in seqs]
         want_prompt_lp = is_prefill and any(
             s.params.prompt_logprobs is not None and len(s.prompt_logprobs or ()) < s.num_prompt_tokens
@@ -416,31 +444,46 @@ class LLMEngine:
         if ready:
             ready_seqs = [seqs[i] for i in ready]
             tokens = self.sampler(logits[ready], ready_seqs, self.eos_token_ids)
-            now = time.monotonic()
-            for seq, tok in zip(ready_seqs, tokens):
-                if tok is None or seq.error:
-                    continue
-                seq.append_token(tok)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                seq.last_token_time = now
-                self._last_progress.append(seq)
-                try:
-                    reason = self._finish_reason(seq, tok)
-                except Exception as e:             # detokenization or stop checks: this request alone
-                    logger.exception("post-processing failed for sequence %s", seq.seq_id)
-                    seq.error, reason = f"post-processing failed: {type(e).__name__}: {e}", None
-                if reason and not seq.error:
-                    self.scheduler.finish(seq, reason)
-                    if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-                        self._flush(seq)
-                    finished.append(seq)
+            self._accept(ready_seqs, tokens, finished)
+        self._fail_errored(seqs, finished)
+        return finished
+
+    def _count_decode(self, seqs: list[Sequence]) -> None:
+        self.stats["steps"] += 1
+        self.stats["decode_tokens"] += len(seqs)
+
+    def _accept(self, seqs: list[Sequence], tokens: list[Optional[int]], finished: list[Sequence],
+                commit: bool = False) -> None:
+        """Appends each sequence's new token and finishes those it ends (stop, length); `commit`: register
+        the blocks it fills in the prefix cache (async decode registers them once the tokens are known)."""
+        now = time.monotonic()
+        for seq, tok in zip(seqs, tokens):
+            if tok is None or seq.error:
+                continue
+            seq.append_token(tok)
+            if commit:
+                self.block_manager.commit(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            self._last_progress.append(seq)
+            try:
+                reason = self._finish_reason(seq, tok)
+            except Exception as e:             # detokenization or stop checks: this request alone
+                logger.exception("post-processing failed for sequence %s", seq.seq_id)
+                seq.error, reason = f"post-processing failed: {type(e).__name__}: {e}", None
+            if reason and not seq.error:
+                self.scheduler.finish(seq, reason)
+                if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+                    self._flush(seq)
+                finished.append(seq)
+
+    def _fail_errored(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
         for seq in seqs:                           # failed after admission: fails alone, blocks freed
             if seq.error and not seq.is_finished:
                 self.scheduler.abort(seq)
                 seq.finish_reason = "error"
                 finished.append(seq)
-        return finished
 
     def _detok(self, seq: Sequence) -> Optional["IncrementalDetokenizer"]:
         if self.tokenizer is None:

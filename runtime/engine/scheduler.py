@@ -85,18 +85,30 @@ class Scheduler:
         bm = self.block_manager
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not bm.can_allocate(seq, seq.num_tokens):
+            while not bm.can_allocate(seq, seq.num_tokens_with_pending):
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
                     self._preempt(seq)
                     break
             else:
-                bm.allocate(seq, seq.num_tokens)
+                bm.allocate(seq, seq.num_tokens_with_pending)
                 seq.chunk_len = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return scheduled
+
+    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
+        """Async decode: the KV slot of one more token for each of `seqs` (running, their last token still on
+        the device), when nothing waits and the free blocks suffice. False when this needs the scheduler's
+        choices (admitting a prefill, preempting): the caller reads the tokens back and calls schedule()."""
+        bm = self.block_manager
+        if self.waiting or sum(bm.blocks_needed(s, s.num_tokens_with_pending) for s in seqs) > bm.num_free_blocks:
+            return False
+        for seq in seqs:
+            bm.allocate(seq, seq.num_tokens_with_pending)
+            seq.chunk_len = 1
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         seq.num_preemptions += 1

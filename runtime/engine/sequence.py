@@ -26,6 +26,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0            # tokens whose KV is in the cache
         self.chunk_len = 0                      # tokens this step computes (prefill chunk, or 1 in decode)
+        self.num_pending = 0                    # tokens sampled on the device, not yet read back (async decode)
         self.finish_reason: Optional[str] = None
         self.logprobs: list[dict] = []
         self.cumulative_logprob = 0.0
@@ -52,6 +53,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """The length the next decode step sees: known tokens plus those still on the device; its input is the
+        last of them (at position num_tokens_with_pending - 1)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def completion_token_ids(self) -> list[int]:

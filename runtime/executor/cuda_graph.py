@@ -366,18 +366,22 @@ class DecodeGraphs:
         self._attn[Bk].plan_decode(self._indptr_h[Bk], self._last_h[Bk], self.page_indices[:total_pages])
         self._copied.record()
 
-    def run(self, seqs) -> torch.Tensor:
-        """The decode step of `seqs` (each one's last token not yet in the KV cache); hidden [B, hidden]."""
+    def run(self, seqs, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The decode step of `seqs` (each one's last token not yet in the KV cache); hidden [B, hidden].
+        `input_ids`: the step's input tokens already on the device [B] (async decode: the previous step's
+        argmax), written over the host ids after the upload; None: each sequence's last token."""
         B = len(seqs)
         Bk = self._bucket_of[B]
         bs = self.block_size
-        lens = [s.num_tokens for s in seqs]
+        lens = [s.num_tokens + s.num_pending for s in seqs]
         tables = [s.block_table for s in seqs]
-        ids = [s.token_ids[-1] for s in seqs]
+        ids = [0] * B if input_ids is not None else [s.token_ids[-1] for s in seqs]
         slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
         pos = self.runner.decode_positions(seqs)           # [P * B], row-major
         total = self._write_step(B, Bk, ids, pos, slots, lens, tables)
         self._upload(Bk, total)
+        if input_ids is not None:
+            self._views(Bk)[0][:B].copy_(input_ids)
         self._plan(Bk, total)
         self.graphs[Bk].replay()
         return self.outputs[Bk][:B]

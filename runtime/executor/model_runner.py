@@ -207,7 +207,7 @@ class ModelRunner:
 
     def decode_positions(self, seqs: list[Sequence]) -> list[int]:
         """Positions of a decode step's tokens (each sequence's last), flattened row-major: [position_rows * B]."""
-        return [s.num_tokens - 1 for s in seqs]
+        return [s.num_tokens_with_pending - 1 for s in seqs]
 
     def prefill_embeds(self, seqs: list[Sequence], ids: torch.Tensor, ctx: ForwardContext) -> Optional[torch.Tensor]:
         """inputs_embeds [N, hidden] of a prefill step, or None: the model embeds the token ids itself."""
@@ -222,12 +222,14 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], is_prefill: bool):
+        """The flattened step inputs. A decode input still on the device (num_pending) is a 0 here: the caller
+        writes the device tokens over it."""
         bs = self.block_size
         input_ids, positions, slots, cu_q, seq_lens, qlens = [], [], [], [0], [], []
         for seq in seqs:
-            start = seq.num_computed_tokens if is_prefill else seq.num_tokens - 1
-            end = start + seq.chunk_len if is_prefill else seq.num_tokens
-            input_ids.extend(seq.token_ids[start:end])
+            start = seq.num_computed_tokens if is_prefill else seq.num_tokens_with_pending - 1
+            end = start + seq.chunk_len if is_prefill else start + 1
+            input_ids.extend(seq.token_ids[start:end] if is_prefill or not seq.num_pending else (0,))
             positions.append(self.positions_of(seq, start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -252,12 +254,17 @@ class ModelRunner:
     # ---- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, all_rows: bool = False) -> torch.Tensor:
-        """Float32 logits [B, vocab] of each sequence's last row (all rows of the step when all_rows)."""
+    def run(self, seqs: list[Sequence], is_prefill: bool, all_rows: bool = False,
+            input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Float32 logits [B, vocab] of each sequence's last row (all rows of the step when all_rows).
+        `input_ids` (decode): the step's input tokens on the device [B], for sequences whose last token is
+        still there (num_pending); None: read from the sequences."""
         if not is_prefill and not all_rows and self.graphs is not None and self.graphs.fits(len(seqs)):
             # decode graphs build the step's inputs from the sequences (pinned memory, one copy), plan, replay
-            return self.model.compute_logits(self.graphs.run(seqs)).float()
+            return self.model.compute_logits(self.graphs.run(seqs, input_ids)).float()
         ids, pos, ctx, last_rows = self.prepare(seqs, is_prefill)
+        if input_ids is not None:
+            ids = input_ids
         try:
             embeds = self.prefill_embeds(seqs, ids, ctx) if is_prefill else None
             self.backend.plan(ctx)                      # once per step; every layer reuses the plan
@@ -271,6 +278,19 @@ class ModelRunner:
         finally:
             reset_context()
             self.after_step(ctx)
+
+    @torch.inference_mode()
+    def decode_greedy(self, seqs: list[Sequence], prev_tokens: Optional[torch.Tensor] = None,
+                      rows: Optional[list[int]] = None) -> torch.Tensor:
+        """A greedy decode step whose tokens stay on the device: the argmax of each sequence [B] int64, not read
+        back (the engine's async scheduling reads it while the next step runs). `prev_tokens`: the previous
+        step's device tokens, this step's inputs (`rows`: the row of each sequence there; None: the same
+        sequences in the same order); None: each sequence's last known token."""
+        ids = None
+        if prev_tokens is not None:
+            ids = prev_tokens if rows is None else prev_tokens.index_select(
+                0, torch.tensor(rows, dtype=torch.int64).to(prev_tokens.device, non_blocking=True))
+        return self.run(seqs, False, input_ids=ids).argmax(dim=-1)
 
     def forward(self, ids, pos, ctx, embeds):
         return self.model(ids, pos, embeds)

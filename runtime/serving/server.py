@@ -362,6 +362,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="dummy: random weights of the config's shapes, no checkpoint read (benchmarks)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV of shared prompt prefixes (on by default)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="launch each greedy decode step before the previous one's tokens are read back, so that "
+                         "the host's work overlaps the GPU's (on by default)")
     ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
@@ -394,7 +397,7 @@ def make_engine(args):
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill or None, tokenizer=args.tokenizer,
               load_format=args.load_format, cuda_graph_sizes=args.cuda_graph_sizes,
-              prefill_graph_sizes=args.prefill_graph_sizes)
+              prefill_graph_sizes=args.prefill_graph_sizes, async_scheduling=args.async_scheduling)
     if args.enable_prefix_caching is not None:
         if "enable_prefix_caching" not in inspect.signature(LLMEngine.__init__).parameters:
             raise ValueError("--enable-prefix-caching: this engine has no prefix cache")

@@ -1,0 +1,92 @@
+"""Async scheduling of greedy decode steps: step n+1 is launched before step n's tokens are read back, so the
+host's work between two steps (reading tokens, stop checks, detokenizing, scheduling, preparing and planning
+the next step) overlaps the GPU's step instead of leaving the GPU idle.
+
+A launched step leaves its argmax tokens on the device and starts their copy into pinned host memory; each of
+its sequences has one more computed token and one pending token (Sequence.num_pending). The next step is
+launched at once when it can be decided without those tokens: a decode of the running sequences, nothing
+waiting, free KV blocks for all (no preemption). It takes the pending tokens as its inputs on the device. Then
+the engine reads step n's tokens and finishes sequences as usual. A sequence that ended there (EOS, a stop
+token or string) was also computed in the step in flight; that row is dropped when it is read. Sequences
+certain to end (max_tokens, max_model_len) are left out of the next step.
+
+Only plain greedy sequences qualify: sampling, penalties, logprobs and min_tokens read the logits on the host.
+The runner needs `decode_greedy` (one process; TP ranks receive their inputs from rank 0's host)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from xllm_gen.runtime.engine.sequence import Sequence
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens are not read yet."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor                      # [B] int64 argmax, on the device
+    host: torch.Tensor                        # [B] view of a pinned buffer the tokens are copied into
+    event: Optional[torch.cuda.Event]         # recorded after that copy (None on a CPU)
+
+
+class AsyncDecode:
+    def __init__(self, runner, max_num_seqs: int, device: torch.device):
+        self.runner = runner
+        pin = device.type == "cuda"
+        # two buffers: the step in flight copies into one while the host reads the other
+        self._host = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self.inflight: Optional[InFlight] = None
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        p = seq.params
+        return (p.greedy and not p.needs_processing and p.logprobs is None and not seq.error
+                and seq.num_completion_tokens + seq.num_pending >= p.min_tokens)
+
+    def can_launch(self, seqs: list[Sequence]) -> bool:
+        return bool(seqs) and all(self.eligible(s) for s in seqs)
+
+    def next_batch(self, scheduler, max_model_len: int) -> Optional[list[Sequence]]:
+        """The decode batch to launch before the step in flight is read, with its KV slots allocated; None when
+        the next step needs those tokens first (a sequence not from that step, one that no longer qualifies,
+        a waiting request, too few free blocks)."""
+        seqs = [s for s in scheduler.running
+                if s.num_completion_tokens + s.num_pending < s.params.max_tokens
+                and s.num_tokens_with_pending < max_model_len]
+        if not seqs or any(s.num_pending != 1 or not self.eligible(s) for s in seqs):
+            return None
+        return seqs if scheduler.schedule_ahead(seqs) else None
+
+    def launch(self, seqs: list[Sequence], prev: Optional[InFlight] = None) -> InFlight:
+        """Runs the decode step of `seqs` (inputs: `prev`'s device tokens, else their last tokens) and starts
+        the copy of its tokens to the host; returns without waiting for the GPU."""
+        prev_tokens, rows = None, None
+        if prev is not None:
+            prev_tokens = prev.tokens
+            if len(seqs) != len(prev.seqs) or any(a is not b for a, b in zip(seqs, prev.seqs)):
+                row_of = {id(s): i for i, s in enumerate(prev.seqs)}
+                rows = [row_of[id(s)] for s in seqs]
+        with torch.inference_mode():
+            tokens = self.runner.decode_greedy(seqs, prev_tokens, rows)
+            host = self._host[self._turn][:len(seqs)]
+            self._turn ^= 1
+            host.copy_(tokens, non_blocking=True)
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        for s in seqs:
+            s.num_computed_tokens += 1
+            s.num_pending += 1
+        return InFlight(seqs, tokens, host, event)
+
+    def read(self, step: InFlight) -> list[int]:
+        """Waits for the step's tokens on the host; they are no longer pending."""
+        if step.event is not None:
+            step.event.synchronize()
+        for s in step.seqs:
+            s.num_pending -= 1
+        return step.host.tolist()
