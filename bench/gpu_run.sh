@@ -58,7 +58,7 @@ fi
 bench() { timeout "$1" python bench/bench_decode.py --out "$OUT/h200.md" --append --sections "$2" "${@:3}"; }
 [[ $phases == *,sweep,* ]] && { stamp "sweep"; bench ${T_SWEEP:-240} ${SWEEP_SECTIONS:-floor,sweep} ${SWEEP_ARGS:-}; }
 [[ $phases == *,profile,* ]] && { stamp "profile"; bench ${T_PROFILE:-90} profile; }
-[[ $phases == *,8b,* ]] && { stamp "8b"; bench ${T_8B:-150} 8b; }
+[[ $phases == *,8b,* ]] && { stamp "8b"; bench ${T_8B:-150} 8b ${B8_ARGS:-}; }
 [[ $phases == *,throughput,* ]] && { stamp "throughput"; bench ${T_TP:-90} throughput; }
 [[ $phases == *,hf,* ]] && { stamp "hf"; bench ${T_HF:-200} hf; }
 [[ $phases == *,vl,* ]] && { stamp "vl"; timeout ${T_VL:-240} python bench/bench_vl.py --profile --out "$OUT/h200_vl.md" ${VL_ARGS:-}; }

@@ -62,6 +62,16 @@ def _checks():
                 # cos/sin: the kernel reads the table, the reference computes on the fly (1 ulp apart in fp32)
                 out[f"qk_norm_rope_{kind}_{'norm' if norm else 'nonorm'}_{n}"] = (
                     max(err(a[0], b[0]), err(a[1], b[1])), t)
+        # vision rotary, in place on the q / k views of a fused qkv output; half width 36 (not a power of 2)
+        P, Hv, Dv = 5, 3, 72
+        qkv_v = rnd(P, 3, Hv, Dv, dtype=dt)
+        ang = rnd(P, Dv // 2).float()
+        cos_v, sin_v = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        want = R.vision_rope(qkv_v[:, 0], qkv_v[:, 1], cos_v, sin_v)
+        v_before = qkv_v[:, 2].clone()
+        T.vision_rope_(qkv_v[:, 0], qkv_v[:, 1], cos_v, sin_v)
+        out[f"vision_rope_{n}"] = (max(err(qkv_v[:, 0], want[0]), err(qkv_v[:, 1], want[1]),
+                                       err(qkv_v[:, 2], v_before)), t)
         kc, vc = rnd(6, 4, Hk, D, dtype=dt), rnd(6, 4, Hk, D, dtype=dt)
         kc2, vc2 = kc.clone(), vc.clone()
         slots = torch.tensor([3, -1, 23, 0, 9, -1, 17])
@@ -107,7 +117,7 @@ def interpreted():
 
 
 KERNEL_CASES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope_neox", "qk_norm_rope_mrope_interleaved",
-                "qk_norm_rope_mrope_blocked", "store_kvcache", "skinny_gemm"]
+                "qk_norm_rope_mrope_blocked", "store_kvcache", "skinny_gemm", "vision_rope"]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
@@ -141,6 +151,8 @@ def test_custom_ops_opcheck():
     x8, w8 = torch.randn(3, 16), torch.randn(24, 16)
     torch.library.opcheck(xo.skinny_gemm, (x8, w8, torch.randn(24)))
     torch.library.opcheck(xo.skinny_gemm, (x8, w8, None))
+    qv, kv_ = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    torch.library.opcheck(xo.vision_rope_, (qv, kv_, torch.randn(3, 8), torch.randn(3, 8)))
     # the custom op on CPU equals the direct reference call
     from xllm_gen.runtime.ops import reference as R
     assert torch.equal(xo.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6))

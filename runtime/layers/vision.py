@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xllm_gen.runtime import ops
 from xllm_gen.runtime.executor.distributed import get_tp_size
 from xllm_gen.runtime.layers.activation import GELU
 from xllm_gen.runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -158,16 +159,9 @@ class VisionRotary2D(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [P, H, D] rotated in float32 (HF `apply_rotary_pos_emb_vision`), returned in x's dtype."""
-    xf = x.float()
-    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-    return (xf * c + _rotate_half(xf) * s).to(x.dtype)
+    """x [P, H, D] rotated in float32 (HF `apply_rotary_pos_emb_vision`), returned in x's dtype (the reference)."""
+    return ops.reference.vision_rope(x, x, cos, sin)[0]
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -221,7 +215,7 @@ class VisionAttention(nn.Module):
         P = x.shape[0]
         q, k, v = self.qkv(x).view(P, 3, self.num_heads, self.head_dim).unbind(1)
         cos, sin = rotary
-        q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
+        q, k = ops.vision_rope(q, k, cos, sin)           # CUDA: one fused kernel, in place
         out = segment_attention(q, k, v, cu_seqlens, self.scale)
         return self.proj(out.reshape(P, self.num_heads * self.head_dim))
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from xllm_gen.runtime.ops import reference
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "qk_norm_rope", "store_kvcache",
-           "skinny_gemm", "reference", "use_triton"]
+           "skinny_gemm", "vision_rope", "reference", "use_triton"]
 
 _FORCE_TORCH = os.environ.get("XLLM_OPS", "").lower() == "torch"
 
@@ -191,6 +191,30 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
         _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
         return
     torch.ops.xllm.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+# ---------------------------------------------------------------- vision rotary (in place on CUDA)
+@torch.library.custom_op("xllm::vision_rope_", mutates_args=("q", "k"))
+def _vision_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if use_triton(q):
+        _tk().vision_rope_(q, k, cos, sin)
+        return
+    q2, k2 = reference.vision_rope(q, k, cos, sin)
+    q.copy_(q2)
+    k.copy_(k2)
+
+
+def vision_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The vision tower's 2-D rotary on q, k [P, H, D] by cos, sin [P, D] (float32 math, results in q's dtype).
+    On CUDA one Triton kernel rotates both in place (they are views of the fresh qkv projection) and returns
+    them; on CPU the reference returns new tensors."""
+    if not q.is_cuda or _FORCE_TORCH:
+        return reference.vision_rope(q, k, cos, sin)
+    if _direct():
+        _tk().vision_rope_(q, k, cos, sin)
+    else:
+        torch.ops.xllm.vision_rope_(q, k, cos, sin)
+    return q, k
 
 
 # ---------------------------------------------------------------- skinny GEMM (decode GEMV)

@@ -102,3 +102,19 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     vc = v_cache.view(-1, *v_cache.shape[2:])
     kc[slots] = k[keep].to(kc.dtype)
     vc[slots] = v[keep].to(vc.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def vision_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The vision tower's rotary (HF `apply_rotary_pos_emb_vision`): q, k [P, H, D] rotated in float32 by cos, sin
+    [P, D] (x * cos + rotate_half(x) * sin), returned in their dtype (new tensors)."""
+    c, s = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+
+    def rot(x):
+        xf = x.float()
+        return (xf * c + _rotate_half(xf) * s).to(x.dtype)
+    return rot(q), rot(k)

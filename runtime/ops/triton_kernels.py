@@ -420,3 +420,42 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         M=M, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, VEC=vec, EVEN_K=K % bk == 0, NUM_STAGES=stages,
         num_warps=warps, num_stages=stages)
     return y
+
+
+# ---------------------------------------------------------------------------------------------- vision rotary
+# One program per patch row rotates that row's q and k, every head, in place: the halves x1, x2 of each head in
+# float32, (x1 c1 - x2 s1, x2 c2 + x1 s2), stored in the input dtype. Replaces ~10 elementwise kernels per
+# layer of the torch form (casts, rotate_half's neg + cat, mul, add).
+@triton.jit
+def _vision_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, sq_p, sq_h, sk_p, sk_h, sc_p, H, HALF,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HALF
+    m = (h < H) & dm[None, :]
+    c1 = tl.load(cos_ptr + p * sc_p + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + p * sc_p + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + p * sc_p + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + p * sc_p + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    qp = q_ptr + p * sq_p + h * sq_h + d[None, :]
+    q1 = tl.load(qp, mask=m, other=0.0).to(tl.float32)
+    q2 = tl.load(qp + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(qp, (q1 * c1 - q2 * s1).to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(qp + HALF, (q2 * c2 + q1 * s2).to(q_ptr.dtype.element_ty), mask=m)
+    kp = k_ptr + p * sk_p + h * sk_h + d[None, :]
+    k1 = tl.load(kp, mask=m, other=0.0).to(tl.float32)
+    k2 = tl.load(kp + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(kp, (k1 * c1 - k2 * s1).to(k_ptr.dtype.element_ty), mask=m)
+    tl.store(kp + HALF, (k2 * c2 + k1 * s2).to(k_ptr.dtype.element_ty), mask=m)
+
+
+def vision_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: q, k [P, H, D] (any row / head strides, contiguous D) rotated by cos, sin [P, D]."""
+    P, H, D = q.shape
+    assert k.shape == q.shape and q.stride(-1) == 1 and k.stride(-1) == 1 and D % 2 == 0
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if P:
+        BH, BD = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+        _vision_rope_kernel[(P,)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+                                  H, D // 2, BLOCK_H=BH, BLOCK_D=BD, num_warps=_warps(BH * BD))
