@@ -128,8 +128,11 @@ DEBUG: dict = {}          # runner debug switches for every engine of the run (-
 def make_llm(model_dir: Path, *, max_num_seqs: int, max_model_len: int, num_kv_blocks: int, eager: bool = False):
     from xllm_gen import LLM
     t0 = time.perf_counter()
+    # prefix caching off: the modes of a row run the same prompts one after another, and a later mode would
+    # find them cached (its TTFT would time a 16-token prefill)
     llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=max_num_seqs,
-              max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, enforce_eager=eager, _debug=dict(DEBUG))
+              max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, enforce_eager=eager, _debug=dict(DEBUG),
+              enable_prefix_caching=False)
     torch.cuda.synchronize()
     return llm, time.perf_counter() - t0
 

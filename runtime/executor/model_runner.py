@@ -98,6 +98,7 @@ class ModelRunner:
         self.backend = self._make_backend()
         self._apply_debug()
         self.allocate_step_buffers()       # fixed size and address, before any graph capture
+        self._planned = None               # CUDA event after the last eager step's attention plan
         self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
@@ -267,7 +268,12 @@ class ModelRunner:
             ids = input_ids
         try:
             embeds = self.prefill_embeds(seqs, ids, ctx) if is_prefill else None
+            if getattr(self, "_planned", None) is not None:   # async scheduling plans while the previous step may not
+                self._planned.synchronize()             # have run: its plan's pinned host buffers must be read
             self.backend.plan(ctx)                      # once per step; every layer reuses the plan
+            if self.device.type == "cuda":
+                self._planned = torch.cuda.Event()
+                self._planned.record()
             set_context(ctx)
             if is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(ids.shape[0]):
                 hidden = self.prefill_graphs.run(ids, pos, ctx, embeds)
