@@ -165,12 +165,12 @@ def set_mode(llm, mode: str, saved: dict):
     if mode == "graph-fast":
         orig = saved["run"]
 
-        def run(seqs, is_prefill, all_rows=False):
+        def run(seqs, is_prefill, all_rows=False, **kw):
             g = runner.graphs
-            if not is_prefill and not all_rows and g is not None and g.fits(len(seqs)):
+            if not is_prefill and not all_rows and not kw and g is not None and g.fits(len(seqs)):
                 with torch.inference_mode():
                     return runner.model.compute_logits(g.run(seqs)).float()
-            return orig(seqs, is_prefill, all_rows)
+            return orig(seqs, is_prefill, all_rows, **kw)
         runner.run = run
 
 
