@@ -487,6 +487,8 @@ def test_qwen3_tp_matches_tp1_and_hf(request, make_llm, ckpt_name, tp):
     start_s = time.monotonic() - t0
     runner = llm.engine.runner
     pids = runner.worker_pids()
+    # async scheduling stays off at TP > 1: the ranks take each step's input tokens from rank 0's host
+    assert llm.engine._async is None and not runner.supports_async_decode
     try:
         t0 = time.monotonic()
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], sp)

@@ -167,7 +167,7 @@ class LLMEngine:
         self._stream_text = False                  # set by step_deltas: detokenize every step
         # greedy decode steps launched ahead of reading the previous one's tokens (runtime/engine/async_decode.py)
         self._async = None
-        if async_scheduling and hasattr(self.runner, "decode_greedy"):
+        if async_scheduling and getattr(self.runner, "supports_async_decode", False):
             self._async = AsyncDecode(self.runner, max_num_seqs, self.device)
 
     def _load_tokenizer(self):

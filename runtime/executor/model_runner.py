@@ -63,6 +63,7 @@ class ModelRunner:
     model_module = None
     position_rows = 1               # 1: positions [N]; R > 1: positions [R, N]
     multimodal = False              # requests carry images / videos through the checkpoint's processor
+    supports_async_decode = True    # decode_greedy: the engine may launch a decode step from device tokens
 
     def __init__(self, model_dir: str, hf_config: dict, *, device: torch.device, dtype: torch.dtype,
                  block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,

@@ -421,6 +421,8 @@ class TensorParallelRunner:
 
     Rank 0's own runner is `.runner` (attributes not defined here are read from it, e.g. `.model`)."""
 
+    supports_async_decode = False   # ranks receive each step's input tokens from rank 0's host
+
     def __init__(self, runner_cls, model_dir: str, hf_config: dict, tp_size: int, runner_kwargs: dict, *,
                  timeout_s: Optional[float] = None, startup_timeout_s: Optional[float] = None):
         model_module = getattr(runner_cls, "model_module", None)
