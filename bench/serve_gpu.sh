@@ -4,8 +4,9 @@
 #   1. Qwen3-0.6B: random prompts, fixed concurrency (16), input 1024, output 128
 #   2. Qwen3-0.6B: shared-prefix prompts (896 of 1024 tokens common), prefix caching on, then off
 #   3. Qwen3-8B: as 1
+#   async: Qwen3-0.6B as 1, with async scheduling off (--no-async-scheduling): the baseline of 1 in the same call
 # Each server runs alone; the reports (JSON + the printed table) go to $OUT/serve_*.json and $OUT/serve.log.
-#   usage: OUT=/tmp/out bash bench/serve_gpu.sh [0.6b,prefix,8b]
+#   usage: OUT=/tmp/out bash bench/serve_gpu.sh [0.6b,async,prefix,8b]
 set -u
 phases=",${1:-0.6b,prefix,8b},"
 OUT=${OUT:-/tmp/xllm_out}
@@ -48,5 +49,6 @@ if [[ $phases == *,prefix,* ]]; then
   serve_bench 0.6b_prefix_on "$W/Qwen3-0.6B" -- $common --shared-prefix-len 896
   serve_bench 0.6b_prefix_off "$W/Qwen3-0.6B" --no-enable-prefix-caching -- $common --shared-prefix-len 896
 fi
+[[ $phases == *,async,* ]] && serve_bench 0.6b_random_sync "$W/Qwen3-0.6B" --no-async-scheduling -- $common
 [[ $phases == *,8b,* ]] && serve_bench 8b_random "$W/Qwen3-8B" -- $common
 echo "=== done" | tee -a "$L"
