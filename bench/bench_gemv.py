@@ -1,0 +1,91 @@
+"""Decode GEMMs alone: cuBLAS (F.linear) against the Triton skinny GEMM (runtime/ops, opt-in XLLM_SKINNY_GEMM=1)
+on the weight shapes of Qwen3-0.6B and Qwen3-8B layers, M = 1, 2, 4, 8 rows, bf16. Each timing replays a CUDA
+graph of 20 calls over 20 different weights (so no call finds its weight in L2), median of 20 replays; GB/s
+counts the weight bytes read.
+
+    python bench/bench_gemv.py [--out bench/results/h200_gemv.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {   # name: (N, K) of y = x W^T
+    "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
+    "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
+}
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """ms per call: a graph of `calls` invocations, replayed `reps` times, median."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_gemv.md"))
+    ap.add_argument("--rows", default="1,2,4,8")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemv needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from xllm_gen.runtime.ops import triton_kernels as T
+    torch.manual_seed(0)
+    calls = 20
+    rows = [int(m) for m in args.rows.split(",")]
+    res = []
+    for name, (N, K) in SHAPES.items():
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(calls)]
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            err = (T.skinny_gemm(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
+            t_cublas = time_graph(lambda: [F.linear(x, w) for w in ws]) / calls
+            t_triton = time_graph(lambda: [T.skinny_gemm(x, w) for w in ws]) / calls
+            gb = N * K * 2 / 1e9
+            res.append(dict(shape=name, N=N, K=K, M=M, cublas_ms=t_cublas, triton_ms=t_triton,
+                            cublas_gbs=gb / t_cublas * 1e3, triton_gbs=gb / t_triton * 1e3, max_abs_diff=err))
+            print(json.dumps(res[-1]), flush=True)
+        del ws
+    L = ["# Decode GEMMs: cuBLAS vs the Triton skinny GEMM (bf16)\n",
+         f"command: `python bench/bench_gemv.py {' '.join(argv or sys.argv[1:])}`\n",
+         f"torch {torch.__version__}, {torch.cuda.get_device_name()}; CUDA graph of {calls} calls over {calls} "
+         "weights, median of 20 replays; GB/s of weight bytes\n",
+         "| shape | N | K | M | cuBLAS us | Triton us | cuBLAS GB/s | Triton GB/s | Triton / cuBLAS time |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for r in res:
+        L.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {1e3 * r['cublas_ms']:.1f} | "
+                 f"{1e3 * r['triton_ms']:.1f} | {r['cublas_gbs']:.0f} | {r['triton_gbs']:.0f} | "
+                 f"{r['triton_ms'] / r['cublas_ms']:.2f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(L) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    print("\n".join(L))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
