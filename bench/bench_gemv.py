@@ -1,4 +1,4 @@
-"""Decode GEMMs alone: cuBLAS (F.linear) against the Triton skinny GEMM (runtime/ops, opt-in XLLM_SKINNY_GEMM=1)
+"""Decode GEMMs alone: cuBLAS (F.linear) against the Triton skinny GEMM (runtime/ops; the engine picks per shape)
 on the weight shapes of Qwen3-0.6B and Qwen3-8B layers, M = 1, 2, 4, 8 rows, bf16. Each timing replays a CUDA
 graph of 20 calls over 20 different weights (so no call finds its weight in L2), median of 20 replays; GB/s
 counts the weight bytes read.

@@ -34,6 +34,7 @@ from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as prefill_graph_sizes_of
+from xllm_gen.runtime.layers.linear import tune_decode_gemms
 from xllm_gen.runtime.loading.loader import load_weights
 
 logger = logging.getLogger("xllm_gen")
@@ -101,6 +102,12 @@ class ModelRunner:
         self.allocate_step_buffers()       # fixed size and address, before any graph capture
         self._planned = None               # CUDA event after the last eager step's attention plan
         self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
+        if self.device.type == "cuda":     # decode GEMMs: cuBLAS or the Triton skinny GEMM, measured per shape
+            rows = self.graph_buckets if not self.enforce_eager else (1, 2, 4, 8)
+            self.decode_gemm_tuning = tune_decode_gemms(self.model, rows)
+            picked = sorted(k for k, v in self.decode_gemm_tuning.items() if v[2])
+            if picked:
+                logger.info("decode GEMMs on the Triton skinny GEMM (rows, N, K): %s", picked)
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)

@@ -19,19 +19,79 @@ from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_t
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, replicated, split_segment
 from xllm_gen.runtime.ops import skinny_gemm
 
-# Decode-sized GEMMs (<= 8 rows, bf16/fp16 weights) through the skinny-GEMM Triton kernel (ops.skinny_gemm)
-# instead of cuBLAS. Off by default until a GPU benchmark shows it faster: XLLM_SKINNY_GEMM=1 turns it on.
-SKINNY_GEMM = os.environ.get("XLLM_SKINNY_GEMM", "0") == "1"
+# Decode-sized GEMMs (<= 8 rows, bf16/fp16): cuBLAS or the skinny-GEMM Triton kernel (ops.skinny_gemm), whichever
+# a measurement on this GPU found faster for the shape (tune_decode_gemms, before the decode graphs are captured).
+# On an H200, cuBLAS reads a short, wide weight (N 1024, K 2048: Qwen3-0.6B's o_proj) at a third of HBM bandwidth
+# with one row and the kernel 3.5x faster, while cuBLAS wins on the tall ones (bench/bench_gemv.py).
+# XLLM_SKINNY_GEMM=1 / 0 forces the kernel / cuBLAS for every decode GEMM instead.
+_FORCE = {"1": True, "0": False}.get(os.environ.get("XLLM_SKINNY_GEMM", ""))
 _SKINNY_MAX_ROWS = 8
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+# (rows, N, K, dtype) -> True (Triton kernel) / False (cuBLAS), decided once per process: every engine of the
+# process then runs a shape with the same kernel (so two engines' outputs compare bit for bit)
+DECODE_GEMM_CHOICE: dict = {}
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, or the skinny-GEMM kernel for a CUDA decode batch of at most 8 rows (when SKINNY_GEMM)."""
-    if (SKINNY_GEMM and x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_MAX_ROWS
-            and weight.dtype in _SKINNY_DTYPES and x.dtype == weight.dtype):
-        return skinny_gemm(x, weight, bias)
+    """F.linear, or the skinny-GEMM kernel for a CUDA decode batch of at most 8 rows where it was measured faster."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_MAX_ROWS and weight.dtype in _SKINNY_DTYPES
+            and x.dtype == weight.dtype):
+        use = _FORCE if _FORCE is not None else DECODE_GEMM_CHOICE.get(
+            (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype), False)
+        if use:
+            return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _graph_ms(fn, reps: int = 5) -> float:
+    """GPU ms of fn() replayed in a CUDA graph (no launch overhead), median of reps."""
+    import statistics
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del g
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
+    """For every distinct (rows, N, K) of the model's linear layers not decided yet in this process: times cuBLAS
+    against the skinny-GEMM kernel, each over all the layers' weights of that shape in turn (repeated to at
+    least 96 MB, so that they stream from HBM as in a decode step, not from L2), and takes the kernel when it is
+    faster than `margin` x cuBLAS. Returns {(M, N, K): (cuBLAS us, Triton us, kernel chosen)} of what it measured."""
+    if _FORCE is not None:
+        return {}
+    shapes: dict = {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, _Linear) and w is not None and w.is_cuda and w.dtype in _SKINNY_DTYPES and w.dim() == 2:
+            shapes.setdefault((w.shape[0], w.shape[1], w.dtype), []).append((w, m.bias))
+    report = {}
+    for (N, K, dt), ws in shapes.items():
+        seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
+        for M in sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS}):
+            key = (M, N, K, dt)
+            if key in DECODE_GEMM_CHOICE:
+                continue
+            x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
+            t_cublas = _graph_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
+            t_triton = _graph_ms(lambda: [skinny_gemm(x, w, b) for w, b in seq]) / len(seq)
+            DECODE_GEMM_CHOICE[key] = t_triton < margin * t_cublas
+            report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
+    return report
 
 
 class _Linear(nn.Module):

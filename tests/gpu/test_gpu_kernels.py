@@ -143,13 +143,37 @@ def test_skinny_gemm_vs_f_linear(M):
     assert not bad, bad
 
 
+def test_decode_gemm_tuning_picks_a_kernel_per_shape(monkeypatch):
+    """tune_decode_gemms measures every (rows, N, K) of a model's linear layers once per process and the layers
+    then run the chosen kernel: its output equals that kernel's, bit for bit; a shape measured before is kept."""
+    from xllm_gen.runtime.layers import linear as LL
+    from xllm_gen.runtime.ops import triton_kernels as T
+    monkeypatch.setattr(LL, "_FORCE", None)
+    monkeypatch.setattr(LL, "DECODE_GEMM_CHOICE", {})
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(LL.ReplicatedLinear(2048, 1024, bias=False), LL.ReplicatedLinear(1024, 4096, bias=False),
+                                LL.ReplicatedLinear(2048, 1024, bias=False)).to(DEV, torch.bfloat16)
+    for m in model:
+        torch.nn.init.normal_(m.weight, std=0.02)
+    report = LL.tune_decode_gemms(model, [1, 2, 4, 8, 16])
+    print("\n[decode GEMM tuning] (M, N, K): (cuBLAS us, Triton us, Triton chosen)", report)
+    assert set(report) == {(M, N, K) for M in (1, 2, 4, 8) for N, K in ((1024, 2048), (4096, 1024))}
+    for (M, N, K), (tc, tt, chosen) in report.items():
+        assert tc > 0 and tt > 0 and chosen == (tt < 0.9 * tc)
+        lin = model[0] if N == 1024 else model[1]
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        want = T.skinny_gemm(x, lin.weight) if chosen else torch.nn.functional.linear(x, lin.weight)
+        assert torch.equal(lin(x), want)
+    assert LL.tune_decode_gemms(model, [1, 2]) == {}          # decided once per process
+
+
 def test_skinny_gemm_graph_capture_and_dispatch(monkeypatch):
     """skinny_gemm (direct and through the linear layers' _linear with XLLM_SKINNY_GEMM on) captured in a CUDA graph
     and replayed on new inputs equals the eager kernel bit for bit; the layer dispatch routes <= 8 rows to it."""
     from xllm_gen.runtime import ops
     from xllm_gen.runtime.layers import linear as LL
     from xllm_gen.runtime.ops import triton_kernels as T
-    monkeypatch.setattr(LL, "SKINNY_GEMM", True)
+    monkeypatch.setattr(LL, "_FORCE", True)
     torch.manual_seed(3)
     M = 4
     lin = LL.ReplicatedLinear(1024, 6144, bias=True).to(DEV, torch.bfloat16)
