@@ -164,3 +164,33 @@ def test_batched_paged_equals_per_sequence_oracle(variant):
         torch.testing.assert_close(out[start:start + Q], want, rtol=1e-5, atol=1e-5)
         start += Q
     assert torch.equal(out[start:], torch.zeros(2, H, D))          # padding rows
+
+
+@pytest.mark.parametrize("variant", [(None, None), (5, None), (None, 3.0)], ids=str)
+def test_decode_step_fast_path_equals_oracle(variant):
+    """A pure decode step (one query per sequence: the SDPA fast path; soft-capped variants take the general
+    path) equals `attend` per sequence, with NaN in every page the step does not own."""
+    from xllm_gen.runtime.attention.base import AttentionVariant
+    from xllm_gen.runtime.attention.torch_ref import attend
+    torch.manual_seed(1)
+    H, Hk, D, bs, num_blocks = 8, 2, 16, 4, 64
+    seq_lens = [9, 23, 1, 14, 30, 4]
+    ctx, tables = make_step(seq_lens, [1] * len(seq_lens), bs, num_blocks, seed=5)
+    kc = torch.full((num_blocks, bs, Hk, D), float("nan"))
+    vc = torch.full((num_blocks, bs, Hk, D), float("nan"))
+    for n, t in zip(seq_lens, tables):
+        for p in range(n):
+            kc[t[p // bs], p % bs] = torch.randn(Hk, D)
+            vc[t[p // bs], p % bs] = torch.randn(Hk, D)
+    q = torch.randn(len(seq_lens), H, D) * 3
+    var = AttentionVariant(*variant)
+    backend = TorchPagedBackend()
+    backend.plan(ctx)
+    assert backend._decode
+    out = backend.forward(q, torch.zeros(len(seq_lens), Hk, D), torch.zeros(len(seq_lens), Hk, D), kc, vc, ctx,
+                          D ** -0.5, var)
+    for i, (n, t) in enumerate(zip(seq_lens, tables)):
+        idx = [t[p // bs] * bs + p % bs for p in range(n)]
+        ks, vs = kc.view(-1, Hk, D)[idx], vc.view(-1, Hk, D)[idx]
+        want = attend(q[i:i + 1], ks, vs, D ** -0.5, n - 1, var.sliding_window, var.logit_softcap)
+        torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)

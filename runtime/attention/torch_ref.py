@@ -32,6 +32,8 @@ class TorchPagedBackend(AttentionBackend):
         self._batch = None
         self._masks = {}
         self._live = [i for i, ((q0, q1), n) in enumerate(zip(self._q_bounds, self._seq_lens)) if q1 > q0 and n > 0]
+        # a pure decode step: row i is sequence i's one query, every sequence has KV (the common step)
+        self._decode = bool(cu) and cu == list(range(len(cu))) and all(n > 0 for n in self._seq_lens)
 
     def reset(self) -> None:
         self._ctx = None
@@ -87,6 +89,8 @@ class TorchPagedBackend(AttentionBackend):
         use_cache = k_cache is not None and k_cache.numel() > 0
         if not self._live:
             return out
+        if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None:
+            return self._decode_step(q, k_cache, v_cache, ctx, scale, variant)
         if len(self._live) == 1 and use_cache:   # one sequence: slices, no gather indices (cheaper at batch 1)
             i = self._live[0]
             (q0, q1), n = self._q_bounds[i], self._seq_lens[i]
@@ -122,6 +126,35 @@ class TorchPagedBackend(AttentionBackend):
         out[q_index[q_valid]] = o[q_valid].to(q.dtype)
         return out
 
+
+    def _decode_step(self, q, k_cache, v_cache, ctx, scale, variant):
+        """A decode step of B sequences (one query each, at position len - 1): every key up to the length is
+        visible (within the window), so the mask is the keys' validity and no query gather is needed; one SDPA
+        call over the gathered pages, GQA without copies (enable_gqa)."""
+        B, H, D = q.shape
+        Hk = k_cache.shape[2]
+        window = variant.sliding_window
+        if window not in self._masks:
+            lens = torch.tensor(self._seq_lens)
+            L = int(lens.max())
+            kpos = torch.arange(L)[None, :]
+            visible = kpos < lens[:, None]
+            if window is not None:
+                visible &= kpos > (lens[:, None] - 1) - window
+            self._masks[window] = visible.to(q.device)
+        visible = self._masks[window]
+        L = visible.shape[1]
+        bs = k_cache.shape[1]
+        nblk = (L + bs - 1) // bs
+        blocks = ctx.block_tables[:, :nblk].long()
+        keep = visible[:, :, None, None]
+        # pages past a row's length may hold stale or unwritten values: zeroed (0 * NaN is NaN)
+        ks = torch.where(keep, k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], 0.0)
+        vs = torch.where(keep, v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], 0.0)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.float().unsqueeze(2), ks.float().transpose(1, 2), vs.float().transpose(1, 2),
+            attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=H != Hk)      # [B, H, 1, D]
+        return o.squeeze(2).to(q.dtype)
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
