@@ -368,3 +368,19 @@ def test_layernorm_residual_protocol_matches_rmsnorm():
     y0, s0 = ln(x, None)
     torch.testing.assert_close(y0, torch.nn.functional.layer_norm(x, (16,), ln.weight, ln.bias, 1e-5))
     assert s0 is x
+
+
+def test_decode_gemm_row_counts_take_their_bucket_choice(monkeypatch):
+    """Rows between measured counts take the next measured count's kernel (the bucket they pad to), and a choice
+    made earlier in the process is kept; on CPU every linear is F.linear."""
+    from xllm_gen.runtime.layers import linear as LL
+    monkeypatch.setattr(LL, "DECODE_GEMM_CHOICE", {(2, 64, 32, torch.bfloat16): False})
+    LL.fill_row_choices({1: True, 2: True, 4: True, 8: False}, 64, 32, torch.bfloat16)
+    got = {m: LL.DECODE_GEMM_CHOICE[(m, 64, 32, torch.bfloat16)] for m in range(1, 9)}
+    assert got == {1: True, 2: False, 3: True, 4: True, 5: False, 6: False, 7: False, 8: False}
+    assert (9, 64, 32, torch.bfloat16) not in LL.DECODE_GEMM_CHOICE
+    lin = LL.ReplicatedLinear(32, 64, bias=False)
+    torch.nn.init.normal_(lin.weight)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))

@@ -80,18 +80,32 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
         if isinstance(m, _Linear) and w is not None and w.is_cuda and w.dtype in _SKINNY_DTYPES and w.dim() == 2:
             shapes.setdefault((w.shape[0], w.shape[1], w.dtype), []).append((w, m.bias))
     report = {}
+    tuned = sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS})
     for (N, K, dt), ws in shapes.items():
         seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
-        for M in sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS}):
+        chosen = {}
+        for M in tuned:
             key = (M, N, K, dt)
-            if key in DECODE_GEMM_CHOICE:
-                continue
-            x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
-            t_cublas = _graph_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
-            t_triton = _graph_ms(lambda: [skinny_gemm(x, w, b) for w, b in seq]) / len(seq)
-            DECODE_GEMM_CHOICE[key] = t_triton < margin * t_cublas
-            report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
+            if key not in DECODE_GEMM_CHOICE:
+                x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
+                t_cublas = _graph_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
+                t_triton = _graph_ms(lambda: [skinny_gemm(x, w, b) for w, b in seq]) / len(seq)
+                DECODE_GEMM_CHOICE[key] = t_triton < margin * t_cublas
+                report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
+            chosen[M] = DECODE_GEMM_CHOICE[key]
+        fill_row_choices(chosen, N, K, dt)
     return report
+
+
+def fill_row_choices(chosen: dict, N: int, K: int, dtype) -> None:
+    """Row counts between measured ones take the choice of the next measured count above: the decode-graph bucket
+    they are padded to. An eager step of 3 rows then runs the kernel the bucket of 4 does (with the same launch
+    configuration, so each row's result is the same), and graph and eager decode agree bit for bit."""
+    prev = 0
+    for M in sorted(chosen):
+        for m in range(prev + 1, M + 1):
+            DECODE_GEMM_CHOICE.setdefault((m, N, K, dtype), chosen[M])
+        prev = M
 
 
 class _Linear(nn.Module):

@@ -164,6 +164,8 @@ def test_decode_gemm_tuning_picks_a_kernel_per_shape(monkeypatch):
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
         want = T.skinny_gemm(x, lin.weight) if chosen else torch.nn.functional.linear(x, lin.weight)
         assert torch.equal(lin(x), want)
+    for N, K in ((1024, 2048), (4096, 1024)):                # 3 rows run what their bucket of 4 runs
+        assert LL.DECODE_GEMM_CHOICE[(3, N, K, torch.bfloat16)] == LL.DECODE_GEMM_CHOICE[(4, N, K, torch.bfloat16)]
     assert LL.tune_decode_gemms(model, [1, 2]) == {}          # decided once per process
 
 
