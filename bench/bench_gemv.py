@@ -68,7 +68,6 @@ def main(argv=None) -> int:
             res.append(dict(shape=name, N=N, K=K, M=M, cublas_ms=t_cublas, triton_ms=t_triton,
                             cublas_gbs=gb / t_cublas * 1e3, triton_gbs=gb / t_triton * 1e3, max_abs_diff=err))
             print(json.dumps(res[-1]), flush=True)
-        del ws
     L = ["# Decode GEMMs: cuBLAS vs the Triton skinny GEMM (bf16)\n",
          f"command: `python bench/bench_gemv.py {' '.join(argv or sys.argv[1:])}`\n",
          f"torch {torch.__version__}, {torch.cuda.get_device_name()}; CUDA graph of {calls} calls over {calls} "

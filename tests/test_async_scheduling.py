@@ -67,7 +67,7 @@ def test_mixed_batch_equals_synchronous_engine(engines):
     vocab = min(sync.engine.vocab_size, 500)
     counter, restore = _count_ahead(ahead)
     try:
-        for seed in range(3):
+        for seed in range(2):
             prompts, params = _mixed_requests(vocab, seed)
             # a stop token that is surely hit mid-way: the 5th token of the request's greedy continuation
             probe = sync.generate([prompts[7]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

@@ -21,7 +21,7 @@ from xllm_gen.runtime.ops import skinny_gemm
 
 # Decode-sized GEMMs (<= 8 rows, bf16/fp16): cuBLAS or the skinny-GEMM Triton kernel (ops.skinny_gemm), whichever
 # a measurement on this GPU found faster for the shape (tune_decode_gemms, before the decode graphs are captured).
-# On an H200, cuBLAS reads a short, wide weight (N 1024, K 2048: Qwen3-0.6B's o_proj) at a third of HBM bandwidth
+# On an H200, cuBLAS reads a short, wide weight (N 1024, K 2048: a 1024-wide model's o_proj) at a third of HBM bandwidth
 # with one row and the kernel 3.5x faster, while cuBLAS wins on the tall ones (bench/bench_gemv.py).
 # XLLM_SKINNY_GEMM=1 / 0 forces the kernel / cuBLAS for every decode GEMM instead.
 _FORCE = {"1": True, "0": False}.get(os.environ.get("XLLM_SKINNY_GEMM", ""))
