@@ -285,6 +285,8 @@ def test_garbage_collection_stops_the_ranks():
 
 _SCRIPT = """
 import os, signal, sys, threading, time
+# a suite started in the background (`cmd &`) runs with SIGINT ignored, and children inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 import torch
 from test_tp import _seq, _tp

@@ -147,6 +147,8 @@ def test_sigint_to_a_worker_idle_or_mid_step_changes_nothing():
 
 _SIGINT_SCRIPT = """
 import os, signal, sys, threading, time
+# a suite started in the background (`cmd &`) runs with SIGINT ignored, and children inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from test_tp import _seq, _tp
 from test_tp_faults import _stop
