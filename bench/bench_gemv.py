@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,27 +22,6 @@ SHAPES = {   # name: (N, K) of y = x W^T
 }
 
 
-def time_graph(fn, reps: int = 20) -> float:
-    """ms per call: a graph of `calls` invocations, replayed `reps` times, median."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_gemv.md"))
@@ -52,6 +30,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemv needs a CUDA GPU", file=sys.stderr)
         return 2
+    from xllm_gen.runtime.layers.linear import graph_time_ms
     from xllm_gen.runtime.ops import triton_kernels as T
     torch.manual_seed(0)
     calls = 20
@@ -62,8 +41,8 @@ def main(argv=None) -> int:
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             err = (T.skinny_gemm(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
-            t_cublas = time_graph(lambda: [F.linear(x, w) for w in ws]) / calls
-            t_triton = time_graph(lambda: [T.skinny_gemm(x, w) for w in ws]) / calls
+            t_cublas = graph_time_ms(lambda: [F.linear(x, w) for w in ws], reps=20) / calls
+            t_triton = graph_time_ms(lambda: [T.skinny_gemm(x, w) for w in ws], reps=20) / calls
             gb = N * K * 2 / 1e9
             res.append(dict(shape=name, N=N, K=K, M=M, cublas_ms=t_cublas, triton_ms=t_triton,
                             cublas_gbs=gb / t_cublas * 1e3, triton_gbs=gb / t_triton * 1e3, max_abs_diff=err))

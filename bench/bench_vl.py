@@ -50,6 +50,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))           # fixtures.tiny_hf: tokenizer, processor writer, tiny checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import versions  # noqa: E402  (the same version record as the other benches)
 
 ARCH = "Qwen3VLForConditionalGeneration"
 VARIANT = "Qwen3-VL-8B"
@@ -226,20 +227,6 @@ def free(device: str) -> None:
 def err(e: BaseException) -> str:
     tb = traceback.format_exception(type(e), e, e.__traceback__)
     return (f"{type(e).__name__}: {e}"[:800] + " | " + "".join(tb[-3:]).replace("\n", " ")[-700:]).strip()
-
-
-def versions() -> dict:
-    import platform
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for mod in ("transformers", "flashinfer", "triton"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as e:           # noqa: BLE001
-            out[mod] = f"n/a ({type(e).__name__})"
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        out["gpu"] = f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)"
-    return out
 
 
 def token_budget(image_size: int, frames: int, frame_size: int, factor: int = 32) -> int:

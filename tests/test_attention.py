@@ -135,6 +135,24 @@ def test_paged_matches_hf_eager_attention():
     torch.testing.assert_close(out2, out, atol=1e-6, rtol=0)
 
 
+def _nan_paged_caches(seq_lens, tables, bs, num_blocks, Hk, D):
+    """K/V caches holding random values at each sequence's positions and NaN in every other slot."""
+    kc = torch.full((num_blocks, bs, Hk, D), float("nan"))
+    vc = torch.full((num_blocks, bs, Hk, D), float("nan"))
+    for n, t in zip(seq_lens, tables):
+        for p in range(n):
+            kc[t[p // bs], p % bs] = torch.randn(Hk, D)
+            vc[t[p // bs], p % bs] = torch.randn(Hk, D)
+    return kc, vc
+
+
+def _pages_of(kc, vc, table, n):
+    """A sequence's first n keys and values, read through its block table."""
+    bs, Hk, D = kc.shape[1:]
+    idx = [table[p // bs] * bs + p % bs for p in range(n)]
+    return kc.view(-1, Hk, D)[idx], vc.view(-1, Hk, D)[idx]
+
+
 @pytest.mark.parametrize("variant", [(None, None), (5, None), (None, 3.0), (7, 2.5)], ids=str)
 def test_batched_paged_equals_per_sequence_oracle(variant):
     """The batched gather/mask path equals `attend` run sequence by sequence (the oracle), for a step that mixes
@@ -146,20 +164,14 @@ def test_batched_paged_equals_per_sequence_oracle(variant):
     H, Hk, D, bs, num_blocks = 8, 2, 16, 4, 64
     seq_lens, query_lens = [9, 23, 1, 14, 30], [9, 6, 1, 1, 30]
     ctx, tables = make_step(seq_lens, query_lens, bs, num_blocks, seed=3, pad_rows=2)
-    kc = torch.full((num_blocks, bs, Hk, D), float("nan"))
-    vc = torch.full((num_blocks, bs, Hk, D), float("nan"))
-    for n, t in zip(seq_lens, tables):
-        for p in range(n):
-            kc[t[p // bs], p % bs] = torch.randn(Hk, D)
-            vc[t[p // bs], p % bs] = torch.randn(Hk, D)
+    kc, vc = _nan_paged_caches(seq_lens, tables, bs, num_blocks, Hk, D)
     N = sum(query_lens) + 2
     q = torch.randn(N, H, D) * 3
     var = AttentionVariant(*variant)
     out = TorchPagedBackend().forward(q, torch.zeros(N, Hk, D), torch.zeros(N, Hk, D), kc, vc, ctx, D ** -0.5, var)
     start = 0
     for n, Q, t in zip(seq_lens, query_lens, tables):
-        idx = [t[p // bs] * bs + p % bs for p in range(n)]
-        ks, vs = kc.view(-1, Hk, D)[idx], vc.view(-1, Hk, D)[idx]
+        ks, vs = _pages_of(kc, vc, t, n)
         want = attend(q[start:start + Q], ks, vs, D ** -0.5, n - Q, var.sliding_window, var.logit_softcap)
         torch.testing.assert_close(out[start:start + Q], want, rtol=1e-5, atol=1e-5)
         start += Q
@@ -176,12 +188,7 @@ def test_decode_step_fast_path_equals_oracle(variant):
     H, Hk, D, bs, num_blocks = 8, 2, 16, 4, 64
     seq_lens = [9, 23, 1, 14, 30, 4]
     ctx, tables = make_step(seq_lens, [1] * len(seq_lens), bs, num_blocks, seed=5)
-    kc = torch.full((num_blocks, bs, Hk, D), float("nan"))
-    vc = torch.full((num_blocks, bs, Hk, D), float("nan"))
-    for n, t in zip(seq_lens, tables):
-        for p in range(n):
-            kc[t[p // bs], p % bs] = torch.randn(Hk, D)
-            vc[t[p // bs], p % bs] = torch.randn(Hk, D)
+    kc, vc = _nan_paged_caches(seq_lens, tables, bs, num_blocks, Hk, D)
     q = torch.randn(len(seq_lens), H, D) * 3
     var = AttentionVariant(*variant)
     backend = TorchPagedBackend()
@@ -190,7 +197,6 @@ def test_decode_step_fast_path_equals_oracle(variant):
     out = backend.forward(q, torch.zeros(len(seq_lens), Hk, D), torch.zeros(len(seq_lens), Hk, D), kc, vc, ctx,
                           D ** -0.5, var)
     for i, (n, t) in enumerate(zip(seq_lens, tables)):
-        idx = [t[p // bs] * bs + p % bs for p in range(n)]
-        ks, vs = kc.view(-1, Hk, D)[idx], vc.view(-1, Hk, D)[idx]
+        ks, vs = _pages_of(kc, vc, t, n)
         want = attend(q[i:i + 1], ks, vs, D ** -0.5, n - 1, var.sliding_window, var.logit_softcap)
         torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ means the checkpoint tensor holds all its segments stacked (e.g. a fused q|k|v),
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Optional, Sequence
 
 import torch
@@ -43,9 +44,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
     return F.linear(x, weight, bias)
 
 
-def _graph_ms(fn, reps: int = 5) -> float:
+def graph_time_ms(fn, reps: int = 5) -> float:
     """GPU ms of fn() replayed in a CUDA graph (no launch overhead), median of reps."""
-    import statistics
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -88,8 +88,8 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
             key = (M, N, K, dt)
             if key not in DECODE_GEMM_CHOICE:
                 x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
-                t_cublas = _graph_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
-                t_triton = _graph_ms(lambda: [skinny_gemm(x, w, b) for w, b in seq]) / len(seq)
+                t_cublas = graph_time_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
+                t_triton = graph_time_ms(lambda: [skinny_gemm(x, w, b) for w, b in seq]) / len(seq)
                 DECODE_GEMM_CHOICE[key] = t_triton < margin * t_cublas
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
