@@ -373,7 +373,7 @@ class DecodeGraphs:
         B = len(seqs)
         Bk = self._bucket_of[B]
         bs = self.block_size
-        lens = [s.num_tokens + s.num_pending for s in seqs]
+        lens = [s.num_tokens_with_pending for s in seqs]
         tables = [s.block_table for s in seqs]
         ids = [0] * B if input_ids is not None else [s.token_ids[-1] for s in seqs]
         slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
