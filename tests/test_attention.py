@@ -200,3 +200,25 @@ def test_decode_step_fast_path_equals_oracle(variant):
         ks, vs = _pages_of(kc, vc, t, n)
         want = attend(q[i:i + 1], ks, vs, D ** -0.5, n - 1, var.sliding_window, var.logit_softcap)
         torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_mixing_fast_and_general_variants():
+    """One decode step whose layers alternate a plain variant (SDPA fast path) and a soft-capped one (general
+    path, same window): each path keeps its own masks, and both equal the oracle."""
+    from xllm_gen.runtime.attention.base import AttentionVariant
+    from xllm_gen.runtime.attention.torch_ref import attend
+    torch.manual_seed(2)
+    H, Hk, D, bs, num_blocks = 4, 2, 8, 4, 32
+    seq_lens = [5, 11, 3]
+    ctx, tables = make_step(seq_lens, [1] * len(seq_lens), bs, num_blocks, seed=7)
+    kc, vc = _nan_paged_caches(seq_lens, tables, bs, num_blocks, Hk, D)
+    q = torch.randn(len(seq_lens), H, D) * 3
+    backend = TorchPagedBackend()
+    backend.plan(ctx)
+    zeros = torch.zeros(len(seq_lens), Hk, D)
+    for var in (AttentionVariant(None, None), AttentionVariant(None, 2.0), AttentionVariant(None, None)):
+        out = backend.forward(q, zeros, zeros, kc, vc, ctx, D ** -0.5, var)
+        for i, (n, t) in enumerate(zip(seq_lens, tables)):
+            ks, vs = _pages_of(kc, vc, t, n)
+            want = attend(q[i:i + 1], ks, vs, D ** -0.5, n - 1, var.sliding_window, var.logit_softcap)
+            torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)

@@ -31,6 +31,7 @@ class TorchPagedBackend(AttentionBackend):
         self._q_bounds = list(zip(cu[:-1], cu[1:]))
         self._batch = None
         self._masks = {}
+        self._decode_masks = {}          # [B, L] key masks of the decode path (the general path's are [B,1,1,Q,L])
         self._live = [i for i, ((q0, q1), n) in enumerate(zip(self._q_bounds, self._seq_lens)) if q1 > q0 and n > 0]
         # a pure decode step: row i is sequence i's one query, every sequence has KV (the common step)
         self._decode = bool(cu) and cu == list(range(len(cu))) and all(n > 0 for n in self._seq_lens)
@@ -126,7 +127,6 @@ class TorchPagedBackend(AttentionBackend):
         out[q_index[q_valid]] = o[q_valid].to(q.dtype)
         return out
 
-
     def _decode_step(self, q, k_cache, v_cache, ctx, scale, variant):
         """A decode step of B sequences (one query each, at position len - 1): every key up to the length is
         visible (within the window), so the mask is the keys' validity and no query gather is needed; one SDPA
@@ -134,15 +134,15 @@ class TorchPagedBackend(AttentionBackend):
         B, H, D = q.shape
         Hk = k_cache.shape[2]
         window = variant.sliding_window
-        if window not in self._masks:
+        if window not in self._decode_masks:
             lens = torch.tensor(self._seq_lens)
             L = int(lens.max())
             kpos = torch.arange(L)[None, :]
             visible = kpos < lens[:, None]
             if window is not None:
                 visible &= kpos > (lens[:, None] - 1) - window
-            self._masks[window] = visible.to(q.device)
-        visible = self._masks[window]
+            self._decode_masks[window] = visible.to(q.device)
+        visible = self._decode_masks[window]
         L = visible.shape[1]
         bs = k_cache.shape[1]
         nblk = (L + bs - 1) // bs
@@ -155,6 +155,7 @@ class TorchPagedBackend(AttentionBackend):
             q.float().unsqueeze(2), ks.float().transpose(1, 2), vs.float().transpose(1, 2),
             attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=H != Hk)      # [B, H, 1, D]
         return o.squeeze(2).to(q.dtype)
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
