@@ -599,6 +599,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto",
                     help="FlashInfer decode kernel: auto (the backend's rule), on (tensor-core / prefill kernel), "
                          "off (CUDA-core decode kernel)")
+    ap.add_argument("--decode-attention", choices=["auto", "flashinfer", "triton"], default=None,
+                    help="decode attention kernel (default: $XLLM_DECODE_ATTENTION, else auto: the Triton split-KV "
+                         "kernel for small batches, FlashInfer above)")
     ap.add_argument("--modes-8b", default="graph,eager")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -621,6 +624,8 @@ def main(argv=None) -> int:
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if args.decode_tensor_cores != "auto":
         DEBUG["decode_tensor_cores"] = args.decode_tensor_cores == "on"
+    if args.decode_attention:
+        DEBUG["decode_attention"] = args.decode_attention
     modes = (["eager", "graph"] + ([] if runner_has_fast_path() else ["graph-fast"])
              if args.modes == "auto" else [m.strip() for m in args.modes.split(",")])
     lo, hi = (int(x) for x in args.throughput_range.split(","))

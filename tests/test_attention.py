@@ -222,3 +222,21 @@ def test_decode_step_mixing_fast_and_general_variants():
             ks, vs = _pages_of(kc, vc, t, n)
             want = attend(q[i:i + 1], ks, vs, D ** -0.5, n - 1, var.sliding_window, var.logit_softcap)
             torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_choice_and_splits(monkeypatch):
+    """The decode-attention kernel per batch: auto gives the Triton kernel only while rows x KV heads leave SMs
+    idle, with enough splits for ~2 programs per SM (capped); the settings and the variable are validated."""
+    from xllm_gen.runtime.attention.triton_decode import decode_kernel_choice, decode_splits
+    assert decode_splits(1, 8, 132) == 32                  # 264 programs wanted, capped at 32 splits
+    assert decode_splits(4, 8, 132) == 9
+    assert decode_splits(16, 8, 132) == 3                  # 128 rows x heads < 132 SMs
+    assert decode_splits(17, 8, 132) == 0                  # 136: FlashInfer
+    assert decode_splits(256, 8, 132, "triton") == 1
+    assert decode_splits(1, 8, 132, "flashinfer") == 0
+    assert all(decode_splits(b, 4, 132, "triton") >= decode_splits(b + 1, 4, 132, "triton") for b in range(1, 300))
+    monkeypatch.setenv("XLLM_DECODE_ATTENTION", "Triton")
+    assert decode_kernel_choice() == "triton" and decode_kernel_choice("flashinfer") == "flashinfer"
+    monkeypatch.setenv("XLLM_DECODE_ATTENTION", "cudnn")
+    with pytest.raises(ValueError, match="XLLM_DECODE_ATTENTION"):
+        decode_kernel_choice()

@@ -94,9 +94,93 @@ def _checks():
                     key = f"skinny_gemm_M{M}_N{N}_K{K}_{'bias' if has_bias else 'nobias'}_{n}"
                     out[key] = (err(T.skinny_gemm(xs, ws, b, block_n=8 if N == 64 else 64), F.linear(xs, ws, b)),
                                 1e-5 if dt == torch.float32 else tol[dt])
+    out.update(_decode_attention_checks(rnd, err))
     # empty inputs launch nothing
     e = torch.empty(0, 48)
     out["empty"] = (float(T.rms_norm(e, torch.ones(48), 1e-6).shape != (0, 48)), 0.0)
+    return out
+
+
+def _decode_attention_checks(rnd, err):
+    """Paged decode attention (ops/decode_attention.py) vs its reference, which is itself checked against the
+    CPU attention backend (TorchPagedBackend, the HF-semantics oracle). Rows of 1 token, a page boundary, a
+    padding row (no pages), pages shuffled; GQA groups 1, 2 and 4 (padded to 16 rows); head_dim 48 (masked);
+    1 and 3 splits (merge in the kernel), the same scratch for every launch (its tickets must return to 0);
+    sliding window and soft-cap. float32 and float16: the Triton 3.8 interpreter's bfloat16 dot is wrong on
+    CPU (bfloat16 runs in the GPU tests)."""
+    from xllm_gen.runtime.attention import TorchPagedBackend
+    from xllm_gen.runtime.attention.base import AttentionVariant
+    from xllm_gen.runtime.executor.context import ForwardContext
+    from xllm_gen.runtime.ops import reference as R
+    from xllm_gen.runtime.ops.decode_attention import DecodeScratch, paged_decode_attention
+
+    out = {}
+    page, pool, D = 4, 48, 48
+    lens = [1, 9, 0, 23, 4, 8]
+    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(1)).tolist()
+    ptr, idx, last, tables = [0], [], [], []
+    for L in lens:
+        n = (L + page - 1) // page
+        tables.append(perm[len(idx): len(idx) + n])
+        idx += tables[-1]
+        ptr.append(ptr[-1] + n)
+        last.append(L - (n - 1) * page if n else 1)
+    ip, ix, lp = (torch.tensor(a, dtype=torch.int32) for a in (ptr, idx, last))
+    B = len(lens)
+    width = max(len(t) for t in tables)
+    ctx = ForwardContext(is_prefill=False, cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32),
+                         seq_lens=torch.tensor(lens, dtype=torch.int32), slot_mapping=torch.full((B,), -1),
+                         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                         block_size=page, seq_lens_cpu=lens, query_lens_cpu=[1] * B)
+    variants = {"full": (-1, None), "window5": (4, None), "softcap": (-1, 2.5)}
+    # (H, Hk, variant, [(dtype, splits)]): every variant at group 2, groups 1 and 4 on one variant each
+    cases = [(4, 2, name, [(torch.float32, 1), (torch.float32, 3), (torch.float16, 3)]) for name in variants]
+    cases += [(3, 3, "window5", [(torch.float32, 3)]), (8, 2, "softcap", [(torch.float32, 3)])]
+    tol = {torch.float32: 1e-6, torch.float16: 3e-3}
+    live = torch.tensor([L > 0 for L in lens])
+    for H, Hk, name, runs in cases:
+        wl, cap = variants[name]
+        kc32, vc32 = rnd(pool, page, Hk, D), rnd(pool, page, Hk, D)
+        q32 = rnd(B, H + 1, D)[:, :H]                          # strided rows
+        ref = R.paged_decode_attention(q32, kc32, vc32, ip, ix, lp, D ** -0.5, wl, cap)
+        oracle = TorchPagedBackend()
+        oracle.plan(ctx)
+        kv_step = torch.zeros(B, Hk, D)                        # already in the cache: only its shape is read
+        want = oracle.forward(q32.contiguous(), kv_step, kv_step, kc32, vc32, ctx, D ** -0.5,
+                              AttentionVariant(None if wl < 0 else wl + 1, cap))
+        out[f"decode_attention_reference_vs_backend_H{H}_Hk{Hk}_{name}"] = (
+            max(err(ref[live], want[live]), err(ref[~live], torch.zeros_like(ref[~live]))), 1e-6)
+        if name != "full":                                     # the variant changes the output (sensitivity)
+            plain = R.paged_decode_attention(q32, kc32, vc32, ip, ix, lp, D ** -0.5)
+            out[f"decode_attention_variant_changes_output_H{H}_Hk{Hk}_{name}"] = (
+                float(not err(plain, ref) > 1e-2), 0.0)
+        for dt, splits in runs:
+            q, kc, vc = q32.to(dt), kc32.to(dt), vc32.to(dt)
+            want = R.paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, wl, cap)
+            scratch = DecodeScratch(8, H, Hk, D, splits, "cpu")
+            worst = 0.0
+            for _ in range(2 if splits > 1 else 1):            # a second launch reuses the tickets
+                got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch, window_left=wl,
+                                             soft_cap=cap, block_n=16)
+                worst = max(worst, err(got, want), float(scratch.counters.abs().sum()))
+            out[f"decode_attention_H{H}_Hk{Hk}_{name}_splits{splits}_{str(dt).split('.')[-1]}"] = (worst, tol[dt])
+    # the wrapper of a graph bucket: persistent buffers (bucket 8: 6 rows + 2 padding rows), re-planned with a
+    # second table; what a captured launch reads (the buffers) gives each plan's result
+    from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
+    H, Hk = 4, 2
+    kc, vc, q = rnd(pool, page, Hk, D), rnd(pool, page, Hk, D), rnd(8, H, D)
+    bufs = (torch.zeros(9, dtype=torch.int32), torch.ones(8, dtype=torch.int32), torch.zeros(pool, dtype=torch.int32))
+    w = TritonDecodeWrapper(H, Hk, D, 2, 8, torch.device("cpu"), buffers=bufs, block_n=16)
+    worst = 0.0
+    for shift in (0, 5):
+        ix2 = torch.tensor([perm[(i + shift) % pool] for i in range(len(idx))], dtype=torch.int32)
+        ip8, lp8 = torch.cat([ip, ip[-1:].repeat(2)]), torch.cat([lp, torch.ones(2, dtype=torch.int32)])
+        w.plan(ip8, ix2, lp8, H, Hk, D, page, sm_scale=D ** -0.5)
+        got = w.run(q, (kc, vc))
+        want = R.paged_decode_attention(q, kc, vc, bufs[0], bufs[2], bufs[1], D ** -0.5)
+        want2 = R.paged_decode_attention(q, kc, vc, ip8, ix2, lp8, D ** -0.5)
+        worst = max(worst, err(got, want), err(got, want2), err(got[6:], torch.zeros_like(got[6:])))
+    out["decode_attention_graph_bucket_wrapper_float32"] = (worst, 1e-6)
     return out
 
 
@@ -117,7 +201,7 @@ def interpreted():
 
 
 KERNEL_CASES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope_neox", "qk_norm_rope_mrope_interleaved",
-                "qk_norm_rope_mrope_blocked", "store_kvcache", "skinny_gemm", "vision_rope"]
+                "qk_norm_rope_mrope_blocked", "store_kvcache", "skinny_gemm", "vision_rope", "decode_attention"]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)

@@ -9,10 +9,14 @@ its own wrappers, all over the one float workspace, which they never use concurr
   step's k/v directly (causal);
 - prefill with a cached prefix (chunked prefill, prefix cache, mixed rows): BatchPrefillWithPagedKVCacheWrapper
   on the paged cache (causal, bottom-right aligned);
-- decode (one query token per row): BatchDecodeWithPagedKVCacheWrapper (tensor cores when GQA). When the
-  batch size equals a graph bucket, that bucket's wrapper is used: built with use_cuda_graph=True over
-  persistent buffers (indptr [b+1], last_page_len [b] per bucket; one page-index buffer shared by all
-  buckets, sized for the worst case), so a graph captured after a plan stays valid when later steps re-plan.
+- decode (one query token per row): BatchDecodeWithPagedKVCacheWrapper (tensor cores when GQA), or for small
+  batches the Triton split-KV kernel that merges its splits in the same launch (attention/triton_decode.py,
+  `decode_kernel`: "auto" / "flashinfer" / "triton", or $XLLM_DECODE_ATTENTION). A decode batch takes the
+  kernel (and split count) of the graph bucket it pads to, in graphs and eager steps alike, so both compute
+  the same. When the batch size equals a graph bucket, that bucket's wrapper is used: built with
+  use_cuda_graph=True over persistent buffers (indptr [b+1], last_page_len [b] per bucket; one page-index
+  buffer shared by all buckets, sized for the worst case), so a graph captured after a plan stays valid when
+  later steps re-plan.
 Variants: those given to the constructor (`variants`, default FULL only) and `add_variants(...)` (DecodeGraphs
 adds the model's before capture) are planned every step; a layer whose variant is not registered yet is
 planned on its first use in an eager step (never inside a graph capture) and registered from then on. Each
@@ -33,6 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant
+from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper, decode_kernel_choice, decode_splits
 from xllm_gen.runtime.executor.context import ForwardContext
 
 
@@ -49,6 +54,7 @@ class _VariantWrappers:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD",
                                                                     use_tensor_cores=backend.decode_tensor_cores)
         self.graph: dict = {}
+        self.triton_eager: dict = {}               # splits -> TritonDecodeWrapper (eager decode steps)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -58,7 +64,7 @@ class FlashInferBackend(AttentionBackend):
                  max_num_tokens: int = 8192, graph_buckets: Sequence[int] = (),
                  sm_scale: Optional[float] = None, kv_dtype: Optional[torch.dtype] = None,
                  prefill_backend: str = "fa2", decode_tensor_cores: Optional[bool] = None,
-                 workspace_bytes: Optional[int] = None, variants: Optional[Sequence[AttentionVariant]] = None):
+                 decode_kernel: Optional[str] = None, workspace_bytes: Optional[int] = None, variants: Optional[Sequence[AttentionVariant]] = None):
         self.num_heads = num_heads                 # per rank
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -80,6 +86,8 @@ class FlashInferBackend(AttentionBackend):
             decode_tensor_cores = num_heads // num_kv_heads > 1
         self.decode_tensor_cores = decode_tensor_cores
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = num_sms
+        self.decode_kernel = decode_kernel_choice(decode_kernel)
         ws = workspace_bytes or self.workspace_size(num_heads, num_kv_heads, head_dim, max(max_batch, 1),
                                                     max_num_tokens, num_sms)
         self.workspace_bytes = ws
@@ -131,6 +139,12 @@ class FlashInferBackend(AttentionBackend):
             self.variants = self.variants + (v,)
             self._make_graph_wrappers(v, self.graph_buckets)
 
+    def decode_splits(self, batch: int) -> int:
+        """The Triton decode kernel's split count for a decode batch of `batch` rows (that of the graph bucket
+        it pads to, if any); 0: FlashInfer's decode."""
+        bucket = next((b for b in self.graph_buckets if b >= batch), batch)
+        return decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel)
+
     def _make_graph_wrappers(self, variant: AttentionVariant, buckets: Sequence[int]) -> None:
         import flashinfer
         graph = self._sets[variant].graph
@@ -138,6 +152,11 @@ class FlashInferBackend(AttentionBackend):
             if b in graph:
                 continue
             indptr, last = self.graph_buffers[b]
+            splits = decode_splits(b, self.num_kv_heads, self.num_sms, self.decode_kernel)
+            if splits:
+                graph[b] = TritonDecodeWrapper(self.num_heads, self.num_kv_heads, self.head_dim, splits, b,
+                                               self.device, buffers=(indptr, last, self.page_indices_buf))
+                continue
             graph[b] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=self.page_indices_buf,
@@ -226,7 +245,7 @@ class FlashInferBackend(AttentionBackend):
         else:
             qo_indptr, indptr, indices, last, page = self._plan_inputs
             if self._mode == "decode":
-                wrapper = ws.graph.get(len(last), ws.decode)
+                wrapper = self._decode_wrapper(ws, len(last))
                 wrapper.plan(indptr, indices, last, H, Hk, D, page, q_data_type=self.dtype,
                              kv_data_type=self.kv_dtype, **kw)
             else:
@@ -234,6 +253,21 @@ class FlashInferBackend(AttentionBackend):
                 wrapper.plan(qo_indptr, indptr, indices, last, H, Hk, D, page, causal=True,
                              q_data_type=self.dtype, kv_data_type=self.kv_dtype, **kw)
         self._plans[v] = wrapper
+        return wrapper
+
+    def _decode_wrapper(self, ws: _VariantWrappers, batch: int):
+        """A decode step's wrapper: the bucket's own at a bucket size (so a graph captured after this plan reads
+        its persistent buffers), else the kernel of the bucket the batch pads to (Triton: an eager wrapper with
+        that bucket's split count; FlashInfer: the eager wrapper)."""
+        if batch in ws.graph:
+            return ws.graph[batch]
+        splits = self.decode_splits(batch)
+        if not splits:
+            return ws.decode
+        wrapper = ws.triton_eager.get(splits)
+        if wrapper is None:
+            wrapper = ws.triton_eager[splits] = TritonDecodeWrapper(
+                self.num_heads, self.num_kv_heads, self.head_dim, splits, batch, self.device)
         return wrapper
 
     # ------------------------------------------------------------------------------------------ running

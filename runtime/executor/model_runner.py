@@ -192,7 +192,8 @@ class ModelRunner:
                                      max_batch=max((self.max_num_seqs,) + buckets),
                                      max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
                                      max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets,
-                                     sm_scale=a.scale, decode_tensor_cores=self.debug.get("decode_tensor_cores"))
+                                     sm_scale=a.scale, decode_tensor_cores=self.debug.get("decode_tensor_cores"),
+                                     decode_kernel=self.debug.get("decode_attention"))
         from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
         return TorchPagedBackend()
 

@@ -118,3 +118,29 @@ def vision_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         xf = x.float()
         return (xf * c + _rotate_half(xf) * s).to(x.dtype)
     return rot(q), rot(k)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor,
+                           indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
+                           window_left: int = -1, soft_cap: Optional[float] = None) -> torch.Tensor:
+    """Decode attention over a CSR page table, one row at a time in float32 (the oracle of the Triton kernel in
+    ops/decode_attention.py): q [B, H, D] is each row's last position; a row with no pages gives zeros."""
+    B, H, D = q.shape
+    page, Hk = k_cache.shape[1], k_cache.shape[2]
+    ptr, last = indptr.tolist(), last_page_len.tolist()
+    out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        pages = indices[ptr[b]: ptr[b + 1]].long()
+        if not len(pages):
+            continue
+        L = (len(pages) - 1) * page + last[b]
+        k = k_cache[pages].reshape(-1, Hk, D)[:L].float()
+        v = v_cache[pages].reshape(-1, Hk, D)[:L].float()
+        if window_left >= 0:
+            k, v = k[max(0, L - 1 - window_left):], v[max(0, L - 1 - window_left):]
+        qb = q[b].float().view(Hk, H // Hk, D)
+        s = torch.einsum("kgd,nkd->kgn", qb, k) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        out[b] = torch.einsum("kgn,nkd->kgd", s.softmax(-1), v).reshape(H, D)
+    return out.to(q.dtype)

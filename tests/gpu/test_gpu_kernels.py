@@ -253,14 +253,19 @@ def _run_both(fi, ctx, q, k, v, kc, vc, scale):
     return out, want
 
 
+@pytest.mark.parametrize("decode_kernel", ["flashinfer", "triton"])
 @pytest.mark.parametrize("H,Hk", [(16, 8), (32, 4)])
-def test_flashinfer_vs_torch_paged(H, Hk):
+def test_flashinfer_vs_torch_paged(H, Hk, decode_kernel):
+    """Prefill (FlashInfer) and decode (FlashInfer's wrappers, or the Triton split-KV kernel) against the torch
+    backend: eager, graph replays after re-plans with padding rows, a batch of 256."""
     from xllm_gen.runtime.attention import FlashInferBackend
+    from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
     torch.manual_seed(H)
     D, bs, num_blocks, dt = 128, 16, 512, torch.bfloat16
     scale = D ** -0.5
     fi = FlashInferBackend(H, Hk, D, dt, DEV, block_size=bs, max_batch=64, max_model_len=2048,
-                           max_num_tokens=4096, graph_buckets=(1, 2, 4, 8))
+                           max_num_tokens=4096, graph_buckets=(1, 2, 4, 8), decode_kernel=decode_kernel)
+    triton_decode = decode_kernel == "triton"
     kc = torch.randn(num_blocks, bs, Hk, D, device=DEV, dtype=dt)      # garbage in unused pages
     vc = torch.randn(num_blocks, bs, Hk, D, device=DEV, dtype=dt)
     errs = {}
@@ -286,7 +291,10 @@ def test_flashinfer_vs_torch_paged(H, Hk):
     ctx = _make_ctx(lens, [1] * 5, bs, num_blocks, seed=3, is_prefill=False)
     q, k, v = rand_qkv(5)
     out, want = _run_both(fi, ctx, q, k, v, kc, vc, scale)
-    assert fi._wrapper is fi.decode
+    if triton_decode:       # batch 5 pads to bucket 8: the Triton kernel with bucket 8's split count
+        assert isinstance(fi._wrapper, TritonDecodeWrapper) and fi._wrapper.splits == fi.decode_splits(8) > 1
+    else:
+        assert fi._wrapper is fi.decode
     errs["decode_eager"] = (out.float() - want.float()).abs().max().item()
     # 4. decode through bucket 8's graph wrapper with 3 padding rows, captured once, replayed after re-plans
     from xllm_gen.runtime import ops
@@ -329,7 +337,7 @@ def test_flashinfer_vs_torch_paged(H, Hk):
     errs["decode_graph_replay"] = worst
     # 5. large batch x heads decode does not overflow the workspace
     big = FlashInferBackend(H, Hk, D, dt, DEV, block_size=bs, max_batch=256, max_model_len=4096,
-                            max_num_tokens=8192)
+                            max_num_tokens=8192, decode_kernel=decode_kernel)
     kc2 = torch.randn(4096, bs, Hk, D, device=DEV, dtype=dt)
     vc2 = torch.randn_like(kc2)
     lens = [random.Random(i).randrange(1, 250) for i in range(256)]
@@ -338,7 +346,7 @@ def test_flashinfer_vs_torch_paged(H, Hk):
         q, k, v = rand_qkv(256)
         out, want = _run_both(big, ctx, q, k, v, kc2, vc2, scale)
         errs["decode_b256"] = (out.float() - want.float()).abs().max().item()
-    print(f"\n[flashinfer vs torch paged, H={H} Hk={Hk} bf16] max abs error:",
+    print(f"\n[flashinfer vs torch paged, H={H} Hk={Hk} bf16, decode {decode_kernel}] max abs error:",
           {k: f"{v:.2e}" for k, v in errs.items()}, f"workspace {fi.workspace_bytes >> 20} MiB")
     bad = {k: v for k, v in errs.items() if not v < 2e-2}
     assert not bad, bad

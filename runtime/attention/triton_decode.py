@@ -1,0 +1,90 @@
+"""The Triton decode-attention kernel (ops/decode_attention.py) behind FlashInfer's decode-wrapper interface
+(`plan(indptr, indices, last_page_len, ...)`, `run(q, (k_cache, v_cache))`), so FlashInferBackend can give a
+graph bucket (or an eager step) either kernel.
+
+Which kernel a batch size gets (`decode_splits`): FlashInfer's CUDA-graph decode always splits the KV range and
+merges the splits in a second kernel, ~11 us per layer at batch 1 on an H200 for a 1k context (two launches,
+most of it fixed cost). The Triton kernel merges in the same launch. It is used for batches whose
+(rows x KV heads) fill less than the GPU with one program each, where the split is what fills it; larger batches
+keep FlashInfer's tensor-core decode, which reads the KV cache near bandwidth there.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+KERNELS = ("auto", "flashinfer", "triton")
+
+
+def decode_kernel_choice(kernel: Optional[str] = None) -> str:
+    """The decode-attention kernel setting: `kernel` if given, else $XLLM_DECODE_ATTENTION, else "auto"."""
+    k = (kernel or os.environ.get("XLLM_DECODE_ATTENTION") or "auto").lower()
+    if k not in KERNELS:
+        raise ValueError(f"decode attention kernel must be one of {KERNELS}, got {k!r} "
+                         "(argument decode_kernel or $XLLM_DECODE_ATTENTION)")
+    return k
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kernel: str = "auto", max_splits: int = 32) -> int:
+    """How many KV splits the Triton kernel runs a decode batch of `batch` rows with; 0: use FlashInfer.
+    Splits aim at two programs per SM (rows x KV heads x splits ~ 2 x SMs), at most `max_splits`."""
+    if kernel == "flashinfer" or batch < 1:
+        return 0
+    programs = batch * max(1, num_kv_heads)
+    if kernel == "auto" and programs >= num_sms:
+        return 0
+    return max(1, min(max_splits, -(-2 * num_sms // programs)))
+
+
+class TritonDecodeWrapper:
+    """One decode wrapper over the Triton kernel for `splits` splits. With `buffers` (a graph bucket's
+    persistent indptr / last-page-length buffers, and the backend's shared page-index buffer) `plan` copies the
+    step's table into them, so a captured launch reads each step's; without, it moves the table to the device."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, splits: int, max_batch: int,
+                 device: torch.device, buffers: Optional[tuple] = None, block_n: int = 32):
+        from xllm_gen.runtime.ops.decode_attention import DecodeScratch
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.splits, self.device, self.block_n = splits, device, block_n
+        self.scratch = DecodeScratch(max_batch, num_heads, num_kv_heads, head_dim, splits, device)
+        self.buffers = buffers                      # (indptr [b+1], last_page_len [b], page indices) or None
+        self._table = None
+        self._kw: dict = {}
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, *, sm_scale: Optional[float] = None,
+             window_left: int = -1, logits_soft_cap: Optional[float] = None, **_) -> None:
+        if (num_qo_heads, num_kv_heads, head_dim) != (self.num_heads, self.num_kv_heads, self.head_dim):
+            raise ValueError(f"decode plan for heads {num_qo_heads}/{num_kv_heads} x {head_dim}: the wrapper was "
+                             f"built for {self.num_heads}/{self.num_kv_heads} x {self.head_dim}")
+        B = last_page_len.numel()
+        if self.buffers is not None:
+            ip, lp, ix = self.buffers
+            if B + 1 > ip.numel():
+                raise ValueError(f"decode plan for {B} rows: the graph bucket has {lp.numel()}")
+            ip[: B + 1].copy_(indptr, non_blocking=True)
+            lp[:B].copy_(last_page_len, non_blocking=True)
+            n = indices.numel()
+            if n and indices.data_ptr() != ix.data_ptr():
+                ix[:n].copy_(indices, non_blocking=True)
+        else:
+            if B > self.scratch.max_batch:          # eager steps only: grow the scratch
+                from xllm_gen.runtime.ops.decode_attention import DecodeScratch
+                self.scratch = DecodeScratch(B, self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
+                                             self.device)
+            ip, lp, ix = (t.to(self.device, torch.int32, non_blocking=True) for t in (indptr, last_page_len, indices))
+        self._table = (ip, ix, lp)
+        self._kw = dict(sm_scale=self.head_dim ** -0.5 if sm_scale is None else float(sm_scale),
+                        window_left=int(window_left), soft_cap=logits_soft_cap)
+
+    def run(self, q: torch.Tensor, kv) -> torch.Tensor:
+        from xllm_gen.runtime.ops.decode_attention import paged_decode_attention
+        if self._table is None:
+            raise RuntimeError("TritonDecodeWrapper.run before plan")
+        k_cache, v_cache = kv
+        ip, ix, lp = self._table
+        kw = self._kw
+        return paged_decode_attention(q, k_cache, v_cache, ip, ix, lp, kw["sm_scale"], self.scratch,
+                                      window_left=kw["window_left"], soft_cap=kw["soft_cap"], block_n=self.block_n)

@@ -1,0 +1,170 @@
+"""Paged decode attention in one Triton kernel: split-KV ("flash decoding") with the merge done in the same
+launch by the last program of each (sequence, KV head), so a decode step costs one kernel per layer where
+FlashInfer's CUDA-graph decode costs two (attention + merge of the splits).
+
+Grid (batch, KV heads, splits). Program (b, kh, s) takes the query heads of KV head kh together (the GQA group,
+padded to 16 rows for tl.dot) and the s-th of `splits` equal chunks of the sequence's visible keys (a sliding
+window starts the range later). It writes its normalised partial output and log-sum-exp, then takes a ticket
+from a per-(b, kh) counter; the program with the last ticket merges the partials, writes the output and resets
+the counter to 0, so the counters are ready for the next launch (CUDA-graph replays included). The grid depends
+only on (batch, splits), never on the lengths, so one capture serves every step of a bucket.
+
+The page table is FlashInfer's CSR form (indptr [B+1], page indices, last-page length [B]); a row with no pages
+is a padding row (length 0), its output is zeros. Cache layout NHD: [num_pages, page_size, Hk, D].
+Reference: ops.reference.paged_decode_attention.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+                         indptr_ptr, indices_ptr, last_ptr,
+                         sm_scale, soft_cap, window_left,
+                         stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
+                         H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
+                         GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    p0 = tl.load(indptr_ptr + b)
+    npages = tl.load(indptr_ptr + b + 1) - p0
+    last = tl.load(last_ptr + b)
+    L = tl.where(npages > 0, (npages - 1) * PAGE + last, 0)
+    start = 0
+    if HAS_WINDOW:          # the query (position L-1) sees keys L-1-window_left .. L-1
+        start = tl.maximum(L - 1 - window_left, 0)
+    chunk = tl.cdiv(tl.cdiv(L - start, SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + s * chunk
+    hi = tl.minimum(lo + chunk, L)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < D
+    heads = kh * GROUP + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + n_off
+        t_ok = t < hi
+        page = tl.load(indices_ptr + p0 + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        row = page * stride_kp + (t % PAGE) * stride_kt + kh * stride_kh
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = sc * sm_scale
+        if HAS_SOFT_CAP:    # c * tanh(x / c), tanh written with exp (no tanh in every Triton backend)
+            e = tl.exp(-2.0 * tl.abs(sc / soft_cap))
+            th = (1.0 - e) / (1.0 + e)
+            sc = soft_cap * tl.where(sc < 0, -th, th)
+        sc = tl.where(t_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: o [B, H, SPLITS, D], lse [B, H, SPLITS]
+        row_h = b.to(tl.int64) * H + heads
+        tl.store(part_o_ptr + (row_h[:, None] * SPLITS + s) * D + d[None, :], o, mask=out_mask)
+        tl.store(part_lse_ptr + row_h * SPLITS + s, tl.where(has, m_i + tl.log(l_i), float("-inf")), mask=g_ok)
+        tl.debug_barrier()      # every thread's partials are written before the ticket (release) is taken
+        ticket = tl.atomic_add(counter_ptr + b * HK + kh, 1, sem="acq_rel")
+        if ticket == SPLITS - 1:
+            m = tl.full([G_PAD], float("-inf"), tl.float32)
+            for j in range(SPLITS):
+                lse = tl.load(part_lse_ptr + row_h * SPLITS + j, mask=g_ok, other=float("-inf"),
+                              cache_modifier=".cg")
+                m = tl.maximum(m, lse)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            den = tl.zeros([G_PAD], tl.float32)
+            num = tl.zeros([G_PAD, D_PAD], tl.float32)
+            for j in range(SPLITS):
+                lse = tl.load(part_lse_ptr + row_h * SPLITS + j, mask=g_ok, other=float("-inf"),
+                              cache_modifier=".cg")
+                w = tl.exp(lse - m_safe)
+                oj = tl.load(part_o_ptr + (row_h[:, None] * SPLITS + j) * D + d[None, :], mask=out_mask,
+                             other=0.0, cache_modifier=".cg")
+                den += w
+                num += w[:, None] * oj
+            o = num / tl.where(den > 0, den, 1.0)[:, None]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + b * HK + kh, 0)
+
+
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
+class DecodeScratch:
+    """The per-launch scratch of paged_decode_attention for up to `max_batch` rows and `splits` splits:
+    partial outputs / log-sum-exps (float32) and the (zeroed) per-(row, KV head) tickets. Reusable by every
+    launch of a stream (each launch leaves the tickets at 0)."""
+
+    def __init__(self, max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int, splits: int,
+                 device: torch.device | str):
+        n = max(1, max_batch) * num_heads * max(splits, 1)
+        self.max_batch, self.splits = max_batch, splits
+        self.part_o = torch.empty(n * head_dim if splits > 1 else 1, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(n if splits > 1 else 1, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max(1, max_batch) * num_kv_heads, dtype=torch.int32, device=device)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor,
+                           indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
+                           scratch: DecodeScratch, *, window_left: int = -1, soft_cap: Optional[float] = None,
+                           block_n: int = 32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
+    the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
+    (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits."""
+    B, H, D = q.shape
+    _, page, Hk, Dk = k_cache.shape
+    if Dk != D or v_cache.shape != k_cache.shape or H % Hk:
+        raise ValueError(f"decode attention: q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if B > scratch.max_batch:
+        raise ValueError(f"decode attention: batch {B} > the scratch's {scratch.max_batch} rows")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("decode attention: q and the caches need a contiguous last dimension (and equal strides)")
+    if out is None:
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    group = H // Hk
+    _paged_decode_kernel[(B, Hk, scratch.splits)](
+        q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
+        indptr, indices, last_page_len,
+        float(sm_scale), float(soft_cap or 1.0), int(window_left),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=_pow2(group, 16), D=D, D_PAD=_pow2(D, 16),
+        SPLITS=scratch.splits, BLOCK_N=block_n, HAS_SOFT_CAP=soft_cap is not None,
+        HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
