@@ -22,10 +22,29 @@ SHAPES = {   # name: (N, K) of y = x W^T
 }
 
 
+def sweep_configs(T, x, ws, graph_time_ms, calls):
+    """[(config, us)] of the skinny GEMM over a grid of launch configs (those that fit K)."""
+    K = x.shape[1]
+    out = []
+    for bn in (2, 4, 8, 16):
+        for bk in (256, 512, 1024):
+            if bk > max(256, K):
+                continue
+            for warps in (2, 4, 8):
+                for stages in (1, 3):
+                    cfg = (bn, bk, warps, stages)
+                    t = graph_time_ms(lambda: [T.skinny_gemm(x, w, config=cfg) for w in ws], reps=10) / calls
+                    out.append((cfg, round(t * 1e3, 2)))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_gemv.md"))
     ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--sweep-configs", action="store_true",
+                    help="also time the skinny GEMM over launch configs (BLOCK_N, BLOCK_K, warps, stages) per shape "
+                         "and rows, against the table's (JSON lines; the best five per shape in the report)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv needs a CUDA GPU", file=sys.stderr)
@@ -47,6 +66,10 @@ def main(argv=None) -> int:
             res.append(dict(shape=name, N=N, K=K, M=M, cublas_ms=t_cublas, triton_ms=t_triton,
                             cublas_gbs=gb / t_cublas * 1e3, triton_gbs=gb / t_triton * 1e3, max_abs_diff=err))
             print(json.dumps(res[-1]), flush=True)
+            if args.sweep_configs:
+                res[-1]["configs"] = sweep_configs(T, x, ws, graph_time_ms, calls)
+                best = sorted(res[-1]["configs"], key=lambda c: c[1])[:5]
+                print(json.dumps(dict(shape=name, M=M, table=T.skinny_gemm_config(M, N, K), best=best)), flush=True)
     L = ["# Decode GEMMs: cuBLAS vs the Triton skinny GEMM (bf16)\n",
          f"command: `python bench/bench_gemv.py {' '.join(argv or sys.argv[1:])}`\n",
          f"torch {torch.__version__}, {torch.cuda.get_device_name()}; CUDA graph of {calls} calls over {calls} "

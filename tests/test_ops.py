@@ -94,6 +94,10 @@ def _checks():
                     key = f"skinny_gemm_M{M}_N{N}_K{K}_{'bias' if has_bias else 'nobias'}_{n}"
                     out[key] = (err(T.skinny_gemm(xs, ws, b, block_n=8 if N == 64 else 64), F.linear(xs, ws, b)),
                                 1e-5 if dt == torch.float32 else tol[dt])
+                if N == 96 and dt == torch.float32:    # the tuner's other launch configs (BLOCK_K 256 > K: masked)
+                    for cfg in T.skinny_gemm_candidates(M, N, K, 4)[1:]:
+                        out[f"skinny_gemm_M{M}_N{N}_K{K}_config{'_'.join(map(str, cfg))}_{n}"] = (
+                            err(T.skinny_gemm(xs, ws, bs, config=cfg), F.linear(xs, ws, bs)), 1e-5)
     out.update(_decode_attention_checks(rnd, err))
     # empty inputs launch nothing
     e = torch.empty(0, 48)
@@ -133,12 +137,14 @@ def _decode_attention_checks(rnd, err):
                          block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
                          block_size=page, seq_lens_cpu=lens, query_lens_cpu=[1] * B)
     variants = {"full": (-1, None), "window5": (4, None), "softcap": (-1, 2.5)}
-    # (H, Hk, variant, [(dtype, splits)]): every variant at group 2, groups 1 and 4 on one variant each
-    cases = [(4, 2, name, [(torch.float32, 1), (torch.float32, 3), (torch.float16, 3)]) for name in variants]
-    cases += [(3, 3, "window5", [(torch.float32, 3)]), (8, 2, "softcap", [(torch.float32, 3)])]
+    # (H, Hk, head_dim, variant, [(dtype, splits)]): every variant at group 2, groups 1 and 4 on one variant
+    # each; head_dim 48 (padded to 64, masked) and 32 (unpadded: the loads' masks are per row only)
+    cases = [(4, 2, D, name, [(torch.float32, 1), (torch.float32, 3), (torch.float16, 3)]) for name in variants]
+    cases += [(3, 3, D, "window5", [(torch.float32, 3)]), (8, 2, 32, "softcap", [(torch.float32, 3)]),
+              (4, 2, 32, "full", [(torch.float32, 1), (torch.float16, 3)])]
     tol = {torch.float32: 1e-6, torch.float16: 3e-3}
     live = torch.tensor([L > 0 for L in lens])
-    for H, Hk, name, runs in cases:
+    for H, Hk, D, name, runs in cases:
         wl, cap = variants[name]
         kc32, vc32 = rnd(pool, page, Hk, D), rnd(pool, page, Hk, D)
         q32 = rnd(B, H + 1, D)[:, :H]                          # strided rows
@@ -148,11 +154,11 @@ def _decode_attention_checks(rnd, err):
         kv_step = torch.zeros(B, Hk, D)                        # already in the cache: only its shape is read
         want = oracle.forward(q32.contiguous(), kv_step, kv_step, kc32, vc32, ctx, D ** -0.5,
                               AttentionVariant(None if wl < 0 else wl + 1, cap))
-        out[f"decode_attention_reference_vs_backend_H{H}_Hk{Hk}_{name}"] = (
+        out[f"decode_attention_reference_vs_backend_H{H}_Hk{Hk}_D{D}_{name}"] = (
             max(err(ref[live], want[live]), err(ref[~live], torch.zeros_like(ref[~live]))), 1e-6)
         if name != "full":                                     # the variant changes the output (sensitivity)
             plain = R.paged_decode_attention(q32, kc32, vc32, ip, ix, lp, D ** -0.5)
-            out[f"decode_attention_variant_changes_output_H{H}_Hk{Hk}_{name}"] = (
+            out[f"decode_attention_variant_changes_output_H{H}_Hk{Hk}_D{D}_{name}"] = (
                 float(not err(plain, ref) > 1e-2), 0.0)
         for dt, splits in runs:
             q, kc, vc = q32.to(dt), kc32.to(dt), vc32.to(dt)
@@ -163,7 +169,8 @@ def _decode_attention_checks(rnd, err):
                 got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch, window_left=wl,
                                              soft_cap=cap, block_n=16)
                 worst = max(worst, err(got, want), float(scratch.counters.abs().sum()))
-            out[f"decode_attention_H{H}_Hk{Hk}_{name}_splits{splits}_{str(dt).split('.')[-1]}"] = (worst, tol[dt])
+            out[f"decode_attention_H{H}_Hk{Hk}_D{D}_{name}_splits{splits}_{str(dt).split('.')[-1]}"] = (worst,
+                                                                                                   tol[dt])
     # the wrapper of a graph bucket: persistent buffers (bucket 8: 6 rows + 2 padding rows), re-planned with a
     # second table; what a captured launch reads (the buffers) gives each plan's result
     from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper

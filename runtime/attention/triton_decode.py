@@ -44,7 +44,7 @@ class TritonDecodeWrapper:
     step's table into them, so a captured launch reads each step's; without, it moves the table to the device."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, splits: int, max_batch: int,
-                 device: torch.device, buffers: Optional[tuple] = None, block_n: int = 32):
+                 device: torch.device, buffers: Optional[tuple] = None, block_n: int = 64):
         from xllm_gen.runtime.ops.decode_attention import DecodeScratch
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.splits, self.device, self.block_n = splits, device, block_n

@@ -28,8 +28,9 @@ from xllm_gen.runtime.ops import skinny_gemm
 _FORCE = {"1": True, "0": False}.get(os.environ.get("XLLM_SKINNY_GEMM", ""))
 _SKINNY_MAX_ROWS = 8
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
-# (rows, N, K, dtype) -> True (Triton kernel) / False (cuBLAS), decided once per process: every engine of the
-# process then runs a shape with the same kernel (so two engines' outputs compare bit for bit)
+# (rows, N, K, dtype) -> the Triton kernel's launch config (BLOCK_N, BLOCK_K, warps, stages; True: the launch
+# table's) or False (cuBLAS), decided once per process: every engine of the process then runs a shape with the
+# same kernel (so two engines' outputs compare bit for bit)
 DECODE_GEMM_CHOICE: dict = {}
 
 
@@ -40,7 +41,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
         use = _FORCE if _FORCE is not None else DECODE_GEMM_CHOICE.get(
             (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype), False)
         if use:
-            return skinny_gemm(x, weight, bias)
+            return skinny_gemm(x, weight, bias, config=use if isinstance(use, tuple) else None)
     return F.linear(x, weight, bias)
 
 
@@ -69,9 +70,11 @@ def graph_time_ms(fn, reps: int = 5) -> float:
 @torch.inference_mode()
 def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     """For every distinct (rows, N, K) of the model's linear layers not decided yet in this process: times cuBLAS
-    against the skinny-GEMM kernel, each over all the layers' weights of that shape in turn (repeated to at
-    least 96 MB, so that they stream from HBM as in a decode step, not from L2), and takes the kernel when it is
-    faster than `margin` x cuBLAS. Returns {(M, N, K): (cuBLAS us, Triton us, kernel chosen)} of what it measured."""
+    against the skinny-GEMM kernel in each of its candidate launch configs (triton_kernels.skinny_gemm_candidates),
+    each over all the layers' weights of that shape in turn (repeated to at least 96 MB, so that they stream from
+    HBM as in a decode step, not from L2), and takes the fastest config when it is faster than `margin` x cuBLAS.
+    Returns {(M, N, K): (cuBLAS us, best Triton us, config chosen or False)} of what it measured."""
+    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
     if _FORCE is not None:
         return {}
     shapes: dict = {}
@@ -89,8 +92,10 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
             if key not in DECODE_GEMM_CHOICE:
                 x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
                 t_cublas = graph_time_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
-                t_triton = graph_time_ms(lambda: [skinny_gemm(x, w, b) for w, b in seq]) / len(seq)
-                DECODE_GEMM_CHOICE[key] = t_triton < margin * t_cublas
+                timed = [(graph_time_ms(lambda: [skinny_gemm(x, w, b, config=cfg) for w, b in seq]) / len(seq), cfg)
+                         for cfg in skinny_gemm_candidates(M, N, K, ws[0][0].element_size())]
+                t_triton, cfg = min(timed)
+                DECODE_GEMM_CHOICE[key] = cfg if t_triton < margin * t_cublas else False
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
         fill_row_choices(chosen, N, K, dt)

@@ -224,22 +224,25 @@ def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
 
 @torch.library.custom_op("xllm::skinny_gemm", mutates_args=())
-def _skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 config: Optional[list[int]] = None) -> torch.Tensor:
     if use_triton(x):
-        return _tk().skinny_gemm(x, weight, bias)
+        return _tk().skinny_gemm(x, weight, bias, config=tuple(config) if config else None)
     return skinny_gemm_reference(x, weight, bias)
 
 
 @_skinny_gemm.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, config=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                config: Optional[tuple] = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias), M <= 8, in x's dtype (fp32 accumulation): a Triton kernel
-    that streams the weight at HBM speed for decode batches; F.linear on CPU."""
+    that streams the weight at HBM speed for decode batches; F.linear on CPU. config: (BLOCK_N, BLOCK_K,
+    num_warps, num_stages), default the launch table's (triton_kernels.skinny_gemm_config)."""
     if not x.is_cuda:
         return skinny_gemm_reference(x, weight, bias)
     if _direct():
-        return _tk().skinny_gemm(x, weight, bias)
-    return torch.ops.xllm.skinny_gemm(x, weight, bias)
+        return _tk().skinny_gemm(x, weight, bias, config=config)
+    return torch.ops.xllm.skinny_gemm(x, weight, bias, list(config) if config else None)

@@ -29,8 +29,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                          H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                         SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -41,6 +41,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     start = 0
     if HAS_WINDOW:          # the query (position L-1) sees keys L-1-window_left .. L-1
         start = tl.maximum(L - 1 - window_left, 0)
+    # chunks of whole blocks: a short context leaves the later splits empty (they only post an empty partial)
     chunk = tl.cdiv(tl.cdiv(L - start, SPLITS), BLOCK_N) * BLOCK_N
     lo = start + s * chunk
     hi = tl.minimum(lo + chunk, L)
@@ -48,10 +49,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     g_ok = g < GROUP
-    d_ok = d < D
     heads = kh * GROUP + g
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    # masks along D only when D is padded: a mask constant along the row keeps the loads vectorized
+    if D == D_PAD:
+        gd_mask = g_ok[:, None]
+    else:
+        gd_mask = g_ok[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask,
+                other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -61,8 +66,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         t_ok = t < hi
         page = tl.load(indices_ptr + p0 + t // PAGE, mask=t_ok, other=0).to(tl.int64)
         row = page * stride_kp + (t % PAGE) * stride_kt + kh * stride_kh
-        kv_mask = t_ok[:, None] & d_ok[None, :]
+        if D == D_PAD:
+            kv_mask = t_ok[:, None]
+        else:
+            kv_mask = t_ok[:, None] & (d < D)[None, :]
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -77,7 +86,6 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         p = tl.exp(sc - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -85,38 +93,37 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out_mask = g_ok[:, None] & d_ok[None, :]
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLITS == 1:
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
-        # partials: o [B, H, SPLITS, D], lse [B, H, SPLITS]
+        # partials: o [B, H, SPLITS, D] (written only where the split had keys), lse [B, H, SPLITS]
         row_h = b.to(tl.int64) * H + heads
-        tl.store(part_o_ptr + (row_h[:, None] * SPLITS + s) * D + d[None, :], o, mask=out_mask)
+        tl.store(part_o_ptr + (row_h[:, None] * SPLITS + s) * D + d[None, :], o, mask=gd_mask & has[:, None])
         tl.store(part_lse_ptr + row_h * SPLITS + s, tl.where(has, m_i + tl.log(l_i), float("-inf")), mask=g_ok)
         tl.debug_barrier()      # every thread's partials are written before the ticket (release) is taken
         ticket = tl.atomic_add(counter_ptr + b * HK + kh, 1, sem="acq_rel")
         if ticket == SPLITS - 1:
-            m = tl.full([G_PAD], float("-inf"), tl.float32)
-            for j in range(SPLITS):
-                lse = tl.load(part_lse_ptr + row_h * SPLITS + j, mask=g_ok, other=float("-inf"),
+            # the last program of (b, kh) merges: per head, all splits' partials in one load each
+            sidx = tl.arange(0, S_PAD)
+            s_ok = sidx < SPLITS
+            for gi in tl.static_range(GROUP):
+                base = (b.to(tl.int64) * H + kh * GROUP + gi) * SPLITS
+                lse = tl.load(part_lse_ptr + base + sidx, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                m = tl.max(lse, axis=0)
+                w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))      # 0 for empty splits
+                if D == D_PAD:
+                    o_mask = (lse > float("-inf"))[:, None]
+                else:
+                    o_mask = (lse > float("-inf"))[:, None] & (d < D)[None, :]
+                o_s = tl.load(part_o_ptr + (base + sidx)[:, None] * D + d[None, :], mask=o_mask, other=0.0,
                               cache_modifier=".cg")
-                m = tl.maximum(m, lse)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            den = tl.zeros([G_PAD], tl.float32)
-            num = tl.zeros([G_PAD, D_PAD], tl.float32)
-            for j in range(SPLITS):
-                lse = tl.load(part_lse_ptr + row_h * SPLITS + j, mask=g_ok, other=float("-inf"),
-                              cache_modifier=".cg")
-                w = tl.exp(lse - m_safe)
-                oj = tl.load(part_o_ptr + (row_h[:, None] * SPLITS + j) * D + d[None, :], mask=out_mask,
-                             other=0.0, cache_modifier=".cg")
-                den += w
-                num += w[:, None] * oj
-            o = num / tl.where(den > 0, den, 1.0)[:, None]
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+                den = tl.sum(w, axis=0)
+                res = tl.sum(w[:, None] * o_s, axis=0) / tl.where(den > 0, den, 1.0)
+                tl.store(out_ptr + b.to(tl.int64) * stride_ob + (kh * GROUP + gi) * stride_oh + d,
+                         res.to(out_ptr.dtype.element_ty), mask=d < D)
             tl.atomic_xchg(counter_ptr + b * HK + kh, 0)
 
 
@@ -141,7 +148,7 @@ class DecodeScratch:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor,
                            indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                            scratch: DecodeScratch, *, window_left: int = -1, soft_cap: Optional[float] = None,
-                           block_n: int = 32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           block_n: int = 64, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
     (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits."""
@@ -165,6 +172,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=_pow2(group, 16), D=D, D_PAD=_pow2(D, 16),
-        SPLITS=scratch.splits, BLOCK_N=block_n, HAS_SOFT_CAP=soft_cap is not None,
+        SPLITS=scratch.splits, S_PAD=_pow2(scratch.splits, 2), BLOCK_N=block_n, HAS_SOFT_CAP=soft_cap is not None,
         HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32, num_warps=4)
     return out

@@ -402,10 +402,27 @@ def skinny_gemm_config(M: int, N: int, K: int, elem_size: int = 2) -> tuple[int,
     return bn, bk, 4, 3
 
 
+def skinny_gemm_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list[tuple[int, int, int, int]]:
+    """Launch configs worth timing for (M, N, K) (tune_decode_gemms keeps the fastest): the table's, and those a
+    sweep on an H200 found best across Qwen3-0.6B / 8B shapes (bench/bench_gemv.py --sweep-configs,
+    bench/results/h200_gemv_configs.md): two rows per program, one stage, BLOCK_K 256-512 for 1-2 rows (up to
+    1.3x faster than the table on the tall shapes); 2-4 rows per program for more rows. BLOCK_K never exceeds
+    the table's (which fits small K)."""
+    table = skinny_gemm_config(M, N, K, elem_size)
+    alts = [(2, 512, 4, 1), (2, 256, 2, 1)] if M <= 2 else [(4, 512, 2, 3), (2, 512, 2, 1)]
+    out = [table]
+    for bn, bk, warps, stages in alts:
+        cfg = (bn, min(bk, table[1]), warps, stages)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                block_n: Optional[int] = None) -> torch.Tensor:
+                block_n: Optional[int] = None, config: Optional[tuple] = None) -> torch.Tensor:
     """x [M, K] (M <= 8), weight [N, K], bias [N] or None -> y [M, N] in x's dtype, fp32 accumulation.
-    block_n (a power of 2) overrides the table's BLOCK_N (tests: fewer programs under the interpreter)."""
+    block_n (a power of 2) overrides the table's BLOCK_N (tests: fewer programs under the interpreter);
+    config (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the whole table entry (bench_gemv's sweep)."""
     M, K = x.shape
     N = weight.shape[0]
     if M > SKINNY_MAX_M:
@@ -421,7 +438,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return y
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
-    bn, bk, warps, stages = skinny_gemm_config(M, N, K, weight.element_size())
+    bn, bk, warps, stages = config or skinny_gemm_config(M, N, K, weight.element_size())
     bn = block_n or bn
     vec = min(16 // weight.element_size(), bk)
     has_bias = bias is not None

@@ -132,11 +132,12 @@ def test_skinny_gemm_vs_f_linear(M):
         w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * K ** -0.5
         b = torch.randn(N, device=DEV, dtype=torch.bfloat16)
         for bias in (None, b):
-            y = T.skinny_gemm(x, w, bias)
-            assert y.shape == (M, N) and y.dtype == torch.bfloat16
             exact = x.float() @ w.float().t() + (0 if bias is None else bias.float())
-            key = f"{N}x{K}{'+b' if bias is not None else ''}"
-            errs[key] = (_rel(y, torch.nn.functional.linear(x, w, bias)), _rel(y, exact))
+            for i, cfg in enumerate(T.skinny_gemm_candidates(M, N, K)):    # the table's first, then the tuner's
+                y = T.skinny_gemm(x, w, bias, config=cfg)
+                assert y.shape == (M, N) and y.dtype == torch.bfloat16
+                key = f"{N}x{K}{'+b' if bias is not None else ''}{'' if i == 0 else f' {cfg}'}"
+                errs[key] = (_rel(y, torch.nn.functional.linear(x, w, bias)), _rel(y, exact))
     print(f"\n[skinny_gemm M={M}] max error vs F.linear / vs fp32:",
           {k: f"{a:.1e}/{e:.1e}" for k, (a, e) in errs.items()})
     bad = {k: v for k, v in errs.items() if v[0] > 8e-3 or v[1] > 5e-3}
@@ -156,13 +157,14 @@ def test_decode_gemm_tuning_picks_a_kernel_per_shape(monkeypatch):
     for m in model:
         torch.nn.init.normal_(m.weight, std=0.02)
     report = LL.tune_decode_gemms(model, [1, 2, 4, 8, 16])
-    print("\n[decode GEMM tuning] (M, N, K): (cuBLAS us, Triton us, Triton chosen)", report)
+    print("\n[decode GEMM tuning] (M, N, K): (cuBLAS us, best Triton us, Triton config chosen)", report)
     assert set(report) == {(M, N, K) for M in (1, 2, 4, 8) for N, K in ((1024, 2048), (4096, 1024))}
     for (M, N, K), (tc, tt, chosen) in report.items():
-        assert tc > 0 and tt > 0 and chosen == (tt < 0.9 * tc)
+        assert tc > 0 and tt > 0 and bool(chosen) == (tt < 0.9 * tc)
+        assert not chosen or chosen in T.skinny_gemm_candidates(M, N, K)
         lin = model[0] if N == 1024 else model[1]
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
-        want = T.skinny_gemm(x, lin.weight) if chosen else torch.nn.functional.linear(x, lin.weight)
+        want = T.skinny_gemm(x, lin.weight, config=chosen) if chosen else torch.nn.functional.linear(x, lin.weight)
         assert torch.equal(lin(x), want)
     for N, K in ((1024, 2048), (4096, 1024)):                # 3 rows run what their bucket of 4 runs
         assert LL.DECODE_GEMM_CHOICE[(3, N, K, torch.bfloat16)] == LL.DECODE_GEMM_CHOICE[(4, N, K, torch.bfloat16)]
