@@ -404,10 +404,10 @@ def skinny_gemm_config(M: int, N: int, K: int, elem_size: int = 2) -> tuple[int,
 
 def skinny_gemm_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list[tuple[int, int, int, int]]:
     """Launch configs worth timing for (M, N, K) (tune_decode_gemms keeps the fastest): the table's, and those a
-    sweep on an H200 found best across Qwen3-0.6B / 8B shapes (bench/bench_gemv.py --sweep-configs,
-    bench/results/h200_gemv_configs.md): two rows per program, one stage, BLOCK_K 256-512 for 1-2 rows (up to
-    1.3x faster than the table on the tall shapes); 2-4 rows per program for more rows. BLOCK_K never exceeds
-    the table's (which fits small K)."""
+    sweep on an H200 found best across hidden-1024 and hidden-4096 model shapes (bench/bench_gemv.py --sweep-configs,
+    bench/results/h200_gemv_configs.md): two rows per program, one stage, BLOCK_K 256-512 for 1-2 rows (1.3-2x
+    faster than the table on the tall shapes); 2-4 rows per program for more rows. BLOCK_K never exceeds the
+    table's (which fits small K)."""
     table = skinny_gemm_config(M, N, K, elem_size)
     alts = [(2, 512, 4, 1), (2, 256, 2, 1)] if M <= 2 else [(4, 512, 2, 3), (2, 512, 2, 1)]
     out = [table]
