@@ -7,8 +7,8 @@ Nothing is listed per spec. Each specs/*.yaml is read as YAML (its `architecture
   (b) the resolved spec equals tests/golden/<name>.resolved.txt (`xllm-gen --explain`);
   (c) greedy parity with Hugging Face transformers (float32, CPU) on the tiny checkpoint of the architecture
       (tests/fixtures/tiny_hf.py): prompts of 3, 9, 17 and 30 tokens (the tiny sliding window is 6) in one
-      `LLM.generate` call, block_size 4, 16 new tokens, at TP 1 and at TP 2 (gloo), one engine each; a
-      vision-language architecture adds one image request;
+      `LLM.generate` call, block_size 4, 16 new tokens, at TP 1 and at TP 2 (gloo; marked slow: --runslow), one
+      engine each; a vision-language architecture adds one image request;
   (d) rope scaling: for every `type: rope` config symbol, one tiny checkpoint per non-default rope type in
       its `values` (standard parameters in ROPE_ARMS, chosen so that scaling matters at these lengths),
       greedy parity at TP 1 (and HF's own output must differ from the unscaled checkpoint's);
@@ -258,7 +258,9 @@ def test_resolved_spec_equals_golden(spec):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+# TP 2 starts a second process per spec (~6 s each on two cores): `slow` (--runslow), like the other long
+# multi-process tests; the default run keeps TP 2 parity through tests/test_tp.py and test_moe.py
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
 @pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
 def test_greedy_matches_hf(spec, tp, tiny_checkpoint, tokens):
     spec.check()
