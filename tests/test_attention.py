@@ -240,3 +240,35 @@ def test_decode_kernel_choice_and_splits(monkeypatch):
     monkeypatch.setenv("XLLM_DECODE_ATTENTION", "cudnn")
     with pytest.raises(ValueError, match="XLLM_DECODE_ATTENTION"):
         decode_kernel_choice()
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_graph_bucket_replan_on_triton_buffers(monkeypatch, fast):
+    """A decode-graph bucket on the Triton kernel: the first plan goes through each variant's wrapper, later ones
+    (XLLM_GRAPH_FAST_PLAN on) only copy the step's indptr / last-page lengths into the bucket's persistent buffers,
+    which the captured launches read; either way the buffers hold each step's table and the variants keep
+    their window."""
+    from xllm_gen.runtime.attention.base import FULL, AttentionVariant
+    from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
+    from xllm_gen.runtime.executor.cuda_graph import _BucketAttention
+
+    monkeypatch.setenv("XLLM_GRAPH_FAST_PLAN", fast)
+
+    class Backend:
+        num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
+        dtype = kv_dtype = torch.float32
+        sm_scale = 8 ** -0.5
+
+    ip, lp = torch.zeros(5, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
+    pages = torch.zeros(32, dtype=torch.int32)
+    window = AttentionVariant(5, None)
+    wrappers = {v: TritonDecodeWrapper(4, 2, 8, 3, 4, torch.device("cpu"), buffers=(ip, lp, pages))
+                for v in (FULL, window)}
+    attn = _BucketAttention(Backend(), wrappers, 4)
+    steps = [([0, 2, 3, 3, 3], [3, 1, 1, 1]), ([0, 2, 4, 5, 5], [4, 2, 4, 1]), ([0, 1, 1, 1, 1], [2, 1, 1, 1])]
+    for i, (ptr, last) in enumerate(steps):
+        attn.plan_decode(torch.tensor(ptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), pages[:ptr[-1]])
+        assert ip.tolist() == ptr and lp.tolist() == last, f"step {i}"
+        assert (attn._replan is not None) == (fast == "1")
+    assert wrappers[window]._kw["window_left"] == 4 and wrappers[FULL]._kw["window_left"] == -1
+    assert all(w._table[0] is ip and w._table[2] is lp for w in wrappers.values())

@@ -200,14 +200,16 @@ def test_padding_rows_leave_kv_untouched(llm):
 
 
 def test_fast_replan_matches_wrapper_plan(llm):
-    """The decode graphs' re-plan of a bucket gives FlashInfer's own plan() result, for random lengths."""
+    """The decode graphs' re-plan of a bucket gives FlashInfer's own plan() result, for random lengths (the buckets
+    on FlashInfer's decode; the small ones run the Triton kernel, which has no plan to re-run)."""
     g = llm.engine.runner.graphs
     rng = random.Random(5)
     checked = 0
-    for Bk in (1, 4, 16, g.buckets[-1]):
+    fi_buckets = [b for b in g.buckets if g._attn[b]._replan is not None]
+    if not fi_buckets:
+        pytest.skip("the fast re-plan is not used with this FlashInfer configuration")
+    for Bk in sorted({fi_buckets[0], fi_buckets[len(fi_buckets) // 2], fi_buckets[-1]}):
         attn = g._attn[Bk]
-        if attn._replan is None:
-            pytest.skip("the fast re-plan is not used with this FlashInfer configuration")
         B = max(1, Bk - rng.randrange(min(Bk, 3)))
         lens = [rng.randint(1, 400) for _ in range(B)]
         tables = [[rng.randrange(g.max_pages // 4) for _ in range((n + 15) // 16)] for n in lens]
