@@ -98,7 +98,7 @@ def main(argv=None) -> int:
          "| model | batch | context | FlashInfer us | Triton us at auto splits (S) | best Triton us (S) | "
          "FlashInfer GB/s | best Triton GB/s |", "|---|---|---|---|---|---|---|---|"]
     for r in res:
-        a = r["auto_splits"] or decode_splits(r["batch"], 8, sms, "triton")
+        a = r["auto_splits"] or decode_splits(r["batch"], MODELS[r["model"]][1], sms, "triton")
         L.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['flashinfer_us']:.2f} | "
                  f"{r['triton_us'][a]:.2f} ({a}{'' if r['auto_splits'] else ', FlashInfer chosen'}) | "
                  f"{r['triton_us'][r['best_splits']]:.2f} ({r['best_splits']}) | {r['gbs_fi']:.0f} | "
