@@ -244,10 +244,9 @@ def test_decode_kernel_choice_and_splits(monkeypatch):
 
 @pytest.mark.parametrize("fast", ["1", "0"])
 def test_graph_bucket_replan_on_triton_buffers(monkeypatch, fast):
-    """A decode-graph bucket on the Triton kernel: the first plan goes through each variant's wrapper, later ones
-    (XLLM_GRAPH_FAST_PLAN on) only copy the step's indptr / last-page lengths into the bucket's persistent buffers,
-    which the captured launches read; either way the buffers hold each step's table and the variants keep
-    their window."""
+    """A decode-graph bucket on the Triton kernel, re-planned every step (with or without FlashInfer's fast
+    re-plan enabled, which does not apply to it): the bucket's persistent buffers, which the captured launches
+    read, hold each step's table, and the variants keep their window."""
     from xllm_gen.runtime.attention.base import FULL, AttentionVariant
     from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
     from xllm_gen.runtime.executor.cuda_graph import _BucketAttention
@@ -269,6 +268,6 @@ def test_graph_bucket_replan_on_triton_buffers(monkeypatch, fast):
     for i, (ptr, last) in enumerate(steps):
         attn.plan_decode(torch.tensor(ptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), pages[:ptr[-1]])
         assert ip.tolist() == ptr and lp.tolist() == last, f"step {i}"
-        assert (attn._replan is not None) == (fast == "1")
+        assert attn._replan is None
     assert wrappers[window]._kw["window_left"] == 4 and wrappers[FULL]._kw["window_left"] == -1
     assert all(w._table[0] is ip and w._table[2] is lp for w in wrappers.values())

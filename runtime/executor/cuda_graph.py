@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant, attention_variants
-from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 
 
@@ -70,11 +69,12 @@ class _BucketAttention(AttentionBackend):
     or the Triton kernel's), one per attention variant of the model (sliding window / soft-cap; a plain model has
     one), all planned once per step (outside the graph) by DecodeGraphs; each layer's forward picks its variant's.
 
-    Re-planning: the first plan goes through each wrapper's `plan()`. Later ones, for a bucket on the Triton
-    decode kernel, only copy indptr / last-page length into the bucket's persistent buffers (what its `plan()`
-    does there). For a bucket on FlashInfer, in the configuration the decode graphs use (FlashInfer 0.6,
-    tensor-core decode = fa2 prefill kernels, CUDA-graph mode), do only what `plan()` does on a re-plan of the same bucket: copy indptr / last-page length into the persistent
-    buffers (once: the variants' wrappers share them; the page indices are already in place) and run the
+    Re-planning: the first plan goes through each wrapper's `plan()` (a bucket on the Triton kernel: every
+    step; its `plan()` copies indptr / last-page length into the bucket's persistent buffers). Later ones, for
+    a bucket on FlashInfer in the configuration the decode graphs use (FlashInfer 0.6, tensor-core decode = fa2
+    prefill kernels, CUDA-graph mode), do only what `plan()` does on a re-plan of the same bucket: copy indptr /
+    last-page length into the persistent buffers (once: the variants' wrappers share them; the page indices are
+    already in place) and run the
     scheduler (`module.plan`, with the variant's window_left) with the KV lengths computed here with numpy.
     This skips the wrapper's per-call Python work, among it a Python `max()` over a tensor of KV lengths
     (about 3 us per row: 0.35 ms per step at batch 112). Anything else, or XLLM_GRAPH_FAST_PLAN=0, keeps
@@ -107,17 +107,6 @@ class _BucketAttention(AttentionBackend):
 
     def _fast_replan(self):
         import os
-        if os.environ.get("XLLM_GRAPH_FAST_PLAN", "1") != "0" and self.wrappers and all(
-                isinstance(w, TritonDecodeWrapper) and w.buffers is not None for w in self.wrappers.values()):
-            # the Triton kernel's launch reads the bucket's persistent buffers (the variants' wrappers share them):
-            # a re-plan is their copy, once
-            buffers = list({id(w.buffers[0]): w.buffers[:2] for w in self.wrappers.values()}.values())
-
-            def replan_triton(indptr: torch.Tensor, last_page_len: torch.Tensor) -> None:
-                for ip, lp in buffers:
-                    ip[: indptr.numel()].copy_(indptr, non_blocking=True)
-                    lp[: last_page_len.numel()].copy_(last_page_len, non_blocking=True)
-            return replan_triton
         try:
             import flashinfer
             version_ok = flashinfer.__version__.startswith("0.6.")
