@@ -64,7 +64,8 @@ class FlashInferBackend(AttentionBackend):
                  max_num_tokens: int = 8192, graph_buckets: Sequence[int] = (),
                  sm_scale: Optional[float] = None, kv_dtype: Optional[torch.dtype] = None,
                  prefill_backend: str = "fa2", decode_tensor_cores: Optional[bool] = None,
-                 decode_kernel: Optional[str] = None, workspace_bytes: Optional[int] = None, variants: Optional[Sequence[AttentionVariant]] = None):
+                 decode_kernel: Optional[str] = None, workspace_bytes: Optional[int] = None,
+                 variants: Optional[Sequence[AttentionVariant]] = None):
         self.num_heads = num_heads                 # per rank
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
