@@ -104,6 +104,21 @@ def test_top_k_top_p_match_hf(top_k, top_p):
     assert torch.equal(torch.isinf(_filter_top_k_top_p(logits, top_k, top_p)), torch.isinf(ref[0]))
 
 
+@pytest.mark.parametrize("top_p", [1e-308, 5e-324, 1e-45, 1e-9])
+def test_tiny_top_p_keeps_the_top_token(top_p):
+    """A valid top_p below float32's range (found by the request fuzzer: 1.1e-308) rounds to 0 in a float32
+    comparison; the top token must still be kept, so the request samples it instead of failing on NaN."""
+    from xllm_gen.runtime.engine.sampler import _filter_top_k_top_p, sample_row
+    from xllm_gen.runtime.engine.sampling_params import SamplingParams
+    from xllm_gen.runtime.engine.sequence import Sequence
+
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(7)) * 2
+    kept = ~torch.isinf(_filter_top_k_top_p(logits, -1, top_p))
+    assert kept.nonzero().flatten().tolist() == [int(logits.argmax())]
+    seq = Sequence(0, [1, 2], SamplingParams(temperature=0.7, top_p=top_p, seed=3))
+    assert sample_row(logits, seq, torch.Generator().manual_seed(0)) == int(logits.argmax())
+
+
 def test_sampled_distribution_follows_processed_probs():
     """Many seeded draws from one row follow softmax(processed / T) (chi-square-ish bound)."""
     from xllm_gen.runtime.engine.sampler import sample_row

@@ -27,8 +27,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the top token is always kept)
+        # drop a token when the mass before it already reaches top_p; the top token is always kept (explicitly: a
+        # top_p below float32's range, e.g. 1e-308, rounds to 0 in the comparison and would drop it too)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
