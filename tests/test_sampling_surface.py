@@ -119,6 +119,24 @@ def test_tiny_top_p_keeps_the_top_token(top_p):
     assert sample_row(logits, seq, torch.Generator().manual_seed(0)) == int(logits.argmax())
 
 
+@pytest.mark.parametrize("params", [dict(temperature=1e308), dict(repetition_penalty=5e-324),
+                                    dict(temperature=1e308, repetition_penalty=5e-324, top_p=5e-324, min_p=5e-324),
+                                    dict(temperature=1e-5, repetition_penalty=100.0, presence_penalty=-2.0)])
+def test_extreme_valid_params_sample_a_token(params):
+    """Valid parameters at the edges of float32 (a temperature above its max, a repetition penalty below its
+    range) on logits with -inf entries and a seen token: a token is drawn among the finite ones, no NaN."""
+    from xllm_gen.runtime.engine.sampler import process_row, sample_row
+    from xllm_gen.runtime.engine.sampling_params import SamplingParams
+    from xllm_gen.runtime.engine.sequence import Sequence
+
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(8))
+    logits[1:4] = float("-inf")
+    seq = Sequence(0, [1, 2, 3, 9], SamplingParams(seed=5, **params).validated())
+    for trial in range(5):
+        tok = sample_row(process_row(logits, seq), seq, torch.Generator().manual_seed(trial))
+        assert 0 <= tok < V and tok not in (1, 2, 3), tok
+
+
 def test_sampled_distribution_follows_processed_probs():
     """Many seeded draws from one row follow softmax(processed / T) (chi-square-ish bound)."""
     from xllm_gen.runtime.engine.sampler import sample_row

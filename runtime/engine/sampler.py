@@ -58,7 +58,9 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
         seen = seen[seen < vocab]
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # a penalty below float32's range would round to 0 (and -inf * 0 is NaN): the smallest normal instead
+        rp = max(p.repetition_penalty, torch.finfo(logits.dtype).tiny)
+        logits[seen] = torch.where(vals > 0, vals / rp, vals * rp)
     if p.frequency_penalty or p.presence_penalty:
         out = seq.completion_token_ids
         if out:
@@ -86,8 +88,13 @@ def sample_row(logits: torch.Tensor, seq: Sequence, default_generator: torch.Gen
     p = seq.params
     if p.greedy:
         return int(torch.argmax(logits).item())
-    # subtract the max first: any temperature > 0 gives finite values (no inf - inf)
-    row = (logits - logits.max()) / p.temperature
+    # In float32 valid parameters can leave the finite range: a tiny repetition_penalty overflows a logit to +inf,
+    # a temperature above float32's max rounds to inf (and -inf / inf is NaN). So +inf becomes the largest finite
+    # value (NaN stays: a model fault is reported, not hidden) and the temperature is capped at it; then
+    # subtracting the max first keeps every value finite or -inf (no inf - inf).
+    finfo = torch.finfo(logits.dtype)
+    logits = logits.clamp(max=finfo.max)
+    row = (logits - logits.max()) / min(p.temperature, finfo.max)
     row = apply_min_p(row, p.min_p)
     row = _filter_top_k_top_p(row, p.top_k, p.top_p)
     probs = torch.softmax(row, dim=-1)
