@@ -63,7 +63,9 @@ def _tokens(out):
     return [c.token_ids for c in out.outputs]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomized: CI runs the same examples every time (a random draw found the sub-float32 top_p once; the
+# edge values it exposed are pinned in tests/test_sampling_surface.py)
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(batch=st.lists(request(), min_size=2, max_size=5))
 def test_bad_requests_fail_alone_good_ones_give_solo_tokens(batch, fuzz_llm):
     llm = fuzz_llm
