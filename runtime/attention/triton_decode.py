@@ -45,13 +45,18 @@ class TritonDecodeWrapper:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, splits: int, max_batch: int,
                  device: torch.device, buffers: Optional[tuple] = None, block_n: int = 64):
-        from xllm_gen.runtime.ops.decode_attention import DecodeScratch
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.splits, self.device, self.block_n = splits, device, block_n
-        self.scratch = DecodeScratch(max_batch, num_heads, num_kv_heads, head_dim, splits, device)
+        self.scratch = self._scratch(max_batch)
         self.buffers = buffers                      # (indptr [b+1], last_page_len [b], page indices) or None
         self._table = None
         self._kw: dict = {}
+
+    def _scratch(self, rows: int):
+        # imported here: triton is loaded only once a wrapper is made
+        from xllm_gen.runtime.ops.decode_attention import DecodeScratch
+
+        return DecodeScratch(rows, self.num_heads, self.num_kv_heads, self.head_dim, self.splits, self.device)
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, *, sm_scale: Optional[float] = None,
@@ -71,9 +76,7 @@ class TritonDecodeWrapper:
                 ix[:n].copy_(indices, non_blocking=True)
         else:
             if B > self.scratch.max_batch:          # eager steps only: grow the scratch
-                from xllm_gen.runtime.ops.decode_attention import DecodeScratch
-                self.scratch = DecodeScratch(B, self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
-                                             self.device)
+                self.scratch = self._scratch(B)
             ip, lp, ix = (t.to(self.device, torch.int32, non_blocking=True) for t in (indptr, last_page_len, indices))
         self._table = (ip, ix, lp)
         self._kw = dict(sm_scale=self.head_dim ** -0.5 if sm_scale is None else float(sm_scale),

@@ -127,10 +127,6 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             tl.atomic_xchg(counter_ptr + b * HK + kh, 0)
 
 
-def _pow2(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
-
-
 class DecodeScratch:
     """The per-launch scratch of paged_decode_attention for up to `max_batch` rows and `splits` splits:
     partial outputs / log-sum-exps (float32) and the (zeroed) per-(row, KV head) tickets. Reusable by every
@@ -171,7 +167,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         float(sm_scale), float(soft_cap or 1.0), int(window_left),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=_pow2(group, 16), D=D, D_PAD=_pow2(D, 16),
-        SPLITS=scratch.splits, S_PAD=_pow2(scratch.splits, 2), BLOCK_N=block_n, HAS_SOFT_CAP=soft_cap is not None,
-        HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32, num_warps=4)
+        H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D,
+        D_PAD=max(16, triton.next_power_of_2(D)),
+        SPLITS=scratch.splits, S_PAD=max(2, triton.next_power_of_2(scratch.splits)), BLOCK_N=block_n,
+        HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32, num_warps=4)
     return out
