@@ -313,7 +313,7 @@ def _ev_ms(fn, reps: int) -> float:
     return a.elapsed_time(b) / reps
 
 
-def profile_decode(llm, B: int, in_len: int, steps: int = 60) -> dict:
+def profile_decode(llm, B: int, in_len: int, steps: int = 60, top: int = 14) -> dict:
     """Where a graph decode step's time goes, at batch B after prefills of in_len tokens: the whole engine
     step (DecodeGraphs.run path), the host part of DecodeGraphs.run before the replay (inputs, copies, plan),
     the graph replay alone on the GPU (back-to-back replays, CUDA events), logits + argmax on the GPU, and
@@ -373,7 +373,7 @@ def profile_decode(llm, B: int, in_len: int, steps: int = 60) -> dict:
                 torch.cuda.synchronize()
             ka = prof.key_averages()
             key = "device_time_total" if hasattr(ka[0], "device_time_total") else "cuda_time_total"
-            rows = sorted(ka, key=lambda e: getattr(e, key), reverse=True)[:14]
+            rows = sorted(ka, key=lambda e: getattr(e, key), reverse=True)[:top]
             res["kernels"] = [(e.key[:90], e.count // 3, getattr(e, key) / 3 / 1e3) for e in rows]
         except Exception as e:                   # noqa: BLE001
             res["kernels_error"] = f"{type(e).__name__}: {e}"
@@ -382,6 +382,28 @@ def profile_decode(llm, B: int, in_len: int, steps: int = 60) -> dict:
             while q:
                 engine.block_manager.free(q.pop())
     return res
+
+
+def profile_markdown(P: list, model: str) -> list:
+    """The lines of profile_decode's table (one row per batch) and each batch's top kernels."""
+    L = [f"## Where a graph decode step goes ({model}, DecodeGraphs.run path)\n",
+         "| batch | bucket | engine step ms | host: inputs ms | host: copies ms | host: plan ms | "
+         "host: replay launch ms | GPU: replay ms | GPU: logits+argmax ms |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for p in P:
+        if "engine_step_ms" not in p:
+            L.append(f"| {p.get('batch')} | error: {p.get('error')} |")
+            continue
+        L.append("| " + " | ".join([str(p["batch"]), str(p["bucket"])] + [
+            f"{p[k]:.3f}" for k in ("engine_step_ms", "host_inputs_ms", "host_copies_ms", "host_plan_ms",
+                                    "host_replay_launch_ms", "gpu_replay_ms", "gpu_logits_argmax_ms")]) + " |")
+    for p in P:
+        if p.get("kernels"):
+            L.append(f"\nTop kernels of one replay at batch {p['batch']} (GPU ms per replay, launches):\n")
+            L.append("| kernel | launches | ms |")
+            L.append("|---|---|---|")
+            L += [f"| `{k}` | {c} | {t:.3f} |" for k, c, t in p["kernels"]]
+    return L + [""]
 
 
 # ------------------------------------------------------------------------------------------------ HF
@@ -500,26 +522,8 @@ def markdown(R: dict) -> str:
         if "error" in H:
             L.append(f"\nerror: {H['error']}")
         L.append("")
-    P = R.get("profile")
-    if P:
-        L.append("## Where a graph decode step goes (Qwen3-0.6B, DecodeGraphs.run path, input 1024)\n")
-        L.append("| batch | bucket | engine step ms | host: inputs ms | host: copies ms | host: plan ms | "
-                 "host: replay launch ms | GPU: replay ms | GPU: logits+argmax ms |")
-        L.append("|---|---|---|---|---|---|---|---|---|")
-        for p in P:
-            if "engine_step_ms" not in p:
-                L.append(f"| {p.get('batch')} | error: {p.get('error')} |")
-                continue
-            L.append("| " + " | ".join([str(p["batch"]), str(p["bucket"])] + [
-                f"{p[k]:.3f}" for k in ("engine_step_ms", "host_inputs_ms", "host_copies_ms", "host_plan_ms",
-                                        "host_replay_launch_ms", "gpu_replay_ms", "gpu_logits_argmax_ms")]) + " |")
-        for p in P:
-            if p.get("kernels"):
-                L.append(f"\nTop kernels of one replay at batch {p['batch']} (GPU ms per replay, launches):\n")
-                L.append("| kernel | launches | ms |")
-                L.append("|---|---|---|")
-                L += [f"| `{k}` | {c} | {t:.3f} |" for k, c, t in p["kernels"]]
-        L.append("")
+    if R.get("profile"):
+        L += profile_markdown(R["profile"], "Qwen3-0.6B")
     T = R.get("throughput")
     if T:
         L.append(f"## Throughput (Qwen3-0.6B, {T.get('mode', 'graph')} decode): {T['requests']} requests at once, "

@@ -260,6 +260,8 @@ def markdown(R: dict) -> str:
                      f"{r['all_params_bytes'] / 1e9:.2f} |")
     if "engine_error" in R:
         L.append(f"\nengine: {R['engine_error']}\n")
+    if R.get("profile"):
+        L += [""] + BD.profile_markdown(R["profile"], R["variant"])
     if "hf" in R:
         L.append(f"\ntransformers (batch 1, eager{'' if R.get('hf_compile') else '; static cache + compile not run'}):"
                  f" {json.dumps(R['hf'])}\n")
@@ -322,7 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--sections", default="kernel,sweep,engine,hf",
-                    help="comma list of kernel (Triton vs torch, CUDA graphs), sweep (fused MoE configs), engine, hf")
+                    help="comma list of kernel (Triton vs torch, CUDA graphs), sweep (fused MoE configs), engine, "
+                         "profile (with engine: where a graph decode step goes, per batch), hf")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts of the kernel table and sweep")
     ap.add_argument("--sweep-budget-s", type=float, default=45.0, help="time limit of the config sweep (compiles included)")
     ap.add_argument("--hf-compile", action="store_true",
@@ -396,6 +399,15 @@ def main(argv=None) -> int:
                     log(f"B={B} {mode}: {row[mode]}  (floor {row['floor_ms']:.3f} ms)")
                 BD.set_mode(llm, "graph", saved)
                 R["engine"].append(row)
+                save()
+            if "profile" in sections:          # where a graph step goes (host, replay, top kernels)
+                R["profile"] = []
+                for B in batches:
+                    try:
+                        R["profile"].append(BD.profile_decode(llm, B, args.input_len, top=24))
+                    except Exception as e:   # noqa: BLE001
+                        R["profile"].append(dict(batch=B, error=f"{type(e).__name__}: {e}"))
+                    log(f"profile: {R['profile'][-1]}")
                 save()
             del llm, model
         except Exception as e:   # noqa: BLE001

@@ -8,7 +8,7 @@
 #   profile     bench: where a graph decode step goes (batch 1 and 100)
 #   throughput  bench: 256 requests, random lengths 100-1024
 #   hf          bench: transformers baseline (static cache + torch.compile)
-#   moe         bench: Qwen3-30B-A3B shapes, bench/bench_moe.py ($OUT/h200_moe.md)
+#   moe         bench: Qwen3-30B-A3B shapes, bench/bench_moe.py ($OUT/h200_moe.md; MOE_ARGS adds arguments)
 #   vl          bench: Qwen3-VL-8B shapes, bench/bench_vl.py --profile ($OUT/h200_vl.md; VL_ARGS adds arguments)
 #   serve       bench/serve_gpu.sh over HTTP ($SERVE_PHASES, default 0.6b,prefix,8b; needs .whl_serve wheels)
 # The bench phases add to one table, $OUT/h200.md (+ .json). Everything is logged to $OUT/log.
@@ -62,7 +62,7 @@ bench() { timeout "$1" python bench/bench_decode.py --out "$OUT/h200.md" --appen
 [[ $phases == *,throughput,* ]] && { stamp "throughput"; bench ${T_TP:-90} throughput; }
 [[ $phases == *,hf,* ]] && { stamp "hf"; bench ${T_HF:-200} hf; }
 [[ $phases == *,vl,* ]] && { stamp "vl"; timeout ${T_VL:-240} python bench/bench_vl.py --profile --out "$OUT/h200_vl.md" ${VL_ARGS:-}; }
-[[ $phases == *,moe,* ]] && { stamp "moe"; timeout ${T_MOE:-180} python bench/bench_moe.py --out "$OUT/h200_moe.md"; }
+[[ $phases == *,moe,* ]] && { stamp "moe"; timeout ${T_MOE:-180} python bench/bench_moe.py --out "$OUT/h200_moe.md" ${MOE_ARGS:-}; }
 if [[ $phases == *,serve,* ]]; then
   stamp "serve"
   python -m pip install -q --no-index --find-links .whl_serve fastapi uvicorn prometheus_client httpx
