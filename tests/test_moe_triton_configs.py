@@ -77,11 +77,22 @@ def test_configs_match_reference_interpreted():
 
 _ALIGN = r"""
 import random, torch
-from xllm_gen.runtime.ops.moe import moe_align
-from xllm_gen.runtime.ops.moe_triton import moe_align_triton
+from xllm_gen.runtime.ops.moe import moe_align, route_reference
+from xllm_gen.runtime.ops.moe_triton import moe_align_triton, route_topk
 rng = random.Random(0)
+torch.manual_seed(0)
+# routing: top-k ids exactly, weights to float32 rounding; renormalized or not, local experts of an expert-parallel
+# rank (first, count), decode padding rows (a negative KV slot), experts not a power of two, top_k = E
+for T, E, K, renorm, first, count, padded in [(1, 128, 8, True, 0, 128, False), (7, 6, 2, False, 0, 6, True),
+                                             (33, 60, 4, True, 16, 20, True), (5, 8, 8, True, 0, 8, False),
+                                             (40, 128, 8, False, 64, 64, True)]:
+    logits = torch.randn(T, E)
+    slots = torch.randint(-1, 5, (T,)) if padded else None
+    (wa, ia), (wb, ib) = route_topk(logits, K, renorm, first, count, slots), route_reference(logits, K, renorm, first, count, slots)
+    assert torch.equal(ia, ib) and torch.allclose(wa, wb, rtol=1e-6, atol=1e-7), (T, E, K, ia, ib, wa, wb)
+    assert (ia == count).any() == (padded or count < E), "pairs routed nowhere"
 cases = [(E, K, T, bm) for E, K, T, bm in [(2, 1, 1, 16), (4, 2, 5, 16), (8, 2, 40, 32), (60, 4, 7, 16),
-                                            (128, 8, 1, 16), (128, 8, 33, 64), (256, 8, 9, 16)]]
+                                            (128, 8, 1, 16), (32, 8, 33, 64), (5, 2, 600, 16)]]
 for i, (E, K, T, bm) in enumerate(cases):
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
     if i % 2:
@@ -94,9 +105,10 @@ print("ALIGN OK")
 """
 
 
-def test_triton_align_equals_torch_align_interpreted():
-    """moe_align_triton (one program) gives exactly ops.moe.moe_align's rows, block experts and row count: chunks
-    of pairs (stable order within an expert), up to 256 experts, 16-64 rows per block, pairs routed nowhere."""
+def test_triton_route_and_align_equal_torch_interpreted():
+    """route_topk gives ops.moe.route_reference's ids exactly (and its weights); moe_align_triton gives exactly
+    ops.moe.moe_align's rows, block experts and row count: several chunks of pairs (1200 pairs: stable order within
+    an expert), up to 128 experts, 16-64 rows per block, pairs routed nowhere."""
     p = subprocess.run([sys.executable, "-c", _ALIGN], env=dict(os.environ, TRITON_INTERPRET="1"),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "ALIGN OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]

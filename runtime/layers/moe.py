@@ -193,14 +193,9 @@ class FusedMoE(nn.Module):
             ParamSplit("row", 1, (down,), (hidden, down.rows), tp, rank, owner), num_experts, e0, e1, parallel, owner))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_ops.topk_softmax(router_logits, self.top_k, self.renormalize)
-        nowhere = torch.full_like(ids, self.num_local_experts)
-        if self.parallel == "expert" and self.tp_size > 1:            # other ranks' experts: routed nowhere here
-            local = ids - self.expert_start
-            ids = torch.where((local >= 0) & (local < self.num_local_experts), local, nowhere)
-        padding = _decode_padding_rows(hidden_states.shape[0])
-        if padding is not None:                                        # padding rows of a captured decode batch
-            ids = torch.where(padding.unsqueeze(1), nowhere, ids)
+        # pairs routed to another rank's experts (parallel="expert") or from a decode batch's padding rows: nowhere
+        weights, ids = moe_ops.route(router_logits, self.top_k, self.renormalize, self.expert_start,
+                                     self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
                                 self.act_fn)
         return all_reduce(out) if self.tp_size > 1 else out
@@ -211,10 +206,10 @@ class FusedMoE(nn.Module):
                 f"activation={self.activation!r}, parallel={self.parallel!r}, tp={self.tp_size}")
 
 
-def _decode_padding_rows(rows: int) -> Optional[torch.Tensor]:
-    """[rows] bool: the padding rows of a decode step (no KV slot: slot -1), which the experts skip; None
-    outside a decode step. Static shape, no host sync: fine inside a captured graph."""
+def _decode_slots(rows: int) -> Optional[torch.Tensor]:
+    """[rows] the KV slots of a decode step (-1: a padding row of a captured batch, which the experts skip); None
+    outside a decode step. Read on the device only: fine inside a captured graph."""
     ctx = fwd_context._CONTEXT
     if ctx is None or ctx.is_prefill or ctx.slot_mapping is None or ctx.slot_mapping.shape[0] != rows:
         return None
-    return ctx.slot_mapping < 0
+    return ctx.slot_mapping

@@ -12,7 +12,7 @@ one expert per block of `block_m` rows.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -25,6 +25,33 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, first_expert: int = 0,
+          num_local: Optional[int] = None, padding_slots: Optional[torch.Tensor] = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_softmax, with the ids made local to the experts this rank holds, [first_expert, first_expert +
+    num_local) (default: all), and every other pair routed nowhere (id num_local): another rank's expert, or a row
+    whose `padding_slots` entry (the decode step's KV slot) is negative, a padding row of a captured batch.
+    On CUDA one Triton launch (ops/moe_triton.py route_topk), else torch."""
+    from xllm_gen.runtime.ops import use_triton
+    if use_triton(router_logits) and router_logits.dim() == 2:
+        from xllm_gen.runtime.ops.moe_triton import route_topk
+        return route_topk(router_logits, top_k, renormalize, first_expert, num_local, padding_slots)
+    return route_reference(router_logits, top_k, renormalize, first_expert, num_local, padding_slots)
+
+
+def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool, first_expert: int = 0,
+                    num_local: Optional[int] = None, padding_slots: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` in torch."""
+    weights, ids = topk_softmax(router_logits, top_k, renormalize)
+    num_local = router_logits.shape[-1] if num_local is None else num_local
+    local = ids - first_expert
+    keep = (local >= 0) & (local < num_local)
+    if padding_slots is not None:
+        keep = keep & (padding_slots >= 0).unsqueeze(-1)
+    return weights, torch.where(keep, local, torch.full_like(local, num_local))
 
 
 class Alignment(NamedTuple):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xllm_gen.runtime.ops.moe import Alignment, moe_align, padded_rows
+from xllm_gen.runtime.ops.moe import Alignment, padded_rows
 
 
 @triton.jit
@@ -91,55 +91,106 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_p
              mask=valid[:, None] & mask_n[None, :])
 
 
-# One program aligns a small step's (token, slot) pairs: ops.moe.moe_align's ~15 torch kernels (histogram, cumsum,
-# stable argsort, scatter, searchsorted) took 53 us of a 95 us MoE layer at one token on an H200; this is one launch.
-# Pairs are read in chunks of BLOCK in order; `seen[e]` counts expert e's pairs of earlier chunks, so a pair's row is
-# starts[e] + seen[e] + its rank among the chunk's pairs of e (an exclusive cumsum down the [BLOCK, E_PAD] one-hot),
-# which keeps tokens in order within an expert (stable, as the torch version). E_PAD holds experts 0..E-1 and "E"
-# (nowhere). The padding fill and the scatter are ordered by a barrier (one program, so one thread block).
+# Routing in one launch: softmax over the experts (float32), top-k by repeated max (ties: the lower expert, as a
+# stable sort would give), renormalization, and the pairs this rank does not compute routed nowhere (experts outside
+# [first_expert, first_expert + num_local), rows of a decode batch without a KV slot). torch took ~10 kernels for
+# this (softmax, topk's sort, sum, div, casts, compare, where, fill): 1.2 ms of a 4.8 ms 30B-A3B decode step on an
+# H200 at batch 1.
+@triton.jit
+def _moe_route_kernel(logits_ptr, slots_ptr, weights_ptr, ids_ptr, T, E, stride_l, first_expert, num_local,
+                      TOP_K: tl.constexpr, RENORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                      E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < T
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :],
+                mask=row_ok[:, None] & (cols[None, :] < E), other=0.0).to(tl.float32)
+    x = tl.where(cols[None, :] < E, x, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    p = tl.where(cols[None, :] < E, p, -1.0)                           # padded columns: never picked
+    kcols = tl.arange(0, K_PAD)
+    w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        pick = tl.min(tl.where(p == best[:, None], cols[None, :], E_PAD), axis=1)
+        w = tl.where(kcols[None, :] == k, best[:, None], w)
+        ids = tl.where(kcols[None, :] == k, pick[:, None], ids)
+        p = tl.where(cols[None, :] == pick[:, None], -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, axis=1)[:, None]                            # columns past TOP_K hold 0
+    local = ids - first_expert
+    keep = (local >= 0) & (local < num_local)
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + rows, mask=row_ok, other=0)
+        keep = keep & (slot >= 0)[:, None]
+    out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
+    ok = row_ok[:, None] & (kcols[None, :] < TOP_K)
+    tl.store(weights_ptr + out, w.to(weights_ptr.dtype.element_ty), mask=ok)
+    tl.store(ids_ptr + out, tl.where(keep, local, num_local).to(tl.int64), mask=ok)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, first_expert: int = 0,
+               num_local: int | None = None, padding_slots: torch.Tensor | None = None):
+    """ops.moe.route in one Triton launch: (weights [T, K] in the logits' dtype, ids [T, K] int64, local)."""
+    T, E = router_logits.shape
+    num_local = E if num_local is None else num_local
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    e_pad = triton.next_power_of_2(E)
+    block_t = max(1, min(16, 4096 // e_pad))
+    slots = padding_slots if padding_slots is not None else ids
+    _moe_route_kernel[(triton.cdiv(T, block_t),)](
+        logits, slots, weights, ids, T, E, logits.stride(0), first_expert, num_local,
+        TOP_K=top_k, RENORM=bool(renormalize), HAS_SLOTS=padding_slots is not None, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, num_warps=4)
+    return weights, ids
+
+
+# The alignment (ops.moe.moe_align's exact output) in one launch of E + 1 programs. Each program counts every
+# expert's pairs (a histogram of all the ids: the pairs are few, and reading them again is cheaper than a second
+# launch), so it knows where each expert's padded group of rows starts; program e < E then writes its own group (its
+# pairs in order: a running cumsum over chunks of the ids, then padding rows) and its blocks' expert, and program E the
+# rows and blocks past the last group. The programs' rows are disjoint: no ordering between them is needed. The first
+# version was one program doing all of it: 5 us at one token, but 50 us at 64 (512 pairs) on an H200.
 @triton.jit
 def _moe_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_rows_ptr, n, E, P, NB,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    e = tl.program_id(0)
     e_idx = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, n, BLOCK):
         offs = c0 + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
-        ids = tl.where((ids >= 0) & (ids < E), ids, E)
-        ids = tl.where(offs < n, ids, E_PAD)                          # past the end: no column
-        counts += tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=E)
+        counts += tl.histogram(tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32), E_PAD)   # bin E: nowhere
     padded = tl.where(e_idx < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    for p0 in range(0, P, BLOCK):                                     # every row a padding row first
-        offs = p0 + tl.arange(0, BLOCK)
-        tl.store(pairs_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64) + n, mask=offs < P)
-    tl.debug_barrier()
-    seen = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, n, BLOCK):
+    start = tl.sum(tl.where(e_idx == e, ends - padded, 0))             # program E: the end of the last group
+    count = tl.sum(tl.where((e_idx == e) & (e_idx < E), counts, 0))
+    stop = tl.where(e < E, tl.sum(tl.where(e_idx == e, ends, 0)), P)    # rows [start, stop) are this program's
+    seen = count * 0
+    for c0 in range(0, n, BLOCK):                                      # this expert's pairs, in order
         offs = c0 + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
-        ids = tl.where((ids >= 0) & (ids < E), ids, E)
-        ids = tl.where(offs < n, ids, E_PAD)
-        onehot = (ids[:, None] == e_idx[None, :]).to(tl.int32)        # [BLOCK, E_PAD]
-        rank = tl.sum((tl.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-        base = tl.sum((starts + seen)[None, :] * onehot, axis=1)
-        tl.store(pairs_ptr + base + rank, offs.to(tl.int64), mask=(offs < n) & (ids < E))
-        seen += tl.sum(onehot, axis=0)
-    end_rows = tl.where(e_idx < E, ends, 2147483647)                 # searchsorted(ends[:E], block start, right)
-    for b0 in range(0, NB, BLOCK):
-        blocks = b0 + tl.arange(0, BLOCK)
-        start = blocks * BLOCK_M
-        expert = tl.sum((end_rows[None, :] <= start[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, expert.to(tl.int64), mask=blocks < NB)
-    tl.store(num_rows_ptr + e_idx * 0, tl.max(tl.where(e_idx < E, ends, 0), axis=0).to(tl.int64), mask=e_idx == 0)
-
-
-TRITON_ALIGN_MAX_PAIRS = 2048   # one program (one SM) aligns up to this many pairs (decode sizes); larger steps: torch path
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+        hit = ((ids == e) & (e < E)).to(tl.int32)
+        tl.store(pairs_ptr + start + seen + tl.cumsum(hit, axis=0) - hit, offs.to(tl.int64), mask=hit > 0)
+        seen += tl.sum(hit)
+    for r0 in range(start + count, stop, BLOCK):                       # padding rows
+        r = r0 + tl.arange(0, BLOCK)
+        tl.store(pairs_ptr + r, tl.zeros([BLOCK], dtype=tl.int64) + n, mask=r < stop)
+    for b0 in range(start // BLOCK_M, stop // BLOCK_M, BLOCK):         # the blocks' expert (E: unused)
+        b = b0 + tl.arange(0, BLOCK)
+        tl.store(block_expert_ptr + b, tl.zeros([BLOCK], dtype=tl.int64) + e, mask=b < stop // BLOCK_M)
+    if e == E:
+        tl.store(num_rows_ptr, start.to(tl.int64))
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """ops.moe.moe_align in one Triton program (same outputs, exactly): for decode-sized steps."""
+    """ops.moe.moe_align in one Triton launch (same outputs, exactly)."""
     flat = topk_ids.reshape(-1).contiguous()
     n, E = flat.numel(), num_experts
     P = padded_rows(n, E, block_m)
@@ -148,11 +199,25 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     pairs = torch.empty(P, dtype=torch.int64, device=dev)
     block_expert = torch.empty(NB, dtype=torch.int64, device=dev)
     num_rows = torch.empty(1, dtype=torch.int64, device=dev)
-    e_pad = triton.next_power_of_2(E + 1)
-    block = max(16, min(256, 8192 // e_pad))
-    _moe_align_kernel[(1,)](flat, pairs, block_expert, num_rows, n, E, P, NB,
-                            BLOCK_M=block_m, E_PAD=e_pad, BLOCK=block, num_warps=4)
+    _moe_align_kernel[(E + 1,)](flat, pairs, block_expert, num_rows, n, E, P, NB, BLOCK_M=block_m,
+                                E_PAD=triton.next_power_of_2(E + 1), BLOCK=max(16, min(1024, triton.next_power_of_2(n))),
+                                num_warps=4)
     return Alignment(pairs, block_expert, num_rows)
+
+
+# out[t] = sum_k y[t * K + k] over the pairs routed somewhere (rows of pairs routed nowhere were never written): one
+# launch instead of a zero fill of y and a reduction.
+@triton.jit
+def _moe_sum_kernel(y_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_o,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + k)
+        acc += tl.load(y_ptr + (t * TOP_K + k) * stride_y + cols, mask=(cols < H) & (e >= 0) & (e < E),
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 def _block(n: int, cap: int) -> int:
@@ -213,8 +278,8 @@ def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     cfg = config if config is not None else default_config(T, E, K, H, I)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"      # float32 stays float32 (no TF32 rounding)
-    al = (moe_align_triton(topk_ids, E, cfg.block_m) if topk_ids.numel() <= TRITON_ALIGN_MAX_PAIRS
-          else moe_align(topk_ids, E, cfg.block_m))
+    topk_ids = topk_ids.contiguous()
+    al = moe_align_triton(topk_ids, E, cfg.block_m)
     P = al.sorted_pairs.numel()
     nb = al.block_expert.numel()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
@@ -223,11 +288,16 @@ def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    y = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)      # rows of pairs routed nowhere: never read
     weights = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(nb, triton.cdiv(H, cfg.block_n2))](
         h, w2, y, al.sorted_pairs, al.block_expert, weights, T * K, E, H, I,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y.view(T, K, H).sum(dim=1)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T:
+        block_h = min(1024, triton.next_power_of_2(H))
+        _moe_sum_kernel[(T, triton.cdiv(H, block_h))](y, topk_ids, out, H, E, y.stride(0), out.stride(0),
+                                                      TOP_K=K, BLOCK_H=block_h, num_warps=4)
+    return out

@@ -63,16 +63,43 @@ def test_fused_moe_in_cuda_graph_with_padding_rows():
     assert torch.all(out[real:] == 0) and torch.equal(out, want) and not torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("T", [1, 16, 64, 700, 1500])
+@pytest.mark.parametrize("T", [1, 16, 64, 700, 1500, 8192])
 def test_triton_align_equals_torch_align(T):
-    """The one-program alignment (decode-sized steps, up to TRITON_ALIGN_MAX_PAIRS pairs) equals ops.moe.moe_align
-    exactly on the GPU, padding rows routed nowhere included."""
+    """The one-launch alignment equals ops.moe.moe_align exactly on the GPU, from a decode token to a prefill chunk
+    of 8192 tokens (65536 pairs), padding rows routed nowhere included."""
     from xllm_gen.runtime.ops.moe import moe_align
     from xllm_gen.runtime.ops.moe_triton import moe_align_triton
 
     *_, ids = _problem(T, H=64, I=32)
     ids[-1] = 128
+    ids[0, 1] = -1
     for bm in (16, 64):
         a, b = moe_align(ids, 128, bm), moe_align_triton(ids, 128, bm)
         for x, y, name in zip(a, b, a._fields):
             assert torch.equal(x, y), (T, bm, name)
+
+
+@pytest.mark.parametrize("T", [1, 16, 300])
+@pytest.mark.parametrize("first,count", [(0, 128), (32, 32)])
+def test_triton_route_equals_torch_route(T, first, count):
+    """route_topk (one launch) vs ops.moe.route_reference: float32 logits give the same ids and weights to rounding
+    (local ids of an expert-parallel rank's experts, padding rows by a negative KV slot); bfloat16 logits (ties
+    among 128 experts are common) pick experts of the same probabilities."""
+    from xllm_gen.runtime.ops.moe import route_reference
+    from xllm_gen.runtime.ops.moe_triton import route_topk
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    logits = torch.randn(T, 128, device="cuda", generator=g)
+    slots = torch.arange(T, device="cuda")
+    slots[T // 2:] = -1
+    for renorm in (True, False):
+        (wa, ia), (wb, ib) = (route_topk(logits, 8, renorm, first, count, slots),
+                              route_reference(logits, 8, renorm, first, count, slots))
+        assert torch.equal(ia, ib)
+        torch.testing.assert_close(wa, wb, rtol=1e-6, atol=1e-7)
+    assert torch.all(ia[T // 2:] == count)
+    lb = logits.bfloat16()
+    (wa, ia), (wb, ib) = route_topk(lb, 8, False), route_reference(lb, 8, False)
+    probs = torch.softmax(lb, -1, dtype=torch.float32)
+    torch.testing.assert_close(wa.float(), wb.float(), rtol=0, atol=0)
+    torch.testing.assert_close(probs.gather(1, ia), probs.gather(1, ib), rtol=0, atol=0)
