@@ -133,13 +133,16 @@ class Layer:
         self.w2 = torch.randn(self.E, self.H, self.I, device="cuda", dtype=torch.bfloat16, generator=g)
         self.w2 /= self.I ** 0.5
 
+    def logits(self, T: int) -> torch.Tensor:
+        g = torch.Generator(device=self.w13.device).manual_seed(2000 + T)
+        return torch.randn(T, self.E, device=self.w13.device, dtype=self.w13.dtype, generator=g)
+
     def inputs(self, T: int):
         from xllm_gen.runtime.ops.moe import topk_softmax
         dev, dt = self.w13.device, self.w13.dtype
         g = torch.Generator(device=dev).manual_seed(1000 + T)
         x = torch.randn(T, self.H, device=dev, dtype=dt, generator=g)
-        logits = torch.randn(T, self.E, device=dev, dtype=dt, generator=g)
-        w, ids = topk_softmax(logits, self.K, True)
+        w, ids = topk_softmax(self.logits(T), self.K, True)
         hit = int(ids.unique().numel())
         return x, w, ids, hit, hit * (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
 
@@ -149,21 +152,25 @@ class Layer:
 
 
 def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
-    """Per T: the Triton fused MoE (default config) eager (host launches of moe_align's ~15 torch ops included)
-    and inside a CUDA graph (GPU time only), moe_align alone in a graph, the torch reference in a graph; the
-    achieved bandwidth = bytes of the experts hit / graph time."""
+    """Per T: the Triton fused MoE (default config) eager (host launches included) and inside a CUDA graph (GPU
+    time only); in graphs, its parts: the routing (route_topk, from router logits) and the alignment
+    (moe_align_triton), beside the torch alignment (ops.moe.moe_align) and the torch reference of the whole layer;
+    the achieved bandwidth = bytes of the experts hit / graph time."""
     from xllm_gen.runtime.ops.moe import fused_moe_reference, moe_align
-    from xllm_gen.runtime.ops.moe_triton import default_config, fused_moe_silu
+    from xllm_gen.runtime.ops.moe_triton import default_config, fused_moe_silu, moe_align_triton, route_topk
 
     L = layer
     rows = []
     for T in tokens:
         x, w, ids, hit, nbytes = L.inputs(T)
+        logits = L.logits(T)
         cfg = default_config(T, L.E, L.K, L.H, L.I)
         row = dict(tokens=T, experts_hit=hit, bytes=nbytes, config=asdict(cfg))
         cases = (("triton_eager", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), None),
                  ("triton_graph", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), 10),
-                 ("align_graph", lambda: moe_align(ids, L.E, cfg.block_m), 10),
+                 ("route_graph", lambda: route_topk(logits, L.K, True), 10),
+                 ("align_graph", lambda: moe_align_triton(ids, L.E, cfg.block_m), 10),
+                 ("torch_align_graph", lambda: moe_align(ids, L.E, cfg.block_m), 10),
                  ("torch_ref_graph", lambda: fused_moe_reference(x, L.w13, L.w2, w, ids, L.act), 2))
         for name, fn, inner in cases:
             try:
@@ -180,6 +187,44 @@ def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
         log(f"kernel T={T}: {row}")
         rows.append(row)
     return rows
+
+
+def flashinfer_table(log, layer: Layer, tokens=TOKENS) -> dict:
+    """FlashInfer's fused MoE (cutlass_fused_moe: TensorRT-LLM's CUTLASS grouped GEMMs, built by FlashInfer's JIT on
+    first use, for SM90 here) beside our Triton fused MoE at the same routing, both in CUDA graphs. Its gate/up
+    weight layout is found by comparing both halves' orders with our output (rel_err_*)."""
+    from flashinfer.fused_moe import cutlass_fused_moe
+
+    from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
+
+    L = layer
+    w31 = torch.cat([L.w13[:, L.I:], L.w13[:, :L.I]], 1).contiguous()       # [up; gate] per expert
+    res: dict = dict(rows=[])
+    t0 = time.perf_counter()
+    for T in tokens:
+        x, w, ids, hit, nbytes = L.inputs(T)
+        ids32, scales = ids.to(torch.int32), w.float()
+        ours = fused_moe_silu(x, L.w13, L.w2, w, ids).float()
+        row: dict = dict(tokens=T, experts_hit=hit, bytes=nbytes)
+
+        def fi(fc1):
+            out = cutlass_fused_moe(x, ids32, scales, fc1, L.w2, torch.bfloat16, quant_scales=[])
+            return out[0] if isinstance(out, (list, tuple)) else out
+
+        for name, fc1 in (("gate_up", L.w13), ("up_gate", w31)):
+            row[f"rel_err_{name}"] = ((fi(fc1).float() - ours).abs().max() / ours.abs().max()).item()
+        res.setdefault("first_call_s", time.perf_counter() - t0)         # the JIT build, if it was not cached
+        row["layout"] = min(("gate_up", "up_gate"), key=lambda n: row[f"rel_err_{n}"])
+        fc1 = L.w13 if row["layout"] == "gate_up" else w31
+        try:
+            row["flashinfer_graph_ms"] = graph_ms(lambda: fi(fc1), inner=10)
+        except Exception as e:   # noqa: BLE001  (not capturable: time it eagerly)
+            row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+            row["flashinfer_eager_ms"] = BD._ev_ms(lambda: fi(fc1), 20)
+        row["triton_graph_ms"] = graph_ms(lambda: fused_moe_silu(x, L.w13, L.w2, w, ids), inner=10)
+        log(f"flashinfer T={T}: {row}")
+        res["rows"].append(row)
+    return res
 
 
 def sweep_candidates(T: int, layer: Layer) -> list:
@@ -269,16 +314,32 @@ def markdown(R: dict) -> str:
         L.append("\nOne MoE layer, Triton fused MoE (default config) vs the torch reference. *graph*: GPU time inside a "
                  "CUDA graph (10 calls per replay, median of 20 replays); *eager*: host launches included; "
                  "GB/s: bytes of the experts hit / Triton graph time.\n")
-        L.append("| tokens | experts hit | expert bytes (MB) | Triton eager ms | Triton graph ms | of it moe_align ms "
-                 "| Triton GB/s | torch ref graph ms |")
-        L.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        L.append("| tokens | experts hit | expert bytes (MB) | Triton eager ms | Triton graph ms | of it: align ms "
+                 "| Triton GB/s | routing ms | torch align ms | torch ref graph ms |")
+        L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in R["kernel"]:
             L.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bytes'] / 1e6:.1f} | {f(r.get('triton_eager_ms'))} "
                      f"| {f(r.get('triton_graph_ms'))} | {f(r.get('align_graph_ms'))} | "
-                     f"{f(r.get('triton_graph_GBs'), 0)} | {f(r.get('torch_ref_graph_ms'))} |")
+                     f"{f(r.get('triton_graph_GBs'), 0)} | {f(r.get('route_graph_ms'))} | "
+                     f"{f(r.get('torch_align_graph_ms'))} | {f(r.get('torch_ref_graph_ms'))} |")
         errs = {f"T={r['tokens']} {k}": v for r in R["kernel"] for k, v in r.items() if k.endswith("_error")}
         if errs:
             L.append(f"\nerrors: {json.dumps(errs)}\n")
+    F = R.get("flashinfer")
+    if F:
+        L.append(f"\nFlashInfer's fused MoE (cutlass_fused_moe, SM90 CUTLASS) vs our Triton fused MoE, one layer, CUDA "
+                 f"graphs (ms); first call {F.get('first_call_s', 0):.0f} s (JIT build); rel err: vs ours, per gate/up "
+                 "layout tried.\n")
+        L.append("| tokens | experts hit | FlashInfer ms | Triton ms | FlashInfer / Triton | layout | rel err |")
+        L.append("|---:|---:|---:|---:|---:|---|---:|")
+        for r in F.get("rows", []):
+            t_fi = r.get("flashinfer_graph_ms") or r.get("flashinfer_eager_ms")
+            L.append(f"| {r['tokens']} | {r['experts_hit']} | {f(t_fi)}{'' if r.get('flashinfer_graph_ms') else ' (eager)'}"
+                     f" | {f(r.get('triton_graph_ms'))} | "
+                     f"{f(t_fi / r['triton_graph_ms'] if t_fi and r.get('triton_graph_ms') else None, 2)} | "
+                     f"{r['layout']} | {r['rel_err_' + r['layout']]:.1e} |")
+    if "flashinfer_error" in R:
+        L.append(f"\nFlashInfer fused MoE: {R['flashinfer_error']}\n")
     if "kernel_error" in R:
         L.append(f"\nkernel table: {R['kernel_error']}\n")
     S = R.get("kernel_sweep")
@@ -324,7 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--sections", default="kernel,sweep,engine,hf",
-                    help="comma list of kernel (Triton vs torch, CUDA graphs), sweep (fused MoE configs), engine, "
+                    help="comma list of kernel (Triton vs torch, CUDA graphs), sweep (fused MoE configs), flashinfer "
+                         "(FlashInfer's fused MoE vs ours; JIT-builds it on first use), engine, "
                          "profile (with engine: where a graph decode step goes, per batch), hf")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts of the kernel table and sweep")
     ap.add_argument("--sweep-budget-s", type=float, default=45.0, help="time limit of the config sweep (compiles included)")
@@ -361,8 +423,14 @@ def main(argv=None) -> int:
     R["copy_bandwidth_GBs"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     save()
-    if sections & {"kernel", "sweep"}:
+    if sections & {"kernel", "sweep", "flashinfer"}:
         layer = Layer(args.tp)
+        if "flashinfer" in sections:
+            try:
+                R["flashinfer"] = flashinfer_table(log, layer, tokens)
+            except Exception as e:   # noqa: BLE001
+                R["flashinfer_error"] = f"{type(e).__name__}: {e}"[:1000]
+            save()
         if "kernel" in sections:
             t = time.perf_counter()
             try:

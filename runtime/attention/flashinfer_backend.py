@@ -11,9 +11,10 @@ its own wrappers, all over the one float workspace, which they never use concurr
   on the paged cache (causal, bottom-right aligned);
 - decode (one query token per row): BatchDecodeWithPagedKVCacheWrapper (tensor cores when GQA), or for small
   batches the Triton split-KV kernel that merges its splits in the same launch (attention/triton_decode.py,
-  `decode_kernel`: "auto" / "flashinfer" / "triton", or $XLLM_DECODE_ATTENTION). A decode batch takes the
-  kernel (and split count) of the graph bucket it pads to, in graphs and eager steps alike, so both compute
-  the same. When the batch size equals a graph bucket, that bucket's wrapper is used: built with
+  `decode_kernel`: "auto" / "flashinfer" / "triton", or $XLLM_DECODE_ATTENTION; "auto" times both for each
+  graph bucket where the Triton kernel is a candidate, once per process, and keeps the faster). A decode batch
+  takes the kernel (and split count) of the graph bucket it pads to, in graphs and eager steps alike, so both
+  compute the same. When the batch size equals a graph bucket, that bucket's wrapper is used: built with
   use_cuda_graph=True over persistent buffers (indptr [b+1], last_page_len [b] per bucket; one page-index
   buffer shared by all buckets, sized for the worst case), so a graph captured after a plan stays valid when
   later steps re-plan.
@@ -37,6 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant
+from xllm_gen.runtime.attention import triton_decode
 from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper, decode_kernel_choice, decode_splits
 from xllm_gen.runtime.executor.context import ForwardContext
 
@@ -89,6 +91,8 @@ class FlashInferBackend(AttentionBackend):
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = num_sms
         self.decode_kernel = decode_kernel_choice(decode_kernel)
+        self.max_model_len = max_model_len
+        self.decode_kernel_times: dict = {}        # bucket -> {splits (0: FlashInfer): us} of what was measured
         ws = workspace_bytes or self.workspace_size(num_heads, num_kv_heads, head_dim, max(max_batch, 1),
                                                     max_num_tokens, num_sms)
         self.workspace_bytes = ws
@@ -143,8 +147,32 @@ class FlashInferBackend(AttentionBackend):
     def decode_splits(self, batch: int) -> int:
         """The Triton decode kernel's split count for a decode batch of `batch` rows (that of the graph bucket
         it pads to, if any); 0: FlashInfer's decode."""
-        bucket = next((b for b in self.graph_buckets if b >= batch), batch)
-        return decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel)
+        bucket = next((b for b in self.graph_buckets if b >= batch), None)
+        if bucket is None:       # no graph bucket: "auto" measures buckets only, and keeps FlashInfer here
+            return 0 if self.decode_kernel == "auto" else decode_splits(batch, self.num_kv_heads, self.num_sms,
+                                                                        self.decode_kernel)
+        return self._bucket_splits(bucket)
+
+    def _bucket_splits(self, bucket: int) -> int:
+        """A graph bucket's kernel: forced by decode_kernel, or ("auto") the faster of FlashInfer and the Triton
+        kernel where the Triton kernel is a candidate, measured once per process (triton_decode)."""
+        if self.decode_kernel != "auto" or not decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto"):
+            return decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel)
+        context = min(self.max_model_len or triton_decode.TUNE_CONTEXT, triton_decode.TUNE_CONTEXT)
+        key = (bucket, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype, self.block_size,
+               context)
+        if key not in triton_decode.DECODE_KERNEL_CHOICE:
+            try:
+                times = triton_decode.measure_decode_kernels(
+                    bucket, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype,
+                    self.block_size, context, self.device, self.workspace, self.decode_tensor_cores,
+                    triton_decode.split_candidates(bucket, self.num_kv_heads, self.num_sms))
+                choice = triton_decode.pick_decode_kernel(times)
+            except torch.OutOfMemoryError:     # no room for the timing caches: the candidate rule's choice
+                times, choice = {}, decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto")
+            triton_decode.DECODE_KERNEL_CHOICE[key] = choice
+            self.decode_kernel_times[bucket] = times
+        return triton_decode.DECODE_KERNEL_CHOICE[key]
 
     def _make_graph_wrappers(self, variant: AttentionVariant, buckets: Sequence[int]) -> None:
         import flashinfer
@@ -153,7 +181,7 @@ class FlashInferBackend(AttentionBackend):
             if b in graph:
                 continue
             indptr, last = self.graph_buffers[b]
-            splits = decode_splits(b, self.num_kv_heads, self.num_sms, self.decode_kernel)
+            splits = self._bucket_splits(b)
             if splits:
                 graph[b] = TritonDecodeWrapper(self.num_heads, self.num_kv_heads, self.head_dim, splits, b,
                                                self.device, buffers=(indptr, last, self.page_indices_buf))

@@ -2,11 +2,14 @@
 (`plan(indptr, indices, last_page_len, ...)`, `run(q, (k_cache, v_cache))`), so FlashInferBackend can give a
 graph bucket (or an eager step) either kernel.
 
-Which kernel a batch size gets (`decode_splits`): FlashInfer's CUDA-graph decode always splits the KV range and
-merges the splits in a second kernel, ~11 us per layer at batch 1 on an H200 for a 1k context (two launches,
-most of it fixed cost). The Triton kernel merges in the same launch. It is used for batches whose
-(rows x KV heads) fill less than the GPU with one program each, where the split is what fills it; larger batches
-keep FlashInfer's tensor-core decode, which reads the KV cache near bandwidth there.
+Which kernel a batch size gets: FlashInfer's CUDA-graph decode always splits the KV range and merges the splits in
+a second kernel, ~11 us per layer at batch 1 on an H200 for a 1k context (two launches, most of it fixed cost).
+The Triton kernel merges in the same launch. It is a candidate for batches whose (rows x KV heads) fill less than
+the GPU with one program each, where the split is what fills it (`decode_splits`); larger batches keep
+FlashInfer's tensor-core decode, which reads the KV cache near bandwidth there. Which of the two is faster for a
+candidate depends on the heads: on an H200 the Triton kernel was 18% faster at batch 1 for Qwen3-0.6B (16 query
+heads over 8 KV heads) and 32% slower for Qwen3-30B-A3B (32 over 4). So with "auto" each graph bucket's kernel
+(and split count) is measured once per process on the GPU at hand (`measure_decode_kernels`, `pick_decode_kernel`).
 """
 from __future__ import annotations
 
@@ -36,6 +39,64 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kernel: str = "au
     if kernel == "auto" and programs >= num_sms:
         return 0
     return max(1, min(max_splits, -(-2 * num_sms // programs)))
+
+
+# (rows, heads, KV heads, head_dim, dtype, KV dtype, page size, context) -> the Triton kernel's split count, or 0 for
+# FlashInfer: measured once per process, so every backend of the process gives a bucket the same kernel (engines
+# then compare bit for bit, as DECODE_GEMM_CHOICE does for the GEMMs)
+DECODE_KERNEL_CHOICE: dict = {}
+TUNE_CONTEXT = 2048      # the context the kernels are timed at (the engine's max_model_len where shorter)
+TUNE_MARGIN = 0.97       # the Triton kernel must be 3% faster: a near tie keeps FlashInfer's
+
+
+def split_candidates(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> list[int]:
+    """Split counts worth timing: decode_splits' (about two programs per SM), a half and a quarter of it."""
+    s = decode_splits(batch, num_kv_heads, num_sms, "triton", max_splits)
+    return sorted({s, max(1, s // 2), max(1, s // 4)}, reverse=True)
+
+
+def pick_decode_kernel(times: dict, margin: float = TUNE_MARGIN) -> int:
+    """`times` {splits: us per call}, 0 being FlashInfer's: the fastest Triton split count if it takes less than
+    `margin` x FlashInfer's time, else 0 (FlashInfer)."""
+    triton = {s: t for s, t in times.items() if s > 0}
+    if not triton:
+        return 0
+    best = min(triton, key=triton.get)
+    return best if 0 not in times or triton[best] < margin * times[0] else 0
+
+
+@torch.inference_mode()
+def measure_decode_kernels(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                           kv_dtype: torch.dtype, page_size: int, context: int, device: torch.device,
+                           workspace: torch.Tensor, tensor_cores: bool, splits: list[int]) -> dict:
+    """{0: FlashInfer's CUDA-graph decode, s: the Triton kernel at s splits}: us per layer, each timed in a CUDA graph
+    over copies of a random KV cache of `rows` x `context` tokens (128 MB at least, so that they stream from HBM
+    as a step's layers do). `workspace` is FlashInfer's float workspace (not in use while this runs)."""
+    import flashinfer
+
+    from xllm_gen.runtime.layers.linear import graph_time_ms
+    per_row = -(-context // page_size)
+    npages = rows * per_row
+    kv_bytes = 2 * npages * page_size * num_kv_heads * head_dim * torch.empty(0, dtype=kv_dtype).element_size()
+    copies = int(max(2, min(64, -(-(128 << 20) // kv_bytes))))
+    caches = [tuple(torch.randn(npages, page_size, num_kv_heads, head_dim, device=device).to(kv_dtype)
+                    for _ in range(2)) for _ in range(copies)]
+    indptr = torch.arange(0, npages + 1, per_row, dtype=torch.int32)
+    indices = torch.randperm(npages, device=device).to(torch.int32)
+    last = torch.full((rows,), context - (per_row - 1) * page_size, dtype=torch.int32)
+    q = torch.randn(rows, num_heads, head_dim, device=device).to(dtype)
+    fi = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+        paged_kv_indptr_buffer=indptr.to(device), paged_kv_indices_buffer=indices.clone(),
+        paged_kv_last_page_len_buffer=last.to(device))
+    fi.plan(indptr, indices, last, num_heads, num_kv_heads, head_dim, page_size, q_data_type=dtype,
+            kv_data_type=kv_dtype)
+    times = {0: 1e3 * graph_time_ms(lambda: [fi.run(q, kv) for kv in caches]) / copies}
+    for s in splits:
+        w = TritonDecodeWrapper(num_heads, num_kv_heads, head_dim, s, rows, device)
+        w.plan(indptr, indices, last, num_heads, num_kv_heads, head_dim, page_size)
+        times[s] = 1e3 * graph_time_ms(lambda: [w.run(q, kv) for kv in caches]) / copies
+    return times
 
 
 class TritonDecodeWrapper:

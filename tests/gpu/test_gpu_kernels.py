@@ -352,3 +352,32 @@ def test_flashinfer_vs_torch_paged(H, Hk, decode_kernel):
           {k: f"{v:.2e}" for k, v in errs.items()}, f"workspace {fi.workspace_bytes >> 20} MiB")
     bad = {k: v for k, v in errs.items() if not v < 2e-2}
     assert not bad, bad
+
+
+def test_auto_decode_kernel_is_measured_per_bucket():
+    """decode_kernel="auto": each graph bucket where the Triton kernel is a candidate is timed against FlashInfer once
+    per process, and its wrapper (graph and eager) is the kernel measured faster; a second backend of the same
+    shapes reuses the choice without timing again; buckets past the candidates stay on FlashInfer untimed."""
+    import flashinfer
+
+    from xllm_gen.runtime.attention import triton_decode as TD
+    from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
+
+    for H, Hk in ((16, 8), (32, 4)):
+        kw = dict(block_size=16, max_batch=64, max_model_len=2048, max_num_tokens=4096,
+                  graph_buckets=(1, 4, 16, 64), decode_kernel="auto")
+        be = FlashInferBackend(H, Hk, 128, torch.bfloat16, "cuda", **kw)
+        sms = be.num_sms
+        for b in (1, 4, 16, 64):
+            times = be.decode_kernel_times.get(b)
+            if not TD.decode_splits(b, Hk, sms, "auto"):
+                assert times is None and be.decode_splits(b) == 0
+                assert isinstance(be.graph_wrappers[b], flashinfer.BatchDecodeWithPagedKVCacheWrapper)
+                continue
+            assert 0 in times and len(times) >= 2, times
+            choice = TD.pick_decode_kernel(times)
+            assert be.decode_splits(b) == choice
+            assert isinstance(be.graph_wrappers[b], TD.TritonDecodeWrapper) == bool(choice)
+            print({"H": H, "Hk": Hk, "bucket": b, "us": times, "choice": choice})
+        again = FlashInferBackend(H, Hk, 128, torch.bfloat16, "cuda", **kw)
+        assert again.decode_kernel_times == {} and all(again.decode_splits(b) == be.decode_splits(b) for b in (1, 4, 16, 64))
