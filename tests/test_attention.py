@@ -245,16 +245,17 @@ def test_decode_kernel_choice_and_splits(monkeypatch):
 def test_auto_keeps_the_measured_faster_decode_kernel():
     """"auto" times FlashInfer (0) against the Triton kernel at a few split counts and keeps the fastest; the
     Triton kernel must win by the margin (a near tie keeps FlashInfer's); the candidates are the rule's split
-    count, a half and a quarter of it."""
+    count and the powers of two from an eighth of it to twice it."""
     from xllm_gen.runtime.attention.triton_decode import TUNE_MARGIN, pick_decode_kernel, split_candidates
     assert pick_decode_kernel({0: 10.3, 32: 13.6, 16: 14.0, 8: 15.9}) == 0          # Qwen3-30B-A3B's heads, batch 1
     assert pick_decode_kernel({0: 10.9, 32: 9.0, 16: 8.7, 8: 9.5}) == 16
     assert pick_decode_kernel({0: 10.0, 32: 10.0 * TUNE_MARGIN + 1e-6}) == 0
     assert pick_decode_kernel({32: 5.0, 8: 4.0}) == 8                                  # FlashInfer not timed
     assert pick_decode_kernel({0: 3.0}) == 0 and pick_decode_kernel({}) == 0
-    assert split_candidates(1, 8, 132) == [32, 16, 8]
-    assert split_candidates(16, 8, 132) == [3, 1]
-    assert split_candidates(64, 4, 132) == [2, 1]
+    assert split_candidates(1, 8, 132) == [32, 16, 8, 4]
+    assert split_candidates(4, 8, 132) == [16, 9, 8, 4, 2]
+    assert split_candidates(16, 8, 132) == [4, 3, 2, 1]
+    assert split_candidates(64, 4, 132) == [4, 2, 1]
 
 
 @pytest.mark.parametrize("fast", ["1", "0"])
