@@ -58,7 +58,10 @@ def _block(b) -> str:
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={b.activation}, norm_topk_prob={b.norm_topk_prob}, router "
                 f"{b.router_name} (replicated, softmax top-k), experts.gate_up_proj=[gate, up], experts.down_proj, "
-                f"{b.parallel} parallel)")
+                f"{b.parallel} parallel"
+                + (f"; shared expert {b.shared_name}(intermediate={b.shared_intermediate}, gate_up_proj=[gate, up], "
+                   f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
+                   if b.shared_name else "") + ")")
     return repr(b)
 
 

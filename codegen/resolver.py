@@ -636,11 +636,24 @@ class _Resolver(VisionResolver):
             if router == "experts":
                 raise self.err(path + ("router", "name"), f"{self._where(path)}.router.name: 'experts' is the "
                                                           f"stacked experts' module")
+            shared = {}
+            if b.shared_expert is not None:
+                sp = path + ("shared_expert",)
+                taken = {"experts": "the stacked experts' module", router: "the router"}
+                for key, module in (("name", b.shared_expert.name), ("gate", b.shared_expert.gate)):
+                    if module is None:
+                        continue
+                    self.ident(sp + (key,), module, "module name")
+                    if module in taken:
+                        raise self.err(sp + (key,), f"{self._where(sp + (key,))}: '{module}' is {taken[module]}")
+                    taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
+                shared = dict(shared_name=b.shared_expert.name, shared_gate=b.shared_expert.gate,
+                              shared_intermediate=self.dim(sp + ("intermediate",), b.shared_expert.intermediate))
             return MoEIR("moe", name, f"{prefix}SparseMoeBlock" if unique_kind else f"{prefix}{camel}",
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
                          self.activation(path + ("activation",), b.activation),
-                         self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel)
+                         self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
     def activation(self, path, name: str) -> Value:
@@ -768,7 +781,15 @@ class _Resolver(VisionResolver):
                              per_layer=per_layer, experts=E)
                 down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate), "expert",
                                (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
-            return [P(f"{b.router_name}.weight", (E, b.hidden), "replicated"), up, down]
+            ps = [P(f"{b.router_name}.weight", (E, b.hidden), "replicated"), up, down]
+            if b.shared_name:
+                si = b.shared_intermediate
+                ps += column(f"{b.shared_name}.gate_up_proj.", b.hidden, [SegmentIR("gate", si, one),
+                                                                          SegmentIR("up", si, one)], False)
+                ps += row(f"{b.shared_name}.down_proj.", SegmentIR("down_proj", si, one), b.hidden, False)
+                if b.shared_gate:
+                    ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
+            return ps
         if isinstance(b, GatedMLPIR):
             g, u = b.gate_up_segments
             ps = column(f"{b.gate_up_name}.", b.hidden, [SegmentIR(g, b.intermediate, one),

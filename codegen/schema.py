@@ -159,13 +159,25 @@ class Router(Strict):
     name: StrictStr = "gate"
 
 
+class SharedExpert(Strict):
+    """An always-on gated MLP beside the routed experts (Qwen2-MoE's `shared_expert`): module `name`, with the
+    block's activation, parameters `gate_up_proj [2 * intermediate, hidden]` (segments gate | up, column-parallel)
+    and `down_proj [hidden, intermediate]` (row-parallel), as a dense MLP's. `gate` names a replicated linear
+    hidden -> 1 whose sigmoid scales the shared expert's output (Qwen2-MoE's `shared_expert_gate`); without it the
+    output is added unscaled."""
+    name: StrictStr = "shared_expert"
+    intermediate: Dim
+    gate: Optional[StrictStr] = None
+
+
 class MoEBlock(Strict):
     """Mixture of experts: a replicated router (`router.name`: linear hidden -> experts), softmax over the experts,
     the `top_k` largest probabilities (renormalized to sum 1 when `norm_topk_prob`), and the experts as one stacked
     gated MLP (module `experts`, parameters `gate_up_proj [experts, 2 * intermediate, hidden]` with segments
     gate | up, and `down_proj [experts, hidden, intermediate]`); the output is the routing-weighted sum of the
-    chosen experts. `activation` as a gated MLP's. `parallel: tensor` splits every expert over the
-    intermediate dimension (column / row, one all-reduce); `parallel: expert` gives each rank whole experts."""
+    chosen experts, plus a `shared_expert`'s where one is declared. `activation` as a gated MLP's.
+    `parallel: tensor` splits every expert over the intermediate dimension (column / row, one all-reduce);
+    `parallel: expert` gives each rank whole experts."""
     kind: Literal["moe"]
     hidden: Dim
     experts: Dim
@@ -175,6 +187,7 @@ class MoEBlock(Strict):
     norm_topk_prob: Flag = False
     router: Router = Router()
     parallel: Literal["tensor", "expert"] = "tensor"
+    shared_expert: Optional[SharedExpert] = None
 
 
 class LMHeadBlock(Strict):

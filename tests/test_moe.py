@@ -278,6 +278,14 @@ def test_expert_parallel_mode_compiles(tmp_path):
     ("variants:\n  Qwen3-30B-A3B: {num_experts_per_tok: 200}\n", "exceeds its experts"),
     ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
      "      - {norm: post_attention_layernorm, block: {if: 'layer + 1', then: moe, else: mlp}}\n", "not a bool"),
+    ("decoder:\n  layers:\n    blocks:\n      moe: {shared_expert: {name: experts, intermediate: moe_intermediate_size}}\n",
+     "stacked experts' module"),
+    ("decoder:\n  layers:\n    blocks:\n      moe: {shared_expert: {intermediate: moe_intermediate_size, gate: gate}}\n",
+     "is the router"),
+    ("decoder:\n  layers:\n    blocks:\n      moe: {shared_expert: {intermediate: shared_size}}\n",
+     "unknown config symbol"),
+    ("decoder:\n  layers:\n    blocks:\n      moe: {shared_expert: {name: shared, intermediate: moe_intermediate_size, "
+     "gate: shared}}\n", "shared expert's module"),
 ])
 def test_moe_spec_errors(tmp_path, body, match):
     from xllm_gen.codegen.errors import SpecError
@@ -318,6 +326,39 @@ def test_routing_config_matters(field, value, tiny_checkpoint, tmp_path_factory)
     got = _engine_tokens(other, prompts)
     assert got != base, f"{field}={value} does not change the engine's output"
     assert got == hf_greedy(other, prompts, 12)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("zeroed", ["mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"],
+                         ids=["shared_expert_off", "gate_at_one_half"])
+def test_shared_expert_matters(zeroed, tiny_checkpoint, tmp_path):
+    """Qwen2-MoE's shared expert (specs/qwen2_moe.yaml): zeroing its output projection (no shared expert) or its
+    sigmoid gate (a fixed scale of 1/2) in every sparse layer changes the output (HF's too), and the engine still
+    gives HF's greedy tokens, so the shared expert and its gate are live in the compiled model (the spec battery
+    checks parity with both on)."""
+    from fixtures.tiny_hf import edit_config
+    from hf_ref import hf_greedy
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tiny_checkpoint("Qwen2MoeForCausalLM")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 400, n).tolist() for n in (6, 14)]
+    base = _engine_tokens(ckpt, prompts)
+    assert base == hf_greedy(ckpt, prompts, 12)
+    arm = edit_config(ckpt, tmp_path / "arm", lambda cfg: None)
+    hits = 0
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        tensors = load_file(f)
+        for name in tensors:
+            if name.endswith(zeroed):
+                tensors[name] = torch.zeros_like(tensors[name])
+                hits += 1
+        (arm / f.name).unlink()
+        save_file(tensors, arm / f.name, metadata={"format": "pt"})
+    assert hits == 2                                  # the sparse layers 0 and 2 (layer 1 is dense)
+    got = _engine_tokens(arm, prompts)
+    assert got != base, f"zeroing {zeroed} does not change the output"
+    assert got == hf_greedy(arm, prompts, 12)
 
 
 @pytest.mark.engine

@@ -37,8 +37,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant
 from xllm_gen.runtime.attention import triton_decode
+from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant
 from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper, decode_kernel_choice, decode_splits
 from xllm_gen.runtime.executor.context import ForwardContext
 
