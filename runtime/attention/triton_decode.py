@@ -7,9 +7,10 @@ a second kernel, ~11 us per layer at batch 1 on an H200 for a 1k context (two la
 The Triton kernel merges in the same launch. It is a candidate for batches whose (rows x KV heads) fill less than
 the GPU with one program each, where the split is what fills it (`decode_splits`); larger batches keep
 FlashInfer's tensor-core decode, which reads the KV cache near bandwidth there. Which of the two is faster for a
-candidate depends on the heads: on an H200 the Triton kernel was 18% faster at batch 1 for Qwen3-0.6B (16 query
-heads over 8 KV heads) and 32% slower for Qwen3-30B-A3B (32 over 4). So with "auto" each graph bucket's kernel
-(and split count) is measured once per process on the GPU at hand (`measure_decode_kernels`, `pick_decode_kernel`).
+candidate depends on the heads: on an H200 at batch 1 the Triton kernel was 18% faster with 16 query heads over 8
+KV heads, and 32% slower with 32 over 4 (bench/results/h200_attention_30b.md). So with "auto" each graph bucket's
+kernel (and split count) is measured once per process on the GPU at hand (`measure_decode_kernels`,
+`pick_decode_kernel`).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kernel: str = "au
 # then compare bit for bit, as DECODE_GEMM_CHOICE does for the GEMMs)
 DECODE_KERNEL_CHOICE: dict = {}
 TUNE_CONTEXT = 1024      # the context the kernels are timed at (the engine's max_model_len where shorter); longer
-                         # ones favour FlashInfer a little (Qwen3-0.6B's heads, 16 rows x 8192: 4% faster)
+                         # ones favour FlashInfer a little (16 over 8 heads, 16 rows x 8192: 4% faster)
 TUNE_MARGIN = 0.97       # the Triton kernel must be 3% faster: a near tie keeps FlashInfer's
 
 
