@@ -2,7 +2,8 @@
 and the tensor or config field, with no traceback, from `LLM(...)` and from `xllm-gen-generate`.
 
 Hand-written faults (one test each): truncated / empty / garbage safetensors, mis-shaped tensors, integer
-and bool weights, zero / negative / absurd sizes and a NaN in config.json, config.json that is a list, not
+and bool weights, zero / negative / absurd sizes and a NaN in config.json, values the model cannot be built from
+(more layers than layer_types lists, an odd rotary head_dim), config.json that is a list, not
 JSON or not UTF-8, an index without weight_map, a malformed generation_config.json (bad JSON, a list, a
 field of the wrong type, an eos id outside the vocabulary), a corrupt or empty tokenizer.json /
 tokenizer_config.json (an error, never silently dropped). A hypothesis fuzz corrupts the files of a tiny
@@ -83,6 +84,12 @@ FAULTS = {
     "context_zero": (lambda d: _cfg(d, max_position_embeddings=0), r"config\.json: .*'max_position_embeddings' = 0"),
     "size_absurd": (lambda d: _cfg(d, hidden_size=2 ** 40), r"config\.json: .*'hidden_size' = 1099511627776"),
     "size_float": (lambda d: _cfg(d, hidden_size=64.0), r"config\.json: .*'hidden_size' = 64\.0 is not an int"),
+    # values each valid alone, that the model cannot be built from: where in the generated code, which layer
+    "layers_past_layer_types": (lambda d: _cfg(d, num_hidden_layers=5),
+                                r"config\.json: specs/qwen3\.yaml: the model cannot be built from this config: "
+                                r"IndexError: .*building layer \d+, qwen3/model\.py:\d+: .*layer_types\[layer_idx\]"),
+    "head_dim_odd": (lambda d: _cfg(d, head_dim=15),
+                     r"config\.json: .*cannot be built .*rotary head_dim must be even, got 15 \(building layer 0"),
     "eps_nan": (lambda d: _write(d, "config.json", (d / "config.json").read_text().replace(
         '"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN')), r"config\.json: .*'rms_norm_eps' = nan"),
     "config_list": (lambda d: _write(d, "config.json", "[1, 2]"),

@@ -328,6 +328,19 @@ def test_routing_config_matters(field, value, tiny_checkpoint, tmp_path_factory)
     assert got == hf_greedy(other, prompts, 12)
 
 
+def test_top_k_above_the_experts_names_the_config(tiny_checkpoint, tmp_path):
+    """A config.json whose top-k exceeds its experts (each field valid alone) is one error naming the file, the
+    spec and the layer being built, not a traceback."""
+    from fixtures.tiny_hf import edit_config
+
+    from xllm_gen import LLM
+
+    bad = edit_config(tiny_checkpoint(ARCH), tmp_path / "ckpt", lambda c: c.__setitem__("num_experts_per_tok", 9))
+    with pytest.raises(ValueError, match=r"config\.json: specs/qwen3_moe\.yaml: the model cannot be built from this "
+                                         r"config: ValueError: FusedMoE: top_k 9 must be in 1\.\.4 .*building layer 0"):
+        LLM(model=str(bad), device="cpu", dtype="float32")
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("zeroed", ["mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"],
                          ids=["shared_expert_off", "gate_at_one_half"])

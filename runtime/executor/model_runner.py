@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import linecache
 import logging
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -35,9 +37,30 @@ from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as prefill_graph_sizes_of
 from xllm_gen.runtime.layers.linear import tune_decode_gemms
+from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError
 from xllm_gen.runtime.loading.loader import load_weights
 
 logger = logging.getLogger("xllm_gen")
+
+
+def _model_build_error(model_module, e: BaseException) -> str:
+    """What a config that the model cannot be built from gives: the spec, the error, and where in the generated
+    code (file:line, its source, the layer being built), e.g. a per-layer tuple shorter than the layer count."""
+    where = None
+    gen_dir = Path(model_module.__file__).resolve().parent
+    tb = e.__traceback__
+    while tb is not None:                        # the innermost frame of the generated module
+        if Path(tb.tb_frame.f_code.co_filename).resolve().parent == gen_dir:
+            where = tb
+        tb = tb.tb_next
+    at = ""
+    if where is not None:
+        file = where.tb_frame.f_code.co_filename
+        layer = where.tb_frame.f_locals.get("layer_idx")
+        at = (f" (building {'layer ' + str(layer) + ', ' if isinstance(layer, int) else ''}"
+              f"{gen_dir.name}/{Path(file).name}:{where.tb_lineno}: {linecache.getline(file, where.tb_lineno).strip()})")
+    spec = getattr(model_module, "SPEC", model_module.__name__)
+    return f"{spec}: the model cannot be built from this config: {type(e).__name__}: {e}{at}"
 
 
 @contextlib.contextmanager
@@ -84,8 +107,12 @@ class ModelRunner:
         self.graph_buckets = tuple(sorted(set(sizes)))
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.config = self.model_module.Config.from_hf(hf_config)
-        with torch.device(self.device), _default_dtype(dtype):
-            self.model = self.model_module.Model(self.config)
+        try:
+            with torch.device(self.device), _default_dtype(dtype):
+                self.model = self.model_module.Model(self.config)
+        except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
+            raise CheckpointFileError(f"{Path(model_dir) / 'config.json'}: "
+                                      f"{_model_build_error(self.model_module, e)}") from None
         self.model.eval()
         if load_format == "dummy":         # random weights, for benchmarks of a shape without a checkpoint
             self.loaded_params = self._init_dummy_weights()
