@@ -316,6 +316,7 @@ class StepIR:
     takes_positions: bool         # attention blocks get (positions, hidden), the others (hidden)
     post_norm: Optional[str] = None
     choice: Optional[ChoiceIR] = None
+    scale: Optional[Value] = None  # the block's output is multiplied by it before joining the residual
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,7 @@ class LMHeadIR:
     dim: Size
     tie: Value                    # literal bool or a bool config symbol
     softcap: Optional[Value] = None   # final logit soft-capping
+    logit_scale: Optional[Value] = None   # logits multiplied by it (before the soft-cap)
 
 
 @dataclass(frozen=True)

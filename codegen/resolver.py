@@ -475,6 +475,7 @@ class _Resolver(VisionResolver):
         def step(st, sp, where, shared_norm_ok=()):
             mixers = ("attention", "gated_mlp", "moe")
             choice = None
+            scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
             if isinstance(st.block, Choice):
                 c = st.block
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), (("block", "then"), c.then, mixers),
@@ -510,8 +511,9 @@ class _Resolver(VisionResolver):
                                                     f"an attention block (positions, hidden) cannot alternate with "
                                                     f"'{blocks[choice.else_ if blocks[choice.then].kind == 'attention' else choice.then].kind}' (hidden)",
                                    at_key=True)
-                return StepIR(st.norm, module, isinstance(blocks[choice.then], AttentionIR), st.post_norm, choice)
-            return StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR), st.post_norm)
+                return StepIR(st.norm, module, isinstance(blocks[choice.then], AttentionIR), st.post_norm, choice,
+                              scale)
+            return StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR), st.post_norm, None, scale)
 
         for i, st in enumerate(L.dataflow):
             sp = base + ("dataflow", i)
@@ -694,7 +696,8 @@ class _Resolver(VisionResolver):
         p = ("lm_head",)
         head = LMHeadIR("lm_head", self.dim(p + ("vocab",), h.vocab), self.dim(p + ("dim",), h.dim),
                         self.flag(p + ("tie",), h.tie),
-                        self.positive(p + ("softcap",), h.softcap, optional=True) if h.softcap is not None else None)
+                        self.positive(p + ("softcap",), h.softcap, optional=True) if h.softcap is not None else None,
+                        self.positive(p + ("logit_scale",), h.logit_scale) if h.logit_scale is not None else None)
         if head.tie.literal is not False and (str(head.vocab) != str(embed.vocab) or str(head.dim) != str(embed.dim)):
             raise self.err(p, f"lm_head: a tied head must have the embedding's shape: vocab {head.vocab} vs "
                               f"{embed.vocab}, dim {head.dim} vs {embed.dim}", at_key=True)

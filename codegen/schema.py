@@ -196,6 +196,8 @@ class LMHeadBlock(Strict):
     dim: Dim
     tie: Flag                            # true, false, or a bool config symbol (decided by the checkpoint)
     softcap: Optional[Num] = None        # final logit soft-capping (Gemma 2); None = off
+    logit_scale: Optional[Num] = None    # logits are multiplied by it, before any soft-cap (Granite:
+                                         # "1 / logits_scaling"); None = 1
 
 
 LayerBlock = Annotated[
@@ -217,12 +219,15 @@ class Choice(Strict):
 
 class ResidualStep(Strict):
     """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add).
-    `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2).
+    `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2);
+    `scale: S` multiplies it (after the post-norm) before it joins the residual (Granite).
     `block` may be a per-layer choice `{if: expr, then: A, else: B}` (e.g. a MoE on some layers, a dense MLP on
     the others)."""
     norm: StrictStr
     block: Union[StrictStr, Choice]
     post_norm: Optional[StrictStr] = None
+    scale: Optional[Num] = None          # the block's output is multiplied by it before it joins the residual
+                                         # (Granite's residual_multiplier); None = 1
 
 
 class ParallelStep(Strict):
