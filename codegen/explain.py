@@ -103,17 +103,20 @@ def format_resolved(ir: ModelIR) -> str:
     w("    dataflow:")
     for s in ir.layer.steps:
         if hasattr(s, "branches"):
-            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" for b in s.branches))
+            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
+                                                        for b in s.branches))
         else:
             block = s.block if s.choice is None else \
                 f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
-            w(f"      residual: {s.norm} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else ""))
+            w(f"      residual: {s.norm} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
+              + (f" x {s.scale}" if s.scale else ""))
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
         w(f"  deepstack: level k after layer k, k < {ir.deepstack_levels}")
     w(f"  norm  {_block(ir.norm)}")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"
+      + (f", logit_scale={ir.lm_head.logit_scale}" if ir.lm_head.logit_scale else "")
       + (f", softcap={ir.lm_head.softcap})" if ir.lm_head.softcap else ")"))
     v = ir.vision
     if v:
