@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import List
 
 from .ir import (
+    MLPIR,
     AttentionIR,
     GatedMLPIR,
     LinearIR,
@@ -54,6 +55,9 @@ def _block(b) -> str:
         return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
                 f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
                 f"bias={b.down_bias})")
+    if isinstance(b, MLPIR):
+        return (f"mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
+                f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias})")
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={b.activation}, norm_topk_prob={b.norm_topk_prob}, router "

@@ -276,6 +276,21 @@ class GatedMLPIR:
 
 
 @dataclass(frozen=True)
+class MLPIR:
+    """Non-gated MLP: down(act(up(x))), up column-parallel, down row-parallel."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    intermediate: Size
+    activation: Value             # a Hugging Face activation name, or a str config symbol (dispatch)
+    up_name: str
+    up_bias: Value
+    down_name: str
+    down_bias: Value
+
+
+@dataclass(frozen=True)
 class MoEIR:
     """Mixture of experts: replicated router -> softmax -> top-k (renormalized when norm_topk_prob) -> stacked
     gated-MLP experts (runtime layers.moe.FusedMoE), split over TP ranks by intermediate rows or by experts; plus,
@@ -297,7 +312,7 @@ class MoEIR:
     shared_gate: Optional[str] = None
 
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MoEIR]
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
 from .ir import (
+    MLPIR,
     AttentionIR,
     ChoiceIR,
     ConfigFieldIR,
@@ -49,6 +50,7 @@ from .schema import (
     GatedMLPBlock,
     LayerNormBlock,
     LinearBlock,
+    MLPBlock,
     MoEBlock,
     ParallelStep,
     RMSNormBlock,
@@ -89,6 +91,7 @@ def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
 
 # Hugging Face activation names (config hidden_act) the runtime's gated activations implement
 GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
+ACTIVATIONS = ("silu", "swish", "relu", "gelu", "gelu_pytorch_tanh", "gelu_new")   # runtime layers.act
 
 # rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
 # transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
@@ -473,7 +476,7 @@ class _Resolver(VisionResolver):
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            mixers = ("attention", "gated_mlp", "moe")
+            mixers = ("attention", "gated_mlp", "mlp", "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
             if isinstance(st.block, Choice):
@@ -633,6 +636,15 @@ class _Resolver(VisionResolver):
                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                               self.flag(path + ("down", "bias"), b.down.bias))
+        if isinstance(b, MLPBlock):
+            act = self.activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation")
+            up = self.ident(path + ("up", "name"), b.up.name, "module name")
+            dn = self.ident(path + ("down", "name"), b.down.name, "module name")
+            if up == dn:
+                raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
+            return MLPIR("mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
+                         self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
+                         act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias))
         if isinstance(b, MoEBlock):
             router = self.ident(path + ("router", "name"), b.router.name, "module name")
             if router == "experts":
@@ -658,22 +670,23 @@ class _Resolver(VisionResolver):
                          self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
-    def activation(self, path, name: str) -> Value:
-        """A gated activation: a Hugging Face activation name, or a str config symbol whose values all are."""
+    def activation(self, path, name: str, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
+                   what: str = "a gated activation") -> Value:
+        """An activation the runtime has (`allowed`): a Hugging Face activation name, or a str config symbol whose
+        values all are."""
         if name in self.config:
             f = self.symbol(path, name, ("str",))
             if not f.values:
                 raise self.err(path, f"{self._where(path)}: config symbol '{name}' selects the activation: list the "
                                      f"activations the spec models in its `values`")
             for v in f.values:
-                if v not in GATED_ACTIVATIONS:
-                    raise self.err(("config", name, "values"), f"config.{name}.values: '{v}' is not a gated "
-                                                                f"activation the runtime has ({', '.join(GATED_ACTIVATIONS)})")
+                if v not in allowed:
+                    raise self.err(("config", name, "values"), f"config.{name}.values: '{v}' is not {what} the "
+                                                                f"runtime has ({', '.join(allowed)})")
             return Value(symbol=name)
-        if name not in GATED_ACTIVATIONS:
-            raise self.err(path, f"{self._where(path)}: '{name}' is neither a gated activation "
-                                 f"({', '.join(GATED_ACTIVATIONS)}) nor a str config symbol"
-                                 f"{did_you_mean(name, list(GATED_ACTIVATIONS) + list(self.config))}")
+        if name not in allowed:
+            raise self.err(path, f"{self._where(path)}: '{name}' is neither {what} ({', '.join(allowed)}) nor a str "
+                                 f"config symbol{did_you_mean(name, list(allowed) + list(self.config))}")
         return Value(literal=name)
 
     # ---- vision tower -----------------------------------------------------------------------------
@@ -684,7 +697,7 @@ class _Resolver(VisionResolver):
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
-            elif isinstance(b, (AttentionIR, GatedMLPIR, MoEIR)):
+            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):
@@ -792,6 +805,10 @@ class _Resolver(VisionResolver):
                 ps += row(f"{b.shared_name}.down_proj.", SegmentIR("down_proj", si, one), b.hidden, False)
                 if b.shared_gate:
                     ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
+            return ps
+        if isinstance(b, MLPIR):
+            ps = column(f"{b.up_name}.", b.hidden, [SegmentIR(b.up_name, b.intermediate, one)], _maybe(b.up_bias))
+            ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
             return ps
         if isinstance(b, GatedMLPIR):
             g, u = b.gate_up_segments

@@ -154,6 +154,18 @@ class GatedMLPBlock(Strict):
     down: Projection
 
 
+class MLPBlock(Strict):
+    """down(act(up(x))): the non-gated MLP (GPT-2, StarCoder2). `activation` is a Hugging Face activation name
+    (silu, relu, gelu, gelu_pytorch_tanh, gelu_new) or a str config symbol whose `values` are such names; `up` is
+    column-parallel, `down` row-parallel."""
+    kind: Literal["mlp"]
+    hidden: Dim
+    intermediate: Dim
+    activation: StrictStr
+    up: Projection
+    down: Projection
+
+
 class Router(Strict):
     """The router of a mixture-of-experts block: a replicated linear hidden -> experts (no bias)."""
     name: StrictStr = "gate"
@@ -201,7 +213,8 @@ class LMHeadBlock(Strict):
 
 
 LayerBlock = Annotated[
-    Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MoEBlock],
+    Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
+          MoEBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -391,6 +404,6 @@ class Spec(Strict):
     variants: Dict[StrictStr, Dict[StrictStr, Scalar]] = {}
 
 
-BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "moe", "lm_head",
+BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

@@ -532,3 +532,37 @@ def test_all_specs_in_one_call_and_name_clash(tmp_path, capsys):
     clash.write_text(f"extends: {QWEN3}\nname: qwen3\n")
     code, _, err = run_cli(capsys, "--dry-run", QWEN3, clash)
     assert code == 2 and "both would write generated/qwen3/" in err
+
+
+# ---- the non-gated mlp block (specs/starcoder2.yaml) -------------------------------------------------------
+@pytest.mark.parametrize("body, match", [
+    ("decoder:\n  layers:\n    blocks:\n      mlp: {activation: swiglu}\n",
+     r"child\.yaml:\d+:\d+: .*mlp\.activation: 'swiglu' is neither an activation \(silu, swish, relu, gelu, "
+     r"gelu_pytorch_tanh, gelu_new\) nor a str config symbol"),
+    ("config:\n  hidden_act: {values: [gelu_pytorch_tanh, geglu]}\n",
+     r"config\.hidden_act\.values: 'geglu' is not an activation the runtime has"),
+    ("decoder:\n  layers:\n    blocks:\n      mlp: {down: {name: c_fc}}\n", r"module name 'c_fc' is already used"),
+])
+def test_mlp_block_errors(tmp_path, body, match):
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError
+
+    child = tmp_path / "child.yaml"
+    child.write_text(f"spec_version: 2\nextends: {REPO / 'specs' / 'starcoder2.yaml'}\nname: mlp_child\n" + body)
+    with pytest.raises(SpecError, match=match):
+        compile_spec(child)
+
+
+def test_plain_activations_match_transformers():
+    """layers.act gives transformers' ACT2FN function for every name the resolver admits for an mlp block."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    from xllm_gen.codegen.resolver import ACTIVATIONS
+    from xllm_gen.runtime.layers import act
+
+    x = torch.linspace(-6, 6, 1001)
+    for name in ACTIVATIONS:
+        torch.testing.assert_close(act(name)(x), ACT2FN[name](x), rtol=1e-6, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="unsupported activation 'swiglu'"):
+        act("swiglu")

@@ -3,7 +3,15 @@
 Constructor sizes are global (unsharded); layers derive per-rank shapes from get_tp_size()/get_tp_rank().
 Parameters are created with torch.empty and filled by the loader.
 """
-from xllm_gen.runtime.layers.activation import GATED_ACTIVATIONS, GELU, GeluAndMul, SiluAndMul, gated_act
+from xllm_gen.runtime.layers.activation import (
+                                            ACTIVATIONS,
+                                            GATED_ACTIVATIONS,
+                                            GELU,
+                                            GeluAndMul,
+                                            SiluAndMul,
+                                            act,
+                                            gated_act,
+)
 from xllm_gen.runtime.layers.attention import Attention
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -28,6 +36,6 @@ from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 __all__ = [
     "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
-    "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
+    "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
 ]

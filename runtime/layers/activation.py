@@ -1,4 +1,5 @@
-"""Activations: gated (SiluAndMul, GeluAndMul, `gated_act` from a Hugging Face activation name) and GELU."""
+"""Activations: gated (SiluAndMul, GeluAndMul, `gated_act` from a Hugging Face activation name), GELU, and plain
+ones (`act`, for a non-gated MLP)."""
 from __future__ import annotations
 
 import torch
@@ -69,3 +70,22 @@ def gated_act(name: str) -> nn.Module:
         raise ValueError(f"unsupported gated activation {name!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
     kind, approximate = _GATED[name]
     return SiluAndMul() if kind == "silu" else GeluAndMul(approximate)
+
+
+# Hugging Face activation names -> the plain activation of a non-gated MLP (up -> act -> down)
+_PLAIN = {
+    "silu": lambda: nn.SiLU(),
+    "swish": lambda: nn.SiLU(),
+    "relu": lambda: nn.ReLU(),
+    "gelu": lambda: GELU("none"),
+    "gelu_pytorch_tanh": lambda: GELU("tanh"),
+    "gelu_new": lambda: GELU("tanh"),
+}
+ACTIVATIONS: tuple[str, ...] = tuple(_PLAIN)
+
+
+def act(name: str) -> nn.Module:
+    """The activation module for a Hugging Face activation name (see ACTIVATIONS); any other raises ValueError."""
+    if name not in _PLAIN:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
+    return _PLAIN[name]()
