@@ -63,9 +63,9 @@ def _block(b) -> str:
                 f"intermediate={b.intermediate}, act={b.activation}, norm_topk_prob={b.norm_topk_prob}, router "
                 f"{b.router_name} (replicated, softmax top-k), experts.gate_up_proj=[gate, up], experts.down_proj, "
                 f"{b.parallel} parallel"
-                + (f"; shared expert {b.shared_name}(intermediate={b.shared_intermediate}, gate_up_proj=[gate, up], "
+                + (f"; shared expert {b.shared.name}(intermediate={b.shared.intermediate}, gate_up_proj=[gate, up], "
                    f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
-                   if b.shared_name else "") + ")")
+                   if b.shared else "") + ")")
     return repr(b)
 
 

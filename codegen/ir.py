@@ -294,8 +294,8 @@ class MLPIR:
 class MoEIR:
     """Mixture of experts: replicated router -> softmax -> top-k (renormalized when norm_topk_prob) -> stacked
     gated-MLP experts (runtime layers.moe.FusedMoE), split over TP ranks by intermediate rows or by experts; plus,
-    where `shared_name` is set, an always-on gated MLP (intermediate `shared_intermediate`), its output scaled by
-    sigmoid(`shared_gate`(x)) where a gate is named."""
+    where `shared` is set, that always-on gated MLP, its output scaled by sigmoid(`shared_gate`(x)) where a gate is
+    named."""
     kind: str
     name: str
     class_name: str
@@ -307,8 +307,7 @@ class MoEIR:
     norm_topk_prob: Value
     router_name: str
     parallel: str                 # tensor | expert
-    shared_name: Optional[str] = None
-    shared_intermediate: Optional[Size] = None
+    shared: Optional[GatedMLPIR] = None      # the shared expert: a gated MLP (module shared.name)
     shared_gate: Optional[str] = None
 
 

@@ -1,0 +1,274 @@
+"""The decoder-layer part of the resolver: each block kind to its IR (`resolve_block`) and its parameters with
+their sharding (`block_params`). A mixin of resolver._Resolver, which provides err / dim / num / positive / flag /
+ident / symbol and the spec, as resolver_vision.py is for the vision tower."""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+from .errors import did_you_mean
+from .ir import (
+    MLPIR,
+    AttentionIR,
+    GatedMLPIR,
+    LinearIR,
+    MoEIR,
+    NormIR,
+    ParamIR,
+    RotaryIR,
+    SegmentIR,
+    Size,
+    Value,
+)
+from .schema import (
+    AttentionBlock,
+    FusedLinearBlock,
+    GatedMLPBlock,
+    LayerNormBlock,
+    LinearBlock,
+    MLPBlock,
+    MoEBlock,
+    RMSNormBlock,
+)
+
+# Hugging Face activation names (config hidden_act) the runtime's gated activations implement
+GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
+ACTIVATIONS = ("silu", "swish", "relu", "gelu", "gelu_pytorch_tanh", "gelu_new")   # runtime layers.act
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _maybe(flag: Value) -> bool:
+    """Whether a flag may be true for some checkpoint (a literal False never is)."""
+    return not (flag.expr is None and flag.symbol is None and flag.literal is False)
+
+
+class BlockResolver:
+    def resolve_block(self, path, name, b, unique_kind: bool):
+        prefix = self.spec.class_prefix
+        camel = "".join(p.capitalize() for p in name.split("_"))
+        if isinstance(b, (RMSNormBlock, LayerNormBlock)):
+            return self.resolve_norm(path, name, b)
+        if isinstance(b, LinearBlock):
+            return LinearIR("linear", name, self.dim(path + ("in",), b.in_), (((name, self.dim(path + ("out",), b.out)),)),
+                            b.parallel, b.bias)
+        if isinstance(b, FusedLinearBlock):
+            if len(b.segments) < 2:
+                raise self.err(path + ("segments",), f"{self._where(path)}.segments: a fused linear has 2 or more segments")
+            segs = tuple((self.ident(path + ("segments", k), k, "segment name", at_key=True),
+                          self.dim(path + ("segments", k), v)) for k, v in b.segments.items())
+            return LinearIR("fused_linear", name, self.dim(path + ("in",), b.in_), segs, "column", b.bias)
+        if isinstance(b, AttentionBlock):
+            modules = {}
+            def module(mpath, mname):
+                self.ident(mpath, mname, "module name")
+                if mname in modules or mname in ("rotary_emb", "attn"):
+                    raise self.err(mpath, f"{self._where(mpath)}: module name '{mname}' is already used in this block")
+                modules[mname] = mpath
+                return mname
+            qkv_segs = b.qkv.segments
+            if list(qkv_segs) != ["q", "k", "v"]:
+                # the segments are stacked in the order the forward pass splits them: q | k | v
+                raise self.err(path + ("qkv", "segments"), f"{self._where(path)}.qkv.segments: the forward pass "
+                                                          f"splits the fused projection as [q, k, v]; got "
+                                                          f"{list(qkv_segs)}")
+            rot = b.rotary
+            rp = path + ("rotary",)
+            mrope = None
+            if rot.kind.startswith("mrope"):
+                if rot.mrope_section is None:
+                    raise self.err(rp, f"{self._where(rp)}: rotary kind '{rot.kind}' needs mrope_section")
+                if isinstance(rot.mrope_section, str):
+                    self.symbol(rp + ("mrope_section",), rot.mrope_section, ("int_tuple",))
+                    mrope = Value(symbol=rot.mrope_section)
+                else:
+                    sec = list(rot.mrope_section)
+                    if len(sec) != 3 or any(x < 0 for x in sec):
+                        raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: three sections "
+                                                                f"(t, h, w), each >= 0; got {sec}")
+                    mrope = Value(literal=tuple(sec))
+            elif rot.mrope_section is not None:
+                raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: only for mrope rotary kinds")
+            scaling = None
+            if rot.scaling is not None:
+                self.symbol(rp + ("scaling",), rot.scaling, ("rope",))
+                scaling = rot.scaling
+                if rot.kind != "neox":
+                    raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
+                                                      f"rotary only")
+            qk = None
+            if b.qk_norm:
+                qp = path + ("qk_norm",)
+                qk = (module(qp + ("q",), b.qk_norm.q), module(qp + ("k",), b.qk_norm.k),
+                      self.positive(qp + ("eps",), b.qk_norm.eps, below=1.0))
+            window = softcap = None
+            if b.sliding_window is not None:
+                window = self.num(path + ("sliding_window",), b.sliding_window, per_layer=True, optional=True)
+                if window.symbol is None and window.expr is None and (not _is_int(window.literal) or window.literal < 1):
+                    raise self.err(path + ("sliding_window",), f"{self._where(path)}.sliding_window: a window is an "
+                                                              f"int >= 1 (or None), got {window.literal!r}")
+            if b.softcap is not None:
+                softcap = self.positive(path + ("softcap",), b.softcap, optional=True)
+            return AttentionIR(
+                kind="attention", name=name, class_name=f"{prefix}Attention" if unique_kind else f"{prefix}{camel}",
+                hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
+                kv_heads=self.dim(path + ("kv_heads",), b.kv_heads), head_dim=self.dim(path + ("head_dim",), b.head_dim),
+                qkv_name=module(path + ("qkv", "name"), b.qkv.name), qkv_segments=tuple(qkv_segs),
+                qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
+                out_name=module(path + ("out", "name"), b.out.name),
+                out_bias=self.flag(path + ("out", "bias"), b.out.bias),
+                rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta),
+                                self.dim(rp + ("max_position",), rot.max_position), mrope, scaling),
+                qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
+                sliding_window=window, softcap=softcap)
+        if isinstance(b, GatedMLPBlock):
+            segs = b.gate_up.segments
+            if list(segs) != ["gate", "up"]:
+                # act(gate) * up: the forward pass splits the fused projection as [gate, up]
+                raise self.err(path + ("gate_up", "segments"), f"{self._where(path)}.gate_up.segments: the forward "
+                                                              f"pass splits the fused projection as [gate, up]; got "
+                                                              f"{list(segs)}")
+            act = self.activation(path + ("activation",), b.activation)
+            g = self.ident(path + ("gate_up", "name"), b.gate_up.name, "module name")
+            dn = self.ident(path + ("down", "name"), b.down.name, "module name")
+            if g == dn:
+                raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
+            return GatedMLPIR("gated_mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
+                              self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
+                              act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
+                              self.flag(path + ("down", "bias"), b.down.bias))
+        if isinstance(b, MLPBlock):
+            act = self.activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation")
+            up = self.ident(path + ("up", "name"), b.up.name, "module name")
+            dn = self.ident(path + ("down", "name"), b.down.name, "module name")
+            if up == dn:
+                raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
+            return MLPIR("mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
+                         self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
+                         act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias))
+        if isinstance(b, MoEBlock):
+            router = self.ident(path + ("router", "name"), b.router.name, "module name")
+            if router == "experts":
+                raise self.err(path + ("router", "name"), f"{self._where(path)}.router.name: 'experts' is the "
+                                                          f"stacked experts' module")
+            cls = f"{prefix}SparseMoeBlock" if unique_kind else f"{prefix}{camel}"
+            shared = {}
+            if b.shared_expert is not None:
+                sp = path + ("shared_expert",)
+                taken = {"experts": "the stacked experts' module", router: "the router"}
+                for key, module in (("name", b.shared_expert.name), ("gate", b.shared_expert.gate)):
+                    if module is None:
+                        continue
+                    self.ident(sp + (key,), module, "module name")
+                    if module in taken:
+                        raise self.err(sp + (key,), f"{self._where(sp + (key,))}: '{module}' is {taken[module]}")
+                    taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
+                no_bias = Value(literal=False)
+                shared = dict(shared_gate=b.shared_expert.gate, shared=GatedMLPIR(
+                    "gated_mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
+                    self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
+                    self.activation(path + ("activation",), b.activation), "gate_up_proj", ("gate", "up"), no_bias,
+                    "down_proj", no_bias))
+            return MoEIR("moe", name, cls,
+                         self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
+                         self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
+                         self.activation(path + ("activation",), b.activation),
+                         self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared)
+        raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
+
+    def activation(self, path, name: str, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
+                   what: str = "a gated activation") -> Value:
+        """An activation the runtime has (`allowed`): a Hugging Face activation name, or a str config symbol whose
+        values all are."""
+        if name in self.config:
+            f = self.symbol(path, name, ("str",))
+            if not f.values:
+                raise self.err(path, f"{self._where(path)}: config symbol '{name}' selects the activation: list the "
+                                     f"activations the spec models in its `values`")
+            for v in f.values:
+                if v not in allowed:
+                    raise self.err(("config", name, "values"), f"config.{name}.values: '{v}' is not {what} the "
+                                                                f"runtime has ({', '.join(allowed)})")
+            return Value(symbol=name)
+        if name not in allowed:
+            raise self.err(path, f"{self._where(path)}: '{name}' is neither {what} ({', '.join(allowed)}) nor a str "
+                                 f"config symbol{did_you_mean(name, list(allowed) + list(self.config))}")
+        return Value(literal=name)
+
+    # ---- vision tower -----------------------------------------------------------------------------
+    @staticmethod
+    def block_params(prefix: str, block: str, b, per_layer: bool) -> List[ParamIR]:
+        one = Size.of(1)
+
+        def P(name, shape, shard, segments=()):
+            return ParamIR(f"{prefix}.{name}", block, tuple(shape), shard, tuple(segments), per_layer=per_layer)
+
+        def column(module, in_f, segs, bias):
+            total = segs[0].heads * segs[0].unit
+            for s in segs[1:]:
+                total = total + s.heads * s.unit
+            ps = [P(f"{module}weight", (total, in_f), "colwise", segs)]
+            if bias:
+                ps.append(P(f"{module}bias", (total,), "colwise", segs))
+            return ps
+
+        def row(module, in_seg, out_f, bias):
+            ps = [P(f"{module}weight", (out_f, in_seg.heads * in_seg.unit), "rowwise", (in_seg,))]
+            if bias:
+                ps.append(P(f"{module}bias", (out_f,), "replicated"))
+            return ps
+
+        if isinstance(b, NormIR):
+            return [P("weight", (b.dim,), "replicated")] + ([P("bias", (b.dim,), "replicated")] if b.bias else [])
+        if isinstance(b, LinearIR):
+            out_total = b.out_sizes[0][1]
+            for _, s in b.out_sizes[1:]:
+                out_total = out_total + s
+            if b.parallel == "column":
+                return column("", b.in_features, [SegmentIR(n, s, one) for n, s in b.out_sizes], b.bias)
+            if b.parallel == "row":
+                return row("", SegmentIR(b.name, b.in_features, one), out_total, b.bias)
+            return [P("weight", (out_total, b.in_features), "replicated")] + \
+                ([P("bias", (out_total,), "replicated")] if b.bias else [])
+        if isinstance(b, AttentionIR):
+            q, k, v = b.qkv_segments
+            segs = [SegmentIR(q, b.heads, b.head_dim), SegmentIR(k, b.kv_heads, b.head_dim, True),
+                    SegmentIR(v, b.kv_heads, b.head_dim, True)]
+            ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))
+            if b.qk_norm:
+                ps += [P(f"{b.qk_norm[0]}.weight", (b.head_dim,), "replicated"),
+                       P(f"{b.qk_norm[1]}.weight", (b.head_dim,), "replicated")]
+            return ps
+        if isinstance(b, MoEIR):
+            E = b.experts
+            if b.parallel == "tensor":
+                up = ParamIR(f"{prefix}.experts.gate_up_proj", block, (E, Size.of(2) * b.intermediate, b.hidden),
+                             "colwise", (SegmentIR("gate", b.intermediate, one), SegmentIR("up", b.intermediate, one)),
+                             per_layer=per_layer, experts=E)
+                down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate), "rowwise",
+                               (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
+            else:                         # expert parallel: whole experts per rank (dim 0), segments as loaded
+                up = ParamIR(f"{prefix}.experts.gate_up_proj", block, (E, Size.of(2) * b.intermediate, b.hidden),
+                             "expert", (SegmentIR("gate", b.intermediate, one), SegmentIR("up", b.intermediate, one)),
+                             per_layer=per_layer, experts=E)
+                down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate), "expert",
+                               (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
+            ps = [P(f"{b.router_name}.weight", (E, b.hidden), "replicated"), up, down]
+            if b.shared:                  # a dense gated MLP's parameters, under the shared expert's module
+                ps += BlockResolver.block_params(f"{prefix}.{b.shared.name}", block, b.shared, per_layer)
+                if b.shared_gate:
+                    ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
+            return ps
+        if isinstance(b, MLPIR):
+            ps = column(f"{b.up_name}.", b.hidden, [SegmentIR(b.up_name, b.intermediate, one)], _maybe(b.up_bias))
+            ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
+            return ps
+        if isinstance(b, GatedMLPIR):
+            g, u = b.gate_up_segments
+            ps = column(f"{b.gate_up_name}.", b.hidden, [SegmentIR(g, b.intermediate, one),
+                                                         SegmentIR(u, b.intermediate, one)], _maybe(b.gate_up_bias))
+            ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
+            return ps
+        raise AssertionError(type(b))  # pragma: no cover
