@@ -1,0 +1,333 @@
+"""The conformance battery's data: transformers' decoder-only families, the specs that serve them, and the
+feature-ON tiny config of each served family. Nothing here runs a model (docs/coverage.md is built from it).
+
+Enumeration (`decoder_families()`): the classes of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES whose name
+ends in `ForCausalLM` / `LMHeadModel`, one row per class (the model types mapping to it listed), minus
+  - model types of the seq2seq / speech-seq2seq mappings (the decoder half of an encoder-decoder) and of the
+    masked-LM mapping (encoders run as decoders: BERT, RoBERTa, ...);
+  - classes whose every model type is multimodal (image-text / multimodal-LM mappings, or a config with a
+    vision / audio / encoder sub-config);
+  - NOT_DECODER_ONLY (a reason each, shown in docs/coverage.md).
+A class is served when a spec in specs/ (globbed) lists it in `architectures`.
+
+Feature-ON config (`feature_toggles`): generic rules over the fields of the family's config class (its default
+config at the decoder level), each rule one toggle {dotted field: value}:
+  - every bool field named `*bias` (attention_bias, mlp_bias, use_bias, qkv_bias, ...) -> true;
+  - every `*softcap*` field -> a finite, small value (attention 5.0, final logits 2.0);
+  - a sliding window smaller than the prompts: `sliding_window` 6 (+ `use_sliding_window` true, and
+    `max_window_layers` 1 where the config has them, so that layers past the first use the window);
+  - partial rotary: `partial_rotary_factor` (top level or in rope_parameters) / `rotary_pct` 0.5 where the
+    default rotates the whole head;
+  - q/k norms: every bool field named `*qk_norm*` / `*qk_layernorm*` -> true;
+  - scalings: `*multiplier*` fields 0.5 (embedding: 3.0), `logits_scaling` / `logit_scale` doubled,
+    `query_pre_attn_scalar` twice the tiny head_dim;
+  - `clip_qkv` 1.0 where the field exists and is off;
+  - `norm_topk_prob` flipped; `tie_word_embeddings` flipped;
+  - rope scaling: the first of llama3 / yarn / linear that the spec's `type: rope` symbol admits, with the
+    spec battery's standard parameters (ROPE_ARMS).
+FEATURE_OVERRIDES adds per-architecture toggles where no generic rule can decide.
+
+Each toggle is probed alone against the spec's config guard (the generated `Config.from_hf` on the config.json
+that the tiny checkpoint would get): a toggle the guard refuses is recorded as refused (with the guard's
+message, which must name the field); the accepted toggles together are the family's feature-ON config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "tests") not in sys.path:          # `python -m tests.conformance.coverage` from the repo root
+    sys.path.insert(0, str(ROOT / "tests"))
+
+import yaml  # noqa: E402
+
+# A class whose model types all pass the mapping rules but that is not a decoder-only text model.
+NOT_DECODER_ONLY: dict[str, str] = {
+    "TrOCRForCausalLM": "the text decoder of a vision encoder-decoder (cross-attention)",
+    "XLNetLMHeadModel": "permutation language model (two-stream attention), not a causal decoder",
+}
+
+# Toggles no generic rule can decide: {architecture: {dotted field: value}}.
+FEATURE_OVERRIDES: dict[str, dict[str, Any]] = {}
+
+# The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
+ROPE_PREFERENCE = ("llama3", "yarn", "linear")
+
+TINY_HEAD_DIM = 16
+
+
+# ------------------------------------------------------------------------------------------ enumeration
+@dataclasses.dataclass(frozen=True)
+class Family:
+    architecture: str                 # the transformers class (config.json `architectures`)
+    model_types: tuple[str, ...]      # the model types transformers maps to it
+    excluded: str | None = None       # why it is not a decoder-only text family (None: it is one)
+
+
+def _multimodal(model_type: str) -> bool:
+    from transformers.models.auto import modeling_auto as ma
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or \
+            model_type in ma.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return True
+    import transformers
+    try:
+        default = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])().to_dict()
+    except Exception:             # a config class without usable defaults: judged by its model class only
+        return False
+    return any(isinstance(v, dict) and "model_type" in v and any(w in k for w in ("vision", "audio", "encoder",
+                                                                                  "vq_", "patcher"))
+               for k, v in default.items())
+
+
+@functools.lru_cache(maxsize=1)
+def all_causal_lm_classes() -> tuple[Family, ...]:
+    """Every class of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, with `excluded` set for those that are not
+    decoder-only text families (sorted by class name)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    seq2seq = set(ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | set(ma.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+    masked = set(ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    by_class: dict[str, list[str]] = {}
+    for model_type, cls in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        by_class.setdefault(cls, []).append(model_type)
+    out = []
+    for cls, types in sorted(by_class.items(), key=lambda kv: kv[0].lower()):
+        why = None
+        if not (cls.endswith("ForCausalLM") or cls.endswith("LMHeadModel")):
+            why = "not a causal-LM head class"
+        elif all(t in seq2seq for t in types):
+            why = "the decoder of an encoder-decoder model"
+        elif all(t in masked or t in seq2seq for t in types):
+            why = "an encoder (masked LM) run as a decoder"
+        elif all(_multimodal(t) for t in types):
+            why = "multimodal (vision / audio inputs)"
+        elif cls in NOT_DECODER_ONLY:
+            why = NOT_DECODER_ONLY[cls]
+        out.append(Family(cls, tuple(sorted(types)), why))
+    return tuple(out)
+
+
+def decoder_families() -> tuple[Family, ...]:
+    """The decoder-only text families of the installed transformers (see the module doc)."""
+    return tuple(f for f in all_causal_lm_classes() if f.excluded is None)
+
+
+# ------------------------------------------------------------------------------------------------ specs
+@dataclasses.dataclass(frozen=True)
+class SpecInfo:
+    path: Path
+    name: str
+    architectures: tuple[str, ...]
+
+    @property
+    def rel(self) -> str:
+        return str(self.path.relative_to(ROOT))
+
+
+@functools.lru_cache(maxsize=1)
+def specs() -> tuple[SpecInfo, ...]:
+    """Every spec in specs/ (globbed), with its name and architectures."""
+    out = []
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except Exception:
+            continue            # a broken spec fails the spec battery
+        archs = tuple(a for a in (doc.get("architectures") or ()) if isinstance(a, str))
+        out.append(SpecInfo(path, str(doc.get("name") or path.stem), archs))
+    return tuple(out)
+
+
+def spec_for(architecture: str) -> SpecInfo | None:
+    for s in specs():
+        if architecture in s.architectures:
+            return s
+    return None
+
+
+def _rope_symbols(spec: SpecInfo):
+    from test_spec_battery import _read_spec
+    return _read_spec(spec.path).rope
+
+
+# -------------------------------------------------------------------------------------- feature toggles
+@dataclasses.dataclass(frozen=True)
+class Toggle:
+    name: str                       # what it turns on, for reports: "attention_bias=True"
+    overrides: dict                 # tiny_config overrides (dotted keys)
+    field: str                      # the config.json field that a refusal must name
+
+
+def _text_prefix(default: dict) -> str:
+    return "text_config." if isinstance(default.get("text_config"), dict) else ""
+
+
+def feature_toggles(architecture: str, spec: SpecInfo | None = None) -> list[Toggle]:
+    """The feature-ON toggles of an architecture (module doc), in a stable order."""
+    from fixtures.tiny_hf import model_class
+
+    full = model_class(architecture).config_class().to_dict()
+    prefix = _text_prefix(full)
+    default = full["text_config"] if prefix else full
+    toggles: list[Toggle] = []
+
+    def add(field: str, value: Any, *extra: tuple[str, Any]) -> None:
+        if isinstance(default.get(field), int) and not isinstance(default.get(field), bool):
+            value = int(value)                     # the config class checks types strictly
+        ov = {prefix + field: value, **{prefix + k: v for k, v in extra}}
+        shown = ", ".join(f"{k.removeprefix(prefix)}={v!r}" for k, v in ov.items())
+        toggles.append(Toggle(shown, ov, field.split(".")[-1]))
+
+    for key, value in default.items():
+        low = key.lower()
+        if isinstance(value, bool):
+            if low.endswith("bias") and value is False:
+                add(key, True)
+            elif ("qk_norm" in low or "qk_layernorm" in low) and value is False:
+                add(key, True)
+            elif key == "norm_topk_prob":
+                add(key, not value)
+        elif "softcap" in low and (value is None or isinstance(value, (int, float))):
+            add(key, 5.0 if "attn" in low or "attention" in low else 2.0)
+        elif "multiplier" in low and isinstance(value, (int, float)) and not isinstance(value, bool):
+            add(key, 3.0 if "embedding" in low else 0.5)
+        elif key in ("logits_scaling", "logit_scale") and isinstance(value, (int, float)):
+            add(key, float(value) * 2.0)
+        elif key == "query_pre_attn_scalar":
+            add(key, 2.0 * TINY_HEAD_DIM)
+        elif key == "clip_qkv" and value is None:
+            add(key, 1.0)
+        elif key in ("partial_rotary_factor", "rotary_pct") and value == 1.0:
+            add(key, 0.5)
+    rope = default.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor") == 1.0:
+        add("rope_parameters", {"partial_rotary_factor": 0.5})
+        toggles[-1] = dataclasses.replace(toggles[-1], name="rope_parameters.partial_rotary_factor=0.5",
+                                          field="partial_rotary_factor")
+    if "sliding_window" in default:
+        extra = []
+        if "use_sliding_window" in default:
+            extra.append(("use_sliding_window", True))
+        if "max_window_layers" in default:
+            extra.append(("max_window_layers", 1))
+        if default.get("sliding_window") is None or extra:
+            add("sliding_window", 6, *extra)
+    if "tie_word_embeddings" in full and isinstance(full["tie_word_embeddings"], bool):
+        ov = {"tie_word_embeddings": not full["tie_word_embeddings"]}
+        toggles.append(Toggle(f"tie_word_embeddings={not full['tie_word_embeddings']}", ov, "tie_word_embeddings"))
+    if spec is not None:
+        from test_spec_battery import ROPE_ARMS
+        for sym in _rope_symbols(spec):
+            kind = next((k for k in ROPE_PREFERENCE if k in sym.values), None)
+            if kind is None:
+                continue
+            node: Any = full
+            for part in sym.location.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            theta = (node or {}).get("rope_theta") if isinstance(node, dict) else None
+            if theta is None:
+                continue
+            ov = {sym.location: {"rope_type": kind, "rope_theta": theta, **ROPE_ARMS[kind]}}
+            toggles.append(Toggle(f"{sym.location}.rope_type={kind}", ov, "rope_type"))
+            break
+    for key, value in FEATURE_OVERRIDES.get(architecture, {}).items():
+        toggles.append(Toggle(f"{key}={value!r}", {key: value}, key.split(".")[-1]))
+    return toggles
+
+
+# ------------------------------------------------------------------------------------------------ guard
+def config_json(architecture: str, overrides: dict | None = None) -> dict:
+    """The config.json the tiny checkpoint of these overrides gets (save_pretrained writes the diff against
+    the class defaults), without building weights."""
+    from fixtures.tiny_hf import tiny_config
+    return json.loads(tiny_config(architecture, overrides).to_json_string(use_diff=True))
+
+
+@functools.lru_cache(maxsize=None)
+def generated_model(spec: SpecInfo):
+    """The generated model module of a spec (the package the runtime's registry serves the spec's
+    architectures with)."""
+    from xllm_gen.runtime.loading import registry
+    import importlib
+    package = registry.generated_packages().get(spec.architectures[0])
+    if package is None:
+        raise LookupError(f"{spec.rel}: no generated package serves {spec.architectures[0]}: run xllm-gen {spec.rel}")
+    return importlib.import_module(f"{package}.model")
+
+
+class FixtureError(Exception):
+    """transformers' own config class rejects the toggle (not a verdict on the spec)."""
+
+
+def guard_refusal(spec: SpecInfo, architecture: str, overrides: dict) -> str | None:
+    """None when the spec's config guard accepts the tiny config.json of `overrides`, else its message."""
+    try:
+        cfg = config_json(architecture, overrides)
+    except Exception as e:
+        raise FixtureError(f"transformers rejects {overrides}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    try:
+        generated_model(spec).Config.from_hf(cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    family: Family
+    spec: SpecInfo | None
+    accepted: tuple[Toggle, ...] = ()
+    refused: tuple[tuple[Toggle, str], ...] = ()    # (toggle, the guard's message)
+    base_refused: str | None = None                 # the guard refuses even the default tiny config
+
+    @property
+    def overrides(self) -> dict:
+        out: dict = {}
+        for t in self.accepted:
+            for k, v in t.overrides.items():
+                out[k] = {**out[k], **v} if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+        return out
+
+    @property
+    def status(self) -> str:
+        if self.spec is None:
+            return "not yet"
+        return "refused" if self.base_refused else "served"
+
+
+def plan(family: Family) -> Plan:
+    spec = spec_for(family.architecture)
+    if spec is None:
+        return Plan(family, None)
+    base = guard_refusal(spec, family.architecture, {})
+    if base:
+        return Plan(family, spec, base_refused=base)
+    accepted, refused = [], []
+    for t in feature_toggles(family.architecture, spec):
+        try:
+            msg = guard_refusal(spec, family.architecture, t.overrides)
+        except FixtureError:
+            continue                 # the toggle is not a valid config of this family
+        if msg is None:
+            accepted.append(t)
+        else:
+            refused.append((t, msg))
+    return Plan(family, spec, tuple(accepted), tuple(refused))
+
+
+def served_plans() -> list[Plan]:
+    return [plan(f) for f in decoder_families() if spec_for(f.architecture) is not None]
+
+
+def other_served(families=None) -> list[tuple[str, SpecInfo]]:
+    """(architecture, spec) for spec architectures that are not in the decoder-only enumeration (vision-language
+    classes, classes this transformers does not ship)."""
+    known = {f.architecture for f in (families or decoder_families())}
+    return [(a, s) for s in specs() for a in s.architectures if a not in known]

@@ -1,0 +1,82 @@
+"""The conformance battery over transformers: every decoder-only family that transformers ships and a spec in
+specs/ claims (found by enumeration and globbing, nothing listed per family) is checked with its features ON.
+
+For each served family (tests/conformance/families.py):
+  - every feature toggle the spec's config guard refuses must be refused by name (the message names the
+    field): recorded as "refused" in docs/coverage.md, not a failure;
+  - a tiny checkpoint with every accepted toggle ON: greedy parity with transformers (float32, CPU; the spec
+    battery's prompts of 3, 9, 17, 30 tokens, 16 new tokens, block size 4) at TP 1, and TP 2 (`--runslow`);
+    and the features must matter: transformers' own tokens differ from the default tiny checkpoint's;
+  - slow: each accepted toggle alone (a sensitivity arm per feature): transformers' tokens change, and the
+    engine still agrees.
+The default tiny configs are the spec battery's business (tests/test_spec_battery.py).
+"""
+from __future__ import annotations
+
+import pytest
+from conformance import families as F
+from test_spec_battery import Tokens, _assert_same
+
+PLANS = F.served_plans()
+
+
+@pytest.fixture(scope="module")
+def tokens() -> Tokens:
+    return Tokens()
+
+
+def _id(p: F.Plan) -> str:
+    return p.spec.name if p.spec else p.family.architecture
+
+
+def test_enumeration_finds_decoder_families():
+    """The enumeration is transformers', filtered by rules: known decoders in, encoders / seq2seq / VL out."""
+    names = {f.architecture for f in F.decoder_families()}
+    assert {"LlamaForCausalLM", "GPT2LMHeadModel", "MambaForCausalLM", "Gemma3ForCausalLM"} <= names
+    assert not names & {"BertLMHeadModel", "BartForCausalLM", "WhisperForCausalLM", "Gemma3ForConditionalGeneration",
+                        "MllamaForCausalLM", "TrOCRForCausalLM"}
+    # every spec architecture is either enumerated or listed apart (vision-language / not shipped)
+    other = {a for a, _ in F.other_served()}
+    for s in F.specs():
+        for a in s.architectures:
+            assert a in names or a in other
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=[_id(p) for p in PLANS])
+def test_refusals_name_the_field(plan):
+    assert plan.base_refused is None or plan.spec.rel.split("/")[-1] in plan.base_refused
+    for toggle, msg in plan.refused:
+        assert toggle.field in msg, f"{plan.spec.rel}: {toggle.name} refused without naming {toggle.field}: {msg}"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("plan", PLANS, ids=[_id(p) for p in PLANS])
+def test_features_on_parity(plan, tp, tiny_checkpoint, tokens):
+    if plan.status != "served":
+        pytest.skip(f"refused by the config guard: {plan.base_refused}")
+    if not plan.accepted:
+        pytest.skip("no feature toggle accepted: the spec battery covers the default tiny config")
+    arch = plan.family.architecture
+    ckpt = tiny_checkpoint(arch, overrides=plan.overrides)
+    want = tokens.hf(ckpt)
+    if tp == 1:
+        assert want != tokens.hf(tiny_checkpoint(arch)), (
+            f"fixture: the features ON ({[t.name for t in plan.accepted]}) do not change transformers' tokens")
+    _assert_same(tokens.engine(ckpt, tp), want,
+                 f"{plan.spec.name} ({arch}) features ON {[t.name for t in plan.accepted]} tp={tp}")
+
+
+SENSITIVITY = [pytest.param(p, t, id=f"{_id(p)}-{t.name.split('=')[0]}") for p in PLANS for t in p.accepted]
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("plan, toggle", SENSITIVITY)
+def test_each_feature_matters_and_agrees(plan, toggle, tiny_checkpoint, tokens):
+    arch = plan.family.architecture
+    ckpt = tiny_checkpoint(arch, overrides=toggle.overrides)
+    want = tokens.hf(ckpt)
+    if want == tokens.hf(tiny_checkpoint(arch)):
+        pytest.xfail(f"{toggle.name} alone does not change transformers' tokens on the tiny checkpoint")
+    _assert_same(tokens.engine(ckpt, 1), want, f"{plan.spec.name} ({arch}) {toggle.name} tp=1")
