@@ -1,5 +1,8 @@
 """`xllm-gen SPEC [SPEC ...]`: validate, resolve and render specs into generated/<name>/.
 
+`xllm-gen draft ARCH_OR_CHECKPOINT_DIR -o specs/x.yaml` writes a first spec (codegen/draft.py);
+`xllm-gen verify SPEC CHECKPOINT_DIR` checks a spec against transformers on a checkpoint (codegen/verify.py).
+
 `xllm-gen --json-schema [PATH]` prints (writes) the JSON Schema of the spec language (for editors:
 yaml-language-server); `--check` also checks a `spec.schema.json` that sits beside the checked specs.
 
@@ -217,6 +220,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:       # `xllm-gen draft ...`, `xllm-gen verify ...` (a spec is a file path)
+        return SUBCOMMANDS[argv[0]](argv[1:])
     args = _parser().parse_args(argv)
     if args.json_schema is not None:
         if args.specs or args.check or args.dry_run or args.explain:
@@ -317,6 +323,70 @@ def _main(argv: Optional[List[str]] = None) -> int:
         for path, written in write(c.files, directory):
             print(f"{'wrote' if written else 'unchanged'}: {display_path(path)}")
     return 0
+
+
+def _draft_main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="xllm-gen draft",
+        description="Write a first spec from transformers' classes: the config class's fields as symbols / "
+                    "config_assume / config_ignore, a Llama-like pre-norm decoder with the module names of the HF "
+                    "model's state_dict, and a CHECKLIST (comments at the top) of what could not be inferred.")
+    p.add_argument("target", metavar="ARCH_OR_CHECKPOINT_DIR",
+                   help="a transformers model class (e.g. SeedOssForCausalLM) or a checkpoint directory")
+    p.add_argument("-o", "--output", metavar="SPEC", help="write the spec here (default: print it)")
+    p.add_argument("--name", help="the spec's `name` (default: from the class name)")
+    args = p.parse_args(argv)
+    from .draft import draft_spec   # imports transformers (lazily: compiles never do)
+
+    try:
+        text, d = draft_spec(args.target, name=args.name)
+    except SpecError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote: {display_path(out)} ({len(d.checklist)} checklist items at the top of the file)")
+    return 0
+
+
+def _verify_main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="xllm-gen verify",
+        description="Compile SPEC into a temporary directory, load CHECKPOINT_DIR in transformers and in the engine, "
+                    "compare per-layer hidden states teacher-forced and greedy tokens; print the first divergence "
+                    "(layer, position, max error). Exit 0 when tokens agree and errors are within tolerance, 1 "
+                    "otherwise, 2 on a bad spec or checkpoint.")
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    p.add_argument("--device", default="cpu", help="engine and transformers device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    p.add_argument("--prompt-lens", default="3,9,17,30", help="prompt lengths in tokens (default 3,9,17,30)")
+    p.add_argument("--atol", type=float, default=None,
+                   help="max abs error per layer, relative to the layer's max |hidden| (default 1e-4 for float32, "
+                        "5e-2 for 16-bit dtypes)")
+    args = p.parse_args(argv)
+    from .verify import VerifyError, verify
+
+    try:
+        lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
+        report = verify(args.spec, args.checkpoint, device=args.device, dtype=args.dtype,
+                        max_tokens=args.max_tokens, prompt_lens=lens, rtol=args.atol)
+    except (SpecError, SpecErrors) as e:
+        _report(e)
+        return 2
+    except VerifyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.text())
+    return 0 if report.ok else 1
+
+
+SUBCOMMANDS = {"draft": _draft_main, "verify": _verify_main}
 
 
 if __name__ == "__main__":  # pragma: no cover

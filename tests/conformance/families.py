@@ -171,11 +171,13 @@ def _text_prefix(default: dict) -> str:
 
 def feature_toggles(architecture: str, spec: SpecInfo | None = None) -> list[Toggle]:
     """The feature-ON toggles of an architecture (module doc), in a stable order."""
-    from fixtures.tiny_hf import model_class
+    from fixtures.tiny_hf import model_class, tiny_config
 
     full = model_class(architecture).config_class().to_dict()
     prefix = _text_prefix(full)
     default = full["text_config"] if prefix else full
+    tiny = tiny_config(architecture).to_dict()              # the spec battery's config (ARCH_DEFAULTS applied)
+    base = tiny["text_config"] if prefix else tiny
     toggles: list[Toggle] = []
 
     def add(field: str, value: Any, *extra: tuple[str, Any]) -> None:
@@ -185,8 +187,14 @@ def feature_toggles(architecture: str, spec: SpecInfo | None = None) -> list[Tog
         shown = ", ".join(f"{k.removeprefix(prefix)}={v!r}" for k, v in ov.items())
         toggles.append(Toggle(shown, ov, field.split(".")[-1]))
 
+    def away(key: str, preferred: float) -> float:
+        """`preferred`, or half the tiny config's value where that already is `preferred`."""
+        cur = base.get(key)
+        return preferred if cur != preferred else float(cur) * 0.5
+
     for key, value in default.items():
         low = key.lower()
+        value = base.get(key, value)
         if isinstance(value, bool):
             if low.endswith("bias") and value is False:
                 add(key, True)
@@ -195,13 +203,13 @@ def feature_toggles(architecture: str, spec: SpecInfo | None = None) -> list[Tog
             elif key == "norm_topk_prob":
                 add(key, not value)
         elif "softcap" in low and (value is None or isinstance(value, (int, float))):
-            add(key, 5.0 if "attn" in low or "attention" in low else 2.0)
-        elif "multiplier" in low and isinstance(value, (int, float)) and not isinstance(value, bool):
-            add(key, 3.0 if "embedding" in low else 0.5)
+            add(key, away(key, 5.0 if "attn" in low or "attention" in low else 2.0))
+        elif "multiplier" in low and isinstance(value, (int, float)):
+            add(key, away(key, 3.0 if "embedding" in low else 0.5))
         elif key in ("logits_scaling", "logit_scale") and isinstance(value, (int, float)):
             add(key, float(value) * 2.0)
         elif key == "query_pre_attn_scalar":
-            add(key, 2.0 * TINY_HEAD_DIM)
+            add(key, away(key, 2.0 * TINY_HEAD_DIM))
         elif key == "clip_qkv" and value is None:
             add(key, 1.0)
         elif key in ("partial_rotary_factor", "rotary_pct") and value == 1.0:
@@ -211,17 +219,17 @@ def feature_toggles(architecture: str, spec: SpecInfo | None = None) -> list[Tog
         add("rope_parameters", {"partial_rotary_factor": 0.5})
         toggles[-1] = dataclasses.replace(toggles[-1], name="rope_parameters.partial_rotary_factor=0.5",
                                           field="partial_rotary_factor")
-    if "sliding_window" in default:
+    if "sliding_window" in default and not (base.get("sliding_window") is not None
+                                            and base.get("use_sliding_window", True) is not False):
         extra = []
         if "use_sliding_window" in default:
             extra.append(("use_sliding_window", True))
         if "max_window_layers" in default:
             extra.append(("max_window_layers", 1))
-        if default.get("sliding_window") is None or extra:
-            add("sliding_window", 6, *extra)
-    if "tie_word_embeddings" in full and isinstance(full["tie_word_embeddings"], bool):
-        ov = {"tie_word_embeddings": not full["tie_word_embeddings"]}
-        toggles.append(Toggle(f"tie_word_embeddings={not full['tie_word_embeddings']}", ov, "tie_word_embeddings"))
+        add("sliding_window", 6, *extra)
+    if isinstance(tiny.get("tie_word_embeddings"), bool):
+        flip = not tiny["tie_word_embeddings"]
+        toggles.append(Toggle(f"tie_word_embeddings={flip}", {"tie_word_embeddings": flip}, "tie_word_embeddings"))
     if spec is not None:
         from test_spec_battery import ROPE_ARMS
         for sym in _rope_symbols(spec):

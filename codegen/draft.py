@@ -1,0 +1,409 @@
+"""`xllm-gen draft ARCH_OR_CHECKPOINT_DIR -o specs/x.yaml`: a first spec from transformers' own classes.
+
+What it reads (transformers is imported here only, lazily: a normal compile never imports it):
+  - the config class of the architecture (`transformers.<Arch>.config_class`), or a checkpoint's config.json
+    (its `architectures[0]` names the class; its values become the defaults);
+  - the parameter names and shapes of the HF model built on the meta device from that config (2 layers), and,
+    for every bool config field, of the model built with the field flipped: the parameters a flag adds or
+    removes tell which projection bias (or which tying) the flag controls;
+  - the source of the modeling module, for hints only (rotate-half layout, (1 + w) norms, soft-capping, ...).
+
+What it writes: a Llama-like pre-norm decoder (embedding; per layer norm -> attention (fused q/k/v, neox
+rotary) -> norm -> gated or plain MLP; final norm; lm_head) with the module names found in the state_dict,
+`weights` entries for the fused q/k/v and gate/up parameters, every config field as a symbol, under
+`config_assume` (its default: a checkpoint with another value is refused) or `config_ignore` (dropouts), and
+a CHECKLIST at the top of the file: what the draft could not infer and a person must decide (extra norms,
+q/k norms, interleaved rotary, partial rotary, windows, scalings, unknown fields). Then run
+`xllm-gen --dry-run` and `xllm-gen verify SPEC CHECKPOINT_DIR`.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import SpecError
+
+# config.json field -> (symbol, type) for the sizes every decoder has (the draft's fixed vocabulary)
+CORE = {
+    "vocab_size": "int", "hidden_size": "int", "intermediate_size": "int", "num_hidden_layers": "int",
+    "num_attention_heads": "int", "num_key_value_heads": "int", "head_dim": "int",
+    "max_position_embeddings": "int", "tie_word_embeddings": "bool", "eos_token_id": "int_tuple",
+}
+EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon", "norm_eps")
+ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+IGNORE_WORDS = ("dropout", "pdrop", "initializer", "output_router_logits", "router_aux_loss_coef",
+                "router_jitter_noise", "z_loss")
+ATTN_NAMES = {"q": ("q_proj", "query"), "k": ("k_proj", "key"), "v": ("v_proj", "value"),
+              "o": ("o_proj", "dense", "out_proj", "c_proj")}
+MLP_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3", "fc1", "c_fc"),
+             "down": ("down_proj", "w2", "fc2", "c_proj")}
+
+
+class DraftError(SpecError):
+    pass
+
+
+@dataclass
+class Draft:
+    architecture: str
+    name: str
+    prefix: str
+    config: dict                                # the config values (text level) the draft read
+    symbols: dict = field(default_factory=dict)    # symbol -> YAML flow mapping text
+    assume: dict = field(default_factory=dict)
+    ignore: list = field(default_factory=list)
+    checklist: list = field(default_factory=list)
+
+
+def _snake(cls_name: str) -> str:
+    base = re.sub(r"(ForCausalLM|LMHeadModel)$", "", cls_name)
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower() or "model"
+
+
+def _yaml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "~"
+    if isinstance(v, float):
+        text = repr(v)
+        return text if ("." in text or "e" in text or "inf" in text or "nan" in text) else text + ".0"
+    if isinstance(v, (int,)):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    return json.dumps(v)
+
+
+def _load(target: str):
+    """(model class, config object, config.json dict or None) for a class name or a checkpoint dir."""
+    import transformers
+
+    path = Path(target)
+    raw = None
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise DraftError(f"{target}: no config.json in this directory")
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise DraftError(f"{cfg_path}: no `architectures` list: cannot tell the model class")
+        arch = archs[0]
+    else:
+        arch = target
+    cls = getattr(transformers, arch, None)
+    if cls is None or not hasattr(cls, "config_class"):
+        raise DraftError(f"transformers {transformers.__version__} has no model class {arch!r}")
+    if raw is not None:
+        config = cls.config_class.from_pretrained(str(path))
+    else:
+        config = cls.config_class()
+    return cls, config, raw
+
+
+def _meta_params(cls, config, **changes) -> dict[str, tuple]:
+    """{parameter name with layer index -> '{i}': shape} of the model built on the meta device (2 layers)."""
+    import copy
+
+    import torch
+
+    cfg = copy.deepcopy(config)
+    if hasattr(cfg, "num_hidden_layers"):
+        cfg.num_hidden_layers = 2
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            cfg.layer_types = cfg.layer_types[:2]
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    with torch.device("meta"):
+        model = cls(cfg)
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        out[re.sub(r"\.(\d+)\.", ".{i}.", n, count=1)] = tuple(p.shape)
+    if getattr(cfg, "tie_word_embeddings", False):
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _find(names: set, layer: str, options) -> str | None:
+    for o in options:
+        for n in sorted(names):
+            if n.startswith(layer) and re.search(rf"\.{re.escape(o)}\.weight$", n):
+                return n[: -len(".weight")]
+    return None
+
+
+def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
+    """(spec YAML text, Draft) for a transformers class name or a checkpoint directory."""
+    cls, config, raw = _load(target)
+    arch = cls.__name__
+    full = config.to_dict()
+    values = dict(full)
+    if raw is not None:
+        values.update(raw)
+    from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS
+
+    d = Draft(arch, name or _snake(arch), re.sub(r"(ForCausalLM|LMHeadModel)$", "", arch) or "Model", values)
+    params = _meta_params(cls, config)
+    names = set(params)
+    layer = next((n.split("{i}")[0] + "{i}." for n in names if "{i}" in n), None)
+    if layer is None:
+        raise DraftError(f"{arch}: no per-layer parameters found in the model's state_dict")
+    if layer != "model.layers.{i}.":
+        d.checklist.append(f"decoder layers live at `{layer}` (not `model.layers.{{i}}.`): rename every tensor in "
+                           f"`weights` or set decoder.prefix")
+
+    # ---- which parameters each bool flag adds or removes
+    controls: dict[str, str] = {}            # parameter name -> flag
+    for key, value in full.items():
+        if isinstance(value, bool) and key not in GENERIC_FIELDS and key != "tie_word_embeddings":
+            try:
+                flipped = set(_meta_params(cls, config, **{key: not value}))
+            except Exception:
+                continue
+            for n in (names ^ flipped):
+                controls[n] = key
+    # ---- attention and MLP modules
+    q = _find(names, layer, ATTN_NAMES["q"])
+    k = _find(names, layer, ATTN_NAMES["k"])
+    v = _find(names, layer, ATTN_NAMES["v"])
+    attn_mod = q.rsplit(".", 1)[0] if q else None
+    o = _find({n for n in names if attn_mod and n.startswith(attn_mod + ".")}, layer, ATTN_NAMES["o"]) if attn_mod else None
+    rest = {n for n in names if not (attn_mod and n.startswith(attn_mod + "."))}   # the MLP is not the attention
+    gate = _find(rest, layer, MLP_NAMES["gate"])
+    up = _find(rest, layer, MLP_NAMES["up"])
+    down = _find(rest, layer, MLP_NAMES["down"])
+    if not (q and k and v and o):
+        fused = sorted(n for n in names if n.startswith(layer) and re.search(r"(qkv|query_key_value|c_attn)", n))
+        raise DraftError(f"{arch}: no separate q/k/v/o projections found in the state_dict"
+                         + (f" (fused: {', '.join(fused)}): write the attention and its `weights` row layout by hand"
+                            if fused else ""))
+    if not (up and down):
+        raise DraftError(f"{arch}: no up/down MLP projections found in the state_dict (a MoE or another MLP form: "
+                         f"start from a spec in specs/ by hand)")
+    mlp_mod = down.rsplit(".", 1)[0]
+
+    def rel(n: str) -> str:
+        return n[len(layer):]
+
+    def bias_flag(*mods: str) -> str:
+        flags = {controls.get(m + ".bias") for m in mods}
+        present = {(m + ".bias") in names for m in mods}
+        if len(flags) > 1 or len(present) > 1:
+            d.checklist.append(f"the biases of {', '.join(rel(m) for m in mods)} are controlled by different flags "
+                               f"({', '.join(sorted(str(f) for f in flags))}): one flag per fused projection")
+        flag = next(iter(flags))
+        if flag:
+            d.symbols[flag] = f"{{type: bool, from: {flag}, default: {_yaml_scalar(values.get(flag))}}}"
+            return flag
+        return "true" if all(present) else "false"
+
+    # ---- norms of the layer and of the decoder
+    norm_mods = sorted({n.rsplit(".", 1)[0] for n in names
+                        if n.startswith(layer) and re.search(r"norm|ln_", n.rsplit(".", 2)[-2], re.I)})
+    layer_norms = [m for m in norm_mods if m.count(".") == layer.count(".")]
+    attn_norm = next((m for m in layer_norms if "input" in m or "attn" in m or "ln_1" in m), None)
+    mlp_norm = next((m for m in layer_norms if m != attn_norm and ("post_attention" in m or "ln_2" in m or "ffn" in m
+                                                                    or "mlp" in m)), None)
+    extra_norms = [m for m in layer_norms if m not in (attn_norm, mlp_norm)]
+    inner_norms = [m for m in norm_mods if m not in layer_norms]
+    if extra_norms:
+        d.checklist.append(f"extra per-layer norms {', '.join(rel(m) for m in extra_norms)}: a sandwich / post-norm "
+                           f"dataflow (dataflow `post_norm`); the draft has only the pre-norms")
+    if inner_norms:
+        d.checklist.append(f"norms inside a block: {', '.join(rel(m) for m in inner_norms)}: q/k norms -> "
+                           f"attention `qk_norm`, check per-head or whole-projection, before or after rotary")
+    if attn_norm is None or mlp_norm is None:
+        raise DraftError(f"{arch}: cannot tell the two pre-norms of a layer among {', '.join(map(rel, layer_norms))}"
+                         f": not a pre-norm decoder layer, write the dataflow by hand")
+    final_norm = next((n.rsplit(".", 1)[0] for n in sorted(names) if not n.startswith(layer.split("{i}")[0])
+                       and "norm" in n and n.endswith(".weight")), None)
+    embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings)\.weight$", n)), None)
+    if final_norm is None or embed is None:
+        raise DraftError(f"{arch}: cannot find the embedding or the final norm in the state_dict")
+
+    model_src = inspect.getsource(inspect.getmodule(cls))
+    layernorm = (attn_norm + ".bias") in names
+    norm_kind = "layernorm" if layernorm else "rmsnorm"
+    eps_field = next((f for f in EPS_FIELDS if f in full), None)
+    if eps_field is None:
+        d.checklist.append("no norm epsilon field found: eps is a literal 1e-6 (check the modeling file)")
+        eps = "1.0e-6"
+    else:
+        eps = eps_field
+
+    # ---- config symbols
+    for f, typ in CORE.items():
+        if f not in full and not (f == "head_dim"):
+            continue
+        extra = ""
+        if f == "num_key_value_heads":
+            d.symbols[f] = "{type: int, from: [num_key_value_heads, num_attention_heads]}"
+            continue
+        if f == "head_dim":
+            d.symbols[f] = '{type: int, from: head_dim, default_expr: "hidden_size // num_attention_heads"}'
+            continue
+        if f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            d.symbols[f] = f"{{type: int, from: {f}}}"
+            continue
+        if f == "eos_token_id":
+            d.symbols[f] = "{type: int_tuple, from: eos_token_id, default: []}"
+            continue
+        extra = f", default: {_yaml_scalar(full.get(f))}"
+        d.symbols[f] = f"{{type: {typ}, from: {f}{extra}}}"
+    if eps_field:
+        d.symbols[eps_field] = f"{{type: float, from: {eps_field}, default: {_yaml_scalar(float(full[eps_field]))}}}"
+    rope = full.get("rope_parameters")
+    if isinstance(rope, dict) or "rope_theta" in full:
+        theta = (rope or {}).get("rope_theta", full.get("rope_theta", 10000.0))
+        d.symbols["rope_theta"] = (f"{{type: float, from: [rope_parameters.rope_theta, rope_theta], "
+                                   f"default: {_yaml_scalar(float(theta))}}}")
+        d.symbols["rope_scaling"] = "{type: rope, from: [rope_parameters, rope_scaling], values: [default]}"
+        kind = (rope or {}).get("rope_type", "default")
+        if kind != "default":
+            d.checklist.append(f"the default rope type is {kind!r}: add it to rope_scaling.values if the runtime "
+                               f"models it (default, linear, dynamic, yarn, llama3)")
+        d.checklist.append("rope types: rope_scaling admits only `default`; add the types the released checkpoints "
+                           "use (`values: [default, linear, dynamic, yarn, llama3]`)")
+        prf = (rope or {}).get("partial_rotary_factor", full.get("partial_rotary_factor", full.get("rotary_pct")))
+        if prf is not None and prf != 1.0:
+            d.checklist.append(f"config has partial_rotary_factor / rotary_pct = {prf}: only part of each head "
+                               f"rotates: check rotary.fraction")
+    else:
+        d.checklist.append("no rope parameters in the config: the attention may not use rotary (ALiBi, learned "
+                           "positions): not a Llama-like decoder")
+    act_field = next((f for f in ACT_FIELDS if f in full), None)
+    act = full.get(act_field, "silu") if act_field else "silu"
+    if act_field:
+        d.symbols[act_field] = f"{{type: str, from: {act_field}, default: {act}, values: [{act}]}}"
+    else:
+        d.checklist.append("no activation field in the config: the draft uses silu (check the modeling file)")
+
+    # ---- the rest of the fields: assume, ignore, or checklist
+    read = set(d.symbols) | {"rope_parameters", "rope_scaling", "rope_theta", "num_key_value_heads"}
+    for key, value in sorted(full.items()):
+        if key in read or key in GENERIC_FIELDS or key in d.symbols:
+            continue
+        low = key.lower()
+        if any(w in low for w in IGNORE_WORDS):
+            d.ignore.append(key)
+        elif isinstance(value, (bool, int, float, str)) and not isinstance(value, (list, dict)):
+            if key in controls.values():
+                continue
+            d.assume[key] = value
+            if key != "pretraining_tp":
+                d.checklist.append(f"config field `{key}` = {value!r} is assumed (config_assume): find what it "
+                                   f"changes in the modeling file; read it as a symbol if the blocks must use it")
+        elif value is None:
+            d.checklist.append(f"config field `{key}` (default null) is not modeled: a checkpoint that sets it is "
+                               f"refused by the config guard; model it if the released checkpoints set it")
+        elif isinstance(value, list) and value:
+            d.checklist.append(f"config field `{key}` (a list, e.g. {str(value[:4])[:-1]}, ...]) is not modeled: "
+                               f"per-layer values (layer_types, windows, no-rope layers) need symbols and "
+                               f"`layer` expressions")
+        elif isinstance(value, dict) and value:
+            d.checklist.append(f"config field `{key}` (a mapping) is not modeled")
+
+    # ---- hints from the modeling source
+    hints = [
+        (r"x\[\.\.\., *0::2\]|x\[\.\.\., *::2\]", "the modeling file's rotate_half is interleaved (rotate-every-two, "
+                                                  "GPT-J layout): the draft's neox rotary is wrong for it"),
+        (r"1(\.0)? \+ self\.weight", "a norm scales by (1 + weight): set weight_offset: 1 on the norms"),
+        (r"softcap", "the modeling file soft-caps logits: attention `softcap` / lm_head `softcap`"),
+        (r"sliding_window", "the modeling file uses a sliding window: attention `sliding_window` (per layer?)"),
+        (r"normalizer|embed_scale|\* *self\.config\.hidden_size *\*\* *0\.5|embedding_multiplier",
+         "the embedding output is scaled: embed_tokens `scale`"),
+        (r"residual_multiplier|logits_scaling|logit_scale", "a residual or logit scaling: dataflow `scale` / lm_head"),
+        (r"clip_qkv|clamp_\(", "q/k/v activations are clipped"),
+        (r"q_norm|k_norm|qk_norm|q_layernorm", "q/k norms appear in the modeling file"),
+        (r"parallel_residual|parallel_attn", "a parallel-residual dataflow appears in the modeling file"),
+    ]
+    for pattern, hint in hints:
+        if re.search(pattern, model_src):
+            d.checklist.append(hint)
+
+    # ---- the spec text
+    qb = bias_flag(q, k, v)
+    ob = bias_flag(o)
+    gated = gate is not None
+    up_b = bias_flag(*( [gate, up] if gated else [up]))
+    down_b = bias_flag(down)
+    tied = "lm_head.weight" not in names or "tie_word_embeddings" in full
+    attn_name, mlp_name = rel(attn_mod), rel(mlp_mod)
+    L = []
+    L.append(f"# CHECKLIST: drafted by `xllm-gen draft {target}` from transformers' {arch} (config class "
+             f"{type(config).__name__}).")
+    L.append("# A draft is a first guess of a Llama-like pre-norm decoder. Before trusting it, decide each item, then")
+    L.append("# run: xllm-gen --dry-run THIS.yaml && xllm-gen verify THIS.yaml CHECKPOINT_DIR")
+    for item in d.checklist:
+        L.append(f"# - [ ] {item}")
+    if not d.checklist:
+        L.append("# - [ ] nothing flagged: still read the modeling file against the decoder below")
+    L.append("# yaml-language-server: $schema=spec.schema.json")
+    L.append("spec_version: 2")
+    L.append(f"name: {d.name}")
+    L.append(f"class_prefix: {d.prefix}")
+    L.append(f"architectures: [{arch}]")
+    L.append(f"description: drafted from transformers' {arch}; review the checklist above.")
+    L.append("")
+    L.append("config:")
+    width = max(len(s) for s in d.symbols) + 1
+    for s, text in d.symbols.items():
+        L.append(f"  {(s + ':').ljust(width)} {text}")
+    if d.assume:
+        L.append("")
+        L.append("# fields the spec does not read: the values it builds in (a checkpoint with another value is refused)")
+        L.append("config_assume:")
+        for key, value in d.assume.items():
+            L.append(f"  {key}: {_yaml_scalar(value)}")
+    if d.ignore:
+        L.append("")
+        L.append("# fields that do not change the forward pass")
+        L.append("config_ignore: [" + ", ".join(d.ignore) + "]")
+    norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}}}"
+    act_ref = act_field or "silu"
+    L += ["", "decoder:",
+          f"  embed_tokens: {{kind: embedding, vocab: vocab_size, dim: hidden_size}}",
+          "  layers:", "    count: num_hidden_layers", "    blocks:",
+          f"      {rel(attn_norm)}: {norm}",
+          f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",
+          "        heads: num_attention_heads", "        kv_heads: num_key_value_heads", "        head_dim: head_dim",
+          f"        qkv: {{name: qkv_proj, segments: [q, k, v], bias: {qb}}}",
+          f"        out: {{name: {o.rsplit('.', 1)[1]}, bias: {ob}}}"]
+    if "rope_theta" in d.symbols:
+        L.append("        rotary: {kind: neox, theta: rope_theta, max_position: max_position_embeddings, "
+                 "scaling: rope_scaling}")
+    L += [f"      {rel(mlp_norm)}: {norm}", f"      {mlp_name}:"]
+    if gated:
+        L += ["        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
+              f"        activation: {act_ref}",
+              f"        gate_up: {{name: gate_up_proj, segments: [gate, up], bias: {up_b}}}",
+              f"        down: {{name: {down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
+    else:
+        L += ["        kind: mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
+              f"        activation: {act_ref}",
+              f"        up: {{name: {up.rsplit('.', 1)[1]}, bias: {up_b}}}",
+              f"        down: {{name: {down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
+    L += ["    dataflow:", f"      - {{norm: {rel(attn_norm)}, block: {attn_name}}}",
+          f"      - {{norm: {rel(mlp_norm)}, block: {mlp_name}}}",
+          f"  norm: {norm}", "",
+          "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
+          + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
+    fused = [(f"{layer}{attn_name}.qkv_proj", {"q": q, "k": k, "v": v}, qb)]
+    if gated:
+        fused.append((f"{layer}{mlp_name}.gate_up_proj", {"gate": gate, "up": up}, up_b))
+    for target_name, parts, b in fused:
+        for suffix in ("weight", "bias") if b != "false" else ("weight",):
+            L.append(f"  {target_name}.{suffix}:")
+            L.append("    from:")
+            for seg, src in parts.items():
+                L.append(f"      {seg}: {src}.{suffix}")
+    L += ["", "ignore_checkpoint_tensors:", "  - '.*rotary_emb\\.inv_freq$'"]
+    if tied:
+        L.append("  - '^lm_head\\.weight$'")
+    L += ["", "tensor_parallel:", "  sizes: [1, 2]", ""]
+    return "\n".join(L), d

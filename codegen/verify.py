@@ -1,0 +1,275 @@
+"""`xllm-gen verify SPEC CHECKPOINT_DIR`: is this spec right for this checkpoint? The battery's parity check on
+any local checkpoint (tiny or real), with the first divergence located.
+
+1. The spec is compiled into a temporary directory and imported from there (the engine is pointed at that
+   package for the checkpoint's architecture; the shipped generated/ is not touched nor consulted).
+2. The checkpoint is loaded in transformers (its own `architectures[0]` class, eager attention) and in the
+   engine (prefix caching off, eager), both on `device` in `dtype` (float32 on CPU by default).
+3. Greedy: a few prompts of random token ids (fixed seed; lengths `prompt_lens`), `max_tokens` new tokens each,
+   EOS ignored on both sides; the first differing token is reported (prompt, step).
+4. Teacher-forced: each prompt followed by transformers' greedy continuation is run once through both models
+   with forward hooks on the decoder layers (transformers: the ModuleList of `num_hidden_layers` layers;
+   engine: the generated decoder's `layers`, whose output (hidden, residual) is the residual stream
+   hidden + residual). Per layer: the max |engine - transformers| over positions and features, relative to
+   the layer's max |transformers| value; the first layer over the tolerance is the first divergence, reported
+   with its first position over it.
+Exit status (cli): 0 when the tokens agree and every layer is within the tolerance, 1 otherwise.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from .compiler import compile_spec
+from .writer import write
+
+
+class VerifyError(Exception):
+    """The check could not run (bad checkpoint, architecture not claimed by the spec, ...)."""
+
+
+DEFAULT_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
+
+
+@dataclasses.dataclass
+class LayerError:
+    layer: int
+    max_rel: float                 # max |engine - hf| / max |hf| over positions and features
+    max_abs: float
+    first_bad_position: int | None  # first position over the tolerance (None: within)
+
+
+@dataclasses.dataclass
+class PromptResult:
+    prompt_len: int
+    hf_tokens: list
+    engine_tokens: list
+    layers: list                   # [LayerError] teacher-forced over prompt + hf continuation
+
+    @property
+    def first_token_diff(self) -> int | None:
+        for i, (a, b) in enumerate(zip(self.hf_tokens, self.engine_tokens)):
+            if a != b:
+                return i
+        return None if len(self.hf_tokens) == len(self.engine_tokens) else min(len(self.hf_tokens),
+                                                                                 len(self.engine_tokens))
+
+
+@dataclasses.dataclass
+class Report:
+    spec: str
+    checkpoint: str
+    architecture: str
+    dtype: str
+    tol: float
+    refused: str | None = None
+    prompts: list = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.refused is None and all(
+            p.first_token_diff is None and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
+
+    def first_divergence(self) -> tuple[int, PromptResult, LayerError] | None:
+        """(prompt index, prompt, layer error) of the earliest layer over the tolerance over all prompts."""
+        best = None
+        for i, p in enumerate(self.prompts):
+            for e in p.layers:
+                if e.first_bad_position is not None:
+                    if best is None or (e.layer, e.first_bad_position) < (best[2].layer, best[2].first_bad_position):
+                        best = (i, p, e)
+                    break
+        return best
+
+    def text(self) -> str:
+        head = f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}, tolerance {self.tol:g})"
+        if self.refused:
+            return f"{head}\nREFUSED by the spec's config guard: {self.refused}\nFAIL"
+        lines = [head]
+        n_layers = len(self.prompts[0].layers) if self.prompts else 0
+        worst = [max((p.layers[l].max_rel for p in self.prompts), default=0.0) for l in range(n_layers)]
+        lines.append("per-layer max relative error (teacher-forced, all prompts): "
+                     + " ".join(f"{l}:{w:.1e}" for l, w in enumerate(worst)))
+        for i, p in enumerate(self.prompts):
+            d = p.first_token_diff
+            lines.append(f"prompt {i} ({p.prompt_len} tokens): greedy tokens "
+                         + ("agree" if d is None else
+                            f"DIFFER at step {d}: engine {p.engine_tokens[d:d + 4]} vs transformers {p.hf_tokens[d:d + 4]}"))
+        first = self.first_divergence()
+        if first is not None:
+            i, p, e = first
+            lines.append(f"first divergence: layer {e.layer}, position {e.first_bad_position} (prompt {i}, "
+                         f"{p.prompt_len} prompt tokens + continuation): max error {e.max_abs:.3e} "
+                         f"(relative {e.max_rel:.3e} > {self.tol:g})")
+        lines.append("OK" if self.ok else "FAIL")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ the package
+def _import_compiled(files: dict, name: str, tmp: Path):
+    """Write the rendered files to tmp/<name>/ and import them as a fresh package."""
+    directory = tmp / name
+    write(files, directory)
+    pkg_name = f"xllm_gen_verify_{name}"
+    for mod in [m for m in sys.modules if m == pkg_name or m.startswith(pkg_name + ".")]:
+        del sys.modules[mod]
+    spec = importlib.util.spec_from_file_location(pkg_name, directory / "__init__.py",
+                                                  submodule_search_locations=[str(directory)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[pkg_name] = pkg
+    spec.loader.exec_module(pkg)
+    return importlib.import_module(f"{pkg_name}.model"), importlib.import_module(f"{pkg_name}.runner")
+
+
+@contextlib.contextmanager
+def _served_by(model_module, runner_module):
+    """Inside: the engine serves every checkpoint with these modules (the registry is bypassed)."""
+    from xllm_gen.runtime.loading import registry
+    orig = registry.resolve
+    registry.resolve = lambda hf_config: (model_module, runner_module)
+    try:
+        yield
+    finally:
+        registry.resolve = orig
+
+
+def _decoder_layers(model, n_layers: int):
+    """The first ModuleList of `n_layers` modules in `model` (the decoder layers)."""
+    import torch.nn as nn
+    for _, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) == n_layers:
+            return list(m)
+    raise VerifyError(f"no list of {n_layers} decoder layers found in {type(model).__name__}")
+
+
+class _Recorder:
+    """Forward hooks on decoder layers: the residual stream after each layer, of the first forward call."""
+
+    def __init__(self, layers, engine: bool):
+        self.engine = engine
+        self.out: dict[int, Any] = {}
+        self.armed = False
+        self.handles = [l.register_forward_hook(self._hook(i)) for i, l in enumerate(layers)]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            if not self.armed or i in self.out:
+                return
+            if isinstance(output, tuple):
+                h = output[0]
+                if self.engine and len(output) > 1 and output[1] is not None:
+                    h = h + output[1]        # the generated layers return (hidden, running residual)
+            else:
+                h = output
+            self.out[i] = h.detach().float().reshape(-1, h.shape[-1]).cpu()
+        return hook
+
+    def arm(self):
+        self.out, self.armed = {}, True
+
+    def take(self) -> list:
+        self.armed = False
+        return [self.out[i] for i in sorted(self.out)]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------------------------------------ verify
+def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32", max_tokens: int = 16,
+           prompt_lens: Sequence[int] = (3, 9, 17, 30), rtol: float | None = None, seed: int = 0) -> Report:
+    import numpy as np
+    import torch
+
+    ckpt = Path(checkpoint)
+    cfg_path = ckpt / "config.json"
+    if not cfg_path.is_file():
+        raise VerifyError(f"{checkpoint}: no config.json")
+    hf_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    archs = hf_cfg.get("architectures") or []
+    compiled = compile_spec(Path(spec_path))
+    ir = compiled.ir
+    arch = next((a for a in archs if a in ir.architectures), None)
+    if arch is None:
+        raise VerifyError(f"{cfg_path}: architectures {archs} are not served by {spec_path} "
+                          f"(it serves {', '.join(ir.architectures)})")
+    if dtype not in DEFAULT_TOL:
+        raise VerifyError(f"--dtype {dtype}: one of {', '.join(DEFAULT_TOL)}")
+    tol = DEFAULT_TOL[dtype] if rtol is None else rtol
+    report = Report(str(spec_path), str(checkpoint), arch, dtype, tol)
+
+    with tempfile.TemporaryDirectory(prefix="xllm_gen_verify_") as tmp:
+        model_module, runner_module = _import_compiled(compiled.files, ir.name, Path(tmp))
+        try:
+            config = model_module.Config.from_hf(hf_cfg)
+        except ValueError as e:
+            report.refused = str(e)
+            return report
+        text_cfg = hf_cfg.get("text_config") if isinstance(hf_cfg.get("text_config"), dict) else hf_cfg
+        n_layers = int(text_cfg.get("num_hidden_layers", getattr(config, "num_hidden_layers", 0)))
+
+        # the reference
+        import transformers
+        torch_dtype = getattr(torch, dtype)
+        cls = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
+        hf = cls.from_pretrained(str(ckpt), dtype=torch_dtype, attn_implementation="eager").to(device).eval()
+        hf.generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None,
+                                                             bos_token_id=None)     # greedy, EOS ignored
+        vocab = int(getattr(config, "vocab_size", text_cfg.get("vocab_size")))
+        rng = np.random.default_rng(seed)
+        prompts = [rng.integers(0, vocab, n).tolist() for n in prompt_lens]
+
+        def hf_greedy(ids):
+            x = torch.tensor([ids], device=device)
+            with torch.no_grad():
+                out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+            return out[0, len(ids):].tolist()
+
+        hf_rec = _Recorder(_decoder_layers(hf, n_layers), engine=False)
+
+        from xllm_gen import LLM, SamplingParams
+        with _served_by(model_module, runner_module):
+            llm = LLM(model=str(ckpt), device=device, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+                      max_model_len=max(prompt_lens) + max_tokens + 1, max_num_seqs=4)
+        try:
+            eng_model = llm.engine.runner.model
+            eng_rec = _Recorder(_decoder_layers(eng_model, n_layers), engine=True)
+            greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            for ids in prompts:
+                want = hf_greedy(ids)
+                got = llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
+                seq = ids + want[:-1]                      # teacher-forced: prompt + the reference continuation
+                hf_rec.arm()
+                with torch.no_grad():
+                    x = torch.tensor([seq], device=device)
+                    hf(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+                ref = hf_rec.take()
+                eng_rec.arm()
+                llm.generate([{"prompt_token_ids": seq}], one)
+                mine = eng_rec.take()
+                layers = []
+                for l, (a, b) in enumerate(zip(ref, mine)):
+                    if a.shape != b.shape:
+                        raise VerifyError(f"layer {l}: transformers' hidden states {tuple(a.shape)} vs the engine's "
+                                          f"{tuple(b.shape)}")
+                    diff = (b - a).abs()
+                    scale = a.abs().max().clamp_min(1e-12)
+                    per_pos = diff.max(dim=-1).values / scale
+                    bad = (per_pos > tol).nonzero()
+                    layers.append(LayerError(l, float(per_pos.max()), float(diff.max()),
+                                             int(bad[0, 0]) if len(bad) else None))
+                report.prompts.append(PromptResult(len(ids), want, list(got), layers))
+            eng_rec.remove()
+        finally:
+            llm.shutdown() if hasattr(llm, "shutdown") else None
+            hf_rec.remove()
+    return report
