@@ -336,7 +336,7 @@ def _draft_main(argv: List[str]) -> int:
     p.add_argument("-o", "--output", metavar="SPEC", help="write the spec here (default: print it)")
     p.add_argument("--name", help="the spec's `name` (default: from the class name)")
     args = p.parse_args(argv)
-    from .draft import draft_spec   # imports transformers (lazily: compiles never do)
+    from .draft import draft_spec  # imports transformers (lazily: compiles never do)
 
     try:
         text, d = draft_spec(args.target, name=args.name)

@@ -367,7 +367,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}}}"
     act_ref = act_field or "silu"
     L += ["", "decoder:",
-          f"  embed_tokens: {{kind: embedding, vocab: vocab_size, dim: hidden_size}}",
+          "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size}",
           "  layers:", "    count: num_hidden_layers", "    blocks:",
           f"      {rel(attn_norm)}: {norm}",
           f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",

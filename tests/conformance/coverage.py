@@ -14,7 +14,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):                       # `python tests/conformance/coverage.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from conformance import families as F           # type: ignore[no-redef]
+    from conformance import families as F  # type: ignore[no-redef]
 else:
     from . import families as F
 

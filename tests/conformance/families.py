@@ -262,8 +262,9 @@ def config_json(architecture: str, overrides: dict | None = None) -> dict:
 def generated_model(spec: SpecInfo):
     """The generated model module of a spec (the package the runtime's registry serves the spec's
     architectures with)."""
-    from xllm_gen.runtime.loading import registry
     import importlib
+
+    from xllm_gen.runtime.loading import registry
     package = registry.generated_packages().get(spec.architectures[0])
     if package is None:
         raise LookupError(f"{spec.rel}: no generated package serves {spec.architectures[0]}: run xllm-gen {spec.rel}")

@@ -15,8 +15,9 @@ The default tiny configs are the spec battery's business (tests/test_spec_batter
 from __future__ import annotations
 
 import pytest
-from conformance import families as F
 from test_spec_battery import Tokens, _assert_same
+
+from conformance import families as F
 
 PLANS = F.served_plans()
 
