@@ -144,3 +144,19 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
     assert rc == 2 and err.startswith("error:") and "NoSuchModelForCausalLM" in err
     rc, _, err = _cli("verify", str(ROOT / "specs" / "llama.yaml"), str(tmp_path))
     assert rc == 2 and "config.json" in err
+
+
+@pytest.mark.parametrize("arch, expected", [
+    ("Qwen3ForCausalLM", ["self_attn.q_norm", "qk_norm"]),
+    ("Gemma2ForCausalLM", ["weight_offset: 1", "softcap", "post_feedforward_layernorm", "embed_tokens `scale`"]),
+    ("HeliumForCausalLM", ["interleaved"]),
+    ("PhiForCausalLM", ["not a pre-norm decoder layer"]),
+])
+def test_draft_checklist_flags_what_a_llama_draft_misses(arch, expected):
+    """Drafting by class name (no checkpoint): the checklist (or the error, for a non-Llama-like layer) names
+    the features a Llama-like draft cannot express."""
+    rc, out, err = _cli("draft", arch)
+    text = out if rc == 0 else err
+    assert rc in (0, 2), err
+    for e in expected:
+        assert e in text, f"{arch}: {e!r} not flagged:\n{text[:3000]}"
