@@ -382,6 +382,9 @@ def _verify_main(argv: List[str]) -> int:
     except VerifyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a checkpoint that cannot load: one line naming it, never a traceback
+        print(_one_line(f"error: {args.checkpoint}: {type(e).__name__}: {e}"), file=sys.stderr)
+        return 2
     print(report.text())
     return 0 if report.ok else 1
 

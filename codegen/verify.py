@@ -140,12 +140,14 @@ def _served_by(model_module, runner_module):
 
 
 def _decoder_layers(model, n_layers: int):
-    """The first ModuleList of `n_layers` modules in `model` (the decoder layers)."""
+    """The decoder layers of `model`: the ModuleList of `n_layers` modules, preferring one named `*layers` outside
+    a vision tower."""
     import torch.nn as nn
-    for _, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) == n_layers:
-            return list(m)
-    raise VerifyError(f"no list of {n_layers} decoder layers found in {type(model).__name__}")
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+    found.sort(key=lambda nm: (not nm[0].endswith("layers"), "vis" in nm[0]))
+    if not found:
+        raise VerifyError(f"no list of {n_layers} decoder layers found in {type(model).__name__}")
+    return list(found[0][1])
 
 
 class _Recorder:
@@ -180,6 +182,21 @@ class _Recorder:
     def remove(self):
         for h in self.handles:
             h.remove()
+
+
+def _ordinary_token_ids(ckpt: Path, vocab: int):
+    """Token ids a prompt may hold: the vocabulary without the tokenizer's special and added tokens (an image
+    placeholder in a text prompt is an invalid request); all ids when the checkpoint has no tokenizer."""
+    import numpy as np
+    ids = np.arange(vocab)
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(ckpt))
+    except Exception:
+        return ids
+    special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    keep = ids[~np.isin(ids, sorted(special))]
+    return keep[keep < len(tok)] if len(keep[keep < len(tok)]) else keep
 
 
 # ------------------------------------------------------------------------------------------------ verify
@@ -224,7 +241,9 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                                              bos_token_id=None)     # greedy, EOS ignored
         vocab = int(getattr(config, "vocab_size", text_cfg.get("vocab_size")))
         rng = np.random.default_rng(seed)
-        prompts = [rng.integers(0, vocab, n).tolist() for n in prompt_lens]
+        allowed = _ordinary_token_ids(ckpt, vocab)
+        prompts = [allowed[rng.integers(0, len(allowed), n)].tolist() for n in prompt_lens]
+        allowed_set = set(allowed.tolist())
 
         def hf_greedy(ids):
             x = torch.tensor([ids], device=device)
@@ -247,7 +266,9 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             for ids in prompts:
                 want = hf_greedy(ids)
                 got = llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
-                seq = ids + want[:-1]                      # teacher-forced: prompt + the reference continuation
+                cont = want[:-1]                           # teacher-forced: prompt + the reference continuation,
+                bad = [i for i, t in enumerate(cont) if t not in allowed_set]   # up to a special token
+                seq = ids + cont[: bad[0] if bad else len(cont)]
                 hf_rec.arm()
                 with torch.no_grad():
                     x = torch.tensor([seq], device=device)

@@ -68,6 +68,8 @@ def render() -> str:
             ref = "; ".join(f"{t.name}: {_refusal(m)}" for t, m in p.refused)
         elif p.status == "refused":
             on, ref = "", _refusal(p.base_refused or "")
+        elif p.status == "error":
+            on, ref = f"cannot check: {p.error}", ""
         else:
             on = ref = ""
         lines.append(f"| {f.architecture} | {', '.join(f.model_types)} | {p.status} | {spec} | {_cell(on)} | "
@@ -84,6 +86,8 @@ def render() -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()          # default configs of some classes warn about their own token ids
     text = render()
     old = COVERAGE.read_text(encoding="utf-8") if COVERAGE.is_file() else None
     if "--check" in argv:

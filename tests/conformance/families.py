@@ -295,6 +295,7 @@ class Plan:
     accepted: tuple[Toggle, ...] = ()
     refused: tuple[tuple[Toggle, str], ...] = ()    # (toggle, the guard's message)
     base_refused: str | None = None                 # the guard refuses even the default tiny config
+    error: str | None = None                        # the check could not be set up (e.g. generated/ missing)
 
     @property
     def overrides(self) -> dict:
@@ -308,6 +309,8 @@ class Plan:
     def status(self) -> str:
         if self.spec is None:
             return "not yet"
+        if self.error:
+            return "error"
         return "refused" if self.base_refused else "served"
 
 
@@ -315,7 +318,10 @@ def plan(family: Family) -> Plan:
     spec = spec_for(family.architecture)
     if spec is None:
         return Plan(family, None)
-    base = guard_refusal(spec, family.architecture, {})
+    try:
+        base = guard_refusal(spec, family.architecture, {})
+    except (LookupError, ImportError, FixtureError) as e:
+        return Plan(family, spec, error=f"{type(e).__name__}: {e}")
     if base:
         return Plan(family, spec, base_refused=base)
     accepted, refused = [], []

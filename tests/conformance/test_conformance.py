@@ -46,6 +46,7 @@ def test_enumeration_finds_decoder_families():
 
 @pytest.mark.parametrize("plan", PLANS, ids=[_id(p) for p in PLANS])
 def test_refusals_name_the_field(plan):
+    assert plan.error is None, plan.error
     assert plan.base_refused is None or plan.spec.rel.split("/")[-1] in plan.base_refused
     for toggle, msg in plan.refused:
         assert toggle.field in msg, f"{plan.spec.rel}: {toggle.name} refused without naming {toggle.field}: {msg}"
@@ -55,6 +56,7 @@ def test_refusals_name_the_field(plan):
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
 @pytest.mark.parametrize("plan", PLANS, ids=[_id(p) for p in PLANS])
 def test_features_on_parity(plan, tp, tiny_checkpoint, tokens):
+    assert plan.error is None, plan.error
     if plan.status != "served":
         pytest.skip(f"refused by the config guard: {plan.base_refused}")
     if not plan.accepted:
