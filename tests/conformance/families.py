@@ -52,8 +52,16 @@ NOT_DECODER_ONLY: dict[str, str] = {
     "XLNetLMHeadModel": "permutation language model (two-stream attention), not a causal decoder",
 }
 
-# Toggles no generic rule can decide: {architecture: {dotted field: value}}.
-FEATURE_OVERRIDES: dict[str, dict[str, Any]] = {}
+# Toggles no generic rule can decide: {architecture: [toggle, ...]}, a toggle {dotted field: value, ...} (a refusal
+# must name its first field). Forms that released checkpoints use besides transformers' default.
+FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
+    # StableLM 2 12B: parallel attention / MLP (the 1.6B and 3B: sequential, the default)
+    "StableLmForCausalLM": [{"use_parallel_residual": True}],
+    # GPT-NeoX checkpoints with sequential residuals (Pythia and NeoX-20B: parallel, the default)
+    "GPTNeoXForCausalLM": [{"use_parallel_residual": False}],
+    # Falcon-40B / 180B: the new decoder architecture with grouped kv heads; Falcon-RW style: no multi-query
+    "FalconForCausalLM": [{"new_decoder_architecture": True, "num_kv_heads": 2}, {"multi_query": False}],
+}
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
 ROPE_PREFERENCE = ("llama3", "yarn", "linear")
@@ -245,8 +253,9 @@ def feature_toggles(architecture: str, spec: SpecInfo | None = None) -> list[Tog
             ov = {sym.location: {"rope_type": kind, "rope_theta": theta, **ROPE_ARMS[kind]}}
             toggles.append(Toggle(f"{sym.location}.rope_type={kind}", ov, "rope_type"))
             break
-    for key, value in FEATURE_OVERRIDES.get(architecture, {}).items():
-        toggles.append(Toggle(f"{key}={value!r}", {key: value}, key.split(".")[-1]))
+    for ov in FEATURE_OVERRIDES.get(architecture, []):
+        shown = ", ".join(f"{k}={v!r}" for k, v in ov.items())
+        toggles.append(Toggle(shown, dict(ov), next(iter(ov)).split(".")[-1]))
     return toggles
 
 
