@@ -39,6 +39,8 @@ IGNORE_WORDS = ("dropout", "pdrop", "initializer", "output_router_logits", "rout
                 "router_jitter_noise", "z_loss")
 ATTN_NAMES = {"q": ("q_proj", "query"), "k": ("k_proj", "key"), "v": ("v_proj", "value"),
               "o": ("o_proj", "dense", "out_proj", "c_proj")}
+FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv")
+FUSED_GATE_UP = ("gate_up_proj",)
 MLP_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3", "fc1", "c_fc"),
              "down": ("down_proj", "w2", "fc2", "c_proj")}
 
@@ -168,21 +170,34 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
             for n in (names ^ flipped):
                 controls[n] = key
     # ---- attention and MLP modules
+    def rel_name(n: str, prefix: str) -> str:
+        return n[len(prefix):]
+
     q = _find(names, layer, ATTN_NAMES["q"])
     k = _find(names, layer, ATTN_NAMES["k"])
     v = _find(names, layer, ATTN_NAMES["v"])
-    attn_mod = q.rsplit(".", 1)[0] if q else None
+    qkv_fused = None if (q and k and v) else _find(names, layer, FUSED_QKV)
+    if qkv_fused:
+        q = k = v = None
+        d.checklist.append(f"the checkpoint stores q/k/v fused in `{rel_name(qkv_fused, layer)}`: the draft loads it as "
+                           f"[q | k | v] stacked in that order (Phi-3's layout); a per-head interleaved layout "
+                           f"(GPT-NeoX `query_key_value`) needs a row layout in `weights`")
+    attn_mod = (q or qkv_fused).rsplit(".", 1)[0] if (q or qkv_fused) else None
     o = _find({n for n in names if attn_mod and n.startswith(attn_mod + ".")}, layer, ATTN_NAMES["o"]) if attn_mod else None
     rest = {n for n in names if not (attn_mod and n.startswith(attn_mod + "."))}   # the MLP is not the attention
     gate = _find(rest, layer, MLP_NAMES["gate"])
     up = _find(rest, layer, MLP_NAMES["up"])
     down = _find(rest, layer, MLP_NAMES["down"])
-    if not (q and k and v and o):
+    gate_up_fused = _find(rest, layer, FUSED_GATE_UP) if not (gate or up) else None
+    if gate_up_fused:
+        d.checklist.append(f"the checkpoint stores gate/up fused in `{rel_name(gate_up_fused, layer)}`: the draft loads "
+                           f"it as [gate | up] stacked in that order (Phi-3's layout); check the modeling file's chunk")
+    if not ((q and k and v) or qkv_fused) or not o:
         fused = sorted(n for n in names if n.startswith(layer) and re.search(r"(qkv|query_key_value|c_attn)", n))
         raise DraftError(f"{arch}: no separate q/k/v/o projections found in the state_dict"
                          + (f" (fused: {', '.join(fused)}): write the attention and its `weights` row layout by hand"
                             if fused else ""))
-    if not (up and down):
+    if not ((up or gate_up_fused) and down):
         raise DraftError(f"{arch}: no up/down MLP projections found in the state_dict (a MoE or another MLP form: "
                          f"start from a spec in specs/ by hand)")
     mlp_mod = down.rsplit(".", 1)[0]
@@ -327,10 +342,10 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
             d.checklist.append(hint)
 
     # ---- the spec text
-    qb = bias_flag(q, k, v)
+    qb = bias_flag(q, k, v) if q else bias_flag(qkv_fused)
     ob = bias_flag(o)
-    gated = gate is not None
-    up_b = bias_flag(*( [gate, up] if gated else [up]))
+    gated = gate is not None or gate_up_fused is not None
+    up_b = bias_flag(gate_up_fused) if gate_up_fused else bias_flag(*([gate, up] if gated else [up]))
     down_b = bias_flag(down)
     tied = "lm_head.weight" not in names or "tie_word_embeddings" in full
     attn_name, mlp_name = rel(attn_mod), rel(mlp_mod)
@@ -372,7 +387,8 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
           f"      {rel(attn_norm)}: {norm}",
           f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",
           "        heads: num_attention_heads", "        kv_heads: num_key_value_heads", "        head_dim: head_dim",
-          f"        qkv: {{name: qkv_proj, segments: [q, k, v], bias: {qb}}}",
+          f"        qkv: {{name: {qkv_fused.rsplit('.', 1)[1] if qkv_fused else 'qkv_proj'}, segments: [q, k, v], "
+          f"bias: {qb}}}",
           f"        out: {{name: {o.rsplit('.', 1)[1]}, bias: {ob}}}"]
     if "rope_theta" in d.symbols:
         L.append("        rotary: {kind: neox, theta: rope_theta, max_position: max_position_embeddings, "
@@ -381,7 +397,8 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     if gated:
         L += ["        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
               f"        activation: {act_ref}",
-              f"        gate_up: {{name: gate_up_proj, segments: [gate, up], bias: {up_b}}}",
+              f"        gate_up: {{name: {gate_up_fused.rsplit('.', 1)[1] if gate_up_fused else 'gate_up_proj'}, "
+              f"segments: [gate, up], bias: {up_b}}}",
               f"        down: {{name: {down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
     else:
         L += ["        kind: mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
@@ -393,12 +410,18 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
           + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
-    fused = [(f"{layer}{attn_name}.qkv_proj", {"q": q, "k": k, "v": v}, qb)]
-    if gated:
+    fused = [(qkv_fused, qkv_fused, qb) if qkv_fused else
+             (f"{layer}{attn_name}.qkv_proj", {"q": q, "k": k, "v": v}, qb)]
+    if gate_up_fused:
+        fused.append((gate_up_fused, gate_up_fused, up_b))
+    elif gated:
         fused.append((f"{layer}{mlp_name}.gate_up_proj", {"gate": gate, "up": up}, up_b))
     for target_name, parts, b in fused:
         for suffix in ("weight", "bias") if b != "false" else ("weight",):
             L.append(f"  {target_name}.{suffix}:")
+            if isinstance(parts, str):       # stored stacked: one tensor, split into its segments at load
+                L.append(f"    from: {parts}.{suffix}")
+                continue
             L.append("    from:")
             for seg, src in parts.items():
                 L.append(f"      {seg}: {src}.{suffix}")

@@ -160,3 +160,17 @@ def test_draft_checklist_flags_what_a_llama_draft_misses(arch, expected):
     assert rc in (0, 2), err
     for e in expected:
         assert e in text, f"{arch}: {e!r} not flagged:\n{text[:3000]}"
+
+
+def test_draft_of_fused_checkpoint_tensors_verifies(tiny_checkpoint, tmp_path):
+    """A checkpoint that stores q/k/v and gate/up fused (Phi-3): the draft loads each as one tensor split into
+    its segments (`weights: {param: {from: tensor}}`), flags the assumed order, and verifies."""
+    ckpt = tiny_checkpoint("Phi3ForCausalLM", overrides={"sliding_window": None})
+    out = tmp_path / "phi3_draft.yaml"
+    rc, _, err = _cli("draft", str(ckpt), "-o", str(out), "--name", "phi3_draft")
+    assert rc == 0, err
+    text = out.read_text()
+    assert "q/k/v fused in `self_attn.qkv_proj`" in text and "gate/up fused in `mlp.gate_up_proj`" in text
+    assert "    from: model.layers.{i}.self_attn.qkv_proj.weight" in text
+    rc, stdout, stderr = _cli("verify", str(out), str(ckpt), "--max-tokens", "6", "--prompt-lens", "4,12")
+    assert rc == 0, stdout + stderr
