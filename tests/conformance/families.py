@@ -22,7 +22,7 @@ config at the decoder level), each rule one toggle {dotted field: value}:
   - scalings: `*multiplier*` fields 0.5 (embedding: 3.0), `logits_scaling` / `logit_scale` doubled,
     `query_pre_attn_scalar` twice the tiny head_dim;
   - `clip_qkv` 1.0 where the field exists and is off;
-  - `norm_topk_prob` flipped; `tie_word_embeddings` flipped;
+  - `norm_topk_prob` flipped; `tie_word_embeddings` flipped; multi-query: `num_key_value_heads` 1;
   - rope scaling: the first of llama3 / yarn / linear that the spec's `type: rope` symbol admits, with the
     spec battery's standard parameters (ROPE_ARMS).
 FEATURE_OVERRIDES adds per-architecture toggles where no generic rule can decide.
@@ -235,6 +235,8 @@ def feature_toggles(architecture: str, spec: SpecInfo | None = None) -> list[Tog
         if "max_window_layers" in default:
             extra.append(("max_window_layers", 1))
         add("sliding_window", 6, *extra)
+    if isinstance(base.get("num_key_value_heads"), int) and base["num_key_value_heads"] > 1:
+        add("num_key_value_heads", 1)                      # multi-query attention (KV heads replicated at TP 2)
     if isinstance(tiny.get("tie_word_embeddings"), bool):
         flip = not tiny["tie_word_embeddings"]
         toggles.append(Toggle(f"tie_word_embeddings={flip}", {"tie_word_embeddings": flip}, "tie_word_embeddings"))
