@@ -174,3 +174,14 @@ def test_draft_of_fused_checkpoint_tensors_verifies(tiny_checkpoint, tmp_path):
     assert "    from: model.layers.{i}.self_attn.qkv_proj.weight" in text
     rc, stdout, stderr = _cli("verify", str(out), str(ckpt), "--max-tokens", "6", "--prompt-lens", "4,12")
     assert rc == 0, stdout + stderr
+
+
+def test_compiler_cli_does_not_import_transformers():
+    """draft and verify import transformers / torch lazily: the compiler and `--help` stay light."""
+    import subprocess
+    import sys
+    code = ("import sys, xllm_gen.codegen.cli as c; c._parser(); "
+            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, "
+            "[m for m in ('transformers', 'torch') if m in sys.modules]")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
