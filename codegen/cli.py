@@ -341,7 +341,10 @@ def _draft_main(argv: List[str]) -> int:
     try:
         text, d = draft_spec(args.target, name=args.name)
     except SpecError as e:
-        print(f"error: {e.message}", file=sys.stderr)
+        print(_one_line(f"error: {e.message}"), file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a config class the draft cannot read: one line, never a traceback
+        print(_one_line(f"error: {args.target}: cannot draft ({type(e).__name__}: {e})"), file=sys.stderr)
         return 2
     if not args.output:
         sys.stdout.write(text)

@@ -109,26 +109,41 @@ def _load(target: str):
 
 
 def _meta_params(cls, config, **changes) -> dict[str, tuple]:
-    """{parameter name with layer index -> '{i}': shape} of the model built on the meta device (2 layers)."""
+    """{parameter name with layer index -> '{i}': shape} of the model built on the meta device (2 layers where
+    the config class allows shrinking it, else all of them: on the meta device a model costs no memory)."""
     import copy
 
     import torch
 
-    cfg = copy.deepcopy(config)
-    if hasattr(cfg, "num_hidden_layers"):
-        cfg.num_hidden_layers = 2
-        if isinstance(getattr(cfg, "layer_types", None), list):
-            cfg.layer_types = cfg.layer_types[:2]
-    for k, v in changes.items():
-        setattr(cfg, k, v)
-    with torch.device("meta"):
-        model = cls(cfg)
+    def build(shrink: bool):
+        cfg = copy.deepcopy(config)
+        if shrink and hasattr(cfg, "num_hidden_layers"):
+            cfg.num_hidden_layers = 2
+            if isinstance(getattr(cfg, "layer_types", None), list):
+                cfg.layer_types = cfg.layer_types[:2]
+        for k, v in changes.items():
+            setattr(cfg, k, v)
+        with torch.device("meta"):
+            return cls(cfg), cfg
+
+    try:
+        model, cfg = build(shrink=True)
+    except Exception:
+        try:
+            model, cfg = build(shrink=False)
+        except Exception as e:
+            raise DraftError(f"{cls.__name__}: cannot build the transformers model on the meta device "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     out = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         out[re.sub(r"\.(\d+)\.", ".{i}.", n, count=1)] = tuple(p.shape)
     if getattr(cfg, "tie_word_embeddings", False):
         out.pop("lm_head.weight", None)
     return out
+
+
+def rel_layer(name: str, layer: str) -> str:
+    return name[len(layer):] if name.startswith(layer) else name
 
 
 def _find(names: set, layer: str, options) -> str | None:
@@ -158,6 +173,12 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     if layer != "model.layers.{i}.":
         d.checklist.append(f"decoder layers live at `{layer}` (not `model.layers.{{i}}.`): rename every tensor in "
                            f"`weights` or set decoder.prefix")
+
+    experts = sorted({n.split(".experts.")[0] + ".experts" for n in names if ".experts." in n})
+    if experts:
+        raise DraftError(f"{arch}: a mixture-of-experts layer ({', '.join(rel_layer(e, layer) for e in experts)}): the draft "
+                         f"writes dense Llama-like layers only; start from a `moe` spec in specs/ (qwen3_moe.yaml, "
+                         f"mixtral.yaml) and check it with xllm-gen verify")
 
     # ---- which parameters each bool flag adds or removes
     controls: dict[str, str] = {}            # parameter name -> flag
@@ -341,7 +362,18 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
         if re.search(pattern, model_src):
             d.checklist.append(hint)
 
+    # ---- layer parameters the draft maps to nothing (the loader refuses a checkpoint with unused tensors)
+    used = {m for m in (q, k, v, o, gate, up, down, qkv_fused, gate_up_fused, attn_norm, mlp_norm) if m}
+    unused = sorted(rel(n) for n in names if n.startswith(layer) and n.rsplit(".", 1)[0] not in used
+                    and n.rsplit(".", 1)[0] not in extra_norms + inner_norms)
+    if unused:
+        d.checklist.append(f"layer parameters the draft does not use: {', '.join(unused[:8])}"
+                           f"{', ...' if len(unused) > 8 else ''}: model them (the loader refuses unused tensors)")
+
     # ---- the spec text
+    max_pos = "max_position_embeddings" if "max_position_embeddings" in d.symbols else "8192"
+    if max_pos == "8192" and "rope_theta" in d.symbols:
+        d.checklist.append("no max_position_embeddings field: the rotary table length is a literal 8192")
     qb = bias_flag(q, k, v) if q else bias_flag(qkv_fused)
     ob = bias_flag(o)
     gated = gate is not None or gate_up_fused is not None
@@ -391,8 +423,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
           f"bias: {qb}}}",
           f"        out: {{name: {o.rsplit('.', 1)[1]}, bias: {ob}}}"]
     if "rope_theta" in d.symbols:
-        L.append("        rotary: {kind: neox, theta: rope_theta, max_position: max_position_embeddings, "
-                 "scaling: rope_scaling}")
+        L.append(f"        rotary: {{kind: neox, theta: rope_theta, max_position: {max_pos}, scaling: rope_scaling}}")
     L += [f"      {rel(mlp_norm)}: {norm}", f"      {mlp_name}:"]
     if gated:
         L += ["        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",

@@ -90,7 +90,7 @@ class Report:
     def text(self) -> str:
         head = f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}, tolerance {self.tol:g})"
         if self.refused:
-            return f"{head}\nREFUSED by the spec's config guard: {self.refused}\nFAIL"
+            return f"{head}\nREFUSED by {self.refused}\nFAIL"
         lines = [head]
         n_layers = len(self.prompts[0].layers) if self.prompts else 0
         worst = [max((p.layers[l].max_rel for p in self.prompts), default=0.0) for l in range(n_layers)]
@@ -227,7 +227,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         try:
             config = model_module.Config.from_hf(hf_cfg)
         except ValueError as e:
-            report.refused = str(e)
+            report.refused = f"the spec's config guard: {e}"
             return report
         text_cfg = hf_cfg.get("text_config") if isinstance(hf_cfg.get("text_config"), dict) else hf_cfg
         n_layers = int(text_cfg.get("num_hidden_layers", getattr(config, "num_hidden_layers", 0)))
@@ -256,8 +256,13 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
 
         from xllm_gen import LLM, SamplingParams
         with _served_by(model_module, runner_module):
-            llm = LLM(model=str(ckpt), device=device, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
-                      max_model_len=max(prompt_lens) + max_tokens + 1, max_num_seqs=4)
+            try:
+                llm = LLM(model=str(ckpt), device=device, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+                          max_model_len=max(prompt_lens) + max_tokens + 1, max_num_seqs=4)
+            except Exception as e:     # the loader's strict checks: a tensor the spec has no parameter for, ...
+                hf_rec.remove()
+                report.refused = f"the engine cannot load the checkpoint with this spec: {type(e).__name__}: {e}"
+                return report
         try:
             eng_model = llm.engine.runner.model
             eng_rec = _Recorder(_decoder_layers(eng_model, n_layers), engine=True)
@@ -291,6 +296,6 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 report.prompts.append(PromptResult(len(ids), want, list(got), layers))
             eng_rec.remove()
         finally:
-            llm.shutdown() if hasattr(llm, "shutdown") else None
+            llm.shutdown()
             hf_rec.remove()
     return report
