@@ -52,6 +52,8 @@ def render() -> str:
         "  config guard refuses by name is listed under *refused features*: such a checkpoint is refused at",
         "  load, never served wrong.",
         "- **refused**: the spec's config guard refuses even the family's default tiny config (the reason).",
+        "- *model types*: those transformers maps to the class; the battery builds the class's own config class",
+        "  (a checkpoint of another model type is served only as far as the spec's config guard accepts its fields).",
         "- **not yet**: no spec claims the class. `xllm-gen draft <Class> -o specs/x.yaml` writes a first spec.",
         "",
         "Regenerate after adding a spec: `python -m tests.conformance.coverage` (tests/conformance/"
