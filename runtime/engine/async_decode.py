@@ -10,7 +10,8 @@ the engine reads step n's tokens and finishes sequences as usual. A sequence tha
 token or string) was also computed in the step in flight; that row is dropped when it is read. Sequences
 certain to end (max_tokens, max_model_len) are left out of the next step.
 
-Only plain greedy sequences qualify: sampling, penalties, logprobs and min_tokens read the logits on the host.
+Only plain greedy sequences qualify: sampling, penalties, logprobs, min_tokens and structured outputs (the
+grammar's mask for step n+1 depends on step n's token) read the logits on the host.
 The runner needs `decode_greedy` (one process; TP ranks receive their inputs from rank 0's host)."""
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class AsyncDecode:
     def eligible(seq: Sequence) -> bool:
         p = seq.params
         return (p.greedy and not p.needs_processing and p.logprobs is None and not seq.error
+                and seq.grammar is None          # its mask needs the previous token accepted first
                 and seq.num_completion_tokens + seq.num_pending >= p.min_tokens)
 
     def can_launch(self, seqs: list[Sequence]) -> bool:

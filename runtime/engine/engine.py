@@ -165,6 +165,7 @@ class LLMEngine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
         self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
         self._stream_text = False                  # set by step_deltas: detokenize every step
+        self._grammar_backend = None               # structured outputs (built on first use)
         # greedy decode steps launched ahead of reading the previous one's tokens (runtime/engine/async_decode.py)
         self._async = None
         if async_scheduling and getattr(self.runner, "supports_async_decode", False):
@@ -174,6 +175,19 @@ class LLMEngine:
         """The checkpoint's (or `tokenizer=`) tokenizer; None only when the checkpoint has no tokenizer file (it
         then serves prompt_token_ids). One that is present but cannot be loaded is an error naming the file."""
         return load_tokenizer(self.tokenizer_dir, required=self.tokenizer_dir != self.model_dir)
+
+    @property
+    def structured(self):
+        """The structured-outputs backend (runtime/engine/structured_outputs.py), built on first use;
+        ValueError when the checkpoint has no tokenizer. Its `compile` is thread-safe and cached: the server
+        calls it off the engine thread before admission."""
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this checkpoint has none")
+            from xllm_gen.runtime.engine.structured_outputs import GrammarBackend
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self.sampler.grammar = self._grammar_backend
+        return self._grammar_backend
 
     # ---- admission ------------------------------------------------------------------------------
     def make_sequence(self, index: Any, prompt: Any, params: SamplingParams) -> Sequence:
@@ -255,7 +269,12 @@ class LLMEngine:
                              f"(size {self.vocab_size})")
         if mm_inputs is None and self.mm_processor is not None:
             self.mm_processor.check_no_placeholders(index, token_ids)
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.structured.compile(params.structured_outputs)    # cached; GrammarError names it
         seq = Sequence(self._next_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
+        if compiled is not None:
+            seq.grammar, seq.compiled_grammar = self.structured.matcher(compiled), compiled
         seq.no_prefix_cache = params.prompt_logprobs is not None     # needs every prompt row computed
         self._next_id += 1
         seq.arrival_time = time.monotonic()
@@ -272,6 +291,8 @@ class LLMEngine:
             s = Sequence(self._next_id, first.token_ids, p, prompt=first.prompt, mm_inputs=first.mm_inputs)
             self._next_id += 1
             s.index, s.arrival_time, s.no_prefix_cache = i, first.arrival_time, first.no_prefix_cache
+            if first.grammar is not None:          # each completion walks the grammar on its own
+                s.grammar = self.structured.matcher(first.compiled_grammar)
             seqs.append(s)
         return seqs
 
@@ -405,8 +426,8 @@ class LLMEngine:
             for seq in finished:
                 self._flush(seq)
         if not seqs:
-            if finished:
-                return finished
+            if finished or not self.scheduler.has_unfinished():
+                return finished              # an idle engine: nothing to do
             raise RuntimeError("scheduler made no progress: KV cache too small for any running request")
         if not is_prefill and self._async is not None and self._async.can_launch(seqs):
             self._async.inflight = self._async.launch(seqs)
@@ -525,6 +546,8 @@ class LLMEngine:
                 d.text = d.text[:at + len(s)] if p.include_stop_str_in_output else d.text[:at]
                 seq.stop_reason = s
                 return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop"                    # the structured output is complete (and ignore_eos is set)
         if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
