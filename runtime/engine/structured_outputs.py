@@ -150,7 +150,7 @@ class GrammarBackend:
                 if not isinstance(schema, (dict, bool)):
                     raise GrammarError(f"{where}.json: a JSON schema is an object, got {type(schema).__name__}")
                 _check_schema(schema, f"{where}.json")
-                return c.compile_json_schema(json.dumps(schema), any_whitespace=ws, strict_mode=True)
+                return c.compile_json_schema(json.dumps(_bounded_strings(schema)), any_whitespace=ws, strict_mode=True)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=ws)
             if kind == "regex":
@@ -187,6 +187,28 @@ class GrammarBackend:
         bm = host.to(logits.device, non_blocking=True) if logits.is_cuda else host
         self.xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=min(self.info.vocab_size, logits.shape[-1]),
                                              indices=rows)
+
+
+def _bounded_strings(node: Any) -> Any:
+    """A copy of the schema where a string with minLength / maxLength (and no pattern, format, enum or const)
+    becomes the same bound as a pattern of plain characters: xgrammar (0.2.9) compiles such strings to
+    "any character but quote, backslash, CR, LF", which lets control characters into the output and makes it
+    invalid JSON. The pattern excludes control characters (and escapes: such strings hold no quote nor
+    backslash)."""
+    if isinstance(node, list):
+        return [_bounded_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bounded_strings(v) for k, v in node.items()}
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    if ((isinstance(lo, int) or isinstance(hi, int)) and out.get("type", "string") == "string"
+            and not {"pattern", "format", "enum", "const"} & set(out)):
+        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) else 0
+        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) else ""
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = "^[^\"\\\\\\x00-\\x1f]{%d,%s}$" % (lo, hi)
+    return out
 
 
 def _check_schema(schema: Any, where: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import os
 from typing import Any, Optional
 from urllib.parse import unquote, urlparse
@@ -72,9 +73,34 @@ def _open_video(part: dict, where: str):
         raise APIError(f"{where}: cannot read the video ({type(e).__name__}: {e})", param="messages") from None
 
 
+def _turn(msg, content) -> dict:
+    """One message for the chat template: role and content, plus an assistant's tool_calls (arguments as a dict
+    when they are JSON text, as Hugging Face templates expect), a tool result's tool_call_id and name."""
+    turn: dict = {"role": msg.role, "content": content}
+    if msg.tool_calls:
+        calls = []
+        for call in msg.tool_calls:
+            call = dict(call)
+            fn = call.get("function")
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    call["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
+                except ValueError:
+                    pass
+            calls.append(call)
+        turn["tool_calls"] = calls
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        if getattr(msg, key, None) is not None:
+            turn[key] = getattr(msg, key)
+    return turn
+
+
 def render_chat(engine, messages: list, chat_template: Optional[str] = None,
-                add_generation_prompt: bool = True) -> dict:
-    """The engine prompt dict ({"prompt": text[, "multi_modal_data": ...]}) of an OpenAI conversation."""
+                add_generation_prompt: bool = True, tools: Optional[list] = None,
+                template_kwargs: Optional[dict] = None) -> dict:
+    """The engine prompt dict ({"prompt": text[, "multi_modal_data": ...]}) of an OpenAI conversation.
+    `tools` (OpenAI's list) and `template_kwargs` (e.g. enable_thinking) reach the chat template; a template
+    that does not render the tools is refused (the model would never see them)."""
     multimodal = engine.mm_processor is not None
     renderer = engine.mm_processor.processor if multimodal else engine.tokenizer
     if renderer is None:
@@ -85,7 +111,7 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
     for m, msg in enumerate(messages):
         content = msg.content
         if content is None or isinstance(content, str):
-            conv.append({"role": msg.role, "content": content or ""})
+            conv.append(_turn(msg, content or ""))
             continue
         parts = []
         for k, part in enumerate(content):
@@ -110,12 +136,19 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
             else:
                 raise APIError(f"{where}: unsupported content part type {kind!r}", param="messages")
         if not multimodal:          # a text tokenizer's template wants a string
-            conv.append({"role": msg.role, "content": "".join(p["text"] for p in parts)})
+            conv.append(_turn(msg, "".join(p["text"] for p in parts)))
         else:
-            conv.append({"role": msg.role, "content": parts})
+            conv.append(_turn(msg, parts))
+    kwargs = dict(template_kwargs or {})
     try:
         text = renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        if tools and text == renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt, **kwargs):
+            raise APIError("the chat template does not render tools, so the model cannot see them; serve with a "
+                           "tool-aware --chat-template or pass chat_template", param="tools")
+    except APIError:
+        raise
     except Exception as e:
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
     prompt: dict = {"prompt": text}

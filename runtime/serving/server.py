@@ -71,8 +71,16 @@ def _sse(obj: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ the app
-def build_app(async_engine, model_name: str, metrics):
+def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[str] = None,
+              reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None):
+    """The FastAPI app. `tool_parser` / `reasoning_parser`: names in runtime/serving/tool_parsers/ and
+    reasoning_parsers/ (None: tool_choice auto / required / named are refused; no reasoning split);
+    `chat_template`: the default template (Jinja text) instead of the checkpoint's."""
+    from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
+
     engine = async_engine.engine
+    tools_cls = tool_parsers.get(tool_parser) if tool_parser else None
+    reasoning = reasoning_parsers.get(reasoning_parser)() if reasoning_parser else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -95,6 +103,15 @@ def build_app(async_engine, model_name: str, metrics):
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
+        if first.get("type") == "extra_forbidden":        # never silently dropped
+            unknown = sorted(".".join(str(x) for x in e.get("loc", ()) if x != "body")
+                             for e in errs if e.get("type") == "extra_forbidden")
+            return error(APIError(f"unknown field(s) {', '.join(unknown)}: not supported by this server",
+                                  param=param))
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx") or {}
+            return error(APIError(f"the request body is not valid JSON: {ctx.get('error', 'decode error')} "
+                                  f"at character {first.get('loc', ('', '?'))[-1]}", param=None))
         return error(APIError(f"{where}: {first.get('msg', 'invalid request body')}", param=param))
 
     @app.exception_handler(APIError)
@@ -122,6 +139,18 @@ def build_app(async_engine, model_name: str, metrics):
         if body.model not in (None, model_name, str(engine.model_dir)):
             raise APIError(f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            status=404, param="model", type="not_found_error")
+
+    async def precompile(params, where: str, param: str) -> None:
+        """Compiles the request's constraint in a worker thread (cached), so that the engine's step never
+        waits on a compile and an invalid schema / regex / grammar is a 400 naming it."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        try:
+            backend = engine.structured
+            await asyncio.to_thread(backend.compile, so, where)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
 
     async def admit(rid: str, prompt: Any, params) -> asyncio.Queue:
         try:
@@ -202,6 +231,7 @@ def build_app(async_engine, model_name: str, metrics):
         check_model(body)
         prompts = body.prompts()
         params = body.sampling_params(engine.max_model_len)
+        await precompile(params, *body.structured_where())
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         queues = await admit_all(base, prompts, params)
@@ -271,30 +301,125 @@ def build_app(async_engine, model_name: str, metrics):
         check_model(body)
         body.check_supported()
         params = body.sampling_params(engine.max_model_len)
-        prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template,
-                                         bool(body.add_generation_prompt))
+        template_tools, parser = plan_tools(body, params)
+        where, param = body.structured_where()
+        if parser is not None and params.structured_outputs is not None and body.tool_choice not in (None, "auto"):
+            where, param = "tools", "tools"
+        await precompile(params, where, param)
+        prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
+                                         bool(body.add_generation_prompt), template_tools,
+                                         body.chat_template_kwargs)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         rid, q = (await admit_all(base, [prompt], params))[0]
         n_top = body.top_logprobs or 0
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top),
+            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top, parser),
                                      media_type="text/event-stream")
         got = await collect(rid, q, request)
         if got is None:
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         prompt_ids, comps = got
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, n_top), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in comps]
+        choices = []
+        for c in comps:
+            message: dict = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if reasoning is not None:
+                message["reasoning_content"], message["content"] = reasoning.extract(c.text)
+            if parser is not None and message["content"] is not None:
+                content, calls = parser.extract(message["content"])
+                if calls:
+                    message["content"], finish = content, "tool_calls"
+                    message["tool_calls"] = [call.openai() for call in calls]
+            choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, n_top),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": base, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
 
-    async def stream_chat(base, created, rid, q, n, include_usage, n_top) -> AsyncIterator[str]:
+    def plan_tools(body, params):
+        """(the tools the template renders, the tool parser of the reply or None) for tools / tool_choice; for
+        "required" or a named function, params.structured_outputs becomes the parser's grammar of one call."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise APIError("tool_choice needs tools", param="tool_choice")
+            return None, None
+        try:
+            tools = tool_parsers.check_tools(body.tools)
+        except ValueError as e:
+            raise APIError(str(e), param="tools") from None
+        if choice is None:
+            choice = "auto"
+        if choice == "none":
+            return None, None
+        if isinstance(choice, dict):
+            fn = choice.get("function") if choice.get("type") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str):
+                raise APIError("tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                               "{'name': ...}}", param="tool_choice")
+            forced = [t for t in tools if t["function"]["name"] == name]
+            if not forced:
+                raise APIError(f"tool_choice names {name!r}, which is not among the tools "
+                               f"({', '.join(t['function']['name'] for t in tools)})", param="tool_choice")
+        elif choice == "required":
+            forced = tools
+        elif choice == "auto":
+            forced = None
+        else:
+            raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                           param="tool_choice")
+        if tools_cls is None:
+            raise APIError(f"tool_choice {choice if isinstance(choice, str) else 'with a named function'} needs a "
+                           "tool-call parser: start the server with --tool-call-parser (e.g. hermes)",
+                           param="tool_choice")
+        parser = tools_cls()
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise APIError("response_format / structured_outputs cannot be combined with tool_choice "
+                               "'required' or a named function", param="tool_choice")
+            try:
+                ebnf = parser.grammar(forced)
+            except Exception as e:
+                raise APIError(f"tools: cannot build the tool-call grammar: {e}", param="tools") from None
+            from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
+            params.structured_outputs = StructuredOutputsParams(grammar=ebnf)
+        return tools, parser
+
+    async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None) -> AsyncIterator[str]:
         head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
         p_tok, c_tok = 0, 0
         finished = False
+        # per choice: (reasoning streamer, tool-call streamer, number of calls sent)
+        state = {i: [reasoning.streamer() if reasoning else None, parser.streamer() if parser else None, 0]
+                 for i in range(n)}
+
+        def split(i: int, text: str, last: bool) -> dict:
+            """The delta of choice i for new text: reasoning_content, content and tool_calls."""
+            rs, ts, sent = state[i]
+            r, content = "", text
+            if rs is not None:
+                r, content = rs.feed(text)
+                if last:
+                    r2, c2 = rs.finish()
+                    r, content = r + r2, content + c2
+            calls = []
+            if ts is not None:
+                content, calls = ts.feed(content)
+                if last:
+                    c2, more = ts.finish()
+                    content, calls = content + c2, calls + more
+            delta: dict = {}
+            if r:
+                delta["reasoning_content"] = r
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [call.openai(sent + k) for k, call in enumerate(calls)]
+                state[i][2] = sent + len(calls)
+            return delta
+
         try:
             for i in range(n):
                 chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -306,10 +431,18 @@ def build_app(async_engine, model_name: str, metrics):
                 p_tok = len(out.prompt_token_ids)
                 for c in out.outputs:
                     c_tok += len(c.token_ids)
-                    delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
+                    if reasoning is None and parser is None:
+                        delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
+                    else:
+                        delta = split(c.index, c.text, c.finish_reason is not None)
+                        if not delta and not c.finish_reason and not c.logprobs:
+                            continue                  # held back (a tag may be starting)
+                    finish = c.finish_reason
+                    if finish is not None and state[c.index][2]:
+                        finish = "tool_calls"
                     chunk = {**head, "choices": [{"index": c.index, "delta": delta,
                                                   "logprobs": _chat_logprobs(c, n_top),
-                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                                                  "finish_reason": finish, "stop_reason": c.stop_reason}]}
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
@@ -366,6 +499,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="launch each greedy decode step before the previous one's tokens are read back, so that "
                          "the host's work overlaps the GPU's (on by default)")
     ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    ap.add_argument("--chat-template", help="chat template (a Jinja file, or the template text) used instead of the "
+                    "checkpoint's (a request's chat_template still wins)")
+    ap.add_argument("--tool-call-parser", help="how tool calls are read from the output (hermes: Qwen / Hermes "
+                    "<tool_call> JSON); enables tools with tool_choice auto, required and named")
+    ap.add_argument("--reasoning-parser", help="split the reasoning from the answer into reasoning_content "
+                    "(qwen3: <think> ... </think>)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -380,6 +519,19 @@ def _version() -> str:
         return version("xllm-gen")
     except Exception:
         return "unknown"
+
+
+def _chat_template(arg: Optional[str]) -> Optional[str]:
+    """--chat-template: a file's text, or the argument itself when it is a template (contains '{')."""
+    if not arg:
+        return None
+    if "{" in arg:
+        return arg
+    from pathlib import Path
+    path = Path(arg)
+    if not path.is_file():
+        raise ValueError(f"--chat-template: no such file: {arg}")
+    return path.read_text()
 
 
 def make_engine(args):
@@ -414,6 +566,16 @@ def main(argv=None) -> int:
     from xllm_gen.runtime.serving.metrics import ServerMetrics
 
     try:
+        template = _chat_template(args.chat_template)
+        from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
+        if args.tool_call_parser:
+            tool_parsers.get(args.tool_call_parser)
+        if args.reasoning_parser:
+            reasoning_parsers.get(args.reasoning_parser)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -421,7 +583,8 @@ def main(argv=None) -> int:
     name = args.served_model_name or engine.model_dir.name
     metrics = ServerMetrics(name)
     aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue)
-    app = build_app(aeng, name, metrics)
+    app = build_app(aeng, name, metrics, tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    chat_template=template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
     server = uvicorn.Server(config)
