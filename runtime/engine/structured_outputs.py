@@ -150,7 +150,7 @@ class GrammarBackend:
                 if not isinstance(schema, (dict, bool)):
                     raise GrammarError(f"{where}.json: a JSON schema is an object, got {type(schema).__name__}")
                 _check_schema(schema, f"{where}.json")
-                return c.compile_json_schema(json.dumps(_bounded_strings(schema)), any_whitespace=ws, strict_mode=True)
+                return c.compile_json_schema(json.dumps(bounded_strings(schema)), any_whitespace=ws, strict_mode=True)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=ws)
             if kind == "regex":
@@ -189,17 +189,17 @@ class GrammarBackend:
                                              indices=rows)
 
 
-def _bounded_strings(node: Any) -> Any:
+def bounded_strings(node: Any) -> Any:
     """A copy of the schema where a string with minLength / maxLength (and no pattern, format, enum or const)
     becomes the same bound as a pattern of plain characters: xgrammar (0.2.9) compiles such strings to
     "any character but quote, backslash, CR, LF", which lets control characters into the output and makes it
     invalid JSON. The pattern excludes control characters (and escapes: such strings hold no quote nor
     backslash)."""
     if isinstance(node, list):
-        return [_bounded_strings(x) for x in node]
+        return [bounded_strings(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _bounded_strings(v) for k, v in node.items()}
+    out = {k: bounded_strings(v) for k, v in node.items()}
     lo, hi = out.get("minLength"), out.get("maxLength")
     if ((isinstance(lo, int) or isinstance(hi, int)) and out.get("type", "string") == "string"
             and not {"pattern", "format", "enum", "const"} & set(out)):

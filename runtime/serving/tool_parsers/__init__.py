@@ -105,7 +105,9 @@ class TaggedJSONToolParser(ToolParser):
     def grammar(self, tools: list[dict]) -> str:
         import xgrammar as xgr
 
-        schemas = [_call_schema(t) for t in tools]
+        from xllm_gen.runtime.engine.structured_outputs import bounded_strings
+
+        schemas = [bounded_strings(_call_schema(t)) for t in tools]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         lit = xgr.Grammar.from_ebnf
         g = xgr.Grammar.concat(lit(f"root ::= {json.dumps(self.start + self.sep)}"),
