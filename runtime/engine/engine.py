@@ -126,6 +126,12 @@ class LLMEngine:
             from xllm_gen.runtime.executor.tp_check import check_tensor_parallel
             check_tensor_parallel(model_module, self.hf_config, tensor_parallel_size, config=self.config)
         ctx_len = self.config.max_position_embeddings
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+                                          or max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len and max_model_len > ctx_len:        # refused, never clamped silently
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {ctx_len} tokens "
+                             f"(max_position_embeddings in {cfg_path})")
         self.max_model_len = min(max_model_len or ctx_len, ctx_len)
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")

@@ -4,7 +4,9 @@ checkpoints) and the media of `image_url` / `video` content parts.
 Images: `{"type": "image_url", "image_url": {"url": U}}` where U is a `data:image/...;base64,...` URL, a
 `file://` URL or a local path. Videos: `{"type": "video", "video": [U, ...]}` (one URL or path per frame) or
 `{"type": "video_url", "video_url": {"url": U}}` with U a local `.npy` file of uint8 frames (T, H, W, 3).
-Remote (http/https) URLs are refused: the server has no network."""
+Remote (http/https) URLs are refused: the server has no network. Local paths and file:// URLs are refused
+unless they resolve (symbolic links followed) under the server's --allowed-local-media-path; the error for a
+path outside it is the same whether the file exists or not."""
 from __future__ import annotations
 
 import base64
@@ -18,7 +20,23 @@ from urllib.parse import unquote, urlparse
 from xllm_gen.runtime.serving.protocol import APIError
 
 
-def _open_image(url: Any, where: str):
+def _local_path(path: str, where: str, allowed: Optional[str]) -> str:
+    """`path` when it lies under `allowed` (the real paths compared); an APIError that says nothing about the
+    file otherwise."""
+    if not allowed:
+        raise APIError(f"{where}: local file paths are refused; the server must be started with "
+                       "--allowed-local-media-path DIR to read media under DIR", param="messages")
+    real, root = os.path.realpath(path), os.path.realpath(allowed)
+    try:
+        inside = os.path.commonpath([real, root]) == root
+    except ValueError:
+        inside = False
+    if not inside:
+        raise APIError(f"{where}: local file paths are only read under --allowed-local-media-path", param="messages")
+    return real
+
+
+def _open_image(url: Any, where: str, allowed: Optional[str] = None):
     from PIL import Image
 
     if not isinstance(url, str) or not url:
@@ -37,9 +55,9 @@ def _open_image(url: Any, where: str):
         if scheme in ("http", "https", "ftp"):
             raise APIError(f"{where}: remote URLs are not supported (the server has no network access); "
                            "send the image as a data: URL (base64) or a local file path", param="messages")
-        path = unquote(urlparse(url).path) if scheme == "file" else url
+        path = _local_path(unquote(urlparse(url).path) if scheme == "file" else url, where, allowed)
         if not os.path.isfile(path):
-            raise APIError(f"{where}: no such local image file: {path}", param="messages")
+            raise APIError(f"{where}: no such local image file under --allowed-local-media-path", param="messages")
         src = path
     try:
         img = Image.open(src)
@@ -49,14 +67,14 @@ def _open_image(url: Any, where: str):
         raise APIError(f"{where}: cannot read the image ({type(e).__name__}: {e})", param="messages") from None
 
 
-def _open_video(part: dict, where: str):
+def _open_video(part: dict, where: str, allowed: Optional[str] = None):
     import numpy as np
 
     if part.get("type") == "video":
         frames = part.get("video")
         if not isinstance(frames, list) or not frames:
             raise APIError(f"{where}: a video part is a list of frame URLs or paths", param="messages")
-        return [np.asarray(_open_image(f, f"{where} frame {k}")) for k, f in enumerate(frames)]
+        return [np.asarray(_open_image(f, f"{where} frame {k}", allowed)) for k, f in enumerate(frames)]
     url = (part.get("video_url") or {}).get("url") if isinstance(part.get("video_url"), dict) else None
     if not isinstance(url, str):
         raise APIError(f"{where}: video_url needs {{'url': ...}}", param="messages")
@@ -64,9 +82,9 @@ def _open_video(part: dict, where: str):
     if scheme in ("http", "https", "ftp", "data"):
         raise APIError(f"{where}: video_url takes a local .npy file of uint8 frames (T, H, W, 3); remote and data "
                        "URLs are not supported", param="messages")
-    path = unquote(urlparse(url).path) if scheme == "file" else url
+    path = _local_path(unquote(urlparse(url).path) if scheme == "file" else url, where, allowed)
     if not os.path.isfile(path):
-        raise APIError(f"{where}: no such local video file: {path}", param="messages")
+        raise APIError(f"{where}: no such local video file under --allowed-local-media-path", param="messages")
     try:
         return np.load(path, allow_pickle=False)
     except Exception as e:
@@ -97,7 +115,7 @@ def _turn(msg, content) -> dict:
 
 def render_chat(engine, messages: list, chat_template: Optional[str] = None,
                 add_generation_prompt: bool = True, tools: Optional[list] = None,
-                template_kwargs: Optional[dict] = None) -> dict:
+                template_kwargs: Optional[dict] = None, allowed_media: Optional[str] = None) -> dict:
     """The engine prompt dict ({"prompt": text[, "multi_modal_data": ...]}) of an OpenAI conversation.
     `tools` (OpenAI's list) and `template_kwargs` (e.g. enable_thinking) reach the chat template; a template
     that does not render the tools is refused (the model would never see them)."""
@@ -126,12 +144,12 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
                     raise APIError(f"{where}: this model takes no images", param="messages")
                 ref = part.get("image_url", part.get("image"))
                 url = ref.get("url") if isinstance(ref, dict) else ref
-                media["image"].append(_open_image(url, where))
+                media["image"].append(_open_image(url, where, allowed_media))
                 parts.append({"type": "image", "image": media["image"][-1]})
             elif kind in ("video", "video_url"):
                 if not multimodal:
                     raise APIError(f"{where}: this model takes no videos", param="messages")
-                media["video"].append(_open_video(part, where))
+                media["video"].append(_open_video(part, where, allowed_media))
                 parts.append({"type": "video", "video": media["video"][-1]})
             else:
                 raise APIError(f"{where}: unsupported content part type {kind!r}", param="messages")

@@ -72,7 +72,9 @@ def _sse(obj: Any) -> str:
 
 # ------------------------------------------------------------------------------------ the app
 def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None):
+              reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
+              allowed_local_media_path: Optional[str] = None, api_key: Optional[str] = None,
+              allowed_origins: Optional[list] = None, log_requests: bool = True):
     """The FastAPI app. `tool_parser` / `reasoning_parser`: names in runtime/serving/tool_parsers/ and
     reasoning_parsers/ (None: tool_choice auto / required / named are refused; no reasoning split);
     `chat_template`: the default template (Jinja text) instead of the checkpoint's."""
@@ -90,6 +92,46 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
 
     app = FastAPI(title="xllm-gen", lifespan=lifespan)
     app.state.async_engine = async_engine
+    access = logging.getLogger("xllm_gen.access")
+
+    @app.middleware("http")
+    async def _auth_and_log(request: Request, call_next):
+        """--api-key: a Bearer token on /v1/* (401 in OpenAI's shape otherwise); one access line per request
+        (method, path, status, latency) unless --disable-log-requests."""
+        t0 = time.monotonic()
+        if api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
+            import hmac
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                response = JSONResponse(APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
+                                                 type="authentication_error").body(), status_code=401)
+                if log_requests:
+                    access.info("%s %s %d %.1f ms", request.method, request.url.path, 401,
+                                1000 * (time.monotonic() - t0))
+                return response
+        response = await call_next(request)
+        if log_requests:
+            access.info("%s %s %d %.1f ms%s", request.method, request.url.path, response.status_code,
+                        1000 * (time.monotonic() - t0),
+                        " (streaming)" if isinstance(response, StreamingResponse) else "")
+        return response
+
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """404 / 405 in OpenAI's error shape."""
+        if exc.status_code == 404:
+            msg = f"no such endpoint: {request.method} {request.url.path} (see /v1/models, /v1/completions, " \
+                  "/v1/chat/completions, /health, /metrics)"
+            return JSONResponse(APIError(msg, 404, type="not_found_error").body(), status_code=404)
+        return JSONResponse(APIError(str(exc.detail), exc.status_code, type="invalid_request_error").body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     def error(e: APIError) -> JSONResponse:
         if metrics is not None:
@@ -308,7 +350,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         await precompile(params, where, param)
         prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
                                          bool(body.add_generation_prompt), template_tools,
-                                         body.chat_template_kwargs)
+                                         body.chat_template_kwargs, allowed_local_media_path)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         rid, q = (await admit_all(base, [prompt], params))[0]
@@ -464,9 +506,11 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
 
 
 # ------------------------------------------------------------------------------------ command line
-def _parser() -> argparse.ArgumentParser:
-    from xllm_gen.runtime.engine.engine import _DTYPES
+# engine._DTYPES's names (written out: --help must not import torch; tests/test_serving_hardening.py checks it)
+DTYPES = ("bf16", "bfloat16", "float", "float16", "float32", "fp16", "fp32", "half")
 
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="xllm-gen-serve", description="An OpenAI-compatible server (completions, "
                                  "chat, streaming, metrics) over a Hugging Face checkpoint dir.")
     ap.add_argument("model", nargs="?", help="HF checkpoint dir (default: the embedded tiny checkpoint, built on first use)")
@@ -482,7 +526,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, help="tokens per prefill step")
     ap.add_argument("--enable-chunked-prefill", action="store_true", help="prefill long prompts in chunks")
     ap.add_argument("--device", default="auto", help="auto, cuda or cpu")
-    ap.add_argument("--dtype", default="auto", choices=["auto"] + sorted(_DTYPES), help="weights and KV dtype")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights and KV dtype")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: from --gpu-memory-utilization)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory to use")
@@ -507,6 +551,13 @@ def _parser() -> argparse.ArgumentParser:
                     "(qwen3: <think> ... </think>)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+    ap.add_argument("--allowed-local-media-path", metavar="DIR",
+                    help="image / video parts may name local files (paths or file:// URLs) under DIR only "
+                         "(default: local files are refused)")
+    ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $XLLM_API_KEY; none)")
+    ap.add_argument("--allowed-origins", nargs="*", metavar="ORIGIN",
+                    help="CORS: origins allowed to call the API from a browser ('*': any)")
+    ap.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="log level")
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -534,6 +585,40 @@ def _chat_template(arg: Optional[str]) -> Optional[str]:
     return path.read_text()
 
 
+def check_model_path(model: str) -> None:
+    """A clear error for a model argument that is not a checkpoint dir (before any heavy import)."""
+    from pathlib import Path
+
+    p = Path(model)
+    if p.is_dir():
+        return
+    if p.exists():
+        raise ValueError(f"model {model!r} is a file; give the checkpoint directory (with config.json)")
+    parts = model.split("/")
+    if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
+        raise ValueError(f"model {model!r} does not exist locally; it looks like a Hugging Face hub id, but "
+                         "downloads are not supported: download it first (e.g. `huggingface-cli download "
+                         f"{model} --local-dir DIR`) and pass DIR")
+    raise ValueError(f"model path {model!r} does not exist")
+
+
+def bind_socket(host: str, port: int):
+    """The listening socket, bound before the model loads, so that a busy port fails at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running there? "
+                         "pick another --port, or 0 for a free one)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def make_engine(args):
     import inspect
 
@@ -543,6 +628,8 @@ def make_engine(args):
     if not model:
         from xllm_gen.runtime.cli import default_checkpoint
         model = str(default_checkpoint())
+    else:
+        check_model_path(model)
     kw = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -565,7 +652,15 @@ def main(argv=None) -> int:
     from xllm_gen.runtime.serving.async_engine import AsyncEngine
     from xllm_gen.runtime.serving.metrics import ServerMetrics
 
+    import os
+
+    api_key = args.api_key or os.environ.get("XLLM_API_KEY") or None
     try:
+        if args.model:
+            check_model_path(args.model)
+        if args.allowed_local_media_path and not os.path.isdir(args.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path: no such directory: {args.allowed_local_media_path}")
+        sock = bind_socket(args.host, args.port)
         template = _chat_template(args.chat_template)
         from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
         if args.tool_call_parser:
@@ -575,6 +670,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    t_load = time.monotonic()
     try:
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -584,14 +680,21 @@ def main(argv=None) -> int:
     metrics = ServerMetrics(name)
     aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue)
     app = build_app(aeng, name, metrics, tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    chat_template=template)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+                    chat_template=template, allowed_local_media_path=args.allowed_local_media_path,
+                    api_key=api_key, allowed_origins=args.allowed_origins,
+                    log_requests=not args.disable_log_requests)
+    config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
     bm = engine.block_manager
-    logger.info("serving %s as %r: dtype %s, %d KV blocks of %d tokens, max_model_len %d, max_num_seqs %d",
-                engine.model_dir, name, str(engine.dtype).replace("torch.", ""), bm.num_blocks, bm.block_size,
-                engine.max_model_len, engine.scheduler.max_num_seqs)
+    per_block = getattr(engine.runner, "_kv_bytes_per_block", None)
+    kv_bytes = per_block() * bm.num_blocks if callable(per_block) else None
+    logger.info("serving %s as %r on http://%s:%d: device %s, tensor parallel %d, dtype %s, loaded in %.1f s, "
+                "%d KV blocks of %d tokens (%s), max_model_len %d, max_num_seqs %d",
+                engine.model_dir, name, args.host, sock.getsockname()[1], engine.device, args.tensor_parallel_size,
+                str(engine.dtype).replace("torch.", ""), time.monotonic() - t_load, bm.num_blocks, bm.block_size,
+                f"{kv_bytes} bytes" if kv_bytes is not None else "size unknown", engine.max_model_len,
+                engine.scheduler.max_num_seqs)
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal with the handlers found at
     # start: these make that a clean exit (0 for SIGTERM, 130 for Ctrl-C) instead of a kill or a traceback.
     import signal
@@ -599,7 +702,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if aeng._thread is None:            # the app never started: still stop the ranks
             engine.shutdown()
