@@ -113,6 +113,7 @@ class GrammarBackend:
         self.hits = self.misses = 0
         self.bitmask_words = xgr.get_bitmask_shape(1, self.info.vocab_size)[1]
         self._host: dict = {}           # rows -> pinned host bitmask buffer
+        self._batch = None              # xgrammar BatchGrammarMatcher: fills many rows' masks on several threads
 
     # ---- compile (cached) -----------------------------------------------------------------------
     def compile(self, so: StructuredOutputsParams, where: str = "structured_outputs"):
@@ -182,8 +183,12 @@ class GrammarBackend:
             host = torch.empty((n, self.bitmask_words), dtype=torch.int32,
                                pin_memory=logits.is_cuda)
             self._host[n] = host
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(host, i)
+        if len(rows) == 1:
+            matchers[rows[0]].fill_next_token_bitmask(host, rows[0])
+        else:
+            if self._batch is None:
+                self._batch = self.xgr.BatchGrammarMatcher(max_threads="auto")
+            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], host, indices=rows)
         bm = host.to(logits.device, non_blocking=True) if logits.is_cuda else host
         self.xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=min(self.info.vocab_size, logits.shape[-1]),
                                              indices=rows)
