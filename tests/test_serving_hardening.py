@@ -25,7 +25,7 @@ SERVE = [sys.executable, "-m", "xllm_gen.runtime.serving.server"]
 @pytest.fixture(scope="module")
 def server(qwen3_tied):
     srv = ServerProcess(qwen3_tied, "--block-size", "4", "--api-key", KEY, "--allowed-origins", ORIGIN,
-                        "--log-level", "info")
+                        "--log-level", "info", "--log-stats-interval", "0.01")
     yield srv
     assert srv.stop() == 0, srv.log.read_text()[-3000:]
 
@@ -74,6 +74,7 @@ def test_access_log_line(server):
         time.sleep(0.1)
     assert "GET /v1/models 200" in server.log.read_text()
     assert "device cpu, tensor parallel 1" in server.log.read_text()          # the start-up line
+    assert "stats: running" in server.log.read_text() and "KV usage" in server.log.read_text()
 
 
 def _fails_fast(args, words, limit=60.0):

@@ -558,6 +558,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--allowed-origins", nargs="*", metavar="ORIGIN",
                     help="CORS: origins allowed to call the API from a browser ('*': any)")
     ap.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
+    ap.add_argument("--log-stats-interval", type=float, default=10.0,
+                    help="seconds between stats lines (running, waiting, KV usage, tokens/s) while busy; 0: none")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="log level")
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -678,7 +680,7 @@ def main(argv=None) -> int:
         return 2
     name = args.served_model_name or engine.model_dir.name
     metrics = ServerMetrics(name)
-    aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue)
+    aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue, stats_interval=args.log_stats_interval)
     app = build_app(aeng, name, metrics, tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     chat_template=template, allowed_local_media_path=args.allowed_local_media_path,
                     api_key=api_key, allowed_origins=args.allowed_origins,
