@@ -101,6 +101,16 @@ def test_missing_model_and_hub_id():
     _fails_fast(["Qwen/Qwen3-0.6B", "--port", str(free_port())], ["hub id", "downloads are not supported"])
 
 
+def test_unknown_parsers_are_named():
+    _fails_fast(["--reasoning-parser", "nope", "--port", str(free_port())],
+                ["unknown reasoning parser 'nope'", "qwen3", "think"])
+    _fails_fast(["--tool-call-parser", "nope", "--port", str(free_port())], ["unknown tool-call parser", "hermes"])
+    from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
+
+    assert reasoning_parsers.get("qwen3") is reasoning_parsers.get("think")           # family alias -> format
+    assert tool_parsers.get("qwen3") is tool_parsers.get("hermes")
+
+
 def test_max_model_len_above_the_model_is_refused(qwen3_tied):
     _fails_fast([str(qwen3_tied), "--port", str(free_port()), "--device", "cpu", "--max-model-len", "100000"],
                 ["max_model_len 100000 exceeds", "512"])

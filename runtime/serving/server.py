@@ -545,10 +545,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     ap.add_argument("--chat-template", help="chat template (a Jinja file, or the template text) used instead of the "
                     "checkpoint's (a request's chat_template still wins)")
-    ap.add_argument("--tool-call-parser", help="how tool calls are read from the output (hermes: Qwen / Hermes "
-                    "<tool_call> JSON); enables tools with tool_choice auto, required and named")
+    ap.add_argument("--tool-call-parser", help="how tool calls are read from the output (hermes: <tool_call> JSON "
+                    "</tool_call>); enables tools with tool_choice auto, required and named")
     ap.add_argument("--reasoning-parser", help="split the reasoning from the answer into reasoning_content "
-                    "(qwen3: <think> ... </think>)")
+                    "(think: a reply opening with <think> ... </think>; model-family names are aliases, see README)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     ap.add_argument("--allowed-local-media-path", metavar="DIR",

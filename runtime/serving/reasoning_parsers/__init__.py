@@ -2,14 +2,24 @@
 
 `extract(text)` -> (reasoning or None, content or None) for a finished output; `streamer()` gives an object
 whose `feed(delta)` / `finish()` return (reasoning delta, content delta). Adding one: a file here with a
-subclass decorated `@register("name")`, and its module in `_BUILTIN`."""
+subclass decorated `@register("name")`, and its module in `_BUILTIN`. Parsers are named by their output
+format; the names of model families that use a format are aliases kept outside the runtime
+(xllm_gen/parser_aliases.py)."""
 from __future__ import annotations
 
 import importlib
 from typing import Optional
 
 _PARSERS: dict = {}
-_BUILTIN = {"qwen3": "xllm_gen.runtime.serving.reasoning_parsers.think"}
+_BUILTIN = {"think": "xllm_gen.runtime.serving.reasoning_parsers.think"}
+_ALIASES_MODULE = "xllm_gen.parser_aliases"
+
+
+def _aliases() -> dict:
+    try:
+        return dict(importlib.import_module(_ALIASES_MODULE).REASONING_PARSERS)
+    except (ImportError, AttributeError):
+        return {}
 
 
 def register(name: str):
@@ -20,10 +30,11 @@ def register(name: str):
 
 
 def names() -> list[str]:
-    return sorted(set(_PARSERS) | set(_BUILTIN))
+    return sorted(set(_PARSERS) | set(_BUILTIN) | set(_aliases()))
 
 
 def get(name: str) -> type:
+    name = _aliases().get(name, name)
     if name not in _PARSERS and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])
     if name not in _PARSERS:

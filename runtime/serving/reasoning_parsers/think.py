@@ -1,8 +1,8 @@
-"""<think> ... </think> reasoning (Qwen3, QwQ, DeepSeek-R1 style outputs)."""
+"""Reasoning written as <think> ... </think> at the start of the reply (the `think` parser)."""
 from xllm_gen.runtime.serving.reasoning_parsers import ThinkTagParser, register
 
 
-@register("qwen3")
-class Qwen3ReasoningParser(ThinkTagParser):
+@register("think")
+class ThinkReasoningParser(ThinkTagParser):
     start = "<think>"
     end = "</think>"

@@ -8,7 +8,8 @@ A parser knows how a model family writes a tool call in its output text. It give
   arguments valid against the function's `parameters` schema (tool_choice "required" or a named function).
 
 Adding a format: a file here with a subclass (most are `TaggedJSONToolParser` with other tags) decorated with
-`@register("name")`, and its import in `_BUILTIN` below."""
+`@register("name")`, and its import in `_BUILTIN` below. Parsers are named by their output format; the names of
+model families that use a format are aliases kept outside the runtime (xllm_gen/parser_aliases.py)."""
 from __future__ import annotations
 
 import importlib
@@ -19,6 +20,14 @@ from typing import Optional
 
 _PARSERS: dict = {}
 _BUILTIN = {"hermes": "xllm_gen.runtime.serving.tool_parsers.hermes"}
+_ALIASES_MODULE = "xllm_gen.parser_aliases"
+
+
+def _aliases() -> dict:
+    try:
+        return dict(importlib.import_module(_ALIASES_MODULE).TOOL_CALL_PARSERS)
+    except (ImportError, AttributeError):
+        return {}
 
 
 def register(name: str):
@@ -30,11 +39,12 @@ def register(name: str):
 
 
 def names() -> list[str]:
-    return sorted(set(_PARSERS) | set(_BUILTIN))
+    return sorted(set(_PARSERS) | set(_BUILTIN) | set(_aliases()))
 
 
 def get(name: str) -> type:
-    """The parser class registered as `name`; ValueError listing the known ones."""
+    """The parser class registered as `name` (or aliased to it); ValueError listing the known ones."""
+    name = _aliases().get(name, name)
     if name not in _PARSERS and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])
     if name not in _PARSERS:
@@ -76,7 +86,7 @@ def _call_schema(tool: dict) -> dict:
 
 
 class TaggedJSONToolParser(ToolParser):
-    """Calls written as START {"name": ..., "arguments": {...}} END (Hermes / Qwen: <tool_call> ... </tool_call>);
+    """Calls written as START {"name": ..., "arguments": {...}} END (hermes: <tool_call> ... </tool_call>);
     a call whose JSON does not parse stays in the content."""
     start = ""
     end = ""

@@ -1,4 +1,4 @@
-"""Hermes-style tool calls, as Qwen2.5 / Qwen3 / Hermes chat templates ask for them:
+"""Hermes-style tool calls (the `hermes` parser), as many chat templates ask for them:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
