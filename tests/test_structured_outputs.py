@@ -112,6 +112,13 @@ def test_constrained_request_joins_an_async_batch(llm):
     assert re.fullmatch("[a-c]{4}x", outs["rx"].outputs[0].text)
 
 
+def test_min_tokens_yields_to_a_grammar_that_must_end(llm):
+    out = llm.generate(["Pick"], _sp(min_tokens=20, structured_outputs=_so(choice=["yes", "no"])))[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop", out
+    longer = llm.generate(["Pick"], _sp(min_tokens=6, max_tokens=12, structured_outputs=_so(regex="[a-z]+")))[0]
+    assert re.fullmatch("[a-z]+", longer.outputs[0].text) and len(longer.outputs[0].token_ids) >= 6
+
+
 def test_logprobs_are_the_models(llm):
     """Logprobs report the model's distribution, not the masked one (as vLLM): the chosen token's logprob
     equals the unconstrained run's logprob of that token at the first step."""

@@ -5,6 +5,10 @@ over prompt and output), frequency and presence penalties (OpenAI, over the outp
 temperature -> min_p -> top-k -> top-p -> a draw from the request's own generator when it has a seed.
 Logprobs are those of the model's distribution (before any processing, as vLLM reports them by default).
 
+Structured outputs: the rows with a grammar matcher are masked first (only the tokens their grammar allows
+stay finite; runtime/engine/structured_outputs.py), then follow the same path; a grammar that can only end
+overrides min_tokens' EOS ban.
+
 A row that fails (whatever the cause) fails its request alone: its token is None and `seq.error` says why."""
 from __future__ import annotations
 
@@ -140,7 +144,10 @@ class Sampler:
                 seq = seqs[i]
                 try:
                     banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else eos)
-                    tokens[i] = sample_row(process_row(cpu_logits[row], seq, banned), seq, self.default_generator)
+                    row_logits = process_row(cpu_logits[row], seq, banned)
+                    if seq.grammar is not None and banned and not bool(torch.isfinite(row_logits).any()):
+                        row_logits = process_row(cpu_logits[row], seq, ())   # the grammar can only end here:
+                    tokens[i] = sample_row(row_logits, seq, self.default_generator)  # min_tokens yields to it
                 except Exception as e:           # this request fails alone
                     logger.exception("sampling failed for sequence %s", seq.seq_id)
                     seq.error = f"sampling failed: {type(e).__name__}: {e}"
