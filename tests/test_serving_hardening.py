@@ -126,6 +126,13 @@ def test_help_and_version_do_not_import_torch(module):
         assert "torch" not in mods, flag
 
 
+def test_dtype_choices_match_the_engine():
+    from xllm_gen.runtime.engine.engine import _DTYPES
+    from xllm_gen.runtime.serving.server import DTYPES
+
+    assert set(DTYPES) == set(_DTYPES)
+
+
 def test_local_media_refused_without_the_flag(tmp_path):
     from xllm_gen.runtime.serving.chat import _local_path
     from xllm_gen.runtime.serving.protocol import APIError

@@ -213,6 +213,34 @@ def test_streamed_tool_call_deltas(client, model):
         assert c["id"].startswith("call_")
 
 
+def test_auto_parses_calls_the_model_writes(client, model):
+    """tool_choice auto: calls the model writes are parsed out of the reply (a choice constraint makes the random
+    model write text, then two calls), streamed and not; malformed call JSON stays in the content."""
+    call = lambda n, a: '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (n, json.dumps(a))  # noqa: E731
+    text = "Let me check.\n" + call("add", {"a": 1, "b": 2}) + "\n" + call("get_weather", {"city": "Oslo", "days": 2,
+                                                                                         "unit": "celsius"})
+    so = {"structured_outputs": {"choice": [text]}}
+    r = client.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, max_tokens=200, temperature=0,
+                                       extra_body=so).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content.strip() == "Let me check."
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls]
+    assert got == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "days": 2, "unit": "celsius"})]
+    s = client.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, max_tokens=200, temperature=0,
+                                       stream=True, extra_body=so)
+    calls, content, finish = {}, "", None
+    for chunk in s:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
+            finish = ch.finish_reason or finish
+    assert [calls[i] for i in sorted(calls)] == got and content.strip() == "Let me check." and finish == "tool_calls"
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+    r = client.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, max_tokens=60, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": [bad]}}).choices[0]
+    assert r.finish_reason == "stop" and not r.message.tool_calls and r.message.content == bad
+
+
 def test_tool_choice_auto_and_none(client, model, server):
     auto = client.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, max_tokens=24, temperature=0)
     assert auto.choices[0].finish_reason in ("stop", "length") and not auto.choices[0].message.tool_calls
