@@ -178,6 +178,17 @@ def _check_call(call, tools=TOOLS):
     jsonschema.validate(json.loads(call.function.arguments), fn[call.function.name])
 
 
+def test_agent_loop_sends_the_reply_back(client, model):
+    """The usual agent loop: the assistant message object of a tool-call reply goes back as it is, followed by
+    the tool's result; the server takes it (fields like refusal / annotations included) and renders both."""
+    r = client.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, tool_choice="required",
+                                       max_tokens=200, temperature=0)
+    msg = r.choices[0].message
+    conv = MSGS + [msg, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"ok": true}'}]
+    again = client.chat.completions.create(model=model, messages=conv, tools=TOOLS, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens + len(r.choices[0].message.tool_calls[0].function.name)
+
+
 def test_named_and_required_tool_calls(client, model):
     named = {"type": "function", "function": {"name": "add"}}
     for choice, kw in ((named, dict(temperature=0)), (named, dict(temperature=1.0, seed=4)),

@@ -224,6 +224,11 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[List[Dict[str, Any]]] = None       # an assistant turn's calls (OpenAI's shape)
     tool_call_id: Optional[str] = None                       # a role "tool" message: the call it answers
     reasoning_content: Optional[str] = None
+    # fields of a reply that clients send back with it (e.g. messages.append(choice.message)); not rendered
+    refusal: Optional[str] = None
+    annotations: Optional[List[Any]] = None
+    audio: Optional[Dict[str, Any]] = None
+    function_call: Optional[Dict[str, Any]] = None
 
 
 class ChatCompletionRequest(_Sampling):
