@@ -167,3 +167,14 @@ def test_compiles_are_cached(llm):
 def test_idle_engine_step_returns_nothing(llm):
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.step_outputs() == [] and llm.engine.step_deltas() == []
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2(qwen3_tied, make_llm):
+    """At TP 2 the sampler (and the grammar) run on rank 0 over the gathered logits: same outputs as TP 1."""
+    sps = [_sp(structured_outputs=_so(json=SCHEMA)), _sp(temperature=1.0, seed=4, structured_outputs=_so(regex="[a-z]{2}[0-9]{2}")),
+           _sp(max_tokens=12, ignore_eos=True)]
+    tp1 = make_llm(qwen3_tied).generate(["Hi", "Hi", "Hi"], sps)
+    tp2 = make_llm(qwen3_tied, tensor_parallel_size=2).generate(["Hi", "Hi", "Hi"], sps)
+    assert _valid(tp2[0].outputs[0].text) and re.fullmatch("[a-z]{2}[0-9]{2}", tp2[1].outputs[0].text)
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
