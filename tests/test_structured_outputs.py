@@ -90,8 +90,9 @@ def test_n_completions_each_follow_the_grammar(llm):
 
 def test_constrained_request_joins_an_async_batch(llm):
     """A plain greedy request decodes with async steps (launched before the previous step's tokens are read);
-    a constrained request that arrives mid-way runs synchronously with it: its mask always matches its state,
-    and the plain request's tokens are those it gets alone."""
+    constrained requests that arrive mid-way join those steps (greedy ones: masked once the previous tokens are
+    accepted by their grammars), their outputs validate and the plain request's tokens are those it gets
+    alone."""
     eng = llm.engine
     assert eng._async is not None, "async scheduling is on by default on one process"
     solo = llm.generate(["Tell a story"], _sp(max_tokens=40, ignore_eos=True))[0].outputs[0].token_ids
@@ -117,6 +118,32 @@ def test_min_tokens_yields_to_a_grammar_that_must_end(llm):
     assert out.text in ("yes", "no") and out.finish_reason == "stop", out
     longer = llm.generate(["Pick"], _sp(min_tokens=6, max_tokens=12, structured_outputs=_so(regex="[a-z]+")))[0]
     assert re.fullmatch("[a-z]+", longer.outputs[0].text) and len(longer.outputs[0].token_ids) >= 6
+
+
+def test_async_and_sync_scheduling_agree(llm, qwen3_tied, make_llm):
+    """Greedy constrained rows take async decode steps (their masks filled after the previous tokens are
+    accepted); the tokens equal those of synchronous steps, where each mask is built from the sampled token."""
+    sync = make_llm(qwen3_tied, async_scheduling=False)
+    assert sync.engine._async is None and llm.engine._async is not None
+    prompts = ["Once upon a time", "The weather today", "Hello, world!", "Numbers: 0 1 2"]
+    sps = [_sp(structured_outputs=_so(json=SCHEMA)), _sp(max_tokens=30, ignore_eos=True),
+           _sp(structured_outputs=_so(regex="[a-z ]{5,40}\\.")), _sp(structured_outputs=_so(json_object=True), max_tokens=96)]
+    eng, launched = llm.engine, 0
+    launch = eng._async.launch
+
+    def counting(seqs, prev=None):
+        nonlocal launched
+        launched += any(s.grammar is not None for s in seqs)
+        return launch(seqs, prev)
+    eng._async.launch = counting
+    try:
+        a = llm.generate(prompts, sps)
+    finally:
+        eng._async.launch = launch
+    b = sync.generate(prompts, sps)
+    assert launched > 5, "constrained rows never took an async step"
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert _valid(a[0].outputs[0].text) and re.fullmatch("[a-z ]{5,40}\\.", a[2].outputs[0].text)
 
 
 def test_logprobs_are_the_models(llm):

@@ -419,9 +419,13 @@ class LLMEngine:
                 self._count_decode(ahead)
             tokens = self._async.read(prev)
             live = [(s, t) for s, t in zip(prev.seqs, tokens) if not s.is_finished]    # not ended / aborted since
+            for s, t in live:                     # structured outputs: the grammars accept the tokens read
+                if s.grammar is not None and not s.grammar.accept_token(t):
+                    s.error = f"structured outputs: token {t} does not fit the grammar"
             finished: list[Sequence] = []
             self._accept([s for s, _ in live], [t for _, t in live], finished, commit=True)
             self._fail_errored([s for s, _ in live], finished)
+            self._finish_masked()
             return finished
         seqs, is_prefill = self.scheduler.schedule()
         finished = self.scheduler.take_finished_by_capacity()
@@ -438,6 +442,7 @@ class LLMEngine:
         if not is_prefill and self._async is not None and self._async.can_launch(seqs):
             self._async.inflight = self._async.launch(seqs)
             self._count_decode(seqs)
+            self._finish_masked()
             return finished
         starts = [s.num_computed_tokens for s in seqs]
         want_prompt_lp = is_prefill and any(
@@ -474,6 +479,22 @@ class LLMEngine:
             self._accept(ready_seqs, tokens, finished)
         self._fail_errored(seqs, finished)
         return finished
+
+    def _finish_masked(self) -> None:
+        """A launched step with structured-output rows: mask and reduce it now that its grammars are current."""
+        step = self._async.inflight
+        if step is not None and step.tokens is None:
+            try:
+                self._async.finish_masked(step, self.structured)
+            except Exception as e:               # the step's grammar rows fail alone; the others go unmasked
+                logger.exception("structured outputs: masking an async step failed")
+                for s in step.seqs:
+                    if s.grammar is not None:
+                        s.error = f"structured outputs failed: {type(e).__name__}: {e}"
+                if step.tokens is None:
+                    with torch.inference_mode():
+                        done = self._async._send(step.seqs, step.logits.argmax(dim=-1))
+                    step.tokens, step.host, step.event, step.logits = done.tokens, done.host, done.event, None
 
     def _count_decode(self, seqs: list[Sequence]) -> None:
         self.stats["steps"] += 1

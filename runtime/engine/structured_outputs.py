@@ -10,8 +10,9 @@ constrained rows on the host (while the device runs the step), applies it to tho
 (xgrammar's kernel on CUDA, its CPU routine otherwise) and advances each matcher with the token drawn. Rows
 without a constraint in the same batch are untouched. Once the grammar is complete only EOS is allowed.
 
-Constrained rows never take the async decode path (engine/async_decode.py): each step's mask needs the
-previous token accepted by the matcher first, so the mask always matches the row's real state."""
+Under async decode (engine/async_decode.py) a greedy constrained row's step is launched before the previous
+token is read; its mask is filled only after that token is accepted by the matcher (AsyncDecode.finish_masked),
+so the mask always matches the row's real state."""
 from __future__ import annotations
 
 import json
