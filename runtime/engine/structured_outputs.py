@@ -113,7 +113,8 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         self.bitmask_words = xgr.get_bitmask_shape(1, self.info.vocab_size)[1]
-        self._host: dict = {}           # rows -> pinned host bitmask buffer
+        self._host: dict = {}           # (rows, turn) -> pinned host bitmask buffer (two per size, alternating:
+        self._turn = 0                  # a buffer is refilled only after the copy from it was waited on)
         self._batch = None              # xgrammar BatchGrammarMatcher: fills many rows' masks on several threads
 
     # ---- compile (cached) -----------------------------------------------------------------------
@@ -178,12 +179,13 @@ class GrammarBackend:
         if not rows:
             return
         n = logits.shape[0]
-        host = self._host.get(n)
+        self._turn ^= 1
+        host = self._host.get((n, self._turn))
         if host is None:
             import torch
             host = torch.empty((n, self.bitmask_words), dtype=torch.int32,
                                pin_memory=logits.is_cuda)
-            self._host[n] = host
+            self._host[(n, self._turn)] = host
         if len(rows) == 1:
             matchers[rows[0]].fill_next_token_bitmask(host, rows[0])
         else:
