@@ -274,9 +274,10 @@ def test_tool_results_go_through_the_template(client, model):
 
 def test_render_chat_tool_turns(ckpt):
     """The rendered prompt holds the earlier call and the tool's answer, as the Qwen3 template writes them."""
+    from transformers import AutoTokenizer
+
     from xllm_gen.runtime.serving.chat import render_chat
     from xllm_gen.runtime.serving.protocol import ChatMessage
-    from transformers import AutoTokenizer
 
     class _E:
         mm_processor = None

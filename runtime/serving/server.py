@@ -649,12 +649,12 @@ def make_engine(args):
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    import os
+
     import uvicorn
 
     from xllm_gen.runtime.serving.async_engine import AsyncEngine
     from xllm_gen.runtime.serving.metrics import ServerMetrics
-
-    import os
 
     api_key = args.api_key or os.environ.get("XLLM_API_KEY") or None
     try:
