@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from xllm_gen.runtime.serving.async_engine import QueueFullError
 from xllm_gen.runtime.serving.chat import render_chat
+from xllm_gen.runtime.serving.chat_reply import ReplySplitter, plan_tools, reply_message
 from xllm_gen.runtime.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_of
 
 logger = logging.getLogger("xllm_gen.serving")
@@ -343,7 +344,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         check_model(body)
         body.check_supported()
         params = body.sampling_params(engine.max_model_len)
-        template_tools, parser = plan_tools(body, params)
+        template_tools, parser = plan_tools(body, params, tools_cls)
         where, param = body.structured_where()
         if parser is not None and params.structured_outputs is not None and body.tool_choice not in (None, "auto"):
             where, param = "tools", "tools"
@@ -365,102 +366,18 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         prompt_ids, comps = got
         choices = []
         for c in comps:
-            message: dict = {"role": "assistant", "content": c.text}
-            finish = c.finish_reason
-            if reasoning is not None:
-                message["reasoning_content"], message["content"] = reasoning.extract(c.text)
-            if parser is not None and message["content"] is not None:
-                content, calls = parser.extract(message["content"])
-                if calls:
-                    message["content"], finish = content, "tool_calls"
-                    message["tool_calls"] = [call.openai() for call in calls]
+            message = reply_message(c.text, reasoning, parser)
+            finish = "tool_calls" if message.get("tool_calls") else c.finish_reason
             choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, n_top),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": base, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
 
-    def plan_tools(body, params):
-        """(the tools the template renders, the tool parser of the reply or None) for tools / tool_choice; for
-        "required" or a named function, params.structured_outputs becomes the parser's grammar of one call."""
-        choice = body.tool_choice
-        if not body.tools:
-            if choice not in (None, "none"):
-                raise APIError("tool_choice needs tools", param="tool_choice")
-            return None, None
-        try:
-            tools = tool_parsers.check_tools(body.tools)
-        except ValueError as e:
-            raise APIError(str(e), param="tools") from None
-        if choice is None:
-            choice = "auto"
-        if choice == "none":
-            return None, None
-        if isinstance(choice, dict):
-            fn = choice.get("function") if choice.get("type") == "function" else None
-            name = fn.get("name") if isinstance(fn, dict) else None
-            if not isinstance(name, str):
-                raise APIError("tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                               "{'name': ...}}", param="tool_choice")
-            forced = [t for t in tools if t["function"]["name"] == name]
-            if not forced:
-                raise APIError(f"tool_choice names {name!r}, which is not among the tools "
-                               f"({', '.join(t['function']['name'] for t in tools)})", param="tool_choice")
-        elif choice == "required":
-            forced = tools
-        elif choice == "auto":
-            forced = None
-        else:
-            raise APIError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
-                           param="tool_choice")
-        if tools_cls is None:
-            raise APIError(f"tool_choice {choice if isinstance(choice, str) else 'with a named function'} needs a "
-                           "tool-call parser: start the server with --tool-call-parser (e.g. hermes)",
-                           param="tool_choice")
-        parser = tools_cls()
-        if forced is not None:
-            if params.structured_outputs is not None:
-                raise APIError("response_format / structured_outputs cannot be combined with tool_choice "
-                               "'required' or a named function", param="tool_choice")
-            try:
-                ebnf = parser.grammar(forced)
-            except Exception as e:
-                raise APIError(f"tools: cannot build the tool-call grammar: {e}", param="tools") from None
-            from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
-            params.structured_outputs = StructuredOutputsParams(grammar=ebnf)
-        return tools, parser
-
     async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None) -> AsyncIterator[str]:
         head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
         p_tok, c_tok = 0, 0
         finished = False
-        # per choice: (reasoning streamer, tool-call streamer, number of calls sent)
-        state = {i: [reasoning.streamer() if reasoning else None, parser.streamer() if parser else None, 0]
-                 for i in range(n)}
-
-        def split(i: int, text: str, last: bool) -> dict:
-            """The delta of choice i for new text: reasoning_content, content and tool_calls."""
-            rs, ts, sent = state[i]
-            r, content = "", text
-            if rs is not None:
-                r, content = rs.feed(text)
-                if last:
-                    r2, c2 = rs.finish()
-                    r, content = r + r2, content + c2
-            calls = []
-            if ts is not None:
-                content, calls = ts.feed(content)
-                if last:
-                    c2, more = ts.finish()
-                    content, calls = content + c2, calls + more
-            delta: dict = {}
-            if r:
-                delta["reasoning_content"] = r
-            if content:
-                delta["content"] = content
-            if calls:
-                delta["tool_calls"] = [call.openai(sent + k) for k, call in enumerate(calls)]
-                state[i][2] = sent + len(calls)
-            return delta
+        state = {i: ReplySplitter(reasoning, parser) for i in range(n)}     # per choice
 
         try:
             for i in range(n):
@@ -476,11 +393,11 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                     if reasoning is None and parser is None:
                         delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
                     else:
-                        delta = split(c.index, c.text, c.finish_reason is not None)
+                        delta = state[c.index].feed(c.text, c.finish_reason is not None)
                         if not delta and not c.finish_reason and not c.logprobs:
                             continue                  # held back (a tag may be starting)
                     finish = c.finish_reason
-                    if finish is not None and state[c.index][2]:
+                    if finish is not None and state[c.index].calls_sent:
                         finish = "tool_calls"
                     chunk = {**head, "choices": [{"index": c.index, "delta": delta,
                                                   "logprobs": _chat_logprobs(c, n_top),
