@@ -28,7 +28,7 @@ def _sp(**kw):
 
 
 def _so(**kw):
-    from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
+    from xllm_gen import StructuredOutputsParams
 
     return StructuredOutputsParams(**kw)
 
