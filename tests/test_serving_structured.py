@@ -101,6 +101,9 @@ def test_structured_outputs_in_completions_and_chat(client, model):
         assert check(m), (so, m)
     plain = client.completions.create(model=model, prompt="Answer:", max_tokens=40, temperature=0).choices[0].text
     assert not re.fullmatch(r"\d{3}-[a-z]{2}", plain) and plain not in choices
+    rf = client.completions.create(model=model, prompt="Answer:", max_tokens=64, temperature=0, n=2, seed=1,
+                                   extra_body={"response_format": _rf()})
+    assert all(_valid(c.text) for c in rf.choices)
 
 
 def test_streamed_structured_output(client, model):
