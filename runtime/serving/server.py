@@ -534,8 +534,7 @@ def bind_socket(host: str, port: int):
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running there? "
                          "pick another --port, or 0 for a free one)") from None
-    sock.set_inheritable(True)
-    return sock
+    return sock                        # not inheritable: tensor-parallel rank processes never hold it
 
 
 def make_engine(args):
