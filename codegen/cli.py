@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="write generated/<name>/ under DIR instead of the repository's generated/")
     p.add_argument("--json-schema", nargs="?", const="-", metavar="PATH",
                    help="print (or write to PATH) the JSON Schema of the spec language, e.g. specs/spec.schema.json")
+    from xllm_gen import __version__
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
 
 

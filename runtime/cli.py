@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object per request")
+    from xllm_gen import __version__
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = ap.parse_args(argv)
 
     from xllm_gen import LLM, SamplingParams

@@ -16,8 +16,13 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def vl_server(qwen3_vl_tied):
-    srv = ServerProcess(qwen3_vl_tied, "--block-size", "4")
+def media_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def vl_server(qwen3_vl_tied, media_dir):
+    srv = ServerProcess(qwen3_vl_tied, "--block-size", "4", "--allowed-local-media-path", str(media_dir))
     yield srv
     assert srv.stop() == 0
 
@@ -28,14 +33,17 @@ def _png(img) -> bytes:
     return buf.getvalue()
 
 
-def test_image_chat_matches_llm_chat(vl_server, qwen3_vl_tied, make_llm, tmp_path):
+def test_image_chat_matches_llm_chat(vl_server, qwen3_vl_tied, make_llm, tmp_path, media_dir):
     from PIL import Image
 
     from xllm_gen import SamplingParams
 
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
-    path = tmp_path / "img.png"
+    path = media_dir / "img.png"
     path.write_bytes(_png(img))
+    outside = tmp_path / "img.png"
+    outside.write_bytes(_png(img))
+    (media_dir / "link.png").symlink_to(outside)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = make_llm(qwen3_vl_tied).chat(
         [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What is it?"}]}],
@@ -51,9 +59,15 @@ def test_image_chat_matches_llm_chat(vl_server, qwen3_vl_tied, make_llm, tmp_pat
         assert r.choices[0].message.content == want.text
         assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == n_prompt
     for url, pattern in (("http://example.com/cat.png", "remote"), ("data:image/png;base64,AAAA", "cannot read"),
-                         (str(tmp_path / "missing.png"), "no such")):
+                         (str(media_dir / "missing.png"), "no such"),
+                         # outside the allowed dir: one answer whether the file exists or not (also via a link)
+                         (str(outside), "only read under"), (outside.as_uri(), "only read under"),
+                         (str(tmp_path / "missing.png"), "only read under"), ("/etc/passwd", "only read under"),
+                         (str(media_dir / ".." / outside.parent.name / "img.png"), "only read under"),
+                         (str(media_dir / "link.png"), "only read under")):
         body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
         res = httpx.post(vl_server.url + "/v1/chat/completions", json=body, timeout=30)
         assert res.status_code == 400 and pattern in res.json()["error"]["message"], res.text
+        assert str(tmp_path) not in res.text
     assert httpx.get(vl_server.url + "/health").status_code == 200
     vl_server.wait_idle()

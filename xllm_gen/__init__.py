@@ -5,7 +5,7 @@ The repository's top-level folders are this package's sub-packages through symli
 """
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name):  # lazy: `import xllm_gen.codegen` must not import torch
@@ -15,4 +15,7 @@ def __getattr__(name):  # lazy: `import xllm_gen.codegen` must not import torch
     if name == "SamplingParams":
         from xllm_gen.runtime.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
+        return StructuredOutputsParams
     raise AttributeError(name)

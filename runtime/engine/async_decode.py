@@ -11,6 +11,10 @@ token or string) was also computed in the step in flight; that row is dropped wh
 certain to end (max_tokens, max_model_len) are left out of the next step.
 
 Only plain greedy sequences qualify: sampling, penalties, logprobs and min_tokens read the logits on the host.
+Greedy rows with structured outputs qualify too: a step with such rows is launched without its argmax (its
+logits stay on the device); once step n's tokens are read and accepted by the rows' grammars, their masks for
+step n+1 are filled on the host while the device still runs step n+1, applied to those rows, and the argmax
+taken (`finish_masked`). So each mask matches its row's real state.
 The runner needs `decode_greedy` (one process; TP ranks receive their inputs from rank 0's host)."""
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class InFlight:
     tokens: torch.Tensor                      # [B] int64 argmax, on the device
     host: torch.Tensor                        # [B] view of a pinned buffer the tokens are copied into
     event: Optional[torch.cuda.Event]         # recorded after that copy (None on a CPU)
+    logits: Optional[torch.Tensor] = None     # a step with grammar rows: its logits until finish_masked
 
 
 class AsyncDecode:
@@ -70,18 +75,41 @@ class AsyncDecode:
                 row_of = {id(s): i for i, s in enumerate(prev.seqs)}
                 rows = [row_of[id(s)] for s in seqs]
         with torch.inference_mode():
-            tokens = self.runner.decode_greedy(seqs, prev_tokens, rows)
-            host = self._host[self._turn][:len(seqs)]
-            self._turn ^= 1
-            host.copy_(tokens, non_blocking=True)
+            if any(s.grammar is not None for s in seqs):      # masked and reduced by finish_masked
+                ids = prev_tokens
+                if prev_tokens is not None and rows is not None:
+                    ids = prev_tokens.index_select(
+                        0, torch.tensor(rows, dtype=torch.int64).to(prev_tokens.device, non_blocking=True))
+                step = InFlight(seqs, None, None, None, logits=self.runner.run(seqs, False, input_ids=ids))
+            else:
+                step = self._send(seqs, self.runner.decode_greedy(seqs, prev_tokens, rows))
+        for s in seqs:
+            s.num_computed_tokens += 1
+            s.num_pending += 1
+        return step
+
+    def _send(self, seqs: list[Sequence], tokens: torch.Tensor) -> InFlight:
+        """Starts the copy of a step's device tokens to the host."""
+        host = self._host[self._turn][:len(seqs)]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=True)
         event = None
         if tokens.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        for s in seqs:
-            s.num_computed_tokens += 1
-            s.num_pending += 1
         return InFlight(seqs, tokens, host, event)
+
+    def finish_masked(self, step: InFlight, grammar) -> None:
+        """For a step launched with grammar rows, once their grammars have accepted every earlier token: fills
+        their masks (host), applies them to the step's logits, takes the argmax on the device and starts its
+        copy. Rows that ended meanwhile are left unmasked (they are dropped when the step is read)."""
+        with torch.inference_mode():
+            logits = step.logits.float()
+            matchers = [None if (s.is_finished or s.error or s.grammar is None or s.grammar.is_terminated())
+                        else s.grammar for s in step.seqs]
+            grammar.apply(logits, matchers)
+            done = self._send(step.seqs, logits.argmax(dim=-1))
+        step.tokens, step.host, step.event, step.logits = done.tokens, done.host, done.event, None
 
     def read(self, step: InFlight) -> list[int]:
         """Waits for the step's tokens on the host; they are no longer pending."""

@@ -126,6 +126,12 @@ class LLMEngine:
             from xllm_gen.runtime.executor.tp_check import check_tensor_parallel
             check_tensor_parallel(model_module, self.hf_config, tensor_parallel_size, config=self.config)
         ctx_len = self.config.max_position_embeddings
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+                                          or max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len and max_model_len > ctx_len:        # refused, never clamped silently
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {ctx_len} tokens "
+                             f"(max_position_embeddings in {cfg_path})")
         self.max_model_len = min(max_model_len or ctx_len, ctx_len)
         if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
@@ -165,6 +171,7 @@ class LLMEngine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
         self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
         self._stream_text = False                  # set by step_deltas: detokenize every step
+        self._grammar_backend = None               # structured outputs (built on first use)
         # greedy decode steps launched ahead of reading the previous one's tokens (runtime/engine/async_decode.py)
         self._async = None
         if async_scheduling and getattr(self.runner, "supports_async_decode", False):
@@ -174,6 +181,19 @@ class LLMEngine:
         """The checkpoint's (or `tokenizer=`) tokenizer; None only when the checkpoint has no tokenizer file (it
         then serves prompt_token_ids). One that is present but cannot be loaded is an error naming the file."""
         return load_tokenizer(self.tokenizer_dir, required=self.tokenizer_dir != self.model_dir)
+
+    @property
+    def structured(self):
+        """The structured-outputs backend (runtime/engine/structured_outputs.py), built on first use;
+        ValueError when the checkpoint has no tokenizer. Its `compile` is thread-safe and cached: the server
+        calls it off the engine thread before admission."""
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this checkpoint has none")
+            from xllm_gen.runtime.engine.structured_outputs import GrammarBackend
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self.sampler.grammar = self._grammar_backend
+        return self._grammar_backend
 
     # ---- admission ------------------------------------------------------------------------------
     def make_sequence(self, index: Any, prompt: Any, params: SamplingParams) -> Sequence:
@@ -255,7 +275,12 @@ class LLMEngine:
                              f"(size {self.vocab_size})")
         if mm_inputs is None and self.mm_processor is not None:
             self.mm_processor.check_no_placeholders(index, token_ids)
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.structured.compile(params.structured_outputs)    # cached; GrammarError names it
         seq = Sequence(self._next_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
+        if compiled is not None:
+            seq.grammar, seq.compiled_grammar = self.structured.matcher(compiled), compiled
         seq.no_prefix_cache = params.prompt_logprobs is not None     # needs every prompt row computed
         self._next_id += 1
         seq.arrival_time = time.monotonic()
@@ -272,6 +297,8 @@ class LLMEngine:
             s = Sequence(self._next_id, first.token_ids, p, prompt=first.prompt, mm_inputs=first.mm_inputs)
             self._next_id += 1
             s.index, s.arrival_time, s.no_prefix_cache = i, first.arrival_time, first.no_prefix_cache
+            if first.grammar is not None:          # each completion walks the grammar on its own
+                s.grammar = self.structured.matcher(first.compiled_grammar)
             seqs.append(s)
         return seqs
 
@@ -392,9 +419,13 @@ class LLMEngine:
                 self._count_decode(ahead)
             tokens = self._async.read(prev)
             live = [(s, t) for s, t in zip(prev.seqs, tokens) if not s.is_finished]    # not ended / aborted since
+            for s, t in live:                     # structured outputs: the grammars accept the tokens read
+                if s.grammar is not None and not s.grammar.accept_token(t):
+                    s.error = f"structured outputs: token {t} does not fit the grammar"
             finished: list[Sequence] = []
             self._accept([s for s, _ in live], [t for _, t in live], finished, commit=True)
             self._fail_errored([s for s, _ in live], finished)
+            self._finish_masked()
             return finished
         seqs, is_prefill = self.scheduler.schedule()
         finished = self.scheduler.take_finished_by_capacity()
@@ -405,12 +436,13 @@ class LLMEngine:
             for seq in finished:
                 self._flush(seq)
         if not seqs:
-            if finished:
-                return finished
+            if finished or not self.scheduler.has_unfinished():
+                return finished              # an idle engine: nothing to do
             raise RuntimeError("scheduler made no progress: KV cache too small for any running request")
         if not is_prefill and self._async is not None and self._async.can_launch(seqs):
             self._async.inflight = self._async.launch(seqs)
             self._count_decode(seqs)
+            self._finish_masked()
             return finished
         starts = [s.num_computed_tokens for s in seqs]
         want_prompt_lp = is_prefill and any(
@@ -447,6 +479,22 @@ class LLMEngine:
             self._accept(ready_seqs, tokens, finished)
         self._fail_errored(seqs, finished)
         return finished
+
+    def _finish_masked(self) -> None:
+        """A launched step with structured-output rows: mask and reduce it now that its grammars are current."""
+        step = self._async.inflight
+        if step is not None and step.tokens is None:
+            try:
+                self._async.finish_masked(step, self.structured)
+            except Exception as e:               # the step's grammar rows fail alone; the others go unmasked
+                logger.exception("structured outputs: masking an async step failed")
+                for s in step.seqs:
+                    if s.grammar is not None:
+                        s.error = f"structured outputs failed: {type(e).__name__}: {e}"
+                if step.tokens is None:
+                    with torch.inference_mode():
+                        done = self._async._send(step.seqs, step.logits.argmax(dim=-1))
+                    step.tokens, step.host, step.event, step.logits = done.tokens, done.host, done.event, None
 
     def _count_decode(self, seqs: list[Sequence]) -> None:
         self.stats["steps"] += 1
@@ -525,6 +573,8 @@ class LLMEngine:
                 d.text = d.text[:at + len(s)] if p.include_stop_str_in_output else d.text[:at]
                 seq.stop_reason = s
                 return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop"                    # the structured output is complete (and ignore_eos is set)
         if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

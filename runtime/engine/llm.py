@@ -125,10 +125,12 @@ class LLM:
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *,
              chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             mm_processor_kwargs: Optional[dict] = None, **generate_kwargs: Any) -> list[RequestOutput]:
+             mm_processor_kwargs: Optional[dict] = None, chat_template_kwargs: Optional[dict] = None,
+             tools: Optional[list] = None, **generate_kwargs: Any) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, rendered with the checkpoint's chat
         template (its processor's for multimodal checkpoints). Content parts {"type": "image", "image": PIL}
-        and {"type": "video", "video": frames} become placeholders plus multi_modal_data, in order."""
+        and {"type": "video", "video": frames} become placeholders plus multi_modal_data, in order.
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` (OpenAI's list) reach the template."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         engine = self.engine
         renderer = engine.mm_processor.processor if engine.mm_processor is not None else engine.tokenizer
@@ -147,7 +149,8 @@ class LLM:
                         media[kind].append(part[kind])
             try:
                 text = renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
-                                                    add_generation_prompt=add_generation_prompt)
+                                                    add_generation_prompt=add_generation_prompt, tools=tools,
+                                                    **(chat_template_kwargs or {}))
             except Exception as e:        # no template, malformed messages: name the conversation
                 raise ValueError(f"request {i}: cannot apply the chat template: {e}") from e
             prompt: dict = {"prompt": text}

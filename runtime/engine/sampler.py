@@ -5,6 +5,10 @@ over prompt and output), frequency and presence penalties (OpenAI, over the outp
 temperature -> min_p -> top-k -> top-p -> a draw from the request's own generator when it has a seed.
 Logprobs are those of the model's distribution (before any processing, as vLLM reports them by default).
 
+Structured outputs: the rows with a grammar matcher are masked first (only the tokens their grammar allows
+stay finite; runtime/engine/structured_outputs.py), then follow the same path; a grammar that can only end
+overrides min_tokens' EOS ban.
+
 A row that fails (whatever the cause) fails its request alone: its token is None and `seq.error` says why."""
 from __future__ import annotations
 
@@ -107,12 +111,24 @@ def sample_row(logits: torch.Tensor, seq: Sequence, default_generator: torch.Gen
 class Sampler:
     def __init__(self, seed: int = 0):
         self.default_generator = torch.Generator().manual_seed(seed % SEED_MOD)
+        self.grammar = None          # structured_outputs.GrammarBackend (set by the engine on first use)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  eos_token_ids: Iterable[int] = ()) -> list[Optional[int]]:
         """logits [B, vocab] float32 for the last token of each sequence; returns one token id each (None
         for a row that failed: its sequence's `.error` is set)."""
         logits = logits.float()
+        raw = logits                                  # logprobs are the model's, before any constraint
+        matchers = [s.grammar for s in seqs]
+        constrained = [i for i, m in enumerate(matchers) if m is not None]
+        if constrained:                               # structured outputs: mask those rows in place
+            logits = logits.clone()
+            try:
+                self.grammar.apply(logits, matchers)
+            except Exception as e:
+                logger.exception("structured outputs: masking failed")
+                for i in constrained:
+                    seqs[i].error = f"structured outputs failed: {type(e).__name__}: {e}"
         plain = [i for i, s in enumerate(seqs)
                  if s.params.greedy and not s.params.needs_processing
                  and s.num_completion_tokens >= s.params.min_tokens]
@@ -120,7 +136,7 @@ class Sampler:
         if plain:
             for i, t in zip(plain, logits[plain].argmax(dim=-1).tolist()):
                 tokens[i] = int(t)
-        rest = [i for i in range(len(seqs)) if tokens[i] is None]
+        rest = [i for i in range(len(seqs)) if tokens[i] is None and not seqs[i].error]
         if rest:
             eos = list(eos_token_ids)
             cpu_logits = logits[rest].cpu()
@@ -128,12 +144,19 @@ class Sampler:
                 seq = seqs[i]
                 try:
                     banned = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else eos)
-                    tokens[i] = sample_row(process_row(cpu_logits[row], seq, banned), seq, self.default_generator)
+                    row_logits = process_row(cpu_logits[row], seq, banned)
+                    if seq.grammar is not None and banned and not bool(torch.isfinite(row_logits).any()):
+                        row_logits = process_row(cpu_logits[row], seq, ())   # the grammar can only end here:
+                    tokens[i] = sample_row(row_logits, seq, self.default_generator)  # min_tokens yields to it
                 except Exception as e:           # this request fails alone
                     logger.exception("sampling failed for sequence %s", seq.seq_id)
                     seq.error = f"sampling failed: {type(e).__name__}: {e}"
+        for i in constrained:                         # advance each row's grammar with its token
+            if tokens[i] is not None and not seqs[i].error and not matchers[i].accept_token(tokens[i]):
+                seqs[i].error = f"structured outputs: token {tokens[i]} does not fit the grammar"
+                tokens[i] = None
         try:
-            self._record_logprobs(logits, seqs, tokens)
+            self._record_logprobs(raw, seqs, tokens)
         except Exception as e:
             for i, s in enumerate(seqs):
                 if tokens[i] is not None and s.params.logprobs is not None:

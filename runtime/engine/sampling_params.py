@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1e-38 must not divide logits into inf - inf.
 GREEDY_EPS = 1e-5
 SEED_MOD = 2 ** 64             # torch.Generator takes seeds in [-(2**63), 2**64); larger ones are reduced mod 2**64
@@ -48,10 +50,14 @@ class SamplingParams:
     logprobs: Optional[int] = None       # top-N logprobs per generated token (the sampled one is always added)
     prompt_logprobs: Optional[int] = None  # top-N logprobs per prompt token (None for the first one)
     skip_special_tokens: bool = True
+    # constrained decoding (json schema / json_object / regex / choice / EBNF grammar); a dict is converted
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         problems = self.problems()
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
@@ -107,6 +113,12 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                p.append(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+            else:
+                p.extend(so.problems())
         return p
 
     def validated(self) -> "SamplingParams":
@@ -123,6 +135,8 @@ class SamplingParams:
             c.temperature = 0.0
         if c.seed is not None:
             c.seed %= SEED_MOD
+        if c.structured_outputs is not None:
+            c.structured_outputs = copy.deepcopy(c.structured_outputs)
         return c
 
     @property

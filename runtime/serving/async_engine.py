@@ -36,7 +36,7 @@ class _Track:
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics=None, max_queue: int = 256):
+    def __init__(self, engine, metrics=None, max_queue: int = 256, stats_interval: float = 10.0):
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue          # requests beyond the running batch that may wait
@@ -48,6 +48,8 @@ class AsyncEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None     # set when the engine thread died
+        self.stats_interval = stats_interval           # seconds between stats log lines while busy (0: none)
+        self._last_stats = time.monotonic()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -124,10 +126,21 @@ class AsyncEngine:
                     continue
                 self._account(outs)
                 self._post([(o.request_id, o) for o in outs])
+                self._log_stats()
         except BaseException as e:           # noqa: BLE001 - reported through /health
             logger.exception("engine thread died")
             self.error = e
             self._post([(rid, e) for rid in list(self._tracks)])
+
+    def _log_stats(self) -> None:
+        now = time.monotonic()
+        if self.metrics is None or not self.stats_interval or now - self._last_stats < self.stats_interval:
+            return
+        self._last_stats = now
+        try:
+            logger.info("stats: %s", self.metrics.stats_line())
+        except Exception:                     # a log line never fails the engine
+            logger.debug("stats line failed", exc_info=True)
 
     def _drain(self) -> None:
         engine = self.engine

@@ -85,5 +85,12 @@ class ServerMetrics:
         span = (now - self._window[0][0]) if len(self._window) > 1 else 0.0
         self.labels(self.tokens_per_s).set(sum(n for _, n in self._window) / span if span > 0 else 0.0)
 
+    def stats_line(self) -> str:
+        """running, waiting, KV usage and generation tokens/s (the periodic log line, like vLLM's)."""
+        val = lambda m: m.labels(model_name=self.model_name)._value.get()       # noqa: E731
+        return (f"running {int(val(self.running))}, waiting {int(val(self.waiting))}, KV usage "
+                f"{100 * val(self.kv_usage):.1f}%, generation {val(self.tokens_per_s):.1f} tokens/s, "
+                f"prefix-cache hit rate {100 * val(self.prefix_hit_rate):.1f}%")
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

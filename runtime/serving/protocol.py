@@ -1,8 +1,10 @@
 """OpenAI-compatible request bodies (pydantic) and their translation to SamplingParams; OpenAI-style errors.
 
-Unknown fields are ignored (as vLLM does); vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, prompt_logprobs) are
-accepted in the body (the openai client sends them through `extra_body`)."""
+Unknown fields are refused with a 400 naming them (never silently dropped); vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, prompt_logprobs,
+structured_outputs, chat_template_kwargs) are accepted in the body (the openai client sends them through
+`extra_body`). OpenAI's `response_format` (json_schema, json_object) and vLLM's `structured_outputs` (json,
+regex, choice, grammar, json_object) become SamplingParams.structured_outputs."""
 from __future__ import annotations
 
 import re
@@ -11,6 +13,7 @@ from typing import Any, Dict, List, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
+from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -28,7 +31,8 @@ class APIError(Exception):
 _FIELD_RE = re.compile(r"^(?:request \S+: )?(?:invalid SamplingParams: )?([a-z_]+)\b")
 
 
-_PARAMS = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "model", "stream_options"}
+_PARAMS = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "model", "stream_options",
+                                                               "response_format", "tools", "tool_choice"}
 _ALIASES = {"prompt_token_ids": "prompt", "multi_modal_data": "messages", "mm_processor_kwargs": "messages"}
 
 
@@ -42,13 +46,13 @@ def param_of(message: str) -> Optional[str]:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     n: Optional[int] = 1
     max_tokens: Optional[int] = None
@@ -71,6 +75,8 @@ class _Sampling(BaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
 
     def _num_logprobs(self) -> Optional[int]:
         raise NotImplementedError
@@ -102,6 +108,9 @@ class _Sampling(BaseModel):
             kw["logprobs"] = lp
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+        so = self.structured()
+        if so is not None:
+            kw["structured_outputs"] = so
         try:
             return SamplingParams(**kw)
         except ValueError as e:
@@ -110,6 +119,68 @@ class _Sampling(BaseModel):
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
+
+    def structured(self) -> Optional[StructuredOutputsParams]:
+        """The constraint of `response_format` or `structured_outputs` (not both); APIError naming the field."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and so is not None:
+            raise APIError("give either response_format or structured_outputs, not both", param="response_format")
+        if so is not None:
+            try:
+                out = StructuredOutputsParams.from_dict(so)
+            except (TypeError, ValueError) as e:
+                raise APIError(str(e), param="structured_outputs") from None
+            problems = out.problems()
+            if problems:
+                raise APIError("; ".join(problems), param="structured_outputs")
+            return out
+        return response_format_constraint(rf)
+
+    def structured_where(self) -> tuple[str, str]:
+        """(the message prefix, the param) that a compile error of this body's constraint names."""
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            return ("response_format.json_schema.schema" if kind == "json_schema" else "response_format",
+                    "response_format")
+        return "structured_outputs", "structured_outputs"
+
+
+def response_format_constraint(rf: Optional[dict]) -> Optional[StructuredOutputsParams]:
+    """OpenAI's response_format: {"type": "text"} | {"type": "json_object"} |
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind == "text":
+        extra = set(rf) - {"type"}
+        if extra:
+            raise APIError(f"response_format: unknown field(s) {sorted(extra)}", param="response_format")
+        return None
+    if kind == "json_object":
+        extra = set(rf) - {"type"}
+        if extra:
+            raise APIError(f"response_format: unknown field(s) {sorted(extra)}", param="response_format")
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        extra = set(rf) - {"type", "json_schema"}
+        if extra:
+            raise APIError(f"response_format: unknown field(s) {sorted(extra)}", param="response_format")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not js["name"]:
+            raise APIError("response_format.json_schema needs a 'name' (a non-empty string) and a 'schema'",
+                           param="response_format")
+        bad = set(js) - {"name", "schema", "strict", "description"}
+        if bad:
+            raise APIError(f"response_format.json_schema: unknown field(s) {sorted(bad)}", param="response_format")
+        schema = js.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise APIError("response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        if js.get("strict") not in (None, True, False):
+            raise APIError("response_format.json_schema.strict must be a bool", param="response_format")
+        return StructuredOutputsParams(json=schema)
+    raise APIError(f"response_format.type must be one of text, json_object, json_schema, got {kind!r}",
+                   param="response_format")
 
 
 class CompletionRequest(_Sampling):
@@ -146,10 +217,18 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None       # an assistant turn's calls (OpenAI's shape)
+    tool_call_id: Optional[str] = None                       # a role "tool" message: the call it answers
+    reasoning_content: Optional[str] = None
+    # fields of a reply that clients send back with it (e.g. messages.append(choice.message)); not rendered
+    refusal: Optional[str] = None
+    annotations: Optional[List[Any]] = None
+    audio: Optional[Dict[str, Any]] = None
+    function_call: Optional[Dict[str, Any]] = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -159,9 +238,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: Optional[bool] = True
     chat_template: Optional[str] = None
-    tools: Optional[List[Any]] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None     # extra template variables (enable_thinking, ...)
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     functions: Optional[List[Any]] = None
-    response_format: Optional[Dict[str, Any]] = None
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -174,7 +255,10 @@ class ChatCompletionRequest(_Sampling):
         return None
 
     def check_supported(self) -> None:
-        if self.tools or self.functions:
-            raise APIError("tools and function calling are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError("response_format other than text is not supported", param="response_format")
+        if self.functions:
+            raise APIError("functions (deprecated) is not supported; use tools", param="functions")
+        if self.chat_template_kwargs is not None:
+            reserved = {"messages", "tools", "add_generation_prompt", "chat_template"} & set(self.chat_template_kwargs)
+            if reserved:
+                raise APIError(f"chat_template_kwargs must not set {sorted(reserved)} (they have their own fields)",
+                               param="chat_template_kwargs")

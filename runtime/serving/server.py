@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from xllm_gen.runtime.serving.async_engine import QueueFullError
 from xllm_gen.runtime.serving.chat import render_chat
+from xllm_gen.runtime.serving.chat_reply import ReplySplitter, plan_tools, reply_message
 from xllm_gen.runtime.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_of
 
 logger = logging.getLogger("xllm_gen.serving")
@@ -71,8 +72,18 @@ def _sse(obj: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ the app
-def build_app(async_engine, model_name: str, metrics):
+def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[str] = None,
+              reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
+              allowed_local_media_path: Optional[str] = None, api_key: Optional[str] = None,
+              allowed_origins: Optional[list] = None, log_requests: bool = True):
+    """The FastAPI app. `tool_parser` / `reasoning_parser`: names in runtime/serving/tool_parsers/ and
+    reasoning_parsers/ (None: tool_choice auto / required / named are refused; no reasoning split);
+    `chat_template`: the default template (Jinja text) instead of the checkpoint's."""
+    from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
+
     engine = async_engine.engine
+    tools_cls = tool_parsers.get(tool_parser) if tool_parser else None
+    reasoning = reasoning_parsers.get(reasoning_parser)() if reasoning_parser else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -82,6 +93,46 @@ def build_app(async_engine, model_name: str, metrics):
 
     app = FastAPI(title="xllm-gen", lifespan=lifespan)
     app.state.async_engine = async_engine
+    access = logging.getLogger("xllm_gen.access")
+
+    @app.middleware("http")
+    async def _auth_and_log(request: Request, call_next):
+        """--api-key: a Bearer token on /v1/* (401 in OpenAI's shape otherwise); one access line per request
+        (method, path, status, latency) unless --disable-log-requests."""
+        t0 = time.monotonic()
+        if api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
+            import hmac
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                response = JSONResponse(APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
+                                                 type="authentication_error").body(), status_code=401)
+                if log_requests:
+                    access.info("%s %s %d %.1f ms", request.method, request.url.path, 401,
+                                1000 * (time.monotonic() - t0))
+                return response
+        response = await call_next(request)
+        if log_requests:
+            access.info("%s %s %d %.1f ms%s", request.method, request.url.path, response.status_code,
+                        1000 * (time.monotonic() - t0),
+                        " (streaming)" if isinstance(response, StreamingResponse) else "")
+        return response
+
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """404 / 405 in OpenAI's error shape."""
+        if exc.status_code == 404:
+            msg = f"no such endpoint: {request.method} {request.url.path} (see /v1/models, /v1/completions, " \
+                  "/v1/chat/completions, /health, /metrics)"
+            return JSONResponse(APIError(msg, 404, type="not_found_error").body(), status_code=404)
+        return JSONResponse(APIError(str(exc.detail), exc.status_code, type="invalid_request_error").body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     def error(e: APIError) -> JSONResponse:
         if metrics is not None:
@@ -95,6 +146,15 @@ def build_app(async_engine, model_name: str, metrics):
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
+        if first.get("type") == "extra_forbidden":        # never silently dropped
+            unknown = sorted(".".join(str(x) for x in e.get("loc", ()) if x != "body")
+                             for e in errs if e.get("type") == "extra_forbidden")
+            return error(APIError(f"unknown field(s) {', '.join(unknown)}: not supported by this server",
+                                  param=param))
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx") or {}
+            return error(APIError(f"the request body is not valid JSON: {ctx.get('error', 'decode error')} "
+                                  f"at character {first.get('loc', ('', '?'))[-1]}", param=None))
         return error(APIError(f"{where}: {first.get('msg', 'invalid request body')}", param=param))
 
     @app.exception_handler(APIError)
@@ -122,6 +182,18 @@ def build_app(async_engine, model_name: str, metrics):
         if body.model not in (None, model_name, str(engine.model_dir)):
             raise APIError(f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            status=404, param="model", type="not_found_error")
+
+    async def precompile(params, where: str, param: str) -> None:
+        """Compiles the request's constraint in a worker thread (cached), so that the engine's step never
+        waits on a compile and an invalid schema / regex / grammar is a 400 naming it."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        try:
+            backend = engine.structured
+            await asyncio.to_thread(backend.compile, so, where)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
 
     async def admit(rid: str, prompt: Any, params) -> asyncio.Queue:
         try:
@@ -202,6 +274,7 @@ def build_app(async_engine, model_name: str, metrics):
         check_model(body)
         prompts = body.prompts()
         params = body.sampling_params(engine.max_model_len)
+        await precompile(params, *body.structured_where())
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         queues = await admit_all(base, prompts, params)
@@ -271,30 +344,41 @@ def build_app(async_engine, model_name: str, metrics):
         check_model(body)
         body.check_supported()
         params = body.sampling_params(engine.max_model_len)
-        prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template,
-                                         bool(body.add_generation_prompt))
+        template_tools, parser = plan_tools(body, params, tools_cls)
+        where, param = body.structured_where()
+        if parser is not None and params.structured_outputs is not None and body.tool_choice not in (None, "auto"):
+            where, param = "tools", "tools"
+        await precompile(params, where, param)
+        prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
+                                         bool(body.add_generation_prompt), template_tools,
+                                         body.chat_template_kwargs, allowed_local_media_path)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         rid, q = (await admit_all(base, [prompt], params))[0]
         n_top = body.top_logprobs or 0
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top),
+            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top, parser),
                                      media_type="text/event-stream")
         got = await collect(rid, q, request)
         if got is None:
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         prompt_ids, comps = got
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, n_top), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in comps]
+        choices = []
+        for c in comps:
+            message = reply_message(c.text, reasoning, parser)
+            finish = "tool_calls" if message.get("tool_calls") else c.finish_reason
+            choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, n_top),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": base, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
 
-    async def stream_chat(base, created, rid, q, n, include_usage, n_top) -> AsyncIterator[str]:
+    async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None) -> AsyncIterator[str]:
         head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
         p_tok, c_tok = 0, 0
         finished = False
+        state = {i: ReplySplitter(reasoning, parser) for i in range(n)}     # per choice
+
         try:
             for i in range(n):
                 chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -306,10 +390,18 @@ def build_app(async_engine, model_name: str, metrics):
                 p_tok = len(out.prompt_token_ids)
                 for c in out.outputs:
                     c_tok += len(c.token_ids)
-                    delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
+                    if reasoning is None and parser is None:
+                        delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
+                    else:
+                        delta = state[c.index].feed(c.text, c.finish_reason is not None)
+                        if not delta and not c.finish_reason and not c.logprobs:
+                            continue                  # held back (a tag may be starting)
+                    finish = c.finish_reason
+                    if finish is not None and state[c.index].calls_sent:
+                        finish = "tool_calls"
                     chunk = {**head, "choices": [{"index": c.index, "delta": delta,
                                                   "logprobs": _chat_logprobs(c, n_top),
-                                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                                                  "finish_reason": finish, "stop_reason": c.stop_reason}]}
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
@@ -331,9 +423,11 @@ def build_app(async_engine, model_name: str, metrics):
 
 
 # ------------------------------------------------------------------------------------ command line
-def _parser() -> argparse.ArgumentParser:
-    from xllm_gen.runtime.engine.engine import _DTYPES
+# engine._DTYPES's names (written out: --help must not import torch; tests/test_serving_hardening.py checks it)
+DTYPES = ("bf16", "bfloat16", "float", "float16", "float32", "fp16", "fp32", "half")
 
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="xllm-gen-serve", description="An OpenAI-compatible server (completions, "
                                  "chat, streaming, metrics) over a Hugging Face checkpoint dir.")
     ap.add_argument("model", nargs="?", help="HF checkpoint dir (default: the embedded tiny checkpoint, built on first use)")
@@ -349,7 +443,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, help="tokens per prefill step")
     ap.add_argument("--enable-chunked-prefill", action="store_true", help="prefill long prompts in chunks")
     ap.add_argument("--device", default="auto", help="auto, cuda or cpu")
-    ap.add_argument("--dtype", default="auto", choices=["auto"] + sorted(_DTYPES), help="weights and KV dtype")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights and KV dtype")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: from --gpu-memory-utilization)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="fraction of GPU memory to use")
@@ -366,8 +460,23 @@ def _parser() -> argparse.ArgumentParser:
                     help="launch each greedy decode step before the previous one's tokens are read back, so that "
                          "the host's work overlaps the GPU's (on by default)")
     ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    ap.add_argument("--chat-template", help="chat template (a Jinja file, or the template text) used instead of the "
+                    "checkpoint's (a request's chat_template still wins)")
+    ap.add_argument("--tool-call-parser", help="how tool calls are read from the output (hermes: <tool_call> JSON "
+                    "</tool_call>); enables tools with tool_choice auto, required and named")
+    ap.add_argument("--reasoning-parser", help="split the reasoning from the answer into reasoning_content "
+                    "(think: a reply opening with <think> ... </think>; model-family names are aliases, see README)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
+    ap.add_argument("--allowed-local-media-path", metavar="DIR",
+                    help="image / video parts may name local files (paths or file:// URLs) under DIR only "
+                         "(default: local files are refused)")
+    ap.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $XLLM_API_KEY; none)")
+    ap.add_argument("--allowed-origins", nargs="*", metavar="ORIGIN",
+                    help="CORS: origins allowed to call the API from a browser ('*': any)")
+    ap.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
+    ap.add_argument("--log-stats-interval", type=float, default=10.0,
+                    help="seconds between stats lines (running, waiting, KV usage, tokens/s) while busy; 0: none")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="log level")
     ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -382,6 +491,52 @@ def _version() -> str:
         return "unknown"
 
 
+def _chat_template(arg: Optional[str]) -> Optional[str]:
+    """--chat-template: a file's text, or the argument itself when it is a template (contains '{')."""
+    if not arg:
+        return None
+    if "{" in arg:
+        return arg
+    from pathlib import Path
+    path = Path(arg)
+    if not path.is_file():
+        raise ValueError(f"--chat-template: no such file: {arg}")
+    return path.read_text()
+
+
+def check_model_path(model: str) -> None:
+    """A clear error for a model argument that is not a checkpoint dir (before any heavy import)."""
+    from pathlib import Path
+
+    p = Path(model)
+    if p.is_dir():
+        return
+    if p.exists():
+        raise ValueError(f"model {model!r} is a file; give the checkpoint directory (with config.json)")
+    parts = model.split("/")
+    if len(parts) == 2 and all(parts) and not model.startswith((".", "~")):
+        raise ValueError(f"model {model!r} does not exist locally; it looks like a Hugging Face hub id, but "
+                         "downloads are not supported: download it first (e.g. `huggingface-cli download "
+                         f"{model} --local-dir DIR`) and pass DIR")
+    raise ValueError(f"model path {model!r} does not exist")
+
+
+def bind_socket(host: str, port: int):
+    """The listening socket, bound before the model loads, so that a busy port fails at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running there? "
+                         "pick another --port, or 0 for a free one)") from None
+    return sock                        # not inheritable: tensor-parallel rank processes never hold it
+
+
 def make_engine(args):
     import inspect
 
@@ -391,6 +546,8 @@ def make_engine(args):
     if not model:
         from xllm_gen.runtime.cli import default_checkpoint
         model = str(default_checkpoint())
+    else:
+        check_model_path(model)
     kw = dict(device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -408,11 +565,30 @@ def make_engine(args):
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    import os
+
     import uvicorn
 
     from xllm_gen.runtime.serving.async_engine import AsyncEngine
     from xllm_gen.runtime.serving.metrics import ServerMetrics
 
+    api_key = args.api_key or os.environ.get("XLLM_API_KEY") or None
+    try:
+        if args.model:
+            check_model_path(args.model)
+        if args.allowed_local_media_path and not os.path.isdir(args.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path: no such directory: {args.allowed_local_media_path}")
+        sock = bind_socket(args.host, args.port)
+        template = _chat_template(args.chat_template)
+        from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
+        if args.tool_call_parser:
+            tool_parsers.get(args.tool_call_parser)
+        if args.reasoning_parser:
+            reasoning_parsers.get(args.reasoning_parser)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t_load = time.monotonic()
     try:
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -420,15 +596,23 @@ def main(argv=None) -> int:
         return 2
     name = args.served_model_name or engine.model_dir.name
     metrics = ServerMetrics(name)
-    aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue)
-    app = build_app(aeng, name, metrics)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue, stats_interval=args.log_stats_interval)
+    app = build_app(aeng, name, metrics, tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    chat_template=template, allowed_local_media_path=args.allowed_local_media_path,
+                    api_key=api_key, allowed_origins=args.allowed_origins,
+                    log_requests=not args.disable_log_requests)
+    config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
     bm = engine.block_manager
-    logger.info("serving %s as %r: dtype %s, %d KV blocks of %d tokens, max_model_len %d, max_num_seqs %d",
-                engine.model_dir, name, str(engine.dtype).replace("torch.", ""), bm.num_blocks, bm.block_size,
-                engine.max_model_len, engine.scheduler.max_num_seqs)
+    per_block = getattr(engine.runner, "_kv_bytes_per_block", None)
+    kv_bytes = per_block() * bm.num_blocks if callable(per_block) else None
+    logger.info("serving %s as %r on http://%s:%d: device %s, tensor parallel %d, dtype %s, loaded in %.1f s, "
+                "%d KV blocks of %d tokens (%s), max_model_len %d, max_num_seqs %d",
+                engine.model_dir, name, args.host, sock.getsockname()[1], engine.device, args.tensor_parallel_size,
+                str(engine.dtype).replace("torch.", ""), time.monotonic() - t_load, bm.num_blocks, bm.block_size,
+                f"{kv_bytes} bytes" if kv_bytes is not None else "size unknown", engine.max_model_len,
+                engine.scheduler.max_num_seqs)
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal with the handlers found at
     # start: these make that a clean exit (0 for SIGTERM, 130 for Ctrl-C) instead of a kill or a traceback.
     import signal
@@ -436,7 +620,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if aeng._thread is None:            # the app never started: still stop the ranks
             engine.shutdown()

@@ -1,0 +1,233 @@
+"""Structured outputs (constrained decoding) with xgrammar, as vLLM's `structured_outputs`.
+
+A request's `SamplingParams.structured_outputs` names exactly one constraint: a JSON schema (`json`), any JSON
+object (`json_object`), a regular expression (`regex`), one of several strings (`choice`) or a context-free
+grammar in EBNF (`grammar`, xgrammar's / GBNF's dialect). The backend compiles it once per distinct
+constraint (an LRU cache, thread-safe: the server compiles in a worker thread before admission, so a step
+never waits on a compile and a bad grammar is a 400 before the request is queued). Each sequence then owns a
+GrammarMatcher (its position in the grammar). Every step the sampler fills the token bitmask of the
+constrained rows on the host (while the device runs the step), applies it to those rows' logits only
+(xgrammar's kernel on CUDA, its CPU routine otherwise) and advances each matcher with the token drawn. Rows
+without a constraint in the same batch are untouched. Once the grammar is complete only EOS is allowed.
+
+Under async decode (engine/async_decode.py) a greedy constrained row's step is launched before the previous
+token is read; its mask is filled only after that token is accepted by the matcher (AsyncDecode.finish_masked),
+so the mask always matches the row's real state."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_XGR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """An invalid schema / regex / grammar; the message names the field and xgrammar's reason."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: Optional[Union[str, dict]] = None     # a JSON schema (dict or its JSON text)
+    regex: Optional[str] = None
+    choice: Optional[list] = None               # the output is exactly one of these strings
+    grammar: Optional[str] = None               # EBNF (root ::= ...)
+    json_object: Optional[bool] = None          # any JSON object
+    disable_any_whitespace: bool = True         # compact JSON (xgrammar's separators ", " and ": ")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "structured_outputs") -> "StructuredOutputsParams":
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} must be an object with one of {', '.join(KINDS)}, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @property
+    def kind(self) -> Optional[str]:
+        set_ = self._set()
+        return set_[0] if len(set_) == 1 else None
+
+    def _set(self) -> list[str]:
+        return [k for k in KINDS if getattr(self, k) not in (None, False)]
+
+    def problems(self, where: str = "structured_outputs") -> list[str]:
+        p = []
+        set_ = self._set()
+        if len(set_) != 1:
+            p.append(f"{where} must set exactly one of {', '.join(KINDS)}, got "
+                     f"{', '.join(set_) if set_ else 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            p.append(f"{where}.json must be a JSON schema (an object or its JSON text)")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                p.append(f"{where}.{k} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            p.append(f"{where}.choice must be a non-empty list of non-empty strings")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            p.append(f"{where}.json_object must be a bool")
+        if not isinstance(self.disable_any_whitespace, bool):
+            p.append(f"{where}.disable_any_whitespace must be a bool")
+        return p
+
+    def key(self) -> tuple:
+        """A hashable identity of the constraint (the compile cache's key)."""
+        kind = self.kind
+        v = getattr(self, kind)
+        if kind == "json" and isinstance(v, dict):
+            v = json.dumps(v, sort_keys=True)
+        elif kind == "choice":
+            v = tuple(v)
+        return kind, v, self.disable_any_whitespace
+
+
+def _reason(e: Exception) -> str:
+    lines = [_XGR_PREFIX.sub("", ln) for ln in str(e).strip().splitlines() if ln.strip()]
+    return " ".join(lines) or type(e).__name__
+
+
+class GrammarBackend:
+    """Compiles constraints for one tokenizer / vocabulary and makes the per-sequence matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 256):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=self.stop_token_ids or None)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=False)
+        self._cache: OrderedDict = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self.bitmask_words = xgr.get_bitmask_shape(1, self.info.vocab_size)[1]
+        self._host: dict = {}           # (rows, turn) -> pinned host bitmask buffer (two per size, alternating:
+        self._turn = 0                  # a buffer is refilled only after the copy from it was waited on)
+        self._batch = None              # xgrammar BatchGrammarMatcher: fills many rows' masks on several threads
+
+    # ---- compile (cached) -----------------------------------------------------------------------
+    def compile(self, so: StructuredOutputsParams, where: str = "structured_outputs"):
+        """The compiled grammar of `so`; GrammarError naming `where`.kind and the reason when it is invalid."""
+        problems = so.problems(where)
+        if problems:
+            raise GrammarError("; ".join(problems))
+        key = so.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        compiled = self._compile(so, where)         # outside the lock: compiles run in parallel
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, so: StructuredOutputsParams, where: str):
+        kind = so.kind
+        c = self.compiler
+        ws = not so.disable_any_whitespace
+        try:
+            if kind == "json":
+                schema = so.json
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except json.JSONDecodeError as e:
+                        raise GrammarError(f"{where}.json: the schema is not valid JSON ({e})") from None
+                if not isinstance(schema, (dict, bool)):
+                    raise GrammarError(f"{where}.json: a JSON schema is an object, got {type(schema).__name__}")
+                _check_schema(schema, f"{where}.json")
+                return c.compile_json_schema(json.dumps(bounded_strings(schema)), any_whitespace=ws, strict_mode=True)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=ws)
+            if kind == "regex":
+                return c.compile_regex(so.regex)
+            if kind == "choice":
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False)
+                                                                   for s in so.choice))
+            return c.compile_grammar(so.grammar)
+        except GrammarError:
+            raise
+        except Exception as e:      # xgrammar's RuntimeError / ValueError: say what was wrong
+            what = {"json": "invalid JSON schema", "json_object": "invalid JSON object grammar",
+                    "regex": "invalid regex", "choice": "invalid choice", "grammar": "invalid EBNF grammar"}[kind]
+            raise GrammarError(f"{where}.{kind}: {what}: {_reason(e)}") from None
+
+    # ---- per step ---------------------------------------------------------------------------------
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
+
+    def apply(self, logits, matchers: list) -> None:
+        """Masks, in place, the rows of `logits` [B, V] (float32) whose matcher is not None."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        n = logits.shape[0]
+        self._turn ^= 1
+        host = self._host.get((n, self._turn))
+        if host is None:
+            import torch
+            host = torch.empty((n, self.bitmask_words), dtype=torch.int32,
+                               pin_memory=logits.is_cuda)
+            self._host[(n, self._turn)] = host
+        if len(rows) == 1:
+            matchers[rows[0]].fill_next_token_bitmask(host, rows[0])
+        else:
+            if self._batch is None:
+                self._batch = self.xgr.BatchGrammarMatcher(max_threads="auto")
+            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], host, indices=rows)
+        bm = host.to(logits.device, non_blocking=True) if logits.is_cuda else host
+        self.xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=min(self.info.vocab_size, logits.shape[-1]),
+                                             indices=rows)
+
+
+def bounded_strings(node: Any) -> Any:
+    """A copy of the schema where a string with minLength / maxLength (and no pattern, format, enum or const)
+    becomes the same bound as a pattern of plain characters: xgrammar (0.2.9) compiles such strings to
+    "any character but quote, backslash, CR, LF", which lets control characters into the output and makes it
+    invalid JSON. The pattern excludes control characters (and escapes: such strings hold no quote nor
+    backslash)."""
+    if isinstance(node, list):
+        return [bounded_strings(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: bounded_strings(v) for k, v in node.items()}
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    if ((isinstance(lo, int) or isinstance(hi, int)) and out.get("type", "string") == "string"
+            and not {"pattern", "format", "enum", "const"} & set(out)):
+        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) else 0
+        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) else ""
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = "^[^\"\\\\\\x00-\\x1f]{%d,%s}$" % (lo, hi)
+    return out
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """A structural check with the JSON Schema meta-schema when `jsonschema` is installed (xgrammar silently
+    ignores some malformed keywords)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        path = "/".join(str(p) for p in e.absolute_path)
+        raise GrammarError(f"{where}: invalid JSON schema{' at ' + path if path else ''}: {e.message}") from None

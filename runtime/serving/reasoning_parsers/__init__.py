@@ -1,0 +1,102 @@
+"""Reasoning parsers: split a model's thinking from its answer, chosen with `--reasoning-parser NAME`.
+
+`extract(text)` -> (reasoning or None, content or None) for a finished output; `streamer()` gives an object
+whose `feed(delta)` / `finish()` return (reasoning delta, content delta). Adding one: a file here with a
+subclass decorated `@register("name")`, and its module in `_BUILTIN`. Parsers are named by their output
+format; the names of model families that use a format are aliases kept outside the runtime
+(xllm_gen/parser_aliases.py)."""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+_PARSERS: dict = {}
+_BUILTIN = {"think": "xllm_gen.runtime.serving.reasoning_parsers.think"}
+_ALIASES_MODULE = "xllm_gen.parser_aliases"
+
+
+def _aliases() -> dict:
+    try:
+        return dict(importlib.import_module(_ALIASES_MODULE).REASONING_PARSERS)
+    except (ImportError, AttributeError):
+        return {}
+
+
+def register(name: str):
+    def deco(cls):
+        _PARSERS[name] = cls
+        return cls
+    return deco
+
+
+def names() -> list[str]:
+    return sorted(set(_PARSERS) | set(_BUILTIN) | set(_aliases()))
+
+
+def get(name: str) -> type:
+    name = _aliases().get(name, name)
+    if name not in _PARSERS and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])
+    if name not in _PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(names())}")
+    return _PARSERS[name]
+
+
+class ThinkTagParser:
+    """Reasoning written as START ... END at the start of the output (leading whitespace allowed); without
+    START the whole output is content; an output that ends before END is all reasoning."""
+    start = "<think>"
+    end = "</think>"
+
+    def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
+        s = self.streamer()
+        r1, c1 = s.feed(text)
+        r2, c2 = s.finish()
+        r, c = r1 + r2, c1 + c2
+        return (r if s.saw_start else None), (c or None)
+
+    def streamer(self) -> "_ThinkStream":
+        return _ThinkStream(self)
+
+
+class _ThinkStream:
+    def __init__(self, p: ThinkTagParser):
+        self.p = p
+        self.buf = ""
+        self.state = "undecided"             # -> "reasoning" -> "content", or "content" at once
+        self.saw_start = False
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        p = self.p
+        self.buf += delta
+        r = c = ""
+        if self.state == "undecided":
+            head = self.buf.lstrip()
+            if head.startswith(p.start):
+                self.state, self.saw_start = "reasoning", True
+                self.buf = head[len(p.start):]
+            elif p.start.startswith(head):
+                return r, c                  # may still become <think>
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            j = self.buf.find(p.end)
+            if j >= 0:
+                r, self.buf, self.state = self.buf[:j], self.buf[j + len(p.end):], "content"
+            else:
+                k = 0
+                for n in range(min(len(self.buf), len(p.end) - 1), 0, -1):
+                    if p.end.startswith(self.buf[-n:]):
+                        k = n
+                        break
+                r, self.buf = self.buf[:len(self.buf) - k], self.buf[len(self.buf) - k:]
+                return r, c
+        if self.state == "content":
+            c, self.buf = self.buf, ""
+        return r, c
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buf = self.buf, ""
+        if self.state == "reasoning":
+            return rest, ""
+        return "", rest
