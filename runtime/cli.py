@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object per request")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="fp8: quantize an unquantized checkpoint's linear weights to fp8 per channel at load")
     args = ap.parse_args(argv)
 
     from xllm_gen import LLM, SamplingParams
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         llm = LLM(model=model, device=args.device, dtype=args.dtype,
-                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                  quantization=args.quantization)
     except (ValueError, FileNotFoundError) as e:     # the checkpoint's faults name the file and the field
         print(f"error: {_one_error(e)}", file=sys.stderr)
         return 2

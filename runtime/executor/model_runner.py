@@ -39,6 +39,7 @@ from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as pref
 from xllm_gen.runtime.layers.linear import tune_decode_gemms
 from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError
 from xllm_gen.runtime.loading.loader import load_weights
+from xllm_gen.runtime.loading.quant_config import parse_quant_config
 
 logger = logging.getLogger("xllm_gen")
 
@@ -93,7 +94,7 @@ class ModelRunner:
                  block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.85,
                  enforce_eager: bool = False, load_format: str = "auto", cuda_graph_sizes=None,
-                 prefill_graph_sizes=None, debug: Optional[dict] = None):
+                 prefill_graph_sizes=None, debug: Optional[dict] = None, quantization: Optional[str] = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -120,7 +121,8 @@ class ModelRunner:
             self.loaded_params = load_weights(
                 self.model, self.model_module.weight_plan(self.model), model_dir,
                 tp_size=get_tp_size(), tp_rank=get_tp_rank(),
-                ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()))
+                ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
+                quant=parse_quant_config(hf_config, quantization))
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
         self._allocate_kv_cache()

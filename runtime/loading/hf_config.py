@@ -207,7 +207,16 @@ class ConfigReader:
         return out
 
     def finish(self) -> dict:
-        """The config guard: every field is read, assumed (with the value the spec assumes), ignored, or generic."""
+        """The config guard: every field is read, assumed (with the value the spec assumes), ignored, or generic.
+        A `quantization_config` is the runtime's, not the spec's: accepted when its method and settings are
+        supported (runtime/loading/quant_config.py), refused naming them otherwise."""
+        if _lookup(self.hf, "quantization_config") is not MISSING:
+            from xllm_gen.runtime.loading.quant_config import QuantConfigError, parse_quant_config
+            try:
+                parse_quant_config(self.hf)
+            except QuantConfigError as e:
+                raise self.error(str(e)) from None
+            self.read_paths.add("quantization_config")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
             if got is not MISSING and not _same(got, expected):

@@ -1,0 +1,265 @@
+"""Quantized checkpoints (runtime/loading/quant_config.py, quant_load.py, runtime/layers/quant.py), against
+transformers run on the dequantized weights (float32, CPU), on tiny checkpoints in the real formats
+(tests/quant_ckpt.py).
+
+- weights only (compressed-tensors W8A16): greedy tokens identical to transformers;
+- with activation quantization (fp8 block-wise, compressed-tensors dynamic per token / static per tensor, online
+  fp8): greedy tokens identical to transformers whose linear inputs are quantized the same way by forward
+  pre-hooks (an independent emulation), and against plain transformers a stated tolerance: teacher-forced top-1
+  agreement >= 0.75 and relative logit error < 0.1 (the fp8 round trip of the activations is the only difference);
+- sensitivity: scales altered -> far from the reference; activation quantization off in the reference -> the
+  engine no longer matches it token for token;
+- faults: a missing or mis-shaped scale names the tensor; unsupported methods / settings are refused by name;
+- TP 2 (slow): every format, and a block split the activation groups cannot follow is refused naming the layer.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_ref import hf_greedy, hf_model, hf_prefill_logits
+from quant_ckpt import act_quant_hooks, calibrate_input_scales, write_ct_fp8, write_fp8_block
+from safetensors.torch import load_file, save_file
+
+from tests.fixtures.tiny_hf import make_tiny_qwen3
+
+BLOCK = (32, 32)
+PROMPTS = [[97, 11, 187, 0, 57, 67], [78, 67, 315, 96, 374], [3, 17, 99, 102, 7, 7, 300, 41, 5]]
+N_NEW = 12
+TOP1 = 0.75       # activations quantized, reference not: teacher-forced top-1 agreement (tiny random models
+                  # have small logit margins)
+TOL = 0.1         # activations quantized, reference not: relative logit error (max |d| / max |logit|)
+TOL_SAME = 1e-3   # reference quantizes its linear inputs the same way: float rounding only (rare fp8 ties)
+OPTS = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_model_len=256,
+            enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("q") / "base", hidden_size=64, intermediate_size=128,
+                           tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def fp8_block(base, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fp8b")
+    return write_fp8_block(base, d / "ckpt", d / "ref", BLOCK)
+
+
+@pytest.fixture(scope="module")
+def ct_channel_token(base, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ctc")
+    return write_ct_fp8(base, d / "ckpt", d / "ref", strategy="channel", act="token")
+
+
+def _llm(path, **kw):
+    from xllm_gen import LLM
+    return LLM(model=str(path), **{**OPTS, **kw})
+
+
+def _greedy(llm, prompts=PROMPTS, n=N_NEW) -> list[list[int]]:
+    from xllm_gen import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _hf_greedy_hooked(ref, kind, group=0, scales=None, prompts=PROMPTS, n=N_NEW):
+    handles = act_quant_hooks(hf_model(ref), kind, group, scales) if kind else []
+    try:
+        return hf_greedy(ref, prompts, n)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _teacher_forced(llm, ref, prompt, n=N_NEW, hook=None) -> tuple[float, float]:
+    """(top-1 agreement, relative logit error: max |difference| / max |logit|) of the engine against transformers
+    (with the activation quantization `hook` = (kind, group, scales) emulated, or plain) on transformers' own
+    greedy continuation."""
+    handles = act_quant_hooks(hf_model(ref), *hook) if hook else []
+    try:
+        seq = list(prompt) + hf_greedy(ref, [prompt], n)[0]
+        want = hf_prefill_logits(ref, seq)
+    finally:
+        for h in handles:
+            h.remove()
+    got = torch.as_tensor(llm.prefill_logits(seq)).float()[:, : want.shape[1]]
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    return agree, ((got - want).abs().max() / want.abs().max()).item()
+
+
+# ---------------------------------------------------------------------------------------------- fp8 block-wise
+def test_fp8_block_view_reads_any_window(fp8_block):
+    """The dequantizing view gives the dequantized tensor for any row / column window (TP splits that cut a
+    block), reading only that window."""
+    from quant_ckpt import dequant_block
+    from safetensors import safe_open
+
+    from xllm_gen.runtime.layers.quant import Fp8WeightView
+    ckpt, _ = fp8_block
+    name = "model.layers.0.mlp.gate_proj.weight"
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        sl, scale = f.get_slice(name), f.get_tensor(name.replace("weight", "weight_scale_inv"))
+        full = dequant_block(f.get_tensor(name), scale, BLOCK)
+        view = Fp8WeightView(sl, scale, BLOCK)
+        assert view.get_shape() == list(full.shape)
+        for rows, cols in [((0, 128), (0, 64)), ((5, 77), (3, 50)), ((48, 96), (33, 64)), ((127, 128), (0, 1))]:
+            got = view[rows[0]:rows[1], cols[0]:cols[1]]
+            assert torch.equal(got, full[rows[0]:rows[1], cols[0]:cols[1]]), (rows, cols)
+
+
+def test_fp8_block_matches_hf(fp8_block):
+    ckpt, ref = fp8_block
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == list(BLOCK)
+    llm = _llm(ckpt)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert repr(layer.mlp.down_proj.act_quant) == "ActQuant(group, group=32)"
+    got = _greedy(llm)
+    assert got == _hf_greedy_hooked(ref, "group", BLOCK[1]), "greedy tokens differ from transformers with the " \
+                                                             "same activation quantization"
+    for p in PROMPTS:
+        agree, err = _teacher_forced(llm, ref, p)
+        same, err_same = _teacher_forced(llm, ref, p, hook=("group", BLOCK[1]))
+        print(f"\n[fp8 block] vs transformers: top-1 agreement {agree:.3f}, relative logit error {err:.2e}; "
+              f"with the same activation quantization: {same:.3f}, {err_same:.2e}")
+        assert agree >= TOP1 and err < TOL
+        assert same == 1.0 and err_same < TOL_SAME
+    # sensitivity: the reference without activation quantization no longer matches token for token somewhere
+    plain = _hf_greedy_hooked(ref, None, prompts=PROMPTS, n=24)
+    assert _greedy(llm, n=24) != plain or _teacher_forced(llm, ref, PROMPTS[0])[1] > 10 * TOL_SAME
+
+
+def test_fp8_block_altered_scales_break_parity(fp8_block, tmp_path):
+    ckpt, ref = fp8_block
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    for k in sd:
+        if k.endswith("weight_scale_inv"):
+            sd[k] = torch.ones_like(sd[k]) * sd[k].mean()     # one scale per tensor instead of per block
+    save_file(sd, str(bad / "model.safetensors"))
+    agree, err = _teacher_forced(_llm(bad), ref, PROMPTS[0], hook=("group", BLOCK[1]))
+    assert agree < 0.9 and err > 10 * TOL_SAME, (agree, err)
+
+
+def _edit_ckpt(src: Path, dst: Path, edit_sd=None, edit_cfg=None) -> Path:
+    shutil.copytree(src, dst)
+    if edit_sd:
+        sd = load_file(str(dst / "model.safetensors"))
+        edit_sd(sd)
+        save_file(sd, str(dst / "model.safetensors"))
+    if edit_cfg:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_cfg(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_missing_or_misshaped_scale_names_the_tensor(fp8_block, tmp_path):
+    ckpt, _ = fp8_block
+    name = "model.layers.1.self_attn.k_proj.weight_scale_inv"
+    d = _edit_ckpt(ckpt, tmp_path / "missing", edit_sd=lambda sd: sd.pop(name))
+    with pytest.raises(ValueError, match=f"missing tensor '{name}'"):
+        _llm(d)
+    d = _edit_ckpt(ckpt, tmp_path / "shape", edit_sd=lambda sd: sd.__setitem__(name, torch.ones(3, 3)))
+    with pytest.raises(ValueError, match=rf"'{name}' has shape \(3, 3\).*expected \(1, 2\)"):
+        _llm(d)
+    d = _edit_ckpt(ckpt, tmp_path / "noqc", edit_cfg=lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match="is float8.*no quantization_config"):
+        _llm(d)
+
+
+@pytest.mark.parametrize("qc,needle", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act=true"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method='awq'"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"}, "fmt='e5m2'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
+     "format='pack-quantized'"),
+])
+def test_unsupported_quantization_refused_by_name(base, tmp_path, qc, needle):
+    d = _edit_ckpt(base, tmp_path / "u", edit_cfg=lambda c: c.__setitem__("quantization_config", qc))
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        _llm(d)
+
+
+# ---------------------------------------------------------------------------------------- compressed-tensors
+def test_ct_weight_only_greedy_identical(base, tmp_path):
+    ckpt, ref = write_ct_fp8(base, tmp_path / "ckpt", tmp_path / "ref", strategy="tensor", act=None)
+    llm = _llm(ckpt)
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.act_quant is None
+    assert _greedy(llm) == _hf_greedy_hooked(ref, None)
+    agree, err = _teacher_forced(llm, ref, PROMPTS[2])
+    assert agree == 1.0 and err < 1e-5, (agree, err)
+    # sensitivity: the same weights served without their scales (all 1) are far off
+    d = _edit_ckpt(ckpt, tmp_path / "noscale", edit_sd=lambda sd: [sd.__setitem__(k, torch.ones_like(v))
+                                                                     for k, v in list(sd.items())
+                                                                     if k.endswith("weight_scale")])
+    agree, err = _teacher_forced(_llm(d), ref, PROMPTS[2])
+    assert agree < 0.9 or err > TOL, (agree, err)
+
+
+def test_ct_dynamic_per_token(ct_channel_token):
+    ckpt, ref = ct_channel_token
+    llm = _llm(ckpt)
+    assert _greedy(llm) == _hf_greedy_hooked(ref, "token")
+    agree, err = _teacher_forced(llm, ref, PROMPTS[1])
+    same, err_same = _teacher_forced(llm, ref, PROMPTS[1], hook=("token",))
+    print(f"\n[ct token] vs transformers: top-1 agreement {agree:.3f}, relative logit error {err:.2e}; "
+          f"with the same activation quantization: {same:.3f}, {err_same:.2e}")
+    assert agree >= TOP1 and err < TOL
+    assert same == 1.0 and err_same < TOL_SAME
+
+
+def test_ct_static_input_scales(base, tmp_path):
+    scales = calibrate_input_scales(hf_model(base), torch.tensor([PROMPTS[0] + PROMPTS[2]]))
+    ckpt, ref = write_ct_fp8(base, tmp_path / "ckpt", tmp_path / "ref", strategy="channel", act="static",
+                             input_scales=scales)
+    llm = _llm(ckpt)
+    assert repr(llm.engine.runner.model.model.layers[0].mlp.down_proj.act_quant).startswith("ActQuant(static")
+    assert _greedy(llm) == _hf_greedy_hooked(ref, "static", scales=scales)
+    d = _edit_ckpt(ckpt, tmp_path / "noin", edit_sd=lambda sd: sd.pop("model.layers.0.mlp.up_proj.input_scale"))
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.0.mlp.up_proj.input_scale'"):
+        _llm(d)
+
+
+# ----------------------------------------------------------------------------------------------- online fp8
+def test_online_fp8(base, ct_channel_token):
+    """quantization="fp8" on the float checkpoint serves what the per-channel fp8 checkpoint of the same
+    weights with dynamic per-token activations serves (its dequantized weights are the reference)."""
+    _, ref = ct_channel_token
+    llm = _llm(base, quantization="fp8")
+    assert _greedy(llm) == _hf_greedy_hooked(ref, "token")
+    with pytest.raises(ValueError, match="quantization='int4' is not supported"):
+        _llm(base, quantization="int4")
+
+
+# --------------------------------------------------------------------------------------------------- TP 2
+@pytest.mark.slow
+def test_tp2_every_format(fp8_block, ct_channel_token, base, tmp_path):
+    ckpt, ref = fp8_block
+    assert _greedy(_llm(ckpt, tensor_parallel_size=2)) == _hf_greedy_hooked(ref, "group", BLOCK[1])
+    wo, wo_ref = write_ct_fp8(base, tmp_path / "wo", tmp_path / "wo_ref", strategy="channel", act=None)
+    assert _greedy(_llm(wo, tensor_parallel_size=2)) == _hf_greedy_hooked(wo_ref, None)
+    # per-token scales of a row-parallel layer are per rank (as vLLM's kernels): a tolerance
+    ct, ct_ref = ct_channel_token
+    for llm in (_llm(ct, tensor_parallel_size=2), _llm(base, tensor_parallel_size=2, quantization="fp8")):
+        agree, err = _teacher_forced(llm, ct_ref, PROMPTS[1])
+        assert agree >= TOP1 and err < TOL, (agree, err)
+
+
+@pytest.mark.slow
+def test_tp2_block_split_not_on_groups(tmp_path):
+    """intermediate 96 over 2 ranks: gate/up rows split at 48 inside a 64-row block (dequantized per window:
+    served), down_proj's inputs split at 48, off the 64-column activation groups: refused naming the layer."""
+    base = make_tiny_qwen3(tmp_path / "b", hidden_size=64, intermediate_size=96, tie_word_embeddings=False)
+    ckpt, ref = write_fp8_block(base, tmp_path / "c", tmp_path / "r", (64, 64))
+    with pytest.raises(Exception, match=r"down_proj.*RowParallelLinear.*96 input features.*groups of 64"):
+        _llm(ckpt, tensor_parallel_size=2)
+    ckpt, ref = write_fp8_block(base, tmp_path / "c2", tmp_path / "r2", (32, 48))   # cols 48: on the groups
+    assert _greedy(_llm(ckpt, tensor_parallel_size=2)) == _hf_greedy_hooked(ref, "group", 48)
