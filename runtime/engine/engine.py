@@ -18,6 +18,7 @@ from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.loading import registry
+from xllm_gen.runtime.loading.gguf import resolve_model_path
 from xllm_gen.runtime.loading.quant_config import parse_quant_config
 from xllm_gen.runtime.loading.checkpoint_files import (
     CheckpointFileError,
@@ -105,7 +106,7 @@ class LLMEngine:
                  debug: Optional[dict] = None,
                  tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None):
-        self.model_dir = Path(model)
+        self.model_dir = resolve_model_path(model)        # a GGUF file: its converted HF checkpoint (cached)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
         self.hf_config = read_config_json(self.model_dir)      # errors name the file (and JSON line / column)

@@ -31,6 +31,7 @@ GENERIC_FIELDS = frozenset("""
     length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences
     output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
     exponential_decay_length_penalty suppress_tokens begin_suppress_tokens attention_dropout
+    unk_token_id _model_name_or_path
 """.split())
 
 # A rope-parameters mapping's keys per scaling kind: runtime/rope_kinds.py (the rotary primitive reads the
