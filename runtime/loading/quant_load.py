@@ -139,7 +139,7 @@ class QuantLoad:
                     raise QuantLoadError(
                         f"layer {mod_name!r} ({type(mod).__name__}): its {seg.size} input features split over "
                         f"tp={mod.tp_size} give rank {mod.tp_rank} columns [{seg.start}, {seg.stop}), which do not "
-                        f"fall on the activation groups of {aq.group} (weight_block_size); use a tp size that "
-                        f"divides {seg.size} // {aq.group}")
+                        f"fall on the activation groups of {aq.group} (weight_block_size): each rank's columns must "
+                        f"start on a multiple of {aq.group}")
             mod.act_quant = aq
         return self.used
