@@ -174,3 +174,62 @@ def calibrate_input_scales(model, ids: torch.Tensor) -> dict:
     for h in handles:
         h.remove()
     return {n: a / FMAX for n, a in amax.items()}
+
+
+def _permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf q/k row order (transformers' GGUF loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def write_llama_gguf(src: Path, out: Path, qtype: str = "Q8_0") -> Path:
+    """A tiny LlamaForCausalLM checkpoint as llama.cpp's converter writes it: llama.* metadata, llama.cpp tensor
+    names, q/k rows permuted, 2-D weights quantized to `qtype` (norms float32)."""
+    import gguf
+    import numpy as np
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    sd = load_file(str(Path(src) / "model.safetensors"))
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    q = getattr(gguf.GGMLQuantizationType, qtype)
+    for name, t in sd.items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            g = "output.weight"
+        else:
+            i, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+            mod, suffix = rest.rsplit(".", 1)
+            g = f"blk.{i}.{GGUF_NAMES[mod]}.{suffix}"
+            if mod == "self_attn.q_proj":
+                a = _permute(a, heads)
+            elif mod == "self_attn.k_proj":
+                a = _permute(a, kv)
+        if a.ndim == 2:
+            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(a), q), raw_dtype=q)
+        else:
+            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

@@ -295,6 +295,43 @@ def _smollm2_gguf(tmp_path_factory) -> Path:
     return d / names[0]
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    from tests.fixtures.tiny_hf import _padded_vocab, make_tiny_checkpoint
+    return make_tiny_checkpoint("LlamaForCausalLM", tmp_path_factory.mktemp("llama") / "base", overrides=dict(
+        vocab_size=_padded_vocab(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=256))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_tiny_matches_transformers(tiny_llama, tmp_path, monkeypatch, qtype):
+    """A tiny llama written as llama.cpp does (names, q/k row permutation, quantized blocks): the engine's
+    greedy tokens and logits equal transformers' loading the same file; they differ from the float weights'."""
+    pytest.importorskip("gguf")
+    from quant_ckpt import write_llama_gguf
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setenv("XLLM_GEN_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "g").mkdir()
+    f = write_llama_gguf(tiny_llama, tmp_path / "g" / f"tiny.{qtype}.gguf", qtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name, dtype=torch.float32).eval()
+    llm = _llm(f)
+    got = _greedy(llm)
+    for p, g in zip(PROMPTS, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert g == want[0, len(p):].tolist()
+    seq = PROMPTS[2]
+    logits = torch.as_tensor(llm.prefill_logits(seq)).float()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([seq])).logits[0]
+    assert (logits - want).abs().max().item() < 1e-4
+    assert (logits - hf_prefill_logits(tiny_llama, seq)).abs().max().item() > 1e-3    # the quantization counts
+    shutil.copy(f, tmp_path / "g" / "other.gguf")
+    with pytest.raises(ValueError, match="several GGUF files.*other.gguf"):
+        _llm(tmp_path / "g")
+
+
 @pytest.mark.slow
 def test_gguf_smollm2_q4_1_matches_transformers(tmp_path_factory, monkeypatch):
     """The real GGUF (Q4_1 weights, a Q8_0 embedding): greedy tokens equal transformers' loading the same file,
