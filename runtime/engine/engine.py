@@ -18,8 +18,6 @@ from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.loading import registry
-from xllm_gen.runtime.loading.gguf import resolve_model_path
-from xllm_gen.runtime.loading.quant_config import parse_quant_config
 from xllm_gen.runtime.loading.checkpoint_files import (
     CheckpointFileError,
     generation_eos_ids,
@@ -27,6 +25,8 @@ from xllm_gen.runtime.loading.checkpoint_files import (
     read_config_json,
     read_generation_config,
 )
+from xllm_gen.runtime.loading.gguf import resolve_model_path
+from xllm_gen.runtime.loading.quant_config import parse_quant_config
 
 logger = logging.getLogger("xllm_gen")
 

@@ -1,12 +1,12 @@
-"""GGUF checkpoints (llama.cpp's single-file format): `LLM(model="x.gguf")` or a directory holding one.
+"""GGUF checkpoints (the ggml project's single-file format): `LLM(model="x.gguf")` or a directory holding one.
 
 A GGUF file is turned, once, into the Hugging Face checkpoint it was converted from, in a cache directory
 (`$XLLM_GEN_CACHE/gguf/<file stem>-<hash of path, size, mtime>/`, default `~/.cache/xllm_gen`): config.json,
 model.safetensors (float32) and the tokenizer. Everything after that is the ordinary path (the config guard, the
 spec's weight plan, TP sharding, the tokenizer), so every spec whose architecture transformers' GGUF integration
 knows is served from GGUF at once. The conversion reuses transformers' GGUF integration (the `gguf` package reads
-and dequantizes Q4_0 / Q4_1 / Q8_0 / K-quants; llama.cpp's tensor names are mapped to HF names, with the q/k row
-permutation of llama-style models undone), so the reference transformers loads from the same file is, by
+and dequantizes Q4_0 / Q4_1 / Q8_0 / K-quants; the GGUF tensor names are mapped to HF names, with the converter's q/k row
+permutation undone where it applies), so the reference transformers loads from the same file is, by
 construction, what the cache holds.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def gguf_to_hf_dir(gguf: str | Path) -> Path:
                             f"transformers")
         config.architectures = [arch]
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config)     # names only: llama.cpp -> HF tensor name map
+        hf = AutoModelForCausalLM.from_config(config)     # names only: GGUF -> HF tensor name map
     try:
         parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=hf)
     except Exception as e:  # noqa: BLE001
