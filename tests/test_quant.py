@@ -353,3 +353,22 @@ def test_gguf_smollm2_q4_1_matches_transformers(tmp_path_factory, monkeypatch):
         assert got == want
         assert "Paris" in llm.get_tokenizer().decode(got)
         llm.shutdown()
+
+
+def test_online_fp8_moe_keeps_router_and_experts(tmp_path):
+    """Online fp8 on an MoE checkpoint: attention and dense MLP layers are quantized, the router and the experts
+    are not (their weights are the checkpoint's, bit for bit)."""
+    from safetensors import safe_open
+
+    from tests.fixtures.tiny_hf import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe")
+    llm = _llm(ckpt, quantization="fp8")
+    model = llm.engine.runner.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.act_quant is not None and layer.mlp.gate.act_quant is None
+    assert model.model.layers[1].mlp.down_proj.act_quant is not None              # mlp_only_layers: dense
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert torch.equal(layer.mlp.gate.weight, f.get_tensor("model.layers.0.mlp.gate.weight"))
+        o = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
+    assert not torch.equal(layer.self_attn.o_proj.weight, o)
+    assert (layer.self_attn.o_proj.weight - o).abs().max() <= o.abs().max() / 16   # an fp8 round trip

@@ -8,8 +8,9 @@ What is supported (everything else is refused, naming the method or the setting)
 - `quant_method: compressed-tensors`, `format: float-quantized` (llm-compressor FP8): 8-bit float weights with
   a per-tensor or per-channel `weight_scale`; input activations none (weight-only), dynamic per token or per
   tensor, or static per tensor (`input_scale`); the `ignore` list.
-- online fp8 (`quantization="fp8"` on an unquantized checkpoint): weights quantized per output channel at load,
-  activations dynamically per token.
+- online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
+  channel at load (not the embeddings, the lm_head, MoE experts or the MoE router), activations dynamically per
+  token.
 
 Which layers are quantized follows the checkpoint: a float8 weight needs its scale tensor (its absence is an
 error naming it); a weight stored in a float dtype (lm_head, embeddings, `ignore` / `modules_to_not_convert`

@@ -52,13 +52,19 @@ class QuantLoad:
             return mod_name, None
         return mod_name, (mod if isinstance(mod, _Linear) and attr == "weight" else None)
 
+    def _is_router(self, mod_name: str) -> bool:
+        """A linear layer beside a FusedMoE in its parent module: the MoE router, never quantized online."""
+        from xllm_gen.runtime.layers.moe import FusedMoE
+        parent = self.model.get_submodule(mod_name.rpartition(".")[0]) if "." in mod_name else self.model
+        return any(isinstance(m, FusedMoE) for m in parent.children())
+
     def source(self, param: str, name: str, sl):
         """What parameter `param` loads for checkpoint tensor `name` (lazy slice `sl`)."""
         dtype = _dtype(sl)
         qc = self.qc
         mod_name, linear = self._module(param)
         if dtype not in _FP8_DTYPES:
-            if qc is not None and qc.method == "online-fp8" and linear is not None:
+            if qc is not None and qc.method == "online-fp8" and linear is not None and not self._is_router(mod_name):
                 self.layers.setdefault(mod_name, []).append((name, None))
                 return OnlineFp8View(sl)
             if linear is not None:
