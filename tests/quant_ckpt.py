@@ -149,11 +149,12 @@ def emulate(x: torch.Tensor, kind: str, group: int = 0, scale: float | None = No
     return y.to(x.dtype)
 
 
-def act_quant_hooks(model, kind: str, group: int = 0, scales: dict | None = None) -> list:
-    """Forward pre-hooks on the decoder's linear layers of a transformers model: their inputs quantized."""
+def act_quant_hooks(model, kind: str, group: int = 0, scales: dict | None = None, skip=()) -> list:
+    """Forward pre-hooks on the decoder's linear layers of a transformers model (but those whose name contains one
+    of `skip`): their inputs quantized."""
     handles = []
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and _is_linear(name + ".weight"):
+        if isinstance(mod, torch.nn.Linear) and _is_linear(name + ".weight") and not any(s in name for s in skip):
             s = None if scales is None else scales[name]
             handles.append(mod.register_forward_pre_hook(
                 lambda m, args, s=s: (emulate(args[0], kind, group, s),) + tuple(args[1:])))

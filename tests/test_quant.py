@@ -147,6 +147,21 @@ def test_fp8_block_altered_scales_break_parity(fp8_block, tmp_path):
     assert agree < 0.9 and err > 10 * TOL_SAME, (agree, err)
 
 
+def test_fp8_block_unconverted_modules_stay_float(base, tmp_path):
+    """modules_to_not_convert layers are stored in float: loaded as they are, their inputs not quantized."""
+    ckpt, ref = write_fp8_block(base, tmp_path / "c", tmp_path / "r", BLOCK, skip=("mlp.down_proj",))
+    llm = _llm(ckpt)
+    layer = llm.engine.runner.model.model.layers[1]
+    assert layer.mlp.down_proj.act_quant is None and layer.mlp.gate_up_proj.act_quant is not None
+    handles = act_quant_hooks(hf_model(ref), "group", BLOCK[1], skip=("mlp.down_proj",))
+    try:
+        want = hf_greedy(ref, PROMPTS, N_NEW)
+    finally:
+        for h in handles:
+            h.remove()
+    assert _greedy(llm) == want
+
+
 def _edit_ckpt(src: Path, dst: Path, edit_sd=None, edit_cfg=None) -> Path:
     shutil.copytree(src, dst)
     if edit_sd:
