@@ -387,3 +387,40 @@ def test_online_fp8_moe_keeps_router_and_experts(tmp_path):
         o = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
     assert not torch.equal(layer.self_attn.o_proj.weight, o)
     assert (layer.self_attn.o_proj.weight - o).abs().max() <= o.abs().max() / 16   # an fp8 round trip
+
+
+# --------------------------------------------------------------------------------------------- fp8 KV cache
+def _hf_fp8_kv_greedy(ckpt, prompts, n):
+    """transformers with K and V (after q/k norm and rotary: what the cache holds) rounded to fp8 e4m3, scale 1."""
+    import transformers.models.qwen3.modeling_qwen3 as mq
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    def fp8_kv(module, query, key, value, *args, **kwargs):
+        f8 = torch.float8_e4m3fn
+        return mq.eager_attention_forward(module, query, key.to(f8).to(key.dtype), value.to(f8).to(value.dtype),
+                                          *args, **kwargs)
+    AttentionInterface.register("xllm_fp8_kv", fp8_kv)
+    AttentionMaskInterface.register("xllm_fp8_kv", ALL_MASK_ATTENTION_FUNCTIONS["eager"])   # the causal mask
+    model = hf_model(ckpt)
+    old = model.config._attn_implementation
+    model.set_attn_implementation("xllm_fp8_kv")
+    try:
+        return hf_greedy(ckpt, prompts, n)
+    finally:
+        model.set_attn_implementation(old)
+
+
+def test_fp8_kv_cache(base):
+    """kv_cache_dtype="fp8": K/V stored as float8 e4m3 (scale 1.0); greedy tokens equal transformers' with K/V
+    rounded the same way, and the cache is float8; transformers without the rounding is not matched exactly."""
+    llm = _llm(base, kv_cache_dtype="fp8")
+    attn = next(m for m in llm.engine.runner.model.modules() if hasattr(m, "k_cache") and m.k_cache.numel())
+    assert attn.k_cache.dtype == torch.float8_e4m3fn
+    got = _greedy(llm)
+    assert got == _hf_fp8_kv_greedy(base, PROMPTS, N_NEW)
+    seq = PROMPTS[2] + got[2]
+    err = (torch.as_tensor(llm.prefill_logits(seq)).float() - hf_prefill_logits(base, seq)).abs().max().item()
+    assert err > 1e-3                                             # the rounding counts
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
+        _llm(base, kv_cache_dtype="int8")

@@ -174,6 +174,18 @@ def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[
     return parsed
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype):
+    """The KV cache's torch dtype: `dtype` for "auto", float8 e4m3 for "fp8" / "fp8_e4m3" (scale 1.0: K and V are
+    rounded to fp8 when written and read back as they are)."""
+    import torch
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise QuantConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")
+    return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
