@@ -243,6 +243,24 @@ def test_ct_static_input_scales(base, tmp_path):
         _llm(d)
 
 
+def test_fp8_per_tensor_static(base, tmp_path):
+    """quant_method fp8 without weight_block_size: one weight_scale_inv per tensor and, with activation_scheme
+    static, the checkpoint's input_scale (as fp8 checkpoints of that kind store them)."""
+    scales = calibrate_input_scales(hf_model(base), torch.tensor([PROMPTS[0] + PROMPTS[2]]))
+    ckpt, ref = write_ct_fp8(base, tmp_path / "ct", tmp_path / "ref", strategy="tensor", act="static",
+                             input_scales=scales)
+
+    def to_fp8_method(sd):
+        for k in [k for k in sd if k.endswith(".weight_scale")]:
+            sd[k + "_inv"] = sd.pop(k)
+
+    d = _edit_ckpt(ckpt, tmp_path / "fp8", edit_sd=to_fp8_method, edit_cfg=lambda c: c.__setitem__(
+        "quantization_config", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static"}))
+    llm = _llm(d)
+    assert repr(llm.engine.runner.model.model.layers[0].self_attn.o_proj.act_quant).startswith("ActQuant(static")
+    assert _greedy(llm) == _hf_greedy_hooked(ref, "static", scales=scales)
+
+
 # ----------------------------------------------------------------------------------------------- online fp8
 def test_online_fp8(base, ct_channel_token):
     """quantization="fp8" on the float checkpoint serves what the per-channel fp8 checkpoint of the same
