@@ -442,3 +442,13 @@ def test_fp8_kv_cache(base):
     assert err > 1e-3                                             # the rounding counts
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
         _llm(base, kv_cache_dtype="int8")
+
+
+def test_fp8_moe_experts_refused_by_name(tmp_path):
+    """float8 expert weights (a FusedMoE's stacked parameters) are refused, naming the tensor."""
+    from tests.fixtures.tiny_hf import make_tiny_checkpoint
+    base = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe")
+    ckpt, _ = write_fp8_block(base, tmp_path / "c", tmp_path / "r", BLOCK)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.experts\.\d+\.\w+_proj\.weight' is float8.*"
+                                         r"experts are not supported"):
+        _llm(ckpt)
