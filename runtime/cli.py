@@ -57,6 +57,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object per request")
     from xllm_gen import __version__
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="fp8: quantize an unquantized checkpoint's linear weights to fp8 per channel at load")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                    help="fp8: the KV cache in float8 e4m3 (scale 1.0; CPU / torch attention only for now)")
     args = ap.parse_args(argv)
 
     from xllm_gen import LLM, SamplingParams
@@ -73,7 +77,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         llm = LLM(model=model, device=args.device, dtype=args.dtype,
-                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+                  tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     except (ValueError, FileNotFoundError) as e:     # the checkpoint's faults name the file and the field
         print(f"error: {_one_error(e)}", file=sys.stderr)
         return 2

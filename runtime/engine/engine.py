@@ -25,6 +25,8 @@ from xllm_gen.runtime.loading.checkpoint_files import (
     read_config_json,
     read_generation_config,
 )
+from xllm_gen.runtime.loading.gguf import resolve_model_path
+from xllm_gen.runtime.loading.quant_config import kv_cache_torch_dtype, parse_quant_config
 
 logger = logging.getLogger("xllm_gen")
 
@@ -102,8 +104,9 @@ class LLMEngine:
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
                  cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
                  debug: Optional[dict] = None,
-                 tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True):
-        self.model_dir = Path(model)
+                 tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True,
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto"):
+        self.model_dir = resolve_model_path(model)        # a GGUF file: its converted HF checkpoint (cached)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
         self.hf_config = read_config_json(self.model_dir)      # errors name the file (and JSON line / column)
@@ -119,6 +122,11 @@ class LLMEngine:
         except ValueError as e:          # a field of config.json: name the file too
             raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from None
         runner_cls = runner_module.Runner
+        try:                             # an unsupported quantization is refused before any process starts
+            parse_quant_config(self.hf_config, quantization)
+            kv_cache_torch_dtype(kv_cache_dtype, torch.float32)
+        except ValueError as e:
+            raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json ')}") from None
         self.generation_config = read_generation_config(self.model_dir, self.config.vocab_size)
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
@@ -143,7 +151,8 @@ class LLMEngine:
                              max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              load_format=load_format, cuda_graph_sizes=cuda_graph_sizes,
-                             prefill_graph_sizes=prefill_graph_sizes, debug=debug)
+                             prefill_graph_sizes=prefill_graph_sizes, debug=debug, quantization=quantization,
+                             kv_cache_dtype=kv_cache_dtype)
         if tensor_parallel_size > 1:
             from xllm_gen.runtime.executor.tp import TensorParallelRunner
             self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,

@@ -33,6 +33,7 @@ class LLM:
                  load_format: str = "auto", enable_chunked_prefill: Optional[bool] = None,
                  cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True,
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  _debug: Optional[dict] = None, **vllm_kwargs: Any):
         unknown = set(vllm_kwargs) - _IGNORED_VLLM_KWARGS
         if unknown:       # a typo must not pass silently (tensor_parallel=2 would serve on one rank)
@@ -46,7 +47,8 @@ class LLM:
                                 prefill_graph_sizes=prefill_graph_sizes,
                                 debug=_debug, tokenizer=tokenizer,
                                 enable_prefix_caching=enable_prefix_caching,
-                                async_scheduling=async_scheduling)
+                                async_scheduling=async_scheduling, quantization=quantization,
+                                kv_cache_dtype=kv_cache_dtype)
         # `del llm` (or the object going out of scope) releases the model, KV cache and graphs like shutdown()
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 

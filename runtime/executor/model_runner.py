@@ -39,6 +39,7 @@ from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as pref
 from xllm_gen.runtime.layers.linear import tune_decode_gemms
 from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError
 from xllm_gen.runtime.loading.loader import load_weights
+from xllm_gen.runtime.loading.quant_config import kv_cache_torch_dtype, parse_quant_config
 
 logger = logging.getLogger("xllm_gen")
 
@@ -93,7 +94,8 @@ class ModelRunner:
                  block_size: int, num_kv_blocks: Optional[int], max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.85,
                  enforce_eager: bool = False, load_format: str = "auto", cuda_graph_sizes=None,
-                 prefill_graph_sizes=None, debug: Optional[dict] = None):
+                 prefill_graph_sizes=None, debug: Optional[dict] = None, quantization: Optional[str] = None,
+                 kv_cache_dtype: str = "auto"):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -106,6 +108,10 @@ class ModelRunner:
             raise ValueError(f"cuda_graph_sizes must be positive integers, got {cuda_graph_sizes!r}")
         self.graph_buckets = tuple(sorted(set(sizes)))
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        if self.kv_dtype != dtype and self.device.type == "cuda" and not self.debug.get("torch_attention"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported on CUDA yet: the FlashInfer and "
+                             f"Triton decode-attention paths read a {dtype} KV cache (use kv_cache_dtype='auto')")
         self.config = self.model_module.Config.from_hf(hf_config)
         try:
             with torch.device(self.device), _default_dtype(dtype):
@@ -120,7 +126,8 @@ class ModelRunner:
             self.loaded_params = load_weights(
                 self.model, self.model_module.weight_plan(self.model), model_dir,
                 tp_size=get_tp_size(), tp_rank=get_tp_rank(),
-                ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()))
+                ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
+                quant=parse_quant_config(hf_config, quantization))
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
         self._allocate_kv_cache()
@@ -178,7 +185,7 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def _auto_num_blocks(self, gpu_memory_utilization: float) -> int:
@@ -205,8 +212,8 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         for layer in self.attn_layers:
             shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _make_backend(self):
         if self.device.type == "cuda" and not self.debug.get("torch_attention"):

@@ -115,6 +115,8 @@ def fill_row_choices(chosen: dict, N: int, K: int, dtype) -> None:
 
 class _Linear(nn.Module):
     kind = "replicated"
+    # the input's quantization (runtime.layers.quant.ActQuant), set at load for a quantized checkpoint's layers
+    act_quant = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -141,11 +143,13 @@ class _Linear(nn.Module):
                 replicated(self.bias, owner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant is not None:
+            x = self.act_quant(x)
         return _linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (per rank), bias={self.bias is not None}, "
-                f"tp={self.tp_size}")
+                f"tp={self.tp_size}" + (f", act_quant={self.act_quant!r}" if self.act_quant is not None else ""))
 
 
 class ReplicatedLinear(_Linear):
@@ -235,6 +239,8 @@ class RowParallelLinear(_Linear):
         self._attach(1, (seg,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant is not None:
+            x = self.act_quant(x)
         if self.tp_size == 1:
             return _linear(x, self.weight, self.bias)
         y = _linear(x, self.weight)

@@ -31,6 +31,7 @@ GENERIC_FIELDS = frozenset("""
     length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids num_return_sequences
     output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
     exponential_decay_length_penalty suppress_tokens begin_suppress_tokens attention_dropout
+    unk_token_id _model_name_or_path
 """.split())
 
 # A rope-parameters mapping's keys per scaling kind: runtime/rope_kinds.py (the rotary primitive reads the
@@ -207,7 +208,16 @@ class ConfigReader:
         return out
 
     def finish(self) -> dict:
-        """The config guard: every field is read, assumed (with the value the spec assumes), ignored, or generic."""
+        """The config guard: every field is read, assumed (with the value the spec assumes), ignored, or generic.
+        A `quantization_config` is the runtime's, not the spec's: accepted when its method and settings are
+        supported (runtime/loading/quant_config.py), refused naming them otherwise."""
+        if _lookup(self.hf, "quantization_config") is not MISSING:
+            from xllm_gen.runtime.loading.quant_config import QuantConfigError, parse_quant_config
+            try:
+                parse_quant_config(self.hf)
+            except QuantConfigError as e:
+                raise self.error(str(e)) from None
+            self.read_paths.add("quantization_config")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
             if got is not MISSING and not _same(got, expected):

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 
 from xllm_gen.runtime.executor.sharding import WeightLoadError, default_weight_loader
+from xllm_gen.runtime.loading.quant_config import QuantConfig
+from xllm_gen.runtime.loading.quant_load import QuantLoad, QuantLoadError
 from xllm_gen.runtime.loading.weights import WeightRule
 
 # safetensors dtype names (get_dtype()) that hold floating-point values
@@ -117,12 +119,16 @@ def _check_tp(params: dict, tp_size: Optional[int], tp_rank: Optional[int]) -> N
 
 
 def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str | Path, *,
-                 tp_size: Optional[int] = None, tp_rank: Optional[int] = None, ignored: Iterable[str] = ()) -> set[str]:
+                 tp_size: Optional[int] = None, tp_rank: Optional[int] = None, ignored: Iterable[str] = (),
+                 quant: Optional[QuantConfig] = None) -> set[str]:
     """Fills `model`'s parameters from the checkpoint; returns the set of loaded parameter names.
+    `quant` (runtime.loading.quant_config): how float8 weights are dequantized and which layers quantize their
+    activations (runtime.loading.quant_load); a float8 tensor without it is an error.
 
     The TP rank is the one the model's layers were built for (get_tp_rank() at build time); `tp_size` /
     `tp_rank`, when given, must agree with it."""
     ckpt = Checkpoint(model_dir)
+    qload = QuantLoad(model, ckpt, quant)
     params = dict(model.named_parameters())
     _check_tp(params, tp_size, tp_rank)
     loaded: set[str] = set()
@@ -137,6 +143,10 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         shard_ids = rule.segments or (None,)
         for name, shard_id in zip(rule.sources, shard_ids):
             sl = ckpt.slice(name)
+            try:
+                sl = qload.source(rule.param, name, sl)
+            except QuantLoadError as e:
+                raise CheckpointError(f"{model_dir}: {e}") from None
             _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
             try:
                 loader(param, sl, shard_id)
@@ -158,6 +168,10 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                                       f"{', '.join(map(str, rule.segments))} but not {', '.join(left)}")
         loaded.add(rule.param)
         used_sources.update(rule.sources)
+    try:
+        used_sources |= qload.finish()
+    except QuantLoadError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{model_dir}: no checkpoint tensor for parameter(s) {', '.join(missing[:8])}"

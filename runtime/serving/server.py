@@ -454,6 +454,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="token counts of the piecewise prefill CUDA graphs (default: 16 ... 4096; none: eager prefill)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights of the config's shapes, no checkpoint read (benchmarks)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="fp8: quantize an unquantized checkpoint's linear weights to fp8 per channel at load "
+                         "(a quantized checkpoint's own quantization_config needs no flag)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                    help="fp8: the KV cache in float8 e4m3 (scale 1.0; CPU / torch attention only for now)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV of shared prompt prefixes (on by default)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -554,7 +559,8 @@ def make_engine(args):
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill or None, tokenizer=args.tokenizer,
               load_format=args.load_format, cuda_graph_sizes=args.cuda_graph_sizes,
-              prefill_graph_sizes=args.prefill_graph_sizes, async_scheduling=args.async_scheduling)
+              prefill_graph_sizes=args.prefill_graph_sizes, async_scheduling=args.async_scheduling,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.enable_prefix_caching is not None:
         if "enable_prefix_caching" not in inspect.signature(LLMEngine.__init__).parameters:
             raise ValueError("--enable-prefix-caching: this engine has no prefix cache")

@@ -1,0 +1,120 @@
+"""FP8 quantization semantics of the linear layers (runtime/loading/quant_config.py reads the config).
+
+Weights are dequantized at load (`Fp8WeightView`: the checkpoint's float8 values times their block / channel /
+tensor scales, read lazily for this rank's rows and columns only, so any TP split works, also one that cuts a
+scale block); the layer then holds them in the compute dtype. Activations are quantized as the checkpoint's
+kernels would (`ActQuant`: an fp8 e4m3 round trip with dynamic per-token-group, per-token or per-tensor scales,
+or the checkpoint's static `input_scale`). Online fp8 (`OnlineFp8View`) quantizes a float weight per output
+channel at load. CPU and CUDA compute the same thing: these are the reference semantics a fused fp8 GEMM is
+tested against.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)       # 448
+_MIN_SCALE = 1e-12
+
+
+def fp8_round_trip(x: torch.Tensor, scale) -> torch.Tensor:
+    """x quantized to fp8 e4m3 with `scale` (x / scale saturated to +-448) and back, in float32."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
+
+
+class ActQuant:
+    """The activation quantization of one linear layer's input (called in its forward).
+
+    kind: "group" (per token and group of `group` input columns, dynamic), "token" (per token, dynamic),
+    "tensor" (one dynamic scale), "static" (the checkpoint's input_scale). Under TP a row-parallel layer
+    quantizes its own input columns (per token: this rank's columns, as vLLM's kernels do)."""
+
+    def __init__(self, kind: str, group: int = 0, scale: Optional[float] = None):
+        self.kind, self.group, self.scale = kind, int(group), scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        if self.kind == "static":
+            return fp8_round_trip(xf, self.scale).to(dtype)       # a Python float: no copy inside a CUDA graph
+        if self.kind == "tensor":
+            s = (xf.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE)
+            return fp8_round_trip(xf, s).to(dtype)
+        if self.kind == "token":
+            s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+            return fp8_round_trip(xf, s).to(dtype)
+        K, g = xf.shape[-1], self.group                    # "group": the last group may be partial
+        pad = (-K) % g
+        xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
+        xg = xp.reshape(*xp.shape[:-1], -1, g)
+        s = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        y = fp8_round_trip(xg, s).reshape(xp.shape)
+        return (y[..., :K] if pad else y).to(dtype)
+
+    def __repr__(self) -> str:
+        extra = f", group={self.group}" if self.kind == "group" else (
+            f", scale={self.scale:g}" if self.kind == "static" else "")
+        return f"ActQuant({self.kind}{extra})"
+
+
+def _norm_index(idx, shape) -> tuple:
+    """A 2-D read index (slice, or a tuple of slices) -> ((r0, r1), (c0, c1))."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    idx = idx + (slice(None),) * (2 - len(idx))
+    out = []
+    for s, n in zip(idx, shape):
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise TypeError("a quantized weight supports plain slices only")
+        a, b, _ = s.indices(n)
+        out.append((a, max(a, b)))
+    return tuple(out)
+
+
+class Fp8WeightView:
+    """A float8 checkpoint weight [N, K] and its scale, seen as the dequantized float32 tensor (lazily, like a
+    safetensors slice: only the rows / columns read, and the scales over them, are loaded).
+
+    `block`: (rows, cols) of one scale; the scale tensor is [ceil(N / rows), ceil(K / cols)] (a per-tensor scale
+    is one block of [N, K], a per-channel one blocks of [1, K])."""
+
+    def __init__(self, weight, scale: torch.Tensor, block: tuple):
+        self.weight, self.scale, self.block = weight, scale.float(), block
+        self.shape = tuple(int(s) for s in weight.get_shape()) if hasattr(weight, "get_shape") else tuple(weight.shape)
+
+    def get_shape(self) -> list:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        (r0, r1), (c0, c1) = _norm_index(idx, self.shape)
+        bn, bk = self.block
+        R0, C0 = r0 // bn * bn, c0 // bk * bk
+        w = self.weight[R0:r1, C0:c1].to(torch.float32)
+        s = self.scale[R0 // bn: -(-r1 // bn), C0 // bk: -(-c1 // bk)]
+        s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
+        return (w * s)[r0 - R0:, c0 - C0:]
+
+
+class OnlineFp8View:
+    """A float checkpoint weight [N, K] quantized per output channel at load (scale = row amax / 448) and
+    dequantized: what `quantization="fp8"` serves. Rows are independent, so any row range reads whole rows."""
+
+    def __init__(self, weight):
+        self.weight = weight
+        self.shape = tuple(int(s) for s in weight.get_shape()) if hasattr(weight, "get_shape") else tuple(weight.shape)
+
+    def get_shape(self) -> list:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        (r0, r1), (c0, c1) = _norm_index(idx, self.shape)
+        w = self.weight[r0:r1].to(torch.float32)
+        s = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        return fp8_round_trip(w, s)[:, c0:c1]

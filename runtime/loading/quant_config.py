@@ -1,0 +1,196 @@
+"""A checkpoint's quantization, read from config.json's `quantization_config` (or asked for at load with
+`quantization="fp8"`), with plain dict code: no spec ever mentions it, every spec gets it at once.
+
+What is supported (everything else is refused, naming the method or the setting):
+- `quant_method: fp8` (the official *-FP8 releases, DeepSeek-V3): float8_e4m3fn weights with `weight_scale_inv` per
+  `weight_block_size` block (or one per tensor without it); dynamic activation quantization per token and
+  group of block-K columns (`activation_scheme: dynamic`), or a static per-tensor `input_scale` (`static`).
+- `quant_method: compressed-tensors`, `format: float-quantized` (llm-compressor FP8): 8-bit float weights with
+  a per-tensor or per-channel `weight_scale`; input activations none (weight-only), dynamic per token or per
+  tensor, or static per tensor (`input_scale`); the `ignore` list.
+- online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
+  channel at load (not the embeddings, the lm_head, MoE experts or the MoE router), activations dynamically per
+  token.
+
+Which layers are quantized follows the checkpoint: a float8 weight needs its scale tensor (its absence is an
+error naming it); a weight stored in a float dtype (lm_head, embeddings, `ignore` / `modules_to_not_convert`
+layers) is loaded as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SUPPORTED = "fp8 (block-wise or per-tensor), compressed-tensors (format float-quantized), online fp8"
+# keys of each method's quantization_config that change nothing the runtime computes (bookkeeping)
+_FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
+             "ignored_layers", "dequantize"}
+_CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "global_compression_ratio",
+            "kv_cache_scheme", "sparsity_config", "version", "transform_config", "quant_method_version"}
+
+
+class QuantConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What the loader and the linear layers need to know about a checkpoint's quantization.
+
+    method: "fp8" | "compressed-tensors" | "online-fp8".
+    scale_suffix: the weight scale tensor's name after the layer prefix ("weight_scale_inv" / "weight_scale").
+    weight_block: (rows, cols) of one weight scale for fp8 block-wise; None: the scale tensor's shape says
+        (per tensor: one value; per channel: one per output row).
+    act: activation quantization of the quantized layers: None (weights only), "group" (dynamic, per token and
+        group of `act_group` input columns), "token" (dynamic per token), "tensor" (dynamic per tensor),
+        "static" (the checkpoint's per-tensor `input_scale`).
+    ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide)."""
+    method: str
+    scale_suffix: str = ""
+    weight_block: Optional[tuple] = None
+    act: Optional[str] = None
+    act_group: int = 0
+    ignore: tuple = field(default_factory=tuple)
+
+    def describe(self) -> str:
+        w = f"block {self.weight_block[0]}x{self.weight_block[1]}" if self.weight_block else "per tensor/channel"
+        a = {None: "none", "group": f"dynamic per token-group of {self.act_group}", "token": "dynamic per token",
+             "tensor": "dynamic per tensor", "static": "static per tensor"}[self.act]
+        return f"{self.method} (weights fp8 e4m3, {w}; activations {a})"
+
+
+def _err(msg: str) -> QuantConfigError:
+    return QuantConfigError(f"config.json quantization_config: {msg}")
+
+
+def _fp8(qc: dict) -> QuantConfig:
+    extra = sorted(set(qc) - _FP8_KEYS)
+    if extra:
+        raise _err(f"quant_method 'fp8' with unsupported field(s) {', '.join(extra)}")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _err(f"fmt={fmt!r} is not supported (fp8 checkpoints: e4m3)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise _err(f"activation_scheme={scheme!r} is not supported (dynamic, static)")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise _err(f"weight_block_size={block!r} must be two positive ints [rows, cols]")
+        if scheme != "dynamic":
+            raise _err(f"weight_block_size with activation_scheme={scheme!r}: block-wise fp8 quantizes "
+                       f"activations dynamically (activation_scheme 'dynamic')")
+        block = (int(block[0]), int(block[1]))
+    if qc.get("dequantize"):
+        raise _err("dequantize=true is not supported")
+    ignore = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
+    act = "group" if block else ("static" if scheme == "static" else "tensor")
+    return QuantConfig("fp8", "weight_scale_inv", block, act, block[1] if block else 0, ignore)
+
+
+def _ct(qc: dict) -> QuantConfig:
+    extra = sorted(set(qc) - _CT_KEYS)
+    if extra:
+        raise _err(f"compressed-tensors with unsupported field(s) {', '.join(extra)}")
+    fmt = qc.get("format")
+    if fmt != "float-quantized":
+        raise _err(f"compressed-tensors format={fmt!r} is not supported (supported: 'float-quantized')")
+    if qc.get("sparsity_config"):
+        raise _err("compressed-tensors sparsity_config is not supported")
+    if qc.get("kv_cache_scheme"):
+        raise _err("compressed-tensors kv_cache_scheme (an fp8 KV cache) is not supported")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise _err(f"compressed-tensors needs exactly one config_groups entry (got "
+                   f"{len(groups) if isinstance(groups, dict) else groups!r})")
+    (gname, g), = groups.items()
+    where = f"config_groups.{gname}"
+    if not isinstance(g, dict):
+        raise _err(f"{where} is not an object")
+    targets = g.get("targets")
+    if targets not in (["Linear"], ("Linear",)):
+        raise _err(f"{where}.targets={targets!r} is not supported (['Linear'])")
+    w = g.get("weights")
+    if not isinstance(w, dict):
+        raise _err(f"{where}.weights is missing")
+    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
+        if w.get(key, want) != want:
+            raise _err(f"{where}.weights.{key}={w.get(key)!r} is not supported ({want!r})")
+    if w.get("strategy") not in ("tensor", "channel"):
+        raise _err(f"{where}.weights.strategy={w.get('strategy')!r} is not supported ('tensor', 'channel')")
+    for key in ("group_size", "block_structure", "actorder"):
+        if w.get(key) not in (None, False):
+            raise _err(f"{where}.weights.{key}={w.get(key)!r} is not supported")
+    a = g.get("input_activations")
+    act = None
+    if a is not None:
+        if not isinstance(a, dict):
+            raise _err(f"{where}.input_activations is not an object")
+        for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True)):
+            if a.get(key, want) != want:
+                raise _err(f"{where}.input_activations.{key}={a.get(key)!r} is not supported ({want!r})")
+        strategy, dynamic = a.get("strategy"), a.get("dynamic")
+        if strategy == "token" and dynamic is True:
+            act = "token"
+        elif strategy == "tensor" and dynamic is False:
+            act = "static"
+        elif strategy == "tensor" and dynamic is True:
+            act = "tensor"
+        else:
+            raise _err(f"{where}.input_activations strategy={strategy!r} dynamic={dynamic!r} is not supported "
+                       f"(token dynamic, tensor static, tensor dynamic)")
+    if g.get("output_activations") is not None:
+        raise _err(f"{where}.output_activations is not supported")
+    ignore = qc.get("ignore") or ()
+    if not isinstance(ignore, (list, tuple)) or not all(isinstance(s, str) for s in ignore):
+        raise _err(f"ignore={ignore!r} must be a list of module names")
+    return QuantConfig("compressed-tensors", "weight_scale", None, act, 0, tuple(ignore))
+
+
+def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[QuantConfig]:
+    """The checkpoint's QuantConfig (None: unquantized); `quantization` is the user's LLM(quantization=...).
+    Anything not supported raises QuantConfigError naming the method or the setting."""
+    qc = hf.get("quantization_config") if isinstance(hf, dict) else None
+    if quantization not in (None, "fp8"):
+        raise QuantConfigError(f"quantization={quantization!r} is not supported (supported: 'fp8', or a "
+                               f"checkpoint's own quantization_config)")
+    if qc is None:
+        return QuantConfig("online-fp8", "", None, "token") if quantization == "fp8" else None
+    if not isinstance(qc, dict):
+        raise _err(f"must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        parsed = _fp8(qc)
+    elif method == "compressed-tensors":
+        parsed = _ct(qc)
+    elif method == "gptq" and qc.get("desc_act"):
+        raise _err("quant_method 'gptq' with desc_act=true (act-order) is not supported "
+                   f"(supported: {SUPPORTED})")
+    else:
+        raise _err(f"quant_method={method!r} is not supported (supported: {SUPPORTED})")
+    if quantization == "fp8" and parsed.method not in ("fp8", "compressed-tensors"):
+        raise QuantConfigError(f"quantization='fp8' on a checkpoint quantized with {method!r}")
+    return parsed
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype):
+    """The KV cache's torch dtype: `dtype` for "auto", float8 e4m3 for "fp8" / "fp8_e4m3" (scale 1.0: K and V are
+    rounded to fp8 when written and read back as they are)."""
+    import torch
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise QuantConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")
+    return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_grid(shape: tuple, block: tuple) -> tuple:
+    """The scale grid of a block-quantized [rows, cols] weight."""
+    return (ceil_div(shape[0], block[0]), ceil_div(shape[1], block[1]))
+
