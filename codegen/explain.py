@@ -35,6 +35,10 @@ def _block(b) -> str:
     if isinstance(b, AttentionIR):
         rot = f"{b.rotary.kind}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
         rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
+        rot += f", fraction={b.rotary.fraction}" if b.rotary.fraction else ""
+        rot += f", dim={b.rotary.dim}" if b.rotary.dim else ""
+        rot += f", layout={b.rotary.layout}" if b.rotary.layout != "neox" else ""
+        rot += f", enabled={b.rotary.enabled}" if b.rotary.enabled.literal is not True else ""
         rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
         qk = f", qk_norm=rmsnorm({b.qk_norm[0]}, {b.qk_norm[1]}, eps={b.qk_norm[2]})" if b.qk_norm else ""
         return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
@@ -121,6 +125,7 @@ def format_resolved(ir: ModelIR) -> str:
     w(f"  norm  {_block(ir.norm)}")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"
       + (f", logit_scale={ir.lm_head.logit_scale}" if ir.lm_head.logit_scale else "")
+      + (f", bias={ir.lm_head.bias}" if ir.lm_head.bias.literal is not False else "")
       + (f", softcap={ir.lm_head.softcap})" if ir.lm_head.softcap else ")"))
     v = ir.vision
     if v:
