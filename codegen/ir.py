@@ -254,6 +254,7 @@ class AttentionIR:
     scale: Optional[Value]
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
+    qk_norm_offset: float = 0.0                # q/k RMSNorm: x_normed * (offset + w)
 
     @property
     def q_size(self) -> Size:

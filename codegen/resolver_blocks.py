@@ -123,7 +123,8 @@ class BlockResolver(RotaryResolver):
                                 self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
                                 fraction, rdim, layout, enabled),
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
-                sliding_window=window, softcap=softcap)
+                sliding_window=window, softcap=softcap,
+                qk_norm_offset=float(b.qk_norm.weight_offset) if b.qk_norm else 0.0)
         if isinstance(b, GatedMLPBlock):
             segs = b.gate_up.segments
             if list(segs) != ["gate", "up"]:

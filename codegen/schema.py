@@ -112,6 +112,7 @@ class QKNorm(Strict):
     eps: Num
     q: StrictStr = "q_norm"
     k: StrictStr = "k_norm"
+    weight_offset: Union[StrictInt, StrictFloat] = 0   # y = x_normed * (weight_offset + w) (Gemma 3: 1)
 
 
 class Rotary(Strict):

@@ -194,6 +194,17 @@ def test_nope_layers_matter(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.engine
+def test_per_layer_theta_matters(tiny_checkpoint, tmp_path):
+    """Gemma 3: the global layer's theta (1e6) set to the local layers' (1e4) changes transformers' tokens; the
+    engine, which picks each layer's theta from layer_types, agrees before and after."""
+    def same_theta(cfg):
+        assert cfg["layer_types"][1] == "full_attention"
+        assert cfg["rope_parameters"]["full_attention"]["rope_theta"] != 10000.0
+        cfg["rope_parameters"]["full_attention"]["rope_theta"] = 10000.0
+    _arm(tiny_checkpoint, tmp_path, "Gemma3ForCausalLM", same_theta, "full_attention rope_theta -> 10000")
+
+
+@pytest.mark.engine
 def test_nope_interval_default(tiny_checkpoint, tmp_path):
     """Without no_rope_layers, transformers' default (every no_rope_layer_interval-th layer without rope) is the
     spec's default_expr: served alike."""

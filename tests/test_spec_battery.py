@@ -98,6 +98,8 @@ def _rope_location(from_: Any) -> str:
         parts = p.split(".")
         if parts[-1] == "rope_type":
             parts = parts[:-1]
+        if len(parts) > 1 and parts[-2] == "rope_parameters":   # a per-layer-type mapping (Gemma 3's full_attention)
+            return ".".join(parts)
         if parts and parts[-1] in ("rope_parameters", "rope_scaling"):
             return ".".join(parts[:-1] + ["rope_parameters"])
     return "rope_parameters"
