@@ -269,6 +269,20 @@ def test_unread_partial_rotary_factor_is_refused():
     assert model_module.Config.from_hf(phi).partial_rotary_factor == 0.5      # transformers' Phi default
 
 
+@pytest.mark.engine
+def test_short_no_rope_layers_is_refused_by_name(tiny_checkpoint, tmp_path):
+    """no_rope_layers shorter than the layers: a load error naming config.json and the field, not an IndexError."""
+    from fixtures.tiny_hf import edit_config
+
+    from xllm_gen import LLM
+
+    bad = edit_config(tiny_checkpoint("SmolLM3ForCausalLM"), tmp_path / "short",
+                      lambda cfg: cfg.__setitem__("no_rope_layers", [1, 0]))
+    with pytest.raises(ValueError, match="no_rope_layers") as e:
+        LLM(model=str(bad), device="cpu", dtype="float32", block_size=4)
+    assert "config.json" in str(e.value)
+
+
 # ------------------------------------------------------------------------------------------------ compiler
 def _compile_child(tmp_path, body: str, base: str = "llama.yaml"):
     from xllm_gen.codegen.compiler import compile_spec

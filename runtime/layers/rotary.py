@@ -49,7 +49,9 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
                     scaling: Optional[Mapping[str, Any]] = None,
                     full_dim: Optional[int] = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] float32, attention_factor) of a rope-parameter mapping whose rope_type is a kind
-    of rope_kinds.py (the generated config reader translates transformers' names).
+    of rope_kinds.py (the generated config reader translates transformers' names). `head_dim` is the number of
+    rotating dims (transformers' int(head_dim * partial_rotary_factor)); `full_dim` (the whole head, default
+    head_dim) is only checked against a partial_rotary_factor key of the mapping.
 
     Same arithmetic as transformers 5 (modeling_rope_utils.ROPE_INIT_FUNCTIONS and the models' default init),
     written here so that serving does not import transformers. `max_position` plays HF's
