@@ -254,8 +254,8 @@ class Rotary(nn.Module):
         if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"rotary_dim must be an int in 1..head_dim = {head_dim}, got {rotary_dim!r}")
         if rotary_dim % 2:
-            raise ValueError(f"rotary dims must be even, got {rotary_dim}" +
-                             (f" (of head_dim {head_dim})" if rotary_dim != head_dim else ""))
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}" if rotary_dim == head_dim else
+                             f"rotary dims must be even, got {rotary_dim} (of head_dim {head_dim})")
         self.full_head_dim = head_dim
         self.head_dim = rotary_dim                  # the dims that rotate (the tables' width)
         self.layout = layout
