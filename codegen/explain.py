@@ -35,8 +35,13 @@ def _block(b) -> str:
     if isinstance(b, AttentionIR):
         rot = f"{b.rotary.kind}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
         rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
+        rot += f", fraction={b.rotary.fraction}" if b.rotary.fraction else ""
+        rot += f", dim={b.rotary.dim}" if b.rotary.dim else ""
+        rot += f", layout={b.rotary.layout}" if b.rotary.layout != "neox" else ""
+        rot += f", enabled={b.rotary.enabled}" if b.rotary.enabled.literal is not True else ""
         rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
-        qk = f", qk_norm=rmsnorm({b.qk_norm[0]}, {b.qk_norm[1]}, eps={b.qk_norm[2]})" if b.qk_norm else ""
+        off = f", weight = {b.qk_norm_offset:g} + w" if b.qk_norm_offset else ""
+        qk = f", qk_norm=rmsnorm({b.qk_norm[0]}, {b.qk_norm[1]}, eps={b.qk_norm[2]}{off})" if b.qk_norm else ""
         return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
                 f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}, "
                 f"{b.out_name} bias={b.out_bias}, rotary={rot}{qk}, "
@@ -121,6 +126,7 @@ def format_resolved(ir: ModelIR) -> str:
     w(f"  norm  {_block(ir.norm)}")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"
       + (f", logit_scale={ir.lm_head.logit_scale}" if ir.lm_head.logit_scale else "")
+      + (f", bias={ir.lm_head.bias}" if ir.lm_head.bias.literal is not False else "")
       + (f", softcap={ir.lm_head.softcap})" if ir.lm_head.softcap else ")"))
     v = ir.vision
     if v:

@@ -228,7 +228,11 @@ class RotaryIR:
     theta: Value
     max_position: Size
     mrope_section: Optional[Value] = None     # literal tuple or an int_tuple symbol
-    scaling: Optional[str] = None             # a `type: rope` config symbol
+    scaling: Optional[Value] = None           # a `type: rope` config symbol, or an expression (may read layer)
+    fraction: Optional[Value] = None          # rotary dims = int(head_dim * fraction)
+    dim: Optional[Value] = None               # rotary dims, explicit (fraction and dim: at most one)
+    layout: str = "neox"                      # neox | interleaved
+    enabled: Value = Value(literal=True)      # per layer: rotary on (a bool literal, symbol or expression)
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,7 @@ class AttentionIR:
     scale: Optional[Value]
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
+    qk_norm_offset: float = 0.0                # q/k RMSNorm: x_normed * (offset + w)
 
     @property
     def q_size(self) -> Size:
@@ -355,6 +360,7 @@ class LMHeadIR:
     tie: Value                    # literal bool or a bool config symbol
     softcap: Optional[Value] = None   # final logit soft-capping
     logit_scale: Optional[Value] = None   # logits multiplied by it (before the soft-cap)
+    bias: Value = Value(literal=False)    # a [vocab] bias, vocab-parallel like the weight
 
 
 @dataclass(frozen=True)

@@ -546,7 +546,8 @@ class _Resolver(BlockResolver, VisionResolver):
         head = LMHeadIR("lm_head", self.dim(p + ("vocab",), h.vocab), self.dim(p + ("dim",), h.dim),
                         self.flag(p + ("tie",), h.tie),
                         self.positive(p + ("softcap",), h.softcap, optional=True) if h.softcap is not None else None,
-                        self.positive(p + ("logit_scale",), h.logit_scale) if h.logit_scale is not None else None)
+                        self.positive(p + ("logit_scale",), h.logit_scale) if h.logit_scale is not None else None,
+                        self.flag(p + ("bias",), h.bias))
         if head.tie.literal is not False and (str(head.vocab) != str(embed.vocab) or str(head.dim) != str(embed.dim)):
             raise self.err(p, f"lm_head: a tied head must have the embedding's shape: vocab {head.vocab} vs "
                               f"{embed.vocab}, dim {head.dim} vs {embed.dim}", at_key=True)
@@ -573,6 +574,8 @@ class _Resolver(BlockResolver, VisionResolver):
         if lm_head.tie.literal is not True:
             out.append(ParamIR("lm_head.weight", "lm_head", (lm_head.vocab, lm_head.dim), "vocab", vocab=lm_head.vocab,
                                only_if_untied=lm_head.tie.symbol))
+        if _maybe(lm_head.bias):              # never tied: the embedding has no bias
+            out.append(ParamIR("lm_head.bias", "lm_head", (lm_head.vocab,), "vocab", vocab=lm_head.vocab))
         return tuple(out)
 
     def resolve_weights(self, params: Tuple[ParamIR, ...], section: Tuple[str, ...] = ("weights",)) -> Tuple[WeightIR, ...]:
@@ -764,7 +767,7 @@ class _Resolver(BlockResolver, VisionResolver):
         for b in layer.blocks:
             if isinstance(b, AttentionIR):
                 h, kv, hd = b.heads.eval(values), b.kv_heads.eval(values), b.head_dim.eval(values)
-                if b.rotary.kind == "neox" and hd % 2:
+                if b.rotary.kind == "neox" and hd % 2 and b.rotary.fraction is None and b.rotary.dim is None:
                     raise self.err(at(b.head_dim.symbol) if isinstance(b.head_dim, Size) else vp,
                                    f"variants.{name}: {b.name}.head_dim is {hd}; rotary needs an even head_dim")
                 if b.sliding_window is not None:
@@ -774,6 +777,7 @@ class _Resolver(BlockResolver, VisionResolver):
                             raise self.err(("decoder", "layers", "blocks", b.name, "sliding_window"),
                                            f"variants.{name}: {b.name}.sliding_window of layer {li} is {w!r}; a "
                                            f"window is an int >= 1 or None")
+                self.check_rotary_variant(name, b, values, layers, at)
                 if h % kv:
                     sym = b.kv_heads.symbol if isinstance(b.kv_heads, Size) else None
                     raise self.err(at(sym), f"variants.{name}: {b.name}.heads ({h}) must be a multiple of "

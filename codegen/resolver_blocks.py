@@ -19,6 +19,7 @@ from .ir import (
     Size,
     Value,
 )
+from .resolver_rotary import RotaryResolver
 from .schema import (
     AttentionBlock,
     FusedLinearBlock,
@@ -44,7 +45,7 @@ def _maybe(flag: Value) -> bool:
     return not (flag.expr is None and flag.symbol is None and flag.literal is False)
 
 
-class BlockResolver:
+class BlockResolver(RotaryResolver):
     def resolve_block(self, path, name, b, unique_kind: bool):
         prefix = self.spec.class_prefix
         camel = "".join(p.capitalize() for p in name.split("_"))
@@ -92,11 +93,11 @@ class BlockResolver:
                 raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: only for mrope rotary kinds")
             scaling = None
             if rot.scaling is not None:
-                self.symbol(rp + ("scaling",), rot.scaling, ("rope",))
-                scaling = rot.scaling
+                scaling = self.rope_scaling(rp + ("scaling",), rot.scaling)
                 if rot.kind != "neox":
                     raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
                                                       f"rotary only")
+            fraction, rdim, layout, enabled = self.rotary_axes(rp, rot)
             qk = None
             if b.qk_norm:
                 qp = path + ("qk_norm",)
@@ -118,10 +119,12 @@ class BlockResolver:
                 qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
                 out_name=module(path + ("out", "name"), b.out.name),
                 out_bias=self.flag(path + ("out", "bias"), b.out.bias),
-                rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta),
-                                self.dim(rp + ("max_position",), rot.max_position), mrope, scaling),
+                rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
+                                self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
+                                fraction, rdim, layout, enabled),
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
-                sliding_window=window, softcap=softcap)
+                sliding_window=window, softcap=softcap,
+                qk_norm_offset=float(b.qk_norm.weight_offset) if b.qk_norm else 0.0)
         if isinstance(b, GatedMLPBlock):
             segs = b.gate_up.segments
             if list(segs) != ["gate", "up"]:

@@ -112,17 +112,27 @@ class QKNorm(Strict):
     eps: Num
     q: StrictStr = "q_norm"
     k: StrictStr = "k_norm"
+    weight_offset: Union[StrictInt, StrictFloat] = 0   # y = x_normed * (weight_offset + w) (Gemma 3: 1)
 
 
 class Rotary(Strict):
-    """Rotary position embedding (rotate-half layout). `scaling` names a `type: rope` config symbol: rope
-    scaling as transformers computes it (default, linear, dynamic, yarn, llama3; the symbol's `values` say
-    which the spec models)."""
+    """Rotary position embedding. `scaling` names a `type: rope` config symbol (or is an expression choosing
+    one, which may read `layer`): rope scaling as transformers computes it (default, linear, dynamic, yarn,
+    llama3; the symbol's `values` say which the spec models). `theta` may read `layer` too.
+    `fraction` (or `dim`, not both): only the first int(head_dim * fraction) (or `dim`) dims of each head
+    rotate, the rest pass through; the frequencies are computed over those dims. `layout`: neox (rotate_half:
+    dim j pairs with j + d/2) or interleaved (GPT-J's rotate_every_two: dim 2j pairs with 2j + 1).
+    `enabled`: a bool (literal, symbol or expression over symbols and `layer`): the layers where rotary
+    applies (SmolLM3's no_rope_layers); the others use no position embedding (NoPE)."""
     kind: Literal["neox", "mrope_interleaved", "mrope_blocked"]
     theta: Num
     max_position: Dim
     mrope_section: Optional[Union[List[StrictInt], Symbol]] = None
-    scaling: Optional[Symbol] = None
+    scaling: Optional[StrictStr] = None
+    fraction: Optional[Num] = None
+    dim: Optional[Dim] = None
+    layout: Literal["neox", "interleaved"] = "neox"
+    enabled: Flag = True
 
 
 class AttentionBlock(Strict):
@@ -210,6 +220,7 @@ class LMHeadBlock(Strict):
     softcap: Optional[Num] = None        # final logit soft-capping (Gemma 2); None = off
     logit_scale: Optional[Num] = None    # logits are multiplied by it, before any soft-cap (Granite:
                                          # "1 / logits_scaling"); None = 1
+    bias: Flag = False                   # a [vocab] bias (Phi, GPT-J), split over ranks as the weight is
 
 
 LayerBlock = Annotated[

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from fixtures.tiny_hf import SPECIAL_TOKENS, edit_config, text_config_of, tiny_config, tokenizer_size
 from hf_ref import hf_greedy, hf_model, hf_vl_greedy, hf_vl_inputs
@@ -97,6 +98,8 @@ def _rope_location(from_: Any) -> str:
         parts = p.split(".")
         if parts[-1] == "rope_type":
             parts = parts[:-1]
+        if len(parts) > 1 and parts[-2] == "rope_parameters":   # a per-layer-type mapping (Gemma 3's full_attention)
+            return ".".join(parts)
         if parts and parts[-1] in ("rope_parameters", "rope_scaling"):
             return ".".join(parts[:-1] + ["rope_parameters"])
     return "rope_parameters"
@@ -333,9 +336,26 @@ def test_explicit_head_dim_is_read(spec):
     A head_dim different from hidden / heads must reach the model's Config."""
     from xllm_gen.runtime.loading import registry
     spec.check()
-    cfg = tiny_config(spec.architecture).to_dict()
+    hf_cfg = tiny_config(spec.architecture)
+    cfg = hf_cfg.to_dict()
     level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-    level["head_dim"] = 2 * level["hidden_size"] // level["num_attention_heads"]   # not the hidden / heads default
+    text = getattr(hf_cfg, "text_config", None) or hf_cfg      # attribute names (GPT-J's n_embd is hidden_size)
+    level["head_dim"] = 2 * text.hidden_size // text.num_attention_heads   # not the hidden / heads default
     model_module, _ = registry.resolve(cfg)
     config = model_module.Config.from_hf(cfg)
+    if not _hf_reads_head_dim(spec.architecture, level["head_dim"]):
+        return           # a family whose transformers class ignores head_dim (GPT-J): loading is enough
     assert config.head_dim == level["head_dim"], f"{spec.name}: config.json head_dim is not read"
+
+
+def _hf_reads_head_dim(architecture: str, head_dim: int) -> bool:
+    """Whether transformers' class builds its attention with a config's explicit head_dim (most do; GPT-J
+    computes hidden / heads whatever the config says)."""
+    import transformers
+    cls = getattr(transformers, architecture)
+    cfg = tiny_config(architecture)
+    text = getattr(cfg, "text_config", None) or cfg
+    text.head_dim = head_dim
+    with torch.device("meta"):
+        model = cls(cfg)
+    return any(getattr(m, "head_dim", None) == head_dim for m in model.modules())

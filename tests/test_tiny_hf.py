@@ -32,10 +32,11 @@ ARCHS = sorted(KNOWN | _spec_architectures())
 def test_tiny_checkpoint_loads_and_decodes(architecture, tiny_checkpoint):
     ckpt = tiny_checkpoint(architecture)
     cfg = json.loads((ckpt / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
+    hf = tiny_config(architecture)
+    text = getattr(hf, "text_config", None) or hf            # attribute names (GPT-J's n_embd is hidden_size)
     assert cfg["architectures"] == [architecture]
-    assert text["vocab_size"] == tokenizer_size() and text["hidden_size"] == 64
-    assert text["num_hidden_layers"] <= 4
+    assert text.vocab_size == tokenizer_size() and text.hidden_size == 64
+    assert text.num_hidden_layers <= 4
     prompts = [list(range(10, 13)), list(range(40, 57))]
     outs = hf_greedy(ckpt, prompts, 16)
     assert outs[0] != outs[1], f"{architecture}: the continuation does not depend on the prompt"

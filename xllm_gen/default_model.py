@@ -121,12 +121,15 @@ def widen_init(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    # embeddings and norms by module type too, where their names do not say it (GPT-J's wte, ln_1, ln_f)
+    embeds = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    norms = {f"{n}.weight" for n, m in model.named_modules() if "Norm" in type(m).__name__}
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if "embed_tokens" in name or (name.endswith("pos_embed.weight")):
+            if "embed_tokens" in name or (name.endswith("pos_embed.weight")) or name in embeds:
                 std = embed_std
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-            elif "norm" in name and name.endswith("weight"):
+            elif ("norm" in name or name in norms) and name.endswith("weight"):
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)

@@ -47,12 +47,23 @@ class VocabParallelEmbedding(_VocabShard):
 
 class ParallelLMHead(_VocabShard):
     """forward(hidden [B, dim]) -> logits [B, vocab] float32, gathered over ranks, padding trimmed.
-    A tied head shares the embedding's parameter object (`head.weight = embed.weight`)."""
+    A tied head shares the embedding's parameter object (`head.weight = embed.weight`). `bias=True` gives it a
+    [vocab] bias split over ranks as the weight's rows are (padding entries zeroed), never tied."""
+
+    def __init__(self, vocab: int, dim: int, bias: bool = False):
+        super().__init__(vocab, dim)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start))
+            seg = SegmentSlice("vocab", vocab, self.vocab_start, self.vocab_end)
+            attach(self.bias, ParamSplit("vocab", 0, (seg,), tuple(self.bias.shape), self.tp_size, self.tp_rank,
+                                         type(self).__name__))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight, self.bias)
         logits = all_gather(logits, -1)
         return logits[..., : self.vocab_size].float()
 
     def extra_repr(self) -> str:
-        return f"vocab={self.vocab_size} (padded {self.padded_vocab}), dim={self.dim}"
+        return (f"vocab={self.vocab_size} (padded {self.padded_vocab}), dim={self.dim}"
+                + (", bias=True" if self.bias is not None else ""))

@@ -1,6 +1,9 @@
 """Rotary position embeddings: neox (rotate_half) layout, and mRoPE (positions [3, N]) with interleaved or
 blocked (contiguous) frequency sections; frequencies from the rope scaling kinds (default, linear, dynamic,
-yarn, frequency_bands: runtime/rope_kinds.py), with transformers' arithmetic."""
+yarn, frequency_bands: runtime/rope_kinds.py), with transformers' arithmetic. Two further axes compose with
+all of them: partial rotary (only the first `rotary_dim` dims of each head rotate, the rest pass through; the
+frequencies are computed over rotary_dim, as transformers does) and the pair layout (`neox`: dim j pairs with
+j + rotary_dim/2; `interleaved`: GPT-J's rotate-every-two, dim 2j pairs with 2j + 1)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +16,7 @@ from xllm_gen.runtime import ops
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS, ROPE_SCALING_KEYS
 
 ROTARY_KINDS = ("neox", "mrope_interleaved", "mrope_blocked")
+ROTARY_LAYOUTS = ("neox", "interleaved")
 
 
 def mrope_axis_map(kind: str, sections: Sequence[int], half: int) -> torch.Tensor:
@@ -42,9 +46,12 @@ _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mro
 
 
 def rope_parameters(head_dim: int, theta: float, max_position: int,
-                    scaling: Optional[Mapping[str, Any]] = None) -> tuple[torch.Tensor, float]:
+                    scaling: Optional[Mapping[str, Any]] = None,
+                    full_dim: Optional[int] = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] float32, attention_factor) of a rope-parameter mapping whose rope_type is a kind
-    of rope_kinds.py (the generated config reader translates transformers' names).
+    of rope_kinds.py (the generated config reader translates transformers' names). `head_dim` is the number of
+    rotating dims (transformers' int(head_dim * partial_rotary_factor)); `full_dim` (the whole head, default
+    head_dim) is only checked against a partial_rotary_factor key of the mapping.
 
     Same arithmetic as transformers 5 (modeling_rope_utils.ROPE_INIT_FUNCTIONS and the models' default init),
     written here so that serving does not import transformers. `max_position` plays HF's
@@ -91,9 +98,11 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
                          f"allowed: {', '.join(required + optional)}")
     if p.get("rope_theta") is not None and float(p["rope_theta"]) != float(theta):
         raise ValueError(f"rope parameter 'rope_theta' = {p['rope_theta']} differs from theta = {theta}")
-    if p.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ValueError(f"rope parameter 'partial_rotary_factor' = {p['partial_rotary_factor']} is not supported "
-                         "(only 1.0)")
+    prf = p.get("partial_rotary_factor")
+    full = head_dim if full_dim is None else full_dim
+    if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or int(full * prf) != head_dim):
+        raise ValueError(f"rope parameter 'partial_rotary_factor' = {prf!r} disagrees with the model's rotary dims: "
+                         f"{head_dim} of head_dim {full}")
     base = theta
     dim = head_dim
     attention_factor = 1.0
@@ -188,19 +197,19 @@ _TABLES: dict = {}
 
 
 def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.device,
-                 scaling: Optional[Mapping[str, Any]] = None):
+                 scaling: Optional[Mapping[str, Any]] = None, full_dim: Optional[int] = None):
     """(inv_freq [D/2], cos|sin [max_position, D], attention_factor): float32 tensors, cos and sin already
     multiplied by attention_factor (as transformers does before casting), built once per (shape, theta,
     scaling, device) and shared by every layer: a 262k-position table is 134 MB, too much to hold once per
     layer."""
     skey = _scaling_key(scaling)
-    key = (head_dim, theta, max_position, skey, str(device))
+    key = (head_dim, theta, max_position, skey, full_dim, str(device))
     if key not in _TABLES:
-        cpu_key = (head_dim, theta, max_position, skey, "cpu")
+        cpu_key = (head_dim, theta, max_position, skey, full_dim, "cpu")
         cpu = _TABLES.get(cpu_key)
         if cpu is None:
             with torch.device("cpu"):       # computed on CPU even inside a torch.device("meta"/"cuda") build
-                inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling)
+                inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling, full_dim)
                 freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
                 cos, sin = freqs.cos(), freqs.sin()
                 if factor != 1.0:
@@ -221,25 +230,47 @@ class Rotary(nn.Module):
     cos/sin from positions exactly as HF does, the CUDA kernel reads a float32 [max_position, D] cos|sin
     table (already scaled). The tables are plain attributes (not buffers): they stay float32 whatever the
     model is cast to, and follow the inputs' device on first use.
+
+    `rotary_dim` (default head_dim, even): only the first rotary_dim dims of each head rotate, the rest pass
+    through unchanged; frequencies are computed over rotary_dim (transformers' partial_rotary_factor /
+    rotary_pct / rotary_dim). `layout` "interleaved" (GPT-J's rotate_every_two: dim 2j pairs with 2j + 1 at
+    frequency j) is computed as the neox rotation of the rotary dims gathered evens-then-odds: each rotated
+    element is the same product as transformers', and q and k stay in that gathered order (attention only
+    reads their dot products, which a common permutation of the dims leaves unchanged). Both run around the
+    same op (CPU reference or the CUDA kernel) on the [N, H, rotary_dim] slice.
     """
 
     def __init__(self, head_dim: int, theta: float, max_position: int, kind: str = "neox",
-                 mrope_section: Optional[Sequence[int]] = None, scaling: Optional[Mapping[str, Any]] = None):
+                 mrope_section: Optional[Sequence[int]] = None, scaling: Optional[Mapping[str, Any]] = None,
+                 rotary_dim: Optional[int] = None, layout: str = "neox"):
         super().__init__()
         if kind not in ROTARY_KINDS:
             raise ValueError(f"rotary kind must be one of {ROTARY_KINDS}, not {kind!r}")
-        if head_dim % 2:
-            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
-        self.head_dim = head_dim
+        if layout not in ROTARY_LAYOUTS:
+            raise ValueError(f"rotary layout must be one of {ROTARY_LAYOUTS}, not {layout!r}")
+        if layout != "neox" and kind != "neox":
+            raise ValueError(f"rotary layout {layout!r} is for kind 'neox' only, not {kind!r}")
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim must be an int in 1..head_dim = {head_dim}, got {rotary_dim!r}")
+        if rotary_dim % 2:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}" if rotary_dim == head_dim else
+                             f"rotary dims must be even, got {rotary_dim} (of head_dim {head_dim})")
+        self.full_head_dim = head_dim
+        self.head_dim = rotary_dim                  # the dims that rotate (the tables' width)
+        self.layout = layout
         self.theta = float(theta)
         self.max_position = max_position
         self.kind = kind
         self.mrope_section = list(mrope_section) if mrope_section is not None else None
         self.scaling = dict(scaling) if scaling else None
         self.rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
-        half = head_dim // 2
+        half = rotary_dim // 2
         self.inv_freq, self.cos_sin_cache, self.attention_factor = _rope_tables(
-            head_dim, self.theta, max_position, torch.device("cpu"), self.scaling)
+            rotary_dim, self.theta, max_position, torch.device("cpu"), self.scaling, head_dim)
+        # interleaved: the rotary dims gathered evens then odds (pairs (2j, 2j + 1) -> (j, j + half))
+        self.gather = (torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
+                       if layout == "interleaved" else None)
         if kind == "neox":
             if mrope_section is not None:
                 raise ValueError("mrope_section is only for the mrope kinds")
@@ -249,37 +280,61 @@ class Rotary(nn.Module):
                 raise ValueError(f"rotary kind {kind!r} needs mrope_section")
             self.axis_map = mrope_axis_map(kind, self.mrope_section, half)
 
+    @property
+    def whole(self) -> bool:
+        """Every dim of the head rotates in the neox layout (the fused q/k-norm + rope kernel's case)."""
+        return self.head_dim == self.full_head_dim and self.gather is None
+
     def _to(self, device: torch.device) -> None:
         if self.inv_freq.device != device:
             self.inv_freq, self.cos_sin_cache, _ = _rope_tables(self.head_dim, self.theta, self.max_position,
-                                                                device, self.scaling)
+                                                                device, self.scaling, self.full_head_dim)
             if self.axis_map is not None:
                 self.axis_map = self.axis_map.to(device)
+            if self.gather is not None:
+                self.gather = self.gather.to(device)
 
     def _check_positions(self, positions: torch.Tensor) -> None:
         want = 1 if self.kind == "neox" else 2
         if positions.dim() != want:
             raise ValueError(f"rotary {self.kind!r} expects positions of {want} dims, got {tuple(positions.shape)}")
 
+    def _rope(self, positions, q, k):
+        return ops.rope(q, k, positions, self.inv_freq, self.cos_sin_cache, self.axis_map, self.attention_factor)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         self._check_positions(positions)
         self._to(q.device)
-        return ops.rope(q, k, positions, self.inv_freq, self.cos_sin_cache, self.axis_map, self.attention_factor)
+        if self.whole:
+            return self._rope(positions, q, k)
+        rd = self.head_dim
+        q_rot, k_rot = q[..., :rd], k[..., :rd]
+        if self.gather is not None:
+            q_rot, k_rot = q_rot.index_select(-1, self.gather), k_rot.index_select(-1, self.gather)
+        q_rot, k_rot = self._rope(positions, q_rot.contiguous(), k_rot.contiguous())
+        if rd == self.full_head_dim:
+            return q_rot, k_rot
+        return torch.cat((q_rot, q[..., rd:]), -1), torch.cat((k_rot, k[..., rd:]), -1)
 
     def extra_repr(self) -> str:
-        s = f"head_dim={self.head_dim}, theta={self.theta}, max_position={self.max_position}, kind={self.kind!r}"
+        s = f"head_dim={self.full_head_dim}, theta={self.theta}, max_position={self.max_position}, kind={self.kind!r}"
+        s += f", rotary_dim={self.head_dim}" if self.head_dim != self.full_head_dim else ""
+        s += f", layout={self.layout!r}" if self.layout != "neox" else ""
         s += f", mrope_section={self.mrope_section}" if self.mrope_section else ""
         return s + (f", scaling={self.scaling}" if self.scaling else "")
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, rotary: Rotary):
     """Per-head RMSNorm of q [N, H, D] and k [N, Hk, D] (q_norm/k_norm: RMSNorm(head_dim) modules or None),
-    then rotary (with its scaled cos/sin). One fused Triton kernel on CUDA; the HF-exact reference composition
-    on CPU. Norms the fused kernel does not cover (one of the two missing, different eps, a weight_offset) run
-    as the modules themselves, then rotary."""
+    then rotary (with its scaled cos/sin; None: no rotary on this layer). One fused Triton kernel on CUDA; the
+    HF-exact reference composition on CPU. Norms the fused kernel does not cover (one of the two missing,
+    different eps, a weight_offset) or a partial / interleaved rotary run as the modules themselves, then
+    rotary."""
+    if rotary is None:                      # a layer without rotary (NoPE): the norms alone
+        return (q if q_norm is None else q_norm(q)), (k if k_norm is None else k_norm(k))
     rotary._check_positions(positions)
     rotary._to(q.device)
-    if (q_norm is None) != (k_norm is None) or (q_norm is not None and (
+    if not rotary.whole or (q_norm is None) != (k_norm is None) or (q_norm is not None and (
             q_norm.eps != k_norm.eps or getattr(q_norm, "weight_offset", 0.0) or getattr(k_norm, "weight_offset", 0.0))):
         if q_norm is not None:
             q = q_norm(q)

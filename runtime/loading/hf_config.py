@@ -90,6 +90,7 @@ class ConfigReader:
         self.ignore = tuple(ignore)
         self.read_paths: set[str] = set()
         self.values: dict[str, Any] = {}
+        self.rope_pending: list = []      # rope-mapping keys another symbol may read (checked in finish)
 
     def error(self, msg: str) -> ConfigError:
         return ConfigError(f"{self.spec}: {msg}")
@@ -188,6 +189,9 @@ class ConfigReader:
             if key not in known:
                 if v is None:
                     continue
+                if key == "partial_rotary_factor":   # modeled only where a symbol reads it (checked in finish)
+                    self.rope_pending.append((f"{path}.{key}", v, name, known))
+                    continue
                 raise self.error(f"does not model {path}.{key}={v!r} (rope type {name!r} reads: "
                                  f"{', '.join(known) or 'nothing'})")
             if key == "truncate":
@@ -218,6 +222,10 @@ class ConfigReader:
             except QuantConfigError as e:
                 raise self.error(str(e)) from None
             self.read_paths.add("quantization_config")
+        for key, v, name, known in self.rope_pending:
+            if key not in self.read_paths:
+                raise self.error(f"does not model {key}={v!r} (rope type {name!r} reads: "
+                                 f"{', '.join(known) or 'nothing'}; no symbol reads the partial rotary factor)")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
             if got is not MISSING and not _same(got, expected):
