@@ -28,7 +28,7 @@ DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "fl
 def _block(b) -> str:
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
-        return f"{b.kind}(dim={b.dim}, eps={b.eps}{', bias' if b.bias else ''}{off})"
+        return f"{b.kind}(dim={b.dim}, eps={b.eps}{', bias' if b.bias else ''}{', no weight' if not b.weight else ''}{off})"
     if isinstance(b, LinearIR):
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
@@ -36,13 +36,20 @@ def _block(b) -> str:
         rot = f"{b.rotary.kind}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
         rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
         rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
-        qk = f", qk_norm=rmsnorm({b.qk_norm[0]}, {b.qk_norm[1]}, eps={b.qk_norm[2]})" if b.qk_norm else ""
+        n = b.qk_norm
+        qk = ""
+        if n:
+            extra = ("" if n.over == "head" else ", over the projection") + \
+                    ("" if n.at == "before_rotary" else ", after rotary") + \
+                    (f", weight = {n.weight_offset:g} + w" if n.weight_offset else "") + (", bias" if n.bias else "")
+            qk = f", qk_norm={n.kind}({n.q}, {n.k}, eps={n.eps}{extra})"
         return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
                 f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}, "
                 f"{b.out_name} bias={b.out_bias}, rotary={rot}{qk}, "
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
-                + (f", softcap={b.softcap}" if b.softcap else "") + ")")
+                + (f", softcap={b.softcap}" if b.softcap else "")
+                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + ")")
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
@@ -112,7 +119,7 @@ def format_resolved(ir: ModelIR) -> str:
         else:
             block = s.block if s.choice is None else \
                 f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
-            w(f"      residual: {s.norm} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
+            w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
               + (f" x {s.scale}" if s.scale else ""))
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")

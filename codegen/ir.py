@@ -201,7 +201,8 @@ class NormIR:
     dim: Size
     eps: Value
     bias: bool = False
-    weight_offset: float = 0.0    # rmsnorm: y = x_normed * (weight_offset + w)
+    weight_offset: float = 0.0    # y = x_normed * (weight_offset + w) (+ b)
+    weight: bool = True           # layernorm: false = no weight (OLMo 1's non-parametric LayerNorm)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,26 @@ class RotaryIR:
 
 
 @dataclass(frozen=True)
+class QKNormIR:
+    """The q / k norms of an attention block: per head (a [head_dim] weight shared by the heads) or over the
+    whole projection (weight [heads * head_dim], sharded like it), before or after rotary."""
+    q: str                        # module names
+    k: str
+    eps: Value
+    kind: str = "rmsnorm"         # rmsnorm | layernorm
+    over: str = "head"            # head | projection
+    at: str = "before_rotary"     # before_rotary | after_rotary
+    weight_offset: float = 0.0
+    bias: bool = False
+
+    @property
+    def fusable(self) -> bool:
+        """The per-head RMSNorm + rotary that ops.qk_norm_rope fuses (one kernel on CUDA)."""
+        return (self.kind == "rmsnorm" and self.over == "head" and self.at == "before_rotary"
+                and not self.weight_offset and not self.bias)
+
+
+@dataclass(frozen=True)
 class AttentionIR:
     kind: str
     name: str
@@ -246,10 +267,11 @@ class AttentionIR:
     out_name: str
     out_bias: Value
     rotary: RotaryIR
-    qk_norm: Optional[Tuple[str, str, Value]]  # (q module, k module, eps)
+    qk_norm: Optional[QKNormIR]
     scale: Optional[Value]
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
+    clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
 
     @property
     def q_size(self) -> Size:
@@ -324,8 +346,9 @@ class ChoiceIR:
 
 @dataclass(frozen=True)
 class StepIR:
-    """A residual step: residual += hidden; hidden = post_norm(block(norm(residual)))."""
-    norm: str
+    """A residual step: residual += hidden; hidden = post_norm(block(norm(residual))); without a norm the block
+    reads the residual stream itself."""
+    norm: Optional[str]
     block: str                    # the module (for a choice: the module both alternatives become)
     takes_positions: bool         # attention blocks get (positions, hidden), the others (hidden)
     post_norm: Optional[str] = None

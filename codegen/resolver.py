@@ -441,8 +441,15 @@ class _Resolver(BlockResolver, VisionResolver):
         if isinstance(b, RMSNormBlock):
             if not math.isfinite(b.weight_offset):
                 raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
-            return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, weight_offset=float(b.weight_offset))
-        return NormIR("layernorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias)
+            return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
+                          weight_offset=float(b.weight_offset))
+        if not math.isfinite(b.weight_offset):
+            raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
+        if b.weight_offset and not b.weight:
+            raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a weight "
+                                                      f"(weight: false) has no weight to offset")
+        return NormIR("layernorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
+                      weight_offset=float(b.weight_offset), weight=b.weight)
 
     def resolve_layer(self) -> LayerIR:
         L = self.spec.decoder.layers
@@ -474,6 +481,8 @@ class _Resolver(BlockResolver, VisionResolver):
             else:
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), ("block", st.block, mixers)]
                 module = st.block
+            if st.norm is None:
+                roles = roles[1:]
             if st.post_norm is not None:
                 roles.append(("post_norm", st.post_norm, ("rmsnorm", "layernorm")))
             for role, ref, kinds in roles:
@@ -509,6 +518,10 @@ class _Resolver(BlockResolver, VisionResolver):
                                                        f"branches")
                 branches = []
                 for j, br in enumerate(st.parallel):
+                    if br.norm is None:
+                        raise self.err(sp + ("parallel", j), f"decoder.layers.dataflow[{i}].parallel[{j}]: a "
+                                       f"parallel branch needs its `norm` (the branches share the fused residual add)",
+                                       at_key=True)
                     if br.post_norm is not None:
                         raise self.err(sp + ("parallel", j, "post_norm"), f"decoder.layers.dataflow[{i}]."
                                        f"parallel[{j}].post_norm: not supported in a parallel step")

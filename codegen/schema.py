@@ -76,18 +76,23 @@ class EmbeddingBlock(Strict):
 
 
 class RMSNormBlock(Strict):
-    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma)."""
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b."""
     kind: Literal["rmsnorm"]
     dim: Dim
     eps: Num
     weight_offset: Union[StrictInt, StrictFloat] = 0
+    bias: StrictBool = False
 
 
 class LayerNormBlock(Strict):
+    """y = (x - mean) / std * w + b. `weight_offset: 1` scales by (1 + w) (Nemotron's LayerNorm1P); `weight:
+    false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all)."""
     kind: Literal["layernorm"]
     dim: Dim
     eps: Num
     bias: StrictBool = True
+    weight: StrictBool = True
+    weight_offset: Union[StrictInt, StrictFloat] = 0
 
 
 class LinearBlock(Strict):
@@ -107,11 +112,19 @@ class FusedLinearBlock(Strict):
 
 
 class QKNorm(Strict):
-    """Per-head norm of q and k before rotary (Qwen3)."""
-    kind: Literal["rmsnorm"]
+    """A norm of q and of k (modules `q`, `k`). `over: head` (default): per head, one [head_dim] weight shared
+    by the heads (Qwen3); `over: projection`: the whole q (k) projection jointly, weight [heads * head_dim]
+    ([kv_heads * head_dim]), sharded like the projection, statistics all-reduced over TP ranks (OLMo 2, OLMoE).
+    `at: before_rotary` (default) or `after_rotary`. `kind` rmsnorm or layernorm; `weight_offset: 1` scales by
+    (1 + w) (Gemma 3); `bias: true` adds a learned bias (the layernorm default is no bias)."""
+    kind: Literal["rmsnorm", "layernorm"]
     eps: Num
     q: StrictStr = "q_norm"
     k: StrictStr = "k_norm"
+    over: Literal["head", "projection"] = "head"
+    at: Literal["before_rotary", "after_rotary"] = "before_rotary"
+    weight_offset: Union[StrictInt, StrictFloat] = 0
+    bias: StrictBool = False
 
 
 class Rotary(Strict):
@@ -140,6 +153,8 @@ class AttentionBlock(Strict):
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
     softcap: Optional[Num] = None        # attention logit soft-capping: cap * tanh(scores / cap); None = off
+    clip_qkv: Optional[Num] = None       # q, k, v clamped to [-c, c] after the projection (and a projection-wide
+                                         # qk_norm); an optional symbol that is None turns it off (OLMo, DBRX)
 
 
 class GatedMLPBlock(Strict):
@@ -231,12 +246,13 @@ class Choice(Strict):
 
 
 class ResidualStep(Strict):
-    """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add).
+    """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add). Without
+    `norm` the block reads the residual stream itself (h = B(residual); OLMo 2's post-norm-only steps).
     `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2);
     `scale: S` multiplies it (after the post-norm) before it joins the residual (Granite).
     `block` may be a per-layer choice `{if: expr, then: A, else: B}` (e.g. a MoE on some layers, a dense MLP on
     the others)."""
-    norm: StrictStr
+    norm: Optional[StrictStr] = None
     block: Union[StrictStr, Choice]
     post_norm: Optional[StrictStr] = None
     scale: Optional[Num] = None          # the block's output is multiplied by it before it joins the residual
