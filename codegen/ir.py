@@ -368,6 +368,20 @@ class LayerIR:
     count: Size
     blocks: Tuple[BlockIR, ...]
     steps: Tuple[StepIR, ...]
+    # `dataflow: {if: cond, then: A, else: B}`: `steps` is B (class_name), alt_steps A (alt_class_name, a subclass
+    # overriding forward), chosen per checkpoint; only_in: (block, in A) for the blocks one dataflow uses
+    alt_cond: Optional[Value] = None
+    alt_steps: Tuple[StepIR, ...] = ()
+    alt_class_name: Optional[str] = None
+    only_in: Tuple[Tuple[str, bool], ...] = ()
+
+    @property
+    def all_steps(self) -> Tuple[StepIR, ...]:
+        return self.steps + self.alt_steps
+
+    def only_in_then(self, block: str) -> Optional[bool]:
+        """True / False: the block exists only with the `then` / `else` dataflow; None: with both."""
+        return dict(self.only_in).get(block)
 
 
 @dataclass(frozen=True)
@@ -564,7 +578,7 @@ class ModelIR:
     @property
     def choices(self) -> Tuple[ChoiceIR, ...]:
         out = []
-        for s in self.layer.steps:
+        for s in self.layer.all_steps:
             for st in getattr(s, "branches", (s,)):
                 if st.choice is not None:
                     out.append(st.choice)
@@ -572,7 +586,7 @@ class ModelIR:
 
     def choice_of(self, block: str) -> Optional[Tuple[ChoiceIR, str]]:
         """(the choice, its module name) when `block` is an alternative of a per-layer choice."""
-        for s in self.layer.steps:
+        for s in self.layer.all_steps:
             for st in getattr(s, "branches", (s,)):
                 if st.choice is not None and block in (st.choice.then, st.choice.else_):
                     return st.choice, st.block

@@ -42,6 +42,7 @@ from .ir import (
 from .loader import LoadedSpec
 from .schema import (
     Choice,
+    DataflowChoice,
     ParallelStep,
     RMSNormBlock,
     Spec,
@@ -510,34 +511,66 @@ class _Resolver(BlockResolver, VisionResolver):
                               scale)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR), st.post_norm, None, scale)
 
-        for i, st in enumerate(L.dataflow):
-            sp = base + ("dataflow", i)
-            if isinstance(st, ParallelStep):
-                if len(st.parallel) < 2:
-                    raise self.err(sp + ("parallel",), f"decoder.layers.dataflow[{i}].parallel: list two or more "
-                                                       f"branches")
-                branches = []
-                for j, br in enumerate(st.parallel):
-                    if br.norm is None:
-                        raise self.err(sp + ("parallel", j), f"decoder.layers.dataflow[{i}].parallel[{j}]: a "
-                                       f"parallel branch needs its `norm` (the branches share the fused residual add)",
-                                       at_key=True)
-                    if br.post_norm is not None:
-                        raise self.err(sp + ("parallel", j, "post_norm"), f"decoder.layers.dataflow[{i}]."
-                                       f"parallel[{j}].post_norm: not supported in a parallel step")
-                    shared = (st.parallel[0].norm,) if j else ()
-                    branches.append(step(br, sp + ("parallel", j), f"decoder.layers.dataflow[{i}].parallel[{j}]",
-                                         shared))
-                steps.append(ParallelStepIR(tuple(branches)))
-            else:
-                steps.append(step(st, sp, f"decoder.layers.dataflow[{i}]"))
-        if not steps:
-            raise self.err(base + ("dataflow",), "decoder.layers.dataflow: list at least one residual step")
+        df = L.dataflow
+        if isinstance(df, DataflowChoice):     # one dataflow or the other, by the checkpoint's config
+            flows = [(df.else_, base + ("dataflow", "else"), "decoder.layers.dataflow.else"),
+                     (df.then, base + ("dataflow", "then"), "decoder.layers.dataflow.then")]
+        else:
+            flows = [(df, base + ("dataflow",), "decoder.layers.dataflow")]
+        resolved, all_used = [], {}
+        for flow, fp, fw in flows:
+            steps, used = [], {}
+            for i, st in enumerate(flow):
+                sp = fp + (i,)
+                if isinstance(st, ParallelStep):
+                    if len(st.parallel) < 2:
+                        raise self.err(sp + ("parallel",), f"{fw}[{i}].parallel: list two or more branches")
+                    branches = []
+                    for j, br in enumerate(st.parallel):
+                        if br.norm is None:
+                            raise self.err(sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]: a parallel branch needs "
+                                           f"its `norm` (the branches share the fused residual add)", at_key=True)
+                        if br.post_norm is not None:
+                            raise self.err(sp + ("parallel", j, "post_norm"), f"{fw}[{i}].parallel[{j}].post_norm: "
+                                                                              f"not supported in a parallel step")
+                        shared = (st.parallel[0].norm,) if j else ()
+                        branches.append(step(br, sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]", shared))
+                    steps.append(ParallelStepIR(tuple(branches)))
+                else:
+                    steps.append(step(st, sp, f"{fw}[{i}]"))
+            if not steps:
+                raise self.err(fp, f"{fw}: list at least one residual step")
+            resolved.append((tuple(steps), set(used)))
+            all_used.update(used)
         for name in blocks:
-            if name not in used:
+            if name not in all_used:
                 raise self.err(base + ("blocks", name), f"decoder.layers.blocks.{name}: block is never used by "
                                                         f"decoder.layers.dataflow", at_key=True)
-        return LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), tuple(steps))
+        layer = LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), resolved[0][0])
+        if isinstance(df, DataflowChoice):
+            layer = self.dataflow_choice(layer, df, resolved)
+        return layer
+
+    def dataflow_choice(self, layer: LayerIR, df: DataflowChoice, resolved) -> LayerIR:
+        """`dataflow: {if: flag, then: [...], else: [...]}`: a layer class per dataflow (the `then` one a subclass
+        overriding forward); the blocks that only one dataflow uses exist only in its checkpoints."""
+        path = ("decoder", "layers", "dataflow")
+        cond = self.expr(path + ("if",), df.if_)
+        (else_steps, else_used), (then_steps, then_used) = resolved
+        only = tuple((b.name, b.name in then_used) for b in layer.blocks if (b.name in then_used) != (b.name in else_used))
+        chosen = {st.choice.then for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice}
+        chosen |= {st.choice.else_ for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice}
+        for name, _ in only:
+            if name in chosen:
+                raise self.err(path, f"decoder.layers.blocks.{name}: a per-layer choice's block must be used by both "
+                                     f"dataflows of `dataflow: {{if: ...}}`", at_key=True)
+        if df.name is not None:
+            self.ident(path + ("name",), df.name, "class name part")
+            suffix = df.name
+        else:
+            suffix = "".join(w[:1].upper() + w[1:] for w in df.if_.split("_")) if is_symbol(df.if_) else "Then"
+        return dataclasses.replace(layer, alt_cond=Value(expr=cond), alt_steps=then_steps, only_in=only,
+                                   alt_class_name=f"{self.spec.class_prefix}{suffix}DecoderLayer")
 
     def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: NormIR) -> None:
         """Everything on the residual stream has the embedding's width."""
@@ -572,12 +605,14 @@ class _Resolver(BlockResolver, VisionResolver):
         out.append(ParamIR(f"{pre}.embed_tokens.weight", "decoder.embed_tokens", (embed.vocab, embed.dim), "vocab",
                            vocab=embed.vocab))
         module_of, when_of = {}, {}
-        for s in layer.steps:
+        for s in layer.all_steps:
             for st in getattr(s, "branches", (s,)):
                 if st.choice is not None:
                     c = st.choice
                     module_of[c.then], when_of[c.then] = st.block, (c.cond, True)
                     module_of[c.else_], when_of[c.else_] = st.block, (c.cond, False)
+        for b, in_then in layer.only_in:      # a block that one dataflow of a `dataflow: {if: ...}` uses
+            when_of[b] = (layer.alt_cond, in_then)
         for b in layer.blocks:
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)
@@ -807,7 +842,16 @@ class _Resolver(BlockResolver, VisionResolver):
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "
                                f"({b.experts.eval(values)})")
-        for i, stp in enumerate(layer.steps):
+        if layer.alt_cond is not None:
+            try:
+                x = layer.alt_cond.eval(values)
+            except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
+                raise self.err(("decoder", "layers", "dataflow", "if"), f"variants.{name}: the dataflow's `if` fails: "
+                                                                        f"{type(exc).__name__}: {exc}") from None
+            if not isinstance(x, bool):
+                raise self.err(("decoder", "layers", "dataflow", "if"),
+                               f"variants.{name}: the dataflow's `if` gives {x!r}, not a bool")
+        for i, stp in enumerate(layer.all_steps):
             for st in getattr(stp, "branches", (stp,)):
                 if st.choice is None:
                     continue

@@ -265,10 +265,22 @@ class ParallelStep(Strict):
     parallel: List[ResidualStep]
 
 
+class DataflowChoice(Strict):
+    """`{if: <bool expression over config symbols>, then: [steps], else: [steps]}`: the layer's dataflow chosen
+    per checkpoint (StableLM's and GPT-NeoX's `use_parallel_residual`). Each is a list of residual / parallel
+    steps; a block used by one of them only exists in that one's checkpoints. Rendered as two layer classes (the
+    `then` one named `<class_prefix><name>DecoderLayer`; `name` defaults to the flag in CamelCase), picked when
+    the model is built."""
+    if_: StrictStr = Field(alias="if")
+    then: List[Union[ResidualStep, ParallelStep]]
+    else_: List[Union[ResidualStep, ParallelStep]] = Field(alias="else")
+    name: Optional[StrictStr] = None
+
+
 class Layers(Strict):
     count: Dim
     blocks: Dict[StrictStr, LayerBlock]
-    dataflow: List[Union[ResidualStep, ParallelStep]]
+    dataflow: Union[List[Union[ResidualStep, ParallelStep]], DataflowChoice]
 
 
 class Deepstack(Strict):
