@@ -51,8 +51,8 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """nn.LayerNorm math with params `weight` [dim] (when weight=True) and `bias` [dim] (when bias=True);
-    weight_offset 1.0 scales by (1 + weight) (Nemotron's LayerNorm1P). Without weight and bias (OLMo 1's
-    non-parametric LayerNorm) it normalizes in float32 and casts back.
+    weight_offset 1.0 scales by (1 + weight). Without weight and bias (a non-parametric LayerNorm) it
+    normalizes in float32 and casts back.
 
     Same residual protocol as RMSNorm, so a decoder step may use either: forward(x) -> y;
     forward(x, residual) -> (layernorm(x + residual), x + residual); forward(x, None) -> (layernorm(x), x).
@@ -88,8 +88,8 @@ class LayerNorm(nn.Module):
 
 
 class ProjectionNorm(nn.Module):
-    """An RMSNorm / LayerNorm over a whole attention projection: all `heads` heads of `head_dim` jointly (OLMo 2's
-    and OLMoE's q_norm / k_norm), not per head. `weight` (and `bias`) [heads * head_dim] are split over the TP ranks
+    """An RMSNorm / LayerNorm over a whole attention projection: all `heads` heads of `head_dim` jointly (a q / k
+    norm over the whole projection), not per head. `weight` (and `bias`) [heads * head_dim] are split over the TP ranks
     like the projection's segment (`replicate_ok`: KV heads replicated when heads < tp, as QKVParallelLinear
     does), so each rank normalizes its own columns; the statistics (sum, sum of squares) are all-reduced over the
     ranks and divided by tp * local width, which counts every replicated head as often as it is held, so the mean
