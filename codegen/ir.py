@@ -244,12 +244,13 @@ class QKNormIR:
     at: str = "before_rotary"     # before_rotary | after_rotary
     weight_offset: float = 0.0
     bias: bool = False
+    per_head_weights: bool = False   # over head: weight [heads, head_dim] instead of one shared [head_dim]
 
     @property
     def fusable(self) -> bool:
         """The per-head RMSNorm + rotary that ops.qk_norm_rope fuses (one kernel on CUDA)."""
         return (self.kind == "rmsnorm" and self.over == "head" and self.at == "before_rotary"
-                and not self.weight_offset and not self.bias)
+                and not self.weight_offset and not self.bias and not self.per_head_weights)
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,13 @@ class BlockResolver:
                 n = b.qk_norm
                 if not math.isfinite(n.weight_offset):
                     raise self.err(qp + ("weight_offset",), f"{self._where(qp)}.weight_offset: must be finite")
+                if n.weights == "per_head" and n.over != "head":
+                    raise self.err(qp + ("weights",), f"{self._where(qp)}.weights: per-head weights are for `over: "
+                                                      f"head`; a projection-wide norm's weight already has a value "
+                                                      f"per column")
                 qk = QKNormIR(module(qp + ("q",), n.q), module(qp + ("k",), n.k),
                               self.positive(qp + ("eps",), n.eps, below=1.0), n.kind, n.over, n.at,
-                              float(n.weight_offset), n.bias)
+                              float(n.weight_offset), n.bias, n.weights == "per_head")
             clip = None
             if b.clip_qkv is not None:
                 clip = self.positive(path + ("clip_qkv",), b.clip_qkv, optional=True)
@@ -251,7 +255,11 @@ class BlockResolver:
             if b.qk_norm:
                 n = b.qk_norm
                 for module, seg in ((n.q, segs[0]), (n.k, segs[1])):
-                    if n.over == "head":      # one [head_dim] weight shared by the heads
+                    if n.over == "head" and n.per_head_weights:    # [heads, head_dim], split by heads
+                        names = ("weight", "bias") if n.bias else ("weight",)
+                        ps += [P(f"{module}.{w}", (seg.heads, b.head_dim), "colwise",
+                                 (SegmentIR(module, seg.heads, Size.of(1), seg.replicate_ok),)) for w in names]
+                    elif n.over == "head":    # one [head_dim] weight shared by the heads
                         names = ("weight", "bias") if n.bias else ("weight",)
                         ps += [P(f"{module}.{w}", (b.head_dim,), "replicated") for w in names]
                     else:                     # the whole projection's [heads * head_dim], sharded like it

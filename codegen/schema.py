@@ -122,6 +122,8 @@ class QKNorm(Strict):
     q: StrictStr = "q_norm"
     k: StrictStr = "k_norm"
     over: Literal["head", "projection"] = "head"
+    # `over: head` only: `per_head` gives each head a weight of its own, [heads, head_dim] (Cohere's use_qk_norm)
+    weights: Literal["shared", "per_head"] = "shared"
     at: Literal["before_rotary", "after_rotary"] = "before_rotary"
     weight_offset: Union[StrictInt, StrictFloat] = 0
     bias: StrictBool = False

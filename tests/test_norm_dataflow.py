@@ -312,3 +312,115 @@ def test_weightless_norm_with_offset_is_refused(tmp_path):
     err = _compile_error(tmp_path, HEAD + "decoder:\n  norm: {kind: layernorm, eps: 1.0e-5, weight: false, "
                                           "weight_offset: 1}\n")
     assert "x.yaml:" in err and "weight_offset" in err
+
+
+# -------------------------------------------------------------------------------------------- q/k norm forms
+class _AfterRotary(torch.nn.LayerNorm):
+    """A LayerNorm that HF's q_norm / k_norm slot skips (identity); the patched rotary applies it afterwards."""
+
+    def forward(self, x):
+        return x
+
+    def norm(self, x):
+        return super().forward(x)
+
+
+def _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form: str, qk_norm_yaml: str, make_norm, after_rotary=False,
+               tp: int = 1):
+    """HF Qwen3 with its q_norm / k_norm replaced by `make_norm(heads)` modules (random weights and biases), as
+    a checkpoint of a renamed architecture, served by a spec that extends qwen3.yaml with `qk_norm_yaml`.
+    Returns (engine tokens, HF tokens, HF tokens of the unmodified model)."""
+    import transformers.models.qwen3.modeling_qwen3 as mq
+    from hf_ref import _generate
+    from transformers import Qwen3ForCausalLM
+
+    from xllm_gen.codegen.cli import main as cli_main
+
+    base = tiny_checkpoint("Qwen3ForCausalLM")
+    model = Qwen3ForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg = model.config
+    g = torch.Generator().manual_seed(11)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.q_norm, attn.k_norm = make_norm(cfg.num_attention_heads), make_norm(cfg.num_key_value_heads)
+        for p in list(attn.q_norm.parameters()) + list(attn.k_norm.parameters()):
+            with torch.no_grad():
+                p.copy_(0.5 + torch.rand(p.shape, generator=g) if p.dim() and p is not getattr(
+                    attn.q_norm, "bias", None) and p is not getattr(attn.k_norm, "bias", None)
+                    else 0.3 * torch.randn(p.shape, generator=g))
+    if after_rotary:
+        rotate = mq.apply_rotary_pos_emb
+        current = {}
+
+        def rotate_then_norm(q, k, cos, sin, *args, **kwargs):
+            q, k = rotate(q, k, cos, sin, *args, **kwargs)
+            return current["attn"].q_norm.norm(q), current["attn"].k_norm.norm(k)
+        monkeypatch.setattr(mq, "apply_rotary_pos_emb", rotate_then_norm)
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_pre_hook(lambda m, *a: current.__setitem__("attn", m))
+
+    def greedy(m):
+        out = []
+        for p in _prompts():
+            ids = torch.tensor([p])
+            out.append(_generate(m, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, MAX_TOKENS, len(p)))
+        return out
+    want = greedy(model)
+    arm = tmp_path / "ckpt"
+    model.save_pretrained(arm)
+    for f in base.iterdir():
+        if f.is_file() and not (arm / f.name).exists():
+            shutil.copy(f, arm / f.name)
+    import json
+    c = json.loads((arm / "config.json").read_text())
+    camel = "".join(w.title() for w in form.split("_"))    # one generated package per form (imports are cached)
+    c["architectures"] = [f"Qk{camel}ForCausalLM"]
+    (arm / "config.json").write_text(json.dumps(c))
+
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    shutil.copy(REPO / "specs" / "qwen3.yaml", specs / "qwen3.yaml")
+    (specs / "qk_variant.yaml").write_text(
+        f"extends: qwen3.yaml\nname: qk_{form}\nclass_prefix: Qk{camel}\narchitectures: [Qk{camel}ForCausalLM]\n"
+        f"decoder:\n  layers:\n    blocks:\n      self_attn:\n        qk_norm: {qk_norm_yaml}\n"
+        "variants: {Qwen3-0.6B: ~, Qwen3-8B: ~, Qwen3-32B: ~}\n", encoding="utf-8")
+    assert cli_main([str(specs / "qk_variant.yaml"), "--out", str(tmp_path / "generated")]) == 0
+    monkeypatch.setenv("XLLM_GEN_PATH", str(tmp_path / "generated"))
+    return _engine(arm, tp), want, _hf(base)
+
+
+QK_FORMS = {
+    # LayerNorm per head with a shared [head_dim] weight and a bias
+    "layernorm_bias": ("{kind: layernorm, eps: rms_norm_eps, bias: true}",
+                       lambda heads: torch.nn.LayerNorm(16, eps=1e-6), False),
+    # Gemma 3's (1 + w) RMSNorm on q and k
+    "rmsnorm_offset": ("{kind: rmsnorm, eps: rms_norm_eps, weight_offset: 1}",
+                       lambda heads: __import__("transformers").models.gemma3.modeling_gemma3.Gemma3RMSNorm(16, eps=1e-6),
+                       False),
+    # Cohere's LayerNorm per head with a weight per head [heads, head_dim]
+    "layernorm_per_head": ("{kind: layernorm, eps: rms_norm_eps, weights: per_head}",
+                           lambda heads: __import__("transformers").models.cohere.modeling_cohere.CohereLayerNorm(
+                               (heads, 16), eps=1e-6), False),
+    # LayerNorm per head after rotary
+    "layernorm_after_rotary": ("{kind: layernorm, eps: rms_norm_eps, bias: true, at: after_rotary}",
+                               lambda heads: _AfterRotary(16, eps=1e-6), True),
+}
+
+
+@pytest.mark.parametrize("form", list(QK_FORMS))
+def test_qk_norm_forms_match_transformers(form, tmp_path, tiny_checkpoint, monkeypatch):
+    """Each q/k norm form, written into HF Qwen3's q_norm / k_norm slots (the after-rotary one by moving the
+    norm behind HF's rotary), changes HF's tokens, and the spec with that `qk_norm` serves HF's tokens."""
+    yaml_form, make_norm, after = QK_FORMS[form]
+    got, want, plain = _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form, yaml_form, make_norm, after)
+    assert want != plain, f"{form}: the q/k norm form does not change transformers' output"
+    assert got == want, f"{form}: engine != transformers"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["layernorm_per_head", "rmsnorm_offset"])
+def test_qk_norm_forms_at_tp2(form, tmp_path, tiny_checkpoint, monkeypatch):
+    """At TP 2 the per-head weights [heads, head_dim] are split by heads like the q / k projection."""
+    yaml_form, make_norm, after = QK_FORMS[form]
+    got, want, _ = _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form, yaml_form, make_norm, after, tp=2)
+    assert got == want, f"{form} at TP 2: engine != transformers"

@@ -137,3 +137,45 @@ class ProjectionNorm(nn.Module):
         return (f"{self.kind}, {self.dim} (per rank), eps={self.eps}, tp={self.tp_size}"
                 + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
                 + (", bias=True" if self.bias is not None else ""))
+
+
+class HeadNorm(nn.Module):
+    """An RMSNorm / LayerNorm of each head of x [tokens, heads, head_dim] over head_dim, with a weight (and bias) of
+    its own per head: `weight` [heads, head_dim], split over the TP ranks by heads like the projection's segment
+    (`replicate_ok`: KV heads replicated when heads < tp). Computed in float32 (LayerNorm as mean and variance of
+    the centred values), scaled by (weight_offset + weight), cast back to x's dtype.
+
+    forward(x [tokens, local heads, head_dim]) -> same shape."""
+
+    def __init__(self, kind: str, heads: int, head_dim: int, eps: float, weight_offset: float = 0.0,
+                 bias: bool = False, replicate_ok: bool = False, name: str = "heads"):
+        super().__init__()
+        if kind not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"HeadNorm: kind {kind!r} is not rmsnorm or layernorm")
+        self.kind, self.eps, self.weight_offset = kind, eps, float(weight_offset)
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        problems: list = []
+        seg = split_segment(Segment(name, heads, 1, replicate_ok=replicate_ok), self.tp_size, self.tp_rank, problems)
+        raise_or_defer(self, problems)
+        self.heads, self.head_dim = seg.rows, head_dim
+        self.weight = nn.Parameter(torch.empty(seg.rows, head_dim))
+        self.bias = nn.Parameter(torch.empty(seg.rows, head_dim)) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                attach(p, ParamSplit("column", 0, (seg,), (seg.rows, head_dim), self.tp_size, self.tp_rank,
+                                     "HeadNorm"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.kind == "layernorm":
+            xf = xf - xf.mean(-1, keepdim=True)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = (self.weight.float() + self.weight_offset) * y
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.kind}, heads={self.heads} (per rank), head_dim={self.head_dim}, eps={self.eps}"
+                + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+                + (", bias=True" if self.bias is not None else ""))
