@@ -215,6 +215,16 @@ def test_clip_qkv_value_matters(arch, tiny_checkpoint):
         assert _engine(p) == outs[c], f"clip_qkv {c}: engine != transformers"
 
 
+def test_olmoe_renormalized_routing_matters(tiny_checkpoint):
+    """OLMoE routes with the top-k softmax probabilities as they are (norm_topk_prob false, its default);
+    norm_topk_prob true renormalizes them: a different output in transformers, served alike."""
+    base = tiny_checkpoint("OlmoeForCausalLM")
+    renorm = tiny_checkpoint("OlmoeForCausalLM", overrides={"norm_topk_prob": True})
+    want = _hf(renorm)
+    assert want != _hf(base)
+    assert _engine(renorm) == want
+
+
 # -------------------------------------------------------------------------------------------- dataflow by flag
 def _readme_example(name: str) -> str:
     text = (REPO / "codegen" / "README.md").read_text(encoding="utf-8")
