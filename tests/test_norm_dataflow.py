@@ -4,7 +4,9 @@ clip_qkv, post-norm-only steps, and a dataflow chosen by a config flag.
 Sensitivity arms: each feature is changed in a tiny checkpoint (weights perturbed, a config value changed); the
 change must move transformers' greedy tokens, and the engine must still produce transformers' tokens. The spec
 battery (tests/test_spec_battery.py) covers plain parity of specs/olmo.yaml, olmo2.yaml and olmoe.yaml at TP 1
-and 2.
+and 2. q/k norm forms no shipped spec uses (LayerNorm with bias, (1 + w), RMSNorm with bias, a weight per head,
+after rotary) are written into HF Qwen3's q_norm / k_norm slots and served by a spec extending qwen3.yaml; the
+dataflow chosen by a config flag is the README's stablelm example, served in both forms.
 """
 from __future__ import annotations
 
@@ -335,6 +337,18 @@ class _AfterRotary(torch.nn.LayerNorm):
         return super().forward(x)
 
 
+class _BiasedRMSNorm(torch.nn.Module):
+    """HF's RMSNorm math (float32 variance, `weight * x.to(dtype)`) plus a learned bias."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.bias, self.eps = torch.nn.Parameter(torch.ones(dim)), torch.nn.Parameter(torch.zeros(dim)), eps
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) + self.bias
+
+
 def _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form: str, qk_norm_yaml: str, make_norm, after_rotary=False,
                tp: int = 1):
     """HF Qwen3 with its q_norm / k_norm replaced by `make_norm(heads)` modules (random weights and biases), as
@@ -407,6 +421,8 @@ QK_FORMS = {
     "rmsnorm_offset": ("{kind: rmsnorm, eps: rms_norm_eps, weight_offset: 1}",
                        lambda heads: __import__("transformers").models.gemma3.modeling_gemma3.Gemma3RMSNorm(16, eps=1e-6),
                        False),
+    # RMSNorm with a bias (the fused CUDA q/k norm + rotary kernel has none: the unfused path runs)
+    "rmsnorm_bias": ("{kind: rmsnorm, eps: rms_norm_eps, bias: true}", lambda heads: _BiasedRMSNorm(16, 1e-6), False),
     # Cohere's LayerNorm per head with a weight per head [heads, head_dim]
     "layernorm_per_head": ("{kind: layernorm, eps: rms_norm_eps, weights: per_head}",
                            lambda heads: __import__("transformers").models.cohere.modeling_cohere.CohereLayerNorm(
