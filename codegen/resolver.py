@@ -51,6 +51,7 @@ from .yaml_loader import display_path
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
+from .resolver_dataflow import DataflowResolver
 from .resolver_vision import VisionResolver
 
 
@@ -90,7 +91,7 @@ MAX_SIZE = 2 ** 31 - 1
 MAX_LAYERS = 10_000
 
 
-class _Resolver(BlockResolver, VisionResolver):
+class _Resolver(BlockResolver, VisionResolver, DataflowResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
@@ -551,27 +552,6 @@ class _Resolver(BlockResolver, VisionResolver):
             layer = self.dataflow_choice(layer, df, resolved)
         return layer
 
-    def dataflow_choice(self, layer: LayerIR, df: DataflowChoice, resolved) -> LayerIR:
-        """`dataflow: {if: flag, then: [...], else: [...]}`: a layer class per dataflow (the `then` one a subclass
-        overriding forward); the blocks that only one dataflow uses exist only in its checkpoints."""
-        path = ("decoder", "layers", "dataflow")
-        cond = self.expr(path + ("if",), df.if_)
-        (else_steps, else_used), (then_steps, then_used) = resolved
-        only = tuple((b.name, b.name in then_used) for b in layer.blocks if (b.name in then_used) != (b.name in else_used))
-        chosen = {st.choice.then for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice}
-        chosen |= {st.choice.else_ for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice}
-        for name, _ in only:
-            if name in chosen:
-                raise self.err(path, f"decoder.layers.blocks.{name}: a per-layer choice's block must be used by both "
-                                     f"dataflows of `dataflow: {{if: ...}}`", at_key=True)
-        if df.name is not None:
-            self.ident(path + ("name",), df.name, "class name part")
-            suffix = df.name
-        else:
-            suffix = "".join(w[:1].upper() + w[1:] for w in df.if_.split("_")) if is_symbol(df.if_) else "Then"
-        return dataclasses.replace(layer, alt_cond=Value(expr=cond), alt_steps=then_steps, only_in=only,
-                                   alt_class_name=f"{self.spec.class_prefix}{suffix}DecoderLayer")
-
     def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: NormIR) -> None:
         """Everything on the residual stream has the embedding's width."""
         checks = [(("decoder", "norm", "dim"), "decoder.norm.dim", norm.dim)]
@@ -842,15 +822,7 @@ class _Resolver(BlockResolver, VisionResolver):
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "
                                f"({b.experts.eval(values)})")
-        if layer.alt_cond is not None:
-            try:
-                x = layer.alt_cond.eval(values)
-            except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
-                raise self.err(("decoder", "layers", "dataflow", "if"), f"variants.{name}: the dataflow's `if` fails: "
-                                                                        f"{type(exc).__name__}: {exc}") from None
-            if not isinstance(x, bool):
-                raise self.err(("decoder", "layers", "dataflow", "if"),
-                               f"variants.{name}: the dataflow's `if` gives {x!r}, not a bool")
+        self.check_dataflow_variant(name, values, layer)
         for i, stp in enumerate(layer.all_steps):
             for st in getattr(stp, "branches", (stp,)):
                 if st.choice is None:
