@@ -25,6 +25,18 @@ DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "fl
                "float": 4, "float8": 1, "fp8": 1}
 
 
+def _steps(w, steps) -> None:
+    for s in steps:
+        if hasattr(s, "branches"):
+            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
+                                                        for b in s.branches))
+        else:
+            block = s.block if s.choice is None else \
+                f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
+            w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
+              + (f" x {s.scale}" if s.scale else ""))
+
+
 def _block(b) -> str:
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
@@ -112,16 +124,15 @@ def format_resolved(ir: ModelIR) -> str:
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")
-    w("    dataflow:")
-    for s in ir.layer.steps:
-        if hasattr(s, "branches"):
-            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
-                                                        for b in s.branches))
-        else:
-            block = s.block if s.choice is None else \
-                f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
-            w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
-              + (f" x {s.scale}" if s.scale else ""))
+    lay = ir.layer
+    flows = [("    dataflow:", lay.steps)] if lay.alt_cond is None else [
+        (f"    dataflow where {lay.alt_cond} is false ({lay.class_name}):", lay.steps),
+        (f"    dataflow where {lay.alt_cond} holds ({lay.alt_class_name}):", lay.alt_steps)]
+    for name, only in lay.only_in:
+        w(f"    {name}: only in the checkpoints where {lay.alt_cond} is {'true' if only else 'false'}")
+    for title, steps in flows:
+        w(title)
+        _steps(w, steps)
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
