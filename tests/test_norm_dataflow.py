@@ -337,6 +337,24 @@ class _AfterRotary(torch.nn.LayerNorm):
         return super().forward(x)
 
 
+class _ProjectionAfterRotary(torch.nn.Module):
+    """An RMSNorm over all heads jointly ([heads * head_dim] weight) that HF's q_norm / k_norm slot skips; the
+    patched rotary applies it to the rotated [batch, heads, seq, head_dim] tensor."""
+
+    def __init__(self, heads, head_dim, eps):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(torch.ones(heads * head_dim)), eps
+
+    def forward(self, x):
+        return x
+
+    def norm(self, x):
+        b, h, s, d = x.shape
+        xf = x.transpose(1, 2).reshape(b, s, h * d).float()
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y.view(b, s, h, d).transpose(1, 2)
+
+
 class _BiasedRMSNorm(torch.nn.Module):
     """HF's RMSNorm math (float32 variance, `weight * x.to(dtype)`) plus a learned bias."""
 
@@ -430,6 +448,9 @@ QK_FORMS = {
     # LayerNorm per head after rotary
     "layernorm_after_rotary": ("{kind: layernorm, eps: rms_norm_eps, bias: true, at: after_rotary}",
                                lambda heads: _AfterRotary(16, eps=1e-6), True),
+    # RMSNorm over the whole projection, after rotary
+    "projection_after_rotary": ("{kind: rmsnorm, eps: rms_norm_eps, over: projection, at: after_rotary}",
+                                lambda heads: _ProjectionAfterRotary(heads, 16, 1e-6), True),
 }
 
 
@@ -444,7 +465,7 @@ def test_qk_norm_forms_match_transformers(form, tmp_path, tiny_checkpoint, monke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["layernorm_per_head", "rmsnorm_offset"])
+@pytest.mark.parametrize("form", ["layernorm_per_head", "rmsnorm_offset", "projection_after_rotary"])
 def test_qk_norm_forms_at_tp2(form, tmp_path, tiny_checkpoint, monkeypatch):
     """At TP 2 the per-head weights [heads, head_dim] are split by heads like the q / k projection."""
     yaml_form, make_norm, after = QK_FORMS[form]
