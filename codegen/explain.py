@@ -54,7 +54,8 @@ def _block(b) -> str:
             extra = ("" if n.over == "head" else ", over the projection") + \
                     ("" if n.at == "before_rotary" else ", after rotary") + \
                     (f", weight = {n.weight_offset:g} + w" if n.weight_offset else "") + (", bias" if n.bias else "") + \
-                    (", a weight per head" if n.per_head_weights else "")
+                    (", a weight per head" if n.per_head_weights else "") + \
+                    (f", where {n.enabled}" if n.enabled is not None else "")
             qk = f", qk_norm={n.kind}({n.q}, {n.k}, eps={n.eps}{extra})"
         return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
                 f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}, "

@@ -245,6 +245,7 @@ class QKNormIR:
     weight_offset: float = 0.0
     bias: bool = False
     per_head_weights: bool = False   # over head: weight [heads, head_dim] instead of one shared [head_dim]
+    enabled: Optional[Value] = None  # a bool symbol / expression: the norms exist only where it holds; None: always
 
     @property
     def fusable(self) -> bool:

@@ -101,7 +101,8 @@ class BlockResolver:
                     raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
                                                       f"rotary only")
             qk = None
-            if b.qk_norm:
+            enabled = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
+            if b.qk_norm and enabled.literal is not False:
                 qp = path + ("qk_norm",)
                 n = b.qk_norm
                 if not math.isfinite(n.weight_offset):
@@ -112,7 +113,8 @@ class BlockResolver:
                                                       f"per column")
                 qk = QKNormIR(module(qp + ("q",), n.q), module(qp + ("k",), n.k),
                               self.positive(qp + ("eps",), n.eps, below=1.0), n.kind, n.over, n.at,
-                              float(n.weight_offset), n.bias, n.weights == "per_head")
+                              float(n.weight_offset), n.bias, n.weights == "per_head",
+                              None if enabled.literal is True else enabled)
             clip = None
             if b.clip_qkv is not None:
                 clip = self.positive(path + ("clip_qkv",), b.clip_qkv, optional=True)
@@ -254,6 +256,7 @@ class BlockResolver:
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))
             if b.qk_norm:
                 n = b.qk_norm
+                first = len(ps)
                 for module, seg in ((n.q, segs[0]), (n.k, segs[1])):
                     if n.over == "head" and n.per_head_weights:    # [heads, head_dim], split by heads
                         names = ("weight", "bias") if n.bias else ("weight",)
@@ -267,6 +270,8 @@ class BlockResolver:
                         names = ("weight", "bias") if n.bias else ("weight",)
                         ps += [P(f"{module}.{w}", (rows,), "colwise", (dataclasses.replace(seg, name=module),))
                                for w in names]
+                if n.enabled is not None:     # only in the checkpoints where the flag holds
+                    ps[first:] = [dataclasses.replace(p, when=(n.enabled, True)) for p in ps[first:]]
             return ps
         if isinstance(b, MoEIR):
             E = b.experts

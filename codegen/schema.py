@@ -127,6 +127,9 @@ class QKNorm(Strict):
     at: Literal["before_rotary", "after_rotary"] = "before_rotary"
     weight_offset: Union[StrictInt, StrictFloat] = 0
     bias: StrictBool = False
+    # a bool config symbol (or expression): the q/k norms exist only in the checkpoints where it holds (Cohere's
+    # use_qk_norm, StableLM's qk_layernorm); false: no q/k norm
+    enabled: Flag = True
 
 
 class Rotary(Strict):

@@ -368,7 +368,7 @@ class _BiasedRMSNorm(torch.nn.Module):
 
 
 def _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form: str, qk_norm_yaml: str, make_norm, after_rotary=False,
-               tp: int = 1):
+               tp: int = 1, config_extra: dict | None = None, spec_config: str = ""):
     """HF Qwen3 with its q_norm / k_norm replaced by `make_norm(heads)` modules (random weights and biases), as
     a checkpoint of a renamed architecture, served by a spec that extends qwen3.yaml with `qk_norm_yaml`.
     Returns (engine tokens, HF tokens, HF tokens of the unmodified model)."""
@@ -417,6 +417,7 @@ def _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form: str, qk_norm_yaml:
     c = json.loads((arm / "config.json").read_text())
     camel = "".join(w.title() for w in form.split("_"))    # one generated package per form (imports are cached)
     c["architectures"] = [f"Qk{camel}ForCausalLM"]
+    c.update(config_extra or {})
     (arm / "config.json").write_text(json.dumps(c))
 
     specs = tmp_path / "specs"
@@ -424,6 +425,7 @@ def _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form: str, qk_norm_yaml:
     shutil.copy(REPO / "specs" / "qwen3.yaml", specs / "qwen3.yaml")
     (specs / "qk_variant.yaml").write_text(
         f"extends: qwen3.yaml\nname: qk_{form}\nclass_prefix: Qk{camel}\narchitectures: [Qk{camel}ForCausalLM]\n"
+        + (f"config:\n  {spec_config}\n" if spec_config else "") +
         f"decoder:\n  layers:\n    blocks:\n      self_attn:\n        qk_norm: {qk_norm_yaml}\n"
         "variants: {Qwen3-0.6B: ~, Qwen3-8B: ~, Qwen3-32B: ~}\n", encoding="utf-8")
     assert cli_main([str(specs / "qk_variant.yaml"), "--out", str(tmp_path / "generated")]) == 0
@@ -471,3 +473,16 @@ def test_qk_norm_forms_at_tp2(form, tmp_path, tiny_checkpoint, monkeypatch):
     yaml_form, make_norm, after = QK_FORMS[form]
     got, want, _ = _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, form, yaml_form, make_norm, after, tp=2)
     assert got == want, f"{form} at TP 2: engine != transformers"
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["use_qk_norm", "no_qk_norm"])
+def test_qk_norm_enabled_by_config_flag(on, tmp_path, tiny_checkpoint, monkeypatch):
+    """`qk_norm: {enabled: use_qk_norm}`: one spec serves checkpoints with q/k norms (the flag true) and without
+    (false: no q_norm / k_norm tensors); transformers' outputs differ, the engine matches each."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    make = (lambda heads: Qwen3RMSNorm(16, eps=1e-6)) if on else (lambda heads: torch.nn.Identity())
+    got, want, plain = _qk_variant(tmp_path, tiny_checkpoint, monkeypatch, "flag_on" if on else "flag_off",
+                                   "{enabled: use_qk_norm}", make, config_extra={"use_qk_norm": on},
+                                   spec_config="use_qk_norm: {type: bool, from: use_qk_norm, default: true}")
+    assert want != plain
+    assert got == want, f"use_qk_norm={on}: engine != transformers"
