@@ -106,6 +106,10 @@ def _relaxed(node, strict_items: bool = True):
             out[key] = {k: _nullable(_relaxed(v)) for k, v in value.items()}
         elif key == "additionalProperties" and isinstance(value, dict):
             out[key] = _nullable(_relaxed(value))
+        elif key == "additionalProperties" and value is False:
+            # another key only as `~`: it deletes an inherited key (e.g. the gated MLP's keys of a block that
+            # becomes a `moe`)
+            out[key] = {"type": "null"}
         elif key == "items":                   # lists replace the inherited list: items stay complete
             out[key] = value
         else:

@@ -25,10 +25,22 @@ DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "fl
                "float": 4, "float8": 1, "fp8": 1}
 
 
+def _steps(w, steps) -> None:
+    for s in steps:
+        if hasattr(s, "branches"):
+            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
+                                                        for b in s.branches))
+        else:
+            block = s.block if s.choice is None else \
+                f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
+            w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
+              + (f" x {s.scale}" if s.scale else ""))
+
+
 def _block(b) -> str:
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
-        return f"{b.kind}(dim={b.dim}, eps={b.eps}{', bias' if b.bias else ''}{off})"
+        return f"{b.kind}(dim={b.dim}, eps={b.eps}{', bias' if b.bias else ''}{', no weight' if not b.weight else ''}{off})"
     if isinstance(b, LinearIR):
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
@@ -40,14 +52,22 @@ def _block(b) -> str:
         rot += f", layout={b.rotary.layout}" if b.rotary.layout != "neox" else ""
         rot += f", enabled={b.rotary.enabled}" if b.rotary.enabled.literal is not True else ""
         rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
-        off = f", weight = {b.qk_norm_offset:g} + w" if b.qk_norm_offset else ""
-        qk = f", qk_norm=rmsnorm({b.qk_norm[0]}, {b.qk_norm[1]}, eps={b.qk_norm[2]}{off})" if b.qk_norm else ""
+        n = b.qk_norm
+        qk = ""
+        if n:
+            extra = ("" if n.over == "head" else ", over the projection") + \
+                    ("" if n.at == "before_rotary" else ", after rotary") + \
+                    (f", weight = {n.weight_offset:g} + w" if n.weight_offset else "") + (", bias" if n.bias else "") + \
+                    (", a weight per head" if n.per_head_weights else "") + \
+                    (f", where {n.enabled}" if n.enabled is not None else "")
+            qk = f", qk_norm={n.kind}({n.q}, {n.k}, eps={n.eps}{extra})"
         return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
                 f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}, "
                 f"{b.out_name} bias={b.out_bias}, rotary={rot}{qk}, "
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
-                + (f", softcap={b.softcap}" if b.softcap else "") + ")")
+                + (f", softcap={b.softcap}" if b.softcap else "")
+                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + ")")
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
@@ -109,16 +129,15 @@ def format_resolved(ir: ModelIR) -> str:
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")
-    w("    dataflow:")
-    for s in ir.layer.steps:
-        if hasattr(s, "branches"):
-            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
-                                                        for b in s.branches))
-        else:
-            block = s.block if s.choice is None else \
-                f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
-            w(f"      residual: {s.norm} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
-              + (f" x {s.scale}" if s.scale else ""))
+    lay = ir.layer
+    flows = [("    dataflow:", lay.steps)] if lay.alt_cond is None else [
+        (f"    dataflow where {lay.alt_cond} is false ({lay.class_name}):", lay.steps),
+        (f"    dataflow where {lay.alt_cond} holds ({lay.alt_class_name}):", lay.alt_steps)]
+    for name, only in lay.only_in:
+        w(f"    {name}: only in the checkpoints where {lay.alt_cond} is {'true' if only else 'false'}")
+    for title, steps in flows:
+        w(title)
+        _steps(w, steps)
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:

@@ -201,7 +201,8 @@ class NormIR:
     dim: Size
     eps: Value
     bias: bool = False
-    weight_offset: float = 0.0    # rmsnorm: y = x_normed * (weight_offset + w)
+    weight_offset: float = 0.0    # y = x_normed * (weight_offset + w) (+ b)
+    weight: bool = True           # layernorm: false = no weight (OLMo 1's non-parametric LayerNorm)
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,28 @@ class RotaryIR:
 
 
 @dataclass(frozen=True)
+class QKNormIR:
+    """The q / k norms of an attention block: per head (a [head_dim] weight shared by the heads) or over the
+    whole projection (weight [heads * head_dim], sharded like it), before or after rotary."""
+    q: str                        # module names
+    k: str
+    eps: Value
+    kind: str = "rmsnorm"         # rmsnorm | layernorm
+    over: str = "head"            # head | projection
+    at: str = "before_rotary"     # before_rotary | after_rotary
+    weight_offset: float = 0.0
+    bias: bool = False
+    per_head_weights: bool = False   # over head: weight [heads, head_dim] instead of one shared [head_dim]
+    enabled: Optional[Value] = None  # a bool symbol / expression: the norms exist only where it holds; None: always
+
+    @property
+    def fusable(self) -> bool:
+        """The per-head RMSNorm + rotary that ops.qk_norm_rope fuses (one kernel on CUDA)."""
+        return (self.kind == "rmsnorm" and self.over == "head" and self.at == "before_rotary"
+                and not self.weight_offset and not self.bias and not self.per_head_weights)
+
+
+@dataclass(frozen=True)
 class AttentionIR:
     kind: str
     name: str
@@ -250,11 +273,11 @@ class AttentionIR:
     out_name: str
     out_bias: Value
     rotary: RotaryIR
-    qk_norm: Optional[Tuple[str, str, Value]]  # (q module, k module, eps)
+    qk_norm: Optional[QKNormIR]
     scale: Optional[Value]
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
-    qk_norm_offset: float = 0.0                # q/k RMSNorm: x_normed * (offset + w)
+    clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
 
     @property
     def q_size(self) -> Size:
@@ -329,8 +352,9 @@ class ChoiceIR:
 
 @dataclass(frozen=True)
 class StepIR:
-    """A residual step: residual += hidden; hidden = post_norm(block(norm(residual)))."""
-    norm: str
+    """A residual step: residual += hidden; hidden = post_norm(block(norm(residual))); without a norm the block
+    reads the residual stream itself."""
+    norm: Optional[str]
     block: str                    # the module (for a choice: the module both alternatives become)
     takes_positions: bool         # attention blocks get (positions, hidden), the others (hidden)
     post_norm: Optional[str] = None
@@ -350,6 +374,20 @@ class LayerIR:
     count: Size
     blocks: Tuple[BlockIR, ...]
     steps: Tuple[StepIR, ...]
+    # `dataflow: {if: cond, then: A, else: B}`: `steps` is B (class_name), alt_steps A (alt_class_name, a subclass
+    # overriding forward), chosen per checkpoint; only_in: (block, in A) for the blocks one dataflow uses
+    alt_cond: Optional[Value] = None
+    alt_steps: Tuple[StepIR, ...] = ()
+    alt_class_name: Optional[str] = None
+    only_in: Tuple[Tuple[str, bool], ...] = ()
+
+    @property
+    def all_steps(self) -> Tuple[StepIR, ...]:
+        return self.steps + self.alt_steps
+
+    def only_in_then(self, block: str) -> Optional[bool]:
+        """True / False: the block exists only with the `then` / `else` dataflow; None: with both."""
+        return dict(self.only_in).get(block)
 
 
 @dataclass(frozen=True)
@@ -547,7 +585,7 @@ class ModelIR:
     @property
     def choices(self) -> Tuple[ChoiceIR, ...]:
         out = []
-        for s in self.layer.steps:
+        for s in self.layer.all_steps:
             for st in getattr(s, "branches", (s,)):
                 if st.choice is not None:
                     out.append(st.choice)
@@ -555,7 +593,7 @@ class ModelIR:
 
     def choice_of(self, block: str) -> Optional[Tuple[ChoiceIR, str]]:
         """(the choice, its module name) when `block` is an alternative of a per-layer choice."""
-        for s in self.layer.steps:
+        for s in self.layer.all_steps:
             for st in getattr(s, "branches", (s,)):
                 if st.choice is not None and block in (st.choice.then, st.choice.else_):
                     return st.choice, st.block

@@ -42,6 +42,7 @@ from .ir import (
 from .loader import LoadedSpec
 from .schema import (
     Choice,
+    DataflowChoice,
     ParallelStep,
     RMSNormBlock,
     Spec,
@@ -50,6 +51,7 @@ from .yaml_loader import display_path
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
+from .resolver_dataflow import DataflowResolver
 from .resolver_vision import VisionResolver
 
 
@@ -89,7 +91,7 @@ MAX_SIZE = 2 ** 31 - 1
 MAX_LAYERS = 10_000
 
 
-class _Resolver(BlockResolver, VisionResolver):
+class _Resolver(BlockResolver, VisionResolver, DataflowResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
@@ -441,8 +443,15 @@ class _Resolver(BlockResolver, VisionResolver):
         if isinstance(b, RMSNormBlock):
             if not math.isfinite(b.weight_offset):
                 raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
-            return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, weight_offset=float(b.weight_offset))
-        return NormIR("layernorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias)
+            return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
+                          weight_offset=float(b.weight_offset))
+        if not math.isfinite(b.weight_offset):
+            raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
+        if b.weight_offset and not b.weight:
+            raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a weight "
+                                                      f"(weight: false) has no weight to offset")
+        return NormIR("layernorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
+                      weight_offset=float(b.weight_offset), weight=b.weight)
 
     def resolve_layer(self) -> LayerIR:
         L = self.spec.decoder.layers
@@ -474,6 +483,8 @@ class _Resolver(BlockResolver, VisionResolver):
             else:
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), ("block", st.block, mixers)]
                 module = st.block
+            if st.norm is None:
+                roles = roles[1:]
             if st.post_norm is not None:
                 roles.append(("post_norm", st.post_norm, ("rmsnorm", "layernorm")))
             for role, ref, kinds in roles:
@@ -501,30 +512,45 @@ class _Resolver(BlockResolver, VisionResolver):
                               scale)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR), st.post_norm, None, scale)
 
-        for i, st in enumerate(L.dataflow):
-            sp = base + ("dataflow", i)
-            if isinstance(st, ParallelStep):
-                if len(st.parallel) < 2:
-                    raise self.err(sp + ("parallel",), f"decoder.layers.dataflow[{i}].parallel: list two or more "
-                                                       f"branches")
-                branches = []
-                for j, br in enumerate(st.parallel):
-                    if br.post_norm is not None:
-                        raise self.err(sp + ("parallel", j, "post_norm"), f"decoder.layers.dataflow[{i}]."
-                                       f"parallel[{j}].post_norm: not supported in a parallel step")
-                    shared = (st.parallel[0].norm,) if j else ()
-                    branches.append(step(br, sp + ("parallel", j), f"decoder.layers.dataflow[{i}].parallel[{j}]",
-                                         shared))
-                steps.append(ParallelStepIR(tuple(branches)))
-            else:
-                steps.append(step(st, sp, f"decoder.layers.dataflow[{i}]"))
-        if not steps:
-            raise self.err(base + ("dataflow",), "decoder.layers.dataflow: list at least one residual step")
+        df = L.dataflow
+        if isinstance(df, DataflowChoice):     # one dataflow or the other, by the checkpoint's config
+            flows = [(df.else_, base + ("dataflow", "else"), "decoder.layers.dataflow.else"),
+                     (df.then, base + ("dataflow", "then"), "decoder.layers.dataflow.then")]
+        else:
+            flows = [(df, base + ("dataflow",), "decoder.layers.dataflow")]
+        resolved, all_used = [], {}
+        for flow, fp, fw in flows:
+            steps, used = [], {}
+            for i, st in enumerate(flow):
+                sp = fp + (i,)
+                if isinstance(st, ParallelStep):
+                    if len(st.parallel) < 2:
+                        raise self.err(sp + ("parallel",), f"{fw}[{i}].parallel: list two or more branches")
+                    branches = []
+                    for j, br in enumerate(st.parallel):
+                        if br.norm is None:
+                            raise self.err(sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]: a parallel branch needs "
+                                           f"its `norm` (the branches share the fused residual add)", at_key=True)
+                        if br.post_norm is not None:
+                            raise self.err(sp + ("parallel", j, "post_norm"), f"{fw}[{i}].parallel[{j}].post_norm: "
+                                                                              f"not supported in a parallel step")
+                        shared = (st.parallel[0].norm,) if j else ()
+                        branches.append(step(br, sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]", shared))
+                    steps.append(ParallelStepIR(tuple(branches)))
+                else:
+                    steps.append(step(st, sp, f"{fw}[{i}]"))
+            if not steps:
+                raise self.err(fp, f"{fw}: list at least one residual step")
+            resolved.append((tuple(steps), set(used)))
+            all_used.update(used)
         for name in blocks:
-            if name not in used:
+            if name not in all_used:
                 raise self.err(base + ("blocks", name), f"decoder.layers.blocks.{name}: block is never used by "
                                                         f"decoder.layers.dataflow", at_key=True)
-        return LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), tuple(steps))
+        layer = LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), resolved[0][0])
+        if isinstance(df, DataflowChoice):
+            layer = self.dataflow_choice(layer, df, resolved)
+        return layer
 
     def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: NormIR) -> None:
         """Everything on the residual stream has the embedding's width."""
@@ -560,12 +586,14 @@ class _Resolver(BlockResolver, VisionResolver):
         out.append(ParamIR(f"{pre}.embed_tokens.weight", "decoder.embed_tokens", (embed.vocab, embed.dim), "vocab",
                            vocab=embed.vocab))
         module_of, when_of = {}, {}
-        for s in layer.steps:
+        for s in layer.all_steps:
             for st in getattr(s, "branches", (s,)):
                 if st.choice is not None:
                     c = st.choice
                     module_of[c.then], when_of[c.then] = st.block, (c.cond, True)
                     module_of[c.else_], when_of[c.else_] = st.block, (c.cond, False)
+        for b, in_then in layer.only_in:      # a block that one dataflow of a `dataflow: {if: ...}` uses
+            when_of[b] = (layer.alt_cond, in_then)
         for b in layer.blocks:
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)
@@ -798,7 +826,8 @@ class _Resolver(BlockResolver, VisionResolver):
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "
                                f"({b.experts.eval(values)})")
-        for i, stp in enumerate(layer.steps):
+        self.check_dataflow_variant(name, values, layer)
+        for i, stp in enumerate(layer.all_steps):
             for st in getattr(stp, "branches", (stp,)):
                 if st.choice is None:
                     continue

@@ -3,6 +3,8 @@ their sharding (`block_params`). A mixin of resolver._Resolver, which provides e
 ident / symbol and the spec, as resolver_vision.py is for the vision tower."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, List, Tuple
 
 from .errors import did_you_mean
@@ -14,6 +16,7 @@ from .ir import (
     MoEIR,
     NormIR,
     ParamIR,
+    QKNormIR,
     RotaryIR,
     SegmentIR,
     Size,
@@ -99,10 +102,23 @@ class BlockResolver(RotaryResolver):
                                                       f"rotary only")
             fraction, rdim, layout, enabled = self.rotary_axes(rp, rot)
             qk = None
-            if b.qk_norm:
+            enabled = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
+            if b.qk_norm and enabled.literal is not False:
                 qp = path + ("qk_norm",)
-                qk = (module(qp + ("q",), b.qk_norm.q), module(qp + ("k",), b.qk_norm.k),
-                      self.positive(qp + ("eps",), b.qk_norm.eps, below=1.0))
+                n = b.qk_norm
+                if not math.isfinite(n.weight_offset):
+                    raise self.err(qp + ("weight_offset",), f"{self._where(qp)}.weight_offset: must be finite")
+                if n.weights == "per_head" and n.over != "head":
+                    raise self.err(qp + ("weights",), f"{self._where(qp)}.weights: per-head weights are for `over: "
+                                                      f"head`; a projection-wide norm's weight already has a value "
+                                                      f"per column")
+                qk = QKNormIR(module(qp + ("q",), n.q), module(qp + ("k",), n.k),
+                              self.positive(qp + ("eps",), n.eps, below=1.0), n.kind, n.over, n.at,
+                              float(n.weight_offset), n.bias, n.weights == "per_head",
+                              None if enabled.literal is True else enabled)
+            clip = None
+            if b.clip_qkv is not None:
+                clip = self.positive(path + ("clip_qkv",), b.clip_qkv, optional=True)
             window = softcap = None
             if b.sliding_window is not None:
                 window = self.num(path + ("sliding_window",), b.sliding_window, per_layer=True, optional=True)
@@ -123,8 +139,7 @@ class BlockResolver(RotaryResolver):
                                 self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
                                 fraction, rdim, layout, enabled),
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
-                sliding_window=window, softcap=softcap,
-                qk_norm_offset=float(b.qk_norm.weight_offset) if b.qk_norm else 0.0)
+                sliding_window=window, softcap=softcap, clip_qkv=clip)
         if isinstance(b, GatedMLPBlock):
             segs = b.gate_up.segments
             if list(segs) != ["gate", "up"]:
@@ -223,7 +238,8 @@ class BlockResolver(RotaryResolver):
             return ps
 
         if isinstance(b, NormIR):
-            return [P("weight", (b.dim,), "replicated")] + ([P("bias", (b.dim,), "replicated")] if b.bias else [])
+            return ([P("weight", (b.dim,), "replicated")] if b.weight else []) + \
+                ([P("bias", (b.dim,), "replicated")] if b.bias else [])
         if isinstance(b, LinearIR):
             out_total = b.out_sizes[0][1]
             for _, s in b.out_sizes[1:]:
@@ -241,8 +257,23 @@ class BlockResolver(RotaryResolver):
             ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))
             if b.qk_norm:
-                ps += [P(f"{b.qk_norm[0]}.weight", (b.head_dim,), "replicated"),
-                       P(f"{b.qk_norm[1]}.weight", (b.head_dim,), "replicated")]
+                n = b.qk_norm
+                first = len(ps)
+                for module, seg in ((n.q, segs[0]), (n.k, segs[1])):
+                    if n.over == "head" and n.per_head_weights:    # [heads, head_dim], split by heads
+                        names = ("weight", "bias") if n.bias else ("weight",)
+                        ps += [P(f"{module}.{w}", (seg.heads, b.head_dim), "colwise",
+                                 (SegmentIR(module, seg.heads, Size.of(1), seg.replicate_ok),)) for w in names]
+                    elif n.over == "head":    # one [head_dim] weight shared by the heads
+                        names = ("weight", "bias") if n.bias else ("weight",)
+                        ps += [P(f"{module}.{w}", (b.head_dim,), "replicated") for w in names]
+                    else:                     # the whole projection's [heads * head_dim], sharded like it
+                        rows = seg.heads * seg.unit
+                        names = ("weight", "bias") if n.bias else ("weight",)
+                        ps += [P(f"{module}.{w}", (rows,), "colwise", (dataclasses.replace(seg, name=module),))
+                               for w in names]
+                if n.enabled is not None:     # only in the checkpoints where the flag holds
+                    ps[first:] = [dataclasses.replace(p, when=(n.enabled, True)) for p in ps[first:]]
             return ps
         if isinstance(b, MoEIR):
             E = b.experts

@@ -76,18 +76,23 @@ class EmbeddingBlock(Strict):
 
 
 class RMSNormBlock(Strict):
-    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma)."""
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b."""
     kind: Literal["rmsnorm"]
     dim: Dim
     eps: Num
     weight_offset: Union[StrictInt, StrictFloat] = 0
+    bias: StrictBool = False
 
 
 class LayerNormBlock(Strict):
+    """y = (x - mean) / std * w + b. `weight_offset: 1` scales by (1 + w) (Nemotron's LayerNorm1P); `weight:
+    false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all)."""
     kind: Literal["layernorm"]
     dim: Dim
     eps: Num
     bias: StrictBool = True
+    weight: StrictBool = True
+    weight_offset: Union[StrictInt, StrictFloat] = 0
 
 
 class LinearBlock(Strict):
@@ -107,12 +112,24 @@ class FusedLinearBlock(Strict):
 
 
 class QKNorm(Strict):
-    """Per-head norm of q and k before rotary (Qwen3)."""
-    kind: Literal["rmsnorm"]
+    """A norm of q and of k (modules `q`, `k`). `over: head` (default): per head, one [head_dim] weight shared
+    by the heads (Qwen3); `over: projection`: the whole q (k) projection jointly, weight [heads * head_dim]
+    ([kv_heads * head_dim]), sharded like the projection, statistics all-reduced over TP ranks (OLMo 2, OLMoE).
+    `at: before_rotary` (default) or `after_rotary`. `kind` rmsnorm or layernorm; `weight_offset: 1` scales by
+    (1 + w) (Gemma 3); `bias: true` adds a learned bias (the layernorm default is no bias)."""
+    kind: Literal["rmsnorm", "layernorm"]
     eps: Num
     q: StrictStr = "q_norm"
     k: StrictStr = "k_norm"
-    weight_offset: Union[StrictInt, StrictFloat] = 0   # y = x_normed * (weight_offset + w) (Gemma 3: 1)
+    over: Literal["head", "projection"] = "head"
+    # `over: head` only: `per_head` gives each head a weight of its own, [heads, head_dim] (Cohere's use_qk_norm)
+    weights: Literal["shared", "per_head"] = "shared"
+    at: Literal["before_rotary", "after_rotary"] = "before_rotary"
+    weight_offset: Union[StrictInt, StrictFloat] = 0
+    bias: StrictBool = False
+    # a bool config symbol (or expression): the q/k norms exist only in the checkpoints where it holds (Cohere's
+    # use_qk_norm, StableLM's qk_layernorm); false: no q/k norm
+    enabled: Flag = True
 
 
 class Rotary(Strict):
@@ -150,6 +167,8 @@ class AttentionBlock(Strict):
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
     softcap: Optional[Num] = None        # attention logit soft-capping: cap * tanh(scores / cap); None = off
+    clip_qkv: Optional[Num] = None       # q, k, v clamped to [-c, c] after the projection (and a projection-wide
+                                         # qk_norm); an optional symbol that is None turns it off (OLMo, DBRX)
 
 
 class GatedMLPBlock(Strict):
@@ -242,12 +261,13 @@ class Choice(Strict):
 
 
 class ResidualStep(Strict):
-    """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add).
+    """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add). Without
+    `norm` the block reads the residual stream itself (h = B(residual); OLMo 2's post-norm-only steps).
     `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2);
     `scale: S` multiplies it (after the post-norm) before it joins the residual (Granite).
     `block` may be a per-layer choice `{if: expr, then: A, else: B}` (e.g. a MoE on some layers, a dense MLP on
     the others)."""
-    norm: StrictStr
+    norm: Optional[StrictStr] = None
     block: Union[StrictStr, Choice]
     post_norm: Optional[StrictStr] = None
     scale: Optional[Num] = None          # the block's output is multiplied by it before it joins the residual
@@ -260,10 +280,22 @@ class ParallelStep(Strict):
     parallel: List[ResidualStep]
 
 
+class DataflowChoice(Strict):
+    """`{if: <bool expression over config symbols>, then: [steps], else: [steps]}`: the layer's dataflow chosen
+    per checkpoint (StableLM's and GPT-NeoX's `use_parallel_residual`). Each is a list of residual / parallel
+    steps; a block used by one of them only exists in that one's checkpoints. Rendered as two layer classes (the
+    `then` one named `<class_prefix><name>DecoderLayer`; `name` defaults to the flag in CamelCase), picked when
+    the model is built."""
+    if_: StrictStr = Field(alias="if")
+    then: List[Union[ResidualStep, ParallelStep]]
+    else_: List[Union[ResidualStep, ParallelStep]] = Field(alias="else")
+    name: Optional[StrictStr] = None
+
+
 class Layers(Strict):
     count: Dim
     blocks: Dict[StrictStr, LayerBlock]
-    dataflow: List[Union[ResidualStep, ParallelStep]]
+    dataflow: Union[List[Union[ResidualStep, ParallelStep]], DataflowChoice]
 
 
 class Deepstack(Strict):

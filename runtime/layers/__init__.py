@@ -23,7 +23,7 @@ from xllm_gen.runtime.layers.linear import (
                                             RowParallelLinear,
 )
 from xllm_gen.runtime.layers.moe import FusedMoE
-from xllm_gen.runtime.layers.norm import LayerNorm, RMSNorm
+from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
                                             Rotary,
@@ -34,7 +34,7 @@ from xllm_gen.runtime.layers.rotary import (
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
-    "RMSNorm", "LayerNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
+    "RMSNorm", "LayerNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",

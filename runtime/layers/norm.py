@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime import ops
+from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
+from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, split_segment
 
 
 class RMSNorm(nn.Module):
@@ -17,44 +19,59 @@ class RMSNorm(nn.Module):
     `weight * x_normed.to(input_dtype)`). weight_offset 1.0: the (1 + w) norm, all in float32
     (`x_normed * (1.0 + weight.float())`, then cast to the input dtype); the checkpoint stores w (zero-centred).
 
+    bias=True adds a learned `bias` [dim] to the output.
+
     forward(x) -> y; forward(x, residual) -> (y, x + residual) with y = rmsnorm(x + residual);
     forward(x, None) -> (rmsnorm(x), x)  (the first layer of a residual stream).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0):
+    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0, bias: bool = False):
         super().__init__()
         self.dim = dim
         self.eps = eps
         self.weight_offset = float(weight_offset)
         self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
         if residual is ...:
-            return ops.rms_norm(x, self.weight, self.eps, self.weight_offset)
+            return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset))
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps, self.weight_offset), x
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
+            return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset)), x
+        y, r = ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
+        return self._biased(y), r
+
+    def _biased(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}" + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+        return (f"{self.dim}, eps={self.eps}" + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+                + (", bias=True" if self.bias is not None else ""))
 
 
 class LayerNorm(nn.Module):
-    """nn.LayerNorm math with params `weight` [dim] and `bias` [dim] (when bias=True).
+    """nn.LayerNorm math with params `weight` [dim] (when weight=True) and `bias` [dim] (when bias=True);
+    weight_offset 1.0 scales by (1 + weight). Without weight and bias (a non-parametric LayerNorm) it
+    normalizes in float32 and casts back.
 
     Same residual protocol as RMSNorm, so a decoder step may use either: forward(x) -> y;
     forward(x, residual) -> (layernorm(x + residual), x + residual); forward(x, None) -> (layernorm(x), x).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, bias: bool = True):
+    def __init__(self, dim: int, eps: float = 1e-6, bias: bool = True, weight: bool = True,
+                 weight_offset: float = 0.0):
         super().__init__()
         self.dim = dim
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight_offset = float(weight_offset)
+        self.weight = nn.Parameter(torch.empty(dim)) if weight else None
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+        if self.weight is None and self.bias is None:
+            return F.layer_norm(x.float(), (self.dim,), None, None, self.eps).to(x.dtype)
+        w = self.weight + self.weight_offset if self.weight is not None and self.weight_offset else self.weight
+        return F.layer_norm(x, (self.dim,), w, self.bias, self.eps)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
         if residual is ...:
@@ -65,4 +82,100 @@ class LayerNorm(nn.Module):
         return self._norm(x), x
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, bias={self.bias is not None}"
+        return (f"{self.dim}, eps={self.eps}, bias={self.bias is not None}"
+                + (", weight=False" if self.weight is None else "")
+                + (f", weight_offset={self.weight_offset}" if self.weight_offset else ""))
+
+
+class ProjectionNorm(nn.Module):
+    """An RMSNorm / LayerNorm over a whole attention projection: all `heads` heads of `head_dim` jointly (a q / k
+    norm over the whole projection), not per head. `weight` (and `bias`) [heads * head_dim] are split over the TP ranks
+    like the projection's segment (`replicate_ok`: KV heads replicated when heads < tp, as QKVParallelLinear
+    does), so each rank normalizes its own columns; the statistics (sum, sum of squares) are all-reduced over the
+    ranks and divided by tp * local width, which counts every replicated head as often as it is held, so the mean
+    is the full projection's. At TP 1 the math is the per-token norm of RMSNorm / LayerNorm.
+
+    forward(x [tokens, local heads * head_dim]) -> same shape."""
+
+    def __init__(self, kind: str, heads: int, head_dim: int, eps: float, weight_offset: float = 0.0,
+                 bias: bool = False, replicate_ok: bool = False, name: str = "projection"):
+        super().__init__()
+        if kind not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"ProjectionNorm: kind {kind!r} is not rmsnorm or layernorm")
+        self.kind, self.eps, self.weight_offset = kind, eps, float(weight_offset)
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        problems: list = []
+        seg = split_segment(Segment(name, heads, head_dim, replicate_ok=replicate_ok), self.tp_size, self.tp_rank,
+                            problems)
+        raise_or_defer(self, problems)
+        self.dim = seg.rows
+        self.weight = nn.Parameter(torch.empty(seg.rows))
+        self.bias = nn.Parameter(torch.empty(seg.rows)) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                attach(p, ParamSplit("column", 0, (seg,), (seg.rows,), self.tp_size, self.tp_rank, "ProjectionNorm"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            if self.kind == "rmsnorm":
+                y = ops.rms_norm(x, self.weight, self.eps, self.weight_offset)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+            w = self.weight + self.weight_offset if self.weight_offset else self.weight
+            return F.layer_norm(x, (self.dim,), w, self.bias, self.eps)
+        xf = x.float()
+        n = self.tp_size * x.shape[-1]
+        if self.kind == "layernorm":
+            xf = xf - all_reduce(xf.sum(-1, keepdim=True)) / n
+        y = xf * torch.rsqrt(all_reduce(xf.pow(2).sum(-1, keepdim=True)) / n + self.eps)
+        if self.kind == "rmsnorm" and not self.weight_offset:
+            y = self.weight * y.to(x.dtype)          # HF's w-scaled RMSNorm: weight * x_normed.to(dtype)
+        else:
+            y = (y * (self.weight.float() + self.weight_offset)).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.kind}, {self.dim} (per rank), eps={self.eps}, tp={self.tp_size}"
+                + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+                + (", bias=True" if self.bias is not None else ""))
+
+
+class HeadNorm(nn.Module):
+    """An RMSNorm / LayerNorm of each head of x [tokens, heads, head_dim] over head_dim, with a weight (and bias) of
+    its own per head: `weight` [heads, head_dim], split over the TP ranks by heads like the projection's segment
+    (`replicate_ok`: KV heads replicated when heads < tp). Computed in float32 (LayerNorm as mean and variance of
+    the centred values), scaled by (weight_offset + weight), cast back to x's dtype.
+
+    forward(x [tokens, local heads, head_dim]) -> same shape."""
+
+    def __init__(self, kind: str, heads: int, head_dim: int, eps: float, weight_offset: float = 0.0,
+                 bias: bool = False, replicate_ok: bool = False, name: str = "heads"):
+        super().__init__()
+        if kind not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"HeadNorm: kind {kind!r} is not rmsnorm or layernorm")
+        self.kind, self.eps, self.weight_offset = kind, eps, float(weight_offset)
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        problems: list = []
+        seg = split_segment(Segment(name, heads, 1, replicate_ok=replicate_ok), self.tp_size, self.tp_rank, problems)
+        raise_or_defer(self, problems)
+        self.heads, self.head_dim = seg.rows, head_dim
+        self.weight = nn.Parameter(torch.empty(seg.rows, head_dim))
+        self.bias = nn.Parameter(torch.empty(seg.rows, head_dim)) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                attach(p, ParamSplit("column", 0, (seg,), (seg.rows, head_dim), self.tp_size, self.tp_rank,
+                                     "HeadNorm"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.kind == "layernorm":
+            xf = xf - xf.mean(-1, keepdim=True)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = (self.weight.float() + self.weight_offset) * y
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.kind}, heads={self.heads} (per rank), head_dim={self.head_dim}, eps={self.eps}"
+                + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+                + (", bias=True" if self.bias is not None else ""))

@@ -328,14 +328,15 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_no
     """Per-head RMSNorm of q [N, H, D] and k [N, Hk, D] (q_norm/k_norm: RMSNorm(head_dim) modules or None),
     then rotary (with its scaled cos/sin; None: no rotary on this layer). One fused Triton kernel on CUDA; the
     HF-exact reference composition on CPU. Norms the fused kernel does not cover (one of the two missing,
-    different eps, a weight_offset) or a partial / interleaved rotary run as the modules themselves, then
+    different eps, a weight_offset, a bias) or a partial / interleaved rotary run as the modules themselves, then
     rotary."""
     if rotary is None:                      # a layer without rotary (NoPE): the norms alone
         return (q if q_norm is None else q_norm(q)), (k if k_norm is None else k_norm(k))
     rotary._check_positions(positions)
     rotary._to(q.device)
     if not rotary.whole or (q_norm is None) != (k_norm is None) or (q_norm is not None and (
-            q_norm.eps != k_norm.eps or getattr(q_norm, "weight_offset", 0.0) or getattr(k_norm, "weight_offset", 0.0))):
+            q_norm.eps != k_norm.eps or getattr(q_norm, "weight_offset", 0.0) or getattr(k_norm, "weight_offset", 0.0)
+            or getattr(q_norm, "bias", None) is not None or getattr(k_norm, "bias", None) is not None)):
         if q_norm is not None:
             q = q_norm(q)
         if k_norm is not None:
