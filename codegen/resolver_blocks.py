@@ -102,8 +102,8 @@ class BlockResolver(RotaryResolver):
                                                       f"rotary only")
             fraction, rdim, layout, enabled = self.rotary_axes(rp, rot)
             qk = None
-            enabled = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
-            if b.qk_norm and enabled.literal is not False:
+            qk_on = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
+            if b.qk_norm and qk_on.literal is not False:
                 qp = path + ("qk_norm",)
                 n = b.qk_norm
                 if not math.isfinite(n.weight_offset):
@@ -115,7 +115,7 @@ class BlockResolver(RotaryResolver):
                 qk = QKNormIR(module(qp + ("q",), n.q), module(qp + ("k",), n.k),
                               self.positive(qp + ("eps",), n.eps, below=1.0), n.kind, n.over, n.at,
                               float(n.weight_offset), n.bias, n.weights == "per_head",
-                              None if enabled.literal is True else enabled)
+                              None if qk_on.literal is True else qk_on)
             clip = None
             if b.clip_qkv is not None:
                 clip = self.positive(path + ("clip_qkv",), b.clip_qkv, optional=True)
