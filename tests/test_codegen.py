@@ -143,8 +143,8 @@ BAD = {
         "hidden_act:              {type: str, from: hidden_act, default: gelu, values: [silu]}",
         "config.hidden_act.default: 'gelu' is not one of the values the spec models: silu", "default: gelu"),
     "activation_not_gated": (
-        "        activation: hidden_act", "        activation: relu",
-        "'relu' is neither a gated activation", "activation: relu"),
+        "        activation: hidden_act", "        activation: swiglu",
+        "'swiglu' is neither an activation", "activation: swiglu"),
     "negative_eps": (
         "        qk_norm: {kind: rmsnorm, eps: rms_norm_eps,", "        qk_norm: {kind: rmsnorm, eps: -1.0e-6,",
         "decoder.layers.blocks.self_attn.qk_norm.eps: must be > 0, got -1e-06", "eps: -1.0e-6"),

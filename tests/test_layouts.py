@@ -1,0 +1,137 @@
+"""Checkpoint row layouts (runtime/loading/layout.py) and the activation table (runtime/layers/activation.py).
+
+- A fused q|k|v tensor stored per head (GPT-NeoX), per KV group (Falcon new_decoder_architecture) or multi-query,
+  loaded through its RowLayout at TP 1, 2 and 4 (KV replication), equals the reference split of the same tensor
+  the way transformers splits it; the wrong layout does not; each rank reads only the span of groups it holds.
+- Every activation the runtime table names equals transformers' ACT2FN of that name, plain and gated.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xllm_gen.runtime import layers as L
+from xllm_gen.runtime.executor import distributed as D
+from xllm_gen.runtime.executor.sharding import WeightLoadError
+from xllm_gen.runtime.loading.layout import RowLayout
+
+
+def _hf_split(fused: torch.Tensor, heads: int, kv: int, hd: int, how: str):
+    """q [heads*hd, X], k, v [kv*hd, X] from a fused tensor, split exactly as transformers does (on the output
+    rows): GPT-NeoX `view(heads, 3*hd).chunk(3)`, Falcon `view(kv, heads/kv + 2, hd)`, multi-query `view(heads + 2, hd)`."""
+    rest = fused.shape[1:]
+    if how == "head":
+        t = fused.view(heads, 3 * hd, *rest)
+        q, k, v = t.chunk(3, dim=1)
+        return q.reshape(heads * hd, *rest), k.reshape(heads * hd, *rest), v.reshape(heads * hd, *rest)
+    t = fused.view(kv, heads // kv + 2, hd, *rest)
+    return (t[:, :-2].reshape(heads * hd, *rest), t[:, -2].reshape(kv * hd, *rest), t[:, -1].reshape(kv * hd, *rest))
+
+
+class CountingSlice:
+    """A tensor that records the rows each read touches (as a lazy safetensors slice would read them)."""
+
+    def __init__(self, t):
+        self.t, self.read = t, 0
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def __getitem__(self, idx):
+        out = self.t[idx]
+        self.read += out.shape[0]
+        return out
+
+
+CASES = [  # (layout per, heads, kv_heads): NeoX per head, Falcon-40B per group, Falcon-7B multi-query
+    ("head", 4, 4), ("kv_group", 4, 2), ("kv_group", 8, 2), ("kv_group", 4, 1)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("per,heads,kv", CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_layout_loads_reference_split(per, heads, kv, tp, bias):
+    hd, hidden = 3, 5
+    torch.manual_seed(0)
+    rows = (heads + 2 * kv) * hd
+    fused = torch.randn(rows, hidden) if not bias else torch.randn(rows)
+    q, k, v = _hf_split(fused, heads, kv, hd, per if per == "head" else "group")
+    layout = RowLayout(per, ("q", "k", "v"))
+    full = torch.cat([q, k, v])
+    for rank in range(tp):
+        D.init_tp(rank, tp)
+        try:
+            layer = L.QKVParallelLinear(hidden, hd, heads, kv, bias=bias)
+        finally:
+            D.reset_tp()
+        param = layer.bias if bias else layer.weight
+        src = CountingSlice(fused)
+        param.weight_loader(param, layout.view(src, param.tp_split.segments))
+        # the reference: this rank's rows of the blocked [q | k | v], as the blocked tensor itself loads
+        ref = torch.empty_like(param)
+        param.tp_split.load(ref, full)
+        assert torch.equal(param.data, ref), (per, heads, kv, tp, rank)
+        if tp > 1:   # each rank reads the groups it holds (three reads: q, k, v), not the whole tensor each time
+            assert src.read <= 3 * rows // min(tp, kv if per == "kv_group" else heads) + 3 * rows // tp
+        # the same tensor taken as blocked [q | k | v] is a different model (the sensitivity of the layout)
+        if not (per == "kv_group" and kv == 1):          # multi-query: per group with one group IS blocked
+            wrong = torch.empty_like(param)
+            param.tp_split.load(wrong, fused)
+            assert not torch.equal(wrong, ref)
+
+
+def test_layout_blocked_reorder_and_gate_up_interleave():
+    """`per: tensor` with another order ([k, v, q] stored) and `per: head` over gate | up rows (interleaved rows)."""
+    torch.manual_seed(1)
+    hd, heads, kv, hidden = 2, 4, 2, 3
+    q, k, v = torch.randn(heads * hd, hidden), torch.randn(kv * hd, hidden), torch.randn(kv * hd, hidden)
+    layer = L.QKVParallelLinear(hidden, hd, heads, kv)
+    layer.weight.weight_loader(layer.weight, RowLayout("tensor", ("k", "v", "q")).view(torch.cat([k, v, q]),
+                                                                                        layer.weight.tp_split.segments))
+    assert torch.equal(layer.weight.data, torch.cat([q, k, v]))
+    inter = 5
+    gate, up = torch.randn(inter, hidden), torch.randn(inter, hidden)
+    stored = torch.stack([gate, up], dim=1).reshape(2 * inter, hidden)        # g0 u0 g1 u1 ...
+    for tp in (1,):
+        mlp = L.MergedColumnParallelLinear(hidden, [inter, inter], segment_names=("gate", "up"))
+        w = mlp.weight
+        w.weight_loader(w, RowLayout("head", ("gate", "up")).view(stored, w.tp_split.segments))
+        assert torch.equal(w.data, torch.cat([gate, up]))
+
+
+def test_layout_errors_are_named():
+    layer = L.QKVParallelLinear(4, 2, 4, 2)
+    segs = layer.weight.tp_split.segments
+    with pytest.raises(WeightLoadError, match="per: head needs segments of equal heads"):
+        RowLayout("head", ("q", "k", "v")).view(torch.zeros(16, 4), segs)
+    with pytest.raises(WeightLoadError, match="cannot hold the segments"):
+        RowLayout("kv_group", ("q", "k", "v")).view(torch.zeros(18, 4), segs)
+    with pytest.raises(WeightLoadError, match="must name the parameter's segments"):
+        RowLayout("kv_group", ("q", "k")).view(torch.zeros(16, 4), segs)
+    with pytest.raises(ValueError, match="per must be one of"):
+        RowLayout("row", ("q", "k", "v"))
+
+
+# ------------------------------------------------------------------------------------------------ activations
+def test_activations_match_act2fn():
+    """Each name of the runtime's table is transformers' ACT2FN of that name (looked up there, not copied)."""
+    from transformers.activations import ACT2FN
+
+    from xllm_gen.runtime.layers.activation import ACTIVATIONS, GATED_ACTIVATIONS
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 64) * 4
+    from xllm_gen.codegen import resolver_blocks
+
+    assert set(GATED_ACTIVATIONS) == set(ACTIVATIONS) == set(resolver_blocks.ACTIVATIONS)   # what specs may name
+    assert set(resolver_blocks.GATED_ACTIVATIONS) <= set(ACTIVATIONS)                      # moe experts (fused)
+    for name in ACTIVATIONS:
+        ref = ACT2FN[name]
+        torch.testing.assert_close(L.act(name)(x), ref(x), rtol=0, atol=1e-6, msg=name)
+        gate, up = x[:, :32], x[:, 32:]
+        torch.testing.assert_close(L.gated_act(name)(x), ref(gate) * up, rtol=0, atol=1e-5, msg=name)
+    for name in ("relu2", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "silu", "swish", "relu",
+                 "gelu", "tanh", "sigmoid", "mish"):
+        assert name in ACTIVATIONS
+    with pytest.raises(ValueError, match="unsupported activation 'nope'"):
+        L.act("nope")
