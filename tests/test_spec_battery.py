@@ -337,5 +337,24 @@ def test_explicit_head_dim_is_read(spec):
     level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     level["head_dim"] = 2 * level["hidden_size"] // level["num_attention_heads"]   # not the hidden / heads default
     model_module, _ = registry.resolve(cfg)
+    if not _hf_reads_head_dim(spec.architecture, level["head_dim"]):
+        # transformers computes hidden / heads and ignores the field (GPT-NeoX, Falcon): so must the spec
+        config = model_module.Config.from_hf(cfg)
+        assert config.head_dim == level["hidden_size"] // level["num_attention_heads"], \
+            f"{spec.name}: transformers ignores config.json head_dim, but the spec reads it"
+        return
     config = model_module.Config.from_hf(cfg)
     assert config.head_dim == level["head_dim"], f"{spec.name}: config.json head_dim is not read"
+
+
+def _hf_reads_head_dim(architecture: str, head_dim: int) -> bool:
+    """Whether transformers' model of the architecture changes shape with config.json's head_dim (built on meta)."""
+    import torch
+    from fixtures.tiny_hf import model_class
+
+    def shapes(**extra):
+        config = tiny_config(architecture, extra or None)
+        with torch.device("meta"):
+            return {n: tuple(p.shape) for n, p in model_class(architecture)(config).named_parameters()}
+    return shapes() != shapes(**{("text_config.head_dim" if hasattr(tiny_config(architecture), "text_config")
+                                   else "head_dim"): head_dim})
