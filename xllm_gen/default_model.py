@@ -121,12 +121,15 @@ def widen_init(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    # token embeddings by module type (GPT-NeoX embed_in, Falcon word_embeddings), not only by name
+    embeddings = {f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, torch.nn.Embedding)}
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if "embed_tokens" in name or (name.endswith("pos_embed.weight")):
+            if "embed_tokens" in name or (name.endswith("pos_embed.weight")) or name in embeddings:
                 std = embed_std
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-            elif "norm" in name and name.endswith("weight"):
+            elif ("norm" in name and name.endswith("weight")) or (name.endswith(".weight") and p.dim() == 1):
+                # a 1-D weight is a norm's (Falcon's ln_attn / ln_mlp / ln_f)
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
@@ -136,7 +139,8 @@ def widen_init(
                 g = gain
                 if name.startswith("lm_head"):
                     g = head_gain
-                elif name.endswith(("o_proj.weight", "down_proj.weight")) or (
+                elif name.endswith(("o_proj.weight", "down_proj.weight", "attention.dense.weight",
+                                    "dense_4h_to_h.weight")) or (
                     "deepstack_merger_list" in name and name.endswith("linear_fc2.weight")
                 ):
                     g = out_gain
