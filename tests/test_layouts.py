@@ -135,3 +135,92 @@ def test_activations_match_act2fn():
         assert name in ACTIVATIONS
     with pytest.raises(ValueError, match="unsupported activation 'nope'"):
         L.act("nope")
+
+
+# ------------------------------------------------------------------------ specs: parity arms of the primitives
+from test_spec_battery import Tokens, _assert_same  # noqa: E402  (the battery's HF / engine runner)
+
+_TOKENS = Tokens()
+
+
+def _flat(tokens) -> bool:
+    return all(len(set(t)) <= 2 for t in tokens)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_falcon_multi_query_matches_hf(tiny_checkpoint, tp):
+    """num_kv_heads 1 (multi-query): the per-KV-group qkv is one group [q * heads, k, v]; at TP 2 both ranks hold
+    the one KV head (replication)."""
+    ckpt = tiny_checkpoint("FalconForCausalLM", overrides={"num_kv_heads": 1})
+    want = _TOKENS.hf(ckpt)
+    assert not _flat(want)
+    _assert_same(_TOKENS.engine(ckpt, tp), want, f"falcon multi-query tp={tp}")
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("FalconForCausalLM", {"bias": True}),                  # biases on qkv (per KV group), dense and the MLP
+    ("GPTNeoXForCausalLM", {"attention_bias": False}),      # no q/k/v/o biases, MLP biases kept
+])
+def test_biases_per_projection_match_hf(tiny_checkpoint, arch, overrides):
+    ckpt = tiny_checkpoint(arch, overrides=overrides)
+    base = tiny_checkpoint(arch)
+    want = _TOKENS.hf(ckpt)
+    assert want != _TOKENS.hf(base), f"{arch} {overrides}: the biases do not change transformers' output"
+    _assert_same(_TOKENS.engine(ckpt), want, f"{arch} {overrides}")
+
+
+@pytest.mark.parametrize("arch, module, overrides", [
+    ("GPTNeoXForCausalLM", "gpt_neox", None),
+    ("FalconForCausalLM", "falcon", {"bias": True}),
+])
+def test_wrong_layout_breaks_parity(tiny_checkpoint, monkeypatch, arch, module, overrides):
+    """The sensitivity arm: the same checkpoint read as blocked [q | k | v] (the layout dropped) serves another model."""
+    import importlib
+
+    ckpt = tiny_checkpoint(arch, overrides=overrides)
+    want = _TOKENS.hf(ckpt)
+    _assert_same(_TOKENS.engine(ckpt), want, f"{arch} with its layout")
+    mod = importlib.import_module(f"xllm_gen.generated.{module}.model")
+    assert mod.WEIGHT_LAYOUTS
+    monkeypatch.setattr(mod, "WEIGHT_LAYOUTS", {})
+    from xllm_gen import LLM, SamplingParams
+    from test_spec_battery import BLOCK_SIZE, MAX_TOKENS, _requests
+
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=BLOCK_SIZE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            _requests(ckpt), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got != want, f"{arch}: reading the fused qkv as blocked does not change the output"
+
+
+@pytest.mark.parametrize("field, value", [("new_decoder_architecture", False), ("alibi", True),
+                                          ("num_ln_in_parallel_attn", 1), ("parallel_attn", False)])
+def test_falcon_forms_not_modelled_are_refused_by_name(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+
+    cfg = tiny_config("FalconForCausalLM").to_dict()
+    cfg[field] = value
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ConfigError, match=f"specs/falcon.yaml.*{field}"):
+        module.Config.from_hf(cfg)
+
+
+def test_gpt_neox_partial_rotary_refused_by_name():
+    """transformers' default rotary_pct is 0.25: until the rotary fraction enters the language, a checkpoint with a
+    partial rotary, or without the field, is refused."""
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+
+    cfg = tiny_config("GPTNeoXForCausalLM").to_dict()
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).rotary_pct == 1.0
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.25
+    with pytest.raises(ConfigError, match="partial_rotary_factor|rotary_pct"):
+        module.Config.from_hf(cfg)
+    del cfg["rope_parameters"]["partial_rotary_factor"]
+    with pytest.raises(ConfigError, match="rotary_pct"):
+        module.Config.from_hf(cfg)
