@@ -183,8 +183,9 @@ def test_wrong_layout_breaks_parity(tiny_checkpoint, monkeypatch, arch, module, 
     mod = importlib.import_module(f"xllm_gen.generated.{module}.model")
     assert mod.WEIGHT_LAYOUTS
     monkeypatch.setattr(mod, "WEIGHT_LAYOUTS", {})
-    from xllm_gen import LLM, SamplingParams
     from test_spec_battery import BLOCK_SIZE, MAX_TOKENS, _requests
+
+    from xllm_gen import LLM, SamplingParams
 
     with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=BLOCK_SIZE) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(

@@ -121,7 +121,7 @@ def widen_init(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    # token embeddings by module type (GPT-NeoX embed_in, Falcon word_embeddings), not only by name
+    # token embeddings by module type (embed_in, word_embeddings), not only by name
     embeddings = {f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, torch.nn.Embedding)}
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -129,7 +129,7 @@ def widen_init(
                 std = embed_std
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif ("norm" in name and name.endswith("weight")) or (name.endswith(".weight") and p.dim() == 1):
-                # a 1-D weight is a norm's (Falcon's ln_attn / ln_mlp / ln_f)
+                # a 1-D weight is a norm's (ln_attn / ln_mlp / ln_f)
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)

@@ -86,7 +86,7 @@ ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "relu": F.relu,
-    "relu2": _relu2,                  # squared ReLU (Nemotron, Primer)
+    "relu2": _relu2,                  # squared ReLU
     "relu6": F.relu6,
     "leaky_relu": F.leaky_relu,
     "gelu": lambda x: F.gelu(x, approximate="none"),

@@ -5,11 +5,11 @@ all of q's rows, then k's, then v's. Checkpoints store some of them otherwise:
 
     per: tensor     [s1 | s2 | ...] in the `order` given (a blocked tensor whose segments come in another order)
     per: head       [h0: s1 s2 ..., h1: s1 s2 ..., ...]: one group per head; every segment has the same number of
-                    heads (GPT-NeoX / Bloom `query_key_value` stored per head as [q k v])
+                    heads (a fused q|k|v stored per head as [q k v])
     per: kv_group   [g0: s1 s2 ..., g1: ...]: one group per head of the segment with the fewest heads, each group
-                    holding heads / groups heads of every segment (Falcon's new_decoder_architecture
-                    `query_key_value`, stored per KV group as [q * (heads / kv_heads), k, v]; with one KV head it
-                    is the blocked multi-query [q * heads, k, v]; with as many KV heads as heads it is per head)
+                    holding heads / groups heads of every segment (a GQA q|k|v stored per KV group as
+                    [q * (heads / kv_heads), k, v]; with one KV head it is the blocked multi-query [q * heads, k, v];
+                    with as many KV heads as heads it is per head)
 
 A head is `unit` rows (head_dim for attention; 1 for an MLP's rows, so `per: head` over gate | up is the
 row-interleaved [g0 u0 g1 u1 ...]). `LayoutView` presents the checkpoint tensor as the blocked one the parameter's
