@@ -225,3 +225,37 @@ def test_gpt_neox_partial_rotary_refused_by_name():
     del cfg["rope_parameters"]["partial_rotary_factor"]
     with pytest.raises(ConfigError, match="rotary_pct"):
         module.Config.from_hf(cfg)
+
+
+# ------------------------------------------------------------------------------------------ compile errors
+_QKV = "model.layers.{i}.self_attention.query_key_value"
+
+
+@pytest.mark.parametrize("body, match", [
+    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, x], per: kv_group}}\n",
+     r"child\.yaml:\d+:\d+: .*layout\.interleave: must name each of the parameter's segments \['q', 'k', 'v'\] once"),
+    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, v], per: row}}\n",
+     r"child\.yaml:\d+:\d+: .*per"),
+    ("weights:\n  model.layers.{i}.self_attention.dense.weight:\n    from: x.{i}.dense\n"
+     "    layout: {interleave: [q, k, v], per: head}\n",
+     r"child\.yaml:\d+:\d+: .*layout: only a fused column-parallel parameter"),
+    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, v], per: head}}\n",
+     r"child\.yaml:\d+:\d+: error: variants\.falcon-40b: .*layout per: head needs every segment to have as many "
+     r"heads, got q: 128, k: 8, v: 8"),
+    (f"weights:\n  {_QKV}.weight:\n    from: {{q: 'a.{{i}}.q', k: 'a.{{i}}.k', v: 'a.{{i}}.v'}}\n"
+     f"    layout: {{interleave: [q, k, v], per: head}}\n",
+     r"child\.yaml:\d+:\d+: .*a layout describes one fused checkpoint tensor"),
+    ("checkpoint_prefixes:\n  model.layer.: transformer.h.\n",
+     r"child\.yaml:\d+:\d+: .*checkpoint_prefixes: no parameter name starts with 'model\.layer\.'"),
+])
+def test_layout_compile_errors_are_located(tmp_path, body, match):
+    from pathlib import Path
+
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError, SpecErrors
+
+    spec = Path(__file__).resolve().parents[1] / "specs" / "falcon.yaml"
+    child = tmp_path / "child.yaml"
+    child.write_text(f"spec_version: 2\nextends: {spec}\nname: layout_child\n" + body)
+    with pytest.raises((SpecError, SpecErrors), match=match):
+        compile_spec(child)
