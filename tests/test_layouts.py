@@ -225,6 +225,10 @@ def test_gpt_neox_partial_rotary_refused_by_name():
     del cfg["rope_parameters"]["partial_rotary_factor"]
     with pytest.raises(ConfigError, match="rotary_pct"):
         module.Config.from_hf(cfg)
+    cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
+    cfg["use_parallel_residual"] = False          # the sequential form: needs the dataflow-by-flag primitive
+    with pytest.raises(ConfigError, match="specs/gpt_neox.yaml.*use_parallel_residual"):
+        module.Config.from_hf(cfg)
 
 
 # ------------------------------------------------------------------------------------------ compile errors
