@@ -13,8 +13,10 @@ all of q's rows, then k's, then v's. Checkpoints store some of them otherwise:
 
 A head is `unit` rows (head_dim for attention; 1 for an MLP's rows, so `per: head` over gate | up is the
 row-interleaved [g0 u0 g1 u1 ...]). `LayoutView` presents the checkpoint tensor as the blocked one the parameter's
-weight loader expects; a row range read through it reads only the span of groups holding those rows (a lazy
-safetensors slice), so each rank still reads about its own share of the tensor, never the whole of it.
+weight loader expects; a row range read through it reads only the whole groups holding those rows (a lazy
+safetensors slice), once for all segments: each rank reads exactly its share of the tensor (tensor rows / TP), or,
+when TP exceeds the groups (KV heads replicated), the one group it serves; never the whole tensor (`per: tensor`
+is one group: there each rank reads the whole tensor once, as a blocked fused tensor without a layout does not).
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class LayoutView:
                 raise WeightLoadError(f"layout per: kv_group: segment {bad[0]!r} has {heads[bad[0]]} heads, not a "
                                       f"multiple of the {groups} groups")
         self.base, self.groups = base, groups
+        self._span = None                                                   # (lo, hi, rows) last read
         unit = {n: u for n, _, u in segments}
         per_group = {n: heads[n] // groups * unit[n] for n in names}       # rows of a segment in one group
         self.group_rows = sum(per_group.values())
@@ -106,6 +109,11 @@ class LayoutView:
         rows = self._rows(a, max(a, b))
         if not rows:
             return self.base[(slice(0, 0),) + rest] if rest else self.base[0:0]
-        lo, hi = min(rows), max(rows) + 1           # one contiguous read of the groups that hold the rows
-        span = self.base[(slice(lo, hi),) + rest] if rest else self.base[lo:hi]
-        return span[torch.tensor(rows) - lo]
+        # one contiguous read of the whole groups that hold the rows
+        g = self.group_rows
+        lo, hi = min(rows) // g * g, -(-(max(rows) + 1) // g) * g
+        if rest:
+            return self.base[(slice(lo, hi),) + rest][torch.tensor(rows) - lo]
+        if self._span is None or not (self._span[0] <= lo and hi <= self._span[1]):
+            self._span = (lo, hi, self.base[lo:hi])  # q, k and v of a rank's groups: one read for all three
+        return self._span[2][torch.tensor(rows) - self._span[0]]
