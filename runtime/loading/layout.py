@@ -15,8 +15,8 @@ A head is `unit` rows (head_dim for attention; 1 for an MLP's rows, so `per: hea
 row-interleaved [g0 u0 g1 u1 ...]). `LayoutView` presents the checkpoint tensor as the blocked one the parameter's
 weight loader expects; a row range read through it reads only the whole groups holding those rows (a lazy
 safetensors slice), once for all segments: each rank reads exactly its share of the tensor (tensor rows / TP), or,
-when TP exceeds the groups (KV heads replicated), the one group it serves; never the whole tensor (`per: tensor`
-is one group: there each rank reads the whole tensor once, as a blocked fused tensor without a layout does not).
+when TP exceeds the groups (KV heads replicated), the one group it serves; never the whole tensor (`per: tensor`,
+one group, reads each segment's rows of the rank, as a blocked fused tensor without a layout does).
 """
 from __future__ import annotations
 
@@ -109,10 +109,12 @@ class LayoutView:
         rows = self._rows(a, max(a, b))
         if not rows:
             return self.base[(slice(0, 0),) + rest] if rest else self.base[0:0]
-        # one contiguous read of the whole groups that hold the rows
+        # one contiguous read of the whole groups that hold the rows (blocked, one group: just the rows)
         g = self.group_rows
         lo, hi = min(rows) // g * g, -(-(max(rows) + 1) // g) * g
-        if rest:
+        if self.groups == 1:
+            lo, hi = min(rows), max(rows) + 1
+        if rest or self.groups == 1:
             return self.base[(slice(lo, hi),) + rest][torch.tensor(rows) - lo]
         if self._span is None or not (self._span[0] <= lo and hi <= self._span[1]):
             self._span = (lo, hi, self.base[lo:hi])  # q, k and v of a rank's groups: one read for all three
