@@ -171,12 +171,14 @@ def test_falcon_multi_query_matches_hf(tiny_checkpoint, tp):
 @pytest.mark.parametrize("arch, overrides", [
     ("FalconForCausalLM", {"bias": True}),                  # biases on qkv (per KV group), dense and the MLP
     ("GPTNeoXForCausalLM", {"attention_bias": False}),      # no q/k/v/o biases, MLP biases kept
+    ("FalconForCausalLM", {"activation": "relu"}),          # another activation of the table
+    ("GPTNeoXForCausalLM", {"hidden_act": "relu"}),
 ])
-def test_biases_per_projection_match_hf(tiny_checkpoint, arch, overrides):
+def test_biases_and_activations_match_hf(tiny_checkpoint, arch, overrides):
     ckpt = tiny_checkpoint(arch, overrides=overrides)
     base = tiny_checkpoint(arch)
     want = _TOKENS.hf(ckpt)
-    assert want != _TOKENS.hf(base), f"{arch} {overrides}: the biases do not change transformers' output"
+    assert want != _TOKENS.hf(base), f"{arch} {overrides}: the feature does not change transformers' output"
     _assert_same(_TOKENS.engine(ckpt), want, f"{arch} {overrides}")
 
 
