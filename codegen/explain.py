@@ -186,7 +186,8 @@ def format_resolved(ir: ModelIR) -> str:
         if p.when is not None:
             cond += f"  [only where {'' if p.when[1] else 'not '}({p.when[0]})]"
         w(f"  {p.name}  {shape}  {shard}{cond}")
-        w(f"      <- {' + '.join(wt.sources)}")
+        w(f"      <- {' + '.join(wt.sources)}"
+          + (f" (rows per {wt.layout[0]}: {' '.join(wt.layout[1])})" if wt.layout else ""))
     if ir.ignored:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))
     w("")

@@ -188,6 +188,7 @@ class ParamIR:
 class WeightIR:
     param: ParamIR
     sources: Tuple[str, ...]      # with "{i}" for the layer index
+    layout: Optional[Tuple[str, Tuple[str, ...]]] = None   # (per, interleave) of one fused tensor's rows
 
     @property
     def shard(self) -> str:

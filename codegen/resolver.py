@@ -52,6 +52,7 @@ from .yaml_loader import display_path
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 from .resolver_dataflow import DataflowResolver
+from .resolver_layouts import LayoutResolver
 from .resolver_vision import VisionResolver
 
 
@@ -91,10 +92,11 @@ MAX_SIZE = 2 ** 31 - 1
 MAX_LAYERS = 10_000
 
 
-class _Resolver(BlockResolver, VisionResolver, DataflowResolver):
+class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
+        self.layouts_to_check: list = []   # (path, where, param, per) of `weights` row layouts, checked per variant
         self.smap = loaded.tree.smap
         self.config: Dict[str, ConfigFieldIR] = {}
         self.positives: List[Tuple[tuple, Value]] = []   # (path, value) that must be > 0 in every variant
@@ -238,6 +240,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver):
 
         params = self.collect_params(embed, layer, norm, lm_head)
         weights = self.resolve_weights(params)
+        self.check_prefixes(params)
         if vision:
             vparams = self.vision_params(vision)
             vision = dataclasses.replace(vision, weights=self.resolve_weights(vparams, ("vision", "weights")))
@@ -249,6 +252,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver):
         tp_sizes = self.resolve_tp()
         variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack, levels, vision, embed)
                          for name in s.variants)
+        for v in variants:
+            self.check_layout_variant(v.name, dict(v.values))
         return ModelIR(
             name=s.name, spec_path=display_path(self.tree.files[0]),
             spec_files=tuple(display_path(f) for f in self.tree.files), description=s.description.strip(),
@@ -639,7 +644,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver):
                                    f"{p.block}: fused parameter '{shown}' has no entry in `{where_s}`: say which "
                                    f"checkpoint tensor fills each segment ('{shown}: {{from: {{{names}}}}}')",
                                    at_key=True)
-                sources = (p.name,)
+                sources = (self.checkpoint_name(p.name) if top else p.name,)
             elif isinstance(e.from_, str):
                 sources = (rename(e.from_),)
             else:
@@ -668,7 +673,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver):
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': only per-layer tensors "
                                                      f"may use {{i}}, only stacked expert parameters {{e}}, and no "
                                                      f"other placeholder exists")
-            out.append(WeightIR(p, sources))
+            out.append(WeightIR(p, sources, None if e is None else
+                                self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e)))
         return tuple(out)
 
     def resolve_ignored(self) -> Tuple[str, ...]:

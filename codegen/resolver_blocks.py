@@ -34,9 +34,14 @@ from .schema import (
     RMSNormBlock,
 )
 
-# Hugging Face activation names (config hidden_act) the runtime's gated activations implement
+# Hugging Face activation names (config hidden_act) with a fused gated kernel: what a moe block's experts admit
 GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
-ACTIVATIONS = ("silu", "swish", "relu", "gelu", "gelu_pytorch_tanh", "gelu_new")   # runtime layers.act
+# the runtime's activation table (runtime/layers/activation.py ACTIVATION_FNS, each equal to transformers' ACT2FN of
+# that name): what an mlp and a gated_mlp block admit, plain or gated (the compiler does not import torch: the
+# two lists are compared in tests/test_layouts.py)
+ACTIVATIONS = ("silu", "swish", "relu", "relu2", "relu6", "leaky_relu", "gelu", "gelu_python", "gelu_10",
+               "gelu_pytorch_tanh", "gelu_new", "gelu_accurate", "gelu_python_tanh", "gelu_fast", "quick_gelu", "tanh",
+               "sigmoid", "mish", "hardswish", "sqrtsoftplus", "laplace", "linear")
 
 
 def _is_int(v: Any) -> bool:
@@ -147,7 +152,7 @@ class BlockResolver(RotaryResolver):
                 raise self.err(path + ("gate_up", "segments"), f"{self._where(path)}.gate_up.segments: the forward "
                                                               f"pass splits the fused projection as [gate, up]; got "
                                                               f"{list(segs)}")
-            act = self.activation(path + ("activation",), b.activation)
+            act = self.activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation")
             g = self.ident(path + ("gate_up", "name"), b.gate_up.name, "module name")
             dn = self.ident(path + ("down", "name"), b.down.name, "module name")
             if g == dn:

@@ -318,6 +318,17 @@ class Decoder(Strict):
     deepstack: Optional[Deepstack] = None
 
 
+class RowLayout(Strict):
+    """How the rows of one fused checkpoint tensor are laid out (undone at load, before TP sharding).
+    `interleave`: the parameter's segments in the order the checkpoint stores them within a group; `per`:
+    `tensor` (one group: the segments blocked in that order, "split by sizes"), `head` (one group per head, every
+    segment with as many heads: GPT-NeoX `query_key_value` [h0: q k v, h1: q k v, ...]), `kv_group` (one group per
+    head of the segment with the fewest heads, each holding heads / groups heads of every segment: Falcon's
+    [g0: q * (heads / kv_heads), k, v, g1: ...]; with one KV head the multi-query [q * heads, k, v])."""
+    interleave: List[StrictStr]
+    per: Literal["tensor", "head", "kv_group"]
+
+
 class WeightEntry(Strict):
     """Where one parameter comes from in the checkpoint (names only: the layer kind implies the sharding).
 
@@ -326,6 +337,8 @@ class WeightEntry(Strict):
     (which is the order of its forward split). `{i}` stands for the layer index, `{e}` for the expert index of a
     stacked expert parameter (the per-expert tensors are stacked at load; each rank reads only its slices)."""
     from_: Union[StrictStr, Dict[StrictStr, StrictStr]] = Field(alias="from")
+    # the row layout of a single fused tensor (`from` one name) stored per head / per KV group / reordered
+    layout: Optional[RowLayout] = None
 
 
 # ---- vision tower ----------------------------------------------------------------------------------------
@@ -441,6 +454,9 @@ class Spec(Strict):
     vision: Optional[Vision] = None      # a vision tower (multimodal models)
     # parameter name -> checkpoint tensor(s), only where they differ ({i} = layer index)
     weights: Dict[StrictStr, WeightEntry] = {}
+    # parameter-name prefix -> checkpoint-name prefix, for every parameter without a `weights` entry (the longest
+    # matching prefix wins): `{model.layers.: transformer.h., lm_head.: embed_out.}`
+    checkpoint_prefixes: Dict[StrictStr, StrictStr] = {}
     ignore_checkpoint_tensors: List[StrictStr] = []  # regexes of checkpoint tensors that are not parameters
     tensor_parallel: TensorParallel      # TP sizes every variant's shapes must allow (a static check)
     # named config.json value sets (symbol -> value; others take their defaults) for static checks and --explain

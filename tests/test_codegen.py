@@ -143,8 +143,8 @@ BAD = {
         "hidden_act:              {type: str, from: hidden_act, default: gelu, values: [silu]}",
         "config.hidden_act.default: 'gelu' is not one of the values the spec models: silu", "default: gelu"),
     "activation_not_gated": (
-        "        activation: hidden_act", "        activation: relu",
-        "'relu' is neither a gated activation", "activation: relu"),
+        "        activation: hidden_act", "        activation: swiglu",
+        "'swiglu' is neither an activation", "activation: swiglu"),
     "negative_eps": (
         "        qk_norm: {kind: rmsnorm, eps: rms_norm_eps,", "        qk_norm: {kind: rmsnorm, eps: -1.0e-6,",
         "decoder.layers.blocks.self_attn.qk_norm.eps: must be > 0, got -1e-06", "eps: -1.0e-6"),
@@ -537,8 +537,8 @@ def test_all_specs_in_one_call_and_name_clash(tmp_path, capsys):
 # ---- the non-gated mlp block (specs/starcoder2.yaml) -------------------------------------------------------
 @pytest.mark.parametrize("body, match", [
     ("decoder:\n  layers:\n    blocks:\n      mlp: {activation: swiglu}\n",
-     r"child\.yaml:\d+:\d+: .*mlp\.activation: 'swiglu' is neither an activation \(silu, swish, relu, gelu, "
-     r"gelu_pytorch_tanh, gelu_new\) nor a str config symbol"),
+     r"child\.yaml:\d+:\d+: .*mlp\.activation: 'swiglu' is neither an activation \(silu, swish, relu, relu2, "
+     r".*, gelu_pytorch_tanh, gelu_new, .*\) nor a str config symbol"),
     ("config:\n  hidden_act: {values: [gelu_pytorch_tanh, geglu]}\n",
      r"config\.hidden_act\.values: 'geglu' is not an activation the runtime has"),
     ("decoder:\n  layers:\n    blocks:\n      mlp: {down: {name: c_fc}}\n", r"module name 'c_fc' is already used"),

@@ -342,6 +342,12 @@ def test_explicit_head_dim_is_read(spec):
     text = getattr(hf_cfg, "text_config", None) or hf_cfg      # attribute names (GPT-J's n_embd is hidden_size)
     level["head_dim"] = 2 * text.hidden_size // text.num_attention_heads   # not the hidden / heads default
     model_module, _ = registry.resolve(cfg)
+    if not _hf_reads_head_dim(spec.architecture, level["head_dim"]):
+        # transformers computes hidden / heads and ignores the field (GPT-NeoX, Falcon): so must the spec
+        config = model_module.Config.from_hf(cfg)
+        assert config.head_dim == level["hidden_size"] // level["num_attention_heads"], \
+            f"{spec.name}: transformers ignores config.json head_dim, but the spec reads it"
+        return
     config = model_module.Config.from_hf(cfg)
     if not _hf_reads_head_dim(spec.architecture, level["head_dim"]):
         return           # a family whose transformers class ignores head_dim (GPT-J): loading is enough
@@ -349,13 +355,17 @@ def test_explicit_head_dim_is_read(spec):
 
 
 def _hf_reads_head_dim(architecture: str, head_dim: int) -> bool:
-    """Whether transformers' class builds its attention with a config's explicit head_dim (most do; GPT-J
-    computes hidden / heads whatever the config says)."""
-    import transformers
-    cls = getattr(transformers, architecture)
-    cfg = tiny_config(architecture)
-    text = getattr(cfg, "text_config", None) or cfg
-    text.head_dim = head_dim
-    with torch.device("meta"):
-        model = cls(cfg)
-    return any(getattr(m, "head_dim", None) == head_dim for m in model.modules())
+    """Whether transformers' model of the architecture changes shape with config.json's head_dim (built on meta)."""
+    import torch
+    from fixtures.tiny_hf import model_class
+
+    def shapes(**extra):
+        try:
+            config = tiny_config(architecture, extra or None)
+        except AttributeError:      # head_dim is a read-only property of the config class (Falcon): never read
+            return None
+        with torch.device("meta"):
+            return {n: tuple(p.shape) for n, p in model_class(architecture)(config).named_parameters()}
+    changed = shapes(**{("text_config.head_dim" if hasattr(tiny_config(architecture), "text_config")
+                                   else "head_dim"): head_dim})
+    return changed is not None and changed != shapes()

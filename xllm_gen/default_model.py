@@ -121,7 +121,8 @@ def widen_init(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    # embeddings and norms by module type too, where their names do not say it (GPT-J's wte, ln_1, ln_f)
+    # embeddings and norms by module type too, where their names do not say it (GPT-J's wte, ln_1, ln_f;
+    # embed_in, word_embeddings); a 1-D weight is a norm's (ln_attn / ln_mlp)
     embeds = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     norms = {f"{n}.weight" for n, m in model.named_modules() if "Norm" in type(m).__name__}
     with torch.no_grad():
@@ -129,7 +130,8 @@ def widen_init(
             if "embed_tokens" in name or (name.endswith("pos_embed.weight")) or name in embeds:
                 std = embed_std
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-            elif ("norm" in name or name in norms) and name.endswith("weight"):
+            elif (("norm" in name or name in norms) and name.endswith("weight")) or (
+                    name.endswith(".weight") and p.dim() == 1):
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
@@ -139,7 +141,8 @@ def widen_init(
                 g = gain
                 if name.startswith("lm_head"):
                     g = head_gain
-                elif name.endswith(("o_proj.weight", "down_proj.weight")) or (
+                elif name.endswith(("o_proj.weight", "down_proj.weight", "attention.dense.weight",
+                                    "dense_4h_to_h.weight")) or (
                     "deepstack_merger_list" in name and name.endswith("linear_fc2.weight")
                 ):
                     g = out_gain

@@ -1,6 +1,10 @@
-"""Activations: gated (SiluAndMul, GeluAndMul, `gated_act` from a Hugging Face activation name), GELU, and plain
-ones (`act`, for a non-gated MLP)."""
+"""Activations: the table of Hugging Face activation names (ACTIVATION_FNS, transformers' ACT2FN computed alike),
+gated (SiluAndMul, GeluAndMul fused; ActAndMul for the others; `gated_act` by name), GELU, and plain ones (`act`, for
+a non-gated MLP)."""
 from __future__ import annotations
+
+import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,42 +54,110 @@ class GELU(nn.Module):
         return f"approximate={self.approximate!r}"
 
 
-# Hugging Face activation names (config `hidden_act` / `hidden_activation`) -> gated op. gelu_new is HF's
-# NewGELUActivation, the tanh approximation written out (equal to gelu_pytorch_tanh up to float rounding).
-_GATED = {
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """HF gelu_new / gelu_accurate / gelu_python_tanh: the tanh approximation written out (GPT-2)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+def _gelu_python(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def _laplace(x: torch.Tensor, mu: float = 0.707107, sigma: float = 0.282095) -> torch.Tensor:
+    return 0.5 * (1.0 + torch.erf((x - mu).div(sigma * math.sqrt(2.0))))
+
+
+# THE activation table: Hugging Face activation name (config `hidden_act` / `activation` / `hidden_activation`,
+# transformers' ACT2FN key) -> the elementwise function, written as transformers computes it (tests/test_layouts.py
+# compares every entry with ACT2FN itself). Not here: `xielu` and `prelu` (learned per-layer parameters).
+ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "relu2": _relu2,                  # squared ReLU
+    "relu6": F.relu6,
+    "leaky_relu": F.leaky_relu,
+    "gelu": lambda x: F.gelu(x, approximate="none"),
+    "gelu_python": _gelu_python,
+    "gelu_10": lambda x: torch.clip(F.gelu(x), -10.0, 10.0),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_new,
+    "gelu_accurate": _gelu_new,
+    "gelu_python_tanh": lambda x: x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))),
+    "gelu_fast": _gelu_fast,
+    "quick_gelu": _quick_gelu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "mish": F.mish,
+    "hardswish": F.hardswish,
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "laplace": _laplace,
+    "linear": lambda x: x,
+}
+ACTIVATIONS: tuple[str, ...] = tuple(ACTIVATION_FNS)
+
+# The gated forms with a fused kernel (ops.silu_and_mul / ops.gelu_and_mul, Triton on CUDA); every other name runs
+# its table function on the gate half and multiplies (ActAndMul). gelu_new is HF's NewGELUActivation, the tanh
+# approximation written out: the fused tanh kernel equals it up to float rounding.
+_FUSED_GATED = {
     "silu": ("silu", None),
     "swish": ("silu", None),
     "gelu": ("gelu", "none"),
     "gelu_pytorch_tanh": ("gelu", "tanh"),
     "gelu_new": ("gelu", "tanh"),
 }
-GATED_ACTIVATIONS: tuple[str, ...] = tuple(_GATED)
+GATED_ACTIVATIONS: tuple[str, ...] = ACTIVATIONS
+
+
+class Act(nn.Module):
+    """An activation of the table (ACTIVATION_FNS), by its Hugging Face name."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.fn = ACTIVATION_FNS[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+class ActAndMul(Act):
+    """x [..., 2n] -> act(x[..., :n]) * x[..., n:] for an activation without a fused gated kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1] // 2
+        return self.fn(x[..., :n]) * x[..., n:]
 
 
 def gated_act(name: str) -> nn.Module:
     """The gated activation module (x [..., 2n] -> act(x[..., :n]) * x[..., n:]) for a Hugging Face activation
     name: silu, swish -> SiluAndMul; gelu -> GeluAndMul("none"); gelu_pytorch_tanh, gelu_new ->
-    GeluAndMul("tanh"). Any other name raises ValueError."""
-    if name not in _GATED:
+    GeluAndMul("tanh"); any other name of the table -> ActAndMul. Any other name raises ValueError."""
+    if name not in ACTIVATION_FNS:
         raise ValueError(f"unsupported gated activation {name!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
-    kind, approximate = _GATED[name]
+    if name not in _FUSED_GATED:
+        return ActAndMul(name)
+    kind, approximate = _FUSED_GATED[name]
     return SiluAndMul() if kind == "silu" else GeluAndMul(approximate)
-
-
-# Hugging Face activation names -> the plain activation of a non-gated MLP (up -> act -> down)
-_PLAIN = {
-    "silu": lambda: nn.SiLU(),
-    "swish": lambda: nn.SiLU(),
-    "relu": lambda: nn.ReLU(),
-    "gelu": lambda: GELU("none"),
-    "gelu_pytorch_tanh": lambda: GELU("tanh"),
-    "gelu_new": lambda: GELU("tanh"),
-}
-ACTIVATIONS: tuple[str, ...] = tuple(_PLAIN)
 
 
 def act(name: str) -> nn.Module:
     """The activation module for a Hugging Face activation name (see ACTIVATIONS); any other raises ValueError."""
-    if name not in _PLAIN:
+    if name not in ACTIVATION_FNS:
         raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
-    return _PLAIN[name]()
+    return Act(name)

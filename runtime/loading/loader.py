@@ -149,6 +149,12 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                 raise CheckpointError(f"{model_dir}: {e}") from None
             _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
             try:
+                if rule.layout is not None:       # per-head / per-KV-group rows, seen blocked before sharding
+                    split = getattr(param, "tp_split", None)
+                    if split is None or split.dim != 0 or len(split.segments) < 2:
+                        raise WeightLoadError(f"row layout per {rule.layout.per}: the parameter is not a fused "
+                                              f"column-parallel one")
+                    sl = rule.layout.view(sl, split.segments)
                 loader(param, sl, shard_id)
             except WeightLoadError as e:
                 seg = f" (segment {shard_id!r})" if shard_id is not None and "segment" not in str(e) else ""

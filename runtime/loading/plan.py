@@ -4,15 +4,17 @@ A generated model module gives only the names that differ (`WEIGHT_SOURCES`: ren
 segments of fused parameters); every other parameter loads the tensor of its own name. `{i}` in a name is the
 layer index; `{e}` in a source is the expert index of a stacked expert parameter: the rule lists one tensor per
 expert (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>" (the layer skips another rank's). How a tensor is
-sharded is the business of the parameter's layer (its `weight_loader`), never restated here.
+sharded is the business of the parameter's layer (its `weight_loader`), never restated here. `WEIGHT_LAYOUTS` (optional)
+gives the row layout (runtime.loading.layout.RowLayout) of a fused tensor stored per head or per KV group.
 """
 from __future__ import annotations
 
 import re
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 from torch import nn
 
+from xllm_gen.runtime.loading.layout import RowLayout
 from xllm_gen.runtime.loading.weights import WeightRule
 
 Sources = Union[str, Mapping[str, str]]
@@ -35,12 +37,15 @@ def _per_expert(name: str, param, fill, src: Sources) -> WeightRule:
                       segments=tuple(f"{e}.{seg}" for e in ids for seg in src))
 
 
-def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources]) -> list[WeightRule]:
-    """One rule per parameter of `model` (shared parameters once, under their first name)."""
-    table = [(_pattern(k), v) for k, v in sources.items()]
+def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
+                         layouts: Optional[Mapping[str, RowLayout]] = None) -> list[WeightRule]:
+    """One rule per parameter of `model` (shared parameters once, under their first name); `layouts`: parameter
+    name (with {i}) -> the row layout of its one fused checkpoint tensor."""
+    layouts = layouts or {}
+    table = [(_pattern(k), v, layouts.get(k)) for k, v in sources.items()]
     rules = []
     for name, param in model.named_parameters():
-        for pat, src in table:
+        for pat, src, layout in table:
             m = pat.match(name)
             if m is None:
                 continue
@@ -48,7 +53,7 @@ def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources]) -> li
             if any("{e}" in s for s in ([src] if isinstance(src, str) else src.values())):
                 rules.append(_per_expert(name, param, fill, src))
             elif isinstance(src, str):
-                rules.append(WeightRule(name, (fill(src),)))
+                rules.append(WeightRule(name, (fill(src),), layout=layout))
             else:
                 rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src)))
             break

@@ -9,13 +9,15 @@ parameter decides how it is sharded, the plan never restates it.
     WeightRule(param, sources, segments)          sources[i] fills the layer's segment segments[i]
                                                   (q/k/v of QKVParallelLinear; the segment_names, or
                                                   indexes, of MergedColumnParallelLinear)
+    WeightRule(param, source, layout=RowLayout)   one fused tensor whose rows are laid out per head / per KV
+                                                  group (runtime.loading.layout), undone before sharding
 
 Nothing here knows a model family.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple, Union
+from typing import Any, Tuple, Union
 
 from xllm_gen.runtime.executor.sharding import Segment
 
@@ -31,8 +33,10 @@ class WeightRule:
     shard: str = field(default="", repr=False, compare=False)
     vocab_size: int = field(default=0, repr=False, compare=False)
     legacy: bool = field(default=False, repr=False, compare=False)
+    layout: Any = None                           # a RowLayout for one fused tensor stored per head / KV group
 
-    def __init__(self, param: str, sources, *args, segments=(), shard: str = "", vocab_size: int = 0):
+    def __init__(self, param: str, sources, *args, segments=(), shard: str = "", vocab_size: int = 0,
+                 layout: Any = None):
         # Legacy positional form: WeightRule(param, sources, shard, segments).
         if args and isinstance(args[0], str) and args[0] in SHARD_KINDS:
             shard, args = args[0], args[1:]
@@ -58,6 +62,7 @@ class WeightRule:
         set_(self, "vocab_size", vocab_size)
         set_(self, "legacy", legacy or bool(shard) or bool(vocab_size))
         set_(self, "legacy_segments", legacy_segments)     # for the transitional plan-vs-layer check only
+        set_(self, "layout", layout)
         self._validate()
 
     def _validate(self) -> None:
@@ -72,5 +77,7 @@ class WeightRule:
         if not self.segments and len(self.sources) > 1:
             raise ValueError(f"{self.param}: {len(self.sources)} sources need as many segments (the layer's "
                              f"segment each one fills)")
+        if self.layout is not None and (len(self.sources) != 1 or self.segments):
+            raise ValueError(f"{self.param}: a row layout applies to one fused tensor (one source, no segments)")
         if len(set(self.segments)) != len(self.segments):
             raise ValueError(f"{self.param}: segment listed twice in {self.segments!r}")

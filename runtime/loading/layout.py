@@ -1,0 +1,121 @@
+"""Checkpoint row layouts: how the rows of a fused checkpoint tensor are ordered, undone at load before sharding.
+
+A fused parameter (attention q | k | v, gated MLP gate | up, a fused_linear) is blocked by segment in the model:
+all of q's rows, then k's, then v's. Checkpoints store some of them otherwise:
+
+    per: tensor     [s1 | s2 | ...] in the `order` given (a blocked tensor whose segments come in another order)
+    per: head       [h0: s1 s2 ..., h1: s1 s2 ..., ...]: one group per head; every segment has the same number of
+                    heads (a fused q|k|v stored per head as [q k v])
+    per: kv_group   [g0: s1 s2 ..., g1: ...]: one group per head of the segment with the fewest heads, each group
+                    holding heads / groups heads of every segment (a GQA q|k|v stored per KV group as
+                    [q * (heads / kv_heads), k, v]; with one KV head it is the blocked multi-query [q * heads, k, v];
+                    with as many KV heads as heads it is per head)
+
+A head is `unit` rows (head_dim for attention; 1 for an MLP's rows, so `per: head` over gate | up is the
+row-interleaved [g0 u0 g1 u1 ...]). `LayoutView` presents the checkpoint tensor as the blocked one the parameter's
+weight loader expects; a row range read through it reads only the whole groups holding those rows (a lazy
+safetensors slice), once for all segments: each rank reads exactly its share of the tensor (tensor rows / TP), or,
+when TP exceeds the groups (KV heads replicated), the one group it serves; never the whole tensor (`per: tensor`,
+one group, reads each segment's rows of the rank, as a blocked fused tensor without a layout does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from xllm_gen.runtime.executor.sharding import WeightLoadError, source_shape
+
+PER = ("tensor", "head", "kv_group")
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    per: str                          # tensor | head | kv_group
+    order: tuple[str, ...]            # the segments in the order the checkpoint stores them within a group
+
+    def __post_init__(self):
+        if self.per not in PER:
+            raise ValueError(f"RowLayout: per must be one of {', '.join(PER)}, not {self.per!r}")
+        object.__setattr__(self, "order", tuple(self.order))
+
+    def view(self, loaded, segments: Sequence) -> "LayoutView":
+        """`loaded` (a lazy slice or tensor) as the blocked tensor of `segments` (the parameter's split segments in
+        the model's order: objects with name, heads, unit)."""
+        return LayoutView(loaded, self, [(s.name, int(s.heads), int(s.unit)) for s in segments])
+
+
+class LayoutView:
+    """A fused checkpoint tensor stored in a RowLayout, seen as blocked by segment in the model's order (dim 0)."""
+
+    def __init__(self, base, layout: RowLayout, segments: list[tuple[str, int, int]]):
+        names = [n for n, _, _ in segments]
+        if sorted(layout.order) != sorted(names):
+            raise WeightLoadError(f"layout order {list(layout.order)} must name the parameter's segments {names}")
+        heads = {n: h for n, h, _ in segments}
+        if layout.per == "tensor":
+            groups = 1
+        elif layout.per == "head":
+            if len(set(heads.values())) != 1:
+                raise WeightLoadError(f"layout per: head needs segments of equal heads, got "
+                                      f"{', '.join(f'{n}: {h}' for n, h in heads.items())}")
+            groups = next(iter(heads.values()))
+        else:
+            groups = min(heads.values())
+            bad = [n for n, h in heads.items() if h % groups]
+            if bad:
+                raise WeightLoadError(f"layout per: kv_group: segment {bad[0]!r} has {heads[bad[0]]} heads, not a "
+                                      f"multiple of the {groups} groups")
+        self.base, self.groups = base, groups
+        self._span = None                                                   # (lo, hi, rows) last read
+        unit = {n: u for n, _, u in segments}
+        per_group = {n: heads[n] // groups * unit[n] for n in names}       # rows of a segment in one group
+        self.group_rows = sum(per_group.values())
+        offset, self._in_group = 0, {}
+        for n in layout.order:
+            self._in_group[n] = offset
+            offset += per_group[n]
+        self._segments = []                                                 # (start, stop, name, rows/group)
+        start = 0
+        for n, h, u in segments:
+            self._segments.append((start, start + h * u, n, per_group[n]))
+            start += h * u
+        self.rows = start
+        shape = source_shape(base)
+        if not shape or shape[0] != self.rows:
+            raise WeightLoadError(f"a tensor of {shape[0] if shape else 0} rows cannot hold the segments "
+                                  f"{', '.join(f'{n} [{b - a}]' for a, b, n, _ in self._segments)} ({self.rows} rows)")
+
+    def get_shape(self) -> list[int]:
+        return list(source_shape(self.base))
+
+    def _rows(self, a: int, b: int) -> list[int]:
+        """The checkpoint rows of the blocked rows [a, b)."""
+        out = []
+        for start, stop, name, per_group in self._segments:
+            lo, hi = max(a, start), min(b, stop)
+            for r in range(lo, hi):
+                g, j = divmod(r - start, per_group)
+                out.append(g * self.group_rows + self._in_group[name] + j)
+        return out
+
+    def __getitem__(self, idx):
+        import torch
+
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        first, rest = idx[0], idx[1:]
+        if not isinstance(first, slice) or first.step not in (None, 1):
+            raise TypeError("LayoutView supports plain row slices only")
+        a, b, _ = first.indices(self.rows)
+        rows = self._rows(a, max(a, b))
+        if not rows:
+            return self.base[(slice(0, 0),) + rest] if rest else self.base[0:0]
+        # one contiguous read of the whole groups that hold the rows (blocked, one group: just the rows)
+        g = self.group_rows
+        lo, hi = min(rows) // g * g, -(-(max(rows) + 1) // g) * g
+        if self.groups == 1:
+            lo, hi = min(rows), max(rows) + 1
+        if rest or self.groups == 1:
+            return self.base[(slice(lo, hi),) + rest][torch.tensor(rows) - lo]
+        if self._span is None or not (self._span[0] <= lo and hi <= self._span[1]):
+            self._span = (lo, hi, self.base[lo:hi])  # q, k and v of a rank's groups: one read for all three
+        return self._span[2][torch.tensor(rows) - self._span[0]]

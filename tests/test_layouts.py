@@ -1,0 +1,278 @@
+"""Checkpoint row layouts (runtime/loading/layout.py) and the activation table (runtime/layers/activation.py).
+
+- A fused q|k|v tensor stored per head (GPT-NeoX), per KV group (Falcon new_decoder_architecture) or multi-query,
+  loaded through its RowLayout at TP 1, 2 and 4 (KV replication), equals the reference split of the same tensor
+  the way transformers splits it; the wrong layout does not; each rank reads only the span of groups it holds.
+- Every activation the runtime table names equals transformers' ACT2FN of that name, plain and gated.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xllm_gen.runtime import layers as L
+from xllm_gen.runtime.executor import distributed as D
+from xllm_gen.runtime.executor.sharding import WeightLoadError
+from xllm_gen.runtime.loading.layout import RowLayout
+
+
+def _hf_split(fused: torch.Tensor, heads: int, kv: int, hd: int, how: str):
+    """q [heads*hd, X], k, v [kv*hd, X] from a fused tensor, split exactly as transformers does (on the output
+    rows): GPT-NeoX `view(heads, 3*hd).chunk(3)`, Falcon `view(kv, heads/kv + 2, hd)`, multi-query `view(heads + 2, hd)`."""
+    rest = fused.shape[1:]
+    if how == "head":
+        t = fused.view(heads, 3 * hd, *rest)
+        q, k, v = t.chunk(3, dim=1)
+        return q.reshape(heads * hd, *rest), k.reshape(heads * hd, *rest), v.reshape(heads * hd, *rest)
+    t = fused.view(kv, heads // kv + 2, hd, *rest)
+    return (t[:, :-2].reshape(heads * hd, *rest), t[:, -2].reshape(kv * hd, *rest), t[:, -1].reshape(kv * hd, *rest))
+
+
+class CountingSlice:
+    """A tensor that records the rows each read touches (as a lazy safetensors slice would read them)."""
+
+    def __init__(self, t):
+        self.t, self.read = t, 0
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def __getitem__(self, idx):
+        out = self.t[idx]
+        self.read += out.shape[0]
+        return out
+
+
+CASES = [  # (layout per, heads, kv_heads): NeoX per head, Falcon-40B per group, Falcon-7B multi-query
+    ("head", 4, 4), ("kv_group", 4, 2), ("kv_group", 8, 2), ("kv_group", 4, 1)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("per,heads,kv", CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_layout_loads_reference_split(per, heads, kv, tp, bias):
+    hd, hidden = 3, 5
+    torch.manual_seed(0)
+    rows = (heads + 2 * kv) * hd
+    fused = torch.randn(rows, hidden) if not bias else torch.randn(rows)
+    q, k, v = _hf_split(fused, heads, kv, hd, per if per == "head" else "group")
+    layout = RowLayout(per, ("q", "k", "v"))
+    full = torch.cat([q, k, v])
+    for rank in range(tp):
+        D.init_tp(rank, tp)
+        try:
+            layer = L.QKVParallelLinear(hidden, hd, heads, kv, bias=bias)
+        finally:
+            D.reset_tp()
+        param = layer.bias if bias else layer.weight
+        src = CountingSlice(fused)
+        param.weight_loader(param, layout.view(src, param.tp_split.segments))
+        # the reference: this rank's rows of the blocked [q | k | v], as the blocked tensor itself loads
+        ref = torch.empty_like(param)
+        param.tp_split.load(ref, full)
+        assert torch.equal(param.data, ref), (per, heads, kv, tp, rank)
+        # each rank reads the groups it holds (once for q, k and v), not the whole tensor
+        groups = kv if per == "kv_group" else heads
+        assert src.read <= rows // min(tp, groups), (src.read, rows)
+        # the same tensor taken as blocked [q | k | v] is a different model (the sensitivity of the layout)
+        if not (per == "kv_group" and kv == 1):          # multi-query: per group with one group IS blocked
+            wrong = torch.empty_like(param)
+            param.tp_split.load(wrong, fused)
+            assert not torch.equal(wrong, ref)
+
+
+def test_layout_blocked_reorder_and_gate_up_interleave():
+    """`per: tensor` with another order ([k, v, q] stored) and `per: head` over gate | up rows (interleaved rows)."""
+    torch.manual_seed(1)
+    hd, heads, kv, hidden = 2, 4, 2, 3
+    q, k, v = torch.randn(heads * hd, hidden), torch.randn(kv * hd, hidden), torch.randn(kv * hd, hidden)
+    layer = L.QKVParallelLinear(hidden, hd, heads, kv)
+    layer.weight.weight_loader(layer.weight, RowLayout("tensor", ("k", "v", "q")).view(torch.cat([k, v, q]),
+                                                                                        layer.weight.tp_split.segments))
+    assert torch.equal(layer.weight.data, torch.cat([q, k, v]))
+    D.init_tp(1, 2)
+    try:
+        layer = L.QKVParallelLinear(hidden, hd, heads, kv)
+    finally:
+        D.reset_tp()
+    src = CountingSlice(torch.cat([k, v, q]))
+    layer.weight.weight_loader(layer.weight, RowLayout("tensor", ("k", "v", "q")).view(src, layer.weight.tp_split.segments))
+    half = lambda t: t[t.shape[0] // 2:]                                      # noqa: E731 - rank 1 of 2
+    assert torch.equal(layer.weight.data, torch.cat([half(q), half(k), half(v)]))
+    assert src.read == (heads + 2 * kv) * hd // 2                             # only the rank's rows
+    inter = 5
+    gate, up = torch.randn(inter, hidden), torch.randn(inter, hidden)
+    stored = torch.stack([gate, up], dim=1).reshape(2 * inter, hidden)        # g0 u0 g1 u1 ...
+    for tp in (1,):
+        mlp = L.MergedColumnParallelLinear(hidden, [inter, inter], segment_names=("gate", "up"))
+        w = mlp.weight
+        w.weight_loader(w, RowLayout("head", ("gate", "up")).view(stored, w.tp_split.segments))
+        assert torch.equal(w.data, torch.cat([gate, up]))
+
+
+def test_layout_errors_are_named():
+    layer = L.QKVParallelLinear(4, 2, 4, 2)
+    segs = layer.weight.tp_split.segments
+    with pytest.raises(WeightLoadError, match="per: head needs segments of equal heads"):
+        RowLayout("head", ("q", "k", "v")).view(torch.zeros(16, 4), segs)
+    with pytest.raises(WeightLoadError, match="cannot hold the segments"):
+        RowLayout("kv_group", ("q", "k", "v")).view(torch.zeros(18, 4), segs)
+    with pytest.raises(WeightLoadError, match="must name the parameter's segments"):
+        RowLayout("kv_group", ("q", "k")).view(torch.zeros(16, 4), segs)
+    with pytest.raises(ValueError, match="per must be one of"):
+        RowLayout("row", ("q", "k", "v"))
+
+
+# ------------------------------------------------------------------------------------------------ activations
+def test_activations_match_act2fn():
+    """Each name of the runtime's table is transformers' ACT2FN of that name (looked up there, not copied)."""
+    from transformers.activations import ACT2FN
+
+    from xllm_gen.runtime.layers.activation import ACTIVATIONS, GATED_ACTIVATIONS
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 64) * 4
+    from xllm_gen.codegen import resolver_blocks
+
+    assert set(GATED_ACTIVATIONS) == set(ACTIVATIONS) == set(resolver_blocks.ACTIVATIONS)   # what specs may name
+    assert set(resolver_blocks.GATED_ACTIVATIONS) <= set(ACTIVATIONS)                      # moe experts (fused)
+    for name in ACTIVATIONS:
+        ref = ACT2FN[name]
+        torch.testing.assert_close(L.act(name)(x), ref(x), rtol=0, atol=1e-6, msg=name)
+        gate, up = x[:, :32], x[:, 32:]
+        torch.testing.assert_close(L.gated_act(name)(x), ref(gate) * up, rtol=0, atol=1e-5, msg=name)
+    for name in ("relu2", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "silu", "swish", "relu",
+                 "gelu", "tanh", "sigmoid", "mish"):
+        assert name in ACTIVATIONS
+    with pytest.raises(ValueError, match="unsupported activation 'nope'"):
+        L.act("nope")
+
+
+# ------------------------------------------------------------------------ specs: parity arms of the primitives
+from test_spec_battery import Tokens, _assert_same  # noqa: E402  (the battery's HF / engine runner)
+
+_TOKENS = Tokens()
+
+
+def _flat(tokens) -> bool:
+    return all(len(set(t)) <= 2 for t in tokens)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_falcon_multi_query_matches_hf(tiny_checkpoint, tp):
+    """num_kv_heads 1 (multi-query): the per-KV-group qkv is one group [q * heads, k, v]; at TP 2 both ranks hold
+    the one KV head (replication)."""
+    ckpt = tiny_checkpoint("FalconForCausalLM", overrides={"num_kv_heads": 1})
+    want = _TOKENS.hf(ckpt)
+    assert not _flat(want)
+    _assert_same(_TOKENS.engine(ckpt, tp), want, f"falcon multi-query tp={tp}")
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("FalconForCausalLM", {"bias": True}),                  # biases on qkv (per KV group), dense and the MLP
+    ("GPTNeoXForCausalLM", {"attention_bias": False}),      # no q/k/v/o biases, MLP biases kept
+    ("FalconForCausalLM", {"activation": "relu"}),          # another activation of the table
+    ("GPTNeoXForCausalLM", {"hidden_act": "relu"}),
+])
+def test_biases_and_activations_match_hf(tiny_checkpoint, arch, overrides):
+    ckpt = tiny_checkpoint(arch, overrides=overrides)
+    base = tiny_checkpoint(arch)
+    want = _TOKENS.hf(ckpt)
+    assert want != _TOKENS.hf(base), f"{arch} {overrides}: the feature does not change transformers' output"
+    _assert_same(_TOKENS.engine(ckpt), want, f"{arch} {overrides}")
+
+
+@pytest.mark.parametrize("arch, module, overrides", [
+    ("GPTNeoXForCausalLM", "gpt_neox", None),
+    ("FalconForCausalLM", "falcon", {"bias": True}),
+])
+def test_wrong_layout_breaks_parity(tiny_checkpoint, monkeypatch, arch, module, overrides):
+    """The sensitivity arm: the same checkpoint read as blocked [q | k | v] (the layout dropped) serves another model."""
+    import importlib
+
+    ckpt = tiny_checkpoint(arch, overrides=overrides)
+    want = _TOKENS.hf(ckpt)
+    _assert_same(_TOKENS.engine(ckpt), want, f"{arch} with its layout")
+    mod = importlib.import_module(f"xllm_gen.generated.{module}.model")
+    assert mod.WEIGHT_LAYOUTS
+    monkeypatch.setattr(mod, "WEIGHT_LAYOUTS", {})
+    from test_spec_battery import BLOCK_SIZE, MAX_TOKENS, _requests
+
+    from xllm_gen import LLM, SamplingParams
+
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=BLOCK_SIZE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            _requests(ckpt), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got != want, f"{arch}: reading the fused qkv as blocked does not change the output"
+
+
+@pytest.mark.parametrize("field, value", [("new_decoder_architecture", False), ("alibi", True),
+                                          ("num_ln_in_parallel_attn", 1), ("parallel_attn", False)])
+def test_falcon_forms_not_modelled_are_refused_by_name(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+
+    cfg = tiny_config("FalconForCausalLM").to_dict()
+    cfg[field] = value
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ConfigError, match=f"specs/falcon.yaml.*{field}"):
+        module.Config.from_hf(cfg)
+
+
+def test_gpt_neox_partial_rotary_refused_by_name():
+    """transformers' default rotary_pct is 0.25: until the rotary fraction enters the language, a checkpoint with a
+    partial rotary, or without the field, is refused."""
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+
+    cfg = tiny_config("GPTNeoXForCausalLM").to_dict()
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).rotary_pct == 1.0
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.25
+    with pytest.raises(ConfigError, match="partial_rotary_factor|rotary_pct"):
+        module.Config.from_hf(cfg)
+    del cfg["rope_parameters"]["partial_rotary_factor"]
+    with pytest.raises(ConfigError, match="rotary_pct"):
+        module.Config.from_hf(cfg)
+    cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
+    cfg["use_parallel_residual"] = False          # the sequential form: needs the dataflow-by-flag primitive
+    with pytest.raises(ConfigError, match="specs/gpt_neox.yaml.*use_parallel_residual"):
+        module.Config.from_hf(cfg)
+
+
+# ------------------------------------------------------------------------------------------ compile errors
+_QKV = "model.layers.{i}.self_attention.query_key_value"
+
+
+@pytest.mark.parametrize("body, match", [
+    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, x], per: kv_group}}\n",
+     r"child\.yaml:\d+:\d+: .*layout\.interleave: must name each of the parameter's segments \['q', 'k', 'v'\] once"),
+    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, v], per: row}}\n",
+     r"child\.yaml:\d+:\d+: .*per"),
+    ("weights:\n  model.layers.{i}.self_attention.dense.weight:\n    from: x.{i}.dense\n"
+     "    layout: {interleave: [q, k, v], per: head}\n",
+     r"child\.yaml:\d+:\d+: .*layout: only a fused column-parallel parameter"),
+    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, v], per: head}}\n",
+     r"child\.yaml:\d+:\d+: error: variants\.falcon-40b: .*layout per: head needs every segment to have as many "
+     r"heads, got q: 128, k: 8, v: 8"),
+    (f"weights:\n  {_QKV}.weight:\n    from: {{q: 'a.{{i}}.q', k: 'a.{{i}}.k', v: 'a.{{i}}.v'}}\n"
+     f"    layout: {{interleave: [q, k, v], per: head}}\n",
+     r"child\.yaml:\d+:\d+: .*a layout describes one fused checkpoint tensor"),
+    ("checkpoint_prefixes:\n  model.layer.: transformer.h.\n",
+     r"child\.yaml:\d+:\d+: .*checkpoint_prefixes: no parameter name starts with 'model\.layer\.'"),
+])
+def test_layout_compile_errors_are_located(tmp_path, body, match):
+    from pathlib import Path
+
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError, SpecErrors
+
+    spec = Path(__file__).resolve().parents[1] / "specs" / "falcon.yaml"
+    child = tmp_path / "child.yaml"
+    child.write_text(f"spec_version: 2\nextends: {spec}\nname: layout_child\n" + body)
+    with pytest.raises((SpecError, SpecErrors), match=match):
+        compile_spec(child)
