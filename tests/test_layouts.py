@@ -173,6 +173,8 @@ def test_falcon_multi_query_matches_hf(tiny_checkpoint, tp):
     ("GPTNeoXForCausalLM", {"attention_bias": False}),      # no q/k/v/o biases, MLP biases kept
     ("FalconForCausalLM", {"activation": "relu"}),          # another activation of the table
     ("GPTNeoXForCausalLM", {"hidden_act": "relu"}),
+    ("GPTNeoXForCausalLM", {"use_parallel_residual": False}),   # the sequential form (dataflow chosen by the flag)
+    ("GPTNeoXForCausalLM", {"rope_parameters": {"partial_rotary_factor": 1.0}}),   # full rotary vs the tiny 0.5
 ])
 def test_biases_and_activations_match_hf(tiny_checkpoint, arch, overrides):
     ckpt = tiny_checkpoint(arch, overrides=overrides)
@@ -221,27 +223,17 @@ def test_falcon_forms_not_modelled_are_refused_by_name(field, value):
         module.Config.from_hf(cfg)
 
 
-def test_gpt_neox_partial_rotary_refused_by_name():
-    """transformers' default rotary_pct is 0.25: until the rotary fraction enters the language, a checkpoint with a
-    partial rotary, or without the field, is refused."""
+def test_gpt_neox_absent_rotary_pct_is_transformers_default():
+    """transformers' default rotary_pct is 0.25: a checkpoint without the field is served with that fraction."""
     from fixtures.tiny_hf import tiny_config
 
     from xllm_gen.runtime.loading import registry
-    from xllm_gen.runtime.loading.hf_config import ConfigError
 
     cfg = tiny_config("GPTNeoXForCausalLM").to_dict()
     module, _ = registry.resolve(cfg)
-    assert module.Config.from_hf(cfg).rotary_pct == 1.0
-    cfg["rope_parameters"]["partial_rotary_factor"] = 0.25
-    with pytest.raises(ConfigError, match="partial_rotary_factor|rotary_pct"):
-        module.Config.from_hf(cfg)
+    assert module.Config.from_hf(cfg).rotary_pct == 0.5
     del cfg["rope_parameters"]["partial_rotary_factor"]
-    with pytest.raises(ConfigError, match="rotary_pct"):
-        module.Config.from_hf(cfg)
-    cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
-    cfg["use_parallel_residual"] = False          # the sequential form: needs the dataflow-by-flag primitive
-    with pytest.raises(ConfigError, match="specs/gpt_neox.yaml.*use_parallel_residual"):
-        module.Config.from_hf(cfg)
+    assert module.Config.from_hf(cfg).rotary_pct == 0.25
 
 
 # ------------------------------------------------------------------------------------------ compile errors
