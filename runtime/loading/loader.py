@@ -139,6 +139,8 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
             sl = ckpt.slice(name)
             _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
             try:
+                if rule.layout is not None:                    # stored transposed / segments interleaved
+                    sl = rule.layout.view(sl)
                 loader(param, sl, shard_id)
             except WeightLoadError as e:
                 seg = f" (segment {shard_id!r})" if shard_id is not None and "segment" not in str(e) else ""

@@ -4,7 +4,8 @@ A generated model module gives only the names that differ (`WEIGHT_SOURCES`: ren
 segments of fused parameters); every other parameter loads the tensor of its own name. `{i}` in a name is the
 layer index; `{e}` in a source is the expert index of a stacked expert parameter: the rule lists one tensor per
 expert (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>" (the layer skips another rank's). How a tensor is
-sharded is the business of the parameter's layer (its `weight_loader`), never restated here.
+sharded is the business of the parameter's layer (its `weight_loader`), never restated here. A source given as
+a TensorLayout (a `weights` entry's `transpose` / `segments_interleaved`) is read through its layout view.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from typing import Mapping, Union
 
 from torch import nn
 
-from xllm_gen.runtime.loading.weights import WeightRule
+from xllm_gen.runtime.loading.weights import TensorLayout, WeightRule
 
-Sources = Union[str, Mapping[str, str]]
+Sources = Union[str, Mapping[str, str], TensorLayout]
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -45,12 +46,20 @@ def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources]) -> li
             if m is None:
                 continue
             fill = (lambda s: s.replace("{i}", m.group("i"))) if "i" in pat.groupindex else (lambda s: s)
+            layout = None
+            if isinstance(src, TensorLayout):
+                layout, src = src, src.source
+                if "{e}" in src and layout.interleave > 1:     # a per-expert tensor: the expert dim is not there
+                    layout = TensorLayout(src, layout.transpose, layout.interleave, layout.dim - 1)
             if any("{e}" in s for s in ([src] if isinstance(src, str) else src.values())):
                 rules.append(_per_expert(name, param, fill, src))
             elif isinstance(src, str):
                 rules.append(WeightRule(name, (fill(src),)))
             else:
                 rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src)))
+            if layout is not None:
+                r = rules.pop()
+                rules.append(WeightRule(r.param, r.sources, segments=r.segments, layout=layout))
             break
         else:
             rules.append(WeightRule(name, (name,)))
