@@ -218,3 +218,25 @@ def test_layout_and_activation_errors_are_located(tmp_path, body, match):
     with pytest.raises(SpecError, match=match) as e:
         _compile_child(tmp_path, body)
     assert "child.yaml:" in str(e.value)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_expert_parallel_with_biases_matches_hf_at_tp2(tiny_checkpoint, tmp_path, monkeypatch):
+    """GPT-OSS with `parallel: expert` (whole experts per rank, each rank adding its own experts' down biases),
+    compiled from a child spec, serves the tiny checkpoint at TP 2 with transformers' greedy tokens (the battery's
+    TP 2 arm covers `parallel: tensor`, where rank 0 alone adds the down biases)."""
+    from fixtures.tiny_hf import edit_config
+    from hf_ref import hf_greedy
+
+    from xllm_gen.codegen.cli import main as cli_main
+
+    child = tmp_path / "child.yaml"
+    child.write_text(f"spec_version: 2\nextends: {SPEC}\nname: gpt_oss_ep\narchitectures: [GptOssEPForCausalLM]\n"
+                     "decoder:\n  layers:\n    blocks:\n      mlp: {parallel: expert}\n")
+    assert cli_main([str(child), "--out", str(tmp_path / "generated")]) == 0
+    monkeypatch.setenv("XLLM_GEN_PATH", str(tmp_path / "generated"))
+    ckpt = tiny_checkpoint(ARCH)
+    ep = edit_config(ckpt, tmp_path / "ep", lambda cfg: cfg.__setitem__("architectures", ["GptOssEPForCausalLM"]))
+    prompts = _prompts()
+    assert _engine_tokens(ep, prompts, tp=2) == hf_greedy(ckpt, prompts, 12)
