@@ -239,3 +239,56 @@ def test_expert_parallel_with_biases_matches_hf_at_tp2(tiny_checkpoint, tmp_path
     ep = edit_config(ckpt, tmp_path / "ep", lambda cfg: cfg.__setitem__("architectures", ["GptOssEPForCausalLM"]))
     prompts = _prompts()
     assert _engine_tokens(ep, prompts, tp=2) == hf_greedy(ckpt, prompts, 12)
+
+
+def test_clamped_swiglu_in_a_dense_gated_mlp(tmp_path):
+    """The activation form is general: a dense gated MLP (here Llama's) takes it as the experts do; the generated
+    module builds its activation with the spec's parameters (config symbols and literals) and --explain --tp 2
+    builds the model."""
+    from xllm_gen.codegen.cli import main as cli_main
+    from xllm_gen.codegen.compiler import compile_spec
+
+    p = tmp_path / "dense.yaml"
+    p.write_text(f"spec_version: 2\nextends: {ROOT / 'specs' / 'llama.yaml'}\nname: dense_clamped\n"
+                 "architectures: [DenseClampedForCausalLM]\n"
+                 "config:\n  swiglu_limit: {type: float, from: swiglu_limit, optional: true}\n"
+                 "decoder:\n  layers:\n    blocks:\n"
+                 "      mlp: {activation: {kind: swiglu_clamped, alpha: 1.5, limit: swiglu_limit}}\n")
+    compiled = compile_spec(p)
+    src = compiled.files["model.py"]
+    assert "self.act_fn = L.gated_act('swiglu_clamped', alpha=1.5, limit=config.swiglu_limit)" in src
+    assert cli_main(["--explain", str(p), "--tp", "2"]) == 0
+
+
+# the config.json of the released gpt-oss-20b (transformers 4.55 form), its quantization_config shortened
+RELEASED_CONFIG = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_released_config_is_read_and_quantized_weights_are_refused_by_name():
+    """The released config.json reads as the gpt-oss-20b variant (without its MXFP4 quantization_config, as a
+    dequantized copy has it); with it, the guard refuses the checkpoint naming the field."""
+    import copy
+
+    from xllm_gen.generated.gpt_oss.model import Config
+
+    cfg = copy.deepcopy(RELEASED_CONFIG)
+    del cfg["quantization_config"]
+    c = Config.from_hf(cfg)
+    assert (c.num_local_experts, c.num_experts_per_tok, c.swiglu_limit, c.rope_scaling["rope_type"]) == (32, 4, 7.0,
+                                                                                                         "yarn")
+    assert c.layer_types[:2] == ("sliding_attention", "full_attention") and c.sliding_window == 128
+    with pytest.raises(ValueError, match="quantization_config"):
+        Config.from_hf(copy.deepcopy(RELEASED_CONFIG))
