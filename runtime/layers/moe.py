@@ -1,15 +1,19 @@
 """Mixture of experts: the experts as one stacked gated MLP, routed by softmax top-k.
 
-`FusedMoE(num_experts, hidden, intermediate, top_k, renormalize, activation, parallel)` holds
-`gate_up_proj [E, 2 * I, H]` (per expert: gate rows | up rows) and `down_proj [E, H, I]`; its forward takes the
-hidden states and the router logits (the router is a replicated linear of the block that owns this layer).
+`FusedMoE(num_experts, hidden, intermediate, top_k, renormalize, activation, parallel, activation_params, bias)`
+holds `gate_up_proj [E, 2 * I, H]` (per expert: gate rows | up rows) and `down_proj [E, H, I]`, with `bias` also
+`gate_up_proj_bias [E, 2 * I]` and `down_proj_bias [E, H]`; `activation_params` parameterize a gated form
+(swiglu_clamped: alpha, limit). Its forward takes the hidden states and the router logits (the router, with or
+without a bias, is a replicated linear of the block that owns this layer).
 
 Sharding, decided here (and only here):
   parallel="tensor": every rank holds every expert, split over the intermediate dimension: gate_up_proj is
       column-parallel along dim 1 (per segment gate / up), down_proj row-parallel along dim 2; the partial
-      outputs are summed with one all-reduce.
+      outputs are summed with one all-reduce. gate_up_proj_bias splits as gate_up_proj's rows; down_proj_bias is
+      whole on every rank and added by rank 0 alone (once, before the all-reduce).
   parallel="expert": rank r holds experts [r * E / tp, (r + 1) * E / tp) whole; pairs routed to another rank's
-      experts contribute nothing here, and the all-reduce sums the ranks' outputs.
+      experts contribute nothing here, and the all-reduce sums the ranks' outputs (each rank adds its own experts'
+      biases).
 
 Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
 (down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
