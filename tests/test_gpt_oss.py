@@ -126,6 +126,23 @@ def test_softmax_before_the_top_k_changes_the_output(tiny_checkpoint, tmp_path, 
 
 
 @pytest.mark.engine
+def test_sinks_with_chunked_prefill_and_batched_decode(tiny_checkpoint, tmp_path):
+    """Strong sinks through the other attention paths: prompts prefilled in chunks of 4 tokens (later chunks
+    attend to cached keys) and all prompts decoded in one batch give transformers' tokens."""
+    from hf_ref import hf_greedy
+
+    from xllm_gen import LLM, SamplingParams
+
+    arm = _rewrite_tensors(tiny_checkpoint(ARCH), tmp_path / "arm", "self_attn.sinks", _strong)
+    prompts = _prompts(9)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model=str(arm), device="cpu", dtype="float32", block_size=4, enable_chunked_prefill=True,
+             max_num_batched_tokens=4) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == hf_greedy(arm, prompts, 12)
+
+
+@pytest.mark.engine
 def test_cuda_path_refuses_sinks_by_name(tiny_checkpoint):
     """Where FlashInfer serves attention (CUDA), a model with attention sinks is refused at load, naming them."""
     if not torch.cuda.is_available():
