@@ -67,7 +67,7 @@ def _block(b) -> str:
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", softcap={b.softcap}" if b.softcap else "")
-                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + ")")
+                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") + ")")
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
@@ -77,7 +77,7 @@ def _block(b) -> str:
         return (f"patch_merger(dim={b.dim}, merged={b.merged}, out={b.out}, layernorm {b.norm.replace('_', ' ')}, "
                 f"eps={b.eps}, gelu)")
     if isinstance(b, GatedMLPIR):
-        return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
+        return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={_act(b)}, "
                 f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
                 f"bias={b.down_bias})")
     if isinstance(b, MLPIR):
@@ -85,13 +85,22 @@ def _block(b) -> str:
                 f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias})")
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
-                f"intermediate={b.intermediate}, act={b.activation}, norm_topk_prob={b.norm_topk_prob}, router "
-                f"{b.router_name} (replicated, softmax top-k), experts.gate_up_proj=[gate, up], experts.down_proj, "
-                f"{b.parallel} parallel"
+                f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "
+                f"{b.router_name} (replicated, softmax top-k"
+                + (f", bias={b.router_bias}" if b.router_bias.literal is not False else "")
+                + "), experts.gate_up_proj=[gate, up], experts.down_proj, "
+                + (f"expert biases={b.expert_bias}, " if b.expert_bias.literal is not False else "")
+                + f"{b.parallel} parallel"
                 + (f"; shared expert {b.shared.name}(intermediate={b.shared.intermediate}, gate_up_proj=[gate, up], "
                    f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
                    if b.shared else "") + ")")
     return repr(b)
+
+
+def _act(b) -> str:
+    """A gated activation, with a parameterized form's parameters."""
+    params = ", ".join(f"{k}={v}" for k, v in getattr(b, "activation_params", ()))
+    return f"{b.activation}({params})" if params else str(b.activation)
 
 
 def format_resolved(ir: ModelIR) -> str:
@@ -186,8 +195,10 @@ def format_resolved(ir: ModelIR) -> str:
         if p.when is not None:
             cond += f"  [only where {'' if p.when[1] else 'not '}({p.when[0]})]"
         w(f"  {p.name}  {shape}  {shard}{cond}")
-        w(f"      <- {' + '.join(wt.sources)}"
-          + (f" (rows per {wt.layout[0]}: {' '.join(wt.layout[1])})" if wt.layout else ""))
+        layout = (f" (rows per {wt.layout[0]}: {' '.join(wt.layout[1])})" if wt.layout else "") + \
+            (" (stored transposed)" if wt.transpose else "") + \
+            (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "")
+        w(f"      <- {' + '.join(wt.sources)}{layout}")
     if ir.ignored:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))
     w("")

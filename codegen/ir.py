@@ -189,6 +189,8 @@ class WeightIR:
     param: ParamIR
     sources: Tuple[str, ...]      # with "{i}" for the layer index
     layout: Optional[Tuple[str, Tuple[str, ...]]] = None   # (per, interleave) of one fused tensor's rows
+    transpose: bool = False       # the tensor stores [..., in, out]
+    interleave: int = 1           # n > 1: the n segments interleaved along the output dim
 
     @property
     def shard(self) -> str:
@@ -279,6 +281,7 @@ class AttentionIR:
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
+    sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
 
     @property
     def q_size(self) -> Size:
@@ -302,6 +305,7 @@ class GatedMLPIR:
     gate_up_bias: Value
     down_name: str
     down_bias: Value
+    activation_params: Tuple[Tuple[str, Value], ...] = ()   # a parameterized form's (swiglu_clamped: alpha, limit)
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,9 @@ class MoEIR:
     parallel: str                 # tensor | expert
     shared: Optional[GatedMLPIR] = None      # the shared expert: a gated MLP (module shared.name)
     shared_gate: Optional[str] = None
+    router_bias: Value = Value(literal=False)
+    expert_bias: Value = Value(literal=False)
+    activation_params: Tuple[Tuple[str, Value], ...] = ()
 
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR]

@@ -645,6 +645,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
                                    f"checkpoint tensor fills each segment ('{shown}: {{from: {{{names}}}}}')",
                                    at_key=True)
                 sources = (self.checkpoint_name(p.name) if top else p.name,)
+            elif e.from_ is None:
+                if not (e.transpose or e.segments_interleaved):
+                    raise self.err(path, f"{where_s}['{keys[p.name]}']: give `from` (the checkpoint tensor(s)), or a "
+                                         f"layout (`transpose`, `segments_interleaved`) of the tensor of its own name",
+                                   at_key=True)
+                sources = (p.name,)
             elif isinstance(e.from_, str):
                 sources = (rename(e.from_),)
             else:
@@ -673,9 +679,26 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': only per-layer tensors "
                                                      f"may use {{i}}, only stacked expert parameters {{e}}, and no "
                                                      f"other placeholder exists")
-            out.append(WeightIR(p, sources, None if e is None else
-                                self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e)))
+            wt = self.weight_layout(p, sources, e, path, where_s, keys.get(p.name, ""))
+            if e is not None:
+                wt = dataclasses.replace(wt, layout=self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e))
+            out.append(wt)
         return tuple(out)
+
+    def weight_layout(self, p: ParamIR, sources, e, path, where_s: str, key: str) -> WeightIR:
+        """The WeightIR of parameter `p`, with its entry's layout (`transpose`, `segments_interleaved`) checked."""
+        if e is None or not (e.transpose or e.segments_interleaved):
+            return WeightIR(p, tuple(sources))
+        dims = len(p.shape) - (1 if p.experts is not None else 0)
+        if e.transpose and dims < 2:
+            raise self.err(path + ("transpose",), f"{where_s}['{key}'].transpose: '{key}' is not a matrix (one dim "
+                                                  f"per {'expert' if p.experts is not None else 'parameter'})")
+        if e.segments_interleaved and (len(p.segments) < 2 or len(sources) != 1):
+            why = "has no segments" if len(p.segments) < 2 else "is stacked from one tensor per segment here"
+            raise self.err(path + ("segments_interleaved",), f"{where_s}['{key}'].segments_interleaved: the parameter "
+                                                             f"{why}; interleaving needs a fused parameter read from "
+                                                             f"one tensor")
+        return WeightIR(p, tuple(sources), e.transpose, len(p.segments) if e.segments_interleaved else 1)
 
     def resolve_ignored(self) -> Tuple[str, ...]:
         for i, pat in enumerate(self.spec.ignore_checkpoint_tensors):

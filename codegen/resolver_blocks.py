@@ -24,6 +24,7 @@ from .ir import (
 )
 from .resolver_rotary import RotaryResolver
 from .schema import (
+    ActivationForm,
     AttentionBlock,
     FusedLinearBlock,
     GatedMLPBlock,
@@ -144,7 +145,7 @@ class BlockResolver(RotaryResolver):
                                 self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
                                 fraction, rdim, layout, enabled),
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
-                sliding_window=window, softcap=softcap, clip_qkv=clip)
+                sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks)
         if isinstance(b, GatedMLPBlock):
             segs = b.gate_up.segments
             if list(segs) != ["gate", "up"]:
@@ -152,7 +153,7 @@ class BlockResolver(RotaryResolver):
                 raise self.err(path + ("gate_up", "segments"), f"{self._where(path)}.gate_up.segments: the forward "
                                                               f"pass splits the fused projection as [gate, up]; got "
                                                               f"{list(segs)}")
-            act = self.activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation")
+            act, act_params = self.gated_activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation")
             g = self.ident(path + ("gate_up", "name"), b.gate_up.name, "module name")
             dn = self.ident(path + ("down", "name"), b.down.name, "module name")
             if g == dn:
@@ -160,7 +161,7 @@ class BlockResolver(RotaryResolver):
             return GatedMLPIR("gated_mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
-                              self.flag(path + ("down", "bias"), b.down.bias))
+                              self.flag(path + ("down", "bias"), b.down.bias), act_params)
         if isinstance(b, MLPBlock):
             act = self.activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation")
             up = self.ident(path + ("up", "name"), b.up.name, "module name")
@@ -188,17 +189,29 @@ class BlockResolver(RotaryResolver):
                         raise self.err(sp + (key,), f"{self._where(sp + (key,))}: '{module}' is {taken[module]}")
                     taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
                 no_bias = Value(literal=False)
+                sact, sparams = self.gated_activation(path + ("activation",), b.activation)
                 shared = dict(shared_gate=b.shared_expert.gate, shared=GatedMLPIR(
                     "gated_mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
                     self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
-                    self.activation(path + ("activation",), b.activation), "gate_up_proj", ("gate", "up"), no_bias,
-                    "down_proj", no_bias))
+                    sact, "gate_up_proj", ("gate", "up"), no_bias, "down_proj", no_bias, sparams))
+            act, act_params = self.gated_activation(path + ("activation",), b.activation)
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
-                         self.activation(path + ("activation",), b.activation),
-                         self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared)
+                         act, self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared,
+                         router_bias=self.flag(path + ("router", "bias"), b.router.bias),
+                         expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
+
+    def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
+                         what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:
+        """A gated activation: a name / str symbol (`activation`), or a parameterized form (ActivationForm:
+        swiglu_clamped {alpha, limit}) -> (the form's name, its parameters)."""
+        if isinstance(a, ActivationForm):
+            return Value(literal=a.kind), (("alpha", self.num(path + ("alpha",), a.alpha)),
+                                           ("limit", self.positive(path + ("limit",), a.limit, optional=True)
+                                            if a.limit is not None else Value(literal=None)))
+        return self.activation(path, a, allowed, what), ()
 
     def activation(self, path, name: str, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                    what: str = "a gated activation") -> Value:
@@ -279,6 +292,8 @@ class BlockResolver(RotaryResolver):
                                for w in names]
                 if n.enabled is not None:     # only in the checkpoints where the flag holds
                     ps[first:] = [dataclasses.replace(p, when=(n.enabled, True)) for p in ps[first:]]
+            if b.sinks:                   # one logit per query head, split by heads as q is
+                ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
             return ps
         if isinstance(b, MoEIR):
             E = b.experts
@@ -294,7 +309,16 @@ class BlockResolver(RotaryResolver):
                              per_layer=per_layer, experts=E)
                 down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate), "expert",
                                (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
-            ps = [P(f"{b.router_name}.weight", (E, b.hidden), "replicated"), up, down]
+            ps = [P(f"{b.router_name}.weight", (E, b.hidden), "replicated")]
+            if _maybe(b.router_bias):
+                ps.append(P(f"{b.router_name}.bias", (E,), "replicated"))
+            ps += [up, down]
+            if _maybe(b.expert_bias):     # gate_up's bias split as its rows (tensor) or by experts; down's whole
+                ps.append(dataclasses.replace(up, name=f"{prefix}.experts.gate_up_proj_bias",
+                                              shape=(E, Size.of(2) * b.intermediate)))
+                ps.append(ParamIR(f"{prefix}.experts.down_proj_bias", block, (E, b.hidden),
+                                  "expert" if b.parallel == "expert" else "replicated", (), per_layer=per_layer,
+                                  experts=E))
             if b.shared:                  # a dense gated MLP's parameters, under the shared expert's module
                 ps += BlockResolver.block_params(f"{prefix}.{b.shared.name}", block, b.shared, per_layer)
                 if b.shared_gate:

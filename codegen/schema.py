@@ -169,6 +169,18 @@ class AttentionBlock(Strict):
     softcap: Optional[Num] = None        # attention logit soft-capping: cap * tanh(scores / cap); None = off
     clip_qkv: Optional[Num] = None       # q, k, v clamped to [-c, c] after the projection (and a projection-wide
                                          # qk_norm); an optional symbol that is None turns it off (OLMo, DBRX)
+    # attention sinks (GPT-OSS): a learned logit per query head in the softmax denominator, parameter
+    # `sinks [heads]` of this block (split by heads under TP)
+    sinks: StrictBool = False
+
+
+class ActivationForm(Strict):
+    """A parameterized gated activation, `{kind: swiglu_clamped, alpha: 1.702, limit: swiglu_limit}`: over the
+    gate | up halves, gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate *
+    sigmoid(alpha * gate) (GPT-OSS's experts). `limit` may be an optional symbol (None: no clamping)."""
+    kind: Literal["swiglu_clamped"]
+    alpha: Num
+    limit: Optional[Num] = None
 
 
 class GatedMLPBlock(Strict):
@@ -178,7 +190,7 @@ class GatedMLPBlock(Strict):
     kind: Literal["gated_mlp"]
     hidden: Dim
     intermediate: Dim
-    activation: StrictStr
+    activation: Union[StrictStr, ActivationForm]
     gate_up: FusedProjection
     down: Projection
 
@@ -196,8 +208,9 @@ class MLPBlock(Strict):
 
 
 class Router(Strict):
-    """The router of a mixture-of-experts block: a replicated linear hidden -> experts (no bias)."""
+    """The router of a mixture-of-experts block: a replicated linear hidden -> experts, with a bias when `bias`."""
     name: StrictStr = "gate"
+    bias: Flag = False
 
 
 class SharedExpert(Strict):
@@ -224,8 +237,11 @@ class MoEBlock(Strict):
     experts: Dim
     top_k: Dim
     intermediate: Dim
-    activation: StrictStr
+    activation: Union[StrictStr, ActivationForm]
     norm_topk_prob: Flag = False
+    # per-expert biases: experts.gate_up_proj_bias [experts, 2 * intermediate], experts.down_proj_bias
+    # [experts, hidden] (GPT-OSS)
+    expert_bias: Flag = False
     router: Router = Router()
     parallel: Literal["tensor", "expert"] = "tensor"
     shared_expert: Optional[SharedExpert] = None
@@ -335,8 +351,14 @@ class WeightEntry(Strict):
     A parameter without an entry loads the tensor of its own name. `from` renames it; a mapping
     {segment: tensor} stacks several checkpoint tensors into a fused parameter, in the block's segment order
     (which is the order of its forward split). `{i}` stands for the layer index, `{e}` for the expert index of a
-    stacked expert parameter (the per-expert tensors are stacked at load; each rank reads only its slices)."""
-    from_: Union[StrictStr, Dict[StrictStr, StrictStr]] = Field(alias="from")
+    stacked expert parameter (the per-expert tensors are stacked at load; each rank reads only its slices).
+    `transpose: true`: the tensor stores each matrix as [in, out] (the last two dims swapped). `segments_interleaved:
+    true`: a single tensor holds the fused parameter's segments interleaved element by element along the output
+    dim (gate = [..., 0::2], up = [..., 1::2]) instead of stacked. Without `from`, the tensor of the parameter's
+    own name is read in that layout."""
+    from_: Optional[Union[StrictStr, Dict[StrictStr, StrictStr]]] = Field(default=None, alias="from")
+    transpose: StrictBool = False
+    segments_interleaved: StrictBool = False
     # the row layout of a single fused tensor (`from` one name) stored per head / per KV group / reordered
     layout: Optional[RowLayout] = None
 

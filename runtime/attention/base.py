@@ -15,11 +15,14 @@ class AttentionVariant(NamedTuple):
     - sliding_window W (None: off): key j is visible to query i iff j <= i and j > i - W
       (transformers masking_utils.sliding_window_causal_mask_function); FlashInfer's window_left = W - 1.
     - logit_softcap c (None: off): scores = c * tanh(scores / c) on the scaled scores, before masking.
+    - sinks (False: off): a learned per-head logit s_h joins the softmax denominator, p = exp(x) / (sum exp(x) +
+      exp(s_h)) (GPT-OSS; the layer passes the per-rank tensor [H] to `forward(..., sinks=)`).
 
     Layers with different variants need their own attention plan; backends plan once per distinct variant.
     """
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
+    sinks: bool = False
 
     @property
     def window_left(self) -> int:
@@ -29,7 +32,7 @@ class AttentionVariant(NamedTuple):
 FULL = AttentionVariant()
 
 
-def make_variant(sliding_window=None, logit_softcap=None) -> AttentionVariant:
+def make_variant(sliding_window=None, logit_softcap=None, sinks: bool = False) -> AttentionVariant:
     """A validated AttentionVariant: sliding_window None or an int >= 1, logit_softcap None or a finite float > 0."""
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
@@ -39,7 +42,7 @@ def make_variant(sliding_window=None, logit_softcap=None) -> AttentionVariant:
                 or not math.isfinite(logit_softcap) or logit_softcap <= 0:
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
         logit_softcap = float(logit_softcap)
-    return AttentionVariant(sliding_window, logit_softcap)
+    return AttentionVariant(sliding_window, logit_softcap, bool(sinks))
 
 
 def attention_variants(layers: Iterable) -> tuple[AttentionVariant, ...]:
@@ -57,7 +60,8 @@ class AttentionBackend:
     When forward runs, the step's K/V are already written to (k_cache, v_cache) ([num_blocks, block_size,
     Hk, D], NHD) by the Attention layer. q [N, H, D], k/v [N, Hk, D] -> out [N, H, D]. `variant` (an
     AttentionVariant; None = FULL) selects the layer's sliding window / soft-cap; the Attention layer passes it
-    only when it is not FULL, so a backend without variants keeps working for plain models.
+    only when it is not FULL, so a backend without variants keeps working for plain models. With
+    `variant.sinks` the layer also passes `sinks` ([H] float, this rank's heads).
     """
 
     def plan(self, ctx: ForwardContext) -> None:

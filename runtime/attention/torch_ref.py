@@ -79,7 +79,8 @@ class TorchPagedBackend(AttentionBackend):
             self._masks[key] = visible[:, None, None]
         return self._masks[key]
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
+                sinks: Optional[torch.Tensor] = None):
         if ctx is not self._ctx:
             self.plan(ctx)
         variant = variant or FULL
@@ -90,7 +91,7 @@ class TorchPagedBackend(AttentionBackend):
         use_cache = k_cache is not None and k_cache.numel() > 0
         if not self._live:
             return out
-        if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None:
+        if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None and sinks is None:
             return self._decode_step(q, k_cache, v_cache, ctx, scale, variant)
         if len(self._live) == 1 and use_cache:   # one sequence: slices, no gather indices (cheaper at batch 1)
             i = self._live[0]
@@ -99,7 +100,7 @@ class TorchPagedBackend(AttentionBackend):
             blocks = ctx.block_tables[i, :(n + bs - 1) // bs].long()
             ks, vs = k_cache[blocks].reshape(-1, Hk, D)[:n], v_cache[blocks].reshape(-1, Hk, D)[:n]
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
-                                variant.logit_softcap).to(q.dtype)
+                                variant.logit_softcap, sinks).to(q.dtype)
             return out
         rows, q_index, q_valid, q_pos, k_valid, L = self._index(q.device)
         B = len(rows)
@@ -122,7 +123,7 @@ class TorchPagedBackend(AttentionBackend):
         if variant.logit_softcap is not None:
             s = torch.tanh(s / variant.logit_softcap) * variant.logit_softcap
         s = s.masked_fill(~self._mask(variant, q_pos, k_valid, q_valid), float("-inf"))
-        o = torch.matmul(torch.softmax(s, dim=-1), vf)                             # [B, Hk, g, Q, D]
+        o = torch.matmul(_softmax(s, None if sinks is None else sinks.float().view(1, Hk, g, 1, 1)), vf)
         o = o.permute(0, 3, 1, 2, 4).reshape(B, -1, H, D)
         out[q_index[q_valid]] = o[q_valid].to(q.dtype)
         return out
@@ -157,12 +158,25 @@ class TorchPagedBackend(AttentionBackend):
         return o.squeeze(2).to(q.dtype)
 
 
+def _softmax(s: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """softmax over the last dim; with `sinks` (broadcast to s[..., :1]) each row's sink logit joins the
+    denominator as transformers computes it: the row and its sink concatenated, max-subtracted, softmax, sink
+    dropped."""
+    if sinks is None:
+        return torch.softmax(s, dim=-1)
+    comb = torch.cat([s, sinks.expand(*s.shape[:-1], 1)], dim=-1)
+    comb = comb - comb.max(dim=-1, keepdim=True).values
+    return torch.softmax(comb, dim=-1)[..., :-1]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
-           sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> torch.Tensor:
+           sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of q [Q, H, D] against k, v [L, Hk, D]; query j sits at position q_offset + j.
 
     HF eager semantics: scores = q k^T * scale; with logit_softcap c, scores = c * tanh(scores / c) (before the
-    mask); key p is visible to query position i iff p <= i and, with a sliding window W, p > i - W."""
+    mask); key p is visible to query position i iff p <= i and, with a sliding window W, p > i - W. `sinks` [H]:
+    a per-head logit in the softmax denominator (attention sinks)."""
     Q, H, D = q.shape
     L, Hk, _ = k.shape
     g = H // Hk
@@ -178,5 +192,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
     if sliding_window is not None:
         hidden = hidden | (kpos <= qpos - sliding_window)
     s = s.masked_fill(hidden, float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    p = _softmax(s, None if sinks is None else sinks.float().view(H, 1, 1))
     return torch.matmul(p, vf).transpose(0, 1)                       # [Q, H, D]

@@ -144,16 +144,45 @@ class ActAndMul(Act):
         return self.fn(x[..., :n]) * x[..., n:]
 
 
-def gated_act(name: str) -> nn.Module:
+def gated_act(name: str, **params) -> nn.Module:
     """The gated activation module (x [..., 2n] -> act(x[..., :n]) * x[..., n:]) for a Hugging Face activation
     name: silu, swish -> SiluAndMul; gelu -> GeluAndMul("none"); gelu_pytorch_tanh, gelu_new ->
-    GeluAndMul("tanh"); any other name of the table -> ActAndMul. Any other name raises ValueError."""
+    GeluAndMul("tanh"); with `params`, a parameterized form of GATED_FORMS (swiglu_clamped: alpha, limit).
+    Any other name raises ValueError."""
+    if name in GATED_FORMS:
+        return GATED_FORMS[name](**params)
+    if params:
+        raise ValueError(f"gated activation {name!r} takes no parameters, got {sorted(params)}")
     if name not in ACTIVATION_FNS:
         raise ValueError(f"unsupported gated activation {name!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
     if name not in _FUSED_GATED:
         return ActAndMul(name)
     kind, approximate = _FUSED_GATED[name]
     return SiluAndMul() if kind == "silu" else GeluAndMul(approximate)
+
+
+class ClampedSwiGLU(nn.Module):
+    """x [..., 2n] (gate | up halves) -> (up + 1) * glu with gate = min(gate, limit), up = clamp(up, -limit, limit),
+    glu = gate * sigmoid(alpha * gate): the clamped SwiGLU of GPT-OSS's experts (`swiglu_clamped`), same op order
+    as transformers. `limit` None: no clamping."""
+
+    def __init__(self, alpha: float, limit: float | None = None):
+        super().__init__()
+        self.alpha, self.limit = float(alpha), None if limit is None else float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
+
+
+# parameterized gated activation forms (`activation: {kind: ..., <params>}` in a spec) -> module
+GATED_FORMS = {"swiglu_clamped": ClampedSwiGLU}
 
 
 def act(name: str) -> nn.Module:

@@ -1,15 +1,19 @@
 """Mixture of experts: the experts as one stacked gated MLP, routed by softmax top-k.
 
-`FusedMoE(num_experts, hidden, intermediate, top_k, renormalize, activation, parallel)` holds
-`gate_up_proj [E, 2 * I, H]` (per expert: gate rows | up rows) and `down_proj [E, H, I]`; its forward takes the
-hidden states and the router logits (the router is a replicated linear of the block that owns this layer).
+`FusedMoE(num_experts, hidden, intermediate, top_k, renormalize, activation, parallel, activation_params, bias)`
+holds `gate_up_proj [E, 2 * I, H]` (per expert: gate rows | up rows) and `down_proj [E, H, I]`, with `bias` also
+`gate_up_proj_bias [E, 2 * I]` and `down_proj_bias [E, H]`; `activation_params` parameterize a gated form
+(swiglu_clamped: alpha, limit). Its forward takes the hidden states and the router logits (the router, with or
+without a bias, is a replicated linear of the block that owns this layer).
 
 Sharding, decided here (and only here):
   parallel="tensor": every rank holds every expert, split over the intermediate dimension: gate_up_proj is
       column-parallel along dim 1 (per segment gate / up), down_proj row-parallel along dim 2; the partial
-      outputs are summed with one all-reduce.
+      outputs are summed with one all-reduce. gate_up_proj_bias splits as gate_up_proj's rows; down_proj_bias is
+      whole on every rank and added by rank 0 alone (once, before the all-reduce).
   parallel="expert": rank r holds experts [r * E / tp, (r + 1) * E / tp) whole; pairs routed to another rank's
-      experts contribute nothing here, and the all-reduce sums the ranks' outputs.
+      experts contribute nothing here, and the all-reduce sums the ranks' outputs (each rank adds its own experts'
+      biases).
 
 Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
 (down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
@@ -57,6 +61,8 @@ class _ExpertWindow:
     def __getitem__(self, idx):
         idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * 2
         rows, cols = idx[0], idx[1]
+        if len(source_shape(self.base)) == 2:                    # a stacked bias [E, rows]
+            return self.base[(slice(self.e, self.e + 1), rows)][0]
         if not self.transposed:
             return self.base[(slice(self.e, self.e + 1), rows, cols)][0]
         return self.base[(slice(self.e, self.e + 1), cols, rows)][0].transpose(0, 1).contiguous()
@@ -134,6 +140,8 @@ class ExpertSplit:
     def load(self, param: torch.Tensor, loaded, shard_id: Union[int, str, None] = None) -> None:
         if shard_id is None:                                      # the whole stacked tensor [E, out, in] / [E, in, out]
             shape, want = tuple(source_shape(loaded)), self.global_shape()
+            if len(want) == 2 and shape != want:                  # a stacked bias [E, out]
+                raise WeightLoadError(f"shape {shape}, expected {want} (experts, out)")
             if shape != want and shape != (want[0], want[2], want[1]):
                 raise WeightLoadError(f"shape {shape}, expected {want} (experts, out, in) or "
                                       f"{(want[0], want[2], want[1])} (experts, in, out)")
@@ -154,10 +162,15 @@ def _attach_experts(param: nn.Parameter, split: ExpertSplit) -> None:
 
 class FusedMoE(nn.Module):
     """Experts as one stacked gated MLP: out[t] = sum_k w[t, k] * down_e(act(gate_e(x)) * up_e(x)),
-    e = ids[t, k], from softmax top-k routing of the router logits (renormalized when `renormalize`)."""
+    e = ids[t, k], from softmax top-k routing of the router logits (renormalized when `renormalize`).
+
+    `activation_params`: the parameters of a parameterized gated form (activation "swiglu_clamped": alpha,
+    limit). `bias`: per-expert biases `gate_up_proj_bias [E, 2 * I]` (split as gate_up_proj's rows) and
+    `down_proj_bias [E, H]` (whole on every rank; with parallel="tensor" rank 0 adds it, once)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
-                 activation: str, parallel: str = "tensor"):
+                 activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
+                 bias: bool = False):
         super().__init__()
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")
@@ -167,7 +180,8 @@ class FusedMoE(nn.Module):
         self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, bool(renormalize)
         self.activation = activation
-        self.act_fn = gated_act(activation)
+        self.activation_params = dict(activation_params or {})
+        self.act_fn = gated_act(activation, **self.activation_params)
         problems: list = []
         owner = type(self).__name__
         if parallel == "tensor":
@@ -191,19 +205,33 @@ class FusedMoE(nn.Module):
             num_experts, e0, e1, parallel, owner))
         _attach_experts(self.down_proj, ExpertSplit(
             ParamSplit("row", 1, (down,), (hidden, down.rows), tp, rank, owner), num_experts, e0, e1, parallel, owner))
+        self.has_bias = bool(bias)
+        if self.has_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e1 - e0, 2 * gate.rows))
+            self.down_proj_bias = nn.Parameter(torch.empty(e1 - e0, hidden))
+            _attach_experts(self.gate_up_proj_bias, ExpertSplit(
+                ParamSplit("column", 0, (gate, up), (2 * gate.rows,), tp, rank, owner), num_experts, e0, e1, parallel,
+                owner))
+            _attach_experts(self.down_proj_bias, ExpertSplit(
+                ParamSplit("replicated", None, (), (hidden,), tp, rank, owner), num_experts, e0, e1, parallel, owner))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # pairs routed to another rank's experts (parallel="expert") or from a decode batch's padding rows: nowhere
         weights, ids = moe_ops.route(router_logits, self.top_k, self.renormalize, self.expert_start,
                                      self.num_local_experts, _decode_slots(hidden_states.shape[0]))
-        out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
-                                self.act_fn)
+        if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
+            b2 = self.down_proj_bias if self.parallel == "expert" or self.tp_rank == 0 else None   # bias once
+            out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                                    self.act_fn, self.gate_up_proj_bias, b2)
+        else:
+            out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                                    self.act_fn)
         return all_reduce(out) if self.tp_size > 1 else out
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
-                f"activation={self.activation!r}, parallel={self.parallel!r}, tp={self.tp_size}")
+                f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")
 
 
 def _decode_slots(rows: int) -> Optional[torch.Tensor]:

@@ -149,6 +149,8 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                 raise CheckpointError(f"{model_dir}: {e}") from None
             _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
             try:
+                if rule.stored is not None:                    # stored transposed / segments interleaved
+                    sl = rule.stored.view(sl)
                 if rule.layout is not None:       # per-head / per-KV-group rows, seen blocked before sharding
                     split = getattr(param, "tp_split", None)
                     if split is None or split.dim != 0 or len(split.segments) < 2:

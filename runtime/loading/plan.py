@@ -5,7 +5,8 @@ segments of fused parameters); every other parameter loads the tensor of its own
 layer index; `{e}` in a source is the expert index of a stacked expert parameter: the rule lists one tensor per
 expert (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>" (the layer skips another rank's). How a tensor is
 sharded is the business of the parameter's layer (its `weight_loader`), never restated here. `WEIGHT_LAYOUTS` (optional)
-gives the row layout (runtime.loading.layout.RowLayout) of a fused tensor stored per head or per KV group.
+gives the row layout (runtime.loading.layout.RowLayout) of a fused tensor stored per head or per KV group. A source given as a TensorLayout (a
+`weights` entry's `transpose` / `segments_interleaved`) is read through its layout view.
 """
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from typing import Mapping, Optional, Union
 from torch import nn
 
 from xllm_gen.runtime.loading.layout import RowLayout
-from xllm_gen.runtime.loading.weights import WeightRule
+from xllm_gen.runtime.loading.weights import TensorLayout, WeightRule
 
-Sources = Union[str, Mapping[str, str]]
+Sources = Union[str, Mapping[str, str], TensorLayout]
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -45,17 +46,25 @@ def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
     table = [(_pattern(k), v, layouts.get(k)) for k, v in sources.items()]
     rules = []
     for name, param in model.named_parameters():
-        for pat, src, layout in table:
+        for pat, src, row_layout in table:
             m = pat.match(name)
             if m is None:
                 continue
             fill = (lambda s: s.replace("{i}", m.group("i"))) if "i" in pat.groupindex else (lambda s: s)
+            stored = None
+            if isinstance(src, TensorLayout):
+                stored, src = src, src.source
+                if "{e}" in src and stored.interleave > 1:     # a per-expert tensor: the expert dim is not there
+                    stored = TensorLayout(src, stored.transpose, stored.interleave, stored.dim - 1)
             if any("{e}" in s for s in ([src] if isinstance(src, str) else src.values())):
                 rules.append(_per_expert(name, param, fill, src))
             elif isinstance(src, str):
-                rules.append(WeightRule(name, (fill(src),), layout=layout))
+                rules.append(WeightRule(name, (fill(src),), layout=row_layout))
             else:
                 rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src)))
+            if stored is not None:
+                r = rules.pop()
+                rules.append(WeightRule(r.param, r.sources, segments=r.segments, layout=r.layout, stored=stored))
             break
         else:
             rules.append(WeightRule(name, (name,)))

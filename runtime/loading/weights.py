@@ -12,16 +12,91 @@ parameter decides how it is sharded, the plan never restates it.
     WeightRule(param, source, layout=RowLayout)   one fused tensor whose rows are laid out per head / per KV
                                                   group (runtime.loading.layout), undone before sharding
 
+    WeightRule(param, sources, stored=TensorLayout(...))  each source tensor is stored in another layout
+                                                  (transposed, segments interleaved) and read through a
+                                                  LayoutView that presents the parameter's layout
+
 Nothing here knows a model family.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
-from xllm_gen.runtime.executor.sharding import Segment
+from xllm_gen.runtime.executor.sharding import Segment, WeightLoadError
 
 SHARD_KINDS = ("replicated", "colwise", "rowwise", "vocab")   # legacy `shard=` values (ignored)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How a checkpoint tensor's layout differs from its parameter's (a `weights` entry's `transpose` /
+    `segments_interleaved`): `transpose` swaps the last two dims (the tensor stores [..., in, out]);
+    `interleave` n > 1: along `dim` of the parameter layout, the n segments are interleaved element by element
+    (segment s's row r at r * n + s) rather than stacked. `source` is the checkpoint tensor name (in a
+    WEIGHT_SOURCES entry)."""
+    source: str = ""
+    transpose: bool = False
+    interleave: int = 1
+    dim: int = 0
+
+    def view(self, base):
+        return LayoutView(base, self) if self.transpose or self.interleave > 1 else base
+
+
+class LayoutView:
+    """A lazy slice (or tensor) `base` in the layout of TensorLayout `layout`, presented in the parameter's
+    layout: get_shape() / get_dtype() and basic slicing, reading only the covering range of the base."""
+
+    def __init__(self, base, layout: TensorLayout):
+        self.base, self.layout = base, layout
+        shape = [int(s) for s in (base.get_shape() if hasattr(base, "get_shape") else base.shape)]
+        if layout.transpose:
+            if len(shape) < 2:
+                raise WeightLoadError(f"stored transposed (a `weights` entry's transpose), but it has shape {tuple(shape)}: fewer than 2 dims")
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        n, d = layout.interleave, layout.dim
+        if n > 1 and (d >= len(shape) or shape[d] % n):
+            raise WeightLoadError(f"shape {tuple(shape)} (in the parameter's layout): dim {d} cannot hold {n} interleaved segments (`segments_interleaved`)")
+        self.shape = shape
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self):
+        return self.base.get_dtype() if hasattr(self.base, "get_dtype") else self.base.dtype
+
+    def __getitem__(self, idx):
+        import torch
+
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        nd = len(self.shape)
+        rngs = []
+        for k in range(nd):
+            sl = idx[k] if k < len(idx) else slice(None)
+            if not isinstance(sl, slice) or sl.step not in (None, 1):
+                raise TypeError("LayoutView supports plain slices only")
+            a, b, _ = sl.indices(self.shape[k])
+            rngs.append((a, max(a, b)))
+        n, d = self.layout.interleave, self.layout.dim
+        pick = None
+        if n > 1:                                      # parameter row r of segment s = r // seg <- base row
+            a, b = rngs[d]                             # (r % seg) * n + s; read the covering range, then pick
+            seg = self.shape[d] // n
+            rows = torch.arange(a, b)
+            base_rows = (rows % seg) * n + rows // seg
+            lo, hi = (int(base_rows.min()), int(base_rows.max()) + 1) if b > a else (0, 0)
+            rngs[d] = (lo, hi)
+            pick = base_rows - lo
+        base_idx = [slice(a, b) for a, b in rngs]
+        if self.layout.transpose:
+            base_idx[-2], base_idx[-1] = base_idx[-1], base_idx[-2]
+        out = self.base[tuple(base_idx)]
+        if self.layout.transpose:
+            out = out.transpose(-2, -1)
+        if pick is not None:
+            out = out.index_select(d, pick)
+        return out.contiguous()
 
 
 @dataclass(frozen=True)
@@ -34,9 +109,10 @@ class WeightRule:
     vocab_size: int = field(default=0, repr=False, compare=False)
     legacy: bool = field(default=False, repr=False, compare=False)
     layout: Any = None                           # a RowLayout for one fused tensor stored per head / KV group
+    stored: Optional[TensorLayout] = None         # each source's storage layout, where it is not the parameter's
 
     def __init__(self, param: str, sources, *args, segments=(), shard: str = "", vocab_size: int = 0,
-                 layout: Any = None):
+                 layout: Any = None, stored: Optional[TensorLayout] = None):
         # Legacy positional form: WeightRule(param, sources, shard, segments).
         if args and isinstance(args[0], str) and args[0] in SHARD_KINDS:
             shard, args = args[0], args[1:]
@@ -63,6 +139,7 @@ class WeightRule:
         set_(self, "legacy", legacy or bool(shard) or bool(vocab_size))
         set_(self, "legacy_segments", legacy_segments)     # for the transitional plan-vs-layer check only
         set_(self, "layout", layout)
+        set_(self, "stored", stored)
         self._validate()
 
     def _validate(self) -> None:

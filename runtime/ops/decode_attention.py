@@ -11,6 +11,8 @@ only on (batch, splits), never on the lengths, so one capture serves every step 
 
 The page table is FlashInfer's CSR form (indptr [B+1], page indices, last-page length [B]); a row with no pages
 is a padding row (length 0), its output is zeros. Cache layout NHD: [num_pages, page_size, Hk, D].
+Attention sinks (GPT-OSS), where given: a logit per query head added to the softmax denominator (in the final
+normalisation of a single split, in the merge of several).
 Reference: ops.reference.paged_decode_attention.
 """
 from __future__ import annotations
@@ -24,13 +26,14 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-                         indptr_ptr, indices_ptr, last_ptr,
+                         indptr_ptr, indices_ptr, last_ptr, sinks_ptr,
                          sm_scale, soft_cap, window_left,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                          H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                         HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                         HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+                         HAS_SINKS: tl.constexpr = False):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -94,7 +97,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         m_i = m_new
 
     has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        den = l_i
+        if HAS_SINKS:       # attention sinks: each head's sink logit joins the softmax denominator
+            sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)
+            den = l_i + tl.exp(sink - tl.where(has, m_i, 0.0))
+        o = acc / tl.where(has, den, 1.0)[:, None]
+    else:
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLITS == 1:
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gd_mask)
@@ -121,6 +131,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                 o_s = tl.load(part_o_ptr + (base + sidx)[:, None] * D + d[None, :], mask=o_mask, other=0.0,
                               cache_modifier=".cg")
                 den = tl.sum(w, axis=0)
+                if HAS_SINKS:
+                    sink = tl.load(sinks_ptr + kh * GROUP + gi).to(tl.float32)
+                    den += tl.where(m == float("-inf"), 0.0, tl.exp(sink - tl.where(m == float("-inf"), 0.0, m)))
                 res = tl.sum(w[:, None] * o_s, axis=0) / tl.where(den > 0, den, 1.0)
                 tl.store(out_ptr + b.to(tl.int64) * stride_ob + (kh * GROUP + gi) * stride_oh + d,
                          res.to(out_ptr.dtype.element_ty), mask=d < D)
@@ -144,10 +157,12 @@ class DecodeScratch:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor,
                            indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                            scratch: DecodeScratch, *, window_left: int = -1, soft_cap: Optional[float] = None,
-                           block_n: int = 64, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           block_n: int = 64, out: Optional[torch.Tensor] = None,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
-    (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits."""
+    (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits. `sinks` [H]
+    (float32): attention sinks, a logit per head in the softmax denominator."""
     B, H, D = q.shape
     _, page, Hk, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape or H % Hk:
@@ -156,6 +171,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"decode attention: batch {B} > the scratch's {scratch.max_batch} rows")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("decode attention: q and the caches need a contiguous last dimension (and equal strides)")
+    if sinks is not None and (sinks.shape != (H,) or sinks.stride(0) != 1):
+        raise ValueError(f"decode attention: sinks must be a contiguous [{H}] tensor, got {tuple(sinks.shape)}")
     if out is None:
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
@@ -163,12 +180,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = H // Hk
     _paged_decode_kernel[(B, Hk, scratch.splits)](
         q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
-        indptr, indices, last_page_len,
+        indptr, indices, last_page_len, q if sinks is None else sinks,
         float(sm_scale), float(soft_cap or 1.0), int(window_left),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D,
         D_PAD=max(16, triton.next_power_of_2(D)),
         SPLITS=scratch.splits, S_PAD=max(2, triton.next_power_of_2(scratch.splits)), BLOCK_N=block_n,
-        HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32, num_warps=4)
+        HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
+        HAS_SINKS=sinks is not None, num_warps=4)
     return out

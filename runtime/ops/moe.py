@@ -94,8 +94,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
-                        block_m: int = 16) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * w2[e] @ act(w13[e] @ x[t]) with e = topk_ids[t, k], grouped by expert.
+                        block_m: int = 16, b13: Optional[torch.Tensor] = None,
+                        b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]) with e = topk_ids[t, k], grouped
+    by expert (the biases b13 [E, 2I], b2 [E, H] where given).
 
     `act` is the gated activation ([..., 2I] -> [..., I]: act(gate) * up). Each block of block_m rows (one
     expert) is one batched GEMM against that expert's weights; each token's outputs are summed in increasing
@@ -107,8 +109,13 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     token = al.sorted_pairs // K                                  # T for padding rows
     xs = torch.cat([x, x.new_zeros(1, H)])[token].view(nb, block_m, H)
     expert = al.block_expert.clamp(max=E - 1)                     # unused blocks read expert E-1, rows are zero
-    h = act(torch.bmm(xs, w13[expert].transpose(1, 2)))           # [nb, block_m, I]
-    y = torch.bmm(h, w2[expert].transpose(1, 2)).view(-1, H)      # [P, H]
+    h = torch.bmm(xs, w13[expert].transpose(1, 2))                # [nb, block_m, 2I]
+    if b13 is not None:
+        h = h + b13[expert].unsqueeze(1)
+    y = torch.bmm(act(h), w2[expert].transpose(1, 2))             # [nb, block_m, H]
+    if b2 is not None:
+        y = y + b2[expert].unsqueeze(1)
+    y = y.view(-1, H)                                             # [P, H]
     w = torch.cat([topk_weights.reshape(-1), topk_weights.new_zeros(1)])[al.sorted_pairs]
     y = y * w.unsqueeze(1).to(y.dtype)
     out = x.new_zeros(T + 1, H)
@@ -117,9 +124,13 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The experts' output: the Triton grouped kernel (ops/moe_triton.py) for a SiLU gate on CUDA, else the
-    torch reference. `activation` names the gate ("silu", "gelu_tanh", ...), `act` is its gated module."""
+              topk_ids: torch.Tensor, activation: str, act: Callable[[torch.Tensor], torch.Tensor],
+              b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The experts' output: the Triton grouped kernel (ops/moe_triton.py) for a SiLU gate without expert biases
+    on CUDA, else the torch reference (on any device; static shapes, graph-capturable). `activation` names the
+    gate ("silu", "gelu_tanh", "swiglu_clamped", ...), `act` is its gated module; b13 / b2 the expert biases."""
+    if b13 is not None or b2 is not None:
+        return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, act, b13=b13, b2=b2)
     if x.is_cuda and activation == "silu":
         from xllm_gen.runtime.ops import use_triton
         if use_triton(x):

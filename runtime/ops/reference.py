@@ -122,9 +122,11 @@ def vision_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor,
                            indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
-                           window_left: int = -1, soft_cap: Optional[float] = None) -> torch.Tensor:
+                           window_left: int = -1, soft_cap: Optional[float] = None,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention over a CSR page table, one row at a time in float32 (the oracle of the Triton kernel in
-    ops/decode_attention.py): q [B, H, D] is each row's last position; a row with no pages gives zeros."""
+    ops/decode_attention.py): q [B, H, D] is each row's last position; a row with no pages gives zeros. `sinks`
+    [H]: a logit per head joins the softmax denominator."""
     B, H, D = q.shape
     page, Hk = k_cache.shape[1], k_cache.shape[2]
     ptr, last = indptr.tolist(), last_page_len.tolist()
@@ -142,5 +144,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         s = torch.einsum("kgd,nkd->kgn", qb, k) * sm_scale
         if soft_cap is not None:
             s = soft_cap * torch.tanh(s / soft_cap)
-        out[b] = torch.einsum("kgn,nkd->kgd", s.softmax(-1), v).reshape(H, D)
+        if sinks is None:
+            p = s.softmax(-1)
+        else:
+            p = torch.cat([s, sinks.float().view(Hk, H // Hk, 1)], dim=-1).softmax(-1)[..., :-1]
+        out[b] = torch.einsum("kgn,nkd->kgd", p, v).reshape(H, D)
     return out.to(q.dtype)

@@ -45,6 +45,19 @@ def _text_specs():
     return out
 
 
+def _cuda_refusal(architecture: str):
+    """What the CUDA path refuses at load for this architecture's spec (None: it serves it): attention sinks
+    (codegen/README.md, attention `sinks`)."""
+    from xllm_gen.codegen.compiler import compile_spec
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if isinstance(data, dict) and architecture in (data.get("architectures") or []):
+            ir = compile_spec(path).ir
+            if any(getattr(b, "sinks", False) for b in ir.layer.blocks):
+                return "attention sinks"
+    return None
+
+
 
 
 def _checkpoint(architecture: str, out: Path) -> Path:
@@ -67,6 +80,11 @@ def test_spec_bf16_graphs_vs_hf(architecture, tmp_path):
     from xllm_gen import LLM, SamplingParams
 
     ckpt = _checkpoint(architecture, tmp_path / "ckpt")
+    refused = _cuda_refusal(architecture)
+    if refused:                  # a documented refusal: at load, naming the feature
+        with pytest.raises(Exception, match=refused):
+            LLM(str(ckpt), dtype="bfloat16", max_num_seqs=16, num_kv_blocks=512, max_model_len=512)
+        return
     rng = random.Random(3)
     vocab = json.loads((ckpt / "config.json").read_text()).get("vocab_size", 1000)
     prompts = [[rng.randrange(min(vocab, 5000)) for _ in range(n)] for n in PROMPT_LENS]
