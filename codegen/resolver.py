@@ -698,7 +698,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
             raise self.err(path + ("segments_interleaved",), f"{where_s}['{key}'].segments_interleaved: the parameter "
                                                              f"{why}; interleaving needs a fused parameter read from "
                                                              f"one tensor")
-        return WeightIR(p, tuple(sources), e.transpose, len(p.segments) if e.segments_interleaved else 1)
+        return WeightIR(p, tuple(sources), transpose=e.transpose,
+                        interleave=len(p.segments) if e.segments_interleaved else 1)
 
     def resolve_ignored(self) -> Tuple[str, ...]:
         for i, pat in enumerate(self.spec.ignore_checkpoint_tensors):

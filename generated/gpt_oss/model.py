@@ -188,9 +188,9 @@ Model = GptOssForCausalLM
 WEIGHT_SOURCES = {
     "model.layers.{i}.self_attn.qkv_proj.weight": {"q": "model.layers.{i}.self_attn.q_proj.weight", "k": "model.layers.{i}.self_attn.k_proj.weight", "v": "model.layers.{i}.self_attn.v_proj.weight"},
     "model.layers.{i}.self_attn.qkv_proj.bias": {"q": "model.layers.{i}.self_attn.q_proj.bias", "k": "model.layers.{i}.self_attn.k_proj.bias", "v": "model.layers.{i}.self_attn.v_proj.bias"},
-    "model.layers.{i}.mlp.experts.gate_up_proj": TensorLayout("model.layers.{i}.mlp.experts.gate_up_proj", transpose=True),
+    "model.layers.{i}.mlp.experts.gate_up_proj": TensorLayout("model.layers.{i}.mlp.experts.gate_up_proj", transpose=True, interleave=2, dim=1),
     "model.layers.{i}.mlp.experts.down_proj": TensorLayout("model.layers.{i}.mlp.experts.down_proj", transpose=True),
-    "model.layers.{i}.mlp.experts.gate_up_proj_bias": TensorLayout("model.layers.{i}.mlp.experts.gate_up_proj_bias", transpose=True),
+    "model.layers.{i}.mlp.experts.gate_up_proj_bias": TensorLayout("model.layers.{i}.mlp.experts.gate_up_proj_bias", interleave=2, dim=1),
 }
 
 
