@@ -138,6 +138,7 @@ class ConfigFieldIR:
     optional: bool = False        # None admitted
     bounds: Tuple[Any, Any] = (None, None)     # inclusive (min, max), None = unbounded
     positive: bool = False        # used where a number must be > 0 (eps, theta, scales): checked at load
+    guard: bool = False           # guard-only: read and checked (values / bounds), used by no block
 
     @property
     def derived(self) -> bool:

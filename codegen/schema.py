@@ -49,6 +49,9 @@ class ConfigField(Strict):
     min: Optional[Union[StrictInt, StrictFloat]] = None   # inclusive bounds checked at load (and for variants)
     max: Optional[Union[StrictInt, StrictFloat]] = None
     doc: StrictStr = ""                         # a free-text note about the symbol (not rendered)
+    # a guard-only symbol: read (or derived) and held to its `values` / `min` / `max` at load, but used by no
+    # block. Every other symbol must reach the generated model (a symbol read and never used is a compile error)
+    guard: StrictBool = False
 
 
 # ---- blocks ----------------------------------------------------------------------------------------------
