@@ -15,6 +15,7 @@ with the checkpoint's values) and is evaluated here by a small interpreter for t
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -72,6 +73,12 @@ def _check(node: ast.AST, names: set, bound: frozenset = frozenset()) -> None:
         raise ExprError(f"{type(node).__name__} is not allowed in a spec expression")
     for child in ast.iter_child_nodes(node):
         _check(child, names, bound)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(source: str) -> ast.Expression:
+    """The tree of a checked expression, parsed once (read only: the evaluator never changes it)."""
+    return ast.parse(source, mode="eval")
 
 
 def _check_exponent(node: ast.AST) -> None:
@@ -150,7 +157,7 @@ class Expr:
         env = dict(values)
         if layer is not None:
             env["layer"] = layer
-        return _Eval(env).run(self.tree().body)
+        return _Eval(env).run(_parsed(self.source).body)
 
     def __str__(self) -> str:
         return self.source

@@ -90,6 +90,8 @@ MAX_SIZE = 2 ** 31 - 1
 # tower; a text-only decoder is served as *ForCausalLM
 MULTIMODAL_SUFFIXES = ("ForConditionalGeneration", "ForImageTextToText", "ForVision2Seq")
 MAX_LAYERS = 10_000
+# variants are a family's published checkpoints; each is checked statically, the TP sizes on a meta model each
+MAX_VARIANTS = 64
 
 
 class _Resolver(BlockResolver, VisionResolver):
@@ -254,6 +256,10 @@ class _Resolver(BlockResolver, VisionResolver):
         self.imply_bounds()
         runner = self.resolve_runner(layer, vision, levels)
         tp_sizes = self.resolve_tp()
+        if len(s.variants) > MAX_VARIANTS:
+            raise self.err(("variants",), f"variants: {len(s.variants)} variants; at most {MAX_VARIANTS} (each is "
+                                          f"checked statically: list the family's published checkpoints)",
+                           at_key=True)
         variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack, levels, vision, embed)
                          for name in s.variants)
         return ModelIR(
