@@ -95,6 +95,9 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.config_assume:
         w("config assumed (not modelled; another value is refused): " +
           ", ".join(f"{k}={v!r}" for k, v in ir.config_assume))
+    if ir.config_defaults:
+        w("config defaults (transformers', where config.json omits an assumed field): " +
+          ", ".join(f"{k}={v!r}" for k, v in ir.config_defaults))
     if ir.config_ignore:
         w("config ignored (does not change the math): " + ", ".join(ir.config_ignore))
     w("")
@@ -261,7 +264,14 @@ def variant_config(module, ir: ModelIR, v: VariantIR):
         for p in parents:
             node = node.setdefault(p, {})
         value = values[f.name]
-        node[leaf] = list(value) if isinstance(value, tuple) else value
+        node[leaf] = list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict) else value)
+    for key, value in ir.config_assume:     # a variant is a checkpoint the spec models: it has the assumed values
+        *parents, leaf = key.split(".")
+        node = hf
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is not None and isinstance(node, dict) and leaf not in node:
+            node[leaf] = value
     return module.Config.from_hf(hf)
 
 

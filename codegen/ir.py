@@ -497,6 +497,7 @@ class ModelIR:
     spec_file: str = ""                                # absolute path of the spec (where its project is)
     config_assume: Tuple[Tuple[str, Any], ...] = ()   # config.json path -> the value the spec assumes
     config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
+    config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent
 
     @property
     def model_class(self) -> str:

@@ -269,7 +269,8 @@ class _Resolver(BlockResolver, VisionResolver):
             embed=embed, layer=layer, norm=norm, lm_head=lm_head, deepstack_after=deepstack, params=params,
             weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
-            spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore))
+            spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
+            config_defaults=tuple(s.config_defaults.items()))
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:
@@ -452,6 +453,11 @@ class _Resolver(BlockResolver, VisionResolver):
             if key in read:
                 raise self.err(path, f"config_assume.{key}: this field is read by a config symbol; a field is "
                                      f"either read or assumed", at_key=True)
+        for key in self.spec.config_defaults:
+            if key not in self.spec.config_assume:
+                where = "read by a config symbol: state its default with the symbol's `default`" if key in read \
+                    else "not in config_assume: list the value the spec assumes there"
+                raise self.err(("config_defaults", key), f"config_defaults.{key}: this field is {where}", at_key=True)
         for i, pat in enumerate(self.spec.config_ignore):
             if not pat or not re.match(r"^[A-Za-z0-9_.*?\[\]]+$", pat):
                 raise self.err(("config_ignore", i), f"config_ignore[{i}]: '{pat}' is not a dotted path pattern")

@@ -393,6 +393,10 @@ class Spec(Strict):
     # config.json fields that change the math but that the spec does not read, with the value it assumes
     # (a checkpoint with another value is refused); dotted paths
     config_assume: Dict[StrictStr, Scalar] = {}
+    # transformers' default of an assumed field (the value its config class fills in when config.json omits it,
+    # e.g. partial_rotary_factor: 0.5): the guard compares the effective value with config_assume, so a checkpoint
+    # without the field is refused where the family's default differs from what the spec assumes
+    config_defaults: Dict[StrictStr, Scalar] = {}
     # config.json fields that do not change the math (fnmatch patterns over dotted paths); a checkpoint field
     # that is neither read, assumed, ignored nor a generic transformers field is refused at load
     config_ignore: List[StrictStr] = []

@@ -80,6 +80,87 @@ def test_derived_values_checked_at_load(tmp_path):
         model.Config.from_hf(_hf(hidden_act="gelu"))
 
 
+# ---- 2. absent means transformers' default -------------------------------------------------------------------
+
+def _hf_defaults(architecture: str):
+    """transformers' config class of an architecture, instantiated with its defaults, as a dict (None: unknown)."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+    best = None
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                    modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        for model_type, cls in mapping.items():
+            cname = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type, "")
+            if cls == architecture and cls.startswith(cname[:-len("Config")]) and \
+                    (best is None or len(cname) > len(best[1])):
+                best = (model_type, cname)
+    return configuration_auto.CONFIG_MAPPING[best[0]]().to_dict() if best else None
+
+
+def _lookup(cfg, path):
+    for part in path.split("."):
+        if not isinstance(cfg, dict) or cfg.get(part) is None:
+            return None
+        cfg = cfg[part]
+    return cfg
+
+
+def _same(a, b):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+@pytest.mark.parametrize("spec", sorted(p.name for p in SPECS.glob("*.yaml")))
+def test_spec_defaults_are_transformers_defaults(spec):
+    """A checkpoint that omits a field has transformers' default for its family: every literal `default` of a
+    read symbol, and the effective value of every assumed field (config_defaults, else the assumed value), equal
+    the default of the architecture's transformers config class (fields the class does not have are skipped;
+    generation token ids do not change the math)."""
+    pytest.importorskip("transformers")
+    s = load_spec(SPECS / spec).spec
+    hf = _hf_defaults(s.architectures[0])
+    if hf is None:
+        pytest.skip(f"transformers has no config class for {s.architectures[0]}")
+    wrong = []
+    for name, f in s.config.items():
+        if f.from_ is None or f.default is None or f.type == "rope":
+            continue
+        paths = [f.from_] if isinstance(f.from_, str) else f.from_
+        if paths[0].split(".")[-1] in GENERIC_FIELDS:
+            continue
+        want = next((v for v in (_lookup(hf, p) for p in paths) if v is not None), None)
+        if want is not None and not _same(f.default, want):
+            wrong.append(f"config.{name}.default: {f.default!r}, transformers: {want!r}")
+    for key, assumed in s.config_assume.items():
+        want = _lookup(hf, key)
+        have = s.config_defaults.get(key, assumed)
+        if want is not None and not _same(have, want):
+            wrong.append(f"config_assume.{key}: absent means {have!r} here, transformers: {want!r} (state it in "
+                         f"config_defaults)")
+    assert not wrong, wrong
+
+
+def test_assumed_field_absent_means_the_family_default(tmp_path):
+    """partial_rotary_factor: 1.0 is what the spec computes; a family whose transformers default is 0.5 refuses a
+    checkpoint that omits the field (it means 0.5), and serves one that states 1.0."""
+    path, text = _mutant(tmp_path, "qwen3.yaml", ("\ndecoder:\n", "\nconfig_assume: {partial_rotary_factor: 1.0}\n"
+                                                  "config_defaults: {partial_rotary_factor: 0.5}\n\ndecoder:\n"))
+    model = compile_spec(path).module()
+    assert model.Config.from_hf(_hf(partial_rotary_factor=1.0)).hidden_size == 64
+    with pytest.raises(ConfigError, match=r"omits partial_rotary_factor, which means 0.5 \(transformers' default"):
+        model.Config.from_hf(_hf())
+    with pytest.raises(ConfigError, match=r"has partial_rotary_factor=0.25"):
+        model.Config.from_hf(_hf(partial_rotary_factor=0.25))
+    # a default of a field that is not assumed is a located error
+    bad, text = _mutant(tmp_path, "qwen3.yaml", ("\ndecoder:\n", "\nconfig_defaults: {rope_theta: 5.0}\n\ndecoder:\n"),
+                        name="bad.yaml")
+    err = _compile_error(bad)
+    assert "config_defaults.rope_theta: this field is read by a config symbol" in err.message
+    assert err.location.line == _line_of(text, "config_defaults:")
+
+
 # ---- 3. fields of transformers' base config never change the math ------------------------------------------
 
 def test_base_pretrained_config_fields_are_generic():

@@ -87,13 +87,14 @@ class ConfigReader:
     """Reads the symbols of one spec from a config.json dict, then (`finish`) applies the config guard."""
 
     def __init__(self, hf: Any, spec: str, *, assume: Optional[Mapping[str, Any]] = None,
-                 ignore: Iterable[str] = ()):
+                 ignore: Iterable[str] = (), defaults: Optional[Mapping[str, Any]] = None):
         if not isinstance(hf, dict):
             raise ConfigError(f"config.json: the top level must be an object, got {type(hf).__name__}")
         self.hf = hf
         self.spec = spec
         self.assume = dict(assume or {})
         self.ignore = tuple(ignore)
+        self.defaults = dict(defaults or {})      # transformers' default of an assumed field, where it is absent
         self.read_paths: set[str] = set()
         self.values: dict[str, Any] = {}
 
@@ -224,7 +225,12 @@ class ConfigReader:
         """The config guard: every field is read, assumed (with the value the spec assumes), ignored, or generic."""
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
-            if got is not MISSING and not _same(got, expected):
+            if got is MISSING and key in self.defaults:      # absent: the family's transformers default applies
+                if not _same(self.defaults[key], expected):
+                    raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint omits {key}, "
+                                     f"which means {self.defaults[key]!r} (transformers' default for this family): "
+                                     f"the spec does not model it")
+            elif got is not MISSING and not _same(got, expected):
                 raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint has {key}={got!r}: "
                                  f"the spec does not model it")
         unknown = []
