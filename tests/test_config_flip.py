@@ -1,0 +1,122 @@
+"""The mechanical config-flip test (issue 20): every config field a spec reads must reach the computation.
+
+For every spec in specs/ and every config symbol it reads from config.json, the tiny checkpoint of the spec's
+architecture is rebuilt with that field flipped to another valid value (bool negated, int doubled, float
+scaled, str another admitted value, a tuple edited; the weights follow the new shapes). Then either
+  (a) the engine's greedy tokens equal transformers' on the flipped checkpoint, and transformers' tokens
+      changed (the field matters and the engine follows it), or
+  (b) the engine refuses to load it, naming the field.
+A flip that changes nothing in transformers either is accepted only for fields that do not change the math
+of these prompts (NO_EFFECT: eos ids under ignore_eos, the context length with the default rope) or whose
+value is shadowed (the symbol only feeds the `default_expr` of a symbol the checkpoint states, e.g.
+use_sliding_window when config.json lists layer_types); any other is a failure: the spec reads a field and
+ignores it. Rope-parameter mappings are flipped by the spec battery's rope arms (test_spec_battery.py).
+
+The default run flips a few fields of one spec; `--runslow` flips every field of every spec.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_spec_battery import SPECS, Tokens  # noqa: F401 - the battery's specs and token runner
+from xllm_gen.codegen.loader import load_spec
+from xllm_gen.codegen.resolver import resolve
+
+# fields whose flip cannot change greedy tokens of the battery's prompts (16 tokens, ignore_eos, default rope)
+NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
+             "max_position_embeddings": "the default rope does not depend on it; prompts stay within it",
+             "image_token_id": "text prompts", "video_token_id": "text prompts",
+             "vision_start_token_id": "text prompts", "vision_end_token_id": "text prompts"}
+# (spec, symbol) of the default run: one spec, fields of different kinds (float, str with values, bool)
+DEFAULT_ARM = {("qwen3", "rms_norm_eps"), ("qwen3", "hidden_act"), ("qwen3", "attention_bias")}
+
+_MISSING = object()
+
+
+def _lookup(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(cfg, dict) or part not in cfg:
+            return _MISSING
+        cfg = cfg[part]
+    return cfg
+
+
+def _flip(f, value: Any) -> Any:
+    """Another valid value of symbol `f` (None: no flip for this kind)."""
+    t = f.type
+    if value is None or value is _MISSING:
+        return {"int": 4, "float": 10.0, "bool": True}.get(t) if f.optional or value is _MISSING else None
+    if t == "bool":
+        return not value
+    if t == "int":
+        return value * 2 if value else 1
+    if t == "float":
+        return min(value * 1e5, 0.5) if 0 < value < 1e-2 else value * 0.05
+    if t == "str":
+        others = [v for v in (f.values or ()) if v != value]
+        if f.values and not others:        # one admitted value: another activation must be refused by name
+            return "gelu" if value != "gelu" else "relu"
+        return others[0] if others else None
+    if t == "str_tuple" and value:
+        return [value[-1]] + list(value[1:]) if value[0] != value[-1] else None
+    if t == "int_tuple" and value:
+        return [value[0] + 1] + list(value[1:])
+    return None
+
+
+def _cases():
+    out = []
+    for spec in SPECS:
+        ir = resolve(load_spec(spec.path))
+        for f in ir.config:
+            if f.derived or f.type == "rope":
+                continue
+            marks = () if (spec.name, f.name) in DEFAULT_ARM else (pytest.mark.slow,)
+            out.append(pytest.param(spec, f.name, marks=marks, id=f"{spec.name}-{f.name}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokens() -> Tokens:
+    return Tokens()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("spec, symbol", _cases())
+def test_config_flip(spec, symbol, tiny_checkpoint, tokens):
+    ir = resolve(load_spec(spec.path))
+    fields = {f.name: f for f in ir.config}
+    f = fields[symbol]
+    base = tiny_checkpoint(spec.architecture)
+    cfg = json.loads((base / "config.json").read_text())
+    path = next((p for p in f.paths if _lookup(cfg, p) is not _MISSING), f.paths[0])
+    value = _lookup(cfg, path)
+    if value is _MISSING and f.default is not None:
+        value = list(f.default) if isinstance(f.default, tuple) else f.default
+    flipped = _flip(f, value)
+    if flipped is None:
+        pytest.skip(f"config.{symbol} ({f.type} = {value!r}): no other valid value to flip to")
+    try:
+        ckpt = tiny_checkpoint(spec.architecture, overrides={path: flipped})
+    except Exception as exc:  # noqa: BLE001 - transformers itself rejects the flipped config
+        pytest.skip(f"transformers rejects {path}={flipped!r}: {type(exc).__name__}: {exc}")
+    try:
+        got = tokens.engine(ckpt, 1)
+    except Exception as exc:  # noqa: BLE001 - (b) a refusal must name the field
+        leaf = path.split(".")[-1]
+        assert leaf in str(exc) or symbol in str(exc), (
+            f"{spec.name}: {path}={flipped!r} is refused without naming the field: {type(exc).__name__}: {exc}")
+        return
+    want = tokens.hf(ckpt)
+    assert got == want, f"{spec.name}: {path}: {value!r} -> {flipped!r}: engine {got} != transformers {want}"
+    if want == tokens.hf(base):
+        shadowed = [g.name for g in ir.config if g.default_expr is not None and symbol in g.default_expr.names
+                    and any(_lookup(cfg, p) is not _MISSING for p in g.paths)]
+        used_elsewhere = (Path(spec.path).parent.parent / "generated" / ir.name / "model.py").read_text()
+        assert symbol in NO_EFFECT or (shadowed and f"config.{symbol}" not in used_elsewhere), (
+            f"{spec.name}: {path}: {value!r} -> {flipped!r} changes nothing in transformers nor in the engine: "
+            f"the spec reads a field that does not reach the computation (or the flip is too small)")
