@@ -30,7 +30,10 @@ from xllm_gen.codegen.resolver import resolve
 NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
              "max_position_embeddings": "the default rope does not depend on it; prompts stay within it",
              "image_token_id": "text prompts", "video_token_id": "text prompts",
-             "vision_start_token_id": "text prompts", "vision_end_token_id": "text prompts"}
+             "vision_start_token_id": "text prompts", "vision_end_token_id": "text prompts",
+             # gated by another field: a window applies only on the layers layer_types marks sliding (none in
+             # the tiny Qwen configs, use_sliding_window false); the battery's window arm flips it where it applies
+             "sliding_window": "gated by layer_types / use_sliding_window"}
 # (spec, symbol) of the default run: one spec, fields of different kinds (float, str with values, bool)
 DEFAULT_ARM = {("qwen3", "rms_norm_eps"), ("qwen3", "hidden_act"), ("qwen3", "attention_bias")}
 
@@ -61,6 +64,8 @@ def _flip(f, value: Any) -> Any:
         if f.values and not others:        # one admitted value: another activation must be refused by name
             return "gelu" if value != "gelu" else "relu"
         return others[0] if others else None
+    if t.endswith("_tuple") and not isinstance(value, (list, tuple)):
+        value = [value]                    # a scalar is a 1-tuple
     if t == "str_tuple" and value:
         return [value[-1]] + list(value[1:]) if value[0] != value[-1] else None
     if t == "int_tuple" and value:
