@@ -33,7 +33,7 @@ def _block(b) -> str:
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
     if isinstance(b, AttentionIR):
-        rot = f"{b.rotary.kind}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
+        rot = f"{b.rotary.kind if not b.rotary.kind_symbol else 'kind=' + b.rotary.kind_symbol}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
         rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
         rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
         qk = f", qk_norm=rmsnorm({b.qk_norm[0]}, {b.qk_norm[1]}, eps={b.qk_norm[2]})" if b.qk_norm else ""

@@ -230,6 +230,7 @@ class RotaryIR:
     max_position: Size
     mrope_section: Optional[Value] = None     # literal tuple or an int_tuple symbol
     scaling: Optional[str] = None             # a `type: rope` config symbol
+    kind_symbol: Optional[str] = None         # a str config symbol selecting the kind (`kind`: its first value)
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,10 @@ class QKNorm(Strict):
 class Rotary(Strict):
     """Rotary position embedding (rotate-half layout). `scaling` names a `type: rope` config symbol: rope
     scaling as transformers computes it (default, linear, dynamic, yarn, llama3; the symbol's `values` say
-    which the spec models)."""
-    kind: Literal["neox", "mrope_interleaved", "mrope_blocked"]
+    which the spec models). `kind` is a rotary kind, or a `str` config symbol (read or derived) whose `values` are
+    rotary kinds of one position layout (neox, or the mrope kinds): the kind the checkpoint's config selects,
+    e.g. `{type: str, expr: "'mrope_interleaved' if mrope_interleaved else 'mrope_blocked'", values: [...]}`."""
+    kind: Union[Literal["neox", "mrope_interleaved", "mrope_blocked"], Symbol]
     theta: Num
     max_position: Dim
     mrope_section: Optional[Union[List[StrictInt], Symbol]] = None

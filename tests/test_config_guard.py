@@ -2,6 +2,7 @@
 at load naming the spec and the field, and a spec that would accept a field and ignore it does not compile."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -308,3 +309,39 @@ def test_variants_resolve_in_linear_time(tmp_path):
     t = time.perf_counter()
     ir = resolve(loaded)
     assert len(ir.variants) == 64 and time.perf_counter() - t < 5
+
+
+# ---- 9. a fact the computation depends on is a read symbol the primitive uses ----------------------------------
+
+def _vl_mutant(tmp_path, *edits):
+    (tmp_path / "qwen3.yaml").write_text((SPECS / "qwen3.yaml").read_text())
+    return _mutant(tmp_path, "qwen3_vl.yaml", *edits, name="qwen3_vl.yaml")
+
+
+def test_mrope_layout_is_read_by_the_rotary(tmp_path):
+    """Qwen3-VL's rotary kind is selected by text_config.rope_parameters.mrope_interleaved: a spec cannot say
+    "interleaved" beside a blocked rotary. Blocking the kind leaves the field unread by any block (an error), and
+    admitting only the blocked kind contradicts the default checkpoints (an error at the symbol)."""
+    path, text = _vl_mutant(tmp_path, ("rotary: {kind: mrope_kind,", "rotary: {kind: mrope_blocked,"))
+    err = _compile_error(path)
+    assert err.message.startswith("config.mrope_interleaved: reads config.json text_config.rope_parameters."
+                                  "mrope_interleaved") and "accepted and ignored" in err.message
+    assert err.location.line == _line_of(text, "  mrope_interleaved:")
+    path, text = _vl_mutant(tmp_path, ("    values: [mrope_interleaved]\n", "    values: [mrope_blocked]\n"))
+    err = _compile_error(path)
+    assert "config.mrope_kind" in err.message and "'mrope_interleaved' is not one of the values" in err.message
+    assert err.location.line == _line_of(text, "  mrope_kind:")
+    path, text = _vl_mutant(tmp_path, ("    values: [mrope_interleaved]\n", "    values: [mrope_interleaved, neox]\n"))
+    err = _compile_error(path)
+    assert "neox and the mrope kinds take different positions" in err.message
+    assert err.location.line == _line_of(text, "rotary: {kind: mrope_kind")
+
+
+def test_mrope_blocked_checkpoint_is_refused_by_name():
+    from xllm_gen.generated.qwen3_vl import model
+    from tests.fixtures.tiny_hf import tiny_config
+    cfg = json.loads(tiny_config("Qwen3VLForConditionalGeneration").to_json_string())
+    assert model.Config.from_hf(cfg).mrope_kind == "mrope_interleaved"
+    cfg["text_config"]["rope_parameters"]["mrope_interleaved"] = False
+    with pytest.raises(ConfigError, match="mrope_kind.*'mrope_blocked'"):
+        model.Config.from_hf(cfg)
