@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_spec_battery import SPECS, Tokens  # noqa: F401 - the battery's specs and token runner
+from test_spec_battery import SPECS, Tokens  # the battery's specs and token runner
 from xllm_gen.codegen.loader import load_spec
 from xllm_gen.codegen.resolver import resolve
 
@@ -48,6 +48,16 @@ def _lookup(cfg: Any, path: str) -> Any:
     return cfg
 
 
+def _flips(f, value: Any) -> list:
+    """Other valid values of symbol `f` to try, in order (empty: no flip for this kind)."""
+    if f.type == "str" and f.values and value in f.values and len(f.values) > 1:
+        return [v for v in f.values if v != value]       # every admitted alternative (some GELUs are one function)
+    flipped = _flip(f, value)
+    if f.type == "float" and flipped is not None and not isinstance(value, int):
+        return [flipped, value * 20 if value else 1.0]   # smaller, then larger
+    return [] if flipped is None else [flipped]
+
+
 def _flip(f, value: Any) -> Any:
     """Another valid value of symbol `f` (None: no flip for this kind)."""
     t = f.type
@@ -57,6 +67,8 @@ def _flip(f, value: Any) -> Any:
         return not value
     if t == "int":
         return value * 2 if value else 1
+    if t == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return value * 2                   # an int-valued field (transformers may type it int)
     if t == "float":
         return min(value * 1e5, 0.5) if 0 < value < 1e-2 else value * 0.05
     if t == "str":
@@ -67,10 +79,35 @@ def _flip(f, value: Any) -> Any:
     if t.endswith("_tuple") and not isinstance(value, (list, tuple)):
         value = [value]                    # a scalar is a 1-tuple
     if t == "str_tuple" and value:
-        return [value[-1]] + list(value[1:]) if value[0] != value[-1] else None
+        other = next((v for v in value if v != value[0]), None)
+        return [other] + list(value[1:]) if other is not None else None
     if t == "int_tuple" and value:
         return [value[0] + 1] + list(value[1:])
     return None
+
+
+def _logprobs_moved(spec, path: str, base: Path, ckpt: Path) -> bool:
+    """Finer than tokens: transformers' prompt log-probabilities of a 30-token prompt on the flipped checkpoint
+    differ from the base's (> 1e-4); then the engine's must equal them (1e-4, float32). False when transformers'
+    do not move either."""
+    import numpy as np
+    import torch
+    from hf_ref import hf_prefill_logits
+
+    from xllm_gen import LLM, SamplingParams
+
+    ids = np.random.default_rng(0).integers(0, 400, 30).tolist()
+    ref = torch.log_softmax(hf_prefill_logits(ckpt, ids), -1)
+    if (ref - torch.log_softmax(hf_prefill_logits(base, ids), -1)).abs().max() <= 1e-4:
+        return False
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4) as llm:
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                       prompt_logprobs=0))[0]
+    got = [out.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
+    want = [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))]
+    err = max(abs(g - w) for g, w in zip(got, want))
+    assert err <= 1e-4, f"{spec.name}: {path}: the engine's prompt log-probabilities differ from transformers' by {err}"
+    return True
 
 
 def _cases():
@@ -102,26 +139,34 @@ def test_config_flip(spec, symbol, tiny_checkpoint, tokens):
     value = _lookup(cfg, path)
     if value is _MISSING and f.default is not None:
         value = list(f.default) if isinstance(f.default, tuple) else f.default
-    flipped = _flip(f, value)
-    if flipped is None:
+    flips = _flips(f, value)
+    if not flips:
         pytest.skip(f"config.{symbol} ({f.type} = {value!r}): no other valid value to flip to")
-    try:
-        ckpt = tiny_checkpoint(spec.architecture, overrides={path: flipped})
-    except Exception as exc:  # noqa: BLE001 - transformers itself rejects the flipped config
-        pytest.skip(f"transformers rejects {path}={flipped!r}: {type(exc).__name__}: {exc}")
-    try:
-        got = tokens.engine(ckpt, 1)
-    except Exception as exc:  # noqa: BLE001 - (b) a refusal must name the field
-        leaf = path.split(".")[-1]
-        assert leaf in str(exc) or symbol in str(exc), (
-            f"{spec.name}: {path}={flipped!r} is refused without naming the field: {type(exc).__name__}: {exc}")
-        return
-    want = tokens.hf(ckpt)
-    assert got == want, f"{spec.name}: {path}: {value!r} -> {flipped!r}: engine {got} != transformers {want}"
-    if want == tokens.hf(base):
-        shadowed = [g.name for g in ir.config if g.default_expr is not None and symbol in g.default_expr.names
-                    and any(_lookup(cfg, p) is not _MISSING for p in g.paths)]
-        used_elsewhere = (Path(spec.path).parent.parent / "generated" / ir.name / "model.py").read_text()
-        assert symbol in NO_EFFECT or (shadowed and f"config.{symbol}" not in used_elsewhere), (
-            f"{spec.name}: {path}: {value!r} -> {flipped!r} changes nothing in transformers nor in the engine: "
-            f"the spec reads a field that does not reach the computation (or the flip is too small)")
+    tried = []
+    for flipped in flips:                  # the first flip that changes transformers' output decides
+        try:
+            ckpt = tiny_checkpoint(spec.architecture, overrides={path: flipped})
+        except Exception as exc:  # noqa: BLE001 - transformers itself rejects the flipped config
+            tried.append(f"{flipped!r} (transformers rejects it: {type(exc).__name__})")
+            continue
+        try:
+            got = tokens.engine(ckpt, 1)
+        except Exception as exc:  # noqa: BLE001 - (b) a refusal must name the field
+            leaf = path.split(".")[-1]
+            assert leaf in str(exc) or symbol in str(exc), (
+                f"{spec.name}: {path}={flipped!r} is refused without naming the field: {type(exc).__name__}: {exc}")
+            return
+        want = tokens.hf(ckpt)
+        assert got == want, f"{spec.name}: {path}: {value!r} -> {flipped!r}: engine {got} != transformers {want}"
+        if want != tokens.hf(base) or _logprobs_moved(spec, path, base, ckpt):
+            return                         # (a): transformers' tokens (or, where the tokens stay, e.g. under a
+                                           # monotone soft-cap, its log-probabilities) move, and the engine follows
+        tried.append(f"{flipped!r} (no effect)")
+    if all("transformers rejects" in t for t in tried):
+        pytest.skip(f"transformers rejects every flip of {path}: {', '.join(tried)}")
+    shadowed = [g.name for g in ir.config if g.default_expr is not None and symbol in g.default_expr.names
+                and any(_lookup(cfg, p) is not _MISSING for p in g.paths)]
+    generated = (Path(spec.path).parent.parent / "generated" / ir.name / "model.py").read_text()
+    assert symbol in NO_EFFECT or (shadowed and f"config.{symbol}" not in generated), (
+        f"{spec.name}: {path}: {value!r} -> {', '.join(tried)}: changes nothing in transformers nor in the engine: "
+        f"the spec reads a field that does not reach the computation (or the flip is too small)")
