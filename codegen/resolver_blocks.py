@@ -34,7 +34,7 @@ from .schema import (
 
 # the rotary kinds the schema names (a `kind` that is none of them is a str config symbol selecting one)
 ROTARY_KINDS = tuple(k for arg in typing.get_args(Rotary.model_fields["kind"].annotation)
-                     for k in typing.get_args(arg))
+                     if typing.get_origin(arg) is typing.Literal for k in typing.get_args(arg))
 
 # Hugging Face activation names (config hidden_act) the runtime's gated activations implement
 GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
@@ -83,6 +83,11 @@ class BlockResolver:
             rp = path + ("rotary",)
             kind_symbol = None
             if rot.kind not in ROTARY_KINDS:        # a str symbol selects the kind from the checkpoint's config
+                if rot.kind not in self.config:
+                    raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: '{rot.kind}' (str) is not allowed"
+                                                   f"{did_you_mean(rot.kind, list(ROTARY_KINDS) + list(self.config))}: "
+                                                   f"give a rotary kind ({', '.join(ROTARY_KINDS)}) or a str config "
+                                                   f"symbol whose values are rotary kinds")
                 f = self.symbol(rp + ("kind",), rot.kind, ("str",))
                 bad = [v for v in (f.values or ()) if v not in ROTARY_KINDS]
                 if not f.values or bad:

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_spec_battery import SPECS, Tokens  # the battery's specs and token runner
+
 from xllm_gen.codegen.loader import load_spec
 from xllm_gen.codegen.resolver import resolve
 

@@ -338,8 +338,9 @@ def test_mrope_layout_is_read_by_the_rotary(tmp_path):
 
 
 def test_mrope_blocked_checkpoint_is_refused_by_name():
-    from xllm_gen.generated.qwen3_vl import model
     from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.generated.qwen3_vl import model
     cfg = json.loads(tiny_config("Qwen3VLForConditionalGeneration").to_json_string())
     assert model.Config.from_hf(cfg).mrope_kind == "mrope_interleaved"
     cfg["text_config"]["rope_parameters"]["mrope_interleaved"] = False
