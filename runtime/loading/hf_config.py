@@ -128,7 +128,7 @@ class ConfigReader:
         return value
 
     def derive(self, name: str, type_: str, fn: Callable[[], Any], *, optional: bool = False,
-               values: Optional[tuple] = None, bounds: tuple = (None, None)) -> Any:
+               values: Optional[tuple] = None, bounds: tuple = (None, None), source: str = "") -> Any:
         """A derived symbol: its expression over the symbols read so far, type-checked and held to the spec's
         `values` / `min` / `max` like a read field (a checkpoint outside them is refused naming the symbol)."""
         try:
@@ -136,7 +136,8 @@ class ConfigReader:
         except Exception as exc:  # noqa: BLE001 - a formula that fails on this checkpoint is a config error
             raise self.error(f"symbol '{name}' cannot be computed from config.json: {type(exc).__name__}: {exc}") \
                 from None
-        self.values[name] = self.check(name, type_, f"{name} (derived)", value, values, optional, bounds)
+        self.values[name] = self.check(name, type_, f"{name} = {source} (derived)" if source else f"{name} (derived)",
+                                       value, values, optional, bounds)
         return self.values[name]
 
     def check(self, name, type_, where, value, values, optional, bounds) -> Any:
@@ -169,14 +170,16 @@ class ConfigReader:
             value = self.rope(where, value, values)
             values = None
         if values is not None and value not in values:
-            raise self.error(f"does not model {where.split(' ')[0]}={value!r} (it models: {', '.join(values)})")
+            shown = where[:-len(" (derived)")] + " =" if where.endswith("(derived)") else where.split(" ")[0] + "="
+            raise self.error(f"does not model {shown}{value!r} (it models: {', '.join(values)})")
         if type_ == "int" and not -_MAX_INT < value < _MAX_INT or \
                 type_ == "int_tuple" and any(not -_MAX_INT < x < _MAX_INT for x in value):
             raise self.error(f"config.json field '{where}' is out of range (ints lie within +-2**63)")
         lo, hi = bounds
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
-            what = f"derived symbol '{name}'" if where.endswith("(derived)") else f"config.json field '{where}'"
+            what = f"derived symbol '{where[:-len(' (derived)')]}'" if where.endswith("(derived)") \
+                else f"config.json field '{where}'"
             raise self.error(f"{what} = {value!r} must be {rng}")
         return value
 
