@@ -10,6 +10,7 @@ from .ir import ModelIR
 from .loader import LoadedSpec, load_spec
 from .render import render
 from .resolver import resolve
+from .usage import check_symbols_used
 
 
 @dataclass
@@ -33,6 +34,7 @@ def compile_spec(path) -> Compiled:
     loaded = load_spec(Path(path))
     ir = resolve(loaded)
     compiled = Compiled(loaded, ir, render(ir, loaded.tree))
+    check_symbols_used(loaded, ir, compiled.files)
     check_tp_sizes(compiled)
     return compiled
 

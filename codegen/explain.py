@@ -45,7 +45,7 @@ def _block(b) -> str:
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
     if isinstance(b, AttentionIR):
-        rot = f"{b.rotary.kind}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
+        rot = f"{b.rotary.kind if not b.rotary.kind_symbol else 'kind=' + b.rotary.kind_symbol}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
         rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
         rot += f", fraction={b.rotary.fraction}" if b.rotary.fraction else ""
         rot += f", dim={b.rotary.dim}" if b.rotary.dim else ""
@@ -129,6 +129,9 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.config_assume:
         w("config assumed (not modelled; another value is refused): " +
           ", ".join(f"{k}={v!r}" for k, v in ir.config_assume))
+    if ir.config_defaults:
+        w("config defaults (transformers', where config.json omits an assumed field): " +
+          ", ".join(f"{k}={v!r}" for k, v in ir.config_defaults))
     if ir.config_ignore:
         w("config ignored (does not change the math): " + ", ".join(ir.config_ignore))
     w("")
@@ -298,7 +301,14 @@ def variant_config(module, ir: ModelIR, v: VariantIR):
         for p in parents:
             node = node.setdefault(p, {})
         value = values[f.name]
-        node[leaf] = list(value) if isinstance(value, tuple) else value
+        node[leaf] = list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict) else value)
+    for key, value in ir.config_assume:     # a variant is a checkpoint the spec models: it has the assumed values
+        *parents, leaf = key.split(".")
+        node = hf
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is not None and isinstance(node, dict) and leaf not in node:
+            node[leaf] = value
     return module.Config.from_hf(hf)
 
 

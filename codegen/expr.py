@@ -15,6 +15,7 @@ with the checkpoint's values) and is evaluated here by a small interpreter for t
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -27,6 +28,9 @@ _CMPOPS: dict = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.l
 _CALLS: dict = {"len": len, "min": min, "max": max, "int": int, "float": float, "bool": bool, "range": range}
 _MAX_LEN = 400          # characters: an expression is a short formula, not a program
 _MAX_NODES = 120
+MAX_EXPONENT = 64       # |b| of a power a ** b: a literal (or constant) exponent at most this large
+MAX_INT = 2 ** 63       # an int a spec expression computes lies in (-MAX_INT, MAX_INT)
+MAX_SEQ = 1_000_000     # a list a spec expression builds (`[x] * n`, range) has at most this many items
 
 
 class ExprError(ValueError):
@@ -53,6 +57,8 @@ def _check(node: ast.AST, names: set, bound: frozenset = frozenset()) -> None:
     elif isinstance(node, ast.BinOp):
         if type(node.op) not in _BINOPS:
             raise ExprError(f"operator {type(node.op).__name__} is not allowed")
+        if isinstance(node.op, ast.Pow):
+            _check_exponent(node.right)
     elif isinstance(node, ast.UnaryOp):
         if not isinstance(node.op, (ast.USub, ast.UAdd, ast.Not)):
             raise ExprError(f"operator {type(node.op).__name__} is not allowed")
@@ -67,6 +73,45 @@ def _check(node: ast.AST, names: set, bound: frozenset = frozenset()) -> None:
         raise ExprError(f"{type(node).__name__} is not allowed in a spec expression")
     for child in ast.iter_child_nodes(node):
         _check(child, names, bound)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(source: str) -> ast.Expression:
+    """The tree of a checked expression, parsed once (read only: the evaluator never changes it)."""
+    return ast.parse(source, mode="eval")
+
+
+def _check_exponent(node: ast.AST) -> None:
+    """The exponent of `**` is a constant of magnitude <= MAX_EXPONENT (`hidden_size ** 0.5`, `x ** -0.5`,
+    `2 ** 10`): the generated code evaluates a power over the checkpoint's config at load, so a symbol (or a
+    nested power) in the exponent could compute an unbounded number there."""
+    folded = node
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        folded = node.operand
+    if isinstance(folded, ast.BinOp) and isinstance(folded.op, (ast.Div,)) and all(
+            isinstance(x, ast.Constant) for x in (folded.left, folded.right)):
+        folded = folded.left            # 1 / 2: a constant fraction
+    if not (isinstance(folded, ast.Constant) and isinstance(folded.value, (int, float))
+            and not isinstance(folded.value, bool)):
+        raise ExprError("the exponent of `**` must be a number literal (e.g. `x ** 0.5`, `x ** -0.5`, `x ** (1 / 3)`)")
+    value = _Eval({}).run(node)
+    if not abs(value) <= MAX_EXPONENT:
+        raise ExprError(f"exponent {value!r} is too large (at most {MAX_EXPONENT} in magnitude)")
+
+
+def _bounded(value: Any) -> Any:
+    """An int result within +-MAX_INT and a list of at most MAX_SEQ items (raises ExprError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -MAX_INT < value < MAX_INT:
+        raise ExprError(f"the result {_short(value)} is out of range (an int must lie within +-2**63)")
+    if isinstance(value, float) and value != value:
+        return value
+    if isinstance(value, (list, tuple, str)) and len(value) > MAX_SEQ:
+        raise ExprError(f"the result has {len(value)} items, more than {MAX_SEQ}")
+    return value
+
+
+def _short(value: int) -> str:
+    return repr(value) if abs(value) < 10 ** 30 else f"~1e{len(str(abs(value))) - 1}"
 
 
 @dataclass(frozen=True)
@@ -112,7 +157,7 @@ class Expr:
         env = dict(values)
         if layer is not None:
             env["layer"] = layer
-        return _Eval(env).run(self.tree().body)
+        return _Eval(env).run(_parsed(self.source).body)
 
     def __str__(self) -> str:
         return self.source
@@ -149,9 +194,20 @@ class _Eval:
 
     def _BinOp(self, n):
         a, b = self.run(n.left), self.run(n.right)
-        if isinstance(n.op, ast.Pow) and isinstance(b, (int, float)) and abs(b) > 64:
+        if isinstance(n.op, ast.Pow) and isinstance(b, (int, float)) and abs(b) > MAX_EXPONENT:
             raise ExprError("exponent too large")
-        return _BINOPS[type(n.op)](a, b)
+        if isinstance(n.op, ast.Mult) and isinstance(a, int) and isinstance(b, (list, tuple, str)):
+            a, b = b, a
+        if isinstance(n.op, ast.Mult) and isinstance(a, (list, tuple, str)) and isinstance(b, int) \
+                and len(a) * max(b, 0) > MAX_SEQ:
+            raise ExprError(f"the result would have {len(a) * b} items, more than {MAX_SEQ}")
+        if isinstance(n.op, ast.Pow) and isinstance(a, int) and isinstance(b, int) and b > 0 and a not in (0, 1, -1) \
+                and abs(a).bit_length() * b > 64 * 2:
+            raise ExprError(f"{_short(a)} ** {b} is out of range (an int must lie within +-2**63)")
+        try:
+            return _bounded(_BINOPS[type(n.op)](a, b))
+        except OverflowError:
+            raise ExprError("the result is out of range (float overflow)") from None
 
     def _UnaryOp(self, n):
         v = self.run(n.operand)
@@ -189,9 +245,9 @@ class _Eval:
 
     def _Call(self, n):
         args = [self.run(a) for a in n.args]
-        if n.func.id == "range" and args and max(args) > 1_000_000:
+        if n.func.id == "range" and args and max(args) > MAX_SEQ:
             raise ExprError("range too large")
-        return _CALLS[n.func.id](*args)
+        return _bounded(_CALLS[n.func.id](*args))
 
     def _List(self, n):
         return [self.run(e) for e in n.elts]
@@ -221,7 +277,24 @@ def parse(source: str) -> Expr:
         raise ExprError("expression too large")
     names: set = set()
     _check(tree, names)
+    _fold(tree.body)
     return Expr(ast.unparse(tree), tuple(sorted(names)))
+
+
+def _fold(node: ast.AST) -> None:
+    """Evaluates every constant sub-expression once (bounded: `10 ** 100`, `[0] * 10 ** 9` fail here, at compile
+    time, with the reason); a sub-expression that reads a symbol is checked when it is evaluated."""
+    free = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id not in _CALLS}
+    if not free and isinstance(node, (ast.BinOp, ast.UnaryOp, ast.Call, ast.List, ast.Tuple, ast.ListComp)):
+        try:
+            _Eval({}).run(node)
+        except ExprError:
+            raise
+        except Exception:  # noqa: BLE001 - 1 / 0 and the like fail where the spec's variants evaluate it
+            return
+        return
+    for child in ast.iter_child_nodes(node):
+        _fold(child)
 
 
 def is_symbol(source: str) -> bool:

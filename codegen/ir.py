@@ -138,6 +138,7 @@ class ConfigFieldIR:
     optional: bool = False        # None admitted
     bounds: Tuple[Any, Any] = (None, None)     # inclusive (min, max), None = unbounded
     positive: bool = False        # used where a number must be > 0 (eps, theta, scales): checked at load
+    guard: bool = False           # guard-only: read and checked (values / bounds), used by no block
 
     @property
     def derived(self) -> bool:
@@ -237,6 +238,7 @@ class RotaryIR:
     dim: Optional[Value] = None               # rotary dims, explicit (fraction and dim: at most one)
     layout: str = "neox"                      # neox | interleaved
     enabled: Value = Value(literal=True)      # per layer: rotary on (a bool literal, symbol or expression)
+    kind_symbol: Optional[str] = None         # a str config symbol selecting the kind (`kind`: its first value)
 
 
 @dataclass(frozen=True)
@@ -548,6 +550,7 @@ class ModelIR:
     spec_file: str = ""                                # absolute path of the spec (where its project is)
     config_assume: Tuple[Tuple[str, Any], ...] = ()   # config.json path -> the value the spec assumes
     config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
+    config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent
 
     @property
     def model_class(self) -> str:

@@ -99,6 +99,12 @@ def from_hf_line(f: ConfigFieldIR) -> str:
     """`r.read("head_dim", "int", ("head_dim",), default_fn=lambda: ...)`: the config mapping of one symbol."""
     if f.derived:
         opt = ", optional=True" if f.optional else ""
+        if f.values:
+            opt += f", values={tuple(f.values)!r}"
+        if f.bounds != (None, None):
+            opt += f", bounds={tuple(f.bounds)!r}"
+        if f.values or f.bounds != (None, None):    # a refusal shows the formula (and so the fields it reads)
+            opt += f", source={f.expr.source!r}"
         return f'r.derive("{f.name}", "{f.type}", lambda: {f.expr.py("c", subscript=True)}{opt})'
     paths = "(" + ", ".join(f'"{p}"' for p in f.paths) + ("," if len(f.paths) == 1 else "") + ")"
     args = [f'"{f.name}"', f'"{f.type}"', paths]

@@ -89,7 +89,12 @@ ROPE_TYPES = tuple(HF_ROPE_TYPES)
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
 # (int32-indexable), the layer count bounds per-layer loops, an eps is a small positive number.
 MAX_SIZE = 2 ** 31 - 1
+# transformers' name suffixes of image-text models (Qwen3-VL, Gemma 3, LLaVA, ...): such a spec has a vision
+# tower; a text-only decoder is served as *ForCausalLM
+MULTIMODAL_SUFFIXES = ("ForConditionalGeneration", "ForImageTextToText", "ForVision2Seq")
 MAX_LAYERS = 10_000
+# variants are a family's published checkpoints; each is checked statically, the TP sizes on a meta model each
+MAX_VARIANTS = 64
 
 
 class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver):
@@ -208,6 +213,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
         self.ident(("class_prefix",), s.class_prefix, "class prefix")
         if not s.architectures:
             raise self.err(("architectures",), "architectures: list at least one config.json architecture")
+        multimodal = [a for a in s.architectures if a.endswith(MULTIMODAL_SUFFIXES)]
+        if multimodal and s.vision is None:
+            suffix = next(x for x in MULTIMODAL_SUFFIXES if multimodal[0].endswith(x))
+            raise self.err(("architectures",), f"architectures: {multimodal[0]} is a multimodal architecture (a "
+                                               f"*{suffix} takes images): the spec needs its `vision` tower; a "
+                                               f"text-only decoder is served as *ForCausalLM", at_key=True)
         self.resolve_config()
 
         d = s.decoder
@@ -250,6 +261,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
         self.imply_bounds()
         runner = self.resolve_runner(layer, vision, levels)
         tp_sizes = self.resolve_tp()
+        if len(s.variants) > MAX_VARIANTS:
+            raise self.err(("variants",), f"variants: {len(s.variants)} variants; at most {MAX_VARIANTS} (each is "
+                                          f"checked statically: list the family's published checkpoints)",
+                           at_key=True)
         variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack, levels, vision, embed)
                          for name in s.variants)
         for v in variants:
@@ -261,7 +276,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
             embed=embed, layer=layer, norm=norm, lm_head=lm_head, deepstack_after=deepstack, params=params,
             weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
-            spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore))
+            spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
+            config_defaults=tuple(s.config_defaults.items()))
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:
@@ -316,13 +332,17 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
                 if bound is not None and (f.type not in ("int", "float") or not math.isfinite(bound)):
                     raise self.err(path + (key,), f"config.{name}.{key}: bounds are finite numbers of int / float "
                                                   f"symbols")
+            if f.guard and f.values is None and f.min is None and f.max is None:
+                raise self.err(path + ("guard",), f"config.{name}.guard: a guard-only symbol restricts its field: give "
+                                                  f"`values`, `min` or `max` (a fixed value is `config_assume`)")
             if f.expr is not None:
                 if f.from_ is not None or f.default is not None or f.default_expr is not None:
                     raise self.err(path + ("expr",), f"config.{name}: a derived symbol (`expr`) reads no config.json "
                                                      f"field: drop `from` / `default`")
                 pending.append((name, f, path))
                 self.config[name] = ConfigFieldIR(name, f.type, (), None, False, f.doc.strip(), expr=True,
-                                                  optional=f.optional)
+                                                  optional=f.optional, values=tuple(f.values) if f.values else None,
+                                                  bounds=(f.min, f.max), guard=f.guard)
                 continue
             if f.from_ is None:
                 raise self.err(path, f"config.{name}: missing required key 'from' (or `expr` for a derived "
@@ -346,7 +366,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
                 pending.append((name, f, path))
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
-                values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max))
+                values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max),
+                guard=f.guard)
             if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
         for name, f, path in pending:       # expressions may name symbols declared after them
@@ -418,16 +439,16 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
         for n in self.config:
             visit(n, [])
 
-    def check_value(self, path, where: str, f: ConfigFieldIR, value) -> None:
+    def check_value(self, path, where: str, f: ConfigFieldIR, value, at_key: bool = False) -> None:
         """A str / rope value against the symbol's admitted values, and numbers against its bounds."""
         if f.values and value is not None:
             v = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
             if v not in f.values:
                 raise self.err(path, f"{where}: {v!r} is not one of the values the spec models: "
-                                     f"{', '.join(f.values)}")
+                                     f"{', '.join(f.values)}", at_key=at_key)
         lo, hi = f.bounds
         if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
-            raise self.err(path, f"{where}: {value!r} is outside [{lo}, {hi}]")
+            raise self.err(path, f"{where}: {value!r} is outside [{lo}, {hi}]", at_key=at_key)
 
     def resolve_guard(self) -> None:
         """config_assume / config_ignore: the fields the spec does not read are declared."""
@@ -439,6 +460,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
             if key in read:
                 raise self.err(path, f"config_assume.{key}: this field is read by a config symbol; a field is "
                                      f"either read or assumed", at_key=True)
+        for key in self.spec.config_defaults:
+            if key not in self.spec.config_assume:
+                where = "read by a config symbol: state its default with the symbol's `default`" if key in read \
+                    else "not in config_assume: list the value the spec assumes there"
+                raise self.err(("config_defaults", key), f"config_defaults.{key}: this field is {where}", at_key=True)
         for i, pat in enumerate(self.spec.config_ignore):
             if not pat or not re.match(r"^[A-Za-z0-9_.*?\[\]]+$", pat):
                 raise self.err(("config_ignore", i), f"config_ignore[{i}]: '{pat}' is not a dotted path pattern")
@@ -770,6 +796,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
                         raise self.err(("config", sym), f"variants.{name}: config.{sym} = {e} gives "
                                                         f"{values[sym]!r}, not {f.type}", at_key=True)
         values = {sym: values[sym] for sym in self.config}
+        for sym, f in self.config.items():       # a computed value (derived, or a default_expr) within its bounds
+            if (f.derived or (sym not in given and f.default_expr is not None)) and values[sym] is not None:
+                self.check_value(("config", sym), f"variants.{name}: config.{sym} = "
+                                                  f"{f.expr or f.default_expr}", f, values[sym], at_key=True)
 
         def at(sym: Optional[str]):
             f = self.config.get(sym) if sym else None
@@ -792,14 +822,23 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
             sym = layer.count.symbol if isinstance(layer.count, Size) else None
             raise self.err(at(sym) if sym and at(sym) != vp else ("decoder", "layers", "count"),
                            f"variants.{name}: {layer.count.eval(values)} decoder layers; at most {MAX_LAYERS}")
+        def ev(path, v, li=None):
+            """A value of this variant (for layer li): a failing formula is a located error."""
+            try:
+                return v.eval(values, li) if li is not None else v.eval(values)
+            except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
+                at_layer = f" for layer {li}" if li is not None else ""
+                raise self.err(path, f"variants.{name}: {self._where(path)} = {v} fails{at_layer}: "
+                                     f"{type(exc).__name__}: {exc}") from None
+
         for path, v, bound in self.below:
-            x = v.eval(values, 0) if v.per_layer else v.eval(values)
+            x = ev(path, v, 0) if v.per_layer else ev(path, v)
             if _is_num(x) and x >= bound:
                 where = at(v.symbol) if v.symbol and at(v.symbol) != vp else path
                 raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; it must be < {bound}")
         for path, v in self.positives:
-            for li in (range(min(layer.count.eval(values), 64)) if v.per_layer else (None,)):
-                x = v.eval(values, li)
+            for li in (range(layer.count.eval(values)) if v.per_layer else (None,)):
+                x = ev(path, v, li)
                 if x is not None and (not _is_num(x) or x <= 0):
                     where = at(v.symbol) if v.symbol and at(v.symbol) != vp else path
                     raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; it must be > 0")
@@ -830,7 +869,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
                                    f"variants.{name}: {b.name}.head_dim is {hd}; rotary needs an even head_dim")
                 if b.sliding_window is not None:
                     for li in range(layers):
-                        w = b.sliding_window.eval(values, li)
+                        w = ev(("decoder", "layers", "blocks", b.name, "sliding_window"), b.sliding_window, li)
                         if w is not None and (not _is_int(w) or w < 1):
                             raise self.err(("decoder", "layers", "blocks", b.name, "sliding_window"),
                                            f"variants.{name}: {b.name}.sliding_window of layer {li} is {w!r}; a "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Any, List, Tuple
 
 from .errors import did_you_mean
@@ -33,7 +34,12 @@ from .schema import (
     MLPBlock,
     MoEBlock,
     RMSNormBlock,
+    Rotary,
 )
+
+# the rotary kinds the schema names (a `kind` that is none of them is a str config symbol selecting one)
+ROTARY_KINDS = tuple(k for arg in typing.get_args(Rotary.model_fields["kind"].annotation)
+                     if typing.get_origin(arg) is typing.Literal for k in typing.get_args(arg))
 
 # Hugging Face activation names (config hidden_act) with a fused gated kernel: what a moe block's experts admit
 GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
@@ -85,6 +91,25 @@ class BlockResolver(RotaryResolver):
                                                           f"{list(qkv_segs)}")
             rot = b.rotary
             rp = path + ("rotary",)
+            kind_symbol = None
+            if rot.kind not in ROTARY_KINDS:        # a str symbol selects the kind from the checkpoint's config
+                if rot.kind not in self.config:
+                    raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: '{rot.kind}' (str) is not allowed"
+                                                   f"{did_you_mean(rot.kind, list(ROTARY_KINDS) + list(self.config))}: "
+                                                   f"give a rotary kind ({', '.join(ROTARY_KINDS)}) or a str config "
+                                                   f"symbol whose values are rotary kinds")
+                f = self.symbol(rp + ("kind",), rot.kind, ("str",))
+                bad = [v for v in (f.values or ()) if v not in ROTARY_KINDS]
+                if not f.values or bad:
+                    raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: config symbol '{rot.kind}' selects the "
+                                                   f"rotary kind: its `values` must list rotary kinds "
+                                                   f"({', '.join(ROTARY_KINDS)})" + (f", not {bad[0]!r}" if bad else ""))
+                if len({v.startswith("mrope") for v in f.values}) > 1:
+                    raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: config symbol '{rot.kind}' admits "
+                                                   f"{', '.join(f.values)}: neox and the mrope kinds take different "
+                                                   f"positions ([N] vs [3, N]); one spec selects among kinds of one")
+                kind_symbol = rot.kind
+                rot = rot.model_copy(update={"kind": f.values[0]})
             mrope = None
             if rot.kind.startswith("mrope"):
                 if rot.mrope_section is None:
@@ -143,7 +168,7 @@ class BlockResolver(RotaryResolver):
                 out_bias=self.flag(path + ("out", "bias"), b.out.bias),
                 rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
                                 self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
-                                fraction, rdim, layout, enabled),
+                                fraction, rdim, layout, enabled, kind_symbol),
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks)
         if isinstance(b, GatedMLPBlock):

@@ -49,6 +49,9 @@ class ConfigField(Strict):
     min: Optional[Union[StrictInt, StrictFloat]] = None   # inclusive bounds checked at load (and for variants)
     max: Optional[Union[StrictInt, StrictFloat]] = None
     doc: StrictStr = ""                         # a free-text note about the symbol (not rendered)
+    # a guard-only symbol: read (or derived) and held to its `values` / `min` / `max` at load, but used by no
+    # block. Every other symbol must reach the generated model (a symbol read and never used is a compile error)
+    guard: StrictBool = False
 
 
 # ---- blocks ----------------------------------------------------------------------------------------------
@@ -140,8 +143,11 @@ class Rotary(Strict):
     rotate, the rest pass through; the frequencies are computed over those dims. `layout`: neox (rotate_half:
     dim j pairs with j + d/2) or interleaved (GPT-J's rotate_every_two: dim 2j pairs with 2j + 1).
     `enabled`: a bool (literal, symbol or expression over symbols and `layer`): the layers where rotary
-    applies (SmolLM3's no_rope_layers); the others use no position embedding (NoPE)."""
-    kind: Literal["neox", "mrope_interleaved", "mrope_blocked"]
+    applies (SmolLM3's no_rope_layers); the others use no position embedding (NoPE).
+    `kind` is a rotary kind, or a `str` config symbol (read or derived) whose `values` are rotary kinds of one
+    position layout (neox, or the mrope kinds): the kind the checkpoint's config selects, e.g.
+    `{type: str, expr: "'mrope_interleaved' if mrope_interleaved else 'mrope_blocked'", values: [...]}`."""
+    kind: Union[Literal["neox", "mrope_interleaved", "mrope_blocked"], Symbol]
     theta: Num
     max_position: Dim
     mrope_section: Optional[Union[List[StrictInt], Symbol]] = None
@@ -468,6 +474,10 @@ class Spec(Strict):
     # config.json fields that change the math but that the spec does not read, with the value it assumes
     # (a checkpoint with another value is refused); dotted paths
     config_assume: Dict[StrictStr, Scalar] = {}
+    # transformers' default of an assumed field (the value its config class fills in when config.json omits it,
+    # e.g. partial_rotary_factor: 0.5): the guard compares the effective value with config_assume, so a checkpoint
+    # without the field is refused where the family's default differs from what the spec assumes
+    config_defaults: Dict[StrictStr, Scalar] = {}
     # config.json fields that do not change the math (fnmatch patterns over dotted paths); a checkpoint field
     # that is neither read, assumed, ignored nor a generic transformers field is refused at load
     config_ignore: List[StrictStr] = []

@@ -444,6 +444,7 @@ class_prefix: Qwen3MropeText
 architectures: [Qwen3MropeTextForCausalLM]
 config:
   mrope_section: {{type: int_tuple, from: rope_parameters.mrope_section, default: {section}}}
+  rope_scaling: {{values: [default], guard: true}}   # mRoPE takes no rope scaling: only the default rope is modelled
 decoder:
   layers:
     blocks:

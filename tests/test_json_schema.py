@@ -95,7 +95,7 @@ def test_schema_rejects_bad_nested_values():
         pytest.skip("jsonschema is not installed")
     data = load_tree(REPO / "specs" / "llama.yaml").data
     attn = data["decoder"]["layers"]["blocks"]["self_attn"]
-    for bad in ({**attn, "qk_nrom": 1}, {**attn, "rotary": {**attn["rotary"], "kind": "neo"}},
+    for bad in ({**attn, "qk_nrom": 1}, {**attn, "rotary": {**attn["rotary"], "kind": 5}},
                 {k: v for k, v in attn.items() if k != "heads"}):
         doc = json.loads(json.dumps(data))
         doc["decoder"]["layers"]["blocks"]["self_attn"] = bad

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from xllm_gen.runtime.rope_kinds import ROPE_SCALING_KEYS
 
 MISSING = object()
+_MAX_INT = 2 ** 63          # ints a config field or a spec expression may hold (codegen/expr.py MAX_INT)
 
 
 class ConfigError(ValueError):
@@ -32,7 +33,13 @@ GENERIC_FIELDS = frozenset("""
     output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
     exponential_decay_length_penalty suppress_tokens begin_suppress_tokens attention_dropout
     unk_token_id _model_name_or_path
+    unk_token_id cls_token_id mask_token_id output_past use_return_dict _from_model_config output_router_logits
+    gradient_checkpointing
 """.split())
+
+# Config symbols the runtime reads by name (engine: eos ids, context length, vocab size; prefill graphs: the
+# hidden size): a spec that reads them uses them, even where its generated model does not (codegen/usage.py).
+RUNTIME_READS = frozenset({"eos_token_id", "max_position_embeddings", "vocab_size", "hidden_size"})
 
 # A rope-parameters mapping's keys per scaling kind: runtime/rope_kinds.py (the rotary primitive reads the
 # same table). Read like transformers: original_max_position_embeddings falls back to max_position_embeddings
@@ -81,13 +88,14 @@ class ConfigReader:
     """Reads the symbols of one spec from a config.json dict, then (`finish`) applies the config guard."""
 
     def __init__(self, hf: Any, spec: str, *, assume: Optional[Mapping[str, Any]] = None,
-                 ignore: Iterable[str] = ()):
+                 ignore: Iterable[str] = (), defaults: Optional[Mapping[str, Any]] = None):
         if not isinstance(hf, dict):
             raise ConfigError(f"config.json: the top level must be an object, got {type(hf).__name__}")
         self.hf = hf
         self.spec = spec
         self.assume = dict(assume or {})
         self.ignore = tuple(ignore)
+        self.defaults = dict(defaults or {})      # transformers' default of an assumed field, where it is absent
         self.read_paths: set[str] = set()
         self.values: dict[str, Any] = {}
         self.rope_pending: list = []      # rope-mapping keys another symbol may read (checked in finish)
@@ -121,13 +129,17 @@ class ConfigReader:
         self.values[name] = value
         return value
 
-    def derive(self, name: str, type_: str, fn: Callable[[], Any], *, optional: bool = False) -> Any:
+    def derive(self, name: str, type_: str, fn: Callable[[], Any], *, optional: bool = False,
+               values: Optional[tuple] = None, bounds: tuple = (None, None), source: str = "") -> Any:
+        """A derived symbol: its expression over the symbols read so far, type-checked and held to the spec's
+        `values` / `min` / `max` like a read field (a checkpoint outside them is refused naming the symbol)."""
         try:
             value = fn()
         except Exception as exc:  # noqa: BLE001 - a formula that fails on this checkpoint is a config error
             raise self.error(f"symbol '{name}' cannot be computed from config.json: {type(exc).__name__}: {exc}") \
                 from None
-        self.values[name] = self.check(name, type_, f"{name} (derived)", value, None, optional, (None, None))
+        self.values[name] = self.check(name, type_, f"{name} = {source} (derived)" if source else f"{name} (derived)",
+                                       value, values, optional, bounds)
         return self.values[name]
 
     def check(self, name, type_, where, value, values, optional, bounds) -> Any:
@@ -160,11 +172,17 @@ class ConfigReader:
             value = self.rope(where, value, values)
             values = None
         if values is not None and value not in values:
-            raise self.error(f"does not model {where.split(' ')[0]}={value!r} (it models: {', '.join(values)})")
+            shown = where[:-len(" (derived)")] + " =" if where.endswith("(derived)") else where.split(" ")[0] + "="
+            raise self.error(f"does not model {shown}{value!r} (it models: {', '.join(values)})")
+        if type_ == "int" and not -_MAX_INT < value < _MAX_INT or \
+                type_ == "int_tuple" and any(not -_MAX_INT < x < _MAX_INT for x in value):
+            raise self.error(f"config.json field '{where}' is out of range (ints lie within +-2**63)")
         lo, hi = bounds
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             rng = f">= {lo}" if hi is None else (f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
-            raise self.error(f"config.json field '{where}' = {value!r} must be {rng}")
+            what = f"derived symbol '{where[:-len(' (derived)')]}'" if where.endswith("(derived)") \
+                else f"config.json field '{where}'"
+            raise self.error(f"{what} = {value!r} must be {rng}")
         return value
 
     def rope(self, where: str, value: Any, types: Optional[dict]) -> dict:
@@ -228,7 +246,12 @@ class ConfigReader:
                                  f"{', '.join(known) or 'nothing'}; no symbol reads the partial rotary factor)")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
-            if got is not MISSING and not _same(got, expected):
+            if got is MISSING and key in self.defaults:      # absent: the family's transformers default applies
+                if not _same(self.defaults[key], expected):
+                    raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint omits {key}, "
+                                     f"which means {self.defaults[key]!r} (transformers' default for this family): "
+                                     f"the spec does not model it")
+            elif got is not MISSING and not _same(got, expected):
                 raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint has {key}={got!r}: "
                                  f"the spec does not model it")
         unknown = []

@@ -1,0 +1,348 @@
+"""The config guard and the compiler's static checks (issue 20): a checkpoint the spec does not model is refused
+at load naming the spec and the field, and a spec that would accept a field and ignore it does not compile."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from xllm_gen.codegen.compiler import compile_spec
+from xllm_gen.codegen.errors import SpecError, SpecErrors
+from xllm_gen.codegen.loader import load_spec
+from xllm_gen.codegen.resolver import resolve
+from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS, ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+SPECS = REPO / "specs"
+
+
+def _mutant(tmp_path: Path, spec: str, *edits: tuple[str, str], name: str = "mutant.yaml") -> tuple[Path, str]:
+    text = (SPECS / spec).read_text()
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    path = tmp_path / name
+    path.write_text(text)
+    return path, text
+
+
+def _line_of(text: str, needle: str) -> int:
+    return text.count("\n", 0, text.index(needle)) + 1
+
+
+def _compile_error(path: Path) -> SpecError:
+    with pytest.raises((SpecError, SpecErrors)) as info:
+        compile_spec(path)
+    err = info.value
+    return err.errors[0] if isinstance(err, SpecErrors) else err
+
+
+def _hf(**kw):
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
+               tie_word_embeddings=True, rope_parameters={"rope_theta": 5000.0, "rope_type": "default"},
+               eos_token_id=[7, 8])
+    cfg.update(kw)
+    return cfg
+
+
+# ---- 1. min / max on a derived symbol: for every variant, and at load ---------------------------------------
+
+NOPE = ("  layer_types:\n", "  no_rope_layers:          {type: int_tuple, from: no_rope_layers, default: [1]}\n"
+        "  min_rope:                {type: int, expr: \"min(no_rope_layers)\", min: 1, guard: true}\n"
+        "  layer_types:\n")
+
+
+def test_derived_bounds_refused_at_load(tmp_path):
+    path, _ = _mutant(tmp_path, "qwen3.yaml", NOPE)
+    model = compile_spec(path).module()
+    assert model.Config.from_hf(_hf(no_rope_layers=[1, 1])).min_rope == 1
+    with pytest.raises(ConfigError, match=r"mutant\.yaml: derived symbol 'min_rope = min\(no_rope_layers\)' = 0 must be >= 1"):
+        model.Config.from_hf(_hf(no_rope_layers=[1, 0]))
+
+
+def test_derived_bounds_checked_for_every_variant(tmp_path):
+    path, text = _mutant(tmp_path, "qwen3.yaml", NOPE,
+                         ("  Qwen3-8B:\n    {", "  Qwen3-8B:\n    {no_rope_layers: [1, 0], "))
+    err = _compile_error(path)
+    assert "variants.Qwen3-8B: config.min_rope = min(no_rope_layers)" in err.message and "[1, None]" in err.message
+    assert err.location.line == _line_of(text, "  min_rope:")
+
+
+def test_derived_values_checked_at_load(tmp_path):
+    path, _ = _mutant(tmp_path, "qwen3.yaml", (
+        "  layer_types:\n", "  act_kind: {type: str, expr: \"'gated_' + hidden_act\", values: [gated_silu], guard: true}\n"
+                            "  layer_types:\n"),
+        ("values: [silu]}", "values: [silu, gelu]}"))
+    model = compile_spec(path).module()
+    with pytest.raises(ConfigError, match=r"act_kind.*'gated_gelu'"):
+        model.Config.from_hf(_hf(hidden_act="gelu"))
+
+
+# ---- 2. absent means transformers' default -------------------------------------------------------------------
+
+def _hf_defaults(architecture: str):
+    """transformers' config class of an architecture, instantiated with its defaults, as a dict (None: unknown)."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+    best = None
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                    modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        for model_type, cls in mapping.items():
+            cname = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type, "")
+            if cls == architecture and cls.startswith(cname[:-len("Config")]) and \
+                    (best is None or len(cname) > len(best[1])):
+                best = (model_type, cname)
+    return configuration_auto.CONFIG_MAPPING[best[0]]().to_dict() if best else None
+
+
+def _lookup(cfg, path):
+    for part in path.split("."):
+        if not isinstance(cfg, dict) or cfg.get(part) is None:
+            return None
+        cfg = cfg[part]
+    return cfg
+
+
+def _same(a, b):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+@pytest.mark.parametrize("spec", sorted(p.name for p in SPECS.glob("*.yaml")))
+def test_spec_defaults_are_transformers_defaults(spec):
+    """A checkpoint that omits a field has transformers' default for its family: every literal `default` of a
+    read symbol, and the effective value of every assumed field (config_defaults, else the assumed value), equal
+    the default of the architecture's transformers config class (fields the class does not have are skipped;
+    generation token ids do not change the math)."""
+    pytest.importorskip("transformers")
+    s = load_spec(SPECS / spec).spec
+    hf = _hf_defaults(s.architectures[0])
+    if hf is None:
+        pytest.skip(f"transformers has no config class for {s.architectures[0]}")
+    wrong = []
+    for name, f in s.config.items():
+        if f.from_ is None or f.default is None or f.type == "rope":
+            continue
+        paths = [f.from_] if isinstance(f.from_, str) else f.from_
+        if paths[0].split(".")[-1] in GENERIC_FIELDS:
+            continue
+        want = next((v for v in (_lookup(hf, p) for p in paths) if v is not None), None)
+        if want is not None and not _same(f.default, want):
+            wrong.append(f"config.{name}.default: {f.default!r}, transformers: {want!r}")
+    for key, assumed in s.config_assume.items():
+        want = _lookup(hf, key)
+        have = s.config_defaults.get(key, assumed)
+        if want is not None and not _same(have, want):
+            wrong.append(f"config_assume.{key}: absent means {have!r} here, transformers: {want!r} (state it in "
+                         f"config_defaults)")
+    assert not wrong, wrong
+
+
+def test_assumed_field_absent_means_the_family_default(tmp_path):
+    """partial_rotary_factor: 1.0 is what the spec computes; a family whose transformers default is 0.5 refuses a
+    checkpoint that omits the field (it means 0.5), and serves one that states 1.0."""
+    path, text = _mutant(tmp_path, "qwen3.yaml", ("\ndecoder:\n", "\nconfig_assume: {partial_rotary_factor: 1.0}\n"
+                                                  "config_defaults: {partial_rotary_factor: 0.5}\n\ndecoder:\n"))
+    model = compile_spec(path).module()
+    assert model.Config.from_hf(_hf(partial_rotary_factor=1.0)).hidden_size == 64
+    with pytest.raises(ConfigError, match=r"omits partial_rotary_factor, which means 0.5 \(transformers' default"):
+        model.Config.from_hf(_hf())
+    with pytest.raises(ConfigError, match=r"has partial_rotary_factor=0.25"):
+        model.Config.from_hf(_hf(partial_rotary_factor=0.25))
+    # a default of a field that is not assumed is a located error
+    bad, text = _mutant(tmp_path, "qwen3.yaml", ("\ndecoder:\n", "\nconfig_defaults: {rope_theta: 5.0}\n\ndecoder:\n"),
+                        name="bad.yaml")
+    err = _compile_error(bad)
+    assert "config_defaults.rope_theta: this field is read by a config symbol" in err.message
+    assert err.location.line == _line_of(text, "config_defaults:")
+
+
+# ---- 3. fields of transformers' base config never change the math ------------------------------------------
+
+def test_base_pretrained_config_fields_are_generic():
+    """Every field transformers' PretrainedConfig writes by itself (a config.json saved by transformers carries
+    them) is in GENERIC_FIELDS, except those that change the math and that a spec must read or assume."""
+    transformers = pytest.importorskip("transformers")
+    base = transformers.PretrainedConfig().to_dict()
+    math_fields = {"tie_word_embeddings"}
+    missing = sorted(k for k in base if k not in GENERIC_FIELDS and k not in math_fields)
+    assert not missing, missing
+
+
+def test_gguf_converted_smollm2_config_loads():
+    """A SmolLM2-135M config as transformers writes it after converting the GGUF file (`from_pretrained(...,
+    gguf_file=...)` then `save_pretrained`): unk_token_id, output flags, id2label etc. are accepted."""
+    from xllm_gen.generated.llama import model
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "unk_token_id": 0,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.02,
+        "intermediate_size": 1536, "max_position_embeddings": 8192, "mlp_bias": False, "num_attention_heads": 9,
+        "num_hidden_layers": 30, "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "tie_word_embeddings": True,
+        "dtype": "float32", "transformers_version": "5.0.0", "use_cache": True, "vocab_size": 49152,
+        "output_hidden_states": False, "output_attentions": False, "return_dict": True, "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0}, "problem_type": None, "chunk_size_feed_forward": 0, "is_encoder_decoder": False,
+        "tie_encoder_decoder": False, "prefix": None, "task_specific_params": None, "finetuning_task": None,
+        "tokenizer_class": None, "sep_token_id": None, "cls_token_id": None,
+    }
+    c = model.Config.from_hf(hf)
+    assert c.hidden_size == 576 and c.eos_token_id == (2,)
+    # a field that does change the math is still refused by name
+    with pytest.raises(ConfigError, match="rope_parameters.partial_rotary_factor"):
+        model.Config.from_hf({**hf, "rope_parameters": {"rope_theta": 1e5, "rope_type": "default",
+                                                        "partial_rotary_factor": 0.5}})
+
+
+# ---- 4. a symbol read from config.json and used by no block is a compile error ------------------------------
+
+UNUSED = {   # the fuzzer's five mutants: the spec reads the field, then does not use it
+    "rope_scaling": ("qwen3.yaml", (", scaling: rope_scaling}", "}")),
+    "sliding_window": ("mistral.yaml", ("        sliding_window: sliding_window\n", "")),
+    "hidden_act": ("qwen3.yaml", ("        activation: hidden_act\n", "        activation: silu\n")),
+    "rope_theta": ("qwen3.yaml", ("theta: rope_theta,", "theta: 10000.0,")),
+    "tie_word_embeddings": ("qwen3.yaml", ("tie: tie_word_embeddings}", "tie: false}")),
+}
+
+
+@pytest.mark.parametrize("symbol", sorted(UNUSED))
+def test_read_but_unused_symbol_is_a_compile_error(symbol, tmp_path):
+    spec, edit = UNUSED[symbol]
+    path, text = _mutant(tmp_path, spec, edit)
+    err = _compile_error(path)
+    assert err.message.startswith(f"config.{symbol}: reads config.json") and "accepted and ignored" in err.message
+    assert err.location.file.endswith("mutant.yaml")
+    assert err.location.line == _line_of(text, f"\n  {symbol}:") + 1
+
+
+def test_guard_symbol_needs_a_restriction(tmp_path):
+    path, text = _mutant(tmp_path, "qwen3.yaml", ("values: [default, linear, dynamic, yarn]}",
+                                                  "values: [default, linear, dynamic, yarn], guard: true}"),
+                         ("{type: int, from: max_window_layers, default: 28}",
+                          "{type: int, from: max_window_layers, default: 28, guard: true}"))
+    err = _compile_error(path)
+    assert "config.max_window_layers.guard: a guard-only symbol restricts its field" in err.message
+    assert err.location.line == _line_of(text, "  max_window_layers:")
+
+
+# ---- 5. a per-layer expression that fails for a variant is a located error ---------------------------------
+
+def test_short_layer_types_is_a_located_error(tmp_path):
+    path, text = _mutant(tmp_path, "gemma2.yaml", (
+        "  gemma-2-2b:\n    {", "  gemma-2-2b:\n    {layer_types: [sliding_attention, full_attention], "))
+    err = _compile_error(path)
+    assert "variants.gemma-2-2b: decoder.layers.blocks.self_attn.sliding_window" in err.message
+    assert "fails for layer 2: IndexError" in err.message
+    assert err.location.line == _line_of(text, "        sliding_window: \"sliding_window if")
+
+
+# ---- 6. expression bounds ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr,msg", [
+    ("9 ** 9 ** 9", "the exponent of `**` must be a number literal"),
+    ("10 ** 100", "exponent 100 is too large"),
+    ("hidden_size ** num_hidden_layers", "the exponent of `**` must be a number literal"),
+    ("2 ** 63 + hidden_size", "out of range"),
+    ("len([0] * 10 ** 7)", "more than 1000000"),
+])
+def test_expression_bounds(expr, msg, tmp_path):
+    path, text = _mutant(tmp_path, "gemma2.yaml", ('scale: "hidden_size ** 0.5"', f'scale: "{expr}"'))
+    err = _compile_error(path)
+    assert msg in err.message, err.message
+    assert err.location.line == _line_of(text, f'scale: "{expr}"')
+
+
+def test_derived_int_out_of_range_refused_at_load(tmp_path):
+    path, _ = _mutant(tmp_path, "qwen3.yaml", (
+        "  layer_types:\n", "  big: {type: int, expr: \"vocab_size * vocab_size * vocab_size\", min: 0, guard: true}\n"
+                            "  layer_types:\n"))
+    model = compile_spec(path).module()
+    with pytest.raises(ConfigError, match="out of range"):
+        model.Config.from_hf(_hf(vocab_size=2 ** 31 - 1))
+
+
+# ---- 7. a multimodal architecture needs its vision tower ---------------------------------------------------
+
+def test_vl_spec_without_vision_does_not_compile(tmp_path):
+    text = (SPECS / "qwen3_vl.yaml").read_text()
+    head, _, _ = text.partition("\nvision:\n")
+    path = tmp_path / "qwen3_vl.yaml"
+    path.write_text(head + "\n")
+    (tmp_path / "qwen3.yaml").write_text((SPECS / "qwen3.yaml").read_text())
+    err = _compile_error(path)
+    assert "Qwen3VLForConditionalGeneration" in err.message and "vision" in err.message
+    assert err.location.line == _line_of(head, "architectures:")
+
+
+# ---- 8. compile time is linear in the variants ---------------------------------------------------------------
+
+def _with_variants(tmp_path, n):
+    text = (SPECS / "qwen3.yaml").read_text()
+    head, _, _ = text.partition("\nvariants:")
+    rows = "".join(f"  v{i}: {{hidden_size: {64 * (1 + i % 8)}, num_hidden_layers: {1 + i % 30}, "
+                   f"num_attention_heads: 8, num_key_value_heads: 8, head_dim: 64, intermediate_size: 1024, "
+                   f"vocab_size: {1000 + i}}}\n" for i in range(n))
+    path = tmp_path / "big.yaml"
+    path.write_text(head + "\nvariants:\n" + rows)
+    return path, head + "\nvariants:\n" + rows
+
+
+def test_many_variants_refused_fast(tmp_path):
+    """A 0.5 MB spec of 3,000 variants: a clear error at `variants`, in seconds (it took over a minute)."""
+    path, text = _with_variants(tmp_path, 3000)
+    assert len(text) > 400_000
+    t = time.perf_counter()
+    err = _compile_error(path)
+    assert "variants: 3000 variants; at most 64" in err.message
+    assert err.location.line == _line_of(text, "\nvariants:") + 1
+    assert time.perf_counter() - t < 20
+
+
+def test_variants_resolve_in_linear_time(tmp_path):
+    path, _ = _with_variants(tmp_path, 64)
+    loaded = load_spec(path)
+    t = time.perf_counter()
+    ir = resolve(loaded)
+    assert len(ir.variants) == 64 and time.perf_counter() - t < 5
+
+
+# ---- 9. a fact the computation depends on is a read symbol the primitive uses ----------------------------------
+
+def _vl_mutant(tmp_path, *edits):
+    (tmp_path / "qwen3.yaml").write_text((SPECS / "qwen3.yaml").read_text())
+    return _mutant(tmp_path, "qwen3_vl.yaml", *edits, name="qwen3_vl.yaml")
+
+
+def test_mrope_layout_is_read_by_the_rotary(tmp_path):
+    """Qwen3-VL's rotary kind is selected by text_config.rope_parameters.mrope_interleaved: a spec cannot say
+    "interleaved" beside a blocked rotary. Blocking the kind leaves the field unread by any block (an error), and
+    admitting only the blocked kind contradicts the default checkpoints (an error at the symbol)."""
+    path, text = _vl_mutant(tmp_path, ("rotary: {kind: mrope_kind,", "rotary: {kind: mrope_blocked,"))
+    err = _compile_error(path)
+    assert err.message.startswith("config.mrope_interleaved: reads config.json text_config.rope_parameters."
+                                  "mrope_interleaved") and "accepted and ignored" in err.message
+    assert err.location.line == _line_of(text, "  mrope_interleaved:")
+    path, text = _vl_mutant(tmp_path, ("    values: [mrope_interleaved]\n", "    values: [mrope_blocked]\n"))
+    err = _compile_error(path)
+    assert "config.mrope_kind" in err.message and "'mrope_interleaved' is not one of the values" in err.message
+    assert err.location.line == _line_of(text, "  mrope_kind:")
+    path, text = _vl_mutant(tmp_path, ("    values: [mrope_interleaved]\n", "    values: [mrope_interleaved, neox]\n"))
+    err = _compile_error(path)
+    assert "neox and the mrope kinds take different positions" in err.message
+    assert err.location.line == _line_of(text, "rotary: {kind: mrope_kind")
+
+
+def test_mrope_blocked_checkpoint_is_refused_by_name():
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.generated.qwen3_vl import model
+    cfg = json.loads(tiny_config("Qwen3VLForConditionalGeneration").to_json_string())
+    assert model.Config.from_hf(cfg).mrope_kind == "mrope_interleaved"
+    cfg["text_config"]["rope_parameters"]["mrope_interleaved"] = False
+    with pytest.raises(ConfigError, match="mrope_kind.*'mrope_blocked'"):
+        model.Config.from_hf(cfg)
