@@ -118,8 +118,9 @@ BAD = {
         "vision.blocks.blocks.mlp: unknown block kind 'vision_mpl' (did you mean 'vision_mlp'?)", "vision_mpl"),
     "merger_width_not_text_width": (
         "vision_out_hidden_size: 2048", "vision_out_hidden_size: 1024",
-        "variants.Qwen3-VL-2B: vision.merger.out is 1024, but the text width (decoder.embed_tokens.dim) is 2048",
-        "vision_out_hidden_size: 1024"),
+        # the spec's guard-only derived symbol (a relation transformers requires) refuses it first
+        "variants.Qwen3-VL-2B: config.vision_out_width_gap = vision_out_hidden_size - hidden_size: -1024 is outside "
+        "[0, 0]", "vision_out_width_gap:"),
     "deepstack_levels_not_the_tap_count": (
         'deepstack_levels:         {type: int, expr: "len(deepstack_visual_indexes)"}',
         'deepstack_levels:         {type: int, expr: "len(vision_depth)"}',

@@ -268,7 +268,8 @@ def test_clamped_swiglu_in_a_dense_gated_mlp(tmp_path):
     p = tmp_path / "dense.yaml"
     p.write_text(f"spec_version: 2\nextends: {ROOT / 'specs' / 'llama.yaml'}\nname: dense_clamped\n"
                  "architectures: [DenseClampedForCausalLM]\n"
-                 "config:\n  swiglu_limit: {type: float, from: swiglu_limit, optional: true}\n"
+                 "config:\n  swiglu_limit: {type: float, from: swiglu_limit, optional: true}\n  hidden_act: ~\n"
+                 "config_ignore: [hidden_act]\n"
                  "decoder:\n  layers:\n    blocks:\n"
                  "      mlp: {activation: {kind: swiglu_clamped, alpha: 1.5, limit: swiglu_limit}}\n")
     compiled = compile_spec(p)

@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from fixtures.tiny_hf import SPECIAL_TOKENS, edit_config, text_config_of, tiny_config, tokenizer_size
 from hf_ref import hf_greedy, hf_model, hf_vl_greedy, hf_vl_inputs
