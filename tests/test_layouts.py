@@ -173,7 +173,11 @@ def test_falcon_multi_query_matches_hf(tiny_checkpoint, tp):
     ("GPTNeoXForCausalLM", {"attention_bias": False}),      # no q/k/v/o biases, MLP biases kept
     ("FalconForCausalLM", {"activation": "relu"}),          # another activation of the table
     ("GPTNeoXForCausalLM", {"hidden_act": "relu"}),
-    ("GPTNeoXForCausalLM", {"use_parallel_residual": False}),   # the sequential form (dataflow chosen by the flag)
+    ("GPTNeoXForCausalLM", {"use_parallel_residual": False}),
+    # Falcon-7B's form (one shared norm, multi-query), and without multi_query (one group per head); the
+    # released config has no num_kv_heads (transformers: num_attention_heads)
+    ("FalconForCausalLM", {"new_decoder_architecture": False, "multi_query": True, "num_kv_heads": 4}),
+    ("FalconForCausalLM", {"new_decoder_architecture": False, "multi_query": False, "num_kv_heads": 4}),
     ("GPTNeoXForCausalLM", {"rope_parameters": {"partial_rotary_factor": 1.0}}),   # full rotary vs the tiny 0.5
 ])
 def test_biases_and_activations_match_hf(tiny_checkpoint, arch, overrides):
@@ -208,7 +212,7 @@ def test_wrong_layout_breaks_parity(tiny_checkpoint, monkeypatch, arch, module, 
     assert got != want, f"{arch}: reading the fused qkv as blocked does not change the output"
 
 
-@pytest.mark.parametrize("field, value", [("new_decoder_architecture", False), ("alibi", True),
+@pytest.mark.parametrize("field, value", [("alibi", True),
                                           ("num_ln_in_parallel_attn", 1), ("parallel_attn", False)])
 def test_falcon_forms_not_modelled_are_refused_by_name(field, value):
     from fixtures.tiny_hf import tiny_config
