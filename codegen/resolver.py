@@ -37,7 +37,6 @@ from .ir import (
     Value,
     VariantIR,
     VisionIR,
-    WeightIR,
 )
 from .loader import LoadedSpec
 from .schema import (
@@ -52,8 +51,8 @@ from .yaml_loader import display_path
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 from .resolver_dataflow import DataflowResolver
-from .resolver_layouts import LayoutResolver
 from .resolver_vision import VisionResolver
+from .resolver_weights import WeightsResolver
 
 
 def _is_num(v: Any) -> bool:
@@ -97,7 +96,7 @@ MAX_LAYERS = 10_000
 MAX_VARIANTS = 64
 
 
-class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver):
+class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
@@ -636,104 +635,6 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, LayoutResolver)
         if _maybe(lm_head.bias):              # never tied: the embedding has no bias
             out.append(ParamIR("lm_head.bias", "lm_head", (lm_head.vocab,), "vocab", vocab=lm_head.vocab))
         return tuple(out)
-
-    def resolve_weights(self, params: Tuple[ParamIR, ...], section: Tuple[str, ...] = ("weights",)) -> Tuple[WeightIR, ...]:
-        by_name = {p.name: p for p in params}
-        top = section == ("weights",)
-        raw = self.spec.weights if top else self.spec.vision.weights
-        rename = self.rename if top else (lambda n: n)
-        where_s = ".".join(section)
-        entries, keys = {}, {}
-        for key, e in raw.items():
-            name = rename(key)
-            entries[name], keys[name] = e, key
-            if name not in by_name:
-                shown = {(n if not top or self.prefix == "model" or not n.startswith(self.prefix + ".")
-                          else "model" + n[len(self.prefix):]): n for n in by_name}
-                hint = did_you_mean(key, shown)
-                if not hint and "{i}" not in key and re.search(r"\.(layers|blocks|deepstack_merger_list)\.\d+\.", key):
-                    hint = " (write the layer index as {i})"
-                moved = f" (decoder tensors are written `model.*`, meaning `{self.prefix}.*`)" \
-                    if top and self.prefix != "model" and not hint else ""
-                raise self.err(section + (key,), f"{where_s}: '{key}' is not a parameter of the model{hint}{moved}",
-                               at_key=True)
-        out = []
-        for p in params:
-            e = entries.get(p.name)
-            path = section + (keys.get(p.name, ""),)
-            if e is None:
-                if p.segments and len(p.segments) > 1 and not (p.tp_if or p.repeat or p.experts):
-                    shown = p.name if not top or self.prefix == "model" or not p.name.startswith(self.prefix + ".") \
-                        else "model" + p.name[len(self.prefix):]
-                    names = ", ".join(f"{sg.name}: <tensor>" for sg in p.segments)
-                    raise self.err(tuple(p.block.split(".")),
-                                   f"{p.block}: fused parameter '{shown}' has no entry in `{where_s}`: say which "
-                                   f"checkpoint tensor fills each segment ('{shown}: {{from: {{{names}}}}}')",
-                                   at_key=True)
-                sources = (self.checkpoint_name(p.name) if top else p.name,)
-            elif e.from_ is None:
-                if not (e.transpose or e.segments_interleaved):
-                    raise self.err(path, f"{where_s}['{keys[p.name]}']: give `from` (the checkpoint tensor(s)), or a "
-                                         f"layout (`transpose`, `segments_interleaved`) of the tensor of its own name",
-                                   at_key=True)
-                sources = (p.name,)
-            elif isinstance(e.from_, str):
-                sources = (rename(e.from_),)
-            else:
-                names = [s.name for s in p.segments]
-                if len(p.segments) < 2:
-                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: a mapping of segments stacks a fused "
-                                                     f"parameter; this one has no segments, give one tensor name")
-                if list(e.from_) != names:
-                    bad = next((k for k in e.from_ if k not in names), None)
-                    where = path + ("from", bad) if bad else path + ("from",)
-                    hint = did_you_mean(bad, names) if bad else ""
-                    raise self.err(where, f"{where_s}['{keys[p.name]}'].from: segments must be {names} in this order, got "
-                                          f"{list(e.from_)}{hint}", at_key=bool(bad))
-                sources = tuple(rename(v) for v in e.from_.values())
-            looped = p.per_layer or p.repeat is not None
-            per_expert = p.experts is not None and e is not None and any("{e}" in src for src in sources)
-            for i, src in enumerate(sources):
-                if looped and "{i}" not in src:
-                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}' is a per-layer tensor; "
-                                                     f"name it with {{i}} for the layer index")
-                if per_expert and "{e}" not in src:
-                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': the experts are "
-                                                     f"stacked from per-expert tensors: name each with {{e}}")
-                rest = re.sub(r"\{[ie]\}" if p.experts is not None else r"\{i\}", "", src)
-                if rest.count("{") or rest.count("}") or (not looped and "{i}" in src):
-                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': only per-layer tensors "
-                                                     f"may use {{i}}, only stacked expert parameters {{e}}, and no "
-                                                     f"other placeholder exists")
-            wt = self.weight_layout(p, sources, e, path, where_s, keys.get(p.name, ""))
-            if e is not None:
-                wt = dataclasses.replace(wt, layout=self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e))
-            out.append(wt)
-        return tuple(out)
-
-    def weight_layout(self, p: ParamIR, sources, e, path, where_s: str, key: str) -> WeightIR:
-        """The WeightIR of parameter `p`, with its entry's layout (`transpose`, `segments_interleaved`) checked."""
-        if e is None or not (e.transpose or e.segments_interleaved):
-            return WeightIR(p, tuple(sources))
-        dims = len(p.shape) - (1 if p.experts is not None else 0)
-        if e.transpose and dims < 2:
-            raise self.err(path + ("transpose",), f"{where_s}['{key}'].transpose: '{key}' is not a matrix (one dim "
-                                                  f"per {'expert' if p.experts is not None else 'parameter'})")
-        if e.segments_interleaved and (len(p.segments) < 2 or len(sources) != 1):
-            why = "has no segments" if len(p.segments) < 2 else "is stacked from one tensor per segment here"
-            raise self.err(path + ("segments_interleaved",), f"{where_s}['{key}'].segments_interleaved: the parameter "
-                                                             f"{why}; interleaving needs a fused parameter read from "
-                                                             f"one tensor")
-        return WeightIR(p, tuple(sources), transpose=e.transpose,
-                        interleave=len(p.segments) if e.segments_interleaved else 1)
-
-    def resolve_ignored(self) -> Tuple[str, ...]:
-        for i, pat in enumerate(self.spec.ignore_checkpoint_tensors):
-            try:
-                re.compile(pat)
-            except re.error as e:
-                raise self.err(("ignore_checkpoint_tensors", i), f"ignore_checkpoint_tensors[{i}]: bad regex: {e}")
-        return tuple(self.spec.ignore_checkpoint_tensors)
 
     def resolve_runner(self, layer: LayerIR, vision: Optional[VisionIR], levels) -> RunnerIR:
         """What the generated runner specializes, derived from the model (deployment is engine options)."""

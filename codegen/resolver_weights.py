@@ -1,0 +1,172 @@
+"""The `weights` part of the resolver: each parameter's checkpoint source(s) (`weights` entries, `{i}` / `{e}`,
+segment stacking), `checkpoint_prefixes` (the checkpoint name of a parameter without an entry), the storage
+layouts of a checkpoint tensor (`transpose`, `segments_interleaved`) and the row `layout` of a fused tensor
+(`weights[...].layout`), with their static checks: the layout names the parameter's segments, the parameter is a
+fused column-parallel one, and in every variant the segments' heads fit the groups; and `ignore_checkpoint_tensors`.
+A mixin of resolver._Resolver, as resolver_blocks.py is."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Optional, Tuple
+
+from .errors import did_you_mean
+from .ir import ParamIR, WeightIR
+
+
+class WeightsResolver:
+    def resolve_weights(self, params: Tuple[ParamIR, ...], section: Tuple[str, ...] = ("weights",)) -> Tuple[WeightIR, ...]:
+        by_name = {p.name: p for p in params}
+        top = section == ("weights",)
+        raw = self.spec.weights if top else self.spec.vision.weights
+        rename = self.rename if top else (lambda n: n)
+        where_s = ".".join(section)
+        entries, keys = {}, {}
+        for key, e in raw.items():
+            name = rename(key)
+            entries[name], keys[name] = e, key
+            if name not in by_name:
+                shown = {(n if not top or self.prefix == "model" or not n.startswith(self.prefix + ".")
+                          else "model" + n[len(self.prefix):]): n for n in by_name}
+                hint = did_you_mean(key, shown)
+                if not hint and "{i}" not in key and re.search(r"\.(layers|blocks|deepstack_merger_list)\.\d+\.", key):
+                    hint = " (write the layer index as {i})"
+                moved = f" (decoder tensors are written `model.*`, meaning `{self.prefix}.*`)" \
+                    if top and self.prefix != "model" and not hint else ""
+                raise self.err(section + (key,), f"{where_s}: '{key}' is not a parameter of the model{hint}{moved}",
+                               at_key=True)
+        out = []
+        for p in params:
+            e = entries.get(p.name)
+            path = section + (keys.get(p.name, ""),)
+            if e is None:
+                if p.segments and len(p.segments) > 1 and not (p.tp_if or p.repeat or p.experts):
+                    shown = p.name if not top or self.prefix == "model" or not p.name.startswith(self.prefix + ".") \
+                        else "model" + p.name[len(self.prefix):]
+                    names = ", ".join(f"{sg.name}: <tensor>" for sg in p.segments)
+                    raise self.err(tuple(p.block.split(".")),
+                                   f"{p.block}: fused parameter '{shown}' has no entry in `{where_s}`: say which "
+                                   f"checkpoint tensor fills each segment ('{shown}: {{from: {{{names}}}}}')",
+                                   at_key=True)
+                sources = (self.checkpoint_name(p.name) if top else p.name,)
+            elif e.from_ is None:
+                if not (e.transpose or e.segments_interleaved):
+                    raise self.err(path, f"{where_s}['{keys[p.name]}']: give `from` (the checkpoint tensor(s)), or a "
+                                         f"layout (`transpose`, `segments_interleaved`) of the tensor of its own name",
+                                   at_key=True)
+                sources = (p.name,)
+            elif isinstance(e.from_, str):
+                sources = (rename(e.from_),)
+            else:
+                names = [s.name for s in p.segments]
+                if len(p.segments) < 2:
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: a mapping of segments stacks a fused "
+                                                     f"parameter; this one has no segments, give one tensor name")
+                if list(e.from_) != names:
+                    bad = next((k for k in e.from_ if k not in names), None)
+                    where = path + ("from", bad) if bad else path + ("from",)
+                    hint = did_you_mean(bad, names) if bad else ""
+                    raise self.err(where, f"{where_s}['{keys[p.name]}'].from: segments must be {names} in this order, got "
+                                          f"{list(e.from_)}{hint}", at_key=bool(bad))
+                sources = tuple(rename(v) for v in e.from_.values())
+            looped = p.per_layer or p.repeat is not None
+            per_expert = p.experts is not None and e is not None and any("{e}" in src for src in sources)
+            for i, src in enumerate(sources):
+                if looped and "{i}" not in src:
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}' is a per-layer tensor; "
+                                                     f"name it with {{i}} for the layer index")
+                if per_expert and "{e}" not in src:
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': the experts are "
+                                                     f"stacked from per-expert tensors: name each with {{e}}")
+                rest = re.sub(r"\{[ie]\}" if p.experts is not None else r"\{i\}", "", src)
+                if rest.count("{") or rest.count("}") or (not looped and "{i}" in src):
+                    raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': only per-layer tensors "
+                                                     f"may use {{i}}, only stacked expert parameters {{e}}, and no "
+                                                     f"other placeholder exists")
+            wt = self.weight_layout(p, sources, e, path, where_s, keys.get(p.name, ""))
+            if e is not None:
+                wt = dataclasses.replace(wt, layout=self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e))
+            out.append(wt)
+        return tuple(out)
+
+    def weight_layout(self, p: ParamIR, sources, e, path, where_s: str, key: str) -> WeightIR:
+        """The WeightIR of parameter `p`, with its entry's layout (`transpose`, `segments_interleaved`) checked."""
+        if e is None or not (e.transpose or e.segments_interleaved):
+            return WeightIR(p, tuple(sources))
+        dims = len(p.shape) - (1 if p.experts is not None else 0)
+        if e.transpose and dims < 2:
+            raise self.err(path + ("transpose",), f"{where_s}['{key}'].transpose: '{key}' is not a matrix (one dim "
+                                                  f"per {'expert' if p.experts is not None else 'parameter'})")
+        if e.segments_interleaved and (len(p.segments) < 2 or len(sources) != 1):
+            why = "has no segments" if len(p.segments) < 2 else "is stacked from one tensor per segment here"
+            raise self.err(path + ("segments_interleaved",), f"{where_s}['{key}'].segments_interleaved: the parameter "
+                                                             f"{why}; interleaving needs a fused parameter read from "
+                                                             f"one tensor")
+        return WeightIR(p, tuple(sources), transpose=e.transpose,
+                        interleave=len(p.segments) if e.segments_interleaved else 1)
+
+    def resolve_ignored(self) -> Tuple[str, ...]:
+        for i, pat in enumerate(self.spec.ignore_checkpoint_tensors):
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise self.err(("ignore_checkpoint_tensors", i), f"ignore_checkpoint_tensors[{i}]: bad regex: {e}")
+        return tuple(self.spec.ignore_checkpoint_tensors)
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint tensor a parameter without a `weights` entry loads: its own name, with the longest matching
+        `checkpoint_prefixes` prefix replaced."""
+        best: Optional[Tuple[str, str]] = None
+        for pre, to in self.spec.checkpoint_prefixes.items():
+            full = self.rename(pre)
+            if name.startswith(full) and (best is None or len(full) > len(best[0])):
+                best = (full, to)
+        return name if best is None else best[1] + name[len(best[0]):]
+
+    def check_prefixes(self, params: Tuple[ParamIR, ...]) -> None:
+        for pre, to in self.spec.checkpoint_prefixes.items():
+            path = ("checkpoint_prefixes", pre)
+            if not pre or not to or "{" in pre + to or "}" in pre + to:
+                raise self.err(path, f"checkpoint_prefixes: '{pre}: {to}': two non-empty name prefixes without "
+                                     f"placeholders", at_key=True)
+            if not any(p.name.startswith(self.rename(pre)) for p in params):
+                raise self.err(path, f"checkpoint_prefixes: no parameter name starts with '{pre}'"
+                                     f"{did_you_mean(pre, sorted({p.name.rsplit('.', 1)[0] + '.' for p in params}))}",
+                               at_key=True)
+
+    def resolve_layout(self, path: tuple, where: str, p: ParamIR, entry) -> Optional[Tuple[str, Tuple[str, ...]]]:
+        lay = entry.layout
+        if lay is None:
+            return None
+        lp = path + ("layout",)
+        names = [s.name for s in p.segments]
+        if not isinstance(entry.from_, str):
+            raise self.err(lp, f"{where}.layout: a layout describes one fused checkpoint tensor: give `from` one name "
+                               f"(a mapping of segments is already split)", at_key=True)
+        if len(p.segments) < 2 or p.shard != "colwise" or p.experts is not None or p.tp_if is not None:
+            raise self.err(lp, f"{where}.layout: only a fused column-parallel parameter (attention qkv, gated MLP "
+                               f"gate_up, fused_linear) has segments to lay out", at_key=True)
+        inter = list(lay.interleave)
+        if sorted(inter) != sorted(names) or len(set(inter)) != len(inter):
+            bad = next((n for n in inter if n not in names), None)
+            raise self.err(lp + ("interleave",), f"{where}.layout.interleave: must name each of the parameter's "
+                                                 f"segments {names} once, got {inter}"
+                                                 f"{did_you_mean(bad, names) if bad else ''}")
+        self.layouts_to_check.append((lp, where, p, lay.per))
+        return lay.per, tuple(inter)
+
+    def check_layout_variant(self, name: str, values: Mapping[str, Any]) -> None:
+        """In a variant, each laid-out parameter's segments split into the layout's groups."""
+        for lp, where, p, per in self.layouts_to_check:
+            heads = {s.name: s.heads.eval(values) for s in p.segments}
+            shown = ", ".join(f"{n}: {h}" for n, h in heads.items())
+            if per == "head" and len(set(heads.values())) != 1:
+                raise self.err(lp + ("per",), f"variants.{name}: {where}.layout per: head needs every segment to "
+                                              f"have as many heads, got {shown}")
+            if per == "kv_group":
+                g = min(heads.values())
+                bad = [n for n, h in heads.items() if h % g]
+                if bad:
+                    raise self.err(lp + ("per",), f"variants.{name}: {where}.layout per: kv_group: {shown}: segment "
+                                                  f"'{bad[0]}' does not split into {g} groups")
+
