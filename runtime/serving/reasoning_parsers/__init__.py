@@ -7,39 +7,12 @@ format; the names of model families that use a format are aliases kept outside t
 (xllm_gen/parser_aliases.py)."""
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
-_PARSERS: dict = {}
-_BUILTIN = {"think": "xllm_gen.runtime.serving.reasoning_parsers.think"}
-_ALIASES_MODULE = "xllm_gen.parser_aliases"
+from xllm_gen.runtime.serving.parser_registry import ParserRegistry
 
-
-def _aliases() -> dict:
-    try:
-        return dict(importlib.import_module(_ALIASES_MODULE).REASONING_PARSERS)
-    except (ImportError, AttributeError):
-        return {}
-
-
-def register(name: str):
-    def deco(cls):
-        _PARSERS[name] = cls
-        return cls
-    return deco
-
-
-def names() -> list[str]:
-    return sorted(set(_PARSERS) | set(_BUILTIN) | set(_aliases()))
-
-
-def get(name: str) -> type:
-    name = _aliases().get(name, name)
-    if name not in _PARSERS and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])
-    if name not in _PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(names())}")
-    return _PARSERS[name]
+_REGISTRY = ParserRegistry("reasoning parser", {"think": "xllm_gen.runtime.serving.reasoning_parsers.think"}, "REASONING_PARSERS")
+register, names, get = _REGISTRY.register, _REGISTRY.names, _REGISTRY.get
 
 
 class ThinkTagParser:

@@ -12,44 +12,15 @@ Adding a format: a file here with a subclass (most are `TaggedJSONToolParser` wi
 model families that use a format are aliases kept outside the runtime (xllm_gen/parser_aliases.py)."""
 from __future__ import annotations
 
-import importlib
 import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-_PARSERS: dict = {}
-_BUILTIN = {"hermes": "xllm_gen.runtime.serving.tool_parsers.hermes"}
-_ALIASES_MODULE = "xllm_gen.parser_aliases"
+from xllm_gen.runtime.serving.parser_registry import ParserRegistry
 
-
-def _aliases() -> dict:
-    try:
-        return dict(importlib.import_module(_ALIASES_MODULE).TOOL_CALL_PARSERS)
-    except (ImportError, AttributeError):
-        return {}
-
-
-def register(name: str):
-    def deco(cls):
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-    return deco
-
-
-def names() -> list[str]:
-    return sorted(set(_PARSERS) | set(_BUILTIN) | set(_aliases()))
-
-
-def get(name: str) -> type:
-    """The parser class registered as `name` (or aliased to it); ValueError listing the known ones."""
-    name = _aliases().get(name, name)
-    if name not in _PARSERS and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])
-    if name not in _PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(names())}")
-    return _PARSERS[name]
+_REGISTRY = ParserRegistry("tool-call parser", {"hermes": "xllm_gen.runtime.serving.tool_parsers.hermes"}, "TOOL_CALL_PARSERS")
+register, names, get = _REGISTRY.register, _REGISTRY.names, _REGISTRY.get
 
 
 @dataclass
