@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--budgets", default="8192,16384", help="max_num_batched_tokens values, one engine each")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prefill-attention", default="fa2",
+                    help="FlashInfer prefill kernel families to compare (fa2,fa3), one engine per budget each")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None, help="markdown output (stdout always)")
     args = ap.parse_args()
@@ -72,11 +74,12 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     lines = [f"## Prefill: {args.model}, {args.prompts} prompts x {args.input_len} tokens, max_tokens 1",
              "", f"versions: {versions()}", f"FLOPs per run: {F / 1e12:.2f} TFLOP (linear + causal attention)", "",
-             "| max_num_batched_tokens | wall ms (median) | runs ms | TFLOP/s |", "|---|---|---|---|"]
+             "| prefill attention | max_num_batched_tokens | wall ms (median) | runs ms | TFLOP/s |", "|---|---|---|---|---|"]
     profiles = []
-    for budget in [int(b) for b in args.budgets.split(",")]:
+    runs = [(a, int(b)) for a in args.prefill_attention.split(",") for b in args.budgets.split(",")]
+    for attn, budget in runs:
         llm = LLM(str(d), dtype="bfloat16", load_format="dummy", max_num_seqs=max(args.prompts, 16),
-                  max_model_len=args.input_len + 16, max_num_batched_tokens=budget, enable_prefix_caching=False,
+                  _debug={"prefill_attention": attn}, max_model_len=args.input_len + 16, max_num_batched_tokens=budget, enable_prefix_caching=False,
                   num_kv_blocks=(args.prompts * (args.input_len + 16)) // 16 + 64)
         llm.generate(prompts[: min(8, len(prompts))], params, use_tqdm=False)       # warm-up (tuning, plans)
         times = []
@@ -87,7 +90,7 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
         med = statistics.median(times)
-        lines.append(f"| {budget} | {med:.1f} | {', '.join(f'{t:.1f}' for t in times)} | {F / med / 1e9:.0f} |")
+        lines.append(f"| {attn} | {budget} | {med:.1f} | {', '.join(f'{t:.1f}' for t in times)} | {F / med / 1e9:.0f} |")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -104,7 +107,7 @@ def main() -> None:
                     groups[kind(e.key)] = groups.get(kind(e.key), 0.0) + t
                     per_kernel.append((t, e.count, e.key[:90]))
             busy = sum(groups.values())
-            profiles += ["", f"### Profile at budget {budget}: wall {wall:.1f} ms (profiler on), kernels {busy:.1f} ms,"
+            profiles += ["", f"### Profile, {attn}, budget {budget}: wall {wall:.1f} ms (profiler on), kernels {busy:.1f} ms,"
                          f" GPU idle {wall - busy:.1f} ms",
                          "", "| group | ms | share |", "|---|---|---|"]
             profiles += [f"| {k} | {v:.1f} | {v / busy:.0%} |" for k, v in sorted(groups.items(), key=lambda x: -x[1])]

@@ -7,6 +7,7 @@ Per step, `plan(ctx)` (outside any CUDA graph) picks one kind of wrapper and pla
 its own wrappers, all over the one float workspace, which they never use concurrently):
 - prefill without cached prefix (every query_len == seq_len): BatchPrefillWithRaggedKVCacheWrapper on the
   step's k/v directly (causal);
+  (the prefill wrappers use FlashInfer's fa2 kernels unless `prefill_attention_choice` says fa3 / auto);
 - prefill with a cached prefix (chunked prefill, prefix cache, mixed rows): BatchPrefillWithPagedKVCacheWrapper
   on the paged cache (causal, bottom-right aligned);
 - decode (one query token per row): BatchDecodeWithPagedKVCacheWrapper (tensor cores when GQA), or for small
@@ -33,6 +34,8 @@ padded_batch <= max(2 * num_SMs / Hk, ceil(tokens * group / cta_tile_q) + batch)
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional, Sequence
 
 import torch
@@ -57,6 +60,19 @@ class _VariantWrappers:
                                                                     use_tensor_cores=backend.decode_tensor_cores)
         self.graph: dict = {}
         self.triton_eager: dict = {}               # splits -> TritonDecodeWrapper (eager decode steps)
+
+
+PREFILL_BACKENDS = ("fa2", "fa3", "auto")
+
+
+def prefill_attention_choice(backend: Optional[str] = None) -> str:
+    """FlashInfer's prefill kernel family: `backend` if given, else $XLLM_PREFILL_ATTENTION, else "fa2" (fa3: the
+    Hopper kernels; "auto": FlashInfer picks by device)."""
+    b = (backend or os.environ.get("XLLM_PREFILL_ATTENTION") or "fa2").lower()
+    if b not in PREFILL_BACKENDS:
+        raise ValueError(f"prefill attention backend must be one of {PREFILL_BACKENDS}, got {b!r} "
+                         "(debug prefill_attention or $XLLM_PREFILL_ATTENTION)")
+    return b
 
 
 class FlashInferBackend(AttentionBackend):

@@ -217,6 +217,7 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _make_backend(self):
+        from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
         if self.device.type == "cuda" and not self.debug.get("torch_attention"):
             if any(layer.variant.sinks for layer in self.attn_layers):
                 raise NotImplementedError(
@@ -233,7 +234,8 @@ class ModelRunner:
                                      max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
                                      max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets,
                                      sm_scale=a.scale, decode_tensor_cores=self.debug.get("decode_tensor_cores"),
-                                     decode_kernel=self.debug.get("decode_attention"))
+                                     decode_kernel=self.debug.get("decode_attention"),
+                                     prefill_backend=prefill_attention_choice(self.debug.get("prefill_attention")))
         from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
         return TorchPagedBackend()
 
