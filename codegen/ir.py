@@ -295,6 +295,31 @@ class AttentionIR:
 
 
 @dataclass(frozen=True)
+class MLAIR:
+    """Multi-head latent attention (runtime: the generated class over L.Attention with v heads of their own width):
+    q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key expanded per head by
+    kv_b_proj; K/V cached expanded per head (v zero-padded to the q/k head width)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    heads: Size
+    q_lora_rank: Optional[Value]       # None: always q_proj; a literal size: always low-rank; a symbol: per checkpoint
+    kv_lora_rank: Size
+    qk_nope_head_dim: Size
+    qk_rope_head_dim: Size
+    v_head_dim: Size
+    latent_eps: Value
+    bias: Value
+    out_name: str
+    out_bias: Value
+    rotary: RotaryIR
+    scale: Optional[Value]
+    scale_mscale: bool = False
+    q_lora_when: Optional[Value] = None   # the bool expression "q_lora_rank is not None" (a symbol q_lora_rank)
+
+
+@dataclass(frozen=True)
 class GatedMLPIR:
     kind: str
     name: str
@@ -347,9 +372,19 @@ class MoEIR:
     router_bias: Value = Value(literal=False)
     expert_bias: Value = Value(literal=False)
     activation_params: Tuple[Tuple[str, Value], ...] = ()
+    scoring: str = "softmax"                 # softmax | sigmoid
+    selection_bias: Value = Value(literal=False)   # <router>.e_score_correction_bias, for the choice only
+    groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
+    routed_scale: Optional[Value] = None
+
+    @property
+    def plain_routing(self) -> bool:
+        return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None
+                and self.selection_bias.literal is False and self.selection_bias.symbol is None
+                and self.selection_bias.expr is None)
 
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR]
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR]
 
 
 @dataclass(frozen=True)
