@@ -1,0 +1,133 @@
+"""DeepSeek-V2 / V3 features against transformers (float32, CPU, greedy): multi-head latent attention (low-rank or
+direct q, v heads narrower than q/k, the shared rope key, interleaved rotary, YaRN's softmax mscale) and the MoE
+routing variants (sigmoid scores, the selection-only correction bias, grouped top-k by top-2 sum or max, the routed
+scale, dense first layers).
+
+The spec battery (tests/test_spec_battery.py) checks the default tiny checkpoints of both specs (every feature on:
+tests/fixtures/tiny_hf.py ARCH_DEFAULTS / ARCH_INIT). Each arm here switches one feature off (or to its other
+form): transformers' tokens must change, and the engine must still agree. A config the specs do not model is
+refused by name.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hf_ref import hf_greedy
+
+V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
+PROMPT_LENS = (3, 9, 17, 30)
+MAX_TOKENS = 12
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
+
+
+_HF: dict = {}
+
+
+def _hf(ckpt) -> list[list[int]]:
+    if str(ckpt) not in _HF:
+        _HF[str(ckpt)] = [list(hf_greedy(ckpt, [p], MAX_TOKENS)[0]) for p in _prompts()]
+    return _HF[str(ckpt)]
+
+
+def _engine(ckpt, tp: int = 1) -> list[list[int]]:
+    from xllm_gen import LLM, SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp) as llm:
+        return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in _prompts()],
+                                                                    params)]
+
+
+# (architecture, overrides, init): each switches one feature of the default tiny checkpoint off
+ARMS = {
+    "v3_q_direct": (V3, {"q_lora_rank": None}, None),                         # q_proj instead of q_a -> q_b
+    "v3_no_groups": (V3, {"n_group": 1, "topk_group": 1}, None),              # plain top-k
+    "v3_no_correction_bias": (V3, {}, {"bias_buffer_std": 0.0}),              # e_score_correction_bias zero
+    "v3_no_mscale": (V3, {"rope_parameters": {"mscale_all_dim": None}}, None),   # YaRN without the softmax mscale
+    "v3_not_renormalized": (V3, {"norm_topk_prob": False}, None),
+    "v3_rope_default": (V3, {"rope_parameters": {"rope_type": "default", "factor": None, "mscale": None,
+                                                 "mscale_all_dim": None, "original_max_position_embeddings": None}},
+                        None),
+    "v2_greedy": (V2, {"topk_method": "greedy"}, None),                       # no group limit
+    "v2_q_direct": (V2, {"q_lora_rank": None}, None),                         # V2-Lite's direct q
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_feature_off_changes_hf_and_engine_agrees(arm, tiny_checkpoint):
+    arch, overrides, init = ARMS[arm]
+    base = tiny_checkpoint(arch)
+    ckpt = tiny_checkpoint(arch, overrides=overrides, **({"init": init} if init else {}))
+    want = _hf(ckpt)
+    assert want != _hf(base), f"fixture: {arm} does not change transformers' tokens"
+    assert _engine(ckpt) == want, f"{arm}: engine differs from transformers"
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", [V3, V2])
+def test_tp2_heads_split(arch, tiny_checkpoint):
+    """TP 2: q / kv_b projections split by heads, o_proj by heads (row), latents replicated; experts split."""
+    ckpt = tiny_checkpoint(arch)
+    assert _engine(ckpt, tp=2) == _hf(ckpt)
+
+
+@pytest.mark.parametrize("arch, edit, field", [
+    (V3, {"rope_interleave": False}, "rope_interleave"),        # the neox layout on the rope dims: not modeled
+    (V3, {"num_key_value_heads": 2}, "kv_heads_equal_heads"),     # transformers cannot run it either
+    (V3, {"scoring_func": "softmax"}, "scoring_func"),
+    (V2, {"topk_method": "noaux_tc"}, "topk_method"),
+    (V2, {"mlp_bias": True}, "mlp_bias"),
+])
+def test_unmodeled_configs_refused_by_name(arch, edit, field, tiny_checkpoint):
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    ckpt = tiny_checkpoint(arch)
+    cfg = {**json.loads((ckpt / "config.json").read_text()), **edit}
+    name = "deepseek_v3" if arch == V3 else "deepseek_v2"
+    module = __import__(f"xllm_gen.generated.{name}.model", fromlist=["Config"])
+    with pytest.raises(ConfigError, match=field):
+        module.Config.from_hf(cfg)
+
+
+def test_grouped_routing_reference():
+    """select_experts against a direct transcription of transformers' two routers (V3 noaux_tc, V2
+    group_limited_greedy) on random logits, including experts outside the chosen groups scoring highest."""
+    import torch
+    from xllm_gen.runtime.ops import moe as moe_ops
+
+    g = torch.Generator().manual_seed(0)
+    T, E, n_group, topk_group, k = 64, 16, 4, 2, 3
+    logits = torch.randn(T, E, generator=g) * 3
+    bias = torch.randn(E, generator=g)
+    # V3
+    scores = logits.sigmoid()
+    choice = scores + bias
+    gs = choice.view(T, n_group, -1).topk(2, dim=-1)[0].sum(-1)
+    gmask = torch.zeros_like(gs).scatter_(1, gs.topk(topk_group, dim=-1)[1], 1)
+    smask = gmask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(T, E)
+    ids = choice.masked_fill(~smask.bool(), float("-inf")).topk(k, dim=-1)[1]
+    w = scores.gather(1, ids)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * 2.5
+    got_w, got_ids = moe_ops.select_experts(logits, k, True, "sigmoid", n_group, topk_group, "top2_sum", bias, 2.5)
+    order, got_order = ids.sort(-1), got_ids.sort(-1)
+    assert torch.equal(order.values, got_order.values)
+    assert torch.allclose(w.gather(1, order.indices), got_w.gather(1, got_order.indices))
+    # without the bias the choice differs for some tokens (the bias matters)
+    _, plain_ids = moe_ops.select_experts(logits, k, True, "sigmoid", n_group, topk_group, "top2_sum", None, 2.5)
+    assert not torch.equal(plain_ids.sort(-1).values, got_ids.sort(-1).values)
+    # V2 group_limited_greedy
+    scores = logits.softmax(-1)
+    gs = scores.view(T, n_group, -1).max(-1).values
+    gmask = torch.zeros_like(gs).scatter_(1, gs.topk(topk_group, dim=-1)[1], 1)
+    smask = gmask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(T, E)
+    w, ids = scores.masked_fill(~smask.bool(), 0.0).topk(k, dim=-1)
+    got_w, got_ids = moe_ops.select_experts(logits, k, False, "softmax", n_group, topk_group, "max", None, 16.0)
+    order, got_order = ids.sort(-1), got_ids.sort(-1)
+    assert torch.equal(order.values, got_order.values)
+    assert torch.allclose((w * 16.0).gather(1, order.indices), got_w.gather(1, got_order.indices))
