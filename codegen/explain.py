@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import List
 
 from .ir import (
+    MLAIR,
     MLPIR,
     AttentionIR,
     GatedMLPIR,
     LinearIR,
     ModelIR,
-    MLAIR,
     MoEIR,
     NormIR,
     PatchMergerIR,

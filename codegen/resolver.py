@@ -18,6 +18,7 @@ from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
 from .ir import (
+    MLAIR,
     MLPIR,
     AttentionIR,
     ChoiceIR,
@@ -27,7 +28,6 @@ from .ir import (
     LayerIR,
     LMHeadIR,
     ModelIR,
-    MLAIR,
     MoEIR,
     NormIR,
     ParallelStepIR,

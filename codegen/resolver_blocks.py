@@ -10,6 +10,7 @@ from typing import Any, List, Tuple
 
 from .errors import did_you_mean
 from .ir import (
+    MLAIR,
     MLPIR,
     AttentionIR,
     GatedMLPIR,
@@ -23,7 +24,6 @@ from .ir import (
     Size,
     Value,
 )
-from .ir import MLAIR
 from .resolver_mla import MLAResolver
 from .schema import (
     ActivationForm,

@@ -99,6 +99,7 @@ def test_grouped_routing_reference():
     """select_experts against a direct transcription of transformers' two routers (V3 noaux_tc, V2
     group_limited_greedy) on random logits, including experts outside the chosen groups scoring highest."""
     import torch
+
     from xllm_gen.runtime.ops import moe as moe_ops
 
     g = torch.Generator().manual_seed(0)
