@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 features against transformers (float32, CPU, greedy): multi-head latent attention (low-rank or
+"""DeepSeek-V2 / V3 (and GLM-4-MoE's reuse of the routing) features against transformers (float32, CPU, greedy): multi-head latent attention (low-rank or
 direct q, v heads narrower than q/k, the shared rope key, interleaved rotary, YaRN's softmax mscale) and the MoE
 routing variants (sigmoid scores, the selection-only correction bias, grouped top-k by top-2 sum or max, the routed
 scale, dense first layers).
@@ -16,7 +16,7 @@ import random
 import pytest
 from hf_ref import hf_greedy
 
-V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
+V3, V2, GLM = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM"
 PROMPT_LENS = (3, 9, 17, 30)
 MAX_TOKENS = 12
 
@@ -55,6 +55,9 @@ ARMS = {
                         None),
     "v2_greedy": (V2, {"topk_method": "greedy"}, None),                       # no group limit
     "v2_q_direct": (V2, {"q_lora_rank": None}, None),                         # V2-Lite's direct q
+    # GLM-4-MoE reuses the routing primitives over standard attention (specs/glm4_moe.yaml: no code of its own)
+    "glm_no_correction_bias": (GLM, {}, {"bias_buffer_std": 0.0}),
+    "glm_no_groups": (GLM, {"n_group": 1, "topk_group": 1}, None),
 }
 
 
@@ -71,7 +74,7 @@ def test_feature_off_changes_hf_and_engine_agrees(arm, tiny_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", [V3, V2])
+@pytest.mark.parametrize("arch", [V3, V2, GLM])
 def test_tp2_heads_split(arch, tiny_checkpoint):
     """TP 2: q / kv_b projections split by heads, o_proj by heads (row), latents replicated; experts split."""
     ckpt = tiny_checkpoint(arch)
