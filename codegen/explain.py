@@ -84,7 +84,8 @@ def _block(b) -> str:
                 f"qk_rope_head_dim={b.qk_rope_head_dim}, v_head_dim={b.v_head_dim}, latent_eps={b.latent_eps}, "
                 f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
                 + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
-                + ", K/V cached expanded per head)")
+                + (", K/V cached expanded per head)" if b.kv_cache == "expanded" else
+                   ", the latent + rope key cached (kv_b_proj absorbed))"))
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")

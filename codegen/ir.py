@@ -297,8 +297,8 @@ class AttentionIR:
 @dataclass(frozen=True)
 class MLAIR:
     """Multi-head latent attention (runtime: the generated class over L.Attention with v heads of their own width):
-    q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key expanded per head by
-    kv_b_proj; K/V cached expanded per head (v zero-padded to the q/k head width)."""
+    q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key; cached as the latent
+    (kv_b_proj absorbed, runtime layers/mla.py) or expanded per head by kv_b_proj (v zero-padded)."""
     kind: str
     name: str
     class_name: str
@@ -317,6 +317,7 @@ class MLAIR:
     scale: Optional[Value]
     scale_mscale: bool = False
     q_lora_when: Optional[Value] = None   # the bool expression "q_lora_rank is not None" (a symbol q_lora_rank)
+    kv_cache: str = "latent"              # latent (absorbed kv_b_proj, one cached head) | expanded (per-head K/V)
 
 
 @dataclass(frozen=True)

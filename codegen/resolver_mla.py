@@ -64,7 +64,7 @@ class MLAResolver(RotaryResolver):
             rotary=RotaryIR("neox", self.positive(rp + ("theta",), rot.theta, per_layer=True),
                             self.dim(rp + ("max_position",), rot.max_position), None, scaling, None, None, layout,
                             enabled),
-            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when)
+            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache)
 
     @staticmethod
     def mla_params(prefix: str, block: str, b: MLAIR, per_layer: bool, maybe) -> List[ParamIR]:

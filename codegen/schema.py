@@ -204,6 +204,9 @@ class MLAAttentionBlock(Strict):
     # multiply the scale by mscale(factor, mscale_all_dim) ** 2 of `rotary.scaling` (rope type not default and
     # mscale_all_dim set: transformers' yarn_apply_mscale of DeepSeek-V2 / V3)
     scale_mscale: StrictBool = False
+    # latent: cache the KV latent + the shared rope key per token (kv_b_proj absorbed into q and the output:
+    # multi-query attention over kv_lora_rank + rope dims); expanded: cache per-head K / V (v zero-padded)
+    kv_cache: Literal["latent", "expanded"] = "latent"
 
 
 class ActivationForm(Strict):

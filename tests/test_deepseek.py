@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from hf_ref import hf_greedy
 
+ROOT = Path(__file__).resolve().parents[1]
 V3, V2, GLM = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM"
 PROMPT_LENS = (3, 9, 17, 30)
 MAX_TOKENS = 12
@@ -135,3 +137,33 @@ def test_grouped_routing_reference():
     order, got_order = ids.sort(-1), got_ids.sort(-1)
     assert torch.equal(order.values, got_order.values)
     assert torch.allclose((w * 16.0).gather(1, order.indices), got_w.gather(1, got_order.indices))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", [V3, V2])
+def test_expanded_kv_cache_form_matches_hf(arch, tiny_checkpoint, tmp_path, tmp_path_factory, monkeypatch):
+    """`kv_cache: expanded` (per-head K/V, v zero-padded) serves the same checkpoint with transformers' tokens, as
+    the default latent form does (the battery); the latent form's cache holds one head of kv_lora_rank + rope
+    dims per token, the expanded one heads x (nope + rope)."""
+    from fixtures.tiny_hf import edit_config
+
+    from xllm_gen import LLM
+    from xllm_gen.codegen.cli import main as cli_main
+
+    base = "deepseek_v3.yaml" if arch == V3 else "deepseek_v2.yaml"
+    spec = tmp_path / "expanded.yaml"
+    spec.write_text(f"spec_version: 2\nextends: {ROOT / 'specs' / base}\nname: expanded_{base[:-5]}\n"
+                    f"class_prefix: ExpandedMla\narchitectures: [Expanded{arch}]\n"
+                    "decoder:\n  layers:\n    blocks:\n      self_attn: {kv_cache: expanded}\n")
+    assert cli_main([str(spec), "--out", str(tmp_path / "generated")]) == 0
+    monkeypatch.setenv("XLLM_GEN_PATH", str(tmp_path / "generated"))
+    ckpt = tiny_checkpoint(arch)
+    expanded = edit_config(ckpt, tmp_path_factory.mktemp("mla_expanded"),
+                           lambda cfg: cfg.__setitem__("architectures", [f"Expanded{arch}"]))
+    assert _engine(expanded) == _hf(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for path, want in ((ckpt, (1, cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])),
+                       (expanded, (cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]))):
+        with LLM(model=str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=16) as llm:
+            layer = llm.engine.runner.attn_layers[0]
+            assert (layer.num_kv_heads, layer.head_dim) == want
