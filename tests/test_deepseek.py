@@ -63,8 +63,12 @@ ARMS = {
 }
 
 
+# the default suite keeps one arm per primitive; --runslow runs them all
+FAST_ARMS = ("v3_q_direct", "v3_no_groups", "v3_no_correction_bias", "v3_no_mscale", "v2_greedy")
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("arm", list(ARMS))
+@pytest.mark.parametrize("arm", [a if a in FAST_ARMS else pytest.param(a, marks=pytest.mark.slow) for a in ARMS])
 def test_feature_off_changes_hf_and_engine_agrees(arm, tiny_checkpoint):
     arch, overrides, init = ARMS[arm]
     base = tiny_checkpoint(arch)
@@ -140,7 +144,7 @@ def test_grouped_routing_reference():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", [V3, V2])
+@pytest.mark.parametrize("arch", [V3, pytest.param(V2, marks=pytest.mark.slow)])
 def test_expanded_kv_cache_form_matches_hf(arch, tiny_checkpoint, tmp_path, tmp_path_factory, monkeypatch):
     """`kv_cache: expanded` (per-head K/V, v zero-padded) serves the same checkpoint with transformers' tokens, as
     the default latent form does (the battery); the latent form's cache holds one head of kv_lora_rank + rope
@@ -167,3 +171,19 @@ def test_expanded_kv_cache_form_matches_hf(arch, tiny_checkpoint, tmp_path, tmp_
         with LLM(model=str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=16) as llm:
             layer = llm.engine.runner.attn_layers[0]
             assert (layer.num_kv_heads, layer.head_dim) == want
+
+
+@pytest.mark.parametrize("spec, variant, billions", [
+    ("deepseek_v3", "DeepSeek-V3", 671.0), ("deepseek_v3", "Moonlight-16B-A3B", 16.0),
+    ("deepseek_v2", "DeepSeek-V2", 235.7), ("deepseek_v2", "DeepSeek-V2-Lite", 15.7),
+    ("glm4_moe", "GLM-4.5-Air", 106.9),
+])
+def test_published_parameter_counts(spec, variant, billions):
+    """Parameters of the published checkpoints (without DeepSeek-V3's multi-token-prediction layer), from the
+    runtime's plan of the rendered model: the MLA projections, q low-rank or direct, and the experts add up."""
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.explain import tp_rank_table
+
+    c = compile_spec(ROOT / "specs" / f"{spec}.yaml")
+    v = {x.name: x for x in c.ir.variants}[variant]
+    assert round(tp_rank_table(c.ir, c.files, v, 1).total_numel / 1e9, 1) == billions
