@@ -104,7 +104,7 @@ def _block(b) -> str:
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "
-                f"{b.router_name} (replicated, "
+                f"{b.router_name} (replicated, " + ("float32, " if b.router_float32 else "")
                 + ("softmax top-k" if b.plain_routing else _routing(b))
                 + (f", bias={b.router_bias}" if b.router_bias.literal is not False else "")
                 + "), experts.gate_up_proj=[gate, up], experts.down_proj, "

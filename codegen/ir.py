@@ -377,6 +377,7 @@ class MoEIR:
     selection_bias: Value = Value(literal=False)   # <router>.e_score_correction_bias, for the choice only
     groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
     routed_scale: Optional[Value] = None
+    router_float32: bool = False
 
     @property
     def plain_routing(self) -> bool:

@@ -230,7 +230,7 @@ class BlockResolver(MLAResolver):
                 groups = (self.dim(gp + ("count",), b.groups.count), self.dim(gp + ("top",), b.groups.top),
                           b.groups.score)
             routing = dict(scoring=b.scoring, selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
-                           groups=groups, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
+                           groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                            if b.routed_scale is not None else None)
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),

@@ -243,9 +243,12 @@ class MLPBlock(Strict):
 
 
 class Router(Strict):
-    """The router of a mixture-of-experts block: a replicated linear hidden -> experts, with a bias when `bias`."""
+    """The router of a mixture-of-experts block: a replicated linear hidden -> experts, with a bias when `bias`.
+    `float32`: the logits are computed in float32 from the float32-cast input and weight (DeepSeek, GLM-4-MoE keep
+    their router in float32), whatever the model dtype."""
     name: StrictStr = "gate"
     bias: Flag = False
+    float32: StrictBool = False
 
 
 class RoutingGroups(Strict):

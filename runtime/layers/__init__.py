@@ -23,7 +23,7 @@ from xllm_gen.runtime.layers.linear import (
                                             RowParallelLinear,
 )
 from xllm_gen.runtime.layers.mla import latent_attention
-from xllm_gen.runtime.layers.moe import FusedMoE, routing_bias
+from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
 from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
@@ -41,4 +41,5 @@ __all__ = [
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
     "attention_sinks", "routing_bias", "yarn_mscale", "latent_attention",
+    "linear_float32",
 ]

@@ -247,7 +247,7 @@ class FusedMoE(nn.Module):
             weights, ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring,
                                                   self.n_group, self.topk_group, self.group_score, score_bias,
                                                   self.routed_scale)
-            weights, ids = moe_ops.localize(weights, ids, self.num_experts, self.expert_start,
+            weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
             b2 = self.down_proj_bias if self.parallel == "expert" or self.tp_rank == 0 else None   # bias once
@@ -267,10 +267,17 @@ class FusedMoE(nn.Module):
                 f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")
 
 
+def linear_float32(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A router's logits in float32: layer's weight (and bias) and the input cast to float32 (a router kept in float32
+    whatever the model dtype, as DeepSeek's and GLM-4-MoE's)."""
+    bias = None if getattr(layer, "bias", None) is None else layer.bias.float()
+    return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
+
+
 def routing_bias(num_experts: int) -> nn.Parameter:
     """A selection-only routing bias [num_experts] (DeepSeek-V3's `e_score_correction_bias`), replicated: set it
     on the router module and pass it to FusedMoE.forward(..., score_bias=)."""
-    return replicated(nn.Parameter(torch.zeros(num_experts)), "routing_bias")
+    return replicated(nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)), "routing_bias")   # kept float32
 
 
 def _decode_slots(rows: int) -> Optional[torch.Tensor]:
