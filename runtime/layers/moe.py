@@ -238,7 +238,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                 score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`score_bias` [E]: a selection-only bias (added to the scores for the choice of experts, not to the
-        weights; DeepSeek-V3's e_score_correction_bias, a parameter of the router: `routing_bias`)."""
+        weights; transformers' e_score_correction_bias, a parameter of the router: `routing_bias`)."""
         # pairs routed to another rank's experts (parallel="expert") or from a decode batch's padding rows: nowhere
         if self.plain_routing and score_bias is None:
             weights, ids = moe_ops.route(router_logits, self.top_k, self.renormalize, self.expert_start,
@@ -269,13 +269,13 @@ class FusedMoE(nn.Module):
 
 def linear_float32(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A router's logits in float32: layer's weight (and bias) and the input cast to float32 (a router kept in float32
-    whatever the model dtype, as DeepSeek's and GLM-4-MoE's)."""
+    whatever the model dtype, as the spec's router.float32 says)."""
     bias = None if getattr(layer, "bias", None) is None else layer.bias.float()
     return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
 
 
 def routing_bias(num_experts: int) -> nn.Parameter:
-    """A selection-only routing bias [num_experts] (DeepSeek-V3's `e_score_correction_bias`), replicated: set it
+    """A selection-only routing bias [num_experts] (transformers' `e_score_correction_bias`), replicated: set it
     on the router module and pass it to FusedMoE.forward(..., score_bias=)."""
     return replicated(nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)), "routing_bias")   # kept float32
 

@@ -325,7 +325,7 @@ class Rotary(nn.Module):
 
 
 def yarn_mscale(scaling: Optional[Mapping[str, Any]]) -> float:
-    """The softmax-scale factor that DeepSeek-V2 / V3 attention derives from its rope parameters (transformers'
+    """The softmax-scale factor that multi-head latent attention derives from its rope parameters (transformers'
     yarn_apply_mscale): mscale(factor, mscale_all_dim) ** 2 with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1)
     when the rope type is not `default` and `mscale_all_dim` is set (non-zero); else 1."""
     p = dict(scaling or {})

@@ -37,10 +37,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
                    score_bias: Optional[torch.Tensor] = None, routed_scale: float = 1.0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The general routing, in float32 (as transformers' routers compute it): scores = softmax or sigmoid of the
-    logits; the experts are chosen by `scores + score_bias` (a selection-only bias: DeepSeek-V3's
+    logits; the experts are chosen by `scores + score_bias` (a selection-only bias, transformers'
     e_score_correction_bias), among the `topk_group` of `n_group` equal groups of experts with the highest group
-    score (`top2_sum`: the sum of the group's two highest choice scores, DeepSeek-V3 / GLM-4-MoE; `max`: its highest,
-    DeepSeek-V2's group_limited_greedy); the weights are the chosen experts' `scores` (without the bias), divided by
+    score (`top2_sum`: the sum of the group's two highest choice scores, transformers' noaux_tc routers; `max`: its highest,
+    transformers' group_limited_greedy); the weights are the chosen experts' `scores` (without the bias), divided by
     their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers), times `routed_scale`."""
     scores = router_logits.float()
     scores = torch.softmax(scores, dim=-1) if scoring == "softmax" else torch.sigmoid(scores)
