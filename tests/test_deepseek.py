@@ -187,3 +187,43 @@ def test_published_parameter_counts(spec, variant, billions):
     c = compile_spec(ROOT / "specs" / f"{spec}.yaml")
     v = {x.name: x for x in c.ir.variants}[variant]
     assert round(tp_rank_table(c.ir, c.files, v, 1).total_numel / 1e9, 1) == billions
+
+
+# the config.json of the released DeepSeek-V3 and DeepSeek-V2-Lite checkpoints (as published, remote-code era)
+_COMMON = {"attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "hidden_act": "silu",
+           "initializer_range": 0.02, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_layer_freq": 1,
+           "pretraining_tp": 1, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+           "rope_theta": 10000, "seq_aux": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "use_cache": True, "v_head_dim": 128,
+           "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekConfig",
+                        "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM"}}
+RELEASED = {
+    "deepseek_v3": {**_COMMON, "architectures": [V3], "model_type": "deepseek_v3", "bos_token_id": 0,
+                    "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_size": 7168,
+                    "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_group": 8, "n_routed_experts": 256,
+                    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+                    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+                    "q_lora_rank": 1536, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_group": 4,
+                    "topk_method": "noaux_tc", "vocab_size": 129280,
+                    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"}},
+    "deepseek_v2": {**_COMMON, "architectures": [V2], "model_type": "deepseek_v2", "bos_token_id": 100000,
+                    "eos_token_id": 100001, "first_k_dense_replace": 1, "hidden_size": 2048,
+                    "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64,
+                    "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16,
+                    "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None,
+                    "routed_scaling_factor": 1.0, "scoring_func": "softmax", "topk_group": 1, "topk_method": "greedy",
+                    "vocab_size": 102400,
+                    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                     "type": "yarn"}},
+}
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_released_configs_pass_the_guard(name):
+    """Every field of the released config.json is read, assumed or ignored; q_lora_rank null gives the direct q."""
+    module = __import__(f"xllm_gen.generated.{name}.model", fromlist=["Config"])
+    cfg = module.Config.from_hf(RELEASED[name])
+    assert cfg.q_lora_rank == RELEASED[name]["q_lora_rank"]
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 40
