@@ -50,7 +50,7 @@ def _block(b) -> str:
         rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
         rot += f", fraction={b.rotary.fraction}" if b.rotary.fraction else ""
         rot += f", dim={b.rotary.dim}" if b.rotary.dim else ""
-        rot += f", layout={b.rotary.layout}" if b.rotary.layout != "neox" else ""
+        rot += f", layout={b.rotary.layout_symbol or b.rotary.layout}" if b.rotary.layout_symbol or b.rotary.layout != "neox" else ""
         rot += f", enabled={b.rotary.enabled}" if b.rotary.enabled.literal is not True else ""
         rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
         n = b.qk_norm
@@ -72,7 +72,7 @@ def _block(b) -> str:
     if isinstance(b, MLAIR):
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
-        rot += f", layout={r.layout}" if r.layout != "neox" else ""
+        rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
         rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
         rot += f", scaling={r.scaling})" if r.scaling else ")"
         q = ("q_proj" if b.q_lora_rank is None else

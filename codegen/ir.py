@@ -239,6 +239,7 @@ class RotaryIR:
     layout: str = "neox"                      # neox | interleaved
     enabled: Value = Value(literal=True)      # per layer: rotary on (a bool literal, symbol or expression)
     kind_symbol: Optional[str] = None         # a str config symbol selecting the kind (`kind`: its first value)
+    layout_symbol: Optional[str] = None       # a str config symbol selecting the layout (`layout`: its first value)
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ class BlockResolver(MLAResolver):
                 if rot.kind != "neox":
                     raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
                                                       f"rotary only")
-            fraction, rdim, layout, enabled = self.rotary_axes(rp, rot)
+            fraction, rdim, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
             qk = None
             qk_on = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
             if b.qk_norm and qk_on.literal is not False:
@@ -170,7 +170,7 @@ class BlockResolver(MLAResolver):
                 out_bias=self.flag(path + ("out", "bias"), b.out.bias),
                 rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
                                 self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
-                                fraction, rdim, layout, enabled, kind_symbol),
+                                fraction, rdim, layout, enabled, kind_symbol, layout_symbol),
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks)
         if isinstance(b, MLAAttentionBlock):

@@ -26,7 +26,7 @@ class MLAResolver(RotaryResolver):
             raise self.err(rp + (key,), f"{self._where(rp)}.{key}: the rotating dims of multi-head latent attention "
                                         f"are qk_rope_head_dim (the rope part of each q head and the shared key)")
         scaling = self.rope_scaling(rp + ("scaling",), rot.scaling) if rot.scaling is not None else None
-        _, _, layout, enabled = self.rotary_axes(rp, rot)
+        _, _, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
         out = self.ident(path + ("out", "name"), b.out.name, "module name")
         if out in MLA_MODULES:
             raise self.err(path + ("out", "name"), f"{self._where(path)}.out.name: '{out}' is a module of the "
@@ -63,7 +63,7 @@ class MLAResolver(RotaryResolver):
             out_bias=self.flag(path + ("out", "bias"), b.out.bias),
             rotary=RotaryIR("neox", self.positive(rp + ("theta",), rot.theta, per_layer=True),
                             self.dim(rp + ("max_position",), rot.max_position), None, scaling, None, None, layout,
-                            enabled),
+                            enabled, None, layout_symbol),
             scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache)
 
     @staticmethod

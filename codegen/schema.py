@@ -154,7 +154,9 @@ class Rotary(Strict):
     scaling: Optional[StrictStr] = None
     fraction: Optional[Num] = None
     dim: Optional[Dim] = None
-    layout: Literal["neox", "interleaved"] = "neox"
+    # a layout, or a `str` config symbol whose `values` are layouts (the checkpoint's config selects it, e.g.
+    # `{type: str, expr: "'interleaved' if rope_interleave else 'neox'", values: [neox, interleaved]}`)
+    layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
     enabled: Flag = True
 
 

@@ -52,6 +52,7 @@ ARMS = {
     "v3_no_correction_bias": (V3, {}, {"bias_buffer_std": 0.0}),              # e_score_correction_bias zero
     "v3_no_mscale": (V3, {"rope_parameters": {"mscale_all_dim": None}}, None),   # YaRN without the softmax mscale
     "v3_not_renormalized": (V3, {"norm_topk_prob": False}, None),
+    "v3_rope_neox": (V3, {"rope_interleave": False}, None),                   # the neox halves on the rope dims
     "v3_rope_default": (V3, {"rope_parameters": {"rope_type": "default", "factor": None, "mscale": None,
                                                  "mscale_all_dim": None, "original_max_position_embeddings": None}},
                         None),
@@ -64,7 +65,7 @@ ARMS = {
 
 
 # the default suite keeps one arm per primitive; --runslow runs them all
-FAST_ARMS = ("v3_q_direct", "v3_no_groups", "v3_no_correction_bias", "v3_no_mscale", "v2_greedy")
+FAST_ARMS = ("v3_q_direct", "v3_no_groups", "v3_no_correction_bias", "v3_no_mscale", "v3_rope_neox", "v2_greedy")
 
 
 @pytest.mark.engine
@@ -88,7 +89,6 @@ def test_tp2_heads_split(arch, tiny_checkpoint):
 
 
 @pytest.mark.parametrize("arch, edit, field", [
-    (V3, {"rope_interleave": False}, "rope_interleave"),        # the neox layout on the rope dims: not modeled
     (V3, {"num_key_value_heads": 2}, "kv_heads_equal_heads"),     # transformers cannot run it either
     (V3, {"scoring_func": "softmax"}, "scoring_func"),
     (V2, {"topk_method": "noaux_tc"}, "topk_method"),
