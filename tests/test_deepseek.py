@@ -176,7 +176,7 @@ def test_expanded_kv_cache_form_matches_hf(arch, tiny_checkpoint, tmp_path, tmp_
 @pytest.mark.parametrize("spec, variant, billions", [
     ("deepseek_v3", "DeepSeek-V3", 671.0), ("deepseek_v3", "Moonlight-16B-A3B", 16.0),
     ("deepseek_v2", "DeepSeek-V2", 235.7), ("deepseek_v2", "DeepSeek-V2-Lite", 15.7),
-    ("glm4_moe", "GLM-4.5-Air", 106.9),
+    ("glm4_moe", "GLM-4.5-Air", 106.9), ("glm4_moe_lite", "GLM-4.7-Flash", 29.9),
 ])
 def test_published_parameter_counts(spec, variant, billions):
     """Parameters of the published checkpoints (without DeepSeek-V3's multi-token-prediction layer), from the
