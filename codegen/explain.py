@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import List
 
 from .ir import (
+    MLAIR,
     MLPIR,
     AttentionIR,
     GatedMLPIR,
@@ -49,7 +50,7 @@ def _block(b) -> str:
         rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
         rot += f", fraction={b.rotary.fraction}" if b.rotary.fraction else ""
         rot += f", dim={b.rotary.dim}" if b.rotary.dim else ""
-        rot += f", layout={b.rotary.layout}" if b.rotary.layout != "neox" else ""
+        rot += f", layout={b.rotary.layout_symbol or b.rotary.layout}" if b.rotary.layout_symbol or b.rotary.layout != "neox" else ""
         rot += f", enabled={b.rotary.enabled}" if b.rotary.enabled.literal is not True else ""
         rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
         n = b.qk_norm
@@ -68,6 +69,23 @@ def _block(b) -> str:
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", softcap={b.softcap}" if b.softcap else "")
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") + ")")
+    if isinstance(b, MLAIR):
+        r = b.rotary
+        rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
+        rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
+        rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
+        rot += f", scaling={r.scaling})" if r.scaling else ")"
+        q = ("q_proj" if b.q_lora_rank is None else
+             f"q_a_proj(rank={b.q_lora_rank}) -> q_a_layernorm -> q_b_proj"
+             + (f" where {b.q_lora_when}, else q_proj" if b.q_lora_when else ""))
+        scale = str(b.scale) if b.scale else "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5"
+        return (f"mla_attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, q: {q}, kv_a_proj_with_mqa -> "
+                f"latent(rank={b.kv_lora_rank}) -> kv_a_layernorm -> kv_b_proj, qk_nope_head_dim={b.qk_nope_head_dim}, "
+                f"qk_rope_head_dim={b.qk_rope_head_dim}, v_head_dim={b.v_head_dim}, latent_eps={b.latent_eps}, "
+                f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
+                + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
+                + (", K/V cached expanded per head)" if b.kv_cache == "expanded" else
+                   ", the latent + rope key cached (kv_b_proj absorbed))"))
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
@@ -86,7 +104,8 @@ def _block(b) -> str:
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "
-                f"{b.router_name} (replicated, softmax top-k"
+                f"{b.router_name} (replicated, " + ("float32, " if b.router_float32 else "")
+                + ("softmax top-k" if b.plain_routing else _routing(b))
                 + (f", bias={b.router_bias}" if b.router_bias.literal is not False else "")
                 + "), experts.gate_up_proj=[gate, up], experts.down_proj, "
                 + (f"expert biases={b.expert_bias}, " if b.expert_bias.literal is not False else "")
@@ -95,6 +114,20 @@ def _block(b) -> str:
                    f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
                    if b.shared else "") + ")")
     return repr(b)
+
+
+def _routing(b) -> str:
+    """A moe block's routing other than plain softmax top-k."""
+    out = f"{b.scoring} scores"
+    if b.selection_bias.literal is not False:
+        out += f", selection-only bias {b.router_name}.e_score_correction_bias" + \
+            (f" where {b.selection_bias}" if b.selection_bias.literal is not True else "")
+    if b.groups:
+        out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"
+    out += ", top-k"
+    if b.routed_scale:
+        out += f", weights x {b.routed_scale}"
+    return out
 
 
 def _act(b) -> str:

@@ -239,6 +239,7 @@ class RotaryIR:
     layout: str = "neox"                      # neox | interleaved
     enabled: Value = Value(literal=True)      # per layer: rotary on (a bool literal, symbol or expression)
     kind_symbol: Optional[str] = None         # a str config symbol selecting the kind (`kind`: its first value)
+    layout_symbol: Optional[str] = None       # a str config symbol selecting the layout (`layout`: its first value)
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,32 @@ class AttentionIR:
 
 
 @dataclass(frozen=True)
+class MLAIR:
+    """Multi-head latent attention (runtime: the generated class over L.Attention with v heads of their own width):
+    q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key; cached as the latent
+    (kv_b_proj absorbed, runtime layers/mla.py) or expanded per head by kv_b_proj (v zero-padded)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    heads: Size
+    q_lora_rank: Optional[Value]       # None: always q_proj; a literal size: always low-rank; a symbol: per checkpoint
+    kv_lora_rank: Size
+    qk_nope_head_dim: Size
+    qk_rope_head_dim: Size
+    v_head_dim: Size
+    latent_eps: Value
+    bias: Value
+    out_name: str
+    out_bias: Value
+    rotary: RotaryIR
+    scale: Optional[Value]
+    scale_mscale: bool = False
+    q_lora_when: Optional[Value] = None   # the bool expression "q_lora_rank is not None" (a symbol q_lora_rank)
+    kv_cache: str = "latent"              # latent (absorbed kv_b_proj, one cached head) | expanded (per-head K/V)
+
+
+@dataclass(frozen=True)
 class GatedMLPIR:
     kind: str
     name: str
@@ -347,9 +374,20 @@ class MoEIR:
     router_bias: Value = Value(literal=False)
     expert_bias: Value = Value(literal=False)
     activation_params: Tuple[Tuple[str, Value], ...] = ()
+    scoring: str = "softmax"                 # softmax | sigmoid
+    selection_bias: Value = Value(literal=False)   # <router>.e_score_correction_bias, for the choice only
+    groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
+    routed_scale: Optional[Value] = None
+    router_float32: bool = False
+
+    @property
+    def plain_routing(self) -> bool:
+        return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None
+                and self.selection_bias.literal is False and self.selection_bias.symbol is None
+                and self.selection_bias.expr is None)
 
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR]
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR]
 
 
 @dataclass(frozen=True)

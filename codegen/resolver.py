@@ -18,6 +18,7 @@ from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
 from .ir import (
+    MLAIR,
     MLPIR,
     AttentionIR,
     ChoiceIR,
@@ -50,6 +51,9 @@ from .yaml_loader import display_path
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
+
+# the attention block kinds (they take the positions)
+ATTENTION_IRS = (AttentionIR, MLAIR)
 from .resolver_dataflow import DataflowResolver
 from .resolver_vision import VisionResolver
 from .resolver_weights import WeightsResolver
@@ -498,7 +502,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            mixers = ("attention", "gated_mlp", "mlp", "moe")
+            mixers = ("attention", "mla_attention", "gated_mlp", "mlp", "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
             if isinstance(st.block, Choice):
@@ -533,14 +537,14 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if choice is not None:
                 if choice.then == choice.else_:
                     raise self.err(sp + ("block", "then"), f"{where}.block: `then` and `else` name the same block")
-                if (blocks[choice.then].kind == "attention") != (blocks[choice.else_].kind == "attention"):
+                if isinstance(blocks[choice.then], ATTENTION_IRS) != isinstance(blocks[choice.else_], ATTENTION_IRS):
                     raise self.err(sp + ("block",), f"{where}.block: the alternatives of a choice take the same input; "
                                                     f"an attention block (positions, hidden) cannot alternate with "
                                                     f"'{blocks[choice.else_ if blocks[choice.then].kind == 'attention' else choice.then].kind}' (hidden)",
                                    at_key=True)
-                return StepIR(st.norm, module, isinstance(blocks[choice.then], AttentionIR), st.post_norm, choice,
+                return StepIR(st.norm, module, isinstance(blocks[choice.then], ATTENTION_IRS), st.post_norm, choice,
                               scale)
-            return StepIR(st.norm, st.block, isinstance(blocks[st.block], AttentionIR), st.post_norm, None, scale)
+            return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale)
 
         df = L.dataflow
         if isinstance(df, DataflowChoice):     # one dataflow or the other, by the checkpoint's config
@@ -589,7 +593,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
-            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR)):
+            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):
@@ -757,6 +761,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                         raise self.err(at(f), f"variants.{name}.{f}: must be positive, got {values[f]}", at_key=f not in given)
 
         for p in params:
+            if p.when is not None and not any(p.in_layer(values, li) for li in range(layer.count.eval(values))):
+                continue                  # exists in no layer of this variant (e.g. an optional rank that is None)
             for s in p.shape:
                 if isinstance(s, Size) or hasattr(s, "source"):
                     check_ints(s)
@@ -792,6 +798,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                             ("decoder", "layers", "blocks", b.name, "rotary", "mrope_section")
                         raise self.err(where, f"variants.{name}: mrope_section {list(sec)} sums to {sum(sec)}, "
                                               f"expected head_dim / 2 = {hd // 2}")
+            if isinstance(b, MLAIR):
+                self.check_mla_variant(name, b, values, at, vp)
+            if isinstance(b, MoEIR) and b.groups is not None:
+                self.check_groups_variant(name, b, values, at, vp)
             if isinstance(b, MoEIR) and b.top_k.eval(values) > b.experts.eval(values):
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "

@@ -10,6 +10,7 @@ from typing import Any, List, Tuple
 
 from .errors import did_you_mean
 from .ir import (
+    MLAIR,
     MLPIR,
     AttentionIR,
     GatedMLPIR,
@@ -23,7 +24,7 @@ from .ir import (
     Size,
     Value,
 )
-from .resolver_rotary import RotaryResolver
+from .resolver_mla import MLAResolver
 from .schema import (
     ActivationForm,
     AttentionBlock,
@@ -31,6 +32,7 @@ from .schema import (
     GatedMLPBlock,
     LayerNormBlock,
     LinearBlock,
+    MLAAttentionBlock,
     MLPBlock,
     MoEBlock,
     RMSNormBlock,
@@ -60,7 +62,7 @@ def _maybe(flag: Value) -> bool:
     return not (flag.expr is None and flag.symbol is None and flag.literal is False)
 
 
-class BlockResolver(RotaryResolver):
+class BlockResolver(MLAResolver):
     def resolve_block(self, path, name, b, unique_kind: bool):
         prefix = self.spec.class_prefix
         camel = "".join(p.capitalize() for p in name.split("_"))
@@ -131,7 +133,7 @@ class BlockResolver(RotaryResolver):
                 if rot.kind != "neox":
                     raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
                                                       f"rotary only")
-            fraction, rdim, layout, enabled = self.rotary_axes(rp, rot)
+            fraction, rdim, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
             qk = None
             qk_on = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
             if b.qk_norm and qk_on.literal is not False:
@@ -168,9 +170,11 @@ class BlockResolver(RotaryResolver):
                 out_bias=self.flag(path + ("out", "bias"), b.out.bias),
                 rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
                                 self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
-                                fraction, rdim, layout, enabled, kind_symbol),
+                                fraction, rdim, layout, enabled, kind_symbol, layout_symbol),
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks)
+        if isinstance(b, MLAAttentionBlock):
+            return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
         if isinstance(b, GatedMLPBlock):
             segs = b.gate_up.segments
             if list(segs) != ["gate", "up"]:
@@ -220,13 +224,34 @@ class BlockResolver(RotaryResolver):
                     self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
                     sact, "gate_up_proj", ("gate", "up"), no_bias, "down_proj", no_bias, sparams))
             act, act_params = self.gated_activation(path + ("activation",), b.activation)
+            groups = None
+            if b.groups is not None:
+                gp = path + ("groups",)
+                groups = (self.dim(gp + ("count",), b.groups.count), self.dim(gp + ("top",), b.groups.top),
+                          b.groups.score)
+            routing = dict(scoring=b.scoring, selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
+                           groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
+                           if b.routed_scale is not None else None)
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
                          act, self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared,
                          router_bias=self.flag(path + ("router", "bias"), b.router.bias),
-                         expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params)
+                         expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params,
+                         **routing)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
+
+    def check_groups_variant(self, name: str, b: MoEIR, values, at, vp) -> None:
+        """Grouped routing: the groups divide the experts, top <= count, and the chosen groups hold top_k experts."""
+        count, top, score = b.groups
+        n, t, E, k = count.eval(values), top.eval(values), b.experts.eval(values), b.top_k.eval(values)
+        gp = ("decoder", "layers", "blocks", b.name, "groups")
+        if E % n or not 1 <= t <= n:
+            raise self.err(gp, f"variants.{name}: {b.name}.groups: {n} groups must divide the {E} experts and "
+                               f"1 <= top ({t}) <= count ({n})")
+        if t < n and (k > t * (E // n) or (score == "top2_sum" and E // n < 2)):
+            raise self.err(gp, f"variants.{name}: {b.name}.groups: the top {t} of {n} groups hold {t * (E // n)} "
+                               f"experts (top_k {k}; top2_sum needs 2 per group)")
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:
@@ -337,6 +362,8 @@ class BlockResolver(RotaryResolver):
             ps = [P(f"{b.router_name}.weight", (E, b.hidden), "replicated")]
             if _maybe(b.router_bias):
                 ps.append(P(f"{b.router_name}.bias", (E,), "replicated"))
+            if _maybe(b.selection_bias):
+                ps.append(P(f"{b.router_name}.e_score_correction_bias", (E,), "replicated"))
             ps += [up, down]
             if _maybe(b.expert_bias):     # gate_up's bias split as its rows (tensor) or by experts; down's whole
                 ps.append(dataclasses.replace(up, name=f"{prefix}.experts.gate_up_proj_bias",
@@ -349,6 +376,8 @@ class BlockResolver(RotaryResolver):
                 if b.shared_gate:
                     ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
             return ps
+        if isinstance(b, MLAIR):
+            return MLAResolver.mla_params(prefix, block, b, per_layer, _maybe)
         if isinstance(b, MLPIR):
             ps = column(f"{b.up_name}.", b.hidden, [SegmentIR(b.up_name, b.intermediate, one)], _maybe(b.up_bias))
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))

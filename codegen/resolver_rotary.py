@@ -28,11 +28,21 @@ class RotaryResolver:
         return Value(expr=e)
 
     def rotary_axes(self, rp, rot):
-        """(fraction, dim, layout, enabled) of a rotary mapping, checked statically."""
+        """(fraction, dim, layout, enabled, layout_symbol) of a rotary mapping, checked statically (a layout chosen
+        by a str symbol: its first value, and the symbol)."""
         fraction = rdim = None
         if rot.fraction is not None and rot.dim is not None:
             raise self.err(rp + ("dim",), f"{self._where(rp)}: give the rotary dims as `fraction` or as `dim`, "
                                           f"not both")
+        layout, layout_symbol = rot.layout, None
+        if layout not in ("neox", "interleaved"):      # a str symbol selects the layout from the checkpoint's config
+            f = self.symbol(rp + ("layout",), layout, ("str",))
+            bad = [v for v in (f.values or ()) if v not in ("neox", "interleaved")]
+            if not f.values or bad:
+                raise self.err(rp + ("layout",), f"{self._where(rp)}.layout: config symbol '{layout}' selects the "
+                                                 f"rotary layout: its `values` must list layouts (neox, interleaved)"
+                                                 + (f", not {bad[0]!r}" if bad else ""))
+            layout, layout_symbol = f.values[0], rot.layout
         if rot.kind != "neox" and (rot.fraction is not None or rot.dim is not None or rot.layout != "neox"):
             key = "fraction" if rot.fraction is not None else "dim" if rot.dim is not None else "layout"
             raise self.err(rp + (key,), f"{self._where(rp)}.{key}: partial or interleaved rotary is for kind "
@@ -51,7 +61,7 @@ class RotaryResolver:
             else:
                 rdim = Value(symbol=rot.dim) if is_symbol(rot.dim) else Value(expr=self.expr(rp + ("dim",), rot.dim))
         enabled = self.rotary_enabled(rp + ("enabled",), rot.enabled)
-        return fraction, rdim, rot.layout, enabled
+        return fraction, rdim, layout, enabled, layout_symbol
 
     def rotary_enabled(self, path, value) -> Value:
         if isinstance(value, bool):

@@ -154,7 +154,9 @@ class Rotary(Strict):
     scaling: Optional[StrictStr] = None
     fraction: Optional[Num] = None
     dim: Optional[Dim] = None
-    layout: Literal["neox", "interleaved"] = "neox"
+    # a layout, or a `str` config symbol whose `values` are layouts (the checkpoint's config selects it, e.g.
+    # `{type: str, expr: "'interleaved' if rope_interleave else 'neox'", values: [neox, interleaved]}`)
+    layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
     enabled: Flag = True
 
 
@@ -178,6 +180,35 @@ class AttentionBlock(Strict):
     # attention sinks (GPT-OSS): a learned logit per query head in the softmax denominator, parameter
     # `sinks [heads]` of this block (split by heads under TP)
     sinks: StrictBool = False
+
+
+class MLAAttentionBlock(Strict):
+    """Multi-head latent attention (DeepSeek-V2 / V3): q from `q_proj` (hidden -> heads * (nope + rope)), or, when
+    `q_lora_rank` is a size, low-rank: q_a_proj (hidden -> q_lora_rank) -> q_a_layernorm (RMSNorm) -> q_b_proj;
+    kv_a_proj_with_mqa (hidden -> kv_lora_rank + rope) split into the latent (-> kv_a_layernorm -> kv_b_proj ->
+    per head k_nope | v) and one rope key shared by all heads; rotary on the rope dims of q and k only; softmax
+    scale (nope + rope) ** -0.5 (times yarn's mscale(factor, mscale_all_dim) ** 2 with `scale_mscale`); o_proj.
+    Module names are transformers' (q_proj, q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj, o_proj)."""
+    kind: Literal["mla_attention"]
+    hidden: Dim
+    heads: Dim
+    q_lora_rank: Optional[Num] = None    # a size: low-rank q; an optional int symbol that is None, or absent: q_proj
+    kv_lora_rank: Dim
+    qk_nope_head_dim: Dim
+    qk_rope_head_dim: Dim
+    v_head_dim: Dim
+    latent_eps: Num = 1.0e-6             # eps of q_a_layernorm and kv_a_layernorm
+    bias: Flag = False                   # biases of q_a_proj and kv_a_proj_with_mqa (transformers' attention_bias)
+    out: Projection = Projection(name="o_proj")
+    rotary: Rotary
+    scale: Optional[Num] = None          # default (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    # multiply the scale by mscale(factor, mscale_all_dim) ** 2 of `rotary.scaling` (rope type not default and
+    # mscale_all_dim set: transformers' yarn_apply_mscale of DeepSeek-V2 / V3)
+    scale_mscale: StrictBool = False
+    # latent: cache the KV latent + the shared rope key per token (kv_b_proj absorbed into q and the output:
+    # multi-query attention over kv_lora_rank + rope dims); expanded: cache per-head K / V (v zero-padded)
+    kv_cache: Literal["latent", "expanded"] = "latent"
 
 
 class ActivationForm(Strict):
@@ -214,9 +245,22 @@ class MLPBlock(Strict):
 
 
 class Router(Strict):
-    """The router of a mixture-of-experts block: a replicated linear hidden -> experts, with a bias when `bias`."""
+    """The router of a mixture-of-experts block: a replicated linear hidden -> experts, with a bias when `bias`.
+    `float32`: the logits are computed in float32 from the float32-cast input and weight (DeepSeek, GLM-4-MoE keep
+    their router in float32), whatever the model dtype."""
     name: StrictStr = "gate"
     bias: Flag = False
+    float32: StrictBool = False
+
+
+class RoutingGroups(Strict):
+    """Grouped top-k routing: the experts form `count` equal groups; each token keeps the `top` groups with the
+    highest group score (`score: top2_sum`, the sum of the group's two highest choice scores, DeepSeek-V3 /
+    GLM-4-MoE; `max`, its highest, DeepSeek-V2's group_limited_greedy) and picks its top-k experts among them.
+    count 1 (or top == count) is plain top-k."""
+    count: Dim
+    top: Dim
+    score: Literal["top2_sum", "max"] = "top2_sum"
 
 
 class SharedExpert(Strict):
@@ -251,6 +295,13 @@ class MoEBlock(Strict):
     router: Router = Router()
     parallel: Literal["tensor", "expert"] = "tensor"
     shared_expert: Optional[SharedExpert] = None
+    # routing: scores = softmax (default) or sigmoid of the router logits (in float32)
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # a selection-only bias: `<router>.e_score_correction_bias [experts]` added to the scores for the choice of
+    # experts, not to the weights (DeepSeek-V3's noaux_tc)
+    selection_bias: Flag = False
+    groups: Optional[RoutingGroups] = None
+    routed_scale: Optional[Num] = None   # the routing weights are multiplied by it (routed_scaling_factor); None = 1
 
 
 class LMHeadBlock(Strict):
@@ -266,7 +317,7 @@ class LMHeadBlock(Strict):
 
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
-          MoEBlock],
+          MoEBlock, MLAAttentionBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -496,5 +547,6 @@ class Spec(Strict):
 
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
+               "mla_attention",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

@@ -108,6 +108,7 @@ def widen_init(
     gain: float = 1.0,
     head_gain: float = 3.0,
     out_gain: float = 1.0,
+    bias_buffer_std: float = 0.0,
 ) -> None:
     """Re-initialize every parameter from one seeded generator, much wider than HF's 0.02 default:
 
@@ -116,7 +117,8 @@ def widen_init(
       linear_fc2, whose output is added after decoder layers) out_gain, so that each layer's output
       outweighs the token embedding (with a tied head a weak residual branch makes greedy decoding repeat
       the input token forever) and zeroing the deepstack features visibly changes the output;
-    - biases N(0, 0.1); norm weights U(0.5, 1.5) (so a missing or misplaced norm changes the output).
+    - biases N(0, 0.1); norm weights U(0.5, 1.5) (so a missing or misplaced norm changes the output);
+    - with bias_buffer_std, float buffers named *bias (routing correction biases) N(0, bias_buffer_std).
     Parameters are visited in name order so the result depends only on the seed and the shapes."""
     import torch
 
@@ -149,6 +151,10 @@ def widen_init(
                 p.copy_(torch.randn(p.shape, generator=gen) * (g / math.sqrt(fan_in)))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        if bias_buffer_std:   # bias buffers (DeepSeek-V3's e_score_correction_bias), after the parameters
+            for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+                if name.endswith("bias") and b.is_floating_point():
+                    b.copy_(torch.randn(b.shape, generator=gen) * bias_buffer_std)
 
 
 def init_gains(tied: bool) -> dict:

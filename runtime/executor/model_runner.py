@@ -224,6 +224,13 @@ class ModelRunner:
                     "this model uses attention sinks (a learned per-head logit in the softmax denominator), which "
                     "the CUDA attention path (FlashInfer paged prefill / decode wrappers) does not implement; "
                     "serve it on the CPU (device='cpu')")
+            mixed = [layer for layer in self.attn_layers if layer.qk_head_dim != layer.v_head_dim]
+            if mixed:
+                raise NotImplementedError(
+                    f"this model's attention has value heads of another width ({mixed[0].v_head_dim}) than its "
+                    f"query / key heads ({mixed[0].qk_head_dim}), as multi-head latent attention has (its latent "
+                    "cache or its per-head K/V); the CUDA attention path (FlashInfer paged prefill / decode "
+                    "wrappers, one head_dim) does not run it; serve it on the CPU (device='cpu')")
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
             from xllm_gen.runtime.executor.cuda_graph import graph_buckets
             a = self.attn_layers[0]

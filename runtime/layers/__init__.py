@@ -22,7 +22,8 @@ from xllm_gen.runtime.layers.linear import (
                                             ReplicatedLinear,
                                             RowParallelLinear,
 )
-from xllm_gen.runtime.layers.moe import FusedMoE
+from xllm_gen.runtime.layers.mla import latent_attention
+from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
 from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
@@ -30,6 +31,7 @@ from xllm_gen.runtime.layers.rotary import (
                                             mrope_axis_map,
                                             qk_norm_rope,
                                             rope_parameters,
+                                            yarn_mscale,
 )
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
@@ -38,5 +40,6 @@ __all__ = [
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
-    "attention_sinks",
+    "attention_sinks", "routing_bias", "yarn_mscale", "latent_attention",
+    "linear_float32",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime import ops
@@ -27,14 +28,22 @@ class Attention(nn.Module):
 
     sinks=True: attention sinks, a learned logit per query head in the softmax denominator; the owning module
     holds the parameter (`attention_sinks`) and passes it to forward(..., sinks=).
+
+    v_head_dim (default head_dim): the value heads' width, when it differs from the q/k heads' (multi-head latent
+    attention expanded to per-head K/V: q/k nope + rope dims, v its own). The cache and the backend then run at
+    head_dim = max(q/k, v) dims: q and k are zero-padded (their dot products unchanged), v is zero-padded and the
+    output sliced back to v_head_dim; forward takes v [N, Hk, v_head_dim] and returns [N, H * v_head_dim].
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: bool = False):
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: bool = False,
+                 v_head_dim: Optional[int] = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.qk_head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self.head_dim = max(head_dim, self.v_head_dim)     # the cache's and the backend's head width
         self.scale = scale
         self.variant = make_variant(sliding_window, logit_softcap, sinks)
         self.sliding_window = self.variant.sliding_window
@@ -44,9 +53,20 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ctx = get_context()
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
+        if self.qk_head_dim != self.v_head_dim:        # q/k and v heads of different widths: zero-padded to head_dim
+            D, Dqk, Dv = self.head_dim, self.qk_head_dim, self.v_head_dim
+            q = F.pad(q.reshape(-1, self.num_heads, Dqk), (0, D - Dqk))
+            k = F.pad(k.reshape(-1, self.num_kv_heads, Dqk), (0, D - Dqk))
+            v = F.pad(v.reshape(-1, self.num_kv_heads, Dv), (0, D - Dv))
+            out = self._attend(q, k, v, sinks)
+            return out.view(-1, self.num_heads, D)[..., :Dv].reshape(-1, self.num_heads * Dv)
+        return self._attend(q, k, v, sinks)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx = get_context()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -65,6 +85,8 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}"
+        if self.qk_head_dim != self.v_head_dim:
+            s += f" (q/k heads {self.qk_head_dim}, v heads {self.v_head_dim}, zero-padded)"
         if self.sliding_window is not None:
             s += f", sliding_window={self.sliding_window}"
         if self.logit_softcap is not None:

@@ -162,9 +162,11 @@ class ColumnParallelLinear(_Linear):
     """Output features split over ranks; no gather (the next row-parallel layer consumes the shard)."""
     kind = "column"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, unit: int = 1):
+        # unit: rows per indivisible group (a head's width): the split keeps each group on one rank
         problems: list = []
-        seg = split_segment(Segment("out_features", out_features), get_tp_size(), get_tp_rank(), problems)
+        seg = split_segment(Segment("out_features", out_features // unit, unit), get_tp_size(), get_tp_rank(),
+                            problems)
         super().__init__(in_features, seg.rows, bias)
         raise_or_defer(self, problems)
         self._attach(0, (seg,))
@@ -230,9 +232,12 @@ class RowParallelLinear(_Linear):
     The bias is added once, after the reduction (and loaded whole on every rank)."""
     kind = "row"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
+                 unit: int = 1):
+        # unit: input columns per indivisible group (a head's width): the split keeps each group on one rank
         problems: list = []
-        seg = split_segment(Segment("in_features", in_features), get_tp_size(), get_tp_rank(), problems)
+        seg = split_segment(Segment("in_features", in_features // unit, unit), get_tp_size(), get_tp_rank(),
+                            problems)
         super().__init__(seg.rows, out_features, bias)
         raise_or_defer(self, problems)
         self.reduce = reduce

@@ -1,4 +1,5 @@
-"""Mixture of experts: the experts as one stacked gated MLP, routed by softmax top-k.
+"""Mixture of experts: the experts as one stacked gated MLP, routed by softmax top-k (or the general routing of
+ops.moe.select_experts: sigmoid scores, a selection-only bias, grouped top-k, a routed scale).
 
 `FusedMoE(num_experts, hidden, intermediate, top_k, renormalize, activation, parallel, activation_params, bias)`
 holds `gate_up_proj [E, 2 * I, H]` (per expert: gate rows | up rows) and `down_proj [E, H, I]`, with `bias` also
@@ -38,6 +39,7 @@ from xllm_gen.runtime.executor.sharding import (
     SegmentSlice,
     WeightLoadError,
     raise_or_defer,
+    replicated,
     source_shape,
     split_segment,
 )
@@ -170,12 +172,30 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
                  activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
-                 bias: bool = False):
+                 bias: bool = False, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                 group_score: str = "top2_sum", routed_scale: float = 1.0):
         super().__init__()
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"FusedMoE: top_k {top_k} must be in 1..{num_experts} (the number of experts)")
+        if scoring not in moe_ops.SCORINGS or group_score not in moe_ops.GROUP_SCORES:
+            raise ValueError(f"FusedMoE: scoring must be one of {moe_ops.SCORINGS} (got {scoring!r}), group_score one "
+                             f"of {moe_ops.GROUP_SCORES} (got {group_score!r})")
+        grouped = n_group > 1 and topk_group < n_group
+        if n_group < 1 or not 1 <= topk_group <= n_group or num_experts % n_group:
+            raise ValueError(f"FusedMoE: grouped routing needs n_group >= 1 dividing the {num_experts} experts and "
+                             f"1 <= topk_group <= n_group; got n_group={n_group}, topk_group={topk_group}")
+        if grouped and group_score == "top2_sum" and num_experts // n_group < 2:
+            raise ValueError(f"FusedMoE: group score top2_sum needs at least 2 experts per group; {num_experts} "
+                             f"experts in {n_group} groups have {num_experts // n_group}")
+        if grouped and top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"FusedMoE: top_k {top_k} exceeds the experts of the topk_group={topk_group} chosen "
+                             f"groups ({topk_group * (num_experts // n_group)})")
+        self.scoring, self.group_score, self.routed_scale = scoring, group_score, float(routed_scale)
+        self.n_group, self.topk_group = (n_group, topk_group) if grouped else (1, 1)
+        # softmax top-k without groups, scale or a selection bias: the fused routing kernel's case
+        self.plain_routing = scoring == "softmax" and not grouped and self.routed_scale == 1.0
         tp, rank = get_tp_size(), get_tp_rank()
         self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, bool(renormalize)
@@ -215,10 +235,20 @@ class FusedMoE(nn.Module):
             _attach_experts(self.down_proj_bias, ExpertSplit(
                 ParamSplit("replicated", None, (), (hidden,), tp, rank, owner), num_experts, e0, e1, parallel, owner))
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`score_bias` [E]: a selection-only bias (added to the scores for the choice of experts, not to the
+        weights; transformers' e_score_correction_bias, a parameter of the router: `routing_bias`)."""
         # pairs routed to another rank's experts (parallel="expert") or from a decode batch's padding rows: nowhere
-        weights, ids = moe_ops.route(router_logits, self.top_k, self.renormalize, self.expert_start,
-                                     self.num_local_experts, _decode_slots(hidden_states.shape[0]))
+        if self.plain_routing and score_bias is None:
+            weights, ids = moe_ops.route(router_logits, self.top_k, self.renormalize, self.expert_start,
+                                         self.num_local_experts, _decode_slots(hidden_states.shape[0]))
+        else:                             # torch, static shapes (graph-capturable), on every device
+            weights, ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring,
+                                                  self.n_group, self.topk_group, self.group_score, score_bias,
+                                                  self.routed_scale)
+            weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
+                                            self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
             b2 = self.down_proj_bias if self.parallel == "expert" or self.tp_rank == 0 else None   # bias once
             out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
@@ -229,9 +259,25 @@ class FusedMoE(nn.Module):
         return all_reduce(out) if self.tp_size > 1 else out
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
+        routing = "" if self.plain_routing else (
+            f"scoring={self.scoring!r}, groups={self.topk_group} of {self.n_group} by {self.group_score}, "
+            f"routed_scale={self.routed_scale}, ")
+        return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
                 f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")
+
+
+def linear_float32(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A router's logits in float32: layer's weight (and bias) and the input cast to float32 (a router kept in float32
+    whatever the model dtype, as the spec's router.float32 says)."""
+    bias = None if getattr(layer, "bias", None) is None else layer.bias.float()
+    return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
+
+
+def routing_bias(num_experts: int) -> nn.Parameter:
+    """A selection-only routing bias [num_experts] (transformers' `e_score_correction_bias`), replicated: set it
+    on the router module and pass it to FusedMoE.forward(..., score_bias=)."""
+    return replicated(nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)), "routing_bias")   # kept float32
 
 
 def _decode_slots(rows: int) -> Optional[torch.Tensor]:

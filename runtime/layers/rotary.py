@@ -324,6 +324,18 @@ class Rotary(nn.Module):
         return s + (f", scaling={self.scaling}" if self.scaling else "")
 
 
+def yarn_mscale(scaling: Optional[Mapping[str, Any]]) -> float:
+    """The softmax-scale factor that multi-head latent attention derives from its rope parameters (transformers'
+    yarn_apply_mscale): mscale(factor, mscale_all_dim) ** 2 with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1)
+    when the rope type is not `default` and `mscale_all_dim` is set (non-zero); else 1."""
+    p = dict(scaling or {})
+    if p.get("rope_type", p.get("type", "default")) == "default" or not p.get("mscale_all_dim"):
+        return 1.0
+    factor = float(p["factor"])
+    m = 1.0 if factor <= 1 else 0.1 * float(p["mscale_all_dim"]) * math.log(factor) + 1.0
+    return m * m
+
+
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, rotary: Rotary):
     """Per-head RMSNorm of q [N, H, D] and k [N, Hk, D] (q_norm/k_norm: RMSNorm(head_dim) modules or None),
     then rotary (with its scaled cos/sin; None: no rotary on this layer). One fused Triton kernel on CUDA; the

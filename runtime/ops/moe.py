@@ -1,4 +1,5 @@
-"""Mixture-of-experts ops: routing (softmax top-k), alignment of (token, slot) pairs by expert, and the
+"""Mixture-of-experts ops: routing (softmax top-k; the general `select_experts`: sigmoid scores, a selection-only
+bias, grouped top-k, a routed scale), alignment of (token, slot) pairs by expert, and the
 experts' stacked gated MLP as a grouped GEMM.
 
 Shapes: x [T, H]; w13 [E, 2 * I, H] (gate rows | up rows per expert); w2 [E, H, I]; topk_ids / topk_weights
@@ -25,6 +26,56 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
+                   n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
+                   score_bias: Optional[torch.Tensor] = None, routed_scale: float = 1.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The general routing, in float32 (as transformers' routers compute it): scores = softmax or sigmoid of the
+    logits; the experts are chosen by `scores + score_bias` (a selection-only bias, transformers'
+    e_score_correction_bias), among the `topk_group` of `n_group` equal groups of experts with the highest group
+    score (`top2_sum`: the sum of the group's two highest choice scores, transformers' noaux_tc routers; `max`: its highest,
+    transformers' group_limited_greedy); the weights are the chosen experts' `scores` (without the bias), divided by
+    their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers), times `routed_scale`."""
+    scores = router_logits.float()
+    scores = torch.softmax(scores, dim=-1) if scoring == "softmax" else torch.sigmoid(scores)
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if n_group > 1 and topk_group < n_group:
+        T, E = choice.shape
+        grouped = choice.view(T, n_group, E // n_group)
+        if group_score == "top2_sum":
+            gscore = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        else:
+            gscore = grouped.max(dim=-1).values
+        gidx = torch.topk(gscore, k=topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+        choice = choice.masked_fill(~keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E),
+                                    float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    if routed_scale != 1.0:
+        weights = weights * routed_scale
+    return weights.to(router_logits.dtype), ids
+
+
+def localize(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, first_expert: int = 0,
+             num_local: Optional[int] = None, padding_slots: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed (weights, ids) with the ids made local to the experts [first_expert, first_expert + num_local) this
+    rank holds, and every other pair routed nowhere (id num_local), as `route` does."""
+    num_local = num_experts if num_local is None else num_local
+    local = ids - first_expert
+    keep = (local >= 0) & (local < num_local)
+    if padding_slots is not None:
+        keep = keep & (padding_slots >= 0).unsqueeze(-1)
+    return weights, torch.where(keep, local, torch.full_like(local, num_local))
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, first_expert: int = 0,
