@@ -218,6 +218,16 @@ class EmbeddingIR:
 
 
 @dataclass(frozen=True)
+class PositionEmbeddingIR:
+    """Absolute position embeddings added to the token embedding: `learned` (a replicated table
+    [positions + offset, dim], parameter embed_positions.weight) or `sinusoidal` (computed, no parameter)."""
+    kind: str                     # learned | sinusoidal
+    positions: Size
+    dim: Size
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class LinearIR:
     kind: str                     # linear | fused_linear
     name: str
@@ -277,13 +287,14 @@ class AttentionIR:
     qkv_bias: Value
     out_name: str
     out_bias: Value
-    rotary: RotaryIR
+    rotary: Optional[RotaryIR]                 # None: no rotary
     qk_norm: Optional[QKNormIR]
     scale: Optional[Value]
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
     sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
+    alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
 
     @property
     def q_size(self) -> Size:
@@ -551,6 +562,7 @@ class ModelIR:
     config_assume: Tuple[Tuple[str, Any], ...] = ()   # config.json path -> the value the spec assumes
     config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
     config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent
+    embed_positions: Optional[PositionEmbeddingIR] = None   # absolute positions added to the embedding
 
     @property
     def model_class(self) -> str:

@@ -222,6 +222,11 @@ class ModelRunner:
                     "this model uses attention sinks (a learned per-head logit in the softmax denominator), which "
                     "the CUDA attention path (FlashInfer paged prefill / decode wrappers) does not implement; "
                     "serve it on the CPU (device='cpu')")
+            if any(layer.variant.alibi for layer in self.attn_layers):
+                raise NotImplementedError(
+                    "this model uses ALiBi (a per-head linear position bias on the attention scores), which the CUDA "
+                    "attention path (FlashInfer paged prefill / decode wrappers as planned here, the Triton decode "
+                    "kernel) does not implement; serve it on the CPU (device='cpu')")
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
             from xllm_gen.runtime.executor.cuda_graph import graph_buckets
             a = self.attn_layers[0]
