@@ -36,6 +36,19 @@ def test_sinusoidal_table_matches_xglm(dim):
     torch.testing.assert_close(pe(pos), hf.weights[pos + 2].float(), atol=0, rtol=0)
 
 
+def test_learned_positions_with_offset_match_opt():
+    from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
+
+    from xllm_gen.runtime import layers as L
+
+    hf = OPTLearnedPositionalEmbedding(30, 8)                            # rows 30 + 2
+    torch.nn.init.normal_(hf.weight)
+    pe = L.LearnedPositionEmbedding(30, 8, offset=2)
+    pe.weight.data.copy_(hf.weight.data)
+    want = hf(torch.ones(1, 7, dtype=torch.long), cache_length=3)[0]    # a 4-token step after 3 cached: 3..6
+    torch.testing.assert_close(pe(torch.arange(3, 7)), want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("heads", [1, 4, 6, 8, 12, 20])
 def test_alibi_slopes_match_bloom_and_mpt(heads):
     from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
@@ -167,6 +180,21 @@ def test_mpt_guard_refuses_what_transformers_fixes(tiny_checkpoint, field, value
     node[leaf] = value
     module, _ = registry.resolve(cfg)
     with pytest.raises(ConfigError, match=leaf):
+        module.Config.from_hf(cfg)
+
+
+@pytest.mark.parametrize("field,value", [("do_layer_norm_before", False), ("word_embed_proj_dim", 32),
+                                         ("layer_norm_elementwise_affine", False)])
+def test_opt_guard_refuses_the_forms_it_does_not_model(tiny_checkpoint, field, value):
+    """opt-350m's post-LN layers and project_in / project_out, and LayerNorms without parameters: refused by name."""
+    from xllm_gen.runtime.loading import registry
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+
+    cfg = json.loads((Path(tiny_checkpoint("OPTForCausalLM")) / "config.json").read_text())
+    cfg[field] = value
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ConfigError, match="word_embed_proj_dim|embedding_width" if field == "word_embed_proj_dim"
+                       else field):
         module.Config.from_hf(cfg)
 
 
