@@ -66,6 +66,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
                         {"tie_word_embeddings": False}],
     # MPT-7B-storywriter / MPT-30B: q/k/v clipping and an explicit softmax scale, inside attn_config
     "MptForCausalLM": [{"attn_config.clip_qkv": 0.5}, {"attn_config.softmax_scale": 0.5}],
+    # SantaCoder / StarCoder are multi-query (the default); the multi-head form stores c_attn per head
+    "GPTBigCodeForCausalLM": [{"multi_query": False}],
     # opt-350m's post-LN layers and embedding projections (refused by name)
     "OPTForCausalLM": [{"do_layer_norm_before": False}, {"word_embed_proj_dim": 32}],
 }
