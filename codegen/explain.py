@@ -149,6 +149,8 @@ def format_resolved(ir: ModelIR) -> str:
         pe = ir.embed_positions
         w(f"  embed_positions  {pe.kind}(positions={pe.positions}, dim={pe.dim}"
           + (f", offset={pe.offset})" if pe.offset else ")") + ": added to the embedding")
+    if ir.embed_norm:
+        w(f"  embed_norm  {_block(ir.embed_norm)}: normalizes the embedding output")
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")

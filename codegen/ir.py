@@ -563,6 +563,7 @@ class ModelIR:
     config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
     config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent
     embed_positions: Optional[PositionEmbeddingIR] = None   # absolute positions added to the embedding
+    embed_norm: Optional[NormIR] = None                     # a norm of the embedding output (Bloom)
 
     @property
     def model_class(self) -> str:

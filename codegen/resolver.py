@@ -228,6 +228,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                             self.positive(ep + ("scale",), d.embed_tokens.scale)
                             if d.embed_tokens.scale is not None else None)
         embed_positions = self.resolve_embed_positions(embed) if d.embed_positions is not None else None
+        embed_norm = self.resolve_embed_norm(embed) if d.embed_norm is not None else None
         layer = self.resolve_layer()
         norm = self.resolve_norm(("decoder", "norm"), "norm", d.norm)
         lm_head = self.resolve_lm_head(embed)
@@ -253,6 +254,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         params = self.collect_params(embed, layer, norm, lm_head)
         if embed_positions is not None and embed_positions.kind == "learned":
             params = params[:1] + (self.position_param(embed_positions),) + params[1:]
+        if embed_norm is not None:
+            params = params[:1] + tuple(self.block_params(f"{self.prefix}.embed_norm", "decoder.embed_norm", embed_norm,
+                                                          False)) + params[1:]
         weights = self.resolve_weights(params)
         self.check_prefixes(params)
         if vision:
@@ -280,7 +284,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
-            config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions)
+            config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
+            embed_norm=embed_norm)
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:

@@ -351,6 +351,7 @@ class Decoder(Strict):
     prefix: StrictStr = "model"
     embed_tokens: EmbeddingBlock
     embed_positions: Optional[PositionEmbeddingBlock] = None   # absolute positions added to the embedding
+    embed_norm: Optional[NormBlock] = None   # a norm of the embedding output, before the first layer (Bloom)
     layers: Layers
     norm: NormBlock
     deepstack: Optional[Deepstack] = None
