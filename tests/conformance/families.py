@@ -68,6 +68,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "MptForCausalLM": [{"attn_config.clip_qkv": 0.5}, {"attn_config.softmax_scale": 0.5}],
     # SantaCoder / StarCoder are multi-query (the default); the multi-head form stores c_attn per head
     "GPTBigCodeForCausalLM": [{"multi_query": False}],
+    # GraniteMoeShared without its shared MLP (transformers' default; the tiny checkpoint has one)
+    "GraniteMoeSharedForCausalLM": [{"shared_intermediate_size": 0}],
     # opt-350m's post-LN layers and embedding projections (refused by name)
     "OPTForCausalLM": [{"do_layer_norm_before": False}, {"word_embed_proj_dim": 32}],
 }
