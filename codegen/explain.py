@@ -211,7 +211,8 @@ def format_resolved(ir: ModelIR) -> str:
         if p.when is not None:
             cond += f"  [only where {'' if p.when[1] else 'not '}({p.when[0]})]"
         w(f"  {p.name}  {shape}  {shard}{cond}")
-        layout = (f" (rows per {wt.layout[0]}: {' '.join(wt.layout[1])})" if wt.layout else "") + \
+        layout = (f" (rows per {wt.layout[0]}{' of ' + str(wt.layout[2]) if len(wt.layout) > 2 else ''}: "
+                  f"{' '.join(wt.layout[1])})" if wt.layout else "") + \
             (" (stored transposed)" if wt.transpose else "") + \
             (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "")
         w(f"      <- {' + '.join(wt.sources)}{layout}")

@@ -189,7 +189,7 @@ class ParamIR:
 class WeightIR:
     param: ParamIR
     sources: Tuple[str, ...]      # with "{i}" for the layer index
-    layout: Optional[Tuple[str, Tuple[str, ...]]] = None   # (per, interleave) of one fused tensor's rows
+    layout: Optional[tuple] = None   # (per, interleave) of one fused tensor's rows; (per, interleave, groups) for per: group
     transpose: bool = False       # the tensor stores [..., in, out]
     interleave: int = 1           # n > 1: the n segments interleaved along the output dim
 

@@ -363,9 +363,11 @@ class RowLayout(Strict):
     `tensor` (one group: the segments blocked in that order, "split by sizes"), `head` (one group per head, every
     segment with as many heads: GPT-NeoX `query_key_value` [h0: q k v, h1: q k v, ...]), `kv_group` (one group per
     head of the segment with the fewest heads, each holding heads / groups heads of every segment: Falcon's
-    [g0: q * (heads / kv_heads), k, v, g1: ...]; with one KV head the multi-query [q * heads, k, v])."""
+    [g0: q * (heads / kv_heads), k, v, g1: ...]; with one KV head the multi-query [q * heads, k, v]), `group`
+    (`groups` groups, each holding heads / groups heads of every segment: CodeGen's qkv_proj, 4 groups of [q v k])."""
     interleave: List[StrictStr]
-    per: Literal["tensor", "head", "kv_group"]
+    per: Literal["tensor", "head", "kv_group", "group"]
+    groups: Optional[StrictInt] = None   # per: group only: the number of groups
 
 
 class WeightEntry(Strict):

@@ -209,3 +209,25 @@ def test_alibi_refused_on_cuda_by_name():
     fake = SimpleNamespace(device=torch.device("cuda"), debug={}, attn_layers=[layer])
     with pytest.raises(NotImplementedError, match="ALiBi"):
         ModelRunner._make_backend(fake)
+
+
+def test_group_layout_reads_codegen_rows():
+    """`per: group` with 4 groups of [q v k]: the view presents q | k | v blocked, reading a rank's rows only."""
+    from xllm_gen.runtime.loading.layout import RowLayout
+    from types import SimpleNamespace as NS
+
+    H, D, G = 8, 2, 4
+    # checkpoint rows: group g holds [q (2 heads) | v (2 heads) | k (2 heads)], each head D rows, value = tag
+    rows = []
+    for g in range(G):
+        for seg in "qvk":
+            for h in range(H // G):
+                rows += [f"{seg}{g * (H // G) + h}"] * D
+    tags = sorted(set(rows))
+    t = torch.tensor([tags.index(r) for r in rows], dtype=torch.float32)[:, None]
+    view = RowLayout("group", ("q", "v", "k"), groups=G).view(t, [NS(name=n, heads=H, unit=D) for n in "qkv"])
+    got = [tags[int(x)] for x in view[0:3 * H * D][:, 0]]
+    want = [f"{s}{h}" for s in "qkv" for h in range(H) for _ in range(D)]
+    assert got == want
+    with pytest.raises(ValueError, match="groups"):
+        RowLayout("group", ("q", "v", "k"))
