@@ -13,7 +13,6 @@ without rotary, a per-layer attention scale and ALiBi (`attention.alibi`).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -213,8 +212,9 @@ def test_alibi_refused_on_cuda_by_name():
 
 def test_group_layout_reads_codegen_rows():
     """`per: group` with 4 groups of [q v k]: the view presents q | k | v blocked, reading a rank's rows only."""
-    from xllm_gen.runtime.loading.layout import RowLayout
     from types import SimpleNamespace as NS
+
+    from xllm_gen.runtime.loading.layout import RowLayout
 
     H, D, G = 8, 2, 4
     # checkpoint rows: group g holds [q (2 heads) | v (2 heads) | k (2 heads)], each head D rows, value = tag

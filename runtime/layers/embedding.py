@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime.executor.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.executor.sharding import (ParamSplit, SegmentSlice, attach, padded_vocab, replicated,
-                                                 vocab_range)
+from xllm_gen.runtime.executor.sharding import ParamSplit, SegmentSlice, attach, padded_vocab, replicated, vocab_range
 
 
 class _VocabShard(nn.Module):
