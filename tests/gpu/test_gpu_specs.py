@@ -47,7 +47,7 @@ def _text_specs():
 
 def _cuda_refusal(architecture: str):
     """What the CUDA path refuses at load for this architecture's spec (None: it serves it): attention sinks
-    (codegen/README.md, attention `sinks`). Read from the generated model (a GPU host needs no compiler)."""
+    and ALiBi (codegen/README.md, attention `sinks`, `alibi`). Read from the generated model (a GPU host needs no compiler)."""
     import importlib
 
     from xllm_gen.runtime.loading import registry
@@ -55,6 +55,8 @@ def _cuda_refusal(architecture: str):
     source = importlib.import_module(f"{package}.model").__file__ if package else None
     if source and "L.attention_sinks(" in Path(source).read_text():
         return "attention sinks"
+    if source and "L.alibi_slopes(" in Path(source).read_text():     # attention `alibi`
+        return "ALiBi"
     return None
 
 
