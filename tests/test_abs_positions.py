@@ -231,3 +231,17 @@ def test_group_layout_reads_codegen_rows():
     assert got == want
     with pytest.raises(ValueError, match="groups"):
         RowLayout("group", ("q", "v", "k"))
+
+
+def test_per_layer_scale_refused_on_cuda_by_name():
+    """Attention layers with different scales (GPT-2's scale_attn_by_inverse_layer_idx): the CUDA backend (one
+    sm_scale per plan) refuses at load, naming the per-layer scale; one scale everywhere passes that check."""
+    from types import SimpleNamespace
+
+    from xllm_gen.runtime import layers as L
+    from xllm_gen.runtime.executor.model_runner import ModelRunner
+
+    layers = [L.Attention(4, 4, 8, 0.35 / (i + 1)) for i in range(3)]
+    fake = SimpleNamespace(device=torch.device("cuda"), debug={}, attn_layers=layers)
+    with pytest.raises(NotImplementedError, match="per-layer attention scale"):
+        ModelRunner._make_backend(fake)
