@@ -70,6 +70,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "GPTBigCodeForCausalLM": [{"multi_query": False}],
     # GraniteMoeShared without its shared MLP (transformers' default; the tiny checkpoint has one)
     "GraniteMoeSharedForCausalLM": [{"shared_intermediate_size": 0}],
+    # DBRX's GQA is attn_config.kv_n_heads (the top-level num_key_value_heads is derived from it): multi-query
+    "DbrxForCausalLM": [{"attn_config.kv_n_heads": 1}, {"attn_config.clip_qkv": 0.25}],
     # opt-350m's post-LN layers and embedding projections (refused by name)
     "OPTForCausalLM": [{"do_layer_norm_before": False}, {"word_embed_proj_dim": 32}],
 }
