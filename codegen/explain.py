@@ -38,6 +38,18 @@ def _steps(w, steps) -> None:
               + (f" x {s.scale}" if s.scale else ""))
 
 
+def _rotary(r) -> str:
+    if r is None:
+        return "none"
+    rot = f"{r.kind if not r.kind_symbol else 'kind=' + r.kind_symbol}(theta={r.theta}, max_position={r.max_position}"
+    rot += f", mrope_section={r.mrope_section}" if r.mrope_section else ""
+    rot += f", fraction={r.fraction}" if r.fraction else ""
+    rot += f", dim={r.dim}" if r.dim else ""
+    rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
+    rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
+    return rot + (f", scaling={r.scaling})" if r.scaling else ")")
+
+
 def _block(b) -> str:
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
@@ -46,13 +58,7 @@ def _block(b) -> str:
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
     if isinstance(b, AttentionIR):
-        rot = f"{b.rotary.kind if not b.rotary.kind_symbol else 'kind=' + b.rotary.kind_symbol}(theta={b.rotary.theta}, max_position={b.rotary.max_position}"
-        rot += f", mrope_section={b.rotary.mrope_section}" if b.rotary.mrope_section else ""
-        rot += f", fraction={b.rotary.fraction}" if b.rotary.fraction else ""
-        rot += f", dim={b.rotary.dim}" if b.rotary.dim else ""
-        rot += f", layout={b.rotary.layout_symbol or b.rotary.layout}" if b.rotary.layout_symbol or b.rotary.layout != "neox" else ""
-        rot += f", enabled={b.rotary.enabled}" if b.rotary.enabled.literal is not True else ""
-        rot += f", scaling={b.rotary.scaling})" if b.rotary.scaling else ")"
+        rot = _rotary(b.rotary)
         n = b.qk_norm
         qk = ""
         if n:
@@ -68,7 +74,8 @@ def _block(b) -> str:
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", softcap={b.softcap}" if b.softcap else "")
-                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") + ")")
+                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "")
+                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
     if isinstance(b, MLAIR):
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
@@ -171,6 +178,12 @@ def format_resolved(ir: ModelIR) -> str:
     w("decoder:" if ir.decoder_prefix == "model" else f"decoder ({ir.decoder_prefix}):")
     w(f"  embed_tokens  embedding(vocab={ir.embed.vocab}, dim={ir.embed.dim}"
       + (f", scale={ir.embed.scale})" if ir.embed.scale else ")"))
+    if ir.embed_positions:
+        pe = ir.embed_positions
+        w(f"  embed_positions  {pe.kind}(positions={pe.positions}, dim={pe.dim}"
+          + (f", offset={pe.offset})" if pe.offset else ")") + ": added to the embedding")
+    if ir.embed_norm:
+        w(f"  embed_norm  {_block(ir.embed_norm)}: normalizes the embedding output")
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")
@@ -231,7 +244,8 @@ def format_resolved(ir: ModelIR) -> str:
         if p.when is not None:
             cond += f"  [only where {'' if p.when[1] else 'not '}({p.when[0]})]"
         w(f"  {p.name}  {shape}  {shard}{cond}")
-        layout = (f" (rows per {wt.layout[0]}: {' '.join(wt.layout[1])})" if wt.layout else "") + \
+        layout = (f" (rows per {wt.layout[0]}{' of ' + str(wt.layout[2]) if len(wt.layout) > 2 else ''}: "
+                  f"{' '.join(wt.layout[1])})" if wt.layout else "") + \
             (" (stored transposed)" if wt.transpose else "") + \
             (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "")
         w(f"      <- {' + '.join(wt.sources)}{layout}")

@@ -189,7 +189,7 @@ class ParamIR:
 class WeightIR:
     param: ParamIR
     sources: Tuple[str, ...]      # with "{i}" for the layer index
-    layout: Optional[Tuple[str, Tuple[str, ...]]] = None   # (per, interleave) of one fused tensor's rows
+    layout: Optional[tuple] = None   # (per, interleave) of one fused tensor's rows; (per, interleave, groups) for per: group
     transpose: bool = False       # the tensor stores [..., in, out]
     interleave: int = 1           # n > 1: the n segments interleaved along the output dim
 
@@ -215,6 +215,16 @@ class EmbeddingIR:
     vocab: Size
     dim: Size
     scale: Optional[Value] = None     # output multiplier (Gemma: hidden_size ** 0.5)
+
+
+@dataclass(frozen=True)
+class PositionEmbeddingIR:
+    """Absolute position embeddings added to the token embedding: `learned` (a replicated table
+    [positions + offset, dim], parameter embed_positions.weight) or `sinusoidal` (computed, no parameter)."""
+    kind: str                     # learned | sinusoidal
+    positions: Size
+    dim: Size
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -278,13 +288,14 @@ class AttentionIR:
     qkv_bias: Value
     out_name: str
     out_bias: Value
-    rotary: RotaryIR
+    rotary: Optional[RotaryIR]                 # None: no rotary
     qk_norm: Optional[QKNormIR]
     scale: Optional[Value]
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
     sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
+    alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
 
     @property
     def q_size(self) -> Size:
@@ -589,6 +600,8 @@ class ModelIR:
     config_assume: Tuple[Tuple[str, Any], ...] = ()   # config.json path -> the value the spec assumes
     config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
     config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent
+    embed_positions: Optional[PositionEmbeddingIR] = None   # absolute positions added to the embedding
+    embed_norm: Optional[NormIR] = None                     # a norm of the embedding output (Bloom)
 
     @property
     def model_class(self) -> str:

@@ -55,6 +55,7 @@ from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_
 # the attention block kinds (they take the positions)
 ATTENTION_IRS = (AttentionIR, MLAIR)
 from .resolver_dataflow import DataflowResolver
+from .resolver_positions import PositionsResolver
 from .resolver_vision import VisionResolver
 from .resolver_weights import WeightsResolver
 
@@ -100,7 +101,7 @@ MAX_LAYERS = 10_000
 MAX_VARIANTS = 64
 
 
-class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver):
+class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver, PositionsResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
@@ -230,6 +231,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                             self.dim(ep + ("dim",), d.embed_tokens.dim),
                             self.positive(ep + ("scale",), d.embed_tokens.scale)
                             if d.embed_tokens.scale is not None else None)
+        embed_positions = self.resolve_embed_positions(embed) if d.embed_positions is not None else None
+        embed_norm = self.resolve_embed_norm(embed) if d.embed_norm is not None else None
         layer = self.resolve_layer()
         norm = self.resolve_norm(("decoder", "norm"), "norm", d.norm)
         lm_head = self.resolve_lm_head(embed)
@@ -253,6 +256,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         vision = self.resolve_vision(levels) if s.vision else None
 
         params = self.collect_params(embed, layer, norm, lm_head)
+        if embed_positions is not None and embed_positions.kind == "learned":
+            params = params[:1] + (self.position_param(embed_positions),) + params[1:]
+        if embed_norm is not None:
+            params = params[:1] + tuple(self.block_params(f"{self.prefix}.embed_norm", "decoder.embed_norm", embed_norm,
+                                                          False)) + params[1:]
         weights = self.resolve_weights(params)
         self.check_prefixes(params)
         if vision:
@@ -280,7 +288,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
-            config_defaults=tuple(s.config_defaults.items()))
+            config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
+            embed_norm=embed_norm)
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:
@@ -642,7 +651,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
 
     def resolve_runner(self, layer: LayerIR, vision: Optional[VisionIR], levels) -> RunnerIR:
         """What the generated runner specializes, derived from the model (deployment is engine options)."""
-        mrope = any(isinstance(b, AttentionIR) and b.rotary.kind.startswith("mrope") for b in layer.blocks)
+        mrope = any(isinstance(b, AttentionIR) and b.rotary is not None and b.rotary.kind.startswith("mrope") for b in layer.blocks)
         field = None
         if vision is not None and levels is not None:
             field = levels.symbol if isinstance(levels, Size) else None
@@ -771,7 +780,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         for b in layer.blocks:
             if isinstance(b, AttentionIR):
                 h, kv, hd = b.heads.eval(values), b.kv_heads.eval(values), b.head_dim.eval(values)
-                if b.rotary.kind == "neox" and hd % 2 and b.rotary.fraction is None and b.rotary.dim is None:
+                if b.rotary is not None and b.rotary.kind == "neox" and hd % 2 and b.rotary.fraction is None and b.rotary.dim is None:
                     raise self.err(at(b.head_dim.symbol) if isinstance(b.head_dim, Size) else vp,
                                    f"variants.{name}: {b.name}.head_dim is {hd}; rotary needs an even head_dim")
                 if b.sliding_window is not None:
@@ -781,12 +790,13 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                             raise self.err(("decoder", "layers", "blocks", b.name, "sliding_window"),
                                            f"variants.{name}: {b.name}.sliding_window of layer {li} is {w!r}; a "
                                            f"window is an int >= 1 or None")
-                self.check_rotary_variant(name, b, values, layers, at)
+                if b.rotary is not None:
+                    self.check_rotary_variant(name, b, values, layers, at)
                 if h % kv:
                     sym = b.kv_heads.symbol if isinstance(b.kv_heads, Size) else None
                     raise self.err(at(sym), f"variants.{name}: {b.name}.heads ({h}) must be a multiple of "
                                             f"{b.name}.kv_heads ({kv})")
-                if b.rotary.mrope_section is not None:
+                if b.rotary is not None and b.rotary.mrope_section is not None:
                     sec = b.rotary.mrope_section.eval(values)
                     if len(sec) != 3 or any(x < 0 for x in sec):
                         where = at(b.rotary.mrope_section.symbol) if b.rotary.mrope_section.symbol else \

@@ -91,49 +91,7 @@ class BlockResolver(MLAResolver):
                 raise self.err(path + ("qkv", "segments"), f"{self._where(path)}.qkv.segments: the forward pass "
                                                           f"splits the fused projection as [q, k, v]; got "
                                                           f"{list(qkv_segs)}")
-            rot = b.rotary
-            rp = path + ("rotary",)
-            kind_symbol = None
-            if rot.kind not in ROTARY_KINDS:        # a str symbol selects the kind from the checkpoint's config
-                if rot.kind not in self.config:
-                    raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: '{rot.kind}' (str) is not allowed"
-                                                   f"{did_you_mean(rot.kind, list(ROTARY_KINDS) + list(self.config))}: "
-                                                   f"give a rotary kind ({', '.join(ROTARY_KINDS)}) or a str config "
-                                                   f"symbol whose values are rotary kinds")
-                f = self.symbol(rp + ("kind",), rot.kind, ("str",))
-                bad = [v for v in (f.values or ()) if v not in ROTARY_KINDS]
-                if not f.values or bad:
-                    raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: config symbol '{rot.kind}' selects the "
-                                                   f"rotary kind: its `values` must list rotary kinds "
-                                                   f"({', '.join(ROTARY_KINDS)})" + (f", not {bad[0]!r}" if bad else ""))
-                if len({v.startswith("mrope") for v in f.values}) > 1:
-                    raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: config symbol '{rot.kind}' admits "
-                                                   f"{', '.join(f.values)}: neox and the mrope kinds take different "
-                                                   f"positions ([N] vs [3, N]); one spec selects among kinds of one")
-                kind_symbol = rot.kind
-                rot = rot.model_copy(update={"kind": f.values[0]})
-            mrope = None
-            if rot.kind.startswith("mrope"):
-                if rot.mrope_section is None:
-                    raise self.err(rp, f"{self._where(rp)}: rotary kind '{rot.kind}' needs mrope_section")
-                if isinstance(rot.mrope_section, str):
-                    self.symbol(rp + ("mrope_section",), rot.mrope_section, ("int_tuple",))
-                    mrope = Value(symbol=rot.mrope_section)
-                else:
-                    sec = list(rot.mrope_section)
-                    if len(sec) != 3 or any(x < 0 for x in sec):
-                        raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: three sections "
-                                                                f"(t, h, w), each >= 0; got {sec}")
-                    mrope = Value(literal=tuple(sec))
-            elif rot.mrope_section is not None:
-                raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: only for mrope rotary kinds")
-            scaling = None
-            if rot.scaling is not None:
-                scaling = self.rope_scaling(rp + ("scaling",), rot.scaling)
-                if rot.kind != "neox":
-                    raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
-                                                      f"rotary only")
-            fraction, rdim, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
+            rotary = self.resolve_attention_rotary(path, b.rotary) if b.rotary is not None else None
             qk = None
             qk_on = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
             if b.qk_norm and qk_on.literal is not False:
@@ -168,11 +126,10 @@ class BlockResolver(MLAResolver):
                 qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
                 out_name=module(path + ("out", "name"), b.out.name),
                 out_bias=self.flag(path + ("out", "bias"), b.out.bias),
-                rotary=RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
-                                self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
-                                fraction, rdim, layout, enabled, kind_symbol, layout_symbol),
-                qk_norm=qk, scale=self.positive(path + ("scale",), b.scale) if b.scale is not None else None,
-                sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks)
+                rotary=rotary,
+                qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
+                sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks,
+                alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
         if isinstance(b, GatedMLPBlock):
@@ -252,6 +209,54 @@ class BlockResolver(MLAResolver):
         if t < n and (k > t * (E // n) or (score == "top2_sum" and E // n < 2)):
             raise self.err(gp, f"variants.{name}: {b.name}.groups: the top {t} of {n} groups hold {t * (E // n)} "
                                f"experts (top_k {k}; top2_sum needs 2 per group)")
+
+    def resolve_attention_rotary(self, path, rot) -> RotaryIR:
+        """An attention block's `rotary` (kind, or the str symbol selecting it; mrope sections; scaling; axes)."""
+        rp = path + ("rotary",)
+        kind_symbol = None
+        if rot.kind not in ROTARY_KINDS:        # a str symbol selects the kind from the checkpoint's config
+            if rot.kind not in self.config:
+                raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: '{rot.kind}' (str) is not allowed"
+                                               f"{did_you_mean(rot.kind, list(ROTARY_KINDS) + list(self.config))}: "
+                                               f"give a rotary kind ({', '.join(ROTARY_KINDS)}) or a str config "
+                                               f"symbol whose values are rotary kinds")
+            f = self.symbol(rp + ("kind",), rot.kind, ("str",))
+            bad = [v for v in (f.values or ()) if v not in ROTARY_KINDS]
+            if not f.values or bad:
+                raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: config symbol '{rot.kind}' selects the "
+                                               f"rotary kind: its `values` must list rotary kinds "
+                                               f"({', '.join(ROTARY_KINDS)})" + (f", not {bad[0]!r}" if bad else ""))
+            if len({v.startswith("mrope") for v in f.values}) > 1:
+                raise self.err(rp + ("kind",), f"{self._where(rp)}.kind: config symbol '{rot.kind}' admits "
+                                               f"{', '.join(f.values)}: neox and the mrope kinds take different "
+                                               f"positions ([N] vs [3, N]); one spec selects among kinds of one")
+            kind_symbol = rot.kind
+            rot = rot.model_copy(update={"kind": f.values[0]})
+        mrope = None
+        if rot.kind.startswith("mrope"):
+            if rot.mrope_section is None:
+                raise self.err(rp, f"{self._where(rp)}: rotary kind '{rot.kind}' needs mrope_section")
+            if isinstance(rot.mrope_section, str):
+                self.symbol(rp + ("mrope_section",), rot.mrope_section, ("int_tuple",))
+                mrope = Value(symbol=rot.mrope_section)
+            else:
+                sec = list(rot.mrope_section)
+                if len(sec) != 3 or any(x < 0 for x in sec):
+                    raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: three sections "
+                                                            f"(t, h, w), each >= 0; got {sec}")
+                mrope = Value(literal=tuple(sec))
+        elif rot.mrope_section is not None:
+            raise self.err(rp + ("mrope_section",), f"{self._where(rp)}.mrope_section: only for mrope rotary kinds")
+        scaling = None
+        if rot.scaling is not None:
+            scaling = self.rope_scaling(rp + ("scaling",), rot.scaling)
+            if rot.kind != "neox":
+                raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
+                                                  f"rotary only")
+        fraction, rdim, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
+        return RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
+                        self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
+                        fraction, rdim, layout, enabled, kind_symbol, layout_symbol)
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:

@@ -152,8 +152,13 @@ class WeightsResolver:
             raise self.err(lp + ("interleave",), f"{where}.layout.interleave: must name each of the parameter's "
                                                  f"segments {names} once, got {inter}"
                                                  f"{did_you_mean(bad, names) if bad else ''}")
-        self.layouts_to_check.append((lp, where, p, lay.per))
-        return lay.per, tuple(inter)
+        if (lay.per == "group") != (lay.groups is not None):
+            raise self.err(lp, f"{where}.layout: `groups` (the number of groups) goes with `per: group` and only with "
+                               f"it", at_key=True)
+        if lay.groups is not None and lay.groups < 1:
+            raise self.err(lp + ("groups",), f"{where}.layout.groups: must be >= 1, got {lay.groups}")
+        self.layouts_to_check.append((lp, where, p, lay.per if lay.groups is None else lay.groups))
+        return (lay.per, tuple(inter)) if lay.groups is None else (lay.per, tuple(inter), lay.groups)
 
     def check_layout_variant(self, name: str, values: Mapping[str, Any]) -> None:
         """In a variant, each laid-out parameter's segments split into the layout's groups."""
@@ -163,6 +168,11 @@ class WeightsResolver:
             if per == "head" and len(set(heads.values())) != 1:
                 raise self.err(lp + ("per",), f"variants.{name}: {where}.layout per: head needs every segment to "
                                               f"have as many heads, got {shown}")
+            if isinstance(per, int):             # per: group, `per` groups
+                bad = [n for n, h in heads.items() if h % per]
+                if bad:
+                    raise self.err(lp + ("groups",), f"variants.{name}: {where}.layout per: group: {shown}: segment "
+                                                     f"'{bad[0]}' does not split into {per} groups")
             if per == "kv_group":
                 g = min(heads.values())
                 bad = [n for n, h in heads.items() if h % g]

@@ -78,6 +78,17 @@ class EmbeddingBlock(Strict):
     scale: Optional[Num] = None
 
 
+class PositionEmbeddingBlock(Strict):
+    """Absolute position embeddings added to the token embedding (after its `scale`), before the first layer:
+    `learned`: a table `[positions + offset, dim]` (parameter `embed_positions.weight`, replicated) read at row
+    `position + offset` (GPT-2's wpe, OPT's offset 2); `sinusoidal`: the fixed fairseq table (sin of the first
+    half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`."""
+    kind: Literal["learned", "sinusoidal"]
+    positions: Dim
+    dim: Dim
+    offset: StrictInt = 0
+
+
 class RMSNormBlock(Strict):
     """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b."""
     kind: Literal["rmsnorm"]
@@ -170,7 +181,7 @@ class AttentionBlock(Strict):
     head_dim: Dim
     qkv: FusedProjection
     out: Projection
-    rotary: Rotary
+    rotary: Optional[Rotary] = None     # absent: no rotary (absolute positions in the embedding, or ALiBi)
     qk_norm: Optional[QKNorm] = None
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
@@ -180,6 +191,10 @@ class AttentionBlock(Strict):
     # attention sinks (GPT-OSS): a learned logit per query head in the softmax denominator, parameter
     # `sinks [heads]` of this block (split by heads under TP)
     sinks: StrictBool = False
+    # ALiBi (Bloom, MPT): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled scores; the
+    # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
+    alibi: StrictBool = False
+    alibi_bias_max: Num = 8
 
 
 class MLAAttentionBlock(Strict):
@@ -386,6 +401,8 @@ class Decoder(Strict):
     # that moves the decoder, e.g. Qwen3-VL's model.language_model, reuses its base's `weights` as they are)
     prefix: StrictStr = "model"
     embed_tokens: EmbeddingBlock
+    embed_positions: Optional[PositionEmbeddingBlock] = None   # absolute positions added to the embedding
+    embed_norm: Optional[NormBlock] = None   # a norm of the embedding output, before the first layer (Bloom)
     layers: Layers
     norm: NormBlock
     deepstack: Optional[Deepstack] = None
@@ -397,9 +414,11 @@ class RowLayout(Strict):
     `tensor` (one group: the segments blocked in that order, "split by sizes"), `head` (one group per head, every
     segment with as many heads: GPT-NeoX `query_key_value` [h0: q k v, h1: q k v, ...]), `kv_group` (one group per
     head of the segment with the fewest heads, each holding heads / groups heads of every segment: Falcon's
-    [g0: q * (heads / kv_heads), k, v, g1: ...]; with one KV head the multi-query [q * heads, k, v])."""
+    [g0: q * (heads / kv_heads), k, v, g1: ...]; with one KV head the multi-query [q * heads, k, v]), `group`
+    (`groups` groups, each holding heads / groups heads of every segment: CodeGen's qkv_proj, 4 groups of [q v k])."""
     interleave: List[StrictStr]
-    per: Literal["tensor", "head", "kv_group"]
+    per: Literal["tensor", "head", "kv_group", "group"]
+    groups: Optional[StrictInt] = None   # per: group only: the number of groups
 
 
 class WeightEntry(Strict):

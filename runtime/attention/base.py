@@ -17,12 +17,15 @@ class AttentionVariant(NamedTuple):
     - logit_softcap c (None: off): scores = c * tanh(scores / c) on the scaled scores, before masking.
     - sinks (False: off): a learned per-head logit s_h joins the softmax denominator, p = exp(x) / (sum exp(x) +
       exp(s_h)) (GPT-OSS; the layer passes the per-rank tensor [H] to `forward(..., sinks=)`).
+    - alibi (False: off): ALiBi, slope_h * (key_pos - query_pos) added to the scaled scores (Bloom, MPT; the layer
+      passes this rank's slopes [H] to `forward(..., alibi_slopes=)`).
 
     Layers with different variants need their own attention plan; backends plan once per distinct variant.
     """
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
     sinks: bool = False
+    alibi: bool = False
 
     @property
     def window_left(self) -> int:
@@ -32,7 +35,7 @@ class AttentionVariant(NamedTuple):
 FULL = AttentionVariant()
 
 
-def make_variant(sliding_window=None, logit_softcap=None, sinks: bool = False) -> AttentionVariant:
+def make_variant(sliding_window=None, logit_softcap=None, sinks: bool = False, alibi: bool = False) -> AttentionVariant:
     """A validated AttentionVariant: sliding_window None or an int >= 1, logit_softcap None or a finite float > 0."""
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
@@ -42,7 +45,7 @@ def make_variant(sliding_window=None, logit_softcap=None, sinks: bool = False) -
                 or not math.isfinite(logit_softcap) or logit_softcap <= 0:
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
         logit_softcap = float(logit_softcap)
-    return AttentionVariant(sliding_window, logit_softcap, bool(sinks))
+    return AttentionVariant(sliding_window, logit_softcap, bool(sinks), bool(alibi))
 
 
 def attention_variants(layers: Iterable) -> tuple[AttentionVariant, ...]:

@@ -80,7 +80,7 @@ class TorchPagedBackend(AttentionBackend):
         return self._masks[key]
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
-                sinks: Optional[torch.Tensor] = None):
+                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None):
         if ctx is not self._ctx:
             self.plan(ctx)
         variant = variant or FULL
@@ -91,7 +91,8 @@ class TorchPagedBackend(AttentionBackend):
         use_cache = k_cache is not None and k_cache.numel() > 0
         if not self._live:
             return out
-        if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None and sinks is None:
+        if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None and sinks is None \
+                and alibi_slopes is None:
             return self._decode_step(q, k_cache, v_cache, ctx, scale, variant)
         if len(self._live) == 1 and use_cache:   # one sequence: slices, no gather indices (cheaper at batch 1)
             i = self._live[0]
@@ -100,7 +101,7 @@ class TorchPagedBackend(AttentionBackend):
             blocks = ctx.block_tables[i, :(n + bs - 1) // bs].long()
             ks, vs = k_cache[blocks].reshape(-1, Hk, D)[:n], v_cache[blocks].reshape(-1, Hk, D)[:n]
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
-                                variant.logit_softcap, sinks).to(q.dtype)
+                                variant.logit_softcap, sinks, alibi_slopes).to(q.dtype)
             return out
         rows, q_index, q_valid, q_pos, k_valid, L = self._index(q.device)
         B = len(rows)
@@ -120,6 +121,9 @@ class TorchPagedBackend(AttentionBackend):
         # positions past a row's length may hold stale or unwritten pages: zero V there (0 * NaN is NaN)
         vf = torch.where(k_valid[:, :, None, None], vs.float(), 0.0).permute(0, 2, 1, 3)[:, :, None]
         s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                          # [B, Hk, g, Q, L]
+        if alibi_slopes is not None:     # ALiBi: slope_h * (key position - query position)
+            rel = torch.arange(L, device=q.device)[None, None, :] - q_pos[:, :, None]   # [B, Q, L]
+            s = s + alibi_slopes.float().view(1, Hk, g, 1, 1) * rel[:, None, None]
         if variant.logit_softcap is not None:
             s = torch.tanh(s / variant.logit_softcap) * variant.logit_softcap
         s = s.masked_fill(~self._mask(variant, q_pos, k_valid, q_valid), float("-inf"))
@@ -171,12 +175,13 @@ def _softmax(s: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
-           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+           sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of q [Q, H, D] against k, v [L, Hk, D]; query j sits at position q_offset + j.
 
     HF eager semantics: scores = q k^T * scale; with logit_softcap c, scores = c * tanh(scores / c) (before the
     mask); key p is visible to query position i iff p <= i and, with a sliding window W, p > i - W. `sinks` [H]:
-    a per-head logit in the softmax denominator (attention sinks)."""
+    a per-head logit in the softmax denominator (attention sinks). `alibi_slopes` [H]: ALiBi, slope_h * (key position -
+    query position) added to the scaled scores."""
     Q, H, D = q.shape
     L, Hk, _ = k.shape
     g = H // Hk
@@ -184,10 +189,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
     kf = k.float().repeat_interleave(g, dim=1).transpose(0, 1)       # [H, L, D]
     vf = v.float().repeat_interleave(g, dim=1).transpose(0, 1)
     s = torch.matmul(qf, kf.transpose(1, 2)) * scale                 # [H, Q, L]
-    if logit_softcap is not None:
-        s = torch.tanh(s / logit_softcap) * logit_softcap
     qpos = torch.arange(Q, device=q.device)[:, None] + q_offset
     kpos = torch.arange(L, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        s = s + alibi_slopes.float().view(H, 1, 1) * (kpos - qpos)
+    if logit_softcap is not None:
+        s = torch.tanh(s / logit_softcap) * logit_softcap
     hidden = kpos > qpos
     if sliding_window is not None:
         hidden = hidden | (kpos <= qpos - sliding_window)

@@ -231,6 +231,18 @@ class ModelRunner:
                     f"query / key heads ({mixed[0].qk_head_dim}), as multi-head latent attention has (its latent "
                     "cache or its per-head K/V); the CUDA attention path (FlashInfer paged prefill / decode "
                     "wrappers, one head_dim) does not run it; serve it on the CPU (device='cpu')")
+            if any(layer.variant.alibi for layer in self.attn_layers):
+                raise NotImplementedError(
+                    "this model uses ALiBi (a per-head linear position bias on the attention scores), which the CUDA "
+                    "attention path (FlashInfer paged prefill / decode wrappers as planned here, the Triton decode "
+                    "kernel) does not implement; serve it on the CPU (device='cpu')")
+            scales = sorted({layer.scale for layer in self.attn_layers})
+            if len(scales) > 1:
+                raise NotImplementedError(
+                    f"this model's attention scale differs between layers ({scales[0]:g} .. {scales[-1]:g}: a "
+                    "per-layer attention scale, e.g. GPT-2's scale_attn_by_inverse_layer_idx), which the CUDA "
+                    "attention path (one FlashInfer plan per step, one sm_scale) does not implement; serve it on the "
+                    "CPU (device='cpu')")
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
             from xllm_gen.runtime.executor.cuda_graph import graph_buckets
             a = self.attn_layers[0]

@@ -12,9 +12,14 @@ from xllm_gen.runtime.layers.activation import (
                                             act,
                                             gated_act,
 )
-from xllm_gen.runtime.layers.attention import Attention, attention_sinks
+from xllm_gen.runtime.layers.attention import Attention, alibi_slopes, attention_sinks
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
-from xllm_gen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from xllm_gen.runtime.layers.embedding import (
+                                            LearnedPositionEmbedding,
+                                            ParallelLMHead,
+                                            SinusoidalPositionEmbedding,
+                                            VocabParallelEmbedding,
+)
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
                                             MergedColumnParallelLinear,
@@ -41,5 +46,5 @@ __all__ = [
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
     "attention_sinks", "routing_bias", "yarn_mscale", "latent_attention",
-    "linear_float32",
+    "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
 ]

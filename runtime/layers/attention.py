@@ -1,6 +1,7 @@
 """The attention layer: writes this step's K/V into the paged cache, then runs the step's backend."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -37,7 +38,7 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: bool = False,
-                 v_head_dim: Optional[int] = None):
+                 v_head_dim: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -45,7 +46,8 @@ class Attention(nn.Module):
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.head_dim = max(head_dim, self.v_head_dim)     # the cache's and the backend's head width
         self.scale = scale
-        self.variant = make_variant(sliding_window, logit_softcap, sinks)
+        self.variant = make_variant(sliding_window, logit_softcap, sinks, alibi_slopes is not None)
+        self.alibi_slopes = alibi_slopes     # ALiBi: this rank's heads' slopes [H] (float32), a plain attribute
         self.sliding_window = self.variant.sliding_window
         self.logit_softcap = self.variant.logit_softcap
         self.k_cache = torch.tensor([])
@@ -76,6 +78,11 @@ class Attention(nn.Module):
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if self.variant == FULL:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+        elif self.alibi_slopes is not None:
+            if self.alibi_slopes.device != q.device:
+                self.alibi_slopes = self.alibi_slopes.to(q.device)
+            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
+                                      sinks=sinks, alibi_slopes=self.alibi_slopes)
         elif sinks is not None:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
                                       sinks=sinks)
@@ -93,6 +100,8 @@ class Attention(nn.Module):
             s += f", logit_softcap={self.logit_softcap}"
         if self.variant.sinks:
             s += ", sinks=True"
+        if self.variant.alibi:
+            s += ", alibi=True"
         return s
 
 
@@ -106,3 +115,19 @@ def attention_sinks(num_heads: int) -> nn.Parameter:
     holder = nn.Module()
     raise_or_defer(holder, problems)
     return attach(param, ParamSplit("column", 0, (seg,), (seg.rows,), tp, rank, "attention_sinks"))
+
+
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
+    """This rank's ALiBi slopes (float32 [num_heads / tp]) of `num_heads` query heads (global count), as Bloom's
+    build_alibi_tensor and MPT's build_alibi_bias compute them (the two agree): with n the largest power of 2 at most
+    num_heads, the slopes 2 ** (-bias_max * i / n), i = 1..n, followed where num_heads is not a
+    power of 2 by the odd-indexed slopes of the 2n series. Split over the TP ranks by heads as q is."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-bias_max * i / n) for i in range(1, n + 1)]
+    if n != num_heads:
+        slopes += [2.0 ** (-bias_max * i / (2 * n)) for i in range(1, 2 * (num_heads - n), 2)]
+    tp, rank = get_tp_size(), get_tp_rank()
+    if num_heads % tp:
+        raise ValueError(f"ALiBi: {num_heads} heads cannot be split over {tp} tensor-parallel ranks")
+    per = num_heads // tp
+    return torch.tensor(slopes[rank * per:(rank + 1) * per], dtype=torch.float32, device="cpu")

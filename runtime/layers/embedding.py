@@ -5,12 +5,14 @@ checkpoint's [vocab, dim] tensor; rows past the vocabulary are zeroed. A tied he
 parameter (and so its loader): the weight plan has no rule for it."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime.executor.distributed import all_gather, all_reduce, get_tp_rank, get_tp_size
-from xllm_gen.runtime.executor.sharding import ParamSplit, SegmentSlice, attach, padded_vocab, vocab_range
+from xllm_gen.runtime.executor.sharding import ParamSplit, SegmentSlice, attach, padded_vocab, replicated, vocab_range
 
 
 class _VocabShard(nn.Module):
@@ -67,3 +69,55 @@ class ParallelLMHead(_VocabShard):
     def extra_repr(self) -> str:
         return (f"vocab={self.vocab_size} (padded {self.padded_vocab}), dim={self.dim}"
                 + (", bias=True" if self.bias is not None else ""))
+
+
+class LearnedPositionEmbedding(nn.Module):
+    """Absolute positions as a learned table: forward(positions [N]) -> weight[positions + offset] [N, dim].
+    The table `[num_positions + offset, dim]` is replicated on every rank (GPT-2's wpe; OPT stores its rows with
+    an offset of 2). A position past the table is an error, not a silent wrap."""
+
+    def __init__(self, num_positions: int, dim: int, offset: int = 0):
+        super().__init__()
+        self.num_positions, self.dim, self.offset = num_positions, dim, offset
+        self.weight = nn.Parameter(torch.empty(num_positions + offset, dim))
+        replicated(self.weight, type(self).__name__)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"positions={self.num_positions}, dim={self.dim}, offset={self.offset}"
+
+
+def sinusoidal_table(rows: int, dim: int) -> torch.Tensor:
+    """The fairseq / XGLM sinusoidal table [rows, dim] in float32, computed as transformers computes it: row p is
+    sin(p * f_j) for the first dim // 2 columns and cos(p * f_j) for the next (f_j = 10000 ** (-j / (dim // 2 - 1))),
+    a zero column last when dim is odd."""
+    half = dim // 2
+    with torch.device("cpu"):
+        step = math.log(10000) / (half - 1)
+        freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)
+        arg = torch.arange(rows, dtype=torch.int64).float().unsqueeze(1) * freq.unsqueeze(0)
+        table = torch.cat([torch.sin(arg), torch.cos(arg)], dim=1).view(rows, -1)
+        if dim % 2:
+            table = torch.cat([table, torch.zeros(rows, 1)], dim=1)
+    return table
+
+
+class SinusoidalPositionEmbedding(nn.Module):
+    """Absolute positions from the fixed sinusoidal table (no parameter): forward(positions [N]) ->
+    table[positions + offset] [N, dim] (float32; the caller casts). The table is a plain attribute (not a
+    buffer: it is not in the state dict), moved to the positions' device on first use."""
+
+    def __init__(self, num_positions: int, dim: int, offset: int = 0):
+        super().__init__()
+        self.num_positions, self.dim, self.offset = num_positions, dim, offset
+        self.table = sinusoidal_table(num_positions + offset, dim)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.table.device != positions.device:
+            self.table = self.table.to(positions.device)
+        return F.embedding(positions + self.offset, self.table)
+
+    def extra_repr(self) -> str:
+        return f"positions={self.num_positions}, dim={self.dim}, offset={self.offset}"

@@ -70,6 +70,34 @@ class _ExpertWindow:
         return self.base[(slice(self.e, self.e + 1), cols, rows)][0].transpose(0, 1).contiguous()
 
 
+class _FlatExperts:
+    """A tensor (or lazy slice) storing the experts' matrices one after another along dim 0, [E * rows, cols] (DBRX's
+    `experts.mlp.w1`), seen as the stacked [E, rows, cols]; reads only the rows asked for."""
+
+    def __init__(self, base, num_experts: int):
+        shape = source_shape(base)
+        self.base, self.rows, self.cols, self.e = base, shape[0] // num_experts, shape[1], num_experts
+
+    def get_shape(self) -> list[int]:
+        return [self.e, self.rows, self.cols]
+
+    def __getitem__(self, idx):
+        idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * 3
+        ea, eb, _ = idx[0].indices(self.e)
+        ra, rb, _ = idx[1].indices(self.rows)
+        return torch.stack([self.base[(slice(e * self.rows + ra, e * self.rows + rb), idx[2])] for e in range(ea, eb)])
+
+
+def _stacked(loaded, want: tuple):
+    """`loaded` as a stacked [E, a, b] source of the stacked parameter shape `want` [E, ...]: a flat 2-D tensor
+    [E * a, b] (experts one after another) is viewed as [E, a, b]; anything else is returned as it is."""
+    shape = tuple(source_shape(loaded))
+    if len(want) == 3 and len(shape) == 2 and shape[0] % want[0] == 0 and \
+            (shape[0] // want[0], shape[1]) in ((want[1], want[2]), (want[2], want[1])):
+        return _FlatExperts(loaded, want[0])
+    return loaded
+
+
 @dataclass(frozen=True)
 class ExpertSplit:
     """How a stacked expert parameter [E_local, rows, cols] is split, for this rank; `load` is its weight loader.
@@ -139,8 +167,32 @@ class ExpertSplit:
         raise WeightLoadError(f"{self.owner or 'the layer'} has no expert segment {shard_id!r}: shard ids are 'e' "
                               f"(e < {self.num_experts}) or 'e.<segment>' ({', '.join(self.inner.segment_names)})")
 
+    def segment_indices(self, shard_id: Union[int, str]) -> tuple[int, ...]:
+        """The segments a shard id fills: one ('e' / 'e.<segment>'), or a segment of every expert (a bare segment
+        name: one stacked tensor per segment, e.g. DBRX's w1 = gate, v1 = up of all experts)."""
+        segs = self.inner.segment_names if len(self.inner.segments) > 1 else ()
+        if isinstance(shard_id, str) and shard_id in segs:
+            k = segs.index(shard_id)
+            return tuple(e * len(segs) + k for e in self.expert_ids)
+        return (self.segment_index(shard_id),)
+
     def load(self, param: torch.Tensor, loaded, shard_id: Union[int, str, None] = None) -> None:
+        segs = self.inner.segment_names if len(self.inner.segments) > 1 else ()
+        if isinstance(shard_id, str) and shard_id in segs:        # one segment of every expert, stacked (or flat)
+            k = segs.index(shard_id)
+            inner = self.inner.global_shape()
+            rows = inner[0] // len(segs)
+            want = (self.num_experts, rows, inner[1])
+            loaded = _stacked(loaded, want)
+            shape = tuple(source_shape(loaded))
+            if shape != want and shape != (want[0], want[2], want[1]):
+                raise WeightLoadError(f"segment {shard_id!r} of all experts: shape {shape}, expected {want} (experts, "
+                                      f"out, in) or {(want[0], want[2], want[1])} (experts, in, out)")
+            for e in self.local_expert_ids:
+                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e, shape != want), segs[k])
+            return
         if shard_id is None:                                      # the whole stacked tensor [E, out, in] / [E, in, out]
+            loaded = _stacked(loaded, self.global_shape())
             shape, want = tuple(source_shape(loaded)), self.global_shape()
             if len(want) == 2 and shape != want:                  # a stacked bias [E, out]
                 raise WeightLoadError(f"shape {shape}, expected {want} (experts, out)")

@@ -10,6 +10,7 @@ all of q's rows, then k's, then v's. Checkpoints store some of them otherwise:
                     holding heads / groups heads of every segment (a GQA q|k|v stored per KV group as
                     [q * (heads / kv_heads), k, v]; with one KV head it is the blocked multi-query [q * heads, k, v];
                     with as many KV heads as heads it is per head)
+    per: group      the same with a fixed number of groups (`groups`; CodeGen: 4 groups of [q v k])
 
 A head is `unit` rows (head_dim for attention; 1 for an MLP's rows, so `per: head` over gate | up is the
 row-interleaved [g0 u0 g1 u1 ...]). `LayoutView` presents the checkpoint tensor as the blocked one the parameter's
@@ -25,17 +26,20 @@ from typing import Sequence
 
 from xllm_gen.runtime.executor.sharding import WeightLoadError, source_shape
 
-PER = ("tensor", "head", "kv_group")
+PER = ("tensor", "head", "kv_group", "group")
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    per: str                          # tensor | head | kv_group
+    per: str                          # tensor | head | kv_group | group
     order: tuple[str, ...]            # the segments in the order the checkpoint stores them within a group
+    groups: int | None = None         # per: group: the number of groups
 
     def __post_init__(self):
         if self.per not in PER:
             raise ValueError(f"RowLayout: per must be one of {', '.join(PER)}, not {self.per!r}")
+        if (self.per == "group") != (self.groups is not None) or (self.groups is not None and self.groups < 1):
+            raise ValueError(f"RowLayout: groups (>= 1) goes with per 'group' and only with it, got {self.groups!r}")
         object.__setattr__(self, "order", tuple(self.order))
 
     def view(self, loaded, segments: Sequence) -> "LayoutView":
@@ -60,10 +64,10 @@ class LayoutView:
                                       f"{', '.join(f'{n}: {h}' for n, h in heads.items())}")
             groups = next(iter(heads.values()))
         else:
-            groups = min(heads.values())
+            groups = min(heads.values()) if layout.per == "kv_group" else layout.groups
             bad = [n for n, h in heads.items() if h % groups]
             if bad:
-                raise WeightLoadError(f"layout per: kv_group: segment {bad[0]!r} has {heads[bad[0]]} heads, not a "
+                raise WeightLoadError(f"layout per: {layout.per}: segment {bad[0]!r} has {heads[bad[0]]} heads, not a "
                                       f"multiple of the {groups} groups")
         self.base, self.groups = base, groups
         self._span = None                                                   # (lo, hi, rows) last read

@@ -169,7 +169,9 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                                       f"{type(e).__name__}: {e}") from None
         split = getattr(param, "tp_split", None)
         if rule.segments and split is not None:
-            filled = {split.segment_index(s) for s in rule.segments}
+            filled = set()
+            for s in rule.segments:      # a stacked expert parameter's bare segment name fills it for every expert
+                filled.update(split.segment_indices(s) if hasattr(split, "segment_indices") else (split.segment_index(s),))
             left = [n for i, n in enumerate(split.segment_names) if i not in filled]
             if left:
                 raise CheckpointError(f"parameter {rule.param!r}: the weight plan fills segments "

@@ -61,6 +61,19 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "GPTNeoXForCausalLM": [{"use_parallel_residual": False}],
     # Falcon-40B / 180B: the new decoder architecture with grouped kv heads; Falcon-RW style: no multi-query
     "FalconForCausalLM": [{"new_decoder_architecture": True, "num_kv_heads": 2}, {"multi_query": False}],
+    # GPT-2: the per-layer attention scale (Mistral-era GPT-2 variants), unscaled attention, the untied head
+    "GPT2LMHeadModel": [{"scale_attn_by_inverse_layer_idx": True}, {"scale_attn_weights": False},
+                        {"tie_word_embeddings": False}],
+    # MPT-7B-storywriter / MPT-30B: q/k/v clipping and an explicit softmax scale, inside attn_config
+    "MptForCausalLM": [{"attn_config.clip_qkv": 0.5}, {"attn_config.softmax_scale": 0.5}],
+    # SantaCoder / StarCoder are multi-query (the default); the multi-head form stores c_attn per head
+    "GPTBigCodeForCausalLM": [{"multi_query": False}],
+    # GraniteMoeShared without its shared MLP (transformers' default; the tiny checkpoint has one)
+    "GraniteMoeSharedForCausalLM": [{"shared_intermediate_size": 0}],
+    # DBRX's GQA is attn_config.kv_n_heads (the top-level num_key_value_heads is derived from it): multi-query
+    "DbrxForCausalLM": [{"attn_config.kv_n_heads": 1}, {"attn_config.clip_qkv": 0.25}],
+    # opt-350m's post-LN layers and embedding projections (refused by name)
+    "OPTForCausalLM": [{"do_layer_norm_before": False}, {"word_embed_proj_dim": 32}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).

@@ -47,7 +47,8 @@ def _text_specs():
 
 def _cuda_refusal(architecture: str):
     """What the CUDA path refuses at load for this architecture's spec (None: it serves it): attention sinks
-    (codegen/README.md, attention `sinks`), value heads narrower than q/k (`mla_attention`'s expanded K/V). Read from the generated model (a GPU host needs no compiler)."""
+    (codegen/README.md, attention `sinks`, `alibi`), value heads narrower than q/k (`mla_attention`'s expanded K/V).
+    Read from the generated model (a GPU host needs no compiler)."""
     import importlib
 
     from xllm_gen.runtime.loading import registry
@@ -57,6 +58,8 @@ def _cuda_refusal(architecture: str):
         return "attention sinks"
     if source and "v_head_dim=" in Path(source).read_text():      # mla_attention: value heads of their own width
         return "value heads of another width"
+    if source and "L.alibi_slopes(" in Path(source).read_text():     # attention `alibi`
+        return "ALiBi"
     return None
 
 

@@ -1,0 +1,37 @@
+"""The embedding step besides the token embedding: absolute position embeddings (`decoder.embed_positions`: a
+learned table or the fixed sinusoidal one, added to the token embedding before the first layer: GPT-2, OPT, XGLM)
+and a norm of the embedding output (`decoder.embed_norm`: Bloom's word_embeddings_layernorm). A mixin of resolver._Resolver (which provides
+err / dim and the spec), as resolver_blocks.py is for the block kinds."""
+from __future__ import annotations
+
+from .ir import EmbeddingIR, NormIR, ParamIR, PositionEmbeddingIR, Size
+
+# the largest position offset a spec may declare (OPT: 2, XGLM: 2)
+MAX_OFFSET = 1024
+
+
+class PositionsResolver:
+    def resolve_embed_positions(self, embed: EmbeddingIR) -> PositionEmbeddingIR:
+        p = ("decoder", "embed_positions")
+        b = self.spec.decoder.embed_positions
+        dim = self.dim(p + ("dim",), b.dim)
+        if str(dim) != str(embed.dim):
+            raise self.err(p + ("dim",), f"decoder.embed_positions.dim: is {dim}, but the residual stream has the "
+                                         f"embedding's width {embed.dim} (decoder.embed_tokens.dim)")
+        if not 0 <= b.offset <= MAX_OFFSET:
+            raise self.err(p + ("offset",), f"decoder.embed_positions.offset: must be in 0..{MAX_OFFSET}, got "
+                                            f"{b.offset}")
+        return PositionEmbeddingIR(b.kind, self.dim(p + ("positions",), b.positions), dim, b.offset)
+
+    def position_param(self, pe: PositionEmbeddingIR) -> ParamIR:
+        """A learned table: `<prefix>.embed_positions.weight [positions + offset, dim]`, replicated."""
+        rows = pe.positions + Size.of(pe.offset) if pe.offset else pe.positions
+        return ParamIR(f"{self.prefix}.embed_positions.weight", "decoder.embed_positions", (rows, pe.dim), "replicated")
+
+    def resolve_embed_norm(self, embed: EmbeddingIR) -> NormIR:
+        p = ("decoder", "embed_norm")
+        norm = self.resolve_norm(p, "embed_norm", self.spec.decoder.embed_norm)
+        if str(norm.dim) != str(embed.dim):
+            raise self.err(p + ("dim",), f"decoder.embed_norm.dim: is {norm.dim}, but the residual stream has the "
+                                         f"embedding's width {embed.dim} (decoder.embed_tokens.dim)")
+        return norm
