@@ -57,6 +57,18 @@ def _lookup(cfg: Any, path: str) -> Any:
     return node
 
 
+def _present_null(cfg: Any, path: str) -> bool:
+    """The field is written in config.json with the value null (transformers then holds None, not its class
+    default: what an `optional` symbol with a default reads as None)."""
+    node: Any = cfg
+    parts = path.split(".")
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or node.get(part) is None:
+            return False
+        node = node[part]
+    return isinstance(node, dict) and parts[-1] in node and node[parts[-1]] is None
+
+
 def config_value(cfg: dict, *paths: str, default: Any = MISSING) -> Any:
     """The first of `paths` present in `cfg`, else `default` (a missing field without one raises)."""
     for path in paths:
@@ -113,6 +125,8 @@ class ConfigReader:
             if v is not MISSING:
                 where, value = p, v
                 break
+        if where is None and optional and any(_present_null(self.hf, p) for p in paths):
+            where, value = next(p for p in paths if _present_null(self.hf, p)), None   # an explicit null: None
         if where is None:
             if default_fn is not None:
                 value = default_fn()
