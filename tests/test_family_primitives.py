@@ -106,3 +106,28 @@ def test_optional_symbol_with_default_reads_null_as_none():
     absent = {k: v for k, v in cfg.items() if k != "sliding_window"}
     assert Config.from_hf(absent).sliding_window == 4096          # transformers' Exaone4Config default
     assert Config.from_hf({**cfg, "sliding_window": None}).sliding_window is None
+
+
+def test_xielu_equals_transformers_with_learned_parameters():
+    from transformers.activations import ACT2CLS
+
+    from xllm_gen.runtime.layers.activation import act
+    ref = ACT2CLS["xielu"](dtype=torch.float32)
+    mine = act("xielu")
+    with torch.no_grad():
+        for name, value in (("alpha_p", [0.3]), ("alpha_n", [-0.7])):
+            getattr(ref, name).copy_(torch.tensor(value))
+        mine.load_state_dict({"alpha_p": ref.alpha_p.detach(), "alpha_n": ref.alpha_n.detach(), "beta": ref.beta,
+                              "eps": ref.eps})
+    x = torch.linspace(-6, 6, 101)
+    torch.testing.assert_close(mine(x), ref(x), rtol=0, atol=0)
+    assert {n for n, _ in mine.named_parameters()} == {"alpha_p", "alpha_n", "beta", "eps"}
+
+
+def test_learned_activation_must_be_admitted_alone(tmp_path, capsys):
+    spec = tmp_path / "two_acts.yaml"
+    spec.write_text((ROOT / "specs" / "apertus.yaml").read_text().replace(
+        "extends: llama.yaml", f"extends: {ROOT / 'specs' / 'llama.yaml'}").replace(
+        "values: [xielu]", "values: [xielu, relu2]"))
+    assert cli.main(["--dry-run", str(spec)]) == 2
+    assert "has learned parameters" in capsys.readouterr().err
