@@ -131,3 +131,22 @@ def test_learned_activation_must_be_admitted_alone(tmp_path, capsys):
         "values: [xielu]", "values: [xielu, relu2]"))
     assert cli.main(["--dry-run", str(spec)]) == 2
     assert "has learned parameters" in capsys.readouterr().err
+
+
+def test_ntk_alpha_rope_served_where_the_spec_reads_alpha(tmp_path):
+    """Hunyuan's released rope (`dynamic` with an `alpha` key: theta * alpha ** (d / (d - 2)), static) through a
+    rope-mapping key that a symbol of the spec reads and a theta expression with a division exponent; transformers'
+    tokens depend on alpha, and the engine agrees. A spec that does not read the key still refuses it by name."""
+    from fixtures.tiny_hf import make_tiny_checkpoint
+
+    from xllm_gen.codegen.verify import verify
+    from xllm_gen.generated.llama.model import Config as LlamaConfig
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}
+    ckpt = make_tiny_checkpoint("HunYuanDenseV1ForCausalLM", tmp_path / "hy", overrides={"rope_parameters": rope})
+    report = verify(ROOT / "specs" / "hunyuan_v1_dense.yaml", ckpt, max_tokens=8, prompt_lens=(9, 30))
+    assert report.ok, report.text()
+    llama = json.loads(json.dumps({"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                                   "num_hidden_layers": 1, "num_attention_heads": 4, "rope_parameters": rope}))
+    with pytest.raises(ConfigError, match=r"rope_parameters.alpha=1000.0"):
+        LlamaConfig.from_hf(llama)

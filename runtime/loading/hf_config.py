@@ -221,11 +221,10 @@ class ConfigReader:
             if key not in known:
                 if v is None:
                     continue
-                if key == "partial_rotary_factor":   # modeled only where a symbol reads it (checked in finish)
-                    self.rope_pending.append((f"{path}.{key}", v, name, known))
-                    continue
-                raise self.error(f"does not model {path}.{key}={v!r} (rope type {name!r} reads: "
-                                 f"{', '.join(known) or 'nothing'})")
+                # another key (partial_rotary_factor, Hunyuan's alpha): modeled only where a symbol of the spec
+                # reads it (checked in finish)
+                self.rope_pending.append((f"{path}.{key}", v, name, known))
+                continue
             if key == "truncate":
                 if not isinstance(v, bool):
                     raise self.error(f"config.json field '{path}.{key}' = {v!r} is not a bool")
@@ -257,7 +256,7 @@ class ConfigReader:
         for key, v, name, known in self.rope_pending:
             if key not in self.read_paths:
                 raise self.error(f"does not model {key}={v!r} (rope type {name!r} reads: "
-                                 f"{', '.join(known) or 'nothing'}; no symbol reads the partial rotary factor)")
+                                 f"{', '.join(known) or 'nothing'}; no symbol of the spec reads it)")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
             if got is MISSING and key in self.defaults:      # absent: the family's transformers default applies
