@@ -209,10 +209,7 @@ class _Eval:
                 and abs(a).bit_length() * b > 64 * 2:
             raise ExprError(f"{_short(a)} ** {b} is out of range (an int must lie within +-2**63)")
         try:
-            out = _BINOPS[type(n.op)](a, b)
-            if isinstance(out, complex):
-                raise ExprError(f"{_short(a) if not isinstance(a, float) else a!r} ** {b!r} is not a real number")
-            return _bounded(out)
+            return _bounded(_BINOPS[type(n.op)](a, b))
         except OverflowError:
             raise ExprError("the result is out of range (float overflow)") from None
 
