@@ -85,6 +85,9 @@ def _check_exponent(node: ast.AST) -> None:
     """The exponent of `**` is a constant of magnitude <= MAX_EXPONENT (`hidden_size ** 0.5`, `x ** -0.5`,
     `2 ** 10`): the generated code evaluates a power over the checkpoint's config at load, so a symbol (or a
     nested power) in the exponent could compute an unbounded number there."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and not all(
+            isinstance(x, ast.Constant) for x in (node.left, node.right)):
+        return              # a true division is a float: a float power takes constant time (or overflows)
     folded = node
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         folded = node.operand
@@ -93,7 +96,8 @@ def _check_exponent(node: ast.AST) -> None:
         folded = folded.left            # 1 / 2: a constant fraction
     if not (isinstance(folded, ast.Constant) and isinstance(folded.value, (int, float))
             and not isinstance(folded.value, bool)):
-        raise ExprError("the exponent of `**` must be a number literal (e.g. `x ** 0.5`, `x ** -0.5`, `x ** (1 / 3)`)")
+        raise ExprError("the exponent of `**` must be a number literal (e.g. `x ** 0.5`, `x ** -0.5`, `x ** (1 / 3)`) "
+                        "or a division (`alpha ** (head_dim / (head_dim - 2))`)")
     value = _Eval({}).run(node)
     if not abs(value) <= MAX_EXPONENT:
         raise ExprError(f"exponent {value!r} is too large (at most {MAX_EXPONENT} in magnitude)")

@@ -361,6 +361,7 @@ class MLPIR:
     up_bias: Value
     down_name: str
     down_bias: Value
+    learned_activation: Optional[str] = None   # an activation with parameters (xielu): they live under act_fn
 
 
 @dataclass(frozen=True)

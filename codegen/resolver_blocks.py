@@ -52,6 +52,10 @@ ACTIVATIONS = ("silu", "swish", "relu", "relu2", "relu6", "leaky_relu", "gelu", 
                "gelu_pytorch_tanh", "gelu_new", "gelu_accurate", "gelu_python_tanh", "gelu_fast", "quick_gelu", "tanh",
                "sigmoid", "mish", "hardswish", "sqrtsoftplus", "laplace", "linear")
 
+# activations with learned parameters (runtime PARAM_ACTIVATIONS), for a plain `mlp` only: their parameters live
+# under the block's `act_fn` module, as transformers stores them (name -> parameter shapes)
+PARAM_ACTIVATIONS = {"xielu": (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()), ("eps", ()))}
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -149,14 +153,22 @@ class BlockResolver(MLAResolver):
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                               self.flag(path + ("down", "bias"), b.down.bias), act_params)
         if isinstance(b, MLPBlock):
-            act = self.activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation")
+            act = self.activation(path + ("activation",), b.activation, ACTIVATIONS + tuple(PARAM_ACTIVATIONS),
+                                  "an activation")
+            vals = self.config[act.symbol].values if act.symbol is not None else (act.literal,)
+            learned = [v for v in vals if v in PARAM_ACTIVATIONS]
+            if learned and len(vals) > 1:
+                raise self.err(("config", act.symbol, "values"), f"config.{act.symbol}.values: '{learned[0]}' "
+                                                                 f"has learned parameters (act_fn.*): a symbol "
+                                                                 f"selecting it must admit it alone")
             up = self.ident(path + ("up", "name"), b.up.name, "module name")
             dn = self.ident(path + ("down", "name"), b.down.name, "module name")
             if up == dn:
                 raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
             return MLPIR("mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
-                         act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias))
+                         act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias),
+                         learned[0] if learned else None)
         if isinstance(b, MoEBlock):
             router = self.ident(path + ("router", "name"), b.router.name, "module name")
             if router == "experts":
@@ -386,6 +398,8 @@ class BlockResolver(MLAResolver):
         if isinstance(b, MLPIR):
             ps = column(f"{b.up_name}.", b.hidden, [SegmentIR(b.up_name, b.intermediate, one)], _maybe(b.up_bias))
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
+            for pname, shape in PARAM_ACTIVATIONS.get(b.learned_activation, ()):
+                ps.append(P(f"act_fn.{pname}", tuple(Size.of(n) for n in shape), "replicated"))
             return ps
         if isinstance(b, GatedMLPIR):
             g, u = b.gate_up_segments

@@ -78,11 +78,18 @@ class WeightsResolver:
                 if per_expert and "{e}" not in src:
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': the experts are "
                                                      f"stacked from per-expert tensors: name each with {{e}}")
+                # {h}: one tensor per row of dim 0 (a head: a per-head norm stored as `norms.{h}.weight`), stacked
+                stacked_rows = "{h}" in src and len(sources) == 1 and p.experts is None and len(p.shape) >= 2 \
+                    and not (e is not None and (e.transpose or e.segments_interleaved or e.layout))
                 rest = re.sub(r"\{[ie]\}" if p.experts is not None else r"\{i\}", "", src)
+                if stacked_rows:
+                    rest = rest.replace("{h}", "", 1)
                 if rest.count("{") or rest.count("}") or (not looped and "{i}" in src):
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}': only per-layer tensors "
-                                                     f"may use {{i}}, only stacked expert parameters {{e}}, and no "
-                                                     f"other placeholder exists")
+                                                     f"may use {{i}}, only stacked expert parameters {{e}}, only "
+                                                     f"a parameter of two or more dims read from one name {{h}} (one "
+                                                     f"tensor per row of its first dim), and no other placeholder "
+                                                     f"exists")
             wt = self.weight_layout(p, sources, e, path, where_s, keys.get(p.name, ""))
             if e is not None:
                 wt = dataclasses.replace(wt, layout=self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e))

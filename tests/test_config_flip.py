@@ -34,7 +34,10 @@ NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
              "vision_start_token_id": "text prompts", "vision_end_token_id": "text prompts",
              # gated by another field: a window applies only on the layers layer_types marks sliding (none in
              # the tiny Qwen configs, use_sliding_window false); the battery's window arm flips it where it applies
-             "sliding_window": "gated by layer_types / use_sliding_window"}
+             "sliding_window": "gated by layer_types / use_sliding_window",
+             # Hunyuan's NTK alpha stretches theta only with rope type dynamic (the tiny config's is default);
+             # tests/test_family_primitives.py serves it with dynamic against transformers, and without the alpha
+             "rope_alpha": "gated by the rope type (dynamic)"}
 # (spec, symbol) of the default run: one spec, fields of different kinds (float, str with values, bool)
 DEFAULT_ARM = {("qwen3", "rms_norm_eps"), ("qwen3", "hidden_act"), ("qwen3", "attention_bias")}
 

@@ -126,12 +126,20 @@ def test_spec_defaults_are_transformers_defaults(spec):
         pytest.skip(f"transformers has no config class for {s.architectures[0]}")
     wrong = []
     for name, f in s.config.items():
-        if f.from_ is None or f.default is None or f.type == "rope":
+        if f.from_ is None or f.type == "rope":
             continue
         paths = [f.from_] if isinstance(f.from_, str) else f.from_
         if paths[0].split(".")[-1] in GENERIC_FIELDS:
             continue
         want = next((v for v in (_lookup(hf, p) for p in paths) if v is not None), None)
+        if f.default is None and f.optional and f.default_expr is None:
+            # optional without a default: absent means None here, so transformers' default must be None too
+            if want is not None and not isinstance(want, (dict, list)):
+                wrong.append(f"config.{name}: optional without a default means None when absent, transformers: "
+                             f"{want!r} (give `default: {want!r}`)")
+            continue
+        if f.default is None:
+            continue
         if want is not None and not _same(f.default, want):
             wrong.append(f"config.{name}.default: {f.default!r}, transformers: {want!r}")
     for key, assumed in s.config_assume.items():
@@ -247,6 +255,7 @@ def test_short_layer_types_is_a_located_error(tmp_path):
     ("9 ** 9 ** 9", "the exponent of `**` must be a number literal"),
     ("10 ** 100", "exponent 100 is too large"),
     ("hidden_size ** num_hidden_layers", "the exponent of `**` must be a number literal"),
+    ("hidden_size ** (num_hidden_layers * 2)", "the exponent of `**` must be a number literal"),
     ("2 ** 63 + hidden_size", "out of range"),
     ("len([0] * 10 ** 7)", "more than 1000000"),
 ])

@@ -24,7 +24,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT_CANDIDATES = {
     "SeedOssForCausalLM": {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True},
-    "HyperCLOVAXForCausalLM": {"attention_bias": True, "mlp_bias": True},
     "MinistralForCausalLM": {},
 }
 
@@ -36,7 +35,11 @@ def _claimed() -> set:
     return out
 
 
-ARCH, OVERRIDES = next((a, o) for a, o in DRAFT_CANDIDATES.items() if a not in _claimed())
+# The first candidate no spec claims; when every one is claimed (specs/seed_oss.yaml, specs/ministral.yaml exist),
+# the first one: the draft compiles out of tree and verify serves the drafted module, so the shipped spec plays no
+# part in what is tested. (HyperCLOVAX is no candidate: its post-norms, use_post_norm, are not Llama-like.)
+ARCH, OVERRIDES = next(((a, o) for a, o in DRAFT_CANDIDATES.items() if a not in _claimed()),
+                       next(iter(DRAFT_CANDIDATES.items())))
 
 
 def _cli(*args) -> tuple[int, str, str]:

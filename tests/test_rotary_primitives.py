@@ -99,8 +99,13 @@ def test_rotary_axes_refused_when_invalid():
 
     with pytest.raises(ValueError, match="even"):
         L.Rotary(16, 1e4, 64, rotary_dim=6 + 1)
-    with pytest.raises(ValueError, match="1..head_dim"):
+    with pytest.raises(ValueError, match="0..head_dim"):
         L.Rotary(16, 1e4, 64, rotary_dim=32)
+    # no rotating dim (transformers: int(head_dim * partial_rotary_factor) == 0): q and k pass unchanged
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    for layout in ("neox", "interleaved"):
+        out = L.Rotary(16, 1e4, 64, rotary_dim=0, layout=layout)(torch.arange(3), q, k)
+        assert torch.equal(out[0], q) and torch.equal(out[1], k)
     with pytest.raises(ValueError, match="layout"):
         L.Rotary(16, 1e4, 64, layout="gptj")
     with pytest.raises(ValueError, match="kind 'neox' only"):

@@ -34,6 +34,25 @@ class AttentionVariant(NamedTuple):
 
 FULL = AttentionVariant()
 
+# Head dims FlashInfer's paged prefill / decode kernels are built for (DISPATCH_HEAD_DIM: 64, 128, 256; 512 only
+# on SM12x): any other one fails inside the kernel (GPT-J's tiny head_dim 16 did on an H200).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False) -> Optional[str]:
+    """Why the CUDA attention path (FlashInfer) cannot serve layers of these head dims / variants, naming the
+    feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide)."""
+    if sinks:
+        return ("this model uses attention sinks (a learned per-head logit in the softmax denominator), which "
+                "the CUDA attention path (FlashInfer paged prefill / decode wrappers) does not implement; "
+                "serve it on the CPU (device='cpu')")
+    bad = sorted({int(d) for d in head_dims} - set(FLASHINFER_HEAD_DIMS))
+    if bad:
+        return (f"this model's attention head_dim {', '.join(map(str, bad))} is not one FlashInfer's paged "
+                f"prefill / decode kernels support ({', '.join(map(str, FLASHINFER_HEAD_DIMS))}), so the CUDA "
+                "attention path cannot serve it; serve it on the CPU (device='cpu')")
+    return None
+
 
 def make_variant(sliding_window=None, logit_softcap=None, sinks: bool = False, alibi: bool = False) -> AttentionVariant:
     """A validated AttentionVariant: sliding_window None or an int >= 1, logit_softcap None or a finite float > 0."""

@@ -219,11 +219,6 @@ class ModelRunner:
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
         if self.device.type == "cuda" and not self.debug.get("torch_attention"):
-            if any(layer.variant.sinks for layer in self.attn_layers):
-                raise NotImplementedError(
-                    "this model uses attention sinks (a learned per-head logit in the softmax denominator), which "
-                    "the CUDA attention path (FlashInfer paged prefill / decode wrappers) does not implement; "
-                    "serve it on the CPU (device='cpu')")
             mixed = [layer for layer in self.attn_layers if layer.qk_head_dim != layer.v_head_dim]
             if mixed:
                 raise NotImplementedError(
@@ -243,6 +238,11 @@ class ModelRunner:
                     "per-layer attention scale, e.g. GPT-2's scale_attn_by_inverse_layer_idx), which the CUDA "
                     "attention path (one FlashInfer plan per step, one sm_scale) does not implement; serve it on the "
                     "CPU (device='cpu')")
+            from xllm_gen.runtime.attention.base import cuda_attention_refusal
+            refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
+                                             sinks=any(layer.variant.sinks for layer in self.attn_layers))
+            if refusal:
+                raise NotImplementedError(refusal)
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
             from xllm_gen.runtime.executor.cuda_graph import graph_buckets
             a = self.attn_layers[0]

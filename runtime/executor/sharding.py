@@ -159,7 +159,9 @@ def read_range(loaded, dim: int, start: int, stop: int) -> torch.Tensor:
 
 
 def read_all(loaded) -> torch.Tensor:
-    return loaded[:] if hasattr(loaded, "get_shape") else loaded
+    if not hasattr(loaded, "get_shape"):
+        return loaded
+    return loaded[()] if len(loaded.get_shape()) == 0 else loaded[:]     # a scalar (0-dim) tensor: no slice
 
 
 class RowWindow:

@@ -185,8 +185,35 @@ class ClampedSwiGLU(nn.Module):
 GATED_FORMS = {"swiglu_clamped": ClampedSwiGLU}
 
 
+class XIELU(nn.Module):
+    """xIELU (Apertus; transformers' XIELUActivation, its Python form), with its learned parameters as the
+    checkpoint stores them under the activation module (`act_fn.alpha_p`, `act_fn.alpha_n` [1]; `act_fn.beta`,
+    `act_fn.eps` scalars): a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n);
+    x > 0: a_p x^2 + beta x, else (expm1(min(x, eps)) - x) a_n + beta x. Replicated under TP."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.tensor(0.5), requires_grad=False)
+        self.eps = nn.Parameter(torch.tensor(-1e-6), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
+
+
+# activations with learned parameters (stored in the checkpoint under the activation module): plain MLPs only
+PARAM_ACTIVATIONS = {"xielu": XIELU}
+
+
 def act(name: str) -> nn.Module:
-    """The activation module for a Hugging Face activation name (see ACTIVATIONS); any other raises ValueError."""
+    """The activation module for a Hugging Face activation name (see ACTIVATIONS, PARAM_ACTIVATIONS); any other
+    raises ValueError."""
+    if name in PARAM_ACTIVATIONS:
+        return PARAM_ACTIVATIONS[name]()
     if name not in ACTIVATION_FNS:
         raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
     return Act(name)

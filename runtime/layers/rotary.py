@@ -251,8 +251,8 @@ class Rotary(nn.Module):
         if layout != "neox" and kind != "neox":
             raise ValueError(f"rotary layout {layout!r} is for kind 'neox' only, not {kind!r}")
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim:
-            raise ValueError(f"rotary_dim must be an int in 1..head_dim = {head_dim}, got {rotary_dim!r}")
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 <= rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim must be an int in 0..head_dim = {head_dim}, got {rotary_dim!r}")
         if rotary_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}" if rotary_dim == head_dim else
                              f"rotary dims must be even, got {rotary_dim} (of head_dim {head_dim})")
@@ -266,11 +266,13 @@ class Rotary(nn.Module):
         self.scaling = dict(scaling) if scaling else None
         self.rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
         half = rotary_dim // 2
+        # no rotating dim (transformers: int(head_dim * partial_rotary_factor) == 0): q and k pass unchanged
         self.inv_freq, self.cos_sin_cache, self.attention_factor = _rope_tables(
-            rotary_dim, self.theta, max_position, torch.device("cpu"), self.scaling, head_dim)
+            rotary_dim, self.theta, max_position, torch.device("cpu"), self.scaling, head_dim) if rotary_dim else \
+            (torch.empty(0), torch.empty(max_position, 0), 1.0)
         # interleaved: the rotary dims gathered evens then odds (pairs (2j, 2j + 1) -> (j, j + half))
         self.gather = (torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
-                       if layout == "interleaved" else None)
+                       if layout == "interleaved" and rotary_dim else None)
         if kind == "neox":
             if mrope_section is not None:
                 raise ValueError("mrope_section is only for the mrope kinds")
@@ -286,7 +288,7 @@ class Rotary(nn.Module):
         return self.head_dim == self.full_head_dim and self.gather is None
 
     def _to(self, device: torch.device) -> None:
-        if self.inv_freq.device != device:
+        if self.inv_freq.device != device and self.head_dim:
             self.inv_freq, self.cos_sin_cache, _ = _rope_tables(self.head_dim, self.theta, self.max_position,
                                                                 device, self.scaling, self.full_head_dim)
             if self.axis_map is not None:
@@ -304,6 +306,8 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         self._check_positions(positions)
+        if self.head_dim == 0:                      # nothing rotates
+            return q, k
         self._to(q.device)
         if self.whole:
             return self._rope(positions, q, k)

@@ -57,6 +57,18 @@ def _lookup(cfg: Any, path: str) -> Any:
     return node
 
 
+def _present_null(cfg: Any, path: str) -> bool:
+    """The field is written in config.json with the value null (transformers then holds None, not its class
+    default: what an `optional` symbol with a default reads as None)."""
+    node: Any = cfg
+    parts = path.split(".")
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or node.get(part) is None:
+            return False
+        node = node[part]
+    return isinstance(node, dict) and parts[-1] in node and node[parts[-1]] is None
+
+
 def config_value(cfg: dict, *paths: str, default: Any = MISSING) -> Any:
     """The first of `paths` present in `cfg`, else `default` (a missing field without one raises)."""
     for path in paths:
@@ -113,6 +125,8 @@ class ConfigReader:
             if v is not MISSING:
                 where, value = p, v
                 break
+        if where is None and optional and any(_present_null(self.hf, p) for p in paths):
+            where, value = next(p for p in paths if _present_null(self.hf, p)), None   # an explicit null: None
         if where is None:
             if default_fn is not None:
                 value = default_fn()
@@ -207,11 +221,10 @@ class ConfigReader:
             if key not in known:
                 if v is None:
                     continue
-                if key == "partial_rotary_factor":   # modeled only where a symbol reads it (checked in finish)
-                    self.rope_pending.append((f"{path}.{key}", v, name, known))
-                    continue
-                raise self.error(f"does not model {path}.{key}={v!r} (rope type {name!r} reads: "
-                                 f"{', '.join(known) or 'nothing'})")
+                # another key (partial_rotary_factor, Hunyuan's alpha): modeled only where a symbol of the spec
+                # reads it (checked in finish)
+                self.rope_pending.append((f"{path}.{key}", v, name, known))
+                continue
             if key == "truncate":
                 if not isinstance(v, bool):
                     raise self.error(f"config.json field '{path}.{key}' = {v!r} is not a bool")
@@ -243,7 +256,7 @@ class ConfigReader:
         for key, v, name, known in self.rope_pending:
             if key not in self.read_paths:
                 raise self.error(f"does not model {key}={v!r} (rope type {name!r} reads: "
-                                 f"{', '.join(known) or 'nothing'}; no symbol reads the partial rotary factor)")
+                                 f"{', '.join(known) or 'nothing'}; no symbol of the spec reads it)")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
             if got is MISSING and key in self.defaults:      # absent: the family's transformers default applies

@@ -8,6 +8,7 @@ name the tensor, parameter or file.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from safetensors import safe_open
 from xllm_gen.runtime.executor.sharding import WeightLoadError, default_weight_loader
 from xllm_gen.runtime.loading.quant_config import QuantConfig
 from xllm_gen.runtime.loading.quant_load import QuantLoad, QuantLoadError
-from xllm_gen.runtime.loading.weights import WeightRule
+from xllm_gen.runtime.loading.weights import StackedRows, WeightRule
 
 # safetensors dtype names (get_dtype()) that hold floating-point values
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
@@ -142,7 +143,16 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         loader = getattr(param, "weight_loader", default_weight_loader)
         shard_ids = rule.segments or (None,)
         for name, shard_id in zip(rule.sources, shard_ids):
-            sl = ckpt.slice(name)
+            if "{h}" in name:           # one tensor per row (head) of the parameter: h = 0, 1, ... while present
+                rows = list(itertools.takewhile(lambda n: n in ckpt.file_of,
+                                                (name.replace("{h}", str(h)) for h in itertools.count())))
+                if not rows:
+                    raise CheckpointError(f"{model_dir}: missing tensor {name.replace('{h}', '0')!r} (row 0 of "
+                                          f"{name!r}, stacked into parameter {rule.param!r})")
+                used_sources.update(rows)
+                sl, name = StackedRows([ckpt.slice(n) for n in rows]), rows[0]
+            else:
+                sl = ckpt.slice(name)
             try:
                 sl = qload.source(rule.param, name, sl)
             except QuantLoadError as e:

@@ -44,6 +44,8 @@ def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
     name (with {i}) -> the row layout of its one fused checkpoint tensor."""
     layouts = layouts or {}
     table = [(_pattern(k), v, layouts.get(k)) for k, v in sources.items()]
+    # a laid-out tensor stored under the parameter's own name has no WEIGHT_SOURCES entry: its layout still applies
+    table += [(_pattern(k), k, lay) for k, lay in layouts.items() if k not in sources]
     rules = []
     for name, param in model.named_parameters():
         for pat, src, row_layout in table:

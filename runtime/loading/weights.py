@@ -99,6 +99,40 @@ class LayoutView:
         return out.contiguous()
 
 
+class StackedRows:
+    """Tensors `parts` (lazy slices, each of one shape) seen as one tensor stacked along a new dim 0: a parameter
+    whose rows are stored one tensor each (a per-head norm as `norms.{h}.weight`, a `weights` source with `{h}`).
+    get_shape() / get_dtype() and basic slicing; only the parts of the rows asked for are read."""
+
+    def __init__(self, parts: list):
+        if not parts:
+            raise WeightLoadError("no tensor for row 0 of a stacked ({h}) source")
+        shapes = [[int(x) for x in (q.get_shape() if hasattr(q, "get_shape") else q.shape)] for q in parts]
+        bad = next((h for h, sh in enumerate(shapes) if sh != shapes[0]), None)
+        if bad is not None:
+            raise WeightLoadError(f"the tensor of row {bad} has shape {tuple(shapes[bad])}, row 0's "
+                                  f"{tuple(shapes[0])}: a stacked ({{h}}) source needs one shape")
+        self.parts, self.shape = parts, [len(parts)] + shapes[0]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self):
+        q = self.parts[0]
+        return q.get_dtype() if hasattr(q, "get_dtype") else q.dtype
+
+    def __getitem__(self, idx):
+        import torch
+
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        rows = idx[0] if idx else slice(None)
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("StackedRows supports plain slices only")
+        a, b, _ = rows.indices(self.shape[0])
+        rest = tuple(idx[1:]) or (slice(None),)
+        return torch.stack([self.parts[h][rest] for h in range(a, max(a, b))]).contiguous()
+
+
 @dataclass(frozen=True)
 class WeightRule:
     param: str                                   # parameter name in the model (model.named_parameters())

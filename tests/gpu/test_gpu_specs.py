@@ -45,12 +45,14 @@ def _text_specs():
     return out
 
 
-def _cuda_refusal(architecture: str):
+def _cuda_refusal(architecture: str, ckpt: Path | None = None):
     """What the CUDA path refuses at load for this architecture's spec (None: it serves it): attention sinks
-    (codegen/README.md, attention `sinks`, `alibi`), value heads narrower than q/k (`mla_attention`'s expanded K/V).
-    Read from the generated model (a GPU host needs no compiler)."""
+    (codegen/README.md, attention `sinks`, `alibi`), value heads narrower than q/k (`mla_attention`'s expanded K/V),
+    a head_dim FlashInfer has no kernels for (the checkpoint's, read by the generated Config). Read from the
+    generated model (a GPU host needs no compiler)."""
     import importlib
 
+    from xllm_gen.runtime.attention.base import FLASHINFER_HEAD_DIMS
     from xllm_gen.runtime.loading import registry
     package = registry.generated_packages().get(architecture)
     source = importlib.import_module(f"{package}.model").__file__ if package else None
@@ -60,6 +62,12 @@ def _cuda_refusal(architecture: str):
         return "value heads of another width"
     if source and "L.alibi_slopes(" in Path(source).read_text():     # attention `alibi`
         return "ALiBi"
+    if package and ckpt is not None:
+        config = importlib.import_module(f"{package}.model").Config.from_hf(
+            json.loads((ckpt / "config.json").read_text()))
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+            return f"head_dim {head_dim} is not one FlashInfer"
     return None
 
 
@@ -93,7 +101,7 @@ def test_spec_bf16_graphs_vs_hf(architecture, tmp_path):
     from xllm_gen import LLM, SamplingParams
 
     ckpt = _checkpoint(architecture, tmp_path / "ckpt")
-    refused = _cuda_refusal(architecture)
+    refused = _cuda_refusal(architecture, ckpt)
     if refused:                  # a documented refusal: at load, naming the feature
         with pytest.raises(Exception, match=refused):
             LLM(str(ckpt), dtype="bfloat16", max_num_seqs=16, num_kv_blocks=512, max_model_len=512)
