@@ -32,6 +32,11 @@ _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # table's) or False (cuBLAS), decided once per process: every engine of the process then runs a shape with the
 # same kernel (so two engines' outputs compare bit for bit)
 DECODE_GEMM_CHOICE: dict = {}
+# the same keys -> the launch config of the fused-prologue GEMV (layers/fused.py: norm / gated activation computed in
+# the GEMV), or False (the plain ops): the kernel's best config where its time is within FUSE_SLACK_US of cuBLAS's,
+# since fusing also saves the prologue op's launch and its pass over the activations
+FUSED_GEMV_CHOICE: dict = {}
+FUSE_SLACK_US = 2.0
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -86,7 +91,7 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     tuned = sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS})
     for (N, K, dt), ws in shapes.items():
         seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
-        chosen = {}
+        chosen, fused_chosen = {}, {}
         for M in tuned:
             key = (M, N, K, dt)
             if key not in DECODE_GEMM_CHOICE:
@@ -96,20 +101,23 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
                          for cfg in skinny_gemm_candidates(M, N, K, ws[0][0].element_size())]
                 t_triton, cfg = min(timed)
                 DECODE_GEMM_CHOICE[key] = cfg if t_triton < margin * t_cublas else False
+                FUSED_GEMV_CHOICE[key] = cfg if 1e3 * t_triton < 1e3 * t_cublas + FUSE_SLACK_US else False
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
+            fused_chosen[M] = FUSED_GEMV_CHOICE.get(key, False)
         fill_row_choices(chosen, N, K, dt)
+        fill_row_choices(fused_chosen, N, K, dt, FUSED_GEMV_CHOICE)
     return report
 
 
-def fill_row_choices(chosen: dict, N: int, K: int, dtype) -> None:
+def fill_row_choices(chosen: dict, N: int, K: int, dtype, table: Optional[dict] = None) -> None:
     """Row counts between measured ones take the choice of the next measured count above: the decode-graph bucket
     they are padded to. An eager step of 3 rows then runs the kernel the bucket of 4 does (with the same launch
     configuration, so each row's result is the same), and graph and eager decode agree bit for bit."""
     prev = 0
     for M in sorted(chosen):
         for m in range(prev + 1, M + 1):
-            DECODE_GEMM_CHOICE.setdefault((m, N, K, dtype), chosen[M])
+            (DECODE_GEMM_CHOICE if table is None else table).setdefault((m, N, K, dtype), chosen[M])
         prev = M
 
 

@@ -1,0 +1,115 @@
+"""Fused decode prologues of linear layers, as generated code calls them (`L.norm_linear`, `L.act_linear`).
+
+The compiler emits one of these calls where the spec's dataflow has the pattern (a norm step before a block whose
+first op is a linear; a gated MLP's down projection); each call means exactly its plain ops, written beside it in
+the generated source:
+
+    norm_linear(norm, linear, x, residual) == (linear(norm(x, residual)[0]), norm(x, residual)[1])
+    act_linear(act, linear, x)             == linear(act(x))
+
+On a CUDA decode batch (<= 8 rows, bf16 / fp16, an unquantized weight, norm an RMSNorm without bias, act silu or
+gelu) the pair runs as ONE kernel (ops/fused_gemv.py: the skinny GEMV computing its x chunk from the norm's or the
+activation's input as it streams the weight); everywhere else (CPU, prefill, quantized input, other norms and
+activations) the plain ops run, so CPU results are unchanged.
+
+XLLM_FUSED_DECODE: unset (auto) fuses a shape where tune_decode_gemms found the Triton GEMV within
+FUSE_SLACK_US of cuBLAS (the launch it saves pays for the difference); "1" fuses every call where the kernel applies
+(also on CPU when TRITON_INTERPRET=1: the tests); "0" never. Both an eager step and a graph replay of the same rows
+take the same choice and launch config, so graph == eager stays bit for bit.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from xllm_gen.runtime import ops
+from xllm_gen.runtime.executor.distributed import all_reduce
+from xllm_gen.runtime.layers import linear as _lin
+from xllm_gen.runtime.layers.activation import GeluAndMul, SiluAndMul
+from xllm_gen.runtime.layers.norm import RMSNorm
+
+MODE = os.environ.get("XLLM_FUSED_DECODE", "").strip()     # "" auto | "1" force | "0" off
+_CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fused_ops():
+    from xllm_gen.runtime.ops import fused_gemv
+    return fused_gemv
+
+
+def gemv_config(linear, x: torch.Tensor):
+    """The launch config of the fused GEMV for linear(x) (None: the launch table's), or False where the fused
+    kernel does not apply or was not chosen."""
+    w = linear.weight
+    if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= _lin._SKINNY_MAX_ROWS:
+        return False
+    if linear.act_quant is not None or w.dim() != 2 or not w.dtype.is_floating_point or x.dtype != w.dtype:
+        return False
+    if not isinstance(linear, (_lin.ReplicatedLinear, _lin.ColumnParallelLinear, _lin.MergedColumnParallelLinear,
+                               _lin.QKVParallelLinear, _lin.RowParallelLinear)):
+        return False
+    if not x.is_cuda:      # the tests: the interpreter runs programs one by one, so few wide ones
+        if MODE == "1" and _CPU_KERNELS and x.device == w.device:
+            return min(64, 1 << (w.shape[0] - 1).bit_length()), 64, 1, 1
+        return False
+    if w.dtype not in _lin._SKINNY_DTYPES or ops._FORCE_TORCH or torch.compiler.is_compiling():
+        return False
+    choice = _lin.FUSED_GEMV_CHOICE.get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
+    if MODE == "1" or _lin._FORCE:
+        return choice or None
+    if _lin._FORCE is False:
+        return False
+    return choice if choice else False
+
+
+def _norm_args(norm) -> Optional[tuple]:
+    if type(norm) is RMSNorm and norm.bias is None:
+        return norm.weight, norm.eps, norm.weight_offset
+    return None
+
+
+_ACT_KINDS = {(SiluAndMul, None): "silu", (GeluAndMul, "tanh"): "gelu_tanh", (GeluAndMul, "none"): "gelu"}
+
+
+def _act_kind(act) -> Optional[str]:
+    return _ACT_KINDS.get((type(act), getattr(act, "approximate", None)))
+
+
+def _row_parallel_tail(linear, y: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's partial output summed over the ranks, then its bias (RowParallelLinear.forward)."""
+    if linear.reduce:
+        y = all_reduce(y)
+    return y if linear.bias is None else y + linear.bias
+
+
+def _split_bias(linear):
+    """The bias the kernel adds, and whether the row-parallel tail (all-reduce, then bias) follows."""
+    tail = isinstance(linear, _lin.RowParallelLinear) and linear.tp_size > 1
+    return (None if tail else linear.bias), tail
+
+
+def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor]):
+    """(linear(norm(x + residual)), x + residual); residual None: (linear(norm(x)), x)."""
+    args = _norm_args(norm)
+    cfg = gemv_config(linear, x) if args is not None else False
+    if cfg is False or norm.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        h, residual = norm(x, residual)
+        return linear(h), residual
+    weight, eps, offset = args
+    bias, tail = _split_bias(linear)
+    y, residual = _fused_ops().norm_gemv(x, residual, weight, eps, offset, linear.weight, bias, config=cfg)
+    return (_row_parallel_tail(linear, y) if tail else y), residual
+
+
+def act_linear(act, linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(act(x)) for a gated activation act (x: gate | up halves)."""
+    kind = _act_kind(act)
+    cfg = gemv_config(linear, x) if kind is not None and x.dim() == 2 and x.shape[-1] == 2 * linear.in_features \
+        else False
+    if cfg is False:
+        return linear(act(x))
+    bias, tail = _split_bias(linear)
+    y = _fused_ops().act_gemv(x, linear.weight, bias, kind, config=cfg)
+    return _row_parallel_tail(linear, y) if tail else y
