@@ -26,17 +26,19 @@ sys.path.insert(0, str(REPO / "bench"))
 MODES = {"off": "0", "auto": "", "on": "1"}
 
 
-def launches_per_replay(graph) -> tuple[int, list]:
+def launches_per_replay(graph, reps: int = 3) -> tuple[float, list]:
+    """Kernel launches of one graph replay (torch.profiler, CUDA activity, as bench_decode.profile_decode reads it;
+    memcpy / memset left out) and the most frequent kernels."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        for _ in range(reps):
+            graph.replay()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-             and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    counts: dict = {}
-    for n in names:
-        counts[n[:70]] = counts.get(n[:70], 0) + 1
-    return len(names), sorted(counts.items(), key=lambda kv: -kv[1])[:12]
+    ka = prof.key_averages()
+    key = "device_time_total" if ka and hasattr(ka[0], "device_time_total") else "cuda_time_total"
+    rows = [(e.key[:70], e.count / reps) for e in ka
+            if getattr(e, key) > 0 and "memcpy" not in e.key.lower() and "memset" not in e.key.lower()]
+    return sum(c for _, c in rows), sorted(rows, key=lambda kv: -kv[1])[:12]
 
 
 def main(argv=None) -> int:
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
                        top_kernels=top)
             R["rows"].append(row)
             print(f"[{mode}] batch {B}: TPOT {row['tpot_ms']:.3f} ms, replay {row['replay_ms']:.3f} ms, "
-                  f"{n} launches ({n / layers:.1f} per layer)", flush=True)
+                  f"{n:.0f} launches ({n / layers:.1f} per layer)", flush=True)
         rng = np.random.default_rng(0)
         prompt = BD.rand_prompts(rng, llm.engine.vocab_size, 1, 64)[0]
         out = llm.generate([{"prompt_token_ids": prompt}],
