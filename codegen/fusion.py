@@ -7,6 +7,10 @@ Decided from the IR, so a spec whose layers do not have the pattern keeps the pl
   input (attention: the fused q/k/v projection; gated MLP: gate/up; MLP: up). The layer then calls
   `block(..., hidden_states, residual, norm)` and the block computes `L.norm_linear(norm, first_linear, ...)`,
   returning (output, residual). A block is fused only if every step that uses it is such a step.
+- KV-cache store in the rotary kernel: an attention block whose q/k norm + rotary is the fused qk_norm_rope form
+  (per-head RMSNorm before a rotary, shared weights), or that has no q/k norm and rotary on every layer, calls
+  `L.qk_norm_rope_store(..., v, ..., self.attn)`, which at decode also writes k and v into the attention's paged
+  cache, and passes `kv_stored` to the attention layer (which then does not store them again).
 - activation prologue: a gated MLP whose activation is one the fused kernels compute (silu / swish, gelu,
   gelu_pytorch_tanh, gelu_new) or a config symbol choosing it at load (the runtime falls back to the plain ops for
   other values) calls `L.act_linear(act_fn, down, gate_up)`.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import GatedMLPIR, ModelIR, NormIR
+from .ir import AttentionIR, GatedMLPIR, ModelIR, NormIR
 
 NORM_PROLOGUE_KINDS = ("attention", "gated_mlp", "mlp")
 FUSED_GATED_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
@@ -31,6 +35,14 @@ class FusionPlan:
         if b.activation_params:
             return False
         return b.activation.literal is None or b.activation.literal in FUSED_GATED_ACTS
+
+    @staticmethod
+    def rope_store(b: AttentionIR) -> str | None:
+        """"qk_norm_rope" / "rope": the attention's rotary step (with its q/k norm) also stores k, v; None: not."""
+        n = b.qk_norm
+        if n is not None:
+            return "qk_norm_rope" if n.fusable else None
+        return "rope" if b.rotary.enabled.literal is True else None
 
 
 def fusion_plan(ir: ModelIR) -> FusionPlan:

@@ -5,9 +5,12 @@ imported):
 - kernels: norm_gemv (RMSNorm of x + residual, weight_offset 0 and 1, no residual, bias) and act_gemv (silu, gelu
   tanh, gelu erf) against the unfused torch ops in float32 and bfloat16, for 1, 3 and 8 rows, K a multiple of
   BLOCK_K or not (masked tail); the residual written by the kernel is exactly x + r;
+- qk_norm_rope_store (q/k norm + rotary + the KV-cache write, runtime/ops/fused_rope_store.py) equals
+  qk_norm_rope + store_kvcache bit for bit (neox and mRoPE, with and without norms, a padding row with slot -1);
 - model: a tiny Qwen3 greedy decode with the fused kernels forced on (XLLM_FUSED_DECODE=1) gives the tokens of the
-  unfused path; the fused kernels were called (counted); a wrong norm weight given to the fused kernel only (its
-  weight_offset shifted by 0.5) changes the tokens, so the kernel's output is what the model uses;
+  unfused path; the fused kernels were called (counted; the rotary + KV store at decode only); a wrong norm weight
+  given to the fused kernel only (its weight_offset shifted by 0.5) changes the tokens, and so does a rotary kernel
+  that skips the KV write (the attention reads what the fused kernel stores);
 - generated code: the compiler emits the fused calls exactly where the pattern holds (an RMSNorm step before an
   attention / MLP block; a gated MLP's activation), and the plain code elsewhere.
 """
@@ -70,6 +73,29 @@ def _kernel_checks() -> dict:
     W = rnd(8, 64)
     y, _ = FG.norm_gemv(xs, None, torch.ones(64), 1e-6, 0.0, W)
     out["norm_strided_x"] = (err(y, F.linear(R.rms_norm(xs, torch.ones(64), 1e-6), W)), 2e-6)
+    # q/k norm + rotary + KV-cache store in one kernel vs qk_norm_rope + store_kvcache; v a strided view, a padding
+    # row (slot -1), mRoPE positions, and no norms
+    from xllm_gen.runtime import layers as L
+    from xllm_gen.runtime.ops import triton_kernels as T
+    from xllm_gen.runtime.ops.fused_rope_store import qk_norm_rope_store
+    N, H, Hk, D = 5, 4, 2, 16
+    for kind, sections in (("neox", None), ("mrope_interleaved", [4, 2, 2])):
+        rot = L.Rotary(D, 1e4, 64, kind, sections) if sections else L.Rotary(D, 1e4, 64, kind)
+        rot._to(torch.device("cpu"))
+        pos = torch.tensor([3, 0, 7, 1, 9]) if not sections else torch.randint(0, 40, (3, N), generator=g)
+        for norms in (True, False):
+            qkv = rnd(N, (H + 2 * Hk) * D)
+            q, k, v = qkv.split([H * D, Hk * D, Hk * D], dim=-1)
+            q, k, v = q.view(N, H, D), k.view(N, Hk, D), v.view(N, Hk, D)
+            qw, kw = (rnd(D), rnd(D)) if norms else (None, None)
+            slots = torch.tensor([6, -1, 0, 11, 5])
+            kc, vc = rnd(3, 4, Hk, D), rnd(3, 4, Hk, D)
+            kc2, vc2 = kc.clone(), vc.clone()
+            qo, ko = qk_norm_rope_store(q, k, v, qw, kw, 1e-6, pos, rot.cos_sin_cache, rot.axis_map, kc, vc, slots)
+            wq, wk = T.qk_norm_rope(q, k, qw, kw, 1e-6, pos, rot.cos_sin_cache, rot.axis_map)
+            R.store_kvcache(wk, v, kc2, vc2, slots)
+            name = f"rope_store_{kind}_{'norm' if norms else 'nonorm'}"
+            out[name] = (max(err(qo, wq), err(ko, wk), err(kc, kc2), err(vc, vc2)), 0.0)
     return out
 
 
@@ -78,8 +104,11 @@ def _model_checks(ckpt: str) -> dict:
     from xllm_gen.runtime.layers import fused as FU
     from xllm_gen.runtime.ops import fused_gemv as FG
 
-    calls = {"norm_gemv": 0, "act_gemv": 0}
-    orig = {k: getattr(FG, k) for k in calls}
+    from xllm_gen.runtime.ops import fused_rope_store as FR
+    from xllm_gen.runtime.ops import triton_kernels as T
+    calls = {"norm_gemv": 0, "act_gemv": 0, "qk_norm_rope_store": 0}
+    mods = {"norm_gemv": FG, "act_gemv": FG, "qk_norm_rope_store": FR}
+    orig = {k: getattr(mods[k], k) for k in calls}
 
     def counted(name):
         def f(*a, **kw):
@@ -88,7 +117,7 @@ def _model_checks(ckpt: str) -> dict:
         return f
 
     for k in calls:
-        setattr(FG, k, counted(k))
+        setattr(mods[k], k, counted(k))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 3]}, {"prompt_token_ids": [9, 2, 44, 7, 31, 12, 8, 1, 6, 70, 3]}]
     out = {}
@@ -109,6 +138,12 @@ def _model_checks(ckpt: str) -> dict:
         FU._norm_args = wrong
         out["wrong_norm"] = run()
         FU._norm_args = norm_args
+
+        def no_store(q, k, v, qw, kw, eps, pos, cache, axis_map, kc, vc, slots):   # the rotary alone, no KV write
+            return T.qk_norm_rope(q, k, qw, kw, eps, pos, cache, axis_map)
+        FR.qk_norm_rope_store = no_store
+        out["no_kv_store"] = run()
+        FR.qk_norm_rope_store = orig["qk_norm_rope_store"]
     return out
 
 
@@ -138,11 +173,14 @@ def test_fused_kernels_match_unfused_ops():
 
 def test_fused_decode_model_tokens(qwen3_tied):
     res = _interpret("model", str(qwen3_tied))
-    assert res["unfused_calls"] == {"norm_gemv": 0, "act_gemv": 0}, "XLLM_FUSED_DECODE=0 must run the plain ops"
-    # 2 layers x (2 norm prologues, 1 activation prologue) per decode step and prefill of <= 8 rows
-    assert res["fused_calls"]["norm_gemv"] >= 2 * 2 * 11 and res["fused_calls"]["act_gemv"] >= 2 * 11, res
+    assert set(res["unfused_calls"].values()) == {0}, "XLLM_FUSED_DECODE=0 must run the plain ops"
+    # 2 layers x (2 norm prologues, 1 activation prologue, 1 rotary + KV store) per decode step (11 steps of 2 rows)
+    calls = res["fused_calls"]
+    assert calls["norm_gemv"] >= 2 * 2 * 11 and calls["act_gemv"] >= 2 * 11, res
+    assert calls["qk_norm_rope_store"] == 2 * 11, res                        # decode only: prefill unchanged
     assert res["fused"] == res["unfused"], f"fused {res['fused']} != unfused {res['unfused']}"
     assert res["wrong_norm"] != res["fused"], "a wrong norm weight in the fused kernel must change the tokens"
+    assert res["no_kv_store"] != res["fused"], "the attention must read the K/V the fused rotary kernel stores"
 
 
 def test_generated_code_fuses_where_the_pattern_holds():

@@ -15,7 +15,7 @@ from xllm_gen.runtime.layers.activation import (
 from xllm_gen.runtime.layers.attention import Attention, attention_sinks
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from xllm_gen.runtime.layers.fused import act_linear, norm_linear
+from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
                                             MergedColumnParallelLinear,
@@ -39,5 +39,5 @@ __all__ = [
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
-    "attention_sinks", "norm_linear", "act_linear",
+    "attention_sinks", "norm_linear", "act_linear", "qk_norm_rope_store",
 ]

@@ -43,7 +43,8 @@ class Attention(nn.Module):
         self.v_cache = torch.tensor([])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sinks: Optional[torch.Tensor] = None, kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them)."""
         ctx = get_context()
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.graph_break is not None:      # piecewise prefill capture: attention runs between captured pieces
             return ctx.graph_break(self, q, k, v)
-        if self.k_cache.numel() and self.v_cache.numel():
+        if self.k_cache.numel() and self.v_cache.numel() and not kv_stored:
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if self.variant == FULL:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

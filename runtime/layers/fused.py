@@ -113,3 +113,45 @@ def act_linear(act, linear, x: torch.Tensor) -> torch.Tensor:
     bias, tail = _split_bias(linear)
     y = _fused_ops().act_gemv(x, linear.weight, bias, kind, config=cfg)
     return _row_parallel_tail(linear, y) if tail else y
+
+
+def _fused_rope_args(q_norm, k_norm, rotary):
+    """(q weight, k weight, eps) when qk_norm_rope's Triton kernel covers the norms and rotary, else None."""
+    if rotary is None or not rotary.whole:
+        return None
+    if q_norm is None and k_norm is None:
+        return None, None, 0.0
+    if (type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps
+            or q_norm.weight_offset or k_norm.weight_offset or q_norm.bias is not None or k_norm.bias is not None):
+        return None
+    return q_norm.weight, k_norm.weight, q_norm.eps
+
+
+def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm, k_norm,
+                       rotary, attn):
+    """L.qk_norm_rope(positions, q, k, q_norm, k_norm, rotary) -> (q, k, kv_stored). On a CUDA decode step the same
+    kernel also writes k (normed, rotated) and v into attn's paged KV cache at the step's slots, and kv_stored is
+    True: the attention layer then skips its store_kvcache (`attn(q, k, v, kv_stored=True)`). Prefill (and the
+    piecewise prefill-graph capture), CPU and the norms / rotary the kernel does not cover: the plain
+    qk_norm_rope, kv_stored False."""
+    from xllm_gen.runtime.executor.context import get_context
+    from xllm_gen.runtime.layers.rotary import qk_norm_rope
+    args = None
+    if MODE != "0" and (q.is_cuda and not ops._FORCE_TORCH and not torch.compiler.is_compiling()
+                        or not q.is_cuda and MODE == "1" and _CPU_KERNELS):
+        ctx = get_context()
+        kc, vc = attn.k_cache, attn.v_cache
+        if (not ctx.is_prefill and ctx.graph_break is None and kc.numel() and vc.numel() and kc.device == q.device
+                and kc.dtype == k.dtype == v.dtype and vc.dtype == v.dtype and kc.is_contiguous()
+                and vc.is_contiguous()):
+            args = _fused_rope_args(q_norm, k_norm, rotary)
+    if args is None:
+        q, k = qk_norm_rope(positions, q, k, q_norm, k_norm, rotary)
+        return q, k, False
+    from xllm_gen.runtime.ops.fused_rope_store import qk_norm_rope_store as kernel
+    rotary._check_positions(positions)
+    rotary._to(q.device)
+    qw, kw, eps = args
+    q, k = kernel(q, k, v.view(k.shape), qw, kw, eps, positions, rotary.cos_sin_cache, rotary.axis_map,
+                  attn.k_cache, attn.v_cache, get_context().slot_mapping)
+    return q, k, True

@@ -54,7 +54,7 @@ def _x_chunk(x_ptr, r_ptr, ro_ptr, m, k0, offs_k, km, g, write_res, stride_xm, s
             hf = h.to(tl.float32)
         else:
             hf = x.to(tl.float32)
-        return hf * g, hf * hf
+        return hf * g, tl.sum(hf * hf, axis=2)
     else:
         a = _load(x_ptr + m * stride_xm + k0 + offs_k, km, EVEN_K)
         b = _load(x_ptr + m * stride_xm + half + k0 + offs_k, km, EVEN_K)
@@ -68,7 +68,7 @@ def _x_chunk(x_ptr, r_ptr, ro_ptr, m, k0, offs_k, km, g, write_res, stride_xm, s
             s = 0.5 * af * (1.0 + tl.erf(af * 0.7071067811865476))
         s = s.to(a.dtype).to(tl.float32)
         v = (s * b.to(tl.float32)).to(a.dtype).to(tl.float32)
-        return v, v * 0.0
+        return v, 0.0
 
 
 @triton.jit
@@ -87,28 +87,28 @@ def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K
     offs_k = kc[None, :, None] * VEC + kv[None, None, :]                  # [1, KC, VEC]
     w_ptrs = w_ptr + rows[:, None, None] * stride_wn + offs_k             # [BLOCK_N, KC, VEC]
     acc0 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-    ss0 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+    ss0 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 1:
         acc1 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-        ss1 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+        ss1 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 2:
         acc2 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-        ss2 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+        ss2 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 3:
         acc3 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-        ss3 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+        ss3 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 4:
         acc4 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-        ss4 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+        ss4 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 5:
         acc5 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-        ss5 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+        ss5 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 6:
         acc6 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-        ss6 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+        ss6 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 7:
         acc7 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
-        ss7 = tl.zeros([1, KC, VEC], dtype=tl.float32)
+        ss7 = tl.zeros([1, KC], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         km = (offs_k + k0) < K
         if EVEN_K:
@@ -186,7 +186,7 @@ def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K
 def _finish(acc, ss, K, eps, PRO: tl.constexpr):
     out = tl.sum(acc, axis=1)
     if PRO == 1:        # the RMSNorm scale of the row, factored out of the dot product
-        out = out * (1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=2), axis=1) / K + eps))
+        out = out * (1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps))
     return out
 
 
