@@ -103,7 +103,6 @@ def _model_checks(ckpt: str) -> dict:
     from xllm_gen import LLM, SamplingParams
     from xllm_gen.runtime.layers import fused as FU
     from xllm_gen.runtime.ops import fused_gemv as FG
-
     from xllm_gen.runtime.ops import fused_rope_store as FR
     from xllm_gen.runtime.ops import triton_kernels as T
     calls = {"norm_gemv": 0, "act_gemv": 0, "qk_norm_rope_store": 0}
