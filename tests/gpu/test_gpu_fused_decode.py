@@ -7,6 +7,8 @@ generated code's L.norm_linear / L.act_linear.
   silu_and_mul / gelu_and_mul + skinny_gemm within bf16 rounding (bit-exact counts are printed);
 - a tiny bf16 Qwen3 (head_dim 128) decode with the fused kernels forced on (XLLM_FUSED_DECODE=1) against the plain
   ops (=0): greedy tokens equal up to bf16 near-ties, logprobs close; the kernels are actually called;
+- the q/k norm + rotary kernel with the KV-cache write (runtime/ops/fused_rope_store.py) == qk_norm_rope +
+  store_kvcache bit for bit;
 - fused on: CUDA-graph decode == eager decode (same kernels and launch configs): tokens equal, logprob difference
   printed (expected 0.0).
 Numbers are printed (pytest -s) and appended as JSON lines to $XLLM_TEST_REPORT when set.
@@ -70,6 +72,36 @@ def test_fused_kernels_vs_unfused_triton(name):
                 assert e < 2e-2, f"{name} M{M} {cfg} {act}: act_gemv error {e}"
     _report(test=f"fused_kernels_{name}", cases=cases, bit_exact=exact, max_err=worst)
     print(f"{name}: {cases} cases, {exact} bit-exact, max error {worst:.2e}")
+
+
+@pytest.mark.parametrize("norms", [True, False])
+def test_rope_store_kernel_vs_unfused(norms):
+    """qk_norm_rope_store == qk_norm_rope + store_kvcache bit for bit (Qwen3 head shapes, bf16, padding rows)."""
+    from xllm_gen.runtime import layers as L
+    from xllm_gen.runtime.ops import triton_kernels as T
+    from xllm_gen.runtime.ops.fused_rope_store import qk_norm_rope_store
+    H, Hk, D = 16, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rot = L.Rotary(D, 1e6, 4096, "neox")
+    rot._to(torch.device("cuda"))
+    for N in (1, 3, 8, 16, 100):
+        qkv = torch.randn(N, (H + 2 * Hk) * D, device="cuda", generator=g).to(torch.bfloat16)
+        q, k, v = (t.view(N, -1, D) for t in qkv.split([H * D, Hk * D, Hk * D], dim=-1))
+        qw, kw = ((1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16) for _ in range(2)) \
+            if norms else (None, None)
+        pos = torch.randint(0, 4000, (N,), device="cuda", generator=g)
+        slots = torch.randperm(64 * 16, device="cuda", generator=g)[:N]
+        slots[N // 2] = -1
+        kc = torch.randn(64, 16, Hk, D, device="cuda", generator=g).to(torch.bfloat16)
+        vc = torch.randn_like(kc)
+        kc2, vc2 = kc.clone(), vc.clone()
+        qo, ko = qk_norm_rope_store(q, k, v, qw, kw, 1e-6, pos, rot.cos_sin_cache, None, kc, vc, slots)
+        wq, wk = T.qk_norm_rope(q, k, qw, kw, 1e-6, pos, rot.cos_sin_cache, None)
+        T.store_kvcache(wk, v, kc2, vc2, slots)
+        torch.cuda.synchronize()
+        for name, a, b in (("q", qo, wq), ("k", ko, wk), ("k_cache", kc, kc2), ("v_cache", vc, vc2)):
+            assert torch.equal(a, b), f"N={N} norms={norms}: {name} differs"
+    _report(test=f"rope_store_kernel_norms{int(norms)}", bit_exact=True)
 
 
 @pytest.fixture(scope="module")
