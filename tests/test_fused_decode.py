@@ -96,6 +96,16 @@ def _kernel_checks() -> dict:
             R.store_kvcache(wk, v, kc2, vc2, slots)
             name = f"rope_store_{kind}_{'norm' if norms else 'nonorm'}"
             out[name] = (max(err(qo, wq), err(ko, wk), err(kc, kc2), err(vc, vc2)), 0.0)
+    # TP: a row-parallel down projection at tp 2 adds its bias after the all-reduce (faked as the sum of two equal
+    # ranks), as RowParallelLinear.forward does
+    from xllm_gen.runtime.layers import fused as FU
+    from xllm_gen.runtime.layers import linear as LL
+    down = L.RowParallelLinear(32, 8, bias=True)
+    down.weight.data, down.bias.data = rnd(8, 32), rnd(8)
+    down.tp_size = 2
+    FU.all_reduce = LL.all_reduce = lambda y: 2 * y
+    gu, act = rnd(3, 64), L.gated_act("silu")
+    out["act_linear_row_parallel_tp2"] = (err(FU.act_linear(act, down, gu), down(act(gu))), 2e-6)
     return out
 
 

@@ -163,13 +163,18 @@ def test_fused_vs_unfused_and_graph_vs_eager(tiny_dir):
         plain = {B: llm.generate(p, _params()) for B, p in prompts.items()}
         llm.shutdown()
         llm = _llm(tiny_dir, "1")
-        calls = {"n": 0}
-        orig = FG.norm_gemv
+        from xllm_gen.runtime.ops import fused_rope_store as FR
+        calls = {"n": 0, "rope_store": 0}
+        orig, orig_rs = FG.norm_gemv, FR.qk_norm_rope_store
 
         def counted(*a, **kw):
             calls["n"] += 1
             return orig(*a, **kw)
-        FG.norm_gemv = counted
+
+        def counted_rs(*a, **kw):
+            calls["rope_store"] += 1
+            return orig_rs(*a, **kw)
+        FG.norm_gemv, FR.qk_norm_rope_store = counted, counted_rs
         runner = llm.engine.runner
         for B, p in prompts.items():
             fused = llm.generate(p, _params())
@@ -182,8 +187,9 @@ def test_fused_vs_unfused_and_graph_vs_eager(tiny_dir):
                 runner.graphs, runner.prefill_graphs = graphs, prefill
             res = _compare(eager, fused, f"fused_graph_vs_eager_b{B}")
             assert res["diverged"] == 0, res
-        FG.norm_gemv = orig
-        assert calls["n"] > 0, "the fused kernel was never called in eager decode"
+        FG.norm_gemv, FR.qk_norm_rope_store = orig, orig_rs
+        _report(test="fused_calls_eager", **calls)
+        assert calls["n"] > 0 and calls["rope_store"] > 0, f"fused kernels not called in eager decode: {calls}"
         llm.shutdown()
     finally:
         FU.MODE = saved
