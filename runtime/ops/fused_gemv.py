@@ -6,7 +6,7 @@ VEC] weight tile, one fp32 accumulator per row, the same launch configs) whose x
 - `norm_gemv`: y = W rmsnorm(x + r) (+ bias), new residual x + r. RMSNorm's scale rsqrt(mean(h^2) + eps) is a
   per-row scalar, so it factors out of the dot product: the loop accumulates sum(h^2) beside acc += W (g h), with
   h = x + r rounded to the activation dtype (the residual as the unfused add rounds it) and g the norm weight
-  (weight_offset + w, Gemma's 1 + w); the epilogue multiplies by rsqrt(ss / K + eps) and adds the bias. One pass,
+  (weight_offset + w, e.g. 1 + w); the epilogue multiplies by rsqrt(ss / K + eps) and adds the bias. One pass,
   no extra launch. The programs of the first N-block (program 0) also store h to a separate residual buffer (the
   inputs are never written, so there is no race). The only difference to the unfused norm + GEMV is rounding:
   the unfused path rounds the normalized x (and w times it) to the activation dtype before the product, the
