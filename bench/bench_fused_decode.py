@@ -1,6 +1,7 @@
 """Fused decode prologues, A/B in one call: Qwen3-0.6B (random bf16 weights) graph decode with
-XLLM_FUSED_DECODE=0 (plain ops), auto (the default: fused where the tuned Triton GEMV is within FUSE_SLACK_US of
-cuBLAS) and 1 (fused wherever it applies), one engine per mode, built one after another in this process.
+XLLM_FUSED_DECODE=0 (plain ops), auto (the default: a GEMV prologue fused where the runner's start-up measurement
+found the fused kernel faster than the plain op + GEMM; the rotary + KV store always) and 1 (fused wherever it
+applies), one engine per mode, built one after another in this process.
 
     python bench/bench_fused_decode.py --batches 1,4,8 --out bench/results/h200_fused_decode.md
 
@@ -57,7 +58,6 @@ def main(argv=None) -> int:
         return 2
     from xllm_gen import SamplingParams
     from xllm_gen.runtime.layers import fused as FU
-    from xllm_gen.runtime.layers import linear as LL
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
     d = BD.write_config(Path(tempfile.mkdtemp(prefix="xllm_fused_")), args.variant)
@@ -87,8 +87,7 @@ def main(argv=None) -> int:
         out = llm.generate([{"prompt_token_ids": prompt}],
                            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
         R["tokens"][mode] = out[0].outputs[0].token_ids
-        fused_shapes = {str(k[:3]): v for k, v in LL.FUSED_GEMV_CHOICE.items() if k[0] in batches}
-        R.setdefault("fused_choice", fused_shapes)
+        R.setdefault("fused_tuning", {str(k): v for k, v in FU.FUSED_TUNING.items()})
         llm.shutdown()
         del llm
         BD.free_cuda()
@@ -103,7 +102,10 @@ def main(argv=None) -> int:
                  f"{r['launches_per_layer']:.1f} | {r['tpot_ms'] / b['tpot_ms']:.3f} |" if b else "")
     same = {m: R["tokens"][m] == R["tokens"][modes[0]] for m in modes}
     L += ["", f"Greedy tokens at batch 1 equal to {modes[0]}'s: {same}", "",
-          f"FUSED_GEMV_CHOICE (rows, N, K) -> config or False: {R.get('fused_choice')}", ""]
+          "Fused GEMV tuning, (prologue, rows, N, K): (plain op + GEMM us, fused us, config); the fused kernel is "
+          "used (auto) where it is faster:", ""]
+    L += [f"- {k}: {v[0]:.2f} / {v[1]:.2f} us {v[2]}" for k, v in (R.get("fused_tuning") or {}).items()]
+    L.append("")
     for r in R["rows"]:
         L.append(f"- {r['mode']} b{r['batch']} top kernels of one replay: {r['top_kernels']}")
     out = Path(args.out)

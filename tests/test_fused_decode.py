@@ -242,4 +242,4 @@ def test_fused_helpers_fall_back_to_plain_ops_on_cpu():
     down.weight.data = torch.randn(8, 16)
     gu = torch.randn(3, 32)
     assert torch.equal(L.act_linear(act, down, gu), down(act(gu)))
-    assert FU.gemv_config(lin, x) is False
+    assert FU.gemv_config(lin, x, "norm") is False

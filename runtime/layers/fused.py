@@ -12,9 +12,10 @@ gelu) the pair runs as ONE kernel (ops/fused_gemv.py: the skinny GEMV computing 
 activation's input as it streams the weight); everywhere else (CPU, prefill, quantized input, other norms and
 activations) the plain ops run, so CPU results are unchanged.
 
-XLLM_FUSED_DECODE: unset (auto) fuses a shape where tune_decode_gemms found the Triton GEMV within
-FUSE_SLACK_US of cuBLAS (the launch it saves pays for the difference); "1" fuses every call where the kernel applies
-(also on CPU when TRITON_INTERPRET=1: the tests); "0" never. Both an eager step and a graph replay of the same rows
+XLLM_FUSED_DECODE: unset (auto) fuses a GEMV prologue for a (rows, N, K) where tune_fused_gemvs (run by
+tune_decode_gemms when the runner starts) measured the fused kernel faster than the plain op + GEMM (a shape never
+measured stays plain), and the rotary + KV-cache store on every CUDA decode step; "1" fuses every call where the
+kernels apply (also on CPU when TRITON_INTERPRET=1: the tests); "0" never. Both an eager step and a graph replay of the same rows
 take the same choice and launch config, so graph == eager stays bit for bit.
 """
 from __future__ import annotations
@@ -32,6 +33,11 @@ from xllm_gen.runtime.layers.norm import RMSNorm
 
 MODE = os.environ.get("XLLM_FUSED_DECODE", "").strip()     # "" auto | "1" force | "0" off
 _CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
+# prologue ("norm" | "act") -> {(rows, N, K, dtype): (the fused GEMV's fastest launch config, whether it beat the
+# plain prologue op + GEMM)}, measured by tune_fused_gemvs (from tune_decode_gemms, once per process); FUSED_TUNING:
+# {(prologue, rows, N, K): (plain us, fused us, config)} of what it measured
+FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
+FUSED_TUNING: dict = {}
 
 
 def _fused_ops():
@@ -39,9 +45,9 @@ def _fused_ops():
     return fused_gemv
 
 
-def gemv_config(linear, x: torch.Tensor):
-    """The launch config of the fused GEMV for linear(x) (None: the launch table's), or False where the fused
-    kernel does not apply or was not chosen."""
+def gemv_config(linear, x: torch.Tensor, prologue: str):
+    """The launch config of the fused GEMV for linear(x) with the prologue "norm" or "act" (None: the launch
+    table's), or False where the fused kernel does not apply or was not chosen."""
     w = linear.weight
     if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= _lin._SKINNY_MAX_ROWS:
         return False
@@ -56,12 +62,59 @@ def gemv_config(linear, x: torch.Tensor):
         return False
     if w.dtype not in _lin._SKINNY_DTYPES or ops._FORCE_TORCH or torch.compiler.is_compiling():
         return False
-    choice = _lin.FUSED_GEMV_CHOICE.get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
+    choice = FUSED_GEMV_CHOICE[prologue].get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
     if MODE == "1" or _lin._FORCE:
-        return choice or None
-    if _lin._FORCE is False:
+        return choice[0] if choice else None
+    if _lin._FORCE is False or not choice:
         return False
-    return choice if choice else False
+    return choice[0] if choice[1] else False
+
+
+@torch.inference_mode()
+def tune_fused_gemvs(shapes: dict, rows) -> None:
+    """For every (rows, N, K) of the model's decode GEMMs (shapes: {(N, K, dtype): [(weight, bias), ...]}, as
+    tune_decode_gemms collects them) not decided yet: times the plain pair (fused_add_rms_norm, resp. silu_and_mul,
+    then the GEMM as the layer runs it) against the fused GEMV in each candidate launch config, over all the
+    layers' weights of the shape (CUDA-graph replays, weights streamed from HBM), and keeps the fastest config and
+    whether it beat the plain pair."""
+    from xllm_gen.runtime.ops import fused_gemv as FG
+    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
+    if MODE == "0":
+        return
+    for (N, K, dt), ws in shapes.items():
+        seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
+        dev = ws[0][0].device
+        for prologue in ("norm", "act"):
+            chosen = {}
+            for M in rows:
+                key = (M, N, K, dt)
+                if key not in FUSED_GEMV_CHOICE[prologue]:
+                    if prologue == "norm":
+                        x, r = torch.randn(M, K, device=dev, dtype=dt), torch.randn(M, K, device=dev, dtype=dt)
+                        g = torch.randn(K, device=dev, dtype=dt)
+
+                        def plain():
+                            for w, b in seq:
+                                _lin._linear(ops.fused_add_rms_norm(x, r, g, 1e-6)[0], w, b)
+
+                        def fused(cfg):
+                            return lambda: [FG.norm_gemv(x, r, g, 1e-6, 0.0, w, b, config=cfg) for w, b in seq]
+                    else:
+                        x = torch.randn(M, 2 * K, device=dev, dtype=dt)
+
+                        def plain():
+                            for w, b in seq:
+                                _lin._linear(ops.silu_and_mul(x), w, b)
+
+                        def fused(cfg):
+                            return lambda: [FG.act_gemv(x, w, b, "silu", config=cfg) for w, b in seq]
+                    t_plain = _lin.graph_time_ms(plain) / len(seq)
+                    t_fused, cfg = min((_lin.graph_time_ms(fused(c)) / len(seq), c)
+                                       for c in skinny_gemm_candidates(M, N, K, ws[0][0].element_size()))
+                    FUSED_GEMV_CHOICE[prologue][key] = (cfg, t_fused < t_plain)
+                    FUSED_TUNING[(prologue, M, N, K)] = (1e3 * t_plain, 1e3 * t_fused, cfg)
+                chosen[M] = FUSED_GEMV_CHOICE[prologue][key]
+            _lin.fill_row_choices(chosen, N, K, dt, FUSED_GEMV_CHOICE[prologue])
 
 
 def _norm_args(norm) -> Optional[tuple]:
@@ -93,7 +146,7 @@ def _split_bias(linear):
 def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor]):
     """(linear(norm(x + residual)), x + residual); residual None: (linear(norm(x)), x)."""
     args = _norm_args(norm)
-    cfg = gemv_config(linear, x) if args is not None else False
+    cfg = gemv_config(linear, x, "norm") if args is not None else False
     if cfg is False or norm.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         h, residual = norm(x, residual)
         return linear(h), residual
@@ -106,8 +159,8 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor])
 def act_linear(act, linear, x: torch.Tensor) -> torch.Tensor:
     """linear(act(x)) for a gated activation act (x: gate | up halves)."""
     kind = _act_kind(act)
-    cfg = gemv_config(linear, x) if kind is not None and x.dim() == 2 and x.shape[-1] == 2 * linear.in_features \
-        else False
+    fits = kind is not None and x.dim() == 2 and x.shape[-1] == 2 * linear.in_features
+    cfg = gemv_config(linear, x, "act") if fits else False
     if cfg is False:
         return linear(act(x))
     bias, tail = _split_bias(linear)

@@ -32,11 +32,6 @@ _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # table's) or False (cuBLAS), decided once per process: every engine of the process then runs a shape with the
 # same kernel (so two engines' outputs compare bit for bit)
 DECODE_GEMM_CHOICE: dict = {}
-# the same keys -> the launch config of the fused-prologue GEMV (layers/fused.py: norm / gated activation computed in
-# the GEMV), or False (the plain ops): the kernel's best config where its time is within FUSE_SLACK_US of cuBLAS's,
-# since fusing also saves the prologue op's launch and its pass over the activations
-FUSED_GEMV_CHOICE: dict = {}
-FUSE_SLACK_US = 2.0
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -91,7 +86,7 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     tuned = sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS})
     for (N, K, dt), ws in shapes.items():
         seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
-        chosen, fused_chosen = {}, {}
+        chosen = {}
         for M in tuned:
             key = (M, N, K, dt)
             if key not in DECODE_GEMM_CHOICE:
@@ -101,12 +96,11 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
                          for cfg in skinny_gemm_candidates(M, N, K, ws[0][0].element_size())]
                 t_triton, cfg = min(timed)
                 DECODE_GEMM_CHOICE[key] = cfg if t_triton < margin * t_cublas else False
-                FUSED_GEMV_CHOICE[key] = cfg if 1e3 * t_triton < 1e3 * t_cublas + FUSE_SLACK_US else False
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
-            fused_chosen[M] = FUSED_GEMV_CHOICE.get(key, False)
         fill_row_choices(chosen, N, K, dt)
-        fill_row_choices(fused_chosen, N, K, dt, FUSED_GEMV_CHOICE)
+    from xllm_gen.runtime.layers.fused import tune_fused_gemvs  # the fused-prologue GEMVs of the same shapes
+    tune_fused_gemvs(shapes, tuned)
     return report
 
 

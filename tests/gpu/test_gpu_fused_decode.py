@@ -74,6 +74,43 @@ def test_fused_kernels_vs_unfused_triton(name):
     print(f"{name}: {cases} cases, {exact} bit-exact, max error {worst:.2e}")
 
 
+def test_fused_gemv_tuning(monkeypatch):
+    """tune_fused_gemvs (called by tune_decode_gemms) times the plain op + GEMM against the fused kernel per (rows, N,
+    K): every entry is a candidate config; 3 rows take the choice of their bucket of 4; the layers then run the
+    chosen path (fused where it won: the norm_linear output differs from the plain pair only by rounding)."""
+    from xllm_gen.runtime import layers as L
+    from xllm_gen.runtime.layers import fused as FU
+    from xllm_gen.runtime.layers import linear as LL
+    from xllm_gen.runtime.ops import triton_kernels as T
+    monkeypatch.setattr(LL, "_FORCE", None)
+    monkeypatch.setattr(LL, "DECODE_GEMM_CHOICE", {})
+    monkeypatch.setattr(FU, "FUSED_GEMV_CHOICE", {"norm": {}, "act": {}})
+    monkeypatch.setattr(FU, "FUSED_TUNING", {})
+    monkeypatch.setattr(FU, "MODE", "")
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(LL.ReplicatedLinear(1024, 4096, bias=False), LL.ReplicatedLinear(3072, 1024, bias=False)
+                                ).to("cuda", torch.bfloat16)
+    for m in model:
+        torch.nn.init.normal_(m.weight, std=0.02)
+    LL.tune_decode_gemms(model, [1, 2, 4, 8])
+    print("\n[fused GEMV tuning] (prologue, M, N, K): (plain us, fused us, config)")
+    for k, v in sorted(FU.FUSED_TUNING.items(), key=str):
+        print(f"  {k}: {v[0]:.2f} / {v[1]:.2f} us {v[2]}")
+    assert {k[:2] for k in FU.FUSED_TUNING} == {(p, M) for p in ("norm", "act") for M in (1, 2, 4, 8)}
+    for (p, M, N, K), (tp, tf, cfg) in FU.FUSED_TUNING.items():
+        assert tp > 0 and tf > 0 and cfg in T.skinny_gemm_candidates(M, N, K)
+        assert FU.FUSED_GEMV_CHOICE[p][(M, N, K, torch.bfloat16)] == (cfg, tf < tp)
+        assert FU.FUSED_GEMV_CHOICE[p][(3, N, K, torch.bfloat16)] == FU.FUSED_GEMV_CHOICE[p][(4, N, K, torch.bfloat16)]
+    _report(test="fused_gemv_tuning", tuning={str(k): v for k, v in FU.FUSED_TUNING.items()})
+    norm = L.RMSNorm(1024, 1e-6).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+    x, r = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16), torch.randn(4, 1024, device="cuda",
+                                                                                  dtype=torch.bfloat16)
+    y, nr = L.norm_linear(norm, model[0], x, r)
+    h, want_r = norm(x, r)
+    assert torch.equal(nr, want_r) and _err(y, model[0](h)) < 2e-2
+
+
 @pytest.mark.parametrize("norms", [True, False])
 def test_rope_store_kernel_vs_unfused(norms):
     """qk_norm_rope_store == qk_norm_rope + store_kvcache bit for bit (Qwen3 head shapes, bf16, padding rows)."""
