@@ -11,6 +11,7 @@ imported):
   unfused path; the fused kernels were called (counted; the rotary + KV store at decode only); a wrong norm weight
   given to the fused kernel only (its weight_offset shifted by 0.5) changes the tokens, and so does a rotary kernel
   that skips the KV write (the attention reads what the fused kernel stores);
+- (slow) the same for a tiny Gemma 2 ((1 + w) norms, sandwich post-norms, GELU-tanh, rotary without q/k norm);
 - generated code: the compiler emits the fused calls exactly where the pattern holds (an RMSNorm step before an
   attention / MLP block; a gated MLP's activation), and the plain code elsewhere.
 """
@@ -22,9 +23,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 8
 
 
 def _kernel_checks() -> dict:
@@ -127,7 +130,7 @@ def _model_checks(ckpt: str) -> dict:
 
     for k in calls:
         setattr(mods[k], k, counted(k))
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 3]}, {"prompt_token_ids": [9, 2, 44, 7, 31, 12, 8, 1, 6, 70, 3]}]
     out = {}
     with LLM(model=ckpt, device="cpu", dtype="float32", block_size=4) as llm:
@@ -183,13 +186,24 @@ def test_fused_kernels_match_unfused_ops():
 def test_fused_decode_model_tokens(qwen3_tied):
     res = _interpret("model", str(qwen3_tied))
     assert set(res["unfused_calls"].values()) == {0}, "XLLM_FUSED_DECODE=0 must run the plain ops"
-    # 2 layers x (2 norm prologues, 1 activation prologue, 1 rotary + KV store) per decode step (11 steps of 2 rows)
-    calls = res["fused_calls"]
-    assert calls["norm_gemv"] >= 2 * 2 * 11 and calls["act_gemv"] >= 2 * 11, res
-    assert calls["qk_norm_rope_store"] == 2 * 11, res                        # decode only: prefill unchanged
+    # 2 layers x (2 norm prologues, 1 activation prologue, 1 rotary + KV store) per decode step (of 2 rows)
+    calls, steps = res["fused_calls"], NEW_TOKENS - 1
+    assert calls["norm_gemv"] >= 2 * 2 * steps and calls["act_gemv"] >= 2 * steps, res
+    assert calls["qk_norm_rope_store"] == 2 * steps, res                     # decode only: prefill unchanged
     assert res["fused"] == res["unfused"], f"fused {res['fused']} != unfused {res['unfused']}"
     assert res["wrong_norm"] != res["fused"], "a wrong norm weight in the fused kernel must change the tokens"
     assert res["no_kv_store"] != res["fused"], "the attention must read the K/V the fused rotary kernel stores"
+
+
+@pytest.mark.slow
+def test_fused_decode_model_tokens_gemma2(tiny_checkpoint):
+    """Another family through the same primitives: (1 + w) RMSNorms before blocks with sandwich post-norms, a GELU
+    (tanh) gated MLP, rotary without q/k norm (the rotary + KV store kernel), logit soft-capping."""
+    res = _interpret("model", str(tiny_checkpoint("Gemma2ForCausalLM")))
+    assert set(res["unfused_calls"].values()) == {0}
+    assert min(res["fused_calls"].values()) > 0, res
+    assert res["fused"] == res["unfused"], f"fused {res['fused']} != unfused {res['unfused']}"
+    assert res["wrong_norm"] != res["fused"] and res["no_kv_store"] != res["fused"], res
 
 
 def test_generated_code_fuses_where_the_pattern_holds():
