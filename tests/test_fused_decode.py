@@ -257,3 +257,11 @@ def test_fused_helpers_fall_back_to_plain_ops_on_cpu():
     gu = torch.randn(3, 32)
     assert torch.equal(L.act_linear(act, down, gu), down(act(gu)))
     assert FU.gemv_config(lin, x, "norm") is False
+
+
+def test_fused_candidates():
+    from xllm_gen.runtime.layers.fused import fused_candidates
+    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
+    assert fused_candidates(1, 1024, 3072) == skinny_gemm_candidates(1, 1024, 3072)[1:]
+    assert fused_candidates(8, 1024, 3072) == skinny_gemm_candidates(8, 1024, 3072)[1:] + [(8, 512, 4, 1)]
+    assert all(c[1] <= 64 for c in fused_candidates(4, 24, 64))     # BLOCK_K never beyond the table's for small K

@@ -72,6 +72,17 @@ def gemv_config(linear, x: torch.Tensor, prologue: str):
     return choice[0] if choice[1] else False
 
 
+def fused_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list:
+    """Launch configs timed for a fused GEMV: the skinny GEMM's measured alternatives (its launch table's own config
+    is rarely the fastest), and for more than 2 rows one with 8 output rows per program: each program computes its
+    x chunk (the norm / activation of all rows) itself, so fewer, wider programs read less of it."""
+    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
+    cands = skinny_gemm_candidates(M, N, K, elem_size)
+    out = cands[1:] or cands
+    wide = (8, min(512, cands[0][1]), 4, 1)
+    return out + [wide] if M > 2 and wide not in out else out
+
+
 @torch.inference_mode()
 def tune_fused_gemvs(shapes: dict, rows) -> None:
     """For every (rows, N, K) of the model's decode GEMMs (shapes: {(N, K, dtype): [(weight, bias), ...]}, as
@@ -80,7 +91,6 @@ def tune_fused_gemvs(shapes: dict, rows) -> None:
     layers' weights of the shape (CUDA-graph replays, weights streamed from HBM), and keeps the fastest config and
     whether it beat the plain pair."""
     from xllm_gen.runtime.ops import fused_gemv as FG
-    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
     if MODE == "0":
         return
     for (N, K, dt), ws in shapes.items():
@@ -112,7 +122,7 @@ def tune_fused_gemvs(shapes: dict, rows) -> None:
                             return lambda: [FG.act_gemv(x, w, b, "silu", config=cfg) for w, b in seq]
                     t_plain = _lin.graph_time_ms(plain) / len(seq)
                     t_fused, cfg = min((_lin.graph_time_ms(fused(c)) / len(seq), c)
-                                       for c in skinny_gemm_candidates(M, N, K, ws[0][0].element_size()))
+                                       for c in fused_candidates(M, N, K, ws[0][0].element_size()))
                     FUSED_GEMV_CHOICE[prologue][key] = (cfg, t_fused < t_plain)
                     FUSED_TUNING[(prologue, M, N, K)] = (1e3 * t_plain, 1e3 * t_fused, cfg)
                 chosen[M] = FUSED_GEMV_CHOICE[prologue][key]
@@ -149,7 +159,8 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor])
     """(linear(norm(x + residual)), x + residual); residual None: (linear(norm(x)), x)."""
     args = _norm_args(norm)
     cfg = gemv_config(linear, x, "norm") if args is not None else False
-    if cfg is False or norm.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+    if (cfg is False or norm.weight.dtype != x.dtype or norm.weight.shape[0] != x.shape[-1]
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
         h, residual = norm(x, residual)
         return linear(h), residual
     weight, eps, offset = args

@@ -52,7 +52,7 @@ def test_fused_kernels_vs_unfused_triton(name):
         r = torch.randn(M, K, device="cuda", generator=g).to(dt)
         w = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(dt)
         gu = torch.randn(M, 2 * K, device="cuda", generator=g).to(dt)
-        for cfg in T.skinny_gemm_candidates(M, N, K):
+        for cfg in T.skinny_gemm_candidates(M, N, K) + [(8, 512, 4, 1)]:
             if "down" not in name:
                 for off in (0.0, 1.0):
                     h, want_r = ops.fused_add_rms_norm(x, r, w, 1e-6, off)
@@ -81,7 +81,6 @@ def test_fused_gemv_tuning(monkeypatch):
     from xllm_gen.runtime import layers as L
     from xllm_gen.runtime.layers import fused as FU
     from xllm_gen.runtime.layers import linear as LL
-    from xllm_gen.runtime.ops import triton_kernels as T
     monkeypatch.setattr(LL, "_FORCE", None)
     monkeypatch.setattr(LL, "DECODE_GEMM_CHOICE", {})
     monkeypatch.setattr(FU, "FUSED_GEMV_CHOICE", {"norm": {}, "act": {}})
@@ -98,7 +97,7 @@ def test_fused_gemv_tuning(monkeypatch):
         print(f"  {k}: {v[0]:.2f} / {v[1]:.2f} us {v[2]}")
     assert {k[:2] for k in FU.FUSED_TUNING} == {(p, M) for p in ("norm", "act") for M in (1, 2, 4, 8)}
     for (p, M, N, K), (tp, tf, cfg) in FU.FUSED_TUNING.items():
-        assert tp > 0 and tf > 0 and cfg in T.skinny_gemm_candidates(M, N, K)
+        assert tp > 0 and tf > 0 and cfg in FU.fused_candidates(M, N, K)
         assert FU.FUSED_GEMV_CHOICE[p][(M, N, K, torch.bfloat16)] == (cfg, tf < tp)
         assert FU.FUSED_GEMV_CHOICE[p][(3, N, K, torch.bfloat16)] == FU.FUSED_GEMV_CHOICE[p][(4, N, K, torch.bfloat16)]
     _report(test="fused_gemv_tuning", tuning={str(k): v for k, v in FU.FUSED_TUNING.items()})
