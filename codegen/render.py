@@ -10,6 +10,7 @@ import jinja2
 import xllm_gen
 import xllm_gen.templates
 
+from .fusion import fusion_plan
 from .ir import ConfigFieldIR, ModelIR
 from .resolver import HF_ROPE_TYPES
 from .yaml_loader import SpecTree
@@ -132,6 +133,7 @@ def render(ir: ModelIR, tree: SpecTree) -> Dict[str, str]:
         "ir": ir,
         "banner": banner(ir, source_hash(tree)),
         "config_lines": [from_hf_line(f) for f in config_order(ir)],
+        "fusion": fusion_plan(ir),
     }
     out = {}
     for name, template in OUTPUTS.items():

@@ -20,6 +20,7 @@ from xllm_gen.runtime.layers.embedding import (
                                             SinusoidalPositionEmbedding,
                                             VocabParallelEmbedding,
 )
+from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
                                             MergedColumnParallelLinear,
@@ -47,4 +48,5 @@ __all__ = [
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
     "attention_sinks", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
+    "norm_linear", "act_linear", "qk_norm_rope_store",
 ]

@@ -54,7 +54,8 @@ class Attention(nn.Module):
         self.v_cache = torch.tensor([])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sinks: Optional[torch.Tensor] = None, kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them)."""
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
         if self.qk_head_dim != self.v_head_dim:        # q/k and v heads of different widths: zero-padded to head_dim
@@ -62,19 +63,19 @@ class Attention(nn.Module):
             q = F.pad(q.reshape(-1, self.num_heads, Dqk), (0, D - Dqk))
             k = F.pad(k.reshape(-1, self.num_kv_heads, Dqk), (0, D - Dqk))
             v = F.pad(v.reshape(-1, self.num_kv_heads, Dv), (0, D - Dv))
-            out = self._attend(q, k, v, sinks)
+            out = self._attend(q, k, v, sinks, kv_stored)
             return out.view(-1, self.num_heads, D)[..., :Dv].reshape(-1, self.num_heads * Dv)
-        return self._attend(q, k, v, sinks)
+        return self._attend(q, k, v, sinks, kv_stored)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                sinks: Optional[torch.Tensor], kv_stored: bool = False) -> torch.Tensor:
         ctx = get_context()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.graph_break is not None:      # piecewise prefill capture: attention runs between captured pieces
             return ctx.graph_break(self, q, k, v)
-        if self.k_cache.numel() and self.v_cache.numel():
+        if self.k_cache.numel() and self.v_cache.numel() and not kv_stored:
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if self.variant == FULL:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)

@@ -99,17 +99,19 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
         fill_row_choices(chosen, N, K, dt)
+    from xllm_gen.runtime.layers.fused import tune_fused_gemvs  # the fused-prologue GEMVs of the same shapes
+    tune_fused_gemvs(shapes, tuned)
     return report
 
 
-def fill_row_choices(chosen: dict, N: int, K: int, dtype) -> None:
+def fill_row_choices(chosen: dict, N: int, K: int, dtype, table: Optional[dict] = None) -> None:
     """Row counts between measured ones take the choice of the next measured count above: the decode-graph bucket
     they are padded to. An eager step of 3 rows then runs the kernel the bucket of 4 does (with the same launch
     configuration, so each row's result is the same), and graph and eager decode agree bit for bit."""
     prev = 0
     for M in sorted(chosen):
         for m in range(prev + 1, M + 1):
-            DECODE_GEMM_CHOICE.setdefault((m, N, K, dtype), chosen[M])
+            (DECODE_GEMM_CHOICE if table is None else table).setdefault((m, N, K, dtype), chosen[M])
         prev = M
 
 

@@ -1,0 +1,223 @@
+"""Fused decode prologues of linear layers, as generated code calls them (`L.norm_linear`, `L.act_linear`).
+
+The compiler emits one of these calls where the spec's dataflow has the pattern (a norm step before a block whose
+first op is a linear; a gated MLP's down projection); each call means exactly its plain ops, written beside it in
+the generated source:
+
+    norm_linear(norm, linear, x, residual) == (linear(norm(x, residual)[0]), norm(x, residual)[1])
+    act_linear(act, linear, x)             == linear(act(x))
+
+On a CUDA decode batch (<= 8 rows, bf16 / fp16, an unquantized weight, norm an RMSNorm without bias, act silu or
+gelu) the pair runs as ONE kernel (ops/fused_gemv.py: the skinny GEMV computing its x chunk from the norm's or the
+activation's input as it streams the weight); everywhere else (CPU, prefill, quantized input, other norms and
+activations) the plain ops run, so CPU results are unchanged.
+
+XLLM_FUSED_DECODE: unset (auto) fuses a GEMV prologue for a (rows, N, K) where tune_fused_gemvs (run by
+tune_decode_gemms when the runner starts) measured the fused kernel faster than the plain op + GEMM (a shape never
+measured stays plain), and the rotary + KV-cache store on every CUDA decode step; "1" fuses every call where the
+kernels apply (also on CPU when TRITON_INTERPRET=1: the tests); "0" never. Both an eager step and a graph replay of the same rows
+take the same choice and launch config, so graph == eager stays bit for bit.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from xllm_gen.runtime import ops
+from xllm_gen.runtime.executor.distributed import all_reduce
+from xllm_gen.runtime.layers import linear as _lin
+from xllm_gen.runtime.layers.activation import GeluAndMul, SiluAndMul
+from xllm_gen.runtime.layers.norm import RMSNorm
+
+MODE = os.environ.get("XLLM_FUSED_DECODE", "").strip()     # "" auto | "1" force | "0" off
+_CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
+# prologue ("norm" | "act") -> {(rows, N, K, dtype): (the fused GEMV's fastest launch config, whether it beat the
+# plain prologue op + GEMM)}, measured by tune_fused_gemvs (from tune_decode_gemms, once per process); FUSED_TUNING:
+# {(prologue, rows, N, K): (plain us, fused us, config)} of what it measured
+FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
+FUSED_TUNING: dict = {}
+
+
+def _fused_ops():
+    from xllm_gen.runtime.ops import fused_gemv
+    return fused_gemv
+
+
+def gemv_config(linear, x: torch.Tensor, prologue: str):
+    """The launch config of the fused GEMV for linear(x) with the prologue "norm" or "act" (None: the launch
+    table's), or False where the fused kernel does not apply or was not chosen."""
+    w = linear.weight
+    if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= _lin._SKINNY_MAX_ROWS:
+        return False
+    if linear.act_quant is not None or w.dim() != 2 or not w.dtype.is_floating_point or x.dtype != w.dtype:
+        return False
+    if not isinstance(linear, (_lin.ReplicatedLinear, _lin.ColumnParallelLinear, _lin.MergedColumnParallelLinear,
+                               _lin.QKVParallelLinear, _lin.RowParallelLinear)):
+        return False
+    if type(linear).forward not in (_lin._Linear.forward, _lin.RowParallelLinear.forward) or "forward" in vars(linear):
+        return False            # a layer whose forward was replaced (e.g. a quantized kernel) runs as itself
+    if not x.is_cuda:      # the tests: the interpreter runs programs one by one, so few wide ones
+        if MODE == "1" and _CPU_KERNELS and x.device == w.device:
+            return min(64, 1 << (w.shape[0] - 1).bit_length()), 64, 1, 1
+        return False
+    if w.dtype not in _lin._SKINNY_DTYPES or ops._FORCE_TORCH or torch.compiler.is_compiling():
+        return False
+    choice = FUSED_GEMV_CHOICE[prologue].get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
+    if MODE == "1" or _lin._FORCE:
+        return choice[0] if choice else None
+    if _lin._FORCE is False or not choice:
+        return False
+    return choice[0] if choice[1] else False
+
+
+def fused_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list:
+    """Launch configs timed for a fused GEMV: the skinny GEMM's measured alternatives (its launch table's own config
+    is rarely the fastest), and for more than 2 rows one with 8 output rows per program: each program computes its
+    x chunk (the norm / activation of all rows) itself, so fewer, wider programs read less of it."""
+    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
+    cands = skinny_gemm_candidates(M, N, K, elem_size)
+    out = cands[1:] or cands
+    wide = (8, min(512, cands[0][1]), 4, 1)
+    return out + [wide] if M > 2 and wide not in out else out
+
+
+@torch.inference_mode()
+def tune_fused_gemvs(shapes: dict, rows) -> None:
+    """For every (rows, N, K) of the model's decode GEMMs (shapes: {(N, K, dtype): [(weight, bias), ...]}, as
+    tune_decode_gemms collects them) not decided yet: times the plain pair (fused_add_rms_norm, resp. silu_and_mul,
+    then the GEMM as the layer runs it) against the fused GEMV in each candidate launch config, over all the
+    layers' weights of the shape (CUDA-graph replays, weights streamed from HBM), and keeps the fastest config and
+    whether it beat the plain pair."""
+    from xllm_gen.runtime.ops import fused_gemv as FG
+    if MODE == "0":
+        return
+    for (N, K, dt), ws in shapes.items():
+        seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
+        dev = ws[0][0].device
+        for prologue in ("norm", "act"):
+            chosen = {}
+            for M in rows:
+                key = (M, N, K, dt)
+                if key not in FUSED_GEMV_CHOICE[prologue]:
+                    if prologue == "norm":
+                        x, r = torch.randn(M, K, device=dev, dtype=dt), torch.randn(M, K, device=dev, dtype=dt)
+                        g = torch.randn(K, device=dev, dtype=dt)
+
+                        def plain():
+                            for w, b in seq:
+                                _lin._linear(ops.fused_add_rms_norm(x, r, g, 1e-6)[0], w, b)
+
+                        def fused(cfg):
+                            return lambda: [FG.norm_gemv(x, r, g, 1e-6, 0.0, w, b, config=cfg) for w, b in seq]
+                    else:
+                        x = torch.randn(M, 2 * K, device=dev, dtype=dt)
+
+                        def plain():
+                            for w, b in seq:
+                                _lin._linear(ops.silu_and_mul(x), w, b)
+
+                        def fused(cfg):
+                            return lambda: [FG.act_gemv(x, w, b, "silu", config=cfg) for w, b in seq]
+                    t_plain = _lin.graph_time_ms(plain) / len(seq)
+                    t_fused, cfg = min((_lin.graph_time_ms(fused(c)) / len(seq), c)
+                                       for c in fused_candidates(M, N, K, ws[0][0].element_size()))
+                    FUSED_GEMV_CHOICE[prologue][key] = (cfg, t_fused < t_plain)
+                    FUSED_TUNING[(prologue, M, N, K)] = (1e3 * t_plain, 1e3 * t_fused, cfg)
+                chosen[M] = FUSED_GEMV_CHOICE[prologue][key]
+            _lin.fill_row_choices(chosen, N, K, dt, FUSED_GEMV_CHOICE[prologue])
+
+
+def _norm_args(norm) -> Optional[tuple]:
+    if type(norm) is RMSNorm and norm.bias is None:
+        return norm.weight, norm.eps, norm.weight_offset
+    return None
+
+
+_ACT_KINDS = {(SiluAndMul, None): "silu", (GeluAndMul, "tanh"): "gelu_tanh", (GeluAndMul, "none"): "gelu"}
+
+
+def _act_kind(act) -> Optional[str]:
+    return _ACT_KINDS.get((type(act), getattr(act, "approximate", None)))
+
+
+def _row_parallel_tail(linear, y: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's partial output summed over the ranks, then its bias (RowParallelLinear.forward)."""
+    if linear.reduce:
+        y = all_reduce(y)
+    return y if linear.bias is None else y + linear.bias
+
+
+def _split_bias(linear):
+    """The bias the kernel adds, and whether the row-parallel tail (all-reduce, then bias) follows."""
+    tail = isinstance(linear, _lin.RowParallelLinear) and linear.tp_size > 1
+    return (None if tail else linear.bias), tail
+
+
+def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor]):
+    """(linear(norm(x + residual)), x + residual); residual None: (linear(norm(x)), x)."""
+    args = _norm_args(norm)
+    cfg = gemv_config(linear, x, "norm") if args is not None else False
+    if (cfg is False or norm.weight.dtype != x.dtype or norm.weight.shape[0] != x.shape[-1]
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
+        h, residual = norm(x, residual)
+        return linear(h), residual
+    weight, eps, offset = args
+    bias, tail = _split_bias(linear)
+    y, residual = _fused_ops().norm_gemv(x, residual, weight, eps, offset, linear.weight, bias, config=cfg)
+    return (_row_parallel_tail(linear, y) if tail else y), residual
+
+
+def act_linear(act, linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(act(x)) for a gated activation act (x: gate | up halves)."""
+    kind = _act_kind(act)
+    fits = kind is not None and x.dim() == 2 and x.shape[-1] == 2 * linear.in_features
+    cfg = gemv_config(linear, x, "act") if fits else False
+    if cfg is False:
+        return linear(act(x))
+    bias, tail = _split_bias(linear)
+    y = _fused_ops().act_gemv(x, linear.weight, bias, kind, config=cfg)
+    return _row_parallel_tail(linear, y) if tail else y
+
+
+def _fused_rope_args(q_norm, k_norm, rotary):
+    """(q weight, k weight, eps) when qk_norm_rope's Triton kernel covers the norms and rotary, else None."""
+    if rotary is None or not rotary.whole:
+        return None
+    if q_norm is None and k_norm is None:
+        return None, None, 0.0
+    if (type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps
+            or q_norm.weight_offset or k_norm.weight_offset or q_norm.bias is not None or k_norm.bias is not None):
+        return None
+    return q_norm.weight, k_norm.weight, q_norm.eps
+
+
+def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm, k_norm,
+                       rotary, attn):
+    """L.qk_norm_rope(positions, q, k, q_norm, k_norm, rotary) -> (q, k, kv_stored). On a CUDA decode step the same
+    kernel also writes k (normed, rotated) and v into attn's paged KV cache at the step's slots, and kv_stored is
+    True: the attention layer then skips its store_kvcache (`attn(q, k, v, kv_stored=True)`). Prefill (and the
+    piecewise prefill-graph capture), CPU and the norms / rotary the kernel does not cover: the plain
+    qk_norm_rope, kv_stored False."""
+    from xllm_gen.runtime.executor.context import get_context
+    from xllm_gen.runtime.layers.rotary import qk_norm_rope
+    args = None
+    if MODE != "0" and (q.is_cuda and not ops._FORCE_TORCH and not torch.compiler.is_compiling()
+                        or not q.is_cuda and MODE == "1" and _CPU_KERNELS):
+        ctx = get_context()
+        kc, vc = attn.k_cache, attn.v_cache
+        if (not ctx.is_prefill and ctx.graph_break is None and kc.numel() and vc.numel() and kc.device == q.device
+                and kc.dtype == k.dtype == v.dtype and vc.dtype == v.dtype and kc.is_contiguous()
+                and vc.is_contiguous()):
+            args = _fused_rope_args(q_norm, k_norm, rotary)
+    if args is None:
+        q, k = qk_norm_rope(positions, q, k, q_norm, k_norm, rotary)
+        return q, k, False
+    from xllm_gen.runtime.ops.fused_rope_store import qk_norm_rope_store as kernel
+    rotary._check_positions(positions)
+    rotary._to(q.device)
+    qw, kw, eps = args
+    q, k = kernel(q, k, v.view(k.shape), qw, kw, eps, positions, rotary.cos_sin_cache, rotary.axis_map,
+                  attn.k_cache, attn.v_cache, get_context().slot_mapping)
+    return q, k, True

@@ -1,0 +1,258 @@
+"""Decode GEMVs with a fused prologue: the op before a linear layer computed while its weight streams.
+
+Both kernels are the skinny GEMM of triton_kernels.py (`_skinny_gemm_kernel`: M <= 8 rows, a [BLOCK_N, BLOCK_K // VEC,
+VEC] weight tile, one fp32 accumulator per row, the same launch configs) whose x chunk is not read but computed:
+
+- `norm_gemv`: y = W rmsnorm(x + r) (+ bias), new residual x + r. RMSNorm's scale rsqrt(mean(h^2) + eps) is a
+  per-row scalar, so it factors out of the dot product: the loop accumulates sum(h^2) beside acc += W (g h), with
+  h = x + r rounded to the activation dtype (the residual as the unfused add rounds it) and g the norm weight
+  (weight_offset + w, e.g. 1 + w); the epilogue multiplies by rsqrt(ss / K + eps) and adds the bias. One pass,
+  no extra launch. The programs of the first N-block (program 0) also store h to a separate residual buffer (the
+  inputs are never written, so there is no race). The only difference to the unfused norm + GEMV is rounding:
+  the unfused path rounds the normalized x (and w times it) to the activation dtype before the product, the
+  fused one keeps them in fp32.
+- `act_gemv`: y = W (act(gate) * up) (+ bias) for the gate | up halves of a merged gate/up projection's output
+  [M, 2K]: silu, gelu (tanh or erf), with the roundings of ops.silu_and_mul / gelu_and_mul (act rounded to the
+  dtype, then the product rounded), so the GEMV reads exactly the values the unfused activation kernel writes.
+
+The launchers take CPU tensors under TRITON_INTERPRET=1 (tests), like triton_kernels.py's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from xllm_gen.runtime.ops.triton_kernels import SKINNY_MAX_M, skinny_gemm_config
+
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}   # act_gemv's activations (gelu: exact erf)
+
+
+@triton.jit
+def _load(ptr, km, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=km, other=0.0)
+    return v
+
+
+@triton.jit
+def _x_chunk(x_ptr, r_ptr, ro_ptr, m, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om, half,
+             PRO: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr):
+    """Row m's x chunk as the GEMV consumes it (fp32 [1, KC, VEC]) and its sum-of-squares contribution.
+    PRO 1: g * h with h = x (+ r) rounded to the dtype (row m of the residual stored where write_res);
+    PRO 2: act(x[:half]) * x[half:], rounded as the unfused activation kernel rounds."""
+    if PRO == 1:
+        x = _load(x_ptr + m * stride_xm + k0 + offs_k, km, EVEN_K)
+        if HAS_RES:
+            r = _load(r_ptr + m * stride_rm + k0 + offs_k, km, EVEN_K)
+            h = (x.to(tl.float32) + r.to(tl.float32)).to(ro_ptr.dtype.element_ty)
+            tl.store(ro_ptr + m * stride_om + k0 + offs_k, h, mask=km & write_res)
+            hf = h.to(tl.float32)
+        else:
+            hf = x.to(tl.float32)
+        return hf * g, tl.sum(hf * hf, axis=2)
+    else:
+        a = _load(x_ptr + m * stride_xm + k0 + offs_k, km, EVEN_K)
+        b = _load(x_ptr + m * stride_xm + half + k0 + offs_k, km, EVEN_K)
+        af = a.to(tl.float32)
+        if ACT == 0:        # silu
+            s = af / (1.0 + tl.exp(-af))
+        elif ACT == 1:      # gelu, tanh approximation: tanh(u) = 1 - 2 / (exp(2u) + 1)
+            u = 0.7978845608028654 * (af + 0.044715 * af * af * af)
+            s = 0.5 * af * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)))
+        else:               # gelu, exact erf
+            s = 0.5 * af * (1.0 + tl.erf(af * 0.7071067811865476))
+        s = s.to(a.dtype).to(tl.float32)
+        v = (s * b.to(tl.float32)).to(a.dtype).to(tl.float32)
+        return v, 0.0
+
+
+@triton.jit
+def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_rm, stride_om,
+                          stride_wn, stride_ym, half, eps, g_offset,
+                          M: tl.constexpr, PRO: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                          EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    KC: tl.constexpr = BLOCK_K // VEC
+    pid = tl.program_id(0)
+    write_res = pid == 0
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    kc = tl.arange(0, KC)
+    kv = tl.max_contiguous(tl.multiple_of(tl.arange(0, VEC), VEC), VEC)
+    offs_k = kc[None, :, None] * VEC + kv[None, None, :]                  # [1, KC, VEC]
+    w_ptrs = w_ptr + rows[:, None, None] * stride_wn + offs_k             # [BLOCK_N, KC, VEC]
+    acc0 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+    ss0 = tl.zeros([1, KC], dtype=tl.float32)
+    if M > 1:
+        acc1 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+        ss1 = tl.zeros([1, KC], dtype=tl.float32)
+    if M > 2:
+        acc2 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+        ss2 = tl.zeros([1, KC], dtype=tl.float32)
+    if M > 3:
+        acc3 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+        ss3 = tl.zeros([1, KC], dtype=tl.float32)
+    if M > 4:
+        acc4 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+        ss4 = tl.zeros([1, KC], dtype=tl.float32)
+    if M > 5:
+        acc5 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+        ss5 = tl.zeros([1, KC], dtype=tl.float32)
+    if M > 6:
+        acc6 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+        ss6 = tl.zeros([1, KC], dtype=tl.float32)
+    if M > 7:
+        acc7 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
+        ss7 = tl.zeros([1, KC], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        km = (offs_k + k0) < K
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            w = tl.load(w_ptrs + k0, mask=km, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if PRO == 1:
+            g = _load(g_ptr + k0 + offs_k, km, EVEN_K).to(tl.float32) + g_offset
+        else:
+            g = 0.0
+        x0, s0 = _x_chunk(x_ptr, r_ptr, ro_ptr, 0, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                          half, PRO, HAS_RES, ACT, EVEN_K)
+        acc0 += tl.sum(w * x0, axis=2)
+        ss0 += s0
+        if M > 1:
+            x1, s1 = _x_chunk(x_ptr, r_ptr, ro_ptr, 1, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                              half, PRO, HAS_RES, ACT, EVEN_K)
+            acc1 += tl.sum(w * x1, axis=2)
+            ss1 += s1
+        if M > 2:
+            x2, s2 = _x_chunk(x_ptr, r_ptr, ro_ptr, 2, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                              half, PRO, HAS_RES, ACT, EVEN_K)
+            acc2 += tl.sum(w * x2, axis=2)
+            ss2 += s2
+        if M > 3:
+            x3, s3 = _x_chunk(x_ptr, r_ptr, ro_ptr, 3, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                              half, PRO, HAS_RES, ACT, EVEN_K)
+            acc3 += tl.sum(w * x3, axis=2)
+            ss3 += s3
+        if M > 4:
+            x4, s4 = _x_chunk(x_ptr, r_ptr, ro_ptr, 4, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                              half, PRO, HAS_RES, ACT, EVEN_K)
+            acc4 += tl.sum(w * x4, axis=2)
+            ss4 += s4
+        if M > 5:
+            x5, s5 = _x_chunk(x_ptr, r_ptr, ro_ptr, 5, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                              half, PRO, HAS_RES, ACT, EVEN_K)
+            acc5 += tl.sum(w * x5, axis=2)
+            ss5 += s5
+        if M > 6:
+            x6, s6 = _x_chunk(x_ptr, r_ptr, ro_ptr, 6, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                              half, PRO, HAS_RES, ACT, EVEN_K)
+            acc6 += tl.sum(w * x6, axis=2)
+            ss6 += s6
+        if M > 7:
+            x7, s7 = _x_chunk(x_ptr, r_ptr, ro_ptr, 7, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
+                              half, PRO, HAS_RES, ACT, EVEN_K)
+            acc7 += tl.sum(w * x7, axis=2)
+            ss7 += s7
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    y_ptrs = y_ptr + offs_n
+    tl.store(y_ptrs, (_finish(acc0, ss0, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+    if M > 1:
+        tl.store(y_ptrs + stride_ym, (_finish(acc1, ss1, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+    if M > 2:
+        tl.store(y_ptrs + 2 * stride_ym, (_finish(acc2, ss2, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+    if M > 3:
+        tl.store(y_ptrs + 3 * stride_ym, (_finish(acc3, ss3, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+    if M > 4:
+        tl.store(y_ptrs + 4 * stride_ym, (_finish(acc4, ss4, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+    if M > 5:
+        tl.store(y_ptrs + 5 * stride_ym, (_finish(acc5, ss5, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+    if M > 6:
+        tl.store(y_ptrs + 6 * stride_ym, (_finish(acc6, ss6, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+    if M > 7:
+        tl.store(y_ptrs + 7 * stride_ym, (_finish(acc7, ss7, K, eps, PRO) + bias).to(out_ty), mask=n_mask)
+
+
+@triton.jit
+def _finish(acc, ss, K, eps, PRO: tl.constexpr):
+    out = tl.sum(acc, axis=1)
+    if PRO == 1:        # the RMSNorm scale of the row, factored out of the dot product
+        out = out * (1.0 / tl.sqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps))
+    return out
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, K: int, what: str) -> None:
+    M = x.shape[0]
+    if x.dim() != 2 or M > SKINNY_MAX_M:
+        raise ValueError(f"{what}: x {tuple(x.shape)} must be [M <= {SKINNY_MAX_M}, K]")
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"{what}: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
+
+
+def _launch(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config):
+    M, N = y.shape
+    bn, bk, warps, stages = config or skinny_gemm_config(M, N, K, weight.element_size())
+    vec = min(16 // weight.element_size(), bk)
+    has_bias = bias is not None
+    _prologue_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, r, ro, g, weight, bias if has_bias else weight, y, N, K, x.stride(0), r.stride(0), ro.stride(0),
+        weight.stride(0), y.stride(0), half, float(eps), float(g_offset),
+        M=M, PRO=pro, HAS_RES=r is not x, ACT=act, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, VEC=vec,
+        EVEN_K=K % bk == 0, NUM_STAGES=stages, num_warps=warps, num_stages=stages)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+              weight_offset: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              config: Optional[tuple] = None):
+    """(W rmsnorm(x + residual) + bias, x + residual) for x, residual [M <= 8, K] (residual None: rmsnorm(x), x);
+    the norm's weight [K] scales as (weight_offset + w). config: the skinny GEMM's (BLOCK_N, BLOCK_K, warps, stages),
+    default its launch table's."""
+    M, K = x.shape
+    _check(x, weight, K, "norm_gemv")
+    x, weight = _rows(x), _rows(weight)
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if residual is None:
+        r = ro = x
+        new_residual = x
+    else:
+        r = _rows(residual)
+        new_residual = ro = torch.empty((M, K), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    if M == 0 or N == 0:
+        if residual is not None:
+            torch.add(x, residual, out=new_residual)
+        return y, new_residual
+    _launch(x, r, ro, norm_weight, weight, bias, y, K, 0, eps, weight_offset, 1, 0, config)
+    return y, new_residual
+
+
+def act_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, act: str = "silu",
+             config: Optional[tuple] = None) -> torch.Tensor:
+    """W (act(x[:, :K]) * x[:, K:]) + bias for x [M <= 8, 2K] (gate | up), weight [N, K]; act one of ACT_CODES."""
+    M = x.shape[0]
+    K = x.shape[1] // 2
+    _check(x, weight, K, "act_gemv")
+    if x.shape[1] != 2 * K:
+        raise ValueError(f"act_gemv: x {tuple(x.shape)} is not gate | up halves")
+    x, weight = _rows(x), _rows(weight)
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    _launch(x, x, x, weight, weight, bias, y, K, K, 0.0, 0.0, 2, ACT_CODES[act], config)
+    return y

@@ -1,0 +1,86 @@
+"""q/k per-head RMSNorm + rotary with the KV-cache write in the same launch (decode): the kernel of
+triton_kernels.qk_norm_rope (`_norm_rope_heads`, one program per token) also writes the token's normed, rotated k
+and its v into the paged caches [num_blocks, block_size, Hk, D] at its slot (slot -1: padding row, skipped), so the
+attention layer launches no store_kvcache. The k written to the cache is computed by the same code as the k
+returned, so both are bit for bit what qk_norm_rope + store_kvcache give.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from xllm_gen.runtime.ops.triton_kernels import _heads, _norm_rope_heads, _warps
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr,
+                               pos_ptr, cache_ptr, axis_ptr, sqn, sqh, skn, skh, svn, svh, stride_pos_axis, H, Hk,
+                               eps, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, QH_BLOCK: tl.constexpr,
+                               KH_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+                               IS_MROPE: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, HALF_BLOCK)
+    jm = j < HALF
+    if IS_MROPE:
+        axis = tl.load(axis_ptr + j, mask=jm, other=0).to(tl.int64)
+        p = tl.load(pos_ptr + axis * stride_pos_axis + n, mask=jm, other=0).to(tl.int64)
+    else:
+        p = tl.load(pos_ptr + n).to(tl.int64)
+    c = tl.load(cache_ptr + p * HEAD_DIM + j, mask=jm, other=0.0)
+    s = tl.load(cache_ptr + p * HEAD_DIM + HALF + j, mask=jm, other=0.0)
+    _norm_rope_heads(q_ptr + n * sqn, sqh, qw_ptr, qo_ptr + n * H * HEAD_DIM, H, c, s, j, jm, eps,
+                     HEAD_DIM, QH_BLOCK, HAS_NORM)
+    _norm_rope_heads(k_ptr + n * skn, skh, kw_ptr, ko_ptr + n * Hk * HEAD_DIM, Hk, c, s, j, jm, eps,
+                     HEAD_DIM, KH_BLOCK, HAS_NORM)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    row = tl.maximum(slot, 0) * Hk * HEAD_DIM
+    hk_store = tl.where(slot >= 0, Hk, 0)               # a padding row (slot -1) writes nothing
+    _norm_rope_heads(k_ptr + n * skn, skh, kw_ptr, kc_ptr + row, hk_store, c, s, j, jm, eps,
+                     HEAD_DIM, KH_BLOCK, HAS_NORM)
+    h = tl.arange(0, KH_BLOCK)[:, None]
+    d = tl.arange(0, D_BLOCK)[None, :]
+    m = (h < hk_store) & (d < HEAD_DIM)
+    vv = tl.load(v_ptr + n * svn + h * svh + d, mask=m, other=0.0)
+    tl.store(vc_ptr + row + h * HEAD_DIM + d, vv, mask=m)
+
+
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: Optional[torch.Tensor],
+                       k_weight: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor, axis_map: Optional[torch.Tensor], k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """triton_kernels.qk_norm_rope(q, k, ...) -> (q, k), and k (normed, rotated), v [N, Hk, D] written to the
+    caches at slot_mapping [N] (-1: skipped), in one launch. Caches contiguous, of k's dtype."""
+    N, H, D = q.shape
+    Hk = k.shape[1]
+    if v.shape != k.shape or k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+        raise ValueError(f"qk_norm_rope_store: k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}, caches "
+                         f"{k_cache.dtype} / {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("qk_norm_rope_store: caches must be contiguous [num_blocks, block_size, Hk, D]")
+    q, k, v = _heads(q), _heads(k), _heads(v)
+    qo = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
+    ko = torch.empty((N, Hk, D), dtype=k.dtype, device=k.device)
+    if N == 0:
+        return qo, ko
+    has_norm = q_weight is not None
+    if has_norm != (k_weight is not None):
+        raise ValueError("qk_norm_rope_store: give both q and k norm weights or neither")
+    is_mrope = positions.dim() == 2
+    if positions.stride(-1) != 1:
+        positions = positions.contiguous()
+    qw = q_weight if has_norm else q
+    kw = k_weight if has_norm else k
+    ax = axis_map if is_mrope else positions
+    half_block = triton.next_power_of_2(D // 2)
+    qh, kh = triton.next_power_of_2(H), triton.next_power_of_2(Hk)
+    _qk_norm_rope_store_kernel[(N,)](
+        q, k, v, qw, kw, qo, ko, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, ax,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        positions.stride(0) if is_mrope else 0, H, Hk, eps,
+        HEAD_DIM=D, HALF_BLOCK=half_block, QH_BLOCK=qh, KH_BLOCK=kh, D_BLOCK=triton.next_power_of_2(D),
+        HAS_NORM=has_norm, IS_MROPE=is_mrope, num_warps=_warps(qh * half_block))
+    return qo, ko
