@@ -1,5 +1,5 @@
 """Fused decode prologues, A/B in one call: Qwen3-0.6B (random bf16 weights) graph decode with
-XLLM_FUSED_DECODE=0 (plain ops), auto (the default: a GEMV prologue fused where the runner's start-up measurement
+XLLM_FUSED_DECODE=0 (plain ops), auto (a GEMV prologue fused where the runner's start-up measurement
 found the fused kernel faster than the plain op + GEMM; the rotary + KV store always) and 1 (fused wherever it
 applies), one engine per mode, built one after another in this process.
 
@@ -24,7 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-MODES = {"off": "0", "auto": "", "on": "1"}
+MODES = {"off": "0", "auto": "auto", "on": "1"}
 
 
 def launches_per_replay(graph, reps: int = 3) -> tuple[float, list]:
