@@ -76,6 +76,16 @@ def test_bucketed_rows_equal_unpadded_eager(tower, case):
     assert _err(emb, ref_e) < TOL and _err(ds, ref_d) < TOL, (_err(emb, ref_e), _err(ds, ref_d))
 
 
+def test_one_segment_filling_a_bucket_is_the_eager_call(tower):
+    grid = torch.tensor([(1, 4, 6)])
+    pix = _pixels(tower, [(1, 4, 6)], seed=4)
+    vg = VisionGraphs(tower, sizes=(24, 64), slots=(2, 4), capture=False)
+    with torch.no_grad():
+        out, ref = vg(pix, grid), tower(pix, grid)
+    assert list(vg.buckets) == [(24, 1)] and vg.buckets[(24, 1)].inputs.segments.cu_seqlens is None
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
 def test_padding_content_never_reaches_real_rows(tower):
     grid = torch.tensor(GRIDS["image_and_video"])
     pix = _pixels(tower, GRIDS["image_and_video"], seed=1)
@@ -101,9 +111,10 @@ def test_padding_content_never_reaches_real_rows(tower):
 
 def test_keys_and_eager_fallback(tower):
     vg = VisionGraphs(tower, sizes=(16, 64), slots=(2, 4), capture=False)
-    assert vg.key(16, 1) == (16, 2)          # rows fit 16, one segment + padding: 2 slots
+    assert vg.key(12, 1) == (16, 2)          # rows fit 16, one segment + padding: 2 slots
     assert vg.key(17, 1) == (64, 2)
     assert vg.key(10, 2) == (16, 4)
+    assert vg.key(64, 1) == (64, 1) and vg.key(64, 2) == (64, 4)  # one segment filling a bucket: no padding
     assert vg.key(65, 1) is None and vg.key(10, 4) is None        # beyond the largest bucket / slot count
     for grid in ([(1, 10, 8)], [(4, 2, 2)]):                        # 80 rows; 4 frames = 5 slots > 4
         g = torch.tensor(grid)

@@ -12,7 +12,8 @@ inputs (pixel rows, position embeddings, rotary cos / sin); rows P..B-1 keep wha
 runs as one variable-length kernel over device boundaries (runtime/layers/vision.py `varlen_attention`, the
 flash kernel's varlen form: no host work per segment, so it is captured with the rest), with the boundaries
 [b_0 .. b_n, B, B, ..., B]: the padding rows are one extra segment of their own and the unused slots are
-empty segments. Every other op of a tower is row-wise (patch embedding, norms, MLPs) or merges m x m
+empty segments. One segment exactly as long as a bucket (a 1024 x 1024 image is 4096 patches) has a graph of
+its own without padding (slots 1), whose attention is the eager path's SDPA call. Every other op of a tower is row-wise (patch embedding, norms, MLPs) or merges m x m
 *consecutive* rows (B and P are multiples of m^2), so the first P / m^2 rows of each output are the
 request's, whatever the padding holds. They are copied out of the graph's static outputs (the next call
 overwrites them).
@@ -52,9 +53,14 @@ class _Bucket:
         cos, sin = like.rotary
         self.cos = torch.ones(rows, cos.shape[1], dtype=cos.dtype, device=dev)
         self.sin = torch.zeros(rows, sin.shape[1], dtype=sin.dtype, device=dev)
-        self.cu = torch.full((slots + 1,), rows, dtype=torch.int32, device=dev)
-        self.cu[0] = 0                                        # capture: one padding segment, the rest empty
-        self.inputs = VisionInputs(VisionSegments([0, rows], self.cu, rows), (self.cos, self.sin), self.pos)
+        if slots == 1:          # one segment filling the bucket: no padding, plain SDPA (the eager kernels)
+            self.cu = None
+            segments = VisionSegments([0, rows])
+        else:
+            self.cu = torch.full((slots + 1,), rows, dtype=torch.int32, device=dev)
+            self.cu[0] = 0                                    # capture: one padding segment, the rest empty
+            segments = VisionSegments([0, rows], self.cu, rows)
+        self.inputs = VisionInputs(segments, (self.cos, self.sin), self.pos)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.out = None
 
@@ -65,6 +71,8 @@ class _Bucket:
         self.pos[:p].copy_(inputs.pos)
         self.cos[:p].copy_(inputs.rotary[0])
         self.sin[:p].copy_(inputs.rotary[1])
+        if self.cu is None:
+            return
         cu = bounds + [self.rows] * (self.slots + 1 - len(bounds))
         self.cu.copy_(torch.tensor(cu, dtype=torch.int32), non_blocking=True)
         self.inputs.segments.bounds = cu                      # (read only by the host reference of varlen)
@@ -88,7 +96,11 @@ class VisionGraphs:
         self.replays = 0
 
     def key(self, rows: int, segments: int) -> Optional[tuple[int, int]]:
-        """(bucket rows, slots) for a call of `rows` rows in `segments` segments; None: run eagerly."""
+        """(bucket rows, slots) for a call of `rows` rows in `segments` segments; None: run eagerly. One segment
+        exactly as long as a bucket (a 1024 x 1024 image: 4096 patches) has slots 1: a graph without padding
+        whose attention is the eager path's SDPA (on an H200 cuDNN's kernel is faster than the varlen one)."""
+        if segments == 1 and rows in self.sizes:
+            return rows, 1
         i = bisect.bisect_left(self.sizes, rows)
         j = bisect.bisect_left(self.slots, segments + 1)
         if i == len(self.sizes) or j == len(self.slots):

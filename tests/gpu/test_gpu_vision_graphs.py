@@ -3,7 +3,8 @@ runtime/executor/vision_graphs.py with the generated Qwen3-VL tower at Qwen3-VL-
 1152, 16 heads of 72, MLP 4304; 4 blocks, deepstack taps at 1 and 3), random bfloat16 weights.
 
 - graph replay == the same padded bucket inputs run eagerly (same kernels: the flash varlen attention),
-  bit for bit on the real rows, for one image that fills its bucket, one that is padded, a 4-frame video and
+  bit for bit on the real rows, for one image that fills its bucket (its graph has no padding and SDPA's
+  attention: equal to the plain eager tower bit for bit too), one that is padded, a 4-frame video and
   images + video together; a second call of a bucket reuses its graph;
 - graph vs the plain eager tower (SDPA per group of equal segments, unpadded): bf16 agreement (other attention
   kernels and GEMM shapes, so not bitwise);
@@ -87,6 +88,8 @@ def test_graph_equals_eager_on_real_rows(tower, case):
     print(f"vision graph {case}: bucket {key}, rows {pix.shape[0]}; vs plain eager max err {err:.3g} "
           f"(max |x| {scale:.3g})")
     _report(test="gpu_vision_graph", case=case, bucket=list(key), rows=int(pix.shape[0]), err=err, scale=scale)
+    if key[1] == 1:             # one segment filling its bucket: the eager call's kernels, captured
+        assert err == 0.0, "graph of a full bucket differs from the eager tower"
     assert err < 0.05 * scale
 
 
