@@ -33,7 +33,9 @@ Measured (medians of --runs after --warmup runs of the same request):
 - --timeout: the whole run's wall-clock limit; when it passes, the report of what was measured is written
   and the script exits 3 (every section and input is saved as it finishes, so a kill keeps those too).
 - vision ms: the vision tower alone on the same processed pixel rows (already on the device, in the model
-  dtype): our runner's `model.encode_vision(pixels, grid_thw)` (patch embed, blocks, merger, deepstack mergers)
+  dtype): our runner's `encode_vision(pixels, grid_thw)` (what a request runs: the CUDA graph of the tower's
+  patch-count bucket, runtime/executor/vision_graphs.py) and `model.encode_vision` (eager; patch embed, blocks,
+  merger, deepstack mergers)
   and transformers' `model.model.visual(pixels, grid_thw=grid)` (the same parts), under inference_mode,
   device-synchronized around each call.
 """
@@ -309,19 +311,29 @@ def bench_xllm(R: dict, model_dir: Path, load_format: str, reqs: dict, args, log
                 pix_d = pix.to(engine.device, engine.dtype)
                 grid_d = grid.to(engine.device)
 
-                def vision():
+                def vision():              # what a request runs: the bucket's CUDA graph where there is one
+                    with torch.inference_mode():
+                        engine.runner.encode_vision(pix_d, grid)
+
+                def vision_eager():
                     with torch.inference_mode():
                         model.encode_vision(pix_d, grid_d)
                 row["xllm_vision"] = timed(vision, args.runs, args.warmup, dev)
+                row["xllm_vision_eager"] = timed(vision_eager, args.runs, args.warmup, dev)
+                vg = getattr(engine.runner, "vision_graphs", None)
+                row["vision_graphs"] = None if vg is None else {
+                    "buckets": [list(k) for k in vg.buckets], "replays": vg.replays, "disabled": vg.disabled}
                 if args.profile:
                     try:
                         row["xllm_vision_profile"] = top_kernels(vision, dev)
+                        row["xllm_vision_eager_profile"] = top_kernels(vision_eager, dev)
                         row["xllm_ttft_profile"] = top_kernels(lambda: llm.generate([req], sp), dev, 1)
                     except Exception as e:   # noqa: BLE001  (the timings stand without it)
                         row["xllm_profile_error"] = err(e)
                 log(f"xllm {name}: {row['prompt_tokens']} prompt tokens, TTFT {row['xllm_ttft']['median_ms']:.2f} ms "
                     f"(host preprocessing {row['xllm_ttft_host']['median_ms']:.2f} ms), "
-                    f"vision {row['xllm_vision']['median_ms']:.2f} ms, "
+                    f"vision {row['xllm_vision']['median_ms']:.2f} ms (eager {row['xllm_vision_eager']['median_ms']:.2f} "
+                    f"ms; graphs {row['vision_graphs']}), "
                     f"preprocess {row['xllm_preprocess']['median_ms']:.2f} ms on {row['pixel_device']} "
                     f"(host {row['xllm_preprocess_host']['median_ms']:.2f} ms; rows differ by "
                     f"{row['arms_pixel_max_diff']:.3g})")
@@ -447,8 +459,8 @@ def markdown(R: dict) -> str:
     if rows:
         L.append("| input | prompt tokens | visual tokens | grid (t, h, w) | preprocess ms device / host "
                  "| xllm TTFT ms device-pre / host-pre | HF TTFT ms host-pre / device-pre | HF generate ms "
-                 "| xllm TTFT / HF generate (target <= 0.5x) | HF / xllm TTFT | xllm vision ms | HF vision ms "
-                 "| HF / xllm vision |")
+                 "| xllm TTFT / HF generate (target <= 0.5x) | HF / xllm TTFT | xllm vision ms graph / eager "
+                 "| HF vision ms | HF / xllm vision |")
         L.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name in ROWS:
             r = rows.get(name)
@@ -461,15 +473,20 @@ def markdown(R: dict) -> str:
                      f"{r.get('visual_tokens', '-')} | {grid if grid else '-'} | "
                      f"{f(med(r, 'xllm_preprocess'))} / {f(med(r, 'xllm_preprocess_host'))} | "
                      f"{f(x_t)} / {f(med(r, 'xllm_ttft_host'))} | {f(h_t)} / {f(med(r, 'hf_ttft_device'))} | "
-                     f"{f(h_g)} | {ratio(x_t, h_g)} | {ratio(h_t, x_t)} | {f(x_v)} | {f(h_v)} | {ratio(h_v, x_v)} |")
+                     f"{f(h_g)} | {ratio(x_t, h_g)} | {ratio(h_t, x_t)} | {f(x_v)} / {f(med(r, 'xllm_vision_eager'))} | "
+                     f"{f(h_v)} | {ratio(h_v, x_v)} |")
         L.append("\nxllm TTFT: LLM.generate(max_tokens=1) wall time, preprocessing (the HF processor + mRoPE index) "
                  "included, prefix caching off; device-pre: the processor's resize / normalize / patchify on the "
                  "model's device (mm_preprocess_device=\"auto\", the default), host-pre: on the host "
                  "(mm_preprocess_device=\"cpu\"). HF TTFT: processor (host, or with device=) + .to(device) + "
                  "generate(max_new_tokens=1); HF generate: the generate call alone on processed inputs. preprocess: "
                  "our engine's request preparation alone (the same HF processor), synchronized. vision: the tower "
-                 f"alone on the same pixel rows (ours: model.encode_vision; HF: "
+                 "alone on the same pixel rows (ours: graph = the runner's encode_vision, the CUDA graph of the "
+                 "patch-count bucket, eager = model.encode_vision; HF: "
                  f"{R.get('hf_visual_attr', 'model.model.visual')}), synchronized.\n")
+        vgs = {n: r.get("vision_graphs") for n, r in rows.items() if "vision_graphs" in r}
+        if vgs:
+            L.append(f"vision graphs (bucket rows, segment slots; replays; why off): {json.dumps(vgs)}\n")
         diffs = {n: (r.get("pixel_device"), r.get("arms_same_ids_and_grids"), r.get("arms_pixel_max_diff"))
                  for n, r in rows.items() if "arms_pixel_max_diff" in r}
         if diffs:
@@ -481,7 +498,9 @@ def markdown(R: dict) -> str:
             L.append(f"\nprompt token counts differ (xllm, HF): {json.dumps(mism)}\n")
     for name, r in rows.items():
         for key, what in (("xllm_preprocess_profile", "xllm preprocessing on the device"),
-                          ("xllm_vision_profile", "xllm vision tower"), ("hf_vision_profile", "HF vision tower"),
+                          ("xllm_vision_profile", "xllm vision tower (graph)"),
+                          ("xllm_vision_eager_profile", "xllm vision tower (eager)"),
+                          ("hf_vision_profile", "HF vision tower"),
                           ("xllm_ttft_profile", "xllm LLM.generate(max_tokens=1)")):
             prof = r.get(key)
             if prof:

@@ -26,7 +26,7 @@ def test_bench_vl_cpu_smoke(tmp_path):
         errors = {k: v for k, v in row.items() if k.endswith("_error")}
         assert not errors, f"{name}: {errors}"
         for key in ("xllm_ttft", "hf_ttft", "hf_generate", "xllm_vision", "hf_vision", "xllm_preprocess",
-                    "xllm_ttft_host", "xllm_preprocess_host", "hf_ttft_device"):
+                    "xllm_ttft_host", "xllm_preprocess_host", "hf_ttft_device", "xllm_vision_eager"):
             assert row[key]["median_ms"] > 0, (name, key, row[key])
         # the device-preprocessing arm (on the CPU: device="cpu" given to the processors) equals the host arm
         assert row["arms_same_ids_and_grids"] is True and row["arms_pixel_max_diff"] == 0.0
