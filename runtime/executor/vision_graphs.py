@@ -142,7 +142,8 @@ class VisionGraphs:
             self.tower(b.pixels, inputs=b.inputs)
         torch.cuda.current_stream(b.pixels.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # captured lazily while serving: other threads' CUDA work must not invalidate the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.tower(b.pixels, inputs=b.inputs)
         if self.pool is None:
             self.pool = graph.pool()

@@ -233,7 +233,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n = bounds[1] - bounds[0]
     if n > 0 and bounds[0] == 0 and all(b - a == n for a, b in zip(bounds[:-1], bounds[1:])):
         s = len(bounds) - 1                                 # consecutive equal segments: [s, H, n, D] views
-        qs, ks, vs = (x.view(s, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        qs, ks, vs = (x.reshape(s, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         return F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2).reshape(q.shape)
     out = torch.empty_like(q)
     by_len: dict[int, list[int]] = {}
