@@ -1,7 +1,7 @@
 """CUDA graphs of the vision tower, one per bucket of patch counts (and of attention-segment slots).
 
-An eager tower call is host-bound where its GPU work is short: about 20 launches per block (585 for
-Qwen3-VL-8B's 27 blocks), plus per-segment gathers when a video has several frames. A call of P pixel rows
+An eager tower call is host-bound where its GPU work is short: about 20 launches per block (close to 600 for a
+27-block tower), plus per-segment gathers when a video has several frames. A call of P pixel rows
 (n attention segments: one per image, one per video frame) runs in the graph of the smallest bucket B >= P
 and the smallest slot count S > n. The tower is generic: it only has to offer `prepare(grid_thw) ->
 VisionInputs` (the inputs that depend on the grid alone: segments, 2-D rotary, interpolated positions, computed
