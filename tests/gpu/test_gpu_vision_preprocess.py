@@ -4,9 +4,13 @@ and video processors get device="cuda" (runtime/multimodal/processor.py; the eng
 
 - the rows come back on the GPU; token ids, grids, mRoPE positions and visual-token positions are the host
   path's exactly; the rows equal the host rows to float rounding where nothing is resized (64x96 is a multiple
-  of patch * merge = 32 inside the pixel budget) and within MAX_LEVELS uint8 levels where the image / video is
-  resized (the CPU's uint8 antialiased bicubic runs in fixed point, CUDA's in float: a level apart at most
-  in practice, the bound allows 3);
+  of patch * merge = 32 inside the pixel budget). Where the image / video is resized, torchvision runs other
+  math on the two devices: on the CPU a native uint8 antialiased bicubic (two passes, rounded and clamped to
+  uint8 in between), on CUDA float32 interpolation, clamped and rounded once. Measured on the CPU with random
+  pixels, those two differ by up to ~20 uint8 levels at single pixels and ~0.3 level on average. So the GPU
+  rows are checked against the host processor made to take torchvision's float path (the GPU's math: at most
+  one level apart, float rounding), and against the default host rows on average (<= 1 level) and at most
+  MAX_NATIVE_LEVELS levels;
 - the engine: LLM on CUDA preprocesses on the GPU by default; a not-resized image request gives the same
   greedy tokens as mm_preprocess_device="cpu"; with prefix caching on, the same request again hits the cache
   (the key is the raw-input digest) and gives the same tokens, and another image misses it.
@@ -28,7 +32,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 STD = 0.5                                 # the tiny fixture processor's image_std
-MAX_LEVELS = 3                            # uint8 levels the resized rows may differ by (see the docstring)
+LEVEL = 1 / 255 / STD                     # one uint8 level in the normalized rows
+MAX_NATIVE_LEVELS = 32                    # vs the CPU's native uint8 resize (see the docstring)
 IMG_PH = "<|vision_start|><|image_pad|><|vision_end|>"
 VID_PH = "<|vision_start|><|video_pad|><|vision_end|>"
 
@@ -58,30 +63,41 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_processor_on_gpu_matches_host(ckpt, case):
+def test_processor_on_gpu_matches_host(ckpt, case, monkeypatch):
+    import torchvision.transforms.v2.functional._geometry as tvgeo
     cfg = json.loads((ckpt / "config.json").read_text())
     host = MultiModalProcessor(str(ckpt), cfg)
     dev = MultiModalProcessor(str(ckpt), cfg, device="cuda")
     assert dev.device_kwargs == ["images_kwargs", "videos_kwargs"]
     prompt, mm, resized = CASES[case]
     out, ref = dev.process(0, prompt, None, mm, {}), host.process(0, prompt, None, mm, {})
+    with monkeypatch.context() as m:      # the host processor on torchvision's float path (the GPU's math)
+        m.setattr(tvgeo, "_do_native_uint8_resize_on_cpu", lambda interpolation: False)
+        ref_float = host.process(0, prompt, None, mm, {})
     assert out.prompt_token_ids == ref.prompt_token_ids
     assert torch.equal(out.mrope_positions, ref.mrope_positions) and out.mrope_delta == ref.mrope_delta
     assert torch.equal(out.visual_token_positions, ref.visual_token_positions)
     diffs = {}
     for key in ("pixel_values", "pixel_values_videos"):
-        a, b = getattr(out, key), getattr(ref, key)
-        grid = key.replace("pixel_values", "image_grid_thw") if key == "pixel_values" else "video_grid_thw"
+        a, b, bf = getattr(out, key), getattr(ref, key), getattr(ref_float, key)
+        grid = "image_grid_thw" if key == "pixel_values" else "video_grid_thw"
         assert (a is None) == (b is None), key
         if a is None:
             continue
         assert a.device.type == "cuda", key
         assert torch.equal(getattr(out, grid), getattr(ref, grid)), grid
-        diffs[key] = float((a.cpu() - b).abs().max())
-    bound = MAX_LEVELS / 255 / STD if resized else 1e-6
-    print(f"GPU preprocessing {case}: largest row difference to the host {diffs} (bound {bound:.3g})")
-    _report(test="gpu_preprocess_rows", case=case, diffs=diffs, bound=bound)
-    assert all(d <= bound for d in diffs.values()), diffs
+        d = (a.cpu() - b).abs()
+        diffs[key] = {"max": float(d.max()), "mean": float(d.mean()),
+                      "max_vs_float_path": float((a.cpu() - bf).abs().max())}
+    print(f"GPU preprocessing {case} (resized: {resized}): row differences to the host {diffs} "
+          f"(one level {LEVEL:.4g})")
+    _report(test="gpu_preprocess_rows", case=case, resized=resized, diffs=diffs)
+    for key, d in diffs.items():
+        if not resized:
+            assert d["max"] <= 1e-6, (key, d)
+        else:
+            assert d["max_vs_float_path"] <= LEVEL + 1e-6, (key, d)
+            assert d["mean"] <= LEVEL and d["max"] <= MAX_NATIVE_LEVELS * LEVEL + 1e-6, (key, d)
 
 
 def test_engine_preprocesses_on_gpu(ckpt):
