@@ -36,8 +36,9 @@ from xllm_gen.runtime.layers.vision import VisionInputs, VisionSegments
 
 logger = logging.getLogger(__name__)
 
-# patch-count buckets (multiples of 4 = merge^2 for the usual 2 x 2 merge; finer where images are small)
-DEFAULT_VISION_GRAPH_SIZES = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384)
+# patch-count buckets (multiples of merge^2; padding rows cost GEMM work, so 256 apart up to 4096 patches, a
+# 1024 x 1024 image, then 1024 apart; graphs are captured only for the buckets that calls use)
+DEFAULT_VISION_GRAPH_SIZES = tuple(range(256, 4097, 256)) + tuple(range(5120, 16385, 1024))
 # attention-segment slots (images + video frames + the padding segment)
 DEFAULT_SEGMENT_SLOTS = (2, 4, 8, 16, 32, 64)
 

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.gpu,
 GRIDS = {
     "image_fills_bucket": [(1, 32, 32)],               # 1024 patches: bucket 1024, no padding
     "image_padded": [(1, 30, 34)],                     # 1020 patches: padding rows in bucket 1024
-    "video_4_frames": [(4, 16, 20)],                   # 1280: bucket 1536, 5 segments -> 8 slots
+    "video_4_frames": [(4, 16, 20)],                   # 1280 = a bucket, 4 segments (+ an empty padding one): 8 slots
     "images_and_video": [(1, 8, 12), (2, 14, 14), (1, 20, 6)],
 }
 
