@@ -87,6 +87,8 @@ class MultiModalInputs:
         grid = [g for g in (self.image_grid_thw, self.video_grid_thw) if g is not None]
         if not pix:
             return None, None
+        if len(pix) == 1:                    # one modality: its rows as they are (no copy)
+            return pix[0], grid[0]
         return torch.cat(pix), torch.cat(grid)
 
 
