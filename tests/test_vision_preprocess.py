@@ -201,3 +201,19 @@ def test_generate_with_explicit_device_equals_default(vl_ckpt):
         finally:
             llm.engine.shutdown()
     assert outs["auto"] == outs["cpu:0"] and outs["auto"][0] == outs["auto"][1]
+
+
+def test_server_flag(monkeypatch):
+    from xllm_gen.runtime.engine import engine as engine_mod
+    from xllm_gen.runtime.serving import server
+    seen = {}
+
+    class FakeEngine:
+        def __init__(self, model, **kw):
+            seen.update(kw)
+    monkeypatch.setattr(engine_mod, "LLMEngine", FakeEngine)
+    monkeypatch.setattr(server, "check_model_path", lambda m: None)
+    for argv, want in ((["x"], None), (["x", "--mm-preprocess-device", "cpu"], "cpu")):
+        seen.clear()
+        server.make_engine(server._parser().parse_args(argv))
+        assert seen.get("mm_preprocess_device") == want
