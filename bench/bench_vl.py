@@ -255,8 +255,12 @@ def bench_xllm(R: dict, model_dir: Path, load_format: str, reqs: dict, args, log
     max_len = token_budget(args.image_size, args.frames, args.frame_size)
     blocks = 2 * math.ceil(max_len / 16) + 16
     t0 = time.perf_counter()
+    extra = {}
+    if args.prefill_graph_sizes:                 # e.g. finer buckets: a 1045-token prompt pads to 1536 by default
+        extra["prefill_graph_sizes"] = [int(x) for x in args.prefill_graph_sizes.split(",") if x]
+    R["xllm_options"] = dict(extra, enable_prefix_caching=False)
     llm = LLM(str(model_dir), device=dev, dtype=dtype, load_format=load_format, max_model_len=max_len,
-              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False)
+              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False, **extra)
     sync(dev)
     R["xllm_load_s"] = time.perf_counter() - t0
     log(f"xllm: engine up in {R['xllm_load_s']:.1f} s (max_model_len {max_len}, {blocks} KV blocks)")
@@ -510,7 +514,7 @@ def markdown(R: dict) -> str:
                 L += [f"- `{k}` {c} {ms:.3f}" for k, c, ms in prof["kernels"]]
     info = {k: R[k] for k in ("xllm_load_s", "xllm_section_s", "xllm_peak_gib", "xllm_prefill_graphs", "hf_load_s",
                               "hf_section_s", "hf_peak_gib", "hf_attn_implementation", "xllm_processor",
-                              "xllm_preprocess_device", "timeout",
+                              "xllm_preprocess_device", "xllm_options", "timeout",
                               "hf_processor", "checkpoint") if k in R}
     if info:
         L.append(f"\nsetup: {json.dumps(info, default=str)}\n")
@@ -545,6 +549,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-attn", default=None, help="transformers attn_implementation (default: its own, sdpa)")
     ap.add_argument("--profile", action="store_true", help="also the top GPU kernels of the vision towers and of "
                     "our whole request (torch.profiler)")
+    ap.add_argument("--prefill-graph-sizes", default=None,
+                    help="comma list of prefill graph buckets for our engine (default: the engine's; a prompt "
+                         "runs in the smallest bucket >= its length, padding rows included)")
     ap.add_argument("--timeout", type=float, default=570.0,
                     help="wall-clock seconds for the whole run (0: none); on expiry the partial report is written "
                          "and the exit status is 3")
