@@ -99,7 +99,10 @@ def test_engine_replays_tower_graph(tmp_path):
     from PIL import Image
 
     from xllm_gen import LLM, SamplingParams
-    d = make_tiny_qwen3_vl(tmp_path / "ckpt", vision_hidden_size=64, vision_num_heads=4, seed=0)
+    d = make_tiny_qwen3_vl(tmp_path / "ckpt", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=128, intermediate_size=512, mrope_section=(24, 20, 20),
+                           max_position_embeddings=4096, rope_theta=10000.0, vision_hidden_size=64,
+                           vision_num_heads=4, seed=0)
     llm = LLM(str(d), dtype="bfloat16", max_num_seqs=4, num_kv_blocks=256, max_model_len=1024,
               enable_prefix_caching=False)
     try:

@@ -11,8 +11,8 @@ and video processors get device="cuda" (runtime/multimodal/processor.py; the eng
   rows are checked against the host processor made to take torchvision's float path (the GPU's math: at most
   one level apart, float rounding), and against the default host rows on average (<= 1 level) and at most
   MAX_NATIVE_LEVELS levels;
-- the engine: LLM on CUDA preprocesses on the GPU by default; a not-resized image request gives the same
-  greedy tokens as mm_preprocess_device="cpu"; with prefix caching on, the same request again hits the cache
+- the engine (bfloat16): LLM on CUDA preprocesses on the GPU by default; a not-resized image request (the
+  same pixel rows either way) gives the same greedy tokens as mm_preprocess_device="cpu"; with prefix caching on, the same request again hits the cache
   (the key is the raw-input digest) and gives the same tokens, and another image misses it.
 Numbers are printed (pytest -s) and appended as JSON lines to $XLLM_TEST_REPORT when set.
 """
@@ -59,7 +59,10 @@ CASES = {   # name: (prompt, multi_modal_data, resized?)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from fixtures.tiny_hf import make_tiny_qwen3_vl
-    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_prep_gpu"), seed=0)
+    # text attention at head_dim 128 (FlashInfer's kernels), as tests/gpu/test_gpu_graphs.py's VL checkpoint
+    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl_prep_gpu"), hidden_size=256,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
+                              mrope_section=(24, 20, 20), max_position_embeddings=4096, rope_theta=10000.0, seed=0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -111,7 +114,7 @@ def test_engine_preprocesses_on_gpu(ckpt):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     toks = {}
     for option in ("auto", "cpu"):
-        llm = LLM(str(ckpt), dtype="float32", max_num_seqs=4, num_kv_blocks=256, max_model_len=512,
+        llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=4, num_kv_blocks=256, max_model_len=512,
                   enable_prefix_caching=True, mm_preprocess_device=option)
         try:
             mmp = llm.engine.mm_processor
