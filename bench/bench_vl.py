@@ -20,12 +20,22 @@ used as given: do_sample_frames=False), each in a short chat-formatted text prom
 
 Measured (medians of --runs after --warmup runs of the same request):
 - xllm TTFT: wall time of LLM.generate(request, max_tokens=1), prefix caching off. It includes the request's
-  preprocessing (the checkpoint's HF processor + mRoPE index), done inside generate.
+  preprocessing (the checkpoint's HF processor + mRoPE index), done inside generate. Two arms on the same
+  engine: preprocessing on the device (the engine's default on a GPU, mm_preprocess_device="auto": transformers'
+  torchvision processors resize / normalize / patchify on the GPU, the rows stay there) and on the host
+  (mm_preprocess_device="cpu", the path before). The arms swap the engine's MultiModalProcessor, nothing else.
 - HF TTFT: processor(text, images / videos) + .to(device) + model.generate(**inputs, max_new_tokens=1): the same
-  work from the same raw input. The generate call alone is reported beside it (HF generate ms), and the
-  preprocessing alone (our engine's MultiModalProcessor.process, which calls the same HF processor).
+  work from the same raw input; also with processor(..., device=device) (HF's own GPU preprocessing). The
+  generate call alone is reported beside it (HF generate ms: the target's reference, TTFT including
+  preprocessing <= 0.5x of it), and the preprocessing alone (our engine's MultiModalProcessor.process, which
+  calls the same HF processor; device-synchronized), host and device arms, with the largest difference of
+  the two arms' pixel rows (GPU and CPU resize kernels round differently; token ids and grids must be equal).
+- --timeout: the whole run's wall-clock limit; when it passes, the report of what was measured is written
+  and the script exits 3 (every section and input is saved as it finishes, so a kill keeps those too).
 - vision ms: the vision tower alone on the same processed pixel rows (already on the device, in the model
-  dtype): our runner's `model.encode_vision(pixels, grid_thw)` (patch embed, blocks, merger, deepstack mergers)
+  dtype): our runner's `encode_vision(pixels, grid_thw)` (what a request runs: the CUDA graph of the tower's
+  patch-count bucket, runtime/executor/vision_graphs.py) and `model.encode_vision` (eager; patch embed, blocks,
+  merger, deepstack mergers)
   and transformers' `model.model.visual(pixels, grid_thw=grid)` (the same parts), under inference_mode,
   device-synchronized around each call.
 """
@@ -37,6 +47,7 @@ import json
 import math
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -244,15 +255,24 @@ def bench_xllm(R: dict, model_dir: Path, load_format: str, reqs: dict, args, log
     max_len = token_budget(args.image_size, args.frames, args.frame_size)
     blocks = 2 * math.ceil(max_len / 16) + 16
     t0 = time.perf_counter()
+    extra = {}
+    if args.prefill_graph_sizes:                 # e.g. finer buckets: a 1045-token prompt pads to 1536 by default
+        extra["prefill_graph_sizes"] = [int(x) for x in args.prefill_graph_sizes.split(",") if x]
+    R["xllm_options"] = dict(extra, enable_prefix_caching=False)
     llm = LLM(str(model_dir), device=dev, dtype=dtype, load_format=load_format, max_model_len=max_len,
-              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False)
+              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False, **extra)
     sync(dev)
     R["xllm_load_s"] = time.perf_counter() - t0
     log(f"xllm: engine up in {R['xllm_load_s']:.1f} s (max_model_len {max_len}, {blocks} KV blocks)")
     try:
         engine = llm.engine
         model = engine.runner.model
-        mmp = engine.mm_processor
+        from xllm_gen.runtime.multimodal.processor import MultiModalProcessor
+        hf_proc = engine.mm_processor.processor
+        arms = {"device": MultiModalProcessor(processor=hf_proc, hf_config=engine.hf_config, device=engine.device),
+                "host": MultiModalProcessor(processor=hf_proc, hf_config=engine.hf_config, device=None)}
+        mmp = engine.mm_processor = arms["device"]
+        R["xllm_preprocess_device"] = {"device": str(engine.device), "modalities": mmp.device_kwargs}
         R["xllm_processor"] = {k: type(getattr(mmp.processor, k, None)).__name__
                                for k in ("image_processor", "video_processor")}
         R["xllm_prefill_graphs"] = getattr(engine.runner, "prefill_graphs", None) is not None
@@ -261,33 +281,66 @@ def bench_xllm(R: dict, model_dir: Path, load_format: str, reqs: dict, args, log
             row = R["rows"].setdefault(name, {})
             req = reqs[name]
             try:
-                out = llm.generate([req], sp)[0]
-                row["prompt_tokens"] = len(out.prompt_token_ids)
-                row["xllm_ttft"] = timed(lambda: llm.generate([req], sp), args.runs, args.warmup, dev)
-                mm = mmp.process(0, req["prompt"], None, req["multi_modal_data"], req["mm_processor_kwargs"])
+                def prep(arm):
+                    return arms[arm].process(0, req["prompt"], None, req["multi_modal_data"],
+                                             req["mm_processor_kwargs"])
+                mms = {}
+                for arm in ("device", "host"):          # host: mm_preprocess_device="cpu" (the path before)
+                    engine.mm_processor = arms[arm]
+                    out = llm.generate([req], sp)[0]
+                    row["prompt_tokens"] = len(out.prompt_token_ids)
+                    row[f"xllm_ttft{'' if arm == 'device' else '_host'}"] = timed(
+                        lambda: llm.generate([req], sp), args.runs, args.warmup, dev)
+                    mms[arm] = prep(arm)
+                    row[f"xllm_preprocess{'' if arm == 'device' else '_host'}"] = timed(
+                        lambda: prep(arm), args.runs, 1, dev)
+                engine.mm_processor = arms["device"]
+                mm, mh = mms["device"], mms["host"]
                 row["visual_tokens"] = mm.num_visual_tokens
                 pix, grid = mm.vision_batch()
+                pix_h, grid_h = mh.vision_batch()
+                row["pixel_device"] = str(pix.device)
                 row["grid_thw"] = grid.tolist()
                 row["pixel_rows"] = int(pix.shape[0])
-                row["xllm_preprocess"] = timed(
-                    lambda: mmp.process(0, req["prompt"], None, req["multi_modal_data"], req["mm_processor_kwargs"]),
-                    args.runs, 1, "cpu")
+                row["arms_same_ids_and_grids"] = (mm.prompt_token_ids == mh.prompt_token_ids
+                                                  and torch.equal(grid, grid_h))
+                row["arms_pixel_max_diff"] = float((pix.float().cpu() - pix_h.float()).abs().max())
+                if not row["arms_same_ids_and_grids"]:
+                    row["xllm_arms_error"] = "device and host preprocessing gave different token ids or grids"
+                if args.profile and dev.startswith("cuda"):
+                    try:
+                        row["xllm_preprocess_profile"] = top_kernels(lambda: prep("device"), dev)
+                    except Exception as e:   # noqa: BLE001
+                        row["xllm_profile_error"] = err(e)
                 pix_d = pix.to(engine.device, engine.dtype)
                 grid_d = grid.to(engine.device)
 
-                def vision():
+                def vision():              # what a request runs: the bucket's CUDA graph where there is one
+                    with torch.inference_mode():
+                        engine.runner.encode_vision(pix_d, grid)
+
+                def vision_eager():
                     with torch.inference_mode():
                         model.encode_vision(pix_d, grid_d)
                 row["xllm_vision"] = timed(vision, args.runs, args.warmup, dev)
+                row["xllm_vision_eager"] = timed(vision_eager, args.runs, args.warmup, dev)
+                vg = getattr(engine.runner, "vision_graphs", None)
+                row["vision_graphs"] = None if vg is None else {
+                    "buckets": [list(k) for k in vg.buckets], "replays": vg.replays, "disabled": vg.disabled}
                 if args.profile:
                     try:
                         row["xllm_vision_profile"] = top_kernels(vision, dev)
+                        row["xllm_vision_eager_profile"] = top_kernels(vision_eager, dev)
                         row["xllm_ttft_profile"] = top_kernels(lambda: llm.generate([req], sp), dev, 1)
                     except Exception as e:   # noqa: BLE001  (the timings stand without it)
                         row["xllm_profile_error"] = err(e)
-                log(f"xllm {name}: {row['prompt_tokens']} prompt tokens, TTFT {row['xllm_ttft']['median_ms']:.2f} ms, "
-                    f"vision {row['xllm_vision']['median_ms']:.2f} ms, "
-                    f"preprocess {row['xllm_preprocess']['median_ms']:.2f} ms")
+                log(f"xllm {name}: {row['prompt_tokens']} prompt tokens, TTFT {row['xllm_ttft']['median_ms']:.2f} ms "
+                    f"(host preprocessing {row['xllm_ttft_host']['median_ms']:.2f} ms), "
+                    f"vision {row['xllm_vision']['median_ms']:.2f} ms (eager {row['xllm_vision_eager']['median_ms']:.2f} "
+                    f"ms; graphs {row['vision_graphs']}), "
+                    f"preprocess {row['xllm_preprocess']['median_ms']:.2f} ms on {row['pixel_device']} "
+                    f"(host {row['xllm_preprocess_host']['median_ms']:.2f} ms; rows differ by "
+                    f"{row['arms_pixel_max_diff']:.3g})")
             except Exception as e:   # noqa: BLE001  (keep the other input's results)
                 row["xllm_error"] = err(e)
                 log(f"xllm {name}: {row['xllm_error']}")
@@ -338,9 +391,9 @@ def bench_hf(R: dict, model_dir: Path, reqs: dict, args, log, save) -> None:
             req = reqs[name]
             mm = req["multi_modal_data"]
 
-            def process():
+            def process(**extra):
                 return processor(text=[req["prompt"]], images=mm.get("image"), videos=mm.get("video"),
-                                 return_tensors="pt", **req["mm_processor_kwargs"])
+                                 return_tensors="pt", **req["mm_processor_kwargs"], **extra)
 
             def generate(inputs):
                 if getattr(model, "model", None) is not None and hasattr(model.model, "rope_deltas"):
@@ -352,6 +405,11 @@ def bench_hf(R: dict, model_dir: Path, reqs: dict, args, log, save) -> None:
                 inputs = process().to(dev)
                 row["hf_prompt_tokens"] = int(inputs["input_ids"].shape[1])
                 row["hf_ttft"] = timed(lambda: generate(process().to(dev)), args.runs, args.warmup, dev)
+                try:                        # HF's own GPU preprocessing (the torchvision processors' device=)
+                    row["hf_ttft_device"] = timed(lambda: generate(process(device=dev).to(dev)), args.runs,
+                                                  args.warmup, dev)
+                except Exception as e:   # noqa: BLE001  (the host arm stands without it)
+                    row["hf_device_preprocess_error"] = err(e)
                 row["hf_generate"] = timed(lambda: generate(inputs), args.runs, 1, dev)
                 key = "pixel_values" if name == "image" else "pixel_values_videos"
                 gkey = "image_grid_thw" if name == "image" else "video_grid_thw"
@@ -403,30 +461,50 @@ def markdown(R: dict) -> str:
          f"{R['warmup']} warm-up(s) of the same request\n"]
     rows = R.get("rows", {})
     if rows:
-        L.append("| input | prompt tokens | visual tokens | grid (t, h, w) | preprocess ms | xllm TTFT ms | HF TTFT ms "
-                 "| HF generate ms | HF / xllm TTFT | xllm vision ms | HF vision ms | HF / xllm vision |")
-        L.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        L.append("| input | prompt tokens | visual tokens | grid (t, h, w) | preprocess ms device / host "
+                 "| xllm TTFT ms device-pre / host-pre | HF TTFT ms host-pre / device-pre | HF generate ms "
+                 "| xllm TTFT / HF generate (target <= 0.5x) | HF / xllm TTFT | xllm vision ms graph / eager "
+                 "| HF vision ms | HF / xllm vision |")
+        L.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name in ROWS:
             r = rows.get(name)
             if r is None:
                 continue
             x_t, h_t, x_v, h_v = med(r, "xllm_ttft"), med(r, "hf_ttft"), med(r, "xllm_vision"), med(r, "hf_vision")
+            h_g = med(r, "hf_generate")
             grid = r.get("grid_thw") or r.get("hf_grid_thw")
             L.append(f"| {name} | {r.get('prompt_tokens', r.get('hf_prompt_tokens', '-'))} | "
-                     f"{r.get('visual_tokens', '-')} | {grid if grid else '-'} | {f(med(r, 'xllm_preprocess'))} | "
-                     f"{f(x_t)} | {f(h_t)} | {f(med(r, 'hf_generate'))} | {ratio(h_t, x_t)} | {f(x_v)} | {f(h_v)} | "
-                     f"{ratio(h_v, x_v)} |")
+                     f"{r.get('visual_tokens', '-')} | {grid if grid else '-'} | "
+                     f"{f(med(r, 'xllm_preprocess'))} / {f(med(r, 'xllm_preprocess_host'))} | "
+                     f"{f(x_t)} / {f(med(r, 'xllm_ttft_host'))} | {f(h_t)} / {f(med(r, 'hf_ttft_device'))} | "
+                     f"{f(h_g)} | {ratio(x_t, h_g)} | {ratio(h_t, x_t)} | {f(x_v)} / {f(med(r, 'xllm_vision_eager'))} | "
+                     f"{f(h_v)} | {ratio(h_v, x_v)} |")
         L.append("\nxllm TTFT: LLM.generate(max_tokens=1) wall time, preprocessing (the HF processor + mRoPE index) "
-                 "included, prefix caching off. HF TTFT: processor + .to(device) + generate(max_new_tokens=1); "
-                 "HF generate: the generate call alone on processed inputs. preprocess: our engine's request "
-                 "preparation alone (the same HF processor). vision: the tower alone on the same pixel rows "
-                 f"(ours: model.encode_vision; HF: {R.get('hf_visual_attr', 'model.model.visual')}), synchronized.\n")
+                 "included, prefix caching off; device-pre: the processor's resize / normalize / patchify on the "
+                 "model's device (mm_preprocess_device=\"auto\", the default), host-pre: on the host "
+                 "(mm_preprocess_device=\"cpu\"). HF TTFT: processor (host, or with device=) + .to(device) + "
+                 "generate(max_new_tokens=1); HF generate: the generate call alone on processed inputs. preprocess: "
+                 "our engine's request preparation alone (the same HF processor), synchronized. vision: the tower "
+                 "alone on the same pixel rows (ours: graph = the runner's encode_vision, the CUDA graph of the "
+                 "patch-count bucket, eager = model.encode_vision; HF: "
+                 f"{R.get('hf_visual_attr', 'model.model.visual')}), synchronized.\n")
+        vgs = {n: r.get("vision_graphs") for n, r in rows.items() if "vision_graphs" in r}
+        if vgs:
+            L.append(f"vision graphs (bucket rows, segment slots; replays; why off): {json.dumps(vgs)}\n")
+        diffs = {n: (r.get("pixel_device"), r.get("arms_same_ids_and_grids"), r.get("arms_pixel_max_diff"))
+                 for n, r in rows.items() if "arms_pixel_max_diff" in r}
+        if diffs:
+            L.append("device vs host preprocessing (rows' device, same token ids and grids, largest pixel-row "
+                     f"difference): {json.dumps(diffs)}\n")
         mism = {n: (r.get("prompt_tokens"), r.get("hf_prompt_tokens")) for n, r in rows.items()
                 if r.get("prompt_tokens") and r.get("hf_prompt_tokens") and r["prompt_tokens"] != r["hf_prompt_tokens"]}
         if mism:
             L.append(f"\nprompt token counts differ (xllm, HF): {json.dumps(mism)}\n")
     for name, r in rows.items():
-        for key, what in (("xllm_vision_profile", "xllm vision tower"), ("hf_vision_profile", "HF vision tower"),
+        for key, what in (("xllm_preprocess_profile", "xllm preprocessing on the device"),
+                          ("xllm_vision_profile", "xllm vision tower (graph)"),
+                          ("xllm_vision_eager_profile", "xllm vision tower (eager)"),
+                          ("hf_vision_profile", "HF vision tower"),
                           ("xllm_ttft_profile", "xllm LLM.generate(max_tokens=1)")):
             prof = r.get(key)
             if prof:
@@ -436,6 +514,7 @@ def markdown(R: dict) -> str:
                 L += [f"- `{k}` {c} {ms:.3f}" for k, c, ms in prof["kernels"]]
     info = {k: R[k] for k in ("xllm_load_s", "xllm_section_s", "xllm_peak_gib", "xllm_prefill_graphs", "hf_load_s",
                               "hf_section_s", "hf_peak_gib", "hf_attn_implementation", "xllm_processor",
+                              "xllm_preprocess_device", "xllm_options", "timeout",
                               "hf_processor", "checkpoint") if k in R}
     if info:
         L.append(f"\nsetup: {json.dumps(info, default=str)}\n")
@@ -448,6 +527,14 @@ def markdown(R: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
+class BenchTimeout(BaseException):
+    """--timeout passed (a BaseException: the sections' `except Exception` must not swallow it)."""
+
+
+def _alarm(signum, frame):
+    raise BenchTimeout()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", default=VARIANT, help="a specs/qwen3_vl.yaml variant, or `tiny` (the test fixture)")
@@ -462,6 +549,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-attn", default=None, help="transformers attn_implementation (default: its own, sdpa)")
     ap.add_argument("--profile", action="store_true", help="also the top GPU kernels of the vision towers and of "
                     "our whole request (torch.profiler)")
+    ap.add_argument("--prefill-graph-sizes", default=None,
+                    help="comma list of prefill graph buckets for our engine (default: the engine's; a prompt "
+                         "runs in the smallest bucket >= its length, padding rows included)")
+    ap.add_argument("--timeout", type=float, default=570.0,
+                    help="wall-clock seconds for the whole run (0: none); on expiry the partial report is written "
+                         "and the exit status is 3")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_vl.md"))
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir, removed)")
     args = ap.parse_args(argv)
@@ -493,6 +586,9 @@ def main(argv=None) -> int:
     own_tmp = args.workdir is None
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vl_"))
     t_all = time.perf_counter()
+    if args.timeout and args.timeout > 0:
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, args.timeout)
     try:
         try:
             t0 = time.perf_counter()
@@ -527,7 +623,16 @@ def main(argv=None) -> int:
         save()
         log(f"wrote {out} ({R['total_s']:.0f} s)")
         print(markdown(R), flush=True)
+    except BenchTimeout:
+        R["timeout"] = f"--timeout {args.timeout:g} s passed after {time.perf_counter() - t_all:.0f} s; the report " \
+                       "holds what was measured before"
+        save()
+        log(f"bench_vl: TIMEOUT: {R['timeout']}; wrote {out}")
+        print(markdown(R), flush=True)
+        return 3
     finally:
+        if args.timeout and args.timeout > 0:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         if own_tmp:
             shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -26,7 +26,10 @@ def _extra_key(seq: Sequence) -> bytes:
     if key is None:
         mm = seq.mm_inputs
         h = hashlib.blake2b(digest_size=16)
-        if mm is not None:
+        digest = mm.source_digest() if mm is not None and hasattr(mm, "source_digest") else None
+        if digest is not None:         # pixel rows on the device: the digest of their raw inputs, no copy back
+            h.update(digest)
+        elif mm is not None:
             for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
                 t = getattr(mm, name, None)
                 if t is not None:

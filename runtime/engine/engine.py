@@ -58,6 +58,22 @@ def _eos_ids(generation_config: dict, config, tokenizer) -> set[int]:
     return ids
 
 
+def _mm_preprocess_device(option: Any, device: torch.device, tensor_parallel_size: int) -> Optional[torch.device]:
+    """Where image / video preprocessing runs (mm_preprocess_device): "auto" -> the model's device when it is
+    not the CPU and the model runs in this process (tensor parallel ranks get the rows pickled over the host
+    anyway); "cpu" / None -> the host (the processor's default); another device string -> that device.
+    None means the host path."""
+    if option is None or option == "cpu":
+        return None
+    if option == "auto":
+        return device if device.type != "cpu" and tensor_parallel_size == 1 else None
+    try:
+        return torch.device(option)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"mm_preprocess_device must be 'auto', 'cpu' or a device such as 'cuda', got {option!r} "
+                         f"({e})") from None
+
+
 def _check_unicode(where: str, text: Any) -> None:
     if not isinstance(text, str):
         raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
@@ -105,7 +121,8 @@ class LLMEngine:
                  cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
                  debug: Optional[dict] = None,
                  tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True,
-                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto"):
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
+                 mm_preprocess_device: Optional[str] = "auto"):
         self.model_dir = resolve_model_path(model)        # a GGUF file: its converted HF checkpoint (cached)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
@@ -114,6 +131,7 @@ class LLMEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
+        self.mm_preprocess_device = _mm_preprocess_device(mm_preprocess_device, self.device, tensor_parallel_size)
         try:
             model_module, runner_module = registry.resolve(self.hf_config)
             self.config = model_module.Config.from_hf(self.hf_config)
@@ -168,7 +186,8 @@ class LLMEngine:
             self.mm_processor = None
             if getattr(runner_cls, "multimodal", False):
                 from xllm_gen.runtime.multimodal.processor import MultiModalProcessor
-                self.mm_processor = MultiModalProcessor(str(self.model_dir), self.hf_config)
+                self.mm_processor = MultiModalProcessor(str(self.model_dir), self.hf_config,
+                                                        device=self.mm_preprocess_device)
             self.eos_token_ids = _eos_ids(self.generation_config, self.config, self.tokenizer)
         except BaseException:
             self.shutdown()              # stop TP ranks at once, not at garbage collection

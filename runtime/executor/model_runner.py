@@ -157,6 +157,13 @@ class ModelRunner:
                                type(e).__name__, e)
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
+        # vision tower CUDA graphs per bucket of patch counts (runtime/executor/vision_graphs.py), captured lazily
+        self.vision_graphs = None
+        tower = getattr(self.model, "vision_tower", None)
+        if (tower is not None and not self.enforce_eager and get_tp_size() == 1
+                and dtype in (torch.float16, torch.bfloat16) and not self.debug.get("vision_eager")):
+            from xllm_gen.runtime.executor.vision_graphs import VisionGraphs
+            self.vision_graphs = VisionGraphs(tower())
 
     def shutdown(self) -> None:
         """Releases the model, the KV cache, the decode graphs, the attention workspaces and every step
@@ -166,7 +173,7 @@ class ModelRunner:
             return
         for name, value in list(vars(self).items()):
             if isinstance(value, (torch.Tensor, torch.nn.Module)) or name in ("graphs", "prefill_graphs", "backend",
-                                                                              "attn_layers"):
+                                                                              "attn_layers", "vision_graphs"):
                 setattr(self, name, None)
         gc.collect()                           # graphs and modules may hold each other
         if self.device.type == "cuda":
@@ -286,6 +293,14 @@ class ModelRunner:
 
     def after_step(self, ctx: ForwardContext) -> None:
         """Called after every eager step (also after a failure); nothing by default."""
+
+    def encode_vision(self, pixels: torch.Tensor, grid_thw: torch.Tensor):
+        """The model's vision tower on a request's pixel rows (grid_thw on the host): the CUDA graph of its
+        patch-count bucket where one fits (vision_graphs), else eager (model.encode_vision)."""
+        pixels = pixels.to(self.device, self.dtype)
+        if self.vision_graphs is not None:
+            return self.vision_graphs(pixels, grid_thw.cpu())
+        return self.model.encode_vision(pixels, grid_thw.to(self.device))
 
     def prefill_graph_context(self, ctx: ForwardContext, num_tokens: int) -> None:
         """Puts the static step inputs that layers read from the forward context (fixed-size buffers of

@@ -17,6 +17,7 @@ source (q | k | v stacked), split into q/k/v by the attention's qkv loader befor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -52,6 +53,36 @@ def vision_cu_seqlens(grid_thw: GridLike, device=None) -> torch.Tensor:
     if lens:
         out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0).to(torch.int32)
     return out.to(device) if device is not None else out
+
+
+@dataclass
+class VisionSegments:
+    """The attention segments of one vision batch (one per image, one per video frame): `bounds` on the host
+    (cu_seqlens as a list). With `cu_seqlens` (int32, on the rows' device) set, attention runs as one
+    variable-length kernel over those boundaries (`varlen_attention`, what a CUDA graph captures: no host work
+    per segment), `max_seqlen` bounding every segment; without it, SDPA per group of equal-length segments."""
+    bounds: list
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_seqlen: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.bounds[-1])
+
+
+def vision_segments(grid_thw: GridLike) -> VisionSegments:
+    return VisionSegments(vision_cu_seqlens(grid_thw).tolist())
+
+
+@dataclass
+class VisionInputs:
+    """What a vision tower's rows need besides the pixel rows, all functions of grid_thw: the attention
+    segments, the 2-D rotary (cos, sin) [P, head_dim] and the interpolated position embeddings [P, hidden].
+    The generated tower computes them in `prepare(grid_thw)`; a CUDA graph of the tower (runtime/executor/
+    vision_graphs.py) copies them, padded to its bucket, into its static inputs."""
+    segments: VisionSegments
+    rotary: tuple
+    pos: torch.Tensor
 
 
 def merge_order_hw(h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,15 +196,45 @@ def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 
 
 # ----------------------------------------------------------------------------------------- attention
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, scale: float) -> torch.Tensor:
+    """Bidirectional attention inside each segment [cu[i], cu[i+1]) as one kernel whose boundaries live on the
+    device (empty segments allowed): q/k/v [P, H, D] -> [P, H, D]. CUDA (float16 / bfloat16): the flash
+    attention kernel's variable-length form (torch's aten._flash_attention_forward, no host synchronisation,
+    capturable in a CUDA graph). Elsewhere: SDPA per segment (reads the boundaries on the host: a reference)."""
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale)[0]
+    bounds = cu_seqlens.tolist()
+    out = torch.zeros_like(q)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            qt, kt, vt = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out[a:b] = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens: Union[torch.Tensor, Sequence[int], VisionSegments], scale: float) -> torch.Tensor:
     """Bidirectional attention inside each segment [cu[i], cu[i+1]). q/k/v [P, H, D] -> [P, H, D].
 
-    Segments of equal length (the frames of a video, same-size images) are batched into one SDPA call."""
-    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    Segments of equal length (the frames of a video, same-size images) are batched into one SDPA call (a view
+    when they are consecutive, as a video's frames are; else a gather). VisionSegments with device boundaries:
+    one variable-length kernel (varlen_attention)."""
+    if isinstance(cu_seqlens, VisionSegments):
+        if cu_seqlens.cu_seqlens is not None:
+            return varlen_attention(q, k, v, cu_seqlens.cu_seqlens, cu_seqlens.max_seqlen, scale)
+        bounds = list(cu_seqlens.bounds)
+    else:
+        bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     if len(bounds) == 2:                                    # one segment
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         return F.scaled_dot_product_attention(qt, kt, vt, scale=scale)[0].transpose(0, 1)
+    n = bounds[1] - bounds[0]
+    if n > 0 and bounds[0] == 0 and all(b - a == n for a, b in zip(bounds[:-1], bounds[1:])):
+        s = len(bounds) - 1                                 # consecutive equal segments: [s, H, n, D] views
+        qs, ks, vs = (x.reshape(s, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2).reshape(q.shape)
     out = torch.empty_like(q)
     by_len: dict[int, list[int]] = {}
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -283,5 +344,5 @@ class PatchMerger(nn.Module):
 __all__ = [
     "VisionPatchEmbed", "VisionPosEmbedInterpolate", "VisionRotary2D", "VisionAttention", "VisionMLP",
     "VisionBlock", "PatchMerger", "vision_cu_seqlens", "segment_attention", "apply_vision_rotary",
-    "vision_tp_sharded", "merge_order_hw",
+    "vision_tp_sharded", "merge_order_hw", "VisionSegments", "VisionInputs", "vision_segments", "varlen_attention",
 ]

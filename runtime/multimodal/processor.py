@@ -14,6 +14,16 @@ A request is `prompt` (text with `<|image_pad|>` / `<|video_pad|>` placeholders,
   exactly as inside a full prompt: the result equals what HF gives for the decoded prompt.
 
 Then the 3-row mRoPE positions and the decode delta are computed (runtime.multimodal.rope_index, HF's algorithm).
+
+Preprocessing device: given `device` (the engine passes the model's device when it is not the CPU), the
+processor's torchvision-backend image / video processors run resize, rescale, normalize and patchify in torch
+on that device (their own `device` argument), and the pixel rows stay there: no host round trip. What stays on
+the host: decoding (PIL -> uint8 array), frame sampling, the token expansion and the grids (computed from the
+resized shapes, so ids, grids and positions do not depend on the device). A processor without that backend
+(a PIL one) is called without `device` and its rows are moved by the runner, as on the CPU path. A request's
+`mm_processor_kwargs` may name `device` itself (e.g. "cpu"), which then goes to the processor unchanged. With
+rows off the host, the prefix-cache key of the images is a digest of the raw inputs and the processor
+arguments (`MultiModalInputs.source_digest`), never a copy of the rows back to the host.
 Images are PIL images, or uint8 arrays/tensors (H, W, 3) / (H, W); videos are uint8 arrays/tensors
 (T, H, W, 3), lists of PIL frames, or `(frames, metadata_dict)` (metadata as HF VideoMetadata: `fps`,
 `total_num_frames`, `frames_indices`, ...; without it HF assumes 24 fps for sampling and timestamps).
@@ -21,6 +31,7 @@ Bad input raises ValueError naming the request index, so the engine can fail tha
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,6 +52,19 @@ class MultiModalInputs:
     video_grid_thw: Optional[torch.Tensor] = None      # [n_vid, 3] int64 (t = temporal patches)
     image_token_positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     video_token_positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    # the raw inputs (images, videos, metadata, processor kwargs) when the pixel rows are off the host: the
+    # prefix-cache key is then their digest (source_digest), not the rows; None on the host path
+    source: Any = field(default=None, repr=False, compare=False)
+    _digest: Optional[bytes] = field(default=None, repr=False, compare=False)
+
+    def source_digest(self) -> Optional[bytes]:
+        """16-byte digest of the raw inputs and processor arguments the pixel rows were computed from (equal
+        inputs -> equal rows); None when the rows are on the host (the key is then the rows themselves).
+        Computed once, on first use (prefix caching), so that a request without caching never pays for it."""
+        if self._digest is None and self.source is not None:
+            self._digest = _digest_source(*self.source)
+            self.source = None
+        return self._digest
 
     @property
     def has_vision(self) -> bool:
@@ -63,7 +87,44 @@ class MultiModalInputs:
         grid = [g for g in (self.image_grid_thw, self.video_grid_thw) if g is not None]
         if not pix:
             return None, None
+        if len(pix) == 1:                    # one modality: its rows as they are (no copy)
+            return pix[0], grid[0]
         return torch.cat(pix), torch.cat(grid)
+
+
+def _update_array(h, x) -> None:
+    if _is_pil(x):
+        h.update(f"pil {x.mode} {x.size}".encode())
+        h.update(x.tobytes())
+        return
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    x = np.ascontiguousarray(x)
+    h.update(f"array {x.dtype} {x.shape}".encode())
+    h.update(memoryview(x).cast("B"))
+
+
+def _digest_source(images, videos, metas, kwargs) -> bytes:
+    """A digest of a request's raw images / videos (pixels, shapes, modes), video metadata and the processor
+    arguments: what the processor's pixel rows are a function of."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(sorted((str(k), repr(v)) for k, v in (kwargs or {}).items())).encode())
+    for img in images:
+        h.update(b"image")
+        _update_array(h, img)
+    for vid, meta in zip(videos, metas):
+        h.update(b"video" + repr(sorted((meta or {}).items())).encode())
+        for frame in (vid if isinstance(vid, (list, tuple)) else [vid]):
+            _update_array(h, frame)
+    return h.digest()
+
+
+def supports_device(processor) -> bool:
+    """Whether a Hugging Face image / video processor runs its transforms in torch on a device it is given
+    (the torchvision backend; `is_fast` in transformers 4); a PIL / NumPy one does not."""
+    if processor is None:
+        return False
+    return getattr(processor, "backend", None) == "torchvision" or getattr(processor, "is_fast", False) is True
 
 
 def _is_pil(x) -> bool:
@@ -75,10 +136,12 @@ def _is_pil(x) -> bool:
 
 
 class MultiModalProcessor:
-    """Wraps AutoProcessor.from_pretrained(model_dir) (or a given processor) for request preparation."""
+    """Wraps AutoProcessor.from_pretrained(model_dir) (or a given processor) for request preparation.
+    `device`: where the image / video processors that support it (torchvision backend) run and leave the
+    pixel rows (None: the processor's default, the host)."""
 
     def __init__(self, model_dir: Optional[str] = None, hf_config: Optional[dict] = None, processor=None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, device=None):
         if processor is None:
             from transformers import AutoProcessor
             processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -102,6 +165,10 @@ class MultiModalProcessor:
         self.spatial_merge_size = int(merge or getattr(ip, "merge_size", None) or getattr(vp, "merge_size", 2))
         self.temporal_patch_size = int(getattr(vp, "temporal_patch_size", None)
                                        or getattr(ip, "temporal_patch_size", 2))
+        self.device = torch.device(device) if device is not None else None
+        # the modalities whose processor takes the device: their kwargs group gets `device`
+        self.device_kwargs = [key for key, p in (("images_kwargs", ip), ("videos_kwargs", vp))
+                              if self.device is not None and supports_device(p)]
 
     # ------------------------------------------------------------------------------------ validation
     @staticmethod
@@ -194,6 +261,11 @@ class MultiModalProcessor:
     # ---------------------------------------------------------------------------------- processing
     def _call(self, index, text: str, images, videos, metas, kwargs: dict):
         kw = dict(kwargs or {})
+        if "device" not in kw:           # a request's own `device` wins (it goes to every modality)
+            for key in self.device_kwargs:
+                group = kw.get(key)
+                if group is None or (isinstance(group, dict) and "device" not in group):
+                    kw[key] = {**(group or {}), "device": self.device}
         if videos and any(m is not None for m in metas) and "video_metadata" not in kw:
             kw["video_metadata"] = [
                 m if m is not None else {"total_num_frames": len(v), "fps": None} for v, m in zip(videos, metas)]
@@ -204,7 +276,7 @@ class MultiModalProcessor:
             raise self._err(index, f"the processor rejected the input: {e}") from e
         except (TypeError, RuntimeError, IndexError) as e:
             raise self._err(index, f"the processor failed on the input: {type(e).__name__}: {e}") from e
-        return out
+        return out, kw
 
     def _expand_ids(self, index, ids: list[int], out, n_img: int, n_vid: int) -> list[int]:
         """Replace each placeholder token of `ids` with its item's expansion, cut out of the processor's
@@ -272,12 +344,12 @@ class MultiModalProcessor:
             return MultiModalInputs(prompt_token_ids=ids, mrope_positions=text_positions(len(ids)), mrope_delta=0)
 
         if ids is None:
-            out = self._call(index, prompt, images, videos, metas, mm_processor_kwargs)
+            out, kw = self._call(index, prompt, images, videos, metas, mm_processor_kwargs)
             ids = out["input_ids"][0].tolist()
         else:
             order = [t for t in ids if t in (self.image_token_id, self.video_token_id)]
             text = "".join(self.image_token if t == self.image_token_id else self.video_token for t in order)
-            out = self._call(index, text, images, videos, metas, mm_processor_kwargs)
+            out, kw = self._call(index, text, images, videos, metas, mm_processor_kwargs)
             ids = self._expand_ids(index, ids, out, n_img, n_vid)
 
         image_grid = out.get("image_grid_thw") if n_img else None
@@ -288,6 +360,8 @@ class MultiModalProcessor:
         except ValueError as e:
             raise self._err(index, str(e)) from e
         t = torch.tensor(ids, dtype=torch.long)
+        pixels = [out.get(k) for k in ("pixel_values", "pixel_values_videos")]
+        on_host = all(p is None or p.device.type == "cpu" for p in pixels)
         return MultiModalInputs(
             prompt_token_ids=ids,
             mrope_positions=positions,
@@ -298,7 +372,8 @@ class MultiModalProcessor:
             video_grid_thw=video_grid.to(torch.long) if video_grid is not None else None,
             image_token_positions=torch.nonzero(t == self.image_token_id).flatten(),
             video_token_positions=torch.nonzero(t == self.video_token_id).flatten(),
+            source=None if on_host else (images, videos, metas, kw),
         )
 
 
-__all__ = ["MultiModalInputs", "MultiModalProcessor"]
+__all__ = ["MultiModalInputs", "MultiModalProcessor", "supports_device"]
