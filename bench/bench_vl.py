@@ -21,7 +21,7 @@ used as given: do_sample_frames=False), each in a short chat-formatted text prom
 Measured (medians of --runs after --warmup runs of the same request):
 - xllm TTFT: wall time of LLM.generate(request, max_tokens=1), prefix caching off. It includes the request's
   preprocessing (the checkpoint's HF processor + mRoPE index), done inside generate. Two arms on the same
-  engine: preprocessing on the device (the engine's default on a GPU, mm_preprocess_device="auto": transformers'
+  engine: preprocessing on the device (mm_preprocess_device="auto", opt-in: transformers'
   torchvision processors resize / normalize / patchify on the GPU, the rows stay there) and on the host
   (mm_preprocess_device="cpu", the path before). The arms swap the engine's MultiModalProcessor, nothing else.
 - HF TTFT: processor(text, images / videos) + .to(device) + model.generate(**inputs, max_new_tokens=1): the same
@@ -260,7 +260,8 @@ def bench_xllm(R: dict, model_dir: Path, load_format: str, reqs: dict, args, log
         extra["prefill_graph_sizes"] = [int(x) for x in args.prefill_graph_sizes.split(",") if x]
     R["xllm_options"] = dict(extra, enable_prefix_caching=False)
     llm = LLM(str(model_dir), device=dev, dtype=dtype, load_format=load_format, max_model_len=max_len,
-              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False, **extra)
+              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False,
+              _debug={"vision_graphs": True}, **extra)
     sync(dev)
     R["xllm_load_s"] = time.perf_counter() - t0
     log(f"xllm: engine up in {R['xllm_load_s']:.1f} s (max_model_len {max_len}, {blocks} KV blocks)")
@@ -481,7 +482,7 @@ def markdown(R: dict) -> str:
                      f"{f(h_v)} | {ratio(h_v, x_v)} |")
         L.append("\nxllm TTFT: LLM.generate(max_tokens=1) wall time, preprocessing (the HF processor + mRoPE index) "
                  "included, prefix caching off; device-pre: the processor's resize / normalize / patchify on the "
-                 "model's device (mm_preprocess_device=\"auto\", the default), host-pre: on the host "
+                 "model's device (mm_preprocess_device=\"auto\"), host-pre: on the host "
                  "(mm_preprocess_device=\"cpu\"). HF TTFT: processor (host, or with device=) + .to(device) + "
                  "generate(max_new_tokens=1); HF generate: the generate call alone on processed inputs. preprocess: "
                  "our engine's request preparation alone (the same HF processor), synchronized. vision: the tower "

@@ -213,7 +213,7 @@ def test_server_flag(monkeypatch):
             seen.update(kw)
     monkeypatch.setattr(engine_mod, "LLMEngine", FakeEngine)
     monkeypatch.setattr(server, "check_model_path", lambda m: None)
-    for argv, want in ((["x"], None), (["x", "--mm-preprocess-device", "cpu"], "cpu")):
+    for argv, want in ((["x"], None), (["x", "--mm-preprocess-device", "auto"], "auto")):
         seen.clear()
         server.make_engine(server._parser().parse_args(argv))
         assert seen.get("mm_preprocess_device") == want

@@ -122,7 +122,7 @@ class LLMEngine:
                  debug: Optional[dict] = None,
                  tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 mm_preprocess_device: Optional[str] = "auto"):
+                 mm_preprocess_device: Optional[str] = "cpu"):
         self.model_dir = resolve_model_path(model)        # a GGUF file: its converted HF checkpoint (cached)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"

@@ -34,7 +34,7 @@ class LLM:
                  cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 mm_preprocess_device: Optional[str] = "auto",
+                 mm_preprocess_device: Optional[str] = "cpu",
                  _debug: Optional[dict] = None, **vllm_kwargs: Any):
         unknown = set(vllm_kwargs) - _IGNORED_VLLM_KWARGS
         if unknown:       # a typo must not pass silently (tensor_parallel=2 would serve on one rank)

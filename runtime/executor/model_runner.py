@@ -25,6 +25,7 @@ import contextlib
 import gc
 import linecache
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -157,11 +158,13 @@ class ModelRunner:
                                type(e).__name__, e)
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
-        # vision tower CUDA graphs per bucket of patch counts (runtime/executor/vision_graphs.py), captured lazily
+        # vision tower CUDA graphs per bucket of patch counts (runtime/executor/vision_graphs.py), captured lazily;
+        # opt-in (XLLM_VISION_GRAPHS=1) until they have run on a GPU
         self.vision_graphs = None
         tower = getattr(self.model, "vision_tower", None)
         if (tower is not None and not self.enforce_eager and get_tp_size() == 1
-                and dtype in (torch.float16, torch.bfloat16) and not self.debug.get("vision_eager")):
+                and dtype in (torch.float16, torch.bfloat16) and not self.debug.get("vision_eager")
+                and (self.debug.get("vision_graphs") or os.environ.get("XLLM_VISION_GRAPHS") == "1")):
             from xllm_gen.runtime.executor.vision_graphs import VisionGraphs
             self.vision_graphs = VisionGraphs(tower())
 

@@ -459,9 +459,10 @@ def _parser() -> argparse.ArgumentParser:
                          "(a quantized checkpoint's own quantization_config needs no flag)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                     help="fp8: the KV cache in float8 e4m3 (scale 1.0; CPU / torch attention only for now)")
-    ap.add_argument("--mm-preprocess-device", default="auto",
-                    help="where image / video preprocessing runs: auto (the model's GPU when the processor "
-                         "supports it), cpu (the host), or a device such as cuda:0")
+    ap.add_argument("--mm-preprocess-device", default="cpu",
+                    help="where image / video preprocessing runs: cpu (the host; the default until the device "
+                         "path has run on a GPU), auto (the model's GPU when the processor supports it), or a "
+                         "device such as cuda:0")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the KV of shared prompt prefixes (on by default)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -564,7 +565,7 @@ def make_engine(args):
               load_format=args.load_format, cuda_graph_sizes=args.cuda_graph_sizes,
               prefill_graph_sizes=args.prefill_graph_sizes, async_scheduling=args.async_scheduling,
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-    if args.mm_preprocess_device != "auto":
+    if args.mm_preprocess_device != "cpu":
         kw["mm_preprocess_device"] = args.mm_preprocess_device
     if args.enable_prefix_caching is not None:
         if "enable_prefix_caching" not in inspect.signature(LLMEngine.__init__).parameters:

@@ -104,7 +104,7 @@ def test_engine_replays_tower_graph(tmp_path):
                            max_position_embeddings=4096, rope_theta=10000.0, vision_hidden_size=64,
                            vision_num_heads=4, seed=0)
     llm = LLM(str(d), dtype="bfloat16", max_num_seqs=4, num_kv_blocks=256, max_model_len=1024,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, _debug={"vision_graphs": True})
     try:
         runner = llm.engine.runner
         vg = runner.vision_graphs
