@@ -51,3 +51,73 @@ def test_quantized_cuda_matches_cpu(tmp_path, fmt):
     g = [o.outputs[0].token_ids for o in graphs.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)]
     graphs.shutdown()
     assert g == e
+
+
+# ---------------------------------------------------------------------------------------------- weight-only GEMMs
+# runtime/ops/quant_gemv.py on the GPU, bf16 activations, Qwen3-8B layer shapes and odd ones (K tail, group 32,
+# N not a multiple of the tile), M 1 / 4 / 16 (and 3, 5: both product paths), against F.linear on the weight
+# dequantized to bf16 (the exact values the reference layer holds): fp32 accumulation in both, so the relative
+# error is rounding only (< 1e-2 of the output's max; a wrong nibble order / scale / zero gives > 0.1).
+INT4_SHAPES = [(6144, 4096, 128), (4096, 12288, 128), (1000, 4096, 64), (4096, 1024, 32), (520, 8200, 8200)]
+FP8_SHAPES = [(6144, 4096, (128, 128)), (4096, 12288, (128, 128)), (4096, 4096, (1, 4096)), (1000, 1000, (1000, 1000)),
+              (24576, 4096, (128, 128))]
+
+
+def _rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+def test_int4_gemm_cuda(M):
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    torch.manual_seed(0)
+    for N, K, g in INT4_SHAPES:
+        codes = torch.randint(0, 16, (N, K), device="cuda", dtype=torch.uint8)
+        qw = Q.pack_int4(codes)
+        s = (torch.rand(N, K // g, device="cuda") * 0.004 + 0.001).to(torch.float16)
+        z = torch.randint(0, 16, (N, K // g), device="cuda", dtype=torch.uint8)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, Q.dequant_int4(qw, s, z, g, torch.bfloat16), b)
+        e = _rel_err(Q.int4_gemm(x, qw, s, z, g, b), ref)
+        bad = _rel_err(Q.int4_gemm(x, qw, s, (z + 1) % 16, g, b), ref)
+        print(f"\n[int4 g{g}] M {M} N {N} K {K}: relative error {e:.2e} (zeros off by one: {bad:.2e})")
+        assert e < 1e-2 and bad > 5e-2
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+def test_fp8_gemm_cuda(M):
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    torch.manual_seed(0)
+    for N, K, blk in FP8_SHAPES:
+        w = (torch.randn(N, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sc = torch.rand(-(-N // blk[0]), -(-K // blk[1]), device="cuda") * 1e-3 + 1e-4
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, Q.dequant_fp8(w, sc, blk, torch.bfloat16))
+        e = _rel_err(Q.fp8_gemm(x, w, sc, blk), ref)
+        bad = _rel_err(Q.fp8_gemm(x, w, sc.flip(0), blk), ref) if sc.shape[0] > 1 else 1.0
+        print(f"\n[fp8 {blk[0]}x{blk[1]}] M {M} N {N} K {K}: relative error {e:.2e} (scales flipped: {bad:.2e})")
+        assert e < 1e-2 and bad > 5e-2
+
+
+def test_quant_gemms_in_cuda_graph():
+    """Captured in a CUDA graph (the decode graphs) and replayed on new inputs: the eager result."""
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    torch.manual_seed(0)
+    N, K = 4096, 4096
+    qw = Q.pack_int4(torch.randint(0, 16, (N, K), device="cuda", dtype=torch.uint8))
+    s = (torch.rand(N, K // 128, device="cuda") * 0.004).to(torch.float16)
+    z = torch.randint(0, 16, (N, K // 128), device="cuda", dtype=torch.uint8)
+    w8 = (torch.randn(N, K, device="cuda") * 100).to(torch.float8_e4m3fn)
+    s8 = torch.rand(N // 128, K // 128, device="cuda") * 1e-3
+    x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
+    fn = lambda: (Q.int4_gemm(x, qw, s, z, 128), Q.fp8_gemm(x, w8, s8, (128, 128)))  # noqa: E731
+    out = fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    x.copy_(torch.randn(4, K, device="cuda", dtype=torch.bfloat16))
+    g.replay()
+    want = fn()
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
