@@ -19,11 +19,11 @@ import torch
 
 
 def pack_bits(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] in 0..15 -> int32 [N, K / 8]: column 8w + j in bits 4j..4j+3 of word w (bit by bit)."""
+    """codes [N, K] in 0..15 -> int32 [N, K / 8]: column j K/8 + w in bits 4j..4j+3 of word w (bit by bit)."""
     N, K = codes.shape
     out = torch.zeros(N, K // 8, dtype=torch.int64)
     for j in range(8):
-        c = codes[:, j::8].to(torch.int64)
+        c = codes[:, j * (K // 8):(j + 1) * (K // 8)].to(torch.int64)
         for bit in range(4):
             out |= ((c >> bit) & 1) << (4 * j + bit)
     out[out >= 2**31] -= 2**32
@@ -56,9 +56,8 @@ def _checks() -> dict:
                 out[key] = (err(Q.int4_gemm(x, qw, s, z, grp, b), ref), tol)
                 if M == 1 and dt == torch.float32:
                     out[f"packer_{key}"] = (float(not torch.equal(Q.pack_int4(codes), qw)), 0.0)
-                    swapped = qw.clone()            # AWQ's interleaved order read as sequential: must be far off
-                    order = [0, 2, 4, 6, 1, 3, 5, 7]
-                    swapped = pack_bits(codes.reshape(N, K // 8, 8)[:, :, order].reshape(N, K))
+                    order = [0, 2, 4, 6, 1, 3, 5, 7]     # nibbles in AWQ's interleaved order: must be far off
+                    swapped = pack_bits(codes.reshape(N, 8, K // 8)[:, order].reshape(N, K))
                     out[f"sensitive_order_{key}"] = (-err(Q.int4_gemm(x, swapped, s, z, grp, b), ref), -0.05)
                     out[f"sensitive_zero_{key}"] = (-err(Q.int4_gemm(x, qw, s, z + 1, grp, b), ref), -1e-3)
             for N, K, blk in ((48, 256, (16, 128)), (40, 192, (1, 192)), (33, 160, (33, 160)), (64, 384, (32, 32))):

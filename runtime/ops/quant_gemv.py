@@ -4,18 +4,19 @@ The weights stay in their low-precision form on the GPU and are dequantized in r
 activation dtype (the exact values the reference layer holds after dequantizing at load: `dequant_int4` /
 `dequant_fp8` below), then multiplied with fp32 accumulation. Two weight forms, one kernel:
 
-- int4 (AWQ / GPTQ, repacked at load by runtime/loading/int4.py): `qweight` int32 [N, K / 8], nibble j (bits
-  4j..4j+3) of word w holds the code of column 8w + j (K-contiguous, so a row streams as plain 16-byte loads);
+- int4 (AWQ / GPTQ, repacked at load): `qweight` int32 [N, K / 8], nibble j (bits 4j..4j+3) of word w holds the
+  code of column j K/8 + w (eight K-slices of K/8 columns share a word: a tile of words unpacks by one shift and
+  mask per slice, no register shuffles, and each slice is a plain [BLOCK_N, BLOCK_K] operand of its own tl.dot);
   `scales` [N, K / g] (the checkpoint's float dtype), `zeros` uint8 [N, K / g]; w = (q - z) * s.
 - fp8 (float8_e4m3fn [N, K]) with float32 scales [ceil(N / bn), ceil(K / bk)], one per bn x bk block: 128 x 128
   blocks (Qwen3-*-FP8, DeepSeek-V3), per output channel (bn 1, bk K) or per tensor (bn N, bk K); w = q * s.
 
-The kernel: one program per BLOCK_N output rows and BLOCK_M input rows, walking K in BLOCK_K tiles. When one
-scale covers the tile's columns (BLOCK_K divides the scale's column span: group 128 with BLOCK_K 128, fp8 blocks,
+The kernel: one program per BLOCK_N output rows and 16 input rows (rows past M masked), walking K in BLOCK_K
+tiles (int4: BLOCK_K words). When one scale covers a tile's columns (group / block a multiple of the tile, or one
 per channel) the scales (and zeros) are one [BLOCK_N] vector per tile; otherwise they are gathered per element.
-The product: for up to 4 rows a broadcast multiply-and-sum on the CUDA cores (a decode GEMV is a weight stream;
-tensor-core tiles would waste 16 x the work), otherwise tl.dot with BLOCK_M 16. Larger M (prefill) is left to
-the caller: dequantize + cuBLAS (`QuantWeight` in runtime/layers/quant_linear.py).
+The product is tl.dot on the dequantized tile: measured on an H200, a broadcast multiply-sum on the CUDA cores
+for 1-4 rows was 1.5-6x slower than the tensor-core tile padded to 16 rows (bench/bench_quant.py). Larger M
+(prefill) is left to the caller: dequantize + cuBLAS.
 
 The launchers accept CPU tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
 """
@@ -27,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-FMA_MAX_M = 4          # rows up to which the product is a broadcast multiply-sum (else tl.dot)
 GEMV_MAX_M = 16        # rows up to which the layers call these kernels (else dequantize + cuBLAS)
 
 
@@ -35,8 +35,7 @@ GEMV_MAX_M = 16        # rows up to which the layers call these kernels (else de
 def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                     stride_xm, stride_qn, stride_sn, stride_zn, stride_ym, S_ROWS, S_COLS,
                     INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SCALE_PER_TILE: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -47,39 +46,43 @@ def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)     # [BM, BK]
-        if INT4:
-            KW: tl.constexpr = BLOCK_K // 8
-            kw = k0 // 8 + tl.arange(0, KW)
-            words = tl.load(q_ptr + rows[:, None] * stride_qn + kw[None, :], mask=(kw < K // 8)[None, :], other=0,
-                            eviction_policy="evict_first")                                  # [BN, BK / 8]
-            shifts = tl.arange(0, 8) * 4
-            q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-            if SCALE_PER_TILE:
-                g = k0 // S_COLS
-                s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
-                z = tl.load(z_ptr + rows * stride_zn + g).to(tl.int32)[:, None]
-            else:
-                gk = (kk // S_COLS)[None, :]
-                s = tl.load(s_ptr + rows[:, None] * stride_sn + gk, mask=k_mask[None, :], other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + rows[:, None] * stride_zn + gk, mask=k_mask[None, :], other=0).to(tl.int32)
-            w = ((q - z).to(tl.float32) * s).to(x.dtype)
-        else:
+    if INT4:
+        # BLOCK_K words a tile; nibble j of word w is column j * K8 + w: eight [BLOCK_N, BLOCK_K] slices, one per j
+        K8 = K // 8
+        for w0 in tl.range(0, K8, BLOCK_K, num_stages=NUM_STAGES):
+            kw = w0 + offs_k
+            w_mask = kw < K8
+            words = tl.load(q_ptr + rows[:, None] * stride_qn + kw[None, :], mask=w_mask[None, :], other=0,
+                            eviction_policy="evict_first")                                  # [BN, BK] int32
+            for j in tl.static_range(8):
+                cols = j * K8 + kw
+                x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & w_mask[None, :], other=0.0)
+                if SCALE_PER_TILE:
+                    g = (j * K8 + w0) // S_COLS
+                    s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
+                    z = tl.load(z_ptr + rows * stride_zn + g).to(tl.int32)[:, None]
+                else:
+                    gk = (cols // S_COLS)[None, :]
+                    s = tl.load(s_ptr + rows[:, None] * stride_sn + gk, mask=w_mask[None, :], other=0.0)
+                    z = tl.load(z_ptr + rows[:, None] * stride_zn + gk, mask=w_mask[None, :], other=0).to(tl.int32)
+                    s = s.to(tl.float32)
+                q = (words >> (4 * j)) & 0xF
+                w = ((q - z).to(tl.float32) * s).to(x.dtype)
+                acc += tl.dot(x, tl.trans(w))
+    else:
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)     # [BM, BK]
             q = tl.load(q_ptr + rows[:, None] * stride_qn + kk[None, :], mask=k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)                       # [BN, BK]
+                        eviction_policy="evict_first").to(tl.float32)                           # [BN, BK]
             if SCALE_PER_TILE:
                 s = tl.load(s_ptr + srows * stride_sn + k0 // S_COLS)[:, None]
             else:
                 s = tl.load(s_ptr + srows[:, None] * stride_sn + (kk // S_COLS)[None, :], mask=k_mask[None, :],
                             other=0.0)
             w = (q * s).to(x.dtype)
-        if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     n_mask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -89,18 +92,18 @@ def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
 
 def wq_gemm_config(M: int, N: int, K: int, int4: bool, s_cols: int) -> tuple[int, int, int, int]:
     """The fixed launch table (M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); no autotuning (CUDA-graph
-    capture, determinism). BLOCK_K: 128 (one int4 group / fp8 block a tile when the scale spans allow it; 256 for
-    per-channel fp8); BLOCK_N: 32 rows, halved down to 16 while the grid has fewer than 264 programs (2 / SM on a
-    132-SM H200), 16 rows for the tl.dot path with more than FMA_MAX_M rows."""
-    bk = 128 if (s_cols % 128 == 0 or s_cols >= K) else 64
-    if not int4 and s_cols >= K and K % 256 == 0:
-        bk = 256
-    bk = min(bk, max(16, triton.next_power_of_2(K)))
+    capture, determinism). BLOCK_K: int4 64 words a tile (8 x 64 columns; 32 when the group is not a multiple of
+    64), fp8 128 columns (one 128-block a tile; 256 per channel); BLOCK_N 32, halved to 16 while the grid has fewer
+    than 264 programs (2 per SM of a 132-SM H200)."""
+    if int4:
+        k8 = K // 8
+        bk = 64 if s_cols % 64 == 0 and k8 >= 64 else 32
+    else:
+        bk = 256 if s_cols >= K and K >= 256 else 128
+    bk = min(bk, max(16, triton.next_power_of_2(K // 8 if int4 else K)))
     bn = 32
     while bn > 16 and triton.cdiv(N, bn) < 264:
         bn //= 2
-    if M > FMA_MAX_M:
-        bn = max(bn, 16)
     return bn, bk, 4, 3
 
 
@@ -108,12 +111,12 @@ def wq_gemm_candidates(M: int, N: int, K: int, int4: bool, s_cols: int) -> list[
     """Launch configs worth timing for a shape (bench/bench_quant.py --sweep): the table's and its neighbours."""
     table = wq_gemm_config(M, N, K, int4, s_cols)
     out = [table]
-    for bn in (8, 16, 32, 64):
-        for bk in (64, 128, 256):
-            for warps in (2, 4, 8):
-                for stages in (1, 3):
+    for bn in (16, 32, 64):
+        for bk in ((32, 64, 128) if int4 else (64, 128, 256)):
+            for warps in (4, 8):
+                for stages in (2, 4):
                     cfg = (bn, bk, warps, stages)
-                    if cfg not in out and (M <= FMA_MAX_M or bn >= 16) and bk <= max(16, triton.next_power_of_2(K)):
+                    if cfg not in out:
                         out.append(cfg)
     return out
 
@@ -126,18 +129,18 @@ def _launch(x, q, s, z, bias, N, K, s_rows, s_cols, int4, config):
     if M == 0 or N == 0:
         return y
     bn, bk, warps, stages = config or wq_gemm_config(M, N, K, int4, s_cols)
-    use_dot = M > FMA_MAX_M
-    bm = 16 if use_dot else triton.next_power_of_2(M)
-    if use_dot:
-        bn = max(bn, 16)
-    per_tile = s_cols % bk == 0 or s_cols >= K        # one scale column per tile: a [BLOCK_N] vector
+    bm = 16
+    if int4:        # one group a tile: the groups tile K / 8 (column j K8 + w is in group (j K8 + w) // g)
+        per_tile = (K // 8) % s_cols == 0 and s_cols % bk == 0
+    else:
+        per_tile = s_cols % bk == 0 or s_cols >= K
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
     has_bias = bias is not None
     _wq_gemm_kernel[grid](
         x, q, s, z if z is not None else s, bias if has_bias else s, y, M, N, K,
         x.stride(0), q.stride(0), s.stride(0), z.stride(0) if z is not None else 0, y.stride(0), s_rows, s_cols,
-        INT4=int4, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=use_dot,
-        SCALE_PER_TILE=per_tile, NUM_STAGES=stages, num_warps=warps, num_stages=stages)
+        INT4=int4, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_TILE=per_tile,
+        NUM_STAGES=stages, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -166,17 +169,18 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 
 # ---------------------------------------------------------------------------------------------- references
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] (0..15) -> int32 [N, K / 8], column 8w + j in bits 4j..4j+3 of word w."""
+    """codes [N, K] (0..15) -> int32 [N, K / 8], column j K/8 + w in bits 4j..4j+3 of word w."""
     N, K = codes.shape
-    c = codes.to(torch.int64).reshape(N, K // 8, 8) << (4 * torch.arange(8, device=codes.device))
-    return c.sum(-1).to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32)   # two's complement wrap
+    c = codes.to(torch.int64).reshape(N, 8, K // 8) << (4 * torch.arange(8, device=codes.device))[:, None]
+    c = c.sum(1)
+    return torch.where(c >= 2**31, c - 2**32, c).to(torch.int32)            # two's complement
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """int32 [N, K / 8] -> codes uint8 [N, K]."""
     N, KW = qweight.shape
-    shifts = 4 * torch.arange(8, device=qweight.device, dtype=torch.int32)
-    return ((qweight[:, :, None] >> shifts) & 0xF).reshape(N, KW * 8).to(torch.uint8)
+    shifts = 4 * torch.arange(8, device=qweight.device, dtype=torch.int32)[:, None]
+    return ((qweight[:, None, :] >> shifts) & 0xF).reshape(N, KW * 8).to(torch.uint8)
 
 
 def dequant_int4(qweight, scales, zeros, group: int, dtype) -> torch.Tensor:
