@@ -141,13 +141,9 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         param = params[rule.param]
         loader = getattr(param, "weight_loader", default_weight_loader)
         shard_ids = rule.segments or (None,)
-        for name, shard_id in zip(rule.sources, shard_ids):
-            sl = ckpt.slice(name)
-            try:
-                sl = qload.source(rule.param, name, sl)
-            except QuantLoadError as e:
-                raise CheckpointError(f"{model_dir}: {e}") from None
-            _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
+        quantized = []                    # (source view, shard_id) of a quantized layer's weight (to repack)
+
+        def fill(dst, sl, name, shard_id):
             try:
                 if rule.stored is not None:                    # stored transposed / segments interleaved
                     sl = rule.stored.view(sl)
@@ -157,7 +153,7 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                         raise WeightLoadError(f"row layout per {rule.layout.per}: the parameter is not a fused "
                                               f"column-parallel one")
                     sl = rule.layout.view(sl, split.segments)
-                loader(param, sl, shard_id)
+                loader(dst, sl, shard_id)
             except WeightLoadError as e:
                 seg = f" (segment {shard_id!r})" if shard_id is not None and "segment" not in str(e) else ""
                 raise CheckpointError(f"tensor {name!r} -> parameter {rule.param!r}{seg}: {e} "
@@ -167,6 +163,23 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
             except Exception as e:  # noqa: BLE001 - a read that fails mid-tensor (file truncated after its header)
                 raise CheckpointError(f"tensor {name!r}: cannot be read from {ckpt.path_of(name)}: "
                                       f"{type(e).__name__}: {e}") from None
+
+        for name, shard_id in zip(rule.sources, shard_ids):
+            try:
+                sl = qload.source(rule.param, name, qload.open(name))
+            except QuantLoadError as e:
+                raise CheckpointError(f"{model_dir}: {e}") from None
+            _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
+            fill(param, sl, name, shard_id)
+            if hasattr(sl, "with_component"):
+                quantized.append((sl, name, shard_id))
+        if quantized and len(quantized) == len(rule.sources) and qload.packs(rule.param, param):      # this rank's codes / scales, read the same way
+            parts = {}
+            for comp in quantized[0][0].COMPONENTS:
+                parts[comp] = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                for sl, name, shard_id in quantized:
+                    fill(parts[comp], sl.with_component(comp), name, shard_id)
+            qload.pack(rule.param, param, parts)
         split = getattr(param, "tp_split", None)
         if rule.segments and split is not None:
             filled = {split.segment_index(s) for s in rule.segments}

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_M = 16        # rows up to which the layers call these kernels (else dequantize + cuBLAS)
+GEMV_MAX_M = 64        # rows up to which the layers call these kernels (else dequantize + cuBLAS)
 
 
 @triton.jit
