@@ -20,9 +20,13 @@ from xllm_gen.runtime.layers.int_quant import IntQuantError, IntWeightView, pack
 from xllm_gen.runtime.layers.quant import ActQuant, Fp8WeightView, OnlineFp8View
 from xllm_gen.runtime.loading.quant_config import QuantConfig, block_grid
 
-# XLLM_PACKED_QUANT=1 / 0: keep quantized weights packed (the weight-only GEMM; on the CPU F.linear on their
-# dequantized values) / dequantized at load, on any device; unset: packed on CUDA only
-_PACK = {"1": True, "0": False}.get(os.environ.get("XLLM_PACKED_QUANT", ""))
+
+
+def _pack_forced() -> Optional[bool]:
+    """XLLM_PACKED_QUANT=1 / 0: keep quantized weights packed (the weight-only GEMM; on the CPU F.linear on their
+    dequantized values) / dequantized at load, on any device; unset: packed on CUDA only (read at each load, so
+    TP rank processes follow the environment)."""
+    return {"1": True, "0": False}.get(os.environ.get("XLLM_PACKED_QUANT", ""))
 
 _FP8_DTYPES = {"F8_E4M3"}
 
@@ -164,7 +168,8 @@ class QuantLoad:
 
     def packs(self, param: str, tensor: torch.Tensor) -> bool:
         """Whether the quantized layer of `param` keeps its weight packed (CUDA, or XLLM_PACKED_QUANT=1)."""
-        return _PACK if _PACK is not None else tensor.is_cuda
+        forced = _pack_forced()
+        return forced if forced is not None else tensor.is_cuda
 
     def pack(self, param: str, tensor: torch.Tensor, parts: dict) -> None:
         """Repacks a quantized layer from this rank's per-element codes / zeros / scales (read through the layer's
