@@ -2,9 +2,9 @@
 F.linear on the dequantized weight. The int4 weights are packed here with explicit bit loops (independent of
 quant_gemv.pack_int4); fp8 weights are float8_e4m3fn with block / channel / tensor scales.
 
-Cases: M 1 and 3 (broadcast multiply-sum), 5 and 17 (tl.dot, two row blocks); a K tail (masked tile), a group /
-block narrower than the tile (scales gathered per element) and one tile per group (one scale vector a tile);
-bias. Sensitivity: the nibbles read in the wrong order, or the zeros off by one, are far from the reference.
+Cases: M 1, 3, 5 and 17 (two row blocks); a K tail (masked tile); groups / blocks that tile K (int4: K/8 a multiple
+of the group: codes through tl.dot, scales and zeros on the partial sums) and narrower ones (dequantized per
+element); bias. Sensitivity: the nibbles read in the wrong order, or the zeros off by one, are far from the reference.
 float32 and float16 (the interpreter's bfloat16 dot is wrong on CPU; bfloat16 runs in tests/gpu/test_gpu_quant.py).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _checks() -> dict:
     for dt, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         n = str(dt).split(".")[-1]
         for M in (1, 3, 5, 17):
-            for N, K, grp in ((40, 256, 128), (24, 192, 32), (16, 96, 96)):
+            for N, K, grp in ((40, 256, 128), (24, 192, 32), (16, 96, 96), (24, 1024, 128), (16, 512, 64)):
                 codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
                 qw = pack_bits(codes)
                 s = (torch.rand(N, K // grp, generator=g) * 0.1 + 0.01).to(torch.float16)

@@ -14,9 +14,10 @@ activation dtype (the exact values the reference layer holds after dequantizing 
 The kernel: one program per BLOCK_N output rows and 16 input rows (rows past M masked), walking K in BLOCK_K
 tiles (int4: BLOCK_K words). When one scale covers a tile's columns (group / block a multiple of the tile, or one
 per channel) the scales (and zeros) are one [BLOCK_N] vector per tile; otherwise they are gathered per element.
-The product is tl.dot on the dequantized tile: measured on an H200, a broadcast multiply-sum on the CUDA cores
-for 1-4 rows was 1.5-6x slower than the tensor-core tile padded to 16 rows (bench/bench_quant.py). Larger M
-(prefill) is left to the caller: dequantize + cuBLAS.
+The product is tl.dot on the dequantized tile. Measured on an H200 (ARCHITECTURE.md, "Quantized checkpoints"): a
+broadcast multiply-sum on the CUDA cores for 1-4 rows was 1.5-6x slower than the tensor-core tile padded to 16
+rows; applying the scales to raw-code partial sums instead of dequantizing each element was no faster for fp8 and
+2x slower for int4. Larger M (prefill) is left to the caller: dequantize + cuBLAS.
 
 The launchers accept CPU tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
 """
@@ -92,19 +93,21 @@ def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
 
 def wq_gemm_config(M: int, N: int, K: int, int4: bool, s_cols: int) -> tuple[int, int, int, int]:
     """The fixed launch table (M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); no autotuning (CUDA-graph
-    capture, determinism). BLOCK_K: int4 64 words a tile (8 x 64 columns; 32 when the group is not a multiple of
-    64), fp8 128 columns (one 128-block a tile; 256 per channel); BLOCK_N 32, halved to 16 while the grid has fewer
-    than 264 programs (2 per SM of a 132-SM H200)."""
+    capture, determinism). From a sweep on an H200 at Qwen3-8B shapes, M = 1 (bench/bench_quant.py --sweep):
+      int4: BLOCK_K 128 words (8 x 128 columns; the largest of 128 / 64 / 32 dividing the group), 2 stages;
+            64 rows, 8 warps for N >= 6144 (qkv 24 us against 47 us with 16 rows), 64 rows x 32 words, 4 warps for
+            N >= 16384 (gate_up), else 32 rows, 4 warps;
+      fp8:  BLOCK_K 128 (one 128-block a tile; 256 per channel), 4 warps, 4 stages; 64 rows for N >= 16384, else 32."""
     if int4:
         k8 = K // 8
-        bk = 64 if s_cols % 64 == 0 and k8 >= 64 else 32
-    else:
-        bk = 256 if s_cols >= K and K >= 256 else 128
-    bk = min(bk, max(16, triton.next_power_of_2(K // 8 if int4 else K)))
-    bn = 32
-    while bn > 16 and triton.cdiv(N, bn) < 264:
-        bn //= 2
-    return bn, bk, 4, 3
+        bk = next(b for b in (128, 64, 32, 16) if s_cols % b == 0 or b == 16)
+        bk = min(bk, max(16, triton.next_power_of_2(k8)))
+        if N >= 16384:
+            return 64, min(bk, 32), 4, 2
+        return (64, bk, 8, 2) if N >= 6144 else (32, bk, 4, 2)
+    bk = 256 if s_cols >= K and K >= 256 else 128
+    bk = min(bk, max(16, triton.next_power_of_2(K)))
+    return (64 if N >= 16384 else 32), bk, 4, 4
 
 
 def wq_gemm_candidates(M: int, N: int, K: int, int4: bool, s_cols: int) -> list[tuple[int, int, int, int]]:
