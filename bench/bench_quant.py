@@ -7,12 +7,13 @@ Each timing replays a CUDA graph of 20 calls over 20 different weights (no call 
 is checked against F.linear on its dequantized weight first (max relative error printed; a wrong result is marked).
 
     python bench/bench_quant.py [--out bench/results/h200_quant.md] [--rows 1,4,16] [--sweep]
-    python bench/bench_quant.py --e2e Qwen/Qwen3-8B   # + decode TPOT: bf16 vs int4 vs fp8 (load_format=dummy)
+    python bench/bench_quant.py --e2e Qwen3-0.6B,Qwen3-8B   # + decode TPOT: bf16 vs int4 vs fp8 (dummy weights)
 
 --sweep times the kernels' other launch configs (quant_gemv.wq_gemm_candidates) and reports the best five per shape.
---e2e MODEL: batch-1 and batch-16 decode TPOT of an engine with random weights (load_format=dummy; `--e2e-model-dir`
-a local config directory) in bf16 and with quantization='int4' / 'fp8' (dummy weights quantized at load: int4
-group 128, fp8 per channel), each in its own process, with a time limit (--e2e-timeout seconds).
+--e2e VARIANTS: batch-1 and batch-16 decode TPOT of Qwen3 variants (bench/bench_decode.py's configs) with random
+weights (load_format=dummy) in bf16, and quantized in place and packed (`_debug={"dummy_quantize": "int4" | "fp8"}`:
+int4 round-to-nearest groups of 128 with zero points, fp8 e4m3 per channel, weights only), each engine in its own
+process, with a time limit (--e2e-timeout seconds).
 """
 from __future__ import annotations
 
@@ -142,44 +143,54 @@ E2E_CHILD = r"""
 import json, sys, time, torch
 from xllm_gen import LLM, SamplingParams
 model, quant, batch, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=2048, max_num_seqs=max(batch, 16))
-llm = LLM(model, quantization=None if quant == "bf16" else quant, **kw)
-sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+debug = {} if quant == "bf16" else {"dummy_quantize": quant}
+llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=1024, max_num_seqs=max(batch, 16),
+          num_kv_blocks=2048, block_size=16, enable_prefix_caching=False, _debug=debug)
+packed = sum(1 for m in llm.engine.runner.model.modules() if getattr(m, "packed", None) is not None)
 prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(32)]} for i in range(batch)]
-llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 def run(k):
     torch.cuda.synchronize(); t = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True))
     torch.cuda.synchronize(); return time.perf_counter() - t
-tpot = (run(n + 1) - run(1)) / n * 1e3
-print("E2E " + json.dumps(dict(quant=quant, batch=batch, tpot_ms=round(tpot, 3))), flush=True)
+run(8)
+tpot = sorted((run(n + 1) - run(1)) / n * 1e3 for _ in range(3))[1]
+print("E2E " + json.dumps(dict(quant=quant, batch=batch, tpot_ms=round(tpot, 3), packed_layers=packed)), flush=True)
 """
 
 
 def bench_e2e(args) -> list:
+    """Decode TPOT (median of 3: (time of n + 1 tokens - time of 1) / n) of Qwen3 shapes with random weights, bf16
+    and quantized in place (runtime/layers/quant_linear.quantize_dummy: int4 RTN groups of 128, fp8 per channel,
+    weights only), each engine in its own process under a time limit."""
+    import tempfile
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_decode import write_config
+    root = Path(tempfile.mkdtemp(prefix="bench_quant_"))
     res = []
-    for batch in (1, 16):
-        for quant in ("bf16", "int4", "fp8"):
-            row = dict(model=args.e2e, quant=quant, batch=batch)
-            cmd = [sys.executable, "-c", E2E_CHILD, args.e2e_model_dir or args.e2e, quant, str(batch), "64"]
-            t0 = time.time()
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.e2e_timeout,
-                                   env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
-                line = [ln for ln in p.stdout.splitlines() if ln.startswith("E2E ")]
-                if line:
-                    row.update(json.loads(line[-1][4:]))
-                else:
-                    row["error"] = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
-            except subprocess.TimeoutExpired:
-                row["error"] = f"timed out after {args.e2e_timeout} s"
-            row["wall_s"] = round(time.time() - t0, 1)
-            print(json.dumps(row), flush=True)
-            res.append(row)
-    base = {r["batch"]: r.get("tpot_ms") for r in res if r["quant"] == "bf16"}
+    for name in args.e2e.split(","):
+        d = write_config(root, name)
+        for batch in (1, 16):
+            for quant in ("bf16", "int4", "fp8"):
+                row = dict(model=name, quant=quant, batch=batch)
+                cmd = [sys.executable, "-c", E2E_CHILD, str(d), quant, str(batch), "64"]
+                t0 = time.time()
+                try:
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.e2e_timeout,
+                                       env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
+                    line = [ln for ln in p.stdout.splitlines() if ln.startswith("E2E ")]
+                    if line:
+                        row.update(json.loads(line[-1][4:]))
+                    else:
+                        row["error"] = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
+                except subprocess.TimeoutExpired:
+                    row["error"] = f"timed out after {args.e2e_timeout} s"
+                row["wall_s"] = round(time.time() - t0, 1)
+                print(json.dumps(row), flush=True)
+                res.append(row)
+    base = {(r["model"], r["batch"]): r.get("tpot_ms") for r in res if r["quant"] == "bf16"}
     for r in res:
-        if r.get("tpot_ms") and base.get(r["batch"]):
-            r["vs_bf16"] = round(r["tpot_ms"] / base[r["batch"]], 3)
+        if r.get("tpot_ms") and base.get((r["model"], r["batch"])):
+            r["vs_bf16"] = round(r["tpot_ms"] / base[(r["model"], r["batch"])], 3)
     return res
 
 
@@ -189,8 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table (e.g. only --e2e)")
-    ap.add_argument("--e2e", default="", help="model id / directory for the decode-TPOT arm (dummy weights)")
-    ap.add_argument("--e2e-model-dir", default="")
+    ap.add_argument("--e2e", default="", help="Qwen3 variants for the decode-TPOT arm, e.g. Qwen3-0.6B,Qwen3-8B "
+                                                  "(random weights: load_format=dummy)")
     ap.add_argument("--e2e-timeout", type=int, default=300)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -212,11 +223,11 @@ def main(argv=None) -> int:
         L.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {r['kernel']} | {r['us']:.1f} | {r['gbs']:.0f} | "
                  f"{r['vs_bf16_cublas']} | {r['rel_err']:.1e}{'' if r['ok'] else ' WRONG'} | {best} |")
     if e2e:
-        L += ["", "## Decode TPOT (load_format=dummy)", "", "| model | quantization | batch | TPOT ms | / bf16 |",
-              "|---|---|---|---|---|"]
+        L += ["", "## Decode TPOT (load_format=dummy, quantized in place)", "",
+              "| model | weights | batch | TPOT ms | / bf16 | packed layers |", "|---|---|---|---|---|---|"]
         for r in e2e:
             L.append(f"| {r['model']} | {r['quant']} | {r['batch']} | {r.get('tpot_ms', r.get('error'))} | "
-                     f"{r.get('vs_bf16', '')} |")
+                     f"{r.get('vs_bf16', '')} | {r.get('packed_layers', '')} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(L) + "\n")

@@ -236,3 +236,28 @@ def test_tp2_awq_gptq(awq128, base, tmp_path, monkeypatch, pack):
             assert _greedy(llm) == hf_greedy(ref, PROMPTS, N_NEW), ckpt
         finally:
             llm.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- dummy quantization
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_dummy_quantize_for_benchmarks(base, kind):
+    """load_format=dummy + _debug dummy_quantize (bench/bench_quant.py --e2e): every linear layer quantized in place;
+    packed or dequantized, the same model output."""
+    import copy
+
+    from xllm_gen.runtime.layers.quant_linear import quantize_dummy
+    llm = _llm(base, load_format="dummy", _debug={"dummy_quantize": kind})
+    w = _layer0(llm).mlp.down_proj.weight                       # CPU: written back dequantized
+    vals = [len(torch.unique(w[r, g * 128:(g + 1) * 128])) for r in range(4) for g in range(2)]
+    assert max(vals) <= (16 if kind == "int4" else 256) and max(vals) > 4
+    assert len(_greedy(llm, n=4)[0]) == 4
+    llm.shutdown()
+    from xllm_gen.runtime.layers.linear import ReplicatedLinear
+    lin = torch.nn.Module()
+    lin.a = ReplicatedLinear(256, 64)
+    torch.nn.init.normal_(lin.a.weight, std=0.02)
+    ref = copy.deepcopy(lin)
+    assert quantize_dummy(lin, kind, pack=True) == 1 and quantize_dummy(ref, kind, pack=False) == 1
+    assert lin.a.packed is not None and lin.a.weight.numel() == 0 and ref.a.packed is None
+    x = torch.randn(3, 256)
+    assert torch.equal(lin.a(x), ref.a(x))

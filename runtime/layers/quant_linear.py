@@ -76,3 +76,51 @@ def pack_fp8_components(codes: torch.Tensor, scales: torch.Tensor) -> Optional[t
         if torch.equal(scales, s.repeat_interleave(bk, 1)[:, :K]):
             return codes.to(torch.float8_e4m3fn), s.contiguous(), bk
     return None
+
+
+def rtn_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit quantization of w [N, K] per `group` input columns (AWQ's form):
+    (codes uint8 [N, K], scales float16 [N, K / g], zeros uint8 [N, K / g])."""
+    N, K = w.shape
+    wg = w.float().reshape(N, K // group, group)
+    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).clamp(min=1e-6).half()
+    z = torch.round(-lo / s.float()).clamp(0, 15)
+    q = torch.clamp(torch.round(wg / s.float()[..., None]) + z[..., None], 0, 15)
+    return q.reshape(N, K).to(torch.uint8), s, z.to(torch.uint8)
+
+
+@torch.no_grad()
+def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> int:
+    """Benchmarks without a quantized checkpoint (load_format="dummy", `_debug={"dummy_quantize": kind}`): every
+    linear layer's weight (not an MoE router's) quantized in place, "int4" (round to nearest, groups of 128, zero
+    points: an AWQ checkpoint's form) or "fp8" (e4m3 per output channel, weights only), packed (`pack`; default
+    on CUDA) or written back dequantized. Returns the number of layers quantized."""
+    from xllm_gen.runtime.layers.linear import _Linear
+    from xllm_gen.runtime.layers.moe import FusedMoE
+    if kind not in ("int4", "fp8"):
+        raise ValueError(f"dummy_quantize={kind!r}: 'int4' or 'fp8'")
+    routers = {id(c) for m in model.modules() if any(isinstance(x, FusedMoE) for x in m.children())
+               for c in m.children() if isinstance(c, _Linear)}
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(mod, _Linear) or id(mod) in routers or w is None or w.dim() != 2 or w.shape[1] % 8:
+            continue
+        do_pack = w.is_cuda if pack is None else pack
+        if kind == "int4":
+            g = 128 if w.shape[1] % 128 == 0 else w.shape[1]
+            codes, s, z = rtn_int4(w, g)
+            packed = PackedInt4(Q.pack_int4(codes), s, z, g)
+        else:
+            s = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+            packed = PackedFp8((w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s, w.shape[1])
+        if do_pack:
+            mod.packed = packed
+            mod.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        else:
+            w.copy_(packed.dequantized(w.dtype))
+        n += 1
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return n
