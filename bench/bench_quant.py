@@ -134,7 +134,7 @@ def bench_gemms(args) -> list:
                     row["best"] = sorted(timed, key=lambda t: t[0])[:5]
                 print(json.dumps(row), flush=True)
                 res.append(row)
-        del ws
+        ws = None
         torch.cuda.empty_cache()
     return res
 

@@ -350,5 +350,6 @@ def write_gptq(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 1
             out[name] = deq[name] = t
     qc = {"bits": bits, "group_size": group, "damp_percent": 0.01, "desc_act": desc_act, "static_groups": False,
           "sym": sym, "true_sequential": True, "model_name_or_path": None, "model_file_base_name": "model",
-          "quant_method": "gptq", "checkpoint_format": declared_fmt or fmt}
+          "quant_method": "gptq", "checkpoint_format": declared_fmt or fmt, "use_exllama": False,
+          "exllama_config": {"version": 1}, "use_cuda_fp16": False, "module_name_preceding_first_block": None}
     return _write(dst, out, qc), _write(ref, deq, None)

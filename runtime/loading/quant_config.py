@@ -22,6 +22,7 @@ layers) is loaded as it is.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,11 +35,13 @@ _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_s
             "kv_cache_scheme", "sparsity_config", "version", "transform_config", "quant_method_version"}
 
 
+# kernel choices of the writer's runtime (`use_<kernel>` switches, `<kernel>_config` settings): no effect on the format
+_KERNEL_HINT = re.compile(r"use_[a-z0-9_]+|[a-z0-9]+_config")
 _AWQ_KEYS = {"quant_method", "bits", "group_size", "zero_point", "version", "modules_to_not_convert", "backend",
-             "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config"}
+             "do_fuse", "fuse_max_seq_len", "modules_to_fuse"}
 _GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "damp_percent",
               "damp_auto_increment", "static_groups", "true_sequential", "model_name_or_path", "model_file_base_name",
-              "dataset", "tokenizer", "use_exllama", "exllama_config", "max_input_length", "use_cuda_fp16",
+              "dataset", "tokenizer", "max_input_length",
               "module_name_preceding_first_block", "batch_size", "pad_token_id", "cache_block_outputs",
               "modules_in_block_to_quantize", "backend", "meta", "lm_head", "pack_dtype", "format", "quantizer",
               "modules_to_not_convert", "mse", "v2", "v2_alpha", "act_group_aware", "adapter", "hyb_act",
@@ -125,7 +128,7 @@ _GROUPS = (-1,) + tuple(2 ** i for i in range(4, 15))
 
 
 def _awq(qc: dict) -> QuantConfig:
-    extra = sorted(set(qc) - _AWQ_KEYS)
+    extra = sorted(k for k in set(qc) - _AWQ_KEYS if not _KERNEL_HINT.fullmatch(k))
     if extra:
         raise _err(f"quant_method 'awq' with unsupported field(s) {', '.join(extra)}")
     version = str(qc.get("version", "gemm")).lower()
@@ -140,7 +143,7 @@ def _awq(qc: dict) -> QuantConfig:
 
 
 def _gptq(qc: dict) -> QuantConfig:
-    extra = sorted(set(qc) - _GPTQ_KEYS)
+    extra = sorted(k for k in set(qc) - _GPTQ_KEYS if not _KERNEL_HINT.fullmatch(k))
     if extra:
         raise _err(f"quant_method 'gptq' with unsupported field(s) {', '.join(extra)}")
     fmt = qc.get("checkpoint_format", qc.get("format", "gptq")) or "gptq"

@@ -21,7 +21,6 @@ from xllm_gen.runtime.layers.quant import ActQuant, Fp8WeightView, OnlineFp8View
 from xllm_gen.runtime.loading.quant_config import QuantConfig, block_grid
 
 
-
 def _pack_forced() -> Optional[bool]:
     """XLLM_PACKED_QUANT=1 / 0: keep quantized weights packed (the weight-only GEMM; on the CPU F.linear on their
     dequantized values) / dequantized at load, on any device; unset: packed on CUDA only (read at each load, so

@@ -9,7 +9,7 @@ activation dtype (the exact values the reference layer holds after dequantizing 
   mask per slice, no register shuffles, and each slice is a plain [BLOCK_N, BLOCK_K] operand of its own tl.dot);
   `scales` [N, K / g] (the checkpoint's float dtype), `zeros` uint8 [N, K / g]; w = (q - z) * s.
 - fp8 (float8_e4m3fn [N, K]) with float32 scales [ceil(N / bn), ceil(K / bk)], one per bn x bk block: 128 x 128
-  blocks (Qwen3-*-FP8, DeepSeek-V3), per output channel (bn 1, bk K) or per tensor (bn N, bk K); w = q * s.
+  blocks (the official *-FP8 releases, DeepSeek-V3), per output channel (bn 1, bk K) or per tensor (bn N, bk K); w = q * s.
 
 The kernel: one program per BLOCK_N output rows and 16 input rows (rows past M masked), walking K in BLOCK_K
 tiles (int4: BLOCK_K words). When one scale covers a tile's columns (group / block a multiple of the tile, or one
@@ -93,7 +93,7 @@ def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
 
 def wq_gemm_config(M: int, N: int, K: int, int4: bool, s_cols: int) -> tuple[int, int, int, int]:
     """The fixed launch table (M, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); no autotuning (CUDA-graph
-    capture, determinism). From a sweep on an H200 at Qwen3-8B shapes, M = 1 (bench/bench_quant.py --sweep):
+    capture, determinism). From a sweep on an H200 at 8B-model shapes (hidden 4096, MLP 12288), M = 1 (bench/bench_quant.py --sweep):
       int4: BLOCK_K 128 words (8 x 128 columns; the largest of 128 / 64 / 32 dividing the group), 2 stages;
             64 rows, 8 warps for N >= 6144 (qkv 24 us against 47 us with 16 rows), 64 rows x 32 words, 4 warps for
             N >= 16384 (gate_up), else 32 rows, 4 warps;
