@@ -61,14 +61,16 @@ def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K,
                 if SCALE_PER_TILE:
                     g = (j * K8 + w0) // S_COLS
                     s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
-                    z = tl.load(z_ptr + rows * stride_zn + g).to(tl.int32)[:, None]
+                    z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
                 else:
                     gk = (cols // S_COLS)[None, :]
                     s = tl.load(s_ptr + rows[:, None] * stride_sn + gk, mask=w_mask[None, :], other=0.0)
-                    z = tl.load(z_ptr + rows[:, None] * stride_zn + gk, mask=w_mask[None, :], other=0).to(tl.int32)
+                    z = tl.load(z_ptr + rows[:, None] * stride_zn + gk, mask=w_mask[None, :], other=0).to(tl.float32)
                     s = s.to(tl.float32)
-                q = (words >> (4 * j)) & 0xF
-                w = ((q - z).to(tl.float32) * s).to(x.dtype)
+                # q - z without an int-to-float conversion: the bits of 2^23 + q (exponent 2^23, q in the mantissa)
+                # as a float, minus 2^23 + z: exact, an OR and a subtract on the FMA pipe
+                q = ((words >> (4 * j)) & 0xF) | 0x4B000000
+                w = ((q.to(tl.float32, bitcast=True) - (8388608.0 + z)) * s).to(x.dtype)
                 acc += tl.dot(x, tl.trans(w))
     else:
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
