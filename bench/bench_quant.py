@@ -146,7 +146,10 @@ model, quant, batch, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.arg
 debug = {} if quant == "bf16" else {"dummy_quantize": quant}
 llm = LLM(model, dtype="bfloat16", load_format="dummy", max_model_len=1024, max_num_seqs=max(batch, 16),
           num_kv_blocks=2048, block_size=16, enable_prefix_caching=False, _debug=debug)
-packed = sum(1 for m in llm.engine.runner.model.modules() if getattr(m, "packed", None) is not None)
+try:
+    packed = sum(1 for m in llm.engine.runner.model.modules() if getattr(m, "packed", None) is not None)
+except AttributeError:       # the engine runs the model elsewhere (another process)
+    packed = -1
 prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(32)]} for i in range(batch)]
 def run(k):
     torch.cuda.synchronize(); t = time.perf_counter()
