@@ -54,6 +54,8 @@ def _checks() -> dict:
                 ref = F.linear(x, w.to(dt), b)
                 key = f"int4_M{M}_N{N}_K{K}_g{grp}_{n}"
                 out[key] = (err(Q.int4_gemm(x, qw, s, z, grp, b), ref), tol)
+                if M == 1:      # the prefill path's dequantize kernel: bit for bit the reference
+                    out[f"dequant_{key}"] = (float(not torch.equal(Q.int4_dequantize(qw, s, z, grp, dt), w.to(dt))), 0.0)
                 if M == 1 and dt == torch.float32:
                     out[f"packer_{key}"] = (float(not torch.equal(Q.pack_int4(codes), qw)), 0.0)
                     order = [0, 2, 4, 6, 1, 3, 5, 7]     # nibbles in AWQ's interleaved order: must be far off
@@ -69,6 +71,8 @@ def _checks() -> dict:
                 ref = F.linear(x, wd.to(dt), b)
                 key = f"fp8_M{M}_N{N}_K{K}_b{blk[0]}x{blk[1]}_{n}"
                 out[key] = (err(Q.fp8_gemm(x, w8, sc, blk, b), ref), tol)
+                if M == 1:
+                    out[f"dequant_{key}"] = (float(not torch.equal(Q.fp8_dequantize(w8, sc, blk, dt), wd.to(dt))), 0.0)
                 if M == 1 and dt == torch.float32 and blk == (16, 128):
                     out[f"sensitive_scale_{key}"] = (-err(Q.fp8_gemm(x, w8, torch.ones_like(sc) * sc.mean(), blk, b),
                                                           ref), -0.05)
@@ -90,7 +94,8 @@ def interpreted():
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("case", ["int4", "fp8", "packer", "sensitive_order", "sensitive_zero", "sensitive_scale"])
+@pytest.mark.parametrize("case", ["int4", "fp8", "dequant", "packer", "sensitive_order", "sensitive_zero",
+                                  "sensitive_scale"])
 def test_quant_gemm_interpreted_vs_dequantized_reference(interpreted, case):
     got = {k: v for k, v in interpreted.items() if k.startswith(case + "_")}
     assert got, interpreted.keys()

@@ -4,7 +4,7 @@ On CUDA a quantized checkpoint's 4-bit (AWQ / GPTQ) or fp8 layer keeps its weigh
 `PackedInt4` (qweight int32 [N, K / 8], scales [N, K / g], zeros uint8 [N, K / g]) and `PackedFp8` (float8_e4m3fn
 [N, K], float32 scales [N, ceil(K / bk)], one per row and bk columns). Their forward is the weight-only GEMM of
 runtime/ops/quant_gemv.py (bf16 / fp16 activations on CUDA, up to GEMV_MAX_M rows: decode; more rows, a prefill
-chunk: the weight dequantized for the call, then cuBLAS), or, on the CPU (tests), F.linear on the dequantized
+chunk: the weight dequantized for the call by one Triton kernel, then cuBLAS), or, on the CPU (tests), F.linear on the dequantized
 weight: the same values the reference layer holds (dequant_int4 / dequant_fp8 round (q - z) * s and
 q * s once to the activation dtype), so a packed model on the CPU must give the reference model's tokens.
 """
@@ -31,6 +31,8 @@ class PackedInt4(nn.Module):
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
 
     def dequantized(self, dtype) -> torch.Tensor:
+        if self.qweight.is_cuda:
+            return Q.int4_dequantize(self.qweight, self.scales, self.zeros, self.group, dtype)
         return Q.dequant_int4(self.qweight, self.scales, self.zeros, self.group, dtype)
 
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -53,6 +55,8 @@ class PackedFp8(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def dequantized(self, dtype) -> torch.Tensor:
+        if self.weight.is_cuda:
+            return Q.fp8_dequantize(self.weight, self.scale, self.block, dtype)
         return Q.dequant_fp8(self.weight, self.scale, self.block, dtype)
 
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -172,6 +172,59 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     return _launch(x, weight, scale.contiguous(), None, bias, N, K, bn, bk, False, config)
 
 
+# ---------------------------------------------------------------------------------------------- dequantize
+# For more rows than GEMV_MAX_M (prefill chunks): the weight dequantized into one [N, K] tensor of the activation
+# dtype, then cuBLAS. One program per [BLOCK_N, BLOCK_K] tile (int4: of words, eight column slices), the same
+# arithmetic as the GEMM's tiles and as dequant_int4 / dequant_fp8 below (bit-identical results), no temporaries
+# besides the output.
+@triton.jit
+def _wq_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_zn, S_ROWS, S_COLS,
+                       INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    if INT4:
+        K8 = K // 8
+        m = n_mask[:, None] & (offs_k < K8)[None, :]
+        words = tl.load(q_ptr + rows[:, None] * stride_qn + offs_k[None, :], mask=m, other=0)
+        for j in tl.static_range(8):
+            cols = j * K8 + offs_k
+            gk = (cols // S_COLS)[None, :]
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + gk, mask=m, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + rows[:, None] * stride_zn + gk, mask=m, other=0).to(tl.float32)
+            q = ((words >> (4 * j)) & 0xF) | 0x4B000000
+            w = (q.to(tl.float32, bitcast=True) - (8388608.0 + z)) * s
+            tl.store(w_ptr + rows[:, None] * K + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=m)
+    else:
+        m = n_mask[:, None] & (offs_k < K)[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_qn + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + (rows // S_ROWS)[:, None] * stride_sn + (offs_k // S_COLS)[None, :], mask=m, other=0.0)
+        tl.store(w_ptr + rows[:, None] * K + offs_k[None, :], (q * s).to(w_ptr.dtype.element_ty), mask=m)
+
+
+def _dequant_launch(q, s, z, N, K, s_rows, s_cols, int4, dtype):
+    w = torch.empty((N, K), dtype=dtype, device=q.device)
+    if N and K:
+        bn, bk = 32, (64 if int4 else 256)
+        grid = (triton.cdiv(N, bn), triton.cdiv(K // 8 if int4 else K, bk))
+        _wq_dequant_kernel[grid](q, s, z if z is not None else s, w, N, K, q.stride(0), s.stride(0),
+                                 z.stride(0) if z is not None else 0, s_rows, s_cols, INT4=int4, BLOCK_N=bn,
+                                 BLOCK_K=bk, num_warps=4)
+    return w
+
+
+def int4_dequantize(qweight, scales, zeros, group: int, dtype) -> torch.Tensor:
+    """dequant_int4 in one Triton kernel (CUDA; CPU under the interpreter)."""
+    return _dequant_launch(qweight, scales, zeros, qweight.shape[0], qweight.shape[1] * 8, 1, group, True, dtype)
+
+
+def fp8_dequantize(weight, scale, block: tuple, dtype) -> torch.Tensor:
+    """dequant_fp8 in one Triton kernel."""
+    return _dequant_launch(weight, scale.contiguous(), None, weight.shape[0], weight.shape[1], block[0], block[1],
+                           False, dtype)
+
+
 # ---------------------------------------------------------------------------------------------- references
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] (0..15) -> int32 [N, K / 8], column j K/8 + w in bits 4j..4j+3 of word w."""

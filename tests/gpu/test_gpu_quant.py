@@ -83,6 +83,12 @@ def test_int4_gemm_cuda(M):
         bad = _rel_err(Q.int4_gemm(x, qw, s, (z + 1) % 16, g, b), ref)
         print(f"\n[int4 g{g}] M {M} N {N} K {K}: relative error {e:.2e} (zeros off by one: {bad:.2e})")
         assert e < 1e-2 and bad > 5e-2
+        if M == 1:      # the prefill path: the dequantize kernel, bit for bit the reference, then cuBLAS
+            assert torch.equal(Q.int4_dequantize(qw, s, z, g, torch.bfloat16), Q.dequant_int4(qw, s, z, g, torch.bfloat16))
+            from xllm_gen.runtime.layers.quant_linear import PackedInt4
+            xb = torch.randn(100, K, device="cuda", dtype=torch.bfloat16)
+            want = torch.nn.functional.linear(xb, Q.dequant_int4(qw, s, z, g, torch.bfloat16), b)
+            assert torch.equal(PackedInt4(qw, s, z, g)(xb, b), want)
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
@@ -98,6 +104,8 @@ def test_fp8_gemm_cuda(M):
         bad = _rel_err(Q.fp8_gemm(x, w, sc.flip(0), blk), ref) if sc.shape[0] > 1 else 1.0
         print(f"\n[fp8 {blk[0]}x{blk[1]}] M {M} N {N} K {K}: relative error {e:.2e} (scales flipped: {bad:.2e})")
         assert e < 1e-2 and bad > 5e-2
+        if M == 1:
+            assert torch.equal(Q.fp8_dequantize(w, sc, blk, torch.bfloat16), Q.dequant_fp8(w, sc, blk, torch.bfloat16))
 
 
 def test_quant_gemms_in_cuda_graph():
