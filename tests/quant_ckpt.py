@@ -234,3 +234,122 @@ def write_llama_gguf(src: Path, out: Path, qtype: str = "Q8_0") -> Path:
     w.write_tensors_to_file()
     w.close()
     return Path(out)
+
+
+# ---------------------------------------------------------------------------------------------- AWQ / GPTQ
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ: nibble i of a word holds output column AWQ_ORDER[i] of its 8
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize_int(w: torch.Tensor, bits: int, group: int, sym: bool, perm=None, min_zero: int = 0):
+    """Round-to-nearest per group of input columns (of the act-order permutation `perm` when given), as GPTQ / AWQ
+    store it: (codes [N, K], scales float16 [N, G], zeros [N, G], g_idx [K]); w ~ (codes - zeros[g_idx]) * scales."""
+    N, K = w.shape
+    g = K if group == -1 else group
+    maxq = 2**bits - 1
+    perm = torch.arange(K) if perm is None else perm
+    wg = w[:, perm].reshape(N, K // g, g)
+    if sym:
+        s = (wg.abs().amax(-1) * 2 / maxq).clamp(min=1e-6)
+        z = torch.full_like(s, (maxq + 1) // 2)
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo) / maxq).clamp(min=1e-6)
+        z = torch.round(-lo / s).clamp(min_zero, maxq)
+    s = s.half()
+    q = torch.clamp(torch.round(wg / s.float()[..., None]) + z[..., None], 0, maxq).reshape(N, K)
+    codes = torch.empty_like(q)
+    codes[:, perm] = q
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(K) // g).to(torch.int32)
+    return codes.to(torch.int64), s, z.to(torch.int64), g_idx
+
+
+def dequant_int(codes, scales, zeros, g_idx) -> torch.Tensor:
+    gi = g_idx.long()
+    return (codes.float() - zeros.float()[:, gi]) * scales.float()[:, gi]
+
+
+def pack_awq_cols(v: torch.Tensor, order=AWQ_ORDER) -> torch.Tensor:
+    """[R, C] 4-bit values -> int32 [R, C / 8]: nibble i of word c holds column 8c + order[i] (bit by bit)."""
+    R, C = v.shape
+    out = torch.zeros(R, C // 8, dtype=torch.int64)
+    for i in range(8):
+        col = v[:, order[i]::8]
+        for bit in range(4):
+            out |= ((col >> bit) & 1) << (4 * i + bit)
+    return _int32(out)
+
+
+def pack_gptq(v: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Values packed 32 / bits to an int32 along `dim` (0: GPTQ qweight's input rows, 1: qzeros' columns), value i
+    of a word in bits [i * bits, (i + 1) * bits) (bit by bit)."""
+    p = 32 // bits
+    v = v if dim == 0 else v.T
+    out = torch.zeros(v.shape[0] // p, v.shape[1], dtype=torch.int64)
+    for i in range(p):
+        row = v[i::p] & (2**bits - 1)          # two's complement of a -1 (GPTQ v1 zero 0) wraps to all ones
+        for bit in range(bits):
+            out |= ((row >> bit) & 1) << (bits * i + bit)
+    out = _int32(out)
+    return out if dim == 0 else out.T.contiguous()
+
+
+def write_awq(src: Path, dst: Path, ref: Path, group: int = 128, skip=(), order=AWQ_ORDER) -> tuple[Path, Path]:
+    """AutoAWQ GEMM (version gemm, zero_point, bits 4) of `src` in `dst`; the dequantized float32 twin in `ref`.
+    `order` other than AWQ's writes the nibbles in that order (sensitivity arms)."""
+    src, dst, ref = Path(src), Path(dst), Path(ref)
+    _copy_small_files(src, dst)
+    _copy_small_files(src, ref)
+    sd = load_file(str(src / "model.safetensors"))
+    out, deq = {}, {}
+    for name, t in sd.items():
+        if _is_linear(name) and not any(s in name for s in skip):
+            codes, s, z, g_idx = quantize_int(t.float(), 4, group, sym=False)
+            base = name[: -len(".weight")]
+            out[base + ".qweight"] = pack_awq_cols(codes.T.contiguous(), order)
+            out[base + ".qzeros"] = pack_awq_cols(z.T.contiguous(), order)
+            out[base + ".scales"] = s.T.contiguous()
+            deq[name] = dequant_int(codes, s, z, g_idx)
+        else:
+            out[name] = deq[name] = t
+    qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+          "modules_to_not_convert": list(skip) or None}
+    return _write(dst, out, qc), _write(ref, deq, None)
+
+
+def write_gptq(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 128, sym: bool = True,
+               desc_act: bool = False, fmt: str = "gptq", zero_bias: bool = True, declared_fmt: str | None = None,
+               seed: int = 0) -> tuple[Path, Path]:
+    """AutoGPTQ / GPTQModel layout of `src` in `dst` (`fmt` gptq: zeros stored minus 1; gptq_v2: as they are;
+    desc_act: a random act-order permutation per layer, its g_idx); zero `.bias` tensors for bias-free layers, as
+    AutoGPTQ writes them. `declared_fmt` overrides the config's checkpoint_format (sensitivity arms)."""
+    src, dst, ref = Path(src), Path(dst), Path(ref)
+    _copy_small_files(src, dst)
+    _copy_small_files(src, ref)
+    sd = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    out, deq = {}, {}
+    for name, t in sd.items():
+        if _is_linear(name):
+            K = t.shape[1]
+            perm = torch.randperm(K, generator=gen) if desc_act else None
+            codes, s, z, g_idx = quantize_int(t.float(), bits, group, sym, perm, min_zero=1 if fmt == "gptq" else 0)
+            base = name[: -len(".weight")]
+            out[base + ".qweight"] = pack_gptq(codes.T.contiguous(), bits, 0)
+            out[base + ".qzeros"] = pack_gptq((z - (1 if fmt == "gptq" else 0)).T.contiguous(), bits, 1)
+            out[base + ".scales"] = s.T.contiguous()
+            out[base + ".g_idx"] = g_idx
+            if zero_bias and base + ".bias" not in sd:
+                out[base + ".bias"] = torch.zeros(t.shape[0], dtype=torch.float16)
+            deq[name] = dequant_int(codes, s, z, g_idx)
+        else:
+            out[name] = deq[name] = t
+    qc = {"bits": bits, "group_size": group, "damp_percent": 0.01, "desc_act": desc_act, "static_groups": False,
+          "sym": sym, "true_sequential": True, "model_name_or_path": None, "model_file_base_name": "model",
+          "quant_method": "gptq", "checkpoint_format": declared_fmt or fmt, "use_exllama": False,
+          "exllama_config": {"version": 1}, "use_cuda_fp16": False, "module_name_preceding_first_block": None}
+    return _write(dst, out, qc), _write(ref, deq, None)

@@ -191,8 +191,8 @@ def test_missing_or_misshaped_scale_names_the_tensor(fp8_block, tmp_path):
 
 @pytest.mark.parametrize("qc,needle", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act=true"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method='awq'"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": True}, "bits=3"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "exllama"}, "version='exllama'"),
     ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"}, "fmt='e5m2'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
      "format='pack-quantized'"),

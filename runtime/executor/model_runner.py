@@ -124,6 +124,9 @@ class ModelRunner:
         self.model.eval()
         if load_format == "dummy":         # random weights, for benchmarks of a shape without a checkpoint
             self.loaded_params = self._init_dummy_weights()
+            if self.debug.get("dummy_quantize"):   # and quantized in place (bench/bench_quant.py --e2e)
+                from xllm_gen.runtime.layers.quant_linear import quantize_dummy
+                quantize_dummy(self.model, self.debug["dummy_quantize"])
         else:
             self.loaded_params = load_weights(
                 self.model, self.model_module.weight_plan(self.model), model_dir,

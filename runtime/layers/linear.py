@@ -128,6 +128,9 @@ class _Linear(nn.Module):
         self.out_features = out_features      # per rank
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # a quantized checkpoint's packed weight (runtime/layers/quant_linear.py), set at load: then it computes the
+        # product and `weight` is empty
+        self.packed = None
 
     def _attach(self, dim: Optional[int] = None, segments: tuple = ()) -> None:
         """Attaches each parameter's split and weight loader; the bias of a row-parallel layer is replicated."""
@@ -147,6 +150,8 @@ class _Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant is not None:
             x = self.act_quant(x)
+        if self.packed is not None:
+            return self.packed(x, self.bias)
         return _linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -248,9 +253,14 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant is not None:
             x = self.act_quant(x)
-        if self.tp_size == 1:
+        if self.packed is not None:
+            y = self.packed(x, self.bias if self.tp_size == 1 else None)
+            if self.tp_size == 1:
+                return y
+        elif self.tp_size == 1:
             return _linear(x, self.weight, self.bias)
-        y = _linear(x, self.weight)
+        else:
+            y = _linear(x, self.weight)
         if self.reduce:
             y = all_reduce(y)
         if self.bias is not None:

@@ -79,9 +79,15 @@ class Fp8WeightView:
     `block`: (rows, cols) of one scale; the scale tensor is [ceil(N / rows), ceil(K / cols)] (a per-tensor scale
     is one block of [N, K], a per-channel one blocks of [1, K])."""
 
-    def __init__(self, weight, scale: torch.Tensor, block: tuple):
-        self.weight, self.scale, self.block = weight, scale.float(), block
+    COMPONENTS = ("codes", "scales")       # what a repacking loader reads per element (runtime/layers/quant_linear)
+
+    def __init__(self, weight, scale: torch.Tensor, block: tuple, component: str = "weight"):
+        self.weight, self.scale, self.block, self.component = weight, scale.float(), block, component
         self.shape = tuple(int(s) for s in weight.get_shape()) if hasattr(weight, "get_shape") else tuple(weight.shape)
+
+    def with_component(self, component: str) -> "Fp8WeightView":
+        """The same window reads giving "codes" (the float8 values) or "scales" (each element's), float32."""
+        return Fp8WeightView(self.weight, self.scale, self.block, component)
 
     def get_shape(self) -> list:
         return list(self.shape)
@@ -96,16 +102,22 @@ class Fp8WeightView:
         w = self.weight[R0:r1, C0:c1].to(torch.float32)
         s = self.scale[R0 // bn: -(-r1 // bn), C0 // bk: -(-c1 // bk)]
         s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]
-        return (w * s)[r0 - R0:, c0 - C0:]
+        out = w if self.component == "codes" else s if self.component == "scales" else w * s
+        return out[r0 - R0:, c0 - C0:]
 
 
 class OnlineFp8View:
     """A float checkpoint weight [N, K] quantized per output channel at load (scale = row amax / 448) and
     dequantized: what `quantization="fp8"` serves. Rows are independent, so any row range reads whole rows."""
 
-    def __init__(self, weight):
-        self.weight = weight
+    COMPONENTS = ("codes", "scales")
+
+    def __init__(self, weight, component: str = "weight"):
+        self.weight, self.component = weight, component
         self.shape = tuple(int(s) for s in weight.get_shape()) if hasattr(weight, "get_shape") else tuple(weight.shape)
+
+    def with_component(self, component: str) -> "OnlineFp8View":
+        return OnlineFp8View(self.weight, component)
 
     def get_shape(self) -> list:
         return list(self.shape)
@@ -117,4 +129,8 @@ class OnlineFp8View:
         (r0, r1), (c0, c1) = _norm_index(idx, self.shape)
         w = self.weight[r0:r1].to(torch.float32)
         s = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        if self.component == "codes":
+            return (w / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32)[:, c0:c1]
+        if self.component == "scales":
+            return s.expand(-1, c1 - c0)
         return fp8_round_trip(w, s)[:, c0:c1]

@@ -142,22 +142,9 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         param = params[rule.param]
         loader = getattr(param, "weight_loader", default_weight_loader)
         shard_ids = rule.segments or (None,)
-        for name, shard_id in zip(rule.sources, shard_ids):
-            if "{h}" in name:           # one tensor per row (head) of the parameter: h = 0, 1, ... while present
-                rows = list(itertools.takewhile(lambda n: n in ckpt.file_of,
-                                                (name.replace("{h}", str(h)) for h in itertools.count())))
-                if not rows:
-                    raise CheckpointError(f"{model_dir}: missing tensor {name.replace('{h}', '0')!r} (row 0 of "
-                                          f"{name!r}, stacked into parameter {rule.param!r})")
-                used_sources.update(rows)
-                sl, name = StackedRows([ckpt.slice(n) for n in rows]), rows[0]
-            else:
-                sl = ckpt.slice(name)
-            try:
-                sl = qload.source(rule.param, name, sl)
-            except QuantLoadError as e:
-                raise CheckpointError(f"{model_dir}: {e}") from None
-            _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
+        quantized = []                    # (source view, shard_id) of a quantized layer's weight (to repack)
+
+        def fill(dst, sl, name, shard_id):
             try:
                 if rule.stored is not None:                    # stored transposed / segments interleaved
                     sl = rule.stored.view(sl)
@@ -167,7 +154,7 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                         raise WeightLoadError(f"row layout per {rule.layout.per}: the parameter is not a fused "
                                               f"column-parallel one")
                     sl = rule.layout.view(sl, split.segments)
-                loader(param, sl, shard_id)
+                loader(dst, sl, shard_id)
             except WeightLoadError as e:
                 seg = f" (segment {shard_id!r})" if shard_id is not None and "segment" not in str(e) else ""
                 raise CheckpointError(f"tensor {name!r} -> parameter {rule.param!r}{seg}: {e} "
@@ -177,6 +164,33 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
             except Exception as e:  # noqa: BLE001 - a read that fails mid-tensor (file truncated after its header)
                 raise CheckpointError(f"tensor {name!r}: cannot be read from {ckpt.path_of(name)}: "
                                       f"{type(e).__name__}: {e}") from None
+
+        for name, shard_id in zip(rule.sources, shard_ids):
+            if "{h}" in name:           # one tensor per row (head) of the parameter: h = 0, 1, ... while present
+                rows = list(itertools.takewhile(lambda n: n in ckpt.file_of,
+                                                (name.replace("{h}", str(h)) for h in itertools.count())))
+                if not rows:
+                    raise CheckpointError(f"{model_dir}: missing tensor {name.replace('{h}', '0')!r} (row 0 of "
+                                          f"{name!r}, stacked into parameter {rule.param!r})")
+                used_sources.update(rows)
+                sl, name = StackedRows([qload.open(n) for n in rows]), rows[0]
+            else:
+                sl = qload.open(name)
+            try:
+                sl = qload.source(rule.param, name, sl)
+            except QuantLoadError as e:
+                raise CheckpointError(f"{model_dir}: {e}") from None
+            _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
+            fill(param, sl, name, shard_id)
+            if hasattr(sl, "with_component"):
+                quantized.append((sl, name, shard_id))
+        if quantized and len(quantized) == len(rule.sources) and qload.packs(rule.param, param):      # this rank's codes / scales, read the same way
+            parts = {}
+            for comp in quantized[0][0].COMPONENTS:
+                parts[comp] = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                for sl, name, shard_id in quantized:
+                    fill(parts[comp], sl.with_component(comp), name, shard_id)
+            qload.pack(rule.param, param, parts)
         split = getattr(param, "tp_split", None)
         if rule.segments and split is not None:
             filled = set()

@@ -8,6 +8,10 @@ What is supported (everything else is refused, naming the method or the setting)
 - `quant_method: compressed-tensors`, `format: float-quantized` (llm-compressor FP8): 8-bit float weights with
   a per-tensor or per-channel `weight_scale`; input activations none (weight-only), dynamic per token or per
   tensor, or static per tensor (`input_scale`); the `ignore` list.
+- `quant_method: awq` (AutoAWQ, `version: gemm`, `zero_point: true`, bits 4) and `quant_method: gptq` (AutoGPTQ /
+  GPTQModel / optimum, bits 4 or 8, `sym` true or false, `desc_act` false or true (its `g_idx`),
+  `checkpoint_format` gptq (zeros stored minus one) or gptq_v2): integer weights with per-group scales and zeros,
+  dequantized (runtime/layers/int_quant.py); on CUDA 4-bit weights stay packed for the weight-only GEMM.
 - online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
   channel at load (not the embeddings, the lm_head, MoE experts or the MoE router), activations dynamically per
   token.
@@ -18,15 +22,30 @@ layers) is loaded as it is.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SUPPORTED = "fp8 (block-wise or per-tensor), compressed-tensors (format float-quantized), online fp8"
+SUPPORTED = ("fp8 (block-wise or per-tensor), compressed-tensors (format float-quantized), awq (version gemm), "
+             "gptq (bits 4 / 8), online fp8")
 # keys of each method's quantization_config that change nothing the runtime computes (bookkeeping)
 _FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
              "ignored_layers", "dequantize"}
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "global_compression_ratio",
             "kv_cache_scheme", "sparsity_config", "version", "transform_config", "quant_method_version"}
+
+
+# kernel choices of the writer's runtime (`use_<kernel>` switches, `<kernel>_config` settings): no effect on the format
+_KERNEL_HINT = re.compile(r"use_[a-z0-9_]+|[a-z0-9]+_config")
+_AWQ_KEYS = {"quant_method", "bits", "group_size", "zero_point", "version", "modules_to_not_convert", "backend",
+             "do_fuse", "fuse_max_seq_len", "modules_to_fuse"}
+_GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "damp_percent",
+              "damp_auto_increment", "static_groups", "true_sequential", "model_name_or_path", "model_file_base_name",
+              "dataset", "tokenizer", "max_input_length",
+              "module_name_preceding_first_block", "batch_size", "pad_token_id", "cache_block_outputs",
+              "modules_in_block_to_quantize", "backend", "meta", "lm_head", "pack_dtype", "format", "quantizer",
+              "modules_to_not_convert", "mse", "v2", "v2_alpha", "act_group_aware", "adapter", "hyb_act",
+              "offload_to_disk", "offload_to_disk_path", "rotation", "is_marlin_format", "parallel_packing"}
 
 
 class QuantConfigError(ValueError):
@@ -44,15 +63,23 @@ class QuantConfig:
     act: activation quantization of the quantized layers: None (weights only), "group" (dynamic, per token and
         group of `act_group` input columns), "token" (dynamic per token), "tensor" (dynamic per tensor),
         "static" (the checkpoint's per-tensor `input_scale`).
-    ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide)."""
+    ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide).
+    bits, group (-1: one group over all input features), zero_offset (GPTQ v1 stores zeros minus 1: 1),
+    awq (AWQ's packing: qweight [in, out / 8] with the interleaved nibble order) of the integer formats."""
     method: str
     scale_suffix: str = ""
     weight_block: Optional[tuple] = None
     act: Optional[str] = None
     act_group: int = 0
     ignore: tuple = field(default_factory=tuple)
+    bits: int = 0
+    group: int = 0
+    zero_offset: int = 0
 
     def describe(self) -> str:
+        if self.method in ("awq", "gptq"):
+            g = "per channel" if self.group == -1 else f"group {self.group}"
+            return f"{self.method} (weights int{self.bits}, {g}; activations none)"
         w = f"block {self.weight_block[0]}x{self.weight_block[1]}" if self.weight_block else "per tensor/channel"
         a = {None: "none", "group": f"dynamic per token-group of {self.act_group}", "token": "dynamic per token",
              "tensor": "dynamic per tensor", "static": "static per tensor"}[self.act]
@@ -87,6 +114,54 @@ def _fp8(qc: dict) -> QuantConfig:
     ignore = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
     act = "group" if block else ("static" if scheme == "static" else "tensor")
     return QuantConfig("fp8", "weight_scale_inv", block, act, block[1] if block else 0, ignore)
+
+
+def _pos_int(qc: dict, key: str, allowed, method: str) -> int:
+    v = qc.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v not in allowed:
+        raise _err(f"quant_method {method!r} with {key}={v!r} is not supported "
+                   f"({', '.join(str(a) for a in allowed) if len(allowed) < 8 else 'a power of 2 >= 16, or -1'})")
+    return v
+
+
+_GROUPS = (-1,) + tuple(2 ** i for i in range(4, 15))
+
+
+def _awq(qc: dict) -> QuantConfig:
+    extra = sorted(k for k in set(qc) - _AWQ_KEYS if not _KERNEL_HINT.fullmatch(k))
+    if extra:
+        raise _err(f"quant_method 'awq' with unsupported field(s) {', '.join(extra)}")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _err(f"quant_method 'awq' with version={qc.get('version')!r} is not supported (supported: 'gemm', "
+                   f"AutoAWQ's GEMM packing)")
+    if qc.get("zero_point", True) is not True:
+        raise _err("quant_method 'awq' with zero_point=false is not supported (AWQ GEMM stores zeros)")
+    bits = _pos_int(qc, "bits", (4,), "awq")
+    group = _pos_int(qc, "group_size", _GROUPS, "awq")
+    return QuantConfig("awq", ignore=tuple(qc.get("modules_to_not_convert") or ()), bits=bits, group=group)
+
+
+def _gptq(qc: dict) -> QuantConfig:
+    extra = sorted(k for k in set(qc) - _GPTQ_KEYS if not _KERNEL_HINT.fullmatch(k))
+    if extra:
+        raise _err(f"quant_method 'gptq' with unsupported field(s) {', '.join(extra)}")
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq")) or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _err(f"quant_method 'gptq' with checkpoint_format={fmt!r} is not supported ('gptq', 'gptq_v2')")
+    if qc.get("is_marlin_format"):
+        raise _err("quant_method 'gptq' with is_marlin_format=true is not supported (Marlin repacking)")
+    if qc.get("lm_head"):
+        raise _err("quant_method 'gptq' with lm_head=true (a quantized lm_head) is not supported")
+    if qc.get("pack_dtype", "int32") != "int32":
+        raise _err(f"quant_method 'gptq' with pack_dtype={qc.get('pack_dtype')!r} is not supported ('int32')")
+    for key in ("sym", "desc_act"):
+        if not isinstance(qc.get(key, False), bool):
+            raise _err(f"quant_method 'gptq' with {key}={qc.get(key)!r}: must be true or false")
+    bits = _pos_int(qc, "bits", (4, 8), "gptq")
+    group = _pos_int(qc, "group_size", _GROUPS, "gptq")
+    return QuantConfig("gptq", ignore=tuple(qc.get("modules_to_not_convert") or ()), bits=bits, group=group,
+                       zero_offset=1 if fmt == "gptq" else 0)
 
 
 def _ct(qc: dict) -> QuantConfig:
@@ -164,9 +239,10 @@ def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[
         parsed = _fp8(qc)
     elif method == "compressed-tensors":
         parsed = _ct(qc)
-    elif method == "gptq" and qc.get("desc_act"):
-        raise _err("quant_method 'gptq' with desc_act=true (act-order) is not supported "
-                   f"(supported: {SUPPORTED})")
+    elif method == "awq":
+        parsed = _awq(qc)
+    elif method == "gptq":
+        parsed = _gptq(qc)
     else:
         raise _err(f"quant_method={method!r} is not supported (supported: {SUPPORTED})")
     if quantization == "fp8" and parsed.method not in ("fp8", "compressed-tensors"):

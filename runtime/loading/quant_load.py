@@ -10,14 +10,27 @@ tensor.
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Optional
 
 import torch
 
+from xllm_gen.runtime.layers.int_quant import IntQuantError, IntWeightView, pack_components
 from xllm_gen.runtime.layers.quant import ActQuant, Fp8WeightView, OnlineFp8View
 from xllm_gen.runtime.loading.quant_config import QuantConfig, block_grid
 
+
+def _pack_forced() -> Optional[bool]:
+    """XLLM_PACKED_QUANT=1 / 0: keep quantized weights packed (the weight-only GEMM; on the CPU F.linear on their
+    dequantized values) / dequantized at load, on any device; unset: packed on CUDA only (read at each load, so
+    TP rank processes follow the environment)."""
+    return {"1": True, "0": False}.get(os.environ.get("XLLM_PACKED_QUANT", ""))
+
 _FP8_DTYPES = {"F8_E4M3"}
+
+
+logger = logging.getLogger(__name__)
 
 
 class QuantLoadError(ValueError):
@@ -42,6 +55,26 @@ class QuantLoad:
         self.plain: dict[str, list] = {}           # module name -> float sources of a quantized-capable layer
         self.used: set[str] = set()                # scale tensors consumed
         self.names = set(ckpt.names())
+        self.packed: list[str] = []                # layers holding packed weights (runtime/layers/quant_linear.py)
+        self.unpacked: list[str] = []              # quantized layers that keep their dequantized weight
+
+    def open(self, name: str):
+        """The checkpoint slice of `name`, or, for an AWQ / GPTQ layer's `.weight` (stored as `.qweight`, `.qzeros`,
+        `.scales`, `.g_idx`), the view that reads those as the weight."""
+        if name in self.names or not name.endswith(".weight"):
+            return self.ckpt.slice(name)
+        base = name[: -len(".weight")]
+        if f"{base}.qweight" not in self.names:
+            return self.ckpt.slice(name)
+        qc = self.qc
+        if qc is None or qc.method not in ("awq", "gptq"):
+            raise QuantLoadError(f"tensor {base + '.qweight'!r} is a packed integer weight, but config.json's "
+                                 f"quantization_config is {qc.describe() if qc else 'missing'} (awq / gptq expected)")
+        try:
+            view = IntWeightView.open(self.ckpt, base, qc)
+        except IntQuantError as e:
+            raise QuantLoadError(str(e)) from None
+        return view
 
     def _module(self, param: str):
         from xllm_gen.runtime.layers.linear import _Linear
@@ -63,6 +96,14 @@ class QuantLoad:
         dtype = _dtype(sl)
         qc = self.qc
         mod_name, linear = self._module(param)
+        if isinstance(sl, IntWeightView):
+            if linear is None:
+                raise QuantLoadError(f"tensor {sl.names[0]!r} is {qc.method}-quantized, but parameter {param!r} is not "
+                                     f"a linear layer's weight (quantized embeddings / heads / experts are not "
+                                     f"supported)")
+            self.used.update(sl.names)
+            self.layers.setdefault(mod_name, []).append((name, None))
+            return sl
         if dtype not in _FP8_DTYPES:
             if qc is not None and qc.method == "online-fp8" and linear is not None and not self._is_router(mod_name):
                 self.layers.setdefault(mod_name, []).append((name, None))
@@ -124,9 +165,57 @@ class QuantLoad:
             return (1, shape[1])
         return None
 
+    def packs(self, param: str, tensor: torch.Tensor) -> bool:
+        """Whether the quantized layer of `param` keeps its weight packed (CUDA, or XLLM_PACKED_QUANT=1)."""
+        forced = _pack_forced()
+        return forced if forced is not None else tensor.is_cuda
+
+    def pack(self, param: str, tensor: torch.Tensor, parts: dict) -> None:
+        """Repacks a quantized layer from this rank's per-element codes / zeros / scales (read through the layer's
+        weight loader, so every TP split and fused segment is in place) and drops its dequantized weight; a layer
+        whose codes do not pack (act-order GPTQ, 8 bits, a split that cuts a group or scale block) keeps it."""
+        from xllm_gen.runtime.layers.quant_linear import PackedFp8, PackedInt4, pack_fp8_components
+        mod_name, _, _ = param.rpartition(".")
+        mod = self.model.get_submodule(mod_name)
+        if "zeros" in parts:
+            qc = self.qc
+            group = qc.group if qc.group != -1 else tensor.shape[1]
+            got = pack_components(parts["codes"], parts["zeros"], parts["scales"], group)
+            packed = PackedInt4(*got, group) if got is not None and qc.bits == 4 else None
+        else:
+            got = pack_fp8_components(parts["codes"], parts["scales"])
+            packed = PackedFp8(*got) if got is not None else None
+        if packed is None:
+            self.unpacked.append(mod_name)
+            return
+        if tensor.dtype == torch.float32 and not torch.equal(packed.dequantized(torch.float32), tensor):
+            raise QuantLoadError(f"layer {mod_name!r}: the repacked weight differs from the dequantized one")
+        mod.packed = packed
+        mod.weight = torch.nn.Parameter(tensor.new_empty(0), requires_grad=False)   # no dequantized copy
+        self.packed.append(mod_name)
+
+    def _zero_biases(self) -> None:
+        """GPTQ writers save a `.bias` for every quantized linear layer, zeros where the model has none: consumed
+        when the layer has no bias parameter and the tensor is all zeros (else left for the unexpected-tensor check)."""
+        for mod_name, srcs in self.layers.items():
+            mod = self.model.get_submodule(mod_name)
+            if getattr(mod, "bias", None) is not None:
+                continue
+            for name, _ in srcs:
+                b = name[: -len(".weight")] + ".bias"
+                if b in self.names and not self.ckpt.slice(b)[:].any():
+                    self.used.add(b)
+
     def finish(self) -> set[str]:
         """Gives each quantized linear layer its activation quantization; returns the scale tensors used."""
         from xllm_gen.runtime.layers.linear import RowParallelLinear
+        if self.packed or self.unpacked:
+            logger.info("quantized linear layers: %d packed (weight-only GEMM), %d dequantized%s", len(self.packed),
+                        len(self.unpacked), f" ({', '.join(self.unpacked[:4])}...)" if self.unpacked else "")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()               # the dropped dequantized weights, for the KV cache
+        if self.qc is not None and self.qc.method in ("awq", "gptq"):
+            self._zero_biases()
         for mod_name, srcs in self.layers.items():
             if mod_name in self.plain:
                 raise QuantLoadError(f"layer {mod_name!r}: tensor(s) {', '.join(self.plain[mod_name])} are not "

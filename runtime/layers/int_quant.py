@@ -1,0 +1,178 @@
+"""Integer weight-only checkpoints (AWQ GEMM, GPTQ): a quantized layer's packed tensors seen as its weight.
+
+`IntWeightView` reads `<layer>.qweight`, `.qzeros`, `.scales` (and GPTQ's `.g_idx`) lazily, like a safetensors slice,
+and gives any [rows, cols] window of the layer's [out, in] weight (only the packed words, groups and scales under
+that window are read, so any TP split works, also one that cuts a group or a packed word):
+
+- AWQ (AutoAWQ, version gemm): qweight int32 [in, out / 8], qzeros int32 [in / g, out / 8], scales [in / g, out];
+  the 8 nibbles of a word hold output columns in the order [0, 2, 4, 6, 1, 3, 5, 7]; w = (q - z) * s.
+- GPTQ (bits 4 or 8, p = 32 / bits values a word): qweight int32 [in / p, out] (input rows packed in order,
+  low bits first), qzeros int32 [groups, out / p] (output columns in order), scales [groups, out], g_idx int32 [in]
+  (the group of each input row: i // g without act-order; any map with desc_act); checkpoint_format gptq stores
+  the zeros minus 1 (zero = stored + 1), gptq_v2 as they are; w = (q - z) * s[g_idx].
+
+`component` chooses what a read returns, all float32: "weight" (the dequantized weight, the reference semantics:
+(q - z) * s in float32, rounded once to the layer's dtype when copied), or "codes", "zeros", "scales" (per element),
+which the loader reads through the same weight loader to repack this rank's part for the int4 GEMM
+(runtime/layers/quant_linear.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from xllm_gen.runtime.layers.quant import _norm_index
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)         # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
+
+
+class IntQuantError(ValueError):
+    pass
+
+
+def _shape(sl) -> tuple:
+    return tuple(int(s) for s in (sl.get_shape() if hasattr(sl, "get_shape") else sl.shape))
+
+
+def _dtype(sl) -> str:
+    try:
+        return sl.get_dtype()
+    except AttributeError:
+        return str(getattr(sl, "dtype", ""))
+
+
+def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] -> [R * p, C]: row r * p + i from bits [i * bits, (i + 1) * bits) of row r (GPTQ qweight)."""
+    p = 32 // bits
+    shifts = (bits * torch.arange(p, dtype=torch.int32))[None, :, None]
+    v = (words.to(torch.int32)[:, None, :] >> shifts) & ((1 << bits) - 1)
+    return v.reshape(words.shape[0] * p, words.shape[1])
+
+
+def unpack_cols(words: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """int32 [R, C] -> [R, C * p]: column c * p + order[i] from bits [i * bits, ...) of column c (AWQ: AWQ_ORDER;
+    GPTQ qzeros: in order)."""
+    p = 32 // bits
+    shifts = (bits * torch.arange(p, dtype=torch.int32))[None, None, :]
+    v = (words.to(torch.int32)[:, :, None] >> shifts) & ((1 << bits) - 1)          # [R, C, nibble i]
+    if order is not None:
+        v = v[:, :, torch.tensor([order.index(j) for j in range(p)])]               # -> [R, C, column j]
+    return v.reshape(words.shape[0], words.shape[1] * p)
+
+
+class IntWeightView:
+    """The [out, in] weight of one AWQ / GPTQ layer (see the module doc). `open` checks the tensors' shapes and
+    dtypes against each other and the config, naming the tensor."""
+    COMPONENTS = ("codes", "zeros", "scales")
+
+    def __init__(self, method, bits, group, zero_offset, qweight, qzeros, scales, g_idx, names, shape,
+                 component="weight"):
+        self.method, self.bits, self.group, self.zero_offset = method, bits, group, zero_offset
+        self.qweight, self.qzeros, self.scales, self.g_idx = qweight, qzeros, scales, g_idx
+        self.names, self.shape, self.component = names, shape, component
+
+    @classmethod
+    def open(cls, ckpt, base: str, qc) -> "IntWeightView":
+        names = {k: f"{base}.{k}" for k in ("qweight", "qzeros", "scales", "g_idx")}
+        have = set(ckpt.names())
+        for k in ("qweight", "qzeros", "scales"):
+            if names[k] not in have:
+                raise IntQuantError(f"missing tensor {names[k]!r}: {qc.method} layer {base!r} has "
+                                    f"{names['qweight']!r} but not its {k}")
+        qw, qz, sc = (ckpt.slice(names[k]) for k in ("qweight", "qzeros", "scales"))
+        for k, sl in (("qweight", qw), ("qzeros", qz)):
+            if _dtype(sl) not in ("I32", "torch.int32"):
+                raise IntQuantError(f"tensor {names[k]!r}: dtype {_dtype(sl)}, expected I32 (packed {qc.bits}-bit)")
+        if _dtype(sc) not in ("F16", "BF16", "F32", "torch.float16", "torch.bfloat16", "torch.float32"):
+            raise IntQuantError(f"tensor {names['scales']!r}: dtype {_dtype(sc)}, expected a float dtype")
+        p = 32 // qc.bits
+        s_qw, s_qz, s_sc = _shape(qw), _shape(qz), _shape(sc)
+        if len(s_qw) != 2:
+            raise IntQuantError(f"tensor {names['qweight']!r}: shape {s_qw}, expected 2-D")
+        K, N = (s_qw[0], s_qw[1] * p) if qc.method == "awq" else (s_qw[0] * p, s_qw[1])
+        g = K if qc.group == -1 else qc.group
+        ng = -(-K // g)
+        want = {"scales": (s_sc, (ng, N)), "qzeros": (s_qz, (ng, -(-N // p)))}
+        gi = None
+        if qc.method == "gptq" and names["g_idx"] in have:
+            gi = ckpt.slice(names["g_idx"])
+            want["g_idx"] = (_shape(gi), (K,))
+        for k, (got, exp) in want.items():
+            if tuple(got) != exp:
+                raise IntQuantError(
+                    f"tensor {names[k]!r} has shape {tuple(got)}, expected {exp} for {names['qweight']!r} {s_qw} "
+                    f"({qc.method}, bits {qc.bits}, group_size {qc.group}: in_features {K}, out_features {N})")
+        if gi is not None:
+            g_idx = gi[:].to(torch.int64)
+            if g_idx.min() < 0 or g_idx.max() >= ng:
+                raise IntQuantError(f"tensor {names['g_idx']!r}: group indices must lie in [0, {ng})")
+        else:
+            g_idx = None
+        used = [names[k] for k in ("qweight", "qzeros", "scales")] + ([names["g_idx"]] if gi is not None else [])
+        v = cls(qc.method, qc.bits, g, qc.zero_offset, qw, qz, sc, g_idx, used, (N, K))
+        return v
+
+    def with_component(self, component: str) -> "IntWeightView":
+        return IntWeightView(self.method, self.bits, self.group, self.zero_offset, self.qweight, self.qzeros,
+                             self.scales, self.g_idx, self.names, self.shape, component)
+
+    def get_shape(self) -> list:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def _groups(self, c0: int, c1: int) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx[c0:c1]
+        return torch.arange(c0, c1) // self.group
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, zeros, scales) of the window, each float32 [r1 - r0, c1 - c0]."""
+        p, bits = 32 // self.bits, self.bits
+        w0, w1 = r0 // p, -(-r1 // p)                       # packed output columns under rows [r0, r1)
+        grp = self._groups(c0, c1)
+        g0, g1 = int(grp.min()), int(grp.max()) + 1
+        if self.method == "awq":
+            codes = unpack_cols(self.qweight[c0:c1, w0:w1], bits, AWQ_ORDER)[:, r0 - w0 * p: r1 - w0 * p].T
+            zeros = unpack_cols(self.qzeros[g0:g1, w0:w1], bits, AWQ_ORDER)[:, r0 - w0 * p: r1 - w0 * p]
+        else:
+            k0, k1 = c0 // p, -(-c1 // p)
+            codes = unpack_rows(self.qweight[k0:k1, r0:r1], bits)[c0 - k0 * p: c1 - k0 * p].T
+            zeros = unpack_cols(self.qzeros[g0:g1, w0:w1], bits)[:, r0 - w0 * p: r1 - w0 * p] + self.zero_offset
+        scales = self.scales[g0:g1, r0:r1].to(torch.float32)
+        idx = grp - g0
+        return codes.to(torch.float32), zeros.to(torch.float32)[idx].T, scales[idx].T
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        (r0, r1), (c0, c1) = _norm_index(idx, self.shape)
+        if r1 <= r0 or c1 <= c0:
+            return torch.empty(max(0, r1 - r0), max(0, c1 - c0))
+        codes, zeros, scales = self.read(r0, r1, c0, c1)
+        if self.component == "codes":
+            return codes
+        if self.component == "zeros":
+            return zeros
+        if self.component == "scales":
+            return scales
+        return (codes - zeros) * scales
+
+
+def pack_components(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                    group: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's [N, K] codes / zeros / scales (per element, float32) -> (qweight int32 [N, K / 8] in the int4
+    GEMM's layout, scales float16/float32 [N, K / g], zeros uint8 [N, K / g]), or None where the weight is not
+    4-bit codes with zeros and scales constant over each run of `group` columns from column 0 (act-order GPTQ, a TP
+    split that cuts a group, 8-bit): that layer then keeps its dequantized weight."""
+    from xllm_gen.runtime.ops.quant_gemv import pack_int4
+    N, K = codes.shape
+    if K % 8 or K % group or codes.max() > 15 or zeros.max() > 255:
+        return None
+    z = zeros[:, ::group]
+    s = scales[:, ::group]
+    if not (torch.equal(zeros, z.repeat_interleave(group, 1)) and torch.equal(scales, s.repeat_interleave(group, 1))):
+        return None
+    s16 = s.to(torch.float16)
+    s_out = s16 if torch.equal(s16.to(torch.float32), s) else s
+    return pack_int4(codes.to(torch.uint8)), s_out.contiguous(), z.to(torch.uint8).contiguous()

@@ -1,0 +1,130 @@
+"""Packed low-precision weights of a linear layer (runtime/layers/linear.py `_Linear.packed`), set at load.
+
+On CUDA a quantized checkpoint's 4-bit (AWQ / GPTQ) or fp8 layer keeps its weights packed, with no dequantized copy:
+`PackedInt4` (qweight int32 [N, K / 8], scales [N, K / g], zeros uint8 [N, K / g]) and `PackedFp8` (float8_e4m3fn
+[N, K], float32 scales [N, ceil(K / bk)], one per row and bk columns). Their forward is the weight-only GEMM of
+runtime/ops/quant_gemv.py (bf16 / fp16 activations on CUDA, up to GEMV_MAX_M rows: decode; more rows, a prefill
+chunk: the weight dequantized for the call by one Triton kernel, then cuBLAS), or, on the CPU (tests), F.linear on the dequantized
+weight: the same values the reference layer holds (dequant_int4 / dequant_fp8 round (q - z) * s and
+q * s once to the activation dtype), so a packed model on the CPU must give the reference model's tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xllm_gen.runtime.ops import quant_gemv as Q
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class PackedInt4(nn.Module):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.group = int(group)
+        self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
+
+    def dequantized(self, dtype) -> torch.Tensor:
+        if self.qweight.is_cuda:
+            return Q.int4_dequantize(self.qweight, self.scales, self.zeros, self.group, dtype)
+        return Q.dequant_int4(self.qweight, self.scales, self.zeros, self.group, dtype)
+
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
+            x2 = x.reshape(-1, self.in_features)
+            y = Q.int4_gemm(x2, self.qweight, self.scales, self.zeros, self.group, bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"int4, N={self.out_features}, K={self.in_features}, group={self.group}"
+
+
+class PackedFp8(nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block_cols: int):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.block = (1, int(block_cols))
+        self.out_features, self.in_features = weight.shape
+
+    def dequantized(self, dtype) -> torch.Tensor:
+        if self.weight.is_cuda:
+            return Q.fp8_dequantize(self.weight, self.scale, self.block, dtype)
+        return Q.dequant_fp8(self.weight, self.scale, self.block, dtype)
+
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
+            x2 = x.reshape(-1, self.in_features)
+            y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"fp8 e4m3, N={self.out_features}, K={self.in_features}, scale per row and {self.block[1]} columns"
+
+
+def pack_fp8_components(codes: torch.Tensor, scales: torch.Tensor) -> Optional[tuple]:
+    """This rank's [N, K] fp8 values and per-element scales (float32) -> (float8 weight, scales [N, ceil(K / bk)],
+    bk), bk the widest of 128-multiples / K over which every row's scale is constant from column 0; None if none
+    (a TP split that cuts a scale block: the layer keeps its dequantized weight)."""
+    N, K = codes.shape
+    for bk in (K,) + tuple(b for b in (512, 256, 128) if b < K):
+        s = scales[:, ::bk]
+        if torch.equal(scales, s.repeat_interleave(bk, 1)[:, :K]):
+            return codes.to(torch.float8_e4m3fn), s.contiguous(), bk
+    return None
+
+
+def rtn_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit quantization of w [N, K] per `group` input columns (AWQ's form):
+    (codes uint8 [N, K], scales float16 [N, K / g], zeros uint8 [N, K / g])."""
+    N, K = w.shape
+    wg = w.float().reshape(N, K // group, group)
+    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).clamp(min=1e-6).half()
+    z = torch.round(-lo / s.float()).clamp(0, 15)
+    q = torch.clamp(torch.round(wg / s.float()[..., None]) + z[..., None], 0, 15)
+    return q.reshape(N, K).to(torch.uint8), s, z.to(torch.uint8)
+
+
+@torch.no_grad()
+def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> int:
+    """Benchmarks without a quantized checkpoint (load_format="dummy", `_debug={"dummy_quantize": kind}`): every
+    linear layer's weight (not an MoE router's) quantized in place, "int4" (round to nearest, groups of 128, zero
+    points: an AWQ checkpoint's form) or "fp8" (e4m3 per output channel, weights only), packed (`pack`; default
+    on CUDA) or written back dequantized. Returns the number of layers quantized."""
+    from xllm_gen.runtime.layers.linear import _Linear
+    from xllm_gen.runtime.layers.moe import FusedMoE
+    if kind not in ("int4", "fp8"):
+        raise ValueError(f"dummy_quantize={kind!r}: 'int4' or 'fp8'")
+    routers = {id(c) for m in model.modules() if any(isinstance(x, FusedMoE) for x in m.children())
+               for c in m.children() if isinstance(c, _Linear)}
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(mod, _Linear) or id(mod) in routers or w is None or w.dim() != 2 or w.shape[1] % 8:
+            continue
+        do_pack = w.is_cuda if pack is None else pack
+        if kind == "int4":
+            g = 128 if w.shape[1] % 128 == 0 else w.shape[1]
+            codes, s, z = rtn_int4(w, g)
+            packed = PackedInt4(Q.pack_int4(codes), s, z, g)
+        else:
+            s = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+            packed = PackedFp8((w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s, w.shape[1])
+        if do_pack:
+            mod.packed = packed
+            mod.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        else:
+            w.copy_(packed.dequantized(w.dtype))
+        n += 1
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return n
