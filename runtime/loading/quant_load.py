@@ -23,8 +23,9 @@ from xllm_gen.runtime.loading.quant_config import QuantConfig, block_grid
 
 def _pack_forced() -> Optional[bool]:
     """XLLM_PACKED_QUANT=1 / 0: keep quantized weights packed (the weight-only GEMM; on the CPU F.linear on their
-    dequantized values) / dequantized at load, on any device; unset: packed on CUDA only (read at each load, so
-    TP rank processes follow the environment)."""
+    dequantized values) / dequantized at load, on any device; unset: dequantized (the packed CUDA path is opt-in:
+    its kernels ran on the H200 but the layer path has not, and they are not yet faster than bf16; read at each
+    load, so TP rank processes follow the environment)."""
     return {"1": True, "0": False}.get(os.environ.get("XLLM_PACKED_QUANT", ""))
 
 _FP8_DTYPES = {"F8_E4M3"}
@@ -166,9 +167,8 @@ class QuantLoad:
         return None
 
     def packs(self, param: str, tensor: torch.Tensor) -> bool:
-        """Whether the quantized layer of `param` keeps its weight packed (CUDA, or XLLM_PACKED_QUANT=1)."""
-        forced = _pack_forced()
-        return forced if forced is not None else tensor.is_cuda
+        """Whether the quantized layer of `param` keeps its weight packed (XLLM_PACKED_QUANT=1)."""
+        return bool(_pack_forced())
 
     def pack(self, param: str, tensor: torch.Tensor, parts: dict) -> None:
         """Repacks a quantized layer from this rank's per-element codes / zeros / scales (read through the layer's

@@ -162,7 +162,7 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
     seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, deq.generate(prompts, sp))]
     want = [torch.as_tensor(deq.prefill_logits(s)).float() for s in seqs]
     deq.shutdown()
-    monkeypatch.delenv("XLLM_PACKED_QUANT")
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
     packed = LLM(str(ckpt), device="cuda", enforce_eager=True, **kw)
     lay = packed.engine.runner.model.model.layers[0]
     assert lay.mlp.down_proj.packed is not None and lay.mlp.down_proj.weight.numel() == 0
