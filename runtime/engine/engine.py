@@ -180,6 +180,9 @@ class LLMEngine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
         self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
         self._stream_text = False                  # set by step_deltas: detokenize every step
+        # False in a serving engine-core process: the API process detokenizes the token ids it receives (and
+        # names the logprob tokens); the engine still detokenizes requests with stop strings (it must find them)
+        self.detokenize = True
         self._grammar_backend = None               # structured outputs (built on first use)
         # greedy decode steps launched ahead of reading the previous one's tokens (runtime/engine/async_decode.py)
         self._async = None
@@ -543,7 +546,7 @@ class LLMEngine:
                 finished.append(seq)
 
     def _detok(self, seq: Sequence) -> Optional["IncrementalDetokenizer"]:
-        if self.tokenizer is None:
+        if self.tokenizer is None or (not self.detokenize and not seq.params.stop):
             return None
         if seq.detok is None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
@@ -595,7 +598,7 @@ class LLMEngine:
 
     def _decorate(self, entries):
         """Fills decoded_token on logprob entries (in place); returns them."""
-        if self.tokenizer is not None and entries:
+        if self.tokenizer is not None and entries and self.detokenize:
             for entry in entries:
                 for tid, lp in (entry or {}).items():
                     if lp.decoded_token is None:

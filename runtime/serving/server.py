@@ -471,6 +471,9 @@ def _parser() -> argparse.ArgumentParser:
                     "</tool_call>); enables tools with tool_choice auto, required and named")
     ap.add_argument("--reasoning-parser", help="split the reasoning from the answer into reasoning_content "
                     "(think: a reply opening with <think> ... </think>; model-family names are aliases, see README)")
+    ap.add_argument("--engine-in-process", action="store_true",
+                    help="run the engine (scheduler, model, sampling) in a thread of the API process instead of its "
+                         "own engine-core process (talking over ZeroMQ, the default)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     ap.add_argument("--allowed-local-media-path", metavar="DIR",
@@ -595,14 +598,23 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t_load = time.monotonic()
+    from xllm_gen.runtime.serving.engine_core import engine_info
+
     try:
-        engine = make_engine(args)
+        if args.engine_in_process:
+            engine = make_engine(args)
+            aeng = AsyncEngine(engine, None, max_queue=args.max_queue, stats_interval=args.log_stats_interval)
+            info = engine_info(engine)
+        else:                          # the engine core in its own process (runtime/serving/engine_core.py)
+            from xllm_gen.runtime.serving.core_client import CoreClient
+            aeng = CoreClient(args, None, max_queue=args.max_queue, stats_interval=args.log_stats_interval)
+            engine = aeng.wait_ready()
+            info = aeng.info
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or engine.model_dir.name
-    metrics = ServerMetrics(name)
-    aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue, stats_interval=args.log_stats_interval)
+    metrics = aeng.metrics = ServerMetrics(name)
     app = build_app(aeng, name, metrics, tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     chat_template=template, allowed_local_media_path=args.allowed_local_media_path,
                     api_key=api_key, allowed_origins=args.allowed_origins,
@@ -610,15 +622,13 @@ def main(argv=None) -> int:
     config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
-    bm = engine.block_manager
-    per_block = getattr(engine.runner, "_kv_bytes_per_block", None)
-    kv_bytes = per_block() * bm.num_blocks if callable(per_block) else None
+    kv_bytes = info["kv_bytes"]
     logger.info("serving %s as %r on http://%s:%d: device %s, tensor parallel %d, dtype %s, loaded in %.1f s, "
-                "%d KV blocks of %d tokens (%s), max_model_len %d, max_num_seqs %d",
-                engine.model_dir, name, args.host, sock.getsockname()[1], engine.device, args.tensor_parallel_size,
-                str(engine.dtype).replace("torch.", ""), time.monotonic() - t_load, bm.num_blocks, bm.block_size,
-                f"{kv_bytes} bytes" if kv_bytes is not None else "size unknown", engine.max_model_len,
-                engine.scheduler.max_num_seqs)
+                "%d KV blocks of %d tokens (%s), max_model_len %d, max_num_seqs %d, engine %s",
+                engine.model_dir, name, args.host, sock.getsockname()[1], info["device"], args.tensor_parallel_size,
+                info["dtype"], time.monotonic() - t_load, info["num_blocks"], info["block_size"],
+                f"{kv_bytes} bytes" if kv_bytes is not None else "size unknown", info["max_model_len"],
+                info["max_num_seqs"], "in process" if args.engine_in_process else f"core process pid {info['pid']}")
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal with the handlers found at
     # start: these make that a clean exit (0 for SIGTERM, 130 for Ctrl-C) instead of a kill or a traceback.
     import signal
@@ -628,8 +638,8 @@ def main(argv=None) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        if aeng._thread is None:            # the app never started: still stop the ranks
-            engine.shutdown()
+        if aeng._thread is None:            # the app never started: still stop the ranks (or the core)
+            aeng.stop() if not args.engine_in_process else engine.shutdown()
     return 0
 
 
