@@ -129,6 +129,10 @@ class CoreClient(AsyncEngine):
         return self.proc.pid
 
     def wait_ready(self) -> CoreFrontend:
+        # while the core loads the model: import what this process needs too (the tokenizer's libraries)
+        import xllm_gen.runtime.engine.engine  # noqa: F401
+        import transformers  # noqa: F401
+
         while True:
             if self._pull.poll(200):
                 msg = pickle.loads(self._pull.recv())

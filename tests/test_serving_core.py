@@ -1,0 +1,185 @@
+"""The server's engine core in its own process (runtime/serving/engine_core.py, core_client.py): it is another
+process than the API's; a request survives while another client disconnects (the disconnect aborts only its
+own request in the core); an error in the core's step reaches the client as a 500 naming it and the server
+stays up; a dead core makes /health 503 and requests 503; killing the API process (even with SIGKILL) leaves no
+orphan core; --engine-in-process keeps the engine in a thread (no child process) and serves the same text."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from serving_util import ServerProcess, descendants
+
+pytestmark = pytest.mark.engine
+psutil = pytest.importorskip("psutil")
+
+ARGS = ("--block-size", "4", "--num-kv-blocks", "96", "--max-num-seqs", "8")
+FAULT = "trigger-a-core-fault"
+FAULT_ENV = "XLLM_TEST_FAIL_STEP_ON"               # the core's test hook (engine_core.FAULT_ENV)
+
+
+def _core(srv) -> "psutil.Process":
+    procs = [p for p in descendants(srv.proc.pid) if "xllm_gen.runtime.serving.engine_core" in " ".join(p.cmdline())]
+    assert len(procs) == 1, [p.cmdline() for p in descendants(srv.proc.pid)]
+    return procs[0]
+
+
+def _greedy(local, prompt, n):
+    from xllm_gen import SamplingParams
+
+    return local.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].outputs[0].text
+
+
+def _complete(srv, prompt, n, **kw):
+    return httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                         "ignore_eos": True, **kw}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_tied):
+    import os
+
+    os.environ[FAULT_ENV] = FAULT
+    try:
+        srv = ServerProcess(qwen3_tied, *ARGS, "--log-level", "info")
+    finally:
+        del os.environ[FAULT_ENV]
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def local(qwen3_tied, make_llm):
+    return make_llm(qwen3_tied)
+
+
+def test_core_is_its_own_process(server):
+    core = _core(server)
+    assert core.pid != server.proc.pid and core.ppid() == server.proc.pid
+    assert f"engine core process pid {core.pid}" in server.log.read_text()
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_request_survives_another_client_disconnecting(server, local):
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("r", _complete(server, "The survivor", 40)))
+    t.start()
+    body = {"prompt": "The quitter", "max_tokens": 200, "stream": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n == 3:
+                break                     # the client goes away mid-stream
+    t.join(120)
+    assert got["r"].status_code == 200, got["r"].text
+    assert got["r"].json()["choices"][0]["text"] == _greedy(local, "The survivor", 40)
+    m = server.wait_idle()
+    assert m["xllm:request_success_total[('finished_reason', 'abort')]"] >= 1
+    assert m["xllm:request_success_total[('finished_reason', 'length')]"] >= 1
+
+
+def test_streamed_text_and_logprobs_detokenized_in_the_api_process(server, local):
+    """Token ids cross the process boundary; text (multi-byte characters too) and logprob tokens are made in the
+    API process, and equal what the in-process engine gives."""
+    prompt = "日本語のテキスト 🎉"
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                            "stream": True, "logprobs": 2}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == _greedy(local, prompt, 24)
+    toks = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(toks) == 24 and all(isinstance(t, str) for t in toks)
+    s = text[3:5]                    # stop strings are found in the core, which detokenizes those requests
+    stop = _complete(server, prompt, 24, stop=[s]).json()["choices"][0]
+    assert stop["text"] == text[:text.find(s)] and stop["finish_reason"] == "stop" and stop["stop_reason"] == s
+
+
+def test_core_error_is_a_500_and_the_server_stays_up(server, local):
+    r = _complete(server, f"please {FAULT} now", 8)
+    assert r.status_code == 500, r.text
+    assert "the engine failed: RuntimeError: injected fault" in r.json()["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": FAULT, "max_tokens": 8, "stream": True}) as s:
+        lines = [line for line in s.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and "injected fault" in lines[-2]
+    ok = _complete(server, "still serving", 6)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == _greedy(local, "still serving", 6)
+    assert httpx.get(server.url + "/health").status_code == 200
+    server.wait_idle()
+
+
+def test_dead_core_fails_requests_and_health(server):
+    """Runs last on this server: the core is killed under an in-flight request."""
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("r", _complete(server, "cut short", 400)))
+    t.start()
+    deadline = time.monotonic() + 20
+    while server.metrics()["xllm:num_requests_running"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    _core(server).kill()
+    t.join(60)
+    assert got["r"].status_code == 500 and "engine core process exited" in got["r"].json()["error"]["message"]
+    h = httpx.get(server.url + "/health")
+    assert h.status_code == 503 and "engine core process exited" in h.json()["error"]
+    assert _complete(server, "after", 2).status_code == 503
+    assert server.stop() == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_no_orphan_core_when_the_api_process_dies(qwen3_tied, sig):
+    srv = ServerProcess(qwen3_tied, *ARGS)
+    try:
+        core = _core(srv)
+        assert _complete(srv, "hello", 4).status_code == 200
+        srv.proc.send_signal(sig)
+        assert srv.proc.wait(30) == (-signal.SIGKILL if sig == signal.SIGKILL else 130)
+        core.wait(15)                 # gone: SIGKILL through the parent-death signal; SIGINT by an orderly stop
+        assert not core.is_running()
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_in_process_mode(qwen3_tied, local):
+    """--engine-in-process: no child process; the same text, streamed and not; a disconnect frees the blocks."""
+    srv = ServerProcess(qwen3_tied, *ARGS, "--engine-in-process", "--log-level", "info")
+    try:
+        assert descendants(srv.proc.pid) == [] and "engine in process" in srv.log.read_text()
+        assert _complete(srv, "The quick brown fox", 12).json()["choices"][0]["text"] == \
+            _greedy(local, "The quick brown fox", 12)
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "The quick brown fox", "max_tokens": 200, "stream": True,
+                                "ignore_eos": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 6:
+                    break
+        assert srv.wait_idle()["xllm:request_success_total[('finished_reason', 'abort')]"] >= 1
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_core(qwen3_tied, local):
+    """TP 2 under the core process: the core spawns its rank; same greedy text; SIGKILL of the API process
+    takes the core and the rank down."""
+    srv = ServerProcess(qwen3_tied, *ARGS, "--tensor-parallel-size", "2", timeout=300)
+    try:
+        family = descendants(srv.proc.pid)
+        assert len(family) >= 2, [p.cmdline() for p in family]
+        assert _complete(srv, "Tensor parallel", 10).json()["choices"][0]["text"] == \
+            _greedy(local, "Tensor parallel", 10)
+        srv.proc.kill()
+        srv.proc.wait(30)
+        gone, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        srv.stop(signal.SIGKILL)
