@@ -183,3 +183,24 @@ def test_tensor_parallel_core(qwen3_tied, local):
         assert not alive, [p.cmdline() for p in alive]
     finally:
         srv.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_bench_serve_compares_the_modes(qwen3_tied, tmp_path):
+    """bench/bench_serve.py --serve starts the server per mode and times the offline engine on the same prompts."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("bench_serve", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "cmp.json"
+    rc = bench.main(["--serve", str(qwen3_tied), "--modes", "core,in-process,offline", "--serve-args",
+                     "--device cpu --dtype float32 --block-size 4", "--num-prompts", "8", "--max-concurrency", "8",
+                     "--input-len", "16", "--output-len", "6", "--vocab-size", "400", "--json", str(out)])
+    modes = json.loads(out.read_text())["modes"]
+    assert rc == 0 and set(modes) == {"core", "in-process", "offline"}
+    assert all(r["completed"] == 8 and r["request_throughput"] > 0 for r in modes.values())
