@@ -114,13 +114,16 @@ class LLMEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
+        model_module = None
         try:
             model_module, runner_module = registry.resolve(self.hf_config)
             self.config = model_module.Config.from_hf(self.hf_config)
         except registry.RegistryError:
             raise
-        except ValueError as e:          # a field of config.json: name the file too
-            raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from None
+        except ValueError as e:          # a field of config.json: name the file too (and a relabelled architecture)
+            hint = registry.relabel_hint(self.hf_config, model_module.__name__.rpartition(".")[0]) \
+                if model_module is not None else ""
+            raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}{hint}") from None
         runner_cls = runner_module.Runner
         try:                             # an unsupported quantization is refused before any process starts
             parse_quant_config(self.hf_config, quantization)
