@@ -10,6 +10,7 @@ A receiver thread reads the core's messages: it resolves admissions, detokenizes
 metrics from the core's gauges, and hands the deltas to the event loop in one call_soon_threadsafe per step."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -112,6 +113,7 @@ class CoreClient(AsyncEngine):
         self._dir = tempfile.mkdtemp(prefix="xllm-core-")
         self._ctx = zmq.Context()
         self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._push.setsockopt(zmq.SNDHWM, 0)         # never blocks on a live core; no core: zmq.Again at once
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._push.bind(in_addr)
         self._pull.bind(out_addr)
@@ -130,8 +132,9 @@ class CoreClient(AsyncEngine):
 
     def wait_ready(self) -> CoreFrontend:
         # while the core loads the model: import what this process needs too (the tokenizer's libraries)
-        import xllm_gen.runtime.engine.engine  # noqa: F401
         import transformers  # noqa: F401
+
+        import xllm_gen.runtime.engine.engine  # noqa: F401
 
         while True:
             if self._pull.poll(200):
@@ -163,12 +166,17 @@ class CoreClient(AsyncEngine):
     def stop(self, timeout: float = 30.0) -> None:
         """Asks the core to shut down (it aborts what is left and stops its TP ranks); kills it after
         `timeout`; closes the sockets."""
+        import subprocess as sp
+
         self._stop = True
         if self.proc.poll() is None:
             try:
                 self._send(("shutdown",))
+            except RuntimeError:               # it is exiting already
+                pass
+            try:
                 self.proc.wait(timeout)
-            except Exception:
+            except sp.TimeoutExpired:
                 pass
             if self.proc.poll() is None:
                 logger.warning("the engine core did not stop in %.0f s; killing it", timeout)
@@ -189,13 +197,17 @@ class CoreClient(AsyncEngine):
 
     # ---- commands -------------------------------------------------------------------------------
     def _send(self, msg) -> None:
+        """Sends without blocking: a core that is gone (no peer) raises RuntimeError, never hangs the caller."""
+        import zmq
+
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            self._push.send(data)
+            try:
+                self._push.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                raise RuntimeError("the engine is not running (the engine core process is gone)") from None
 
-    async def add(self, request_id: Any, prompt: Any, params) -> "asyncio.Queue":
-        import asyncio
-
+    async def add(self, request_id: Any, prompt: Any, params) -> asyncio.Queue:
         if not self.alive:
             raise RuntimeError("the engine is not running")
         if len(self._tracks) >= self.max_active:
@@ -211,7 +223,10 @@ class CoreClient(AsyncEngine):
         except BaseException:
             self._pending.pop(request_id, None)
             if self._tracks.pop(request_id, None) is not None:
-                self._send(("abort", request_id))
+                try:
+                    self._send(("abort", request_id))
+                except RuntimeError:
+                    pass
             self._detoks.pop(request_id, None)
             raise
         return track.queue
@@ -222,7 +237,10 @@ class CoreClient(AsyncEngine):
             self.metrics.labels(self.metrics.success, finished_reason="abort").inc()
         self._detoks.pop(request_id, None)
         if self.proc.poll() is None and not self._stop:
-            self._send(("abort", request_id))
+            try:
+                self._send(("abort", request_id))
+            except RuntimeError:               # the core is gone: nothing to abort
+                pass
 
     # ---- the receiver thread --------------------------------------------------------------------
     def _receive(self) -> None:
