@@ -117,33 +117,50 @@ def test_core_error_is_a_500_and_the_server_stays_up(server, local):
     server.wait_idle()
 
 
-def test_dead_core_fails_requests_and_health(server):
-    """Runs last on this server: the core is killed under an in-flight request."""
-    got = {}
-    t = threading.Thread(target=lambda: got.setdefault("r", _complete(server, "cut short", 400)))
-    t.start()
-    deadline = time.monotonic() + 20
-    while server.metrics()["xllm:num_requests_running"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    _core(server).kill()
-    t.join(60)
-    assert got["r"].status_code == 500 and "engine core process exited" in got["r"].json()["error"]["message"]
-    h = httpx.get(server.url + "/health")
-    assert h.status_code == 503 and "engine core process exited" in h.json()["error"]
-    assert _complete(server, "after", 2).status_code == 503
-    assert server.stop() == 0
+def test_sigkill_of_the_api_process_leaves_no_orphan(server):
+    """Runs last on this server: SIGKILL gives the API process no chance to stop the core; the parent-death
+    signal does."""
+    core = _core(server)
+    server.proc.kill()
+    assert server.proc.wait(30) == -signal.SIGKILL
+    core.wait(15)
+    assert not core.is_running()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
-def test_no_orphan_core_when_the_api_process_dies(qwen3_tied, sig):
+@pytest.mark.slow
+def test_dead_core_fails_requests_and_health(qwen3_tied):
+    """The core killed under an in-flight request: a 500 naming it, /health 503, new requests 503, and the API
+    process still stops cleanly."""
+    server = ServerProcess(qwen3_tied, *ARGS)
+    try:
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("r", _complete(server, "cut short", 400)))
+        t.start()
+        deadline = time.monotonic() + 20
+        while server.metrics()["xllm:num_requests_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _core(server).kill()
+        t.join(60)
+        assert got["r"].status_code == 500 and "engine core process exited" in got["r"].json()["error"]["message"]
+        h = httpx.get(server.url + "/health")
+        assert h.status_code == 503 and "engine core process exited" in h.json()["error"]
+        assert _complete(server, "after", 2).status_code == 503
+        assert server.stop() == 0
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_no_orphan_core_after_sigint(qwen3_tied):
+    """Ctrl-C (SIGINT) to the API process: an orderly stop of the core, exit code 130."""
     srv = ServerProcess(qwen3_tied, *ARGS)
     try:
         core = _core(srv)
         assert _complete(srv, "hello", 4).status_code == 200
-        srv.proc.send_signal(sig)
-        assert srv.proc.wait(30) == (-signal.SIGKILL if sig == signal.SIGKILL else 130)
-        core.wait(15)                 # gone: SIGKILL through the parent-death signal; SIGINT by an orderly stop
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(30) == 130
+        core.wait(15)
         assert not core.is_running()
     finally:
         srv.stop(signal.SIGKILL)
