@@ -221,3 +221,54 @@ def test_bench_serve_compares_the_modes(qwen3_tied, tmp_path):
     modes = json.loads(out.read_text())["modes"]
     assert rc == 0 and set(modes) == {"core", "in-process", "offline"}
     assert all(r["completed"] == 8 and r["request_throughput"] > 0 for r in modes.values())
+
+
+def _deltas(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, params[i])
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step_deltas()
+    return outs
+
+
+def test_api_side_detokenization_equals_the_engines(qwen3_tied, make_llm):
+    """The core-process path without processes: an engine that does not detokenize (as in the core), its
+    token-id deltas detokenized by the API side's _RequestDetok, gives every delta the text (and logprob token
+    names) the detokenizing engine gives: sampled tokens (odd bytes, split multi-byte characters), special
+    tokens kept or skipped, stop strings (left to the core), prompt logprobs."""
+    import copy
+
+    from xllm_gen import SamplingParams
+    from xllm_gen.runtime.serving.core_client import _RequestDetok
+
+    engine = make_llm(qwen3_tied).engine
+    prompts = ["日本語 🎉 text", "The quick brown fox", {"prompt_token_ids": [5, 17, 99, 3]}, "stop here"]
+    base = dict(temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(seed=1, **base), SamplingParams(seed=2, skip_special_tokens=False, **base),
+              SamplingParams(seed=3, prompt_logprobs=1, **base), SamplingParams(seed=4, **base)]
+    want = _deltas(engine, prompts, params)
+    stop = next(o.outputs[0].text for o in want if o.request_id == 3 and len(o.outputs[0].text) >= 2)
+    params[3] = SamplingParams(seed=4, stop=[stop[:2]], **base)
+    want = _deltas(engine, prompts, params)
+    assert any("\ufffd" not in o.outputs[0].text and o.outputs[0].text == "" and o.outputs[0].token_ids
+               for o in want), "no delta held back a partial character: the check is weaker than meant"
+    engine.detokenize = False
+    try:
+        got = _deltas(engine, prompts, params)
+    finally:
+        engine.detokenize = True
+    assert [o.request_id for o in got] == [o.request_id for o in want]
+    assert all(c.text == "" for o in got if o.request_id != 3 for c in o.outputs)    # ids only from the core
+    dets = {i: _RequestDetok(engine.tokenizer, params[i]) for i in range(4)}
+    for g, w in zip(got, want):
+        g = copy.deepcopy(g)
+        dets[g.request_id](g)
+        assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in g.outputs] == \
+            [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in w.outputs], g.request_id
+        for gc, wc in zip(g.outputs, w.outputs):
+            assert [{t: lp.decoded_token for t, lp in e.items()} for e in gc.logprobs] == \
+                [{t: lp.decoded_token for t, lp in e.items()} for e in wc.logprobs]
+        if w.prompt_logprobs is not None:
+            assert [e and {t: lp.decoded_token for t, lp in e.items()} for e in g.prompt_logprobs] == \
+                [e and {t: lp.decoded_token for t, lp in e.items()} for e in w.prompt_logprobs]
