@@ -272,3 +272,42 @@ def test_api_side_detokenization_equals_the_engines(qwen3_tied, make_llm):
         if w.prompt_logprobs is not None:
             assert [e and {t: lp.decoded_token for t, lp in e.items()} for e in g.prompt_logprobs] == \
                 [e and {t: lp.decoded_token for t, lp in e.items()} for e in w.prompt_logprobs]
+
+
+@pytest.mark.slow
+def test_two_api_processes_share_the_port_and_the_core(qwen3_tied, local):
+    """--api-server-count 2: a second API process on the same socket, both served by the one core (greedy text
+    as the engine's); SIGTERM stops the API processes and the core; --engine-in-process refuses it."""
+    import re
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv = ServerProcess(qwen3_tied, *ARGS, "--api-server-count", "2", "--log-level", "info")
+    try:
+        family = descendants(srv.proc.pid)
+        api = [p for p in family if "--_api-server" in p.cmdline()]
+        assert len(api) == 1 and len(family) == 2, [p.cmdline() for p in family]
+        core = _core(srv)
+        deadline = time.monotonic() + 30
+        while "API server 1 of 2" not in srv.log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        want = _greedy(local, "Shared port", 6)
+        pids: set = set()
+        with ThreadPoolExecutor(16) as pool:
+            for _ in range(8):
+                rs = list(pool.map(lambda _: _complete(srv, "Shared port", 6), range(16)))
+                assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == want for r in rs)
+                pids = set(re.findall(r"xllm_gen\.access\[(\d+)\]: POST /v1/completions 200", srv.log.read_text()))
+                if len(pids) == 2:
+                    break
+        assert pids == {str(srv.proc.pid), str(api[0].pid)}, pids
+        assert srv.stop() == 0
+        gone, alive = psutil.wait_procs([core, *api], timeout=30)
+        assert not alive
+    finally:
+        srv.stop(signal.SIGKILL)
+    p = subprocess.run([sys.executable, "-m", "xllm_gen.runtime.serving.server", str(qwen3_tied), "--port", "0",
+                        "--api-server-count", "2", "--engine-in-process"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--api-server-count must be >= 1, and 1 with --engine-in-process" in p.stderr

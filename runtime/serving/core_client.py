@@ -104,31 +104,48 @@ def _name_tokens(tokenizer, entries) -> None:
 
 class CoreClient(AsyncEngine):
     """Starts the engine core (`args`: the server's parsed arguments) and talks to it; `wait_ready()` returns
-    once the model is loaded (ValueError with the core's message when it could not be)."""
+    once the model is loaded (ValueError with the core's message when it could not be).
 
-    def __init__(self, args, metrics=None, max_queue: int = 256, stats_interval: float = 10.0):
+    With several API processes (--api-server-count N), the first (index 0) starts the core with one output
+    address per API process (`addresses`: (input address, [output addresses])); API process i > 0 is given
+    (input address, [its output address]) and index i, and only talks to the core that the first one owns."""
+
+    def __init__(self, args, metrics=None, max_queue: int = 256, stats_interval: float = 10.0, *,
+                 count: int = 1, index: int = 0, addresses: Optional[tuple] = None):
         import zmq
 
         super().__init__(None, metrics, max_queue=max_queue, stats_interval=stats_interval)
-        self._dir = tempfile.mkdtemp(prefix="xllm-core-")
+        self.index = index
+        self._dir = None
+        if addresses is None:
+            self._dir = tempfile.mkdtemp(prefix="xllm-core-")
+            addresses = (f"ipc://{self._dir}/in", [f"ipc://{self._dir}/out{i}" for i in range(count)])
+        self.addresses = addresses
+        in_addr, outs = addresses
         self._ctx = zmq.Context()
         self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        self._push.setsockopt(zmq.SNDHWM, 0)         # never blocks on a live core; no core: zmq.Again at once
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._push.bind(in_addr)
-        self._pull.bind(out_addr)
+        self._push.setsockopt(zmq.SNDHWM, 0)         # queued, never blocking, until the core reads them
+        self._pull.bind(outs[0] if index == 0 else outs[-1])
+        self._push.connect(in_addr)                  # the core binds it
         self._send_lock = threading.Lock()
         self._pending: dict[Any, concurrent.futures.Future] = {}
         self._detoks: dict[Any, _RequestDetok] = {}
         self.info: Optional[dict] = None
-        self.proc = subprocess.Popen([sys.executable, "-m", "xllm_gen.runtime.serving.engine_core", in_addr,
-                                      out_addr, str(os.getpid())], stdin=subprocess.PIPE)
-        self.proc.stdin.write(pickle.dumps(args))
-        self.proc.stdin.close()
+        self.proc = None
+        self.children: list = []                     # API processes 1..N-1 (their Popen), started by the server
+        if index == 0:
+            self.proc = subprocess.Popen([sys.executable, "-m", "xllm_gen.runtime.serving.engine_core", in_addr,
+                                          ",".join(outs), str(os.getpid())], stdin=subprocess.PIPE)
+            self.proc.stdin.write(pickle.dumps(args))
+            self.proc.stdin.close()
 
     @property
-    def core_pid(self) -> int:
-        return self.proc.pid
+    def core_pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc is not None else None
+
+    def _core_exited(self) -> Optional[int]:
+        """The core's exit code once it has exited (only the API process that started it can tell)."""
+        return self.proc.poll() if self.proc is not None else None
 
     def wait_ready(self) -> CoreFrontend:
         # while the core loads the model: import what this process needs too (the tokenizer's libraries)
@@ -145,7 +162,7 @@ class CoreClient(AsyncEngine):
                 if msg[0] == "failed":
                     self.stop()
                     raise ValueError(msg[1])
-            elif self.proc.poll() is not None:
+            elif self._core_exited() is not None:
                 self.stop()
                 raise RuntimeError(f"the engine core process exited with code {self.proc.returncode} while "
                                    "loading the model (see the log above)")
@@ -169,7 +186,16 @@ class CoreClient(AsyncEngine):
         import subprocess as sp
 
         self._stop = True
-        if self.proc.poll() is None:
+        for c in self.children:                # the other API processes first: they finish their requests
+            if c.poll() is None:
+                c.terminate()
+        for c in self.children:
+            try:
+                c.wait(timeout)
+            except sp.TimeoutExpired:
+                c.kill()
+                c.wait()
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 self._send(("shutdown",))
             except RuntimeError:               # it is exiting already
@@ -187,17 +213,18 @@ class CoreClient(AsyncEngine):
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
-        import shutil
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            import shutil
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self.proc.poll() is None and self._thread is not None \
+        return self.error is None and self._core_exited() is None and self._thread is not None \
             and self._thread.is_alive()
 
     # ---- commands -------------------------------------------------------------------------------
     def _send(self, msg) -> None:
-        """Sends without blocking: a core that is gone (no peer) raises RuntimeError, never hangs the caller."""
+        """Sends without blocking (queued until the core reads it; RuntimeError should the queue refuse it)."""
         import zmq
 
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -218,7 +245,7 @@ class CoreClient(AsyncEngine):
         self._pending[request_id] = fut
         self._detoks[request_id] = _RequestDetok(self.engine.tokenizer, params)
         try:
-            self._send(("add", request_id, prompt, params, track.arrival))
+            self._send(("add", request_id, prompt, params, track.arrival, self.index))
             await asyncio.wrap_future(fut)
         except BaseException:
             self._pending.pop(request_id, None)
@@ -236,7 +263,7 @@ class CoreClient(AsyncEngine):
         if track is not None and not track.done and self.metrics is not None:
             self.metrics.labels(self.metrics.success, finished_reason="abort").inc()
         self._detoks.pop(request_id, None)
-        if self.proc.poll() is None and not self._stop:
+        if self._core_exited() is None and not self._stop:
             try:
                 self._send(("abort", request_id))
             except RuntimeError:               # the core is gone: nothing to abort
@@ -249,7 +276,7 @@ class CoreClient(AsyncEngine):
                 if not self._pull.poll(200):
                     if self._stop:
                         return
-                    if self.proc.poll() is not None:
+                    if self._core_exited() is not None:
                         raise RuntimeError(f"the engine core process exited with code {self.proc.returncode}")
                     continue
                 msg = pickle.loads(self._pull.recv())

@@ -1,15 +1,16 @@
 """The engine core in its own process: scheduler, model runner(s) and sampler, driven over ZeroMQ.
 
 `xllm-gen-serve` starts this module as a child process (runtime/serving/core_client.py, vLLM V1's layout):
-the API process binds two ipc:// sockets, this process connects to them,
+this process binds the ipc:// input socket, every API process (one, or --api-server-count) binds its own
+output socket, which this process connects to,
 
-    API process  --PUSH-->  ("add", rid, prompt, params, arrival) / ("abort", rid) / ("shutdown",)  --> core
-    API process  <--PULL--  ("ready", info) / ("failed", message)                                   <-- core
+    API process i  --PUSH-->  ("add", rid, prompt, params, arrival, i) / ("abort", rid) / ("shutdown",) --> core
+    API process i  <--PULL--  ("ready", info) / ("failed", message)                                    <-- core
                             ("added", rid, None | (kind, message))
                             ("out", [RequestOutput deltas], stats) / ("stats", stats)
                             ("fail", [rid], kind, message)             a step failed: these requests fail
 
-pickled. The core drains every queued command before each step and steps while requests are unfinished; the
+pickled; a request's messages go to the API process that added it, gauges and ready / failed / dead to all. The core drains every queued command before each step and steps while requests are unfinished; the
 deltas it sends carry token ids (text only for requests with stop strings, which it must find itself): the
 API process detokenizes. Structured outputs are compiled and masked here, where the sampler runs.
 
@@ -73,12 +74,27 @@ def _error(e: BaseException) -> tuple:
 
 
 class EngineCore:
-    def __init__(self, engine, pull, push):
-        self.engine, self.pull, self.push = engine, pull, push
+    def __init__(self, engine, pull, pushes: list):
+        self.engine, self.pull, self.pushes = engine, pull, pushes
+        self.client_of: dict = {}                      # request id -> index of the API process that added it
         self.fault = os.environ.get(FAULT_ENV) or None
 
-    def send(self, msg) -> None:
-        self.push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+    def send(self, msg, client: int) -> None:
+        self.pushes[client].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+    def broadcast(self, msg) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for push in self.pushes:
+            push.send(data, copy=False)
+
+    def send_per_client(self, kind: str, items: list, *rest) -> None:
+        """("out" / "fail", the items of each API process, *rest) to each API process that has some."""
+        per: dict = {}
+        for item in items:
+            rid = item.request_id if kind == "out" else item
+            per.setdefault(self.client_of.get(rid, 0), []).append(item)
+        for client, mine in per.items():
+            self.send((kind, mine, *rest), client)
 
     def run(self) -> None:
         import zmq
@@ -97,18 +113,20 @@ class EngineCore:
                     break
                 n += 1
                 if msg[0] == "add":
-                    _, rid, prompt, params, arrival = msg
+                    _, rid, prompt, params, arrival, client = msg
                     try:
                         engine.add_request(rid, prompt, params, arrival_time=arrival)
-                        self.send(("added", rid, None))
+                        self.client_of[rid] = client
+                        self.send(("added", rid, None), client)
                     except Exception as e:
-                        self.send(("added", rid, _error(e)))
+                        self.send(("added", rid, _error(e)), client)
                 elif msg[0] == "abort":
                     engine.abort_request(msg[1])
+                    self.client_of.pop(msg[1], None)
                 elif msg[0] == "shutdown":
                     return
             if n:
-                self.send(("stats", engine_stats(engine)))
+                self.broadcast(("stats", engine_stats(engine)))
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -118,27 +136,44 @@ class EngineCore:
                 outs = engine.step_deltas()
             except Exception as e:           # a failing step fails the requests in flight, not the server
                 logger.exception("engine step failed; failing the requests in flight")
-                self.send(("fail", engine.abort_all(), *_error(e)))
+                ids = engine.abort_all()
+                self.send_per_client("fail", ids, *_error(e))
+                for rid in ids:
+                    self.client_of.pop(rid, None)
                 continue
-            self.send(("out", outs, engine_stats(engine)))
+            self.send_per_client("out", outs, engine_stats(engine))
+            if len(self.pushes) > 1:                # the other API processes' gauges
+                st = engine_stats(engine)
+                for client in set(range(len(self.pushes))) - {self.client_of.get(o.request_id, 0) for o in outs}:
+                    self.send(("stats", st), client)
+            for o in outs:
+                if o.finished:
+                    self.client_of.pop(o.request_id, None)
 
 
 def main() -> int:
-    in_addr, out_addr, parent_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    in_addr, out_addrs, parent_pid = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C: the API process shuts the core down
-    args = pickle.load(sys.stdin.buffer)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     import zmq
 
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(in_addr)
-    push.connect(out_addr)
-    push.setsockopt(zmq.LINGER, 5000)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(in_addr)                                 # before loading: the API processes connect meanwhile
+    pushes = []
+    for addr in out_addrs:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 5000)
+        push.connect(addr)
+        pushes.append(push)
+    args = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
 
     def send(msg):
-        push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for push in pushes:
+            push.send(data)
 
     from xllm_gen.runtime.serving.server import make_engine
 
@@ -146,17 +181,19 @@ def main() -> int:
         engine = make_engine(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         send(("failed", str(e)))
-        push.close()
+        for push in pushes:
+            push.close()
         return 2
     except BaseException as e:                      # noqa: BLE001 - reported to the API process, then raised
         send(("failed", f"{type(e).__name__}: {e}"))
-        push.close()
+        for push in pushes:
+            push.close()
         raise
     engine.detokenize = False                       # the API process detokenizes
     rc = 0
     try:
         send(("ready", engine_info(engine)))
-        EngineCore(engine, pull, push).run()
+        EngineCore(engine, pull, pushes).run()
     except BaseException as e:                      # noqa: BLE001 - the API process fails its requests
         logger.exception("engine core died")
         send(("dead", *_error(e)))
@@ -168,7 +205,8 @@ def main() -> int:
             pass
         engine.shutdown()
         pull.close(0)
-        push.close()
+        for push in pushes:
+            push.close()
         ctx.term()
     return rc
 
