@@ -311,3 +311,66 @@ def test_two_api_processes_share_the_port_and_the_core(qwen3_tied, local):
     p = subprocess.run([sys.executable, "-m", "xllm_gen.runtime.serving.server", str(qwen3_tied), "--port", "0",
                         "--api-server-count", "2", "--engine-in-process"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--api-server-count must be >= 1, and 1 with --engine-in-process" in p.stderr
+
+
+def test_core_compiles_grammars_off_the_step_loop(qwen3_tied, make_llm):
+    """EngineCore over inproc sockets: while a request's grammar compiles (slowed to 1.5 s), another request is
+    admitted and stepped to its end; then the constrained one is admitted and its output fits the constraint."""
+    import pickle
+
+    import zmq
+
+    from xllm_gen import SamplingParams
+    from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
+    from xllm_gen.runtime.serving.engine_core import EngineCore
+
+    engine = make_llm(qwen3_tied).engine
+    backend = engine.structured
+    compile_ = backend.compile
+
+    def slow(so, *a):
+        time.sleep(1.5)
+        return compile_(so, *a)
+
+    ctx = zmq.Context()
+    cmd_out, cmd_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    res_out, res_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    cmd_in.bind("inproc://cmd")
+    cmd_out.connect("inproc://cmd")
+    res_in.bind("inproc://res")
+    res_out.connect("inproc://res")
+    core = EngineCore(engine, cmd_in, [res_out])
+    backend.compile = slow
+    t = threading.Thread(target=core.run, daemon=True)
+    t.start()
+    try:
+        choice = StructuredOutputsParams(choice=["yes please", "no thanks"])
+        send = lambda m: cmd_out.send(pickle.dumps(m))      # noqa: E731
+        send(("add", "g", "Answer:", SamplingParams(temperature=0, max_tokens=8, structured_outputs=choice),
+              time.monotonic(), 0))
+        send(("add", "p", "Plain", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), time.monotonic(), 0))
+        events, text = [], ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if not res_in.poll(100):
+                continue
+            msg = pickle.loads(res_in.recv())
+            if msg[0] == "added":
+                events.append(("added", msg[1], msg[2]))
+            elif msg[0] == "out":
+                for o in msg[1]:
+                    if o.finished:
+                        events.append(("finished", o.request_id))
+                    if o.request_id == "g":
+                        text += engine.decode_text(o.outputs[0].token_ids)
+            if ("finished", "g") in events:
+                break
+        assert events.index(("finished", "p")) < events.index(("added", "g", None)), events
+        assert text in ("yes please", "no thanks"), text
+    finally:
+        backend.compile = compile_
+        cmd_out.send(pickle.dumps(("shutdown",)))
+        t.join(10)
+        for s in (cmd_out, cmd_in, res_out, res_in):
+            s.close(0)
+        ctx.term()

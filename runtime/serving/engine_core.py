@@ -10,9 +10,11 @@ output socket, which this process connects to,
                             ("out", [RequestOutput deltas], stats) / ("stats", stats)
                             ("fail", [rid], kind, message)             a step failed: these requests fail
 
-pickled; a request's messages go to the API process that added it, gauges and ready / failed / dead to all. The core drains every queued command before each step and steps while requests are unfinished; the
-deltas it sends carry token ids (text only for requests with stop strings, which it must find itself): the
-API process detokenizes. Structured outputs are compiled and masked here, where the sampler runs.
+pickled; a request's messages go to the API process that added it, gauges and ready / failed / dead to all.
+The core drains every queued command before each step and steps while requests are unfinished; the deltas it
+sends carry token ids (text only for requests with stop strings, which it must find itself): the API process
+detokenizes. Structured outputs are masked here, where the sampler runs, and compiled here in worker threads
+(a request waits for its grammar off the step loop, which keeps stepping the others).
 
 No orphans: the core dies with the API process even when that one is SIGKILLed (PR_SET_PDEATHSIG, and a
 parent-pid watch where prctl is missing); its tensor-parallel ranks watch this process in turn. SIGINT (Ctrl-C
@@ -78,6 +80,39 @@ class EngineCore:
         self.engine, self.pull, self.pushes = engine, pull, pushes
         self.client_of: dict = {}                      # request id -> index of the API process that added it
         self.fault = os.environ.get(FAULT_ENV) or None
+        self.compiling: dict = {}                      # request id -> (compile future, its "add" message)
+        self._pool = None
+
+    def admit(self, msg) -> None:
+        """An "add": a request with a structured-outputs constraint is admitted once a worker thread has compiled
+        it (cached; the step loop never waits on a compile); the others at once."""
+        _, rid, prompt, params, arrival, client = msg
+        so = getattr(params, "structured_outputs", None)
+        if so is not None and rid not in self.compiling:
+            try:
+                backend = self.engine.structured          # built here, in the loop's thread
+            except Exception as e:
+                self.send(("added", rid, _error(e)), client)
+                return
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="xllm-grammar")
+            self.compiling[rid] = (self._pool.submit(backend.compile, so), msg)
+            return
+        self.compiling.pop(rid, None)
+        try:
+            self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+            self.client_of[rid] = client
+            self.send(("added", rid, None), client)
+        except Exception as e:
+            self.send(("added", rid, _error(e)), client)
+
+    def admit_compiled(self) -> int:
+        """Admits the requests whose constraint has compiled (a failed compile fails again, named, in add_request)."""
+        done = [msg for fut, msg in self.compiling.values() if fut.done()]
+        for msg in done:
+            self.admit(msg)
+        return len(done)
 
     def send(self, msg, client: int) -> None:
         self.pushes[client].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
@@ -103,9 +138,10 @@ class EngineCore:
 
         engine = self.engine
         while True:
-            if not engine.has_unfinished_requests() and not self.pull.poll(500):
+            if not engine.has_unfinished_requests() and not self.pull.poll(5 if self.compiling else 500) \
+                    and not self.compiling:
                 continue
-            n = 0
+            n = self.admit_compiled() if self.compiling else 0
             while True:                                    # every queued command before the next step
                 try:
                     msg = pickle.loads(self.pull.recv(zmq.NOBLOCK))
@@ -113,16 +149,11 @@ class EngineCore:
                     break
                 n += 1
                 if msg[0] == "add":
-                    _, rid, prompt, params, arrival, client = msg
-                    try:
-                        engine.add_request(rid, prompt, params, arrival_time=arrival)
-                        self.client_of[rid] = client
-                        self.send(("added", rid, None), client)
-                    except Exception as e:
-                        self.send(("added", rid, _error(e)), client)
+                    self.admit(msg)
                 elif msg[0] == "abort":
                     engine.abort_request(msg[1])
                     self.client_of.pop(msg[1], None)
+                    self.compiling.pop(msg[1], None)
                 elif msg[0] == "shutdown":
                     return
             if n:
