@@ -615,6 +615,12 @@ def main(argv=None) -> int:
         if args.api_server_count < 1 or (args.api_server_count > 1 and args.engine_in_process):
             raise ValueError("--api-server-count must be >= 1, and 1 with --engine-in-process (several API "
                              "processes share one engine-core process)")
+        if not args.engine_in_process:
+            try:
+                import zmq  # noqa: F401
+            except ImportError:
+                raise ValueError("the engine-core process talks over ZeroMQ, and pyzmq is not installed: "
+                                 "pip install pyzmq, or serve with --engine-in-process") from None
         if child:                      # an API process i > 0: the first one's socket, its core
             import socket
 
