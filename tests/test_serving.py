@@ -268,7 +268,9 @@ def test_full_queue_and_sigterm(qwen3_tied, mode):
     in-flight stream finish and the process exits 0 (the engine core with it)."""
     srv = ServerProcess(qwen3_tied, "--block-size", "4", "--max-num-seqs", "1", "--max-queue", "1", *mode_args(mode))
     try:
-        body = {"prompt": "slow", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        # long enough that the first stream is still running when the second is admitted (the engine core
+        # steps the tiny model at full speed while the API process is busy)
+        body = {"prompt": "slow", "max_tokens": 480, "ignore_eos": True, "stream": True}
         got: dict = {}
 
         def stream(k):

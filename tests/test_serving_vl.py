@@ -44,6 +44,7 @@ def test_image_chat_matches_llm_chat(vl_server, qwen3_vl_tied, make_llm, tmp_pat
     path.write_bytes(_png(img))
     outside = tmp_path / "img.png"
     outside.write_bytes(_png(img))
+    (media_dir / "link.png").unlink(missing_ok=True)       # media_dir is shared by both layouts' arms
     (media_dir / "link.png").symlink_to(outside)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = make_llm(qwen3_vl_tied).chat(
