@@ -9,6 +9,19 @@ requests in flight (fixed concurrency: --request-rate inf --max-concurrency N). 
 (exact lengths, no tokenizer needed), optionally sharing a common prefix of --shared-prefix-len tokens (for
 prefix caching). Every request asks for exactly --output-len tokens (ignore_eos).
 
+Comparing the server's layouts in one call (the issue-23 target: serving at concurrency 64 >= 0.9x offline
+LLM.generate req/s on the same prompts, ITL p99 <= 2x p50):
+
+    python bench/bench_serve.py --serve MODEL_DIR --modes core,in-process,offline \
+        --serve-args "--load-format dummy --dtype bfloat16 --max-model-len 2048" \
+        --num-prompts 64 --max-concurrency 64 --input-len 1024 --output-len 129 [--json out.json]
+
+starts `xllm-gen-serve MODEL_DIR --port FREE SERVE_ARGS` once per mode (core: the engine-core process, the
+default; in-process: --engine-in-process), runs the benchmark against it, stops it; `offline` builds the same
+engine in this process (the server's own argument parsing and make_engine) and times one LLM-style generate
+of the same prompts (every request added at once, stepped to the end). The table gives req/s, each mode's
+ratio to offline, and ITL p50 / p99.
+
 TTFT: request sent -> first token. ITL: gaps between streamed chunks that carry tokens. TPOT per request:
 (E2E - TTFT) / (output tokens - 1). Needs only httpx."""
 from __future__ import annotations
@@ -137,6 +150,108 @@ async def run(args) -> dict:
     return report
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_run(args, mode: str) -> dict:
+    """Starts the server in `mode` (core / in-process), benchmarks it, stops it."""
+    import shlex
+    import subprocess
+    import urllib.request
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "xllm_gen.runtime.serving.server", args.serve, "--port", str(port),
+           "--log-level", "warning", *(["--engine-in-process"] if mode == "in-process" else []),
+           *shlex.split(args.serve_args)]
+    print("$", shlex.join(cmd), flush=True)
+    proc = subprocess.Popen(cmd)
+    try:
+        deadline = time.monotonic() + args.serve_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server ({mode}) exited with {proc.returncode}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server ({mode}) did not start in {args.serve_timeout} s") from None
+                time.sleep(0.25)
+        sub = argparse.Namespace(**{**vars(args), "base_url": f"http://127.0.0.1:{port}"})
+        return asyncio.run(run(sub))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def offline_run(args) -> dict:
+    """The same prompts through the engine in this process, all added at once and stepped to the end (what
+    LLM.generate does), after the same warm-up."""
+    import shlex
+
+    from xllm_gen.runtime.engine.sampling_params import SamplingParams
+    from xllm_gen.runtime.serving.server import _parser, make_engine
+
+    eargs = _parser().parse_args([args.serve, *shlex.split(args.serve_args)])
+    engine = make_engine(eargs)
+    try:
+        prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len, args.vocab_size, args.seed)
+
+        def generate(ps, n):
+            sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            for i, p in enumerate(ps):
+                engine.add_request(i, {"prompt_token_ids": p}, sp)
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += engine.step_outputs()
+            return outs
+
+        generate(prompts[:args.warmup], min(args.output_len, 4))
+        t0 = time.perf_counter()
+        outs = generate(prompts, args.output_len)
+        wall = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"mode": "offline", "num_prompts": len(prompts), "completed": len(outs), "failed": len(prompts) - len(outs),
+            "duration_s": wall, "request_throughput": len(outs) / wall, "output_throughput": out_tokens / wall}
+
+
+def compare_modes(args) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("core", "in-process", "offline")]
+    if bad:
+        print(f"error: --modes: unknown {bad} (core, in-process, offline)", file=sys.stderr)
+        return 2
+    reports = {}
+    for m in modes:
+        reports[m] = offline_run(args) if m == "offline" else serve_and_run(args, m)
+        reports[m]["mode"] = m
+    base = reports.get("offline", {}).get("request_throughput")
+    print(f"\n{'mode':11s} {'req/s':>8s} {'x offline':>9s} {'out tok/s':>10s} {'ITL p50':>8s} {'ITL p99':>8s} "
+          f"{'p99/p50':>7s} {'TTFT p50':>9s}")
+    for m, r in reports.items():
+        itl = r.get("itl_ms", {})
+        ratio = r["request_throughput"] / base if base else float("nan")
+        p50, p99 = itl.get("p50", float("nan")), itl.get("p99", float("nan"))
+        print(f"{m:11s} {r['request_throughput']:8.2f} {ratio:9.2f} {r['output_throughput']:10.1f} {p50:8.2f} "
+              f"{p99:8.2f} {p99 / p50 if p50 == p50 and p50 else float('nan'):7.2f} "
+              f"{r.get('ttft_ms', {}).get('p50', float('nan')):9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "modes": reports}, f, indent=2)
+    return 0 if all(r["failed"] == 0 for r in reports.values()) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
@@ -152,7 +267,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
     ap.add_argument("--json", help="also write the report to this file")
+    ap.add_argument("--serve", metavar="MODEL_DIR", help="start the server on MODEL_DIR per --modes instead of "
+                    "using --base-url, and compare the modes")
+    ap.add_argument("--modes", default="core,in-process,offline",
+                    help="with --serve: core (engine-core process), in-process (--engine-in-process), offline "
+                         "(the engine in this process, no HTTP), comma-separated")
+    ap.add_argument("--serve-args", default="", help="with --serve: more server arguments (one string)")
+    ap.add_argument("--serve-timeout", type=float, default=900.0, help="with --serve: seconds to wait for start-up")
     args = ap.parse_args(argv)
+    if args.serve:
+        return compare_modes(args)
     report = asyncio.run(run(args))
     print(f"{report['completed']}/{report['num_prompts']} requests in {report['duration_s']:.2f} s "
           f"({report['request_throughput']:.2f} req/s, {report['output_throughput']:.1f} output tok/s)")

@@ -10,7 +10,8 @@
 #   hf          bench: transformers baseline (static cache + torch.compile)
 #   moe         bench: Qwen3-30B-A3B shapes, bench/bench_moe.py ($OUT/h200_moe.md; MOE_ARGS adds arguments)
 #   vl          bench: Qwen3-VL-8B shapes, bench/bench_vl.py --profile ($OUT/h200_vl.md; VL_ARGS adds arguments)
-#   serve       bench/serve_gpu.sh over HTTP ($SERVE_PHASES, default 0.6b,prefix,8b; needs .whl_serve wheels)
+#   serve       bench/serve_gpu.sh over HTTP ($SERVE_PHASES, default 0.6b,prefix,8b; modes: the process layouts;
+#               needs .whl_serve wheels, pyzmq among them: the image has none)
 # The bench phases add to one table, $OUT/h200.md (+ .json). Everything is logged to $OUT/log.
 #   usage: bash bench/gpu_run.sh tests,sweep,8b,throughput,hf
 set -u
@@ -65,7 +66,7 @@ bench() { timeout "$1" python bench/bench_decode.py --out "$OUT/h200.md" --appen
 [[ $phases == *,moe,* ]] && { stamp "moe"; timeout ${T_MOE:-180} python bench/bench_moe.py --out "$OUT/h200_moe.md" ${MOE_ARGS:-}; }
 if [[ $phases == *,serve,* ]]; then
   stamp "serve"
-  python -m pip install -q --no-index --find-links .whl_serve fastapi uvicorn prometheus_client httpx
+  python -m pip install -q --no-index --find-links .whl_serve fastapi uvicorn prometheus_client httpx pyzmq
   timeout ${T_SERVE:-420} bash bench/serve_gpu.sh ${SERVE_PHASES:-0.6b,prefix,8b}
 fi
 # kernels built in this run (not among the restored ones) come back as one tar to merge into .fi_cache

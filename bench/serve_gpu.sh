@@ -5,8 +5,11 @@
 #   2. Qwen3-0.6B: shared-prefix prompts (896 of 1024 tokens common), prefix caching on, then off
 #   3. Qwen3-8B: as 1
 #   async: Qwen3-0.6B as 1, with async scheduling off (--no-async-scheduling): the baseline of 1 in the same call
+#   modes: Qwen3-0.6B, 64 prompts at concurrency 64, input 1024, output 129: the engine-core process, the engine in
+#          the API process (--engine-in-process), 2 API processes, and offline (no HTTP) on the same prompts
+#          (issue 23's target: serving >= 0.9x offline req/s, ITL p99 <= 2x p50)
 # Each server runs alone; the reports (JSON + the printed table) go to $OUT/serve_*.json and $OUT/serve.log.
-#   usage: OUT=/tmp/out bash bench/serve_gpu.sh [0.6b,async,prefix,8b]
+#   usage: OUT=/tmp/out bash bench/serve_gpu.sh [0.6b,async,prefix,8b,modes]
 set -u
 phases=",${1:-0.6b,prefix,8b},"
 OUT=${OUT:-/tmp/xllm_out}
@@ -51,4 +54,13 @@ if [[ $phases == *,prefix,* ]]; then
 fi
 [[ $phases == *,async,* ]] && serve_bench 0.6b_random_sync "$W/Qwen3-0.6B" --no-async-scheduling -- $common
 [[ $phases == *,8b,* ]] && serve_bench 8b_random "$W/Qwen3-8B" -- $common
+if [[ $phases == *,modes,* ]]; then
+  m64="--num-prompts 64 --max-concurrency 64 --input-len 1024 --output-len 129"
+  sa="--load-format dummy --dtype bfloat16 --max-model-len 2048"
+  echo "=== modes: core, in-process, offline; $m64" | tee -a "$L"
+  timeout 900 python bench/bench_serve.py --serve "$W/Qwen3-0.6B" --modes core,in-process,offline --serve-args "$sa" \
+    $m64 --json "$OUT/serve_modes.json" 2>&1 | tee -a "$L"
+  timeout 600 python bench/bench_serve.py --serve "$W/Qwen3-0.6B" --modes core --serve-args "$sa --api-server-count 2" \
+    $m64 --json "$OUT/serve_modes_2api.json" 2>&1 | tee -a "$L"
+fi
 echo "=== done" | tee -a "$L"

@@ -10,6 +10,26 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+# The server's two layouts: the engine core in its own process (the default) and the engine in a thread of the
+# API process (--engine-in-process). Server fixtures run over both; the second arm is slow-marked (the default
+# CPU run covers it with tests/test_serving_core.py's fast in-process test).
+ENGINE_MODES = ["core", pytest.param("in-process", marks=pytest.mark.slow)]
+
+
+def mode_args(mode: str) -> tuple:
+    return ("--engine-in-process",) if mode == "in-process" else ()
+
+
+def descendants(pid: int) -> list:
+    """The live processes under `pid` (children, grandchildren, ...)."""
+    import psutil
+
+    try:
+        return [p for p in psutil.Process(pid).children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def free_port() -> int:

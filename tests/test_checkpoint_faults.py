@@ -87,7 +87,22 @@ FAULTS = {
     # values each valid alone, that the model cannot be built from: where in the generated code, which layer
     "layers_past_layer_types": (lambda d: _cfg(d, num_hidden_layers=5),
                                 r"config\.json: specs/qwen3\.yaml: the model cannot be built from this config: "
+                                r"config\.json field 'layer_types' lists 2 entries, one per layer, but layer 2 is built "
+                                r"\(num_hidden_layers = 5\); "
                                 r"IndexError: .*building layer \d+, qwen3/model\.py:\d+: .*layer_types\[layer_idx\]"),
+    # issue 22's fault corpus: more layers than the files hold; a relabelled architecture; malformed layer_types
+    "layers_past_tensors": (lambda d: _cfg(d, num_hidden_layers=4, layer_types=["full_attention"] * 4),
+                            r"missing tensor 'model\.layers\.2\.[\w.]+': the checkpoint holds model\.layers\.\* for 2 "
+                            r"layers \(0\.\.1\), not layer 2; config\.json asks for more layers \(num_hidden_layers\)"),
+    "relabelled_architecture": (lambda d: _cfg(d, architectures=["LlamaForCausalLM"], model_type="llama"),
+                                r"config\.json: specs/llama\.yaml: does not model config\.json field\(s\) layer_types.*; "
+                                r"but this config reads without error as Qwen3ForCausalLM \(specs/qwen3\.yaml\): was "
+                                r"`architectures` relabelled \(model_type is 'llama'\)\?"),
+    "layer_types_string": (lambda d: _cfg(d, layer_types="full_attention"),
+                           r"config\.json: specs/qwen3\.yaml: config\.json field 'layer_types' = 'full_attention' is "
+                           r"not a list of strings"),
+    "layer_types_unknown": (lambda d: _cfg(d, layer_types=["bogus_attention"] * 2),
+                            r"config\.json: transformers rejects this config: .*layer_types"),
     "head_dim_odd": (lambda d: _cfg(d, head_dim=15),
                      r"config\.json: .*cannot be built .*rotary head_dim must be even, got 15 \(building layer 0"),
     "eps_nan": (lambda d: _write(d, "config.json", (d / "config.json").read_text().replace(
@@ -151,7 +166,7 @@ def test_checkpoint_without_tokenizer_still_serves_token_ids(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["safetensors_truncated", "tensor_misshaped", "kv_heads_zero",
-                                   "generation_config_list", "tokenizer_corrupt"])
+                                   "generation_config_list", "tokenizer_corrupt", "layers_past_tensors"])
 def test_fault_from_the_cli_is_one_line(tiny, tmp_path, fault):
     d = _copy(tiny, tmp_path)
     breaker, pattern = FAULTS[fault]

@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from serving_util import ServerProcess
+from serving_util import ENGINE_MODES, ServerProcess, descendants, mode_args
 
 pytestmark = pytest.mark.engine
 
@@ -24,9 +24,9 @@ openai = pytest.importorskip("openai")
 SERVER_ARGS = ("--block-size", "4", "--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-queue", "256")
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_tied):
-    srv = ServerProcess(qwen3_tied, *SERVER_ARGS)
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def server(qwen3_tied, request):
+    srv = ServerProcess(qwen3_tied, *SERVER_ARGS, *mode_args(request.param))
     yield srv
     rc = srv.stop()
     assert rc == 0, (rc, srv.log.read_text()[-3000:])
@@ -262,12 +262,15 @@ def test_64_concurrent_streams_with_disconnects(server, client, model_name):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_full_queue_and_sigterm(qwen3_tied):
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_full_queue_and_sigterm(qwen3_tied, mode):
     """--max-num-seqs 1 --max-queue 1: a third concurrent request is refused with 503; SIGTERM lets the
-    in-flight stream finish and the process exits 0."""
-    srv = ServerProcess(qwen3_tied, "--block-size", "4", "--max-num-seqs", "1", "--max-queue", "1")
+    in-flight stream finish and the process exits 0 (the engine core with it)."""
+    srv = ServerProcess(qwen3_tied, "--block-size", "4", "--max-num-seqs", "1", "--max-queue", "1", *mode_args(mode))
     try:
-        body = {"prompt": "slow", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        # long enough that the first stream is still running when the second is admitted (the engine core
+        # steps the tiny model at full speed while the API process is busy)
+        body = {"prompt": "slow", "max_tokens": 480, "ignore_eos": True, "stream": True}
         got: dict = {}
 
         def stream(k):
@@ -283,10 +286,14 @@ def test_full_queue_and_sigterm(qwen3_tied):
             time.sleep(0.05)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "more", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded"
+        family = descendants(srv.proc.pid)
+        assert len(family) == (1 if mode == "core" else 0), family
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
         assert srv.proc.wait(60) == 0
+        for p in family:                     # the core stopped with the API process, not orphaned
+            p.wait(10)
         for lines in got.values():
             assert lines[-1] == "data: [DONE]"
             assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"

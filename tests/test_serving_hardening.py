@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from serving_util import ServerProcess, free_port
+from serving_util import ENGINE_MODES, ServerProcess, free_port, mode_args
 
 pytestmark = pytest.mark.engine
 
@@ -22,10 +22,10 @@ ORIGIN = "http://app.example"
 SERVE = [sys.executable, "-m", "xllm_gen.runtime.serving.server"]
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_tied):
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def server(qwen3_tied, request):
     srv = ServerProcess(qwen3_tied, "--block-size", "4", "--api-key", KEY, "--allowed-origins", ORIGIN,
-                        "--log-level", "info", "--log-stats-interval", "0.01")
+                        "--log-level", "info", "--log-stats-interval", "0.01", *mode_args(request.param))
     yield srv
     assert srv.stop() == 0, srv.log.read_text()[-3000:]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_util import ServerProcess
+from serving_util import ENGINE_MODES, ServerProcess, mode_args
 
 pytestmark = pytest.mark.engine
 
@@ -45,9 +45,9 @@ def ckpt(tmp_path_factory):
     return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_2k"), max_position_embeddings=2048, seed=0)
 
 
-@pytest.fixture(scope="module")
-def server(ckpt):
-    srv = ServerProcess(ckpt, *SERVER_ARGS)
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def server(ckpt, request):
+    srv = ServerProcess(ckpt, *SERVER_ARGS, *mode_args(request.param))
     yield srv
     assert srv.stop() == 0, srv.log.read_text()[-3000:]
 

@@ -8,7 +8,7 @@ import io
 import httpx
 import numpy as np
 import pytest
-from serving_util import ServerProcess
+from serving_util import ENGINE_MODES, ServerProcess, mode_args
 
 pytestmark = pytest.mark.engine
 
@@ -20,9 +20,10 @@ def media_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("media")
 
 
-@pytest.fixture(scope="module")
-def vl_server(qwen3_vl_tied, media_dir):
-    srv = ServerProcess(qwen3_vl_tied, "--block-size", "4", "--allowed-local-media-path", str(media_dir))
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def vl_server(qwen3_vl_tied, media_dir, request):
+    srv = ServerProcess(qwen3_vl_tied, "--block-size", "4", "--allowed-local-media-path", str(media_dir),
+                        *mode_args(request.param))
     yield srv
     assert srv.stop() == 0
 
@@ -43,6 +44,7 @@ def test_image_chat_matches_llm_chat(vl_server, qwen3_vl_tied, make_llm, tmp_pat
     path.write_bytes(_png(img))
     outside = tmp_path / "img.png"
     outside.write_bytes(_png(img))
+    (media_dir / "link.png").unlink(missing_ok=True)       # media_dir is shared by both layouts' arms
     (media_dir / "link.png").symlink_to(outside)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = make_llm(qwen3_vl_tied).chat(

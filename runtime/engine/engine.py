@@ -132,13 +132,16 @@ class LLMEngine:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
         self.mm_preprocess_device = _mm_preprocess_device(mm_preprocess_device, self.device, tensor_parallel_size)
+        model_module = None
         try:
             model_module, runner_module = registry.resolve(self.hf_config)
             self.config = model_module.Config.from_hf(self.hf_config)
         except registry.RegistryError:
             raise
-        except ValueError as e:          # a field of config.json: name the file too
-            raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}") from None
+        except ValueError as e:          # a field of config.json: name the file too (and a relabelled architecture)
+            hint = registry.relabel_hint(self.hf_config, model_module.__name__.rpartition(".")[0]) \
+                if model_module is not None else ""
+            raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json: ')}{hint}") from None
         runner_cls = runner_module.Runner
         try:                             # an unsupported quantization is refused before any process starts
             parse_quant_config(self.hf_config, quantization)
@@ -199,6 +202,9 @@ class LLMEngine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
         self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
         self._stream_text = False                  # set by step_deltas: detokenize every step
+        # False in a serving engine-core process: the API process detokenizes the token ids it receives (and
+        # names the logprob tokens); the engine still detokenizes requests with stop strings (it must find them)
+        self.detokenize = True
         self._grammar_backend = None               # structured outputs (built on first use)
         # greedy decode steps launched ahead of reading the previous one's tokens (runtime/engine/async_decode.py)
         self._async = None
@@ -562,7 +568,7 @@ class LLMEngine:
                 finished.append(seq)
 
     def _detok(self, seq: Sequence) -> Optional["IncrementalDetokenizer"]:
-        if self.tokenizer is None:
+        if self.tokenizer is None or (not self.detokenize and not seq.params.stop):
             return None
         if seq.detok is None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
@@ -614,7 +620,7 @@ class LLMEngine:
 
     def _decorate(self, entries):
         """Fills decoded_token on logprob entries (in place); returns them."""
-        if self.tokenizer is not None and entries:
+        if self.tokenizer is not None and entries and self.detokenize:
             for entry in entries:
                 for tid, lp in (entry or {}).items():
                     if lp.decoded_token is None:

@@ -56,14 +56,32 @@ def _model_build_error(model_module, e: BaseException) -> str:
         if Path(tb.tb_frame.f_code.co_filename).resolve().parent == gen_dir:
             where = tb
         tb = tb.tb_next
-    at = ""
+    at, hint = "", ""
     if where is not None:
         file = where.tb_frame.f_code.co_filename
         layer = where.tb_frame.f_locals.get("layer_idx")
+        hint = _per_layer_hint(e, where.tb_frame.f_locals, linecache.getline(file, where.tb_lineno), layer)
         at = (f" (building {'layer ' + str(layer) + ', ' if isinstance(layer, int) else ''}"
               f"{gen_dir.name}/{Path(file).name}:{where.tb_lineno}: {linecache.getline(file, where.tb_lineno).strip()})")
     spec = getattr(model_module, "SPEC", model_module.__name__)
-    return f"{spec}: the model cannot be built from this config: {type(e).__name__}: {e}{at}"
+    return f"{spec}: the model cannot be built from this config: {hint}{type(e).__name__}: {e}{at}"
+
+
+def _per_layer_hint(e: BaseException, local: dict, source: str, layer) -> str:
+    """A per-layer list of the config (`config.NAME[...]` in the failing line) shorter than the layer count:
+    the field to blame, before the IndexError."""
+    import re
+
+    config = local.get("config")
+    if not isinstance(e, IndexError) or config is None or not isinstance(layer, int):
+        return ""
+    for name in re.findall(r"config\.(\w+)\[", source):
+        v = getattr(config, name, None)
+        if isinstance(v, (tuple, list)) and len(v) <= layer:
+            n = getattr(config, "num_hidden_layers", None)
+            return (f"config.json field '{name}' lists {len(v)} entr{'y' if len(v) == 1 else 'ies'}, one per layer, "
+                    f"but layer {layer} is built{f' (num_hidden_layers = {n})' if isinstance(n, int) else ''}; ")
+    return ""
 
 
 @contextlib.contextmanager

@@ -107,6 +107,21 @@ def generation_eos_ids(gen: dict) -> list[int]:
     return list(e) if isinstance(e, list) else ([e] if e is not None else [])
 
 
+def _blame_config(model_dir: Path) -> None:
+    """AutoTokenizer reads config.json too: when transformers rejects that (e.g. an unknown layer_types entry),
+    the error names config.json and transformers' reason, not the tokenizer."""
+    if not (Path(model_dir) / "config.json").is_file():
+        return
+    try:
+        from transformers import AutoConfig
+        AutoConfig.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - transformers' reason, shortened
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        why = " ".join(lines[:3])[:400] or type(e).__name__
+        raise CheckpointFileError(f"{Path(model_dir) / 'config.json'}: transformers rejects this config: "
+                                  f"{type(e).__name__}: {why}") from None
+
+
 def load_tokenizer(tokenizer_dir: Path, *, required: bool = False):
     """AutoTokenizer from `tokenizer_dir`; None when the dir has no tokenizer file at all (and not
     `required`). A tokenizer that is present but cannot be loaded is a CheckpointFileError naming the file:
@@ -124,6 +139,7 @@ def load_tokenizer(tokenizer_dir: Path, *, required: bool = False):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the user learns which files failed
+        _blame_config(tokenizer_dir)
         files = ", ".join(present) or "no tokenizer files"
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointFileError(f"{tokenizer_dir}: the tokenizer ({files}) cannot be loaded: "

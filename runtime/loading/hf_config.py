@@ -176,6 +176,8 @@ class ConfigReader:
             if not isinstance(value, str):
                 raise bad
         elif type_.endswith("_tuple"):
+            if type_ == "str_tuple" and isinstance(value, str):     # one string is not a list of one string
+                raise bad
             items = value if isinstance(value, (list, tuple)) else [value]
             ok = {"int_tuple": _is_int, "float_tuple": lambda x: _is_num(x) and math.isfinite(x),
                   "str_tuple": lambda x: isinstance(x, str)}[type_]

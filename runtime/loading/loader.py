@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -28,6 +32,55 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "
 
 class CheckpointError(ValueError):
     pass
+
+
+logger = logging.getLogger("xllm_gen.loading")
+PROGRESS_ENV = "XLLM_PROGRESS"          # 0: no load progress; 1: progress lines even without a terminal
+
+
+class LoadProgress:
+    """Weight-loading progress on stderr: a tqdm bar over the weight plan when stderr is a terminal, else an
+    INFO log line per file started and every 25% (shown by the server's log; quiet where logging is not set
+    up, e.g. under tests and in the Python API). XLLM_PROGRESS=0 silences it; =1 forces the lines to stderr."""
+
+    def __init__(self, total: int, model_dir, enabled: bool = True):
+        mode = os.environ.get(PROGRESS_ENV, "")
+        self.total, self.done, self.file, self.mark = total, 0, None, 0
+        self.t0 = time.monotonic()
+        self.bar = None
+        self.enabled = enabled and mode != "0" and total > 0
+        self.force = mode == "1"
+        if self.enabled and not self.force and sys.stderr is not None and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=f"loading {Path(model_dir).name}", unit="param", leave=False,
+                            file=sys.stderr)
+
+    def _line(self, msg: str) -> None:
+        if self.force:
+            print(f"xllm-gen: {msg}", file=sys.stderr, flush=True)
+        else:
+            logger.info("%s", msg)
+
+    def step(self, file: str) -> None:
+        if not self.enabled:
+            return
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        pct = 100 * self.done // self.total
+        if file != self.file:
+            self.file = file
+            self._line(f"loading weights: {pct}% ({self.done}/{self.total} parameters), reading {file}")
+        elif pct >= self.mark + 25:
+            self.mark = pct - pct % 25
+            self._line(f"loading weights: {pct}% ({self.done}/{self.total} parameters)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.enabled and self.bar is None:
+            self._line(f"loaded {self.done} parameters in {time.monotonic() - self.t0:.1f} s")
 
 
 def _open(path: Path):
@@ -77,13 +130,28 @@ class Checkpoint:
     def names(self) -> Iterable[str]:
         return self.file_of.keys()
 
+    def _layer_hint(self, name: str) -> str:
+        """Why a per-layer tensor is missing when its whole layer is: config.json asks for more layers than the
+        checkpoint holds (num_hidden_layers too large, or the files of the last layers missing)."""
+        m = re.search(r"\.(\d+)\.", name)
+        if m is None:
+            return ""
+        head = name[:m.start()]
+        present = {int(x.group(1)) for n in self.file_of
+                   if n.startswith(head + ".") and (x := re.match(r"\.(\d+)\.", n[len(head):]))}
+        layer = int(m.group(1))
+        if not present or layer in present:
+            return ""
+        return (f": the checkpoint holds {head}.* for {len(present)} layers ({min(present)}..{max(present)}), not "
+                f"layer {layer}; config.json asks for more layers (num_hidden_layers) than these files hold")
+
     def path_of(self, name: str) -> Path:
         """The file that holds tensor `name` (for messages)."""
         return self.dir / self.file_of.get(name, "?")
 
     def slice(self, name: str):
         if name not in self.file_of:
-            raise CheckpointError(f"{self.dir}: missing tensor {name!r}")
+            raise CheckpointError(f"{self.dir}: missing tensor {name!r}{self._layer_hint(name)}")
         fname = self.file_of[name]
         if fname not in self._handles:
             path = self.dir / fname
@@ -105,6 +173,14 @@ def _check_dtype(sl, name: str, param: torch.Tensor, pname: str, where: Path) ->
     if param.is_floating_point() and dtype not in _FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name!r}: dtype {dtype} cannot fill the floating-point parameter "
                               f"{pname!r} ({param.dtype}) (file {where})")
+
+
+def get_tp_rank_safe() -> int:
+    try:
+        from xllm_gen.runtime.executor.distributed import get_tp_rank
+        return get_tp_rank()
+    except Exception:
+        return 0
 
 
 def _check_tp(params: dict, tp_size: Optional[int], tp_rank: Optional[int]) -> None:
@@ -134,6 +210,7 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
     _check_tp(params, tp_size, tp_rank)
     loaded: set[str] = set()
     used_sources: set[str] = set()
+    progress = LoadProgress(len(plan), model_dir, enabled=tp_rank in (None, 0) and (get_tp_rank_safe() == 0))
     for rule in plan:
         if rule.param not in params:
             raise CheckpointError(f"weight plan names parameter {rule.param!r}, which the model does not have")
@@ -202,6 +279,8 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                                       f"{', '.join(map(str, rule.segments))} but not {', '.join(left)}")
         loaded.add(rule.param)
         used_sources.update(rule.sources)
+        progress.step(ckpt.file_of.get(rule.sources[-1], "?") if rule.sources else "?")
+    progress.close()
     try:
         used_sources |= qload.finish()
     except QuantLoadError as e:

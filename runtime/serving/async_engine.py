@@ -40,7 +40,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue          # requests beyond the running batch that may wait
-        self.max_active = getattr(engine.scheduler, "max_num_seqs", 256) + max_queue
+        self.max_active = getattr(getattr(engine, "scheduler", None), "max_num_seqs", 256) + max_queue
         self._cmds: deque = deque()
         self._wake = threading.Event()
         self._stop = False
@@ -166,7 +166,9 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.on_step(engine, 0)
 
-    def _account(self, outs: list[RequestOutput]) -> None:
+    def _account(self, outs: list[RequestOutput], stats: Optional[dict] = None) -> None:
+        """Per-request latencies and token counts of one step's deltas; `stats`: the engine's gauges
+        (metrics.engine_stats) when the engine is in another process (None: read from self.engine)."""
         m = self.metrics
         now = time.monotonic()
         new_tokens = 0
@@ -196,7 +198,7 @@ class AsyncEngine:
                 reason = "error" if out.error else (reasons.pop() if len(reasons) == 1 else "stop")
                 m.labels(m.success, finished_reason=reason).inc()
         if m is not None:
-            m.on_step(self.engine, new_tokens)
+            m.on_step(self.engine, new_tokens) if stats is None else m.on_stats(stats, new_tokens)
 
     def _post(self, items: list) -> None:
         if items and self._loop is not None:

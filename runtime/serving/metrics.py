@@ -58,17 +58,18 @@ class ServerMetrics:
 
     def on_step(self, engine, new_tokens: int) -> None:
         """Gauges and counters after one engine step (engine thread)."""
-        sched, bm = engine.scheduler, engine.block_manager
-        self.labels(self.running).set(len(sched.running))
-        self.labels(self.waiting).set(len(sched.waiting))
-        used = getattr(bm, "num_used_blocks", None)
-        used = used if used is not None else bm.num_blocks - bm.num_free_blocks
-        self.labels(self.kv_usage).set(used / max(1, bm.num_blocks))
-        d = sched.num_preemptions - self._last_preemptions
+        self.on_stats(engine_stats(engine), new_tokens)
+
+    def on_stats(self, st: dict, new_tokens: int) -> None:
+        """Gauges and counters from an engine_stats() snapshot (taken in this process or the engine core's)."""
+        self.labels(self.running).set(st["running"])
+        self.labels(self.waiting).set(st["waiting"])
+        self.labels(self.kv_usage).set(st["used_blocks"] / max(1, st["num_blocks"]))
+        d = st["preemptions"] - self._last_preemptions
         if d > 0:
             self.labels(self.preemptions).inc(d)
-        self._last_preemptions = sched.num_preemptions
-        hits, queries = getattr(bm, "prefix_hits", 0), getattr(bm, "prefix_queries", 0)
+        self._last_preemptions = st["preemptions"]
+        hits, queries = st["prefix_hits"], st["prefix_queries"]
         dh, dq = hits - self._last_hits[0], queries - self._last_hits[1]
         if dq > 0:
             self.labels(self.prefix_queries).inc(dq)
@@ -94,3 +95,14 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def engine_stats(engine) -> dict:
+    """What the metrics read from an engine after a step (small and picklable: the engine-core process sends it
+    with each step's outputs)."""
+    sched, bm = engine.scheduler, engine.block_manager
+    used = getattr(bm, "num_used_blocks", None)
+    used = used if used is not None else bm.num_blocks - bm.num_free_blocks
+    return {"running": len(sched.running), "waiting": len(sched.waiting), "used_blocks": used,
+            "num_blocks": bm.num_blocks, "preemptions": sched.num_preemptions,
+            "prefix_hits": getattr(bm, "prefix_hits", 0), "prefix_queries": getattr(bm, "prefix_queries", 0)}

@@ -475,6 +475,13 @@ def _parser() -> argparse.ArgumentParser:
                     "</tool_call>); enables tools with tool_choice auto, required and named")
     ap.add_argument("--reasoning-parser", help="split the reasoning from the answer into reasoning_content "
                     "(think: a reply opening with <think> ... </think>; model-family names are aliases, see README)")
+    ap.add_argument("--engine-in-process", action="store_true",
+                    help="run the engine (scheduler, model, sampling) in a thread of the API process instead of its "
+                         "own engine-core process (talking over ZeroMQ, the default)")
+    ap.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                    help="API processes (HTTP, tokenization, detokenization) sharing the port and one engine core; "
+                         "each has its own /metrics counters (the gauges are the core's)")
+    ap.add_argument("--_api-server", help=argparse.SUPPRESS)     # INDEX,IN,OUT,FD: an API process i > 0
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     ap.add_argument("--allowed-local-media-path", metavar="DIR",
@@ -574,9 +581,30 @@ def make_engine(args):
     return LLMEngine(model, **kw)
 
 
+def _start_api_servers(argv: list, aeng, sock) -> list:
+    """API processes 1..N-1 (--api-server-count N): the same arguments, the listening socket inherited, each
+    with its own output address of the core that this process started."""
+    import subprocess
+
+    in_addr, outs = aeng.addresses
+    fd = sock.fileno()
+    os_set_inheritable(fd)
+    return [subprocess.Popen([sys.executable, "-m", "xllm_gen.runtime.serving.server", *argv, "--_api-server",
+                              f"{i},{in_addr},{outs[i]},{fd}"], pass_fds=(fd,)) for i in range(1, len(outs))]
+
+
+def os_set_inheritable(fd: int) -> None:
+    import os
+    os.set_inheritable(fd, True)
+
+
 def main(argv=None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    child = args._api_server
+    several = args.api_server_count > 1 or child
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s"
+                        f"{'[%(process)d]' if several else ''}: %(message)s")
     import os
 
     import uvicorn
@@ -590,7 +618,24 @@ def main(argv=None) -> int:
             check_model_path(args.model)
         if args.allowed_local_media_path and not os.path.isdir(args.allowed_local_media_path):
             raise ValueError(f"--allowed-local-media-path: no such directory: {args.allowed_local_media_path}")
-        sock = bind_socket(args.host, args.port)
+        if args.api_server_count < 1 or (args.api_server_count > 1 and args.engine_in_process):
+            raise ValueError("--api-server-count must be >= 1, and 1 with --engine-in-process (several API "
+                             "processes share one engine-core process)")
+        if not args.engine_in_process:
+            try:
+                import zmq  # noqa: F401
+            except ImportError:
+                raise ValueError("the engine-core process talks over ZeroMQ, and pyzmq is not installed: "
+                                 "pip install pyzmq, or serve with --engine-in-process") from None
+        if child:                      # an API process i > 0: the first one's socket, its core
+            import socket
+
+            from xllm_gen.runtime.serving.engine_core import die_with_parent
+            die_with_parent(os.getppid())
+            index, in_addr, out_addr, fd = child.split(",")
+            sock = socket.socket(fileno=int(fd))
+        else:
+            sock = bind_socket(args.host, args.port)
         template = _chat_template(args.chat_template)
         from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
         if args.tool_call_parser:
@@ -601,14 +646,29 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t_load = time.monotonic()
+    from xllm_gen.runtime.serving.engine_core import engine_info
+
     try:
-        engine = make_engine(args)
+        if args.engine_in_process:
+            engine = make_engine(args)
+            aeng = AsyncEngine(engine, None, max_queue=args.max_queue, stats_interval=args.log_stats_interval)
+            info = engine_info(engine)
+        else:                          # the engine core in its own process (runtime/serving/engine_core.py)
+            from xllm_gen.runtime.serving.core_client import CoreClient
+            if child:
+                aeng = CoreClient(args, None, max_queue=args.max_queue, stats_interval=0, index=int(index),
+                                  addresses=(in_addr, [out_addr]))
+            else:
+                aeng = CoreClient(args, None, max_queue=args.max_queue, stats_interval=args.log_stats_interval,
+                                  count=args.api_server_count)
+                aeng.children = _start_api_servers(raw_argv, aeng, sock) if args.api_server_count > 1 else []
+            engine = aeng.wait_ready()
+            info = aeng.info
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or engine.model_dir.name
-    metrics = ServerMetrics(name)
-    aeng = AsyncEngine(engine, metrics, max_queue=args.max_queue, stats_interval=args.log_stats_interval)
+    metrics = aeng.metrics = ServerMetrics(name)
     app = build_app(aeng, name, metrics, tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     chat_template=template, allowed_local_media_path=args.allowed_local_media_path,
                     api_key=api_key, allowed_origins=args.allowed_origins,
@@ -616,15 +676,18 @@ def main(argv=None) -> int:
     config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
-    bm = engine.block_manager
-    per_block = getattr(engine.runner, "_kv_bytes_per_block", None)
-    kv_bytes = per_block() * bm.num_blocks if callable(per_block) else None
-    logger.info("serving %s as %r on http://%s:%d: device %s, tensor parallel %d, dtype %s, loaded in %.1f s, "
-                "%d KV blocks of %d tokens (%s), max_model_len %d, max_num_seqs %d",
-                engine.model_dir, name, args.host, sock.getsockname()[1], engine.device, args.tensor_parallel_size,
-                str(engine.dtype).replace("torch.", ""), time.monotonic() - t_load, bm.num_blocks, bm.block_size,
-                f"{kv_bytes} bytes" if kv_bytes is not None else "size unknown", engine.max_model_len,
-                engine.scheduler.max_num_seqs)
+    kv_bytes = info["kv_bytes"]
+    if child:
+        logger.info("API server %s of %d serving on the shared socket", index, args.api_server_count)
+    else:
+        logger.info("serving %s as %r on http://%s:%d: device %s, tensor parallel %d, dtype %s, loaded in %.1f s, "
+                    "%d KV blocks of %d tokens (%s), max_model_len %d, max_num_seqs %d, engine %s%s",
+                    engine.model_dir, name, args.host, sock.getsockname()[1], info["device"],
+                    args.tensor_parallel_size, info["dtype"], time.monotonic() - t_load, info["num_blocks"],
+                    info["block_size"], f"{kv_bytes} bytes" if kv_bytes is not None else "size unknown",
+                    info["max_model_len"], info["max_num_seqs"],
+                    "in process" if args.engine_in_process else f"core process pid {info['pid']}",
+                    f", {args.api_server_count} API processes" if args.api_server_count > 1 else "")
     # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal with the handlers found at
     # start: these make that a clean exit (0 for SIGTERM, 130 for Ctrl-C) instead of a kill or a traceback.
     import signal
@@ -634,8 +697,8 @@ def main(argv=None) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        if aeng._thread is None:            # the app never started: still stop the ranks
-            engine.shutdown()
+        if aeng._thread is None:            # the app never started: still stop the ranks (or the core)
+            aeng.stop() if not args.engine_in_process else engine.shutdown()
     return 0
 
 
