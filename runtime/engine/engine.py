@@ -17,6 +17,7 @@ from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
+from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig
 from xllm_gen.runtime.loading import registry
 from xllm_gen.runtime.loading.checkpoint_files import (
     CheckpointFileError,
@@ -105,7 +106,11 @@ class LLMEngine:
                  cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
                  debug: Optional[dict] = None,
                  tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True,
-                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto"):
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
+                 speculative_config: Any = None):
+        spec_cfg = SpeculativeConfig.parse(speculative_config)      # errors name the key, before any loading
+        self.tensor_parallel_size = tensor_parallel_size
+        self.spec = None
         self.model_dir = resolve_model_path(model)        # a GGUF file: its converted HF checkpoint (cached)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
@@ -174,10 +179,18 @@ class LLMEngine:
             self.shutdown()              # stop TP ranks at once, not at garbage collection
             raise
         self.vocab_size = self.config.vocab_size
+        if spec_cfg is not None:         # speculative decoding (runtime/engine/spec_decode.py)
+            try:
+                self.spec = SpecDecoder(spec_cfg, self, runner_kwargs)
+            except BaseException:
+                self.shutdown()
+                raise
+            async_scheduling = False
         self._next_id = 0
         self._requests: dict = {}            # request id -> Sequence (add_request / abort_request)
         self._request_of: dict = {}          # seq id -> request id
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0,
+                      "spec_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
         self._stream_text = False                  # set by step_deltas: detokenize every step
         self._grammar_backend = None               # structured outputs (built on first use)
@@ -448,6 +461,8 @@ class LLMEngine:
             if finished or not self.scheduler.has_unfinished():
                 return finished              # an idle engine: nothing to do
             raise RuntimeError("scheduler made no progress: KV cache too small for any running request")
+        if not is_prefill and self.spec is not None and self.spec.step(seqs, finished):
+            return finished              # drafts proposed and verified (runtime/engine/spec_decode.py)
         if not is_prefill and self._async is not None and self._async.can_launch(seqs):
             self._async.inflight = self._async.launch(seqs)
             self._count_decode(seqs)
@@ -654,8 +669,17 @@ class LLMEngine:
         """The final output of one sequence (kept for drivers that queue sequences directly)."""
         return self.request_output(index, [seq])
 
+    @property
+    def spec_acceptance_rate(self) -> Optional[float]:
+        """Speculative decoding: accepted / proposed draft tokens so far (None: no speculation or no draft yet)."""
+        n = self.stats["spec_draft_tokens"] if self.spec is not None else 0
+        return self.stats["spec_accepted_tokens"] / n if n else None
+
     def shutdown(self) -> None:
         """Stops the runner (every TP rank) and releases the model, KV cache and graphs; idempotent."""
+        spec = getattr(self, "spec", None)
+        if spec is not None:
+            spec.shutdown()
         close = getattr(self.runner, "shutdown", None)
         if close:
             close()

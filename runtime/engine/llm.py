@@ -34,6 +34,7 @@ class LLM:
                  cuda_graph_sizes: Optional[list] = None, prefill_graph_sizes: Optional[list] = None,
                  enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
+                 speculative_config: Optional[dict] = None,
                  _debug: Optional[dict] = None, **vllm_kwargs: Any):
         unknown = set(vllm_kwargs) - _IGNORED_VLLM_KWARGS
         if unknown:       # a typo must not pass silently (tensor_parallel=2 would serve on one rank)
@@ -48,7 +49,7 @@ class LLM:
                                 debug=_debug, tokenizer=tokenizer,
                                 enable_prefix_caching=enable_prefix_caching,
                                 async_scheduling=async_scheduling, quantization=quantization,
-                                kv_cache_dtype=kv_cache_dtype)
+                                kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config)
         # `del llm` (or the object going out of scope) releases the model, KV cache and graphs like shutdown()
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
