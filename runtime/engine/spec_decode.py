@@ -195,7 +195,7 @@ class DraftModelProposer:
             sh = self.shadows[seq.seq_id] = Sequence(seq.seq_id, [], seq.params)
         old, new = sh.token_ids, seq.token_ids
         common = 0
-        limit = min(len(old), len(new), sh.num_computed_tokens)
+        limit = min(len(old), len(new) - 1, sh.num_computed_tokens)    # the last token's logits are needed
         while common < limit and old[common] == new[common]:
             common += 1
         sh.token_ids = list(new)
@@ -327,20 +327,23 @@ class SpecDecoder:
             drafts = drafts[:max(0, min(len(drafts), self._room(seq), budget))]
             while drafts and not bm.can_allocate(seq, seq.num_tokens + len(drafts)):
                 drafts = drafts[:-1]                     # drafts take free blocks only, never preempt
+            bm.allocate(seq, seq.num_tokens + len(drafts))
             budget -= len(drafts)
             plan.append((drafts, qs))
         if not any(d for d, _ in plan):
             return False
         base = [s.num_tokens for s in seqs]
         for seq, (drafts, _) in zip(seqs, plan):
-            bm.allocate(seq, seq.num_tokens + len(drafts))
             seq.token_ids.extend(drafts)                 # the verification's inputs: last token + drafts
             seq.chunk_len = 1 + len(drafts)              # num_computed_tokens == base - 1
         try:
             rows = eng.runner.run(seqs, True, all_rows=True)
         finally:
+            rollback = getattr(eng.runner, "rollback_tokens", None)     # tensor parallelism: the ranks' copies
             for seq, n in zip(seqs, base):
                 del seq.token_ids[n:]
+                if rollback is not None:
+                    rollback(seq.seq_id, n)
         st = eng.stats
         st["steps"] += 1
         st["spec_steps"] += 1
@@ -348,7 +351,6 @@ class SpecDecoder:
         off = 0
         for seq, (drafts, qs) in zip(seqs, plan):
             n_rows = 1 + len(drafts)
-            st["spec_draft_tokens"] += len(drafts)
             emitted = 0
             for j in range(n_rows):
                 draft = drafts[j] if j < len(drafts) else None
@@ -360,6 +362,8 @@ class SpecDecoder:
                     seq.error, tok = f"sampling failed: {type(e).__name__}: {e}", None
                 if tok is None:
                     break
+                if draft is not None:
+                    st["spec_draft_tokens"] += 1         # drafts compared (those after a stop are not)
                 eng._accept([seq], [tok], finished)
                 emitted += 1
                 if tok != draft:
