@@ -17,7 +17,7 @@ from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
-from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig
+from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, load_draft_runner
 from xllm_gen.runtime.loading import registry
 from xllm_gen.runtime.loading.checkpoint_files import (
     CheckpointFileError,
@@ -158,12 +158,20 @@ class LLMEngine:
                              load_format=load_format, cuda_graph_sizes=cuda_graph_sizes,
                              prefill_graph_sizes=prefill_graph_sizes, debug=debug, quantization=quantization,
                              kv_cache_dtype=kv_cache_dtype)
-        if tensor_parallel_size > 1:
-            from xllm_gen.runtime.executor.tp import TensorParallelRunner
-            self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,
-                                               tensor_parallel_size, runner_kwargs)
-        else:
-            self.runner = runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs)
+        # a draft model (speculative decoding) loads first: on a GPU the target's KV cache takes what it leaves
+        draft = load_draft_runner(spec_cfg, runner_kwargs, tensor_parallel_size, self.config.vocab_size)
+        try:
+            if tensor_parallel_size > 1:
+                from xllm_gen.runtime.executor.tp import TensorParallelRunner
+                self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,
+                                                   tensor_parallel_size, runner_kwargs)
+            else:
+                self.runner = runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs)
+        except BaseException:
+            if draft is not None:
+                draft[0].shutdown()
+            raise
+        self._draft = draft
         try:
             self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
                                               enable_caching=bool(enable_prefix_caching))
@@ -181,7 +189,7 @@ class LLMEngine:
         self.vocab_size = self.config.vocab_size
         if spec_cfg is not None:         # speculative decoding (runtime/engine/spec_decode.py)
             try:
-                self.spec = SpecDecoder(spec_cfg, self, runner_kwargs)
+                self.spec = SpecDecoder(spec_cfg, self, draft)
             except BaseException:
                 self.shutdown()
                 raise
@@ -680,6 +688,8 @@ class LLMEngine:
         spec = getattr(self, "spec", None)
         if spec is not None:
             spec.shutdown()
+        elif getattr(self, "_draft", None) is not None:      # loaded, not yet handed to the SpecDecoder
+            self._draft[0].shutdown()
         close = getattr(self.runner, "shutdown", None)
         if close:
             close()

@@ -50,7 +50,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from xllm_gen.runtime.engine.block_manager import BlockManager, blocks_for
+from xllm_gen.runtime.engine.block_manager import BlockManager
 from xllm_gen.runtime.engine.sampler import generator_of, process_row, row_probs
 from xllm_gen.runtime.engine.sequence import Sequence
 
@@ -146,36 +146,53 @@ class NgramProposer:
         pass
 
 
+DRAFT_KV_SHARE = 0.25      # on a GPU, without num_kv_blocks: the draft's share of gpu_memory_utilization
+
+
+def load_draft_runner(cfg: SpeculativeConfig, runner_kwargs: dict, tensor_parallel_size: int,
+                      target_vocab_size: int) -> Optional[tuple]:
+    """(runner, max_len) of the draft model of `cfg` (None for other methods), loaded before the target: on a GPU
+    its KV cache takes DRAFT_KV_SHARE of gpu_memory_utilization (or num_kv_blocks) and the target the rest. A
+    draft pool smaller than the target's only means fewer sequences get drafts. Refused by name: tensor
+    parallelism, a multimodal draft, another vocabulary size."""
+    if cfg is None or cfg.method != "draft_model":
+        return None
+    from xllm_gen.runtime.loading import registry
+    from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError, read_config_json
+    if tensor_parallel_size != 1:
+        raise ValueError("speculative_config: a draft model runs at tensor_parallel_size 1 only; use method "
+                         "'ngram' with tensor parallelism")
+    path = Path(cfg.model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"speculative_config: 'model' {cfg.model!r} is not a checkpoint directory (no config.json)")
+    hf_config = read_config_json(path)
+    model_module, runner_module = registry.resolve(hf_config)
+    try:
+        config = model_module.Config.from_hf(hf_config)
+    except ValueError as e:
+        raise CheckpointFileError(f"{path / 'config.json'}: {str(e).removeprefix('config.json: ')}") from None
+    if getattr(runner_module.Runner, "multimodal", False):
+        raise ValueError(f"speculative_config: the draft model {cfg.model} is multimodal; a draft model must be a "
+                         "text decoder")
+    if config.vocab_size != target_vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocab_size {config.vocab_size} "
+                         f"({path / 'config.json'}) differs from the target's {target_vocab_size}; a draft model "
+                         "must share the target's tokenizer and vocabulary")
+    max_len = min(runner_kwargs["max_model_len"], config.max_position_embeddings)
+    kw = dict(runner_kwargs, num_kv_blocks=cfg.num_kv_blocks, max_model_len=max_len, prefill_graph_sizes=[])
+    if torch.device(kw["device"]).type == "cuda" and cfg.num_kv_blocks is None:
+        kw["gpu_memory_utilization"] = runner_kwargs["gpu_memory_utilization"] * DRAFT_KV_SHARE
+    return runner_module.Runner(str(path), hf_config, **kw), max_len
+
+
 class DraftModelProposer:
     """A draft checkpoint with its own generated runner and KV cache; one shadow sequence per target sequence."""
 
-    def __init__(self, cfg: SpeculativeConfig, engine, runner_kwargs: dict):
-        from xllm_gen.runtime.loading import registry
-        from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError, read_config_json
-        path = Path(cfg.model)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"speculative_config: 'model' {cfg.model!r} is not a checkpoint directory "
-                             "(no config.json)")
-        hf_config = read_config_json(path)
-        model_module, runner_module = registry.resolve(hf_config)
-        try:
-            config = model_module.Config.from_hf(hf_config)
-        except ValueError as e:
-            raise CheckpointFileError(f"{path / 'config.json'}: {str(e).removeprefix('config.json: ')}") from None
-        if getattr(runner_module.Runner, "multimodal", False):
-            raise ValueError(f"speculative_config: the draft model {cfg.model} is multimodal; a draft model must be "
-                             "a text decoder")
-        if config.vocab_size != engine.vocab_size:
-            raise ValueError(f"speculative_config: the draft model's vocab_size {config.vocab_size} "
-                             f"({path / 'config.json'}) differs from the target's {engine.vocab_size}; a draft model "
-                             "must share the target's tokenizer and vocabulary")
-        self.max_len = min(engine.max_model_len, config.max_position_embeddings)
-        kw = dict(runner_kwargs)
-        kw.update(num_kv_blocks=cfg.num_kv_blocks or engine.runner.num_kv_blocks, max_model_len=self.max_len,
-                  prefill_graph_sizes=[])
-        self.runner = runner_module.Runner(str(path), hf_config, **kw)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, kw["block_size"], enable_caching=False)
-        self.budget = kw["max_num_batched_tokens"]
+    def __init__(self, cfg: SpeculativeConfig, engine, draft: tuple):
+        self.runner, self.max_len = draft
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, engine.block_manager.block_size,
+                                          enable_caching=False)
+        self.budget = engine.max_num_batched_tokens
         self.sampler_generator = engine.sampler.default_generator
         self.eos = engine.eos_token_ids
         self.shadows: dict[int, Sequence] = {}
@@ -288,19 +305,13 @@ def acceptance_probability(p_draft: float, q_draft: float) -> float:
 class SpecDecoder:
     """The engine's speculative decode step (see the module docstring)."""
 
-    def __init__(self, cfg: SpeculativeConfig, engine, runner_kwargs: dict):
+    def __init__(self, cfg: SpeculativeConfig, engine, draft: Optional[tuple] = None):
         self.cfg = cfg
         self.engine = engine
         if getattr(engine.runner, "multimodal", False):
             raise ValueError("speculative_config: speculative decoding is not supported for multimodal models yet "
                              "(their decode positions come from the prompt's images)")
-        if cfg.method == "ngram":
-            self.proposer = NgramProposer(cfg)
-        else:
-            if getattr(engine, "tensor_parallel_size", 1) != 1:
-                raise ValueError("speculative_config: a draft model runs at tensor_parallel_size 1 only; use "
-                                 "method 'ngram' with tensor parallelism")
-            self.proposer = DraftModelProposer(cfg, engine, runner_kwargs)
+        self.proposer = NgramProposer(cfg) if cfg.method == "ngram" else DraftModelProposer(cfg, engine, draft)
 
     def shutdown(self) -> None:
         self.proposer.shutdown()
