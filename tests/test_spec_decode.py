@@ -323,3 +323,20 @@ def test_stats_line_shows_acceptance(ckpts):
     assert f"draft acceptance rate {100 * rate:.1f}%" in m.stats_line() and rate > 0
     assert b"xllm:spec_decode_num_accepted_tokens" in m.render()
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_ngram_tensor_parallel_identical(ckpts, plain):
+    """At TP 2 the ranks mirror rank 0's tokens: after a verification they drop the rejected drafts
+    (TensorParallelRunner.rollback_tokens), or the next step would feed a rank a rejected draft."""
+    prompts, params = _batch(10)
+    ref = plain.generate(prompts, params)
+    llm = _spec(ckpts, {"method": "ngram", "num_speculative_tokens": 3}, tensor_parallel_size=2)
+    try:
+        _same_greedy(ref, llm.generate(prompts, params))
+        assert 0 < llm.engine.stats["spec_accepted_tokens"] < llm.engine.stats["spec_draft_tokens"]
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="a draft model runs at tensor_parallel_size 1 only"):
+        _spec(ckpts, {"method": "draft_model", "model": str(ckpts["target"]), "num_speculative_tokens": 2},
+              tensor_parallel_size=2)
