@@ -340,3 +340,18 @@ def test_ngram_tensor_parallel_identical(ckpts, plain):
     with pytest.raises(ValueError, match="a draft model runs at tensor_parallel_size 1 only"):
         _spec(ckpts, {"method": "draft_model", "model": str(ckpts["target"]), "num_speculative_tokens": 2},
               tensor_parallel_size=2)
+
+
+def test_server_flag(ckpts):
+    """`--speculative-config JSON` reaches the engine; a malformed one is refused naming the key."""
+    from xllm_gen.runtime.serving.server import _parser, make_engine
+    args = _parser().parse_args([str(ckpts["target"]), "--device", "cpu", "--dtype", "float32",
+                                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    engine = make_engine(args)
+    try:
+        assert engine.spec is not None and engine.spec.cfg.num_speculative_tokens == 2
+    finally:
+        engine.shutdown()
+    bad = _parser().parse_args([str(ckpts["target"]), "--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match="speculative_config: 'num_speculative_tokens' is required"):
+        make_engine(bad)
