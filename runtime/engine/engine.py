@@ -98,6 +98,7 @@ class IncrementalDetokenizer:
 
 
 class LLMEngine:
+    spec = None                          # speculative decoding (SpecDecoder), when speculative_config is given
     def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,

@@ -217,7 +217,6 @@ class DraftModelProposer:
             common += 1
         sh.token_ids = list(new)
         sh.num_computed_tokens = common        # KV of the longest prefix that still holds
-        sh.generator = seq.generator if seq.params.seed is not None else None
         return sh
 
     def _draft_token(self, logits: torch.Tensor, sh: Sequence, seq: Sequence) -> tuple[int, Optional[torch.Tensor]]:
@@ -227,11 +226,8 @@ class DraftModelProposer:
             row = process_row(logits, sh, banned) if (p.needs_processing or sh.num_completion_tokens < p.min_tokens) \
                 else logits
             return int(torch.argmax(row).item()), None
-        sh.num_prompt_tokens = seq.num_prompt_tokens
         q = row_probs(process_row(logits, sh, banned), sh)
-        if seq.params.seed is not None and seq.generator is None:
-            generator_of(seq, self.sampler_generator)
-        gen = seq.generator if seq.generator is not None else self.sampler_generator
+        gen = generator_of(seq, self.sampler_generator)          # the request's own stream when it is seeded
         return int(torch.multinomial(q, 1, generator=gen).item()), q
 
     @torch.inference_mode()
@@ -282,8 +278,14 @@ class DraftModelProposer:
                 for (i, seq, sh, k), row in zip(live, logits):
                     sh.num_computed_tokens += 1
                     last_logits[i] = row
-            for i, seq, sh, k in live:
-                tok, q = self._draft_token(last_logits[i].float().cpu(), sh, seq)
+            stacked = torch.stack([last_logits[it[0]] for it in live])
+            argmax = stacked.argmax(dim=-1).tolist()           # one device-to-host copy for the plain greedy rows
+            for row, (i, seq, sh, k) in enumerate(live):
+                p = seq.params
+                if p.greedy and not p.needs_processing and sh.num_completion_tokens >= p.min_tokens:
+                    tok, q = argmax[row], None
+                else:
+                    tok, q = self._draft_token(stacked[row].float().cpu(), sh, seq)
                 drafts[i].append(tok)
                 qs[i].append(q)
                 sh.token_ids.append(tok)
