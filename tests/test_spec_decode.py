@@ -355,3 +355,8 @@ def test_server_flag(ckpts):
     bad = _parser().parse_args([str(ckpts["target"]), "--speculative-config", '{"method": "ngram"}'])
     with pytest.raises(ValueError, match="speculative_config: 'num_speculative_tokens' is required"):
         make_engine(bad)
+
+
+def test_multimodal_target_is_refused(qwen3_vl_tied):
+    with pytest.raises(ValueError, match="speculative decoding is not supported for multimodal models"):
+        LLM(str(qwen3_vl_tied), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE)

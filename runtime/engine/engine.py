@@ -17,7 +17,7 @@ from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
-from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, load_draft_runner
+from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, check_target, load_draft_runner
 from xllm_gen.runtime.loading import registry
 from xllm_gen.runtime.loading.checkpoint_files import (
     CheckpointFileError,
@@ -160,6 +160,7 @@ class LLMEngine:
                              prefill_graph_sizes=prefill_graph_sizes, debug=debug, quantization=quantization,
                              kv_cache_dtype=kv_cache_dtype)
         # a draft model (speculative decoding) loads first: on a GPU the target's KV cache takes what it leaves
+        check_target(spec_cfg, runner_cls)
         draft = load_draft_runner(spec_cfg, runner_kwargs, tensor_parallel_size, self.config.vocab_size)
         try:
             if tensor_parallel_size > 1:

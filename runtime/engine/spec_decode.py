@@ -146,6 +146,13 @@ class NgramProposer:
         pass
 
 
+def check_target(cfg: Optional[SpeculativeConfig], runner_cls) -> None:
+    """Refuses, before anything loads, a target speculative decoding does not serve."""
+    if cfg is not None and getattr(runner_cls, "multimodal", False):
+        raise ValueError("speculative_config: speculative decoding is not supported for multimodal models yet "
+                         "(their decode positions come from the prompt's images)")
+
+
 DRAFT_KV_SHARE = 0.25      # on a GPU, without num_kv_blocks: the draft's share of gpu_memory_utilization
 
 
@@ -310,9 +317,6 @@ class SpecDecoder:
     def __init__(self, cfg: SpeculativeConfig, engine, draft: Optional[tuple] = None):
         self.cfg = cfg
         self.engine = engine
-        if getattr(engine.runner, "multimodal", False):
-            raise ValueError("speculative_config: speculative decoding is not supported for multimodal models yet "
-                             "(their decode positions come from the prompt's images)")
         self.proposer = NgramProposer(cfg) if cfg.method == "ngram" else DraftModelProposer(cfg, engine, draft)
 
     def shutdown(self) -> None:
