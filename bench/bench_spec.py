@@ -30,7 +30,35 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import drive, rand_prompts, write_config  # noqa: E402
+from bench_decode import rand_prompts, write_config  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def drive(llm, prompts: list[list[int]], out_lens: list[int], device: str) -> dict:
+    """All requests at once through the engine's step loop (as bench_decode.drive); per-request TPOT (seconds)."""
+    from xllm_gen import SamplingParams
+    engine = llm.engine
+    seqs = [engine.make_sequence(i, {"prompt_token_ids": p},
+                                 SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, out_lens))]
+    _sync(device)
+    for s in seqs:
+        engine.scheduler.add(s)
+    first: dict[int, float] = {}
+    end: dict[int, float] = {}
+    while engine.scheduler.has_unfinished():
+        finished = engine.step()
+        now = time.perf_counter()
+        for s in seqs:
+            if s.seq_id not in first and s.num_completion_tokens >= 1:
+                first[s.seq_id] = now
+        for s in finished:
+            end[s.seq_id] = now
+    return dict(tpot=[(end[s.seq_id] - first[s.seq_id]) / (n - 1) for s, n in zip(seqs, out_lens) if n > 1])
 
 
 def _shuffle_vocab_rows(runner, vocab: int) -> None:
@@ -49,7 +77,8 @@ def make(model_dir: Path, arm: str, k: int, args):
         spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k, "num_kv_blocks": blocks}
     elif arm == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
-    llm = LLM(str(model_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=max(args.batch_sizes),
+    llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+              load_format="auto" if args.model_dir else "dummy",
               max_model_len=args.in_len + args.out_len + k + 8, num_kv_blocks=blocks, enable_prefix_caching=False,
               speculative_config=spec)
     if arm == "draft-shuffled":
@@ -67,11 +96,11 @@ def run_arm(model_dir: Path, arm: str, k: int, args, deadline: float, log) -> di
             if time.monotonic() > deadline:
                 log(f"  {arm} B={B}: skipped (time limit)")
                 break
-            drive(llm, rand_prompts(rng, vocab, B, args.in_len), [8] * B)          # warm-up
+            drive(llm, rand_prompts(rng, vocab, B, args.in_len), [8] * B, args.device)          # warm-up
             before = dict(llm.engine.stats)
             tpot = []
             for _ in range(args.runs):
-                r = drive(llm, rand_prompts(rng, vocab, B, args.in_len), [args.out_len] * B)
+                r = drive(llm, rand_prompts(rng, vocab, B, args.in_len), [args.out_len] * B, args.device)
                 tpot += r["tpot"]
             st = llm.engine.stats
             drafted = st["spec_draft_tokens"] - before["spec_draft_tokens"]
@@ -83,13 +112,17 @@ def run_arm(model_dir: Path, arm: str, k: int, args, deadline: float, log) -> di
         llm.shutdown()
         del llm
         gc.collect()
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="Qwen3-0.6B", help="a variant of specs/qwen3.yaml")
+    ap.add_argument("--model", default="Qwen3-0.6B", help="a variant of specs/qwen3.yaml (random weights)")
+    ap.add_argument("--model-dir", default=None, help="a checkpoint dir instead (its weights; the draft = it)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--in-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=128)
@@ -101,14 +134,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="markdown table (and .json beside it)")
     args = ap.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if not torch.cuda.is_available():
-        print("bench_spec: needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_spec: no CUDA GPU here (--device cpu for a smoke run)", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.time_limit
 
     def log(msg):
         print(msg, flush=True)
-    model_dir = write_config(Path(tempfile.mkdtemp(prefix="bench_spec_")), args.model)
+    model_dir = Path(args.model_dir) if args.model_dir else write_config(Path(tempfile.mkdtemp(prefix="bench_spec_")),
+                                                                          args.model)
     results = {}
     for arm in args.arms.split(","):
         if time.monotonic() > deadline:
@@ -116,16 +150,18 @@ def main(argv=None) -> int:
             continue
         t0 = time.monotonic()
         try:
-            results[arm] = run_arm(model_dir, "draft" if arm == "draft=target" else arm,
+            results[arm] = run_arm(model_dir, arm,
                                    args.num_speculative_tokens, args, deadline, log)
             log(f"{arm}: done in {time.monotonic() - t0:.0f} s")
         except Exception as e:
             log(f"{arm}: FAILED ({type(e).__name__}: {e})")
             traceback.print_exc()
             results[arm] = {"error": f"{type(e).__name__}: {e}"}
-    lines = [f"# Speculative decoding, {args.model} (random bf16 weights), {torch.cuda.get_device_name()}", "",
-             f"input {args.in_len}, output {args.out_len}, k = {args.num_speculative_tokens}, greedy, CUDA graphs; "
-             "TPOT median ms (acceptance rate)", "",
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    what = args.model_dir or f"{args.model} (random weights)"
+    lines = [f"# Speculative decoding, {what}, {args.dtype}, {where}", "",
+             f"input {args.in_len}, output {args.out_len}, k = {args.num_speculative_tokens}, greedy, "
+             f"{'CUDA graphs' if args.device == 'cuda' else 'eager'}; TPOT median ms (acceptance rate)", "",
              "| arm | " + " | ".join(f"B={b}" for b in args.batch_sizes) + " |",
              "|---|" + "---|" * len(args.batch_sizes)]
     for arm, rows in results.items():
@@ -143,7 +179,7 @@ def main(argv=None) -> int:
         Path(args.out).write_text(text)
         Path(args.out).with_suffix(".json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1,
                                                                   default=str))
-    return 0
+    return 0 if all("error" not in r for r in results.values()) else 1
 
 
 if __name__ == "__main__":

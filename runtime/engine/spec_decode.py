@@ -67,7 +67,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     model: Optional[str] = None
-    num_kv_blocks: Optional[int] = None     # the draft model's KV blocks (default: as many as the target's)
+    num_kv_blocks: Optional[int] = None     # the draft model's KV blocks (default: load_draft_runner)
 
     @classmethod
     def parse(cls, value: Any) -> Optional["SpeculativeConfig"]:
@@ -186,7 +186,7 @@ def load_draft_runner(cfg: SpeculativeConfig, runner_kwargs: dict, tensor_parall
                          f"({path / 'config.json'}) differs from the target's {target_vocab_size}; a draft model "
                          "must share the target's tokenizer and vocabulary")
     max_len = min(runner_kwargs["max_model_len"], config.max_position_embeddings)
-    kw = dict(runner_kwargs, num_kv_blocks=cfg.num_kv_blocks, max_model_len=max_len, prefill_graph_sizes=[])
+    kw = dict(runner_kwargs, num_kv_blocks=cfg.num_kv_blocks, max_model_len=max_len)
     if torch.device(kw["device"]).type == "cuda" and cfg.num_kv_blocks is None:
         kw["gpu_memory_utilization"] = runner_kwargs["gpu_memory_utilization"] * DRAFT_KV_SHARE
     return runner_module.Runner(str(path), hf_config, **kw), max_len
