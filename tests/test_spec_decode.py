@@ -360,3 +360,24 @@ def test_server_flag(ckpts):
 def test_multimodal_target_is_refused(qwen3_vl_tied):
     with pytest.raises(ValueError, match="speculative decoding is not supported for multimodal models"):
         LLM(str(qwen3_vl_tied), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE)
+
+
+def test_streamed_deltas_and_seeded_reproducibility(ckpts):
+    """Several tokens per step arrive as one delta each step; the deltas add up to the final output. A seeded
+    sampled request gives the same tokens on every run (its own generator draws the drafts and the checks)."""
+    llm = _spec(ckpts, {"method": "draft_model", "model": str(ckpts["target"]), "num_speculative_tokens": 4})
+    eng = llm.engine
+    eng.add_request("a", {"prompt_token_ids": [5, 6, 7, 8] * 3}, SamplingParams(max_tokens=30, **GREEDY))
+    ids, sizes, final = [], [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step_deltas():
+            ids += out.outputs[0].token_ids
+            sizes.append(len(out.outputs[0].token_ids))
+            final = out if out.finished else final
+    assert len(ids) == 30 and max(sizes) > 1 and final is not None
+    ref = llm.generate([{"prompt_token_ids": [5, 6, 7, 8] * 3}], SamplingParams(max_tokens=30, **GREEDY))
+    assert ids == ref[0].outputs[0].token_ids
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True, logprobs=1)
+    runs = [llm.generate([{"prompt_token_ids": [3, 1, 4, 1, 5]}], seeded)[0].outputs[0] for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and len(runs[0].logprobs) == 20
+    llm.shutdown()
