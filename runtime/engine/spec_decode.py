@@ -37,8 +37,9 @@ grammar decides p only per accepted prefix), and sequences with no room (max_tok
 drafts only take free blocks, never preempt). Async scheduling is off while speculative decoding is on.
 Multimodal runners and tensor-parallel draft models are refused at load.
 
-Stats (engine.stats): spec_steps, spec_draft_tokens (proposed and verified), spec_accepted_tokens, and the
-acceptance rate spec_accepted_tokens / spec_draft_tokens (engine.spec_acceptance_rate, the server's stats line)."""
+Stats (engine.stats): spec_steps, spec_draft_tokens (drafts compared with the target's token; those after a stop
+are not), spec_accepted_tokens, and the acceptance rate spec_accepted_tokens / spec_draft_tokens
+(engine.spec_acceptance_rate, the server's stats line and /metrics)."""
 from __future__ import annotations
 
 import json
