@@ -98,6 +98,19 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the sequence's blocks past its first `num_tokens` tokens (speculative decoding: the blocks
+        taken for drafts that were rejected). Those blocks hold no cached prefix (never full of committed
+        tokens)."""
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free_blocks[b] = None
+                if self.block_hash[b] is None:
+                    self.free_blocks.move_to_end(b, last=False)
+
     # ---- prefix caching ---------------------------------------------------------------------------
     def _cacheable(self, seq: Sequence) -> bool:
         return self.enable_caching and not getattr(seq, "no_prefix_cache", False)

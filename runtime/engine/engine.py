@@ -17,6 +17,7 @@ from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
+from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, check_target, load_draft_runner
 from xllm_gen.runtime.loading import registry
 from xllm_gen.runtime.loading.checkpoint_files import (
     CheckpointFileError,
@@ -113,6 +114,7 @@ class IncrementalDetokenizer:
 
 
 class LLMEngine:
+    spec = None                          # speculative decoding (SpecDecoder), when speculative_config is given
     def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, max_model_len: Optional[int] = None,
@@ -122,7 +124,10 @@ class LLMEngine:
                  debug: Optional[dict] = None,
                  tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 mm_preprocess_device: Optional[str] = "cpu"):
+                 mm_preprocess_device: Optional[str] = "cpu", speculative_config: Any = None):
+        spec_cfg = SpeculativeConfig.parse(speculative_config)      # errors name the key, before any loading
+        self.tensor_parallel_size = tensor_parallel_size
+        self.spec = None
         self.model_dir = resolve_model_path(model)        # a GGUF file: its converted HF checkpoint (cached)
         self.tokenizer_dir = Path(tokenizer) if tokenizer else self.model_dir
         cfg_path = self.model_dir / "config.json"
@@ -174,12 +179,21 @@ class LLMEngine:
                              load_format=load_format, cuda_graph_sizes=cuda_graph_sizes,
                              prefill_graph_sizes=prefill_graph_sizes, debug=debug, quantization=quantization,
                              kv_cache_dtype=kv_cache_dtype)
-        if tensor_parallel_size > 1:
-            from xllm_gen.runtime.executor.tp import TensorParallelRunner
-            self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,
-                                               tensor_parallel_size, runner_kwargs)
-        else:
-            self.runner = runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs)
+        # a draft model (speculative decoding) loads first: on a GPU the target's KV cache takes what it leaves
+        check_target(spec_cfg, runner_cls)
+        draft = load_draft_runner(spec_cfg, runner_kwargs, tensor_parallel_size, self.config.vocab_size)
+        try:
+            if tensor_parallel_size > 1:
+                from xllm_gen.runtime.executor.tp import TensorParallelRunner
+                self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,
+                                                   tensor_parallel_size, runner_kwargs)
+            else:
+                self.runner = runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs)
+        except BaseException:
+            if draft is not None:
+                draft[0].shutdown()
+            raise
+        self._draft = draft
         try:
             self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
                                               enable_caching=bool(enable_prefix_caching))
@@ -196,10 +210,18 @@ class LLMEngine:
             self.shutdown()              # stop TP ranks at once, not at garbage collection
             raise
         self.vocab_size = self.config.vocab_size
+        if spec_cfg is not None:         # speculative decoding (runtime/engine/spec_decode.py)
+            try:
+                self.spec = SpecDecoder(spec_cfg, self, draft)
+            except BaseException:
+                self.shutdown()
+                raise
+            async_scheduling = False
         self._next_id = 0
         self._requests: dict = {}            # request id -> Sequence (add_request / abort_request)
         self._request_of: dict = {}          # seq id -> request id
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0,
+                      "spec_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self._last_progress: list[Sequence] = []   # sequences that got a token in the last step
         self._stream_text = False                  # set by step_deltas: detokenize every step
         # False in a serving engine-core process: the API process detokenizes the token ids it receives (and
@@ -473,6 +495,8 @@ class LLMEngine:
             if finished or not self.scheduler.has_unfinished():
                 return finished              # an idle engine: nothing to do
             raise RuntimeError("scheduler made no progress: KV cache too small for any running request")
+        if not is_prefill and self.spec is not None and self.spec.step(seqs, finished):
+            return finished              # drafts proposed and verified (runtime/engine/spec_decode.py)
         if not is_prefill and self._async is not None and self._async.can_launch(seqs):
             self._async.inflight = self._async.launch(seqs)
             self._count_decode(seqs)
@@ -679,8 +703,19 @@ class LLMEngine:
         """The final output of one sequence (kept for drivers that queue sequences directly)."""
         return self.request_output(index, [seq])
 
+    @property
+    def spec_acceptance_rate(self) -> Optional[float]:
+        """Speculative decoding: accepted / proposed draft tokens so far (None: no speculation or no draft yet)."""
+        n = self.stats["spec_draft_tokens"] if self.spec is not None else 0
+        return self.stats["spec_accepted_tokens"] / n if n else None
+
     def shutdown(self) -> None:
         """Stops the runner (every TP rank) and releases the model, KV cache and graphs; idempotent."""
+        spec = getattr(self, "spec", None)
+        if spec is not None:
+            spec.shutdown()
+        elif getattr(self, "_draft", None) is not None:      # loaded, not yet handed to the SpecDecoder
+            self._draft[0].shutdown()
         close = getattr(self.runner, "shutdown", None)
         if close:
             close()

@@ -35,6 +35,7 @@ class LLM:
                  enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  mm_preprocess_device: Optional[str] = "cpu",
+                 speculative_config: Optional[dict] = None,
                  _debug: Optional[dict] = None, **vllm_kwargs: Any):
         unknown = set(vllm_kwargs) - _IGNORED_VLLM_KWARGS
         if unknown:       # a typo must not pass silently (tensor_parallel=2 would serve on one rank)
@@ -49,7 +50,8 @@ class LLM:
                                 debug=_debug, tokenizer=tokenizer,
                                 enable_prefix_caching=enable_prefix_caching,
                                 async_scheduling=async_scheduling, quantization=quantization,
-                                kv_cache_dtype=kv_cache_dtype, mm_preprocess_device=mm_preprocess_device)
+                                kv_cache_dtype=kv_cache_dtype, mm_preprocess_device=mm_preprocess_device,
+                                speculative_config=speculative_config)
         # `del llm` (or the object going out of scope) releases the model, KV cache and graphs like shutdown()
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 

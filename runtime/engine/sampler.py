@@ -88,6 +88,26 @@ def process_row(logits: torch.Tensor, seq: Sequence, banned: Iterable[int] = ())
     return logits
 
 
+def generator_of(seq: Sequence, default_generator: torch.Generator) -> torch.Generator:
+    """The request's own generator when it has a seed (made on first use), else the engine's."""
+    if seq.params.seed is not None and seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(seq.params.seed % SEED_MOD)
+    return seq.generator if seq.generator is not None else default_generator
+
+
+def row_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) row draws from: temperature -> min_p -> top-k -> top-p over the
+    processed logits of one row (float32 [vocab]); what sample_row draws from, for speculative decoding's
+    rejection sampling (runtime/engine/spec_decode.py)."""
+    p = seq.params
+    finfo = torch.finfo(logits.dtype)
+    logits = logits.clamp(max=finfo.max)
+    row = (logits - logits.max()) / min(p.temperature, finfo.max)
+    row = apply_min_p(row, p.min_p)
+    row = _filter_top_k_top_p(row, p.top_k, p.top_p)
+    return torch.softmax(row, dim=-1)
+
+
 def sample_row(logits: torch.Tensor, seq: Sequence, default_generator: torch.Generator) -> int:
     p = seq.params
     if p.greedy:
@@ -95,17 +115,9 @@ def sample_row(logits: torch.Tensor, seq: Sequence, default_generator: torch.Gen
     # In float32 valid parameters can leave the finite range: a tiny repetition_penalty overflows a logit to +inf,
     # a temperature above float32's max rounds to inf (and -inf / inf is NaN). So +inf becomes the largest finite
     # value (NaN stays: a model fault is reported, not hidden) and the temperature is capped at it; then
-    # subtracting the max first keeps every value finite or -inf (no inf - inf).
-    finfo = torch.finfo(logits.dtype)
-    logits = logits.clamp(max=finfo.max)
-    row = (logits - logits.max()) / min(p.temperature, finfo.max)
-    row = apply_min_p(row, p.min_p)
-    row = _filter_top_k_top_p(row, p.top_k, p.top_p)
-    probs = torch.softmax(row, dim=-1)
-    if p.seed is not None and seq.generator is None:
-        seq.generator = torch.Generator().manual_seed(p.seed % SEED_MOD)
-    gen = seq.generator if seq.generator is not None else default_generator
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    # subtracting the max first keeps every value finite or -inf (no inf - inf). (row_probs)
+    probs = row_probs(logits, seq)
+    return int(torch.multinomial(probs, 1, generator=generator_of(seq, default_generator)).item())
 
 
 class Sampler:

@@ -575,6 +575,13 @@ class TensorParallelRunner:
             self._check_usable()
         return logits
 
+    def rollback_tokens(self, seq_id: int, num_tokens: int) -> None:
+        """Rank 0's sequence dropped its tokens past `num_tokens` (speculative decoding: the drafts of a
+        verification, which the workers received): its next step sends the tokens from there again."""
+        entry = self._sent.get(seq_id)
+        if entry is not None and entry.ntok > num_tokens:
+            entry.ntok = num_tokens
+
     def _step_message(self, seqs, is_prefill: bool, all_rows: bool):
         """(message, commit): the step description, and a function recording what the workers then hold
         (called once the broadcast went out, so a failure while building the message changes nothing)."""

@@ -28,6 +28,12 @@ class ServerMetrics:
                                       lab, registry=r)
         self.prefix_hits = Counter("xllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", lab,
                                    registry=r)
+        self.spec_draft_tokens = Counter("xllm:spec_decode_num_draft_tokens", "Speculative draft tokens verified",
+                                         lab, registry=r)
+        self.spec_accepted_tokens = Counter("xllm:spec_decode_num_accepted_tokens",
+                                            "Speculative draft tokens accepted", lab, registry=r)
+        self.spec_acceptance = Gauge("xllm:spec_decode_draft_acceptance_rate", "Accepted / verified speculative "
+                                     "draft tokens since start", lab, registry=r)
         self.preemptions = Counter("xllm:num_preemptions", "Requests preempted (recomputed later)", lab, registry=r)
         self.prompt_tokens = Counter("xllm:prompt_tokens", "Prompt tokens admitted", lab, registry=r)
         self.generation_tokens = Counter("xllm:generation_tokens", "Tokens generated", lab, registry=r)
@@ -52,6 +58,8 @@ class ServerMetrics:
         self._window: collections.deque = collections.deque()     # (time, tokens) of the last 10 s
         self._last_preemptions = 0
         self._last_hits = (0, 0)
+        self._last_spec = (0, 0)
+        self.speculative = False             # a speculating engine: the stats line shows the acceptance rate
 
     def labels(self, metric, **kw):
         return metric.labels(model_name=self.model_name, **kw)
@@ -77,6 +85,15 @@ class ServerMetrics:
         self._last_hits = (hits, queries)
         if queries:
             self.labels(self.prefix_hit_rate).set(hits / queries)
+        stats = getattr(engine, "stats", None) or {}
+        if getattr(engine, "spec", None) is not None:
+            self.speculative = True
+            drafted, accepted = stats.get("spec_draft_tokens", 0), stats.get("spec_accepted_tokens", 0)
+            if drafted > self._last_spec[0]:
+                self.labels(self.spec_draft_tokens).inc(drafted - self._last_spec[0])
+                self.labels(self.spec_accepted_tokens).inc(max(0, accepted - self._last_spec[1]))
+                self.labels(self.spec_acceptance).set(accepted / drafted)
+            self._last_spec = (drafted, accepted)
         now = time.monotonic()
         if new_tokens:
             self.labels(self.generation_tokens).inc(new_tokens)
@@ -91,7 +108,8 @@ class ServerMetrics:
         val = lambda m: m.labels(model_name=self.model_name)._value.get()       # noqa: E731
         return (f"running {int(val(self.running))}, waiting {int(val(self.waiting))}, KV usage "
                 f"{100 * val(self.kv_usage):.1f}%, generation {val(self.tokens_per_s):.1f} tokens/s, "
-                f"prefix-cache hit rate {100 * val(self.prefix_hit_rate):.1f}%")
+                f"prefix-cache hit rate {100 * val(self.prefix_hit_rate):.1f}%"
+                + (f", draft acceptance rate {100 * val(self.spec_acceptance):.1f}%" if self.speculative else ""))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -468,6 +468,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="launch each greedy decode step before the previous one's tokens are read back, so that "
                          "the host's work overlaps the GPU's (on by default)")
+    ap.add_argument("--speculative-config", metavar="JSON",
+                    help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
+                         '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": DIR, '
+                         '"num_speculative_tokens": 4}\' (runtime/engine/spec_decode.py)')
     ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     ap.add_argument("--chat-template", help="chat template (a Jinja file, or the template text) used instead of the "
                     "checkpoint's (a request's chat_template still wins)")
@@ -574,6 +578,9 @@ def make_engine(args):
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.mm_preprocess_device != "cpu":
         kw["mm_preprocess_device"] = args.mm_preprocess_device
+    if getattr(args, "speculative_config", None):
+        from xllm_gen.runtime.engine.spec_decode import SpeculativeConfig
+        kw["speculative_config"] = SpeculativeConfig.parse(args.speculative_config)   # errors name the flag's key
     if args.enable_prefix_caching is not None:
         if "enable_prefix_caching" not in inspect.signature(LLMEngine.__init__).parameters:
             raise ValueError("--enable-prefix-caching: this engine has no prefix cache")
