@@ -85,10 +85,9 @@ class ServerMetrics:
         self._last_hits = (hits, queries)
         if queries:
             self.labels(self.prefix_hit_rate).set(hits / queries)
-        stats = getattr(engine, "stats", None) or {}
-        if getattr(engine, "spec", None) is not None:
+        if st.get("speculative"):
             self.speculative = True
-            drafted, accepted = stats.get("spec_draft_tokens", 0), stats.get("spec_accepted_tokens", 0)
+            drafted, accepted = st.get("spec_draft_tokens", 0), st.get("spec_accepted_tokens", 0)
             if drafted > self._last_spec[0]:
                 self.labels(self.spec_draft_tokens).inc(drafted - self._last_spec[0])
                 self.labels(self.spec_accepted_tokens).inc(max(0, accepted - self._last_spec[1]))
@@ -119,8 +118,12 @@ def engine_stats(engine) -> dict:
     """What the metrics read from an engine after a step (small and picklable: the engine-core process sends it
     with each step's outputs)."""
     sched, bm = engine.scheduler, engine.block_manager
+    stats = getattr(engine, "stats", None) or {}
     used = getattr(bm, "num_used_blocks", None)
     used = used if used is not None else bm.num_blocks - bm.num_free_blocks
     return {"running": len(sched.running), "waiting": len(sched.waiting), "used_blocks": used,
             "num_blocks": bm.num_blocks, "preemptions": sched.num_preemptions,
-            "prefix_hits": getattr(bm, "prefix_hits", 0), "prefix_queries": getattr(bm, "prefix_queries", 0)}
+            "prefix_hits": getattr(bm, "prefix_hits", 0), "prefix_queries": getattr(bm, "prefix_queries", 0),
+            "speculative": getattr(engine, "spec", None) is not None,
+            "spec_draft_tokens": stats.get("spec_draft_tokens", 0),
+            "spec_accepted_tokens": stats.get("spec_accepted_tokens", 0)}
