@@ -250,19 +250,20 @@ class ModelRunner:
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
         if self.device.type == "cuda" and not self.debug.get("torch_attention"):
-            mixed = [layer for layer in self.attn_layers if layer.qk_head_dim != layer.v_head_dim]
+            mixed = [layer for layer in self.attn_layers
+                     if getattr(layer, "qk_head_dim", layer.head_dim) != getattr(layer, "v_head_dim", layer.head_dim)]
             if mixed:
                 raise NotImplementedError(
                     f"this model's attention has value heads of another width ({mixed[0].v_head_dim}) than its "
                     f"query / key heads ({mixed[0].qk_head_dim}), as multi-head latent attention has (its latent "
                     "cache or its per-head K/V); the CUDA attention path (FlashInfer paged prefill / decode "
                     "wrappers, one head_dim) does not run it; serve it on the CPU (device='cpu')")
-            if any(layer.variant.alibi for layer in self.attn_layers):
+            if any(getattr(layer.variant, "alibi", False) for layer in self.attn_layers):
                 raise NotImplementedError(
                     "this model uses ALiBi (a per-head linear position bias on the attention scores), which the CUDA "
                     "attention path (FlashInfer paged prefill / decode wrappers as planned here, the Triton decode "
                     "kernel) does not implement; serve it on the CPU (device='cpu')")
-            scales = sorted({layer.scale for layer in self.attn_layers})
+            scales = sorted({layer.scale for layer in self.attn_layers if hasattr(layer, "scale")})
             if len(scales) > 1:
                 raise NotImplementedError(
                     f"this model's attention scale differs between layers ({scales[0]:g} .. {scales[-1]:g}: a "
