@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from xllm_gen.codegen import cli
+from xllm_gen.runtime.executor.sharding import WeightLoadError
 from xllm_gen.runtime.loading.layout import RowLayout
 from xllm_gen.runtime.loading.plan import plan_from_parameters
 from xllm_gen.runtime.loading.weights import StackedRows
-from xllm_gen.runtime.executor.sharding import WeightLoadError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,8 +99,9 @@ def test_stacked_checkpoint_without_row_0_is_refused_by_name(tmp_path):
 
 
 def test_optional_symbol_with_default_reads_null_as_none():
-    from xllm_gen.generated.exaone4.model import Config
     from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.generated.exaone4.model import Config
     cfg = json.loads(tiny_config("Exaone4ForCausalLM").to_json_string(use_diff=True))
     assert Config.from_hf(cfg).sliding_window == cfg["sliding_window"]
     absent = {k: v for k, v in cfg.items() if k != "sliding_window"}

@@ -35,7 +35,6 @@ padded_batch <= max(2 * num_SMs / Hk, ceil(tokens * group / cta_tile_q) + batch)
 from __future__ import annotations
 
 import os
-
 from typing import Optional, Sequence
 
 import torch
