@@ -48,6 +48,7 @@ def check_tp_sizes(compiled: Compiled) -> None:
     if not sizes:
         return
     from xllm_gen.runtime.executor.sharding import ShardingError
+    from xllm_gen.runtime.loading.hf_config import ConfigError
 
     from .explain import tp_rank_table
 
@@ -56,6 +57,11 @@ def check_tp_sizes(compiled: Compiled) -> None:
         for tp in sizes:
             try:
                 tp_rank_table(ir, files, v, tp, module)
+            except ConfigError as e:        # a variant value the generated Config refuses (a rope key's type, ...)
+                where = loaded.tree.smap.value(("variants", v.name))
+                msg = str(e).split(": ", 1)[-1]
+                raise SpecError(f"variants.{v.name}: its values are refused by the generated Config: {msg}",
+                                where) from None
             except ShardingError as e:
                 problem = e.problems[0].replace(".*.", ".{i}.")
                 where = loaded.tree.smap.value(("tensor_parallel", "sizes", ir.tp_sizes.index(tp)))

@@ -397,3 +397,13 @@ def test_numeric_field_refused(workdir, spec, path, value, words):
     assert rc == 2 and words in err, err
     line = int(err.split(":")[1])
     assert line > 1, err                              # located at a node, not at the top of the file
+
+
+def test_variant_value_refused_by_the_generated_config_is_located(workdir):
+    """A variant whose value the generated Config refuses at read time (a rope key given as a string, found by
+    the value fuzzer) is a located compile error at the variant, not an internal error."""
+    raw = SOURCE["llama.yaml"].replace(b"high_freq_factor: 4.0,", b'high_freq_factor: "a + b",')
+    assert raw != SOURCE["llama.yaml"]
+    rc, err = run_cli(_write(workdir, "llama_bad_variant.yaml", raw), workdir / "out")
+    check_outcome(rc, err, raw.decode())
+    assert rc == 2 and "variants.Llama-3.2-1B" in err and "high_freq_factor" in err, err
