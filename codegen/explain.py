@@ -132,6 +132,8 @@ def _routing(b) -> str:
     if b.groups:
         out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"
     out += ", top-k"
+    if b.renormalize_min:
+        out += f", renormalized by a sum clamped to >= {b.renormalize_min}"
     if b.routed_scale:
         out += f", weights x {b.routed_scale}"
     return out
@@ -247,7 +249,8 @@ def format_resolved(ir: ModelIR) -> str:
         layout = (f" (rows per {wt.layout[0]}{' of ' + str(wt.layout[2]) if len(wt.layout) > 2 else ''}: "
                   f"{' '.join(wt.layout[1])})" if wt.layout else "") + \
             (" (stored transposed)" if wt.transpose else "") + \
-            (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "")
+            (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "") + \
+            (" (stored under a leading unit dim)" if wt.squeeze else "")
         w(f"      <- {' + '.join(wt.sources)}{layout}")
     if ir.ignored:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))

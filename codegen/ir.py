@@ -192,6 +192,7 @@ class WeightIR:
     layout: Optional[tuple] = None   # (per, interleave) of one fused tensor's rows; (per, interleave, groups) for per: group
     transpose: bool = False       # the tensor stores [..., in, out]
     interleave: int = 1           # n > 1: the n segments interleaved along the output dim
+    squeeze: bool = False         # the tensor holds one extra leading dim of size 1
 
     @property
     def shard(self) -> str:
@@ -391,11 +392,12 @@ class MoEIR:
     groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
     routed_scale: Optional[Value] = None
     router_float32: bool = False
+    renormalize_min: Optional[Value] = None   # the renormalizing sum clamped to at least it; None = no clamp
 
     @property
     def plain_routing(self) -> bool:
         return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None
-                and self.selection_bias.literal is False and self.selection_bias.symbol is None
+                and self.renormalize_min is None and self.selection_bias.literal is False and self.selection_bias.symbol is None
                 and self.selection_bias.expr is None)
 
 

@@ -200,7 +200,9 @@ class BlockResolver(MLAResolver):
                           b.groups.score)
             routing = dict(scoring=b.scoring, selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
                            groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
-                           if b.routed_scale is not None else None)
+                           if b.routed_scale is not None else None,
+                           renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
+                           if b.renormalize_min is not None else None)
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),

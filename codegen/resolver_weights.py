@@ -50,9 +50,10 @@ class WeightsResolver:
                                    at_key=True)
                 sources = (self.checkpoint_name(p.name) if top else p.name,)
             elif e.from_ is None:
-                if not (e.transpose or e.segments_interleaved):
+                if not (e.transpose or e.segments_interleaved or e.squeeze):
                     raise self.err(path, f"{where_s}['{keys[p.name]}']: give `from` (the checkpoint tensor(s)), or a "
-                                         f"layout (`transpose`, `segments_interleaved`) of the tensor of its own name",
+                                         f"layout (`transpose`, `segments_interleaved`, `squeeze`) of the tensor of "
+                                         f"its own name",
                                    at_key=True)
                 sources = (p.name,)
             elif isinstance(e.from_, str):
@@ -80,7 +81,7 @@ class WeightsResolver:
                                                      f"stacked from per-expert tensors: name each with {{e}}")
                 # {h}: one tensor per row of dim 0 (a head: a per-head norm stored as `norms.{h}.weight`), stacked
                 stacked_rows = "{h}" in src and len(sources) == 1 and p.experts is None and len(p.shape) >= 2 \
-                    and not (e is not None and (e.transpose or e.segments_interleaved or e.layout))
+                    and not (e is not None and (e.transpose or e.segments_interleaved or e.squeeze or e.layout))
                 rest = re.sub(r"\{[ie]\}" if p.experts is not None else r"\{i\}", "", src)
                 if stacked_rows:
                     rest = rest.replace("{h}", "", 1)
@@ -98,8 +99,13 @@ class WeightsResolver:
 
     def weight_layout(self, p: ParamIR, sources, e, path, where_s: str, key: str) -> WeightIR:
         """The WeightIR of parameter `p`, with its entry's layout (`transpose`, `segments_interleaved`) checked."""
-        if e is None or not (e.transpose or e.segments_interleaved):
+        if e is None or not (e.transpose or e.segments_interleaved or e.squeeze):
             return WeightIR(p, tuple(sources))
+        if e.squeeze and (len(sources) != 1 or p.experts is not None or e.transpose or e.segments_interleaved):
+            raise self.err(path + ("squeeze",), f"{where_s}['{key}'].squeeze: only a parameter read from one tensor, "
+                                                f"not stacked per expert, without transpose / segments_interleaved")
+        if e.squeeze:
+            return WeightIR(p, tuple(sources), squeeze=True)
         dims = len(p.shape) - (1 if p.experts is not None else 0)
         if e.transpose and dims < 2:
             raise self.err(path + ("transpose",), f"{where_s}['{key}'].transpose: '{key}' is not a matrix (one dim "

@@ -317,6 +317,9 @@ class MoEBlock(Strict):
     selection_bias: Flag = False
     groups: Optional[RoutingGroups] = None
     routed_scale: Optional[Num] = None   # the routing weights are multiplied by it (routed_scaling_factor); None = 1
+    # with norm_topk_prob: the sum the top-k weights are divided by is clamped to at least it (ERNIE 4.5's
+    # moe_norm_min); None = no clamp (the plain sum)
+    renormalize_min: Optional[Num] = None
 
 
 class LMHeadBlock(Strict):
@@ -435,6 +438,9 @@ class WeightEntry(Strict):
     from_: Optional[Union[StrictStr, Dict[StrictStr, StrictStr]]] = Field(default=None, alias="from")
     transpose: StrictBool = False
     segments_interleaved: StrictBool = False
+    # `squeeze: true`: the tensor stores the parameter under one extra leading dim of size 1 (ERNIE 4.5's routing
+    # bias moe_statics.e_score_correction_bias [1, experts] for the [experts] parameter); dropped at load
+    squeeze: StrictBool = False
     # the row layout of a single fused tensor (`from` one name) stored per head / per KV group / reordered
     layout: Optional[RowLayout] = None
 

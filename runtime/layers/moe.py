@@ -225,7 +225,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
                  activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
                  bias: bool = False, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
-                 group_score: str = "top2_sum", routed_scale: float = 1.0):
+                 group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0):
         super().__init__()
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")
@@ -247,7 +247,11 @@ class FusedMoE(nn.Module):
         self.scoring, self.group_score, self.routed_scale = scoring, group_score, float(routed_scale)
         self.n_group, self.topk_group = (n_group, topk_group) if grouped else (1, 1)
         # softmax top-k without groups, scale or a selection bias: the fused routing kernel's case
-        self.plain_routing = scoring == "softmax" and not grouped and self.routed_scale == 1.0
+        if not renormalize_min >= 0.0:
+            raise ValueError(f"FusedMoE: renormalize_min must be >= 0, got {renormalize_min}")
+        self.renormalize_min = float(renormalize_min)   # the renormalizing sum clamped to at least it (0: not)
+        self.plain_routing = (scoring == "softmax" and not grouped and self.routed_scale == 1.0
+                              and self.renormalize_min == 0.0)
         tp, rank = get_tp_size(), get_tp_rank()
         self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, bool(renormalize)
@@ -298,7 +302,7 @@ class FusedMoE(nn.Module):
         else:                             # torch, static shapes (graph-capturable), on every device
             weights, ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring,
                                                   self.n_group, self.topk_group, self.group_score, score_bias,
-                                                  self.routed_scale)
+                                                  self.routed_scale, self.renormalize_min)
             weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
@@ -313,7 +317,7 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         routing = "" if self.plain_routing else (
             f"scoring={self.scoring!r}, groups={self.topk_group} of {self.n_group} by {self.group_score}, "
-            f"routed_scale={self.routed_scale}, ")
+            f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, ")
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
                 f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")

@@ -39,9 +39,10 @@ class TensorLayout:
     transpose: bool = False
     interleave: int = 1
     dim: int = 0
+    squeeze: bool = False     # the tensor holds the parameter under one extra leading dim of size 1
 
     def view(self, base):
-        return LayoutView(base, self) if self.transpose or self.interleave > 1 else base
+        return LayoutView(base, self) if self.transpose or self.interleave > 1 or self.squeeze else base
 
 
 class LayoutView:
@@ -51,6 +52,11 @@ class LayoutView:
     def __init__(self, base, layout: TensorLayout):
         self.base, self.layout = base, layout
         shape = [int(s) for s in (base.get_shape() if hasattr(base, "get_shape") else base.shape)]
+        if layout.squeeze:
+            if not shape or shape[0] != 1:
+                raise WeightLoadError(f"stored with a leading unit dim (a `weights` entry's squeeze), but it has shape "
+                                      f"{tuple(shape)}")
+            shape = shape[1:]
         if layout.transpose:
             if len(shape) < 2:
                 raise WeightLoadError(f"stored transposed (a `weights` entry's transpose), but it has shape {tuple(shape)}: fewer than 2 dims")
@@ -91,7 +97,11 @@ class LayoutView:
         base_idx = [slice(a, b) for a, b in rngs]
         if self.layout.transpose:
             base_idx[-2], base_idx[-1] = base_idx[-1], base_idx[-2]
+        if self.layout.squeeze:
+            base_idx = [slice(0, 1)] + base_idx
         out = self.base[tuple(base_idx)]
+        if self.layout.squeeze:
+            out = out[0]
         if self.layout.transpose:
             out = out.transpose(-2, -1)
         if pick is not None:

@@ -34,14 +34,15 @@ GROUP_SCORES = ("top2_sum", "max")
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
                    n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
-                   score_bias: Optional[torch.Tensor] = None, routed_scale: float = 1.0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   score_bias: Optional[torch.Tensor] = None, routed_scale: float = 1.0,
+                   renormalize_min: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The general routing, in float32 (as transformers' routers compute it): scores = softmax or sigmoid of the
     logits; the experts are chosen by `scores + score_bias` (a selection-only bias, transformers'
     e_score_correction_bias), among the `topk_group` of `n_group` equal groups of experts with the highest group
     score (`top2_sum`: the sum of the group's two highest choice scores, transformers' noaux_tc routers; `max`: its highest,
     transformers' group_limited_greedy); the weights are the chosen experts' `scores` (without the bias), divided by
-    their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers), times `routed_scale`."""
+    their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers; with `renormalize_min` > 0 the sum
+    clamped to at least it instead, ERNIE 4.5's moe_norm_min), times `routed_scale`."""
     scores = router_logits.float()
     scores = torch.softmax(scores, dim=-1) if scoring == "softmax" else torch.sigmoid(scores)
     choice = scores if score_bias is None else scores + score_bias.float()
@@ -58,7 +59,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
                                     float("-inf"))
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
-    if renormalize:
+    if renormalize and renormalize_min > 0.0:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=renormalize_min)
+    elif renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
     if routed_scale != 1.0:
         weights = weights * routed_scale
