@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_scalings import _agree, _engine, _hf
 
 ARCH = "Dots1ForCausalLM"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from test_scalings import _agree, _engine, _hf
 
 ARCH = "Ernie4_5_MoeForCausalLM"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_scalings import _agree, _engine, _hf
 
 ARCH = "MiniCPM3ForCausalLM"
@@ -39,6 +38,7 @@ def test_each_minicpm3_scaling_matters(field, neutral_value, tiny_checkpoint, tm
 def test_longrope_is_refused_by_name(tiny_checkpoint, tmp_path):
     """The released MiniCPM3-4B's longrope parameters are not modelled: the load refuses them, naming the field."""
     from fixtures.tiny_hf import edit_config
+
     from xllm_gen import LLM
 
     def longrope(cfg):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_scalings import _agree, _engine, _hf
 
 ARCH = "SolarOpenForCausalLM"
@@ -34,6 +33,7 @@ def test_routed_scale_matters(tiny_checkpoint, tmp_path):
 
 def test_partial_rotary_is_refused_by_name(tiny_checkpoint, tmp_path):
     from fixtures.tiny_hf import edit_config
+
     from xllm_gen import LLM
 
     def half(cfg):
