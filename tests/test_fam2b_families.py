@@ -4,7 +4,6 @@ by name where the spec builds the feature in)."""
 from __future__ import annotations
 
 import pytest
-
 from test_norm_dataflow import _engine, _hf
 
 
