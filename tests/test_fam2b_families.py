@@ -25,3 +25,17 @@ def test_hyperclovax_without_post_norm_is_refused_by_name(tiny_checkpoint):
     assert _hf(off) != _hf(base)
     with pytest.raises(Exception, match="use_post_norm"):
         _engine(off)
+
+
+def test_flex_olmo_top_k_matters(tiny_checkpoint):
+    """FlexOlmo's top-k routing: one expert per token instead of the default changes transformers' output,
+    served alike. (norm_topk_prob cannot be told apart here: the post-feedforward RMSNorm divides away a
+    per-token scale of the mixture's output.)"""
+    from fixtures.tiny_hf import tiny_config
+    k = tiny_config("FlexOlmoForCausalLM").num_experts_per_tok
+    assert k > 1
+    base = tiny_checkpoint("FlexOlmoForCausalLM")
+    one = tiny_checkpoint("FlexOlmoForCausalLM", overrides={"num_experts_per_tok": 1})
+    want = _hf(one)
+    assert want != _hf(base)
+    assert _engine(one) == want
