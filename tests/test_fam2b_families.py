@@ -4,7 +4,8 @@ by name where the spec builds the feature in)."""
 from __future__ import annotations
 
 import pytest
-from test_norm_dataflow import _engine, _hf
+import torch
+from test_norm_dataflow import _arm, _edit_tensors, _engine, _hf
 
 
 def test_cwm_layer_types_matter(tiny_checkpoint):
@@ -39,3 +40,20 @@ def test_flex_olmo_top_k_matters(tiny_checkpoint):
     want = _hf(one)
     assert want != _hf(base)
     assert _engine(one) == want
+
+
+def test_granite_swa_sinks_matter(tiny_checkpoint, tmp_path):
+    """Granite SWA's learned sink logit per head (zeros in the tiny checkpoint): other values change the tokens."""
+    base = tiny_checkpoint("GraniteSWAForCausalLM")
+    g = torch.Generator().manual_seed(7)
+
+    def edit(name, t):
+        return 3.0 * torch.randn(t.shape, generator=g) if name.endswith("self_attn.sinks") else None
+    _arm(base, _edit_tensors(base, tmp_path / "granite_swa_sinks", edit), "perturbing the attention sinks")
+
+
+def test_granite_swa_layer_rope_theta_matters(tiny_checkpoint):
+    """Granite SWA's per-layer rope theta (the tiny [10000, 0 (no rope), 500]) against one theta everywhere."""
+    base = tiny_checkpoint("GraniteSWAForCausalLM")
+    same = tiny_checkpoint("GraniteSWAForCausalLM", overrides={"layer_rope_theta": [10000.0] * 3})
+    _arm(base, same, "one rope theta on every layer")
