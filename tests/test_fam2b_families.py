@@ -57,3 +57,15 @@ def test_granite_swa_layer_rope_theta_matters(tiny_checkpoint):
     base = tiny_checkpoint("GraniteSWAForCausalLM")
     same = tiny_checkpoint("GraniteSWAForCausalLM", overrides={"layer_rope_theta": [10000.0] * 3})
     _arm(base, same, "one rope theta on every layer")
+
+
+def test_granitemoe_swa_shared_expert_and_sinks_matter(tiny_checkpoint, tmp_path):
+    """Granite MoE SWA: the shared expert (tiny 48, off at 0) and the attention sinks each move the tokens."""
+    base = tiny_checkpoint("GraniteMoeSWAForCausalLM")
+    _arm(base, tiny_checkpoint("GraniteMoeSWAForCausalLM", overrides={"shared_intermediate_size": 0}),
+         "no shared expert")
+    g = torch.Generator().manual_seed(8)
+
+    def edit(name, t):
+        return 3.0 * torch.randn(t.shape, generator=g) if name.endswith("self_attn.sinks") else None
+    _arm(base, _edit_tensors(base, tmp_path / "granitemoe_swa_sinks", edit), "perturbing the attention sinks")
