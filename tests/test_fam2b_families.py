@@ -69,3 +69,14 @@ def test_granitemoe_swa_shared_expert_and_sinks_matter(tiny_checkpoint, tmp_path
     def edit(name, t):
         return 3.0 * torch.randn(t.shape, generator=g) if name.endswith("self_attn.sinks") else None
     _arm(base, _edit_tensors(base, tmp_path / "granitemoe_swa_sinks", edit), "perturbing the attention sinks")
+
+
+def test_mellum_mlp_layer_types_and_local_rope_matter(tiny_checkpoint):
+    """Mellum: the dense first layer (mlp_layer_types) against all-sparse, and the sliding layers' own rope theta
+    against the full layers', each move transformers' tokens and are served alike."""
+    base = tiny_checkpoint("MellumForCausalLM")
+    _arm(base, tiny_checkpoint("MellumForCausalLM", overrides={"mlp_layer_types": ["sparse"] * 3}),
+         "all-sparse mlp_layer_types")
+    _arm(base, tiny_checkpoint("MellumForCausalLM",
+                               overrides={"rope_parameters.sliding_attention": {"rope_theta": 500000.0}}),
+         "the full layers' rope theta on the sliding layers")
