@@ -80,3 +80,16 @@ def test_mellum_mlp_layer_types_and_local_rope_matter(tiny_checkpoint):
     _arm(base, tiny_checkpoint("MellumForCausalLM",
                                overrides={"rope_parameters.sliding_attention": {"rope_theta": 500000.0}}),
          "the full layers' rope theta on the sliding layers")
+
+
+def test_flint_sinks_and_layer_types_matter(tiny_checkpoint, tmp_path):
+    """Flint: the sink logits (softmax_offset in the checkpoint) and the rope-less full layers (all-sliding
+    layer_types put rope on every layer) each move transformers' tokens and are served alike."""
+    base = tiny_checkpoint("FlintForCausalLM")
+    g = torch.Generator().manual_seed(9)
+
+    def edit(name, t):
+        return 3.0 * torch.randn(t.shape, generator=g) if name.endswith("self_attn.softmax_offset") else None
+    _arm(base, _edit_tensors(base, tmp_path / "flint_sinks", edit), "perturbing the attention sinks")
+    _arm(base, tiny_checkpoint("FlintForCausalLM", overrides={"layer_types": ["sliding_attention"] * 3}),
+         "rope (and the window) on every layer")
