@@ -138,10 +138,24 @@ def _uses_sliding_window(architecture: str | None) -> bool:
     return layer_types is None or "sliding_attention" in layer_types
 
 
-ROPE_CASES = [
-    pytest.param(spec, sym, rope_type, id=f"{spec.name}-{sym.symbol}-{rope_type}")
-    for spec in SPECS for sym in spec.rope for rope_type in sym.values if rope_type not in UNSCALED_ROPE_TYPES
-]
+def _rope_cases():
+    """Every (spec, rope symbol, scaled rope type). The default run keeps a fast arm: each spec's first scaled
+    type (its rope wiring) and each rope type's first spec (the scaling itself); the rest run with --runslow."""
+    cases, seen_specs, seen_types = [], set(), set()
+    for spec in SPECS:
+        for sym in spec.rope:
+            for rope_type in sym.values:
+                if rope_type in UNSCALED_ROPE_TYPES:
+                    continue
+                fast = spec.name not in seen_specs or rope_type not in seen_types
+                seen_specs.add(spec.name)
+                seen_types.add(rope_type)
+                cases.append(pytest.param(spec, sym, rope_type, id=f"{spec.name}-{sym.symbol}-{rope_type}",
+                                          marks=() if fast else pytest.mark.slow))
+    return cases
+
+
+ROPE_CASES = _rope_cases()
 SLIDING_CASES = [pytest.param(spec, id=spec.name) for spec in SPECS if _uses_sliding_window(spec.architecture)]
 
 
