@@ -24,7 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-MODES = {"off": "0", "auto": "auto", "on": "1"}
+MODES = {"off": "0", "auto": "auto", "on": "1"}  # XLLM_FUSED_DECODE per mode
 
 
 def launches_per_replay(graph, reps: int = 3) -> tuple[float, list]:
@@ -46,7 +46,9 @@ def main(argv=None) -> int:
     import bench_decode as BD
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--modes", default="off,auto,on", help="comma list of off, auto, on")
+    ap.add_argument("--modes", default="off,auto,on",
+                    help="comma list of off, auto, on; +pdl / +pdlwait / +pdllate adds programmatic dependent launch "
+                         "(runtime/ops/pdl.py: XLLM_PDL=1 / wait / late), e.g. off,auto,auto+pdllate")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
@@ -58,6 +60,7 @@ def main(argv=None) -> int:
         return 2
     from xllm_gen import SamplingParams
     from xllm_gen.runtime.layers import fused as FU
+    from xllm_gen.runtime.ops import pdl as PDL
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
     d = BD.write_config(Path(tempfile.mkdtemp(prefix="xllm_fused_")), args.variant)
@@ -66,7 +69,9 @@ def main(argv=None) -> int:
                    command="python bench/bench_fused_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    rows=[], tokens={})
     for mode in modes:
-        FU.MODE = MODES[mode]
+        fused, _, launch = mode.partition("+")
+        FU.MODE = MODES[fused]
+        PDL.MODE = {"": "0", "pdl": "1", "pdlwait": "wait", "pdllate": "late"}[launch]
         t0 = time.perf_counter()
         llm, _ = BD.make_llm(d, max_num_seqs=max(batches), max_model_len=args.input_len + args.output_len + 16,
                              num_kv_blocks=max(batches) * ((args.input_len + args.output_len) // 16 + 2) + 64)

@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from xllm_gen.runtime.ops import pdl
+from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger
+
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
@@ -33,7 +36,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-                         HAS_SINKS: tl.constexpr = False):
+                         HAS_SINKS: tl.constexpr = False, PDL: tl.constexpr = 0):
+    pdl_enter(PDL, LARGE=True)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -96,6 +100,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    pdl_trigger(PDL)
     has = l_i > 0
     if SPLITS == 1:
         den = l_i
@@ -188,5 +193,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         D_PAD=max(16, triton.next_power_of_2(D)),
         SPLITS=scratch.splits, S_PAD=max(2, triton.next_power_of_2(scratch.splits)), BLOCK_N=block_n,
         HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
-        HAS_SINKS=sinks is not None, num_warps=4)
+        HAS_SINKS=sinks is not None, num_warps=4, **pdl.launch(q))
     return out

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xllm_gen.runtime.ops import pdl
+from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger, prefetch_rows_l2
 from xllm_gen.runtime.ops.triton_kernels import SKINNY_MAX_M, skinny_gemm_config
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}   # act_gemv's activations (gelu: exact erf)
@@ -76,12 +78,15 @@ def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K
                           stride_wn, stride_ym, half, eps, g_offset,
                           M: tl.constexpr, PRO: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-                          EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                          EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+                          KP: tl.constexpr = 1, LINE: tl.constexpr = 64):
     KC: tl.constexpr = BLOCK_K // VEC
     pid = tl.program_id(0)
     write_res = pid == 0
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    prefetch_rows_l2(PDL, w_ptr, rows, stride_wn, K, KP, LINE)   # weights: safe before the wait
+    pdl_enter(PDL, LARGE=True)
     kc = tl.arange(0, KC)
     kv = tl.max_contiguous(tl.multiple_of(tl.arange(0, VEC), VEC), VEC)
     offs_k = kc[None, :, None] * VEC + kv[None, None, :]                  # [1, KC, VEC]
@@ -158,6 +163,7 @@ def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K
                               half, PRO, HAS_RES, ACT, EVEN_K)
             acc7 += tl.sum(w * x7, axis=2)
             ss7 += s7
+    pdl_trigger(PDL)
     n_mask = offs_n < N
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -207,7 +213,8 @@ def _launch(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, conf
         x, r, ro, g, weight, bias if has_bias else weight, y, N, K, x.stride(0), r.stride(0), ro.stride(0),
         weight.stride(0), y.stride(0), half, float(eps), float(g_offset),
         M=M, PRO=pro, HAS_RES=r is not x, ACT=act, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, VEC=vec,
-        EVEN_K=K % bk == 0, NUM_STAGES=stages, num_warps=warps, num_stages=stages)
+        EVEN_K=K % bk == 0, NUM_STAGES=stages, num_warps=warps, num_stages=stages, **pdl.launch(x),
+        **pdl.prefetch_meta(K, weight.element_size()))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

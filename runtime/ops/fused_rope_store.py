@@ -1,8 +1,8 @@
 """q/k per-head RMSNorm + rotary with the KV-cache write in the same launch (decode): the kernel of
 triton_kernels.qk_norm_rope (`_norm_rope_heads`, one program per token) also writes the token's normed, rotated k
 and its v into the paged caches [num_blocks, block_size, Hk, D] at its slot (slot -1: padding row, skipped), so the
-attention layer launches no store_kvcache. The k written to the cache is computed by the same code as the k
-returned, so both are bit for bit what qk_norm_rope + store_kvcache give.
+attention layer launches no store_kvcache. The k written to the cache is the k returned (computed once, stored
+twice), by the same code as qk_norm_rope's, so both are bit for bit what qk_norm_rope + store_kvcache give.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from xllm_gen.runtime.ops.triton_kernels import _heads, _norm_rope_heads, _warps
+from xllm_gen.runtime.ops import pdl
+from xllm_gen.runtime.ops.pdl import pdl_enter
+from xllm_gen.runtime.ops.triton_kernels import _heads, _norm_rope_heads, _norm_rope_values, _warps
 
 
 @triton.jit
@@ -20,7 +22,8 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, qo_ptr, ko_p
                                pos_ptr, cache_ptr, axis_ptr, sqn, sqh, skn, skh, svn, svh, stride_pos_axis, H, Hk,
                                eps, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, QH_BLOCK: tl.constexpr,
                                KH_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
-                               IS_MROPE: tl.constexpr):
+                               IS_MROPE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     j = tl.arange(0, HALF_BLOCK)
@@ -34,14 +37,18 @@ def _qk_norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, qo_ptr, ko_p
     s = tl.load(cache_ptr + p * HEAD_DIM + HALF + j, mask=jm, other=0.0)
     _norm_rope_heads(q_ptr + n * sqn, sqh, qw_ptr, qo_ptr + n * H * HEAD_DIM, H, c, s, j, jm, eps,
                      HEAD_DIM, QH_BLOCK, HAS_NORM)
-    _norm_rope_heads(k_ptr + n * skn, skh, kw_ptr, ko_ptr + n * Hk * HEAD_DIM, Hk, c, s, j, jm, eps,
-                     HEAD_DIM, KH_BLOCK, HAS_NORM)
+    # k once, stored twice (returned and cached): the cache holds exactly the k returned
+    k1, k2 = _norm_rope_values(k_ptr + n * skn, skh, kw_ptr, Hk, c, s, j, jm, eps, HEAD_DIM, KH_BLOCK, HAS_NORM)
+    h = tl.arange(0, KH_BLOCK)[:, None]
+    mk = (h < Hk) & jm[None, :]
+    tl.store(ko_ptr + n * Hk * HEAD_DIM + h * HEAD_DIM + j[None, :], k1, mask=mk)
+    tl.store(ko_ptr + n * Hk * HEAD_DIM + h * HEAD_DIM + HALF + j[None, :], k2, mask=mk)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     row = tl.maximum(slot, 0) * Hk * HEAD_DIM
     hk_store = tl.where(slot >= 0, Hk, 0)               # a padding row (slot -1) writes nothing
-    _norm_rope_heads(k_ptr + n * skn, skh, kw_ptr, kc_ptr + row, hk_store, c, s, j, jm, eps,
-                     HEAD_DIM, KH_BLOCK, HAS_NORM)
-    h = tl.arange(0, KH_BLOCK)[:, None]
+    ms = (h < hk_store) & jm[None, :]
+    tl.store(kc_ptr + row + h * HEAD_DIM + j[None, :], k1, mask=ms)
+    tl.store(kc_ptr + row + h * HEAD_DIM + HALF + j[None, :], k2, mask=ms)
     d = tl.arange(0, D_BLOCK)[None, :]
     m = (h < hk_store) & (d < HEAD_DIM)
     vv = tl.load(v_ptr + n * svn + h * svh + d, mask=m, other=0.0)
@@ -82,5 +89,5 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         positions.stride(0) if is_mrope else 0, H, Hk, eps,
         HEAD_DIM=D, HALF_BLOCK=half_block, QH_BLOCK=qh, KH_BLOCK=kh, D_BLOCK=triton.next_power_of_2(D),
-        HAS_NORM=has_norm, IS_MROPE=is_mrope, num_warps=_warps(qh * half_block))
+        HAS_NORM=has_norm, IS_MROPE=is_mrope, num_warps=_warps(qh * half_block), **pdl.launch(q))
     return qo, ko

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from xllm_gen.runtime.ops import pdl
+from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger, prefetch_rows_l2
+
 
 def _warps(block: int) -> int:
     return max(1, min(8, block // 256))
@@ -21,7 +24,8 @@ def _warps(block: int) -> int:
 # ---------------------------------------------------------------------------------------------- rms_norm
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, stride_x, stride_r, D, eps, offset,
-                     HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -62,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
     if M:
         B = triton.next_power_of_2(D)
         _rms_norm_kernel[(M,)](x2, x2, weight, y, y, x2.stride(0), 0, D, eps, float(weight_offset),
-                               HAS_RESIDUAL=False, HAS_OFFSET=bool(weight_offset), BLOCK=B, num_warps=_warps(B))
+                               HAS_RESIDUAL=False, HAS_OFFSET=bool(weight_offset), BLOCK=B, num_warps=_warps(B), **pdl.launch(x2))
     return y
 
 
@@ -77,13 +81,14 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if M:
         B = triton.next_power_of_2(D)
         _rms_norm_kernel[(M,)](x2, r2, weight, y, new_r, x2.stride(0), r2.stride(0), D, eps, float(weight_offset),
-                               HAS_RESIDUAL=True, HAS_OFFSET=bool(weight_offset), BLOCK=B, num_warps=_warps(B))
+                               HAS_RESIDUAL=True, HAS_OFFSET=bool(weight_offset), BLOCK=B, num_warps=_warps(B), **pdl.launch(x2))
     return y, new_r
 
 
 # ---------------------------------------------------------------------------------------------- silu / gelu and mul
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -101,12 +106,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     if M and n:
         B = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(M, triton.cdiv(n, B))](x2, y, x2.stride(0), n, BLOCK=B, num_warps=_warps(B))
+        _silu_and_mul_kernel[(M, triton.cdiv(n, B))](x2, y, x2.stride(0), n, BLOCK=B, num_warps=_warps(B), **pdl.launch(x2))
     return y
 
 
 @triton.jit
-def _gelu_and_mul_kernel(x_ptr, y_ptr, stride_x, n, TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _gelu_and_mul_kernel(x_ptr, y_ptr, stride_x, n, TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -133,7 +139,7 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     if M and n:
         B = min(1024, triton.next_power_of_2(n))
         _gelu_and_mul_kernel[(M, triton.cdiv(n, B))](x2, y, x2.stride(0), n, TANH=approximate == "tanh", BLOCK=B,
-                                                     num_warps=_warps(B))
+                                                     num_warps=_warps(B), **pdl.launch(x2))
     return y
 
 
@@ -142,8 +148,9 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
 # once and applied to every q and k head, each a [heads, head_dim / 2] tile (one program per token and head
 # was ~40 us per layer for a 1000-token prefill: tens of thousands of one-warp programs).
 @triton.jit
-def _norm_rope_heads(src, sh, w_ptr, dst, NH, c, s, j, jm, eps,
-                     HEAD_DIM: tl.constexpr, BH: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rope_values(src, sh, w_ptr, NH, c, s, j, jm, eps,
+                      HEAD_DIM: tl.constexpr, BH: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The normed, rotated halves (o1, o2) [BH, HALF_BLOCK] of NH heads at src, in src's dtype."""
     HALF: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, BH)[:, None]
     m = (h < NH) & jm[None, :]
@@ -163,15 +170,26 @@ def _norm_rope_heads(src, sh, w_ptr, dst, NH, c, s, j, jm, eps,
     ss = s.to(dt).to(tl.float32)[None, :]
     o1 = (f1 * cc).to(dt).to(tl.float32) + (-f2 * ss).to(dt).to(tl.float32)
     o2 = (f2 * cc).to(dt).to(tl.float32) + (f1 * ss).to(dt).to(tl.float32)
-    tl.store(dst + h * HEAD_DIM + j[None, :], o1.to(dt), mask=m)
-    tl.store(dst + h * HEAD_DIM + HALF + j[None, :], o2.to(dt), mask=m)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
+def _norm_rope_heads(src, sh, w_ptr, dst, NH, c, s, j, jm, eps,
+                     HEAD_DIM: tl.constexpr, BH: tl.constexpr, HAS_NORM: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    o1, o2 = _norm_rope_values(src, sh, w_ptr, NH, c, s, j, jm, eps, HEAD_DIM, BH, HAS_NORM)
+    h = tl.arange(0, BH)[:, None]
+    m = (h < NH) & jm[None, :]
+    tl.store(dst + h * HEAD_DIM + j[None, :], o1, mask=m)
+    tl.store(dst + h * HEAD_DIM + HALF + j[None, :], o2, mask=m)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, pos_ptr, cache_ptr, axis_ptr,
                          sqn, sqh, skn, skh, stride_pos_axis, H, Hk, eps,
                          HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, QH_BLOCK: tl.constexpr,
-                         KH_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, IS_MROPE: tl.constexpr):
+                         KH_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, IS_MROPE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     j = tl.arange(0, HALF_BLOCK)
@@ -220,13 +238,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tens
         q, k, qw, kw, qo, ko, positions, cos_sin_cache, ax,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0) if is_mrope else 0, H, Hk, eps,
         HEAD_DIM=D, HALF_BLOCK=half_block, QH_BLOCK=qh, KH_BLOCK=kh, HAS_NORM=has_norm, IS_MROPE=is_mrope,
-        num_warps=_warps(qh * half_block))
+        num_warps=_warps(qh * half_block), **pdl.launch(q))
     return qo, ko
 
 
 # ---------------------------------------------------------------------------------------------- KV-cache write
 @triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, skn, svn, ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, skn, svn, ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -255,7 +274,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     row = Hk * D
     B = triton.next_power_of_2(row)
     _store_kvcache_kernel[(N,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=B,
-                                num_warps=_warps(B))
+                                num_warps=_warps(B), **pdl.launch(k))
 
 
 # ---------------------------------------------------------------------------------------------- skinny GEMM (GEMV)
@@ -272,11 +291,14 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
                         M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        VEC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                        VEC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+                        KP: tl.constexpr = 1, LINE: tl.constexpr = 64):
     KC: tl.constexpr = BLOCK_K // VEC
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    prefetch_rows_l2(PDL, w_ptr, rows, stride_wn, K, KP, LINE)   # weights: safe before the wait
+    pdl_enter(PDL, LARGE=True)
     kc = tl.arange(0, KC)
     kv = tl.max_contiguous(tl.multiple_of(tl.arange(0, VEC), VEC), VEC)
     offs_k = kc[None, :, None] * VEC + kv[None, None, :]                  # [1, KC, VEC]
@@ -348,6 +370,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, 
             acc6 += tl.sum(w * x6, axis=2)
         if M > 7:
             acc7 += tl.sum(w * x7, axis=2)
+    pdl_trigger(PDL)
     n_mask = offs_n < N
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -445,7 +468,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     _skinny_gemm_kernel[(triton.cdiv(N, bn),)](
         x, weight, bias if has_bias else weight, y, N, K, x.stride(0), weight.stride(0), y.stride(0),
         M=M, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, VEC=vec, EVEN_K=K % bk == 0, NUM_STAGES=stages,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl.launch(x),
+        **pdl.prefetch_meta(K, weight.element_size()))
     return y
 
 

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 NEAR_TIE = 0.05
+BF16_LOGIT_ULP = 0.0625     # one bf16 step of a logit in [8, 16): two logits one step apart are a tie
 MAX_LOGPROB_DIFF = 0.1
 SHAPES = {  # name: (N, K) of the linear after the prologue
     "0.6B qkv": (4096, 1024), "0.6B gate_up": (6144, 1024), "0.6B down": (1024, 3072),
@@ -120,6 +121,7 @@ def test_rope_store_kernel_vs_unfused(norms):
     g = torch.Generator(device="cuda").manual_seed(1)
     rot = L.Rotary(D, 1e6, 4096, "neox")
     rot._to(torch.device("cuda"))
+    diffs = []
     for N in (1, 3, 8, 16, 100):
         qkv = torch.randn(N, (H + 2 * Hk) * D, device="cuda", generator=g).to(torch.bfloat16)
         q, k, v = (t.view(N, -1, D) for t in qkv.split([H * D, Hk * D, Hk * D], dim=-1))
@@ -136,8 +138,13 @@ def test_rope_store_kernel_vs_unfused(norms):
         T.store_kvcache(wk, v, kc2, vc2, slots)
         torch.cuda.synchronize()
         for name, a, b in (("q", qo, wq), ("k", ko, wk), ("k_cache", kc, kc2), ("v_cache", vc, vc2)):
-            assert torch.equal(a, b), f"N={N} norms={norms}: {name} differs"
-    _report(test=f"rope_store_kernel_norms{int(norms)}", bit_exact=True)
+            if not torch.equal(a, b):
+                d = (a.float() - b.float()).abs()
+                where = (d > 0).nonzero()[:4].tolist()
+                diffs.append(f"N={N} {name}: {int((d > 0).sum())} of {d.numel()} differ, max {d.max().item():.3g}, "
+                             f"first at {where}")
+    _report(test=f"rope_store_kernel_norms{int(norms)}", bit_exact=not diffs, diffs=diffs)
+    assert not diffs, f"norms={norms}: " + "; ".join(diffs)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +176,11 @@ def _prompts(n, vocab, seed):
 
 
 def _compare(ref, test, what):
-    diverged, worst, bad = 0, 0.0, []
+    """Greedy runs ref vs test: they may part only at a near-tie, a top-2 gap within the rounding noise the two
+    runs show on their shared steps (twice the worst logprob difference there), never less than NEAR_TIE nor than
+    one bf16 step of the logits (they leave the lm_head in bf16: a rounding change upstream moves a logit by one
+    step, so two logits one step apart are a tie)."""
+    diverged, worst, parted = 0, 0.0, []
     for i, (r, t) in enumerate(zip(ref, test)):
         a, b = r.outputs[0], t.outputs[0]
         n = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
@@ -179,9 +190,12 @@ def _compare(ref, test, what):
         if n is not None:
             diverged += 1
             vals = sorted((lp.logprob for lp in a.logprobs[n].values()), reverse=True)
-            if len(vals) > 1 and vals[0] - vals[1] >= NEAR_TIE:
-                bad.append((i, n, vals[0] - vals[1]))
-    res = dict(test=what, requests=len(ref), diverged=diverged, max_logprob_diff=worst, bad=bad)
+            if len(vals) > 1:
+                parted.append((i, n, vals[0] - vals[1]))
+    near_tie = max(NEAR_TIE, 2 * worst, BF16_LOGIT_ULP)
+    bad = [p for p in parted if p[2] > near_tie]
+    res = dict(test=what, requests=len(ref), diverged=diverged, max_logprob_diff=worst, parted=parted,
+               near_tie=near_tie, bad=bad)
     _report(**res)
     print(res)
     assert not bad, f"{what}: diverged away from a near tie: {bad}"
@@ -229,3 +243,33 @@ def test_fused_vs_unfused_and_graph_vs_eager(tiny_dir):
         llm.shutdown()
     finally:
         FU.MODE = saved
+
+
+@pytest.mark.parametrize("launch", ["1", "wait"])
+def test_pdl_bit_exact(tiny_dir, launch):
+    """Programmatic dependent launch (runtime/ops/pdl.py) changes only when a kernel may start, never what it
+    computes: with XLLM_PDL on, graph decode (fused kernels on, batches 1, 3, 8 and 16: the skinny and the cuBLAS
+    GEMM paths) gives the same tokens and the same logprobs, bit for bit, as with it off."""
+    from xllm_gen.runtime.layers import fused as FU
+    from xllm_gen.runtime.ops import pdl as PDL
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    saved = FU.MODE, PDL.MODE
+    try:
+        out = {}
+        for mode in ("0", launch):
+            PDL.MODE = mode
+            llm = _llm(tiny_dir, "1")
+            prompts = {B: _prompts(B, llm.engine.vocab_size, 100 + B) for B in (1, 3, 8, 16)}
+            out[mode] = {B: llm.generate(p, _params(24)) for B, p in prompts.items()}
+            llm.shutdown()
+        for B in out["0"]:
+            for i, (a, b) in enumerate(zip(out["0"][B], out[launch][B])):
+                a, b = a.outputs[0], b.outputs[0]
+                assert a.token_ids == b.token_ids, f"PDL={launch} b{B} request {i}: tokens differ"
+                for j, tok in enumerate(a.token_ids):
+                    assert a.logprobs[j][tok].logprob == b.logprobs[j][tok].logprob, \
+                        f"PDL={launch} b{B} request {i} step {j}: logprob differs"
+        _report(test=f"pdl_bit_exact_{launch}", batches=list(out["0"]), bit_exact=True)
+    finally:
+        FU.MODE, PDL.MODE = saved

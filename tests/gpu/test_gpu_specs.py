@@ -82,6 +82,11 @@ def _checkpoint(architecture: str, out: Path) -> Path:
     overrides = {k: v for k, v in sizes.items() if k in default}
     if "sliding_window" in default:
         overrides["sliding_window"] = WINDOW
+    # a fixture that fixes the head count under another name (Bloom's n_head): keep 128-wide heads
+    fixed = ARCH_DEFAULTS.get(architecture, {})
+    heads = next((fixed[f] for f in ("n_head", "n_heads", "num_heads") if f in fixed and f not in overrides), None)
+    if heads and "hidden_size" in overrides and "head_dim" not in default:
+        overrides["hidden_size"] = 128 * heads
     # per-layer patterns the tiny fixture fixes (layer_types, no_rope_layers, ...: the lists with one entry per
     # fixture layer): repeated over this test's layer count
     layers = overrides.get("num_hidden_layers", 4)
