@@ -9,18 +9,23 @@ every read and every write of a PDL kernel comes after its wait, so no read sees
 read of the previous kernel. A kernel that does not use PDL (cuBLAS, FlashInfer) orders as always. CUDA graph
 capture records the programmatic edges.
 
-The weight GEMVs also prefetch their weight rows into L2 before the wait (weights are never written, so this is
-safe before the previous kernel ends): the bytes a decode GEMV streams start moving while the kernel before it
-still runs.
+In the `late` mode the weight GEMVs also prefetch their weight rows into L2 before the wait (weights are never
+written, so this is safe before the previous kernel ends).
+
+Measured on an H200 (Qwen3-0.6B graph decode, fused prologues on, bench/results/h200_fused_pdl.md): batch-1 TPOT
+`wait` 0.960 ms vs 0.979 without PDL (call 1), `1` 1.154 (the early-launched blocks take the running kernel's
+slots), `wait` + L2 prefetch 1.024 vs 0.993 and `late` + prefetch 1.038 (call 2); batch 16 within noise. Run-to-run
+noise is 1-2 %, so PDL is no measured gain yet and stays off; the weight prefetch cost more than it saved.
 
 XLLM_PDL (read at import; `MODE` can be set before an engine is built):
-  0     off (the default until measured faster on the GPU: bench/bench_fused_decode.py --modes auto,auto+pdllate);
+  0     off (the default: no measured gain yet; bench/bench_fused_decode.py --modes auto,auto+pdlwait,auto+pdllate);
   wait  launch with PDL, wait at the top of each kernel (the next kernel may launch once this one's blocks exit);
   1     as wait, and each kernel also signals its dependents right after its wait (`griddepcontrol.launch_dependents`),
         so the next kernel's blocks can be resident and waiting while this one runs;
   late  as wait; small kernels signal right after their wait, the GEMVs and the decode attention after their main
-        loop (their blocks fill the GPU: waiting blocks of the next kernel would take their slots);
-  auto  the measured best on capability >= 9, else off.
+        loop (their blocks fill the GPU: waiting blocks of the next kernel would take their slots), and the GEMVs
+        prefetch their weights into L2 before the wait;
+  auto  wait on capability >= 9, else off.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import triton
 import triton.language as tl
 
 MODE = os.environ.get("XLLM_PDL", "0").strip().lower()
-_LEVEL = {"0": 0, "off": 0, "wait": 1, "1": 2, "on": 2, "late": 3, "auto": 3}
+_LEVEL = {"0": 0, "off": 0, "wait": 1, "auto": 1, "1": 2, "on": 2, "late": 3}
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,9 +82,9 @@ def pdl_trigger(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_rows_l2(PDL: tl.constexpr, w_ptr, rows, stride_w, K, KP: tl.constexpr, LINE: tl.constexpr):
-    """Before pdl_enter in a GEMV (PDL >= 1): ask L2 for the weight rows `rows` [BLOCK_N], K elements each, one
+    """Before pdl_enter in a GEMV (PDL 3): ask L2 for the weight rows `rows` [BLOCK_N], K elements each, one
     `prefetch.global.L2` per LINE elements (a 128-byte line); KP = next_power_of_2(cdiv(K, LINE))."""
-    if PDL >= 1:
+    if PDL == 3:
         offs = tl.minimum(tl.arange(0, KP) * LINE, K - 1)
         ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + offs[None, :]
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
