@@ -66,6 +66,8 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
         config = importlib.import_module(f"{package}.model").Config.from_hf(
             json.loads((ckpt / "config.json").read_text()))
         head_dim = getattr(config, "head_dim", None)
+        if head_dim is None and getattr(config, "num_attention_heads", None):    # derived in the model (GPT-J)
+            head_dim = config.hidden_size // config.num_attention_heads
         if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
             return f"head_dim {head_dim} is not one FlashInfer"
     return None
@@ -93,7 +95,26 @@ def _checkpoint(architecture: str, out: Path) -> Path:
     for field, pattern in ARCH_DEFAULTS.get(architecture, {}).items():
         if isinstance(pattern, list) and len(pattern) == TEXT_SIZES["num_hidden_layers"]:
             overrides[field] = (list(pattern) * layers)[:layers]
-    return make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
+    ckpt = make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
+    if "num_key_value_heads" in overrides and _guard_refuses(architecture, ckpt):
+        # a spec that admits only as many KV heads as heads (multi-head latent attention): no GQA override
+        del overrides["num_key_value_heads"]
+        ckpt = make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
+    return ckpt
+
+
+def _guard_refuses(architecture: str, ckpt: Path) -> bool:
+    import importlib
+
+    from xllm_gen.runtime.loading import registry
+    package = registry.generated_packages().get(architecture)
+    if not package:
+        return False
+    try:
+        importlib.import_module(f"{package}.model").Config.from_hf(json.loads((ckpt / "config.json").read_text()))
+    except Exception:           # noqa: BLE001 - any refusal of the config guard
+        return True
+    return False
 
 
 def _hf(ckpt: Path, dtype):
