@@ -361,8 +361,10 @@ def plan(family: Family) -> Plan:
     return Plan(family, spec, tuple(accepted), tuple(refused))
 
 
-def served_plans() -> list[Plan]:
-    return [plan(f) for f in decoder_families() if spec_for(f.architecture) is not None]
+@functools.lru_cache(maxsize=None)
+def served_plans() -> tuple[Plan, ...]:
+    """The plan of every served family (cached: the conformance battery and the spec battery's sampling read it)."""
+    return tuple(plan(f) for f in decoder_families() if spec_for(f.architecture) is not None)
 
 
 def other_served(families=None) -> list[tuple[str, SpecInfo]]:
