@@ -20,7 +20,7 @@ class AttentionVariant(NamedTuple):
     - alibi (False: off): ALiBi, slope_h * (key_pos - query_pos) added to the scaled scores (Bloom, MPT; the layer
       passes this rank's slopes [H] to `forward(..., alibi_slopes=)`).
     - chunk_size C (None: off): chunked local attention, key j is visible to query i iff j <= i and
-      j // C == i // C (transformers masking_utils.chunked_causal_mask_function; Llama 4's RoPE layers).
+      j // C == i // C (transformers masking_utils.chunked_causal_mask_function).
 
     Layers with different variants need their own attention plan; backends plan once per distinct variant.
     """

@@ -28,7 +28,7 @@ class Attention(nn.Module):
     context (`ctx.backend`, already planned for the step); this layer never imports a backend.
 
     chunk_size (None or an int >= 1): chunked local attention, key j is visible to query i iff j <= i and
-    j // chunk_size == i // chunk_size (Llama 4). The CPU backend implements it; the CUDA path refuses it at load.
+    j // chunk_size == i // chunk_size. The CPU backend implements it; the CUDA path refuses it at load.
 
     sinks=True: attention sinks, a learned logit per query head in the softmax denominator; the owning module
     holds the parameter (`attention_sinks`) and passes it to forward(..., sinks=).
@@ -142,8 +142,8 @@ def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
 
 class QueryScale(nn.Module):
     """A position-dependent query scale: the query of the token at position p is multiplied by
-    1 + beta * log(1 + floor((p + offset) / floor)) (Llama 4's attention temperature tuning: beta attn_scale, floor
-    floor_scale, offset 1; Ministral 3's llama_4_scaling_beta: floor original_max_position_embeddings, offset 0).
+    1 + beta * log(1 + floor((p + offset) / floor)) (an attention temperature that grows with the position; the spec's
+    attention `query_scale` gives beta, floor and offset).
     Elementwise on the device from the step's positions (no host sync: capturable in a CUDA graph); no parameters.
     forward(positions [N], q [N, H, D]) -> q scaled per token (in q's dtype)."""
 

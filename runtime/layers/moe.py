@@ -230,7 +230,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         if weights_on not in ("output", "input"):
             raise ValueError(f"FusedMoE: weights_on must be 'output' or 'input', not {weights_on!r}")
-        # "input": each chosen expert sees w * x and the outputs are summed unweighted (Llama 4)
+        # "input": each chosen expert sees w * x and the outputs are summed unweighted
         self.weights_on = weights_on
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")

@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
-        if self.weight is None:          # no weight (Llama 4's L2 norm): x * rsqrt(mean(x^2) + eps) in float32
+        if self.weight is None:          # no weight: x * rsqrt(mean(x^2) + eps) in float32
             if residual is not ...:
                 raise ValueError("RMSNorm(weight=False) normalizes q / k only (no residual form)")
             xf = x.float()

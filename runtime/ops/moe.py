@@ -156,7 +156,7 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     `act` is the gated activation ([..., 2I] -> [..., I]: act(gate) * up). Each block of block_m rows (one
     expert) is one batched GEMM against that expert's weights; each token's outputs are summed in increasing
     expert order (as a per-expert loop with index_add would). Static shapes, no host sync.
-    `weights_on_input`: sum_k w2[e] @ act(w13[e] @ (topk_weights[t, k] * x[t])) instead (Llama 4's routing scales
+    `weights_on_input`: sum_k w2[e] @ act(w13[e] @ (topk_weights[t, k] * x[t])) instead (the routing weights scale
     each chosen expert's input; the outputs are summed unweighted)."""
     T, H = x.shape
     E, K = w13.shape[0], topk_ids.shape[-1]
