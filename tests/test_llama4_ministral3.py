@@ -93,6 +93,7 @@ def _arm(tiny_checkpoint, tmp_path, arch, name, edit, seed=7, length=21):
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_llama4_chunking_off_changes_output(tiny_checkpoint, tmp_path):
     """Chunked local attention off (every layer global; prompt 21 tokens + decode, chunk 8)."""
     def off(cfg):
@@ -128,6 +129,23 @@ def test_ministral3_query_scale_off_changes_output(tiny_checkpoint, tmp_path):
         assert cfg["rope_parameters"]["llama_4_scaling_beta"] != 0
         cfg["rope_parameters"]["llama_4_scaling_beta"] = 0.0
     _arm(tiny_checkpoint, tmp_path, MINISTRAL3, "beta_off", off)
+
+
+def test_chunking_switched_off_in_the_engine_diverges(tiny_checkpoint, monkeypatch):
+    """The engine with chunked attention made global no longer agrees with transformers on a prompt longer than
+    the chunk (the spec battery checks that it agrees as built): the chunk reaches the attention backend."""
+    from xllm_gen.runtime.attention import base
+
+    ckpt = tiny_checkpoint(LLAMA4)
+    prompt = np.random.default_rng(7).integers(0, 400, 21).tolist()
+    want = _hf(ckpt, prompt)
+    import xllm_gen.runtime.layers.attention as layer_attention
+    make = base.make_variant
+    monkeypatch.setattr(layer_attention, "make_variant",
+                        lambda window=None, cap=None, sinks=False, alibi=False, chunk_size=None:
+                        make(window, cap, sinks, alibi))
+    got = _engine(ckpt, prompt)
+    assert got[0] != want[0] or not np.allclose(got[1], want[1], atol=1e-3)
 
 
 def test_query_scale_switched_off_in_the_engine_diverges(tiny_checkpoint, monkeypatch):
