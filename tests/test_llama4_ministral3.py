@@ -198,3 +198,25 @@ def test_guard_refuses_what_the_specs_do_not_model():
     lcfg["rope_parameters"] = dict(lcfg["rope_parameters"], llama_4_scaling_beta=0.1)
     with pytest.raises(ConfigError, match="llama_4_scaling_beta"):
         ll.from_hf(lcfg)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [LLAMA4, MINISTRAL3])
+@pytest.mark.parametrize("engine_kw", [dict(enable_chunked_prefill=True, max_num_batched_tokens=8),
+                                       dict(enable_prefix_caching=True)], ids=["chunked_prefill", "prefix_cache"])
+def test_batched_chunked_prefill_and_prefix_cache_agree(arch, engine_kw, tiny_checkpoint):
+    """Prompts across chunk boundaries (chunk 8) and the query scale's floor, batched together, prefilled in 8-token
+    pieces or from the prefix cache (a second pass): the positions each piece sees are the sequence's own."""
+    from hf_ref import hf_greedy_logprobs
+
+    from xllm_gen import LLM, SamplingParams
+    ckpt = tiny_checkpoint(arch)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 400, n).tolist() for n in (5, 21, 13, 30)]
+    want = [list(hf_greedy_logprobs(ckpt, p, 12)[0]) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, **engine_kw) as llm:
+        for _ in range(2):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            assert [list(o.outputs[0].token_ids) for o in outs] == want
