@@ -183,6 +183,9 @@ def test_guard_refuses_what_the_specs_do_not_model():
     bad = dict(cfg, layer_types=["sliding_attention", "full_attention", "chunked_attention"])
     with pytest.raises(ConfigError, match="unknown_layer_types"):
         l4.from_hf(bad)
+    with pytest.raises(ConfigError, match="unknown_layer_types"):       # chunked layers without a chunk size
+        l4.from_hf(dict(cfg, attention_chunk_size=None))
+    assert l4.from_hf(dict(cfg, attention_chunk_size=None, layer_types=["full_attention"] * 3))
     m3 = _config("ministral3").Config
     cfg = _tiny_json(MINISTRAL3)
     m3.from_hf(cfg)
