@@ -65,7 +65,7 @@ def _block(b) -> str:
             extra = ("" if n.over == "head" else ", over the projection") + \
                     ("" if n.at == "before_rotary" else ", after rotary") + \
                     (f", weight = {n.weight_offset:g} + w" if n.weight_offset else "") + (", bias" if n.bias else "") + \
-                    (", a weight per head" if n.per_head_weights else "") + \
+                    (", a weight per head" if n.per_head_weights else "") + (", no weight" if n.weightless else "") + \
                     (f", where {n.enabled}" if n.enabled is not None else "")
             qk = f", qk_norm={n.kind}({n.q}, {n.k}, eps={n.eps}{extra})"
         return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
@@ -73,6 +73,11 @@ def _block(b) -> str:
                 f"{b.out_name} bias={b.out_bias}, rotary={rot}{qk}, "
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
+                + (f", chunk_size={b.chunk_size}" if b.chunk_size else "")
+                + (f", query_scale=1 + {b.query_scale.beta} * log(1 + floor((position + {b.query_scale.offset}) / "
+                   f"{b.query_scale.floor}))" + (f" where {b.query_scale.enabled}"
+                                                if b.query_scale.enabled.literal is not True else "")
+                   if b.query_scale else "")
                 + (f", softcap={b.softcap}" if b.softcap else "")
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
@@ -136,6 +141,8 @@ def _routing(b) -> str:
         out += f", renormalized by a sum clamped to >= {b.renormalize_min}"
     if b.routed_scale:
         out += f", weights x {b.routed_scale}"
+    if b.weights_on == "input":
+        out += ", weights scale the experts' input"
     return out
 
 

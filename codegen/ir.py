@@ -266,13 +266,24 @@ class QKNormIR:
     weight_offset: float = 0.0
     bias: bool = False
     per_head_weights: bool = False   # over head: weight [heads, head_dim] instead of one shared [head_dim]
+    weightless: bool = False         # no weight: x * rsqrt(mean(x^2) + eps) (rmsnorm over head)
     enabled: Optional[Value] = None  # a bool symbol / expression: the norms exist only where it holds; None: always
 
     @property
     def fusable(self) -> bool:
         """The per-head RMSNorm + rotary that ops.qk_norm_rope fuses (one kernel on CUDA)."""
         return (self.kind == "rmsnorm" and self.over == "head" and self.at == "before_rotary"
-                and not self.weight_offset and not self.bias and not self.per_head_weights)
+                and not self.weight_offset and not self.bias and not self.per_head_weights and not self.weightless
+                and (self.enabled is None or not self.enabled.per_layer))
+
+
+@dataclass(frozen=True)
+class QueryScaleIR:
+    """q *= 1 + beta * log(1 + floor((position + offset) / floor)), on the layers where `enabled` holds."""
+    beta: Value
+    floor: Value
+    offset: Value
+    enabled: Value = Value(literal=True)
 
 
 @dataclass(frozen=True)
@@ -294,6 +305,8 @@ class AttentionIR:
     scale: Optional[Value]
     sliding_window: Optional[Value] = None     # per-layer value (may read the layer index); None = full
     softcap: Optional[Value] = None
+    chunk_size: Optional[Value] = None         # chunked local attention, per-layer value; None = off
+    query_scale: Optional["QueryScaleIR"] = None
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
     sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
@@ -393,10 +406,11 @@ class MoEIR:
     routed_scale: Optional[Value] = None
     router_float32: bool = False
     renormalize_min: Optional[Value] = None   # the renormalizing sum clamped to at least it; None = no clamp
+    weights_on: str = "output"               # output: sum_k w_k * expert_k(x); input: sum_k expert_k(w_k * x)
 
     @property
     def plain_routing(self) -> bool:
-        return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None
+        return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None and self.weights_on == "output"
                 and self.renormalize_min is None and self.selection_bias.literal is False and self.selection_bias.symbol is None
                 and self.selection_bias.expr is None)
 

@@ -790,6 +790,13 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                             raise self.err(("decoder", "layers", "blocks", b.name, "sliding_window"),
                                            f"variants.{name}: {b.name}.sliding_window of layer {li} is {w!r}; a "
                                            f"window is an int >= 1 or None")
+                if b.chunk_size is not None:
+                    for li in range(layers):
+                        c = ev(("decoder", "layers", "blocks", b.name, "chunk_size"), b.chunk_size, li)
+                        if c is not None and (not _is_int(c) or c < 1):
+                            raise self.err(("decoder", "layers", "blocks", b.name, "chunk_size"),
+                                           f"variants.{name}: {b.name}.chunk_size of layer {li} is {c!r}; a "
+                                           f"chunk is an int >= 1 or None")
                 if b.rotary is not None:
                     self.check_rotary_variant(name, b, values, layers, at)
                 if h % kv:

@@ -19,6 +19,7 @@ from .ir import (
     NormIR,
     ParamIR,
     QKNormIR,
+    QueryScaleIR,
     RotaryIR,
     SegmentIR,
     Size,
@@ -97,7 +98,7 @@ class BlockResolver(MLAResolver):
                                                           f"{list(qkv_segs)}")
             rotary = self.resolve_attention_rotary(path, b.rotary) if b.rotary is not None else None
             qk = None
-            qk_on = self.flag(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
+            qk_on = self.rotary_enabled(path + ("qk_norm", "enabled"), b.qk_norm.enabled) if b.qk_norm else None
             if b.qk_norm and qk_on.literal is not False:
                 qp = path + ("qk_norm",)
                 n = b.qk_norm
@@ -107,10 +108,17 @@ class BlockResolver(MLAResolver):
                     raise self.err(qp + ("weights",), f"{self._where(qp)}.weights: per-head weights are for `over: "
                                                       f"head`; a projection-wide norm's weight already has a value "
                                                       f"per column")
+                if n.weights == "none" and (n.kind != "rmsnorm" or n.over != "head" or n.bias or n.weight_offset):
+                    raise self.err(qp + ("weights",), f"{self._where(qp)}.weights: `none` (no weight) is a per-head "
+                                                      f"RMSNorm without bias or weight_offset (kind: rmsnorm, over: "
+                                                      f"head)")
+                if qk_on.per_layer and n.weights != "none":
+                    raise self.err(qp + ("enabled",), f"{self._where(qp)}.enabled: a per-layer q/k norm (reading "
+                                                      f"`layer`) must have no weights (`weights: none`)")
                 qk = QKNormIR(module(qp + ("q",), n.q), module(qp + ("k",), n.k),
                               self.positive(qp + ("eps",), n.eps, below=1.0), n.kind, n.over, n.at,
                               float(n.weight_offset), n.bias, n.weights == "per_head",
-                              None if qk_on.literal is True else qk_on)
+                              n.weights == "none", None if qk_on.literal is True else qk_on)
             clip = None
             if b.clip_qkv is not None:
                 clip = self.positive(path + ("clip_qkv",), b.clip_qkv, optional=True)
@@ -122,6 +130,22 @@ class BlockResolver(MLAResolver):
                                                               f"int >= 1 (or None), got {window.literal!r}")
             if b.softcap is not None:
                 softcap = self.positive(path + ("softcap",), b.softcap, optional=True)
+            chunk = None
+            if b.chunk_size is not None:
+                chunk = self.num(path + ("chunk_size",), b.chunk_size, per_layer=True, optional=True)
+                if chunk.symbol is None and chunk.expr is None and (not _is_int(chunk.literal) or chunk.literal < 1):
+                    raise self.err(path + ("chunk_size",), f"{self._where(path)}.chunk_size: a chunk is an int >= 1 "
+                                                          f"(or None), got {chunk.literal!r}")
+            qscale = None
+            if b.query_scale is not None:
+                sp = path + ("query_scale",)
+                if rotary is not None and rotary.kind != "neox":
+                    raise self.err(sp, f"{self._where(sp)}: a position-dependent query scale reads one position per "
+                                       f"token; rotary kind {rotary.kind} has several")
+                qs = b.query_scale
+                qscale = QueryScaleIR(self.num(sp + ("beta",), qs.beta), self.positive(sp + ("floor",), qs.floor),
+                                      self.num(sp + ("offset",), qs.offset),
+                                      self.rotary_enabled(sp + ("enabled",), qs.enabled))
             return AttentionIR(
                 kind="attention", name=name, class_name=f"{prefix}Attention" if unique_kind else f"{prefix}{camel}",
                 hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
@@ -132,7 +156,7 @@ class BlockResolver(MLAResolver):
                 out_bias=self.flag(path + ("out", "bias"), b.out.bias),
                 rotary=rotary,
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
-                sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks,
+                sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
@@ -202,7 +226,7 @@ class BlockResolver(MLAResolver):
                            groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                            if b.routed_scale is not None else None,
                            renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
-                           if b.renormalize_min is not None else None)
+                           if b.renormalize_min is not None else None, weights_on=b.weights_on)
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
@@ -347,6 +371,8 @@ class BlockResolver(MLAResolver):
                 n = b.qk_norm
                 first = len(ps)
                 for module, seg in ((n.q, segs[0]), (n.k, segs[1])):
+                    if n.weightless:                                # no parameters
+                        continue
                     if n.over == "head" and n.per_head_weights:    # [heads, head_dim], split by heads
                         names = ("weight", "bias") if n.bias else ("weight",)
                         ps += [P(f"{module}.{w}", (seg.heads, b.head_dim), "colwise",

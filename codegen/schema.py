@@ -136,13 +136,27 @@ class QKNorm(Strict):
     q: StrictStr = "q_norm"
     k: StrictStr = "k_norm"
     over: Literal["head", "projection"] = "head"
-    # `over: head` only: `per_head` gives each head a weight of its own, [heads, head_dim] (Cohere's use_qk_norm)
-    weights: Literal["shared", "per_head"] = "shared"
+    # `over: head` only: `per_head` gives each head a weight of its own, [heads, head_dim] (Cohere's use_qk_norm);
+    # `none`: no weight at all, x * rsqrt(mean(x^2) + eps) (rmsnorm only: Llama 4's L2 norm)
+    weights: Literal["shared", "per_head", "none"] = "shared"
     at: Literal["before_rotary", "after_rotary"] = "before_rotary"
     weight_offset: Union[StrictInt, StrictFloat] = 0
     bias: StrictBool = False
     # a bool config symbol (or expression): the q/k norms exist only in the checkpoints where it holds (Cohere's
-    # use_qk_norm, StableLM's qk_layernorm); false: no q/k norm
+    # use_qk_norm, StableLM's qk_layernorm); false: no q/k norm. May read `layer` when the norm has no weights
+    # (`weights: none`; Llama 4: "use_qk_norm and no_rope_layers[layer] != 0")
+    enabled: Flag = True
+
+
+class QueryScale(Strict):
+    """A position-dependent query scale: q of the token at position p is multiplied by
+    1 + beta * log(1 + floor((p + offset) / floor)) before attention (after rotary and any q/k norm): Llama 4's
+    attention temperature tuning (beta attn_scale, floor floor_scale, offset 1, on NoPE layers), Ministral 3's
+    llama_4_scaling_beta (floor: the rope's original_max_position_embeddings, offset 0). `enabled`: per layer
+    (may read `layer`)."""
+    beta: Num
+    floor: Num
+    offset: Num = 0
     enabled: Flag = True
 
 
@@ -185,6 +199,10 @@ class AttentionBlock(Strict):
     qk_norm: Optional[QKNorm] = None
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
+    # chunked local attention (Llama 4): query i sees key j iff j <= i and j // C == i // C; per-layer value (may
+    # read `layer`); None / absent = off
+    chunk_size: Optional[Num] = None
+    query_scale: Optional[QueryScale] = None   # a position-dependent query scale (above)
     softcap: Optional[Num] = None        # attention logit soft-capping: cap * tanh(scores / cap); None = off
     clip_qkv: Optional[Num] = None       # q, k, v clamped to [-c, c] after the projection (and a projection-wide
                                          # qk_norm); an optional symbol that is None turns it off (OLMo, DBRX)
@@ -320,6 +338,9 @@ class MoEBlock(Strict):
     # with norm_topk_prob: the sum the top-k weights are divided by is clamped to at least it (ERNIE 4.5's
     # moe_norm_min); None = no clamp (the plain sum)
     renormalize_min: Optional[Num] = None
+    # where the routing weights apply: `output` (default) sum_k w_k * expert_k(x); `input` sum_k expert_k(w_k * x)
+    # (Llama 4: the router's sigmoid scores scale each chosen expert's input)
+    weights_on: Literal["output", "input"] = "output"
 
 
 class LMHeadBlock(Strict):

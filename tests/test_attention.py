@@ -153,7 +153,8 @@ def _pages_of(kc, vc, table, n):
     return kc.view(-1, Hk, D)[idx], vc.view(-1, Hk, D)[idx]
 
 
-@pytest.mark.parametrize("variant", [(None, None), (5, None), (None, 3.0), (7, 2.5)], ids=str)
+@pytest.mark.parametrize("variant", [(None, None), (5, None), (None, 3.0), (7, 2.5), (None, None, False, False, 8),
+                                     (None, 3.0, False, False, 4)], ids=str)
 def test_batched_paged_equals_per_sequence_oracle(variant):
     """The batched gather/mask path equals `attend` run sequence by sequence (the oracle), for a step that mixes
     whole prefills, chunked prefills, decodes and padding rows, with NaN in every page the step does not own
@@ -172,13 +173,14 @@ def test_batched_paged_equals_per_sequence_oracle(variant):
     start = 0
     for n, Q, t in zip(seq_lens, query_lens, tables):
         ks, vs = _pages_of(kc, vc, t, n)
-        want = attend(q[start:start + Q], ks, vs, D ** -0.5, n - Q, var.sliding_window, var.logit_softcap)
+        want = attend(q[start:start + Q], ks, vs, D ** -0.5, n - Q, var.sliding_window, var.logit_softcap,
+                      chunk_size=var.chunk_size)
         torch.testing.assert_close(out[start:start + Q], want, rtol=1e-5, atol=1e-5)
         start += Q
     assert torch.equal(out[start:], torch.zeros(2, H, D))          # padding rows
 
 
-@pytest.mark.parametrize("variant", [(None, None), (5, None), (None, 3.0)], ids=str)
+@pytest.mark.parametrize("variant", [(None, None), (5, None), (None, 3.0), (None, None, False, False, 8)], ids=str)
 def test_decode_step_fast_path_equals_oracle(variant):
     """A pure decode step (one query per sequence: the SDPA fast path; soft-capped variants take the general
     path) equals `attend` per sequence, with NaN in every page the step does not own."""
@@ -198,8 +200,30 @@ def test_decode_step_fast_path_equals_oracle(variant):
                           D ** -0.5, var)
     for i, (n, t) in enumerate(zip(seq_lens, tables)):
         ks, vs = _pages_of(kc, vc, t, n)
-        want = attend(q[i:i + 1], ks, vs, D ** -0.5, n - 1, var.sliding_window, var.logit_softcap)
+        want = attend(q[i:i + 1], ks, vs, D ** -0.5, n - 1, var.sliding_window, var.logit_softcap,
+                      chunk_size=var.chunk_size)
         torch.testing.assert_close(out[i:i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_oracle_is_transformers_chunked_mask():
+    """`attend` with a chunk size masks as transformers' chunked_causal_mask_function (Llama 4): key j visible to
+    query i iff j <= i and j // C == i // C; and chunking changes the output of a sequence longer than a chunk."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    from xllm_gen.runtime.attention.torch_ref import attend
+    torch.manual_seed(4)
+    H, Hk, D, L, Q, C = 4, 2, 8, 21, 13, 8
+    q, k, v = torch.randn(Q, H, D) * 3, torch.randn(L, Hk, D), torch.randn(L, Hk, D)
+    fn = chunked_causal_mask_function(C, torch.zeros(1, dtype=torch.long))
+    off = L - Q
+    visible = torch.tensor([[bool(fn(0, 0, torch.tensor(off + i), torch.tensor(j))) for j in range(L)]
+                            for i in range(Q)])
+    kf, vf = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
+    s = torch.einsum("qhd,khd->hqk", q, kf) * D ** -0.5
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~visible, float("-inf")), -1), vf)
+    got = attend(q, k, v, D ** -0.5, off, chunk_size=C)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, attend(q, k, v, D ** -0.5, off), atol=1e-3)
 
 
 def test_decode_step_mixing_fast_and_general_variants():

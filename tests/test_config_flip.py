@@ -85,6 +85,8 @@ def _flip(f, value: Any) -> Any:
     if t == "str_tuple" and value:
         other = next((v for v in value if v != value[0]), None)
         return [other] + list(value[1:]) if other is not None else None
+    if t == "int_tuple" and value and all(v in (0, 1) for v in value):   # flags per layer (no_rope_layers)
+        return [1 - value[0]] + list(value[1:])
     if t == "int_tuple" and value:
         return [value[0] + 1] + list(value[1:])
     return None

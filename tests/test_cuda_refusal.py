@@ -12,9 +12,9 @@ from xllm_gen.runtime.attention.base import FLASHINFER_HEAD_DIMS, cuda_attention
 from xllm_gen.runtime.executor.model_runner import ModelRunner
 
 
-def _runner_on_cuda(head_dims, sinks=False):
+def _runner_on_cuda(head_dims, sinks=False, chunk_size=None):
     layers = [types.SimpleNamespace(head_dim=d, num_heads=4, num_kv_heads=2, scale=d ** -0.5,
-                                    variant=make_variant(sinks=sinks)) for d in head_dims]
+                                    variant=make_variant(sinks=sinks, chunk_size=chunk_size)) for d in head_dims]
     return types.SimpleNamespace(device=torch.device("cuda"), debug={}, attn_layers=layers)
 
 
@@ -37,6 +37,16 @@ def test_supported_head_dims_pass(head_dim):
 def test_sinks_are_refused_by_name():
     with pytest.raises(NotImplementedError, match="attention sinks"):
         ModelRunner._make_backend(_runner_on_cuda([64], sinks=True))
+
+
+def test_chunked_attention_is_refused_by_name():
+    """Llama 4's chunked local attention: FlashInfer's wrappers as planned here mask causally (with at most a
+    sliding window), so a model with a chunked layer is refused on CUDA at load, naming it; the CPU serves it."""
+    with pytest.raises(NotImplementedError, match="chunked local attention"):
+        ModelRunner._make_backend(_runner_on_cuda([64], chunk_size=8))
+    runner = _runner_on_cuda([64], chunk_size=8)
+    runner.device = torch.device("cpu")
+    assert type(ModelRunner._make_backend(runner)).__name__ == "TorchPagedBackend"
 
 
 def test_cpu_serves_any_head_dim():

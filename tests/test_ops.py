@@ -136,42 +136,46 @@ def _decode_attention_checks(rnd, err):
                          seq_lens=torch.tensor(lens, dtype=torch.int32), slot_mapping=torch.full((B,), -1),
                          block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
                          block_size=page, seq_lens_cpu=lens, query_lens_cpu=[1] * B)
-    variants = {"full": (-1, None), "window5": (4, None), "softcap": (-1, 2.5), "sinks": (4, None)}
+    variants = {"full": (-1, None), "window5": (4, None), "softcap": (-1, 2.5), "sinks": (4, None),
+                "chunk4": (-1, None), "chunk8window5": (4, None)}
+    chunks = {"chunk4": 4, "chunk8window5": 8}          # chunked local attention (Llama 4), alone and with a window
     # (H, Hk, head_dim, variant, [(dtype, splits)]): every variant at group 2, groups 1 and 4 once each; head_dim
     # 48 (padded to 64, masked) and 32 (unpadded: the loads' masks are per row only); one and several splits
     f32, f16 = torch.float32, torch.float16
     cases = [(4, 2, D, "full", [(f32, 1), (f16, 3)]), (4, 2, D, "window5", [(f32, 3)]),
              (4, 2, D, "softcap", [(f32, 3)]), (3, 3, D, "window5", [(f32, 3)]), (8, 2, 32, "softcap", [(f32, 3)]),
-             (4, 2, 32, "full", [(f32, 1)]), (4, 2, D, "sinks", [(f32, 1), (f32, 3), (f16, 3)])]
+             (4, 2, 32, "full", [(f32, 1)]), (4, 2, D, "sinks", [(f32, 1), (f32, 3), (f16, 3)]),
+             (4, 2, D, "chunk4", [(f32, 1), (f32, 3)]), (4, 2, D, "chunk8window5", [(f32, 3)])]
     tol = {torch.float32: 1e-6, torch.float16: 3e-3}
     live = torch.tensor([L > 0 for L in lens])
     for H, Hk, D, name, runs in cases:
         wl, cap = variants[name]
+        ch = chunks.get(name)
         kc32, vc32 = rnd(pool, page, Hk, D), rnd(pool, page, Hk, D)
         q32 = rnd(B, H + 1, D)[:, :H]                          # strided rows
         sk = rnd(H) * 2 if name == "sinks" else None           # attention sinks (with a window): logits per head
-        ref = R.paged_decode_attention(q32, kc32, vc32, ip, ix, lp, D ** -0.5, wl, cap, sinks=sk)
+        ref = R.paged_decode_attention(q32, kc32, vc32, ip, ix, lp, D ** -0.5, wl, cap, sinks=sk, chunk_size=ch)
         oracle = TorchPagedBackend()
         oracle.plan(ctx)
         kv_step = torch.zeros(B, Hk, D)                        # already in the cache: only its shape is read
         want = oracle.forward(q32.contiguous(), kv_step, kv_step, kc32, vc32, ctx, D ** -0.5,
-                              AttentionVariant(None if wl < 0 else wl + 1, cap, sk is not None),
+                              AttentionVariant(None if wl < 0 else wl + 1, cap, sk is not None, False, ch),
                               **({} if sk is None else {"sinks": sk}))
         out[f"decode_attention_reference_vs_backend_H{H}_Hk{Hk}_D{D}_{name}"] = (
             max(err(ref[live], want[live]), err(ref[~live], torch.zeros_like(ref[~live]))), 1e-6)
         if name != "full":                                     # the variant changes the output (sensitivity)
             plain = R.paged_decode_attention(q32, kc32, vc32, ip, ix, lp, D ** -0.5,
-                                             *((wl, cap) if name == "sinks" else ()))
+                                             *((wl, cap) if name in ("sinks", "chunk8window5") else ()))
             out[f"decode_attention_variant_changes_output_H{H}_Hk{Hk}_D{D}_{name}"] = (
                 float(not err(plain, ref) > 1e-2), 0.0)
         for dt, splits in runs:
             q, kc, vc = q32.to(dt), kc32.to(dt), vc32.to(dt)
-            want = R.paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, wl, cap, sinks=sk)
+            want = R.paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, wl, cap, sinks=sk, chunk_size=ch)
             scratch = DecodeScratch(8, H, Hk, D, splits, "cpu")
             worst = 0.0
             for _ in range(2 if (splits > 1 and name == "full") else 1):     # a second launch reuses the tickets
                 got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch, window_left=wl,
-                                             soft_cap=cap, block_n=16, sinks=sk)
+                                             soft_cap=cap, block_n=16, sinks=sk, chunk_size=ch)
                 worst = max(worst, err(got, want), float(scratch.counters.abs().sum()))
             out[f"decode_attention_H{H}_Hk{Hk}_D{D}_{name}_splits{splits}_{str(dt).split('.')[-1]}"] = (worst,
                                                                                                    tol[dt])

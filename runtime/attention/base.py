@@ -19,6 +19,8 @@ class AttentionVariant(NamedTuple):
       exp(s_h)) (GPT-OSS; the layer passes the per-rank tensor [H] to `forward(..., sinks=)`).
     - alibi (False: off): ALiBi, slope_h * (key_pos - query_pos) added to the scaled scores (Bloom, MPT; the layer
       passes this rank's slopes [H] to `forward(..., alibi_slopes=)`).
+    - chunk_size C (None: off): chunked local attention, key j is visible to query i iff j <= i and
+      j // C == i // C (transformers masking_utils.chunked_causal_mask_function).
 
     Layers with different variants need their own attention plan; backends plan once per distinct variant.
     """
@@ -26,6 +28,7 @@ class AttentionVariant(NamedTuple):
     logit_softcap: Optional[float] = None
     sinks: bool = False
     alibi: bool = False
+    chunk_size: Optional[int] = None
 
     @property
     def window_left(self) -> int:
@@ -39,9 +42,14 @@ FULL = AttentionVariant()
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False) -> Optional[str]:
+def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunked: bool = False) -> Optional[str]:
     """Why the CUDA attention path (FlashInfer) cannot serve layers of these head dims / variants, naming the
     feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide)."""
+    if chunked:
+        return ("this model uses chunked local attention (attention_chunk_size: a query sees only the keys of its "
+                "own chunk), which the CUDA attention path (FlashInfer paged prefill / decode wrappers as planned "
+                "here: a causal mask with at most a sliding window) does not implement; serve it on the CPU "
+                "(device='cpu')")
     if sinks:
         return ("this model uses attention sinks (a learned per-head logit in the softmax denominator), which "
                 "the CUDA attention path (FlashInfer paged prefill / decode wrappers) does not implement; "
@@ -54,17 +62,19 @@ def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False) -> Opt
     return None
 
 
-def make_variant(sliding_window=None, logit_softcap=None, sinks: bool = False, alibi: bool = False) -> AttentionVariant:
-    """A validated AttentionVariant: sliding_window None or an int >= 1, logit_softcap None or a finite float > 0."""
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+def make_variant(sliding_window=None, logit_softcap=None, sinks: bool = False, alibi: bool = False,
+                 chunk_size=None) -> AttentionVariant:
+    """A validated AttentionVariant: sliding_window / chunk_size None or an int >= 1, logit_softcap None or a
+    finite float > 0."""
+    for name, v in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
     if logit_softcap is not None:
         if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float)) \
                 or not math.isfinite(logit_softcap) or logit_softcap <= 0:
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
         logit_softcap = float(logit_softcap)
-    return AttentionVariant(sliding_window, logit_softcap, bool(sinks), bool(alibi))
+    return AttentionVariant(sliding_window, logit_softcap, bool(sinks), bool(alibi), chunk_size)
 
 
 def attention_variants(layers: Iterable) -> tuple[AttentionVariant, ...]:

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 
 from xllm_gen.runtime.attention import triton_decode
-from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant
+from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant, cuda_attention_refusal
 from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper, decode_kernel_choice, decode_splits
 from xllm_gen.runtime.executor.context import ForwardContext
 
@@ -153,6 +153,8 @@ class FlashInferBackend(AttentionBackend):
         variants are planned every step. Call before capturing graphs that use them."""
         for v in variants:
             v = AttentionVariant(*v)
+            if v.chunk_size is not None:     # the loader refuses it first (cuda_attention_refusal); never run wrong
+                raise NotImplementedError(cuda_attention_refusal((), chunked=True))
             if v in self._sets:
                 continue
             self._sets[v] = _VariantWrappers(self, v)

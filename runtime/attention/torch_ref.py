@@ -68,13 +68,16 @@ class TorchPagedBackend(AttentionBackend):
     def _mask(self, variant: AttentionVariant, q_pos, k_valid, q_valid):
         """[B, 1, 1, Q, L]: key p visible to the query at position i iff p <= i (and p > i - W with a window W);
         padded query rows see key 0 (their output is dropped) so that no softmax row is empty."""
-        key = variant.sliding_window
+        key = (variant.sliding_window, variant.chunk_size)
         if key not in self._masks:
             kpos = torch.arange(k_valid.shape[1], device=k_valid.device)[None, None, :]
             qpos = q_pos[:, :, None]
             visible = (kpos <= qpos) & k_valid[:, None, :]
             if variant.sliding_window is not None:
                 visible &= kpos > qpos - variant.sliding_window
+            if variant.chunk_size is not None:       # chunked local attention: the query's own chunk only
+                visible &= torch.div(kpos, variant.chunk_size, rounding_mode="floor") == \
+                    torch.div(qpos, variant.chunk_size, rounding_mode="floor")
             visible |= (~q_valid[:, :, None]) & (kpos == 0)
             self._masks[key] = visible[:, None, None]
         return self._masks[key]
@@ -101,7 +104,7 @@ class TorchPagedBackend(AttentionBackend):
             blocks = ctx.block_tables[i, :(n + bs - 1) // bs].long()
             ks, vs = k_cache[blocks].reshape(-1, Hk, D)[:n], v_cache[blocks].reshape(-1, Hk, D)[:n]
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
-                                variant.logit_softcap, sinks, alibi_slopes).to(q.dtype)
+                                variant.logit_softcap, sinks, alibi_slopes, variant.chunk_size).to(q.dtype)
             return out
         rows, q_index, q_valid, q_pos, k_valid, L = self._index(q.device)
         B = len(rows)
@@ -138,16 +141,18 @@ class TorchPagedBackend(AttentionBackend):
         call over the gathered pages, GQA without copies (enable_gqa)."""
         B, H, D = q.shape
         Hk = k_cache.shape[2]
-        window = variant.sliding_window
-        if window not in self._decode_masks:
+        window, chunk = variant.sliding_window, variant.chunk_size
+        if (window, chunk) not in self._decode_masks:
             lens = torch.tensor(self._seq_lens)
             L = int(lens.max())
             kpos = torch.arange(L)[None, :]
             visible = kpos < lens[:, None]
             if window is not None:
                 visible &= kpos > (lens[:, None] - 1) - window
-            self._decode_masks[window] = visible.to(q.device)
-        visible = self._decode_masks[window]
+            if chunk is not None:                    # the query (at len - 1) sees its own chunk only
+                visible &= kpos >= (lens[:, None] - 1) // chunk * chunk
+            self._decode_masks[(window, chunk)] = visible.to(q.device)
+        visible = self._decode_masks[(window, chunk)]
         L = visible.shape[1]
         bs = k_cache.shape[1]
         nblk = (L + bs - 1) // bs
@@ -175,13 +180,15 @@ def _softmax(s: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
-           sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+           sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+           chunk_size: Optional[int] = None) -> torch.Tensor:
     """Causal attention of q [Q, H, D] against k, v [L, Hk, D]; query j sits at position q_offset + j.
 
     HF eager semantics: scores = q k^T * scale; with logit_softcap c, scores = c * tanh(scores / c) (before the
     mask); key p is visible to query position i iff p <= i and, with a sliding window W, p > i - W. `sinks` [H]:
     a per-head logit in the softmax denominator (attention sinks). `alibi_slopes` [H]: ALiBi, slope_h * (key position -
-    query position) added to the scaled scores."""
+    query position) added to the scaled scores. With a chunk size C, also p // C == i // C (chunked local
+    attention)."""
     Q, H, D = q.shape
     L, Hk, _ = k.shape
     g = H // Hk
@@ -198,6 +205,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
     hidden = kpos > qpos
     if sliding_window is not None:
         hidden = hidden | (kpos <= qpos - sliding_window)
+    if chunk_size is not None:        # chunked local attention: keys of the query's own chunk only
+        hidden = hidden | (kpos // chunk_size != qpos // chunk_size)
     s = s.masked_fill(hidden, float("-inf"))
     p = _softmax(s, None if sinks is None else sinks.float().view(H, 1, 1))
     return torch.matmul(p, vf).transpose(0, 1)                       # [Q, H, D]

@@ -124,7 +124,8 @@ class TritonDecodeWrapper:
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, *, sm_scale: Optional[float] = None,
-             window_left: int = -1, logits_soft_cap: Optional[float] = None, **_) -> None:
+             window_left: int = -1, logits_soft_cap: Optional[float] = None, chunk_size: Optional[int] = None,
+             **_) -> None:
         if (num_qo_heads, num_kv_heads, head_dim) != (self.num_heads, self.num_kv_heads, self.head_dim):
             raise ValueError(f"decode plan for heads {num_qo_heads}/{num_kv_heads} x {head_dim}: the wrapper was "
                              f"built for {self.num_heads}/{self.num_kv_heads} x {self.head_dim}")
@@ -144,7 +145,7 @@ class TritonDecodeWrapper:
             ip, lp, ix = (t.to(self.device, torch.int32, non_blocking=True) for t in (indptr, last_page_len, indices))
         self._table = (ip, ix, lp)
         self._kw = dict(sm_scale=self.head_dim ** -0.5 if sm_scale is None else float(sm_scale),
-                        window_left=int(window_left), soft_cap=logits_soft_cap)
+                        window_left=int(window_left), soft_cap=logits_soft_cap, chunk_size=chunk_size)
 
     def run(self, q: torch.Tensor, kv) -> torch.Tensor:
         from xllm_gen.runtime.ops.decode_attention import paged_decode_attention
@@ -154,4 +155,5 @@ class TritonDecodeWrapper:
         ip, ix, lp = self._table
         kw = self._kw
         return paged_decode_attention(q, k_cache, v_cache, ip, ix, lp, kw["sm_scale"], self.scratch,
-                                      window_left=kw["window_left"], soft_cap=kw["soft_cap"], block_n=self.block_n)
+                                      window_left=kw["window_left"], soft_cap=kw["soft_cap"], block_n=self.block_n,
+                                      chunk_size=kw["chunk_size"])

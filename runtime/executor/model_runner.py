@@ -272,7 +272,9 @@ class ModelRunner:
                     "CPU (device='cpu')")
             from xllm_gen.runtime.attention.base import cuda_attention_refusal
             refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
-                                             sinks=any(layer.variant.sinks for layer in self.attn_layers))
+                                             sinks=any(layer.variant.sinks for layer in self.attn_layers),
+                                             chunked=any(getattr(layer.variant, "chunk_size", None) is not None
+                                                         for layer in self.attn_layers))
             if refusal:
                 raise NotImplementedError(refusal)
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend

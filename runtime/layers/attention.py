@@ -27,6 +27,9 @@ class Attention(nn.Module):
     (not parameters or buffers: they are not part of the state dict). The backend comes from the forward
     context (`ctx.backend`, already planned for the step); this layer never imports a backend.
 
+    chunk_size (None or an int >= 1): chunked local attention, key j is visible to query i iff j <= i and
+    j // chunk_size == i // chunk_size. The CPU backend implements it; the CUDA path refuses it at load.
+
     sinks=True: attention sinks, a learned logit per query head in the softmax denominator; the owning module
     holds the parameter (`attention_sinks`) and passes it to forward(..., sinks=).
 
@@ -38,7 +41,8 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: bool = False,
-                 v_head_dim: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None):
+                 v_head_dim: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                 chunk_size: Optional[int] = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -46,7 +50,7 @@ class Attention(nn.Module):
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.head_dim = max(head_dim, self.v_head_dim)     # the cache's and the backend's head width
         self.scale = scale
-        self.variant = make_variant(sliding_window, logit_softcap, sinks, alibi_slopes is not None)
+        self.variant = make_variant(sliding_window, logit_softcap, sinks, alibi_slopes is not None, chunk_size)
         self.alibi_slopes = alibi_slopes     # ALiBi: this rank's heads' slopes [H] (float32), a plain attribute
         self.sliding_window = self.variant.sliding_window
         self.logit_softcap = self.variant.logit_softcap
@@ -99,6 +103,8 @@ class Attention(nn.Module):
             s += f", sliding_window={self.sliding_window}"
         if self.logit_softcap is not None:
             s += f", logit_softcap={self.logit_softcap}"
+        if self.variant.chunk_size is not None:
+            s += f", chunk_size={self.variant.chunk_size}"
         if self.variant.sinks:
             s += ", sinks=True"
         if self.variant.alibi:
@@ -132,3 +138,35 @@ def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
         raise ValueError(f"ALiBi: {num_heads} heads cannot be split over {tp} tensor-parallel ranks")
     per = num_heads // tp
     return torch.tensor(slopes[rank * per:(rank + 1) * per], dtype=torch.float32, device="cpu")
+
+
+class QueryScale(nn.Module):
+    """A position-dependent query scale: the query of the token at position p is multiplied by
+    1 + beta * log(1 + floor((p + offset) / floor)) (an attention temperature that grows with the position; the spec's
+    attention `query_scale` gives beta, floor and offset).
+    Elementwise on the device from the step's positions (no host sync: capturable in a CUDA graph); no parameters.
+    forward(positions [N], q [N, H, D]) -> q scaled per token (in q's dtype)."""
+
+    def __init__(self, beta: float, floor: float, offset: float = 0.0):
+        super().__init__()
+        for name, v in (("beta", beta), ("floor", floor), ("offset", offset)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"QueryScale: {name} must be a finite number, got {v!r}")
+        if floor <= 0:
+            raise ValueError(f"QueryScale: floor must be > 0, got {floor!r}")
+        self.beta, self.floor, self.offset = float(beta), float(floor), float(offset)
+
+    def scale(self, positions: torch.Tensor) -> torch.Tensor:
+        """[N] float32 scales of the tokens at `positions` [N]."""
+        p = positions.reshape(-1).float()
+        return torch.log1p(torch.floor((p + self.offset) / self.floor)) * self.beta + 1.0
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        if positions.dim() != 1:
+            raise ValueError(f"QueryScale: one position per token expected, got positions of shape "
+                             f"{tuple(positions.shape)}")
+        s = self.scale(positions).to(q.dtype)
+        return q * s.view(-1, *([1] * (q.dim() - 1)))
+
+    def extra_repr(self) -> str:
+        return f"1 + {self.beta} * log(1 + floor((position + {self.offset}) / {self.floor}))"

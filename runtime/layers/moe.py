@@ -225,8 +225,13 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
                  activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
                  bias: bool = False, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
-                 group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0):
+                 group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0,
+                 weights_on: str = "output"):
         super().__init__()
+        if weights_on not in ("output", "input"):
+            raise ValueError(f"FusedMoE: weights_on must be 'output' or 'input', not {weights_on!r}")
+        # "input": each chosen expert sees w * x and the outputs are summed unweighted
+        self.weights_on = weights_on
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")
         if not 1 <= top_k <= num_experts:
@@ -305,19 +310,24 @@ class FusedMoE(nn.Module):
                                                   self.routed_scale, self.renormalize_min)
             weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
+        if self.has_bias and self.weights_on == "input":
+            raise NotImplementedError("FusedMoE: routing weights on the expert input with expert biases")
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
             b2 = self.down_proj_bias if self.parallel == "expert" or self.tp_rank == 0 else None   # bias once
             out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
                                     self.act_fn, self.gate_up_proj_bias, b2)
+        elif self.weights_on == "input":
+            out = moe_ops.fused_moe_reference(hidden_states, self.gate_up_proj, self.down_proj, weights, ids,
+                                              self.act_fn, weights_on_input=True)
         else:
             out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
                                     self.act_fn)
         return all_reduce(out) if self.tp_size > 1 else out
 
     def extra_repr(self) -> str:
-        routing = "" if self.plain_routing else (
+        routing = ("weights_on='input', " if self.weights_on == "input" else "") + ("" if self.plain_routing else (
             f"scoring={self.scoring!r}, groups={self.topk_group} of {self.n_group} by {self.group_score}, "
-            f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, ")
+            f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, "))
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
                 f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")

@@ -25,15 +25,23 @@ class RMSNorm(nn.Module):
     forward(x, None) -> (rmsnorm(x), x)  (the first layer of a residual stream).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0, bias: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0, bias: bool = False,
+                 weight: bool = True):
         super().__init__()
         self.dim = dim
         self.eps = eps
         self.weight_offset = float(weight_offset)
-        self.weight = nn.Parameter(torch.empty(dim))
+        if not weight and (bias or weight_offset):
+            raise ValueError("RMSNorm(weight=False) has no bias and no weight_offset")
+        self.weight = nn.Parameter(torch.empty(dim)) if weight else None
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
+        if self.weight is None:          # no weight: x * rsqrt(mean(x^2) + eps) in float32
+            if residual is not ...:
+                raise ValueError("RMSNorm(weight=False) normalizes q / k only (no residual form)")
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         if residual is ...:
             return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset))
         if residual is None:
@@ -46,7 +54,7 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, eps={self.eps}" + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
-                + (", bias=True" if self.bias is not None else ""))
+                + (", bias=True" if self.bias is not None else "") + (", weight=False" if self.weight is None else ""))
 
 
 class LayerNorm(nn.Module):

@@ -256,7 +256,9 @@ class ConfigReader:
                 raise self.error(str(e)) from None
             self.read_paths.add("quantization_config")
         for key, v, name, known in self.rope_pending:
-            if key not in self.read_paths:
+            # read by a symbol, or declared with no effect on the math (config_ignore: e.g. a copy of
+            # max_position_embeddings inside the rope parameters that the rope type does not read)
+            if key not in self.read_paths and not any(fnmatch.fnmatchcase(key, pat) for pat in self.ignore):
                 raise self.error(f"does not model {key}={v!r} (rope type {name!r} reads: "
                                  f"{', '.join(known) or 'nothing'}; no symbol of the spec reads it)")
         for key, expected in self.assume.items():

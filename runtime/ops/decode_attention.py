@@ -4,7 +4,7 @@ FlashInfer's CUDA-graph decode costs two (attention + merge of the splits).
 
 Grid (batch, KV heads, splits). Program (b, kh, s) takes the query heads of KV head kh together (the GQA group,
 padded to 16 rows for tl.dot) and the s-th of `splits` equal chunks of the sequence's visible keys (a sliding
-window starts the range later). It writes its normalised partial output and log-sum-exp, then takes a ticket
+window, or the query's own chunk in chunked local attention, starts the range later). It writes its normalised partial output and log-sum-exp, then takes a ticket
 from a per-(b, kh) counter; the program with the last ticket merges the partials, writes the output and resets
 the counter to 0, so the counters are ready for the next launch (CUDA-graph replays included). The grid depends
 only on (batch, splits), never on the lengths, so one capture serves every step of a bucket.
@@ -30,13 +30,14 @@ from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                          indptr_ptr, indices_ptr, last_ptr, sinks_ptr,
-                         sm_scale, soft_cap, window_left,
+                         sm_scale, soft_cap, window_left, chunk_size,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                          H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-                         HAS_SINKS: tl.constexpr = False, PDL: tl.constexpr = 0):
+                         HAS_SINKS: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
     pdl_enter(PDL, LARGE=True)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -48,6 +49,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     start = 0
     if HAS_WINDOW:          # the query (position L-1) sees keys L-1-window_left .. L-1
         start = tl.maximum(L - 1 - window_left, 0)
+    if HAS_CHUNK:           # chunked local attention: the keys of the query's own chunk, (L-1) // C * C .. L-1
+        start = tl.maximum(start, tl.maximum(L - 1, 0) // chunk_size * chunk_size)
     # chunks of whole blocks: a short context leaves the later splits empty (they only post an empty partial)
     chunk = tl.cdiv(tl.cdiv(L - start, SPLITS), BLOCK_N) * BLOCK_N
     lo = start + s * chunk
@@ -163,11 +166,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                            scratch: DecodeScratch, *, window_left: int = -1, soft_cap: Optional[float] = None,
                            block_n: int = 64, out: Optional[torch.Tensor] = None,
-                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
     (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits. `sinks` [H]
-    (float32): attention sinks, a logit per head in the softmax denominator."""
+    (float32): attention sinks, a logit per head in the softmax denominator. `chunk_size` C: chunked local
+    attention, the query at position L-1 sees the keys (L-1) // C * C .. L-1 (with a window too: the later start)."""
     B, H, D = q.shape
     _, page, Hk, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape or H % Hk:
@@ -186,12 +190,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_kernel[(B, Hk, scratch.splits)](
         q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
         indptr, indices, last_page_len, q if sinks is None else sinks,
-        float(sm_scale), float(soft_cap or 1.0), int(window_left),
+        float(sm_scale), float(soft_cap or 1.0), int(window_left), int(chunk_size or 1),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D,
         D_PAD=max(16, triton.next_power_of_2(D)),
         SPLITS=scratch.splits, S_PAD=max(2, triton.next_power_of_2(scratch.splits)), BLOCK_N=block_n,
         HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
-        HAS_SINKS=sinks is not None, num_warps=4, **pdl.launch(q))
+        HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None, num_warps=4, **pdl.launch(q))
     return out

@@ -149,19 +149,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
                         block_m: int = 16, b13: Optional[torch.Tensor] = None,
-                        b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        b2: Optional[torch.Tensor] = None, weights_on_input: bool = False) -> torch.Tensor:
     """sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]) with e = topk_ids[t, k], grouped
     by expert (the biases b13 [E, 2I], b2 [E, H] where given).
 
     `act` is the gated activation ([..., 2I] -> [..., I]: act(gate) * up). Each block of block_m rows (one
     expert) is one batched GEMM against that expert's weights; each token's outputs are summed in increasing
-    expert order (as a per-expert loop with index_add would). Static shapes, no host sync."""
+    expert order (as a per-expert loop with index_add would). Static shapes, no host sync.
+    `weights_on_input`: sum_k w2[e] @ act(w13[e] @ (topk_weights[t, k] * x[t])) instead (the routing weights scale
+    each chosen expert's input; the outputs are summed unweighted)."""
     T, H = x.shape
     E, K = w13.shape[0], topk_ids.shape[-1]
     al = moe_align(topk_ids, E, block_m)
     nb = al.block_expert.numel()
     token = al.sorted_pairs // K                                  # T for padding rows
     xs = torch.cat([x, x.new_zeros(1, H)])[token].view(nb, block_m, H)
+    w = torch.cat([topk_weights.reshape(-1), topk_weights.new_zeros(1)])[al.sorted_pairs]
+    if weights_on_input:
+        xs = (xs * w.view(nb, block_m, 1).to(xs.dtype))
     expert = al.block_expert.clamp(max=E - 1)                     # unused blocks read expert E-1, rows are zero
     h = torch.bmm(xs, w13[expert].transpose(1, 2))                # [nb, block_m, 2I]
     if b13 is not None:
@@ -170,8 +175,10 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     if b2 is not None:
         y = y + b2[expert].unsqueeze(1)
     y = y.view(-1, H)                                             # [P, H]
-    w = torch.cat([topk_weights.reshape(-1), topk_weights.new_zeros(1)])[al.sorted_pairs]
-    y = y * w.unsqueeze(1).to(y.dtype)
+    if weights_on_input:                                          # padding rows: zero input, but b2 would add
+        y = y * (al.sorted_pairs < topk_ids.numel()).unsqueeze(1).to(y.dtype)
+    else:
+        y = y * w.unsqueeze(1).to(y.dtype)
     out = x.new_zeros(T + 1, H)
     out.index_add_(0, token, y.to(x.dtype))
     return out[:T]

@@ -123,10 +123,10 @@ def vision_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor,
                            indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                            window_left: int = -1, soft_cap: Optional[float] = None,
-                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None) -> torch.Tensor:
     """Decode attention over a CSR page table, one row at a time in float32 (the oracle of the Triton kernel in
     ops/decode_attention.py): q [B, H, D] is each row's last position; a row with no pages gives zeros. `sinks`
-    [H]: a logit per head joins the softmax denominator."""
+    [H]: a logit per head joins the softmax denominator. `chunk_size` C: the keys of the query's chunk only."""
     B, H, D = q.shape
     page, Hk = k_cache.shape[1], k_cache.shape[2]
     ptr, last = indptr.tolist(), last_page_len.tolist()
@@ -138,8 +138,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         L = (len(pages) - 1) * page + last[b]
         k = k_cache[pages].reshape(-1, Hk, D)[:L].float()
         v = v_cache[pages].reshape(-1, Hk, D)[:L].float()
-        if window_left >= 0:
-            k, v = k[max(0, L - 1 - window_left):], v[max(0, L - 1 - window_left):]
+        start = max(0, L - 1 - window_left) if window_left >= 0 else 0
+        if chunk_size is not None:        # chunked local attention: the query's own chunk
+            start = max(start, (L - 1) // chunk_size * chunk_size)
+        k, v = k[start:], v[start:]
         qb = q[b].float().view(Hk, H // Hk, D)
         s = torch.einsum("kgd,nkd->kgn", qb, k) * sm_scale
         if soft_cap is not None:

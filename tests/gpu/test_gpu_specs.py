@@ -62,6 +62,8 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
         return "value heads of another width"
     if source and "L.alibi_slopes(" in Path(source).read_text():     # attention `alibi`
         return "ALiBi"
+    if source and "chunk_size=" in Path(source).read_text():         # attention `chunk_size` (the fixtures chunk)
+        return "chunked local attention"
     if package and ckpt is not None:
         config = importlib.import_module(f"{package}.model").Config.from_hf(
             json.loads((ckpt / "config.json").read_text()))
