@@ -125,9 +125,10 @@ def _block(b) -> str:
 
 def _routing(b) -> str:
     """A moe block's routing other than plain softmax top-k."""
-    out = f"{b.scoring} scores"
+    out = f"{b.scoring_symbol or b.scoring} scores"
     if b.selection_bias.literal is not False:
         out += f", selection-only bias {b.router_name}.e_score_correction_bias" + \
+            (f" on the {b.selection_bias_on}" if b.selection_bias_on != "scores" else "") + \
             (f" where {b.selection_bias}" if b.selection_bias.literal is not True else "")
     if b.groups:
         out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"

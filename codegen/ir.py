@@ -387,8 +387,10 @@ class MoEIR:
     router_bias: Value = Value(literal=False)
     expert_bias: Value = Value(literal=False)
     activation_params: Tuple[Tuple[str, Value], ...] = ()
-    scoring: str = "softmax"                 # softmax | sigmoid
+    scoring: str = "softmax"                 # softmax | sigmoid (with scoring_symbol: its first value)
+    scoring_symbol: Optional[str] = None     # a str config symbol selecting the scoring per checkpoint
     selection_bias: Value = Value(literal=False)   # <router>.e_score_correction_bias, for the choice only
+    selection_bias_on: str = "scores"        # scores | logits: what the selection bias is added to
     groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
     routed_scale: Optional[Value] = None
     router_float32: bool = False
@@ -396,7 +398,7 @@ class MoEIR:
 
     @property
     def plain_routing(self) -> bool:
-        return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None
+        return (self.scoring == "softmax" and self.scoring_symbol is None and self.groups is None and self.routed_scale is None
                 and self.renormalize_min is None and self.selection_bias.literal is False and self.selection_bias.symbol is None
                 and self.selection_bias.expr is None)
 

@@ -198,7 +198,19 @@ class BlockResolver(MLAResolver):
                 gp = path + ("groups",)
                 groups = (self.dim(gp + ("count",), b.groups.count), self.dim(gp + ("top",), b.groups.top),
                           b.groups.score)
-            routing = dict(scoring=b.scoring, selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
+            scoring, scoring_symbol = b.scoring, None
+            if scoring not in ("softmax", "sigmoid"):   # a str symbol selects the scoring from the checkpoint's config
+                f = self.symbol(path + ("scoring",), scoring, ("str",))
+                if not f.values or any(v not in ("softmax", "sigmoid") for v in f.values):
+                    raise self.err(path + ("scoring",), f"{self._where(path)}.scoring: config symbol '{scoring}' "
+                                                        f"selects the expert scoring: its `values` must list scorings "
+                                                        f"(softmax, sigmoid)")
+                scoring, scoring_symbol = f.values[0], b.scoring
+            if b.selection_bias_on != "scores" and b.selection_bias is False:
+                raise self.err(path + ("selection_bias_on",), f"{self._where(path)}.selection_bias_on: "
+                                                              f"'{b.selection_bias_on}' needs a `selection_bias`")
+            routing = dict(scoring=scoring, scoring_symbol=scoring_symbol, selection_bias_on=b.selection_bias_on,
+                           selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
                            groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                            if b.routed_scale is not None else None,
                            renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)

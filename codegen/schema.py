@@ -311,10 +311,15 @@ class MoEBlock(Strict):
     parallel: Literal["tensor", "expert"] = "tensor"
     shared_expert: Optional[SharedExpert] = None
     # routing: scores = softmax (default) or sigmoid of the router logits (in float32)
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # softmax | sigmoid, or a `str` config symbol whose `values` are among them (the checkpoint selects it, e.g.
+    # Cohere 2 MoE's `expert_selection_fn`)
+    scoring: Union[Literal["softmax", "sigmoid"], Symbol] = "softmax"
     # a selection-only bias: `<router>.e_score_correction_bias [experts]` added to the scores for the choice of
     # experts, not to the weights (DeepSeek-V3's noaux_tc)
     selection_bias: Flag = False
+    # what the selection bias is added to: `scores` (DeepSeek-V3: sigmoid(logits) + bias) or the raw router
+    # `logits` (Kolibri 1: top-k of logits + bias; the weights are still the chosen experts' scores)
+    selection_bias_on: Literal["scores", "logits"] = "scores"
     groups: Optional[RoutingGroups] = None
     routed_scale: Optional[Num] = None   # the routing weights are multiplied by it (routed_scaling_factor); None = 1
     # with norm_topk_prob: the sum the top-k weights are divided by is clamped to at least it (ERNIE 4.5's

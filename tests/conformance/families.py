@@ -74,6 +74,10 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "DbrxForCausalLM": [{"attn_config.kv_n_heads": 1}, {"attn_config.clip_qkv": 0.25}],
     # opt-350m's post-LN layers and embedding projections (refused by name)
     "OPTForCausalLM": [{"do_layer_norm_before": False}, {"word_embed_proj_dim": 32}],
+    # Cohere 2 MoE: sigmoid expert scores (softmax over the top-k logits is the default); the RMSNorm form and
+    # shared experts (refused by name)
+    "Cohere2MoeForCausalLM": [{"expert_selection_fn": "sigmoid"}, {"rms_norm_eps": 1e-5},
+                              {"num_shared_experts": 1}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
