@@ -49,8 +49,9 @@ def test_dense_prefix_without_forced_rotary(tiny_checkpoint, tmp_path):
 
 
 def test_guard_refuses_unmodeled_forms():
-    from generated.cohere2_moe.model import Config
     from conformance.families import config_json
+
+    from generated.cohere2_moe.model import Config
 
     for field, value in [("rms_norm_eps", 1e-5), ("num_shared_experts", 1), ("expert_selection_fn", "relu")]:
         with pytest.raises(Exception) as e:
