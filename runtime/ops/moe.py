@@ -44,7 +44,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     transformers' group_limited_greedy); the weights are the chosen experts' `scores` (without the bias), divided by
     their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers; with `renormalize_min` > 0 the sum
     clamped to at least it instead, ERNIE 4.5's moe_norm_min), times `routed_scale`. `bias_on="logits"`: the experts
-    are chosen by `logits + score_bias` instead (Kolibri 1's router); the weights are still the scores."""
+    are chosen by `logits + score_bias` instead (a router that biases its logits); the weights are still the scores."""
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     if bias_on not in BIAS_ON:
