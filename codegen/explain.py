@@ -74,7 +74,8 @@ def _block(b) -> str:
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", softcap={b.softcap}" if b.softcap else "")
-                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "")
+                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
+                + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
     if isinstance(b, MLAIR):
         r = b.rotary

@@ -296,6 +296,7 @@ class AttentionIR:
     softcap: Optional[Value] = None
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
     sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
+    out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
 
     @property

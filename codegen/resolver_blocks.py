@@ -133,6 +133,8 @@ class BlockResolver(MLAResolver):
                 rotary=rotary,
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, clip_qkv=clip, sinks=b.sinks,
+                out_gate=(module(path + ("out_gate", "name"), b.out_gate.name), b.out_gate.activation, b.out_gate.per)
+                if b.out_gate is not None else None,
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
@@ -373,6 +375,10 @@ class BlockResolver(MLAResolver):
                                for w in names]
                 if n.enabled is not None:     # only in the checkpoints where the flag holds
                     ps[first:] = [dataclasses.replace(p, when=(n.enabled, True)) for p in ps[first:]]
+            if b.out_gate:                # a gate per (head, dim) or per head, split by heads as q is
+                gname, _, per = b.out_gate
+                ps += column(f"{gname}.", b.hidden, [SegmentIR(gname, b.heads, b.head_dim if per == "element" else one)],
+                             False)
             if b.sinks:                   # one logit per query head, split by heads as q is
                 ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
             return ps

@@ -125,6 +125,16 @@ class FusedLinearBlock(Strict):
     bias: StrictBool = False
 
 
+class OutGate(Strict):
+    """An attention output gate: `out = o_proj(attn * act(name(x)))`, x the block's input. `per: element`: one gate
+    per (head, dim), `name.weight [heads * head_dim, hidden]` (Afmoe's sigmoid `gate_proj`); `per: head`: one per
+    head broadcast over its dims, `[heads, hidden]` (Laguna's softplus `g_proj` per head). The activation is computed
+    in float32 and cast back. Column-parallel by heads, as q."""
+    name: StrictStr = "gate_proj"
+    activation: Literal["sigmoid", "softplus"] = "sigmoid"
+    per: Literal["element", "head"] = "element"
+
+
 class QKNorm(Strict):
     """A norm of q and of k (modules `q`, `k`). `over: head` (default): per head, one [head_dim] weight shared
     by the heads (Qwen3); `over: projection`: the whole q (k) projection jointly, weight [heads * head_dim]
@@ -183,6 +193,7 @@ class AttentionBlock(Strict):
     out: Projection
     rotary: Optional[Rotary] = None     # absent: no rotary (absolute positions in the embedding, or ALiBi)
     qk_norm: Optional[QKNorm] = None
+    out_gate: Optional[OutGate] = None      # a gate on the attention output before the output projection
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
     softcap: Optional[Num] = None        # attention logit soft-capping: cap * tanh(scores / cap); None = off

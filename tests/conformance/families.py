@@ -78,6 +78,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # shared experts (refused by name)
     "Cohere2MoeForCausalLM": [{"expert_selection_fn": "sigmoid"}, {"rms_norm_eps": 1e-5},
                               {"num_shared_experts": 1}],
+    # AFMoE with muP's embedding scale (sqrt(hidden_size))
+    "AfmoeForCausalLM": [{"mup_enabled": True}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
