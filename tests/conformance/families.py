@@ -80,6 +80,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
                               {"num_shared_experts": 1}],
     # AFMoE with muP's embedding scale (sqrt(hidden_size))
     "AfmoeForCausalLM": [{"mup_enabled": True}],
+    # Laguna: a routed scale; a per-element gate (refused by name; router logit soft-capping: the generic softcap rule)
+    "LagunaForCausalLM": [{"moe_routed_scaling_factor": 2.5}, {"gating": "per-element"}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
