@@ -120,6 +120,8 @@ def _block(b) -> str:
                 + f"{b.parallel} parallel"
                 + (f"; shared expert {b.shared.name}(intermediate={b.shared.intermediate}, gate_up_proj=[gate, up], "
                    f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
+                   + (f" times {b.shared_scale}" if b.shared_scale else "")
+                   + (f" where {b.shared_enabled}" if b.shared_enabled else "")
                    if b.shared else "") + ")")
     return repr(b)
 

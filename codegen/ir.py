@@ -385,6 +385,8 @@ class MoEIR:
     parallel: str                 # tensor | expert
     shared: Optional[GatedMLPIR] = None      # the shared expert: a gated MLP (module shared.name)
     shared_gate: Optional[str] = None
+    shared_scale: Optional[Value] = None     # the shared expert's output times it; None = 1
+    shared_enabled: Optional[Value] = None   # a bool symbol / expression: the shared expert exists only where it holds
     router_bias: Value = Value(literal=False)
     expert_bias: Value = Value(literal=False)
     activation_params: Tuple[Tuple[str, Value], ...] = ()

@@ -190,7 +190,14 @@ class BlockResolver(MLAResolver):
                     taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
                 no_bias = Value(literal=False)
                 sact, sparams = self.gated_activation(path + ("activation",), b.activation)
-                shared = dict(shared_gate=b.shared_expert.gate, shared=GatedMLPIR(
+                on = self.flag(sp + ("enabled",), b.shared_expert.enabled)
+                if on.literal is False:
+                    raise self.err(sp + ("enabled",), f"{self._where(sp)}.enabled: false: delete the shared expert "
+                                                      f"instead")
+                shared = dict(shared_gate=b.shared_expert.gate, shared_enabled=None if on.literal is True else on,
+                              shared_scale=self.positive(sp + ("scale",), b.shared_expert.scale)
+                              if b.shared_expert.scale is not None else None,
+                              shared=GatedMLPIR(
                     "gated_mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
                     self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
                     sact, "gate_up_proj", ("gate", "up"), no_bias, "down_proj", no_bias, sparams))
@@ -409,9 +416,12 @@ class BlockResolver(MLAResolver):
                                   "expert" if b.parallel == "expert" else "replicated", (), per_layer=per_layer,
                                   experts=E))
             if b.shared:                  # a dense gated MLP's parameters, under the shared expert's module
+                first = len(ps)
                 ps += BlockResolver.block_params(f"{prefix}.{b.shared.name}", block, b.shared, per_layer)
                 if b.shared_gate:
                     ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
+                if b.shared_enabled is not None:     # only in the checkpoints where the flag holds
+                    ps[first:] = [dataclasses.replace(p, when=(b.shared_enabled, True)) for p in ps[first:]]
             return ps
         if isinstance(b, MLAIR):
             return MLAResolver.mla_params(prefix, block, b, per_layer, _maybe)

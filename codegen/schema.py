@@ -298,6 +298,11 @@ class SharedExpert(Strict):
     name: StrictStr = "shared_expert"
     intermediate: Dim
     gate: Optional[StrictStr] = None
+    # its output is multiplied by it (Cohere 2 MoE's `average`: 0.5, with `routed_scale` 0.5); None = 1
+    scale: Optional[Num] = None
+    # a bool symbol / expression: the shared expert (and its parameters) exists only in the checkpoints where it
+    # holds (Cohere 2 MoE's `num_shared_experts > 0`), decided when the model is built
+    enabled: Flag = True
 
 
 class MoEBlock(Strict):
