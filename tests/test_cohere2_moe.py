@@ -1,6 +1,6 @@
 """Cohere 2 MoE (specs/cohere2_moe.yaml) arms on its tiny checkpoint (a dense full layer with rotary, a sliding MoE
 layer, a full MoE layer without rotary): the expert scoring chosen by config.json (`expert_selection_fn`, a `moe`
-`scoring` read from a str symbol), an optional shared expert averaged or summed (`shared_expert.enabled` /
+`scoring` read from a str symbol; the tiny checkpoint scores by sigmoid, the arm by softmax), an optional shared expert averaged or summed (`shared_expert.enabled` /
 `scale`) and the dense prefix's forced rotary. Each arm must change transformers' output
 and the engine must agree (the conformance battery checks the checkpoint as built)."""
 from __future__ import annotations
@@ -32,14 +32,15 @@ def _arm(tiny_checkpoint, tmp_path, edits: dict, label: str, **build):
 
 
 @pytest.mark.engine
-def test_sigmoid_scoring_from_config(tiny_checkpoint, tmp_path):
-    _arm(tiny_checkpoint, tmp_path, {"expert_selection_fn": "sigmoid"}, "sigmoid")
+def test_softmax_scoring_from_config(tiny_checkpoint, tmp_path):
+    # the tiny checkpoint scores by sigmoid; the arm: transformers' default, a softmax over the top-k logits
+    _arm(tiny_checkpoint, tmp_path, {"expert_selection_fn": "softmax"}, "softmax")
 
 
 @pytest.mark.slow
 @pytest.mark.engine
 def test_sigmoid_scoring_not_renormalized(tiny_checkpoint, tmp_path):
-    _arm(tiny_checkpoint, tmp_path, {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}, "sigmoid_raw")
+    _arm(tiny_checkpoint, tmp_path, {"norm_topk_prob": False}, "sigmoid_raw")
 
 
 @pytest.mark.engine
