@@ -79,7 +79,8 @@ def _block(b) -> str:
                                                 if b.query_scale.enabled.literal is not True else "")
                    if b.query_scale else "")
                 + (f", softcap={b.softcap}" if b.softcap else "")
-                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "")
+                + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
+                + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
     if isinstance(b, MLAIR):
         r = b.rotary
@@ -124,15 +125,18 @@ def _block(b) -> str:
                 + f"{b.parallel} parallel"
                 + (f"; shared expert {b.shared.name}(intermediate={b.shared.intermediate}, gate_up_proj=[gate, up], "
                    f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
+                   + (f" times {b.shared_scale}" if b.shared_scale else "")
+                   + (f" where {b.shared_enabled}" if b.shared_enabled else "")
                    if b.shared else "") + ")")
     return repr(b)
 
 
 def _routing(b) -> str:
     """A moe block's routing other than plain softmax top-k."""
-    out = f"{b.scoring} scores"
+    out = f"{b.scoring_symbol or b.scoring} scores"
     if b.selection_bias.literal is not False:
         out += f", selection-only bias {b.router_name}.e_score_correction_bias" + \
+            (f" on the {b.selection_bias_on}" if b.selection_bias_on != "scores" else "") + \
             (f" where {b.selection_bias}" if b.selection_bias.literal is not True else "")
     if b.groups:
         out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"

@@ -309,6 +309,7 @@ class AttentionIR:
     query_scale: Optional["QueryScaleIR"] = None
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
     sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
+    out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
 
     @property
@@ -397,11 +398,15 @@ class MoEIR:
     parallel: str                 # tensor | expert
     shared: Optional[GatedMLPIR] = None      # the shared expert: a gated MLP (module shared.name)
     shared_gate: Optional[str] = None
+    shared_scale: Optional[Value] = None     # the shared expert's output times it; None = 1
+    shared_enabled: Optional[Value] = None   # a bool symbol / expression: the shared expert exists only where it holds
     router_bias: Value = Value(literal=False)
     expert_bias: Value = Value(literal=False)
     activation_params: Tuple[Tuple[str, Value], ...] = ()
-    scoring: str = "softmax"                 # softmax | sigmoid
+    scoring: str = "softmax"                 # softmax | sigmoid (with scoring_symbol: its first value)
+    scoring_symbol: Optional[str] = None     # a str config symbol selecting the scoring per checkpoint
     selection_bias: Value = Value(literal=False)   # <router>.e_score_correction_bias, for the choice only
+    selection_bias_on: str = "scores"        # scores | logits: what the selection bias is added to
     groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
     routed_scale: Optional[Value] = None
     router_float32: bool = False
@@ -410,7 +415,8 @@ class MoEIR:
 
     @property
     def plain_routing(self) -> bool:
-        return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None and self.weights_on == "output"
+        return (self.scoring == "softmax" and self.scoring_symbol is None and self.groups is None
+                and self.routed_scale is None and self.weights_on == "output"
                 and self.renormalize_min is None and self.selection_bias.literal is False and self.selection_bias.symbol is None
                 and self.selection_bias.expr is None)
 

@@ -157,6 +157,8 @@ class BlockResolver(MLAResolver):
                 rotary=rotary,
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
+                out_gate=(module(path + ("out_gate", "name"), b.out_gate.name), b.out_gate.activation, b.out_gate.per)
+                if b.out_gate is not None else None,
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
@@ -212,7 +214,14 @@ class BlockResolver(MLAResolver):
                     taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
                 no_bias = Value(literal=False)
                 sact, sparams = self.gated_activation(path + ("activation",), b.activation)
-                shared = dict(shared_gate=b.shared_expert.gate, shared=GatedMLPIR(
+                on = self.flag(sp + ("enabled",), b.shared_expert.enabled)
+                if on.literal is False:
+                    raise self.err(sp + ("enabled",), f"{self._where(sp)}.enabled: false: delete the shared expert "
+                                                      f"instead")
+                shared = dict(shared_gate=b.shared_expert.gate, shared_enabled=None if on.literal is True else on,
+                              shared_scale=self.positive(sp + ("scale",), b.shared_expert.scale)
+                              if b.shared_expert.scale is not None else None,
+                              shared=GatedMLPIR(
                     "gated_mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
                     self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
                     sact, "gate_up_proj", ("gate", "up"), no_bias, "down_proj", no_bias, sparams))
@@ -222,7 +231,19 @@ class BlockResolver(MLAResolver):
                 gp = path + ("groups",)
                 groups = (self.dim(gp + ("count",), b.groups.count), self.dim(gp + ("top",), b.groups.top),
                           b.groups.score)
-            routing = dict(scoring=b.scoring, selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
+            scoring, scoring_symbol = b.scoring, None
+            if scoring not in ("softmax", "sigmoid"):   # a str symbol selects the scoring from the checkpoint's config
+                f = self.symbol(path + ("scoring",), scoring, ("str",))
+                if not f.values or any(v not in ("softmax", "sigmoid") for v in f.values):
+                    raise self.err(path + ("scoring",), f"{self._where(path)}.scoring: config symbol '{scoring}' "
+                                                        f"selects the expert scoring: its `values` must list scorings "
+                                                        f"(softmax, sigmoid)")
+                scoring, scoring_symbol = f.values[0], b.scoring
+            if b.selection_bias_on != "scores" and b.selection_bias is False:
+                raise self.err(path + ("selection_bias_on",), f"{self._where(path)}.selection_bias_on: "
+                                                              f"'{b.selection_bias_on}' needs a `selection_bias`")
+            routing = dict(scoring=scoring, scoring_symbol=scoring_symbol, selection_bias_on=b.selection_bias_on,
+                           selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
                            groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                            if b.routed_scale is not None else None,
                            renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
@@ -387,6 +408,10 @@ class BlockResolver(MLAResolver):
                                for w in names]
                 if n.enabled is not None:     # only in the checkpoints where the flag holds
                     ps[first:] = [dataclasses.replace(p, when=(n.enabled, True)) for p in ps[first:]]
+            if b.out_gate:                # a gate per (head, dim) or per head, split by heads as q is
+                gname, _, per = b.out_gate
+                ps += column(f"{gname}.", b.hidden, [SegmentIR(gname, b.heads, b.head_dim if per == "element" else one)],
+                             False)
             if b.sinks:                   # one logit per query head, split by heads as q is
                 ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
             return ps
@@ -417,9 +442,12 @@ class BlockResolver(MLAResolver):
                                   "expert" if b.parallel == "expert" else "replicated", (), per_layer=per_layer,
                                   experts=E))
             if b.shared:                  # a dense gated MLP's parameters, under the shared expert's module
+                first = len(ps)
                 ps += BlockResolver.block_params(f"{prefix}.{b.shared.name}", block, b.shared, per_layer)
                 if b.shared_gate:
                     ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
+                if b.shared_enabled is not None:     # only in the checkpoints where the flag holds
+                    ps[first:] = [dataclasses.replace(p, when=(b.shared_enabled, True)) for p in ps[first:]]
             return ps
         if isinstance(b, MLAIR):
             return MLAResolver.mla_params(prefix, block, b, per_layer, _maybe)

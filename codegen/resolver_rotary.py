@@ -48,7 +48,7 @@ class RotaryResolver:
             raise self.err(rp + (key,), f"{self._where(rp)}.{key}: partial or interleaved rotary is for kind "
                                         f"neox only (not {rot.kind})")
         if rot.fraction is not None:
-            fraction = self.num(rp + ("fraction",), rot.fraction)
+            fraction = self.num(rp + ("fraction",), rot.fraction, per_layer=True)   # may read `layer`
             if fraction.expr is None and fraction.symbol is None and not 0 < fraction.literal <= 1:
                 raise self.err(rp + ("fraction",), f"{self._where(rp)}.fraction: must be in (0, 1], got "
                                                    f"{fraction.literal}")
@@ -77,13 +77,16 @@ class RotaryResolver:
         rot = b.rotary
         rp = ("decoder", "layers", "blocks", b.name, "rotary")
         hd = b.head_dim.eval(values)
-        rd = rotary_dims(rot, hd, values)
-        if rd is not None:
-            src = rot.fraction if rot.fraction is not None else rot.dim
-            where = at(src.symbol) if src.symbol else rp + ("fraction" if rot.fraction is not None else "dim",)
-            if not _is_int(rd) or not 0 < rd <= hd or rd % 2:
-                raise self.err(where, f"variants.{name}: {b.name} rotates {rd!r} dims of head_dim {hd}; the rotary "
-                                      f"dims must be an even int in 2..head_dim")
+        per_layer = rot.fraction is not None and rot.fraction.per_layer
+        for li in (range(min(layers, 256)) if per_layer else (None,)):
+            rd = rotary_dims(rot, hd, values, li)
+            if rd is not None:
+                src = rot.fraction if rot.fraction is not None else rot.dim
+                where = at(src.symbol) if src.symbol else rp + ("fraction" if rot.fraction is not None else "dim",)
+                if not _is_int(rd) or not 0 < rd <= hd or rd % 2:
+                    raise self.err(where, f"variants.{name}: {b.name} rotates {rd!r} dims of head_dim {hd}"
+                                          + (f" in layer {li}" if li is not None else "")
+                                          + "; the rotary dims must be an even int in 2..head_dim")
         for li in range(min(layers, 256)):
             on = rot.enabled.eval(values, li)
             if not isinstance(on, (bool, int)) or isinstance(on, float):
@@ -96,10 +99,11 @@ class RotaryResolver:
                                                       f"{sc!r}; expected a rope mapping or None")
 
 
-def rotary_dims(rot, head_dim: int, values) -> Optional[int]:
-    """The number of rotating dims of a variant (None: the whole head), as the generated code computes it."""
+def rotary_dims(rot, head_dim: int, values, layer: Optional[int] = None) -> Optional[int]:
+    """The number of rotating dims of a variant (None: the whole head), as the generated code computes it (in
+    `layer`, for a per-layer fraction)."""
     if rot.fraction is not None:
-        f = rot.fraction.eval(values)
+        f = rot.fraction.eval(values, layer) if rot.fraction.per_layer else rot.fraction.eval(values)
         return int(head_dim * f) if isinstance(f, (int, float)) and not isinstance(f, bool) else f
     if rot.dim is not None:
         return rot.dim.eval(values)

@@ -125,6 +125,16 @@ class FusedLinearBlock(Strict):
     bias: StrictBool = False
 
 
+class OutGate(Strict):
+    """An attention output gate: `out = o_proj(attn * act(name(x)))`, x the block's input. `per: element`: one gate
+    per (head, dim), `name.weight [heads * head_dim, hidden]` (Afmoe's sigmoid `gate_proj`); `per: head`: one per
+    head broadcast over its dims, `[heads, hidden]` (Laguna's softplus `g_proj` per head). The activation is computed
+    in float32 and cast back. Column-parallel by heads, as q."""
+    name: StrictStr = "gate_proj"
+    activation: Literal["sigmoid", "softplus"] = "sigmoid"
+    per: Literal["element", "head"] = "element"
+
+
 class QKNorm(Strict):
     """A norm of q and of k (modules `q`, `k`). `over: head` (default): per head, one [head_dim] weight shared
     by the heads (Qwen3); `over: projection`: the whole q (k) projection jointly, weight [heads * head_dim]
@@ -197,6 +207,7 @@ class AttentionBlock(Strict):
     out: Projection
     rotary: Optional[Rotary] = None     # absent: no rotary (absolute positions in the embedding, or ALiBi)
     qk_norm: Optional[QKNorm] = None
+    out_gate: Optional[OutGate] = None      # a gate on the attention output before the output projection
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
     # chunked local attention (Llama 4): query i sees key j iff j <= i and j // C == i // C; per-layer value (may
@@ -305,6 +316,11 @@ class SharedExpert(Strict):
     name: StrictStr = "shared_expert"
     intermediate: Dim
     gate: Optional[StrictStr] = None
+    # its output is multiplied by it (Cohere 2 MoE's `average`: 0.5, with `routed_scale` 0.5); None = 1
+    scale: Optional[Num] = None
+    # a bool symbol / expression: the shared expert (and its parameters) exists only in the checkpoints where it
+    # holds (Cohere 2 MoE's `num_shared_experts > 0`), decided when the model is built
+    enabled: Flag = True
 
 
 class MoEBlock(Strict):
@@ -329,10 +345,15 @@ class MoEBlock(Strict):
     parallel: Literal["tensor", "expert"] = "tensor"
     shared_expert: Optional[SharedExpert] = None
     # routing: scores = softmax (default) or sigmoid of the router logits (in float32)
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # softmax | sigmoid, or a `str` config symbol whose `values` are among them (the checkpoint selects it, e.g.
+    # Cohere 2 MoE's `expert_selection_fn`)
+    scoring: Union[Literal["softmax", "sigmoid"], Symbol] = "softmax"
     # a selection-only bias: `<router>.e_score_correction_bias [experts]` added to the scores for the choice of
     # experts, not to the weights (DeepSeek-V3's noaux_tc)
     selection_bias: Flag = False
+    # what the selection bias is added to: `scores` (DeepSeek-V3: sigmoid(logits) + bias) or the raw router
+    # `logits` (Kolibri 1: top-k of logits + bias; the weights are still the chosen experts' scores)
+    selection_bias_on: Literal["scores", "logits"] = "scores"
     groups: Optional[RoutingGroups] = None
     routed_scale: Optional[Num] = None   # the routing weights are multiplied by it (routed_scaling_factor); None = 1
     # with norm_topk_prob: the sum the top-k weights are divided by is clamped to at least it (ERNIE 4.5's

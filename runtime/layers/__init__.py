@@ -12,7 +12,7 @@ from xllm_gen.runtime.layers.activation import (
                                             act,
                                             gated_act,
 )
-from xllm_gen.runtime.layers.attention import Attention, QueryScale, alibi_slopes, attention_sinks
+from xllm_gen.runtime.layers.attention import Attention, QueryScale, alibi_slopes, attention_sinks, gate_output
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import (
                                             LearnedPositionEmbedding,
@@ -46,7 +46,7 @@ __all__ = [
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
-    "attention_sinks", "routing_bias", "yarn_mscale", "latent_attention",
+    "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale",
 ]

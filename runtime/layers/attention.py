@@ -124,6 +124,23 @@ def attention_sinks(num_heads: int) -> nn.Parameter:
     return attach(param, ParamSplit("column", 0, (seg,), (seg.rows,), tp, rank, "attention_sinks"))
 
 
+OUT_GATE_ACTIVATIONS = ("sigmoid", "softplus")
+
+
+def gate_output(out: torch.Tensor, gate: torch.Tensor, activation: str, head_dim: int) -> torch.Tensor:
+    """The attention output [N, heads * head_dim] (this rank's heads) times act(gate): `gate` [N, heads * head_dim]
+    gates each element, [N, heads] each head (broadcast over its dims). The activation is computed in float32 and
+    cast to the output's dtype."""
+    if activation not in OUT_GATE_ACTIVATIONS:
+        raise ValueError(f"gate_output: activation must be one of {OUT_GATE_ACTIVATIONS}, got {activation!r}")
+    g = gate.float()
+    g = (torch.sigmoid(g) if activation == "sigmoid" else torch.nn.functional.softplus(g)).to(out.dtype)
+    if g.shape[-1] == out.shape[-1]:
+        return out * g
+    n, heads = g.shape
+    return (out.view(n, heads, head_dim) * g.unsqueeze(-1)).view(n, heads * head_dim)
+
+
 def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
     """This rank's ALiBi slopes (float32 [num_heads / tp]) of `num_heads` query heads (global count), as Bloom's
     build_alibi_tensor and MPT's build_alibi_bias compute them (the two agree): with n the largest power of 2 at most

@@ -226,7 +226,7 @@ class FusedMoE(nn.Module):
                  activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
                  bias: bool = False, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
                  group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0,
-                 weights_on: str = "output"):
+                 weights_on: str = "output", selection_bias_on: str = "scores"):
         super().__init__()
         if weights_on not in ("output", "input"):
             raise ValueError(f"FusedMoE: weights_on must be 'output' or 'input', not {weights_on!r}")
@@ -250,6 +250,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"FusedMoE: top_k {top_k} exceeds the experts of the topk_group={topk_group} chosen "
                              f"groups ({topk_group * (num_experts // n_group)})")
         self.scoring, self.group_score, self.routed_scale = scoring, group_score, float(routed_scale)
+        if selection_bias_on not in moe_ops.BIAS_ON:
+            raise ValueError(f"FusedMoE: selection_bias_on must be one of {moe_ops.BIAS_ON}, got {selection_bias_on!r}")
+        self.selection_bias_on = selection_bias_on    # what a selection-only bias is added to: scores | logits
         self.n_group, self.topk_group = (n_group, topk_group) if grouped else (1, 1)
         # softmax top-k without groups, scale or a selection bias: the fused routing kernel's case
         if not renormalize_min >= 0.0:
@@ -307,7 +310,7 @@ class FusedMoE(nn.Module):
         else:                             # torch, static shapes (graph-capturable), on every device
             weights, ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring,
                                                   self.n_group, self.topk_group, self.group_score, score_bias,
-                                                  self.routed_scale, self.renormalize_min)
+                                                  self.routed_scale, self.renormalize_min, self.selection_bias_on)
             weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         if self.has_bias and self.weights_on == "input":

@@ -30,22 +30,27 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 
 SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
+BIAS_ON = ("scores", "logits")     # what a selection-only bias is added to
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
                    n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
                    score_bias: Optional[torch.Tensor] = None, routed_scale: float = 1.0,
-                   renormalize_min: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   renormalize_min: float = 0.0, bias_on: str = "scores") -> tuple[torch.Tensor, torch.Tensor]:
     """The general routing, in float32 (as transformers' routers compute it): scores = softmax or sigmoid of the
     logits; the experts are chosen by `scores + score_bias` (a selection-only bias, transformers'
     e_score_correction_bias), among the `topk_group` of `n_group` equal groups of experts with the highest group
     score (`top2_sum`: the sum of the group's two highest choice scores, transformers' noaux_tc routers; `max`: its highest,
     transformers' group_limited_greedy); the weights are the chosen experts' `scores` (without the bias), divided by
     their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers; with `renormalize_min` > 0 the sum
-    clamped to at least it instead, ERNIE 4.5's moe_norm_min), times `routed_scale`."""
-    scores = router_logits.float()
-    scores = torch.softmax(scores, dim=-1) if scoring == "softmax" else torch.sigmoid(scores)
-    choice = scores if score_bias is None else scores + score_bias.float()
+    clamped to at least it instead, ERNIE 4.5's moe_norm_min), times `routed_scale`. `bias_on="logits"`: the experts
+    are chosen by `logits + score_bias` instead (a router that biases its logits); the weights are still the scores."""
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    if bias_on not in BIAS_ON:
+        raise ValueError(f"select_experts: bias_on must be one of {BIAS_ON}, got {bias_on!r}")
+    base = logits if bias_on == "logits" else scores
+    choice = base if score_bias is None else base + score_bias.float()
     if n_group > 1 and topk_group < n_group:
         T, E = choice.shape
         grouped = choice.view(T, n_group, E // n_group)

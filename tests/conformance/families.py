@@ -74,6 +74,14 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "DbrxForCausalLM": [{"attn_config.kv_n_heads": 1}, {"attn_config.clip_qkv": 0.25}],
     # opt-350m's post-LN layers and embedding projections (refused by name)
     "OPTForCausalLM": [{"do_layer_norm_before": False}, {"word_embed_proj_dim": 32}],
+    # Cohere 2 MoE (tiny default: sigmoid scores, where norm_topk_prob matters): transformers' default softmax over
+    # the top-k logits, a shared expert averaged with the routed ones (the default strategy); the RMSNorm form
+    # (refused by name)
+    "Cohere2MoeForCausalLM": [{"expert_selection_fn": "softmax"}, {"num_shared_experts": 1}, {"rms_norm_eps": 1e-5}],
+    # AFMoE with muP's embedding scale (sqrt(hidden_size))
+    "AfmoeForCausalLM": [{"mup_enabled": True}],
+    # Laguna: a routed scale; a per-element gate (refused by name; router logit soft-capping: the generic softcap rule)
+    "LagunaForCausalLM": [{"moe_routed_scaling_factor": 2.5}, {"gating": "per-element"}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
