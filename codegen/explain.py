@@ -47,6 +47,7 @@ def _rotary(r) -> str:
     rot += f", dim={r.dim}" if r.dim else ""
     rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
     rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
+    rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
     return rot + (f", scaling={r.scaling})" if r.scaling else ")")
 
 
@@ -81,6 +82,7 @@ def _block(b) -> str:
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
         rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
         rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
+        rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
         rot += f", scaling={r.scaling})" if r.scaling else ")"
         q = ("q_proj" if b.q_lora_rank is None else
              f"q_a_proj(rank={b.q_lora_rank}) -> q_a_layernorm -> q_b_proj"

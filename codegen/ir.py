@@ -251,6 +251,7 @@ class RotaryIR:
     enabled: Value = Value(literal=True)      # per layer: rotary on (a bool literal, symbol or expression)
     kind_symbol: Optional[str] = None         # a str config symbol selecting the kind (`kind`: its first value)
     layout_symbol: Optional[str] = None       # a str config symbol selecting the layout (`layout`: its first value)
+    original_max_position: Optional[Size] = None   # overrides the rope mapping's original_max_position_embeddings
 
 
 @dataclass(frozen=True)

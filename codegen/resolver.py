@@ -87,7 +87,7 @@ def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
 # transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
 # (runtime/rope_kinds.py); a spec's `type: rope` symbol lists the names it models.
 HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
-                 "llama3": "frequency_bands"}
+                 "llama3": "frequency_bands", "longrope": "longrope"}
 ROPE_TYPES = tuple(HF_ROPE_TYPES)
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension

@@ -268,9 +268,15 @@ class BlockResolver(MLAResolver):
                 raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
                                                   f"rotary only")
         fraction, rdim, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
+        original = None
+        if rot.original_max_position is not None:
+            if scaling is None:
+                raise self.err(rp + ("original_max_position",), f"{self._where(rp)}.original_max_position: only "
+                                                                f"with a rope `scaling` (it is a scaling parameter)")
+            original = self.dim(rp + ("original_max_position",), rot.original_max_position)
         return RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
                         self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
-                        fraction, rdim, layout, enabled, kind_symbol, layout_symbol)
+                        fraction, rdim, layout, enabled, kind_symbol, layout_symbol, original)
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:

@@ -149,7 +149,7 @@ class QKNorm(Strict):
 class Rotary(Strict):
     """Rotary position embedding. `scaling` names a `type: rope` config symbol (or is an expression choosing
     one, which may read `layer`): rope scaling as transformers computes it (default, linear, dynamic, yarn,
-    llama3; the symbol's `values` say which the spec models). `theta` may read `layer` too.
+    llama3, longrope / su; the symbol's `values` say which the spec models). `theta` may read `layer` too.
     `fraction` (or `dim`, not both): only the first int(head_dim * fraction) (or `dim`) dims of each head
     rotate, the rest pass through; the frequencies are computed over those dims. `layout`: neox (rotate_half:
     dim j pairs with j + d/2) or interleaved (GPT-J's rotate_every_two: dim 2j pairs with 2j + 1).
@@ -169,6 +169,10 @@ class Rotary(Strict):
     # `{type: str, expr: "'interleaved' if rope_interleave else 'neox'", values: [neox, interleaved]}`)
     layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
     enabled: Flag = True
+    # the model's original (pretraining) context where the config keeps it outside the rope mapping (Phi-3's
+    # top-level original_max_position_embeddings, which transformers writes over the mapping's key): used by the
+    # scalings that read it (yarn, llama3, longrope)
+    original_max_position: Optional[Dim] = None
 
 
 class AttentionBlock(Strict):
