@@ -127,6 +127,8 @@ def _block(b) -> str:
 
 def _routing(b) -> str:
     """A moe block's routing other than plain softmax top-k."""
+    if b.routing == "sparsemixer":
+        return f"sparsemixer(jitter_eps={b.jitter_eps})"
     out = f"{b.scoring} scores"
     if b.selection_bias.literal is not False:
         out += f", selection-only bias {b.router_name}.e_score_correction_bias" + \

@@ -394,10 +394,12 @@ class MoEIR:
     routed_scale: Optional[Value] = None
     router_float32: bool = False
     renormalize_min: Optional[Value] = None   # the renormalizing sum clamped to at least it; None = no clamp
+    routing: str = "topk"                     # topk | sparsemixer
+    jitter_eps: Optional[Value] = None        # sparsemixer's relative margin
 
     @property
     def plain_routing(self) -> bool:
-        return (self.scoring == "softmax" and self.groups is None and self.routed_scale is None
+        return (self.routing == "topk" and self.scoring == "softmax" and self.groups is None and self.routed_scale is None
                 and self.renormalize_min is None and self.selection_bias.literal is False and self.selection_bias.symbol is None
                 and self.selection_bias.expr is None)
 

@@ -812,6 +812,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 self.check_mla_variant(name, b, values, at, vp)
             if isinstance(b, MoEIR) and b.groups is not None:
                 self.check_groups_variant(name, b, values, at, vp)
+            if isinstance(b, MoEIR) and b.routing == "sparsemixer" and b.top_k.eval(values) != 2:
+                raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
+                               f"variants.{name}: {b.name}.top_k is {b.top_k.eval(values)}; routing: sparsemixer "
+                               f"chooses two experts (top_k must be 2)")
             if isinstance(b, MoEIR) and b.top_k.eval(values) > b.experts.eval(values):
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "

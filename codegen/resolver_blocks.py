@@ -202,7 +202,24 @@ class BlockResolver(MLAResolver):
                            groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                            if b.routed_scale is not None else None,
                            renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
-                           if b.renormalize_min is not None else None)
+                           if b.renormalize_min is not None else None, routing=b.routing)
+            if b.routing == "sparsemixer":
+                rp = path + ("routing",)
+                for key, bad in (("scoring", b.scoring != "softmax"), ("groups", b.groups is not None),
+                                 ("selection_bias", b.selection_bias is not False),
+                                 ("norm_topk_prob", b.norm_topk_prob is not False),
+                                 ("routed_scale", b.routed_scale is not None),
+                                 ("renormalize_min", b.renormalize_min is not None)):
+                    if bad:
+                        raise self.err(path + (key,), f"{self._where(path)}.{key}: not with routing: sparsemixer "
+                                                      f"(it chooses and weights the two experts itself)")
+                if b.jitter_eps is None:
+                    raise self.err(rp, f"{self._where(path)}: routing: sparsemixer needs `jitter_eps` (its relative "
+                                       f"margin, transformers' router_jitter_noise)")
+                routing["jitter_eps"] = self.num(path + ("jitter_eps",), b.jitter_eps)
+            elif b.jitter_eps is not None:
+                raise self.err(path + ("jitter_eps",), f"{self._where(path)}.jitter_eps: only with routing: "
+                                                       f"sparsemixer")
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),

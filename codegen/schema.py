@@ -324,6 +324,11 @@ class MoEBlock(Strict):
     # with norm_topk_prob: the sum the top-k weights are divided by is clamped to at least it (ERNIE 4.5's
     # moe_norm_min); None = no clamp (the plain sum)
     renormalize_min: Optional[Num] = None
+    # how the experts are chosen from the router logits: `topk` (the scores' top_k, above) or `sparsemixer`
+    # (PhiMoE's eval-mode SparseMixer: two experts, each weighted by a softmax over the logits within a relative
+    # `jitter_eps` margin of it; top_k must be 2; no scoring / groups / bias / renormalization options)
+    routing: Literal["topk", "sparsemixer"] = "topk"
+    jitter_eps: Optional[Num] = None     # sparsemixer: the relative margin (router_jitter_noise); required there
 
 
 class LMHeadBlock(Strict):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import subprocess
 from pathlib import Path
@@ -61,9 +62,12 @@ def _longrope_arm(config, node) -> dict[str, Any]:
     prf = (node or {}).get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
     half = int(head_dim * prf) // 2
     rng = np.random.default_rng(3)
-    return {"short_factor": [round(float(x), 3) for x in rng.uniform(1.0, 4.0, half)],
-            "long_factor": [round(float(x), 3) for x in rng.uniform(4.0, 16.0, half)],
-            "original_max_position_embeddings": config.max_position_embeddings}
+    arm = {"short_factor": [round(float(x), 3) for x in rng.uniform(1.0, 4.0, half)],
+           "long_factor": [round(float(x), 3) for x in rng.uniform(4.0, 16.0, half)],
+           "original_max_position_embeddings": config.max_position_embeddings}
+    if "short_mscale" in inspect.getsource(type(config)):     # PhiMoE's config requires the per-regime mscale
+        arm.update(short_mscale=1.25, long_mscale=1.5)
+    return arm
 
 
 # rope types whose standard parameters depend on the tiny config: fn(config, its rope mapping) -> parameters

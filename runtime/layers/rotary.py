@@ -79,7 +79,8 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
     - longrope (transformers' _compute_longrope_parameters): inv_freq = 1 / (ext * theta ** (arange(0, D, 2) / D))
       with ext = long_factor when `context_len` > original_max_position_embeddings, else short_factor (each a
       list of D/2 numbers); attention_factor given, or sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)
-      with factor given or max_position / original. transformers picks the list per forward call from the
+      with factor given or max_position / original; `short_mscale` / `long_mscale` (PhiMoE), where given, replace
+      the attention factor in their regime. transformers picks the list per forward call from the
       longest position it sees (long_factor for the whole call once a sequence exceeds the original context),
       which a KV cache cannot follow (cached keys keep the rotation they were written with). This runtime
       decides once per engine, as vLLM does (Phi3LongRoPEScaledRotaryEmbedding.use_long_rope): the engine's
@@ -147,6 +148,9 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         if attention_factor is None:
             attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         key = "long_factor" if context_len and context_len > original else "short_factor"
+        mscale = p.get("long_mscale" if key == "long_factor" else "short_mscale")
+        if mscale is not None:          # PhiMoE: the attention factor per regime (as vLLM's short / long mscale)
+            attention_factor = number("long_mscale" if key == "long_factor" else "short_mscale")
         ext = p[key]
         if (not isinstance(ext, (list, tuple)) or len(ext) != half or
                 not all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
