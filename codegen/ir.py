@@ -425,6 +425,7 @@ class StepIR:
     post_norm: Optional[str] = None
     choice: Optional[ChoiceIR] = None
     scale: Optional[Value] = None  # the block's output is multiplied by it before joining the residual
+    after_norm: Optional[str] = None  # post-LN: the residual stream is normalized after the add
 
 
 @dataclass(frozen=True)
@@ -580,6 +581,16 @@ class VisionIR:
 
 
 @dataclass(frozen=True)
+class ProjectionIR:
+    """decoder.project_in / project_out: a replicated linear between the embedding's and the residual's widths."""
+    name: str                     # project_in | project_out
+    in_: Size
+    out: Size
+    bias: Value
+    enabled: Value                # where it exists (a literal true: always)
+
+
+@dataclass(frozen=True)
 class ModelIR:
     name: str
     spec_path: str                # relative to the repository (or cwd)
@@ -590,7 +601,7 @@ class ModelIR:
     config: Tuple[ConfigFieldIR, ...]
     embed: EmbeddingIR
     layer: LayerIR
-    norm: NormIR
+    norm: Optional[NormIR]        # None: the last residual is added without a norm
     lm_head: LMHeadIR
     deepstack_after: Tuple[int, ...]
     params: Tuple[ParamIR, ...]
@@ -608,6 +619,9 @@ class ModelIR:
     config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent
     embed_positions: Optional[PositionEmbeddingIR] = None   # absolute positions added to the embedding
     embed_norm: Optional[NormIR] = None                     # a norm of the embedding output (Bloom)
+    norm_enabled: Value = Value(literal=True)               # where the final norm exists
+    project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
+    project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
 
     @property
     def model_class(self) -> str:

@@ -372,6 +372,9 @@ class ResidualStep(Strict):
     post_norm: Optional[StrictStr] = None
     scale: Optional[Num] = None          # the block's output is multiplied by it before it joins the residual
                                          # (Granite's residual_multiplier); None = 1
+    # classic post-LN (OPT-350m, the original Transformer): the residual stream itself is normalized after the
+    # add, x = after_norm(x + h); the block reads x (no `norm` then)
+    after_norm: Optional[StrictStr] = None
 
 
 class ParallelStep(Strict):
@@ -407,6 +410,16 @@ class Deepstack(Strict):
     levels: Optional[Dim] = None
 
 
+class EmbedProjection(Strict):
+    """A linear projection between the embedding's width and the residual stream's (OPT's `project_in`, embedding ->
+    residual, and `project_out`, residual -> LM head), replicated on every rank; it exists where `enabled` holds (a
+    flag: literal, bool symbol or expression over symbols, e.g. `"word_embed_proj_dim != hidden_size"`)."""
+    in_: Dim = Field(alias="in")
+    out: Dim
+    bias: Flag = False
+    enabled: Flag = True
+
+
 class Decoder(Strict):
     # module path of the decoder in the model and in the checkpoint. `weights` keys and `from` names of
     # decoder tensors are written `model.<rest>`; with another prefix they mean `<prefix>.<rest>` (so a spec
@@ -416,7 +429,14 @@ class Decoder(Strict):
     embed_positions: Optional[PositionEmbeddingBlock] = None   # absolute positions added to the embedding
     embed_norm: Optional[NormBlock] = None   # a norm of the embedding output, before the first layer (Bloom)
     layers: Layers
-    norm: NormBlock
+    norm: Optional[NormBlock] = None     # the final norm (it also adds the last residual); absent: the plain add
+    # the final norm exists where this flag holds (OPT: only in its pre-LN form); elsewhere the last residual is
+    # added without a norm
+    norm_enabled: Flag = True
+    # embedding width -> residual width, after the embedding (and its scale), before position embeddings are added
+    project_in: Optional[EmbedProjection] = None
+    # residual width -> the LM head's width, after the final norm
+    project_out: Optional[EmbedProjection] = None
     deepstack: Optional[Deepstack] = None
 
 
