@@ -54,6 +54,7 @@ def _rotary(r) -> str:
     rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
     rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
     rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
+    rot += f", direction={r.direction}" if r.direction != "forward" else ""
     return rot + (f", scaling={r.scaling})" if r.scaling else ")")
 
 

@@ -252,6 +252,7 @@ class RotaryIR:
     kind_symbol: Optional[str] = None         # a str config symbol selecting the kind (`kind`: its first value)
     layout_symbol: Optional[str] = None       # a str config symbol selecting the layout (`layout`: its first value)
     original_max_position: Optional[Size] = None   # overrides the rope mapping's original_max_position_embeddings
+    direction: str = "forward"                # forward | backward (pairs turn by -theta * position)
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,7 @@ class QKNormIR:
     bias: bool = False
     per_head_weights: bool = False   # over head: weight [heads, head_dim] instead of one shared [head_dim]
     enabled: Optional[Value] = None  # a bool symbol / expression: the norms exist only where it holds; None: always
+    weight: bool = True              # false: no weight (a parameter-free rmsnorm per head)
 
     @property
     def fusable(self) -> bool:

@@ -504,8 +504,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         if isinstance(b, RMSNormBlock):
             if not math.isfinite(b.weight_offset):
                 raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
+            if b.weight_offset and not b.weight:
+                raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a "
+                                                          f"weight (weight: false) has no weight to offset")
             return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
-                          weight_offset=float(b.weight_offset))
+                          weight_offset=float(b.weight_offset), weight=b.weight)
         if not math.isfinite(b.weight_offset):
             raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
         if b.weight_offset and not b.weight:

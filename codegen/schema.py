@@ -90,12 +90,14 @@ class PositionEmbeddingBlock(Strict):
 
 
 class RMSNormBlock(Strict):
-    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b."""
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b;
+    `weight: false`: no weight, y = x / rms(x) computed in float32 (NanoChat's parameter-free RMSNorm)."""
     kind: Literal["rmsnorm"]
     dim: Dim
     eps: Num
     weight_offset: Union[StrictInt, StrictFloat] = 0
     bias: StrictBool = False
+    weight: StrictBool = True
 
 
 class LayerNormBlock(Strict):
@@ -140,6 +142,7 @@ class QKNorm(Strict):
     weights: Literal["shared", "per_head"] = "shared"
     at: Literal["before_rotary", "after_rotary"] = "before_rotary"
     weight_offset: Union[StrictInt, StrictFloat] = 0
+    weight: StrictBool = True            # false: no weight (rmsnorm, over: head only; NanoChat)
     bias: StrictBool = False
     # a bool config symbol (or expression): the q/k norms exist only in the checkpoints where it holds (Cohere's
     # use_qk_norm, StableLM's qk_layernorm); false: no q/k norm
@@ -168,6 +171,9 @@ class Rotary(Strict):
     # a layout, or a `str` config symbol whose `values` are layouts (the checkpoint's config selects it, e.g.
     # `{type: str, expr: "'interleaved' if rope_interleave else 'neox'", values: [neox, interleaved]}`)
     layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
+    # backward: each pair turns by -theta * position (NanoChat's rotate_half(x) = [x2, -x1]); attention scores then
+    # depend on the negated relative position
+    direction: Literal["forward", "backward"] = "forward"
     enabled: Flag = True
     # the model's original (pretraining) context where the config keeps it outside the rope mapping (Phi-3's
     # top-level original_max_position_embeddings, which transformers writes over the mapping's key): used by the

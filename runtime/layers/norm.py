@@ -19,18 +19,26 @@ class RMSNorm(nn.Module):
     `weight * x_normed.to(input_dtype)`). weight_offset 1.0: the (1 + w) norm, all in float32
     (`x_normed * (1.0 + weight.float())`, then cast to the input dtype); the checkpoint stores w (zero-centred).
 
-    bias=True adds a learned `bias` [dim] to the output.
+    bias=True adds a learned `bias` [dim] to the output. weight=False: no parameter, y = x / rms(x) in float32, cast
+    to the input dtype (computed as the (1 + w) form with a zero buffer w).
 
     forward(x) -> y; forward(x, residual) -> (y, x + residual) with y = rmsnorm(x + residual);
     forward(x, None) -> (rmsnorm(x), x)  (the first layer of a residual stream).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0, bias: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, weight_offset: float = 0.0, bias: bool = False,
+                 weight: bool = True):
         super().__init__()
         self.dim = dim
         self.eps = eps
         self.weight_offset = float(weight_offset)
-        self.weight = nn.Parameter(torch.empty(dim))
+        if weight:
+            self.weight = nn.Parameter(torch.empty(dim))
+        else:   # parameter-free: x / rms(x) in float32, as the (1 + w) form computes it with w = 0 (not a parameter)
+            if weight_offset:
+                raise ValueError("RMSNorm: weight_offset needs a weight")
+            self.weight_offset = 1.0
+            self.register_buffer("weight", torch.zeros(dim), persistent=False)
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):

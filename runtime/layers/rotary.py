@@ -293,8 +293,10 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_position: int, kind: str = "neox",
                  mrope_section: Optional[Sequence[int]] = None, scaling: Optional[Mapping[str, Any]] = None,
                  rotary_dim: Optional[int] = None, layout: str = "neox",
-                 original_max_position: Optional[int] = None):
+                 original_max_position: Optional[int] = None, direction: str = "forward"):
         super().__init__()
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"rotary direction must be 'forward' or 'backward', not {direction!r}")
         if kind not in ROTARY_KINDS:
             raise ValueError(f"rotary kind must be one of {ROTARY_KINDS}, not {kind!r}")
         if layout not in ROTARY_LAYOUTS:
@@ -329,6 +331,15 @@ class Rotary(nn.Module):
         # interleaved: the rotary dims gathered evens then odds (pairs (2j, 2j + 1) -> (j, j + half))
         self.gather = (torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
                        if layout == "interleaved" and rotary_dim else None)
+        # backward (each pair turns by -theta * p: NanoChat's rotate_half [x2, -x1]) is the forward turn of the pair
+        # taken in the other order, (a, b) -> (b, a): the same products, with q and k kept in that order
+        self.direction = direction
+        if direction == "backward" and rotary_dim:
+            if kind != "neox":
+                raise ValueError("a backward rotary is for kind 'neox' only")
+            self.gather = (torch.cat((torch.arange(1, rotary_dim, 2), torch.arange(0, rotary_dim, 2)))
+                           if layout == "interleaved" else
+                           torch.cat((torch.arange(half, rotary_dim), torch.arange(0, half))))
         if kind == "neox":
             if mrope_section is not None:
                 raise ValueError("mrope_section is only for the mrope kinds")
@@ -392,6 +403,7 @@ class Rotary(nn.Module):
         s = f"head_dim={self.full_head_dim}, theta={self.theta}, max_position={self.max_position}, kind={self.kind!r}"
         s += f", rotary_dim={self.head_dim}" if self.head_dim != self.full_head_dim else ""
         s += f", layout={self.layout!r}" if self.layout != "neox" else ""
+        s += f", direction={self.direction!r}" if self.direction != "forward" else ""
         s += f", mrope_section={self.mrope_section}" if self.mrope_section else ""
         return s + (f", scaling={self.scaling}" if self.scaling else "")
 
