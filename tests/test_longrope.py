@@ -56,6 +56,7 @@ def _hf(ckpt, prompts):
 
 
 @pytest.mark.engine
+@pytest.mark.slow      # ~12 s; the default run has the spec battery's short-regime longrope arm
 def test_short_regime_matches_hf_and_scaling_matters(tiny_checkpoint, tmp_path):
     from fixtures.tiny_hf import edit_config
 

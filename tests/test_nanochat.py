@@ -54,6 +54,7 @@ def test_weightless_rmsnorm_is_nanochat_norm():
 
 
 @pytest.mark.engine
+@pytest.mark.slow      # the default run serves NanoChat through the spec and conformance batteries
 def test_features_on_match_hf(tiny_checkpoint):
     from hf_ref import hf_greedy
 

@@ -35,6 +35,7 @@ def _hf(ckpt):
 
 
 @pytest.mark.engine
+@pytest.mark.slow      # ~25 s; the default run serves the same form through the conformance battery's OPT arm
 def test_opt350m_form_matches_hf_and_each_feature_matters(tiny_checkpoint, tmp_path):
     import json
 
@@ -66,6 +67,7 @@ def test_opt350m_form_matches_hf_and_each_feature_matters(tiny_checkpoint, tmp_p
 
 
 @pytest.mark.engine
+@pytest.mark.slow
 def test_remove_final_layer_norm(tiny_checkpoint, tmp_path):
     from fixtures.tiny_hf import edit_config
 
