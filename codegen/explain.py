@@ -26,6 +26,11 @@ DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "fl
                "float": 4, "float8": 1, "fp8": 1}
 
 
+def _proj(p) -> str:
+    return (f"linear(in={p.in_}, out={p.out}, replicated" + (f", bias={p.bias}" if p.bias.literal is not False else "")
+            + (f", where {p.enabled}" if p.enabled.literal is not True else "") + ")")
+
+
 def _steps(w, steps) -> None:
     for s in steps:
         if hasattr(s, "branches"):
@@ -35,7 +40,8 @@ def _steps(w, steps) -> None:
             block = s.block if s.choice is None else \
                 f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
             w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
-              + (f" x {s.scale}" if s.scale else ""))
+              + (f" x {s.scale}" if s.scale else "")
+              + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else ""))
 
 
 def _rotary(r) -> str:
@@ -47,6 +53,8 @@ def _rotary(r) -> str:
     rot += f", dim={r.dim}" if r.dim else ""
     rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
     rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
+    rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
+    rot += f", direction={r.direction}" if r.direction != "forward" else ""
     return rot + (f", scaling={r.scaling})" if r.scaling else ")")
 
 
@@ -87,6 +95,7 @@ def _block(b) -> str:
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
         rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
         rot += f", enabled={r.enabled}" if r.enabled.literal is not True else ""
+        rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
         rot += f", scaling={r.scaling})" if r.scaling else ")"
         q = ("q_proj" if b.q_lora_rank is None else
              f"q_a_proj(rank={b.q_lora_rank}) -> q_a_layernorm -> q_b_proj"
@@ -133,6 +142,8 @@ def _block(b) -> str:
 
 def _routing(b) -> str:
     """A moe block's routing other than plain softmax top-k."""
+    if b.routing == "sparsemixer":
+        return f"sparsemixer(jitter_eps={b.jitter_eps})"
     out = f"{b.scoring_symbol or b.scoring} scores"
     if b.selection_bias.literal is not False:
         out += f", selection-only bias {b.router_name}.e_score_correction_bias" + \
@@ -195,6 +206,8 @@ def format_resolved(ir: ModelIR) -> str:
         pe = ir.embed_positions
         w(f"  embed_positions  {pe.kind}(positions={pe.positions}, dim={pe.dim}"
           + (f", offset={pe.offset})" if pe.offset else ")") + ": added to the embedding")
+    if ir.project_in:
+        w(f"  project_in  {_proj(ir.project_in)}: embedding -> residual width")
     if ir.embed_norm:
         w(f"  embed_norm  {_block(ir.embed_norm)}: normalizes the embedding output")
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
@@ -213,7 +226,12 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
         w(f"  deepstack: level k after layer k, k < {ir.deepstack_levels}")
-    w(f"  norm  {_block(ir.norm)}")
+    if ir.norm:
+        w(f"  norm  {_block(ir.norm)}" + (f" where {ir.norm_enabled}" if ir.norm_enabled.literal is not True else ""))
+    else:
+        w("  norm  none (the last residual add only)")
+    if ir.project_out:
+        w(f"  project_out  {_proj(ir.project_out)}: residual -> LM head width")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"
       + (f", logit_scale={ir.lm_head.logit_scale}" if ir.lm_head.logit_scale else "")
       + (f", bias={ir.lm_head.bias}" if ir.lm_head.bias.literal is not False else "")

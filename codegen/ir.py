@@ -251,6 +251,8 @@ class RotaryIR:
     enabled: Value = Value(literal=True)      # per layer: rotary on (a bool literal, symbol or expression)
     kind_symbol: Optional[str] = None         # a str config symbol selecting the kind (`kind`: its first value)
     layout_symbol: Optional[str] = None       # a str config symbol selecting the layout (`layout`: its first value)
+    original_max_position: Optional[Size] = None   # overrides the rope mapping's original_max_position_embeddings
+    direction: str = "forward"                # forward | backward (pairs turn by -theta * position)
 
 
 @dataclass(frozen=True)
@@ -266,8 +268,12 @@ class QKNormIR:
     weight_offset: float = 0.0
     bias: bool = False
     per_head_weights: bool = False   # over head: weight [heads, head_dim] instead of one shared [head_dim]
-    weightless: bool = False         # no weight: x * rsqrt(mean(x^2) + eps) (rmsnorm over head)
     enabled: Optional[Value] = None  # a bool symbol / expression: the norms exist only where it holds; None: always
+    weight: bool = True              # false: no weight, x * rsqrt(mean(x^2) + eps) (a parameter-free rmsnorm per head)
+
+    @property
+    def weightless(self) -> bool:
+        return not self.weight
 
     @property
     def fusable(self) -> bool:
@@ -412,11 +418,13 @@ class MoEIR:
     router_float32: bool = False
     renormalize_min: Optional[Value] = None   # the renormalizing sum clamped to at least it; None = no clamp
     weights_on: str = "output"               # output: sum_k w_k * expert_k(x); input: sum_k expert_k(w_k * x)
+    routing: str = "topk"                     # topk | sparsemixer
+    jitter_eps: Optional[Value] = None        # sparsemixer's relative margin
 
     @property
     def plain_routing(self) -> bool:
-        return (self.scoring == "softmax" and self.scoring_symbol is None and self.groups is None
-                and self.routed_scale is None and self.weights_on == "output"
+        return (self.routing == "topk" and self.scoring == "softmax" and self.scoring_symbol is None
+                and self.groups is None and self.routed_scale is None and self.weights_on == "output"
                 and self.renormalize_min is None and self.selection_bias.literal is False and self.selection_bias.symbol is None
                 and self.selection_bias.expr is None)
 
@@ -442,6 +450,7 @@ class StepIR:
     post_norm: Optional[str] = None
     choice: Optional[ChoiceIR] = None
     scale: Optional[Value] = None  # the block's output is multiplied by it before joining the residual
+    after_norm: Optional[str] = None  # post-LN: the residual stream is normalized after the add
 
 
 @dataclass(frozen=True)
@@ -597,6 +606,16 @@ class VisionIR:
 
 
 @dataclass(frozen=True)
+class ProjectionIR:
+    """decoder.project_in / project_out: a replicated linear between the embedding's and the residual's widths."""
+    name: str                     # project_in | project_out
+    in_: Size
+    out: Size
+    bias: Value
+    enabled: Value                # where it exists (a literal true: always)
+
+
+@dataclass(frozen=True)
 class ModelIR:
     name: str
     spec_path: str                # relative to the repository (or cwd)
@@ -607,7 +626,7 @@ class ModelIR:
     config: Tuple[ConfigFieldIR, ...]
     embed: EmbeddingIR
     layer: LayerIR
-    norm: NormIR
+    norm: Optional[NormIR]        # None: the last residual is added without a norm
     lm_head: LMHeadIR
     deepstack_after: Tuple[int, ...]
     params: Tuple[ParamIR, ...]
@@ -625,6 +644,9 @@ class ModelIR:
     config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent
     embed_positions: Optional[PositionEmbeddingIR] = None   # absolute positions added to the embedding
     embed_norm: Optional[NormIR] = None                     # a norm of the embedding output (Bloom)
+    norm_enabled: Value = Value(literal=True)               # where the final norm exists
+    project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
+    project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
 
     @property
     def model_class(self) -> str:

@@ -32,6 +32,7 @@ from .ir import (
     NormIR,
     ParallelStepIR,
     ParamIR,
+    ProjectionIR,
     RunnerIR,
     Size,
     StepIR,
@@ -87,7 +88,7 @@ def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
 # transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
 # (runtime/rope_kinds.py); a spec's `type: rope` symbol lists the names it models.
 HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
-                 "llama3": "frequency_bands"}
+                 "llama3": "frequency_bands", "longrope": "longrope"}
 ROPE_TYPES = tuple(HF_ROPE_TYPES)
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
@@ -231,12 +232,25 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                             self.dim(ep + ("dim",), d.embed_tokens.dim),
                             self.positive(ep + ("scale",), d.embed_tokens.scale)
                             if d.embed_tokens.scale is not None else None)
-        embed_positions = self.resolve_embed_positions(embed) if d.embed_positions is not None else None
-        embed_norm = self.resolve_embed_norm(embed) if d.embed_norm is not None else None
+        project_in = self.resolve_projection("project_in", d.project_in) if d.project_in is not None else None
+        if project_in is not None and str(project_in.in_) != str(embed.dim):
+            raise self.err(("decoder", "project_in", "in"), f"decoder.project_in.in: is {project_in.in_}, but the "
+                                                            f"embedding's width is {embed.dim} (decoder.embed_tokens.dim)")
+        # the residual stream's width: the embedding's, or project_in's output
+        stream = embed if project_in is None else dataclasses.replace(embed, dim=project_in.out)
+        embed_positions = self.resolve_embed_positions(stream) if d.embed_positions is not None else None
+        embed_norm = self.resolve_embed_norm(stream) if d.embed_norm is not None else None
         layer = self.resolve_layer()
-        norm = self.resolve_norm(("decoder", "norm"), "norm", d.norm)
+        norm = self.resolve_norm(("decoder", "norm"), "norm", d.norm) if d.norm is not None else None
+        if norm is None and d.norm_enabled is not True:
+            raise self.err(("decoder", "norm_enabled"), "decoder.norm_enabled: there is no decoder.norm", at_key=True)
+        norm_enabled = self.flag(("decoder", "norm_enabled"), d.norm_enabled)
+        project_out = self.resolve_projection("project_out", d.project_out) if d.project_out is not None else None
+        if project_out is not None and str(project_out.in_) != str(stream.dim):
+            raise self.err(("decoder", "project_out", "in"), f"decoder.project_out.in: is {project_out.in_}, but the "
+                                                             f"residual stream's width is {stream.dim}")
         lm_head = self.resolve_lm_head(embed)
-        self.check_widths(embed, layer, norm)
+        self.check_widths(stream, layer, norm)
         self.prefix = self.resolve_prefix()
         deepstack, levels = (), None
         if d.deepstack:
@@ -255,7 +269,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                     raise self.err(dp, "decoder.deepstack.after_layers: layer indices must be >= 0, sorted and unique")
         vision = self.resolve_vision(levels) if s.vision else None
 
-        params = self.collect_params(embed, layer, norm, lm_head)
+        params = self.collect_params(embed, layer, norm, lm_head, norm_enabled)
+        for proj in (project_out, project_in):
+            if proj is not None:
+                params = params[:1] + self.projection_params(proj) + params[1:]
         if embed_positions is not None and embed_positions.kind == "learned":
             params = params[:1] + (self.position_param(embed_positions),) + params[1:]
         if embed_norm is not None:
@@ -280,6 +297,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                          for name in s.variants)
         for v in variants:
             self.check_layout_variant(v.name, dict(v.values))
+            self.check_projection_variant(v.name, dict(v.values), embed, stream, project_in, project_out, lm_head)
         return ModelIR(
             name=s.name, spec_path=display_path(self.tree.files[0]),
             spec_files=tuple(display_path(f) for f in self.tree.files), description=s.description.strip(),
@@ -289,7 +307,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
-            embed_norm=embed_norm)
+            embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out)
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:
@@ -486,8 +504,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         if isinstance(b, RMSNormBlock):
             if not math.isfinite(b.weight_offset):
                 raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
+            if b.weight_offset and not b.weight:
+                raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a "
+                                                          f"weight (weight: false) has no weight to offset")
             return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
-                          weight_offset=float(b.weight_offset))
+                          weight_offset=float(b.weight_offset), weight=b.weight)
         if not math.isfinite(b.weight_offset):
             raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
         if b.weight_offset and not b.weight:
@@ -530,6 +551,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 roles = roles[1:]
             if st.post_norm is not None:
                 roles.append(("post_norm", st.post_norm, ("rmsnorm", "layernorm")))
+            if st.after_norm is not None:
+                if st.norm is not None:
+                    raise self.err(sp + ("after_norm",), f"{where}.after_norm: a post-LN step normalizes the residual "
+                                                         f"stream after the add; its block reads the stream (no `norm`)")
+                roles.append(("after_norm", st.after_norm, ("rmsnorm", "layernorm")))
             for role, ref, kinds in roles:
                 rp = sp + (role if isinstance(role, tuple) else (role,))
                 role = ".".join(role) if isinstance(role, tuple) else role
@@ -552,8 +578,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                                                     f"'{blocks[choice.else_ if blocks[choice.then].kind == 'attention' else choice.then].kind}' (hidden)",
                                    at_key=True)
                 return StepIR(st.norm, module, isinstance(blocks[choice.then], ATTENTION_IRS), st.post_norm, choice,
-                              scale)
-            return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale)
+                              scale, st.after_norm)
+            return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
+                          st.after_norm)
 
         df = L.dataflow
         if isinstance(df, DataflowChoice):     # one dataflow or the other, by the checkpoint's config
@@ -574,9 +601,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                         if br.norm is None:
                             raise self.err(sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]: a parallel branch needs "
                                            f"its `norm` (the branches share the fused residual add)", at_key=True)
-                        if br.post_norm is not None:
-                            raise self.err(sp + ("parallel", j, "post_norm"), f"{fw}[{i}].parallel[{j}].post_norm: "
-                                                                              f"not supported in a parallel step")
+                        for key in ("post_norm", "after_norm"):
+                            if getattr(br, key) is not None:
+                                raise self.err(sp + ("parallel", j, key), f"{fw}[{i}].parallel[{j}].{key}: not "
+                                                                          f"supported in a parallel step")
                         shared = (st.parallel[0].norm,) if j else ()
                         branches.append(step(br, sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]", shared))
                     steps.append(ParallelStepIR(tuple(branches)))
@@ -595,9 +623,40 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             layer = self.dataflow_choice(layer, df, resolved)
         return layer
 
-    def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: NormIR) -> None:
-        """Everything on the residual stream has the embedding's width."""
-        checks = [(("decoder", "norm", "dim"), "decoder.norm.dim", norm.dim)]
+    def resolve_projection(self, name: str, b) -> ProjectionIR:
+        p = ("decoder", name)
+        return ProjectionIR(name, self.dim(p + ("in",), b.in_), self.dim(p + ("out",), b.out),
+                            self.flag(p + ("bias",), b.bias), self.flag(p + ("enabled",), b.enabled))
+
+    def projection_params(self, proj: ProjectionIR) -> Tuple[ParamIR, ...]:
+        """`<prefix>.<name>.weight [out, in]` (and `.bias [out]`), replicated; where `enabled` is not literally true
+        they exist only in the checkpoints where it holds."""
+        when = None if proj.enabled.literal is True else (proj.enabled, True)
+        out = [ParamIR(f"{self.prefix}.{proj.name}.weight", f"decoder.{proj.name}", (proj.out, proj.in_),
+                       "replicated", when=when)]
+        if _maybe(proj.bias):
+            out.append(ParamIR(f"{self.prefix}.{proj.name}.bias", f"decoder.{proj.name}", (proj.out,), "replicated",
+                               when=when))
+        return tuple(out)
+
+    def check_projection_variant(self, name, values, embed, stream, project_in, project_out, lm_head) -> None:
+        """Per variant: a projection that is off leaves the widths equal (the embedding's = the residual's = the LM
+        head's); one that is on changes nothing else (its in / out were checked symbolically)."""
+        for proj, a, b in ((project_in, embed.dim, stream.dim), (project_out, stream.dim, lm_head.dim)):
+            if proj is None or proj.enabled.literal is True:
+                continue
+            on = proj.enabled.eval(values)
+            if not isinstance(on, bool):
+                raise self.err(("decoder", proj.name, "enabled"), f"variants.{name}: decoder.{proj.name}.enabled is "
+                                                                  f"{on!r}, not a bool")
+            if not on and a.eval(values) != b.eval(values):
+                raise self.err(("decoder", proj.name, "enabled"),
+                               f"variants.{name}: decoder.{proj.name} is off, but the widths it maps differ "
+                               f"({a} = {a.eval(values)}, {b} = {b.eval(values)})")
+
+    def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: Optional[NormIR]) -> None:
+        """Everything on the residual stream has its width (the embedding's, or decoder.project_in's output)."""
+        checks = [(("decoder", "norm", "dim"), "decoder.norm.dim", norm.dim)] if norm is not None else []
         for b in layer.blocks:
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
@@ -623,7 +682,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         return head
 
     # ---- parameters and weights -------------------------------------------------------------------
-    def collect_params(self, embed, layer, norm, lm_head) -> Tuple[ParamIR, ...]:
+    def collect_params(self, embed, layer, norm, lm_head, norm_enabled=None) -> Tuple[ParamIR, ...]:
         out: List[ParamIR] = []
         pre = self.prefix
         out.append(ParamIR(f"{pre}.embed_tokens.weight", "decoder.embed_tokens", (embed.vocab, embed.dim), "vocab",
@@ -641,7 +700,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)
             out += [dataclasses.replace(p, when=when_of[b.name]) for p in ps] if b.name in when_of else ps
-        out += self.block_params(f"{pre}.norm", "decoder.norm", norm, False)
+        if norm is not None:
+            ps = self.block_params(f"{pre}.norm", "decoder.norm", norm, False)
+            if norm_enabled is not None and norm_enabled.literal is not True:
+                ps = [dataclasses.replace(p, when=(norm_enabled, True)) for p in ps]
+            out += ps
         if lm_head.tie.literal is not True:
             out.append(ParamIR("lm_head.weight", "lm_head", (lm_head.vocab, lm_head.dim), "vocab", vocab=lm_head.vocab,
                                only_if_untied=lm_head.tie.symbol))
@@ -819,6 +882,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 self.check_mla_variant(name, b, values, at, vp)
             if isinstance(b, MoEIR) and b.groups is not None:
                 self.check_groups_variant(name, b, values, at, vp)
+            if isinstance(b, MoEIR) and b.routing == "sparsemixer" and b.top_k.eval(values) != 2:
+                raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
+                               f"variants.{name}: {b.name}.top_k is {b.top_k.eval(values)}; routing: sparsemixer "
+                               f"chooses two experts (top_k must be 2)")
             if isinstance(b, MoEIR) and b.top_k.eval(values) > b.experts.eval(values):
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "

@@ -108,17 +108,22 @@ class BlockResolver(MLAResolver):
                     raise self.err(qp + ("weights",), f"{self._where(qp)}.weights: per-head weights are for `over: "
                                                       f"head`; a projection-wide norm's weight already has a value "
                                                       f"per column")
-                if n.weights == "none" and (n.kind != "rmsnorm" or n.over != "head" or n.bias or n.weight_offset):
-                    raise self.err(qp + ("weights",), f"{self._where(qp)}.weights: `none` (no weight) is a per-head "
-                                                      f"RMSNorm without bias or weight_offset (kind: rmsnorm, over: "
-                                                      f"head)")
-                if qk_on.per_layer and n.weights != "none":
+                if not n.weight and (n.kind != "rmsnorm" or n.over != "head" or n.weights != "shared"
+                                     or n.weight_offset or n.bias):
+                    raise self.err(qp + ("weight",), f"{self._where(qp)}.weight: a weightless q/k norm is an rmsnorm "
+                                                     f"over each head, without weight_offset, bias or per-head weights")
+                if qk_on.per_layer and n.weight:
                     raise self.err(qp + ("enabled",), f"{self._where(qp)}.enabled: a per-layer q/k norm (reading "
-                                                      f"`layer`) must have no weights (`weights: none`)")
+                                                      f"`layer`) must have no weight (`weight: false`)")
                 qk = QKNormIR(module(qp + ("q",), n.q), module(qp + ("k",), n.k),
                               self.positive(qp + ("eps",), n.eps, below=1.0), n.kind, n.over, n.at,
                               float(n.weight_offset), n.bias, n.weights == "per_head",
-                              n.weights == "none", None if qk_on.literal is True else qk_on)
+                              None if qk_on.literal is True else qk_on, n.weight)
+            if (qk is not None and qk.at == "after_rotary" and rotary is not None and qk.weight
+                    and (rotary.direction != "forward" or rotary.layout != "neox" or rotary.layout_symbol)):
+                raise self.err(path + ("qk_norm", "at"), f"{self._where(path)}.qk_norm.at: a q/k norm with a weight "
+                                                         f"after an interleaved or backward rotary is not supported "
+                                                         f"(the rotary keeps q and k in a permuted order)")
             clip = None
             if b.clip_qkv is not None:
                 clip = self.positive(path + ("clip_qkv",), b.clip_qkv, optional=True)
@@ -247,7 +252,24 @@ class BlockResolver(MLAResolver):
                            groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                            if b.routed_scale is not None else None,
                            renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
-                           if b.renormalize_min is not None else None, weights_on=b.weights_on)
+                           if b.renormalize_min is not None else None, weights_on=b.weights_on, routing=b.routing)
+            if b.routing == "sparsemixer":
+                rp = path + ("routing",)
+                for key, bad in (("scoring", b.scoring != "softmax"), ("groups", b.groups is not None),
+                                 ("selection_bias", b.selection_bias is not False),
+                                 ("norm_topk_prob", b.norm_topk_prob is not False),
+                                 ("routed_scale", b.routed_scale is not None),
+                                 ("renormalize_min", b.renormalize_min is not None)):
+                    if bad:
+                        raise self.err(path + (key,), f"{self._where(path)}.{key}: not with routing: sparsemixer "
+                                                      f"(it chooses and weights the two experts itself)")
+                if b.jitter_eps is None:
+                    raise self.err(rp, f"{self._where(path)}: routing: sparsemixer needs `jitter_eps` (its relative "
+                                       f"margin, transformers' router_jitter_noise)")
+                routing["jitter_eps"] = self.num(path + ("jitter_eps",), b.jitter_eps)
+            elif b.jitter_eps is not None:
+                raise self.err(path + ("jitter_eps",), f"{self._where(path)}.jitter_eps: only with routing: "
+                                                       f"sparsemixer")
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
@@ -313,9 +335,17 @@ class BlockResolver(MLAResolver):
                 raise self.err(rp + ("scaling",), f"{self._where(rp)}.scaling: rope scaling applies to the neox "
                                                   f"rotary only")
         fraction, rdim, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
+        if rot.direction != "forward" and rot.kind != "neox":
+            raise self.err(rp + ("direction",), f"{self._where(rp)}.direction: backward rotary is for kind neox only")
+        original = None
+        if rot.original_max_position is not None:
+            if scaling is None:
+                raise self.err(rp + ("original_max_position",), f"{self._where(rp)}.original_max_position: only "
+                                                                f"with a rope `scaling` (it is a scaling parameter)")
+            original = self.dim(rp + ("original_max_position",), rot.original_max_position)
         return RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
                         self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
-                        fraction, rdim, layout, enabled, kind_symbol, layout_symbol)
+                        fraction, rdim, layout, enabled, kind_symbol, layout_symbol, original, rot.direction)
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:
@@ -398,8 +428,8 @@ class BlockResolver(MLAResolver):
                         names = ("weight", "bias") if n.bias else ("weight",)
                         ps += [P(f"{module}.{w}", (seg.heads, b.head_dim), "colwise",
                                  (SegmentIR(module, seg.heads, Size.of(1), seg.replicate_ok),)) for w in names]
-                    elif n.over == "head":    # one [head_dim] weight shared by the heads
-                        names = ("weight", "bias") if n.bias else ("weight",)
+                    elif n.over == "head":    # one [head_dim] weight shared by the heads (or none)
+                        names = (("weight",) if n.weight else ()) + (("bias",) if n.bias else ())
                         ps += [P(f"{module}.{w}", (b.head_dim,), "replicated") for w in names]
                     else:                     # the whole projection's [heads * head_dim], sharded like it
                         rows = seg.heads * seg.unit

@@ -63,7 +63,9 @@ class MLAResolver(RotaryResolver):
             out_bias=self.flag(path + ("out", "bias"), b.out.bias),
             rotary=RotaryIR("neox", self.positive(rp + ("theta",), rot.theta, per_layer=True),
                             self.dim(rp + ("max_position",), rot.max_position), None, scaling, None, None, layout,
-                            enabled, None, layout_symbol),
+                            enabled, None, layout_symbol,
+                            self.dim(rp + ("original_max_position",), rot.original_max_position)
+                            if rot.original_max_position is not None and scaling is not None else None),
             scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache)
 
     @staticmethod

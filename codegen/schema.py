@@ -90,12 +90,14 @@ class PositionEmbeddingBlock(Strict):
 
 
 class RMSNormBlock(Strict):
-    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b."""
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b;
+    `weight: false`: no weight, y = x / rms(x) computed in float32 (NanoChat's parameter-free RMSNorm)."""
     kind: Literal["rmsnorm"]
     dim: Dim
     eps: Num
     weight_offset: Union[StrictInt, StrictFloat] = 0
     bias: StrictBool = False
+    weight: StrictBool = True
 
 
 class LayerNormBlock(Strict):
@@ -146,15 +148,16 @@ class QKNorm(Strict):
     q: StrictStr = "q_norm"
     k: StrictStr = "k_norm"
     over: Literal["head", "projection"] = "head"
-    # `over: head` only: `per_head` gives each head a weight of its own, [heads, head_dim] (Cohere's use_qk_norm);
-    # `none`: no weight at all, x * rsqrt(mean(x^2) + eps) (rmsnorm only: Llama 4's L2 norm)
-    weights: Literal["shared", "per_head", "none"] = "shared"
+    # `over: head` only: `per_head` gives each head a weight of its own, [heads, head_dim] (Cohere's use_qk_norm)
+    weights: Literal["shared", "per_head"] = "shared"
     at: Literal["before_rotary", "after_rotary"] = "before_rotary"
     weight_offset: Union[StrictInt, StrictFloat] = 0
+    # false: no weight, x * rsqrt(mean(x^2) + eps) in float32 (rmsnorm over: head only; NanoChat, Llama 4's L2 norm)
+    weight: StrictBool = True
     bias: StrictBool = False
     # a bool config symbol (or expression): the q/k norms exist only in the checkpoints where it holds (Cohere's
-    # use_qk_norm, StableLM's qk_layernorm); false: no q/k norm. May read `layer` when the norm has no weights
-    # (`weights: none`; Llama 4: "use_qk_norm and no_rope_layers[layer] != 0")
+    # use_qk_norm, StableLM's qk_layernorm); false: no q/k norm. May read `layer` when the norm has no weight
+    # (`weight: false`; Llama 4: "use_qk_norm and no_rope_layers[layer] != 0")
     enabled: Flag = True
 
 
@@ -173,7 +176,7 @@ class QueryScale(Strict):
 class Rotary(Strict):
     """Rotary position embedding. `scaling` names a `type: rope` config symbol (or is an expression choosing
     one, which may read `layer`): rope scaling as transformers computes it (default, linear, dynamic, yarn,
-    llama3; the symbol's `values` say which the spec models). `theta` may read `layer` too.
+    llama3, longrope / su; the symbol's `values` say which the spec models). `theta` may read `layer` too.
     `fraction` (or `dim`, not both): only the first int(head_dim * fraction) (or `dim`) dims of each head
     rotate, the rest pass through; the frequencies are computed over those dims. `layout`: neox (rotate_half:
     dim j pairs with j + d/2) or interleaved (GPT-J's rotate_every_two: dim 2j pairs with 2j + 1).
@@ -192,7 +195,14 @@ class Rotary(Strict):
     # a layout, or a `str` config symbol whose `values` are layouts (the checkpoint's config selects it, e.g.
     # `{type: str, expr: "'interleaved' if rope_interleave else 'neox'", values: [neox, interleaved]}`)
     layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
+    # backward: each pair turns by -theta * position (NanoChat's rotate_half(x) = [x2, -x1]); attention scores then
+    # depend on the negated relative position
+    direction: Literal["forward", "backward"] = "forward"
     enabled: Flag = True
+    # the model's original (pretraining) context where the config keeps it outside the rope mapping (Phi-3's
+    # top-level original_max_position_embeddings, which transformers writes over the mapping's key): used by the
+    # scalings that read it (yarn, llama3, longrope)
+    original_max_position: Optional[Dim] = None
 
 
 class AttentionBlock(Strict):
@@ -362,6 +372,11 @@ class MoEBlock(Strict):
     # where the routing weights apply: `output` (default) sum_k w_k * expert_k(x); `input` sum_k expert_k(w_k * x)
     # (Llama 4: the router's sigmoid scores scale each chosen expert's input)
     weights_on: Literal["output", "input"] = "output"
+    # how the experts are chosen from the router logits: `topk` (the scores' top_k, above) or `sparsemixer`
+    # (PhiMoE's eval-mode SparseMixer: two experts, each weighted by a softmax over the logits within a relative
+    # `jitter_eps` margin of it; top_k must be 2; no scoring / groups / bias / renormalization options)
+    routing: Literal["topk", "sparsemixer"] = "topk"
+    jitter_eps: Optional[Num] = None     # sparsemixer: the relative margin (router_jitter_noise); required there
 
 
 class LMHeadBlock(Strict):
@@ -405,6 +420,9 @@ class ResidualStep(Strict):
     post_norm: Optional[StrictStr] = None
     scale: Optional[Num] = None          # the block's output is multiplied by it before it joins the residual
                                          # (Granite's residual_multiplier); None = 1
+    # classic post-LN (OPT-350m, the original Transformer): the residual stream itself is normalized after the
+    # add, x = after_norm(x + h); the block reads x (no `norm` then)
+    after_norm: Optional[StrictStr] = None
 
 
 class ParallelStep(Strict):
@@ -440,6 +458,16 @@ class Deepstack(Strict):
     levels: Optional[Dim] = None
 
 
+class EmbedProjection(Strict):
+    """A linear projection between the embedding's width and the residual stream's (OPT's `project_in`, embedding ->
+    residual, and `project_out`, residual -> LM head), replicated on every rank; it exists where `enabled` holds (a
+    flag: literal, bool symbol or expression over symbols, e.g. `"word_embed_proj_dim != hidden_size"`)."""
+    in_: Dim = Field(alias="in")
+    out: Dim
+    bias: Flag = False
+    enabled: Flag = True
+
+
 class Decoder(Strict):
     # module path of the decoder in the model and in the checkpoint. `weights` keys and `from` names of
     # decoder tensors are written `model.<rest>`; with another prefix they mean `<prefix>.<rest>` (so a spec
@@ -449,7 +477,14 @@ class Decoder(Strict):
     embed_positions: Optional[PositionEmbeddingBlock] = None   # absolute positions added to the embedding
     embed_norm: Optional[NormBlock] = None   # a norm of the embedding output, before the first layer (Bloom)
     layers: Layers
-    norm: NormBlock
+    norm: Optional[NormBlock] = None     # the final norm (it also adds the last residual); absent: the plain add
+    # the final norm exists where this flag holds (OPT: only in its pre-LN form); elsewhere the last residual is
+    # added without a norm
+    norm_enabled: Flag = True
+    # embedding width -> residual width, after the embedding (and its scale), before position embeddings are added
+    project_in: Optional[EmbedProjection] = None
+    # residual width -> the LM head's width, after the final norm
+    project_out: Optional[EmbedProjection] = None
     deepstack: Optional[Deepstack] = None
 
 

@@ -30,6 +30,9 @@ from xllm_gen.codegen.resolver import resolve
 # fields whose flip cannot change greedy tokens of the battery's prompts (16 tokens, ignore_eos, default rope)
 NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
              "max_position_embeddings": "the default rope does not depend on it; prompts stay within it",
+             # read by the longrope scaling only (Phi-3, PhiMoE; the tiny configs' rope is default): the spec
+             # battery's longrope arms and tests/test_longrope.py serve it with longrope against transformers
+             "original_max_position_embeddings": "gated by the rope type (longrope)",
              "image_token_id": "text prompts", "video_token_id": "text prompts",
              "vision_start_token_id": "text prompts", "vision_end_token_id": "text prompts",
              # gated by another field: a window applies only on the layers layer_types marks sliding (none in
@@ -57,7 +60,7 @@ def _flips(f, value: Any) -> list:
     if f.type == "str" and f.values and value in f.values and len(f.values) > 1:
         return [v for v in f.values if v != value]       # every admitted alternative (some GELUs are one function)
     flipped = _flip(f, value)
-    if f.type == "float" and flipped is not None and not isinstance(value, int):
+    if f.type == "float" and flipped is not None and isinstance(value, float):
         return [flipped, value * 20 if value else 1.0]   # smaller, then larger
     return [] if flipped is None else [flipped]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import subprocess
 import zlib
@@ -53,6 +54,26 @@ ROPE_ARMS: dict[str, dict[str, Any]] = {
                "original_max_position_embeddings": 16},
 }
 WITHIN_CONTEXT_ONLY = ("dynamic",)
+
+
+def _longrope_arm(config, node) -> dict[str, Any]:
+    """longrope: a factor list per rotating frequency (their number follows the tiny config's rotary dims); the
+    original context is the tiny max_position_embeddings, so that the engine (max_model_len = max_position_embeddings)
+    and transformers (every sequence within it) both use short_factor (tests/test_longrope.py covers long_factor)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    prf = (node or {}).get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    half = int(head_dim * prf) // 2
+    rng = np.random.default_rng(3)
+    arm = {"short_factor": [round(float(x), 3) for x in rng.uniform(1.0, 4.0, half)],
+           "long_factor": [round(float(x), 3) for x in rng.uniform(4.0, 16.0, half)],
+           "original_max_position_embeddings": config.max_position_embeddings}
+    if "short_mscale" in inspect.getsource(type(config)):     # PhiMoE's config requires the per-regime mscale
+        arm.update(short_mscale=1.25, long_mscale=1.5)
+    return arm
+
+
+# rope types whose standard parameters depend on the tiny config: fn(config, its rope mapping) -> parameters
+ROPE_ARM_FNS = {"longrope": _longrope_arm}
 UNSCALED_ROPE_TYPES = ("default", "mrope")   # the parity arm (c) covers them
 
 
@@ -305,7 +326,7 @@ def test_greedy_matches_hf(spec, tp, tiny_checkpoint, tokens):
 @pytest.mark.parametrize("spec, sym, rope_type", ROPE_CASES)
 def test_rope_scaling_matches_hf(spec, sym, rope_type, tiny_checkpoint, tokens):
     spec.check()
-    if rope_type not in ROPE_ARMS:
+    if rope_type not in ROPE_ARMS and rope_type not in ROPE_ARM_FNS:
         pytest.fail(f"{spec.rel}: config.{sym.symbol} admits rope type {rope_type!r}, which has no standard "
                     f"parameters in ROPE_ARMS (tests/test_spec_battery.py): add them there")
     base_cfg = tiny_config(spec.architecture)
@@ -316,7 +337,9 @@ def test_rope_scaling_matches_hf(spec, sym, rope_type, tiny_checkpoint, tokens):
     assert theta is not None, f"the tiny {spec.architecture} config has no rope_theta at {sym.location}"
     level = sym.location.rpartition(".")[0]
     prefix = f"{level}." if level else ""
-    overrides = {sym.location: {"rope_type": rope_type, "rope_theta": theta, **ROPE_ARMS[rope_type]}}
+    arm = ROPE_ARMS[rope_type] if rope_type in ROPE_ARMS else ROPE_ARM_FNS[rope_type](
+        text_config_of(base_cfg), node)
+    overrides = {sym.location: {"rope_type": rope_type, "rope_theta": theta, **arm}}
     ckpt = tiny_checkpoint(spec.architecture, overrides=overrides)
     want = tokens.hf(ckpt)
     if rope_type in WITHIN_CONTEXT_ONLY:

@@ -140,6 +140,9 @@ class ModelRunner:
             raise CheckpointFileError(f"{Path(model_dir) / 'config.json'}: "
                                       f"{_model_build_error(self.model_module, e)}") from None
         self.model.eval()
+        for m in self.model.modules():     # rope scalings that depend on the context (longrope) choose from it
+            if isinstance(m, L.Rotary):
+                m.set_context_len(max_model_len)
         if load_format == "dummy":         # random weights, for benchmarks of a shape without a checkpoint
             self.loaded_params = self._init_dummy_weights()
             if self.debug.get("dummy_quantize"):   # and quantized in place (bench/bench_quant.py --e2e)

@@ -25,6 +25,7 @@ rank holds is skipped without reading its bytes (`param.tp_split.local_expert_id
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -226,12 +227,21 @@ class FusedMoE(nn.Module):
                  activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
                  bias: bool = False, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
                  group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0,
-                 weights_on: str = "output", selection_bias_on: str = "scores"):
+                 weights_on: str = "output", selection_bias_on: str = "scores",
+                 routing: str = "topk", jitter_eps: float = 0.0):
         super().__init__()
         if weights_on not in ("output", "input"):
             raise ValueError(f"FusedMoE: weights_on must be 'output' or 'input', not {weights_on!r}")
         # "input": each chosen expert sees w * x and the outputs are summed unweighted
         self.weights_on = weights_on
+        if routing not in moe_ops.ROUTINGS:
+            raise ValueError(f"FusedMoE: routing must be one of {moe_ops.ROUTINGS}, not {routing!r}")
+        if routing == "sparsemixer" and (top_k != 2 or num_experts < 2):
+            raise ValueError(f"FusedMoE: routing 'sparsemixer' chooses two experts of at least two: top_k {top_k}, "
+                             f"{num_experts} experts (num_experts_per_tok must be 2)")
+        if routing == "sparsemixer" and not (jitter_eps >= 0.0 and math.isfinite(jitter_eps)):
+            raise ValueError(f"FusedMoE: sparsemixer's jitter_eps must be a finite number >= 0, got {jitter_eps}")
+        self.routing, self.jitter_eps = routing, float(jitter_eps)
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")
         if not 1 <= top_k <= num_experts:
@@ -258,7 +268,7 @@ class FusedMoE(nn.Module):
         if not renormalize_min >= 0.0:
             raise ValueError(f"FusedMoE: renormalize_min must be >= 0, got {renormalize_min}")
         self.renormalize_min = float(renormalize_min)   # the renormalizing sum clamped to at least it (0: not)
-        self.plain_routing = (scoring == "softmax" and not grouped and self.routed_scale == 1.0
+        self.plain_routing = (routing == "topk" and scoring == "softmax" and not grouped and self.routed_scale == 1.0
                               and self.renormalize_min == 0.0)
         tp, rank = get_tp_size(), get_tp_rank()
         self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
@@ -307,6 +317,10 @@ class FusedMoE(nn.Module):
         if self.plain_routing and score_bias is None:
             weights, ids = moe_ops.route(router_logits, self.top_k, self.renormalize, self.expert_start,
                                          self.num_local_experts, _decode_slots(hidden_states.shape[0]))
+        elif self.routing == "sparsemixer":
+            weights, ids = moe_ops.sparsemixer(router_logits, self.jitter_eps)
+            weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
+                                            self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         else:                             # torch, static shapes (graph-capturable), on every device
             weights, ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring,
                                                   self.n_group, self.topk_group, self.group_score, score_bias,
@@ -328,7 +342,9 @@ class FusedMoE(nn.Module):
         return all_reduce(out) if self.tp_size > 1 else out
 
     def extra_repr(self) -> str:
-        routing = ("weights_on='input', " if self.weights_on == "input" else "") + ("" if self.plain_routing else (
+        routing = ("weights_on='input', " if self.weights_on == "input" else "") + (
+            f"routing='sparsemixer', jitter_eps={self.jitter_eps}, " if self.routing == "sparsemixer" else
+            "" if self.plain_routing else (
             f"scoring={self.scoring!r}, groups={self.topk_group} of {self.n_group} by {self.group_score}, "
             f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, "))
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "

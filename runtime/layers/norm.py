@@ -19,7 +19,8 @@ class RMSNorm(nn.Module):
     `weight * x_normed.to(input_dtype)`). weight_offset 1.0: the (1 + w) norm, all in float32
     (`x_normed * (1.0 + weight.float())`, then cast to the input dtype); the checkpoint stores w (zero-centred).
 
-    bias=True adds a learned `bias` [dim] to the output.
+    bias=True adds a learned `bias` [dim] to the output. weight=False: no parameter, y = x / rms(x) in float32, cast
+    to the input dtype (computed as the (1 + w) form with a zero buffer w).
 
     forward(x) -> y; forward(x, residual) -> (y, x + residual) with y = rmsnorm(x + residual);
     forward(x, None) -> (rmsnorm(x), x)  (the first layer of a residual stream).
@@ -31,17 +32,16 @@ class RMSNorm(nn.Module):
         self.dim = dim
         self.eps = eps
         self.weight_offset = float(weight_offset)
-        if not weight and (bias or weight_offset):
-            raise ValueError("RMSNorm(weight=False) has no bias and no weight_offset")
-        self.weight = nn.Parameter(torch.empty(dim)) if weight else None
+        if weight:
+            self.weight = nn.Parameter(torch.empty(dim))
+        else:   # parameter-free: x / rms(x) in float32, as the (1 + w) form computes it with w = 0 (not a parameter)
+            if weight_offset:
+                raise ValueError("RMSNorm: weight_offset needs a weight")
+            self.weight_offset = 1.0
+            self.register_buffer("weight", torch.zeros(dim), persistent=False)
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
-        if self.weight is None:          # no weight: x * rsqrt(mean(x^2) + eps) in float32
-            if residual is not ...:
-                raise ValueError("RMSNorm(weight=False) normalizes q / k only (no residual form)")
-            xf = x.float()
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         if residual is ...:
             return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset))
         if residual is None:
@@ -54,7 +54,8 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.dim}, eps={self.eps}" + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
-                + (", bias=True" if self.bias is not None else "") + (", weight=False" if self.weight is None else ""))
+                + (", bias=True" if self.bias is not None else "")
+                + ("" if isinstance(self.weight, nn.Parameter) else ", weight=False"))
 
 
 class LayerNorm(nn.Module):

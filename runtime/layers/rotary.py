@@ -1,6 +1,6 @@
 """Rotary position embeddings: neox (rotate_half) layout, and mRoPE (positions [3, N]) with interleaved or
 blocked (contiguous) frequency sections; frequencies from the rope scaling kinds (default, linear, dynamic,
-yarn, frequency_bands: runtime/rope_kinds.py), with transformers' arithmetic. Two further axes compose with
+yarn, frequency_bands, longrope: runtime/rope_kinds.py), with transformers' arithmetic. Two further axes compose with
 all of them: partial rotary (only the first `rotary_dim` dims of each head rotate, the rest pass through; the
 frequencies are computed over rotary_dim, as transformers does) and the pair layout (`neox`: dim j pairs with
 j + rotary_dim/2; `interleaved`: GPT-J's rotate-every-two, dim 2j pairs with 2j + 1)."""
@@ -47,7 +47,7 @@ _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mro
 
 def rope_parameters(head_dim: int, theta: float, max_position: int,
                     scaling: Optional[Mapping[str, Any]] = None,
-                    full_dim: Optional[int] = None) -> tuple[torch.Tensor, float]:
+                    full_dim: Optional[int] = None, context_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] float32, attention_factor) of a rope-parameter mapping whose rope_type is a kind
     of rope_kinds.py (the generated config reader translates transformers' names). `head_dim` is the number of
     rotating dims (transformers' int(head_dim * partial_rotary_factor)); `full_dim` (the whole head, default
@@ -76,6 +76,19 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
       extrapolation beyond it. vLLM instead fixes one NTK base for all positions, computed at
       max_position * factor, which differs from transformers already within the original length. A spec that
       serves dynamic rope should cap the engine's max_model_len at max_position.
+    - longrope (transformers' _compute_longrope_parameters): inv_freq = 1 / (ext * theta ** (arange(0, D, 2) / D))
+      with ext = long_factor when `context_len` > original_max_position_embeddings, else short_factor (each a
+      list of D/2 numbers); attention_factor given, or sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)
+      with factor given or max_position / original; `short_mscale` / `long_mscale` (PhiMoE), where given, replace
+      the attention factor in their regime. transformers picks the list per forward call from the
+      longest position it sees (long_factor for the whole call once a sequence exceeds the original context),
+      which a KV cache cannot follow (cached keys keep the rotation they were written with). This runtime
+      decides once per engine, as vLLM does (Phi3LongRoPEScaledRotaryEmbedding.use_long_rope): the engine's
+      max_model_len is `context_len` (Rotary.set_context_len), so max_model_len <= original serves every
+      sequence with short_factor (what transformers computes for every sequence it can hold), and a longer
+      max_model_len serves every position with long_factor (what transformers computes for a sequence that
+      exceeds the original context in one forward; shorter sequences differ from transformers then).
+      `context_len` None (a model built outside an engine): short_factor, transformers' initial frequencies.
 
     Unknown rope types, unknown keys and missing required keys raise ValueError naming them.
     """
@@ -127,6 +140,32 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         seq_len = max_position
         base = base * ((factor * seq_len / max_position) - (factor - 1)) ** (dim / (dim - 2))
         inv_freq = default_inv_freq(base)
+    elif rope_type == "longrope":
+        original = p.get("original_max_position_embeddings", max_position)
+        factor = p.get("factor")
+        factor = max_position / original if factor is None else number("factor")
+        attention_factor = p.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        key = "long_factor" if context_len and context_len > original else "short_factor"
+        mscale = p.get("long_mscale" if key == "long_factor" else "short_mscale")
+        if mscale is not None:          # PhiMoE: the attention factor per regime (as vLLM's short / long mscale)
+            attention_factor = number("long_mscale" if key == "long_factor" else "short_mscale")
+        ext = p[key]
+        if (not isinstance(ext, (list, tuple)) or len(ext) != half or
+                not all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+                        for x in ext)):
+            raise ValueError(f"rope parameter {key!r} must be a list of {half} positive numbers (rotary dims "
+                             f"{dim} / 2), got {len(ext) if isinstance(ext, (list, tuple)) else ext!r}"
+                             + (" entries" if isinstance(ext, (list, tuple)) else ""))
+        other = "short_factor" if key == "long_factor" else "long_factor"
+        if not isinstance(p[other], (list, tuple)) or len(p[other]) != half:
+            raise ValueError(f"rope parameter {other!r} must be a list of {half} numbers (rotary dims {dim} / 2), "
+                             f"got {len(p[other]) if isinstance(p[other], (list, tuple)) else p[other]!r}"
+                             + (" entries" if isinstance(p[other], (list, tuple)) else ""))
+        ext_factors = torch.tensor(ext, dtype=torch.float32)
+        inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (ext_factors * base ** inv_freq_shape)
     elif rope_type == "frequency_bands":
         factor = number("factor")
         low_freq_factor = number("low_freq_factor")
@@ -194,22 +233,29 @@ def _scaling_key(scaling: Optional[Mapping[str, Any]]):
 
 
 _TABLES: dict = {}
+# scaling kinds whose frequencies depend on the engine's context length (Rotary.set_context_len)
+CONTEXT_DEPENDENT = ("longrope",)
+# scaling kinds that read original_max_position_embeddings (a Rotary's `original_max_position` overrides it)
+_READS_ORIGINAL = ("yarn", "frequency_bands", "longrope")
 
 
 def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.device,
-                 scaling: Optional[Mapping[str, Any]] = None, full_dim: Optional[int] = None):
+                 scaling: Optional[Mapping[str, Any]] = None, full_dim: Optional[int] = None,
+                 context_len: Optional[int] = None):
     """(inv_freq [D/2], cos|sin [max_position, D], attention_factor): float32 tensors, cos and sin already
     multiplied by attention_factor (as transformers does before casting), built once per (shape, theta,
     scaling, device) and shared by every layer: a 262k-position table is 134 MB, too much to hold once per
     layer."""
     skey = _scaling_key(scaling)
-    key = (head_dim, theta, max_position, skey, full_dim, str(device))
+    if not scaling or dict(scaling).get("rope_type", dict(scaling).get("type")) not in CONTEXT_DEPENDENT:
+        context_len = None                  # the frequencies do not depend on it: share the table
+    key = (head_dim, theta, max_position, skey, full_dim, context_len, str(device))
     if key not in _TABLES:
-        cpu_key = (head_dim, theta, max_position, skey, full_dim, "cpu")
+        cpu_key = (head_dim, theta, max_position, skey, full_dim, context_len, "cpu")
         cpu = _TABLES.get(cpu_key)
         if cpu is None:
             with torch.device("cpu"):       # computed on CPU even inside a torch.device("meta"/"cuda") build
-                inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling, full_dim)
+                inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling, full_dim, context_len)
                 freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
                 cos, sin = freqs.cos(), freqs.sin()
                 if factor != 1.0:
@@ -224,7 +270,7 @@ class Rotary(nn.Module):
 
     positions: [N] for kind "neox", [3, N] (t, h, w) for the mrope kinds. `scaling`: a rope-parameter mapping
     (config.json `rope_parameters` / `rope_scaling` as the config reader normalizes it): rope_type default |
-    linear | dynamic | yarn | frequency_bands (runtime/rope_kinds.py) with that kind's keys (see
+    linear | dynamic | yarn | frequency_bands | longrope (runtime/rope_kinds.py) with that kind's keys (see
     `rope_parameters` for the math and for dynamic's behaviour beyond max_position); None means default. inv_freq and the attention factor are computed as
     transformers 5 does, in float32; cos/sin are multiplied by the attention factor. The CPU path computes
     cos/sin from positions exactly as HF does, the CUDA kernel reads a float32 [max_position, D] cos|sin
@@ -238,12 +284,19 @@ class Rotary(nn.Module):
     element is the same product as transformers', and q and k stay in that gathered order (attention only
     reads their dot products, which a common permutation of the dims leaves unchanged). Both run around the
     same op (CPU reference or the CUDA kernel) on the [N, H, rotary_dim] slice.
+
+    `original_max_position` (optional): overrides the mapping's original_max_position_embeddings for the kinds
+    that read it (transformers' rule for a config with a top-level original_max_position_embeddings, Phi-3).
+    longrope's frequencies depend on the engine's max_model_len: the runner calls `set_context_len`.
     """
 
     def __init__(self, head_dim: int, theta: float, max_position: int, kind: str = "neox",
                  mrope_section: Optional[Sequence[int]] = None, scaling: Optional[Mapping[str, Any]] = None,
-                 rotary_dim: Optional[int] = None, layout: str = "neox"):
+                 rotary_dim: Optional[int] = None, layout: str = "neox",
+                 original_max_position: Optional[int] = None, direction: str = "forward"):
         super().__init__()
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"rotary direction must be 'forward' or 'backward', not {direction!r}")
         if kind not in ROTARY_KINDS:
             raise ValueError(f"rotary kind must be one of {ROTARY_KINDS}, not {kind!r}")
         if layout not in ROTARY_LAYOUTS:
@@ -265,6 +318,11 @@ class Rotary(nn.Module):
         self.mrope_section = list(mrope_section) if mrope_section is not None else None
         self.scaling = dict(scaling) if scaling else None
         self.rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
+        if original_max_position is not None and self.scaling and self.rope_type in _READS_ORIGINAL:
+            # the model's own original context (Phi-3's top-level original_max_position_embeddings, which
+            # transformers writes over the rope mapping's key)
+            self.scaling["original_max_position_embeddings"] = original_max_position
+        self.context_len: Optional[int] = None      # the engine's max_model_len (set_context_len)
         half = rotary_dim // 2
         # no rotating dim (transformers: int(head_dim * partial_rotary_factor) == 0): q and k pass unchanged
         self.inv_freq, self.cos_sin_cache, self.attention_factor = _rope_tables(
@@ -273,6 +331,15 @@ class Rotary(nn.Module):
         # interleaved: the rotary dims gathered evens then odds (pairs (2j, 2j + 1) -> (j, j + half))
         self.gather = (torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
                        if layout == "interleaved" and rotary_dim else None)
+        # backward (each pair turns by -theta * p: NanoChat's rotate_half [x2, -x1]) is the forward turn of the pair
+        # taken in the other order, (a, b) -> (b, a): the same products, with q and k kept in that order
+        self.direction = direction
+        if direction == "backward" and rotary_dim:
+            if kind != "neox":
+                raise ValueError("a backward rotary is for kind 'neox' only")
+            self.gather = (torch.cat((torch.arange(1, rotary_dim, 2), torch.arange(0, rotary_dim, 2)))
+                           if layout == "interleaved" else
+                           torch.cat((torch.arange(half, rotary_dim), torch.arange(0, half))))
         if kind == "neox":
             if mrope_section is not None:
                 raise ValueError("mrope_section is only for the mrope kinds")
@@ -282,6 +349,17 @@ class Rotary(nn.Module):
                 raise ValueError(f"rotary kind {kind!r} needs mrope_section")
             self.axis_map = mrope_axis_map(kind, self.mrope_section, half)
 
+    def set_context_len(self, context_len: int) -> None:
+        """The engine's max_model_len, told once after the model is built and before any step: the scaling
+        kinds whose frequencies depend on the context (longrope: short_factor up to the original context,
+        long_factor beyond; see rope_parameters) choose their tables from it, for every position."""
+        if self.rope_type not in CONTEXT_DEPENDENT or not self.head_dim or context_len == self.context_len:
+            return
+        self.context_len = context_len
+        device = self.inv_freq.device
+        self.inv_freq, self.cos_sin_cache, self.attention_factor = _rope_tables(
+            self.head_dim, self.theta, self.max_position, device, self.scaling, self.full_head_dim, context_len)
+
     @property
     def whole(self) -> bool:
         """Every dim of the head rotates in the neox layout (the fused q/k-norm + rope kernel's case)."""
@@ -290,7 +368,8 @@ class Rotary(nn.Module):
     def _to(self, device: torch.device) -> None:
         if self.inv_freq.device != device and self.head_dim:
             self.inv_freq, self.cos_sin_cache, _ = _rope_tables(self.head_dim, self.theta, self.max_position,
-                                                                device, self.scaling, self.full_head_dim)
+                                                                device, self.scaling, self.full_head_dim,
+                                                                self.context_len)
             if self.axis_map is not None:
                 self.axis_map = self.axis_map.to(device)
             if self.gather is not None:
@@ -324,6 +403,7 @@ class Rotary(nn.Module):
         s = f"head_dim={self.full_head_dim}, theta={self.theta}, max_position={self.max_position}, kind={self.kind!r}"
         s += f", rotary_dim={self.head_dim}" if self.head_dim != self.full_head_dim else ""
         s += f", layout={self.layout!r}" if self.layout != "neox" else ""
+        s += f", direction={self.direction!r}" if self.direction != "forward" else ""
         s += f", mrope_section={self.mrope_section}" if self.mrope_section else ""
         return s + (f", scaling={self.scaling}" if self.scaling else "")
 

@@ -10,7 +10,7 @@ import fnmatch
 import math
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from xllm_gen.runtime.rope_kinds import ROPE_SCALING_KEYS
+from xllm_gen.runtime.rope_kinds import ROPE_LIST_KEYS, ROPE_SCALING_KEYS
 
 MISSING = object()
 _MAX_INT = 2 ** 63          # ints a config field or a spec expression may hold (codegen/expr.py MAX_INT)
@@ -44,7 +44,7 @@ RUNTIME_READS = frozenset({"eos_token_id", "max_position_embeddings", "vocab_siz
 # A rope-parameters mapping's keys per scaling kind: runtime/rope_kinds.py (the rotary primitive reads the
 # same table). Read like transformers: original_max_position_embeddings falls back to max_position_embeddings
 # where a kind needs it. rope_theta and the mRoPE keys are read by other symbols of the spec.
-_ROPE_NEEDS_ORIGINAL = ("frequency_bands",)
+_ROPE_NEEDS_ORIGINAL = ("frequency_bands", "longrope")
 _ROPE_SHARED = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
 
 
@@ -230,6 +230,11 @@ class ConfigReader:
             if key == "truncate":
                 if not isinstance(v, bool):
                     raise self.error(f"config.json field '{path}.{key}' = {v!r} is not a bool")
+            elif key in ROPE_LIST_KEYS:        # longrope's per-frequency factors (their length: at model build)
+                if not isinstance(v, list) or not v or not all(
+                        _is_num(x) and math.isfinite(x) and x > 0 for x in v):
+                    raise self.error(f"config.json field '{path}.{key}' must be a non-empty list of positive "
+                                     f"numbers, got {v!r}")
             elif v is not None and (not _is_num(v) or not math.isfinite(v) or v <= 0):
                 raise self.error(f"config.json field '{path}.{key}' = {v!r} must be a positive number")
             if v is not None:

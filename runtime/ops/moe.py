@@ -73,6 +73,30 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     return weights.to(router_logits.dtype), ids
 
 
+def sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's SparseMixer routing in eval mode (transformers' modeling_phimoe.sparsemixer, training=False): two
+    experts, in the logits' dtype, static shapes.
+
+    First: the top logit s1 (expert i1); the logits s_j with (s1 - s_j) / max(|s_j|, s1) > 2 * jitter_eps are masked
+    out, and the weight of i1 is its softmax probability among the rest. Second: with i1's logit set to -inf, the
+    top remaining logit s2 (expert i2) and the same relative mask around s2 (measured on the unmasked logits) give
+    i2's weight. Nothing is renormalized. Returns (weights [T, 2], ids [T, 2])."""
+    scores = router_logits
+    top1, ids1 = scores.max(dim=-1, keepdim=True)
+    factor = scores.abs().clamp(min=top1)
+    gates1 = scores.masked_fill(((top1 - scores) / factor) > (2 * jitter_eps), float("-inf"))
+    w1 = torch.softmax(gates1, dim=-1).gather(dim=-1, index=ids1)
+    masked = torch.scatter(scores, -1, ids1, float("-inf"))
+    top2, ids2 = masked.max(dim=-1, keepdim=True)
+    factor = scores.abs().clamp(min=top2)
+    gates2 = masked.masked_fill(((top2 - scores) / factor) > (2 * jitter_eps), float("-inf"))
+    w2 = torch.softmax(gates2, dim=-1).gather(dim=-1, index=ids2)
+    return torch.cat((w1, w2), dim=-1), torch.cat((ids1, ids2), dim=-1)
+
+
+ROUTINGS = ("topk", "sparsemixer")
+
+
 def localize(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, first_expert: int = 0,
              num_local: Optional[int] = None, padding_slots: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
