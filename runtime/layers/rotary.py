@@ -324,10 +324,14 @@ class Rotary(nn.Module):
             self.scaling["original_max_position_embeddings"] = original_max_position
         self.context_len: Optional[int] = None      # the engine's max_model_len (set_context_len)
         half = rotary_dim // 2
-        # no rotating dim (transformers: int(head_dim * partial_rotary_factor) == 0): q and k pass unchanged
-        self.inv_freq, self.cos_sin_cache, self.attention_factor = _rope_tables(
-            rotary_dim, self.theta, max_position, torch.device("cpu"), self.scaling, head_dim) if rotary_dim else \
-            (torch.empty(0), torch.empty(max_position, 0), 1.0)
+        # the tables (inv_freq, cos|sin, attention_factor) are built on first use, on the device of the inputs:
+        # a model built only to read its parameter shapes (tp_check's meta build at compile time) never builds
+        # them (Llama 4's 10M-position table is 2.6 GB of float32 per half). No rotating dim (transformers:
+        # int(head_dim * partial_rotary_factor) == 0): q and k pass unchanged.
+        self._device = torch.device("cpu")
+        self._tables = None if rotary_dim else (torch.empty(0), torch.empty(max_position, 0), 1.0)
+        if rotary_dim:      # the scaling is checked now (a bad mapping fails the build, naming the key): cheap
+            rope_parameters(rotary_dim, self.theta, max_position, self.scaling, head_dim)
         # interleaved: the rotary dims gathered evens then odds (pairs (2j, 2j + 1) -> (j, j + half))
         self.gather = (torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
                        if layout == "interleaved" and rotary_dim else None)
@@ -356,9 +360,27 @@ class Rotary(nn.Module):
         if self.rope_type not in CONTEXT_DEPENDENT or not self.head_dim or context_len == self.context_len:
             return
         self.context_len = context_len
-        device = self.inv_freq.device
-        self.inv_freq, self.cos_sin_cache, self.attention_factor = _rope_tables(
-            self.head_dim, self.theta, self.max_position, device, self.scaling, self.full_head_dim, context_len)
+        self._tables = None                         # rebuilt on next use, with the context's factors
+
+    @property
+    def tables(self):
+        """(inv_freq, cos|sin, attention_factor) on the device of the last inputs, built on first use."""
+        if self._tables is None:
+            self._tables = _rope_tables(self.head_dim, self.theta, self.max_position, self._device, self.scaling,
+                                        self.full_head_dim, self.context_len)
+        return self._tables
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.tables[0]
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        return self.tables[1]
+
+    @property
+    def attention_factor(self) -> float:
+        return self.tables[2]
 
     @property
     def whole(self) -> bool:
@@ -366,10 +388,8 @@ class Rotary(nn.Module):
         return self.head_dim == self.full_head_dim and self.gather is None
 
     def _to(self, device: torch.device) -> None:
-        if self.inv_freq.device != device and self.head_dim:
-            self.inv_freq, self.cos_sin_cache, _ = _rope_tables(self.head_dim, self.theta, self.max_position,
-                                                                device, self.scaling, self.full_head_dim,
-                                                                self.context_len)
+        if self._device != device and self.head_dim:
+            self._device, self._tables = device, None
             if self.axis_map is not None:
                 self.axis_map = self.axis_map.to(device)
             if self.gather is not None:
