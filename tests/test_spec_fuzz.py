@@ -219,6 +219,7 @@ def FUZZ(n: int):
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+@pytest.mark.slow     # the default run compiles every real spec in test_codegen.py's --check of the committed tree
 def test_real_specs_compile(workdir):
     for name in NAMES:
         rc, err = run_cli(workdir / name, workdir / "out")

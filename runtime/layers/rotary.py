@@ -326,7 +326,7 @@ class Rotary(nn.Module):
         half = rotary_dim // 2
         # the tables (inv_freq, cos|sin, attention_factor) are built on first use, on the device of the inputs:
         # a model built only to read its parameter shapes (tp_check's meta build at compile time) never builds
-        # them (Llama 4's 10M-position table is 2.6 GB of float32 per half). No rotating dim (transformers:
+        # them (a 10M-position table is 2.6 GB of float32 per half). No rotating dim (transformers:
         # int(head_dim * partial_rotary_factor) == 0): q and k pass unchanged.
         self._device = torch.device("cpu")
         self._tables = None if rotary_dim else (torch.empty(0), torch.empty(max_position, 0), 1.0)

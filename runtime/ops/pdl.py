@@ -12,7 +12,7 @@ capture records the programmatic edges.
 In the `late` mode the weight GEMVs also prefetch their weight rows into L2 before the wait (weights are never
 written, so this is safe before the previous kernel ends).
 
-Measured on an H200 (Qwen3-0.6B graph decode, fused prologues on, bench/results/h200_fused_pdl.md): batch-1 TPOT
+Measured on an H200 (graph decode of a 0.6B model, fused prologues on, bench/results/h200_fused_pdl.md): batch-1 TPOT
 `wait` 0.960 ms vs 0.979 without PDL (call 1), `1` 1.154 (the early-launched blocks take the running kernel's
 slots), `wait` + L2 prefetch 1.024 vs 0.993 and `late` + prefetch 1.038 (call 2); batch 16 within noise. Run-to-run
 noise is 1-2 %, so PDL is no measured gain yet and stays off; the weight prefetch cost more than it saved.
