@@ -263,6 +263,7 @@ def test_killed_worker_is_reported():
     assert _wait_gone(pids) == [] and _rank_children() == []
 
 
+@pytest.mark.slow     # waits out a worker timeout in a second process (--runslow)
 def test_stuck_worker_hits_the_timeout():
     r = _tp(2, stall_step=1, timeout_s=3)
     pids = r.worker_pids()

@@ -58,6 +58,7 @@ def test_timeout_read_from_the_environment(monkeypatch):
     _no_orphans(pids)
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps the killed-worker arm)
 def test_stopped_idle_worker_is_an_error_naming_the_rank():
     r = _tp(2, timeout_s=2)
     pids = r.worker_pids()
@@ -76,6 +77,7 @@ def test_stopped_idle_worker_is_an_error_naming_the_rank():
     _no_orphans(pids)
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps the killed-worker arm)
 def test_stopped_worker_mid_step_is_an_error_naming_the_rank():
     r = _tp(2, timeout_s=2)
     pids = r.worker_pids()
@@ -90,6 +92,7 @@ def test_stopped_worker_mid_step_is_an_error_naming_the_rank():
     _no_orphans(pids)
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps the killed-worker arm)
 def test_stopped_worker_during_a_query_is_named():
     r = _tp(2, timeout_s=2)
     pids = r.worker_pids()
@@ -126,6 +129,7 @@ def test_killed_worker_mid_step_is_reported_at_once():
     _no_orphans(pids)
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps the killed-worker arm)
 def test_sigint_to_a_worker_idle_or_mid_step_changes_nothing():
     """Ctrl-C belongs to rank 0: a worker ignores SIGINT (a terminal sends it to the whole process group)."""
     import torch
@@ -192,6 +196,7 @@ def _run_sigint_script(tmp_path, mode: str, timeout_s: float):
     return out, proc.stderr
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps the killed-worker arm)
 def test_second_ctrl_c_interrupts_a_step_blocked_on_a_stopped_rank(tmp_path):
     out, err = _run_sigint_script(tmp_path, "twice", timeout_s=60)
     assert "INTERRUPTED_AFTER" in out, out + err

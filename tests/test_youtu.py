@@ -10,6 +10,7 @@ from test_scalings import _agree, _engine, _hf
 ARCH = "YoutuForCausalLM"
 
 
+@pytest.mark.slow     # a sensitivity arm (the spec and conformance batteries run Youtu's parity by default)
 @pytest.mark.engine
 def test_rope_interleave_matters(tiny_checkpoint, tmp_path):
     from fixtures.tiny_hf import edit_config
