@@ -428,8 +428,8 @@ class BlockResolver(MLAResolver):
                         names = ("weight", "bias") if n.bias else ("weight",)
                         ps += [P(f"{module}.{w}", (seg.heads, b.head_dim), "colwise",
                                  (SegmentIR(module, seg.heads, Size.of(1), seg.replicate_ok),)) for w in names]
-                    elif n.over == "head":    # one [head_dim] weight shared by the heads (or none)
-                        names = (("weight",) if n.weight else ()) + (("bias",) if n.bias else ())
+                    elif n.over == "head":    # one [head_dim] weight shared by the heads
+                        names = ("weight", "bias") if n.bias else ("weight",)
                         ps += [P(f"{module}.{w}", (b.head_dim,), "replicated") for w in names]
                     else:                     # the whole projection's [heads * head_dim], sharded like it
                         rows = seg.heads * seg.unit
