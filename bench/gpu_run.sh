@@ -37,6 +37,11 @@ fi
 if compgen -G "$saved/*/*.so" >/dev/null; then
   bash .fi_cache/reuse-kernels.sh "$saved" /tmp/site >/dev/null && had_kernels=1
 fi
+# Triton's compiled kernels (the decode-GEMM tuning at engine start compiles dozens of launch configs: minutes on a
+# fresh host) restored from a previous call's $OUT/triton_cache.tgz, carried as .fi_cache/triton_cache.tgz
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .fi_cache/triton_cache.tgz ] && tar xzf .fi_cache/triton_cache.tgz -C "$TRITON_CACHE_DIR"
 stamp "setup done (saved kernels restored: $had_kernels)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 python - <<'EOF'
@@ -74,5 +79,9 @@ if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.s
   stamp "saving newly built FlashInfer kernels"
   (cd "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops && tar czf "$OUT/fi_new_kernels.tgz" $(find . -name "*.so"))
   ls -la "$OUT/fi_new_kernels.tgz"
+fi
+if [ -n "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ]; then   # everything Triton built, for the next call
+  (cd "$TRITON_CACHE_DIR" && tar czf "$OUT/triton_cache.tgz" .)
+  ls -la "$OUT/triton_cache.tgz"
 fi
 stamp "done"

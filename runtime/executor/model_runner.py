@@ -26,6 +26,7 @@ import gc
 import linecache
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -164,7 +165,11 @@ class ModelRunner:
         self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
         if self.device.type == "cuda":     # decode GEMMs: cuBLAS or the Triton skinny GEMM, measured per shape
             rows = self.graph_buckets if not self.enforce_eager else (1, 2, 4, 8)
+            t0 = time.perf_counter()
             self.decode_gemm_tuning = tune_decode_gemms(self.model, rows)
+            if self.decode_gemm_tuning:
+                logger.info("decode GEMMs tuned: %d (rows, N, K) in %.1f s", len(self.decode_gemm_tuning),
+                            time.perf_counter() - t0)
             picked = sorted(k for k, v in self.decode_gemm_tuning.items() if v[2])
             if picked:
                 logger.info("decode GEMMs on the Triton skinny GEMM (rows, N, K): %s", picked)

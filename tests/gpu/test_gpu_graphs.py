@@ -25,6 +25,7 @@ import random
 
 import pytest
 import torch
+from fixtures.graph_compare import _compare, _eager
 from fixtures.report import report as _report
 
 pytestmark = [pytest.mark.gpu,
@@ -33,23 +34,8 @@ pytestmark = [pytest.mark.gpu,
 BATCH_SIZES = [1, 2, 3, 5, 7, 8, 13, 16, 31, 47, 100]
 MAX_NUM_SEQS = 256
 NEW_TOKENS = 24
-NEAR_TIE = 0.05          # logprob gap between the top two tokens under which bf16 noise may flip greedy
-MAX_LOGPROB_DIFF = 0.1   # bf16 noise between padded (graph) and unpadded (eager) kernels stays far below
 
 
-
-
-@contextlib.contextmanager
-def _eager(llm):
-    """No decode graphs and no prefill graphs."""
-    runner = llm.engine.runner
-    graphs, runner.graphs = runner.graphs, None
-    prefill, runner.prefill_graphs = runner.prefill_graphs, None
-    try:
-        yield
-    finally:
-        runner.graphs = graphs
-        runner.prefill_graphs = prefill
 
 
 @contextlib.contextmanager
@@ -75,35 +61,6 @@ def _fast(llm):
 def _params(n=NEW_TOKENS, logprobs=2):
     from xllm_gen import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
-
-
-def _top2_gap(entry: dict) -> float:
-    vals = sorted((lp.logprob for lp in entry.values()), reverse=True)
-    return vals[0] - vals[1] if len(vals) > 1 else float("inf")
-
-
-def _compare(ref_outs, test_outs, what: str) -> dict:
-    """Greedy tokens of each request equal; a divergence is allowed only at a near tie of the reference."""
-    diverged, worst_lp, bad = 0, 0.0, []
-    for i, (r, t) in enumerate(zip(ref_outs, test_outs)):
-        a, b = r.outputs[0], t.outputs[0]
-        n = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        upto = len(a.token_ids) if n is None else n
-        if a.logprobs and b.logprobs:
-            for j in range(upto):
-                tok = a.token_ids[j]
-                worst_lp = max(worst_lp, abs(a.logprobs[j][tok].logprob - b.logprobs[j][tok].logprob))
-        if n is not None:
-            diverged += 1
-            gap = _top2_gap(a.logprobs[n]) if a.logprobs else float("inf")
-            if gap >= NEAR_TIE:
-                bad.append((i, n, gap))
-    res = dict(test=what, requests=len(ref_outs), diverged=diverged, max_logprob_diff=worst_lp, bad=bad)
-    _report(**res)
-    assert not bad, f"{what}: requests diverged away from a near tie (request, step, top-2 gap): {bad}"
-    assert worst_lp < MAX_LOGPROB_DIFF, f"{what}: logprobs differ by {worst_lp} where the tokens agree"
-    assert diverged <= max(1, len(ref_outs) // 5), f"{what}: {diverged} of {len(ref_outs)} requests diverged"
-    return res
 
 
 # ------------------------------------------------------------------------------------------------ Qwen3

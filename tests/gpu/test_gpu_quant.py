@@ -36,21 +36,30 @@ def test_quantized_cuda_matches_cpu(tmp_path, fmt):
         a = torch.as_tensor(cpu.prefill_logits(seq)).float()
         b = torch.as_tensor(gpu.prefill_logits(seq)).float().cpu()
         agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-        err = ((a - b).abs().max() / a.abs().max()).item()
-        print(f"\n[{fmt}] cuda vs cpu float32: top-1 {agree:.3f}, relative logit error {err:.2e}")
-        assert agree == 1.0 and err < 1e-3
+        err = (a - b).abs().amax(-1) / a.abs().max()              # per position
+        off = (err >= 1e-3).float().mean().item()
+        print(f"\n[{fmt}] cuda vs cpu float32: top-1 {agree:.3f}, relative logit error max {err.max():.2e} "
+              f"median {err.median():.2e}, positions >= 1e-3: {off:.2f}")
+        # quantized activations are a step function of the float32 input: CPU and CUDA float32 differ by ~1e-7,
+        # which moves an activation across an fp8 rounding boundary now and then (one fp8 step, ~6%, in one
+        # element: ~1e-2 in that position's logits). So most positions must agree to float32 rounding, and the
+        # rest stay within a few such steps with the same top-1; wrong scales or layouts move every position.
+        assert agree == 1.0 and err.median() < 1e-4 and off <= 0.25 and err.max() < 5e-2
     gpu.shutdown()
     cpu.shutdown()
     if importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer not installed: bf16 graph arm not run")
-    kwb = dict(kw, dtype="bfloat16")
-    eager = LLM(str(ckpt), device="cuda", enforce_eager=True, **kwb)
-    e = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)]
-    eager.shutdown()
-    graphs = LLM(str(ckpt), device="cuda", cuda_graph_sizes=[1, 2, 4], **kwb)
-    g = [o.outputs[0].token_ids for o in graphs.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)]
-    graphs.shutdown()
-    assert g == e
+    # graph vs eager on ONE engine (two engines may tune their decode GEMMs differently): bf16 tokens equal but
+    # at a near tie, logprobs close (fixtures/graph_compare.py, as tests/gpu/test_gpu_graphs.py)
+    from fixtures.graph_compare import _compare, _eager
+    spl = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = LLM(str(ckpt), device="cuda", cuda_graph_sizes=[1, 2, 4], **dict(kw, dtype="bfloat16"))
+    assert llm.engine.runner.graphs is not None
+    g = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], spl)
+    with _eager(llm):
+        e = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], spl)
+    llm.shutdown()
+    _compare(e, g, f"quant_{fmt}_graph_vs_eager")
 
 
 # ---------------------------------------------------------------------------------------------- weight-only GEMMs
@@ -116,7 +125,8 @@ def test_quant_gemms_in_cuda_graph():
     qw = Q.pack_int4(torch.randint(0, 16, (N, K), device="cuda", dtype=torch.uint8))
     s = (torch.rand(N, K // 128, device="cuda") * 0.004).to(torch.float16)
     z = torch.randint(0, 16, (N, K // 128), device="cuda", dtype=torch.uint8)
-    w8 = (torch.randn(N, K, device="cuda") * 100).to(torch.float8_e4m3fn)
+    # clamped: float8_e4m3fn has no infinity, a value past 448 casts to NaN (and NaN != NaN)
+    w8 = (torch.randn(N, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s8 = torch.rand(N // 128, K // 128, device="cuda") * 1e-3
     x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
     fn = lambda: (Q.int4_gemm(x, qw, s, z, 128), Q.fp8_gemm(x, w8, s8, (128, 128)))  # noqa: E731
@@ -175,11 +185,13 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
     packed.shutdown()
     if importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer not installed: graph arm not run")
+    from fixtures.graph_compare import _compare, _eager
     kwg = {k: v for k, v in kw.items() if k != "_debug"}
-    graphs = LLM(str(ckpt), device="cuda", cuda_graph_sizes=[1, 2, 4], **kwg)
-    g = [o.outputs[0].token_ids for o in graphs.generate(prompts, sp)]
-    graphs.shutdown()
-    eager2 = LLM(str(ckpt), device="cuda", enforce_eager=True, **kwg)
-    e = [o.outputs[0].token_ids for o in eager2.generate(prompts, sp)]
-    eager2.shutdown()
-    assert g == e
+    spl = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = LLM(str(ckpt), device="cuda", cuda_graph_sizes=[1, 2, 4], **kwg)
+    assert llm.engine.runner.graphs is not None
+    g = llm.generate(prompts, spl)
+    with _eager(llm):
+        e = llm.generate(prompts, spl)
+    llm.shutdown()
+    _compare(e, g, f"packed_{fmt}_graph_vs_eager")
