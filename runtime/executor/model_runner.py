@@ -128,6 +128,13 @@ class ModelRunner:
         if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
             raise ValueError(f"cuda_graph_sizes must be positive integers, got {cuda_graph_sizes!r}")
         self.graph_buckets = tuple(sorted(set(sizes)))
+        if self.device.type == "cuda" and dtype == torch.float32 and not self.debug.get("torch_attention"):
+            # FlashInfer has no float32 kernels: a float32 run on CUDA (a reference run) takes the torch paged
+            # attention, eagerly (the decode graphs are built around FlashInfer's wrappers)
+            logger.warning("dtype float32 on CUDA: attention runs in torch, without CUDA graphs (FlashInfer has no "
+                           "float32 kernels); use bfloat16 or float16 to serve")
+            self.debug["torch_attention"] = True
+            enforce_eager = True
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         if self.kv_dtype != dtype and self.device.type == "cuda" and not self.debug.get("torch_attention"):
@@ -167,8 +174,8 @@ class ModelRunner:
             rows = self.graph_buckets if not self.enforce_eager else (1, 2, 4, 8)
             t0 = time.perf_counter()
             self.decode_gemm_tuning = tune_decode_gemms(self.model, rows)
-            if self.decode_gemm_tuning:
-                logger.info("decode GEMMs tuned: %d (rows, N, K) in %.1f s", len(self.decode_gemm_tuning),
+            if self.decode_gemm_tuning:      # what was measured now (the rest came from ops/tuning_cache.py)
+                logger.info("decode GEMMs tuned: %d (rows, N, K) measured in %.1f s", len(self.decode_gemm_tuning),
                             time.perf_counter() - t0)
             picked = sorted(k for k, v in self.decode_gemm_tuning.items() if v[2])
             if picked:

@@ -87,13 +87,16 @@ def fused_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list:
 
 
 @torch.inference_mode()
-def tune_fused_gemvs(shapes: dict, rows) -> None:
+def tune_fused_gemvs(shapes: dict, rows, cache: Optional[tuple] = None) -> None:
     """For every (rows, N, K) of the model's decode GEMMs (shapes: {(N, K, dtype): [(weight, bias), ...]}, as
     tune_decode_gemms collects them) not decided yet: times the plain pair (fused_add_rms_norm, resp. silu_and_mul,
     then the GEMM as the layer runs it) against the fused GEMV in each candidate launch config, over all the
     layers' weights of the shape (CUDA-graph replays, weights streamed from HBM), and keeps the fastest config and
-    whether it beat the plain pair."""
+    whether it beat the plain pair. `cache`: (decisions read from ops/tuning_cache.py's file, those measured now:
+    filled here)."""
     from xllm_gen.runtime.ops import fused_gemv as FG
+    from xllm_gen.runtime.ops import tuning_cache
+    cache = cache if cache is not None else ({}, {})
     if MODE == "0":
         return
     for (N, K, dt), ws in shapes.items():
@@ -102,7 +105,9 @@ def tune_fused_gemvs(shapes: dict, rows) -> None:
         for prologue in ("norm", "act"):
             chosen = {}
             for M in rows:
-                key = (M, N, K, dt)
+                key, ckey = (M, N, K, dt), tuning_cache.key(f"fused_{prologue}", M, N, K, dt)
+                if key not in FUSED_GEMV_CHOICE[prologue] and ckey in cache[0]:
+                    FUSED_GEMV_CHOICE[prologue][key] = cache[0][ckey]
                 if key not in FUSED_GEMV_CHOICE[prologue]:
                     if prologue == "norm":
                         x, r = torch.randn(M, K, device=dev, dtype=dt), torch.randn(M, K, device=dev, dtype=dt)
@@ -126,7 +131,7 @@ def tune_fused_gemvs(shapes: dict, rows) -> None:
                     t_plain = _lin.graph_time_ms(plain) / len(seq)
                     t_fused, cfg = min((_lin.graph_time_ms(fused(c)) / len(seq), c)
                                        for c in fused_candidates(M, N, K, ws[0][0].element_size()))
-                    FUSED_GEMV_CHOICE[prologue][key] = (cfg, t_fused < t_plain)
+                    FUSED_GEMV_CHOICE[prologue][key] = cache[1][ckey] = (cfg, t_fused < t_plain)
                     FUSED_TUNING[(prologue, M, N, K)] = (1e3 * t_plain, 1e3 * t_fused, cfg)
                 chosen[M] = FUSED_GEMV_CHOICE[prologue][key]
             _lin.fill_row_choices(chosen, N, K, dt, FUSED_GEMV_CHOICE[prologue])

@@ -73,7 +73,9 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     against the skinny-GEMM kernel in each of its candidate launch configs (triton_kernels.skinny_gemm_candidates),
     each over all the layers' weights of that shape in turn (repeated to at least 96 MB, so that they stream from
     HBM as in a decode step, not from L2), and takes the fastest config when it is faster than `margin` x cuBLAS.
+    Decisions a previous process measured on this GPU and software are read from ops/tuning_cache.py's file instead.
     Returns {(M, N, K): (cuBLAS us, best Triton us, config chosen or False)} of what it measured."""
+    from xllm_gen.runtime.ops import tuning_cache
     from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
     if _FORCE is not None:
         return {}
@@ -82,25 +84,32 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
         w = getattr(m, "weight", None)
         if isinstance(m, _Linear) and w is not None and w.is_cuda and w.dtype in _SKINNY_DTYPES and w.dim() == 2:
             shapes.setdefault((w.shape[0], w.shape[1], w.dtype), []).append((w, m.bias))
-    report = {}
+    report: dict = {}
+    if not shapes:
+        return report
+    path = tuning_cache.cache_path(next(iter(shapes.values()))[0][0].device)
+    cache = (tuning_cache.load(path), {})          # (read from the file, measured now)
     tuned = sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS})
     for (N, K, dt), ws in shapes.items():
         seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
         chosen = {}
         for M in tuned:
-            key = (M, N, K, dt)
+            key, ckey = (M, N, K, dt), tuning_cache.key("gemm", M, N, K, dt)
+            if key not in DECODE_GEMM_CHOICE and ckey in cache[0]:
+                DECODE_GEMM_CHOICE[key] = cache[0][ckey]
             if key not in DECODE_GEMM_CHOICE:
                 x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
                 t_cublas = graph_time_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
                 timed = [(graph_time_ms(lambda: [skinny_gemm(x, w, b, config=cfg) for w, b in seq]) / len(seq), cfg)
                          for cfg in skinny_gemm_candidates(M, N, K, ws[0][0].element_size())]
                 t_triton, cfg = min(timed)
-                DECODE_GEMM_CHOICE[key] = cfg if t_triton < margin * t_cublas else False
+                DECODE_GEMM_CHOICE[key] = cache[1][ckey] = cfg if t_triton < margin * t_cublas else False
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
         fill_row_choices(chosen, N, K, dt)
     from xllm_gen.runtime.layers.fused import tune_fused_gemvs  # the fused-prologue GEMVs of the same shapes
-    tune_fused_gemvs(shapes, tuned)
+    tune_fused_gemvs(shapes, tuned, cache)
+    tuning_cache.save(path, cache[1])
     return report
 
 

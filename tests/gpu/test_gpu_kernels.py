@@ -149,6 +149,7 @@ def test_decode_gemm_tuning_picks_a_kernel_per_shape(monkeypatch):
     then run the chosen kernel: its output equals that kernel's, bit for bit; a shape measured before is kept."""
     from xllm_gen.runtime.layers import linear as LL
     from xllm_gen.runtime.ops import triton_kernels as T
+    monkeypatch.setenv("XLLM_TUNING_CACHE", "0")       # measure, not read a previous process's decisions
     monkeypatch.setattr(LL, "_FORCE", None)
     monkeypatch.setattr(LL, "DECODE_GEMM_CHOICE", {})
     torch.manual_seed(5)
