@@ -37,14 +37,17 @@ def test_quantized_cuda_matches_cpu(tmp_path, fmt):
         b = torch.as_tensor(gpu.prefill_logits(seq)).float().cpu()
         agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
         err = (a - b).abs().amax(-1) / a.abs().max()              # per position
-        off = (err >= 1e-3).float().mean().item()
-        print(f"\n[{fmt}] cuda vs cpu float32: top-1 {agree:.3f}, relative logit error max {err.max():.2e} "
-              f"median {err.median():.2e}, positions >= 1e-3: {off:.2f}")
+        crossed = (err >= 1e-3).nonzero()
+        first = int(crossed[0]) if len(crossed) else len(err)
+        print(f"\n[{fmt}] cuda vs cpu float32: top-1 {agree:.3f}, relative logit error max {err.max():.2e}, "
+              f"first position >= 1e-3: {first} of {len(err)}")
         # quantized activations are a step function of the float32 input: CPU and CUDA float32 differ by ~1e-7,
-        # which moves an activation across an fp8 rounding boundary now and then (one fp8 step, ~6%, in one
-        # element: ~1e-2 in that position's logits). So most positions must agree to float32 rounding, and the
-        # rest stay within a few such steps with the same top-1; wrong scales or layouts move every position.
-        assert agree == 1.0 and err.median() < 1e-4 and off <= 0.25 and err.max() < 5e-2
+        # which now and then moves an activation across an fp8 rounding boundary (one fp8 step, ~6%, in one
+        # element: ~1e-2 in that position's logits), and from there on through the KV cache into every later
+        # position. So the positions before the first crossing agree to float32 rounding, at least the first
+        # half of each sequence has none, and after it the logits stay within a few such steps with the same top-1
+        # (wrong scales or layouts move every position from the first on, by far more).
+        assert agree == 1.0 and err[:first].max() < 1e-5 and first >= len(err) // 2 and err.max() < 5e-2
     gpu.shutdown()
     cpu.shutdown()
     if importlib.util.find_spec("flashinfer") is None:
@@ -170,7 +173,7 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
     monkeypatch.setenv("XLLM_PACKED_QUANT", "0")
     deq = LLM(str(ckpt), device="cuda", enforce_eager=True, **kw)
     seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, deq.generate(prompts, sp))]
-    want = [torch.as_tensor(deq.prefill_logits(s)).float() for s in seqs]
+    want = [torch.as_tensor(deq.prefill_logits(s)).float().cpu() for s in seqs]
     deq.shutdown()
     monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
     packed = LLM(str(ckpt), device="cuda", enforce_eager=True, **kw)
