@@ -266,7 +266,9 @@ class FlashInferBackend(AttentionBackend):
         decode = not ctx.is_prefill
         if decode and any(q != 1 for q in q_lens):
             raise ValueError("a decode step has one query token per row")
-        if not decode and all(q == L for q, L in zip(q_lens, seq_lens)):
+        # a float8 cache: prefill reads the rounded K / V back from the cache as decode does (the torch reference's
+        # semantics), not this step's unrounded ones
+        if not decode and self.kv_dtype == self.dtype and all(q == L for q, L in zip(q_lens, seq_lens)):
             self._mode, self._plan_inputs = "ragged", (qo_indptr,)
         else:
             indptr, indices, last = self._page_table(ctx, seq_lens)

@@ -137,9 +137,6 @@ class ModelRunner:
             enforce_eager = True
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
-        if self.kv_dtype != dtype and self.device.type == "cuda" and not self.debug.get("torch_attention"):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported on CUDA yet: the FlashInfer and "
-                             f"Triton decode-attention paths read a {dtype} KV cache (use kv_cache_dtype='auto')")
         self.config = self.model_module.Config.from_hf(hf_config)
         try:
             with torch.device(self.device), _default_dtype(dtype):
@@ -301,7 +298,8 @@ class ModelRunner:
                                      max_batch=max((self.max_num_seqs,) + buckets),
                                      max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
                                      max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets,
-                                     sm_scale=a.scale, decode_tensor_cores=self.debug.get("decode_tensor_cores"),
+                                     sm_scale=a.scale, kv_dtype=self.kv_dtype,
+                                     decode_tensor_cores=self.debug.get("decode_tensor_cores"),
                                      decode_kernel=self.debug.get("decode_attention"),
                                      prefill_backend=prefill_attention_choice(self.debug.get("prefill_attention")))
         from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend

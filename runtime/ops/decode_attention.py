@@ -80,8 +80,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             kv_mask = t_ok[:, None]
         else:
             kv_mask = t_ok[:, None] & (d < D)[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # a float8 cache is read as q's dtype (the dot's operands must match; a no-op for a cache of q's dtype)
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -198,3 +198,39 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
         e = llm.generate(prompts, spl)
     llm.shutdown()
     _compare(e, g, f"packed_{fmt}_graph_vs_eager")
+
+
+# ---------------------------------------------------------------------------------------------- FP8 KV cache
+@pytest.mark.parametrize("decode_kernel", ["flashinfer", "triton"])
+def test_fp8_kv_cache_cuda(tmp_path, decode_kernel):
+    """kv_cache_dtype="fp8" on CUDA (FlashInfer prefill / decode with a float8 cache, or the Triton decode kernel;
+    graphs on, chunked prefill so that later chunks read the cache) gives the torch attention's tokens on the same
+    float8 cache (the CPU semantics: K / V rounded when written, prefill reading them back), up to bf16 near ties;
+    and the rounding counts: a bf16 cache moves the logprobs."""
+    from fixtures.graph_compare import _compare
+    from fixtures.tiny_hf import make_tiny_qwen3
+
+    from xllm_gen import LLM, SamplingParams
+    ckpt = make_tiny_qwen3(tmp_path / "base", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=128)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 900 + 5 for j in range(n)]} for i, n in enumerate((5, 40, 130))]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    kw = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    ref = LLM(str(ckpt), kv_cache_dtype="fp8", enforce_eager=True, _debug={"torch_attention": True}, **kw)
+    want = ref.generate(prompts, sp)
+    ref.shutdown()
+    llm = LLM(str(ckpt), kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel}, **kw)
+    kc = next(m.k_cache for m in llm.engine.runner.model.modules() if getattr(m, "k_cache", None) is not None
+              and m.k_cache.numel())
+    assert kc.dtype == torch.float8_e4m3fn and llm.engine.runner.graphs is not None
+    got = llm.generate(prompts, sp)
+    llm.shutdown()
+    _compare(want, got, f"fp8_kv_{decode_kernel}_vs_torch")
+    bf16 = LLM(str(ckpt), **kw)
+    plain = bf16.generate(prompts, sp)
+    bf16.shutdown()
+    moved = max(abs(a.outputs[0].logprobs[j][t].logprob - b.outputs[0].logprobs[j][t].logprob)
+                for a, b in zip(got, plain) for j, t in enumerate(a.outputs[0].token_ids[:4]))
+    print(f"\n[fp8 KV, {decode_kernel}] logprob change against a bf16 cache (first 4 steps): {moved:.4f}")
+    assert moved > 1e-3, "the float8 cache changes nothing: is it really float8?"
