@@ -80,7 +80,8 @@ if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.s
   (cd "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops && tar czf "$OUT/fi_new_kernels.tgz" $(find . -name "*.so"))
   ls -la "$OUT/fi_new_kernels.tgz"
 fi
-if [ -n "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ]; then   # everything Triton built, for the next call
+# everything Triton built, for the next call (SAVE_TRITON_CACHE=1: tens of MB, may exceed what a call returns)
+if [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -n "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ]; then
   (cd "$TRITON_CACHE_DIR" && tar czf "$OUT/triton_cache.tgz" .)
   ls -la "$OUT/triton_cache.tgz"
 fi
