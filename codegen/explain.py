@@ -10,6 +10,7 @@ from .ir import (
     MLAIR,
     MLPIR,
     AttentionIR,
+    GatedDeltaNetIR,
     GatedMLPIR,
     LinearIR,
     ModelIR,
@@ -89,7 +90,15 @@ def _block(b) -> str:
                 + (f", softcap={b.softcap}" if b.softcap else "")
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
+                + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
+    if isinstance(b, GatedDeltaNetIR):
+        proj = ", ".join(f"{m}=[{', '.join(segs)}]" for m, segs in b.projections)
+        return (f"gated_delta_net {b.class_name}(hidden={b.hidden}, key_heads={b.key_heads}, value_heads="
+                f"{b.value_heads}, key_head_dim={b.key_head_dim}, value_head_dim={b.value_head_dim}, conv_kernel="
+                f"{b.conv_kernel}{', conv bias' if b.conv_bias else ''}, activation={b.activation}, eps={b.eps}, "
+                f"{proj}, {b.out_name}; state per sequence: conv [channels, conv_kernel - 1], recurrent "
+                f"[value_heads, key_head_dim, value_head_dim] float32)")
     if isinstance(b, MLAIR):
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
