@@ -475,8 +475,9 @@ class BlockResolver(MLAResolver):
                 ([P("bias", (out_total,), "replicated")] if b.bias else [])
         if isinstance(b, GatedDeltaNetIR):
             ps = []
-            for mname, segs in b.projections:
-                ps += column(f"{mname}.", b.hidden, [b.segment(x) for x in segs], False)
+            for mname, segs in b.projections:   # each stored whole under its own name (a `layout` may reorder it)
+                ps += [dataclasses.replace(p, stacked=True)
+                       for p in column(f"{mname}.", b.hidden, [b.segment(x) for x in segs], False)]
             conv = [b.segment(x) for x in ("q", "k", "v")]
             total = conv[0].heads * conv[0].unit + conv[1].heads * conv[1].unit + conv[2].heads * conv[2].unit
             # the conv's channels are q | k | v, stored whole (nn.Conv1d's weight [channels, 1, kernel])
