@@ -13,6 +13,7 @@ from .ir import (
     GatedDeltaNetIR,
     GatedMLPIR,
     LinearIR,
+    Mamba2IR,
     ModelIR,
     MoEIR,
     NormIR,
@@ -92,6 +93,12 @@ def _block(b) -> str:
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
+    if isinstance(b, Mamba2IR):
+        return (f"mamba2 {b.class_name}(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, groups={b.groups}, "
+                f"state_size={b.state_size}, conv_kernel={b.conv_kernel}, chunk_size={b.chunk_size}, activation="
+                f"{b.activation}, eps={b.eps}, bias={b.bias}, conv_bias={b.conv_bias}, {b.in_proj}=[z, x, B, C, dt], "
+                f"{b.out_name}; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
+                f"state_size] float32)")
     if isinstance(b, GatedDeltaNetIR):
         proj = ", ".join(f"{m}=[{', '.join(segs)}]" for m, segs in b.projections)
         return (f"gated_delta_net {b.class_name}(hidden={b.hidden}, key_heads={b.key_heads}, value_heads="

@@ -457,7 +457,30 @@ class GatedDeltaNetIR:
         return SegmentIR(name, self.key_heads, unit)
 
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR]
+@dataclass(frozen=True)
+class Mamba2IR:
+    """A Mamba-2 mixer (runtime: the generated class over L.Mamba2, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    heads: Size
+    head_dim: Size
+    groups: Size
+    state_size: Size
+    conv_kernel: Size
+    chunk_size: Size
+    eps: Value
+    activation: Value
+    bias: Value
+    conv_bias: Value
+    in_proj: str
+    out_name: str
+
+
+RECURRENT_KINDS = ("gated_delta_net", "mamba2")
+
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR]
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from .ir import (
     GatedMLPIR,
     LayerIR,
     LMHeadIR,
+    Mamba2IR,
     ModelIR,
     MoEIR,
     NormIR,
@@ -55,7 +56,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 
 # the attention block kinds (they take the positions)
-ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR)   # (a recurrent mixer takes them too, and ignores them)
+ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR)   # (a recurrent mixer takes them too, and ignores them)
 from .resolver_dataflow import DataflowResolver
 from .resolver_positions import PositionsResolver
 from .resolver_vision import VisionResolver
@@ -533,7 +534,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            mixers = ("attention", "mla_attention", "gated_delta_net", "gated_mlp", "mlp", "moe")
+            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "gated_mlp", "mlp", "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
             if isinstance(st.block, Choice):
@@ -662,7 +663,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
-            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR)):
+            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):
@@ -881,6 +882,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                                               f"expected head_dim / 2 = {hd // 2}")
             if isinstance(b, MLAIR):
                 self.check_mla_variant(name, b, values, at, vp)
+            if isinstance(b, Mamba2IR) and b.heads.eval(values) % b.groups.eval(values):
+                sym = b.heads.symbol if isinstance(b.heads, Size) else None
+                raise self.err(at(sym) if sym else vp,
+                               f"variants.{name}: {b.name}.heads ({b.heads.eval(values)}) must be a multiple of "
+                               f"{b.name}.groups ({b.groups.eval(values)})")
             if isinstance(b, GatedDeltaNetIR) and b.value_heads.eval(values) % b.key_heads.eval(values):
                 sym = b.value_heads.symbol if isinstance(b.value_heads, Size) else None
                 raise self.err(at(sym) if sym else vp,

@@ -16,6 +16,7 @@ from .ir import (
     GatedDeltaNetIR,
     GatedMLPIR,
     LinearIR,
+    Mamba2IR,
     MoEIR,
     NormIR,
     ParamIR,
@@ -35,6 +36,7 @@ from .schema import (
     GatedMLPBlock,
     LayerNormBlock,
     LinearBlock,
+    Mamba2Block,
     MLAAttentionBlock,
     MLPBlock,
     MoEBlock,
@@ -168,6 +170,24 @@ class BlockResolver(MLAResolver):
                 if b.out_gate is not None and b.out_gate.source == "projection" else None,
                 q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
+        if isinstance(b, Mamba2Block):
+            names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
+            for k, v in zip(("in_proj", "out"), names):
+                if v in ("conv1d", "norm", "A_log", "D", "dt_bias") or names[0] == names[1] and k == "out":
+                    raise self.err(path + (k,), f"{self._where(path)}.{k}: module name '{v}' is already used in "
+                                                f"this block")
+            return Mamba2IR(
+                kind="mamba2", name=name, class_name=f"{prefix}Mamba2" if unique_kind else f"{prefix}{camel}",
+                hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
+                head_dim=self.dim(path + ("head_dim",), b.head_dim), groups=self.dim(path + ("groups",), b.groups),
+                state_size=self.dim(path + ("state_size",), b.state_size),
+                conv_kernel=self.dim(path + ("conv_kernel",), b.conv_kernel),
+                chunk_size=self.dim(path + ("chunk_size",), b.chunk_size),
+                eps=self.positive(path + ("eps",), b.eps, below=1.0),
+                activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
+                                           "a conv activation"),
+                bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
+                in_proj=names[0], out_name=names[1])
         if isinstance(b, GatedDeltaNetBlock):
             return self.resolve_gated_delta_net(path, name, b, f"{prefix}GatedDeltaNet" if unique_kind
                                                 else f"{prefix}{camel}")
@@ -473,6 +493,21 @@ class BlockResolver(MLAResolver):
                 return row("", SegmentIR(b.name, b.in_features, one), out_total, b.bias)
             return [P("weight", (out_total, b.in_features), "replicated")] + \
                 ([P("bias", (out_total,), "replicated")] if b.bias else [])
+        if isinstance(b, Mamba2IR):
+            x = SegmentIR("x", b.heads, b.head_dim)
+            bc = [SegmentIR("B", b.groups, b.state_size), SegmentIR("C", b.groups, b.state_size)]
+            segs = [SegmentIR("z", b.heads, b.head_dim), x] + bc + [SegmentIR("dt", b.heads, one)]
+            ps = [dataclasses.replace(p, stacked=True) for p in column(f"{b.in_proj}.", b.hidden, segs, _maybe(b.bias))]
+            conv = [x] + bc
+            total = b.heads * b.head_dim + Size.of(2) * b.groups * b.state_size
+            ps.append(dataclasses.replace(P("conv1d.weight", (total, one, b.conv_kernel), "colwise", conv), stacked=True))
+            if _maybe(b.conv_bias):
+                ps.append(dataclasses.replace(P("conv1d.bias", (total,), "colwise", conv), stacked=True))
+            heads = SegmentIR("heads", b.heads, one)
+            ps += [P(n, (b.heads,), "colwise", (heads,)) for n in ("A_log", "D", "dt_bias")]
+            ps.append(P("norm.weight", (b.heads * b.head_dim,), "colwise", (SegmentIR("heads", b.heads, b.head_dim),)))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.bias))
+            return ps
         if isinstance(b, GatedDeltaNetIR):
             ps = []
             for mname, segs in b.projections:   # each stored whole under its own name (a `layout` may reorder it)

@@ -270,6 +270,31 @@ class GatedDeltaNetBlock(Strict):
     conv_bias: StrictBool = False
 
 
+class Mamba2Block(Strict):
+    """A Mamba-2 token mixer (selective state space, SSD, with a per-sequence state: Mamba2ForCausalLM's `mixer`):
+    `in_proj` gives z [heads * head_dim] (the gate), x [heads * head_dim], B, C [groups * state_size] and dt [heads];
+    x | B | C go through a depthwise causal conv1d (`conv1d`, kernel `conv_kernel`) and the activation; dt =
+    softplus(dt + dt_bias); the SSD scan with A = -exp(A_log) over the state [heads, head_dim, state_size] (each B / C
+    group serves heads / groups heads) plus D x; then the gated RMSNorm `norm` (x * silu(z), normalized per group of
+    heads * head_dim / groups channels) and the output projection. Parameters (transformers' names):
+    `<in_proj>.weight`, `conv1d.weight`, `A_log`, `D`, `dt_bias [heads]`, `norm.weight [heads * head_dim]`,
+    `<out>.weight`, and biases where `bias` / `conv_bias` hold. Split over TP ranks by heads and groups."""
+    kind: Literal["mamba2"]
+    hidden: Dim
+    heads: Dim
+    head_dim: Dim
+    groups: Dim
+    state_size: Dim
+    conv_kernel: Dim
+    chunk_size: Dim                      # the scan's chunk length (transformers' chunk_size; rounding only)
+    eps: Num
+    activation: StrictStr = "silu"       # the conv's activation (silu), or a str symbol whose values are silu
+    bias: Flag = False                   # biases of in_proj and out_proj (transformers' use_bias)
+    conv_bias: Flag = True               # the conv's bias (use_conv_bias)
+    in_proj: StrictStr = "in_proj"       # module names
+    out: StrictStr = "out_proj"
+
+
 class MLAAttentionBlock(Strict):
     """Multi-head latent attention (DeepSeek-V2 / V3): q from `q_proj` (hidden -> heads * (nope + rope)), or, when
     `q_lora_rank` is a size, low-rank: q_a_proj (hidden -> q_lora_rank) -> q_a_layernorm (RMSNorm) -> q_b_proj;
@@ -426,7 +451,7 @@ class LMHeadBlock(Strict):
 
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
-          MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock],
+          MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -683,6 +708,6 @@ class Spec(Strict):
 
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
-               "mla_attention", "gated_delta_net",
+               "mla_attention", "gated_delta_net", "mamba2",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

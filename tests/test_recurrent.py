@@ -130,3 +130,17 @@ def test_tp_refuses_an_indivisible_key_head_count(ckpt):
 def test_tp2_chunked_prefill(ckpt, want):
     got, _ = _engine_tokens(ckpt, tensor_parallel_size=2, enable_chunked_prefill=True, max_num_batched_tokens=5)
     assert got == want
+
+
+def test_mamba2_chunked_prefill(tiny_checkpoint):
+    """Mamba-2 (SSD chunks of 8: the prompts span several, and the engine's prefill chunks of 5 cut across them)."""
+    import transformers
+    ckpt = tiny_checkpoint("Mamba2ForCausalLM")
+    model = transformers.Mamba2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in PROMPTS]
+    got, _ = _engine_tokens(ckpt, enable_chunked_prefill=True, max_num_batched_tokens=5, max_num_seqs=3)
+    assert got == want
+    zeroed, _ = _engine_tokens(ckpt, _debug={"zero_state_at_decode": True})
+    assert zeroed != want, "zeroing the SSM and conv states between decode steps did not change the tokens"

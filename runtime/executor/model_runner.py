@@ -270,7 +270,7 @@ class ModelRunner:
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
-        if self.device.type == "cuda" and not self.debug.get("torch_attention"):
+        if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
             mixed = [layer for layer in self.attn_layers
                      if getattr(layer, "qk_head_dim", layer.head_dim) != getattr(layer, "v_head_dim", layer.head_dim)]
             if mixed:

@@ -31,7 +31,13 @@ from xllm_gen.runtime.layers.linear import (
 from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
 from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm
-from xllm_gen.runtime.layers.recurrent import CausalConv1d, GatedDeltaNet, GatedRMSNorm, RecurrentMixer
+from xllm_gen.runtime.layers.recurrent import (
+                                            CausalConv1d,
+                                            GatedDeltaNet,
+                                            GatedRMSNorm,
+                                            Mamba2,
+                                            RecurrentMixer,
+)
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
                                             Rotary,
@@ -50,5 +56,5 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale",
-    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d",
+    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba2",
 ]
