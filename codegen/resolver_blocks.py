@@ -495,7 +495,7 @@ class BlockResolver(MLAResolver):
                 ([P("bias", (out_total,), "replicated")] if b.bias else [])
         if isinstance(b, Mamba2IR):
             x = SegmentIR("x", b.heads, b.head_dim)
-            bc = [SegmentIR("B", b.groups, b.state_size), SegmentIR("C", b.groups, b.state_size)]
+            bc = [SegmentIR("B", b.groups, b.state_size, True), SegmentIR("C", b.groups, b.state_size, True)]
             segs = [SegmentIR("z", b.heads, b.head_dim), x] + bc + [SegmentIR("dt", b.heads, one)]
             ps = [dataclasses.replace(p, stacked=True) for p in column(f"{b.in_proj}.", b.hidden, segs, _maybe(b.bias))]
             conv = [x] + bc

@@ -186,7 +186,10 @@ class MergedColumnParallelLinear(_Linear):
     kind = "column"
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
-                 segment_names: Optional[Sequence[str]] = None, units: Optional[Sequence[int]] = None):
+                 segment_names: Optional[Sequence[str]] = None, units: Optional[Sequence[int]] = None,
+                 replicate: Optional[Sequence[bool]] = None):
+        # replicate: per segment, whether a segment of fewer units than ranks is replicated (rank r serves unit
+        # r // (tp / units)), as KV heads are
         # units: rows per indivisible group of each segment (a head's width): the split keeps each group on one rank
         out_sizes = list(out_sizes)
         units = [1] * len(out_sizes) if units is None else [int(u) for u in units]
@@ -199,7 +202,9 @@ class MergedColumnParallelLinear(_Linear):
                                  f"distinct names, one per out_sizes entry")
         tp, rank = get_tp_size(), get_tp_rank()
         problems: list = []
-        segs = tuple(split_segment(Segment(n, o // u, u), tp, rank, problems) for n, o, u in zip(names, out_sizes, units))
+        rep = [False] * len(out_sizes) if replicate is None else [bool(r) for r in replicate]
+        segs = tuple(split_segment(Segment(n, o // u, u, r), tp, rank, problems)
+                     for n, o, u, r in zip(names, out_sizes, units, rep))
         super().__init__(in_features, sum(s.rows for s in segs), bias)
         raise_or_defer(self, problems)
         self.out_sizes = [s.rows for s in segs]

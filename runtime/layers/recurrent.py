@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime.executor.context import get_context
-from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
+from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, replicated, split_segment
 
 
@@ -72,10 +72,12 @@ class CausalConv1d(nn.Module):
     order, split over TP ranks by heads (each rank holds its heads' channels of every segment)."""
 
     def __init__(self, segments, kernel: int, bias: bool = False):
+        # segments: (name, heads, unit) or (name, heads, unit, replicate_ok): a segment of fewer heads than ranks
+        # may be replicated (rank r serves head r // (tp / heads)), as KV heads are
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
         problems: list = []
-        segs = tuple(split_segment(Segment(n, h, u), tp, rank, problems) for n, h, u in segments)
+        segs = tuple(split_segment(Segment(*seg), tp, rank, problems) for seg in segments)
         self.channels = sum(s.rows for s in segs)
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(self.channels, 1, kernel))
@@ -347,19 +349,29 @@ def ssd_step(x, dt, A, B, C, D, state):
 
 class GroupedGatedRMSNorm(nn.Module):
     """Mamba-2's gated norm (transformers' MambaRMSNormGated): `w * rmsnorm_per_group(x * silu(z))`, in float32
-    before the weight; groups of `group_size` channels. Weight [channels] split over TP ranks as the heads are."""
+    before the weight; `groups` groups of equal width. Weight [channels] split over TP ranks as the heads are: with
+    at least as many groups as ranks each rank normalizes its own groups; with fewer, a group spans tp / groups
+    ranks and its mean square is summed over them (one all-reduce of [N, groups])."""
 
-    def __init__(self, segment: Segment, group_size: int, eps: float):
+    def __init__(self, segment: Segment, groups: int, eps: float):
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
         seg = split_segment(segment, tp, rank, [])
-        self.group_size, self.eps = group_size, eps
+        self.eps, self.groups = eps, groups
+        self.group_size = segment.size // groups                   # channels of one group (global)
+        self.spanning = groups < tp                                # a group spans several ranks
+        self.my_group = rank // max(1, tp // groups)
         self.weight = attach(nn.Parameter(torch.empty(seg.rows)),
                              ParamSplit("column", 0, (seg,), (seg.rows,), tp, rank, "GroupedGatedRMSNorm"))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float() * F.silu(z.float())
+        if self.spanning:
+            sums = torch.zeros(h.shape[0], self.groups, dtype=torch.float32, device=h.device)
+            sums[:, self.my_group] = h.pow(2).sum(-1)
+            var = all_reduce(sums)[:, self.my_group:self.my_group + 1] / self.group_size
+            return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
         g = h.view(*h.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view_as(h).to(dtype)
@@ -385,20 +397,23 @@ class Mamba2(RecurrentMixer):
         if heads % groups:
             raise ValueError(f"mamba2: heads ({heads}) must be a multiple of groups ({groups})")
         tp, rank = get_tp_size(), get_tp_rank()
-        problems = [f"mamba2: {n} {what} cannot be split over tensor parallel size {tp}"
-                    for n, what in ((heads, "heads"), (groups, "B/C groups")) if n % tp]
+        problems = [f"mamba2: {heads} heads cannot be split over tensor parallel size {tp}"] if heads % tp else []
+        if groups % tp and tp % groups:
+            problems.append(f"mamba2: {groups} B/C groups cannot be split over (nor replicated across) tensor "
+                            f"parallel size {tp}")
         raise_or_defer(self, problems)
-        self.heads, self.groups = max(1, heads // tp), max(1, groups // tp)          # per rank
+        # per rank; with fewer groups than ranks each rank holds (a copy of) the one group of its heads
+        self.heads, self.groups = max(1, heads // tp), max(1, groups // tp)
         self.head_dim, self.state_size, self.chunk_size = head_dim, state_size, chunk_size
         self.conv_kernel = conv_kernel
         self.time_step_limit = tuple(float(v) for v in time_step_limit)
-        self.conv1d = CausalConv1d((("x", heads, head_dim), ("B", groups, state_size), ("C", groups, state_size)),
-                                   conv_kernel, conv_bias)
+        self.conv1d = CausalConv1d((("x", heads, head_dim), ("B", groups, state_size, True),
+                                    ("C", groups, state_size, True)), conv_kernel, conv_bias)
         heads_seg = split_segment(Segment("heads", heads), tp, rank, [])
         for name in ("A_log", "D", "dt_bias"):
             p = nn.Parameter(torch.empty(self.heads))
             setattr(self, name, attach(p, ParamSplit("column", 0, (heads_seg,), tuple(p.shape), tp, rank, "Mamba2")))
-        self.norm = GroupedGatedRMSNorm(Segment("heads", heads, head_dim), heads * head_dim // groups, eps)
+        self.norm = GroupedGatedRMSNorm(Segment("heads", heads, head_dim), groups, eps)
         self.state_spec = {"conv": ((self.conv1d.channels, conv_kernel - 1), None),
                            "ssm": ((self.heads, head_dim, state_size), torch.float32)}
 
