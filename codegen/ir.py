@@ -749,6 +749,13 @@ class ModelIR:
                     out.append(st.choice)
         return tuple(out)
 
+    def config_source(self, symbol: str) -> str:
+        """The config.json path a symbol reads first (its name for a derived symbol), for messages."""
+        for f in self.config:
+            if f.name == symbol:
+                return f.paths[0] if f.paths else symbol
+        return symbol
+
     def choice_of(self, block: str) -> Optional[Tuple[ChoiceIR, str]]:
         """(the choice, its module name) when `block` is an alternative of a per-layer choice."""
         for s in self.layer.all_steps:

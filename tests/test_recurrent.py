@@ -122,7 +122,7 @@ def test_tp_refuses_an_indivisible_key_head_count(ckpt):
     from xllm_gen.runtime.loading import registry
     hf = json.loads((ckpt / "config.json").read_text())
     model_module, _ = registry.resolve(hf)
-    with pytest.raises(Exception, match="key heads"):
+    with pytest.raises(ValueError, match=r"2 key heads \(config.json linear_num_key_heads\)"):
         check_tensor_parallel(model_module, hf, 4)     # 2 key heads over 4 ranks
 
 

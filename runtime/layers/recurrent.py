@@ -65,6 +65,11 @@ def step_sequences(ctx):
     return out
 
 
+def _fields_named(fields: Optional[dict]):
+    """A refusal's ' (config.json <field>)' for a size, where the generated block named its field."""
+    return lambda size: f" (config.json {fields[size]})" if fields and size in fields else ""
+
+
 # ------------------------------------------------------------------------------------------------ conv1d
 class CausalConv1d(nn.Module):
     """Depthwise causal conv1d over time of `channels` channels (kernel `kernel`, optional bias), parameter
@@ -206,18 +211,20 @@ class GatedDeltaNet(RecurrentMixer):
     value_head_dim] (float32)."""
 
     def __init__(self, key_heads: int, value_heads: int, key_head_dim: int, value_head_dim: int, conv_kernel: int,
-                 eps: float, conv_bias: bool = False, activation: str = "silu"):
+                 eps: float, conv_bias: bool = False, activation: str = "silu", fields: Optional[dict] = None):
+        # fields: the config fields of the sizes ({"key_heads": "linear_num_key_heads"}), named in refusals
         super().__init__()
         if activation not in ("silu", "swish"):
             raise ValueError(f"gated_delta_net: the conv activation must be silu, got {activation!r}")
+        named = _fields_named(fields)
         if value_heads % key_heads:
             raise ValueError(f"gated_delta_net: value heads ({value_heads}) must be a multiple of key heads "
                              f"({key_heads})")
         tp = get_tp_size()
         problems: list = []
         if key_heads % tp:
-            problems.append(f"gated_delta_net: {key_heads} key heads (and their value heads) cannot be split over "
-                            f"tensor parallel size {tp}")
+            problems.append(f"gated_delta_net: {key_heads} key heads{named('key_heads')} (and their value heads) cannot "
+                            f"be split over tensor parallel size {tp}")
         raise_or_defer(self, problems)
         self.rep = value_heads // key_heads                 # value heads per key head
         self.key_heads = max(1, key_heads // tp)            # per rank
@@ -390,17 +397,21 @@ class Mamba2(RecurrentMixer):
     States per sequence: `conv` [conv channels, kernel - 1] and `ssm` [heads, head_dim, state_size] (float32)."""
 
     def __init__(self, heads: int, head_dim: int, groups: int, state_size: int, conv_kernel: int, chunk_size: int,
-                 eps: float, conv_bias: bool = True, activation: str = "silu", time_step_limit=(0.0, float("inf"))):
+                 eps: float, conv_bias: bool = True, activation: str = "silu", time_step_limit=(0.0, float("inf")),
+                 fields: Optional[dict] = None):
+        # fields: the config fields of the sizes ({"heads": "num_heads", "groups": "n_groups"}), named in refusals
         super().__init__()
+        named = _fields_named(fields)
         if activation not in ("silu", "swish"):
             raise ValueError(f"mamba2: the conv activation must be silu, got {activation!r}")
         if heads % groups:
             raise ValueError(f"mamba2: heads ({heads}) must be a multiple of groups ({groups})")
         tp, rank = get_tp_size(), get_tp_rank()
-        problems = [f"mamba2: {heads} heads cannot be split over tensor parallel size {tp}"] if heads % tp else []
+        problems = [f"mamba2: {heads} heads{named('heads')} cannot be split over tensor parallel size {tp}"] \
+            if heads % tp else []
         if groups % tp and tp % groups:
-            problems.append(f"mamba2: {groups} B/C groups cannot be split over (nor replicated across) tensor "
-                            f"parallel size {tp}")
+            problems.append(f"mamba2: {groups} B/C groups{named('groups')} cannot be split over (nor replicated "
+                            f"across) tensor parallel size {tp}")
         raise_or_defer(self, problems)
         # per rank; with fewer groups than ranks each rank holds (a copy of) the one group of its heads
         self.heads, self.groups = max(1, heads // tp), max(1, groups // tp)
