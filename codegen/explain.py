@@ -19,6 +19,7 @@ from .ir import (
     NormIR,
     PatchMergerIR,
     RankTableIR,
+    ShortConvIR,
     VariantIR,
     VisionAttentionIR,
     VisionMLPIR,
@@ -93,6 +94,10 @@ def _block(b) -> str:
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
+    if isinstance(b, ShortConvIR):
+        return (f"short_conv {b.class_name}(hidden={b.hidden}, conv_kernel={b.conv_kernel}, bias={b.bias}, "
+                f"{b.in_proj}=[B, C, x], {b.out_name}: C * conv(B * x); state per sequence: conv [hidden, "
+                f"conv_kernel - 1])")
     if isinstance(b, Mamba2IR):
         return (f"mamba2 {b.class_name}(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, groups={b.groups}, "
                 f"state_size={b.state_size}, conv_kernel={b.conv_kernel}, chunk_size={b.chunk_size}, activation="

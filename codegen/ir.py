@@ -478,9 +478,22 @@ class Mamba2IR:
     out_name: str
 
 
-RECURRENT_KINDS = ("gated_delta_net", "mamba2")
+@dataclass(frozen=True)
+class ShortConvIR:
+    """A gated short-convolution mixer (runtime: the generated class over L.ShortConv, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    conv_kernel: Size
+    bias: Value
+    in_proj: str
+    out_name: str
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR]
+
+RECURRENT_KINDS = ("gated_delta_net", "mamba2", "short_conv")
+
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from .ir import (
     QueryScaleIR,
     RotaryIR,
     SegmentIR,
+    ShortConvIR,
     Size,
     Value,
 )
@@ -42,6 +43,7 @@ from .schema import (
     MoEBlock,
     RMSNormBlock,
     Rotary,
+    ShortConvBlock,
 )
 
 # the rotary kinds the schema names (a `kind` that is none of them is a str config symbol selecting one)
@@ -170,6 +172,14 @@ class BlockResolver(MLAResolver):
                 if b.out_gate is not None and b.out_gate.source == "projection" else None,
                 q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
+        if isinstance(b, ShortConvBlock):
+            names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
+            if names[1] in (names[0], "conv") or names[0] == "conv":
+                raise self.err(path + ("out",), f"{self._where(path)}: module names in_proj / out must differ from "
+                                                f"each other and from `conv`")
+            return ShortConvIR("short_conv", name, f"{prefix}ShortConv" if unique_kind else f"{prefix}{camel}",
+                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("conv_kernel",), b.conv_kernel),
+                               self.flag(path + ("bias",), b.bias), names[0], names[1])
         if isinstance(b, Mamba2Block):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             for k, v in zip(("in_proj", "out"), names):
@@ -493,6 +503,14 @@ class BlockResolver(MLAResolver):
                 return row("", SegmentIR(b.name, b.in_features, one), out_total, b.bias)
             return [P("weight", (out_total, b.in_features), "replicated")] + \
                 ([P("bias", (out_total,), "replicated")] if b.bias else [])
+        if isinstance(b, ShortConvIR):
+            segs = [SegmentIR(n, b.hidden, one) for n in ("B", "C", "x")]
+            ps = [dataclasses.replace(p, stacked=True) for p in column(f"{b.in_proj}.", b.hidden, segs, _maybe(b.bias))]
+            ps.append(P("conv.weight", (b.hidden, one, b.conv_kernel), "colwise", (SegmentIR("x", b.hidden, one),)))
+            if _maybe(b.bias):
+                ps.append(P("conv.bias", (b.hidden,), "colwise", (SegmentIR("x", b.hidden, one),)))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.hidden, one), b.hidden, _maybe(b.bias))
+            return ps
         if isinstance(b, Mamba2IR):
             x = SegmentIR("x", b.heads, b.head_dim)
             bc = [SegmentIR("B", b.groups, b.state_size, True), SegmentIR("C", b.groups, b.state_size, True)]

@@ -295,6 +295,19 @@ class Mamba2Block(Strict):
     out: StrictStr = "out_proj"
 
 
+class ShortConvBlock(Strict):
+    """A gated short-convolution token mixer (LFM2's `conv`, a per-sequence conv state): `in_proj` gives B, C, x
+    [hidden each]; `out(C * conv(B * x))` with a depthwise causal conv1d (kernel `conv_kernel`, no activation).
+    Parameters (transformers' names): `<in_proj>.weight [3 hidden, hidden]`, `conv.weight [hidden, 1, conv_kernel]`,
+    `<out>.weight`, and their biases where `bias` holds. Channels split over TP ranks."""
+    kind: Literal["short_conv"]
+    hidden: Dim
+    conv_kernel: Dim
+    bias: Flag = False                   # biases of in_proj, the conv and out (LFM2's conv_bias)
+    in_proj: StrictStr = "in_proj"
+    out: StrictStr = "out_proj"
+
+
 class MLAAttentionBlock(Strict):
     """Multi-head latent attention (DeepSeek-V2 / V3): q from `q_proj` (hidden -> heads * (nope + rope)), or, when
     `q_lora_rank` is a size, low-rank: q_a_proj (hidden -> q_lora_rank) -> q_a_layernorm (RMSNorm) -> q_b_proj;
@@ -451,7 +464,7 @@ class LMHeadBlock(Strict):
 
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
-          MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block],
+          MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, ShortConvBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -708,6 +721,6 @@ class Spec(Strict):
 
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
-               "mla_attention", "gated_delta_net", "mamba2",
+               "mla_attention", "gated_delta_net", "mamba2", "short_conv",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

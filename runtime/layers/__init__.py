@@ -37,6 +37,7 @@ from xllm_gen.runtime.layers.recurrent import (
                                             GatedRMSNorm,
                                             Mamba2,
                                             RecurrentMixer,
+                                            ShortConv,
 )
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
@@ -56,5 +57,5 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale",
-    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba2",
+    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba2", "ShortConv",
 ]

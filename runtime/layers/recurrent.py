@@ -475,3 +475,40 @@ class Mamba2(RecurrentMixer):
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, groups={self.groups} (per rank), head_dim={self.head_dim}, state_size="
                 f"{self.state_size}, conv_kernel={self.conv_kernel}, chunk_size={self.chunk_size}")
+
+
+# ----------------------------------------------------------------------------------------------- short conv
+class ShortConv(RecurrentMixer):
+    """The state and math of a gated short-convolution mixer (LFM2's `conv`; the generated block subclasses it and
+    adds its projections): `y = C * conv(B * x)` with a depthwise causal conv1d over `channels` channels (no
+    activation), parameter `conv.weight [channels, 1, kernel]`. Channels split over TP ranks.
+
+    State per sequence: `conv` [channels, kernel - 1]."""
+
+    def __init__(self, channels: int, conv_kernel: int, bias: bool = False):
+        super().__init__()
+        self.conv = CausalConv1d((("x", channels, 1),), conv_kernel, bias)
+        self.channels, self.conv_kernel = self.conv.channels, conv_kernel
+        self.state_spec = {"conv": ((self.conv.channels, conv_kernel - 1), None)}
+
+    def mix(self, b: torch.Tensor, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """b, c, x [N, channels] -> c * conv(b * x) [N, channels], the conv state updated."""
+        ctx = get_context()
+        conv_state = self.states["conv"]
+        w, cb = self.conv.weight, self.conv.bias
+        bx = b * x
+        seqs = step_sequences(ctx)
+        if not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs):    # decode: one token each, batched
+            slots = ctx.state_slots
+            h, new = causal_conv1d_step(bx, w, cb, conv_state[slots], activation=None)
+            conv_state[slots] = new.to(conv_state.dtype)
+        else:
+            h = torch.empty_like(bx)
+            for s, e, slot, cont in seqs:
+                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                h[s:e], new = causal_conv1d(bx[s:e], w, cb, cs, activation=None)
+                conv_state[slot] = new.to(conv_state.dtype)
+        return c * h
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels} (per rank), conv_kernel={self.conv_kernel}"
