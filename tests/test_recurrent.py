@@ -144,3 +144,23 @@ def test_mamba2_chunked_prefill(tiny_checkpoint):
     assert got == want
     zeroed, _ = _engine_tokens(ckpt, _debug={"zero_state_at_decode": True})
     assert zeroed != want, "zeroing the SSM and conv states between decode steps did not change the tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [ARCH, "Mamba2ForCausalLM"])
+def test_bfloat16_decode_accumulates_like_transformers(tiny_checkpoint, arch):
+    """bfloat16: the decode step's conv and SSD output accumulate in float32 (as transformers' conv1d / bmm do); a
+    bfloat16 sum of the kernel's products changed Qwen3-Next's tokens at the second decode step."""
+    import transformers
+    ckpt = tiny_checkpoint(arch)
+    model = getattr(transformers, arch).from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    prompts = PROMPTS[:2]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    from xllm_gen import LLM, SamplingParams
+    with LLM(str(ckpt), device="cpu", dtype="bfloat16") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                             SamplingParams(temperature=0, max_tokens=8,
+                                                                            ignore_eos=True))]
+    assert got == want

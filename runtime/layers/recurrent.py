@@ -116,9 +116,10 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        activation: Optional[str] = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step of B sequences: x [B, C], state [B, C, K - 1]. Returns (out [B, C], new state)."""
     ext = torch.cat([state.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], dim=-1)   # [B, C, K]
-    out = (ext * weight[:, 0].unsqueeze(0)).sum(-1)
+    out = (ext.float() * weight[:, 0].float().unsqueeze(0)).sum(-1)       # accumulated in float32, as conv1d does
     if bias is not None:
-        out = out + bias
+        out = out + bias.float()
+    out = out.to(weight.dtype)
     if activation == "silu":
         out = F.silu(out)
     return out.to(x.dtype), ext[:, :, 1:]
@@ -349,7 +350,7 @@ def ssd_step(x, dt, A, B, C, D, state):
     dA = torch.exp(dt.float()[..., None] * A.float()[None, :, None, None])           # [B, H, 1, 1]
     dBx = (dt * B)[:, :, None, :] * x[..., None]                                    # [B, H, P, N]
     S = state.float() * dA + dBx
-    y = (S.to(C.dtype) * C[:, :, None, :]).sum(-1)
+    y = (S.to(C.dtype).float() * C[:, :, None, :].float()).sum(-1).to(C.dtype)   # a bmm in C's dtype
     y = (y + x * D[None, :, None]).to(y.dtype)
     return y.to(x.dtype), S
 
