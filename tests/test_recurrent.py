@@ -132,6 +132,7 @@ def test_tp2_chunked_prefill(ckpt, want):
     assert got == want
 
 
+@pytest.mark.slow
 def test_mamba2_chunked_prefill(tiny_checkpoint):
     """Mamba-2 (SSD chunks of 8: the prompts span several, and the engine's prefill chunks of 5 cut across them)."""
     import transformers
