@@ -480,7 +480,7 @@ class Mamba2(RecurrentMixer):
 
 # ----------------------------------------------------------------------------------------------- short conv
 class ShortConv(RecurrentMixer):
-    """The state and math of a gated short-convolution mixer (LFM2's `conv`; the generated block subclasses it and
+    """The state and math of a gated short-convolution mixer (the `short_conv` block kind; the generated block subclasses it and
     adds its projections): `y = C * conv(B * x)` with a depthwise causal conv1d over `channels` channels (no
     activation), parameter `conv.weight [channels, 1, kernel]`. Channels split over TP ranks.
 
