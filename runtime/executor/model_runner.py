@@ -390,7 +390,7 @@ class ModelRunner:
             slot_mapping=rows[n:2 * n],
             block_tables=meta[2 * B + 1:].view(B, max_blocks),
             block_size=bs, seq_lens_cpu=seq_lens, query_lens_cpu=qlens, backend=self.backend)
-        if self.num_state_slots:                     # recurrent mixers: each sequence's state slot
+        if getattr(self, "num_state_slots", 0):      # recurrent mixers: each sequence's state slot
             ctx.state_slots_cpu = [s.state_slot for s in seqs]
             if any(sl is None for sl in ctx.state_slots_cpu):
                 raise RuntimeError("a sequence of a model with recurrent layers has no state slot (the block manager "
@@ -425,7 +425,7 @@ class ModelRunner:
                 self._planned = torch.cuda.Event()
                 self._planned.record()
             set_context(ctx)
-            if self.num_state_slots and self.debug:
+            if getattr(self, "num_state_slots", 0) and self.debug:
                 self._state_debug(ctx, is_prefill)
             if is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(ids.shape[0]):
                 hidden = self.prefill_graphs.run(ids, pos, ctx, embeds)
