@@ -10,13 +10,16 @@ from .ir import (
     MLAIR,
     MLPIR,
     AttentionIR,
+    GatedDeltaNetIR,
     GatedMLPIR,
     LinearIR,
+    Mamba2IR,
     ModelIR,
     MoEIR,
     NormIR,
     PatchMergerIR,
     RankTableIR,
+    ShortConvIR,
     VariantIR,
     VisionAttentionIR,
     VisionMLPIR,
@@ -89,7 +92,25 @@ def _block(b) -> str:
                 + (f", softcap={b.softcap}" if b.softcap else "")
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
+                + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
+    if isinstance(b, ShortConvIR):
+        return (f"short_conv {b.class_name}(hidden={b.hidden}, conv_kernel={b.conv_kernel}, bias={b.bias}, "
+                f"{b.in_proj}=[B, C, x], {b.out_name}: C * conv(B * x); state per sequence: conv [hidden, "
+                f"conv_kernel - 1])")
+    if isinstance(b, Mamba2IR):
+        return (f"mamba2 {b.class_name}(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, groups={b.groups}, "
+                f"state_size={b.state_size}, conv_kernel={b.conv_kernel}, chunk_size={b.chunk_size}, activation="
+                f"{b.activation}, eps={b.eps}, bias={b.bias}, conv_bias={b.conv_bias}, {b.in_proj}=[z, x, B, C, dt], "
+                f"{b.out_name}; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
+                f"state_size] float32)")
+    if isinstance(b, GatedDeltaNetIR):
+        proj = ", ".join(f"{m}=[{', '.join(segs)}]" for m, segs in b.projections)
+        return (f"gated_delta_net {b.class_name}(hidden={b.hidden}, key_heads={b.key_heads}, value_heads="
+                f"{b.value_heads}, key_head_dim={b.key_head_dim}, value_head_dim={b.value_head_dim}, conv_kernel="
+                f"{b.conv_kernel}{', conv bias' if b.conv_bias else ''}, activation={b.activation}, eps={b.eps}, "
+                f"{proj}, {b.out_name}; state per sequence: conv [channels, conv_kernel - 1], recurrent "
+                f"[value_heads, key_head_dim, value_head_dim] float32)")
     if isinstance(b, MLAIR):
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"

@@ -180,6 +180,7 @@ class ParamIR:
     experts: Optional[Size] = None         # a stacked expert parameter [experts, ...]: sources name `{e}`; the
                                            # split dim of colwise / rowwise is the one after the expert dim
     when: Optional[Tuple[Any, bool]] = None    # per-layer choice: exists in layer i iff cond(i) == the bool
+    stacked: bool = False                  # a fused parameter the checkpoint stores whole under its own name
 
     def in_layer(self, values: Mapping[str, Any], layer: int) -> bool:
         return self.when is None or bool(self.when[0].eval(values, layer)) == self.when[1]
@@ -317,6 +318,7 @@ class AttentionIR:
     sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
+    q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)
 
     @property
     def q_size(self) -> Size:
@@ -429,7 +431,69 @@ class MoEIR:
                 and self.selection_bias.expr is None)
 
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR]
+@dataclass(frozen=True)
+class GatedDeltaNetIR:
+    """A gated DeltaNet mixer (runtime: the generated class over L.GatedDeltaNet, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    key_heads: Size
+    value_heads: Size
+    key_head_dim: Size
+    value_head_dim: Size
+    conv_kernel: Size
+    eps: Value
+    activation: Value
+    projections: Tuple[Tuple[str, Tuple[str, ...]], ...]   # (module, segments) in order
+    out_name: str
+    conv_bias: bool
+    rep: Any                      # value heads per key head (an expression)
+
+    def segment(self, name: str) -> "SegmentIR":
+        """A projection segment, split by key heads (each with its value heads)."""
+        unit = {"q": self.key_head_dim, "k": self.key_head_dim, "v": self.rep * self.value_head_dim,
+                "z": self.rep * self.value_head_dim, "b": self.rep, "a": self.rep}[name]
+        return SegmentIR(name, self.key_heads, unit)
+
+
+@dataclass(frozen=True)
+class Mamba2IR:
+    """A Mamba-2 mixer (runtime: the generated class over L.Mamba2, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    heads: Size
+    head_dim: Size
+    groups: Size
+    state_size: Size
+    conv_kernel: Size
+    chunk_size: Size
+    eps: Value
+    activation: Value
+    bias: Value
+    conv_bias: Value
+    in_proj: str
+    out_name: str
+
+
+@dataclass(frozen=True)
+class ShortConvIR:
+    """A gated short-convolution mixer (runtime: the generated class over L.ShortConv, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    conv_kernel: Size
+    bias: Value
+    in_proj: str
+    out_name: str
+
+
+RECURRENT_KINDS = ("gated_delta_net", "mamba2", "short_conv")
+
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR]
 
 
 @dataclass(frozen=True)
@@ -697,6 +761,13 @@ class ModelIR:
                 if st.choice is not None:
                     out.append(st.choice)
         return tuple(out)
+
+    def config_source(self, symbol: str) -> str:
+        """The config.json path a symbol reads first (its name for a derived symbol), for messages."""
+        for f in self.config:
+            if f.name == symbol:
+                return f.paths[0] if f.paths else symbol
+        return symbol
 
     def choice_of(self, block: str) -> Optional[Tuple[ChoiceIR, str]]:
         """(the choice, its module name) when `block` is an alternative of a per-layer choice."""

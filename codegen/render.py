@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Dict
 
@@ -46,6 +47,13 @@ def _pyrepr(value) -> str:
     """repr() with double quotes for plain strings (the style of the hand-written code)."""
     if isinstance(value, str) and '"' not in value and "\\" not in value:
         return f'"{value}"'
+    if isinstance(value, float) and not math.isfinite(value):     # inf / nan have no literal
+        return f'float("{value}")'
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_pyrepr(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_pyrepr(k)}: {_pyrepr(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 

@@ -24,9 +24,11 @@ from .ir import (
     ChoiceIR,
     ConfigFieldIR,
     EmbeddingIR,
+    GatedDeltaNetIR,
     GatedMLPIR,
     LayerIR,
     LMHeadIR,
+    Mamba2IR,
     ModelIR,
     MoEIR,
     NormIR,
@@ -34,6 +36,7 @@ from .ir import (
     ParamIR,
     ProjectionIR,
     RunnerIR,
+    ShortConvIR,
     Size,
     StepIR,
     Value,
@@ -54,7 +57,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 
 # the attention block kinds (they take the positions)
-ATTENTION_IRS = (AttentionIR, MLAIR)
+ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR)   # (a recurrent mixer takes them too, and ignores them)
 from .resolver_dataflow import DataflowResolver
 from .resolver_positions import PositionsResolver
 from .resolver_vision import VisionResolver
@@ -532,7 +535,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            mixers = ("attention", "mla_attention", "gated_mlp", "mlp", "moe")
+            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "short_conv", "gated_mlp", "mlp", "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
             if isinstance(st.block, Choice):
@@ -661,7 +664,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
-            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR)):
+            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):
@@ -880,6 +883,16 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                                               f"expected head_dim / 2 = {hd // 2}")
             if isinstance(b, MLAIR):
                 self.check_mla_variant(name, b, values, at, vp)
+            if isinstance(b, Mamba2IR) and b.heads.eval(values) % b.groups.eval(values):
+                sym = b.heads.symbol if isinstance(b.heads, Size) else None
+                raise self.err(at(sym) if sym else vp,
+                               f"variants.{name}: {b.name}.heads ({b.heads.eval(values)}) must be a multiple of "
+                               f"{b.name}.groups ({b.groups.eval(values)})")
+            if isinstance(b, GatedDeltaNetIR) and b.value_heads.eval(values) % b.key_heads.eval(values):
+                sym = b.value_heads.symbol if isinstance(b.value_heads, Size) else None
+                raise self.err(at(sym) if sym else vp,
+                               f"variants.{name}: {b.name}.value_heads ({b.value_heads.eval(values)}) must be a "
+                               f"multiple of {b.name}.key_heads ({b.key_heads.eval(values)})")
             if isinstance(b, MoEIR) and b.groups is not None:
                 self.check_groups_variant(name, b, values, at, vp)
             if isinstance(b, MoEIR) and b.routing == "sparsemixer" and b.top_k.eval(values) != 2:

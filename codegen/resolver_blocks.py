@@ -13,8 +13,10 @@ from .ir import (
     MLAIR,
     MLPIR,
     AttentionIR,
+    GatedDeltaNetIR,
     GatedMLPIR,
     LinearIR,
+    Mamba2IR,
     MoEIR,
     NormIR,
     ParamIR,
@@ -22,6 +24,7 @@ from .ir import (
     QueryScaleIR,
     RotaryIR,
     SegmentIR,
+    ShortConvIR,
     Size,
     Value,
 )
@@ -30,14 +33,17 @@ from .schema import (
     ActivationForm,
     AttentionBlock,
     FusedLinearBlock,
+    GatedDeltaNetBlock,
     GatedMLPBlock,
     LayerNormBlock,
     LinearBlock,
+    Mamba2Block,
     MLAAttentionBlock,
     MLPBlock,
     MoEBlock,
     RMSNormBlock,
     Rotary,
+    ShortConvBlock,
 )
 
 # the rotary kinds the schema names (a `kind` that is none of them is a str config symbol selecting one)
@@ -163,8 +169,38 @@ class BlockResolver(MLAResolver):
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
                 out_gate=(module(path + ("out_gate", "name"), b.out_gate.name), b.out_gate.activation, b.out_gate.per)
-                if b.out_gate is not None else None,
+                if b.out_gate is not None and b.out_gate.source == "projection" else None,
+                q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
+        if isinstance(b, ShortConvBlock):
+            names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
+            if names[1] in (names[0], "conv") or names[0] == "conv":
+                raise self.err(path + ("out",), f"{self._where(path)}: module names in_proj / out must differ from "
+                                                f"each other and from `conv`")
+            return ShortConvIR("short_conv", name, f"{prefix}ShortConv" if unique_kind else f"{prefix}{camel}",
+                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("conv_kernel",), b.conv_kernel),
+                               self.flag(path + ("bias",), b.bias), names[0], names[1])
+        if isinstance(b, Mamba2Block):
+            names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
+            for k, v in zip(("in_proj", "out"), names):
+                if v in ("conv1d", "norm", "A_log", "D", "dt_bias") or names[0] == names[1] and k == "out":
+                    raise self.err(path + (k,), f"{self._where(path)}.{k}: module name '{v}' is already used in "
+                                                f"this block")
+            return Mamba2IR(
+                kind="mamba2", name=name, class_name=f"{prefix}Mamba2" if unique_kind else f"{prefix}{camel}",
+                hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
+                head_dim=self.dim(path + ("head_dim",), b.head_dim), groups=self.dim(path + ("groups",), b.groups),
+                state_size=self.dim(path + ("state_size",), b.state_size),
+                conv_kernel=self.dim(path + ("conv_kernel",), b.conv_kernel),
+                chunk_size=self.dim(path + ("chunk_size",), b.chunk_size),
+                eps=self.positive(path + ("eps",), b.eps, below=1.0),
+                activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
+                                           "a conv activation"),
+                bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
+                in_proj=names[0], out_name=names[1])
+        if isinstance(b, GatedDeltaNetBlock):
+            return self.resolve_gated_delta_net(path, name, b, f"{prefix}GatedDeltaNet" if unique_kind
+                                                else f"{prefix}{camel}")
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
         if isinstance(b, GatedMLPBlock):
@@ -347,6 +383,61 @@ class BlockResolver(MLAResolver):
                         self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
                         fraction, rdim, layout, enabled, kind_symbol, layout_symbol, original, rot.direction)
 
+    def q_gate(self, path, g):
+        """The activation of an output gate that rides in the q projection (`out_gate.source: q`), else None."""
+        if g is None or g.source != "q":
+            return None
+        if g.per != "element":
+            raise self.err(path + ("per",), f"{self._where(path)}.per: a gate in the q projection has a value per "
+                                            f"(head, dim) (`per: element`)")
+        return g.activation
+
+    def resolve_gated_delta_net(self, path, name: str, b: GatedDeltaNetBlock, class_name: str) -> GatedDeltaNetIR:
+        seen: dict = {}
+        projections = []
+        names = {"conv1d", "norm", "A_log", "dt_bias"}
+        for i, pr in enumerate(b.projections):
+            pp = path + ("projections", i)
+            mname = self.ident(pp + ("name",), pr.name, "module name")
+            if mname in names:
+                raise self.err(pp + ("name",), f"{self._where(pp)}.name: module name '{mname}' is already used in "
+                                               f"this block")
+            names.add(mname)
+            if not pr.segments:
+                raise self.err(pp + ("segments",), f"{self._where(pp)}.segments: at least one segment")
+            for sname in pr.segments:
+                if sname in seen:
+                    raise self.err(pp + ("segments",), f"{self._where(pp)}.segments: segment '{sname}' is already "
+                                                       f"produced by projection '{seen[sname]}'")
+                seen[sname] = mname
+            projections.append((mname, tuple(pr.segments)))
+        missing = [x for x in ("q", "k", "v", "z", "b", "a") if x not in seen]
+        if missing:
+            raise self.err(path + ("projections",), f"{self._where(path)}.projections: no projection produces "
+                                                    f"{', '.join(missing)} (q, k, v, z, b, a each once)")
+        out = self.ident(path + ("out", "name"), b.out.name, "module name")
+        if out in names:
+            raise self.err(path + ("out", "name"), f"{self._where(path)}.out.name: module name '{out}' is already used")
+        if b.out.bias is not False:
+            raise self.err(path + ("out", "bias"), f"{self._where(path)}.out.bias: the gated DeltaNet's output "
+                                                   f"projection has no bias")
+        kh = self.dim(path + ("key_heads",), b.key_heads)
+        vh = self.dim(path + ("value_heads",), b.value_heads)
+
+        def src(size):
+            return f"({size.source})" if not isinstance(size, Size) else f"({size})"
+        rep = self.expr(path + ("value_heads",), f"{src(vh)} // {src(kh)}")
+        return GatedDeltaNetIR(
+            kind="gated_delta_net", name=name, class_name=class_name,
+            hidden=self.dim(path + ("hidden",), b.hidden), key_heads=kh, value_heads=vh,
+            key_head_dim=self.dim(path + ("key_head_dim",), b.key_head_dim),
+            value_head_dim=self.dim(path + ("value_head_dim",), b.value_head_dim),
+            conv_kernel=self.dim(path + ("conv_kernel",), b.conv_kernel),
+            eps=self.positive(path + ("eps",), b.eps, below=1.0),
+            activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
+                                       "a conv activation"),
+            projections=tuple(projections), out_name=out, conv_bias=b.conv_bias, rep=rep)
+
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:
         """A gated activation: a name / str symbol (`activation`), or a parameterized form (ActivationForm:
@@ -412,9 +503,49 @@ class BlockResolver(MLAResolver):
                 return row("", SegmentIR(b.name, b.in_features, one), out_total, b.bias)
             return [P("weight", (out_total, b.in_features), "replicated")] + \
                 ([P("bias", (out_total,), "replicated")] if b.bias else [])
+        if isinstance(b, ShortConvIR):
+            segs = [SegmentIR(n, b.hidden, one) for n in ("B", "C", "x")]
+            ps = [dataclasses.replace(p, stacked=True) for p in column(f"{b.in_proj}.", b.hidden, segs, _maybe(b.bias))]
+            ps.append(P("conv.weight", (b.hidden, one, b.conv_kernel), "colwise", (SegmentIR("x", b.hidden, one),)))
+            if _maybe(b.bias):
+                ps.append(P("conv.bias", (b.hidden,), "colwise", (SegmentIR("x", b.hidden, one),)))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.hidden, one), b.hidden, _maybe(b.bias))
+            return ps
+        if isinstance(b, Mamba2IR):
+            x = SegmentIR("x", b.heads, b.head_dim)
+            bc = [SegmentIR("B", b.groups, b.state_size, True), SegmentIR("C", b.groups, b.state_size, True)]
+            segs = [SegmentIR("z", b.heads, b.head_dim), x] + bc + [SegmentIR("dt", b.heads, one)]
+            ps = [dataclasses.replace(p, stacked=True) for p in column(f"{b.in_proj}.", b.hidden, segs, _maybe(b.bias))]
+            conv = [x] + bc
+            total = b.heads * b.head_dim + Size.of(2) * b.groups * b.state_size
+            ps.append(dataclasses.replace(P("conv1d.weight", (total, one, b.conv_kernel), "colwise", conv), stacked=True))
+            if _maybe(b.conv_bias):
+                ps.append(dataclasses.replace(P("conv1d.bias", (total,), "colwise", conv), stacked=True))
+            heads = SegmentIR("heads", b.heads, one)
+            ps += [P(n, (b.heads,), "colwise", (heads,)) for n in ("A_log", "D", "dt_bias")]
+            ps.append(P("norm.weight", (b.heads * b.head_dim,), "colwise", (SegmentIR("heads", b.heads, b.head_dim),)))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.bias))
+            return ps
+        if isinstance(b, GatedDeltaNetIR):
+            ps = []
+            for mname, segs in b.projections:   # each stored whole under its own name (a `layout` may reorder it)
+                ps += [dataclasses.replace(p, stacked=True)
+                       for p in column(f"{mname}.", b.hidden, [b.segment(x) for x in segs], False)]
+            conv = [b.segment(x) for x in ("q", "k", "v")]
+            total = conv[0].heads * conv[0].unit + conv[1].heads * conv[1].unit + conv[2].heads * conv[2].unit
+            # the conv's channels are q | k | v, stored whole (nn.Conv1d's weight [channels, 1, kernel])
+            ps.append(dataclasses.replace(P("conv1d.weight", (total, one, b.conv_kernel), "colwise", conv), stacked=True))
+            if b.conv_bias:
+                ps.append(dataclasses.replace(P("conv1d.bias", (total,), "colwise", conv), stacked=True))
+            heads = SegmentIR("heads", b.key_heads, b.rep)
+            ps += [P("A_log", (b.value_heads,), "colwise", (heads,)), P("dt_bias", (b.value_heads,), "colwise", (heads,))]
+            ps.append(P("norm.weight", (b.value_head_dim,), "replicated"))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.key_heads, b.rep * b.value_head_dim), b.hidden, False)
+            return ps
         if isinstance(b, AttentionIR):
             q, k, v = b.qkv_segments
-            segs = [SegmentIR(q, b.heads, b.head_dim), SegmentIR(k, b.kv_heads, b.head_dim, True),
+            segs = [SegmentIR(q, b.heads, b.head_dim if not b.q_gate else Size.of(2) * b.head_dim),
+                    SegmentIR(k, b.kv_heads, b.head_dim, True),
                     SegmentIR(v, b.kv_heads, b.head_dim, True)]
             ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))

@@ -40,7 +40,7 @@ class WeightsResolver:
             e = entries.get(p.name)
             path = section + (keys.get(p.name, ""),)
             if e is None:
-                if p.segments and len(p.segments) > 1 and not (p.tp_if or p.repeat or p.experts):
+                if p.segments and len(p.segments) > 1 and not (p.tp_if or p.repeat or p.experts or p.stacked):
                     shown = p.name if not top or self.prefix == "model" or not p.name.startswith(self.prefix + ".") \
                         else "model" + p.name[len(self.prefix):]
                     names = ", ".join(f"{sg.name}: <tensor>" for sg in p.segments)

@@ -135,6 +135,10 @@ class OutGate(Strict):
     name: StrictStr = "gate_proj"
     activation: Literal["sigmoid", "softplus"] = "sigmoid"
     per: Literal["element", "head"] = "element"
+    # projection: the gate has a projection of its own (`name`); q: the gate rides in the q projection, each head's
+    # head_dim query rows followed by its head_dim gate rows (Qwen3-Next / Qwen3.5: q_proj [heads * 2 * head_dim],
+    # viewed [heads, 2 * head_dim] and chunked), so no parameter of its own (`name` unused; `per: element` only)
+    source: Literal["projection", "q"] = "projection"
 
 
 class QKNorm(Strict):
@@ -234,6 +238,74 @@ class AttentionBlock(Strict):
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False
     alibi_bias_max: Num = 8
+
+
+class GatedDeltaNetProjection(Strict):
+    """One fused input projection of a gated DeltaNet: module `name`, its output the `segments` stacked in order
+    (each of q, k, v, z, b, a appears in exactly one projection of the block)."""
+    name: StrictStr
+    segments: List[Literal["q", "k", "v", "z", "b", "a"]]
+
+
+class GatedDeltaNetBlock(Strict):
+    """A gated DeltaNet token mixer (linear attention with a per-sequence recurrent state, Qwen3-Next / Qwen3.5's
+    `linear_attn`): input projections give q, k [key_heads * key_head_dim], v, z [value_heads * value_head_dim],
+    b, a [value_heads]; q | k | v go through a depthwise causal conv1d (`conv1d`, kernel `conv_kernel`) and the
+    activation; q, k are L2-normalized; decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); the
+    gated delta rule over the state [value_heads, key_head_dim, value_head_dim]; an RMSNorm per value head (`norm`,
+    eps) times silu(z); the output projection. Parameters (transformers' names): each projection's `weight`,
+    `conv1d.weight [conv channels, 1, conv_kernel]`, `A_log`, `dt_bias [value_heads]`, `norm.weight
+    [value_head_dim]`, `<out>.weight`. Split over TP ranks by key heads (each with its value heads)."""
+    kind: Literal["gated_delta_net"]
+    hidden: Dim
+    key_heads: Dim
+    value_heads: Dim
+    key_head_dim: Dim
+    value_head_dim: Dim
+    conv_kernel: Dim
+    eps: Num
+    activation: StrictStr = "silu"       # the conv's activation (silu), or a str symbol whose values are silu
+    projections: List[GatedDeltaNetProjection]
+    out: Projection = Projection(name="out_proj")
+    conv_bias: StrictBool = False
+
+
+class Mamba2Block(Strict):
+    """A Mamba-2 token mixer (selective state space, SSD, with a per-sequence state: Mamba2ForCausalLM's `mixer`):
+    `in_proj` gives z [heads * head_dim] (the gate), x [heads * head_dim], B, C [groups * state_size] and dt [heads];
+    x | B | C go through a depthwise causal conv1d (`conv1d`, kernel `conv_kernel`) and the activation; dt =
+    softplus(dt + dt_bias); the SSD scan with A = -exp(A_log) over the state [heads, head_dim, state_size] (each B / C
+    group serves heads / groups heads) plus D x; then the gated RMSNorm `norm` (x * silu(z), normalized per group of
+    heads * head_dim / groups channels) and the output projection. Parameters (transformers' names):
+    `<in_proj>.weight`, `conv1d.weight`, `A_log`, `D`, `dt_bias [heads]`, `norm.weight [heads * head_dim]`,
+    `<out>.weight`, and biases where `bias` / `conv_bias` hold. Split over TP ranks by heads and groups."""
+    kind: Literal["mamba2"]
+    hidden: Dim
+    heads: Dim
+    head_dim: Dim
+    groups: Dim
+    state_size: Dim
+    conv_kernel: Dim
+    chunk_size: Dim                      # the scan's chunk length (transformers' chunk_size; rounding only)
+    eps: Num
+    activation: StrictStr = "silu"       # the conv's activation (silu), or a str symbol whose values are silu
+    bias: Flag = False                   # biases of in_proj and out_proj (transformers' use_bias)
+    conv_bias: Flag = True               # the conv's bias (use_conv_bias)
+    in_proj: StrictStr = "in_proj"       # module names
+    out: StrictStr = "out_proj"
+
+
+class ShortConvBlock(Strict):
+    """A gated short-convolution token mixer (LFM2's `conv`, a per-sequence conv state): `in_proj` gives B, C, x
+    [hidden each]; `out(C * conv(B * x))` with a depthwise causal conv1d (kernel `conv_kernel`, no activation).
+    Parameters (transformers' names): `<in_proj>.weight [3 hidden, hidden]`, `conv.weight [hidden, 1, conv_kernel]`,
+    `<out>.weight`, and their biases where `bias` holds. Channels split over TP ranks."""
+    kind: Literal["short_conv"]
+    hidden: Dim
+    conv_kernel: Dim
+    bias: Flag = False                   # biases of in_proj, the conv and out (LFM2's conv_bias)
+    in_proj: StrictStr = "in_proj"
+    out: StrictStr = "out_proj"
 
 
 class MLAAttentionBlock(Strict):
@@ -392,7 +464,7 @@ class LMHeadBlock(Strict):
 
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
-          MoEBlock, MLAAttentionBlock],
+          MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, ShortConvBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -649,6 +721,6 @@ class Spec(Strict):
 
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
-               "mla_attention",
+               "mla_attention", "gated_delta_net", "mamba2", "short_conv",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

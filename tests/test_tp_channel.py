@@ -19,7 +19,7 @@ def _random_step(rng: random.Random):
         new = [rng.randrange(200_000) for _ in range(rng.choice([0, 1, 1, 7, 300]))]
         tail = [rng.randrange(10**6) for _ in range(rng.choice([0, 0, 1, 64]))]
         items.append((rng.randrange(2**40), rng.randrange(5000), new, rng.randrange(5000), rng.randrange(100), tail,
-                      rng.randrange(5000), rng.randrange(5000), None))
+                      rng.randrange(5000), rng.randrange(5000), None, rng.choice([-1, rng.randrange(300)])))
     return rng.random() < 0.5, rng.random() < 0.5, drops, items
 
 
@@ -33,9 +33,9 @@ def test_pack_round_trip():
 
 
 def test_a_step_with_images_or_non_integers_is_not_packed():
-    items = [(1, 0, [5, 6], 2, 0, [3], 0, 2, ("mm",))]
+    items = [(1, 0, [5, 6], 2, 0, [3], 0, 2, ("mm",), -1)]
     assert pack_step(True, False, [], items) is None
-    assert pack_step(True, False, [], [("req-1", 0, [5], 1, 0, [3], 0, 1, None)]) is None
+    assert pack_step(True, False, [], [("req-1", 0, [5], 1, 0, [3], 0, 1, None, -1)]) is None
     assert pack_step(True, False, [2**70], []) is None
 
 
@@ -51,6 +51,7 @@ def test_mirror_follows_rank0_through_table_changes():
     rank0, mirror = _Rank0(), _Mirror()
     a, b = Sequence(1, [1, 2, 3], None), Sequence(2, [4, 5], None)
     a.block_table, b.block_table = [7], [9, 10]
+    b.state_slot = 3                   # a recurrent-state slot travels with the sequence (a has none: -1)
     sizes = []
 
     def step(seqs):
@@ -60,12 +61,13 @@ def test_mirror_follows_rank0_through_table_changes():
         got = mirror.apply(*unpack_step(packed)[3:])
         commit()
         for s, m in zip(seqs, got):
-            assert (m.seq_id, m.token_ids, m.block_table) == (s.seq_id, s.token_ids, s.block_table)
+            assert (m.seq_id, m.token_ids, m.block_table, m.state_slot) == (s.seq_id, s.token_ids, s.block_table,
+                                                                            s.state_slot)
 
     step([a, b])                       # first sight: whole tables
     a.token_ids.append(8)
     step([a, b])                       # unchanged tables: no table entries sent
-    assert sizes[-1] == 4 + 2 * 8 + 1  # header, two items, one new token
+    assert sizes[-1] == 4 + 2 * 9 + 1  # header, two items, one new token
     a.block_table.append(11)           # grew
     step([a, b])
     b.block_table = [20, 21]           # replaced (a preempted and re-admitted sequence)

@@ -42,8 +42,12 @@ def _extra_key(seq: Sequence) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_state_slots: int = 0):
         self.num_blocks = num_blocks
+        # the recurrent-state pool (models with recurrent layers): a sequence takes a slot with its first blocks and
+        # gives it back with them (finish, abort, preemption: a recomputed sequence starts from a zero state)
+        self.num_state_slots = num_state_slots
+        self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # front: next used
@@ -66,6 +70,8 @@ class BlockManager:
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        if self.num_state_slots and seq.state_slot is None and not self.free_slots:
+            return False
         return self.blocks_needed(seq, num_tokens) <= len(self.free_blocks)
 
     def _take_free(self) -> int:
@@ -82,6 +88,10 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free_blocks):
             raise RuntimeError("KV cache out of blocks (the scheduler should have preempted)")
+        if self.num_state_slots and seq.state_slot is None:
+            if not self.free_slots:
+                raise RuntimeError("recurrent-state pool out of slots (the scheduler should have waited)")
+            seq.state_slot = self.free_slots.pop()
         for _ in range(need):
             seq.block_table.append(self._take_free())
 
@@ -97,6 +107,9 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Gives back the sequence's blocks past its first `num_tokens` tokens (speculative decoding: the blocks

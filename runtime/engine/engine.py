@@ -195,8 +195,17 @@ class LLMEngine:
             raise
         self._draft = draft
         try:
+            num_state_slots = getattr(self.runner, "num_state_slots", 0)
+            if num_state_slots and enable_prefix_caching:
+                # a cached prefix holds KV, but not the recurrent state at its end: never reuse it for such a model
+                logger.info("prefix caching disabled: %s has recurrent-state layers (%s), whose state at the end "
+                            "of a cached prefix is not kept", getattr(model_module, "SPEC", "the model"),
+                            ", ".join(getattr(model_module, "RECURRENT_LAYERS", ())))
+                enable_prefix_caching = False
+            self.enable_prefix_caching = bool(enable_prefix_caching)
             self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size,
-                                              enable_caching=bool(enable_prefix_caching))
+                                              enable_caching=bool(enable_prefix_caching),
+                                              num_state_slots=num_state_slots)
             self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens, chunked)
             self.sampler = Sampler(seed)
             self.tokenizer = self._load_tokenizer()

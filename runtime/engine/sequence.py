@@ -37,6 +37,7 @@ class Sequence:
         self.stop_reason = None                 # the stop string or stop token id that ended it
         self.error: Optional[str] = None        # set when the request failed after admission
         self.prompt_logprobs: Optional[list] = None
+        self.state_slot: Optional[int] = None   # the recurrent-state pool slot it holds (models with recurrent layers)
         self.num_hashed_blocks = 0              # leading full blocks registered in the prefix cache
         self.no_prefix_cache = False            # never looks up nor registers cached blocks
         self.num_cached_tokens = 0              # prompt tokens found in the prefix cache at first admission

@@ -152,6 +152,13 @@ def check_target(cfg: Optional[SpeculativeConfig], runner_cls) -> None:
     if cfg is not None and getattr(runner_cls, "multimodal", False):
         raise ValueError("speculative_config: speculative decoding is not supported for multimodal models yet "
                          "(their decode positions come from the prompt's images)")
+    model_module = getattr(runner_cls, "model_module", None)
+    recurrent = getattr(model_module, "RECURRENT_LAYERS", ())
+    if cfg is not None and recurrent:
+        raise ValueError(f"speculative_config: speculative decoding is not supported for "
+                         f"{getattr(model_module, 'SPEC', 'this model')}: its recurrent-state layers "
+                         f"({', '.join(recurrent)}) update a per-sequence state with every token, which cannot be "
+                         f"rolled back when drafts are rejected")
 
 
 DRAFT_KV_SHARE = 0.25      # on a GPU, without num_kv_blocks: the draft's share of gpu_memory_utilization

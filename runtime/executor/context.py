@@ -26,6 +26,11 @@ class ForwardContext:
     # deepstack injection: level k is added to hidden states at rows visual_rows after decoder layer k.
     deepstack: Optional["DeepstackInput"] = None
     extra: dict = field(default_factory=dict)
+    # recurrent-state mixers (runtime/layers/recurrent.py): each sequence's state slot [B] int64 (device) and host
+    # copies, and whether the slot continues the sequence's state (False: its first prefill chunk, state from zero)
+    state_slots: Optional[torch.Tensor] = None
+    state_slots_cpu: Optional[list] = None
+    state_continue_cpu: Optional[list] = None
     # set only while PrefillGraphs captures: attention layers hand (layer, q, k, v) to it instead of attending
     graph_break: Optional[Callable] = None
 

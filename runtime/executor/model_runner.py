@@ -160,6 +160,7 @@ class ModelRunner:
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
                 quant=parse_quant_config(hf_config, quantization))
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
+        self._allocate_state_pool()
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
         self._allocate_kv_cache()
         self.backend = self._make_backend()
@@ -209,7 +210,8 @@ class ModelRunner:
             return
         for name, value in list(vars(self).items()):
             if isinstance(value, (torch.Tensor, torch.nn.Module)) or name in ("graphs", "prefill_graphs", "backend",
-                                                                              "attn_layers", "vision_graphs"):
+                                                                              "attn_layers", "vision_graphs",
+                                                                              "state_layers"):
                 setattr(self, name, None)
         gc.collect()                           # graphs and modules may hold each other
         if self.device.type == "cuda":
@@ -227,7 +229,23 @@ class ModelRunner:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32))
         return {n for n, _ in self.model.named_parameters()}
 
+    def _allocate_state_pool(self) -> None:
+        """The per-sequence state pool of the recurrent mixers (runtime/layers/recurrent.py), beside the paged KV
+        cache: one slot per sequence that may hold a state at once (max_num_seqs running, plus a prompt being
+        prefilled in chunks). The block manager hands out the slots (num_state_slots)."""
+        self.state_layers = [m for m in self.model.modules() if isinstance(m, L.RecurrentMixer)]
+        self.num_state_slots = self.max_num_seqs + 1 if self.state_layers else 0
+        for m in self.state_layers:
+            m.init_states(self.num_state_slots, self.device, self.dtype)
+        if self.state_layers and not self.enforce_eager:
+            # decode graphs would capture the step's slots as constants: this model's steps run eagerly
+            logger.info("CUDA graphs disabled: the model has recurrent-state layers (%s), whose decode steps read "
+                        "per-sequence state slots", type(self.state_layers[0]).__name__)
+            self.enforce_eager = True
+
     def _kv_bytes_per_block(self) -> int:
+        if not self.attn_layers:        # no KV cache at all (a purely recurrent model): blocks are bookkeeping only
+            return 1
         a = self.attn_layers[0]
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
@@ -261,7 +279,7 @@ class ModelRunner:
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
-        if self.device.type == "cuda" and not self.debug.get("torch_attention"):
+        if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
             mixed = [layer for layer in self.attn_layers
                      if getattr(layer, "qk_head_dim", layer.head_dim) != getattr(layer, "v_head_dim", layer.head_dim)]
             if mixed:
@@ -382,6 +400,13 @@ class ModelRunner:
             slot_mapping=rows[n:2 * n],
             block_tables=meta[2 * B + 1:].view(B, max_blocks),
             block_size=bs, seq_lens_cpu=seq_lens, query_lens_cpu=qlens, backend=self.backend)
+        if getattr(self, "num_state_slots", 0):      # recurrent mixers: each sequence's state slot
+            ctx.state_slots_cpu = [s.state_slot for s in seqs]
+            if any(sl is None for sl in ctx.state_slots_cpu):
+                raise RuntimeError("a sequence of a model with recurrent layers has no state slot (the block manager "
+                                   "assigns one at admission)")
+            ctx.state_continue_cpu = [not is_prefill or s.num_computed_tokens > 0 for s in seqs]
+            ctx.state_slots = torch.tensor(ctx.state_slots_cpu, dtype=torch.int64).to(dev)
         ids = rows[:n]
         pos = torch.cat(positions, dim=-1).to(dev)
         last_rows = rows[2 * n:]
@@ -410,6 +435,8 @@ class ModelRunner:
                 self._planned = torch.cuda.Event()
                 self._planned.record()
             set_context(ctx)
+            if getattr(self, "num_state_slots", 0) and self.debug:
+                self._state_debug(ctx, is_prefill)
             if is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(ids.shape[0]):
                 hidden = self.prefill_graphs.run(ids, pos, ctx, embeds)
             else:
@@ -419,6 +446,27 @@ class ModelRunner:
         finally:
             reset_context()
             self.after_step(ctx)
+
+    @torch.inference_mode()
+    def _state_debug(self, ctx: ForwardContext, is_prefill: bool) -> None:
+        """Test-only sensitivity arms of the recurrent state pool: `zero_state_at_decode` zeros every state of the
+        step's sequences before a decode step; `drop_conv_state_at_chunk` zeros the `conv` states of sequences that
+        continue a prompt in a later prefill chunk. Either must change the tokens (the state carries)."""
+        cont = [sl for sl, c in zip(ctx.state_slots_cpu, ctx.state_continue_cpu) if c]
+        if not cont:
+            return
+        names = ()
+        if not is_prefill and self.debug.get("zero_state_at_decode"):
+            names = None
+        elif is_prefill and self.debug.get("drop_conv_state_at_chunk"):
+            names = ("conv",)
+        if names == ():
+            return
+        idx = torch.tensor(cont, dtype=torch.int64, device=self.device)
+        for m in self.state_layers:
+            for name, t in m.states.items():
+                if names is None or name in names:
+                    t[idx] = 0
 
     @torch.inference_mode()
     def decode_greedy(self, seqs: list[Sequence], prev_tokens: Optional[torch.Tensor] = None,

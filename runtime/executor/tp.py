@@ -608,7 +608,8 @@ class TensorParallelRunner:
             else:
                 start, tail, held = 0, list(table), None
             items.append((seq.seq_id, offset, toks[offset:], seq.num_prompt_tokens, start, tail,
-                          seq.num_computed_tokens, seq.chunk_len, mm_box))
+                          seq.num_computed_tokens, seq.chunk_len, mm_box,
+                          -1 if seq.state_slot is None else seq.state_slot))
             updates[seq.seq_id] = _Sent(weakref.ref(seq), len(toks), mm_ref,
                                         held if held is not None and not tail else list(table))
 

@@ -181,7 +181,7 @@ _WORKER_MIRROR = None           # a worker's mirror (for the "mirror" query)
 # the block table is sent as a change: the worker keeps table[:table_start] and appends table_tail (a table
 # that only grew sends its new blocks, an unchanged one nothing).
 _STEP, _OBJECT = 1, 2
-_ITEM = 8                                  # packed int64 per sequence (every field of an item but mm)
+_ITEM = 9                                  # packed int64 per sequence (every field of an item but mm)
 
 
 def pack_step(is_prefill: bool, all_rows: bool, drops: list, items: list) -> Optional[np.ndarray]:
@@ -190,7 +190,7 @@ def pack_step(is_prefill: bool, all_rows: bool, drops: list, items: list) -> Opt
     if any(it[8] is not None for it in items):
         return None
     nd, ni = len(drops), len(items)
-    meta = [(it[0], it[1], len(it[2]), it[3], it[4], len(it[5]), it[6], it[7]) for it in items]
+    meta = [(it[0], it[1], len(it[2]), it[3], it[4], len(it[5]), it[6], it[7], it[9]) for it in items]
     toks = list(chain.from_iterable(it[2] for it in items))
     tails = list(chain.from_iterable(it[5] for it in items))
     head = 4 + nd + _ITEM * ni
@@ -217,8 +217,8 @@ def unpack_step(packed) -> tuple:
     tok = p + _ITEM * ni
     tab = tok + sum(m[2] for m in metas)
     items = []
-    for sid, off, ntok, nprompt, tstart, ntab, computed, chunk in metas:
-        items.append((sid, off, a[tok:tok + ntok], nprompt, tstart, a[tab:tab + ntab], computed, chunk, None))
+    for sid, off, ntok, nprompt, tstart, ntab, computed, chunk, slot in metas:
+        items.append((sid, off, a[tok:tok + ntok], nprompt, tstart, a[tab:tab + ntab], computed, chunk, None, slot))
         tok += ntok
         tab += ntab
     return ("step", bool(is_prefill), bool(all_rows), drops, items)
@@ -260,7 +260,7 @@ class _Mirror:
         for sid in drops:
             self.seqs.pop(sid, None)
         out = []
-        for sid, offset, new_tokens, num_prompt, table_start, table_tail, computed, chunk_len, mm_box in items:
+        for sid, offset, new_tokens, num_prompt, table_start, table_tail, computed, chunk_len, mm_box, slot in items:
             seq = self.seqs.get(sid)
             if seq is None or offset == 0:
                 seq = Sequence(sid, [], None)
@@ -273,6 +273,7 @@ class _Mirror:
             seq.block_table = seq.block_table[:table_start] + list(table_tail)
             seq.num_computed_tokens = computed
             seq.chunk_len = chunk_len
+            seq.state_slot = None if slot < 0 else slot       # rank 0's recurrent-state slot (the same on every rank)
             seq.status = SequenceStatus.RUNNING
             out.append(seq)
         return out

@@ -195,8 +195,13 @@ class MergedColumnParallelLinear(_Linear):
     kind = "column"
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
-                 segment_names: Optional[Sequence[str]] = None):
+                 segment_names: Optional[Sequence[str]] = None, units: Optional[Sequence[int]] = None,
+                 replicate: Optional[Sequence[bool]] = None):
+        # replicate: per segment, whether a segment of fewer units than ranks is replicated (rank r serves unit
+        # r // (tp / units)), as KV heads are
+        # units: rows per indivisible group of each segment (a head's width): the split keeps each group on one rank
         out_sizes = list(out_sizes)
+        units = [1] * len(out_sizes) if units is None else [int(u) for u in units]
         if segment_names is None:
             names = [f"out_sizes[{i}]" for i in range(len(out_sizes))]
         else:
@@ -206,7 +211,9 @@ class MergedColumnParallelLinear(_Linear):
                                  f"distinct names, one per out_sizes entry")
         tp, rank = get_tp_size(), get_tp_rank()
         problems: list = []
-        segs = tuple(split_segment(Segment(n, o), tp, rank, problems) for n, o in zip(names, out_sizes))
+        rep = [False] * len(out_sizes) if replicate is None else [bool(r) for r in replicate]
+        segs = tuple(split_segment(Segment(n, o // u, u, r), tp, rank, problems)
+                     for n, o, u, r in zip(names, out_sizes, units, rep))
         super().__init__(in_features, sum(s.rows for s in segs), bias)
         raise_or_defer(self, problems)
         self.out_sizes = [s.rows for s in segs]
@@ -219,10 +226,13 @@ class QKVParallelLinear(_Linear):
     num_kv_heads < tp (rank r holds KV head r // (tp // num_kv_heads)). Attributes are per rank."""
     kind = "column"
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 q_gate: bool = False):
+        # q_gate: each q head's rows are followed by as many rows of an output gate ([heads, 2 * head_dim]): q_size
+        # counts both, and the split keeps a head's q and gate rows together
         tp, rank = get_tp_size(), get_tp_rank()
         problems: list = []
-        q = split_segment(Segment("q", num_heads, head_dim), tp, rank, problems)
+        q = split_segment(Segment("q", num_heads, head_dim * (2 if q_gate else 1)), tp, rank, problems)
         k = split_segment(Segment("k", num_kv_heads, head_dim, replicate_ok=True), tp, rank, problems)
         v = split_segment(Segment("v", num_kv_heads, head_dim, replicate_ok=True), tp, rank, [])  # as k
         super().__init__(hidden, q.rows + k.rows + v.rows, bias)
@@ -230,16 +240,18 @@ class QKVParallelLinear(_Linear):
         self.head_dim = head_dim
         self.total_num_heads = num_heads
         self.total_num_kv_heads = num_kv_heads
-        self.num_heads = q.rows // head_dim
+        self.q_gate = q_gate
+        self.num_heads = q.rows // (head_dim * (2 if q_gate else 1))
         self.num_kv_heads = k.rows // head_dim
-        self.q_size = self.num_heads * head_dim
+        self.q_size = q.rows
         self.kv_size = self.num_kv_heads * head_dim
         self._attach(0, (q, k, v))
 
     def segments(self) -> tuple[Segment, Segment, Segment]:
         """The global q/k/v segments of dim 0."""
         D = self.head_dim
-        return (Segment("q", self.total_num_heads, D), Segment("k", self.total_num_kv_heads, D, True),
+        return (Segment("q", self.total_num_heads, D * (2 if self.q_gate else 1)),
+                Segment("k", self.total_num_kv_heads, D, True),
                 Segment("v", self.total_num_kv_heads, D, True))
 
 

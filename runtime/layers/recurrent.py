@@ -1,0 +1,515 @@
+"""Recurrent-state token mixers: layers that keep a per-sequence state instead of (or beside) a KV cache.
+
+A `RecurrentMixer` declares its state tensors (`state_shapes()`: name -> (per-sequence shape, dtype), this rank's
+shapes). The runner allocates each as `[num_slots, *shape]` (a state pool beside the paged KV cache, one slot per
+running sequence, runtime/executor/model_runner.py) and attaches them as `self.states[name]`; the block manager hands
+a sequence its slot at admission and takes it back when it finishes, is aborted or preempted. A step's forward
+context says, per sequence, which slot it owns (`ctx.state_slots`) and whether the slot continues a state
+(`ctx.state_continue`: False at a sequence's first prefill chunk, whose state starts at zero; so a sequence preempted
+and recomputed from its tokens starts over). The mixer reads its rows of the pool, computes, and writes them back.
+
+Math (torch reference, float32 state; the GPU runs the same torch code):
+- `causal_conv1d`: a depthwise causal conv1d over time, its state the last kernel - 1 inputs of each channel;
+- `gated_delta_rule`: the gated delta rule (Gated DeltaNet): per value head, S <- exp(g) S, then
+  S <- S + k (beta (v - S^T k))^T, output S^T q (q and k L2-normalized, q scaled by dk ** -0.5); a prompt chunk runs
+  the chunked (UT-transform) form of transformers' torch_chunk_gated_delta_rule, a decode step the recurrent form of
+  torch_recurrent_gated_delta_rule, both from the slot's state;
+- `GatedRMSNorm`: RMSNorm of the mixer output per value head, times silu(z).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xllm_gen.runtime.executor.context import get_context
+from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
+from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, replicated, split_segment
+
+
+class RecurrentMixer(nn.Module):
+    """Base of a token mixer with per-sequence state. Subclasses set `self.state_spec` {name: (shape, dtype)}
+    (this rank's per-sequence shapes); the runner fills `self.states` {name: [num_slots, *shape]}."""
+
+    state_spec: dict = {}
+
+    def state_shapes(self) -> dict:
+        return dict(self.state_spec)
+
+    def init_states(self, num_slots: int, device, dtype) -> None:
+        self.states = {name: torch.zeros((num_slots,) + tuple(shape), dtype=dt or dtype, device=device)
+                       for name, (shape, dt) in self.state_shapes().items()}
+
+    def state_bytes(self, dtype) -> int:
+        """Bytes of one sequence's state."""
+        n = 0
+        for shape, dt in self.state_shapes().values():
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            n += numel * torch.tensor([], dtype=dt or dtype).element_size()
+        return n
+
+
+def step_sequences(ctx):
+    """[(row_start, row_end, slot, continues)] of the step's sequences (host values; no device sync)."""
+    if ctx.state_slots_cpu is None:
+        raise RuntimeError("a recurrent mixer ran without state slots in the forward context (the runner allocates "
+                           "them for models with recurrent layers)")
+    out, start = [], 0
+    for qlen, slot, cont in zip(ctx.query_lens_cpu, ctx.state_slots_cpu, ctx.state_continue_cpu):
+        out.append((start, start + qlen, slot, cont))
+        start += qlen
+    return out
+
+
+def _fields_named(fields: Optional[dict]):
+    """A refusal's ' (config.json <field>)' for a size, where the generated block named its field."""
+    return lambda size: f" (config.json {fields[size]})" if fields and size in fields else ""
+
+
+# ------------------------------------------------------------------------------------------------ conv1d
+class CausalConv1d(nn.Module):
+    """Depthwise causal conv1d over time of `channels` channels (kernel `kernel`, optional bias), parameter
+    `weight [channels, 1, kernel]` as nn.Conv1d stores it. `segments`: the channel segments (name, heads, unit) in
+    order, split over TP ranks by heads (each rank holds its heads' channels of every segment)."""
+
+    def __init__(self, segments, kernel: int, bias: bool = False):
+        # segments: (name, heads, unit) or (name, heads, unit, replicate_ok): a segment of fewer heads than ranks
+        # may be replicated (rank r serves head r // (tp / heads)), as KV heads are
+        super().__init__()
+        tp, rank = get_tp_size(), get_tp_rank()
+        problems: list = []
+        segs = tuple(split_segment(Segment(*seg), tp, rank, problems) for seg in segments)
+        self.channels = sum(s.rows for s in segs)
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.empty(self.channels, 1, kernel))
+        attach(self.weight, ParamSplit("column", 0, segs, tuple(self.weight.shape), tp, rank, "CausalConv1d"))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.channels))
+            attach(self.bias, ParamSplit("column", 0, segs, tuple(self.bias.shape), tp, rank, "CausalConv1d"))
+        raise_or_defer(self, problems)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels} (per rank), kernel={self.kernel}, bias={self.bias is not None}"
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: torch.Tensor,
+                  activation: Optional[str] = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: x [T, C] (this chunk), weight [C, 1, K], state [C, K - 1] (the previous inputs; zeros at the
+    start). Returns (act(conv(x)) [T, C], new state [C, K - 1])."""
+    C = x.shape[1]
+    K = weight.shape[-1]
+    ext = torch.cat([state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)          # [C, K - 1 + T]
+    out = F.conv1d(ext.unsqueeze(0), weight, bias, groups=C)[0]                        # [C, T]
+    if activation == "silu":
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"causal_conv1d: activation {activation!r} (silu or None)")
+    return out.t().to(x.dtype), ext[:, ext.shape[-1] - (K - 1):]
+
+
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: torch.Tensor,
+                       activation: Optional[str] = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step of B sequences: x [B, C], state [B, C, K - 1]. Returns (out [B, C], new state)."""
+    ext = torch.cat([state.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], dim=-1)   # [B, C, K]
+    out = (ext.float() * weight[:, 0].float().unsqueeze(0)).sum(-1)       # accumulated in float32, as conv1d does
+    if bias is not None:
+        out = out + bias.float()
+    out = out.to(weight.dtype)
+    if activation == "silu":
+        out = F.silu(out)
+    return out.to(x.dtype), ext[:, :, 1:]
+
+
+# ---------------------------------------------------------------------------------------- gated delta rule
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
+    """One sequence, the chunked form: q, k [T, Hv, Dk] (already repeated to the value heads), v [T, Hv, Dv],
+    g, beta [T, Hv], state [Hv, Dk, Dv] (float32). Returns (out [T, Hv, Dv] float32, new state)."""
+    T = q.shape[0]
+    q, k, v, beta, g = (x.transpose(0, 1).float().contiguous() for x in (q, k, v, beta, g))   # [H, T, ...]
+    q = _l2norm(q)
+    k = _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (chunk_size - T % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    H, n = q.shape[0], (T + pad) // chunk_size
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(H, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = g.reshape(H, n, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=-1)
+    pair = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(ut, decayed_k_beta, upper=False, unitriangular=True)
+    S = state.float()
+    out = torch.zeros_like(new_v)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(n):
+        v_new = new_v[:, i] - k_cum[:, i] @ S
+        out[:, i] = q[:, i] @ S + intra[:, i] @ v_new
+        S = S * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(H, -1, out.shape[-1])[:, :T]
+    return out.transpose(0, 1), S
+
+
+def gated_delta_rule_step(q, k, v, g, beta, state):
+    """A decode step of B sequences, the recurrent form: q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv],
+    state [B, Hv, Dk, Dv]. Returns (out [B, Hv, Dv] float32, new state)."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = _l2norm(q)
+    k = _l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    S = state.float() * g.exp()[..., None, None]
+    kv_mem = (S * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    S = S + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (S * q.unsqueeze(-1)).sum(dim=-2), S
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head's output times silu(gate): `w * norm(x).to(dtype) * silu(z.float())`, cast back
+    (transformers' RMSNormGated / FLA's FusedRMSNormGated); weight [dim] replicated."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated(nn.Parameter(torch.empty(dim)), "GatedRMSNorm")
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(z.float())).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GatedDeltaNet(RecurrentMixer):
+    """The state and math of a gated DeltaNet mixer (the generated block subclasses it and adds its projections):
+    `conv1d` (depthwise causal conv over q | k | v channels, then SiLU), `A_log` and `dt_bias` [value_heads]
+    (decay g = -exp(A_log) * softplus(a + dt_bias)), `norm` (GatedRMSNorm over value_head_dim). Heads are split over
+    TP ranks by key-head groups: rank r holds key heads [r Hk / tp, ...) and their value heads (value heads
+    Hv / Hk per key head, consecutive), so `key_heads` must be divisible by the TP size.
+
+    States per sequence: `conv` [conv channels, kernel - 1] and `recurrent` [value heads, key_head_dim,
+    value_head_dim] (float32)."""
+
+    def __init__(self, key_heads: int, value_heads: int, key_head_dim: int, value_head_dim: int, conv_kernel: int,
+                 eps: float, conv_bias: bool = False, activation: str = "silu", fields: Optional[dict] = None):
+        # fields: the config fields of the sizes ({"key_heads": "linear_num_key_heads"}), named in refusals
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"gated_delta_net: the conv activation must be silu, got {activation!r}")
+        named = _fields_named(fields)
+        if value_heads % key_heads:
+            raise ValueError(f"gated_delta_net: value heads ({value_heads}) must be a multiple of key heads "
+                             f"({key_heads})")
+        tp = get_tp_size()
+        problems: list = []
+        if key_heads % tp:
+            problems.append(f"gated_delta_net: {key_heads} key heads{named('key_heads')} (and their value heads) cannot "
+                            f"be split over tensor parallel size {tp}")
+        raise_or_defer(self, problems)
+        self.rep = value_heads // key_heads                 # value heads per key head
+        self.key_heads = max(1, key_heads // tp)            # per rank
+        self.value_heads = self.key_heads * self.rep
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+        self.key_dim = self.key_heads * key_head_dim
+        self.value_dim = self.value_heads * value_head_dim
+        self.conv_kernel = conv_kernel
+        self.conv1d = CausalConv1d((("q", key_heads, key_head_dim), ("k", key_heads, key_head_dim),
+                                    ("v", key_heads, self.rep * value_head_dim)), conv_kernel, conv_bias)
+        heads = Segment("heads", key_heads, self.rep)
+        rank = get_tp_rank()
+        for name in ("A_log", "dt_bias"):
+            p = nn.Parameter(torch.empty(self.value_heads))
+            seg = split_segment(heads, tp, rank, [])
+            setattr(self, name, attach(p, ParamSplit("column", 0, (seg,), tuple(p.shape), tp, rank, "GatedDeltaNet")))
+        self.norm = GatedRMSNorm(value_head_dim, eps)
+        self.state_spec = {"conv": ((self.conv1d.channels, conv_kernel - 1), None),
+                           "recurrent": ((self.value_heads, key_head_dim, value_head_dim), torch.float32)}
+
+    def sizes(self, *segments: str) -> list:
+        """This rank's widths of projection segments (q, k: key_dim; v, z: value_dim; b, a: value heads)."""
+        size = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim,
+                "b": self.value_heads, "a": self.value_heads}
+        return [size[s] for s in segments]
+
+    def mix(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """qkv [N, 2 key_dim + value_dim] (q | k | v, before the conv), z [N, value_dim], b, a [N, value_heads] ->
+        the gated-normed mixer output [N, value_dim] (before the output projection), states updated."""
+        ctx = get_context()
+        N = qkv.shape[0]
+        Hv, Dv = self.value_heads, self.value_head_dim
+        conv_state, rec_state = self.states["conv"], self.states["recurrent"]
+        w, cb = self.conv1d.weight, self.conv1d.bias
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = torch.empty(N, Hv, Dv, dtype=torch.float32, device=qkv.device)
+        seqs = step_sequences(ctx)
+        if not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs):    # decode: one token each, batched
+            slots = ctx.state_slots
+            x, new_conv = causal_conv1d_step(qkv, w, cb, conv_state[slots])
+            conv_state[slots] = new_conv.to(conv_state.dtype)
+            q, k, v = self._split(x)
+            o, S = gated_delta_rule_step(q, k, v, g, beta, rec_state[slots])
+            rec_state[slots] = S
+            out = o
+        else:
+            for s, e, slot, cont in seqs:
+                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                x, new_conv = causal_conv1d(qkv[s:e], w, cb, cs)
+                conv_state[slot] = new_conv.to(conv_state.dtype)
+                q, k, v = self._split(x)
+                rs = rec_state[slot] if cont else torch.zeros_like(rec_state[slot])
+                o, S = gated_delta_rule_chunked(q, k, v, g[s:e], beta[s:e], rs)
+                rec_state[slot] = S
+                out[s:e] = o
+        out = self.norm(out.to(qkv.dtype).reshape(-1, Dv), z.reshape(-1, Dv))
+        return out.view(N, Hv * Dv)
+
+    def _split(self, x: torch.Tensor):
+        Hk, Dk, Dv = self.key_heads, self.key_head_dim, self.value_head_dim
+        q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(-1, Hk, Dk).repeat_interleave(self.rep, dim=1)
+        k = k.reshape(-1, Hk, Dk).repeat_interleave(self.rep, dim=1)
+        return q, k, v.reshape(-1, self.value_heads, Dv)
+
+    def extra_repr(self) -> str:
+        return (f"key_heads={self.key_heads}, value_heads={self.value_heads} (per rank), key_head_dim="
+                f"{self.key_head_dim}, value_head_dim={self.value_head_dim}, conv_kernel={self.conv_kernel}")
+
+
+# ------------------------------------------------------------------------------------------------- mamba2
+def _segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] -> [..., T, T]: out[..., i, j] = sum(x[..., j + 1 : i + 1]) for j <= i, -inf above (transformers'
+    segment_sum)."""
+    T = x.size(-1)
+    x = x[..., None].expand(*x.size(), T)
+    x = x.masked_fill(~torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=-1), 0)
+    s = torch.cumsum(x, dim=-2)
+    return s.masked_fill(~torch.tril(torch.ones(T, T, device=x.device, dtype=torch.bool), diagonal=0), -torch.inf)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, D, state, chunk_size: int):
+    """One sequence, Mamba-2's SSD in chunks (transformers' mamba2_chunk_scan): x [T, H, P], dt [T, H] (after bias,
+    softplus and clamp), A [H] (negative), B, C [T, H, N] (already repeated to the heads), D [H], state [H, P, N]
+    (float32). Returns (y [T, H, P] float32, new state)."""
+    T = x.shape[0]
+    x = x.float()
+    pad = (chunk_size - T % chunk_size) % chunk_size
+    D_res = D.float()[:, None] * F.pad(x, (0, 0, 0, 0, 0, pad))
+    x = x * dt[..., None].float()
+    A = A.float() * dt.float()                                                      # [T, H]
+
+    def chunks(t):
+        t = F.pad(t, [0, 0] * (t.dim() - 1) + [0, pad])
+        return t.reshape(-1, chunk_size, *t.shape[1:])
+    x, A, B, C = (chunks(t) for t in (x, A, B.float(), C.float()))                 # [c, l, ...]
+    A = A.permute(2, 0, 1)                                                          # [H, c, l]
+    A_cum = torch.cumsum(A, dim=-1)
+    L = torch.exp(_segment_sum(A))                                                  # [H, c, l, s]
+    G = torch.einsum("clhn,cshn->clsh", C, B)
+    M = G * L.permute(1, 2, 3, 0)
+    y_diag = torch.einsum("clsh,cshp->clhp", M, x)
+    decay_states = torch.exp(A_cum[:, :, -1:] - A_cum)                              # [H, c, l]
+    B_decay = B * decay_states.permute(1, 2, 0)[..., None]
+    states = torch.einsum("clhn,clhp->chpn", B_decay, x)
+    states = torch.cat([state.float()[None], states], dim=0)                       # [c + 1, H, P, N]
+    decay_chunk = torch.exp(_segment_sum(F.pad(A_cum[:, :, -1], (1, 0)))).transpose(0, 2)   # [c+1 (z), c+1, H]
+    new_states = torch.einsum("zch,zhpn->chpn", decay_chunk, states)
+    states, final = new_states[:-1], new_states[-1]
+    C_states = torch.einsum("clhn,chpn->clhp", C, states)
+    y_off = C_states * torch.exp(A_cum).permute(1, 2, 0)[..., None]
+    y = (y_diag + y_off).reshape(-1, *y_diag.shape[2:]) + D_res
+    return y[:T], final
+
+
+def ssd_step(x, dt, A, B, C, D, state):
+    """A decode step of B sequences (transformers' mamba2_selective_state_update): x [B, H, P], dt [B, H] (after bias
+    and softplus), A [H], B, C [B, H, N] (repeated to the heads), D [H], state [B, H, P, N]. Returns (y [B, H, P] in
+    x's dtype, new state float32)."""
+    dt = dt[..., None]                                                              # [B, H, 1]
+    dA = torch.exp(dt.float()[..., None] * A.float()[None, :, None, None])           # [B, H, 1, 1]
+    dBx = (dt * B)[:, :, None, :] * x[..., None]                                    # [B, H, P, N]
+    S = state.float() * dA + dBx
+    y = (S.to(C.dtype).float() * C[:, :, None, :].float()).sum(-1).to(C.dtype)   # a bmm in C's dtype
+    y = (y + x * D[None, :, None]).to(y.dtype)
+    return y.to(x.dtype), S
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """Mamba-2's gated norm (transformers' MambaRMSNormGated): `w * rmsnorm_per_group(x * silu(z))`, in float32
+    before the weight; `groups` groups of equal width. Weight [channels] split over TP ranks as the heads are: with
+    at least as many groups as ranks each rank normalizes its own groups; with fewer, a group spans tp / groups
+    ranks and its mean square is summed over them (one all-reduce of [N, groups])."""
+
+    def __init__(self, segment: Segment, groups: int, eps: float):
+        super().__init__()
+        tp, rank = get_tp_size(), get_tp_rank()
+        seg = split_segment(segment, tp, rank, [])
+        self.eps, self.groups = eps, groups
+        self.group_size = segment.size // groups                   # channels of one group (global)
+        self.spanning = groups < tp                                # a group spans several ranks
+        self.my_group = rank // max(1, tp // groups)
+        self.weight = attach(nn.Parameter(torch.empty(seg.rows)),
+                             ParamSplit("column", 0, (seg,), (seg.rows,), tp, rank, "GroupedGatedRMSNorm"))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(z.float())
+        if self.spanning:
+            sums = torch.zeros(h.shape[0], self.groups, dtype=torch.float32, device=h.device)
+            sums[:, self.my_group] = h.pow(2).sum(-1)
+            var = all_reduce(sums)[:, self.my_group:self.my_group + 1] / self.group_size
+            return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
+        g = h.view(*h.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view_as(h).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]} (per rank), group_size={self.group_size}, eps={self.eps}"
+
+
+class Mamba2(RecurrentMixer):
+    """The state and math of a Mamba-2 mixer (the generated block subclasses it and adds its projections): `conv1d`
+    (depthwise causal conv over x | B | C, then SiLU), `A_log`, `D`, `dt_bias` [heads], `norm` (the grouped gated
+    RMSNorm over heads * head_dim). SSD with `groups` B / C groups (heads / groups heads each), dt = softplus(dt +
+    dt_bias) clamped to `time_step_limit` in a prompt chunk (transformers' chunk scan; its decode step does not
+    clamp), y = SSD(x) + D x. TP splits heads and groups (both divisible by the TP size).
+
+    States per sequence: `conv` [conv channels, kernel - 1] and `ssm` [heads, head_dim, state_size] (float32)."""
+
+    def __init__(self, heads: int, head_dim: int, groups: int, state_size: int, conv_kernel: int, chunk_size: int,
+                 eps: float, conv_bias: bool = True, activation: str = "silu", time_step_limit=(0.0, float("inf")),
+                 fields: Optional[dict] = None):
+        # fields: the config fields of the sizes ({"heads": "num_heads", "groups": "n_groups"}), named in refusals
+        super().__init__()
+        named = _fields_named(fields)
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"mamba2: the conv activation must be silu, got {activation!r}")
+        if heads % groups:
+            raise ValueError(f"mamba2: heads ({heads}) must be a multiple of groups ({groups})")
+        tp, rank = get_tp_size(), get_tp_rank()
+        problems = [f"mamba2: {heads} heads{named('heads')} cannot be split over tensor parallel size {tp}"] \
+            if heads % tp else []
+        if groups % tp and tp % groups:
+            problems.append(f"mamba2: {groups} B/C groups{named('groups')} cannot be split over (nor replicated "
+                            f"across) tensor parallel size {tp}")
+        raise_or_defer(self, problems)
+        # per rank; with fewer groups than ranks each rank holds (a copy of) the one group of its heads
+        self.heads, self.groups = max(1, heads // tp), max(1, groups // tp)
+        self.head_dim, self.state_size, self.chunk_size = head_dim, state_size, chunk_size
+        self.conv_kernel = conv_kernel
+        self.time_step_limit = tuple(float(v) for v in time_step_limit)
+        self.conv1d = CausalConv1d((("x", heads, head_dim), ("B", groups, state_size, True),
+                                    ("C", groups, state_size, True)), conv_kernel, conv_bias)
+        heads_seg = split_segment(Segment("heads", heads), tp, rank, [])
+        for name in ("A_log", "D", "dt_bias"):
+            p = nn.Parameter(torch.empty(self.heads))
+            setattr(self, name, attach(p, ParamSplit("column", 0, (heads_seg,), tuple(p.shape), tp, rank, "Mamba2")))
+        self.norm = GroupedGatedRMSNorm(Segment("heads", heads, head_dim), groups, eps)
+        self.state_spec = {"conv": ((self.conv1d.channels, conv_kernel - 1), None),
+                           "ssm": ((self.heads, head_dim, state_size), torch.float32)}
+
+    def sizes(self, *segments: str) -> list:
+        """This rank's widths of in_proj segments (z, x: heads * head_dim; B, C: groups * state_size; dt: heads)."""
+        inner, bc = self.heads * self.head_dim, self.groups * self.state_size
+        size = {"z": inner, "x": inner, "B": bc, "C": bc, "dt": self.heads}
+        return [size[s] for s in segments]
+
+    def mix(self, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """z [N, heads * head_dim] (the gate), xbc [N, x | B | C] (before the conv), dt [N, heads] -> the gated-normed
+        SSD output [N, heads * head_dim] (before the output projection), states updated."""
+        ctx = get_context()
+        N = xbc.shape[0]
+        H, P = self.heads, self.head_dim
+        conv_state, ssm_state = self.states["conv"], self.states["ssm"]
+        w, cb = self.conv1d.weight, self.conv1d.bias
+        A = -torch.exp(self.A_log.float())
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
+        seqs = step_sequences(ctx)
+        if not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs):    # decode: one token each, batched
+            slots = ctx.state_slots
+            h, new_conv = causal_conv1d_step(xbc, w, cb, conv_state[slots])
+            conv_state[slots] = new_conv.to(conv_state.dtype)
+            x, B, C = self._split(h)
+            y, st = ssd_step(x, dt, A, B, C, self.D, ssm_state[slots])
+            ssm_state[slots] = st
+        else:
+            y = torch.empty(N, H, P, dtype=torch.float32, device=xbc.device)
+            lo, hi = self.time_step_limit
+            dtc = torch.clamp(dt, min=lo, max=hi)
+            for s, e, slot, cont in seqs:
+                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                h, new_conv = causal_conv1d(xbc[s:e], w, cb, cs)
+                conv_state[slot] = new_conv.to(conv_state.dtype)
+                x, B, C = self._split(h)
+                st = ssm_state[slot] if cont else torch.zeros_like(ssm_state[slot])
+                y[s:e], ssm_state[slot] = ssd_chunk_scan(x, dtc[s:e], A, B, C, self.D, st, self.chunk_size)
+        return self.norm(y.reshape(N, H * P), z).to(z.dtype)
+
+    def _split(self, h: torch.Tensor):
+        H, P, G, S = self.heads, self.head_dim, self.groups, self.state_size
+        x, B, C = h.split([H * P, G * S, G * S], dim=-1)
+        B = B.reshape(-1, G, S).repeat_interleave(H // G, dim=1)
+        C = C.reshape(-1, G, S).repeat_interleave(H // G, dim=1)
+        return x.reshape(-1, H, P), B, C
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.heads}, groups={self.groups} (per rank), head_dim={self.head_dim}, state_size="
+                f"{self.state_size}, conv_kernel={self.conv_kernel}, chunk_size={self.chunk_size}")
+
+
+# ----------------------------------------------------------------------------------------------- short conv
+class ShortConv(RecurrentMixer):
+    """The state and math of a gated short-convolution mixer (the `short_conv` block kind; the generated block subclasses it and
+    adds its projections): `y = C * conv(B * x)` with a depthwise causal conv1d over `channels` channels (no
+    activation), parameter `conv.weight [channels, 1, kernel]`. Channels split over TP ranks.
+
+    State per sequence: `conv` [channels, kernel - 1]."""
+
+    def __init__(self, channels: int, conv_kernel: int, bias: bool = False):
+        super().__init__()
+        self.conv = CausalConv1d((("x", channels, 1),), conv_kernel, bias)
+        self.channels, self.conv_kernel = self.conv.channels, conv_kernel
+        self.state_spec = {"conv": ((self.conv.channels, conv_kernel - 1), None)}
+
+    def mix(self, b: torch.Tensor, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """b, c, x [N, channels] -> c * conv(b * x) [N, channels], the conv state updated."""
+        ctx = get_context()
+        conv_state = self.states["conv"]
+        w, cb = self.conv.weight, self.conv.bias
+        bx = b * x
+        seqs = step_sequences(ctx)
+        if not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs):    # decode: one token each, batched
+            slots = ctx.state_slots
+            h, new = causal_conv1d_step(bx, w, cb, conv_state[slots], activation=None)
+            conv_state[slots] = new.to(conv_state.dtype)
+        else:
+            h = torch.empty_like(bx)
+            for s, e, slot, cont in seqs:
+                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                h[s:e], new = causal_conv1d(bx[s:e], w, cb, cs, activation=None)
+                conv_state[slot] = new.to(conv_state.dtype)
+        return c * h
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels} (per rank), conv_kernel={self.conv_kernel}"
