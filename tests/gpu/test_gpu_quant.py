@@ -207,7 +207,7 @@ def test_fp8_kv_cache_cuda(tmp_path, decode_kernel):
     graphs on, chunked prefill so that later chunks read the cache) gives the torch attention's tokens on the same
     float8 cache (the CPU semantics: K / V rounded when written, prefill reading them back), up to bf16 near ties;
     and the rounding counts: a bf16 cache moves the logprobs."""
-    from fixtures.graph_compare import _compare
+    from fixtures.report import report as _report
     from fixtures.tiny_hf import make_tiny_qwen3
 
     from xllm_gen import LLM, SamplingParams
@@ -217,16 +217,34 @@ def test_fp8_kv_cache_cuda(tmp_path, decode_kernel):
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     kw = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=64,
               enable_prefix_caching=False)
-    ref = LLM(str(ckpt), kv_cache_dtype="fp8", enforce_eager=True, _debug={"torch_attention": True}, **kw)
-    want = ref.generate(prompts, sp)
-    ref.shutdown()
     llm = LLM(str(ckpt), kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel}, **kw)
     kc = next(m.k_cache for m in llm.engine.runner.model.modules() if getattr(m, "k_cache", None) is not None
               and m.k_cache.numel())
     assert kc.dtype == torch.float8_e4m3fn and llm.engine.runner.graphs is not None
     got = llm.generate(prompts, sp)
     llm.shutdown()
-    _compare(want, got, f"fp8_kv_{decode_kernel}_vs_torch")
+    ref = LLM(str(ckpt), kv_cache_dtype="fp8", enforce_eager=True, _debug={"torch_attention": True}, **kw)
+    want = ref.generate(prompts, sp)
+    # the two attention implementations round differently in bf16: the logprobs of shared steps stay close, and a
+    # greedy run may part from the reference only where the reference's top two logits are one bf16 step apart
+    # (a tie at the lm_head's precision: the first H200 run parted at gaps of 0.0625 and 0.125, one step of a
+    # logit in [8, 16) and [16, 32)); the step is computed from the reference's own logit there, not assumed
+    worst, parted = 0.0, []
+    for i, (p, r, t) in enumerate(zip(prompts, want, got)):
+        a, b = r.outputs[0], t.outputs[0]
+        n = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        for j in range(len(a.token_ids) if n is None else n):
+            worst = max(worst, abs(a.logprobs[j][a.token_ids[j]].logprob - b.logprobs[j][a.token_ids[j]].logprob))
+        if n is not None:
+            logits = torch.as_tensor(ref.prefill_logits(p["prompt_token_ids"] + list(a.token_ids[:n]))).float()
+            top = logits[-1].topk(2).values
+            step = 2.0 ** (torch.floor(torch.log2(top[0].abs())).item() - 7)     # bf16: 8 significand bits
+            parted.append((i, n, (top[0] - top[1]).item(), step))
+    ref.shutdown()
+    _report(test=f"fp8_kv_{decode_kernel}_vs_torch", max_logprob_diff=worst, parted=parted)
+    assert worst < 0.1, f"fp8 KV ({decode_kernel}) logprobs differ from the torch attention's by {worst}"
+    assert all(gap <= step * 1.001 for _, _, gap, step in parted), \
+        f"fp8 KV ({decode_kernel}) parted from the torch attention away from a bf16 tie: {parted}"
     bf16 = LLM(str(ckpt), **kw)
     plain = bf16.generate(prompts, sp)
     bf16.shutdown()
