@@ -217,7 +217,7 @@ class BlockResolver(MLAResolver):
                     if module in taken:
                         raise self.err(sp + (key,), f"{self._where(sp + (key,))}: '{module}' is {taken[module]}")
                     taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
-                no_bias = Value(literal=False)
+                sbias = self.flag(sp + ("bias",), b.shared_expert.bias)
                 sact, sparams = self.gated_activation(path + ("activation",), b.activation)
                 on = self.flag(sp + ("enabled",), b.shared_expert.enabled)
                 if on.literal is False:
@@ -229,7 +229,7 @@ class BlockResolver(MLAResolver):
                               shared=GatedMLPIR(
                     "gated_mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
                     self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
-                    sact, "gate_up_proj", ("gate", "up"), no_bias, "down_proj", no_bias, sparams))
+                    sact, "gate_up_proj", ("gate", "up"), sbias, "down_proj", sbias, sparams))
             act, act_params = self.gated_activation(path + ("activation",), b.activation)
             groups = None
             if b.groups is not None:

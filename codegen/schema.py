@@ -331,6 +331,9 @@ class SharedExpert(Strict):
     # a bool symbol / expression: the shared expert (and its parameters) exists only in the checkpoints where it
     # holds (Cohere 2 MoE's `num_shared_experts > 0`), decided when the model is built
     enabled: Flag = True
+    # biases on its gate_up_proj and down_proj (a bool symbol: only in the checkpoints that set it; Hy3's shared MLP
+    # follows `mlp_bias`)
+    bias: Flag = False
 
 
 class MoEBlock(Strict):
