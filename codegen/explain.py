@@ -58,6 +58,13 @@ def _rotary(r) -> str:
     return rot + (f", scaling={r.scaling})" if r.scaling else ")")
 
 
+def _sub_norm(n) -> str:
+    if n is None:
+        return ""
+    return (f", sub_norm={n.kind}({n.name}, eps={n.eps}, over the whole width"
+            + (f", weight = {n.weight_offset:g} + w" if n.weight_offset else "") + (", bias" if n.bias else "") + ")")
+
+
 def _block(b) -> str:
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
@@ -89,7 +96,7 @@ def _block(b) -> str:
                 + (f", softcap={b.softcap}" if b.softcap else "")
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
-                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
+                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm) + ")")
     if isinstance(b, MLAIR):
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
@@ -119,10 +126,10 @@ def _block(b) -> str:
     if isinstance(b, GatedMLPIR):
         return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={_act(b)}, "
                 f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
-                f"bias={b.down_bias})")
+                f"bias={b.down_bias}{_sub_norm(b.sub_norm)})")
     if isinstance(b, MLPIR):
         return (f"mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
-                f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias})")
+                f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias}{_sub_norm(b.sub_norm)})")
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "

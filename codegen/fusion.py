@@ -32,7 +32,7 @@ class FusionPlan:
     @staticmethod
     def act_prologue(b: GatedMLPIR) -> bool:
         """The gated MLP's activation runs in its down projection's GEMV."""
-        if b.activation_params:
+        if b.activation_params or b.sub_norm is not None:   # a sub_norm runs between the activation and down
             return False
         return b.activation.literal is None or b.activation.literal in FUSED_GATED_ACTS
 

@@ -284,6 +284,17 @@ class QKNormIR:
 
 
 @dataclass(frozen=True)
+class SubNormIR:
+    """A norm of a block's inner activations before its output projection, over their whole width (weight [width],
+    split over TP ranks like the projection's input; statistics all-reduced: runtime L.ProjectionNorm)."""
+    name: str
+    kind: str                     # rmsnorm | layernorm
+    eps: Value
+    weight_offset: float = 0.0
+    bias: bool = False
+
+
+@dataclass(frozen=True)
 class QueryScaleIR:
     """q *= 1 + beta * log(1 + floor((position + offset) / floor)), on the layers where `enabled` holds."""
     beta: Value
@@ -317,6 +328,7 @@ class AttentionIR:
     sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
+    sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection
 
     @property
     def q_size(self) -> Size:
@@ -367,6 +379,7 @@ class GatedMLPIR:
     down_name: str
     down_bias: Value
     activation_params: Tuple[Tuple[str, Value], ...] = ()   # a parameterized form's (swiglu_clamped: alpha, limit)
+    sub_norm: Optional[SubNormIR] = None       # a norm of act(gate) * up before the down projection
 
 
 @dataclass(frozen=True)
@@ -383,6 +396,7 @@ class MLPIR:
     down_name: str
     down_bias: Value
     learned_activation: Optional[str] = None   # an activation with parameters (xielu): they live under act_fn
+    sub_norm: Optional[SubNormIR] = None       # a norm of act(up(x)) before the down projection
 
 
 @dataclass(frozen=True)

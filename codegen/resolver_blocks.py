@@ -23,6 +23,7 @@ from .ir import (
     RotaryIR,
     SegmentIR,
     Size,
+    SubNormIR,
     Value,
 )
 from .resolver_mla import MLAResolver
@@ -68,6 +69,19 @@ def _maybe(flag: Value) -> bool:
 
 
 class BlockResolver(MLAResolver):
+    def resolve_sub_norm(self, path, n, taken) -> SubNormIR | None:
+        """A block's `sub_norm` (None: absent); `taken`: the block's other module names."""
+        if n is None:
+            return None
+        sp = path + ("sub_norm",)
+        self.ident(sp + ("name",), n.name, "module name")
+        if n.name in taken:
+            raise self.err(sp + ("name",), f"{self._where(sp)}.name: module name '{n.name}' is already used in this "
+                                           f"block")
+        if not math.isfinite(n.weight_offset):
+            raise self.err(sp + ("weight_offset",), f"{self._where(sp)}.weight_offset: must be finite")
+        return SubNormIR(n.name, n.kind, self.positive(sp + ("eps",), n.eps, below=1.0), float(n.weight_offset), n.bias)
+
     def resolve_block(self, path, name, b, unique_kind: bool):
         prefix = self.spec.class_prefix
         camel = "".join(p.capitalize() for p in name.split("_"))
@@ -151,20 +165,24 @@ class BlockResolver(MLAResolver):
                 qscale = QueryScaleIR(self.num(sp + ("beta",), qs.beta), self.positive(sp + ("floor",), qs.floor),
                                       self.num(sp + ("offset",), qs.offset),
                                       self.rotary_enabled(sp + ("enabled",), qs.enabled))
+            out_name = module(path + ("out", "name"), b.out.name)
+            gate_name = module(path + ("out_gate", "name"), b.out_gate.name) if b.out_gate is not None else None
+            sub = self.resolve_sub_norm(path, b.sub_norm, ())
+            if sub is not None:
+                module(path + ("sub_norm", "name"), sub.name)
             return AttentionIR(
                 kind="attention", name=name, class_name=f"{prefix}Attention" if unique_kind else f"{prefix}{camel}",
                 hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
                 kv_heads=self.dim(path + ("kv_heads",), b.kv_heads), head_dim=self.dim(path + ("head_dim",), b.head_dim),
                 qkv_name=module(path + ("qkv", "name"), b.qkv.name), qkv_segments=tuple(qkv_segs),
                 qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
-                out_name=module(path + ("out", "name"), b.out.name),
+                out_name=out_name,
                 out_bias=self.flag(path + ("out", "bias"), b.out.bias),
                 rotary=rotary,
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
-                out_gate=(module(path + ("out_gate", "name"), b.out_gate.name), b.out_gate.activation, b.out_gate.per)
-                if b.out_gate is not None else None,
-                alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
+                out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if b.out_gate is not None else None,
+                alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub)
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
         if isinstance(b, GatedMLPBlock):
@@ -182,7 +200,8 @@ class BlockResolver(MLAResolver):
             return GatedMLPIR("gated_mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
-                              self.flag(path + ("down", "bias"), b.down.bias), act_params)
+                              self.flag(path + ("down", "bias"), b.down.bias), act_params,
+                              self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")))
         if isinstance(b, MLPBlock):
             act = self.activation(path + ("activation",), b.activation, ACTIVATIONS + tuple(PARAM_ACTIVATIONS),
                                   "an activation")
@@ -199,7 +218,7 @@ class BlockResolver(MLAResolver):
             return MLPIR("mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                          act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias),
-                         learned[0] if learned else None)
+                         learned[0] if learned else None, self.resolve_sub_norm(path, b.sub_norm, (up, dn, "act_fn")))
         if isinstance(b, MoEBlock):
             router = self.ident(path + ("router", "name"), b.router.name, "module name")
             if router == "experts":
@@ -378,6 +397,15 @@ class BlockResolver(MLAResolver):
 
     # ---- vision tower -----------------------------------------------------------------------------
     @staticmethod
+    def sub_norm_params(P, n, seg) -> List[ParamIR]:
+        """A sub_norm's weight (and bias) [width]: split over TP ranks as the output projection's input `seg`."""
+        if n is None:
+            return []
+        rows = seg.heads * seg.unit
+        seg = dataclasses.replace(seg, name=n.name)
+        return [P(f"{n.name}.{w}", (rows,), "colwise", (seg,)) for w in (("weight", "bias") if n.bias else ("weight",))]
+
+    @staticmethod
     def block_params(prefix: str, block: str, b, per_layer: bool) -> List[ParamIR]:
         one = Size.of(1)
 
@@ -444,6 +472,7 @@ class BlockResolver(MLAResolver):
                              False)
             if b.sinks:                   # one logit per query head, split by heads as q is
                 ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
+            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.out_name, b.heads, b.head_dim))
             return ps
         if isinstance(b, MoEIR):
             E = b.experts
@@ -486,11 +515,13 @@ class BlockResolver(MLAResolver):
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
             for pname, shape in PARAM_ACTIVATIONS.get(b.learned_activation, ()):
                 ps.append(P(f"act_fn.{pname}", tuple(Size.of(n) for n in shape), "replicated"))
+            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.down_name, b.intermediate, one))
             return ps
         if isinstance(b, GatedMLPIR):
             g, u = b.gate_up_segments
             ps = column(f"{b.gate_up_name}.", b.hidden, [SegmentIR(g, b.intermediate, one),
                                                          SegmentIR(u, b.intermediate, one)], _maybe(b.gate_up_bias))
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
+            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.down_name, b.intermediate, one))
             return ps
         raise AssertionError(type(b))  # pragma: no cover

@@ -161,6 +161,18 @@ class QKNorm(Strict):
     enabled: Flag = True
 
 
+class SubNorm(Strict):
+    """A norm of a block's inner activations right before its output projection, over their whole width jointly
+    (all heads of an attention output; the whole intermediate of an MLP): BitNet's `attn_sub_norm` /
+    `ffn_sub_norm`. Module `name`, weight (and bias) [width], split over TP ranks like the output projection's
+    input; the statistics are all-reduced, so every rank normalizes with the whole width's."""
+    kind: Literal["rmsnorm", "layernorm"]
+    eps: Num
+    name: StrictStr
+    weight_offset: Union[StrictInt, StrictFloat] = 0
+    bias: StrictBool = False
+
+
 class QueryScale(Strict):
     """A position-dependent query scale: q of the token at position p is multiplied by
     1 + beta * log(1 + floor((p + offset) / floor)) before attention (after rotary and any q/k norm): Llama 4's
@@ -218,6 +230,7 @@ class AttentionBlock(Strict):
     rotary: Optional[Rotary] = None     # absent: no rotary (absolute positions in the embedding, or ALiBi)
     qk_norm: Optional[QKNorm] = None
     out_gate: Optional[OutGate] = None      # a gate on the attention output before the output projection
+    sub_norm: Optional[SubNorm] = None      # a norm of the attention output (after any out_gate) before `out`
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
     # chunked local attention (Llama 4): query i sees key j iff j <= i and j // C == i // C; per-layer value (may
@@ -284,6 +297,7 @@ class GatedMLPBlock(Strict):
     activation: Union[StrictStr, ActivationForm]
     gate_up: FusedProjection
     down: Projection
+    sub_norm: Optional[SubNorm] = None      # a norm of act(gate) * up before `down`
 
 
 class MLPBlock(Strict):
@@ -296,6 +310,7 @@ class MLPBlock(Strict):
     activation: StrictStr
     up: Projection
     down: Projection
+    sub_norm: Optional[SubNorm] = None      # a norm of act(up(x)) before `down`
 
 
 class Router(Strict):

@@ -17,3 +17,26 @@ def test_hy_v3_shared_expert_bias_matters(tiny_checkpoint, tmp_path):
     def edit(name, t):
         return 2.0 * torch.randn(t.shape, generator=g) if ".mlp.shared_mlp." in name and name.endswith(".bias") else None
     _arm(base, _edit_tensors(base, tmp_path / "hy_v3_shared_bias", edit), "perturbing the shared MLP's biases")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["self_attn.attn_sub_norm", "mlp.ffn_sub_norm"])
+def test_bitnet_sub_norm_weights_matter(tiny_checkpoint, tmp_path, norm):
+    """BitNet's sub-norms (`sub_norm` of the attention / the gated MLP): scaling one norm's weight per column moves
+    transformers' tokens, and the engine follows (at TP 1 here; the conformance battery runs TP 2)."""
+    base = tiny_checkpoint("BitNetForCausalLM")
+    g = torch.Generator().manual_seed(12)
+
+    def edit(name, t):
+        return t * (0.2 + 2.0 * torch.rand(t.shape, generator=g)) if name.endswith(f".{norm}.weight") else None
+    _arm(base, _edit_tensors(base, tmp_path / f"bitnet_{norm}", edit), f"perturbing {norm}")
+
+
+def test_bitnet_ternary_checkpoints_are_refused_by_name():
+    """The released BitNet checkpoints quantize weights and activations at run time (quant_method 'bitnet'):
+    specs/bitnet.yaml serves the full-precision architecture only, and the runtime refuses the method by name."""
+    from xllm_gen.runtime.loading.quant_config import QuantConfigError, parse_quant_config
+    hf = {"architectures": ["BitNetForCausalLM"], "quantization_config": {
+        "quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"}}
+    with pytest.raises(QuantConfigError, match="bitnet"):
+        parse_quant_config(hf)
