@@ -212,7 +212,9 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.embed_positions:
         pe = ir.embed_positions
         w(f"  embed_positions  {pe.kind}(positions={pe.positions}, dim={pe.dim}"
-          + (f", offset={pe.offset})" if pe.offset else ")") + ": added to the embedding")
+          + (f", offset={pe.offset}" if pe.offset else "")
+          + (f", frequencies={pe.frequencies}" if pe.kind == "sinusoidal" and pe.frequencies != "fairseq" else "")
+          + "): added to the embedding")
     if ir.project_in:
         w(f"  project_in  {_proj(ir.project_in)}: embedding -> residual width")
     if ir.embed_norm:

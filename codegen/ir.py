@@ -226,6 +226,7 @@ class PositionEmbeddingIR:
     positions: Size
     dim: Size
     offset: int = 0
+    frequencies: str = "fairseq"  # sinusoidal: fairseq (10000 ** (-j / (d/2 - 1))) | transformer (10000 ** (-2j / d))
 
 
 @dataclass(frozen=True)

@@ -82,11 +82,14 @@ class PositionEmbeddingBlock(Strict):
     """Absolute position embeddings added to the token embedding (after its `scale`), before the first layer:
     `learned`: a table `[positions + offset, dim]` (parameter `embed_positions.weight`, replicated) read at row
     `position + offset` (GPT-2's wpe, OPT's offset 2); `sinusoidal`: the fixed fairseq table (sin of the first
-    half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`."""
+    half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`.
+    `frequencies` (sinusoidal only): `fairseq` f_j = 10000 ** (-j / (dim/2 - 1)) (XGLM); `transformer` the original
+    Transformer's f_j = 10000 ** (-2j / dim) (CTRL)."""
     kind: Literal["learned", "sinusoidal"]
     positions: Dim
     dim: Dim
     offset: StrictInt = 0
+    frequencies: Optional[Literal["fairseq", "transformer"]] = None
 
 
 class RMSNormBlock(Strict):

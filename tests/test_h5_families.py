@@ -40,3 +40,15 @@ def test_bitnet_ternary_checkpoints_are_refused_by_name():
         "quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"}}
     with pytest.raises(QuantConfigError, match="bitnet"):
         parse_quant_config(hf)
+
+
+def test_transformer_sinusoidal_table_is_ctrls_and_not_fairseqs():
+    """`embed_positions: {kind: sinusoidal, frequencies: transformer}` is transformers' CTRL table exactly (odd
+    widths too), and differs from the fairseq table (the default), so the key matters."""
+    from transformers.models.ctrl.modeling_ctrl import positional_encoding
+
+    from xllm_gen.runtime.layers.embedding import sinusoidal_table, transformer_sinusoidal_table
+    for dim in (16, 17, 64):
+        ours = transformer_sinusoidal_table(300, dim)
+        assert torch.equal(ours, positional_encoding(300, dim, torch.float))
+        assert (ours - sinusoidal_table(300, dim)).abs().max() > 0.1
