@@ -166,6 +166,8 @@ class BlockResolver(MLAResolver):
                                       self.num(sp + ("offset",), qs.offset),
                                       self.rotary_enabled(sp + ("enabled",), qs.enabled))
             out_name = module(path + ("out", "name"), b.out.name)
+            # the output projection's bias may exist on some layers only (an expression reading `layer`)
+            out_bias = self.flag(path + ("out", "bias"), b.out.bias, per_layer=True)
             gate_name = module(path + ("out_gate", "name"), b.out_gate.name) if b.out_gate is not None else None
             sub = self.resolve_sub_norm(path, b.sub_norm, ())
             if sub is not None:
@@ -177,7 +179,7 @@ class BlockResolver(MLAResolver):
                 qkv_name=module(path + ("qkv", "name"), b.qkv.name), qkv_segments=tuple(qkv_segs),
                 qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
                 out_name=out_name,
-                out_bias=self.flag(path + ("out", "bias"), b.out.bias),
+                out_bias=out_bias,
                 rotary=rotary,
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
@@ -446,6 +448,8 @@ class BlockResolver(MLAResolver):
                     SegmentIR(v, b.kv_heads, b.head_dim, True)]
             ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))
+            if b.out_bias.per_layer:      # the bias exists on the layers where the expression holds
+                ps[-1] = dataclasses.replace(ps[-1], when=(b.out_bias, True))
             if b.qk_norm:
                 n = b.qk_norm
                 first = len(ps)

@@ -52,3 +52,15 @@ def test_transformer_sinusoidal_table_is_ctrls_and_not_fairseqs():
         ours = transformer_sinusoidal_table(300, dim)
         assert torch.equal(ours, positional_encoding(300, dim, torch.float))
         assert (ours - sinusoidal_table(300, dim)).abs().max() > 0.1
+
+
+@pytest.mark.slow
+def test_gpt_neox_japanese_last_layer_out_bias_matters(tiny_checkpoint, tmp_path):
+    """GPT-NeoX-Japanese's output-projection bias on the last layer only (`out.bias` reading `layer`; zeros in the
+    tiny checkpoint): other values move transformers' tokens, and the engine follows."""
+    base = tiny_checkpoint("GPTNeoXJapaneseForCausalLM")
+    g = torch.Generator().manual_seed(13)
+
+    def edit(name, t):
+        return 3.0 * torch.randn(t.shape, generator=g) if name.endswith("attention.dense_bias") else None
+    _arm(base, _edit_tensors(base, tmp_path / "gnj_dense_bias", edit), "perturbing the last layer's dense_bias")
