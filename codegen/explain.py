@@ -143,7 +143,10 @@ def _block(b) -> str:
                    f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
                    + (f" times {b.shared_scale}" if b.shared_scale else "")
                    + (f" where {b.shared_enabled}" if b.shared_enabled else "")
-                   if b.shared else "") + ")")
+                   + (f" bias={b.shared.gate_up_bias}" if b.shared.gate_up_bias.literal is not False else "")
+                   if b.shared else "")
+                + (f"; output normalized by {b.out_norm.kind}({b.out_norm.name}, eps={b.out_norm.eps})"
+                   if b.out_norm else "") + ")")
     return repr(b)
 
 

@@ -435,6 +435,7 @@ class MoEIR:
     weights_on: str = "output"               # output: sum_k w_k * expert_k(x); input: sum_k expert_k(w_k * x)
     routing: str = "topk"                     # topk | sparsemixer
     jitter_eps: Optional[Value] = None        # sparsemixer's relative margin
+    out_norm: Optional[NormIR] = None         # a norm of the block's output (replicated weight [hidden])
 
     @property
     def plain_routing(self) -> bool:

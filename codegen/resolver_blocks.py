@@ -291,13 +291,28 @@ class BlockResolver(MLAResolver):
             elif b.jitter_eps is not None:
                 raise self.err(path + ("jitter_eps",), f"{self._where(path)}.jitter_eps: only with routing: "
                                                        f"sparsemixer")
+            out_norm = None
+            if b.out_norm is not None:
+                op = path + ("out_norm",)
+                n = b.out_norm
+                self.ident(op + ("name",), n.name, "module name")
+                taken = {"experts", router, "shared_expert" if b.shared_expert is None else b.shared_expert.name}
+                if b.shared_expert is not None and b.shared_expert.gate:
+                    taken.add(b.shared_expert.gate)
+                if n.name in taken:
+                    raise self.err(op + ("name",), f"{self._where(op)}.name: module name '{n.name}' is already used "
+                                                   f"in this block")
+                if not math.isfinite(n.weight_offset):
+                    raise self.err(op + ("weight_offset",), f"{self._where(op)}.weight_offset: must be finite")
+                out_norm = NormIR(n.kind, n.name, self.dim(path + ("hidden",), b.hidden),
+                                  self.positive(op + ("eps",), n.eps, below=1.0), n.bias, float(n.weight_offset))
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
                          act, self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared,
                          router_bias=self.flag(path + ("router", "bias"), b.router.bias),
                          expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params,
-                         **routing)
+                         out_norm=out_norm, **routing)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
     def check_groups_variant(self, name: str, b: MoEIR, values, at, vp) -> None:
@@ -511,6 +526,9 @@ class BlockResolver(MLAResolver):
                     ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
                 if b.shared_enabled is not None:     # only in the checkpoints where the flag holds
                     ps[first:] = [dataclasses.replace(p, when=(b.shared_enabled, True)) for p in ps[first:]]
+            if b.out_norm is not None:    # a replicated [hidden] weight (and bias)
+                n = b.out_norm
+                ps += [P(f"{n.name}.{w}", (b.hidden,), "replicated") for w in (("weight", "bias") if n.bias else ("weight",))]
             return ps
         if isinstance(b, MLAIR):
             return MLAResolver.mla_params(prefix, block, b, per_layer, _maybe)

@@ -393,6 +393,9 @@ class MoEBlock(Strict):
     # where the routing weights apply: `output` (default) sum_k w_k * expert_k(x); `input` sum_k expert_k(w_k * x)
     # (Llama 4: the router's sigmoid scores scale each chosen expert's input)
     weights_on: Literal["output", "input"] = "output"
+    # a norm of the block's output (the routed experts' plus any shared expert's), module `out_norm.name` with a
+    # replicated weight [hidden] (A.X-K1's post_mlp_layernorm)
+    out_norm: Optional[SubNorm] = None
     # how the experts are chosen from the router logits: `topk` (the scores' top_k, above) or `sparsemixer`
     # (PhiMoE's eval-mode SparseMixer: two experts, each weighted by a softmax over the logits within a relative
     # `jitter_eps` margin of it; top_k must be 2; no scoring / groups / bias / renormalization options)

@@ -64,3 +64,15 @@ def test_gpt_neox_japanese_last_layer_out_bias_matters(tiny_checkpoint, tmp_path
     def edit(name, t):
         return 3.0 * torch.randn(t.shape, generator=g) if name.endswith("attention.dense_bias") else None
     _arm(base, _edit_tensors(base, tmp_path / "gnj_dense_bias", edit), "perturbing the last layer's dense_bias")
+
+
+@pytest.mark.slow
+def test_axk1_moe_out_norm_weights_matter(tiny_checkpoint, tmp_path):
+    """A.X-K1's norm of the MoE output (`moe.out_norm`, stored as the layer's post_mlp_layernorm): scaling its
+    weight per column moves transformers' tokens, and the engine follows."""
+    base = tiny_checkpoint("AXK1ForCausalLM")
+    g = torch.Generator().manual_seed(14)
+
+    def edit(name, t):
+        return t * (0.2 + 2.0 * torch.rand(t.shape, generator=g)) if name.endswith("post_mlp_layernorm.weight") else None
+    _arm(base, _edit_tensors(base, tmp_path / "axk1_out_norm", edit), "perturbing post_mlp_layernorm")
