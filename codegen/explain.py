@@ -96,7 +96,8 @@ def _block(b) -> str:
                 + (f", softcap={b.softcap}" if b.softcap else "")
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
-                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm) + ")")
+                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
+                + (f", differential(eps={b.differential})" if b.differential else "") + ")")
     if isinstance(b, MLAIR):
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"

@@ -39,6 +39,8 @@ class FusionPlan:
     @staticmethod
     def rope_store(b: AttentionIR) -> str | None:
         """"qk_norm_rope" / "rope": the attention's rotary step (with its q/k norm) also stores k, v; None: not."""
+        if b.differential is not None:    # its cache holds the paired values, not v: stored by the attention
+            return None
         n = b.qk_norm
         if n is not None:
             return "qk_norm_rope" if n.fusable else None

@@ -330,6 +330,7 @@ class AttentionIR:
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
     sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection
+    differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
 
     @property
     def q_size(self) -> Size:

@@ -172,6 +172,16 @@ class BlockResolver(MLAResolver):
             sub = self.resolve_sub_norm(path, b.sub_norm, ())
             if sub is not None:
                 module(path + ("sub_norm", "name"), sub.name)
+            diff = None
+            if b.differential is not None:
+                dp = path + ("differential",)
+                for key, on in (("sinks", b.sinks), ("out_gate", b.out_gate is not None), ("alibi", b.alibi),
+                                ("sub_norm", b.sub_norm is not None), ("query_scale", b.query_scale is not None)):
+                    if on:
+                        raise self.err(dp, f"{self._where(dp)}: differential attention with `{key}` is not supported")
+                for m in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "diff"):
+                    module(dp, m)
+                diff = self.positive(dp + ("eps",), b.differential.eps, below=1.0)
             return AttentionIR(
                 kind="attention", name=name, class_name=f"{prefix}Attention" if unique_kind else f"{prefix}{camel}",
                 hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
@@ -184,7 +194,8 @@ class BlockResolver(MLAResolver):
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
                 out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if b.out_gate is not None else None,
-                alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub)
+                alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
+                differential=diff)
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
         if isinstance(b, GatedMLPBlock):
@@ -492,6 +503,8 @@ class BlockResolver(MLAResolver):
             if b.sinks:                   # one logit per query head, split by heads as q is
                 ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
             ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.out_name, b.heads, b.head_dim))
+            if b.differential is not None:    # the lambda re-parameterization vectors, replicated
+                ps += [P(n, (b.head_dim,), "replicated") for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
             return ps
         if isinstance(b, MoEIR):
             E = b.experts

@@ -176,6 +176,13 @@ class SubNorm(Strict):
     bias: StrictBool = False
 
 
+class Differential(Strict):
+    """Differential attention (Differential Transformer; transformers' DiffLlama): each head's softmax applied to
+    the two halves of the KV heads' values, head i minus lambda times head i + heads/2, a weightless RMSNorm (`eps`)
+    over the pair, times (1 - lambda_init); parameters lambda_q1, lambda_k1, lambda_q2, lambda_k2 [head_dim]."""
+    eps: Num
+
+
 class QueryScale(Strict):
     """A position-dependent query scale: q of the token at position p is multiplied by
     1 + beta * log(1 + floor((p + offset) / floor)) before attention (after rotary and any q/k norm): Llama 4's
@@ -234,6 +241,7 @@ class AttentionBlock(Strict):
     qk_norm: Optional[QKNorm] = None
     out_gate: Optional[OutGate] = None      # a gate on the attention output before the output projection
     sub_norm: Optional[SubNorm] = None      # a norm of the attention output (after any out_gate) before `out`
+    differential: Optional[Differential] = None   # differential attention (above)
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
     # chunked local attention (Llama 4): query i sees key j iff j <= i and j // C == i // C; per-layer value (may

@@ -76,3 +76,31 @@ def test_axk1_moe_out_norm_weights_matter(tiny_checkpoint, tmp_path):
     def edit(name, t):
         return t * (0.2 + 2.0 * torch.rand(t.shape, generator=g)) if name.endswith("post_mlp_layernorm.weight") else None
     _arm(base, _edit_tensors(base, tmp_path / "axk1_out_norm", edit), "perturbing post_mlp_layernorm")
+
+
+@pytest.mark.slow
+def test_diffllama_lambdas_matter(tiny_checkpoint, tmp_path):
+    """Differential attention's lambda vectors (lambda_q1 / k1 / q2 / k2): scaling them moves transformers' tokens,
+    and the engine follows."""
+    base = tiny_checkpoint("DiffLlamaForCausalLM")
+
+    def edit(name, t):
+        return 6.0 * t if ".self_attn.lambda_" in name else None
+    _arm(base, _edit_tensors(base, tmp_path / "diffllama_lambdas", edit), "scaling the lambda vectors")
+
+
+def test_differential_attention_is_refused_on_cuda_and_at_tp2():
+    """Differential attention runs its value halves as one value head of 2 * head_dim: the CUDA path refuses value
+    heads wider than q/k at load, naming them; a tensor-parallel split by heads is refused at construction."""
+    import types
+    from unittest import mock
+
+    from xllm_gen.runtime import layers as L
+    from xllm_gen.runtime.executor.model_runner import ModelRunner
+    attn = L.Attention(4, 2, 16, scale=0.25, v_head_dim=32)
+    runner = types.SimpleNamespace(device=torch.device("cuda"), debug={}, attn_layers=[attn])
+    with pytest.raises(NotImplementedError, match="value heads of another width"):
+        ModelRunner._make_backend(runner)
+    with mock.patch("xllm_gen.runtime.layers.attention.get_tp_size", return_value=2):
+        with pytest.raises(NotImplementedError, match="tensor_parallel_size=1"):
+            L.DifferentialAttention(4, 2, 16, 1e-5, 0)
