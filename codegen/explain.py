@@ -61,6 +61,13 @@ def _rotary(r) -> str:
     return rot + (f", scaling={r.scaling})" if r.scaling else ")")
 
 
+def _sub_norm(n) -> str:
+    if n is None:
+        return ""
+    return (f", sub_norm={n.kind}({n.name}, eps={n.eps}, over the whole width"
+            + (f", weight = {n.weight_offset:g} + w" if n.weight_offset else "") + (", bias" if n.bias else "") + ")")
+
+
 def _block(b) -> str:
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
@@ -93,7 +100,8 @@ def _block(b) -> str:
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
-                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + ")")
+                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
+                + (f", differential(eps={b.differential})" if b.differential else "") + ")")
     if isinstance(b, ShortConvIR):
         return (f"short_conv {b.class_name}(hidden={b.hidden}, conv_kernel={b.conv_kernel}, bias={b.bias}, "
                 f"{b.in_proj}=[B, C, x], {b.out_name}: C * conv(B * x); state per sequence: conv [hidden, "
@@ -140,10 +148,10 @@ def _block(b) -> str:
     if isinstance(b, GatedMLPIR):
         return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={_act(b)}, "
                 f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
-                f"bias={b.down_bias})")
+                f"bias={b.down_bias}{_sub_norm(b.sub_norm)})")
     if isinstance(b, MLPIR):
         return (f"mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
-                f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias})")
+                f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias}{_sub_norm(b.sub_norm)})")
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "
@@ -157,7 +165,10 @@ def _block(b) -> str:
                    f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
                    + (f" times {b.shared_scale}" if b.shared_scale else "")
                    + (f" where {b.shared_enabled}" if b.shared_enabled else "")
-                   if b.shared else "") + ")")
+                   + (f" bias={b.shared.gate_up_bias}" if b.shared.gate_up_bias.literal is not False else "")
+                   if b.shared else "")
+                + (f"; output normalized by {b.out_norm.kind}({b.out_norm.name}, eps={b.out_norm.eps})"
+                   if b.out_norm else "") + ")")
     return repr(b)
 
 
@@ -226,7 +237,9 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.embed_positions:
         pe = ir.embed_positions
         w(f"  embed_positions  {pe.kind}(positions={pe.positions}, dim={pe.dim}"
-          + (f", offset={pe.offset})" if pe.offset else ")") + ": added to the embedding")
+          + (f", offset={pe.offset}" if pe.offset else "")
+          + (f", frequencies={pe.frequencies}" if pe.kind == "sinusoidal" and pe.frequencies != "fairseq" else "")
+          + "): added to the embedding")
     if ir.project_in:
         w(f"  project_in  {_proj(ir.project_in)}: embedding -> residual width")
     if ir.embed_norm:

@@ -32,13 +32,15 @@ class FusionPlan:
     @staticmethod
     def act_prologue(b: GatedMLPIR) -> bool:
         """The gated MLP's activation runs in its down projection's GEMV."""
-        if b.activation_params:
+        if b.activation_params or b.sub_norm is not None:   # a sub_norm runs between the activation and down
             return False
         return b.activation.literal is None or b.activation.literal in FUSED_GATED_ACTS
 
     @staticmethod
     def rope_store(b: AttentionIR) -> str | None:
         """"qk_norm_rope" / "rope": the attention's rotary step (with its q/k norm) also stores k, v; None: not."""
+        if b.differential is not None:    # its cache holds the paired values, not v: stored by the attention
+            return None
         n = b.qk_norm
         if n is not None:
             return "qk_norm_rope" if n.fusable else None

@@ -227,6 +227,7 @@ class PositionEmbeddingIR:
     positions: Size
     dim: Size
     offset: int = 0
+    frequencies: str = "fairseq"  # sinusoidal: fairseq (10000 ** (-j / (d/2 - 1))) | transformer (10000 ** (-2j / d))
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,17 @@ class QKNormIR:
 
 
 @dataclass(frozen=True)
+class SubNormIR:
+    """A norm of a block's inner activations before its output projection, over their whole width (weight [width],
+    split over TP ranks like the projection's input; statistics all-reduced: runtime L.ProjectionNorm)."""
+    name: str
+    kind: str                     # rmsnorm | layernorm
+    eps: Value
+    weight_offset: float = 0.0
+    bias: bool = False
+
+
+@dataclass(frozen=True)
 class QueryScaleIR:
     """q *= 1 + beta * log(1 + floor((position + offset) / floor)), on the layers where `enabled` holds."""
     beta: Value
@@ -319,6 +331,8 @@ class AttentionIR:
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
     q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)
+    sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection
+    differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
 
     @property
     def q_size(self) -> Size:
@@ -369,6 +383,7 @@ class GatedMLPIR:
     down_name: str
     down_bias: Value
     activation_params: Tuple[Tuple[str, Value], ...] = ()   # a parameterized form's (swiglu_clamped: alpha, limit)
+    sub_norm: Optional[SubNormIR] = None       # a norm of act(gate) * up before the down projection
 
 
 @dataclass(frozen=True)
@@ -385,6 +400,7 @@ class MLPIR:
     down_name: str
     down_bias: Value
     learned_activation: Optional[str] = None   # an activation with parameters (xielu): they live under act_fn
+    sub_norm: Optional[SubNormIR] = None       # a norm of act(up(x)) before the down projection
 
 
 @dataclass(frozen=True)
@@ -422,6 +438,7 @@ class MoEIR:
     weights_on: str = "output"               # output: sum_k w_k * expert_k(x); input: sum_k expert_k(w_k * x)
     routing: str = "topk"                     # topk | sparsemixer
     jitter_eps: Optional[Value] = None        # sparsemixer's relative margin
+    out_norm: Optional[NormIR] = None         # a norm of the block's output (replicated weight [hidden])
 
     @property
     def plain_routing(self) -> bool:

@@ -197,12 +197,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             self.below.append((path, v, below))
         return v
 
-    def flag(self, path, value) -> Value:
+    def flag(self, path, value, per_layer: bool = False) -> Value:
         if isinstance(value, str):
             if is_symbol(value):
                 self.symbol(path, value, ("bool",))
                 return Value(symbol=value)
-            return Value(expr=self.expr(path, value))
+            return Value(expr=self.expr(path, value, per_layer))
         return Value(literal=value)
 
     def ident(self, path, name: str, what: str, at_key: bool = False) -> str:

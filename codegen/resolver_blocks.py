@@ -26,6 +26,7 @@ from .ir import (
     SegmentIR,
     ShortConvIR,
     Size,
+    SubNormIR,
     Value,
 )
 from .resolver_mla import MLAResolver
@@ -74,6 +75,19 @@ def _maybe(flag: Value) -> bool:
 
 
 class BlockResolver(MLAResolver):
+    def resolve_sub_norm(self, path, n, taken) -> SubNormIR | None:
+        """A block's `sub_norm` (None: absent); `taken`: the block's other module names."""
+        if n is None:
+            return None
+        sp = path + ("sub_norm",)
+        self.ident(sp + ("name",), n.name, "module name")
+        if n.name in taken:
+            raise self.err(sp + ("name",), f"{self._where(sp)}.name: module name '{n.name}' is already used in this "
+                                           f"block")
+        if not math.isfinite(n.weight_offset):
+            raise self.err(sp + ("weight_offset",), f"{self._where(sp)}.weight_offset: must be finite")
+        return SubNormIR(n.name, n.kind, self.positive(sp + ("eps",), n.eps, below=1.0), float(n.weight_offset), n.bias)
+
     def resolve_block(self, path, name, b, unique_kind: bool):
         prefix = self.spec.class_prefix
         camel = "".join(p.capitalize() for p in name.split("_"))
@@ -157,21 +171,39 @@ class BlockResolver(MLAResolver):
                 qscale = QueryScaleIR(self.num(sp + ("beta",), qs.beta), self.positive(sp + ("floor",), qs.floor),
                                       self.num(sp + ("offset",), qs.offset),
                                       self.rotary_enabled(sp + ("enabled",), qs.enabled))
+            out_name = module(path + ("out", "name"), b.out.name)
+            # the output projection's bias may exist on some layers only (an expression reading `layer`)
+            out_bias = self.flag(path + ("out", "bias"), b.out.bias, per_layer=True)
+            gate_name = (module(path + ("out_gate", "name"), b.out_gate.name)
+                         if b.out_gate is not None and b.out_gate.source == "projection" else None)
+            sub = self.resolve_sub_norm(path, b.sub_norm, ())
+            if sub is not None:
+                module(path + ("sub_norm", "name"), sub.name)
+            diff = None
+            if b.differential is not None:
+                dp = path + ("differential",)
+                for key, on in (("sinks", b.sinks), ("out_gate", b.out_gate is not None), ("alibi", b.alibi),
+                                ("sub_norm", b.sub_norm is not None), ("query_scale", b.query_scale is not None)):
+                    if on:
+                        raise self.err(dp, f"{self._where(dp)}: differential attention with `{key}` is not supported")
+                for m in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "diff"):
+                    module(dp, m)
+                diff = self.positive(dp + ("eps",), b.differential.eps, below=1.0)
             return AttentionIR(
                 kind="attention", name=name, class_name=f"{prefix}Attention" if unique_kind else f"{prefix}{camel}",
                 hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
                 kv_heads=self.dim(path + ("kv_heads",), b.kv_heads), head_dim=self.dim(path + ("head_dim",), b.head_dim),
                 qkv_name=module(path + ("qkv", "name"), b.qkv.name), qkv_segments=tuple(qkv_segs),
                 qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
-                out_name=module(path + ("out", "name"), b.out.name),
-                out_bias=self.flag(path + ("out", "bias"), b.out.bias),
+                out_name=out_name,
+                out_bias=out_bias,
                 rotary=rotary,
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
                 sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
-                out_gate=(module(path + ("out_gate", "name"), b.out_gate.name), b.out_gate.activation, b.out_gate.per)
-                if b.out_gate is not None and b.out_gate.source == "projection" else None,
+                out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if gate_name is not None else None,
                 q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
-                alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None)
+                alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
+                differential=diff)
         if isinstance(b, ShortConvBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             if names[1] in (names[0], "conv") or names[0] == "conv":
@@ -218,7 +250,8 @@ class BlockResolver(MLAResolver):
             return GatedMLPIR("gated_mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
-                              self.flag(path + ("down", "bias"), b.down.bias), act_params)
+                              self.flag(path + ("down", "bias"), b.down.bias), act_params,
+                              self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")))
         if isinstance(b, MLPBlock):
             act = self.activation(path + ("activation",), b.activation, ACTIVATIONS + tuple(PARAM_ACTIVATIONS),
                                   "an activation")
@@ -235,7 +268,7 @@ class BlockResolver(MLAResolver):
             return MLPIR("mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                          act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias),
-                         learned[0] if learned else None)
+                         learned[0] if learned else None, self.resolve_sub_norm(path, b.sub_norm, (up, dn, "act_fn")))
         if isinstance(b, MoEBlock):
             router = self.ident(path + ("router", "name"), b.router.name, "module name")
             if router == "experts":
@@ -253,7 +286,7 @@ class BlockResolver(MLAResolver):
                     if module in taken:
                         raise self.err(sp + (key,), f"{self._where(sp + (key,))}: '{module}' is {taken[module]}")
                     taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
-                no_bias = Value(literal=False)
+                sbias = self.flag(sp + ("bias",), b.shared_expert.bias)
                 sact, sparams = self.gated_activation(path + ("activation",), b.activation)
                 on = self.flag(sp + ("enabled",), b.shared_expert.enabled)
                 if on.literal is False:
@@ -265,7 +298,7 @@ class BlockResolver(MLAResolver):
                               shared=GatedMLPIR(
                     "gated_mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
                     self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
-                    sact, "gate_up_proj", ("gate", "up"), no_bias, "down_proj", no_bias, sparams))
+                    sact, "gate_up_proj", ("gate", "up"), sbias, "down_proj", sbias, sparams))
             act, act_params = self.gated_activation(path + ("activation",), b.activation)
             groups = None
             if b.groups is not None:
@@ -306,13 +339,28 @@ class BlockResolver(MLAResolver):
             elif b.jitter_eps is not None:
                 raise self.err(path + ("jitter_eps",), f"{self._where(path)}.jitter_eps: only with routing: "
                                                        f"sparsemixer")
+            out_norm = None
+            if b.out_norm is not None:
+                op = path + ("out_norm",)
+                n = b.out_norm
+                self.ident(op + ("name",), n.name, "module name")
+                taken = {"experts", router, "shared_expert" if b.shared_expert is None else b.shared_expert.name}
+                if b.shared_expert is not None and b.shared_expert.gate:
+                    taken.add(b.shared_expert.gate)
+                if n.name in taken:
+                    raise self.err(op + ("name",), f"{self._where(op)}.name: module name '{n.name}' is already used "
+                                                   f"in this block")
+                if not math.isfinite(n.weight_offset):
+                    raise self.err(op + ("weight_offset",), f"{self._where(op)}.weight_offset: must be finite")
+                out_norm = NormIR(n.kind, n.name, self.dim(path + ("hidden",), b.hidden),
+                                  self.positive(op + ("eps",), n.eps, below=1.0), n.bias, float(n.weight_offset))
             return MoEIR("moe", name, cls,
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                          self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
                          act, self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared,
                          router_bias=self.flag(path + ("router", "bias"), b.router.bias),
                          expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params,
-                         **routing)
+                         out_norm=out_norm, **routing)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
     def check_groups_variant(self, name: str, b: MoEIR, values, at, vp) -> None:
@@ -469,6 +517,15 @@ class BlockResolver(MLAResolver):
 
     # ---- vision tower -----------------------------------------------------------------------------
     @staticmethod
+    def sub_norm_params(P, n, seg) -> List[ParamIR]:
+        """A sub_norm's weight (and bias) [width]: split over TP ranks as the output projection's input `seg`."""
+        if n is None:
+            return []
+        rows = seg.heads * seg.unit
+        seg = dataclasses.replace(seg, name=n.name)
+        return [P(f"{n.name}.{w}", (rows,), "colwise", (seg,)) for w in (("weight", "bias") if n.bias else ("weight",))]
+
+    @staticmethod
     def block_params(prefix: str, block: str, b, per_layer: bool) -> List[ParamIR]:
         one = Size.of(1)
 
@@ -549,6 +606,8 @@ class BlockResolver(MLAResolver):
                     SegmentIR(v, b.kv_heads, b.head_dim, True)]
             ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))
+            if b.out_bias.per_layer:      # the bias exists on the layers where the expression holds
+                ps[-1] = dataclasses.replace(ps[-1], when=(b.out_bias, True))
             if b.qk_norm:
                 n = b.qk_norm
                 first = len(ps)
@@ -575,6 +634,9 @@ class BlockResolver(MLAResolver):
                              False)
             if b.sinks:                   # one logit per query head, split by heads as q is
                 ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
+            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.out_name, b.heads, b.head_dim))
+            if b.differential is not None:    # the lambda re-parameterization vectors, replicated
+                ps += [P(n, (b.head_dim,), "replicated") for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
             return ps
         if isinstance(b, MoEIR):
             E = b.experts
@@ -609,6 +671,9 @@ class BlockResolver(MLAResolver):
                     ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
                 if b.shared_enabled is not None:     # only in the checkpoints where the flag holds
                     ps[first:] = [dataclasses.replace(p, when=(b.shared_enabled, True)) for p in ps[first:]]
+            if b.out_norm is not None:    # a replicated [hidden] weight (and bias)
+                n = b.out_norm
+                ps += [P(f"{n.name}.{w}", (b.hidden,), "replicated") for w in (("weight", "bias") if n.bias else ("weight",))]
             return ps
         if isinstance(b, MLAIR):
             return MLAResolver.mla_params(prefix, block, b, per_layer, _maybe)
@@ -617,11 +682,13 @@ class BlockResolver(MLAResolver):
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
             for pname, shape in PARAM_ACTIVATIONS.get(b.learned_activation, ()):
                 ps.append(P(f"act_fn.{pname}", tuple(Size.of(n) for n in shape), "replicated"))
+            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.down_name, b.intermediate, one))
             return ps
         if isinstance(b, GatedMLPIR):
             g, u = b.gate_up_segments
             ps = column(f"{b.gate_up_name}.", b.hidden, [SegmentIR(g, b.intermediate, one),
                                                          SegmentIR(u, b.intermediate, one)], _maybe(b.gate_up_bias))
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
+            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.down_name, b.intermediate, one))
             return ps
         raise AssertionError(type(b))  # pragma: no cover

@@ -21,7 +21,11 @@ class PositionsResolver:
         if not 0 <= b.offset <= MAX_OFFSET:
             raise self.err(p + ("offset",), f"decoder.embed_positions.offset: must be in 0..{MAX_OFFSET}, got "
                                             f"{b.offset}")
-        return PositionEmbeddingIR(b.kind, self.dim(p + ("positions",), b.positions), dim, b.offset)
+        if b.frequencies is not None and b.kind != "sinusoidal":
+            raise self.err(p + ("frequencies",), f"decoder.embed_positions.frequencies: only a sinusoidal table has "
+                                                 f"frequencies (kind is {b.kind})")
+        return PositionEmbeddingIR(b.kind, self.dim(p + ("positions",), b.positions), dim, b.offset,
+                                   b.frequencies or "fairseq")
 
     def position_param(self, pe: PositionEmbeddingIR) -> ParamIR:
         """A learned table: `<prefix>.embed_positions.weight [positions + offset, dim]`, replicated."""

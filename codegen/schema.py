@@ -82,11 +82,14 @@ class PositionEmbeddingBlock(Strict):
     """Absolute position embeddings added to the token embedding (after its `scale`), before the first layer:
     `learned`: a table `[positions + offset, dim]` (parameter `embed_positions.weight`, replicated) read at row
     `position + offset` (GPT-2's wpe, OPT's offset 2); `sinusoidal`: the fixed fairseq table (sin of the first
-    half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`."""
+    half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`.
+    `frequencies` (sinusoidal only): `fairseq` f_j = 10000 ** (-j / (dim/2 - 1)) (XGLM); `transformer` the original
+    Transformer's f_j = 10000 ** (-2j / dim) (CTRL)."""
     kind: Literal["learned", "sinusoidal"]
     positions: Dim
     dim: Dim
     offset: StrictInt = 0
+    frequencies: Optional[Literal["fairseq", "transformer"]] = None
 
 
 class RMSNormBlock(Strict):
@@ -165,6 +168,25 @@ class QKNorm(Strict):
     enabled: Flag = True
 
 
+class SubNorm(Strict):
+    """A norm of a block's inner activations right before its output projection, over their whole width jointly
+    (all heads of an attention output; the whole intermediate of an MLP): BitNet's `attn_sub_norm` /
+    `ffn_sub_norm`. Module `name`, weight (and bias) [width], split over TP ranks like the output projection's
+    input; the statistics are all-reduced, so every rank normalizes with the whole width's."""
+    kind: Literal["rmsnorm", "layernorm"]
+    eps: Num
+    name: StrictStr
+    weight_offset: Union[StrictInt, StrictFloat] = 0
+    bias: StrictBool = False
+
+
+class Differential(Strict):
+    """Differential attention (Differential Transformer; transformers' DiffLlama): each head's softmax applied to
+    the two halves of the KV heads' values, head i minus lambda times head i + heads/2, a weightless RMSNorm (`eps`)
+    over the pair, times (1 - lambda_init); parameters lambda_q1, lambda_k1, lambda_q2, lambda_k2 [head_dim]."""
+    eps: Num
+
+
 class QueryScale(Strict):
     """A position-dependent query scale: q of the token at position p is multiplied by
     1 + beta * log(1 + floor((p + offset) / floor)) before attention (after rotary and any q/k norm): Llama 4's
@@ -222,6 +244,8 @@ class AttentionBlock(Strict):
     rotary: Optional[Rotary] = None     # absent: no rotary (absolute positions in the embedding, or ALiBi)
     qk_norm: Optional[QKNorm] = None
     out_gate: Optional[OutGate] = None      # a gate on the attention output before the output projection
+    sub_norm: Optional[SubNorm] = None      # a norm of the attention output (after any out_gate) before `out`
+    differential: Optional[Differential] = None   # differential attention (above)
     scale: Optional[Num] = None          # default head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5)
     sliding_window: Optional[Num] = None  # per-layer value (may read `layer`); None / absent = full attention
     # chunked local attention (Llama 4): query i sees key j iff j <= i and j // C == i // C; per-layer value (may
@@ -356,6 +380,7 @@ class GatedMLPBlock(Strict):
     activation: Union[StrictStr, ActivationForm]
     gate_up: FusedProjection
     down: Projection
+    sub_norm: Optional[SubNorm] = None      # a norm of act(gate) * up before `down`
 
 
 class MLPBlock(Strict):
@@ -368,6 +393,7 @@ class MLPBlock(Strict):
     activation: StrictStr
     up: Projection
     down: Projection
+    sub_norm: Optional[SubNorm] = None      # a norm of act(up(x)) before `down`
 
 
 class Router(Strict):
@@ -403,6 +429,9 @@ class SharedExpert(Strict):
     # a bool symbol / expression: the shared expert (and its parameters) exists only in the checkpoints where it
     # holds (Cohere 2 MoE's `num_shared_experts > 0`), decided when the model is built
     enabled: Flag = True
+    # biases on its gate_up_proj and down_proj (a bool symbol: only in the checkpoints that set it; Hy3's shared MLP
+    # follows `mlp_bias`)
+    bias: Flag = False
 
 
 class MoEBlock(Strict):
@@ -444,6 +473,9 @@ class MoEBlock(Strict):
     # where the routing weights apply: `output` (default) sum_k w_k * expert_k(x); `input` sum_k expert_k(w_k * x)
     # (Llama 4: the router's sigmoid scores scale each chosen expert's input)
     weights_on: Literal["output", "input"] = "output"
+    # a norm of the block's output (the routed experts' plus any shared expert's), module `out_norm.name` with a
+    # replicated weight [hidden] (A.X-K1's post_mlp_layernorm)
+    out_norm: Optional[SubNorm] = None
     # how the experts are chosen from the router logits: `topk` (the scores' top_k, above) or `sparsemixer`
     # (PhiMoE's eval-mode SparseMixer: two experts, each weighted by a softmax over the logits within a relative
     # `jitter_eps` margin of it; top_k must be 2; no scoring / groups / bias / renormalization options)

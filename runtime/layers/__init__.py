@@ -12,7 +12,14 @@ from xllm_gen.runtime.layers.activation import (
                                             act,
                                             gated_act,
 )
-from xllm_gen.runtime.layers.attention import Attention, QueryScale, alibi_slopes, attention_sinks, gate_output
+from xllm_gen.runtime.layers.attention import (
+    Attention,
+    DifferentialAttention,
+    QueryScale,
+    alibi_slopes,
+    attention_sinks,
+    gate_output,
+)
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import (
                                             LearnedPositionEmbedding,
@@ -56,6 +63,6 @@ __all__ = [
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
-    "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale",
+    "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba2", "ShortConv",
 ]

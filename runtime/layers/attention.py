@@ -187,3 +187,52 @@ class QueryScale(nn.Module):
 
     def extra_repr(self) -> str:
         return f"1 + {self.beta} * log(1 + floor((position + {self.offset}) / {self.floor}))"
+
+
+class DifferentialAttention(nn.Module):
+    """Differential attention (Differential Transformer, arXiv 2410.05258, in transformers' two-call form): one
+    softmax per query head over the shared q / k, applied to two value sets, the first and second halves of the KV
+    heads (each tiled over all KV groups); head i's output minus lambda times head i + heads/2's, a weightless RMSNorm
+    over the pair's 2 * head_dim, times (1 - lambda_init):
+
+        o_h = softmax(q_h k^T * scale) [v_a | v_b] (value width 2 * head_dim; v_a = v[kv % (KV/2)], v_b = v[KV/2 + ...])
+        out_i = (1 - lambda_init) * rmsnorm(o_i - lambda * o_{i + H/2}),  i < H/2  -> [N, H/2 * 2 * head_dim]
+        lambda = exp(sum(lambda_q1 * lambda_k1)) - exp(sum(lambda_q2 * lambda_k2)) + lambda_init  (sums in float32)
+
+    lambda_init = 0.8 - 0.6 * exp(-0.3 * layer) (the paper's depth schedule). Parameters lambda_q1, lambda_k1,
+    lambda_q2, lambda_k2 [head_dim] belong to the owning attention block (passed in). The attention runs with value
+    heads of width 2 * head_dim (`attn`: an Attention built with v_head_dim = 2 * head_dim), so the pairs (i, i + H/2)
+    and the KV halves must all be on one rank: tensor parallelism is refused (at construction)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer_idx: int):
+        super().__init__()
+        if get_tp_size() > 1:
+            raise NotImplementedError(
+                "differential attention pairs query head i with head i + heads/2 and the two halves of the KV heads, "
+                "which a tensor-parallel split by heads puts on different ranks: serve it with tensor_parallel_size=1")
+        if num_heads % 2 or num_kv_heads % 2:
+            raise ValueError(f"differential attention needs an even number of query and KV heads, got {num_heads} "
+                             f"and {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, float(eps)
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        """v [N, KV * head_dim] -> [N, KV, 2 * head_dim]: KV head j holds [v[j % (KV/2)] | v[KV/2 + j % (KV/2)]]."""
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        half = self.num_kv_heads // 2
+        return torch.cat([v[:, :half].repeat(1, 2, 1), v[:, half:].repeat(1, 2, 1)], dim=-1)
+
+    def mix(self, out: torch.Tensor, lq1: torch.Tensor, lk1: torch.Tensor, lq2: torch.Tensor,
+            lk2: torch.Tensor) -> torch.Tensor:
+        """The attention output [N, H * 2 * head_dim] -> [N, H * head_dim] (see the class)."""
+        n, H = out.shape[0], self.num_heads
+        o = out.view(n, H, 2 * self.head_dim)
+        lam1 = torch.exp(torch.sum(lq1 * lk1, dim=-1, dtype=torch.float32)).to(o.dtype)
+        lam2 = torch.exp(torch.sum(lq2 * lk2, dim=-1, dtype=torch.float32)).to(o.dtype)
+        d = o[:, : H // 2] - (lam1 - lam2 + self.lambda_init) * o[:, H // 2:]
+        d = F.rms_norm(d, (2 * self.head_dim,), eps=self.eps)
+        return ((1 - self.lambda_init) * d).reshape(n, H * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, eps={self.eps}, "
+                f"lambda_init={self.lambda_init:.6g}")

@@ -89,6 +89,16 @@ class LearnedPositionEmbedding(nn.Module):
         return f"positions={self.num_positions}, dim={self.dim}, offset={self.offset}"
 
 
+def transformer_sinusoidal_table(rows: int, dim: int) -> torch.Tensor:
+    """The original Transformer's sinusoidal table [rows, dim] in float32, computed as transformers' CTRL computes it:
+    angle(p, i) = p / 10000 ** (2 * (i // 2) / dim); row p is sin(angle) of the even columns i, then cos(angle) of
+    the odd ones (concatenated, not interleaved)."""
+    with torch.device("cpu"):
+        i = torch.arange(dim, dtype=torch.int64).float().unsqueeze(0)
+        angle = torch.arange(rows, dtype=torch.int64).float().unsqueeze(1) * (1 / torch.pow(10000, (2 * (i // 2)) / dim))
+        return torch.cat([torch.sin(angle[:, 0::2]), torch.cos(angle[:, 1::2])], dim=-1)
+
+
 def sinusoidal_table(rows: int, dim: int) -> torch.Tensor:
     """The fairseq / XGLM sinusoidal table [rows, dim] in float32, computed as transformers computes it: row p is
     sin(p * f_j) for the first dim // 2 columns and cos(p * f_j) for the next (f_j = 10000 ** (-j / (dim // 2 - 1))),
@@ -109,10 +119,13 @@ class SinusoidalPositionEmbedding(nn.Module):
     table[positions + offset] [N, dim] (float32; the caller casts). The table is a plain attribute (not a
     buffer: it is not in the state dict), moved to the positions' device on first use."""
 
-    def __init__(self, num_positions: int, dim: int, offset: int = 0):
+    def __init__(self, num_positions: int, dim: int, offset: int = 0, frequencies: str = "fairseq"):
         super().__init__()
-        self.num_positions, self.dim, self.offset = num_positions, dim, offset
-        self.table = sinusoidal_table(num_positions + offset, dim)
+        if frequencies not in ("fairseq", "transformer"):
+            raise ValueError(f"SinusoidalPositionEmbedding: frequencies {frequencies!r} is not fairseq or transformer")
+        self.num_positions, self.dim, self.offset, self.frequencies = num_positions, dim, offset, frequencies
+        table = sinusoidal_table if frequencies == "fairseq" else transformer_sinusoidal_table
+        self.table = table(num_positions + offset, dim)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if self.table.device != positions.device:
@@ -120,4 +133,5 @@ class SinusoidalPositionEmbedding(nn.Module):
         return F.embedding(positions + self.offset, self.table)
 
     def extra_repr(self) -> str:
-        return f"positions={self.num_positions}, dim={self.dim}, offset={self.offset}"
+        return (f"positions={self.num_positions}, dim={self.dim}, offset={self.offset}"
+                + (f", frequencies={self.frequencies}" if self.frequencies != "fairseq" else ""))

@@ -82,6 +82,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "AfmoeForCausalLM": [{"mup_enabled": True}],
     # Laguna: a routed scale; a per-element gate (refused by name; router logit soft-capping: the generic softcap rule)
     "LagunaForCausalLM": [{"moe_routed_scaling_factor": 2.5}, {"gating": "per-element"}],
+    # GPT-1: `afn` names transformers' own activation table ("swish" is silu, "gelu" the tanh approximation)
+    "OpenAIGPTLMHeadModel": [{"afn": "swish"}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
