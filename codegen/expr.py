@@ -212,6 +212,8 @@ class _Eval:
             return _bounded(_BINOPS[type(n.op)](a, b))
         except OverflowError:
             raise ExprError("the result is out of range (float overflow)") from None
+        except ZeroDivisionError:
+            raise ExprError("division by zero") from None
 
     def _UnaryOp(self, n):
         v = self.run(n.operand)

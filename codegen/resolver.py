@@ -296,8 +296,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             raise self.err(("variants",), f"variants: {len(s.variants)} variants; at most {MAX_VARIANTS} (each is "
                                           f"checked statically: list the family's published checkpoints)",
                            at_key=True)
-        variants = tuple(self.resolve_variant(name, layer, lm_head, params, tp_sizes, deepstack, levels, vision, embed)
-                         for name in s.variants)
+        variants = tuple(self.resolve_variant_located(name, layer, lm_head, params, tp_sizes, deepstack, levels,
+                                                      vision, embed) for name in s.variants)
         for v in variants:
             self.check_layout_variant(v.name, dict(v.values))
             self.check_projection_variant(v.name, dict(v.values), embed, stream, project_in, project_out, lm_head)
@@ -738,6 +738,15 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         return tuple(sizes)
 
     # ---- variants ---------------------------------------------------------------------------------
+    def resolve_variant_located(self, name: str, *args) -> "VariantIR":
+        """resolve_variant, with an expression that fails on this variant's values (a division by zero, a bad
+        operand) reported at the variant instead of as an internal error."""
+        try:
+            return self.resolve_variant(name, *args)
+        except ExprError as exc:
+            raise self.err(("variants", name), f"variants.{name}: an expression of the spec fails on this "
+                                                f"variant's values: {exc}") from None
+
     def resolve_variant(self, name, layer, lm_head, params, tp_sizes, deepstack, levels=None, vision=None,
                         embed=None) -> VariantIR:
         vp = ("variants", name)

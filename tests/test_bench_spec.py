@@ -6,9 +6,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_spec_cpu_smoke(qwen3_tied, tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     try:

@@ -183,6 +183,7 @@ def test_fused_kernels_match_unfused_ops():
     assert not bad, bad
 
 
+@pytest.mark.slow     # the default run keeps the kernels-vs-plain-ops test above; the GPU tests run the model
 def test_fused_decode_model_tokens(qwen3_tied):
     res = _interpret("model", str(qwen3_tied))
     assert set(res["unfused_calls"].values()) == {0}, "XLLM_FUSED_DECODE=0 must run the plain ops"

@@ -436,7 +436,7 @@ def test_decode_padding_rows_are_routed_nowhere():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
 def test_vl_moe_text_image_video_match_hf(tp, tiny_checkpoint):
     """Qwen3-VL-MoE (specs/qwen3_vl_moe.yaml): text, video, and image + video requests in one generate call
     give HF's greedy tokens at TP 1 and 2 (the spec battery covers text and one image)."""

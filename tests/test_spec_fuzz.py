@@ -408,3 +408,12 @@ def test_variant_value_refused_by_the_generated_config_is_located(workdir):
     rc, err = run_cli(_write(workdir, "llama_bad_variant.yaml", raw), workdir / "out")
     check_outcome(rc, err, raw.decode())
     assert rc == 2 and "variants.Llama-3.2-1B" in err and "high_freq_factor" in err, err
+
+
+def test_expression_failing_on_a_variant_is_located(workdir):
+    """An expression that fails on a variant's values (found by the fuzzer: lm_head.tie "hidden_size // 0") is a
+    spec error at that variant, not an internal error."""
+    raw = (ROOT / "specs" / "qwen3.yaml").read_text().replace("tie: tie_word_embeddings}", 'tie: "hidden_size // 0"}')
+    assert '"hidden_size // 0"' in raw
+    rc, err = run_cli(_write(workdir, "div0.yaml", raw.encode()), workdir / "out")
+    assert rc != 0 and "division by zero" in err and "internal error" not in err and "variants." in err, err
