@@ -230,7 +230,7 @@ def fuzz_dir(tiny):
     shutil.rmtree(d, ignore_errors=True)
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=15, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(corruption())
 def test_corrupted_checkpoint_loads_or_names_a_file(tiny, fuzz_dir, case):

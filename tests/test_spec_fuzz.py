@@ -226,7 +226,7 @@ def test_real_specs_compile(workdir):
         assert rc == 0, err
 
 
-@FUZZ(60)
+@FUZZ(40)
 @given(tree_mutant())
 def test_tree_mutants(workdir, mutant):
     name, raw = mutant
@@ -234,7 +234,7 @@ def test_tree_mutants(workdir, mutant):
     check_outcome(rc, err, raw.decode(errors="replace"))
 
 
-@FUZZ(70)
+@FUZZ(45)
 @given(value_mutant())
 def test_value_mutants(workdir, mutant):
     name, raw = mutant
@@ -242,7 +242,7 @@ def test_value_mutants(workdir, mutant):
     check_outcome(rc, err, raw.decode(errors="replace"))
 
 
-@FUZZ(60)
+@FUZZ(40)
 @given(text_mutant())
 def test_text_mutants(workdir, mutant):
     name, raw = mutant
