@@ -40,7 +40,6 @@ from .ir import (
     Size,
     StepIR,
     Value,
-    VariantIR,
     VisionIR,
 )
 from .loader import LoadedSpec
@@ -60,32 +59,9 @@ from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_
 ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR)   # (a recurrent mixer takes them too, and ignores them)
 from .resolver_dataflow import DataflowResolver
 from .resolver_positions import PositionsResolver
+from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
 from .resolver_vision import VisionResolver
 from .resolver_weights import WeightsResolver
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-_ITEM_OK = {"int_tuple": _is_int, "float_tuple": _is_num, "str_tuple": lambda v: isinstance(v, str)}
-
-
-def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
-    if value is None:
-        return optional
-    if kind == "int":
-        return _is_int(value)
-    if kind == "float":
-        return _is_num(value)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "rope":
-        return isinstance(value, dict)
-    return isinstance(value, (list, tuple)) and all(_ITEM_OK[kind](v) for v in value)
-
 
 # rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
 # transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
@@ -94,18 +70,15 @@ HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic",
                  "llama3": "frequency_bands", "longrope": "longrope"}
 ROPE_TYPES = tuple(HF_ROPE_TYPES)
 
-# Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
-# (int32-indexable), the layer count bounds per-layer loops, an eps is a small positive number.
-MAX_SIZE = 2 ** 31 - 1
 # transformers' name suffixes of image-text models (Qwen3-VL, Gemma 3, LLaVA, ...): such a spec has a vision
 # tower; a text-only decoder is served as *ForCausalLM
 MULTIMODAL_SUFFIXES = ("ForConditionalGeneration", "ForImageTextToText", "ForVision2Seq")
-MAX_LAYERS = 10_000
 # variants are a family's published checkpoints; each is checked statically, the TP sizes on a meta model each
 MAX_VARIANTS = 64
 
 
-class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver, PositionsResolver):
+class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver, PositionsResolver,
+                VariantResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
@@ -642,21 +615,6 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                                when=when))
         return tuple(out)
 
-    def check_projection_variant(self, name, values, embed, stream, project_in, project_out, lm_head) -> None:
-        """Per variant: a projection that is off leaves the widths equal (the embedding's = the residual's = the LM
-        head's); one that is on changes nothing else (its in / out were checked symbolically)."""
-        for proj, a, b in ((project_in, embed.dim, stream.dim), (project_out, stream.dim, lm_head.dim)):
-            if proj is None or proj.enabled.literal is True:
-                continue
-            on = proj.enabled.eval(values)
-            if not isinstance(on, bool):
-                raise self.err(("decoder", proj.name, "enabled"), f"variants.{name}: decoder.{proj.name}.enabled is "
-                                                                  f"{on!r}, not a bool")
-            if not on and a.eval(values) != b.eval(values):
-                raise self.err(("decoder", proj.name, "enabled"),
-                               f"variants.{name}: decoder.{proj.name} is off, but the widths it maps differ "
-                               f"({a} = {a.eval(values)}, {b} = {b.eval(values)})")
-
     def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: Optional[NormIR]) -> None:
         """Everything on the residual stream has its width (the embedding's, or decoder.project_in's output)."""
         checks = [(("decoder", "norm", "dim"), "decoder.norm.dim", norm.dim)] if norm is not None else []
@@ -737,213 +695,6 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 raise self.err(tp + (i,), f"tensor_parallel.sizes[{i}]: {n} is listed twice")
         return tuple(sizes)
 
-    # ---- variants ---------------------------------------------------------------------------------
-    def resolve_variant_located(self, name: str, *args) -> "VariantIR":
-        """resolve_variant, with an expression that fails on this variant's values (a division by zero, a bad
-        operand) reported at the variant instead of as an internal error."""
-        try:
-            return self.resolve_variant(name, *args)
-        except ExprError as exc:
-            raise self.err(("variants", name), f"variants.{name}: an expression of the spec fails on this "
-                                                f"variant's values: {exc}") from None
-
-    def resolve_variant(self, name, layer, lm_head, params, tp_sizes, deepstack, levels=None, vision=None,
-                        embed=None) -> VariantIR:
-        vp = ("variants", name)
-        given = self.spec.variants[name]
-        for key, value in given.items():
-            if key not in self.config:
-                raise self.err(vp + (key,), f"variants.{name}: unknown config symbol '{key}'"
-                                            f"{did_you_mean(key, self.config)}", at_key=True)
-            f = self.config[key]
-            if f.derived:
-                raise self.err(vp + (key,), f"variants.{name}.{key}: '{key}' is derived ({f.expr}): set the "
-                                            f"symbols it reads instead", at_key=True)
-            if not _type_ok(f.type, value, f.optional):
-                raise self.err(vp + (key,), f"variants.{name}.{key}: {value!r} is not {f.type}")
-            self.check_value(vp + (key,), f"variants.{name}.{key}", f, value)
-        values: Dict[str, Any] = {}
-        for sym, f in self.config.items():
-            if f.derived or (sym not in given and f.default_expr is not None):
-                continue
-            if sym in given:
-                values[sym] = tuple(given[sym]) if isinstance(given[sym], list) else given[sym]
-            elif f.has_default:
-                values[sym] = f.default if f.type != "rope" or f.default is not None else {"rope_type": "default"}
-            else:
-                raise self.err(vp, f"variants.{name}: no value for '{sym}' (it has no default)", at_key=True)
-        for _ in range(len(self.config)):   # expressions in dependency order (cycles are refused earlier)
-            for sym, f in self.config.items():
-                e = f.expr if f.derived else (f.default_expr if sym not in values else None)
-                if e is not None and sym not in values and all(n in values for n in e.names):
-                    try:
-                        values[sym] = e.eval(values)
-                    except Exception as exc:  # noqa: BLE001 - any failure of a spec formula is the spec's error
-                        raise self.err(("config", sym), f"variants.{name}: config.{sym} = {e} fails: "
-                                                        f"{type(exc).__name__}: {exc}", at_key=True) from None
-                    if not _type_ok(f.type, values[sym], f.optional):
-                        raise self.err(("config", sym), f"variants.{name}: config.{sym} = {e} gives "
-                                                        f"{values[sym]!r}, not {f.type}", at_key=True)
-        values = {sym: values[sym] for sym in self.config}
-        for sym, f in self.config.items():       # a computed value (derived, or a default_expr) within its bounds
-            if (f.derived or (sym not in given and f.default_expr is not None)) and values[sym] is not None:
-                self.check_value(("config", sym), f"variants.{name}: config.{sym} = "
-                                                  f"{f.expr or f.default_expr}", f, values[sym], at_key=True)
-
-        def at(sym: Optional[str]):
-            f = self.config.get(sym) if sym else None
-            if f is not None and f.derived and len(f.expr.names) == 1:
-                sym = f.expr.names[0]
-            return vp + (sym,) if sym in given else vp
-
-        for path, size in self.sizes:
-            try:
-                x = size.eval(values)
-            except Exception as exc:  # noqa: BLE001 - a spec formula that fails is the spec's error
-                raise self.err(path, f"variants.{name}: {self._where(path)} = {size} fails: "
-                                     f"{type(exc).__name__}: {exc}") from None
-            if not _is_int(x) or not 0 < x <= MAX_SIZE:
-                sym = getattr(size, "symbol", None) if isinstance(size, Size) else None
-                where = at(sym) if sym and at(sym) != vp else path
-                raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; a size is an int in "
-                                      f"1..2**31-1")
-        if layer.count.eval(values) > MAX_LAYERS:
-            sym = layer.count.symbol if isinstance(layer.count, Size) else None
-            raise self.err(at(sym) if sym and at(sym) != vp else ("decoder", "layers", "count"),
-                           f"variants.{name}: {layer.count.eval(values)} decoder layers; at most {MAX_LAYERS}")
-        def ev(path, v, li=None):
-            """A value of this variant (for layer li): a failing formula is a located error."""
-            try:
-                return v.eval(values, li) if li is not None else v.eval(values)
-            except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
-                at_layer = f" for layer {li}" if li is not None else ""
-                raise self.err(path, f"variants.{name}: {self._where(path)} = {v} fails{at_layer}: "
-                                     f"{type(exc).__name__}: {exc}") from None
-
-        for path, v, bound in self.below:
-            x = ev(path, v, 0) if v.per_layer else ev(path, v)
-            if _is_num(x) and x >= bound:
-                where = at(v.symbol) if v.symbol and at(v.symbol) != vp else path
-                raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; it must be < {bound}")
-        for path, v in self.positives:
-            for li in (range(layer.count.eval(values)) if v.per_layer else (None,)):
-                x = ev(path, v, li)
-                if x is not None and (not _is_num(x) or x <= 0):
-                    where = at(v.symbol) if v.symbol and at(v.symbol) != vp else path
-                    raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; it must be > 0")
-
-        def check_ints(size):
-            if not isinstance(size, Size):
-                x = size.eval(values)
-                if not _is_int(x) or x <= 0:
-                    raise self.err(vp, f"variants.{name}: {size} is {x!r}; a size must be a positive int",
-                                   at_key=True)
-                return
-            for t in size.terms:
-                for f in t:
-                    if isinstance(f, str) and values[f] <= 0:
-                        raise self.err(at(f), f"variants.{name}.{f}: must be positive, got {values[f]}", at_key=f not in given)
-
-        for p in params:
-            if p.when is not None and not any(p.in_layer(values, li) for li in range(layer.count.eval(values))):
-                continue                  # exists in no layer of this variant (e.g. an optional rank that is None)
-            for s in p.shape:
-                if isinstance(s, Size) or hasattr(s, "source"):
-                    check_ints(s)
-        layers = layer.count.eval(values)
-        check_ints(layer.count)
-        for b in layer.blocks:
-            if isinstance(b, AttentionIR):
-                h, kv, hd = b.heads.eval(values), b.kv_heads.eval(values), b.head_dim.eval(values)
-                if b.rotary is not None and b.rotary.kind == "neox" and hd % 2 and b.rotary.fraction is None and b.rotary.dim is None:
-                    raise self.err(at(b.head_dim.symbol) if isinstance(b.head_dim, Size) else vp,
-                                   f"variants.{name}: {b.name}.head_dim is {hd}; rotary needs an even head_dim")
-                if b.sliding_window is not None:
-                    for li in range(layers):
-                        w = ev(("decoder", "layers", "blocks", b.name, "sliding_window"), b.sliding_window, li)
-                        if w is not None and (not _is_int(w) or w < 1):
-                            raise self.err(("decoder", "layers", "blocks", b.name, "sliding_window"),
-                                           f"variants.{name}: {b.name}.sliding_window of layer {li} is {w!r}; a "
-                                           f"window is an int >= 1 or None")
-                if b.chunk_size is not None:
-                    for li in range(layers):
-                        c = ev(("decoder", "layers", "blocks", b.name, "chunk_size"), b.chunk_size, li)
-                        if c is not None and (not _is_int(c) or c < 1):
-                            raise self.err(("decoder", "layers", "blocks", b.name, "chunk_size"),
-                                           f"variants.{name}: {b.name}.chunk_size of layer {li} is {c!r}; a "
-                                           f"chunk is an int >= 1 or None")
-                if b.rotary is not None:
-                    self.check_rotary_variant(name, b, values, layers, at)
-                if h % kv:
-                    sym = b.kv_heads.symbol if isinstance(b.kv_heads, Size) else None
-                    raise self.err(at(sym), f"variants.{name}: {b.name}.heads ({h}) must be a multiple of "
-                                            f"{b.name}.kv_heads ({kv})")
-                if b.rotary is not None and b.rotary.mrope_section is not None:
-                    sec = b.rotary.mrope_section.eval(values)
-                    if len(sec) != 3 or any(x < 0 for x in sec):
-                        where = at(b.rotary.mrope_section.symbol) if b.rotary.mrope_section.symbol else \
-                            ("decoder", "layers", "blocks", b.name, "rotary", "mrope_section")
-                        raise self.err(where, f"variants.{name}: mrope_section {list(sec)}: three sections (t, h, "
-                                              f"w), each >= 0")
-                    if sum(sec) != hd // 2 or hd % 2:
-                        where = at(b.rotary.mrope_section.symbol) if b.rotary.mrope_section.symbol else \
-                            ("decoder", "layers", "blocks", b.name, "rotary", "mrope_section")
-                        raise self.err(where, f"variants.{name}: mrope_section {list(sec)} sums to {sum(sec)}, "
-                                              f"expected head_dim / 2 = {hd // 2}")
-            if isinstance(b, MLAIR):
-                self.check_mla_variant(name, b, values, at, vp)
-            if isinstance(b, Mamba2IR) and b.heads.eval(values) % b.groups.eval(values):
-                sym = b.heads.symbol if isinstance(b.heads, Size) else None
-                raise self.err(at(sym) if sym else vp,
-                               f"variants.{name}: {b.name}.heads ({b.heads.eval(values)}) must be a multiple of "
-                               f"{b.name}.groups ({b.groups.eval(values)})")
-            if isinstance(b, GatedDeltaNetIR) and b.value_heads.eval(values) % b.key_heads.eval(values):
-                sym = b.value_heads.symbol if isinstance(b.value_heads, Size) else None
-                raise self.err(at(sym) if sym else vp,
-                               f"variants.{name}: {b.name}.value_heads ({b.value_heads.eval(values)}) must be a "
-                               f"multiple of {b.name}.key_heads ({b.key_heads.eval(values)})")
-            if isinstance(b, MoEIR) and b.groups is not None:
-                self.check_groups_variant(name, b, values, at, vp)
-            if isinstance(b, MoEIR) and b.routing == "sparsemixer" and b.top_k.eval(values) != 2:
-                raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
-                               f"variants.{name}: {b.name}.top_k is {b.top_k.eval(values)}; routing: sparsemixer "
-                               f"chooses two experts (top_k must be 2)")
-            if isinstance(b, MoEIR) and b.top_k.eval(values) > b.experts.eval(values):
-                raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
-                               f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "
-                               f"({b.experts.eval(values)})")
-        self.check_dataflow_variant(name, values, layer)
-        for i, stp in enumerate(layer.all_steps):
-            for st in getattr(stp, "branches", (stp,)):
-                if st.choice is None:
-                    continue
-                for li in range(layers):
-                    try:
-                        x = st.choice.cond.eval(values, li)
-                    except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
-                        raise self.err(("decoder", "layers", "dataflow", i, "block", "if"),
-                                       f"variants.{name}: the choice's `if` fails for layer {li}: "
-                                       f"{type(exc).__name__}: {exc}") from None
-                    if not isinstance(x, bool):
-                        raise self.err(("decoder", "layers", "dataflow", i, "block", "if"),
-                                       f"variants.{name}: the choice's `if` gives {x!r} for layer {li}, not a bool")
-        if deepstack and deepstack[-1] >= layers:
-            raise self.err(("decoder", "deepstack", "after_layers"),
-                           f"decoder.deepstack.after_layers: layer {deepstack[-1]} does not exist in variant "
-                           f"{name} ({layers} layers)")
-        if levels is not None:
-            n = levels.eval(values)
-            sym = levels.symbol if isinstance(levels, Size) else None
-            where = at(sym) if sym and at(sym) != vp else ("decoder", "deepstack", "levels")
-            if n < 1 or n > layers:
-                raise self.err(where, f"variants.{name}: decoder.deepstack.levels is {n}, but deepstack levels are "
-                                      f"injected after decoder layers 0..levels-1 and there are {layers} layers"
-                               if n > layers else f"variants.{name}: decoder.deepstack.levels must be >= 1, got {n}")
-        if vision is not None:
-            self.check_vision_variant(name, values, vision, embed, at, vp)
-        tied = bool(lm_head.tie.eval(values))
-        # the declared TP sizes are checked on the rendered model (compiler.check_tp_sizes), the runtime's plan
-        return VariantIR(name, tuple(values.items()), tied, layers)
 
 _SHARD_WORDS = {"colwise": "column-parallel", "rowwise": "row-parallel", "vocab": "vocab-parallel",
                 "replicated": "replicated"}
