@@ -71,7 +71,7 @@ def save(path: Optional[Path], new: dict) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        merged = {**{k: v for k, v in load(path).items()}, **new}
+        merged = {**load(path), **new}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(merged, f, indent=0, sort_keys=True)
