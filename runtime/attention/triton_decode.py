@@ -108,9 +108,11 @@ class TritonDecodeWrapper:
     step's table into them, so a captured launch reads each step's; without, it moves the table to the device."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, splits: int, max_batch: int,
-                 device: torch.device, buffers: Optional[tuple] = None, block_n: int = 64):
+                 device: torch.device, buffers: Optional[tuple] = None, block_n: int = 64, num_warps: int = 4,
+                 num_stages: Optional[int] = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.splits, self.device, self.block_n = splits, device, block_n
+        self.num_warps, self.num_stages = num_warps, num_stages
         self.scratch = self._scratch(max_batch)
         self.buffers = buffers                      # (indptr [b+1], last_page_len [b], page indices) or None
         self._table = None
@@ -156,4 +158,5 @@ class TritonDecodeWrapper:
         kw = self._kw
         return paged_decode_attention(q, k_cache, v_cache, ip, ix, lp, kw["sm_scale"], self.scratch,
                                       window_left=kw["window_left"], soft_cap=kw["soft_cap"], block_n=self.block_n,
-                                      chunk_size=kw["chunk_size"])
+                                      chunk_size=kw["chunk_size"], num_warps=self.num_warps,
+                                      num_stages=self.num_stages)

@@ -167,7 +167,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                            scratch: DecodeScratch, *, window_left: int = -1, soft_cap: Optional[float] = None,
                            block_n: int = 64, out: Optional[torch.Tensor] = None,
-                           sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None) -> torch.Tensor:
+                           sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
+                           num_warps: int = 4, num_stages: Optional[int] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
     (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits. `sinks` [H]
@@ -198,5 +199,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         D_PAD=max(16, triton.next_power_of_2(D)),
         SPLITS=scratch.splits, S_PAD=max(2, triton.next_power_of_2(scratch.splits)), BLOCK_N=block_n,
         HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
-        HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None, num_warps=4, **pdl.launch(q))
+        HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
     return out

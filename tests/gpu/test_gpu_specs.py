@@ -94,14 +94,20 @@ def _checkpoint(architecture: str, out: Path) -> Path:
     # per-layer patterns the tiny fixture fixes (layer_types, no_rope_layers, ...: the lists with one entry per
     # fixture layer): repeated over this test's layer count
     layers = overrides.get("num_hidden_layers", 4)
+    patterns = {}
     for field, pattern in ARCH_DEFAULTS.get(architecture, {}).items():
         if isinstance(pattern, list) and len(pattern) == TEXT_SIZES["num_hidden_layers"]:
-            overrides[field] = (list(pattern) * layers)[:layers]
+            if field not in default:        # a GPU host's older transformers would ignore the layer pattern
+                import transformers
+                pytest.skip(f"transformers {transformers.__version__}: {architecture}'s config has no `{field}`, "
+                            "the per-layer pattern the spec (written for a newer transformers) reads")
+            patterns[field] = (list(pattern) * layers)[:layers]
+    overrides.update(patterns)
     try:
         ckpt = make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
     except Exception:           # noqa: BLE001 - sizes the family's config validates against each other (a Mamba-2 mixer's
-        # hidden_size * expand == num_heads * head_dim): the fixture's own consistent tiny sizes
-        overrides = {k: v for k, v in overrides.items() if k not in sizes}
+        # hidden_size * expand == num_heads * head_dim): the fixture's own consistent tiny sizes and layer patterns
+        overrides = {k: v for k, v in overrides.items() if k not in sizes and k not in patterns}
         ckpt = make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
     if "num_key_value_heads" in overrides and _guard_refuses(architecture, ckpt):
         # a spec that admits only as many KV heads as heads (multi-head latent attention): no GQA override
