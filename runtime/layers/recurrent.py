@@ -5,8 +5,12 @@ shapes). The runner allocates each as `[num_slots, *shape]` (a state pool beside
 running sequence, runtime/executor/model_runner.py) and attaches them as `self.states[name]`; the block manager hands
 a sequence its slot at admission and takes it back when it finishes, is aborted or preempted. A step's forward
 context says, per sequence, which slot it owns (`ctx.state_slots`) and whether the slot continues a state
-(`ctx.state_continue`: False at a sequence's first prefill chunk, whose state starts at zero; so a sequence preempted
-and recomputed from its tokens starts over). The mixer reads its rows of the pool, computes, and writes them back.
+(`ctx.state_continue_cpu`: False at a sequence's first prefill chunk, whose state starts at zero; so a sequence
+preempted and recomputed from its tokens starts over). The mixer reads its rows of the pool, computes, and writes them
+back: a prefill step per sequence (`step_sequences`, host values), a decode step batched from the slot tensor alone
+(`decode_slots`, `gather_states` / `scatter_states`: index_select / index_copy_, no host value, no data-dependent
+shape), which the decode CUDA graphs capture with the slots as a static input (padding rows on the pool's scratch
+slot, runtime/executor/cuda_graph.py).
 
 Math (torch reference, float32 state; the GPU runs the same torch code):
 - `causal_conv1d`: a depthwise causal conv1d over time, its state the last kernel - 1 inputs of each channel;
