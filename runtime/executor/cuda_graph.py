@@ -16,9 +16,10 @@ Where things live:
   states written back with index_copy_: no host value, no data-dependent shape). Padding rows hold the runner's
   scratch slot (`state_scratch_slot`, a pool row the block manager never hands out), so they never touch a live
   sequence's state;
-- attention (a model with attention layers): the backend's per-bucket decode wrappers, one per attention variant of the model (sliding window /
-  soft-cap; `backend.variant_graph_wrappers[variant][b]`, registered from `runner.attn_layers` before capture;
-  a plain model has one variant, `backend.graph_wrappers[b]`), built with
+- attention (a model with attention layers; one without has nothing to plan): the backend's per-bucket decode
+  wrappers, one per attention variant of the model (sliding window / soft-cap;
+  `backend.variant_graph_wrappers[variant][b]`, registered from `runner.attn_layers` before capture; a plain
+  model has one variant, `backend.graph_wrappers[b]`), built with
   use_cuda_graph=True over persistent indptr / last-page-length buffers and one page-index buffer shared by
   all buckets, `backend.page_indices_buf`, sized for the worst case; made by `backend.ensure_graph_buckets`).
   The host builds the step's metadata in pinned memory (block tables converted to arrays once per change,

@@ -1,7 +1,8 @@
 """Decode CUDA graphs of models with recurrent-state layers on the GPU (marker `gpu`; skipped without CUDA).
 
 For each recurrent spec (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: gated DeltaNet; Mamba-2, Bamba, GraniteMoeHybrid:
-Mamba-2; LFM2: short conv), on a tiny bf16 checkpoint (`checkpoint`: attention heads of 128, Mamba-2 heads of 64, 3 layers):
+Mamba-2; LFM2: short conv), on a tiny bf16 checkpoint (`checkpoint`: attention heads of 128, Mamba-2 heads of 64,
+3 layers):
 - the runner captures a decode graph per bucket (1, 2, 4, 8, 16), with the state-slot input, and says so in one
   log line; prefill graphs stay off (a prefill mixer runs per sequence from host slot values);
 - greedy tokens with the graphs equal those of an engine built with enforce_eager=True: 7 concurrent sequences of
