@@ -64,6 +64,8 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
         return "ALiBi"
     if source and "chunk_size=" in Path(source).read_text():         # attention `chunk_size` (the fixtures chunk)
         return "chunked local attention"
+    if source and "L.Attention(" not in Path(source).read_text():   # no attention layer (Mamba-2): no head_dim limit
+        return None
     if package and ckpt is not None:
         config = importlib.import_module(f"{package}.model").Config.from_hf(
             json.loads((ckpt / "config.json").read_text()))
