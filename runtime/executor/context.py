@@ -27,7 +27,9 @@ class ForwardContext:
     deepstack: Optional["DeepstackInput"] = None
     extra: dict = field(default_factory=dict)
     # recurrent-state mixers (runtime/layers/recurrent.py): each sequence's state slot [B] int64 (device) and host
-    # copies, and whether the slot continues the sequence's state (False: its first prefill chunk, state from zero)
+    # copies, and whether the slot continues the sequence's state (False: its first prefill chunk, state from zero);
+    # a decode step reads only state_slots (in a decode graph bucket: a static buffer, padding rows on the scratch
+    # slot; the host copies are None there)
     state_slots: Optional[torch.Tensor] = None
     state_slots_cpu: Optional[list] = None
     state_continue_cpu: Optional[list] = None

@@ -8,11 +8,18 @@ KV pages (the page-index pointer repeats, never decreasing), last-page length 1.
 
 Where things live:
 - static inputs: one int64 device buffer holds a bucket's token ids, positions ([B], or [R, B] for a runner
-  with `position_rows` R > 1, e.g. mRoPE) and KV slots, laid out per bucket as [ids | positions | slots], so
-  one host-to-device copy fills a step; the runner's `decode_positions(seqs)` gives the positions;
-- attention: the backend's per-bucket decode wrappers, one per attention variant of the model (sliding window /
-  soft-cap; `backend.variant_graph_wrappers[variant][b]`, registered from `runner.attn_layers` before capture;
-  a plain model has one variant, `backend.graph_wrappers[b]`), built with
+  with `position_rows` R > 1, e.g. mRoPE), KV slots and, for a model with recurrent-state layers, the state slot
+  of each row, laid out per bucket as [ids | positions | slots | state slots], so one host-to-device copy fills a
+  step; the runner's `decode_positions(seqs)` gives the positions;
+- recurrent-state layers (runtime/layers/recurrent.py): the bucket's ForwardContext holds the static state-slot
+  view as `state_slots`; a mixer's decode step reads only it (index_select of its rows of the state pool, the new
+  states written back with index_copy_: no host value, no data-dependent shape). Padding rows hold the runner's
+  scratch slot (`state_scratch_slot`, a pool row the block manager never hands out), so they never touch a live
+  sequence's state;
+- attention (a model with attention layers; one without has nothing to plan): the backend's per-bucket decode
+  wrappers, one per attention variant of the model (sliding window / soft-cap;
+  `backend.variant_graph_wrappers[variant][b]`, registered from `runner.attn_layers` before capture; a plain
+  model has one variant, `backend.graph_wrappers[b]`), built with
   use_cuda_graph=True over persistent indptr / last-page-length buffers and one page-index buffer shared by
   all buckets, `backend.page_indices_buf`, sized for the worst case; made by `backend.ensure_graph_buckets`).
   The host builds the step's metadata in pinned memory (block tables converted to arrays once per change,
@@ -25,6 +32,11 @@ Where things live:
 Host work per step (the `run(seqs)` path): a few list comprehensions over the sequences, numpy writes into
 two pinned buffers, two non-blocking host-to-device copies plus the planner's two small ones, the planner,
 and the replay. Measured on an H200 host at batch 1: about 0.03 ms inputs, 0.04 ms copies, 0.1 ms plan.
+
+`capture=False` (tests, CPU too): the same static inputs, padding and planning, but each step runs the bucket's
+forward eagerly instead of replaying a graph, and attention runs the runner's own backend on the real rows (its
+metadata re-derived from the bucket's indptr / last-page lengths / page indices, as the graph's wrappers read them);
+the rest of the model (recurrent mixers, MoE, ...) runs on the padded batch exactly as captured.
 
 Every bucket gets a warm-up run before capture (Triton compiles, cuBLAS picks its kernels, lazily moved
 tables reach the device); buckets are captured largest first so smaller graphs reuse the pool's blocks.
@@ -164,15 +176,72 @@ class _BucketAttention(AttentionBackend):
         return w.run(q, (k_cache, v_cache))
 
 
+class _NoEvent:
+    """Stands in for torch.cuda.Event off CUDA (capture=False on the CPU): host copies are synchronous there."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _EagerBucketAttention(AttentionBackend):
+    """A bucket's attention when DecodeGraphs runs without capture: the runner's backend on the real rows of the
+    step (rows with pages), its context rebuilt from the bucket's indptr / last-page lengths / page indices;
+    padding rows get zeros."""
+
+    def __init__(self, backend, batch_size: int, block_size: int, slots: torch.Tensor):
+        self.backend, self.batch_size, self.block_size, self.slots = backend, batch_size, block_size, slots
+        self.ctx: Optional[ForwardContext] = None
+        self.rows = 0
+
+    def plan(self, ctx: ForwardContext) -> None:         # pragma: no cover - DecodeGraphs plans directly
+        raise RuntimeError("a graph bucket is planned by DecodeGraphs, not through plan(ctx)")
+
+    def plan_decode(self, indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor) -> None:
+        ip, last = indptr.tolist(), last_page_len.tolist()
+        pages = indices.cpu().tolist()
+        bs = self.block_size
+        lens = [(ip[i + 1] - ip[i] - 1) * bs + last[i] if ip[i + 1] > ip[i] else 0 for i in range(len(last))]
+        B = sum(1 for n in lens if n > 0)
+        if any(n > 0 for n in lens[B:]):
+            raise RuntimeError(f"decode bucket {self.batch_size}: a padding row before a real row ({lens})")
+        width = max([ip[i + 1] - ip[i] for i in range(B)] + [1])
+        tables = torch.full((max(B, 1), width), -1, dtype=torch.int32)
+        for i in range(B):
+            tables[i, :ip[i + 1] - ip[i]] = torch.tensor(pages[ip[i]:ip[i + 1]], dtype=torch.int32)
+        dev = self.slots.device
+        self.rows = B
+        self.ctx = ForwardContext(
+            is_prefill=False, cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens[:B], dtype=torch.int32, device=dev), slot_mapping=self.slots[:B],
+            block_tables=tables[:B].to(dev), block_size=bs, seq_lens_cpu=lens[:B], query_lens_cpu=[1] * B,
+            backend=self.backend)
+        if B:
+            self.backend.plan(self.ctx)
+
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None, **kw):
+        out = torch.zeros_like(q)
+        if self.rows:
+            out[:self.rows] = self.backend.forward(q[:self.rows], k[:self.rows], v[:self.rows], k_cache, v_cache,
+                                                   self.ctx, scale, variant=variant, **kw)
+        return out
+
+
 class DecodeGraphs:
     """`fits(B)`: a decode batch of B sequences has a graph. `run(seqs)`: the fast path, builds the step's
     inputs from the sequences in pinned memory, plans attention, replays. `replay(ids, pos, ctx)`: the same
     from what ModelRunner.prepare already built. Both return hidden states [B, hidden] (a view of the graph's
     static output, valid until the next replay)."""
 
-    def __init__(self, runner, *, progress: bool = True):
-        if runner.device.type != "cuda":
+    def __init__(self, runner, *, progress: bool = True, capture: bool = True):
+        if capture and runner.device.type != "cuda":
             raise RuntimeError("decode CUDA graphs need a CUDA device")
+        self.capture = capture
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.block_size
@@ -188,10 +257,63 @@ class DecodeGraphs:
                 b = next(it)
             self._bucket_of[n] = b
         self.P = int(runner.position_rows)                  # rows of positions: [B] (1) or [P, B]
+        # recurrent-state layers: a state-slot row in the static inputs; padding rows hold the scratch slot
+        self.scratch_slot = getattr(runner, "state_scratch_slot", None) if getattr(runner, "state_layers", None) \
+            else None
+        self.has_state = self.scratch_slot is not None
+        self.has_attention = bool(getattr(runner, "attn_layers", ()))
+        self._S = 3 + self.P if self.has_state else 2 + self.P   # int64 rows of the static inputs per bucket row
 
         backend = runner.backend
-        # the model's attention variants (sliding window / soft-cap per layer): one decode wrapper per variant
-        # per bucket, all made before capture
+        if self.has_attention and not capture:                 # the runner's backend on the real rows (tests)
+            by_variant, variants = {}, ()
+            worst = self.max_bs * ((runner.max_model_len + self.block_size - 1) // self.block_size)
+            self.page_indices = torch.zeros(worst, dtype=torch.int32, device=self.device)
+        elif self.has_attention:
+            by_variant, variants = self._attention_wrappers(runner, backend)
+            self.page_indices = backend.page_indices_buf       # shared by all buckets (worst-case size)
+        else:                                                  # a purely recurrent model: nothing to plan
+            by_variant, variants = {}, ()
+            self.page_indices = None
+        self.max_pages = self.page_indices.numel() if self.page_indices is not None else 0
+
+        # Static inputs: for bucket Bk the layout is [ids (Bk) | positions (P*Bk) | slots (Bk) | state slots (Bk)].
+        n64 = self._S * self.max_bs
+        pin = self.device.type == "cuda"
+        self._h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self._h64_np = self._h64.numpy()
+        self._d64 = torch.zeros(n64, dtype=torch.int64, device=self.device)
+        # Attention metadata on the host: [indptr (max+1) | last_page_len (max) | indices (max_pages)].
+        m = self.max_bs
+        self._ind0 = 2 * m + 1
+        self._h32 = torch.zeros(self._ind0 + self.max_pages, dtype=torch.int32, pin_memory=pin)
+        self._h32_np = self._h32.numpy()
+        self._indptr_h = [self._h32[: b + 1] for b in range(m + 1)]            # views per batch size
+        self._last_h = [self._h32[m + 1: m + 1 + b] for b in range(m + 1)]
+        self._table_cache: dict = {}                       # id(block table) -> (table, len, int32 array)
+        self._prev_pages = None                            # (tables, page counts) whose indices the buffer holds
+        # pinned buffers are rewritten only after their copy
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else _NoEvent()
+        self._copied.record()
+
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._ctx: dict[int, ForwardContext] = {}
+        self._attn: dict[int, Optional[AttentionBackend]] = {}
+        for b in self.buckets:
+            if not self.has_attention:
+                self._attn[b] = None
+            elif capture:
+                self._attn[b] = _BucketAttention(backend, {v: by_variant[v][b] for v in variants}, b)
+            else:
+                self._attn[b] = _EagerBucketAttention(backend, b, self.block_size, self._views(b)[2])
+        self.pool = None
+        self.capture_seconds = 0.0
+        self._capture_all(progress)
+
+    def _attention_wrappers(self, runner, backend):
+        """({variant: {bucket: decode wrapper}}, variants): the model's attention variants (sliding window / soft-cap
+        per layer), one decode wrapper per variant per bucket, all made before capture."""
         variants = attention_variants(getattr(runner, "attn_layers", ()))
         add = getattr(backend, "add_variants", None)
         if add is not None and variants:
@@ -209,34 +331,7 @@ class DecodeGraphs:
             raise RuntimeError(f"{type(backend).__name__} has no CUDA-graph decode wrapper for (bucket, variant) "
                                f"{missing}: build the backend with graph_buckets={self.buckets} and the model's "
                                "attention variants")
-        self.page_indices = backend.page_indices_buf           # shared by all buckets (worst-case size)
-        self.max_pages = self.page_indices.numel()
-
-        # Static inputs: for bucket Bk the layout is [ids (Bk) | positions (P*Bk) | slots (Bk)].
-        n64 = (2 + self.P) * self.max_bs
-        self._h64 = torch.zeros(n64, dtype=torch.int64, pin_memory=True)
-        self._h64_np = self._h64.numpy()
-        self._d64 = torch.zeros(n64, dtype=torch.int64, device=self.device)
-        # Attention metadata on the host: [indptr (max+1) | last_page_len (max) | indices (max_pages)].
-        m = self.max_bs
-        self._ind0 = 2 * m + 1
-        self._h32 = torch.zeros(self._ind0 + self.max_pages, dtype=torch.int32, pin_memory=True)
-        self._h32_np = self._h32.numpy()
-        self._indptr_h = [self._h32[: b + 1] for b in range(m + 1)]            # views per batch size
-        self._last_h = [self._h32[m + 1: m + 1 + b] for b in range(m + 1)]
-        self._table_cache: dict = {}                       # id(block table) -> (table, len, int32 array)
-        self._prev_pages = None                            # (tables, page counts) whose indices the buffer holds
-        self._copied = torch.cuda.Event()                  # pinned buffers are rewritten only after their copy
-        self._copied.record()
-
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._ctx: dict[int, ForwardContext] = {}
-        self._attn: dict[int, _BucketAttention] = {
-            b: _BucketAttention(backend, {v: by_variant[v][b] for v in variants}, b) for b in self.buckets}
-        self.pool = None
-        self.capture_seconds = 0.0
-        self._capture_all(progress)
+        return by_variant, variants
 
     # ---- buckets ------------------------------------------------------------------------------------
     def fits(self, batch_size: int) -> bool:
@@ -254,12 +349,18 @@ class DecodeGraphs:
         slots = d[(1 + self.P) * Bk: (2 + self.P) * Bk]
         return ids, pos, slots
 
+    def state_slot_view(self, Bk: int) -> Optional[torch.Tensor]:
+        """The bucket's static state-slot input [Bk] (None: the model has no recurrent-state layers)."""
+        if not self.has_state:
+            return None
+        return self._d64[(2 + self.P) * Bk: (3 + self.P) * Bk]
+
     # ---- capture ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _capture_all(self, progress: bool) -> None:
         runner = self.runner
         t0 = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         order = sorted(self.buckets, reverse=True)
         for Bk in capture_progress(order, "Capturing decode CUDA graphs", "graph", progress):
             ids, pos, slots = self._views(Bk)
@@ -270,9 +371,13 @@ class DecodeGraphs:
                 slot_mapping=slots,
                 block_tables=torch.zeros(Bk, 0, dtype=torch.int32, device=self.device),
                 block_size=self.block_size, seq_lens_cpu=None, query_lens_cpu=[1] * Bk,
-                backend=self._attn[Bk], extra={"graph_bucket": Bk})
+                backend=self._attn[Bk], extra={"graph_bucket": Bk},
+                state_slots=self.state_slot_view(Bk))     # every row continues its state (decode)
             self._ctx[Bk] = ctx
-            total = self._write_step(0, Bk, [], [], [], [], [])  # every row a padding row
+            if not self.capture:
+                continue
+            # every row a padding row: the warm-up run touches the scratch state slot only
+            total = self._write_step(0, Bk, [], [], [], [], [])
             self._upload(Bk, total)
             self._plan(Bk, total)                          # planned outside the graph
             set_context(ctx)
@@ -286,13 +391,28 @@ class DecodeGraphs:
                 reset_context()
             self.graphs[Bk] = g
             self.outputs[Bk] = out
-        torch.cuda.synchronize(self.device)
+        if self.capture:
+            torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
 
+    def _replay(self, Bk: int) -> torch.Tensor:
+        """The bucket's graph replayed (capture=False: its forward run eagerly on the static inputs)."""
+        if self.capture:
+            self.graphs[Bk].replay()
+            return self.outputs[Bk]
+        ids, pos, _ = self._views(Bk)
+        set_context(self._ctx[Bk])
+        try:
+            self.outputs[Bk] = self.runner.forward(ids, pos, self._ctx[Bk], None)
+        finally:
+            reset_context()
+        return self.outputs[Bk]
+
     # ---- one step -----------------------------------------------------------------------------------
-    def _write_step(self, B: int, Bk: int, ids, pos, slots, lens, tables) -> int:
+    def _write_step(self, B: int, Bk: int, ids, pos, slots, lens, tables, state_slots=()) -> int:
         """Writes one step's inputs and attention metadata (padded to Bk rows) into the pinned buffers;
-        returns the number of KV pages of the step. `lens`: KV length of each sequence after the step."""
+        returns the number of KV pages of the step. `lens`: KV length of each sequence after the step;
+        `state_slots`: each sequence's recurrent-state slot (a model with recurrent-state layers)."""
         if not self._copied.query():                       # the previous step's copy still reads them
             self._copied.synchronize()
         bs = self.block_size
@@ -310,6 +430,16 @@ class DecodeGraphs:
         s0 = (1 + P) * Bk
         h[s0: s0 + B] = slots
         h[s0 + B: s0 + Bk] = -1
+        if self.has_state:
+            r0 = s0 + Bk
+            if B:
+                if len(state_slots) != B or any(sl is None for sl in state_slots):
+                    raise RuntimeError("a decode graph step of a model with recurrent-state layers needs each "
+                                       f"sequence's state slot, got {list(state_slots)} for {B} sequences")
+                h[r0: r0 + B] = state_slots
+            h[r0 + B: r0 + Bk] = self.scratch_slot            # padding rows: the scratch slot
+        if not self.has_attention:                             # no KV pages to describe
+            return 0
         m = self.max_bs
         h32 = self._h32_np
         h32[0] = 0
@@ -354,7 +484,7 @@ class DecodeGraphs:
         self._prev_pages = (list(tables), counts)
 
     def _upload(self, Bk: int, total_pages: int) -> None:
-        n64 = (2 + self.P) * Bk
+        n64 = self._S * Bk
         self._d64[:n64].copy_(self._h64[:n64], non_blocking=True)
         if total_pages:
             self.page_indices[:total_pages].copy_(self._h32[self._ind0: self._ind0 + total_pages],
@@ -365,6 +495,8 @@ class DecodeGraphs:
         """Plans the bucket's wrapper once for the step, outside the graph. indptr / last_page_len go as pinned
         host views (the planner needs them on the host, and copies them into the bucket's persistent buffers);
         the page indices are already in the shared device buffer (so the planner's copy is a no-op)."""
+        if self._attn[Bk] is None:                             # no attention layers: nothing to plan
+            return
         self._attn[Bk].plan_decode(self._indptr_h[Bk], self._last_h[Bk], self.page_indices[:total_pages])
         self._copied.record()
 
@@ -380,13 +512,13 @@ class DecodeGraphs:
         ids = [0] * B if input_ids is not None else [s.token_ids[-1] for s in seqs]
         slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
         pos = self.runner.decode_positions(seqs)           # [P * B], row-major
-        total = self._write_step(B, Bk, ids, pos, slots, lens, tables)
+        states = [s.state_slot for s in seqs] if self.has_state else ()
+        total = self._write_step(B, Bk, ids, pos, slots, lens, tables, states)
         self._upload(Bk, total)
         if input_ids is not None:
             self._views(Bk)[0][:B].copy_(input_ids)
         self._plan(Bk, total)
-        self.graphs[Bk].replay()
-        return self.outputs[Bk][:B]
+        return self._replay(Bk)[:B]
 
     def replay(self, ids: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The ModelRunner hook, with the inputs prepare() built (device tensors): lengths from
@@ -400,7 +532,10 @@ class DecodeGraphs:
             tables = ctx.block_tables.cpu().tolist()
         bs = self.block_size
         slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
-        total = self._write_step(B, Bk, [0] * B, [0] * (B * self.P), slots, lens, tables)
+        states = ()
+        if self.has_state:
+            states = ctx.state_slots_cpu if ctx.state_slots_cpu is not None else ctx.state_slots.tolist()
+        total = self._write_step(B, Bk, [0] * B, [0] * (B * self.P), slots, lens, tables, states)
         self._upload(Bk, total)
         s_ids, s_pos, _ = self._views(Bk)                  # prepare()'s device inputs over the placeholders
         s_ids[:B].copy_(ids)
@@ -409,5 +544,4 @@ class DecodeGraphs:
         else:
             s_pos[:B].copy_(pos)
         self._plan(Bk, total)
-        self.graphs[Bk].replay()
-        return self.outputs[Bk][:B]
+        return self._replay(Bk)[:B]

@@ -181,10 +181,23 @@ class ModelRunner:
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)
-        # piecewise prefill graphs (runtime/executor/prefill_graphs.py), for runners whose step is model(ids, pos)
+            if self.state_layers:
+                logger.info("decode CUDA graphs captured for buckets %s with %d recurrent-state layers (%s): each "
+                            "bucket reads its sequences' state slots from a static slot buffer (padding rows: the "
+                            "scratch slot %d); prefill runs eagerly", self.graphs.buckets, len(self.state_layers),
+                            type(self.state_layers[0]).__name__, self.state_scratch_slot)
+        elif self.debug.get("uncaptured_decode_graphs") and self.graph_buckets:
+            # test-only (any device): the decode graphs' static inputs, padding and planning, each bucket's forward
+            # run eagerly instead of captured (runtime/executor/cuda_graph.py, capture=False)
+            from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(self, progress=False, capture=False)
+        # piecewise prefill graphs (runtime/executor/prefill_graphs.py), for runners whose step is model(ids, pos);
+        # not for a model with recurrent-state layers: a prefill mixer runs per sequence from host slot values, which
+        # a captured piece would freeze
         self.prefill_graphs = None
         psizes = prefill_graph_sizes_of(prefill_graph_sizes, max_num_batched_tokens)
-        if not self.enforce_eager and psizes and self.attn_layers and supports_prefill_graphs(self):
+        if (not self.enforce_eager and psizes and self.attn_layers and not self.state_layers
+                and supports_prefill_graphs(self)):
             try:
                 self.prefill_graphs = PrefillGraphs(self, psizes)
             except Exception as e:        # a model that cannot be captured still serves, with eager prefill
@@ -235,13 +248,11 @@ class ModelRunner:
         prefilled in chunks). The block manager hands out the slots (num_state_slots)."""
         self.state_layers = [m for m in self.model.modules() if isinstance(m, L.RecurrentMixer)]
         self.num_state_slots = self.max_num_seqs + 1 if self.state_layers else 0
+        # one more slot than the block manager hands out: the scratch slot, which the padding rows of a decode graph
+        # bucket read and write, so that a padding row never touches a live sequence's state
+        self.state_scratch_slot = self.num_state_slots if self.state_layers else None
         for m in self.state_layers:
-            m.init_states(self.num_state_slots, self.device, self.dtype)
-        if self.state_layers and not self.enforce_eager:
-            # decode graphs would capture the step's slots as constants: this model's steps run eagerly
-            logger.info("CUDA graphs disabled: the model has recurrent-state layers (%s), whose decode steps read "
-                        "per-sequence state slots", type(self.state_layers[0]).__name__)
-            self.enforce_eager = True
+            m.init_states(self.num_state_slots + 1, self.device, self.dtype)
 
     def _kv_bytes_per_block(self) -> int:
         if not self.attn_layers:        # no KV cache at all (a purely recurrent model): blocks are bookkeeping only
@@ -422,6 +433,8 @@ class ModelRunner:
         still there (num_pending); None: read from the sequences."""
         if not is_prefill and not all_rows and self.graphs is not None and self.graphs.fits(len(seqs)):
             # decode graphs build the step's inputs from the sequences (pinned memory, one copy), plan, replay
+            if self.state_layers and self.debug:
+                self._state_debug([s.state_slot for s in seqs], [True] * len(seqs), False)
             return self.model.compute_logits(self.graphs.run(seqs, input_ids)).float()
         ids, pos, ctx, last_rows = self.prepare(seqs, is_prefill)
         if input_ids is not None:
@@ -436,7 +449,7 @@ class ModelRunner:
                 self._planned.record()
             set_context(ctx)
             if getattr(self, "num_state_slots", 0) and self.debug:
-                self._state_debug(ctx, is_prefill)
+                self._state_debug(ctx.state_slots_cpu, ctx.state_continue_cpu, is_prefill)
             if is_prefill and self.prefill_graphs is not None and self.prefill_graphs.fits(ids.shape[0]):
                 hidden = self.prefill_graphs.run(ids, pos, ctx, embeds)
             else:
@@ -448,11 +461,12 @@ class ModelRunner:
             self.after_step(ctx)
 
     @torch.inference_mode()
-    def _state_debug(self, ctx: ForwardContext, is_prefill: bool) -> None:
+    def _state_debug(self, slots: list, continues: list, is_prefill: bool) -> None:
         """Test-only sensitivity arms of the recurrent state pool: `zero_state_at_decode` zeros every state of the
-        step's sequences before a decode step; `drop_conv_state_at_chunk` zeros the `conv` states of sequences that
-        continue a prompt in a later prefill chunk. Either must change the tokens (the state carries)."""
-        cont = [sl for sl, c in zip(ctx.state_slots_cpu, ctx.state_continue_cpu) if c]
+        step's sequences before a decode step (eager or graph); `drop_conv_state_at_chunk` zeros the `conv` states
+        of sequences that continue a prompt in a later prefill chunk. Either must change the tokens (the state
+        carries)."""
+        cont = [sl for sl, c in zip(slots, continues) if c]
         if not cont:
             return
         names = ()

@@ -5,8 +5,12 @@ shapes). The runner allocates each as `[num_slots, *shape]` (a state pool beside
 running sequence, runtime/executor/model_runner.py) and attaches them as `self.states[name]`; the block manager hands
 a sequence its slot at admission and takes it back when it finishes, is aborted or preempted. A step's forward
 context says, per sequence, which slot it owns (`ctx.state_slots`) and whether the slot continues a state
-(`ctx.state_continue`: False at a sequence's first prefill chunk, whose state starts at zero; so a sequence preempted
-and recomputed from its tokens starts over). The mixer reads its rows of the pool, computes, and writes them back.
+(`ctx.state_continue_cpu`: False at a sequence's first prefill chunk, whose state starts at zero; so a sequence
+preempted and recomputed from its tokens starts over). The mixer reads its rows of the pool, computes, and writes them
+back: a prefill step per sequence (`step_sequences`, host values), a decode step batched from the slot tensor alone
+(`decode_slots`, `gather_states` / `scatter_states`: index_select / index_copy_, no host value, no data-dependent
+shape), which the decode CUDA graphs capture with the slots as a static input (padding rows on the pool's scratch
+slot, runtime/executor/cuda_graph.py).
 
 Math (torch reference, float32 state; the GPU runs the same torch code):
 - `causal_conv1d`: a depthwise causal conv1d over time, its state the last kernel - 1 inputs of each channel;
@@ -51,6 +55,32 @@ class RecurrentMixer(nn.Module):
                 numel *= int(s)
             n += numel * torch.tensor([], dtype=dt or dtype).element_size()
         return n
+
+
+def decode_slots(ctx) -> Optional[torch.Tensor]:
+    """The state slot of each row [B] int64 (device) when the step is a decode step, else None (a prefill step runs
+    per sequence, `step_sequences`). A decode step has one token per sequence and every sequence continues its
+    state, so its mixer path reads only this tensor: no host value, which makes it graph-safe (a decode CUDA graph
+    binds a static slot buffer here; its padding rows hold the pool's scratch slot, runtime/executor/cuda_graph.py)."""
+    if ctx.is_prefill:
+        return None
+    if ctx.state_slots is None:
+        raise RuntimeError("a recurrent mixer ran a decode step without state slots in the forward context (the "
+                           "runner allocates them for models with recurrent layers)")
+    if ctx.query_lens_cpu is not None and any(q != 1 for q in ctx.query_lens_cpu):
+        return None
+    return ctx.state_slots
+
+
+def gather_states(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows `slots` [B] of a state pool [num_slots, ...] (a copy; graph-safe, no host sync)."""
+    return pool.index_select(0, slots)
+
+
+def scatter_states(pool: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Writes `new` [B, ...] into the rows `slots` of the pool, in place (graph-safe, no host sync). Slots are
+    distinct but for a decode graph's padding rows, which all share the scratch slot (any of them may win)."""
+    pool.index_copy_(0, slots, new.to(pool.dtype))
 
 
 def step_sequences(ctx):
@@ -262,18 +292,16 @@ class GatedDeltaNet(RecurrentMixer):
         w, cb = self.conv1d.weight, self.conv1d.bias
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = torch.empty(N, Hv, Dv, dtype=torch.float32, device=qkv.device)
-        seqs = step_sequences(ctx)
-        if not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs):    # decode: one token each, batched
-            slots = ctx.state_slots
-            x, new_conv = causal_conv1d_step(qkv, w, cb, conv_state[slots])
-            conv_state[slots] = new_conv.to(conv_state.dtype)
+        slots = decode_slots(ctx)
+        if slots is not None:                                   # decode: one token each, batched, graph-safe
+            x, new_conv = causal_conv1d_step(qkv, w, cb, gather_states(conv_state, slots))
+            scatter_states(conv_state, slots, new_conv)
             q, k, v = self._split(x)
-            o, S = gated_delta_rule_step(q, k, v, g, beta, rec_state[slots])
-            rec_state[slots] = S
-            out = o
+            out, S = gated_delta_rule_step(q, k, v, g, beta, gather_states(rec_state, slots))
+            scatter_states(rec_state, slots, S)
         else:
-            for s, e, slot, cont in seqs:
+            out = torch.empty(N, Hv, Dv, dtype=torch.float32, device=qkv.device)
+            for s, e, slot, cont in step_sequences(ctx):
                 cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
                 x, new_conv = causal_conv1d(qkv[s:e], w, cb, cs)
                 conv_state[slot] = new_conv.to(conv_state.dtype)
@@ -445,19 +473,18 @@ class Mamba2(RecurrentMixer):
         w, cb = self.conv1d.weight, self.conv1d.bias
         A = -torch.exp(self.A_log.float())
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
-        seqs = step_sequences(ctx)
-        if not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs):    # decode: one token each, batched
-            slots = ctx.state_slots
-            h, new_conv = causal_conv1d_step(xbc, w, cb, conv_state[slots])
-            conv_state[slots] = new_conv.to(conv_state.dtype)
+        slots = decode_slots(ctx)
+        if slots is not None:                                   # decode: one token each, batched, graph-safe
+            h, new_conv = causal_conv1d_step(xbc, w, cb, gather_states(conv_state, slots))
+            scatter_states(conv_state, slots, new_conv)
             x, B, C = self._split(h)
-            y, st = ssd_step(x, dt, A, B, C, self.D, ssm_state[slots])
-            ssm_state[slots] = st
+            y, st = ssd_step(x, dt, A, B, C, self.D, gather_states(ssm_state, slots))
+            scatter_states(ssm_state, slots, st)
         else:
             y = torch.empty(N, H, P, dtype=torch.float32, device=xbc.device)
             lo, hi = self.time_step_limit
             dtc = torch.clamp(dt, min=lo, max=hi)
-            for s, e, slot, cont in seqs:
+            for s, e, slot, cont in step_sequences(ctx):
                 cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
                 h, new_conv = causal_conv1d(xbc[s:e], w, cb, cs)
                 conv_state[slot] = new_conv.to(conv_state.dtype)
@@ -498,14 +525,13 @@ class ShortConv(RecurrentMixer):
         conv_state = self.states["conv"]
         w, cb = self.conv.weight, self.conv.bias
         bx = b * x
-        seqs = step_sequences(ctx)
-        if not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs):    # decode: one token each, batched
-            slots = ctx.state_slots
-            h, new = causal_conv1d_step(bx, w, cb, conv_state[slots], activation=None)
-            conv_state[slots] = new.to(conv_state.dtype)
+        slots = decode_slots(ctx)
+        if slots is not None:                                   # decode: one token each, batched, graph-safe
+            h, new = causal_conv1d_step(bx, w, cb, gather_states(conv_state, slots), activation=None)
+            scatter_states(conv_state, slots, new)
         else:
             h = torch.empty_like(bx)
-            for s, e, slot, cont in seqs:
+            for s, e, slot, cont in step_sequences(ctx):
                 cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
                 h[s:e], new = causal_conv1d(bx[s:e], w, cb, cs, activation=None)
                 conv_state[slot] = new.to(conv_state.dtype)
