@@ -158,7 +158,7 @@ class ModelRunner:
                 self.model, self.model_module.weight_plan(self.model), model_dir,
                 tp_size=get_tp_size(), tp_rank=get_tp_rank(),
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
-                quant=parse_quant_config(hf_config, quantization))
+                quant=parse_quant_config(hf_config, quantization), kv_cache_dtype=kv_cache_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
         self._allocate_state_pool()
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
