@@ -552,6 +552,14 @@ def test_fp8_kv_cache_scale_faults(kv_scaled, tmp_path):
     assert parse_quant_config({"quantization_config": {**qc, "kv_cache_scheme": KV_CT_SCHEME}}).kv_scheme == "tensor"
 
 
+@pytest.mark.slow
+def test_tp2_fp8_kv_cache_scales(kv_scaled):
+    """TP 2: each rank holds half the KV heads and the same per-tensor scalar scales; greedy tokens equal
+    transformers' with K / V rounded with the scales."""
+    ref, scales, ckpt = kv_scaled
+    assert _tp2(ckpt, _greedy, kv_cache_dtype="fp8") == _hf_fp8_kv_greedy(ref, PROMPTS, N_NEW, scales)
+
+
 def test_fp8_moe_experts_refused_by_name(tmp_path):
     """float8 expert weights (a FusedMoE's stacked parameters) are refused, naming the tensor."""
     from tests.fixtures.tiny_hf import make_tiny_checkpoint
