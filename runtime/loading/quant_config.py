@@ -12,6 +12,9 @@ What is supported (everything else is refused, naming the method or the setting)
   GPTQModel / optimum, bits 4 or 8, `sym` true or false, `desc_act` false or true (its `g_idx`),
   `checkpoint_format` gptq (zeros stored minus one) or gptq_v2): integer weights with per-group scales and zeros,
   dequantized (runtime/layers/int_quant.py); on CUDA 4-bit weights stay packed for the weight-only GEMM.
+- KV-cache scales: compressed-tensors `kv_cache_scheme` (static per-tensor fp8; with no `config_groups`: a
+  KV-cache-only recipe) and fp8's `kv_cache_scheme: static` (AutoFP8); the per-layer k_scale / v_scale tensors are
+  read by runtime.loading.kv_scales and used with kv_cache_dtype "fp8".
 - online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
   channel at load (not the embeddings, the lm_head, MoE experts or the MoE router), activations dynamically per
   token.
