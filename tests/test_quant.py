@@ -518,6 +518,36 @@ def test_fp8_kv_cache_scale_name_forms(kv_scaled, tmp_path, form):
                                           (k, float(torch.tensor(scales[i][1], dtype=torch.float32))))
 
 
+def test_fp8_kv_cache_scales_any_layout(kv_scaled, tmp_path):
+    """The mapping names no family: GPT-2's fused `transformer.h.{i}.attn.c_attn` (scales under
+    `transformer.h.{i}.attn`) and Llama's separate projections get each layer's own scales; and an fp8
+    compressed-tensors checkpoint (quantized weights) with a kv_cache_scheme loads both."""
+    from quant_ckpt import write_ct_fp8, write_kv_scales
+
+    from tests.fixtures.tiny_hf import make_tiny_checkpoint
+    for arch, prefix in (("GPT2LMHeadModel", "transformer.h.{i}.attn"), ("LlamaForCausalLM", "model.layers.{i}.self_attn")):
+        src = make_tiny_checkpoint(arch, tmp_path / arch)
+        n = json.loads((src / "config.json").read_text()).get("n_layer") or \
+            json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        sc = {i: (0.5 + i, 1e-3 * (i + 1)) for i in range(n)}
+        llm = _llm(write_kv_scales(src, tmp_path / f"{arch}_kv", sc, prefix=prefix), kv_cache_dtype="fp8")
+        attn = [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_cache") and m.k_cache.numel()]
+        assert [(a.k_scale, a.v_scale) for a in attn] == [
+            tuple(float(torch.tensor(x, dtype=torch.float32)) for x in sc[i]) for i in range(n)], arch
+        assert len(_greedy(llm, PROMPTS[:1], 2)[0]) == 2
+    ref, scales, _ = kv_scaled
+    w8, _ = write_ct_fp8(ref, tmp_path / "w8", tmp_path / "w8_ref", strategy="channel", act=None)
+    both = write_kv_scales(w8, tmp_path / "w8kv", scales, scheme=None)
+    cfg = json.loads((both / "config.json").read_text())
+    from quant_ckpt import KV_CT_SCHEME
+    cfg["quantization_config"]["kv_cache_scheme"] = KV_CT_SCHEME
+    (both / "config.json").write_text(json.dumps(cfg))
+    llm = _llm(both, kv_cache_dtype="fp8")
+    layer = llm.engine.runner.model.model.layers[0].self_attn
+    assert layer.attn.k_scale == float(torch.tensor(scales[0][0], dtype=torch.float32))
+    assert layer.qkv_proj.weight.dtype == torch.float32 and len(_greedy(llm, PROMPTS[:1], 2)[0]) == 2
+
+
 def write_kv_scales_form(ref, tmp_path, scales, form):
     from quant_ckpt import write_kv_scales
     return write_kv_scales(ref, tmp_path / form, scales, form=form, scheme=None)
