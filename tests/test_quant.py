@@ -10,7 +10,10 @@ transformers run on the dequantized weights (float32, CPU), on tiny checkpoints 
 - sensitivity: scales altered -> far from the reference; activation quantization off in the reference -> the
   engine no longer matches it token for token;
 - faults: a missing or mis-shaped scale names the tensor; unsupported methods / settings are refused by name;
-- TP 2 (slow): every format, and a block split the activation groups cannot follow is refused naming the layer.
+- TP 2 (slow): every format, and a block split the activation groups cannot follow is refused naming the layer;
+- fp8 KV cache, with scale 1.0 and with the checkpoint's per-tensor k_scale / v_scale (every name form, any
+  attention layout): greedy tokens equal transformers with K / V rounded the same way; dropped or altered scales
+  move the result; bad, missing or stray scales name the tensor.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Quantized checkpoints on the GPU (marker `gpu`; skipped without CUDA): the fp8 block-wise and
 compressed-tensors per-token paths (weights dequantized at load, activations quantized by ActQuant, torch ops)
 give on CUDA what they give on the CPU (float32: same teacher-forced top-1, relative logit error < 1e-3), and
-with FlashInfer, bf16 decode CUDA graphs give the eager path's tokens."""
+with FlashInfer, bf16 decode CUDA graphs give the eager path's tokens. The fp8 KV cache (scale 1.0, and the
+checkpoint's per-tensor scales: the Triton store kernel, FlashInfer's prefill / decode wrappers and the Triton decode
+kernel) gives the torch attention's results on the same cache."""
 from __future__ import annotations
 
 import importlib.util
