@@ -1,5 +1,7 @@
 """FP8 KV cache against the model-dtype KV cache at a long context, A/B in one call: Qwen3-0.6B (random bf16
-weights) graph decode, kv_cache_dtype "auto" (bf16) then "fp8" (float8 e4m3, scale 1.0), one engine each.
+weights) graph decode, kv_cache_dtype "auto" (bf16), "fp8" (float8 e4m3, scale 1.0) and "fp8" with per-tensor KV
+scales on every layer (as a checkpoint's k_scale / v_scale give them: FlashInfer's run(k_scale=, v_scale=), an
+output multiply per layer), one engine each.
 
     python bench/bench_kv_fp8.py --context 32768 --batches 1,4 --out bench/results/h200_kv_fp8.md
 
@@ -43,18 +45,19 @@ def main(argv=None) -> int:
     R: dict = dict(versions=BD.versions(), variant=args.variant, context=args.context, output_len=args.output_len,
                    command="python bench/bench_kv_fp8.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    rows=[], tokens={})
-    for kv in ("auto", "fp8"):
+    for kv in ("auto", "fp8", "fp8-scaled"):
         t0 = time.perf_counter()
-        llm = LLM(str(d), dtype="bfloat16", load_format="dummy", kv_cache_dtype=kv, max_num_seqs=max(batches),
-                  max_model_len=max_len, num_kv_blocks=max(batches) * (max_len // 16 + 2) + 64,
-                  enable_prefix_caching=False)
+        llm = LLM(str(d), dtype="bfloat16", load_format="dummy", kv_cache_dtype=kv.split("-")[0],
+                  max_num_seqs=max(batches), max_model_len=max_len,
+                  num_kv_blocks=max(batches) * (max_len // 16 + 2) + 64, enable_prefix_caching=False,
+                  _debug={"kv_scales": (0.75, 1.5)} if kv == "fp8-scaled" else None)
         kc = next(m.k_cache for m in llm.engine.runner.model.modules() if getattr(m, "k_cache", None) is not None
                   and m.k_cache.numel())
         print(f"[kv {kv}] engine built in {time.perf_counter() - t0:.1f} s, cache {kc.dtype}", flush=True)
         kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * kc.element_size()
         for B in batches:
             r = BD.bench_batch(llm, B, args.context, args.output_len, args.runs, seed=B)
-            row = dict(kv=kv, cache_dtype=str(kc.dtype), batch=B, tpot_ms=r["tpot_ms"], tpot_min_ms=r["tpot_min_ms"],
+            row = dict(kv=kv, cache_dtype=str(kc.dtype) + (" scaled" if kv == "fp8-scaled" else ""), batch=B, tpot_ms=r["tpot_ms"], tpot_min_ms=r["tpot_min_ms"],
                        ttft_ms=r["ttft_ms"], kv_gb_per_step=B * args.context * kv_bytes / 1e9)
             R["rows"].append(row)
             print(f"[kv {kv}] batch {B}: TPOT {row['tpot_ms']:.3f} ms, TTFT {row['ttft_ms']:.1f} ms, "
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
         L.append(f"| {r['cache_dtype']} | {r['batch']} | {r['tpot_ms']:.3f} | {r['tpot_min_ms']:.3f} | "
                  f"{r['ttft_ms']:.1f} | {r['kv_gb_per_step']:.2f} | {r['tpot_ms'] / b['tpot_ms']:.3f} |")
     L += ["", f"Greedy tokens at batch 1 (512-token prompt, random weights): bf16 KV {R['tokens']['auto']}, "
-          f"fp8 KV {R['tokens']['fp8']} (equal: {R['tokens']['auto'] == R['tokens']['fp8']})", ""]
+          f"fp8 KV {R['tokens']['fp8']} (equal: {R['tokens']['auto'] == R['tokens']['fp8']}), fp8 KV with scales "
+          f"{R['tokens']['fp8-scaled']}", ""]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(L) + "\n")

@@ -129,6 +129,75 @@ def write_ct_fp8(src: Path, dst: Path, ref: Path, *, strategy: str = "channel", 
     return _write(dst, out, qc), _write(ref, deq, None)
 
 
+# ---------------------------------------------------------------------------------------------- fp8 KV-cache scales
+KV_CT_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor",
+                "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax",
+                "observer_kwargs": {}}
+
+
+def write_kv_scaled(src: Path, ref: Path, k_factor: float = 400.0, v_factor: float = 1e-3) -> Path:
+    """A float32 Qwen3-style checkpoint of `src` in `ref` whose K / V sit far from fp8's range, the same model up to
+    rounding: k_norm weights times `k_factor` and q_norm's divided by it (K values past 448, the scores as before),
+    v_proj times `v_factor` and o_proj divided by it (V below e4m3's smallest subnormal). What an fp8 KV cache
+    without scales cannot hold."""
+    src, ref = Path(src), Path(ref)
+    _copy_small_files(src, ref)
+    sd = {k: v.float() for k, v in load_file(str(src / "model.safetensors")).items()}
+    for name in list(sd):
+        if name.endswith("self_attn.k_norm.weight"):
+            sd[name] = sd[name] * k_factor
+        elif name.endswith("self_attn.q_norm.weight"):
+            sd[name] = sd[name] / k_factor
+        elif name.endswith("self_attn.v_proj.weight"):
+            sd[name] = sd[name] * v_factor
+        elif name.endswith("self_attn.o_proj.weight"):
+            sd[name] = sd[name] / v_factor
+    return _write(ref, sd, None)
+
+
+def calibrate_kv_scales(model, ids: torch.Tensor, margin: float = 1.25) -> dict:
+    """{layer index: (k_scale, v_scale)} of a transformers Qwen3-style model: margin x amax / 448 of K (after
+    k_norm; rotary turns pairs, so up to sqrt(2) x that: the margin) and V over one pass."""
+    amax: dict = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        for which, mod in (("k", layer.self_attn.k_norm), ("v", layer.self_attn.v_proj)):
+            handles.append(mod.register_forward_hook(
+                lambda m, args, out, key=(i, which): amax.__setitem__(key, max(amax.get(key, 0.0),
+                                                                               float(out.abs().max())))))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    n = len(model.model.layers)
+    return {i: (margin * 1.4143 * amax[(i, "k")] / FMAX, margin * amax[(i, "v")] / FMAX) for i in range(n)}
+
+
+def write_kv_scales(ref: Path, dst: Path, scales: dict, form: str = "attn", scheme: str | None = "ct",
+                    prefix: str = "model.layers.{i}.self_attn") -> Path:
+    """`ref`'s tensors plus per-layer KV-cache scales [1] float32 (`scales` {layer: (k, v)}; a value None leaves that
+    tensor out) in `dst`, named as `form` writes them: "attn" (llm-compressor / Quark: <attn>.k_scale, .v_scale),
+    "modelopt" (<attn>.k_proj.k_scale, .v_proj.v_scale), "output" (<attn>.k_proj.output_scale, ...), "kv" (older:
+    one <attn>.kv_scale, the k value). `scheme` "ct": compressed-tensors with a kv_cache_scheme and no weight
+    groups (a KV-cache-only recipe); None: no quantization_config."""
+    ref, dst = Path(ref), Path(dst)
+    _copy_small_files(ref, dst)
+    sd = load_file(str(ref / "model.safetensors"))
+    names = {"attn": ("{p}.k_scale", "{p}.v_scale"), "modelopt": ("{p}.k_proj.k_scale", "{p}.v_proj.v_scale"),
+             "output": ("{p}.k_proj.output_scale", "{p}.v_proj.output_scale"), "kv": ("{p}.kv_scale", None)}[form]
+    for i, pair in scales.items():
+        p = prefix.format(i=i)
+        for pattern, value in zip(names, pair):
+            if pattern is not None and value is not None:
+                sd[pattern.format(p=p)] = torch.tensor([value], dtype=torch.float32) if not torch.is_tensor(value) \
+                    else value
+    qc = None
+    if scheme == "ct":
+        qc = {"config_groups": {}, "format": "float-quantized", "ignore": [], "kv_cache_scheme": KV_CT_SCHEME,
+              "quant_method": "compressed-tensors", "quantization_status": "compressed"}
+    return _write(dst, sd, qc)
+
+
 def _rt(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (x / s).clamp(-FMAX, FMAX).to(FP8).float() * s
 

@@ -78,6 +78,15 @@ def _checks():
         T.store_kvcache(k, v, kc, vc, slots)
         R.store_kvcache(k, v, kc2, vc2, slots)
         out[f"store_kvcache_{n}"] = (max(err(kc, kc2), err(vc, vc2)), 0.0)
+        # per-tensor KV scales: the cache holds k / k_scale, correctly rounded as the reference's division (float32
+        # exactly; bfloat16 within an ulp: the interpreter's float32-to-bfloat16 conversion). On a cache of the
+        # step's dtype here: the Triton 3.8 interpreter's float-to-float8 conversion is wrong on CPU
+        # (124.0 -> 64.0, 100.0 -> 104.0: the mantissa carry), so the float8 store runs in tests/gpu
+        kc, vc = torch.zeros(6, 4, Hk, D, dtype=dt), torch.zeros(6, 4, Hk, D, dtype=dt)
+        kc2, vc2 = kc.clone(), vc.clone()
+        T.store_kvcache(k, v, kc, vc, slots, 0.37, 3e-3)
+        R.store_kvcache(k, v, kc2, vc2, slots, 0.37, 3e-3)
+        out[f"store_kvcache_scaled_{n}"] = (max(err(kc, kc2), err(vc, vc2)), 0.0 if dt == torch.float32 else t)
     # skinny GEMM (decode GEMV) vs F.linear: M rows <= 8, K a multiple of BLOCK_K (64, 32) or not (96, 160: masked
     # K tail), with and without bias. BLOCK_N is raised (fewer interpreted programs): 8 for N 64, 64 for N 96 (the
     # second program's rows 96..127 are clamped reads, never stored)
@@ -179,6 +188,25 @@ def _decode_attention_checks(rnd, err):
                 worst = max(worst, err(got, want), float(scratch.counters.abs().sum()))
             out[f"decode_attention_H{H}_Hk{Hk}_D{D}_{name}_splits{splits}_{str(dt).split('.')[-1]}"] = (worst,
                                                                                                    tol[dt])
+    # a float8 cache with per-tensor KV scales: the kernel folds k_scale into the softmax scale and multiplies the
+    # output by v_scale; the reference reads cache * scale; the CPU backend (the oracle) the same
+    f8 = torch.float8_e4m3fn
+    H, Hk, D = 4, 2, 48
+    ks, vs = 0.05, 7e-3
+    kc8, vc8 = (rnd(pool, page, Hk, D) * 200).to(f8), (rnd(pool, page, Hk, D) * 200).to(f8)
+    q = rnd(B, H, D) * 0.1
+    want = R.paged_decode_attention(q, kc8, vc8, ip, ix, lp, D ** -0.5, k_scale=ks, v_scale=vs)
+    oracle = TorchPagedBackend()
+    oracle.plan(ctx)
+    kv_step = torch.zeros(B, Hk, D)
+    back = oracle.forward(q, kv_step, kv_step, kc8, vc8, ctx, D ** -0.5, k_scale=ks, v_scale=vs)
+    out["decode_attention_fp8_scaled_reference_vs_backend"] = (err(want, back), 1e-6)
+    unscaled = R.paged_decode_attention(q, kc8, vc8, ip, ix, lp, D ** -0.5)
+    out["decode_attention_fp8_scales_change_output"] = (float(not err(unscaled[live], want[live]) > 1e-2), 0.0)
+    for splits in (1, 3):
+        got = paged_decode_attention(q, kc8, vc8, ip, ix, lp, D ** -0.5, DecodeScratch(8, H, Hk, D, splits, "cpu"),
+                                     block_n=16, k_scale=ks, v_scale=vs)
+        out[f"decode_attention_fp8_scaled_splits{splits}_float32"] = (err(got, want), 1e-5)
     # the wrapper of a graph bucket: persistent buffers (bucket 8: 6 rows + 2 padding rows), re-planned with a
     # second table; what a captured launch reads (the buffers) gives each plan's result
     from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
@@ -247,6 +275,7 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(xo.qk_norm_rope, (q, k, None, None, 0.0, pos[0], rot.inv_freq, rot.cos_sin_cache, None))
     kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
     torch.library.opcheck(xo.store_kvcache, (k, k, kc, vc, torch.tensor([1, -1, 6])))
+    torch.library.opcheck(xo.store_kvcache, (k, k, kc, vc, torch.tensor([1, -1, 6]), 0.25, 3.0))   # KV scales
     x8, w8 = torch.randn(3, 16), torch.randn(24, 16)
     torch.library.opcheck(xo.skinny_gemm, (x8, w8, torch.randn(24)))
     torch.library.opcheck(xo.skinny_gemm, (x8, w8, None))

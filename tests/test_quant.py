@@ -10,7 +10,10 @@ transformers run on the dequantized weights (float32, CPU), on tiny checkpoints 
 - sensitivity: scales altered -> far from the reference; activation quantization off in the reference -> the
   engine no longer matches it token for token;
 - faults: a missing or mis-shaped scale names the tensor; unsupported methods / settings are refused by name;
-- TP 2 (slow): every format, and a block split the activation groups cannot follow is refused naming the layer.
+- TP 2 (slow): every format, and a block split the activation groups cannot follow is refused naming the layer;
+- fp8 KV cache, with scale 1.0 and with the checkpoint's per-tensor k_scale / v_scale (every name form, any
+  attention layout): greedy tokens equal transformers with K / V rounded the same way; dropped or altered scales
+  move the result; bad, missing or stray scales name the tensor.
 """
 from __future__ import annotations
 
@@ -408,23 +411,27 @@ def test_online_fp8_moe_keeps_router_and_experts(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- fp8 KV cache
-def _hf_fp8_kv_greedy(ckpt, prompts, n):
-    """transformers with K and V (after q/k norm and rotary: what the cache holds) rounded to fp8 e4m3, scale 1."""
+def _hf_fp8_kv_greedy(ckpt, prompts, n, scales=None, logits_of=None):
+    """transformers with K and V (after q/k norm and rotary: what the cache holds) rounded to fp8 e4m3: x / scale
+    rounded (saturated at 448), times scale (`scales` {layer: (k_scale, v_scale)}; None: 1.0). `logits_of`: a
+    sequence whose prefill logits are returned instead of greedy tokens."""
     import transformers.models.qwen3.modeling_qwen3 as mq
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+    def rnd(x, s):
+        return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float().mul(s).to(x.dtype)
+
     def fp8_kv(module, query, key, value, *args, **kwargs):
-        f8 = torch.float8_e4m3fn
-        return mq.eager_attention_forward(module, query, key.to(f8).to(key.dtype), value.to(f8).to(value.dtype),
-                                          *args, **kwargs)
+        ks, vs = (1.0, 1.0) if scales is None else scales[module.layer_idx]
+        return mq.eager_attention_forward(module, query, rnd(key, ks), rnd(value, vs), *args, **kwargs)
     AttentionInterface.register("xllm_fp8_kv", fp8_kv)
     AttentionMaskInterface.register("xllm_fp8_kv", ALL_MASK_ATTENTION_FUNCTIONS["eager"])   # the causal mask
     model = hf_model(ckpt)
     old = model.config._attn_implementation
     model.set_attn_implementation("xllm_fp8_kv")
     try:
-        return hf_greedy(ckpt, prompts, n)
+        return hf_prefill_logits(ckpt, logits_of) if logits_of is not None else hf_greedy(ckpt, prompts, n)
     finally:
         model.set_attn_implementation(old)
 
@@ -442,6 +449,148 @@ def test_fp8_kv_cache(base):
     assert err > 1e-3                                             # the rounding counts
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
         _llm(base, kv_cache_dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def kv_scaled(base, tmp_path_factory):
+    """(float32 reference with K past fp8's range and V below it, its per-layer KV scales, the checkpoint with them
+    as llm-compressor writes them: <attn>.k_scale / .v_scale and a kv_cache_scheme)."""
+    from quant_ckpt import calibrate_kv_scales, write_kv_scaled, write_kv_scales
+    d = tmp_path_factory.mktemp("kvs")
+    ref = write_kv_scaled(base, d / "ref")
+    scales = calibrate_kv_scales(hf_model(ref), torch.tensor([sum(PROMPTS, [])]))
+    return ref, scales, write_kv_scales(ref, d / "ckpt", scales)
+
+
+def _prefill_err(llm, ref, seq) -> float:
+    """max |logit difference| / max |logit| of the engine's prefill logits against transformers in float32."""
+    want = hf_prefill_logits(ref, seq)
+    got = torch.as_tensor(llm.prefill_logits(seq)).float()[:, : want.shape[1]]
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_fp8_kv_cache_checkpoint_scales(kv_scaled, tmp_path):
+    """kv_cache_dtype="fp8" with the checkpoint's per-tensor k_scale / v_scale: the cache holds round(K / k_scale)
+    and is read back times k_scale (V likewise). Greedy tokens equal transformers' with K / V rounded the same way
+    (an independent emulation); the logits stay near the float32 model's. Sensitivity: without the scales (K
+    saturates at 448, V underflows) the tokens part from the emulation and the logits move far away; one layer's
+    scales times 1.5 change the logits. kv_cache_dtype "auto" ignores them: transformers' float32 tokens exactly."""
+    from quant_ckpt import write_kv_scales
+    ref, scales, ckpt = kv_scaled
+    assert all(k > 1 and v < 1e-4 for k, v in scales.values()), scales          # far from 1 both ways
+    llm = _llm(ckpt, kv_cache_dtype="fp8")
+    attn = [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_cache") and m.k_cache.numel()]
+    assert [(a.k_scale, a.v_scale) for a in attn] == [
+        tuple(float(torch.tensor(x, dtype=torch.float32)) for x in scales[i]) for i in range(len(attn))]
+    got = _greedy(llm)
+    assert got == _hf_fp8_kv_greedy(ref, PROMPTS, N_NEW, scales), "fp8 KV with scales differs from the emulation"
+    seq = PROMPTS[2] + got[2]
+    err_scaled = _prefill_err(llm, ref, seq)
+    want = _hf_fp8_kv_greedy(ref, None, 0, scales, logits_of=seq)
+    assert (torch.as_tensor(llm.prefill_logits(seq)).float()[:, :want.shape[1]] - want).abs().max() < 1e-3
+    # scales times 1.5 (doubling would change nothing: fp8 rounding commutes with powers of two away from the range
+    # ends), one layer at a time: each layer's scales reach its cache
+    for layer in scales:
+        other = _llm(write_kv_scales(ref, tmp_path / f"x{layer}", {i: (1.5 * k, 1.5 * v) if i == layer else (k, v)
+                                                                   for i, (k, v) in scales.items()}),
+                     kv_cache_dtype="fp8")
+        moved = (torch.as_tensor(other.prefill_logits(seq)) - torch.as_tensor(llm.prefill_logits(seq))).abs().max()
+        assert moved > 1e-4, f"scaling layer {layer}'s KV scales by 1.5 changes nothing"
+    dropped = _llm(ref, kv_cache_dtype="fp8")               # the same weights, no scale tensors: 1.0
+    assert _greedy(dropped, PROMPTS[2:]) != got[2:]
+    err_dropped = _prefill_err(dropped, ref, seq)
+    print(f"\n[fp8 KV] relative logit error vs float32: with the checkpoint's scales {err_scaled:.2e}, without "
+          f"{err_dropped:.2e}; scales x 1.5 move the logits by {float(moved):.2e}")
+    assert err_scaled < 0.05 and err_dropped > 10 * err_scaled
+    plain = _llm(ckpt)                                      # kv_cache_dtype auto: scales consumed, unused
+    assert all(a.k_scale == 1.0 and a.v_scale == 1.0 for a in plain.engine.runner.model.modules()
+               if hasattr(a, "k_scale"))
+    assert _greedy(plain, PROMPTS[2:]) == hf_greedy(ref, PROMPTS[2:], N_NEW)
+
+
+@pytest.mark.parametrize("form", ["modelopt", "output", "kv"])
+def test_fp8_kv_cache_scale_name_forms(kv_scaled, tmp_path, form):
+    """The other names writers give the scales (ModelOpt's <attn>.k_proj.k_scale, <attn>.k_proj.output_scale,
+    the older single <attn>.kv_scale for both) map onto the same layers; no kv_cache_scheme needed."""
+    ref, scales, _ = kv_scaled
+    llm = _llm(write_kv_scales_form(ref, tmp_path, scales, form), kv_cache_dtype="fp8")
+    attn = [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_cache") and m.k_cache.numel()]
+    for i, a in enumerate(attn):
+        k = float(torch.tensor(scales[i][0], dtype=torch.float32))
+        assert (a.k_scale, a.v_scale) == ((k, k) if form == "kv" else
+                                          (k, float(torch.tensor(scales[i][1], dtype=torch.float32))))
+
+
+def test_fp8_kv_cache_scales_any_layout(kv_scaled, tmp_path):
+    """The mapping names no family: GPT-2's fused `transformer.h.{i}.attn.c_attn` (scales under
+    `transformer.h.{i}.attn`) and Llama's separate projections get each layer's own scales; and an fp8
+    compressed-tensors checkpoint (quantized weights) with a kv_cache_scheme loads both."""
+    from quant_ckpt import write_ct_fp8, write_kv_scales
+
+    from tests.fixtures.tiny_hf import make_tiny_checkpoint
+    for arch, prefix in (("GPT2LMHeadModel", "transformer.h.{i}.attn"), ("LlamaForCausalLM", "model.layers.{i}.self_attn")):
+        src = make_tiny_checkpoint(arch, tmp_path / arch)
+        n = json.loads((src / "config.json").read_text()).get("n_layer") or \
+            json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        sc = {i: (0.5 + i, 1e-3 * (i + 1)) for i in range(n)}
+        llm = _llm(write_kv_scales(src, tmp_path / f"{arch}_kv", sc, prefix=prefix), kv_cache_dtype="fp8")
+        attn = [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_cache") and m.k_cache.numel()]
+        assert [(a.k_scale, a.v_scale) for a in attn] == [
+            tuple(float(torch.tensor(x, dtype=torch.float32)) for x in sc[i]) for i in range(n)], arch
+        assert len(_greedy(llm, PROMPTS[:1], 2)[0]) == 2
+    ref, scales, _ = kv_scaled
+    w8, _ = write_ct_fp8(ref, tmp_path / "w8", tmp_path / "w8_ref", strategy="channel", act=None)
+    both = write_kv_scales(w8, tmp_path / "w8kv", scales, scheme=None)
+    cfg = json.loads((both / "config.json").read_text())
+    from quant_ckpt import KV_CT_SCHEME
+    cfg["quantization_config"]["kv_cache_scheme"] = KV_CT_SCHEME
+    (both / "config.json").write_text(json.dumps(cfg))
+    llm = _llm(both, kv_cache_dtype="fp8")
+    layer = llm.engine.runner.model.model.layers[0].self_attn
+    assert layer.attn.k_scale == float(torch.tensor(scales[0][0], dtype=torch.float32))
+    assert layer.qkv_proj.weight.dtype == torch.float32 and len(_greedy(llm, PROMPTS[:1], 2)[0]) == 2
+
+
+def write_kv_scales_form(ref, tmp_path, scales, form):
+    from quant_ckpt import write_kv_scales
+    return write_kv_scales(ref, tmp_path / form, scales, form=form, scheme=None)
+
+
+def test_fp8_kv_cache_scale_faults(kv_scaled, tmp_path):
+    """A KV scale that is not positive / finite, not one value, a K scale without its V scale, a scale no attention
+    layer owns, and a kv_cache_scheme without scale tensors: load errors naming the tensor; an unsupported
+    kv_cache_scheme is refused naming the field."""
+    from quant_ckpt import KV_CT_SCHEME, write_kv_scales
+    ref, scales, _ = kv_scaled
+    k0, v0 = scales[0]
+    cases = [({0: (0.0, v0), 1: scales[1]}, r"tensor 'model\.layers\.0\.self_attn\.k_scale': a KV-cache scale must "
+                                              r"be finite and > 0, got 0\.0"),
+             ({0: (k0, float("nan")), 1: scales[1]}, r"'model\.layers\.0\.self_attn\.v_scale'.*finite and > 0"),
+             ({0: (torch.tensor([k0, k0]), v0), 1: scales[1]}, r"'model\.layers\.0\.self_attn\.k_scale' has shape "
+                                                              r"\(2,\): a KV-cache scale is one value"),
+             ({0: (k0, None), 1: scales[1]}, r"missing tensor 'model\.layers\.0\.self_attn\.v_scale'"),
+             ({}, r"kv_cache_scheme promises .* missing tensor 'model\.layers\.0\.self_attn\.k_scale'")]
+    for i, (sc, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match):
+            _llm(write_kv_scales(ref, tmp_path / f"c{i}", sc), kv_cache_dtype="fp8")
+    stray = write_kv_scales(ref, tmp_path / "stray", {0: scales[0]}, prefix="model.extra{i}.attn")
+    with pytest.raises(ValueError, match=r"tensor 'model\.extra0\.attn\.k_scale' looks like a KV-cache scale, but "
+                                         r"no attention layer loads tensors under 'model\.extra0\.attn\.'"):
+        _llm(stray, kv_cache_dtype="fp8")
+    from xllm_gen.runtime.loading.quant_config import QuantConfigError, parse_quant_config
+    qc = {"config_groups": {}, "format": "float-quantized", "quant_method": "compressed-tensors",
+          "kv_cache_scheme": {**KV_CT_SCHEME, "strategy": "attn_head"}}
+    with pytest.raises(QuantConfigError, match=r"kv_cache_scheme\.strategy='attn_head' is not supported"):
+        parse_quant_config({"quantization_config": qc})
+    assert parse_quant_config({"quantization_config": {**qc, "kv_cache_scheme": KV_CT_SCHEME}}).kv_scheme == "tensor"
+
+
+@pytest.mark.slow
+def test_tp2_fp8_kv_cache_scales(kv_scaled):
+    """TP 2: each rank holds half the KV heads and the same per-tensor scalar scales; greedy tokens equal
+    transformers' with K / V rounded with the scales."""
+    ref, scales, ckpt = kv_scaled
+    assert _tp2(ckpt, _greedy, kv_cache_dtype="fp8") == _hf_fp8_kv_greedy(ref, PROMPTS, N_NEW, scales)
 
 
 def test_fp8_moe_experts_refused_by_name(tmp_path):

@@ -93,7 +93,9 @@ class AttentionBackend:
     Hk, D], NHD) by the Attention layer. q [N, H, D], k/v [N, Hk, D] -> out [N, H, D]. `variant` (an
     AttentionVariant; None = FULL) selects the layer's sliding window / soft-cap; the Attention layer passes it
     only when it is not FULL, so a backend without variants keeps working for plain models. With
-    `variant.sinks` the layer also passes `sinks` ([H] float, this rank's heads).
+    `variant.sinks` the layer also passes `sinks` ([H] float, this rank's heads). A layer whose cache is scaled
+    (per-tensor fp8 KV-cache scales from the checkpoint: the cache holds K / k_scale and V / v_scale) passes
+    `k_scale=` / `v_scale=` (floats); the backend reads the cache back as cache * scale.
     """
 
     def plan(self, ctx: ForwardContext) -> None:

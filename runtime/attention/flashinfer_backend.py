@@ -319,7 +319,10 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     # ------------------------------------------------------------------------------------------ running
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
+                k_scale: Optional[float] = None, v_scale: Optional[float] = None):
+        """k_scale / v_scale: a scaled cache's per-tensor scales (the layer's; FlashInfer folds k_scale into the
+        softmax scale and multiplies the output by v_scale)."""
         if self._wrapper is None:
             raise RuntimeError("FlashInferBackend.forward before plan(ctx)")
         if abs(scale - self.sm_scale) > 1e-9 * max(1.0, abs(scale)):
@@ -334,5 +337,9 @@ class FlashInferBackend(AttentionBackend):
             self.add_variants((variant,))
             wrapper = self._plan_variant(variant)
         if self._mode == "ragged":
+            if k_scale is not None or v_scale is not None:      # never: a float8 cache plans paged prefill
+                raise RuntimeError("ragged prefill on this step's K / V cannot apply KV-cache scales")
             return wrapper.run(q, k.contiguous(), v.contiguous())
-        return wrapper.run(q, (k_cache, v_cache))
+        if k_scale is None and v_scale is None:
+            return wrapper.run(q, (k_cache, v_cache))
+        return wrapper.run(q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)

@@ -7,6 +7,7 @@ import torch
 
 from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant
 from xllm_gen.runtime.executor.context import ForwardContext
+from xllm_gen.runtime.ops.reference import dequantize_kv
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -16,7 +17,8 @@ class TorchPagedBackend(AttentionBackend):
     (HF eager semantics, see `attend`, the per-sequence oracle this path is tested against). GQA without
     copies: query heads are grouped [Hk, H // Hk] against their KV head. A row with no KV (padding) gives zeros.
     If the caches are empty (no KV cache attached, e.g. a cache-less prefill), the step's k/v are used.
-    Variants (sliding window, logit soft-cap) only change the mask / scores: no per-variant plan is needed."""
+    Variants (sliding window, logit soft-cap) only change the mask / scores: no per-variant plan is needed.
+    A scaled cache (k_scale / v_scale: per-tensor fp8 KV-cache scales) is read back as cache * scale in float32."""
 
     def __init__(self):
         self._ctx = None
@@ -83,7 +85,8 @@ class TorchPagedBackend(AttentionBackend):
         return self._masks[key]
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
-                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None):
+                sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                k_scale: float = 1.0, v_scale: float = 1.0):
         if ctx is not self._ctx:
             self.plan(ctx)
         variant = variant or FULL
@@ -96,13 +99,14 @@ class TorchPagedBackend(AttentionBackend):
             return out
         if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None and sinks is None \
                 and alibi_slopes is None:
-            return self._decode_step(q, k_cache, v_cache, ctx, scale, variant)
+            return self._decode_step(q, k_cache, v_cache, ctx, scale, variant, k_scale, v_scale)
         if len(self._live) == 1 and use_cache:   # one sequence: slices, no gather indices (cheaper at batch 1)
             i = self._live[0]
             (q0, q1), n = self._q_bounds[i], self._seq_lens[i]
             bs = k_cache.shape[1]
             blocks = ctx.block_tables[i, :(n + bs - 1) // bs].long()
-            ks, vs = k_cache[blocks].reshape(-1, Hk, D)[:n], v_cache[blocks].reshape(-1, Hk, D)[:n]
+            ks = dequantize_kv(k_cache[blocks].reshape(-1, Hk, D)[:n], k_scale)
+            vs = dequantize_kv(v_cache[blocks].reshape(-1, Hk, D)[:n], v_scale)
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
                                 variant.logit_softcap, sinks, alibi_slopes, variant.chunk_size).to(q.dtype)
             return out
@@ -112,8 +116,8 @@ class TorchPagedBackend(AttentionBackend):
             bs = k_cache.shape[1]
             nblk = (L + bs - 1) // bs
             blocks = ctx.block_tables[rows.to(ctx.block_tables.device), :nblk].long()
-            ks = k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L]
-            vs = v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L]
+            ks = dequantize_kv(k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], k_scale)
+            vs = dequantize_kv(v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], v_scale)
         else:
             if any(q1 - q0 != n for (q0, q1), n in zip(self._q_bounds, self._seq_lens) if n):
                 raise ValueError("without a KV cache every sequence must be computed whole")
@@ -135,7 +139,7 @@ class TorchPagedBackend(AttentionBackend):
         out[q_index[q_valid]] = o[q_valid].to(q.dtype)
         return out
 
-    def _decode_step(self, q, k_cache, v_cache, ctx, scale, variant):
+    def _decode_step(self, q, k_cache, v_cache, ctx, scale, variant, k_scale=1.0, v_scale=1.0):
         """A decode step of B sequences (one query each, at position len - 1): every key up to the length is
         visible (within the window), so the mask is the keys' validity and no query gather is needed; one SDPA
         call over the gathered pages, GQA without copies (enable_gqa)."""
@@ -159,8 +163,8 @@ class TorchPagedBackend(AttentionBackend):
         blocks = ctx.block_tables[:, :nblk].long()
         keep = visible[:, :, None, None]
         # pages past a row's length may hold stale or unwritten values: zeroed (0 * NaN is NaN)
-        ks = torch.where(keep, k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], 0.0)
-        vs = torch.where(keep, v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], 0.0)
+        ks = torch.where(keep, dequantize_kv(k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], k_scale), 0.0)
+        vs = torch.where(keep, dequantize_kv(v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], v_scale), 0.0)
         o = torch.nn.functional.scaled_dot_product_attention(
             q.float().unsqueeze(2), ks.float().transpose(1, 2), vs.float().transpose(1, 2),
             attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=H != Hk)      # [B, H, 1, D]

@@ -168,12 +168,17 @@ class _BucketAttention(AttentionBackend):
                                            w._pin_memory_int_workspace_buffer, qo_indptr, indptr, kv_lens, *tail)
         return replan
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None):
+    def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
+                k_scale: Optional[float] = None, v_scale: Optional[float] = None):
         w = self.wrappers.get(variant or FULL)
         if w is None:
             raise RuntimeError(f"decode graph bucket {self.batch_size} has no wrapper for attention variant "
                                f"{variant}: the backend was not given the model's variants before capture")
-        return w.run(q, (k_cache, v_cache))
+        if k_scale is None and v_scale is None:
+            return w.run(q, (k_cache, v_cache))
+        # a scaled cache: the layer's scales are constants of the captured launches (FlashInfer folds k_scale into
+        # the kernel's softmax scale and multiplies the output by v_scale in place; the Triton kernel likewise)
+        return w.run(q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)
 
 
 class _NoEvent:

@@ -158,8 +158,13 @@ class ModelRunner:
                 self.model, self.model_module.weight_plan(self.model), model_dir,
                 tp_size=get_tp_size(), tp_rank=get_tp_rank(),
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
-                quant=parse_quant_config(hf_config, quantization))
+                quant=parse_quant_config(hf_config, quantization), kv_cache_dtype=kv_cache_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
+        if self.debug.get("kv_scales"):    # benchmarks with dummy weights: every layer's KV-cache scales (k, v)
+            if self.kv_dtype != torch.float8_e4m3fn:
+                raise ValueError("debug kv_scales needs kv_cache_dtype='fp8'")
+            for layer in self.attn_layers:
+                layer.k_scale, layer.v_scale = (float(x) for x in self.debug["kv_scales"])
         self._allocate_state_pool()
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
         self._allocate_kv_cache()

@@ -56,6 +56,10 @@ class Attention(nn.Module):
         self.logit_softcap = self.variant.logit_softcap
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
+        # per-tensor KV-cache scales (floats; set by the loader from the checkpoint's k_scale / v_scale when the
+        # cache is float8): the cache holds K / k_scale and V / v_scale, read back times them
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: Optional[torch.Tensor] = None, kv_stored: bool = False) -> torch.Tensor:
@@ -79,20 +83,25 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if ctx.graph_break is not None:      # piecewise prefill capture: attention runs between captured pieces
             return ctx.graph_break(self, q, k, v)
+        # a scaled cache: the backend gets the scales (only then: backends without them serve unscaled caches)
+        kv = {} if self.k_scale == 1.0 and self.v_scale == 1.0 else {"k_scale": self.k_scale, "v_scale": self.v_scale}
         if self.k_cache.numel() and self.v_cache.numel() and not kv_stored:
-            ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+        elif kv_stored and kv:
+            raise RuntimeError("Attention: K / V already stored by a fused kernel that does not apply KV-cache scales")
         if self.variant == FULL:
-            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale)
+            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, **kv)
         elif self.alibi_slopes is not None:
             if self.alibi_slopes.device != q.device:
                 self.alibi_slopes = self.alibi_slopes.to(q.device)
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
-                                      sinks=sinks, alibi_slopes=self.alibi_slopes)
+                                      sinks=sinks, alibi_slopes=self.alibi_slopes, **kv)
         elif sinks is not None:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
-                                      sinks=sinks)
+                                      sinks=sinks, **kv)
         else:
-            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant)
+            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
+                                      **kv)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
@@ -109,6 +118,8 @@ class Attention(nn.Module):
             s += ", sinks=True"
         if self.variant.alibi:
             s += ", alibi=True"
+        if self.k_scale != 1.0 or self.v_scale != 1.0:
+            s += f", kv_cache_scales=(k {self.k_scale:g}, v {self.v_scale:g})"
         return s
 
 

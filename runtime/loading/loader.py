@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from xllm_gen.runtime.executor.sharding import WeightLoadError, default_weight_loader
+from xllm_gen.runtime.loading.kv_scales import KVScaleError, load_kv_scales
 from xllm_gen.runtime.loading.quant_config import QuantConfig
 from xllm_gen.runtime.loading.quant_load import QuantLoad, QuantLoadError
 from xllm_gen.runtime.loading.weights import StackedRows, WeightRule
@@ -197,10 +198,12 @@ def _check_tp(params: dict, tp_size: Optional[int], tp_rank: Optional[int]) -> N
 
 def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str | Path, *,
                  tp_size: Optional[int] = None, tp_rank: Optional[int] = None, ignored: Iterable[str] = (),
-                 quant: Optional[QuantConfig] = None) -> set[str]:
+                 quant: Optional[QuantConfig] = None, kv_cache_dtype: str = "auto") -> set[str]:
     """Fills `model`'s parameters from the checkpoint; returns the set of loaded parameter names.
     `quant` (runtime.loading.quant_config): how float8 weights are dequantized and which layers quantize their
     activations (runtime.loading.quant_load); a float8 tensor without it is an error.
+    `kv_cache_dtype`: "fp8" / "fp8_e4m3" gives the attention layers the checkpoint's per-tensor KV-cache scales
+    (runtime.loading.kv_scales); "auto" leaves them unused.
 
     The TP rank is the one the model's layers were built for (get_tp_rank() at build time); `tp_size` /
     `tp_rank`, when given, must agree with it."""
@@ -290,7 +293,14 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         raise CheckpointError(f"{model_dir}: no checkpoint tensor for parameter(s) {', '.join(missing[:8])}"
                               + (" ..." if len(missing) > 8 else ""))
     patterns = [re.compile(p) for p in ignored]
-    unexpected = sorted(n for n in ckpt.names() if n not in used_sources and not any(p.fullmatch(n) for p in patterns))
+    left = [n for n in ckpt.names() if n not in used_sources and not any(p.fullmatch(n) for p in patterns)]
+    try:
+        used_sources |= load_kv_scales(model, plan, ckpt, left, kv_fp8=kv_cache_dtype != "auto",
+                                       scheme=quant.kv_scheme if quant is not None else None,
+                                       tp_rank=get_tp_rank_safe() if tp_rank is None else tp_rank)
+    except KVScaleError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    unexpected = sorted(n for n in left if n not in used_sources)
     if unexpected:
         raise CheckpointError(f"{model_dir}: unexpected tensor(s) in the checkpoint: {', '.join(unexpected[:8])}"
                               + (" ..." if len(unexpected) > 8 else ""))

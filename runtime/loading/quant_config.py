@@ -12,6 +12,9 @@ What is supported (everything else is refused, naming the method or the setting)
   GPTQModel / optimum, bits 4 or 8, `sym` true or false, `desc_act` false or true (its `g_idx`),
   `checkpoint_format` gptq (zeros stored minus one) or gptq_v2): integer weights with per-group scales and zeros,
   dequantized (runtime/layers/int_quant.py); on CUDA 4-bit weights stay packed for the weight-only GEMM.
+- KV-cache scales: compressed-tensors `kv_cache_scheme` (static per-tensor fp8; with no `config_groups`: a
+  KV-cache-only recipe) and fp8's `kv_cache_scheme: static` (AutoFP8); the per-layer k_scale / v_scale tensors are
+  read by runtime.loading.kv_scales and used with kv_cache_dtype "fp8".
 - online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
   channel at load (not the embeddings, the lm_head, MoE experts or the MoE router), activations dynamically per
   token.
@@ -30,7 +33,7 @@ SUPPORTED = ("fp8 (block-wise or per-tensor), compressed-tensors (format float-q
              "gptq (bits 4 / 8), online fp8")
 # keys of each method's quantization_config that change nothing the runtime computes (bookkeeping)
 _FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
-             "ignored_layers", "dequantize"}
+             "ignored_layers", "dequantize", "kv_cache_scheme"}
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "global_compression_ratio",
             "kv_cache_scheme", "sparsity_config", "version", "transform_config", "quant_method_version"}
 
@@ -65,7 +68,10 @@ class QuantConfig:
         "static" (the checkpoint's per-tensor `input_scale`).
     ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide).
     bits, group (-1: one group over all input features), zero_offset (GPTQ v1 stores zeros minus 1: 1),
-    awq (AWQ's packing: qweight [in, out / 8] with the interleaved nibble order) of the integer formats."""
+    awq (AWQ's packing: qweight [in, out / 8] with the interleaved nibble order) of the integer formats.
+    kv_scheme: "tensor" when the config promises static per-tensor fp8 KV-cache scales (compressed-tensors
+    `kv_cache_scheme`, AutoFP8's `kv_cache_scheme: static`); the tensors themselves (runtime.loading.kv_scales) are
+    read whenever the checkpoint holds them."""
     method: str
     scale_suffix: str = ""
     weight_block: Optional[tuple] = None
@@ -75,6 +81,7 @@ class QuantConfig:
     bits: int = 0
     group: int = 0
     zero_offset: int = 0
+    kv_scheme: Optional[str] = None
 
     def describe(self) -> str:
         if self.method in ("awq", "gptq"):
@@ -113,7 +120,12 @@ def _fp8(qc: dict) -> QuantConfig:
         raise _err("dequantize=true is not supported")
     ignore = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
     act = "group" if block else ("static" if scheme == "static" else "tensor")
-    return QuantConfig("fp8", "weight_scale_inv", block, act, block[1] if block else 0, ignore)
+    kv = qc.get("kv_cache_scheme")
+    if kv not in (None, "static"):
+        raise _err(f"quant_method 'fp8' with kv_cache_scheme={kv!r} is not supported ('static': per-tensor KV-cache "
+                   f"scales)")
+    return QuantConfig("fp8", "weight_scale_inv", block, act, block[1] if block else 0, ignore,
+                       kv_scheme="tensor" if kv else None)
 
 
 def _pos_int(qc: dict, key: str, allowed, method: str) -> int:
@@ -173,9 +185,11 @@ def _ct(qc: dict) -> QuantConfig:
         raise _err(f"compressed-tensors format={fmt!r} is not supported (supported: 'float-quantized')")
     if qc.get("sparsity_config"):
         raise _err("compressed-tensors sparsity_config is not supported")
-    if qc.get("kv_cache_scheme"):
-        raise _err("compressed-tensors kv_cache_scheme (an fp8 KV cache) is not supported")
+    kv = _ct_kv_scheme(qc.get("kv_cache_scheme"))
     groups = qc.get("config_groups")
+    if kv and groups in (None, {}):          # KV-cache scales only: the weights are not quantized
+        ignore = qc.get("ignore") or ()
+        return QuantConfig("compressed-tensors", "weight_scale", None, None, 0, tuple(ignore), kv_scheme=kv)
     if not isinstance(groups, dict) or len(groups) != 1:
         raise _err(f"compressed-tensors needs exactly one config_groups entry (got "
                    f"{len(groups) if isinstance(groups, dict) else groups!r})")
@@ -220,7 +234,33 @@ def _ct(qc: dict) -> QuantConfig:
     ignore = qc.get("ignore") or ()
     if not isinstance(ignore, (list, tuple)) or not all(isinstance(s, str) for s in ignore):
         raise _err(f"ignore={ignore!r} must be a list of module names")
-    return QuantConfig("compressed-tensors", "weight_scale", None, act, 0, tuple(ignore))
+    return QuantConfig("compressed-tensors", "weight_scale", None, act, 0, tuple(ignore), kv_scheme=kv)
+
+
+# kv_cache_scheme fields of compressed-tensors' QuantizationArgs that change nothing the runtime computes
+_CT_KV_BOOKKEEPING = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
+
+
+def _ct_kv_scheme(kv) -> Optional[str]:
+    """compressed-tensors `kv_cache_scheme`: None, or static per-tensor fp8 e4m3 ("tensor"); anything else is
+    refused naming the field."""
+    if kv is None:
+        return None
+    if not isinstance(kv, dict):
+        raise _err(f"kv_cache_scheme={kv!r} is not an object")
+    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False),
+                      ("strategy", "tensor")):
+        if kv.get(key, want) != want:
+            raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported ({want!r}: static per-tensor fp8 "
+                       f"KV-cache scales)")
+    for key in ("group_size", "block_structure", "actorder"):
+        if kv.get(key) not in (None, False):
+            raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported")
+    extra = sorted(set(kv) - _CT_KV_BOOKKEEPING - {"num_bits", "type", "symmetric", "dynamic", "strategy",
+                                                     "group_size", "block_structure", "actorder"})
+    if extra:
+        raise _err(f"kv_cache_scheme with unsupported field(s) {', '.join(extra)}")
+    return "tensor"
 
 
 def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[QuantConfig]:
@@ -254,8 +294,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype):
-    """The KV cache's torch dtype: `dtype` for "auto", float8 e4m3 for "fp8" / "fp8_e4m3" (scale 1.0: K and V are
-    rounded to fp8 when written and read back as they are)."""
+    """The KV cache's torch dtype: `dtype` for "auto", float8 e4m3 for "fp8" / "fp8_e4m3" (K and V divided by the
+    layer's per-tensor scale from the checkpoint, 1.0 without one, rounded to fp8 when written and read back times
+    the scale; runtime.loading.kv_scales)."""
     import torch
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise QuantConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")

@@ -170,27 +170,28 @@ def rope(q, k, positions, inv_freq, cos_sin_cache, axis_map=None, attention_fact
 # ---------------------------------------------------------------- KV-cache write
 @torch.library.custom_op("xllm::store_kvcache", mutates_args=("k_cache", "v_cache"))
 def _store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     if use_triton(k):
-        _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @_store_kvcache.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping):
+def _(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     return None
 
 
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k, v [N, Hk, D] -> caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped."""
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v [N, Hk, D] -> caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped. k_scale / v_scale:
+    per-tensor KV-cache scales (the cache holds k / k_scale, v / v_scale; a float8 cache saturates at +-448)."""
     if not k.is_cuda:
-        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if _direct():
-        _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    torch.ops.xllm.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    torch.ops.xllm.store_kvcache(k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))
 
 
 # ---------------------------------------------------------------- vision rotary (in place on CUDA)

@@ -30,14 +30,14 @@ from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                          indptr_ptr, indices_ptr, last_ptr, sinks_ptr,
-                         sm_scale, soft_cap, window_left, chunk_size,
+                         sm_scale, soft_cap, window_left, chunk_size, v_scale,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                          H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
                          GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
                          HAS_SINKS: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
-                         PDL: tl.constexpr = 0):
+                         V_SCALED: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_enter(PDL, LARGE=True)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -80,7 +80,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             kv_mask = t_ok[:, None]
         else:
             kv_mask = t_ok[:, None] & (d < D)[None, :]
-        # a float8 cache is read as q's dtype (the dot's operands must match; a no-op for a cache of q's dtype)
+        # a float8 cache is read as q's dtype (the dot's operands must match; a no-op for a cache of q's dtype; exact:
+        # e4m3 values are bf16 / fp16 values); its scales are applied to the scores and the output, not per element
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
@@ -115,6 +116,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     else:
         o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLITS == 1:
+        if V_SCALED:        # a scaled cache holds V / v_scale: the output is the weighted sum times v_scale
+            o = o * v_scale
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
@@ -144,6 +147,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                     sink = tl.load(sinks_ptr + kh * GROUP + gi).to(tl.float32)
                     den += tl.where(m == float("-inf"), 0.0, tl.exp(sink - tl.where(m == float("-inf"), 0.0, m)))
                 res = tl.sum(w[:, None] * o_s, axis=0) / tl.where(den > 0, den, 1.0)
+                if V_SCALED:
+                    res = res * v_scale
                 tl.store(out_ptr + b.to(tl.int64) * stride_ob + (kh * GROUP + gi) * stride_oh + d,
                          res.to(out_ptr.dtype.element_ty), mask=d < D)
             tl.atomic_xchg(counter_ptr + b * HK + kh, 0)
@@ -168,12 +173,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scratch: DecodeScratch, *, window_left: int = -1, soft_cap: Optional[float] = None,
                            block_n: int = 64, out: Optional[torch.Tensor] = None,
                            sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
-                           num_warps: int = 4, num_stages: Optional[int] = None) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int = 4,
+                           num_stages: Optional[int] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
     (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits. `sinks` [H]
     (float32): attention sinks, a logit per head in the softmax denominator. `chunk_size` C: chunked local
-    attention, the query at position L-1 sees the keys (L-1) // C * C .. L-1 (with a window too: the later start)."""
+    attention, the query at position L-1 sees the keys (L-1) // C * C .. L-1 (with a window too: the later start).
+    k_scale / v_scale: per-tensor KV-cache scales (the cache holds K / k_scale, V / v_scale): k_scale is folded into
+    the softmax scale (q . k_cache * sm_scale * k_scale), the output is multiplied by v_scale (as FlashInfer's run
+    does with its k_scale / v_scale)."""
     B, H, D = q.shape
     _, page, Hk, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape or H % Hk:
@@ -192,13 +201,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_kernel[(B, Hk, scratch.splits)](
         q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
         indptr, indices, last_page_len, q if sinks is None else sinks,
-        float(sm_scale), float(soft_cap or 1.0), int(window_left), int(chunk_size or 1),
+        float(sm_scale) * float(k_scale), float(soft_cap or 1.0), int(window_left), int(chunk_size or 1),
+        float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D,
         D_PAD=max(16, triton.next_power_of_2(D)),
         SPLITS=scratch.splits, S_PAD=max(2, triton.next_power_of_2(scratch.splits)), BLOCK_N=block_n,
         HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
-        HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None, num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
+        HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None, V_SCALED=float(v_scale) != 1.0,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
     return out

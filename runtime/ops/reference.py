@@ -93,15 +93,33 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map=No
     return rope(q, k, positions, inv_freq, axis_map, attention_factor)
 
 
+FP8_MAX = 448.0     # the largest finite float8 e4m3fn value
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as the KV cache stores it: x / scale rounded to `dtype` (float8 e4m3: saturated at +-448, as the CUDA
+    store kernel's conversion does); a cache of another dtype with scale 1.0: a plain cast."""
+    if dtype == torch.float8_e4m3fn:
+        xs = x.float() if scale == 1.0 else x.float() / scale
+        return xs.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return (x if scale == 1.0 else x.float() / scale).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """A cache read back: float32 x * scale (x itself for scale 1.0: the caller converts)."""
+    return x if scale == 1.0 else x.float() * scale
+
+
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """k, v [N, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped."""
+                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v [N, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped. k_scale /
+    v_scale: the per-tensor KV-cache scales (a float8 cache holds k / k_scale, read back times k_scale)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     kc = k_cache.view(-1, *k_cache.shape[2:])
     vc = v_cache.view(-1, *v_cache.shape[2:])
-    kc[slots] = k[keep].to(kc.dtype)
-    vc[slots] = v[keep].to(vc.dtype)
+    kc[slots] = quantize_kv(k[keep], k_scale, kc.dtype)
+    vc[slots] = quantize_kv(v[keep], v_scale, vc.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -123,10 +141,12 @@ def vision_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, indptr: torch.Tensor,
                            indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
                            window_left: int = -1, soft_cap: Optional[float] = None,
-                           sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None) -> torch.Tensor:
+                           sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Decode attention over a CSR page table, one row at a time in float32 (the oracle of the Triton kernel in
     ops/decode_attention.py): q [B, H, D] is each row's last position; a row with no pages gives zeros. `sinks`
-    [H]: a logit per head joins the softmax denominator. `chunk_size` C: the keys of the query's chunk only."""
+    [H]: a logit per head joins the softmax denominator. `chunk_size` C: the keys of the query's chunk only.
+    k_scale / v_scale: the cache holds K / k_scale and V / v_scale (a scaled float8 cache): read back times them."""
     B, H, D = q.shape
     page, Hk = k_cache.shape[1], k_cache.shape[2]
     ptr, last = indptr.tolist(), last_page_len.tolist()
@@ -136,8 +156,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if not len(pages):
             continue
         L = (len(pages) - 1) * page + last[b]
-        k = k_cache[pages].reshape(-1, Hk, D)[:L].float()
-        v = v_cache[pages].reshape(-1, Hk, D)[:L].float()
+        k = k_cache[pages].reshape(-1, Hk, D)[:L].float() * k_scale
+        v = v_cache[pages].reshape(-1, Hk, D)[:L].float() * v_scale
         start = max(0, L - 1 - window_left) if window_left >= 0 else 0
         if chunk_size is not None:        # chunked local attention: the query's own chunk
             start = max(start, (L - 1) // chunk_size * chunk_size)

@@ -244,7 +244,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tens
 
 # ---------------------------------------------------------------------------------------------- KV-cache write
 @triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, skn, svn, ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, skn, svn, k_scale, v_scale, ROW: tl.constexpr,
+                          BLOCK: tl.constexpr, SCALED: tl.constexpr = False, FP8: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + n).to(tl.int64)
@@ -252,6 +254,12 @@ def _store_kvcache_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, skn, svn, ROW:
     mask = (offs < ROW) & (slot >= 0)
     kk = tl.load(k_ptr + n * skn + offs, mask=mask, other=0.0)
     vv = tl.load(v_ptr + n * svn + offs, mask=mask, other=0.0)
+    if SCALED:          # per-tensor KV-cache scales: the cache holds k / k_scale (correctly rounded, as torch's)
+        kk = tl.math.div_rn(kk.to(tl.float32), k_scale)
+        vv = tl.math.div_rn(vv.to(tl.float32), v_scale)
+    if FP8:             # float8 e4m3: saturate at +-448 (as the torch reference does)
+        kk = tl.minimum(tl.maximum(kk.to(tl.float32), -448.0), 448.0)
+        vv = tl.minimum(tl.maximum(vv.to(tl.float32), -448.0), 448.0)
     tl.store(kc_ptr + slot * ROW + offs, kk.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + slot * ROW + offs, vv.to(vc_ptr.dtype.element_ty), mask=mask)
 
@@ -264,7 +272,7 @@ def _kv_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     N, Hk, D = k.shape
     if N == 0:
         return
@@ -273,8 +281,10 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     k, v = _kv_rows(k), _kv_rows(v)
     row = Hk * D
     B = triton.next_power_of_2(row)
-    _store_kvcache_kernel[(N,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=B,
-                                num_warps=_warps(B), **pdl.launch(k))
+    scaled = k_scale != 1.0 or v_scale != 1.0
+    _store_kvcache_kernel[(N,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), float(k_scale),
+                                float(v_scale), ROW=row, BLOCK=B, SCALED=scaled,
+                                FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=_warps(B), **pdl.launch(k))
 
 
 # ---------------------------------------------------------------------------------------------- skinny GEMM (GEMV)

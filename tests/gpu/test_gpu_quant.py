@@ -1,7 +1,9 @@
 """Quantized checkpoints on the GPU (marker `gpu`; skipped without CUDA): the fp8 block-wise and
 compressed-tensors per-token paths (weights dequantized at load, activations quantized by ActQuant, torch ops)
 give on CUDA what they give on the CPU (float32: same teacher-forced top-1, relative logit error < 1e-3), and
-with FlashInfer, bf16 decode CUDA graphs give the eager path's tokens."""
+with FlashInfer, bf16 decode CUDA graphs give the eager path's tokens. The fp8 KV cache (scale 1.0, and the
+checkpoint's per-tensor scales: the Triton store kernel, FlashInfer's prefill / decode wrappers and the Triton decode
+kernel) gives the torch attention's results on the same cache."""
 from __future__ import annotations
 
 import importlib.util
@@ -259,3 +261,136 @@ def test_fp8_kv_cache_cuda(tmp_path, decode_kernel):
                 for a, b in zip(got, plain) for j, t in enumerate(a.outputs[0].token_ids[:4]))
     print(f"\n[fp8 KV, {decode_kernel}] logprob change against a bf16 cache (first 4 steps): {moved:.4f}")
     assert moved > 1e-3, "the float8 cache changes nothing: is it really float8?"
+
+
+# ---------------------------------------------------------------------------------------------- FP8 KV cache scales
+def _paged_ctx(lens, qlens, page, perm, device):
+    """A step's ForwardContext over pages `perm` (each sequence's pages in turn): KV lengths `lens`, the last
+    `qlens` tokens of each being the step's queries."""
+    from xllm_gen.runtime.executor.context import ForwardContext
+    tables, used = [], 0
+    for L in lens:
+        n = (L + page - 1) // page
+        tables.append(perm[used: used + n])
+        used += n
+    width = max(len(t) for t in tables)
+    cu = [0]
+    for q in qlens:
+        cu.append(cu[-1] + q)
+    slots = [tables[i][p // page] * page + p % page for i, (L, q) in enumerate(zip(lens, qlens))
+             for p in range(L - q, L)]
+    return ForwardContext(is_prefill=any(q > 1 for q in qlens),
+                          cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+                          seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                          slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                          block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                                    device=device),
+                          block_size=page, seq_lens_cpu=list(lens), query_lens_cpu=list(qlens))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
+@pytest.mark.parametrize("decode_kernel", ["flashinfer", "triton"])
+def test_fp8_kv_scales_kernels_cuda(decode_kernel):
+    """A float8 KV cache with per-tensor scales far from 1 (K past 448, V below e4m3's subnormals without them):
+    the Triton store kernel writes round(k / k_scale) bit for bit as the torch reference (on the CPU) does; then
+    FlashInferBackend (FlashInfer's paged prefill and decode wrappers with run(k_scale=, v_scale=), or the Triton
+    decode kernel) on that cache equals the torch attention (TorchPagedBackend: cache * scale in float32) within bf16
+    rounding, and the same run without the scales is far off (the scales reach the kernels)."""
+    from xllm_gen.runtime import ops
+    from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
+    from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
+    from xllm_gen.runtime.ops import reference as R
+    torch.manual_seed(0)
+    dev, f8 = torch.device("cuda"), torch.float8_e4m3fn
+    H, Hk, D, page, pool = 8, 2, 128, 16, 96
+    lens = [1, 17, 130, 64, 300]
+    perm = torch.randperm(pool).tolist()
+    ks, vs = 2.5, 4e-6
+    kc = torch.zeros(pool, page, Hk, D, dtype=f8, device=dev)
+    vc = torch.zeros_like(kc)
+    # the whole context written once (a prefill of every token), by the Triton store kernel and by the reference
+    full = _paged_ctx(lens, lens, page, perm, dev)
+    N = sum(lens)
+    k = (torch.randn(N, Hk, D, device=dev) * 300).to(torch.bfloat16)
+    v = (torch.randn(N, Hk, D, device=dev) * 1e-3).to(torch.bfloat16)
+    ops.store_kvcache(k, v, kc, vc, full.slot_mapping, ks, vs)
+    kr, vr = torch.zeros(pool, page, Hk, D, dtype=f8), torch.zeros(pool, page, Hk, D, dtype=f8)
+    R.store_kvcache(k.cpu(), v.cpu(), kr, vr, full.slot_mapping.cpu(), ks, vs)
+    assert torch.equal(kc.cpu().view(torch.uint8), kr.view(torch.uint8))
+    assert torch.equal(vc.cpu().view(torch.uint8), vr.view(torch.uint8))
+    assert (kc.float().abs().max() > 100) and (vc.float().abs().max() > 100)      # the scaled values fill fp8's range
+    worst, off = {}, {}
+    for name, qlens in (("decode", [1] * len(lens)), ("prefill", [1, 9, 40, 64, 7])):
+        ctx = _paged_ctx(lens, qlens, page, perm, dev)
+        q = torch.randn(sum(qlens), H, D, device=dev).to(torch.bfloat16) * 0.005     # scores of order 1
+        kv_step = torch.zeros(sum(qlens), Hk, D, device=dev, dtype=torch.bfloat16)
+        be = FlashInferBackend(num_heads=H, num_kv_heads=Hk, head_dim=D, dtype=torch.bfloat16, device=dev,
+                               block_size=page, max_batch=8, max_model_len=512, max_num_blocks=pool,
+                               kv_dtype=f8, sm_scale=D ** -0.5, decode_kernel=decode_kernel)
+        be.plan(ctx)
+        got = be.forward(q, kv_step, kv_step, kc, vc, ctx, D ** -0.5, k_scale=ks, v_scale=vs)
+        unscaled = be.forward(q, kv_step, kv_step, kc, vc, ctx, D ** -0.5)
+        ref = TorchPagedBackend()
+        ref.plan(ctx)
+        want = ref.forward(q, kv_step, kv_step, kc, vc, ctx, D ** -0.5, k_scale=ks, v_scale=vs)
+        worst[name], off[name] = _rel_err(got, want), _rel_err(unscaled, want)
+    print(f"\n[fp8 KV scales, {decode_kernel}] relative error vs torch: {worst}; without the scales: {off}")
+    assert all(e < 2e-2 for e in worst.values()) and all(e > 0.5 for e in off.values())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
+@pytest.mark.parametrize("decode_kernel", ["flashinfer", "triton"])
+def test_fp8_kv_cache_checkpoint_scales_cuda(tmp_path, decode_kernel):
+    """A checkpoint with per-tensor k_scale / v_scale (K past fp8's range, V below it: tests/quant_ckpt.py
+    write_kv_scaled) served with kv_cache_dtype="fp8" on CUDA (graphs, chunked prefill, FlashInfer or the Triton
+    decode kernel) gives the torch attention's logprobs on the same scaled cache, and the bf16 model's greedy tokens
+    on most steps; dropping the scales moves the logprobs far."""
+    from fixtures.tiny_hf import make_tiny_qwen3
+    from hf_ref import hf_model
+    from quant_ckpt import calibrate_kv_scales, write_kv_scaled, write_kv_scales
+
+    from xllm_gen import LLM, SamplingParams
+    base = make_tiny_qwen3(tmp_path / "base", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=128)
+    ref = write_kv_scaled(base, tmp_path / "ref")
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 900 + 5 for j in range(n)]} for i, n in enumerate((5, 40, 130))]
+    scales = calibrate_kv_scales(hf_model(ref), torch.tensor([sum((p["prompt_token_ids"] for p in prompts), [])]))
+    ckpt = write_kv_scales(ref, tmp_path / "ckpt", scales)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    kw = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    seqs = []
+
+    def run(path, **extra):
+        """(outputs, prefill logits of `seqs` (the reference's prompts + tokens), float32 on the host)."""
+        llm = LLM(str(path), **{**kw, **extra})
+        out = llm.generate(prompts, sp)
+        if not seqs:
+            seqs.extend(p["prompt_token_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, out))
+        logits = [torch.as_tensor(llm.prefill_logits(x)).float().cpu() for x in seqs]
+        llm.shutdown()
+        return out, logits
+
+    def lp_diff(a_out, b_out, steps=8):
+        """max |logprob difference| of the tokens both runs chose, over each prompt's shared first steps."""
+        worst = 0.0
+        for a, b in zip(a_out, b_out):
+            x, y = a.outputs[0], b.outputs[0]
+            for j, (t, u) in enumerate(zip(x.token_ids[:steps], y.token_ids[:steps])):
+                if t != u:
+                    break
+                worst = max(worst, abs(x.logprobs[j][t].logprob - y.logprobs[j][t].logprob))
+        return worst
+
+    def rel(a, b):
+        return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+    want, want_l = run(ckpt, kv_cache_dtype="fp8", enforce_eager=True, _debug={"torch_attention": True})
+    got, got_l = run(ckpt, kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel})
+    dropped, dropped_l = run(ref, kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel})
+    _, bf16_l = run(ref)
+    same, same_l, near_l, far_l = lp_diff(got, want), rel(got_l, want_l), rel(bf16_l, want_l), rel(dropped_l, want_l)
+    print(f"\n[fp8 KV checkpoint scales, {decode_kernel}] vs the torch attention on the same cache: logprobs "
+          f"{same:.4f}, prefill logits (relative) {same_l:.2e}; a bf16 cache {near_l:.2e}; scales dropped {far_l:.2e} "
+          f"(tokens {'differ' if [o.outputs[0].token_ids for o in dropped] != [o.outputs[0].token_ids for o in want] else 'same'})")
+    assert same < 0.1 and same_l < 0.05 and near_l < 0.2 and far_l > 0.3      # CPU bf16: near 0.08, far 1.1
