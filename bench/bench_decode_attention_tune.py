@@ -1,6 +1,6 @@
 """The Triton decode-attention kernel's launch parameters, swept: for each (batch, context) of a model's attention
 shape, FlashInfer's CUDA-graph decode, the kernel as the engine launches it today (the split count `auto` picks,
-64-token blocks, 4 warps) and every (splits, block_n, num_warps, num_stages) of the grid, each timed as
+64-token blocks, 4 warps, the merge head by head) and every (splits, block_n, num_warps, num_stages) of the grid, each timed as
 runtime/attention/triton_decode.measure_decode_kernels does (a CUDA graph over copies of a random paged cache,
 so the KV streams from HBM; us per layer). Says which launch parameters the kernel's tuning should search.
 
@@ -28,8 +28,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="256,1024,4096")
     ap.add_argument("--splits", default="8,16,32,64")
     ap.add_argument("--block-n", default="16,32,64")
-    ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument("--warps", default="2,4")
     ap.add_argument("--stages", default="0", help="0: Triton's default")
+    ap.add_argument("--merge", default="1,0", help="1: the group's merge vectorized, 0: head by head")
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,8 +67,9 @@ def main(argv=None) -> int:
             t_fi = 1e3 * graph_time_ms(lambda: [fi.run(q, kv) for kv in caches]) / copies
             ref = fi.run(q, caches[0]).float()
 
-            def timed(s, bn, w, st):
-                wr = TritonDecodeWrapper(H, HK, D, s, B, dev, block_n=bn, num_warps=w, num_stages=st or None)
+            def timed(s, bn, w, st, mv=None):
+                wr = TritonDecodeWrapper(H, HK, D, s, B, dev, block_n=bn, num_warps=w, num_stages=st or None,
+                                         merge_vec=None if mv is None else bool(mv))
                 wr.plan(indptr, indices, last, H, HK, D, page)
                 err = (wr.run(q, caches[0]).float() - ref).abs().max().item()
                 if err > 2e-2:
@@ -75,14 +77,14 @@ def main(argv=None) -> int:
                 return 1e3 * graph_time_ms(lambda: [wr.run(q, kv) for kv in caches]) / copies
 
             auto_s = decode_splits(B, HK, sms, "triton")
-            t_now = timed(auto_s, 64, 4, None)
+            t_now = timed(auto_s, 64, 4, None, 0)          # the kernel as it was: 64-token blocks, 4 warps, merge by head
             grid = {}
-            for s, bn, w, st in itertools.product(ints(args.splits), ints(args.block_n), ints(args.warps),
-                                                   ints(args.stages)):
+            for cfg in itertools.product(ints(args.splits), ints(args.block_n), ints(args.warps), ints(args.stages),
+                                         ints(args.merge)):
                 try:
-                    grid[(s, bn, w, st)] = timed(s, bn, w, st)
+                    grid[cfg] = timed(*cfg)
                 except Exception as e:       # noqa: BLE001 - a config Triton cannot build (shared memory): skipped
-                    print(f"skip {(s, bn, w, st)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"skip {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best = min(grid, key=grid.get)
             top = sorted(grid, key=grid.get)[:5]
             row = dict(model=model, batch=B, context=ctx, flashinfer_us=t_fi, now_us=t_now, now_splits=auto_s,
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     ver["triton"] = triton.__version__
     md = ["# Decode attention: the Triton kernel's launch parameters swept (bf16, pages of "
           f"{args.page_size}, shuffled)", "", f"- command: `python {' '.join(sys.argv)}`", f"- versions: {ver}",
-          "- us per call (one layer), median of 20 graph replays; config = (splits, block_n, num_warps, num_stages)", "",
+          "- us per call (one layer), median of 20 graph replays; config = (splits, block_n, num_warps, num_stages, merge vectorized)", "",
           "| model | batch | context | FlashInfer us | Triton now us (splits) | best us (config) | next best |",
           "|---|---|---|---|---|---|---|"] + lines
     Path(args.out).write_text("\n".join(md) + "\n")

@@ -181,13 +181,15 @@ def _decode_attention_checks(rnd, err):
             q, kc, vc = q32.to(dt), kc32.to(dt), vc32.to(dt)
             want = R.paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, wl, cap, sinks=sk, chunk_size=ch)
             scratch = DecodeScratch(8, H, Hk, D, splits, "cpu")
-            worst = 0.0
-            for _ in range(2 if (splits > 1 and name == "full") else 1):     # a second launch reuses the tickets
-                got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch, window_left=wl,
-                                             soft_cap=cap, block_n=16, sinks=sk, chunk_size=ch)
-                worst = max(worst, err(got, want), float(scratch.counters.abs().sum()))
-            out[f"decode_attention_H{H}_Hk{Hk}_D{D}_{name}_splits{splits}_{str(dt).split('.')[-1]}"] = (worst,
-                                                                                                   tol[dt])
+            # the merge of several splits: the vectorized one (the default at these sizes) and head by head
+            for merge_vec in (None, False) if splits > 1 and name in ("full", "sinks") and dt == f32 else (None,):
+                worst = 0.0
+                for _ in range(2 if (splits > 1 and name == "full") else 1):     # a second launch reuses the tickets
+                    got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch, window_left=wl,
+                                                 soft_cap=cap, block_n=16, sinks=sk, chunk_size=ch, merge_vec=merge_vec)
+                    worst = max(worst, err(got, want), float(scratch.counters.abs().sum()))
+                out[f"decode_attention_H{H}_Hk{Hk}_D{D}_{name}_splits{splits}_{str(dt).split('.')[-1]}"
+                    f"{'_merge_by_head' if merge_vec is False else ''}"] = (worst, tol[dt])
     # a float8 cache with per-tensor KV scales: the kernel folds k_scale into the softmax scale and multiplies the
     # output by v_scale; the reference reads cache * scale; the CPU backend (the oracle) the same
     f8 = torch.float8_e4m3fn

@@ -109,10 +109,10 @@ class TritonDecodeWrapper:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, splits: int, max_batch: int,
                  device: torch.device, buffers: Optional[tuple] = None, block_n: int = 64, num_warps: int = 4,
-                 num_stages: Optional[int] = None):
+                 num_stages: Optional[int] = None, merge_vec: Optional[bool] = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.splits, self.device, self.block_n = splits, device, block_n
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.merge_vec = num_warps, num_stages, merge_vec
         self.scratch = self._scratch(max_batch)
         self.buffers = buffers                      # (indptr [b+1], last_page_len [b], page indices) or None
         self._table = None
@@ -162,4 +162,4 @@ class TritonDecodeWrapper:
                                       window_left=kw["window_left"], soft_cap=kw["soft_cap"], block_n=self.block_n,
                                       chunk_size=kw["chunk_size"], k_scale=1.0 if k_scale is None else k_scale,
                                       v_scale=1.0 if v_scale is None else v_scale, num_warps=self.num_warps,
-                                      num_stages=self.num_stages)
+                                      num_stages=self.num_stages, merge_vec=self.merge_vec)

@@ -26,6 +26,8 @@ import triton.language as tl
 from xllm_gen.runtime.ops import pdl
 from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger
 
+MERGE_VEC_MAX_ELEMS = 8192     # float32 partials the vectorized merge holds at once (64 registers a thread at 4 warps)
+
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
@@ -37,6 +39,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
                          HAS_SINKS: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
+                         MERGE_VEC: tl.constexpr = False, GM_PAD: tl.constexpr = 1,
                          V_SCALED: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_enter(PDL, LARGE=True)
     b = tl.program_id(0)
@@ -131,7 +134,29 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
             # the last program of (b, kh) merges: per head, all splits' partials in one load each
             sidx = tl.arange(0, S_PAD)
             s_ok = sidx < SPLITS
-            for gi in tl.static_range(GROUP):
+            if MERGE_VEC:
+                # all heads of the group at once, the lse and partial loads issued together (one memory round
+                # trip on the kernel's tail, not two per head); an empty split's stale partial is masked by w == 0
+                gm = tl.arange(0, GM_PAD)
+                gs_ok = (gm < GROUP)[:, None] & s_ok[None, :]
+                base = (b.to(tl.int64) * H + kh * GROUP + gm)[:, None] * SPLITS + sidx[None, :]       # [GM, S]
+                lse = tl.load(part_lse_ptr + base, mask=gs_ok, other=float("-inf"), cache_modifier=".cg")
+                o_s = tl.load(part_o_ptr + base[:, :, None] * D + d[None, None, :],
+                              mask=gs_ok[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")
+                m = tl.max(lse, axis=1)
+                m0 = tl.where(m == float("-inf"), 0.0, m)
+                w = tl.exp(lse - m0[:, None])                                     # [GM, S], 0 for empty splits
+                den = tl.sum(w, axis=1)
+                if HAS_SINKS:
+                    sink = tl.load(sinks_ptr + kh * GROUP + gm, mask=gm < GROUP, other=0.0).to(tl.float32)
+                    den += tl.where(m == float("-inf"), 0.0, tl.exp(sink - m0))
+                o_s = tl.where((w > 0)[:, :, None], o_s, 0.0)
+                res = tl.sum(w[:, :, None] * o_s, axis=1) / tl.where(den > 0, den, 1.0)[:, None]   # [GM, D]
+                if V_SCALED:
+                    res = res * v_scale
+                tl.store(out_ptr + b.to(tl.int64) * stride_ob + (kh * GROUP + gm)[:, None] * stride_oh + d[None, :],
+                         res.to(out_ptr.dtype.element_ty), mask=(gm < GROUP)[:, None] & (d < D)[None, :])
+            for gi in tl.static_range(0 if MERGE_VEC else GROUP):
                 base = (b.to(tl.int64) * H + kh * GROUP + gi) * SPLITS
                 lse = tl.load(part_lse_ptr + base + sidx, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
                 m = tl.max(lse, axis=0)
@@ -174,7 +199,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int = 64, out: Optional[torch.Tensor] = None,
                            sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int = 4,
-                           num_stages: Optional[int] = None) -> torch.Tensor:
+                           num_stages: Optional[int] = None, merge_vec: Optional[bool] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
     (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits. `sinks` [H]
@@ -198,6 +223,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     group = H // Hk
+    gm_pad = triton.next_power_of_2(group)
+    s_pad = max(2, triton.next_power_of_2(scratch.splits))
+    # the group's merge in one [heads, splits, D] tile where it stays small in registers (else head by head)
+    if merge_vec is None:
+        merge_vec = gm_pad * s_pad * max(16, triton.next_power_of_2(D)) * 4 <= MERGE_VEC_MAX_ELEMS * num_warps
     _paged_decode_kernel[(B, Hk, scratch.splits)](
         q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
         indptr, indices, last_page_len, q if sinks is None else sinks,
@@ -207,8 +237,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D,
         D_PAD=max(16, triton.next_power_of_2(D)),
-        SPLITS=scratch.splits, S_PAD=max(2, triton.next_power_of_2(scratch.splits)), BLOCK_N=block_n,
+        SPLITS=scratch.splits, S_PAD=s_pad, BLOCK_N=block_n,
         HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
         HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None, V_SCALED=float(v_scale) != 1.0,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
+        MERGE_VEC=merge_vec, GM_PAD=gm_pad, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
     return out
