@@ -277,9 +277,9 @@ def test_auto_keeps_the_measured_faster_decode_kernel():
     assert pick_decode_kernel({32: 5.0, 8: 4.0}) == 8                                  # FlashInfer not timed
     assert pick_decode_kernel({0: 3.0}) == 0 and pick_decode_kernel({}) == 0
     assert split_candidates(1, 8, 132) == [32, 16, 8, 4]
-    assert split_candidates(4, 8, 132) == [16, 9, 8, 4, 2]
-    assert split_candidates(16, 8, 132) == [4, 3, 2, 1]
-    assert split_candidates(64, 4, 132) == [4, 2, 1]
+    assert split_candidates(4, 8, 132) == [32, 16, 9, 8, 4, 2]
+    assert split_candidates(16, 8, 132) == [8, 4, 3, 2, 1]
+    assert split_candidates(64, 4, 132) == [8, 4, 2, 1]
 
 
 @pytest.mark.parametrize("fast", ["1", "0"])

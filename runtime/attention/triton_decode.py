@@ -53,9 +53,10 @@ TUNE_MARGIN = 0.97       # the Triton kernel must be 3% faster: a near tie keeps
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> list[int]:
     """Split counts worth timing: decode_splits' (about two programs per SM), and the powers of two from an eighth
-    of it to twice it (at most max_splits). On an H200 the best count was up to 2x away from the rule's."""
+    of it to four times it (at most max_splits). On an H200 the best count was up to 2.7x away from the rule's (16
+    rows x 8 KV heads, 1k context: 8 splits 25.2 us, the rule's 3 28.2; bench/results/h200_decode_attention_tune.md)."""
     s = decode_splits(batch, num_kv_heads, num_sms, "triton", max_splits)
-    return sorted({s} | {p for p in (2 ** i for i in range(6)) if s / 8 <= p <= min(2 * s, max_splits)}, reverse=True)
+    return sorted({s} | {p for p in (2 ** i for i in range(6)) if s / 8 <= p <= min(4 * s, max_splits)}, reverse=True)
 
 
 def pick_decode_kernel(times: dict, margin: float = TUNE_MARGIN) -> int:
