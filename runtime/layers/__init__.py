@@ -42,6 +42,7 @@ from xllm_gen.runtime.layers.recurrent import (
                                             CausalConv1d,
                                             GatedDeltaNet,
                                             GatedRMSNorm,
+                                            Mamba,
                                             Mamba2,
                                             RecurrentMixer,
                                             ShortConv,
@@ -64,5 +65,5 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
-    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba2", "ShortConv",
+    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv",
 ]
