@@ -752,6 +752,7 @@ class ModelIR:
     embed_positions: Optional[PositionEmbeddingIR] = None   # absolute positions added to the embedding
     embed_norm: Optional[NormIR] = None                     # a norm of the embedding output (Bloom)
     norm_enabled: Value = Value(literal=True)               # where the final norm exists
+    residual_float32: Value = Value(literal=False)          # the residual stream in float32
     project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
     project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
 

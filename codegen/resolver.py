@@ -222,6 +222,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         if norm is None and d.norm_enabled is not True:
             raise self.err(("decoder", "norm_enabled"), "decoder.norm_enabled: there is no decoder.norm", at_key=True)
         norm_enabled = self.flag(("decoder", "norm_enabled"), d.norm_enabled)
+        residual_float32 = self.flag(("decoder", "residual_float32"), d.residual_float32)
+        if residual_float32.literal is not False:
+            self.check_residual_float32(layer, norm, norm_enabled, d)
         project_out = self.resolve_projection("project_out", d.project_out) if d.project_out is not None else None
         if project_out is not None and str(project_out.in_) != str(stream.dim):
             raise self.err(("decoder", "project_out", "in"), f"decoder.project_out.in: is {project_out.in_}, but the "
@@ -284,7 +287,23 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
-            embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out)
+            embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out,
+            residual_float32=residual_float32)
+
+    def check_residual_float32(self, layer, norm, norm_enabled, d) -> None:
+        """decoder.residual_float32: every residual step a plain `{norm: N, block: B}` (post_norm / scale allowed) with
+        N an RMSNorm, and a final RMSNorm that always exists (the float32 stream is added only by those norms)."""
+        p = ("decoder", "residual_float32")
+        blocks = {b.name: b for b in layer.blocks}
+        if norm is None or norm.kind != "rmsnorm" or norm_enabled.literal is not True:
+            raise self.err(p, "decoder.residual_float32: needs a final `decoder.norm` of kind rmsnorm (always enabled)")
+        if d.deepstack or d.embed_norm or d.project_out:
+            raise self.err(p, "decoder.residual_float32: not with deepstack, embed_norm or project_out")
+        for s in layer.all_steps:
+            if hasattr(s, "branches") or getattr(s, "after_norm", None) or not s.norm \
+                    or blocks[s.norm].kind != "rmsnorm":
+                raise self.err(p, "decoder.residual_float32: every residual step must be `{norm: N, block: B}` with N "
+                                  "an rmsnorm (no parallel steps, no steps without a norm, no after_norm)")
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:

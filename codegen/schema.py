@@ -618,6 +618,10 @@ class Decoder(Strict):
     # the final norm exists where this flag holds (OPT: only in its pre-LN form); elsewhere the last residual is
     # added without a norm
     norm_enabled: Flag = True
+    # the residual stream kept in float32 (transformers' residual_in_fp32: Mamba, Mamba-2): each layer's step norm reads
+    # it cast to the model dtype, the final norm in float32. A flag (a bool symbol: decided by the checkpoint); only
+    # with plain `{norm, block}` steps of RMSNorms and a final RMSNorm
+    residual_float32: Flag = False
     # embedding width -> residual width, after the embedding (and its scale), before position embeddings are added
     project_in: Optional[EmbedProjection] = None
     # residual width -> the LM head's width, after the final norm

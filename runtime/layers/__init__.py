@@ -37,7 +37,7 @@ from xllm_gen.runtime.layers.linear import (
 )
 from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
-from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm
+from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm, keep_residual_float32
 from xllm_gen.runtime.layers.recurrent import (
                                             CausalConv1d,
                                             GatedDeltaNet,
@@ -66,4 +66,5 @@ __all__ = [
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv",
+    "keep_residual_float32",
 ]
