@@ -273,6 +273,10 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  norm  {_block(ir.norm)}" + (f" where {ir.norm_enabled}" if ir.norm_enabled.literal is not True else ""))
     else:
         w("  norm  none (the last residual add only)")
+    if ir.residual_float32.literal is not False:
+        w("  residual stream in float32" + (f" where {ir.residual_float32}" if ir.residual_float32.literal is not True
+                                            else "") + " (layer norms read it in the model dtype, the final norm in "
+                                                       "float32)")
     if ir.project_out:
         w(f"  project_out  {_proj(ir.project_out)}: residual -> LM head width")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"

@@ -108,3 +108,24 @@ def test_residual_in_fp32_bfloat16(tiny_checkpoint):
     assert got == want
     plain = tiny_checkpoint("MambaForCausalLM", overrides={"residual_in_fp32": False})
     assert _engine(plain, dtype="bfloat16") != got, "a bfloat16 residual stream gave the float32 stream's tokens"
+
+
+def test_residual_float32_needs_plain_norm_steps(tmp_path):
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from xllm_gen.codegen.cli import main as cli_main
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "specs" / "llama.yaml", specs / "llama.yaml")
+    (specs / "x.yaml").write_text(
+        "extends: llama.yaml\nname: x\nclass_prefix: X\narchitectures: [XForCausalLM]\n"
+        "variants: {Llama-3.2-1B: ~, Llama-3.1-8B: ~}\n"
+        "decoder:\n  residual_float32: true\n  layers:\n    blocks:\n      post_attention_layernorm: ~\n"
+        "    dataflow:\n      - parallel: [{norm: input_layernorm, block: self_attn}, "
+        "{norm: input_layernorm, block: mlp}]\n", encoding="utf-8")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert cli_main(["--dry-run", str(specs / "x.yaml")]) != 0
+    assert "x.yaml:" in err.getvalue() and "decoder.residual_float32: every residual step" in err.getvalue()

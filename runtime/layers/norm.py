@@ -10,6 +10,7 @@ from torch import nn
 from xllm_gen.runtime import ops
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, split_segment
+from xllm_gen.runtime.ops import reference
 
 
 class RMSNorm(nn.Module):
@@ -48,10 +49,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
         if residual is ...:
             return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset))
-        if self.residual_float32 is not None:
+        if self.residual_float32 is not None:     # the torch ops on every device (a float32 input, a model-dtype weight)
             r = x.float() if residual is None else residual.float() + x.float()
             src = r if self.residual_float32 == "final" else r.to(x.dtype)
-            return self._biased(ops.rms_norm(src, self.weight, self.eps, self.weight_offset)).to(x.dtype), r
+            return self._biased(reference.rms_norm(src, self.weight, self.eps, self.weight_offset)).to(x.dtype), r
         if residual is None:
             return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset)), x
         y, r = ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
