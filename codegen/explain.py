@@ -14,6 +14,7 @@ from .ir import (
     GatedMLPIR,
     LinearIR,
     Mamba2IR,
+    MambaIR,
     ModelIR,
     MoEIR,
     NormIR,
@@ -111,6 +112,14 @@ def _block(b) -> str:
                 f"state_size={b.state_size}, conv_kernel={b.conv_kernel}, chunk_size={b.chunk_size}, activation="
                 f"{b.activation}, eps={b.eps}, bias={b.bias}, conv_bias={b.conv_bias}, {b.in_proj}=[z, x, B, C, dt], "
                 f"{b.out_name}; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
+                f"state_size] float32)")
+    if isinstance(b, MambaIR):
+        norm = (f", inner_norm=rmsnorm{'' if b.inner_norm == 'weight' else ' weightless'}(dt, B, C; eps={b.inner_eps})"
+                if b.inner_norm else "")
+        return (f"mamba {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, state_size={b.state_size}, "
+                f"time_step_rank={b.time_step_rank}, conv_kernel={b.conv_kernel}, activation={b.activation}, bias="
+                f"{b.bias}, conv_bias={b.conv_bias}{norm}, {b.in_proj}=[x, z], x_proj=[dt, B, C], dt_proj, "
+                f"{b.out_name}; state per sequence: conv [intermediate, conv_kernel - 1], ssm [intermediate, "
                 f"state_size] float32)")
     if isinstance(b, GatedDeltaNetIR):
         proj = ", ".join(f"{m}=[{', '.join(segs)}]" for m, segs in b.projections)
@@ -264,6 +273,10 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  norm  {_block(ir.norm)}" + (f" where {ir.norm_enabled}" if ir.norm_enabled.literal is not True else ""))
     else:
         w("  norm  none (the last residual add only)")
+    if ir.residual_float32.literal is not False:
+        w("  residual stream in float32" + (f" where {ir.residual_float32}" if ir.residual_float32.literal is not True
+                                            else "") + " (layer norms read it in the model dtype, the final norm in "
+                                                       "float32)")
     if ir.project_out:
         w(f"  project_out  {_proj(ir.project_out)}: residual -> LM head width")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"

@@ -496,6 +496,31 @@ class Mamba2IR:
 
 
 @dataclass(frozen=True)
+class MambaIR:
+    """A Mamba-1 mixer, the selective scan (runtime: the generated class over L.Mamba, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    intermediate: Size
+    state_size: Size
+    time_step_rank: Size
+    conv_kernel: Size
+    activation: Value
+    bias: Value
+    conv_bias: Value
+    inner_norm: Optional[str]             # None | "weightless" | "weight"
+    inner_eps: Optional[Value]
+    in_proj: str
+    out_name: str
+
+    def intermediate_fields(self, ir) -> str:
+        """The config.json field (or the expression over symbols) giving the channels, for refusals."""
+        sym = getattr(self.intermediate, "symbol", None)
+        return ir.config_source(sym) if sym else str(getattr(self.intermediate, "source", self.intermediate))
+
+
+@dataclass(frozen=True)
 class ShortConvIR:
     """A gated short-convolution mixer (runtime: the generated class over L.ShortConv, a recurrent-state mixer)."""
     kind: str
@@ -508,9 +533,10 @@ class ShortConvIR:
     out_name: str
 
 
-RECURRENT_KINDS = ("gated_delta_net", "mamba2", "short_conv")
+RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv")
 
-BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR]
+BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
+                ShortConvIR]
 
 
 @dataclass(frozen=True)
@@ -726,6 +752,7 @@ class ModelIR:
     embed_positions: Optional[PositionEmbeddingIR] = None   # absolute positions added to the embedding
     embed_norm: Optional[NormIR] = None                     # a norm of the embedding output (Bloom)
     norm_enabled: Value = Value(literal=True)               # where the final norm exists
+    residual_float32: Value = Value(literal=False)          # the residual stream in float32
     project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
     project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
 

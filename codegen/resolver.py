@@ -29,6 +29,7 @@ from .ir import (
     LayerIR,
     LMHeadIR,
     Mamba2IR,
+    MambaIR,
     ModelIR,
     MoEIR,
     NormIR,
@@ -56,7 +57,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 
 # the attention block kinds (they take the positions)
-ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR)   # (a recurrent mixer takes them too, and ignores them)
+ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR)   # (a recurrent mixer takes them too, and ignores them)
 from .resolver_dataflow import DataflowResolver
 from .resolver_positions import PositionsResolver
 from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
@@ -221,6 +222,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         if norm is None and d.norm_enabled is not True:
             raise self.err(("decoder", "norm_enabled"), "decoder.norm_enabled: there is no decoder.norm", at_key=True)
         norm_enabled = self.flag(("decoder", "norm_enabled"), d.norm_enabled)
+        residual_float32 = self.flag(("decoder", "residual_float32"), d.residual_float32)
+        if residual_float32.literal is not False:
+            self.check_residual_float32(layer, norm, norm_enabled, d)
         project_out = self.resolve_projection("project_out", d.project_out) if d.project_out is not None else None
         if project_out is not None and str(project_out.in_) != str(stream.dim):
             raise self.err(("decoder", "project_out", "in"), f"decoder.project_out.in: is {project_out.in_}, but the "
@@ -283,7 +287,23 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
-            embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out)
+            embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out,
+            residual_float32=residual_float32)
+
+    def check_residual_float32(self, layer, norm, norm_enabled, d) -> None:
+        """decoder.residual_float32: every residual step a plain `{norm: N, block: B}` (post_norm / scale allowed) with
+        N an RMSNorm, and a final RMSNorm that always exists (the float32 stream is added only by those norms)."""
+        p = ("decoder", "residual_float32")
+        blocks = {b.name: b for b in layer.blocks}
+        if norm is None or norm.kind != "rmsnorm" or norm_enabled.literal is not True:
+            raise self.err(p, "decoder.residual_float32: needs a final `decoder.norm` of kind rmsnorm (always enabled)")
+        if d.deepstack or d.embed_norm or d.project_out:
+            raise self.err(p, "decoder.residual_float32: not with deepstack, embed_norm or project_out")
+        for s in layer.all_steps:
+            if hasattr(s, "branches") or getattr(s, "after_norm", None) or not s.norm \
+                    or blocks[s.norm].kind != "rmsnorm":
+                raise self.err(p, "decoder.residual_float32: every residual step must be `{norm: N, block: B}` with N "
+                                  "an rmsnorm (no parallel steps, no steps without a norm, no after_norm)")
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:
@@ -508,7 +528,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "short_conv", "gated_mlp", "mlp", "moe")
+            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "gated_mlp", "mlp",
+                      "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
             if isinstance(st.block, Choice):
@@ -622,7 +643,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
-            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, ShortConvIR)):
+            elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
+                                ShortConvIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):

@@ -17,6 +17,7 @@ from .ir import (
     GatedMLPIR,
     LinearIR,
     Mamba2IR,
+    MambaIR,
     MoEIR,
     NormIR,
     ParamIR,
@@ -39,6 +40,7 @@ from .schema import (
     LayerNormBlock,
     LinearBlock,
     Mamba2Block,
+    MambaBlock,
     MLAAttentionBlock,
     MLPBlock,
     MoEBlock,
@@ -229,6 +231,26 @@ class BlockResolver(MLAResolver):
                 activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
                                            "a conv activation"),
                 bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
+                in_proj=names[0], out_name=names[1])
+        if isinstance(b, MambaBlock):
+            names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
+            taken = ("conv1d", "x_proj", "dt_proj", "A_log", "D", "dt_layernorm", "b_layernorm", "c_layernorm")
+            for k, v in zip(("in_proj", "out"), names):
+                if v in taken or names[0] == names[1] and k == "out":
+                    raise self.err(path + (k,), f"{self._where(path)}.{k}: module name '{v}' is already used in "
+                                                f"this block")
+            n = b.inner_norm
+            return MambaIR(
+                kind="mamba", name=name, class_name=f"{prefix}Mamba" if unique_kind else f"{prefix}{camel}",
+                hidden=self.dim(path + ("hidden",), b.hidden),
+                intermediate=self.dim(path + ("intermediate",), b.intermediate),
+                state_size=self.dim(path + ("state_size",), b.state_size),
+                time_step_rank=self.dim(path + ("time_step_rank",), b.time_step_rank),
+                conv_kernel=self.dim(path + ("conv_kernel",), b.conv_kernel),
+                activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"), "an activation"),
+                bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
+                inner_norm=None if n is None else ("weight" if n.weight else "weightless"),
+                inner_eps=None if n is None else self.positive(path + ("inner_norm", "eps"), n.eps, below=1.0),
                 in_proj=names[0], out_name=names[1])
         if isinstance(b, GatedDeltaNetBlock):
             return self.resolve_gated_delta_net(path, name, b, f"{prefix}GatedDeltaNet" if unique_kind
@@ -582,6 +604,23 @@ class BlockResolver(MLAResolver):
             ps += [P(n, (b.heads,), "colwise", (heads,)) for n in ("A_log", "D", "dt_bias")]
             ps.append(P("norm.weight", (b.heads * b.head_dim,), "colwise", (SegmentIR("heads", b.heads, b.head_dim),)))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.bias))
+            return ps
+        if isinstance(b, MambaIR):
+            ch = SegmentIR("channels", b.intermediate, one)
+            segs = [SegmentIR("x", b.intermediate, one), SegmentIR("z", b.intermediate, one)]
+            ps = [dataclasses.replace(p, stacked=True) for p in column(f"{b.in_proj}.", b.hidden, segs, _maybe(b.bias))]
+            ps.append(P("conv1d.weight", (b.intermediate, one, b.conv_kernel), "colwise", (ch,)))
+            if _maybe(b.conv_bias):
+                ps.append(P("conv1d.bias", (b.intermediate,), "colwise", (ch,)))
+            # x_proj: a rank's channels in, dt | B | C out (summed over the ranks)
+            ps += row("x_proj.", ch, b.time_step_rank + Size.of(2) * b.state_size, False)
+            ps += column("dt_proj.", b.time_step_rank, [ch], True)
+            ps += [P("A_log", (b.intermediate, b.state_size), "colwise", (ch,)), P("D", (b.intermediate,), "colwise", (ch,))]
+            if b.inner_norm == "weight":
+                ps += [P("dt_layernorm.weight", (b.time_step_rank,), "replicated"),
+                       P("b_layernorm.weight", (b.state_size,), "replicated"),
+                       P("c_layernorm.weight", (b.state_size,), "replicated")]
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.intermediate, one), b.hidden, _maybe(b.bias))
             return ps
         if isinstance(b, GatedDeltaNetIR):
             ps = []

@@ -319,6 +319,38 @@ class Mamba2Block(Strict):
     out: StrictStr = "out_proj"
 
 
+class MambaInnerNorm(Strict):
+    """RMSNorms of a Mamba-1 mixer's dt, B and C after x_proj (before dt_proj and the scan): modules `dt_layernorm`
+    [time_step_rank], `b_layernorm`, `c_layernorm` [state_size]. `weight: false` (FalconMamba's `mixer_rms_eps`):
+    weightless, x / rms(x); `weight: true` (Jamba): `weight * x / rms(x)`, replicated weights."""
+    eps: Num
+    weight: StrictBool = False
+
+
+class MambaBlock(Strict):
+    """A Mamba-1 token mixer (the selective scan over a per-sequence state: MambaForCausalLM's `mixer`): `in_proj`
+    gives x and the gate z [intermediate each]; x goes through a depthwise causal conv1d (`conv1d`, kernel
+    `conv_kernel`) and the activation; `x_proj` (no bias) gives dt [time_step_rank], B, C [state_size]; optional
+    RMSNorms of dt, B, C (`inner_norm`); dt = softplus(dt_proj(dt)) (with dt_proj's bias); the selective scan with
+    A = -exp(A_log) [intermediate, state_size] over the state [intermediate, state_size] plus D x; times act(z); the
+    output projection. Parameters (transformers' names): `<in_proj>.weight [2 intermediate, hidden]`,
+    `conv1d.weight [intermediate, 1, conv_kernel]`, `x_proj.weight`, `dt_proj.weight`, `dt_proj.bias`, `A_log`, `D`,
+    `<out>.weight`, biases where `bias` / `conv_bias` hold, and the inner norms' weights. Split over TP ranks by
+    channels (x_proj's output all-reduced)."""
+    kind: Literal["mamba"]
+    hidden: Dim
+    intermediate: Dim
+    state_size: Dim
+    time_step_rank: Dim
+    conv_kernel: Dim
+    activation: StrictStr = "silu"       # the conv's and the gate's activation (silu), or a str symbol of silu
+    bias: Flag = False                   # biases of in_proj and out_proj (transformers' use_bias)
+    conv_bias: Flag = True               # the conv's bias (use_conv_bias)
+    inner_norm: Optional[MambaInnerNorm] = None   # RMSNorms of dt, B, C (FalconMamba, Jamba); absent: none
+    in_proj: StrictStr = "in_proj"       # module names
+    out: StrictStr = "out_proj"
+
+
 class ShortConvBlock(Strict):
     """A gated short-convolution token mixer (LFM2's `conv`, a per-sequence conv state): `in_proj` gives B, C, x
     [hidden each]; `out(C * conv(B * x))` with a depthwise causal conv1d (kernel `conv_kernel`, no activation).
@@ -496,7 +528,8 @@ class LMHeadBlock(Strict):
 
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
-          MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, ShortConvBlock],
+          MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, MambaBlock,
+          ShortConvBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -585,6 +618,10 @@ class Decoder(Strict):
     # the final norm exists where this flag holds (OPT: only in its pre-LN form); elsewhere the last residual is
     # added without a norm
     norm_enabled: Flag = True
+    # the residual stream kept in float32 (transformers' residual_in_fp32: Mamba, Mamba-2): each layer's step norm reads
+    # it cast to the model dtype, the final norm in float32. A flag (a bool symbol: decided by the checkpoint); only
+    # with plain `{norm, block}` steps of RMSNorms and a final RMSNorm
+    residual_float32: Flag = False
     # embedding width -> residual width, after the embedding (and its scale), before position embeddings are added
     project_in: Optional[EmbedProjection] = None
     # residual width -> the LM head's width, after the final norm
@@ -753,6 +790,6 @@ class Spec(Strict):
 
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
-               "mla_attention", "gated_delta_net", "mamba2", "short_conv",
+               "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

@@ -40,7 +40,10 @@ NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
              "sliding_window": "gated by layer_types / use_sliding_window",
              # Hunyuan's NTK alpha stretches theta only with rope type dynamic (the tiny config's is default);
              # tests/test_family_primitives.py serves it with dynamic against transformers, and without the alpha
-             "rope_alpha": "gated by the rope type (dynamic)"}
+             "rope_alpha": "gated by the rope type (dynamic)",
+             # the residual stream in float32 (Mamba, Mamba-2): the float32 runs' stream is float32 either way;
+             # tests/test_mamba.py serves it in bfloat16 against transformers, and the bfloat16 stream
+             "residual_in_fp32": "float32 serving (the bfloat16 arm is tests/test_mamba.py's)"}
 # (spec, symbol) of the default run: one spec, fields of different kinds (float, str with values, bool)
 DEFAULT_ARM = {("qwen3", "rms_norm_eps"), ("qwen3", "hidden_act"), ("qwen3", "attention_bias")}
 

@@ -468,15 +468,16 @@ class ModelRunner:
     @torch.inference_mode()
     def _state_debug(self, slots: list, continues: list, is_prefill: bool) -> None:
         """Test-only sensitivity arms of the recurrent state pool: `zero_state_at_decode` zeros every state of the
-        step's sequences before a decode step (eager or graph); `drop_conv_state_at_chunk` zeros the `conv` states
-        of sequences that continue a prompt in a later prefill chunk. Either must change the tokens (the state
-        carries)."""
+        step's sequences before a decode step (eager or graph; or, given a list of state names such as `("ssm",)`, only those);
+        `drop_conv_state_at_chunk` zeros the `conv` states of sequences that continue a prompt in a later prefill
+        chunk. Either must change the tokens (the state carries)."""
         cont = [sl for sl, c in zip(slots, continues) if c]
         if not cont:
             return
         names = ()
         if not is_prefill and self.debug.get("zero_state_at_decode"):
-            names = None
+            sel = self.debug["zero_state_at_decode"]          # True: every state; a list: those states only
+            names = None if sel is True else tuple(sel)
         elif is_prefill and self.debug.get("drop_conv_state_at_chunk"):
             names = ("conv",)
         if names == ():

@@ -37,11 +37,12 @@ from xllm_gen.runtime.layers.linear import (
 )
 from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
-from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm
+from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm, keep_residual_float32
 from xllm_gen.runtime.layers.recurrent import (
                                             CausalConv1d,
                                             GatedDeltaNet,
                                             GatedRMSNorm,
+                                            Mamba,
                                             Mamba2,
                                             RecurrentMixer,
                                             ShortConv,
@@ -64,5 +65,6 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
-    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba2", "ShortConv",
+    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv",
+    "keep_residual_float32",
 ]

@@ -10,6 +10,7 @@ from torch import nn
 from xllm_gen.runtime import ops
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, split_segment
+from xllm_gen.runtime.ops import reference
 
 
 class RMSNorm(nn.Module):
@@ -41,9 +42,17 @@ class RMSNorm(nn.Module):
             self.register_buffer("weight", torch.zeros(dim), persistent=False)
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
+    # the residual stream in float32 (`keep_residual_float32`): None (off), "layer" (a layer's step norm: the float32
+    # sum, normalized in the input's dtype) or "final" (the decoder's final norm: normalized in float32, cast back)
+    residual_float32: Optional[str] = None
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
         if residual is ...:
             return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset))
+        if self.residual_float32 is not None:     # the torch ops on every device (a float32 input, a model-dtype weight)
+            r = x.float() if residual is None else residual.float() + x.float()
+            src = r if self.residual_float32 == "final" else r.to(x.dtype)
+            return self._biased(reference.rms_norm(src, self.weight, self.eps, self.weight_offset)).to(x.dtype), r
         if residual is None:
             return self._biased(ops.rms_norm(x, self.weight, self.eps, self.weight_offset)), x
         y, r = ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
@@ -56,6 +65,17 @@ class RMSNorm(nn.Module):
         return (f"{self.dim}, eps={self.eps}" + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
                 + (", bias=True" if self.bias is not None else "")
                 + ("" if isinstance(self.weight, nn.Parameter) else ", weight=False"))
+
+
+def keep_residual_float32(layers: nn.Module, final: "RMSNorm") -> None:
+    """The residual stream in float32 (transformers' `residual_in_fp32`, Mamba): each decoder layer's step norms add
+    the block output to the float32 residual and normalize the sum cast to the model dtype (`norm(residual.to(dtype))`,
+    the residual itself staying float32); the final norm normalizes the float32 sum (its output cast to the model dtype,
+    as the LM head reads it). In float32 serving this is the plain stream."""
+    for m in layers.modules():
+        if isinstance(m, RMSNorm):
+            m.residual_float32 = "layer"
+    final.residual_float32 = "final"
 
 
 class LayerNorm(nn.Module):
