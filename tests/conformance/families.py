@@ -84,6 +84,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "LagunaForCausalLM": [{"moe_routed_scaling_factor": 2.5}, {"gating": "per-element"}],
     # GPT-1: `afn` names transformers' own activation table ("swish" is silu, "gelu" the tanh approximation)
     "OpenAIGPTLMHeadModel": [{"afn": "swish"}],
+    # Apertus 1.5: the LM head pruned to the text ids (released checkpoints, untied: a pruned tied head is refused)
+    "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
