@@ -85,6 +85,10 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # GPT-1: `afn` names transformers' own activation table ("swish" is silu, "gelu" the tanh approximation)
     "OpenAIGPTLMHeadModel": [{"afn": "swish"}],
     # Apertus 1.5: the LM head pruned to the text ids (released checkpoints, untied: a pruned tied head is refused)
+    # Cohere Compass (rope mappings per layer type, which the generic rope rule does not see in the empty default):
+    # linear scaling on the sliding layers' rotary, a logit scale
+    "CohereCompassForCausalLM": [{"rope_parameters.sliding_attention": {"rope_type": "linear", "factor": 4.0}},
+                                 {"logit_scale": 0.25}],
     "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
 }
 
