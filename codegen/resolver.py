@@ -660,8 +660,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                         self.positive(p + ("logit_scale",), h.logit_scale) if h.logit_scale is not None else None,
                         self.flag(p + ("bias",), h.bias))
         if head.tie.literal is not False and (str(head.vocab) != str(embed.vocab) or str(head.dim) != str(embed.dim)):
-            raise self.err(p, f"lm_head: a tied head must have the embedding's shape: vocab {head.vocab} vs "
-                              f"{embed.vocab}, dim {head.dim} vs {embed.dim}", at_key=True)
+            # a tie decided per checkpoint may go with a head of another width (a pruned head): the generated model
+            # refuses a tied checkpoint whose widths differ, and each variant that ties is checked here
+            if head.tie.literal is True or str(head.dim) != str(embed.dim):
+                raise self.err(p, f"lm_head: a tied head must have the embedding's shape: vocab {head.vocab} vs "
+                                  f"{embed.vocab}, dim {head.dim} vs {embed.dim}", at_key=True)
         return head
 
     # ---- parameters and weights -------------------------------------------------------------------

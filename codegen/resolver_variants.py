@@ -45,6 +45,11 @@ class VariantResolver:
     def check_projection_variant(self, name, values, embed, stream, project_in, project_out, lm_head) -> None:
         """Per variant: a projection that is off leaves the widths equal (the embedding's = the residual's = the LM
         head's); one that is on changes nothing else (its in / out were checked symbolically)."""
+        if lm_head.tie.literal is not False and str(lm_head.vocab) != str(embed.vocab) and lm_head.tie.eval(values) \
+                and lm_head.vocab.eval(values) != embed.vocab.eval(values):
+            raise self.err(("lm_head",), f"variants.{name}: lm_head: a tied head must have the embedding's shape: "
+                                         f"vocab {lm_head.vocab} = {lm_head.vocab.eval(values)} vs {embed.vocab} = "
+                                         f"{embed.vocab.eval(values)} (the variant ties it)", at_key=True)
         for proj, a, b in ((project_in, embed.dim, stream.dim), (project_out, stream.dim, lm_head.dim)):
             if proj is None or proj.enabled.literal is True:
                 continue

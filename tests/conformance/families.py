@@ -84,6 +84,14 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "LagunaForCausalLM": [{"moe_routed_scaling_factor": 2.5}, {"gating": "per-element"}],
     # GPT-1: `afn` names transformers' own activation table ("swish" is silu, "gelu" the tanh approximation)
     "OpenAIGPTLMHeadModel": [{"afn": "swish"}],
+    # Apertus 1.5: the LM head pruned to the text ids (released checkpoints, untied: a pruned tied head is refused)
+    # Cohere Compass (rope mappings per layer type, which the generic rope rule does not see in the empty default):
+    # linear scaling on the sliding layers' rotary, a logit scale
+    "CohereCompassForCausalLM": [{"rope_parameters.sliding_attention": {"rope_type": "linear", "factor": 4.0}},
+                                 {"logit_scale": 0.25}],
+    # MiniMax-M3 text: a SwiGLU clamp that bites at the tiny scale
+    "MiniMaxM3VLForCausalLM": [{"swiglu_limit": 0.5}],
+    "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
