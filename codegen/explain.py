@@ -40,8 +40,7 @@ def _steps(w, steps) -> None:
             w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
                                                         for b in s.branches))
         else:
-            block = s.block if s.choice is None else \
-                f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
+            block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
             w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else ""))
