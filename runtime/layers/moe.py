@@ -298,7 +298,6 @@ class FusedMoE(nn.Module):
             gate, up, down = (SegmentSlice(n, intermediate, 0, intermediate) for n in ("gate", "up", "down_proj"))
         self.intermediate = gate.rows                                    # per rank
         self.expert_start, self.num_local_experts = e0, e1 - e0
-        self.down_proj = nn.Parameter(torch.empty(e1 - e0, hidden, down.rows))
         raise_or_defer(self, problems)
         # per expert: gate_up_proj column-parallel (rows of each segment), down_proj row-parallel (columns);
         # with parallel="expert" the segments are whole (every row), the experts are what is split
@@ -312,6 +311,7 @@ class FusedMoE(nn.Module):
             _attach_experts(self.up_proj, ExpertSplit(
                 ParamSplit("column", 0, (up,), (up.rows, hidden), tp, rank, owner), num_experts, e0, e1, parallel,
                 owner))
+        self.down_proj = nn.Parameter(torch.empty(e1 - e0, hidden, down.rows))
         _attach_experts(self.down_proj, ExpertSplit(
             ParamSplit("row", 1, (down,), (hidden, down.rows), tp, rank, owner), num_experts, e0, e1, parallel, owner))
         self.has_bias = bool(bias)
