@@ -113,9 +113,10 @@ def test_unknown_layer_type_is_refused(ckpt):
 
 def test_plain_experts_equal_transformers():
     """FusedMoE(gated=False): down(act(up)) per expert, as transformers' NemotronHExperts (relu2)."""
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
-    from xllm_gen.runtime.layers.moe import FusedMoE
     from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    from xllm_gen.runtime.layers.moe import FusedMoE
     torch.manual_seed(0)
     cfg = NemotronHConfig(hidden_size=16, n_routed_experts=4, moe_intermediate_size=8, mlp_hidden_act="relu2")
     hf = NemotronHExperts(cfg)
@@ -141,6 +142,7 @@ def test_renormalize_epsilon_equals_lfm2_moe_router():
     for sigmoid scores) is not."""
     from transformers import Lfm2MoeConfig
     from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
+
     from xllm_gen.runtime.ops import moe as moe_ops
     torch.manual_seed(0)
     cfg = Lfm2MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3, routed_scaling_factor=1.5)
