@@ -171,3 +171,21 @@ def test_time_step_min_sensitivity(tiny_checkpoint):
     assert report.ok, report.text()
     before = verify(SPEC, base, max_tokens=8, prompt_lens=(9, 30))
     assert [p.hf_tokens for p in report.prompts] != [p.hf_tokens for p in before.prompts]
+
+
+@pytest.mark.parametrize("old, new, message", [
+    # a variant whose layer list holds a type no case names
+    ('hybrid_override_pattern: "M-M-M-M*', 'hybrid_override_pattern: "M-M-M-MX', r"variants\.Nemotron-H-8B-Base-8K: "
+     r"the choice's `select` gives 'X' for layer 7, which no case names"),
+    # a case naming no block
+    ("mlp: mlp, moe: moe}", "mlp: mlp, moe: moes}", r"cases\.moe: no block 'moes'"),
+    # one block under two cases
+    ("mlp: mlp, moe: moe}", "mlp: mlp, moe: mlp}", r"cases\.moe: block 'mlp' is already another case's"),
+], ids=["variant", "unknown-block", "duplicate"])
+def test_select_compile_errors(tmp_path, old, new, message):
+    """The resolver locates a bad `select` choice: file:line, the case or the variant and the layer."""
+    from codegen.compiler import compile_spec
+    from codegen.errors import SpecError
+    with pytest.raises(SpecError, match=message) as err:
+        compile_spec(_mutant(tmp_path, old, new))
+    assert "nemotron_h_mutant.yaml:" in str(err.value)
