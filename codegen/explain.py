@@ -41,8 +41,7 @@ def _steps(w, steps) -> None:
             w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
                                                         for b in s.branches))
         else:
-            block = s.block if s.choice is None else \
-                f"{s.block} = ({s.choice.then} if {s.choice.cond} else {s.choice.else_})"
+            block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
             w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else ""))
@@ -111,7 +110,9 @@ def _block(b) -> str:
         return (f"mamba2 {b.class_name}(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, groups={b.groups}, "
                 f"state_size={b.state_size}, conv_kernel={b.conv_kernel}, chunk_size={b.chunk_size}, activation="
                 f"{b.activation}, eps={b.eps}, bias={b.bias}, conv_bias={b.conv_bias}, {b.in_proj}=[z, x, B, C, dt], "
-                f"{b.out_name}; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
+                + (f"dt clamped to [{b.time_step_min}, {b.time_step_max or 'inf'}] in a prompt, "
+                   if b.time_step_min.literal != 0.0 or b.time_step_max else "")
+                + f"{b.out_name}; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
                 f"state_size] float32)")
     if isinstance(b, MambaIR):
         norm = (f", inner_norm=rmsnorm{'' if b.inner_norm == 'weight' else ' weightless'}(dt, B, C; eps={b.inner_eps})"
@@ -167,14 +168,17 @@ def _block(b) -> str:
                 f"{b.router_name} (replicated, " + ("float32, " if b.router_float32 else "")
                 + ("softmax top-k" if b.plain_routing else _routing(b))
                 + (f", bias={b.router_bias}" if b.router_bias.literal is not False else "")
-                + "), experts.gate_up_proj=[gate, up], experts.down_proj, "
+                + ("), experts.gate_up_proj=[gate, up], experts.down_proj, " if b.expert_mlp == "gated" else
+                   "), plain experts down(act(up)): experts.up_proj, experts.down_proj, ")
                 + (f"expert biases={b.expert_bias}, " if b.expert_bias.literal is not False else "")
                 + f"{b.parallel} parallel"
-                + (f"; shared expert {b.shared.name}(intermediate={b.shared.intermediate}, gate_up_proj=[gate, up], "
-                   f"down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
+                + (f"; shared expert {b.shared.name}(intermediate={b.shared.intermediate}, "
+                   + ("gate_up_proj=[gate, up], " if b.expert_mlp == "gated" else "up_proj, ")
+                   + "down_proj)" + (f" scaled by sigmoid({b.shared_gate})" if b.shared_gate else "")
                    + (f" times {b.shared_scale}" if b.shared_scale else "")
                    + (f" where {b.shared_enabled}" if b.shared_enabled else "")
-                   + (f" bias={b.shared.gate_up_bias}" if b.shared.gate_up_bias.literal is not False else "")
+                   + (f" bias={getattr(b.shared, 'gate_up_bias', None) or b.shared.up_bias}"
+                      if (getattr(b.shared, 'gate_up_bias', None) or b.shared.up_bias).literal is not False else "")
                    if b.shared else "")
                 + (f"; output normalized by {b.out_norm.kind}({b.out_norm.name}, eps={b.out_norm.eps})"
                    if b.out_norm else "") + ")")
@@ -195,6 +199,8 @@ def _routing(b) -> str:
     out += ", top-k"
     if b.renormalize_min:
         out += f", renormalized by a sum clamped to >= {b.renormalize_min}"
+    if b.renormalize_epsilon:
+        out += f", renormalized by sum + {b.renormalize_epsilon}"
     if b.routed_scale:
         out += f", weights x {b.routed_scale}"
     if b.weights_on == "input":

@@ -56,7 +56,7 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
     for s in layer.all_steps:
         parallel = hasattr(s, "branches")
         for st in (s.branches if parallel else (s,)):
-            names = (st.choice.then, st.choice.else_) if st.choice is not None else (st.block,)
+            names = st.choice.alternatives if st.choice is not None else (st.block,)
             norm = blocks.get(st.norm) if st.norm else None
             fusable = (not parallel and st.choice is None and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
                        and not norm.bias and blocks[st.block].kind in NORM_PROLOGUE_KINDS

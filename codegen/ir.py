@@ -420,7 +420,7 @@ class MoEIR:
     norm_topk_prob: Value
     router_name: str
     parallel: str                 # tensor | expert
-    shared: Optional[GatedMLPIR] = None      # the shared expert: a gated MLP (module shared.name)
+    shared: Optional[Union[GatedMLPIR, MLPIR]] = None   # the shared expert: a gated (or plain) MLP (module shared.name)
     shared_gate: Optional[str] = None
     shared_scale: Optional[Value] = None     # the shared expert's output times it; None = 1
     shared_enabled: Optional[Value] = None   # a bool symbol / expression: the shared expert exists only where it holds
@@ -439,12 +439,15 @@ class MoEIR:
     routing: str = "topk"                     # topk | sparsemixer
     jitter_eps: Optional[Value] = None        # sparsemixer's relative margin
     out_norm: Optional[NormIR] = None         # a norm of the block's output (replicated weight [hidden])
+    renormalize_epsilon: Optional[Value] = None   # the top-k weights divided by (sum + it); None = the usual
+    expert_mlp: str = "gated"                 # gated: down(act(gate) * up); plain: down(act(up))
 
     @property
     def plain_routing(self) -> bool:
         return (self.routing == "topk" and self.scoring == "softmax" and self.scoring_symbol is None
                 and self.groups is None and self.routed_scale is None and self.weights_on == "output"
-                and self.renormalize_min is None and self.selection_bias.literal is False and self.selection_bias.symbol is None
+                and self.renormalize_min is None and self.renormalize_epsilon is None and self.expert_mlp == "gated"
+                and self.selection_bias.literal is False and self.selection_bias.symbol is None
                 and self.selection_bias.expr is None)
 
 
@@ -493,6 +496,8 @@ class Mamba2IR:
     conv_bias: Value
     in_proj: str
     out_name: str
+    time_step_min: Value = Value(literal=0.0)    # dt's clamp in a prompt chunk
+    time_step_max: Optional[Value] = None        # None: no upper bound
 
 
 @dataclass(frozen=True)
@@ -541,10 +546,33 @@ BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, 
 
 @dataclass(frozen=True)
 class ChoiceIR:
-    """A per-layer choice of block: layer i builds `then` where cond(i) holds, else `else_`; one module `name`."""
-    cond: Value                   # a bool expression over config symbols and `layer`
-    then: str
-    else_: str
+    """A per-layer choice of block, one module per layer. `if` form: layer i builds `then` where cond(i) holds,
+    else `else_`. `select` form (`cases` given): layer i builds the block of the case whose value equals cond(i)
+    (the selector); a value with no case is refused."""
+    cond: Value                   # `if`: a bool expression over config symbols and `layer`; `select`: the selector
+    then: str = ""
+    else_: str = ""
+    cases: Tuple[Tuple[str, str, Any], ...] = ()   # select: (value, block, the bool expression `selector == value`)
+
+    @property
+    def alternatives(self) -> Tuple[str, ...]:
+        return tuple(b for _, b, _ in self.cases) if self.cases else (self.then, self.else_)
+
+    @property
+    def anchor(self) -> str:
+        """The alternative at whose place among the blocks the generated layer builds the module."""
+        return self.cases[0][1] if self.cases else self.then
+
+    def when(self, block: str) -> Tuple[Any, bool]:
+        """(bool expression, value): the block exists in layer i iff the expression gives the value for i."""
+        if self.cases:
+            return next((Value(expr=c), True) for _, b, c in self.cases if b == block)
+        return self.cond, block == self.then
+
+    def describe(self) -> str:
+        if self.cases:
+            return f"select {self.cond}: " + ", ".join(f"{v!r} -> {b}" for v, b, _ in self.cases)
+        return f"{self.then} if {self.cond} else {self.else_}"
 
 
 @dataclass(frozen=True)
@@ -558,6 +586,9 @@ class StepIR:
     choice: Optional[ChoiceIR] = None
     scale: Optional[Value] = None  # the block's output is multiplied by it before joining the residual
     after_norm: Optional[str] = None  # post-LN: the residual stream is normalized after the add
+    # a choice whose alternatives take different inputs (attention / recurrent mixer vs MLP / MoE): the layer
+    # passes the positions where its module takes them (a per-layer flag `self.<block>_takes_positions`)
+    mixed_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -817,9 +848,14 @@ class ModelIR:
         """(the choice, its module name) when `block` is an alternative of a per-layer choice."""
         for s in self.layer.all_steps:
             for st in getattr(s, "branches", (s,)):
-                if st.choice is not None and block in (st.choice.then, st.choice.else_):
+                if st.choice is not None and block in st.choice.alternatives:
                     return st.choice, st.block
         return None
+
+    def choice_mixed(self, module: str) -> bool:
+        """The per-layer choice that builds `module` has alternatives of different inputs (positions or not)."""
+        return any(st.mixed_input for s in self.layer.all_steps for st in getattr(s, "branches", (s,))
+                   if st.choice is not None and st.block == module)
 
     @property
     def attention_blocks(self) -> Tuple[AttentionIR, ...]:

@@ -49,6 +49,7 @@ from .schema import (
     DataflowChoice,
     ParallelStep,
     RMSNormBlock,
+    Select,
     Spec,
 )
 from .yaml_loader import display_path
@@ -541,6 +542,24 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 if module in blocks and module not in (c.then, c.else_):
                     raise self.err(sp + ("block", "name"), f"{where}.block.name: '{module}' is another block's name")
                 choice = ChoiceIR(Value(expr=cond), c.then, c.else_)
+            elif isinstance(st.block, Select):
+                c = st.block
+                if len(c.cases) < 2:
+                    raise self.err(sp + ("block", "cases"), f"{where}.block.cases: list two or more cases")
+                roles = [("norm", st.norm, ("rmsnorm", "layernorm"))]
+                roles += [(("block", "cases", v), b, mixers) for v, b in c.cases.items()]
+                sel = self.expr(sp + ("block", "select"), c.select, per_layer=True)
+                cases = []
+                for v, b in c.cases.items():
+                    if b in [x for _, x, _ in cases]:
+                        raise self.err(sp + ("block", "cases", v), f"{where}.block.cases.{v}: block '{b}' is already "
+                                                                   f"another case's; each case names its own block")
+                    cases.append((v, b, self.expr(sp + ("block", "select"), f"({c.select}) == {v!r}", per_layer=True)))
+                first = next(iter(c.cases.values()))
+                module = self.ident(sp + ("block", "name"), c.name or first, "module name")
+                if module in blocks and module not in c.cases.values():
+                    raise self.err(sp + ("block", "name"), f"{where}.block.name: '{module}' is another block's name")
+                choice = ChoiceIR(Value(expr=sel), cases=tuple(cases))
             else:
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), ("block", st.block, mixers)]
                 module = st.block
@@ -567,15 +586,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                                        f"used by {used[ref]}; each block is used once")
                 used[ref] = where
             if choice is not None:
-                if choice.then == choice.else_:
+                if not choice.cases and choice.then == choice.else_:
                     raise self.err(sp + ("block", "then"), f"{where}.block: `then` and `else` name the same block")
-                if isinstance(blocks[choice.then], ATTENTION_IRS) != isinstance(blocks[choice.else_], ATTENTION_IRS):
-                    raise self.err(sp + ("block",), f"{where}.block: the alternatives of a choice take the same input; "
-                                                    f"an attention block (positions, hidden) cannot alternate with "
-                                                    f"'{blocks[choice.else_ if blocks[choice.then].kind == 'attention' else choice.then].kind}' (hidden)",
-                                   at_key=True)
-                return StepIR(st.norm, module, isinstance(blocks[choice.then], ATTENTION_IRS), st.post_norm, choice,
-                              scale, st.after_norm)
+                takes = {isinstance(blocks[b], ATTENTION_IRS) for b in choice.alternatives}
+                # alternatives of different inputs (positions + hidden vs hidden): a per-layer flag in the layer
+                return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
+                              mixed_input=len(takes) > 1)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
                           st.after_norm)
 
@@ -677,9 +693,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         for s in layer.all_steps:
             for st in getattr(s, "branches", (s,)):
                 if st.choice is not None:
-                    c = st.choice
-                    module_of[c.then], when_of[c.then] = st.block, (c.cond, True)
-                    module_of[c.else_], when_of[c.else_] = st.block, (c.cond, False)
+                    for b in st.choice.alternatives:
+                        module_of[b], when_of[b] = st.block, st.choice.when(b)
         for b, in_then in layer.only_in:      # a block that one dataflow of a `dataflow: {if: ...}` uses
             when_of[b] = (layer.alt_cond, in_then)
         for b in layer.blocks:

@@ -231,7 +231,9 @@ class BlockResolver(MLAResolver):
                 activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
                                            "a conv activation"),
                 bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
-                in_proj=names[0], out_name=names[1])
+                in_proj=names[0], out_name=names[1], time_step_min=self.num(path + ("time_step_min",), b.time_step_min),
+                time_step_max=self.positive(path + ("time_step_max",), b.time_step_max)
+                if b.time_step_max is not None else None)
         if isinstance(b, MambaBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             taken = ("conv1d", "x_proj", "dt_proj", "A_log", "D", "dt_layernorm", "b_layernorm", "c_layernorm")
@@ -309,7 +311,11 @@ class BlockResolver(MLAResolver):
                         raise self.err(sp + (key,), f"{self._where(sp + (key,))}: '{module}' is {taken[module]}")
                     taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
                 sbias = self.flag(sp + ("bias",), b.shared_expert.bias)
-                sact, sparams = self.gated_activation(path + ("activation",), b.activation)
+                if b.expert_mlp == "plain":
+                    sact, sparams = self.activation(path + ("activation",), b.activation, ACTIVATIONS,
+                                                    "an activation"), ()
+                else:
+                    sact, sparams = self.gated_activation(path + ("activation",), b.activation)
                 on = self.flag(sp + ("enabled",), b.shared_expert.enabled)
                 if on.literal is False:
                     raise self.err(sp + ("enabled",), f"{self._where(sp)}.enabled: false: delete the shared expert "
@@ -317,11 +323,24 @@ class BlockResolver(MLAResolver):
                 shared = dict(shared_gate=b.shared_expert.gate, shared_enabled=None if on.literal is True else on,
                               shared_scale=self.positive(sp + ("scale",), b.shared_expert.scale)
                               if b.shared_expert.scale is not None else None,
-                              shared=GatedMLPIR(
+                              shared=MLPIR(
+                    "mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
+                    self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
+                    sact, "up_proj", sbias, "down_proj", sbias) if b.expert_mlp == "plain" else GatedMLPIR(
                     "gated_mlp", b.shared_expert.name, f"{cls}SharedExpert", self.dim(path + ("hidden",), b.hidden),
                     self.dim(sp + ("intermediate",), b.shared_expert.intermediate),
                     sact, "gate_up_proj", ("gate", "up"), sbias, "down_proj", sbias, sparams))
-            act, act_params = self.gated_activation(path + ("activation",), b.activation)
+            if b.expert_mlp == "plain":     # down(act(up)): any activation of the table, run by the torch experts
+                if isinstance(b.activation, ActivationForm):
+                    raise self.err(path + ("activation",), f"{self._where(path)}.activation: a gated activation form "
+                                                           f"with expert_mlp: plain (down(act(up)) has no gate)")
+                if _maybe(self.flag(path + ("expert_bias",), b.expert_bias)) or b.weights_on != "output":
+                    raise self.err(path + ("expert_mlp",), f"{self._where(path)}.expert_mlp: plain experts take no "
+                                                           f"expert_bias and weights_on: output only")
+                act, act_params = self.activation(path + ("activation",), b.activation, ACTIVATIONS,
+                                                  "an activation"), ()
+            else:
+                act, act_params = self.gated_activation(path + ("activation",), b.activation)
             groups = None
             if b.groups is not None:
                 gp = path + ("groups",)
@@ -343,14 +362,21 @@ class BlockResolver(MLAResolver):
                            groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                            if b.routed_scale is not None else None,
                            renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
-                           if b.renormalize_min is not None else None, weights_on=b.weights_on, routing=b.routing)
+                           if b.renormalize_min is not None else None, weights_on=b.weights_on, routing=b.routing,
+                           renormalize_epsilon=self.positive(path + ("renormalize_epsilon",), b.renormalize_epsilon)
+                           if b.renormalize_epsilon is not None else None, expert_mlp=b.expert_mlp)
+            if b.renormalize_epsilon is not None and b.renormalize_min is not None:
+                raise self.err(path + ("renormalize_epsilon",), f"{self._where(path)}.renormalize_epsilon: not with "
+                                                                f"renormalize_min (one renormalizing sum)")
             if b.routing == "sparsemixer":
                 rp = path + ("routing",)
                 for key, bad in (("scoring", b.scoring != "softmax"), ("groups", b.groups is not None),
                                  ("selection_bias", b.selection_bias is not False),
                                  ("norm_topk_prob", b.norm_topk_prob is not False),
                                  ("routed_scale", b.routed_scale is not None),
-                                 ("renormalize_min", b.renormalize_min is not None)):
+                                 ("renormalize_min", b.renormalize_min is not None),
+                                 ("renormalize_epsilon", b.renormalize_epsilon is not None),
+                                 ("expert_mlp", b.expert_mlp != "gated")):
                     if bad:
                         raise self.err(path + (key,), f"{self._where(path)}.{key}: not with routing: sparsemixer "
                                                       f"(it chooses and weights the two experts itself)")
@@ -679,7 +705,14 @@ class BlockResolver(MLAResolver):
             return ps
         if isinstance(b, MoEIR):
             E = b.experts
-            if b.parallel == "tensor":
+            if b.expert_mlp == "plain":   # experts.up_proj [E, I, H] (one segment), down_proj as the gated form's
+                shard = "colwise" if b.parallel == "tensor" else "expert"
+                up = ParamIR(f"{prefix}.experts.up_proj", block, (E, b.intermediate, b.hidden), shard,
+                             (SegmentIR("up", b.intermediate, one),), per_layer=per_layer, experts=E)
+                down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate),
+                               "rowwise" if b.parallel == "tensor" else "expert",
+                               (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
+            elif b.parallel == "tensor":
                 up = ParamIR(f"{prefix}.experts.gate_up_proj", block, (E, Size.of(2) * b.intermediate, b.hidden),
                              "colwise", (SegmentIR("gate", b.intermediate, one), SegmentIR("up", b.intermediate, one)),
                              per_layer=per_layer, experts=E)

@@ -19,8 +19,8 @@ class DataflowResolver:
         cond = self.expr(path + ("if",), df.if_)
         (else_steps, else_used), (then_steps, then_used) = resolved
         only = tuple((b.name, b.name in then_used) for b in layer.blocks if (b.name in then_used) != (b.name in else_used))
-        chosen = {st.choice.then for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice}
-        chosen |= {st.choice.else_ for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice}
+        chosen = {b for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice
+                  for b in st.choice.alternatives}
         for name, _ in only:
             if name in chosen:
                 raise self.err(path, f"decoder.layers.blocks.{name}: a per-layer choice's block must be used by both "

@@ -241,15 +241,20 @@ class VariantResolver:
             for st in getattr(stp, "branches", (stp,)):
                 if st.choice is None:
                     continue
+                key = "select" if st.choice.cases else "if"
                 for li in range(layers):
                     try:
                         x = st.choice.cond.eval(values, li)
                     except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
-                        raise self.err(("decoder", "layers", "dataflow", i, "block", "if"),
-                                       f"variants.{name}: the choice's `if` fails for layer {li}: "
+                        raise self.err(("decoder", "layers", "dataflow", i, "block", key),
+                                       f"variants.{name}: the choice's `{key}` fails for layer {li}: "
                                        f"{type(exc).__name__}: {exc}") from None
-                    if not isinstance(x, bool):
-                        raise self.err(("decoder", "layers", "dataflow", i, "block", "if"),
+                    if st.choice.cases and x not in [v for v, _, _ in st.choice.cases]:
+                        raise self.err(("decoder", "layers", "dataflow", i, "block", key),
+                                       f"variants.{name}: the choice's `select` gives {x!r} for layer {li}, which "
+                                       f"no case names (cases: {', '.join(repr(v) for v, _, _ in st.choice.cases)})")
+                    if not st.choice.cases and not isinstance(x, bool):
+                        raise self.err(("decoder", "layers", "dataflow", i, "block", key),
                                        f"variants.{name}: the choice's `if` gives {x!r} for layer {li}, not a bool")
         if deepstack and deepstack[-1] >= layers:
             raise self.err(("decoder", "deepstack", "after_layers"),

@@ -317,6 +317,10 @@ class Mamba2Block(Strict):
     conv_bias: Flag = True               # the conv's bias (use_conv_bias)
     in_proj: StrictStr = "in_proj"       # module names
     out: StrictStr = "out_proj"
+    # dt's clamp in a prompt chunk (transformers' chunked scan, `dt_limit`; its decode step does not clamp): at least
+    # time_step_min, at most time_step_max (None: no upper bound). NemotronH clamps at (time_step_min, inf)
+    time_step_min: Num = 0.0
+    time_step_max: Optional[Num] = None
 
 
 class MambaInnerNorm(Strict):
@@ -513,6 +517,13 @@ class MoEBlock(Strict):
     # `jitter_eps` margin of it; top_k must be 2; no scoring / groups / bias / renormalization options)
     routing: Literal["topk", "sparsemixer"] = "topk"
     jitter_eps: Optional[Num] = None     # sparsemixer: the relative margin (router_jitter_noise); required there
+    # with norm_topk_prob: the top-k weights are divided by (sum + it) (LFM2-MoE: 1e-6); None = transformers' usual
+    # (the plain sum; + 1e-20 for sigmoid scores)
+    renormalize_epsilon: Optional[Num] = None
+    # the experts' MLP form: `gated` (down(act(gate) * up), experts.gate_up_proj [experts, 2 * intermediate, hidden])
+    # or `plain` (down(act(up)), experts.up_proj [experts, intermediate, hidden]; NemotronH's relu2 experts); a shared
+    # expert has the same form (plain: up_proj / down_proj)
+    expert_mlp: Literal["gated", "plain"] = "gated"
 
 
 class LMHeadBlock(Strict):
@@ -538,10 +549,23 @@ NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="
 class Choice(Strict):
     """A per-layer choice of block: `{if: <bool expression over config symbols and `layer`>, then: A, else: B}`.
     Layer i builds A where the expression is true for i, else B; both become the same module, named `name`
-    (default: the name of B). A and B take the same input (neither may be attention if the other is not)."""
+    (default: the name of B). A and B may take different inputs (an attention or recurrent mixer gets the
+    positions, an MLP not): the layer then passes them where its module takes them."""
     if_: StrictStr = Field(alias="if")
     then: StrictStr
     else_: StrictStr = Field(alias="else")
+    name: Optional[StrictStr] = None
+
+
+class Select(Strict):
+    """A per-layer choice among several blocks: `{select: <expression over config symbols and `layer`>, cases:
+    {value: block, ...}, name: M}`. Layer i builds the block of the case equal to the expression's value for i
+    (NemotronH's `layers_block_type[layer]`: a Mamba-2 mixer, attention, an MLP or a MoE); every alternative becomes
+    the same module `name` (default: the first case's block). A value with no case is refused when the model is
+    built (and for every variant), naming the value. The alternatives may take different inputs (attention and
+    recurrent mixers get the positions, MLPs and MoEs not)."""
+    select: StrictStr
+    cases: Dict[StrictStr, StrictStr]
     name: Optional[StrictStr] = None
 
 
@@ -553,7 +577,7 @@ class ResidualStep(Strict):
     `block` may be a per-layer choice `{if: expr, then: A, else: B}` (e.g. a MoE on some layers, a dense MLP on
     the others)."""
     norm: Optional[StrictStr] = None
-    block: Union[StrictStr, Choice]
+    block: Union[StrictStr, Choice, Select]
     post_norm: Optional[StrictStr] = None
     scale: Optional[Num] = None          # the block's output is multiplied by it before it joins the residual
                                          # (Granite's residual_multiplier); None = 1

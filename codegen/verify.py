@@ -252,6 +252,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                   do_sample=False, eos_token_id=None, pad_token_id=0)
             return out[0, len(ids):].tolist()
 
+        if not n_layers:    # a config whose layer count is derived (NemotronH: len(layers_block_type))
+            n_layers = int(getattr(hf.config.get_text_config(), "num_hidden_layers", 0) or 0)
         hf_rec = _Recorder(_decoder_layers(hf, n_layers), engine=False)
 
         from xllm_gen import LLM, SamplingParams

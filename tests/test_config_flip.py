@@ -29,6 +29,8 @@ from xllm_gen.codegen.resolver import resolve
 
 # fields whose flip cannot change greedy tokens of the battery's prompts (16 tokens, ignore_eos, default rope)
 NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
+             # the SSD scan's chunk length (Mamba-2 mixers): the same sums in another grouping (rounding only)
+             "chunk_size": "the Mamba-2 scan's chunk length changes the rounding only",
              "max_position_embeddings": "the default rope does not depend on it; prompts stay within it",
              # read by the longrope scaling only (Phi-3, PhiMoE; the tiny configs' rope is default): the spec
              # battery's longrope arms and tests/test_longrope.py serve it with longrope against transformers

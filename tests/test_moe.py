@@ -267,8 +267,9 @@ def test_expert_parallel_mode_compiles(tmp_path):
     ("decoder:\n  layers:\n    blocks:\n      moe: {top_k: num_experts_pr_tok}\n", "unknown config symbol"),
     ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
      "      - {norm: post_attention_layernorm, block: {if: 'layer > 0', then: moe, else: mlpp}}\n", "no block 'mlpp'"),
-    ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: {if: 'layer > 0', then: self_attn, "
-     "else: mlp}}\n      - {norm: post_attention_layernorm, block: moe}\n", "same input"),
+    # (alternatives of different inputs, attention and an MLP, are allowed: a per-layer positions flag)
+    ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
+     "      - {norm: post_attention_layernorm, block: {select: layer, cases: {'0': moe}}}\n", "two or more cases"),
     ("decoder:\n  layers:\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
      "      - {norm: post_attention_layernorm, block: {if: 'layr > 0', then: moe, else: mlp}}\n", "unknown config symbol"),
     ("weights:\n  model.layers.{i}.mlp.experts.down_proj: {from: 'model.layers.{i}.mlp.experts.{x}.down_proj.weight'}\n",

@@ -44,7 +44,7 @@ from xllm_gen.runtime.executor.sharding import (
     source_shape,
     split_segment,
 )
-from xllm_gen.runtime.layers.activation import gated_act
+from xllm_gen.runtime.layers.activation import act, gated_act
 from xllm_gen.runtime.ops import moe as moe_ops
 
 PARALLEL_MODES = ("tensor", "expert")
@@ -228,8 +228,17 @@ class FusedMoE(nn.Module):
                  bias: bool = False, scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
                  group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0,
                  weights_on: str = "output", selection_bias_on: str = "scores",
-                 routing: str = "topk", jitter_eps: float = 0.0):
+                 routing: str = "topk", jitter_eps: float = 0.0, renormalize_epsilon: Optional[float] = None,
+                 gated: bool = True):
         super().__init__()
+        # gated: down(act(gate) * up), gate_up_proj [E, 2I, H]; plain (gated=False): down(act(up)), up_proj [E, I, H]
+        self.gated = bool(gated)
+        if not self.gated and (bias or weights_on != "output" or activation_params):
+            raise ValueError("FusedMoE: plain (non-gated) experts take no expert biases, no activation parameters and "
+                             "weights_on='output' only")
+        if renormalize_epsilon is not None and not (renormalize_epsilon > 0.0 and math.isfinite(renormalize_epsilon)):
+            raise ValueError(f"FusedMoE: renormalize_epsilon must be a finite number > 0, got {renormalize_epsilon}")
+        self.renormalize_epsilon = None if renormalize_epsilon is None else float(renormalize_epsilon)
         if weights_on not in ("output", "input"):
             raise ValueError(f"FusedMoE: weights_on must be 'output' or 'input', not {weights_on!r}")
         # "input": each chosen expert sees w * x and the outputs are summed unweighted
@@ -269,13 +278,13 @@ class FusedMoE(nn.Module):
             raise ValueError(f"FusedMoE: renormalize_min must be >= 0, got {renormalize_min}")
         self.renormalize_min = float(renormalize_min)   # the renormalizing sum clamped to at least it (0: not)
         self.plain_routing = (routing == "topk" and scoring == "softmax" and not grouped and self.routed_scale == 1.0
-                              and self.renormalize_min == 0.0)
+                              and self.renormalize_min == 0.0 and self.renormalize_epsilon is None)
         tp, rank = get_tp_size(), get_tp_rank()
         self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, bool(renormalize)
         self.activation = activation
         self.activation_params = dict(activation_params or {})
-        self.act_fn = gated_act(activation, **self.activation_params)
+        self.act_fn = gated_act(activation, **self.activation_params) if self.gated else act(activation)
         problems: list = []
         owner = type(self).__name__
         if parallel == "tensor":
@@ -289,14 +298,20 @@ class FusedMoE(nn.Module):
             gate, up, down = (SegmentSlice(n, intermediate, 0, intermediate) for n in ("gate", "up", "down_proj"))
         self.intermediate = gate.rows                                    # per rank
         self.expert_start, self.num_local_experts = e0, e1 - e0
-        self.gate_up_proj = nn.Parameter(torch.empty(e1 - e0, 2 * gate.rows, hidden))
-        self.down_proj = nn.Parameter(torch.empty(e1 - e0, hidden, down.rows))
         raise_or_defer(self, problems)
         # per expert: gate_up_proj column-parallel (rows of each segment), down_proj row-parallel (columns);
         # with parallel="expert" the segments are whole (every row), the experts are what is split
-        _attach_experts(self.gate_up_proj, ExpertSplit(
-            ParamSplit("column", 0, (gate, up), (2 * gate.rows, hidden), tp, rank, owner),
-            num_experts, e0, e1, parallel, owner))
+        if self.gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(e1 - e0, 2 * gate.rows, hidden))
+            _attach_experts(self.gate_up_proj, ExpertSplit(
+                ParamSplit("column", 0, (gate, up), (2 * gate.rows, hidden), tp, rank, owner),
+                num_experts, e0, e1, parallel, owner))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(e1 - e0, up.rows, hidden))
+            _attach_experts(self.up_proj, ExpertSplit(
+                ParamSplit("column", 0, (up,), (up.rows, hidden), tp, rank, owner), num_experts, e0, e1, parallel,
+                owner))
+        self.down_proj = nn.Parameter(torch.empty(e1 - e0, hidden, down.rows))
         _attach_experts(self.down_proj, ExpertSplit(
             ParamSplit("row", 1, (down,), (hidden, down.rows), tp, rank, owner), num_experts, e0, e1, parallel, owner))
         self.has_bias = bool(bias)
@@ -324,9 +339,13 @@ class FusedMoE(nn.Module):
         else:                             # torch, static shapes (graph-capturable), on every device
             weights, ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring,
                                                   self.n_group, self.topk_group, self.group_score, score_bias,
-                                                  self.routed_scale, self.renormalize_min, self.selection_bias_on)
+                                                  self.routed_scale, self.renormalize_min, self.selection_bias_on,
+                                                  self.renormalize_epsilon)
             weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
+        if not self.gated:                # down(act(up)): the torch grouped reference on every device
+            out = moe_ops.fused_moe_reference(hidden_states, self.up_proj, self.down_proj, weights, ids, self.act_fn)
+            return all_reduce(out) if self.tp_size > 1 else out
         if self.has_bias and self.weights_on == "input":
             raise NotImplementedError("FusedMoE: routing weights on the expert input with expert biases")
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
@@ -343,6 +362,8 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         routing = ("weights_on='input', " if self.weights_on == "input" else "") + (
+            "gated=False, " if not self.gated else "") + (
+            f"renormalize_epsilon={self.renormalize_epsilon}, " if self.renormalize_epsilon is not None else "") + (
             f"routing='sparsemixer', jitter_eps={self.jitter_eps}, " if self.routing == "sparsemixer" else
             "" if self.plain_routing else (
             f"scoring={self.scoring!r}, groups={self.topk_group} of {self.n_group} by {self.group_score}, "

@@ -589,13 +589,13 @@ class Mamba(RecurrentMixer):
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
         w, cb = self.conv1d.weight, self.conv1d.bias
         A = -torch.exp(self.A_log.float())
-        seqs = step_sequences(ctx)
-        decode = not ctx.is_prefill and all(e - s == 1 for s, e, _, _ in seqs)
-        if decode:                                                       # one token each, batched
-            slots = ctx.state_slots
-            h, new_conv = causal_conv1d_step(x, w, cb, conv_state[slots])
-            conv_state[slots] = new_conv.to(conv_state.dtype)
+        slots = decode_slots(ctx)
+        decode = slots is not None
+        if decode:                                     # one token each, batched, graph-safe (slots: a device tensor)
+            h, new_conv = causal_conv1d_step(x, w, cb, gather_states(conv_state, slots))
+            scatter_states(conv_state, slots, new_conv)
         else:
+            seqs = step_sequences(ctx)
             h = torch.empty_like(x)
             for s, e, slot, cont in seqs:
                 cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
@@ -609,12 +609,10 @@ class Mamba(RecurrentMixer):
         dt = F.linear(dt, self.dt_proj.weight)
         if decode:
             dt = F.softplus(dt + self.dt_proj.bias.to(dt.dtype))
+            y, st = selective_state_step(h, dt, A, B, C, self.D, gather_states(ssm_state, slots))
+            scatter_states(ssm_state, slots, st)
         else:
             dt = F.softplus(dt.float() + self.dt_proj.bias.float())
-        if decode:
-            y, st = selective_state_step(h, dt, A, B, C, self.D, ssm_state[slots])
-            ssm_state[slots] = st
-        else:
             y = torch.empty(N, self.intermediate, dtype=torch.float32, device=x.device)
             for s, e, slot, cont in seqs:
                 st = ssm_state[slot] if cont else torch.zeros_like(ssm_state[slot])

@@ -36,14 +36,16 @@ BIAS_ON = ("scores", "logits")     # what a selection-only bias is added to
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
                    n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
                    score_bias: Optional[torch.Tensor] = None, routed_scale: float = 1.0,
-                   renormalize_min: float = 0.0, bias_on: str = "scores") -> tuple[torch.Tensor, torch.Tensor]:
+                   renormalize_min: float = 0.0, bias_on: str = "scores",
+                   renormalize_epsilon: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The general routing, in float32 (as transformers' routers compute it): scores = softmax or sigmoid of the
     logits; the experts are chosen by `scores + score_bias` (a selection-only bias, transformers'
     e_score_correction_bias), among the `topk_group` of `n_group` equal groups of experts with the highest group
     score (`top2_sum`: the sum of the group's two highest choice scores, transformers' noaux_tc routers; `max`: its highest,
     transformers' group_limited_greedy); the weights are the chosen experts' `scores` (without the bias), divided by
     their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers; with `renormalize_min` > 0 the sum
-    clamped to at least it instead, ERNIE 4.5's moe_norm_min), times `routed_scale`. `bias_on="logits"`: the experts
+    clamped to at least it instead, ERNIE 4.5's moe_norm_min; with `renormalize_epsilon` the sum + it, LFM2-MoE's
+    1e-6), times `routed_scale`. `bias_on="logits"`: the experts
     are chosen by `logits + score_bias` instead (a router that biases its logits); the weights are still the scores."""
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
@@ -66,6 +68,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     weights = scores.gather(1, ids)
     if renormalize and renormalize_min > 0.0:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=renormalize_min)
+    elif renormalize and renormalize_epsilon is not None:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + renormalize_epsilon)
     elif renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
     if routed_scale != 1.0:
