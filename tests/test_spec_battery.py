@@ -161,15 +161,18 @@ def _uses_sliding_window(architecture: str | None) -> bool:
 
 
 def _rope_cases():
-    """Every (spec, rope symbol, scaled rope type). The default run keeps a fast arm: each spec's first scaled
-    type (its rope wiring) and each rope type's first spec (the scaling itself); the rest run with --runslow."""
+    """Every (spec, rope symbol, scaled rope type). The default run keeps a fast arm: each rope type's first spec
+    (the scaling itself), and each spec's first scaled type (its rope wiring) where the conformance battery's
+    features-ON parity does not already turn a scaled rope on for it (tests/conformance/families.py takes the
+    first of llama3 / yarn / linear the symbol admits); the rest run with --runslow."""
     cases, seen_specs, seen_types = [], set(), set()
     for spec in SPECS:
         for sym in spec.rope:
+            wired_by_conformance = any(t in sym.values for t in ("llama3", "yarn", "linear"))
             for rope_type in sym.values:
                 if rope_type in UNSCALED_ROPE_TYPES:
                     continue
-                fast = spec.name not in seen_specs or rope_type not in seen_types
+                fast = rope_type not in seen_types or (spec.name not in seen_specs and not wired_by_conformance)
                 seen_specs.add(spec.name)
                 seen_types.add(rope_type)
                 cases.append(pytest.param(spec, sym, rope_type, id=f"{spec.name}-{sym.symbol}-{rope_type}",
