@@ -10,9 +10,9 @@ tests/gpu/test_gpu_recurrent_graphs.py):
   is_nonzero / nonzero, the state slots a tensor only (as in a captured bucket); a mixer that reads its slots on the
   host fails it (sensitivity);
 - the decode-graph path run uncaptured (DecodeGraphs(capture=False): its static inputs, padding rows, state-slot
-  row and planning; each bucket's forward eager) on the tiny Qwen3-Next and Mamba-2: greedy tokens equal to
-  transformers float32 with sequences of different lengths finishing at different steps (batches 5 .. 1 padded into
-  buckets 8, 4, 2, 1; Mamba-2, without attention layers: slow); pointing padding rows at a live slot instead of
+  row and planning; each bucket's forward eager) on every generated model with a recurrent mixer (RECURRENT_ARCHS,
+  found from the generated sources): greedy tokens equal to transformers float32 with sequences of different lengths
+  finishing at different steps (batches 5 .. 1 padded into buckets 8, 4, 2, 1); pointing padding rows at a live slot instead of
   the scratch slot, or (slow) zeroing the states before each decode step, changes the tokens (sensitivity); a
   padded DecodeGraphs.run step changes exactly its sequences' slots and the scratch slot.
 """
@@ -228,8 +228,7 @@ def _engine(ckpt, debug, sensitivity=False):
         return outs, padding, generate()
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM",
-                                          pytest.param("Mamba2ForCausalLM", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("architecture", RECURRENT_ARCHS)     # every generated model with a recurrent mixer
 def test_uncaptured_decode_graphs_match_transformers(architecture, tiny_checkpoint):
     ckpt = tiny_checkpoint(architecture)
     want = _hf(ckpt, architecture)
