@@ -83,6 +83,12 @@ def scatter_states(pool: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -
     pool.index_copy_(0, slots, new.to(pool.dtype))
 
 
+def slot_state(pool: torch.Tensor, slot: int, continues: bool) -> torch.Tensor:
+    """A prompt chunk's starting state: its sequence's row of the pool when it continues an earlier chunk, else
+    zeros (a new sequence, or one recomputed after preemption)."""
+    return pool[slot] if continues else torch.zeros_like(pool[slot])
+
+
 def step_sequences(ctx):
     """[(row_start, row_end, slot, continues)] of the step's sequences (host values; no device sync)."""
     if ctx.state_slots_cpu is None:
@@ -302,11 +308,11 @@ class GatedDeltaNet(RecurrentMixer):
         else:
             out = torch.empty(N, Hv, Dv, dtype=torch.float32, device=qkv.device)
             for s, e, slot, cont in step_sequences(ctx):
-                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                cs = slot_state(conv_state, slot, cont)
                 x, new_conv = causal_conv1d(qkv[s:e], w, cb, cs)
                 conv_state[slot] = new_conv.to(conv_state.dtype)
                 q, k, v = self._split(x)
-                rs = rec_state[slot] if cont else torch.zeros_like(rec_state[slot])
+                rs = slot_state(rec_state, slot, cont)
                 o, S = gated_delta_rule_chunked(q, k, v, g[s:e], beta[s:e], rs)
                 rec_state[slot] = S
                 out[s:e] = o
@@ -485,11 +491,11 @@ class Mamba2(RecurrentMixer):
             lo, hi = self.time_step_limit
             dtc = torch.clamp(dt, min=lo, max=hi)
             for s, e, slot, cont in step_sequences(ctx):
-                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                cs = slot_state(conv_state, slot, cont)
                 h, new_conv = causal_conv1d(xbc[s:e], w, cb, cs)
                 conv_state[slot] = new_conv.to(conv_state.dtype)
                 x, B, C = self._split(h)
-                st = ssm_state[slot] if cont else torch.zeros_like(ssm_state[slot])
+                st = slot_state(ssm_state, slot, cont)
                 y[s:e], ssm_state[slot] = ssd_chunk_scan(x, dtc[s:e], A, B, C, self.D, st, self.chunk_size)
         return self.norm(y.reshape(N, H * P), z).to(z.dtype)
 
@@ -598,7 +604,7 @@ class Mamba(RecurrentMixer):
             seqs = step_sequences(ctx)
             h = torch.empty_like(x)
             for s, e, slot, cont in seqs:
-                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                cs = slot_state(conv_state, slot, cont)
                 h[s:e], new_conv = causal_conv1d(x[s:e], w, cb, cs)
                 conv_state[slot] = new_conv.to(conv_state.dtype)
         dt, B, C = self.x_proj(h).split([self.time_step_rank, self.state_size, self.state_size], dim=-1)
@@ -615,7 +621,7 @@ class Mamba(RecurrentMixer):
             dt = F.softplus(dt.float() + self.dt_proj.bias.float())
             y = torch.empty(N, self.intermediate, dtype=torch.float32, device=x.device)
             for s, e, slot, cont in seqs:
-                st = ssm_state[slot] if cont else torch.zeros_like(ssm_state[slot])
+                st = slot_state(ssm_state, slot, cont)
                 y[s:e], ssm_state[slot] = selective_scan(h[s:e], dt[s:e], A, B[s:e], C[s:e], self.D, st)
         return (y * F.silu(z)).to(x.dtype)
 
@@ -651,7 +657,7 @@ class ShortConv(RecurrentMixer):
         else:
             h = torch.empty_like(bx)
             for s, e, slot, cont in step_sequences(ctx):
-                cs = conv_state[slot] if cont else torch.zeros_like(conv_state[slot])
+                cs = slot_state(conv_state, slot, cont)
                 h[s:e], new = causal_conv1d(bx[s:e], w, cb, cs, activation=None)
                 conv_state[slot] = new.to(conv_state.dtype)
         return c * h
