@@ -107,6 +107,17 @@ def _checks():
                     for cfg in T.skinny_gemm_candidates(M, N, K, 4)[1:]:
                         out[f"skinny_gemm_M{M}_N{N}_K{K}_config{'_'.join(map(str, cfg))}_{n}"] = (
                             err(T.skinny_gemm(xs, ws, bs, config=cfg), F.linear(xs, ws, bs)), 1e-5)
+    # the tensor-core skinny GEMM (9..64 rows): split-K 1 and 3 (the last program of a column block reduces the
+    # workspace, then resets its counter), a masked K tail, padded rows; float16 (the interpreter's bfloat16 dot is
+    # wrong on CPU; bfloat16 runs in tests/gpu)
+    for M, N, K, cfg in ((9, 70, 384, (16, 32, 128, 4, 3, 3)), (16, 64, 130, (16, 32, 64, 4, 3, 1)),
+                         (33, 40, 200, (64, 32, 64, 4, 3, 2))):
+        xs, ws, bs = rnd(M, K + 16, dtype=torch.float16)[:, :K], rnd(N, K, dtype=torch.float16), rnd(N, dtype=torch.float16)
+        y = T.skinny_gemm(xs, ws, bs, config=cfg)
+        out[f"skinny_mma_M{M}_N{N}_K{K}_split{cfg[-1]}"] = (err(y, F.linear(xs.float(), ws.float(), bs.float())), 2e-3)
+        # each row's result does not depend on the other rows (a batch padded into its graph bucket)
+        out[f"skinny_mma_M{M}_rows_independent"] = (err(T.skinny_gemm(xs[:M - 5], ws, bs, config=cfg), y[:M - 5]), 0.0)
+    out["skinny_mma_counters_reset"] = (float(sum(int(c.abs().sum()) for c in T._SPLITK_COUNTERS.values())), 0.0)
     out.update(_decode_attention_checks(rnd, err))
     # empty inputs launch nothing
     e = torch.empty(0, 48)

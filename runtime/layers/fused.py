@@ -40,6 +40,7 @@ _CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
 # plain prologue op + GEMM)}, measured by tune_fused_gemvs (from tune_decode_gemms, once per process); FUSED_TUNING:
 # {(prologue, rows, N, K): (plain us, fused us, config)} of what it measured
 FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
+_FUSED_MAX_ROWS = 8          # the fused GEMVs are the FMA skinny GEMM's (ops/triton_kernels.py SKINNY_MAX_M)
 FUSED_TUNING: dict = {}
 
 
@@ -52,7 +53,7 @@ def gemv_config(linear, x: torch.Tensor, prologue: str):
     """The launch config of the fused GEMV for linear(x) with the prologue "norm" or "act" (None: the launch
     table's), or False where the fused kernel does not apply or was not chosen."""
     w = linear.weight
-    if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= _lin._SKINNY_MAX_ROWS:
+    if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= _FUSED_MAX_ROWS:
         return False
     if linear.act_quant is not None or w.dim() != 2 or not w.dtype.is_floating_point or x.dtype != w.dtype:
         return False

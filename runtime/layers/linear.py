@@ -20,13 +20,15 @@ from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_t
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, replicated, split_segment
 from xllm_gen.runtime.ops import skinny_gemm
 
-# Decode-sized GEMMs (<= 8 rows, bf16/fp16): cuBLAS or the skinny-GEMM Triton kernel (ops.skinny_gemm), whichever
-# a measurement on this GPU found faster for the shape (tune_decode_gemms, before the decode graphs are captured).
+# Decode-sized GEMMs (<= 64 rows, bf16/fp16): cuBLAS or a skinny-GEMM Triton kernel (ops.skinny_gemm: an FMA weight
+# stream up to 8 rows, a split-K tensor-core one from 9 to 64), whichever a measurement on this GPU found faster for
+# the shape (tune_decode_gemms, before the decode graphs are captured).
 # On an H200, cuBLAS reads a short, wide weight (N 1024, K 2048: a 1024-wide model's o_proj) at a third of HBM bandwidth
 # with one row and the kernel 3.5x faster, while cuBLAS wins on the tall ones (bench/bench_gemv.py).
 # XLLM_SKINNY_GEMM=1 / 0 forces the kernel / cuBLAS for every decode GEMM instead.
 _FORCE = {"1": True, "0": False}.get(os.environ.get("XLLM_SKINNY_GEMM", ""))
-_SKINNY_MAX_ROWS = 8
+# XLLM_SKINNY_MMA=0: decode GEMMs of more than 8 rows always on cuBLAS (the tensor-core kernel's baseline in bench/)
+_SKINNY_MAX_ROWS = 8 if os.environ.get("XLLM_SKINNY_MMA", "1") == "0" else 64
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 # (rows, N, K, dtype) -> the Triton kernel's launch config (BLOCK_N, BLOCK_K, warps, stages; True: the launch
 # table's) or False (cuBLAS), decided once per process: every engine of the process then runs a shape with the
@@ -35,7 +37,7 @@ DECODE_GEMM_CHOICE: dict = {}
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear, or the skinny-GEMM kernel for a CUDA decode batch of at most 8 rows where it was measured faster."""
+    """F.linear, or a skinny-GEMM kernel for a CUDA decode batch of at most 64 rows where it was measured faster."""
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_MAX_ROWS and weight.dtype in _SKINNY_DTYPES
             and x.dtype == weight.dtype):
         use = _FORCE if _FORCE is not None else DECODE_GEMM_CHOICE.get(
@@ -76,7 +78,7 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     Decisions a previous process measured on this GPU and software are read from ops/tuning_cache.py's file instead.
     Returns {(M, N, K): (cuBLAS us, best Triton us, config chosen or False)} of what it measured."""
     from xllm_gen.runtime.ops import tuning_cache
-    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
+    from xllm_gen.runtime.ops.triton_kernels import SKINNY_MAX_M, skinny_gemm_candidates, skinny_mma_candidates
     if _FORCE is not None:
         return {}
     shapes: dict = {}
@@ -101,14 +103,15 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
                 x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
                 t_cublas = graph_time_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
                 timed = [(graph_time_ms(lambda: [skinny_gemm(x, w, b, config=cfg) for w, b in seq]) / len(seq), cfg)
-                         for cfg in skinny_gemm_candidates(M, N, K, ws[0][0].element_size())]
+                         for cfg in (skinny_gemm_candidates(M, N, K, ws[0][0].element_size()) if M <= SKINNY_MAX_M
+                                     else skinny_mma_candidates(M, N, K))]
                 t_triton, cfg = min(timed)
                 DECODE_GEMM_CHOICE[key] = cache[1][ckey] = cfg if t_triton < margin * t_cublas else False
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
         fill_row_choices(chosen, N, K, dt)
     from xllm_gen.runtime.layers.fused import tune_fused_gemvs  # the fused-prologue GEMVs of the same shapes
-    tune_fused_gemvs(shapes, tuned, cache)
+    tune_fused_gemvs(shapes, [r for r in tuned if r <= SKINNY_MAX_M], cache)
     tuning_cache.save(path, cache[1])
     return report
 

@@ -239,9 +239,11 @@ def _(x, weight, bias, config=None):
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 config: Optional[tuple] = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias), M <= 8, in x's dtype (fp32 accumulation): a Triton kernel
+    """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias), M <= 64, in x's dtype (fp32 accumulation): a Triton kernel
     that streams the weight at HBM speed for decode batches; F.linear on CPU. config: (BLOCK_N, BLOCK_K,
-    num_warps, num_stages), default the launch table's (triton_kernels.skinny_gemm_config)."""
+    num_warps, num_stages) for the FMA kernel (M <= 8; default the launch table's, triton_kernels.skinny_gemm_config),
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for the tensor-core one (9..64 rows; default
+    skinny_mma_config's)."""
     if not x.is_cuda:
         return skinny_gemm_reference(x, weight, bias)
     if _direct():

@@ -144,6 +144,33 @@ def test_skinny_gemm_vs_f_linear(M):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("M", [9, 16, 32, 48, 64])
+def test_skinny_mma_vs_f_linear(M):
+    """The tensor-core skinny GEMM (9..64 decode rows, split-K reduced by the last program of each column block) on
+    Qwen3-0.6B shapes and the lm_head's, every tuning candidate: within bf16 rounding of cuBLAS and of an fp32
+    product; rows padded into the bucket give each row the same bits; the split-K counters end at 0."""
+    from xllm_gen.runtime.ops import triton_kernels as T
+    torch.manual_seed(M)
+    errs = {}
+    for N, K in QWEN3_06B_SHAPES + [(151936, 1024)]:
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * K ** -0.5
+        b = torch.randn(N, device=DEV, dtype=torch.bfloat16)
+        for bias in (None, b):
+            exact = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+            for cfg in T.skinny_mma_candidates(M, N, K):
+                y = T.skinny_gemm(x, w, bias, config=cfg)
+                assert y.shape == (M, N) and y.dtype == torch.bfloat16
+                errs[f"{N}x{K}{'+b' if bias is not None else ''} {cfg}"] = (
+                    _rel(y, torch.nn.functional.linear(x, w, bias)), _rel(y, exact))
+                assert torch.equal(T.skinny_gemm(x[:M - 3], w, bias, config=cfg), y[:M - 3])
+    print(f"\n[skinny_mma M={M}] max error vs F.linear / vs fp32:", {k: f"{a:.1e}/{e:.1e}" for k, (a, e) in errs.items()})
+    bad = {k: v for k, v in errs.items() if v[0] > 8e-3 or v[1] > 5e-3}
+    assert not bad, bad
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in T._SPLITK_COUNTERS.values())
+
+
 def test_decode_gemm_tuning_picks_a_kernel_per_shape(monkeypatch):
     """tune_decode_gemms measures every (rows, N, K) of a model's linear layers once per process and the layers
     then run the chosen kernel: its output equals that kernel's, bit for bit; a shape measured before is kept."""
@@ -159,10 +186,10 @@ def test_decode_gemm_tuning_picks_a_kernel_per_shape(monkeypatch):
         torch.nn.init.normal_(m.weight, std=0.02)
     report = LL.tune_decode_gemms(model, [1, 2, 4, 8, 16])
     print("\n[decode GEMM tuning] (M, N, K): (cuBLAS us, best Triton us, Triton config chosen)", report)
-    assert set(report) == {(M, N, K) for M in (1, 2, 4, 8) for N, K in ((1024, 2048), (4096, 1024))}
+    assert set(report) == {(M, N, K) for M in (1, 2, 4, 8, 16) for N, K in ((1024, 2048), (4096, 1024))}
     for (M, N, K), (tc, tt, chosen) in report.items():
         assert tc > 0 and tt > 0 and bool(chosen) == (tt < 0.9 * tc)
-        assert not chosen or chosen in T.skinny_gemm_candidates(M, N, K)
+        assert not chosen or chosen in (T.skinny_gemm_candidates(M, N, K) if M <= 8 else T.skinny_mma_candidates(M, N, K))
         lin = model[0] if N == 1024 else model[1]
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
         want = T.skinny_gemm(x, lin.weight, config=chosen) if chosen else torch.nn.functional.linear(x, lin.weight)
@@ -192,8 +219,10 @@ def test_skinny_gemm_graph_capture_and_dispatch(monkeypatch):
         return ops.skinny_gemm(h[:, :3072], w2)        # strided rows (row stride 6144)
 
     assert torch.equal(lin(x), T.skinny_gemm(x, lin.weight, lin.bias))
-    x9 = torch.randn(9, 1024, device=DEV, dtype=torch.bfloat16)
-    assert torch.equal(LL._linear(x9, lin.weight), torch.nn.functional.linear(x9, lin.weight))   # 9 rows: cuBLAS
+    x9 = torch.randn(9, 1024, device=DEV, dtype=torch.bfloat16)        # 9..64 rows: the tensor-core kernel
+    assert torch.equal(LL._linear(x9, lin.weight), T.skinny_mma_gemm(x9, lin.weight))
+    x65 = torch.randn(65, 1024, device=DEV, dtype=torch.bfloat16)
+    assert torch.equal(LL._linear(x65, lin.weight), torch.nn.functional.linear(x65, lin.weight))   # 65 rows: cuBLAS
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -209,6 +238,37 @@ def test_skinny_gemm_graph_capture_and_dispatch(monkeypatch):
         want = step()
         assert torch.equal(out_graph, want)
         ref = torch.nn.functional.linear(torch.nn.functional.linear(x, lin.weight, lin.bias)[:, :3072], w2)
+        assert _rel(out_graph, ref) < 2e-2
+
+
+def test_skinny_mma_split_k_in_cuda_graph():
+    """The split-K tensor-core GEMM captured in a CUDA graph (two GEMMs sharing the counter buffer, the second on
+    the first's output) and replayed on new inputs equals the eager kernel bit for bit, every replay."""
+    from xllm_gen.runtime.ops import triton_kernels as T
+    torch.manual_seed(4)
+    x = torch.randn(16, 2048, device=DEV, dtype=torch.bfloat16)
+    w1 = torch.randn(1024, 2048, device=DEV, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(1024, 1024, device=DEV, dtype=torch.bfloat16) * 0.03
+    c1, c2 = T.skinny_mma_config(16, 1024, 2048), T.skinny_mma_config(16, 1024, 1024)
+    assert c1[-1] > 1 and c2[-1] > 1
+
+    def step():
+        return T.skinny_gemm(T.skinny_gemm(x, w1, config=c1), w2, config=c2)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_graph = step()
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_graph, step())
+        ref = torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2)
         assert _rel(out_graph, ref) < 2e-2
 
 
