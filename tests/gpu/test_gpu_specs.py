@@ -81,7 +81,11 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
 
 def _checkpoint(architecture: str, out: Path) -> Path:
     from fixtures.tiny_hf import ARCH_DEFAULTS, TEXT_SIZES, make_tiny_checkpoint, model_class
-    default = model_class(architecture).config_class().to_dict()
+    try:
+        default = model_class(architecture).config_class().to_dict()
+    except (ImportError, AttributeError, KeyError, ValueError) as exc:    # the reference itself is missing
+        import transformers
+        pytest.skip(f"transformers {transformers.__version__} has no {architecture} (the reference): {exc}")
     sizes = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                  intermediate_size=512, num_hidden_layers=4, max_position_embeddings=1024)
     # only the fields the family's config has (GPT-J names its sizes n_embd, ...; GPT-NeoX has no KV heads field)
