@@ -101,7 +101,7 @@ def tune_fused_gemvs(shapes: dict, rows, cache: Optional[tuple] = None) -> None:
     if MODE == "0":
         return
     for (N, K, dt), ws in shapes.items():
-        seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
+        seq = _lin.timing_sequence(ws, N, K)
         dev = ws[0][0].device
         for prologue in ("norm", "act"):
             chosen = {}

@@ -93,7 +93,7 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     cache = (tuning_cache.load(path), {})          # (read from the file, measured now)
     tuned = sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS})
     for (N, K, dt), ws in shapes.items():
-        seq = ws * max(1, -(-96 * 2**20 // (len(ws) * N * K * ws[0][0].element_size())))
+        seq = timing_sequence(ws, N, K)
         chosen = {}
         for M in tuned:
             key, ckey = (M, N, K, dt), tuning_cache.key("gemm", M, N, K, dt)
@@ -114,6 +114,15 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     tune_fused_gemvs(shapes, [r for r in tuned if r <= SKINNY_MAX_M], cache)
     tuning_cache.save(path, cache[1])
     return report
+
+
+def timing_sequence(ws: list, N: int, K: int, stream_bytes: int = 96 << 20, max_calls: int = 256) -> list:
+    """The layers' weights of one shape repeated so that one timed replay streams about `stream_bytes` from HBM (as a
+    decode step does, not from L2), at most `max_calls` calls: the tiny weights of a routing or dt projection (a few KB)
+    would otherwise make graphs of tens of thousands of launches per candidate (a tiny MoE or Mamba checkpoint spent
+    minutes of its start-up in them) and their time is launch latency whichever kernel runs."""
+    reps = max(1, -(-stream_bytes // (len(ws) * N * K * ws[0][0].element_size())))
+    return (ws * reps)[:max(max_calls, len(ws))]
 
 
 def fill_row_choices(chosen: dict, N: int, K: int, dtype, table: Optional[dict] = None) -> None:
