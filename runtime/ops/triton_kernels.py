@@ -578,7 +578,7 @@ def skinny_mma_config(M: int, N: int, K: int, block_n: int = 64, block_k: int = 
 
 def skinny_mma_candidates(M: int, N: int, K: int) -> list[tuple[int, int, int, int, int, int]]:
     """Launch configs worth timing for (M, N, K), 9 <= M <= 64 (tune_decode_gemms keeps the fastest, or cuBLAS): the
-    ones bench/bench_gemv.py --rows 16,32,64 found best on an H200 over Qwen3-0.6B / 8B shapes (BLOCK_N 128 and
+    ones bench/bench_gemv.py --rows 16,32,64 found best on an H200 over 0.6B- and 8B-parameter model shapes (BLOCK_N 128 and
     BLOCK_N 64 with BLOCK_K 256 never were; bench/results/h200_gemv_mma.md)."""
     out = []
     for bn, bk, warps, stages, programs in ((64, 128, 4, 4, 264), (32, 128, 4, 4, 264), (32, 256, 4, 3, 132),
