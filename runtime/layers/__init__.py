@@ -45,6 +45,7 @@ from xllm_gen.runtime.layers.recurrent import (
                                             Mamba,
                                             Mamba2,
                                             RecurrentMixer,
+                                            RGLRU,
                                             ShortConv,
 )
 from xllm_gen.runtime.layers.rotary import (
@@ -65,6 +66,6 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
-    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv",
+    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
     "keep_residual_float32",
 ]
