@@ -9,6 +9,7 @@ from typing import List
 from .ir import (
     MLAIR,
     MLPIR,
+    RGLRUIR,
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
@@ -20,7 +21,6 @@ from .ir import (
     NormIR,
     PatchMergerIR,
     RankTableIR,
-    RGLRUIR,
     ShortConvIR,
     VariantIR,
     VisionAttentionIR,

@@ -20,6 +20,7 @@ from .expr import parse as parse_expr
 from .ir import (
     MLAIR,
     MLPIR,
+    RGLRUIR,
     AttentionIR,
     ChoiceIR,
     ConfigFieldIR,
@@ -36,7 +37,6 @@ from .ir import (
     ParallelStepIR,
     ParamIR,
     ProjectionIR,
-    RGLRUIR,
     RunnerIR,
     ShortConvIR,
     Size,

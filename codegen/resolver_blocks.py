@@ -12,6 +12,7 @@ from .errors import did_you_mean
 from .ir import (
     MLAIR,
     MLPIR,
+    RGLRUIR,
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
@@ -23,7 +24,6 @@ from .ir import (
     ParamIR,
     QKNormIR,
     QueryScaleIR,
-    RGLRUIR,
     RotaryIR,
     SegmentIR,
     ShortConvIR,

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 
 from .errors import did_you_mean
 from .expr import ExprError
-from .ir import MLAIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, RGLRUIR, Size, VariantIR
+from .ir import MLAIR, RGLRUIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, Size, VariantIR
 from .resolver_blocks import _is_int
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension

@@ -13,12 +13,12 @@ from xllm_gen.runtime.layers.activation import (
                                             gated_act,
 )
 from xllm_gen.runtime.layers.attention import (
-    Attention,
-    DifferentialAttention,
-    QueryScale,
-    alibi_slopes,
-    attention_sinks,
-    gate_output,
+                                            Attention,
+                                            DifferentialAttention,
+                                            QueryScale,
+                                            alibi_slopes,
+                                            attention_sinks,
+                                            gate_output,
 )
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import (
@@ -39,13 +39,13 @@ from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
 from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm, keep_residual_float32
 from xllm_gen.runtime.layers.recurrent import (
+                                            RGLRU,
                                             CausalConv1d,
                                             GatedDeltaNet,
                                             GatedRMSNorm,
                                             Mamba,
                                             Mamba2,
                                             RecurrentMixer,
-                                            RGLRU,
                                             ShortConv,
 )
 from xllm_gen.runtime.layers.rotary import (
