@@ -683,7 +683,7 @@ def rg_lru_scan(x: torch.Tensor, a: torch.Tensor, state: torch.Tensor) -> tuple[
 
 
 class RGLRUGates(nn.Module):
-    """The RG-LRU's parameters (transformers' RecurrentGemmaRglru, module `rg_lru`): `recurrent_param [width]` (the
+    """The RG-LRU's parameters (module `rg_lru`, Griffin's RG-LRU): `recurrent_param [width]` (the
     learned log-decay, a = exp(-c softplus(recurrent_param) r)), and the input and recurrence gates, block-diagonal
     linears with one [block_width, block_width] block per head, stored [in, out] (`x @ W[h] + b[h]`):
     `input_gate_weight`, `recurrent_gate_weight [heads, block_width, block_width]`, `input_gate_bias`,
@@ -784,7 +784,7 @@ class RGLRU(RecurrentMixer):
         return out * y
 
     def _decay_and_input(self, positions: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The recurrence's a_t (zero at a reset) and its normalized, gated input (transformers' RecurrentGemmaRglru:
+        """The recurrence's a_t (zero at a reset) and its normalized, gated input (as Griffin's RG-LRU computes them:
         in the model dtype; the reset is position 0, a device comparison: no host value)."""
         gate_x, gate_a = self.rg_lru.gates(h)
         log_a = -self.decay_scale * gate_a * F.softplus(self.rg_lru.recurrent_param.to(h.dtype))
