@@ -3,12 +3,14 @@ on the tiny checkpoint (tests/fixtures/tiny_hf.py: 4 layers of the repeated patt
 recurrent; an RG-LRU of 96 channels in 4 head blocks, wider than the residual; transformers' log-decay init; a local
 attention window of 6 that the prompts cross):
 
-- greedy parity with transformers float32 with chunked prefill (chunks of 4 tokens) over concurrent sequences: a
-  prompt's later chunks continue its conv and LRU states from its slot, and the reset at position 0 happens once;
+- greedy parity with transformers float32 with chunked prefill (a 100-token prompt in chunks of at most 70 tokens,
+  beside shorter ones; TP 2 (slow): chunks of 4): a prompt's later chunks continue its conv and LRU states from its
+  slot, the reset at position 0 happens once, and a chunk's recurrence crosses the scan's 64-token blocks;
 - the LRU state carries (slow): zeroing only the `lru` state (not the conv state) before every decode step changes
   the tokens;
 - the sqrt(1 - a^2) input normalisation matters (slow): switched off in the engine it changes the tokens, and equals
   transformers with its normalisation switched off the same way;
+- a prompt's chunked recurrence (log-space decays in chunks of 64) equals the step-by-step one;
 - the embedding scale is transformers' bfloat16 `normalizer` (sqrt(48) -> 6.9375), not sqrt(hidden_size) in float32;
 - the guard refuses by name what the spec does not model (a block type, an activation, a rope type, an unscaled
   embedding, an LRU width that the heads do not divide), and TP refuses a head count it cannot split, naming the field;
@@ -48,8 +50,12 @@ def _engine(ckpt, prompts=PROMPTS, edit=None, **kw):
 
 
 def test_chunked_prefill(tiny_checkpoint):
+    # a 100-token prompt in chunks of at most 70 tokens: each chunk continues the slot's states, and its recurrence
+    # crosses the 64-token blocks of the chunked scan
     ckpt = tiny_checkpoint(ARCH)
-    assert _engine(ckpt, enable_chunked_prefill=True, max_num_batched_tokens=4, max_num_seqs=2) == _hf(ckpt)
+    prompts = PROMPTS[:2] + [[(7 + 37 * i) % 500 for i in range(100)]]
+    assert _engine(ckpt, prompts, enable_chunked_prefill=True, max_num_batched_tokens=70, max_num_seqs=2) == \
+        _hf(ckpt, prompts)
 
 
 @pytest.mark.slow
@@ -76,6 +82,21 @@ def test_input_normalisation_matters(tiny_checkpoint, monkeypatch):
     from transformers.models.recurrent_gemma import modeling_recurrent_gemma as hf_rg
     monkeypatch.setattr(hf_rg.SqrtBoundDerivative, "apply", staticmethod(lambda x: torch.ones_like(x)))
     assert _hf(ckpt) == got
+
+
+def test_chunked_scan_equals_the_step_by_step_recurrence():
+    # prompts run the recurrence in chunks (log-space decays within a chunk); the reference steps token by token
+    from xllm_gen.runtime.layers.recurrent import rg_lru_scan, rg_lru_scan_chunked
+    g = torch.Generator().manual_seed(0)
+    for T, chunk in ((1, 4), (7, 4), (64, 64), (150, 16)):
+        x, state = torch.randn(T, 32, generator=g), torch.randn(32, generator=g)
+        log_a = -torch.rand(T, 32, generator=g) * torch.tensor([0.01, 1.0, 20.0, 80.0]).repeat(8)   # a ~ 1 .. 1e-35
+        want, want_h = rg_lru_scan(x, log_a.exp(), state)
+        got, got_h = rg_lru_scan_chunked(x, log_a, state, chunk=chunk)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+    # sensitivity: the state carries into the scan
+    assert not torch.allclose(rg_lru_scan_chunked(x, log_a, state)[0], rg_lru_scan_chunked(x, log_a, 0 * state)[0])
 
 
 def test_embedding_scale_is_the_bfloat16_normalizer():

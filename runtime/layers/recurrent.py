@@ -19,8 +19,9 @@ Math (torch reference, float32 state; the GPU runs the same torch code):
   the chunked (UT-transform) form of transformers' torch_chunk_gated_delta_rule, a decode step the recurrent form of
   torch_recurrent_gated_delta_rule, both from the slot's state;
 - `GatedRMSNorm`: RMSNorm of the mixer output per value head, times silu(z);
-- `rg_lru_scan`: the real-gated linear recurrent unit (Griffin's RG-LRU): h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t),
-  a reset (a_t := 0, no normalisation) at position 0.
+- `RGLRU`: the real-gated linear recurrent unit (Griffin's RG-LRU): h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t),
+  a reset (a_t := 0, no normalisation) at position 0; a prompt chunk runs the recurrence in chunks of 64 tokens
+  (`rg_lru_scan_chunked`, log-space decays within a chunk), a decode step as one batched update.
 """
 from __future__ import annotations
 
@@ -670,15 +671,39 @@ class ShortConv(RecurrentMixer):
 
 # ---------------------------------------------------------------------------------------------- RG-LRU
 def rg_lru_scan(x: torch.Tensor, a: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, the linear recurrence h_t = a_t h_{t-1} + x_t in float32 (transformers' _rnn_scan, linear mode):
-    x, a [T, C] (x already gated and normalized, a already zero at a reset), state [C] (float32). Returns (h [T, C] in
-    x's dtype, the last h float32)."""
+    """One sequence, the linear recurrence h_t = a_t h_{t-1} + x_t in float32 (transformers' _rnn_scan, linear mode,
+    step by step): x, a [T, C] (x already gated and normalized, a already zero at a reset), state [C] (float32).
+    Returns (h [T, C] in x's dtype, the last h float32). The reference of `rg_lru_scan_chunked`."""
     h = state.float()
     out = torch.empty_like(x)
     af, xf = a.float(), x.float()
     for t in range(x.shape[0]):
         h = af[t] * h + xf[t]
         out[t] = h.to(x.dtype)
+    return out, h
+
+
+def rg_lru_scan_chunked(x: torch.Tensor, log_a: torch.Tensor, state: torch.Tensor,
+                        chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence over chunks of `chunk` tokens (a few batched ops per chunk instead of a step per token):
+    within a chunk, h_t = sum_{s <= t} exp(sum_{s < r <= t} log a_r) x_s + exp(sum_{r <= t} log a_r) h_0. The
+    segment sums are summed as such (masked cumulative sums, as Mamba-2's SSD segsum), not as differences of running
+    sums, which would lose the small ones to cancellation when the decays are strong. x, log_a [T, C] (log a finite:
+    a reset may only be the first token of a zero state, where a multiplies nothing), state [C] float32. Returns
+    (h [T, C] in x's dtype, the last h float32)."""
+    T = x.shape[0]
+    h = state.float()
+    out = torch.empty_like(x)
+    for s0 in range(0, T, chunk):
+        xs, la = x[s0:s0 + chunk].float(), log_a[s0:s0 + chunk].float()
+        n = xs.shape[0]
+        ones = torch.ones(n, n, dtype=torch.bool, device=x.device)
+        # seg[t, s] = sum_{s < r <= t} log a_r: la_r kept where r > s, summed over r <= t
+        seg = la[:, None, :].expand(n, n, -1).masked_fill(~ones.tril(-1)[:, :, None], 0.0).cumsum(0)
+        decay = seg.masked_fill(~ones.tril()[:, :, None], float("-inf")).exp()          # [t, s, C]
+        hs = (decay * xs[None, :, :]).sum(1) + la.cumsum(0).exp() * h[None, :]
+        out[s0:s0 + n] = hs.to(x.dtype)
+        h = hs[-1]
     return out, h
 
 
@@ -772,29 +797,32 @@ class RGLRU(RecurrentMixer):
                 cs = slot_state(conv_state, slot, cont)
                 h[s:e], new_conv = causal_conv1d(x[s:e], w, cb, cs, activation=None)
                 conv_state[slot] = new_conv.to(conv_state.dtype)
-        a, xn = self._decay_and_input(positions, h)
+        log_a, reset, xn = self._decay_and_input(positions, h)
         if slots is not None:
+            a = torch.exp(log_a) * ~reset
             st = a.float() * gather_states(lru_state, slots) + xn.float()
             scatter_states(lru_state, slots, st)
             out = st.to(x.dtype)
         else:
+            # a prompt chunk: the reset (position 0) can only be the first token of a sequence that starts here, whose
+            # state is zero, so the chunked scan runs on the unreset decays (a_0 multiplies a zero state)
             out = torch.empty_like(h)
             for s, e, slot, cont in seqs:
-                out[s:e], lru_state[slot] = rg_lru_scan(xn[s:e], a[s:e], slot_state(lru_state, slot, cont))
+                out[s:e], lru_state[slot] = rg_lru_scan_chunked(xn[s:e], log_a[s:e], slot_state(lru_state, slot, cont))
         return out * y
 
-    def _decay_and_input(self, positions: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The recurrence's a_t (zero at a reset) and its normalized, gated input (as Griffin's RG-LRU computes them:
-        in the model dtype; the reset is position 0, a device comparison: no host value)."""
+    def _decay_and_input(self, positions: torch.Tensor, h: torch.Tensor):
+        """(log a_t, reset [N, 1], the normalized, gated input), as Griffin's RG-LRU computes them (in the model
+        dtype): the reset is position 0, a device comparison (no host value); there the input is not normalized and
+        a_t is zero (applied by the caller)."""
         gate_x, gate_a = self.rg_lru.gates(h)
         log_a = -self.decay_scale * gate_a * F.softplus(self.rg_lru.recurrent_param.to(h.dtype))
-        a = torch.exp(log_a)
         xn = h * gate_x
         reset = (positions.reshape(-1) == 0)[:, None]
         if self.normalize_input:
             mult = torch.sqrt(1 - torch.exp(2 * log_a))
             xn = xn * torch.where(reset, torch.ones_like(mult), mult).to(h.dtype)
-        return a * ~reset, xn
+        return log_a, reset, xn
 
     def extra_repr(self) -> str:
         return (f"width={self.width}, heads={self.heads} (per rank), block_width={self.block_width}, conv_kernel="
