@@ -9,6 +9,7 @@ from typing import List
 from .ir import (
     MLAIR,
     MLPIR,
+    RGLRUIR,
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
@@ -102,6 +103,12 @@ def _block(b) -> str:
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
                 + (f", differential(eps={b.differential})" if b.differential else "") + ")")
+    if isinstance(b, RGLRUIR):
+        return (f"rg_lru {b.class_name}(hidden={b.hidden}, width={b.width}, heads={b.heads}, conv_kernel="
+                f"{b.conv_kernel}, activation={b.activation}, decay_scale={b.decay_scale}, bias={b.bias}, conv_bias="
+                f"{b.conv_bias}, {b.x_proj} -> conv_1d -> rg_lru (gates per head block of width // heads, "
+                f"h = a h + sqrt(1 - a^2) (i x), reset at position 0), times act({b.y_proj}), {b.out_name}; state per "
+                f"sequence: conv [width, conv_kernel - 1], lru [width] float32)")
     if isinstance(b, ShortConvIR):
         return (f"short_conv {b.class_name}(hidden={b.hidden}, conv_kernel={b.conv_kernel}, bias={b.bias}, "
                 f"{b.in_proj}=[B, C, x], {b.out_name}: C * conv(B * x); state per sequence: conv [hidden, "
@@ -248,7 +255,8 @@ def format_resolved(ir: ModelIR) -> str:
     w("")
     w("decoder:" if ir.decoder_prefix == "model" else f"decoder ({ir.decoder_prefix}):")
     w(f"  embed_tokens  embedding(vocab={ir.embed.vocab}, dim={ir.embed.dim}"
-      + (f", scale={ir.embed.scale})" if ir.embed.scale else ")"))
+      + (f", scale={ir.embed.scale}" + (f" rounded to {ir.embed.scale_dtype})" if ir.embed.scale_dtype != "model"
+                                          else ")") if ir.embed.scale else ")"))
     if ir.embed_positions:
         pe = ir.embed_positions
         w(f"  embed_positions  {pe.kind}(positions={pe.positions}, dim={pe.dim}"

@@ -217,6 +217,7 @@ class EmbeddingIR:
     vocab: Size
     dim: Size
     scale: Optional[Value] = None     # output multiplier (Gemma: hidden_size ** 0.5)
+    scale_dtype: str = "model"        # "bfloat16": the scale rounded to bfloat16 first (RecurrentGemma)
 
 
 @dataclass(frozen=True)
@@ -538,10 +539,38 @@ class ShortConvIR:
     out_name: str
 
 
-RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv")
+@dataclass(frozen=True)
+class RGLRUIR:
+    """A Griffin recurrent block, conv1d + RG-LRU (runtime: the generated class over L.RGLRU, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    width: Size
+    heads: Size
+    block_width: Any              # width // heads (an expression): the gates' block, a head's channels
+    conv_kernel: Size
+    activation: Value
+    decay_scale: Value
+    bias: Value
+    conv_bias: Value
+    x_proj: str
+    y_proj: str
+    out_name: str
+
+    def fields(self, ir) -> dict:
+        """The config.json field (or the expression over symbols) of the width and the heads, for refusals."""
+        out = {}
+        for k, size in (("width", self.width), ("heads", self.heads)):
+            sym = getattr(size, "symbol", None)
+            out[k] = ir.config_source(sym) if sym else str(getattr(size, "source", size))
+        return out
+
+
+RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru")
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                ShortConvIR]
+                ShortConvIR, RGLRUIR]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from .expr import parse as parse_expr
 from .ir import (
     MLAIR,
     MLPIR,
+    RGLRUIR,
     AttentionIR,
     ChoiceIR,
     ConfigFieldIR,
@@ -58,7 +59,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 
 # the attention block kinds (they take the positions)
-ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR)   # (a recurrent mixer takes them too, and ignores them)
+ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
 from .resolver_dataflow import DataflowResolver
 from .resolver_positions import PositionsResolver
 from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
@@ -206,10 +207,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
 
         d = s.decoder
         ep = ("decoder", "embed_tokens")
+        if d.embed_tokens.scale_dtype != "model" and d.embed_tokens.scale is None:
+            raise self.err(ep + ("scale_dtype",), "decoder.embed_tokens.scale_dtype: there is no `scale` to round")
         embed = EmbeddingIR("embed_tokens", self.dim(ep + ("vocab",), d.embed_tokens.vocab),
                             self.dim(ep + ("dim",), d.embed_tokens.dim),
                             self.positive(ep + ("scale",), d.embed_tokens.scale)
-                            if d.embed_tokens.scale is not None else None)
+                            if d.embed_tokens.scale is not None else None, d.embed_tokens.scale_dtype)
         project_in = self.resolve_projection("project_in", d.project_in) if d.project_in is not None else None
         if project_in is not None and str(project_in.in_) != str(embed.dim):
             raise self.err(("decoder", "project_in", "in"), f"decoder.project_in.in: is {project_in.in_}, but the "
@@ -529,8 +532,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "gated_mlp", "mlp",
-                      "moe")
+            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru", "gated_mlp",
+                      "mlp", "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
             if isinstance(st.block, Choice):
@@ -660,7 +663,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
             elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                                ShortConvIR)):
+                                ShortConvIR, RGLRUIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):

@@ -12,6 +12,7 @@ from .errors import did_you_mean
 from .ir import (
     MLAIR,
     MLPIR,
+    RGLRUIR,
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
@@ -44,6 +45,7 @@ from .schema import (
     MLAAttentionBlock,
     MLPBlock,
     MoEBlock,
+    RGLRUBlock,
     RMSNormBlock,
     Rotary,
     ShortConvBlock,
@@ -214,6 +216,26 @@ class BlockResolver(MLAResolver):
             return ShortConvIR("short_conv", name, f"{prefix}ShortConv" if unique_kind else f"{prefix}{camel}",
                                self.dim(path + ("hidden",), b.hidden), self.dim(path + ("conv_kernel",), b.conv_kernel),
                                self.flag(path + ("bias",), b.bias), names[0], names[1])
+        if isinstance(b, RGLRUBlock):
+            keys = (("x_proj", b.x_proj), ("y_proj", b.y_proj), ("out", b.out))
+            names = [self.ident(path + (k,), v, "module name") for k, v in keys]
+            for i, (k, v) in enumerate(zip(("x_proj", "y_proj", "out"), names)):
+                if v in ("conv_1d", "rg_lru", "act_fn") or v in names[:i]:
+                    raise self.err(path + (k,), f"{self._where(path)}.{k}: module name '{v}' is already used in "
+                                                f"this block")
+            width, heads = self.dim(path + ("width",), b.width), self.dim(path + ("heads",), b.heads)
+
+            def src(size):
+                return f"({size.source})" if not isinstance(size, Size) else f"({size})"
+            return RGLRUIR(
+                kind="rg_lru", name=name, class_name=f"{prefix}RGLRU" if unique_kind else f"{prefix}{camel}",
+                hidden=self.dim(path + ("hidden",), b.hidden), width=width, heads=heads,
+                block_width=self.expr(path + ("width",), f"{src(width)} // {src(heads)}"),
+                conv_kernel=self.dim(path + ("conv_kernel",), b.conv_kernel),
+                activation=self.activation(path + ("activation",), b.activation, ACTIVATIONS, "an activation"),
+                decay_scale=self.positive(path + ("decay_scale",), b.decay_scale),
+                bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
+                x_proj=names[0], y_proj=names[1], out_name=names[2])
         if isinstance(b, Mamba2Block):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             for k, v in zip(("in_proj", "out"), names):
@@ -615,6 +637,26 @@ class BlockResolver(MLAResolver):
             if _maybe(b.bias):
                 ps.append(P("conv.bias", (b.hidden,), "colwise", (SegmentIR("x", b.hidden, one),)))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.hidden, one), b.hidden, _maybe(b.bias))
+            return ps
+        if isinstance(b, RGLRUIR):
+            # split by heads: each rank its heads' channels of x, y, the conv, the gates, and out's input
+            per = SegmentIR("heads", b.heads, one)
+            ch = SegmentIR("channels", b.heads, b.block_width)
+            ps = []
+            for m in (b.x_proj, b.y_proj):        # [width, hidden], a head's block_width rows per unit
+                ps.append(P(f"{m}.weight", (b.width, b.hidden), "colwise", (ch,)))
+                if _maybe(b.bias):
+                    ps.append(P(f"{m}.bias", (b.width,), "colwise", (ch,)))
+            ps.append(P("conv_1d.weight", (b.width, one, b.conv_kernel), "colwise", (ch,)))
+            if _maybe(b.conv_bias):
+                ps.append(P("conv_1d.bias", (b.width,), "colwise", (ch,)))
+            ps.append(P("rg_lru.recurrent_param", (b.width,), "colwise", (ch,)))
+            for g in ("input", "recurrent"):
+                ps.append(P(f"rg_lru.{g}_gate_weight", (b.heads, b.block_width, b.block_width), "colwise", (per,)))
+                ps.append(P(f"rg_lru.{g}_gate_bias", (b.heads, b.block_width), "colwise", (per,)))
+            ps.append(P(f"{b.out_name}.weight", (b.hidden, b.width), "rowwise", (ch,)))
+            if _maybe(b.bias):
+                ps.append(P(f"{b.out_name}.bias", (b.hidden,), "replicated"))
             return ps
         if isinstance(b, Mamba2IR):
             x = SegmentIR("x", b.heads, b.head_dim)

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 
 from .errors import did_you_mean
 from .expr import ExprError
-from .ir import MLAIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, Size, VariantIR
+from .ir import MLAIR, RGLRUIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, Size, VariantIR
 from .resolver_blocks import _is_int
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
@@ -226,6 +226,11 @@ class VariantResolver:
                 raise self.err(at(sym) if sym else vp,
                                f"variants.{name}: {b.name}.value_heads ({b.value_heads.eval(values)}) must be a "
                                f"multiple of {b.name}.key_heads ({b.key_heads.eval(values)})")
+            if isinstance(b, RGLRUIR) and b.width.eval(values) % b.heads.eval(values):
+                sym = b.width.symbol if isinstance(b.width, Size) else None
+                raise self.err(at(sym) if sym else vp,
+                               f"variants.{name}: {b.name}.width ({b.width.eval(values)}) must be a multiple of "
+                               f"{b.name}.heads ({b.heads.eval(values)}): the gates' diagonal blocks")
             if isinstance(b, MoEIR) and b.groups is not None:
                 self.check_groups_variant(name, b, values, at, vp)
             if isinstance(b, MoEIR) and b.routing == "sparsemixer" and b.top_k.eval(values) != 2:

@@ -71,11 +71,14 @@ class FusedProjection(Strict):
 
 
 class EmbeddingBlock(Strict):
-    """Vocab-parallel embedding; `scale` multiplies the output (Gemma: hidden_size ** 0.5, in the model dtype)."""
+    """Vocab-parallel embedding; `scale` multiplies the output (Gemma: hidden_size ** 0.5, in the model dtype).
+    `scale_dtype: bfloat16`: the scale is first rounded to bfloat16 (RecurrentGemma's `normalizer`, a bfloat16
+    buffer whatever the model dtype); `model` (default): the model dtype."""
     kind: Literal["embedding"]
     vocab: Dim
     dim: Dim
     scale: Optional[Num] = None
+    scale_dtype: Literal["model", "bfloat16"] = "model"
 
 
 class PositionEmbeddingBlock(Strict):
@@ -368,6 +371,30 @@ class ShortConvBlock(Strict):
     out: StrictStr = "out_proj"
 
 
+class RGLRUBlock(Strict):
+    """A Griffin recurrent block (RecurrentGemma's `temporal_block` on its recurrent layers, a per-sequence state):
+    `y = act(y_proj(x))`; `x_proj(x)` goes through a depthwise causal conv1d (`conv_1d`, kernel `conv_kernel`, bias
+    `conv_bias`, no activation) and the RG-LRU (`rg_lru`: input and recurrence gates from block-diagonal linears, one
+    [width / heads]^2 block per head, a learned log-decay `recurrent_param`, a = exp(-decay_scale * r *
+    softplus(recurrent_param)), h = a h + sqrt(1 - a^2) (i * x), reset at position 0); `out(h * y)`. Parameters
+    (transformers' names): `<x_proj>.weight`, `<y_proj>.weight [width, hidden]`, `conv_1d.weight [width, 1,
+    conv_kernel]`, `rg_lru.recurrent_param [width]`, `rg_lru.input_gate_weight`, `rg_lru.recurrent_gate_weight
+    [heads, width / heads, width / heads]`, `rg_lru.input_gate_bias`, `rg_lru.recurrent_gate_bias [heads, width /
+    heads]`, `<out>.weight [hidden, width]`, biases where `bias` / `conv_bias` hold. Split over TP ranks by heads."""
+    kind: Literal["rg_lru"]
+    hidden: Dim
+    width: Dim                           # the recurrence's channels (lru_width)
+    heads: Dim                           # the gates' diagonal blocks (num_attention_heads); width a multiple of it
+    conv_kernel: Dim                     # conv1d_width
+    activation: StrictStr                # the y branch's activation: a name, or a str symbol (hidden_activation)
+    decay_scale: Num = 8.0               # c in log a = -c * r * softplus(recurrent_param) (Griffin: 8)
+    bias: Flag = True                    # biases of x_proj, y_proj and out
+    conv_bias: Flag = True               # the conv's bias
+    x_proj: StrictStr = "linear_x"       # module names
+    y_proj: StrictStr = "linear_y"
+    out: StrictStr = "linear_out"
+
+
 class MLAAttentionBlock(Strict):
     """Multi-head latent attention (DeepSeek-V2 / V3): q from `q_proj` (hidden -> heads * (nope + rope)), or, when
     `q_lora_rank` is a size, low-rank: q_a_proj (hidden -> q_lora_rank) -> q_a_layernorm (RMSNorm) -> q_b_proj;
@@ -540,7 +567,7 @@ class LMHeadBlock(Strict):
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
           MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, MambaBlock,
-          ShortConvBlock],
+          ShortConvBlock, RGLRUBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -814,6 +841,6 @@ class Spec(Strict):
 
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
-               "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv",
+               "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru",
                "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

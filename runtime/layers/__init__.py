@@ -13,12 +13,12 @@ from xllm_gen.runtime.layers.activation import (
                                             gated_act,
 )
 from xllm_gen.runtime.layers.attention import (
-    Attention,
-    DifferentialAttention,
-    QueryScale,
-    alibi_slopes,
-    attention_sinks,
-    gate_output,
+                                            Attention,
+                                            DifferentialAttention,
+                                            QueryScale,
+                                            alibi_slopes,
+                                            attention_sinks,
+                                            gate_output,
 )
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import (
@@ -39,6 +39,7 @@ from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
 from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm, keep_residual_float32
 from xllm_gen.runtime.layers.recurrent import (
+                                            RGLRU,
                                             CausalConv1d,
                                             GatedDeltaNet,
                                             GatedRMSNorm,
@@ -65,6 +66,6 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
-    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv",
+    "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
     "keep_residual_float32",
 ]

@@ -78,6 +78,9 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # the top-k logits, a shared expert averaged with the routed ones (the default strategy); the RMSNorm form
     # (refused by name)
     "Cohere2MoeForCausalLM": [{"expert_selection_fn": "softmax"}, {"num_shared_experts": 1}, {"rms_norm_eps": 1e-5}],
+    # RecurrentGemma: its final logit soft-cap small (the field is `logits_soft_cap`, which the generic softcap rule
+    # does not match), and another layer pattern (attention first: attention, recurrent, attention, recurrent)
+    "RecurrentGemmaForCausalLM": [{"logits_soft_cap": 2.0}, {"block_types": ["attention", "recurrent"]}],
     # AFMoE with muP's embedding scale (sqrt(hidden_size))
     "AfmoeForCausalLM": [{"mup_enabled": True}],
     # Laguna: a routed scale; a per-element gate (refused by name; router logit soft-capping: the generic softcap rule)
