@@ -53,3 +53,24 @@ def test_cpu_serves_any_head_dim():
     runner = _runner_on_cuda([16])
     runner.device = torch.device("cpu")
     assert type(ModelRunner._make_backend(runner)).__name__ == "TorchPagedBackend"
+
+
+def test_per_layer_attention_shapes_are_refused_by_name():
+    """Layers of different (heads, kv_heads, head_dim) (Laguna's per-layer head counts, MiMo-V2-Flash's doubled KV
+    heads on its sliding layers): the FlashInfer backend plans one shape per step, so CUDA refuses them at load,
+    naming the shapes; the CPU serves them."""
+    runner = _runner_on_cuda([128, 128])
+    runner.attn_layers[1].num_heads = 2
+    with pytest.raises(NotImplementedError, match="different shapes per layer .*2 heads, 2 KV heads, head_dim 128"):
+        ModelRunner._make_backend(runner)
+    runner.device = torch.device("cpu")
+    assert type(ModelRunner._make_backend(runner)).__name__ == "TorchPagedBackend"
+
+
+def test_value_head_dim_is_refused_by_name():
+    """Value heads of another width than q / k (an attention `v_head_dim`): FlashInfer's decode wrapper takes one
+    head_dim, so CUDA refuses at load, naming both widths."""
+    runner = _runner_on_cuda([128])
+    runner.attn_layers[0].qk_head_dim, runner.attn_layers[0].v_head_dim = 128, 64
+    with pytest.raises(NotImplementedError, match=r"value heads of another width \(64\) than its query / key heads"):
+        ModelRunner._make_backend(runner)

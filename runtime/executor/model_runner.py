@@ -265,9 +265,9 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         if not self.attn_layers:        # no KV cache at all (a purely recurrent model): blocks are bookkeeping only
             return 1
-        a = self.attn_layers[0]
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+        # each layer at its own shape (KV heads, key and value head widths may differ between layers)
+        return self.block_size * sum(layer.kv_bytes_per_token(elem) for layer in self.attn_layers)
 
     def _auto_num_blocks(self, gpu_memory_utilization: float) -> int:
         per_block = self._kv_bytes_per_block()
@@ -291,10 +291,10 @@ class ModelRunner:
         return max(16, min(worst, int(2 * 2**30 // per_block)))         # CPU: at most 2 GiB of KV
 
     def _allocate_kv_cache(self) -> None:
-        for layer in self.attn_layers:
-            shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        for layer in self.attn_layers:     # each layer at its own shape: [blocks, block_size, KV heads, width]
+            shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads)
+            layer.k_cache = torch.zeros(shape + (layer.head_dim,), dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape + (layer.v_head_dim,), dtype=self.kv_dtype, device=self.device)
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
@@ -304,9 +304,10 @@ class ModelRunner:
             if mixed:
                 raise NotImplementedError(
                     f"this model's attention has value heads of another width ({mixed[0].v_head_dim}) than its "
-                    f"query / key heads ({mixed[0].qk_head_dim}), as multi-head latent attention has (its latent "
-                    "cache or its per-head K/V); the CUDA attention path (FlashInfer paged prefill / decode "
-                    "wrappers, one head_dim) does not run it; serve it on the CPU (device='cpu')")
+                    f"query / key heads ({mixed[0].qk_head_dim}) (an attention `v_head_dim`, as MiMo-V2-Flash's; "
+                    "multi-head latent attention's latent cache or per-head K/V); the CUDA attention path (FlashInfer's "
+                    "paged decode wrapper: one head_dim for q, k and v) does not run it; serve it on the CPU "
+                    "(device='cpu')")
             if any(getattr(layer.variant, "alibi", False) for layer in self.attn_layers):
                 raise NotImplementedError(
                     "this model uses ALiBi (a per-head linear position bias on the attention scores), which the CUDA "
@@ -323,7 +324,9 @@ class ModelRunner:
             refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
                                              sinks=any(layer.variant.sinks for layer in self.attn_layers),
                                              chunked=any(getattr(layer.variant, "chunk_size", None) is not None
-                                                         for layer in self.attn_layers))
+                                                         for layer in self.attn_layers),
+                                             shapes=[(layer.num_heads, layer.num_kv_heads, layer.head_dim)
+                                                     for layer in self.attn_layers])
             if refusal:
                 raise NotImplementedError(refusal)
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
