@@ -367,7 +367,7 @@ class AttentionIR:
 class MLAIR:
     """Multi-head latent attention (runtime: the generated class over L.Attention with v heads of their own width):
     q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key; cached as the latent
-    (kv_b_proj absorbed, runtime layers/mla.py) or expanded per head by kv_b_proj (v zero-padded)."""
+    (kv_b_proj absorbed, runtime layers/mla.py) or expanded per head by kv_b_proj (v at its own width)."""
     kind: str
     name: str
     class_name: str
