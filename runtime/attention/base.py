@@ -42,12 +42,9 @@ FULL = AttentionVariant()
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunked: bool = False,
-                           shapes: Iterable[tuple] = ()) -> Optional[str]:
+def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunked: bool = False) -> Optional[str]:
     """Why the CUDA attention path (FlashInfer) cannot serve layers of these head dims / variants, naming the
-    feature; None when it can. `shapes`: each attention layer's (heads, kv_heads, head_dim) on this rank: layers of
-    different shapes (per-layer head counts or head dims) are refused, the backend plans one shape per step.
-    Decided at load, before any kernel runs (no GPU needed to decide)."""
+    feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide)."""
     if chunked:
         return ("this model uses chunked local attention (attention_chunk_size: a query sees only the keys of its "
                 "own chunk), which the CUDA attention path (FlashInfer paged prefill / decode wrappers as planned "
@@ -57,12 +54,6 @@ def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunke
         return ("this model uses attention sinks (a learned per-head logit in the softmax denominator), which "
                 "the CUDA attention path (FlashInfer paged prefill / decode wrappers) does not implement; "
                 "serve it on the CPU (device='cpu')")
-    distinct = sorted(set(tuple(int(x) for x in shape) for shape in shapes))
-    if len(distinct) > 1:
-        listed = ", ".join(f"({h} heads, {kv} KV heads, head_dim {d})" for h, kv, d in distinct)
-        return (f"this model's attention layers have different shapes per layer ({listed} on this rank: per-layer "
-                "head counts or head dims), which the CUDA attention path (FlashInfer wrappers planned once per step "
-                "for one (heads, KV heads, head_dim)) does not implement yet; serve it on the CPU (device='cpu')")
     bad = sorted({int(d) for d in head_dims} - set(FLASHINFER_HEAD_DIMS))
     if bad:
         return (f"this model's attention head_dim {', '.join(map(str, bad))} is not one FlashInfer's paged "

@@ -324,24 +324,39 @@ class ModelRunner:
             refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
                                              sinks=any(layer.variant.sinks for layer in self.attn_layers),
                                              chunked=any(getattr(layer.variant, "chunk_size", None) is not None
-                                                         for layer in self.attn_layers),
-                                             shapes=[(layer.num_heads, layer.num_kv_heads, layer.head_dim)
-                                                     for layer in self.attn_layers])
+                                                         for layer in self.attn_layers))
             if refusal:
                 raise NotImplementedError(refusal)
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
+            from xllm_gen.runtime.attention.shape_groups import ShapeGroupBackend, layer_shape
             from xllm_gen.runtime.executor.cuda_graph import graph_buckets
+            shapes = list(dict.fromkeys(layer_shape(layer) for layer in self.attn_layers))
+            if len(shapes) > 1:
+                # layers of different shapes: one FlashInfer backend per shape group (shape_groups.py), eager (the
+                # decode graphs are built around one backend's wrappers); the groups share the largest workspace
+                logger.warning("attention layers of %d shapes %s: one FlashInfer backend per shape, without CUDA "
+                               "graphs", len(shapes), shapes)
+                self.enforce_eager = True
+                shapes.sort(key=lambda s: -FlashInferBackend.workspace_size(*s, self.max_num_seqs,
+                                                                            self.max_num_batched_tokens))
             a = self.attn_layers[0]
             buckets = () if self.enforce_eager else graph_buckets(self.graph_buckets, self.max_num_seqs)
-            return FlashInferBackend(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                                     block_size=self.block_size, dtype=self.dtype, device=self.device,
-                                     max_batch=max((self.max_num_seqs,) + buckets),
-                                     max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
-                                     max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets,
-                                     sm_scale=a.scale, kv_dtype=self.kv_dtype,
-                                     decode_tensor_cores=self.debug.get("decode_tensor_cores"),
-                                     decode_kernel=self.debug.get("decode_attention"),
-                                     prefill_backend=prefill_attention_choice(self.debug.get("prefill_attention")))
+            groups: dict = {}
+            max_batch = max((self.max_num_seqs,) + buckets)
+            for H, Hk, D in shapes:
+                first = next(iter(groups.values()), None)
+                share = first is not None and FlashInferBackend.workspace_size(
+                    H, Hk, D, max_batch, self.max_num_batched_tokens, first.num_sms) <= first.workspace_bytes
+                groups[(H, Hk, D)] = FlashInferBackend(
+                    num_heads=H, num_kv_heads=Hk, head_dim=D, block_size=self.block_size, dtype=self.dtype,
+                    device=self.device, max_batch=max_batch,
+                    max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
+                    max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets, sm_scale=a.scale,
+                    kv_dtype=self.kv_dtype, decode_tensor_cores=self.debug.get("decode_tensor_cores"),
+                    decode_kernel=self.debug.get("decode_attention"),
+                    prefill_backend=prefill_attention_choice(self.debug.get("prefill_attention")),
+                    workspace=first.workspace if share else None)
+            return next(iter(groups.values())) if len(groups) == 1 else ShapeGroupBackend(groups)
         from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
         return TorchPagedBackend()
 
