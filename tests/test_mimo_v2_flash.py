@@ -80,7 +80,6 @@ def test_per_layer_shapes_and_cache():
     """Each layer's attention and KV cache at its shape: the full layer 2 KV heads, the sliding ones 4; keys of 24,
     values of 16 (no padding); the cache's bytes per block sum the layers."""
     import torch
-
     from conformance.families import config_json
 
     from generated.mimo_v2_flash.model import Config, Model
