@@ -41,6 +41,8 @@ class FusionPlan:
         """"qk_norm_rope" / "rope": the attention's rotary step (with its q/k norm) also stores k, v; None: not."""
         if b.differential is not None:    # its cache holds the paired values, not v: stored by the attention
             return None
+        if b.v_head_dim is not None or b.value_scale is not None:   # v of its own width, or scaled: the attention stores
+            return None
         n = b.qk_norm
         if n is not None:
             return "qk_norm_rope" if n.fusable else None

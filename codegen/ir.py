@@ -72,6 +72,13 @@ class Size:
         return " + ".join(parts)
 
 
+def size_at(size, values: Mapping[str, Any], layer: Optional[int] = None) -> Any:
+    """A size's value in a variant; a per-layer size (an expression reading `layer`) in `layer` (0 when None)."""
+    if getattr(size, "per_layer", False):
+        return size.eval(values, 0 if layer is None else layer)
+    return size.eval(values)
+
+
 @dataclass(frozen=True)
 class Ratio:
     """num // den, exact (the resolver checks divisibility for every variant), e.g. a vision head_dim =
@@ -328,12 +335,15 @@ class AttentionIR:
     chunk_size: Optional[Value] = None         # chunked local attention, per-layer value; None = off
     query_scale: Optional["QueryScaleIR"] = None
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
-    sinks: bool = False                        # attention sinks: parameter `sinks [heads]`
+    sinks: bool = False                        # attention sinks (on some layer): parameter `sinks [heads]`
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
     q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)
     sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection
     differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
+    v_head_dim: Optional[Size] = None          # value heads' width (None: head_dim); a per-layer size may read `layer`
+    value_scale: Optional[Value] = None        # a constant factor on v before the cache (None: none)
+    sinks_when: Optional[Value] = None         # sinks only on the layers where this flag holds (None: every layer)
 
     @property
     def q_size(self) -> Size:
@@ -343,12 +353,22 @@ class AttentionIR:
     def kv_size(self) -> Size:
         return self.kv_heads * self.head_dim
 
+    @property
+    def v_dim(self) -> Size:
+        """The value heads' width (head_dim unless `v_head_dim` is given)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def per_layer_shape(self) -> bool:
+        """Some of heads / kv_heads / head_dim / v_head_dim reads the layer index."""
+        return any(getattr(s, "per_layer", False) for s in (self.heads, self.kv_heads, self.head_dim, self.v_head_dim))
+
 
 @dataclass(frozen=True)
 class MLAIR:
     """Multi-head latent attention (runtime: the generated class over L.Attention with v heads of their own width):
     q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key; cached as the latent
-    (kv_b_proj absorbed, runtime layers/mla.py) or expanded per head by kv_b_proj (v zero-padded)."""
+    (kv_b_proj absorbed, runtime layers/mla.py) or expanded per head by kv_b_proj (v at its own width)."""
     kind: str
     name: str
     class_name: str

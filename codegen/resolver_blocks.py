@@ -183,10 +183,21 @@ class BlockResolver(MLAResolver):
             sub = self.resolve_sub_norm(path, b.sub_norm, ())
             if sub is not None:
                 module(path + ("sub_norm", "name"), sub.name)
+            sinks = self.flag(path + ("sinks",), b.sinks, per_layer=True)
+            has_sinks = sinks.literal is not False
+            v_dim = self.dim(path + ("v_head_dim",), b.v_head_dim, per_layer=True) if b.v_head_dim is not None else None
+            if v_dim is not None:
+                for key, on in (("differential", b.differential is not None),
+                                ("out_gate", b.out_gate is not None and b.out_gate.source == "q")):
+                    if on:
+                        raise self.err(path + ("v_head_dim",), f"{self._where(path)}.v_head_dim: value heads of their "
+                                                               f"own width with `{key}` are not supported")
+            vscale = self.num(path + ("value_scale",), b.value_scale, per_layer=True, optional=True) \
+                if b.value_scale is not None else None
             diff = None
             if b.differential is not None:
                 dp = path + ("differential",)
-                for key, on in (("sinks", b.sinks), ("out_gate", b.out_gate is not None), ("alibi", b.alibi),
+                for key, on in (("sinks", has_sinks), ("out_gate", b.out_gate is not None), ("alibi", b.alibi),
                                 ("sub_norm", b.sub_norm is not None), ("query_scale", b.query_scale is not None)):
                     if on:
                         raise self.err(dp, f"{self._where(dp)}: differential attention with `{key}` is not supported")
@@ -195,19 +206,22 @@ class BlockResolver(MLAResolver):
                 diff = self.positive(dp + ("eps",), b.differential.eps, below=1.0)
             return AttentionIR(
                 kind="attention", name=name, class_name=f"{prefix}Attention" if unique_kind else f"{prefix}{camel}",
-                hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
-                kv_heads=self.dim(path + ("kv_heads",), b.kv_heads), head_dim=self.dim(path + ("head_dim",), b.head_dim),
+                hidden=self.dim(path + ("hidden",), b.hidden),
+                heads=self.dim(path + ("heads",), b.heads, per_layer=True),
+                kv_heads=self.dim(path + ("kv_heads",), b.kv_heads, per_layer=True),
+                head_dim=self.dim(path + ("head_dim",), b.head_dim, per_layer=True),
                 qkv_name=module(path + ("qkv", "name"), b.qkv.name), qkv_segments=tuple(qkv_segs),
                 qkv_bias=self.flag(path + ("qkv", "bias"), b.qkv.bias),
                 out_name=out_name,
                 out_bias=out_bias,
                 rotary=rotary,
                 qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
-                sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=b.sinks,
+                sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=has_sinks,
                 out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if gate_name is not None else None,
                 q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
-                differential=diff)
+                differential=diff, v_head_dim=v_dim, value_scale=vscale,
+                sinks_when=sinks if has_sinks and sinks.literal is not True else None)
         if isinstance(b, ShortConvBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             if names[1] in (names[0], "conv") or names[0] == "conv":
@@ -710,9 +724,9 @@ class BlockResolver(MLAResolver):
             q, k, v = b.qkv_segments
             segs = [SegmentIR(q, b.heads, b.head_dim if not b.q_gate else Size.of(2) * b.head_dim),
                     SegmentIR(k, b.kv_heads, b.head_dim, True),
-                    SegmentIR(v, b.kv_heads, b.head_dim, True)]
+                    SegmentIR(v, b.kv_heads, b.v_dim, True)]
             ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
-            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.out_bias))
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.v_dim), b.hidden, _maybe(b.out_bias))
             if b.out_bias.per_layer:      # the bias exists on the layers where the expression holds
                 ps[-1] = dataclasses.replace(ps[-1], when=(b.out_bias, True))
             if b.qk_norm:
@@ -737,11 +751,13 @@ class BlockResolver(MLAResolver):
                     ps[first:] = [dataclasses.replace(p, when=(n.enabled, True)) for p in ps[first:]]
             if b.out_gate:                # a gate per (head, dim) or per head, split by heads as q is
                 gname, _, per = b.out_gate
-                ps += column(f"{gname}.", b.hidden, [SegmentIR(gname, b.heads, b.head_dim if per == "element" else one)],
+                ps += column(f"{gname}.", b.hidden, [SegmentIR(gname, b.heads, b.v_dim if per == "element" else one)],
                              False)
             if b.sinks:                   # one logit per query head, split by heads as q is
                 ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
-            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.out_name, b.heads, b.head_dim))
+                if b.sinks_when is not None:      # only on the layers where the flag holds
+                    ps[-1] = dataclasses.replace(ps[-1], when=(b.sinks_when, True))
+            ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.out_name, b.heads, b.v_dim))
             if b.differential is not None:    # the lambda re-parameterization vectors, replicated
                 ps += [P(n, (b.head_dim,), "replicated") for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
             return ps

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .expr import is_symbol
-from .ir import AttentionIR, Value
+from .ir import AttentionIR, Value, size_at
 
 
 def _is_int(v: Any) -> bool:
@@ -76,9 +76,9 @@ class RotaryResolver:
         mapping (or None) on every layer."""
         rot = b.rotary
         rp = ("decoder", "layers", "blocks", b.name, "rotary")
-        hd = b.head_dim.eval(values)
-        per_layer = rot.fraction is not None and rot.fraction.per_layer
+        per_layer = rot.fraction is not None and rot.fraction.per_layer or b.per_layer_shape
         for li in (range(min(layers, 256)) if per_layer else (None,)):
+            hd = size_at(b.head_dim, values, li)
             rd = rotary_dims(rot, hd, values, li)
             if rd is not None:
                 src = rot.fraction if rot.fraction is not None else rot.dim

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 
 from .errors import did_you_mean
 from .expr import ExprError
-from .ir import MLAIR, RGLRUIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, Size, VariantIR
+from .ir import MLAIR, RGLRUIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, Size, VariantIR, size_at
 from .resolver_blocks import _is_int
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
@@ -120,17 +120,28 @@ class VariantResolver:
                 sym = f.expr.names[0]
             return vp + (sym,) if sym in given else vp
 
-        for path, size in self.sizes:
+        def layer_range():
+            """The layers of this variant (a per-layer size is checked in each)."""
             try:
-                x = size.eval(values)
-            except Exception as exc:  # noqa: BLE001 - a spec formula that fails is the spec's error
-                raise self.err(path, f"variants.{name}: {self._where(path)} = {size} fails: "
-                                     f"{type(exc).__name__}: {exc}") from None
-            if not _is_int(x) or not 0 < x <= MAX_SIZE:
-                sym = getattr(size, "symbol", None) if isinstance(size, Size) else None
-                where = at(sym) if sym and at(sym) != vp else path
-                raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}; a size is an int in "
-                                      f"1..2**31-1")
+                n = layer.count.eval(values)
+            except Exception:  # noqa: BLE001 - the count's own formula is checked as a size
+                return range(0)
+            return range(min(n, MAX_LAYERS)) if _is_int(n) else range(0)
+
+        for path, size in self.sizes:
+            for li in (layer_range() if getattr(size, "per_layer", False) else (None,)):
+                try:
+                    x = size.eval(values) if li is None else size.eval(values, li)
+                except Exception as exc:  # noqa: BLE001 - a spec formula that fails is the spec's error
+                    at_layer = f" for layer {li}" if li is not None else ""
+                    raise self.err(path, f"variants.{name}: {self._where(path)} = {size} fails{at_layer}: "
+                                         f"{type(exc).__name__}: {exc}") from None
+                if not _is_int(x) or not 0 < x <= MAX_SIZE:
+                    sym = getattr(size, "symbol", None) if isinstance(size, Size) else None
+                    where = at(sym) if sym and at(sym) != vp else path
+                    at_layer = f" in layer {li}" if li is not None else ""
+                    raise self.err(where, f"variants.{name}: {self._where(path)} is {x!r}{at_layer}; a size is an "
+                                          f"int in 1..2**31-1")
         if layer.count.eval(values) > MAX_LAYERS:
             sym = layer.count.symbol if isinstance(layer.count, Size) else None
             raise self.err(at(sym) if sym and at(sym) != vp else ("decoder", "layers", "count"),
@@ -158,10 +169,12 @@ class VariantResolver:
 
         def check_ints(size):
             if not isinstance(size, Size):
-                x = size.eval(values)
-                if not _is_int(x) or x <= 0:
-                    raise self.err(vp, f"variants.{name}: {size} is {x!r}; a size must be a positive int",
-                                   at_key=True)
+                for li in (layer_range() if getattr(size, "per_layer", False) else (None,)):
+                    x = size.eval(values) if li is None else size.eval(values, li)
+                    if not _is_int(x) or x <= 0:
+                        raise self.err(vp, f"variants.{name}: {size} is {x!r}"
+                                           + (f" in layer {li}" if li is not None else "")
+                                           + "; a size must be a positive int", at_key=True)
                 return
             for t in size.terms:
                 for f in t:
@@ -178,10 +191,19 @@ class VariantResolver:
         check_ints(layer.count)
         for b in layer.blocks:
             if isinstance(b, AttentionIR):
-                h, kv, hd = b.heads.eval(values), b.kv_heads.eval(values), b.head_dim.eval(values)
-                if b.rotary is not None and b.rotary.kind == "neox" and hd % 2 and b.rotary.fraction is None and b.rotary.dim is None:
-                    raise self.err(at(b.head_dim.symbol) if isinstance(b.head_dim, Size) else vp,
-                                   f"variants.{name}: {b.name}.head_dim is {hd}; rotary needs an even head_dim")
+                for li in (range(layers) if b.per_layer_shape else (None,)):     # each layer's shape
+                    h, kv, hd = (size_at(x, values, li) for x in (b.heads, b.kv_heads, b.head_dim))
+                    in_layer = f" in layer {li}" if li is not None else ""
+                    if (b.rotary is not None and b.rotary.kind == "neox" and hd % 2 and b.rotary.fraction is None
+                            and b.rotary.dim is None):
+                        raise self.err(at(b.head_dim.symbol) if isinstance(b.head_dim, Size) else vp,
+                                       f"variants.{name}: {b.name}.head_dim is {hd}{in_layer}; rotary needs an even "
+                                       f"head_dim")
+                    if h % kv:
+                        sym = b.kv_heads.symbol if isinstance(b.kv_heads, Size) else None
+                        raise self.err(at(sym), f"variants.{name}: {b.name}.heads ({h}) must be a multiple of "
+                                                f"{b.name}.kv_heads ({kv}){in_layer}")
+                hd = size_at(b.head_dim, values, 0 if b.per_layer_shape else None)
                 if b.sliding_window is not None:
                     for li in range(layers):
                         w = ev(("decoder", "layers", "blocks", b.name, "sliding_window"), b.sliding_window, li)
@@ -198,10 +220,6 @@ class VariantResolver:
                                            f"chunk is an int >= 1 or None")
                 if b.rotary is not None:
                     self.check_rotary_variant(name, b, values, layers, at)
-                if h % kv:
-                    sym = b.kv_heads.symbol if isinstance(b.kv_heads, Size) else None
-                    raise self.err(at(sym), f"variants.{name}: {b.name}.heads ({h}) must be a multiple of "
-                                            f"{b.name}.kv_heads ({kv})")
                 if b.rotary is not None and b.rotary.mrope_section is not None:
                     sec = b.rotary.mrope_section.eval(values)
                     if len(sec) != 3 or any(x < 0 for x in sec):

@@ -11,7 +11,7 @@ import re
 from typing import Any, Mapping, Optional, Tuple
 
 from .errors import did_you_mean
-from .ir import ParamIR, WeightIR
+from .ir import ParamIR, WeightIR, size_at
 
 
 class WeightsResolver:
@@ -176,7 +176,7 @@ class WeightsResolver:
     def check_layout_variant(self, name: str, values: Mapping[str, Any]) -> None:
         """In a variant, each laid-out parameter's segments split into the layout's groups."""
         for lp, where, p, per in self.layouts_to_check:
-            heads = {s.name: s.heads.eval(values) for s in p.segments}
+            heads = {s.name: size_at(s.heads, values) for s in p.segments}   # (a per-layer count: in layer 0)
             shown = ", ".join(f"{n}: {h}" for n, h in heads.items())
             if per == "head" and len(set(heads.values())) != 1:
                 raise self.err(lp + ("per",), f"variants.{name}: {where}.layout per: head needs every segment to "

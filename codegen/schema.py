@@ -239,9 +239,10 @@ class AttentionBlock(Strict):
     rotary embedding, paged attention, output projection."""
     kind: Literal["attention"]
     hidden: Dim
-    heads: Dim
+    heads: Dim          # the sizes heads / kv_heads / head_dim / v_head_dim are per-layer values (may read `layer`)
     kv_heads: Dim
     head_dim: Dim
+    v_head_dim: Optional[Dim] = None     # value heads' width; absent: head_dim (MiMo-V2-Flash: v_head_dim 128, q/k 192)
     qkv: FusedProjection
     out: Projection
     rotary: Optional[Rotary] = None     # absent: no rotary (absolute positions in the embedding, or ALiBi)
@@ -260,7 +261,9 @@ class AttentionBlock(Strict):
                                          # qk_norm); an optional symbol that is None turns it off (OLMo, DBRX)
     # attention sinks (GPT-OSS): a learned logit per query head in the softmax denominator, parameter
     # `sinks [heads]` of this block (split by heads under TP)
-    sinks: StrictBool = False
+    sinks: Flag = False                 # a flag, per-layer (may read `layer`): the layers that have sinks
+    # a constant factor on the values before the cache (MiMo-V2-Flash's attention_value_scale); absent: none
+    value_scale: Optional[Num] = None
     # ALiBi (Bloom, MPT): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled scores; the
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False

@@ -12,11 +12,11 @@ from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set
 
 
 def dense_causal(q, k, v, scale):
-    """q [Q, H, D] are the last Q positions of k, v [L, Hk, D]; plain float64 math."""
+    """q [Q, H, D] are the last Q positions of k [L, Hk, D], v [L, Hk, Dv]; plain float64 math."""
     Q, H, D = q.shape
     Lk, Hk, _ = k.shape
     g = H // Hk
-    out = torch.empty(Q, H, D, dtype=torch.float64)
+    out = torch.empty(Q, H, v.shape[-1], dtype=torch.float64)
     for h in range(H):
         s = (q[:, h].double() @ k[:, h // g].double().T) * scale
         for i in range(Q):
@@ -56,9 +56,10 @@ def make_step(seq_lens, query_lens, block_size, num_blocks, max_blocks=None, see
     return ctx, tables
 
 
-@pytest.mark.parametrize("H,Hk", [(4, 4), (8, 2), (4, 1)])
+# Dv: the value heads' width, q / k's (16) or one of their own (an attention `v_head_dim`)
+@pytest.mark.parametrize("H,Hk,Dv", [(4, 4, 16), (8, 2, 16), (4, 1, 16), (8, 2, 12)])
 @pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])
-def test_attention_layer_paged_vs_dense(H, Hk, mode):
+def test_attention_layer_paged_vs_dense(H, Hk, mode, Dv):
     torch.manual_seed(0)
     D, bs, num_blocks = 16, 4, 64
     if mode == "prefill":
@@ -70,10 +71,10 @@ def test_attention_layer_paged_vs_dense(H, Hk, mode):
     pad = 2 if mode == "decode" else 0
     ctx, tables = make_step(seq_lens, query_lens, bs, num_blocks, pad_rows=pad, seed=H * 10 + Hk)
     k_cache = torch.randn(num_blocks, bs, Hk, D)      # garbage everywhere...
-    v_cache = torch.randn(num_blocks, bs, Hk, D)
+    v_cache = torch.randn(num_blocks, bs, Hk, Dv)
     # ...and the true history of each sequence written at its cached positions
     full_k = [torch.randn(Lq, Hk, D) for Lq in seq_lens]
-    full_v = [torch.randn(Lq, Hk, D) for Lq in seq_lens]
+    full_v = [torch.randn(Lq, Hk, Dv) for Lq in seq_lens]
     for i, (Lq, Q) in enumerate(zip(seq_lens, query_lens)):
         for p in range(Lq - Q):
             b = tables[i][p // bs]
@@ -82,9 +83,9 @@ def test_attention_layer_paged_vs_dense(H, Hk, mode):
     N = sum(query_lens) + pad
     q = torch.randn(N, H, D)
     k = torch.cat([fk[Lq - Q:] for fk, Lq, Q in zip(full_k, seq_lens, query_lens)] + [torch.randn(pad, Hk, D)])
-    v = torch.cat([fv[Lq - Q:] for fv, Lq, Q in zip(full_v, seq_lens, query_lens)] + [torch.randn(pad, Hk, D)])
+    v = torch.cat([fv[Lq - Q:] for fv, Lq, Q in zip(full_v, seq_lens, query_lens)] + [torch.randn(pad, Hk, Dv)])
     before = k_cache.clone()
-    attn = L.Attention(H, Hk, D, scale=D ** -0.5)
+    attn = L.Attention(H, Hk, D, scale=D ** -0.5, v_head_dim=Dv)
     attn.k_cache, attn.v_cache = k_cache, v_cache
     backend = TorchPagedBackend()
     assert isinstance(backend, AttentionBackend)
@@ -95,14 +96,14 @@ def test_attention_layer_paged_vs_dense(H, Hk, mode):
         out = attn(q, k.reshape(N, -1), v.reshape(N, -1))
     finally:
         reset_context()
-    assert out.shape == (N, H * D)
-    out = out.view(N, H, D)
+    assert out.shape == (N, H * Dv)
+    out = out.view(N, H, Dv)
     row = 0
     for i, (Lq, Q) in enumerate(zip(seq_lens, query_lens)):
         ref = dense_causal(q[row:row + Q], full_k[i], full_v[i], D ** -0.5)
         torch.testing.assert_close(out[row:row + Q].double(), ref, atol=2e-5, rtol=1e-5)
         row += Q
-    assert torch.equal(out[row:], torch.zeros(pad, H, D))          # padding rows: zeros
+    assert torch.equal(out[row:], torch.zeros(pad, H, Dv))         # padding rows: zeros
     # the step's K went to its slots; slot -1 (padding rows) wrote nothing
     expected = before.clone()
     for r, s in enumerate(ctx.slot_mapping.tolist()):

@@ -53,3 +53,77 @@ def test_cpu_serves_any_head_dim():
     runner = _runner_on_cuda([16])
     runner.device = torch.device("cpu")
     assert type(ModelRunner._make_backend(runner)).__name__ == "TorchPagedBackend"
+
+
+def test_per_layer_attention_shapes_get_one_backend_per_shape(monkeypatch):
+    """Layers of different (heads, kv_heads, head_dim) (Laguna's per-layer head counts): the CUDA runner builds one
+    FlashInfer backend per shape group (planned and run as for a model of that one shape; a ShapeGroupBackend
+    dispatches each layer to its shape's), the largest group's workspace shared, and runs eagerly (no decode graphs).
+    FlashInfer itself is replaced by a recorder here: the wiring is checked on the CPU, the kernels on a GPU host."""
+    import xllm_gen.runtime.attention.flashinfer_backend as fb
+    from xllm_gen.runtime.attention.shape_groups import ShapeGroupBackend
+
+    made = []
+
+    class Recorder:
+        workspace_size = staticmethod(fb.FlashInferBackend.workspace_size)
+
+        def __init__(self, **kw):
+            self.kw, self.num_sms = kw, 132
+            self.workspace = kw["workspace"] if kw["workspace"] is not None else object()
+            self.workspace_bytes = 1 << 40
+            made.append(self)
+
+    monkeypatch.setattr(fb, "FlashInferBackend", Recorder)
+    runner = _runner_on_cuda([128, 128, 128])
+    runner.attn_layers[1].num_heads = 2
+    runner.__dict__.update(enforce_eager=False, graph_buckets=(1, 2), max_num_seqs=4, block_size=16,
+                           dtype=torch.bfloat16, max_model_len=64, num_kv_blocks=32, max_num_batched_tokens=256,
+                           kv_dtype=torch.bfloat16)
+    backend = ModelRunner._make_backend(runner)
+    assert isinstance(backend, ShapeGroupBackend) and sorted(backend.groups) == [(2, 2, 128), (4, 2, 128)]
+    assert runner.enforce_eager and all(m.kw["graph_buckets"] == () for m in made)
+    assert {(m.kw["num_heads"], m.kw["num_kv_heads"], m.kw["head_dim"]) for m in made} == {(4, 2, 128), (2, 2, 128)}
+    assert made[0].kw["workspace"] is None and made[1].kw["workspace"] is made[0].workspace   # one shared workspace
+
+
+def test_shape_group_backend_dispatches_by_layer_shape():
+    """ShapeGroupBackend over the torch backend: two layers of different shapes in one step, each computed by its
+    shape's backend, equal to the plain backend's output."""
+    from xllm_gen.runtime.attention.shape_groups import ShapeGroupBackend
+    from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
+    from xllm_gen.runtime.executor.context import ForwardContext
+
+    torch.manual_seed(0)
+    ctx = ForwardContext(is_prefill=True, cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+                         seq_lens=torch.tensor([5], dtype=torch.int32), slot_mapping=torch.arange(5),
+                         block_tables=torch.tensor([[0, 1]], dtype=torch.int32), block_size=4, seq_lens_cpu=[5],
+                         query_lens_cpu=[5])
+    calls = []
+
+    class Counting(TorchPagedBackend):
+        def forward(self, q, *a, **kw):
+            calls.append(tuple(q.shape[1:]))
+            return super().forward(q, *a, **kw)
+
+    groups = ShapeGroupBackend({(4, 2, 8): Counting(), (2, 2, 16): Counting()})
+    groups.plan(ctx)
+    plain = TorchPagedBackend()
+    plain.plan(ctx)
+    for H, Hk, D in ((4, 2, 8), (2, 2, 16)):
+        q, k, v = torch.randn(5, H, D), torch.randn(5, Hk, D), torch.randn(5, Hk, D)
+        kc, vc = torch.zeros(2, 4, Hk, D), torch.zeros(2, 4, Hk, D)
+        kc.view(-1, Hk, D)[:5], vc.view(-1, Hk, D)[:5] = k, v
+        torch.testing.assert_close(groups.forward(q, k, v, kc, vc, ctx, 0.3), plain.forward(q, k, v, kc, vc, ctx, 0.3))
+    assert calls == [(4, 8), (2, 16)]
+    with pytest.raises(RuntimeError, match="no planned backend"):
+        groups.forward(torch.randn(5, 8, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), kc, vc, ctx, 0.3)
+
+
+def test_value_head_dim_is_refused_by_name():
+    """Value heads of another width than q / k (an attention `v_head_dim`): FlashInfer's decode wrapper takes one
+    head_dim, so CUDA refuses at load, naming both widths."""
+    runner = _runner_on_cuda([128])
+    runner.attn_layers[0].qk_head_dim, runner.attn_layers[0].v_head_dim = 128, 64
+    with pytest.raises(NotImplementedError, match=r"value heads of another width \(64\) than its query / key heads"):
+        ModelRunner._make_backend(runner)

@@ -1,7 +1,8 @@
 """Laguna (specs/laguna.yaml): the per-layer rotating share (`rotary.fraction` reading `layer`: half of a full layer's
-head, all of a sliding layer's) and the per-head softplus output gate (`attention.out_gate: {per: head}`). Arms on the
-tiny checkpoint (sliding, full, sliding layers; conformance checks it as built): each changes transformers' tokens and
-the engine must agree."""
+head, all of a sliding layer's), the per-head softplus output gate (`attention.out_gate: {per: head}`) and per-layer
+query head counts (`heads: "num_attention_heads_per_layer[layer]"`: each layer's projections and KV cache at its own
+shape). Arms on the tiny checkpoint (sliding, full, sliding layers; conformance checks it as built): each changes
+transformers' tokens and the engine must agree."""
 from __future__ import annotations
 
 import shutil
@@ -57,8 +58,31 @@ def test_guard_refuses_unmodeled_forms():
     from generated.laguna.model import Config
 
     for field, value in [("gating", "per-element"), ("moe_router_logit_softcapping", 5.0),
-                         ("num_attention_heads_per_layer", [4, 2, 4]),
                          ("moe_apply_router_weight_on_input", True)]:
         with pytest.raises(Exception) as e:
             Config.from_hf({**config_json(ARCH), field: value})
         assert field in str(e.value), (field, str(e.value))
+
+
+@pytest.mark.engine
+def test_per_layer_head_counts(tiny_checkpoint, tmp_path):
+    """num_attention_heads_per_layer [4, 2, 4]: layer 1 has 2 query heads (its q / g / o projections half as wide, one
+    query head per KV head). Served in agreement with transformers; the same weights under a config.json that swaps
+    two layers' counts are refused at load, naming a tensor whose shape does not fit (never served wrong)."""
+    from fixtures.tiny_hf import edit_config
+
+    from xllm_gen import LLM
+
+    ckpt = tiny_checkpoint(ARCH, overrides={"num_attention_heads_per_layer": [4, 2, 4]})
+    prompt = np.random.default_rng(11).integers(0, 400, 12).tolist()
+    from test_scalings import _agree, _engine, _hf
+
+    _agree(_engine(ckpt, prompt), _hf(ckpt, prompt), "per-layer head counts [4, 2, 4]")
+
+    def swap(cfg):
+        cfg["num_attention_heads_per_layer"] = [2, 4, 4]
+
+    bad = edit_config(ckpt, tmp_path / "swapped", swap)
+    with pytest.raises(Exception) as e:
+        LLM(model=str(bad), device="cpu", dtype="float32")
+    assert "layers.0.self_attn" in str(e.value) or "layers.1.self_attn" in str(e.value), str(e.value)

@@ -90,7 +90,8 @@ class AttentionBackend:
     """plan(ctx) once per step (outside graph capture), shared by all layers; forward(...) per layer.
 
     When forward runs, the step's K/V are already written to (k_cache, v_cache) ([num_blocks, block_size,
-    Hk, D], NHD) by the Attention layer. q [N, H, D], k/v [N, Hk, D] -> out [N, H, D]. `variant` (an
+    Hk, D], NHD; v_cache [..., Hk, Dv] where the value heads have a width of their own) by the Attention layer.
+    q [N, H, D], k [N, Hk, D], v [N, Hk, Dv] -> out [N, H, Dv]. Layers may differ in shape (H, Hk, D, Dv). `variant` (an
     AttentionVariant; None = FULL) selects the layer's sliding window / soft-cap; the Attention layer passes it
     only when it is not FULL, so a backend without variants keeps working for plain models. With
     `variant.sinks` the layer also passes `sinks` ([H] float, this rank's heads). A layer whose cache is scaled

@@ -82,7 +82,9 @@ class FlashInferBackend(AttentionBackend):
                  sm_scale: Optional[float] = None, kv_dtype: Optional[torch.dtype] = None,
                  prefill_backend: str = "fa2", decode_tensor_cores: Optional[bool] = None,
                  decode_kernel: Optional[str] = None, workspace_bytes: Optional[int] = None,
-                 variants: Optional[Sequence[AttentionVariant]] = None):
+                 variants: Optional[Sequence[AttentionVariant]] = None, workspace: Optional[torch.Tensor] = None):
+        # workspace: a float workspace to share (uint8, at least workspace_size(...) bytes): the backends of a model's
+        # attention shape groups (runtime/attention/shape_groups.py) run one after another and share one
         self.num_heads = num_heads                 # per rank
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -108,10 +110,13 @@ class FlashInferBackend(AttentionBackend):
         self.decode_kernel = decode_kernel_choice(decode_kernel)
         self.max_model_len = max_model_len
         self.decode_kernel_times: dict = {}        # bucket -> {splits (0: FlashInfer): us} of what was measured
-        ws = workspace_bytes or self.workspace_size(num_heads, num_kv_heads, head_dim, max(max_batch, 1),
-                                                    max_num_tokens, num_sms)
-        self.workspace_bytes = ws
-        self.workspace = torch.zeros(ws, dtype=torch.uint8, device=self.device)
+        if workspace is not None:
+            self.workspace, self.workspace_bytes = workspace, workspace.numel()
+        else:
+            ws = workspace_bytes or self.workspace_size(num_heads, num_kv_heads, head_dim, max(max_batch, 1),
+                                                        max_num_tokens, num_sms)
+            self.workspace_bytes = ws
+            self.workspace = torch.zeros(ws, dtype=torch.uint8, device=self.device)
         # graph buckets: persistent index buffers (per bucket, shared by the variants' wrappers)
         self.page_indices_buf = torch.zeros(self.max_pages, dtype=torch.int32, device=self.device)
         self.graph_buckets: tuple[int, ...] = ()

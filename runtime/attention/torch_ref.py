@@ -17,7 +17,9 @@ class TorchPagedBackend(AttentionBackend):
     (HF eager semantics, see `attend`, the per-sequence oracle this path is tested against). GQA without
     copies: query heads are grouped [Hk, H // Hk] against their KV head. A row with no KV (padding) gives zeros.
     If the caches are empty (no KV cache attached, e.g. a cache-less prefill), the step's k/v are used.
-    Variants (sliding window, logit soft-cap) only change the mask / scores: no per-variant plan is needed.
+    Variants (sliding window, logit soft-cap) only change the mask / scores: no per-variant plan is needed, and
+    neither do layer shapes: each call reads its heads and widths from q / k / v (value heads may have a width of
+    their own: v [N, Hk, Dv], v_cache [..., Hk, Dv] -> out [N, H, Dv]).
     A scaled cache (k_scale / v_scale: per-tensor fp8 KV-cache scales) is read back as cache * scale in float32."""
 
     def __init__(self):
@@ -91,9 +93,9 @@ class TorchPagedBackend(AttentionBackend):
             self.plan(ctx)
         variant = variant or FULL
         N, H, D = q.shape
-        Hk = k.shape[1]
+        Hk, Dv = k.shape[1], v.shape[-1]        # value heads may be narrower or wider than q / k heads
         g = H // Hk
-        out = torch.zeros(N, H, D, dtype=q.dtype, device=q.device)
+        out = torch.zeros(N, H, Dv, dtype=q.dtype, device=q.device)
         use_cache = k_cache is not None and k_cache.numel() > 0
         if not self._live:
             return out
@@ -106,7 +108,7 @@ class TorchPagedBackend(AttentionBackend):
             bs = k_cache.shape[1]
             blocks = ctx.block_tables[i, :(n + bs - 1) // bs].long()
             ks = dequantize_kv(k_cache[blocks].reshape(-1, Hk, D)[:n], k_scale)
-            vs = dequantize_kv(v_cache[blocks].reshape(-1, Hk, D)[:n], v_scale)
+            vs = dequantize_kv(v_cache[blocks].reshape(-1, Hk, Dv)[:n], v_scale)
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
                                 variant.logit_softcap, sinks, alibi_slopes, variant.chunk_size).to(q.dtype)
             return out
@@ -117,7 +119,7 @@ class TorchPagedBackend(AttentionBackend):
             nblk = (L + bs - 1) // bs
             blocks = ctx.block_tables[rows.to(ctx.block_tables.device), :nblk].long()
             ks = dequantize_kv(k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], k_scale)
-            vs = dequantize_kv(v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], v_scale)
+            vs = dequantize_kv(v_cache[blocks].reshape(B, nblk * bs, Hk, Dv)[:, :L], v_scale)
         else:
             if any(q1 - q0 != n for (q0, q1), n in zip(self._q_bounds, self._seq_lens) if n):
                 raise ValueError("without a KV cache every sequence must be computed whole")
@@ -135,7 +137,7 @@ class TorchPagedBackend(AttentionBackend):
             s = torch.tanh(s / variant.logit_softcap) * variant.logit_softcap
         s = s.masked_fill(~self._mask(variant, q_pos, k_valid, q_valid), float("-inf"))
         o = torch.matmul(_softmax(s, None if sinks is None else sinks.float().view(1, Hk, g, 1, 1)), vf)
-        o = o.permute(0, 3, 1, 2, 4).reshape(B, -1, H, D)
+        o = o.permute(0, 3, 1, 2, 4).reshape(B, -1, H, Dv)
         out[q_index[q_valid]] = o[q_valid].to(q.dtype)
         return out
 
@@ -144,7 +146,7 @@ class TorchPagedBackend(AttentionBackend):
         visible (within the window), so the mask is the keys' validity and no query gather is needed; one SDPA
         call over the gathered pages, GQA without copies (enable_gqa)."""
         B, H, D = q.shape
-        Hk = k_cache.shape[2]
+        Hk, Dv = k_cache.shape[2], v_cache.shape[-1]
         window, chunk = variant.sliding_window, variant.chunk_size
         if (window, chunk) not in self._decode_masks:
             lens = torch.tensor(self._seq_lens)
@@ -164,10 +166,10 @@ class TorchPagedBackend(AttentionBackend):
         keep = visible[:, :, None, None]
         # pages past a row's length may hold stale or unwritten values: zeroed (0 * NaN is NaN)
         ks = torch.where(keep, dequantize_kv(k_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], k_scale), 0.0)
-        vs = torch.where(keep, dequantize_kv(v_cache[blocks].reshape(B, nblk * bs, Hk, D)[:, :L], v_scale), 0.0)
+        vs = torch.where(keep, dequantize_kv(v_cache[blocks].reshape(B, nblk * bs, Hk, Dv)[:, :L], v_scale), 0.0)
         o = torch.nn.functional.scaled_dot_product_attention(
             q.float().unsqueeze(2), ks.float().transpose(1, 2), vs.float().transpose(1, 2),
-            attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=H != Hk)      # [B, H, 1, D]
+            attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=H != Hk)      # [B, H, 1, Dv]
         return o.squeeze(2).to(q.dtype)
 
 
@@ -186,7 +188,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
            sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
            chunk_size: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of q [Q, H, D] against k, v [L, Hk, D]; query j sits at position q_offset + j.
+    """Causal attention of q [Q, H, D] against k [L, Hk, D], v [L, Hk, Dv] -> [Q, H, Dv]; query j sits at position
+    q_offset + j.
 
     HF eager semantics: scores = q k^T * scale; with logit_softcap c, scores = c * tanh(scores / c) (before the
     mask); key p is visible to query position i iff p <= i and, with a sliding window W, p > i - W. `sinks` [H]:

@@ -265,9 +265,9 @@ class ModelRunner:
     def _kv_bytes_per_block(self) -> int:
         if not self.attn_layers:        # no KV cache at all (a purely recurrent model): blocks are bookkeeping only
             return 1
-        a = self.attn_layers[0]
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+        # each layer at its own shape (KV heads, key and value head widths may differ between layers)
+        return self.block_size * sum(layer.kv_bytes_per_token(elem) for layer in self.attn_layers)
 
     def _auto_num_blocks(self, gpu_memory_utilization: float) -> int:
         per_block = self._kv_bytes_per_block()
@@ -291,10 +291,10 @@ class ModelRunner:
         return max(16, min(worst, int(2 * 2**30 // per_block)))         # CPU: at most 2 GiB of KV
 
     def _allocate_kv_cache(self) -> None:
-        for layer in self.attn_layers:
-            shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        for layer in self.attn_layers:     # each layer at its own shape: [blocks, block_size, KV heads, width]
+            shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads)
+            layer.k_cache = torch.zeros(shape + (layer.head_dim,), dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape + (layer.v_head_dim,), dtype=self.kv_dtype, device=self.device)
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
@@ -304,9 +304,10 @@ class ModelRunner:
             if mixed:
                 raise NotImplementedError(
                     f"this model's attention has value heads of another width ({mixed[0].v_head_dim}) than its "
-                    f"query / key heads ({mixed[0].qk_head_dim}), as multi-head latent attention has (its latent "
-                    "cache or its per-head K/V); the CUDA attention path (FlashInfer paged prefill / decode "
-                    "wrappers, one head_dim) does not run it; serve it on the CPU (device='cpu')")
+                    f"query / key heads ({mixed[0].qk_head_dim}) (an attention `v_head_dim`, as MiMo-V2-Flash's; "
+                    "multi-head latent attention's latent cache or per-head K/V); the CUDA attention path (FlashInfer's "
+                    "paged decode wrapper: one head_dim for q, k and v) does not run it; serve it on the CPU "
+                    "(device='cpu')")
             if any(getattr(layer.variant, "alibi", False) for layer in self.attn_layers):
                 raise NotImplementedError(
                     "this model uses ALiBi (a per-head linear position bias on the attention scores), which the CUDA "
@@ -327,18 +328,35 @@ class ModelRunner:
             if refusal:
                 raise NotImplementedError(refusal)
             from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
+            from xllm_gen.runtime.attention.shape_groups import ShapeGroupBackend, layer_shape
             from xllm_gen.runtime.executor.cuda_graph import graph_buckets
+            shapes = list(dict.fromkeys(layer_shape(layer) for layer in self.attn_layers))
+            if len(shapes) > 1:
+                # layers of different shapes: one FlashInfer backend per shape group (shape_groups.py), eager (the
+                # decode graphs are built around one backend's wrappers); the groups share the largest workspace
+                logger.warning("attention layers of %d shapes %s: one FlashInfer backend per shape, without CUDA "
+                               "graphs", len(shapes), shapes)
+                self.enforce_eager = True
+                shapes.sort(key=lambda s: -FlashInferBackend.workspace_size(*s, self.max_num_seqs,
+                                                                            self.max_num_batched_tokens))
             a = self.attn_layers[0]
             buckets = () if self.enforce_eager else graph_buckets(self.graph_buckets, self.max_num_seqs)
-            return FlashInferBackend(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                                     block_size=self.block_size, dtype=self.dtype, device=self.device,
-                                     max_batch=max((self.max_num_seqs,) + buckets),
-                                     max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
-                                     max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets,
-                                     sm_scale=a.scale, kv_dtype=self.kv_dtype,
-                                     decode_tensor_cores=self.debug.get("decode_tensor_cores"),
-                                     decode_kernel=self.debug.get("decode_attention"),
-                                     prefill_backend=prefill_attention_choice(self.debug.get("prefill_attention")))
+            groups: dict = {}
+            max_batch = max((self.max_num_seqs,) + buckets)
+            for H, Hk, D in shapes:
+                first = next(iter(groups.values()), None)
+                share = first is not None and FlashInferBackend.workspace_size(
+                    H, Hk, D, max_batch, self.max_num_batched_tokens, first.num_sms) <= first.workspace_bytes
+                groups[(H, Hk, D)] = FlashInferBackend(
+                    num_heads=H, num_kv_heads=Hk, head_dim=D, block_size=self.block_size, dtype=self.dtype,
+                    device=self.device, max_batch=max_batch,
+                    max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
+                    max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets, sm_scale=a.scale,
+                    kv_dtype=self.kv_dtype, decode_tensor_cores=self.debug.get("decode_tensor_cores"),
+                    decode_kernel=self.debug.get("decode_attention"),
+                    prefill_backend=prefill_attention_choice(self.debug.get("prefill_attention")),
+                    workspace=first.workspace if share else None)
+            return next(iter(groups.values())) if len(groups) == 1 else ShapeGroupBackend(groups)
         from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
         return TorchPagedBackend()
 

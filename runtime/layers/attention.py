@@ -33,10 +33,15 @@ class Attention(nn.Module):
     sinks=True: attention sinks, a learned logit per query head in the softmax denominator; the owning module
     holds the parameter (`attention_sinks`) and passes it to forward(..., sinks=).
 
-    v_head_dim (default head_dim): the value heads' width, when it differs from the q/k heads' (multi-head latent
-    attention expanded to per-head K/V: q/k nope + rope dims, v its own). The cache and the backend then run at
-    head_dim = max(q/k, v) dims: q and k are zero-padded (their dot products unchanged), v is zero-padded and the
-    output sliced back to v_head_dim; forward takes v [N, Hk, v_head_dim] and returns [N, H * v_head_dim].
+    v_head_dim (default head_dim): the value heads' width, when it differs from the q/k heads' (MiMo-V2-Flash's
+    `v_head_dim`; multi-head latent attention expanded to per-head K/V: q/k nope + rope dims, v its own). The cache
+    holds each at its own width (k_cache [..., Hk, head_dim], v_cache [..., Hk, v_head_dim]); forward takes
+    v [N, Hk, v_head_dim] and returns [N, H * v_head_dim]. The CPU backend computes it as is; the CUDA path refuses
+    it at load (runtime/attention/base.py cuda_attention_refusal).
+
+    Every layer has a shape of its own (heads, kv_heads, head_dim, v_head_dim): the runner allocates each layer's
+    cache at its shape and accounts for each in the cache's memory (a model may mix them: MiMo-V2-Flash's sliding
+    layers have twice the KV heads of its full ones, Laguna per-layer query heads).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -44,11 +49,16 @@ class Attention(nn.Module):
                  v_head_dim: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
                  chunk_size: Optional[int] = None):
         super().__init__()
+        for name, x in (("heads", num_heads), ("kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("v_head_dim", head_dim if v_head_dim is None else v_head_dim)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"attention {name} must be an int >= 1, got {x!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"attention heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.qk_head_dim = head_dim
-        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        self.head_dim = max(head_dim, self.v_head_dim)     # the cache's and the backend's head width
+        self.head_dim = self.qk_head_dim = head_dim      # q / k heads' width (the k cache's)
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim      # value heads' width (the v cache's)
         self.scale = scale
         self.variant = make_variant(sliding_window, logit_softcap, sinks, alibi_slopes is not None, chunk_size)
         self.alibi_slopes = alibi_slopes     # ALiBi: this rank's heads' slopes [H] (float32), a plain attribute
@@ -66,13 +76,6 @@ class Attention(nn.Module):
         """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them)."""
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
-        if self.qk_head_dim != self.v_head_dim:        # q/k and v heads of different widths: zero-padded to head_dim
-            D, Dqk, Dv = self.head_dim, self.qk_head_dim, self.v_head_dim
-            q = F.pad(q.reshape(-1, self.num_heads, Dqk), (0, D - Dqk))
-            k = F.pad(k.reshape(-1, self.num_kv_heads, Dqk), (0, D - Dqk))
-            v = F.pad(v.reshape(-1, self.num_kv_heads, Dv), (0, D - Dv))
-            out = self._attend(q, k, v, sinks, kv_stored)
-            return out.view(-1, self.num_heads, D)[..., :Dv].reshape(-1, self.num_heads * Dv)
         return self._attend(q, k, v, sinks, kv_stored)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -80,7 +83,7 @@ class Attention(nn.Module):
         ctx = get_context()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.v_head_dim)
         if ctx.graph_break is not None:      # piecewise prefill capture: attention runs between captured pieces
             return ctx.graph_break(self, q, k, v)
         # a scaled cache: the backend gets the scales (only then: backends without them serve unscaled caches)
@@ -102,12 +105,16 @@ class Attention(nn.Module):
         else:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
                                       **kv)
-        return out.reshape(-1, self.num_heads * self.head_dim)
+        return out.reshape(-1, self.num_heads * self.v_head_dim)
+
+    def kv_bytes_per_token(self, elem: int) -> int:
+        """Bytes of this layer's K and V cache per token (at `elem` bytes per element)."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
 
     def extra_repr(self) -> str:
         s = f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale}"
         if self.qk_head_dim != self.v_head_dim:
-            s += f" (q/k heads {self.qk_head_dim}, v heads {self.v_head_dim}, zero-padded)"
+            s += f", v_head_dim={self.v_head_dim}"
         if self.sliding_window is not None:
             s += f", sliding_window={self.sliding_window}"
         if self.logit_softcap is not None:

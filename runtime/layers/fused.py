@@ -217,7 +217,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         ctx = get_context()
         kc, vc = attn.k_cache, attn.v_cache
         if (not ctx.is_prefill and ctx.graph_break is None and kc.numel() and vc.numel() and kc.device == q.device
-                and kc.dtype == k.dtype == v.dtype and vc.dtype == v.dtype and kc.is_contiguous()
+                and kc.shape == vc.shape and kc.dtype == k.dtype == v.dtype and vc.dtype == v.dtype and kc.is_contiguous()
                 and vc.is_contiguous()):
             args = _fused_rope_args(q_norm, k_norm, rotary)
     if args is None:

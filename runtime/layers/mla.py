@@ -8,8 +8,8 @@ KV latent c (kv_lora_rank) and the shared rope key k_pe: one K/V "head" of kv_lo
     sum_j p_j v_j[h] = W_UV[h] (sum_j p_j c_j)                   -> v = c, out[h] = W_UV[h] out_latent[h]
 
 so attention runs as multi-query attention (one KV head shared by this rank's heads) with q/k of C + rope dims
-and v of C dims (runtime Attention with v_head_dim: V zero-padded in the cache). Same scores and outputs as the
-expanded form up to float rounding; the cache holds 2 (C + rope) values per token instead of 2 H (nope + rope).
+and v of C dims (runtime Attention with v_head_dim: the V cache at its own width C). Same scores and outputs as the
+expanded form up to float rounding; the cache holds (C + rope) + C values per token instead of H (2 nope + rope + v).
 """
 from __future__ import annotations
 

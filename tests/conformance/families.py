@@ -95,6 +95,10 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # MiniMax-M3 text: a SwiGLU clamp that bites at the tiny scale
     "MiniMaxM3VLForCausalLM": [{"swiglu_limit": 0.5}],
     "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
+    # MiMo-V2-Flash: a routed scale, another value scale, the released config's sliding_window_size (W previous
+    # tokens + the query)
+    "MiMoV2FlashForCausalLM": [{"routed_scaling_factor": 2.5}, {"attention_value_scale": 0.3},
+                               {"sliding_window_size": 3}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).

@@ -63,10 +63,10 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
     from xllm_gen.runtime.loading import registry
     package = registry.generated_packages().get(architecture)
     source = importlib.import_module(f"{package}.model").__file__ if package else None
+    if source and "v_head_dim=" in Path(source).read_text():      # mla_attention, an attention `v_head_dim`: value
+        return "value heads of another width"                      # heads of their own width (checked first)
     if source and "L.attention_sinks(" in Path(source).read_text():
         return "attention sinks"
-    if source and "v_head_dim=" in Path(source).read_text():      # mla_attention: value heads of their own width
-        return "value heads of another width"
     if source and "L.alibi_slopes(" in Path(source).read_text():     # attention `alibi`
         return "ALiBi"
     if source and "chunk_size=" in Path(source).read_text():         # attention `chunk_size` (the fixtures chunk)
