@@ -19,8 +19,16 @@ from xllm_gen.runtime.loading.hf_config import ConfigError
 DATA = Path(__file__).parent / "data" / "real_configs"
 FILES = sorted(DATA.glob("*.json"))
 
-# file stem -> a regex of the refusal: a feature the spec deliberately does not model, named by its field
-REFUSED: dict[str, str] = {}
+# file stem -> a regex of the refusal: a feature the spec deliberately does not model, named by its field, or a
+# checkpoint kind no spec claims (refused at load by its `architectures`, naming them)
+REFUSED: dict[str, str] = {
+    # Qwen3.5 and Devstral Small 2 (Ministral 3) are published as vision-language checkpoints only: the text decoder
+    # under text_config and model.language_model.*; specs/qwen3_5.yaml and ministral3.yaml serve the text-only
+    # *ForCausalLM form. A VL spec's vision tower (see Qwen3-VL) is the way to serve them: not written yet
+    "qwen3_5__Qwen3.5-9B": r"architectures \['Qwen3_5ForConditionalGeneration'\] are not served",
+    "ministral3__Devstral-Small-2-24B-Instruct-2512":
+        r"architectures \['Mistral3ForConditionalGeneration'\] are not served",
+}
 
 # symbols compared with transformers' config attribute of the same name, where both exist
 FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -55,12 +63,13 @@ def test_every_file_names_a_spec_and_is_in_the_manifest():
 @pytest.mark.parametrize("path", FILES, ids=_stem)
 def test_real_config_is_read(path):
     hf, model = _read(path)
+    if _stem(path) in REFUSED:                    # refused at load, by resolve or by the config guard
+        with pytest.raises(ValueError, match=REFUSED[_stem(path)]):
+            resolved, _ = registry.resolve(hf)
+            resolved.Config.from_hf(hf)
+        return
     resolved, _ = registry.resolve(hf)            # its `architectures` reach this spec, as at load
     assert resolved is model, f"{path.name}: resolves to {resolved.__name__}"
-    if _stem(path) in REFUSED:
-        with pytest.raises(ConfigError, match=REFUSED[_stem(path)]):
-            model.Config.from_hf(hf)
-        return
     config = model.Config.from_hf(hf)
     transformers = pytest.importorskip("transformers")
     cls = transformers.CONFIG_MAPPING[hf["model_type"]]
