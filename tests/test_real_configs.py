@@ -28,6 +28,9 @@ REFUSED: dict[str, str] = {
     "qwen3_5__Qwen3.5-9B": r"architectures \['Qwen3_5ForConditionalGeneration'\] are not served",
     "ministral3__Devstral-Small-2-24B-Instruct-2512":
         r"architectures \['Mistral3ForConditionalGeneration'\] are not served",
+    # gpt-oss is published in MXFP4 (its experts): a quantization the runtime does not run; the rest of the file is read
+    # (checked below without its quantization_config)
+    "gpt_oss__gpt-oss-120b": r"quantization_config: quant_method='mxfp4' is not supported",
 }
 
 # symbols compared with transformers' config attribute of the same name, where both exist
@@ -67,7 +70,9 @@ def test_real_config_is_read(path):
         with pytest.raises(ValueError, match=REFUSED[_stem(path)]):
             resolved, _ = registry.resolve(hf)
             resolved.Config.from_hf(hf)
-        return
+        if "quantization_config" not in REFUSED[_stem(path)]:
+            return
+        hf = {k: v for k, v in hf.items() if k != "quantization_config"}     # the model itself is read
     resolved, _ = registry.resolve(hf)            # its `architectures` reach this spec, as at load
     assert resolved is model, f"{path.name}: resolves to {resolved.__name__}"
     config = model.Config.from_hf(hf)
