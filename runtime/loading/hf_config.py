@@ -35,7 +35,12 @@ GENERIC_FIELDS = frozenset("""
     unk_token_id _model_name_or_path
     unk_token_id cls_token_id mask_token_id output_past use_return_dict _from_model_config output_router_logits
     gradient_checkpointing
+    auto_map cache_implementation transformers.js_config
 """.split())
+# auto_map: the remote-code classes of a Hub repository; transformers runs its own class for `model_type` unless asked
+# to trust remote code, and the specs are judged against that class. cache_implementation: a generation setting (the
+# KV-cache kind of `generate`). transformers.js_config: the settings of transformers.js (a key with a dot: matched as
+# a whole top-level key).
 
 # Config symbols the runtime reads by name (engine: eos ids, context length, vocab size; prefill graphs: the
 # hidden size): a spec that reads them uses them, even where its generated model does not (codegen/usage.py).
@@ -277,7 +282,8 @@ class ConfigReader:
                 raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint has {key}={got!r}: "
                                  f"the spec does not model it")
         unknown = []
-        for path, value in _flatten(self.hf):
+        for path, value in ((p, v) for key, sub in self.hf.items() if key not in GENERIC_FIELDS
+                            for p, v in _flatten(sub, key)):
             if value is None or value == [] or value == {}:
                 continue
             parts = path.split(".")
