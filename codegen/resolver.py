@@ -18,6 +18,7 @@ from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
 from .ir import (
+    AllOf,
     MLAIR,
     MLPIR,
     AttentionIR,
@@ -700,7 +701,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         for b in layer.blocks:
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)
-            out += [dataclasses.replace(p, when=when_of[b.name]) for p in ps] if b.name in when_of else ps
+            if b.name in when_of:                # the choice's condition, and the parameter's own where it has one
+                w = when_of[b.name]
+                ps = [dataclasses.replace(p, when=w if p.when is None else (AllOf((w, p.when)), True)) for p in ps]
+            out += ps
         if norm is not None:
             ps = self.block_params(f"{pre}.norm", "decoder.norm", norm, False)
             if norm_enabled is not None and norm_enabled.literal is not True:
