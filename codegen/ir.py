@@ -798,6 +798,7 @@ class ModelIR:
     deepstack_levels: Optional[Size] = None    # deepstack after layers 0..levels-1 (a loop bound)
     vision: Optional[VisionIR] = None
     spec_file: str = ""                                # absolute path of the spec (where its project is)
+    checkpoint_renames: Tuple[Tuple[str, str], ...] = ()   # (regex, replacement) over checkpoint tensor names
     config_assume: Tuple[Tuple[str, Any], ...] = ()   # config.json path -> the value the spec assumes
     config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
     config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent

@@ -267,6 +267,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             vision = dataclasses.replace(vision, weights=self.resolve_weights(vparams, ("vision", "weights")))
             params = params + vparams
         ignored = self.resolve_ignored()
+        renames = self.resolve_renames()
         self.check_defaults()
         self.imply_bounds()
         runner = self.resolve_runner(layer, vision, levels)
@@ -285,7 +286,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             spec_files=tuple(display_path(f) for f in self.tree.files), description=s.description.strip(),
             class_prefix=s.class_prefix, architectures=tuple(s.architectures), config=tuple(self.config.values()),
             embed=embed, layer=layer, norm=norm, lm_head=lm_head, deepstack_after=deepstack, params=params,
-            weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
+            weights=weights, ignored=ignored, checkpoint_renames=renames, runner=runner, tp_sizes=tp_sizes, variants=variants,
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,

@@ -137,6 +137,16 @@ class WeightsResolver:
                 raise self.err(("ignore_checkpoint_tensors", i), f"ignore_checkpoint_tensors[{i}]: bad regex: {e}")
         return tuple(self.spec.ignore_checkpoint_tensors)
 
+    def resolve_renames(self) -> Tuple[Tuple[str, str], ...]:
+        for pat, to in self.spec.checkpoint_renames.items():
+            try:
+                rx = re.compile(pat)
+                rx.sub(to, "")          # a bad group reference in the replacement fails here
+            except (re.error, IndexError) as e:
+                raise self.err(("checkpoint_renames", pat), f"checkpoint_renames: '{pat}: {to}': bad regex or "
+                                                            f"replacement: {e}")
+        return tuple(self.spec.checkpoint_renames.items())
+
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint tensor a parameter without a `weights` entry loads: its own name, with the longest matching
         `checkpoint_prefixes` prefix replaced."""

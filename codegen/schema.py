@@ -824,6 +824,10 @@ class Spec(Strict):
     # matching prefix wins): `{model.layers.: transformer.h., lm_head.: embed_out.}`
     checkpoint_prefixes: Dict[StrictStr, StrictStr] = {}
     ignore_checkpoint_tensors: List[StrictStr] = []  # regexes of checkpoint tensors that are not parameters
+    # regex -> replacement: checkpoint tensor names rewritten at load by the first pattern that matches (re.sub,
+    # once), before `weights` / `ignore_checkpoint_tensors` see them (transformers' conversion-mapping renames of an
+    # original release: Kimi Linear's `{'\.block_sparse_moe\.': '.mlp.'}`)
+    checkpoint_renames: Dict[StrictStr, StrictStr] = {}
     tensor_parallel: TensorParallel      # TP sizes every variant's shapes must allow (a static check)
     # named config.json value sets (symbol -> value; others take their defaults) for static checks and --explain
     variants: Dict[StrictStr, Dict[StrictStr, Scalar]] = {}
