@@ -92,6 +92,11 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # MiniMax-M3 text: a SwiGLU clamp that bites at the tiny scale
     "MiniMaxM3VLForCausalLM": [{"swiglu_limit": 0.5}],
     "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
+    # Kimi Linear: MLA with a low-rank q (the released model: q_proj), routing weights not renormalized (config.json
+    # moe_renormalize), a shorter KDA short-conv kernel
+    "KimiLinearForCausalLM": [{"q_lora_rank": 24}, {"moe_renormalize": False},
+                              {"linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3], "num_heads": 4,
+                                                      "head_dim": 8, "short_conv_kernel_size": 3}}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
