@@ -18,9 +18,9 @@ from .errors import SpecError, did_you_mean
 from .expr import Expr, ExprError, is_symbol
 from .expr import parse as parse_expr
 from .ir import (
-    AllOf,
     MLAIR,
     MLPIR,
+    AllOf,
     AttentionIR,
     ChoiceIR,
     ConfigFieldIR,
