@@ -186,3 +186,27 @@ def test_guard_refuses_by_name(edit, field):
     with pytest.raises(ValueError, match=field) as e:
         _config({**RELEASED, **edit})
     assert "kimi_linear.yaml" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ the loader
+def test_checkpoint_renames_and_squeezed_unit_dims(tmp_path):
+    """checkpoint_renames: names rewritten by the first matching pattern, the tensor still read under its stored
+    name; two tensors renamed onto one name are refused naming both. squeeze: [0, 1, 3] reads [1, 1, H, 1] as [H]
+    (slices included), and refuses a shape without those unit dims."""
+    from safetensors.torch import save_file
+
+    from xllm_gen.runtime.loading.loader import Checkpoint, CheckpointError
+    from xllm_gen.runtime.loading.weights import TensorLayout, WeightLoadError
+    save_file({"l.0.block_sparse_moe.w": torch.arange(6.0).reshape(1, 1, 6, 1), "l.1.mlp.w": torch.ones(2)},
+              str(tmp_path / "model.safetensors"))
+    ck = Checkpoint(tmp_path, [(r"\.block_sparse_moe\.", ".mlp.")])
+    assert sorted(ck.names()) == ["l.0.mlp.w", "l.1.mlp.w"]
+    view = TensorLayout("l.0.mlp.w", squeeze=(0, 1, 3)).view(ck.slice("l.0.mlp.w"))
+    assert view.get_shape() == [6] and view[2:5].tolist() == [2.0, 3.0, 4.0]
+    with pytest.raises(WeightLoadError, match=r"unit dims at \[0, 1\]"):
+        TensorLayout("x", squeeze=(0, 1)).view(ck.slice("l.1.mlp.w"))
+    # only the first matching pattern applies: l.1.mlp.w matches the first (unchanged), not the second
+    assert sorted(Checkpoint(tmp_path, [(r"\.(block_sparse_moe|mlp)\.", ".mlp."), (r"^l\.1\.", "l.0.")]).names()) == \
+        ["l.0.mlp.w", "l.1.mlp.w"]
+    with pytest.raises(CheckpointError, match="both read as 'l.0.mlp.w'"):
+        Checkpoint(tmp_path, [(r"\.block_sparse_moe\.", ".mlp."), (r"^l\.1\.", "l.0.")])
