@@ -130,7 +130,12 @@ def _block(b) -> str:
                 f"{b.out_name}; state per sequence: conv [intermediate, conv_kernel - 1], ssm [intermediate, "
                 f"state_size] float32)")
     if isinstance(b, GatedDeltaNetIR):
-        proj = ", ".join(f"{m}=[{', '.join(segs)}]" for m, segs in b.projections)
+        proj = ", ".join(f"{m}{'(' + b.low_rank_of(m)[0] + ', rank ' + str(b.low_rank_of(m)[1]) + ')' if b.low_rank_of(m) else ''}"
+                         f"=[{', '.join(segs)}]" for m, segs in b.projections)
+        if b.decay != "head":
+            proj += f", decay per {b.decay}"
+        if b.gate_activation != "silu":
+            proj += f", norm gate {b.gate_activation}"
         return (f"gated_delta_net {b.class_name}(hidden={b.hidden}, key_heads={b.key_heads}, value_heads="
                 f"{b.value_heads}, key_head_dim={b.key_head_dim}, value_head_dim={b.value_head_dim}, conv_kernel="
                 f"{b.conv_kernel}{', conv bias' if b.conv_bias else ''}, activation={b.activation}, eps={b.eps}, "
@@ -340,10 +345,13 @@ def format_resolved(ir: ModelIR) -> str:
                   f"{' '.join(wt.layout[1])})" if wt.layout else "") + \
             (" (stored transposed)" if wt.transpose else "") + \
             (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "") + \
-            (" (stored under a leading unit dim)" if wt.squeeze else "")
+            ((" (stored under a leading unit dim)" if wt.squeeze is True else f" (stored with unit dims at {list(wt.squeeze)})")
+             if wt.squeeze else "")
         w(f"      <- {' + '.join(wt.sources)}{layout}")
     if ir.ignored:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))
+    if ir.checkpoint_renames:
+        w("checkpoint tensor names rewritten at load: " + ", ".join(f"{a} -> {b}" for a, b in ir.checkpoint_renames))
     w("")
     r = ir.runner
     w(f"runner: positions {r.position_kind}" + (", multimodal" if r.multimodal else ""))

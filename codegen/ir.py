@@ -194,13 +194,26 @@ class ParamIR:
 
 
 @dataclass(frozen=True)
+class AllOf:
+    """A conjunction of parameter conditions ((bool expression, value), ...): a parameter that exists only under its
+    block's own condition (MLA's low-rank q where q_lora_rank is set) inside a per-layer block choice."""
+    conds: Tuple[Tuple[Any, bool], ...]
+
+    def eval(self, values: Mapping[str, Any], layer: Optional[int] = None) -> bool:
+        return all(bool(c.eval(values, layer)) == v for c, v in self.conds)
+
+    def __str__(self) -> str:
+        return " and ".join(f"({c})" if v else f"not ({c})" for c, v in self.conds)
+
+
+@dataclass(frozen=True)
 class WeightIR:
     param: ParamIR
     sources: Tuple[str, ...]      # with "{i}" for the layer index
     layout: Optional[tuple] = None   # (per, interleave) of one fused tensor's rows; (per, interleave, groups) for per: group
     transpose: bool = False       # the tensor stores [..., in, out]
     interleave: int = 1           # n > 1: the n segments interleaved along the output dim
-    squeeze: bool = False         # the tensor holds one extra leading dim of size 1
+    squeeze: Any = False          # True: one extra leading unit dim; a tuple: unit dims at those stored positions
 
     @property
     def shard(self) -> str:
@@ -490,12 +503,20 @@ class GatedDeltaNetIR:
     out_name: str
     conv_bias: bool
     rep: Any                      # value heads per key head (an expression)
+    decay: str = "head"           # head (g per value head) | channel (g per value head and key channel)
+    gate_activation: str = "silu"  # the gated norm's activation of z: silu | sigmoid
+    low_rank: Tuple[Tuple[str, str, Any], ...] = ()   # (projection, its low-rank input module, rank)
 
     def segment(self, name: str) -> "SegmentIR":
         """A projection segment, split by key heads (each with its value heads)."""
+        a = self.rep * self.key_head_dim if self.decay == "channel" else self.rep
         unit = {"q": self.key_head_dim, "k": self.key_head_dim, "v": self.rep * self.value_head_dim,
-                "z": self.rep * self.value_head_dim, "b": self.rep, "a": self.rep}[name]
+                "z": self.rep * self.value_head_dim, "b": self.rep, "a": a}[name]
         return SegmentIR(name, self.key_heads, unit)
+
+    def low_rank_of(self, projection: str):
+        """(module, rank) of a projection's low-rank input, else None."""
+        return next(((m, r) for p, m, r in self.low_rank if p == projection), None)
 
 
 @dataclass(frozen=True)
@@ -826,6 +847,7 @@ class ModelIR:
     deepstack_levels: Optional[Size] = None    # deepstack after layers 0..levels-1 (a loop bound)
     vision: Optional[VisionIR] = None
     spec_file: str = ""                                # absolute path of the spec (where its project is)
+    checkpoint_renames: Tuple[Tuple[str, str], ...] = ()   # (regex, replacement) over checkpoint tensor names
     config_assume: Tuple[Tuple[str, Any], ...] = ()   # config.json path -> the value the spec assumes
     config_ignore: Tuple[str, ...] = ()                # config.json paths (patterns) that do not change the math
     config_defaults: Tuple[Tuple[str, Any], ...] = ()  # assumed path -> transformers' default when it is absent

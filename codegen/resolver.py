@@ -21,6 +21,7 @@ from .ir import (
     MLAIR,
     MLPIR,
     RGLRUIR,
+    AllOf,
     AttentionIR,
     ChoiceIR,
     ConfigFieldIR,
@@ -269,6 +270,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             vision = dataclasses.replace(vision, weights=self.resolve_weights(vparams, ("vision", "weights")))
             params = params + vparams
         ignored = self.resolve_ignored()
+        renames = self.resolve_renames()
         self.check_defaults()
         self.imply_bounds()
         runner = self.resolve_runner(layer, vision, levels)
@@ -287,7 +289,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             spec_files=tuple(display_path(f) for f in self.tree.files), description=s.description.strip(),
             class_prefix=s.class_prefix, architectures=tuple(s.architectures), config=tuple(self.config.values()),
             embed=embed, layer=layer, norm=norm, lm_head=lm_head, deepstack_after=deepstack, params=params,
-            weights=weights, ignored=ignored, runner=runner, tp_sizes=tp_sizes, variants=variants,
+            weights=weights, ignored=ignored, checkpoint_renames=renames, runner=runner, tp_sizes=tp_sizes, variants=variants,
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
@@ -703,7 +705,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         for b in layer.blocks:
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)
-            out += [dataclasses.replace(p, when=when_of[b.name]) for p in ps] if b.name in when_of else ps
+            if b.name in when_of:                # the choice's condition, and the parameter's own where it has one
+                w = when_of[b.name]
+                ps = [dataclasses.replace(p, when=w if p.when is None else (AllOf((w, p.when)), True)) for p in ps]
+            out += ps
         if norm is not None:
             ps = self.block_params(f"{pre}.norm", "decoder.norm", norm, False)
             if norm_enabled is not None and norm_enabled.literal is not True:

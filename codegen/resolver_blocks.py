@@ -526,7 +526,7 @@ class BlockResolver(MLAResolver):
 
     def resolve_gated_delta_net(self, path, name: str, b: GatedDeltaNetBlock, class_name: str) -> GatedDeltaNetIR:
         seen: dict = {}
-        projections = []
+        projections, low_rank = [], []
         names = {"conv1d", "norm", "A_log", "dt_bias"}
         for i, pr in enumerate(b.projections):
             pp = path + ("projections", i)
@@ -543,6 +543,14 @@ class BlockResolver(MLAResolver):
                                                        f"produced by projection '{seen[sname]}'")
                 seen[sname] = mname
             projections.append((mname, tuple(pr.segments)))
+            if pr.low_rank is not None:
+                lp = pp + ("low_rank",)
+                lname = self.ident(lp + ("name",), pr.low_rank.name, "module name")
+                if lname in names:
+                    raise self.err(lp + ("name",), f"{self._where(lp)}.name: module name '{lname}' is already used in "
+                                                   f"this block")
+                names.add(lname)
+                low_rank.append((mname, lname, self.dim(lp + ("rank",), pr.low_rank.rank)))
         missing = [x for x in ("q", "k", "v", "z", "b", "a") if x not in seen]
         if missing:
             raise self.err(path + ("projections",), f"{self._where(path)}.projections: no projection produces "
@@ -568,7 +576,8 @@ class BlockResolver(MLAResolver):
             eps=self.positive(path + ("eps",), b.eps, below=1.0),
             activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
                                        "a conv activation"),
-            projections=tuple(projections), out_name=out, conv_bias=b.conv_bias, rep=rep)
+            projections=tuple(projections), out_name=out, conv_bias=b.conv_bias, rep=rep,
+            decay=b.decay, gate_activation=b.gate_activation, low_rank=tuple(low_rank))
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:
@@ -707,8 +716,11 @@ class BlockResolver(MLAResolver):
         if isinstance(b, GatedDeltaNetIR):
             ps = []
             for mname, segs in b.projections:   # each stored whole under its own name (a `layout` may reorder it)
+                lr = b.low_rank_of(mname)
+                if lr is not None:                   # a replicated low-rank factor in front of it
+                    ps.append(P(f"{lr[0]}.weight", (lr[1], b.hidden), "replicated"))
                 ps += [dataclasses.replace(p, stacked=True)
-                       for p in column(f"{mname}.", b.hidden, [b.segment(x) for x in segs], False)]
+                       for p in column(f"{mname}.", lr[1] if lr else b.hidden, [b.segment(x) for x in segs], False)]
             conv = [b.segment(x) for x in ("q", "k", "v")]
             total = conv[0].heads * conv[0].unit + conv[1].heads * conv[1].unit + conv[2].heads * conv[2].unit
             # the conv's channels are q | k | v, stored whole (nn.Conv1d's weight [channels, 1, kernel])
@@ -716,7 +728,12 @@ class BlockResolver(MLAResolver):
             if b.conv_bias:
                 ps.append(dataclasses.replace(P("conv1d.bias", (total,), "colwise", conv), stacked=True))
             heads = SegmentIR("heads", b.key_heads, b.rep)
-            ps += [P("A_log", (b.value_heads,), "colwise", (heads,)), P("dt_bias", (b.value_heads,), "colwise", (heads,))]
+            ps.append(P("A_log", (b.value_heads,), "colwise", (heads,)))
+            if b.decay == "channel":              # one per value head and key channel
+                ps.append(P("dt_bias", (b.value_heads * b.key_head_dim,), "colwise",
+                            (SegmentIR("heads", b.key_heads, b.rep * b.key_head_dim),)))
+            else:
+                ps.append(P("dt_bias", (b.value_heads,), "colwise", (heads,)))
             ps.append(P("norm.weight", (b.value_head_dim,), "replicated"))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.key_heads, b.rep * b.value_head_dim), b.hidden, False)
             return ps

@@ -99,13 +99,24 @@ class WeightsResolver:
 
     def weight_layout(self, p: ParamIR, sources, e, path, where_s: str, key: str) -> WeightIR:
         """The WeightIR of parameter `p`, with its entry's layout (`transpose`, `segments_interleaved`) checked."""
+        if e is not None and isinstance(e.squeeze, list) and not e.squeeze:
+            raise self.err(path + ("squeeze",), f"{where_s}['{key}'].squeeze: an empty list (true, or the stored unit "
+                                                f"dims)")
         if e is None or not (e.transpose or e.segments_interleaved or e.squeeze):
             return WeightIR(p, tuple(sources))
         if e.squeeze and (len(sources) != 1 or p.experts is not None or e.transpose or e.segments_interleaved):
             raise self.err(path + ("squeeze",), f"{where_s}['{key}'].squeeze: only a parameter read from one tensor, "
                                                 f"not stacked per expert, without transpose / segments_interleaved")
-        if e.squeeze:
+        if e.squeeze is True:
             return WeightIR(p, tuple(sources), squeeze=True)
+        if isinstance(e.squeeze, list):
+            dims = e.squeeze
+            stored = len(p.shape) + len(dims)
+            if len(set(dims)) != len(dims) or any(d < 0 or d >= stored for d in dims):
+                raise self.err(path + ("squeeze",), f"{where_s}['{key}'].squeeze: {dims}: distinct dims of the stored "
+                                                    f"shape (the parameter's {len(p.shape)} dims plus "
+                                                    f"{len(dims)} unit dims: 0 .. {stored - 1})")
+            return WeightIR(p, tuple(sources), squeeze=tuple(sorted(dims)))
         dims = len(p.shape) - (1 if p.experts is not None else 0)
         if e.transpose and dims < 2:
             raise self.err(path + ("transpose",), f"{where_s}['{key}'].transpose: '{key}' is not a matrix (one dim "
@@ -125,6 +136,16 @@ class WeightsResolver:
             except re.error as e:
                 raise self.err(("ignore_checkpoint_tensors", i), f"ignore_checkpoint_tensors[{i}]: bad regex: {e}")
         return tuple(self.spec.ignore_checkpoint_tensors)
+
+    def resolve_renames(self) -> Tuple[Tuple[str, str], ...]:
+        for pat, to in self.spec.checkpoint_renames.items():
+            try:
+                rx = re.compile(pat)
+                rx.sub(to, "")          # a bad group reference in the replacement fails here
+            except (re.error, IndexError) as e:
+                raise self.err(("checkpoint_renames", pat), f"checkpoint_renames: '{pat}: {to}': bad regex or "
+                                                            f"replacement: {e}")
+        return tuple(self.spec.checkpoint_renames.items())
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint tensor a parameter without a `weights` entry loads: its own name, with the longest matching

@@ -270,11 +270,20 @@ class AttentionBlock(Strict):
     alibi_bias_max: Num = 8
 
 
+class LowRankInput(Strict):
+    """The low-rank factor in front of a projection: module `name` (hidden -> `rank`, no bias, replicated over TP
+    ranks); the projection then maps `rank` -> its segments (Kimi Delta Attention's f_a_proj / g_a_proj)."""
+    name: StrictStr
+    rank: Dim
+
+
 class GatedDeltaNetProjection(Strict):
     """One fused input projection of a gated DeltaNet: module `name`, its output the `segments` stacked in order
-    (each of q, k, v, z, b, a appears in exactly one projection of the block)."""
+    (each of q, k, v, z, b, a appears in exactly one projection of the block). `low_rank`: the projection reads a
+    low-rank factor of the input (`{name: f_a_proj, rank: head_dim}`: segments = name(low_rank(x)))."""
     name: StrictStr
     segments: List[Literal["q", "k", "v", "z", "b", "a"]]
+    low_rank: Optional[LowRankInput] = None
 
 
 class GatedDeltaNetBlock(Strict):
@@ -298,6 +307,12 @@ class GatedDeltaNetBlock(Strict):
     projections: List[GatedDeltaNetProjection]
     out: Projection = Projection(name="out_proj")
     conv_bias: StrictBool = False
+    # head: the decay g is a scalar per value head (a, dt_bias [value_heads]); channel: one per value head and key
+    # channel (Kimi Delta Attention's fine-grained decay: a, dt_bias [value_heads * key_head_dim], A_log
+    # [value_heads]), the state decaying per key row
+    decay: Literal["head", "channel"] = "head"
+    # the gated output norm's activation of z: silu (Gated DeltaNet), sigmoid (Kimi Delta Attention's o_norm)
+    gate_activation: Literal["silu", "sigmoid"] = "silu"
 
 
 class Mamba2Block(Strict):
@@ -711,8 +726,9 @@ class WeightEntry(Strict):
     transpose: StrictBool = False
     segments_interleaved: StrictBool = False
     # `squeeze: true`: the tensor stores the parameter under one extra leading dim of size 1 (ERNIE 4.5's routing
-    # bias moe_statics.e_score_correction_bias [1, experts] for the [experts] parameter); dropped at load
-    squeeze: StrictBool = False
+    # bias moe_statics.e_score_correction_bias [1, experts] for the [experts] parameter); dropped at load. A list of
+    # dims: the stored shape has unit dims at those positions (Kimi's A_log [1, 1, heads, 1]: [0, 1, 3])
+    squeeze: Union[StrictBool, List[StrictInt]] = False
     # the row layout of a single fused tensor (`from` one name) stored per head / per KV group / reordered
     layout: Optional[RowLayout] = None
 
@@ -838,6 +854,10 @@ class Spec(Strict):
     # matching prefix wins): `{model.layers.: transformer.h., lm_head.: embed_out.}`
     checkpoint_prefixes: Dict[StrictStr, StrictStr] = {}
     ignore_checkpoint_tensors: List[StrictStr] = []  # regexes of checkpoint tensors that are not parameters
+    # regex -> replacement: checkpoint tensor names rewritten at load by the first pattern that matches (re.sub,
+    # once), before `weights` / `ignore_checkpoint_tensors` see them (transformers' conversion-mapping renames of an
+    # original release: Kimi Linear's `{'\.block_sparse_moe\.': '.mlp.'}`)
+    checkpoint_renames: Dict[StrictStr, StrictStr] = {}
     tensor_parallel: TensorParallel      # TP sizes every variant's shapes must allow (a static check)
     # named config.json value sets (symbol -> value; others take their defaults) for static checks and --explain
     variants: Dict[StrictStr, Dict[StrictStr, Scalar]] = {}

@@ -158,7 +158,8 @@ class ModelRunner:
                 self.model, self.model_module.weight_plan(self.model), model_dir,
                 tp_size=get_tp_size(), tp_rank=get_tp_rank(),
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
-                quant=parse_quant_config(hf_config, quantization), kv_cache_dtype=kv_cache_dtype)
+                quant=parse_quant_config(hf_config, quantization), kv_cache_dtype=kv_cache_dtype,
+                renames=getattr(self.model_module, "CHECKPOINT_RENAMES", ()))
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
         if self.debug.get("kv_scales"):    # benchmarks with dummy weights: every layer's KV-cache scales (k, v)
             if self.kv_dtype != torch.float8_e4m3fn:

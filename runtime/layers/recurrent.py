@@ -18,7 +18,9 @@ Math (torch reference, float32 state; the GPU runs the same torch code):
   S <- S + k (beta (v - S^T k))^T, output S^T q (q and k L2-normalized, q scaled by dk ** -0.5); a prompt chunk runs
   the chunked (UT-transform) form of transformers' torch_chunk_gated_delta_rule, a decode step the recurrent form of
   torch_recurrent_gated_delta_rule, both from the slot's state;
-- `GatedRMSNorm`: RMSNorm of the mixer output per value head, times silu(z);
+  the decay g is a scalar per value head ([T, Hv], Gated DeltaNet) or a vector per value head over the key channels
+  ([T, Hv, Dk], Kimi Delta Attention's fine-grained decay: S <- diag(exp(g)) S), one core for both;
+- `GatedRMSNorm`: RMSNorm of the mixer output per value head, times silu(z) (or sigmoid(z)).
 - `RGLRU`: the real-gated linear recurrent unit (Griffin's RG-LRU): h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t),
   a reset (a_t := 0, no normalisation) at position 0; a prompt chunk runs the recurrence in chunks of 64 tokens
   (`rg_lru_scan_chunked`, log-space decays within a chunk), a decode step as one batched update.
@@ -171,7 +173,10 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     """One sequence, the chunked form: q, k [T, Hv, Dk] (already repeated to the value heads), v [T, Hv, Dv],
-    g, beta [T, Hv], state [Hv, Dk, Dv] (float32). Returns (out [T, Hv, Dv] float32, new state)."""
+    g [T, Hv] (a decay per head) or [T, Hv, Dk] (per key channel), beta [T, Hv], state [Hv, Dk, Dv] (float32).
+    Returns (out [T, Hv, Dv] float32, new state)."""
+    if g.dim() == 3:
+        return _delta_rule_chunked_per_channel(q, k, v, g, beta, state, chunk_size)
     T = q.shape[0]
     q, k, v, beta, g = (x.transpose(0, 1).float().contiguous() for x in (q, k, v, beta, g))   # [H, T, ...]
     q = _l2norm(q)
@@ -206,14 +211,53 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     return out.transpose(0, 1), S
 
 
+def _delta_rule_chunked_per_channel(q, k, v, g, beta, state, chunk_size: int = 64):
+    """gated_delta_rule_chunked with a decay per key channel, g [T, Hv, Dk] (Kimi Delta Attention; transformers'
+    chunk_kimi_delta_attention): within a chunk the pairwise decays exp(G_r - G_c) (G the in-chunk cumulative log
+    decay) are per channel, so the UT matrix and the intra-chunk scores sum k_r * k_c * exp(G_r - G_c) over the
+    channels; computed chunk by chunk ([H, C, C, Dk] at a time, every exponent <= 0)."""
+    T = q.shape[0]
+    q, k, v, g = (x.transpose(0, 1).float().contiguous() for x in (q, k, v, g))       # [H, T, D]
+    beta = beta.transpose(0, 1).float()
+    q = _l2norm(q)
+    k = _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (chunk_size - T % chunk_size) % chunk_size
+    q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(beta, (0, pad))
+    H, n, C = q.shape[0], (T + pad) // chunk_size, chunk_size
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, g, k_beta, v_beta = (x.reshape(H, n, C, x.shape[-1]) for x in (q, k, g, k_beta, v_beta))
+    cum = g.cumsum(dim=-2)                                                              # [H, n, C, Dk]
+    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    S = state.float()
+    out = torch.empty(H, n, C, v.shape[-1], dtype=torch.float32, device=q.device)
+    for i in range(n):
+        c = cum[:, i]                                                                   # [H, C, Dk]
+        pair = (c.unsqueeze(-2) - c.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()  # [H, C, C, Dk]
+        ut = (k_beta[:, i].unsqueeze(-2) * k[:, i].unsqueeze(-3) * pair).sum(-1)
+        intra = (q[:, i].unsqueeze(-2) * k[:, i].unsqueeze(-3) * pair).sum(-1)
+        new_v = torch.linalg.solve_triangular(ut, v_beta[:, i], upper=False, unitriangular=True)
+        k_cum = torch.linalg.solve_triangular(ut, k_beta[:, i] * c.exp(), upper=False, unitriangular=True)
+        v_new = new_v - k_cum @ S
+        out[:, i] = (q[:, i] * c.exp()) @ S + intra @ v_new
+        last = c[:, -1:]                                                                # [H, 1, Dk]
+        S = S * last.exp().transpose(-1, -2) + (k[:, i] * (last - c).exp()).transpose(-1, -2) @ v_new
+    out = out.reshape(H, -1, out.shape[-1])[:, :T]
+    return out.transpose(0, 1), S
+
+
 def gated_delta_rule_step(q, k, v, g, beta, state):
-    """A decode step of B sequences, the recurrent form: q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv],
-    state [B, Hv, Dk, Dv]. Returns (out [B, Hv, Dv] float32, new state)."""
+    """A decode step of B sequences, the recurrent form: q, k [B, Hv, Dk], v [B, Hv, Dv], g [B, Hv] (per head) or
+    [B, Hv, Dk] (per key channel), beta [B, Hv], state [B, Hv, Dk, Dv]. Returns (out [B, Hv, Dv] float32, new
+    state)."""
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     q = _l2norm(q)
     k = _l2norm(k)
     q = q / (q.shape[-1] ** 0.5)
-    S = state.float() * g.exp()[..., None, None]
+    decay = g.exp()[..., None] if g.dim() == 3 else g.exp()[..., None, None]
+    S = state.float() * decay
     kv_mem = (S * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     S = S + k.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -222,11 +266,15 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each value head's output times silu(gate): `w * norm(x).to(dtype) * silu(z.float())`, cast back
-    (transformers' RMSNormGated / FLA's FusedRMSNormGated); weight [dim] replicated."""
+    (transformers' RMSNormGated / FLA's FusedRMSNormGated); weight [dim] replicated. `activation="sigmoid"`: times
+    sigmoid(z) (Kimi Delta Attention's o_norm)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, activation: str = "silu"):
         super().__init__()
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(f"GatedRMSNorm: the gate activation must be silu or sigmoid, got {activation!r}")
         self.eps = eps
+        self.activation = activation
         self.weight = replicated(nn.Parameter(torch.empty(dim)), "GatedRMSNorm")
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -234,10 +282,11 @@ class GatedRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
-        return (h * F.silu(z.float())).to(dtype)
+        gate = torch.sigmoid(z.float()) if self.activation == "sigmoid" else F.silu(z.float())
+        return (h * gate).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (f", {self.activation}" if self.activation != "silu" else "")
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -251,11 +300,18 @@ class GatedDeltaNet(RecurrentMixer):
     value_head_dim] (float32)."""
 
     def __init__(self, key_heads: int, value_heads: int, key_head_dim: int, value_head_dim: int, conv_kernel: int,
-                 eps: float, conv_bias: bool = False, activation: str = "silu", fields: Optional[dict] = None):
+                 eps: float, conv_bias: bool = False, activation: str = "silu", fields: Optional[dict] = None,
+                 decay: str = "head", gate_activation: str = "silu"):
         # fields: the config fields of the sizes ({"key_heads": "linear_num_key_heads"}), named in refusals
+        # decay: "head" (g a scalar per value head: `a` and `dt_bias` [value_heads]) or "channel" (Kimi Delta
+        # Attention's fine-grained decay, one per value head and key channel: `a` and `dt_bias` [value_heads *
+        # key_head_dim], A_log still [value_heads]); gate_activation: the gated norm's (silu, or sigmoid)
         super().__init__()
         if activation not in ("silu", "swish"):
             raise ValueError(f"gated_delta_net: the conv activation must be silu, got {activation!r}")
+        if decay not in ("head", "channel"):
+            raise ValueError(f"gated_delta_net: decay must be 'head' or 'channel', got {decay!r}")
+        self.decay = decay
         named = _fields_named(fields)
         if value_heads % key_heads:
             raise ValueError(f"gated_delta_net: value heads ({value_heads}) must be a multiple of key heads "
@@ -278,29 +334,40 @@ class GatedDeltaNet(RecurrentMixer):
         heads = Segment("heads", key_heads, self.rep)
         rank = get_tp_rank()
         for name in ("A_log", "dt_bias"):
-            p = nn.Parameter(torch.empty(self.value_heads))
-            seg = split_segment(heads, tp, rank, [])
+            if name == "dt_bias" and decay == "channel":       # one per value head and key channel
+                seg = split_segment(Segment("heads", key_heads, self.rep * key_head_dim), tp, rank, [])
+                p = nn.Parameter(torch.empty(self.value_heads * key_head_dim))
+            else:
+                seg = split_segment(heads, tp, rank, [])
+                p = nn.Parameter(torch.empty(self.value_heads))
             setattr(self, name, attach(p, ParamSplit("column", 0, (seg,), tuple(p.shape), tp, rank, "GatedDeltaNet")))
-        self.norm = GatedRMSNorm(value_head_dim, eps)
+        self.norm = GatedRMSNorm(value_head_dim, eps, gate_activation)
         self.state_spec = {"conv": ((self.conv1d.channels, conv_kernel - 1), None),
                            "recurrent": ((self.value_heads, key_head_dim, value_head_dim), torch.float32)}
 
     def sizes(self, *segments: str) -> list:
-        """This rank's widths of projection segments (q, k: key_dim; v, z: value_dim; b, a: value heads)."""
+        """This rank's widths of projection segments (q, k: key_dim; v, z: value_dim; b: value heads; a: value heads,
+        times key_head_dim with a per-channel decay)."""
         size = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim, "z": self.value_dim,
-                "b": self.value_heads, "a": self.value_heads}
+                "b": self.value_heads,
+                "a": self.value_heads * (self.key_head_dim if self.decay == "channel" else 1)}
         return [size[s] for s in segments]
 
     def mix(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """qkv [N, 2 key_dim + value_dim] (q | k | v, before the conv), z [N, value_dim], b, a [N, value_heads] ->
-        the gated-normed mixer output [N, value_dim] (before the output projection), states updated."""
+        """qkv [N, 2 key_dim + value_dim] (q | k | v, before the conv), z [N, value_dim], b [N, value_heads], a
+        [N, value_heads] (or [N, value_heads * key_head_dim], a per-channel decay) -> the gated-normed mixer output
+        [N, value_dim] (before the output projection), states updated."""
         ctx = get_context()
         N = qkv.shape[0]
         Hv, Dv = self.value_heads, self.value_head_dim
         conv_state, rec_state = self.states["conv"], self.states["recurrent"]
         w, cb = self.conv1d.weight, self.conv1d.bias
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if self.decay == "channel":             # g [N, Hv, Dk]: -exp(A_log[h]) * softplus(a + dt_bias) per channel
+            sp = F.softplus(a.float() + self.dt_bias.float()).view(N, Hv, self.key_head_dim)
+            g = -self.A_log.float().exp()[:, None] * sp
+        else:
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         slots = decode_slots(ctx)
         if slots is not None:                                   # decode: one token each, batched, graph-safe
             x, new_conv = causal_conv1d_step(qkv, w, cb, gather_states(conv_state, slots))
@@ -331,7 +398,8 @@ class GatedDeltaNet(RecurrentMixer):
 
     def extra_repr(self) -> str:
         return (f"key_heads={self.key_heads}, value_heads={self.value_heads} (per rank), key_head_dim="
-                f"{self.key_head_dim}, value_head_dim={self.value_head_dim}, conv_kernel={self.conv_kernel}")
+                f"{self.key_head_dim}, value_head_dim={self.value_head_dim}, conv_kernel={self.conv_kernel}"
+                + (f", decay={self.decay}" if self.decay != "head" else ""))
 
 
 # ------------------------------------------------------------------------------------------------- mamba2

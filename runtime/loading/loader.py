@@ -98,11 +98,14 @@ def _open(path: Path):
 class Checkpoint:
     """Lazy view of a checkpoint's safetensors files: tensor name -> file, opened on demand."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, renames: Iterable[tuple[str, str]] = ()):
+        # renames: (regex, replacement) pairs; each tensor is known by its name rewritten by the first pattern that
+        # matches (re.sub, once), as transformers' conversion mapping renames an original release's tensors
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         self.file_of: dict[str, str] = {}
         self._handles: dict[str, object] = {}
+        self.stored_name: dict[str, str] = {}          # renamed -> the name in the file
         if index.exists():
             self.file_of = self._read_index(index)
         else:
@@ -113,6 +116,19 @@ class Checkpoint:
                 h = self._handles[f.name] = _open(f)
                 for name in h.keys():
                     self.file_of[name] = f.name
+        renames = [(re.compile(a), b) for a, b in renames]
+        if renames:
+            file_of: dict[str, str] = {}
+            for name, fname in self.file_of.items():
+                new = next((rx.sub(to, name, count=1) for rx, to in renames if rx.search(name)), name)
+                if new in file_of:
+                    other = self.stored_name.get(new, new)
+                    raise CheckpointError(f"{self.dir}: tensors {other!r} and {name!r} both read as {new!r} after "
+                                          f"the spec's checkpoint_renames")
+                file_of[new] = fname
+                if new != name:
+                    self.stored_name[new] = name
+            self.file_of = file_of
 
     @staticmethod
     def _read_index(index: Path) -> dict[str, str]:
@@ -160,7 +176,7 @@ class Checkpoint:
                 raise CheckpointError(f"{self.dir}: index names {fname!r} for {name!r}, but the file is missing")
             self._handles[fname] = _open(path)
         try:
-            return self._handles[fname].get_slice(name)
+            return self._handles[fname].get_slice(self.stored_name.get(name, name))
         except Exception as e:
             raise CheckpointError(f"{self.dir / fname}: cannot read tensor {name!r} (the index names this "
                                   f"file for it): {e}") from None
@@ -198,16 +214,18 @@ def _check_tp(params: dict, tp_size: Optional[int], tp_rank: Optional[int]) -> N
 
 def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str | Path, *,
                  tp_size: Optional[int] = None, tp_rank: Optional[int] = None, ignored: Iterable[str] = (),
-                 quant: Optional[QuantConfig] = None, kv_cache_dtype: str = "auto") -> set[str]:
+                 quant: Optional[QuantConfig] = None, kv_cache_dtype: str = "auto",
+                 renames: Iterable[tuple[str, str]] = ()) -> set[str]:
     """Fills `model`'s parameters from the checkpoint; returns the set of loaded parameter names.
     `quant` (runtime.loading.quant_config): how float8 weights are dequantized and which layers quantize their
     activations (runtime.loading.quant_load); a float8 tensor without it is an error.
     `kv_cache_dtype`: "fp8" / "fp8_e4m3" gives the attention layers the checkpoint's per-tensor KV-cache scales
-    (runtime.loading.kv_scales); "auto" leaves them unused.
+    (runtime.loading.kv_scales); "auto" leaves them unused. `renames`: the generated module's CHECKPOINT_RENAMES
+    ((regex, replacement) pairs applied to the checkpoint's tensor names before anything reads them).
 
     The TP rank is the one the model's layers were built for (get_tp_rank() at build time); `tp_size` /
     `tp_rank`, when given, must agree with it."""
-    ckpt = Checkpoint(model_dir)
+    ckpt = Checkpoint(model_dir, renames)
     qload = QuantLoad(model, ckpt, quant)
     params = dict(model.named_parameters())
     _check_tp(params, tp_size, tp_rank)

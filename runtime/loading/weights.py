@@ -39,7 +39,12 @@ class TensorLayout:
     transpose: bool = False
     interleave: int = 1
     dim: int = 0
-    squeeze: bool = False     # the tensor holds the parameter under one extra leading dim of size 1
+    # True: the tensor holds the parameter under one extra leading dim of size 1; a tuple of dims: under extra unit
+    # dims at those positions of the stored shape (Kimi's A_log [1, 1, heads, 1] for [heads]: (0, 1, 3))
+    squeeze: "bool | tuple" = False
+
+    def squeezed_dims(self) -> tuple:
+        return (0,) if self.squeeze is True else tuple(sorted(self.squeeze or ()))
 
     def view(self, base):
         return LayoutView(base, self) if self.transpose or self.interleave > 1 or self.squeeze else base
@@ -53,10 +58,12 @@ class LayoutView:
         self.base, self.layout = base, layout
         shape = [int(s) for s in (base.get_shape() if hasattr(base, "get_shape") else base.shape)]
         if layout.squeeze:
-            if not shape or shape[0] != 1:
-                raise WeightLoadError(f"stored with a leading unit dim (a `weights` entry's squeeze), but it has shape "
+            dims = layout.squeezed_dims()
+            if any(d >= len(shape) or shape[d] != 1 for d in dims):
+                what = "a leading unit dim" if layout.squeeze is True else f"unit dims at {list(dims)}"
+                raise WeightLoadError(f"stored with {what} (a `weights` entry's squeeze), but it has shape "
                                       f"{tuple(shape)}")
-            shape = shape[1:]
+            shape = [x for d, x in enumerate(shape) if d not in dims]
         if layout.transpose:
             if len(shape) < 2:
                 raise WeightLoadError(f"stored transposed (a `weights` entry's transpose), but it has shape {tuple(shape)}: fewer than 2 dims")
@@ -97,11 +104,12 @@ class LayoutView:
         base_idx = [slice(a, b) for a, b in rngs]
         if self.layout.transpose:
             base_idx[-2], base_idx[-1] = base_idx[-1], base_idx[-2]
-        if self.layout.squeeze:
-            base_idx = [slice(0, 1)] + base_idx
+        dims = self.layout.squeezed_dims() if self.layout.squeeze else ()
+        for d in dims:                                 # increasing: each unit dim at its stored position
+            base_idx.insert(d, slice(0, 1))
         out = self.base[tuple(base_idx)]
-        if self.layout.squeeze:
-            out = out[0]
+        if dims:
+            out = out.reshape([int(x) for d, x in enumerate(out.shape) if d not in dims])
         if self.layout.transpose:
             out = out.transpose(-2, -1)
         if pick is not None:

@@ -99,6 +99,11 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # tokens + the query)
     "MiMoV2FlashForCausalLM": [{"routed_scaling_factor": 2.5}, {"attention_value_scale": 0.3},
                                {"sliding_window_size": 3}],
+    # Kimi Linear: MLA with a low-rank q (the released model: q_proj), routing weights not renormalized (config.json
+    # moe_renormalize), a shorter KDA short-conv kernel
+    "KimiLinearForCausalLM": [{"q_lora_rank": 24}, {"moe_renormalize": False},
+                              {"linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3], "num_heads": 4,
+                                                      "head_dim": 8, "short_conv_kernel_size": 3}}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
