@@ -92,8 +92,8 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # MiniMax-M3 text: a SwiGLU clamp that bites at the tiny scale
     "MiniMaxM3VLForCausalLM": [{"swiglu_limit": 0.5}],
     "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
-    # Zamba2: per-use adapters on the shared attention's q/k/v, rotary in the shared attention, a single shared block
-    "Zamba2ForCausalLM": [{"use_shared_attention_adapter": True}, {"use_mem_rope": True}],
+    # Zamba2: rotary in the shared attention (the tiny default has the q/k/v adapters on, see tiny_hf.ARCH_DEFAULTS)
+    "Zamba2ForCausalLM": [{"use_mem_rope": True}],
 }
 
 # The rope type a feature-ON config uses: the first of these that the spec admits (ROPE_ARMS' parameters).
