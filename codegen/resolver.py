@@ -21,6 +21,7 @@ from .ir import (
     MLAIR,
     MLPIR,
     AttentionIR,
+    BranchStepIR,
     ChoiceIR,
     ConfigFieldIR,
     EmbeddingIR,
@@ -33,7 +34,6 @@ from .ir import (
     ModelIR,
     MoEIR,
     NormIR,
-    BranchStepIR,
     ParallelStepIR,
     ParamIR,
     ProjectionIR,
@@ -46,9 +46,9 @@ from .ir import (
 )
 from .loader import LoadedSpec
 from .schema import (
+    BranchStep,
     Choice,
     DataflowChoice,
-    BranchStep,
     ParallelStep,
     RMSNormBlock,
     Select,

@@ -13,7 +13,6 @@ from typing import Any, Mapping, Optional, Tuple
 from .errors import did_you_mean
 from .ir import ParamIR, WeightIR
 
-
 _PLACEHOLDER = re.compile(r"\{(?![ieh]\})[^{}]+\}")   # {<expression>}: any placeholder but {i}, {e}, {h}
 
 

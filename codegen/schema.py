@@ -232,7 +232,7 @@ class Rotary(Strict):
 
 
 class LoRA(Strict):
-    """A per-use low-rank adapter on a block's fused input projection (Zamba2's adapters on its shared blocks): the
+    """A per-use low-rank adapter on a block's fused input projection : the
     projection's output gets `up(down(x))` added, down `[rank, in]` (replicated), up `[out, rank]` (split over TP
     ranks as the projection's segments are). `per: segment`: one adapter per output segment (attention: q, k, v, each
     `<name>.<segment>.down` / `.up`); `per: projection`: one over the whole fused output (`<name>.down` / `.up`, up
