@@ -38,12 +38,17 @@ def _proj(p) -> str:
 
 def _steps(w, steps) -> None:
     for s in steps:
-        if hasattr(s, "branches"):
+        if getattr(s, "value", None) is not None:
+            chain = " -> ".join((f"{op.norm} -> " if op.norm else "") + op.block for op in s.branches)
+            w(f"      branch {s.value} = [{' | '.join(s.inputs)}] -> {chain} (no residual)"
+              + (f" where {s.when}" if s.when is not None else ""))
+        elif hasattr(s, "branches"):
             w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
                                                         for b in s.branches))
         else:
             block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
-            w(f"      residual: {s.norm or '(no norm)'} -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
+            w(f"      residual: {s.norm or '(no norm)'}{'(stream + ' + s.add + ')' if s.add else ''} -> {block}"
+              + (f" -> {s.post_norm}" if s.post_norm else "")
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else ""))
 
@@ -60,6 +65,13 @@ def _rotary(r) -> str:
     rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
     rot += f", direction={r.direction}" if r.direction != "forward" else ""
     return rot + (f", scaling={r.scaling})" if r.scaling else ")")
+
+
+def _lora(lo) -> str:
+    if lo is None:
+        return ""
+    return (f", lora={lo.name}(rank={lo.rank}, {'per segment' if lo.per == 'segment' else 'whole projection'}"
+            + (f", where {lo.enabled}" if lo.enabled.literal is not True else "") + ", per layer)")
 
 
 def _sub_norm(n) -> str:
@@ -87,7 +99,9 @@ def _block(b) -> str:
                     (", a weight per head" if n.per_head_weights else "") + (", no weight" if n.weightless else "") + \
                     (f", where {n.enabled}" if n.enabled is not None else "")
             qk = f", qk_norm={n.kind}({n.q}, {n.k}, eps={n.eps}{extra})"
-        return (f"attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, kv_heads={b.kv_heads}, "
+        return (f"attention {b.class_name}(hidden={b.hidden}, "
+                + (f"input_width={b.input_width}, " if b.input_width is not None else "")
+                + f"heads={b.heads}, kv_heads={b.kv_heads}, "
                 f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}, "
                 f"{b.out_name} bias={b.out_bias}, rotary={rot}{qk}, "
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
@@ -102,7 +116,7 @@ def _block(b) -> str:
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
-                + (f", differential(eps={b.differential})" if b.differential else "") + ")")
+                + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora) + ")")
     if isinstance(b, RGLRUIR):
         return (f"rg_lru {b.class_name}(hidden={b.hidden}, width={b.width}, heads={b.heads}, conv_kernel="
                 f"{b.conv_kernel}, activation={b.activation}, decay_scale={b.decay_scale}, bias={b.bias}, conv_bias="
@@ -170,7 +184,7 @@ def _block(b) -> str:
     if isinstance(b, GatedMLPIR):
         return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={_act(b)}, "
                 f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
-                f"bias={b.down_bias}{_sub_norm(b.sub_norm)})")
+                f"bias={b.down_bias}{_sub_norm(b.sub_norm)}{_lora(b.lora)})")
     if isinstance(b, MLPIR):
         return (f"mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
                 f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias}{_sub_norm(b.sub_norm)})")
@@ -279,6 +293,9 @@ def format_resolved(ir: ModelIR) -> str:
     flows = [("    dataflow:", lay.steps)] if lay.alt_cond is None else [
         (f"    dataflow where {lay.alt_cond} is false ({lay.class_name}):", lay.steps),
         (f"    dataflow where {lay.alt_cond} holds ({lay.alt_class_name}):", lay.alt_steps)]
+    for name, inst in lay.shared:
+        w(f"    {name}: shared by the layers with equal {inst} (the first holds the weights; KV cache, state and "
+          f"adapters per layer)")
     for name, only in lay.only_in:
         w(f"    {name}: only in the checkpoints where {lay.alt_cond} is {'true' if only else 'false'}")
     for title, steps in flows:

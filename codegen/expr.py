@@ -41,12 +41,14 @@ def _check(node: ast.AST, names: set, bound: frozenset = frozenset()) -> None:
     """Walks `node`, refusing what the grammar does not allow; collects free names into `names`."""
     if isinstance(node, ast.ListComp):
         gens = node.generators
-        if (len(gens) != 1 or gens[0].ifs or gens[0].is_async or not isinstance(gens[0].target, ast.Name)
+        if (len(gens) != 1 or len(gens[0].ifs) > 1 or gens[0].is_async or not isinstance(gens[0].target, ast.Name)
                 or not (isinstance(gens[0].iter, ast.Call) and isinstance(gens[0].iter.func, ast.Name)
                         and gens[0].iter.func.id == "range")):
-            raise ExprError("a list comprehension must be `[... for i in range(n)]`")
+            raise ExprError("a list comprehension must be `[... for i in range(n)]` (with at most one `if` clause)")
         _check(gens[0].iter, names, bound)
         _check(node.elt, names, bound | {gens[0].target.id})
+        for cond in gens[0].ifs:
+            _check(cond, names, bound | {gens[0].target.id})
         return
     if isinstance(node, ast.Name):
         if node.id not in bound and node.id not in _CALLS:
@@ -265,7 +267,8 @@ class _Eval:
         out = []
         for i in self.run(g.iter):
             inner = _Eval({**self.env, g.target.id: i})
-            out.append(inner.run(n.elt))
+            if all(inner.run(c) for c in g.ifs):
+                out.append(inner.run(n.elt))
         return out
 
 

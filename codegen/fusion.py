@@ -62,6 +62,8 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
             norm = blocks.get(st.norm) if st.norm else None
             fusable = (not parallel and st.choice is None and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
                        and not norm.bias and blocks[st.block].kind in NORM_PROLOGUE_KINDS
-                       and not getattr(blocks[st.block], "out_gate", None))   # the gate reads the normed input
+                       and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
+                       and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input
+                       and getattr(st, "add", None) is None)                 # the norm reads residual + a value
             (ok if fusable else bad).update(names)
     return FusionPlan(frozenset(ok - bad))

@@ -214,6 +214,8 @@ class WeightIR:
     transpose: bool = False       # the tensor stores [..., in, out]
     interleave: int = 1           # n > 1: the n segments interleaved along the output dim
     squeeze: Any = False          # True: one extra leading unit dim; a tuple: unit dims at those stored positions
+    # sources with `{<expression>}` placeholders: each source as a Python f-string body over `layer_idx`, `config`
+    fstrings: Tuple[str, ...] = ()
 
     @property
     def shard(self) -> str:
@@ -327,6 +329,15 @@ class QueryScaleIR:
 
 
 @dataclass(frozen=True)
+class LoRAIR:
+    """Per-use low-rank adapters on a block's fused input projection (runtime L.LoRA / L.SegmentLoRA)."""
+    name: str                     # module name
+    rank: "Size"
+    per: str                      # segment (one adapter per output segment) | projection (one over the whole)
+    enabled: "Value"              # literal True, or a bool symbol: the adapters exist where it holds
+
+
+@dataclass(frozen=True)
 class AttentionIR:
     kind: str
     name: str
@@ -357,6 +368,12 @@ class AttentionIR:
     v_head_dim: Optional[Size] = None          # value heads' width (None: head_dim); a per-layer size may read `layer`
     value_scale: Optional[Value] = None        # a constant factor on v before the cache (None: none)
     sinks_when: Optional[Value] = None         # sinks only on the layers where this flag holds (None: every layer)
+    input_width: Optional[Size] = None         # the q/k/v projection's input width (None: hidden)
+    lora: Optional[LoRAIR] = None              # per-use adapters on the q/k/v projection
+
+    @property
+    def in_width(self) -> Size:
+        return self.input_width if self.input_width is not None else self.hidden
 
     @property
     def q_size(self) -> Size:
@@ -418,6 +435,7 @@ class GatedMLPIR:
     down_bias: Value
     activation_params: Tuple[Tuple[str, Value], ...] = ()   # a parameterized form's (swiglu_clamped: alpha, limit)
     sub_norm: Optional[SubNormIR] = None       # a norm of act(gate) * up before the down projection
+    lora: Optional[LoRAIR] = None              # per-use adapters on the gate/up projection
 
 
 @dataclass(frozen=True)
@@ -659,6 +677,17 @@ class StepIR:
     # a choice whose alternatives take different inputs (attention / recurrent mixer vs MLP / MoE): the layer
     # passes the positions where its module takes them (a per-layer flag `self.<block>_takes_positions`)
     mixed_input: bool = False
+    add: Optional[str] = None     # a branch value added to the block's input (not to the residual)
+
+
+@dataclass(frozen=True)
+class BranchStepIR:
+    """A side computation: value = ops(concat(inputs)), each op `h = block(norm(h))`, no residual; `branches` holds
+    the ops (StepIR, as a parallel step's branches: code that walks the steps' blocks reads them alike)."""
+    value: str                    # the value's name
+    inputs: Tuple[str, ...]       # residual | embeddings | an earlier branch's value, concatenated on the last dim
+    branches: Tuple[StepIR, ...]  # the ops, in order
+    when: Optional[Value] = None  # per-layer: the branch runs (and its blocks exist) only where it holds
 
 
 @dataclass(frozen=True)
@@ -679,6 +708,21 @@ class LayerIR:
     alt_steps: Tuple[StepIR, ...] = ()
     alt_class_name: Optional[str] = None
     only_in: Tuple[Tuple[str, bool], ...] = ()
+    # `layers.shared`: (block, instance expression over `layer`): layers with equal values share its parameters
+    shared: Tuple[Tuple[str, Value], ...] = ()
+
+    @property
+    def uses_embeddings(self) -> bool:
+        """Some branch reads the decoder's embeddings: the layers take them as an input."""
+        return any("embeddings" in getattr(s, "inputs", ()) for s in self.all_steps)
+
+    def branch_when(self, block: str) -> Optional[Value]:
+        """The `when` of the branch that uses `block` (it exists only where that holds); None: every layer."""
+        for s in self.all_steps:
+            if getattr(s, "value", None) is not None and any(op.block == block or op.norm == block
+                                                              for op in s.branches):
+                return s.when
+        return None
 
     @property
     def all_steps(self) -> Tuple[StepIR, ...]:

@@ -23,6 +23,7 @@ from .ir import (
     RGLRUIR,
     AllOf,
     AttentionIR,
+    BranchStepIR,
     ChoiceIR,
     ConfigFieldIR,
     EmbeddingIR,
@@ -47,6 +48,7 @@ from .ir import (
 )
 from .loader import LoadedSpec
 from .schema import (
+    BranchStep,
     Choice,
     DataflowChoice,
     ParallelStep,
@@ -590,6 +592,15 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                     raise self.err(rp, f"{where}.{role}: block '{ref}' is already "
                                        f"used by {used[ref]}; each block is used once")
                 used[ref] = where
+            add = None
+            if getattr(st, "add", None) is not None:
+                if st.add not in values:
+                    raise self.err(sp + ("add",), f"{where}.add: no branch value '{st.add}' before this step"
+                                                  f"{did_you_mean(st.add, values) if values else ''}")
+                if st.norm is None or st.after_norm is not None or choice is not None:
+                    raise self.err(sp + ("add",), f"{where}.add: a branch value is added to the input of a step "
+                                                  f"`{{norm: N, block: B}}` (no after_norm, no per-layer choice)")
+                add = st.add
             if choice is not None:
                 if not choice.cases and choice.then == choice.else_:
                     raise self.err(sp + ("block", "then"), f"{where}.block: `then` and `else` name the same block")
@@ -598,7 +609,42 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
                               mixed_input=len(takes) > 1)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
-                          st.after_norm)
+                          st.after_norm, add=add)
+
+        def branch_step(st, sp, where):
+            b = st.branch
+            bp = sp + ("branch",)
+            name = self.ident(bp + ("name",), b.name, "branch name")
+            if name in ("residual", "embeddings") or name in values or name in blocks:
+                raise self.err(bp + ("name",), f"{where}.branch.name: '{name}' is already a value or block name")
+            if not b.input:
+                raise self.err(bp + ("input",), f"{where}.branch.input: list one or more values")
+            for j, v in enumerate(b.input):
+                if v not in ("residual", "embeddings") and v not in values:
+                    raise self.err(bp + ("input", j), f"{where}.branch.input[{j}]: '{v}' is not `residual`, "
+                                                      f"`embeddings` or an earlier branch's name")
+            if not b.steps:
+                raise self.err(bp + ("steps",), f"{where}.branch.steps: list one or more operations")
+            ops = []
+            for j, op in enumerate(b.steps):
+                op_p, op_w = bp + ("steps", j), f"{where}.branch.steps[{j}]"
+                roles = ([("norm", op.norm, ("rmsnorm", "layernorm"))] if op.norm is not None else []) + \
+                    [("block", op.block, ("attention", "mla_attention", "gated_mlp", "mlp", "moe", "linear"))]
+                for role, ref, kinds in roles:
+                    if ref not in blocks:
+                        raise self.err(op_p + (role,), f"{op_w}.{role}: no block '{ref}' in "
+                                                       f"decoder.layers.blocks{did_you_mean(ref, blocks)}")
+                    if blocks[ref].kind not in kinds:
+                        raise self.err(op_p + (role,), f"{op_w}.{role}: block '{ref}' is {blocks[ref].kind}, "
+                                                       f"expected {' or '.join(kinds)}")
+                    if ref in used:
+                        raise self.err(op_p + (role,), f"{op_w}.{role}: block '{ref}' is already used by "
+                                                       f"{used[ref]}; each block is used once")
+                    used[ref] = op_w
+                ops.append(StepIR(op.norm, op.block, isinstance(blocks[op.block], ATTENTION_IRS)))
+            when = Value(expr=self.expr(bp + ("when",), b.when, per_layer=True)) if b.when is not None else None
+            values.append(name)
+            return BranchStepIR(name, tuple(b.input), tuple(ops), when)
 
         df = L.dataflow
         if isinstance(df, DataflowChoice):     # one dataflow or the other, by the checkpoint's config
@@ -608,10 +654,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             flows = [(df, base + ("dataflow",), "decoder.layers.dataflow")]
         resolved, all_used = [], {}
         for flow, fp, fw in flows:
-            steps, used = [], {}
+            steps, used, values = [], {}, []
             for i, st in enumerate(flow):
                 sp = fp + (i,)
-                if isinstance(st, ParallelStep):
+                if isinstance(st, BranchStep):
+                    steps.append(branch_step(st, sp, f"{fw}[{i}]"))
+                elif isinstance(st, ParallelStep):
                     if len(st.parallel) < 2:
                         raise self.err(sp + ("parallel",), f"{fw}[{i}].parallel: list two or more branches")
                     branches = []
@@ -636,7 +684,15 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if name not in all_used:
                 raise self.err(base + ("blocks", name), f"decoder.layers.blocks.{name}: block is never used by "
                                                         f"decoder.layers.dataflow", at_key=True)
-        layer = LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), resolved[0][0])
+        shared = []
+        for bname, src in L.shared.items():
+            sp = base + ("shared", bname)
+            if bname not in blocks:
+                raise self.err(sp, f"decoder.layers.shared: no block '{bname}' in decoder.layers.blocks"
+                                   f"{did_you_mean(bname, blocks)}", at_key=True)
+            shared.append((bname, Value(expr=self.expr(sp, src, per_layer=True))))
+        layer = LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), resolved[0][0],
+                        shared=tuple(shared))
         if isinstance(df, DataflowChoice):
             layer = self.dataflow_choice(layer, df, resolved)
         return layer
@@ -657,10 +713,22 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                                when=when))
         return tuple(out)
 
+    def both(self, when, inner):
+        """The `when` of a parameter that exists where `when` holds and, inside its block, where `inner` holds."""
+        if inner is None:
+            return when
+        (a, av), (b, bv) = when, inner
+        text = f"({'' if av else 'not '}({a})) and ({'' if bv else 'not '}({b}))"
+        return (Value(expr=self.expr(("decoder", "layers"), text, per_layer=True)), True)
+
     def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: Optional[NormIR]) -> None:
         """Everything on the residual stream has its width (the embedding's, or decoder.project_in's output)."""
         checks = [(("decoder", "norm", "dim"), "decoder.norm.dim", norm.dim)] if norm is not None else []
+        off_stream = {n for s in layer.all_steps if getattr(s, "value", None) is not None
+                      for op in s.branches for n in (op.norm, op.block) if n}
         for b in layer.blocks:
+            if b.name in off_stream:      # a branch's blocks: their widths are the branch's business
+                continue
             bp = ("decoder", "layers", "blocks", b.name)
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
@@ -702,6 +770,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                         module_of[b], when_of[b] = st.block, st.choice.when(b)
         for b, in_then in layer.only_in:      # a block that one dataflow of a `dataflow: {if: ...}` uses
             when_of[b] = (layer.alt_cond, in_then)
+        for b in layer.blocks:                # a block of a branch that runs on some layers only
+            w = layer.branch_when(b.name)
+            if w is not None:
+                when_of[b.name] = (w, True)
         for b in layer.blocks:
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)

@@ -17,6 +17,7 @@ from .ir import (
     GatedDeltaNetIR,
     GatedMLPIR,
     LinearIR,
+    LoRAIR,
     Mamba2IR,
     MambaIR,
     MoEIR,
@@ -91,6 +92,24 @@ class BlockResolver(MLAResolver):
         if not math.isfinite(n.weight_offset):
             raise self.err(sp + ("weight_offset",), f"{self._where(sp)}.weight_offset: must be finite")
         return SubNormIR(n.name, n.kind, self.positive(sp + ("eps",), n.eps, below=1.0), float(n.weight_offset), n.bias)
+
+    def resolve_lora(self, path, lo, proj: str, module=None, taken=()) -> LoRAIR | None:
+        """A block's `lora`: per-use low-rank adapters on its fused input projection `proj`."""
+        if lo is None:
+            return None
+        lp = path + ("lora",)
+        name = lo.name or f"{proj}_lora"
+        if module is not None:
+            module(lp + ("name",), name)
+        else:
+            self.ident(lp + ("name",), name, "module name")
+            if name in taken:
+                raise self.err(lp + ("name",), f"{self._where(lp)}.name: module name '{name}' is already used in this "
+                                               f"block")
+        enabled = self.flag(lp + ("enabled",), lo.enabled)
+        if enabled.literal is False:
+            return None
+        return LoRAIR(name, self.dim(lp + ("rank",), lo.rank), lo.per, enabled)
 
     def resolve_block(self, path, name, b, unique_kind: bool):
         prefix = self.spec.class_prefix
@@ -221,7 +240,9 @@ class BlockResolver(MLAResolver):
                 q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
                 differential=diff, v_head_dim=v_dim, value_scale=vscale,
-                sinks_when=sinks if has_sinks and sinks.literal is not True else None)
+                sinks_when=sinks if has_sinks and sinks.literal is not True else None,
+                input_width=self.dim(path + ("input_width",), b.input_width) if b.input_width is not None else None,
+                lora=self.resolve_lora(path, b.lora, b.qkv.name, module))
         if isinstance(b, ShortConvBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             if names[1] in (names[0], "conv") or names[0] == "conv":
@@ -311,7 +332,8 @@ class BlockResolver(MLAResolver):
                               self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                               self.flag(path + ("down", "bias"), b.down.bias), act_params,
-                              self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")))
+                              self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")),
+                              self.resolve_lora(path, b.lora, g, None, taken=(g, dn, "act_fn")))
         if isinstance(b, MLPBlock):
             act = self.activation(path + ("activation",), b.activation, ACTIVATIONS + tuple(PARAM_ACTIVATIONS),
                                   "an activation")
@@ -619,6 +641,24 @@ class BlockResolver(MLAResolver):
         return [P(f"{n.name}.{w}", (rows,), "colwise", (seg,)) for w in (("weight", "bias") if n.bias else ("weight",))]
 
     @staticmethod
+    def lora_params(P, lo, in_f, segs) -> List[ParamIR]:
+        """A LoRA's down `[rank, in]` (replicated) and up `[rows, rank]` (split as the projection's segments): one
+        pair per segment (`per: segment`) or one over the whole projection, its up stored whole."""
+        if lo is None:
+            return []
+        ps = []
+        groups = [(f"{lo.name}.{s.name}.", [s]) for s in segs] if lo.per == "segment" else [(f"{lo.name}.", list(segs))]
+        for mod, ss in groups:
+            rows = ss[0].heads * ss[0].unit
+            for s in ss[1:]:
+                rows = rows + s.heads * s.unit
+            ps.append(P(f"{mod}down.weight", (lo.rank, in_f), "replicated"))
+            ps.append(dataclasses.replace(P(f"{mod}up.weight", (rows, lo.rank), "colwise", ss), stacked=True))
+        if lo.enabled.literal is not True:     # only in the checkpoints where the flag holds
+            ps = [dataclasses.replace(p, when=(lo.enabled, True)) for p in ps]
+        return ps
+
+    @staticmethod
     def block_params(prefix: str, block: str, b, per_layer: bool) -> List[ParamIR]:
         one = Size.of(1)
 
@@ -742,7 +782,8 @@ class BlockResolver(MLAResolver):
             segs = [SegmentIR(q, b.heads, b.head_dim if not b.q_gate else Size.of(2) * b.head_dim),
                     SegmentIR(k, b.kv_heads, b.head_dim, True),
                     SegmentIR(v, b.kv_heads, b.v_dim, True)]
-            ps = column(f"{b.qkv_name}.", b.hidden, segs, _maybe(b.qkv_bias))
+            ps = column(f"{b.qkv_name}.", b.in_width, segs, _maybe(b.qkv_bias))
+            ps += BlockResolver.lora_params(P, b.lora, b.in_width, segs)
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.v_dim), b.hidden, _maybe(b.out_bias))
             if b.out_bias.per_layer:      # the bias exists on the layers where the expression holds
                 ps[-1] = dataclasses.replace(ps[-1], when=(b.out_bias, True))
@@ -835,6 +876,8 @@ class BlockResolver(MLAResolver):
             g, u = b.gate_up_segments
             ps = column(f"{b.gate_up_name}.", b.hidden, [SegmentIR(g, b.intermediate, one),
                                                          SegmentIR(u, b.intermediate, one)], _maybe(b.gate_up_bias))
+            ps += BlockResolver.lora_params(P, b.lora, b.hidden, [SegmentIR(g, b.intermediate, one),
+                                                                 SegmentIR(u, b.intermediate, one)])
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))
             ps += BlockResolver.sub_norm_params(P, b.sub_norm, SegmentIR(b.down_name, b.intermediate, one))
             return ps

@@ -13,6 +13,8 @@ from typing import Any, Mapping, Optional, Tuple
 from .errors import did_you_mean
 from .ir import ParamIR, WeightIR, size_at
 
+_PLACEHOLDER = re.compile(r"\{(?![ieh]\})[^{}]+\}")   # {<expression>}: any placeholder but {i}, {e}, {h}
+
 
 class WeightsResolver:
     def resolve_weights(self, params: Tuple[ParamIR, ...], section: Tuple[str, ...] = ("weights",)) -> Tuple[WeightIR, ...]:
@@ -72,8 +74,10 @@ class WeightsResolver:
                 sources = tuple(rename(v) for v in e.from_.values())
             looped = p.per_layer or p.repeat is not None
             per_expert = p.experts is not None and e is not None and any("{e}" in src for src in sources)
+            fstrings = self.source_exprs(p, sources, path, where_s, keys.get(p.name, ""), looped)
             for i, src in enumerate(sources):
-                if looped and "{i}" not in src:
+                src = _PLACEHOLDER.sub("", src) if fstrings else src
+                if looped and "{i}" not in src and not fstrings:
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: '{src}' is a per-layer tensor; "
                                                      f"name it with {{i}} for the layer index")
                 if per_expert and "{e}" not in src:
@@ -92,9 +96,39 @@ class WeightsResolver:
                                                      f"tensor per row of its first dim), and no other placeholder "
                                                      f"exists")
             wt = self.weight_layout(p, sources, e, path, where_s, keys.get(p.name, ""))
+            if fstrings:
+                wt = dataclasses.replace(wt, fstrings=fstrings)
             if e is not None:
                 wt = dataclasses.replace(wt, layout=self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e))
             out.append(wt)
+        return tuple(out)
+
+    def source_exprs(self, p: ParamIR, sources, path, where_s: str, key: str, looped: bool) -> Tuple[str, ...]:
+        """`{<expression>}` in a per-layer source name (any placeholder but {i}, {e}, {h}): an expression over config
+        symbols and `layer` whose value is written there (the checkpoint's name of layer i's tensor depends on the
+        layer: Zamba's `mamba_decoder.` prefix on its hybrid layers, an adapter stored under another layer). Returns
+        each source as the body of a Python f-string over `layer_idx` and `config` (empty: no such placeholder)."""
+        if not any(_PLACEHOLDER.search(src) for src in sources):
+            return ()
+        if not looped or p.experts is not None:
+            raise self.err(path + ("from",), f"{where_s}['{key}'].from: an expression placeholder is for the sources "
+                                             f"of a per-layer parameter (not stacked per expert)")
+        out = []
+        for src in sources:
+            parts, pos = [], 0
+            for m in re.finditer(r"\{([^{}]*)\}", src):
+                parts.append(src[pos:m.start()].replace("{", "{{").replace("}", "}}"))
+                inner = m.group(1)
+                if inner == "i":
+                    parts.append("{layer_idx}")
+                elif inner in ("e", "h"):
+                    raise self.err(path + ("from",), f"{where_s}['{key}'].from: '{src}': {{{inner}}} with an "
+                                                     f"expression placeholder is not supported")
+                else:
+                    parts.append("{" + self.expr(path + ("from",), inner, per_layer=True).py() + "}")
+                pos = m.end()
+            parts.append(src[pos:])
+            out.append("".join(parts))
         return tuple(out)
 
     def weight_layout(self, p: ParamIR, sources, e, path, where_s: str, key: str) -> WeightIR:

@@ -234,6 +234,20 @@ class Rotary(Strict):
     original_max_position: Optional[Dim] = None
 
 
+class LoRA(Strict):
+    """A per-use low-rank adapter on a block's fused input projection : the
+    projection's output gets `up(down(x))` added, down `[rank, in]` (replicated), up `[out, rank]` (split over TP
+    ranks as the projection's segments are). `per: segment`: one adapter per output segment (attention: q, k, v, each
+    `<name>.<segment>.down` / `.up`); `per: projection`: one over the whole fused output (`<name>.down` / `.up`, up
+    stored whole). The adapter belongs to the layer, not to a shared block: a block several layers share
+    (`layers.shared`) keeps one adapter per layer. `enabled`: a flag (bool symbol): the adapter exists only in the
+    checkpoints where it holds. `name`: the module name (default `<projection>_lora`)."""
+    rank: Dim
+    per: Literal["segment", "projection"] = "segment"
+    enabled: Flag = True
+    name: Optional[StrictStr] = None
+
+
 class AttentionBlock(Strict):
     """Self-attention with GQA: fused q/k/v projection (segments q, k, v), optional per-head q/k norm,
     rotary embedding, paged attention, output projection."""
@@ -268,6 +282,10 @@ class AttentionBlock(Strict):
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False
     alibi_bias_max: Num = 8
+    # the width of the block's input, read by the q/k/v projection (default `hidden`, also the output width):
+    # Zamba's shared attention reads the concatenation of the residual stream and the embeddings (2 * hidden)
+    input_width: Optional[Dim] = None
+    lora: Optional[LoRA] = None          # per-use low-rank adapters on the q/k/v projection (above)
 
 
 class LowRankInput(Strict):
@@ -462,6 +480,7 @@ class GatedMLPBlock(Strict):
     gate_up: FusedProjection
     down: Projection
     sub_norm: Optional[SubNorm] = None      # a norm of act(gate) * up before `down`
+    lora: Optional[LoRA] = None             # per-use low-rank adapters on the gate/up projection
 
 
 class MLPBlock(Strict):
@@ -629,6 +648,33 @@ class ResidualStep(Strict):
     # classic post-LN (OPT-350m, the original Transformer): the residual stream itself is normalized after the
     # add, x = after_norm(x + h); the block reads x (no `norm` then)
     after_norm: Optional[StrictStr] = None
+    # a branch value (`branch.name`) added to the block's input, not to the residual: residual += h;
+    # h = B(N(residual + value)) (Zamba: the shared transformer's output joins the Mamba layer's input). In a layer
+    # where the branch does not run (its `when` is false) nothing is added
+    add: Optional[StrictStr] = None
+
+
+class BranchOp(Strict):
+    """One operation of a branch: `h = block(norm(h))` (no residual); `norm` optional."""
+    norm: Optional[StrictStr] = None
+    block: StrictStr
+
+
+class Branch(Strict):
+    """A side computation of the layer whose result is a named value, not a residual update: its input is the
+    concatenation (last dim) of `input` values: `residual` (the residual stream as this step sees it),
+    `embeddings` (the decoder's input to the first layer), or an earlier branch's name; then each op in order,
+    `h = block(norm(h))`; the result is the value `name`, which a later step reads through `add` (or a later
+    branch through `input`). `when`: a bool expression over config symbols and `layer`: the branch (and the
+    blocks only it uses) exists only in the layers where it holds (Zamba's hybrid layers)."""
+    name: StrictStr
+    input: List[StrictStr]
+    steps: List[BranchOp]
+    when: Optional[StrictStr] = None
+
+
+class BranchStep(Strict):
+    branch: Branch
 
 
 class ParallelStep(Strict):
@@ -652,7 +698,11 @@ class DataflowChoice(Strict):
 class Layers(Strict):
     count: Dim
     blocks: Dict[StrictStr, LayerBlock]
-    dataflow: Union[List[Union[ResidualStep, ParallelStep]], DataflowChoice]
+    dataflow: Union[List[Union[ResidualStep, ParallelStep, BranchStep]], DataflowChoice]
+    # blocks whose weights several layers reuse: block name -> an expression over config symbols and `layer`, the
+    # instance the layer uses; layers with equal values share the block's parameters (the first such layer holds
+    # them, under its name). Each layer keeps its own module state (KV cache, recurrent state) and LoRA adapters
+    shared: Dict[StrictStr, StrictStr] = {}
 
 
 class Deepstack(Strict):

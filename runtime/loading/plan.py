@@ -6,19 +6,20 @@ layer index; `{e}` in a source is the expert index of a stacked expert parameter
 expert (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>" (the layer skips another rank's). How a tensor is
 sharded is the business of the parameter's layer (its `weight_loader`), never restated here. `WEIGHT_LAYOUTS` (optional)
 gives the row layout (runtime.loading.layout.RowLayout) of a fused tensor stored per head or per KV group. A source given as a TensorLayout (a
-`weights` entry's `transpose` / `segments_interleaved`) is read through its layout view.
+`weights` entry's `transpose` / `segments_interleaved`) is read through its layout view. A callable source gives the
+name(s) of layer i's tensor (a spec's `{<expression>}` placeholder: the checkpoint's name depends on the layer).
 """
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 from torch import nn
 
 from xllm_gen.runtime.loading.layout import RowLayout
 from xllm_gen.runtime.loading.weights import TensorLayout, WeightRule
 
-Sources = Union[str, Mapping[str, str], TensorLayout]
+Sources = Union[str, Mapping[str, str], TensorLayout, Callable[[int], Union[str, Mapping[str, str]]]]
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -53,6 +54,8 @@ def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
             if m is None:
                 continue
             fill = (lambda s: s.replace("{i}", m.group("i"))) if "i" in pat.groupindex else (lambda s: s)
+            if callable(src):     # a per-layer name computed from the layer index (a spec's {<expression>} placeholder)
+                src = src(int(m.group("i")))
             stored = None
             if isinstance(src, TensorLayout):
                 stored, src = src, src.source
