@@ -469,6 +469,7 @@ class GatedDeltaNetIR:
     out_name: str
     conv_bias: bool
     rep: Any                      # value heads per key head (an expression)
+    beta_scale: Value = Value(literal=1.0)   # beta = beta_scale * sigmoid(b)
 
     def segment(self, name: str) -> "SegmentIR":
         """A projection segment, split by key heads (each with its value heads)."""

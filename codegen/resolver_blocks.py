@@ -532,7 +532,8 @@ class BlockResolver(MLAResolver):
             eps=self.positive(path + ("eps",), b.eps, below=1.0),
             activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
                                        "a conv activation"),
-            projections=tuple(projections), out_name=out, conv_bias=b.conv_bias, rep=rep)
+            projections=tuple(projections), out_name=out, conv_bias=b.conv_bias, rep=rep,
+            beta_scale=self.positive(path + ("beta_scale",), b.beta_scale))
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:
