@@ -153,6 +153,7 @@ def _block(b) -> str:
         return (f"gated_delta_net {b.class_name}(hidden={b.hidden}, key_heads={b.key_heads}, value_heads="
                 f"{b.value_heads}, key_head_dim={b.key_head_dim}, value_head_dim={b.value_head_dim}, conv_kernel="
                 f"{b.conv_kernel}{', conv bias' if b.conv_bias else ''}, activation={b.activation}, eps={b.eps}, "
+                f"{'' if b.beta_scale.literal == 1.0 else f'beta_scale={b.beta_scale}, '}"
                 f"{proj}, {b.out_name}; state per sequence: conv [channels, conv_kernel - 1], recurrent "
                 f"[value_heads, key_head_dim, value_head_dim] float32)")
     if isinstance(b, MLAIR):
@@ -297,7 +298,8 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"    {name}: shared by the layers with equal {inst} (the first holds the weights; KV cache, state and "
           f"adapters per layer)")
     for name, only in lay.only_in:
-        w(f"    {name}: only in the checkpoints where {lay.alt_cond} is {'true' if only else 'false'}")
+        w(f"    {name}: only in the {'layers' if lay.alt_cond.per_layer else 'checkpoints'} where {lay.alt_cond} is "
+          f"{'true' if only else 'false'}")
     for title, steps in flows:
         w(title)
         _steps(w, steps)

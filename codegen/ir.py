@@ -524,6 +524,7 @@ class GatedDeltaNetIR:
     decay: str = "head"           # head (g per value head) | channel (g per value head and key channel)
     gate_activation: str = "silu"  # the gated norm's activation of z: silu | sigmoid
     low_rank: Tuple[Tuple[str, str, Any], ...] = ()   # (projection, its low-rank input module, rank)
+    beta_scale: Value = Value(literal=1.0)   # beta = beta_scale * sigmoid(b)
 
     def segment(self, name: str) -> "SegmentIR":
         """A projection segment, split by key heads (each with its value heads)."""

@@ -73,7 +73,7 @@ from .resolver_weights import WeightsResolver
 # transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
 # (runtime/rope_kinds.py); a spec's `type: rope` symbol lists the names it models.
 HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
-                 "llama3": "frequency_bands", "longrope": "longrope"}
+                 "llama3": "frequency_bands", "longrope": "longrope", "proportional": "proportional"}
 ROPE_TYPES = tuple(HF_ROPE_TYPES)
 
 # transformers' name suffixes of image-text models (Qwen3-VL, Gemma 3, LLaVA, ...): such a spec has a vision

@@ -599,7 +599,8 @@ class BlockResolver(MLAResolver):
             activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
                                        "a conv activation"),
             projections=tuple(projections), out_name=out, conv_bias=b.conv_bias, rep=rep,
-            decay=b.decay, gate_activation=b.gate_activation, low_rank=tuple(low_rank))
+            decay=b.decay, gate_activation=b.gate_activation, low_rank=tuple(low_rank),
+            beta_scale=self.positive(path + ("beta_scale",), b.beta_scale))
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:

@@ -331,6 +331,9 @@ class GatedDeltaNetBlock(Strict):
     decay: Literal["head", "channel"] = "head"
     # the gated output norm's activation of z: silu (Gated DeltaNet), sigmoid (Kimi Delta Attention's o_norm)
     gate_activation: Literal["silu", "sigmoid"] = "silu"
+    # beta = beta_scale * sigmoid(b): 2 lets the delta rule's step reach [0, 2] (negative eigenvalues of the state
+    # transition; OLMo-Hybrid's linear_allow_neg_eigval); a number, symbol or expression over config symbols
+    beta_scale: Num = 1.0
 
 
 class Mamba2Block(Strict):
@@ -685,7 +688,8 @@ class ParallelStep(Strict):
 
 class DataflowChoice(Strict):
     """`{if: <bool expression over config symbols>, then: [steps], else: [steps]}`: the layer's dataflow chosen
-    per checkpoint (StableLM's and GPT-NeoX's `use_parallel_residual`). Each is a list of residual / parallel
+    per checkpoint (StableLM's and GPT-NeoX's `use_parallel_residual`), or per layer where the expression reads
+    `layer` (OLMo-Hybrid: post-norm attention layers, pre-norm DeltaNet layers). Each is a list of residual / parallel
     steps; a block used by one of them only exists in that one's checkpoints. Rendered as two layer classes (the
     `then` one named `<class_prefix><name>DecoderLayer`; `name` defaults to the flag in CamelCase), picked when
     the model is built."""

@@ -10,6 +10,11 @@ those names to these kinds (codegen/resolver.py HF_ROPE_TYPES) and the generated
   original_max_position_embeddings and `long_factor` beyond (lists of rotary_dim / 2 numbers), and an attention
   factor (given, or sqrt(1 + ln(factor) / ln(original)) with factor = max_position / original), or per regime
   short_mscale / long_mscale where given (PhiMoE; vLLM's Phi3LongRoPEScaledRotaryEmbedding reads them too).
+- proportional (transformers' `_compute_proportional_rope_parameters`, LFM3's and Gemma 4's full layers): the whole
+  head rotates in the neox layout with the default frequencies over head_dim for the first
+  int(partial_rotary_factor * head_dim // 2) pairs and frequency 0 (cos 1, sin 0: no turn) for the rest, all
+  divided by `factor`. Unlike partial rotary (`fraction`), the exponents are over the whole head_dim and the pairs
+  are (j, j + head_dim / 2); here `partial_rotary_factor` is a key of the kind, not the rotary's width.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ ROPE_SCALING_KEYS = {
     "frequency_bands": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
     "longrope": (("short_factor", "long_factor"), ("original_max_position_embeddings", "factor", "attention_factor",
                                                    "short_mscale", "long_mscale")),
+    "proportional": ((), ("factor", "partial_rotary_factor")),
 }
 # keys whose value is a list of positive numbers (one per rotating frequency), not one number
 ROPE_LIST_KEYS = ("short_factor", "long_factor")

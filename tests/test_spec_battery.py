@@ -46,6 +46,7 @@ BLOCK_SIZE = 4
 # beyond it, per forward call, which a paged KV cache cannot reproduce): its arm checks parity within the
 # context and that a prompt past a shortened max_position_embeddings is refused, never served differently.
 ROPE_ARMS: dict[str, dict[str, Any]] = {
+    "proportional": {"partial_rotary_factor": 0.25, "factor": 2.0},
     "linear": {"factor": 4.0},
     "dynamic": {"factor": 4.0},
     "yarn": {"factor": 4.0, "original_max_position_embeddings": 16},

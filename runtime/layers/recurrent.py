@@ -292,7 +292,8 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(RecurrentMixer):
     """The state and math of a gated DeltaNet mixer (the generated block subclasses it and adds its projections):
     `conv1d` (depthwise causal conv over q | k | v channels, then SiLU), `A_log` and `dt_bias` [value_heads]
-    (decay g = -exp(A_log) * softplus(a + dt_bias)), `norm` (GatedRMSNorm over value_head_dim). Heads are split over
+    (decay g = -exp(A_log) * softplus(a + dt_bias)), beta = beta_scale * sigmoid(b), `norm` (GatedRMSNorm over
+    value_head_dim). Heads are split over
     TP ranks by key-head groups: rank r holds key heads [r Hk / tp, ...) and their value heads (value heads
     Hv / Hk per key head, consecutive), so `key_heads` must be divisible by the TP size.
 
@@ -301,17 +302,19 @@ class GatedDeltaNet(RecurrentMixer):
 
     def __init__(self, key_heads: int, value_heads: int, key_head_dim: int, value_head_dim: int, conv_kernel: int,
                  eps: float, conv_bias: bool = False, activation: str = "silu", fields: Optional[dict] = None,
-                 decay: str = "head", gate_activation: str = "silu"):
+                 decay: str = "head", gate_activation: str = "silu", beta_scale: float = 1.0):
         # fields: the config fields of the sizes ({"key_heads": "linear_num_key_heads"}), named in refusals
         # decay: "head" (g a scalar per value head: `a` and `dt_bias` [value_heads]) or "channel" (Kimi Delta
         # Attention's fine-grained decay, one per value head and key channel: `a` and `dt_bias` [value_heads *
         # key_head_dim], A_log still [value_heads]); gate_activation: the gated norm's (silu, or sigmoid)
+        # beta_scale: beta = beta_scale * sigmoid(b) (2: OLMo-Hybrid's linear_allow_neg_eigval, a step in [0, 2])
         super().__init__()
         if activation not in ("silu", "swish"):
             raise ValueError(f"gated_delta_net: the conv activation must be silu, got {activation!r}")
         if decay not in ("head", "channel"):
             raise ValueError(f"gated_delta_net: decay must be 'head' or 'channel', got {decay!r}")
         self.decay = decay
+        self.beta_scale = float(beta_scale)
         named = _fields_named(fields)
         if value_heads % key_heads:
             raise ValueError(f"gated_delta_net: value heads ({value_heads}) must be a multiple of key heads "
@@ -363,6 +366,8 @@ class GatedDeltaNet(RecurrentMixer):
         conv_state, rec_state = self.states["conv"], self.states["recurrent"]
         w, cb = self.conv1d.weight, self.conv1d.bias
         beta = b.sigmoid()
+        if self.beta_scale != 1.0:                               # as transformers: in the projection's dtype
+            beta = beta * self.beta_scale
         if self.decay == "channel":             # g [N, Hv, Dk]: -exp(A_log[h]) * softplus(a + dt_bias) per channel
             sp = F.softplus(a.float() + self.dt_bias.float()).view(N, Hv, self.key_head_dim)
             g = -self.A_log.float().exp()[:, None] * sp

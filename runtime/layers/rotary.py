@@ -1,6 +1,6 @@
 """Rotary position embeddings: neox (rotate_half) layout, and mRoPE (positions [3, N]) with interleaved or
 blocked (contiguous) frequency sections; frequencies from the rope scaling kinds (default, linear, dynamic,
-yarn, frequency_bands, longrope: runtime/rope_kinds.py), with transformers' arithmetic. Two further axes compose with
+yarn, frequency_bands, longrope, proportional: runtime/rope_kinds.py), with transformers' arithmetic. Two further axes compose with
 all of them: partial rotary (only the first `rotary_dim` dims of each head rotate, the rest pass through; the
 frequencies are computed over rotary_dim, as transformers does) and the pair layout (`neox`: dim j pairs with
 j + rotary_dim/2; `interleaved`: GPT-J's rotate-every-two, dim 2j pairs with 2j + 1)."""
@@ -113,7 +113,7 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         raise ValueError(f"rope parameter 'rope_theta' = {p['rope_theta']} differs from theta = {theta}")
     prf = p.get("partial_rotary_factor")
     full = head_dim if full_dim is None else full_dim
-    if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or int(full * prf) != head_dim):
+    if rope_type != "proportional" and prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or int(full * prf) != head_dim):
         raise ValueError(f"rope parameter 'partial_rotary_factor' = {prf!r} disagrees with the model's rotary dims: "
                          f"{head_dim} of head_dim {full}")
     base = theta
@@ -166,6 +166,23 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         ext_factors = torch.tensor(ext, dtype=torch.float32)
         inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         inv_freq = 1.0 / (ext_factors * base ** inv_freq_shape)
+    elif rope_type == "proportional":
+        # transformers' _compute_proportional_rope_parameters: the first int(prf * D // 2) pairs at the default
+        # frequencies over the whole head (exponents / D), the rest at frequency 0 (no turn); all / factor
+        prop = 1.0 if prf is None else prf
+        if isinstance(prop, bool) or not isinstance(prop, (int, float)) or not 0 <= prop <= 1:
+            raise ValueError(f"rope parameter 'partial_rotary_factor' = {prf!r} must be a number in [0, 1] "
+                             f"(rope type 'proportional')")
+        if dim != full:
+            raise ValueError(f"rope type 'proportional' turns the whole head ({full} dims); it does not compose "
+                             f"with a partial rotary of {dim} dims")
+        angles = int(prop * dim // 2)
+        inv_freq = torch.zeros(half, dtype=torch.float32)
+        inv_freq[:angles] = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(dtype=torch.float)
+                                            / dim))
+        factor = p.get("factor")
+        if factor is not None:
+            inv_freq /= number("factor")
     elif rope_type == "frequency_bands":
         factor = number("factor")
         low_freq_factor = number("low_freq_factor")
