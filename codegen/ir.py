@@ -333,6 +333,10 @@ class AttentionIR:
     q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)
     sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection
     differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
+    # muP-style output multipliers: per segment of the fused projection ((segment, value), ...), and of the output
+    # projection (None = 1)
+    qkv_scale: Tuple[Tuple[str, Value], ...] = ()
+    out_scale: Optional[Value] = None
 
     @property
     def q_size(self) -> Size:
@@ -384,6 +388,10 @@ class GatedMLPIR:
     down_bias: Value
     activation_params: Tuple[Tuple[str, Value], ...] = ()   # a parameterized form's (swiglu_clamped: alpha, limit)
     sub_norm: Optional[SubNormIR] = None       # a norm of act(gate) * up before the down projection
+    # muP-style output multipliers: per segment of the fused projection ((segment, value), ...), and of the output
+    # projection (None = 1)
+    gate_up_scale: Tuple[Tuple[str, Value], ...] = ()
+    down_scale: Optional[Value] = None
 
 
 @dataclass(frozen=True)
@@ -401,6 +409,8 @@ class MLPIR:
     down_bias: Value
     learned_activation: Optional[str] = None   # an activation with parameters (xielu): they live under act_fn
     sub_norm: Optional[SubNormIR] = None       # a norm of act(up(x)) before the down projection
+    up_scale: Optional[Value] = None           # output multipliers of up / down (None = 1)
+    down_scale: Optional[Value] = None
 
 
 @dataclass(frozen=True)
@@ -498,6 +508,11 @@ class Mamba2IR:
     out_name: str
     time_step_min: Value = Value(literal=0.0)    # dt's clamp in a prompt chunk
     time_step_max: Optional[Value] = None        # None: no upper bound
+    out_bias: Optional[Value] = None             # the output projection's bias (None: as `bias`)
+    in_scale: Tuple[Tuple[str, Value], ...] = ()  # per-segment output multipliers of in_proj (z, x, B, C, dt)
+    out_scale: Optional[Value] = None            # the output projection's output multiplier
+    gated_norm: Value = Value(literal=True)      # the gated RMSNorm exists (else y * silu(z))
+    norm_before_gate: Value = Value(literal=False)   # w * rmsnorm(y) * silu(z) instead of w * rmsnorm(y * silu(z))
 
 
 @dataclass(frozen=True)
@@ -589,6 +604,7 @@ class StepIR:
     # a choice whose alternatives take different inputs (attention / recurrent mixer vs MLP / MoE): the layer
     # passes the positions where its module takes them (a per-layer flag `self.<block>_takes_positions`)
     mixed_input: bool = False
+    input_scale: Optional[Value] = None  # the block's input (the normed residual) is multiplied by it
 
 
 @dataclass(frozen=True)

@@ -533,6 +533,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                       "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
+            in_scale = self.num(sp + ("input_scale",), st.input_scale) if st.input_scale is not None else None
+            if in_scale is not None and st.norm is None:
+                raise self.err(sp + ("input_scale",), f"{where}.input_scale: scales the normed input of a step with a "
+                                                      f"`norm` (a step without one reads the residual stream itself)")
             if isinstance(st.block, Choice):
                 c = st.block
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), (("block", "then"), c.then, mixers),
@@ -591,9 +595,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 takes = {isinstance(blocks[b], ATTENTION_IRS) for b in choice.alternatives}
                 # alternatives of different inputs (positions + hidden vs hidden): a per-layer flag in the layer
                 return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
-                              mixed_input=len(takes) > 1)
+                              mixed_input=len(takes) > 1, input_scale=in_scale)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
-                          st.after_norm)
+                          st.after_norm, input_scale=in_scale)
 
         df = L.dataflow
         if isinstance(df, DataflowChoice):     # one dataflow or the other, by the checkpoint's config

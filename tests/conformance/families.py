@@ -78,6 +78,11 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # the top-k logits, a shared expert averaged with the routed ones (the default strategy); the RMSNorm form
     # (refused by name)
     "Cohere2MoeForCausalLM": [{"expert_selection_fn": "softmax"}, {"num_shared_experts": 1}, {"rms_norm_eps": 1e-5}],
+    # Falcon-H1: the muP multipliers given as lists (per in_proj segment z, x, B, C, dt; the MLP's gate and down), the
+    # mixer's gated RMSNorm (mamba_rms_norm; released checkpoints: off, transformers' default; normalized before the
+    # gate, the default mamba_norm_before_gate)
+    "FalconH1ForCausalLM": [{"ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 0.6]}, {"mlp_multipliers": [0.6, 1.4]},
+                            {"mamba_rms_norm": True}],
     # AFMoE with muP's embedding scale (sqrt(hidden_size))
     "AfmoeForCausalLM": [{"mup_enabled": True}],
     # Laguna: a routed scale; a per-element gate (refused by name; router logit soft-capping: the generic softcap rule)
