@@ -125,7 +125,7 @@ def _block(b) -> str:
                    if b.time_step_min.literal != 0.0 or b.time_step_max else "")
                 + f"{b.out_name}" + (f" bias={b.out_bias}" if b.out_bias is not None else "") + _scales((), b.out_scale)
                 + "; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
-                f"state_size] float32)")
+                "state_size] float32)")
     if isinstance(b, MambaIR):
         norm = (f", inner_norm=rmsnorm{'' if b.inner_norm == 'weight' else ' weightless'}(dt, B, C; eps={b.inner_eps})"
                 if b.inner_norm else "")

@@ -594,7 +594,8 @@ class ResidualStep(Strict):
     """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add). Without
     `norm` the block reads the residual stream itself (h = B(residual); OLMo 2's post-norm-only steps).
     `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2);
-    `scale: S` multiplies it (after the post-norm) before it joins the residual (Granite).
+    `scale: S` multiplies it (after the post-norm) before it joins the residual (Granite); `input_scale: S` multiplies
+    the block's input, the normed residual (FalconH1's attention_in_multiplier).
     `block` may be a per-layer choice `{if: expr, then: A, else: B}` (e.g. a MoE on some layers, a dense MLP on
     the others)."""
     norm: Optional[StrictStr] = None
@@ -611,7 +612,8 @@ class ResidualStep(Strict):
 
 class ParallelStep(Strict):
     """`{parallel: [{norm: N1, block: B1}, {norm: N2, block: B2}]}`: both blocks read the same residual and
-    their outputs are summed into it (GPT-J / NeoX style parallel residual). N1 and N2 may be one norm."""
+    their outputs are summed into it (GPT-J / NeoX style parallel residual). N1 and N2 may be one norm. A branch may
+    be any block a step takes, a recurrent mixer too (FalconH1: Mamba-2 beside attention)."""
     parallel: List[ResidualStep]
 
 
