@@ -169,8 +169,9 @@ def test_defaults_follow_transformers():
 BAD = {
     "unknown_segment": ("scale: {k: key_multiplier}", "scale: {kk: key_multiplier}",
                         "qkv.scale.kk: no segment 'kk' (the projection's segments: q, k, v)"),
-    "in_proj_scalar": ('          scale: {z: "ssm_multipliers[0]",', '          scale: 2.0\n          bogus: {z: "ssm_multipliers[0]",',
-                       "unknown key 'bogus'"),
+    "in_proj_scalar": ('          scale: {z: "ssm_multipliers[0]", x: "ssm_multipliers[1]", B: "ssm_multipliers[2]", '
+                       'C: "ssm_multipliers[3]",\n                  dt: "ssm_multipliers[4]"}', "          scale: 2.0",
+                       "in_proj.scale: per segment"),
     "input_scale_without_norm": ("      - {norm: pre_ff_layernorm, block: feed_forward}",
                                  "      - {block: feed_forward, input_scale: 2.0, post_norm: pre_ff_layernorm}",
                                  "input_scale: scales the normed input of a step with a `norm`"),
