@@ -48,7 +48,7 @@ def _engine(ckpt, prompts=PROMPTS, **kw):
     from xllm_gen import LLM, SamplingParams
     with LLM(str(ckpt), device="cpu", dtype="float32", **kw) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS))   # stops at EOS, as generate() does
     return [o.outputs[0].token_ids for o in outs]
 
 
