@@ -36,6 +36,12 @@ def _proj(p) -> str:
             + (f", where {p.enabled}" if p.enabled.literal is not True else "") + ")")
 
 
+def _scales(segs, out=None, out_name="") -> str:
+    """`  x {k: key_multiplier}`: a projection's per-segment / output multipliers, as explain shows them."""
+    txt = (" x {" + ", ".join(f"{k}: {v}" for k, v in segs) + "}") if segs else ""
+    return txt + (f", {out_name} x {out}" if out is not None and out_name else f" x {out}" if out is not None else "")
+
+
 def _steps(w, steps) -> None:
     for s in steps:
         if getattr(s, "value", None) is not None:
@@ -43,12 +49,14 @@ def _steps(w, steps) -> None:
             w(f"      branch {s.value} = [{' | '.join(s.inputs)}] -> {chain} (no residual)"
               + (f" where {s.when}" if s.when is not None else ""))
         elif hasattr(s, "branches"):
-            w("      parallel residual: " + " + ".join(f"{b.norm} -> {b.block}" + (f" x {b.scale}" if b.scale else "")
+            w("      parallel residual: " + " + ".join(f"{b.norm}" + (f" x {b.input_scale}" if b.input_scale else "")
+                                                        + f" -> {b.block}" + (f" x {b.scale}" if b.scale else "")
                                                         for b in s.branches))
         else:
             block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
-            w(f"      residual: {s.norm or '(no norm)'}{'(stream + ' + s.add + ')' if s.add else ''} -> {block}"
-              + (f" -> {s.post_norm}" if s.post_norm else "")
+            w(f"      residual: {s.norm or '(no norm)'}{'(stream + ' + s.add + ')' if s.add else ''}"
+              + (f" x {s.input_scale}" if s.input_scale else "")
+              + f" -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else ""))
 
@@ -102,8 +110,8 @@ def _block(b) -> str:
         return (f"attention {b.class_name}(hidden={b.hidden}, "
                 + (f"input_width={b.input_width}, " if b.input_width is not None else "")
                 + f"heads={b.heads}, kv_heads={b.kv_heads}, "
-                f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}, "
-                f"{b.out_name} bias={b.out_bias}, rotary={rot}{qk}, "
+                f"head_dim={b.head_dim}, {b.qkv_name}=[{', '.join(b.qkv_segments)}] bias={b.qkv_bias}"
+                f"{_scales(b.qkv_scale)}, {b.out_name} bias={b.out_bias}{_scales((), b.out_scale)}, rotary={rot}{qk}, "
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", chunk_size={b.chunk_size}" if b.chunk_size else "")
@@ -130,11 +138,15 @@ def _block(b) -> str:
     if isinstance(b, Mamba2IR):
         return (f"mamba2 {b.class_name}(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, groups={b.groups}, "
                 f"state_size={b.state_size}, conv_kernel={b.conv_kernel}, chunk_size={b.chunk_size}, activation="
-                f"{b.activation}, eps={b.eps}, bias={b.bias}, conv_bias={b.conv_bias}, {b.in_proj}=[z, x, B, C, dt], "
+                f"{b.activation}, eps={b.eps}, bias={b.bias}, conv_bias={b.conv_bias}, {b.in_proj}=[z, x, B, C, dt]"
+                f"{_scales(b.in_scale)}, "
+                + (f"gated_norm={b.gated_norm}, " if b.gated_norm.literal is not True else "")
+                + (f"norm_before_gate={b.norm_before_gate}, " if b.norm_before_gate.literal is not False else "")
                 + (f"dt clamped to [{b.time_step_min}, {b.time_step_max or 'inf'}] in a prompt, "
                    if b.time_step_min.literal != 0.0 or b.time_step_max else "")
-                + f"{b.out_name}; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
-                f"state_size] float32)")
+                + f"{b.out_name}" + (f" bias={b.out_bias}" if b.out_bias is not None else "") + _scales((), b.out_scale)
+                + "; state per sequence: conv [channels, conv_kernel - 1], ssm [heads, head_dim, "
+                "state_size] float32)")
     if isinstance(b, MambaIR):
         norm = (f", inner_norm=rmsnorm{'' if b.inner_norm == 'weight' else ' weightless'}(dt, B, C; eps={b.inner_eps})"
                 if b.inner_norm else "")
@@ -184,11 +196,12 @@ def _block(b) -> str:
                 f"eps={b.eps}, gelu)")
     if isinstance(b, GatedMLPIR):
         return (f"gated_mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={_act(b)}, "
-                f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}, {b.down_name} "
-                f"bias={b.down_bias}{_sub_norm(b.sub_norm)}{_lora(b.lora)})")
+                f"{b.gate_up_name}=[{', '.join(b.gate_up_segments)}] bias={b.gate_up_bias}{_scales(b.gate_up_scale)}, "
+                f"{b.down_name} bias={b.down_bias}{_scales((), b.down_scale)}{_sub_norm(b.sub_norm)}{_lora(b.lora)})")
     if isinstance(b, MLPIR):
         return (f"mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
-                f"{b.up_name} bias={b.up_bias}, {b.down_name} bias={b.down_bias}{_sub_norm(b.sub_norm)})")
+                f"{b.up_name} bias={b.up_bias}{_scales((), b.up_scale)}, {b.down_name} bias={b.down_bias}"
+                f"{_scales((), b.down_scale)}{_sub_norm(b.sub_norm)})")
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "

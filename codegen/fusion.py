@@ -60,7 +60,8 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
         for st in (s.branches if parallel else (s,)):
             names = st.choice.alternatives if st.choice is not None else (st.block,)
             norm = blocks.get(st.norm) if st.norm else None
-            fusable = (not parallel and st.choice is None and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
+            fusable = (not parallel and st.choice is None and st.input_scale is None   # the GEMV reads norm(x) itself
+                       and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
                        and not norm.bias and blocks[st.block].kind in NORM_PROLOGUE_KINDS
                        and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
                        and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input

@@ -374,6 +374,10 @@ class AttentionIR:
     @property
     def in_width(self) -> Size:
         return self.input_width if self.input_width is not None else self.hidden
+    # muP-style output multipliers: per segment of the fused projection ((segment, value), ...), and of the output
+    # projection (None = 1)
+    qkv_scale: Tuple[Tuple[str, Value], ...] = ()
+    out_scale: Optional[Value] = None
 
     @property
     def q_size(self) -> Size:
@@ -436,6 +440,10 @@ class GatedMLPIR:
     activation_params: Tuple[Tuple[str, Value], ...] = ()   # a parameterized form's (swiglu_clamped: alpha, limit)
     sub_norm: Optional[SubNormIR] = None       # a norm of act(gate) * up before the down projection
     lora: Optional[LoRAIR] = None              # per-use adapters on the gate/up projection
+    # muP-style output multipliers: per segment of the fused projection ((segment, value), ...), and of the output
+    # projection (None = 1)
+    gate_up_scale: Tuple[Tuple[str, Value], ...] = ()
+    down_scale: Optional[Value] = None
 
 
 @dataclass(frozen=True)
@@ -453,6 +461,8 @@ class MLPIR:
     down_bias: Value
     learned_activation: Optional[str] = None   # an activation with parameters (xielu): they live under act_fn
     sub_norm: Optional[SubNormIR] = None       # a norm of act(up(x)) before the down projection
+    up_scale: Optional[Value] = None           # output multipliers of up / down (None = 1)
+    down_scale: Optional[Value] = None
 
 
 @dataclass(frozen=True)
@@ -559,6 +569,11 @@ class Mamba2IR:
     out_name: str
     time_step_min: Value = Value(literal=0.0)    # dt's clamp in a prompt chunk
     time_step_max: Optional[Value] = None        # None: no upper bound
+    out_bias: Optional[Value] = None             # the output projection's bias (None: as `bias`)
+    in_scale: Tuple[Tuple[str, Value], ...] = ()  # per-segment output multipliers of in_proj (z, x, B, C, dt)
+    out_scale: Optional[Value] = None            # the output projection's output multiplier
+    gated_norm: Value = Value(literal=True)      # the gated RMSNorm exists (else y * silu(z))
+    norm_before_gate: Value = Value(literal=False)   # w * rmsnorm(y) * silu(z) instead of w * rmsnorm(y * silu(z))
 
 
 @dataclass(frozen=True)
@@ -679,6 +694,7 @@ class StepIR:
     # passes the positions where its module takes them (a per-layer flag `self.<block>_takes_positions`)
     mixed_input: bool = False
     add: Optional[str] = None     # a branch value added to the block's input (not to the residual)
+    input_scale: Optional[Value] = None  # the block's input (the normed residual) is multiplied by it
 
 
 @dataclass(frozen=True)

@@ -540,6 +540,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                       "mlp", "moe")
             choice = None
             scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
+            in_scale = self.num(sp + ("input_scale",), st.input_scale) if st.input_scale is not None else None
+            if in_scale is not None and st.norm is None:
+                raise self.err(sp + ("input_scale",), f"{where}.input_scale: scales the normed input of a step with a "
+                                                      f"`norm` (a step without one reads the residual stream itself)")
             if isinstance(st.block, Choice):
                 c = st.block
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), (("block", "then"), c.then, mixers),
@@ -607,9 +611,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 takes = {isinstance(blocks[b], ATTENTION_IRS) for b in choice.alternatives}
                 # alternatives of different inputs (positions + hidden vs hidden): a per-layer flag in the layer
                 return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
-                              mixed_input=len(takes) > 1)
+                              mixed_input=len(takes) > 1, input_scale=in_scale)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
-                          st.after_norm, add=add)
+                          st.after_norm, add=add, input_scale=in_scale)
 
         def branch_step(st, sp, where):
             b = st.branch

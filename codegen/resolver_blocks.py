@@ -242,7 +242,9 @@ class BlockResolver(MLAResolver):
                 differential=diff, v_head_dim=v_dim, value_scale=vscale,
                 sinks_when=sinks if has_sinks and sinks.literal is not True else None,
                 input_width=self.dim(path + ("input_width",), b.input_width) if b.input_width is not None else None,
-                lora=self.resolve_lora(path, b.lora, b.qkv.name, module))
+                lora=self.resolve_lora(path, b.lora, b.qkv.name, module),
+                qkv_scale=self.segment_scales(path + ("qkv",), b.qkv.scale, ("q", "k", "v")),
+                out_scale=self.output_scale(path + ("out",), b.out.scale))
         if isinstance(b, ShortConvBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             if names[1] in (names[0], "conv") or names[0] == "conv":
@@ -272,11 +274,25 @@ class BlockResolver(MLAResolver):
                 bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
                 x_proj=names[0], y_proj=names[1], out_name=names[2])
         if isinstance(b, Mamba2Block):
-            names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
+            refs = {k: (v, None, None) if isinstance(v, str) else (v.name, v.bias, v.scale)
+                    for k, v in (("in_proj", b.in_proj), ("out", b.out))}
+            names = [self.ident(path + (k,) + (() if isinstance(getattr(b, k), str) else ("name",)), refs[k][0],
+                                "module name") for k in ("in_proj", "out")]
             for k, v in zip(("in_proj", "out"), names):
                 if v in ("conv1d", "norm", "A_log", "D", "dt_bias") or names[0] == names[1] and k == "out":
                     raise self.err(path + (k,), f"{self._where(path)}.{k}: module name '{v}' is already used in "
                                                 f"this block")
+            bias = self.flag(path + ("bias",), b.bias)
+            in_bias = self.flag(path + ("in_proj", "bias"), refs["in_proj"][1]) if refs["in_proj"][1] is not None \
+                else bias
+            out_bias = self.flag(path + ("out", "bias"), refs["out"][1]) if refs["out"][1] is not None else None
+            in_scale = refs["in_proj"][2]
+            if in_scale is not None and not isinstance(in_scale, dict):
+                raise self.err(path + ("in_proj", "scale"), f"{self._where(path)}.in_proj.scale: per segment, "
+                                                            f"{{z: .., x: .., B: .., C: .., dt: ..}} (any of them)")
+            if refs["out"][2] is not None and isinstance(refs["out"][2], dict):
+                raise self.err(path + ("out", "scale"), f"{self._where(path)}.out.scale: a number (the projection "
+                                                        f"has one output)")
             return Mamba2IR(
                 kind="mamba2", name=name, class_name=f"{prefix}Mamba2" if unique_kind else f"{prefix}{camel}",
                 hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
@@ -287,10 +303,15 @@ class BlockResolver(MLAResolver):
                 eps=self.positive(path + ("eps",), b.eps, below=1.0),
                 activation=self.activation(path + ("activation",), b.activation, ("silu", "swish"),
                                            "a conv activation"),
-                bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
+                bias=in_bias, conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
                 in_proj=names[0], out_name=names[1], time_step_min=self.num(path + ("time_step_min",), b.time_step_min),
                 time_step_max=self.positive(path + ("time_step_max",), b.time_step_max)
-                if b.time_step_max is not None else None)
+                if b.time_step_max is not None else None,
+                out_bias=out_bias,
+                in_scale=self.segment_scales(path + ("in_proj",), in_scale, ("z", "x", "B", "C", "dt")),
+                out_scale=self.output_scale(path + ("out",), refs["out"][2]),
+                gated_norm=self.flag(path + ("gated_norm",), b.gated_norm),
+                norm_before_gate=self.flag(path + ("norm_before_gate",), b.norm_before_gate))
         if isinstance(b, MambaBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             taken = ("conv1d", "x_proj", "dt_proj", "A_log", "D", "dt_layernorm", "b_layernorm", "c_layernorm")
@@ -333,7 +354,9 @@ class BlockResolver(MLAResolver):
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                               self.flag(path + ("down", "bias"), b.down.bias), act_params,
                               self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")),
-                              self.resolve_lora(path, b.lora, g, None, taken=(g, dn, "act_fn")))
+                              self.resolve_lora(path, b.lora, g, None, taken=(g, dn, "act_fn")),
+                              gate_up_scale=self.segment_scales(path + ("gate_up",), b.gate_up.scale, ("gate", "up")),
+                              down_scale=self.output_scale(path + ("down",), b.down.scale))
         if isinstance(b, MLPBlock):
             act = self.activation(path + ("activation",), b.activation, ACTIVATIONS + tuple(PARAM_ACTIVATIONS),
                                   "an activation")
@@ -350,7 +373,8 @@ class BlockResolver(MLAResolver):
             return MLPIR("mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                          act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias),
-                         learned[0] if learned else None, self.resolve_sub_norm(path, b.sub_norm, (up, dn, "act_fn")))
+                         learned[0] if learned else None, self.resolve_sub_norm(path, b.sub_norm, (up, dn, "act_fn")),
+                         self.output_scale(path + ("up",), b.up.scale), self.output_scale(path + ("down",), b.down.scale))
         if isinstance(b, MoEBlock):
             router = self.ident(path + ("router", "name"), b.router.name, "module name")
             if router == "experts":
@@ -469,6 +493,27 @@ class BlockResolver(MLAResolver):
                          out_norm=out_norm, **routing)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
+    def segment_scales(self, path, scale, segments) -> tuple:
+        """A fused projection's `scale: {segment: number}`: ((segment, Value), ...) in the segments' order."""
+        if not scale:
+            return ()
+        for seg in scale:
+            if seg not in segments:
+                raise self.err(path + ("scale", seg), f"{self._where(path)}.scale.{seg}: no segment '{seg}' (the "
+                                                      f"projection's segments: {', '.join(segments)})", at_key=True)
+        return tuple((seg, self.num(path + ("scale", seg), scale[seg])) for seg in segments if seg in scale)
+
+    def output_scale(self, path, scale):
+        """A projection's `scale`: its output multiplier (None = 1)."""
+        return None if scale is None else self.num(path + ("scale",), scale)
+
+    def no_scale(self, path, proj) -> None:
+        """A projection of a block kind whose template does not apply a `scale` (yet): refused, not ignored."""
+        if getattr(proj, "scale", None) is not None:
+            raise self.err(path + ("scale",), f"{self._where(path)}.scale: output multipliers are not supported on "
+                                              f"this block kind's projections (attention, gated_mlp, mlp, mamba2 "
+                                              f"take them)")
+
     def check_groups_variant(self, name: str, b: MoEIR, values, at, vp) -> None:
         """Grouped routing: the groups divide the experts, top <= count, and the chosen groups hold top_k experts."""
         count, top, score = b.groups
@@ -547,6 +592,7 @@ class BlockResolver(MLAResolver):
         return g.activation
 
     def resolve_gated_delta_net(self, path, name: str, b: GatedDeltaNetBlock, class_name: str) -> GatedDeltaNetIR:
+        self.no_scale(path + ("out",), b.out)
         seen: dict = {}
         projections, low_rank = [], []
         names = {"conv1d", "norm", "A_log", "dt_bias"}
@@ -734,8 +780,12 @@ class BlockResolver(MLAResolver):
                 ps.append(dataclasses.replace(P("conv1d.bias", (total,), "colwise", conv), stacked=True))
             heads = SegmentIR("heads", b.heads, one)
             ps += [P(n, (b.heads,), "colwise", (heads,)) for n in ("A_log", "D", "dt_bias")]
-            ps.append(P("norm.weight", (b.heads * b.head_dim,), "colwise", (SegmentIR("heads", b.heads, b.head_dim),)))
-            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(b.bias))
+            if _maybe(b.gated_norm):
+                ps.append(P("norm.weight", (b.heads * b.head_dim,), "colwise", (SegmentIR("heads", b.heads, b.head_dim),)))
+                if b.gated_norm.literal is not True:      # the norm exists where the flag holds
+                    ps[-1] = dataclasses.replace(ps[-1], when=(b.gated_norm, True))
+            out_bias = b.bias if b.out_bias is None else b.out_bias
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(out_bias))
             return ps
         if isinstance(b, MambaIR):
             ch = SegmentIR("channels", b.intermediate, one)

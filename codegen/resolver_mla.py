@@ -27,6 +27,7 @@ class MLAResolver(RotaryResolver):
                                         f"are qk_rope_head_dim (the rope part of each q head and the shared key)")
         scaling = self.rope_scaling(rp + ("scaling",), rot.scaling) if rot.scaling is not None else None
         _, _, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
+        self.no_scale(path + ("out",), b.out)
         out = self.ident(path + ("out", "name"), b.out.name, "module name")
         if out in MLA_MODULES:
             raise self.err(path + ("out", "name"), f"{self._where(path)}.out.name: '{out}' is a module of the "

@@ -57,17 +57,31 @@ class ConfigField(Strict):
 # ---- blocks ----------------------------------------------------------------------------------------------
 
 class Projection(Strict):
-    """A linear projection inside a composite block; `name` is its module (and parameter) name."""
+    """A linear projection inside a composite block; `name` is its module (and parameter) name. `scale`: its
+    output (after the bias and any tensor-parallel reduction) is multiplied by it (muP multipliers: FalconH1's
+    `attention_out_multiplier`-style down / out multipliers); attention `out`, MLP `up` / `down` take it."""
     name: StrictStr
     bias: Flag = False
+    scale: Optional[Num] = None
 
 
 class FusedProjection(Strict):
     """A fused projection: several named output segments stacked along the output dim, in the order of the
-    block's forward split (attention: q, k, v; gated MLP: gate, up)."""
+    block's forward split (attention: q, k, v; gated MLP: gate, up). `scale: {segment: number}`: those segments of
+    the output are multiplied by their number (the others by 1) right after the projection (FalconH1's
+    `key_multiplier` on k, its gate multiplier on gate)."""
     name: StrictStr
     segments: List[StrictStr]
     bias: Flag = False
+    scale: Optional[Dict[StrictStr, Num]] = None
+
+
+class MixerProjection(Strict):
+    """A recurrent mixer's projection given as a mapping instead of a bare module name: `bias` (default: the
+    block's `bias`) and `scale` (in_proj: `{segment: number}` per output segment; out: a number)."""
+    name: StrictStr
+    bias: Optional[Flag] = None
+    scale: Optional[Union[Num, Dict[StrictStr, Num]]] = None
 
 
 class EmbeddingBlock(Strict):
@@ -357,8 +371,15 @@ class Mamba2Block(Strict):
     activation: StrictStr = "silu"       # the conv's activation (silu), or a str symbol whose values are silu
     bias: Flag = False                   # biases of in_proj and out_proj (transformers' use_bias)
     conv_bias: Flag = True               # the conv's bias (use_conv_bias)
-    in_proj: StrictStr = "in_proj"       # module names
-    out: StrictStr = "out_proj"
+    # module names, or {name, bias, scale} (a bias of its own; in_proj: per-segment output multipliers over z, x,
+    # B, C, dt; out: an output multiplier)
+    in_proj: Union[StrictStr, MixerProjection] = "in_proj"
+    out: Union[StrictStr, MixerProjection] = "out_proj"
+    # the gated RMSNorm `norm` exists (false: the output is y * silu(z), no norm: FalconH1's mamba_rms_norm)
+    gated_norm: Flag = True
+    # the norm runs before the gate, w * rmsnorm(y) * silu(z) (FalconH1's mamba_norm_before_gate), instead of
+    # Mamba-2's w * rmsnorm(y * silu(z))
+    norm_before_gate: Flag = False
     # dt's clamp in a prompt chunk (transformers' chunked scan, `dt_limit`; its decode step does not clamp): at least
     # time_step_min, at most time_step_max (None: no upper bound). NemotronH clamps at (time_step_min, inf)
     time_step_min: Num = 0.0
@@ -640,7 +661,8 @@ class ResidualStep(Strict):
     """`{norm: N, block: B}`: residual += h; h = B(N(residual)) (the norm fuses the residual add). Without
     `norm` the block reads the residual stream itself (h = B(residual); OLMo 2's post-norm-only steps).
     `post_norm: P` normalizes the block's output before it joins the residual (sandwich norms, Gemma 2);
-    `scale: S` multiplies it (after the post-norm) before it joins the residual (Granite).
+    `scale: S` multiplies it (after the post-norm) before it joins the residual (Granite); `input_scale: S` multiplies
+    the block's input, the normed residual (FalconH1's attention_in_multiplier).
     `block` may be a per-layer choice `{if: expr, then: A, else: B}` (e.g. a MoE on some layers, a dense MLP on
     the others)."""
     norm: Optional[StrictStr] = None
@@ -648,6 +670,8 @@ class ResidualStep(Strict):
     post_norm: Optional[StrictStr] = None
     scale: Optional[Num] = None          # the block's output is multiplied by it before it joins the residual
                                          # (Granite's residual_multiplier); None = 1
+    # the block's input (the normed residual) is multiplied by it (FalconH1's attention_in_multiplier); None = 1
+    input_scale: Optional[Num] = None
     # classic post-LN (OPT-350m, the original Transformer): the residual stream itself is normalized after the
     # add, x = after_norm(x + h); the block reads x (no `norm` then)
     after_norm: Optional[StrictStr] = None
@@ -682,7 +706,8 @@ class BranchStep(Strict):
 
 class ParallelStep(Strict):
     """`{parallel: [{norm: N1, block: B1}, {norm: N2, block: B2}]}`: both blocks read the same residual and
-    their outputs are summed into it (GPT-J / NeoX style parallel residual). N1 and N2 may be one norm."""
+    their outputs are summed into it (GPT-J / NeoX style parallel residual). N1 and N2 may be one norm. A branch may
+    be any block a step takes, a recurrent mixer too (FalconH1: Mamba-2 beside attention)."""
     parallel: List[ResidualStep]
 
 

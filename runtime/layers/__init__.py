@@ -34,6 +34,7 @@ from xllm_gen.runtime.layers.linear import (
                                             QKVParallelLinear,
                                             ReplicatedLinear,
                                             RowParallelLinear,
+                                            segment_scale,
 )
 from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
@@ -68,5 +69,5 @@ __all__ = [
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
-    "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks",
+    "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale",
 ]

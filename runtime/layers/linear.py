@@ -303,3 +303,22 @@ class RowParallelLinear(_Linear):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def segment_scale(linear: nn.Module, scales: dict) -> torch.Tensor:
+    """A [this rank's output rows] vector for a fused column-parallel projection's output: the rows of each segment
+    named in `scales` hold its multiplier, the others 1 (muP multipliers per segment, FalconH1's `ssm_multipliers` on
+    in_proj's z | x | B | C | dt, its `key_multiplier` on k). Built in the default dtype (the model's, at build) on
+    the default device; the generated block registers it as a non-persistent buffer and multiplies the projection's
+    output by it (x * 1.0 is exact, so the unscaled segments are unchanged)."""
+    if isinstance(linear, QKVParallelLinear):
+        names, sizes = ("q", "k", "v"), (linear.q_size, linear.kv_size, linear.kv_size)
+    elif isinstance(linear, MergedColumnParallelLinear):
+        names, sizes = linear.segment_names, linear.out_sizes
+    else:
+        raise TypeError(f"segment_scale: {type(linear).__name__} has no named output segments")
+    unknown = [n for n in scales if n not in names]
+    if unknown:
+        raise ValueError(f"segment_scale: no segment {unknown[0]!r} in {type(linear).__name__} (segments: "
+                         f"{', '.join(names)})")
+    return torch.cat([torch.full((size,), float(scales.get(name, 1.0))) for name, size in zip(names, sizes)])

@@ -471,11 +471,13 @@ class GroupedGatedRMSNorm(nn.Module):
     at least as many groups as ranks each rank normalizes its own groups; with fewer, a group spans tp / groups
     ranks and its mean square is summed over them (one all-reduce of [N, groups])."""
 
-    def __init__(self, segment: Segment, groups: int, eps: float):
+    def __init__(self, segment: Segment, groups: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
         seg = split_segment(segment, tp, rank, [])
         self.eps, self.groups = eps, groups
+        # True: w * rmsnorm(x) * silu(z) (FalconH1's mamba_norm_before_gate), in float32, then cast
+        self.norm_before_gate = norm_before_gate
         self.group_size = segment.size // groups                   # channels of one group (global)
         self.spanning = groups < tp                                # a group spans several ranks
         self.my_group = rank // max(1, tp // groups)
@@ -484,15 +486,18 @@ class GroupedGatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float() * F.silu(z.float())
+        h = x.float() if self.norm_before_gate else x.float() * F.silu(z.float())
         if self.spanning:
             sums = torch.zeros(h.shape[0], self.groups, dtype=torch.float32, device=h.device)
             sums[:, self.my_group] = h.pow(2).sum(-1)
             var = all_reduce(sums)[:, self.my_group:self.my_group + 1] / self.group_size
-            return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
-        g = h.view(*h.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view_as(h).to(dtype)
+            h = h * torch.rsqrt(var + self.eps)
+        else:
+            g = h.view(*h.shape[:-1], -1, self.group_size)
+            h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view_as(h)
+        if self.norm_before_gate:           # transformers' FalconH1RMSNormGated: the weight in float32, then the gate
+            return (self.weight.float() * h * F.silu(z.float())).to(dtype)
+        return self.weight * h.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]} (per rank), group_size={self.group_size}, eps={self.eps}"
@@ -509,7 +514,9 @@ class Mamba2(RecurrentMixer):
 
     def __init__(self, heads: int, head_dim: int, groups: int, state_size: int, conv_kernel: int, chunk_size: int,
                  eps: float, conv_bias: bool = True, activation: str = "silu", time_step_limit=(0.0, float("inf")),
-                 fields: Optional[dict] = None):
+                 fields: Optional[dict] = None, gated_norm: bool = True, norm_before_gate: bool = False):
+        # gated_norm False: no norm, the output is y * silu(z) (FalconH1's mamba_rms_norm false); norm_before_gate:
+        # w * rmsnorm(y) * silu(z) instead of w * rmsnorm(y * silu(z))
         # fields: the config fields of the sizes ({"heads": "num_heads", "groups": "n_groups"}), named in refusals
         super().__init__()
         named = _fields_named(fields)
@@ -535,7 +542,8 @@ class Mamba2(RecurrentMixer):
         for name in ("A_log", "D", "dt_bias"):
             p = nn.Parameter(torch.empty(self.heads))
             setattr(self, name, attach(p, ParamSplit("column", 0, (heads_seg,), tuple(p.shape), tp, rank, "Mamba2")))
-        self.norm = GroupedGatedRMSNorm(Segment("heads", heads, head_dim), groups, eps)
+        self.norm = (GroupedGatedRMSNorm(Segment("heads", heads, head_dim), groups, eps, norm_before_gate)
+                     if gated_norm else None)
         self.state_spec = {"conv": ((self.conv1d.channels, conv_kernel - 1), None),
                            "ssm": ((self.heads, head_dim, state_size), torch.float32)}
 
@@ -573,7 +581,10 @@ class Mamba2(RecurrentMixer):
                 x, B, C = self._split(h)
                 st = slot_state(ssm_state, slot, cont)
                 y[s:e], ssm_state[slot] = ssd_chunk_scan(x, dtc[s:e], A, B, C, self.D, st, self.chunk_size)
-        return self.norm(y.reshape(N, H * P), z).to(z.dtype)
+        y = y.reshape(N, H * P)
+        if self.norm is None:               # no norm: the gate alone (transformers: y * silu(z) in y's dtype)
+            return (y * F.silu(z.to(y.dtype))).to(z.dtype)
+        return self.norm(y, z).to(z.dtype)
 
     def _split(self, h: torch.Tensor):
         H, P, G, S = self.heads, self.head_dim, self.groups, self.state_size

@@ -81,6 +81,11 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # RecurrentGemma: its final logit soft-cap small (the field is `logits_soft_cap`, which the generic softcap rule
     # does not match), and another layer pattern (attention first: attention, recurrent, attention, recurrent)
     "RecurrentGemmaForCausalLM": [{"logits_soft_cap": 2.0}, {"block_types": ["attention", "recurrent"]}],
+    # Falcon-H1: the muP multipliers given as lists (per in_proj segment z, x, B, C, dt; the MLP's gate and down), the
+    # mixer's gated RMSNorm (mamba_rms_norm; released checkpoints: off, transformers' default; normalized before the
+    # gate, the default mamba_norm_before_gate)
+    "FalconH1ForCausalLM": [{"ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 0.6]}, {"mlp_multipliers": [0.6, 1.4]},
+                            {"mamba_rms_norm": True}],
     # AFMoE with muP's embedding scale (sqrt(hidden_size))
     "AfmoeForCausalLM": [{"mup_enabled": True}],
     # Laguna: a routed scale; a per-element gate (refused by name; router logit soft-capping: the generic softcap rule)

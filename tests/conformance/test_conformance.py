@@ -74,7 +74,8 @@ def test_features_on_parity(plan, tp, tiny_checkpoint, tokens):
 
 # fields whose effect is a monotone map of the final logits: greedy tokens cannot show them (the engine applies them;
 # their values are still parity-checked for not breaking anything, inside the feature-ON config)
-MONOTONE_ON_LOGITS = ("final_logit_softcapping", "logits_soft_cap", "logits_scaling", "logit_scale")
+MONOTONE_ON_LOGITS = ("final_logit_softcapping", "logits_soft_cap", "logits_scaling", "logit_scale",
+                      "lm_head_multiplier")     # FalconH1's (positive) logit multiplier
 
 SENSITIVITY = [pytest.param(p, t, id=f"{_id(p)}-{t.name.split('=')[0]}") for p in PLANS for t in p.accepted]
 
