@@ -45,7 +45,13 @@ NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
              "rope_alpha": "gated by the rope type (dynamic)",
              # the residual stream in float32 (Mamba, Mamba-2): the float32 runs' stream is float32 either way;
              # tests/test_mamba.py serves it in bfloat16 against transformers, and the bfloat16 stream
-             "residual_in_fp32": "float32 serving (the bfloat16 arm is tests/test_mamba.py's)"}
+             "residual_in_fp32": "float32 serving (the bfloat16 arm is tests/test_mamba.py's)",
+             # Falcon-H1: the SSD chunk (as chunk_size); mamba_expand sizes the mixer only where mamba_d_ssm is null
+             # (the tiny config gives mamba_d_ssm); the norm's order only where mamba_rms_norm holds (false in the
+             # tiny default config): tests/test_falcon_h1.py serves both orders against transformers
+             "mamba_chunk_size": "the Mamba-2 scan's chunk length changes the rounding only",
+             "mamba_expand": "gated by mamba_d_ssm (null)",
+             "mamba_norm_before_gate": "gated by mamba_rms_norm (tests/test_falcon_h1.py flips it with the norm on)"}
 # (spec, symbol) of the default run: one spec, fields of different kinds (float, str with values, bool)
 DEFAULT_ARM = {("qwen3", "rms_norm_eps"), ("qwen3", "hidden_act"), ("qwen3", "attention_bias")}
 
