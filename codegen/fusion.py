@@ -59,7 +59,7 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
             names = st.choice.alternatives if st.choice is not None else (st.block,)
             norm = blocks.get(st.norm) if st.norm else None
             fusable = (not parallel and st.choice is None and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
-                       and not norm.bias and blocks[st.block].kind in NORM_PROLOGUE_KINDS
+                       and not norm.bias and norm.always and blocks[st.block].kind in NORM_PROLOGUE_KINDS
                        and not getattr(blocks[st.block], "out_gate", None))   # the gate reads the normed input
             (ok if fusable else bad).update(names)
     return FusionPlan(frozenset(ok - bad))

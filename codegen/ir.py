@@ -209,6 +209,17 @@ class NormIR:
     bias: bool = False
     weight_offset: float = 0.0    # y = x_normed * (weight_offset + w) (+ b)
     weight: bool = True           # layernorm: false = no weight (OLMo 1's non-parametric LayerNorm)
+    # where the norm exists (per layer: may read `layer`); elsewhere the identity with no parameters
+    enabled: Value = Value(literal=True)
+    bias_flag: Optional[Value] = None   # a bool symbol / expression: the bias exists only where it holds (bias: True)
+
+    @property
+    def always(self) -> bool:
+        """The norm exists in every layer and its bias is fixed by the spec."""
+        return self.enabled.literal is True and self.bias_flag is None
+
+    def bias_py(self) -> str:
+        return self.bias_flag.py() if self.bias_flag is not None else repr(self.bias)
 
 
 @dataclass(frozen=True)
@@ -754,6 +765,16 @@ class ProjectionIR:
 
 
 @dataclass(frozen=True)
+class HeadTransformIR:
+    """decoder.head_transform: norm(act(dense(x))) before the LM head (a replicated linear, an activation, a norm)."""
+    in_: Size
+    out: Size
+    bias: Value
+    activation: Value
+    norm: Optional[NormIR] = None
+
+
+@dataclass(frozen=True)
 class ModelIR:
     name: str
     spec_path: str                # relative to the repository (or cwd)
@@ -786,6 +807,7 @@ class ModelIR:
     residual_float32: Value = Value(literal=False)          # the residual stream in float32
     project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
     project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
+    head_transform: Optional[HeadTransformIR] = None        # dense -> act -> norm before the LM head
 
     @property
     def model_class(self) -> str:

@@ -94,7 +94,7 @@ class BlockResolver(MLAResolver):
         prefix = self.spec.class_prefix
         camel = "".join(p.capitalize() for p in name.split("_"))
         if isinstance(b, (RMSNormBlock, LayerNormBlock)):
-            return self.resolve_norm(path, name, b)
+            return self.resolve_norm(path, name, b, context="layer")
         if isinstance(b, LinearBlock):
             return LinearIR("linear", name, self.dim(path + ("in",), b.in_), (((name, self.dim(path + ("out",), b.out)),)),
                             b.parallel, b.bias)

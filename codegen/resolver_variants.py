@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 
 from .errors import did_you_mean
 from .expr import ExprError
-from .ir import MLAIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, Size, VariantIR
+from .ir import MLAIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, NormIR, Size, VariantIR
 from .resolver_blocks import _is_int
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
@@ -177,6 +177,13 @@ class VariantResolver:
         layers = layer.count.eval(values)
         check_ints(layer.count)
         for b in layer.blocks:
+            if isinstance(b, NormIR) and b.enabled.literal is not True:
+                ep = ("decoder", "layers", "blocks", b.name, "enabled")
+                for li in range(layers):
+                    on = ev(ep, b.enabled, li)
+                    if not isinstance(on, bool):
+                        raise self.err(at(b.enabled.symbol) if b.enabled.symbol else ep,
+                                       f"variants.{name}: {b.name}.enabled of layer {li} is {on!r}; expected a bool")
             if isinstance(b, AttentionIR):
                 h, kv, hd = b.heads.eval(values), b.kv_heads.eval(values), b.head_dim.eval(values)
                 if b.rotary is not None and b.rotary.kind == "neox" and hd % 2 and b.rotary.fraction is None and b.rotary.dim is None:

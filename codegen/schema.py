@@ -93,25 +93,30 @@ class PositionEmbeddingBlock(Strict):
 
 
 class RMSNormBlock(Strict):
-    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b;
-    `weight: false`: no weight, y = x / rms(x) computed in float32 (NanoChat's parameter-free RMSNorm)."""
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b (a bool
+    config symbol: only in the checkpoints that set it); `weight: false`: no weight, y = x / rms(x) computed in float32
+    (NanoChat's parameter-free RMSNorm). `enabled` (a layer block only): a flag, per layer (may read `layer`): where it
+    is false the norm is absent, the identity (no parameters; ModernBERT decoder's first layer: `"layer != 0"`)."""
     kind: Literal["rmsnorm"]
     dim: Dim
     eps: Num
     weight_offset: Union[StrictInt, StrictFloat] = 0
-    bias: StrictBool = False
+    bias: Flag = False
     weight: StrictBool = True
+    enabled: Flag = True
 
 
 class LayerNormBlock(Strict):
     """y = (x - mean) / std * w + b. `weight_offset: 1` scales by (1 + w) (Nemotron's LayerNorm1P); `weight:
-    false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all)."""
+    false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all); `bias` may be a bool
+    config symbol (ModernBERT's `norm_bias`). `enabled`: per layer, as an RMSNorm's."""
     kind: Literal["layernorm"]
     dim: Dim
     eps: Num
-    bias: StrictBool = True
+    bias: Flag = True
     weight: StrictBool = True
     weight_offset: Union[StrictInt, StrictFloat] = 0
+    enabled: Flag = True
 
 
 class LinearBlock(Strict):
@@ -629,6 +634,17 @@ class EmbedProjection(Strict):
     enabled: Flag = True
 
 
+class HeadTransform(Strict):
+    """The LM head's input transform, BERT's prediction head: `norm(act(dense(x)))` after the final norm (and any
+    `project_out`), before the LM head projection (ModernBERT decoder's `lm_head`: dense -> GELU -> LayerNorm). Module
+    `head_transform` of the decoder: `dense` a replicated linear `[out, in]` (+ bias), `norm` a norm of width `out`."""
+    in_: Dim = Field(alias="in")
+    out: Dim
+    bias: Flag = False
+    activation: StrictStr
+    norm: Optional[NormBlock] = None
+
+
 class Decoder(Strict):
     # module path of the decoder in the model and in the checkpoint. `weights` keys and `from` names of
     # decoder tensors are written `model.<rest>`; with another prefix they mean `<prefix>.<rest>` (so a spec
@@ -650,6 +666,8 @@ class Decoder(Strict):
     project_in: Optional[EmbedProjection] = None
     # residual width -> the LM head's width, after the final norm
     project_out: Optional[EmbedProjection] = None
+    # dense -> act -> norm between the final norm (and project_out) and the LM head (BERT's prediction head)
+    head_transform: Optional[HeadTransform] = None
     deepstack: Optional[Deepstack] = None
 
 

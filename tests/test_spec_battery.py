@@ -181,6 +181,10 @@ def _rope_cases():
 
 
 ROPE_CASES = _rope_cases()
+# the config.json fields that set the window where `sliding_window` is not the only one: ModernBERT decoder's config
+# class derives it from local_attention (local_attention // 2) unless config.json states it; dropping both restores
+# the class default, a window longer than the prompts
+WINDOW_FIELDS = {"ModernBertDecoderForCausalLM": ("sliding_window", "local_attention")}
 SLIDING_CASES = [pytest.param(spec, id=spec.name) for spec in SPECS if _uses_sliding_window(spec.architecture)]
 
 
@@ -389,18 +393,22 @@ def test_sliding_window_matters(spec, tiny_checkpoint, tokens, tmp_path_factory)
     spec.check()
     ckpt = tiny_checkpoint(spec.architecture)
 
+    fields = WINDOW_FIELDS.get(spec.architecture, ("sliding_window",))
+    field = " and ".join(fields)
+
     def drop_window(cfg: dict) -> None:
         level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-        assert "sliding_window" in level, "the tiny config.json has no sliding_window"
-        del level["sliding_window"]
+        for f in fields:
+            assert f in level, f"the tiny config.json has no {f}"
+            del level[f]
 
     no_window = edit_config(ckpt, tmp_path_factory.mktemp(f"{spec.name}_no_window"), drop_window)
     assert tokens.hf(no_window) != tokens.hf(ckpt), (
         "fixture: HF's output does not depend on the tiny sliding window at these prompt lengths")
     got = tokens.engine(no_window, 1)
     assert got != tokens.engine(ckpt, 1), (
-        f"{spec.name}: removing sliding_window from config.json does not change the engine's output")
-    _assert_same(got, tokens.hf(no_window), f"{spec.name} without sliding_window tp=1")
+        f"{spec.name}: removing {field} from config.json does not change the engine's output")
+    _assert_same(got, tokens.hf(no_window), f"{spec.name} without {field} tp=1")
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
@@ -419,8 +427,15 @@ def test_explicit_head_dim_is_read(spec):
     level["head_dim"] = 2 * text.hidden_size // text.num_attention_heads   # not the hidden / heads default
     model_module, _ = registry.resolve(cfg)
     if not _hf_reads_head_dim(spec.architecture, level["head_dim"]):
-        # transformers computes hidden / heads and ignores the field (GPT-NeoX, Falcon): so must the spec
-        config = model_module.Config.from_hf(cfg)
+        # transformers computes hidden / heads and ignores the field (GPT-NeoX, Falcon): so must the spec, or refuse
+        # it by name where transformers' model cannot run it (ModernBERT decoder's rotary reads it, its attention not)
+        try:
+            config = model_module.Config.from_hf(cfg)
+        except Exception as e:
+            assert "head_dim" in str(e), f"{spec.name}: a config.json head_dim refused without naming it: {e}"
+            assert not _hf_runs(spec.architecture, level["head_dim"]), \
+                f"{spec.name}: transformers runs a config.json head_dim that the spec refuses: {e}"
+            return
         assert getattr(config, "head_dim", None) in (None, text.hidden_size // text.num_attention_heads), \
             f"{spec.name}: transformers ignores config.json head_dim, but the spec reads it"
         return
