@@ -39,7 +39,7 @@ class FusionPlan:
     @staticmethod
     def rope_store(b: AttentionIR) -> str | None:
         """"qk_norm_rope" / "rope": the attention's rotary step (with its q/k norm) also stores k, v; None: not."""
-        if b.differential is not None:    # its cache holds the paired values, not v: stored by the attention
+        if b.differential is not None or b.experts is not None:   # paired values / routed q: the plain path
             return None
         n = b.qk_norm
         if n is not None:
@@ -60,6 +60,7 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
             norm = blocks.get(st.norm) if st.norm else None
             fusable = (not parallel and st.choice is None and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
                        and not norm.bias and norm.always and blocks[st.block].kind in NORM_PROLOGUE_KINDS
-                       and not getattr(blocks[st.block], "out_gate", None))   # the gate reads the normed input
+                       and not getattr(blocks[st.block], "out_gate", None)    # the gate reads the normed input
+                       and not getattr(blocks[st.block], "experts", None))    # the router reads it too
             (ok if fusable else bad).update(names)
     return FusionPlan(frozenset(ok - bad))

@@ -317,6 +317,16 @@ class QueryScaleIR:
 
 
 @dataclass(frozen=True)
+class AttentionExpertsIR:
+    """A mixture of attention heads: the router picks top_k of `count` experts per token; each has a routed q
+    projection (module `q`) and a routed output projection (the attention's `out`)."""
+    count: Size
+    top_k: Size
+    router: str
+    q: str
+
+
+@dataclass(frozen=True)
 class AttentionIR:
     kind: str
     name: str
@@ -344,6 +354,7 @@ class AttentionIR:
     q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)
     sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection
     differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
+    experts: Optional["AttentionExpertsIR"] = None   # a mixture of attention heads: q and out routed per token
 
     @property
     def q_size(self) -> Size:
@@ -450,6 +461,7 @@ class MoEIR:
     routing: str = "topk"                     # topk | sparsemixer
     jitter_eps: Optional[Value] = None        # sparsemixer's relative margin
     out_norm: Optional[NormIR] = None         # a norm of the block's output (replicated weight [hidden])
+    output_bias: Value = Value(literal=False)  # a replicated bias [hidden] added to the block's output
     renormalize_epsilon: Optional[Value] = None   # the top-k weights divided by (sum + it); None = the usual
     expert_mlp: str = "gated"                 # gated: down(act(gate) * up); plain: down(act(up))
 

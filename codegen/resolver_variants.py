@@ -205,6 +205,15 @@ class VariantResolver:
                                            f"chunk is an int >= 1 or None")
                 if b.rotary is not None:
                     self.check_rotary_variant(name, b, values, layers, at)
+                if b.experts is not None:
+                    n, k = b.experts.count.eval(values), b.experts.top_k.eval(values)
+                    if k > n:
+                        raise self.err(("decoder", "layers", "blocks", b.name, "experts", "top_k"),
+                                       f"variants.{name}: {b.name}.experts.top_k ({k}) exceeds its experts ({n})")
+                    if h != k * kv:
+                        raise self.err(("decoder", "layers", "blocks", b.name, "heads"),
+                                       f"variants.{name}: {b.name}.heads is {h}; a mixture of attention heads has "
+                                       f"experts.top_k * kv_heads = {k} * {kv} query heads per token")
                 if h % kv:
                     sym = b.kv_heads.symbol if isinstance(b.kv_heads, Size) else None
                     raise self.err(at(sym), f"variants.{name}: {b.name}.heads ({h}) must be a multiple of "

@@ -236,6 +236,20 @@ class Rotary(Strict):
     original_max_position: Optional[Dim] = None
 
 
+class AttentionExperts(Strict):
+    """A mixture of attention heads (JetMoE's MoA): a replicated `router` (linear hidden -> `count`, no bias) picks
+    each token's `top_k` attention experts (the softmax of the top-k logits, in float32); each chosen expert's routed q
+    projection `q` (stacked `[count, kv_heads * head_dim, hidden]`) gives the token `kv_heads` query heads, slot s's
+    head h attending KV head h of the shared K / V (the block's `qkv`, segments [k, v]); each slot's output goes
+    through the same expert's routed output projection (the block's `out`, stacked `[count, hidden, kv_heads *
+    head_dim]`, with `out.bias` added once), weighted by its routing weight and summed. `heads` is `top_k *
+    kv_heads`."""
+    count: Dim
+    top_k: Dim
+    router: StrictStr = "router"
+    q: StrictStr = "q_experts"
+
+
 class AttentionBlock(Strict):
     """Self-attention with GQA: fused q/k/v projection (segments q, k, v), optional per-head q/k norm,
     rotary embedding, paged attention, output projection."""
@@ -267,6 +281,8 @@ class AttentionBlock(Strict):
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False
     alibi_bias_max: Num = 8
+    # a mixture of attention heads (JetMoE): q and the output projection routed per token among expert stacks
+    experts: Optional[AttentionExperts] = None
 
 
 class GatedDeltaNetProjection(Strict):
@@ -517,6 +533,9 @@ class MoEBlock(Strict):
     # a norm of the block's output (the routed experts' plus any shared expert's), module `out_norm.name` with a
     # replicated weight [hidden] (A.X-K1's post_mlp_layernorm)
     out_norm: Optional[SubNorm] = None
+    # a bias [hidden] added to the block's output (routed experts plus any shared expert, before any out_norm), once,
+    # after the experts' all-reduce (JetMoE's MoE `bias`): parameter `bias` of the block, replicated
+    output_bias: Flag = False
     # how the experts are chosen from the router logits: `topk` (the scores' top_k, above) or `sparsemixer`
     # (PhiMoE's eval-mode SparseMixer: two experts, each weighted by a softmax over the logits within a relative
     # `jitter_eps` margin of it; top_k must be 2; no scoring / groups / bias / renormalization options)

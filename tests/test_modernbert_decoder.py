@@ -105,8 +105,9 @@ def test_compiler_refuses_misplaced_norm_flags_and_head_widths(tmp_path):
 def test_generated_layer_builds_the_identity_where_the_norm_is_off():
     """Layer 0 has no attention norm (no parameters, the identity with the residual protocol); the others have a
     LayerNorm; the head transform is dense -> act -> norm."""
-    from xllm_gen.runtime import layers as L
     import importlib
+
+    from xllm_gen.runtime import layers as L
     mod = importlib.import_module("xllm_gen.generated.modernbert_decoder.model")
     cfg = _config(_hf({"norm_bias": True}))
     layer0, layer1 = mod.ModernBertDecoderDecoderLayer(cfg, 0), mod.ModernBertDecoderDecoderLayer(cfg, 1)
@@ -141,6 +142,7 @@ def test_first_layer_norm_is_absent(tiny_checkpoint, tmp_path):
     at load (layer 0's parameter has no tensor); given a unit LayerNorm tensor for layer 0, that spec diverges from
     transformers at layer 0 (a LayerNorm is not the identity), while the shipped spec agrees on the same checkpoint."""
     from safetensors.torch import load_file, save_file
+
     from xllm_gen.codegen.verify import verify
     base = tiny_checkpoint(ARCH)
     everywhere = tmp_path / "everywhere.yaml"

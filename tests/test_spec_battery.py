@@ -271,6 +271,26 @@ def _assert_same(got, want, what: str) -> None:
         f"#{i} (prompt {PROMPT_LENS[i] if i < len(PROMPT_LENS) else 'image'}): {g} != {w}" for i, g, w in bad)
 
 
+def _unreplicable_split(spec, message: str) -> bool:
+    """Whether a TP refusal names only segments that the spec declares unreplicable (a mixture of attention heads'
+    KV heads, whose query heads are tied to them): the checkpoint's shapes (e.g. one KV head at TP 2) cannot be split,
+    refused by name at load, never served wrong. A replicable segment (plain attention's KV heads) is never excused."""
+    import re as _re
+
+    from xllm_gen.codegen.compiler import compile_spec
+    found = _re.findall(r"^\s*- (\S+): segment '([^']+)' has \d+ units: not divisible by tensor parallel size",
+                        message, _re.M)
+    if "is not possible for this checkpoint" not in message or not found:
+        return False
+    params = {p.name: p for p in compile_spec(spec.path).ir.params}
+    for name, seg in found:
+        p = params.get(name.replace("*", "{i}"))
+        segs = [s for s in (p.segments if p is not None else ()) if s.name == seg]
+        if not segs or any(s.replicate_ok for s in segs):
+            return False
+    return True
+
+
 def engine_or_tp_refusal(tokens, ckpt, tp: int, spec) -> list | None:
     """The engine's tokens at TP `tp`, or None where a spec that declares `tensor_parallel: {sizes: [1]}` is refused
     at TP > 1 naming tensor parallelism (a primitive that a split by heads cannot run, e.g. differential attention):
@@ -278,6 +298,8 @@ def engine_or_tp_refusal(tokens, ckpt, tp: int, spec) -> list | None:
     try:
         return tokens.engine(ckpt, tp)
     except Exception as e:        # noqa: BLE001 - the refusal is checked below, anything else re-raised
+        if tp > 1 and _unreplicable_split(spec, str(e)):
+            return None
         if tp == 1 or "tensor_parallel_size=1" not in str(e):
             raise
         import yaml

@@ -13,12 +13,12 @@ from xllm_gen.runtime.layers.activation import (
                                             gated_act,
 )
 from xllm_gen.runtime.layers.attention import (
-    Attention,
-    DifferentialAttention,
-    QueryScale,
-    alibi_slopes,
-    attention_sinks,
-    gate_output,
+                                            Attention,
+                                            DifferentialAttention,
+                                            QueryScale,
+                                            alibi_slopes,
+                                            attention_sinks,
+                                            gate_output,
 )
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import (
@@ -38,7 +38,14 @@ from xllm_gen.runtime.layers.linear import (
 )
 from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
-from xllm_gen.runtime.layers.norm import HeadNorm, IdentityNorm, LayerNorm, ProjectionNorm, RMSNorm, keep_residual_float32
+from xllm_gen.runtime.layers.norm import (
+                                            HeadNorm,
+                                            IdentityNorm,
+                                            LayerNorm,
+                                            ProjectionNorm,
+                                            RMSNorm,
+                                            keep_residual_float32,
+)
 from xllm_gen.runtime.layers.recurrent import (
                                             CausalConv1d,
                                             GatedDeltaNet,
@@ -56,6 +63,7 @@ from xllm_gen.runtime.layers.rotary import (
                                             rope_parameters,
                                             yarn_mscale,
 )
+from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
@@ -67,5 +75,5 @@ __all__ = [
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv",
-    "keep_residual_float32", "HeadTransform",
+    "keep_residual_float32", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",
 ]

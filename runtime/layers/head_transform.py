@@ -1,5 +1,5 @@
-"""The LM head's input transform (`decoder.head_transform`): BERT's prediction head, `norm(act(dense(x)))`, between
-the decoder's final norm and the LM head projection (ModernBERT decoder's `lm_head`: dense -> GELU -> LayerNorm)."""
+"""The LM head's input transform (`decoder.head_transform`): a prediction head, `norm(act(dense(x)))`, between
+the decoder's final norm and the LM head projection (dense -> GELU -> LayerNorm, e.g.)."""
 from __future__ import annotations
 
 from typing import Optional

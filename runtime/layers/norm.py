@@ -117,7 +117,7 @@ class LayerNorm(nn.Module):
 
 
 class IdentityNorm(nn.Module):
-    """A norm that is absent in some layers (a per-layer `enabled: false`, ModernBERT's first layer): no parameters,
+    """A norm that is absent in some layers (a per-layer `enabled: false`, e.g. a first layer without one): no parameters,
     the identity, with the residual protocol of RMSNorm / LayerNorm, so a decoder step reads it as any norm:
     forward(x) -> x; forward(x, residual) -> (x + residual, x + residual); forward(x, None) -> (x, x)."""
 
