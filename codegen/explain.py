@@ -92,7 +92,9 @@ def _sub_norm(n) -> str:
 def _block(b) -> str:
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
-        return f"{b.kind}(dim={b.dim}, eps={b.eps}{', bias' if b.bias else ''}{', no weight' if not b.weight else ''}{off})"
+        bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
+        where = f", only where {b.enabled} (else the identity)" if b.enabled.literal is not True else ""
+        return f"{b.kind}(dim={b.dim}, eps={b.eps}{bias}{', no weight' if not b.weight else ''}{off}{where})"
     if isinstance(b, LinearIR):
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
@@ -124,7 +126,10 @@ def _block(b) -> str:
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
-                + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora) + ")")
+                + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora)
+                + (f", experts(count={b.experts.count}, top_k={b.experts.top_k}, router={b.experts.router}, routed q="
+                   f"{b.experts.q}, routed out={b.out_name}: slot s's head h attends KV head h)" if b.experts else "")
+                + ")")
     if isinstance(b, RGLRUIR):
         return (f"rg_lru {b.class_name}(hidden={b.hidden}, width={b.width}, heads={b.heads}, conv_kernel="
                 f"{b.conv_kernel}, activation={b.activation}, decay_scale={b.decay_scale}, bias={b.bias}, conv_bias="
@@ -330,6 +335,11 @@ def format_resolved(ir: ModelIR) -> str:
                                                        "float32)")
     if ir.project_out:
         w(f"  project_out  {_proj(ir.project_out)}: residual -> LM head width")
+    if ir.head_transform:
+        ht = ir.head_transform
+        w(f"  head_transform  dense(in={ht.in_}, out={ht.out}, replicated"
+          + (f", bias={ht.bias}" if ht.bias.literal is not False else "") + f") -> {ht.activation}"
+          + (f" -> {_block(ht.norm)}" if ht.norm else "") + ": before the LM head")
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"
       + (f", logit_scale={ir.lm_head.logit_scale}" if ir.lm_head.logit_scale else "")
       + (f", bias={ir.lm_head.bias}" if ir.lm_head.bias.literal is not False else "")

@@ -39,7 +39,7 @@ class FusionPlan:
     @staticmethod
     def rope_store(b: AttentionIR) -> str | None:
         """"qk_norm_rope" / "rope": the attention's rotary step (with its q/k norm) also stores k, v; None: not."""
-        if b.differential is not None:    # its cache holds the paired values, not v: stored by the attention
+        if b.differential is not None or b.experts is not None:   # paired values / routed q: the plain path
             return None
         if b.v_head_dim is not None or b.value_scale is not None:   # v of its own width, or scaled: the attention stores
             return None
@@ -62,9 +62,10 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
             norm = blocks.get(st.norm) if st.norm else None
             fusable = (not parallel and st.choice is None and st.input_scale is None   # the GEMV reads norm(x) itself
                        and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
-                       and not norm.bias and blocks[st.block].kind in NORM_PROLOGUE_KINDS
+                       and not norm.bias and norm.always and blocks[st.block].kind in NORM_PROLOGUE_KINDS
                        and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
                        and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input
+                       and not getattr(blocks[st.block], "experts", None)    # the router reads it too
                        and getattr(st, "add", None) is None)                 # the norm reads residual + a value
             (ok if fusable else bad).update(names)
     return FusionPlan(frozenset(ok - bad))

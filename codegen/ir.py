@@ -231,6 +231,17 @@ class NormIR:
     bias: bool = False
     weight_offset: float = 0.0    # y = x_normed * (weight_offset + w) (+ b)
     weight: bool = True           # layernorm: false = no weight (OLMo 1's non-parametric LayerNorm)
+    # where the norm exists (per layer: may read `layer`); elsewhere the identity with no parameters
+    enabled: Value = Value(literal=True)
+    bias_flag: Optional[Value] = None   # a bool symbol / expression: the bias exists only where it holds (bias: True)
+
+    @property
+    def always(self) -> bool:
+        """The norm exists in every layer and its bias is fixed by the spec."""
+        return self.enabled.literal is True and self.bias_flag is None
+
+    def bias_py(self) -> str:
+        return self.bias_flag.py() if self.bias_flag is not None else repr(self.bias)
 
 
 @dataclass(frozen=True)
@@ -338,6 +349,16 @@ class LoRAIR:
 
 
 @dataclass(frozen=True)
+class AttentionExpertsIR:
+    """A mixture of attention heads: the router picks top_k of `count` experts per token; each has a routed q
+    projection (module `q`) and a routed output projection (the attention's `out`)."""
+    count: Size
+    top_k: Size
+    router: str
+    q: str
+
+
+@dataclass(frozen=True)
 class AttentionIR:
     kind: str
     name: str
@@ -378,6 +399,7 @@ class AttentionIR:
     # projection (None = 1)
     qkv_scale: Tuple[Tuple[str, Value], ...] = ()
     out_scale: Optional[Value] = None
+    experts: Optional["AttentionExpertsIR"] = None   # a mixture of attention heads: q and out routed per token
 
     @property
     def q_size(self) -> Size:
@@ -501,6 +523,7 @@ class MoEIR:
     routing: str = "topk"                     # topk | sparsemixer
     jitter_eps: Optional[Value] = None        # sparsemixer's relative margin
     out_norm: Optional[NormIR] = None         # a norm of the block's output (replicated weight [hidden])
+    output_bias: Value = Value(literal=False)  # a replicated bias [hidden] added to the block's output
     renormalize_epsilon: Optional[Value] = None   # the top-k weights divided by (sum + it); None = the usual
     expert_mlp: str = "gated"                 # gated: down(act(gate) * up); plain: down(act(up))
 
@@ -885,6 +908,16 @@ class ProjectionIR:
 
 
 @dataclass(frozen=True)
+class HeadTransformIR:
+    """decoder.head_transform: norm(act(dense(x))) before the LM head (a replicated linear, an activation, a norm)."""
+    in_: Size
+    out: Size
+    bias: Value
+    activation: Value
+    norm: Optional[NormIR] = None
+
+
+@dataclass(frozen=True)
 class ModelIR:
     name: str
     spec_path: str                # relative to the repository (or cwd)
@@ -918,6 +951,7 @@ class ModelIR:
     residual_float32: Value = Value(literal=False)          # the residual stream in float32
     project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
     project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
+    head_transform: Optional[HeadTransformIR] = None        # dense -> act -> norm before the LM head
 
     @property
     def model_class(self) -> str:

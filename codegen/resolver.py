@@ -29,6 +29,7 @@ from .ir import (
     EmbeddingIR,
     GatedDeltaNetIR,
     GatedMLPIR,
+    HeadTransformIR,
     LayerIR,
     LMHeadIR,
     Mamba2IR,
@@ -237,6 +238,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             raise self.err(("decoder", "project_out", "in"), f"decoder.project_out.in: is {project_out.in_}, but the "
                                                              f"residual stream's width is {stream.dim}")
         lm_head = self.resolve_lm_head(embed)
+        head_transform = None
+        if d.head_transform is not None:
+            head_transform = self.resolve_head_transform(d.head_transform, project_out.out if project_out else stream.dim,
+                                                         lm_head)
         self.check_widths(stream, layer, norm)
         self.prefix = self.resolve_prefix()
         deepstack, levels = (), None
@@ -265,6 +270,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         if embed_norm is not None:
             params = params[:1] + tuple(self.block_params(f"{self.prefix}.embed_norm", "decoder.embed_norm", embed_norm,
                                                           False)) + params[1:]
+        if head_transform is not None:     # before the LM head's own parameters
+            at = next((i for i, p in enumerate(params) if p.name.startswith("lm_head.")), len(params))
+            params = params[:at] + self.head_transform_params(head_transform) + params[at:]
         weights = self.resolve_weights(params)
         self.check_prefixes(params)
         if vision:
@@ -296,7 +304,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
             embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out,
-            residual_float32=residual_float32)
+            residual_float32=residual_float32, head_transform=head_transform)
 
     def check_residual_float32(self, layer, norm, norm_enabled, d) -> None:
         """decoder.residual_float32: every residual step a plain `{norm: N, block: B}` (post_norm / scale allowed) with
@@ -309,9 +317,9 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             raise self.err(p, "decoder.residual_float32: not with deepstack, embed_norm or project_out")
         for s in layer.all_steps:
             if hasattr(s, "branches") or getattr(s, "after_norm", None) or not s.norm \
-                    or blocks[s.norm].kind != "rmsnorm":
+                    or blocks[s.norm].kind != "rmsnorm" or not blocks[s.norm].always:
                 raise self.err(p, "decoder.residual_float32: every residual step must be `{norm: N, block: B}` with N "
-                                  "an rmsnorm (no parallel steps, no steps without a norm, no after_norm)")
+                                  "an rmsnorm on every layer (no parallel steps, no steps without a norm, no after_norm)")
 
     # ---- module paths -----------------------------------------------------------------------------
     def resolve_prefix(self) -> str:
@@ -503,23 +511,34 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if not pat or not re.match(r"^[A-Za-z0-9_.*?\[\]]+$", pat):
                 raise self.err(("config_ignore", i), f"config_ignore[{i}]: '{pat}' is not a dotted path pattern")
 
-    def resolve_norm(self, path, name, b) -> NormIR:
+    def resolve_norm(self, path, name, b, context: str = "decoder") -> NormIR:
+        """A norm block. `context`: "layer" (a decoder layer's block: `enabled` may be per layer), "decoder" (the
+        final / embedding / head-transform norm: always there; `decoder.norm_enabled` is the final norm's flag), or
+        "vision" (literal bias only)."""
         eps = self.positive(path + ("eps",), b.eps, below=1.0)
-        if isinstance(b, RMSNormBlock):
-            if not math.isfinite(b.weight_offset):
-                raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
-            if b.weight_offset and not b.weight:
-                raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a "
-                                                          f"weight (weight: false) has no weight to offset")
-            return NormIR("rmsnorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
-                          weight_offset=float(b.weight_offset), weight=b.weight)
+        if b.enabled is not True:
+            if context != "layer":
+                hint = " (the final norm's flag is decoder.norm_enabled)" if path == ("decoder", "norm") else ""
+                raise self.err(path + ("enabled",), f"{self._where(path)}.enabled: only a decoder layer's norm may be "
+                                                    f"absent on some layers{hint}", at_key=True)
+        enabled = self.rotary_enabled(path + ("enabled",), b.enabled) if context == "layer" else Value(literal=True)
+        if enabled.literal is False:
+            raise self.err(path + ("enabled",), f"{self._where(path)}.enabled: false: delete the norm (a step without "
+                                                f"a norm reads the residual stream)")
+        bias_flag = None
+        if not isinstance(b.bias, bool):
+            if context == "vision":
+                raise self.err(path + ("bias",), f"{self._where(path)}.bias: a vision norm's bias is a literal bool")
+            bias_flag = self.flag(path + ("bias",), b.bias)
+        bias = b.bias if isinstance(b.bias, bool) else True
         if not math.isfinite(b.weight_offset):
             raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: must be finite")
         if b.weight_offset and not b.weight:
-            raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a weight "
-                                                      f"(weight: false) has no weight to offset")
-        return NormIR("layernorm", name, self.dim(path + ("dim",), b.dim), eps, b.bias,
-                      weight_offset=float(b.weight_offset), weight=b.weight)
+            raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a "
+                                                      f"weight (weight: false) has no weight to offset")
+        kind = "rmsnorm" if isinstance(b, RMSNormBlock) else "layernorm"
+        return NormIR(kind, name, self.dim(path + ("dim",), b.dim), eps, bias,
+                      weight_offset=float(b.weight_offset), weight=b.weight, enabled=enabled, bias_flag=bias_flag)
 
     def resolve_layer(self) -> LayerIR:
         L = self.spec.decoder.layers
@@ -724,6 +743,33 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         (a, av), (b, bv) = when, inner
         text = f"({'' if av else 'not '}({a})) and ({'' if bv else 'not '}({b}))"
         return (Value(expr=self.expr(("decoder", "layers"), text, per_layer=True)), True)
+    def resolve_head_transform(self, b, width, lm_head: LMHeadIR) -> HeadTransformIR:
+        """decoder.head_transform: `in` is the width it reads (the residual stream's, or project_out's output), `out`
+        the LM head's `dim`, its norm `out` wide."""
+        p = ("decoder", "head_transform")
+        ht = HeadTransformIR(self.dim(p + ("in",), b.in_), self.dim(p + ("out",), b.out), self.flag(p + ("bias",), b.bias),
+                             self.activation(p + ("activation",), b.activation, ACTIVATIONS, "an activation"),
+                             self.resolve_norm(p + ("norm",), "norm", b.norm) if b.norm is not None else None)
+        if str(ht.in_) != str(width):
+            raise self.err(p + ("in",), f"decoder.head_transform.in: is {ht.in_}, but it reads the width {width} (the "
+                                        f"residual stream's, or decoder.project_out.out)")
+        if str(ht.out) != str(lm_head.dim):
+            raise self.err(p + ("out",), f"decoder.head_transform.out: is {ht.out}, but the LM head reads {lm_head.dim} "
+                                         f"(lm_head.dim)")
+        if ht.norm is not None and str(ht.norm.dim) != str(ht.out):
+            raise self.err(p + ("norm", "dim"), f"decoder.head_transform.norm.dim: is {ht.norm.dim}, but the transform's "
+                                                f"output is {ht.out} wide (decoder.head_transform.out)")
+        return ht
+
+    def head_transform_params(self, ht: HeadTransformIR) -> Tuple[ParamIR, ...]:
+        """`<prefix>.head_transform.dense.weight [out, in]` (and `.bias`), its norm's weight / bias: replicated."""
+        pre, blk = f"{self.prefix}.head_transform", "decoder.head_transform"
+        out = [ParamIR(f"{pre}.dense.weight", blk, (ht.out, ht.in_), "replicated")]
+        if _maybe(ht.bias):
+            out.append(ParamIR(f"{pre}.dense.bias", blk, (ht.out,), "replicated"))
+        if ht.norm is not None:
+            out += self.block_params(f"{pre}.norm", blk + ".norm", ht.norm, False)
+        return tuple(out)
 
     def check_widths(self, embed: EmbeddingIR, layer: LayerIR, norm: Optional[NormIR]) -> None:
         """Everything on the residual stream has its width (the embedding's, or decoder.project_in's output)."""
@@ -781,6 +827,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         for b in layer.blocks:
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)
+            if isinstance(b, NormIR) and b.enabled.literal is not True:   # a norm absent on some layers
+                if b.name in when_of:
+                    raise self.err(("decoder", "layers", "blocks", b.name, "enabled"),
+                                   f"decoder.layers.blocks.{b.name}.enabled: a norm that one dataflow uses only is "
+                                   f"not also enabled per layer", at_key=True)
+                ps = [dataclasses.replace(p, when=(b.enabled, True)) for p in ps]
             if b.name in when_of:                # the choice's condition, and the parameter's own where it has one
                 w = when_of[b.name]
                 ps = [dataclasses.replace(p, when=w if p.when is None else (AllOf((w, p.when)), True)) for p in ps]

@@ -13,6 +13,7 @@ from .ir import (
     MLAIR,
     MLPIR,
     RGLRUIR,
+    AttentionExpertsIR,
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
@@ -80,6 +81,23 @@ def _maybe(flag: Value) -> bool:
 
 
 class BlockResolver(MLAResolver):
+    def resolve_attention_experts(self, path, b, module) -> AttentionExpertsIR:
+        """attention.experts (a mixture of attention heads): only with rotary (neox), a window, a scale and a soft-cap."""
+        ep = path + ("experts",)
+        for key, on in (("qk_norm", b.qk_norm is not None), ("out_gate", b.out_gate is not None),
+                        ("sub_norm", b.sub_norm is not None), ("differential", b.differential is not None),
+                        ("query_scale", b.query_scale is not None), ("clip_qkv", b.clip_qkv is not None),
+                        ("sinks", b.sinks), ("alibi", b.alibi), ("chunk_size", b.chunk_size is not None)):
+            if on:
+                raise self.err(path + (key,), f"{self._where(path)}.{key}: not supported with `experts` (a mixture "
+                                              f"of attention heads)", at_key=True)
+        if b.rotary is not None and b.rotary.kind != "neox":
+            raise self.err(path + ("rotary", "kind"), f"{self._where(path)}.rotary.kind: a mixture of attention heads "
+                                                      f"takes neox rotary only")
+        e = b.experts
+        return AttentionExpertsIR(self.dim(ep + ("count",), e.count), self.dim(ep + ("top_k",), e.top_k),
+                                  module(ep + ("router",), e.router), module(ep + ("q",), e.q))
+
     def resolve_sub_norm(self, path, n, taken) -> SubNormIR | None:
         """A block's `sub_norm` (None: absent); `taken`: the block's other module names."""
         if n is None:
@@ -115,7 +133,7 @@ class BlockResolver(MLAResolver):
         prefix = self.spec.class_prefix
         camel = "".join(p.capitalize() for p in name.split("_"))
         if isinstance(b, (RMSNormBlock, LayerNormBlock)):
-            return self.resolve_norm(path, name, b)
+            return self.resolve_norm(path, name, b, context="layer")
         if isinstance(b, LinearBlock):
             return LinearIR("linear", name, self.dim(path + ("in",), b.in_), (((name, self.dim(path + ("out",), b.out)),)),
                             b.parallel, b.bias)
@@ -134,7 +152,12 @@ class BlockResolver(MLAResolver):
                 modules[mname] = mpath
                 return mname
             qkv_segs = b.qkv.segments
-            if list(qkv_segs) != ["q", "k", "v"]:
+            experts = self.resolve_attention_experts(path, b, module) if b.experts is not None else None
+            if experts is not None and list(qkv_segs) != ["k", "v"]:
+                raise self.err(path + ("qkv", "segments"), f"{self._where(path)}.qkv.segments: with `experts` the "
+                                                          f"queries come from the routed q projection; the fused "
+                                                          f"projection is [k, v], got {list(qkv_segs)}")
+            if experts is None and list(qkv_segs) != ["q", "k", "v"]:
                 # the segments are stacked in the order the forward pass splits them: q | k | v
                 raise self.err(path + ("qkv", "segments"), f"{self._where(path)}.qkv.segments: the forward pass "
                                                           f"splits the fused projection as [q, k, v]; got "
@@ -197,6 +220,9 @@ class BlockResolver(MLAResolver):
             out_name = module(path + ("out", "name"), b.out.name)
             # the output projection's bias may exist on some layers only (an expression reading `layer`)
             out_bias = self.flag(path + ("out", "bias"), b.out.bias, per_layer=True)
+            if experts is not None and out_bias.per_layer:
+                raise self.err(path + ("out", "bias"), f"{self._where(path)}.out.bias: a routed output projection's "
+                                                       f"bias is the same on every layer")
             gate_name = (module(path + ("out_gate", "name"), b.out_gate.name)
                          if b.out_gate is not None and b.out_gate.source == "projection" else None)
             sub = self.resolve_sub_norm(path, b.sub_norm, ())
@@ -244,7 +270,8 @@ class BlockResolver(MLAResolver):
                 input_width=self.dim(path + ("input_width",), b.input_width) if b.input_width is not None else None,
                 lora=self.resolve_lora(path, b.lora, b.qkv.name, module),
                 qkv_scale=self.segment_scales(path + ("qkv",), b.qkv.scale, ("q", "k", "v")),
-                out_scale=self.output_scale(path + ("out",), b.out.scale))
+                out_scale=self.output_scale(path + ("out",), b.out.scale,
+                experts=experts)
         if isinstance(b, ShortConvBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
             if names[1] in (names[0], "conv") or names[0] == "conv":
@@ -490,7 +517,7 @@ class BlockResolver(MLAResolver):
                          act, self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared,
                          router_bias=self.flag(path + ("router", "bias"), b.router.bias),
                          expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params,
-                         out_norm=out_norm, **routing)
+                         out_norm=out_norm, output_bias=self.flag(path + ("output_bias",), b.output_bias), **routing)
         raise AssertionError(type(b))  # pragma: no cover - the schema admits no other kind
 
     def segment_scales(self, path, scale, segments) -> tuple:
@@ -828,6 +855,22 @@ class BlockResolver(MLAResolver):
             ps.append(P("norm.weight", (b.value_head_dim,), "replicated"))
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.key_heads, b.rep * b.value_head_dim), b.hidden, False)
             return ps
+        if isinstance(b, AttentionIR) and b.experts is not None:   # a mixture of attention heads
+            ex = b.experts
+            kv = [SegmentIR("k", b.kv_heads, b.head_dim), SegmentIR("v", b.kv_heads, b.head_dim)]
+            ps = column(f"{b.qkv_name}.", b.hidden, kv, _maybe(b.qkv_bias))
+            ps.append(P(f"{ex.router}.weight", (ex.count, b.hidden), "replicated"))
+            # the routed q [experts, kv_heads * head_dim, hidden] split by KV heads per expert; the routed output
+            # projection [experts, hidden, kv_heads * head_dim] by its input columns alike
+            ps.append(ParamIR(f"{prefix}.{ex.q}.weight", block, (ex.count, b.kv_heads * b.head_dim, b.hidden),
+                              "colwise", (SegmentIR(ex.q, b.kv_heads, b.head_dim),), per_layer=per_layer,
+                              experts=ex.count))
+            ps.append(ParamIR(f"{prefix}.{b.out_name}.weight", block, (ex.count, b.hidden, b.kv_heads * b.head_dim),
+                              "rowwise", (SegmentIR(b.out_name, b.kv_heads, b.head_dim),), per_layer=per_layer,
+                              experts=ex.count))
+            if _maybe(b.out_bias):
+                ps.append(P(f"{b.out_name}.bias", (b.hidden,), "replicated"))
+            return ps
         if isinstance(b, AttentionIR):
             q, k, v = b.qkv_segments
             segs = [SegmentIR(q, b.heads, b.head_dim if not b.q_gate else Size.of(2) * b.head_dim),
@@ -913,6 +956,8 @@ class BlockResolver(MLAResolver):
             if b.out_norm is not None:    # a replicated [hidden] weight (and bias)
                 n = b.out_norm
                 ps += [P(f"{n.name}.{w}", (b.hidden,), "replicated") for w in (("weight", "bias") if n.bias else ("weight",))]
+            if _maybe(b.output_bias):     # the block's output bias, replicated
+                ps.append(P("bias", (b.hidden,), "replicated"))
             return ps
         if isinstance(b, MLAIR):
             return MLAResolver.mla_params(prefix, block, b, per_layer, _maybe)

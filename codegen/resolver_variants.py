@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 
 from .errors import did_you_mean
 from .expr import ExprError
-from .ir import MLAIR, RGLRUIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, Size, VariantIR, size_at
+from .ir import MLAIR, RGLRUIR, AttentionIR, GatedDeltaNetIR, Mamba2IR, MoEIR, NormIR, Size, VariantIR, size_at
 from .resolver_blocks import _is_int
 
 # Upper bounds on what a spec or a variant may declare (docs/reliability.md): a size is one tensor dimension
@@ -190,6 +190,13 @@ class VariantResolver:
         layers = layer.count.eval(values)
         check_ints(layer.count)
         for b in layer.blocks:
+            if isinstance(b, NormIR) and b.enabled.literal is not True:
+                ep = ("decoder", "layers", "blocks", b.name, "enabled")
+                for li in range(layers):
+                    on = ev(ep, b.enabled, li)
+                    if not isinstance(on, bool):
+                        raise self.err(at(b.enabled.symbol) if b.enabled.symbol else ep,
+                                       f"variants.{name}: {b.name}.enabled of layer {li} is {on!r}; expected a bool")
             if isinstance(b, AttentionIR):
                 for li in (range(layers) if b.per_layer_shape else (None,)):     # each layer's shape
                     h, kv, hd = (size_at(x, values, li) for x in (b.heads, b.kv_heads, b.head_dim))
@@ -220,6 +227,16 @@ class VariantResolver:
                                            f"chunk is an int >= 1 or None")
                 if b.rotary is not None:
                     self.check_rotary_variant(name, b, values, layers, at)
+                if b.experts is not None:
+                    h, kv = (size_at(x, values, 0 if b.per_layer_shape else None) for x in (b.heads, b.kv_heads))
+                    n, k = b.experts.count.eval(values), b.experts.top_k.eval(values)
+                    if k > n:
+                        raise self.err(("decoder", "layers", "blocks", b.name, "experts", "top_k"),
+                                       f"variants.{name}: {b.name}.experts.top_k ({k}) exceeds its experts ({n})")
+                    if h != k * kv:
+                        raise self.err(("decoder", "layers", "blocks", b.name, "heads"),
+                                       f"variants.{name}: {b.name}.heads is {h}; a mixture of attention heads has "
+                                       f"experts.top_k * kv_heads = {k} * {kv} query heads per token")
                 if b.rotary is not None and b.rotary.mrope_section is not None:
                     sec = b.rotary.mrope_section.eval(values)
                     if len(sec) != 3 or any(x < 0 for x in sec):

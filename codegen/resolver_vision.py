@@ -62,7 +62,7 @@ class VisionResolver:
                 blocks[name] = VisionMLPIR("vision_mlp", name, self.dim(bp + ("hidden",), b.hidden),
                                            self.dim(bp + ("intermediate",), b.intermediate), b.activation)
             else:
-                blocks[name] = self.resolve_norm(bp, name, b)
+                blocks[name] = self.resolve_norm(bp, name, b, context="vision")
             dims = [(bp + ("dim",), blocks[name].dim)] if isinstance(blocks[name], NormIR) else \
                 [(bp + ("hidden",), blocks[name].hidden)]
             for path, size in dims:

@@ -110,25 +110,30 @@ class PositionEmbeddingBlock(Strict):
 
 
 class RMSNormBlock(Strict):
-    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b;
-    `weight: false`: no weight, y = x / rms(x) computed in float32 (NanoChat's parameter-free RMSNorm)."""
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b (a bool
+    config symbol: only in the checkpoints that set it); `weight: false`: no weight, y = x / rms(x) computed in float32
+    (NanoChat's parameter-free RMSNorm). `enabled` (a layer block only): a flag, per layer (may read `layer`): where it
+    is false the norm is absent, the identity (no parameters; ModernBERT decoder's first layer: `"layer != 0"`)."""
     kind: Literal["rmsnorm"]
     dim: Dim
     eps: Num
     weight_offset: Union[StrictInt, StrictFloat] = 0
-    bias: StrictBool = False
+    bias: Flag = False
     weight: StrictBool = True
+    enabled: Flag = True
 
 
 class LayerNormBlock(Strict):
     """y = (x - mean) / std * w + b. `weight_offset: 1` scales by (1 + w) (Nemotron's LayerNorm1P); `weight:
-    false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all)."""
+    false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all); `bias` may be a bool
+    config symbol (ModernBERT's `norm_bias`). `enabled`: per layer, as an RMSNorm's."""
     kind: Literal["layernorm"]
     dim: Dim
     eps: Num
-    bias: StrictBool = True
+    bias: Flag = True
     weight: StrictBool = True
     weight_offset: Union[StrictInt, StrictFloat] = 0
+    enabled: Flag = True
 
 
 class LinearBlock(Strict):
@@ -262,6 +267,20 @@ class LoRA(Strict):
     name: Optional[StrictStr] = None
 
 
+class AttentionExperts(Strict):
+    """A mixture of attention heads (JetMoE's MoA): a replicated `router` (linear hidden -> `count`, no bias) picks
+    each token's `top_k` attention experts (the softmax of the top-k logits, in float32); each chosen expert's routed q
+    projection `q` (stacked `[count, kv_heads * head_dim, hidden]`) gives the token `kv_heads` query heads, slot s's
+    head h attending KV head h of the shared K / V (the block's `qkv`, segments [k, v]); each slot's output goes
+    through the same expert's routed output projection (the block's `out`, stacked `[count, hidden, kv_heads *
+    head_dim]`, with `out.bias` added once), weighted by its routing weight and summed. `heads` is `top_k *
+    kv_heads`."""
+    count: Dim
+    top_k: Dim
+    router: StrictStr = "router"
+    q: StrictStr = "q_experts"
+
+
 class AttentionBlock(Strict):
     """Self-attention with GQA: fused q/k/v projection (segments q, k, v), optional per-head q/k norm,
     rotary embedding, paged attention, output projection."""
@@ -307,6 +326,8 @@ class LowRankInput(Strict):
     ranks); the projection then maps `rank` -> its segments (Kimi Delta Attention's f_a_proj / g_a_proj)."""
     name: StrictStr
     rank: Dim
+    # a mixture of attention heads (JetMoE): q and the output projection routed per token among expert stacks
+    experts: Optional[AttentionExperts] = None
 
 
 class GatedDeltaNetProjection(Strict):
@@ -600,6 +621,9 @@ class MoEBlock(Strict):
     # a norm of the block's output (the routed experts' plus any shared expert's), module `out_norm.name` with a
     # replicated weight [hidden] (A.X-K1's post_mlp_layernorm)
     out_norm: Optional[SubNorm] = None
+    # a bias [hidden] added to the block's output (routed experts plus any shared expert, before any out_norm), once,
+    # after the experts' all-reduce (JetMoE's MoE `bias`): parameter `bias` of the block, replicated
+    output_bias: Flag = False
     # how the experts are chosen from the router logits: `topk` (the scores' top_k, above) or `sparsemixer`
     # (PhiMoE's eval-mode SparseMixer: two experts, each weighted by a softmax over the logits within a relative
     # `jitter_eps` margin of it; top_k must be 2; no scoring / groups / bias / renormalization options)
@@ -753,6 +777,17 @@ class EmbedProjection(Strict):
     enabled: Flag = True
 
 
+class HeadTransform(Strict):
+    """The LM head's input transform, BERT's prediction head: `norm(act(dense(x)))` after the final norm (and any
+    `project_out`), before the LM head projection (ModernBERT decoder's `lm_head`: dense -> GELU -> LayerNorm). Module
+    `head_transform` of the decoder: `dense` a replicated linear `[out, in]` (+ bias), `norm` a norm of width `out`."""
+    in_: Dim = Field(alias="in")
+    out: Dim
+    bias: Flag = False
+    activation: StrictStr
+    norm: Optional[NormBlock] = None
+
+
 class Decoder(Strict):
     # module path of the decoder in the model and in the checkpoint. `weights` keys and `from` names of
     # decoder tensors are written `model.<rest>`; with another prefix they mean `<prefix>.<rest>` (so a spec
@@ -774,6 +809,8 @@ class Decoder(Strict):
     project_in: Optional[EmbedProjection] = None
     # residual width -> the LM head's width, after the final norm
     project_out: Optional[EmbedProjection] = None
+    # dense -> act -> norm between the final norm (and project_out) and the LM head (BERT's prediction head)
+    head_transform: Optional[HeadTransform] = None
     deepstack: Optional[Deepstack] = None
 
 

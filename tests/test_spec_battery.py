@@ -182,6 +182,10 @@ def _rope_cases():
 
 
 ROPE_CASES = _rope_cases()
+# the config.json fields that set the window where `sliding_window` is not the only one: ModernBERT decoder's config
+# class derives it from local_attention (local_attention // 2) unless config.json states it; dropping both restores
+# the class default, a window longer than the prompts
+WINDOW_FIELDS = {"ModernBertDecoderForCausalLM": ("sliding_window", "local_attention")}
 SLIDING_CASES = [pytest.param(spec, id=spec.name) for spec in SPECS if _uses_sliding_window(spec.architecture)]
 
 
@@ -268,6 +272,26 @@ def _assert_same(got, want, what: str) -> None:
         f"#{i} (prompt {PROMPT_LENS[i] if i < len(PROMPT_LENS) else 'image'}): {g} != {w}" for i, g, w in bad)
 
 
+def _unreplicable_split(spec, message: str) -> bool:
+    """Whether a TP refusal names only segments that the spec declares unreplicable (a mixture of attention heads'
+    KV heads, whose query heads are tied to them): the checkpoint's shapes (e.g. one KV head at TP 2) cannot be split,
+    refused by name at load, never served wrong. A replicable segment (plain attention's KV heads) is never excused."""
+    import re as _re
+
+    from xllm_gen.codegen.compiler import compile_spec
+    found = _re.findall(r"^\s*- (\S+): segment '([^']+)' has \d+ units: not divisible by tensor parallel size",
+                        message, _re.M)
+    if "is not possible for this checkpoint" not in message or not found:
+        return False
+    params = {p.name: p for p in compile_spec(spec.path).ir.params}
+    for name, seg in found:
+        p = params.get(name.replace("*", "{i}"))
+        segs = [s for s in (p.segments if p is not None else ()) if s.name == seg]
+        if not segs or any(s.replicate_ok for s in segs):
+            return False
+    return True
+
+
 def engine_or_tp_refusal(tokens, ckpt, tp: int, spec) -> list | None:
     """The engine's tokens at TP `tp`, or None where a spec that declares `tensor_parallel: {sizes: [1]}` is refused
     at TP > 1 naming tensor parallelism (a primitive that a split by heads cannot run, e.g. differential attention):
@@ -275,6 +299,8 @@ def engine_or_tp_refusal(tokens, ckpt, tp: int, spec) -> list | None:
     try:
         return tokens.engine(ckpt, tp)
     except Exception as e:        # noqa: BLE001 - the refusal is checked below, anything else re-raised
+        if tp > 1 and _unreplicable_split(spec, str(e)):
+            return None
         if tp == 1 or "tensor_parallel_size=1" not in str(e):
             raise
         import yaml
@@ -391,22 +417,25 @@ def test_sliding_window_matters(spec, tiny_checkpoint, tokens, tmp_path_factory)
     ckpt = tiny_checkpoint(spec.architecture)
 
     # the field's name in config.json: `sliding_window`, or the one the config class maps it to (RecurrentGemma's
-    # attention_window_size, whose transformers default is then far beyond the prompts)
+    # attention_window_size, whose transformers default is then far beyond the prompts), or the family's own fields
     key = getattr(text_config_of(tiny_config(spec.architecture)), "attribute_map", {}).get("sliding_window",
                                                                                        "sliding_window")
+    fields = WINDOW_FIELDS.get(spec.architecture, (key,))
+    field = " and ".join(fields)
 
     def drop_window(cfg: dict) -> None:
         level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-        assert key in level, f"the tiny config.json has no {key}"
-        del level[key]
+        for f in fields:
+            assert f in level, f"the tiny config.json has no {f}"
+            del level[f]
 
     no_window = edit_config(ckpt, tmp_path_factory.mktemp(f"{spec.name}_no_window"), drop_window)
     assert tokens.hf(no_window) != tokens.hf(ckpt), (
         "fixture: HF's output does not depend on the tiny sliding window at these prompt lengths")
     got = tokens.engine(no_window, 1)
     assert got != tokens.engine(ckpt, 1), (
-        f"{spec.name}: removing sliding_window from config.json does not change the engine's output")
-    _assert_same(got, tokens.hf(no_window), f"{spec.name} without sliding_window tp=1")
+        f"{spec.name}: removing {field} from config.json does not change the engine's output")
+    _assert_same(got, tokens.hf(no_window), f"{spec.name} without {field} tp=1")
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
@@ -425,8 +454,15 @@ def test_explicit_head_dim_is_read(spec):
     level["head_dim"] = 2 * text.hidden_size // text.num_attention_heads   # not the hidden / heads default
     model_module, _ = registry.resolve(cfg)
     if not _hf_reads_head_dim(spec.architecture, level["head_dim"]):
-        # transformers computes hidden / heads and ignores the field (GPT-NeoX, Falcon): so must the spec
-        config = model_module.Config.from_hf(cfg)
+        # transformers computes hidden / heads and ignores the field (GPT-NeoX, Falcon): so must the spec, or refuse
+        # it by name where transformers' model cannot run it (ModernBERT decoder's rotary reads it, its attention not)
+        try:
+            config = model_module.Config.from_hf(cfg)
+        except Exception as e:
+            assert "head_dim" in str(e), f"{spec.name}: a config.json head_dim refused without naming it: {e}"
+            assert not _hf_runs(spec.architecture, level["head_dim"]), \
+                f"{spec.name}: transformers runs a config.json head_dim that the spec refuses: {e}"
+            return
         assert getattr(config, "head_dim", None) in (None, text.hidden_size // text.num_attention_heads), \
             f"{spec.name}: transformers ignores config.json head_dim, but the spec reads it"
         return

@@ -28,6 +28,7 @@ from xllm_gen.runtime.layers.embedding import (
                                             VocabParallelEmbedding,
 )
 from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
+from xllm_gen.runtime.layers.head_transform import HeadTransform
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
                                             MergedColumnParallelLinear,
@@ -38,7 +39,14 @@ from xllm_gen.runtime.layers.linear import (
 )
 from xllm_gen.runtime.layers.mla import latent_attention
 from xllm_gen.runtime.layers.moe import FusedMoE, linear_float32, routing_bias
-from xllm_gen.runtime.layers.norm import HeadNorm, LayerNorm, ProjectionNorm, RMSNorm, keep_residual_float32
+from xllm_gen.runtime.layers.norm import (
+                                            HeadNorm,
+                                            IdentityNorm,
+                                            LayerNorm,
+                                            ProjectionNorm,
+                                            RMSNorm,
+                                            keep_residual_float32,
+)
 from xllm_gen.runtime.layers.recurrent import (
                                             RGLRU,
                                             CausalConv1d,
@@ -57,11 +65,12 @@ from xllm_gen.runtime.layers.rotary import (
                                             rope_parameters,
                                             yarn_mscale,
 )
+from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
 from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
-    "RMSNorm", "LayerNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
+    "RMSNorm", "LayerNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
@@ -69,5 +78,5 @@ __all__ = [
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
-    "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale",
+    "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",
 ]

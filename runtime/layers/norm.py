@@ -116,6 +116,20 @@ class LayerNorm(nn.Module):
                 + (f", weight_offset={self.weight_offset}" if self.weight_offset else ""))
 
 
+class IdentityNorm(nn.Module):
+    """A norm that is absent in some layers (a per-layer `enabled: false`, e.g. a first layer without one): no parameters,
+    the identity, with the residual protocol of RMSNorm / LayerNorm, so a decoder step reads it as any norm:
+    forward(x) -> x; forward(x, residual) -> (x + residual, x + residual); forward(x, None) -> (x, x)."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
+        if residual is ...:
+            return x
+        if residual is None:
+            return x, x
+        x = x + residual
+        return x, x
+
+
 class ProjectionNorm(nn.Module):
     """An RMSNorm / LayerNorm over a whole attention projection: all `heads` heads of `head_dim` jointly (a q / k
     norm over the whole projection), not per head. `weight` (and `bias`) [heads * head_dim] are split over the TP ranks
