@@ -270,7 +270,7 @@ class BlockResolver(MLAResolver):
                 input_width=self.dim(path + ("input_width",), b.input_width) if b.input_width is not None else None,
                 lora=self.resolve_lora(path, b.lora, b.qkv.name, module),
                 qkv_scale=self.segment_scales(path + ("qkv",), b.qkv.scale, ("q", "k", "v")),
-                out_scale=self.output_scale(path + ("out",), b.out.scale,
+                out_scale=self.output_scale(path + ("out",), b.out.scale),
                 experts=experts)
         if isinstance(b, ShortConvBlock):
             names = [self.ident(path + (k,), v, "module name") for k, v in (("in_proj", b.in_proj), ("out", b.out))]
