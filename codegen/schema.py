@@ -319,6 +319,8 @@ class AttentionBlock(Strict):
     # Zamba's shared attention reads the concatenation of the residual stream and the embeddings (2 * hidden)
     input_width: Optional[Dim] = None
     lora: Optional[LoRA] = None          # per-use low-rank adapters on the q/k/v projection (above)
+    # a mixture of attention heads (JetMoE): q and the output projection routed per token among expert stacks
+    experts: Optional[AttentionExperts] = None
 
 
 class LowRankInput(Strict):
@@ -326,8 +328,6 @@ class LowRankInput(Strict):
     ranks); the projection then maps `rank` -> its segments (Kimi Delta Attention's f_a_proj / g_a_proj)."""
     name: StrictStr
     rank: Dim
-    # a mixture of attention heads (JetMoE): q and the output projection routed per token among expert stacks
-    experts: Optional[AttentionExperts] = None
 
 
 class GatedDeltaNetProjection(Strict):
