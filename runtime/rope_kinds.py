@@ -10,7 +10,7 @@ those names to these kinds (codegen/resolver.py HF_ROPE_TYPES) and the generated
   original_max_position_embeddings and `long_factor` beyond (lists of rotary_dim / 2 numbers), and an attention
   factor (given, or sqrt(1 + ln(factor) / ln(original)) with factor = max_position / original), or per regime
   short_mscale / long_mscale where given (PhiMoE; vLLM's Phi3LongRoPEScaledRotaryEmbedding reads them too).
-- proportional (transformers' `_compute_proportional_rope_parameters`, LFM3's and Gemma 4's full layers): the whole
+- proportional (transformers' `_compute_proportional_rope_parameters`): the whole
   head rotates in the neox layout with the default frequencies over head_dim for the first
   int(partial_rotary_factor * head_dim // 2) pairs and frequency 0 (cos 1, sin 0: no turn) for the rest, all
   divided by `factor`. Unlike partial rotary (`fraction`), the exponents are over the whole head_dim and the pairs
