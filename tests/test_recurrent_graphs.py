@@ -141,7 +141,7 @@ def _meta_decode_step(architecture: str, ckpt, Bk: int = 4):
             pass
 
         def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant=None, **kw):
-            return torch.zeros_like(q)
+            return q.new_zeros(q.shape[:-1] + v.shape[-1:])      # value heads may have a width of their own
 
     mod = importlib.import_module(f"{registry.generated_packages()[architecture]}.model")
     config = mod.Config.from_hf(json.loads((ckpt / "config.json").read_text()))
@@ -153,7 +153,7 @@ def _meta_decode_step(architecture: str, ckpt, Bk: int = 4):
             m.init_states(NUM_SLOTS + 1, dev, torch.float32)
         if isinstance(m, L.Attention):
             m.k_cache = torch.zeros(4, 16, m.num_kv_heads, m.head_dim, device=dev)
-            m.v_cache = torch.zeros_like(m.k_cache)
+            m.v_cache = torch.zeros(4, 16, m.num_kv_heads, m.v_head_dim, device=dev)
     ctx = _decode_ctx([0, 2, SCRATCH, SCRATCH], dev)
     ctx.backend = Stub()
     ids = torch.zeros(Bk, dtype=torch.int64, device=dev)

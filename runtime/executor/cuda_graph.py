@@ -230,7 +230,7 @@ class _EagerBucketAttention(AttentionBackend):
             self.backend.plan(self.ctx)
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None, **kw):
-        out = torch.zeros_like(q)
+        out = q.new_zeros(q.shape[:-1] + v.shape[-1:])      # value heads may have a width of their own
         if self.rows:
             out[:self.rows] = self.backend.forward(q[:self.rows], k[:self.rows], v[:self.rows], k_cache, v_cache,
                                                    self.ctx, scale, variant=variant, **kw)
