@@ -286,13 +286,17 @@ def test_parallel_branch_without_norm_is_a_located_error(tmp_path):
     assert "x.yaml:" in err and "parallel branch needs its `norm`" in err
 
 
-def test_dataflow_if_must_not_read_layer(tmp_path):
-    err = _compile_error(tmp_path, HEAD + "decoder:\n  layers:\n    dataflow:\n      if: \"layer > 0\"\n"
-                                          "      then: [{norm: input_layernorm, block: self_attn}, "
-                                          "{norm: post_attention_layernorm, block: mlp}]\n"
-                                          "      else: [{block: self_attn}, {norm: post_attention_layernorm, "
-                                          "block: mlp}]\n")
-    assert "x.yaml:" in err and "layer" in err
+def test_dataflow_if_may_read_layer(tmp_path):
+    """A dataflow chosen per layer (`if` reading `layer`: each layer built with its own dataflow, LFM3's sandwich
+    norms, OLMo-Hybrid's post-norm attention layers) compiles; a block only the other dataflow uses is still refused
+    where the condition names an unknown symbol."""
+    from xllm_gen.codegen.cli import main as cli_main
+    flows = ("      then: [{norm: input_layernorm, block: self_attn}, {norm: post_attention_layernorm, block: mlp}]\n"
+             "      else: [{block: self_attn}, {norm: post_attention_layernorm, block: mlp}]\n")
+    _compile_error(tmp_path, HEAD + "decoder:\n  layers:\n    dataflow:\n      if: \"layerz > 0\"\n" + flows)
+    (tmp_path / "specs" / "x.yaml").write_text(HEAD + "decoder:\n  layers:\n    dataflow:\n      if: \"layer > 0\"\n"
+                                               + flows, encoding="utf-8")
+    assert cli_main(["--dry-run", str(tmp_path / "specs" / "x.yaml")]) == 0
 
 
 def test_weightless_norm_with_offset_is_refused(tmp_path):
