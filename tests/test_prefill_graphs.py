@@ -78,8 +78,9 @@ def test_every_attention_layer_breaks_once(spec):
         def graph_break(layer, q, k, v):
             calls.append(layer)
             assert q.shape == (T, layer.num_heads, layer.head_dim)
-            assert k.shape == v.shape == (T, layer.num_kv_heads, layer.head_dim)
-            return torch.full((T, layer.num_heads * layer.head_dim), fill)
+            assert k.shape == (T, layer.num_kv_heads, layer.head_dim)
+            assert v.shape == (T, layer.num_kv_heads, layer.v_head_dim)      # value heads: a width of their own
+            return torch.full((T, layer.num_heads * layer.v_head_dim), fill)
         set_context(ForwardContext(is_prefill=True, cu_seqlens_q=None, seq_lens=None, slot_mapping=None,
                                    block_tables=None, graph_break=graph_break, deepstack=deepstack))
         try:

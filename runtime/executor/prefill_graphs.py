@@ -114,12 +114,12 @@ class PrefillGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     def _buffers_for(self, layer) -> tuple:
-        key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_cache.dtype)
-        if key not in self._buffers:
-            H, Hk, D, T = layer.num_heads, layer.num_kv_heads, layer.head_dim, self.max_tokens
+        key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim, layer.k_cache.dtype)
+        if key not in self._buffers:       # value heads may have a width of their own (Dv)
+            H, Hk, D, Dv, T = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim, self.max_tokens
             dt = self.runner.dtype
             z = lambda *s: torch.zeros(*s, dtype=dt, device=self.device)      # noqa: E731
-            self._buffers[key] = (z(T, H, D), z(T, Hk, D), z(T, Hk, D), z(T, H * D))
+            self._buffers[key] = (z(T, H, D), z(T, Hk, D), z(T, Hk, Dv), z(T, H * Dv))
         return key
 
     # ---- capture ------------------------------------------------------------------------------------

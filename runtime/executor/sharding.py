@@ -107,6 +107,12 @@ def deferred_sharding_errors():
         _DEFERRED = saved
 
 
+def deferring() -> bool:
+    """True while a TP plan is being built with problems collected (not raised): a layer built from a projection's
+    impossible split then has inconsistent per-rank sizes, which the projection has already reported."""
+    return _DEFERRED is not None
+
+
 def raise_or_defer(module, problems: Sequence[str]) -> None:
     """Called by a layer after computing its splits: raise its problems, or keep them when deferred."""
     if not problems:

@@ -10,6 +10,7 @@ from torch import nn
 
 from xllm_gen.runtime import ops
 from xllm_gen.runtime.attention.base import FULL, make_variant
+from xllm_gen.runtime.executor import sharding
 from xllm_gen.runtime.executor.context import get_context
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, split_segment
@@ -53,7 +54,7 @@ class Attention(nn.Module):
                         ("v_head_dim", head_dim if v_head_dim is None else v_head_dim)):
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"attention {name} must be an int >= 1, got {x!r}")
-        if num_heads % num_kv_heads:
+        if num_heads % num_kv_heads and not sharding.deferring():     # (a TP plan's bad split: reported already)
             raise ValueError(f"attention heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
