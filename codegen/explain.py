@@ -156,7 +156,8 @@ def _block(b) -> str:
         norm = (f", inner_norm=rmsnorm{'' if b.inner_norm == 'weight' else ' weightless'}(dt, B, C; eps={b.inner_eps})"
                 if b.inner_norm else "")
         return (f"mamba {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, state_size={b.state_size}, "
-                f"time_step_rank={b.time_step_rank}, conv_kernel={b.conv_kernel}, activation={b.activation}, bias="
+                + (f"heads={b.heads} x head_dim={b.head_dim} (x_proj, dt_proj, B, C per head), " if b.heads else "")
+                + f"time_step_rank={b.time_step_rank}, conv_kernel={b.conv_kernel}, activation={b.activation}, bias="
                 f"{b.bias}, conv_bias={b.conv_bias}{norm}, {b.in_proj}=[x, z], x_proj=[dt, B, C], dt_proj, "
                 f"{b.out_name}; state per sequence: conv [intermediate, conv_kernel - 1], ssm [intermediate, "
                 f"state_size] float32)")

@@ -617,11 +617,17 @@ class MambaIR:
     inner_eps: Optional[Value]
     in_proj: str
     out_name: str
+    heads: Optional[Size] = None          # multi-head Mamba (Zamba): heads of head_dim channels, x_proj / dt_proj per head
+    head_dim: Optional[Size] = None
 
     def intermediate_fields(self, ir) -> str:
         """The config.json field (or the expression over symbols) giving the channels, for refusals."""
         sym = getattr(self.intermediate, "symbol", None)
         return ir.config_source(sym) if sym else str(getattr(self.intermediate, "source", self.intermediate))
+
+    def heads_field(self, ir) -> str:
+        sym = getattr(self.heads, "symbol", None)
+        return ir.config_source(sym) if sym else str(getattr(self.heads, "source", self.heads))
 
 
 @dataclass(frozen=True)

@@ -347,6 +347,10 @@ class BlockResolver(MLAResolver):
                     raise self.err(path + (k,), f"{self._where(path)}.{k}: module name '{v}' is already used in "
                                                 f"this block")
             n = b.inner_norm
+            if (b.heads is None) != (b.head_dim is None):
+                k = "head_dim" if b.head_dim is None else "heads"
+                raise self.err(path + (("heads",) if b.heads is not None else ("head_dim",)),
+                               f"{self._where(path)}: a multi-head mamba needs both heads and head_dim ({k} is missing)")
             return MambaIR(
                 kind="mamba", name=name, class_name=f"{prefix}Mamba" if unique_kind else f"{prefix}{camel}",
                 hidden=self.dim(path + ("hidden",), b.hidden),
@@ -358,7 +362,9 @@ class BlockResolver(MLAResolver):
                 bias=self.flag(path + ("bias",), b.bias), conv_bias=self.flag(path + ("conv_bias",), b.conv_bias),
                 inner_norm=None if n is None else ("weight" if n.weight else "weightless"),
                 inner_eps=None if n is None else self.positive(path + ("inner_norm", "eps"), n.eps, below=1.0),
-                in_proj=names[0], out_name=names[1])
+                in_proj=names[0], out_name=names[1],
+                heads=None if b.heads is None else self.dim(path + ("heads",), b.heads),
+                head_dim=None if b.head_dim is None else self.dim(path + ("head_dim",), b.head_dim))
         if isinstance(b, GatedDeltaNetBlock):
             return self.resolve_gated_delta_net(path, name, b, f"{prefix}GatedDeltaNet" if unique_kind
                                                 else f"{prefix}{camel}")
@@ -813,6 +819,25 @@ class BlockResolver(MLAResolver):
                     ps[-1] = dataclasses.replace(ps[-1], when=(b.gated_norm, True))
             out_bias = b.bias if b.out_bias is None else b.out_bias
             ps += row(f"{b.out_name}.", SegmentIR(b.out_name, b.heads, b.head_dim), b.hidden, _maybe(out_bias))
+            return ps
+        if isinstance(b, MambaIR) and b.heads is not None:    # multi-head: split by heads, per-head x_proj / dt_proj
+            H, hd = b.heads, b.head_dim
+            ch = SegmentIR("channels", H, hd)
+            hs = SegmentIR("heads", H, one)
+            segs = [SegmentIR("x", H, hd), SegmentIR("z", H, hd)]
+            ps = [dataclasses.replace(p, stacked=True) for p in column(f"{b.in_proj}.", b.hidden, segs, _maybe(b.bias))]
+            ps.append(P("conv1d.weight", (b.intermediate, one, b.conv_kernel), "colwise", (ch,)))
+            if _maybe(b.conv_bias):
+                ps.append(P("conv1d.bias", (b.intermediate,), "colwise", (ch,)))
+            ps += [P("x_proj.weight", (H, b.time_step_rank + Size.of(2) * b.state_size, hd), "colwise", (hs,)),
+                   P("dt_proj.weight", (H, hd, b.time_step_rank), "colwise", (hs,)),
+                   P("dt_proj.bias", (H, hd), "colwise", (hs,)),
+                   P("A_log", (H, hd, b.state_size), "colwise", (hs,)), P("D", (H, hd), "colwise", (hs,))]
+            if b.inner_norm == "weight":
+                ps += [P("dt_layernorm.weight", (b.time_step_rank,), "replicated"),
+                       P("b_layernorm.weight", (b.state_size,), "replicated"),
+                       P("c_layernorm.weight", (b.state_size,), "replicated")]
+            ps += row(f"{b.out_name}.", SegmentIR(b.out_name, H, hd), b.hidden, _maybe(b.bias))
             return ps
         if isinstance(b, MambaIR):
             ch = SegmentIR("channels", b.intermediate, one)

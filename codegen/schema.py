@@ -435,6 +435,12 @@ class MambaBlock(Strict):
     bias: Flag = False                   # biases of in_proj and out_proj (transformers' use_bias)
     conv_bias: Flag = True               # the conv's bias (use_conv_bias)
     inner_norm: Optional[MambaInnerNorm] = None   # RMSNorms of dt, B, C (FalconMamba, Jamba); absent: none
+    # multi-head Mamba (Zamba): the channels in `heads` heads of `head_dim` (intermediate = heads * head_dim), each
+    # with its own x_proj / dt_proj and B / C; parameters stored with a head dim (x_proj.weight [heads, rank + 2
+    # state, head_dim], dt_proj.weight [heads, head_dim, rank], dt_proj.bias / D [heads, head_dim], A_log [heads,
+    # head_dim, state]); absent: one x_proj / dt_proj over all channels
+    heads: Optional[Dim] = None
+    head_dim: Optional[Dim] = None
     in_proj: StrictStr = "in_proj"       # module names
     out: StrictStr = "out_proj"
 
