@@ -12,7 +12,6 @@ The plain parity arms (TP 1, TP 2) and the features-ON config are the spec / con
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -50,8 +49,9 @@ def test_chunked_prefill_and_state(tiny_checkpoint):
 
 
 def test_guard_refuses_by_name():
-    from xllm_gen.generated.zamba.model import Config
     from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.generated.zamba.model import Config
     base = tiny_config(ARCH).to_dict()
     Config.from_hf(base)
     for field, value in (("attention_hidden_size", 3 * base["hidden_size"]), ("hidden_mamba_act", "gelu"),
