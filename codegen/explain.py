@@ -168,6 +168,8 @@ def _block(b) -> str:
             proj += f", decay per {b.decay}"
         if b.gate_activation != "silu":
             proj += f", norm gate {b.gate_activation}"
+        if b.bounded_decay.literal is not False:
+            proj += f", bounded decay {b.decay_lower_bound} * sigmoid(exp(A_log) (a + dt_bias)) where {b.bounded_decay}"
         return (f"gated_delta_net {b.class_name}(hidden={b.hidden}, key_heads={b.key_heads}, value_heads="
                 f"{b.value_heads}, key_head_dim={b.key_head_dim}, value_head_dim={b.value_head_dim}, conv_kernel="
                 f"{b.conv_kernel}{', conv bias' if b.conv_bias else ''}, activation={b.activation}, eps={b.eps}, "
@@ -190,6 +192,7 @@ def _block(b) -> str:
                 f"qk_rope_head_dim={b.qk_rope_head_dim}, v_head_dim={b.v_head_dim}, latent_eps={b.latent_eps}, "
                 f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
                 + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
+                + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (", K/V cached expanded per head)" if b.kv_cache == "expanded" else
                    ", the latent + rope key cached (kv_b_proj absorbed))"))
     if isinstance(b, VisionAttentionIR):

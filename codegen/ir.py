@@ -444,6 +444,7 @@ class MLAIR:
     scale_mscale: bool = False
     q_lora_when: Optional[Value] = None   # the bool expression "q_lora_rank is not None" (a symbol q_lora_rank)
     kv_cache: str = "latent"              # latent (absorbed kv_b_proj, one cached head) | expanded (per-head K/V)
+    out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): out * act(module(x)) before out
 
 
 @dataclass(frozen=True)
@@ -558,6 +559,8 @@ class GatedDeltaNetIR:
     gate_activation: str = "silu"  # the gated norm's activation of z: silu | sigmoid
     low_rank: Tuple[Tuple[str, str, Any], ...] = ()   # (projection, its low-rank input module, rank)
     beta_scale: Value = Value(literal=1.0)   # beta = beta_scale * sigmoid(b)
+    bounded_decay: Value = Value(literal=False)   # g = lower_bound * sigmoid(exp(A_log) (a + dt_bias))
+    decay_lower_bound: Value = Value(literal=-5.0)
 
     def segment(self, name: str) -> "SegmentIR":
         """A projection segment, split by key heads (each with its value heads)."""

@@ -679,7 +679,9 @@ class BlockResolver(MLAResolver):
                                        "a conv activation"),
             projections=tuple(projections), out_name=out, conv_bias=b.conv_bias, rep=rep,
             decay=b.decay, gate_activation=b.gate_activation, low_rank=tuple(low_rank),
-            beta_scale=self.positive(path + ("beta_scale",), b.beta_scale))
+            beta_scale=self.positive(path + ("beta_scale",), b.beta_scale),
+            bounded_decay=self.flag(path + ("bounded_decay",), b.bounded_decay),
+            decay_lower_bound=self.num(path + ("decay_lower_bound",), b.decay_lower_bound))
 
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:

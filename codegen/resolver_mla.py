@@ -52,6 +52,17 @@ class MLAResolver(RotaryResolver):
         if b.scale_mscale and scaling is None:
             raise self.err(path + ("scale_mscale",), f"{self._where(path)}.scale_mscale: the mscale comes from the "
                                                      f"rope parameters: give `rotary.scaling` (a rope symbol)")
+        gate = None
+        if b.out_gate is not None:
+            gp = path + ("out_gate",)
+            if b.out_gate.source != "projection":
+                raise self.err(gp + ("source",), f"{self._where(gp)}.source: multi-head latent attention's output gate "
+                                                 f"has a projection of its own (source: projection)")
+            g = self.ident(gp + ("name",), b.out_gate.name, "module name")
+            if g in MLA_MODULES or g == out:
+                raise self.err(gp + ("name",), f"{self._where(gp)}.name: '{g}' is already a module of the latent "
+                                               f"attention")
+            gate = (g, b.out_gate.activation, b.out_gate.per)
         return MLAIR(
             kind="mla_attention", name=name, class_name=class_name,
             hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
@@ -67,7 +78,7 @@ class MLAResolver(RotaryResolver):
                             enabled, None, layout_symbol,
                             self.dim(rp + ("original_max_position",), rot.original_max_position)
                             if rot.original_max_position is not None and scaling is not None else None),
-            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache)
+            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache, out_gate=gate)
 
     @staticmethod
     def mla_params(prefix: str, block: str, b: MLAIR, per_layer: bool, maybe) -> List[ParamIR]:
@@ -98,6 +109,13 @@ class MLAResolver(RotaryResolver):
         ps.append(P("kv_a_layernorm.weight", (b.kv_lora_rank,), "replicated"))
         ps.append(P("kv_b_proj.weight", (b.heads * (b.qk_nope_head_dim + b.v_head_dim), b.kv_lora_rank), "colwise",
                     (SegmentIR("kv", b.heads, b.qk_nope_head_dim + b.v_head_dim),)))
+        if b.out_gate is not None:           # one gate per head (or per head and value dim), split by heads as q
+            gname, _, per = b.out_gate
+            if per == "head":
+                ps.append(P(f"{gname}.weight", (b.heads, b.hidden), "colwise", (SegmentIR(gname, b.heads, Size.of(1)),)))
+            else:
+                ps.append(P(f"{gname}.weight", (b.heads * b.v_head_dim, b.hidden), "colwise",
+                            (SegmentIR(gname, b.heads, b.v_head_dim),)))
         ps.append(P(f"{b.out_name}.weight", (b.hidden, b.heads * b.v_head_dim), "rowwise",
                     (SegmentIR(b.out_name, b.heads, b.v_head_dim),)))
         if maybe(b.out_bias):

@@ -369,6 +369,11 @@ class GatedDeltaNetBlock(Strict):
     # beta = beta_scale * sigmoid(b): 2 lets the delta rule's step reach [0, 2] (negative eigenvalues of the state
     # transition; OLMo-Hybrid's linear_allow_neg_eigval); a number, symbol or expression over config symbols
     beta_scale: Num = 1.0
+    # the bounded ("safe") decay of Ling's KDA (kda_safe_gate): g = decay_lower_bound * sigmoid(exp(A_log) * (a +
+    # dt_bias)), in (decay_lower_bound, 0), instead of -exp(A_log) * softplus(a + dt_bias); a flag (a bool symbol
+    # decides it per checkpoint)
+    bounded_decay: Flag = False
+    decay_lower_bound: Num = -5.0
 
 
 class Mamba2Block(Strict):
@@ -509,6 +514,9 @@ class MLAAttentionBlock(Strict):
     # latent: cache the KV latent + the shared rope key per token (kv_b_proj absorbed into q and the output:
     # multi-query attention over kv_lora_rank + rope dims); expanded: cache per-head K / V (v zero-padded)
     kv_cache: Literal["latent", "expanded"] = "latent"
+    # a gate on the attention output before `out` (as attention's `out_gate`: `per: head`, Ling's sigmoid `g_proj`
+    # [heads, hidden]; `per: element` [heads * v_head_dim, hidden]); its own projection only (no `source: q`)
+    out_gate: Optional[OutGate] = None
 
 
 class ActivationForm(Strict):

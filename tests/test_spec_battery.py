@@ -453,7 +453,7 @@ def test_explicit_head_dim_is_read(spec):
         pytest.skip("no attention heads (a recurrent-state model: its head_dim is a mixer size, read as such)")
     level["head_dim"] = 2 * text.hidden_size // text.num_attention_heads   # not the hidden / heads default
     model_module, _ = registry.resolve(cfg)
-    if not _hf_reads_head_dim(spec.architecture, level["head_dim"]):
+    if not _hf_reads_head_dim(spec.architecture, level["head_dim"]) or not _hf_reads_config_json(spec.architecture, cfg):
         # transformers computes hidden / heads and ignores the field (GPT-NeoX, Falcon): so must the spec, or refuse
         # it by name where transformers' model cannot run it (ModernBERT decoder's rotary reads it, its attention not)
         try:
@@ -490,6 +490,19 @@ def _hf_runs(architecture: str, head_dim: int) -> bool:
     except Exception:
         return False
     return True
+
+
+def _hf_reads_config_json(architecture: str, cfg: dict) -> bool:
+    """Whether transformers' model built from this config.json dict differs in shape from the tiny default (a
+    config whose head_dim feeds another field only where that field is absent, as the Bailing hybrid's
+    linear_head_dim, which its config.json states)."""
+    import torch
+    from fixtures.tiny_hf import model_class
+    base = tiny_config(architecture)
+    with torch.device("meta"):
+        a = {n: tuple(p.shape) for n, p in model_class(architecture)(base).named_parameters()}
+        b = {n: tuple(p.shape) for n, p in model_class(architecture)(type(base).from_dict(cfg)).named_parameters()}
+    return a != b
 
 
 def _hf_reads_head_dim(architecture: str, head_dim: int) -> bool:

@@ -27,6 +27,7 @@ MAX_TOKENS = 10
 def _hf(ckpt, prompts=PROMPTS):
     import transformers
     model = transformers.ZambaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None          # as the engine's ignore_eos
     with torch.no_grad():
         return [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]

@@ -302,7 +302,8 @@ class GatedDeltaNet(RecurrentMixer):
 
     def __init__(self, key_heads: int, value_heads: int, key_head_dim: int, value_head_dim: int, conv_kernel: int,
                  eps: float, conv_bias: bool = False, activation: str = "silu", fields: Optional[dict] = None,
-                 decay: str = "head", gate_activation: str = "silu", beta_scale: float = 1.0):
+                 decay: str = "head", gate_activation: str = "silu", beta_scale: float = 1.0,
+                 bounded_decay: bool = False, decay_lower_bound: float = -5.0):
         # fields: the config fields of the sizes ({"key_heads": "linear_num_key_heads"}), named in refusals
         # decay: "head" (g a scalar per value head: `a` and `dt_bias` [value_heads]) or "channel" (Kimi Delta
         # Attention's fine-grained decay, one per value head and key channel: `a` and `dt_bias` [value_heads *
@@ -315,6 +316,8 @@ class GatedDeltaNet(RecurrentMixer):
             raise ValueError(f"gated_delta_net: decay must be 'head' or 'channel', got {decay!r}")
         self.decay = decay
         self.beta_scale = float(beta_scale)
+        # bounded_decay (Ling's kda_safe_gate): g = decay_lower_bound * sigmoid(exp(A_log) * (a + dt_bias))
+        self.bounded_decay, self.decay_lower_bound = bool(bounded_decay), float(decay_lower_bound)
         named = _fields_named(fields)
         if value_heads % key_heads:
             raise ValueError(f"gated_delta_net: value heads ({value_heads}) must be a multiple of key heads "
@@ -368,7 +371,11 @@ class GatedDeltaNet(RecurrentMixer):
         beta = b.sigmoid()
         if self.beta_scale != 1.0:                               # as transformers: in the projection's dtype
             beta = beta * self.beta_scale
-        if self.decay == "channel":             # g [N, Hv, Dk]: -exp(A_log[h]) * softplus(a + dt_bias) per channel
+        if self.bounded_decay:                  # g in (lower_bound, 0): lower_bound * sigmoid(exp(A_log) (a + dt_bias))
+            x = (a.float() + self.dt_bias.float()).view(N, Hv, -1)
+            g = self.decay_lower_bound * torch.sigmoid(self.A_log.float().exp()[:, None] * x)
+            g = (g if self.decay == "channel" else g[..., 0]).to(a.dtype).float()   # cast as transformers does
+        elif self.decay == "channel":           # g [N, Hv, Dk]: -exp(A_log[h]) * softplus(a + dt_bias) per channel
             sp = F.softplus(a.float() + self.dt_bias.float()).view(N, Hv, self.key_head_dim)
             g = -self.A_log.float().exp()[:, None] * sp
         else:
