@@ -48,8 +48,9 @@ def test_chunked_prefill_and_state(tiny_checkpoint):
 
 
 def test_guard_refuses_fewer_kv_heads():
-    from xllm_gen.generated.bailing_hybrid.model import Config
     from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.generated.bailing_hybrid.model import Config
     base = tiny_config(ARCH).to_dict()
     Config.from_hf(base)
     with pytest.raises(Exception, match="num_key_value_heads"):
@@ -69,6 +70,7 @@ def test_bounded_decay_is_load_bearing(tiny_checkpoint, overrides):
 @pytest.mark.slow
 def test_mla_output_gate_is_load_bearing(tiny_checkpoint, tmp_path):
     import shutil
+
     from safetensors.torch import load_file, save_file
     src = tiny_checkpoint(ARCH)
     base = _hf(src)
