@@ -38,7 +38,9 @@ MAMBA = {"Mamba2ForCausalLM": dict(num_heads=8, head_dim=64),
          "BambaForCausalLM": dict(mamba_n_heads=8, mamba_d_head=64, mamba_expand=2),
          "GraniteMoeHybridForCausalLM": dict(mamba_n_heads=8, mamba_d_head=64, mamba_expand=2),
          # their specs' guards: MLA / shared-attention adapters with as many KV heads as query heads
-         "KimiLinearForCausalLM": dict(num_key_value_heads=2), "Zamba2ForCausalLM": dict(num_key_value_heads=2)}
+         "KimiLinearForCausalLM": dict(num_key_value_heads=2, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                                       v_head_dim=128),   # MLA on CUDA: values as wide as q / k (else refused)
+         "Zamba2ForCausalLM": dict(num_key_value_heads=2)}
 
 
 def checkpoint(architecture: str, out):
