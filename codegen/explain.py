@@ -13,6 +13,7 @@ from .ir import (
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
+    LightningIR,
     LinearIR,
     Mamba2IR,
     MambaIR,
@@ -130,6 +131,12 @@ def _block(b) -> str:
                 + (f", experts(count={b.experts.count}, top_k={b.experts.top_k}, router={b.experts.router}, routed q="
                    f"{b.experts.q}, routed out={b.out_name}: slot s's head h attends KV head h)" if b.experts else "")
                 + ")")
+    if isinstance(b, LightningIR):
+        return (f"lightning_attention {b.class_name}(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, "
+                f"activation={b.activation}, decay per head exp(-2 ** (-8 (h + 1) / heads) * (1 - layer / ({b.layers} - 1 "
+                f"+ 1e-5) + 1e-5)), block_size={b.block_size}, {b.qkv}=[q, k, v] per head, norm over all heads "
+                f"(eps={b.eps}), sigmoid({b.gate}), {b.out_name}; state per sequence: kv [heads, head_dim, head_dim] "
+                f"float32)")
     if isinstance(b, RGLRUIR):
         return (f"rg_lru {b.class_name}(hidden={b.hidden}, width={b.width}, heads={b.heads}, conv_kernel="
                 f"{b.conv_kernel}, activation={b.activation}, decay_scale={b.decay_scale}, bias={b.bias}, conv_bias="

@@ -66,6 +66,7 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
                        and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
                        and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input
                        and not getattr(blocks[st.block], "experts", None)    # the router reads it too
-                       and getattr(st, "add", None) is None)                 # the norm reads residual + a value
+                       and getattr(st, "add", None) is None                  # the norm reads residual + a value
+                       and not getattr(st, "residual_normed", False))        # the stream becomes norm(x) itself
             (ok if fusable else bad).update(names)
     return FusionPlan(frozenset(ok - bad))

@@ -674,10 +674,32 @@ class RGLRUIR:
         return out
 
 
-RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru")
+@dataclass(frozen=True)
+class LightningIR:
+    """Lightning attention (runtime: the generated class over L.LightningAttention, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    heads: Size
+    head_dim: Size
+    layers: Size
+    block_size: Size
+    eps: Value
+    activation: Value
+    qkv: str
+    gate: str
+    out_name: str
+
+    def heads_field(self, ir) -> str:
+        sym = getattr(self.heads, "symbol", None)
+        return ir.config_source(sym) if sym else str(getattr(self.heads, "source", self.heads))
+
+
+RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru", "lightning_attention")
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                ShortConvIR, RGLRUIR]
+                ShortConvIR, RGLRUIR, LightningIR]
 
 
 @dataclass(frozen=True)
@@ -727,6 +749,8 @@ class StepIR:
     mixed_input: bool = False
     add: Optional[str] = None     # a branch value added to the block's input (not to the residual)
     input_scale: Optional[Value] = None  # the block's input (the normed residual) is multiplied by it
+    residual_normed: bool = False        # the stream becomes norm(x) (times residual_scale) before the output joins it
+    residual_scale: Optional[Value] = None
 
 
 @dataclass(frozen=True)

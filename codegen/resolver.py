@@ -31,6 +31,7 @@ from .ir import (
     GatedMLPIR,
     HeadTransformIR,
     LayerIR,
+    LightningIR,
     LMHeadIR,
     Mamba2IR,
     MambaIR,
@@ -63,7 +64,7 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 
 # the attention block kinds (they take the positions)
-ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
+ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR, LightningIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
 from .resolver_dataflow import DataflowResolver
 from .resolver_positions import PositionsResolver
 from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
@@ -555,11 +556,24 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
-            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru", "gated_mlp",
+            mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru",
+                      "lightning_attention", "gated_mlp",
                       "mlp", "moe")
             choice = None
-            scale = self.num(sp + ("scale",), st.scale) if st.scale is not None else None
+            # a per-layer expression may read `layer` (MiniMax's per-layer-type beta factors)
+            scale = self.num(sp + ("scale",), st.scale, per_layer=True) if st.scale is not None else None
             in_scale = self.num(sp + ("input_scale",), st.input_scale) if st.input_scale is not None else None
+            res_scale = (self.num(sp + ("residual_scale",), st.residual_scale, per_layer=True)
+                         if getattr(st, "residual_scale", None) is not None else None)
+            normed = getattr(st, "residual", "stream") == "normed"
+            if (normed or res_scale is not None) and (st.norm is None or getattr(st, "add", None) is not None
+                                                      or st.after_norm is not None):
+                key = "residual" if normed else "residual_scale"
+                raise self.err(sp + (key,), f"{where}.{key}: the stream becomes the normed input of a step with a "
+                                            f"`norm` (no add / after_norm)")
+            if res_scale is not None and not normed:
+                raise self.err(sp + ("residual_scale",), f"{where}.residual_scale: scales the normed stream "
+                                                         f"(`residual: normed`)")
             if in_scale is not None and st.norm is None:
                 raise self.err(sp + ("input_scale",), f"{where}.input_scale: scales the normed input of a step with a "
                                                       f"`norm` (a step without one reads the residual stream itself)")
@@ -630,9 +644,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 takes = {isinstance(blocks[b], ATTENTION_IRS) for b in choice.alternatives}
                 # alternatives of different inputs (positions + hidden vs hidden): a per-layer flag in the layer
                 return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
-                              mixed_input=len(takes) > 1, input_scale=in_scale)
+                              mixed_input=len(takes) > 1, input_scale=in_scale, residual_normed=normed,
+                              residual_scale=res_scale)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
-                          st.after_norm, add=add, input_scale=in_scale)
+                          st.after_norm, add=add, input_scale=in_scale, residual_normed=normed,
+                          residual_scale=res_scale)
 
         def branch_step(st, sp, where):
             b = st.branch
@@ -783,7 +799,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
             elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                                ShortConvIR, RGLRUIR)):
+                                ShortConvIR, RGLRUIR, LightningIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):

@@ -17,6 +17,7 @@ from .ir import (
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
+    LightningIR,
     LinearIR,
     LoRAIR,
     Mamba2IR,
@@ -33,6 +34,7 @@ from .ir import (
     SubNormIR,
     Value,
 )
+from .resolver_lightning import LightningResolver
 from .resolver_mla import MLAResolver
 from .schema import (
     ActivationForm,
@@ -41,6 +43,7 @@ from .schema import (
     GatedDeltaNetBlock,
     GatedMLPBlock,
     LayerNormBlock,
+    LightningAttentionBlock,
     LinearBlock,
     Mamba2Block,
     MambaBlock,
@@ -80,7 +83,7 @@ def _maybe(flag: Value) -> bool:
     return not (flag.expr is None and flag.symbol is None and flag.literal is False)
 
 
-class BlockResolver(MLAResolver):
+class BlockResolver(MLAResolver, LightningResolver):
     def resolve_attention_experts(self, path, b, module) -> AttentionExpertsIR:
         """attention.experts (a mixture of attention heads): only with rotary (neox), a window, a scale and a soft-cap."""
         ep = path + ("experts",)
@@ -368,6 +371,9 @@ class BlockResolver(MLAResolver):
         if isinstance(b, GatedDeltaNetBlock):
             return self.resolve_gated_delta_net(path, name, b, f"{prefix}GatedDeltaNet" if unique_kind
                                                 else f"{prefix}{camel}")
+        if isinstance(b, LightningAttentionBlock):
+            return self.resolve_lightning(path, name, b, f"{prefix}LightningAttention" if unique_kind
+                                          else f"{prefix}{camel}")
         if isinstance(b, MLAAttentionBlock):
             return self.resolve_mla(path, name, b, f"{prefix}Attention" if unique_kind else f"{prefix}{camel}")
         if isinstance(b, GatedMLPBlock):
@@ -988,6 +994,8 @@ class BlockResolver(MLAResolver):
             return ps
         if isinstance(b, MLAIR):
             return MLAResolver.mla_params(prefix, block, b, per_layer, _maybe)
+        if isinstance(b, LightningIR):
+            return LightningResolver.lightning_params(prefix, block, b, per_layer)
         if isinstance(b, MLPIR):
             ps = column(f"{b.up_name}.", b.hidden, [SegmentIR(b.up_name, b.intermediate, one)], _maybe(b.up_bias))
             ps += row(f"{b.down_name}.", SegmentIR(b.down_name, b.intermediate, one), b.hidden, _maybe(b.down_bias))

@@ -663,10 +663,31 @@ class LMHeadBlock(Strict):
     bias: Flag = False                   # a [vocab] bias (Phi, GPT-J), split over ranks as the weight is
 
 
+class LightningAttentionBlock(Strict):
+    """Lightning attention (MiniMax-Text-01 / M1's `linear_attention` layers; a per-sequence state): q, k, v =
+    act(qkv(x)) (each head's rows [q | k | v] together); per head a fixed decay rate slope_h = 2 ** (-8 (h + 1) /
+    heads) * (1 - layer / (layers - 1 + 1e-5) + 1e-5); the state S [head_dim, head_dim] evolves as
+    S <- exp(-slope_h) S + k^T v and the output is q S; an RMSNorm over all heads (`norm`, eps `eps`), times
+    sigmoid(gate(x)), `out`. A prompt runs in blocks of `block_size` tokens (transformers' block form). Parameters
+    (transformers' names): `<qkv>.weight [3 heads head_dim, hidden]`, `<gate>.weight [heads head_dim, hidden]`,
+    `norm.weight [heads head_dim]`, `<out>.weight [hidden, heads head_dim]`. Split over TP ranks by heads."""
+    kind: Literal["lightning_attention"]
+    hidden: Dim
+    heads: Dim
+    head_dim: Dim
+    layers: Dim                          # the layer count of the decay formula (num_hidden_layers)
+    block_size: Dim                      # a prompt's blocks (rounding only)
+    eps: Num = 1.0e-6                    # the norm over all heads (transformers builds it with its default eps)
+    activation: StrictStr = "silu"       # on q, k, v (a name or a str symbol of silu)
+    qkv: StrictStr = "qkv_proj"          # module names
+    gate: StrictStr = "output_gate"
+    out: StrictStr = "out_proj"
+
+
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
           MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, MambaBlock,
-          ShortConvBlock, RGLRUBlock],
+          ShortConvBlock, RGLRUBlock, LightningAttentionBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -713,6 +734,11 @@ class ResidualStep(Strict):
     # classic post-LN (OPT-350m, the original Transformer): the residual stream itself is normalized after the
     # add, x = after_norm(x + h); the block reads x (no `norm` then)
     after_norm: Optional[StrictStr] = None
+    # `residual: normed`: the residual stream itself becomes the block's normed input before the block's output joins
+    # it, times `residual_scale`: x = residual_scale * N(x) + scale * B(N(x)) (MiniMax's per-layer-type
+    # *_alpha_factor / *_beta_factor); only with a `norm`. `stream` (default): x = x + scale * B(N(x))
+    residual: Literal["stream", "normed"] = "stream"
+    residual_scale: Optional[Num] = None
     # a branch value (`branch.name`) added to the block's input, not to the residual: residual += h;
     # h = B(N(residual + value)) (Zamba: the shared transformer's output joins the Mamba layer's input). In a layer
     # where the branch does not run (its `when` is false) nothing is added
@@ -995,5 +1021,5 @@ class Spec(Strict):
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
                "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru",
-               "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
+               "lightning_attention", "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

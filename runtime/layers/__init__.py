@@ -29,6 +29,7 @@ from xllm_gen.runtime.layers.embedding import (
 )
 from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.head_transform import HeadTransform
+from xllm_gen.runtime.layers.lightning import LightningAttention
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
                                             MergedColumnParallelLinear,
@@ -78,5 +79,6 @@ __all__ = [
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
+    "LightningAttention",
     "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",
 ]
