@@ -12,8 +12,8 @@ What is supported (everything else is refused, naming the method or the setting)
   GPTQModel / optimum, bits 4 or 8, `sym` true or false, `desc_act` false or true (its `g_idx`),
   `checkpoint_format` gptq (zeros stored minus one) or gptq_v2): integer weights with per-group scales and zeros,
   dequantized (runtime/layers/int_quant.py); on CUDA 4-bit weights stay packed for the weight-only GEMM.
-- KV-cache scales: compressed-tensors `kv_cache_scheme` (static per-tensor fp8; with no `config_groups`: a
-  KV-cache-only recipe) and fp8's `kv_cache_scheme: static` (AutoFP8); the per-layer k_scale / v_scale tensors are
+- KV-cache scales: compressed-tensors `kv_cache_scheme` (static fp8, strategy `tensor` or `attn_head` (per KV head);
+  with no `config_groups`: a KV-cache-only recipe) and fp8's `kv_cache_scheme: static` (AutoFP8); the per-layer k_scale / v_scale tensors are
   read by runtime.loading.kv_scales and used with kv_cache_dtype "fp8".
 - `quant_method: mxfp4` (gpt-oss's published form; transformers' Mxfp4Config): any tensor `T` stored as
   `T_blocks` (uint8 e2m1 pairs, groups of 32 along the input dim) and `T_scales` (e8m0 per group), dequantized to
@@ -75,9 +75,9 @@ class QuantConfig:
     ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide).
     bits, group (-1: one group over all input features), zero_offset (GPTQ v1 stores zeros minus 1: 1),
     awq (AWQ's packing: qweight [in, out / 8] with the interleaved nibble order) of the integer formats.
-    kv_scheme: "tensor" when the config promises static per-tensor fp8 KV-cache scales (compressed-tensors
-    `kv_cache_scheme`, AutoFP8's `kv_cache_scheme: static`); the tensors themselves (runtime.loading.kv_scales) are
-    read whenever the checkpoint holds them."""
+    kv_scheme: "tensor" / "head" when the config promises static fp8 KV-cache scales per tensor / per KV head
+    (compressed-tensors `kv_cache_scheme` strategy tensor / attn_head, AutoFP8's `kv_cache_scheme: static`); the
+    tensors themselves (runtime.loading.kv_scales) are read whenever the checkpoint holds them, by their shape."""
     method: str
     scale_suffix: str = ""
     weight_block: Optional[tuple] = None
@@ -263,17 +263,20 @@ _CT_KV_BOOKKEEPING = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
 
 
 def _ct_kv_scheme(kv) -> Optional[str]:
-    """compressed-tensors `kv_cache_scheme`: None, or static per-tensor fp8 e4m3 ("tensor"); anything else is
-    refused naming the field."""
+    """compressed-tensors `kv_cache_scheme`: None, static fp8 e4m3 per tensor ("tensor") or per KV head (strategy
+    `attn_head`: "head"); anything else is refused naming the field."""
     if kv is None:
         return None
     if not isinstance(kv, dict):
         raise _err(f"kv_cache_scheme={kv!r} is not an object")
-    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False),
-                      ("strategy", "tensor")):
+    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
         if kv.get(key, want) != want:
-            raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported ({want!r}: static per-tensor fp8 "
-                       f"KV-cache scales)")
+            raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported ({want!r}: static fp8 KV-cache "
+                       f"scales)")
+    strategy = kv.get("strategy", "tensor")
+    if strategy not in ("tensor", "attn_head"):
+        raise _err(f"kv_cache_scheme.strategy={strategy!r} is not supported ('tensor': per-tensor, 'attn_head': "
+                   f"per-KV-head static fp8 KV-cache scales)")
     for key in ("group_size", "block_structure", "actorder"):
         if kv.get(key) not in (None, False):
             raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported")
@@ -281,7 +284,7 @@ def _ct_kv_scheme(kv) -> Optional[str]:
                                                      "group_size", "block_structure", "actorder"})
     if extra:
         raise _err(f"kv_cache_scheme with unsupported field(s) {', '.join(extra)}")
-    return "tensor"
+    return "head" if strategy == "attn_head" else "tensor"
 
 
 def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[QuantConfig]:
