@@ -194,6 +194,19 @@ def test_per_head_scale_forms_and_faults(per_head, tmp_path):
                                                     "kv_cache_scheme": {**CT_HEAD, "strategy": "channel"}}})
 
 
+def test_per_head_scales_shard_with_the_kv_heads():
+    """Rank r holds its KV heads' scales: split when the heads outnumber the ranks, replicated (head r // (tp / H))
+    when the ranks outnumber them, as the K / V projection rows are."""
+    from xllm_gen.runtime.loading.kv_scales import KVScaleError, _scale_value
+
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0]).reshape(4, 1, 1)
+    for tp, rank, local, want in ((1, 0, 4, [1, 2, 3, 4]), (2, 1, 2, [3, 4]), (8, 5, 1, [3])):
+        got = _scale_value("k", t, types.SimpleNamespace(num_kv_heads=local), "attn", tp, rank, "cpu")
+        assert got.flatten().tolist() == want and got.shape == (len(want), 1)
+    with pytest.raises(KVScaleError, match="holds 3 KV heads on each of 2 TP ranks"):
+        _scale_value("k", t, types.SimpleNamespace(num_kv_heads=3), "attn", 2, 0, "cpu")
+
+
 def test_per_head_scales_refused_on_cuda():
     """Decided at load on the CPU (no GPU needed): FlashInfer's run and the Triton decode kernel take one scale."""
     from xllm_gen.runtime.attention.base import make_variant

@@ -52,6 +52,7 @@ def test_packing_matches_transformers_dequantizer():
     hf = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)               # [E, in, out]
     assert torch.equal(hf.transpose(1, 2), want)
     assert torch.equal(dequantize(blocks, scales), want)
+    assert torch.equal(want.to(torch.bfloat16).float(), want)                         # exact in bf16 too
     assert (want - w).abs().max() < 0.25 * w.abs().max()                               # it is w, quantized
 
 
