@@ -74,15 +74,24 @@ def test_view_reads_any_window(mxfp4, tmp_path):
 
 @pytest.mark.engine
 def test_gpt_oss_mxfp4_matches_transformers(mxfp4):
-    """transformers loading the MXFP4 checkpoint (dequantized on CPU) and the engine give the same greedy tokens;
-    the quantization is visible (the float checkpoint decodes otherwise)."""
+    """transformers loading the MXFP4 checkpoint (dequantized on CPU) and the engine give the same greedy tokens.
+    (transformers on the dequantized float twin gives them too, and the float checkpoint before quantization other
+    tokens: checked when this was written, left out of the default run for time.)"""
+    from hf_ref import hf_greedy
+
+    _, ckpt, _ = mxfp4
+    assert _engine(ckpt) == hf_greedy(ckpt, PROMPTS, N_NEW)
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_reference_is_sound(mxfp4):
+    """transformers on the MXFP4 checkpoint = on its dequantized float twin; the quantization shows in the tokens."""
     from hf_ref import hf_greedy
 
     src, ckpt, ref = mxfp4
     want = hf_greedy(ckpt, PROMPTS, N_NEW)
     assert want == hf_greedy(ref, PROMPTS, N_NEW)
     assert want != hf_greedy(src, PROMPTS, N_NEW), "MXFP4 rounding does not show in the tokens: a weak test"
-    assert _engine(ckpt) == want
 
 
 @pytest.mark.engine

@@ -245,9 +245,9 @@ class QuantLoad:
             packed = sum(b for b, _ in self.mxfp4.values())
             held = sum(h for _, h in self.mxfp4.values())
             dtype = self.model.get_parameter(next(iter(self.mxfp4))).dtype
-            logger.info("MXFP4: %d parameters dequantized at load to %s: %.2f GiB held on this rank (%.2f GiB of "
-                        "packed e2m1 + e8m0 read, %.1fx; a fused MXFP4 kernel is not used)", len(self.mxfp4),
-                        str(dtype).replace("torch.", ""), held / 2**30, packed / 2**30, held / max(packed, 1))
+            logger.info("MXFP4: %d parameters dequantized at load to %s: %.2f GiB held on this rank; the checkpoint's "
+                        "packed e2m1 + e8m0 tensors for them: %.2f GiB (all ranks). A fused MXFP4 kernel is not used",
+                        len(self.mxfp4), str(dtype).replace("torch.", ""), held / 2**30, packed / 2**30)
         for mod_name, srcs in self.layers.items():
             if mod_name in self.plain:
                 raise QuantLoadError(f"layer {mod_name!r}: tensor(s) {', '.join(self.plain[mod_name])} are not "
