@@ -165,7 +165,7 @@ class Checkpoint:
 
     def path_of(self, name: str) -> Path:
         """The file that holds tensor `name` (for messages)."""
-        return self.dir / self.file_of.get(name, "?")
+        return self.dir / self.file_of.get(name, self.file_of.get(name + "_blocks", "?"))     # MXFP4: its blocks
 
     def slice(self, name: str):
         if name not in self.file_of:
