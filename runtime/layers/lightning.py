@@ -1,5 +1,5 @@
 """Lightning attention (MiniMax-Text-01 / M1's `linear_attention` layers): a recurrent linear attention with a fixed
-decay per head and layer, over a per-sequence state in the state pool (runtime/layers/recurrent.py RecurrentMixer).
+decay per head and layer, over a per-sequence state in the state pool (runtime/layers/recurrent/state.py RecurrentMixer).
 
 Per token, with q, k, v = act(qkv_proj(x)) (each head's rows stored together: [q | k | v] per head) and
 `slope[h] = 2 ** (-8 (h + 1) / heads) * (1 - layer / (layers - 1 + 1e-5) + 1e-5)`, each head's state S
@@ -19,14 +19,10 @@ from torch import nn
 from xllm_gen.runtime.executor.context import get_context
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, split_segment
-from xllm_gen.runtime.layers.recurrent import (
-    RecurrentMixer,
-    decode_slots,
-    gather_states,
-    scatter_states,
-    slot_state,
-    step_sequences,
-)
+
+# the state helpers through the package (R.<name>), as the other mixers: a test patching recurrent.<name> reaches them
+from xllm_gen.runtime.layers import recurrent as R
+from xllm_gen.runtime.layers.recurrent import RecurrentMixer
 
 
 def lightning_slopes(heads: int, layer: int, layers: int) -> torch.Tensor:
@@ -102,15 +98,15 @@ class LightningAttention(RecurrentMixer):
         N, H, D = qkv.shape[0], self.heads, self.head_dim
         q, k, v = qkv.view(N, H, 3 * D).split(D, dim=-1)
         pool = self.states["kv"]
-        slots = decode_slots(ctx)
+        slots = R.decode_slots(ctx)
         if slots is not None:                         # decode: one token each, batched, graph-safe
-            out, S = lightning_step(q, k, v, self.slope, gather_states(pool, slots))
-            scatter_states(pool, slots, S)
+            out, S = lightning_step(q, k, v, self.slope, R.gather_states(pool, slots))
+            R.scatter_states(pool, slots, S)
         else:
             out = torch.empty(N, H, D, dtype=qkv.dtype, device=qkv.device)
-            for s, e, slot, cont in step_sequences(ctx):
+            for s, e, slot, cont in R.step_sequences(ctx):
                 o, S = lightning_prefill(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-                                         self.slope, slot_state(pool, slot, cont), self.block_size)
+                                         self.slope, R.slot_state(pool, slot, cont), self.block_size)
                 pool[slot] = S
                 out[s:e] = o.transpose(0, 1)
         return self._norm(out.reshape(N, H * D))
