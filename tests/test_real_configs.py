@@ -31,9 +31,6 @@ REFUSED: dict[str, str] = {
     "qwen3_5__Qwen3.5-9B": r"architectures \['Qwen3_5ForConditionalGeneration'\] are not served",
     "ministral3__Devstral-Small-2-24B-Instruct-2512":
         r"architectures \['Mistral3ForConditionalGeneration'\] are not served",
-    # gpt-oss is published in MXFP4 (its experts): a quantization the runtime does not run; the rest of the file is read
-    # (checked below without its quantization_config)
-    "gpt_oss__gpt-oss-120b": r"quantization_config: quant_method='mxfp4' is not supported",
 }
 
 # symbols compared with transformers' config attribute of the same name, where both exist
