@@ -119,6 +119,7 @@ def test_a_field_that_changes_the_math_is_still_refused():
         ("qwen3_next__Qwen3-Next-80B-A3B-Thinking", {"use_sliding_window": True}, r"use_sliding_window"),
         ("nemotron_h__NVIDIA-Nemotron-3-Nano-30B-A3B", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
          r"rope_scaling"),
+        ("glm4_moe_lite__GLM-4.7-Flash", {"first_k_dense_replace": 3}, r"first_k_dense_replace"),
     ]
     for stem, change, msg in cases:
         hf, model = _read(DATA / f"{stem}.json")
