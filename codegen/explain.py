@@ -174,6 +174,13 @@ def _block(b) -> str:
                 f"{proj}, {b.out_name}; state per sequence: conv [channels, conv_kernel - 1], recurrent "
                 f"[value_heads, key_head_dim, value_head_dim] float32)")
     if isinstance(b, MLAIR):
+        def _indexer_text(ix) -> str:
+            layout = ix.rope_layout_symbol or ix.rope_layout
+            return (f", sparse: each query attends to the top {ix.topk} keys of an indexer(heads={ix.heads}, "
+                    f"head_dim={ix.head_dim}, wq_b over the query latent, wk -> k_norm (layernorm, eps={ix.k_norm_eps}), "
+                    f"rope on {ix.rope_dims} dims ({layout}), weights_proj float32, keys cached per token)"
+                    + (f", layers where {ix.share} reuse the previous indexer layer's selection"
+                       if ix.share.literal is not False else ""))
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
         rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
@@ -189,8 +196,9 @@ def _block(b) -> str:
                 f"qk_rope_head_dim={b.qk_rope_head_dim}, v_head_dim={b.v_head_dim}, latent_eps={b.latent_eps}, "
                 f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
                 + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
-                + (", K/V cached expanded per head)" if b.kv_cache == "expanded" else
-                   ", the latent + rope key cached (kv_b_proj absorbed))"))
+                + (", K/V cached expanded per head" if b.kv_cache == "expanded" else
+                   ", the latent + rope key cached (kv_b_proj absorbed)")
+                + (_indexer_text(b.indexer) if b.indexer is not None else "") + ")")
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")

@@ -29,6 +29,7 @@ from xllm_gen.runtime.layers.embedding import (
 )
 from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.head_transform import HeadTransform
+from xllm_gen.runtime.layers.indexer import SparseIndexer, shared_selection
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
                                             MergedColumnParallelLinear,
@@ -74,7 +75,8 @@ __all__ = [
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
-    "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
+    "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention", "SparseIndexer",
+    "shared_selection",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
