@@ -308,7 +308,7 @@ class ModelRunner:
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
         if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
-            if self.index_layers:
+            if getattr(self, "index_layers", None):
                 raise NotImplementedError(
                     "this model uses a sparse-attention indexer (each query attends to the top-k keys an indexer "
                     "scores: an indexer block), whose key selection the CUDA attention path (FlashInfer paged prefill "

@@ -1,0 +1,171 @@
+"""The sparse-attention indexer (an `mla_attention` block's `indexer`: DeepSeek-V3.2's DSA, GLM-MoE-DSA) against
+transformers (float32, CPU, greedy).
+
+The spec battery checks the default tiny checkpoints (tests/fixtures/tiny_hf.py: index_topk 6, shorter than most
+test prompts, so the selection bites; GLM's middle layer shares the first layer's selection). Here: each feature
+switched or corrupted must change transformers' tokens with the engine still agreeing (index_topk covering every key,
+negated indexer weights); zeroed indexer weights change the engine's tokens; chunked prefill and prefix-cache hits
+(the indexer's keys read back from the paged cache) keep parity; configs the specs do not model are refused by name.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+from hf_ref import hf_greedy
+
+V32, GLM = "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"
+PROMPT_LENS = (3, 9, 17, 30)
+MAX_TOKENS = 10
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENS]
+
+
+_HF: dict = {}
+
+
+def _hf(ckpt, prompts=None) -> list[list[int]]:
+    prompts = prompts or _prompts()
+    key = (str(ckpt), json.dumps(prompts))
+    if key not in _HF:
+        _HF[key] = [list(hf_greedy(ckpt, [p], MAX_TOKENS)[0]) for p in prompts]
+    return _HF[key]
+
+
+def _engine(ckpt, prompts=None, tp: int = 1, sequential: bool = False, **kw) -> list[list[int]]:
+    from xllm_gen import LLM, SamplingParams
+    prompts = prompts or _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp, **kw) as llm:
+        if sequential:      # one request after the other: the later ones hit the earlier ones' cached blocks
+            return [list(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids) for p in prompts]
+        return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def _edit_tensors(src, dst, edit) -> None:
+    """Copy checkpoint `src` to `dst` with edit(name, tensor) -> tensor applied to every tensor."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({n: edit(n, t).contiguous() for n, t in tensors.items()}, f, metadata={"format": "pt"})
+
+
+@pytest.mark.engine
+def test_topk_covering_every_key_changes_tokens(tiny_checkpoint):
+    """index_topk 64 (>= every sequence here: dense attention) against the default 6: transformers' tokens differ,
+    and the engine agrees with both."""
+    sparse = tiny_checkpoint(V32)
+    dense = tiny_checkpoint(V32, overrides={"index_topk": 64})
+    assert _hf(dense) != _hf(sparse), "fixture: index_topk does not change transformers' tokens"
+    assert _engine(dense) == _hf(dense)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_corrupted_indexer_weights_change_tokens(tiny_checkpoint, tmp_path):
+    """The indexer's per-head weights negated: another selection, transformers' tokens change and the engine
+    agrees; zeroed (every score 0): the engine's tokens change."""
+    base = tiny_checkpoint(V32)
+    neg = tmp_path / "neg"
+    _edit_tensors(base, neg, lambda n, t: -t if n.endswith("indexer.weights_proj.weight") else t)
+    assert _hf(neg) != _hf(base), "fixture: negated indexer weights do not change transformers' tokens"
+    assert _engine(neg) == _hf(neg)
+    zero = tmp_path / "zero"
+    _edit_tensors(base, zero, lambda n, t: t * 0 if n.endswith("indexer.wk.weight") else t)
+    assert _engine(zero) != _hf(base)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", [V32, pytest.param(GLM, marks=pytest.mark.slow)])
+def test_chunked_prefill_and_prefix_hits(arch, tiny_checkpoint):
+    """Prompts prefilled in chunks of 8 tokens (the indexer scores each chunk's queries against the keys cached by
+    the earlier chunks), and requests that reuse the cached blocks of an earlier one (their prefix's indexer keys
+    come from the paged cache, never recomputed)."""
+    ckpt = tiny_checkpoint(arch)
+    assert _engine(ckpt, enable_chunked_prefill=True, max_num_batched_tokens=8) == _hf(ckpt)
+    long = _prompts()[-1]
+    prompts = [long, long[:20] + [7, 8, 9, 10, 11], long[:24] + [42]]
+    assert _engine(ckpt, prompts, sequential=True, enable_prefix_caching=True) == _hf(ckpt, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", [V32, GLM])
+def test_tp2(arch, tiny_checkpoint):
+    """TP 2: the MLA split by heads, the indexer replicated (every rank selects the same keys)."""
+    ckpt = tiny_checkpoint(arch)
+    assert _engine(ckpt, tp=2) == _hf(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_glm_all_full_layers(tiny_checkpoint):
+    """GLM-MoE-DSA with an indexer on every layer (indexer_types all 'full', transformers' default schedule)."""
+    ckpt = tiny_checkpoint(GLM, overrides={"indexer_types": ["full", "full", "full"]})
+    assert _engine(ckpt) == _hf(ckpt)
+
+
+@pytest.mark.parametrize("arch, edit, field", [
+    (V32, {"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]}, "non_indexed_layers"),
+    (V32, {"mlp_bias": True}, "mlp_bias"),
+    (GLM, {"indexer_types": ["shared", "full", "full"]}, "first_layer_shares"),
+    (GLM, {"indexer_types": ["full", "skip", "full"]}, "unknown_indexer_types"),
+    (GLM, {"index_topk_pattern": "FSF"}, "index_topk_pattern"),
+])
+def test_unmodeled_configs_refused_by_name(arch, edit, field, tiny_checkpoint):
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    ckpt = tiny_checkpoint(arch)
+    cfg = {**json.loads((ckpt / "config.json").read_text()), **edit}
+    name = "deepseek_v32" if arch == V32 else "glm_moe_dsa"
+    module = __import__(f"xllm_gen.generated.{name}.model", fromlist=["Config"])
+    with pytest.raises(ConfigError, match=field):
+        module.Config.from_hf(cfg)
+
+
+def test_selection_reference():
+    """SparseIndexer.select against a direct transcription of transformers' scoring (scores over the whole row with
+    the causal mask, top-min(topk, T)) for a prefill of 3 sequences (one computed from its cached keys after an
+    earlier chunk), topk smaller and larger than the rows."""
+    import torch
+
+    from xllm_gen.runtime.executor.context import ForwardContext
+    from xllm_gen.runtime.layers.indexer import SparseIndexer
+
+    g = torch.Generator().manual_seed(0)
+    H, D = 4, 16
+    for topk in (3, 50):
+        ix = SparseIndexer(32, 8, H, D, 8, topk, 10000.0, 64)
+        lens, qlens = [5, 12, 9], [5, 12, 4]         # the last sequence: 4 new queries after 5 cached keys
+        keys = [torch.randn(n, D, generator=g) for n in lens]
+        bs = 4
+        blocks = [(n + bs - 1) // bs for n in lens]
+        ix.k_cache = torch.zeros(sum(blocks), bs, D)
+        table = torch.full((3, max(blocks)), -1, dtype=torch.int32)
+        b0 = 0
+        for i, n in enumerate(lens):
+            table[i, :blocks[i]] = torch.arange(b0, b0 + blocks[i])
+            ix.k_cache.view(-1, D)[b0 * bs: b0 * bs + n] = keys[i]
+            b0 += blocks[i]
+        q = torch.randn(sum(qlens), H, D, generator=g)
+        w = torch.randn(sum(qlens), H, generator=g)
+        cu = torch.tensor([0, 5, 17, 21])
+        ctx = ForwardContext(is_prefill=True, cu_seqlens_q=cu, seq_lens=torch.tensor(lens), slot_mapping=None,
+                             block_tables=table, block_size=bs, seq_lens_cpu=lens)
+        got = ix.select(q, None, w, ctx)
+        for i, n in enumerate(lens):
+            qi, wi = q[cu[i]:cu[i + 1]], w[cu[i]:cu[i + 1]]
+            s = torch.relu(torch.matmul(qi, keys[i].t()) * D ** -0.5)             # [Q, H, n]
+            score = torch.matmul(wi.unsqueeze(1), s).squeeze(1)
+            qpos = torch.arange(n - qlens[i], n)[:, None]
+            causal = torch.arange(n)[None, :] <= qpos
+            score = score + torch.where(causal, 0.0, torch.finfo(torch.float32).min)
+            idx = score.topk(min(topk, n), dim=-1).indices
+            want = torch.zeros(qlens[i], n, dtype=torch.bool).scatter_(1, idx, True) & causal
+            assert torch.equal(got[cu[i]:cu[i + 1], :n], want), (topk, i)
+            assert not got[cu[i]:cu[i + 1], n:].any()
