@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--modes", default="off,auto,on",
                     help="comma list of off, auto, on; +pdl / +pdlwait / +pdllate adds programmatic dependent launch "
-                         "(runtime/ops/pdl.py: XLLM_PDL=1 / wait / late), e.g. off,auto,auto+pdllate")
+                         "(runtime/ops/pdl.py: XLLM_PDL=1 / wait / late), e.g. off,auto,auto+pdllate; +nomma keeps "
+                         "9..64 rows unfused (the tensor-core fused GEMVs off: XLLM_FUSED_MMA=0)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
@@ -69,8 +70,10 @@ def main(argv=None) -> int:
                    command="python bench/bench_fused_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    rows=[], tokens={})
     for mode in modes:
-        fused, _, launch = mode.partition("+")
+        fused, *extra = mode.split("+")
+        launch = next((e for e in extra if e != "nomma"), "")
         FU.MODE = MODES[fused]
+        FU._FUSED_MAX_ROWS = 8 if "nomma" in extra else 64     # +nomma: 9..64 rows unfused (XLLM_FUSED_MMA=0)
         PDL.MODE = {"": "0", "pdl": "1", "pdlwait": "wait", "pdllate": "late"}[launch]
         t0 = time.perf_counter()
         llm, _ = BD.make_llm(d, max_num_seqs=max(batches), max_model_len=args.input_len + args.output_len + 16,
