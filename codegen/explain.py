@@ -94,7 +94,11 @@ def _block(b) -> str:
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
         where = f", only where {b.enabled} (else the identity)" if b.enabled.literal is not True else ""
-        return f"{b.kind}(dim={b.dim}, eps={b.eps}{bias}{', no weight' if not b.weight else ''}{off}{where})"
+        gate = ""
+        if b.gate_rank is not None:
+            gate = (f", gated: y * sigmoid(mlp.fc2(silu(mlp.fc1(y)))) of rank {b.gate_rank}"
+                    + (f" where {b.gate_enabled}" if b.gate_enabled.literal is not True else ""))
+        return f"{b.kind}(dim={b.dim}, eps={b.eps}{bias}{', no weight' if not b.weight else ''}{off}{where}{gate})"
     if isinstance(b, LinearIR):
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
@@ -188,6 +192,8 @@ def _block(b) -> str:
         rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
         rot += f", scaling={r.scaling})" if r.scaling else ")"
         q = ("q_proj" if b.q_lora_rank is None else
+             f"q_a_proj(rank={b.q_lora_rank}) -> [q_a_layernorm, raw] -> {b.q_gate} per head [q | output gate (sigmoid)]"
+             if b.q_gate else
              f"q_a_proj(rank={b.q_lora_rank}) -> q_a_layernorm -> q_b_proj"
              + (f" where {b.q_lora_when}, else q_proj" if b.q_lora_when else ""))
         scale = str(b.scale) if b.scale else "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5"

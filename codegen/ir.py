@@ -234,6 +234,8 @@ class NormIR:
     # where the norm exists (per layer: may read `layer`); elsewhere the identity with no parameters
     enabled: Value = Value(literal=True)
     bias_flag: Optional[Value] = None   # a bool symbol / expression: the bias exists only where it holds (bias: True)
+    gate_rank: Optional[Size] = None    # a low-rank sigmoid gate on the output: y * sigmoid(fc2(silu(fc1(y))))
+    gate_enabled: Value = Value(literal=True)   # the layers with the gate (per layer); the others: the plain norm
 
     @property
     def always(self) -> bool:
@@ -460,6 +462,7 @@ class MLAIR:
     q_lora_when: Optional[Value] = None   # the bool expression "q_lora_rank is not None" (a symbol q_lora_rank)
     kv_cache: str = "latent"              # latent (absorbed kv_b_proj, one cached head) | expanded (per-head K/V)
     indexer: Optional[IndexerIR] = None   # a sparse-attention indexer (DeepSeek-V3.2's DSA)
+    q_gate: Optional[str] = None          # a fused q + output-gate projection over [normed, raw] query latent
 
 
 @dataclass(frozen=True)

@@ -736,8 +736,9 @@ class BlockResolver(MLAResolver):
     def block_params(prefix: str, block: str, b, per_layer: bool) -> List[ParamIR]:
         one = Size.of(1)
 
-        def P(name, shape, shard, segments=()):
-            return ParamIR(f"{prefix}.{name}", block, tuple(shape), shard, tuple(segments), per_layer=per_layer)
+        def P(name, shape, shard, segments=(), when=None):
+            return ParamIR(f"{prefix}.{name}", block, tuple(shape), shard, tuple(segments), per_layer=per_layer,
+                           when=when)
 
         def column(module, in_f, segs, bias):
             total = segs[0].heads * segs[0].unit
@@ -755,6 +756,14 @@ class BlockResolver(MLAResolver):
             return ps
 
         if isinstance(b, NormIR):
+            if b.gate_rank is not None:      # the gated form's modules: norm, mlp.fc1, mlp.fc2 (plain where not gated)
+                on = None if b.gate_enabled.literal is True else (b.gate_enabled, True)
+                ps = [P("norm.weight", (b.dim,), "replicated", when=on),
+                      P("mlp.fc1.weight", (b.gate_rank, b.dim), "replicated", when=on),
+                      P("mlp.fc2.weight", (b.dim, b.gate_rank), "replicated", when=on)]
+                if on is not None:
+                    ps.append(P("weight", (b.dim,), "replicated", when=(b.gate_enabled, False)))
+                return ps
             return ([P("weight", (b.dim,), "replicated")] if b.weight else []) + \
                 ([P("bias", (b.dim,), "replicated")] if b.bias else [])
         if isinstance(b, LinearIR):

@@ -53,6 +53,15 @@ class MLAResolver(RotaryResolver, IndexerResolver):
         if b.scale_mscale and scaling is None:
             raise self.err(path + ("scale_mscale",), f"{self._where(path)}.scale_mscale: the mscale comes from the "
                                                      f"rope parameters: give `rotary.scaling` (a rope symbol)")
+        q_gate = None
+        if b.q_gate is not None:
+            gp = path + ("q_gate",)
+            q_gate = self.ident(gp, b.q_gate, "module name")
+            if q_lora is None or when is not None:
+                raise self.err(gp, f"{self._where(gp)}: the fused q + gate projection reads the query latent: give "
+                                   f"the attention a low-rank q (`q_lora_rank`, a size or a required int symbol)")
+            if (q_gate in MLA_MODULES and q_gate != "q_b_proj") or q_gate in (out, "indexer"):
+                raise self.err(gp, f"{self._where(gp)}: '{q_gate}' is another module of the latent attention")
         rope_dims = self.dim(path + ("qk_rope_head_dim",), b.qk_rope_head_dim)
         indexer = (self.resolve_indexer(path, b.indexer, rope_dims, q_lora, when, enabled)
                    if b.indexer is not None else None)
@@ -71,7 +80,8 @@ class MLAResolver(RotaryResolver, IndexerResolver):
                             enabled, None, layout_symbol,
                             self.dim(rp + ("original_max_position",), rot.original_max_position)
                             if rot.original_max_position is not None and scaling is not None else None),
-            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache, indexer=indexer)
+            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache, indexer=indexer,
+            q_gate=q_gate)
 
     @staticmethod
     def mla_params(prefix: str, block: str, b: MLAIR, per_layer: bool, maybe) -> List[ParamIR]:
@@ -95,7 +105,11 @@ class MLAResolver(RotaryResolver, IndexerResolver):
             if maybe(b.bias):
                 ps.append(P("q_a_proj.bias", (r,), "replicated", when=w))
             ps.append(P("q_a_layernorm.weight", (r,), "replicated", when=w))
-            ps.append(P("q_b_proj.weight", (b.heads * qk, r), "colwise", q_seg, w))
+            if b.q_gate is not None:    # q and the output gate, per head [q | gate], from [normed, raw] latent
+                ps.append(P(f"{b.q_gate}.weight", (b.heads * (qk + b.v_head_dim), r + r), "colwise",
+                            (SegmentIR(b.q_gate, b.heads, qk + b.v_head_dim),), w))
+            else:
+                ps.append(P("q_b_proj.weight", (b.heads * qk, r), "colwise", q_seg, w))
         ps.append(P("kv_a_proj_with_mqa.weight", (b.kv_lora_rank + b.qk_rope_head_dim, b.hidden), "replicated"))
         if maybe(b.bias):
             ps.append(P("kv_a_proj_with_mqa.bias", (b.kv_lora_rank + b.qk_rope_head_dim,), "replicated"))

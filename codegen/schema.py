@@ -109,6 +109,15 @@ class PositionEmbeddingBlock(Strict):
     frequencies: Optional[Literal["fairseq", "transformer"]] = None
 
 
+class NormGate(Strict):
+    """A low-rank input-dependent sigmoid gate on a norm's output (A.X-K2's GatedRMSNorm, Megatron's
+    GatedNormWrapper): y = norm(x); y * sigmoid(fc2(silu(fc1(y)))) with fc1 [rank, dim], fc2 [dim, rank] (no biases;
+    the sigmoid in float32). Modules: `<norm>.norm` (the norm's weight), `<norm>.mlp.fc1`, `<norm>.mlp.fc2`.
+    `enabled` (per layer, may read `layer`): the layers with the gate; the others have the plain norm (`<norm>.weight`)."""
+    rank: Dim
+    enabled: Flag = True
+
+
 class RMSNormBlock(Strict):
     """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b (a bool
     config symbol: only in the checkpoints that set it); `weight: false`: no weight, y = x / rms(x) computed in float32
@@ -121,6 +130,7 @@ class RMSNormBlock(Strict):
     bias: Flag = False
     weight: StrictBool = True
     enabled: Flag = True
+    gate: Optional[NormGate] = None      # a low-rank sigmoid gate on the output (a decoder layer's norm only)
 
 
 class LayerNormBlock(Strict):
@@ -525,6 +535,10 @@ class MLAAttentionBlock(Strict):
     kv_cache: Literal["latent", "expanded"] = "latent"
     # a sparse-attention indexer (needs the low-rank q: it reads the query latent)
     indexer: Optional[Indexer] = None
+    # the module name of a fused q + output-gate projection replacing q_b_proj (A.X-K2's q_gate_proj): over the query
+    # latent normalized and raw, concatenated ([q_a_layernorm(q_a), q_a], 2 * q_lora_rank), per head [q | gate] with
+    # the gate v_head_dim wide; each head's attention output times sigmoid(gate) before the output projection
+    q_gate: Optional[StrictStr] = None
 
 
 class ActivationForm(Strict):

@@ -169,3 +169,38 @@ def test_selection_reference():
             want = torch.zeros(qlens[i], n, dtype=torch.bool).scatter_(1, idx, True) & causal
             assert torch.equal(got[cu[i]:cu[i + 1], :n], want), (topk, i)
             assert not got[cu[i]:cu[i + 1], n:].any()
+
+
+AXK2 = "AXK2ForCausalLM"
+
+
+def _zero_gate_rows(n, t, qk: int = 24, v: int = 12):
+    """The output-gate half of each head's rows of A.X-K2's fused q_b_proj [heads * (qk + v), 2 * rank] zeroed."""
+    if not n.endswith("self_attn.q_b_proj.weight"):
+        return t
+    t = t.clone().view(-1, qk + v, t.shape[-1])
+    t[:, qk:] = 0
+    return t.view(-1, t.shape[-1])
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arm", ["norm_gate", pytest.param("output_gate", marks=pytest.mark.slow)])
+def test_axk2_gates_matter(arm, tiny_checkpoint, tmp_path):
+    """A.X-K2's two gates, each made constant (sigmoid(0) = 0.5): the gated norms' W_up zeroed, or the output-gate
+    rows of the fused q_b_proj zeroed; transformers' tokens change and the engine agrees."""
+    base = tiny_checkpoint(AXK2)
+    ckpt = tmp_path / arm
+    if arm == "norm_gate":
+        _edit_tensors(base, ckpt, lambda n, t: t * 0 if n.endswith("W_up.weight") else t)
+    else:
+        _edit_tensors(base, ckpt, _zero_gate_rows)
+    assert _hf(ckpt) != _hf(base), f"fixture: {arm} does not change transformers' tokens"
+    assert _engine(ckpt) == _hf(ckpt)
+
+
+def test_axk2_grouped_routing_refused_by_name(tiny_checkpoint):
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    cfg = {**json.loads((tiny_checkpoint(AXK2) / "config.json").read_text()), "n_group": 4, "topk_group": 2}
+    module = __import__("xllm_gen.generated.axk2.model", fromlist=["Config"])
+    with pytest.raises(ConfigError, match="grouped_routing"):
+        module.Config.from_hf(cfg)

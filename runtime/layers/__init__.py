@@ -44,6 +44,7 @@ from xllm_gen.runtime.layers.norm import (
                                             HeadNorm,
                                             IdentityNorm,
                                             LayerNorm,
+                                            LowRankGatedNorm,
                                             ProjectionNorm,
                                             RMSNorm,
                                             keep_residual_float32,
@@ -71,7 +72,7 @@ from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
-    "RMSNorm", "LayerNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
+    "RMSNorm", "LayerNorm", "LowRankGatedNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
