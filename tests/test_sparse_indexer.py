@@ -204,3 +204,32 @@ def test_axk2_grouped_routing_refused_by_name(tiny_checkpoint):
     module = __import__("xllm_gen.generated.axk2.model", fromlist=["Config"])
     with pytest.raises(ConfigError, match="grouped_routing"):
         module.Config.from_hf(cfg)
+
+
+@pytest.mark.parametrize("base, body, match", [
+    # the indexer reads the query latent: a direct q_proj (an optional rank) cannot feed it
+    ("deepseek_v32", "config:\n  q_lora_rank: {optional: true}\n",
+     r"q_lora_rank: with an indexer the low-rank q must exist in every checkpoint"),
+    ("deepseek_v32", "decoder:\n  layers:\n    blocks:\n      self_attn: {indexer: {share: true}}\n",
+     r"indexer\.share: true on every layer leaves no layer to select"),
+    ("deepseek_v32", "decoder:\n  layers:\n    blocks:\n      self_attn: {indexer: {rope_layout: hidden_act}}\n",
+     r"indexer\.rope_layout: config symbol 'hidden_act' selects the indexer's rope layout"),
+    ("deepseek_v32", "decoder:\n  layers:\n    blocks:\n      self_attn: {indexer: {rope_dims: 9}}\n",
+     r"indexer: 9 rope dims in indexer heads of 128: the rope dims must be even"),
+    ("deepseek_v32", "decoder:\n  layers:\n    blocks:\n      self_attn: {indexer: {share: \"layer == 0\"}}\n",
+     r"indexer\.share \(layer == 0\) holds on layer 0"),
+    ("deepseek_v3", "decoder:\n  layers:\n    blocks:\n      self_attn: {q_gate: q_gate_proj}\n",
+     r"q_gate: the fused q \+ gate projection reads the query latent"),
+    ("axk2", "decoder:\n  norm: {gate: {rank: 4}}\n", r"decoder\.norm\.gate: only a decoder layer's norm may have a gate"),
+])
+def test_compile_errors(tmp_path, base, body, match):
+    from pathlib import Path
+
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError
+
+    repo = Path(__file__).resolve().parents[1]
+    child = tmp_path / "child.yaml"
+    child.write_text(f"spec_version: 2\nextends: {repo / 'specs' / (base + '.yaml')}\nname: ix_child\n" + body)
+    with pytest.raises(SpecError, match=match):
+        compile_spec(child)
