@@ -96,7 +96,7 @@ def test_chunked_prefill_and_prefix_hits(arch, tiny_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", [V32, GLM])
+@pytest.mark.parametrize("arch", [V32, GLM, "AXK2ForCausalLM"])
 def test_tp2(arch, tiny_checkpoint):
     """TP 2: the MLA split by heads, the indexer replicated (every rank selects the same keys)."""
     ckpt = tiny_checkpoint(arch)
