@@ -96,6 +96,18 @@ def test_chunked_prefill_and_prefix_hits(arch, tiny_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.engine
+@pytest.mark.parametrize("arch", [V32, GLM])
+def test_preemption_and_speculative_steps(arch, tiny_checkpoint):
+    """A KV cache of 14 blocks of 4 tokens for 107 tokens of work: sequences are preempted and recomputed (their
+    indexer keys with them); n-gram speculative decoding verifies several tokens of a sequence in one step."""
+    ckpt = tiny_checkpoint(arch)
+    assert _engine(ckpt, num_kv_blocks=14) == _hf(ckpt)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    assert _engine(ckpt, speculative_config=spec) == _hf(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", [V32, GLM, "AXK2ForCausalLM"])
 def test_tp2(arch, tiny_checkpoint):
     """TP 2: the MLA split by heads, the indexer replicated (every rank selects the same keys)."""
