@@ -210,12 +210,47 @@ def test_axk2_gates_matter(arm, tiny_checkpoint, tmp_path):
     assert _engine(ckpt) == _hf(ckpt)
 
 
-def test_axk2_grouped_routing_refused_by_name(tiny_checkpoint):
+def test_axk2_half_set_groups_refused_by_name(tiny_checkpoint):
     from xllm_gen.runtime.loading.hf_config import ConfigError
-    cfg = {**json.loads((tiny_checkpoint(AXK2) / "config.json").read_text()), "n_group": 4, "topk_group": 2}
+    cfg = {**json.loads((tiny_checkpoint(AXK2) / "config.json").read_text()), "topk_group": None}
     module = __import__("xllm_gen.generated.axk2.model", fromlist=["Config"])
-    with pytest.raises(ConfigError, match="grouped_routing"):
+    with pytest.raises(ConfigError, match="groups_half_set"):
         module.Config.from_hf(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_axk2_ungrouped(tiny_checkpoint):
+    """A.X-K2-Light's ungrouped routing (n_group / topk_group null)."""
+    ckpt = tiny_checkpoint(AXK2, overrides={"n_group": None, "topk_group": None})
+    assert _engine(ckpt) == _hf(ckpt)
+
+
+def test_axk2_router_reference():
+    """select_experts(group_dropped="zero") against transformers' own AXK2TopkRouter on random logits with a
+    negative selection bias (dropped groups' experts, at choice score 0, beat negative kept ones); -inf differs."""
+    import torch
+    from transformers import AXK2Config
+    from transformers.models.axk2.modeling_axk2 import AXK2TopkRouter
+
+    from xllm_gen.runtime.ops import moe as moe_ops
+
+    cfg = AXK2Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2)
+    router = AXK2TopkRouter(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=g) - 0.8)
+    x = torch.randn(64, 16, generator=g)
+    _, w, ids = router(x)
+    logits = torch.nn.functional.linear(x, router.weight)
+    args = (logits, 3, True, "sigmoid", 4, 2, "top2_sum", router.e_score_correction_bias, cfg.routed_scaling_factor)
+    got_w, got_ids = moe_ops.select_experts(*args, group_dropped="zero")
+    order, got_order = ids.sort(-1), got_ids.sort(-1)
+    assert torch.equal(order.values, got_order.values)
+    assert torch.allclose(w.gather(1, order.indices), got_w.gather(1, got_order.indices))
+    _, excl_ids = moe_ops.select_experts(*args)
+    assert not torch.equal(excl_ids.sort(-1).values, got_order.values)
 
 
 @pytest.mark.parametrize("base, body, match", [
