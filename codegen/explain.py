@@ -256,7 +256,7 @@ def _routing(b) -> str:
     if b.groups:
         out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"
         if b.groups_dropped != "excluded":
-            out += f" (the other groups' experts at choice score 0)"
+            out += " (the other groups' experts at choice score 0)"
     out += ", top-k"
     if b.renormalize_min:
         out += f", renormalized by a sum clamped to >= {b.renormalize_min}"
