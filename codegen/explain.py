@@ -94,7 +94,11 @@ def _block(b) -> str:
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
         where = f", only where {b.enabled} (else the identity)" if b.enabled.literal is not True else ""
-        return f"{b.kind}(dim={b.dim}, eps={b.eps}{bias}{', no weight' if not b.weight else ''}{off}{where})"
+        gate = ""
+        if b.gate_rank is not None:
+            gate = (f", gated: y * sigmoid(mlp.fc2(silu(mlp.fc1(y)))) of rank {b.gate_rank}"
+                    + (f" where {b.gate_enabled}" if b.gate_enabled.literal is not True else ""))
+        return f"{b.kind}(dim={b.dim}, eps={b.eps}{bias}{', no weight' if not b.weight else ''}{off}{where}{gate})"
     if isinstance(b, LinearIR):
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
@@ -174,6 +178,13 @@ def _block(b) -> str:
                 f"{proj}, {b.out_name}; state per sequence: conv [channels, conv_kernel - 1], recurrent "
                 f"[value_heads, key_head_dim, value_head_dim] float32)")
     if isinstance(b, MLAIR):
+        def _indexer_text(ix) -> str:
+            layout = ix.rope_layout_symbol or ix.rope_layout
+            return (f", sparse: each query attends to the top {ix.topk} keys of an indexer(heads={ix.heads}, "
+                    f"head_dim={ix.head_dim}, wq_b over the query latent, wk -> k_norm (layernorm, eps={ix.k_norm_eps}), "
+                    f"rope on {ix.rope_dims} dims ({layout}), weights_proj float32, keys cached per token)"
+                    + (f", layers where {ix.share} reuse the previous indexer layer's selection"
+                       if ix.share.literal is not False else ""))
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
         rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
@@ -181,6 +192,8 @@ def _block(b) -> str:
         rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
         rot += f", scaling={r.scaling})" if r.scaling else ")"
         q = ("q_proj" if b.q_lora_rank is None else
+             f"q_a_proj(rank={b.q_lora_rank}) -> [q_a_layernorm, raw] -> {b.q_gate} per head [q | output gate (sigmoid)]"
+             if b.q_gate else
              f"q_a_proj(rank={b.q_lora_rank}) -> q_a_layernorm -> q_b_proj"
              + (f" where {b.q_lora_when}, else q_proj" if b.q_lora_when else ""))
         scale = str(b.scale) if b.scale else "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5"
@@ -189,8 +202,9 @@ def _block(b) -> str:
                 f"qk_rope_head_dim={b.qk_rope_head_dim}, v_head_dim={b.v_head_dim}, latent_eps={b.latent_eps}, "
                 f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
                 + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
-                + (", K/V cached expanded per head)" if b.kv_cache == "expanded" else
-                   ", the latent + rope key cached (kv_b_proj absorbed))"))
+                + (", K/V cached expanded per head" if b.kv_cache == "expanded" else
+                   ", the latent + rope key cached (kv_b_proj absorbed)")
+                + (_indexer_text(b.indexer) if b.indexer is not None else "") + ")")
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
@@ -241,6 +255,8 @@ def _routing(b) -> str:
             (f" where {b.selection_bias}" if b.selection_bias.literal is not True else "")
     if b.groups:
         out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"
+        if b.groups_dropped != "excluded":
+            out += " (the other groups' experts at choice score 0)"
     out += ", top-k"
     if b.renormalize_min:
         out += f", renormalized by a sum clamped to >= {b.renormalize_min}"

@@ -61,7 +61,7 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
             names = st.choice.alternatives if st.choice is not None else (st.block,)
             norm = blocks.get(st.norm) if st.norm else None
             fusable = (not parallel and st.choice is None and st.input_scale is None   # the GEMV reads norm(x) itself
-                       and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
+                       and isinstance(norm, NormIR) and norm.kind == "rmsnorm" and norm.gate_rank is None
                        and not norm.bias and norm.always and blocks[st.block].kind in NORM_PROLOGUE_KINDS
                        and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
                        and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input

@@ -537,8 +537,21 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a "
                                                       f"weight (weight: false) has no weight to offset")
         kind = "rmsnorm" if isinstance(b, RMSNormBlock) else "layernorm"
+        gate_rank, gate_enabled = None, Value(literal=True)
+        if getattr(b, "gate", None) is not None:
+            gp = path + ("gate",)
+            if context != "layer":
+                raise self.err(gp, f"{self._where(gp)}: only a decoder layer's norm may have a gate", at_key=True)
+            if enabled.literal is not True or bias_flag is not None or bias or not b.weight or b.weight_offset:
+                raise self.err(gp, f"{self._where(gp)}: a gated norm is a plain RMSNorm with a weight (no bias, "
+                                   f"weight_offset or per-layer `enabled`)", at_key=True)
+            gate_rank = self.dim(gp + ("rank",), b.gate.rank)
+            gate_enabled = self.rotary_enabled(gp + ("enabled",), b.gate.enabled)
+            if gate_enabled.literal is False:
+                raise self.err(gp + ("enabled",), f"{self._where(gp)}.enabled: false: delete the gate")
         return NormIR(kind, name, self.dim(path + ("dim",), b.dim), eps, bias,
-                      weight_offset=float(b.weight_offset), weight=b.weight, enabled=enabled, bias_flag=bias_flag)
+                      weight_offset=float(b.weight_offset), weight=b.weight, enabled=enabled, bias_flag=bias_flag,
+                      gate_rank=gate_rank, gate_enabled=gate_enabled)
 
     def resolve_layer(self) -> LayerIR:
         L = self.spec.decoder.layers

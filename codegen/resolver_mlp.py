@@ -139,7 +139,8 @@ class FeedForwardResolver:
                                                           f"'{b.selection_bias_on}' needs a `selection_bias`")
         routing = dict(scoring=scoring, scoring_symbol=scoring_symbol, selection_bias_on=b.selection_bias_on,
                        selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
-                       groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
+                       groups=groups, groups_dropped=b.groups.dropped if b.groups is not None else "excluded",
+                       router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                        if b.routed_scale is not None else None,
                        renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
                        if b.renormalize_min is not None else None, weights_on=b.weights_on, routing=b.routing,
@@ -198,7 +199,7 @@ class FeedForwardResolver:
         if E % n or not 1 <= t <= n:
             raise self.err(gp, f"variants.{name}: {b.name}.groups: {n} groups must divide the {E} experts and "
                                f"1 <= top ({t}) <= count ({n})")
-        if t < n and (k > t * (E // n) or (score == "top2_sum" and E // n < 2)):
+        if t < n and ((k > t * (E // n) and b.groups_dropped == "excluded") or (score == "top2_sum" and E // n < 2)):
             raise self.err(gp, f"variants.{name}: {b.name}.groups: the top {t} of {n} groups hold {t * (E // n)} "
                                f"experts (top_k {k}; top2_sum needs 2 per group)")
 

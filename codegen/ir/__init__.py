@@ -16,6 +16,7 @@ from .attention import (
     MLAIR,
     AttentionExpertsIR,
     AttentionIR,
+    IndexerIR,
     LoRAIR,
     QKNormIR,
     QueryScaleIR,

@@ -155,6 +155,21 @@ class AttentionIR:
 
 
 @dataclass(frozen=True)
+class IndexerIR:
+    """A sparse-attention indexer (runtime layers/indexer.py SparseIndexer): heads x head_dim indexer q over the query
+    latent, one LayerNorm-ed key, rope on the first rope_dims dims in `rope_layout` (or the str symbol), the top
+    `topk` causal keys per query; `share` (per-layer bool): the layer reuses the previous indexer layer's selection."""
+    heads: Size
+    head_dim: Size
+    topk: Size
+    rope_dims: Size
+    rope_layout: str
+    rope_layout_symbol: Optional[str]
+    k_norm_eps: Value
+    share: Value
+
+
+@dataclass(frozen=True)
 class MLAIR:
     """Multi-head latent attention (runtime: the generated class over L.Attention with v heads of their own width):
     q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key; cached as the latent
@@ -178,3 +193,5 @@ class MLAIR:
     scale_mscale: bool = False
     q_lora_when: Optional[Value] = None   # the bool expression "q_lora_rank is not None" (a symbol q_lora_rank)
     kv_cache: str = "latent"              # latent (absorbed kv_b_proj, one cached head) | expanded (per-head K/V)
+    indexer: Optional[IndexerIR] = None   # a sparse-attention indexer (DeepSeek-V3.2's DSA)
+    q_gate: Optional[str] = None          # a fused q + output-gate projection over [normed, raw] query latent

@@ -79,6 +79,7 @@ class MoEIR:
     selection_bias: Value = Value(literal=False)   # <router>.e_score_correction_bias, for the choice only
     selection_bias_on: str = "scores"        # scores | logits: what the selection bias is added to
     groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
+    groups_dropped: str = "excluded"      # the dropped groups' experts: excluded (-inf) | zero (choice score 0)
     routed_scale: Optional[Value] = None
     router_float32: bool = False
     renormalize_min: Optional[Value] = None   # the renormalizing sum clamped to at least it; None = no clamp

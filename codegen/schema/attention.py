@@ -180,6 +180,26 @@ class AttentionBlock(Strict):
     # a mixture of attention heads (JetMoE): q and the output projection routed per token among expert stacks
     experts: Optional[AttentionExperts] = None
 
+class Indexer(Strict):
+    """The sparse-attention indexer of an attention block (DeepSeek-V3.2's DSA "lightning indexer"; GLM-MoE-DSA):
+    per token an indexer q of `heads` heads of `head_dim` (wq_b over the query latent: the attention's
+    q_a_layernorm output), one key (wk over the input, then a LayerNorm with weight and bias, eps `k_norm_eps`), the
+    first `rope_dims` dims of both turned by the attention's rotary frequencies in `rope_layout`, per-head weights
+    (weights_proj over the input, float32, times heads ** -0.5); score(t, s) = sum_h w[t, h] relu(head_dim ** -0.5
+    q[t, h] . k[s]) over the causal keys, and query t attends only to its min(topk, length) best keys. The keys are
+    cached per sequence beside the KV cache. `share` (a per-layer flag, may read `layer`): the layers that run no
+    indexer of their own and reuse the selection of the previous indexer layer (GLM-MoE-DSA's `indexer_types`
+    'shared'). Module names are transformers' (indexer.wq_b, indexer.wk, indexer.k_norm, indexer.weights_proj)."""
+    heads: Dim
+    head_dim: Dim
+    topk: Dim
+    rope_dims: Optional[Dim] = None       # default: the attention's rope dims (qk_rope_head_dim)
+    # neox halves or interleaved pairs, or a `str` config symbol whose `values` are layouts
+    rope_layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
+    k_norm_eps: Num = 1.0e-6
+    share: Flag = False
+
+
 class MLAAttentionBlock(Strict):
     """Multi-head latent attention (DeepSeek-V2 / V3): q from `q_proj` (hidden -> heads * (nope + rope)), or, when
     `q_lora_rank` is a size, low-rank: q_a_proj (hidden -> q_lora_rank) -> q_a_layernorm (RMSNorm) -> q_b_proj;
@@ -207,3 +227,9 @@ class MLAAttentionBlock(Strict):
     # latent: cache the KV latent + the shared rope key per token (kv_b_proj absorbed into q and the output:
     # multi-query attention over kv_lora_rank + rope dims); expanded: cache per-head K / V (v zero-padded)
     kv_cache: Literal["latent", "expanded"] = "latent"
+    # a sparse-attention indexer (needs the low-rank q: it reads the query latent)
+    indexer: Optional[Indexer] = None
+    # the module name of a fused q + output-gate projection replacing q_b_proj (A.X-K2's q_gate_proj): over the query
+    # latent normalized and raw, concatenated ([q_a_layernorm(q_a), q_a], 2 * q_lora_rank), per head [q | gate] with
+    # the gate v_head_dim wide; each head's attention output times sigmoid(gate) before the output projection
+    q_gate: Optional[StrictStr] = None

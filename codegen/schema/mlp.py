@@ -64,6 +64,9 @@ class RoutingGroups(Strict):
     count: Dim
     top: Dim
     score: Literal["top2_sum", "max"] = "top2_sum"
+    # the experts of the groups not kept: `excluded` (their choice score -inf: DeepSeek-V3), or `zero` (their choice
+    # score 0, so that they still beat negative scores: A.X-K2's router, as its reference implementation)
+    dropped: Literal["excluded", "zero"] = "excluded"
 
 
 class SharedExpert(Strict):

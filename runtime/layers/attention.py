@@ -75,14 +75,19 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor] = None, kv_stored: bool = False) -> torch.Tensor:
-        """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them)."""
+                sinks: Optional[torch.Tensor] = None, kv_stored: bool = False,
+                key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them). key_mask [N, L]
+        bool (a sparse-attention indexer's selection, runtime/layers/indexer.py): query token t sees key position p
+        only where key_mask[t, p] (on top of the causal mask and the variant's); the torch backend takes it, the
+        CUDA path refuses such a model at load."""
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
-        return self._attend(q, k, v, sinks, kv_stored)
+        return self._attend(q, k, v, sinks, kv_stored, key_mask)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor], kv_stored: bool = False) -> torch.Tensor:
+                sinks: Optional[torch.Tensor], kv_stored: bool = False,
+                key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx = get_context()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -96,7 +101,15 @@ class Attention(nn.Module):
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         elif kv_stored and kv:
             raise RuntimeError("Attention: K / V already stored by a fused kernel that does not apply KV-cache scales")
-        if self.variant == FULL:
+        if key_mask is not None:      # a sparse selection of keys: the backends that take it (torch)
+            if self.alibi_slopes is not None and self.alibi_slopes.device != q.device:
+                self.alibi_slopes = self.alibi_slopes.to(q.device)
+            extra = {"sinks": sinks} if sinks is not None else {}
+            if self.alibi_slopes is not None:
+                extra["alibi_slopes"] = self.alibi_slopes
+            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
+                                      key_mask=key_mask, **extra, **kv)
+        elif self.variant == FULL:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, **kv)
         elif self.alibi_slopes is not None:
             if self.alibi_slopes.device != q.device:
