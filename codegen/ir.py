@@ -388,6 +388,8 @@ class AttentionIR:
     differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
     v_head_dim: Optional[Size] = None          # value heads' width (None: head_dim); a per-layer size may read `layer`
     value_scale: Optional[Value] = None        # a constant factor on v before the cache (None: none)
+    v_norm: Optional[Value] = None             # a weightless RMSNorm of each value head: its eps (None: none)
+    values_from_keys: Optional[Value] = None   # flag, per-layer: v is k as projected, no v segment (None: never)
     sinks_when: Optional[Value] = None         # sinks only on the layers where this flag holds (None: every layer)
     input_width: Optional[Size] = None         # the q/k/v projection's input width (None: hidden)
     lora: Optional[LoRAIR] = None              # per-use adapters on the q/k/v projection
@@ -485,6 +487,7 @@ class MLPIR:
     sub_norm: Optional[SubNormIR] = None       # a norm of act(up(x)) before the down projection
     up_scale: Optional[Value] = None           # output multipliers of up / down (None = 1)
     down_scale: Optional[Value] = None
+    multiply: bool = False                     # act(up(x)) * this layer's slice of the decoder's per-layer input
 
 
 @dataclass(frozen=True)
@@ -750,6 +753,12 @@ class LayerIR:
     only_in: Tuple[Tuple[str, bool], ...] = ()
     # `layers.shared`: (block, instance expression over `layer`): layers with equal values share its parameters
     shared: Tuple[Tuple[str, Value], ...] = ()
+    output_scale: Optional[str] = None     # a learned scalar [1] that multiplies the stream after the layer
+
+    @property
+    def uses_per_layer_input(self) -> bool:
+        """Some MLP reads the decoder's per-layer input: the layers take their slice as an input."""
+        return any(getattr(b, "multiply", False) for b in self.blocks)
 
     @property
     def uses_embeddings(self) -> bool:
@@ -908,6 +917,21 @@ class ProjectionIR:
 
 
 @dataclass(frozen=True)
+class PerLayerInputIR:
+    """decoder.per_layer_input: (norm(proj(h0) * project_scale) + embed_per_layer(ids) * embed_scale) * combine_scale,
+    [tokens, layers * dim]; layer i reads columns [i * dim, (i + 1) * dim)."""
+    vocab: Size
+    dim: Size
+    layers: Size
+    hidden: Size
+    embed_scale: Value
+    project_scale: Value
+    combine_scale: Value
+    norm: "NormIR"
+    enabled: Value
+
+
+@dataclass(frozen=True)
 class HeadTransformIR:
     """decoder.head_transform: norm(act(dense(x))) before the LM head (a replicated linear, an activation, a norm)."""
     in_: Size
@@ -952,6 +976,7 @@ class ModelIR:
     project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
     project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
     head_transform: Optional[HeadTransformIR] = None        # dense -> act -> norm before the LM head
+    per_layer_input: Optional[PerLayerInputIR] = None      # a per-layer second input of the layers (Gemma 4)
 
     @property
     def model_class(self) -> str:

@@ -281,6 +281,11 @@ class AttentionExperts(Strict):
     q: StrictStr = "q_experts"
 
 
+class VNorm(Strict):
+    """A weightless RMSNorm of each value head: `v * rsqrt(mean(v ** 2) + eps)` in float32, cast back."""
+    eps: Num
+
+
 class AttentionBlock(Strict):
     """Self-attention with GQA: fused q/k/v projection (segments q, k, v), optional per-head q/k norm,
     rotary embedding, paged attention, output projection."""
@@ -311,6 +316,12 @@ class AttentionBlock(Strict):
     sinks: Flag = False                 # a flag, per-layer (may read `layer`): the layers that have sinks
     # a constant factor on the values before the cache (MiMo-V2-Flash's attention_value_scale); absent: none
     value_scale: Optional[Num] = None
+    # a weightless RMSNorm of each value head (over its width) before the cache, `v / rms(v)` in float32 (Gemma 4's
+    # `v_norm`); absent: none
+    v_norm: Optional[VNorm] = None
+    # a flag, per-layer (may read `layer`): in the layers where it holds the fused projection has no `v` segment and
+    # the values are the keys as projected (before any q/k norm and rotary), Gemma 4's `attention_k_eq_v`
+    values_from_keys: Flag = False
     # ALiBi (Bloom, MPT): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled scores; the
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False
@@ -539,6 +550,9 @@ class MLPBlock(Strict):
     up: Projection
     down: Projection
     sub_norm: Optional[SubNorm] = None      # a norm of act(up(x)) before `down`
+    # `per_layer_input`: act(up(x)) is multiplied elementwise by this layer's slice of the decoder's per-layer input
+    # (decoder.per_layer_input, Gemma 4's per-layer embeddings): down(act(up(x)) * per_layer_input[layer])
+    multiply: Optional[Literal["per_layer_input"]] = None
 
 
 class Router(Strict):
@@ -756,6 +770,23 @@ class Layers(Strict):
     # instance the layer uses; layers with equal values share the block's parameters (the first such layer holds
     # them, under its name). Each layer keeps its own module state (KV cache, recurrent state) and LoRA adapters
     shared: Dict[StrictStr, StrictStr] = {}
+    # a learned scalar parameter of each layer (its name, e.g. `layer_scalar`: `model.layers.{i}.layer_scalar [1]`) that
+    # multiplies the whole residual stream after the layer's last step (Gemma 4)
+    output_scale: Optional[StrictStr] = None
+
+
+class PerLayerInput(Strict):
+    """A second input of every layer computed once from the token ids and the embedding output (Gemma 4's per-layer
+    embeddings): `e = embed_tokens_per_layer(ids) * embed_scale` and `p = per_layer_projection_norm(
+    per_layer_model_projection(h0) * project_scale)`, both `[tokens, layers, dim]` (h0 the scaled embedding output),
+    combined `(p + e) * combine_scale`; layer i reads slice i (an `mlp` with `multiply: per_layer_input`)."""
+    vocab: Dim                 # rows of embed_tokens_per_layer
+    dim: Dim                   # each layer's width
+    embed_scale: Num
+    project_scale: Num
+    combine_scale: Num
+    norm: NormBlock            # per_layer_projection_norm, over `dim`
+    enabled: Flag = True       # where the per-layer input exists (its parameters too)
 
 
 class Deepstack(Strict):
@@ -812,6 +843,8 @@ class Decoder(Strict):
     # dense -> act -> norm between the final norm (and project_out) and the LM head (BERT's prediction head)
     head_transform: Optional[HeadTransform] = None
     deepstack: Optional[Deepstack] = None
+    # a per-layer second input of the layers (Gemma 4's per-layer embeddings), above
+    per_layer_input: Optional[PerLayerInput] = None
 
 
 class RowLayout(Strict):

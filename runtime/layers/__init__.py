@@ -65,11 +65,13 @@ from xllm_gen.runtime.layers.rotary import (
                                             rope_parameters,
                                             yarn_mscale,
 )
+from xllm_gen.runtime.layers.per_layer import learned_scalar, per_layer_inputs, rank_columns
 from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
 from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
+    "learned_scalar", "per_layer_inputs", "rank_columns",
     "RMSNorm", "LayerNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
