@@ -65,8 +65,8 @@ from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_
 # the attention block kinds (they take the positions)
 ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
 from .resolver_dataflow import DataflowResolver
-from .resolver_positions import PositionsResolver
 from .resolver_ple import PerLayerInputResolver
+from .resolver_positions import PositionsResolver
 from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
 from .resolver_vision import VisionResolver
 from .resolver_weights import WeightsResolver
