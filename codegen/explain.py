@@ -129,6 +129,8 @@ def _block(b) -> str:
                 + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora)
                 + (f", v_norm(eps={b.v_norm}, no weight)" if b.v_norm else "")
                 + (f", values_from_keys={b.values_from_keys} (no v segment there)" if b.values_from_keys else "")
+                + (f", kv_source={b.kv_source} (another layer: q alone, that layer's KV cache read, none written)"
+                   if b.kv_source else "")
                 + (f", experts(count={b.experts.count}, top_k={b.experts.top_k}, router={b.experts.router}, routed q="
                    f"{b.experts.q}, routed out={b.out_name}: slot s's head h attends KV head h)" if b.experts else "")
                 + ")")

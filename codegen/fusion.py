@@ -43,7 +43,7 @@ class FusionPlan:
             return None
         if b.v_head_dim is not None or b.value_scale is not None:   # v of its own width, or scaled: the attention stores
             return None
-        if b.v_norm is not None or b.values_from_keys is not None:  # v normed or taken from k: the attention stores
+        if b.v_norm is not None or b.values_from_keys is not None or b.kv_source is not None:  # the attention stores
             return None
         n = b.qk_norm
         if n is not None:

@@ -253,6 +253,22 @@ class BlockResolver(MLAResolver):
                     if on:
                         raise self.err(vp, f"{self._where(path)}.values_from_keys: values taken from the keys with "
                                            f"`{key}` are not supported")
+            kvsrc = None
+            if b.kv_source is not None:
+                kp = path + ("kv_source",)
+                kvsrc = self.num(kp, b.kv_source, per_layer=True)
+                n = b.qk_norm
+                for key, on in (("experts", b.experts is not None), ("differential", b.differential is not None),
+                                ("lora", b.lora is not None), ("clip_qkv", b.clip_qkv is not None),
+                                ("qkv.scale", bool(b.qkv.scale)), ("out_gate", b.out_gate is not None),
+                                ("sub_norm", b.sub_norm is not None), ("query_scale", b.query_scale is not None),
+                                ("a q/k norm over the projection or after rotary",
+                                 n is not None and (n.over != "head" or n.at != "before_rotary"))):
+                    if on:
+                        raise self.err(kp, f"{self._where(path)}.kv_source: KV sharing across layers with {key} is "
+                                           f"not supported")
+                module(kp, "kv_source")
+                module(kp, "reads_kv")
             diff = None
             if b.differential is not None:
                 dp = path + ("differential",)
@@ -279,7 +295,7 @@ class BlockResolver(MLAResolver):
                 out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if gate_name is not None else None,
                 q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
                 alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
-                differential=diff, v_head_dim=v_dim, value_scale=vscale, v_norm=vnorm, values_from_keys=vfk,
+                differential=diff, v_head_dim=v_dim, value_scale=vscale, v_norm=vnorm, values_from_keys=vfk, kv_source=kvsrc,
                 sinks_when=sinks if has_sinks and sinks.literal is not True else None,
                 input_width=self.dim(path + ("input_width",), b.input_width) if b.input_width is not None else None,
                 lora=self.resolve_lora(path, b.lora, b.qkv.name, module),
@@ -391,7 +407,7 @@ class BlockResolver(MLAResolver):
             if g == dn:
                 raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
             return GatedMLPIR("gated_mlp", name, f"{prefix}MLP" if unique_kind else f"{prefix}{camel}",
-                              self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
+                              self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate, per_layer=True),
                               act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                               self.flag(path + ("down", "bias"), b.down.bias), act_params,
                               self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")),

@@ -322,6 +322,10 @@ class AttentionBlock(Strict):
     # a flag, per-layer (may read `layer`): in the layers where it holds the fused projection has no `v` segment and
     # the values are the keys as projected (before any q/k norm and rotary), Gemma 4's `attention_k_eq_v`
     values_from_keys: Flag = False
+    # KV sharing across layers: an int per layer (may read `layer`), the layer whose keys and values (its KV cache)
+    # this layer attends over; where it is another (earlier) layer, this layer has q alone (no k / v segments, no k
+    # norm) and writes no cache (Gemma 4's num_kv_shared_layers); absent or `layer`: its own
+    kv_source: Optional[Dim] = None
     # ALiBi (Bloom, MPT): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled scores; the
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False

@@ -39,6 +39,7 @@ def _edit_tensors(ckpt, out, edit):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_values_from_keys(tiny_checkpoint):
     """attention_k_eq_v: the full layers have no v_proj and one KV head (num_key_value_heads of per_layer_config);
@@ -133,7 +134,7 @@ def test_engine_without_the_feature_leaves_transformers(what, tiny_checkpoint, m
 
 
 @pytest.mark.parametrize("edit,field", [
-    (lambda c: c.update(num_kv_shared_layers=1), "num_kv_shared_layers"),
+    (lambda c: c.update(num_kv_shared_layers=3), "kv_owners_missing"),
     (lambda c: c.update(enable_moe_block=True), "enable_moe_block"),
     (lambda c: c.update(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     (lambda c: c.update(layer_types=["full_attention", "full_attention", "sliding_attention"]), "last_layer_type_ok"),
@@ -151,3 +152,73 @@ def test_guard_refuses(edit, field, tiny_checkpoint):
     edit(cfg)
     with pytest.raises(ConfigError, match=field):
         mod.Config.from_hf(cfg)
+
+
+# KV sharing: 5 layers (full, sliding, sliding, sliding, full), the last 2 read the caches of layers 2 (sliding) and
+# 0 (full); the KV-shared layers' MLPs double-wide
+KV_SHARED = {"num_hidden_layers": 5, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+             "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+                             "full_attention"],
+             }
+
+
+def _kv_shared(tiny_checkpoint):
+    from fixtures.tiny_hf import DROP
+
+    over = dict(KV_SHARED, per_layer_config={"2": DROP, "0": {"head_dim": 32}, "4": {"head_dim": 32}})
+    return tiny_checkpoint(ARCH, overrides=over)
+
+
+def _engine_batch(ckpt, prompts, **kw):
+    from xllm_gen import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, **kw) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.mark.engine
+def test_kv_sharing(tiny_checkpoint):
+    """num_kv_shared_layers 2: layers 3 and 4 have q alone and attend over the caches of layers 2 and 0 (no cache of
+    their own); a batch of prompts with chunked prefill (16-token steps) and prefix caching (a shared prefix, served
+    twice) gives transformers' greedy tokens."""
+    from hf_ref import hf_greedy_logprobs
+
+    ckpt = _kv_shared(tiny_checkpoint)
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(0, 400, 9).tolist()
+    prompts = [prefix + rng.integers(0, 400, n).tolist() for n in (3, 14, 25)] + [prefix + [5, 6]]
+    want = [hf_greedy_logprobs(ckpt, p, 8)[0] for p in prompts]
+    assert _engine_batch(ckpt, prompts, max_num_batched_tokens=16, enable_prefix_caching=True) == want
+    assert _engine_batch(ckpt, prompts[:1] * 2, enable_prefix_caching=True) == want[:1] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_kv_sharing_reads_the_right_layer(tiny_checkpoint, monkeypatch):
+    """Layer 3 made to read layer 1's cache (also sliding, same shape) instead of layer 2's: the engine's tokens leave
+    transformers' (the source layer matters, so parity above is not luck)."""
+    from test_scalings import _engine, _hf
+
+    ckpt = _kv_shared(tiny_checkpoint)
+    mod = importlib.import_module("xllm_gen.generated.gemma4.model")
+    orig = mod.Gemma4Attention.__init__
+
+    def init(self, config, layer_idx):
+        orig(self, config, layer_idx)
+        if layer_idx == 3:
+            assert self.kv_source == 2
+            self.kv_source = 1
+
+    monkeypatch.setattr(mod.Gemma4Attention, "__init__", init)
+    prompt = np.random.default_rng(8).integers(0, 400, 12).tolist()
+    got, want = _engine(ckpt, prompt), _hf(ckpt, prompt)
+    assert got[0] != want[0] or not np.allclose(got[1], want[1], atol=1e-3), "layer 3 reading layer 1 agrees"
+
+
+def test_kv_sharing_refused_on_cuda():
+    """The CUDA path refuses KV sharing at load, naming it (runtime/attention/base.py; model_runner calls it when a
+    layer reads another's cache)."""
+    from xllm_gen.runtime.attention.base import cuda_attention_refusal
+
+    assert "shares KV caches across layers" in cuda_attention_refusal((), shared_kv=True)
