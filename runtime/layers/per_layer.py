@@ -1,4 +1,4 @@
-"""Per-layer side inputs and scales of the residual stream (Gemma 4): the decoder's per-layer input (a second
+"""Per-layer side inputs and scales of the residual stream: the decoder's per-layer input (a second
 embedding table plus a normed projection of the embedding output, one slice per layer), the rank's columns of it that
 a column-parallel projection's output meets, and a learned scalar per layer."""
 from __future__ import annotations
@@ -14,8 +14,7 @@ def per_layer_inputs(input_ids: torch.Tensor, embeds: torch.Tensor, table: nn.Mo
                      norm: nn.Module, layers: int, dim: int, embed_scale: float, project_scale: float,
                      combine_scale: float) -> torch.Tensor:
     """`[tokens, layers, dim]`: (norm(projection(embeds) * project_scale) + table(ids) * embed_scale) * combine_scale,
-    the norm over each layer's `dim` (transformers' Gemma4TextModel get_per_layer_inputs + project_per_layer_inputs;
-    the scales multiply in the model dtype)."""
+    the norm over each layer's `dim` (the scales multiply in the model dtype)."""
     if input_ids is None:
         raise ValueError("the per-layer input embeds the token ids: a request given only as embeddings cannot be served")
     e = table(input_ids) * torch.tensor(embed_scale, dtype=embeds.dtype)
@@ -31,5 +30,5 @@ def rank_columns(n: int) -> slice:
 
 
 def learned_scalar() -> nn.Parameter:
-    """A learned scalar `[1]`, replicated on every rank (Gemma 4's `layer_scalar`)."""
+    """A learned scalar `[1]`, replicated on every rank (a per-layer scale of the residual stream)."""
     return replicated(nn.Parameter(torch.empty(1)), "learned_scalar")
