@@ -48,7 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--modes", default="off,auto,on",
                     help="comma list of off, auto, on; +pdl / +pdlwait / +pdllate adds programmatic dependent launch "
-                         "(runtime/ops/pdl.py: XLLM_PDL=1 / wait / late), e.g. off,auto,auto+pdllate")
+                         "(runtime/ops/pdl.py: XLLM_PDL=1 / wait / late), e.g. off,auto,auto+pdllate; +nomma keeps "
+                         "9..64 rows unfused (the tensor-core fused GEMVs off: XLLM_FUSED_MMA=0); +nolaunch times the "
+                         "decode-attention kernel at its default launch only (XLLM_DECODE_LAUNCH_TUNING=0)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
@@ -59,8 +61,10 @@ def main(argv=None) -> int:
         print("bench_fused_decode needs a CUDA GPU", file=sys.stderr)
         return 2
     from xllm_gen import SamplingParams
+    from xllm_gen.runtime.attention import triton_decode as TD
     from xllm_gen.runtime.layers import fused as FU
     from xllm_gen.runtime.ops import pdl as PDL
+    LAUNCH_CANDIDATES = TD.LAUNCH_CANDIDATES
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
     d = BD.write_config(Path(tempfile.mkdtemp(prefix="xllm_fused_")), args.variant)
@@ -69,13 +73,20 @@ def main(argv=None) -> int:
                    command="python bench/bench_fused_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    rows=[], tokens={})
     for mode in modes:
-        fused, _, launch = mode.partition("+")
+        fused, *extra = mode.split("+")
+        launch = next((e for e in extra if e not in ("nomma", "nolaunch")), "")
         FU.MODE = MODES[fused]
+        FU._FUSED_MAX_ROWS = 8 if "nomma" in extra else 64     # +nomma: 9..64 rows unfused (XLLM_FUSED_MMA=0)
+        # +nolaunch: the decode-attention kernel timed at its default launch only (XLLM_DECODE_LAUNCH_TUNING=0)
+        TD.LAUNCH_CANDIDATES = () if "nolaunch" in extra else LAUNCH_CANDIDATES
+        TD.DECODE_KERNEL_CHOICE.clear()
         PDL.MODE = {"": "0", "pdl": "1", "pdlwait": "wait", "pdllate": "late"}[launch]
         t0 = time.perf_counter()
         llm, _ = BD.make_llm(d, max_num_seqs=max(batches), max_model_len=args.input_len + args.output_len + 16,
                              num_kv_blocks=max(batches) * ((args.input_len + args.output_len) // 16 + 2) + 64)
-        print(f"[{mode}] engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"[{mode}] engine built in {time.perf_counter() - t0:.1f} s; decode attention (rows, ...) -> "
+              f"(splits, BLOCK_N, warps) or 0 (FlashInfer): "
+              f"{ {k[0]: v for k, v in TD.DECODE_KERNEL_CHOICE.items()} }", flush=True)
         g = llm.engine.runner.graphs
         for B in batches:
             r = BD.bench_batch(llm, B, args.input_len, args.output_len, args.runs, seed=B)

@@ -60,8 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="fp8: quantize an unquantized checkpoint's linear weights to fp8 per channel at load")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                    help="fp8: the KV cache in float8 e4m3 (with the checkpoint's per-tensor k_scale / "
-                         "v_scale where it has them, else scale 1.0)")
+                    help="fp8: the KV cache in float8 e4m3 (with the checkpoint's k_scale / "
+                         "v_scale, per tensor or per KV head, where it has them, else scale 1.0)")
     args = ap.parse_args(argv)
 
     from xllm_gen import LLM, SamplingParams

@@ -422,3 +422,65 @@ def write_gptq(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 1
           "quant_method": "gptq", "checkpoint_format": declared_fmt or fmt, "use_exllama": False,
           "exllama_config": {"version": 1}, "use_cuda_fp16": False, "module_name_preceding_first_block": None}
     return _write(dst, out, qc), _write(ref, deq, None)
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4
+# OCP MX e2m1 values by 4-bit code (bit 3: sign), as transformers' integrations/mxfp4.py FP4_VALUES
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def quantize_mxfp4(w: torch.Tensor, swap_nibbles: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float (K a multiple of 32) -> (blocks uint8 [..., K / 32, 16], scales uint8 [..., K / 32]): per 32
+    values an e8m0 scale 2^(s - 127) (the smallest that keeps the group's amax within e2m1's 6) and the values rounded
+    to the nearest e2m1 code, two a byte, element 2j in the low nibble (`swap_nibbles`: the high one, a sensitivity
+    arm). Written independently of the runtime (checked against transformers' dequantizer by the tests)."""
+    *pre, K = w.shape
+    g = w.float().reshape(*pre, K // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0 ** -126)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    v = g / torch.exp2(e)[..., None]
+    lut = torch.tensor(E2M1)
+    codes = (v[..., None] - lut).abs().argmin(-1)              # nearest value (ties: the lower code; -0 never wins)
+    lo, hi = codes[..., 0::2], codes[..., 1::2]
+    if swap_nibbles:
+        lo, hi = hi, lo
+    blocks = (lo | (hi << 4)).to(torch.uint8)
+    return blocks, (e + 127).to(torch.uint8)
+
+
+def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(E2M1)
+    b = blocks.long()
+    v = torch.stack([lut[b & 15], lut[b >> 4]], -1).reshape(*blocks.shape[:-1], -1)
+    v = v * torch.exp2(scales.float() - 127)[..., None]
+    return v.reshape(*blocks.shape[:-2], -1)
+
+
+def write_mxfp4_experts(src: Path, dst: Path, ref: Path, *, suffixes=("mlp.experts.gate_up_proj",
+                                                                       "mlp.experts.down_proj"),
+                        transposed: bool = True, swap_nibbles: bool = False, scale_shift: int = 0,
+                        modules_to_not_convert=("model.layers.*.self_attn",)) -> tuple[Path, Path]:
+    """gpt-oss's published MXFP4 form of `src` in `dst`: each tensor ending in one of `suffixes` (a stacked expert
+    weight, stored [E, in, out] when `transposed`, as gpt-oss's float checkpoint does) replaced by `<name>_blocks`
+    uint8 [E, out, in / 32, 16] and `<name>_scales` uint8 [E, out, in / 32] (packed along the input dim); the
+    dequantized float32 twin (the same names and layout as `src`) in `ref`. `scale_shift` is added to every stored
+    scale after dequantizing the twin (a sensitivity arm: each scale off by that many powers of two)."""
+    src, dst, ref = Path(src), Path(dst), Path(ref)
+    _copy_small_files(src, dst)
+    _copy_small_files(src, ref)
+    sd = load_file(str(src / "model.safetensors"))
+    out, deq = {}, {}
+    for name, t in sd.items():
+        if name.endswith(suffixes):
+            nat = t.float().transpose(-2, -1) if transposed else t.float()        # [..., out, in]
+            blocks, scales = quantize_mxfp4(nat)
+            d = dequant_mxfp4(blocks, scales)
+            deq[name] = (d.transpose(-2, -1) if transposed else d).contiguous()
+            if swap_nibbles:
+                blocks, _ = quantize_mxfp4(nat, swap_nibbles=True)
+            out[name + "_blocks"] = blocks
+            out[name + "_scales"] = (scales.int() + scale_shift).to(torch.uint8)
+        else:
+            out[name] = deq[name] = t
+    qc = {"quant_method": "mxfp4", "modules_to_not_convert": list(modules_to_not_convert)}
+    return _write(dst, out, qc), _write(ref, deq, None)

@@ -273,9 +273,11 @@ def test_auto_keeps_the_measured_faster_decode_kernel():
     count and the powers of two from an eighth of it to twice it."""
     from xllm_gen.runtime.attention.triton_decode import TUNE_MARGIN, pick_decode_kernel, split_candidates
     assert pick_decode_kernel({0: 10.3, 32: 13.6, 16: 14.0, 8: 15.9}) == 0          # Qwen3-30B-A3B's heads, batch 1
-    assert pick_decode_kernel({0: 10.9, 32: 9.0, 16: 8.7, 8: 9.5}) == 16
+    assert pick_decode_kernel({0: 10.9, 32: 9.0, 16: 8.7, 8: 9.5}) == (16, 64, 4)     # (splits, BLOCK_N, warps)
     assert pick_decode_kernel({0: 10.0, 32: 10.0 * TUNE_MARGIN + 1e-6}) == 0
-    assert pick_decode_kernel({32: 5.0, 8: 4.0}) == 8                                  # FlashInfer not timed
+    assert pick_decode_kernel({32: 5.0, 8: 4.0}) == (8, 64, 4)                         # FlashInfer not timed
+    # the launch variants timed at the best split count compete with it (16 rows on an H200: (8, 16, 2))
+    assert pick_decode_kernel({0: 29.1, 8: 28.2, 3: 28.5, (8, 16, 2): 25.2, (8, 64, 2): 26.6}) == (8, 16, 2)
     assert pick_decode_kernel({0: 3.0}) == 0 and pick_decode_kernel({}) == 0
     assert split_candidates(1, 8, 132) == [32, 16, 8, 4]
     assert split_candidates(4, 8, 132) == [32, 16, 9, 8, 4, 2]

@@ -278,7 +278,7 @@ def test_clamped_swiglu_in_a_dense_gated_mlp(tmp_path):
     assert cli_main(["--explain", str(p), "--tp", "2"]) == 0
 
 
-# the config.json of the released gpt-oss-20b (transformers 4.55 form), its quantization_config shortened
+# the config.json of the released gpt-oss-20b (transformers 4.55 form)
 RELEASED_CONFIG = {
     "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
     "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
@@ -295,18 +295,19 @@ RELEASED_CONFIG = {
 }
 
 
-def test_released_config_is_read_and_quantized_weights_are_refused_by_name():
-    """The released config.json reads as the gpt-oss-20b variant (without its MXFP4 quantization_config, as a
-    dequantized copy has it); with it, the guard refuses the checkpoint naming the field."""
+def test_released_config_is_read():
+    """The released config.json reads as the gpt-oss-20b variant, with its MXFP4 quantization_config (served:
+    tests/test_mxfp4.py) or without it (a dequantized copy)."""
     import copy
 
     from xllm_gen.generated.gpt_oss.model import Config
 
-    cfg = copy.deepcopy(RELEASED_CONFIG)
-    del cfg["quantization_config"]
-    c = Config.from_hf(cfg)
-    assert (c.num_local_experts, c.num_experts_per_tok, c.swiglu_limit, c.rope_scaling["rope_type"]) == (32, 4, 7.0,
-                                                                                                         "yarn")
-    assert c.layer_types[:2] == ("sliding_attention", "full_attention") and c.sliding_window == 128
-    with pytest.raises(ValueError, match="quantization_config"):
-        Config.from_hf(copy.deepcopy(RELEASED_CONFIG))
+    for cfg in (copy.deepcopy(RELEASED_CONFIG), {k: v for k, v in RELEASED_CONFIG.items() if k != "quantization_config"}):
+        c = Config.from_hf(cfg)
+        assert (c.num_local_experts, c.num_experts_per_tok, c.swiglu_limit, c.rope_scaling["rope_type"]) == \
+            (32, 4, 7.0, "yarn")
+        assert c.layer_types[:2] == ("sliding_attention", "full_attention") and c.sliding_window == 128
+    bad = copy.deepcopy(RELEASED_CONFIG)
+    bad["quantization_config"]["quant_method"] = "mxfp8"
+    with pytest.raises(ValueError, match="quantization_config: quant_method='mxfp8' is not supported"):
+        Config.from_hf(bad)

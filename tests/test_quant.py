@@ -566,8 +566,9 @@ def test_fp8_kv_cache_scale_faults(kv_scaled, tmp_path):
     cases = [({0: (0.0, v0), 1: scales[1]}, r"tensor 'model\.layers\.0\.self_attn\.k_scale': a KV-cache scale must "
                                               r"be finite and > 0, got 0\.0"),
              ({0: (k0, float("nan")), 1: scales[1]}, r"'model\.layers\.0\.self_attn\.v_scale'.*finite and > 0"),
-             ({0: (torch.tensor([k0, k0]), v0), 1: scales[1]}, r"'model\.layers\.0\.self_attn\.k_scale' has shape "
-                                                              r"\(2,\): a KV-cache scale is one value"),
+             ({0: (torch.tensor([k0, k0, k0]), v0), 1: scales[1]}, r"'model\.layers\.0\.self_attn\.k_scale' has "
+                                                                  r"shape \(3,\): a KV-cache scale is one value per "
+                                                                  r"tensor, or one per KV head"),
              ({0: (k0, None), 1: scales[1]}, r"missing tensor 'model\.layers\.0\.self_attn\.v_scale'"),
              ({}, r"kv_cache_scheme promises .* missing tensor 'model\.layers\.0\.self_attn\.k_scale'")]
     for i, (sc, match) in enumerate(cases):
@@ -579,8 +580,8 @@ def test_fp8_kv_cache_scale_faults(kv_scaled, tmp_path):
         _llm(stray, kv_cache_dtype="fp8")
     from xllm_gen.runtime.loading.quant_config import QuantConfigError, parse_quant_config
     qc = {"config_groups": {}, "format": "float-quantized", "quant_method": "compressed-tensors",
-          "kv_cache_scheme": {**KV_CT_SCHEME, "strategy": "attn_head"}}
-    with pytest.raises(QuantConfigError, match=r"kv_cache_scheme\.strategy='attn_head' is not supported"):
+          "kv_cache_scheme": {**KV_CT_SCHEME, "strategy": "channel"}}
+    with pytest.raises(QuantConfigError, match=r"kv_cache_scheme\.strategy='channel' is not supported"):
         parse_quant_config({"quantization_config": qc})
     assert parse_quant_config({"quantization_config": {**qc, "kv_cache_scheme": KV_CT_SCHEME}}).kv_scheme == "tensor"
 

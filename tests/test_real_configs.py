@@ -3,9 +3,12 @@ their spec's generated Config as the loader reads them: accepted, or refused for
 below). What is read is checked against the file as transformers reads it (its config class, no model built):
 layers, heads, sizes, tie, rope theta and scaling type, per-layer windows. Our other tests build tiny configs from
 transformers' config classes; these are the fields, nulls, legacy names and leftovers of the configs people serve.
+At real size (meta device, nothing allocated): our model built from each file takes exactly the tensors, with
+exactly the shapes, of the checkpoint transformers' model of the same file would save.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import re
@@ -28,9 +31,6 @@ REFUSED: dict[str, str] = {
     "qwen3_5__Qwen3.5-9B": r"architectures \['Qwen3_5ForConditionalGeneration'\] are not served",
     "ministral3__Devstral-Small-2-24B-Instruct-2512":
         r"architectures \['Mistral3ForConditionalGeneration'\] are not served",
-    # gpt-oss is published in MXFP4 (its experts): a quantization the runtime does not run; the rest of the file is read
-    # (checked below without its quantization_config)
-    "gpt_oss__gpt-oss-120b": r"quantization_config: quant_method='mxfp4' is not supported",
 }
 
 # symbols compared with transformers' config attribute of the same name, where both exist
@@ -125,3 +125,95 @@ def test_a_field_that_changes_the_math_is_still_refused():
 def test_the_manifest_lists_only_files_that_exist():
     names = set(re.findall(r"`([^`/]+__[^`/]+\.json)`", (DATA / "MANIFEST.md").read_text()))
     assert names == {p.name for p in FILES}, names ^ {p.name for p in FILES}
+
+
+# ------------------------------------------------------------------------------------------------ at real size
+# Reading the fields right is not enough: the spec's derived sizes, its per-layer patterns and its weight mapping
+# must fit the checkpoint transformers would write at these settings. Both models are built at their REAL size on
+# the meta device (no memory): transformers' from the file (its state dict is the checkpoint's tensor names and
+# shapes), ours from the same file through the spec; our loader then fills every parameter from a checkpoint of
+# those names and shapes (meta tensors behind a fake safetensors handle: shapes, sharding views and layouts are
+# checked as at a real load, nothing is read). A size the spec derives differently from transformers fails here
+# (a parameter that the tensor does not fit, a tensor no parameter takes, a parameter no tensor fills).
+
+
+class _MetaHandle:
+    """safe_open's interface over {name: meta tensor}."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def keys(self):
+        return list(self.tensors)
+
+    def get_slice(self, name):
+        return self.tensors[name]
+
+
+def _hf_tensors(hf: dict) -> dict:
+    """transformers' checkpoint tensors at this config: {name: meta tensor}, tied weights left out as save_pretrained
+    leaves them out."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    hf = copy.deepcopy({k: v for k, v in hf.items() if k != "quantization_config"})   # (transformers edits nested dicts)
+    cfg = transformers.AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    state = model.state_dict()
+    try:        # the names save_pretrained writes (transformers' conversion mapping reverted, e.g. GPT-NeoX embed_out)
+        from transformers.core_model_loading import revert_weight_conversion
+        state = revert_weight_conversion(model, state)
+    except ImportError:
+        pass
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    if getattr(cfg.get_text_config(), "tie_word_embeddings", False):
+        for key in (tied if isinstance(tied, dict) else {k: None for k in tied}):
+            state.pop(key, None)
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+
+
+def _load_at_size(model, hf: dict, tensors: dict, tmp_path, monkeypatch) -> set:
+    """Our model built from `hf` at its size on the meta device, filled by our loader from `tensors`."""
+    import torch
+
+    from xllm_gen.runtime.executor import tp_check
+    from xllm_gen.runtime.loading import loader as LD
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model.safetensors" for k in tensors}}))
+    monkeypatch.setattr(LD, "_open", lambda p: _MetaHandle(tensors))
+    config = model.Config.from_hf(hf)
+    with torch.device("meta"), tp_check._default_dtype(torch.bfloat16):     # every tensor (float32 ones too)
+        ours = model.Model(config)
+    loaded = LD.load_weights(ours, model.weight_plan(ours), tmp_path, tp_size=1, tp_rank=0,
+                             ignored=getattr(model, "IGNORED_CHECKPOINT_TENSORS", ()),
+                             renames=getattr(model, "CHECKPOINT_RENAMES", ()))
+    assert loaded == {n for n, _ in ours.named_parameters()}
+    return loaded
+
+
+@pytest.mark.parametrize("path", FILES, ids=_stem)
+def test_real_config_fits_transformers_checkpoint_at_real_size(path, tmp_path, monkeypatch):
+    hf, model = _read(path)
+    if _stem(path) in REFUSED and "quantization_config" not in REFUSED[_stem(path)]:
+        pytest.skip("refused at load")
+    hf = {k: v for k, v in hf.items() if k != "quantization_config"}   # transformers' from_config is unquantized
+    _load_at_size(model, hf, _hf_tensors(hf), tmp_path, monkeypatch)
+
+
+def test_real_size_check_fails_on_a_wrong_size_or_a_lost_tensor(tmp_path, monkeypatch):
+    """The check above can fail: our model read with another MLP width than transformers' checkpoint has, or a
+    checkpoint missing one tensor, or holding one tensor more, is refused by the loader, naming the tensor."""
+    from xllm_gen.runtime.loading.loader import CheckpointError
+    hf, model = _read(DATA / "llama__SmolLM2-360M.json")
+    tensors = _hf_tensors(hf)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.(gate|up)_proj\.weight"):
+        _load_at_size(model, {**hf, "intermediate_size": hf["intermediate_size"] + 64}, tensors, tmp_path / "a",
+                      monkeypatch)
+    lost = {k: v for k, v in tensors.items() if k != "model.layers.3.self_attn.k_proj.weight"}
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.3\.self_attn\.k_proj\.weight'"):
+        _load_at_size(model, hf, lost, tmp_path / "b", monkeypatch)
+    extra = {**tensors, "model.layers.0.self_attn.q_norm.weight": tensors["model.norm.weight"]}
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*q_norm"):
+        _load_at_size(model, hf, extra, tmp_path / "c", monkeypatch)

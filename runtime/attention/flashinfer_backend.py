@@ -58,7 +58,7 @@ class _VariantWrappers:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD",
                                                                     use_tensor_cores=backend.decode_tensor_cores)
         self.graph: dict = {}
-        self.triton_eager: dict = {}               # splits -> TritonDecodeWrapper (eager decode steps)
+        self.triton_eager: dict = {}               # (splits, BLOCK_N, warps) -> TritonDecodeWrapper (eager steps)
 
 
 PREFILL_BACKENDS = ("fa2", "fa3", "auto")
@@ -176,10 +176,14 @@ class FlashInferBackend(AttentionBackend):
         return self._bucket_splits(bucket)
 
     def _bucket_splits(self, bucket: int) -> int:
-        """A graph bucket's kernel: forced by decode_kernel, or ("auto") the faster of FlashInfer and the Triton
-        kernel where the Triton kernel is a candidate, measured once per process (triton_decode)."""
+        return self._bucket_launch(bucket)[0]
+
+    def _bucket_launch(self, bucket: int) -> tuple[int, int, int]:
+        """A graph bucket's kernel as (splits, BLOCK_N, num_warps), splits 0: FlashInfer's. Forced by decode_kernel,
+        or ("auto") the faster of FlashInfer and the Triton kernel where the Triton kernel is a candidate, measured
+        once per process (triton_decode)."""
         if self.decode_kernel != "auto" or not decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto"):
-            return decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel)
+            return triton_decode.launch_of(decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel))
         context = min(self.max_model_len or triton_decode.TUNE_CONTEXT, triton_decode.TUNE_CONTEXT)
         key = (bucket, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype, self.block_size,
                context)
@@ -194,7 +198,7 @@ class FlashInferBackend(AttentionBackend):
                 times, choice = {}, decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto")
             triton_decode.DECODE_KERNEL_CHOICE[key] = choice
             self.decode_kernel_times[bucket] = times
-        return triton_decode.DECODE_KERNEL_CHOICE[key]
+        return triton_decode.launch_of(triton_decode.DECODE_KERNEL_CHOICE[key])
 
     def _make_graph_wrappers(self, variant: AttentionVariant, buckets: Sequence[int]) -> None:
         import flashinfer
@@ -203,10 +207,11 @@ class FlashInferBackend(AttentionBackend):
             if b in graph:
                 continue
             indptr, last = self.graph_buffers[b]
-            splits = self._bucket_splits(b)
+            splits, block_n, num_warps = self._bucket_launch(b)
             if splits:
                 graph[b] = TritonDecodeWrapper(self.num_heads, self.num_kv_heads, self.head_dim, splits, b,
-                                               self.device, buffers=(indptr, last, self.page_indices_buf))
+                                               self.device, buffers=(indptr, last, self.page_indices_buf),
+                                               block_n=block_n, num_warps=num_warps)
                 continue
             graph[b] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
@@ -314,13 +319,16 @@ class FlashInferBackend(AttentionBackend):
         that bucket's split count; FlashInfer: the eager wrapper)."""
         if batch in ws.graph:
             return ws.graph[batch]
-        splits = self.decode_splits(batch)
-        if not splits:
+        bucket = next((b for b in self.graph_buckets if b >= batch), None)
+        launch = self._bucket_launch(bucket) if bucket is not None else \
+            triton_decode.launch_of(self.decode_splits(batch))
+        if not launch[0]:
             return ws.decode
-        wrapper = ws.triton_eager.get(splits)
+        wrapper = ws.triton_eager.get(launch)
         if wrapper is None:
-            wrapper = ws.triton_eager[splits] = TritonDecodeWrapper(
-                self.num_heads, self.num_kv_heads, self.head_dim, splits, batch, self.device)
+            wrapper = ws.triton_eager[launch] = TritonDecodeWrapper(
+                self.num_heads, self.num_kv_heads, self.head_dim, launch[0], batch, self.device, block_n=launch[1],
+                num_warps=launch[2])
         return wrapper
 
     # ------------------------------------------------------------------------------------------ running

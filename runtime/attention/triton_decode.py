@@ -59,10 +59,23 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int, max_splits: in
     return sorted({s} | {p for p in (2 ** i for i in range(6)) if s / 8 <= p <= min(4 * s, max_splits)}, reverse=True)
 
 
-def pick_decode_kernel(times: dict, margin: float = TUNE_MARGIN) -> int:
-    """`times` {splits: us per call}, 0 being FlashInfer's: the fastest Triton split count if it takes less than
-    `margin` x FlashInfer's time, else 0 (FlashInfer)."""
-    triton = {s: t for s, t in times.items() if s > 0}
+# (BLOCK_N, num_warps) of the Triton kernel: the default, and those timed at the best split count. On an H200 (16 over 8
+# heads, 1k context, bench/results/h200_decode_attention_tune.md) 16 rows ran fastest at (16, 2): 25.2 us vs the
+# default's 28+; one row at (32, 4) / (64, 2) within 1% of the default
+DEFAULT_LAUNCH = (64, 4)
+LAUNCH_CANDIDATES = () if os.environ.get("XLLM_DECODE_LAUNCH_TUNING") == "0" else ((16, 2), (32, 2), (64, 2))
+
+
+def launch_of(choice) -> tuple[int, int, int]:
+    """(splits, BLOCK_N, num_warps) of a decode-kernel choice: a split count (the default launch) or such a tuple;
+    0 (FlashInfer) gives (0, default launch)."""
+    return tuple(choice) if isinstance(choice, tuple) else (int(choice), *DEFAULT_LAUNCH)
+
+
+def pick_decode_kernel(times: dict, margin: float = TUNE_MARGIN):
+    """`times` {splits or (splits, BLOCK_N, num_warps): us per call}, 0 being FlashInfer's: the fastest Triton launch
+    as (splits, BLOCK_N, num_warps) if it takes less than `margin` x FlashInfer's time, else 0 (FlashInfer)."""
+    triton = {launch_of(k): t for k, t in times.items() if k != 0}
     if not triton:
         return 0
     best = min(triton, key=triton.get)
@@ -73,9 +86,10 @@ def pick_decode_kernel(times: dict, margin: float = TUNE_MARGIN) -> int:
 def measure_decode_kernels(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                            kv_dtype: torch.dtype, page_size: int, context: int, device: torch.device,
                            workspace: torch.Tensor, tensor_cores: bool, splits: list[int]) -> dict:
-    """{0: FlashInfer's CUDA-graph decode, s: the Triton kernel at s splits}: us per layer, each timed in a CUDA graph
-    over copies of a random KV cache of `rows` x `context` tokens (128 MB at least, so that they stream from HBM
-    as a step's layers do). `workspace` is FlashInfer's float workspace (not in use while this runs)."""
+    """{0: FlashInfer's CUDA-graph decode, s: the Triton kernel at s splits (DEFAULT_LAUNCH), (s*, BLOCK_N, num_warps):
+    the fastest split count s* in each of LAUNCH_CANDIDATES}: us per layer, each timed in a CUDA graph over copies of
+    a random KV cache of `rows` x `context` tokens (128 MB at least, so that they stream from HBM as a step's layers
+    do). `workspace` is FlashInfer's float workspace (not in use while this runs)."""
     import flashinfer
 
     from xllm_gen.runtime.layers.linear import graph_time_ms
@@ -96,10 +110,19 @@ def measure_decode_kernels(rows: int, num_heads: int, num_kv_heads: int, head_di
     fi.plan(indptr, indices, last, num_heads, num_kv_heads, head_dim, page_size, q_data_type=dtype,
             kv_data_type=kv_dtype)
     times = {0: 1e3 * graph_time_ms(lambda: [fi.run(q, kv) for kv in caches]) / copies}
-    for s in splits:
-        w = TritonDecodeWrapper(num_heads, num_kv_heads, head_dim, s, rows, device)
+
+    def timed(s, block_n=DEFAULT_LAUNCH[0], num_warps=DEFAULT_LAUNCH[1]):
+        w = TritonDecodeWrapper(num_heads, num_kv_heads, head_dim, s, rows, device, block_n=block_n,
+                                num_warps=num_warps)
         w.plan(indptr, indices, last, num_heads, num_kv_heads, head_dim, page_size)
-        times[s] = 1e3 * graph_time_ms(lambda: [w.run(q, kv) for kv in caches]) / copies
+        return 1e3 * graph_time_ms(lambda: [w.run(q, kv) for kv in caches]) / copies
+
+    for s in splits:
+        times[s] = timed(s)
+    if splits:
+        best = min(splits, key=times.get)
+        for block_n, num_warps in LAUNCH_CANDIDATES:
+            times[(best, block_n, num_warps)] = timed(best, block_n, num_warps)
     return times
 
 

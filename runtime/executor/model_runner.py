@@ -301,6 +301,17 @@ class ModelRunner:
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
+        if self.device.type == "cuda":
+            per_head = [i for i, layer in enumerate(self.attn_layers)
+                        if isinstance(getattr(layer, "k_scale", 1.0), torch.Tensor)
+                        or isinstance(getattr(layer, "v_scale", 1.0), torch.Tensor)]
+            if per_head:
+                raise NotImplementedError(
+                    f"this checkpoint's fp8 KV-cache scales are per KV head (attention layers {per_head[:4]}"
+                    f"{' ...' if len(per_head) > 4 else ''}: k_scale / v_scale of one value per head, e.g. "
+                    "compressed-tensors' kv_cache_scheme strategy 'attn_head'), which the CUDA attention path does "
+                    "not run (FlashInfer's run and the Triton decode kernel and KV store take one k_scale / v_scale per "
+                    "layer); serve it on the CPU (device='cpu'), or with kv_cache_dtype='auto' (the scales unused)")
         if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
             mixed = [layer for layer in self.attn_layers
                      if getattr(layer, "qk_head_dim", layer.head_dim) != getattr(layer, "v_head_dim", layer.head_dim)]

@@ -14,6 +14,7 @@ from xllm_gen.runtime.executor import sharding
 from xllm_gen.runtime.executor.context import get_context
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, split_segment
+from xllm_gen.runtime.ops.reference import unit_scale
 
 
 class Attention(nn.Module):
@@ -67,8 +68,9 @@ class Attention(nn.Module):
         self.logit_softcap = self.variant.logit_softcap
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
-        # per-tensor KV-cache scales (floats; set by the loader from the checkpoint's k_scale / v_scale when the
-        # cache is float8): the cache holds K / k_scale and V / v_scale, read back times them
+        # KV-cache scales (set by the loader from the checkpoint's k_scale / v_scale when the cache is float8): floats
+        # (per tensor) or float32 tensors [kv_heads, 1] (per KV head, this rank's heads; CPU only: the CUDA runner
+        # refuses them at load); the cache holds K / k_scale and V / v_scale, read back times them
         self.k_scale = 1.0
         self.v_scale = 1.0
         # KV sharing across layers (`share_kv`): a reader attends over its owner's cache (same shape, same step) and
@@ -97,7 +99,8 @@ class Attention(nn.Module):
         if ctx.graph_break is not None:      # piecewise prefill capture: attention runs between captured pieces
             return ctx.graph_break(self, q, k, v)
         # a scaled cache: the backend gets the scales (only then: backends without them serve unscaled caches)
-        kv = {} if self.k_scale == 1.0 and self.v_scale == 1.0 else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        kv = {} if unit_scale(self.k_scale) and unit_scale(self.v_scale) else \
+            {"k_scale": self.k_scale, "v_scale": self.v_scale}
         if self.k_cache.numel() and self.v_cache.numel() and not kv_stored:
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         elif kv_stored and kv:
@@ -152,8 +155,11 @@ class Attention(nn.Module):
             s += ", sinks=True"
         if self.variant.alibi:
             s += ", alibi=True"
-        if self.k_scale != 1.0 or self.v_scale != 1.0:
-            s += f", kv_cache_scales=(k {self.k_scale:g}, v {self.v_scale:g})"
+        if not (unit_scale(self.k_scale) and unit_scale(self.v_scale)):
+            def fmt(x):
+                return f"{x:g}" if not isinstance(x, torch.Tensor) else "per head " + \
+                    "/".join(f"{float(v):g}" for v in x.flatten())
+            s += f", kv_cache_scales=(k {fmt(self.k_scale)}, v {fmt(self.v_scale)})"
         return s
 
 

@@ -7,7 +7,7 @@ the generated source:
     norm_linear(norm, linear, x, residual) == (linear(norm(x, residual)[0]), norm(x, residual)[1])
     act_linear(act, linear, x)             == linear(act(x))
 
-On a CUDA decode batch (<= 8 rows, bf16 / fp16, an unquantized weight, norm an RMSNorm without bias, act silu or
+On a CUDA decode batch (<= 64 rows, bf16 / fp16, an unquantized weight, norm an RMSNorm without bias, act silu or
 gelu) the pair runs as ONE kernel (ops/fused_gemv.py: the skinny GEMV computing its x chunk from the norm's or the
 activation's input as it streams the weight); everywhere else (CPU, prefill, quantized input, other norms and
 activations) the plain ops run, so CPU results are unchanged.
@@ -40,7 +40,9 @@ _CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
 # plain prologue op + GEMM)}, measured by tune_fused_gemvs (from tune_decode_gemms, once per process); FUSED_TUNING:
 # {(prologue, rows, N, K): (plain us, fused us, config)} of what it measured
 FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
-_FUSED_MAX_ROWS = 8          # the fused GEMVs are the FMA skinny GEMM's (ops/triton_kernels.py SKINNY_MAX_M)
+# the fused GEMVs: the FMA skinny GEMM's up to 8 rows, the tensor-core one's up to 64 (ops/triton_kernels.py
+# SKINNY_MAX_M, SKINNY_MMA_MAX_M); XLLM_FUSED_MMA=0 keeps 9..64 rows unfused (the benchmark's baseline)
+_FUSED_MAX_ROWS = 8 if os.environ.get("XLLM_FUSED_MMA", "1") == "0" else 64
 FUSED_TUNING: dict = {}
 
 
@@ -53,7 +55,7 @@ def gemv_config(linear, x: torch.Tensor, prologue: str):
     """The launch config of the fused GEMV for linear(x) with the prologue "norm" or "act" (None: the launch
     table's), or False where the fused kernel does not apply or was not chosen."""
     w = linear.weight
-    if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= _FUSED_MAX_ROWS:
+    if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= min(_FUSED_MAX_ROWS, _lin._SKINNY_MAX_ROWS):
         return False
     if linear.act_quant is not None or w.dim() != 2 or not w.dtype.is_floating_point or x.dtype != w.dtype:
         return False
@@ -64,7 +66,10 @@ def gemv_config(linear, x: torch.Tensor, prologue: str):
         return False            # a layer whose forward was replaced (e.g. a quantized kernel) runs as itself
     if not x.is_cuda:      # the tests: the interpreter runs programs one by one, so few wide ones
         if MODE == "1" and _CPU_KERNELS and x.device == w.device:
-            return min(64, 1 << (w.shape[0] - 1).bit_length()), 64, 1, 1
+            if x.shape[0] <= 8:
+                return min(64, 1 << (w.shape[0] - 1).bit_length()), 64, 1, 1
+            if x.dtype == torch.float32:    # (the interpreter's bf16 tl.dot is wrong: the tensor-core form in fp32)
+                return 16 if x.shape[0] <= 16 else 32 if x.shape[0] <= 32 else 64, 64, 64, 1, 1, 2
         return False
     if w.dtype not in _lin._SKINNY_DTYPES or ops._FORCE_TORCH or torch.compiler.is_compiling():
         return False
@@ -80,7 +85,9 @@ def fused_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list:
     """Launch configs timed for a fused GEMV: the skinny GEMM's measured alternatives (its launch table's own config
     is rarely the fastest), and for more than 2 rows one with 8 output rows per program: each program computes its
     x chunk (the norm / activation of all rows) itself, so fewer, wider programs read less of it."""
-    from xllm_gen.runtime.ops.triton_kernels import skinny_gemm_candidates
+    from xllm_gen.runtime.ops.triton_kernels import SKINNY_MAX_M, skinny_gemm_candidates, skinny_mma_candidates
+    if M > SKINNY_MAX_M:        # the tensor-core form: its GEMM's candidates
+        return skinny_mma_candidates(M, N, K)
     cands = skinny_gemm_candidates(M, N, K, elem_size)
     out = cands[1:] or cands
     wide = (8, min(512, cands[0][1]), 4, 1)

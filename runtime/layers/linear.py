@@ -111,7 +111,7 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
             chosen[M] = DECODE_GEMM_CHOICE[key]
         fill_row_choices(chosen, N, K, dt)
     from xllm_gen.runtime.layers.fused import tune_fused_gemvs  # the fused-prologue GEMVs of the same shapes
-    tune_fused_gemvs(shapes, [r for r in tuned if r <= SKINNY_MAX_M], cache)
+    tune_fused_gemvs(shapes, tuned, cache)
     tuning_cache.save(path, cache[1])
     return report
 

@@ -1,7 +1,9 @@
-"""Per-tensor fp8 KV-cache scales from the checkpoint (called by runtime.loading.loader after the weight plan).
+"""fp8 KV-cache scales from the checkpoint, per tensor or per KV head (called by runtime.loading.loader after the
+weight plan).
 
-Checkpoints calibrated for an fp8 KV cache hold one scale per attention layer for K and one for V, under the
-attention block's checkpoint prefix, in the forms vLLM reads:
+Checkpoints calibrated for an fp8 KV cache hold one scale per attention layer for K and one for V (one value, or one
+per KV head: compressed-tensors' `kv_cache_scheme` strategy `attn_head` writes [kv_heads, 1, 1]; [kv_heads] and
+[kv_heads, 1] are read too), under the attention block's checkpoint prefix, in the forms vLLM reads:
 - `<attn>.k_scale` / `<attn>.v_scale` (llm-compressor / compressed-tensors `kv_cache_scheme`, Quark);
 - `<attn>.kv_scale` (older writers: one scale for both);
 - `<attn>.k_proj.k_scale` / `<attn>.v_proj.v_scale` (ModelOpt);
@@ -10,18 +12,22 @@ attention block's checkpoint prefix, in the forms vLLM reads:
 
 They are mapped onto the model's attention layers (runtime.layers.Attention) generically, through the weight plan:
 the attention layer whose owning module's parameters load tensors under `<attn>.` gets them; no family and no
-spec is named. A scale is per tensor: one value, the same on every TP rank (nothing to shard). With
-kv_cache_dtype "fp8" each layer stores round(K / k_scale) in float8 and reads it back times k_scale (V likewise);
-a layer without scales keeps 1.0. With kv_cache_dtype "auto" the scales are not used (logged once).
+spec is named. A per-tensor scale is one value, the same on every TP rank; a per-head one is sharded as the K / V
+heads are (rank r holds its KV heads' values; replicated heads when TP exceeds them), held by the layer as float32
+[kv_heads, 1] (one value per head: a float). With kv_cache_dtype "fp8" each layer stores round(K / k_scale) in
+float8 and reads it back times k_scale (V likewise; per head: each head's K by its own scale); a layer without
+scales keeps 1.0. With kv_cache_dtype "auto" the scales are not used (logged once). Per-head scales are served by
+the torch attention (CPU); the CUDA runner refuses them at load (runtime/executor/model_runner.py: FlashInfer's
+run and the Triton decode kernel take one k_scale / v_scale per layer).
 
 Errors name the tensor: a scale that no attention layer owns, two scales for one layer's K (or V), a K scale without
-its V scale, a scale that is not one value, not finite or not > 0 (the last two only when the cache uses them), and
+its V scale, a scale that is neither one value nor one per KV head of its layer, not finite or not > 0 (the last
+three only when the cache uses them), and
 a config whose `kv_cache_scheme` promises static scales that the checkpoint does not hold.
 """
 from __future__ import annotations
 
 import logging
-import math
 import re
 from typing import Iterable, Optional
 
@@ -84,11 +90,49 @@ def _common_prefix(names: list) -> str:
     return ".".join(out)
 
 
+def _tp_size() -> int:
+    try:
+        from xllm_gen.runtime.executor.distributed import get_tp_size
+        return get_tp_size()
+    except Exception:       # noqa: BLE001 - no process group: one rank
+        return 1
+
+
+def _scale_value(name: str, t: torch.Tensor, layer, path: str, tp_size: int, tp_rank: int, device):
+    """A KV-cache scale tensor as the layer holds it: a float (one value per tensor, or one per KV head all equal), or
+    this rank's KV heads' values, float32 [kv_heads, 1] (per KV head: shape [H], [H, 1] or [H, 1, 1], H the layer's
+    KV heads before TP; rank r holds the heads its K / V projection rows hold)."""
+    from xllm_gen.runtime.executor.sharding import Segment, ShardingError, segment_range
+    t = t.float()
+    if not torch.isfinite(t).all() or (t <= 0).any():
+        bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[0].item()
+        raise KVScaleError(f"tensor {name!r}: a KV-cache scale must be finite and > 0, got {bad!r}")
+    if t.numel() == 1:
+        return float(t.reshape(()).item())
+    heads = t.shape[0] if t.dim() >= 1 else 0
+    local = getattr(layer, "num_kv_heads", None)
+    try:
+        a, b = segment_range(Segment("kv_heads", heads, 1, replicate_ok=True), tp_size, tp_rank) if heads else (0, 0)
+    except ShardingError:
+        a, b = 0, -1
+    if t.shape not in ((heads,), (heads, 1), (heads, 1, 1)) or b - a != local:
+        raise KVScaleError(
+            f"tensor {name!r} has shape {tuple(t.shape)}: a KV-cache scale is one value per tensor, or one per KV head "
+            f"([kv_heads], [kv_heads, 1] or compressed-tensors' attn_head [kv_heads, 1, 1]); attention layer {path!r} "
+            f"holds {local} KV heads" + (f" on each of {tp_size} TP ranks" if tp_size > 1 else "")
+            + " (per-channel KV scales are not supported)")
+    v = t.reshape(heads)
+    if bool((v == v[0]).all()):                  # per head but one value: per tensor (the CUDA path runs it)
+        return float(v[0].item())
+    return v[a:b].reshape(-1, 1).contiguous().to(device)
+
+
 def load_kv_scales(model: torch.nn.Module, plan, ckpt, names: Iterable[str], kv_fp8: bool,
                    scheme: Optional[str] = None, tp_rank: int = 0) -> set[str]:
     """Finds the KV-cache scale tensors among `names` (the checkpoint tensors the weight plan did not load), maps
     them onto the attention layers and, when `kv_fp8` (kv_cache_dtype fp8), sets each layer's k_scale / v_scale.
-    `scheme`: the config's kv_cache_scheme ("tensor": static per-tensor scales promised). Returns the tensor names
+    `scheme`: the config's kv_cache_scheme ("tensor" / "head": static per-tensor / per-KV-head scales promised; the
+    tensors' shapes decide how each is read). Returns the tensor names
     consumed (the loader's unexpected-tensor check skips them)."""
     from xllm_gen.runtime.layers.attention import Attention
     found = [(n, k) for n in sorted(names) if (k := kv_scale_kind(n)) is not None]
@@ -97,8 +141,8 @@ def load_kv_scales(model: torch.nn.Module, plan, ckpt, names: Iterable[str], kv_
         if scheme and kv_fp8 and attn_layers:
             _, info = _owners(model, plan, attn_layers[:1])
             pre = info[0][1] or "<attention>"
-            raise KVScaleError(f"config.json quantization_config.kv_cache_scheme promises static per-tensor fp8 "
-                               f"KV-cache scales, but the checkpoint has none: missing tensor {pre + '.k_scale'!r} "
+            raise KVScaleError(f"config.json quantization_config.kv_cache_scheme promises static fp8 "
+                               f"KV-cache scales ({'per tensor' if scheme == 'tensor' else 'per KV head'}), but the checkpoint has none: missing tensor {pre + '.k_scale'!r} "
                                f"(and its '.v_scale'), one pair per attention layer")
         return set()
     if not attn_layers:
@@ -135,19 +179,18 @@ def load_kv_scales(model: torch.nn.Module, plan, ckpt, names: Iterable[str], kv_
                            "keeps the KV cache in the model's dtype and ignores them (kv_cache_dtype='fp8' uses them)",
                            len(used), found[0][0])
         return used
-    values: dict[str, float] = {}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    tp_size = _tp_size()
+    values: dict[str, object] = {}
     for name, _ in found:
-        t = ckpt.slice(name)[:]
-        if t.numel() != 1:
-            raise KVScaleError(f"tensor {name!r} has shape {tuple(t.shape)}: a KV-cache scale is one value per "
-                               f"tensor (per-head or per-channel KV scales are not supported)")
-        v = float(t.float().reshape(()).item())
-        if not math.isfinite(v) or v <= 0:
-            raise KVScaleError(f"tensor {name!r}: a KV-cache scale must be finite and > 0, got {v!r}")
-        values[name] = v
+        i = next(i for i, got in scales.items() if name in got.values())
+        values[name] = _scale_value(name, ckpt.slice(name)[:], attn_layers[i], info[i][0], tp_size, tp_rank, device)
     for i, got in scales.items():
         attn_layers[i].k_scale = values[got["k"]]
         attn_layers[i].v_scale = values[got["v"]]
+    heads = sum(isinstance(values[got[w]], torch.Tensor) for got in scales.values() for w in "kv")
+    if heads and tp_rank == 0:
+        logger.info("fp8 KV cache: per-KV-head scales on %d of %d K / V caches", heads, 2 * len(scales))
     left = [info[i][0] for i in range(len(attn_layers)) if i not in scales]
     if left and tp_rank == 0:
         logger.warning("fp8 KV cache: the checkpoint has KV-cache scales for %d of %d attention layers; %s keep "

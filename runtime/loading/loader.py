@@ -8,6 +8,7 @@ name the tensor, parameter or file.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -164,7 +165,7 @@ class Checkpoint:
 
     def path_of(self, name: str) -> Path:
         """The file that holds tensor `name` (for messages)."""
-        return self.dir / self.file_of.get(name, "?")
+        return self.dir / self.file_of.get(name, self.file_of.get(name + "_blocks", "?"))     # MXFP4: its blocks
 
     def slice(self, name: str):
         if name not in self.file_of:
@@ -245,7 +246,10 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         def fill(dst, sl, name, shard_id):
             try:
                 if rule.stored is not None:                    # stored transposed / segments interleaved
-                    sl = rule.stored.view(sl)
+                    stored = rule.stored
+                    if stored.transpose and getattr(sl, "packed_along_input", False):
+                        stored = dataclasses.replace(stored, transpose=False)      # MXFP4: [.., out, in] always
+                    sl = stored.view(sl)
                 if rule.layout is not None:       # per-head / per-KV-group rows, seen blocked before sharding
                     split = getattr(param, "tp_split", None)
                     if split is None or split.dim != 0 or len(split.segments) < 2:
@@ -300,7 +304,9 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                                       f"{', '.join(map(str, rule.segments))} but not {', '.join(left)}")
         loaded.add(rule.param)
         used_sources.update(rule.sources)
-        progress.step(ckpt.file_of.get(rule.sources[-1], "?") if rule.sources else "?")
+        last = rule.sources[-1] if rule.sources else ""
+        progress.step(next((ckpt.file_of[n] for n in (last, last + "_blocks", last[: -len("weight")] + "qweight")
+                            if n in ckpt.file_of), "?"))       # a quantized source: the file of its packed tensor
     progress.close()
     try:
         used_sources |= qload.finish()

@@ -12,9 +12,13 @@ What is supported (everything else is refused, naming the method or the setting)
   GPTQModel / optimum, bits 4 or 8, `sym` true or false, `desc_act` false or true (its `g_idx`),
   `checkpoint_format` gptq (zeros stored minus one) or gptq_v2): integer weights with per-group scales and zeros,
   dequantized (runtime/layers/int_quant.py); on CUDA 4-bit weights stay packed for the weight-only GEMM.
-- KV-cache scales: compressed-tensors `kv_cache_scheme` (static per-tensor fp8; with no `config_groups`: a
-  KV-cache-only recipe) and fp8's `kv_cache_scheme: static` (AutoFP8); the per-layer k_scale / v_scale tensors are
+- KV-cache scales: compressed-tensors `kv_cache_scheme` (static fp8, strategy `tensor` or `attn_head` (per KV head);
+  with no `config_groups`: a KV-cache-only recipe) and fp8's `kv_cache_scheme: static` (AutoFP8); the per-layer k_scale / v_scale tensors are
   read by runtime.loading.kv_scales and used with kv_cache_dtype "fp8".
+- `quant_method: mxfp4` (gpt-oss's published form; transformers' Mxfp4Config): any tensor `T` stored as
+  `T_blocks` (uint8 e2m1 pairs, groups of 32 along the input dim) and `T_scales` (e8m0 per group), dequantized to
+  the compute dtype at load (runtime/layers/mxfp4.py); `modules_to_not_convert` is documentation (the tensors
+  stored in a float dtype load as they are). Activations are not quantized.
 - online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
   channel at load (not the embeddings, the lm_head, MoE experts or the MoE router), activations dynamically per
   token.
@@ -30,10 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SUPPORTED = ("fp8 (block-wise or per-tensor), compressed-tensors (format float-quantized), awq (version gemm), "
-             "gptq (bits 4 / 8), online fp8")
+             "gptq (bits 4 / 8), mxfp4, online fp8")
 # keys of each method's quantization_config that change nothing the runtime computes (bookkeeping)
 _FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
              "ignored_layers", "dequantize", "kv_cache_scheme"}
+# transformers' Mxfp4Config.to_dict (dequantize: a loading option of transformers; the runtime always dequantizes)
+_MXFP4_KEYS = {"quant_method", "modules_to_not_convert", "dequantize"}
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "global_compression_ratio",
             "kv_cache_scheme", "sparsity_config", "version", "transform_config", "quant_method_version"}
 
@@ -59,7 +65,7 @@ class QuantConfigError(ValueError):
 class QuantConfig:
     """What the loader and the linear layers need to know about a checkpoint's quantization.
 
-    method: "fp8" | "compressed-tensors" | "online-fp8".
+    method: "fp8" | "compressed-tensors" | "awq" | "gptq" | "mxfp4" | "online-fp8".
     scale_suffix: the weight scale tensor's name after the layer prefix ("weight_scale_inv" / "weight_scale").
     weight_block: (rows, cols) of one weight scale for fp8 block-wise; None: the scale tensor's shape says
         (per tensor: one value; per channel: one per output row).
@@ -69,9 +75,9 @@ class QuantConfig:
     ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide).
     bits, group (-1: one group over all input features), zero_offset (GPTQ v1 stores zeros minus 1: 1),
     awq (AWQ's packing: qweight [in, out / 8] with the interleaved nibble order) of the integer formats.
-    kv_scheme: "tensor" when the config promises static per-tensor fp8 KV-cache scales (compressed-tensors
-    `kv_cache_scheme`, AutoFP8's `kv_cache_scheme: static`); the tensors themselves (runtime.loading.kv_scales) are
-    read whenever the checkpoint holds them."""
+    kv_scheme: "tensor" / "head" when the config promises static fp8 KV-cache scales per tensor / per KV head
+    (compressed-tensors `kv_cache_scheme` strategy tensor / attn_head, AutoFP8's `kv_cache_scheme: static`); the
+    tensors themselves (runtime.loading.kv_scales) are read whenever the checkpoint holds them, by their shape."""
     method: str
     scale_suffix: str = ""
     weight_block: Optional[tuple] = None
@@ -84,6 +90,8 @@ class QuantConfig:
     kv_scheme: Optional[str] = None
 
     def describe(self) -> str:
+        if self.method == "mxfp4":
+            return "mxfp4 (weights e2m1 with an e8m0 scale per 32, dequantized at load; activations none)"
         if self.method in ("awq", "gptq"):
             g = "per channel" if self.group == -1 else f"group {self.group}"
             return f"{self.method} (weights int{self.bits}, {g}; activations none)"
@@ -152,6 +160,19 @@ def _awq(qc: dict) -> QuantConfig:
     bits = _pos_int(qc, "bits", (4,), "awq")
     group = _pos_int(qc, "group_size", _GROUPS, "awq")
     return QuantConfig("awq", ignore=tuple(qc.get("modules_to_not_convert") or ()), bits=bits, group=group)
+
+
+def _mxfp4(qc: dict) -> QuantConfig:
+    extra = sorted(set(qc) - _MXFP4_KEYS)
+    if extra:
+        raise _err(f"quant_method 'mxfp4' with unsupported field(s) {', '.join(extra)} (supported: the OCP MX "
+                   f"e2m1 weights with e8m0 scales per 32 values that transformers' Mxfp4Config describes)")
+    if not isinstance(qc.get("dequantize", False), bool):
+        raise _err(f"quant_method 'mxfp4' with dequantize={qc.get('dequantize')!r}: must be true or false")
+    skip = qc.get("modules_to_not_convert") or ()
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip):
+        raise _err(f"quant_method 'mxfp4' with modules_to_not_convert={skip!r}: must be a list of module names")
+    return QuantConfig("mxfp4", ignore=tuple(skip))
 
 
 def _gptq(qc: dict) -> QuantConfig:
@@ -242,17 +263,20 @@ _CT_KV_BOOKKEEPING = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
 
 
 def _ct_kv_scheme(kv) -> Optional[str]:
-    """compressed-tensors `kv_cache_scheme`: None, or static per-tensor fp8 e4m3 ("tensor"); anything else is
-    refused naming the field."""
+    """compressed-tensors `kv_cache_scheme`: None, static fp8 e4m3 per tensor ("tensor") or per KV head (strategy
+    `attn_head`: "head"); anything else is refused naming the field."""
     if kv is None:
         return None
     if not isinstance(kv, dict):
         raise _err(f"kv_cache_scheme={kv!r} is not an object")
-    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False),
-                      ("strategy", "tensor")):
+    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
         if kv.get(key, want) != want:
-            raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported ({want!r}: static per-tensor fp8 "
-                       f"KV-cache scales)")
+            raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported ({want!r}: static fp8 KV-cache "
+                       f"scales)")
+    strategy = kv.get("strategy", "tensor")
+    if strategy not in ("tensor", "attn_head"):
+        raise _err(f"kv_cache_scheme.strategy={strategy!r} is not supported ('tensor': per-tensor, 'attn_head': "
+                   f"per-KV-head static fp8 KV-cache scales)")
     for key in ("group_size", "block_structure", "actorder"):
         if kv.get(key) not in (None, False):
             raise _err(f"kv_cache_scheme.{key}={kv.get(key)!r} is not supported")
@@ -260,7 +284,7 @@ def _ct_kv_scheme(kv) -> Optional[str]:
                                                      "group_size", "block_structure", "actorder"})
     if extra:
         raise _err(f"kv_cache_scheme with unsupported field(s) {', '.join(extra)}")
-    return "tensor"
+    return "head" if strategy == "attn_head" else "tensor"
 
 
 def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[QuantConfig]:
@@ -283,6 +307,8 @@ def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[
         parsed = _awq(qc)
     elif method == "gptq":
         parsed = _gptq(qc)
+    elif method == "mxfp4":
+        parsed = _mxfp4(qc)
     else:
         raise _err(f"quant_method={method!r} is not supported (supported: {SUPPORTED})")
     if quantization == "fp8" and parsed.method not in ("fp8", "compressed-tensors"):

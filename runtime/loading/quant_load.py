@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from xllm_gen.runtime.layers.int_quant import IntQuantError, IntWeightView, pack_components
+from xllm_gen.runtime.layers.mxfp4 import BLOCKS_SUFFIX, Mxfp4Error, Mxfp4View
 from xllm_gen.runtime.layers.quant import ActQuant, Fp8WeightView, OnlineFp8View
 from xllm_gen.runtime.loading.quant_config import QuantConfig, block_grid
 
@@ -49,6 +50,13 @@ def _shape(sl) -> tuple:
     return tuple(int(s) for s in (sl.get_shape() if hasattr(sl, "get_shape") else sl.shape))
 
 
+def _nbytes(sl) -> int:
+    n = 1
+    for d in _shape(sl):
+        n *= d
+    return n                                         # uint8 blocks and scales: a byte each
+
+
 class QuantLoad:
     def __init__(self, model: torch.nn.Module, ckpt, qc: Optional[QuantConfig]):
         self.model, self.ckpt, self.qc = model, ckpt, qc
@@ -58,10 +66,21 @@ class QuantLoad:
         self.names = set(ckpt.names())
         self.packed: list[str] = []                # layers holding packed weights (runtime/layers/quant_linear.py)
         self.unpacked: list[str] = []              # quantized layers that keep their dequantized weight
+        self.mxfp4: dict[str, tuple] = {}          # parameter -> (its MXFP4 source tensors' packed bytes, its bytes)
 
     def open(self, name: str):
         """The checkpoint slice of `name`, or, for an AWQ / GPTQ layer's `.weight` (stored as `.qweight`, `.qzeros`,
-        `.scales`, `.g_idx`), the view that reads those as the weight."""
+        `.scales`, `.g_idx`), the view that reads those as the weight; for an MXFP4 tensor (stored as `<name>_blocks`
+        and `<name>_scales`, any tensor), the view that dequantizes them (runtime/layers/mxfp4.py)."""
+        if name not in self.names and name + BLOCKS_SUFFIX in self.names:
+            if self.qc is None or self.qc.method != "mxfp4":
+                raise QuantLoadError(f"tensor {name + BLOCKS_SUFFIX!r} is an MXFP4 weight, but config.json's "
+                                     f"quantization_config is {self.qc.describe() if self.qc else 'missing'} "
+                                     f"(quant_method 'mxfp4' expected)")
+            try:
+                return Mxfp4View.open(self.ckpt, name)
+            except Mxfp4Error as e:
+                raise QuantLoadError(str(e)) from None
         if name in self.names or not name.endswith(".weight"):
             return self.ckpt.slice(name)
         base = name[: -len(".weight")]
@@ -97,6 +116,12 @@ class QuantLoad:
         dtype = _dtype(sl)
         qc = self.qc
         mod_name, linear = self._module(param)
+        if isinstance(sl, Mxfp4View):            # dequantized into any float parameter; activations untouched
+            self.used.update(sl.names)
+            param_t = self.model.get_parameter(param)
+            self.mxfp4[param] = (self.mxfp4.get(param, (0, 0))[0] + sum(
+                _nbytes(self.ckpt.slice(n)) for n in sl.names), param_t.numel() * param_t.element_size())
+            return sl
         if isinstance(sl, IntWeightView):
             if linear is None:
                 raise QuantLoadError(f"tensor {sl.names[0]!r} is {qc.method}-quantized, but parameter {param!r} is not "
@@ -216,6 +241,13 @@ class QuantLoad:
                 torch.cuda.empty_cache()               # the dropped dequantized weights, for the KV cache
         if self.qc is not None and self.qc.method in ("awq", "gptq"):
             self._zero_biases()
+        if self.mxfp4:
+            packed = sum(b for b, _ in self.mxfp4.values())
+            held = sum(h for _, h in self.mxfp4.values())
+            dtype = self.model.get_parameter(next(iter(self.mxfp4))).dtype
+            logger.info("MXFP4: %d parameters dequantized at load to %s: %.2f GiB held on this rank; the checkpoint's "
+                        "packed e2m1 + e8m0 tensors for them: %.2f GiB (all ranks). A fused MXFP4 kernel is not used",
+                        len(self.mxfp4), str(dtype).replace("torch.", ""), held / 2**30, packed / 2**30)
         for mod_name, srcs in self.layers.items():
             if mod_name in self.plain:
                 raise QuantLoadError(f"layer {mod_name!r}: tensor(s) {', '.join(self.plain[mod_name])} are not "

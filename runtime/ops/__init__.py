@@ -182,10 +182,12 @@ def _(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     return None
 
 
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     """k, v [N, Hk, D] -> caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped. k_scale / v_scale:
-    per-tensor KV-cache scales (the cache holds k / k_scale, v / v_scale; a float8 cache saturates at +-448)."""
-    if not k.is_cuda:
+    KV-cache scales per tensor (floats) or per KV head ([Hk, 1] float32 tensors) (the cache holds k / k_scale,
+    v / v_scale; a float8 cache saturates at +-448)."""
+    if not k.is_cuda or isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+        # per-KV-head scales ([Hk, 1] tensors): the torch store (the CUDA runner refuses them at load)
         reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if _direct():

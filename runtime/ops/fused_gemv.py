@@ -1,7 +1,8 @@
 """Decode GEMVs with a fused prologue: the op before a linear layer computed while its weight streams.
 
-Both kernels are the skinny GEMM of triton_kernels.py (`_skinny_gemm_kernel`: M <= 8 rows, a [BLOCK_N, BLOCK_K // VEC,
-VEC] weight tile, one fp32 accumulator per row, the same launch configs) whose x chunk is not read but computed:
+Up to 8 rows the kernel is the skinny GEMM of triton_kernels.py (`_skinny_gemm_kernel`: a [BLOCK_N, BLOCK_K // VEC,
+VEC] weight tile, one fp32 accumulator per row, the same launch configs), from 9 to 64 rows its tensor-core skinny
+GEMM (`_skinny_mma_kernel`, split-K; `_prologue_mma_kernel` below), whose x chunk is not read but computed:
 
 - `norm_gemv`: y = W rmsnorm(x + r) (+ bias), new residual x + r. RMSNorm's scale rsqrt(mean(h^2) + eps) is a
   per-row scalar, so it factors out of the dot product: the loop accumulates sum(h^2) beside acc += W (g h), with
@@ -27,7 +28,13 @@ import triton.language as tl
 
 from xllm_gen.runtime.ops import pdl
 from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger, prefetch_rows_l2
-from xllm_gen.runtime.ops.triton_kernels import SKINNY_MAX_M, skinny_gemm_config
+from xllm_gen.runtime.ops.triton_kernels import (
+    SKINNY_MAX_M,
+    SKINNY_MMA_MAX_M,
+    _splitk_counters,
+    skinny_gemm_config,
+    skinny_mma_config,
+)
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}   # act_gemv's activations (gelu: exact erf)
 
@@ -196,16 +203,116 @@ def _finish(acc, ss, K, eps, PRO: tl.constexpr):
     return out
 
 
+# ---------------------------------------------------------------------------------------------- the MMA form
+# 9..64 decode rows: the tensor-core skinny GEMM of triton_kernels.py (`_skinny_mma_kernel`: "swap AB", the weight
+# rows on the MMA's M side, the decode rows padded to BLOCK_M on its N side, K split over SPLIT_K programs reduced
+# by the last one of each column block) whose x^T tile is computed by the same prologues. The tile is rounded to the
+# weight dtype for the MMA (the FMA kernel keeps it in fp32): g * h for the norm (its per-row scale rsqrt(sum h^2 /
+# K + eps) still applied to the fp32 sum at the end), act(gate) * up rounded as the unfused kernel rounds it. With
+# split-K each program's sum of squares covers its own K range: they go to a workspace beside the partial sums and
+# the reducing program adds them up.
+@triton.jit
+def _prologue_mma_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, ss_ptr, cnt_ptr, M, N, K,
+                         K_SPLIT, SPLIT_K, stride_xm, stride_rm, stride_om, stride_wn, stride_ym, half, eps, g_offset,
+                         PRO: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                         EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pdl_enter(PDL, LARGE=True)
+    write_res = pid_n == 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)          # clamped: the last tile's extra rows are never stored
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    m64 = offs_m[None, :].to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]                # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + m64 * stride_xm + offs_k[:, None]                          # [BLOCK_K, BLOCK_M] (x^T)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = (offs_k + k0) < k_hi
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+            xm = m_mask[None, :]
+        else:
+            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            xm = m_mask[None, :] & k_ok[:, None]
+        if PRO == 1:
+            x = tl.load(x_ptrs + k0, mask=xm, other=0.0)
+            if HAS_RES:
+                r = tl.load(r_ptr + m64 * stride_rm + offs_k[:, None] + k0, mask=xm, other=0.0)
+                h = (x.to(tl.float32) + r.to(tl.float32)).to(ro_ptr.dtype.element_ty)
+                tl.store(ro_ptr + m64 * stride_om + offs_k[:, None] + k0, h, mask=xm & write_res)
+                hf = h.to(tl.float32)
+            else:
+                hf = x.to(tl.float32)
+            g = tl.load(g_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32) + g_offset
+            ss += tl.sum(hf * hf, axis=0)
+            xt = (hf * g[:, None]).to(w.dtype)
+        else:
+            a = tl.load(x_ptrs + k0, mask=xm, other=0.0)
+            b = tl.load(x_ptrs + half + k0, mask=xm, other=0.0)
+            af = a.to(tl.float32)
+            if ACT == 0:        # silu
+                s = af / (1.0 + tl.exp(-af))
+            elif ACT == 1:      # gelu, tanh approximation
+                u = 0.7978845608028654 * (af + 0.044715 * af * af * af)
+                s = 0.5 * af * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)))
+            else:               # gelu, exact erf
+                s = 0.5 * af * (1.0 + tl.erf(af * 0.7071067811865476))
+            s = s.to(a.dtype).to(tl.float32)
+            xt = (s * b.to(tl.float32)).to(w.dtype)
+        acc = tl.dot(w, xt, acc)
+    pdl_trigger(PDL)
+    n_mask = offs_n < N
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = y_ptr + m64 * stride_ym + offs_n[:, None]
+    if not SPLIT:
+        if PRO == 1:
+            acc = acc * (1.0 / tl.sqrt(ss / K + eps))[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # workspaces: partial sums [SPLIT_K, N_pad, BLOCK_M], sums of squares [grid_n, SPLIT_K, BLOCK_M]
+        n_pad = tl.num_programs(0) * BLOCK_N
+        tile = offs_n[:, None].to(tl.int64) * BLOCK_M + offs_m[None, :]
+        tl.store(ws_ptr + pid_k * n_pad * BLOCK_M + tile, acc)
+        if PRO == 1:
+            tl.store(ss_ptr + (pid_n * SPLIT_K + pid_k) * BLOCK_M + offs_m, ss)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            ss_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for s_i in range(0, SPLIT_K):
+                total += tl.load(ws_ptr + s_i * n_pad * BLOCK_M + tile, cache_modifier=".cg")
+                if PRO == 1:
+                    ss_all += tl.load(ss_ptr + (pid_n * SPLIT_K + s_i) * BLOCK_M + offs_m, cache_modifier=".cg")
+            if PRO == 1:
+                total = total * (1.0 / tl.sqrt(ss_all / K + eps))[None, :]
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)              # ready for the next call (or graph replay)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, K: int, what: str) -> None:
     M = x.shape[0]
-    if x.dim() != 2 or M > SKINNY_MAX_M:
-        raise ValueError(f"{what}: x {tuple(x.shape)} must be [M <= {SKINNY_MAX_M}, K]")
+    if x.dim() != 2 or M > SKINNY_MMA_MAX_M:
+        raise ValueError(f"{what}: x {tuple(x.shape)} must be [M <= {SKINNY_MMA_MAX_M}, K]")
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"{what}: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
 
 
 def _launch(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config):
     M, N = y.shape
+    if M > SKINNY_MAX_M:
+        return _launch_mma(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config)
     bn, bk, warps, stages = config or skinny_gemm_config(M, N, K, weight.element_size())
     vec = min(16 // weight.element_size(), bk)
     has_bias = bias is not None
@@ -217,6 +324,30 @@ def _launch(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, conf
         **pdl.prefetch_meta(K, weight.element_size()))
 
 
+def _launch_mma(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config):
+    """9..64 rows: config (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K), default skinny_mma_config's."""
+    M, N = y.shape
+    bm, bn, bk, warps, stages, split = config or skinny_mma_config(M, N, K)
+    if bm < M:
+        raise ValueError(f"fused GEMV: BLOCK_M {bm} < M {M}")
+    grid_n = triton.cdiv(N, bn)
+    k_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
+    split = triton.cdiv(K, k_split)
+    if split > 1:
+        ws = torch.empty((split, grid_n * bn, bm), dtype=torch.float32, device=x.device)
+        ss = torch.empty((grid_n, split, bm), dtype=torch.float32, device=x.device) if pro == 1 else ws
+        cnt = _splitk_counters(x.device, grid_n)
+    else:
+        ws = ss = cnt = y
+    has_bias = bias is not None
+    _prologue_mma_kernel[(grid_n, split)](
+        x, r, ro, g, weight, bias if has_bias else weight, y, ws, ss, cnt, M, N, K, k_split, split, x.stride(0),
+        r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), half, float(eps), float(g_offset),
+        PRO=pro, HAS_RES=r is not x, ACT=act, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT=split > 1, EVEN_K=K % k_split == 0 and k_split % bk == 0, NUM_STAGES=stages, num_warps=warps,
+        num_stages=stages, **pdl.launch(x))
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -224,9 +355,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
               weight_offset: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
               config: Optional[tuple] = None):
-    """(W rmsnorm(x + residual) + bias, x + residual) for x, residual [M <= 8, K] (residual None: rmsnorm(x), x);
-    the norm's weight [K] scales as (weight_offset + w). config: the skinny GEMM's (BLOCK_N, BLOCK_K, warps, stages),
-    default its launch table's."""
+    """(W rmsnorm(x + residual) + bias, x + residual) for x, residual [M <= 64, K] (residual None: rmsnorm(x), x);
+    the norm's weight [K] scales as (weight_offset + w). config: for M <= 8 the skinny GEMM's (BLOCK_N, BLOCK_K,
+    warps, stages), else the MMA kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K); default the launch
+    table's."""
     M, K = x.shape
     _check(x, weight, K, "norm_gemv")
     x, weight = _rows(x), _rows(weight)
@@ -248,7 +380,8 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
 
 def act_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, act: str = "silu",
              config: Optional[tuple] = None) -> torch.Tensor:
-    """W (act(x[:, :K]) * x[:, K:]) + bias for x [M <= 8, 2K] (gate | up), weight [N, K]; act one of ACT_CODES."""
+    """W (act(x[:, :K]) * x[:, K:]) + bias for x [M <= 64, 2K] (gate | up), weight [N, K]; act one of ACT_CODES;
+    config as norm_gemv's."""
     M = x.shape[0]
     K = x.shape[1] // 2
     _check(x, weight, K, "act_gemv")

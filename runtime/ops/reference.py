@@ -96,24 +96,32 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, positions, inv_freq, axis_map=No
 FP8_MAX = 448.0     # the largest finite float8 e4m3fn value
 
 
-def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """x as the KV cache stores it: x / scale rounded to `dtype` (float8 e4m3: saturated at +-448, as the CUDA
-    store kernel's conversion does); a cache of another dtype with scale 1.0: a plain cast."""
+def unit_scale(scale) -> bool:
+    """Whether a KV-cache scale is the plain 1.0 (a float; a per-head scale is a tensor, never unit)."""
+    return not isinstance(scale, torch.Tensor) and scale == 1.0
+
+
+def quantize_kv(x: torch.Tensor, scale, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., Hk, D] as the KV cache stores it: x / scale rounded to `dtype` (float8 e4m3: saturated at +-448, as the
+    CUDA store kernel's conversion does); a cache of another dtype with scale 1.0: a plain cast. `scale`: a float (per
+    tensor) or a float32 tensor [Hk, 1] (per KV head, broadcast over the head's D values)."""
     if dtype == torch.float8_e4m3fn:
-        xs = x.float() if scale == 1.0 else x.float() / scale
+        xs = x.float() if unit_scale(scale) else x.float() / scale
         return xs.clamp(-FP8_MAX, FP8_MAX).to(dtype)
-    return (x if scale == 1.0 else x.float() / scale).to(dtype)
+    return (x if unit_scale(scale) else x.float() / scale).to(dtype)
 
 
-def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """A cache read back: float32 x * scale (x itself for scale 1.0: the caller converts)."""
-    return x if scale == 1.0 else x.float() * scale
+def dequantize_kv(x: torch.Tensor, scale) -> torch.Tensor:
+    """A cache [..., Hk, D] read back: float32 x * scale (x itself for scale 1.0: the caller converts); `scale` as in
+    quantize_kv."""
+    return x if unit_scale(scale) else x.float() * scale
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                  slot_mapping: torch.Tensor, k_scale=1.0, v_scale=1.0) -> None:
     """k, v [N, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped. k_scale /
-    v_scale: the per-tensor KV-cache scales (a float8 cache holds k / k_scale, read back times k_scale)."""
+    v_scale: the KV-cache scales, per tensor (floats) or per KV head ([Hk, 1] tensors) (a float8 cache holds
+    k / k_scale, read back times k_scale)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     kc = k_cache.view(-1, *k_cache.shape[2:])

@@ -458,8 +458,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="fp8: quantize an unquantized checkpoint's linear weights to fp8 per channel at load "
                          "(a quantized checkpoint's own quantization_config needs no flag)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                    help="fp8: the KV cache in float8 e4m3 (with the checkpoint's per-tensor k_scale / "
-                         "v_scale where it has them, else scale 1.0)")
+                    help="fp8: the KV cache in float8 e4m3 (with the checkpoint's k_scale / "
+                         "v_scale, per tensor or per KV head, where it has them, else scale 1.0)")
     ap.add_argument("--mm-preprocess-device", default="cpu",
                     help="where image / video preprocessing runs: cpu (the host; the default until the device "
                          "path has run on a GPU), auto (the model's GPU when the processor supports it), or a "

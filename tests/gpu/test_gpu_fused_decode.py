@@ -1,8 +1,8 @@
 """Fused decode prologues on the GPU (marker `gpu`; skipped without CUDA): runtime/ops/fused_gemv.py and the
 generated code's L.norm_linear / L.act_linear.
 
-- kernels (bf16, Qwen3-0.6B and -8B shapes, 1-8 rows, every candidate launch config of the skinny GEMM) against the
-  unfused Triton ops with the same GEMV config: norm_gemv vs fused_add_rms_norm + skinny_gemm within bf16
+- kernels (bf16, Qwen3-0.6B and -8B shapes, 1-8 rows with every candidate launch config of the skinny GEMM, 12-64
+  rows with every one of the tensor-core skinny GEMM) against the unfused Triton ops with the same GEMM config: norm_gemv vs fused_add_rms_norm + skinny_gemm within bf16
   rounding (the fused kernel keeps the normalized x in fp32), its residual output bit for bit; act_gemv vs
   silu_and_mul / gelu_and_mul + skinny_gemm within bf16 rounding (bit-exact counts are printed);
 - a tiny bf16 Qwen3 (head_dim 128) decode with the fused kernels forced on (XLLM_FUSED_DECODE=1) against the plain
@@ -48,16 +48,18 @@ def test_fused_kernels_vs_unfused_triton(name):
     W = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dt)
     bias = torch.randn(N, device="cuda", generator=g).to(dt)
     worst, exact, cases = 0.0, 0, 0
-    for M in (1, 2, 3, 4, 8):
+    for M in (1, 2, 3, 4, 8, 12, 16, 32, 64):
         x = torch.randn(M, K, device="cuda", generator=g).to(dt)
         r = torch.randn(M, K, device="cuda", generator=g).to(dt)
         w = (1 + 0.1 * torch.randn(K, device="cuda", generator=g)).to(dt)
         gu = torch.randn(M, 2 * K, device="cuda", generator=g).to(dt)
-        for cfg in T.skinny_gemm_candidates(M, N, K) + [(8, 512, 4, 1)]:
+        # 9..64 rows: the tensor-core form against the tensor-core skinny GEMM with the same config
+        gemm = T.skinny_gemm if M <= 8 else T.skinny_mma_gemm
+        for cfg in (T.skinny_gemm_candidates(M, N, K) + [(8, 512, 4, 1)] if M <= 8 else T.skinny_mma_candidates(M, N, K)):
             if "down" not in name:
                 for off in (0.0, 1.0):
                     h, want_r = ops.fused_add_rms_norm(x, r, w, 1e-6, off)
-                    want = T.skinny_gemm(h, W, bias, config=cfg)
+                    want = gemm(h, W, bias, config=cfg)
                     y, nr = FG.norm_gemv(x, r, w, 1e-6, off, W, bias, config=cfg)
                     torch.cuda.synchronize()
                     assert torch.equal(nr, want_r), f"{name} M{M} {cfg}: residual differs"
@@ -66,7 +68,7 @@ def test_fused_kernels_vs_unfused_triton(name):
                     assert e < 2e-2, f"{name} M{M} {cfg} offset {off}: norm_gemv error {e}"
             for act in (("silu", "gelu_tanh") if "down" in name else ()):
                 a = ops.silu_and_mul(gu) if act == "silu" else ops.gelu_and_mul(gu, "tanh")
-                want = T.skinny_gemm(a, W, bias, config=cfg)
+                want = gemm(a, W, bias, config=cfg)
                 y = FG.act_gemv(gu, W, bias, act, config=cfg)
                 e = _err(y, want)
                 worst, exact, cases = max(worst, e), exact + torch.equal(y, want), cases + 1
@@ -93,11 +95,11 @@ def test_fused_gemv_tuning(monkeypatch):
                                 ).to("cuda", torch.bfloat16)
     for m in model:
         torch.nn.init.normal_(m.weight, std=0.02)
-    LL.tune_decode_gemms(model, [1, 2, 4, 8])
+    LL.tune_decode_gemms(model, [1, 2, 4, 8, 16])
     print("\n[fused GEMV tuning] (prologue, M, N, K): (plain us, fused us, config)")
     for k, v in sorted(FU.FUSED_TUNING.items(), key=str):
         print(f"  {k}: {v[0]:.2f} / {v[1]:.2f} us {v[2]}")
-    assert {k[:2] for k in FU.FUSED_TUNING} == {(p, M) for p in ("norm", "act") for M in (1, 2, 4, 8)}
+    assert {k[:2] for k in FU.FUSED_TUNING} == {(p, M) for p in ("norm", "act") for M in (1, 2, 4, 8, 16)}
     for (p, M, N, K), (tp, tf, cfg) in FU.FUSED_TUNING.items():
         assert tp > 0 and tf > 0 and cfg in FU.fused_candidates(M, N, K)
         assert FU.FUSED_GEMV_CHOICE[p][(M, N, K, torch.bfloat16)] == (cfg, tf < tp)
