@@ -222,3 +222,36 @@ def test_kv_sharing_refused_on_cuda():
     from xllm_gen.runtime.attention.base import cuda_attention_refusal
 
     assert "shares KV caches across layers" in cuda_attention_refusal((), shared_kv=True)
+
+
+def test_gemma_4_31b_text_config_is_read():
+    """gemma-4-31B-it's text_config (as transformers 5.7 prints it; the published checkpoint is the multimodal
+    Gemma4ForConditionalGeneration, its decoder under model.language_model): accepted, the full layers at
+    global_head_dim 512 with num_global_key_value_heads 4 and values from the keys, no per-layer inputs."""
+    import torch as _t
+
+    mod = importlib.import_module("xllm_gen.generated.gemma4.model")
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 10
+    cfg = {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "attention_bias": False,
+        "attention_dropout": 0.0, "attention_k_eq_v": True, "bos_token_id": 2, "dtype": "bfloat16",
+        "enable_moe_block": False, "eos_token_id": 1, "expert_intermediate_size": None,
+        "final_logit_softcapping": 30.0, "global_head_dim": 512, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 5376, "hidden_size_per_layer_input": 0,
+        "initializer_range": 0.02, "intermediate_size": 21504, "layer_types": types, "max_position_embeddings": 262144,
+        "moe_intermediate_size": None, "num_attention_heads": 32, "num_experts": None, "num_global_key_value_heads": 4,
+        "num_hidden_layers": 60, "num_key_value_heads": 16, "num_kv_shared_layers": 0, "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                               "rope_type": "proportional"},
+                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "sliding_window": 1024, "tie_word_embeddings": True, "top_k_experts": None,
+        "use_bidirectional_attention": "vision", "use_cache": True, "use_double_wide_mlp": False,
+        "vocab_size": 262144, "vocab_size_per_layer_input": 262144}
+    c = mod.Config.from_hf(cfg)
+    assert (c.global_head_dim, c.full_kv_heads, c.head_dim, c.num_key_value_heads) == (512, 4, 256, 16)
+    assert c.kv_source_of == tuple(range(60)) and c.hidden_size_per_layer_input == 0
+    with _t.device("meta"):
+        full, sliding = mod.Gemma4Attention(c, 5), mod.Gemma4Attention(c, 0)
+    assert full.values_from_keys and tuple(full.qkv_proj.weight.shape) == (32 * 512 + 4 * 512, 5376)
+    assert not sliding.values_from_keys and tuple(sliding.qkv_proj.weight.shape) == (32 * 256 + 2 * 16 * 256, 5376)
