@@ -54,9 +54,22 @@ SCHEMA_FILE = "spec.schema.json"     # beside the specs; a spec's first line: # 
 
 
 def _field_docs(module) -> dict:
-    """{class: {field: doc}} from the comments of schema.py: a field's trailing `# ...` comment and the
-    comment lines right above it (the spec language documents its fields there)."""
-    source = open(module.__file__, encoding="utf-8").read()
+    """{class: {field: doc}} from the comments of the schema's modules (codegen/schema/*.py, or the one file of a
+    module `S`): a field's trailing `# ...` comment and the comment lines right above it (the spec language
+    documents its fields there)."""
+    if hasattr(module, "__path__"):                       # a package: every module of it
+        files = sorted(f for d in module.__path__ for f in Path(d).glob("*.py"))
+    else:
+        files = [Path(module.__file__)]
+    out: dict = {}
+    for f in files:
+        for cls, docs in _file_field_docs(f.read_text(encoding="utf-8")).items():
+            out.setdefault(cls, {}).update(docs)
+    return out
+
+
+def _file_field_docs(source: str) -> dict:
+    """_field_docs of one module's source."""
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     lines = source.splitlines()
@@ -128,7 +141,7 @@ def _nullable(node: dict) -> dict:
 
 
 def spec_json_schema(S=None) -> dict:
-    """The JSON Schema (draft 2020-12) of a spec file, from the pydantic models of codegen/schema.py (or the
+    """The JSON Schema (draft 2020-12) of a spec file, from the pydantic models of codegen/schema/ (or the
     module `S`) with the field comments as descriptions. A file with `extends` is an overlay: keys optional,
     `~` deletes."""
     if S is None:
@@ -199,7 +212,7 @@ def _check_json_schemas(spec_paths) -> bool:
             ok = False
             shown = display_path(path)
             sys.stdout.write("".join(difflib.unified_diff(old.splitlines(keepends=True), text.splitlines(keepends=True),
-                                                          fromfile=f"{shown} (on disk)", tofile=f"{shown} (schema.py)")))
+                                                          fromfile=f"{shown} (on disk)", tofile=f"{shown} (codegen/schema/)")))
             print(f"error: {shown} is stale: run: xllm-gen --json-schema {shown}", file=sys.stderr)
         else:
             print(f"up to date: {display_path(path)}")

@@ -1,8 +1,8 @@
 """The JSON Schema of the spec language (`xllm-gen --json-schema`, committed as specs/spec.schema.json for
-yaml-language-server): up to date with codegen/schema.py, accepts every spec in specs/ (as written, `extends`
+yaml-language-server): up to date with codegen/schema/, accepts every spec in specs/ (as written, `extends`
 overlays included, and merged), and refuses unknown keys.
 
-Refresh after a change of codegen/schema.py:  xllm-gen --json-schema specs/spec.schema.json
+Refresh after a change of codegen/schema/:  xllm-gen --json-schema specs/spec.schema.json
 """
 from __future__ import annotations
 

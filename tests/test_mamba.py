@@ -1,4 +1,4 @@
-"""Mamba-1's selective scan (the `mamba` block kind, runtime/layers/recurrent.py L.Mamba) on the tiny Mamba,
+"""Mamba-1's selective scan (the `mamba` block kind, runtime/layers/recurrent/mamba.py L.Mamba) on the tiny Mamba,
 FalconMamba and Jamba checkpoints (features ON: projection and conv biases; Jamba: attention and MoE layers by their
 periods, weighted inner norms):
 

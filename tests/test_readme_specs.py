@@ -1,6 +1,6 @@
 """codegen/README.md cannot rot: every ```yaml block marked `<!-- spec: NAME.yaml -->` is a complete spec that
 compiles (`xllm-gen --dry-run`, next to copies of specs/*.yaml so that examples may `extends` them), and every
-key and block kind of the language (codegen/schema.py) is named in the document.
+key and block kind of the language (codegen/schema/) is named in the document.
 """
 from __future__ import annotations
 

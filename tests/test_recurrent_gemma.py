@@ -1,4 +1,4 @@
-"""RecurrentGemma (Griffin): the `rg_lru` block kind (runtime/layers/recurrent.py L.RGLRU) and specs/recurrent_gemma.yaml
+"""RecurrentGemma (Griffin): the `rg_lru` block kind (runtime/layers/recurrent/rg_lru.py L.RGLRU) and specs/recurrent_gemma.yaml
 on the tiny checkpoint (tests/fixtures/tiny_hf.py: 4 layers of the repeated pattern recurrent, recurrent, attention,
 recurrent; an RG-LRU of 96 channels in 4 head blocks, wider than the residual; transformers' log-decay init; a local
 attention window of 6 that the prompts cross):

@@ -26,7 +26,7 @@ class ForwardContext:
     # deepstack injection: level k is added to hidden states at rows visual_rows after decoder layer k.
     deepstack: Optional["DeepstackInput"] = None
     extra: dict = field(default_factory=dict)
-    # recurrent-state mixers (runtime/layers/recurrent.py): each sequence's state slot [B] int64 (device) and host
+    # recurrent-state mixers (runtime/layers/recurrent/): each sequence's state slot [B] int64 (device) and host
     # copies, and whether the slot continues the sequence's state (False: its first prefill chunk, state from zero);
     # a decode step reads only state_slots (in a decode graph bucket: a static buffer, padding rows on the scratch
     # slot; the host copies are None there)

@@ -11,7 +11,7 @@ Where things live:
   with `position_rows` R > 1, e.g. mRoPE), KV slots and, for a model with recurrent-state layers, the state slot
   of each row, laid out per bucket as [ids | positions | slots | state slots], so one host-to-device copy fills a
   step; the runner's `decode_positions(seqs)` gives the positions;
-- recurrent-state layers (runtime/layers/recurrent.py): the bucket's ForwardContext holds the static state-slot
+- recurrent-state layers (runtime/layers/recurrent/): the bucket's ForwardContext holds the static state-slot
   view as `state_slots`; a mixer's decode step reads only it (index_select of its rows of the state pool, the new
   states written back with index_copy_: no host value, no data-dependent shape). Padding rows hold the runner's
   scratch slot (`state_scratch_slot`, a pool row the block manager never hands out), so they never touch a live

@@ -254,7 +254,7 @@ class ModelRunner:
         return {n for n, _ in self.model.named_parameters()}
 
     def _allocate_state_pool(self) -> None:
-        """The per-sequence state pool of the recurrent mixers (runtime/layers/recurrent.py), beside the paged KV
+        """The per-sequence state pool of the recurrent mixers (runtime/layers/recurrent/), beside the paged KV
         cache: one slot per sequence that may hold a state at once (max_num_seqs running, plus a prompt being
         prefilled in chunks). The block manager hands out the slots (num_state_slots)."""
         self.state_layers = [m for m in self.model.modules() if isinstance(m, L.RecurrentMixer)]

@@ -1,0 +1,59 @@
+"""The simple blocks: `NormIR`, `EmbeddingIR`, `PositionEmbeddingIR`, `LinearIR`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .values import Size, Value
+
+
+@dataclass(frozen=True)
+class NormIR:
+    kind: str                     # rmsnorm | layernorm
+    name: str
+    dim: Size
+    eps: Value
+    bias: bool = False
+    weight_offset: float = 0.0    # y = x_normed * (weight_offset + w) (+ b)
+    weight: bool = True           # layernorm: false = no weight (OLMo 1's non-parametric LayerNorm)
+    # where the norm exists (per layer: may read `layer`); elsewhere the identity with no parameters
+    enabled: Value = Value(literal=True)
+    bias_flag: Optional[Value] = None   # a bool symbol / expression: the bias exists only where it holds (bias: True)
+
+    @property
+    def always(self) -> bool:
+        """The norm exists in every layer and its bias is fixed by the spec."""
+        return self.enabled.literal is True and self.bias_flag is None
+
+    def bias_py(self) -> str:
+        return self.bias_flag.py() if self.bias_flag is not None else repr(self.bias)
+
+
+@dataclass(frozen=True)
+class EmbeddingIR:
+    name: str
+    vocab: Size
+    dim: Size
+    scale: Optional[Value] = None     # output multiplier (Gemma: hidden_size ** 0.5)
+    scale_dtype: str = "model"        # "bfloat16": the scale rounded to bfloat16 first (RecurrentGemma)
+
+
+@dataclass(frozen=True)
+class PositionEmbeddingIR:
+    """Absolute position embeddings added to the token embedding: `learned` (a replicated table
+    [positions + offset, dim], parameter embed_positions.weight) or `sinusoidal` (computed, no parameter)."""
+    kind: str                     # learned | sinusoidal
+    positions: Size
+    dim: Size
+    offset: int = 0
+    frequencies: str = "fairseq"  # sinusoidal: fairseq (10000 ** (-j / (d/2 - 1))) | transformer (10000 ** (-2j / d))
+
+
+@dataclass(frozen=True)
+class LinearIR:
+    kind: str                     # linear | fused_linear
+    name: str
+    in_features: Size
+    out_sizes: Tuple[Tuple[str, Size], ...]   # (segment name, size); one segment for a plain linear
+    parallel: str                 # column | row | replicated
+    bias: bool

@@ -1,0 +1,105 @@
+"""The simple block kinds of a layer and their projections: `Projection`, `FusedProjection`, `MixerProjection`,
+the embeddings, the norms (`rmsnorm`, `layernorm`) and the linears (`linear`, `fused_linear`)."""
+from __future__ import annotations
+
+from typing import Dict, List, Literal, Optional, Union
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from .base import Dim, Flag, Num, Strict
+
+
+class Projection(Strict):
+    """A linear projection inside a composite block; `name` is its module (and parameter) name. `scale`: its
+    output (after the bias and any tensor-parallel reduction) is multiplied by it (muP multipliers: FalconH1's
+    `attention_out_multiplier`-style down / out multipliers); attention `out`, MLP `up` / `down` take it."""
+    name: StrictStr
+    bias: Flag = False
+    scale: Optional[Num] = None
+
+
+class FusedProjection(Strict):
+    """A fused projection: several named output segments stacked along the output dim, in the order of the
+    block's forward split (attention: q, k, v; gated MLP: gate, up). `scale: {segment: number}`: those segments of
+    the output are multiplied by their number (the others by 1) right after the projection (FalconH1's
+    `key_multiplier` on k, its gate multiplier on gate)."""
+    name: StrictStr
+    segments: List[StrictStr]
+    bias: Flag = False
+    scale: Optional[Dict[StrictStr, Num]] = None
+
+
+class MixerProjection(Strict):
+    """A recurrent mixer's projection given as a mapping instead of a bare module name: `bias` (default: the
+    block's `bias`) and `scale` (in_proj: `{segment: number}` per output segment; out: a number)."""
+    name: StrictStr
+    bias: Optional[Flag] = None
+    scale: Optional[Union[Num, Dict[StrictStr, Num]]] = None
+
+
+class EmbeddingBlock(Strict):
+    """Vocab-parallel embedding; `scale` multiplies the output (Gemma: hidden_size ** 0.5, in the model dtype).
+    `scale_dtype: bfloat16`: the scale is first rounded to bfloat16 (RecurrentGemma's `normalizer`, a bfloat16
+    buffer whatever the model dtype); `model` (default): the model dtype."""
+    kind: Literal["embedding"]
+    vocab: Dim
+    dim: Dim
+    scale: Optional[Num] = None
+    scale_dtype: Literal["model", "bfloat16"] = "model"
+
+
+class PositionEmbeddingBlock(Strict):
+    """Absolute position embeddings added to the token embedding (after its `scale`), before the first layer:
+    `learned`: a table `[positions + offset, dim]` (parameter `embed_positions.weight`, replicated) read at row
+    `position + offset` (GPT-2's wpe, OPT's offset 2); `sinusoidal`: the fixed fairseq table (sin of the first
+    half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`.
+    `frequencies` (sinusoidal only): `fairseq` f_j = 10000 ** (-j / (dim/2 - 1)) (XGLM); `transformer` the original
+    Transformer's f_j = 10000 ** (-2j / dim) (CTRL)."""
+    kind: Literal["learned", "sinusoidal"]
+    positions: Dim
+    dim: Dim
+    offset: StrictInt = 0
+    frequencies: Optional[Literal["fairseq", "transformer"]] = None
+
+
+class RMSNormBlock(Strict):
+    """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b (a bool
+    config symbol: only in the checkpoints that set it); `weight: false`: no weight, y = x / rms(x) computed in float32
+    (NanoChat's parameter-free RMSNorm). `enabled` (a layer block only): a flag, per layer (may read `layer`): where it
+    is false the norm is absent, the identity (no parameters; ModernBERT decoder's first layer: `"layer != 0"`)."""
+    kind: Literal["rmsnorm"]
+    dim: Dim
+    eps: Num
+    weight_offset: Union[StrictInt, StrictFloat] = 0
+    bias: Flag = False
+    weight: StrictBool = True
+    enabled: Flag = True
+
+
+class LayerNormBlock(Strict):
+    """y = (x - mean) / std * w + b. `weight_offset: 1` scales by (1 + w) (Nemotron's LayerNorm1P); `weight:
+    false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all); `bias` may be a bool
+    config symbol (ModernBERT's `norm_bias`). `enabled`: per layer, as an RMSNorm's."""
+    kind: Literal["layernorm"]
+    dim: Dim
+    eps: Num
+    bias: Flag = True
+    weight: StrictBool = True
+    weight_offset: Union[StrictInt, StrictFloat] = 0
+    enabled: Flag = True
+
+
+class LinearBlock(Strict):
+    kind: Literal["linear"]
+    in_: Dim = Field(alias="in")
+    out: Dim
+    parallel: Literal["column", "row", "replicated"]
+    bias: StrictBool = False
+
+
+class FusedLinearBlock(Strict):
+    """Column-parallel linear whose output is named segments, e.g. {gate: inter, up: inter}."""
+    kind: Literal["fused_linear"]
+    in_: Dim = Field(alias="in")
+    segments: Dict[StrictStr, Dim]
+    bias: StrictBool = False

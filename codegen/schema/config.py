@@ -1,0 +1,35 @@
+"""The `config` section: a spec symbol <- config.json field(s) (`ConfigField`)."""
+from __future__ import annotations
+
+from typing import List, Literal, Optional, Union
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from .base import Scalar, Strict
+
+
+class ConfigField(Strict):
+    """`name: {type: int, from: [dotted.path, fallback.path], default: 10}`; the first present path wins.
+
+    Types are strict at load (no bool("false"), no int(2.7)): int, float (ints accepted), bool, str,
+    int_tuple / float_tuple / str_tuple (a scalar is a 1-tuple), and rope (the rope-parameters mapping,
+    transformers' `rope_parameters` or the older `rope_scaling`: its `rope_type` must be one of `values`).
+    `values` restricts a str (or rope) symbol to the variants the spec models: a checkpoint with another
+    value is refused at load, naming the spec and the field. `optional: true` admits null / absence (None).
+    `default` is a literal; `default_expr` an expression over other symbols (`hidden_size //
+    num_attention_heads`). A derived symbol reads no config.json field: `expr: "len(deepstack_visual_indexes)"`
+    (rendered as a Config property, evaluated for every variant)."""
+    type: Literal["int", "float", "bool", "str", "int_tuple", "float_tuple", "str_tuple", "rope"]  # strict at load
+    # dotted config.json path, or a list of them: the first present wins
+    from_: Optional[Union[StrictStr, List[StrictStr]]] = Field(default=None, alias="from")
+    default: Optional[Scalar] = None     # a literal used when no path is present (none: the field is required)
+    default_expr: Optional[StrictStr] = None  # an expression over other symbols used when no path is present
+    expr: Optional[StrictStr] = None     # a derived symbol: an expression, no config.json field read
+    values: Optional[List[StrictStr]] = None  # str / rope symbols: the values (rope types) the spec models
+    optional: StrictBool = False         # null / absent is admitted (the symbol is None)
+    min: Optional[Union[StrictInt, StrictFloat]] = None   # inclusive bounds checked at load (and for variants)
+    max: Optional[Union[StrictInt, StrictFloat]] = None
+    doc: StrictStr = ""                         # a free-text note about the symbol (not rendered)
+    # a guard-only symbol: read (or derived) and held to its `values` / `min` / `max` at load, but used by no
+    # block. Every other symbol must reach the generated model (a symbol read and never used is a compile error)
+    guard: StrictBool = False

@@ -1,0 +1,44 @@
+"""The `weights` section: where each parameter comes from in the checkpoint (`WeightEntry`) and the row layout of
+a fused tensor (`RowLayout`)."""
+from __future__ import annotations
+
+from typing import Dict, List, Literal, Optional, Union
+
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from .base import Strict
+
+
+class RowLayout(Strict):
+    """How the rows of one fused checkpoint tensor are laid out (undone at load, before TP sharding).
+    `interleave`: the parameter's segments in the order the checkpoint stores them within a group; `per`:
+    `tensor` (one group: the segments blocked in that order, "split by sizes"), `head` (one group per head, every
+    segment with as many heads: GPT-NeoX `query_key_value` [h0: q k v, h1: q k v, ...]), `kv_group` (one group per
+    head of the segment with the fewest heads, each holding heads / groups heads of every segment: Falcon's
+    [g0: q * (heads / kv_heads), k, v, g1: ...]; with one KV head the multi-query [q * heads, k, v]), `group`
+    (`groups` groups, each holding heads / groups heads of every segment: CodeGen's qkv_proj, 4 groups of [q v k])."""
+    interleave: List[StrictStr]
+    per: Literal["tensor", "head", "kv_group", "group"]
+    groups: Optional[StrictInt] = None   # per: group only: the number of groups
+
+
+class WeightEntry(Strict):
+    """Where one parameter comes from in the checkpoint (names only: the layer kind implies the sharding).
+
+    A parameter without an entry loads the tensor of its own name. `from` renames it; a mapping
+    {segment: tensor} stacks several checkpoint tensors into a fused parameter, in the block's segment order
+    (which is the order of its forward split). `{i}` stands for the layer index, `{e}` for the expert index of a
+    stacked expert parameter (the per-expert tensors are stacked at load; each rank reads only its slices).
+    `transpose: true`: the tensor stores each matrix as [in, out] (the last two dims swapped). `segments_interleaved:
+    true`: a single tensor holds the fused parameter's segments interleaved element by element along the output
+    dim (gate = [..., 0::2], up = [..., 1::2]) instead of stacked. Without `from`, the tensor of the parameter's
+    own name is read in that layout."""
+    from_: Optional[Union[StrictStr, Dict[StrictStr, StrictStr]]] = Field(default=None, alias="from")
+    transpose: StrictBool = False
+    segments_interleaved: StrictBool = False
+    # `squeeze: true`: the tensor stores the parameter under one extra leading dim of size 1 (ERNIE 4.5's routing
+    # bias moe_statics.e_score_correction_bias [1, experts] for the [experts] parameter); dropped at load. A list of
+    # dims: the stored shape has unit dims at those positions (Kimi's A_log [1, 1, heads, 1]: [0, 1, 3])
+    squeeze: Union[StrictBool, List[StrictInt]] = False
+    # the row layout of a single fused tensor (`from` one name) stored per head / per KV group / reordered
+    layout: Optional[RowLayout] = None
