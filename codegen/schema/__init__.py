@@ -67,11 +67,11 @@ from .decoder import (
     Deepstack,
     EmbedProjection,
     HeadTransform,
-    PerLayerInput,
     LayerBlock,
     Layers,
     LMHeadBlock,
     NormBlock,
+    PerLayerInput,
 )
 from .mlp import (
     ActivationForm,
