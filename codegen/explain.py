@@ -131,6 +131,10 @@ def _block(b) -> str:
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
                 + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora)
+                + (f", v_norm(eps={b.v_norm}, no weight)" if b.v_norm else "")
+                + (f", values_from_keys={b.values_from_keys} (no v segment there)" if b.values_from_keys else "")
+                + (f", kv_source={b.kv_source} (another layer: q alone, that layer's KV cache read, none written)"
+                   if b.kv_source else "")
                 + (f", experts(count={b.experts.count}, top_k={b.experts.top_k}, router={b.experts.router}, routed q="
                    f"{b.experts.q}, routed out={b.out_name}: slot s's head h attends KV head h)" if b.experts else "")
                 + ")")
@@ -220,7 +224,8 @@ def _block(b) -> str:
     if isinstance(b, MLPIR):
         return (f"mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
                 f"{b.up_name} bias={b.up_bias}{_scales((), b.up_scale)}, {b.down_name} bias={b.down_bias}"
-                f"{_scales((), b.down_scale)}{_sub_norm(b.sub_norm)})")
+                f"{_scales((), b.down_scale)}{_sub_norm(b.sub_norm)}"
+                + (", act(up) * the layer's slice of decoder.per_layer_input" if b.multiply else "") + ")")
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "
@@ -321,6 +326,12 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  project_in  {_proj(ir.project_in)}: embedding -> residual width")
     if ir.embed_norm:
         w(f"  embed_norm  {_block(ir.embed_norm)}: normalizes the embedding output")
+    ple = ir.per_layer_input
+    if ple:
+        w(f"  per_layer_input  [tokens, {ple.layers} x {ple.dim}] = (per_layer_projection_norm({_block(ple.norm)})("
+          f"per_layer_model_projection(h0) * {ple.project_scale}) + embed_tokens_per_layer(ids, vocab={ple.vocab}) * "
+          f"{ple.embed_scale}) * {ple.combine_scale}; layer i reads slice i"
+          + (f"; where {ple.enabled}" if ple.enabled.literal is not True else ""))
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")
@@ -337,6 +348,8 @@ def format_resolved(ir: ModelIR) -> str:
     for title, steps in flows:
         w(title)
         _steps(w, steps)
+    if lay.output_scale:
+        w(f"    then the whole residual stream times the layer's learned scalar {lay.output_scale} [1]")
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:

@@ -43,6 +43,8 @@ class FusionPlan:
             return None
         if b.v_head_dim is not None or b.value_scale is not None:   # v of its own width, or scaled: the attention stores
             return None
+        if b.v_norm is not None or b.values_from_keys is not None or b.kv_source is not None:  # the attention stores
+            return None
         n = b.qk_norm
         if n is not None:
             return "qk_norm_rope" if n.fusable else None
@@ -66,6 +68,7 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
                        and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
                        and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input
                        and not getattr(blocks[st.block], "experts", None)    # the router reads it too
-                       and getattr(st, "add", None) is None)                 # the norm reads residual + a value
+                       and getattr(st, "add", None) is None                  # the norm reads residual + a value
+                       and not getattr(blocks[st.block], "multiply", False))  # it takes a per-layer input too
             (ok if fusable else bad).update(names)
     return FusionPlan(frozenset(ok - bad))

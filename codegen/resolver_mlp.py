@@ -44,7 +44,7 @@ class FeedForwardResolver:
         if g == dn:
             raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
         return GatedMLPIR("gated_mlp", name, class_name,
-                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
+                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate, per_layer=True),
                           act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                           self.flag(path + ("down", "bias"), b.down.bias), act_params,
                           self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")),
@@ -70,7 +70,8 @@ class FeedForwardResolver:
                      self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                      act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias),
                      learned[0] if learned else None, self.resolve_sub_norm(path, b.sub_norm, (up, dn, "act_fn")),
-                     self.output_scale(path + ("up",), b.up.scale), self.output_scale(path + ("down",), b.down.scale))
+                     self.output_scale(path + ("up",), b.up.scale), self.output_scale(path + ("down",), b.down.scale),
+                     multiply=b.multiply is not None)
 
     def resolve_moe(self, path, name: str, b, class_name: str):
         """A `moe` block: the router, the stacked experts, an optional shared expert and out_norm."""

@@ -49,6 +49,7 @@ from .mlp import (
 from .model import (
     HeadTransformIR,
     ModelIR,
+    PerLayerInputIR,
     ProjectionIR,
     RankTableIR,
     RunnerIR,

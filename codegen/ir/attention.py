@@ -122,6 +122,9 @@ class AttentionIR:
     differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
     v_head_dim: Optional[Size] = None          # value heads' width (None: head_dim); a per-layer size may read `layer`
     value_scale: Optional[Value] = None        # a constant factor on v before the cache (None: none)
+    v_norm: Optional[Value] = None             # a weightless RMSNorm of each value head: its eps (None: none)
+    values_from_keys: Optional[Value] = None   # flag, per-layer: v is k as projected, no v segment (None: never)
+    kv_source: Optional[Value] = None          # per-layer int: the layer whose KV cache this one reads (None: own)
     sinks_when: Optional[Value] = None         # sinks only on the layers where this flag holds (None: every layer)
     input_width: Optional[Size] = None         # the q/k/v projection's input width (None: hidden)
     lora: Optional[LoRAIR] = None              # per-use adapters on the q/k/v projection

@@ -48,6 +48,7 @@ class MLPIR:
     sub_norm: Optional[SubNormIR] = None       # a norm of act(up(x)) before the down projection
     up_scale: Optional[Value] = None           # output multipliers of up / down (None = 1)
     down_scale: Optional[Value] = None
+    multiply: bool = False                     # act(up(x)) * this layer's slice of the decoder's per-layer input
 
 
 @dataclass(frozen=True)

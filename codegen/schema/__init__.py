@@ -29,6 +29,7 @@ from .attention import (
     QueryScale,
     Rotary,
     SubNorm,
+    VNorm,
 )
 from .base import (
     Dim,
@@ -72,6 +73,7 @@ from .decoder import (
     Layers,
     LMHeadBlock,
     NormBlock,
+    PerLayerInput,
 )
 from .mlp import (
     ActivationForm,

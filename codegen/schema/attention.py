@@ -139,6 +139,11 @@ class AttentionExperts(Strict):
     q: StrictStr = "q_experts"
 
 
+class VNorm(Strict):
+    """A weightless RMSNorm of each value head: `v * rsqrt(mean(v ** 2) + eps)` in float32, cast back."""
+    eps: Num
+
+
 class AttentionBlock(Strict):
     """Self-attention with GQA: fused q/k/v projection (segments q, k, v), optional per-head q/k norm,
     rotary embedding, paged attention, output projection."""
@@ -169,6 +174,16 @@ class AttentionBlock(Strict):
     sinks: Flag = False                 # a flag, per-layer (may read `layer`): the layers that have sinks
     # a constant factor on the values before the cache (MiMo-V2-Flash's attention_value_scale); absent: none
     value_scale: Optional[Num] = None
+    # a weightless RMSNorm of each value head (over its width) before the cache, `v / rms(v)` in float32 (Gemma 4's
+    # `v_norm`); absent: none
+    v_norm: Optional[VNorm] = None
+    # a flag, per-layer (may read `layer`): in the layers where it holds the fused projection has no `v` segment and
+    # the values are the keys as projected (before any q/k norm and rotary), Gemma 4's `attention_k_eq_v`
+    values_from_keys: Flag = False
+    # KV sharing across layers: an int per layer (may read `layer`), the layer whose keys and values (its KV cache)
+    # this layer attends over; where it is another (earlier) layer, this layer has q alone (no k / v segments, no k
+    # norm) and writes no cache (Gemma 4's num_kv_shared_layers); absent or `layer`: its own
+    kv_source: Optional[Dim] = None
     # ALiBi (Bloom, MPT): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled scores; the
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False

@@ -45,6 +45,9 @@ class MLPBlock(Strict):
     up: Projection
     down: Projection
     sub_norm: Optional[SubNorm] = None      # a norm of act(up(x)) before `down`
+    # `per_layer_input`: act(up(x)) is multiplied elementwise by this layer's slice of the decoder's per-layer input
+    # (decoder.per_layer_input, Gemma 4's per-layer embeddings): down(act(up(x)) * per_layer_input[layer])
+    multiply: Optional[Literal["per_layer_input"]] = None
 
 
 class Router(Strict):

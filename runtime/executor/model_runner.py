@@ -160,7 +160,9 @@ class ModelRunner:
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
                 quant=parse_quant_config(hf_config, quantization), kv_cache_dtype=kv_cache_dtype,
                 renames=getattr(self.model_module, "CHECKPOINT_RENAMES", ()))
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
+        # the attention layers with a KV cache of their own (a layer that reads another's, L.share_kv, has none)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is None]
+        self.kv_reader_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is not None]
         # sparse-attention indexers: a paged key cache each, on the KV cache's blocks (runtime/layers/indexer.py)
         self.index_layers = [m for m in self.model.modules() if isinstance(m, L.SparseIndexer)]
         if self.debug.get("kv_scales"):    # benchmarks with dummy weights: every layer's KV-cache scales (k, v)
@@ -347,6 +349,8 @@ class ModelRunner:
                     "attention path (one FlashInfer plan per step, one sm_scale) does not implement; serve it on the "
                     "CPU (device='cpu')")
             from xllm_gen.runtime.attention.base import cuda_attention_refusal
+            if getattr(self, "kv_reader_layers", ()):    # (a stub runner of the tests may lack it)
+                raise NotImplementedError(cuda_attention_refusal((), shared_kv=True))
             refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
                                              sinks=any(layer.variant.sinks for layer in self.attn_layers),
                                              chunked=any(getattr(layer.variant, "chunk_size", None) is not None

@@ -19,6 +19,7 @@ from xllm_gen.runtime.layers.attention import (
                                             alibi_slopes,
                                             attention_sinks,
                                             gate_output,
+                                            share_kv,
 )
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import (
@@ -49,6 +50,7 @@ from xllm_gen.runtime.layers.norm import (
                                             RMSNorm,
                                             keep_residual_float32,
 )
+from xllm_gen.runtime.layers.per_layer import learned_scalar, per_layer_inputs, rank_columns
 from xllm_gen.runtime.layers.recurrent import (
                                             RGLRU,
                                             CausalConv1d,
@@ -72,6 +74,7 @@ from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
+    "learned_scalar", "per_layer_inputs", "rank_columns", "share_kv",
     "RMSNorm", "LayerNorm", "LowRankGatedNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
