@@ -95,7 +95,11 @@ def _block(b) -> str:
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
         where = f", only where {b.enabled} (else the identity)" if b.enabled.literal is not True else ""
-        return f"{b.kind}(dim={b.dim}, eps={b.eps}{bias}{', no weight' if not b.weight else ''}{off}{where})"
+        gate = ""
+        if b.gate_rank is not None:
+            gate = (f", gated: y * sigmoid(mlp.fc2(silu(mlp.fc1(y)))) of rank {b.gate_rank}"
+                    + (f" where {b.gate_enabled}" if b.gate_enabled.literal is not True else ""))
+        return f"{b.kind}(dim={b.dim}, eps={b.eps}{bias}{', no weight' if not b.weight else ''}{off}{where}{gate})"
     if isinstance(b, LinearIR):
         outs = ", ".join(f"{n}={s}" for n, s in b.out_sizes)
         return f"{b.kind}(in={b.in_features}, out=[{outs}], {b.parallel}{', bias' if b.bias else ''})"
@@ -128,6 +132,10 @@ def _block(b) -> str:
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
                 + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora)
+                + (f", v_norm(eps={b.v_norm}, no weight)" if b.v_norm else "")
+                + (f", values_from_keys={b.values_from_keys} (no v segment there)" if b.values_from_keys else "")
+                + (f", kv_source={b.kv_source} (another layer: q alone, that layer's KV cache read, none written)"
+                   if b.kv_source else "")
                 + (f", experts(count={b.experts.count}, top_k={b.experts.top_k}, router={b.experts.router}, routed q="
                    f"{b.experts.q}, routed out={b.out_name}: slot s's head h attends KV head h)" if b.experts else "")
                 + ")")
@@ -184,6 +192,13 @@ def _block(b) -> str:
                 f"{proj}, {b.out_name}; state per sequence: conv [channels, conv_kernel - 1], recurrent "
                 f"[value_heads, key_head_dim, value_head_dim] float32)")
     if isinstance(b, MLAIR):
+        def _indexer_text(ix) -> str:
+            layout = ix.rope_layout_symbol or ix.rope_layout
+            return (f", sparse: each query attends to the top {ix.topk} keys of an indexer(heads={ix.heads}, "
+                    f"head_dim={ix.head_dim}, wq_b over the query latent, wk -> k_norm (layernorm, eps={ix.k_norm_eps}), "
+                    f"rope on {ix.rope_dims} dims ({layout}), weights_proj float32, keys cached per token)"
+                    + (f", layers where {ix.share} reuse the previous indexer layer's selection"
+                       if ix.share.literal is not False else ""))
         r = b.rotary
         rot = f"neox(theta={r.theta}, max_position={r.max_position}, dim={b.qk_rope_head_dim}"
         rot += f", layout={r.layout_symbol or r.layout}" if r.layout_symbol or r.layout != "neox" else ""
@@ -191,6 +206,8 @@ def _block(b) -> str:
         rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
         rot += f", scaling={r.scaling})" if r.scaling else ")"
         q = ("q_proj" if b.q_lora_rank is None else
+             f"q_a_proj(rank={b.q_lora_rank}) -> [q_a_layernorm, raw] -> {b.q_gate} per head [q | output gate (sigmoid)]"
+             if b.q_gate else
              f"q_a_proj(rank={b.q_lora_rank}) -> q_a_layernorm -> q_b_proj"
              + (f" where {b.q_lora_when}, else q_proj" if b.q_lora_when else ""))
         scale = str(b.scale) if b.scale else "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5"
@@ -200,8 +217,9 @@ def _block(b) -> str:
                 f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
                 + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
-                + (", K/V cached expanded per head)" if b.kv_cache == "expanded" else
-                   ", the latent + rope key cached (kv_b_proj absorbed))"))
+                + (", K/V cached expanded per head" if b.kv_cache == "expanded" else
+                   ", the latent + rope key cached (kv_b_proj absorbed)")
+                + (_indexer_text(b.indexer) if b.indexer is not None else "") + ")")
     if isinstance(b, VisionAttentionIR):
         return (f"vision_attention(hidden={b.hidden}, heads={b.heads}, head_dim={b.head_dim}, qkv=[q, k, v] +bias "
                 f"(fused in the checkpoint), proj +bias, rotary=rotary_2d(theta={b.theta}), within each image / frame)")
@@ -217,7 +235,8 @@ def _block(b) -> str:
     if isinstance(b, MLPIR):
         return (f"mlp {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, act={b.activation}, "
                 f"{b.up_name} bias={b.up_bias}{_scales((), b.up_scale)}, {b.down_name} bias={b.down_bias}"
-                f"{_scales((), b.down_scale)}{_sub_norm(b.sub_norm)})")
+                f"{_scales((), b.down_scale)}{_sub_norm(b.sub_norm)}"
+                + (", act(up) * the layer's slice of decoder.per_layer_input" if b.multiply else "") + ")")
     if isinstance(b, MoEIR):
         return (f"moe {b.class_name}(hidden={b.hidden}, experts={b.experts}, top_k={b.top_k}, "
                 f"intermediate={b.intermediate}, act={_act(b)}, norm_topk_prob={b.norm_topk_prob}, router "
@@ -252,6 +271,8 @@ def _routing(b) -> str:
             (f" where {b.selection_bias}" if b.selection_bias.literal is not True else "")
     if b.groups:
         out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"
+        if b.groups_dropped != "excluded":
+            out += " (the other groups' experts at choice score 0)"
     out += ", top-k"
     if b.renormalize_min:
         out += f", renormalized by a sum clamped to >= {b.renormalize_min}"
@@ -316,6 +337,12 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  project_in  {_proj(ir.project_in)}: embedding -> residual width")
     if ir.embed_norm:
         w(f"  embed_norm  {_block(ir.embed_norm)}: normalizes the embedding output")
+    ple = ir.per_layer_input
+    if ple:
+        w(f"  per_layer_input  [tokens, {ple.layers} x {ple.dim}] = (per_layer_projection_norm({_block(ple.norm)})("
+          f"per_layer_model_projection(h0) * {ple.project_scale}) + embed_tokens_per_layer(ids, vocab={ple.vocab}) * "
+          f"{ple.embed_scale}) * {ple.combine_scale}; layer i reads slice i"
+          + (f"; where {ple.enabled}" if ple.enabled.literal is not True else ""))
     w(f"  layers x {ir.layer.count}  ({ir.layer.class_name}):")
     for b in ir.layer.blocks:
         w(f"    {b.name}: {_block(b)}")
@@ -332,6 +359,8 @@ def format_resolved(ir: ModelIR) -> str:
     for title, steps in flows:
         w(title)
         _steps(w, steps)
+    if lay.output_scale:
+        w(f"    then the whole residual stream times the layer's learned scalar {lay.output_scale} [1]")
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:

@@ -170,7 +170,9 @@ class Expr:
 
     def _combine(self, other, op: str) -> "Expr":
         o = other.source if isinstance(other, Expr) else str(other)
-        return parse(f"({self.source}) {op} ({o})")
+        # a size the compiler derives (a fused projection's rows: a sum of per-layer products) from checked parts: the
+        # limits of a written formula, 4x
+        return parse(f"({self.source}) {op} ({o})", _scale=4)
 
     def __add__(self, other):
         return self._combine(other, "+")
@@ -272,17 +274,17 @@ class _Eval:
         return out
 
 
-def parse(source: str) -> Expr:
+def parse(source: str, _scale: int = 1) -> Expr:
     """Parses and checks `source`; raises ExprError with a short reason."""
     if not isinstance(source, str) or not source.strip():
         raise ExprError("empty expression")
-    if len(source) > _MAX_LEN:
-        raise ExprError(f"expression longer than {_MAX_LEN} characters")
+    if len(source) > _MAX_LEN * _scale:
+        raise ExprError(f"expression longer than {_MAX_LEN * _scale} characters")
     try:
         tree = ast.parse(source.strip(), mode="eval")
     except SyntaxError as e:
         raise ExprError(f"not a valid expression: {e.msg}") from None
-    if sum(1 for _ in ast.walk(tree)) > _MAX_NODES:
+    if sum(1 for _ in ast.walk(tree)) > _MAX_NODES * _scale:
         raise ExprError("expression too large")
     names: set = set()
     _check(tree, names)

@@ -43,6 +43,8 @@ class FusionPlan:
             return None
         if b.v_head_dim is not None or b.value_scale is not None:   # v of its own width, or scaled: the attention stores
             return None
+        if b.v_norm is not None or b.values_from_keys is not None or b.kv_source is not None:  # the attention stores
+            return None
         n = b.qk_norm
         if n is not None:
             return "qk_norm_rope" if n.fusable else None
@@ -61,12 +63,13 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
             names = st.choice.alternatives if st.choice is not None else (st.block,)
             norm = blocks.get(st.norm) if st.norm else None
             fusable = (not parallel and st.choice is None and st.input_scale is None   # the GEMV reads norm(x) itself
-                       and isinstance(norm, NormIR) and norm.kind == "rmsnorm"
+                       and isinstance(norm, NormIR) and norm.kind == "rmsnorm" and norm.gate_rank is None
                        and not norm.bias and norm.always and blocks[st.block].kind in NORM_PROLOGUE_KINDS
                        and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
                        and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input
                        and not getattr(blocks[st.block], "experts", None)    # the router reads it too
                        and getattr(st, "add", None) is None                  # the norm reads residual + a value
-                       and not getattr(st, "residual_normed", False))        # the stream becomes norm(x) itself
+                       and not getattr(st, "residual_normed", False)         # the stream becomes norm(x) itself
+                       and not getattr(blocks[st.block], "multiply", False))  # it takes a per-layer input too
             (ok if fusable else bad).update(names)
     return FusionPlan(frozenset(ok - bad))

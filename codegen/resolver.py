@@ -66,6 +66,7 @@ from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_
 # the attention block kinds (they take the positions)
 ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR, LightningIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
 from .resolver_dataflow import DataflowResolver
+from .resolver_ple import PerLayerInputResolver
 from .resolver_positions import PositionsResolver
 from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
 from .resolver_vision import VisionResolver
@@ -86,7 +87,7 @@ MAX_VARIANTS = 64
 
 
 class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver, PositionsResolver,
-                VariantResolver):
+                VariantResolver, PerLayerInputResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
@@ -261,8 +262,15 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 if list(deepstack) != sorted(set(deepstack)) or deepstack[0] < 0:
                     raise self.err(dp, "decoder.deepstack.after_layers: layer indices must be >= 0, sorted and unique")
         vision = self.resolve_vision(levels) if s.vision else None
+        per_layer_input = self.resolve_per_layer_input(stream, layer)
 
         params = self.collect_params(embed, layer, norm, lm_head, norm_enabled)
+        if per_layer_input is not None:
+            params = params[:1] + self.per_layer_input_params(per_layer_input) + params[1:]
+        if layer.output_scale is not None:      # after the layers' blocks, before the final norm
+            at = next((i for i, p in enumerate(params) if not p.name.startswith(f"{self.prefix}.layers.")
+                       and i > 0 and params[i - 1].name.startswith(f"{self.prefix}.layers.")), len(params))
+            params = params[:at] + self.output_scale_params(layer) + params[at:]
         for proj in (project_out, project_in):
             if proj is not None:
                 params = params[:1] + self.projection_params(proj) + params[1:]
@@ -305,7 +313,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
             embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out,
-            residual_float32=residual_float32, head_transform=head_transform)
+            residual_float32=residual_float32, head_transform=head_transform, per_layer_input=per_layer_input)
 
     def check_residual_float32(self, layer, norm, norm_enabled, d) -> None:
         """decoder.residual_float32: every residual step a plain `{norm: N, block: B}` (post_norm / scale allowed) with
@@ -391,8 +399,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 raise self.err(path, f"config.{name}: missing required key 'from' (or `expr` for a derived "
                                      f"symbol)", at_key=True)
             paths = (f.from_,) if isinstance(f.from_, str) else tuple(f.from_)
-            if not paths or any(not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", p)
-                                for p in paths):
+            # a `*` part (not first, not last) reads every key of a mapping, which must all hold one value (transformers'
+            # per_layer_config.<layer>.head_dim)
+            if not paths or any(not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|\*))*$", p)
+                                or p.endswith(".*") for p in paths):
                 raise self.err(path + ("from",), f"config.{name}.from: give one or more dotted config.json paths")
             if f.default is not None and f.default_expr is not None:
                 raise self.err(path + ("default_expr",), f"config.{name}: give `default` or `default_expr`, not both")
@@ -538,8 +548,21 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a "
                                                       f"weight (weight: false) has no weight to offset")
         kind = "rmsnorm" if isinstance(b, RMSNormBlock) else "layernorm"
+        gate_rank, gate_enabled = None, Value(literal=True)
+        if getattr(b, "gate", None) is not None:
+            gp = path + ("gate",)
+            if context != "layer":
+                raise self.err(gp, f"{self._where(gp)}: only a decoder layer's norm may have a gate", at_key=True)
+            if enabled.literal is not True or bias_flag is not None or bias or not b.weight or b.weight_offset:
+                raise self.err(gp, f"{self._where(gp)}: a gated norm is a plain RMSNorm with a weight (no bias, "
+                                   f"weight_offset or per-layer `enabled`)", at_key=True)
+            gate_rank = self.dim(gp + ("rank",), b.gate.rank)
+            gate_enabled = self.rotary_enabled(gp + ("enabled",), b.gate.enabled)
+            if gate_enabled.literal is False:
+                raise self.err(gp + ("enabled",), f"{self._where(gp)}.enabled: false: delete the gate")
         return NormIR(kind, name, self.dim(path + ("dim",), b.dim), eps, bias,
-                      weight_offset=float(b.weight_offset), weight=b.weight, enabled=enabled, bias_flag=bias_flag)
+                      weight_offset=float(b.weight_offset), weight=b.weight, enabled=enabled, bias_flag=bias_flag,
+                      gate_rank=gate_rank, gate_enabled=gate_enabled)
 
     def resolve_layer(self) -> LayerIR:
         L = self.spec.decoder.layers
@@ -547,12 +570,14 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         count = self.dim(base + ("count",), L.count)
         blocks = {}
         kinds_seen: Dict[str, int] = {}
+        group = {"gated_mlp": "mlp"}      # both kinds' classes are <prefix>MLP when alone: one name space
         for b in L.blocks.values():
-            kinds_seen[b.kind] = kinds_seen.get(b.kind, 0) + 1
+            kinds_seen[group.get(b.kind, b.kind)] = kinds_seen.get(group.get(b.kind, b.kind), 0) + 1
         for name, b in L.blocks.items():
             path = base + ("blocks", name)
             self.ident(path, name, "block name", at_key=True)
-            blocks[name] = self.resolve_block(path, name, b, unique_kind=kinds_seen[b.kind] == 1)
+            blocks[name] = self.resolve_block(path, name, b,
+                                              unique_kind=kinds_seen[group.get(b.kind, b.kind)] == 1)
         steps, used = [], {}
 
         def step(st, sp, where, shared_norm_ok=()):
@@ -730,8 +755,14 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 raise self.err(sp, f"decoder.layers.shared: no block '{bname}' in decoder.layers.blocks"
                                    f"{did_you_mean(bname, blocks)}", at_key=True)
             shared.append((bname, Value(expr=self.expr(sp, src, per_layer=True))))
+        out_scale = self.spec.decoder.layers.output_scale
+        if out_scale is not None:
+            op = ("decoder", "layers", "output_scale")
+            self.ident(op, out_scale, "parameter name")
+            if out_scale in blocks:
+                raise self.err(op, f"decoder.layers.output_scale: '{out_scale}' is already a block of the layer")
         layer = LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), resolved[0][0],
-                        shared=tuple(shared))
+                        shared=tuple(shared), output_scale=out_scale)
         if isinstance(df, DataflowChoice):
             layer = self.dataflow_choice(layer, df, resolved)
         return layer

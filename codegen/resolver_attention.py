@@ -145,6 +145,36 @@ class AttentionResolver:
                                                            f"own width with `{key}` are not supported")
         vscale = self.num(path + ("value_scale",), b.value_scale, per_layer=True, optional=True) \
             if b.value_scale is not None else None
+        vnorm = None
+        if b.v_norm is not None:
+            module(path + ("v_norm",), "v_norm")
+            vnorm = self.positive(path + ("v_norm", "eps"), b.v_norm.eps, below=1.0)
+        vfk = self.flag(path + ("values_from_keys",), b.values_from_keys, per_layer=True)
+        vfk = None if vfk.literal is False else vfk
+        if vfk is not None:
+            vp = path + ("values_from_keys",)
+            for key, on in (("v_head_dim", b.v_head_dim is not None), ("differential", b.differential is not None),
+                            ("lora", b.lora is not None), ("experts", b.experts is not None),
+                            ("clip_qkv", b.clip_qkv is not None), ("qkv.scale", bool(b.qkv.scale))):
+                if on:
+                    raise self.err(vp, f"{self._where(path)}.values_from_keys: values taken from the keys with "
+                                       f"`{key}` are not supported")
+        kvsrc = None
+        if b.kv_source is not None:
+            kp = path + ("kv_source",)
+            kvsrc = self.num(kp, b.kv_source, per_layer=True)
+            n = b.qk_norm
+            for key, on in (("experts", b.experts is not None), ("differential", b.differential is not None),
+                            ("lora", b.lora is not None), ("clip_qkv", b.clip_qkv is not None),
+                            ("qkv.scale", bool(b.qkv.scale)), ("out_gate", b.out_gate is not None),
+                            ("sub_norm", b.sub_norm is not None), ("query_scale", b.query_scale is not None),
+                            ("a q/k norm over the projection or after rotary",
+                             n is not None and (n.over != "head" or n.at != "before_rotary"))):
+                if on:
+                    raise self.err(kp, f"{self._where(path)}.kv_source: KV sharing across layers with {key} is "
+                                       f"not supported")
+            module(kp, "kv_source")
+            module(kp, "reads_kv")
         diff = None
         if b.differential is not None:
             dp = path + ("differential",)
@@ -171,7 +201,7 @@ class AttentionResolver:
             out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if gate_name is not None else None,
             q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
             alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
-            differential=diff, v_head_dim=v_dim, value_scale=vscale,
+            differential=diff, v_head_dim=v_dim, value_scale=vscale, v_norm=vnorm, values_from_keys=vfk, kv_source=kvsrc,
             sinks_when=sinks if has_sinks and sinks.literal is not True else None,
             input_width=self.dim(path + ("input_width",), b.input_width) if b.input_width is not None else None,
             lora=self.resolve_lora(path, b.lora, b.qkv.name, module),

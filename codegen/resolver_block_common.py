@@ -54,9 +54,9 @@ class ParamBuilder:
     def __init__(self, prefix: str, block: str, per_layer: bool):
         self.prefix, self.block, self.per_layer = prefix, block, per_layer
 
-    def P(self, name, shape, shard, segments=()):
+    def P(self, name, shape, shard, segments=(), when=None):
         return ParamIR(f"{self.prefix}.{name}", self.block, tuple(shape), shard, tuple(segments),
-                       per_layer=self.per_layer)
+                       per_layer=self.per_layer, when=when)
 
     def column(self, module, in_f, segs, bias):
         P = self.P

@@ -95,8 +95,17 @@ class BlockResolver(AttentionResolver, RecurrentResolver, FeedForwardResolver, B
 
     @staticmethod
     def norm_params(pb: ParamBuilder, b) -> List[ParamIR]:
-        """A norm: its weight (and bias), replicated."""
+        """A norm: its weight (and bias), replicated; a gated norm's modules norm, mlp.fc1, mlp.fc2 (the plain weight
+        where the gate is off)."""
         P = pb.P
+        if b.gate_rank is not None:
+            on = None if b.gate_enabled.literal is True else (b.gate_enabled, True)
+            ps = [P("norm.weight", (b.dim,), "replicated", when=on),
+                  P("mlp.fc1.weight", (b.gate_rank, b.dim), "replicated", when=on),
+                  P("mlp.fc2.weight", (b.dim, b.gate_rank), "replicated", when=on)]
+            if on is not None:
+                ps.append(P("weight", (b.dim,), "replicated", when=(b.gate_enabled, False)))
+            return ps
         return ([P("weight", (b.dim,), "replicated")] if b.weight else []) + \
             ([P("bias", (b.dim,), "replicated")] if b.bias else [])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import List
 
 from .ir import MLAIR, ParamIR, RotaryIR, SegmentIR, Size, Value
+from .resolver_indexer import IndexerResolver
 from .resolver_rotary import RotaryResolver
 from .schema import MLAAttentionBlock
 
@@ -14,7 +15,7 @@ MLA_MODULES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_wit
                "kv_b_proj", "rotary_emb", "attn")
 
 
-class MLAResolver(RotaryResolver):
+class MLAResolver(RotaryResolver, IndexerResolver):
     def resolve_mla(self, path, name: str, b: MLAAttentionBlock, class_name: str) -> MLAIR:
         rp = path + ("rotary",)
         rot = b.rotary
@@ -29,7 +30,7 @@ class MLAResolver(RotaryResolver):
         _, _, layout, enabled, layout_symbol = self.rotary_axes(rp, rot)
         self.no_scale(path + ("out",), b.out)
         out = self.ident(path + ("out", "name"), b.out.name, "module name")
-        if out in MLA_MODULES:
+        if out in MLA_MODULES or (b.indexer is not None and out == "indexer"):
             raise self.err(path + ("out", "name"), f"{self._where(path)}.out.name: '{out}' is a module of the "
                                                    f"latent attention ({', '.join(MLA_MODULES)})")
         qp = path + ("q_lora_rank",)
@@ -63,12 +64,24 @@ class MLAResolver(RotaryResolver):
                 raise self.err(gp + ("name",), f"{self._where(gp)}.name: '{g}' is already a module of the latent "
                                                f"attention")
             gate = (g, b.out_gate.activation, b.out_gate.per)
+        q_gate = None
+        if b.q_gate is not None:
+            gp = path + ("q_gate",)
+            q_gate = self.ident(gp, b.q_gate, "module name")
+            if q_lora is None or when is not None:
+                raise self.err(gp, f"{self._where(gp)}: the fused q + gate projection reads the query latent: give "
+                                   f"the attention a low-rank q (`q_lora_rank`, a size or a required int symbol)")
+            if (q_gate in MLA_MODULES and q_gate != "q_b_proj") or q_gate in (out, "indexer"):
+                raise self.err(gp, f"{self._where(gp)}: '{q_gate}' is another module of the latent attention")
+        rope_dims = self.dim(path + ("qk_rope_head_dim",), b.qk_rope_head_dim)
+        indexer = (self.resolve_indexer(path, b.indexer, rope_dims, q_lora, when, enabled)
+                   if b.indexer is not None else None)
         return MLAIR(
             kind="mla_attention", name=name, class_name=class_name,
             hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),
             q_lora_rank=q_lora, kv_lora_rank=self.dim(path + ("kv_lora_rank",), b.kv_lora_rank),
             qk_nope_head_dim=self.dim(path + ("qk_nope_head_dim",), b.qk_nope_head_dim),
-            qk_rope_head_dim=self.dim(path + ("qk_rope_head_dim",), b.qk_rope_head_dim),
+            qk_rope_head_dim=rope_dims,
             v_head_dim=self.dim(path + ("v_head_dim",), b.v_head_dim),
             latent_eps=self.positive(path + ("latent_eps",), b.latent_eps, below=1.0),
             bias=self.flag(path + ("bias",), b.bias), out_name=out,
@@ -78,7 +91,8 @@ class MLAResolver(RotaryResolver):
                             enabled, None, layout_symbol,
                             self.dim(rp + ("original_max_position",), rot.original_max_position)
                             if rot.original_max_position is not None and scaling is not None else None),
-            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache, out_gate=gate)
+            scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache, out_gate=gate,
+            indexer=indexer, q_gate=q_gate)
 
     @staticmethod
     def mla_params(prefix: str, block: str, b: MLAIR, per_layer: bool, maybe) -> List[ParamIR]:
@@ -102,7 +116,11 @@ class MLAResolver(RotaryResolver):
             if maybe(b.bias):
                 ps.append(P("q_a_proj.bias", (r,), "replicated", when=w))
             ps.append(P("q_a_layernorm.weight", (r,), "replicated", when=w))
-            ps.append(P("q_b_proj.weight", (b.heads * qk, r), "colwise", q_seg, w))
+            if b.q_gate is not None:    # q and the output gate, per head [q | gate], from [normed, raw] latent
+                ps.append(P(f"{b.q_gate}.weight", (b.heads * (qk + b.v_head_dim), r + r), "colwise",
+                            (SegmentIR(b.q_gate, b.heads, qk + b.v_head_dim),), w))
+            else:
+                ps.append(P("q_b_proj.weight", (b.heads * qk, r), "colwise", q_seg, w))
         ps.append(P("kv_a_proj_with_mqa.weight", (b.kv_lora_rank + b.qk_rope_head_dim, b.hidden), "replicated"))
         if maybe(b.bias):
             ps.append(P("kv_a_proj_with_mqa.bias", (b.kv_lora_rank + b.qk_rope_head_dim,), "replicated"))
@@ -120,9 +138,14 @@ class MLAResolver(RotaryResolver):
                     (SegmentIR(b.out_name, b.heads, b.v_head_dim),)))
         if maybe(b.out_bias):
             ps.append(P(f"{b.out_name}.bias", (b.hidden,), "replicated"))
+        if b.indexer is not None:      # (the resolver requires a low-rank q: a literal or a required symbol)
+            ps += IndexerResolver.indexer_params(P, b.indexer, b.hidden,
+                                                 Size.of(lora.symbol) if lora.symbol else Size.of(lora.literal))
         return ps
 
-    def check_mla_variant(self, name: str, b: MLAIR, values, at, vp) -> None:
+    def check_mla_variant(self, name: str, b: MLAIR, values, at, vp, layers: int = 0) -> None:
+        if b.indexer is not None:
+            self.check_indexer_variant(name, b.name, b.indexer, values, layers, at, vp)
         rope = b.qk_rope_head_dim.eval(values)
         if rope % 2:
             raise self.err(at(b.qk_rope_head_dim.symbol) if b.qk_rope_head_dim.symbol else vp,

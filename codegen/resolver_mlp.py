@@ -44,7 +44,7 @@ class FeedForwardResolver:
         if g == dn:
             raise self.err(path + ("down", "name"), f"{self._where(path)}.down.name: module name '{dn}' is already used")
         return GatedMLPIR("gated_mlp", name, class_name,
-                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
+                          self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate, per_layer=True),
                           act, g, tuple(segs), self.flag(path + ("gate_up", "bias"), b.gate_up.bias), dn,
                           self.flag(path + ("down", "bias"), b.down.bias), act_params,
                           self.resolve_sub_norm(path, b.sub_norm, (g, dn, "act_fn")),
@@ -70,7 +70,8 @@ class FeedForwardResolver:
                      self.dim(path + ("hidden",), b.hidden), self.dim(path + ("intermediate",), b.intermediate),
                      act, up, self.flag(path + ("up", "bias"), b.up.bias), dn, self.flag(path + ("down", "bias"), b.down.bias),
                      learned[0] if learned else None, self.resolve_sub_norm(path, b.sub_norm, (up, dn, "act_fn")),
-                     self.output_scale(path + ("up",), b.up.scale), self.output_scale(path + ("down",), b.down.scale))
+                     self.output_scale(path + ("up",), b.up.scale), self.output_scale(path + ("down",), b.down.scale),
+                     multiply=b.multiply is not None)
 
     def resolve_moe(self, path, name: str, b, class_name: str):
         """A `moe` block: the router, the stacked experts, an optional shared expert and out_norm."""
@@ -139,7 +140,8 @@ class FeedForwardResolver:
                                                           f"'{b.selection_bias_on}' needs a `selection_bias`")
         routing = dict(scoring=scoring, scoring_symbol=scoring_symbol, selection_bias_on=b.selection_bias_on,
                        selection_bias=self.flag(path + ("selection_bias",), b.selection_bias),
-                       groups=groups, router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
+                       groups=groups, groups_dropped=b.groups.dropped if b.groups is not None else "excluded",
+                       router_float32=b.router.float32, routed_scale=self.positive(path + ("routed_scale",), b.routed_scale)
                        if b.routed_scale is not None else None,
                        renormalize_min=self.positive(path + ("renormalize_min",), b.renormalize_min)
                        if b.renormalize_min is not None else None, weights_on=b.weights_on, routing=b.routing,
@@ -198,7 +200,7 @@ class FeedForwardResolver:
         if E % n or not 1 <= t <= n:
             raise self.err(gp, f"variants.{name}: {b.name}.groups: {n} groups must divide the {E} experts and "
                                f"1 <= top ({t}) <= count ({n})")
-        if t < n and (k > t * (E // n) or (score == "top2_sum" and E // n < 2)):
+        if t < n and ((k > t * (E // n) and b.groups_dropped == "excluded") or (score == "top2_sum" and E // n < 2)):
             raise self.err(gp, f"variants.{name}: {b.name}.groups: the top {t} of {n} groups hold {t * (E // n)} "
                                f"experts (top_k {k}; top2_sum needs 2 per group)")
 

@@ -250,7 +250,7 @@ class VariantResolver:
                         raise self.err(where, f"variants.{name}: mrope_section {list(sec)} sums to {sum(sec)}, "
                                               f"expected head_dim / 2 = {hd // 2}")
             if isinstance(b, MLAIR):
-                self.check_mla_variant(name, b, values, at, vp)
+                self.check_mla_variant(name, b, values, at, vp, layers)
             if isinstance(b, Mamba2IR) and b.heads.eval(values) % b.groups.eval(values):
                 sym = b.heads.symbol if isinstance(b.heads, Size) else None
                 raise self.err(at(sym) if sym else vp,

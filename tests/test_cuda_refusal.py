@@ -49,6 +49,18 @@ def test_chunked_attention_is_refused_by_name():
     assert type(ModelRunner._make_backend(runner)).__name__ == "TorchPagedBackend"
 
 
+def test_sparse_indexer_is_refused_by_name():
+    """A sparse-attention indexer (DeepSeek-V3.2, GLM-MoE-DSA): the CUDA attention path takes no per-query key
+    selection, so the model is refused on CUDA at load, naming the indexer (before MLA's value-width refusal); the CPU
+    backend serves it."""
+    runner = _runner_on_cuda([64])
+    runner.index_layers = [object()]
+    with pytest.raises(NotImplementedError, match="sparse-attention indexer"):
+        ModelRunner._make_backend(runner)
+    runner.device = torch.device("cpu")
+    assert type(ModelRunner._make_backend(runner)).__name__ == "TorchPagedBackend"
+
+
 def test_cpu_serves_any_head_dim():
     runner = _runner_on_cuda([16])
     runner.device = torch.device("cpu")

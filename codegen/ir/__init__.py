@@ -16,6 +16,7 @@ from .attention import (
     MLAIR,
     AttentionExpertsIR,
     AttentionIR,
+    IndexerIR,
     LoRAIR,
     QKNormIR,
     QueryScaleIR,
@@ -48,6 +49,7 @@ from .mlp import (
 from .model import (
     HeadTransformIR,
     ModelIR,
+    PerLayerInputIR,
     ProjectionIR,
     RankTableIR,
     RunnerIR,

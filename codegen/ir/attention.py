@@ -122,6 +122,9 @@ class AttentionIR:
     differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm
     v_head_dim: Optional[Size] = None          # value heads' width (None: head_dim); a per-layer size may read `layer`
     value_scale: Optional[Value] = None        # a constant factor on v before the cache (None: none)
+    v_norm: Optional[Value] = None             # a weightless RMSNorm of each value head: its eps (None: none)
+    values_from_keys: Optional[Value] = None   # flag, per-layer: v is k as projected, no v segment (None: never)
+    kv_source: Optional[Value] = None          # per-layer int: the layer whose KV cache this one reads (None: own)
     sinks_when: Optional[Value] = None         # sinks only on the layers where this flag holds (None: every layer)
     input_width: Optional[Size] = None         # the q/k/v projection's input width (None: hidden)
     lora: Optional[LoRAIR] = None              # per-use adapters on the q/k/v projection
@@ -155,6 +158,21 @@ class AttentionIR:
 
 
 @dataclass(frozen=True)
+class IndexerIR:
+    """A sparse-attention indexer (runtime layers/indexer.py SparseIndexer): heads x head_dim indexer q over the query
+    latent, one LayerNorm-ed key, rope on the first rope_dims dims in `rope_layout` (or the str symbol), the top
+    `topk` causal keys per query; `share` (per-layer bool): the layer reuses the previous indexer layer's selection."""
+    heads: Size
+    head_dim: Size
+    topk: Size
+    rope_dims: Size
+    rope_layout: str
+    rope_layout_symbol: Optional[str]
+    k_norm_eps: Value
+    share: Value
+
+
+@dataclass(frozen=True)
 class MLAIR:
     """Multi-head latent attention (runtime: the generated class over L.Attention with v heads of their own width):
     q direct (`q_lora_rank` None) or low-rank, a compressed KV latent + one shared rope key; cached as the latent
@@ -179,3 +197,5 @@ class MLAIR:
     q_lora_when: Optional[Value] = None   # the bool expression "q_lora_rank is not None" (a symbol q_lora_rank)
     kv_cache: str = "latent"              # latent (absorbed kv_b_proj, one cached head) | expanded (per-head K/V)
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): out * act(module(x)) before out
+    indexer: Optional[IndexerIR] = None   # a sparse-attention indexer (DeepSeek-V3.2's DSA)
+    q_gate: Optional[str] = None          # a fused q + output-gate projection over [normed, raw] query latent

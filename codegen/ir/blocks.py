@@ -19,6 +19,8 @@ class NormIR:
     # where the norm exists (per layer: may read `layer`); elsewhere the identity with no parameters
     enabled: Value = Value(literal=True)
     bias_flag: Optional[Value] = None   # a bool symbol / expression: the bias exists only where it holds (bias: True)
+    gate_rank: Optional[Size] = None    # a low-rank sigmoid gate on the output: y * sigmoid(fc2(silu(fc1(y))))
+    gate_enabled: Value = Value(literal=True)   # the layers with the gate (per layer); the others: the plain norm
 
     @property
     def always(self) -> bool:

@@ -96,6 +96,12 @@ class LayerIR:
     only_in: Tuple[Tuple[str, bool], ...] = ()
     # `layers.shared`: (block, instance expression over `layer`): layers with equal values share its parameters
     shared: Tuple[Tuple[str, Value], ...] = ()
+    output_scale: Optional[str] = None     # a learned scalar [1] that multiplies the stream after the layer
+
+    @property
+    def uses_per_layer_input(self) -> bool:
+        """Some MLP reads the decoder's per-layer input: the layers take their slice as an input."""
+        return any(getattr(b, "multiply", False) for b in self.blocks)
 
     @property
     def uses_embeddings(self) -> bool:

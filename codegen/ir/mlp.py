@@ -48,6 +48,7 @@ class MLPIR:
     sub_norm: Optional[SubNormIR] = None       # a norm of act(up(x)) before the down projection
     up_scale: Optional[Value] = None           # output multipliers of up / down (None = 1)
     down_scale: Optional[Value] = None
+    multiply: bool = False                     # act(up(x)) * this layer's slice of the decoder's per-layer input
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class MoEIR:
     selection_bias: Value = Value(literal=False)   # <router>.e_score_correction_bias, for the choice only
     selection_bias_on: str = "scores"        # scores | logits: what the selection bias is added to
     groups: Optional[Tuple[Size, Size, str]] = None   # (count, top, score: top2_sum | max)
+    groups_dropped: str = "excluded"      # the dropped groups' experts: excluded (-inf) | zero (choice score 0)
     routed_scale: Optional[Value] = None
     router_float32: bool = False
     renormalize_min: Optional[Value] = None   # the renormalizing sum clamped to at least it; None = no clamp

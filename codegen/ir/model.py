@@ -51,6 +51,21 @@ class ProjectionIR:
 
 
 @dataclass(frozen=True)
+class PerLayerInputIR:
+    """decoder.per_layer_input: (norm(proj(h0) * project_scale) + embed_per_layer(ids) * embed_scale) * combine_scale,
+    [tokens, layers * dim]; layer i reads columns [i * dim, (i + 1) * dim)."""
+    vocab: Size
+    dim: Size
+    layers: Size
+    hidden: Size
+    embed_scale: Value
+    project_scale: Value
+    combine_scale: Value
+    norm: NormIR
+    enabled: Value
+
+
+@dataclass(frozen=True)
 class HeadTransformIR:
     """decoder.head_transform: norm(act(dense(x))) before the LM head (a replicated linear, an activation, a norm)."""
     in_: Size
@@ -95,6 +110,7 @@ class ModelIR:
     project_in: Optional[ProjectionIR] = None               # embedding width -> residual width
     project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
     head_transform: Optional[HeadTransformIR] = None        # dense -> act -> norm before the LM head
+    per_layer_input: Optional[PerLayerInputIR] = None      # a per-layer second input of the layers (Gemma 4)
 
     @property
     def model_class(self) -> str:

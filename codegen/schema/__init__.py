@@ -21,6 +21,7 @@ from .attention import (
     AttentionBlock,
     AttentionExperts,
     Differential,
+    Indexer,
     LoRA,
     MLAAttentionBlock,
     OutGate,
@@ -28,6 +29,7 @@ from .attention import (
     QueryScale,
     Rotary,
     SubNorm,
+    VNorm,
 )
 from .base import (
     Dim,
@@ -44,6 +46,7 @@ from .blocks import (
     LayerNormBlock,
     LinearBlock,
     MixerProjection,
+    NormGate,
     PositionEmbeddingBlock,
     Projection,
     RMSNormBlock,
@@ -70,6 +73,7 @@ from .decoder import (
     Layers,
     LMHeadBlock,
     NormBlock,
+    PerLayerInput,
 )
 from .mlp import (
     ActivationForm,

@@ -139,6 +139,11 @@ class AttentionExperts(Strict):
     q: StrictStr = "q_experts"
 
 
+class VNorm(Strict):
+    """A weightless RMSNorm of each value head: `v * rsqrt(mean(v ** 2) + eps)` in float32, cast back."""
+    eps: Num
+
+
 class AttentionBlock(Strict):
     """Self-attention with GQA: fused q/k/v projection (segments q, k, v), optional per-head q/k norm,
     rotary embedding, paged attention, output projection."""
@@ -169,6 +174,16 @@ class AttentionBlock(Strict):
     sinks: Flag = False                 # a flag, per-layer (may read `layer`): the layers that have sinks
     # a constant factor on the values before the cache (MiMo-V2-Flash's attention_value_scale); absent: none
     value_scale: Optional[Num] = None
+    # a weightless RMSNorm of each value head (over its width) before the cache, `v / rms(v)` in float32 (Gemma 4's
+    # `v_norm`); absent: none
+    v_norm: Optional[VNorm] = None
+    # a flag, per-layer (may read `layer`): in the layers where it holds the fused projection has no `v` segment and
+    # the values are the keys as projected (before any q/k norm and rotary), Gemma 4's `attention_k_eq_v`
+    values_from_keys: Flag = False
+    # KV sharing across layers: an int per layer (may read `layer`), the layer whose keys and values (its KV cache)
+    # this layer attends over; where it is another (earlier) layer, this layer has q alone (no k / v segments, no k
+    # norm) and writes no cache (Gemma 4's num_kv_shared_layers); absent or `layer`: its own
+    kv_source: Optional[Dim] = None
     # ALiBi (Bloom, MPT): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled scores; the
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False
@@ -179,6 +194,26 @@ class AttentionBlock(Strict):
     lora: Optional[LoRA] = None          # per-use low-rank adapters on the q/k/v projection (above)
     # a mixture of attention heads (JetMoE): q and the output projection routed per token among expert stacks
     experts: Optional[AttentionExperts] = None
+
+class Indexer(Strict):
+    """The sparse-attention indexer of an attention block (DeepSeek-V3.2's DSA "lightning indexer"; GLM-MoE-DSA):
+    per token an indexer q of `heads` heads of `head_dim` (wq_b over the query latent: the attention's
+    q_a_layernorm output), one key (wk over the input, then a LayerNorm with weight and bias, eps `k_norm_eps`), the
+    first `rope_dims` dims of both turned by the attention's rotary frequencies in `rope_layout`, per-head weights
+    (weights_proj over the input, float32, times heads ** -0.5); score(t, s) = sum_h w[t, h] relu(head_dim ** -0.5
+    q[t, h] . k[s]) over the causal keys, and query t attends only to its min(topk, length) best keys. The keys are
+    cached per sequence beside the KV cache. `share` (a per-layer flag, may read `layer`): the layers that run no
+    indexer of their own and reuse the selection of the previous indexer layer (GLM-MoE-DSA's `indexer_types`
+    'shared'). Module names are transformers' (indexer.wq_b, indexer.wk, indexer.k_norm, indexer.weights_proj)."""
+    heads: Dim
+    head_dim: Dim
+    topk: Dim
+    rope_dims: Optional[Dim] = None       # default: the attention's rope dims (qk_rope_head_dim)
+    # neox halves or interleaved pairs, or a `str` config symbol whose `values` are layouts
+    rope_layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
+    k_norm_eps: Num = 1.0e-6
+    share: Flag = False
+
 
 class MLAAttentionBlock(Strict):
     """Multi-head latent attention (DeepSeek-V2 / V3): q from `q_proj` (hidden -> heads * (nope + rope)), or, when
@@ -210,3 +245,9 @@ class MLAAttentionBlock(Strict):
     # a gate on the attention output before `out` (as attention's `out_gate`: `per: head`, Ling's sigmoid `g_proj`
     # [heads, hidden]; `per: element` [heads * v_head_dim, hidden]); its own projection only (no `source: q`)
     out_gate: Optional[OutGate] = None
+    # a sparse-attention indexer (needs the low-rank q: it reads the query latent)
+    indexer: Optional[Indexer] = None
+    # the module name of a fused q + output-gate projection replacing q_b_proj (A.X-K2's q_gate_proj): over the query
+    # latent normalized and raw, concatenated ([q_a_layernorm(q_a), q_a], 2 * q_lora_rank), per head [q | gate] with
+    # the gate v_head_dim wide; each head's attention output times sigmoid(gate) before the output projection
+    q_gate: Optional[StrictStr] = None

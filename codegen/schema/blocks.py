@@ -62,6 +62,15 @@ class PositionEmbeddingBlock(Strict):
     frequencies: Optional[Literal["fairseq", "transformer"]] = None
 
 
+class NormGate(Strict):
+    """A low-rank input-dependent sigmoid gate on a norm's output (A.X-K2's GatedRMSNorm, Megatron's
+    GatedNormWrapper): y = norm(x); y * sigmoid(fc2(silu(fc1(y)))) with fc1 [rank, dim], fc2 [dim, rank] (no biases;
+    the sigmoid in float32). Modules: `<norm>.norm` (the norm's weight), `<norm>.mlp.fc1`, `<norm>.mlp.fc2`.
+    `enabled` (per layer, may read `layer`): the layers with the gate; the others have the plain norm (`<norm>.weight`)."""
+    rank: Dim
+    enabled: Flag = True
+
+
 class RMSNormBlock(Strict):
     """y = x / rms(x) * w, or * (1 + w) with `weight_offset: 1` (Gemma); `bias: true` adds a learned bias b (a bool
     config symbol: only in the checkpoints that set it); `weight: false`: no weight, y = x / rms(x) computed in float32
@@ -74,6 +83,7 @@ class RMSNormBlock(Strict):
     bias: Flag = False
     weight: StrictBool = True
     enabled: Flag = True
+    gate: Optional[NormGate] = None      # a low-rank sigmoid gate on the output (a decoder layer's norm only)
 
 
 class LayerNormBlock(Strict):

@@ -48,6 +48,23 @@ class Layers(Strict):
     # instance the layer uses; layers with equal values share the block's parameters (the first such layer holds
     # them, under its name). Each layer keeps its own module state (KV cache, recurrent state) and LoRA adapters
     shared: Dict[StrictStr, StrictStr] = {}
+    # a learned scalar parameter of each layer (its name, e.g. `layer_scalar`: `model.layers.{i}.layer_scalar [1]`) that
+    # multiplies the whole residual stream after the layer's last step (Gemma 4)
+    output_scale: Optional[StrictStr] = None
+
+
+class PerLayerInput(Strict):
+    """A second input of every layer computed once from the token ids and the embedding output (Gemma 4's per-layer
+    embeddings): `e = embed_tokens_per_layer(ids) * embed_scale` and `p = per_layer_projection_norm(
+    per_layer_model_projection(h0) * project_scale)`, both `[tokens, layers, dim]` (h0 the scaled embedding output),
+    combined `(p + e) * combine_scale`; layer i reads slice i (an `mlp` with `multiply: per_layer_input`)."""
+    vocab: Dim                 # rows of embed_tokens_per_layer
+    dim: Dim                   # each layer's width
+    embed_scale: Num
+    project_scale: Num
+    combine_scale: Num
+    norm: NormBlock            # per_layer_projection_norm, over `dim`
+    enabled: Flag = True       # where the per-layer input exists (its parameters too)
 
 
 class Deepstack(Strict):
@@ -104,3 +121,5 @@ class Decoder(Strict):
     # dense -> act -> norm between the final norm (and project_out) and the LM head (BERT's prediction head)
     head_transform: Optional[HeadTransform] = None
     deepstack: Optional[Deepstack] = None
+    # a per-layer second input of the layers (Gemma 4's per-layer embeddings), above
+    per_layer_input: Optional[PerLayerInput] = None

@@ -45,6 +45,9 @@ class MLPBlock(Strict):
     up: Projection
     down: Projection
     sub_norm: Optional[SubNorm] = None      # a norm of act(up(x)) before `down`
+    # `per_layer_input`: act(up(x)) is multiplied elementwise by this layer's slice of the decoder's per-layer input
+    # (decoder.per_layer_input, Gemma 4's per-layer embeddings): down(act(up(x)) * per_layer_input[layer])
+    multiply: Optional[Literal["per_layer_input"]] = None
 
 
 class Router(Strict):
@@ -64,6 +67,9 @@ class RoutingGroups(Strict):
     count: Dim
     top: Dim
     score: Literal["top2_sum", "max"] = "top2_sum"
+    # the experts of the groups not kept: `excluded` (their choice score -inf: DeepSeek-V3), or `zero` (their choice
+    # score 0, so that they still beat negative scores: A.X-K2's router, as its reference implementation)
+    dropped: Literal["excluded", "zero"] = "excluded"
 
 
 class SharedExpert(Strict):

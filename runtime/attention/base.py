@@ -42,9 +42,15 @@ FULL = AttentionVariant()
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunked: bool = False) -> Optional[str]:
+def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunked: bool = False,
+                           shared_kv: bool = False) -> Optional[str]:
     """Why the CUDA attention path (FlashInfer) cannot serve layers of these head dims / variants, naming the
     feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide)."""
+    if shared_kv:
+        return ("this model shares KV caches across layers (num_kv_shared_layers: later layers attend over an earlier "
+                "layer's cache and write none), which the CUDA path (FlashInfer wrappers planned per owning layer, "
+                "decode and piecewise prefill graphs) has not been wired or tested for; serve it on the CPU "
+                "(device='cpu')")
     if chunked:
         return ("this model uses chunked local attention (attention_chunk_size: a query sees only the keys of its "
                 "own chunk), which the CUDA attention path (FlashInfer paged prefill / decode wrappers as planned "

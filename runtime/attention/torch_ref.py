@@ -88,7 +88,9 @@ class TorchPagedBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
                 sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
-                k_scale: float = 1.0, v_scale: float = 1.0):
+                k_scale: float = 1.0, v_scale: float = 1.0, key_mask: Optional[torch.Tensor] = None):
+        """key_mask [N, L] bool (a sparse-attention indexer's selection): query token t sees key position p only
+        where key_mask[t, p], besides the causal mask and the variant's."""
         if ctx is not self._ctx:
             self.plan(ctx)
         variant = variant or FULL
@@ -100,7 +102,7 @@ class TorchPagedBackend(AttentionBackend):
         if not self._live:
             return out
         if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None and sinks is None \
-                and alibi_slopes is None:
+                and alibi_slopes is None and key_mask is None:
             return self._decode_step(q, k_cache, v_cache, ctx, scale, variant, k_scale, v_scale)
         if len(self._live) == 1 and use_cache:   # one sequence: slices, no gather indices (cheaper at batch 1)
             i = self._live[0]
@@ -110,7 +112,8 @@ class TorchPagedBackend(AttentionBackend):
             ks = dequantize_kv(k_cache[blocks].reshape(-1, Hk, D)[:n], k_scale)
             vs = dequantize_kv(v_cache[blocks].reshape(-1, Hk, Dv)[:n], v_scale)
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
-                                variant.logit_softcap, sinks, alibi_slopes, variant.chunk_size).to(q.dtype)
+                                variant.logit_softcap, sinks, alibi_slopes, variant.chunk_size,
+                                None if key_mask is None else key_mask[q0:q1, :n]).to(q.dtype)
             return out
         rows, q_index, q_valid, q_pos, k_valid, L = self._index(q.device)
         B = len(rows)
@@ -135,7 +138,11 @@ class TorchPagedBackend(AttentionBackend):
             s = s + alibi_slopes.float().view(1, Hk, g, 1, 1) * rel[:, None, None]
         if variant.logit_softcap is not None:
             s = torch.tanh(s / variant.logit_softcap) * variant.logit_softcap
-        s = s.masked_fill(~self._mask(variant, q_pos, k_valid, q_valid), float("-inf"))
+        visible = self._mask(variant, q_pos, k_valid, q_valid)
+        if key_mask is not None:         # the indexer's selection (padded query rows keep their key 0)
+            chosen = key_mask[q_index][:, :, :L] | ~q_valid[:, :, None]
+            visible = visible & chosen[:, None, None]
+        s = s.masked_fill(~visible, float("-inf"))
         o = torch.matmul(_softmax(s, None if sinks is None else sinks.float().view(1, Hk, g, 1, 1)), vf)
         o = o.permute(0, 3, 1, 2, 4).reshape(B, -1, H, Dv)
         out[q_index[q_valid]] = o[q_valid].to(q.dtype)
@@ -187,7 +194,7 @@ def _softmax(s: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
            sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
-           chunk_size: Optional[int] = None) -> torch.Tensor:
+           chunk_size: Optional[int] = None, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of q [Q, H, D] against k [L, Hk, D], v [L, Hk, Dv] -> [Q, H, Dv]; query j sits at position
     q_offset + j.
 
@@ -195,7 +202,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
     mask); key p is visible to query position i iff p <= i and, with a sliding window W, p > i - W. `sinks` [H]:
     a per-head logit in the softmax denominator (attention sinks). `alibi_slopes` [H]: ALiBi, slope_h * (key position -
     query position) added to the scaled scores. With a chunk size C, also p // C == i // C (chunked local
-    attention)."""
+    attention). `key_mask` [Q, L] bool: query j sees key p only where key_mask[j, p] (a sparse-attention
+    indexer's selection)."""
     Q, H, D = q.shape
     L, Hk, _ = k.shape
     g = H // Hk
@@ -214,6 +222,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
         hidden = hidden | (kpos <= qpos - sliding_window)
     if chunk_size is not None:        # chunked local attention: keys of the query's own chunk only
         hidden = hidden | (kpos // chunk_size != qpos // chunk_size)
+    if key_mask is not None:
+        hidden = hidden | ~key_mask
     s = s.masked_fill(hidden, float("-inf"))
     p = _softmax(s, None if sinks is None else sinks.float().view(H, 1, 1))
     return torch.matmul(p, vf).transpose(0, 1)                       # [Q, H, D]

@@ -160,7 +160,11 @@ class ModelRunner:
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
                 quant=parse_quant_config(hf_config, quantization), kv_cache_dtype=kv_cache_dtype,
                 renames=getattr(self.model_module, "CHECKPOINT_RENAMES", ()))
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention)]
+        # the attention layers with a KV cache of their own (a layer that reads another's, L.share_kv, has none)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is None]
+        self.kv_reader_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is not None]
+        # sparse-attention indexers: a paged key cache each, on the KV cache's blocks (runtime/layers/indexer.py)
+        self.index_layers = [m for m in self.model.modules() if isinstance(m, L.SparseIndexer)]
         if self.debug.get("kv_scales"):    # benchmarks with dummy weights: every layer's KV-cache scales (k, v)
             if self.kv_dtype != torch.float8_e4m3fn:
                 raise ValueError("debug kv_scales needs kv_cache_dtype='fp8'")
@@ -230,7 +234,7 @@ class ModelRunner:
         for name, value in list(vars(self).items()):
             if isinstance(value, (torch.Tensor, torch.nn.Module)) or name in ("graphs", "prefill_graphs", "backend",
                                                                               "attn_layers", "vision_graphs",
-                                                                              "state_layers"):
+                                                                              "state_layers", "index_layers"):
                 setattr(self, name, None)
         if self.device.type == "cuda":
             # graphs and modules may hold each other: collected now, so that the next engine of the process finds
@@ -267,8 +271,11 @@ class ModelRunner:
         if not self.attn_layers:        # no KV cache at all (a purely recurrent model): blocks are bookkeeping only
             return 1
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        # each layer at its own shape (KV heads, key and value head widths may differ between layers)
-        return self.block_size * sum(layer.kv_bytes_per_token(elem) for layer in self.attn_layers)
+        # each layer at its own shape (KV heads, key and value head widths may differ between layers); the indexers'
+        # key caches (model dtype) ride on the same blocks
+        index_elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.block_size * (sum(layer.kv_bytes_per_token(elem) for layer in self.attn_layers)
+                                  + sum(m.cache_bytes_per_token(index_elem) for m in self.index_layers))
 
     def _auto_num_blocks(self, gpu_memory_utilization: float) -> int:
         per_block = self._kv_bytes_per_block()
@@ -296,6 +303,9 @@ class ModelRunner:
             shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads)
             layer.k_cache = torch.zeros(shape + (layer.head_dim,), dtype=self.kv_dtype, device=self.device)
             layer.v_cache = torch.zeros(shape + (layer.v_head_dim,), dtype=self.kv_dtype, device=self.device)
+        for m in self.index_layers:        # an indexer's keys: one [head_dim] per slot, the same blocks and slots
+            m.k_cache = torch.zeros((self.num_kv_blocks, self.block_size, m.head_dim), dtype=self.dtype,
+                                    device=self.device)
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
@@ -311,6 +321,12 @@ class ModelRunner:
                     "not run (FlashInfer's run and the Triton decode kernel and KV store take one k_scale / v_scale per "
                     "layer); serve it on the CPU (device='cpu'), or with kv_cache_dtype='auto' (the scales unused)")
         if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
+            if getattr(self, "index_layers", None):
+                raise NotImplementedError(
+                    "this model uses a sparse-attention indexer (each query attends to the top-k keys an indexer "
+                    "scores: an indexer block), whose key selection the CUDA attention path (FlashInfer paged prefill "
+                    "/ decode wrappers: a causal mask with at most a sliding window) does not take; serve it on the "
+                    "CPU (device='cpu')")
             mixed = [layer for layer in self.attn_layers
                      if getattr(layer, "qk_head_dim", layer.head_dim) != getattr(layer, "v_head_dim", layer.head_dim)]
             if mixed:
@@ -333,6 +349,8 @@ class ModelRunner:
                     "attention path (one FlashInfer plan per step, one sm_scale) does not implement; serve it on the "
                     "CPU (device='cpu')")
             from xllm_gen.runtime.attention.base import cuda_attention_refusal
+            if getattr(self, "kv_reader_layers", ()):    # (a stub runner of the tests may lack it)
+                raise NotImplementedError(cuda_attention_refusal((), shared_kv=True))
             refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
                                              sinks=any(layer.variant.sinks for layer in self.attn_layers),
                                              chunked=any(getattr(layer.variant, "chunk_size", None) is not None

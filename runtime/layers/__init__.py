@@ -19,6 +19,7 @@ from xllm_gen.runtime.layers.attention import (
                                             alibi_slopes,
                                             attention_sinks,
                                             gate_output,
+                                            share_kv,
 )
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
 from xllm_gen.runtime.layers.embedding import (
@@ -29,6 +30,7 @@ from xllm_gen.runtime.layers.embedding import (
 )
 from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.head_transform import HeadTransform
+from xllm_gen.runtime.layers.indexer import SparseIndexer, shared_selection
 from xllm_gen.runtime.layers.lightning import LightningAttention
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
@@ -44,10 +46,12 @@ from xllm_gen.runtime.layers.norm import (
                                             HeadNorm,
                                             IdentityNorm,
                                             LayerNorm,
+                                            LowRankGatedNorm,
                                             ProjectionNorm,
                                             RMSNorm,
                                             keep_residual_float32,
 )
+from xllm_gen.runtime.layers.per_layer import learned_scalar, per_layer_inputs, rank_columns
 from xllm_gen.runtime.layers.recurrent import (
                                             RGLRU,
                                             CausalConv1d,
@@ -71,11 +75,13 @@ from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
-    "RMSNorm", "LayerNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
+    "learned_scalar", "per_layer_inputs", "rank_columns", "share_kv",
+    "RMSNorm", "LayerNorm", "LowRankGatedNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
-    "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention",
+    "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention", "SparseIndexer",
+    "shared_selection",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",

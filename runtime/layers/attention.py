@@ -73,17 +73,31 @@ class Attention(nn.Module):
         # refuses them at load); the cache holds K / k_scale and V / v_scale, read back times them
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # KV sharing across layers (`share_kv`): a reader attends over its owner's cache (same shape, same step) and
+        # writes none of its own; an owner keeps this step's k, v for its readers (the cache-less path reads them)
+        self.__dict__["kv_owner"] = None      # not a submodule (the owner is another layer's)
+        self.kv_readers = 0
+        self.last_kv: tuple = ()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor] = None, kv_stored: bool = False) -> torch.Tensor:
-        """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them)."""
+                sinks: Optional[torch.Tensor] = None, kv_stored: bool = False,
+                key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them). key_mask [N, L]
+        bool (a sparse-attention indexer's selection, runtime/layers/indexer.py): query token t sees key position p
+        only where key_mask[t, p] (on top of the causal mask and the variant's); the torch backend takes it, the
+        CUDA path refuses such a model at load."""
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
-        return self._attend(q, k, v, sinks, kv_stored)
+        return self._attend(q, k, v, sinks, kv_stored, key_mask)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor], kv_stored: bool = False) -> torch.Tensor:
+                sinks: Optional[torch.Tensor], kv_stored: bool = False,
+                key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx = get_context()
+        if self.kv_owner is not None:         # another layer's keys and values: its cache, nothing written here
+            return self._attend_shared(ctx, q.view(-1, self.num_heads, self.head_dim), sinks)
+        if self.kv_readers:                   # this step's k, v for the layers that read this layer's cache
+            self.last_kv = (k, v)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.v_head_dim)
@@ -96,7 +110,15 @@ class Attention(nn.Module):
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         elif kv_stored and kv:
             raise RuntimeError("Attention: K / V already stored by a fused kernel that does not apply KV-cache scales")
-        if self.variant == FULL:
+        if key_mask is not None:      # a sparse selection of keys: the backends that take it (torch)
+            if self.alibi_slopes is not None and self.alibi_slopes.device != q.device:
+                self.alibi_slopes = self.alibi_slopes.to(q.device)
+            extra = {"sinks": sinks} if sinks is not None else {}
+            if self.alibi_slopes is not None:
+                extra["alibi_slopes"] = self.alibi_slopes
+            out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
+                                      key_mask=key_mask, **extra, **kv)
+        elif self.variant == FULL:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, **kv)
         elif self.alibi_slopes is not None:
             if self.alibi_slopes.device != q.device:
@@ -109,6 +131,23 @@ class Attention(nn.Module):
         else:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
                                       **kv)
+        return out.reshape(-1, self.num_heads * self.v_head_dim)
+
+    def _attend_shared(self, ctx, q: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        o = self.kv_owner
+        if not o.last_kv:
+            raise RuntimeError("Attention: a layer that reads another layer's KV cache ran before that layer")
+        k = o.last_kv[0].view(-1, o.num_kv_heads, o.head_dim)
+        v = o.last_kv[1].view(-1, o.num_kv_heads, o.v_head_dim)
+        if ctx.graph_break is not None:
+            raise NotImplementedError("KV sharing across layers inside piecewise prefill graphs")
+        kv = {} if o.k_scale == 1.0 and o.v_scale == 1.0 else {"k_scale": o.k_scale, "v_scale": o.v_scale}
+        extra = {} if self.variant == FULL else {"variant": self.variant}
+        if sinks is not None:
+            extra["sinks"] = sinks
+        if self.alibi_slopes is not None:
+            extra["alibi_slopes"] = self.alibi_slopes.to(q.device)
+        out = ctx.backend.forward(q, k, v, o.k_cache, o.v_cache, ctx, self.scale, **extra, **kv)
         return out.reshape(-1, self.num_heads * self.v_head_dim)
 
     def kv_bytes_per_token(self, elem: int) -> int:
@@ -135,6 +174,29 @@ class Attention(nn.Module):
                     "/".join(f"{float(v):g}" for v in x.flatten())
             s += f", kv_cache_scales=(k {fmt(self.k_scale)}, v {fmt(self.v_scale)})"
         return s
+
+
+def share_kv(layers, block: str) -> None:
+    """KV sharing across layers: layer i's attention block `block` reads the KV cache of layer `block.kv_source`
+    (an earlier layer whose attention has the same shape), where that is not i itself. The reader's `attn` gets the
+    owner's `attn` as `kv_owner`: it writes no K / V and attends over the owner's cache (which holds this step's keys:
+    the owner ran earlier in the same forward); the runner allocates caches for owners only."""
+    for i, layer in enumerate(layers):
+        blk = getattr(layer, block, None)
+        src = getattr(blk, "kv_source", i)
+        if blk is None or src == i:
+            continue
+        owner = getattr(layers[src], block, None) if 0 <= src < i else None
+        if owner is None or getattr(owner, "kv_source", src) != src:
+            raise ValueError(f"layer {i}: {block} reads the KV cache of layer {src}, which is not an earlier layer "
+                             f"with a cache of its own")
+        a, o = blk.attn, owner.attn
+        if (a.num_kv_heads, a.head_dim, a.v_head_dim) != (o.num_kv_heads, o.head_dim, o.v_head_dim):
+            raise ValueError(f"layer {i}: {block} reads the KV cache of layer {src}, whose shape differs (kv heads, "
+                             f"head_dim, v_head_dim: {(o.num_kv_heads, o.head_dim, o.v_head_dim)} vs "
+                             f"{(a.num_kv_heads, a.head_dim, a.v_head_dim)})")
+        a.__dict__["kv_owner"] = o
+        o.kv_readers += 1
 
 
 def attention_sinks(num_heads: int) -> nn.Parameter:

@@ -239,17 +239,21 @@ class QKVParallelLinear(_Linear):
     kind = "column"
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 q_gate: bool = False, v_head_dim: Optional[int] = None):
+                 q_gate: bool = False, v_head_dim: Optional[int] = None, values_from_keys: bool = False,
+                 q_only: bool = False):
         # q_gate: each q head's rows are followed by as many rows of an output gate ([heads, 2 * head_dim]): q_size
         # counts both, and the split keeps a head's q and gate rows together. v_head_dim: the value heads' width
-        # (default head_dim): v_size = kv heads * v_head_dim
+        # (default head_dim): v_size = kv heads * v_head_dim. values_from_keys: no v segment (the attention takes its values
+        # from the keys; v_size 0). q_only: neither k nor v (a layer reading another layer's KV cache)
         tp, rank = get_tp_size(), get_tp_rank()
         problems: list = []
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         q = split_segment(Segment("q", num_heads, head_dim * (2 if q_gate else 1)), tp, rank, problems)
         k = split_segment(Segment("k", num_kv_heads, head_dim, replicate_ok=True), tp, rank, problems)
         v = split_segment(Segment("v", num_kv_heads, v_head_dim, replicate_ok=True), tp, rank, [])  # as k
-        super().__init__(hidden, q.rows + k.rows + v.rows, bias)
+        self.values_from_keys = values_from_keys or q_only
+        self.q_only = q_only
+        super().__init__(hidden, q.rows + (0 if q_only else k.rows) + (0 if self.values_from_keys else v.rows), bias)
         raise_or_defer(self, problems)
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim
@@ -260,15 +264,17 @@ class QKVParallelLinear(_Linear):
         self.num_kv_heads = k.rows // head_dim
         self.q_size = q.rows
         self.kv_size = self.num_kv_heads * head_dim
-        self.v_size = self.num_kv_heads * v_head_dim
-        self._attach(0, (q, k, v))
+        self.v_size = 0 if self.values_from_keys else self.num_kv_heads * v_head_dim
+        self.k_size = 0 if q_only else self.kv_size
+        self._attach(0, (q,) if q_only else (q, k) if self.values_from_keys else (q, k, v))
 
     def segments(self) -> tuple[Segment, Segment, Segment]:
         """The global q/k/v segments of dim 0."""
         D = self.head_dim
-        return (Segment("q", self.total_num_heads, D * (2 if self.q_gate else 1)),
+        segs = (Segment("q", self.total_num_heads, D * (2 if self.q_gate else 1)),
                 Segment("k", self.total_num_kv_heads, D, True),
                 Segment("v", self.total_num_kv_heads, self.v_head_dim, True))
+        return segs[:1] if self.q_only else segs[:2] if self.values_from_keys else segs
 
 
 class RowParallelLinear(_Linear):

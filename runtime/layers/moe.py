@@ -229,7 +229,7 @@ class FusedMoE(nn.Module):
                  group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0,
                  weights_on: str = "output", selection_bias_on: str = "scores",
                  routing: str = "topk", jitter_eps: float = 0.0, renormalize_epsilon: Optional[float] = None,
-                 gated: bool = True):
+                 gated: bool = True, group_dropped: str = "excluded"):
         super().__init__()
         # gated: down(act(gate) * up), gate_up_proj [E, 2I, H]; plain (gated=False): down(act(up)), up_proj [E, I, H]
         self.gated = bool(gated)
@@ -265,7 +265,11 @@ class FusedMoE(nn.Module):
         if grouped and group_score == "top2_sum" and num_experts // n_group < 2:
             raise ValueError(f"FusedMoE: group score top2_sum needs at least 2 experts per group; {num_experts} "
                              f"experts in {n_group} groups have {num_experts // n_group}")
-        if grouped and top_k > topk_group * (num_experts // n_group):
+        if group_dropped not in ("excluded", "zero"):
+            raise ValueError(f"FusedMoE: group_dropped must be 'excluded' or 'zero', not {group_dropped!r}")
+        # zero: the dropped groups' experts keep a choice score of 0 (A.X-K2), so they may fill the top-k
+        self.group_dropped = group_dropped
+        if grouped and group_dropped == "excluded" and top_k > topk_group * (num_experts // n_group):
             raise ValueError(f"FusedMoE: top_k {top_k} exceeds the experts of the topk_group={topk_group} chosen "
                              f"groups ({topk_group * (num_experts // n_group)})")
         self.scoring, self.group_score, self.routed_scale = scoring, group_score, float(routed_scale)
@@ -340,7 +344,7 @@ class FusedMoE(nn.Module):
             weights, ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring,
                                                   self.n_group, self.topk_group, self.group_score, score_bias,
                                                   self.routed_scale, self.renormalize_min, self.selection_bias_on,
-                                                  self.renormalize_epsilon)
+                                                  self.renormalize_epsilon, self.group_dropped)
             weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         if not self.gated:                # down(act(up)): the torch grouped reference on every device

@@ -222,3 +222,29 @@ class HeadNorm(nn.Module):
         return (f"{self.kind}, heads={self.heads} (per rank), head_dim={self.head_dim}, eps={self.eps}"
                 + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
                 + (", bias=True" if self.bias is not None else ""))
+
+
+class LowRankGatedNorm(nn.Module):
+    """A norm whose output passes a low-rank input-dependent sigmoid gate (A.X-K2's GatedRMSNorm, Megatron's
+    GatedNormWrapper): y = norm(x); out = y * sigmoid(fc2(silu(fc1(y)))) (the sigmoid in float32, cast back to y's
+    dtype). Modules: `norm` (any norm with the residual protocol), `mlp.fc1` [rank, dim], `mlp.fc2` [dim, rank]
+    (no biases, replicated). Same residual protocol as RMSNorm: forward(x) -> out; forward(x, residual) -> (out,
+    x + residual); the gate reads the normalized sum."""
+
+    def __init__(self, norm: nn.Module, dim: int, rank: int):
+        super().__init__()
+        from xllm_gen.runtime.layers.linear import ReplicatedLinear
+        self.norm = norm
+        self.mlp = nn.Module()
+        self.mlp.fc1 = ReplicatedLinear(dim, rank, bias=False)
+        self.mlp.fc2 = ReplicatedLinear(rank, dim, bias=False)
+
+    def _gate(self, y: torch.Tensor) -> torch.Tensor:
+        g = self.mlp.fc2(F.silu(self.mlp.fc1(y)))
+        return (y * torch.sigmoid(g.float())).to(y.dtype)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = ..., /):
+        if residual is ...:
+            return self._gate(self.norm(x))
+        y, r = self.norm(x, residual)
+        return self._gate(y), r

@@ -53,9 +53,26 @@ _ROPE_NEEDS_ORIGINAL = ("frequency_bands", "longrope")
 _ROPE_SHARED = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
 
 
+class WildcardConflict(ValueError):
+    """A path with a `*` part matched values that differ."""
+
+
 def _lookup(cfg: Any, path: str) -> Any:
     node: Any = cfg
-    for part in path.split("."):
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part == "*":      # every key of a mapping (transformers' per_layer_config): the one value they all hold
+            if not isinstance(node, dict):
+                return MISSING
+            rest = ".".join(parts[i + 1:])
+            found = {k: v for k, v in ((k, _lookup(sub, rest) if rest else sub) for k, sub in node.items())
+                     if v is not MISSING}
+            if not found:
+                return MISSING
+            if len({repr(v) for v in found.values()}) > 1:
+                raise WildcardConflict(f"config.json field '{path}' differs between keys: "
+                                       + ", ".join(f"{'.'.join(parts[:i])}.{k}: {v!r}" for k, v in found.items()))
+            return next(iter(found.values()))
         if not isinstance(node, dict) or part not in node or node[part] is None:
             return MISSING
         node = node[part]
@@ -126,7 +143,10 @@ class ConfigReader:
         self.read_paths.update(paths)
         where = None
         for p in paths:
-            v = _lookup(self.hf, p)
+            try:
+                v = _lookup(self.hf, p)
+            except WildcardConflict as e:
+                raise self.error(f"{e} (symbol '{name}' reads one value)") from None
             if v is not MISSING:
                 where, value = p, v
                 break
@@ -291,6 +311,8 @@ class ConfigReader:
             if any(p in self.read_paths or p in self.assume or parts[i] in GENERIC_FIELDS
                    for i, p in enumerate(prefixes)):
                 continue
+            if any("*" in r and fnmatch.fnmatchcase(p, r) for r in self.read_paths for p in prefixes):
+                continue        # read through a `*` path (every key of a mapping)
             if any(fnmatch.fnmatchcase(p, pat) for p in prefixes for pat in self.ignore):
                 continue
             unknown.append(f"{path}={value!r}" if not isinstance(value, (list, dict)) or len(repr(value)) < 60

@@ -66,7 +66,16 @@ def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
             elif isinstance(src, str):
                 rules.append(WeightRule(name, (fill(src),), layout=row_layout))
             else:
-                rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src)))
+                split = getattr(param, "tp_split", None)
+                have = split.segment_names if split is not None and split.segments else None
+                if have is not None and set(have) < set(src):
+                    # a fused parameter built without some segments in this layer (an attention whose values are its
+                    # keys has no `v`): it loads the segments it has
+                    src = {seg: s for seg, s in src.items() if seg in have}
+                if have is not None and len(have) == 1 and len(src) == 1:    # one segment left: the whole parameter
+                    rules.append(WeightRule(name, (fill(next(iter(src.values()))),), layout=row_layout))
+                else:
+                    rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src)))
             if stored is not None:
                 r = rules.pop()
                 rules.append(WeightRule(r.param, r.sources, segments=r.segments, layout=r.layout, stored=stored))

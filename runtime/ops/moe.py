@@ -37,7 +37,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
                    n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
                    score_bias: Optional[torch.Tensor] = None, routed_scale: float = 1.0,
                    renormalize_min: float = 0.0, bias_on: str = "scores",
-                   renormalize_epsilon: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   renormalize_epsilon: Optional[float] = None,
+                   group_dropped: str = "excluded") -> tuple[torch.Tensor, torch.Tensor]:
     """The general routing, in float32 (as transformers' routers compute it): scores = softmax or sigmoid of the
     logits; the experts are chosen by `scores + score_bias` (a selection-only bias, transformers'
     e_score_correction_bias), among the `topk_group` of `n_group` equal groups of experts with the highest group
@@ -46,7 +47,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     their sum when `renormalize` (+ 1e-20 for sigmoid scores, as transformers; with `renormalize_min` > 0 the sum
     clamped to at least it instead, ERNIE 4.5's moe_norm_min; with `renormalize_epsilon` the sum + it, LFM2-MoE's
     1e-6), times `routed_scale`. `bias_on="logits"`: the experts
-    are chosen by `logits + score_bias` instead (a router that biases its logits); the weights are still the scores."""
+    are chosen by `logits + score_bias` instead (a router that biases its logits); the weights are still the scores.
+    `group_dropped="zero"`: the experts of the groups not kept get a choice score of 0 instead of -inf (they may
+    still be chosen over experts of negative choice score: A.X-K2's router)."""
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     if bias_on not in BIAS_ON:
@@ -63,7 +66,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
         gidx = torch.topk(gscore, k=topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
         choice = choice.masked_fill(~keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E),
-                                    float("-inf"))
+                                    0.0 if group_dropped == "zero" else float("-inf"))
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize and renormalize_min > 0.0:

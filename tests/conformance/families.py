@@ -100,6 +100,12 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # MiniMax-M3 text: a SwiGLU clamp that bites at the tiny scale
     "MiniMaxM3VLForCausalLM": [{"swiglu_limit": 0.5}],
     "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
+    # Gemma 4: the full layers' values from their keys (26B / 31B: attention_k_eq_v, one KV head there); KV sharing
+    "Gemma4ForCausalLM": [{"attention_k_eq_v": True,
+                           "per_layer_config": {"0": {"head_dim": 32, "num_key_value_heads": 1},
+                                                "2": {"head_dim": 32, "num_key_value_heads": 1}}},
+                          # E2B / E4B: the last layer reads layer 0's KV cache, with a double-wide MLP
+                          {"num_kv_shared_layers": 1, "use_double_wide_mlp": True}],
     # MiMo-V2-Flash: a routed scale, another value scale, the released config's sliding_window_size (W previous
     # tokens + the query)
     "MiMoV2FlashForCausalLM": [{"routed_scaling_factor": 2.5}, {"attention_value_scale": 0.3},
