@@ -49,8 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="off,auto,on",
                     help="comma list of off, auto, on; +pdl / +pdlwait / +pdllate adds programmatic dependent launch "
                          "(runtime/ops/pdl.py: XLLM_PDL=1 / wait / late), e.g. off,auto,auto+pdllate; +nomma keeps "
-                         "9..64 rows unfused (the tensor-core fused GEMVs off: XLLM_FUSED_MMA=0); +nolaunch times the "
-                         "decode-attention kernel at its default launch only (XLLM_DECODE_LAUNCH_TUNING=0)")
+                         "9..64 rows unfused (the tensor-core fused GEMVs off: XLLM_FUSED_MMA=0); +launch also times the "
+                         "decode-attention kernel's (BLOCK_N, warps) (XLLM_DECODE_LAUNCH_TUNING=1)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
@@ -74,11 +74,11 @@ def main(argv=None) -> int:
                    rows=[], tokens={})
     for mode in modes:
         fused, *extra = mode.split("+")
-        launch = next((e for e in extra if e not in ("nomma", "nolaunch")), "")
+        launch = next((e for e in extra if e not in ("nomma", "launch")), "")
         FU.MODE = MODES[fused]
         FU._FUSED_MAX_ROWS = 8 if "nomma" in extra else 64     # +nomma: 9..64 rows unfused (XLLM_FUSED_MMA=0)
-        # +nolaunch: the decode-attention kernel timed at its default launch only (XLLM_DECODE_LAUNCH_TUNING=0)
-        TD.LAUNCH_CANDIDATES = () if "nolaunch" in extra else LAUNCH_CANDIDATES
+        # +launch: the decode-attention kernel's launch timed too (XLLM_DECODE_LAUNCH_TUNING=1)
+        TD.LAUNCH_CANDIDATES = ((16, 2), (32, 2), (64, 2)) if "launch" in extra else LAUNCH_CANDIDATES
         TD.DECODE_KERNEL_CHOICE.clear()
         PDL.MODE = {"": "0", "pdl": "1", "pdlwait": "wait", "pdllate": "late"}[launch]
         t0 = time.perf_counter()

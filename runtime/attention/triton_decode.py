@@ -59,11 +59,13 @@ def split_candidates(batch: int, num_kv_heads: int, num_sms: int, max_splits: in
     return sorted({s} | {p for p in (2 ** i for i in range(6)) if s / 8 <= p <= min(4 * s, max_splits)}, reverse=True)
 
 
-# (BLOCK_N, num_warps) of the Triton kernel: the default, and those timed at the best split count. On an H200 (16 over 8
-# heads, 1k context, bench/results/h200_decode_attention_tune.md) 16 rows ran fastest at (16, 2): 25.2 us vs the
-# default's 28+; one row at (32, 4) / (64, 2) within 1% of the default
+# (BLOCK_N, num_warps) of the Triton kernel: the default, and those timed at the best split count when
+# XLLM_DECODE_LAUNCH_TUNING=1. The kernel alone (bench/results/h200_decode_attention_tune.md, 16 over 8 heads, 1k
+# context) ran 16 rows fastest at (16, 2), 25.2 us vs 28+; but in the engine the timing picked (64, 2) and the graph
+# decode TPOT did not move (batch 1: 1.027 / 1.028 vs 1.029 / 1.023 ms, batch 16: 1.898 / 1.897 vs 1.890 / 1.896,
+# bench/results/h200_attn_launch.md), so it is off by default: three more timings per bucket at start-up for nothing
 DEFAULT_LAUNCH = (64, 4)
-LAUNCH_CANDIDATES = () if os.environ.get("XLLM_DECODE_LAUNCH_TUNING") == "0" else ((16, 2), (32, 2), (64, 2))
+LAUNCH_CANDIDATES = ((16, 2), (32, 2), (64, 2)) if os.environ.get("XLLM_DECODE_LAUNCH_TUNING") == "1" else ()
 
 
 def launch_of(choice) -> tuple[int, int, int]:

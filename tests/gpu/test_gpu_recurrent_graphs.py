@@ -80,7 +80,11 @@ def test_recurrent_decode_graphs_vs_eager(architecture, tmp_path, caplog):
     kw = dict(dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=512, max_model_len=512,
               enable_prefix_caching=False)
 
-    with LLM(str(ckpt), enforce_eager=True, **kw) as llm:
+    try:
+        llm = LLM(str(ckpt), enforce_eager=True, **kw)
+    except NotImplementedError as e:     # a documented CUDA refusal at load (tests/test_cuda_refusal.py), by name
+        pytest.skip(f"refused on CUDA: {e}")
+    with llm:
         assert llm.engine.runner.graphs is None
         eager = _generate(llm, prompts)
         # the eager kernels' own noise between batch compositions (each request alone): a MoE's expert GEMMs change

@@ -80,7 +80,7 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
         if head_dim is None and getattr(config, "num_attention_heads", None):    # derived in the model (GPT-J)
             head_dim = config.hidden_size // config.num_attention_heads
         if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
-            return f"head_dim {head_dim} is not one FlashInfer"
+            return r"head_dim [0-9, ]+ is not one FlashInfer"    # (every layer's distinct head_dim, named)
     return None
 
 
@@ -158,6 +158,9 @@ def test_spec_bf16_graphs_vs_hf(architecture, tmp_path):
     from xllm_gen import LLM, SamplingParams
 
     ckpt = _checkpoint(architecture, tmp_path / "ckpt")
+    if _guard_refuses(architecture, ckpt):   # the host's transformers writes a tiny config of another era (e.g. 5.17's
+        pytest.skip(f"the spec's config guard refuses transformers {__import__('transformers').__version__}'s tiny "
+                    f"{architecture} config (the CPU conformance battery checks the spec against 5.24's)")
     refused = _cuda_refusal(architecture, ckpt)
     if refused:                  # a documented refusal: at load, naming the feature
         with pytest.raises(Exception, match=refused):
