@@ -94,6 +94,7 @@ def test_per_layer_shapes_and_cache():
         [(4, 2, 24, 16, False), (4, 4, 24, 16, True), (4, 4, 24, 16, True)]
     runner = type("R", (), {})()
     runner.attn_layers, runner.kv_dtype, runner.block_size = attn, torch.float32, 4
+    runner.dtype, runner.index_layers = torch.float32, []      # (no sparse-attention indexer key caches)
     assert ModelRunner._kv_bytes_per_block(runner) == 4 * 4 * (2 * 40 + 4 * 40 + 4 * 40)
 
 
