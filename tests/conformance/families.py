@@ -62,6 +62,12 @@ _DRAFTER = ("a drafter for its target model's assisted generation, not a standal
             "embeddings). The engine's draft_model proposer runs a standalone checkpoint on its own tokens and KV "
             "cache; a drafter fed by the target's hidden states and KV cache is not in the runtime or the language")
 NOT_EXPRESSIBLE: dict[str, str] = {
+    "Gemma3nForCausalLM": (
+        "AltUp: the residual is altup_num_inputs streams with per-token learned mixing (predict / correct around each "
+        "layer, projections in and out at the ends), which the one-stream dataflow cannot carry; LAuReL: a low-rank "
+        "branch of the attention's normed input added to the stream, the sum scaled by 1/sqrt(2); the per-layer input "
+        "added to the non-active streams only; activation sparsity: a per-layer Gaussian top-k of the MLP gate "
+        "(codegen/README.md, Not expressible yet)"),
     "Gemma4AssistantForCausalLM": _DRAFTER,
     "Gemma4UnifiedAssistantForCausalLM": _DRAFTER,
 }
