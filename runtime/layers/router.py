@@ -1,5 +1,6 @@
-"""A router's own input transform and a learned per-expert scale of its routing weights (Gemma 4's MoE router):
-r = rmsnorm(x) * w * scale before the router's linear, and each chosen expert's weight times its learned scale."""
+"""A router's own input transform and a learned per-expert scale of its routing weights: r = rmsnorm(x) * w * scale
+before the router's linear, and each chosen expert's weight times its learned scale (the spec's `router.input_norm` /
+`input_weight` / `input_scale` / `expert_scale`)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,7 +15,7 @@ from xllm_gen.runtime.ops import reference
 class RouterInput(nn.Module):
     """r = N(x) * weight * scale, each part optional: N a weightless RMSNorm (x / rms(x) in float32, cast back to
     x's dtype) where `eps` is given; `weight` a learned per-channel vector [dim] (replicated); `scale` a constant.
-    The multiplications run in the model dtype, in this order, as transformers' Gemma4TextRouter."""
+    The multiplications run in the model dtype, in this order."""
 
     def __init__(self, dim: int, eps: Optional[float] = None, weight: bool = False, scale: Optional[float] = None):
         super().__init__()
