@@ -332,10 +332,9 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def decode_page_table(self, ctx):
-        """The Triton decode wrapper's table where this step's decode (FULL variant) was planned on one (the graph
-        bucket's persistent buffers inside a bucket); None with FlashInfer's decode or outside a decode step."""
+        """The page table this decode step's wrapper (FULL variant) was planned with; None outside a decode step."""
         wrapper = self._plans.get(FULL) if self._mode == "decode" else None
-        return wrapper._table if isinstance(wrapper, TritonDecodeWrapper) else None
+        return None if wrapper is None else triton_decode.decode_page_table_of(wrapper)
 
     # ------------------------------------------------------------------------------------------ running
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,

@@ -128,6 +128,18 @@ def measure_decode_kernels(rows: int, num_heads: int, num_kv_heads: int, head_di
     return times
 
 
+def decode_page_table_of(wrapper) -> Optional[tuple]:
+    """A planned decode wrapper's page table on the device in FlashInfer's CSR form (indptr, indices, last-page
+    length): the Triton wrapper's, or a FlashInfer decode wrapper's buffers (in CUDA-graph mode the persistent ones a
+    capture reads); None before a plan."""
+    table = getattr(wrapper, "_table", None)
+    if table is not None:
+        return table
+    bufs = tuple(getattr(wrapper, a, None) for a in ("_paged_kv_indptr_buf", "_paged_kv_indices_buf",
+                                                      "_paged_kv_last_page_len_buf"))
+    return bufs if all(isinstance(b, torch.Tensor) and b.is_cuda for b in bufs) else None
+
+
 class TritonDecodeWrapper:
     """One decode wrapper over the Triton kernel for `splits` splits. With `buffers` (a graph bucket's
     persistent indptr / last-page-length buffers, and the backend's shared page-index buffer) `plan` copies the

@@ -113,7 +113,7 @@ def test_layer_kernel_one_launch(shape, lens):
     assert all(res["graph_equal"]) and res["counters"] == 0, res
 
 
-def test_layer_kernel_engine_tokens(tmp_path_factory):
+def test_layer_kernel_engine_tokens(tmp_path_factory, monkeypatch):
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
     from test_gpu_fused_decode import _compare, _params, _prompts
