@@ -28,7 +28,7 @@ def run_attention(wrapper, q: torch.Tensor, kv: tuple, *, k_scale=None, v_scale=
     wrapper), with attention sinks (sinks [H]) and KV-cache scales (k_scale / v_scale: floats per tensor, float32
     tensors [Hk, 1] per KV head, or None)."""
     from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
-    from xllm_gen.runtime.ops.attention_epilogue import attention_epilogue_, fold_k_scale     # (imports triton)
+    from xllm_gen.runtime.ops.attention_epilogue import attention_epilogue_, fold_k_scale  # (imports triton)
     if isinstance(wrapper, TritonDecodeWrapper):
         extra = {} if sinks is None else {"sinks": sinks}
         if k_scale is None and v_scale is None:
