@@ -172,6 +172,28 @@ def test_run_attention_matches_the_torch_attention(scales, with_sinks):
         assert (swapped[live] - want[live]).abs().max() > 0.1 * want.abs().max()
 
 
+def test_decode_graph_bucket_runs_sinks_and_per_head_scales():
+    """The decode graphs' bucket backend (what the layers see inside a captured graph) routes sinks and per-head
+    scales through run_attention to its variant's wrapper: the same as the torch attention."""
+    from xllm_gen.runtime.attention.base import AttentionVariant
+    from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
+    from xllm_gen.runtime.executor.cuda_graph import _BucketAttention
+    Hk, G, D, page = 2, 2, 16, 4
+    H, lens = Hk * G, [3, 14, 0]
+    ctx, (ip, ix, lp), kc, vc = _decode_step(lens, page, Hk, D, 16, seed=4)
+    var = AttentionVariant(sliding_window=None, sinks=True)
+    bucket = _BucketAttention(types.SimpleNamespace(), {var: FakeFlashInferWrapper(ip, ix, lp, page, D ** -0.5)}, 3)
+    g = torch.Generator().manual_seed(5)
+    q, sinks = torch.randn(3, H, D, generator=g) * 0.05, torch.randn(H, generator=g) + 2
+    ks, vs = torch.tensor([[0.05], [0.01]]), torch.tensor([[0.002], [0.02]])
+    step = torch.zeros(3, Hk, D)
+    got = bucket.forward(q, step, step, kc, vc, ctx, D ** -0.5, variant=var, sinks=sinks, k_scale=ks, v_scale=vs)
+    oracle = TorchPagedBackend()
+    oracle.plan(ctx)
+    want = oracle.forward(q, step, step, kc, vc, ctx, D ** -0.5, var, sinks=sinks, k_scale=ks, v_scale=vs)
+    assert (got[:2] - want[:2]).abs().max() < 1e-5 * want.abs().max() and got[2].abs().max() == 0
+
+
 def test_run_attention_refuses_scales_on_a_ragged_prefill():
     from xllm_gen.runtime.attention.flashinfer_run import run_attention
     with pytest.raises(RuntimeError, match="ragged prefill"):

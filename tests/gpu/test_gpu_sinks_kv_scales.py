@@ -6,21 +6,24 @@ store kernels' own sinks and per-head scale pointers. The math and wiring are ch
 
 - FlashInferBackend with sinks (full and sliding-window variants) for ragged prefill, paged (chunked) prefill and
   decode on FlashInfer's and the Triton kernel, against the torch attention (TorchPagedBackend, float32 math) on the
-  same cache: bf16 rounding only (relative error < 2e-2); zeroed sinks are far off (sensitivity). This also checks
-  FlashInfer's LSE base (2): read as natural, the rescale would be off by far more than 2e-2;
+  same cache: bf16 rounding only (relative error < 2e-2); without sink mass (logits -30) far off (sensitivity); and
+  FlashInfer's LSE base is checked: read as natural (ln 2 -> 1), FlashInfer's runs are off by more than 5e-2;
 - per-KV-head fp8 scales: the Triton store kernel writes the torch store's float8 bytes bit for bit; the backend on
-  that cache equals the torch attention (< 2e-2; with sinks too); the heads' scales swapped are far off;
+  that cache equals the torch attention (< 2e-2 within each KV head's query group; with sinks too); the heads' scales
+  swapped are far off;
 - GPT-OSS (specs/gpt_oss.yaml, tiny, bf16, decode CUDA graphs on FlashInfer's and on the Triton decode kernel,
-  piecewise prefill graphs) against transformers, with test_gpu_specs.py's battery and bounds; a sensitivity arm:
-  the sinks zeroed in the checkpoint move both transformers' and the engine's logits the same way;
-- a tiny Llama rescaled per KV head (tests/test_kv_head_scales.py) served with kv_cache_dtype="fp8" and its
-  calibrated per-head scales (graphs, chunked prefill): its prefill logits within 8e-2 (relative to the largest) of
-  the bf16 model's (a bf16 cache). Why 8e-2: e4m3 keeps 3 mantissa bits (relative rounding up to 2^-4 per element);
-  on the CPU in float32 the same checkpoint measured 2.6e-2 against float32 with per-head scales, 3.0e-1 with one
-  scale per tensor and 7.7e-1 with the heads' scales swapped; 8e-2 is 3x the per-head figure (room for bf16
-  noise: a bf16 cache alone moves these logits by ~1e-2) and still 4x below the per-tensor one. Tighter: against
-  the torch attention on the same fp8 cache (the CPU semantics, run on the GPU eagerly) logprobs within 0.1 and
-  prefill logits within 5e-2 (the per-tensor test's bounds, test_gpu_quant.py); swapped scales beyond 0.3.
+  piecewise prefill graphs) against transformers, with test_gpu_specs.py's battery and bounds, on the tiny checkpoint
+  with strong sinks (1 .. 5; the tiny init's ~0.1 barely matter); sensitivity: those sinks move transformers' logits
+  5x more than the engine differs from transformers;
+- a tiny Llama rescaled per KV head (tests/test_kv_head_scales.py: head 0's K x 300, head 1's / 300, V likewise;
+  no one scale fits both heads) served with kv_cache_dtype="fp8" and its calibrated per-head scales (graphs, chunked
+  prefill). Against the torch attention on the same fp8 cache (the CPU semantics, run on the GPU eagerly): logprobs
+  within 0.1 and prefill logits within 5e-2 relative (the per-tensor test's bounds, test_gpu_quant.py: bf16
+  rounding of two attention implementations; the q folding adds one bf16 rounding of q * k_scale, 2^-9 relative).
+  Against the bf16 model (a bf16 cache): prefill logits within 0.2 relative, the per-tensor test's bound (e4m3 keeps
+  3 mantissa bits, up to 2^-4 relative per element; that test's Qwen3 measured 0.08 on the CPU) and at least 3x
+  closer than the same checkpoint with one scale per tensor (on the CPU in float32: 2.6e-2 vs 3.0e-1, 11x). The
+  heads' scales swapped are beyond 0.3 (CPU: 7.7e-1).
 Figures go to $XLLM_TEST_REPORT.
 """
 from __future__ import annotations
@@ -38,6 +41,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _group_err(a, b, groups: int):
+    """The worst _rel_err over the query-head groups of the KV heads (a, b [N, H, D]): heads whose outputs differ in
+    size by orders of magnitude (per-head V scales) are each held to their own size."""
+    return max(_rel_err(x, y) for x, y in zip(a.chunk(groups, 1), b.chunk(groups, 1)))
 
 
 def _backend(H, Hk, D, page, pool, kv_dtype, decode_kernel, variants):
@@ -64,7 +73,8 @@ def test_sinks_kernels_vs_torch(decode_kernel, monkeypatch):
     lens = [1, 17, 130, 64, 300]
     perm = torch.randperm(pool).tolist()
     variants = (make_variant(sinks=True), make_variant(sliding_window=32, sinks=True))
-    sinks = (torch.randn(H, device=dev) * 2 + 1).to(torch.bfloat16)
+    # sink logits of the rows' log-sum-exps' size (scores of std ~3 below): each takes a real share of the mass
+    sinks = (torch.randn(H, device=dev) * 2 + 4).to(torch.bfloat16)
     results, off, misread = {}, {}, {}
     for step, qlens in STEPS.items():
         qlens = qlens or lens                                  # ragged: every token of every sequence is new
@@ -138,8 +148,8 @@ def test_per_head_kv_scales_kernels_vs_torch(decode_kernel):
     for step in ("paged_prefill", "decode"):
         ctx = _paged_ctx(lens, STEPS[step], page, perm, dev)
         n = sum(STEPS[step])
-        # scores of order 1: q divided per group by its KV head's factor (as the rescaled checkpoint's q_proj)
-        q = (torch.randn(n, H, D, device=dev) * 0.1 / kf.repeat_interleave(H // Hk).view(1, H, 1)).to(torch.bfloat16)
+        # scores of std ~1: q divided per group by its KV head's factor (as the rescaled checkpoint's q_proj)
+        q = (torch.randn(n, H, D, device=dev) / kf.repeat_interleave(H // Hk).view(1, H, 1)).to(torch.bfloat16)
         step_kv = torch.zeros(n, Hk, D, device=dev, dtype=torch.bfloat16)
         for var, extra in ((FULL, {}), (make_variant(sinks=True), {"sinks": sinks})):
             be = _backend(H, Hk, D, page, pool, f8, decode_kernel, (var,))
@@ -152,7 +162,7 @@ def test_per_head_kv_scales_kernels_vs_torch(decode_kernel):
             want = ref.forward(q, step_kv, step_kv, kc, vc, ctx, D ** -0.5, k_scale=ks, v_scale=vs, **kw)
             flip = be.forward(q, step_kv, step_kv, kc, vc, ctx, D ** -0.5, k_scale=ks.flip(0).contiguous(),
                               v_scale=vs.flip(0).contiguous(), **kw)
-            worst[name], swapped[name] = _rel_err(got, want), _rel_err(flip, want)
+            worst[name], swapped[name] = _group_err(got, want, Hk), _group_err(flip, want, Hk)
     _report(test=f"per_head_kv_scales_kernels_{decode_kernel}", rel_err=worst, swapped_rel_err=swapped)
     print(f"\n[fp8 KV per-head scales, {decode_kernel}] relative error vs torch {worst}; heads swapped {swapped}")
     assert all(e < 2e-2 for e in worst.values()), worst
@@ -255,6 +265,8 @@ def test_per_head_kv_scales_checkpoint_cuda(tmp_path, decode_kernel):
     scales = {i: (1.25 * 1.4143 * k / 448, 1.25 * v / 448) for i, (k, v) in amax.items()}
     ckpt = K._write_scales(ref, tmp_path / "ckpt", scales)
     swapped = K._write_scales(ref, tmp_path / "swapped", {i: (k.flip(0), v.flip(0)) for i, (k, v) in scales.items()})
+    tensor = K._write_scales(ref, tmp_path / "tensor", {i: (k.max().reshape(1), v.max().reshape(1))
+                                                         for i, (k, v) in scales.items()}, shape=(1,))
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     kw = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=64,
               enable_prefix_caching=False)
@@ -292,9 +304,13 @@ def test_per_head_kv_scales_checkpoint_cuda(tmp_path, decode_kernel):
     got, got_l = run(ckpt, check_graphs=True, kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel})
     _, bf16_l = run(ref)
     _, swapped_l = run(swapped, kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel})
-    same, same_l, vs_bf16, far = lp_diff(got, want), rel(got_l, want_l), rel(got_l, bf16_l), rel(swapped_l, want_l)
+    _, tensor_l = run(tensor, kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel})
+    same, same_l, far = lp_diff(got, want), rel(got_l, want_l), rel(swapped_l, want_l)
+    vs_bf16, tensor_vs_bf16 = rel(got_l, bf16_l), rel(tensor_l, bf16_l)
     _report(test=f"per_head_kv_scales_{decode_kernel}", logprob_vs_torch=same, prefill_rel_vs_torch=same_l,
-            prefill_rel_vs_bf16=vs_bf16, swapped_rel=far)
+            prefill_rel_vs_bf16=vs_bf16, one_scale_per_tensor_vs_bf16=tensor_vs_bf16, swapped_rel=far)
     print(f"\n[fp8 KV per-head checkpoint, {decode_kernel}] vs torch attention on the same cache: logprobs {same:.4f}, "
-          f"prefill {same_l:.2e}; vs a bf16 cache {vs_bf16:.2e}; heads' scales swapped {far:.2e}")
-    assert same < 0.1 and same_l < 0.05 and vs_bf16 < 0.08 and far > 0.3, (same, same_l, vs_bf16, far)
+          f"prefill {same_l:.2e}; vs a bf16 cache {vs_bf16:.2e} (one scale per tensor: {tensor_vs_bf16:.2e}); heads' "
+          f"scales swapped {far:.2e}")
+    assert same < 0.1 and same_l < 0.05 and far > 0.3, (same, same_l, far)
+    assert vs_bf16 < 0.2 and tensor_vs_bf16 > 3 * vs_bf16, (vs_bf16, tensor_vs_bf16)
