@@ -198,7 +198,7 @@ def test_gpt_oss_bf16_graphs_vs_hf(tmp_path, monkeypatch, decode_kernel):
     real_init, real_ckpt = LLM.__init__, S._checkpoint
 
     def init(self, *a, **kw):
-        kw.setdefault("_debug", {})["decode_attention"] = decode_kernel
+        kw["_debug"] = {**(kw.get("_debug") or {}), "decode_attention": decode_kernel}
         real_init(self, *a, **kw)
         runner = self.engine.runner
         captured.append((runner.graphs is not None, runner.prefill_graphs is not None))
@@ -222,7 +222,7 @@ def test_gpt_oss_sinks_matter(tmp_path):
     plain = S._checkpoint("GptOssForCausalLM", tmp_path / "plain")
     strong = _strong_sinks(Path(shutil.copytree(plain, tmp_path / "strong")))
     vocab = json.loads((plain / "config.json").read_text()).get("vocab_size", 1000)
-    prompt = [(7 * j + 3) % min(vocab, 900) + 5 for j in range(100)]      # crosses the window of 32
+    prompt = [(7 * j + 3) % (min(vocab, 900) - 10) + 5 for j in range(100)]      # crosses the window of 32
     logits = {}
     for name, path in (("plain", plain), ("strong", strong)):
         llm = LLM(str(path), dtype="bfloat16", max_num_seqs=4, num_kv_blocks=256, max_model_len=512)
@@ -257,7 +257,8 @@ def test_per_head_kv_scales_checkpoint_cuda(tmp_path, decode_kernel):
 
     from xllm_gen import LLM, SamplingParams
     ref = K._scaled_per_head(_llama(tmp_path), tmp_path / "ref")
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 900 + 5 for j in range(n)]} for i, n in enumerate((5, 40, 130))]
+    vocab = 500              # token ids below the tiny tokenizer's 507
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % vocab + 5 for j in range(n)]} for i, n in enumerate((5, 40, 130))]
     amax: dict = {}
     with torch.no_grad():
         K._with_fp8_kv(ref, lambda: hf_model(ref)(input_ids=torch.tensor([sum((p["prompt_token_ids"] for p in prompts),
