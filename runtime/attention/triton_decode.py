@@ -187,9 +187,11 @@ class TritonDecodeWrapper:
         self._kw = dict(sm_scale=self.head_dim ** -0.5 if sm_scale is None else float(sm_scale),
                         window_left=int(window_left), soft_cap=logits_soft_cap, chunk_size=chunk_size)
 
-    def run(self, q: torch.Tensor, kv, *, k_scale: Optional[float] = None,
-            v_scale: Optional[float] = None) -> torch.Tensor:
-        """k_scale / v_scale: the per-tensor scales of a scaled KV cache (FlashInfer's run arguments)."""
+    def run(self, q: torch.Tensor, kv, *, k_scale=None, v_scale=None,
+            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """k_scale / v_scale: the scales of a scaled KV cache, per tensor (floats, as FlashInfer's run takes them) or
+        per KV head (float32 tensors [Hk, 1]); sinks [H]: attention sinks (the kernel adds them to its softmax
+        denominator)."""
         from xllm_gen.runtime.ops.decode_attention import paged_decode_attention
         if self._table is None:
             raise RuntimeError("TritonDecodeWrapper.run before plan")
@@ -199,5 +201,6 @@ class TritonDecodeWrapper:
         return paged_decode_attention(q, k_cache, v_cache, ip, ix, lp, kw["sm_scale"], self.scratch,
                                       window_left=kw["window_left"], soft_cap=kw["soft_cap"], block_n=self.block_n,
                                       chunk_size=kw["chunk_size"], k_scale=1.0 if k_scale is None else k_scale,
-                                      v_scale=1.0 if v_scale is None else v_scale, num_warps=self.num_warps,
+                                      v_scale=1.0 if v_scale is None else v_scale, sinks=sinks,
+                                      num_warps=self.num_warps,
                                       num_stages=self.num_stages, merge_vec=self.merge_vec)

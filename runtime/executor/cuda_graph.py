@@ -175,16 +175,19 @@ class _BucketAttention(AttentionBackend):
         return None if w is None else decode_page_table_of(w)
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
-                k_scale: Optional[float] = None, v_scale: Optional[float] = None):
+                k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None):
         w = self.wrappers.get(variant or FULL)
         if w is None:
             raise RuntimeError(f"decode graph bucket {self.batch_size} has no wrapper for attention variant "
                                f"{variant}: the backend was not given the model's variants before capture")
-        if k_scale is None and v_scale is None:
+        if k_scale is None and v_scale is None and sinks is None:
             return w.run(q, (k_cache, v_cache))
-        # a scaled cache: the layer's scales are constants of the captured launches (FlashInfer folds k_scale into
-        # the kernel's softmax scale and multiplies the output by v_scale in place; the Triton kernel likewise)
-        return w.run(q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)
+        # a scaled cache: per-tensor scales are constants of the captured launches (FlashInfer folds k_scale into the
+        # kernel's softmax scale and multiplies the output by v_scale in place; the Triton kernel likewise); per-KV-head
+        # ones (fixed tensors) and attention sinks (a parameter) are read by kernels captured around the wrapper's
+        # (runtime/attention/flashinfer_run.py)
+        from xllm_gen.runtime.attention.flashinfer_run import run_attention
+        return run_attention(w, q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, sinks=sinks)
 
 
 class _NoEvent:
