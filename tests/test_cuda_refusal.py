@@ -1,7 +1,6 @@
 """The CUDA attention path refuses at load, naming the feature, what FlashInfer cannot run: a head_dim its
 paged prefill / decode kernels are not built for (GPT-J's tiny head_dim 16 failed inside FlashInfer on an H200),
-attention sinks (until a model with them matches transformers on the GPU), chunked local attention, KV sharing across
-layers, a sparse-attention indexer, value heads of another width.
+chunked local attention, KV sharing across layers, a sparse-attention indexer, value heads of another width.
 Decided on the CPU: the backend choice runs before any kernel, so no GPU is needed."""
 from __future__ import annotations
 
@@ -36,14 +35,10 @@ def test_supported_head_dims_pass(head_dim):
     assert cuda_attention_refusal([head_dim] * 3) is None
 
 
-def test_sinks_are_refused_by_name(monkeypatch):
-    """Attention sinks: refused on CUDA until a model with sinks matches transformers on the GPU (the kernels exist:
-    tests/test_attention_epilogue.py); XLLM_CUDA_SINKS=1 loads it (to diagnose), then only the head_dim decides."""
-    monkeypatch.delenv("XLLM_CUDA_SINKS", raising=False)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        ModelRunner._make_backend(_runner_on_cuda([64], sinks=True))
-    monkeypatch.setenv("XLLM_CUDA_SINKS", "1")
-    assert cuda_attention_refusal([64], sinks=True) is None
+def test_sinks_are_not_refused():
+    """Attention sinks are served on CUDA (runtime/attention/flashinfer_run.py; tests/test_attention_epilogue.py):
+    only the head_dim decides here."""
+    assert cuda_attention_refusal([64]) is None
     with pytest.raises(NotImplementedError, match="head_dim 80 is not one FlashInfer"):
         ModelRunner._make_backend(_runner_on_cuda([80], sinks=True))
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Iterable, NamedTuple, Optional
 
 import torch
@@ -43,22 +42,12 @@ FULL = AttentionVariant()
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def cuda_attention_refusal(head_dims: Iterable[int], chunked: bool = False, shared_kv: bool = False,
-                           sinks: bool = False) -> Optional[str]:
+def cuda_attention_refusal(head_dims: Iterable[int], chunked: bool = False,
+                           shared_kv: bool = False) -> Optional[str]:
     """Why the CUDA attention path (FlashInfer) cannot serve layers of these head dims / variants, naming the
-    feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide).
-
-    Attention sinks: the kernels are in place (attention/flashinfer_run.py: FlashInfer's output rescaled from its
-    log-sum-exp; the Triton decode kernel takes them itself) and pass their kernel-level GPU tests, but the
-    model-level GPU parity test of a family with sinks (tests/gpu/test_gpu_sinks_kv_scales.py, bf16 + graphs vs
-    transformers; H200, 2026-12-03) failed: 37 of 96 greedy tokens equal transformers' float32 argmax where its own
-    bf16 run has 90, prefill logits 0.38 off (transformers bf16: 0.17), with strong and plain sinks alike. Until that is
-    diagnosed such a model is refused; XLLM_CUDA_SINKS=1 lets it load (to diagnose)."""
-    if sinks and os.environ.get("XLLM_CUDA_SINKS") != "1":
-        return ("this model uses attention sinks (a learned per-head logit in the softmax denominator): the CUDA "
-                "kernels for them pass their own tests, but a model with sinks has not matched transformers on the "
-                "GPU yet (tests/gpu/test_gpu_sinks_kv_scales.py), so the CUDA path refuses it; serve it on the CPU "
-                "(device='cpu'), or set XLLM_CUDA_SINKS=1 to load it anyway (to diagnose)")
+    feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide). Attention sinks are
+    served (attention/flashinfer_run.py: the output rescaled from FlashInfer's log-sum-exp; the Triton decode kernel
+    takes them itself)."""
     if shared_kv:
         return ("this model shares KV caches across layers (num_kv_shared_layers: later layers attend over an earlier "
                 "layer's cache and write none), which the CUDA path (FlashInfer wrappers planned per owning layer, "

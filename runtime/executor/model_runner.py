@@ -341,7 +341,6 @@ class ModelRunner:
             if getattr(self, "kv_reader_layers", ()):    # (a stub runner of the tests may lack it)
                 raise NotImplementedError(cuda_attention_refusal((), shared_kv=True))
             refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
-                                             sinks=any(layer.variant.sinks for layer in self.attn_layers),
                                              chunked=any(getattr(layer.variant, "chunk_size", None) is not None
                                                          for layer in self.attn_layers))
             if refusal:

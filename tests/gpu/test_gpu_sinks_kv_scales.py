@@ -188,7 +188,7 @@ def _strong_sinks(ckpt: Path) -> Path:
 @pytest.mark.parametrize("decode_kernel", ["flashinfer", "triton"])
 def test_gpt_oss_bf16_graphs_vs_hf(tmp_path, monkeypatch, decode_kernel):
     """test_gpu_specs.py's battery (bf16, decode graphs, prefill and decode logprobs against transformers float32,
-    bounds from transformers' own bf16 noise) for GPT-OSS (loaded with XLLM_CUDA_SINKS=1: refused by default until this passes), on its tiny checkpoint with strong sinks,
+    bounds from transformers' own bf16 noise) for GPT-OSS, no longer refused, on its tiny checkpoint with strong sinks,
     the decode kernel forced; and both graph kinds captured (a failed prefill capture falls back to eager prefill
     silently)."""
     import test_gpu_specs as S
@@ -204,13 +204,12 @@ def test_gpt_oss_bf16_graphs_vs_hf(tmp_path, monkeypatch, decode_kernel):
         captured.append((runner.graphs is not None, runner.prefill_graphs is not None))
     monkeypatch.setattr(LLM, "__init__", init)
     monkeypatch.setattr(S, "_checkpoint", lambda arch, out: _strong_sinks(real_ckpt(arch, out)))
-    monkeypatch.setenv("XLLM_CUDA_SINKS", "1")      # refused by default until this test passes (attention/base.py)
     assert S._cuda_refusal("GptOssForCausalLM") is None
     S.test_spec_bf16_graphs_vs_hf("GptOssForCausalLM", tmp_path)
     assert captured == [(True, True)], f"decode / prefill graphs captured: {captured}"
 
 
-def test_gpt_oss_sinks_matter(tmp_path, monkeypatch):
+def test_gpt_oss_sinks_matter(tmp_path):
     """Sensitivity of the battery above: the strong sinks move transformers' prefill logits far more than the engine
     (bf16, graphs) differs from transformers on either checkpoint, so a CUDA path that dropped the sinks (or misread
     FlashInfer's log-sum-exp) would fail it."""
@@ -220,7 +219,6 @@ def test_gpt_oss_sinks_matter(tmp_path, monkeypatch):
     import test_gpu_specs as S
 
     from xllm_gen import LLM
-    monkeypatch.setenv("XLLM_CUDA_SINKS", "1")      # refused by default until the battery passes (attention/base.py)
     plain = S._checkpoint("GptOssForCausalLM", tmp_path / "plain")
     strong = _strong_sinks(Path(shutil.copytree(plain, tmp_path / "strong")))
     vocab = json.loads((plain / "config.json").read_text()).get("vocab_size", 1000)
