@@ -53,6 +53,11 @@ def _steps(w, steps) -> None:
             w("      parallel residual: " + " + ".join(f"{b.norm}" + (f" x {b.input_scale}" if b.input_scale else "")
                                                         + f" -> {b.block}" + (f" x {b.scale}" if b.scale else "")
                                                         for b in s.branches))
+        elif getattr(s, "hyper", None):
+            block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
+            w(f"      streams: {s.hyper}.pre -> {s.norm or '(no norm)'} -> {block}"
+              + (f" -> {s.post_norm}" if s.post_norm else "") + (f" x {s.scale}" if s.scale else "")
+              + f" -> {s.hyper}.post + {s.hyper}.mix(streams)")
         else:
             block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
             w(f"      residual: {s.norm or '(no norm)'}{'(stream + ' + s.add + ')' if s.add else ''}"
@@ -91,6 +96,8 @@ def _sub_norm(n) -> str:
 
 
 def _block(b) -> str:
+    if getattr(b, "kind", None) == "hyper_connection":
+        return b.describe()
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
@@ -365,6 +372,9 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
         w(f"  deepstack: level k after layer k, k < {ir.deepstack_levels}")
+    if ir.hyper_head:
+        w(f"  hyper_head  {_block(ir.hyper_head)}: the streams (the embedding copied {ir.hyper_head.streams} times "
+          f"before layer 0) collapsed to one")
     if ir.norm:
         w(f"  norm  {_block(ir.norm)}" + (f" where {ir.norm_enabled}" if ir.norm_enabled.literal is not True else ""))
     else:

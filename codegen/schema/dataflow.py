@@ -59,6 +59,9 @@ class ResidualStep(Strict):
     # h = B(N(residual + value)) (Zamba: the shared transformer's output joins the Mamba layer's input). In a layer
     # where the branch does not run (its `when` is false) nothing is added
     add: Optional[StrictStr] = None
+    # hyper-connections: a `hyper_connection` block of the layer that forms the block's input from the residual streams
+    # and writes its output back into them (streams_out = post * h + mix(streams)); `norm` then normalizes that input
+    hyper: Optional[StrictStr] = None
 
 
 class BranchOp(Strict):
