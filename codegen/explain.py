@@ -378,7 +378,7 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.norm:
         w(f"  norm  {_block(ir.norm)}" + (f" where {ir.norm_enabled}" if ir.norm_enabled.literal is not True else ""))
     else:
-        w("  norm  none (the last residual add only)")
+        w("  norm  none" + ("" if ir.hyper_head else " (the last residual add only)"))
     if ir.residual_float32.literal is not False:
         w("  residual stream in float32" + (f" where {ir.residual_float32}" if ir.residual_float32.literal is not True
                                             else "") + " (layer norms read it in the model dtype, the final norm in "
