@@ -5,17 +5,17 @@ codegen/README.md, "Hyper-connections").
 A `HyperConnection` reads the streams and gives `(x, post, mix)`: `x` the block's input `[tokens, dim]`, `post`
 `[tokens, n]` the weights that write the block's output `h` into each stream, `mix` `[tokens, n, n]` (or None: the
 identity) the residual mix; `merge` forms the next streams, `out_k = post_k * h + sum_j mix[j, k] * streams_j`. The
-coefficients are computed in float32 from parameters kept in float32 (transformers keeps these modules in float32),
+coefficients are computed in float32 from parameters kept in float32 (as the reference keeps these modules),
 replicated on every rank (each rank holds the whole streams: the blocks' outputs are all-reduced). Static shapes:
 nothing depends on the batch's content, so a decode step captures in a CUDA graph.
 
 Two coefficient forms (`form`):
-- `fused` (DeepSeek-V4's mHC, HY-V4): `y = flatten(streams) / rms(...)` (weightless, over n * dim), one projection
+- `fused` (manifold-constrained "mHC" and independent "iHC" hyper-connections): `y = flatten(streams) / rms(...)` (weightless, over n * dim), one projection
   `l = fn @ y` (`fn [m, n * dim]`) split into pre `[n]`, post `[n]` and, with a mix, `[n, n]` logits; each group g
   is `l_g * scale[g] + base_g`; `pre = sigmoid(.) + pre_eps`, `post = magnitude * sigmoid(.) + post_eps`, `mix =
   sinkhorn(softmax_row(.) + mix_eps)` (a column normalization, then `iters - 1` row / column rounds, each sum + eps);
   the block input is `sum_k pre_k * streams_k` (the raw streams).
-- `low_rank` (Qwen4-Exp's gated residual): `y = norm(streams)` per stream (a weighted RMSNorm over each stream's dim,
+- `low_rank` (a gated residual): `y = norm(streams)` per stream (a weighted RMSNorm over each stream's dim,
   weight `offset + w` over n * dim), per-channel input gates `w = sigmoid(up(silu(down(y) / n)))` `[n, dim]`, the
   block input `mean_k(w_k * y_k)`; `post = magnitude * sigmoid(inject(y) / n) + post_eps`; no mix (the identity).
 Without `post` (a decoder's final collapse) the module gives only `x`.
