@@ -9,7 +9,9 @@ runtime/layers/hyper_connection.py) against transformers' own modules, float32 o
   made uniform (block_inject_weight zeroed: every stream takes 1 * h) change transformers' tokens and the engine
   follows; identity-like streams (the merge ignoring the per-stream weights) diverge;
 - the guard refuses the QSA attention layers, the n-gram per-layer embeddings and the sigmoid output gate by name;
-- the compiler: a hyper step without decoder.hyper_head, a plain step beside hyper steps, a low_rank form with a mix.
+- the compiler: a hyper step without decoder.hyper_head, a plain step beside hyper steps, a low_rank form with a mix;
+- the fused form served end to end (a Llama child spec with Sinkhorn-mixed streams around its normed steps): with
+  coefficients that keep the streams equal it gives transformers' Llama tokens; random projections change them.
 The features-ON conformance arm (TP 1, TP 2 slow) is tests/conformance's; the served arm here is slow.
 """
 from __future__ import annotations
@@ -233,3 +235,75 @@ def test_compiler_accepts_hyper_llama(tmp_path):
 def test_compiler_refusals(tmp_path, flow, head, hc, needle):
     ir, err = _compile(tmp_path, flow, head, hc)
     assert err is not None and needle in err, err
+
+
+# ------------------------------------------------------------------------------- the fused form served end to end
+HC_LLAMA = """extends: {llama}
+name: hc_llama
+class_prefix: HcLlama
+architectures: [HcLlamaForCausalLM]
+decoder:
+  layers:
+    blocks:
+      attn_hc: &hc
+        kind: hyper_connection
+        streams: 2
+        dim: hidden_size
+        norm: {{eps: 1.0e-6}}
+        post: {{magnitude: 2.0}}
+        mix: {{sinkhorn_iters: 3}}
+      mlp_hc: *hc
+    dataflow:
+      - {{hyper: attn_hc, norm: input_layernorm, block: self_attn}}
+      - {{hyper: mlp_hc, norm: post_attention_layernorm, block: mlp}}
+  hyper_head: {{kind: hyper_connection, streams: 2, dim: hidden_size, norm: {{eps: 1.0e-6}}}}
+variants: {{Llama-3.2-1B: ~, Llama-3.1-8B: ~}}
+"""
+
+
+def _hc_tensors(layers: int, dim: int, random: bool) -> dict:
+    """Coefficients that make 2 streams carry Llama's one residual exactly: pre 1/2 each (fn 0, base logit(1/2)),
+    post 1 (2 * sigmoid(0)), mix the identity (a +-30 diagonal softmax); `random`: fn drawn at random instead."""
+    g = torch.Generator().manual_seed(3)
+    n = 2
+    base = torch.cat([torch.zeros(n), torch.zeros(n), (torch.eye(n) * 60 - 30).flatten()])
+    out = {}
+    for i in range(layers):
+        for hc in ("attn_hc", "mlp_hc"):
+            fn = torch.randn(2 * n + n * n, n * dim, generator=g) * 0.3 if random else torch.zeros(2 * n + n * n, n * dim)
+            out |= {f"model.layers.{i}.{hc}.fn": fn, f"model.layers.{i}.{hc}.base": base.clone(),
+                    f"model.layers.{i}.{hc}.scale": torch.ones(3)}
+    out |= {"model.hyper_head.fn": torch.zeros(n, n * dim), "model.hyper_head.base": torch.zeros(n),
+            "model.hyper_head.scale": torch.ones(1)}
+    return out
+
+
+def test_fused_form_served_end_to_end(tiny_checkpoint, tmp_path, monkeypatch):
+    """A Llama with DeepSeek-V4-style hyper-connections around its normed steps (fused form, Sinkhorn mix), compiled
+    from a child spec into a user generated/ dir: with coefficients that keep the streams equal it gives Llama's own
+    greedy tokens (transformers); with random projections the tokens change (the mixers are in the path)."""
+    import json
+    import shutil
+
+    from hf_ref import hf_greedy
+    from safetensors.torch import load_file, save_file
+
+    from xllm_gen.codegen.cli import main as cli_main
+    spec = tmp_path / "hc_llama.yaml"
+    spec.write_text(HC_LLAMA.format(llama=SPECS / "llama.yaml"))
+    assert cli_main([str(spec), "--out", str(tmp_path / "generated")]) == 0
+    monkeypatch.setenv("XLLM_GEN_PATH", str(tmp_path / "generated"))
+    src = tiny_checkpoint("LlamaForCausalLM")
+    want = hf_greedy(src, PROMPTS, MAX_TOKENS)
+    cfg = json.loads((src / "config.json").read_text())
+    got = {}
+    for random in (False, True):
+        ckpt = tmp_path / f"hc_{random}"
+        shutil.copytree(src, ckpt)
+        tensors = load_file(str(ckpt / "model.safetensors"))
+        tensors |= _hc_tensors(cfg["num_hidden_layers"], cfg["hidden_size"], random)
+        save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+        (ckpt / "config.json").write_text(json.dumps({**cfg, "architectures": ["HcLlamaForCausalLM"]}))
+        got[random] = _engine(ckpt)
+    assert got[False] == want
+    assert got[True] != want
