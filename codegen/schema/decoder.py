@@ -9,8 +9,8 @@ from pydantic import Field, StrictInt, StrictStr
 from .attention import AttentionBlock, MLAAttentionBlock
 from .base import Dim, Flag, Num, Strict
 from .blocks import EmbeddingBlock, FusedLinearBlock, LayerNormBlock, LinearBlock, PositionEmbeddingBlock, RMSNormBlock
-from .hyper import HyperConnectionBlock
 from .dataflow import BranchStep, DataflowChoice, ParallelStep, ResidualStep
+from .hyper import HyperConnectionBlock
 from .mlp import GatedMLPBlock, MLPBlock, MoEBlock
 from .recurrent import (
     GatedDeltaNetBlock,
