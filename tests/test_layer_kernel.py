@@ -20,7 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -82,9 +81,10 @@ def _kernel_checks() -> dict:
     fr = torch.arange(64).float()[:, None] * inv[None]
     cs = torch.cat([fr.cos(), fr.sin()], -1)
     out = {}
-    # (rows, programs, window, lengths; 0: a padding row)
-    for M, P, window, lens in [(1, 64, -1, [13]), (3, 8, -1, [13, 1, 22]), (5, 32, 5, [13, 1, 22, 7, 9]),
-                               (2, 8, -1, [10, 0]), (4, 16, -1, [30, 2, 17, 5])]:
+    # (rows, programs, window, lengths (0: a padding row), launch config: K split in stages 3 / 5, K chunks)
+    for M, P, window, lens, cfg in [(1, 64, -1, [13], {}), (3, 8, -1, [13, 1, 22], dict(s3=2, s5=3, bk3=16, bk5=16)),
+                                    (5, 32, 5, [13, 1, 22, 7, 9], dict(s5=2)), (2, 8, -1, [10, 0], dict(bk1=16)),
+                                    (4, 16, -1, [30, 2, 17, 5], dict(bn1=64, bn4=64, bk4=16))]:
         x, res = rnd(M, D), rnd(M, D)
         g1, g2 = 1 + rnd(D), 1 + rnd(D)
         wqkv, bqkv = rnd((H + 2 * HK) * HD, D), rnd((H + 2 * HK) * HD)
@@ -107,7 +107,7 @@ def _kernel_checks() -> dict:
         table = (torch.tensor(ip, dtype=torch.int32), torch.tensor(ix, dtype=torch.int32),
                  torch.tensor(last, dtype=torch.int32))
         scale = HD ** -0.5
-        scratch = LK.LayerScratch(dims, P, torch.float32, "cpu", block_k=32)
+        scratch = LK.LayerScratch(dims, P, torch.float32, "cpu", tile_budget=512, num_warps=4, **cfg)
 
         def run(cs_=cs, g2_=g2, kc0=kc, store=True):
             kc1, vc1 = kc0.clone(), vc.clone()
