@@ -56,6 +56,11 @@ def _steps(w, steps) -> None:
                                                         + (f" x {b.scale}" if b.scale else "")
                                                         for b in s.branches)
               + (f"; the sum -> {s.post_norm}" if s.post_norm else ""))
+        elif getattr(s, "hyper", None):
+            block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
+            w(f"      streams: {s.hyper}.pre -> {s.norm or '(no norm)'} -> {block}"
+              + (f" -> {s.post_norm}" if s.post_norm else "") + (f" x {s.scale}" if s.scale else "")
+              + f" -> {s.hyper}.post + {s.hyper}.mix(streams)")
         else:
             block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
             w(f"      residual: {s.norm or '(no norm)'}{'(stream + ' + s.add + ')' if s.add else ''}"
@@ -95,6 +100,8 @@ def _sub_norm(n) -> str:
 
 
 def _block(b) -> str:
+    if getattr(b, "kind", None) == "hyper_connection":
+        return b.describe()
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
@@ -375,10 +382,13 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
         w(f"  deepstack: level k after layer k, k < {ir.deepstack_levels}")
+    if ir.hyper_head:
+        w(f"  hyper_head  {_block(ir.hyper_head)}: the streams (the embedding copied {ir.hyper_head.streams} times "
+          f"before layer 0) collapsed to one")
     if ir.norm:
         w(f"  norm  {_block(ir.norm)}" + (f" where {ir.norm_enabled}" if ir.norm_enabled.literal is not True else ""))
     else:
-        w("  norm  none (the last residual add only)")
+        w("  norm  none" + ("" if ir.hyper_head else " (the last residual add only)"))
     if ir.residual_float32.literal is not False:
         w("  residual stream in float32" + (f" where {ir.residual_float32}" if ir.residual_float32.literal is not True
                                             else "") + " (layer norms read it in the model dtype, the final norm in "

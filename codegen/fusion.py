@@ -114,6 +114,7 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
                        and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input
                        and not getattr(blocks[st.block], "experts", None)    # the router reads it too
                        and getattr(st, "add", None) is None                  # the norm reads residual + a value
+                       and getattr(st, "hyper", None) is None                # the norm reads a stream mix, no add
                        and not getattr(st, "residual_normed", False)         # the stream becomes norm(x) itself
                        and not getattr(blocks[st.block], "multiply", False))  # it takes a per-layer input too
             (ok if fusable else bad).update(names)

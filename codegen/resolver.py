@@ -244,6 +244,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             head_transform = self.resolve_head_transform(d.head_transform, project_out.out if project_out else stream.dim,
                                                          lm_head)
         self.check_widths(stream, layer, norm)
+        hyper_head = self.resolve_hyper_head()
+        self.check_hyper(layer, hyper_head, stream.dim)
         self.prefix = self.resolve_prefix()
         deepstack, levels = (), None
         if d.deepstack:
@@ -281,6 +283,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         if head_transform is not None:     # before the LM head's own parameters
             at = next((i for i, p in enumerate(params) if p.name.startswith("lm_head.")), len(params))
             params = params[:at] + self.head_transform_params(head_transform) + params[at:]
+        if hyper_head is not None:         # after the layers, before the final norm and the LM head
+            at = next((i for i, p in enumerate(params) if p.name.startswith((f"{self.prefix}.norm.", "lm_head."))),
+                      len(params))
+            params = params[:at] + tuple(self.block_params(f"{self.prefix}.hyper_head", "decoder.hyper_head",
+                                                           hyper_head, False)) + params[at:]
         weights = self.resolve_weights(params)
         self.check_prefixes(params)
         if vision:
@@ -312,7 +319,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
             embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out,
-            residual_float32=residual_float32, head_transform=head_transform, per_layer_input=per_layer_input)
+            residual_float32=residual_float32, head_transform=head_transform, per_layer_input=per_layer_input,
+            hyper_head=hyper_head)
 
     def check_residual_float32(self, layer, norm, norm_enabled, d) -> None:
         """decoder.residual_float32: every residual step a plain `{norm: N, block: B}` (post_norm / scale allowed) with
@@ -641,6 +649,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 roles = roles[1:]
             if st.post_norm is not None:
                 roles.append(("post_norm", st.post_norm, ("rmsnorm", "layernorm")))
+            if getattr(st, "hyper", None) is not None:
+                roles.append(("hyper", st.hyper, ("hyper_connection",)))
             if st.after_norm is not None:
                 if st.norm is not None:
                     raise self.err(sp + ("after_norm",), f"{where}.after_norm: a post-LN step normalizes the residual "
@@ -675,10 +685,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 # alternatives of different inputs (positions + hidden vs hidden): a per-layer flag in the layer
                 return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
                               mixed_input=len(takes) > 1, input_scale=in_scale, residual_normed=normed,
-                              residual_scale=res_scale)
+                              residual_scale=res_scale, hyper=getattr(st, "hyper", None))
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
                           st.after_norm, add=add, input_scale=in_scale, residual_normed=normed,
-                          residual_scale=res_scale, when=when)
+                          residual_scale=res_scale, when=when,
+                          hyper=getattr(st, "hyper", None))
 
         def branch_step(st, sp, where):
             b = st.branch

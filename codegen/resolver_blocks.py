@@ -19,6 +19,7 @@ from .ir import (
     AttentionIR,
     GatedDeltaNetIR,
     GatedMLPIR,
+    HyperIR,
     LightningIR,
     LinearIR,
     Mamba2IR,
@@ -41,6 +42,7 @@ from .resolver_block_common import (  # noqa: F401  (the tables and helpers, imp
     _is_int,
     _maybe,
 )
+from .resolver_hyper import HyperResolver
 from .resolver_lightning import LightningResolver
 from .resolver_mla import MLAResolver
 from .resolver_mlp import FeedForwardResolver
@@ -50,6 +52,7 @@ from .schema import (
     FusedLinearBlock,
     GatedDeltaNetBlock,
     GatedMLPBlock,
+    HyperConnectionBlock,
     LayerNormBlock,
     LightningAttentionBlock,
     LinearBlock,
@@ -65,7 +68,7 @@ from .schema import (
 
 
 class BlockResolver(AttentionResolver, RecurrentResolver, FeedForwardResolver, BlockCommon, MLAResolver,
-                    LightningResolver):
+                    LightningResolver, HyperResolver):
 
     def resolve_block(self, path, name, b, unique_kind: bool):
         """The block's IR, by its kind's resolver (`BLOCK_KINDS`); its generated class is `<prefix><Kind>` when it
@@ -147,6 +150,7 @@ BLOCK_KINDS = {
     GatedMLPBlock: ("resolve_gated_mlp", "MLP"),
     MLPBlock: ("resolve_mlp", "MLP"),
     MoEBlock: ("resolve_moe", "SparseMoeBlock"),
+    HyperConnectionBlock: ("resolve_hyper_connection", None),
 }
 
 # resolved block (IR) -> its parameters with their sharding
@@ -164,4 +168,5 @@ BLOCK_PARAMS = {
     MoEIR: FeedForwardResolver.moe_params,
     MLPIR: FeedForwardResolver.mlp_params,
     GatedMLPIR: FeedForwardResolver.gated_mlp_params,
+    HyperIR: HyperResolver.hyper_params,
 }

@@ -32,6 +32,9 @@ from .blocks import (
 from .config import (
     ConfigFieldIR,
 )
+from .hyper import (
+    HyperIR,
+)
 from .layers import (
     BlockIR,
     BranchStepIR,

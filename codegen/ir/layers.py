@@ -7,12 +7,13 @@ from typing import Any, Optional, Tuple, Union
 
 from .attention import MLAIR, AttentionIR
 from .blocks import LinearIR, NormIR
+from .hyper import HyperIR
 from .mlp import MLPIR, GatedMLPIR, MoEIR
 from .recurrent import RGLRUIR, GatedDeltaNetIR, LightningIR, Mamba2IR, MambaIR, ShortConvIR
 from .values import Size, Value
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                ShortConvIR, RGLRUIR, LightningIR]
+                ShortConvIR, RGLRUIR, LightningIR, HyperIR]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class StepIR:
     residual_normed: bool = False        # the stream becomes norm(x) (times residual_scale) before the output joins it
     residual_scale: Optional[Value] = None
     when: Optional[Value] = None         # the step runs (and its blocks exist) only where it holds
+    hyper: Optional[str] = None   # a hyper_connection block: the step reads / writes the residual streams through it
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,7 @@ class ModelIR:
     project_out: Optional[ProjectionIR] = None              # residual width -> LM head width
     head_transform: Optional[HeadTransformIR] = None        # dense -> act -> norm before the LM head
     per_layer_input: Optional[PerLayerInputIR] = None      # a per-layer second input of the layers (Gemma 4)
+    hyper_head: Optional[Any] = None       # HyperIR: the residual streams' final collapse (hyper-connections)
 
     @property
     def model_class(self) -> str:

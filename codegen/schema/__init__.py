@@ -75,6 +75,13 @@ from .decoder import (
     NormBlock,
     PerLayerInput,
 )
+from .hyper import (
+    HyperConnectionBlock,
+    HyperMix,
+    HyperNorm,
+    HyperPost,
+    HyperPre,
+)
 from .mlp import (
     ActivationForm,
     GatedMLPBlock,

@@ -63,6 +63,9 @@ class ResidualStep(Strict):
     # where it holds (per checkpoint: Gemma 4's per-layer-input step where hidden_size_per_layer_input > 0); elsewhere
     # the stream passes the step unchanged. Not inside `parallel`
     when: Optional[StrictStr] = None
+    # hyper-connections: a `hyper_connection` block of the layer that forms the block's input from the residual streams
+    # and writes its output back into them (streams_out = post * h + mix(streams)); `norm` then normalizes that input
+    hyper: Optional[StrictStr] = None
 
 
 class BranchOp(Strict):

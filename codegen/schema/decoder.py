@@ -10,6 +10,7 @@ from .attention import AttentionBlock, MLAAttentionBlock
 from .base import Dim, Flag, Num, Strict
 from .blocks import EmbeddingBlock, FusedLinearBlock, LayerNormBlock, LinearBlock, PositionEmbeddingBlock, RMSNormBlock
 from .dataflow import BranchStep, DataflowChoice, ParallelStep, ResidualStep
+from .hyper import HyperConnectionBlock
 from .mlp import GatedMLPBlock, MLPBlock, MoEBlock
 from .recurrent import (
     GatedDeltaNetBlock,
@@ -35,7 +36,7 @@ class LMHeadBlock(Strict):
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
           MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, MambaBlock,
-          ShortConvBlock, RGLRUBlock, LightningAttentionBlock],
+          ShortConvBlock, RGLRUBlock, LightningAttentionBlock, HyperConnectionBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -123,3 +124,6 @@ class Decoder(Strict):
     deepstack: Optional[Deepstack] = None
     # a per-layer second input of the layers (Gemma 4's per-layer embeddings), above
     per_layer_input: Optional[PerLayerInput] = None
+    # hyper-connections: the streams' final collapse (a `hyper_connection` without `post`), before `norm`; with it every
+    # step of the layers is a `{hyper: HC, ...}` step and the residual stream is `streams` parallel streams
+    hyper_head: Optional[HyperConnectionBlock] = None

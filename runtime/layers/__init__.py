@@ -30,6 +30,7 @@ from xllm_gen.runtime.layers.embedding import (
 )
 from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.head_transform import HeadTransform
+from xllm_gen.runtime.layers.hyper_connection import HyperConnection, expand_streams
 from xllm_gen.runtime.layers.indexer import SparseIndexer, shared_selection
 from xllm_gen.runtime.layers.layer_kernel import decoder_layer_kernel
 from xllm_gen.runtime.layers.lightning import LightningAttention
@@ -77,6 +78,8 @@ from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
+    "HyperConnection",
+    "expand_streams",
     "learned_scalar", "per_layer_inputs", "rank_columns", "share_kv",
     "RMSNorm", "LayerNorm", "LowRankGatedNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
