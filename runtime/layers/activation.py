@@ -186,7 +186,7 @@ class ClampedSwiGLU(nn.Module):
 
 class ClampedGLU(nn.Module):
     """x [..., 2n] (gate | up halves) -> min(act(gate), limit) * clamp(up, -limit, limit), act a name of the table
-    (ACTIVATION_FNS): the clamp after the activation (`glu_clamped`; Ling / Bailing's per-layer SwiGLU limits,
+    (ACTIVATION_FNS): the clamp after the activation (`glu_clamped`; a per-layer SwiGLU limit,
     transformers' `limit_after_act`). `limit` None: act(gate) * up, no clamping."""
 
     def __init__(self, act: str, limit: float | None = None):
