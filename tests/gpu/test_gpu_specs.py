@@ -53,10 +53,11 @@ def _text_specs():
 
 
 def _cuda_refusal(architecture: str, ckpt: Path | None = None):
-    """What the CUDA path refuses at load for this architecture's spec (None: it serves it): attention sinks
-    (codegen/README.md, attention `sinks`, `alibi`), value heads narrower than q/k (`mla_attention`'s expanded K/V),
-    a head_dim FlashInfer has no kernels for (the checkpoint's, read by the generated Config). Read from the
-    generated model (a GPU host needs no compiler)."""
+    """What the CUDA path refuses at load for this architecture's spec (None: it serves it): ALiBi
+    (codegen/README.md, attention `alibi`), chunked local attention, value heads narrower than q/k (`mla_attention`'s
+    expanded K/V), a head_dim FlashInfer has no kernels for (the checkpoint's, read by the generated Config). Attention
+    sinks are served (GPT-OSS runs the battery; tests/gpu/test_gpu_sinks_kv_scales.py). Read from the generated model
+    (a GPU host needs no compiler)."""
     import importlib
 
     from xllm_gen.runtime.attention.base import FLASHINFER_HEAD_DIMS
@@ -65,8 +66,6 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
     source = importlib.import_module(f"{package}.model").__file__ if package else None
     if source and "v_head_dim=" in Path(source).read_text():      # mla_attention, an attention `v_head_dim`: value
         return "value heads of another width"                      # heads of their own width (checked first)
-    if source and "L.attention_sinks(" in Path(source).read_text():
-        return "attention sinks"
     if source and "L.alibi_slopes(" in Path(source).read_text():     # attention `alibi`
         return "ALiBi"
     if source and "chunk_size=" in Path(source).read_text():         # attention `chunk_size` (the fixtures chunk)
