@@ -96,9 +96,11 @@ def test_mla_output_gate_is_load_bearing(tiny_checkpoint, tmp_path):
 LIMITS = {"expert_swiglu_limit_list": [0, 0.02, 0, 0.02], "share_expert_swiglu_limit_list": [0, 0, 0.02, 0.02]}
 
 
-@pytest.mark.parametrize("overrides", [LIMITS, {"expert_swiglu_limit_list": LIMITS["expert_swiglu_limit_list"]},
-                                       {"share_expert_swiglu_limit_list": LIMITS["share_expert_swiglu_limit_list"]}],
-                         ids=["both", "routed", "shared"])
+@pytest.mark.parametrize("overrides", [
+    LIMITS,
+    pytest.param({"expert_swiglu_limit_list": LIMITS["expert_swiglu_limit_list"]}, marks=pytest.mark.slow),
+    pytest.param({"share_expert_swiglu_limit_list": LIMITS["share_expert_swiglu_limit_list"]}, marks=pytest.mark.slow)],
+    ids=["both", "routed", "shared"])
 def test_swiglu_limits_per_layer(tiny_checkpoint, overrides):
     """glu_clamped (min(act(gate), limit) * clamp(up, +-limit)) per layer, routed and shared experts each by their own
     list: transformers' tokens move with each list (sensitivity) and the engine follows."""
