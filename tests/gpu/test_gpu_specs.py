@@ -32,6 +32,16 @@ REFERENCE_SINCE = {
                                  "plain neox frequencies, as the spec does): a different model for text"),
 }
 
+# families whose older transformers releases hard-code what the spec reads from the config: on such a host the tiny
+# checkpoint gets the hard-coded values (so the reference and the spec compute the same model and the test still
+# runs): (first release that reads the fields, {field: the value older releases use})
+REFERENCE_HARDCODES = {
+    # 5.18 and earlier: GptOssExperts sets alpha = 1.702, limit = 7.0 (5.19 reads config.swiglu_alpha / swiglu_limit;
+    # the tiny fixture's swiglu_limit 0.5 made every engine path, float32 torch attention included, 0.33 off the
+    # 5.17 reference on the H200)
+    "GptOssForCausalLM": ((5, 19), {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}),
+}
+
 
 def _text_specs():
     """(architecture, spec name) of every spec whose architecture has no vision tower (the vision-language
@@ -130,6 +140,12 @@ def _checkpoint(architecture: str, out: Path) -> Path:
         # a spec that admits only as many KV heads as heads (multi-head latent attention): no GQA override
         del overrides["num_key_value_heads"]
         ckpt = make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
+    if architecture in REFERENCE_HARDCODES:
+        import transformers
+        since, values = REFERENCE_HARDCODES[architecture]
+        if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < since:
+            cfg = json.loads((ckpt / "config.json").read_text())
+            (ckpt / "config.json").write_text(json.dumps({**cfg, **values}, indent=1))
     return ckpt
 
 
