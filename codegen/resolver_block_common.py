@@ -136,11 +136,19 @@ class BlockCommon:
     def gated_activation(self, path, a, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,
                          what: str = "a gated activation") -> Tuple[Value, Tuple[Tuple[str, Value], ...]]:
         """A gated activation: a name / str symbol (`activation`), or a parameterized form (ActivationForm:
-        swiglu_clamped {alpha, limit}) -> (the form's name, its parameters)."""
+        swiglu_clamped {alpha, limit}, glu_clamped {act, limit}) -> (the form's name, its parameters). The limit may
+        read `layer` (a limit per layer; None: no clamping)."""
         if isinstance(a, ActivationForm):
-            return Value(literal=a.kind), (("alpha", self.num(path + ("alpha",), a.alpha)),
-                                           ("limit", self.positive(path + ("limit",), a.limit, optional=True)
-                                            if a.limit is not None else Value(literal=None)))
+            need, refuse = ("alpha", "act") if a.kind == "swiglu_clamped" else ("act", "alpha")
+            if getattr(a, need) is None:
+                raise self.err(path, f"{self._where(path)}: {a.kind} needs `{need}`")
+            if getattr(a, refuse) is not None:
+                raise self.err(path + (refuse,), f"{self._where(path)}.{refuse}: not a parameter of {a.kind}")
+            first = (("alpha", self.num(path + ("alpha",), a.alpha)) if a.kind == "swiglu_clamped" else
+                     ("act", self.activation(path + ("act",), a.act, ACTIVATIONS, "an activation")))
+            return Value(literal=a.kind), (first, ("limit", self.positive(path + ("limit",), a.limit, per_layer=True,
+                                                                          optional=True)
+                                                   if a.limit is not None else Value(literal=None)))
         return self.activation(path, a, allowed, what), ()
 
     def activation(self, path, name: str, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,

@@ -92,9 +92,14 @@ class FeedForwardResolver:
                     raise self.err(sp + (key,), f"{self._where(sp + (key,))}: '{module}' is {taken[module]}")
                 taken[module] = f"the shared expert's {'module' if key == 'name' else 'gate'}"
             sbias = self.flag(sp + ("bias",), b.shared_expert.bias)
+            if b.expert_mlp == "plain" and b.shared_expert.activation is not None:
+                raise self.err(sp + ("activation",), f"{self._where(sp)}.activation: plain experts' shared expert "
+                                                     f"takes the block's activation")
             if b.expert_mlp == "plain":
                 sact, sparams = self.activation(path + ("activation",), b.activation, ACTIVATIONS,
                                                 "an activation"), ()
+            elif b.shared_expert.activation is not None:       # its own gated activation
+                sact, sparams = self.gated_activation(sp + ("activation",), b.shared_expert.activation)
             else:
                 sact, sparams = self.gated_activation(path + ("activation",), b.activation)
             on = self.flag(sp + ("enabled",), b.shared_expert.enabled)

@@ -12,11 +12,14 @@ from .blocks import FusedProjection, Projection
 
 
 class ActivationForm(Strict):
-    """A parameterized gated activation, `{kind: swiglu_clamped, alpha: 1.702, limit: swiglu_limit}`: over the
-    gate | up halves, gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate *
-    sigmoid(alpha * gate) (GPT-OSS's experts). `limit` may be an optional symbol (None: no clamping)."""
-    kind: Literal["swiglu_clamped"]
-    alpha: Num
+    """A parameterized gated activation over the gate | up halves. `{kind: swiglu_clamped, alpha: 1.702, limit:
+    swiglu_limit}`: gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate *
+    sigmoid(alpha * gate) (GPT-OSS's experts). `{kind: glu_clamped, act: silu, limit: L}`: out = min(act(gate),
+    limit) * clamp(up, -limit, limit), the clamp after the activation (Ling / Bailing). `limit` may be an optional
+    symbol or a per-layer expression (it may read `layer`; None: no clamping)."""
+    kind: Literal["swiglu_clamped", "glu_clamped"]
+    alpha: Optional[Num] = None             # swiglu_clamped only (required there)
+    act: Optional[StrictStr] = None         # glu_clamped only (required there): an activation name or str symbol
     limit: Optional[Num] = None
 
 
@@ -104,6 +107,8 @@ class SharedExpert(Strict):
     # biases on its gate_up_proj and down_proj (a bool symbol: only in the checkpoints that set it; Hy3's shared MLP
     # follows `mlp_bias`)
     bias: Flag = False
+    # its own gated activation (default: the block's): Ling / Bailing clamp the shared experts by their own limits
+    activation: Optional[Union[StrictStr, ActivationForm]] = None
 
 
 class MoEBlock(Strict):

@@ -147,8 +147,11 @@ class ActAndMul(Act):
 def gated_act(name: str, **params) -> nn.Module:
     """The gated activation module (x [..., 2n] -> act(x[..., :n]) * x[..., n:]) for a Hugging Face activation
     name: silu, swish -> SiluAndMul; gelu -> GeluAndMul("none"); gelu_pytorch_tanh, gelu_new ->
-    GeluAndMul("tanh"); with `params`, a parameterized form of GATED_FORMS (swiglu_clamped: alpha, limit).
+    GeluAndMul("tanh"); with `params`, a parameterized form of GATED_FORMS (swiglu_clamped: alpha, limit;
+    glu_clamped: act, limit).
     Any other name raises ValueError."""
+    if name == "glu_clamped" and params.get("limit") is None and set(params) <= {"act", "limit"}:
+        return gated_act(params["act"])          # no clamp in this layer: the plain (fused) gated activation
     if name in GATED_FORMS:
         return GATED_FORMS[name](**params)
     if params:
@@ -181,8 +184,34 @@ class ClampedSwiGLU(nn.Module):
         return f"alpha={self.alpha}, limit={self.limit}"
 
 
+class ClampedGLU(nn.Module):
+    """x [..., 2n] (gate | up halves) -> min(act(gate), limit) * clamp(up, -limit, limit), act a name of the table
+    (ACTIVATION_FNS): the clamp after the activation (`glu_clamped`; a per-layer SwiGLU limit,
+    transformers' `limit_after_act`). `limit` None: act(gate) * up, no clamping."""
+
+    def __init__(self, act: str, limit: float | None = None):
+        super().__init__()
+        if act not in ACTIVATION_FNS:
+            raise ValueError(f"glu_clamped: unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if limit is not None and not (float(limit) > 0 and math.isfinite(float(limit))):
+            raise ValueError(f"glu_clamped: limit must be a finite number > 0 or None, got {limit!r}")
+        self.act, self.fn = act, ACTIVATION_FNS[act]
+        self.limit = None if limit is None else float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = self.fn(gate)
+        if self.limit is not None:
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * up
+
+    def extra_repr(self) -> str:
+        return f"act={self.act!r}, limit={self.limit}"
+
+
 # parameterized gated activation forms (`activation: {kind: ..., <params>}` in a spec) -> module
-GATED_FORMS = {"swiglu_clamped": ClampedSwiGLU}
+GATED_FORMS = {"swiglu_clamped": ClampedSwiGLU, "glu_clamped": ClampedGLU}
 
 
 class XIELU(nn.Module):

@@ -4,8 +4,8 @@ ops.moe.select_experts: sigmoid scores, a selection-only bias, grouped top-k, a 
 `FusedMoE(num_experts, hidden, intermediate, top_k, renormalize, activation, parallel, activation_params, bias)`
 holds `gate_up_proj [E, 2 * I, H]` (per expert: gate rows | up rows) and `down_proj [E, H, I]`, with `bias` also
 `gate_up_proj_bias [E, 2 * I]` and `down_proj_bias [E, H]`; `activation_params` parameterize a gated form
-(swiglu_clamped: alpha, limit). Its forward takes the hidden states and the router logits (the router, with or
-without a bias, is a replicated linear of the block that owns this layer).
+(swiglu_clamped: alpha, limit; glu_clamped: act, limit). Its forward takes the hidden states and the router logits
+(the router, with or without a bias, is a replicated linear of the block that owns this layer).
 
 Sharding, decided here (and only here):
   parallel="tensor": every rank holds every expert, split over the intermediate dimension: gate_up_proj is
@@ -220,7 +220,8 @@ class FusedMoE(nn.Module):
     e = ids[t, k], from softmax top-k routing of the router logits (renormalized when `renormalize`).
 
     `activation_params`: the parameters of a parameterized gated form (activation "swiglu_clamped": alpha,
-    limit). `bias`: per-expert biases `gate_up_proj_bias [E, 2 * I]` (split as gate_up_proj's rows) and
+    limit; "glu_clamped": act, limit, the plain `act` experts where limit is None). `bias`: per-expert biases
+    `gate_up_proj_bias [E, 2 * I]` (split as gate_up_proj's rows) and
     `down_proj_bias [E, H]` (whole on every rank; with parallel="tensor" rank 0 adds it, once)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
@@ -286,8 +287,11 @@ class FusedMoE(nn.Module):
         tp, rank = get_tp_size(), get_tp_rank()
         self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, bool(renormalize)
+        activation_params = dict(activation_params or {})
+        if activation == "glu_clamped" and activation_params.get("limit") is None and "act" in activation_params:
+            activation, activation_params = activation_params["act"], {}   # no clamp here: the plain gated experts
         self.activation = activation
-        self.activation_params = dict(activation_params or {})
+        self.activation_params = activation_params
         self.act_fn = gated_act(activation, **self.activation_params) if self.gated else act(activation)
         problems: list = []
         owner = type(self).__name__

@@ -117,6 +117,9 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     # linear scaling on the sliding layers' rotary, a logit scale
     "CohereCompassForCausalLM": [{"rope_parameters.sliding_attention": {"rope_type": "linear", "factor": 4.0}},
                                  {"logit_scale": 0.25}],
+    # Bailing hybrid (transformers >= 5.25): per-layer SwiGLU limits of the routed and of the shared experts (0: none)
+    "BailingHybridForCausalLM": [{"expert_swiglu_limit_list": [0, 0.02, 0, 0.02]},
+                                 {"share_expert_swiglu_limit_list": [0, 0, 0.02, 0.02]}],
     # MiniMax-M3 text: a SwiGLU clamp that bites at the tiny scale
     "MiniMaxM3VLForCausalLM": [{"swiglu_limit": 0.5}],
     "Apertus1p5TextForCausalLM": [{"output_vocab_size": 256, "tie_word_embeddings": False}],
