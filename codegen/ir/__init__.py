@@ -64,6 +64,8 @@ from .params import (
 from .recurrent import (
     RECURRENT_KINDS,
     RGLRUIR,
+    WKVIR,
+    ChannelMixIR,
     GatedDeltaNetIR,
     LightningIR,
     Mamba2IR,

@@ -1,5 +1,5 @@
 """The recurrent-state blocks (`RECURRENT_KINDS`): `GatedDeltaNetIR`, `Mamba2IR`, `MambaIR`, `ShortConvIR`,
-`RGLRUIR`, `LightningIR`."""
+`RGLRUIR`, `LightningIR`, `WKVIR`, `ChannelMixIR`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -168,4 +168,37 @@ class LightningIR:
         return ir.config_source(sym) if sym else str(getattr(self.heads, "source", self.heads))
 
 
-RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru", "lightning_attention")
+RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru", "lightning_attention", "wkv", "channel_mix")
+
+
+@dataclass(frozen=True)
+class WKVIR:
+    """A WKV time mix (runtime: the generated class over L.WKV, a token-shift recurrent mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    width: Size
+    key: str
+    value: str
+    receptance: str
+    out_name: str
+
+    def width_field(self, ir) -> str:
+        sym = getattr(self.width, "symbol", None)
+        return ir.config_source(sym) if sym else str(getattr(self.width, "source", self.width))
+
+
+@dataclass(frozen=True)
+class ChannelMixIR:
+    """A token-shifted MLP (runtime: the generated class over L.TokenShiftMLP, a state of the previous input)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    intermediate: Size
+    activation: Value
+    key: str
+    value: str
+    receptance: str
+

@@ -1,5 +1,5 @@
 """The recurrent-state block kinds: `gated_delta_net`, `mamba2`, `mamba`, `short_conv`, `rg_lru`,
-`lightning_attention`."""
+`lightning_attention`, and the token-shift kinds `wkv`, `channel_mix`."""
 from __future__ import annotations
 
 from typing import List, Literal, Optional, Union
@@ -193,3 +193,35 @@ class LightningAttentionBlock(Strict):
     qkv: StrictStr = "qkv_proj"          # module names
     gate: StrictStr = "output_gate"
     out: StrictStr = "out_proj"
+
+
+class WKVBlock(Strict):
+    """A WKV time mix (RWKV-4's `attention`; a per-sequence state): each token's key, value and receptance
+    projections read `x * time_mix_<proj> + prev * (1 - time_mix_<proj>)` (prev: the previous token's input, the
+    token shift); per channel the receptance-weighted key-value recurrence with decay `-exp(time_decay)` and
+    current-token bonus `time_first`; `out(sigmoid(r) * wkv(k, v))`. Parameters (transformers' names):
+    `time_decay`, `time_first [width]`, `time_mix_<key>`, `time_mix_<value>`, `time_mix_<receptance>` `[1, 1, hidden]`,
+    `<key>.weight`, `<value>.weight`, `<receptance>.weight [width, hidden]`, `<out>.weight [hidden, width]` (no
+    biases). Split over TP ranks by channels."""
+    kind: Literal["wkv"]
+    hidden: Dim
+    width: Dim                           # the recurrence's channels (attention_hidden_size)
+    key: StrictStr = "key"               # module names
+    value: StrictStr = "value"
+    receptance: StrictStr = "receptance"
+    out: StrictStr = "output"
+
+
+class ChannelMixBlock(Strict):
+    """A token-shifted MLP (RWKV's `feed_forward`, the channel mix; a per-sequence state: the previous token's input):
+    `k = act(key(lerp_k))`, `sigmoid(receptance(lerp_r)) * value(k)` with `lerp_p = x * time_mix_<p> + prev * (1 -
+    time_mix_<p>)`. Parameters (transformers' names): `time_mix_<key>`, `time_mix_<receptance>` `[1, 1, hidden]`,
+    `<key>.weight [intermediate, hidden]`, `<value>.weight [hidden, intermediate]`, `<receptance>.weight [hidden,
+    hidden]` (no biases). TP: key column-parallel, value row-parallel, receptance replicated."""
+    kind: Literal["channel_mix"]
+    hidden: Dim
+    intermediate: Dim
+    activation: StrictStr = "relu2"      # on key's output: a name, or a str symbol (RWKV: squared ReLU)
+    key: StrictStr = "key"               # module names
+    value: StrictStr = "value"
+    receptance: StrictStr = "receptance"
