@@ -9,6 +9,7 @@ from typing import List
 from .ir import (
     MLAIR,
     MLPIR,
+    MLSTMIR,
     RGLRUIR,
     WKVIR,
     AttentionIR,
@@ -147,6 +148,13 @@ def _block(b) -> str:
                 f"+ 1e-5) + 1e-5)), block_size={b.block_size}, {b.qkv}=[q, k, v] per head, norm over all heads "
                 f"(eps={b.eps}), sigmoid({b.gate}), {b.out_name}; state per sequence: kv [heads, head_dim, head_dim] "
                 f"float32)")
+    if isinstance(b, MLSTMIR):
+        return (f"mlstm {b.class_name}(hidden={b.hidden}, heads={b.heads}, qk_dim={b.qk_dim}, v_dim={b.v_dim}, eps="
+                f"{b.eps}, norm_eps={b.norm_eps}, gate_soft_cap={b.gate_soft_cap}, bias={b.bias}, norm_bias="
+                f"{b.norm_bias}, {b.q} | {b.k} | {b.v} | {b.ogate} | {b.igate} | {b.fgate}, per head the mLSTM "
+                f"recurrence (exp input gate, sigmoid forget gate, max stabilizer), per-head LayerNorm, "
+                f"{b.out_name}(sigmoid(ogate) * h); state per sequence: C [heads, qk_dim // heads, v_dim // heads], "
+                f"n [heads, qk_dim // heads], m [heads, 1] float32)")
     if isinstance(b, WKVIR):
         return (f"wkv {b.class_name}(hidden={b.hidden}, width={b.width}, {b.key} | {b.value} | {b.receptance} of the "
                 f"token-shifted input (x * time_mix + prev * (1 - time_mix)), per channel the WKV recurrence (decay "

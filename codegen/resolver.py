@@ -20,6 +20,7 @@ from .expr import parse as parse_expr
 from .ir import (
     MLAIR,
     MLPIR,
+    MLSTMIR,
     RGLRUIR,
     WKVIR,
     AllOf,
@@ -67,7 +68,7 @@ from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_
 
 # the attention block kinds (they take the positions)
 ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR, LightningIR,
-                 WKVIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
+                 WKVIR, MLSTMIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
 from .resolver_dataflow import DataflowResolver
 from .resolver_ple import PerLayerInputResolver
 from .resolver_positions import PositionsResolver
@@ -585,7 +586,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
 
         def step(st, sp, where, shared_norm_ok=()):
             mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru",
-                      "lightning_attention", "wkv", "channel_mix", "gated_mlp", "mlp", "moe")
+                      "lightning_attention", "wkv", "channel_mix", "mlstm", "gated_mlp", "mlp", "moe")
             choice = None
             # a per-layer expression may read `layer` (MiniMax's per-layer-type beta factors)
             scale = self.num(sp + ("scale",), st.scale, per_layer=True) if st.scale is not None else None
@@ -835,7 +836,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
             elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                                ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR)):
+                                ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR, MLSTMIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):

@@ -5,7 +5,7 @@ resolver_vision.py is for the vision tower.
 
 Each family of block kinds has its own module, a mixin with its `resolve_<kind>` and `<kind>_params`:
 resolver_attention.py (attention), resolver_mla.py (mla_attention), resolver_recurrent.py (short_conv, rg_lru, mamba2,
-mamba, gated_delta_net), resolver_lightning.py (lightning_attention), resolver_wkv.py (wkv, channel_mix), resolver_mlp.py (gated_mlp, mlp, moe); the norms and linears are here; what they share
+mamba, gated_delta_net), resolver_lightning.py (lightning_attention), resolver_wkv.py (wkv, channel_mix), resolver_mlstm.py (mlstm), resolver_mlp.py (gated_mlp, mlp, moe); the norms and linears are here; what they share
 (activation tables, sub_norm, lora, scales, ParamBuilder) is in resolver_block_common.py. A new block kind is one
 module: its mixin in `BlockResolver`'s bases and one row in each table."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import List
 from .ir import (
     MLAIR,
     MLPIR,
+    MLSTMIR,
     RGLRUIR,
     WKVIR,
     AttentionIR,
@@ -46,6 +47,7 @@ from .resolver_block_common import (  # noqa: F401  (the tables and helpers, imp
 from .resolver_lightning import LightningResolver
 from .resolver_mla import MLAResolver
 from .resolver_mlp import FeedForwardResolver
+from .resolver_mlstm import MLSTMResolver
 from .resolver_recurrent import RecurrentResolver
 from .resolver_wkv import WKVResolver
 from .schema import (
@@ -61,6 +63,7 @@ from .schema import (
     MambaBlock,
     MLAAttentionBlock,
     MLPBlock,
+    MLSTMBlock,
     MoEBlock,
     RGLRUBlock,
     RMSNormBlock,
@@ -70,7 +73,7 @@ from .schema import (
 
 
 class BlockResolver(AttentionResolver, RecurrentResolver, FeedForwardResolver, BlockCommon, MLAResolver,
-                    LightningResolver, WKVResolver):
+                    LightningResolver, WKVResolver, MLSTMResolver):
 
     def resolve_block(self, path, name, b, unique_kind: bool):
         """The block's IR, by its kind's resolver (`BLOCK_KINDS`); its generated class is `<prefix><Kind>` when it
@@ -151,6 +154,7 @@ BLOCK_KINDS = {
     LightningAttentionBlock: ("resolve_lightning", "LightningAttention"),
     WKVBlock: ("resolve_wkv", "WKV"),
     ChannelMixBlock: ("resolve_channel_mix", "ChannelMix"),
+    MLSTMBlock: ("resolve_mlstm", "MLSTM"),
     GatedMLPBlock: ("resolve_gated_mlp", "MLP"),
     MLPBlock: ("resolve_mlp", "MLP"),
     MoEBlock: ("resolve_moe", "SparseMoeBlock"),
@@ -170,6 +174,7 @@ BLOCK_PARAMS = {
     LightningIR: lambda pb, b: LightningResolver.lightning_params(pb.prefix, pb.block, b, pb.per_layer),
     WKVIR: WKVResolver.wkv_params,
     ChannelMixIR: WKVResolver.channel_mix_params,
+    MLSTMIR: MLSTMResolver.mlstm_params,
     MoEIR: FeedForwardResolver.moe_params,
     MLPIR: FeedForwardResolver.mlp_params,
     GatedMLPIR: FeedForwardResolver.gated_mlp_params,

@@ -62,6 +62,7 @@ from .params import (
     WeightIR,
 )
 from .recurrent import (
+    MLSTMIR,
     RECURRENT_KINDS,
     RGLRUIR,
     WKVIR,

@@ -8,11 +8,21 @@ from typing import Any, Optional, Tuple, Union
 from .attention import MLAIR, AttentionIR
 from .blocks import LinearIR, NormIR
 from .mlp import MLPIR, GatedMLPIR, MoEIR
-from .recurrent import RGLRUIR, WKVIR, ChannelMixIR, GatedDeltaNetIR, LightningIR, Mamba2IR, MambaIR, ShortConvIR
+from .recurrent import (
+    MLSTMIR,
+    RGLRUIR,
+    WKVIR,
+    ChannelMixIR,
+    GatedDeltaNetIR,
+    LightningIR,
+    Mamba2IR,
+    MambaIR,
+    ShortConvIR,
+)
 from .values import Size, Value
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR]
+                ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR, MLSTMIR]
 
 
 @dataclass(frozen=True)

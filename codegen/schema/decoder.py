@@ -17,6 +17,7 @@ from .recurrent import (
     LightningAttentionBlock,
     Mamba2Block,
     MambaBlock,
+    MLSTMBlock,
     RGLRUBlock,
     ShortConvBlock,
     WKVBlock,
@@ -37,7 +38,7 @@ class LMHeadBlock(Strict):
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
           MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, MambaBlock,
-          ShortConvBlock, RGLRUBlock, LightningAttentionBlock, WKVBlock, ChannelMixBlock],
+          ShortConvBlock, RGLRUBlock, LightningAttentionBlock, WKVBlock, ChannelMixBlock, MLSTMBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]

@@ -1,5 +1,5 @@
 """The recurrent-state block kinds: `gated_delta_net`, `mamba2`, `mamba`, `short_conv`, `rg_lru`,
-`lightning_attention`, and the token-shift kinds `wkv`, `channel_mix`."""
+`lightning_attention`, the token-shift kinds `wkv`, `channel_mix`, and `mlstm`."""
 from __future__ import annotations
 
 from typing import List, Literal, Optional, Union
@@ -225,3 +225,30 @@ class ChannelMixBlock(Strict):
     key: StrictStr = "key"               # module names
     value: StrictStr = "value"
     receptance: StrictStr = "receptance"
+
+
+class MLSTMBlock(Strict):
+    """An mLSTM mixer (xLSTM's `mlstm_layer`; a per-sequence state): q, k [qk_dim], v, the output gate [v_dim] and the
+    input / forget gate pre-activations [heads] (soft-capped by `gate_soft_cap`) from the projections; per head the
+    matrix-memory recurrence (exponential input gate, sigmoid forget gate, max stabilizer; state C [Dk, Dv], n [Dk],
+    m); a per-head LayerNorm (`multihead_norm`, eps `norm_eps`); `out(sigmoid(ogate) * h)`. Parameters (transformers'
+    names): `<q>.weight`, `<k>.weight [qk_dim, hidden]`, `<v>.weight`, `<ogate>.weight [v_dim, hidden]`,
+    `<igate>.weight`, `<fgate>.weight [heads, hidden]` with biases, `multihead_norm.weight [v_dim]`, `<out>.weight
+    [hidden, v_dim]`, biases where `bias` / `norm_bias` hold. Split over TP ranks by heads."""
+    kind: Literal["mlstm"]
+    hidden: Dim
+    heads: Dim
+    qk_dim: Dim                          # all heads' query / key width
+    v_dim: Dim                           # all heads' value width
+    eps: Num = 1.0e-6                    # the output denominator's eps
+    norm_eps: Num = 1.0e-6               # the per-head LayerNorm's eps
+    gate_soft_cap: Optional[Num] = None  # cap * tanh(x / cap) on the gate pre-activations; none: uncapped
+    bias: Flag = False                   # biases of q, k, v, the output gate and out
+    norm_bias: Flag = False              # the per-head LayerNorm's bias
+    q: StrictStr = "q"                   # module names
+    k: StrictStr = "k"
+    v: StrictStr = "v"
+    ogate: StrictStr = "ogate_preact"
+    igate: StrictStr = "igate_preact"
+    fgate: StrictStr = "fgate_preact"
+    out: StrictStr = "out_proj"

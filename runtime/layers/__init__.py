@@ -53,6 +53,7 @@ from xllm_gen.runtime.layers.norm import (
 )
 from xllm_gen.runtime.layers.per_layer import learned_scalar, per_layer_inputs, rank_columns
 from xllm_gen.runtime.layers.recurrent import (
+                                            MLSTM,
                                             RGLRU,
                                             WKV,
                                             CausalConv1d,
@@ -87,6 +88,6 @@ __all__ = [
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
-    "LightningAttention", "WKV", "TokenShiftMLP",
+    "LightningAttention", "WKV", "TokenShiftMLP", "MLSTM",
     "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",
 ]
