@@ -235,5 +235,9 @@ class MLSTMIR:
         for key in ("heads", "qk_dim", "v_dim"):
             size = getattr(self, key)
             sym = getattr(size, "symbol", None)
-            out[key] = ir.config_source(sym) if sym else str(getattr(size, "source", size))
+            f = next((f for f in ir.config if f.name == sym), None) if sym else None
+            if f is not None and getattr(f, "expr", None) is not None and not f.paths:   # derived: its formula
+                out[key] = f"{sym} = {f.expr}"
+            else:
+                out[key] = ir.config_source(sym) if sym else str(getattr(size, "source", size))
         return out

@@ -92,7 +92,7 @@ class XLSTMMLSTM(L.MLSTM):
     def __init__(self, config: XLSTMConfig, layer_idx: int):
         hidden, heads, qk_dim, v_dim = config.hidden_size, config.num_heads, config.qk_dim, config.v_dim
         super().__init__(heads, qk_dim, v_dim, config.eps, config.norm_eps, norm_bias=config.use_bias, gate_soft_cap=config.gate_soft_cap,
-                         fields={"heads": "num_heads", "qk_dim": "qk_dim", "v_dim": "v_dim"})
+                         fields={"heads": "num_heads", "qk_dim": "qk_dim = int(hidden_size * qk_dim_factor)", "v_dim": "v_dim = int(hidden_size * v_dim_factor)"})
         self.q = L.ColumnParallelLinear(hidden, qk_dim, bias=config.use_bias, unit=qk_dim // heads)
         self.k = L.ColumnParallelLinear(hidden, qk_dim, bias=config.use_bias, unit=qk_dim // heads)
         self.v = L.ColumnParallelLinear(hidden, v_dim, bias=config.use_bias, unit=v_dim // heads)
