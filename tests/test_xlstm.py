@@ -1,5 +1,6 @@
 """xLSTM: the `mlstm` block kind (runtime/layers/recurrent/mlstm.py L.MLSTM) and specs/xlstm.yaml on the tiny checkpoint
-(tests/fixtures/tiny_hf.py: 3 blocks, hidden 128, 4 heads of q / k 16 and v 32, gate and logit soft-caps on):
+(tests/fixtures/tiny_hf.py: 3 blocks, hidden 128, 4 heads of q / k 16 and v 32, an MLP of 192, gate and logit
+soft-caps on):
 
 - greedy parity with transformers float32 with chunked prefill (a 70-token prompt, which transformers runs in its
   chunkwise form over 64 tokens and steps the rest, in chunks of 9 beside shorter ones): a prompt's later chunks
