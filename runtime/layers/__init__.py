@@ -31,6 +31,7 @@ from xllm_gen.runtime.layers.embedding import (
 from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.head_transform import HeadTransform
 from xllm_gen.runtime.layers.indexer import SparseIndexer, shared_selection
+from xllm_gen.runtime.layers.layer_kernel import decoder_layer_kernel
 from xllm_gen.runtime.layers.lightning import LightningAttention
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
@@ -86,7 +87,7 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention", "SparseIndexer",
     "shared_selection",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
-    "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
+    "norm_linear", "act_linear", "qk_norm_rope_store", "decoder_layer_kernel", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
     "LightningAttention", "WKV", "TokenShiftMLP", "MLSTM",
     "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",

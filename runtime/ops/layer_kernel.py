@@ -1,0 +1,478 @@
+"""A whole pre-norm decoder layer at a small decode batch in ONE persistent kernel.
+
+At batch 1 a graph decode step of a 0.6B model was ~6 launches per layer of 3-9 us each, for ~10 us of weight
+bytes per layer (bench/results/h200_profile_2026-12-03_before.md): the fixed cost of each kernel (launch, ramp,
+tail, the dependent loads at its start) dominates, not the bandwidth. Here one launch of P programs (one per SM,
+all resident at once) runs the layer's five stages, separated by grid-wide barriers (a release counter every
+program increments, then spins on with acquire loads), so a stage's first loads follow the previous stage's last
+stores by one L2 round trip instead of a kernel boundary:
+
+  1. h = x + residual; qkv = W_qkv (rmsnorm(h) * g1) (+ bias)           tiles of qkv's rows
+  2. per (row, KV head, split): q/k per-head RMSNorm + neox rotary of the step's token (the split owning the
+     token's position also writes its k, v into the paged cache), split-KV attention over the cache, the last
+     program of (row, KV head) merging the splits (ops/decode_attention.py's scheme)
+  3. r2 = W_o attn + h                                                    split-K, tickets
+  4. act = silu(gate) * up with gate | up = W_gu (rmsnorm(r2) * g2)       tiles of the intermediate
+  5. out = W_down act                                                     split-K, tickets
+returns (out, r2): the layer's (hidden_states, residual), as the unfused ops give them.
+
+Rounding: the norm's scale rsqrt(mean(h^2) + eps) is a per-row scalar, factored out of the GEMV (as in
+ops/fused_gemv.py); every stage's output is rounded to the activation dtype where the unfused op rounds it. The
+split-K sums and attention merges reduce in a fixed order, so a run is deterministic and a graph replay equals
+the eager call bit for bit.
+
+The barriers need every program resident: P <= the SM count, one program per SM's resources, nothing else on
+the GPU in between (a CUDA-graph decode step). Under TRITON_INTERPRET=1 (the CPU tests) the programs of a launch run
+one after another, so a barrier would never open: there the stages run as five launches of the same code
+(`staged`), which the GPU can run too (XLLM_LAYER_KERNEL=staged) as the reference for the one-launch form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from xllm_gen.runtime.ops.triton_kernels import _norm_rope_values
+
+ROWS = 16                 # rows per tile (a tl.dot needs 16): up to 16 decode rows
+BM = tl.constexpr(ROWS)
+
+
+@triton.jit
+def _grid_sync(cnt_ptr, target):
+    """All programs' stores before it are visible to all programs' loads after it (loads through L2: .cg)."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1, sem="release")
+    c = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    while c < target:
+        c = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _w_chunk(w_ptr, row0, n0, k0, k_hi, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Weight rows row0 + n0 .. + BN, columns k0 .. k0 + BK (masked at N and k_hi: past k_hi nothing is read)."""
+    cols = n0 + tl.arange(0, BN)
+    kk = k0 + tl.arange(0, BK)
+    return tl.load(w_ptr + (row0 + cols[:, None]).to(tl.int64) * K + kk[None, :],
+                   mask=(cols < N)[:, None] & (kk < k_hi)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tile_acc(x_ptr, r_ptr, ro_ptr, g_ptr, g_offset, w_ptr, w2_off, n0, k_lo, k_hi, N, K, M, write_res, w, w2,
+              PRO: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              IEEE: tl.constexpr):
+    """acc [BM, BN] = x'[:, k_lo:k_hi] @ W[n0:n0+BN, k_lo:k_hi]^T (acc2: the rows w2_off further, the up half), with
+    x' = x (PRO 0) or (h * g) for h = x (+ r) rounded to x's dtype (PRO 1; h stored to ro where write_res; ss: the
+    rows' sums of squares of h). `w` / `w2`: the first K chunk's weights, loaded by the caller (before a barrier
+    where it can); each iteration loads the next chunk's before using this one's (double-buffered in registers)."""
+    rows = tl.arange(0, BM)
+    rm = rows < M
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+    ss = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        wn = _w_chunk(w_ptr, 0, n0, k0 + BK, k_hi, N, K, BN, BK)
+        if GATED:
+            w2n = _w_chunk(w_ptr, w2_off, n0, k0 + BK, k_hi, N, K, BN, BK)
+        kk = k0 + tl.arange(0, BK)
+        xm = rm[:, None] & (kk < k_hi)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+        if PRO == 1:
+            if HAS_RES:
+                r = tl.load(r_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                tl.store(ro_ptr + rows[:, None] * K + kk[None, :], x, mask=xm & write_res)
+            hf = x.to(tl.float32)
+            ss += tl.sum(hf * hf, axis=1)
+            g = tl.load(g_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32) + g_offset
+            x = (hf * g[None, :]).to(x.dtype)
+        acc += _dot(x, tl.trans(w), IEEE)
+        w = wn
+        if GATED:
+            acc2 += _dot(x, tl.trans(w2), IEEE)
+            w2 = w2n
+    return acc, acc2, ss
+
+
+@triton.jit
+def _norm_tile(t, w, w2, x_ptr, r_ptr, ro_ptr, g_ptr, g_off, eps, w_ptr, b_ptr, y_ptr, N, K, M,
+               HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """One column tile of a norm-prologue stage: y = W rmsnorm(x (+ r)) (+ bias) (stage 1), or with GATED
+    y = act(gate) * up of gate | up = W rmsnorm(x) (stage 4; N = the intermediate width, up rows N further)."""
+    rows = tl.arange(0, BM)
+    n0 = t * BN
+    cols = n0 + tl.arange(0, BN)
+    om = (rows < M)[:, None] & (cols < N)[None, :]
+    acc, acc2, ss = _tile_acc(x_ptr, r_ptr, ro_ptr, g_ptr, g_off, w_ptr, N, n0, 0, K, N, K, M, t == 0, w, w2,
+                              1, HAS_RES, GATED, BN, BK, IEEE)
+    rstd = (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    if GATED:
+        gt = (acc * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = (acc2 * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if ACT == 0:        # silu
+            sg = gt / (1.0 + tl.exp(-gt))
+        elif ACT == 1:      # gelu, tanh approximation
+            u = 0.7978845608028654 * (gt + 0.044715 * gt * gt * gt)
+            sg = 0.5 * gt * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)))
+        else:               # gelu, exact erf
+            sg = 0.5 * gt * (1.0 + tl.erf(gt * 0.7071067811865476))
+        y = (sg.to(y_ptr.dtype.element_ty).to(tl.float32) * up).to(y_ptr.dtype.element_ty)
+    else:
+        y = acc * rstd
+        if HAS_BIAS:        # added in fp32, one rounding (as the linear's epilogue)
+            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=om)
+
+
+@triton.jit
+def _splitk_tile(t, w, x_ptr, w_ptr, y_ptr, res_ptr, ws_ptr, cnt_ptr, N, K, M,
+                 ADD_RES: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Tile t = (column block, K split) of y = (x @ W^T).to(dtype) (+ res, rounded again: the fused add of the next
+    norm); the last program of a column block (ticket) sums the SPLIT fp32 partials in split order."""
+    NB = tl.cdiv(N, BN)
+    k_split = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+    rows = tl.arange(0, BM)
+    nb = t // SPLIT
+    s = t % SPLIT
+    n0 = nb * BN
+    cols = n0 + tl.arange(0, BN)
+    acc, _a, _s = _tile_acc(x_ptr, x_ptr, x_ptr, x_ptr, 0.0, w_ptr, 0, n0, s * k_split,
+                            tl.minimum(K, (s + 1) * k_split), N, K, M, False, w, w, 0, False, False, BN, BK, IEEE)
+    last = True
+    if SPLIT > 1:
+        # workspace [SPLIT, NB * BN, BM]: slice s of column block nb
+        tl.store(ws_ptr + (s * NB * BN + cols[None, :]) * BM + rows[:, None], acc)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel")
+        last = ticket == SPLIT - 1
+        if last:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for j in range(0, SPLIT):
+                acc += tl.load(ws_ptr + (j * NB * BN + cols[None, :]) * BM + rows[:, None], cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + nb, 0)
+    if last:
+        om = (rows < M)[:, None] & (cols < N)[None, :]
+        y = acc.to(y_ptr.dtype.element_ty)
+        if ADD_RES:
+            r = tl.load(res_ptr + rows[:, None] * N + cols[None, :], mask=om, other=0.0, cache_modifier=".cg")
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=om)
+
+
+@triton.jit
+def _splitk_first(pid, w_ptr, N, K, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The first K chunk of tile `pid` of a split-K stage (nothing read where the program has no tile)."""
+    NB = tl.cdiv(N, BN)
+    k_split = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+    ok = pid < NB * SPLIT
+    k0 = (pid % SPLIT) * k_split
+    return _w_chunk(w_ptr, 0, (pid // SPLIT) * BN, k0, tl.where(ok, tl.minimum(K, k0 + k_split), 0), N, K, BN, BK)
+
+
+@triton.jit
+def _attention_stage(qkv_ptr, o_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr, eps, pos_ptr, cs_ptr, slot_ptr,
+                     indptr_ptr, indices_ptr, last_ptr, part_o_ptr, part_lse_ptr, tick_ptr, sm_scale, window_left,
+                     pid, P, M, NQKV,
+                     H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
+                     G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, HALF)
+    jm = j < HALF
+    d = tl.arange(0, D)
+    g = tl.arange(0, G_PAD)
+    g_ok = g < GROUP
+    n_off = tl.arange(0, BLOCK_N)
+    for it in range(pid, M * HK * SPLITS, P):
+        b = it // (HK * SPLITS)
+        kh = (it // SPLITS) % HK
+        s = it % SPLITS
+        p0 = tl.load(indptr_ptr + b)
+        npages = tl.load(indptr_ptr + b + 1) - p0
+        last = tl.load(last_ptr + b)
+        L = tl.where(npages > 0, (npages - 1) * PAGE + last, 0)
+        start = 0
+        if HAS_WINDOW:
+            start = tl.maximum(L - 1 - window_left, 0)
+        chunk = tl.cdiv(tl.cdiv(L - start, SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + s * chunk
+        hi = tl.minimum(lo + chunk, L)
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        c = tl.load(cs_ptr + pos * D + j)
+        sn = tl.load(cs_ptr + pos * D + HALF + j)
+        row = qkv_ptr + b.to(tl.int64) * NQKV
+        q1, q2 = _norm_rope_values(row + kh * GROUP * D, D, qw_ptr, GROUP, c, sn, j, jm, eps, D, G_PAD, HAS_NORM)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (lo <= L - 1) & (L - 1 < hi) & (slot >= 0):
+            # the step's token is in this split's range: its k (normed, rotated) and v go to the cache first, read
+            # back below by this program only (no other program reads position L-1)
+            k1, k2 = _norm_rope_values(row + H * D + kh * D, D, kw_ptr, 1, c, sn, j, jm, eps, D, 1, HAS_NORM)
+            dst = slot * HK * D + kh * D
+            tl.store(kc_ptr + dst + j[None, :], k1)
+            tl.store(kc_ptr + dst + HALF + j[None, :], k2)
+            tl.store(vc_ptr + dst + d, tl.load(row + (H + HK) * D + kh * D + d))
+            tl.debug_barrier()
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for t0 in range(lo, hi, BLOCK_N):
+            t = t0 + n_off
+            t_ok = t < hi
+            page = tl.load(indices_ptr + p0 + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+            kv_row = (page * PAGE + t % PAGE) * HK * D + kh * D
+            k1 = tl.load(kc_ptr + kv_row[:, None] + j[None, :], mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+            k2 = tl.load(kc_ptr + kv_row[:, None] + HALF + j[None, :], mask=t_ok[:, None], other=0.0,
+                         cache_modifier=".cg")
+            v = tl.load(vc_ptr + kv_row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
+            sc = (_dot(q1, tl.trans(k1), IEEE) + _dot(q2, tl.trans(k2), IEEE)) * sm_scale
+            sc = tl.where(t_ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            m_i = m_new
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        heads = kh * GROUP + g
+        out = o_ptr + b.to(tl.int64) * H * D + heads[:, None] * D + d[None, :]
+        if SPLITS == 1:
+            tl.store(out, o.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            row_h = b.to(tl.int64) * H + heads
+            tl.store(part_o_ptr + (row_h[:, None] * SPLITS + s) * D + d[None, :], o, mask=g_ok[:, None] & has[:, None])
+            tl.store(part_lse_ptr + row_h * SPLITS + s, tl.where(has, m_i + tl.log(l_i), float("-inf")), mask=g_ok)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tick_ptr + b * HK + kh, 1, sem="acq_rel")
+            if ticket == SPLITS - 1:
+                sidx = tl.arange(0, S_PAD)
+                gs_ok = g_ok[:, None] & (sidx < SPLITS)[None, :]
+                base = (b.to(tl.int64) * H + heads)[:, None] * SPLITS + sidx[None, :]
+                lse = tl.load(part_lse_ptr + base, mask=gs_ok, other=float("-inf"), cache_modifier=".cg")
+                o_s = tl.load(part_o_ptr + base[:, :, None] * D + d[None, None, :], mask=gs_ok[:, :, None],
+                              other=0.0, cache_modifier=".cg")
+                mx = tl.max(lse, axis=1)
+                w = tl.exp(lse - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
+                o_s = tl.where((w > 0)[:, :, None], o_s, 0.0)
+                den = tl.sum(w, axis=1)
+                res = tl.sum(w[:, :, None] * o_s, axis=1) / tl.where(den > 0, den, 1.0)[:, None]
+                tl.store(out, res.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+                tl.atomic_xchg(tick_ptr + b * HK + kh, 0)
+
+
+@triton.jit
+def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_ptr,
+                  qw_ptr, kw_ptr, qk_eps, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, indptr_ptr, indices_ptr,
+                  last_ptr, part_o_ptr, part_lse_ptr, sm_scale, window_left, attn_ptr,
+                  wo_ptr, r2_ptr, g2_ptr, g2_off, wgu_ptr, act_ptr, wd_ptr, out_ptr, ws_ptr, cnt_ptr,
+                  M, D, NQKV, I, eps1, eps2,
+                  H: tl.constexpr, HK: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
+                  G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_RES: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, ACT: tl.constexpr,
+                  BN1: tl.constexpr, BK1: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr,
+                  BN4: tl.constexpr, BK4: tl.constexpr, BN5: tl.constexpr, BK5: tl.constexpr, S5: tl.constexpr,
+                  IEEE: tl.constexpr, STAGE: tl.constexpr):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    ONE: tl.constexpr = STAGE == 0          # all stages in this launch, grid barriers between them
+    # counters: [0] the barrier, [1] the exit tickets, [2 : 2 + 16 HK] attention tickets, then split-K tickets of
+    # stage 3 (cdiv(D, BN3)) and stage 5
+    bar = cnt_ptr
+    att_tick = cnt_ptr + 2
+    k3_tick = att_tick + BM * HK
+    k5_tick = k3_tick + tl.cdiv(D, BN3)
+    ws3 = ws_ptr
+    ws5 = ws_ptr + S3 * tl.cdiv(D, BN3) * BN3 * BM
+    # Each GEMM stage's first weight chunk is loaded before the barrier that precedes the stage (weights do not
+    # depend on it), so the wait overlaps the fetch; a program's later tiles load theirs in the loop.
+    if ONE | (STAGE == 1):
+        # 1. qkv = W_qkv rmsnorm(x + r): column tiles of qkv; tile 0 stores h = x + r
+        NT1 = tl.cdiv(NQKV, BN1)
+        w = _w_chunk(wqkv_ptr, 0, pid * BN1, 0, tl.where(pid < NT1, D, 0), NQKV, D, BN1, BK1)
+        if pid < NT1:
+            _norm_tile(pid, w, w, x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, eps1, wqkv_ptr, bqkv_ptr, qkv_ptr, NQKV, D, M,
+                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE)
+        for t in range(pid + P, NT1, P):
+            w = _w_chunk(wqkv_ptr, 0, t * BN1, 0, D, NQKV, D, BN1, BK1)
+            _norm_tile(t, w, w, x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, eps1, wqkv_ptr, bqkv_ptr, qkv_ptr, NQKV, D, M,
+                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE)
+    if ONE:
+        _grid_sync(bar, P)
+    if ONE | (STAGE == 2):
+        _attention_stage(qkv_ptr, attn_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr, qk_eps, pos_ptr, cs_ptr, slot_ptr,
+                         indptr_ptr, indices_ptr, last_ptr, part_o_ptr, part_lse_ptr, att_tick, sm_scale,
+                         window_left, pid, P, M, NQKV, H, HK, HD, PAGE, GROUP, G_PAD, SPLITS, S_PAD, BLOCK_N,
+                         HAS_NORM, HAS_WINDOW, IEEE)
+    if ONE | (STAGE == 3):
+        # 3. r2 = W_o attn + h
+        KO = H * HD
+        NT3 = tl.cdiv(D, BN3) * S3
+        w = _splitk_first(pid, wo_ptr, D, KO, S3, BN3, BK3)
+        if ONE:
+            _grid_sync(bar, 2 * P)
+        res = r1_ptr if HAS_RES else x_ptr
+        if pid < NT3:
+            _splitk_tile(pid, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE)
+        for t in range(pid + P, NT3, P):
+            w = _w_chunk(wo_ptr, 0, (t // S3) * BN3, (t % S3) * tl.cdiv(tl.cdiv(KO, S3), BK3) * BK3, KO, D, KO, BN3,
+                         BK3)
+            _splitk_tile(t, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE)
+    if ONE | (STAGE == 4):
+        # 4. act = act(gate) * up, gate | up = W_gu rmsnorm(r2)
+        NT4 = tl.cdiv(I, BN4)
+        k_hi = tl.where(pid < NT4, D, 0)
+        w = _w_chunk(wgu_ptr, 0, pid * BN4, 0, k_hi, I, D, BN4, BK4)
+        w2 = _w_chunk(wgu_ptr, I, pid * BN4, 0, k_hi, I, D, BN4, BK4)
+        if ONE:
+            _grid_sync(bar, 3 * P)
+        if pid < NT4:
+            _norm_tile(pid, w, w2, r2_ptr, r2_ptr, r2_ptr, g2_ptr, g2_off, eps2, wgu_ptr, wgu_ptr, act_ptr, I, D, M,
+                       False, True, False, ACT, BN4, BK4, IEEE)
+        for t in range(pid + P, NT4, P):
+            w = _w_chunk(wgu_ptr, 0, t * BN4, 0, D, I, D, BN4, BK4)
+            w2 = _w_chunk(wgu_ptr, I, t * BN4, 0, D, I, D, BN4, BK4)
+            _norm_tile(t, w, w2, r2_ptr, r2_ptr, r2_ptr, g2_ptr, g2_off, eps2, wgu_ptr, wgu_ptr, act_ptr, I, D, M,
+                       False, True, False, ACT, BN4, BK4, IEEE)
+    if ONE | (STAGE == 5):
+        # 5. out = W_down act
+        NT5 = tl.cdiv(D, BN5) * S5
+        w = _splitk_first(pid, wd_ptr, D, I, S5, BN5, BK5)
+        if ONE:
+            _grid_sync(bar, 4 * P)
+        if pid < NT5:
+            _splitk_tile(pid, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE)
+        for t in range(pid + P, NT5, P):
+            w = _w_chunk(wd_ptr, 0, (t // S5) * BN5, (t % S5) * tl.cdiv(tl.cdiv(I, S5), BK5) * BK5, I, D, I, BN5,
+                         BK5)
+            _splitk_tile(t, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE)
+    if ONE:
+        # the last program out resets the barrier for the next launch (every program is past its last wait)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel") == P - 1:
+            tl.atomic_xchg(bar, 0)
+            tl.atomic_xchg(cnt_ptr + 1, 0)
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    page: int
+
+
+def _tile_n(N: int, P: int, choices=(16, 32, 64)) -> int:
+    """The column tile with the fewest rows per program (rounds of tiles x tile rows), the wider on ties."""
+    return min(choices, key=lambda bn: (triton.cdiv(triton.cdiv(N, bn), P) * bn, -bn))
+
+
+def _split_k(N: int, K: int, P: int, bn: int, quantum: int = 64) -> int:
+    """K splits so that (column blocks x splits) is about P tiles (equal ranges of whole quanta)."""
+    chunks = triton.cdiv(K, quantum)
+    s = max(1, min(chunks, P // triton.cdiv(N, bn)))
+    return triton.cdiv(chunks, triton.cdiv(chunks, s))
+
+
+def _block_k(bn: int, k_range: int, budget: int) -> int:
+    """A K chunk of at most `budget` weight elements per tile, no wider than the range (a power of 2, >= 16)."""
+    return max(16, min(triton.next_power_of_2(k_range), triton.next_power_of_2(budget // bn + 1) // 2))
+
+
+class LayerScratch:
+    """The launch configuration of a layer shape on `programs` programs, and what a launch writes and later stages
+    of the same launch read (shared by every layer of a model: layers run one after another), with the zeroed
+    counters (each launch leaves them at 0). `tile_budget`: weight elements per register tile (each stage's K chunk
+    is as wide as that allows: few, large loads; the stage's first chunk is fetched before its barrier)."""
+
+    def __init__(self, dims: LayerDims, programs: int, dtype: torch.dtype, device, tile_budget: int = 16384,
+                 num_warps: int = 8, block_n: int = 32, **override):
+        d = dims
+        self.dims, self.programs, self.num_warps, self.block_n = d, programs, num_warps, block_n
+        nqkv = (d.heads + 2 * d.kv_heads) * d.head_dim
+        ko = d.heads * d.head_dim
+        c = {}
+        c["bn1"] = _tile_n(nqkv, programs)
+        c["bn3"] = _tile_n(d.hidden, programs, (16, 32))
+        c["s3"] = _split_k(d.hidden, ko, programs, c["bn3"])
+        c["bn4"] = _tile_n(d.intermediate, programs)
+        c["bn5"] = _tile_n(d.hidden, programs, (16, 32))
+        c["s5"] = _split_k(d.hidden, d.intermediate, programs, c["bn5"])
+        c.update({k: v for k, v in override.items() if k in ("bn1", "bn3", "s3", "bn4", "bn5", "s5")})
+        c["bk1"] = _block_k(c["bn1"], d.hidden, tile_budget)
+        c["bk3"] = _block_k(c["bn3"], triton.cdiv(ko, c["s3"]), tile_budget)
+        c["bk4"] = _block_k(c["bn4"], d.hidden, tile_budget // 2)       # two weight tiles (gate, up)
+        c["bk5"] = _block_k(c["bn5"], triton.cdiv(d.intermediate, c["s5"]), tile_budget)
+        c.update({k: v for k, v in override.items() if k in ("bk1", "bk3", "bk4", "bk5")})
+        self.config = c
+        self.splits = max(1, min(32, programs // max(1, d.kv_heads)))      # at 1 row; fewer per row at more rows
+        e = dict(dtype=dtype, device=device)
+        self.r1 = torch.empty(ROWS, d.hidden, **e)
+        self.qkv = torch.empty(ROWS, nqkv, **e)
+        self.attn = torch.empty(ROWS, ko, **e)
+        self.act = torch.empty(ROWS, d.intermediate, **e)
+        f = dict(dtype=torch.float32, device=device)
+        self.part_o = torch.empty(ROWS * d.heads * self.splits * d.head_dim, **f)
+        self.part_lse = torch.empty(ROWS * d.heads * self.splits, **f)
+        nb3, nb5 = triton.cdiv(d.hidden, c["bn3"]), triton.cdiv(d.hidden, c["bn5"])
+        self.ws = torch.empty(c["s3"] * nb3 * c["bn3"] * ROWS + c["s5"] * nb5 * c["bn5"] * ROWS, **f)
+        self.counters = torch.zeros(2 + ROWS * d.kv_heads + nb3 + nb5, dtype=torch.int32, device=device)
+
+    def splits_for(self, rows: int) -> int:
+        return max(1, min(self.splits, self.programs // max(1, rows * self.dims.kv_heads)))
+
+
+ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+def decoder_layer(x, residual, g1, g1_off, eps1, w_qkv, b_qkv, q_w, k_w, qk_eps, positions, cos_sin, slots,
+                  k_cache, v_cache, indptr, indices, last_page_len, sm_scale, window_left, w_o, g2, g2_off, eps2,
+                  w_gu, act, w_down, scratch: LayerScratch, staged=False):
+    """(out, r2) of one pre-norm attention + gated-MLP decoder layer for x [M <= 16, hidden] (see the module
+    docstring): residual [M, hidden] or None; k_cache / v_cache [pages, page, kv_heads, head_dim] (the step's k, v
+    are written at `slots`); the page table in FlashInfer's CSR form (indptr, indices, last_page_len); q_w / k_w the
+    per-head q / k RMSNorm weights or None; act "silu" | "gelu_tanh" | "gelu". staged: True runs the five stages
+    as five launches, a sequence of stage numbers only those (the benchmark's per-stage timing)."""
+    d = scratch.dims
+    M = x.shape[0]
+    if not 0 < M <= ROWS:
+        raise ValueError(f"decoder_layer: {M} rows (1..{ROWS})")
+    out = torch.empty_like(x)
+    r2 = torch.empty_like(x)
+    group = d.heads // d.kv_heads
+    splits = scratch.splits_for(M)
+    ieee = x.dtype == torch.float32
+    s = scratch
+    args = (x, x if residual is None else residual, s.r1, g1, float(g1_off), w_qkv, w_qkv if b_qkv is None else b_qkv,
+            s.qkv, q_w if q_w is not None else g1, k_w if k_w is not None else g1, float(qk_eps), positions, cos_sin,
+            slots, k_cache, v_cache, indptr, indices, last_page_len, s.part_o, s.part_lse, float(sm_scale),
+            int(window_left), s.attn, w_o, r2, g2, float(g2_off), w_gu, s.act, w_down, out, s.ws, s.counters,
+            M, d.hidden, s.qkv.shape[1], d.intermediate, float(eps1), float(eps2))
+    c = s.config
+    meta = dict(H=d.heads, HK=d.kv_heads, HD=d.head_dim, PAGE=d.page, GROUP=group,
+                G_PAD=max(16, triton.next_power_of_2(group)), SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)),
+                BLOCK_N=s.block_n, HAS_RES=residual is not None, HAS_QKV_BIAS=b_qkv is not None,
+                HAS_NORM=q_w is not None, HAS_WINDOW=window_left >= 0, ACT=ACT_CODES[act], BN1=c["bn1"], BK1=c["bk1"],
+                BN3=c["bn3"], BK3=c["bk3"], S3=c["s3"], BN4=c["bn4"], BK4=c["bk4"], BN5=c["bn5"], BK5=c["bk5"],
+                S5=c["s5"], IEEE=ieee, num_warps=s.num_warps, num_stages=1)   # double-buffered by hand
+    if staged:
+        for stage in (range(1, 6) if staged is True else staged):
+            _layer_kernel[(s.programs,)](*args, STAGE=stage, **meta)
+    else:
+        _layer_kernel[(s.programs,)](*args, STAGE=0, **meta)
+    return out, r2
