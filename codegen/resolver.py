@@ -41,7 +41,6 @@ from .ir import (
     ModelIR,
     MoEIR,
     NormIR,
-    ParallelStepIR,
     ParamIR,
     ProjectionIR,
     RunnerIR,
@@ -605,6 +604,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if in_scale is not None and st.norm is None:
                 raise self.err(sp + ("input_scale",), f"{where}.input_scale: scales the normed input of a step with a "
                                                       f"`norm` (a step without one reads the residual stream itself)")
+            when = None
+            if getattr(st, "when", None) is not None:     # the step runs only where it holds
+                if not isinstance(st.block, str) or st.after_norm is not None or getattr(st, "add", None):
+                    raise self.err(sp + ("when",), f"{where}.when: a step `{{norm: N, block: B}}` or `{{block: B}}` "
+                                                   f"(no per-layer choice, after_norm or add)")
+                when = Value(expr=self.expr(sp + ("when",), st.when, per_layer=True))
             if isinstance(st.block, Choice):
                 c = st.block
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), (("block", "then"), c.then, mixers),
@@ -676,7 +681,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                               residual_scale=res_scale)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
                           st.after_norm, add=add, input_scale=in_scale, residual_normed=normed,
-                          residual_scale=res_scale)
+                          residual_scale=res_scale, when=when)
 
         def branch_step(st, sp, where):
             b = st.branch
@@ -727,20 +732,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 if isinstance(st, BranchStep):
                     steps.append(branch_step(st, sp, f"{fw}[{i}]"))
                 elif isinstance(st, ParallelStep):
-                    if len(st.parallel) < 2:
-                        raise self.err(sp + ("parallel",), f"{fw}[{i}].parallel: list two or more branches")
-                    branches = []
-                    for j, br in enumerate(st.parallel):
-                        if br.norm is None:
-                            raise self.err(sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]: a parallel branch needs "
-                                           f"its `norm` (the branches share the fused residual add)", at_key=True)
-                        for key in ("post_norm", "after_norm"):
-                            if getattr(br, key) is not None:
-                                raise self.err(sp + ("parallel", j, key), f"{fw}[{i}].parallel[{j}].{key}: not "
-                                                                          f"supported in a parallel step")
-                        shared = (st.parallel[0].norm,) if j else ()
-                        branches.append(step(br, sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]", shared))
-                    steps.append(ParallelStepIR(tuple(branches)))
+                    steps.append(self.parallel_step(st, sp, f"{fw}[{i}]", step, blocks, used))
                 else:
                     steps.append(step(st, sp, f"{fw}[{i}]"))
             if not steps:

@@ -91,6 +91,18 @@ class MoEIR:
     output_bias: Value = Value(literal=False)  # a replicated bias [hidden] added to the block's output
     renormalize_epsilon: Optional[Value] = None   # the top-k weights divided by (sum + it); None = the usual
     expert_mlp: str = "gated"                 # gated: down(act(gate) * up); plain: down(act(up))
+    # the router's own input r = N(x) * w * scale (module `router_input`): the weightless RMSNorm's eps (None: no
+    # norm), a learned [hidden] weight, a constant factor (None: 1)
+    router_norm_eps: Optional[Value] = None
+    router_input_weight: bool = False
+    router_input_scale: Optional[Value] = None
+    expert_scale: bool = False                # a learned [experts] scale of the chosen experts' weights
+    expert_norm: Optional[NormIR] = None      # a norm of the experts' input (not the router's)
+
+    @property
+    def router_input(self) -> bool:
+        """The router reads its own transform of the block's input (module `router_input`)."""
+        return self.router_norm_eps is not None or self.router_input_weight or self.router_input_scale is not None
 
     @property
     def plain_routing(self) -> bool:
@@ -98,4 +110,4 @@ class MoEIR:
                 and self.groups is None and self.routed_scale is None and self.weights_on == "output"
                 and self.renormalize_min is None and self.renormalize_epsilon is None and self.expert_mlp == "gated"
                 and self.selection_bias.literal is False and self.selection_bias.symbol is None
-                and self.selection_bias.expr is None)
+                and self.selection_bias.expr is None and not self.expert_scale)
