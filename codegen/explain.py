@@ -9,8 +9,11 @@ from typing import List
 from .ir import (
     MLAIR,
     MLPIR,
+    MLSTMIR,
     RGLRUIR,
+    WKVIR,
     AttentionIR,
+    ChannelMixIR,
     GatedDeltaNetIR,
     GatedMLPIR,
     LightningIR,
@@ -156,6 +159,22 @@ def _block(b) -> str:
                 f"+ 1e-5) + 1e-5)), block_size={b.block_size}, {b.qkv}=[q, k, v] per head, norm over all heads "
                 f"(eps={b.eps}), sigmoid({b.gate}), {b.out_name}; state per sequence: kv [heads, head_dim, head_dim] "
                 f"float32)")
+    if isinstance(b, MLSTMIR):
+        return (f"mlstm {b.class_name}(hidden={b.hidden}, heads={b.heads}, qk_dim={b.qk_dim}, v_dim={b.v_dim}, eps="
+                f"{b.eps}, norm_eps={b.norm_eps}, gate_soft_cap={b.gate_soft_cap}, bias={b.bias}, norm_bias="
+                f"{b.norm_bias}, {b.q} | {b.k} | {b.v} | {b.ogate} | {b.igate} | {b.fgate}, per head the mLSTM "
+                f"recurrence (exp input gate, sigmoid forget gate, max stabilizer), per-head LayerNorm, "
+                f"{b.out_name}(sigmoid(ogate) * h); state per sequence: C [heads, qk_dim // heads, v_dim // heads], "
+                f"n [heads, qk_dim // heads], m [heads, 1] float32)")
+    if isinstance(b, WKVIR):
+        return (f"wkv {b.class_name}(hidden={b.hidden}, width={b.width}, {b.key} | {b.value} | {b.receptance} of the "
+                f"token-shifted input (x * time_mix + prev * (1 - time_mix)), per channel the WKV recurrence (decay "
+                f"-exp(time_decay), bonus time_first), {b.out_name}(sigmoid(r) * wkv); state per sequence: shift "
+                f"[hidden], num, den, max [width] float32)")
+    if isinstance(b, ChannelMixIR):
+        return (f"channel_mix {b.class_name}(hidden={b.hidden}, intermediate={b.intermediate}, activation="
+                f"{b.activation}, sigmoid({b.receptance}) * {b.value}(act({b.key})) of the token-shifted input; state "
+                f"per sequence: shift [hidden]; {b.receptance} replicated)")
     if isinstance(b, RGLRUIR):
         return (f"rg_lru {b.class_name}(hidden={b.hidden}, width={b.width}, heads={b.heads}, conv_kernel="
                 f"{b.conv_kernel}, activation={b.activation}, decay_scale={b.decay_scale}, bias={b.bias}, conv_bias="
@@ -378,6 +397,8 @@ def format_resolved(ir: ModelIR) -> str:
         _steps(w, steps)
     if lay.output_scale:
         w(f"    then the whole residual stream times the layer's learned scalar {lay.output_scale} [1]")
+    if lay.stream_scale:
+        w(f"    then the whole residual stream times {lay.stream_scale} (where not 1)")
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:

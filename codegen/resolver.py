@@ -20,10 +20,13 @@ from .expr import parse as parse_expr
 from .ir import (
     MLAIR,
     MLPIR,
+    MLSTMIR,
     RGLRUIR,
+    WKVIR,
     AllOf,
     AttentionIR,
     BranchStepIR,
+    ChannelMixIR,
     ChoiceIR,
     ConfigFieldIR,
     EmbeddingIR,
@@ -63,7 +66,8 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 from .resolver_blocks import ACTIVATIONS, GATED_ACTIVATIONS, BlockResolver, _is_int, _maybe  # noqa: F401
 
 # the attention block kinds (they take the positions)
-ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR, LightningIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
+ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortConvIR, RGLRUIR, LightningIR,
+                 WKVIR, MLSTMIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
 from .resolver_dataflow import DataflowResolver
 from .resolver_ple import PerLayerInputResolver
 from .resolver_positions import PositionsResolver
@@ -589,8 +593,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
 
         def step(st, sp, where, shared_norm_ok=()):
             mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru",
-                      "lightning_attention", "gated_mlp",
-                      "mlp", "moe")
+                      "lightning_attention", "wkv", "channel_mix", "mlstm", "gated_mlp", "mlp", "moe")
             choice = None
             # a per-layer expression may read `layer` (MiniMax's per-layer-type beta factors)
             scale = self.num(sp + ("scale",), st.scale, per_layer=True) if st.scale is not None else None
@@ -764,8 +767,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             self.ident(op, out_scale, "parameter name")
             if out_scale in blocks:
                 raise self.err(op, f"decoder.layers.output_scale: '{out_scale}' is already a block of the layer")
+        stream_scale = self.spec.decoder.layers.stream_scale
+        if stream_scale is not None:
+            stream_scale = self.num(("decoder", "layers", "stream_scale"), stream_scale, per_layer=True)
         layer = LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), resolved[0][0],
-                        shared=tuple(shared), output_scale=out_scale)
+                        shared=tuple(shared), output_scale=out_scale, stream_scale=stream_scale)
         if isinstance(df, DataflowChoice):
             layer = self.dataflow_choice(layer, df, resolved)
         return layer
@@ -833,7 +839,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
             elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                                ShortConvIR, RGLRUIR, LightningIR)):
+                                ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR, MLSTMIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):

@@ -5,7 +5,7 @@ resolver_vision.py is for the vision tower.
 
 Each family of block kinds has its own module, a mixin with its `resolve_<kind>` and `<kind>_params`:
 resolver_attention.py (attention), resolver_mla.py (mla_attention), resolver_recurrent.py (short_conv, rg_lru, mamba2,
-mamba, gated_delta_net), resolver_lightning.py (lightning_attention), resolver_mlp.py (gated_mlp, mlp, moe); the norms and linears are here; what they share
+mamba, gated_delta_net), resolver_lightning.py (lightning_attention), resolver_wkv.py (wkv, channel_mix), resolver_mlstm.py (mlstm), resolver_mlp.py (gated_mlp, mlp, moe); the norms and linears are here; what they share
 (activation tables, sub_norm, lora, scales, ParamBuilder) is in resolver_block_common.py. A new block kind is one
 module: its mixin in `BlockResolver`'s bases and one row in each table."""
 from __future__ import annotations
@@ -15,8 +15,11 @@ from typing import List
 from .ir import (
     MLAIR,
     MLPIR,
+    MLSTMIR,
     RGLRUIR,
+    WKVIR,
     AttentionIR,
+    ChannelMixIR,
     GatedDeltaNetIR,
     GatedMLPIR,
     HyperIR,
@@ -46,9 +49,12 @@ from .resolver_hyper import HyperResolver
 from .resolver_lightning import LightningResolver
 from .resolver_mla import MLAResolver
 from .resolver_mlp import FeedForwardResolver
+from .resolver_mlstm import MLSTMResolver
 from .resolver_recurrent import RecurrentResolver
+from .resolver_wkv import WKVResolver
 from .schema import (
     AttentionBlock,
+    ChannelMixBlock,
     FusedLinearBlock,
     GatedDeltaNetBlock,
     GatedMLPBlock,
@@ -60,15 +66,17 @@ from .schema import (
     MambaBlock,
     MLAAttentionBlock,
     MLPBlock,
+    MLSTMBlock,
     MoEBlock,
     RGLRUBlock,
     RMSNormBlock,
     ShortConvBlock,
+    WKVBlock,
 )
 
 
 class BlockResolver(AttentionResolver, RecurrentResolver, FeedForwardResolver, BlockCommon, MLAResolver,
-                    LightningResolver, HyperResolver):
+                    LightningResolver, HyperResolver, WKVResolver, MLSTMResolver):
 
     def resolve_block(self, path, name, b, unique_kind: bool):
         """The block's IR, by its kind's resolver (`BLOCK_KINDS`); its generated class is `<prefix><Kind>` when it
@@ -147,6 +155,9 @@ BLOCK_KINDS = {
     MambaBlock: ("resolve_mamba", "Mamba"),
     GatedDeltaNetBlock: ("resolve_gated_delta_net", "GatedDeltaNet"),
     LightningAttentionBlock: ("resolve_lightning", "LightningAttention"),
+    WKVBlock: ("resolve_wkv", "WKV"),
+    ChannelMixBlock: ("resolve_channel_mix", "ChannelMix"),
+    MLSTMBlock: ("resolve_mlstm", "MLSTM"),
     GatedMLPBlock: ("resolve_gated_mlp", "MLP"),
     MLPBlock: ("resolve_mlp", "MLP"),
     MoEBlock: ("resolve_moe", "SparseMoeBlock"),
@@ -165,6 +176,9 @@ BLOCK_PARAMS = {
     MambaIR: RecurrentResolver.mamba_params,
     GatedDeltaNetIR: RecurrentResolver.gated_delta_net_params,
     LightningIR: lambda pb, b: LightningResolver.lightning_params(pb.prefix, pb.block, b, pb.per_layer),
+    WKVIR: WKVResolver.wkv_params,
+    ChannelMixIR: WKVResolver.channel_mix_params,
+    MLSTMIR: MLSTMResolver.mlstm_params,
     MoEIR: FeedForwardResolver.moe_params,
     MLPIR: FeedForwardResolver.mlp_params,
     GatedMLPIR: FeedForwardResolver.gated_mlp_params,

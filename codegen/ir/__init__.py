@@ -65,8 +65,11 @@ from .params import (
     WeightIR,
 )
 from .recurrent import (
+    MLSTMIR,
     RECURRENT_KINDS,
     RGLRUIR,
+    WKVIR,
+    ChannelMixIR,
     GatedDeltaNetIR,
     LightningIR,
     Mamba2IR,

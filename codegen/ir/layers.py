@@ -9,11 +9,21 @@ from .attention import MLAIR, AttentionIR
 from .blocks import LinearIR, NormIR
 from .hyper import HyperIR
 from .mlp import MLPIR, GatedMLPIR, MoEIR
-from .recurrent import RGLRUIR, GatedDeltaNetIR, LightningIR, Mamba2IR, MambaIR, ShortConvIR
+from .recurrent import (
+    MLSTMIR,
+    RGLRUIR,
+    WKVIR,
+    ChannelMixIR,
+    GatedDeltaNetIR,
+    LightningIR,
+    Mamba2IR,
+    MambaIR,
+    ShortConvIR,
+)
 from .values import Size, Value
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                ShortConvIR, RGLRUIR, LightningIR, HyperIR]
+                ShortConvIR, RGLRUIR, LightningIR, HyperIR, WKVIR, ChannelMixIR, MLSTMIR]
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ class LayerIR:
     # `layers.shared`: (block, instance expression over `layer`): layers with equal values share its parameters
     shared: Tuple[Tuple[str, Value], ...] = ()
     output_scale: Optional[str] = None     # a learned scalar [1] that multiplies the stream after the layer
+    stream_scale: Optional[Value] = None   # a per-layer constant that multiplies the stream after the layer
 
     @property
     def uses_per_layer_input(self) -> bool:

@@ -1,5 +1,5 @@
 """The recurrent-state blocks (`RECURRENT_KINDS`): `GatedDeltaNetIR`, `Mamba2IR`, `MambaIR`, `ShortConvIR`,
-`RGLRUIR`, `LightningIR`."""
+`RGLRUIR`, `LightningIR`, `WKVIR`, `ChannelMixIR`, `MLSTMIR`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -168,4 +168,76 @@ class LightningIR:
         return ir.config_source(sym) if sym else str(getattr(self.heads, "source", self.heads))
 
 
-RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru", "lightning_attention")
+RECURRENT_KINDS = ("gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru", "lightning_attention", "wkv", "channel_mix", "mlstm")
+
+
+@dataclass(frozen=True)
+class WKVIR:
+    """A WKV time mix (runtime: the generated class over L.WKV, a token-shift recurrent mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    width: Size
+    key: str
+    value: str
+    receptance: str
+    out_name: str
+
+    def width_field(self, ir) -> str:
+        sym = getattr(self.width, "symbol", None)
+        return ir.config_source(sym) if sym else str(getattr(self.width, "source", self.width))
+
+
+@dataclass(frozen=True)
+class ChannelMixIR:
+    """A token-shifted MLP (runtime: the generated class over L.TokenShiftMLP, a state of the previous input)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    intermediate: Size
+    activation: Value
+    key: str
+    value: str
+    receptance: str
+
+
+
+@dataclass(frozen=True)
+class MLSTMIR:
+    """An mLSTM mixer (runtime: the generated class over L.MLSTM, a recurrent-state mixer)."""
+    kind: str
+    name: str
+    class_name: str
+    hidden: Size
+    heads: Size
+    qk_dim: Size
+    v_dim: Size
+    eps: Value
+    norm_eps: Value
+    gate_soft_cap: Optional[Value]
+    bias: Value
+    norm_bias: Value
+    q: str
+    k: str
+    v: str
+    ogate: str
+    igate: str
+    fgate: str
+    out_name: str
+    qk_head_dim: Any = None       # qk_dim // heads, v_dim // heads (expressions): a head's rows
+    v_head_dim: Any = None
+
+    def fields(self, ir) -> dict:
+        """The config.json field (or the expression over symbols) of each size, for refusals."""
+        out = {}
+        for key in ("heads", "qk_dim", "v_dim"):
+            size = getattr(self, key)
+            sym = getattr(size, "symbol", None)
+            f = next((f for f in ir.config if f.name == sym), None) if sym else None
+            if f is not None and getattr(f, "expr", None) is not None and not f.paths:   # derived: its formula
+                out[key] = f"{sym} = {f.expr}"
+            else:
+                out[key] = ir.config_source(sym) if sym else str(getattr(size, "source", size))
+        return out

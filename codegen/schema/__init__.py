@@ -10,7 +10,7 @@ chunked prefill, TP size) are engine options.
 One module per section (every name is importable from `codegen.schema`, as it was from the one module):
 base.py (the value kinds Dim / Num / Flag / Scalar, the Strict base), config.py (`config`), blocks.py (projections,
 embeddings, norms, linears), attention.py (`attention`, `mla_attention`), recurrent.py (`gated_delta_net`, `mamba2`,
-`mamba`, `short_conv`, `rg_lru`), mlp.py (`gated_mlp`, `mlp`, `moe`), dataflow.py (a layer's steps and per-layer
+`mamba`, `short_conv`, `rg_lru`, `lightning_attention`, `wkv`, `channel_mix`, `mlstm`), mlp.py (`gated_mlp`, `mlp`, `moe`), dataflow.py (a layer's steps and per-layer
 choices), decoder.py (`decoder`, `LayerBlock`), weights.py (`weights`), vision.py (`vision`), spec.py (`Spec`,
 `BLOCK_KINDS`). A field's documentation is its trailing or preceding `# ...` comment (`xllm-gen --json-schema` reads
 them from every module here). A new block kind: its model in the module of its family (or a new one) and in
@@ -93,6 +93,7 @@ from .mlp import (
     SharedExpert,
 )
 from .recurrent import (
+    ChannelMixBlock,
     GatedDeltaNetBlock,
     GatedDeltaNetProjection,
     LightningAttentionBlock,
@@ -100,8 +101,10 @@ from .recurrent import (
     Mamba2Block,
     MambaBlock,
     MambaInnerNorm,
+    MLSTMBlock,
     RGLRUBlock,
     ShortConvBlock,
+    WKVBlock,
 )
 from .spec import (
     BLOCK_KINDS,

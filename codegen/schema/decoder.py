@@ -13,12 +13,15 @@ from .dataflow import BranchStep, DataflowChoice, ParallelStep, ResidualStep
 from .hyper import HyperConnectionBlock
 from .mlp import GatedMLPBlock, MLPBlock, MoEBlock
 from .recurrent import (
+    ChannelMixBlock,
     GatedDeltaNetBlock,
     LightningAttentionBlock,
     Mamba2Block,
     MambaBlock,
+    MLSTMBlock,
     RGLRUBlock,
     ShortConvBlock,
+    WKVBlock,
 )
 
 
@@ -36,7 +39,7 @@ class LMHeadBlock(Strict):
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
           MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, MambaBlock,
-          ShortConvBlock, RGLRUBlock, LightningAttentionBlock, HyperConnectionBlock],
+          ShortConvBlock, RGLRUBlock, LightningAttentionBlock, HyperConnectionBlock, WKVBlock, ChannelMixBlock, MLSTMBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]
@@ -52,6 +55,9 @@ class Layers(Strict):
     # a learned scalar parameter of each layer (its name, e.g. `layer_scalar`: `model.layers.{i}.layer_scalar [1]`) that
     # multiplies the whole residual stream after the layer's last step (Gemma 4)
     output_scale: Optional[StrictStr] = None
+    # a constant (a number expression over config symbols and `layer`) that multiplies the whole residual stream after
+    # the layer's last step, where it is not 1 (RWKV's inference rescale: 0.5 after every rescale_every-th layer)
+    stream_scale: Optional[Num] = None
 
 
 class PerLayerInput(Strict):

@@ -1,5 +1,5 @@
 """The recurrent-state block kinds: `gated_delta_net`, `mamba2`, `mamba`, `short_conv`, `rg_lru`,
-`lightning_attention`."""
+`lightning_attention`, the token-shift kinds `wkv`, `channel_mix`, and `mlstm`."""
 from __future__ import annotations
 
 from typing import List, Literal, Optional, Union
@@ -192,4 +192,63 @@ class LightningAttentionBlock(Strict):
     activation: StrictStr = "silu"       # on q, k, v (a name or a str symbol of silu)
     qkv: StrictStr = "qkv_proj"          # module names
     gate: StrictStr = "output_gate"
+    out: StrictStr = "out_proj"
+
+
+class WKVBlock(Strict):
+    """A WKV time mix (RWKV-4's `attention`; a per-sequence state): each token's key, value and receptance
+    projections read `x * time_mix_<proj> + prev * (1 - time_mix_<proj>)` (prev: the previous token's input, the
+    token shift); per channel the receptance-weighted key-value recurrence with decay `-exp(time_decay)` and
+    current-token bonus `time_first`; `out(sigmoid(r) * wkv(k, v))`. Parameters (transformers' names):
+    `time_decay`, `time_first [width]`, `time_mix_<key>`, `time_mix_<value>`, `time_mix_<receptance>` `[1, 1, hidden]`,
+    `<key>.weight`, `<value>.weight`, `<receptance>.weight [width, hidden]`, `<out>.weight [hidden, width]` (no
+    biases). Split over TP ranks by channels."""
+    kind: Literal["wkv"]
+    hidden: Dim
+    width: Dim                           # the recurrence's channels (attention_hidden_size)
+    key: StrictStr = "key"               # module names
+    value: StrictStr = "value"
+    receptance: StrictStr = "receptance"
+    out: StrictStr = "output"
+
+
+class ChannelMixBlock(Strict):
+    """A token-shifted MLP (RWKV's `feed_forward`, the channel mix; a per-sequence state: the previous token's input):
+    `k = act(key(lerp_k))`, `sigmoid(receptance(lerp_r)) * value(k)` with `lerp_p = x * time_mix_<p> + prev * (1 -
+    time_mix_<p>)`. Parameters (transformers' names): `time_mix_<key>`, `time_mix_<receptance>` `[1, 1, hidden]`,
+    `<key>.weight [intermediate, hidden]`, `<value>.weight [hidden, intermediate]`, `<receptance>.weight [hidden,
+    hidden]` (no biases). TP: key column-parallel, value row-parallel, receptance replicated."""
+    kind: Literal["channel_mix"]
+    hidden: Dim
+    intermediate: Dim
+    activation: StrictStr = "relu2"      # on key's output: a name, or a str symbol (RWKV: squared ReLU)
+    key: StrictStr = "key"               # module names
+    value: StrictStr = "value"
+    receptance: StrictStr = "receptance"
+
+
+class MLSTMBlock(Strict):
+    """An mLSTM mixer (xLSTM's `mlstm_layer`; a per-sequence state): q, k [qk_dim], v, the output gate [v_dim] and the
+    input / forget gate pre-activations [heads] (soft-capped by `gate_soft_cap`) from the projections; per head the
+    matrix-memory recurrence (exponential input gate, sigmoid forget gate, max stabilizer; state C [Dk, Dv], n [Dk],
+    m); a per-head LayerNorm (`multihead_norm`, eps `norm_eps`); `out(sigmoid(ogate) * h)`. Parameters (transformers'
+    names): `<q>.weight`, `<k>.weight [qk_dim, hidden]`, `<v>.weight`, `<ogate>.weight [v_dim, hidden]`,
+    `<igate>.weight`, `<fgate>.weight [heads, hidden]` with biases, `multihead_norm.weight [v_dim]`, `<out>.weight
+    [hidden, v_dim]`, biases where `bias` / `norm_bias` hold. Split over TP ranks by heads."""
+    kind: Literal["mlstm"]
+    hidden: Dim
+    heads: Dim
+    qk_dim: Dim                          # all heads' query / key width
+    v_dim: Dim                           # all heads' value width
+    eps: Num = 1.0e-6                    # the output denominator's eps
+    norm_eps: Num = 1.0e-6               # the per-head LayerNorm's eps
+    gate_soft_cap: Optional[Num] = None  # cap * tanh(x / cap) on the gate pre-activations; none: uncapped
+    bias: Flag = False                   # biases of q, k, v, the output gate and out
+    norm_bias: Flag = False              # the per-head LayerNorm's bias
+    q: StrictStr = "q"                   # module names
+    k: StrictStr = "k"
+    v: StrictStr = "v"
+    ogate: StrictStr = "ogate_preact"
+    igate: StrictStr = "igate_preact"
+    fgate: StrictStr = "fgate_preact"
     out: StrictStr = "out_proj"

@@ -55,7 +55,9 @@ from xllm_gen.runtime.layers.norm import (
 )
 from xllm_gen.runtime.layers.per_layer import learned_scalar, per_layer_inputs, rank_columns
 from xllm_gen.runtime.layers.recurrent import (
+                                            MLSTM,
                                             RGLRU,
+                                            WKV,
                                             CausalConv1d,
                                             GatedDeltaNet,
                                             GatedRMSNorm,
@@ -63,6 +65,7 @@ from xllm_gen.runtime.layers.recurrent import (
                                             Mamba2,
                                             RecurrentMixer,
                                             ShortConv,
+                                            TokenShiftMLP,
 )
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
@@ -90,7 +93,7 @@ __all__ = [
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "decoder_layer_kernel", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
-    "LightningAttention",
+    "LightningAttention", "WKV", "TokenShiftMLP", "MLSTM",
     "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",
     "RouterInput", "expert_scale",
 ]

@@ -24,13 +24,19 @@ Math (torch reference, float32 state; the GPU runs the same torch code):
 - `RGLRU`: the real-gated linear recurrent unit (Griffin's RG-LRU): h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t),
   a reset (a_t := 0, no normalisation) at position 0; a prompt chunk runs the recurrence in chunks of 64 tokens
   (`rg_lru_scan_chunked`, log-space decays within a chunk), a decode step as one batched update.
+- `MLSTM`: the matrix-memory LSTM cell per head (exponential input gate, sigmoid forget gate, a running-maximum
+  stabilizer; state C [Dk, Dv], n [Dk], m float32), a prompt chunk token by token (`mlstm_scan`), a decode step batched
+  (`mlstm_step`), then a per-head LayerNorm;
+- `WKV` / `TokenShiftMLP`: the token-shift mixers (each token mixes its input with its predecessor's, a `shift`
+  state); `WKV`'s receptance-weighted key-value recurrence keeps float32 (num, den, running max) per channel
+  (`wkv_scan` a prompt chunk token by token, `wkv_step` a batched decode step).
 
 Modules (one per idea; every name is importable from this package, as it was from the one module):
 - state.py: the shared state helpers (`RecurrentMixer`, `decode_slots`, `gather_states` / `scatter_states`,
   `slot_state`, `step_sequences`);
 - conv.py: the causal conv1d of every mixer (`CausalConv1d`, `causal_conv1d`, `causal_conv1d_step`);
 - gated_delta.py (`GatedDeltaNet`, `GatedRMSNorm`), mamba2.py (`Mamba2`), mamba.py (`Mamba`, `HeadwiseLinear`), short_conv.py
-  (`ShortConv`), rg_lru.py (`RGLRU`): one mixer each, with its kernels.
+  (`ShortConv`), rg_lru.py (`RGLRU`), wkv.py (`WKV`, `TokenShiftMLP`), mlstm.py (`MLSTM`): one mixer each, with its kernels.
 The mixers call the state helpers and kernels through this package (`R.gather_states(...)`), so a test that patches
 `recurrent.<name>` reaches every mixer.
 """
@@ -51,6 +57,7 @@ from xllm_gen.runtime.layers.recurrent.mamba2 import (  # noqa: F401
     ssd_chunk_scan,
     ssd_step,
 )
+from xllm_gen.runtime.layers.recurrent.mlstm import MLSTM, MultiHeadLayerNorm, mlstm_scan, mlstm_step  # noqa: F401
 from xllm_gen.runtime.layers.recurrent.rg_lru import RGLRU, RGLRUGates, rg_lru_scan, rg_lru_scan_chunked  # noqa: F401
 from xllm_gen.runtime.layers.recurrent.short_conv import ShortConv  # noqa: F401
 from xllm_gen.runtime.layers.recurrent.state import (  # noqa: F401
@@ -61,4 +68,12 @@ from xllm_gen.runtime.layers.recurrent.state import (  # noqa: F401
     scatter_states,
     slot_state,
     step_sequences,
+)
+from xllm_gen.runtime.layers.recurrent.wkv import (  # noqa: F401
+    WKV,
+    TokenShiftMixer,
+    TokenShiftMLP,
+    fresh_wkv_state,
+    wkv_scan,
+    wkv_step,
 )
