@@ -92,7 +92,9 @@ class MLAResolver(RotaryResolver, IndexerResolver):
                             self.dim(rp + ("original_max_position",), rot.original_max_position)
                             if rot.original_max_position is not None and scaling is not None else None),
             scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache, out_gate=gate,
-            indexer=indexer, q_gate=q_gate)
+            indexer=indexer, q_gate=q_gate,
+            q_scale=self.positive(path + ("q_scale",), b.q_scale) if b.q_scale is not None else None,
+            latent_scale=self.positive(path + ("latent_scale",), b.latent_scale) if b.latent_scale is not None else None)
 
     @staticmethod
     def mla_params(prefix: str, block: str, b: MLAIR, per_layer: bool, maybe) -> List[ParamIR]:

@@ -64,6 +64,7 @@ class StepIR:
     input_scale: Optional[Value] = None  # the block's input (the normed residual) is multiplied by it
     residual_normed: bool = False        # the stream becomes norm(x) (times residual_scale) before the output joins it
     residual_scale: Optional[Value] = None
+    join: Optional[str] = None    # a branch value added to the step's output (it joins the residual with it)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ class ResidualStep(Strict):
     # h = B(N(residual + value)) (Zamba: the shared transformer's output joins the Mamba layer's input). In a layer
     # where the branch does not run (its `when` is false) nothing is added
     add: Optional[StrictStr] = None
+    # a branch value that joins the residual stream with this step's output (after its post_norm / scale):
+    # residual += h; h = B(N(residual)) + value (LongCat-Flash's shortcut MoE, computed from an earlier step's normed
+    # input, joins after the layer's last step). In a layer where the branch does not run nothing is added
+    join: Optional[StrictStr] = None
 
 
 class BranchOp(Strict):
