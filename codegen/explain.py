@@ -217,8 +217,10 @@ def _block(b) -> str:
                 f"qk_rope_head_dim={b.qk_rope_head_dim}, v_head_dim={b.v_head_dim}, latent_eps={b.latent_eps}, "
                 f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
                 + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
-                + (f", query x {b.q_scale}" if b.q_scale else "")
+                + (f", query latent x {b.q_scale}" if b.q_scale else "")
                 + (f", normalized latent x {b.latent_scale}" if b.latent_scale else "")
+                + (f", rope key normalized by {b.rope_key_norm}" if b.rope_key_norm else "")
+                + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (", K/V cached expanded per head" if b.kv_cache == "expanded" else
                    ", the latent + rope key cached (kv_b_proj absorbed)")
