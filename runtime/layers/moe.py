@@ -232,7 +232,7 @@ class FusedMoE(nn.Module):
                  gated: bool = True, group_dropped: str = "excluded", identity_experts: int = 0):
         super().__init__()
         # zero-computation experts: the router's choices num_experts .. num_experts + identity_experts - 1 add their
-        # routing weight times the input (LongCat-Flash); the stacked experts never see them
+        # routing weight times the input; the stacked experts never see them
         if not (isinstance(identity_experts, int) and identity_experts >= 0):
             raise ValueError(f"FusedMoE: identity_experts must be an int >= 0, got {identity_experts!r}")
         self.identity_experts = identity_experts
