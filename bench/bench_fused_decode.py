@@ -50,7 +50,9 @@ def main(argv=None) -> int:
                     help="comma list of off, auto, on; +pdl / +pdlwait / +pdllate adds programmatic dependent launch "
                          "(runtime/ops/pdl.py: XLLM_PDL=1 / wait / late), e.g. off,auto,auto+pdllate; +nomma keeps "
                          "9..64 rows unfused (the tensor-core fused GEMVs off: XLLM_FUSED_MMA=0); +launch also times the "
-                         "decode-attention kernel's (BLOCK_N, warps) (XLLM_DECODE_LAUNCH_TUNING=1)")
+                         "decode-attention kernel's (BLOCK_N, warps) (XLLM_DECODE_LAUNCH_TUNING=1); +nolayer keeps the "
+                         "whole-layer decode kernel off (XLLM_LAYER_KERNEL=0), +staged runs its five stages as five "
+                         "launches")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2)
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
     from xllm_gen import SamplingParams
     from xllm_gen.runtime.attention import triton_decode as TD
     from xllm_gen.runtime.layers import fused as FU
+    from xllm_gen.runtime.layers import layer_kernel as LKL
     from xllm_gen.runtime.ops import pdl as PDL
     LAUNCH_CANDIDATES = TD.LAUNCH_CANDIDATES
     batches = [int(b) for b in args.batches.split(",")]
@@ -74,7 +77,9 @@ def main(argv=None) -> int:
                    rows=[], tokens={})
     for mode in modes:
         fused, *extra = mode.split("+")
-        launch = next((e for e in extra if e not in ("nomma", "launch")), "")
+        launch = next((e for e in extra if e not in ("nomma", "launch", "nolayer", "staged")), "")
+        # the whole-layer kernel (runtime/layers/layer_kernel.py): on by default; +nolayer off, +staged five launches
+        LKL.MODE = "0" if "nolayer" in extra else "staged" if "staged" in extra else "1"
         FU.MODE = MODES[fused]
         FU._FUSED_MAX_ROWS = 8 if "nomma" in extra else 64     # +nomma: 9..64 rows unfused (XLLM_FUSED_MMA=0)
         # +launch: the decode-attention kernel's launch timed too (XLLM_DECODE_LAUNCH_TUNING=1)

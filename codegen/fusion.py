@@ -14,6 +14,10 @@ Decided from the IR, so a spec whose layers do not have the pattern keeps the pl
 - activation prologue: a gated MLP whose activation is one the fused kernels compute (silu / swish, gelu,
   gelu_pytorch_tanh, gelu_new) or a config symbol choosing it at load (the runtime falls back to the plain ops for
   other values) calls `L.act_linear(act_fn, down, gate_up)`.
+- whole-layer kernel: a layer that is exactly `norm -> attention`, `norm -> gated MLP` (both steps norm prologues,
+  the attention's q/k norm + rotary the fused store form, no other feature of either block, no per-layer choice)
+  first calls `L.decoder_layer_kernel(...)` with its four modules; at a small CUDA decode step that runs the layer
+  as one persistent kernel (runtime/ops/layer_kernel.py) and returns its output, else None and the steps follow.
 """
 from __future__ import annotations
 
@@ -25,9 +29,18 @@ NORM_PROLOGUE_KINDS = ("attention", "gated_mlp", "mlp")
 FUSED_GATED_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
+# attention features the whole-layer kernel does not compute: each must be off (None / False / empty)
+LAYER_KERNEL_ATTENTION_OFF = ("softcap", "chunk_size", "query_scale", "clip_qkv", "sinks", "out_gate", "alibi",
+                              "q_gate", "sub_norm", "differential", "v_head_dim", "value_scale", "v_norm",
+                              "values_from_keys", "kv_source", "sinks_when", "input_width", "lora", "qkv_scale",
+                              "out_scale", "experts")
+
+
 @dataclass(frozen=True)
 class FusionPlan:
     norm_prologue: frozenset      # names of the blocks whose step norm runs in their first linear's GEMV
+    layer_kernel: tuple = ()      # (norm, attention, norm, gated MLP, q norm, k norm) of a layer the whole-layer
+                                  # kernel may run (the q / k norms None where the attention has none)
 
     @staticmethod
     def act_prologue(b: GatedMLPIR) -> bool:
@@ -51,6 +64,33 @@ class FusionPlan:
         return "rope" if b.rotary is not None and b.rotary.enabled.literal is True else None
 
 
+def _layer_kernel(ir: ModelIR, norm_prologue: frozenset) -> tuple:
+    """(norm, attention, norm, gated MLP, q norm, k norm) where the layer is exactly those two pre-norm steps (see the module
+    docstring), else ()."""
+    layer = ir.layer
+    if (layer.alt_cond is not None or layer.shared or layer.output_scale or layer.uses_per_layer_input
+            or ir.per_layer_input is not None
+            or layer.uses_embeddings or len(layer.steps) != 2 or len(layer.blocks) != 4):
+        return ()
+    blocks = {b.name: b for b in layer.blocks}
+    s1, s2 = layer.steps
+    for s in (s1, s2):
+        if (type(s).__name__ != "StepIR" or s.choice is not None or s.norm is None or s.post_norm or s.scale
+                or s.after_norm or s.add or s.input_scale or s.residual_normed or s.block not in norm_prologue):
+            return ()
+    attn, mlp = blocks[s1.block], blocks[s2.block]
+    if not (isinstance(attn, AttentionIR) and attn.kind == "attention" and isinstance(mlp, GatedMLPIR)):
+        return ()
+    if any(getattr(attn, f) not in (None, False, ()) for f in LAYER_KERNEL_ATTENTION_OFF):
+        return ()
+    if FusionPlan.rope_store(attn) is None or attn.rotary is None or not FusionPlan.act_prologue(mlp):
+        return ()
+    if mlp.lora is not None or mlp.gate_up_scale or mlp.down_scale is not None:
+        return ()
+    qk = (attn.qk_norm.q, attn.qk_norm.k) if attn.qk_norm is not None else (None, None)
+    return (s1.norm, s1.block, s2.norm, s2.block) + qk
+
+
 def fusion_plan(ir: ModelIR) -> FusionPlan:
     layer = ir.layer
     if ir.residual_float32.literal is not False:    # the step norms add into a float32 stream: the plain ops
@@ -72,4 +112,5 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
                        and not getattr(st, "residual_normed", False)         # the stream becomes norm(x) itself
                        and not getattr(blocks[st.block], "multiply", False))  # it takes a per-layer input too
             (ok if fusable else bad).update(names)
-    return FusionPlan(frozenset(ok - bad))
+    norm_prologue = frozenset(ok - bad)
+    return FusionPlan(norm_prologue, _layer_kernel(ir, norm_prologue))

@@ -112,3 +112,9 @@ class AttentionBackend:
                 v_cache: torch.Tensor, ctx: ForwardContext, scale: float,
                 variant: Optional[AttentionVariant] = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_page_table(self, ctx: ForwardContext):
+        """A pure decode step's page table in FlashInfer's CSR form (indptr [B+1], page indices, last-page length
+        [B], int32 on the model's device; persistent buffers inside a decode graph bucket), for kernels that attend
+        on their own (the whole-layer decode kernel, runtime/layers/layer_kernel.py); None: not available."""
+        return None

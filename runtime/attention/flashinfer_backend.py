@@ -331,6 +331,12 @@ class FlashInferBackend(AttentionBackend):
                 num_warps=launch[2])
         return wrapper
 
+    def decode_page_table(self, ctx):
+        """The Triton decode wrapper's table where this step's decode (FULL variant) was planned on one (the graph
+        bucket's persistent buffers inside a bucket); None with FlashInfer's decode or outside a decode step."""
+        wrapper = self._plans.get(FULL) if self._mode == "decode" else None
+        return wrapper._table if isinstance(wrapper, TritonDecodeWrapper) else None
+
     # ------------------------------------------------------------------------------------------ running
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
                 k_scale: Optional[float] = None, v_scale: Optional[float] = None):

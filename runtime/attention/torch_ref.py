@@ -40,6 +40,18 @@ class TorchPagedBackend(AttentionBackend):
         # a pure decode step: row i is sequence i's one query, every sequence has KV (the common step)
         self._decode = bool(cu) and cu == list(range(len(cu))) and all(n > 0 for n in self._seq_lens)
 
+    def decode_page_table(self, ctx: ForwardContext):
+        if ctx is not self._ctx or not self._decode or ctx.block_tables.shape[1] == 0:
+            return None
+        bs = ctx.block_size
+        lens = ctx.seq_lens.to(torch.int32)
+        pages = (lens + bs - 1) // bs
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=lens.device)
+        indptr[1:] = torch.cumsum(pages, 0)
+        cols = torch.arange(ctx.block_tables.shape[1], device=lens.device)
+        indices = ctx.block_tables[cols[None, :] < pages[:, None]].to(torch.int32)
+        return indptr, indices, lens - (pages - 1) * bs
+
     def reset(self) -> None:
         self._ctx = None
         self._seq_lens = None

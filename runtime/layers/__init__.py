@@ -31,6 +31,7 @@ from xllm_gen.runtime.layers.embedding import (
 from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_store
 from xllm_gen.runtime.layers.head_transform import HeadTransform
 from xllm_gen.runtime.layers.indexer import SparseIndexer, shared_selection
+from xllm_gen.runtime.layers.layer_kernel import decoder_layer_kernel
 from xllm_gen.runtime.layers.lightning import LightningAttention
 from xllm_gen.runtime.layers.linear import (
                                             ColumnParallelLinear,
