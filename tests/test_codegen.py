@@ -361,9 +361,10 @@ def test_generated_is_specialized():
     text = (REPO / "generated" / "qwen3" / "model.py").read_text()
     assert 'kind="neox"' in text and "L.qk_norm_rope(" in text and "L.QKVParallelLinear(" in text
     assert "inject_deepstack" not in text                               # Qwen3 has no deepstack
-    # the only run-time `if` statement on config is the checkpoint's tie_word_embeddings
+    # the only run-time `if` statement on config is the checkpoint's tie_word_embeddings (the other: whether the
+    # whole-layer decode kernel ran the step, L.decoder_layer_kernel)
     ifs = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("if ")]
-    assert ifs == ["if config.tie_word_embeddings:  # decided by the checkpoint's config"], ifs
+    assert ifs == ["if fused is not None:", "if config.tie_word_embeddings:  # decided by the checkpoint's config"], ifs
 
 
 def _hf_config(**kw):

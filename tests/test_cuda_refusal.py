@@ -1,6 +1,7 @@
 """The CUDA attention path refuses at load, naming the feature, what FlashInfer cannot run: a head_dim its
 paged prefill / decode kernels are not built for (GPT-J's tiny head_dim 16 failed inside FlashInfer on an H200),
-attention sinks. Decided on the CPU: the backend choice runs before any kernel, so no GPU is needed."""
+chunked local attention, KV sharing across layers, a sparse-attention indexer, value heads of another width.
+Decided on the CPU: the backend choice runs before any kernel, so no GPU is needed."""
 from __future__ import annotations
 
 import types
@@ -34,9 +35,12 @@ def test_supported_head_dims_pass(head_dim):
     assert cuda_attention_refusal([head_dim] * 3) is None
 
 
-def test_sinks_are_refused_by_name():
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        ModelRunner._make_backend(_runner_on_cuda([64], sinks=True))
+def test_sinks_are_not_refused():
+    """Attention sinks are served on CUDA (runtime/attention/flashinfer_run.py; tests/test_attention_epilogue.py):
+    only the head_dim decides here."""
+    assert cuda_attention_refusal([64]) is None
+    with pytest.raises(NotImplementedError, match="head_dim 80 is not one FlashInfer"):
+        ModelRunner._make_backend(_runner_on_cuda([80], sinks=True))
 
 
 def test_chunked_attention_is_refused_by_name():

@@ -6,7 +6,8 @@ The tiny Llama is rescaled per KV head so that no single scale fits both heads: 
 factor (the scores are unchanged), V likewise with o_proj's columns: the same model up to rounding. Reference:
 transformers with K / V rounded per head with the same scales (an attention-interface emulation written here).
 Sensitivity: the heads' scales swapped, or one per-tensor scale (their max), move the logits far from the float32
-model. The CUDA runner refuses per-head scales at load, naming them.
+model. On CUDA the same scales run through FlashInfer (q folded per KV head) and the Triton kernels
+(tests/test_attention_epilogue.py; tests/gpu/test_gpu_sinks_kv_scales.py).
 """
 from __future__ import annotations
 
@@ -207,16 +208,28 @@ def test_per_head_scales_shard_with_the_kv_heads():
         _scale_value("k", t, types.SimpleNamespace(num_kv_heads=3), "attn", 2, 0, "cpu")
 
 
-def test_per_head_scales_refused_on_cuda():
-    """Decided at load on the CPU (no GPU needed): FlashInfer's run and the Triton decode kernel take one scale."""
+def test_per_head_scales_served_on_cuda(monkeypatch):
+    """Decided at load on the CPU (no GPU needed): per-head scales are no longer refused on CUDA (q folded per KV
+    head before FlashInfer, the output times v_scale after it; the Triton decode and store kernels read them per
+    head: tests/test_attention_epilogue.py); the FlashInfer backend (a recorder here) is built."""
+    import xllm_gen.runtime.attention.flashinfer_backend as fb
     from xllm_gen.runtime.attention.base import make_variant
     from xllm_gen.runtime.executor.model_runner import ModelRunner
 
+    class Recorder:
+        workspace_size = staticmethod(fb.FlashInferBackend.workspace_size)
+
+        def __init__(self, **kw):
+            self.kw, self.num_sms, self.workspace, self.workspace_bytes = kw, 132, object(), 1 << 40
+
+    monkeypatch.setattr(fb, "FlashInferBackend", Recorder)
     layer = types.SimpleNamespace(head_dim=64, num_heads=4, num_kv_heads=2, scale=0.125, variant=make_variant(),
                                   k_scale=torch.tensor([[2.0], [3.0]]), v_scale=1.0)
-    runner = types.SimpleNamespace(device=torch.device("cuda"), debug={}, attn_layers=[layer])
-    with pytest.raises(NotImplementedError, match="fp8 KV-cache scales are per KV head"):
-        ModelRunner._make_backend(runner)
+    runner = types.SimpleNamespace(device=torch.device("cuda"), debug={}, attn_layers=[layer], enforce_eager=False,
+                                   graph_buckets=(1,), max_num_seqs=2, block_size=16, dtype=torch.bfloat16,
+                                   max_model_len=64, num_kv_blocks=16, max_num_batched_tokens=64,
+                                   kv_dtype=torch.float8_e4m3fn)
+    assert isinstance(ModelRunner._make_backend(runner), Recorder)
 
 
 @pytest.mark.slow

@@ -77,8 +77,10 @@ def test_every_attention_layer_breaks_once(spec):
     calls = []
 
     def run(fill: float):
-        def graph_break(layer, q, k, v):
+        def graph_break(layer, q, k, v, sinks=None):
             calls.append(layer)
+            assert (sinks is not None) == layer.variant.sinks      # a layer with sinks hands them to the break
+            assert sinks is None or sinks.shape == (layer.num_heads,)
             assert q.shape == (T, layer.num_heads, layer.head_dim)
             assert k.shape == (T, layer.num_kv_heads, layer.head_dim)
             assert v.shape == (T, layer.num_kv_heads, layer.v_head_dim)      # value heads: a width of their own

@@ -42,10 +42,12 @@ FULL = AttentionVariant()
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunked: bool = False,
+def cuda_attention_refusal(head_dims: Iterable[int], chunked: bool = False,
                            shared_kv: bool = False) -> Optional[str]:
     """Why the CUDA attention path (FlashInfer) cannot serve layers of these head dims / variants, naming the
-    feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide)."""
+    feature; None when it can. Decided at load, before any kernel runs (no GPU needed to decide). Attention sinks are
+    served (attention/flashinfer_run.py: the output rescaled from FlashInfer's log-sum-exp; the Triton decode kernel
+    takes them itself)."""
     if shared_kv:
         return ("this model shares KV caches across layers (num_kv_shared_layers: later layers attend over an earlier "
                 "layer's cache and write none), which the CUDA path (FlashInfer wrappers planned per owning layer, "
@@ -56,10 +58,6 @@ def cuda_attention_refusal(head_dims: Iterable[int], sinks: bool = False, chunke
                 "own chunk), which the CUDA attention path (FlashInfer paged prefill / decode wrappers as planned "
                 "here: a causal mask with at most a sliding window) does not implement; serve it on the CPU "
                 "(device='cpu')")
-    if sinks:
-        return ("this model uses attention sinks (a learned per-head logit in the softmax denominator), which "
-                "the CUDA attention path (FlashInfer paged prefill / decode wrappers) does not implement; "
-                "serve it on the CPU (device='cpu')")
     bad = sorted({int(d) for d in head_dims} - set(FLASHINFER_HEAD_DIMS))
     if bad:
         return (f"this model's attention head_dim {', '.join(map(str, bad))} is not one FlashInfer's paged "
@@ -101,8 +99,9 @@ class AttentionBackend:
     AttentionVariant; None = FULL) selects the layer's sliding window / soft-cap; the Attention layer passes it
     only when it is not FULL, so a backend without variants keeps working for plain models. With
     `variant.sinks` the layer also passes `sinks` ([H] float, this rank's heads). A layer whose cache is scaled
-    (per-tensor fp8 KV-cache scales from the checkpoint: the cache holds K / k_scale and V / v_scale) passes
-    `k_scale=` / `v_scale=` (floats); the backend reads the cache back as cache * scale.
+    (fp8 KV-cache scales from the checkpoint: the cache holds K / k_scale and V / v_scale) passes `k_scale=` /
+    `v_scale=`: floats (per tensor) or float32 tensors [Hk, 1] (per KV head, this rank's heads); the backend reads the
+    cache back as cache * scale (per head: each KV head's values times its own).
     """
 
     def plan(self, ctx: ForwardContext) -> None:

@@ -4,7 +4,8 @@ KV cache layout NHD: each layer's (k_cache, v_cache) are [num_pages, page_size, 
 
 Per step, `plan(ctx)` (outside any CUDA graph) picks one kind of wrapper and plans it once per attention variant
 (AttentionVariant: sliding window -> window_left = W - 1, logit soft-cap -> logits_soft_cap; each variant has
-its own wrappers, all over the one float workspace, which they never use concurrently):
+its own wrappers, all over the one float workspace, which they never use concurrently; attention sinks and
+per-KV-head KV-cache scales are computed around the wrapper's run, attention/flashinfer_run.py):
 - prefill without cached prefix (every query_len == seq_len): BatchPrefillWithRaggedKVCacheWrapper on the
   step's k/v directly (causal);
   (the prefill wrappers use FlashInfer's fa2 kernels unless `prefill_attention_choice` says fa3 / auto);
@@ -41,6 +42,7 @@ import torch
 
 from xllm_gen.runtime.attention import triton_decode
 from xllm_gen.runtime.attention.base import FULL, AttentionBackend, AttentionVariant, cuda_attention_refusal
+from xllm_gen.runtime.attention.flashinfer_run import run_attention
 from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper, decode_kernel_choice, decode_splits
 from xllm_gen.runtime.executor.context import ForwardContext
 
@@ -332,21 +334,24 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def decode_page_table(self, ctx):
-        """The Triton decode wrapper's table where this step's decode (FULL variant) was planned on one (the graph
-        bucket's persistent buffers inside a bucket); None with FlashInfer's decode or outside a decode step."""
+        """The page table this decode step's wrapper (FULL variant) was planned with; None outside a decode step."""
         wrapper = self._plans.get(FULL) if self._mode == "decode" else None
-        return wrapper._table if isinstance(wrapper, TritonDecodeWrapper) else None
+        return None if wrapper is None else triton_decode.decode_page_table_of(wrapper)
 
     # ------------------------------------------------------------------------------------------ running
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
-                k_scale: Optional[float] = None, v_scale: Optional[float] = None):
-        """k_scale / v_scale: a scaled cache's per-tensor scales (the layer's; FlashInfer folds k_scale into the
-        softmax scale and multiplies the output by v_scale)."""
+                k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None):
+        """k_scale / v_scale: a scaled cache's scales, per tensor (floats: FlashInfer folds k_scale into the softmax
+        scale and multiplies the output by v_scale) or per KV head (float32 [Hk, 1]: q times its KV head's k_scale,
+        the output times v_scale); sinks [H]: attention sinks (the output rescaled from the kernel's log-sum-exp).
+        See attention/flashinfer_run.py."""
         if self._wrapper is None:
             raise RuntimeError("FlashInferBackend.forward before plan(ctx)")
         if abs(scale - self.sm_scale) > 1e-9 * max(1.0, abs(scale)):
             raise ValueError(f"attention scale {scale} differs from the planned one {self.sm_scale}")
         variant = variant or FULL
+        if (sinks is not None) != variant.sinks:
+            raise ValueError(f"attention variant {variant}: pass `sinks` exactly when the variant has sinks")
         wrapper = self._plans.get(variant)
         if wrapper is None:
             # a variant seen for the first time: register it and plan it for this step (eager steps only)
@@ -355,10 +360,7 @@ class FlashInferBackend(AttentionBackend):
                                    "register it with add_variants(...) first")
             self.add_variants((variant,))
             wrapper = self._plan_variant(variant)
-        if self._mode == "ragged":
-            if k_scale is not None or v_scale is not None:      # never: a float8 cache plans paged prefill
-                raise RuntimeError("ragged prefill on this step's K / V cannot apply KV-cache scales")
-            return wrapper.run(q, k.contiguous(), v.contiguous())
-        if k_scale is None and v_scale is None:
-            return wrapper.run(q, (k_cache, v_cache))
-        return wrapper.run(q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)
+        if self._mode == "ragged":      # (never scaled: a float8 cache plans paged prefill)
+            return run_attention(wrapper, q, (k.contiguous(), v.contiguous()), k_scale=k_scale, v_scale=v_scale,
+                                 sinks=sinks, ragged=True)
+        return run_attention(wrapper, q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, sinks=sinks)

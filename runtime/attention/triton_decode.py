@@ -128,6 +128,18 @@ def measure_decode_kernels(rows: int, num_heads: int, num_kv_heads: int, head_di
     return times
 
 
+def decode_page_table_of(wrapper) -> Optional[tuple]:
+    """A planned decode wrapper's page table on the device in FlashInfer's CSR form (indptr, indices, last-page
+    length): the Triton wrapper's, or a FlashInfer decode wrapper's buffers (in CUDA-graph mode the persistent ones a
+    capture reads); None before a plan."""
+    table = getattr(wrapper, "_table", None)
+    if table is not None:
+        return table
+    bufs = tuple(getattr(wrapper, a, None) for a in ("_paged_kv_indptr_buf", "_paged_kv_indices_buf",
+                                                      "_paged_kv_last_page_len_buf"))
+    return bufs if all(isinstance(b, torch.Tensor) and b.is_cuda for b in bufs) else None
+
+
 class TritonDecodeWrapper:
     """One decode wrapper over the Triton kernel for `splits` splits. With `buffers` (a graph bucket's
     persistent indptr / last-page-length buffers, and the backend's shared page-index buffer) `plan` copies the
@@ -175,9 +187,11 @@ class TritonDecodeWrapper:
         self._kw = dict(sm_scale=self.head_dim ** -0.5 if sm_scale is None else float(sm_scale),
                         window_left=int(window_left), soft_cap=logits_soft_cap, chunk_size=chunk_size)
 
-    def run(self, q: torch.Tensor, kv, *, k_scale: Optional[float] = None,
-            v_scale: Optional[float] = None) -> torch.Tensor:
-        """k_scale / v_scale: the per-tensor scales of a scaled KV cache (FlashInfer's run arguments)."""
+    def run(self, q: torch.Tensor, kv, *, k_scale=None, v_scale=None,
+            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """k_scale / v_scale: the scales of a scaled KV cache, per tensor (floats, as FlashInfer's run takes them) or
+        per KV head (float32 tensors [Hk, 1]); sinks [H]: attention sinks (the kernel adds them to its softmax
+        denominator)."""
         from xllm_gen.runtime.ops.decode_attention import paged_decode_attention
         if self._table is None:
             raise RuntimeError("TritonDecodeWrapper.run before plan")
@@ -187,5 +201,6 @@ class TritonDecodeWrapper:
         return paged_decode_attention(q, k_cache, v_cache, ip, ix, lp, kw["sm_scale"], self.scratch,
                                       window_left=kw["window_left"], soft_cap=kw["soft_cap"], block_n=self.block_n,
                                       chunk_size=kw["chunk_size"], k_scale=1.0 if k_scale is None else k_scale,
-                                      v_scale=1.0 if v_scale is None else v_scale, num_warps=self.num_warps,
+                                      v_scale=1.0 if v_scale is None else v_scale, sinks=sinks,
+                                      num_warps=self.num_warps,
                                       num_stages=self.num_stages, merge_vec=self.merge_vec)

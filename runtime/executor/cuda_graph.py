@@ -168,17 +168,26 @@ class _BucketAttention(AttentionBackend):
                                            w._pin_memory_int_workspace_buffer, qo_indptr, indptr, kv_lens, *tail)
         return replan
 
+    def decode_page_table(self, ctx: ForwardContext):
+        """The bucket's persistent table (its padding rows without pages)."""
+        from xllm_gen.runtime.attention.triton_decode import decode_page_table_of
+        w = self.wrappers.get(FULL)
+        return None if w is None else decode_page_table_of(w)
+
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
-                k_scale: Optional[float] = None, v_scale: Optional[float] = None):
+                k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None):
         w = self.wrappers.get(variant or FULL)
         if w is None:
             raise RuntimeError(f"decode graph bucket {self.batch_size} has no wrapper for attention variant "
                                f"{variant}: the backend was not given the model's variants before capture")
-        if k_scale is None and v_scale is None:
+        if k_scale is None and v_scale is None and sinks is None:
             return w.run(q, (k_cache, v_cache))
-        # a scaled cache: the layer's scales are constants of the captured launches (FlashInfer folds k_scale into
-        # the kernel's softmax scale and multiplies the output by v_scale in place; the Triton kernel likewise)
-        return w.run(q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)
+        # a scaled cache: per-tensor scales are constants of the captured launches (FlashInfer folds k_scale into the
+        # kernel's softmax scale and multiplies the output by v_scale in place; the Triton kernel likewise); per-KV-head
+        # ones (fixed tensors) and attention sinks (a parameter) are read by kernels captured around the wrapper's
+        # (runtime/attention/flashinfer_run.py)
+        from xllm_gen.runtime.attention.flashinfer_run import run_attention
+        return run_attention(w, q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, sinks=sinks)
 
 
 class _NoEvent:
@@ -203,6 +212,7 @@ class _EagerBucketAttention(AttentionBackend):
         self.backend, self.batch_size, self.block_size, self.slots = backend, batch_size, block_size, slots
         self.ctx: Optional[ForwardContext] = None
         self.rows = 0
+        self.table = None
 
     def plan(self, ctx: ForwardContext) -> None:         # pragma: no cover - DecodeGraphs plans directly
         raise RuntimeError("a graph bucket is planned by DecodeGraphs, not through plan(ctx)")
@@ -220,6 +230,7 @@ class _EagerBucketAttention(AttentionBackend):
         for i in range(B):
             tables[i, :ip[i + 1] - ip[i]] = torch.tensor(pages[ip[i]:ip[i + 1]], dtype=torch.int32)
         dev = self.slots.device
+        self.table = tuple(t.to(dev, torch.int32) for t in (indptr, indices, last_page_len))
         self.rows = B
         self.ctx = ForwardContext(
             is_prefill=False, cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=dev),
@@ -228,6 +239,10 @@ class _EagerBucketAttention(AttentionBackend):
             backend=self.backend)
         if B:
             self.backend.plan(self.ctx)
+
+    def decode_page_table(self, ctx: ForwardContext):
+        """The bucket's table as planned, padding rows included (without pages)."""
+        return self.table
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None, **kw):
         out = q.new_zeros(q.shape[:-1] + v.shape[-1:])      # value heads may have a width of their own

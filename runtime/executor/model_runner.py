@@ -309,17 +309,6 @@ class ModelRunner:
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
-        if self.device.type == "cuda":
-            per_head = [i for i, layer in enumerate(self.attn_layers)
-                        if isinstance(getattr(layer, "k_scale", 1.0), torch.Tensor)
-                        or isinstance(getattr(layer, "v_scale", 1.0), torch.Tensor)]
-            if per_head:
-                raise NotImplementedError(
-                    f"this checkpoint's fp8 KV-cache scales are per KV head (attention layers {per_head[:4]}"
-                    f"{' ...' if len(per_head) > 4 else ''}: k_scale / v_scale of one value per head, e.g. "
-                    "compressed-tensors' kv_cache_scheme strategy 'attn_head'), which the CUDA attention path does "
-                    "not run (FlashInfer's run and the Triton decode kernel and KV store take one k_scale / v_scale per "
-                    "layer); serve it on the CPU (device='cpu'), or with kv_cache_dtype='auto' (the scales unused)")
         if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
             if getattr(self, "index_layers", None):
                 raise NotImplementedError(
@@ -352,7 +341,6 @@ class ModelRunner:
             if getattr(self, "kv_reader_layers", ()):    # (a stub runner of the tests may lack it)
                 raise NotImplementedError(cuda_attention_refusal((), shared_kv=True))
             refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
-                                             sinks=any(layer.variant.sinks for layer in self.attn_layers),
                                              chunked=any(getattr(layer.variant, "chunk_size", None) is not None
                                                          for layer in self.attn_layers))
             if refusal:

@@ -71,7 +71,8 @@ class _Pieces:
 
     def __init__(self):
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.holes: list[tuple[torch.nn.Module, tuple]] = []      # (attention layer, its buffers' key)
+        # (attention layer, its buffers' key, its attention sinks: the owning module's parameter, or None)
+        self.holes: list[tuple[torch.nn.Module, tuple, Optional[torch.Tensor]]] = []
         self.output: Optional[torch.Tensor] = None
 
 
@@ -143,7 +144,7 @@ class PrefillGraphs:
         pieces = _Pieces()
         capturing = False
 
-        def graph_break(layer, q, k, v):
+        def graph_break(layer, q, k, v, sinks=None):
             key = self._buffers_for(layer)
             qb, kb, vb, ob = self._buffers[key]
             qb[:T].copy_(q)                                 # inside the piece being captured
@@ -151,7 +152,7 @@ class PrefillGraphs:
             vb[:T].copy_(v)
             if capturing:
                 pieces.graphs[-1].capture_end()
-                pieces.holes.append((layer, key))
+                pieces.holes.append((layer, key, sinks))
                 g = torch.cuda.CUDAGraph()
                 g.capture_begin(pool=self.pool)
                 pieces.graphs.append(g)
@@ -193,10 +194,10 @@ class PrefillGraphs:
         else:
             self._ids[:N].copy_(ids, non_blocking=True)
         graphs, holes = pieces.graphs, pieces.holes
-        for i, layer_key in enumerate(holes):
+        for i, (layer, key, sinks) in enumerate(holes):
             graphs[i].replay()
-            layer, key = layer_key
             qb, kb, vb, ob = self._buffers[key]
-            ob[:N].copy_(layer(qb[:N], kb[:N], vb[:N]))     # eager attention on the real rows (ctx is set)
+            extra = {} if sinks is None else {"sinks": sinks}
+            ob[:N].copy_(layer(qb[:N], kb[:N], vb[:N], **extra))     # eager attention on the real rows (ctx is set)
         graphs[-1].replay()
         return pieces.output[:N]

@@ -84,7 +84,7 @@ __all__ = [
     "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention", "SparseIndexer",
     "shared_selection",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
-    "norm_linear", "act_linear", "qk_norm_rope_store", "QueryScale", "DifferentialAttention",
+    "norm_linear", "act_linear", "qk_norm_rope_store", "decoder_layer_kernel", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
     "LightningAttention",
     "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",

@@ -33,7 +33,8 @@ class Attention(nn.Module):
     j // chunk_size == i // chunk_size. The CPU backend implements it; the CUDA path refuses it at load.
 
     sinks=True: attention sinks, a learned logit per query head in the softmax denominator; the owning module
-    holds the parameter (`attention_sinks`) and passes it to forward(..., sinks=).
+    holds the parameter (`attention_sinks`) and passes it to forward(..., sinks=) (and the layer to a piecewise
+    prefill graph's break, `ctx.graph_break(layer, q, k, v, sinks=)`, which calls the layer with them again).
 
     v_head_dim (default head_dim): the value heads' width, when it differs from the q/k heads' (MiMo-V2-Flash's
     `v_head_dim`; multi-head latent attention expanded to per-head K/V: q/k nope + rope dims, v its own). The cache
@@ -69,8 +70,8 @@ class Attention(nn.Module):
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
         # KV-cache scales (set by the loader from the checkpoint's k_scale / v_scale when the cache is float8): floats
-        # (per tensor) or float32 tensors [kv_heads, 1] (per KV head, this rank's heads; CPU only: the CUDA runner
-        # refuses them at load); the cache holds K / k_scale and V / v_scale, read back times them
+        # (per tensor) or float32 tensors [kv_heads, 1] (per KV head, this rank's heads); the cache holds K / k_scale
+        # and V / v_scale, read back times them
         self.k_scale = 1.0
         self.v_scale = 1.0
         # KV sharing across layers (`share_kv`): a reader attends over its owner's cache (same shape, same step) and
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.v_head_dim)
         if ctx.graph_break is not None:      # piecewise prefill capture: attention runs between captured pieces
-            return ctx.graph_break(self, q, k, v)
+            return ctx.graph_break(self, q, k, v, sinks=sinks)
         # a scaled cache: the backend gets the scales (only then: backends without them serve unscaled caches)
         kv = {} if unit_scale(self.k_scale) and unit_scale(self.v_scale) else \
             {"k_scale": self.k_scale, "v_scale": self.v_scale}
@@ -141,7 +142,7 @@ class Attention(nn.Module):
         v = o.last_kv[1].view(-1, o.num_kv_heads, o.v_head_dim)
         if ctx.graph_break is not None:
             raise NotImplementedError("KV sharing across layers inside piecewise prefill graphs")
-        kv = {} if o.k_scale == 1.0 and o.v_scale == 1.0 else {"k_scale": o.k_scale, "v_scale": o.v_scale}
+        kv = {} if unit_scale(o.k_scale) and unit_scale(o.v_scale) else {"k_scale": o.k_scale, "v_scale": o.v_scale}
         extra = {} if self.variant == FULL else {"variant": self.variant}
         if sinks is not None:
             extra["sinks"] = sinks

@@ -6,14 +6,15 @@ layer's (hidden_states, residual) when the kernel (ops/layer_kernel.py) runs the
 steps run. It runs when all of these hold, decided from the modules and the step (nothing about a model family):
 
 - a CUDA decode step (no prefill, no piecewise-graph capture) of 1..16 rows whose attention backend exposes the
-  step's page table (the Triton decode kernel's; FlashInfer's own decode keeps the plain steps), TP 1;
+  step's page table (its decode wrapper's, FlashInfer's or the Triton kernel's), TP 1;
 - bf16 / fp16 activations; unquantized weights of that dtype; no bias except the q/k/v projection's;
 - RMSNorm step norms (any weight offset); per-head q/k RMSNorm (or none) + neox rotary over the whole head with
   1-D positions; a KV cache of the activation dtype without scales; no soft-cap, sinks, ALiBi or shared KV;
 - a silu / gelu gated MLP.
 
-XLLM_LAYER_KERNEL: "1" (the default where it applies), "0" never, "staged" the five stages as five launches (the
-one-launch form's reference on a GPU). On CPU it runs only when TRITON_INTERPRET=1 and XLLM_LAYER_KERNEL=staged
+XLLM_LAYER_KERNEL: "1" where it applies, "0" never (the default until it measures faster than the fused-prologue
+path: bench/bench_fused_decode.py +nolayer, bench/bench_layer_kernel.py), "staged" the five stages as five launches
+(the one-launch form's reference on a GPU). On CPU it runs only when TRITON_INTERPRET=1 and XLLM_LAYER_KERNEL=staged
 (the tests), since the interpreter cannot run the grid barriers.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from xllm_gen.runtime.layers import linear as _lin
 from xllm_gen.runtime.layers.fused import _act_kind, _fused_rope_args, _norm_args
 
-MODE = os.environ.get("XLLM_LAYER_KERNEL", "1").strip().lower()
+MODE = os.environ.get("XLLM_LAYER_KERNEL", "0").strip().lower()
 MAX_ROWS = 16
 CALLS = {"fused": 0}                # launches (tests count them)
 _SCRATCH: dict = {}
@@ -127,8 +128,9 @@ def decoder_layer_kernel(positions: torch.Tensor, hidden_states: torch.Tensor, r
     scratch = _SCRATCH.get(skey)
     if scratch is None:
         programs = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 8
+        small = {} if x.is_cuda else dict(tile_budget=512, num_warps=4)    # the interpreter: small tiles
         scratch = _SCRATCH[skey] = K.LayerScratch(K.LayerDims(D, H, HK, HD, inter, page), programs, x.dtype, dev,
-                                                  block_k=128 if x.is_cuda else 32)
+                                                  **small)
     rotary = plan["rotary"]
     rotary._to(dev)
     (g1, eps1, off1), (g2, eps2, off2) = plan["n1"], plan["n2"]

@@ -17,8 +17,9 @@ heads are (rank r holds its KV heads' values; replicated heads when TP exceeds t
 [kv_heads, 1] (one value per head: a float). With kv_cache_dtype "fp8" each layer stores round(K / k_scale) in
 float8 and reads it back times k_scale (V likewise; per head: each head's K by its own scale); a layer without
 scales keeps 1.0. With kv_cache_dtype "auto" the scales are not used (logged once). Per-head scales are served by
-the torch attention (CPU); the CUDA runner refuses them at load (runtime/executor/model_runner.py: FlashInfer's
-run and the Triton decode kernel take one k_scale / v_scale per layer).
+the torch attention (CPU) and on CUDA: FlashInfer with q multiplied by its KV head's k_scale before the kernel and
+the output by v_scale after it (runtime/attention/flashinfer_run.py), the Triton decode and store kernels reading
+them per head.
 
 Errors name the tensor: a scale that no attention layer owns, two scales for one layer's K (or V), a K scale without
 its V scale, a scale that is neither one value nor one per KV head of its layer, not finite or not > 0 (the last

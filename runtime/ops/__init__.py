@@ -186,11 +186,12 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0
     """k, v [N, Hk, D] -> caches [num_blocks, block_size, Hk, D] at flat slots; slot -1 is skipped. k_scale / v_scale:
     KV-cache scales per tensor (floats) or per KV head ([Hk, 1] float32 tensors) (the cache holds k / k_scale,
     v / v_scale; a float8 cache saturates at +-448)."""
-    if not k.is_cuda or isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
-        # per-KV-head scales ([Hk, 1] tensors): the torch store (the CUDA runner refuses them at load)
+    per_head = isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor)
+    if not k.is_cuda or (per_head and not _direct()):
+        # (per-KV-head scales under torch.compile or XLLM_OPS=torch: the torch store; the custom op takes floats)
         reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    if _direct():
+    if _direct():       # per-KV-head scales ([Hk, 1] float32 tensors) too: the kernel reads them per head
         _tk().store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     torch.ops.xllm.store_kvcache(k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))

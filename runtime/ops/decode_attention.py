@@ -12,7 +12,9 @@ only on (batch, splits), never on the lengths, so one capture serves every step 
 The page table is FlashInfer's CSR form (indptr [B+1], page indices, last-page length [B]); a row with no pages
 is a padding row (length 0), its output is zeros. Cache layout NHD: [num_pages, page_size, Hk, D].
 Attention sinks (GPT-OSS), where given: a logit per query head added to the softmax denominator (in the final
-normalisation of a single split, in the merge of several).
+normalisation of a single split, in the merge of several). KV-cache scales (a float8 cache holding K / k_scale,
+V / v_scale), per tensor or per KV head: k_scale folded into the softmax scale of the (row, KV head) program, the
+output times v_scale.
 Reference: ops.reference.paged_decode_attention.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ MERGE_VEC_MAX_ELEMS = 8192     # float32 partials the vectorized merge holds at 
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
-                         indptr_ptr, indices_ptr, last_ptr, sinks_ptr,
+                         indptr_ptr, indices_ptr, last_ptr, sinks_ptr, ks_ptr, vs_ptr,
                          sm_scale, soft_cap, window_left, chunk_size, v_scale,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                          H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
@@ -40,11 +42,16 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          HAS_SOFT_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
                          HAS_SINKS: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
                          MERGE_VEC: tl.constexpr = False, GM_PAD: tl.constexpr = 1,
-                         V_SCALED: tl.constexpr = False, PDL: tl.constexpr = 0):
+                         V_SCALED: tl.constexpr = False, K_HEAD: tl.constexpr = False, V_HEAD: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
     pdl_enter(PDL, LARGE=True)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
+    if K_HEAD:              # per-KV-head K-cache scales: this program's head's, folded into the softmax scale
+        sm_scale = sm_scale * tl.load(ks_ptr + kh)
+    if V_HEAD:              # per-KV-head V-cache scales: this head's multiplies the output (V_SCALED is set)
+        v_scale = tl.load(vs_ptr + kh)
     p0 = tl.load(indptr_ptr + b)
     npages = tl.load(indptr_ptr + b + 1) - p0
     last = tl.load(last_ptr + b)
@@ -198,7 +205,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scratch: DecodeScratch, *, window_left: int = -1, soft_cap: Optional[float] = None,
                            block_n: int = 64, out: Optional[torch.Tensor] = None,
                            sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int = 4,
+                           k_scale=1.0, v_scale=1.0, num_warps: int = 4,
                            num_stages: Optional[int] = None, merge_vec: Optional[bool] = None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
@@ -207,7 +214,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     attention, the query at position L-1 sees the keys (L-1) // C * C .. L-1 (with a window too: the later start).
     k_scale / v_scale: per-tensor KV-cache scales (the cache holds K / k_scale, V / v_scale): k_scale is folded into
     the softmax scale (q . k_cache * sm_scale * k_scale), the output is multiplied by v_scale (as FlashInfer's run
-    does with its k_scale / v_scale)."""
+    does with its k_scale / v_scale). Per KV head, k_scale / v_scale are float32 tensors [Hk] or [Hk, 1] on q's device:
+    program (row, KV head kh) folds k_scale[kh] into its softmax scale and multiplies its heads' output by
+    v_scale[kh]."""
     B, H, D = q.shape
     _, page, Hk, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape or H % Hk:
@@ -218,10 +227,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("decode attention: q and the caches need a contiguous last dimension (and equal strides)")
     if sinks is not None and (sinks.shape != (H,) or sinks.stride(0) != 1):
         raise ValueError(f"decode attention: sinks must be a contiguous [{H}] tensor, got {tuple(sinks.shape)}")
+    head_scales = {}
+    for name, sc in (("k", k_scale), ("v", v_scale)):
+        if isinstance(sc, torch.Tensor):
+            if sc.numel() != Hk or sc.dtype != torch.float32 or sc.device != q.device or not sc.is_contiguous():
+                raise ValueError(f"decode attention: per-KV-head {name}_scale must be a contiguous float32 [{Hk}] "
+                                 f"tensor on {q.device}, got {tuple(sc.shape)} {sc.dtype} on {sc.device}")
+            head_scales[name] = sc.reshape(-1)
     if out is None:
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
+    k_head, v_head = "k" in head_scales, "v" in head_scales
     group = H // Hk
     gm_pad = triton.next_power_of_2(group)
     s_pad = max(2, triton.next_power_of_2(scratch.splits))
@@ -230,15 +247,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         merge_vec = gm_pad * s_pad * max(16, triton.next_power_of_2(D)) * 4 <= MERGE_VEC_MAX_ELEMS * num_warps
     _paged_decode_kernel[(B, Hk, scratch.splits)](
         q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
-        indptr, indices, last_page_len, q if sinks is None else sinks,
-        float(sm_scale) * float(k_scale), float(soft_cap or 1.0), int(window_left), int(chunk_size or 1),
-        float(v_scale),
+        indptr, indices, last_page_len, q if sinks is None else sinks, head_scales.get("k", q), head_scales.get("v", q),
+        float(sm_scale) * (1.0 if k_head else float(k_scale)), float(soft_cap or 1.0), int(window_left),
+        int(chunk_size or 1), 1.0 if v_head else float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=H, HK=Hk, PAGE=page, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D,
         D_PAD=max(16, triton.next_power_of_2(D)),
         SPLITS=scratch.splits, S_PAD=s_pad, BLOCK_N=block_n,
         HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
-        HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None, V_SCALED=float(v_scale) != 1.0,
+        HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None,
+        V_SCALED=v_head or float(v_scale) != 1.0, K_HEAD=k_head, V_HEAD=v_head,
         MERGE_VEC=merge_vec, GM_PAD=gm_pad, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
     return out

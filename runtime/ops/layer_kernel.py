@@ -36,7 +36,8 @@ import triton.language as tl
 
 from xllm_gen.runtime.ops.triton_kernels import _norm_rope_values
 
-BM = 16     # rows per tile (a tl.dot needs 16): up to 16 decode rows
+ROWS = 16                 # rows per tile (a tl.dot needs 16): up to 16 decode rows
+BM = tl.constexpr(ROWS)
 
 
 @triton.jit
@@ -58,97 +59,127 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _norm_gemm(x_ptr, r_ptr, ro_ptr, g_ptr, g_offset, w_ptr, w2_off, n0, N, K, M, write_res,
-               HAS_RES: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """acc [BM, BN] = (h * g) @ W[n0:n0+BN]^T (and acc2 with the rows w2_off further: the up half), and the rows'
-    sums of squares of h = x (+ r) (rounded to x's dtype; stored to ro where write_res)."""
+def _w_chunk(w_ptr, row0, n0, k0, k_hi, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Weight rows row0 + n0 .. + BN, columns k0 .. k0 + BK (masked at N and k_hi: past k_hi nothing is read)."""
+    cols = n0 + tl.arange(0, BN)
+    kk = k0 + tl.arange(0, BK)
+    return tl.load(w_ptr + (row0 + cols[:, None]).to(tl.int64) * K + kk[None, :],
+                   mask=(cols < N)[:, None] & (kk < k_hi)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tile_acc(x_ptr, r_ptr, ro_ptr, g_ptr, g_offset, w_ptr, w2_off, n0, k_lo, k_hi, N, K, M, write_res, w, w2,
+              PRO: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              IEEE: tl.constexpr):
+    """acc [BM, BN] = x'[:, k_lo:k_hi] @ W[n0:n0+BN, k_lo:k_hi]^T (acc2: the rows w2_off further, the up half), with
+    x' = x (PRO 0) or (h * g) for h = x (+ r) rounded to x's dtype (PRO 1; h stored to ro where write_res; ss: the
+    rows' sums of squares of h). `w` / `w2`: the first K chunk's weights, loaded by the caller (before a barrier
+    where it can); each iteration loads the next chunk's before using this one's (double-buffered in registers)."""
     rows = tl.arange(0, BM)
     rm = rows < M
-    cols = n0 + tl.arange(0, BN)
-    cm = cols < N
-    kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     ss = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        km = (k0 + kk) < K
-        xm = rm[:, None] & km[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + k0 + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
-        if HAS_RES:
-            r = tl.load(r_ptr + rows[:, None] * K + k0 + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(ro_ptr + rows[:, None] * K + k0 + kk[None, :], x, mask=xm & write_res)
-        hf = x.to(tl.float32)
-        ss += tl.sum(hf * hf, axis=1)
-        g = tl.load(g_ptr + k0 + kk, mask=km, other=0.0).to(tl.float32) + g_offset
-        xo = (hf * g[None, :]).to(x.dtype)
-        wm = cm[:, None] & km[None, :]
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k0 + kk[None, :], mask=wm, other=0.0,
-                    eviction_policy="evict_first")
-        acc += _dot(xo, tl.trans(w), IEEE)
+    for k0 in range(k_lo, k_hi, BK):
+        wn = _w_chunk(w_ptr, 0, n0, k0 + BK, k_hi, N, K, BN, BK)
         if GATED:
-            w2 = tl.load(w_ptr + (w2_off + cols[:, None]).to(tl.int64) * K + k0 + kk[None, :], mask=wm, other=0.0,
-                         eviction_policy="evict_first")
-            acc2 += _dot(xo, tl.trans(w2), IEEE)
+            w2n = _w_chunk(w_ptr, w2_off, n0, k0 + BK, k_hi, N, K, BN, BK)
+        kk = k0 + tl.arange(0, BK)
+        xm = rm[:, None] & (kk < k_hi)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+        if PRO == 1:
+            if HAS_RES:
+                r = tl.load(r_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                tl.store(ro_ptr + rows[:, None] * K + kk[None, :], x, mask=xm & write_res)
+            hf = x.to(tl.float32)
+            ss += tl.sum(hf * hf, axis=1)
+            g = tl.load(g_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32) + g_offset
+            x = (hf * g[None, :]).to(x.dtype)
+        acc += _dot(x, tl.trans(w), IEEE)
+        w = wn
+        if GATED:
+            acc2 += _dot(x, tl.trans(w2), IEEE)
+            w2 = w2n
     return acc, acc2, ss
 
 
 @triton.jit
-def _gemm_part(x_ptr, w_ptr, n0, k_lo, k_hi, N, K, M, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """x[:, k_lo:k_hi] @ W[n0:n0+BN, k_lo:k_hi]^T as fp32 [BM, BN] (x written earlier in this launch: .cg)."""
+def _norm_tile(t, w, w2, x_ptr, r_ptr, ro_ptr, g_ptr, g_off, eps, w_ptr, b_ptr, y_ptr, N, K, M,
+               HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """One column tile of a norm-prologue stage: y = W rmsnorm(x (+ r)) (+ bias) (stage 1), or with GATED
+    y = act(gate) * up of gate | up = W rmsnorm(x) (stage 4; N = the intermediate width, up rows N further)."""
     rows = tl.arange(0, BM)
-    rm = rows < M
+    n0 = t * BN
     cols = n0 + tl.arange(0, BN)
-    cm = cols < N
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        km = (k0 + kk) < k_hi
-        x = tl.load(x_ptr + rows[:, None] * K + k0 + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0,
-                    cache_modifier=".cg")
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k0 + kk[None, :], mask=cm[:, None] & km[None, :],
-                    other=0.0, eviction_policy="evict_first")
-        acc += _dot(x, tl.trans(w), IEEE)
-    return acc
+    om = (rows < M)[:, None] & (cols < N)[None, :]
+    acc, acc2, ss = _tile_acc(x_ptr, r_ptr, ro_ptr, g_ptr, g_off, w_ptr, N, n0, 0, K, N, K, M, t == 0, w, w2,
+                              1, HAS_RES, GATED, BN, BK, IEEE)
+    rstd = (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    if GATED:
+        gt = (acc * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = (acc2 * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if ACT == 0:        # silu
+            sg = gt / (1.0 + tl.exp(-gt))
+        elif ACT == 1:      # gelu, tanh approximation
+            u = 0.7978845608028654 * (gt + 0.044715 * gt * gt * gt)
+            sg = 0.5 * gt * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)))
+        else:               # gelu, exact erf
+            sg = 0.5 * gt * (1.0 + tl.erf(gt * 0.7071067811865476))
+        y = (sg.to(y_ptr.dtype.element_ty).to(tl.float32) * up).to(y_ptr.dtype.element_ty)
+    else:
+        y = acc * rstd
+        if HAS_BIAS:        # added in fp32, one rounding (as the linear's epilogue)
+            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=om)
 
 
 @triton.jit
-def _splitk_stage(x_ptr, w_ptr, y_ptr, res_ptr, ws_ptr, cnt_ptr, pid, P, N, K, M,
-                  ADD_RES: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """y = (x @ W^T).to(dtype) (+ res, rounded again: the fused add of the next norm), tiles (column block, K
-    split); the last program of a column block (ticket) sums the SPLIT fp32 partials in split order."""
+def _splitk_tile(t, w, x_ptr, w_ptr, y_ptr, res_ptr, ws_ptr, cnt_ptr, N, K, M,
+                 ADD_RES: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Tile t = (column block, K split) of y = (x @ W^T).to(dtype) (+ res, rounded again: the fused add of the next
+    norm); the last program of a column block (ticket) sums the SPLIT fp32 partials in split order."""
     NB = tl.cdiv(N, BN)
     k_split = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
     rows = tl.arange(0, BM)
-    rm = rows < M
-    for t in range(pid, NB * SPLIT, P):
-        nb = t // SPLIT
-        s = t % SPLIT
-        n0 = nb * BN
-        cols = n0 + tl.arange(0, BN)
-        cm = cols < N
-        acc = _gemm_part(x_ptr, w_ptr, n0, s * k_split, tl.minimum(K, (s + 1) * k_split), N, K, M, BN, BK, IEEE)
-        last = True
-        if SPLIT > 1:
-            # workspace [SPLIT, NB * BN, BM]: slice s of column block nb
-            wp = ws_ptr + (s * NB * BN + cols[None, :]) * BM + rows[:, None]
-            tl.store(wp, acc)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel")
-            last = ticket == SPLIT - 1
-            if last:
-                acc = tl.zeros([BM, BN], dtype=tl.float32)
-                for j in range(0, SPLIT):
-                    acc += tl.load(ws_ptr + (j * NB * BN + cols[None, :]) * BM + rows[:, None], cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + nb, 0)
+    nb = t // SPLIT
+    s = t % SPLIT
+    n0 = nb * BN
+    cols = n0 + tl.arange(0, BN)
+    acc, _a, _s = _tile_acc(x_ptr, x_ptr, x_ptr, x_ptr, 0.0, w_ptr, 0, n0, s * k_split,
+                            tl.minimum(K, (s + 1) * k_split), N, K, M, False, w, w, 0, False, False, BN, BK, IEEE)
+    last = True
+    if SPLIT > 1:
+        # workspace [SPLIT, NB * BN, BM]: slice s of column block nb
+        tl.store(ws_ptr + (s * NB * BN + cols[None, :]) * BM + rows[:, None], acc)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel")
+        last = ticket == SPLIT - 1
         if last:
-            om = rm[:, None] & cm[None, :]
-            y = acc.to(y_ptr.dtype.element_ty)
-            if ADD_RES:
-                r = tl.load(res_ptr + rows[:, None] * N + cols[None, :], mask=om, other=0.0, cache_modifier=".cg")
-                y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=om)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for j in range(0, SPLIT):
+                acc += tl.load(ws_ptr + (j * NB * BN + cols[None, :]) * BM + rows[:, None], cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + nb, 0)
+    if last:
+        om = (rows < M)[:, None] & (cols < N)[None, :]
+        y = acc.to(y_ptr.dtype.element_ty)
+        if ADD_RES:
+            r = tl.load(res_ptr + rows[:, None] * N + cols[None, :], mask=om, other=0.0, cache_modifier=".cg")
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=om)
+
+
+@triton.jit
+def _splitk_first(pid, w_ptr, N, K, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The first K chunk of tile `pid` of a split-K stage (nothing read where the program has no tile)."""
+    NB = tl.cdiv(N, BN)
+    k_split = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+    ok = pid < NB * SPLIT
+    k0 = (pid % SPLIT) * k_split
+    return _w_chunk(w_ptr, 0, (pid // SPLIT) * BN, k0, tl.where(ok, tl.minimum(K, k0 + k_split), 0), N, K, BN, BK)
 
 
 @triton.jit
@@ -252,12 +283,12 @@ def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_
                   G_PAD: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_RES: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, ACT: tl.constexpr,
-                  BN1: tl.constexpr, BN3: tl.constexpr, S3: tl.constexpr, BN4: tl.constexpr, BN5: tl.constexpr,
-                  S5: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, STAGE: tl.constexpr):
+                  BN1: tl.constexpr, BK1: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr,
+                  BN4: tl.constexpr, BK4: tl.constexpr, BN5: tl.constexpr, BK5: tl.constexpr, S5: tl.constexpr,
+                  IEEE: tl.constexpr, STAGE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    rows = tl.arange(0, BM)
-    rm = rows < M
+    ONE: tl.constexpr = STAGE == 0          # all stages in this launch, grid barriers between them
     # counters: [0] the barrier, [1] the exit tickets, [2 : 2 + 16 HK] attention tickets, then split-K tickets of
     # stage 3 (cdiv(D, BN3)) and stage 5
     bar = cnt_ptr
@@ -266,59 +297,69 @@ def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_
     k5_tick = k3_tick + tl.cdiv(D, BN3)
     ws3 = ws_ptr
     ws5 = ws_ptr + S3 * tl.cdiv(D, BN3) * BN3 * BM
-    if (STAGE == 0) | (STAGE == 1):
-        # 1. qkv = W_qkv rmsnorm(x + r): column tiles of qkv; program 0's first tile stores h = x + r
-        for t in range(pid, tl.cdiv(NQKV, BN1), P):
-            n0 = t * BN1
-            acc, _a, ss = _norm_gemm(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, 0, n0, NQKV, D, M, t == 0,
-                                     HAS_RES, False, BN1, BK, IEEE)
-            y = acc * (1.0 / tl.sqrt(ss / D + eps1))[:, None]
-            cols = n0 + tl.arange(0, BN1)
-            cm = cols < NQKV
-            if HAS_QKV_BIAS:    # added in fp32, one rounding (as the linear's epilogue)
-                y += tl.load(bqkv_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-            tl.store(qkv_ptr + rows[:, None] * NQKV + cols[None, :], y.to(qkv_ptr.dtype.element_ty),
-                     mask=rm[:, None] & cm[None, :])
-    if STAGE == 0:
+    # Each GEMM stage's first weight chunk is loaded before the barrier that precedes the stage (weights do not
+    # depend on it), so the wait overlaps the fetch; a program's later tiles load theirs in the loop.
+    if ONE | (STAGE == 1):
+        # 1. qkv = W_qkv rmsnorm(x + r): column tiles of qkv; tile 0 stores h = x + r
+        NT1 = tl.cdiv(NQKV, BN1)
+        w = _w_chunk(wqkv_ptr, 0, pid * BN1, 0, tl.where(pid < NT1, D, 0), NQKV, D, BN1, BK1)
+        if pid < NT1:
+            _norm_tile(pid, w, w, x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, eps1, wqkv_ptr, bqkv_ptr, qkv_ptr, NQKV, D, M,
+                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE)
+        for t in range(pid + P, NT1, P):
+            w = _w_chunk(wqkv_ptr, 0, t * BN1, 0, D, NQKV, D, BN1, BK1)
+            _norm_tile(t, w, w, x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, eps1, wqkv_ptr, bqkv_ptr, qkv_ptr, NQKV, D, M,
+                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE)
+    if ONE:
         _grid_sync(bar, P)
-    if (STAGE == 0) | (STAGE == 2):
+    if ONE | (STAGE == 2):
         _attention_stage(qkv_ptr, attn_ptr, kc_ptr, vc_ptr, qw_ptr, kw_ptr, qk_eps, pos_ptr, cs_ptr, slot_ptr,
                          indptr_ptr, indices_ptr, last_ptr, part_o_ptr, part_lse_ptr, att_tick, sm_scale,
                          window_left, pid, P, M, NQKV, H, HK, HD, PAGE, GROUP, G_PAD, SPLITS, S_PAD, BLOCK_N,
                          HAS_NORM, HAS_WINDOW, IEEE)
-    if STAGE == 0:
-        _grid_sync(bar, 2 * P)
-    if (STAGE == 0) | (STAGE == 3):
+    if ONE | (STAGE == 3):
         # 3. r2 = W_o attn + h
+        KO = H * HD
+        NT3 = tl.cdiv(D, BN3) * S3
+        w = _splitk_first(pid, wo_ptr, D, KO, S3, BN3, BK3)
+        if ONE:
+            _grid_sync(bar, 2 * P)
         res = r1_ptr if HAS_RES else x_ptr
-        _splitk_stage(attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, pid, P, D, H * HD, M, True, S3, BN3, BK, IEEE)
-    if STAGE == 0:
-        _grid_sync(bar, 3 * P)
-    if (STAGE == 0) | (STAGE == 4):
+        if pid < NT3:
+            _splitk_tile(pid, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE)
+        for t in range(pid + P, NT3, P):
+            w = _w_chunk(wo_ptr, 0, (t // S3) * BN3, (t % S3) * tl.cdiv(tl.cdiv(KO, S3), BK3) * BK3, KO, D, KO, BN3,
+                         BK3)
+            _splitk_tile(t, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE)
+    if ONE | (STAGE == 4):
         # 4. act = act(gate) * up, gate | up = W_gu rmsnorm(r2)
-        for t in range(pid, tl.cdiv(I, BN4), P):
-            n0 = t * BN4
-            a_g, a_u, ss = _norm_gemm(r2_ptr, r2_ptr, r2_ptr, g2_ptr, g2_off, wgu_ptr, I, n0, I, D, M, False,
-                                      False, True, BN4, BK, IEEE)
-            rstd = (1.0 / tl.sqrt(ss / D + eps2))[:, None]
-            gt = (a_g * rstd).to(act_ptr.dtype.element_ty).to(tl.float32)
-            up = (a_u * rstd).to(act_ptr.dtype.element_ty).to(tl.float32)
-            if ACT == 0:        # silu
-                sg = gt / (1.0 + tl.exp(-gt))
-            elif ACT == 1:      # gelu, tanh approximation
-                u = 0.7978845608028654 * (gt + 0.044715 * gt * gt * gt)
-                sg = 0.5 * gt * (1.0 + (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)))
-            else:               # gelu, exact erf
-                sg = 0.5 * gt * (1.0 + tl.erf(gt * 0.7071067811865476))
-            a = (sg.to(act_ptr.dtype.element_ty).to(tl.float32) * up).to(act_ptr.dtype.element_ty)
-            cols = n0 + tl.arange(0, BN4)
-            tl.store(act_ptr + rows[:, None] * I + cols[None, :], a, mask=rm[:, None] & (cols < I)[None, :])
-    if STAGE == 0:
-        _grid_sync(bar, 4 * P)
-    if (STAGE == 0) | (STAGE == 5):
+        NT4 = tl.cdiv(I, BN4)
+        k_hi = tl.where(pid < NT4, D, 0)
+        w = _w_chunk(wgu_ptr, 0, pid * BN4, 0, k_hi, I, D, BN4, BK4)
+        w2 = _w_chunk(wgu_ptr, I, pid * BN4, 0, k_hi, I, D, BN4, BK4)
+        if ONE:
+            _grid_sync(bar, 3 * P)
+        if pid < NT4:
+            _norm_tile(pid, w, w2, r2_ptr, r2_ptr, r2_ptr, g2_ptr, g2_off, eps2, wgu_ptr, wgu_ptr, act_ptr, I, D, M,
+                       False, True, False, ACT, BN4, BK4, IEEE)
+        for t in range(pid + P, NT4, P):
+            w = _w_chunk(wgu_ptr, 0, t * BN4, 0, D, I, D, BN4, BK4)
+            w2 = _w_chunk(wgu_ptr, I, t * BN4, 0, D, I, D, BN4, BK4)
+            _norm_tile(t, w, w2, r2_ptr, r2_ptr, r2_ptr, g2_ptr, g2_off, eps2, wgu_ptr, wgu_ptr, act_ptr, I, D, M,
+                       False, True, False, ACT, BN4, BK4, IEEE)
+    if ONE | (STAGE == 5):
         # 5. out = W_down act
-        _splitk_stage(act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, pid, P, D, I, M, False, S5, BN5, BK, IEEE)
-    if STAGE == 0:
+        NT5 = tl.cdiv(D, BN5) * S5
+        w = _splitk_first(pid, wd_ptr, D, I, S5, BN5, BK5)
+        if ONE:
+            _grid_sync(bar, 4 * P)
+        if pid < NT5:
+            _splitk_tile(pid, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE)
+        for t in range(pid + P, NT5, P):
+            w = _w_chunk(wd_ptr, 0, (t // S5) * BN5, (t % S5) * tl.cdiv(tl.cdiv(I, S5), BK5) * BK5, I, D, I, BN5,
+                         BK5)
+            _splitk_tile(t, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE)
+    if ONE:
         # the last program out resets the barrier for the next launch (every program is past its last wait)
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel") == P - 1:
@@ -341,40 +382,56 @@ def _tile_n(N: int, P: int, choices=(16, 32, 64)) -> int:
     return min(choices, key=lambda bn: (triton.cdiv(triton.cdiv(N, bn), P) * bn, -bn))
 
 
-def _split_k(N: int, K: int, P: int, bn: int, bk: int) -> int:
-    """K splits so that (column blocks x splits) is about P tiles."""
-    nb = triton.cdiv(N, bn)
-    chunks = triton.cdiv(K, bk)
-    s = max(1, min(chunks, P // nb))
+def _split_k(N: int, K: int, P: int, bn: int, quantum: int = 64) -> int:
+    """K splits so that (column blocks x splits) is about P tiles (equal ranges of whole quanta)."""
+    chunks = triton.cdiv(K, quantum)
+    s = max(1, min(chunks, P // triton.cdiv(N, bn)))
     return triton.cdiv(chunks, triton.cdiv(chunks, s))
 
 
-class LayerScratch:
-    """What a launch writes and later stages of the same launch read (shared by every layer of a model: layers run
-    one after another), and the zeroed counters (each launch leaves them at 0)."""
+def _block_k(bn: int, k_range: int, budget: int) -> int:
+    """A K chunk of at most `budget` weight elements per tile, no wider than the range (a power of 2, >= 16)."""
+    return max(16, min(triton.next_power_of_2(k_range), triton.next_power_of_2(budget // bn + 1) // 2))
 
-    def __init__(self, dims: LayerDims, programs: int, dtype: torch.dtype, device, block_k: int = 128):
+
+class LayerScratch:
+    """The launch configuration of a layer shape on `programs` programs, and what a launch writes and later stages
+    of the same launch read (shared by every layer of a model: layers run one after another), with the zeroed
+    counters (each launch leaves them at 0). `tile_budget`: weight elements per register tile (each stage's K chunk
+    is as wide as that allows: few, large loads; the stage's first chunk is fetched before its barrier)."""
+
+    def __init__(self, dims: LayerDims, programs: int, dtype: torch.dtype, device, tile_budget: int = 16384,
+                 num_warps: int = 8, block_n: int = 32, **override):
         d = dims
-        self.dims, self.programs, self.block_k = d, programs, block_k
+        self.dims, self.programs, self.num_warps, self.block_n = d, programs, num_warps, block_n
         nqkv = (d.heads + 2 * d.kv_heads) * d.head_dim
-        self.bn1 = _tile_n(nqkv, programs)
-        self.bn3 = _tile_n(d.hidden, programs, (16, 32))
-        self.s3 = _split_k(d.hidden, d.heads * d.head_dim, programs, self.bn3, block_k)
-        self.bn4 = _tile_n(d.intermediate, programs)
-        self.bn5 = _tile_n(d.hidden, programs, (16, 32))
-        self.s5 = _split_k(d.hidden, d.intermediate, programs, self.bn5, block_k)
+        ko = d.heads * d.head_dim
+        c = {}
+        c["bn1"] = _tile_n(nqkv, programs)
+        c["bn3"] = _tile_n(d.hidden, programs, (16, 32))
+        c["s3"] = _split_k(d.hidden, ko, programs, c["bn3"])
+        c["bn4"] = _tile_n(d.intermediate, programs)
+        c["bn5"] = _tile_n(d.hidden, programs, (16, 32))
+        c["s5"] = _split_k(d.hidden, d.intermediate, programs, c["bn5"])
+        c.update({k: v for k, v in override.items() if k in ("bn1", "bn3", "s3", "bn4", "bn5", "s5")})
+        c["bk1"] = _block_k(c["bn1"], d.hidden, tile_budget)
+        c["bk3"] = _block_k(c["bn3"], triton.cdiv(ko, c["s3"]), tile_budget)
+        c["bk4"] = _block_k(c["bn4"], d.hidden, tile_budget // 2)       # two weight tiles (gate, up)
+        c["bk5"] = _block_k(c["bn5"], triton.cdiv(d.intermediate, c["s5"]), tile_budget)
+        c.update({k: v for k, v in override.items() if k in ("bk1", "bk3", "bk4", "bk5")})
+        self.config = c
         self.splits = max(1, min(32, programs // max(1, d.kv_heads)))      # at 1 row; fewer per row at more rows
         e = dict(dtype=dtype, device=device)
-        self.r1 = torch.empty(BM, d.hidden, **e)
-        self.qkv = torch.empty(BM, nqkv, **e)
-        self.attn = torch.empty(BM, d.heads * d.head_dim, **e)
-        self.act = torch.empty(BM, d.intermediate, **e)
+        self.r1 = torch.empty(ROWS, d.hidden, **e)
+        self.qkv = torch.empty(ROWS, nqkv, **e)
+        self.attn = torch.empty(ROWS, ko, **e)
+        self.act = torch.empty(ROWS, d.intermediate, **e)
         f = dict(dtype=torch.float32, device=device)
-        self.part_o = torch.empty(BM * d.heads * self.splits * d.head_dim, **f)
-        self.part_lse = torch.empty(BM * d.heads * self.splits, **f)
-        nb3, nb5 = triton.cdiv(d.hidden, self.bn3), triton.cdiv(d.hidden, self.bn5)
-        self.ws = torch.empty(self.s3 * nb3 * self.bn3 * BM + self.s5 * nb5 * self.bn5 * BM, **f)
-        self.counters = torch.zeros(2 + BM * d.kv_heads + nb3 + nb5, dtype=torch.int32, device=device)
+        self.part_o = torch.empty(ROWS * d.heads * self.splits * d.head_dim, **f)
+        self.part_lse = torch.empty(ROWS * d.heads * self.splits, **f)
+        nb3, nb5 = triton.cdiv(d.hidden, c["bn3"]), triton.cdiv(d.hidden, c["bn5"])
+        self.ws = torch.empty(c["s3"] * nb3 * c["bn3"] * ROWS + c["s5"] * nb5 * c["bn5"] * ROWS, **f)
+        self.counters = torch.zeros(2 + ROWS * d.kv_heads + nb3 + nb5, dtype=torch.int32, device=device)
 
     def splits_for(self, rows: int) -> int:
         return max(1, min(self.splits, self.programs // max(1, rows * self.dims.kv_heads)))
@@ -385,15 +442,16 @@ ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 def decoder_layer(x, residual, g1, g1_off, eps1, w_qkv, b_qkv, q_w, k_w, qk_eps, positions, cos_sin, slots,
                   k_cache, v_cache, indptr, indices, last_page_len, sm_scale, window_left, w_o, g2, g2_off, eps2,
-                  w_gu, act, w_down, scratch: LayerScratch, staged: bool = False):
+                  w_gu, act, w_down, scratch: LayerScratch, staged=False):
     """(out, r2) of one pre-norm attention + gated-MLP decoder layer for x [M <= 16, hidden] (see the module
     docstring): residual [M, hidden] or None; k_cache / v_cache [pages, page, kv_heads, head_dim] (the step's k, v
     are written at `slots`); the page table in FlashInfer's CSR form (indptr, indices, last_page_len); q_w / k_w the
-    per-head q / k RMSNorm weights or None; act "silu" | "gelu_tanh" | "gelu"."""
+    per-head q / k RMSNorm weights or None; act "silu" | "gelu_tanh" | "gelu". staged: True runs the five stages
+    as five launches, a sequence of stage numbers only those (the benchmark's per-stage timing)."""
     d = scratch.dims
     M = x.shape[0]
-    if not 0 < M <= BM:
-        raise ValueError(f"decoder_layer: {M} rows (1..{BM})")
+    if not 0 < M <= ROWS:
+        raise ValueError(f"decoder_layer: {M} rows (1..{ROWS})")
     out = torch.empty_like(x)
     r2 = torch.empty_like(x)
     group = d.heads // d.kv_heads
@@ -405,13 +463,15 @@ def decoder_layer(x, residual, g1, g1_off, eps1, w_qkv, b_qkv, q_w, k_w, qk_eps,
             slots, k_cache, v_cache, indptr, indices, last_page_len, s.part_o, s.part_lse, float(sm_scale),
             int(window_left), s.attn, w_o, r2, g2, float(g2_off), w_gu, s.act, w_down, out, s.ws, s.counters,
             M, d.hidden, s.qkv.shape[1], d.intermediate, float(eps1), float(eps2))
+    c = s.config
     meta = dict(H=d.heads, HK=d.kv_heads, HD=d.head_dim, PAGE=d.page, GROUP=group,
                 G_PAD=max(16, triton.next_power_of_2(group)), SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)),
-                BLOCK_N=32, HAS_RES=residual is not None, HAS_QKV_BIAS=b_qkv is not None, HAS_NORM=q_w is not None,
-                HAS_WINDOW=window_left >= 0, ACT=ACT_CODES[act], BN1=s.bn1, BN3=s.bn3, S3=s.s3, BN4=s.bn4,
-                BN5=s.bn5, S5=s.s5, BK=s.block_k, IEEE=ieee, num_warps=4)
+                BLOCK_N=s.block_n, HAS_RES=residual is not None, HAS_QKV_BIAS=b_qkv is not None,
+                HAS_NORM=q_w is not None, HAS_WINDOW=window_left >= 0, ACT=ACT_CODES[act], BN1=c["bn1"], BK1=c["bk1"],
+                BN3=c["bn3"], BK3=c["bk3"], S3=c["s3"], BN4=c["bn4"], BK4=c["bk4"], BN5=c["bn5"], BK5=c["bk5"],
+                S5=c["s5"], IEEE=ieee, num_warps=s.num_warps, num_stages=1)   # double-buffered by hand
     if staged:
-        for stage in range(1, 6):
+        for stage in (range(1, 6) if staged is True else staged):
             _layer_kernel[(s.programs,)](*args, STAGE=stage, **meta)
     else:
         _layer_kernel[(s.programs,)](*args, STAGE=0, **meta)

@@ -6,6 +6,7 @@ that float32 runs on CPU match HF bit for bit.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -180,3 +181,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             p = torch.cat([s, sinks.float().view(Hk, H // Hk, 1)], dim=-1).softmax(-1)[..., :-1]
         out[b] = torch.einsum("kgn,nkd->kgd", p, v).reshape(H, D)
     return out.to(q.dtype)
+
+
+LN2 = math.log(2.0)      # FlashInfer's log-sum-exp is base 2 (state_t::get_lse: m + log2(d), logits times log2(e))
+
+
+def per_query_head(scale: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A per-KV-head scale ([Hk] or [Hk, 1]) as float32 [num_heads]: query head h gets its group's, scale[h // G]."""
+    s = scale.float().reshape(-1)
+    if num_heads % s.numel():
+        raise ValueError(f"{s.numel()} per-KV-head scales do not divide {num_heads} query heads")
+    return s.repeat_interleave(num_heads // s.numel())
+
+
+def fold_k_scale(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """q [N, H, D] with each query head times its KV head's K-cache scale (k_scale [Hk] or [Hk, 1], float32), in
+    float32, rounded once to q's dtype: q_h . (k_cache * k_scale[kh]) = (q_h * k_scale[kh]) . k_cache, so an attention
+    kernel that reads the cache unscaled, at the unchanged softmax scale, computes the scaled cache's scores."""
+    s = per_query_head(k_scale, q.shape[1]).to(q.device).view(1, -1, 1)
+    return (q.float() * s).to(q.dtype)
+
+
+def attention_epilogue(out: torch.Tensor, lse: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                       v_scale: Optional[torch.Tensor] = None, lse_base2: bool = True) -> torch.Tensor:
+    """An attention output [N, H, Dv] of plain softmax attention turned into (a) softmax attention with a sink logit
+    s_h per head, and / or (b) read from a V cache scaled per KV head; a new tensor in out's dtype.
+
+    (a) With S = sum_j exp(x_j) = exp(lse) (lse [N, H] of the same logits; base 2 as FlashInfer returns it:
+    lse_e = lse * ln 2), softmax with the sink is sum_j exp(x_j) v_j / (S + exp(s_h)) = out * S / (S + exp(s_h)) =
+    out * sigmoid(lse_e - s_h): exact. A row with no keys (lse -inf, or NaN) gives zeros.
+    (b) sum_j p_j (v_cache_j * v_scale[kh]) = out * v_scale[kh] (v_scale [Hk] or [Hk, 1]) for the query heads of
+    KV head kh."""
+    N, H = out.shape[:2]
+    f = torch.ones(N, H, dtype=torch.float32, device=out.device)
+    if sinks is not None:
+        lse_e = lse.float() * (LN2 if lse_base2 else 1.0)
+        f = torch.nan_to_num(torch.sigmoid(lse_e - sinks.float().view(1, H)), nan=0.0)
+    if v_scale is not None:
+        f = f * per_query_head(v_scale, H).to(out.device).view(1, H)
+    f = f.unsqueeze(-1)
+    return torch.where(f != 0, out.float() * f, 0.0).to(out.dtype)

@@ -113,12 +113,12 @@ def test_layer_kernel_one_launch(shape, lens):
     assert all(res["graph_equal"]) and res["counters"] == 0, res
 
 
-def test_layer_kernel_engine_tokens(tmp_path_factory):
+def test_layer_kernel_engine_tokens(tmp_path_factory, monkeypatch):
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    from fixtures.tiny_hf import make_tiny_qwen3
     from test_gpu_fused_decode import _compare, _params, _prompts
 
-    from fixtures.tiny_hf import make_tiny_qwen3
     from xllm_gen import LLM
     from xllm_gen.runtime.layers import layer_kernel as LKL
     tiny = make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_layer"), hidden_size=256, num_hidden_layers=3,

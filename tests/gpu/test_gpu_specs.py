@@ -32,6 +32,16 @@ REFERENCE_SINCE = {
                                  "plain neox frequencies, as the spec does): a different model for text"),
 }
 
+# families whose older transformers releases hard-code what the spec reads from the config: on such a host the tiny
+# checkpoint gets the hard-coded values (so the reference and the spec compute the same model and the test still
+# runs): (first release that reads the fields, {field: the value older releases use})
+REFERENCE_HARDCODES = {
+    # 5.18 and earlier: GptOssExperts sets alpha = 1.702, limit = 7.0 (5.19 reads config.swiglu_alpha / swiglu_limit;
+    # the tiny fixture's swiglu_limit 0.5 made every engine path, float32 torch attention included, 0.33 off the
+    # 5.17 reference on the H200)
+    "GptOssForCausalLM": ((5, 19), {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}),
+}
+
 
 def _text_specs():
     """(architecture, spec name) of every spec whose architecture has no vision tower (the vision-language
@@ -53,10 +63,11 @@ def _text_specs():
 
 
 def _cuda_refusal(architecture: str, ckpt: Path | None = None):
-    """What the CUDA path refuses at load for this architecture's spec (None: it serves it): attention sinks
-    (codegen/README.md, attention `sinks`, `alibi`), value heads narrower than q/k (`mla_attention`'s expanded K/V),
-    a head_dim FlashInfer has no kernels for (the checkpoint's, read by the generated Config). Read from the
-    generated model (a GPU host needs no compiler)."""
+    """What the CUDA path refuses at load for this architecture's spec (None: it serves it): ALiBi
+    (codegen/README.md, attention `alibi`), chunked local attention, value heads narrower than q/k (`mla_attention`'s
+    expanded K/V), a head_dim FlashInfer has no kernels for (the checkpoint's, read by the generated Config). Attention
+    sinks are served (GPT-OSS runs the battery; tests/gpu/test_gpu_sinks_kv_scales.py). Read from the generated model
+    (a GPU host needs no compiler)."""
     import importlib
 
     from xllm_gen.runtime.attention.base import FLASHINFER_HEAD_DIMS
@@ -65,8 +76,6 @@ def _cuda_refusal(architecture: str, ckpt: Path | None = None):
     source = importlib.import_module(f"{package}.model").__file__ if package else None
     if source and "v_head_dim=" in Path(source).read_text():      # mla_attention, an attention `v_head_dim`: value
         return "value heads of another width"                      # heads of their own width (checked first)
-    if source and "L.attention_sinks(" in Path(source).read_text():
-        return "attention sinks"
     if source and "L.alibi_slopes(" in Path(source).read_text():     # attention `alibi`
         return "ALiBi"
     if source and "chunk_size=" in Path(source).read_text():         # attention `chunk_size` (the fixtures chunk)
@@ -131,6 +140,12 @@ def _checkpoint(architecture: str, out: Path) -> Path:
         # a spec that admits only as many KV heads as heads (multi-head latent attention): no GQA override
         del overrides["num_key_value_heads"]
         ckpt = make_tiny_checkpoint(architecture, out, overrides=overrides, seed=0)
+    if architecture in REFERENCE_HARDCODES:
+        import transformers
+        since, values = REFERENCE_HARDCODES[architecture]
+        if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < since:
+            cfg = json.loads((ckpt / "config.json").read_text())
+            (ckpt / "config.json").write_text(json.dumps({**cfg, **values}, indent=1))
     return ckpt
 
 
