@@ -50,9 +50,12 @@ def _steps(w, steps) -> None:
             w(f"      branch {s.value} = [{' | '.join(s.inputs)}] -> {chain} (no residual)"
               + (f" where {s.when}" if s.when is not None else ""))
         elif hasattr(s, "branches"):
-            w("      parallel residual: " + " + ".join(f"{b.norm}" + (f" x {b.input_scale}" if b.input_scale else "")
-                                                        + f" -> {b.block}" + (f" x {b.scale}" if b.scale else "")
-                                                        for b in s.branches))
+            w("      parallel residual: " + " + ".join(f"{b.norm or '(no norm)'}"
+                                                        + (f" x {b.input_scale}" if b.input_scale else "")
+                                                        + f" -> {b.block}" + (f" -> {b.post_norm}" if b.post_norm else "")
+                                                        + (f" x {b.scale}" if b.scale else "")
+                                                        for b in s.branches)
+              + (f"; the sum -> {s.post_norm}" if s.post_norm else ""))
         else:
             block = s.block if s.choice is None else f"{s.block} = ({s.choice.describe()})"
             w(f"      residual: {s.norm or '(no norm)'}{'(stream + ' + s.add + ')' if s.add else ''}"
@@ -60,7 +63,8 @@ def _steps(w, steps) -> None:
               + f" -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else "")
-              + (f" (+ branch {s.join})" if getattr(s, "join", None) else ""))
+              + (f" (+ branch {s.join})" if getattr(s, "join", None) else "")
+              + (f" where {s.when}" if s.when is not None else ""))
 
 
 def _rotary(r) -> str:
@@ -261,7 +265,13 @@ def _block(b) -> str:
                       if (getattr(b.shared, 'gate_up_bias', None) or b.shared.up_bias).literal is not False else "")
                    if b.shared else "")
                 + (f"; output normalized by {b.out_norm.kind}({b.out_norm.name}, eps={b.out_norm.eps})"
-                   if b.out_norm else "") + ")")
+                   if b.out_norm else "")
+                + (f"; experts' input normalized by {b.expert_norm.kind}({b.expert_norm.name}, eps={b.expert_norm.eps})"
+                   if b.expert_norm else "")
+                + ("; router input = " + (f"rmsnorm(x, eps={b.router_norm_eps}, no weight)" if b.router_norm_eps
+                                          else "x") + (" * router_input.weight" if b.router_input_weight else "")
+                   + (f" * {b.router_input_scale}" if b.router_input_scale else "") if b.router_input else "")
+                + ("; weights x expert_scale[expert]" if b.expert_scale else "") + ")")
     return repr(b)
 
 

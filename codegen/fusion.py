@@ -76,7 +76,8 @@ def _layer_kernel(ir: ModelIR, norm_prologue: frozenset) -> tuple:
     s1, s2 = layer.steps
     for s in (s1, s2):
         if (type(s).__name__ != "StepIR" or s.choice is not None or s.norm is None or s.post_norm or s.scale
-                or s.after_norm or s.add or s.input_scale or s.residual_normed or s.block not in norm_prologue):
+                or s.after_norm or s.add or s.input_scale or s.residual_normed or s.when is not None
+                or s.block not in norm_prologue):
             return ()
     attn, mlp = blocks[s1.block], blocks[s2.block]
     if not (isinstance(attn, AttentionIR) and attn.kind == "attention" and isinstance(mlp, GatedMLPIR)):
@@ -102,7 +103,11 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
         for st in (s.branches if parallel else (s,)):
             names = st.choice.alternatives if st.choice is not None else (st.block,)
             norm = blocks.get(st.norm) if st.norm else None
-            fusable = (not parallel and st.choice is None and st.input_scale is None   # the GEMV reads norm(x) itself
+            # in a parallel step the first branch only, where no other branch reads its norm's output (they read
+            # the stream the fused call returns, or their own norm of it)
+            alone = not parallel or (getattr(s, "value", None) is None and st is s.branches[0]   # not a branch step
+                                     and all(b.norm != st.norm for b in s.branches[1:]))
+            fusable = (alone and st.choice is None and st.input_scale is None   # the GEMV reads norm(x) itself
                        and isinstance(norm, NormIR) and norm.kind == "rmsnorm" and norm.gate_rank is None
                        and not norm.bias and norm.always and blocks[st.block].kind in NORM_PROLOGUE_KINDS
                        and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input

@@ -38,7 +38,6 @@ from .ir import (
     ModelIR,
     MoEIR,
     NormIR,
-    ParallelStepIR,
     ParamIR,
     ProjectionIR,
     RunnerIR,
@@ -602,6 +601,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if in_scale is not None and st.norm is None:
                 raise self.err(sp + ("input_scale",), f"{where}.input_scale: scales the normed input of a step with a "
                                                       f"`norm` (a step without one reads the residual stream itself)")
+            when = None
+            if getattr(st, "when", None) is not None:     # the step runs only where it holds
+                if not isinstance(st.block, str) or st.after_norm is not None or getattr(st, "add", None):
+                    raise self.err(sp + ("when",), f"{where}.when: a step `{{norm: N, block: B}}` or `{{block: B}}` "
+                                                   f"(no per-layer choice, after_norm or add)")
+                when = Value(expr=self.expr(sp + ("when",), st.when, per_layer=True))
             if isinstance(st.block, Choice):
                 c = st.block
                 roles = [("norm", st.norm, ("rmsnorm", "layernorm")), (("block", "then"), c.then, mixers),
@@ -685,7 +690,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                               residual_scale=res_scale)
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
                           st.after_norm, add=add, input_scale=in_scale, residual_normed=normed,
-                          residual_scale=res_scale, join=join)
+                          residual_scale=res_scale, join=join, join_optional=join in optional_values, when=when)
 
         def branch_step(st, sp, where):
             b = st.branch
@@ -722,6 +727,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 ops.append(StepIR(op.norm, op.block, isinstance(blocks[op.block], ATTENTION_IRS)))
             when = Value(expr=self.expr(bp + ("when",), b.when, per_layer=True)) if b.when is not None else None
             values.append(name)
+            if when is not None:
+                optional_values.add(name)
             return BranchStepIR(name, tuple(b.input), tuple(ops), when)
 
         df = L.dataflow
@@ -732,26 +739,13 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             flows = [(df, base + ("dataflow",), "decoder.layers.dataflow")]
         resolved, all_used = [], {}
         for flow, fp, fw in flows:
-            steps, used, values, norm_uses = [], {}, [], {}
+            steps, used, values, norm_uses, optional_values = [], {}, [], {}, set()
             for i, st in enumerate(flow):
                 sp = fp + (i,)
                 if isinstance(st, BranchStep):
                     steps.append(branch_step(st, sp, f"{fw}[{i}]"))
                 elif isinstance(st, ParallelStep):
-                    if len(st.parallel) < 2:
-                        raise self.err(sp + ("parallel",), f"{fw}[{i}].parallel: list two or more branches")
-                    branches = []
-                    for j, br in enumerate(st.parallel):
-                        if br.norm is None:
-                            raise self.err(sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]: a parallel branch needs "
-                                           f"its `norm` (the branches share the fused residual add)", at_key=True)
-                        for key in ("post_norm", "after_norm"):
-                            if getattr(br, key) is not None:
-                                raise self.err(sp + ("parallel", j, key), f"{fw}[{i}].parallel[{j}].{key}: not "
-                                                                          f"supported in a parallel step")
-                        shared = (st.parallel[0].norm,) if j else ()
-                        branches.append(step(br, sp + ("parallel", j), f"{fw}[{i}].parallel[{j}]", shared))
-                    steps.append(ParallelStepIR(tuple(branches)))
+                    steps.append(self.parallel_step(st, sp, f"{fw}[{i}]", step, blocks, used))
                 else:
                     steps.append(step(st, sp, f"{fw}[{i}]"))
             if not steps:

@@ -6,12 +6,43 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from .errors import did_you_mean
 from .expr import is_symbol
-from .ir import LayerIR, Value
+from .ir import LayerIR, ParallelStepIR, Value
 from .schema import DataflowChoice
 
 
 class DataflowResolver:
+    def parallel_step(self, st, sp, where: str, step, blocks, used) -> ParallelStepIR:
+        """`{parallel: [...], post_norm: P}`: the branches read the same residual (each through its own norm, or the
+        stream itself without one); each branch's post_norm normalizes its output, P the sum."""
+        if len(st.parallel) < 2:
+            raise self.err(sp + ("parallel",), f"{where}.parallel: list two or more branches")
+        branches = []
+        for j, br in enumerate(st.parallel):
+            for key in ("after_norm", "when", "add"):
+                if getattr(br, key) is not None:
+                    raise self.err(sp + ("parallel", j, key), f"{where}.parallel[{j}].{key}: not supported in a "
+                                                              f"parallel step")
+            if br.residual != "stream":
+                raise self.err(sp + ("parallel", j, "residual"), f"{where}.parallel[{j}].residual: not supported "
+                                                                 f"in a parallel step")
+            shared = (st.parallel[0].norm,) if j and st.parallel[0].norm else ()
+            branches.append(step(br, sp + ("parallel", j), f"{where}.parallel[{j}]", shared))
+        if st.post_norm is not None:
+            pp = sp + ("post_norm",)
+            if st.post_norm not in blocks:
+                raise self.err(pp, f"{where}.post_norm: no block '{st.post_norm}' in decoder.layers.blocks"
+                                   f"{did_you_mean(st.post_norm, blocks)}")
+            if blocks[st.post_norm].kind not in ("rmsnorm", "layernorm"):
+                raise self.err(pp, f"{where}.post_norm: block '{st.post_norm}' is {blocks[st.post_norm].kind}, "
+                                   f"expected rmsnorm or layernorm")
+            if st.post_norm in used:
+                raise self.err(pp, f"{where}.post_norm: block '{st.post_norm}' is already used by "
+                                   f"{used[st.post_norm]}; each block is used once")
+            used[st.post_norm] = where
+        return ParallelStepIR(tuple(branches), st.post_norm)
+
     def dataflow_choice(self, layer: LayerIR, df: DataflowChoice, resolved) -> LayerIR:
         """`dataflow: {if: flag, then: [...], else: [...]}`: a layer class per dataflow (the `then` one a subclass
         overriding forward); the blocks that only one dataflow uses exist only in its checkpoints (in its layers,
@@ -22,7 +53,13 @@ class DataflowResolver:
         only = tuple((b.name, b.name in then_used) for b in layer.blocks if (b.name in then_used) != (b.name in else_used))
         chosen = {b for s in then_steps + else_steps for st in getattr(s, "branches", (s,)) if st.choice
                   for b in st.choice.alternatives}
+        gated = {b for s in then_steps + else_steps if getattr(s, "when", None) is not None
+                 and getattr(s, "value", None) is None for b in (s.norm, s.block, s.post_norm) if b}
         for name, _ in only:
+            if name in gated:
+                raise self.err(path, f"decoder.layers.blocks.{name}: a step with `when` must be in both dataflows "
+                                     f"of `dataflow: {{if: ...}}` (its blocks exist where its `when` holds)",
+                               at_key=True)
             if name in chosen:
                 raise self.err(path, f"decoder.layers.blocks.{name}: a per-layer choice's block must be used by both "
                                      f"dataflows of `dataflow: {{if: ...}}`", at_key=True)

@@ -177,28 +177,40 @@ class FeedForwardResolver:
         elif b.jitter_eps is not None:
             raise self.err(path + ("jitter_eps",), f"{self._where(path)}.jitter_eps: only with routing: "
                                                    f"sparsemixer")
-        out_norm = None
-        if b.out_norm is not None:
-            op = path + ("out_norm",)
-            n = b.out_norm
+        taken = {"experts", router, "shared_expert" if b.shared_expert is None else b.shared_expert.name,
+                 "router_input", "expert_scale", "bias"}
+        if b.shared_expert is not None and b.shared_expert.gate:
+            taken.add(b.shared_expert.gate)
+        norms = {}
+        for key in ("out_norm", "expert_norm"):     # a norm of the block's output / of the experts' input
+            n = getattr(b, key)
+            if n is None:
+                continue
+            op = path + (key,)
             self.ident(op + ("name",), n.name, "module name")
-            taken = {"experts", router, "shared_expert" if b.shared_expert is None else b.shared_expert.name}
-            if b.shared_expert is not None and b.shared_expert.gate:
-                taken.add(b.shared_expert.gate)
             if n.name in taken:
                 raise self.err(op + ("name",), f"{self._where(op)}.name: module name '{n.name}' is already used "
                                                f"in this block")
+            taken.add(n.name)
             if not math.isfinite(n.weight_offset):
                 raise self.err(op + ("weight_offset",), f"{self._where(op)}.weight_offset: must be finite")
-            out_norm = NormIR(n.kind, n.name, self.dim(path + ("hidden",), b.hidden),
-                              self.positive(op + ("eps",), n.eps, below=1.0), n.bias, float(n.weight_offset))
+            norms[key] = NormIR(n.kind, n.name, self.dim(path + ("hidden",), b.hidden),
+                                self.positive(op + ("eps",), n.eps, below=1.0), n.bias, float(n.weight_offset))
+        r, rp = b.router, path + ("router",)
+        if r.expert_scale and b.routing != "topk":
+            raise self.err(rp + ("expert_scale",), f"{self._where(rp)}.expert_scale: only with routing: topk")
+        routing.update(
+            router_norm_eps=self.positive(rp + ("input_norm", "eps"), r.input_norm.eps, below=1.0)
+            if r.input_norm is not None else None, router_input_weight=r.input_weight,
+            router_input_scale=self.positive(rp + ("input_scale",), r.input_scale) if r.input_scale is not None else None,
+            expert_scale=r.expert_scale, expert_norm=norms.get("expert_norm"))
         return MoEIR("moe", name, cls,
                      self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                      self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
                      act, self.flag(path + ("norm_topk_prob",), b.norm_topk_prob), router, b.parallel, **shared,
                      router_bias=self.flag(path + ("router", "bias"), b.router.bias),
                      expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params,
-                     out_norm=out_norm, output_bias=self.flag(path + ("output_bias",), b.output_bias), **routing)
+                     out_norm=norms.get("out_norm"), output_bias=self.flag(path + ("output_bias",), b.output_bias), **routing)
 
     def check_groups_variant(self, name: str, b: MoEIR, values, at, vp) -> None:
         """Grouped routing: the groups divide the experts, top <= count, and the chosen groups hold top_k experts."""
@@ -258,9 +270,13 @@ class FeedForwardResolver:
                 ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
             if b.shared_enabled is not None:     # only in the checkpoints where the flag holds
                 ps[first:] = [dataclasses.replace(p, when=(b.shared_enabled, True)) for p in ps[first:]]
-        if b.out_norm is not None:    # a replicated [hidden] weight (and bias)
-            n = b.out_norm
-            ps += [P(f"{n.name}.{w}", (b.hidden,), "replicated") for w in (("weight", "bias") if n.bias else ("weight",))]
+        for n in (b.out_norm, b.expert_norm):   # a replicated [hidden] weight (and bias)
+            if n is not None:
+                ps += [P(f"{n.name}.{w}", (b.hidden,), "replicated") for w in (("weight", "bias") if n.bias else ("weight",))]
+        if b.router_input_weight:     # the router's learned input scale [hidden]
+            ps.append(P("router_input.weight", (b.hidden,), "replicated"))
+        if b.expert_scale:            # the learned per-expert scale of the routing weights
+            ps.append(P("expert_scale", (E,), "replicated"))
         if _maybe(b.output_bias):     # the block's output bias, replicated
             ps.append(P("bias", (b.hidden,), "replicated"))
         return ps

@@ -135,7 +135,7 @@ def test_engine_without_the_feature_leaves_transformers(what, tiny_checkpoint, m
 
 @pytest.mark.parametrize("edit,field", [
     (lambda c: c.update(num_kv_shared_layers=3), "kv_owners_missing"),
-    (lambda c: c.update(enable_moe_block=True), "enable_moe_block"),
+    (lambda c: c.update(enable_moe_block=True), "moe_sizes_given"),     # the MoE without its sizes
     (lambda c: c.update(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     (lambda c: c.update(layer_types=["full_attention", "full_attention", "sliding_attention"]), "last_layer_type_ok"),
     (lambda c: c["per_layer_config"]["2"].update(head_dim=64), "per_layer_config"),

@@ -279,11 +279,24 @@ HEAD = "extends: llama.yaml\nname: x\nclass_prefix: X\narchitectures: [XForCausa
        "variants: {Llama-3.2-1B: ~, Llama-3.1-8B: ~}\n"
 
 
-def test_parallel_branch_without_norm_is_a_located_error(tmp_path):
-    err = _compile_error(tmp_path, HEAD + "decoder:\n  layers:\n    blocks:\n      post_attention_layernorm: ~\n"
-                                          "    dataflow:\n      - parallel: [{block: self_attn}, {norm: input_layernorm,"
-                                          " block: mlp}]\n")
-    assert "x.yaml:" in err and "parallel branch needs its `norm`" in err
+def test_parallel_and_when_errors_are_located(tmp_path):
+    """A parallel branch may read the stream itself (no `norm`), but takes no `when`; a parallel step's `post_norm`
+    names a norm; a step's `when` needs a plain block (no per-layer choice): each a located error naming the key."""
+    par = "    dataflow:\n      - parallel: [{block: self_attn%s}, {norm: input_layernorm, block: mlp}]%s\n"
+    blocks = "decoder:\n  layers:\n    blocks:\n      post_attention_layernorm: ~\n"
+    err = _compile_error(tmp_path, HEAD + blocks + par % (", when: 'True'", ""))
+    assert "x.yaml:" in err and "parallel[0].when: not supported in a parallel step" in err
+    err = _compile_error(tmp_path, HEAD + blocks + "    dataflow:\n      - post_norm: mlp\n        parallel: "
+                                                   "[{block: self_attn}, {norm: input_layernorm, block: mlp}]\n")
+    assert "x.yaml:" in err and "post_norm: block 'mlp' is" in err
+    err = _compile_error(tmp_path, HEAD + "decoder:\n  layers:\n    dataflow:\n"
+                                          "      - {norm: input_layernorm, block: self_attn}\n"
+                                          "      - {norm: post_attention_layernorm, block: {if: 'layer > 0', then: mlp,"
+                                          " else: mlp2}, when: 'True'}\n")
+    assert "x.yaml:" in err and ".when: a step" in err
+    from xllm_gen.codegen.cli import main as cli_main
+    (tmp_path / "specs" / "x.yaml").write_text(HEAD + blocks + par % ("", ""), encoding="utf-8")
+    assert cli_main(["--dry-run", str(tmp_path / "specs" / "x.yaml")]) == 0      # a branch without norm compiles
 
 
 def test_dataflow_if_may_read_layer(tmp_path):

@@ -82,9 +82,14 @@ def test_real_config_is_read(path):
     ref = getattr(ref, "text_config", None) or ref
     wrong = []
     for name in FIELDS:
-        if not (hasattr(config, name) and hasattr(ref, name)):
+        try:
+            if not (hasattr(config, name) and hasattr(ref, name)):
+                continue
+            ours, want = getattr(config, name), getattr(ref, name)
+        except Exception as e:  # noqa: BLE001 - transformers 5's per-layer attributes (Gemma 4's full layers' KV
+            if "per-layer attribute" not in str(e):      # heads) refuse a global read: the per-layer values differ
+                raise
             continue
-        ours, want = getattr(config, name), getattr(ref, name)
         if want is None and name == "head_dim":   # transformers derives it where the file has none
             continue
         if isinstance(want, list):

@@ -65,6 +65,8 @@ class StepIR:
     residual_normed: bool = False        # the stream becomes norm(x) (times residual_scale) before the output joins it
     residual_scale: Optional[Value] = None
     join: Optional[str] = None    # a branch value added to the step's output (it joins the residual with it)
+    join_optional: bool = False   # the joined branch runs on some layers only (its value may be None)
+    when: Optional[Value] = None         # the step runs (and its blocks exist) only where it holds
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,10 @@ class BranchStepIR:
 
 @dataclass(frozen=True)
 class ParallelStepIR:
-    """Parallel residual: every branch reads the same residual; their outputs are summed."""
+    """Parallel residual: every branch reads the same residual (normed by its own norm, or the stream itself);
+    their outputs (each after its own post_norm) are summed, and the sum normalized by `post_norm` where given."""
     branches: Tuple[StepIR, ...]
+    post_norm: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -110,10 +114,13 @@ class LayerIR:
         return any("embeddings" in getattr(s, "inputs", ()) for s in self.all_steps)
 
     def branch_when(self, block: str) -> Optional[Value]:
-        """The `when` of the branch that uses `block` (it exists only where that holds); None: every layer."""
+        """The `when` of the branch or step that uses `block` (it exists only where that holds); None: every
+        layer."""
         for s in self.all_steps:
-            if getattr(s, "value", None) is not None and any(op.block == block or op.norm == block
-                                                              for op in s.branches):
+            if getattr(s, "value", None) is not None:
+                if any(op.block == block or op.norm == block for op in s.branches):
+                    return s.when
+            elif getattr(s, "when", None) is not None and block in (s.norm, s.block, s.post_norm):
                 return s.when
         return None
 

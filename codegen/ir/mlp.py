@@ -97,6 +97,18 @@ class MoEIR:
     def router_width(self) -> Size:
         """The router's choices: the experts plus any identity experts."""
         return self.experts if self.identity_experts is None else self.experts + self.identity_experts
+    # the router's own input r = N(x) * w * scale (module `router_input`): the weightless RMSNorm's eps (None: no
+    # norm), a learned [hidden] weight, a constant factor (None: 1)
+    router_norm_eps: Optional[Value] = None
+    router_input_weight: bool = False
+    router_input_scale: Optional[Value] = None
+    expert_scale: bool = False                # a learned [experts] scale of the chosen experts' weights
+    expert_norm: Optional[NormIR] = None      # a norm of the experts' input (not the router's)
+
+    @property
+    def router_input(self) -> bool:
+        """The router reads its own transform of the block's input (module `router_input`)."""
+        return self.router_norm_eps is not None or self.router_input_weight or self.router_input_scale is not None
 
     @property
     def plain_routing(self) -> bool:
@@ -104,4 +116,4 @@ class MoEIR:
                 and self.groups is None and self.routed_scale is None and self.weights_on == "output"
                 and self.renormalize_min is None and self.renormalize_epsilon is None and self.expert_mlp == "gated"
                 and self.selection_bias.literal is False and self.selection_bias.symbol is None
-                and self.selection_bias.expr is None)
+                and self.selection_bias.expr is None and not self.expert_scale)

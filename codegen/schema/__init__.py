@@ -81,6 +81,7 @@ from .mlp import (
     MLPBlock,
     MoEBlock,
     Router,
+    RouterNorm,
     RoutingGroups,
     SharedExpert,
 )

@@ -63,6 +63,10 @@ class ResidualStep(Strict):
     # residual += h; h = B(N(residual)) + value (LongCat-Flash's shortcut MoE, computed from an earlier step's normed
     # input, joins after the layer's last step). In a layer where the branch does not run nothing is added
     join: Optional[StrictStr] = None
+    # a bool expression over config symbols (and `layer`): the step runs, and the blocks only it uses exist, only
+    # where it holds (per checkpoint: Gemma 4's per-layer-input step where hidden_size_per_layer_input > 0); elsewhere
+    # the stream passes the step unchanged. Not inside `parallel`
+    when: Optional[StrictStr] = None
 
 
 class BranchOp(Strict):
@@ -91,8 +95,12 @@ class BranchStep(Strict):
 class ParallelStep(Strict):
     """`{parallel: [{norm: N1, block: B1}, {norm: N2, block: B2}]}`: both blocks read the same residual and
     their outputs are summed into it (GPT-J / NeoX style parallel residual). N1 and N2 may be one norm. A branch may
-    be any block a step takes, a recurrent mixer too (FalconH1: Mamba-2 beside attention)."""
+    be any block a step takes, a recurrent mixer too (FalconH1: Mamba-2 beside attention). A branch without `norm`
+    reads the residual stream itself; a branch's `post_norm` normalizes its output before the sum, the step's
+    `post_norm` the sum before it joins the residual: Gemma 4's MoE layers,
+    h = P(P1(mlp(N(x))) + P2(moe(x)))."""
     parallel: List[ResidualStep]
+    post_norm: Optional[StrictStr] = None
 
 
 class DataflowChoice(Strict):

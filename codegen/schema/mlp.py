@@ -50,6 +50,11 @@ class MLPBlock(Strict):
     multiply: Optional[Literal["per_layer_input"]] = None
 
 
+class RouterNorm(Strict):
+    """The router's input norm: a weightless RMSNorm, y = x / rms(x) in float32, cast back."""
+    eps: Num
+
+
 class Router(Strict):
     """The router of a mixture-of-experts block: a replicated linear hidden -> experts, with a bias when `bias`.
     `float32`: the logits are computed in float32 from the float32-cast input and weight (DeepSeek, GLM-4-MoE keep
@@ -57,6 +62,16 @@ class Router(Strict):
     name: StrictStr = "gate"
     bias: Flag = False
     float32: StrictBool = False
+    # the router's own input transform, r = N(x) * w * input_scale, before its linear (Gemma 4's router reads the
+    # un-normed residual stream): `input_norm: {eps}` a weightless RMSNorm (float32, cast back); `input_weight` a
+    # learned per-channel scale (module `router_input`, parameter `router_input.weight [hidden]`, replicated);
+    # `input_scale` a constant factor. The experts read the block's input (or `expert_norm`'s output), not r
+    input_norm: Optional[RouterNorm] = None
+    input_weight: StrictBool = False
+    input_scale: Optional[Num] = None
+    # a learned per-expert scale of the routing weights, `expert_scale [experts]` (replicated): each chosen expert's
+    # weight (after any renormalization and routed_scale) times its entry (Gemma 4's per_expert_scale)
+    expert_scale: StrictBool = False
 
 
 class RoutingGroups(Strict):
@@ -133,6 +148,10 @@ class MoEBlock(Strict):
     # a norm of the block's output (the routed experts' plus any shared expert's), module `out_norm.name` with a
     # replicated weight [hidden] (A.X-K1's post_mlp_layernorm)
     out_norm: Optional[SubNorm] = None
+    # a norm of the experts' input (and any shared expert's), not the router's: the router reads the block's input x
+    # (through its own `input_norm` / scales), the experts N(x) (Gemma 4's pre_feedforward_layernorm_2); module
+    # `expert_norm.name`, a replicated weight [hidden]
+    expert_norm: Optional[SubNorm] = None
     # a bias [hidden] added to the block's output (routed experts plus any shared expert, before any out_norm), once,
     # after the experts' all-reduce (JetMoE's MoE `bias`): parameter `bias` of the block, replicated
     output_bias: Flag = False

@@ -1,8 +1,9 @@
-"""LLMEngine: admission (validation per request), the step loop (schedule -> run -> sample -> finish),
-and detokenization. Rank 0 owns scheduling and sampling; model runners (one per TP rank) execute."""
+"""LLMEngine: the step loop (schedule -> run -> sample -> finish) and the request-level API; admission (validation
+per request) is engine/admission.py's (EngineAdmission), the text and the outputs of requests engine/detokenize.py's
+(EngineOutputs). Rank 0 owns scheduling and sampling;
+model runners (one per TP rank) execute."""
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from pathlib import Path
@@ -10,11 +11,13 @@ from typing import Any, Optional
 
 import torch
 
+from xllm_gen.runtime.engine.admission import EngineAdmission
 from xllm_gen.runtime.engine.async_decode import AsyncDecode
 from xllm_gen.runtime.engine.block_manager import BlockManager
-from xllm_gen.runtime.engine.outputs import CompletionOutput, RequestOutput
+from xllm_gen.runtime.engine.detokenize import EngineOutputs, IncrementalDetokenizer  # noqa: F401 (re-exported)
+from xllm_gen.runtime.engine.outputs import RequestOutput
 from xllm_gen.runtime.engine.sampler import Sampler
-from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
+from xllm_gen.runtime.engine.sampling_params import SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, check_target, load_draft_runner
@@ -75,45 +78,7 @@ def _mm_preprocess_device(option: Any, device: torch.device, tensor_parallel_siz
                          f"({e})") from None
 
 
-def _check_unicode(where: str, text: Any) -> None:
-    if not isinstance(text, str):
-        raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{where}: prompt is not valid Unicode (lone surrogate at character {e.start})") from None
-
-
-class IncrementalDetokenizer:
-    """Text of a growing list of completion token ids, emitted only when whole characters are complete (a
-    multi-byte character split over tokens is held back until its last byte), as vLLM and TGI do: decode a
-    short window of context plus the new tokens and keep what the new tokens add."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
-
-    def step(self, ids: list[int], final: bool = False) -> str:
-        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
-        new = self._decode(ids[self.prefix_offset:])
-        if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
-            delta = new[len(prefix):]
-            self.text += delta
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-            return delta
-        return ""
-
-    def flush(self, ids: list[int]) -> str:
-        return self.step(ids, final=True) if self.read_offset < len(ids) else ""
-
-
-class LLMEngine:
+class LLMEngine(EngineAdmission, EngineOutputs):
     spec = None                          # speculative decoding (SpecDecoder), when speculative_config is given
     def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, max_num_seqs: int = 256,
@@ -259,113 +224,6 @@ class LLMEngine:
             self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self.sampler.grammar = self._grammar_backend
         return self._grammar_backend
-
-    # ---- admission ------------------------------------------------------------------------------
-    def make_sequence(self, index: Any, prompt: Any, params: SamplingParams) -> Sequence:
-        """Validates one request; raises ValueError("request {index}: ...") naming the field when it cannot
-        be served. The sequence gets a validated private copy of `params`."""
-        where = f"request {index}"
-        try:
-            return self._make_sequence(where, index, prompt, params)
-        except ValueError as e:
-            msg = str(e)
-            raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        except Exception as e:             # whatever the input holds, admission answers with a ValueError
-            raise ValueError(f"{where}: invalid request ({type(e).__name__}: {e})") from None
-
-    def _make_sequence(self, where: str, index: Any, prompt: Any, params: SamplingParams) -> Sequence:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
-        try:
-            params = params.validated()
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        except Exception as e:         # an attribute deleted or replaced by something odd
-            raise ValueError(f"{where}: sampling params are malformed ({type(e).__name__}: {e})") from None
-        text, mm_inputs = None, None
-        if isinstance(prompt, str):
-            text, token_ids = prompt, None
-        elif isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
-            if unknown:
-                raise ValueError(f"{where}: unknown prompt key(s) {sorted(map(str, unknown))}")
-            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-            if (text is None) == (token_ids is None):
-                raise ValueError(f"{where}: give exactly one of 'prompt' and 'prompt_token_ids'")
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
-            if isinstance(text, str):
-                _check_unicode(where, text)
-            mm_data = prompt.get("multi_modal_data")
-            kwargs = prompt.get("mm_processor_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise ValueError(f"{where}: mm_processor_kwargs must be a dict, got {type(kwargs).__name__}")
-            if mm_data is not None and not isinstance(mm_data, dict):
-                raise ValueError(f"{where}: multi_modal_data must be a dict, got {type(mm_data).__name__}")
-            if mm_data:
-                if self.mm_processor is None:
-                    raise ValueError(f"{where}: multi_modal_data given, but this checkpoint is text-only")
-                mm_inputs = self.mm_processor.process(index, text, token_ids, mm_data, kwargs)
-                token_ids = list(mm_inputs.prompt_token_ids)
-        else:
-            raise ValueError(f"{where}: a prompt is a str or a dict, got {type(prompt).__name__}")
-        if token_ids is None:
-            _check_unicode(where, text)
-            if self.tokenizer is None:
-                raise ValueError(f"{where}: text prompt, but the checkpoint has no tokenizer")
-            try:
-                token_ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
-            except Exception as e:
-                raise ValueError(f"{where}: prompt cannot be tokenized ({type(e).__name__}: {e})") from None
-        if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                               for t in token_ids):
-            raise ValueError(f"{where}: prompt_token_ids must be a list of ints")
-        token_ids = [int(t) for t in token_ids]
-        if len(token_ids) == 0:
-            raise ValueError(f"{where}: empty prompt")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where}: prompt_token_ids: token id {bad[0]} out of vocabulary (size {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"{where}: prompt of {len(token_ids)} tokens does not fit the model's context "
-                             f"of {self.max_model_len} tokens (max_model_len)")
-        if not self.scheduler.fits_at_all(len(token_ids) + 1):
-            raise ValueError(f"{where}: prompt of {len(token_ids)} tokens needs more KV blocks than the cache "
-                             f"holds ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
-        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
-            raise ValueError(f"{where}: logit_bias: token id {max(params.logit_bias)} out of vocabulary "
-                             f"(size {self.vocab_size})")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"{where}: stop_token_ids: token id {max(params.stop_token_ids)} out of vocabulary "
-                             f"(size {self.vocab_size})")
-        if mm_inputs is None and self.mm_processor is not None:
-            self.mm_processor.check_no_placeholders(index, token_ids)
-        compiled = None
-        if params.structured_outputs is not None:
-            compiled = self.structured.compile(params.structured_outputs)    # cached; GrammarError names it
-        seq = Sequence(self._next_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
-        if compiled is not None:
-            seq.grammar, seq.compiled_grammar = self.structured.matcher(compiled), compiled
-        seq.no_prefix_cache = params.prompt_logprobs is not None     # needs every prompt row computed
-        self._next_id += 1
-        seq.arrival_time = time.monotonic()
-        return seq
-
-    def make_sequences(self, index: Any, prompt: Any, params: SamplingParams) -> list[Sequence]:
-        """The `params.n` sequences of one request (a seed s gives completion i the seed s + i)."""
-        first = self.make_sequence(index, prompt, params)
-        seqs = [first]
-        for i in range(1, first.params.n):
-            p = copy.copy(first.params)
-            if p.seed is not None:
-                p.seed = (p.seed + i) % SEED_MOD
-            s = Sequence(self._next_id, first.token_ids, p, prompt=first.prompt, mm_inputs=first.mm_inputs)
-            self._next_id += 1
-            s.index, s.arrival_time, s.no_prefix_cache = i, first.arrival_time, first.no_prefix_cache
-            if first.grammar is not None:          # each completion walks the grammar on its own
-                s.grammar = self.structured.matcher(first.compiled_grammar)
-            seqs.append(s)
-        return seqs
 
     # ---- request-level API (what a server drives: add, step, abort) -----------------------------------
     def add_request(self, request_id: Any, prompt: Any, params: SamplingParams,
@@ -599,118 +457,6 @@ class LLMEngine:
                 self.scheduler.abort(seq)
                 seq.finish_reason = "error"
                 finished.append(seq)
-
-    def _detok(self, seq: Sequence) -> Optional["IncrementalDetokenizer"]:
-        if self.tokenizer is None or (not self.detokenize and not seq.params.stop):
-            return None
-        if seq.detok is None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
-        return seq.detok
-
-    def _flush(self, seq: Sequence) -> None:
-        d = self._detok(seq)
-        if d is not None:
-            try:
-                d.flush(seq.completion_token_ids)
-            except Exception as e:
-                seq.error = f"detokenization failed: {type(e).__name__}: {e}"
-
-    def _finish_reason(self, seq: Sequence, tok: int) -> Optional[str]:
-        p = seq.params
-        d = self._detok(seq)
-        old_len = 0
-        # text is needed every step only for stop strings or streamed deltas; otherwise it is decoded once at
-        # the finish (_flush): two tokenizer calls per request per step cost ~30% of a batch-100 decode step
-        if d is not None and (p.stop or self._stream_text):
-            old_len = len(d.text)
-            d.step(seq.completion_token_ids)
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            return "stop"
-        if tok in p.stop_token_ids:
-            seq.stop_reason = tok
-            return "stop"
-        if p.stop and d is not None:
-            hits = []
-            for s in p.stop:
-                at = d.text.find(s, max(0, old_len - len(s) + 1))
-                if at >= 0:
-                    hits.append((at, s))
-            if hits:
-                at, s = min(hits)
-                d.text = d.text[:at + len(s)] if p.include_stop_str_in_output else d.text[:at]
-                seq.stop_reason = s
-                return "stop"
-        if seq.grammar is not None and seq.grammar.is_terminated():
-            return "stop"                    # the structured output is complete (and ignore_eos is set)
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def decode_text(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def _decorate(self, entries):
-        """Fills decoded_token on logprob entries (in place); returns them."""
-        if self.tokenizer is not None and entries and self.detokenize:
-            for entry in entries:
-                for tid, lp in (entry or {}).items():
-                    if lp.decoded_token is None:
-                        lp.decoded_token = self.tokenizer.decode([tid])
-        return entries
-
-    def _text_of(self, seq: Sequence, final: bool) -> str:
-        d = self._detok(seq)
-        if d is None:
-            return ""
-        if final or seq.is_finished:
-            return d.text
-        p = seq.params
-        hold = max(len(s) for s in p.stop) - 1 if p.stop and not p.include_stop_str_in_output else 0
-        return d.text[:max(0, len(d.text) - hold)]
-
-    @staticmethod
-    def _error_of(seqs: list[Sequence]) -> Optional[str]:
-        errors = [s.error for s in seqs if s.error]
-        return "; ".join(errors) if errors else None
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        want_lp = seq.params.logprobs is not None
-        return CompletionOutput(seq.index, self._text_of(seq, True), seq.completion_token_ids,
-                                None if seq.finish_reason == "error" else seq.finish_reason,
-                                self._decorate(seq.logprobs) if want_lp else None,
-                                seq.cumulative_logprob if want_lp else None, seq.stop_reason)
-
-    def _delta_of(self, seq: Sequence) -> Optional[CompletionOutput]:
-        """What is new in `seq` since its last delta; None when nothing is."""
-        ids = seq.completion_token_ids
-        text = self._text_of(seq, False)
-        new_ids = ids[seq.num_emitted_tokens:]
-        new_text = text[seq.num_emitted_chars:]
-        ending = seq.is_finished and not getattr(seq, "_end_sent", False)
-        if not new_ids and not new_text and not ending:
-            return None
-        want_lp = seq.params.logprobs is not None
-        lps = self._decorate(seq.logprobs[seq.num_emitted_tokens:]) if want_lp else None
-        seq.num_emitted_tokens, seq.num_emitted_chars = len(ids), max(seq.num_emitted_chars, len(text))
-        if seq.is_finished:
-            seq._end_sent = True
-        return CompletionOutput(seq.index, new_text, new_ids,
-                                None if seq.finish_reason == "error" else seq.finish_reason,
-                                lps, seq.cumulative_logprob if want_lp else None, seq.stop_reason)
-
-    def request_output(self, request_id: Any, seqs: list[Sequence]) -> RequestOutput:
-        """The final output of a request (all its completions, in index order)."""
-        first = seqs[0]
-        plp = self._decorate(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None
-        return RequestOutput(request_id, first.prompt, first.token_ids[:first.num_prompt_tokens],
-                             [self._completion(s) for s in seqs], True, self._error_of(seqs), plp,
-                             first.num_cached_tokens)
-
-    def output_of(self, index: Any, seq: Sequence) -> RequestOutput:
-        """The final output of one sequence (kept for drivers that queue sequences directly)."""
-        return self.request_output(index, [seq])
 
     @property
     def spec_acceptance_rate(self) -> Optional[float]:

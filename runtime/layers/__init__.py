@@ -72,6 +72,7 @@ from xllm_gen.runtime.layers.rotary import (
                                             yarn_mscale,
 )
 from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
+from xllm_gen.runtime.layers.router import RouterInput, expert_scale
 from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
@@ -88,4 +89,5 @@ __all__ = [
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
     "LightningAttention",
     "keep_residual_float32", "LoRA", "SegmentLoRA", "share_blocks", "segment_scale", "HeadTransform", "RoutedLinear", "topk_softmax", "output_bias",
+    "RouterInput", "expert_scale",
 ]

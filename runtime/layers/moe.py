@@ -339,11 +339,12 @@ class FusedMoE(nn.Module):
                 ParamSplit("replicated", None, (), (hidden,), tp, rank, owner), num_experts, e0, e1, parallel, owner))
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
-                score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                score_bias: Optional[torch.Tensor] = None, expert_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`score_bias` [E]: a selection-only bias (added to the scores for the choice of experts, not to the
-        weights; transformers' e_score_correction_bias, a parameter of the router: `routing_bias`)."""
+        weights; transformers' e_score_correction_bias, a parameter of the router: `routing_bias`). `expert_scale`
+        [E]: each chosen expert's weight times its entry (after renormalization and the routed scale)."""
         # pairs routed to another rank's experts (parallel="expert") or from a decode batch's padding rows: nowhere
-        if self.plain_routing and score_bias is None:
+        if self.plain_routing and score_bias is None and expert_scale is None:
             weights, ids = moe_ops.route(router_logits, self.top_k, self.renormalize, self.expert_start,
                                          self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         elif self.routing == "sparsemixer":
@@ -357,6 +358,8 @@ class FusedMoE(nn.Module):
                                                   self.renormalize_epsilon, self.group_dropped)
             if self.identity_experts:     # the identity experts' summed weight; localize routes them nowhere
                 identity = weights.masked_fill(ids < self.num_experts, 0.0).sum(dim=-1, keepdim=True)
+            if expert_scale is not None:  # a learned per-expert scale of the chosen experts' weights
+                weights = weights * expert_scale[ids.clamp(max=self.num_experts - 1)].to(weights.dtype)
             weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
         out = self._experts(hidden_states, weights, ids)

@@ -36,7 +36,7 @@ def render() -> str:
     everything = F.all_causal_lm_classes()
     families = [f for f in everything if f.excluded is None]
     plans = [F.plan(f) for f in families]
-    counts = {s: sum(p.status == s for p in plans) for s in ("served", "refused", "not yet")}
+    counts = {s: sum(p.status == s for p in plans) for s in ("served", "refused", "not expressible", "not yet")}
     lines = [
         "# Coverage: transformers' decoder-only families",
         "",
@@ -44,7 +44,7 @@ def render() -> str:
         "",
         f"transformers {transformers.__version__}: {len(families)} decoder-only text classes in "
         f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; **{counts['served']} served**, {counts['refused']} refused, "
-        f"{counts['not yet']} not yet.",
+        f"{counts['not expressible']} not expressible, {counts['not yet']} not yet.",
         "",
         "- **served**: a spec in specs/ claims the class. The conformance battery (tests/conformance/) builds a",
         "  tiny checkpoint with the *features ON* listed (generic rules over the config class's fields) and checks",
@@ -54,6 +54,8 @@ def render() -> str:
         "- **refused**: the spec's config guard refuses even the family's default tiny config (the reason).",
         "- *model types*: those transformers maps to the class; the battery builds the class's own config class",
         "  (a checkpoint of another model type is served only as far as the spec's config guard accepts its fields).",
+        "- **not expressible**: no spec claims the class, because the language or the runtime lacks what it needs",
+        "  (the reason, from tests/conformance/families.py `NOT_EXPRESSIBLE`, in the last column).",
         "- **not yet**: no spec claims the class. `xllm-gen draft <Class> -o specs/x.yaml` writes a first spec.",
         "",
         "Regenerate after adding a spec: `python -m tests.conformance.coverage` (tests/conformance/"
@@ -70,6 +72,8 @@ def render() -> str:
             ref = "; ".join(f"{t.name}: {_refusal(m)}" for t, m in p.refused)
         elif p.status == "refused":
             on, ref = "", _refusal(p.base_refused or "")
+        elif p.status == "not expressible":
+            on, ref = "", "why not: " + F.NOT_EXPRESSIBLE[f.architecture]
         elif p.status == "error":
             on, ref = f"cannot check: {p.error}", ""
         else:

@@ -52,6 +52,26 @@ NOT_DECODER_ONLY: dict[str, str] = {
     "XLNetLMHeadModel": "permutation language model (two-stream attention), not a causal decoder",
 }
 
+# Decoder-only classes that no spec claims because the language (or the runtime) lacks what they need: {class: the
+# reason}, shown in docs/coverage.md (status "not expressible") instead of a bare "not yet".
+_DRAFTER = ("a drafter for its target model's assisted generation, not a standalone LM: it takes no token ids (its "
+            "input is pre_projection of the target's [embedding | last hidden state], 2 * backbone_hidden_size wide), "
+            "every layer attends over the target's KV states (shared_kv_states of the target's last full and last "
+            "sliding layer, under bidirectional masks) instead of a cache of its own, and it returns "
+            "post_projection(h) to the target besides its logits (optionally through centroid-masked ordered "
+            "embeddings). The engine's draft_model proposer runs a standalone checkpoint on its own tokens and KV "
+            "cache; a drafter fed by the target's hidden states and KV cache is not in the runtime or the language")
+NOT_EXPRESSIBLE: dict[str, str] = {
+    "Gemma3nForCausalLM": (
+        "AltUp: the residual is altup_num_inputs streams with per-token learned mixing (predict / correct around each "
+        "layer, projections in and out at the ends), which the one-stream dataflow cannot carry; LAuReL: a low-rank "
+        "branch of the attention's normed input added to the stream, the sum scaled by 1/sqrt(2); the per-layer input "
+        "added to the non-active streams only; activation sparsity: a per-layer Gaussian top-k of the MLP gate "
+        "(codegen/README.md, Not expressible yet)"),
+    "Gemma4AssistantForCausalLM": _DRAFTER,
+    "Gemma4UnifiedAssistantForCausalLM": _DRAFTER,
+}
+
 # Toggles no generic rule can decide: {architecture: [toggle, ...]}, a toggle {dotted field: value, ...} (a refusal
 # must name its first field). Forms that released checkpoints use besides transformers' default.
 FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
@@ -105,7 +125,14 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
                            "per_layer_config": {"0": {"head_dim": 32, "num_key_value_heads": 1},
                                                 "2": {"head_dim": 32, "num_key_value_heads": 1}}},
                           # E2B / E4B: the last layer reads layer 0's KV cache, with a double-wide MLP
-                          {"num_kv_shared_layers": 1, "use_double_wide_mlp": True}],
+                          {"num_kv_shared_layers": 1, "use_double_wide_mlp": True},
+                          # 26B-A4B: the MoE block beside the dense MLP
+                          {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                           "moe_intermediate_size": 24}],
+    # Gemma 4 unified (12B): the full layers' values from their keys, one KV head there
+    "Gemma4UnifiedForCausalLM": [{"attention_k_eq_v": True,
+                                  "per_layer_config": {"0": {"head_dim": 32, "num_key_value_heads": 1},
+                                                       "2": {"head_dim": 32, "num_key_value_heads": 1}}}],
     # MiMo-V2-Flash: a routed scale, another value scale, the released config's sliding_window_size (W previous
     # tokens + the query)
     "MiMoV2FlashForCausalLM": [{"routed_scaling_factor": 2.5}, {"attention_value_scale": 0.3},
@@ -375,7 +402,7 @@ class Plan:
     @property
     def status(self) -> str:
         if self.spec is None:
-            return "not yet"
+            return "not expressible" if self.family.architecture in NOT_EXPRESSIBLE else "not yet"
         if self.error:
             return "error"
         return "refused" if self.base_refused else "served"
