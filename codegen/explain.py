@@ -71,6 +71,7 @@ def _steps(w, steps) -> None:
               + f" -> {block}" + (f" -> {s.post_norm}" if s.post_norm else "")
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else "")
+              + (f" (+ branch {s.join})" if getattr(s, "join", None) else "")
               + (f" where {s.when}" if s.when is not None else ""))
 
 
@@ -246,6 +247,10 @@ def _block(b) -> str:
                 f"qk_rope_head_dim={b.qk_rope_head_dim}, v_head_dim={b.v_head_dim}, latent_eps={b.latent_eps}, "
                 f"bias={b.bias}, {b.out_name} bias={b.out_bias}, rotary={rot}, scale={scale}"
                 + (" x yarn mscale(factor, mscale_all_dim) ** 2" if b.scale_mscale else "")
+                + (f", query latent x {b.q_scale}" if b.q_scale else "")
+                + (f", normalized latent x {b.latent_scale}" if b.latent_scale else "")
+                + (f", rope key normalized by {b.rope_key_norm}" if b.rope_key_norm else "")
+                + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (", K/V cached expanded per head" if b.kv_cache == "expanded" else
                    ", the latent + rope key cached (kv_b_proj absorbed)")
@@ -309,7 +314,8 @@ def _routing(b) -> str:
         out += f", top {b.groups[1]} of {b.groups[0]} groups by {b.groups[2]}"
         if b.groups_dropped != "excluded":
             out += " (the other groups' experts at choice score 0)"
-    out += ", top-k"
+    out += ", top-k" + (f" of the experts and {b.identity_experts} identity experts (weight x input)"
+                        if b.identity_experts else "")
     if b.renormalize_min:
         out += f", renormalized by a sum clamped to >= {b.renormalize_min}"
     if b.renormalize_epsilon:

@@ -668,10 +668,14 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 if blocks[ref].kind not in kinds:
                     raise self.err(rp, f"{where}.{role}: block '{ref}' is "
                                        f"{blocks[ref].kind}, expected {' or '.join(kinds)}")
-                if ref in used and not (role == "norm" and ref in shared_norm_ok):
+                # a norm may be shared by the branches of one parallel step, and by a branch op and a step
+                # (both read the same stream: LongCat-Flash's shortcut MoE and its first MLP)
+                if ref in used and not (role == "norm" and (ref in shared_norm_ok or norm_uses.get(ref) == "branch")):
                     raise self.err(rp, f"{where}.{role}: block '{ref}' is already "
                                        f"used by {used[ref]}; each block is used once")
                 used[ref] = where
+                if role == "norm":
+                    norm_uses.setdefault(ref, "step")
             add = None
             if getattr(st, "add", None) is not None:
                 if st.add not in values:
@@ -681,6 +685,14 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                     raise self.err(sp + ("add",), f"{where}.add: a branch value is added to the input of a step "
                                                   f"`{{norm: N, block: B}}` (no after_norm, no per-layer choice)")
                 add = st.add
+            join = getattr(st, "join", None)
+            if join is not None:
+                if join not in values:
+                    raise self.err(sp + ("join",), f"{where}.join: no branch value '{join}' before this step"
+                                                   f"{did_you_mean(join, values) if values else ''}")
+                if st.after_norm is not None or choice is not None or getattr(st, "residual", "stream") != "stream":
+                    raise self.err(sp + ("join",), f"{where}.join: a branch value joins the output of a plain residual "
+                                                   f"step (no after_norm, no per-layer choice, residual: stream)")
             if choice is not None:
                 if not choice.cases and choice.then == choice.else_:
                     raise self.err(sp + ("block", "then"), f"{where}.block: `then` and `else` name the same block")
@@ -691,7 +703,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                               residual_scale=res_scale, hyper=getattr(st, "hyper", None))
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
                           st.after_norm, add=add, input_scale=in_scale, residual_normed=normed,
-                          residual_scale=res_scale, when=when,
+                          residual_scale=res_scale, join=join, join_optional=join in optional_values, when=when,
                           hyper=getattr(st, "hyper", None))
 
         def branch_step(st, sp, where):
@@ -720,13 +732,17 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                     if blocks[ref].kind not in kinds:
                         raise self.err(op_p + (role,), f"{op_w}.{role}: block '{ref}' is {blocks[ref].kind}, "
                                                        f"expected {' or '.join(kinds)}")
-                    if ref in used:
+                    if ref in used and not (role == "norm" and norm_uses.get(ref) == "step"):
                         raise self.err(op_p + (role,), f"{op_w}.{role}: block '{ref}' is already used by "
                                                        f"{used[ref]}; each block is used once")
                     used[ref] = op_w
+                    if role == "norm":
+                        norm_uses.setdefault(ref, "branch")
                 ops.append(StepIR(op.norm, op.block, isinstance(blocks[op.block], ATTENTION_IRS)))
             when = Value(expr=self.expr(bp + ("when",), b.when, per_layer=True)) if b.when is not None else None
             values.append(name)
+            if when is not None:
+                optional_values.add(name)
             return BranchStepIR(name, tuple(b.input), tuple(ops), when)
 
         df = L.dataflow
@@ -737,7 +753,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             flows = [(df, base + ("dataflow",), "decoder.layers.dataflow")]
         resolved, all_used = [], {}
         for flow, fp, fw in flows:
-            steps, used, values = [], {}, []
+            steps, used, values, norm_uses, optional_values = [], {}, [], {}, set()
             for i, st in enumerate(flow):
                 sp = fp + (i,)
                 if isinstance(st, BranchStep):

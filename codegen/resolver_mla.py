@@ -73,6 +73,19 @@ class MLAResolver(RotaryResolver, IndexerResolver):
                                    f"the attention a low-rank q (`q_lora_rank`, a size or a required int symbol)")
             if (q_gate in MLA_MODULES and q_gate != "q_b_proj") or q_gate in (out, "indexer"):
                 raise self.err(gp, f"{self._where(gp)}: '{q_gate}' is another module of the latent attention")
+        window = None
+        if b.sliding_window is not None:
+            window = self.num(path + ("sliding_window",), b.sliding_window, per_layer=True, optional=True)
+            if window.symbol is None and window.expr is None and (
+                    not isinstance(window.literal, int) or isinstance(window.literal, bool) or window.literal < 1):
+                raise self.err(path + ("sliding_window",), f"{self._where(path)}.sliding_window: a window is an "
+                                                          f"int >= 1 (or None), got {window.literal!r}")
+        knorm = None
+        if b.rope_key_norm is not None:
+            knorm = self.ident(path + ("rope_key_norm",), b.rope_key_norm, "module name")
+            if knorm in MLA_MODULES or knorm in (out, "indexer", q_gate, gate[0] if gate else None):
+                raise self.err(path + ("rope_key_norm",), f"{self._where(path)}.rope_key_norm: '{knorm}' is another "
+                                                          f"module of the latent attention")
         rope_dims = self.dim(path + ("qk_rope_head_dim",), b.qk_rope_head_dim)
         indexer = (self.resolve_indexer(path, b.indexer, rope_dims, q_lora, when, enabled)
                    if b.indexer is not None else None)
@@ -92,7 +105,10 @@ class MLAResolver(RotaryResolver, IndexerResolver):
                             self.dim(rp + ("original_max_position",), rot.original_max_position)
                             if rot.original_max_position is not None and scaling is not None else None),
             scale=scale, scale_mscale=b.scale_mscale, q_lora_when=when, kv_cache=b.kv_cache, out_gate=gate,
-            indexer=indexer, q_gate=q_gate)
+            indexer=indexer, q_gate=q_gate,
+            q_scale=self.positive(path + ("q_scale",), b.q_scale) if b.q_scale is not None else None,
+            latent_scale=self.positive(path + ("latent_scale",), b.latent_scale) if b.latent_scale is not None else None,
+            rope_key_norm=knorm, sliding_window=window)
 
     @staticmethod
     def mla_params(prefix: str, block: str, b: MLAIR, per_layer: bool, maybe) -> List[ParamIR]:
@@ -125,6 +141,8 @@ class MLAResolver(RotaryResolver, IndexerResolver):
         if maybe(b.bias):
             ps.append(P("kv_a_proj_with_mqa.bias", (b.kv_lora_rank + b.qk_rope_head_dim,), "replicated"))
         ps.append(P("kv_a_layernorm.weight", (b.kv_lora_rank,), "replicated"))
+        if b.rope_key_norm is not None:
+            ps.append(P(f"{b.rope_key_norm}.weight", (b.qk_rope_head_dim,), "replicated"))
         ps.append(P("kv_b_proj.weight", (b.heads * (b.qk_nope_head_dim + b.v_head_dim), b.kv_lora_rank), "colwise",
                     (SegmentIR("kv", b.heads, b.qk_nope_head_dim + b.v_head_dim),)))
         if b.out_gate is not None:           # one gate per head (or per head and value dim), split by heads as q

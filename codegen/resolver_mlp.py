@@ -155,6 +155,14 @@ class FeedForwardResolver:
         if b.renormalize_epsilon is not None and b.renormalize_min is not None:
             raise self.err(path + ("renormalize_epsilon",), f"{self._where(path)}.renormalize_epsilon: not with "
                                                             f"renormalize_min (one renormalizing sum)")
+        if b.identity_experts is not None:
+            ip = path + ("identity_experts",)
+            routing["identity_experts"] = self.dim(ip, b.identity_experts)
+            for key, bad in (("routing", b.routing != "topk"), ("groups", b.groups is not None),
+                             ("weights_on", b.weights_on != "output")):
+                if bad:
+                    raise self.err(path + (key,), f"{self._where(path)}.{key}: not with identity_experts (they are "
+                                                  f"chosen by plain top-k and weight the block's output)")
         if b.routing == "sparsemixer":
             rp = path + ("routing",)
             for key, bad in (("scoring", b.scoring != "softmax"), ("groups", b.groups is not None),
@@ -246,11 +254,12 @@ class FeedForwardResolver:
                          per_layer=per_layer, experts=E)
             down = ParamIR(f"{prefix}.experts.down_proj", block, (E, b.hidden, b.intermediate), "expert",
                            (SegmentIR("down_proj", b.intermediate, one),), per_layer=per_layer, experts=E)
-        ps = [P(f"{b.router_name}.weight", (E, b.hidden), "replicated")]
+        R = b.router_width            # the router scores the experts and any identity experts
+        ps = [P(f"{b.router_name}.weight", (R, b.hidden), "replicated")]
         if _maybe(b.router_bias):
-            ps.append(P(f"{b.router_name}.bias", (E,), "replicated"))
+            ps.append(P(f"{b.router_name}.bias", (R,), "replicated"))
         if _maybe(b.selection_bias):
-            ps.append(P(f"{b.router_name}.e_score_correction_bias", (E,), "replicated"))
+            ps.append(P(f"{b.router_name}.e_score_correction_bias", (R,), "replicated"))
         ps += [up, down]
         if _maybe(b.expert_bias):     # gate_up's bias split as its rows (tensor) or by experts; down's whole
             ps.append(dataclasses.replace(up, name=f"{prefix}.experts.gate_up_proj_bias",

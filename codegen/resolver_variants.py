@@ -272,10 +272,10 @@ class VariantResolver:
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k is {b.top_k.eval(values)}; routing: sparsemixer "
                                f"chooses two experts (top_k must be 2)")
-            if isinstance(b, MoEIR) and b.top_k.eval(values) > b.experts.eval(values):
+            if isinstance(b, MoEIR) and b.top_k.eval(values) > b.router_width.eval(values):
                 raise self.err(at(b.top_k.symbol) if isinstance(b.top_k, Size) else vp,
                                f"variants.{name}: {b.name}.top_k ({b.top_k.eval(values)}) exceeds its experts "
-                               f"({b.experts.eval(values)})")
+                               f"({b.router_width.eval(values)})")
         self.check_dataflow_variant(name, values, layer)
         for i, stp in enumerate(layer.all_steps):
             for st in getattr(stp, "branches", (stp,)):

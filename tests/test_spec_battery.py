@@ -449,6 +449,8 @@ def test_explicit_head_dim_is_read(spec):
     cfg = hf_cfg.to_dict()
     level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     text = getattr(hf_cfg, "text_config", None) or hf_cfg      # attribute names (GPT-J's n_embd is hidden_size)
+    if hasattr(text, "allow_global_per_layer_attribute_access"):  # a heterogeneous config (per_layer_config):
+        text.allow_global_per_layer_attribute_access = True       # its top-level values
     if "num_attention_heads" not in text.attribute_map and "num_attention_heads" not in level:
         pytest.skip("no attention heads (a recurrent-state model: its head_dim is a mixer size, read as such)")
     level["head_dim"] = 2 * text.hidden_size // text.num_attention_heads   # not the hidden / heads default

@@ -199,3 +199,7 @@ class MLAIR:
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): out * act(module(x)) before out
     indexer: Optional[IndexerIR] = None   # a sparse-attention indexer (DeepSeek-V3.2's DSA)
     q_gate: Optional[str] = None          # a fused q + output-gate projection over [normed, raw] query latent
+    q_scale: Optional[Value] = None       # the normalized query latent (or a direct q) times it; None = 1
+    latent_scale: Optional[Value] = None  # the normalized KV latent times it (mla_scale_kv_lora); None = 1
+    rope_key_norm: Optional[str] = None   # an RMSNorm module of the shared rope key before rotary
+    sliding_window: Optional[Value] = None   # a sliding window (may read `layer`; an optional symbol)

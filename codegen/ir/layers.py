@@ -75,6 +75,8 @@ class StepIR:
     input_scale: Optional[Value] = None  # the block's input (the normed residual) is multiplied by it
     residual_normed: bool = False        # the stream becomes norm(x) (times residual_scale) before the output joins it
     residual_scale: Optional[Value] = None
+    join: Optional[str] = None    # a branch value added to the step's output (it joins the residual with it)
+    join_optional: bool = False   # the joined branch runs on some layers only (its value may be None)
     when: Optional[Value] = None         # the step runs (and its blocks exist) only where it holds
     hyper: Optional[str] = None   # a hyper_connection block: the step reads / writes the residual streams through it
 

@@ -91,6 +91,12 @@ class MoEIR:
     output_bias: Value = Value(literal=False)  # a replicated bias [hidden] added to the block's output
     renormalize_epsilon: Optional[Value] = None   # the top-k weights divided by (sum + it); None = the usual
     expert_mlp: str = "gated"                 # gated: down(act(gate) * up); plain: down(act(up))
+    identity_experts: Optional[Size] = None   # zero-computation experts routed beside `experts` (weight * input)
+
+    @property
+    def router_width(self) -> Size:
+        """The router's choices: the experts plus any identity experts."""
+        return self.experts if self.identity_experts is None else self.experts + self.identity_experts
     # the router's own input r = N(x) * w * scale (module `router_input`): the weightless RMSNorm's eps (None: no
     # norm), a learned [hidden] weight, a constant factor (None: 1)
     router_norm_eps: Optional[Value] = None

@@ -251,3 +251,16 @@ class MLAAttentionBlock(Strict):
     # latent normalized and raw, concatenated ([q_a_layernorm(q_a), q_a], 2 * q_lora_rank), per head [q | gate] with
     # the gate v_head_dim wide; each head's attention output times sigmoid(gate) before the output projection
     q_gate: Optional[StrictStr] = None
+    # the normalized query latent (q_a_layernorm's output: what q_b_proj and an indexer read) is multiplied by it,
+    # or, with a direct q_proj, the query (LongCat-Flash's mla_scale_q_lora, Dots 3's q_lora_scale:
+    # sqrt(hidden / q_lora_rank)); None = 1
+    q_scale: Optional[Num] = None
+    # the normalized KV latent (kv_a_layernorm's output, before kv_b_proj and the cache; not the rope key) is
+    # multiplied by it (LongCat-Flash's mla_scale_kv_lora: sqrt(hidden / kv_lora_rank)); None = 1
+    latent_scale: Optional[Num] = None
+    # the module name of an RMSNorm (eps `latent_eps`, weight [qk_rope_head_dim], replicated) of the shared rope key,
+    # before rotary (Dots 3's k_rope_only_layernorm)
+    rope_key_norm: Optional[StrictStr] = None
+    # a sliding window (as attention's: the query attends to the last `sliding_window` keys, itself included); an
+    # optional symbol (None: no window) or an expression over `layer`
+    sliding_window: Optional[Num] = None

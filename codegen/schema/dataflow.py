@@ -59,6 +59,10 @@ class ResidualStep(Strict):
     # h = B(N(residual + value)) (Zamba: the shared transformer's output joins the Mamba layer's input). In a layer
     # where the branch does not run (its `when` is false) nothing is added
     add: Optional[StrictStr] = None
+    # a branch value that joins the residual stream with this step's output (after its post_norm / scale):
+    # residual += h; h = B(N(residual)) + value (LongCat-Flash's shortcut MoE, computed from an earlier step's normed
+    # input, joins after the layer's last step). In a layer where the branch does not run nothing is added
+    join: Optional[StrictStr] = None
     # a bool expression over config symbols (and `layer`): the step runs, and the blocks only it uses exist, only
     # where it holds (per checkpoint: Gemma 4's per-layer-input step where hidden_size_per_layer_input > 0); elsewhere
     # the stream passes the step unchanged. Not inside `parallel`

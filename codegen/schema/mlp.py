@@ -172,3 +172,7 @@ class MoEBlock(Strict):
     # or `plain` (down(act(up)), experts.up_proj [experts, intermediate, hidden]; NemotronH's relu2 experts); a shared
     # expert has the same form (plain: up_proj / down_proj)
     expert_mlp: Literal["gated", "plain"] = "gated"
+    # zero-computation (identity) experts among the routed ones (LongCat-Flash's zero_expert_num): the router scores
+    # `experts + identity_experts` choices (its weight [experts + identity_experts, hidden], a selection bias as wide);
+    # a chosen identity expert adds its routing weight times the block's input, the others are the stacked experts
+    identity_experts: Optional[Dim] = None

@@ -230,8 +230,16 @@ class FusedMoE(nn.Module):
                  group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0,
                  weights_on: str = "output", selection_bias_on: str = "scores",
                  routing: str = "topk", jitter_eps: float = 0.0, renormalize_epsilon: Optional[float] = None,
-                 gated: bool = True, group_dropped: str = "excluded"):
+                 gated: bool = True, group_dropped: str = "excluded", identity_experts: int = 0):
         super().__init__()
+        # zero-computation experts: the router's choices num_experts .. num_experts + identity_experts - 1 add their
+        # routing weight times the input; the stacked experts never see them
+        if not (isinstance(identity_experts, int) and identity_experts >= 0):
+            raise ValueError(f"FusedMoE: identity_experts must be an int >= 0, got {identity_experts!r}")
+        self.identity_experts = identity_experts
+        if identity_experts and (routing != "topk" or n_group > 1 or weights_on != "output"):
+            raise ValueError("FusedMoE: identity experts are chosen by top-k routing without groups and weight the "
+                             "output (weights_on='output')")
         # gated: down(act(gate) * up), gate_up_proj [E, 2I, H]; plain (gated=False): down(act(up)), up_proj [E, I, H]
         self.gated = bool(gated)
         if not self.gated and (bias or weights_on != "output" or activation_params):
@@ -254,8 +262,9 @@ class FusedMoE(nn.Module):
         self.routing, self.jitter_eps = routing, float(jitter_eps)
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"FusedMoE parallel must be one of {PARALLEL_MODES}, not {parallel!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"FusedMoE: top_k {top_k} must be in 1..{num_experts} (the number of experts)")
+        if not 1 <= top_k <= num_experts + identity_experts:
+            raise ValueError(f"FusedMoE: top_k {top_k} must be in 1..{num_experts + identity_experts} (the number of "
+                             f"experts)")
         if scoring not in moe_ops.SCORINGS or group_score not in moe_ops.GROUP_SCORES:
             raise ValueError(f"FusedMoE: scoring must be one of {moe_ops.SCORINGS} (got {scoring!r}), group_score one "
                              f"of {moe_ops.GROUP_SCORES} (got {group_score!r})")
@@ -283,7 +292,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"FusedMoE: renormalize_min must be >= 0, got {renormalize_min}")
         self.renormalize_min = float(renormalize_min)   # the renormalizing sum clamped to at least it (0: not)
         self.plain_routing = (routing == "topk" and scoring == "softmax" and not grouped and self.routed_scale == 1.0
-                              and self.renormalize_min == 0.0 and self.renormalize_epsilon is None)
+                              and self.renormalize_min == 0.0 and self.renormalize_epsilon is None
+                              and not identity_experts)
         tp, rank = get_tp_size(), get_tp_rank()
         self.tp_size, self.tp_rank, self.parallel = tp, rank, parallel
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, bool(renormalize)
@@ -350,26 +360,33 @@ class FusedMoE(nn.Module):
                                                   self.n_group, self.topk_group, self.group_score, score_bias,
                                                   self.routed_scale, self.renormalize_min, self.selection_bias_on,
                                                   self.renormalize_epsilon, self.group_dropped)
+            if self.identity_experts:     # the identity experts' summed weight; localize routes them nowhere
+                identity = weights.masked_fill(ids < self.num_experts, 0.0).sum(dim=-1, keepdim=True)
             if expert_scale is not None:  # a learned per-expert scale of the chosen experts' weights
-                weights = weights * expert_scale[ids].to(weights.dtype)
+                weights = weights * expert_scale[ids.clamp(max=self.num_experts - 1)].to(weights.dtype)
             weights, ids = moe_ops.localize(weights.to(hidden_states.dtype), ids, self.num_experts, self.expert_start,
                                             self.num_local_experts, _decode_slots(hidden_states.shape[0]))
+        out = self._experts(hidden_states, weights, ids)
+        out = all_reduce(out) if self.tp_size > 1 else out
+        if self.identity_experts:         # after the all-reduce: once, on every rank
+            out = out + (hidden_states * identity).to(out.dtype)
+        return out
+
+    def _experts(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the chosen experts' weighted sum (before the all-reduce)."""
         if not self.gated:                # down(act(up)): the torch grouped reference on every device
-            out = moe_ops.fused_moe_reference(hidden_states, self.up_proj, self.down_proj, weights, ids, self.act_fn)
-            return all_reduce(out) if self.tp_size > 1 else out
+            return moe_ops.fused_moe_reference(hidden_states, self.up_proj, self.down_proj, weights, ids, self.act_fn)
         if self.has_bias and self.weights_on == "input":
             raise NotImplementedError("FusedMoE: routing weights on the expert input with expert biases")
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
             b2 = self.down_proj_bias if self.parallel == "expert" or self.tp_rank == 0 else None   # bias once
-            out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
-                                    self.act_fn, self.gate_up_proj_bias, b2)
-        elif self.weights_on == "input":
-            out = moe_ops.fused_moe_reference(hidden_states, self.gate_up_proj, self.down_proj, weights, ids,
-                                              self.act_fn, weights_on_input=True)
-        else:
-            out = moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
-                                    self.act_fn)
-        return all_reduce(out) if self.tp_size > 1 else out
+            return moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                                     self.act_fn, self.gate_up_proj_bias, b2)
+        if self.weights_on == "input":
+            return moe_ops.fused_moe_reference(hidden_states, self.gate_up_proj, self.down_proj, weights, ids,
+                                               self.act_fn, weights_on_input=True)
+        return moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                                 self.act_fn)
 
     def extra_repr(self) -> str:
         routing = ("weights_on='input', " if self.weights_on == "input" else "") + (
@@ -379,6 +396,7 @@ class FusedMoE(nn.Module):
             "" if self.plain_routing else (
             f"scoring={self.scoring!r}, groups={self.topk_group} of {self.n_group} by {self.group_score}, "
             f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, "))
+        routing += f"identity_experts={self.identity_experts}, " if self.identity_experts else ""
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
                 f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")
