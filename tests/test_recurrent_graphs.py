@@ -87,11 +87,13 @@ def _old_scatter(pool, slots, new):
 # AVX-512) and the scalar libm function over the remaining elements, and the two differ in the last bit. Whether an
 # element is in the body or the tail depends on the tensor's total size, so on a [rows, width] tensor whose width is
 # no multiple of the block (the tiny mixers' 4 heads: g, beta, dt are [rows, 4]) one row more moves elements from
-# the tail into the body. A CUDA kernel computes every element with the same code whatever the size, and real
-# checkpoints' per-row widths (heads 16 .. 128, channels) are multiples of the block, so nothing in the runtime
-# depends on the row count: the contract (a padding row changes no real row, bit for bit) is tested with wide rows
-# (every width a multiple of 64); the narrow mixers keep every exact check that does not go through such a kernel
-# (slot isolation, the graph-safe path against the previous one) and their real rows to within float32 rounding.
+# the tail into the body. That is the CPU kernels', not the runtime's: a CUDA kernel computes every element with the
+# same code whatever the size, and only the decode CUDA graphs pad (the CPU pads only in the uncaptured test path);
+# making every elementwise op of every mixer pad its rows to the block would cost the CPU path and buy nothing on
+# the GPU. So the contract (a padding row changes no real row, bit for bit) is tested with wide rows (every width a
+# multiple of 64: no tail on AVX2 or AVX-512); the narrow mixers keep every exact check that does not go through
+# such a kernel (slot isolation, the graph-safe path against the previous one) and their real rows to within
+# float32 rounding.
 # The short conv runs no such kernel (products and sums only): bit for bit at any width.
 
 
