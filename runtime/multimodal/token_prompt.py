@@ -8,7 +8,7 @@ vision token. The processor's output, split at the separators, is each item's ex
 installed processor does to the wrapper*, and it replaces the item's span (wrapper included) in the ids:
 
 - transformers <= 5.24 keeps the wrapper of a video (`<vs>` + per-frame `<t seconds><vs> video*n <ve>` + `<ve>`);
-- transformers >= 5.25 (Qwen3-VL's `get_text_with_replacements`) collapses it, since every frame block is
+- transformers >= 5.25 (the processor's own `get_text_with_replacements`) collapses it, since every frame block is
   already wrapped: the item becomes the frame blocks alone.
 
 So the engine follows whichever version is installed, and the timestamps are the processor's. One thing a
