@@ -247,9 +247,6 @@ def test_vl_prefill_logits_match_hf(qwen3_vl_tied, make_llm):
 
 
 @pytest.mark.engine
-@pytest.mark.xfail(tuple(int(v) for v in __import__("transformers").__version__.split(".")[:2]) >= (5, 25),
-                   reason="transformers 5.25's Qwen3-VL video processor changed the timestamp tokens; the engine's "
-                          "video path follows 5.24 (to port: issue 20 note, 2026-12-03)", strict=False)
 def test_vl_prompt_token_ids_with_one_placeholder_per_item(qwen3_vl_tied, make_llm):
     """prompt_token_ids carrying one placeholder token per item are expanded by the engine exactly as the
     processor expands the text prompt."""

@@ -33,16 +33,19 @@ NUM_SLOTS = 6                     # handed out; the pool has one more, the scrat
 SCRATCH = NUM_SLOTS
 
 
-def _mixer(kind: str, device="cpu"):
+def _mixer(kind: str, device="cpu", wide: bool = False):
+    # wide: every per-row width a multiple of 64 (64 heads), as real checkpoints' are (see the note above the
+    # padded-step test)
     torch.manual_seed(0)
     with torch.device(device):
         if kind == "gated_delta_net":
-            m = L.GatedDeltaNet(2, 4, 8, 8, 4, 1e-6)
+            m = L.GatedDeltaNet(16, 64, 8, 8, 4, 1e-6) if wide else L.GatedDeltaNet(2, 4, 8, 8, 4, 1e-6)
             width = lambda N: (torch.randn(N, m.key_dim * 2 + m.value_dim), torch.randn(N, m.value_dim),  # noqa: E731
                                torch.randn(N, m.value_heads), torch.randn(N, m.value_heads))
         elif kind == "mamba2":
-            m = L.Mamba2(4, 8, 2, 8, 4, 8, 1e-6)
-            width = lambda N: (torch.randn(N, 32), torch.randn(N, 32 + 2 * 2 * 8), torch.randn(N, 4))  # noqa: E731
+            H, G, S = (64, 4, 16) if wide else (4, 2, 8)
+            m = L.Mamba2(H, 8, G, S, 4, 8, 1e-6)
+            width = lambda N: (torch.randn(N, H * 8), torch.randn(N, H * 8 + 2 * G * S), torch.randn(N, H))  # noqa: E731
         else:
             m = L.ShortConv(16, 3)
             width = lambda N: (torch.randn(N, 16), torch.randn(N, 16), torch.randn(N, 16))  # noqa: E731
@@ -78,15 +81,31 @@ def _old_scatter(pool, slots, new):
     pool[slots] = new.to(pool.dtype)
 
 
-_PAD_BITS = pytest.mark.xfail(reason="2026-12-03: with a padding row the CPU decode step's outputs and states differ in the "
-                               "last bits for these mixers (not diagnosed; the row-count-dependent CPU GEMM is the "
-                               "suspect): recorded in the issue 23 note", strict=False)
+# Why the padded step is bit for bit only with wide rows on the CPU (diagnosed 2026-12-03, issue 23 note): the decode
+# step has no matmul; the difference comes from PyTorch's CPU elementwise kernels (softplus, sigmoid, silu): a
+# TensorIterator loop runs its SIMD body (Sleef) over whole blocks of 2 vectors (16 floats with AVX2, 32 with
+# AVX-512) and the scalar libm function over the remaining elements, and the two differ in the last bit. Whether an
+# element is in the body or the tail depends on the tensor's total size, so on a [rows, width] tensor whose width is
+# no multiple of the block (the tiny mixers' 4 heads: g, beta, dt are [rows, 4]) one row more moves elements from
+# the tail into the body. That is the CPU kernels', not the runtime's: a CUDA kernel computes every element with the
+# same code whatever the size, and only the decode CUDA graphs pad (the CPU pads only in the uncaptured test path);
+# making every elementwise op of every mixer pad its rows to the block would cost the CPU path and buy nothing on
+# the GPU. So the contract (a padding row changes no real row, bit for bit) is tested with wide rows (every width a
+# multiple of 64: no tail on AVX2 or AVX-512); the narrow mixers keep every exact check that does not go through
+# such a kernel (slot isolation, the graph-safe path against the previous one) and their real rows to within
+# float32 rounding.
+# The short conv runs no such kernel (products and sums only): bit for bit at any width.
 
 
-@pytest.mark.parametrize("kind", [pytest.param("gated_delta_net", marks=_PAD_BITS), pytest.param("mamba2", marks=_PAD_BITS),
-                                  "short_conv"])
-def test_graph_safe_decode_step_bit_for_bit(kind, monkeypatch):
-    m, make = _mixer(kind)
+def _ulps_close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,wide", [("gated_delta_net", True), ("mamba2", True), ("short_conv", False),
+                                       ("gated_delta_net", False), ("mamba2", False)])
+def test_graph_safe_decode_step_bit_for_bit(kind, wide, monkeypatch):
+    m, make = _mixer(kind, wide=wide)
+    same = torch.equal if wide or kind == "short_conv" else _ulps_close    # see the note above
     gen = torch.Generator().manual_seed(1)
     init = {k: torch.randn(t.shape, generator=gen).to(t.dtype) for k, t in m.states.items()}
     live = [4, 0, 2]                                           # three sequences; bucket 4 pads one row
@@ -109,10 +128,12 @@ def test_graph_safe_decode_step_bit_for_bit(kind, monkeypatch):
         bad_out, bad_st = run(live + [1], 4)                   # a padding row on another sequence's slot
     for a, b, c in zip(new_out, old_out, pad_out):
         assert torch.equal(a, b), "the graph-safe decode step differs from the previous path"
-        assert torch.equal(a, c[:3]), "a padded batch changes the real rows' outputs"
+        assert same(a, c[:3]) is not False, "a padded batch changes the real rows' outputs"
     for k in init:
         assert torch.equal(new_st[k], old_st[k])
-        assert torch.equal(pad_st[k][:NUM_SLOTS], new_st[k][:NUM_SLOTS]), f"{k}: padding touched a live slot"
+        assert same(pad_st[k][live], new_st[k][live]) is not False, f"{k}: padding changed a live slot's state"
+        untouched = [s for s in range(NUM_SLOTS) if s not in live]
+        assert torch.equal(pad_st[k][untouched], init[k][untouched]), f"{k}: padding touched another slot"
         for s in (1, 3, 5):                                    # slots not in the step
             assert torch.equal(new_st[k][s], init[k][s])
         for s in live:

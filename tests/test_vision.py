@@ -243,9 +243,6 @@ def _hf_rope(ids, mm_types, image_grid, video_grid, merge=2):
 
 
 @pytest.mark.parametrize("case", list(REQUESTS))
-@pytest.mark.xfail(tuple(int(v) for v in __import__("transformers").__version__.split(".")[:2]) >= (5, 25),
-                   reason="transformers 5.25's Qwen3-VL video processor changed the timestamp tokens; the engine's "
-                          "video path follows 5.24 (to port: issue 20 note, 2026-12-03)", strict=False)
 def test_processor_matches_hf(mmp, case):
     prompt, mm = REQUESTS[case]
     proc = mmp.processor
@@ -275,9 +272,6 @@ def test_processor_matches_hf(mmp, case):
     assert out.num_visual_tokens == n_vis
 
 
-@pytest.mark.xfail(tuple(int(v) for v in __import__("transformers").__version__.split(".")[:2]) >= (5, 25),
-                   reason="transformers 5.25's Qwen3-VL video processor changed the timestamp tokens; the engine's "
-                          "video path follows 5.24 (to port: issue 20 note, 2026-12-03)", strict=False)
 def test_video_timestamps_and_kwargs(mmp):
     """mm_processor_kwargs reach the processor (fps / frame count) and the timestamps are HF's."""
     vid = _video(48, 32, 32, 7)

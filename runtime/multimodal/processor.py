@@ -8,10 +8,11 @@ A request is `prompt` (text with `<|image_pad|>` / `<|video_pad|>` placeholders,
 - Text prompts: the processor expands the placeholders itself (an image -> t*h*w/m^2 image tokens; a video
   -> per temporal patch `<x.y seconds><|vision_start|>` + h*w/m^2 video tokens + `<|vision_end|>`) and
   tokenizes.
-- Token-id prompts: the same processor is called once on a text made only of the request's placeholders,
-  in prompt order; its expansion of each item (split out of the result using the grids) replaces the
-  item's placeholder token. Each expansion starts after and ends with a special token, so it tokenizes
-  exactly as inside a full prompt: the result equals what HF gives for the decoded prompt.
+- Token-id prompts: the same processor is called once on a text made only of the request's items, each
+  with its `<|vision_start|>...<|vision_end|>` wrapper when the ids have one, between separator tokens; its
+  expansion of each item (wrapper included: transformers >= 5.25 drops a video's outer wrapper, older ones
+  keep it) replaces the item's span of the ids (runtime.multimodal.token_prompt, which also says the one
+  tokenization difference this can leave against the decoded text prompt under >= 5.25).
 
 Then the 3-row mRoPE positions and the decode delta are computed (runtime.multimodal.rope_index, HF's algorithm).
 
@@ -39,6 +40,13 @@ import numpy as np
 import torch
 
 from xllm_gen.runtime.multimodal.rope_index import get_rope_index, text_positions
+from xllm_gen.runtime.multimodal.token_prompt import (
+    items_text,
+    pick_separator,
+    placeholder_spans,
+    replace_spans,
+    split_expansions,
+)
 
 
 @dataclass
@@ -165,6 +173,12 @@ class MultiModalProcessor:
         self.spatial_merge_size = int(merge or getattr(ip, "merge_size", None) or getattr(vp, "merge_size", 2))
         self.temporal_patch_size = int(getattr(vp, "temporal_patch_size", None)
                                        or getattr(ip, "temporal_patch_size", 2))
+        self._vision_ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id,
+                            self.vision_end_token_id)
+        self._token_text = dict(zip(self._vision_ids, (self.image_token, self.video_token,
+                                                       tok.convert_ids_to_tokens(self.vision_start_token_id),
+                                                       tok.convert_ids_to_tokens(self.vision_end_token_id))))
+        self._separator = None           # (text, id) of the token between the items of a token-id prompt
         self.device = torch.device(device) if device is not None else None
         # the modalities whose processor takes the device: their kwargs group gets `device`
         self.device_kwargs = [key for key, p in (("images_kwargs", ip), ("videos_kwargs", vp))
@@ -278,39 +292,24 @@ class MultiModalProcessor:
             raise self._err(index, f"the processor failed on the input: {type(e).__name__}: {e}") from e
         return out, kw
 
-    def _expand_ids(self, index, ids: list[int], out, n_img: int, n_vid: int) -> list[int]:
-        """Replace each placeholder token of `ids` with its item's expansion, cut out of the processor's
-        `input_ids` for the placeholders-only text."""
-        exp = out["input_ids"][0].tolist()
-        m2 = self.spatial_merge_size ** 2
-        img_grid = out["image_grid_thw"].tolist() if n_img else []
-        vid_grid = out["video_grid_thw"].tolist() if n_vid else []
-        order = [t for t in ids if t in (self.image_token_id, self.video_token_id)]
-        pos, gi, gv, chunks = 0, 0, 0, []
-        for tok in order:
-            start = pos
-            if tok == self.image_token_id:
-                t, h, w = img_grid[gi]
-                gi += 1
-                pos += t * h * w // m2
-            else:
-                t, h, w = vid_grid[gv]
-                gv += 1
-                for _ in range(t):                      # <timestamp text> <vs> video*n <ve>
-                    while pos < len(exp) and exp[pos] != self.vision_start_token_id:
-                        pos += 1
-                    pos += 1 + h * w // m2 + 1
-            chunks.append(exp[start:pos])
-        if pos != len(exp):
-            raise self._err(index, "internal: the processor's placeholder expansion did not match the grids")
-        result, k = [], 0
-        for t in ids:
-            if t in (self.image_token_id, self.video_token_id):
-                result.extend(chunks[k])
-                k += 1
-            else:
-                result.append(t)
-        return result
+    def _expand_ids(self, index, ids: list[int], images, videos, metas, kwargs):
+        """The processor's expansion of each placeholder of a token-id prompt, cut out of one call on the
+        items alone (runtime.multimodal.token_prompt) -> (expanded ids, the processor's output, its kwargs)."""
+        if self._separator is None:
+            self._separator = pick_separator(self.tokenizer, self._vision_ids) or ()
+        if not self._separator:
+            raise self._err(index, "prompt_token_ids with image / video placeholders need a special token of the "
+                                   "tokenizer that is no vision token (to separate the items); this one has none: "
+                                   "send the prompt as text")
+        sep, sep_id = self._separator
+        spans = placeholder_spans(ids, *self._vision_ids)
+        text = items_text(ids, spans, self._token_text, sep)
+        out, kw = self._call(index, text, images, videos, metas, kwargs)
+        chunks = split_expansions(out["input_ids"][0].tolist(), sep_id, len(spans))
+        if chunks is None:
+            raise self._err(index, f"internal: the processor's expansion of the placeholders does not split at "
+                                   f"{sep!r} into {len(spans)} item(s)")
+        return replace_spans(ids, spans, chunks), out, kw
 
     def process(self, index, prompt: Optional[str], prompt_token_ids: Optional[list[int]],
                 multi_modal_data: Optional[dict], mm_processor_kwargs: Optional[dict] = None) -> MultiModalInputs:
@@ -347,10 +346,7 @@ class MultiModalProcessor:
             out, kw = self._call(index, prompt, images, videos, metas, mm_processor_kwargs)
             ids = out["input_ids"][0].tolist()
         else:
-            order = [t for t in ids if t in (self.image_token_id, self.video_token_id)]
-            text = "".join(self.image_token if t == self.image_token_id else self.video_token for t in order)
-            out, kw = self._call(index, text, images, videos, metas, mm_processor_kwargs)
-            ids = self._expand_ids(index, ids, out, n_img, n_vid)
+            ids, out, kw = self._expand_ids(index, ids, images, videos, metas, mm_processor_kwargs)
 
         image_grid = out.get("image_grid_thw") if n_img else None
         video_grid = out.get("video_grid_thw") if n_vid else None
