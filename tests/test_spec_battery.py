@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from fixtures.tiny_hf import SPECIAL_TOKENS, edit_config, text_config_of, tiny_config, tokenizer_size
 from hf_ref import hf_greedy, hf_model, hf_vl_greedy, hf_vl_inputs
+from spec_yaml import read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LENS = (3, 9, 17, 30)
@@ -104,7 +104,7 @@ class SpecCase:
 
 def _spec_config(path: Path, depth: int = 0) -> dict:
     """The spec's `config:` section with its `extends` chain merged in (a child's entry updates its parent's)."""
-    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    doc = read_yaml(path) or {}
     config: dict = {}
     if doc.get("extends") and depth < 8:
         config = _spec_config(path.parent / doc["extends"], depth + 1)
@@ -129,7 +129,7 @@ def _rope_location(from_: Any) -> str:
 
 def _read_spec(path: Path) -> SpecCase:
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        doc = read_yaml(path) or {}
         name = doc.get("name") or path.stem
         archs = doc.get("architectures") or []
         if not archs:
@@ -303,8 +303,7 @@ def engine_or_tp_refusal(tokens, ckpt, tp: int, spec) -> list | None:
             return None
         if tp == 1 or "tensor_parallel_size=1" not in str(e):
             raise
-        import yaml
-        sizes = (yaml.safe_load(spec.path.read_text()).get("tensor_parallel") or {}).get("sizes")
+        sizes = (read_yaml(spec.path).get("tensor_parallel") or {}).get("sizes")
         assert sizes == [1], f"{spec.rel}: refused at TP {tp} ({e}) but declares tensor_parallel sizes {sizes}"
         return None
 
