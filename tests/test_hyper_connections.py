@@ -139,6 +139,18 @@ def _engine(ckpt, **kw):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def test_qwen4_exp_features_on_short(tiny_checkpoint):
+    """The default arm of the conformance battery's features-ON parity for Qwen4-Exp (slow there: transformers
+    generates it without a cache): the same features-ON checkpoint, two short prompts, 6 new tokens."""
+    from conformance import families as F
+    plan = next(p for p in F.served_plans() if p.family.architecture == ARCH)
+    assert plan.status == "served" and plan.accepted, plan
+    ckpt = tiny_checkpoint(ARCH, overrides=plan.overrides)
+    want = _hf(ckpt)
+    assert want != _hf(tiny_checkpoint(ARCH)), "the features ON do not change transformers' tokens"
+    assert _engine(ckpt) == want
+
+
 @pytest.mark.slow   # minutes: transformers runs Qwen4-Exp without a cache (a cache of DeltaNet layers only fails)
 def test_qwen4_exp_parity_and_sensitivity(tiny_checkpoint, tmp_path, monkeypatch):
     import shutil

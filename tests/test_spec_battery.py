@@ -14,7 +14,8 @@ Nothing is listed per spec. Each specs/*.yaml is read as YAML (its `architecture
       its `values` (standard parameters in ROPE_ARMS, chosen so that scaling matters at these lengths),
       greedy parity at TP 1 (and HF's own output must differ from the unscaled checkpoint's);
   (e) sliding window: where the architecture's tiny config uses a sliding window, serving the checkpoint
-      with `sliding_window` removed from config.json changes the output (and matches HF without it).
+      with `sliding_window` removed from config.json changes the output (and matches HF without it); by default
+      for each window field's first spec and the specs the conformance battery does not cover (`_sliding_cases`).
 
 Checkpoints are built once per session (conftest `tiny_checkpoint`); HF and engine tokens are computed once
 per checkpoint and reused across arms. Graph vs eager runs on a GPU host (tests/gpu/).
@@ -31,9 +32,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from fixtures.tiny_hf import SPECIAL_TOKENS, edit_config, text_config_of, tiny_config, tokenizer_size
 from hf_ref import hf_greedy, hf_model, hf_vl_greedy, hf_vl_inputs
+from spec_yaml import read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LENS = (3, 9, 17, 30)
@@ -104,7 +105,7 @@ class SpecCase:
 
 def _spec_config(path: Path, depth: int = 0) -> dict:
     """The spec's `config:` section with its `extends` chain merged in (a child's entry updates its parent's)."""
-    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    doc = read_yaml(path) or {}
     config: dict = {}
     if doc.get("extends") and depth < 8:
         config = _spec_config(path.parent / doc["extends"], depth + 1)
@@ -129,7 +130,7 @@ def _rope_location(from_: Any) -> str:
 
 def _read_spec(path: Path) -> SpecCase:
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        doc = read_yaml(path) or {}
         name = doc.get("name") or path.stem
         archs = doc.get("architectures") or []
         if not archs:
@@ -186,7 +187,35 @@ ROPE_CASES = _rope_cases()
 # class derives it from local_attention (local_attention // 2) unless config.json states it; dropping both restores
 # the class default, a window longer than the prompts
 WINDOW_FIELDS = {"ModernBertDecoderForCausalLM": ("sliding_window", "local_attention")}
-SLIDING_CASES = [pytest.param(spec, id=spec.name) for spec in SPECS if _uses_sliding_window(spec.architecture)]
+
+
+def _window_fields(architecture: str) -> tuple[str, ...]:
+    """The config.json field(s) that set the architecture's window: `sliding_window`, the one its config class maps
+    it to (RecurrentGemma's attention_window_size), or WINDOW_FIELDS' own."""
+    key = getattr(text_config_of(tiny_config(architecture)), "attribute_map", {}).get("sliding_window",
+                                                                                     "sliding_window")
+    return WINDOW_FIELDS.get(architecture, (key,))
+
+
+def _sliding_cases():
+    """Every spec whose tiny config has a window. The default run keeps each window field's first spec and every
+    spec that the conformance battery's features-ON parity does not serve by default; the rest run with --runslow
+    (their features-ON parity already runs with the window on, at prompts longer than it, where this arm's fixture
+    check shows that the window changes transformers' tokens)."""
+    from conformance import families as F
+    covered = {p.spec.name for p in F.served_plans() if p.status == "served" and p.accepted}
+    cases, seen = [], set()
+    for spec in SPECS:
+        if not _uses_sliding_window(spec.architecture):
+            continue
+        fields = _window_fields(spec.architecture)
+        fast = spec.name not in covered or fields not in seen
+        seen.add(fields)
+        cases.append(pytest.param(spec, id=spec.name, marks=() if fast else pytest.mark.slow))
+    return cases
+
+
+SLIDING_CASES = _sliding_cases()
 
 
 def _ids(specs):
@@ -303,8 +332,7 @@ def engine_or_tp_refusal(tokens, ckpt, tp: int, spec) -> list | None:
             return None
         if tp == 1 or "tensor_parallel_size=1" not in str(e):
             raise
-        import yaml
-        sizes = (yaml.safe_load(spec.path.read_text()).get("tensor_parallel") or {}).get("sizes")
+        sizes = (read_yaml(spec.path).get("tensor_parallel") or {}).get("sizes")
         assert sizes == [1], f"{spec.rel}: refused at TP {tp} ({e}) but declares tensor_parallel sizes {sizes}"
         return None
 
@@ -418,9 +446,7 @@ def test_sliding_window_matters(spec, tiny_checkpoint, tokens, tmp_path_factory)
 
     # the field's name in config.json: `sliding_window`, or the one the config class maps it to (RecurrentGemma's
     # attention_window_size, whose transformers default is then far beyond the prompts), or the family's own fields
-    key = getattr(text_config_of(tiny_config(spec.architecture)), "attribute_map", {}).get("sliding_window",
-                                                                                       "sliding_window")
-    fields = WINDOW_FIELDS.get(spec.architecture, (key,))
+    fields = _window_fields(spec.architecture)
     field = " and ".join(fields)
 
     def drop_window(cfg: dict) -> None:

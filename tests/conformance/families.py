@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "tests") not in sys.path:          # `python -m tests.conformance.coverage` from the repo root
     sys.path.insert(0, str(ROOT / "tests"))
 
-import yaml  # noqa: E402
+from spec_yaml import read_yaml  # noqa: E402
 
 # A class whose model types all pass the mapping rules but that is not a decoder-only text model.
 NOT_DECODER_ONLY: dict[str, str] = {
@@ -231,7 +231,7 @@ def specs() -> tuple[SpecInfo, ...]:
     out = []
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            doc = read_yaml(path) or {}
         except Exception:
             continue            # a broken spec fails the spec battery
         archs = tuple(a for a in (doc.get("architectures") or ()) if isinstance(a, str))
@@ -246,6 +246,7 @@ def spec_for(architecture: str) -> SpecInfo | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _rope_symbols(spec: SpecInfo):
     from test_spec_battery import _read_spec
     return _read_spec(spec.path).rope

@@ -52,9 +52,25 @@ def test_refusals_name_the_field(plan):
         assert toggle.field in msg, f"{plan.spec.rel}: {toggle.name} refused without naming {toggle.field}: {msg}"
 
 
+# families whose transformers reference generates without a cache here (minutes at 4 prompts x 16 tokens on two
+# cores): their features-ON TP 1 arm is slow, and a short features-ON arm runs by default in the named test
+SHORT_ARM_ELSEWHERE = {
+    # transformers 5.25 cannot build a cache of DeltaNet layers only: ~200 s under load
+    "Qwen4ExpForCausalLM": "tests/test_hyper_connections.py::test_qwen4_exp_features_on_short",
+}
+
+
+def _features_on_cases():
+    cases = []
+    for p in PLANS:
+        slow1 = p.family.architecture in SHORT_ARM_ELSEWHERE
+        cases.append(pytest.param(p, 1, id=f"{_id(p)}-tp1", marks=pytest.mark.slow if slow1 else ()))
+        cases.append(pytest.param(p, 2, id=f"{_id(p)}-tp2", marks=pytest.mark.slow))
+    return cases
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["tp1", "tp2"])
-@pytest.mark.parametrize("plan", PLANS, ids=[_id(p) for p in PLANS])
+@pytest.mark.parametrize("plan, tp", _features_on_cases())
 def test_features_on_parity(plan, tp, tiny_checkpoint, tokens):
     assert plan.error is None, plan.error
     if plan.status != "served":
