@@ -164,25 +164,26 @@ if QUANT_GEMV_MODE not in ("auto", "splitk", "mma"):
 # element, no 16-row padding); to be set from H200 runs (bench/bench_quant.py). Keep them powers of two (decode
 # graph buckets), so an eager step of 3 rows runs the kernel its bucket of 4 does.
 SPLITK_AUTO_MAX_M = {"int4": 4, "fp8": 4}
-# (kind "int4" | "fp8", M, N, K, dtype) -> "mma" | "splitk" | a split-K launch config (tuple): measured per shape
+# (kind "int4" | "fp8", M, N, K, scale columns (group / block), activation dtype) -> "mma" | "splitk" | a split-K
+# launch config (tuple): measured per shape
 QUANT_GEMV_CHOICE: dict = {}
 
 
-def gemv_choice(kind: str, M: int, N: int, K: int, dtype) -> tuple[str, Optional[tuple]]:
+def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype) -> tuple[str, Optional[tuple]]:
     """("splitk" | "mma", split-K launch config or None) for a call of M rows."""
     if M > SPLITK_MAX_M or QUANT_GEMV_MODE == "mma":
         return "mma", None
     if QUANT_GEMV_MODE == "splitk":
         return "splitk", None
-    c = QUANT_GEMV_CHOICE.get((kind, M, N, K, dtype))
+    c = QUANT_GEMV_CHOICE.get((kind, M, N, K, s_cols, dtype))
     if c is None:
         return ("splitk" if M <= SPLITK_AUTO_MAX_M[kind] else "mma"), None
     return ("splitk", c) if isinstance(c, tuple) else (c, None)
 
 
-def _pick(kind, x, N, K, config, kernel):
+def _pick(kind, x, N, K, s_cols, config, kernel):
     if kernel is None:
-        return ("mma", config) if config is not None else gemv_choice(kind, x.shape[0], N, K, x.dtype)
+        return ("mma", config) if config is not None else gemv_choice(kind, x.shape[0], N, K, s_cols, x.dtype)
     if kernel not in ("splitk", "mma"):
         raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk' or 'mma'")
     return kernel, config
@@ -200,7 +201,7 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
             or zeros.shape != scales.shape:
         raise ValueError(f"int4_gemm: x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}, scales "
                          f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group} do not fit")
-    kernel, config = _pick("int4", x, N, K, config, kernel)
+    kernel, config = _pick("int4", x, N, K, group, config, kernel)
     if kernel == "splitk":
         return splitk_gemv(x, qweight, scales, zeros, bias, N, K, 1, group, True, config, locks)
     return _launch(x, qweight, scales, zeros, bias, N, K, 1, group, True, config)
@@ -215,7 +216,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     if x.shape[1] != K or scale.shape != (-(-N // bn), -(-K // bk)) or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)} "
                          f"{scale.dtype}, block {block} do not fit")
-    kernel, config = _pick("fp8", x, N, K, config, kernel)
+    kernel, config = _pick("fp8", x, N, K, bk, config, kernel)
     if kernel == "splitk":
         return splitk_gemv(x, weight, scale.contiguous(), None, bias, N, K, bn, bk, False, config, locks)
     return _launch(x, weight, scale.contiguous(), None, bias, N, K, bn, bk, False, config)

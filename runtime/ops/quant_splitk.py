@@ -203,35 +203,32 @@ def chunk_choices(KW: int, int4: bool, s_cols: int, K: int, bk: int) -> list[int
 def splitk_config(M: int, N: int, K: int, int4: bool, s_cols: int, sms: int = 132) -> tuple[int, int, int, int]:
     """The launch table (M, N, K) -> (BLOCK_N, BLOCK_K, CHUNK, num_warps); no autotuning (CUDA graphs,
     determinism). Not yet measured: one vector load a thread-row (int4: 4 words = 32 codes; fp8: 16 bytes), 128
-    rows a program (4 warps, one row a thread), and the largest chunk (at most 128 words / 512 bytes) that leaves
-    >= 2 programs per SM, rows halved (down to 32) while still short of it (Qwen3-8B qkv 6144x4096 int4: 48 x 8
-    programs of 64 words; 0.6B o 1024x2048: 32 x 8 programs of 32 words)."""
+    rows a program (4 warps, one row a thread) and the largest chunk (at most 128 words / 512 bytes, at least
+    16 words / 64 bytes) that leaves >= 2 programs per SM; else 64, then 32 rows (1 warp); else the smallest
+    chunk (an 8B model's qkv 6144x4096 int4: 48 x 8 programs of 64 words; a 1024-wide model's o 1024x2048:
+    32 x 16 programs of 16 words)."""
     KW = K // 8 if int4 else K
-    bk = 4 if int4 else 16
-    bk = min(bk, triton.next_power_of_2(KW))
-    bn, warps = 128, 4
-    chunks = [c for c in chunk_choices(KW, int4, s_cols, K, bk) if c <= (128 if int4 else 512)] or [bk]
-    target = 2 * sms
-    while True:
+    bk = min(4 if int4 else 16, triton.next_power_of_2(KW))
+    lo, hi = (16, 128) if int4 else (64, 512)
+    fits = chunk_choices(KW, int4, s_cols, K, bk)
+    chunks = [c for c in fits if min(lo, fits[0]) <= c <= hi] or fits
+    for bn, warps in ((128, 4), (64, 2), (32, 1)):
         for c in chunks:
-            if triton.cdiv(N, bn) * triton.cdiv(KW, c) >= target:
+            if triton.cdiv(N, bn) * triton.cdiv(KW, c) >= 2 * sms:
                 return bn, bk, c, warps
-        if bn <= 32:
-            return bn, bk, chunks[-1], warps
-        bn //= 2
-        warps = max(1, warps // 2)
+    return 32, bk, chunks[-1], 1
 
 
 def splitk_candidates(M: int, N: int, K: int, int4: bool, s_cols: int, sms: int = 132) -> list[tuple]:
-    """Launch configs worth timing for a shape (bench/bench_quant.py --sweep, the runner's per-shape measurement):
-    the table's and its neighbours."""
+    """Launch configs worth timing for a shape (bench/bench_quant.py --sweep, layers/quant_tuning.py): the table's,
+    then its neighbours (the table's vector width first)."""
     KW = K // 8 if int4 else K
-    out = [splitk_config(M, N, K, int4, s_cols, sms)]
-    for bk in ((2, 4, 8) if int4 else (8, 16, 32)):
+    table = splitk_config(M, N, K, int4, s_cols, sms)
+    out = [table]
+    for bk in (table[1],) + ((8, 2) if int4 else (32, 8)):
         bk = min(bk, triton.next_power_of_2(KW))
-        chunks = chunk_choices(KW, int4, s_cols, K, bk)[:4]
-        for bn, warps in ((64, 2), (128, 4), (256, 4), (256, 8)):
-            for c in chunks:
+        for c in [c for c in chunk_choices(KW, int4, s_cols, K, bk) if c >= 4 * bk][:3] or [table[2]]:
+            for bn, warps in ((128, 4), (64, 2), (256, 4), (256, 8)):
                 if (bn, bk, c, warps) not in out and triton.cdiv(N, bn) * triton.cdiv(KW, c) >= sms:
                     out.append((bn, bk, c, warps))
     return out
