@@ -1,6 +1,7 @@
 """The tensor-core weight-only GEMM (runtime/ops/quant_gemv.py, kernel="mma"; the split-K GEMV:
-tests/test_quant_splitk.py) under the Triton interpreter (CPU), against F.linear on the dequantized weight. The int4 weights are packed here with explicit bit loops (independent of
-quant_gemv.pack_int4); fp8 weights are float8_e4m3fn with block / channel / tensor scales.
+tests/test_quant_splitk.py) under the Triton interpreter (CPU), against F.linear on the dequantized weight. The int4
+weights are packed here with explicit bit loops (independent of quant_gemv.pack_int4); fp8 weights are float8_e4m3fn
+with block / channel / tensor scales.
 
 Cases: M 1, 3, 5 and 17 (two row blocks); a K tail (masked tile); groups / blocks that tile K (int4: K/8 a multiple
 of the group: codes through tl.dot, scales and zeros on the partial sums) and narrower ones (dequantized per
