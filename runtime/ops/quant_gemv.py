@@ -19,6 +19,10 @@ broadcast multiply-sum on the CUDA cores for 1-4 rows was 1.5-6x slower than the
 rows; applying the scales to raw-code partial sums instead of dequantizing each element was no faster for fp8 and
 2x slower for int4. Larger M (prefill) is left to the caller: dequantize + cuBLAS.
 
+Up to 16 rows the split-K GEMV on the CUDA cores (quant_splitk.py) reads the same packed weights with less work an
+element (no per-element scale, no cast, no 16-row padding); `gemv_choice` below picks one of the two per call
+(XLLM_QUANT_GEMV=auto | splitk | mma).
+
 The launchers accept CPU tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
 """
 from __future__ import annotations

@@ -402,3 +402,27 @@ def test_fp8_kv_cache_checkpoint_scales_cuda(tmp_path, decode_kernel):
           f"{same:.4f}, prefill logits (relative) {same_l:.2e}; a bf16 cache {near_l:.2e}; scales dropped {far_l:.2e} "
           f"(tokens {'differ' if [o.outputs[0].token_ids for o in dropped] != [o.outputs[0].token_ids for o in want] else 'same'})")
     assert same < 0.1 and same_l < 0.05 and near_l < 0.2 and far_l > 0.3      # CPU bf16: near 0.08, far 1.1
+
+
+def test_quant_gemv_tuning_measures_and_caches(tmp_path, monkeypatch):
+    """layers/quant_tuning.py: per (form, M, N, K) a decision between the two decode kernels, for the rows between
+    measured counts too, written to the tuning cache and read back by a fresh process state."""
+    from xllm_gen.runtime.layers import quant_tuning
+    from xllm_gen.runtime.layers.linear import ReplicatedLinear
+    from xllm_gen.runtime.layers.quant_linear import quantize_dummy
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    monkeypatch.setenv("XLLM_TUNING_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "auto")
+    monkeypatch.setattr(Q, "QUANT_GEMV_CHOICE", {})
+    model = torch.nn.Sequential(ReplicatedLinear(4096, 1024), ReplicatedLinear(4096, 1024)).to("cuda", torch.bfloat16)
+    assert quantize_dummy(model[:1], "int4") == 1 and quantize_dummy(model[1:], "fp8") == 1
+    report = quant_tuning.tune_quant_gemvs(model, [1, 4, 64])
+    assert {k[:2] for k in report} == {("int4", 1), ("int4", 4), ("fp8", 1), ("fp8", 4)}, report
+    assert ("int4", 3, 1024, 4096, 128, torch.bfloat16) in Q.QUANT_GEMV_CHOICE
+    print("\n" + "\n".join(f"{k}: mma {v[0]:.1f} us, split-K {v[1]:.1f} us -> {v[2]}" for k, v in report.items()))
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, model[0].packed.dequantized(torch.bfloat16))
+    assert _rel_err(model[0](x), ref) < 1e-2
+    monkeypatch.setattr(Q, "QUANT_GEMV_CHOICE", {})
+    assert quant_tuning.tune_quant_gemvs(model, [1, 4]) == {}          # read back from the cache, nothing measured
+    assert len(Q.QUANT_GEMV_CHOICE) == 8
