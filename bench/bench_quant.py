@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table (e.g. only --e2e)")
     ap.add_argument("--e2e", default="", help="Qwen3 variants for the decode-TPOT arm, e.g. Qwen3-0.6B,Qwen3-8B "
                                                   "(random weights: load_format=dummy)")
-    ap.add_argument("--e2e-timeout", type=int, default=300)
+    ap.add_argument("--e2e-timeout", type=int, default=600)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_quant needs a CUDA GPU", file=sys.stderr)

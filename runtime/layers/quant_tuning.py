@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 logger = logging.getLogger("xllm_gen")
-CANDIDATES = 6          # split-K configs timed per shape: the table's and the first neighbours
+CANDIDATES = 4          # split-K configs timed per shape: the table's and the first neighbours (each a compile)
 
 
 def _call(p, x, b, kernel, cfg):
@@ -42,8 +42,8 @@ def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes:
     shapes: dict = {}
     for m in model.modules():
         p = getattr(m, "packed", None) if isinstance(m, _Linear) else None
-        if p is None or not (p.locks is not None and p.locks.is_cuda) or m.weight.dtype not in (torch.bfloat16,
-                                                                                                   torch.float16):
+        locks = getattr(p, "locks", None)          # PackedInt4 / PackedFp8 on CUDA (other packed forms: not ours)
+        if locks is None or not locks.is_cuda or m.weight.dtype not in (torch.bfloat16, torch.float16):
             continue
         kind, s_cols = ("int4", p.group) if isinstance(p, PackedInt4) else ("fp8", p.block[1])
         shapes.setdefault((kind, p.out_features, p.in_features, s_cols, m.weight.dtype), []).append((p, m.bias))
