@@ -7,18 +7,22 @@ Marlin's dequantize):
 
 - grid (ceil(N / BLOCK_N), SPLIT_K): a program owns BLOCK_N output rows and one CHUNK of K (int4: CHUNK words,
   i.e. CHUNK columns of each of the eight K/8 slices of quant_gemv's repacked layout), walked in [BLOCK_N,
-  BLOCK_K] tiles of the weight as stored (K contiguous; a thread's BLOCK_K words / bytes are one vector load);
-- int4: a tile of words becomes [BLOCK_N, 8, BLOCK_K] codes with no int-to-float conversion: nibble j of a word
-  masked in place, (w & 0xF << 4 (j % 4)) | 0x4B000000 (j >= 4: of w >> 16) read as a float is 2^23 + q 16^(j % 4)
-  exactly (Marlin / FasterTransformer's magic number), minus 2^23 + z 16^(j % 4) gives (q - z) 16^(j % 4)
-  exactly: one LOP3 and one FADD an element (plus one shift a word), then one FFMA with the activation;
-  fp8: float8_e4m3fn -> float32 conversion, then one FFMA;
-- the group scale is applied once per (row, slice) to the partial dot, s 16^-(j % 4) (sum x (q - z)), not per
+  BLOCK_K] tiles of the weight as stored (K contiguous; a thread-row's BLOCK_K words / bytes are one vector load);
+- every tensor of the loop is such a 2-D tile or a vector of it: no 3-D broadcast, so Triton keeps the load's
+  layout throughout (checked offline in the sm_90 TTGIR: no layout conversion in the loop);
+- int4: the eight slices are unrolled, each with its own accumulator; nibble j of a word masked in place,
+  (w & 0xF << 4 (j % 4)) | 0x4B000000 (j >= 4: of w >> 16), read as a float is 2^23 + q 16^(j % 4) exactly
+  (Marlin / FasterTransformer's magic number; passed in a register so that mask and OR are one LOP3), minus
+  2^23 + z 16^(j % 4) it is (q - z) 16^(j % 4) exactly: one LOP3 and one FADD an element (one shift a word), then
+  one FFMA with the activation (sm_90 SASS of the loop: 4.3-4.8 instructions an element at 2-4 rows a thread);
+  fp8: e4m3 -> fp32 conversion, then one FFMA (~4 instructions an element);
+- the group scale is applied once per (row, slice) to the partial dot, s 16^-(j % 4) (x . (q - z)), not per
   element, where the CHUNK lies inside one group (int4: K/8 a multiple of the group and the group a multiple of
   CHUNK, or one group a row; fp8: one scale per row over the CHUNK: per channel / tensor, or 128-blocks with CHUNK
   dividing 128). Otherwise (odd groups or blocks) scales and zeros are gathered per element (exact, slower);
-- M = 1 accumulates element-wise in fp32 registers and reduces over K once at the end; M > 1 (BLOCK_M, the next
-  power of two) broadcasts the dequantized tile over the rows and reduces each tile over its K (in-thread);
+- M = 1 accumulates element-wise in fp32 registers [BLOCK_N, BLOCK_K] and reduces over K once at the end; M > 1
+  (BLOCK_M the next power of two, BLOCK_K >= BLOCK_M) reduces each row's dot over the tile in-thread and adds it
+  to column m of the accumulator (a select on a per-register constant: one add);
 - the K splits are combined deterministically: each program writes its fp32 partial [BLOCK_M, BLOCK_N] to a
   buffer, then takes a ticket from a per-N-tile counter (atomic add, acq_rel); the last one to arrive sums the
   SPLIT_K partials in split order (fixed order: run-to-run and graph / eager identical), adds the bias, casts,
