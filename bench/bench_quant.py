@@ -1,19 +1,24 @@
-"""Low-precision decode GEMMs alone, at Qwen3-8B layer shapes, M = 1, 4, 16 rows, bf16 activations, one call:
+"""Low-precision decode GEMMs alone, at Qwen3-8B layer shapes, M = 1, 2, 4, 8, 16 rows, bf16 activations, one call:
 bf16 cuBLAS (F.linear) and the bf16 Triton skinny GEMM (M <= 8) against the weight-only kernels of
-runtime/ops/quant_gemv.py: int4 (AWQ / GPTQ, group 128) and fp8 e4m3 (128 x 128 block scales, and per channel),
-and torch._scaled_mm (cuBLASLt fp8, row-wise scales, activations quantized per token; where this torch has it).
+runtime/ops/quant_gemv.py, each form on both decode kernels: "mma" (the tensor-core tile padded to 16 rows, the old
+path) and "splitk" (ops/quant_splitk.py, the split-K GEMV on the CUDA cores, M <= 16): int4 (AWQ / GPTQ, group
+128) and fp8 e4m3 (128 x 128 block scales, and per channel); and torch._scaled_mm (cuBLASLt fp8, row-wise scales,
+activations quantized per token; where this torch has it).
 Each timing replays a CUDA graph of 20 calls over 20 different weights (no call finds its weight in L2), median of
 20 replays; GB/s counts the bytes of the weight form read (packed weights + scales + zeros). Every kernel's result
 is checked against F.linear on its dequantized weight first (max relative error printed; a wrong result is marked).
+A kernel or config that fails (compile, launch, memory) is reported in its row and the run goes on.
 
-    python bench/bench_quant.py [--out bench/results/h200_quant.md] [--rows 1,4,16] [--sweep]
+    python bench/bench_quant.py [--out bench/results/h200_quant.md] [--rows 1,2,4,8,16] [--sweep]
     python bench/bench_quant.py --e2e Qwen3-0.6B,Qwen3-8B   # + decode TPOT: bf16 vs int4 vs fp8 (dummy weights)
 
---sweep times the kernels' other launch configs (quant_gemv.wq_gemm_candidates) and reports the best five per shape.
+--sweep times the kernels' other launch configs (quant_gemv.wq_gemm_candidates, quant_splitk.splitk_candidates)
+and reports the best five per shape (set the tables / SPLITK_AUTO_MAX_M from them).
 --e2e VARIANTS: batch-1 and batch-16 decode TPOT of Qwen3 variants (bench/bench_decode.py's configs) with random
 weights (load_format=dummy) in bf16, and quantized in place and packed (`_debug={"dummy_quantize": "int4" | "fp8"}`:
-int4 round-to-nearest groups of 128 with zero points, fp8 e4m3 per channel, weights only), each engine in its own
-process, with a time limit (--e2e-timeout seconds).
+int4 round-to-nearest groups of 128 with zero points, fp8 e4m3 per channel, weights only) under each kernel choice
+(XLLM_QUANT_GEMV=mma, splitk, auto: auto measures both per shape at start), each engine in its own process, with a
+time limit (--e2e-timeout seconds).
 """
 from __future__ import annotations
 
@@ -54,16 +59,20 @@ def make_weights(N: int, K: int, group: int = 128):
 
 
 def kernels(x, M: int, group: int = 128):
-    """name -> (fn(weights) -> y, bytes of one weight, reference fn)."""
+    """name -> fn(weights, config=None) -> y. Each weight-only form runs on both decode kernels of
+    runtime/ops/quant_gemv.py: "mma" (the tensor-core tile, the old path) and "splitk" (ops/quant_splitk.py, the
+    split-K GEMV on the CUDA cores, up to its SPLITK_MAX_M rows)."""
     from xllm_gen.runtime.ops import quant_gemv as Q
     from xllm_gen.runtime.ops import triton_kernels as T
     ks = {"bf16 cuBLAS": lambda d: F.linear(x, d["bf16"])}
     if M <= T.SKINNY_MAX_M:
         ks["bf16 skinny"] = lambda d: T.skinny_gemm(x, d["bf16"])
-    ks["int4 g128 Triton"] = lambda d, cfg=None: Q.int4_gemm(x, *d["int4"], group, config=cfg)
-    ks["fp8 block128 Triton"] = lambda d, cfg=None: Q.fp8_gemm(x, *d["fp8b"], (128, 128), config=cfg)
-    ks["fp8 channel Triton"] = lambda d, cfg=None: Q.fp8_gemm(x, d["fp8c"][0], d["fp8c"][1], (1, x.shape[1]),
-                                                              config=cfg)
+    kinds = ("mma", "splitk") if M <= Q.SPLITK_MAX_M else ("mma",)
+    for k in kinds:
+        ks[f"int4 g128 {k}"] = lambda d, cfg=None, k=k: Q.int4_gemm(x, *d["int4"], group, config=cfg, kernel=k)
+        ks[f"fp8 block128 {k}"] = lambda d, cfg=None, k=k: Q.fp8_gemm(x, *d["fp8b"], (128, 128), config=cfg, kernel=k)
+        ks[f"fp8 channel {k}"] = lambda d, cfg=None, k=k: Q.fp8_gemm(x, d["fp8c"][0], d["fp8c"][1], (1, x.shape[1]),
+                                                                      config=cfg, kernel=k)
     if hasattr(torch, "_scaled_mm"):
         def scaled_mm(d):
             xs = (x.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
@@ -72,6 +81,18 @@ def kernels(x, M: int, group: int = 128):
             return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.t().contiguous(), out_dtype=torch.bfloat16)
         ks["fp8 _scaled_mm rowwise"] = scaled_mm
     return ks
+
+
+def candidates(name: str, M: int, N: int, K: int) -> list:
+    """The launch configs --sweep times for a weight-only kernel."""
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    from xllm_gen.runtime.ops import quant_splitk as S
+    int4 = name.startswith("int4")
+    s_cols = 128 if (int4 or "block" in name) else K
+    if name.endswith("splitk"):
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return [S.splitk_config(M, N, K, int4, s_cols, sms)], S.splitk_candidates(M, N, K, int4, s_cols, sms)
+    return [Q.wq_gemm_config(M, N, K, int4, s_cols)], Q.wq_gemm_candidates(M, N, K, int4, s_cols)
 
 
 def ref_of(name: str, x, d, group: int = 128):
@@ -97,7 +118,6 @@ def weight_bytes(name: str, N: int, K: int, group: int = 128) -> int:
 
 def bench_gemms(args) -> list:
     from xllm_gen.runtime.layers.linear import graph_time_ms
-    from xllm_gen.runtime.ops import quant_gemv as Q
     torch.manual_seed(0)
     rows = [int(m) for m in args.rows.split(",")]
     res = []
@@ -120,17 +140,16 @@ def bench_gemms(args) -> list:
                 row.update(us=round(us, 2), gbs=round(weight_bytes(name, N, K) / us / 1e3, 1),
                            vs_bf16_cublas=round(us / base_us, 3) if base_us else None, rel_err=err,
                            ok=err < (0.05 if "_scaled_mm" in name else 0.01))
-                if args.sweep and "Triton" in name:
-                    int4 = name.startswith("int4")
-                    s_cols = 128 if (int4 or "block" in name) else K
+                if args.sweep and name.endswith(("mma", "splitk")):
+                    table, cands = candidates(name, M, N, K)
                     timed = []
-                    for cfg in Q.wq_gemm_candidates(M, N, K, int4, s_cols):
+                    for cfg in cands:
                         try:
                             t = graph_time_ms(lambda: [fn(d, cfg) for d in ws], reps=10) / CALLS * 1e3
                             timed.append((round(t, 2), cfg))
                         except Exception as e:  # noqa: BLE001 - a config that does not compile / fit
                             timed.append((float("inf"), f"{cfg}: {type(e).__name__}"))
-                    row["table"] = Q.wq_gemm_config(M, N, K, int4, s_cols)
+                    row["table"] = table[0]
                     row["best"] = sorted(timed, key=lambda t: t[0])[:5]
                 print(json.dumps(row), flush=True)
                 res.append(row)
@@ -157,8 +176,14 @@ def run(k):
     torch.cuda.synchronize(); return time.perf_counter() - t
 run(8)
 tpot = sorted((run(n + 1) - run(1)) / n * 1e3 for _ in range(3))[1]
-print("E2E " + json.dumps(dict(quant=quant, batch=batch, tpot_ms=round(tpot, 3), packed_layers=packed)), flush=True)
+from xllm_gen.runtime.ops import quant_gemv as Q
+splitk = sorted({k[1:] for k, v in Q.QUANT_GEMV_CHOICE.items() if v != "mma" and k[1] == batch})
+print("E2E " + json.dumps(dict(quant=quant, batch=batch, tpot_ms=round(tpot, 3), packed_layers=packed,
+                               splitk_shapes=len(splitk))), flush=True)
 """
+
+
+E2E_KERNELS = ("mma", "splitk", "auto")     # XLLM_QUANT_GEMV for the packed layers' decode GEMMs
 
 
 def bench_e2e(args) -> list:
@@ -173,13 +198,15 @@ def bench_e2e(args) -> list:
     for name in args.e2e.split(","):
         d = write_config(root, name)
         for batch in (1, 16):
-            for quant in ("bf16", "int4", "fp8"):
-                row = dict(model=name, quant=quant, batch=batch)
+            for quant, kernel in [("bf16", "")] + [(q, k) for q in ("int4", "fp8") for k in E2E_KERNELS]:
+                row = dict(model=name, quant=quant, kernel=kernel, batch=batch)
                 cmd = [sys.executable, "-c", E2E_CHILD, str(d), quant, str(batch), "64"]
+                env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+                if kernel:
+                    env["XLLM_QUANT_GEMV"] = kernel
                 t0 = time.time()
                 try:
-                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.e2e_timeout,
-                                       env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.e2e_timeout, env=env)
                     line = [ln for ln in p.stdout.splitlines() if ln.startswith("E2E ")]
                     if line:
                         row.update(json.loads(line[-1][4:]))
@@ -187,6 +214,8 @@ def bench_e2e(args) -> list:
                         row["error"] = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
                 except subprocess.TimeoutExpired:
                     row["error"] = f"timed out after {args.e2e_timeout} s"
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 row["wall_s"] = round(time.time() - t0, 1)
                 print(json.dumps(row), flush=True)
                 res.append(row)
@@ -200,12 +229,12 @@ def bench_e2e(args) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_quant.md"))
-    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table (e.g. only --e2e)")
     ap.add_argument("--e2e", default="", help="Qwen3 variants for the decode-TPOT arm, e.g. Qwen3-0.6B,Qwen3-8B "
                                                   "(random weights: load_format=dummy)")
-    ap.add_argument("--e2e-timeout", type=int, default=300)
+    ap.add_argument("--e2e-timeout", type=int, default=600)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_quant needs a CUDA GPU", file=sys.stderr)
@@ -227,10 +256,12 @@ def main(argv=None) -> int:
                  f"{r['vs_bf16_cublas']} | {r['rel_err']:.1e}{'' if r['ok'] else ' WRONG'} | {best} |")
     if e2e:
         L += ["", "## Decode TPOT (load_format=dummy, quantized in place)", "",
-              "| model | weights | batch | TPOT ms | / bf16 | packed layers |", "|---|---|---|---|---|---|"]
+              "| model | weights | XLLM_QUANT_GEMV | batch | TPOT ms | / bf16 | packed layers | split-K shapes |",
+              "|---|---|---|---|---|---|---|---|"]
         for r in e2e:
-            L.append(f"| {r['model']} | {r['quant']} | {r['batch']} | {r.get('tpot_ms', r.get('error'))} | "
-                     f"{r.get('vs_bf16', '')} | {r.get('packed_layers', '')} |")
+            L.append(f"| {r['model']} | {r['quant']} | {r.get('kernel', '')} | {r['batch']} | "
+                     f"{r.get('tpot_ms', r.get('error'))} | {r.get('vs_bf16', '')} | {r.get('packed_layers', '')} | "
+                     f"{r.get('splitk_shapes', '')} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(L) + "\n")

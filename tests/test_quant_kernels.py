@@ -1,6 +1,7 @@
-"""The weight-only low-precision GEMMs (runtime/ops/quant_gemv.py) under the Triton interpreter (CPU), against
-F.linear on the dequantized weight. The int4 weights are packed here with explicit bit loops (independent of
-quant_gemv.pack_int4); fp8 weights are float8_e4m3fn with block / channel / tensor scales.
+"""The tensor-core weight-only GEMM (runtime/ops/quant_gemv.py, kernel="mma"; the split-K GEMV:
+tests/test_quant_splitk.py) under the Triton interpreter (CPU), against F.linear on the dequantized weight. The int4
+weights are packed here with explicit bit loops (independent of quant_gemv.pack_int4); fp8 weights are float8_e4m3fn
+with block / channel / tensor scales.
 
 Cases: M 1, 3, 5 and 17 (two row blocks); a K tail (masked tile); groups / blocks that tile K (int4: K/8 a multiple
 of the group: codes through tl.dot, scales and zeros on the partial sums) and narrower ones (dequantized per
@@ -53,15 +54,15 @@ def _checks() -> dict:
                 w = ((codes.float() - z.float().repeat_interleave(grp, 1)) * s.float().repeat_interleave(grp, 1))
                 ref = F.linear(x, w.to(dt), b)
                 key = f"int4_M{M}_N{N}_K{K}_g{grp}_{n}"
-                out[key] = (err(Q.int4_gemm(x, qw, s, z, grp, b), ref), tol)
+                out[key] = (err(Q.int4_gemm(x, qw, s, z, grp, b, kernel="mma"), ref), tol)
                 if M == 1:      # the prefill path's dequantize kernel: bit for bit the reference
                     out[f"dequant_{key}"] = (float(not torch.equal(Q.int4_dequantize(qw, s, z, grp, dt), w.to(dt))), 0.0)
                 if M == 1 and dt == torch.float32:
                     out[f"packer_{key}"] = (float(not torch.equal(Q.pack_int4(codes), qw)), 0.0)
                     order = [0, 2, 4, 6, 1, 3, 5, 7]     # nibbles in AWQ's interleaved order: must be far off
                     swapped = pack_bits(codes.reshape(N, 8, K // 8)[:, order].reshape(N, K))
-                    out[f"sensitive_order_{key}"] = (-err(Q.int4_gemm(x, swapped, s, z, grp, b), ref), -0.05)
-                    out[f"sensitive_zero_{key}"] = (-err(Q.int4_gemm(x, qw, s, z + 1, grp, b), ref), -1e-3)
+                    out[f"sensitive_order_{key}"] = (-err(Q.int4_gemm(x, swapped, s, z, grp, b, kernel="mma"), ref), -0.05)
+                    out[f"sensitive_zero_{key}"] = (-err(Q.int4_gemm(x, qw, s, z + 1, grp, b, kernel="mma"), ref), -1e-3)
             for N, K, blk in ((48, 256, (16, 128)), (40, 192, (1, 192)), (33, 160, (33, 160)), (64, 384, (32, 32))):
                 w8 = (torch.randn(N, K, generator=g) * 3).to(torch.float8_e4m3fn)
                 sc = torch.rand(-(-N // blk[0]), -(-K // blk[1]), generator=g) + 0.1
@@ -70,11 +71,11 @@ def _checks() -> dict:
                 wd = w8.float() * sc.repeat_interleave(blk[0], 0)[:N].repeat_interleave(blk[1], 1)[:, :K]
                 ref = F.linear(x, wd.to(dt), b)
                 key = f"fp8_M{M}_N{N}_K{K}_b{blk[0]}x{blk[1]}_{n}"
-                out[key] = (err(Q.fp8_gemm(x, w8, sc, blk, b), ref), tol)
+                out[key] = (err(Q.fp8_gemm(x, w8, sc, blk, b, kernel="mma"), ref), tol)
                 if M == 1:
                     out[f"dequant_{key}"] = (float(not torch.equal(Q.fp8_dequantize(w8, sc, blk, dt), wd.to(dt))), 0.0)
                 if M == 1 and dt == torch.float32 and blk == (16, 128):
-                    out[f"sensitive_scale_{key}"] = (-err(Q.fp8_gemm(x, w8, torch.ones_like(sc) * sc.mean(), blk, b),
+                    out[f"sensitive_scale_{key}"] = (-err(Q.fp8_gemm(x, w8, torch.ones_like(sc) * sc.mean(), blk, b, kernel="mma"),
                                                           ref), -0.05)
     return out
 

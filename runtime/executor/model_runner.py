@@ -40,6 +40,7 @@ from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as prefill_graph_sizes_of
 from xllm_gen.runtime.layers.linear import tune_decode_gemms
+from xllm_gen.runtime.layers.quant_tuning import tune_quant_gemvs
 from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError
 from xllm_gen.runtime.loading.loader import load_weights
 from xllm_gen.runtime.loading.quant_config import kv_cache_torch_dtype, parse_quant_config
@@ -188,6 +189,10 @@ class ModelRunner:
             picked = sorted(k for k, v in self.decode_gemm_tuning.items() if v[2])
             if picked:
                 logger.info("decode GEMMs on the Triton skinny GEMM (rows, N, K): %s", picked)
+            self.quant_gemv_tuning = tune_quant_gemvs(self.model, rows)    # packed int4 / fp8 layers
+            if self.quant_gemv_tuning:
+                logger.info("packed-weight decode GEMMs measured (tensor-core us, split-K us, choice): %s",
+                            self.quant_gemv_tuning)
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)

@@ -3,7 +3,8 @@
 On CUDA a quantized checkpoint's 4-bit (AWQ / GPTQ) or fp8 layer keeps its weights packed, with no dequantized copy:
 `PackedInt4` (qweight int32 [N, K / 8], scales [N, K / g], zeros uint8 [N, K / g]) and `PackedFp8` (float8_e4m3fn
 [N, K], float32 scales [N, ceil(K / bk)], one per row and bk columns). Their forward is the weight-only GEMM of
-runtime/ops/quant_gemv.py (bf16 / fp16 activations on CUDA, up to GEMV_MAX_M rows: decode; more rows, a prefill
+runtime/ops/quant_gemv.py (bf16 / fp16 activations on CUDA, up to GEMV_MAX_M rows: decode, the split-K GEMV or the
+tensor-core tile as quant_gemv.gemv_choice picks; more rows, a prefill
 chunk: the weight dequantized for the call by one Triton kernel, then cuBLAS), or, on the CPU (tests), F.linear on the dequantized
 weight: the same values the reference layer holds (dequant_int4 / dequant_fp8 round (q - z) * s and
 q * s once to the activation dtype), so a packed model on the CPU must give the reference model's tokens.
@@ -21,6 +22,12 @@ from xllm_gen.runtime.ops import quant_gemv as Q
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _locks(N: int, device) -> Optional[torch.Tensor]:
+    """The layer's own split-K counters (ops/quant_splitk.py), allocated at load (never inside a graph capture)."""
+    from xllm_gen.runtime.ops.quant_splitk import new_lock_buffer
+    return new_lock_buffer(N, device) if device.type == "cuda" else None
+
+
 class PackedInt4(nn.Module):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
         super().__init__()
@@ -29,6 +36,7 @@ class PackedInt4(nn.Module):
         self.register_buffer("zeros", zeros)
         self.group = int(group)
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
+        self.locks = _locks(self.out_features, qweight.device)
 
     def dequantized(self, dtype) -> torch.Tensor:
         if self.qweight.is_cuda:
@@ -38,7 +46,7 @@ class PackedInt4(nn.Module):
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
             x2 = x.reshape(-1, self.in_features)
-            y = Q.int4_gemm(x2, self.qweight, self.scales, self.zeros, self.group, bias)
+            y = Q.int4_gemm(x2, self.qweight, self.scales, self.zeros, self.group, bias, locks=self.locks)
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized(x.dtype), bias)
 
@@ -53,6 +61,7 @@ class PackedFp8(nn.Module):
         self.register_buffer("scale", scale)
         self.block = (1, int(block_cols))
         self.out_features, self.in_features = weight.shape
+        self.locks = _locks(self.out_features, weight.device)
 
     def dequantized(self, dtype) -> torch.Tensor:
         if self.weight.is_cuda:
@@ -62,7 +71,7 @@ class PackedFp8(nn.Module):
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
             x2 = x.reshape(-1, self.in_features)
-            y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias)
+            y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias, locks=self.locks)
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized(x.dtype), bias)
 

@@ -19,15 +19,22 @@ broadcast multiply-sum on the CUDA cores for 1-4 rows was 1.5-6x slower than the
 rows; applying the scales to raw-code partial sums instead of dequantizing each element was no faster for fp8 and
 2x slower for int4. Larger M (prefill) is left to the caller: dequantize + cuBLAS.
 
+Up to 16 rows the split-K GEMV on the CUDA cores (quant_splitk.py) reads the same packed weights with less work an
+element (no per-element scale, no cast, no 16-row padding); `gemv_choice` below picks one of the two per call
+(XLLM_QUANT_GEMV=auto | splitk | mma).
+
 The launchers accept CPU tensors when TRITON_INTERPRET=1 was set before triton was imported (tests).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from xllm_gen.runtime.ops.quant_splitk import SPLITK_MAX_M, splitk_gemv
 
 GEMV_MAX_M = 64        # rows up to which the layers call these kernels (else dequantize + cuBLAS)
 
@@ -149,26 +156,73 @@ def _launch(x, q, s, z, bias, N, K, s_rows, s_cols, int4, config):
     return y
 
 
+# ---------------------------------------------------------------------------------------------- dispatch
+# Two kernels take a decode batch: the tensor-core tile above ("mma", any M <= GEMV_MAX_M) and the split-K GEMV on
+# the CUDA cores (quant_splitk.py, "splitk", M <= SPLITK_MAX_M). XLLM_QUANT_GEMV=splitk / mma forces one (splitk:
+# where M allows); auto (default) takes the per-shape decision measured at engine start (QUANT_GEMV_CHOICE, filled
+# by layers/quant_tuning.py and kept in ops/tuning_cache.py's file), else split-K up to SPLITK_AUTO_MAX_M rows.
+QUANT_GEMV_MODE = os.environ.get("XLLM_QUANT_GEMV", "auto").strip().lower() or "auto"
+if QUANT_GEMV_MODE not in ("auto", "splitk", "mma"):
+    raise ValueError(f"XLLM_QUANT_GEMV={QUANT_GEMV_MODE!r}: 'auto', 'splitk' or 'mma'")
+# rows up to which `auto` takes split-K for a shape nothing measured: expected to win there (fewer operations an
+# element, no 16-row padding); to be set from H200 runs (bench/bench_quant.py). Keep them powers of two (decode
+# graph buckets), so an eager step of 3 rows runs the kernel its bucket of 4 does.
+SPLITK_AUTO_MAX_M = {"int4": 4, "fp8": 4}
+# (kind "int4" | "fp8", M, N, K, scale columns (group / block), activation dtype) -> "mma" | "splitk" | a split-K
+# launch config (tuple): measured per shape
+QUANT_GEMV_CHOICE: dict = {}
+
+
+def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype) -> tuple[str, Optional[tuple]]:
+    """("splitk" | "mma", split-K launch config or None) for a call of M rows."""
+    if M > SPLITK_MAX_M or QUANT_GEMV_MODE == "mma":
+        return "mma", None
+    if QUANT_GEMV_MODE == "splitk":
+        return "splitk", None
+    c = QUANT_GEMV_CHOICE.get((kind, M, N, K, s_cols, dtype))
+    if c is None:
+        return ("splitk" if M <= SPLITK_AUTO_MAX_M[kind] else "mma"), None
+    return ("splitk", c) if isinstance(c, tuple) else (c, None)
+
+
+def _pick(kind, x, N, K, s_cols, config, kernel):
+    if kernel is None:
+        return ("mma", config) if config is not None else gemv_choice(kind, x.shape[0], N, K, s_cols, x.dtype)
+    if kernel not in ("splitk", "mma"):
+        raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk' or 'mma'")
+    return kernel, config
+
+
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-              bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None) -> torch.Tensor:
-    """x [M, K] @ dequant_int4(qweight [N, K/8] int32, scales [N, K/g], zeros uint8 [N, K/g])^T (+ bias [N])."""
+              bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None, kernel: Optional[str] = None,
+              locks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ dequant_int4(qweight [N, K/8] int32, scales [N, K/g], zeros uint8 [N, K/g])^T (+ bias [N]).
+    kernel: "splitk" / "mma" / None (gemv_choice; a `config` alone means the tensor-core kernel's); locks: the
+    layer's split-K counters (quant_splitk.new_lock_buffer)."""
     N, KW = qweight.shape
     K = x.shape[1]
     if qweight.dtype != torch.int32 or KW * 8 != K or K % group or scales.shape != (N, K // group) \
             or zeros.shape != scales.shape:
         raise ValueError(f"int4_gemm: x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}, scales "
                          f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group} do not fit")
+    kernel, config = _pick("int4", x, N, K, group, config, kernel)
+    if kernel == "splitk":
+        return splitk_gemv(x, qweight, scales, zeros, bias, N, K, 1, group, True, config, locks)
     return _launch(x, qweight, scales, zeros, bias, N, K, 1, group, True, config)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple,
-             bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None) -> torch.Tensor:
+             bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None, kernel: Optional[str] = None,
+             locks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ dequant_fp8(weight [N, K] float8_e4m3fn, scale float32 [ceil(N/bn), ceil(K/bk)], block (bn, bk))^T."""
     N, K = weight.shape
     bn, bk = block
     if x.shape[1] != K or scale.shape != (-(-N // bn), -(-K // bk)) or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)} "
                          f"{scale.dtype}, block {block} do not fit")
+    kernel, config = _pick("fp8", x, N, K, bk, config, kernel)
+    if kernel == "splitk":
+        return splitk_gemv(x, weight, scale.contiguous(), None, bias, N, K, bn, bk, False, config, locks)
     return _launch(x, weight, scale.contiguous(), None, bias, N, K, bn, bk, False, config)
 
 

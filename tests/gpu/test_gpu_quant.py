@@ -81,7 +81,7 @@ def _rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16])
 def test_int4_gemm_cuda(M):
     from xllm_gen.runtime.ops import quant_gemv as Q
     torch.manual_seed(0)
@@ -93,10 +93,11 @@ def test_int4_gemm_cuda(M):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, Q.dequant_int4(qw, s, z, g, torch.bfloat16), b)
-        e = _rel_err(Q.int4_gemm(x, qw, s, z, g, b), ref)
-        bad = _rel_err(Q.int4_gemm(x, qw, s, (z + 1) % 16, g, b), ref)
-        print(f"\n[int4 g{g}] M {M} N {N} K {K}: relative error {e:.2e} (zeros off by one: {bad:.2e})")
-        assert e < 1e-2 and bad > 5e-2
+        for kernel in ("mma", "splitk"):        # the tensor-core tile and the split-K GEMV (ops/quant_splitk.py)
+            e = _rel_err(Q.int4_gemm(x, qw, s, z, g, b, kernel=kernel), ref)
+            bad = _rel_err(Q.int4_gemm(x, qw, s, (z + 1) % 16, g, b, kernel=kernel), ref)
+            print(f"\n[int4 g{g} {kernel}] M {M} N {N} K {K}: relative error {e:.2e} (zeros off by one: {bad:.2e})")
+            assert e < 1e-2 and bad > 5e-2
         if M == 1:      # the prefill path: the dequantize kernel, bit for bit the reference, then cuBLAS
             assert torch.equal(Q.int4_dequantize(qw, s, z, g, torch.bfloat16), Q.dequant_int4(qw, s, z, g, torch.bfloat16))
             from xllm_gen.runtime.layers.quant_linear import PackedInt4
@@ -105,7 +106,7 @@ def test_int4_gemm_cuda(M):
             assert torch.equal(PackedInt4(qw, s, z, g)(xb, b), want)
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16])
 def test_fp8_gemm_cuda(M):
     from xllm_gen.runtime.ops import quant_gemv as Q
     torch.manual_seed(0)
@@ -114,10 +115,12 @@ def test_fp8_gemm_cuda(M):
         sc = torch.rand(-(-N // blk[0]), -(-K // blk[1]), device="cuda") * 1e-3 + 1e-4
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, Q.dequant_fp8(w, sc, blk, torch.bfloat16))
-        e = _rel_err(Q.fp8_gemm(x, w, sc, blk), ref)
-        bad = _rel_err(Q.fp8_gemm(x, w, sc.flip(0), blk), ref) if sc.shape[0] > 1 else 1.0
-        print(f"\n[fp8 {blk[0]}x{blk[1]}] M {M} N {N} K {K}: relative error {e:.2e} (scales flipped: {bad:.2e})")
-        assert e < 1e-2 and bad > 5e-2
+        for kernel in ("mma", "splitk"):
+            e = _rel_err(Q.fp8_gemm(x, w, sc, blk, kernel=kernel), ref)
+            bad = _rel_err(Q.fp8_gemm(x, w, sc.flip(0), blk, kernel=kernel), ref) if sc.shape[0] > 1 else 1.0
+            print(f"\n[fp8 {blk[0]}x{blk[1]} {kernel}] M {M} N {N} K {K}: relative error {e:.2e} (scales flipped: "
+                  f"{bad:.2e})")
+            assert e < 1e-2 and bad > 5e-2
         if M == 1:
             assert torch.equal(Q.fp8_dequantize(w, sc, blk, torch.bfloat16), Q.dequant_fp8(w, sc, blk, torch.bfloat16))
 
@@ -134,16 +137,21 @@ def test_quant_gemms_in_cuda_graph():
     w8 = (torch.randn(N, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s8 = torch.rand(N // 128, K // 128, device="cuda") * 1e-3
     x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
-    fn = lambda: (Q.int4_gemm(x, qw, s, z, 128), Q.fp8_gemm(x, w8, s8, (128, 128)))  # noqa: E731
-    out = fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    for kernel in ("mma", "splitk"):      # split-K: its counters zero again after every call, graph or not
+        fn = lambda: (Q.int4_gemm(x, qw, s, z, 128, kernel=kernel),  # noqa: E731
+                      Q.fp8_gemm(x, w8, s8, (128, 128), kernel=kernel))
         out = fn()
-    x.copy_(torch.randn(4, K, device="cuda", dtype=torch.bfloat16))
-    g.replay()
-    want = fn()
-    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn()
+        for _ in range(3):
+            x.copy_(torch.randn(4, K, device="cuda", dtype=torch.bfloat16))
+            g.replay()
+            want = fn()
+            assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), kernel
+    from xllm_gen.runtime.ops.quant_splitk import _LOCKS
+    assert _LOCKS and all(int(b.abs().sum()) == 0 for b in _LOCKS.values())
 
 
 # ---------------------------------------------------------------------------------------------- packed layers
@@ -394,3 +402,27 @@ def test_fp8_kv_cache_checkpoint_scales_cuda(tmp_path, decode_kernel):
           f"{same:.4f}, prefill logits (relative) {same_l:.2e}; a bf16 cache {near_l:.2e}; scales dropped {far_l:.2e} "
           f"(tokens {'differ' if [o.outputs[0].token_ids for o in dropped] != [o.outputs[0].token_ids for o in want] else 'same'})")
     assert same < 0.1 and same_l < 0.05 and near_l < 0.2 and far_l > 0.3      # CPU bf16: near 0.08, far 1.1
+
+
+def test_quant_gemv_tuning_measures_and_caches(tmp_path, monkeypatch):
+    """layers/quant_tuning.py: per (form, M, N, K) a decision between the two decode kernels, for the rows between
+    measured counts too, written to the tuning cache and read back by a fresh process state."""
+    from xllm_gen.runtime.layers import quant_tuning
+    from xllm_gen.runtime.layers.linear import ReplicatedLinear
+    from xllm_gen.runtime.layers.quant_linear import quantize_dummy
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    monkeypatch.setenv("XLLM_TUNING_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "auto")
+    monkeypatch.setattr(Q, "QUANT_GEMV_CHOICE", {})
+    model = torch.nn.Sequential(ReplicatedLinear(4096, 1024), ReplicatedLinear(4096, 1024)).to("cuda", torch.bfloat16)
+    assert quantize_dummy(model[:1], "int4") == 1 and quantize_dummy(model[1:], "fp8") == 1
+    report = quant_tuning.tune_quant_gemvs(model, [1, 4, 64])
+    assert {k[:2] for k in report} == {("int4", 1), ("int4", 4), ("fp8", 1), ("fp8", 4)}, report
+    assert ("int4", 3, 1024, 4096, 128, torch.bfloat16) in Q.QUANT_GEMV_CHOICE
+    print("\n" + "\n".join(f"{k}: mma {v[0]:.1f} us, split-K {v[1]:.1f} us -> {v[2]}" for k, v in report.items()))
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, model[0].packed.dequantized(torch.bfloat16))
+    assert _rel_err(model[0](x), ref) < 1e-2
+    monkeypatch.setattr(Q, "QUANT_GEMV_CHOICE", {})
+    assert quant_tuning.tune_quant_gemvs(model, [1, 4]) == {}          # read back from the cache, nothing measured
+    assert len(Q.QUANT_GEMV_CHOICE) == 8

@@ -1,0 +1,88 @@
+"""Per-shape choice between the two weight-only decode kernels of packed low-precision layers, measured at start.
+
+For every distinct (form, N, K, group / block, dtype) of a model's packed layers (quant_linear.PackedInt4 /
+PackedFp8 on CUDA) and every decode row count up to quant_splitk.SPLITK_MAX_M: the tensor-core tile
+(quant_gemv's launch table) against the split-K GEMV in its table config and a few neighbours
+(quant_splitk.splitk_candidates), each over all the layers' weights of that shape in turn (repeated to about 96 MB,
+so they stream from HBM as in a decode step), in a CUDA graph. Split-K is taken, with its fastest config, when it
+beats `margin` x the tensor-core time; the decision goes to quant_gemv.QUANT_GEMV_CHOICE (every later call of the
+process) and to ops/tuning_cache.py's file (every later start on this GPU and software). Row counts between
+measured ones take the next measured count's decision (the bucket they are padded to: eager and graph decode run
+the same kernel). Only under XLLM_QUANT_GEMV=auto; a kernel that fails to build or run is logged and the
+tensor-core kernel kept.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("xllm_gen")
+CANDIDATES = 4          # split-K configs timed per shape: the table's and the first neighbours (each a compile)
+
+
+def _call(p, x, b, kernel, cfg):
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    if hasattr(p, "qweight"):
+        return Q.int4_gemm(x, p.qweight, p.scales, p.zeros, p.group, b, cfg, kernel, p.locks)
+    return Q.fp8_gemm(x, p.weight, p.scale, p.block, b, cfg, kernel, p.locks)
+
+
+@torch.inference_mode()
+def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes: int = 96 << 20) -> dict:
+    """Returns {(kind, M, N, K, s_cols): (tensor-core us, best split-K us, decision)} of what it measured now."""
+    from xllm_gen.runtime.layers.linear import _Linear, graph_time_ms
+    from xllm_gen.runtime.layers.quant_linear import PackedInt4
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    from xllm_gen.runtime.ops import quant_splitk as S
+    from xllm_gen.runtime.ops import tuning_cache
+    if Q.QUANT_GEMV_MODE != "auto":
+        return {}
+    shapes: dict = {}
+    for m in model.modules():
+        p = getattr(m, "packed", None) if isinstance(m, _Linear) else None
+        locks = getattr(p, "locks", None)          # PackedInt4 / PackedFp8 on CUDA (other packed forms: not ours)
+        if locks is None or not locks.is_cuda or m.weight.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        kind, s_cols = ("int4", p.group) if isinstance(p, PackedInt4) else ("fp8", p.block[1])
+        shapes.setdefault((kind, p.out_features, p.in_features, s_cols, m.weight.dtype), []).append((p, m.bias))
+    report: dict = {}
+    if not shapes:
+        return report
+    dev = next(iter(shapes.values()))[0][0].locks.device
+    path = tuning_cache.cache_path(dev)
+    cached, new = tuning_cache.load(path), {}
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tuned = sorted({int(r) for r in rows if 1 <= r <= S.SPLITK_MAX_M})
+    for (kind, N, K, s_cols, dt), layers in shapes.items():
+        per_layer = N * K // (2 if kind == "int4" else 1)
+        seq = (layers * max(1, -(-stream_bytes // (len(layers) * per_layer))))[:max(64, len(layers))]
+        chosen = {}
+        for M in tuned:
+            key = (kind, M, N, K, s_cols, dt)
+            ckey = tuning_cache.key(f"quant_{kind}_{s_cols}", M, N, K, dt)
+            if key not in Q.QUANT_GEMV_CHOICE and ckey in cached:
+                Q.QUANT_GEMV_CHOICE[key] = cached[ckey]
+            if key not in Q.QUANT_GEMV_CHOICE:
+                x = torch.randn(M, K, device=dev, dtype=dt)
+                try:
+                    t_mma = graph_time_ms(lambda: [_call(p, x, b, "mma", None) for p, b in seq]) / len(seq)
+                    timed = [(graph_time_ms(lambda: [_call(p, x, b, "splitk", cfg) for p, b in seq]) / len(seq), cfg)
+                             for cfg in S.splitk_candidates(M, N, K, kind == "int4", s_cols, sms)[:CANDIDATES]]
+                    t_splitk, cfg = min(timed)
+                    Q.QUANT_GEMV_CHOICE[key] = cfg if t_splitk < margin * t_mma else "mma"
+                    report[key[:5]] = (1e3 * t_mma, 1e3 * t_splitk, Q.QUANT_GEMV_CHOICE[key])
+                except Exception as e:  # noqa: BLE001 - keep the tensor-core kernel, say why
+                    logger.warning("split-K GEMV %s M %d N %d K %d not measured (%s: %s): tensor-core kernel", kind,
+                                   M, N, K, type(e).__name__, str(e)[:200])
+                    Q.QUANT_GEMV_CHOICE[key] = "mma"
+                new[ckey] = Q.QUANT_GEMV_CHOICE[key]
+            chosen[M] = Q.QUANT_GEMV_CHOICE[key]
+        prev = 0
+        for M in sorted(chosen):          # rows between measured counts: the next measured count's decision
+            for m in range(prev + 1, M):
+                Q.QUANT_GEMV_CHOICE.setdefault((kind, m, N, K, s_cols, dt), chosen[M])
+            prev = M
+    tuning_cache.save(path, new)
+    return report
