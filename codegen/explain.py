@@ -72,6 +72,7 @@ def _steps(w, steps) -> None:
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else "")
               + (f" (+ branch {s.join})" if getattr(s, "join", None) else "")
+              + (f"; gated add by {s.gate}" if getattr(s, "gate", None) else "")
               + (f" where {s.when}" if s.when is not None else ""))
 
 
@@ -106,6 +107,8 @@ def _sub_norm(n) -> str:
 def _block(b) -> str:
     if getattr(b, "kind", None) == "hyper_connection":
         return b.describe()
+    if getattr(b, "kind", None) == "residual_gate":
+        return f"residual_gate(hidden={b.hidden}: x = ({b.residual}) * x + ({b.branch}) * h, w = weight)"
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""

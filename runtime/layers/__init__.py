@@ -75,6 +75,7 @@ from xllm_gen.runtime.layers.rotary import (
                                             rope_parameters,
                                             yarn_mscale,
 )
+from xllm_gen.runtime.layers.residual_gate import ResidualGate
 from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
 from xllm_gen.runtime.layers.router import RouterInput, expert_scale
 from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
@@ -83,6 +84,7 @@ from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 __all__ = [
     "HyperConnection",
     "expand_streams",
+    "ResidualGate",
     "learned_scalar", "per_layer_inputs", "rank_columns", "share_kv",
     "RMSNorm", "LayerNorm", "LowRankGatedNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
