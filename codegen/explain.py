@@ -72,6 +72,8 @@ def _steps(w, steps) -> None:
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else "")
               + (f" (+ branch {s.join})" if getattr(s, "join", None) else "")
+              + (f"; stream x {s.residual_scale}" if getattr(s, "residual_scale", None) is not None
+                 and not s.residual_normed else "")
               + (f"; gated add by {s.gate}" if getattr(s, "gate", None) else "")
               + (f" where {s.when}" if s.when is not None else ""))
 

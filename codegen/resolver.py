@@ -602,14 +602,13 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             res_scale = (self.num(sp + ("residual_scale",), st.residual_scale, per_layer=True)
                          if getattr(st, "residual_scale", None) is not None else None)
             normed = getattr(st, "residual", "stream") == "normed"
-            if (normed or res_scale is not None) and (st.norm is None or getattr(st, "add", None) is not None
-                                                      or st.after_norm is not None):
-                key = "residual" if normed else "residual_scale"
-                raise self.err(sp + (key,), f"{where}.{key}: the stream becomes the normed input of a step with a "
-                                            f"`norm` (no add / after_norm)")
-            if res_scale is not None and not normed:
-                raise self.err(sp + ("residual_scale",), f"{where}.residual_scale: scales the normed stream "
-                                                         f"(`residual: normed`)")
+            if normed and (st.norm is None or getattr(st, "add", None) is not None or st.after_norm is not None):
+                raise self.err(sp + ("residual",), f"{where}.residual: the stream becomes the normed input of a step "
+                                                   f"with a `norm` (no add / after_norm)")
+            if res_scale is not None and (st.after_norm is not None or getattr(st, "hyper", None) is not None):
+                # residual: stream: x = residual_scale * x + scale * h (Beam's depth-scaled adds)
+                raise self.err(sp + ("residual_scale",), f"{where}.residual_scale: scales the stream that the step's "
+                                                         f"output joins (not after_norm, nor hyper)")
             if in_scale is not None and st.norm is None:
                 raise self.err(sp + ("input_scale",), f"{where}.input_scale: scales the normed input of a step with a "
                                                       f"`norm` (a step without one reads the residual stream itself)")
