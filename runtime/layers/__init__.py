@@ -68,6 +68,7 @@ from xllm_gen.runtime.layers.recurrent import (
                                             ShortConv,
                                             TokenShiftMLP,
 )
+from xllm_gen.runtime.layers.residual_gate import ResidualGate
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
                                             Rotary,
@@ -76,7 +77,6 @@ from xllm_gen.runtime.layers.rotary import (
                                             rope_parameters,
                                             yarn_mscale,
 )
-from xllm_gen.runtime.layers.residual_gate import ResidualGate
 from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
 from xllm_gen.runtime.layers.router import RouterInput, expert_scale
 from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
