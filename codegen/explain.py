@@ -72,7 +72,18 @@ def _steps(w, steps) -> None:
               + (f" x {s.scale}" if s.scale else "")
               + (f"; post-LN: stream = {s.after_norm}(stream + h)" if s.after_norm else "")
               + (f" (+ branch {s.join})" if getattr(s, "join", None) else "")
+              + (f"; stream x {s.residual_scale}" if getattr(s, "residual_scale", None) is not None
+                 and not s.residual_normed else "")
+              + (f"; gated add by {s.gate}" if getattr(s, "gate", None) else "")
               + (f" where {s.when}" if s.when is not None else ""))
+
+
+def _query_scale(qs) -> str:
+    if qs.form == "power":
+        txt = f", query_scale=(1 + (position + {qs.offset}) / {qs.floor}) ** {qs.beta}"
+    else:
+        txt = f", query_scale=1 + {qs.beta} * log(1 + floor((position + {qs.offset}) / {qs.floor}))"
+    return txt + (f" where {qs.enabled}" if qs.enabled.literal is not True else "")
 
 
 def _rotary(r) -> str:
@@ -106,6 +117,8 @@ def _sub_norm(n) -> str:
 def _block(b) -> str:
     if getattr(b, "kind", None) == "hyper_connection":
         return b.describe()
+    if getattr(b, "kind", None) == "residual_gate":
+        return f"residual_gate(hidden={b.hidden}: x = ({b.residual}) * x + ({b.branch}) * h, w = weight)"
     if isinstance(b, NormIR):
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
@@ -137,13 +150,12 @@ def _block(b) -> str:
                 f"scale={b.scale if b.scale else 'head_dim ** -0.5'}"
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
                 + (f", chunk_size={b.chunk_size}" if b.chunk_size else "")
-                + (f", query_scale=1 + {b.query_scale.beta} * log(1 + floor((position + {b.query_scale.offset}) / "
-                   f"{b.query_scale.floor}))" + (f" where {b.query_scale.enabled}"
-                                                if b.query_scale.enabled.literal is not True else "")
-                   if b.query_scale else "")
+                + (_query_scale(b.query_scale) if b.query_scale else "")
                 + (f", softcap={b.softcap}" if b.softcap else "")
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
-                + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
+                + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}"
+                   + (f" + {b.out_gate_bias}[head]" if b.out_gate_bias else "") + f") per {b.out_gate[2]}"
+                   if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
                 + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora)
@@ -294,6 +306,10 @@ def _block(b) -> str:
                    if b.out_norm else "")
                 + (f"; experts' input normalized by {b.expert_norm.kind}({b.expert_norm.name}, eps={b.expert_norm.eps})"
                    if b.expert_norm else "")
+                + (f"; each expert's output normalized by rmsnorm(experts.{b.expert_out_norm.name}, a weight per "
+                   f"expert, eps={b.expert_out_norm.eps})" if b.expert_out_norm else "")
+                + (f"; the shared expert's output by {b.shared_out_norm.kind}({b.shared.name}."
+                   f"{b.shared_out_norm.name}, eps={b.shared_out_norm.eps})" if b.shared_out_norm else "")
                 + ("; router input = " + (f"rmsnorm(x, eps={b.router_norm_eps}, no weight)" if b.router_norm_eps
                                           else "x") + (" * router_input.weight" if b.router_input_weight else "")
                    + (f" * {b.router_input_scale}" if b.router_input_scale else "") if b.router_input else "")

@@ -77,6 +77,7 @@ def _layer_kernel(ir: ModelIR, norm_prologue: frozenset) -> tuple:
     for s in (s1, s2):
         if (type(s).__name__ != "StepIR" or s.choice is not None or s.norm is None or s.post_norm or s.scale
                 or s.after_norm or s.add or s.input_scale or s.residual_normed or s.when is not None
+                or s.residual_scale is not None or s.gate is not None
                 or s.block not in norm_prologue):
             return ()
     attn, mlp = blocks[s1.block], blocks[s2.block]

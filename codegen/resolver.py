@@ -43,6 +43,7 @@ from .ir import (
     NormIR,
     ParamIR,
     ProjectionIR,
+    ResidualGateIR,
     RunnerIR,
     ShortConvIR,
     Size,
@@ -601,14 +602,13 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             res_scale = (self.num(sp + ("residual_scale",), st.residual_scale, per_layer=True)
                          if getattr(st, "residual_scale", None) is not None else None)
             normed = getattr(st, "residual", "stream") == "normed"
-            if (normed or res_scale is not None) and (st.norm is None or getattr(st, "add", None) is not None
-                                                      or st.after_norm is not None):
-                key = "residual" if normed else "residual_scale"
-                raise self.err(sp + (key,), f"{where}.{key}: the stream becomes the normed input of a step with a "
-                                            f"`norm` (no add / after_norm)")
-            if res_scale is not None and not normed:
-                raise self.err(sp + ("residual_scale",), f"{where}.residual_scale: scales the normed stream "
-                                                         f"(`residual: normed`)")
+            if normed and (st.norm is None or getattr(st, "add", None) is not None or st.after_norm is not None):
+                raise self.err(sp + ("residual",), f"{where}.residual: the stream becomes the normed input of a step "
+                                                   f"with a `norm` (no add / after_norm)")
+            if res_scale is not None and (st.after_norm is not None or getattr(st, "hyper", None) is not None):
+                # residual: stream: x = residual_scale * x + scale * h (Beam's depth-scaled adds)
+                raise self.err(sp + ("residual_scale",), f"{where}.residual_scale: scales the stream that the step's "
+                                                         f"output joins (not after_norm, nor hyper)")
             if in_scale is not None and st.norm is None:
                 raise self.err(sp + ("input_scale",), f"{where}.input_scale: scales the normed input of a step with a "
                                                       f"`norm` (a step without one reads the residual stream itself)")
@@ -654,6 +654,11 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 roles.append(("post_norm", st.post_norm, ("rmsnorm", "layernorm")))
             if getattr(st, "hyper", None) is not None:
                 roles.append(("hyper", st.hyper, ("hyper_connection",)))
+            if getattr(st, "gate", None) is not None:      # x = residual(w) * x + branch(w) * h
+                if st.after_norm is not None or getattr(st, "hyper", None) is not None:
+                    raise self.err(sp + ("gate",), f"{where}.gate: gates the residual add of a step with a residual "
+                                                   f"stream (not after_norm, whose stream is normalized, nor hyper)")
+                roles.append(("gate", st.gate, ("residual_gate",)))
             if st.after_norm is not None:
                 if st.norm is not None:
                     raise self.err(sp + ("after_norm",), f"{where}.after_norm: a post-LN step normalizes the residual "
@@ -700,11 +705,12 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                 # alternatives of different inputs (positions + hidden vs hidden): a per-layer flag in the layer
                 return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
                               mixed_input=len(takes) > 1, input_scale=in_scale, residual_normed=normed,
-                              residual_scale=res_scale, hyper=getattr(st, "hyper", None))
+                              residual_scale=res_scale, hyper=getattr(st, "hyper", None),
+                              gate=getattr(st, "gate", None))
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
                           st.after_norm, add=add, input_scale=in_scale, residual_normed=normed,
                           residual_scale=res_scale, join=join, join_optional=join in optional_values, when=when,
-                          hyper=getattr(st, "hyper", None))
+                          hyper=getattr(st, "hyper", None), gate=getattr(st, "gate", None))
 
         def branch_step(st, sp, where):
             b = st.branch
@@ -855,7 +861,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             if isinstance(b, NormIR):
                 checks.append((bp + ("dim",), f"decoder.layers.blocks.{b.name}.dim", b.dim))
             elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                                ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR, MLSTMIR)):
+                                ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR, MLSTMIR, ResidualGateIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
         for path, where, size in checks:
             if str(size) != str(embed.dim):

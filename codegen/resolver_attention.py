@@ -122,7 +122,7 @@ class AttentionResolver:
             qs = b.query_scale
             qscale = QueryScaleIR(self.num(sp + ("beta",), qs.beta), self.positive(sp + ("floor",), qs.floor),
                                   self.num(sp + ("offset",), qs.offset),
-                                  self.rotary_enabled(sp + ("enabled",), qs.enabled))
+                                  self.rotary_enabled(sp + ("enabled",), qs.enabled), qs.form)
         out_name = module(path + ("out", "name"), b.out.name)
         # the output projection's bias may exist on some layers only (an expression reading `layer`)
         out_bias = self.flag(path + ("out", "bias"), b.out.bias, per_layer=True)
@@ -199,6 +199,7 @@ class AttentionResolver:
             qk_norm=qk, scale=self.positive(path + ("scale",), b.scale, per_layer=True) if b.scale is not None else None,
             sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=has_sinks,
             out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if gate_name is not None else None,
+            out_gate_bias=self._gate_bias(path, b, gate_name),
             q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
             alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
             differential=diff, v_head_dim=v_dim, value_scale=vscale, v_norm=vnorm, values_from_keys=vfk, kv_source=kvsrc,
@@ -265,6 +266,21 @@ class AttentionResolver:
                         self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
                         fraction, rdim, layout, enabled, kind_symbol, layout_symbol, original, rot.direction)
 
+    def _gate_bias(self, path, b, gate_name):
+        """The output gate's per-head logit bias (`out_gate.head_bias`): a parameter name of the block, with a gate
+        projection of its own."""
+        name = b.out_gate.head_bias if b.out_gate is not None else None
+        if name is None:
+            return None
+        gp = path + ("out_gate", "head_bias")
+        self.ident(gp, name, "parameter name")
+        if gate_name is None:
+            raise self.err(gp, f"{self._where(path)}.out_gate.head_bias: a gate with a projection of its own "
+                               f"(source: projection)")
+        if name in (gate_name, b.out.name, "sinks", getattr(b.qkv, "name", None)):
+            raise self.err(gp, f"{self._where(path)}.out_gate.head_bias: '{name}' is already a module of the block")
+        return name
+
     def q_gate(self, path, g):
         """The activation of an output gate that rides in the q projection (`out_gate.source: q`), else None."""
         if g is None or g.source != "q":
@@ -314,6 +330,8 @@ class AttentionResolver:
             gname, _, per = b.out_gate
             ps += column(f"{gname}.", b.hidden, [SegmentIR(gname, b.heads, b.v_dim if per == "element" else one)],
                          False)
+        if b.out_gate_bias:           # the gate logits' bias per head, split by heads as q is
+            ps.append(P(b.out_gate_bias, (b.heads,), "colwise", (SegmentIR(b.out_gate_bias, b.heads, one),)))
         if b.sinks:                   # one logit per query head, split by heads as q is
             ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, one),)))
             if b.sinks_when is not None:      # only on the layers where the flag holds

@@ -5,7 +5,7 @@ resolver_vision.py is for the vision tower.
 
 Each family of block kinds has its own module, a mixin with its `resolve_<kind>` and `<kind>_params`:
 resolver_attention.py (attention), resolver_mla.py (mla_attention), resolver_recurrent.py (short_conv, rg_lru, mamba2,
-mamba, gated_delta_net), resolver_lightning.py (lightning_attention), resolver_wkv.py (wkv, channel_mix), resolver_mlstm.py (mlstm), resolver_mlp.py (gated_mlp, mlp, moe); the norms and linears are here; what they share
+mamba, gated_delta_net), resolver_lightning.py (lightning_attention), resolver_wkv.py (wkv, channel_mix), resolver_mlstm.py (mlstm), resolver_gate.py (residual_gate), resolver_mlp.py (gated_mlp, mlp, moe); the norms and linears are here; what they share
 (activation tables, sub_norm, lora, scales, ParamBuilder) is in resolver_block_common.py. A new block kind is one
 module: its mixin in `BlockResolver`'s bases and one row in each table."""
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .ir import (
     MoEIR,
     NormIR,
     ParamIR,
+    ResidualGateIR,
     SegmentIR,
     ShortConvIR,
     Size,
@@ -45,6 +46,7 @@ from .resolver_block_common import (  # noqa: F401  (the tables and helpers, imp
     _is_int,
     _maybe,
 )
+from .resolver_gate import ResidualGateResolver
 from .resolver_hyper import HyperResolver
 from .resolver_lightning import LightningResolver
 from .resolver_mla import MLAResolver
@@ -68,6 +70,7 @@ from .schema import (
     MLPBlock,
     MLSTMBlock,
     MoEBlock,
+    ResidualGateBlock,
     RGLRUBlock,
     RMSNormBlock,
     ShortConvBlock,
@@ -76,7 +79,7 @@ from .schema import (
 
 
 class BlockResolver(AttentionResolver, RecurrentResolver, FeedForwardResolver, BlockCommon, MLAResolver,
-                    LightningResolver, HyperResolver, WKVResolver, MLSTMResolver):
+                    LightningResolver, HyperResolver, WKVResolver, MLSTMResolver, ResidualGateResolver):
 
     def resolve_block(self, path, name, b, unique_kind: bool):
         """The block's IR, by its kind's resolver (`BLOCK_KINDS`); its generated class is `<prefix><Kind>` when it
@@ -162,6 +165,7 @@ BLOCK_KINDS = {
     MLPBlock: ("resolve_mlp", "MLP"),
     MoEBlock: ("resolve_moe", "SparseMoeBlock"),
     HyperConnectionBlock: ("resolve_hyper_connection", None),
+    ResidualGateBlock: ("resolve_residual_gate", None),
 }
 
 # resolved block (IR) -> its parameters with their sharding
@@ -183,4 +187,5 @@ BLOCK_PARAMS = {
     MLPIR: FeedForwardResolver.mlp_params,
     GatedMLPIR: FeedForwardResolver.gated_mlp_params,
     HyperIR: HyperResolver.hyper_params,
+    ResidualGateIR: ResidualGateResolver.residual_gate_params,
 }

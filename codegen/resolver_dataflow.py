@@ -20,7 +20,7 @@ class DataflowResolver:
             raise self.err(sp + ("parallel",), f"{where}.parallel: list two or more branches")
         branches = []
         for j, br in enumerate(st.parallel):
-            for key in ("after_norm", "when", "add"):
+            for key in ("after_norm", "when", "add", "gate", "residual_scale"):
                 if getattr(br, key) is not None:
                     raise self.err(sp + ("parallel", j, key), f"{where}.parallel[{j}].{key}: not supported in a "
                                                               f"parallel step")

@@ -59,6 +59,9 @@ class MLAResolver(RotaryResolver, IndexerResolver):
             if b.out_gate.source != "projection":
                 raise self.err(gp + ("source",), f"{self._where(gp)}.source: multi-head latent attention's output gate "
                                                  f"has a projection of its own (source: projection)")
+            if b.out_gate.head_bias is not None:
+                raise self.err(gp + ("head_bias",), f"{self._where(gp)}.head_bias: not supported on multi-head latent "
+                                                    f"attention")
             g = self.ident(gp + ("name",), b.out_gate.name, "module name")
             if g in MLA_MODULES or g == out:
                 raise self.err(gp + ("name",), f"{self._where(gp)}.name: '{g}' is already a module of the latent "

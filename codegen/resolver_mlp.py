@@ -209,6 +209,7 @@ class FeedForwardResolver:
             if r.input_norm is not None else None, router_input_weight=r.input_weight,
             router_input_scale=self.positive(rp + ("input_scale",), r.input_scale) if r.input_scale is not None else None,
             expert_scale=r.expert_scale, expert_norm=norms.get("expert_norm"))
+        routing.update(self._output_norms(path, b))
         return MoEIR("moe", name, cls,
                      self.dim(path + ("hidden",), b.hidden), self.dim(path + ("experts",), b.experts),
                      self.dim(path + ("top_k",), b.top_k), self.dim(path + ("intermediate",), b.intermediate),
@@ -216,6 +217,37 @@ class FeedForwardResolver:
                      router_bias=self.flag(path + ("router", "bias"), b.router.bias),
                      expert_bias=self.flag(path + ("expert_bias",), b.expert_bias), activation_params=act_params,
                      out_norm=norms.get("out_norm"), output_bias=self.flag(path + ("output_bias",), b.output_bias), **routing)
+
+    def _output_norms(self, path, b) -> dict:
+        """`expert_out_norm` (an RMSNorm of each routed expert's output, a weight per expert; whole experts per rank)
+        and `shared_expert.out_norm` (a norm of the shared expert's output)."""
+        out = {}
+        n = b.expert_out_norm
+        if n is not None:
+            op = path + ("expert_out_norm",)
+            self.ident(op + ("name",), n.name, "module name")
+            if n.kind != "rmsnorm" or n.bias or n.weight_offset:
+                raise self.err(op, f"{self._where(op)}: a plain RMSNorm (kind: rmsnorm, no bias / weight_offset)",
+                               at_key=True)
+            if b.parallel != "expert":
+                raise self.err(op, f"{self._where(op)}: each expert's output is normalized whole, so the experts must "
+                                   f"be split whole over the ranks (parallel: expert)", at_key=True)
+            if n.name in ("up_proj", "down_proj", "gate_up_proj", "gate_up_proj_bias", "down_proj_bias"):
+                raise self.err(op + ("name",), f"{self._where(op)}.name: '{n.name}' is a parameter of the experts")
+            out["expert_out_norm"] = NormIR("rmsnorm", n.name, self.dim(path + ("hidden",), b.hidden),
+                                            self.positive(op + ("eps",), n.eps, below=1.0))
+        n = b.shared_expert.out_norm if b.shared_expert is not None else None
+        if n is not None:
+            op = path + ("shared_expert", "out_norm")
+            self.ident(op + ("name",), n.name, "module name")
+            if n.name in ("up_proj", "down_proj", "gate_up_proj", "act_fn"):
+                raise self.err(op + ("name",), f"{self._where(op)}.name: '{n.name}' is a module of the shared expert")
+            if not math.isfinite(n.weight_offset):
+                raise self.err(op + ("weight_offset",), f"{self._where(op)}.weight_offset: must be finite")
+            out["shared_out_norm"] = NormIR(n.kind, n.name, self.dim(path + ("hidden",), b.hidden),
+                                            self.positive(op + ("eps",), n.eps, below=1.0), n.bias,
+                                            float(n.weight_offset))
+        return out
 
     def check_groups_variant(self, name: str, b: MoEIR, values, at, vp) -> None:
         """Grouped routing: the groups divide the experts, top <= count, and the chosen groups hold top_k experts."""
@@ -273,11 +305,18 @@ class FeedForwardResolver:
             ps += resolver_blocks.BlockResolver.block_params(f"{prefix}.{b.shared.name}", block, b.shared, per_layer)
             if b.shared_gate:
                 ps.append(P(f"{b.shared_gate}.weight", (one, b.hidden), "replicated"))
+            n = b.shared_out_norm
+            if n is not None:         # the shared expert's output norm, replicated
+                ps += [P(f"{b.shared.name}.{n.name}.{w}", (b.hidden,), "replicated")
+                       for w in (("weight", "bias") if n.bias else ("weight",))]
             if b.shared_enabled is not None:     # only in the checkpoints where the flag holds
                 ps[first:] = [dataclasses.replace(p, when=(b.shared_enabled, True)) for p in ps[first:]]
         for n in (b.out_norm, b.expert_norm):   # a replicated [hidden] weight (and bias)
             if n is not None:
                 ps += [P(f"{n.name}.{w}", (b.hidden,), "replicated") for w in (("weight", "bias") if n.bias else ("weight",))]
+        if b.expert_out_norm is not None:   # each expert's output norm weight, whole experts per rank
+            ps.append(ParamIR(f"{prefix}.experts.{b.expert_out_norm.name}.weight", block, (E, b.hidden), "expert", (),
+                              per_layer=per_layer, experts=E))
         if b.router_input_weight:     # the router's learned input scale [hidden]
             ps.append(P("router_input.weight", (b.hidden,), "replicated"))
         if b.expert_scale:            # the learned per-expert scale of the routing weights

@@ -28,6 +28,7 @@ from .blocks import (
     LinearIR,
     NormIR,
     PositionEmbeddingIR,
+    ResidualGateIR,
 )
 from .config import (
     ConfigFieldIR,

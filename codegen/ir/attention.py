@@ -71,6 +71,7 @@ class QueryScaleIR:
     floor: Value
     offset: Value
     enabled: Value = Value(literal=True)
+    form: str = "log"             # log | power: (1 + (position + offset) / floor) ** beta
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class AttentionIR:
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
     sinks: bool = False                        # attention sinks (on some layer): parameter `sinks [heads]`
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
+    out_gate_bias: Optional[str] = None   # a learned [heads] bias on the gate logits (parameter of the block)
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
     q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)
     sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection

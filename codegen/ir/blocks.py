@@ -59,3 +59,21 @@ class LinearIR:
     out_sizes: Tuple[Tuple[str, Size], ...]   # (segment name, size); one segment for a plain linear
     parallel: str                 # column | row | replicated
     bias: bool
+
+
+@dataclass(frozen=True)
+class ResidualGateIR:
+    """A learned per-channel gate on a step's residual add (runtime L.ResidualGate): x = residual(w) * x +
+    branch(w) * h; `branch_py` / `residual_py` the formulas as torch source over the float32 weight `w` (None: 1)."""
+    kind: str                     # residual_gate
+    name: str
+    hidden: Size
+    branch: str                   # the formulas as written in the spec (explain, docstrings)
+    residual: str
+    branch_py: Optional[str] = None
+    residual_py: Optional[str] = None
+
+    def ctor(self) -> str:
+        fns = "".join(f", {k}=lambda w: {v}" for k, v in (("branch", self.branch_py), ("residual", self.residual_py))
+                      if v is not None)
+        return f"L.ResidualGate({self.hidden.py()}{fns})"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 from .attention import MLAIR, AttentionIR
-from .blocks import LinearIR, NormIR
+from .blocks import LinearIR, NormIR, ResidualGateIR
 from .hyper import HyperIR
 from .mlp import MLPIR, GatedMLPIR, MoEIR
 from .recurrent import (
@@ -23,7 +23,8 @@ from .recurrent import (
 from .values import Size, Value
 
 BlockIR = Union[NormIR, LinearIR, AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
-                ShortConvIR, RGLRUIR, LightningIR, HyperIR, WKVIR, ChannelMixIR, MLSTMIR]
+                ShortConvIR, RGLRUIR, LightningIR, HyperIR, WKVIR, ChannelMixIR, MLSTMIR,
+                ResidualGateIR]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class StepIR:
     join_optional: bool = False   # the joined branch runs on some layers only (its value may be None)
     when: Optional[Value] = None         # the step runs (and its blocks exist) only where it holds
     hyper: Optional[str] = None   # a hyper_connection block: the step reads / writes the residual streams through it
+    gate: Optional[str] = None    # a residual_gate block: x = residual(w) * x + branch(w) * h
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,8 @@ class MoEIR:
     router_input_scale: Optional[Value] = None
     expert_scale: bool = False                # a learned [experts] scale of the chosen experts' weights
     expert_norm: Optional[NormIR] = None      # a norm of the experts' input (not the router's)
+    expert_out_norm: Optional[NormIR] = None  # an RMSNorm of each expert's output, weight [experts, hidden]
+    shared_out_norm: Optional[NormIR] = None  # a norm of the shared expert's output (module <shared>.<name>)
 
     @property
     def router_input(self) -> bool:
@@ -116,4 +118,5 @@ class MoEIR:
                 and self.groups is None and self.routed_scale is None and self.weights_on == "output"
                 and self.renormalize_min is None and self.renormalize_epsilon is None and self.expert_mlp == "gated"
                 and self.selection_bias.literal is False and self.selection_bias.symbol is None
-                and self.selection_bias.expr is None and not self.expert_scale)
+                and self.selection_bias.expr is None and not self.expert_scale
+                and self.expert_out_norm is None)

@@ -49,6 +49,7 @@ from .blocks import (
     NormGate,
     PositionEmbeddingBlock,
     Projection,
+    ResidualGateBlock,
     RMSNormBlock,
 )
 from .config import (

@@ -22,6 +22,9 @@ class OutGate(Strict):
     # head_dim query rows followed by its head_dim gate rows (Qwen3-Next / Qwen3.5: q_proj [heads * 2 * head_dim],
     # viewed [heads, 2 * head_dim] and chunked), so no parameter of its own (`name` unused; `per: element` only)
     source: Literal["projection", "q"] = "projection"
+    # a learned bias per head added to the gate's logits before the activation (Beam's `gate_bias [heads]`): the
+    # parameter's name on the attention block, split by heads as q is
+    head_bias: Optional[StrictStr] = None
 
 
 class QKNorm(Strict):
@@ -77,6 +80,9 @@ class QueryScale(Strict):
     floor: Num
     offset: Num = 0
     enabled: Flag = True
+    # log (default): 1 + beta * log(1 + floor((p + offset) / floor)); power: (1 + (p + offset) / floor) ** beta, no
+    # rounding (Beam's NoPE layers: beta 0.1, floor 2048, offset 1)
+    form: Literal["log", "power"] = "log"
 
 
 class Rotary(Strict):

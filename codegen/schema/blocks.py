@@ -113,3 +113,15 @@ class FusedLinearBlock(Strict):
     in_: Dim = Field(alias="in")
     segments: Dict[StrictStr, Dim]
     bias: StrictBool = False
+
+
+class ResidualGateBlock(Strict):
+    """`residual_gate`: a learned per-channel gate on a step's residual add, `x = residual(w) * x + branch(w) * h`,
+    `w` the block's parameter `weight [hidden]` (read in float32) and `branch` / `residual` elementwise formulas over
+    it (codegen/gate_expr.py: numbers, `w`, + - * / **, sigmoid / softplus / exp / log / sqrt / tanh / abs). A step
+    names it with `gate:`. Ergo's `attention_residual_gate`: branch `sigmoid(w)`, residual
+    `sqrt(1 + sigmoid(w)) * exp(-softplus(w) / 2)`; Doge's `input_residual` gain: residual `w` (branch 1)."""
+    kind: Literal["residual_gate"]
+    hidden: Dim
+    branch: Union[StrictStr, StrictInt, StrictFloat] = 1
+    residual: Union[StrictStr, StrictInt, StrictFloat] = 1

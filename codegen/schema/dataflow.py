@@ -70,6 +70,9 @@ class ResidualStep(Strict):
     # hyper-connections: a `hyper_connection` block of the layer that forms the block's input from the residual streams
     # and writes its output back into them (streams_out = post * h + mix(streams)); `norm` then normalizes that input
     hyper: Optional[StrictStr] = None
+    # a `residual_gate` block of the layer: the step's residual add becomes x = residual(w) * x + branch(w) * h (after
+    # post_norm / scale / join), w its learned per-channel weight (Ergo's attention / feedforward residual gates)
+    gate: Optional[StrictStr] = None
 
 
 class BranchOp(Strict):

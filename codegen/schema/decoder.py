@@ -8,7 +8,15 @@ from pydantic import Field, StrictInt, StrictStr
 
 from .attention import AttentionBlock, MLAAttentionBlock
 from .base import Dim, Flag, Num, Strict
-from .blocks import EmbeddingBlock, FusedLinearBlock, LayerNormBlock, LinearBlock, PositionEmbeddingBlock, RMSNormBlock
+from .blocks import (
+    EmbeddingBlock,
+    FusedLinearBlock,
+    LayerNormBlock,
+    LinearBlock,
+    PositionEmbeddingBlock,
+    ResidualGateBlock,
+    RMSNormBlock,
+)
 from .dataflow import BranchStep, DataflowChoice, ParallelStep, ResidualStep
 from .hyper import HyperConnectionBlock
 from .mlp import GatedMLPBlock, MLPBlock, MoEBlock
@@ -39,7 +47,8 @@ class LMHeadBlock(Strict):
 LayerBlock = Annotated[
     Union[RMSNormBlock, LayerNormBlock, LinearBlock, FusedLinearBlock, AttentionBlock, GatedMLPBlock, MLPBlock,
           MoEBlock, MLAAttentionBlock, GatedDeltaNetBlock, Mamba2Block, MambaBlock,
-          ShortConvBlock, RGLRUBlock, LightningAttentionBlock, HyperConnectionBlock, WKVBlock, ChannelMixBlock, MLSTMBlock],
+          ShortConvBlock, RGLRUBlock, LightningAttentionBlock, HyperConnectionBlock, WKVBlock, ChannelMixBlock, MLSTMBlock,
+          ResidualGateBlock],
     Field(discriminator="kind"),
 ]
 NormBlock = Annotated[Union[RMSNormBlock, LayerNormBlock], Field(discriminator="kind")]

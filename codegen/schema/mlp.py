@@ -109,6 +109,9 @@ class SharedExpert(Strict):
     bias: Flag = False
     # its own gated activation (default: the block's): Ling / Bailing clamp the shared experts by their own limits
     activation: Optional[Union[StrictStr, ActivationForm]] = None
+    # a norm of its output before it joins the routed experts' (Ergo's `shared_experts.norm`): module
+    # `<name>.<out_norm.name>`, a replicated weight [hidden], after the shared expert's all-reduce
+    out_norm: Optional[SubNorm] = None
 
 
 class MoEBlock(Strict):
@@ -176,3 +179,7 @@ class MoEBlock(Strict):
     # `experts + identity_experts` choices (its weight [experts + identity_experts, hidden], a selection bias as wide);
     # a chosen identity expert adds its routing weight times the block's input, the others are the stacked experts
     identity_experts: Optional[Dim] = None
+    # an RMSNorm of each routed expert's output, with that expert's own weight, before the routing weights (Ergo's
+    # `experts.post_expert_norm`): parameter `experts.<name>.weight [experts, hidden]`; needs `parallel: expert` (each
+    # rank normalizes whole experts' outputs); runs the torch grouped experts
+    expert_out_norm: Optional[SubNorm] = None

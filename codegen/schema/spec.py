@@ -56,5 +56,5 @@ class Spec(Strict):
 
 BLOCK_KINDS = ("embedding", "rmsnorm", "layernorm", "linear", "fused_linear", "attention", "gated_mlp", "mlp", "moe", "lm_head",
                "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru",
-               "lightning_attention", "hyper_connection", "wkv", "channel_mix", "mlstm", "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
+               "lightning_attention", "hyper_connection", "residual_gate", "wkv", "channel_mix", "mlstm", "conv3d_patch_embed", "interpolated_pos_embed", "rotary_2d", "vision_attention", "vision_mlp",
                "patch_merger")

@@ -19,6 +19,7 @@ from xllm_gen.runtime.layers.attention import (
                                             alibi_slopes,
                                             attention_sinks,
                                             gate_output,
+                                            head_bias,
                                             share_kv,
 )
 from xllm_gen.runtime.layers.deepstack import inject_deepstack
@@ -67,6 +68,7 @@ from xllm_gen.runtime.layers.recurrent import (
                                             ShortConv,
                                             TokenShiftMLP,
 )
+from xllm_gen.runtime.layers.residual_gate import ResidualGate
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
                                             Rotary,
@@ -83,12 +85,13 @@ from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 __all__ = [
     "HyperConnection",
     "expand_streams",
+    "ResidualGate",
     "learned_scalar", "per_layer_inputs", "rank_columns", "share_kv",
     "RMSNorm", "LayerNorm", "LowRankGatedNorm", "IdentityNorm", "ProjectionNorm", "HeadNorm", "VocabParallelEmbedding", "ParallelLMHead", "QKVParallelLinear",
     "MergedColumnParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "ReplicatedLinear",
     "SiluAndMul", "GeluAndMul", "gated_act", "GATED_ACTIVATIONS", "act", "ACTIVATIONS", "GELU", "Rotary", "ROTARY_KINDS", "ROPE_KINDS",
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
-    "attention_sinks", "gate_output", "routing_bias", "yarn_mscale", "latent_attention", "SparseIndexer",
+    "attention_sinks", "head_bias", "gate_output", "routing_bias", "yarn_mscale", "latent_attention", "SparseIndexer",
     "shared_selection",
     "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "decoder_layer_kernel", "QueryScale", "DifferentialAttention",

@@ -212,15 +212,30 @@ def attention_sinks(num_heads: int) -> nn.Parameter:
     return attach(param, ParamSplit("column", 0, (seg,), (seg.rows,), tp, rank, "attention_sinks"))
 
 
+def head_bias(num_heads: int) -> nn.Parameter:
+    """A learned value per query head (global count), split over the TP ranks by heads as q is: [num_heads / tp]
+    (an output gate's per-head logit bias)."""
+    tp, rank = get_tp_size(), get_tp_rank()
+    problems: list = []
+    seg = split_segment(Segment("head_bias", num_heads, 1), tp, rank, problems)
+    param = nn.Parameter(torch.zeros(seg.rows))
+    raise_or_defer(nn.Module(), problems)
+    return attach(param, ParamSplit("column", 0, (seg,), (seg.rows,), tp, rank, "head_bias"))
+
+
 OUT_GATE_ACTIVATIONS = ("sigmoid", "softplus")
 
 
-def gate_output(out: torch.Tensor, gate: torch.Tensor, activation: str, head_dim: int) -> torch.Tensor:
+def gate_output(out: torch.Tensor, gate: torch.Tensor, activation: str, head_dim: int,
+                head_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention output [N, heads * head_dim] (this rank's heads) times act(gate): `gate` [N, heads * head_dim]
-    gates each element, [N, heads] each head (broadcast over its dims). The activation is computed in float32 and
-    cast to the output's dtype."""
+    gates each element, [N, heads] each head (broadcast over its dims). `head_bias` [heads]: added to each head's gate
+    logits first (Beam's gate_bias). The activation is computed in float32 and cast to the output's dtype."""
     if activation not in OUT_GATE_ACTIVATIONS:
         raise ValueError(f"gate_output: activation must be one of {OUT_GATE_ACTIVATIONS}, got {activation!r}")
+    if head_bias is not None:
+        n, h = gate.shape[0], head_bias.shape[0]
+        gate = (gate.view(n, h, -1) + head_bias.to(gate.dtype).view(1, h, 1)).view(gate.shape)
     g = gate.float()
     g = (torch.sigmoid(g) if activation == "sigmoid" else torch.nn.functional.softplus(g)).to(out.dtype)
     if g.shape[-1] == out.shape[-1]:
@@ -252,8 +267,11 @@ class QueryScale(nn.Module):
     Elementwise on the device from the step's positions (no host sync: capturable in a CUDA graph); no parameters.
     forward(positions [N], q [N, H, D]) -> q scaled per token (in q's dtype)."""
 
-    def __init__(self, beta: float, floor: float, offset: float = 0.0):
+    def __init__(self, beta: float, floor: float, offset: float = 0.0, form: str = "log"):
         super().__init__()
+        if form not in ("log", "power"):
+            raise ValueError(f"QueryScale: form must be 'log' or 'power', got {form!r}")
+        self.form = form
         for name, v in (("beta", beta), ("floor", floor), ("offset", offset)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"QueryScale: {name} must be a finite number, got {v!r}")
@@ -264,6 +282,8 @@ class QueryScale(nn.Module):
     def scale(self, positions: torch.Tensor) -> torch.Tensor:
         """[N] float32 scales of the tokens at `positions` [N]."""
         p = positions.reshape(-1).float()
+        if self.form == "power":         # (1 + (p + offset) / floor) ** beta, as exp(beta * log1p(.))
+            return torch.exp(torch.log1p((p + self.offset) / self.floor) * self.beta)
         return torch.log1p(torch.floor((p + self.offset) / self.floor)) * self.beta + 1.0
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -274,6 +294,8 @@ class QueryScale(nn.Module):
         return q * s.view(-1, *([1] * (q.dim() - 1)))
 
     def extra_repr(self) -> str:
+        if self.form == "power":
+            return f"(1 + (position + {self.offset}) / {self.floor}) ** {self.beta}"
         return f"1 + {self.beta} * log(1 + floor((position + {self.offset}) / {self.floor}))"
 
 

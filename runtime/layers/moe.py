@@ -45,6 +45,7 @@ from xllm_gen.runtime.executor.sharding import (
     split_segment,
 )
 from xllm_gen.runtime.layers.activation import act, gated_act
+from xllm_gen.runtime.layers.expert_norm import ExpertNorm
 from xllm_gen.runtime.ops import moe as moe_ops
 
 PARALLEL_MODES = ("tensor", "expert")
@@ -230,7 +231,8 @@ class FusedMoE(nn.Module):
                  group_score: str = "top2_sum", routed_scale: float = 1.0, renormalize_min: float = 0.0,
                  weights_on: str = "output", selection_bias_on: str = "scores",
                  routing: str = "topk", jitter_eps: float = 0.0, renormalize_epsilon: Optional[float] = None,
-                 gated: bool = True, group_dropped: str = "excluded", identity_experts: int = 0):
+                 gated: bool = True, group_dropped: str = "excluded", identity_experts: int = 0,
+                 out_norm: Optional[str] = None, out_norm_eps: float = 1e-6):
         super().__init__()
         # zero-computation experts: the router's choices num_experts .. num_experts + identity_experts - 1 add their
         # routing weight times the input; the stacked experts never see them
@@ -332,6 +334,14 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e1 - e0, hidden, down.rows))
         _attach_experts(self.down_proj, ExpertSplit(
             ParamSplit("row", 1, (down,), (hidden, down.rows), tp, rank, owner), num_experts, e0, e1, parallel, owner))
+        self.out_norm = out_norm      # the module name of a per-expert output norm (ExpertNorm), or None
+        if out_norm is not None:
+            if parallel != "expert" and tp > 1:
+                raise ValueError("FusedMoE: a per-expert output norm needs whole experts per rank (parallel='expert')")
+            norm = ExpertNorm(e1 - e0, hidden, out_norm_eps)
+            _attach_experts(norm.weight, ExpertSplit(
+                ParamSplit("replicated", None, (), (hidden,), tp, rank, owner), num_experts, e0, e1, parallel, owner))
+            setattr(self, out_norm, norm)
         self.has_bias = bool(bias)
         if self.has_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e1 - e0, 2 * gate.rows))
@@ -374,8 +384,15 @@ class FusedMoE(nn.Module):
 
     def _experts(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the chosen experts' weighted sum (before the all-reduce)."""
+        norm = getattr(self, self.out_norm) if self.out_norm is not None else None
         if not self.gated:                # down(act(up)): the torch grouped reference on every device
-            return moe_ops.fused_moe_reference(hidden_states, self.up_proj, self.down_proj, weights, ids, self.act_fn)
+            return moe_ops.fused_moe_reference(hidden_states, self.up_proj, self.down_proj, weights, ids, self.act_fn,
+                                               out_norm=norm)
+        if norm is not None:              # each expert's output normalized: the torch grouped reference
+            return moe_ops.fused_moe_reference(hidden_states, self.gate_up_proj, self.down_proj, weights, ids,
+                                               self.act_fn, b13=self.gate_up_proj_bias if self.has_bias else None,
+                                               b2=self.down_proj_bias if self.has_bias else None,
+                                               weights_on_input=self.weights_on == "input", out_norm=norm)
         if self.has_bias and self.weights_on == "input":
             raise NotImplementedError("FusedMoE: routing weights on the expert input with expert biases")
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
@@ -397,6 +414,7 @@ class FusedMoE(nn.Module):
             f"scoring={self.scoring!r}, groups={self.topk_group} of {self.n_group} by {self.group_score}, "
             f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, "))
         routing += f"identity_experts={self.identity_experts}, " if self.identity_experts else ""
+        routing += f"out_norm={self.out_norm!r}, " if self.out_norm else ""
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
                 f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")

@@ -185,7 +185,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
                         block_m: int = 16, b13: Optional[torch.Tensor] = None,
-                        b2: Optional[torch.Tensor] = None, weights_on_input: bool = False) -> torch.Tensor:
+                        b2: Optional[torch.Tensor] = None, weights_on_input: bool = False,
+                        out_norm: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]) with e = topk_ids[t, k], grouped
     by expert (the biases b13 [E, 2I], b2 [E, H] where given).
 
@@ -193,7 +194,8 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     expert) is one batched GEMM against that expert's weights; each token's outputs are summed in increasing
     expert order (as a per-expert loop with index_add would). Static shapes, no host sync.
     `weights_on_input`: sum_k w2[e] @ act(w13[e] @ (topk_weights[t, k] * x[t])) instead (the routing weights scale
-    each chosen expert's input; the outputs are summed unweighted)."""
+    each chosen expert's input; the outputs are summed unweighted). `out_norm(y, expert)`: each pair's expert output
+    normalized by its expert's own norm before the routing weight (layers/expert_norm.py)."""
     T, H = x.shape
     E, K = w13.shape[0], topk_ids.shape[-1]
     al = moe_align(topk_ids, E, block_m)
@@ -211,6 +213,8 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     if b2 is not None:
         y = y + b2[expert].unsqueeze(1)
     y = y.view(-1, H)                                             # [P, H]
+    if out_norm is not None:                                      # per expert, before the routing weights
+        y = out_norm(y, expert.repeat_interleave(block_m))
     if weights_on_input:                                          # padding rows: zero input, but b2 would add
         y = y * (al.sorted_pairs < topk_ids.numel()).unsqueeze(1).to(y.dtype)
     else:

@@ -93,6 +93,13 @@ def test_features_on_parity(plan, tp, tiny_checkpoint, tokens):
 MONOTONE_ON_LOGITS = ("final_logit_softcapping", "logits_soft_cap", "logits_scaling", "logit_scale",
                       "lm_head_multiplier")     # FalconH1's (positive) logit multiplier
 
+# (architecture, field): the field's effect is a per-token positive scale of a block's output that the norm after it
+# cancels (an RMSNorm is scale-invariant up to its eps): greedy tokens cannot show it (the engine still applies it)
+ERASED_BY_A_NORM = {
+    # top-k renormalization scales the routed sum per token; no shared expert, then post_feedforward_layernorm
+    ("BeamForCausalLM", "norm_topk_prob"),
+}
+
 SENSITIVITY = [pytest.param(p, t, id=f"{_id(p)}-{t.name.split('=')[0]}") for p in PLANS for t in p.accepted]
 
 
@@ -113,5 +120,7 @@ def test_each_feature_matters_and_agrees(plan, toggle, tiny_checkpoint, tokens):
             return
         if toggle.field in MONOTONE_ON_LOGITS:
             pytest.xfail(f"{toggle.name}: a monotone map of the final logits cannot change greedy tokens")
+        if (arch, toggle.field) in ERASED_BY_A_NORM:
+            pytest.xfail(f"{toggle.name}: a per-token scale that the next RMSNorm cancels cannot change greedy tokens")
         pytest.fail(f"{toggle.name} alone does not change transformers' tokens on the tiny checkpoint")
     _assert_same(tokens.engine(ckpt, 1), want, f"{plan.spec.name} ({arch}) {toggle.name} tp=1")
