@@ -118,3 +118,33 @@ def test_unmodeled_configs_refused_by_name(edit, field, tiny_checkpoint):
     module = __import__("xllm_gen.generated.hy_v4.model", fromlist=["Config"])
     with pytest.raises(ConfigError, match=field):
         module.Config.from_hf(cfg)
+
+
+def _compile_child(tmp_path, blocks: str):
+    """A child of specs/hy_v4.yaml with `blocks` merged into its layer blocks: (IR, None) or (None, the error)."""
+    from pathlib import Path
+
+    from codegen.errors import SpecError, SpecErrors
+    from codegen.loader import load_spec
+    from codegen.resolver import resolve
+    specs = Path(__file__).resolve().parents[1] / "specs"
+    p = tmp_path / "child.yaml"
+    p.write_text(f"extends: {specs / 'hy_v4.yaml'}\nname: hy_child\nclass_prefix: HyChild\n"
+                 f"architectures: [HyChildForCausalLM]\ndecoder:\n  layers:\n    blocks:\n{blocks}")
+    try:
+        return resolve(load_spec(p)), None
+    except (SpecError, SpecErrors) as e:
+        return None, str(e)
+
+
+def test_compile_errors_name_the_key(tmp_path):
+    """`clamp` belongs to glu_clamped only; rope_position takes first | last; sinks is a bool."""
+    _, err = _compile_child(tmp_path, "      moe:\n        activation: {kind: swiglu_clamped, alpha: 1.702, limit: 7.0, "
+                                      "clamp: before_act}\n")
+    assert err and "clamp" in err and "swiglu_clamped" in err
+    _, err = _compile_child(tmp_path, "      self_attn:\n        indexer: {rope_position: middle}\n")
+    assert err and "rope_position" in err
+    _, err = _compile_child(tmp_path, "      self_attn:\n        sinks: maybe\n")
+    assert err and "sinks" in err
+    ir, err = _compile_child(tmp_path, "      self_attn:\n        indexer: {rope_position: first}\n")
+    assert err is None
