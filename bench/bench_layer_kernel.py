@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--configs", default="16384:8,32768:8,8192:4", help="tile_budget:num_warps, the first one timed "
-                    "per stage too")
+    ap.add_argument("--configs", default="16384:8,32768:8,8192:4",
+                    help="tile_budget:num_warps[:pipeline[:programs per SM]], each also timed per stage")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_layer_kernel_stages.md"))
     args = ap.parse_args(argv)
@@ -80,9 +80,10 @@ def main(argv=None) -> int:
             pos = torch.full((M,), args.context - 1, device=dev, dtype=torch.long)
             x = torch.randn(M, D, device=dev, dtype=dt)
             res = torch.randn(M, D, device=dev, dtype=dt)
-            for ci, (budget, warps) in enumerate(configs):
-                scratch = LK.LayerScratch(LK.LayerDims(D, H, HK, HD, inter, page), P, dt, dev, tile_budget=budget,
-                                          num_warps=warps)
+            for cfg in configs:
+                budget, warps, pipe, per_sm = (list(cfg) + [0, 1])[:4]
+                scratch = LK.LayerScratch(LK.LayerDims(D, H, HK, HD, inter, page), P * per_sm, dt, dev,
+                                          tile_budget=budget, num_warps=warps, pipeline=pipe)
 
                 def run(staged=False):
                     for i in range(layers):
@@ -90,21 +91,45 @@ def main(argv=None) -> int:
                         LK.decoder_layer(x, res, g1, 0.0, 1e-6, w["wqkv"], None, qw, qw, 1e-6, pos, cs, slots, kc, vc,
                                          indptr, indices, last, HD ** -0.5, -1, w["wo"], g1, 0.0, 1e-6, w["wgu"],
                                          "silu", w["wd"], scratch, staged=staged)
-                row = dict(shape=name, rows=M, budget=budget, warps=warps, config=scratch.config,
-                           one_launch_us=graph_us(run, layers))
-                if ci == 0:
-                    row["staged_us"] = graph_us(lambda: run(True), layers)
-                    for st in range(1, 6):
-                        row[f"stage{st}_us"] = graph_us(lambda st=st: run([st]), layers)
+                row = dict(shape=name, rows=M, budget=budget, warps=warps, pipeline=pipe, per_sm=per_sm,
+                           config=scratch.config)
+                try:        # the grid barriers need every program resident: check before launching
+                    k = LK.decoder_layer(x, res, g1, 0.0, 1e-6, W[0]["wqkv"], None, qw, qw, 1e-6, pos, cs, slots, kc,
+                                         vc, indptr, indices, last, HD ** -0.5, -1, W[0]["wo"], g1, 0.0, 1e-6,
+                                         W[0]["wgu"], "silu", W[0]["wd"], scratch, staged="compile")
+                    getattr(k, "_init_handles", lambda: None)()     # n_regs is read when the binary loads
+                    smem = max(1, k.metadata.shared)
+                    fit = min(65536 // max(1, k.n_regs * 32 * warps), 232448 // smem, 2048 // (32 * warps))
+                    row.update(regs=k.n_regs, smem=k.metadata.shared, resident_per_sm=fit)
+                    if fit < per_sm:
+                        row["error"] = f"only {fit} programs fit per SM"
+                        print(json.dumps(row), flush=True)
+                        rows_out.append(row)
+                        continue
+                    row["one_launch_us"] = graph_us(run, layers)
+                except Exception as e:          # a config that does not compile / fit is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    print(json.dumps(row), flush=True)
+                    rows_out.append(row)
+                    continue
+                row["staged_us"] = graph_us(lambda: run(True), layers)
+                for st in range(1, 6):
+                    row[f"stage{st}_us"] = graph_us(lambda st=st: run([st]), layers)
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
     L = ["# Whole-layer decode kernel: us per layer (CUDA-graph replays, weights streamed from HBM)", "",
          f"`python bench/bench_layer_kernel.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, context {args.context}", "",
-         "| shape | rows | tile budget | warps | one launch us | staged us | stage 1..5 us | config |", "|---|---|---|---|---|---|---|---|"]
+         "| shape | rows | tile budget | warps | pipeline | programs / SM | regs | one launch us | staged us | "
+         "stage 1..5 us | config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows_out:
+        if "error" in r:
+            L.append(f"| {r['shape']} | {r['rows']} | {r['budget']} | {r['warps']} | {r['pipeline']} | {r['per_sm']} | "
+                     f"{r.get('regs', '')} | {r['error']} |  |  | {r['config']} |")
+            continue
         st = " / ".join(f"{r[f'stage{i}_us']:.1f}" for i in range(1, 6)) if "stage1_us" in r else ""
-        L.append(f"| {r['shape']} | {r['rows']} | {r['budget']} | {r['warps']} | {r['one_launch_us']:.1f} | "
+        L.append(f"| {r['shape']} | {r['rows']} | {r['budget']} | {r['warps']} | {r['pipeline']} | {r['per_sm']} | "
+                 f"{r.get('regs', '')} | {r['one_launch_us']:.1f} | "
                  f"{r.get('staged_us', float('nan')):.1f} | {st} | {r['config']} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

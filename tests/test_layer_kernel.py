@@ -83,8 +83,9 @@ def _kernel_checks(full: bool) -> dict:
     cs = torch.cat([fr.cos(), fr.sin()], -1)
     out = {}
     # (rows, programs, window, lengths (0: a padding row), launch config: K split in stages 3 / 5, K chunks)
-    # the default run: K splits with masked chunks, a padding row, the window; the slow arm adds the rest
-    cases = [(3, 8, 5, [13, 0, 22], dict(s3=2, s5=3, bk3=16, bk5=16)), (1, 64, -1, [13], {})]
+    # the default run: K splits with masked chunks, a padding row, the window, the compiler-pipelined K loops;
+    # the slow arm adds the rest
+    cases = [(3, 8, 5, [13, 0, 22], dict(s3=2, s5=3, bk3=16, bk5=16, pipeline=2)), (1, 64, -1, [13], {})]
     if full:
         cases += [(5, 32, 5, [13, 1, 22, 7, 9], dict(s5=2)), (2, 8, -1, [10, 0], dict(bk1=16)),
                   (4, 16, -1, [30, 2, 17, 5], dict(bn1=64, bn4=64, bk4=16))]

@@ -68,46 +68,66 @@ def _w_chunk(w_ptr, row0, n0, k0, k_hi, N, K, BN: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
+def _x_chunk(x_ptr, r_ptr, ro_ptr, g_ptr, g_offset, k0, k_hi, K, M, write_res, PRO: tl.constexpr,
+             HAS_RES: tl.constexpr, BK: tl.constexpr):
+    """Columns k0 .. k0 + BK of the GEMV input x' (see _tile_acc) and the rows' sums of squares of h there."""
+    rows = tl.arange(0, BM)
+    kk = k0 + tl.arange(0, BK)
+    xm = (rows < M)[:, None] & (kk < k_hi)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+    ss = tl.zeros([BM], dtype=tl.float32)
+    if PRO == 1:
+        if HAS_RES:
+            r = tl.load(r_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(ro_ptr + rows[:, None] * K + kk[None, :], x, mask=xm & write_res)
+        hf = x.to(tl.float32)
+        ss = tl.sum(hf * hf, axis=1)
+        g = tl.load(g_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32) + g_offset
+        x = (hf * g[None, :]).to(x.dtype)
+    return x, ss
+
+
+@triton.jit
 def _tile_acc(x_ptr, r_ptr, ro_ptr, g_ptr, g_offset, w_ptr, w2_off, n0, k_lo, k_hi, N, K, M, write_res, w, w2,
               PRO: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              IEEE: tl.constexpr):
+              IEEE: tl.constexpr, PIPE: tl.constexpr):
     """acc [BM, BN] = x'[:, k_lo:k_hi] @ W[n0:n0+BN, k_lo:k_hi]^T (acc2: the rows w2_off further, the up half), with
     x' = x (PRO 0) or (h * g) for h = x (+ r) rounded to x's dtype (PRO 1; h stored to ro where write_res; ss: the
-    rows' sums of squares of h). `w` / `w2`: the first K chunk's weights, loaded by the caller (before a barrier
-    where it can); each iteration loads the next chunk's before using this one's (double-buffered in registers)."""
-    rows = tl.arange(0, BM)
-    rm = rows < M
+    rows' sums of squares of h). PIPE 0: `w` / `w2` are the first K chunk's weights, loaded by the caller (before a
+    barrier where it can); each iteration loads the next chunk's into registers before using this one's. PIPE > 0:
+    the loop is software-pipelined by the compiler through shared memory, PIPE chunks in flight (`w` unused)."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc2 = tl.zeros([BM, BN], dtype=tl.float32)
     ss = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        wn = _w_chunk(w_ptr, 0, n0, k0 + BK, k_hi, N, K, BN, BK)
-        if GATED:
-            w2n = _w_chunk(w_ptr, w2_off, n0, k0 + BK, k_hi, N, K, BN, BK)
-        kk = k0 + tl.arange(0, BK)
-        xm = rm[:, None] & (kk < k_hi)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
-        if PRO == 1:
-            if HAS_RES:
-                r = tl.load(r_ptr + rows[:, None] * K + kk[None, :], mask=xm, other=0.0, cache_modifier=".cg")
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                tl.store(ro_ptr + rows[:, None] * K + kk[None, :], x, mask=xm & write_res)
-            hf = x.to(tl.float32)
-            ss += tl.sum(hf * hf, axis=1)
-            g = tl.load(g_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32) + g_offset
-            x = (hf * g[None, :]).to(x.dtype)
-        acc += _dot(x, tl.trans(w), IEEE)
-        w = wn
-        if GATED:
-            acc2 += _dot(x, tl.trans(w2), IEEE)
-            w2 = w2n
+    if PIPE > 0:
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=PIPE):
+            wc = _w_chunk(w_ptr, 0, n0, k0, k_hi, N, K, BN, BK)
+            x, s2 = _x_chunk(x_ptr, r_ptr, ro_ptr, g_ptr, g_offset, k0, k_hi, K, M, write_res, PRO, HAS_RES, BK)
+            ss += s2
+            acc += _dot(x, tl.trans(wc), IEEE)
+            if GATED:
+                w2c = _w_chunk(w_ptr, w2_off, n0, k0, k_hi, N, K, BN, BK)
+                acc2 += _dot(x, tl.trans(w2c), IEEE)
+    else:
+        for k0 in range(k_lo, k_hi, BK):
+            wn = _w_chunk(w_ptr, 0, n0, k0 + BK, k_hi, N, K, BN, BK)
+            if GATED:
+                w2n = _w_chunk(w_ptr, w2_off, n0, k0 + BK, k_hi, N, K, BN, BK)
+            x, s2 = _x_chunk(x_ptr, r_ptr, ro_ptr, g_ptr, g_offset, k0, k_hi, K, M, write_res, PRO, HAS_RES, BK)
+            ss += s2
+            acc += _dot(x, tl.trans(w), IEEE)
+            w = wn
+            if GATED:
+                acc2 += _dot(x, tl.trans(w2), IEEE)
+                w2 = w2n
     return acc, acc2, ss
 
 
 @triton.jit
 def _norm_tile(t, w, w2, x_ptr, r_ptr, ro_ptr, g_ptr, g_off, eps, w_ptr, b_ptr, y_ptr, N, K, M,
                HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+               BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, PIPE: tl.constexpr):
     """One column tile of a norm-prologue stage: y = W rmsnorm(x (+ r)) (+ bias) (stage 1), or with GATED
     y = act(gate) * up of gate | up = W rmsnorm(x) (stage 4; N = the intermediate width, up rows N further)."""
     rows = tl.arange(0, BM)
@@ -115,7 +135,7 @@ def _norm_tile(t, w, w2, x_ptr, r_ptr, ro_ptr, g_ptr, g_off, eps, w_ptr, b_ptr, 
     cols = n0 + tl.arange(0, BN)
     om = (rows < M)[:, None] & (cols < N)[None, :]
     acc, acc2, ss = _tile_acc(x_ptr, r_ptr, ro_ptr, g_ptr, g_off, w_ptr, N, n0, 0, K, N, K, M, t == 0, w, w2,
-                              1, HAS_RES, GATED, BN, BK, IEEE)
+                              1, HAS_RES, GATED, BN, BK, IEEE, PIPE)
     rstd = (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if GATED:
         gt = (acc * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -139,7 +159,7 @@ def _norm_tile(t, w, w2, x_ptr, r_ptr, ro_ptr, g_ptr, g_off, eps, w_ptr, b_ptr, 
 @triton.jit
 def _splitk_tile(t, w, x_ptr, w_ptr, y_ptr, res_ptr, ws_ptr, cnt_ptr, N, K, M,
                  ADD_RES: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, PIPE: tl.constexpr):
     """Tile t = (column block, K split) of y = (x @ W^T).to(dtype) (+ res, rounded again: the fused add of the next
     norm); the last program of a column block (ticket) sums the SPLIT fp32 partials in split order."""
     NB = tl.cdiv(N, BN)
@@ -150,7 +170,7 @@ def _splitk_tile(t, w, x_ptr, w_ptr, y_ptr, res_ptr, ws_ptr, cnt_ptr, N, K, M,
     n0 = nb * BN
     cols = n0 + tl.arange(0, BN)
     acc, _a, _s = _tile_acc(x_ptr, x_ptr, x_ptr, x_ptr, 0.0, w_ptr, 0, n0, s * k_split,
-                            tl.minimum(K, (s + 1) * k_split), N, K, M, False, w, w, 0, False, False, BN, BK, IEEE)
+                            tl.minimum(K, (s + 1) * k_split), N, K, M, False, w, w, 0, False, False, BN, BK, IEEE, PIPE)
     last = True
     if SPLIT > 1:
         # workspace [SPLIT, NB * BN, BM]: slice s of column block nb
@@ -285,7 +305,7 @@ def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_
                   HAS_WINDOW: tl.constexpr, ACT: tl.constexpr,
                   BN1: tl.constexpr, BK1: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr,
                   BN4: tl.constexpr, BK4: tl.constexpr, BN5: tl.constexpr, BK5: tl.constexpr, S5: tl.constexpr,
-                  IEEE: tl.constexpr, STAGE: tl.constexpr):
+                  IEEE: tl.constexpr, PIPE: tl.constexpr, STAGE: tl.constexpr):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     ONE: tl.constexpr = STAGE == 0          # all stages in this launch, grid barriers between them
@@ -305,11 +325,11 @@ def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_
         w = _w_chunk(wqkv_ptr, 0, pid * BN1, 0, tl.where(pid < NT1, D, 0), NQKV, D, BN1, BK1)
         if pid < NT1:
             _norm_tile(pid, w, w, x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, eps1, wqkv_ptr, bqkv_ptr, qkv_ptr, NQKV, D, M,
-                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE)
+                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE, PIPE)
         for t in range(pid + P, NT1, P):
             w = _w_chunk(wqkv_ptr, 0, t * BN1, 0, D, NQKV, D, BN1, BK1)
             _norm_tile(t, w, w, x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, eps1, wqkv_ptr, bqkv_ptr, qkv_ptr, NQKV, D, M,
-                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE)
+                       HAS_RES, False, HAS_QKV_BIAS, ACT, BN1, BK1, IEEE, PIPE)
     if ONE:
         _grid_sync(bar, P)
     if ONE | (STAGE == 2):
@@ -326,11 +346,11 @@ def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_
             _grid_sync(bar, 2 * P)
         res = r1_ptr if HAS_RES else x_ptr
         if pid < NT3:
-            _splitk_tile(pid, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE)
+            _splitk_tile(pid, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE, PIPE)
         for t in range(pid + P, NT3, P):
             w = _w_chunk(wo_ptr, 0, (t // S3) * BN3, (t % S3) * tl.cdiv(tl.cdiv(KO, S3), BK3) * BK3, KO, D, KO, BN3,
                          BK3)
-            _splitk_tile(t, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE)
+            _splitk_tile(t, w, attn_ptr, wo_ptr, r2_ptr, res, ws3, k3_tick, D, KO, M, True, S3, BN3, BK3, IEEE, PIPE)
     if ONE | (STAGE == 4):
         # 4. act = act(gate) * up, gate | up = W_gu rmsnorm(r2)
         NT4 = tl.cdiv(I, BN4)
@@ -341,12 +361,12 @@ def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_
             _grid_sync(bar, 3 * P)
         if pid < NT4:
             _norm_tile(pid, w, w2, r2_ptr, r2_ptr, r2_ptr, g2_ptr, g2_off, eps2, wgu_ptr, wgu_ptr, act_ptr, I, D, M,
-                       False, True, False, ACT, BN4, BK4, IEEE)
+                       False, True, False, ACT, BN4, BK4, IEEE, PIPE)
         for t in range(pid + P, NT4, P):
             w = _w_chunk(wgu_ptr, 0, t * BN4, 0, D, I, D, BN4, BK4)
             w2 = _w_chunk(wgu_ptr, I, t * BN4, 0, D, I, D, BN4, BK4)
             _norm_tile(t, w, w2, r2_ptr, r2_ptr, r2_ptr, g2_ptr, g2_off, eps2, wgu_ptr, wgu_ptr, act_ptr, I, D, M,
-                       False, True, False, ACT, BN4, BK4, IEEE)
+                       False, True, False, ACT, BN4, BK4, IEEE, PIPE)
     if ONE | (STAGE == 5):
         # 5. out = W_down act
         NT5 = tl.cdiv(D, BN5) * S5
@@ -354,11 +374,11 @@ def _layer_kernel(x_ptr, r_ptr, r1_ptr, g1_ptr, g1_off, wqkv_ptr, bqkv_ptr, qkv_
         if ONE:
             _grid_sync(bar, 4 * P)
         if pid < NT5:
-            _splitk_tile(pid, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE)
+            _splitk_tile(pid, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE, PIPE)
         for t in range(pid + P, NT5, P):
             w = _w_chunk(wd_ptr, 0, (t // S5) * BN5, (t % S5) * tl.cdiv(tl.cdiv(I, S5), BK5) * BK5, I, D, I, BN5,
                          BK5)
-            _splitk_tile(t, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE)
+            _splitk_tile(t, w, act_ptr, wd_ptr, out_ptr, out_ptr, ws5, k5_tick, D, I, M, False, S5, BN5, BK5, IEEE, PIPE)
     if ONE:
         # the last program out resets the barrier for the next launch (every program is past its last wait)
         tl.debug_barrier()
@@ -398,12 +418,15 @@ class LayerScratch:
     """The launch configuration of a layer shape on `programs` programs, and what a launch writes and later stages
     of the same launch read (shared by every layer of a model: layers run one after another), with the zeroed
     counters (each launch leaves them at 0). `tile_budget`: weight elements per register tile (each stage's K chunk
-    is as wide as that allows: few, large loads; the stage's first chunk is fetched before its barrier)."""
+    is as wide as that allows: few, large loads; the stage's first chunk is fetched before its barrier).
+    `pipeline` > 0 instead lets the compiler pipeline each K loop through shared memory with that many chunks in
+    flight (more bytes in flight per SM than two register tiles; the pre-barrier fetch is then not used)."""
 
     def __init__(self, dims: LayerDims, programs: int, dtype: torch.dtype, device, tile_budget: int = 16384,
-                 num_warps: int = 8, block_n: int = 32, **override):
+                 num_warps: int = 8, block_n: int = 32, pipeline: int = 0, **override):
         d = dims
         self.dims, self.programs, self.num_warps, self.block_n = d, programs, num_warps, block_n
+        self.pipeline = pipeline      # 0: weights double-buffered in registers; n > 0: n chunks in flight (smem)
         nqkv = (d.heads + 2 * d.kv_heads) * d.head_dim
         ko = d.heads * d.head_dim
         c = {}
@@ -447,7 +470,8 @@ def decoder_layer(x, residual, g1, g1_off, eps1, w_qkv, b_qkv, q_w, k_w, qk_eps,
     docstring): residual [M, hidden] or None; k_cache / v_cache [pages, page, kv_heads, head_dim] (the step's k, v
     are written at `slots`); the page table in FlashInfer's CSR form (indptr, indices, last_page_len); q_w / k_w the
     per-head q / k RMSNorm weights or None; act "silu" | "gelu_tanh" | "gelu". staged: True runs the five stages
-    as five launches, a sequence of stage numbers only those (the benchmark's per-stage timing)."""
+    as five launches, a sequence of stage numbers only those (the benchmark's per-stage timing); "compile" returns
+    the compiled one-launch kernel without running it."""
     d = scratch.dims
     M = x.shape[0]
     if not 0 < M <= ROWS:
@@ -469,7 +493,9 @@ def decoder_layer(x, residual, g1, g1_off, eps1, w_qkv, b_qkv, q_w, k_w, qk_eps,
                 BLOCK_N=s.block_n, HAS_RES=residual is not None, HAS_QKV_BIAS=b_qkv is not None,
                 HAS_NORM=q_w is not None, HAS_WINDOW=window_left >= 0, ACT=ACT_CODES[act], BN1=c["bn1"], BK1=c["bk1"],
                 BN3=c["bn3"], BK3=c["bk3"], S3=c["s3"], BN4=c["bn4"], BK4=c["bk4"], BN5=c["bn5"], BK5=c["bk5"],
-                S5=c["s5"], IEEE=ieee, num_warps=s.num_warps, num_stages=1)   # double-buffered by hand
+                S5=c["s5"], IEEE=ieee, PIPE=s.pipeline, num_warps=s.num_warps, num_stages=1)   # double-buffered by hand
+    if staged == "compile":     # compile the one-launch form without running it (occupancy checks)
+        return _layer_kernel.warmup(*args, STAGE=0, grid=(s.programs,), **meta)
     if staged:
         for stage in (range(1, 6) if staged is True else staged):
             _layer_kernel[(s.programs,)](*args, STAGE=stage, **meta)

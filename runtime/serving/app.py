@@ -1,0 +1,417 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over an async engine: `build_app` and the response shaping it uses
+(completions, chat completions with tools and reasoning, streaming as Server-Sent Events, /v1/models, /health,
+/metrics). server.py is the `xllm-gen-serve` command that builds the engine and serves this app."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from xllm_gen.runtime.serving.async_engine import QueueFullError
+from xllm_gen.runtime.serving.chat import render_chat
+from xllm_gen.runtime.serving.chat_reply import ReplySplitter, plan_tools, reply_message
+from xllm_gen.runtime.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_of
+
+logger = logging.getLogger("xllm_gen.serving")
+
+def _completion_logprobs(c, engine, text_offset: int) -> Optional[dict]:
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        lp = entry.get(tid)
+        s = lp.decoded_token if lp and lp.decoded_token is not None else engine.decode_text([tid])
+        tokens.append(s)
+        token_lps.append(lp.logprob if lp else None)
+        tops.append({(v.decoded_token or ""): v.logprob for t, v in entry.items()})
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(c, n_top: int) -> Optional[dict]:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids, c.logprobs):
+        lp = entry.get(tid)
+        tok = lp.decoded_token or ""
+        tops = sorted(((v.rank, t, v) for t, v in entry.items() if v.rank <= n_top), key=lambda x: x[0])
+        content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8", "replace")),
+                        "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
+                                          "bytes": list((v.decoded_token or "").encode("utf-8", "replace"))}
+                                         for _, _, v in tops[:n_top]]})
+    return {"content": content}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ------------------------------------------------------------------------------------ the app
+def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[str] = None,
+              reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
+              allowed_local_media_path: Optional[str] = None, api_key: Optional[str] = None,
+              allowed_origins: Optional[list] = None, log_requests: bool = True):
+    """The FastAPI app. `tool_parser` / `reasoning_parser`: names in runtime/serving/tool_parsers/ and
+    reasoning_parsers/ (None: tool_choice auto / required / named are refused; no reasoning split);
+    `chat_template`: the default template (Jinja text) instead of the checkpoint's."""
+    from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
+
+    engine = async_engine.engine
+    tools_cls = tool_parsers.get(tool_parser) if tool_parser else None
+    reasoning = reasoning_parsers.get(reasoning_parser)() if reasoning_parser else None
+
+    @asynccontextmanager
+    async def lifespan(app):
+        async_engine.start(asyncio.get_running_loop())
+        yield
+        await asyncio.to_thread(async_engine.stop)
+
+    app = FastAPI(title="xllm-gen", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    access = logging.getLogger("xllm_gen.access")
+
+    @app.middleware("http")
+    async def _auth_and_log(request: Request, call_next):
+        """--api-key: a Bearer token on /v1/* (401 in OpenAI's shape otherwise); one access line per request
+        (method, path, status, latency) unless --disable-log-requests."""
+        t0 = time.monotonic()
+        if api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
+            import hmac
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                response = JSONResponse(APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
+                                                 type="authentication_error").body(), status_code=401)
+                if log_requests:
+                    access.info("%s %s %d %.1f ms", request.method, request.url.path, 401,
+                                1000 * (time.monotonic() - t0))
+                return response
+        response = await call_next(request)
+        if log_requests:
+            access.info("%s %s %d %.1f ms%s", request.method, request.url.path, response.status_code,
+                        1000 * (time.monotonic() - t0),
+                        " (streaming)" if isinstance(response, StreamingResponse) else "")
+        return response
+
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """404 / 405 in OpenAI's error shape."""
+        if exc.status_code == 404:
+            msg = f"no such endpoint: {request.method} {request.url.path} (see /v1/models, /v1/completions, " \
+                  "/v1/chat/completions, /health, /metrics)"
+            return JSONResponse(APIError(msg, 404, type="not_found_error").body(), status_code=404)
+        return JSONResponse(APIError(str(exc.detail), exc.status_code, type="invalid_request_error").body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    def error(e: APIError) -> JSONResponse:
+        if metrics is not None:
+            metrics.labels(metrics.rejected, reason=str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        if first.get("type") == "extra_forbidden":        # never silently dropped
+            unknown = sorted(".".join(str(x) for x in e.get("loc", ()) if x != "body")
+                             for e in errs if e.get("type") == "extra_forbidden")
+            return error(APIError(f"unknown field(s) {', '.join(unknown)}: not supported by this server",
+                                  param=param))
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx") or {}
+            return error(APIError(f"the request body is not valid JSON: {ctx.get('error', 'decode error')} "
+                                  f"at character {first.get('loc', ('', '?'))[-1]}", param=None))
+        return error(APIError(f"{where}: {first.get('msg', 'invalid request body')}", param=param))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error(exc)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.alive:
+            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "xllm-gen", "root": str(engine.model_dir),
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def check_model(body) -> None:
+        if body.model not in (None, model_name, str(engine.model_dir)):
+            raise APIError(f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                           status=404, param="model", type="not_found_error")
+
+    async def precompile(params, where: str, param: str) -> None:
+        """Compiles the request's constraint in a worker thread (cached), so that the engine's step never
+        waits on a compile and an invalid schema / regex / grammar is a 400 naming it."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        try:
+            backend = engine.structured
+            await asyncio.to_thread(backend.compile, so, where)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
+
+    async def admit(rid: str, prompt: Any, params) -> asyncio.Queue:
+        try:
+            return await async_engine.add(rid, prompt, params)
+        except QueueFullError as e:
+            raise APIError(str(e), status=503, type="server_overloaded") from None
+        except ValueError as e:
+            msg = str(e).replace(f"request {rid}: ", "")
+            raise APIError(msg, param=param_of(msg) or "prompt") from None
+        except RuntimeError as e:
+            raise APIError(str(e), status=503, type="server_error") from None
+
+    async def admit_all(base: str, prompts: list, params) -> list:
+        queues = []
+        try:
+            for i, p in enumerate(prompts):
+                queues.append((f"{base}-{i}", await admit(f"{base}-{i}", p, params)))
+        except BaseException:
+            for rid, _ in queues:
+                async_engine.abort(rid)
+            raise
+        return queues
+
+    async def results(rid: str, q: asyncio.Queue):
+        """The deltas of one request until it finishes."""
+        while True:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise APIError(f"the engine failed: {type(item).__name__}: {item}", status=500, type="server_error")
+            yield item
+            if item.finished:
+                return
+
+    async def collect(rid: str, q: asyncio.Queue, request: Request):
+        """Accumulates a request's deltas (non-streaming); aborts it when the client goes away."""
+        texts: dict[int, str] = {}
+        ids: dict[int, list] = {}
+        lps: dict[int, list] = {}
+        final: dict[int, Any] = {}
+        prompt_ids: list = []
+        err = None
+        gen = results(rid, q)
+        try:
+            while True:
+                nxt = asyncio.ensure_future(gen.__anext__())
+                while not nxt.done():
+                    await asyncio.wait([nxt], timeout=1.0)
+                    if not nxt.done() and await request.is_disconnected():
+                        nxt.cancel()
+                        async_engine.abort(rid)
+                        return None
+                try:
+                    out = nxt.result()
+                except StopAsyncIteration:
+                    break
+                prompt_ids = out.prompt_token_ids
+                err = err or out.error
+                for c in out.outputs:
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    ids.setdefault(c.index, []).extend(c.token_ids)
+                    if c.logprobs is not None:
+                        lps.setdefault(c.index, []).extend(c.logprobs)
+                    final[c.index] = c
+        except BaseException:
+            async_engine.abort(rid)
+            raise
+        if err:
+            raise APIError(err, status=500, type="server_error")
+        from xllm_gen.runtime.engine.outputs import CompletionOutput
+        comps = [CompletionOutput(i, texts.get(i, ""), ids.get(i, []), final[i].finish_reason,
+                                  lps.get(i) if final[i].logprobs is not None else None, None, final[i].stop_reason)
+                 for i in sorted(final)]
+        return prompt_ids, comps
+
+    # ---- /v1/completions ------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        prompts = body.prompts()
+        params = body.sampling_params(engine.max_model_len)
+        await precompile(params, *body.structured_where())
+        base = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        queues = await admit_all(base, prompts, params)
+        n = params.n
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_completions(base, created, queues, n, include_usage, params),
+                                     media_type="text/event-stream")
+        choices, p_tok, c_tok = [], 0, 0
+        for k, (rid, q) in enumerate(queues):
+            got = await collect(rid, q, request)
+            if got is None:
+                for r, _ in queues:
+                    async_engine.abort(r)
+                return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+            prompt_ids, comps = got
+            p_tok += len(prompt_ids)
+            for c in comps:
+                c_tok += len(c.token_ids)
+                choices.append({"index": k * n + c.index, "text": c.text,
+                                "logprobs": _completion_logprobs(c, engine, 0), "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        return {"id": base, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(p_tok, c_tok)}
+
+    async def stream_completions(base, created, queues, n, include_usage, params) -> AsyncIterator[str]:
+        p_tok, c_tok = 0, 0
+        offsets: dict = {}
+        live = {rid for rid, _ in queues}
+        try:
+            for k, (rid, q) in enumerate(queues):
+                async for out in results(rid, q):
+                    if not out.outputs and not out.finished:
+                        continue
+                    if out.prompt_token_ids and rid not in offsets:
+                        offsets[rid] = {}
+                        p_tok += len(out.prompt_token_ids)
+                    for c in out.outputs:
+                        c_tok += len(c.token_ids)
+                        off = offsets[rid].get(c.index, 0)
+                        offsets[rid][c.index] = off + len(c.text)
+                        chunk = {"id": base, "object": "text_completion", "created": created, "model": model_name,
+                                 "choices": [{"index": k * n + c.index, "text": c.text,
+                                              "logprobs": _completion_logprobs(c, engine, off),
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": c.stop_reason}]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield _sse(chunk)
+                    if out.error:
+                        yield _sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
+                live.discard(rid)
+            if include_usage:
+                yield _sse({"id": base, "object": "text_completion", "created": created, "model": model_name,
+                            "choices": [], "usage": _usage(p_tok, c_tok)})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+        finally:                              # client gone (cancelled) or finished: free what is left
+            for rid in live:
+                async_engine.abort(rid)
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        body.check_supported()
+        params = body.sampling_params(engine.max_model_len)
+        template_tools, parser = plan_tools(body, params, tools_cls)
+        where, param = body.structured_where()
+        if parser is not None and params.structured_outputs is not None and body.tool_choice not in (None, "auto"):
+            where, param = "tools", "tools"
+        await precompile(params, where, param)
+        prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
+                                         bool(body.add_generation_prompt), template_tools,
+                                         body.chat_template_kwargs, allowed_local_media_path)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        rid, q = (await admit_all(base, [prompt], params))[0]
+        n_top = body.top_logprobs or 0
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top, parser),
+                                     media_type="text/event-stream")
+        got = await collect(rid, q, request)
+        if got is None:
+            return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+        prompt_ids, comps = got
+        choices = []
+        for c in comps:
+            message = reply_message(c.text, reasoning, parser)
+            finish = "tool_calls" if message.get("tool_calls") else c.finish_reason
+            choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, n_top),
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
+        return {"id": base, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
+
+    async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None) -> AsyncIterator[str]:
+        head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
+        p_tok, c_tok = 0, 0
+        finished = False
+        state = {i: ReplySplitter(reasoning, parser) for i in range(n)}     # per choice
+
+        try:
+            for i in range(n):
+                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+            async for out in results(rid, q):
+                p_tok = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    c_tok += len(c.token_ids)
+                    if reasoning is None and parser is None:
+                        delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
+                    else:
+                        delta = state[c.index].feed(c.text, c.finish_reason is not None)
+                        if not delta and not c.finish_reason and not c.logprobs:
+                            continue                  # held back (a tag may be starting)
+                    finish = c.finish_reason
+                    if finish is not None and state[c.index].calls_sent:
+                        finish = "tool_calls"
+                    chunk = {**head, "choices": [{"index": c.index, "delta": delta,
+                                                  "logprobs": _chat_logprobs(c, n_top),
+                                                  "finish_reason": finish, "stop_reason": c.stop_reason}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+                if out.error:
+                    yield _sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
+            finished = True
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(p_tok, c_tok)})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            finished = True
+            yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                async_engine.abort(rid)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------ command line
+# engine._DTYPES's names (written out: --help must not import torch; tests/test_serving_hardening.py checks it)
