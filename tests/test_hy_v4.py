@@ -9,7 +9,8 @@ primitives alone:
   the clamp after the activation differs; a loose limit (100) changes transformers' tokens and the engine agrees
   (`swiglu_limit <= 0`, which HYV4Config documents as "off" while HYV4Experts still clamps with it, is refused);
 - the config guard refuses what the spec does not model, by name.
-The features-ON conformance arm (TP 1; TP 2 slow) is tests/conformance's; the TP 2 arm here is slow.
+The features-ON conformance arm (TP 1; TP 2 slow) is tests/conformance's (the default suite's parity arm); the
+default-checkpoint parity arms here (TP 1, TP 2) are slow.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from test_sparse_indexer import _edit_tensors, _engine, _hf
 HY = "HYV4ForCausalLM"
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_parity(tiny_checkpoint):
+    """The default tiny checkpoint (the default suite's parity arm is the conformance battery's features-ON one)."""
     ckpt = tiny_checkpoint(HY)
     assert _engine(ckpt) == _hf(ckpt)
 
