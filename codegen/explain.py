@@ -239,7 +239,7 @@ def _block(b) -> str:
             layout = ix.rope_layout_symbol or ix.rope_layout
             return (f", sparse: each query attends to the top {ix.topk} keys of an indexer(heads={ix.heads}, "
                     f"head_dim={ix.head_dim}, wq_b over the query latent, wk -> k_norm (layernorm, eps={ix.k_norm_eps}), "
-                    f"rope on {ix.rope_dims} dims ({layout}), weights_proj float32, keys cached per token)"
+                    f"rope on {'the last ' if ix.rope_position == 'last' else ''}{ix.rope_dims} dims ({layout}), weights_proj float32, keys cached per token)"
                     + (f", layers where {ix.share} reuse the previous indexer layer's selection"
                        if ix.share.literal is not False else ""))
         r = b.rotary
@@ -263,6 +263,7 @@ def _block(b) -> str:
                 + (f", normalized latent x {b.latent_scale}" if b.latent_scale else "")
                 + (f", rope key normalized by {b.rope_key_norm}" if b.rope_key_norm else "")
                 + (f", sliding_window={b.sliding_window}" if b.sliding_window else "")
+                + (", sinks" if b.sinks else "")
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}) per {b.out_gate[2]}" if b.out_gate else "")
                 + (", K/V cached expanded per head" if b.kv_cache == "expanded" else
                    ", the latent + rope key cached (kv_b_proj absorbed)")

@@ -146,9 +146,12 @@ class BlockCommon:
                 raise self.err(path + (refuse,), f"{self._where(path)}.{refuse}: not a parameter of {a.kind}")
             first = (("alpha", self.num(path + ("alpha",), a.alpha)) if a.kind == "swiglu_clamped" else
                      ("act", self.activation(path + ("act",), a.act, ACTIVATIONS, "an activation")))
-            return Value(literal=a.kind), (first, ("limit", self.positive(path + ("limit",), a.limit, per_layer=True,
-                                                                          optional=True)
-                                                   if a.limit is not None else Value(literal=None)))
+            if a.clamp is not None and a.kind != "glu_clamped":
+                raise self.err(path + ("clamp",), f"{self._where(path)}.clamp: not a parameter of {a.kind}")
+            limit = ("limit", self.positive(path + ("limit",), a.limit, per_layer=True, optional=True)
+                     if a.limit is not None else Value(literal=None))
+            clamp = (("clamp", Value(literal=a.clamp)),) if a.clamp == "before_act" else ()
+            return Value(literal=a.kind), (first, limit) + clamp
         return self.activation(path, a, allowed, what), ()
 
     def activation(self, path, name: str, allowed: Tuple[str, ...] = GATED_ACTIVATIONS,

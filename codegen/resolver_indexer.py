@@ -44,7 +44,8 @@ class IndexerResolver:
             topk=self.dim(p + ("topk",), ix.topk),
             rope_dims=self.dim(p + ("rope_dims",), ix.rope_dims) if ix.rope_dims is not None else rope_dims,
             rope_layout=layout, rope_layout_symbol=layout_symbol,
-            k_norm_eps=self.positive(p + ("k_norm_eps",), ix.k_norm_eps, below=1.0), share=share)
+            k_norm_eps=self.positive(p + ("k_norm_eps",), ix.k_norm_eps, below=1.0), share=share,
+            rope_position=ix.rope_position)
 
     @staticmethod
     def indexer_params(P, ix: IndexerIR, hidden: Size, q_rank: Size) -> List[ParamIR]:

@@ -111,7 +111,7 @@ class MLAResolver(RotaryResolver, IndexerResolver):
             indexer=indexer, q_gate=q_gate,
             q_scale=self.positive(path + ("q_scale",), b.q_scale) if b.q_scale is not None else None,
             latent_scale=self.positive(path + ("latent_scale",), b.latent_scale) if b.latent_scale is not None else None,
-            rope_key_norm=knorm, sliding_window=window)
+            rope_key_norm=knorm, sliding_window=window, sinks=b.sinks)
 
     @staticmethod
     def mla_params(prefix: str, block: str, b: MLAIR, per_layer: bool, maybe) -> List[ParamIR]:
@@ -159,6 +159,8 @@ class MLAResolver(RotaryResolver, IndexerResolver):
                     (SegmentIR(b.out_name, b.heads, b.v_head_dim),)))
         if maybe(b.out_bias):
             ps.append(P(f"{b.out_name}.bias", (b.hidden,), "replicated"))
+        if b.sinks:                    # one logit per query head, split by heads as q is
+            ps.append(P("sinks", (b.heads,), "colwise", (SegmentIR("sinks", b.heads, Size.of(1)),)))
         if b.indexer is not None:      # (the resolver requires a low-rank q: a literal or a required symbol)
             ps += IndexerResolver.indexer_params(P, b.indexer, b.hidden,
                                                  Size.of(lora.symbol) if lora.symbol else Size.of(lora.literal))

@@ -172,6 +172,7 @@ class IndexerIR:
     rope_layout_symbol: Optional[str]
     k_norm_eps: Value
     share: Value
+    rope_position: str = "first"          # the rotating dims: the first rope_dims (first) or the last (last)
 
 
 @dataclass(frozen=True)
@@ -205,3 +206,4 @@ class MLAIR:
     latent_scale: Optional[Value] = None  # the normalized KV latent times it (mla_scale_kv_lora); None = 1
     rope_key_norm: Optional[str] = None   # an RMSNorm module of the shared rope key before rotary
     sliding_window: Optional[Value] = None   # a sliding window (may read `layer`; an optional symbol)
+    sinks: bool = False                   # attention sinks: parameter `sinks [heads]`, split by heads

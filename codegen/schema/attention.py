@@ -217,6 +217,8 @@ class Indexer(Strict):
     rope_dims: Optional[Dim] = None       # default: the attention's rope dims (qk_rope_head_dim)
     # neox halves or interleaved pairs, or a `str` config symbol whose `values` are layouts
     rope_layout: Union[Literal["neox", "interleaved"], Symbol] = "neox"
+    # which dims of each indexer head turn: the first `rope_dims` (DeepSeek-V3.2, GLM-MoE-DSA) or the last (HY-V4)
+    rope_position: Literal["first", "last"] = "first"
     k_norm_eps: Num = 1.0e-6
     share: Flag = False
 
@@ -270,3 +272,6 @@ class MLAAttentionBlock(Strict):
     # a sliding window (as attention's: the query attends to the last `sliding_window` keys, itself included); an
     # optional symbol (None: no window) or an expression over `layer`
     sliding_window: Optional[Num] = None
+    # attention sinks (as attention's: a learned logit per query head joins each softmax denominator; parameter
+    # `sinks [heads]`, split by heads as q): HY-V4
+    sinks: StrictBool = False

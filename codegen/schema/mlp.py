@@ -15,12 +15,14 @@ class ActivationForm(Strict):
     """A parameterized gated activation over the gate | up halves. `{kind: swiglu_clamped, alpha: 1.702, limit:
     swiglu_limit}`: gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate *
     sigmoid(alpha * gate) (GPT-OSS's experts). `{kind: glu_clamped, act: silu, limit: L}`: out = min(act(gate),
-    limit) * clamp(up, -limit, limit), the clamp after the activation (Ling / Bailing). `limit` may be an optional
-    symbol or a per-layer expression (it may read `layer`; None: no clamping)."""
+    limit) * clamp(up, -limit, limit), the clamp after the activation (Ling / Bailing); with `clamp: before_act`,
+    out = act(min(gate, limit)) * clamp(up, -limit, limit) (HY-V4's experts). `limit` may be an optional symbol or a
+    per-layer expression (it may read `layer`; None: no clamping)."""
     kind: Literal["swiglu_clamped", "glu_clamped"]
     alpha: Optional[Num] = None             # swiglu_clamped only (required there)
     act: Optional[StrictStr] = None         # glu_clamped only (required there): an activation name or str symbol
     limit: Optional[Num] = None
+    clamp: Optional[Literal["after_act", "before_act"]] = None   # glu_clamped only: where the gate is clamped
 
 
 class GatedMLPBlock(Strict):

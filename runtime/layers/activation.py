@@ -148,9 +148,9 @@ def gated_act(name: str, **params) -> nn.Module:
     """The gated activation module (x [..., 2n] -> act(x[..., :n]) * x[..., n:]) for a Hugging Face activation
     name: silu, swish -> SiluAndMul; gelu -> GeluAndMul("none"); gelu_pytorch_tanh, gelu_new ->
     GeluAndMul("tanh"); with `params`, a parameterized form of GATED_FORMS (swiglu_clamped: alpha, limit;
-    glu_clamped: act, limit).
+    glu_clamped: act, limit, clamp).
     Any other name raises ValueError."""
-    if name == "glu_clamped" and params.get("limit") is None and set(params) <= {"act", "limit"}:
+    if name == "glu_clamped" and params.get("limit") is None and set(params) <= {"act", "limit", "clamp"}:
         return gated_act(params["act"])          # no clamp in this layer: the plain (fused) gated activation
     if name in GATED_FORMS:
         return GATED_FORMS[name](**params)
@@ -187,10 +187,14 @@ class ClampedSwiGLU(nn.Module):
 class ClampedGLU(nn.Module):
     """x [..., 2n] (gate | up halves) -> min(act(gate), limit) * clamp(up, -limit, limit), act a name of the table
     (ACTIVATION_FNS): the clamp after the activation (`glu_clamped`; a per-layer SwiGLU limit,
-    transformers' `limit_after_act`). `limit` None: act(gate) * up, no clamping."""
+    transformers' `limit_after_act`). `clamp="before_act"`: act(min(gate, limit)) * clamp(up, -limit, limit), the
+    gate clamped before the activation (HY-V4's routed experts). `limit` None: act(gate) * up, no clamping."""
 
-    def __init__(self, act: str, limit: float | None = None):
+    def __init__(self, act: str, limit: float | None = None, clamp: str = "after_act"):
         super().__init__()
+        if clamp not in ("after_act", "before_act"):
+            raise ValueError(f"glu_clamped: clamp must be 'after_act' or 'before_act', got {clamp!r}")
+        self.clamp = clamp
         if act not in ACTIVATION_FNS:
             raise ValueError(f"glu_clamped: unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
         if limit is not None and not (float(limit) > 0 and math.isfinite(float(limit))):
@@ -200,6 +204,8 @@ class ClampedGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
+        if self.limit is not None and self.clamp == "before_act":
+            return self.fn(gate.clamp(min=None, max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
         gate = self.fn(gate)
         if self.limit is not None:
             gate = gate.clamp(min=None, max=self.limit)
@@ -207,7 +213,7 @@ class ClampedGLU(nn.Module):
         return gate * up
 
     def extra_repr(self) -> str:
-        return f"act={self.act!r}, limit={self.limit}"
+        return f"act={self.act!r}, limit={self.limit}" + (f", clamp={self.clamp!r}" if self.clamp != "after_act" else "")
 
 
 # parameterized gated activation forms (`activation: {kind: ..., <params>}` in a spec) -> module

@@ -3,7 +3,7 @@
 
 Per token t (x the attention's input, q_in the query latent the attention's low-rank q is made from):
 
-    q[t]  = rotary(wq_b(q_in[t]))             [heads, head_dim]   (the first rope_dim dims rotate)
+    q[t]  = rotary(wq_b(q_in[t]))             [heads, head_dim]   (the first rope_dim dims rotate; or the last)
     k[t]  = rotary(layernorm(wk(x[t])))       [head_dim]          (one key per token, shared by the indexer heads)
     w[t]  = weights_proj(x[t]) * heads ** -0.5   (float32)        [heads]
     score[t, s] = sum_h w[t, h] * relu(head_dim ** -0.5 * q[t, h] . k[s])   (float32), for s <= t (causal)
@@ -45,11 +45,11 @@ class SparseIndexer(nn.Module):
     head_dim with weight and bias), weights_proj (hidden -> heads, computed in float32); all replicated. The rotary
     turns the first `rope_dim` dims of each indexer q head and of the key with the attention's rope frequencies
     (`theta`, `max_position`, `scaling`: transformers passes the attention's cos / sin) in `layout` (neox halves, or
-    interleaved pairs)."""
+    interleaved pairs); `rope_position` "last": the last `rope_dim` dims turn instead (HY-V4's indexer)."""
 
     def __init__(self, hidden: int, q_in: int, heads: int, head_dim: int, rope_dim: int, topk: int, theta: float,
                  max_position: int, scaling=None, layout: str = "neox", original_max_position=None,
-                 eps: float = 1e-6):
+                 eps: float = 1e-6, rope_position: str = "first"):
         super().__init__()
         for name, v in (("heads", heads), ("head_dim", head_dim), ("topk", topk), ("q_in", q_in)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -63,7 +63,7 @@ class SparseIndexer(nn.Module):
         self.k_norm = LayerNorm(head_dim, eps)
         self.weights_proj = ReplicatedLinear(hidden, heads, bias=False)
         self.rotary = Rotary(head_dim, theta, max_position, scaling=scaling, rotary_dim=rope_dim, layout=layout,
-                             original_max_position=original_max_position)
+                             original_max_position=original_max_position, position=rope_position)
         self.softmax_scale = head_dim ** -0.5
         self.k_cache = torch.tensor([])       # [num_blocks, block_size, head_dim], attached by the runner
 
@@ -119,7 +119,8 @@ class SparseIndexer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, head_dim={self.head_dim}, rope_dim={self.rope_dim}, topk={self.topk}, "
-                f"layout={self.rotary.layout!r}")
+                f"layout={self.rotary.layout!r}" + (f", rope_position={self.rotary.position!r}"
+                                                    if self.rotary.position != "first" else ""))
 
 
 def shared_selection() -> torch.Tensor:

@@ -20,10 +20,12 @@ import torch
 
 def latent_attention(attn, kv_b_proj, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                      k_pe: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int,
-                     key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     key_mask: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q_nope [N, H, nope], q_pe [N, H, rope], latent [N, C] (after kv_a_layernorm), k_pe [N, 1, rope] (rotated);
     `attn` an Attention(H, 1, C + rope, v_head_dim=C), `kv_b_proj` the column-parallel [H * (nope + v), C] linear
-    of this rank's heads; `key_mask` (optional): a sparse-attention indexer's selection, passed to the attention.
+    of this rank's heads; `key_mask` (optional): a sparse-attention indexer's selection, passed to the attention;
+    `sinks` (optional, [H]): attention sinks, one logit per head in the softmax denominator (W_UV is linear, so the
+    sink's share of probability mass carries over to the expanded values unchanged).
     Returns [N, H * v_head_dim]."""
     H, C = q_nope.shape[1], latent.shape[-1]
     if kv_b_proj.act_quant is not None:       # the latent as the quantized linear would read it
@@ -33,5 +35,6 @@ def latent_attention(attn, kv_b_proj, q_nope: torch.Tensor, q_pe: torch.Tensor, 
     q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
     q = torch.cat((q_latent, q_pe), dim=-1)
     k = torch.cat((latent.unsqueeze(1), k_pe.to(latent.dtype)), dim=-1)
-    out = attn(q, k, latent.unsqueeze(1).contiguous(), key_mask=key_mask).view(-1, H, C)
+    extra = {"sinks": sinks} if sinks is not None else {}
+    out = attn(q, k, latent.unsqueeze(1).contiguous(), key_mask=key_mask, **extra).view(-1, H, C)
     return torch.einsum("nhc,hvc->nhv", out, w_uv).reshape(-1, H * v_head_dim)

@@ -310,8 +310,11 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_position: int, kind: str = "neox",
                  mrope_section: Optional[Sequence[int]] = None, scaling: Optional[Mapping[str, Any]] = None,
                  rotary_dim: Optional[int] = None, layout: str = "neox",
-                 original_max_position: Optional[int] = None, direction: str = "forward"):
+                 original_max_position: Optional[int] = None, direction: str = "forward", position: str = "first"):
         super().__init__()
+        if position not in ("first", "last"):
+            raise ValueError(f"rotary position must be 'first' or 'last', not {position!r}")
+        self.position = position        # which dims of a partial rotary turn: the first or the last rotary_dim
         if direction not in ("forward", "backward"):
             raise ValueError(f"rotary direction must be 'forward' or 'backward', not {direction!r}")
         if kind not in ROTARY_KINDS:
@@ -402,7 +405,7 @@ class Rotary(nn.Module):
     @property
     def whole(self) -> bool:
         """Every dim of the head rotates in the neox layout (the fused q/k-norm + rope kernel's case)."""
-        return self.head_dim == self.full_head_dim and self.gather is None
+        return self.head_dim == self.full_head_dim and self.gather is None and self.position == "first"
 
     def _to(self, device: torch.device) -> None:
         if self._device != device and self.head_dim:
@@ -427,13 +430,16 @@ class Rotary(nn.Module):
         self._to(q.device)
         if self.whole:
             return self._rope(positions, q, k)
-        rd = self.head_dim
-        q_rot, k_rot = q[..., :rd], k[..., :rd]
+        rd, last = self.head_dim, self.position == "last"
+        q_rot, k_rot = (q[..., -rd:], k[..., -rd:]) if last else (q[..., :rd], k[..., :rd])
         if self.gather is not None:
             q_rot, k_rot = q_rot.index_select(-1, self.gather), k_rot.index_select(-1, self.gather)
         q_rot, k_rot = self._rope(positions, q_rot.contiguous(), k_rot.contiguous())
         if rd == self.full_head_dim:
             return q_rot, k_rot
+        if last:        # the pass dims first, the rotated last rotary_dim dims after them (HY-V4's indexer)
+            p = self.full_head_dim - rd
+            return torch.cat((q[..., :p], q_rot), -1), torch.cat((k[..., :p], k_rot), -1)
         return torch.cat((q_rot, q[..., rd:]), -1), torch.cat((k_rot, k[..., rd:]), -1)
 
     def extra_repr(self) -> str:
@@ -441,6 +447,7 @@ class Rotary(nn.Module):
         s += f", rotary_dim={self.head_dim}" if self.head_dim != self.full_head_dim else ""
         s += f", layout={self.layout!r}" if self.layout != "neox" else ""
         s += f", direction={self.direction!r}" if self.direction != "forward" else ""
+        s += f", position={self.position!r}" if self.position != "first" else ""
         s += f", mrope_section={self.mrope_section}" if self.mrope_section else ""
         return s + (f", scaling={self.scaling}" if self.scaling else "")
 

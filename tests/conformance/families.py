@@ -68,6 +68,12 @@ NOT_EXPRESSIBLE: dict[str, str] = {
         "branch of the attention's normed input added to the stream, the sum scaled by 1/sqrt(2); the per-layer input "
         "added to the non-active streams only; activation sparsity: a per-layer Gaussian top-k of the MLP gate "
         "(codegen/README.md, Not expressible yet)"),
+    "DeepseekV4ForCausalLM": (
+        "its attention: shared-KV multi-query attention (one kv_proj head read as key and value after rotary), a "
+        "weightless RMSNorm per q head, rotary on the trailing rope dims with the conjugate rotation of the attention "
+        "output, a grouped low-rank output projection (o_a_proj over o_groups, o_b_proj); the compressed / heavily "
+        "compressed attention layers (pooled KV entries of their own cache, an indexer over them) and the hash-routed "
+        "MoE layers (tid2eid[input_ids]) that every released config has (codegen/README.md, Not expressible yet)"),
     "Gemma4AssistantForCausalLM": _DRAFTER,
     "Gemma4UnifiedAssistantForCausalLM": _DRAFTER,
 }
