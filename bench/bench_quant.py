@@ -54,8 +54,26 @@ def make_weights(N: int, K: int, group: int = 128):
         f8 = (torch.randn(N, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         sb = torch.rand(-(-N // 128), -(-K // 128), device="cuda") * 1e-3 + 1e-4
         sc = torch.rand(N, 1, device="cuda") * 1e-3 + 1e-4
-        out.append(dict(bf16=w, int4=(Q.pack_int4(codes), scales, zeros), fp8b=(f8, sb), fp8c=(f8, sc)))
+        out.append(dict(bf16=w, int4=(Q.pack_int4(codes), scales, zeros), fp8b=(f8, sb), fp8c=(f8, sc),
+                        tinygemm=_tinygemm_pack(codes, scales, zeros, group)))
     return out
+
+
+def _tinygemm_pack(codes, scales, zeros, group):
+    """The same int4 weight in tinygemm's layout (torch.ops.aten._weight_int4pack_mm), built on first use:
+    w = (q - 8) * s + z_f, so an AWQ / GPTQ zero point z becomes z_f = (8 - z) * s."""
+    cache = []
+
+    def get():
+        if not cache:
+            u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), 8)
+            s = scales.to(torch.bfloat16)
+            zf = ((8 - zeros.float()) * scales.float()).to(torch.bfloat16)
+            sz = torch.stack([s, zf], dim=-1).transpose(0, 1).contiguous()       # [K / group, N, 2]
+            cache.extend([packed, sz])
+        return cache
+    return get
 
 
 def kernels(x, M: int, group: int = 128):
@@ -73,6 +91,9 @@ def kernels(x, M: int, group: int = 128):
         ks[f"fp8 block128 {k}"] = lambda d, cfg=None, k=k: Q.fp8_gemm(x, *d["fp8b"], (128, 128), config=cfg, kernel=k)
         ks[f"fp8 channel {k}"] = lambda d, cfg=None, k=k: Q.fp8_gemm(x, d["fp8c"][0], d["fp8c"][1], (1, x.shape[1]),
                                                                       config=cfg, kernel=k)
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm"):      # tinygemm (gpt-fast / torchao's int4 weight-only)
+        ks["int4 g128 tinygemm"] = lambda d: torch.ops.aten._weight_int4pack_mm(x, d["tinygemm"]()[0], group,
+                                                                                 d["tinygemm"]()[1])
     if hasattr(torch, "_scaled_mm"):
         def scaled_mm(d):
             xs = (x.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
@@ -127,6 +148,8 @@ def bench_gemms(args) -> list:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             base_us = None
             for name, fn in kernels(x, M).items():
+                if args.only and name != "bf16 cuBLAS" and not any(o in name for o in args.only.split(",")):
+                    continue
                 row = dict(shape=shape, N=N, K=K, M=M, kernel=name)
                 try:
                     err = _rel(fn(ws[0]), ref_of(name, x, ws[0]))
@@ -197,8 +220,9 @@ def bench_e2e(args) -> list:
     res = []
     for name in args.e2e.split(","):
         d = write_config(root, name)
-        for batch in (1, 16):
-            for quant, kernel in [("bf16", "")] + [(q, k) for q in ("int4", "fp8") for k in E2E_KERNELS]:
+        for batch in [int(b) for b in args.e2e_batches.split(",")]:
+            kernels = args.e2e_kernels.split(",")
+            for quant, kernel in [("bf16", "")] + [(q, k) for q in ("int4", "fp8") for k in kernels]:
                 row = dict(model=name, quant=quant, kernel=kernel, batch=batch)
                 cmd = [sys.executable, "-c", E2E_CHILD, str(d), quant, str(batch), "64"]
                 env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
@@ -231,10 +255,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_quant.md"))
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default="", help="kernels whose name holds one of these (comma list; bf16 cuBLAS kept)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table (e.g. only --e2e)")
     ap.add_argument("--e2e", default="", help="Qwen3 variants for the decode-TPOT arm, e.g. Qwen3-0.6B,Qwen3-8B "
                                                   "(random weights: load_format=dummy)")
     ap.add_argument("--e2e-timeout", type=int, default=600)
+    ap.add_argument("--e2e-kernels", default=",".join(E2E_KERNELS), help="XLLM_QUANT_GEMV values to run, e.g. auto")
+    ap.add_argument("--e2e-batches", default="1,16")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_quant needs a CUDA GPU", file=sys.stderr)

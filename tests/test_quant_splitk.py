@@ -162,3 +162,37 @@ def test_bad_env_value_is_refused():
     p = subprocess.run([sys.executable, "-c", "import xllm_gen.runtime.ops.quant_gemv"], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode != 0 and "XLLM_QUANT_GEMV='fastest'" in p.stderr
+
+
+def test_tinygemm_dispatch_and_zero_point_mapping(monkeypatch):
+    """int4 layers that hold tinygemm's layout take it for 1-4 bf16 rows unless measured otherwise; its
+    (q - 8) * s + zero form reproduces AWQ / GPTQ's (q - z) * s to bf16 rounding, and a wrong zero mapping is seen."""
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    from xllm_gen.runtime.ops import quant_tinygemm as TG
+    monkeypatch.setattr(Q, "QUANT_GEMV_CHOICE", {})
+    monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "auto")
+    bf = torch.bfloat16
+    assert Q.gemv_choice("int4", 1, 4096, 4096, 128, bf, tinygemm=True) == ("tinygemm", None)
+    assert Q.gemv_choice("int4", 4, 4096, 4096, 128, bf, tinygemm=True) == ("tinygemm", None)
+    assert Q.gemv_choice("int4", 8, 4096, 4096, 128, bf, tinygemm=True) == ("mma", None)
+    assert Q.gemv_choice("int4", 32, 4096, 4096, 128, bf, tinygemm=True) == ("mma", None)
+    Q.QUANT_GEMV_CHOICE[("int4", 2, 4096, 4096, 128, bf)] = "tinygemm"                 # measured on a layer with it
+    assert Q.gemv_choice("int4", 2, 4096, 4096, 128, bf, tinygemm=False)[0] != "tinygemm"
+    monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "tinygemm")
+    assert Q.gemv_choice("int4", 16, 4096, 4096, 128, bf, tinygemm=True) == ("tinygemm", None)
+    assert Q.gemv_choice("int4", 1, 4096, 4096, 128, bf, tinygemm=False)[0] != "tinygemm"
+    with pytest.raises(ValueError, match="tinygemm"):
+        Q._pick("int4", torch.zeros(1, 256), 256, 256, 128, None, "tinygemm", False)
+
+    torch.manual_seed(0)
+    N, K, g = 64, 512, 128
+    codes = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    scales = (torch.rand(N, K // g) * 0.004 + 0.001).to(torch.float16)
+    zeros = torch.randint(0, 16, (N, K // g), dtype=torch.uint8)
+    want = Q.dequant_int4(Q.pack_int4(codes), scales, zeros, g, torch.float32)
+    got = TG.dequant_reference(codes, TG.scale_and_zero(scales, zeros), g)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel < 2 ** -7, rel
+    off = TG.dequant_reference(codes, TG.scale_and_zero(scales, (zeros + 1) % 16), g)
+    assert ((off - want).abs().max() / want.abs().max()).item() > 0.05
+    assert TG.pack(codes, scales, zeros, g) is None                      # no CUDA kernel on the CPU: None, no error

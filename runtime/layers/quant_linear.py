@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xllm_gen.runtime.ops import quant_gemv as Q
+from xllm_gen.runtime.ops import quant_tinygemm
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -37,6 +38,9 @@ class PackedInt4(nn.Module):
         self.group = int(group)
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
         self.locks = _locks(self.out_features, qweight.device)
+        # the same weight in tinygemm's layout, the fastest kernel for 1-4 rows of bf16 (ops/quant_tinygemm.py)
+        self.tinygemm = (quant_tinygemm.pack(Q.unpack_int4(qweight), scales, zeros, self.group)
+                         if qweight.is_cuda else None)
 
     def dequantized(self, dtype) -> torch.Tensor:
         if self.qweight.is_cuda:
@@ -46,7 +50,8 @@ class PackedInt4(nn.Module):
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
             x2 = x.reshape(-1, self.in_features)
-            y = Q.int4_gemm(x2, self.qweight, self.scales, self.zeros, self.group, bias, locks=self.locks)
+            y = Q.int4_gemm(x2, self.qweight, self.scales, self.zeros, self.group, bias, locks=self.locks,
+                            tinygemm=self.tinygemm)
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized(x.dtype), bias)
 

@@ -1,11 +1,12 @@
-"""Per-shape choice between the two weight-only decode kernels of packed low-precision layers, measured at start.
+"""Per-shape choice between the weight-only decode kernels of packed low-precision layers, measured at start.
 
 For every distinct (form, N, K, group / block, dtype) of a model's packed layers (quant_linear.PackedInt4 /
 PackedFp8 on CUDA) and every decode row count up to quant_splitk.SPLITK_MAX_M: the tensor-core tile
 (quant_gemv's launch table) against the split-K GEMV in its table config and a few neighbours
-(quant_splitk.splitk_candidates), each over all the layers' weights of that shape in turn (repeated to about 96 MB,
-so they stream from HBM as in a decode step), in a CUDA graph. Split-K is taken, with its fastest config, when it
-beats `margin` x the tensor-core time; the decision goes to quant_gemv.QUANT_GEMV_CHOICE (every later call of the
+(quant_splitk.splitk_candidates), and, for int4 layers with bf16 activations that hold its layout, tinygemm
+(ops/quant_tinygemm.py), each over all the layers' weights of that shape in turn (repeated to about 96 MB, so they
+stream from HBM as in a decode step), in a CUDA graph. Another kernel is taken over the tensor-core tile when it
+beats `margin` x the best time so far; the decision goes to quant_gemv.QUANT_GEMV_CHOICE (every later call of the
 process) and to ops/tuning_cache.py's file (every later start on this GPU and software). Row counts between
 measured ones take the next measured count's decision (the bucket they are padded to: eager and graph decode run
 the same kernel). Only under XLLM_QUANT_GEMV=auto; a kernel that fails to build or run is logged and the
@@ -25,7 +26,7 @@ CANDIDATES = 4          # split-K configs timed per shape: the table's and the f
 def _call(p, x, b, kernel, cfg):
     from xllm_gen.runtime.ops import quant_gemv as Q
     if hasattr(p, "qweight"):
-        return Q.int4_gemm(x, p.qweight, p.scales, p.zeros, p.group, b, cfg, kernel, p.locks)
+        return Q.int4_gemm(x, p.qweight, p.scales, p.zeros, p.group, b, cfg, kernel, p.locks, p.tinygemm)
     return Q.fp8_gemm(x, p.weight, p.scale, p.block, b, cfg, kernel, p.locks)
 
 
@@ -71,7 +72,12 @@ def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes:
                     timed = [(graph_time_ms(lambda: [_call(p, x, b, "splitk", cfg) for p, b in seq]) / len(seq), cfg)
                              for cfg in S.splitk_candidates(M, N, K, kind == "int4", s_cols, sms)[:CANDIDATES]]
                     t_splitk, cfg = min(timed)
-                    Q.QUANT_GEMV_CHOICE[key] = cfg if t_splitk < margin * t_mma else "mma"
+                    best, t_best = (cfg, t_splitk) if t_splitk < margin * t_mma else ("mma", t_mma)
+                    if kind == "int4" and dt == torch.bfloat16 and all(p.tinygemm is not None for p, _ in layers):
+                        t_tiny = graph_time_ms(lambda: [_call(p, x, b, "tinygemm", None) for p, b in seq]) / len(seq)
+                        if t_tiny < margin * t_best:
+                            best = "tinygemm"
+                    Q.QUANT_GEMV_CHOICE[key] = best
                     report[key[:5]] = (1e3 * t_mma, 1e3 * t_splitk, Q.QUANT_GEMV_CHOICE[key])
                 except Exception as e:  # noqa: BLE001 - keep the tensor-core kernel, say why
                     logger.warning("split-K GEMV %s M %d N %d K %d not measured (%s: %s): tensor-core kernel", kind,

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xllm_gen.runtime.ops import quant_tinygemm
 from xllm_gen.runtime.ops.quant_splitk import SPLITK_MAX_M, splitk_gemv
 
 GEMV_MAX_M = 64        # rows up to which the layers call these kernels (else dequantize + cuBLAS)
@@ -161,51 +162,72 @@ def _launch(x, q, s, z, bias, N, K, s_rows, s_cols, int4, config):
 # the CUDA cores (quant_splitk.py, "splitk", M <= SPLITK_MAX_M). XLLM_QUANT_GEMV=splitk / mma forces one (splitk:
 # where M allows); auto (default) takes the per-shape decision measured at engine start (QUANT_GEMV_CHOICE, filled
 # by layers/quant_tuning.py and kept in ops/tuning_cache.py's file), else split-K up to SPLITK_AUTO_MAX_M rows.
+# int4 layers that hold tinygemm's layout as well (quant_tinygemm.py, bf16 activations) have a third kernel,
+# "tinygemm": auto takes it up to TINYGEMM_AUTO_MAX_M rows where nothing was measured; XLLM_QUANT_GEMV=tinygemm
+# forces it where the layer has it.
 QUANT_GEMV_MODE = os.environ.get("XLLM_QUANT_GEMV", "auto").strip().lower() or "auto"
-if QUANT_GEMV_MODE not in ("auto", "splitk", "mma"):
-    raise ValueError(f"XLLM_QUANT_GEMV={QUANT_GEMV_MODE!r}: 'auto', 'splitk' or 'mma'")
-# rows up to which `auto` takes split-K for a shape nothing measured: expected to win there (fewer operations an
-# element, no 16-row padding); to be set from H200 runs (bench/bench_quant.py). Keep them powers of two (decode
-# graph buckets), so an eager step of 3 rows runs the kernel its bucket of 4 does.
-SPLITK_AUTO_MAX_M = {"int4": 4, "fp8": 4}
+if QUANT_GEMV_MODE not in ("auto", "splitk", "mma", "tinygemm"):
+    raise ValueError(f"XLLM_QUANT_GEMV={QUANT_GEMV_MODE!r}: 'auto', 'splitk', 'mma' or 'tinygemm'")
+TINYGEMM_AUTO_MAX_M = 4
+# rows up to which `auto` takes split-K for a shape nothing measured. H200, an 8B model's qkv 6144 x 4096 (bench/bench_quant.py
+# --sweep, bench/results/h200_quant_splitk.md): int4 split-K 12.8 / 16.4 us at M = 1 / 2 against 24.8 / 25.0 for
+# the tensor-core tile, but 24.5 at M = 4 and 1.1x the tile on the down projection (4096 x 12288) at M = 1; fp8
+# split-K wins at M = 1 on three of four shapes alone, yet a whole 8B decode step at batch 1 was slower with it
+# (TPOT 4.56 ms against 4.13 for the tile: bench/results/h200_quant_e2e.md), so fp8 takes the tile unless measured.
+# Keep them powers of two (decode graph buckets), so an eager step of 3 rows runs the kernel its bucket of 4 does.
+SPLITK_AUTO_MAX_M = {"int4": 1, "fp8": 0}
 # (kind "int4" | "fp8", M, N, K, scale columns (group / block), activation dtype) -> "mma" | "splitk" | a split-K
 # launch config (tuple): measured per shape
 QUANT_GEMV_CHOICE: dict = {}
 
 
-def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype) -> tuple[str, Optional[tuple]]:
-    """("splitk" | "mma", split-K launch config or None) for a call of M rows."""
-    if M > SPLITK_MAX_M or QUANT_GEMV_MODE == "mma":
+def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype,
+                tinygemm: bool = False) -> tuple[str, Optional[tuple]]:
+    """("splitk" | "mma" | "tinygemm", split-K launch config or None) for a call of M rows; `tinygemm`: the layer
+    holds that layout (int4, bf16)."""
+    if QUANT_GEMV_MODE == "tinygemm" and tinygemm:
+        return "tinygemm", None
+    if QUANT_GEMV_MODE == "mma" or (M > SPLITK_MAX_M and not tinygemm):
         return "mma", None
     if QUANT_GEMV_MODE == "splitk":
-        return "splitk", None
+        return ("splitk" if M <= SPLITK_MAX_M else "mma"), None
     c = QUANT_GEMV_CHOICE.get((kind, M, N, K, s_cols, dtype))
+    if c == "tinygemm" and not tinygemm:     # measured on a layer with the layout, this one has none
+        c = None
     if c is None:
+        if tinygemm and M <= TINYGEMM_AUTO_MAX_M:
+            return "tinygemm", None
         return ("splitk" if M <= SPLITK_AUTO_MAX_M[kind] else "mma"), None
     return ("splitk", c) if isinstance(c, tuple) else (c, None)
 
 
-def _pick(kind, x, N, K, s_cols, config, kernel):
+def _pick(kind, x, N, K, s_cols, config, kernel, tinygemm=False):
     if kernel is None:
-        return ("mma", config) if config is not None else gemv_choice(kind, x.shape[0], N, K, s_cols, x.dtype)
-    if kernel not in ("splitk", "mma"):
-        raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk' or 'mma'")
+        if config is not None:
+            return "mma", config
+        return gemv_choice(kind, x.shape[0], N, K, s_cols, x.dtype, tinygemm)
+    if kernel not in ("splitk", "mma", "tinygemm") or (kernel == "tinygemm" and not tinygemm):
+        raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk', 'mma' or (int4 with its layout) 'tinygemm'")
     return kernel, config
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
               bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None, kernel: Optional[str] = None,
-              locks: Optional[torch.Tensor] = None) -> torch.Tensor:
+              locks: Optional[torch.Tensor] = None, tinygemm: Optional[tuple] = None) -> torch.Tensor:
     """x [M, K] @ dequant_int4(qweight [N, K/8] int32, scales [N, K/g], zeros uint8 [N, K/g])^T (+ bias [N]).
-    kernel: "splitk" / "mma" / None (gemv_choice; a `config` alone means the tensor-core kernel's); locks: the
-    layer's split-K counters (quant_splitk.new_lock_buffer)."""
+    kernel: "splitk" / "mma" / "tinygemm" / None (gemv_choice; a `config` alone means the tensor-core kernel's);
+    locks: the layer's split-K counters (quant_splitk.new_lock_buffer); tinygemm: the same weight in tinygemm's
+    layout (quant_tinygemm.pack), used for bf16 activations."""
     N, KW = qweight.shape
     K = x.shape[1]
     if qweight.dtype != torch.int32 or KW * 8 != K or K % group or scales.shape != (N, K // group) \
             or zeros.shape != scales.shape:
         raise ValueError(f"int4_gemm: x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}, scales "
                          f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group {group} do not fit")
-    kernel, config = _pick("int4", x, N, K, group, config, kernel)
+    tinygemm = tinygemm if x.dtype == torch.bfloat16 else None
+    kernel, config = _pick("int4", x, N, K, group, config, kernel, tinygemm is not None)
+    if kernel == "tinygemm":
+        return quant_tinygemm.gemm(x, tinygemm, group, bias)
     if kernel == "splitk":
         return splitk_gemv(x, qweight, scales, zeros, bias, N, K, 1, group, True, config, locks)
     return _launch(x, qweight, scales, zeros, bias, N, K, 1, group, True, config)

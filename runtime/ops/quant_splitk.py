@@ -250,18 +250,21 @@ def chunk_choices(KW: int, int4: bool, s_cols: int, K: int, bk: int) -> list[int
 
 def splitk_config(M: int, N: int, K: int, int4: bool, s_cols: int, sms: int = 132) -> tuple[int, int, int, int]:
     """The launch table (M, N, K) -> (BLOCK_N, BLOCK_K, CHUNK, num_warps); no autotuning (CUDA graphs,
-    determinism). Not yet measured on a GPU; from the sm_90 SASS of the loop (ptxas offline): one 16-byte vector
+    determinism). From the sm_90 SASS of the loop (ptxas offline): one 16-byte vector
     load a thread-row (int4: 4 words = 32 codes; fp8: 16 bytes); 256 rows a program on 4 warps (2 rows a thread:
     the activations' loads and bf16 -> fp32 conversions shared by 2 rows; int4 ~4.8 instructions an element, 160
     registers; 4 rows a thread: ~4.3, 252 registers), and the largest chunk (16-128 words / 64-512 bytes) that
-    leaves >= 2 programs per SM; else 128, 64, 32 rows (an 8B model's qkv 6144x4096 int4: 24 x 16 programs of 32
+    leaves >= 2 programs per SM (fp8: as measured, below); else 128, 64, 32 rows (an 8B model's qkv 6144x4096 int4: 24 x 16 programs of 32
     words; a 1024-wide model's o 1024x2048: 32 x 16 programs of 16 words)."""
     KW = K // 8 if int4 else K
-    bk = min(4 if int4 else 16, triton.next_power_of_2(KW))
-    lo, hi = (16, 128) if int4 else (64, 512)
+    # fp8: 32-byte vectors, 128 rows and chunks <= 256 bytes measured best on the H200 at M = 1 (an 8B model's qkv 6144 x 4096: 13.1 /
+    # 14.9 us per channel / 128-blocks against 15.7 / 17.8 for 16 bytes x 256 rows; bench/results/h200_quant_splitk.md)
+    bk = min(4 if int4 else 32, triton.next_power_of_2(KW))
+    lo, hi = (16, 128) if int4 else (64, 256)
     fits = chunk_choices(KW, int4, s_cols, K, bk)
     chunks = [c for c in fits if min(lo, fits[0]) <= c <= hi] or fits
-    for bn, warps in ((256, 4), (128, 4), (64, 2), (32, 1)):
+    tiles = ((256, 4), (128, 4), (64, 2), (32, 1)) if int4 else ((128, 4), (256, 4), (64, 2), (32, 1))
+    for bn, warps in tiles:
         for c in chunks:
             if triton.cdiv(N, bn) * triton.cdiv(KW, c) >= 2 * sms:
                 return bn, bk, c, warps
@@ -274,7 +277,7 @@ def splitk_candidates(M: int, N: int, K: int, int4: bool, s_cols: int, sms: int 
     KW = K // 8 if int4 else K
     table = splitk_config(M, N, K, int4, s_cols, sms)
     out = [table]
-    for bk in (table[1],) + ((8, 2) if int4 else (32, 8)):
+    for bk in (table[1],) + ((8, 2) if int4 else (16, 8)):
         bk = min(bk, triton.next_power_of_2(KW))
         for c in [c for c in chunk_choices(KW, int4, s_cols, K, bk) if c >= 4 * bk][:3] or [table[2]]:
             for bn, warps in ((256, 4), (512, 4), (128, 4), (512, 8), (64, 2)):

@@ -93,9 +93,12 @@ def test_int4_gemm_cuda(M):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, Q.dequant_int4(qw, s, z, g, torch.bfloat16), b)
-        for kernel in ("mma", "splitk"):        # the tensor-core tile and the split-K GEMV (ops/quant_splitk.py)
-            e = _rel_err(Q.int4_gemm(x, qw, s, z, g, b, kernel=kernel), ref)
-            bad = _rel_err(Q.int4_gemm(x, qw, s, (z + 1) % 16, g, b, kernel=kernel), ref)
+        from xllm_gen.runtime.ops import quant_tinygemm as TG
+        tiny, tiny_bad = TG.pack(codes, s, z, g), TG.pack(codes, s, (z + 1) % 16, g)
+        # the tensor-core tile, the split-K GEMV (ops/quant_splitk.py) and torch's tinygemm (ops/quant_tinygemm.py)
+        for kernel in ("mma", "splitk") + (("tinygemm",) if tiny is not None else ()):
+            e = _rel_err(Q.int4_gemm(x, qw, s, z, g, b, kernel=kernel, tinygemm=tiny), ref)
+            bad = _rel_err(Q.int4_gemm(x, qw, s, (z + 1) % 16, g, b, kernel=kernel, tinygemm=tiny_bad), ref)
             print(f"\n[int4 g{g} {kernel}] M {M} N {N} K {K}: relative error {e:.2e} (zeros off by one: {bad:.2e})")
             assert e < 1e-2 and bad > 5e-2
         if M == 1:      # the prefill path: the dequantize kernel, bit for bit the reference, then cuBLAS
@@ -137,9 +140,12 @@ def test_quant_gemms_in_cuda_graph():
     w8 = (torch.randn(N, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s8 = torch.rand(N // 128, K // 128, device="cuda") * 1e-3
     x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
-    for kernel in ("mma", "splitk"):      # split-K: its counters zero again after every call, graph or not
-        fn = lambda: (Q.int4_gemm(x, qw, s, z, 128, kernel=kernel),  # noqa: E731
-                      Q.fp8_gemm(x, w8, s8, (128, 128), kernel=kernel))
+    from xllm_gen.runtime.ops import quant_tinygemm as TG
+    tiny = TG.pack(Q.unpack_int4(qw), s, z, 128)
+    # split-K: its counters zero again after every call, graph or not; tinygemm (int4 only, the fp8 call takes mma)
+    for kernel in ("mma", "splitk") + (("tinygemm",) if tiny is not None else ()):
+        fn = lambda: (Q.int4_gemm(x, qw, s, z, 128, kernel=kernel, tinygemm=tiny),  # noqa: E731
+                      Q.fp8_gemm(x, w8, s8, (128, 128), kernel=kernel if kernel != "tinygemm" else "mma"))
         out = fn()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -405,7 +411,7 @@ def test_fp8_kv_cache_checkpoint_scales_cuda(tmp_path, decode_kernel):
 
 
 def test_quant_gemv_tuning_measures_and_caches(tmp_path, monkeypatch):
-    """layers/quant_tuning.py: per (form, M, N, K) a decision between the two decode kernels, for the rows between
+    """layers/quant_tuning.py: per (form, M, N, K) a decision between the decode kernels, for the rows between
     measured counts too, written to the tuning cache and read back by a fresh process state."""
     from xllm_gen.runtime.layers import quant_tuning
     from xllm_gen.runtime.layers.linear import ReplicatedLinear
@@ -415,6 +421,8 @@ def test_quant_gemv_tuning_measures_and_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "auto")
     monkeypatch.setattr(Q, "QUANT_GEMV_CHOICE", {})
     model = torch.nn.Sequential(ReplicatedLinear(4096, 1024), ReplicatedLinear(4096, 1024)).to("cuda", torch.bfloat16)
+    for m in model:          # the layers start zeroed: a zero weight would make every kernel "agree"
+        torch.nn.init.normal_(m.weight, std=0.02)
     assert quantize_dummy(model[:1], "int4") == 1 and quantize_dummy(model[1:], "fp8") == 1
     report = quant_tuning.tune_quant_gemvs(model, [1, 4, 64])
     assert {k[:2] for k in report} == {("int4", 1), ("int4", 4), ("fp8", 1), ("fp8", 4)}, report
