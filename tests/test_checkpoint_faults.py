@@ -165,8 +165,10 @@ def test_checkpoint_without_tokenizer_still_serves_token_ids(tiny, tmp_path):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("fault", ["safetensors_truncated", "tensor_misshaped", "kv_heads_zero",
-                                   "generation_config_list", "tokenizer_corrupt", "layers_past_tensors"])
+# each arm is a CLI process (~3 s): two by default (a tensor fault, a config fault), the rest with --runslow
+@pytest.mark.parametrize("fault", ["safetensors_truncated", "kv_heads_zero"] + [
+    pytest.param(f, marks=pytest.mark.slow)
+    for f in ("tensor_misshaped", "generation_config_list", "tokenizer_corrupt", "layers_past_tensors")])
 def test_fault_from_the_cli_is_one_line(tiny, tmp_path, fault):
     d = _copy(tiny, tmp_path)
     breaker, pattern = FAULTS[fault]

@@ -219,6 +219,7 @@ def test_bad_yaml_tag_is_one_message(tmp_path, capsys):
 
 
 # ---- CLI modes ------------------------------------------------------------------------------------------
+@pytest.mark.slow     # ~40 s: README's test command (and CI) runs this `xllm-gen --check specs/*.yaml` itself
 def test_check_passes_on_committed_tree(capsys):
     specs = sorted((REPO / "specs").glob("*.yaml"))
     code, out, err = run_cli(capsys, "--check", *specs)

@@ -219,6 +219,7 @@ def test_kv_blocks_agree_without_hook():
         r.shutdown()
 
 
+@pytest.mark.slow     # a second process group; test_rank0_error_at_load_is_raised_as_is covers load errors by default
 def test_worker_error_at_load_surfaces_with_traceback():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as err:
@@ -276,6 +277,7 @@ def test_stuck_worker_hits_the_timeout():
     assert _wait_gone(pids) == [] and _rank_children() == []
 
 
+@pytest.mark.slow     # a second process group (--runslow)
 def test_garbage_collection_stops_the_ranks():
     r = _tp(2)
     pids = r.worker_pids()
@@ -532,6 +534,7 @@ def test_qwen3_tp_matches_tp1_and_hf(request, make_llm, ckpt_name, tp):
     assert _wait_gone(pids) == [] and _rank_children() == []
 
 
+@pytest.mark.slow     # torchrun launches its own process group (--runslow)
 def test_torchrun_launch(tmp_path):
     """Under torchrun (env:// rendezvous) every rank runs the script; rank 0 drives, rank 1 serves inside
     the constructor and exits when rank 0 is done."""

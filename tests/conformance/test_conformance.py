@@ -80,12 +80,22 @@ def test_features_on_parity(plan, tp, tiny_checkpoint, tokens):
     arch = plan.family.architecture
     ckpt = tiny_checkpoint(arch, overrides=plan.overrides)
     want = tokens.hf(ckpt)
-    if tp == 1:
-        assert want != tokens.hf(tiny_checkpoint(arch)), (
-            f"fixture: the features ON ({[t.name for t in plan.accepted]}) do not change transformers' tokens")
     got = engine_or_tp_refusal(tokens, ckpt, tp, plan.spec)
     if got is not None:
         _assert_same(got, want, f"{plan.spec.name} ({arch}) features ON {[t.name for t in plan.accepted]} tp={tp}")
+
+
+@pytest.mark.slow      # a second transformers run per family (the default config): half the battery's time
+@pytest.mark.engine
+@pytest.mark.parametrize("plan", [pytest.param(p, id=_id(p)) for p in PLANS])
+def test_features_on_change_transformers_tokens(plan, tiny_checkpoint, tokens):
+    """The battery's own sensitivity: the features ON change transformers' tokens on the tiny checkpoint, so the
+    parity above compares something the features decide (each feature alone: test_each_feature_matters_and_agrees)."""
+    if plan.error is not None or plan.status != "served" or not plan.accepted:
+        pytest.skip("no features-ON parity for this family")
+    arch = plan.family.architecture
+    assert tokens.hf(tiny_checkpoint(arch, overrides=plan.overrides)) != tokens.hf(tiny_checkpoint(arch)), (
+        f"fixture: the features ON ({[t.name for t in plan.accepted]}) do not change transformers' tokens")
 
 
 # fields whose effect is a monotone map of the final logits: greedy tokens cannot show them (the engine applies them;
