@@ -74,6 +74,21 @@ NOT_EXPRESSIBLE: dict[str, str] = {
         "output, a grouped low-rank output projection (o_a_proj over o_groups, o_b_proj); the compressed / heavily "
         "compressed attention layers (pooled KV entries of their own cache, an indexer over them) and the hash-routed "
         "MoE layers (tid2eid[input_ids]) that every released config has (codegen/README.md, Not expressible yet)"),
+    "CpmAntForCausalLM": (
+        "a prefix-LM: the whole prefill (the prompt and prompt_length virtual prompt tokens, ids vocab_size + "
+        "2 * prompt_length onwards, prepended to every sequence) is attended bidirectionally and the decode steps "
+        "causally, so the output depends on where the prefill ended (transformers' cached and uncached greedy tokens "
+        "differ); a learned per-head score bias read at a bidirectional T5 log bucket of key - query, or at a "
+        "segment-pair bucket between segments; segments (and a segment embedding) from the token ids; token id 0 as "
+        "left padding (the first z text positions masked, z recounted each step). The paged attention has no "
+        "prefix-LM mask, per-(query, key) bias table or data-dependent key mask, and the engine no per-model token "
+        "prefix (codegen/README.md, Not expressible yet)"),
+    "ZayaForCausalLM": (
+        "compressed convolutional attention: q / k through a causal depthwise + grouped conv over time with a conv "
+        "state, half of each value head from the previous token's delayed projection (a recurrent state inside an "
+        "attention block); an L2 q / k norm with a per-KV-head key scale; a router MLP over a down-projected state "
+        "carried from the previous layer's router (a value handed across layers) with a skip expert and balancing "
+        "biases; affine residual joins (x + b) * s on both inputs (codegen/README.md, Not expressible yet)"),
     "Gemma4AssistantForCausalLM": _DRAFTER,
     "Gemma4UnifiedAssistantForCausalLM": _DRAFTER,
 }
