@@ -67,8 +67,8 @@ _INKLING = (
     "log_scaling_* temperature on the full layers), which no attention backend takes (ALiBi's per-head slope is the "
     "only score bias); short causal convolutions with a skip (float32, a conv state per sequence) on k and v inside "
     "the attention (k_sconv / v_sconv) and on the attention and MLP outputs before the residual adds (attn_sconv / "
-    "mlp_sconv): conv states inside an attention block and on residual branches, which the runner only gives "
-    "recurrent mixer blocks; a router that scores the shared experts beside the routed ones (weights: softmax over "
+    "mlp_sconv): a conv state inside an attention block and on a step's output, which neither the attention block "
+    "nor a dataflow step has a form for; a router that scores the shared experts beside the routed ones (weights: softmax over "
     "logsigmoid of [top-k routed logits, shared logits], times route_scale and a learned global_scale; the shared "
     "experts [n_shared, I, H] each weighted by its own share), which the moe block's shared expert (unweighted or "
     "sigmoid-gated, outside the routing) is not (codegen/README.md, Not expressible yet)")
