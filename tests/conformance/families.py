@@ -61,6 +61,26 @@ _DRAFTER = ("a drafter for its target model's assisted generation, not a standal
             "post_projection(h) to the target besides its logits (optionally through centroid-masked ordered "
             "embeddings). The engine's draft_model proposer runs a standalone checkpoint on its own tokens and KV "
             "cache; a drafter fed by the target's hidden states and KV cache is not in the runtime or the language")
+_INKLING = (
+    "a per-(query, distance) relative-position logit on every score (r_proj(x) per query head times a learned bank "
+    "rel_logits_proj.proj [d_rel, rel_extent], gathered by i - j, zero beyond rel_extent; scaled with q by the "
+    "log_scaling_* temperature on the full layers), which no attention backend takes (ALiBi's per-head slope is the "
+    "only score bias); short causal convolutions with a skip (float32, a conv state per sequence) on k and v inside "
+    "the attention (k_sconv / v_sconv) and on the attention and MLP outputs before the residual adds (attn_sconv / "
+    "mlp_sconv): a conv state inside an attention block and on a step's output, which neither the attention block "
+    "nor a dataflow step has a form for; a router that scores the shared experts beside the routed ones (weights: softmax over "
+    "logsigmoid of [top-k routed logits, shared logits], times route_scale and a learned global_scale; the shared "
+    "experts [n_shared, I, H] each weighted by its own share), which the moe block's shared expert (unweighted or "
+    "sigmoid-gated, outside the routing) is not (codegen/README.md, Not expressible yet)")
+_INKLING2 = (
+    "Inkling's per-(query, distance) relative-position logit and in-attention short convolutions, plus: block "
+    "attention residuals (each layer's attention / MLP input, and the final norm's, is an attention with learned "
+    "queries over the RMS-normed outputs of the earlier blocks of n_layers_per_attn_res_block layers and the running "
+    "partial block, 3 queries giving separate q / k / v inputs on the full layers), per-token attention sinks "
+    "(sink_proj(x): a logit per query head and token), L2-clipped q / k / relative states with learned per-dim "
+    "scales, dynamic short convolutions of k and v on the full layers (per-token taps projected from the layer "
+    "input), scaled short convolutions on the residual branches, softcapped SwiGLU experts "
+    "(softcap(g) * sigmoid(g) * softcap(u)) (codegen/README.md, Not expressible yet)")
 NOT_EXPRESSIBLE: dict[str, str] = {
     "Gemma3nForCausalLM": (
         "AltUp: the residual is altup_num_inputs streams with per-token learned mixing (predict / correct around each "
@@ -89,6 +109,14 @@ NOT_EXPRESSIBLE: dict[str, str] = {
         "attention block); an L2 q / k norm with a per-KV-head key scale; a router MLP over a down-projected state "
         "carried from the previous layer's router (a value handed across layers) with a skip expert and balancing "
         "biases; affine residual joins (x + b) * s on both inputs (codegen/README.md, Not expressible yet)"),
+    "InklingForCausalLM": _INKLING,
+    "Inkling2ForCausalLM": _INKLING2,
+    "Inkling2LoopForCausalLM": (
+        _INKLING2 + "; besides, layers loop_layer_index_start .. loop_layer_index_end - 1 run loop_num_passes times "
+        "with the same weights and a KV cache and conv states per pass (a layer visited several times per step), each "
+        "later pass restarting from the pre-loop states and mixing in messages of the previous pass (an attention "
+        "over its block states with 4 learned queries per loop layer, joined by low-rank tanh forget / message gates "
+        "per q / k / v / MLP input)"),
     "Gemma4AssistantForCausalLM": _DRAFTER,
     "Gemma4UnifiedAssistantForCausalLM": _DRAFTER,
 }
