@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xllm_gen.runtime.ops.triton_kernels import _norm_rope_values
+from xllm_gen.runtime.ops.rope_kernels import _norm_rope_values
 
 ROWS = 16                 # rows per tile (a tl.dot needs 16): up to 16 decode rows
 BM = tl.constexpr(ROWS)
