@@ -1,5 +1,5 @@
-"""The rope scaling kinds the rotary primitive computes (rotary.rope_parameters has the math) and the keys of a
-rope-parameters mapping each reads, as (required, optional). Torch-free: the config reader checks a checkpoint's
+"""The rope scaling kinds the rotary primitive computes (layers/rope_scaling.rope_parameters has the math) and the
+keys of a rope-parameters mapping each reads, as (required, optional). Torch-free: the config reader checks a checkpoint's
 mapping against the same table. A checkpoint names its scaling with transformers' rope_type; the compiler maps
 those names to these kinds (codegen/resolver.py HF_ROPE_TYPES) and the generated config reader translates.
 

@@ -10,7 +10,17 @@ import re
 import pytest
 import torch
 
-from xllm_gen.runtime.ops import decode_attention, fused_gemv, fused_rope_store, pdl, triton_kernels
+from xllm_gen.runtime.ops import (
+    decode_attention,
+    fused_gemv,
+    fused_rope_store,
+    kvcache_kernels,
+    norm_act_kernels,
+    pdl,
+    rope_kernels,
+    skinny_gemm,
+    skinny_mma,
+)
 
 
 def test_levels(monkeypatch):
@@ -25,7 +35,8 @@ def test_levels(monkeypatch):
                                                                               "late": 3}
 
 
-@pytest.mark.parametrize("module", [triton_kernels, fused_gemv, fused_rope_store, decode_attention])
+@pytest.mark.parametrize("module", [norm_act_kernels, rope_kernels, kvcache_kernels, skinny_gemm, skinny_mma, fused_gemv,
+                                    fused_rope_store, decode_attention])
 def test_pdl_kernels_wait_first(module):
     src = inspect.getsource(module)
     starts = [(m.start(), m.group(1)) for m in re.finditer(r"(_\w+_kernel)\[", src)]

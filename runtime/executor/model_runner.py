@@ -18,12 +18,14 @@ Deployment (graph sizes, batch limits, chunked prefill, TP size) comes from the 
 
 One step: build the flattened inputs and the ForwardContext of the scheduled sequences, plan attention
 once, run the model, and return float32 logits of each sequence's last row (sampling is the engine's).
+
+Beside this file: the state pool and KV-cache sizing / allocation (runner_cache.py) and the attention backend
+choice (runner_backend.py) are ModelRunner's bases; build_errors.py words a config the model cannot be built from.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import linecache
 import logging
 import os
 import time
@@ -35,10 +37,13 @@ import torch
 
 from xllm_gen.runtime import layers as L
 from xllm_gen.runtime.engine.sequence import Sequence
+from xllm_gen.runtime.executor.build_errors import _model_build_error
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
 from xllm_gen.runtime.executor.distributed import get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.prefill_graphs import PrefillGraphs, supports_prefill_graphs
 from xllm_gen.runtime.executor.prefill_graphs import prefill_graph_sizes as prefill_graph_sizes_of
+from xllm_gen.runtime.executor.runner_backend import RunnerAttentionBackend
+from xllm_gen.runtime.executor.runner_cache import RunnerCacheSetup
 from xllm_gen.runtime.layers.linear import tune_decode_gemms
 from xllm_gen.runtime.layers.quant_tuning import tune_quant_gemvs
 from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError
@@ -46,44 +51,6 @@ from xllm_gen.runtime.loading.loader import load_weights
 from xllm_gen.runtime.loading.quant_config import kv_cache_torch_dtype, parse_quant_config
 
 logger = logging.getLogger("xllm_gen")
-
-
-def _model_build_error(model_module, e: BaseException) -> str:
-    """What a config that the model cannot be built from gives: the spec, the error, and where in the generated
-    code (file:line, its source, the layer being built), e.g. a per-layer tuple shorter than the layer count."""
-    where = None
-    gen_dir = Path(model_module.__file__).resolve().parent
-    tb = e.__traceback__
-    while tb is not None:                        # the innermost frame of the generated module
-        if Path(tb.tb_frame.f_code.co_filename).resolve().parent == gen_dir:
-            where = tb
-        tb = tb.tb_next
-    at, hint = "", ""
-    if where is not None:
-        file = where.tb_frame.f_code.co_filename
-        layer = where.tb_frame.f_locals.get("layer_idx")
-        hint = _per_layer_hint(e, where.tb_frame.f_locals, linecache.getline(file, where.tb_lineno), layer)
-        at = (f" (building {'layer ' + str(layer) + ', ' if isinstance(layer, int) else ''}"
-              f"{gen_dir.name}/{Path(file).name}:{where.tb_lineno}: {linecache.getline(file, where.tb_lineno).strip()})")
-    spec = getattr(model_module, "SPEC", model_module.__name__)
-    return f"{spec}: the model cannot be built from this config: {hint}{type(e).__name__}: {e}{at}"
-
-
-def _per_layer_hint(e: BaseException, local: dict, source: str, layer) -> str:
-    """A per-layer list of the config (`config.NAME[...]` in the failing line) shorter than the layer count:
-    the field to blame, before the IndexError."""
-    import re
-
-    config = local.get("config")
-    if not isinstance(e, IndexError) or config is None or not isinstance(layer, int):
-        return ""
-    for name in re.findall(r"config\.(\w+)\[", source):
-        v = getattr(config, name, None)
-        if isinstance(v, (tuple, list)) and len(v) <= layer:
-            n = getattr(config, "num_hidden_layers", None)
-            return (f"config.json field '{name}' lists {len(v)} entr{'y' if len(v) == 1 else 'ies'}, one per layer, "
-                    f"but layer {layer} is built{f' (num_hidden_layers = {n})' if isinstance(n, int) else ''}; ")
-    return ""
 
 
 @contextlib.contextmanager
@@ -105,7 +72,7 @@ def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-class ModelRunner:
+class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
     # Set by the generated runner module (what the spec's model needs; deployment comes from the engine).
     model_module = None
     position_rows = 1               # 1: positions [N]; R > 1: positions [R, N]
@@ -259,129 +226,6 @@ class ModelRunner:
             else:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen, device=self.device, dtype=torch.float32))
         return {n for n, _ in self.model.named_parameters()}
-
-    def _allocate_state_pool(self) -> None:
-        """The per-sequence state pool of the recurrent mixers (runtime/layers/recurrent/), beside the paged KV
-        cache: one slot per sequence that may hold a state at once (max_num_seqs running, plus a prompt being
-        prefilled in chunks). The block manager hands out the slots (num_state_slots)."""
-        self.state_layers = [m for m in self.model.modules() if isinstance(m, L.RecurrentMixer)]
-        self.num_state_slots = self.max_num_seqs + 1 if self.state_layers else 0
-        # one more slot than the block manager hands out: the scratch slot, which the padding rows of a decode graph
-        # bucket read and write, so that a padding row never touches a live sequence's state
-        self.state_scratch_slot = self.num_state_slots if self.state_layers else None
-        for m in self.state_layers:
-            m.init_states(self.num_state_slots + 1, self.device, self.dtype)
-
-    def _kv_bytes_per_block(self) -> int:
-        if not self.attn_layers:        # no KV cache at all (a purely recurrent model): blocks are bookkeeping only
-            return 1
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        # each layer at its own shape (KV heads, key and value head widths may differ between layers); the indexers'
-        # key caches (model dtype) ride on the same blocks
-        index_elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.block_size * (sum(layer.kv_bytes_per_token(elem) for layer in self.attn_layers)
-                                  + sum(m.cache_bytes_per_token(index_elem) for m in self.index_layers))
-
-    def _auto_num_blocks(self, gpu_memory_utilization: float) -> int:
-        per_block = self._kv_bytes_per_block()
-        worst = self.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
-        if self.device.type == "cuda":
-            gc.collect()                       # an engine deleted in this process gives its memory back first
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * gpu_memory_utilization - used - 512 * 2**20   # headroom for activations/graphs
-            blocks = min(worst, int(budget // per_block))
-            one_seq = (self.max_model_len + self.block_size - 1) // self.block_size
-            if blocks < one_seq:
-                raise ValueError(
-                    f"not enough GPU memory for the KV cache: {max(blocks, 0)} blocks of {self.block_size} tokens fit "
-                    f"in gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.1f} GiB "
-                    f"({used / 2**30:.1f} GiB already in use), one sequence of max_model_len={self.max_model_len} "
-                    f"needs {one_seq}; lower max_model_len, raise gpu_memory_utilization, or free the GPU "
-                    "(shut down other engines: LLM.shutdown() or `with LLM(...)`)")
-            return blocks
-        return max(16, min(worst, int(2 * 2**30 // per_block)))         # CPU: at most 2 GiB of KV
-
-    def _allocate_kv_cache(self) -> None:
-        for layer in self.attn_layers:     # each layer at its own shape: [blocks, block_size, KV heads, width]
-            shape = (self.num_kv_blocks, self.block_size, layer.num_kv_heads)
-            layer.k_cache = torch.zeros(shape + (layer.head_dim,), dtype=self.kv_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape + (layer.v_head_dim,), dtype=self.kv_dtype, device=self.device)
-        for m in self.index_layers:        # an indexer's keys: one [head_dim] per slot, the same blocks and slots
-            m.k_cache = torch.zeros((self.num_kv_blocks, self.block_size, m.head_dim), dtype=self.dtype,
-                                    device=self.device)
-
-    def _make_backend(self):
-        from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
-        if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
-            if getattr(self, "index_layers", None):
-                raise NotImplementedError(
-                    "this model uses a sparse-attention indexer (each query attends to the top-k keys an indexer "
-                    "scores: an indexer block), whose key selection the CUDA attention path (FlashInfer paged prefill "
-                    "/ decode wrappers: a causal mask with at most a sliding window) does not take; serve it on the "
-                    "CPU (device='cpu')")
-            mixed = [layer for layer in self.attn_layers
-                     if getattr(layer, "qk_head_dim", layer.head_dim) != getattr(layer, "v_head_dim", layer.head_dim)]
-            if mixed:
-                raise NotImplementedError(
-                    f"this model's attention has value heads of another width ({mixed[0].v_head_dim}) than its "
-                    f"query / key heads ({mixed[0].qk_head_dim}) (an attention `v_head_dim`, as MiMo-V2-Flash's; "
-                    "multi-head latent attention's latent cache or per-head K/V); the CUDA attention path (FlashInfer's "
-                    "paged decode wrapper: one head_dim for q, k and v) does not run it; serve it on the CPU "
-                    "(device='cpu')")
-            if any(getattr(layer.variant, "alibi", False) for layer in self.attn_layers):
-                raise NotImplementedError(
-                    "this model uses ALiBi (a per-head linear position bias on the attention scores), which the CUDA "
-                    "attention path (FlashInfer paged prefill / decode wrappers as planned here, the Triton decode "
-                    "kernel) does not implement; serve it on the CPU (device='cpu')")
-            scales = sorted({layer.scale for layer in self.attn_layers if hasattr(layer, "scale")})
-            if len(scales) > 1:
-                raise NotImplementedError(
-                    f"this model's attention scale differs between layers ({scales[0]:g} .. {scales[-1]:g}: a "
-                    "per-layer attention scale, e.g. GPT-2's scale_attn_by_inverse_layer_idx), which the CUDA "
-                    "attention path (one FlashInfer plan per step, one sm_scale) does not implement; serve it on the "
-                    "CPU (device='cpu')")
-            from xllm_gen.runtime.attention.base import cuda_attention_refusal
-            if getattr(self, "kv_reader_layers", ()):    # (a stub runner of the tests may lack it)
-                raise NotImplementedError(cuda_attention_refusal((), shared_kv=True))
-            refusal = cuda_attention_refusal((layer.head_dim for layer in self.attn_layers),
-                                             chunked=any(getattr(layer.variant, "chunk_size", None) is not None
-                                                         for layer in self.attn_layers))
-            if refusal:
-                raise NotImplementedError(refusal)
-            from xllm_gen.runtime.attention.flashinfer_backend import FlashInferBackend
-            from xllm_gen.runtime.attention.shape_groups import ShapeGroupBackend, layer_shape
-            from xllm_gen.runtime.executor.cuda_graph import graph_buckets
-            shapes = list(dict.fromkeys(layer_shape(layer) for layer in self.attn_layers))
-            if len(shapes) > 1:
-                # layers of different shapes: one FlashInfer backend per shape group (shape_groups.py), eager (the
-                # decode graphs are built around one backend's wrappers); the groups share the largest workspace
-                logger.warning("attention layers of %d shapes %s: one FlashInfer backend per shape, without CUDA "
-                               "graphs", len(shapes), shapes)
-                self.enforce_eager = True
-                shapes.sort(key=lambda s: -FlashInferBackend.workspace_size(*s, self.max_num_seqs,
-                                                                            self.max_num_batched_tokens))
-            a = self.attn_layers[0]
-            buckets = () if self.enforce_eager else graph_buckets(self.graph_buckets, self.max_num_seqs)
-            groups: dict = {}
-            max_batch = max((self.max_num_seqs,) + buckets)
-            for H, Hk, D in shapes:
-                first = next(iter(groups.values()), None)
-                share = first is not None and FlashInferBackend.workspace_size(
-                    H, Hk, D, max_batch, self.max_num_batched_tokens, first.num_sms) <= first.workspace_bytes
-                groups[(H, Hk, D)] = FlashInferBackend(
-                    num_heads=H, num_kv_heads=Hk, head_dim=D, block_size=self.block_size, dtype=self.dtype,
-                    device=self.device, max_batch=max_batch,
-                    max_model_len=self.max_model_len, max_num_blocks=self.num_kv_blocks,
-                    max_num_tokens=self.max_num_batched_tokens, graph_buckets=buckets, sm_scale=a.scale,
-                    kv_dtype=self.kv_dtype, decode_tensor_cores=self.debug.get("decode_tensor_cores"),
-                    decode_kernel=self.debug.get("decode_attention"),
-                    prefill_backend=prefill_attention_choice(self.debug.get("prefill_attention")),
-                    workspace=first.workspace if share else None)
-            return next(iter(groups.values())) if len(groups) == 1 else ShapeGroupBackend(groups)
-        from xllm_gen.runtime.attention.torch_ref import TorchPagedBackend
-        return TorchPagedBackend()
 
     def _apply_debug(self) -> None:
         """Test-only switches for sensitivity arms: `mrope_layout` ("blocked" / "interleaved") re-lays the

@@ -69,13 +69,12 @@ from xllm_gen.runtime.layers.recurrent import (
                                             TokenShiftMLP,
 )
 from xllm_gen.runtime.layers.residual_gate import ResidualGate
+from xllm_gen.runtime.layers.rope_scaling import rope_parameters, yarn_mscale
 from xllm_gen.runtime.layers.rotary import (
                                             ROTARY_KINDS,
                                             Rotary,
                                             mrope_axis_map,
                                             qk_norm_rope,
-                                            rope_parameters,
-                                            yarn_mscale,
 )
 from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
 from xllm_gen.runtime.layers.router import RouterInput, expert_scale

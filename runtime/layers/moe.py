@@ -16,18 +16,13 @@ Sharding, decided here (and only here):
       experts contribute nothing here, and the all-reduce sums the ranks' outputs (each rank adds its own experts'
       biases).
 
-Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
-(down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
-means `loaded` is the whole stacked tensor, [E, out, in] or, as some checkpoints store it, [E, in, out] (read
-transposed; as in transformers, a square matrix is taken as [out, in]). The weight plan names every expert's tensors
-(`param.tp_split.expert_ids`: all experts, so that every checkpoint tensor is accounted for); an expert another
-rank holds is skipped without reading its bytes (`param.tp_split.local_expert_ids` are this rank's).
+Loading: each stacked parameter's `tp_split` is an ExpertSplit (layers/expert_split.py), whose `load` is its
+`weight_loader`, reading only this rank's experts / rows.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
@@ -38,182 +33,16 @@ from xllm_gen.runtime.executor.sharding import (
     ParamSplit,
     Segment,
     SegmentSlice,
-    WeightLoadError,
     raise_or_defer,
     replicated,
-    source_shape,
     split_segment,
 )
 from xllm_gen.runtime.layers.activation import act, gated_act
 from xllm_gen.runtime.layers.expert_norm import ExpertNorm
+from xllm_gen.runtime.layers.expert_split import ExpertSplit, _attach_experts
 from xllm_gen.runtime.ops import moe as moe_ops
 
 PARALLEL_MODES = ("tensor", "expert")
-
-
-class _ExpertWindow:
-    """Expert e of a stacked [E, rows, cols] tensor or lazy slice, itself sliceable lazily ([rows], [:, cols]).
-    `transposed`: the stacked tensor holds each expert's matrix as [cols, rows] (read, then transposed)."""
-
-    def __init__(self, base, e: int, transposed: bool = False):
-        self.base, self.e, self.transposed = base, e, transposed
-
-    def get_shape(self) -> list[int]:
-        shape = list(source_shape(self.base)[1:])
-        return shape[::-1] if self.transposed else shape
-
-    def __getitem__(self, idx):
-        idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * 2
-        rows, cols = idx[0], idx[1]
-        if len(source_shape(self.base)) == 2:                    # a stacked bias [E, rows]
-            return self.base[(slice(self.e, self.e + 1), rows)][0]
-        if not self.transposed:
-            return self.base[(slice(self.e, self.e + 1), rows, cols)][0]
-        return self.base[(slice(self.e, self.e + 1), cols, rows)][0].transpose(0, 1).contiguous()
-
-
-class _FlatExperts:
-    """A tensor (or lazy slice) storing the experts' matrices one after another along dim 0, [E * rows, cols] (DBRX's
-    `experts.mlp.w1`), seen as the stacked [E, rows, cols]; reads only the rows asked for."""
-
-    def __init__(self, base, num_experts: int):
-        shape = source_shape(base)
-        self.base, self.rows, self.cols, self.e = base, shape[0] // num_experts, shape[1], num_experts
-
-    def get_shape(self) -> list[int]:
-        return [self.e, self.rows, self.cols]
-
-    def __getitem__(self, idx):
-        idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * 3
-        ea, eb, _ = idx[0].indices(self.e)
-        ra, rb, _ = idx[1].indices(self.rows)
-        return torch.stack([self.base[(slice(e * self.rows + ra, e * self.rows + rb), idx[2])] for e in range(ea, eb)])
-
-
-def _stacked(loaded, want: tuple):
-    """`loaded` as a stacked [E, a, b] source of the stacked parameter shape `want` [E, ...]: a flat 2-D tensor
-    [E * a, b] (experts one after another) is viewed as [E, a, b]; anything else is returned as it is."""
-    shape = tuple(source_shape(loaded))
-    if len(want) == 3 and len(shape) == 2 and shape[0] % want[0] == 0 and \
-            (shape[0] // want[0], shape[1]) in ((want[1], want[2]), (want[2], want[1])):
-        return _FlatExperts(loaded, want[0])
-    return loaded
-
-
-@dataclass(frozen=True)
-class ExpertSplit:
-    """How a stacked expert parameter [E_local, rows, cols] is split, for this rank; `load` is its weight loader.
-
-    `inner` splits one expert's matrix (column: rows per segment; row: columns); experts
-    [expert_start, expert_start + E_local) are held. Reads as a ParamSplit for the TP plan: kind, dim,
-    segments, global_shape()."""
-    inner: ParamSplit
-    num_experts: int
-    expert_start: int
-    expert_stop: int
-    mode: str                              # tensor | expert
-    owner: str = ""
-
-    # ---- the ParamSplit view (tp_check, loader) ----
-    @property
-    def kind(self) -> str:
-        return "expert" if self.mode == "expert" else self.inner.kind
-
-    @property
-    def dim(self) -> Optional[int]:
-        if self.mode == "expert":
-            return 0 if self.tp_size > 1 else None
-        return None if self.inner.dim is None else self.inner.dim + 1
-
-    @property
-    def segments(self) -> tuple[SegmentSlice, ...]:
-        if self.mode == "expert":
-            return (SegmentSlice("experts", self.num_experts, self.expert_start, self.expert_stop),)
-        return self.inner.segments
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.expert_stop - self.expert_start,) + tuple(self.inner.shape)
-
-    @property
-    def tp_size(self) -> int:
-        return self.inner.tp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.inner.tp_rank
-
-    @property
-    def expert_ids(self) -> range:
-        """Every expert: the shard ids the weight plan fills (another rank's are skipped at load)."""
-        return range(self.num_experts)
-
-    @property
-    def local_expert_ids(self) -> range:
-        return range(self.expert_start, self.expert_stop)
-
-    def global_shape(self) -> tuple[int, ...]:
-        return (self.num_experts,) + tuple(self.inner.global_shape())
-
-    @property
-    def segment_names(self) -> tuple[str, ...]:
-        names = self.inner.segment_names if len(self.inner.segments) > 1 else ("",)
-        return tuple(f"{e}.{n}" if n else str(e) for e in self.expert_ids for n in names)
-
-    def segment_index(self, shard_id: Union[int, str]) -> int:
-        segs = self.inner.segment_names if len(self.inner.segments) > 1 else ()
-        e, dot, seg = str(shard_id).partition(".") if isinstance(shard_id, str) else ("", "", "")
-        if e.isdigit() and int(e) < self.num_experts and str(int(e)) == e and bool(dot) == bool(segs) \
-                and (not segs or seg in segs):
-            return int(e) * max(1, len(segs)) + (segs.index(seg) if segs else 0)
-        raise WeightLoadError(f"{self.owner or 'the layer'} has no expert segment {shard_id!r}: shard ids are 'e' "
-                              f"(e < {self.num_experts}) or 'e.<segment>' ({', '.join(self.inner.segment_names)})")
-
-    def segment_indices(self, shard_id: Union[int, str]) -> tuple[int, ...]:
-        """The segments a shard id fills: one ('e' / 'e.<segment>'), or a segment of every expert (a bare segment
-        name: one stacked tensor per segment, e.g. DBRX's w1 = gate, v1 = up of all experts)."""
-        segs = self.inner.segment_names if len(self.inner.segments) > 1 else ()
-        if isinstance(shard_id, str) and shard_id in segs:
-            k = segs.index(shard_id)
-            return tuple(e * len(segs) + k for e in self.expert_ids)
-        return (self.segment_index(shard_id),)
-
-    def load(self, param: torch.Tensor, loaded, shard_id: Union[int, str, None] = None) -> None:
-        segs = self.inner.segment_names if len(self.inner.segments) > 1 else ()
-        if isinstance(shard_id, str) and shard_id in segs:        # one segment of every expert, stacked (or flat)
-            k = segs.index(shard_id)
-            inner = self.inner.global_shape()
-            rows = inner[0] // len(segs)
-            want = (self.num_experts, rows, inner[1])
-            loaded = _stacked(loaded, want)
-            shape = tuple(source_shape(loaded))
-            if shape != want and shape != (want[0], want[2], want[1]):
-                raise WeightLoadError(f"segment {shard_id!r} of all experts: shape {shape}, expected {want} (experts, "
-                                      f"out, in) or {(want[0], want[2], want[1])} (experts, in, out)")
-            for e in self.local_expert_ids:
-                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e, shape != want), segs[k])
-            return
-        if shard_id is None:                                      # the whole stacked tensor [E, out, in] / [E, in, out]
-            loaded = _stacked(loaded, self.global_shape())
-            shape, want = tuple(source_shape(loaded)), self.global_shape()
-            if len(want) == 2 and shape != want:                  # a stacked bias [E, out]
-                raise WeightLoadError(f"shape {shape}, expected {want} (experts, out)")
-            if shape != want and shape != (want[0], want[2], want[1]):
-                raise WeightLoadError(f"shape {shape}, expected {want} (experts, out, in) or "
-                                      f"{(want[0], want[2], want[1])} (experts, in, out)")
-            for e in self.local_expert_ids:
-                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e, shape != want), None)
-            return
-        self.segment_index(shard_id)                              # raises for an unknown id
-        e, _, seg = str(shard_id).partition(".")
-        if not self.expert_start <= int(e) < self.expert_stop:    # another rank's expert: nothing read
-            return
-        self.inner.load(param[int(e) - self.expert_start], loaded, seg or None)
-
-
-def _attach_experts(param: nn.Parameter, split: ExpertSplit) -> None:
-    param.tp_split = split
-    param.weight_loader = split.load
 
 
 class FusedMoE(nn.Module):

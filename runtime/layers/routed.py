@@ -19,7 +19,7 @@ from torch import nn
 
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, raise_or_defer, replicated, split_segment
-from xllm_gen.runtime.layers.moe import ExpertSplit, _attach_experts
+from xllm_gen.runtime.layers.expert_split import ExpertSplit, _attach_experts
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,8 @@
 """Decode GEMVs with a fused prologue: the op before a linear layer computed while its weight streams.
 
-Up to 8 rows the kernel is the skinny GEMM of triton_kernels.py (`_skinny_gemm_kernel`: a [BLOCK_N, BLOCK_K // VEC,
+Up to 8 rows the kernel is the skinny GEMM of skinny_gemm.py (`_skinny_gemm_kernel`: a [BLOCK_N, BLOCK_K // VEC,
 VEC] weight tile, one fp32 accumulator per row, the same launch configs), from 9 to 64 rows its tensor-core skinny
-GEMM (`_skinny_mma_kernel`, split-K; `_prologue_mma_kernel` below), whose x chunk is not read but computed:
+GEMM (skinny_mma.py's `_skinny_mma_kernel`, split-K; `_prologue_mma_kernel` below), whose x chunk is not read but computed:
 
 - `norm_gemv`: y = W rmsnorm(x + r) (+ bias), new residual x + r. RMSNorm's scale rsqrt(mean(h^2) + eps) is a
   per-row scalar, so it factors out of the dot product: the loop accumulates sum(h^2) beside acc += W (g h), with
@@ -16,7 +16,7 @@ GEMM (`_skinny_mma_kernel`, split-K; `_prologue_mma_kernel` below), whose x chun
   [M, 2K]: silu, gelu (tanh or erf), with the roundings of ops.silu_and_mul / gelu_and_mul (act rounded to the
   dtype, then the product rounded), so the GEMV reads exactly the values the unfused activation kernel writes.
 
-The launchers take CPU tensors under TRITON_INTERPRET=1 (tests), like triton_kernels.py's.
+The launchers take CPU tensors under TRITON_INTERPRET=1 (tests), like the kernel modules' (triton_kernels.py).
 """
 from __future__ import annotations
 
@@ -28,13 +28,8 @@ import triton.language as tl
 
 from xllm_gen.runtime.ops import pdl
 from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger, prefetch_rows_l2
-from xllm_gen.runtime.ops.triton_kernels import (
-    SKINNY_MAX_M,
-    SKINNY_MMA_MAX_M,
-    _splitk_counters,
-    skinny_gemm_config,
-    skinny_mma_config,
-)
+from xllm_gen.runtime.ops.skinny_gemm import SKINNY_MAX_M, skinny_gemm_config
+from xllm_gen.runtime.ops.skinny_mma import SKINNY_MMA_MAX_M, _splitk_counters, skinny_mma_config
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}   # act_gemv's activations (gelu: exact erf)
 
@@ -204,7 +199,7 @@ def _finish(acc, ss, K, eps, PRO: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------- the MMA form
-# 9..64 decode rows: the tensor-core skinny GEMM of triton_kernels.py (`_skinny_mma_kernel`: "swap AB", the weight
+# 9..64 decode rows: the tensor-core skinny GEMM of skinny_mma.py (`_skinny_mma_kernel`: "swap AB", the weight
 # rows on the MMA's M side, the decode rows padded to BLOCK_M on its N side, K split over SPLIT_K programs reduced
 # by the last one of each column block) whose x^T tile is computed by the same prologues. The tile is rounded to the
 # weight dtype for the MMA (the FMA kernel keeps it in fp32): g * h for the norm (its per-row scale rsqrt(sum h^2 /

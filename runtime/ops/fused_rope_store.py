@@ -1,5 +1,5 @@
 """q/k per-head RMSNorm + rotary with the KV-cache write in the same launch (decode): the kernel of
-triton_kernels.qk_norm_rope (`_norm_rope_heads`, one program per token) also writes the token's normed, rotated k
+rope_kernels.qk_norm_rope (`_norm_rope_heads`, one program per token) also writes the token's normed, rotated k
 and its v into the paged caches [num_blocks, block_size, Hk, D] at its slot (slot -1: padding row, skipped), so the
 attention layer launches no store_kvcache. The k written to the cache is the k returned (computed once, stored
 twice), by the same code as qk_norm_rope's, so both are bit for bit what qk_norm_rope + store_kvcache give.
@@ -14,7 +14,8 @@ import triton.language as tl
 
 from xllm_gen.runtime.ops import pdl
 from xllm_gen.runtime.ops.pdl import pdl_enter
-from xllm_gen.runtime.ops.triton_kernels import _heads, _norm_rope_heads, _norm_rope_values, _warps
+from xllm_gen.runtime.ops.rope_kernels import _heads, _norm_rope_heads, _norm_rope_values
+from xllm_gen.runtime.ops.triton_util import _warps
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
                        k_weight: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, axis_map: Optional[torch.Tensor], k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-    """triton_kernels.qk_norm_rope(q, k, ...) -> (q, k), and k (normed, rotated), v [N, Hk, D] written to the
+    """rope_kernels.qk_norm_rope(q, k, ...) -> (q, k), and k (normed, rotated), v [N, Hk, D] written to the
     caches at slot_mapping [N] (-1: skipped), in one launch. Caches contiguous, of k's dtype."""
     N, H, D = q.shape
     Hk = k.shape[1]
