@@ -33,7 +33,7 @@ FUSED_GATED_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 LAYER_KERNEL_ATTENTION_OFF = ("softcap", "chunk_size", "query_scale", "clip_qkv", "sinks", "out_gate", "alibi",
                               "q_gate", "sub_norm", "differential", "v_head_dim", "value_scale", "v_norm",
                               "values_from_keys", "kv_source", "sinks_when", "input_width", "lora", "qkv_scale",
-                              "out_scale", "experts")
+                              "out_scale", "experts", "key_bias")
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is None]
         self.kv_reader_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is not None]
         # sparse-attention indexers: a paged key cache each, on the KV cache's blocks (runtime/layers/indexer.py)
-        self.index_layers = [m for m in self.model.modules() if isinstance(m, L.SparseIndexer)]
+        # and per-key score biases (runtime/layers/key_bias.py): a paged cache each as well
+        self.index_layers = [m for m in self.model.modules() if isinstance(m, (L.SparseIndexer, L.ValueKeyBias))]
         if self.debug.get("kv_scales"):    # benchmarks with dummy weights: every layer's KV-cache scales (k, v)
             if self.kv_dtype != torch.float8_e4m3fn:
                 raise ValueError("debug kv_scales needs kv_cache_dtype='fp8'")
@@ -309,12 +310,17 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape + (layer.head_dim,), dtype=self.kv_dtype, device=self.device)
             layer.v_cache = torch.zeros(shape + (layer.v_head_dim,), dtype=self.kv_dtype, device=self.device)
         for m in self.index_layers:        # an indexer's keys: one [head_dim] per slot, the same blocks and slots
-            m.k_cache = torch.zeros((self.num_kv_blocks, self.block_size, m.head_dim), dtype=self.dtype,
-                                    device=self.device)
+            m.k_cache = torch.zeros((self.num_kv_blocks, self.block_size, getattr(m, "cache_width", None) or m.head_dim),
+                                    dtype=getattr(m, "cache_dtype", None) or self.dtype, device=self.device)
 
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
         if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
+            if any(isinstance(m, L.ValueKeyBias) for m in getattr(self, "index_layers", None) or ()):
+                raise NotImplementedError(
+                    "this model adds a learned per-key bias to the attention scores, computed from the values "
+                    "(an attention `key_bias`, Doge's dynamic mask), which the CUDA attention path (FlashInfer paged "
+                    "prefill / decode wrappers) takes no operand for; serve it on the CPU (device='cpu')")
             if getattr(self, "index_layers", None):
                 raise NotImplementedError(
                     "this model uses a sparse-attention indexer (each query attends to the top-k keys an indexer "
