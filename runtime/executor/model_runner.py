@@ -319,7 +319,7 @@ class ModelRunner:
             if any(isinstance(m, L.ValueKeyBias) for m in getattr(self, "index_layers", None) or ()):
                 raise NotImplementedError(
                     "this model adds a learned per-key bias to the attention scores, computed from the values "
-                    "(an attention `key_bias`, Doge's dynamic mask), which the CUDA attention path (FlashInfer paged "
+                    "(an attention `key_bias`), which the CUDA attention path (FlashInfer paged "
                     "prefill / decode wrappers) takes no operand for; serve it on the CPU (device='cpu')")
             if getattr(self, "index_layers", None):
                 raise NotImplementedError(

@@ -1,4 +1,4 @@
-"""A learned per-key score bias computed from the values (Doge's "dynamic mask attention"): every score of query t
+"""A learned per-key score bias computed from the values (a "dynamic mask" attention): every score of query t
 against key s gets an additive bias of the key's KV head, and a query that sees more than `keep` keys attends only
 to the `keep` keys of highest bias.
 
@@ -8,7 +8,7 @@ Per token s (v[s] the token's values, all KV heads concatenated, as the cache ho
     score[t, h', s] = scale * q[t, h'] . k[s, h] + b[s, h]      (h = h' // (heads / kv_heads), before the softmax)
 
 and with `keep` K: where query t sees more than K keys (causal, within any window), only its K keys of highest
-b[., h] stay visible for the heads of KV head h. This is transformers' DogeAttention.prepare_dynamic_mask: it adds
+b[., h] stay visible for the heads of KV head h. This is how transformers' reference builds its dynamic mask: it adds
 the bias (repeated over the KV groups) as the attention mask and, once the row holds more than
 `keep_window_size` keys, keeps the row's top-K of (bias, or the dtype's minimum where masked); the masked keys it
 may pick stay masked, so a row that sees at most K keys keeps them all, and one that sees more keeps its K best.
