@@ -160,6 +160,7 @@ def _block(b) -> str:
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "")
                 + (f", key_bias(exp({b.key_bias.gain} * softplus({b.key_bias.proj}(v))), keep={b.key_bias.keep})"
                    if b.key_bias else "") + _sub_norm(b.sub_norm)
+                + (f", kv_nvfp4={b.kv_nvfp4} (k, v rounded to NVFP4 before the cache)" if b.kv_nvfp4 else "")
                 + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora)
                 + (f", v_norm(eps={b.v_norm}, no weight)" if b.v_norm else "")
                 + (f", values_from_keys={b.values_from_keys} (no v segment there)" if b.values_from_keys else "")

@@ -39,7 +39,7 @@ class AttentionResolver:
                         ("sub_norm", b.sub_norm is not None), ("differential", b.differential is not None),
                         ("query_scale", b.query_scale is not None), ("clip_qkv", b.clip_qkv is not None),
                         ("sinks", b.sinks), ("alibi", b.alibi), ("chunk_size", b.chunk_size is not None),
-                        ("key_bias", b.key_bias is not None)):
+                        ("key_bias", b.key_bias is not None), ("kv_nvfp4", b.kv_nvfp4 is not False)):
             if on:
                 raise self.err(path + (key,), f"{self._where(path)}.{key}: not supported with `experts` (a mixture "
                                               f"of attention heads)", at_key=True)
@@ -188,6 +188,13 @@ class AttentionResolver:
                 module(dp, m)
             diff = self.positive(dp + ("eps",), b.differential.eps, below=1.0)
         kbias = self.resolve_key_bias(path, b, vfk, module)
+        nvfp4 = self.flag(path + ("kv_nvfp4",), b.kv_nvfp4, per_layer=True)
+        nvfp4 = None if nvfp4.literal is False else nvfp4
+        if nvfp4 is not None:
+            module(path + ("kv_nvfp4",), "kv_nvfp4")
+            if b.differential is not None:
+                raise self.err(path + ("kv_nvfp4",), f"{self._where(path)}.kv_nvfp4: with `differential` is not "
+                                                     f"supported")
         return AttentionIR(
             kind="attention", name=name, class_name=class_name,
             hidden=self.dim(path + ("hidden",), b.hidden),
@@ -211,7 +218,7 @@ class AttentionResolver:
             lora=self.resolve_lora(path, b.lora, b.qkv.name, module),
             qkv_scale=self.segment_scales(path + ("qkv",), b.qkv.scale, ("q", "k", "v")),
             out_scale=self.output_scale(path + ("out",), b.out.scale),
-            experts=experts, key_bias=kbias)
+            experts=experts, key_bias=kbias, kv_nvfp4=nvfp4)
 
     def resolve_key_bias(self, path, b, vfk, module):
         """attention.key_bias (a per-key score bias from the values): its modules, flag and `keep`."""

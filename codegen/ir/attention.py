@@ -141,6 +141,7 @@ class AttentionIR:
     input_width: Optional[Size] = None         # the q/k/v projection's input width (None: hidden)
     lora: Optional[LoRAIR] = None              # per-use adapters on the q/k/v projection
     key_bias: Optional[KeyBiasIR] = None       # a per-key score bias from the values (Doge's dynamic mask)
+    kv_nvfp4: Optional[Value] = None           # flag, per-layer: k, v rounded to NVFP4 before the cache (None: never)
 
     @property
     def in_width(self) -> Size:

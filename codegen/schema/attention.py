@@ -208,6 +208,9 @@ class AttentionBlock(Strict):
     # a learned per-key score bias computed from the values, with an optional top-`keep` of keys per query (Doge's
     # dynamic mask attention, above); absent: none
     key_bias: Optional[KeyBias] = None
+    # a flag, per-layer (may read `layer`): where it holds, k and v are rounded to NVFP4 and back (E2M1 values, one
+    # E4M3 scale per 16 of head_dim) before the cache (Kolibri 1.1's indexed-attention layers)
+    kv_nvfp4: Flag = False
     # the width of the block's input, read by the q/k/v projection (default `hidden`, also the output width):
     # Zamba's shared attention reads the concatenation of the residual stream and the embeddings (2 * hidden)
     input_width: Optional[Dim] = None
