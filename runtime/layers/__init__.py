@@ -34,7 +34,6 @@ from xllm_gen.runtime.layers.head_transform import HeadTransform
 from xllm_gen.runtime.layers.hyper_connection import HyperConnection, expand_streams
 from xllm_gen.runtime.layers.indexer import SparseIndexer, shared_selection
 from xllm_gen.runtime.layers.key_bias import ValueKeyBias
-from xllm_gen.runtime.layers.nvfp4_round import nvfp4_round
 from xllm_gen.runtime.layers.layer_kernel import decoder_layer_kernel
 from xllm_gen.runtime.layers.lightning import LightningAttention
 from xllm_gen.runtime.layers.linear import (
@@ -56,6 +55,7 @@ from xllm_gen.runtime.layers.norm import (
                                             RMSNorm,
                                             keep_residual_float32,
 )
+from xllm_gen.runtime.layers.nvfp4_round import nvfp4_round
 from xllm_gen.runtime.layers.per_layer import learned_scalar, per_layer_inputs, rank_columns
 from xllm_gen.runtime.layers.recurrent import (
                                             MLSTM,

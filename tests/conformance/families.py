@@ -74,14 +74,6 @@ NOT_EXPRESSIBLE: dict[str, str] = {
         "output, a grouped low-rank output projection (o_a_proj over o_groups, o_b_proj); the compressed / heavily "
         "compressed attention layers (pooled KV entries of their own cache, an indexer over them) and the hash-routed "
         "MoE layers (tid2eid[input_ids]) that every released config has (codegen/README.md, Not expressible yet)"),
-    "Kolibri1_1ForCausalLM": (
-        "its indexed_attention layers (every 5th layer by default, in every released config) attend, per query, to a "
-        "weightless selection: the sink and local tokens plus the index_topk best keys, scored by the ReLU'd logits "
-        "of NVFP4-rounded queries (the leading index_num_heads heads) and keys (KV head 0), out of a pool of "
-        "index_pool_size keys that an indexer layer picks by block-averaged scores and its reindexer layers reuse; "
-        "they attend over NVFP4-rounded keys and values shared across layers (kv_source_layers). The paged "
-        "attention has no weightless per-query selection with a pool carried across layers (attention.indexer is "
-        "DSA's learned one) and no NVFP4 rounding of keys and values (codegen/README.md, Not expressible yet)"),
     "Gemma4AssistantForCausalLM": _DRAFTER,
     "Gemma4UnifiedAssistantForCausalLM": _DRAFTER,
 }
