@@ -157,7 +157,10 @@ def _block(b) -> str:
                    + (f" + {b.out_gate_bias}[head]" if b.out_gate_bias else "") + f") per {b.out_gate[2]}"
                    if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
-                + (f", alibi(bias_max={b.alibi})" if b.alibi else "") + _sub_norm(b.sub_norm)
+                + (f", alibi(bias_max={b.alibi})" if b.alibi else "")
+                + (f", key_bias(exp({b.key_bias.gain} * softplus({b.key_bias.proj}(v))), keep={b.key_bias.keep})"
+                   if b.key_bias else "") + _sub_norm(b.sub_norm)
+                + (f", kv_nvfp4={b.kv_nvfp4} (k, v rounded to NVFP4 before the cache)" if b.kv_nvfp4 else "")
                 + (f", differential(eps={b.differential})" if b.differential else "") + _lora(b.lora)
                 + (f", v_norm(eps={b.v_norm}, no weight)" if b.v_norm else "")
                 + (f", values_from_keys={b.values_from_keys} (no v segment there)" if b.values_from_keys else "")

@@ -33,7 +33,7 @@ FUSED_GATED_ACTS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 LAYER_KERNEL_ATTENTION_OFF = ("softcap", "chunk_size", "query_scale", "clip_qkv", "sinks", "out_gate", "alibi",
                               "q_gate", "sub_norm", "differential", "v_head_dim", "value_scale", "v_norm",
                               "values_from_keys", "kv_source", "sinks_when", "input_width", "lora", "qkv_scale",
-                              "out_scale", "experts")
+                              "out_scale", "experts", "key_bias", "kv_nvfp4")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class FusionPlan:
         if b.differential is not None or b.experts is not None:   # paired values / routed q: the plain path
             return None
         if b.v_head_dim is not None or b.value_scale is not None:   # v of its own width, or scaled: the attention stores
+            return None
+        if b.kv_nvfp4 is not None:        # k, v are rounded after the rotary step, before the cache: the attention stores
             return None
         if b.v_norm is not None or b.values_from_keys is not None or b.kv_source is not None:  # the attention stores
             return None

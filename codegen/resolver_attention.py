@@ -12,6 +12,7 @@ from .errors import did_you_mean
 from .ir import (
     AttentionExpertsIR,
     AttentionIR,
+    KeyBiasIR,
     ParamIR,
     QKNormIR,
     QueryScaleIR,
@@ -37,7 +38,8 @@ class AttentionResolver:
         for key, on in (("qk_norm", b.qk_norm is not None), ("out_gate", b.out_gate is not None),
                         ("sub_norm", b.sub_norm is not None), ("differential", b.differential is not None),
                         ("query_scale", b.query_scale is not None), ("clip_qkv", b.clip_qkv is not None),
-                        ("sinks", b.sinks), ("alibi", b.alibi), ("chunk_size", b.chunk_size is not None)):
+                        ("sinks", b.sinks), ("alibi", b.alibi), ("chunk_size", b.chunk_size is not None),
+                        ("key_bias", b.key_bias is not None), ("kv_nvfp4", b.kv_nvfp4 is not False)):
             if on:
                 raise self.err(path + (key,), f"{self._where(path)}.{key}: not supported with `experts` (a mixture "
                                               f"of attention heads)", at_key=True)
@@ -185,6 +187,14 @@ class AttentionResolver:
             for m in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "diff"):
                 module(dp, m)
             diff = self.positive(dp + ("eps",), b.differential.eps, below=1.0)
+        kbias = self.resolve_key_bias(path, b, vfk, module)
+        nvfp4 = self.flag(path + ("kv_nvfp4",), b.kv_nvfp4, per_layer=True)
+        nvfp4 = None if nvfp4.literal is False else nvfp4
+        if nvfp4 is not None:
+            module(path + ("kv_nvfp4",), "kv_nvfp4")
+            if b.differential is not None:
+                raise self.err(path + ("kv_nvfp4",), f"{self._where(path)}.kv_nvfp4: with `differential` is not "
+                                                     f"supported")
         return AttentionIR(
             kind="attention", name=name, class_name=class_name,
             hidden=self.dim(path + ("hidden",), b.hidden),
@@ -208,7 +218,29 @@ class AttentionResolver:
             lora=self.resolve_lora(path, b.lora, b.qkv.name, module),
             qkv_scale=self.segment_scales(path + ("qkv",), b.qkv.scale, ("q", "k", "v")),
             out_scale=self.output_scale(path + ("out",), b.out.scale),
-            experts=experts)
+            experts=experts, key_bias=kbias, kv_nvfp4=nvfp4)
+
+    def resolve_key_bias(self, path, b, vfk, module):
+        """attention.key_bias (a per-key score bias from the values): its modules, flag and `keep`."""
+        if b.key_bias is None:
+            return None
+        kp = path + ("key_bias",)
+        for key, on in (("differential", b.differential is not None), ("kv_source", b.kv_source is not None),
+                        ("v_head_dim", b.v_head_dim is not None), ("values_from_keys", vfk is not None),
+                        ("chunk_size", b.chunk_size is not None)):
+            if on:
+                raise self.err(kp, f"{self._where(path)}.key_bias: a per-key score bias with `{key}` is not "
+                                   f"supported")
+        kb = b.key_bias
+        self.ident(kp + ("gain",), kb.gain, "parameter name")
+        keep = None
+        if kb.keep is not None:
+            keep = self.num(kp + ("keep",), kb.keep, optional=True)
+            if keep.symbol is None and keep.expr is None and (not _is_int(keep.literal) or keep.literal < 1):
+                raise self.err(kp + ("keep",), f"{self._where(kp)}.keep: an int >= 1 (or None), got "
+                                               f"{keep.literal!r}")
+        return KeyBiasIR(module(kp + ("proj",), kb.proj), module(kp + ("gain",), kb.gain),
+                         self.flag(kp + ("bias",), kb.bias), keep)
 
     def resolve_attention_rotary(self, path, rot) -> RotaryIR:
         """An attention block's `rotary` (kind, or the str symbol selecting it; mrope sections; scaling; axes)."""
@@ -339,6 +371,12 @@ class AttentionResolver:
         ps += BlockCommon.sub_norm_params(P, b.sub_norm, SegmentIR(b.out_name, b.heads, b.v_dim))
         if b.differential is not None:    # the lambda re-parameterization vectors, replicated
             ps += [P(n, (b.head_dim,), "replicated") for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+        if b.key_bias is not None:        # over every KV head's values (gathered): replicated, the gain as well
+            kb = b.key_bias
+            ps.append(P(f"{kb.proj}.weight", (b.kv_heads, b.kv_heads * b.head_dim), "replicated"))
+            if _maybe(kb.bias):
+                ps.append(P(f"{kb.proj}.bias", (b.kv_heads,), "replicated"))
+            ps.append(P(kb.gain, (b.kv_heads,), "replicated"))
         return ps
 
     @staticmethod

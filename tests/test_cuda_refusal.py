@@ -143,3 +143,13 @@ def test_value_head_dim_is_refused_by_name():
     runner.attn_layers[0].qk_head_dim, runner.attn_layers[0].v_head_dim = 128, 64
     with pytest.raises(NotImplementedError, match=r"value heads of another width \(64\) than its query / key heads"):
         ModelRunner._make_backend(runner)
+
+
+def test_key_bias_is_refused_by_name():
+    """A per-key score bias from the values (attention.key_bias, Doge): the CUDA attention path takes no bias
+    operand, so the model is refused on CUDA at load, naming the bias."""
+    from xllm_gen.runtime.layers.key_bias import ValueKeyBias
+    runner = _runner_on_cuda([128, 128])
+    runner.index_layers = [ValueKeyBias(2, keep=4)]
+    with pytest.raises(NotImplementedError, match="per-key bias to the attention scores"):
+        ModelRunner._make_backend(runner)

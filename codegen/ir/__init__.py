@@ -17,6 +17,7 @@ from .attention import (
     AttentionExpertsIR,
     AttentionIR,
     IndexerIR,
+    KeyBiasIR,
     LoRAIR,
     QKNormIR,
     QueryScaleIR,

@@ -84,6 +84,16 @@ class LoRAIR:
 
 
 @dataclass(frozen=True)
+class KeyBiasIR:
+    """A per-key score bias from the values, exp(gain * softplus(proj(v))) per KV head (runtime L.ValueKeyBias), with
+    an optional top-`keep` of keys per query."""
+    proj: str                     # module name (a row-parallel linear kv_heads * head_dim -> kv_heads)
+    gain: str                     # parameter name [kv_heads], split by KV heads
+    bias: Value                   # proj's bias
+    keep: Optional[Value] = None  # None: no top-k (an optional symbol that is None: none either)
+
+
+@dataclass(frozen=True)
 class AttentionExpertsIR:
     """A mixture of attention heads: the router picks top_k of `count` experts per token; each has a routed q
     projection (module `q`) and a routed output projection (the attention's `out`)."""
@@ -130,6 +140,8 @@ class AttentionIR:
     sinks_when: Optional[Value] = None         # sinks only on the layers where this flag holds (None: every layer)
     input_width: Optional[Size] = None         # the q/k/v projection's input width (None: hidden)
     lora: Optional[LoRAIR] = None              # per-use adapters on the q/k/v projection
+    key_bias: Optional[KeyBiasIR] = None       # a per-key score bias from the values (Doge's dynamic mask)
+    kv_nvfp4: Optional[Value] = None           # flag, per-layer: k, v rounded to NVFP4 before the cache (None: never)
 
     @property
     def in_width(self) -> Size:

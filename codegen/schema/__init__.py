@@ -22,6 +22,7 @@ from .attention import (
     AttentionExperts,
     Differential,
     Indexer,
+    KeyBias,
     LoRA,
     MLAAttentionBlock,
     OutGate,

@@ -150,6 +150,17 @@ class VNorm(Strict):
     eps: Num
 
 
+class KeyBias(Strict):
+    """A learned per-key score bias from the values (Doge's dynamic mask): b[s, h] = exp(gain[h] *
+    softplus(proj(v[s]))[h]) added to every score against key s of KV head h's query heads, `proj` a linear
+    [kv_heads, kv_heads * head_dim] over the key's values (all KV heads); with `keep` K, a query that sees more than K
+    keys keeps only its K of highest bias."""
+    proj: StrictStr = "dt_proj"          # module name of the linear over the values
+    gain: StrictStr = "A"                # parameter name of the per-KV-head gain [kv_heads]
+    bias: Flag = False                   # proj's bias
+    keep: Optional[Num] = None           # an int, or an optional int symbol (None: every key kept)
+
+
 class AttentionBlock(Strict):
     """Self-attention with GQA: fused q/k/v projection (segments q, k, v), optional per-head q/k norm,
     rotary embedding, paged attention, output projection."""
@@ -194,6 +205,12 @@ class AttentionBlock(Strict):
     # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
     alibi: StrictBool = False
     alibi_bias_max: Num = 8
+    # a learned per-key score bias computed from the values, with an optional top-`keep` of keys per query (Doge's
+    # dynamic mask attention, above); absent: none
+    key_bias: Optional[KeyBias] = None
+    # a flag, per-layer (may read `layer`): where it holds, k and v are rounded to NVFP4 and back (E2M1 values, one
+    # E4M3 scale per 16 of head_dim) before the cache (Kolibri 1.1's indexed-attention layers)
+    kv_nvfp4: Flag = False
     # the width of the block's input, read by the q/k/v projection (default `hidden`, also the output width):
     # Zamba's shared attention reads the concatenation of the residual stream and the embeddings (2 * hidden)
     input_width: Optional[Dim] = None

@@ -100,9 +100,12 @@ class TorchPagedBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
                 sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
-                k_scale: float = 1.0, v_scale: float = 1.0, key_mask: Optional[torch.Tensor] = None):
+                k_scale: float = 1.0, v_scale: float = 1.0, key_mask: Optional[torch.Tensor] = None,
+                key_bias: Optional[torch.Tensor] = None):
         """key_mask [N, L] bool (a sparse-attention indexer's selection): query token t sees key position p only
-        where key_mask[t, p], besides the causal mask and the variant's."""
+        where key_mask[t, p], besides the causal mask and the variant's. key_bias [N, Hk, L] float32 (a per-key score
+        bias, runtime/layers/key_bias.py): added to the scores of query token t's heads of KV head h against key p
+        after scaling and any soft-cap (transformers adds its float mask there); -inf hides the key."""
         if ctx is not self._ctx:
             self.plan(ctx)
         variant = variant or FULL
@@ -114,7 +117,7 @@ class TorchPagedBackend(AttentionBackend):
         if not self._live:
             return out
         if self._decode and use_cache and len(self._live) > 1 and variant.logit_softcap is None and sinks is None \
-                and alibi_slopes is None and key_mask is None:
+                and alibi_slopes is None and key_mask is None and key_bias is None:
             return self._decode_step(q, k_cache, v_cache, ctx, scale, variant, k_scale, v_scale)
         if len(self._live) == 1 and use_cache:   # one sequence: slices, no gather indices (cheaper at batch 1)
             i = self._live[0]
@@ -125,7 +128,8 @@ class TorchPagedBackend(AttentionBackend):
             vs = dequantize_kv(v_cache[blocks].reshape(-1, Hk, Dv)[:n], v_scale)
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
                                 variant.logit_softcap, sinks, alibi_slopes, variant.chunk_size,
-                                None if key_mask is None else key_mask[q0:q1, :n]).to(q.dtype)
+                                None if key_mask is None else key_mask[q0:q1, :n],
+                                None if key_bias is None else key_bias[q0:q1, :, :n]).to(q.dtype)
             return out
         rows, q_index, q_valid, q_pos, k_valid, L = self._index(q.device)
         B = len(rows)
@@ -150,6 +154,8 @@ class TorchPagedBackend(AttentionBackend):
             s = s + alibi_slopes.float().view(1, Hk, g, 1, 1) * rel[:, None, None]
         if variant.logit_softcap is not None:
             s = torch.tanh(s / variant.logit_softcap) * variant.logit_softcap
+        if key_bias is not None:         # [N, Hk, L] -> [B, Hk, 1, Q, L]
+            s = s + key_bias[q_index][:, :, :, :L].float().permute(0, 2, 1, 3)[:, :, None]
         visible = self._mask(variant, q_pos, k_valid, q_valid)
         if key_mask is not None:         # the indexer's selection (padded query rows keep their key 0)
             chosen = key_mask[q_index][:, :, :L] | ~q_valid[:, :, None]
@@ -206,7 +212,8 @@ def _softmax(s: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
            sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
-           chunk_size: Optional[int] = None, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+           chunk_size: Optional[int] = None, key_mask: Optional[torch.Tensor] = None,
+           key_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of q [Q, H, D] against k [L, Hk, D], v [L, Hk, Dv] -> [Q, H, Dv]; query j sits at position
     q_offset + j.
 
@@ -215,7 +222,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
     a per-head logit in the softmax denominator (attention sinks). `alibi_slopes` [H]: ALiBi, slope_h * (key position -
     query position) added to the scaled scores. With a chunk size C, also p // C == i // C (chunked local
     attention). `key_mask` [Q, L] bool: query j sees key p only where key_mask[j, p] (a sparse-attention
-    indexer's selection)."""
+    indexer's selection). `key_bias` [Q, Hk, L]: added to the scores of each KV head's query heads after any soft-cap
+    (a per-key score bias; -inf hides the key)."""
     Q, H, D = q.shape
     L, Hk, _ = k.shape
     g = H // Hk
@@ -229,6 +237,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
         s = s + alibi_slopes.float().view(H, 1, 1) * (kpos - qpos)
     if logit_softcap is not None:
         s = torch.tanh(s / logit_softcap) * logit_softcap
+    if key_bias is not None:
+        s = s + key_bias.float().repeat_interleave(g, dim=1).transpose(0, 1)
     hidden = kpos > qpos
     if sliding_window is not None:
         hidden = hidden | (kpos <= qpos - sliding_window)

@@ -132,7 +132,8 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is None]
         self.kv_reader_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is not None]
         # sparse-attention indexers: a paged key cache each, on the KV cache's blocks (runtime/layers/indexer.py)
-        self.index_layers = [m for m in self.model.modules() if isinstance(m, L.SparseIndexer)]
+        # and per-key score biases (runtime/layers/key_bias.py): a paged cache each as well
+        self.index_layers = [m for m in self.model.modules() if isinstance(m, (L.SparseIndexer, L.ValueKeyBias))]
         if self.debug.get("kv_scales"):    # benchmarks with dummy weights: every layer's KV-cache scales (k, v)
             if self.kv_dtype != torch.float8_e4m3fn:
                 raise ValueError("debug kv_scales needs kv_cache_dtype='fp8'")

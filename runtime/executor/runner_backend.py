@@ -1,11 +1,13 @@
 """The runner's attention backend (a ModelRunner base): on CUDA, FlashInfer (one backend per shape group of the
 attention layers), after refusing by name what the CUDA attention path does not implement (sparse-attention
-indexers, value heads of another width, ALiBi, per-layer scales, shared KV, head dims / chunked attention the
+indexers, per-key score biases, value heads of another width, ALiBi, per-layer scales, shared KV, head dims / chunked attention the
 kernels lack); elsewhere, or with debug torch_attention, the torch paged attention.
 """
 from __future__ import annotations
 
 import logging
+
+from xllm_gen.runtime import layers as L
 
 logger = logging.getLogger("xllm_gen")
 
@@ -14,6 +16,11 @@ class RunnerAttentionBackend:
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
         if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:
+            if any(isinstance(m, L.ValueKeyBias) for m in getattr(self, "index_layers", None) or ()):
+                raise NotImplementedError(
+                    "this model adds a learned per-key bias to the attention scores, computed from the values "
+                    "(an attention `key_bias`), which the CUDA attention path (FlashInfer paged "
+                    "prefill / decode wrappers) takes no operand for; serve it on the CPU (device='cpu')")
             if getattr(self, "index_layers", None):
                 raise NotImplementedError(
                     "this model uses a sparse-attention indexer (each query attends to the top-k keys an indexer "

@@ -62,5 +62,6 @@ class RunnerCacheSetup:
             layer.k_cache = torch.zeros(shape + (layer.head_dim,), dtype=self.kv_dtype, device=self.device)
             layer.v_cache = torch.zeros(shape + (layer.v_head_dim,), dtype=self.kv_dtype, device=self.device)
         for m in self.index_layers:        # an indexer's keys: one [head_dim] per slot, the same blocks and slots
-            m.k_cache = torch.zeros((self.num_kv_blocks, self.block_size, m.head_dim), dtype=self.dtype,
-                                    device=self.device)
+            # (a per-key score bias cache, runtime/layers/key_bias.py, sets its own width and dtype)
+            m.k_cache = torch.zeros((self.num_kv_blocks, self.block_size, getattr(m, "cache_width", None) or m.head_dim),
+                                    dtype=getattr(m, "cache_dtype", None) or self.dtype, device=self.device)

@@ -33,6 +33,7 @@ from xllm_gen.runtime.layers.fused import act_linear, norm_linear, qk_norm_rope_
 from xllm_gen.runtime.layers.head_transform import HeadTransform
 from xllm_gen.runtime.layers.hyper_connection import HyperConnection, expand_streams
 from xllm_gen.runtime.layers.indexer import SparseIndexer, shared_selection
+from xllm_gen.runtime.layers.key_bias import ValueKeyBias
 from xllm_gen.runtime.layers.layer_kernel import decoder_layer_kernel
 from xllm_gen.runtime.layers.lightning import LightningAttention
 from xllm_gen.runtime.layers.linear import (
@@ -54,6 +55,7 @@ from xllm_gen.runtime.layers.norm import (
                                             RMSNorm,
                                             keep_residual_float32,
 )
+from xllm_gen.runtime.layers.nvfp4_round import nvfp4_round
 from xllm_gen.runtime.layers.per_layer import learned_scalar, per_layer_inputs, rank_columns
 from xllm_gen.runtime.layers.recurrent import (
                                             MLSTM,
@@ -92,7 +94,7 @@ __all__ = [
     "rope_parameters", "mrope_axis_map", "qk_norm_rope", "Attention", "inject_deepstack", "FusedMoE",
     "attention_sinks", "head_bias", "gate_output", "routing_bias", "yarn_mscale", "latent_attention", "SparseIndexer",
     "shared_selection",
-    "linear_float32", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
+    "linear_float32", "ValueKeyBias", "nvfp4_round", "alibi_slopes", "LearnedPositionEmbedding", "SinusoidalPositionEmbedding",
     "norm_linear", "act_linear", "qk_norm_rope_store", "decoder_layer_kernel", "QueryScale", "DifferentialAttention",
     "RecurrentMixer", "GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "Mamba", "Mamba2", "ShortConv", "RGLRU",
     "LightningAttention", "WKV", "TokenShiftMLP", "MLSTM",

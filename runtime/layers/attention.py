@@ -82,19 +82,23 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: Optional[torch.Tensor] = None, kv_stored: bool = False,
-                key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                key_mask: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """kv_stored: this step's k, v are already in the cache (L.qk_norm_rope_store wrote them). key_mask [N, L]
         bool (a sparse-attention indexer's selection, runtime/layers/indexer.py): query token t sees key position p
-        only where key_mask[t, p] (on top of the causal mask and the variant's); the torch backend takes it, the
-        CUDA path refuses such a model at load."""
+        only where key_mask[t, p] (on top of the causal mask and the variant's); key_bias [N, Hk, L] float32 (a
+        per-key score bias, runtime/layers/key_bias.py): added to the scores of query token t's heads of KV head h
+        against key position p after scaling (and any soft-cap), -inf hiding the key. The torch backend takes both,
+        the CUDA path refuses such a model at load."""
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
-        return self._attend(q, k, v, sinks, kv_stored, key_mask)
+        return self._attend(q, k, v, sinks, kv_stored, key_mask, key_bias)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: Optional[torch.Tensor], kv_stored: bool = False,
-                key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                key_mask: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx = get_context()
+        if self.kv_owner is not None and key_bias is not None:
+            raise NotImplementedError("Attention: a per-key score bias on a layer that reads another layer's KV cache")
         if self.kv_owner is not None:         # another layer's keys and values: its cache, nothing written here
             return self._attend_shared(ctx, q.view(-1, self.num_heads, self.head_dim), sinks)
         if self.kv_readers:                   # this step's k, v for the layers that read this layer's cache
@@ -111,14 +115,18 @@ class Attention(nn.Module):
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         elif kv_stored and kv:
             raise RuntimeError("Attention: K / V already stored by a fused kernel that does not apply KV-cache scales")
-        if key_mask is not None:      # a sparse selection of keys: the backends that take it (torch)
+        if key_mask is not None or key_bias is not None:   # a selection / a bias of keys: the torch backend
             if self.alibi_slopes is not None and self.alibi_slopes.device != q.device:
                 self.alibi_slopes = self.alibi_slopes.to(q.device)
             extra = {"sinks": sinks} if sinks is not None else {}
             if self.alibi_slopes is not None:
                 extra["alibi_slopes"] = self.alibi_slopes
+            if key_mask is not None:
+                extra["key_mask"] = key_mask
+            if key_bias is not None:
+                extra["key_bias"] = key_bias
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
-                                      key_mask=key_mask, **extra, **kv)
+                                      **extra, **kv)
         elif self.variant == FULL:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, **kv)
         elif self.alibi_slopes is not None:

@@ -194,6 +194,9 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "KimiLinearForCausalLM": [{"q_lora_rank": 24}, {"moe_renormalize": False},
                               {"linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3], "num_heads": 4,
                                                       "head_dim": 8, "short_conv_kernel_size": 3}}],
+    # Doge: a keep window shorter than the prompts (the dynamic mask's top-k of keys per query bites); the
+    # cross-domain MoE (refused by name: its router mixes tokens within a prefill)
+    "DogeForCausalLM": [{"keep_window_size": 5}, {"is_moe": True}],
     # Zamba2: rotary in the shared attention (the tiny default has the q/k/v adapters on, see tiny_hf.ARCH_DEFAULTS)
     "Zamba2ForCausalLM": [{"use_mem_rope": True}],
 }
