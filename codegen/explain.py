@@ -497,7 +497,7 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.ignored:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))
     if ir.checkpoint_renames:
-        w("checkpoint tensor names rewritten at load: " + ", ".join(f"{a} -> {b}" for a, b in ir.checkpoint_renames))
+        w("checkpoint tensor names rewritten at load: " + ", ".join(f"{a} -> {b if isinstance(b, str) else ' | '.join(b)}" for a, b in ir.checkpoint_renames))
     w("")
     r = ir.runner
     w(f"runner: positions {r.position_kind}" + (", multimodal" if r.multimodal else ""))

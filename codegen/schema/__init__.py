@@ -128,3 +128,8 @@ from .weights import (
     RowLayout,
     WeightEntry,
 )
+from .schedule import (
+    BeforeLayer,
+    Schedule,
+    StreamTerm,
+)
