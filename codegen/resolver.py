@@ -71,8 +71,8 @@ ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortCo
                  WKVIR, MLSTMIR)   # (a recurrent mixer takes them too; most ignore them, rg_lru resets at position 0)
 from .resolver_dataflow import DataflowResolver
 from .resolver_ple import PerLayerInputResolver
-from .resolver_schedule import ScheduleResolver
 from .resolver_positions import PositionsResolver
+from .resolver_schedule import ScheduleResolver
 from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
 from .resolver_vision import VisionResolver
 from .resolver_weights import WeightsResolver

@@ -107,6 +107,11 @@ from .recurrent import (
     ShortConvBlock,
     WKVBlock,
 )
+from .schedule import (
+    BeforeLayer,
+    Schedule,
+    StreamTerm,
+)
 from .spec import (
     BLOCK_KINDS,
     Spec,
@@ -127,9 +132,4 @@ from .vision import (
 from .weights import (
     RowLayout,
     WeightEntry,
-)
-from .schedule import (
-    BeforeLayer,
-    Schedule,
-    StreamTerm,
 )

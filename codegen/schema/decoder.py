@@ -20,7 +20,6 @@ from .blocks import (
 from .dataflow import BranchStep, DataflowChoice, ParallelStep, ResidualStep
 from .hyper import HyperConnectionBlock
 from .mlp import GatedMLPBlock, MLPBlock, MoEBlock
-from .schedule import Schedule
 from .recurrent import (
     ChannelMixBlock,
     GatedDeltaNetBlock,
@@ -32,6 +31,7 @@ from .recurrent import (
     ShortConvBlock,
     WKVBlock,
 )
+from .schedule import Schedule
 
 
 class LMHeadBlock(Strict):
