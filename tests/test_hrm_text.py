@@ -163,3 +163,10 @@ def test_split_reads_chunks_and_refuses_uneven_rows(tmp_path):
     assert torch.equal(y[:], t[2:4]) and torch.equal(y[1:2, 1:3], t[3:4, 1:3])
     with pytest.raises(CheckpointError, match=r"'b.w' has 5 rows"):
         ck.slice("p.w")
+
+
+def test_schedule_reading_an_unset_value_is_refused_at_build():
+    from xllm_gen.runtime.layers import check_schedule
+    check_schedule([(True, False), (False, True)], [(), ("z",)], ["z", "stream"])
+    with pytest.raises(ValueError, match=r"before layer 1, rewrite 1 reads 'z'"):
+        check_schedule([(False, False), (False, True)], [(), ("z",)], ["z", "stream"])

@@ -82,6 +82,7 @@ from xllm_gen.runtime.layers.router import RouterInput, expert_scale
 from xllm_gen.runtime.layers.shared import (
                                             LoRA,
                                             SegmentLoRA,
+                                            check_schedule,
                                             learned_vector,
                                             relocate_layers,
                                             share_blocks,
@@ -90,6 +91,7 @@ from xllm_gen.runtime.layers.shared import (
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
+    "check_schedule",
     "learned_vector",
     "relocate_layers",
     "share_layers",

@@ -119,3 +119,19 @@ def relocate_layers(rules: list, layers_prefix: str, stored_as: Sequence[str]) -
 
     return [WeightRule(r.param, tuple(move(s) for s in r.sources), segments=r.segments, layout=r.layout,
                        stored=r.stored) for r in rules]
+
+
+def check_schedule(on: Sequence[tuple], reads: Sequence[tuple], sets: Sequence[str]) -> None:
+    """A decoder schedule's rewrites (rewrite k reads the carried values `reads[k]` and sets `sets[k]`, before the
+    layers i where `on[i][k]`) read only values an earlier rewrite has set: checked when the model is built, so a
+    config whose conditions leave a value unset is refused by name instead of failing in a forward."""
+    have: set = set()
+    for i, row in enumerate(on):
+        for k, flag in enumerate(row):
+            if not flag:
+                continue
+            missing = [r for r in reads[k] if r not in have]
+            if missing:
+                raise ValueError(f"decoder.schedule: before layer {i}, rewrite {k} reads {missing[0]!r}, which no "
+                                 f"earlier rewrite sets with this config")
+            have.add(sets[k])
