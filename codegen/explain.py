@@ -155,6 +155,7 @@ def _block(b) -> str:
                 + (f", clip_qkv={b.clip_qkv}" if b.clip_qkv else "") + (", sinks" if b.sinks else "") \
                 + (f", out_gate={b.out_gate[1]}({b.out_gate[0]}"
                    + (f" + {b.out_gate_bias}[head]" if b.out_gate_bias else "") + f") per {b.out_gate[2]}"
+                   + (f" bias={b.out_gate_proj_bias}" if b.out_gate_proj_bias is not None else "")
                    if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
                 + (f", alibi(bias_max={b.alibi})" if b.alibi else "")
@@ -425,6 +426,19 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"    then the whole residual stream times the layer's learned scalar {lay.output_scale} [1]")
     if lay.stream_scale:
         w(f"    then the whole residual stream times {lay.stream_scale} (where not 1)")
+    if lay.stored_as:
+        w(f"    weights: layer i runs the stored layer f\"{lay.stored_as}\" (equal prefixes: the same weights, the "
+          f"first layer holds them; a KV cache and state per executed layer)")
+    if ir.schedule:
+        sch = ir.schedule
+        w("  schedule (the stream rewritten before the layers where each rewrite's condition holds, in order):")
+        for n in sch.norms:
+            w(f"    {n.name}: {n.kind}(dim={n.dim}, eps={n.eps}{'' if n.weight else ', no weight'})")
+        for name, dim in sch.vectors:
+            w(f"    {name}: a learned vector [{dim}]")
+        for op in sch.ops:
+            terms = " + ".join(f"{norm}({v})" if norm else v for v, norm in op.terms)
+            w(f"    {op.target} = {terms}  where {op.when}")
     if ir.deepstack_after:
         w(f"  deepstack after layers {', '.join(map(str, ir.deepstack_after))}")
     if ir.deepstack_levels:
@@ -500,7 +514,7 @@ def format_resolved(ir: ModelIR) -> str:
     if ir.ignored:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))
     if ir.checkpoint_renames:
-        w("checkpoint tensor names rewritten at load: " + ", ".join(f"{a} -> {b}" for a, b in ir.checkpoint_renames))
+        w("checkpoint tensor names rewritten at load: " + ", ".join(f"{a} -> {b if isinstance(b, str) else ' | '.join(b)}" for a, b in ir.checkpoint_renames))
     w("")
     r = ir.runner
     w(f"runner: positions {r.position_kind}" + (", multimodal" if r.multimodal else ""))

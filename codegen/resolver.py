@@ -72,6 +72,7 @@ ATTENTION_IRS = (AttentionIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR, ShortCo
 from .resolver_dataflow import DataflowResolver
 from .resolver_ple import PerLayerInputResolver
 from .resolver_positions import PositionsResolver
+from .resolver_schedule import ScheduleResolver
 from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _type_ok  # noqa: F401
 from .resolver_vision import VisionResolver
 from .resolver_weights import WeightsResolver
@@ -91,7 +92,7 @@ MAX_VARIANTS = 64
 
 
 class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver, PositionsResolver,
-                VariantResolver, PerLayerInputResolver):
+                VariantResolver, PerLayerInputResolver, ScheduleResolver):
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
@@ -252,6 +253,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         hyper_head = self.resolve_hyper_head()
         self.check_hyper(layer, hyper_head, stream.dim)
         self.prefix = self.resolve_prefix()
+        schedule = self.resolve_schedule(stream.dim, layer)
         deepstack, levels = (), None
         if d.deepstack:
             dsp = ("decoder", "deepstack")
@@ -293,6 +295,10 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
                       len(params))
             params = params[:at] + tuple(self.block_params(f"{self.prefix}.hyper_head", "decoder.hyper_head",
                                                            hyper_head, False)) + params[at:]
+        if schedule is not None:           # after the layers, before the final norm and the LM head
+            at = next((i for i, p in enumerate(params) if p.name.startswith((f"{self.prefix}.norm.", "lm_head."))),
+                      len(params))
+            params = params[:at] + self.schedule_params(schedule) + params[at:]
         weights = self.resolve_weights(params)
         self.check_prefixes(params)
         if vision:
@@ -325,7 +331,7 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
             embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out,
             residual_float32=residual_float32, head_transform=head_transform, per_layer_input=per_layer_input,
-            hyper_head=hyper_head)
+            hyper_head=hyper_head, schedule=schedule)
 
     def check_residual_float32(self, layer, norm, norm_enabled, d) -> None:
         """decoder.residual_float32: every residual step a plain `{norm: N, block: B}` (post_norm / scale allowed) with
@@ -793,7 +799,8 @@ class _Resolver(BlockResolver, VisionResolver, DataflowResolver, WeightsResolver
         if stream_scale is not None:
             stream_scale = self.num(("decoder", "layers", "stream_scale"), stream_scale, per_layer=True)
         layer = LayerIR(f"{self.spec.class_prefix}DecoderLayer", count, tuple(blocks.values()), resolved[0][0],
-                        shared=tuple(shared), output_scale=out_scale, stream_scale=stream_scale)
+                        shared=tuple(shared), output_scale=out_scale, stream_scale=stream_scale,
+                        stored_as=self.resolve_stored_as())
         if isinstance(df, DataflowChoice):
             layer = self.dataflow_choice(layer, df, resolved)
         return layer

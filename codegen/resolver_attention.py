@@ -210,6 +210,7 @@ class AttentionResolver:
             sliding_window=window, softcap=softcap, chunk_size=chunk, query_scale=qscale, clip_qkv=clip, sinks=has_sinks,
             out_gate=(gate_name, b.out_gate.activation, b.out_gate.per) if gate_name is not None else None,
             out_gate_bias=self._gate_bias(path, b, gate_name),
+            out_gate_proj_bias=self._gate_proj_bias(path, b, gate_name),
             q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
             alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
             differential=diff, v_head_dim=v_dim, value_scale=vscale, v_norm=vnorm, values_from_keys=vfk, kv_source=kvsrc,
@@ -298,6 +299,15 @@ class AttentionResolver:
                         self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
                         fraction, rdim, layout, enabled, kind_symbol, layout_symbol, original, rot.direction)
 
+    def _gate_proj_bias(self, path, b, gate_name):
+        """The output gate projection's bias flag (`out_gate.bias`), None where it has none."""
+        if b.out_gate is None or b.out_gate.bias is False:
+            return None
+        if gate_name is None:
+            raise self.err(path + ("out_gate", "bias"), f"{self._where(path)}.out_gate.bias: a gate with a projection "
+                                                        f"of its own only (not source: q)")
+        return self.flag(path + ("out_gate", "bias"), b.out_gate.bias)
+
     def _gate_bias(self, path, b, gate_name):
         """The output gate's per-head logit bias (`out_gate.head_bias`): a parameter name of the block, with a gate
         projection of its own."""
@@ -361,7 +371,7 @@ class AttentionResolver:
         if b.out_gate:                # a gate per (head, dim) or per head, split by heads as q is
             gname, _, per = b.out_gate
             ps += column(f"{gname}.", b.hidden, [SegmentIR(gname, b.heads, b.v_dim if per == "element" else one)],
-                         False)
+                         _maybe(b.out_gate_proj_bias) if b.out_gate_proj_bias is not None else False)
         if b.out_gate_bias:           # the gate logits' bias per head, split by heads as q is
             ps.append(P(b.out_gate_bias, (b.heads,), "colwise", (SegmentIR(b.out_gate_bias, b.heads, one),)))
         if b.sinks:                   # one logit per query head, split by heads as q is

@@ -172,14 +172,20 @@ class WeightsResolver:
         return tuple(self.spec.ignore_checkpoint_tensors)
 
     def resolve_renames(self) -> Tuple[Tuple[str, str], ...]:
+        out = []
         for pat, to in self.spec.checkpoint_renames.items():
+            if isinstance(to, list) and len(to) < 2:
+                raise self.err(("checkpoint_renames", pat), f"checkpoint_renames: '{pat}': a split names two or more "
+                                                            f"tensors (one: write the replacement as a string)")
             try:
                 rx = re.compile(pat)
-                rx.sub(to, "")          # a bad group reference in the replacement fails here
+                for t in (to if isinstance(to, list) else [to]):
+                    rx.sub(t, "")          # a bad group reference in the replacement fails here
             except (re.error, IndexError) as e:
                 raise self.err(("checkpoint_renames", pat), f"checkpoint_renames: '{pat}: {to}': bad regex or "
                                                             f"replacement: {e}")
-        return tuple(self.spec.checkpoint_renames.items())
+            out.append((pat, tuple(to) if isinstance(to, list) else to))
+        return tuple(out)
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint tensor a parameter without a `weights` entry loads: its own name, with the longest matching

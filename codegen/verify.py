@@ -254,7 +254,11 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
 
         if not n_layers:    # a config whose layer count is derived (NemotronH: len(layers_block_type))
             n_layers = int(getattr(hf.config.get_text_config(), "num_hidden_layers", 0) or 0)
-        hf_rec = _Recorder(_decoder_layers(hf, n_layers), engine=False)
+        try:
+            hf_layers = _decoder_layers(hf, n_layers)
+        except VerifyError:     # a looped decoder (HRM-Text): no list of its executed layers, so greedy tokens only
+            hf_layers = None
+        hf_rec = _Recorder(hf_layers or [], engine=False)
 
         from xllm_gen import LLM, SamplingParams
         with _served_by(model_module, runner_module):
@@ -267,7 +271,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 return report
         try:
             eng_model = llm.engine.runner.model
-            eng_rec = _Recorder(_decoder_layers(eng_model, n_layers), engine=True)
+            eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True)
             greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
             for ids in prompts:

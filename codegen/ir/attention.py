@@ -127,6 +127,7 @@ class AttentionIR:
     clip_qkv: Optional[Value] = None           # q, k, v clamped to [-c, c]; None (or a None symbol) = off
     sinks: bool = False                        # attention sinks (on some layer): parameter `sinks [heads]`
     out_gate: Optional[Tuple[str, str, str]] = None   # (module, activation, per): attn * act(module(x)) before out
+    out_gate_proj_bias: Optional[Value] = None          # the gate projection's bias flag (None: no bias)
     out_gate_bias: Optional[str] = None   # a learned [heads] bias on the gate logits (parameter of the block)
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
     q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)

@@ -117,6 +117,9 @@ class LayerIR:
     shared: Tuple[Tuple[str, Value], ...] = ()
     output_scale: Optional[str] = None     # a learned scalar [1] that multiplies the stream after the layer
     stream_scale: Optional[Value] = None   # a per-layer constant that multiplies the stream after the layer
+    # `layers.stored_as`: the checkpoint prefix of layer i's weights, the body of an f-string over layer_idx / config;
+    # layers with equal prefixes share their parameters (looped decoders)
+    stored_as: Optional[str] = None
 
     @property
     def uses_per_layer_input(self) -> bool:

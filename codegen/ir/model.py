@@ -112,6 +112,7 @@ class ModelIR:
     head_transform: Optional[HeadTransformIR] = None        # dense -> act -> norm before the LM head
     per_layer_input: Optional[PerLayerInputIR] = None      # a per-layer second input of the layers (Gemma 4)
     hyper_head: Optional[Any] = None       # HyperIR: the residual streams' final collapse (hyper-connections)
+    schedule: Optional[Any] = None         # ScheduleIR: rewrites of the stream before chosen layers (looped decoders)
 
     @property
     def model_class(self) -> str:

@@ -108,6 +108,11 @@ from .recurrent import (
     ShortConvBlock,
     WKVBlock,
 )
+from .schedule import (
+    BeforeLayer,
+    Schedule,
+    StreamTerm,
+)
 from .spec import (
     BLOCK_KINDS,
     Spec,

@@ -25,6 +25,9 @@ class OutGate(Strict):
     # a learned bias per head added to the gate's logits before the activation (Beam's `gate_bias [heads]`): the
     # parameter's name on the attention block, split by heads as q is
     head_bias: Optional[StrictStr] = None
+    # a bias on the gate projection's output rows (`name.bias`, split by heads as q is): a flag (a bool symbol: only in
+    # the checkpoints that set it; HRM-Text's `attention_bias`); a gate with a projection of its own only
+    bias: Flag = False
 
 
 class QKNorm(Strict):

@@ -31,6 +31,7 @@ from .recurrent import (
     ShortConvBlock,
     WKVBlock,
 )
+from .schedule import Schedule
 
 
 class LMHeadBlock(Strict):
@@ -67,6 +68,11 @@ class Layers(Strict):
     # a constant (a number expression over config symbols and `layer`) that multiplies the whole residual stream after
     # the layer's last step, where it is not 1 (RWKV's inference rescale: 0.5 after every rescale_every-th layer)
     stream_scale: Optional[Num] = None
+    # the checkpoint prefix of layer `layer`'s parameters, with `{<expression>}` placeholders over config symbols and
+    # `layer` (`"model.layers.{layer % 4}."`): layers whose prefixes are equal run the same weights (the first holds
+    # them; each keeps its own KV cache slot and state), read from the checkpoint under that prefix. Looped decoders
+    # (a block of layers run several times, a layer stack run in cycles)
+    stored_as: Optional[StrictStr] = None
 
 
 class PerLayerInput(Strict):
@@ -142,3 +148,6 @@ class Decoder(Strict):
     # hyper-connections: the streams' final collapse (a `hyper_connection` without `post`), before `norm`; with it every
     # step of the layers is a `{hyper: HC, ...}` step and the residual stream is `streams` parallel streams
     hyper_head: Optional[HyperConnectionBlock] = None
+    # rewrites of the residual stream before chosen layers, with values carried across layers (looped / cycled
+    # decoders, with `layers.stored_as`): codegen/schema/schedule.py
+    schedule: Optional[Schedule] = None

@@ -2,7 +2,7 @@
 the block kinds the language has (`BLOCK_KINDS`)."""
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Optional
+from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import StrictInt, StrictStr
 
@@ -47,8 +47,10 @@ class Spec(Strict):
     ignore_checkpoint_tensors: List[StrictStr] = []  # regexes of checkpoint tensors that are not parameters
     # regex -> replacement: checkpoint tensor names rewritten at load by the first pattern that matches (re.sub,
     # once), before `weights` / `ignore_checkpoint_tensors` see them (transformers' conversion-mapping renames of an
-    # original release: Kimi Linear's `{'\.block_sparse_moe\.': '.mlp.'}`)
-    checkpoint_renames: Dict[StrictStr, StrictStr] = {}
+    # original release: Kimi Linear's `{'\.block_sparse_moe\.': '.mlp.'}`); a list of n replacements splits the tensor
+    # into n equal chunks of its first dim, the k-th read under the k-th name (transformers' Chunk(dim=0): HRM-Text's
+    # fused `attn.gqkv_proj` read as gate / q / k / v)
+    checkpoint_renames: Dict[StrictStr, Union[StrictStr, List[StrictStr]]] = {}
     tensor_parallel: TensorParallel      # TP sizes every variant's shapes must allow (a static check)
     # named config.json value sets (symbol -> value; others take their defaults) for static checks and --explain
     variants: Dict[StrictStr, Dict[StrictStr, Scalar]] = {}

@@ -80,10 +80,22 @@ from xllm_gen.runtime.layers.rotary import (
 )
 from xllm_gen.runtime.layers.routed import RoutedLinear, output_bias, topk_softmax
 from xllm_gen.runtime.layers.router import RouterInput, expert_scale
-from xllm_gen.runtime.layers.shared import LoRA, SegmentLoRA, share_blocks
+from xllm_gen.runtime.layers.shared import (
+                                            LoRA,
+                                            SegmentLoRA,
+                                            check_schedule,
+                                            learned_vector,
+                                            relocate_layers,
+                                            share_blocks,
+                                            share_layers,
+)
 from xllm_gen.runtime.rope_kinds import ROPE_KINDS
 
 __all__ = [
+    "check_schedule",
+    "learned_vector",
+    "relocate_layers",
+    "share_layers",
     "HyperConnection",
     "expand_streams",
     "ResidualGate",

@@ -79,3 +79,59 @@ def share_blocks(layers: Sequence[nn.Module], name: str) -> None:
             _tie(module, owners[key])
         else:
             owners[key] = module
+
+
+def share_layers(layers: Sequence[nn.Module]) -> None:
+    """Layers with equal `stored_as` (their weights' checkpoint prefix) run the same weights: every parameter of a
+    later one becomes the first's (a looped decoder runs one stored layer several times). Each layer keeps its own
+    modules, so its own KV cache slot and recurrent state."""
+    owners: dict = {}
+    for i, layer in enumerate(layers):
+        key = layer.stored_as
+        if key not in owners:
+            owners[key] = layer
+            continue
+        try:
+            _tie(layer, owners[key])
+        except (AttributeError, ValueError) as e:
+            raise ValueError(f"decoder layer {i} runs the weights of {key!r}, but its modules differ from that "
+                             f"layer's: {e}") from None
+
+
+def learned_vector(size: int) -> nn.Parameter:
+    """A learned vector `[size]`, replicated on every rank (a decoder-level value the schedule reads)."""
+    from xllm_gen.runtime.executor.sharding import replicated
+    return replicated(nn.Parameter(torch.empty(size)), "learned_vector")
+
+
+def relocate_layers(rules: list, layers_prefix: str, stored_as: Sequence[str]) -> list:
+    """Rewrites the checkpoint sources of a looped decoder's layer parameters: `<layers_prefix><i>.` becomes layer i's
+    `stored_as` prefix (the parameters are named after the first layer that runs them)."""
+    import re
+
+    from xllm_gen.runtime.loading.weights import WeightRule
+
+    rx = re.compile(re.escape(layers_prefix) + r"(\d+)\.")
+
+    def move(src: str) -> str:
+        m = rx.match(src)
+        return src if m is None else stored_as[int(m.group(1))] + src[m.end():]
+
+    return [WeightRule(r.param, tuple(move(s) for s in r.sources), segments=r.segments, layout=r.layout,
+                       stored=r.stored) for r in rules]
+
+
+def check_schedule(on: Sequence[tuple], reads: Sequence[tuple], sets: Sequence[str]) -> None:
+    """A decoder schedule's rewrites (rewrite k reads the carried values `reads[k]` and sets `sets[k]`, before the
+    layers i where `on[i][k]`) read only values an earlier rewrite has set: checked when the model is built, so a
+    config whose conditions leave a value unset is refused by name instead of failing in a forward."""
+    have: set = set()
+    for i, row in enumerate(on):
+        for k, flag in enumerate(row):
+            if not flag:
+                continue
+            missing = [r for r in reads[k] if r not in have]
+            if missing:
+                raise ValueError(f"decoder.schedule: before layer {i}, rewrite {k} reads {missing[0]!r}, which no "
+                                 f"earlier rewrite sets with this config")
+            have.add(sets[k])

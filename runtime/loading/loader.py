@@ -117,18 +117,26 @@ class Checkpoint:
                 h = self._handles[f.name] = _open(f)
                 for name in h.keys():
                     self.file_of[name] = f.name
+        # a replacement that is a tuple of n names splits the tensor into n equal chunks of its first dim (transformers'
+        # Chunk(dim=0) conversion): name k reads chunk k (lazily, only the rows asked for)
+        self.chunk_of: dict[str, tuple[int, int]] = {}
         renames = [(re.compile(a), b) for a, b in renames]
         if renames:
             file_of: dict[str, str] = {}
             for name, fname in self.file_of.items():
-                new = next((rx.sub(to, name, count=1) for rx, to in renames if rx.search(name)), name)
-                if new in file_of:
-                    other = self.stored_name.get(new, new)
-                    raise CheckpointError(f"{self.dir}: tensors {other!r} and {name!r} both read as {new!r} after "
-                                          f"the spec's checkpoint_renames")
-                file_of[new] = fname
-                if new != name:
-                    self.stored_name[new] = name
+                rule = next(((rx, to) for rx, to in renames if rx.search(name)), None)
+                targets = ([name] if rule is None else [rule[0].sub(to, name, count=1) for to in rule[1]]
+                           if isinstance(rule[1], (tuple, list)) else [rule[0].sub(rule[1], name, count=1)])
+                for k, new in enumerate(targets):
+                    if new in file_of:
+                        other = self.stored_name.get(new, new)
+                        raise CheckpointError(f"{self.dir}: tensors {other!r} and {name!r} both read as {new!r} after "
+                                              f"the spec's checkpoint_renames")
+                    file_of[new] = fname
+                    if new != name:
+                        self.stored_name[new] = name
+                    if len(targets) > 1:
+                        self.chunk_of[new] = (k, len(targets))
             self.file_of = file_of
 
     @staticmethod
@@ -177,10 +185,40 @@ class Checkpoint:
                 raise CheckpointError(f"{self.dir}: index names {fname!r} for {name!r}, but the file is missing")
             self._handles[fname] = _open(path)
         try:
-            return self._handles[fname].get_slice(self.stored_name.get(name, name))
+            sl = self._handles[fname].get_slice(self.stored_name.get(name, name))
         except Exception as e:
             raise CheckpointError(f"{self.dir / fname}: cannot read tensor {name!r} (the index names this "
                                   f"file for it): {e}") from None
+        if name in self.chunk_of:
+            k, n = self.chunk_of[name]
+            rows = int(sl.get_shape()[0]) if sl.get_shape() else 0
+            if rows % n:
+                raise CheckpointError(f"{self.dir / fname}: tensor {self.stored_name[name]!r} has {rows} rows, which "
+                                      f"do not split into the {n} equal chunks the spec's checkpoint_renames name")
+            sl = ChunkView(sl, k * rows // n, rows // n)
+        return sl
+
+
+class ChunkView:
+    """Rows [start, start + rows) of a lazy safetensors slice: get_shape() / get_dtype() and basic slicing, reading only
+    the rows asked for (a checkpoint_renames split)."""
+
+    def __init__(self, base, start: int, rows: int):
+        self.base, self.start, self.rows = base, start, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows] + [int(s) for s in self.base.get_shape()[1:]]
+
+    def get_dtype(self):
+        return self.base.get_dtype()
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        first = idx[0] if idx else slice(None)
+        if not isinstance(first, slice) or first.step not in (None, 1):
+            raise TypeError("ChunkView supports plain slices of its first dim only")
+        a, b, _ = first.indices(self.rows)
+        return self.base[(slice(self.start + a, self.start + max(a, b)),) + tuple(idx[1:])]
 
 
 def _check_dtype(sl, name: str, param: torch.Tensor, pname: str, where: Path) -> None:

@@ -119,6 +119,15 @@ NOT_EXPRESSIBLE: dict[str, str] = {
         "per q / k / v / MLP input)"),
     "Gemma4AssistantForCausalLM": _DRAFTER,
     "Gemma4UnifiedAssistantForCausalLM": _DRAFTER,
+    "DoryForCausalLM": (
+        "its loops are expressible (layers.stored_as + decoder.schedule), its nGPT layers are not: the L2 norm "
+        "x * rsqrt(sum(x^2) + eps) (a sum, not a mean) on every norm (the four layer norms, q / k per head, the "
+        "attention and MLP sub-norms over all heads / the intermediate, the final and loop norms); a residual that "
+        "interpolates, x <- N(x) + |lambda * s| * (P(B(N(x))) - N(x)), at learned per-channel rates; learned "
+        "per-channel scales squared on q after rotary (sqk) and inside the output gate's sigmoid (s_gate), learned "
+        "scales on the MLP's gate / up outputs (suv_gate, suv_up); a learned per-vocab logit scale; the released "
+        "config form (layer_types interleaving 'mlp' entries, doubled layer counts) (codegen/README.md, Not "
+        "expressible yet)"),
 }
 
 # Toggles no generic rule can decide: {architecture: [toggle, ...]}, a toggle {dotted field: value, ...} (a refusal
