@@ -1,0 +1,190 @@
+"""The spec resolver's `config` section (a mixin of resolver._Resolver): the config symbols (`resolve_config`),
+their defaults and bounds (`check_defaults`, `imply_bounds`, `check_value`), the symbols' dependency cycles
+(`check_cycles`) and the config guard (`resolve_guard`: config_assume / config_defaults / config_ignore)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Dict
+
+from .errors import did_you_mean
+from .ir import (
+    ConfigFieldIR,
+    Size,
+)
+from .resolver_blocks import _is_int
+from .resolver_variants import MAX_SIZE, _is_num, _type_ok
+
+# rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
+# transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
+# (runtime/rope_kinds.py); a spec's `type: rope` symbol lists the names it models.
+HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
+                 "llama3": "frequency_bands", "longrope": "longrope", "proportional": "proportional"}
+ROPE_TYPES = tuple(HF_ROPE_TYPES)
+
+class ConfigResolver:
+    def resolve_config(self) -> None:
+        pending = []
+        for name, f in self.spec.config.items():
+            path = ("config", name)
+            self.ident(path, name, "config symbol", at_key=True)
+            if name in ("layer", "config") or name in ("len", "min", "max", "int", "float", "bool", "range"):
+                raise self.err(path, f"config.{name}: '{name}' is reserved in spec expressions", at_key=True)
+            if f.values is not None:
+                if f.type not in ("str", "rope"):
+                    raise self.err(path + ("values",), f"config.{name}.values: only str and rope symbols take values")
+                if not f.values or len(set(f.values)) != len(f.values):
+                    raise self.err(path + ("values",), f"config.{name}.values: list the admitted values, each once")
+                if f.type == "rope":
+                    for i, v in enumerate(f.values):
+                        if v not in ROPE_TYPES:
+                            raise self.err(path + ("values", i), f"config.{name}.values[{i}]: unknown rope type "
+                                                                 f"'{v}'{did_you_mean(v, ROPE_TYPES)}; known: "
+                                                                 f"{', '.join(ROPE_TYPES)}")
+            elif f.type == "rope":
+                raise self.err(path, f"config.{name}: a rope symbol lists the rope types the spec models: "
+                                     f"`values: [default, ...]`", at_key=True)
+            for key in ("min", "max"):
+                bound = getattr(f, key)
+                if bound is not None and (f.type not in ("int", "float") or not math.isfinite(bound)):
+                    raise self.err(path + (key,), f"config.{name}.{key}: bounds are finite numbers of int / float "
+                                                  f"symbols")
+            if f.guard and f.values is None and f.min is None and f.max is None:
+                raise self.err(path + ("guard",), f"config.{name}.guard: a guard-only symbol restricts its field: give "
+                                                  f"`values`, `min` or `max` (a fixed value is `config_assume`)")
+            if f.expr is not None:
+                if f.from_ is not None or f.default is not None or f.default_expr is not None:
+                    raise self.err(path + ("expr",), f"config.{name}: a derived symbol (`expr`) reads no config.json "
+                                                     f"field: drop `from` / `default`")
+                pending.append((name, f, path))
+                self.config[name] = ConfigFieldIR(name, f.type, (), None, False, f.doc.strip(), expr=True,
+                                                  optional=f.optional, values=tuple(f.values) if f.values else None,
+                                                  bounds=(f.min, f.max), guard=f.guard)
+                continue
+            if f.from_ is None:
+                raise self.err(path, f"config.{name}: missing required key 'from' (or `expr` for a derived "
+                                     f"symbol)", at_key=True)
+            paths = (f.from_,) if isinstance(f.from_, str) else tuple(f.from_)
+            # a `*` part (not first, not last) reads every key of a mapping, which must all hold one value (transformers'
+            # per_layer_config.<layer>.head_dim)
+            if not paths or any(not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|\*))*$", p)
+                                or p.endswith(".*") for p in paths):
+                raise self.err(path + ("from",), f"config.{name}.from: give one or more dotted config.json paths")
+            if f.default is not None and f.default_expr is not None:
+                raise self.err(path + ("default_expr",), f"config.{name}: give `default` or `default_expr`, not both")
+            default = f.default
+            if default is not None:
+                if not _type_ok(f.type, default):
+                    raise self.err(path + ("default",), f"config.{name}.default: {default!r} is not {f.type}")
+                if f.type == "float":
+                    default = float(default)
+                if f.type.endswith("_tuple"):
+                    default = tuple(default)
+            has_default = default is not None or f.optional or f.default_expr is not None or f.type == "rope"
+            if f.default_expr is not None:
+                pending.append((name, f, path))
+            self.config[name] = ConfigFieldIR(
+                name, f.type, paths, default, has_default, f.doc.strip(),
+                values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max),
+                guard=f.guard)
+            if default is not None:
+                self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
+        for name, f, path in pending:       # expressions may name symbols declared after them
+            key = "expr" if f.expr is not None else "default_expr"
+            e = self.expr(path + (key,), getattr(f, key))
+            if name in e.names:
+                raise self.err(path + (key,), f"config.{name}.{key}: a symbol cannot refer to itself")
+            self.config[name] = dataclasses.replace(self.config[name], **{"expr" if key == "expr" else "default_expr":
+                                                                          e})
+        self.check_cycles()
+        self.resolve_guard()
+
+    def check_defaults(self) -> None:
+        """A literal `default` of a symbol used as a size, or as a positive number (eps, theta, scale, ...), is
+        in range: a checkpoint without the field gets it, whatever the variants set."""
+        def bad(sym, ok, what):
+            f = self.config.get(sym) if sym else None
+            if f is None or f.default is None or isinstance(f.default, (tuple, dict, str, bool)):
+                return
+            if not ok(f.default):
+                raise self.err(("config", sym, "default"), f"config.{sym}.default: {f.default!r}; {what}")
+
+        for _, size in self.sizes:
+            bad(getattr(size, "symbol", None) if isinstance(size, Size) else None,
+                lambda x: _is_int(x) and 0 < x <= MAX_SIZE, "it is used as a size (an int in 1..2**31-1)")
+        for _, v in self.positives:
+            bad(v.symbol, lambda x: _is_num(x) and x > 0, "it is used where a number must be > 0")
+        for _, v, bound in self.below:
+            bad(v.symbol, lambda x, b=bound: _is_num(x) and x < b, f"it is used where a number must be < {bound}")
+
+    def imply_bounds(self) -> None:
+        """An int symbol read from config.json and used as a size gets the bounds [1, 2**31-1] (narrowed by
+        its own min / max), checked when a checkpoint is loaded: a config.json with a zero or negative size
+        is refused naming the field, before any tensor is built."""
+        for _, size in self.sizes:
+            sym = getattr(size, "symbol", None) if isinstance(size, Size) else None
+            f = self.config.get(sym) if sym else None
+            if f is None or f.derived or f.type != "int":
+                continue
+            lo, hi = f.bounds
+            bounds = (1 if lo is None else max(lo, 1), MAX_SIZE if hi is None else min(hi, MAX_SIZE))
+            if bounds != tuple(f.bounds):
+                self.config[sym] = dataclasses.replace(f, bounds=bounds)
+        # a number used where it must be > 0 (norm eps, rope theta, scales, soft-caps): a config.json with 0 or
+        # a negative value is refused naming the field, instead of serving NaN or a silently wrong model
+        for _, v in self.positives:
+            sym = getattr(v, "symbol", None)
+            f = self.config.get(sym) if sym else None
+            if f is not None and not f.derived and f.type in ("int", "float") and not f.positive:
+                self.config[sym] = dataclasses.replace(f, positive=True)
+
+    def check_cycles(self) -> None:
+        """Derived symbols and default expressions form no cycle."""
+        deps = {n: set((f.expr or f.default_expr).names) if (f.expr or f.default_expr) else set()
+                for n, f in self.config.items()}
+        state: Dict[str, int] = {}
+
+        def visit(n, chain):
+            if state.get(n) == 2:
+                return
+            if state.get(n) == 1:
+                raise self.err(("config", n), f"config.{n}: expressions form a cycle: {' -> '.join(chain + [n])}",
+                               at_key=True)
+            state[n] = 1
+            for d in sorted(deps.get(n, ())):
+                visit(d, chain + [n])
+            state[n] = 2
+
+        for n in self.config:
+            visit(n, [])
+
+    def check_value(self, path, where: str, f: ConfigFieldIR, value, at_key: bool = False) -> None:
+        """A str / rope value against the symbol's admitted values, and numbers against its bounds."""
+        if f.values and value is not None:
+            v = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
+            if v not in f.values:
+                raise self.err(path, f"{where}: {v!r} is not one of the values the spec models: "
+                                     f"{', '.join(f.values)}", at_key=at_key)
+        lo, hi = f.bounds
+        if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            raise self.err(path, f"{where}: {value!r} is outside [{lo}, {hi}]", at_key=at_key)
+
+    def resolve_guard(self) -> None:
+        """config_assume / config_ignore: the fields the spec does not read are declared."""
+        read = {p for f in self.config.values() for p in f.paths}
+        for key, value in self.spec.config_assume.items():
+            path = ("config_assume", key)
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", key):
+                raise self.err(path, f"config_assume: '{key}' is not a dotted config.json path", at_key=True)
+            if key in read:
+                raise self.err(path, f"config_assume.{key}: this field is read by a config symbol; a field is "
+                                     f"either read or assumed", at_key=True)
+        for key in self.spec.config_defaults:
+            if key not in self.spec.config_assume:
+                where = "read by a config symbol: state its default with the symbol's `default`" if key in read \
+                    else "not in config_assume: list the value the spec assumes there"
+                raise self.err(("config_defaults", key), f"config_defaults.{key}: this field is {where}", at_key=True)
+        for i, pat in enumerate(self.spec.config_ignore):
+            if not pat or not re.match(r"^[A-Za-z0-9_.*?\[\]]+$", pat):
+                raise self.err(("config_ignore", i), f"config_ignore[{i}]: '{pat}' is not a dotted path pattern")
