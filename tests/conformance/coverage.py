@@ -50,7 +50,7 @@ def render() -> str:
         "  tiny checkpoint with the *features ON* listed (generic rules over the config class's fields) and checks",
         "  greedy parity with transformers in float32 on CPU at TP 1 (TP 2: `--runslow`). A feature the spec's",
         "  config guard refuses by name is listed under *refused features*: such a checkpoint is refused at",
-        "  load, never served wrong.",
+        "  load, never served wrong; a limit the spec serves within on purpose is listed there too (`limit:`).",
         "- **refused**: the spec's config guard refuses even the family's default tiny config (the reason).",
         "- *model types*: those transformers maps to the class; the battery builds the class's own config class",
         "  (a checkpoint of another model type is served only as far as the spec's config guard accepts its fields).",
@@ -70,6 +70,8 @@ def render() -> str:
         if p.status == "served":
             on = "; ".join(t.name for t in p.accepted) or "(default tiny config)"
             ref = "; ".join(f"{t.name}: {_refusal(m)}" for t, m in p.refused)
+            if f.architecture in F.SERVED_LIMITS:
+                ref = "; ".join(x for x in (ref, "limit: " + F.SERVED_LIMITS[f.architecture]) if x)
         elif p.status == "refused":
             on, ref = "", _refusal(p.base_refused or "")
         elif p.status == "not expressible":

@@ -81,6 +81,17 @@ _INKLING2 = (
     "scales, dynamic short convolutions of k and v on the full layers (per-token taps projected from the layer "
     "input), scaled short convolutions on the residual branches, softcapped SwiGLU experts "
     "(softcap(g) * sigmoid(g) * softcap(u)) (codegen/README.md, Not expressible yet)")
+
+# Served families whose spec serves less than the family's whole range on purpose (refusing the rest by name):
+# {architecture: what is refused and why}, shown in docs/coverage.md's last column
+SERVED_LIMITS = {
+    "Kolibri1_1ForCausalLM": (
+        "context capped at the indexer's dense budget (index_topk + index_num_local_tokens + index_num_sink_tokens: "
+        "2184 tokens at transformers' defaults, max_model_len): past it transformers attends to a weightless per-query "
+        "key selection over a cross-layer pool that the paged attention lacks, so longer requests are refused "
+        "(codegen/README.md, Not expressible yet)"),
+}
+
 NOT_EXPRESSIBLE: dict[str, str] = {
     "Gemma3nForCausalLM": (
         "AltUp: the residual is altup_num_inputs streams with per-token learned mixing (predict / correct around each "
