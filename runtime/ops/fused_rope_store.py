@@ -14,7 +14,7 @@ import triton.language as tl
 
 from xllm_gen.runtime.ops import pdl
 from xllm_gen.runtime.ops.pdl import pdl_enter
-from xllm_gen.runtime.ops.rope_kernels import _heads, _norm_rope_heads, _norm_rope_values
+from xllm_gen.runtime.ops.rope_kernels import _heads, _norm_rope_heads, _norm_rope_values, _RopeLaunch
 from xllm_gen.runtime.ops.triton_util import _warps
 
 
@@ -62,33 +62,19 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor):
     """rope_kernels.qk_norm_rope(q, k, ...) -> (q, k), and k (normed, rotated), v [N, Hk, D] written to the
     caches at slot_mapping [N] (-1: skipped), in one launch. Caches contiguous, of k's dtype."""
-    N, H, D = q.shape
-    Hk = k.shape[1]
     if v.shape != k.shape or k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
         raise ValueError(f"qk_norm_rope_store: k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}, caches "
                          f"{k_cache.dtype} / {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("qk_norm_rope_store: caches must be contiguous [num_blocks, block_size, Hk, D]")
-    q, k, v = _heads(q), _heads(k), _heads(v)
-    qo = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
-    ko = torch.empty((N, Hk, D), dtype=k.dtype, device=k.device)
-    if N == 0:
-        return qo, ko
-    has_norm = q_weight is not None
-    if has_norm != (k_weight is not None):
-        raise ValueError("qk_norm_rope_store: give both q and k norm weights or neither")
-    is_mrope = positions.dim() == 2
-    if positions.stride(-1) != 1:
-        positions = positions.contiguous()
-    qw = q_weight if has_norm else q
-    kw = k_weight if has_norm else k
-    ax = axis_map if is_mrope else positions
-    half_block = triton.next_power_of_2(D // 2)
-    qh, kh = triton.next_power_of_2(H), triton.next_power_of_2(Hk)
-    _qk_norm_rope_store_kernel[(N,)](
-        q, k, v, qw, kw, qo, ko, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, ax,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        positions.stride(0) if is_mrope else 0, H, Hk, eps,
-        HEAD_DIM=D, HALF_BLOCK=half_block, QH_BLOCK=qh, KH_BLOCK=kh, D_BLOCK=triton.next_power_of_2(D),
-        HAS_NORM=has_norm, IS_MROPE=is_mrope, num_warps=_warps(qh * half_block), **pdl.launch(q))
-    return qo, ko
+    r = _RopeLaunch(q, k, q_weight, k_weight, positions, axis_map, "qk_norm_rope_store")
+    v = _heads(v)
+    if r.N == 0:
+        return r.qo, r.ko
+    _qk_norm_rope_store_kernel[(r.N,)](
+        r.q, r.k, v, r.qw, r.kw, r.qo, r.ko, k_cache, v_cache, slot_mapping, r.positions, cos_sin_cache, r.ax,
+        r.q.stride(0), r.q.stride(1), r.k.stride(0), r.k.stride(1), v.stride(0), v.stride(1), r.pos_stride,
+        r.H, r.Hk, eps, HEAD_DIM=r.D, HALF_BLOCK=r.half_block, QH_BLOCK=r.qh, KH_BLOCK=r.kh,
+        D_BLOCK=triton.next_power_of_2(r.D), HAS_NORM=r.has_norm, IS_MROPE=r.is_mrope,
+        num_warps=_warps(r.qh * r.half_block), **pdl.launch(r.q))
+    return r.qo, r.ko

@@ -89,33 +89,41 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class _RopeLaunch:
+    """What qk_norm_rope and fused_rope_store.qk_norm_rope_store prepare alike for their kernels: q / k as heads,
+    the outputs, the norm weights (or q / k as dummies), the positions and axis map, the block sizes."""
+
+    def __init__(self, q, k, q_weight, k_weight, positions, axis_map, what: str):
+        self.N, self.H, self.D = q.shape
+        self.Hk = k.shape[1]
+        self.q, self.k = _heads(q), _heads(k)
+        self.qo = torch.empty((self.N, self.H, self.D), dtype=q.dtype, device=q.device)
+        self.ko = torch.empty((self.N, self.Hk, self.D), dtype=k.dtype, device=k.device)
+        self.has_norm = q_weight is not None
+        if self.has_norm != (k_weight is not None):
+            raise ValueError(f"{what}: give both q and k norm weights or neither")
+        self.is_mrope = positions.dim() == 2
+        self.positions = positions.contiguous() if positions.stride(-1) != 1 else positions
+        self.qw = q_weight if self.has_norm else self.q
+        self.kw = k_weight if self.has_norm else self.k
+        self.ax = axis_map if self.is_mrope else self.positions
+        self.pos_stride = self.positions.stride(0) if self.is_mrope else 0
+        self.half_block = triton.next_power_of_2(self.D // 2)
+        self.qh, self.kh = triton.next_power_of_2(self.H), triton.next_power_of_2(self.Hk)
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
                  k_weight: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, axis_map: Optional[torch.Tensor]):
-    N, H, D = q.shape
-    Hk = k.shape[1]
-    q, k = _heads(q), _heads(k)
-    qo = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
-    ko = torch.empty((N, Hk, D), dtype=k.dtype, device=k.device)
-    if N == 0:
-        return qo, ko
-    has_norm = q_weight is not None
-    if has_norm != (k_weight is not None):
-        raise ValueError("qk_norm_rope: give both q and k norm weights or neither")
-    is_mrope = positions.dim() == 2
-    if positions.stride(-1) != 1:
-        positions = positions.contiguous()
-    qw = q_weight if has_norm else q
-    kw = k_weight if has_norm else k
-    ax = axis_map if is_mrope else positions
-    half_block = triton.next_power_of_2(D // 2)
-    qh, kh = triton.next_power_of_2(H), triton.next_power_of_2(Hk)
-    _qk_norm_rope_kernel[(N,)](
-        q, k, qw, kw, qo, ko, positions, cos_sin_cache, ax,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0) if is_mrope else 0, H, Hk, eps,
-        HEAD_DIM=D, HALF_BLOCK=half_block, QH_BLOCK=qh, KH_BLOCK=kh, HAS_NORM=has_norm, IS_MROPE=is_mrope,
-        num_warps=_warps(qh * half_block), **pdl.launch(q))
-    return qo, ko
+    r = _RopeLaunch(q, k, q_weight, k_weight, positions, axis_map, "qk_norm_rope")
+    if r.N == 0:
+        return r.qo, r.ko
+    _qk_norm_rope_kernel[(r.N,)](
+        r.q, r.k, r.qw, r.kw, r.qo, r.ko, r.positions, cos_sin_cache, r.ax,
+        r.q.stride(0), r.q.stride(1), r.k.stride(0), r.k.stride(1), r.pos_stride, r.H, r.Hk, eps,
+        HEAD_DIM=r.D, HALF_BLOCK=r.half_block, QH_BLOCK=r.qh, KH_BLOCK=r.kh, HAS_NORM=r.has_norm,
+        IS_MROPE=r.is_mrope, num_warps=_warps(r.qh * r.half_block), **pdl.launch(r.q))
+    return r.qo, r.ko
 
 
 # ---------------------------------------------------------------------------------------------- vision rotary
