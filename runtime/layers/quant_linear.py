@@ -39,8 +39,9 @@ class PackedInt4(nn.Module):
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
         self.locks = _locks(self.out_features, qweight.device)
         # the same weight in tinygemm's layout, the fastest kernel for 1-4 rows of bf16 (ops/quant_tinygemm.py)
-        self.tinygemm = (quant_tinygemm.pack(Q.unpack_int4(qweight), scales, zeros, self.group)
-                         if qweight.is_cuda else None)
+        fits = qweight.is_cuda and quant_tinygemm.supported(self.out_features, self.in_features, self.group,
+                                                            qweight.device)
+        self.tinygemm = quant_tinygemm.pack(Q.unpack_int4(qweight), scales, zeros, self.group) if fits else None
 
     def dequantized(self, dtype) -> torch.Tensor:
         if self.qweight.is_cuda:
