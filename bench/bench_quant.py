@@ -91,6 +91,10 @@ def kernels(x, M: int, group: int = 128):
         ks[f"fp8 block128 {k}"] = lambda d, cfg=None, k=k: Q.fp8_gemm(x, *d["fp8b"], (128, 128), config=cfg, kernel=k)
         ks[f"fp8 channel {k}"] = lambda d, cfg=None, k=k: Q.fp8_gemm(x, d["fp8c"][0], d["fp8c"][1], (1, x.shape[1]),
                                                                       config=cfg, kernel=k)
+    if M <= T.SKINNY_MAX_M:     # the skinny GEMM streaming the float8 weight (ops/skinny_fma.py fp8_skinny_gemm)
+        ks["fp8 block128 fma"] = lambda d, cfg=None: Q.fp8_gemm(x, *d["fp8b"], (128, 128), config=cfg, kernel="fma")
+        ks["fp8 channel fma"] = lambda d, cfg=None: Q.fp8_gemm(x, d["fp8c"][0], d["fp8c"][1], (1, x.shape[1]),
+                                                               config=cfg, kernel="fma")
     if hasattr(torch.ops.aten, "_weight_int4pack_mm"):      # tinygemm (gpt-fast / torchao's int4 weight-only)
         ks["int4 g128 tinygemm"] = lambda d: torch.ops.aten._weight_int4pack_mm(x, d["tinygemm"]()[0], group,
                                                                                  d["tinygemm"]()[1])
@@ -108,8 +112,12 @@ def candidates(name: str, M: int, N: int, K: int) -> list:
     """The launch configs --sweep times for a weight-only kernel."""
     from xllm_gen.runtime.ops import quant_gemv as Q
     from xllm_gen.runtime.ops import quant_splitk as S
+    from xllm_gen.runtime.ops import triton_kernels as T
     int4 = name.startswith("int4")
     s_cols = 128 if (int4 or "block" in name) else K
+    if name.endswith("fma"):
+        return [T.skinny_gemm_config(M, N, K, 1)], T.skinny_gemm_candidates(M, N, K, 1) + [
+            (bn, bk, w, 1) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (2, 4, 8)]
     if name.endswith("splitk"):
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return [S.splitk_config(M, N, K, int4, s_cols, sms)], S.splitk_candidates(M, N, K, int4, s_cols, sms)
@@ -163,7 +171,7 @@ def bench_gemms(args) -> list:
                 row.update(us=round(us, 2), gbs=round(weight_bytes(name, N, K) / us / 1e3, 1),
                            vs_bf16_cublas=round(us / base_us, 3) if base_us else None, rel_err=err,
                            ok=err < (0.05 if "_scaled_mm" in name else 0.01))
-                if args.sweep and name.endswith(("mma", "splitk")):
+                if args.sweep and name.endswith(("mma", "splitk", "fma")):
                     table, cands = candidates(name, M, N, K)
                     timed = []
                     for cfg in cands:
@@ -206,7 +214,7 @@ print("E2E " + json.dumps(dict(quant=quant, batch=batch, tpot_ms=round(tpot, 3),
 """
 
 
-E2E_KERNELS = ("mma", "splitk", "auto")     # XLLM_QUANT_GEMV for the packed layers' decode GEMMs
+E2E_KERNELS = ("mma", "splitk", "fma", "auto")     # XLLM_QUANT_GEMV for the packed layers' decode GEMMs
 
 
 def bench_e2e(args) -> list:
@@ -222,7 +230,8 @@ def bench_e2e(args) -> list:
         d = write_config(root, name)
         for batch in [int(b) for b in args.e2e_batches.split(",")]:
             kernels = args.e2e_kernels.split(",")
-            for quant, kernel in [("bf16", "")] + [(q, k) for q in ("int4", "fp8") for k in kernels]:
+            quants = args.e2e_quants.split(",")
+            for quant, kernel in [("bf16", "")] + [(q, k) for q in quants for k in kernels]:
                 row = dict(model=name, quant=quant, kernel=kernel, batch=batch)
                 cmd = [sys.executable, "-c", E2E_CHILD, str(d), quant, str(batch), "64"]
                 env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
@@ -262,6 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-timeout", type=int, default=600)
     ap.add_argument("--e2e-kernels", default=",".join(E2E_KERNELS), help="XLLM_QUANT_GEMV values to run, e.g. auto")
     ap.add_argument("--e2e-batches", default="1,16")
+    ap.add_argument("--e2e-quants", default="int4,fp8", help="quantized forms of the decode-TPOT arm (comma list)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_quant needs a CUDA GPU", file=sys.stderr)

@@ -335,3 +335,20 @@ def test_linear_dispatch_cpu_is_f_linear():
     x, w, b = torch.randn(3, 16), torch.randn(24, 16), torch.randn(24)
     assert torch.equal(LL._linear(x, w, b), F.linear(x, w, b))
     assert torch.equal(LL._linear(x, w), F.linear(x, w))
+
+
+def test_no_ops_submodule_shadows_an_op():
+    """Importing a submodule sets it as an attribute of its package: a module runtime/ops/X.py would replace the
+    function ops.X the first time anything imports it (a layer that bound `from ops import X` earlier or later then
+    calls a module). So no op of ops.__all__ shares its name with a module of runtime/ops (reference is the module)."""
+    import importlib
+    from pathlib import Path
+
+    from xllm_gen.runtime import ops
+    modules = {p.stem for p in Path(ops.__file__).parent.glob("*.py")} - {"__init__"}
+    assert not (set(ops.__all__) - {"reference"}) & modules
+    for name in sorted(modules - {"triton_kernels"}):
+        importlib.import_module(f"xllm_gen.runtime.ops.{name}")
+    assert callable(ops.skinny_gemm) and callable(ops.rms_norm)
+    from xllm_gen.runtime.layers import linear
+    assert callable(linear.skinny_gemm)

@@ -18,7 +18,7 @@ from xllm_gen.runtime.ops import (
     norm_act_kernels,
     pdl,
     rope_kernels,
-    skinny_gemm,
+    skinny_fma,
     skinny_mma,
 )
 
@@ -35,7 +35,7 @@ def test_levels(monkeypatch):
                                                                               "late": 3}
 
 
-@pytest.mark.parametrize("module", [norm_act_kernels, rope_kernels, kvcache_kernels, skinny_gemm, skinny_mma, fused_gemv,
+@pytest.mark.parametrize("module", [norm_act_kernels, rope_kernels, kvcache_kernels, skinny_fma, skinny_mma, fused_gemv,
                                     fused_rope_store, decode_attention])
 def test_pdl_kernels_wait_first(module):
     src = inspect.getsource(module)

@@ -79,7 +79,15 @@ def _checks() -> dict:
                 out[key] = (err(Q.fp8_gemm(x, w8, sc, blk, b, table, "splitk", locks), ref), tol)
                 out[f"fp8whole_{key}"] = (err(S.splitk_gemv(x, w8, sc, None, b, N, K, blk[0], blk[1], False,
                                                             (64, 64, triton_pow2(K), 1)), ref), tol)
+                # the skinny GEMM streaming the float8 weight (ops/skinny_fma.py fp8_skinny_gemm): the launch
+                # table's config (one-byte elements) and a small one whose BLOCK_K leaves a masked tail where K allows
+                for cfg in (None, (4, 128, 1, 1)):
+                    got = Q.fp8_gemm(x, w8, sc, blk, b, cfg, "fma")
+                    out[f"fp8fma_{key}_{cfg and cfg[1]}"] = (err(got, ref), tol)
                 if M == 1 and dt == torch.float32:
+                    out[f"sensitive_fp8fmascale_{key}"] = (
+                        -err(Q.fp8_gemm(x, w8, sc.flip(0) if sc.shape[0] > 1 else sc * 1.5, blk, b, None, "fma"), ref),
+                        -0.05)
                     out[f"fp8twopass_{key}"] = (err(S.splitk_gemv(x, w8, sc, None, b, N, K, blk[0], blk[1], False,
                                                                   (32, 16, 64, 1), reduce="twopass"), ref), tol)
                     if sc.numel() > 1:
@@ -110,8 +118,8 @@ def interpreted():
 
 
 @pytest.mark.parametrize("case", ["int4", "int4whole", "int4table", "int4twopass", "fp8", "fp8whole", "fp8twopass",
-                                  "sensitive_order", "sensitive_zero", "sensitive_scale", "sensitive_fp8scale",
-                                  "locks"])
+                                  "fp8fma", "sensitive_order", "sensitive_zero", "sensitive_scale", "sensitive_fp8scale",
+                                  "sensitive_fp8fmascale", "locks"])
 def test_splitk_gemv_interpreted_vs_dequantized_reference(interpreted, case):
     got = {k: v for k, v in interpreted.items() if k.startswith(case + "_")}
     assert got, interpreted.keys()
@@ -141,12 +149,24 @@ def test_gemv_choice_dispatch(monkeypatch):
     monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "auto")
     bf = torch.bfloat16
     assert Q.gemv_choice("int4", 1, 4096, 4096, 128, bf) == ("splitk", None)
-    assert Q.gemv_choice("fp8", Q.SPLITK_AUTO_MAX_M["fp8"] + 1, 4096, 4096, 128, bf) == ("mma", None)
+    assert Q.gemv_choice("fp8", Q.FMA_AUTO_MAX_M + 1, 4096, 4096, 128, bf) == ("mma", None)
+    assert Q.gemv_choice("fp8", 1, 4096, 4096, 128, bf) == ("fma", None)                 # unmeasured, one row
+    assert Q.gemv_choice("fp8", 1, 4096, 4096, 24, bf) == ("mma", None)                  # blocks it cannot take
     assert Q.gemv_choice("int4", 17, 4096, 4096, 128, bf) == ("mma", None)
     Q.QUANT_GEMV_CHOICE[("int4", 2, 4096, 4096, 128, bf)] = "mma"                       # measured: mma won
     Q.QUANT_GEMV_CHOICE[("int4", 8, 4096, 4096, 128, bf)] = (64, 4, 32, 2)              # measured: split-K, this config
     assert Q.gemv_choice("int4", 2, 4096, 4096, 128, bf) == ("mma", None)
     assert Q.gemv_choice("int4", 8, 4096, 4096, 128, bf) == ("splitk", (64, 4, 32, 2))
+    Q.QUANT_GEMV_CHOICE[("fp8", 1, 4096, 4096, 128, bf)] = ("fma", 2, 1024, 4, 1)       # measured: the fp8 skinny GEMM
+    assert Q.gemv_choice("fp8", 1, 4096, 4096, 128, bf) == ("fma", (2, 1024, 4, 1))
+    Q.QUANT_GEMV_CHOICE[("fp8", 1, 4096, 4096, 24, bf)] = ("fma", 2, 1024, 4, 1)        # a block it cannot take
+    assert Q.gemv_choice("fp8", 1, 4096, 4096, 24, bf) == ("mma", None)
+    monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "fma")
+    assert Q.gemv_choice("fp8", 8, 4096, 4096, 128, bf) == ("fma", None)
+    assert Q.gemv_choice("fp8", 16, 4096, 4096, 128, bf) == ("mma", None)                # past SKINNY_MAX_M
+    with pytest.raises(ValueError, match="kernel 'fma'"):
+        Q.int4_gemm(torch.randn(1, 64), torch.zeros(8, 8, dtype=torch.int32), torch.ones(8, 1),
+                    torch.zeros(8, 1, dtype=torch.uint8), 64, kernel="fma")
     monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "splitk")
     assert Q.gemv_choice("int4", 2, 4096, 4096, 128, bf) == ("splitk", None)
     assert Q.gemv_choice("int4", 32, 4096, 4096, 128, bf) == ("mma", None)                # past SPLITK_MAX_M

@@ -40,7 +40,7 @@ _CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
 # plain prologue op + GEMM)}, measured by tune_fused_gemvs (from tune_decode_gemms, once per process); FUSED_TUNING:
 # {(prologue, rows, N, K): (plain us, fused us, config)} of what it measured
 FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
-# the fused GEMVs: the FMA skinny GEMM's up to 8 rows, the tensor-core one's up to 64 (ops/skinny_gemm.py
+# the fused GEMVs: the FMA skinny GEMM's up to 8 rows, the tensor-core one's up to 64 (ops/skinny_fma.py
 # SKINNY_MAX_M, ops/skinny_mma.py SKINNY_MMA_MAX_M); XLLM_FUSED_MMA=0 keeps 9..64 rows unfused (the benchmark's baseline)
 _FUSED_MAX_ROWS = 8 if os.environ.get("XLLM_FUSED_MMA", "1") == "0" else 64
 FUSED_TUNING: dict = {}
@@ -85,7 +85,7 @@ def fused_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list:
     """Launch configs timed for a fused GEMV: the skinny GEMM's measured alternatives (its launch table's own config
     is rarely the fastest), and for more than 2 rows one with 8 output rows per program: each program computes its
     x chunk (the norm / activation of all rows) itself, so fewer, wider programs read less of it."""
-    from xllm_gen.runtime.ops.skinny_gemm import SKINNY_MAX_M, skinny_gemm_candidates
+    from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, skinny_gemm_candidates
     from xllm_gen.runtime.ops.skinny_mma import skinny_mma_candidates
     if M > SKINNY_MAX_M:        # the tensor-core form: its GEMM's candidates
         return skinny_mma_candidates(M, N, K)

@@ -72,13 +72,13 @@ def graph_time_ms(fn, reps: int = 5) -> float:
 @torch.inference_mode()
 def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     """For every distinct (rows, N, K) of the model's linear layers not decided yet in this process: times cuBLAS
-    against the skinny-GEMM kernel in each of its candidate launch configs (skinny_gemm.skinny_gemm_candidates),
+    against the skinny-GEMM kernel in each of its candidate launch configs (skinny_fma.skinny_gemm_candidates),
     each over all the layers' weights of that shape in turn (repeated to at least 96 MB, so that they stream from
     HBM as in a decode step, not from L2), and takes the fastest config when it is faster than `margin` x cuBLAS.
     Decisions a previous process measured on this GPU and software are read from ops/tuning_cache.py's file instead.
     Returns {(M, N, K): (cuBLAS us, best Triton us, config chosen or False)} of what it measured."""
     from xllm_gen.runtime.ops import tuning_cache
-    from xllm_gen.runtime.ops.skinny_gemm import SKINNY_MAX_M, skinny_gemm_candidates
+    from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, skinny_gemm_candidates
     from xllm_gen.runtime.ops.skinny_mma import skinny_mma_candidates
     if _FORCE is not None:
         return {}

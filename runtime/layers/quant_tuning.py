@@ -4,7 +4,8 @@ For every distinct (form, N, K, group / block, dtype) of a model's packed layers
 PackedFp8 on CUDA) and every decode row count up to quant_splitk.SPLITK_MAX_M: the tensor-core tile
 (quant_gemv's launch table) against the split-K GEMV in its table config and a few neighbours
 (quant_splitk.splitk_candidates), and, for int4 layers with bf16 activations that hold its layout, tinygemm
-(ops/quant_tinygemm.py), each over all the layers' weights of that shape in turn (repeated to about 96 MB, so they
+(ops/quant_tinygemm.py), for fp8 layers up to 8 rows the skinny GEMM streaming the float8 weight in a few launch
+configs (ops/skinny_fma.py fp8_skinny_gemm), each over all the layers' weights of that shape in turn (repeated to about 96 MB, so they
 stream from HBM as in a decode step), in a CUDA graph. Another kernel is taken over the tensor-core tile when it
 beats `margin` x the best time so far; the decision goes to quant_gemv.QUANT_GEMV_CHOICE (every later call of the
 process) and to ops/tuning_cache.py's file (every later start on this GPU and software). Row counts between
@@ -38,6 +39,7 @@ def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes:
     from xllm_gen.runtime.ops import quant_gemv as Q
     from xllm_gen.runtime.ops import quant_splitk as S
     from xllm_gen.runtime.ops import tuning_cache
+    from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, fp8_fits, skinny_gemm_candidates
     if Q.QUANT_GEMV_MODE != "auto":
         return {}
     shapes: dict = {}
@@ -76,7 +78,12 @@ def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes:
                     if kind == "int4" and dt == torch.bfloat16 and all(p.tinygemm is not None for p, _ in layers):
                         t_tiny = graph_time_ms(lambda: [_call(p, x, b, "tinygemm", None) for p, b in seq]) / len(seq)
                         if t_tiny < margin * t_best:
-                            best = "tinygemm"
+                            best, t_best = "tinygemm", t_tiny
+                    if kind == "fp8" and M <= SKINNY_MAX_M and fp8_fits(K, (1, s_cols)):
+                        for cfg in skinny_gemm_candidates(M, N, K, 1)[:CANDIDATES]:
+                            t_fma = graph_time_ms(lambda: [_call(p, x, b, "fma", cfg) for p, b in seq]) / len(seq)
+                            if t_fma < margin * t_best:
+                                best, t_best = ("fma", *cfg), t_fma
                     Q.QUANT_GEMV_CHOICE[key] = best
                     report[key[:5]] = (1e3 * t_mma, 1e3 * t_splitk, Q.QUANT_GEMV_CHOICE[key])
                 except Exception as e:  # noqa: BLE001 - keep the tensor-core kernel, say why

@@ -24,10 +24,10 @@ from xllm_gen.runtime.loading.quant_config import QuantConfig, block_grid
 
 def _pack_forced() -> Optional[bool]:
     """XLLM_PACKED_QUANT=1 / 0: keep quantized weights packed (the weight-only GEMM; on the CPU F.linear on their
-    dequantized values) / dequantized at load, on any device; unset: dequantized (the packed CUDA path is opt-in:
-    its kernels ran on the H200 but the layer path has not, and they are not yet faster than bf16; read at each
-    load, so TP rank processes follow the environment)."""
+    dequantized values) / dequantized at load, on any device; unset: see QuantLoad.packs (read at each load, so TP
+    rank processes follow the environment)."""
     return {"1": True, "0": False}.get(os.environ.get("XLLM_PACKED_QUANT", ""))
+
 
 _FP8_DTYPES = {"F8_E4M3"}
 
@@ -192,8 +192,14 @@ class QuantLoad:
         return None
 
     def packs(self, param: str, tensor: torch.Tensor) -> bool:
-        """Whether the quantized layer of `param` keeps its weight packed (XLLM_PACKED_QUANT=1)."""
-        return bool(_pack_forced())
+        """Whether the quantized layer of `param` keeps its weight packed: XLLM_PACKED_QUANT=1 / 0, else on CUDA in
+        bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, Qwen3-8B
+        batch-1 decode at 0.68x (fp8) / 0.71x (int4) bf16's time on an H200, bench/results/h200_quant_fma_2026-12-04.md),
+        dequantized at load elsewhere (CPU, float32: the reference semantics)."""
+        forced = _pack_forced()
+        if forced is not None:
+            return forced
+        return tensor.is_cuda and tensor.dtype in (torch.bfloat16, torch.float16)
 
     def pack(self, param: str, tensor: torch.Tensor, parts: dict) -> None:
         """Repacks a quantized layer from this rank's per-element codes / zeros / scales (read through the layer's

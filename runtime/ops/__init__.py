@@ -244,7 +244,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 config: Optional[tuple] = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ weight [N, K]^T (+ bias), M <= 64, in x's dtype (fp32 accumulation): a Triton kernel
     that streams the weight at HBM speed for decode batches; F.linear on CPU. config: (BLOCK_N, BLOCK_K,
-    num_warps, num_stages) for the FMA kernel (M <= 8; default the launch table's, skinny_gemm.skinny_gemm_config),
+    num_warps, num_stages) for the FMA kernel (M <= 8; default the launch table's, skinny_fma.skinny_gemm_config),
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for the tensor-core one (9..64 rows; default
     skinny_mma_config's)."""
     if not x.is_cuda:

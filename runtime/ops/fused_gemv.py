@@ -1,6 +1,6 @@
 """Decode GEMVs with a fused prologue: the op before a linear layer computed while its weight streams.
 
-Up to 8 rows the kernel is the skinny GEMM of skinny_gemm.py (`_skinny_gemm_kernel`: a [BLOCK_N, BLOCK_K // VEC,
+Up to 8 rows the kernel is the skinny GEMM of skinny_fma.py (`_skinny_gemm_kernel`: a [BLOCK_N, BLOCK_K // VEC,
 VEC] weight tile, one fp32 accumulator per row, the same launch configs), from 9 to 64 rows its tensor-core skinny
 GEMM (skinny_mma.py's `_skinny_mma_kernel`, split-K; `_prologue_mma_kernel` below), whose x chunk is not read but computed:
 
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from xllm_gen.runtime.ops import pdl
 from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger, prefetch_rows_l2
-from xllm_gen.runtime.ops.skinny_gemm import SKINNY_MAX_M, skinny_gemm_config
+from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, skinny_gemm_config
 from xllm_gen.runtime.ops.skinny_mma import SKINNY_MMA_MAX_M, _splitk_counters, skinny_mma_config
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}   # act_gemv's activations (gelu: exact erf)

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from xllm_gen.runtime.ops import quant_tinygemm
 from xllm_gen.runtime.ops.quant_splitk import SPLITK_MAX_M, splitk_gemv
+from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, fp8_fits, fp8_skinny_gemm
 
 GEMV_MAX_M = 64        # rows up to which the layers call these kernels (else dequantize + cuBLAS)
 
@@ -164,10 +165,11 @@ def _launch(x, q, s, z, bias, N, K, s_rows, s_cols, int4, config):
 # by layers/quant_tuning.py and kept in ops/tuning_cache.py's file), else split-K up to SPLITK_AUTO_MAX_M rows.
 # int4 layers that hold tinygemm's layout as well (quant_tinygemm.py, bf16 activations) have a third kernel,
 # "tinygemm": auto takes it up to TINYGEMM_AUTO_MAX_M rows where nothing was measured; XLLM_QUANT_GEMV=tinygemm
-# forces it where the layer has it.
+# forces it where the layer has it. fp8 layers up to 8 rows have the skinny GEMM streaming the float8 weight
+# (ops/skinny_fma.py fp8_skinny_gemm, "fma"): taken where measured faster, or forced by XLLM_QUANT_GEMV=fma.
 QUANT_GEMV_MODE = os.environ.get("XLLM_QUANT_GEMV", "auto").strip().lower() or "auto"
-if QUANT_GEMV_MODE not in ("auto", "splitk", "mma", "tinygemm"):
-    raise ValueError(f"XLLM_QUANT_GEMV={QUANT_GEMV_MODE!r}: 'auto', 'splitk', 'mma' or 'tinygemm'")
+if QUANT_GEMV_MODE not in ("auto", "splitk", "mma", "tinygemm", "fma"):
+    raise ValueError(f"XLLM_QUANT_GEMV={QUANT_GEMV_MODE!r}: 'auto', 'splitk', 'mma', 'tinygemm' or 'fma'")
 TINYGEMM_AUTO_MAX_M = 4
 # rows up to which `auto` takes split-K for a shape nothing measured. H200, an 8B model's qkv 6144 x 4096 (bench/bench_quant.py
 # --sweep, bench/results/h200_quant_splitk.md): int4 split-K 12.8 / 16.4 us at M = 1 / 2 against 24.8 / 25.0 for
@@ -176,17 +178,25 @@ TINYGEMM_AUTO_MAX_M = 4
 # (TPOT 4.56 ms against 4.13 for the tile: bench/results/h200_quant_e2e.md), so fp8 takes the tile unless measured.
 # Keep them powers of two (decode graph buckets), so an eager step of 3 rows runs the kernel its bucket of 4 does.
 SPLITK_AUTO_MAX_M = {"int4": 1, "fp8": 0}
-# (kind "int4" | "fp8", M, N, K, scale columns (group / block), activation dtype) -> "mma" | "splitk" | a split-K
-# launch config (tuple): measured per shape
+# rows up to which `auto` takes the fp8 skinny GEMM for a shape nothing measured: at one row it beat the tile and
+# split-K on all four 8B shapes (H200, 128 x 128 blocks: qkv / o / gate_up / down 9.3 / 6.7 / 28.5 / 14.9 us against
+# the tile's 17.6 / 13.6 / 34.7 / 34.9 and split-K's 14.8 / 12.6 / 46.3 / 26.5), at four rows it lost gate_up (59.8
+# against 35.1: bench/results/h200_quant_fma_2026-12-04.md)
+FMA_AUTO_MAX_M = 2
+# (kind "int4" | "fp8", M, N, K, scale columns (group / block), activation dtype) -> "mma" | "tinygemm" | a split-K
+# launch config (tuple of ints) | ("fma", BLOCK_N, BLOCK_K, num_warps, num_stages): measured per shape
 QUANT_GEMV_CHOICE: dict = {}
 
 
 def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype,
                 tinygemm: bool = False) -> tuple[str, Optional[tuple]]:
-    """("splitk" | "mma" | "tinygemm", split-K launch config or None) for a call of M rows; `tinygemm`: the layer
-    holds that layout (int4, bf16)."""
+    """("splitk" | "mma" | "tinygemm" | "fma", launch config or None) for a call of M rows; `tinygemm`: the layer
+    holds that layout (int4, bf16); "fma" only for fp8 scales of 16-column multiples (or one block a row)."""
     if QUANT_GEMV_MODE == "tinygemm" and tinygemm:
         return "tinygemm", None
+    fma_fits = kind == "fp8" and M <= SKINNY_MAX_M and fp8_fits(K, (1, s_cols))
+    if QUANT_GEMV_MODE == "fma" and fma_fits:
+        return "fma", None
     if QUANT_GEMV_MODE == "mma" or (M > SPLITK_MAX_M and not tinygemm):
         return "mma", None
     if QUANT_GEMV_MODE == "splitk":
@@ -197,7 +207,11 @@ def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype,
     if c is None:
         if tinygemm and M <= TINYGEMM_AUTO_MAX_M:
             return "tinygemm", None
+        if fma_fits and M <= FMA_AUTO_MAX_M:
+            return "fma", None
         return ("splitk" if M <= SPLITK_AUTO_MAX_M[kind] else "mma"), None
+    if isinstance(c, tuple) and c[:1] == ("fma",):
+        return ("fma", tuple(c[1:])) if fma_fits else ("mma", None)
     return ("splitk", c) if isinstance(c, tuple) else (c, None)
 
 
@@ -206,8 +220,10 @@ def _pick(kind, x, N, K, s_cols, config, kernel, tinygemm=False):
         if config is not None:
             return "mma", config
         return gemv_choice(kind, x.shape[0], N, K, s_cols, x.dtype, tinygemm)
-    if kernel not in ("splitk", "mma", "tinygemm") or (kernel == "tinygemm" and not tinygemm):
-        raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk', 'mma' or (int4 with its layout) 'tinygemm'")
+    if (kernel not in ("splitk", "mma", "tinygemm", "fma") or (kernel == "tinygemm" and not tinygemm)
+            or (kernel == "fma" and kind != "fp8")):
+        raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk', 'mma', (int4 with its layout) 'tinygemm' or "
+                         "(fp8) 'fma'")
     return kernel, config
 
 
@@ -243,6 +259,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         raise ValueError(f"fp8_gemm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)} "
                          f"{scale.dtype}, block {block} do not fit")
     kernel, config = _pick("fp8", x, N, K, bk, config, kernel)
+    if kernel == "fma":
+        return fp8_skinny_gemm(x, weight, scale, block, bias, config)
     if kernel == "splitk":
         return splitk_gemv(x, weight, scale.contiguous(), None, bias, N, K, bn, bk, False, config, locks)
     return _launch(x, weight, scale.contiguous(), None, bias, N, K, bn, bk, False, config)

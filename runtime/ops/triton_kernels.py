@@ -4,7 +4,7 @@ each of one kind of kernel with its launcher:
   norm_act_kernels.py   rms_norm, fused_add_rms_norm, silu_and_mul, gelu_and_mul
   rope_kernels.py       qk_norm_rope (q/k per-head RMSNorm + rotary), vision_rope_
   kvcache_kernels.py    store_kvcache
-  skinny_gemm.py        skinny_gemm (FMA weight stream, 1..8 rows), its launch table and tuning candidates
+  skinny_fma.py        skinny_gemm (FMA weight stream, 1..8 rows), its launch table and tuning candidates
   skinny_mma.py         skinny_mma_gemm (tensor cores, 9..64 rows, split-K), its configs and candidates
 
 The names are re-exported here unchanged (callers and tests use `triton_kernels.<name>`); new code may import
@@ -33,7 +33,7 @@ from xllm_gen.runtime.ops.rope_kernels import (
     qk_norm_rope,
     vision_rope_,
 )
-from xllm_gen.runtime.ops.skinny_gemm import (
+from xllm_gen.runtime.ops.skinny_fma import (
     SKINNY_MAX_M,
     _skinny_gemm_kernel,
     skinny_gemm,

@@ -118,7 +118,8 @@ def test_fp8_gemm_cuda(M):
         sc = torch.rand(-(-N // blk[0]), -(-K // blk[1]), device="cuda") * 1e-3 + 1e-4
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x, Q.dequant_fp8(w, sc, blk, torch.bfloat16))
-        for kernel in ("mma", "splitk"):
+        # the tensor-core tile, split-K, and (up to 8 rows) the skinny GEMM streaming the float8 weight
+        for kernel in ("mma", "splitk") + (("fma",) if M <= 8 else ()):
             e = _rel_err(Q.fp8_gemm(x, w, sc, blk, kernel=kernel), ref)
             bad = _rel_err(Q.fp8_gemm(x, w, sc.flip(0), blk, kernel=kernel), ref) if sc.shape[0] > 1 else 1.0
             print(f"\n[fp8 {blk[0]}x{blk[1]} {kernel}] M {M} N {N} K {K}: relative error {e:.2e} (scales flipped: "
@@ -143,8 +144,9 @@ def test_quant_gemms_in_cuda_graph():
     from xllm_gen.runtime.ops import quant_tinygemm as TG
     tiny = TG.pack(Q.unpack_int4(qw), s, z, 128)
     # split-K: its counters zero again after every call, graph or not; tinygemm (int4 only, the fp8 call takes mma)
-    for kernel in ("mma", "splitk") + (("tinygemm",) if tiny is not None else ()):
-        fn = lambda: (Q.int4_gemm(x, qw, s, z, 128, kernel=kernel, tinygemm=tiny),  # noqa: E731
+    # fma: the fp8 skinny GEMM (its int4 call takes mma)
+    for kernel in ("mma", "splitk", "fma") + (("tinygemm",) if tiny is not None else ()):
+        fn = lambda: (Q.int4_gemm(x, qw, s, z, 128, kernel=kernel if kernel != "fma" else "mma", tinygemm=tiny),  # noqa: E731
                       Q.fp8_gemm(x, w8, s8, (128, 128), kernel=kernel if kernel != "tinygemm" else "mma"))
         out = fn()
         torch.cuda.synchronize()

@@ -26,11 +26,16 @@ from xllm_gen.runtime.ops.skinny_mma import skinny_mma_gemm
 # to row N-1 (read, never stored), so the hot loop has no masks when K % BLOCK_K == 0. The loop carries num_stages
 # itself (tl.range): Triton only software-pipelines (cp.async) the loads of a loop without tl.dot when the loop asks.
 # No split-K (no second pass, no atomics): BLOCK_N shrinks until the grid has enough programs to fill the SMs.
+# SCALED: a float8 weight (16 elements a vector) with float32 block scales s [ceil(N / S_ROWS), ceil(K / S_COLS)]
+# (128 x 128 blocks, per channel, per tensor: ops/quant_gemv.py's fp8 form), S_COLS a multiple of VEC: each VEC-wide
+# partial dot lies inside one scale block and is multiplied by its scale (a [BLOCK_N, KC] gather of a few cached
+# floats a tile), so the weight streams at one byte an element with one FFMA an element more than nothing.
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
+                        S_ROWS, S_COLS,
                         M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         VEC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
-                        KP: tl.constexpr = 1, LINE: tl.constexpr = 64):
+                        KP: tl.constexpr = 1, LINE: tl.constexpr = 64, SCALED: tl.constexpr = False):
     KC: tl.constexpr = BLOCK_K // VEC
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,6 +47,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, 
     offs_k = kc[None, :, None] * VEC + kv[None, None, :]                  # [1, KC, VEC]
     w_ptrs = w_ptr + rows[:, None, None] * stride_wn + offs_k             # [BLOCK_N, KC, VEC]
     x_ptrs = x_ptr + offs_k
+    if SCALED:      # the scale rows of the program's weight rows
+        s_rows = s_ptr + (rows // S_ROWS)[:, None] * stride_sn
     acc0 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
     if M > 1:
         acc1 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
@@ -93,21 +100,40 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, 
                 x6 = tl.load(x_ptrs + 6 * stride_xm + k0, mask=km, other=0.0).to(tl.float32)
             if M > 7:
                 x7 = tl.load(x_ptrs + 7 * stride_xm + k0, mask=km, other=0.0).to(tl.float32)
-        acc0 += tl.sum(w * x0, axis=2)
-        if M > 1:
-            acc1 += tl.sum(w * x1, axis=2)
-        if M > 2:
-            acc2 += tl.sum(w * x2, axis=2)
-        if M > 3:
-            acc3 += tl.sum(w * x3, axis=2)
-        if M > 4:
-            acc4 += tl.sum(w * x4, axis=2)
-        if M > 5:
-            acc5 += tl.sum(w * x5, axis=2)
-        if M > 6:
-            acc6 += tl.sum(w * x6, axis=2)
-        if M > 7:
-            acc7 += tl.sum(w * x7, axis=2)
+        if SCALED:
+            # the scale of each (row, VEC-wide K slice) of the tile; slices past K (masked tail, w = 0) clamped
+            sc = tl.load(s_rows + (tl.minimum(k0 + kc * VEC, K - 1) // S_COLS)[None, :])
+            acc0 += tl.sum(w * x0, axis=2) * sc
+            if M > 1:
+                acc1 += tl.sum(w * x1, axis=2) * sc
+            if M > 2:
+                acc2 += tl.sum(w * x2, axis=2) * sc
+            if M > 3:
+                acc3 += tl.sum(w * x3, axis=2) * sc
+            if M > 4:
+                acc4 += tl.sum(w * x4, axis=2) * sc
+            if M > 5:
+                acc5 += tl.sum(w * x5, axis=2) * sc
+            if M > 6:
+                acc6 += tl.sum(w * x6, axis=2) * sc
+            if M > 7:
+                acc7 += tl.sum(w * x7, axis=2) * sc
+        else:
+            acc0 += tl.sum(w * x0, axis=2)
+            if M > 1:
+                acc1 += tl.sum(w * x1, axis=2)
+            if M > 2:
+                acc2 += tl.sum(w * x2, axis=2)
+            if M > 3:
+                acc3 += tl.sum(w * x3, axis=2)
+            if M > 4:
+                acc4 += tl.sum(w * x4, axis=2)
+            if M > 5:
+                acc5 += tl.sum(w * x5, axis=2)
+            if M > 6:
+                acc6 += tl.sum(w * x6, axis=2)
+            if M > 7:
+                acc7 += tl.sum(w * x7, axis=2)
     pdl_trigger(PDL)
     n_mask = offs_n < N
     if HAS_BIAS:
@@ -168,8 +194,10 @@ def skinny_gemm_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list[t
     sweep on an H200 found best across hidden-1024 and hidden-4096 model shapes (bench/bench_gemv.py --sweep-configs,
     bench/results/h200_gemv_configs.md): two rows per program, one stage, BLOCK_K 256-512 for 1-2 rows (1.3-2x
     faster than the table on the tall shapes); 2-4 rows per program for more rows. BLOCK_K never exceeds the
-    table's (which fits small K)."""
+    table's (which fits small K). float8 weights (elem_size 1) have their own list, FP8_CANDIDATES."""
     table = skinny_gemm_config(M, N, K, elem_size)
+    if elem_size == 1:
+        return list(dict.fromkeys((bn, min(bk, table[1]), w, st) for bn, bk, w, st in FP8_CANDIDATES[M <= 2]))
     alts = [(2, 512, 4, 1), (2, 256, 2, 1)] if M <= 2 else [(4, 512, 2, 3), (2, 512, 2, 1)]
     out = [table]
     for bn, bk, warps, stages in alts:
@@ -177,6 +205,16 @@ def skinny_gemm_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list[t
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+# The float8 weight stream's launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages), best first, for 1-2 rows (True)
+# and 3-8: a sweep of 27 configs on an H200 at Qwen3-8B's four decode shapes, 128 x 128 block scales (bench/bench_quant.py
+# --rows 1,4 --only "block128 fma" --sweep, bench/results/h200_quant_fma_2026-12-04.md). M = 1: qkv 9.3 us with
+# (2, 1024, 2, 1), o / gate_up / down 6.7 / 28.5 / 14.9 us with (2, 2048, 2, 1), against bf16 cuBLAS 15.9 / 13.7 / 50.1
+# / 30.3; M = 4: 18.5 / 13.4 / 59.8 / 32.3. The one-byte launch table ((8, 2048, 4, 3): 2048 fp32 products a thread in
+# flight) was 1.7-2.4x slower, so the first entry is also the default.
+FP8_CANDIDATES = {True: [(2, 1024, 2, 1), (2, 2048, 2, 1), (2, 512, 2, 1), (1, 1024, 2, 1)],
+                  False: [(2, 1024, 4, 1), (4, 1024, 2, 1), (2, 512, 2, 1), (4, 512, 2, 1)]}
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -202,13 +240,47 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         return y
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    return _launch(x, weight, bias, y, config, block_n)
+
+
+def _launch(x, weight, bias, y, config, block_n=None, scale=None, s_rows=1, s_cols=1):
+    M, K = x.shape
+    N = weight.shape[0]
     bn, bk, warps, stages = config or skinny_gemm_config(M, N, K, weight.element_size())
     bn = block_n or bn
     vec = min(16 // weight.element_size(), bk)
     has_bias = bias is not None
     _skinny_gemm_kernel[(triton.cdiv(N, bn),)](
-        x, weight, bias if has_bias else weight, y, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, bias if has_bias else weight, y, weight if scale is None else scale, N, K, x.stride(0),
+        weight.stride(0), y.stride(0), 0 if scale is None else scale.stride(0), s_rows, s_cols,
         M=M, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, VEC=vec, EVEN_K=K % bk == 0, NUM_STAGES=stages,
-        num_warps=warps, num_stages=stages, **pdl.launch(x),
+        SCALED=scale is not None, num_warps=warps, num_stages=stages, **pdl.launch(x),
         **pdl.prefetch_meta(K, weight.element_size()))
     return y
+
+
+def fp8_fits(K: int, block: tuple) -> bool:
+    """fp8_skinny_gemm takes this scale form: each 16-element slice of a row inside one scale block."""
+    return block[1] % 16 == 0 or block[1] >= K
+
+
+def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple,
+                    bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None) -> torch.Tensor:
+    """x [M, K] (M <= 8) @ dequant(weight [N, K] float8_e4m3fn, scale float32 [ceil(N / bn), ceil(K / bk)],
+    block (bn, bk))^T (+ bias) -> [M, N] in x's dtype: the skinny GEMM streaming the float8 weight (SCALED), each
+    16-wide partial dot times its block's scale, fp32 accumulation. config: (BLOCK_N, BLOCK_K, num_warps,
+    num_stages), default FP8_CANDIDATES' first."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > SKINNY_MAX_M or weight.shape[1] != K or weight.element_size() != 1 or not fp8_fits(K, block) \
+            or scale.dtype != torch.float32 or scale.shape != (-(-N // block[0]), -(-K // block[1])):
+        raise ValueError(f"fp8_skinny_gemm: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale "
+                         f"{tuple(scale.shape)} {scale.dtype}, block {block} do not fit (<= {SKINNY_MAX_M} rows, "
+                         "16-column slices inside a block)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    config = config or skinny_gemm_candidates(M, N, K, 1)[0]
+    return _launch(x, weight.contiguous(), bias, y, config, None, scale.contiguous(), block[0], block[1])
