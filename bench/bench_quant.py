@@ -220,7 +220,7 @@ E2E_KERNELS = ("mma", "splitk", "fma", "auto")     # XLLM_QUANT_GEMV for the pac
 def bench_e2e(args) -> list:
     """Decode TPOT (median of 3: (time of n + 1 tokens - time of 1) / n) of Qwen3 shapes with random weights, bf16
     and quantized in place (runtime/layers/quant_linear.quantize_dummy: int4 RTN groups of 128, fp8 per channel,
-    weights only), each engine in its own process under a time limit."""
+    weights only; fp8_block: a scale per 128 x 128 block), each engine in its own process under a time limit."""
     import tempfile
     sys.path.insert(0, str(REPO / "bench"))
     from bench_decode import write_config
@@ -271,7 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-timeout", type=int, default=600)
     ap.add_argument("--e2e-kernels", default=",".join(E2E_KERNELS), help="XLLM_QUANT_GEMV values to run, e.g. auto")
     ap.add_argument("--e2e-batches", default="1,16")
-    ap.add_argument("--e2e-quants", default="int4,fp8", help="quantized forms of the decode-TPOT arm (comma list)")
+    ap.add_argument("--e2e-quants", default="int4,fp8", help="quantized forms of the decode-TPOT arm (comma list of int4, "
+                    "fp8 (per channel), fp8_block (128 x 128 blocks))")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_quant needs a CUDA GPU", file=sys.stderr)

@@ -239,7 +239,7 @@ def test_tp2_awq_gptq(awq128, base, tmp_path, monkeypatch, pack):
 
 
 # ---------------------------------------------------------------------------------------------- dummy quantization
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "fp8", "fp8_block"])
 def test_dummy_quantize_for_benchmarks(base, kind):
     """load_format=dummy + _debug dummy_quantize (bench/bench_quant.py --e2e): every linear layer quantized in place;
     packed or dequantized, the same model output."""
@@ -254,10 +254,14 @@ def test_dummy_quantize_for_benchmarks(base, kind):
     llm.shutdown()
     from xllm_gen.runtime.layers.linear import ReplicatedLinear
     lin = torch.nn.Module()
-    lin.a = ReplicatedLinear(256, 64)
+    lin.a = ReplicatedLinear(256, 128)
     torch.nn.init.normal_(lin.a.weight, std=0.02)
     ref = copy.deepcopy(lin)
     assert quantize_dummy(lin, kind, pack=True) == 1 and quantize_dummy(ref, kind, pack=False) == 1
     assert lin.a.packed is not None and lin.a.weight.numel() == 0 and ref.a.packed is None
+    if kind == "fp8_block":         # one scale per 128 x 128 block, held per row and 128 columns
+        sc = lin.a.packed.scale
+        assert lin.a.packed.block == (1, 128) and sc.shape == (128, 2) and torch.equal(sc, sc[:1].expand(128, 2))
+        assert sc[0, 0] != sc[0, 1]
     x = torch.randn(3, 256)
     assert torch.equal(lin.a(x), ref.a(x))

@@ -113,12 +113,13 @@ def rtn_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, t
 def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> int:
     """Benchmarks without a quantized checkpoint (load_format="dummy", `_debug={"dummy_quantize": kind}`): every
     linear layer's weight (not an MoE router's) quantized in place, "int4" (round to nearest, groups of 128, zero
-    points: an AWQ checkpoint's form) or "fp8" (e4m3 per output channel, weights only), packed (`pack`; default
-    on CUDA) or written back dequantized. Returns the number of layers quantized."""
+    points: an AWQ checkpoint's form), "fp8" (e4m3 per output channel, weights only) or "fp8_block" (e4m3 with a
+    scale per 128 x 128 block, as the official *-FP8 releases; held, as a loaded checkpoint's, per row and 128
+    columns), packed (`pack`; default on CUDA) or written back dequantized. Returns the number of layers quantized."""
     from xllm_gen.runtime.layers.linear import _Linear
     from xllm_gen.runtime.layers.moe import FusedMoE
-    if kind not in ("int4", "fp8"):
-        raise ValueError(f"dummy_quantize={kind!r}: 'int4' or 'fp8'")
+    if kind not in ("int4", "fp8", "fp8_block"):
+        raise ValueError(f"dummy_quantize={kind!r}: 'int4', 'fp8' or 'fp8_block'")
     routers = {id(c) for m in model.modules() if any(isinstance(x, FusedMoE) for x in m.children())
                for c in m.children() if isinstance(c, _Linear)}
     n = 0
@@ -131,6 +132,12 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
             g = 128 if w.shape[1] % 128 == 0 else w.shape[1]
             codes, s, z = rtn_int4(w, g)
             packed = PackedInt4(Q.pack_int4(codes), s, z, g)
+        elif kind == "fp8_block" and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
+            N, K = w.shape
+            sb = (w.float().abs().reshape(N // 128, 128, K // 128, 128).amax((1, 3)) / 448.0).clamp(min=1e-12)
+            s = sb.repeat_interleave(128, 0)                                   # [N, K / 128]: per row, 128 columns
+            q = (w.float() / s.repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+            packed = PackedFp8(q, s.contiguous(), 128)
         else:
             s = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
             packed = PackedFp8((w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s, w.shape[1])
