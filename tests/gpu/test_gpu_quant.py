@@ -387,15 +387,19 @@ def test_fp8_kv_cache_checkpoint_scales_cuda(tmp_path, decode_kernel):
         llm.shutdown()
         return out, logits
 
-    def lp_diff(a_out, b_out, steps=8):
-        """max |logprob difference| of the tokens both runs chose, over each prompt's shared first steps."""
+    def lp_diff(a_out, b_out, ref_logits, steps=8):
+        """max over each prompt's shared first steps of |logprob difference| of the token both runs chose, less one
+        bfloat16 step of that token's logit (ref_logits: the reference's prefill logits of its sequences): the
+        logprobs are log_softmax of bf16 logits, so two kernels whose logit rounds one step apart differ by that
+        step (0.125 for a logit in [16, 32)) whatever their accuracy."""
         worst = 0.0
-        for a, b in zip(a_out, b_out):
+        for a, b, lg, p in zip(a_out, b_out, ref_logits, prompts):
             x, y = a.outputs[0], b.outputs[0]
             for j, (t, u) in enumerate(zip(x.token_ids[:steps], y.token_ids[:steps])):
                 if t != u:
                     break
-                worst = max(worst, abs(x.logprobs[j][t].logprob - y.logprobs[j][t].logprob))
+                step = 2.0 ** (torch.floor(torch.log2(lg[len(p["prompt_token_ids"]) - 1 + j, t].abs())).item() - 7)
+                worst = max(worst, abs(x.logprobs[j][t].logprob - y.logprobs[j][t].logprob) - step)
         return worst
 
     def rel(a, b):
@@ -405,9 +409,10 @@ def test_fp8_kv_cache_checkpoint_scales_cuda(tmp_path, decode_kernel):
     got, got_l = run(ckpt, kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel})
     dropped, dropped_l = run(ref, kv_cache_dtype="fp8", _debug={"decode_attention": decode_kernel})
     _, bf16_l = run(ref)
-    same, same_l, near_l, far_l = lp_diff(got, want), rel(got_l, want_l), rel(bf16_l, want_l), rel(dropped_l, want_l)
+    same, same_l, near_l, far_l = (lp_diff(got, want, want_l), rel(got_l, want_l), rel(bf16_l, want_l),
+                                   rel(dropped_l, want_l))
     print(f"\n[fp8 KV checkpoint scales, {decode_kernel}] vs the torch attention on the same cache: logprobs "
-          f"{same:.4f}, prefill logits (relative) {same_l:.2e}; a bf16 cache {near_l:.2e}; scales dropped {far_l:.2e} "
+          f"(beyond one bf16 step of the logit) {same:.4f}, prefill logits (relative) {same_l:.2e}; a bf16 cache {near_l:.2e}; scales dropped {far_l:.2e} "
           f"(tokens {'differ' if [o.outputs[0].token_ids for o in dropped] != [o.outputs[0].token_ids for o in want] else 'same'})")
     assert same < 0.1 and same_l < 0.05 and near_l < 0.2 and far_l > 0.3      # CPU bf16: near 0.08, far 1.1
 
