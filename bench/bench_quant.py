@@ -220,7 +220,8 @@ E2E_KERNELS = ("mma", "splitk", "fma", "auto")     # XLLM_QUANT_GEMV for the pac
 def bench_e2e(args) -> list:
     """Decode TPOT (median of 3: (time of n + 1 tokens - time of 1) / n) of Qwen3 shapes with random weights, bf16
     and quantized in place (runtime/layers/quant_linear.quantize_dummy: int4 RTN groups of 128, fp8 per channel,
-    weights only; fp8_block: a scale per 128 x 128 block), each engine in its own process under a time limit."""
+    weights only; fp8_block: a scale per 128 x 128 block and the inputs quantized per token and 128 columns, as the
+    official *-FP8 releases), each engine in its own process under a time limit."""
     import tempfile
     sys.path.insert(0, str(REPO / "bench"))
     from bench_decode import write_config

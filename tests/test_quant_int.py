@@ -262,6 +262,6 @@ def test_dummy_quantize_for_benchmarks(base, kind):
     if kind == "fp8_block":         # one scale per 128 x 128 block, held per row and 128 columns
         sc = lin.a.packed.scale
         assert lin.a.packed.block == (1, 128) and sc.shape == (128, 2) and torch.equal(sc, sc[:1].expand(128, 2))
-        assert sc[0, 0] != sc[0, 1]
+        assert sc[0, 0] != sc[0, 1] and lin.a.act_quant is not None and lin.a.act_quant.group == 128
     x = torch.randn(3, 256)
     assert torch.equal(lin.a(x), ref.a(x))

@@ -4,7 +4,8 @@ Weights are dequantized at load (`Fp8WeightView`: the checkpoint's float8 values
 tensor scales, read lazily for this rank's rows and columns only, so any TP split works, also one that cuts a
 scale block); the layer then holds them in the compute dtype. Activations are quantized as the checkpoint's
 kernels would (`ActQuant`: an fp8 e4m3 round trip with dynamic per-token-group, per-token or per-tensor scales,
-or the checkpoint's static `input_scale`). Online fp8 (`OnlineFp8View`) quantizes a float weight per output
+or the checkpoint's static `input_scale`; on CUDA one Triton launch, ops/fp8_act_quant.py, bit for bit the torch
+ops of `ActQuant.reference`, except the per-tensor kind, which stays in torch). Online fp8 (`OnlineFp8View`) quantizes a float weight per output
 channel at load. CPU and CUDA compute the same thing: these are the reference semantics a fused fp8 GEMM is
 tested against.
 """
@@ -35,6 +36,13 @@ class ActQuant:
         self.kind, self.group, self.scale = kind, int(group), scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.kind != "tensor":         # one Triton launch, bit for bit the torch ops below
+            from xllm_gen.runtime.ops.fp8_act_quant import fp8_act_quant
+            return fp8_act_quant(x, self.group if self.kind == "group" else None,
+                                 self.scale if self.kind == "static" else None)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         if self.kind == "static":

@@ -115,9 +115,12 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
     linear layer's weight (not an MoE router's) quantized in place, "int4" (round to nearest, groups of 128, zero
     points: an AWQ checkpoint's form), "fp8" (e4m3 per output channel, weights only) or "fp8_block" (e4m3 with a
     scale per 128 x 128 block, as the official *-FP8 releases; held, as a loaded checkpoint's, per row and 128
-    columns), packed (`pack`; default on CUDA) or written back dequantized. Returns the number of layers quantized."""
+    columns; the layers' inputs are then quantized as those releases' are: dynamic fp8 per token and 128 columns,
+    layers/quant.py ActQuant), packed (`pack`; default on CUDA) or written back dequantized. Returns the number of
+    layers quantized."""
     from xllm_gen.runtime.layers.linear import _Linear
     from xllm_gen.runtime.layers.moe import FusedMoE
+    from xllm_gen.runtime.layers.quant import ActQuant
     if kind not in ("int4", "fp8", "fp8_block"):
         raise ValueError(f"dummy_quantize={kind!r}: 'int4', 'fp8' or 'fp8_block'")
     routers = {id(c) for m in model.modules() if any(isinstance(x, FusedMoE) for x in m.children())
@@ -138,6 +141,7 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
             s = sb.repeat_interleave(128, 0)                                   # [N, K / 128]: per row, 128 columns
             q = (w.float() / s.repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
             packed = PackedFp8(q, s.contiguous(), 128)
+            mod.act_quant = ActQuant("group", 128)     # and the releases' activations: dynamic, per token and 128
         else:
             s = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
             packed = PackedFp8((w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s, w.shape[1])

@@ -441,3 +441,16 @@ def test_quant_gemv_tuning_measures_and_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(Q, "QUANT_GEMV_CHOICE", {})
     assert quant_tuning.tune_quant_gemvs(model, [1, 4]) == {}          # read back from the cache, nothing measured
     assert len(Q.QUANT_GEMV_CHOICE) == 8
+
+
+def test_fp8_act_quant_cuda_bit_exact():
+    """ActQuant on CUDA (one Triton launch, runtime/ops/fp8_act_quant.py) equals its torch ops bit for bit: per
+    token-group, per token, static scale, float32 and bfloat16, ties / subnormals / saturation included."""
+    from test_fp8_act_quant import _inputs
+
+    from xllm_gen.runtime.layers.quant import ActQuant
+    for x in _inputs():
+        x = x.cuda()
+        for kind, group, scale in (("group", 128, None), ("token", 0, None), ("static", 0, 0.37)):
+            q = ActQuant(kind, group, scale)
+            assert torch.equal(q(x), q.reference(x)), (kind, x.dtype)

@@ -1,0 +1,72 @@
+"""The fp8 e4m3 round trip of a linear layer's input (layers/quant.py ActQuant) as one Triton launch.
+
+ActQuant in torch ops is ~10 kernels a call (float, abs, amax, divide, clamp, two casts, multiply, cast back): in
+a decode step of an FP8 checkpoint that is ~40 launches a layer on top of the GEMMs. This kernel does the same
+arithmetic in one pass, bit for bit: per row (a token) and group of `group` columns (the whole row for per-token
+scales), amax, scale = max(amax / 448, 1e-12) (or the static scale), v = clamp(x / scale, -448, 448) rounded to
+the e4m3 grid, times the scale, cast to the input dtype. Both divisions are correctly rounded (div_rn, as torch's);
+the rounding to e4m3 is done in float32 arithmetic rather than a float8 cast (round half to even to a multiple of
+2^(e - 3), e = max(exponent of |v|, -6): the normal and subnormal grids; (v + M) - M with M = 1.5 * 2^(23 + e - 3)
+rounds exactly in IEEE float32), which is what torch's cast computes and is also exact under the Triton
+interpreter, whose float8 casts are not; likewise the final bfloat16 rounding is done on the bits (the
+interpreter truncates a float32 -> bfloat16 cast). Reference: layers/quant.py fp8_round_trip.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+
+
+@triton.jit
+def _e4m3_round(v):
+    """v (float32, |v| <= 448) rounded half to even to the nearest float8 e4m3 value, exactly."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127          # the exponent of |v| (zero: -127)
+    e = tl.maximum(e, -6)                                             # below 2^-6 the subnormal step 2^-9
+    magic = ((e - 3 + 23 + 127) << 23 | 0x400000).to(tl.float32, bitcast=True)     # 1.5 * 2^(23 + e - 3)
+    return (v + magic) - magic
+
+
+@triton.jit
+def _fp8_act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, static_scale, GROUP: tl.constexpr,
+                          BLOCK: tl.constexpr, STATIC: tl.constexpr, OUT_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (cols < K) & (tl.arange(0, BLOCK) < GROUP)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    if STATIC:
+        s = static_scale
+    else:
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
+    y = _e4m3_round(v) * s
+    if OUT_BF16:        # round half to even to bfloat16 on the bits (the cast below is then exact, also interpreted)
+        bits = y.to(tl.int32, bitcast=True)
+        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_act_quant(x: torch.Tensor, group: Optional[int], static_scale: Optional[float] = None) -> torch.Tensor:
+    """ActQuant's round trip of x [..., K] in one launch: per row and `group` columns (None: the whole row, a
+    per-token scale), or with a static scale (`static_scale`; group ignored). Output in x's dtype and shape."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((x2.shape[0], K), dtype=x.dtype, device=x.device)
+    if x2.numel() == 0:
+        return y.reshape(x.shape)
+    span = K if (group is None or static_scale is not None) else min(int(group), K)
+    grid = (x2.shape[0], triton.cdiv(K, span))
+    _fp8_act_quant_kernel[grid](x2, y, K, x2.stride(0), y.stride(0),
+                                float(static_scale) if static_scale is not None else 1.0,
+                                GROUP=span, BLOCK=triton.next_power_of_2(span), STATIC=static_scale is not None,
+                                OUT_BF16=x.dtype == torch.bfloat16,
+                                num_warps=4 if span <= 2048 else 8)
+    return y.reshape(x.shape)

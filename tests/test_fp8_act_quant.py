@@ -1,0 +1,64 @@
+"""The fp8 activation round trip in one Triton launch (runtime/ops/fp8_act_quant.py) under the interpreter (CPU),
+bit for bit against ActQuant's torch ops (layers/quant.py ActQuant.reference: the semantics every FP8 checkpoint
+test is held to): per token-group (128, and a partial last group), per token, static scale; float32 and bfloat16
+inputs; values at float8 ties (half to even), in the subnormal range, past the saturation, zeros, a zero row.
+Sensitivity: rounding half away from zero, or a group of 64, differs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _inputs() -> list:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 300, generator=g) * torch.logspace(-4, 3, 300)          # every exponent range
+    x[1, :128] = 0.0                                                            # a zero group (the scale floor)
+    x[2, :16] = torch.tensor([448.0, -448.0, 1.0, 1.0625, 1.1875, 2 ** -9 * 0.5, 2 ** -9 * 1.5, 3 * 2 ** -10,
+                              -1.0625, 300.0, 1e-30, -0.0, 232.0, 240.0, 248.0, 1e4])   # ties to even, subnormals
+    return [x, x.to(torch.bfloat16), x[:, :256].contiguous()]
+
+
+def _checks() -> dict:
+    from xllm_gen.runtime.layers.quant import ActQuant
+    from xllm_gen.runtime.ops.fp8_act_quant import fp8_act_quant
+    out = {}
+    for i, x in enumerate(_inputs()):
+        for kind, group, scale in (("group", 128, None), ("token", 0, None), ("static", 0, 0.37)):
+            want = ActQuant(kind, group, scale).reference(x)
+            got = fp8_act_quant(x, group if kind == "group" else None, scale)
+            out[f"{kind}_{i}_{x.dtype}"] = [bool(torch.equal(got, want)), got.dtype == want.dtype]
+    x = _inputs()[0]
+    want = ActQuant("group", 128).reference(x)
+    out["sensitive_group64"] = [not torch.equal(fp8_act_quant(x, 64), want), True]
+    return out
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    print("RESULT " + json.dumps(_checks()))
+    sys.exit(0)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+
+
+def test_fused_round_trip_is_bit_exact(interpreted):
+    bad = {k: v for k, v in interpreted.items() if not all(v)}
+    assert not bad and len(interpreted) == 10, bad
+
+
+def test_half_away_rounding_would_differ():
+    """The inputs hold float8 ties that torch rounds half to even (1.0625 -> 1.0, 1.1875 -> 1.25): half away from
+    zero would give 1.125 and 1.25, so the bit-exact comparison above sees the rounding mode."""
+    v = torch.tensor([1.0625, 1.1875, -1.0625])
+    assert torch.equal(v.to(torch.float8_e4m3fn).float(), torch.tensor([1.0, 1.25, -1.0]))
