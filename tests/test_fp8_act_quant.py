@@ -62,3 +62,26 @@ def test_half_away_rounding_would_differ():
     zero would give 1.125 and 1.25, so the bit-exact comparison above sees the rounding mode."""
     v = torch.tensor([1.0625, 1.1875, -1.0625])
     assert torch.equal(v.to(torch.float8_e4m3fn).float(), torch.tensor([1.0, 1.25, -1.0]))
+
+
+def test_compiles_for_sm90_with_exact_arithmetic():
+    """Compiled for sm_90 without a GPU (Triton's CUDA backend): the divisions are correctly rounded (div.rn, not
+    the approximate div.full a plain `/` gives), the rounding's add / subtract pair is kept and nothing flushes
+    subnormals; the interpreter (above) checks the arithmetic, this that the GPU build keeps it."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"no Triton compiler API: {e}")
+    from xllm_gen.runtime.ops import fp8_act_quant as A
+    sig = dict(x_ptr="*bf16", y_ptr="*bf16", K="i32", stride_xm="i32", stride_ym="i32", static_scale="fp32",
+               GROUP="constexpr", BLOCK="constexpr", STATIC="constexpr", OUT_BF16="constexpr")
+    src = ASTSource(fn=A._fp8_act_quant_kernel, signature=sig,
+                    constexprs=dict(GROUP=128, BLOCK=128, STATIC=False, OUT_BF16=True))
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    except (ImportError, RuntimeError) as e:       # no CUDA backend in this Triton build
+        pytest.skip(f"sm_90 compile unavailable: {e}")
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "sub.f32" in ptx and ".ftz" not in ptx

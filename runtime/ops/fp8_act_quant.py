@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12
+FP8_MAX = tl.constexpr(448.0)         # float8 e4m3's largest value (layers/quant.py FP8_MAX)
+MIN_SCALE = tl.constexpr(1e-12)       # the dynamic scales' floor (layers/quant.py _MIN_SCALE)
 
 
 @triton.jit
