@@ -60,3 +60,34 @@ def test_splitk_loop_keeps_its_layout_and_registers_on_sm90(int4, M):
     regs = re.search(r"Used (\d+) registers", p.stderr)
     print(f"\n{'int4' if int4 else 'fp8'} M {M} ({bn}, {bk}, {chunk}, {warps}): {regs.group(0) if regs else p.stderr}")
     assert p.returncode == 0 and spill and int(spill.group(1)) == 0, p.stderr[-2000:]
+
+
+def test_fp8_skinny_gemm_compiles_for_sm90_without_spills():
+    """The fp8 skinny GEMM (ops/skinny_fma.py, SCALED) at its default launch config for one row, compiled for sm_90
+    without a GPU: it builds, and ptxas spills no register."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from xllm_gen.runtime.ops import skinny_fma as F
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("no bundled ptxas")
+    fn = F._skinny_gemm_kernel
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update(x_ptr="*bf16", w_ptr="*fp8e4nv", b_ptr="*bf16", y_ptr="*bf16", s_ptr="*fp32")
+    bn, bk, warps, stages = F.skinny_gemm_candidates(1, 6144, 4096, 1)[0]
+    const = dict(M=1, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk, VEC=16, EVEN_K=True, NUM_STAGES=stages, PDL=0, KP=1,
+                 LINE=64, SCALED=True)
+    sig.update({k: "constexpr" for k in const})
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps, num_stages=stages))
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"sm_90 compile unavailable: {e}")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    p = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                       text=True, timeout=300)
+    os.unlink(f.name)
+    spill = re.search(r"(\d+) bytes spill stores", p.stderr)
+    assert p.returncode == 0 and spill and int(spill.group(1)) == 0, p.stderr[-2000:]
