@@ -22,6 +22,10 @@ from torch import nn
 
 logger = logging.getLogger("xllm_gen")
 CANDIDATES = 4          # split-K configs timed per shape: the table's and the first neighbours (each a compile)
+# rows up to which split-K is timed at all: on the H200 it lost every 8B shape from 4 rows on (int4 24-77 us against
+# the tile's 18-55, 871 us on down at 16: ARCHITECTURE.md), and each timed config is a Triton compile at start-up
+# (~190 s for int4 on a fresh host before this bound)
+SPLITK_TUNE_MAX_M = 2
 
 
 def _call(p, x, b, kernel, cfg):
@@ -72,8 +76,9 @@ def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes:
                 try:
                     t_mma = graph_time_ms(lambda: [_call(p, x, b, "mma", None) for p, b in seq]) / len(seq)
                     timed = [(graph_time_ms(lambda: [_call(p, x, b, "splitk", cfg) for p, b in seq]) / len(seq), cfg)
-                             for cfg in S.splitk_candidates(M, N, K, kind == "int4", s_cols, sms)[:CANDIDATES]]
-                    t_splitk, cfg = min(timed)
+                             for cfg in (S.splitk_candidates(M, N, K, kind == "int4", s_cols, sms)[:CANDIDATES]
+                                         if M <= SPLITK_TUNE_MAX_M else ())]
+                    t_splitk, cfg = min(timed) if timed else (float("inf"), None)
                     best, t_best = (cfg, t_splitk) if t_splitk < margin * t_mma else ("mma", t_mma)
                     if kind == "int4" and dt == torch.bfloat16 and all(p.tinygemm is not None for p, _ in layers):
                         t_tiny = graph_time_ms(lambda: [_call(p, x, b, "tinygemm", None) for p, b in seq]) / len(seq)
