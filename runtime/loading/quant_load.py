@@ -193,7 +193,7 @@ class QuantLoad:
 
     def packs(self, param: str, tensor: torch.Tensor) -> bool:
         """Whether the quantized layer of `param` keeps its weight packed: XLLM_PACKED_QUANT=1 / 0, else on CUDA in
-        bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, Qwen3-8B
+        bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, an 8B model's
         batch-1 decode at 0.68x (fp8) / 0.71x (int4) bf16's time on an H200, bench/results/h200_quant_fma_2026-12-04.md),
         dequantized at load elsewhere (CPU, float32: the reference semantics)."""
         forced = _pack_forced()

@@ -208,7 +208,7 @@ def skinny_gemm_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list[t
 
 
 # The float8 weight stream's launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages), best first, for 1-2 rows (True)
-# and 3-8: a sweep of 27 configs on an H200 at Qwen3-8B's four decode shapes, 128 x 128 block scales (bench/bench_quant.py
+# and 3-8: a sweep of 27 configs on an H200 at an 8B model's four decode shapes, 128 x 128 block scales (bench/bench_quant.py
 # --rows 1,4 --only "block128 fma" --sweep, bench/results/h200_quant_fma_2026-12-04.md). M = 1: qkv 9.3 us with
 # (2, 1024, 2, 1), o / gate_up / down 6.7 / 28.5 / 14.9 us with (2, 2048, 2, 1), against bf16 cuBLAS 15.9 / 13.7 / 50.1
 # / 30.3; M = 4: 18.5 / 13.4 / 59.8 / 32.3. The one-byte launch table ((8, 2048, 4, 3): 2048 fp32 products a thread in
