@@ -43,3 +43,19 @@ def test_falcon_11b_one_shared_norm(tiny_checkpoint, tmp_path, tp):
     # the shared norm is not the two-norm form of the same weights' family (transformers differs between them)
     two = tiny_checkpoint("FalconForCausalLM", overrides={**_FALCON_11B, "num_ln_in_parallel_attn": 2})
     assert _TOKENS.hf(two) != want
+
+
+# c4ai-command-r-plus's config.json, sizes shrunk (GQA 12 / 4 heads of 16)
+_COMMAND_R_PLUS = {"hidden_size": 192, "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 528,
+                   "use_qk_norm": True, "logit_scale": 0.8333333333333334, "attention_bias": False,
+                   "rope_parameters": {"rope_theta": 75000000.0}}
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_command_r_plus_per_head_qk_norm(tiny_checkpoint, tmp_path, tp):
+    ckpt = tiny_checkpoint("CohereForCausalLM", overrides=_COMMAND_R_PLUS)
+    ckpt = edit_config(ckpt, tmp_path / "crplus", lambda c: c.update(model_max_length=131072))
+    want = _served_as_transformers(ckpt, "Command R+ form", tp)
+    # sensitivity: the q/k norms matter (transformers' tokens without them differ)
+    off = tiny_checkpoint("CohereForCausalLM", overrides={**_COMMAND_R_PLUS, "use_qk_norm": False})
+    assert _TOKENS.hf(off) != want
