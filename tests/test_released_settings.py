@@ -59,3 +59,14 @@ def test_command_r_plus_per_head_qk_norm(tiny_checkpoint, tmp_path, tp):
     # sensitivity: the q/k norms matter (transformers' tokens without them differ)
     off = tiny_checkpoint("CohereForCausalLM", overrides={**_COMMAND_R_PLUS, "use_qk_norm": False})
     assert _TOKENS.hf(off) != want
+
+
+def test_gpt_neox_20b_dropout_leftovers_are_accepted(tiny_checkpoint):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("GPTNeoXForCausalLM", {"hidden_act": "gelu_fast"}).to_dict()
+    cfg.update(attention_probs_dropout_prob=0, hidden_dropout_prob=0)
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).hidden_act == "gelu_fast"
