@@ -212,8 +212,7 @@ def test_wrong_layout_breaks_parity(tiny_checkpoint, monkeypatch, arch, module, 
     assert got != want, f"{arch}: reading the fused qkv as blocked does not change the output"
 
 
-@pytest.mark.parametrize("field, value", [("alibi", True),
-                                          ("num_ln_in_parallel_attn", 1), ("parallel_attn", False)])
+@pytest.mark.parametrize("field, value", [("alibi", True), ("parallel_attn", False)])
 def test_falcon_forms_not_modelled_are_refused_by_name(field, value):
     from fixtures.tiny_hf import tiny_config
 
