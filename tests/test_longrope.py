@@ -156,3 +156,23 @@ def test_guard_refuses_bad_longrope(edit, needle, tiny_checkpoint, tmp_path):
         LLM(model=str(bad), device="cpu", dtype="float32")
     assert "config.json" in str(e.value) or "specs/phi3.yaml" in str(e.value), str(e.value)
     json.loads((bad / "config.json").read_text())
+
+
+@pytest.mark.engine
+def test_long_regime_is_announced(tiny_checkpoint, caplog):
+    """An engine context beyond the original one serves every position with long_factor, where transformers keeps
+    short_factor for sequences within the original context (the real Phi-3.5-mini at its default max_model_len
+    131072 > 4096): a warning says so and how to get short_factor; none within the original context."""
+    import logging
+
+    from xllm_gen import LLM
+
+    ckpt = tiny_checkpoint(ARCH, overrides=_overrides(64))
+    for max_model_len, warned in ((64, False), (128, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="xllm_gen"):
+            LLM(model=str(ckpt), device="cpu", dtype="float32", max_model_len=max_model_len).shutdown()
+        msgs = [r.getMessage() for r in caplog.records if "longrope" in r.getMessage()]
+        assert bool(msgs) == warned, msgs
+        if warned:
+            assert "original context 64" in msgs[0] and "max_model_len <= 64" in msgs[0], msgs[0]
