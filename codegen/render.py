@@ -126,7 +126,9 @@ def from_hf_line(f: ConfigFieldIR) -> str:
     elif f.default is not None:
         args.append(f"default={f.default!r}")
     if f.values and f.type == "rope":          # checkpoint names -> the rotary's scaling kinds
-        args.append(f"values={ {v: HF_ROPE_TYPES[v] for v in f.values}!r}")
+        kinds = {v: HF_ROPE_TYPES[v] for v in f.values}
+        kinds.update((alias, HF_ROPE_TYPES[target]) for alias, target in f.aliases)
+        args.append(f"values={kinds!r}")
     elif f.values:
         args.append(f"values={tuple(f.values)!r}")
     if f.optional:

@@ -42,6 +42,18 @@ class ConfigResolver:
                             raise self.err(path + ("values", i), f"config.{name}.values[{i}]: unknown rope type "
                                                                  f"'{v}'{did_you_mean(v, ROPE_TYPES)}; known: "
                                                                  f"{', '.join(ROPE_TYPES)}")
+                for alias, target in (f.aliases or {}).items():
+                    if f.type != "rope":
+                        raise self.err(path + ("aliases",), f"config.{name}.aliases: only rope symbols take aliases")
+                    # an alias may be another family's rope type (Phi3Config reads `yarn` as longrope), never a value
+                    if alias in f.values:
+                        raise self.err(path + ("aliases", alias), f"config.{name}.aliases.{alias}: '{alias}' is one of "
+                                                                  f"the symbol's values already", at_key=True)
+                    if target not in f.values:
+                        raise self.err(path + ("aliases", alias), f"config.{name}.aliases.{alias}: '{target}' is not "
+                                                                  f"one of the symbol's values ({', '.join(f.values)})")
+            elif f.aliases:
+                raise self.err(path + ("aliases",), f"config.{name}.aliases: give the `values` the aliases name")
             elif f.type == "rope":
                 raise self.err(path, f"config.{name}: a rope symbol lists the rope types the spec models: "
                                      f"`values: [default, ...]`", at_key=True)
@@ -87,7 +99,7 @@ class ConfigResolver:
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
                 values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max),
-                guard=f.guard)
+                guard=f.guard, aliases=tuple((f.aliases or {}).items()))
             if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
         for name, f, path in pending:       # expressions may name symbols declared after them

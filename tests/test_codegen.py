@@ -138,6 +138,13 @@ BAD = {
     "unknown_rope_type": (
         "values: [default, linear, dynamic, yarn]}", "values: [default, linear, dynamic, yarm]}",
         "config.rope_scaling.values[3]: unknown rope type 'yarm' (did you mean 'yarn'?)", "yarm"),
+    "rope_alias_to_unmodeled_type": (
+        "values: [default, linear, dynamic, yarn]}", "values: [default, linear, dynamic, yarn], aliases: {su: longrope}}",
+        "config.rope_scaling.aliases.su: 'longrope' is not one of the symbol's values (default, linear, dynamic, yarn)",
+        "aliases"),
+    "rope_alias_of_a_value": (
+        "values: [default, linear, dynamic, yarn]}", "values: [default, linear, dynamic, yarn], aliases: {yarn: linear}}",
+        "config.rope_scaling.aliases.yarn: 'yarn' is one of the symbol's values already", "aliases"),
     "enum_default_outside_values": (
         "hidden_act:              {type: str, from: hidden_act, default: silu, values: [silu]}",
         "hidden_act:              {type: str, from: hidden_act, default: gelu, values: [silu]}",

@@ -110,13 +110,40 @@ def test_original_context_is_the_top_level_field():
         assert torch.equal(rot.inv_freq, inv_freq) and rot.attention_factor == factor
 
 
+@pytest.mark.parametrize("alias", ["su", "yarn"])
+def test_older_names_are_longrope(alias):
+    """The first Phi-3-mini-128k / Phi-3-medium-128k configs name the rope type `su` (Phi3Config also reads `yarn`):
+    transformers reads either as longrope with the top-level original context, so the spec's `aliases` serve them as
+    longrope (refused as an unmodeled rope type before): the frequencies and attention factor equal transformers'."""
+    import torch
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from xllm_gen.generated.phi3.model import Config, Phi3Attention
+
+    hf = {"architectures": [ARCH], "model_type": "phi3", "vocab_size": 512, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 256, "original_max_position_embeddings": 8, "partial_rotary_factor": 0.75,
+          "eos_token_id": 0, "pad_token_id": 0,
+          "rope_scaling": {"type": alias, "short_factor": SHORT, "long_factor": LONG}}
+    cfg = Config.from_hf(hf)
+    assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.original_max_position_embeddings == 8
+    assert (cfg.rope_scaling["short_factor"], cfg.rope_scaling["long_factor"]) == (SHORT, LONG)
+    ref = Phi3Config.from_dict(hf)
+    assert ref.rope_parameters["rope_type"] == "longrope"
+    rot = Phi3Attention(cfg, 0).rotary_emb
+    for context, seq_len in ((8, None), (256, 9)):
+        rot.set_context_len(context)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](ref, "cpu", seq_len=seq_len)
+        assert torch.equal(rot.inv_freq, inv_freq) and rot.attention_factor == factor
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda rp: rp.pop("long_factor"), "long_factor"),
     (lambda rp: rp.update(short_factor=SHORT[:-1]), "short_factor"),
     (lambda rp: rp.update(long_factor=LONG + [1.0]), "long_factor"),
     (lambda rp: rp.update(short_factor=[1.0, -2.0, 1.0, 1.0, 1.0, 1.0]), "short_factor"),
-    (lambda rp: rp.update(rope_type="yarn"), "rope_type='yarn'"),   # Phi3Config reads yarn / su as longrope
-    (lambda rp: rp.update(rope_type="su"), "rope_type='su'"),       # without the top-level original context
+    (lambda rp: rp.update(rope_type="dynamic"), "rope_type='dynamic'"),
 ])
 def test_guard_refuses_bad_longrope(edit, needle, tiny_checkpoint, tmp_path):
     from fixtures.tiny_hf import edit_config
@@ -129,3 +156,23 @@ def test_guard_refuses_bad_longrope(edit, needle, tiny_checkpoint, tmp_path):
         LLM(model=str(bad), device="cpu", dtype="float32")
     assert "config.json" in str(e.value) or "specs/phi3.yaml" in str(e.value), str(e.value)
     json.loads((bad / "config.json").read_text())
+
+
+@pytest.mark.engine
+def test_long_regime_is_announced(tiny_checkpoint, caplog):
+    """An engine context beyond the original one serves every position with long_factor, where transformers keeps
+    short_factor for sequences within the original context (the real Phi-3.5-mini at its default max_model_len
+    131072 > 4096): a warning says so and how to get short_factor; none within the original context."""
+    import logging
+
+    from xllm_gen import LLM
+
+    ckpt = tiny_checkpoint(ARCH, overrides=_overrides(64))
+    for max_model_len, warned in ((64, False), (128, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="xllm_gen"):
+            LLM(model=str(ckpt), device="cpu", dtype="float32", max_model_len=max_model_len).shutdown()
+        msgs = [r.getMessage() for r in caplog.records if "longrope" in r.getMessage()]
+        assert bool(msgs) == warned, msgs
+        if warned:
+            assert "original context 64" in msgs[0] and "max_model_len <= 64" in msgs[0], msgs[0]

@@ -16,6 +16,7 @@ class ConfigFieldIR:
     expr: Any = None              # derived symbol: an Expr over other symbols (reads no config.json path)
     default_expr: Any = None      # fallback Expr when no path is present
     values: Optional[Tuple[str, ...]] = None   # str / rope: the admitted values
+    aliases: Tuple[Tuple[str, str], ...] = ()  # rope: (config.json rope_type name, the admitted value it is read as)
     optional: bool = False        # None admitted
     bounds: Tuple[Any, Any] = (None, None)     # inclusive (min, max), None = unbounded
     positive: bool = False        # used where a number must be > 0 (eps, theta, scales): checked at load

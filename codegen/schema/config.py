@@ -1,7 +1,7 @@
 """The `config` section: a spec symbol <- config.json field(s) (`ConfigField`)."""
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Union
+from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -26,6 +26,9 @@ class ConfigField(Strict):
     default_expr: Optional[StrictStr] = None  # an expression over other symbols used when no path is present
     expr: Optional[StrictStr] = None     # a derived symbol: an expression, no config.json field read
     values: Optional[List[StrictStr]] = None  # str / rope symbols: the values (rope types) the spec models
+    # rope symbols: other rope_type names config.json may carry, each read as one of `values` (transformers' Phi3Config
+    # reads the older `su` and `yarn` as longrope): `aliases: {su: longrope}`
+    aliases: Optional[Dict[StrictStr, StrictStr]] = None
     optional: StrictBool = False         # null / absent is admitted (the symbol is None)
     min: Optional[Union[StrictInt, StrictFloat]] = None   # inclusive bounds checked at load (and for variants)
     max: Optional[Union[StrictInt, StrictFloat]] = None

@@ -113,9 +113,17 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
             raise CheckpointFileError(f"{Path(model_dir) / 'config.json'}: "
                                       f"{_model_build_error(self.model_module, e)}") from None
         self.model.eval()
+        long_regime = set()
         for m in self.model.modules():     # rope scalings that depend on the context (longrope) choose from it
             if isinstance(m, L.Rotary):
                 m.set_context_len(max_model_len)
+                long_regime.add(m.long_regime_original())
+        long_regime.discard(None)
+        if long_regime and get_tp_rank() == 0:   # every position takes long_factor: say so (short ones differ from HF)
+            logger.warning("longrope: max_model_len %d exceeds the original context %s, so every position uses "
+                           "long_factor (as vLLM); transformers uses short_factor while a sequence is within the "
+                           "original context, so outputs of such sequences differ from it. Set max_model_len <= %s to "
+                           "serve them with short_factor.", max_model_len, min(long_regime), min(long_regime))
         if load_format == "dummy":         # random weights, for benchmarks of a shape without a checkpoint
             self.loaded_params = self._init_dummy_weights()
             if self.debug.get("dummy_quantize"):   # and quantized in place (bench/bench_quant.py --e2e)

@@ -177,6 +177,15 @@ class Rotary(nn.Module):
         self.context_len = context_len
         self._tables = None                         # rebuilt on next use, with the context's factors
 
+    def long_regime_original(self) -> Optional[int]:
+        """The original context when the engine's context puts this rotary in its long-context regime (longrope with
+        context_len > original_max_position_embeddings: long_factor at every position, where transformers keeps
+        short_factor while a sequence is within the original context), else None."""
+        if self.rope_type != "longrope" or not self.head_dim or not self.context_len:
+            return None
+        original = int(self.scaling.get("original_max_position_embeddings", self.max_position))
+        return original if self.context_len > original else None
+
     @property
     def tables(self):
         """(inv_freq, cos|sin, attention_factor) on the device of the last inputs, built on first use."""
