@@ -70,3 +70,31 @@ def test_gpt_neox_20b_dropout_leftovers_are_accepted(tiny_checkpoint):
     cfg.update(attention_probs_dropout_prob=0, hidden_dropout_prob=0)
     module, _ = registry.resolve(cfg)
     assert module.Config.from_hf(cfg).hidden_act == "gelu_fast"
+
+
+def test_olmo3_legacy_rope_theta_other_than_the_sliding_theta_is_refused():
+    """OLMo 3's releases (written by transformers 4.57) carry a top-level rope_theta, no rope_parameters. transformers 5
+    reads that form with the sliding layers at theta 500000 whatever rope_theta says (Olmo3Config pops rope_theta
+    twice); 4.57 turned them at rope_theta. They agree at 500000, every release's value (served); another value was
+    served at rope_theta on the sliding layers, unlike transformers 5 (now refused by name)."""
+    import json
+    from pathlib import Path
+
+    from transformers import Olmo3Config
+
+    from xllm_gen.runtime.loading import registry
+
+    real = json.loads((Path(__file__).parent / "data" / "real_configs" / "olmo3__Olmo-3.1-32B-Instruct.json").read_text())
+    module, _ = registry.resolve(real)
+    assert module.Config.from_hf(real).rope_local_theta == 500000.0
+    legacy = {**real, "rope_theta": 10000.0}
+    assert Olmo3Config(**{k: v for k, v in legacy.items() if k != "architectures"}).rope_parameters[
+        "sliding_attention"]["rope_theta"] == 500000.0           # transformers 5's reading: the fix's premise
+    with pytest.raises(Exception, match="rope_theta_legacy"):
+        module.Config.from_hf(legacy)
+    # transformers 5's own form (rope_parameters per layer type) states the sliding theta: read as written
+    v5 = {k: v for k, v in real.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}
+    c = module.Config.from_hf(v5)
+    assert (c.rope_theta, c.rope_local_theta) == (10000.0, 20000.0)
