@@ -8,6 +8,10 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   carries `model_max_length` (a tokenizer leftover), which was refused as unknown.
 - GPT-NeoX-20B: `attention_probs_dropout_prob` / `hidden_dropout_prob` (older names of the dropouts), refused as
   unknown.
+- SmolLM3-3B: its config.json carries `max_window_layers: 28` (a Qwen2-config leftover SmolLM3's transformers class has
+  no field for), refused as unknown. And transformers' SmolLM3 masks the layers `layer_types` marks sliding with
+  `sliding_window` whatever `use_sliding_window` says, which the spec ignored (served with another window: wrong
+  tokens); it reads layer_types / sliding_window / use_sliding_window now.
 """
 from __future__ import annotations
 
@@ -70,3 +74,37 @@ def test_gpt_neox_20b_dropout_leftovers_are_accepted(tiny_checkpoint):
     cfg.update(attention_probs_dropout_prob=0, hidden_dropout_prob=0)
     module, _ = registry.resolve(cfg)
     assert module.Config.from_hf(cfg).hidden_act == "gelu_fast"
+
+
+# HuggingFaceTB/SmolLM3-3B's config.json, sizes shrunk (36 -> 4 layers: NoPE every 4th, as no_rope_layers lists)
+_SMOLLM3_3B = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 256,
+               "num_hidden_layers": 4, "no_rope_layer_interval": 4, "no_rope_layers": [1, 1, 1, 0],
+               "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True, "attention_bias": False,
+               "mlp_bias": False, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 5000000.0, "rope_type": "default"}}
+_SMOLLM3_3B_LEFTOVERS = {"max_window_layers": 28, "pretraining_tp": 2, "layer_types": ["full_attention"] * 4}
+
+
+def test_smollm3_3b_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    ckpt = tiny_checkpoint("SmolLM3ForCausalLM", overrides=_SMOLLM3_3B)
+    ckpt = edit_config(ckpt, tmp_path / "smollm3", lambda c: c.update(_SMOLLM3_3B_LEFTOVERS))
+    _served_as_transformers(ckpt, "SmolLM3-3B form")
+
+
+def test_smollm3_layer_types_window_without_use_sliding_window(tiny_checkpoint, tmp_path):
+    """transformers' SmolLM3 masks a layer layer_types marks sliding with sliding_window even with
+    use_sliding_window false (its config does not null the window); the spec served it without the window."""
+    window = {**_SMOLLM3_3B, "sliding_window": 4, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}
+    want = _served_as_transformers(tiny_checkpoint("SmolLM3ForCausalLM", overrides=window), "SmolLM3 sliding layer")
+    assert _TOKENS.hf(tiny_checkpoint("SmolLM3ForCausalLM", overrides=_SMOLLM3_3B)) != want   # the window matters
+
+
+def test_smollm3_sliding_layer_without_window_is_refused():
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("SmolLM3ForCausalLM", _SMOLLM3_3B).to_dict()
+    cfg["layer_types"] = ["full_attention"] * 3 + ["sliding_attention"]
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match="sliding_layers_have_window"):
+        module.Config.from_hf(cfg)
