@@ -12,6 +12,8 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   no field for), refused as unknown. And transformers' SmolLM3 masks the layers `layer_types` marks sliding with
   `sliding_window` whatever `use_sliding_window` says, which the spec ignored (served with another window: wrong
   tokens); it reads layer_types / sliding_window / use_sliding_window now.
+- Qwen3-Coder-30B-A3B-Instruct / 480B-A35B-Instruct (Qwen3MoeForCausalLM): `qkv_bias: false`, `use_qk_norm: true`,
+  `shared_expert_intermediate_size: 0`, fields transformers' Qwen3-MoE never reads, refused as unknown.
 """
 from __future__ import annotations
 
@@ -107,4 +109,36 @@ def test_smollm3_sliding_layer_without_window_is_refused():
     cfg["layer_types"] = ["full_attention"] * 3 + ["sliding_attention"]
     module, _ = registry.resolve(cfg)
     with pytest.raises(ValueError, match="sliding_layers_have_window"):
+        module.Config.from_hf(cfg)
+
+
+# Qwen/Qwen3-Coder-30B-A3B-Instruct's config.json, sizes shrunk (32 / 4 heads of 128 beside hidden 2048 -> 8 / 1 of 16
+# beside 64; 128 experts top-8 -> 8 top-4)
+_QWEN3_CODER_30B = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 16,
+                    "intermediate_size": 192, "moe_intermediate_size": 32, "num_experts": 8, "num_local_experts": 8,
+                    "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": False,
+                    "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"}}
+_QWEN3_CODER_LEFTOVERS = {"qkv_bias": False, "use_qk_norm": True, "shared_expert_intermediate_size": 0,
+                          "max_window_layers": 28, "router_aux_loss_coef": 0.0}
+
+
+def test_qwen3_coder_moe_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    ckpt = tiny_checkpoint("Qwen3MoeForCausalLM", overrides=_QWEN3_CODER_30B)
+    ckpt = edit_config(ckpt, tmp_path / "coder",     # the published name of the expert count, as the Hub file has it
+                       lambda c: c.update(_QWEN3_CODER_LEFTOVERS, num_experts=c.pop("num_local_experts")))
+    _served_as_transformers(ckpt, "Qwen3-Coder-30B-A3B form")
+
+
+@pytest.mark.parametrize("field,value", [("qkv_bias", True), ("use_qk_norm", False),
+                                         ("shared_expert_intermediate_size", 256)])
+def test_qwen3_moe_other_leftover_values_are_refused(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("Qwen3MoeForCausalLM", _QWEN3_CODER_30B).to_dict()
+    cfg[field] = value
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match=field):
         module.Config.from_hf(cfg)
