@@ -8,6 +8,12 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   carries `model_max_length` (a tokenizer leftover), which was refused as unknown.
 - GPT-NeoX-20B: `attention_probs_dropout_prob` / `hidden_dropout_prob` (older names of the dropouts), refused as
   unknown.
+- SmolLM3-3B: its config.json carries `max_window_layers: 28` (a Qwen2-config leftover SmolLM3's transformers class has
+  no field for), refused as unknown. And transformers' SmolLM3 masks the layers `layer_types` marks sliding with
+  `sliding_window` whatever `use_sliding_window` says, which the spec ignored (served with another window: wrong
+  tokens); it reads layer_types / sliding_window / use_sliding_window now.
+- Qwen3-Coder-30B-A3B-Instruct / 480B-A35B-Instruct (Qwen3MoeForCausalLM): `qkv_bias: false`, `use_qk_norm: true`,
+  `shared_expert_intermediate_size: 0`, fields transformers' Qwen3-MoE never reads, refused as unknown.
 """
 from __future__ import annotations
 
@@ -98,3 +104,69 @@ def test_olmo3_legacy_rope_theta_other_than_the_sliding_theta_is_refused():
                              "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}
     c = module.Config.from_hf(v5)
     assert (c.rope_theta, c.rope_local_theta) == (10000.0, 20000.0)
+
+
+# HuggingFaceTB/SmolLM3-3B's config.json, sizes shrunk (36 -> 4 layers: NoPE every 4th, as no_rope_layers lists)
+_SMOLLM3_3B = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 256,
+               "num_hidden_layers": 4, "no_rope_layer_interval": 4, "no_rope_layers": [1, 1, 1, 0],
+               "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True, "attention_bias": False,
+               "mlp_bias": False, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 5000000.0, "rope_type": "default"}}
+_SMOLLM3_3B_LEFTOVERS = {"max_window_layers": 28, "pretraining_tp": 2, "layer_types": ["full_attention"] * 4}
+
+
+def test_smollm3_3b_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    ckpt = tiny_checkpoint("SmolLM3ForCausalLM", overrides=_SMOLLM3_3B)
+    ckpt = edit_config(ckpt, tmp_path / "smollm3", lambda c: c.update(_SMOLLM3_3B_LEFTOVERS))
+    _served_as_transformers(ckpt, "SmolLM3-3B form")
+
+
+def test_smollm3_layer_types_window_without_use_sliding_window(tiny_checkpoint, tmp_path):
+    """transformers' SmolLM3 masks a layer layer_types marks sliding with sliding_window even with
+    use_sliding_window false (its config does not null the window); the spec served it without the window."""
+    window = {**_SMOLLM3_3B, "sliding_window": 4, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]}
+    want = _served_as_transformers(tiny_checkpoint("SmolLM3ForCausalLM", overrides=window), "SmolLM3 sliding layer")
+    assert _TOKENS.hf(tiny_checkpoint("SmolLM3ForCausalLM", overrides=_SMOLLM3_3B)) != want   # the window matters
+
+
+def test_smollm3_sliding_layer_without_window_is_refused():
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("SmolLM3ForCausalLM", _SMOLLM3_3B).to_dict()
+    cfg["layer_types"] = ["full_attention"] * 3 + ["sliding_attention"]
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match="sliding_layers_have_window"):
+        module.Config.from_hf(cfg)
+
+
+# Qwen/Qwen3-Coder-30B-A3B-Instruct's config.json, sizes shrunk (32 / 4 heads of 128 beside hidden 2048 -> 8 / 1 of 16
+# beside 64; 128 experts top-8 -> 8 top-4)
+_QWEN3_CODER_30B = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 16,
+                    "intermediate_size": 192, "moe_intermediate_size": 32, "num_experts": 8, "num_local_experts": 8,
+                    "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": False,
+                    "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"}}
+_QWEN3_CODER_LEFTOVERS = {"qkv_bias": False, "use_qk_norm": True, "shared_expert_intermediate_size": 0,
+                          "max_window_layers": 28, "router_aux_loss_coef": 0.0}
+
+
+def test_qwen3_coder_moe_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    ckpt = tiny_checkpoint("Qwen3MoeForCausalLM", overrides=_QWEN3_CODER_30B)
+    ckpt = edit_config(ckpt, tmp_path / "coder",     # the published name of the expert count, as the Hub file has it
+                       lambda c: c.update(_QWEN3_CODER_LEFTOVERS, num_experts=c.pop("num_local_experts")))
+    _served_as_transformers(ckpt, "Qwen3-Coder-30B-A3B form")
+
+
+@pytest.mark.parametrize("field,value", [("qkv_bias", True), ("use_qk_norm", False),
+                                         ("shared_expert_intermediate_size", 256)])
+def test_qwen3_moe_other_leftover_values_are_refused(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("Qwen3MoeForCausalLM", _QWEN3_CODER_30B).to_dict()
+    cfg[field] = value
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match=field):
+        module.Config.from_hf(cfg)
