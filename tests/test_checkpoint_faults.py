@@ -96,8 +96,9 @@ FAULTS = {
                             r"layers \(0\.\.1\), not layer 2; config\.json asks for more layers \(num_hidden_layers\)"),
     "relabelled_architecture": (lambda d: _cfg(d, architectures=["LlamaForCausalLM"], model_type="llama"),
                                 r"config\.json: specs/llama\.yaml: does not model config\.json field\(s\) layer_types.*; "
-                                r"but this config reads without error as Qwen3ForCausalLM \(specs/qwen3\.yaml\): was "
-                                r"`architectures` relabelled \(model_type is 'llama'\)\?"),
+                                r"but this config reads without error as Qwen3ForCausalLM \(specs/qwen3\.yaml\)"
+                                r"( or \w+ \(specs/\w+\.yaml\))*: was `architectures` relabelled \(model_type is "
+                                r"'llama'\)\?"),
     "layer_types_string": (lambda d: _cfg(d, layer_types="full_attention"),
                            r"config\.json: specs/qwen3\.yaml: config\.json field 'layer_types' = 'full_attention' is "
                            r"not a list of strings"),
