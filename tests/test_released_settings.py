@@ -14,6 +14,12 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   tokens); it reads layer_types / sliding_window / use_sliding_window now.
 - Qwen3-Coder-30B-A3B-Instruct / 480B-A35B-Instruct (Qwen3MoeForCausalLM): `qkv_bias: false`, `use_qk_norm: true`,
   `shared_expert_intermediate_size: 0`, fields transformers' Qwen3-MoE never reads, refused as unknown.
+- Hunyuan-7B-Instruct / Hunyuan-A13B-Instruct: their rope_scaling is `type: dynamic` + `alpha: 1000.0` with yarn keys
+  beside it (beta_fast, beta_slow, mscale, mscale_all_dim) that transformers' NTK-alpha rotary never reads, refused;
+  and leftovers of Tencent's code (attention_head_dim, use_qk_norm, use_cla, norm_type, use_rotary_pos_emb, mlp_bias;
+  A13B also its vision-tower fields, use_mixed_mlp_moe, num_shared_expert / moe_intermediate_size lists, ...). The
+  MoE spec refused the NTK-alpha rope outright and A13B's per-layer `moe_topk: [8, 8, ...]` list (transformers'
+  gate reads moe_topk[layer_idx]): a uniform list is served now, a mixed one refused.
 """
 from __future__ import annotations
 
@@ -169,4 +175,59 @@ def test_qwen3_moe_other_leftover_values_are_refused(field, value):
     cfg[field] = value
     module, _ = registry.resolve(cfg)
     with pytest.raises(ValueError, match=field):
+        module.Config.from_hf(cfg)
+
+
+# tencent/Hunyuan-7B-Instruct's and Hunyuan-A13B-Instruct's config.json fields (sizes shrunk: head_dim 32, 3 layers)
+_HUNYUAN_ROPE = {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                 "type": "dynamic"}
+_HUNYUAN_7B = {"attention_head_dim": 32, "cla_share_factor": 2, "eod_token_id": 127967, "mlp_bias": False,
+               "norm_type": "rms", "pad_id": 127961, "pretraining_tp": 1, "sep_token_id": 127962,
+               "text_end_id": 127957, "text_start_id": 127956, "use_cla": False, "use_qk_norm": True,
+               "use_rotary_pos_emb": True, "rope_theta": 10000.0, "rope_scaling": _HUNYUAN_ROPE}
+_HUNYUAN_A13B = {**_HUNYUAN_7B, "add_classification_head": False, "anyres_pooling_size": 2, "class_num": 0,
+                 "dense_list": [128, 0], "group_limited_greedy": False, "im_end_id": 5, "im_newline_id": 11,
+                 "im_start_id": 4, "kv_lora_rank": None, "mask_init_id": 12, "moe_drop_tokens": False,
+                 "moe_layer_num_skipped": 0, "moe_random_routing_dropped_token": False, "norm_topk_prob": True,
+                 "num_media_embeds": 257, "pool_type": "last", "position_embedding_xdrope": False,
+                 "routed_scaling_factor": 1.0, "skip_cls_token": False, "use_mixed_mlp_moe": True, "use_mla": False,
+                 "video_end_id": 10, "video_start_id": 9, "vit_mapping_type": "resampler", "vit_patch_size": 14}
+_HY_SIZES = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "num_hidden_layers": 3}
+_HY_MOE_SIZES = {**_HY_SIZES, "intermediate_size": 64, "num_experts": 8, "moe_topk": 4}
+
+
+def _hunyuan_released(c: dict, moe: bool) -> None:
+    c.pop("rope_parameters", None)
+    c.update(_HUNYUAN_A13B if moe else _HUNYUAN_7B)
+    if moe:
+        n = c["num_hidden_layers"]
+        c.update(moe_topk=[c["moe_topk"]] * n, moe_intermediate_size=[c["intermediate_size"]] * n,
+                 num_shared_expert=[1] * n)
+
+
+@pytest.mark.parametrize("arch,moe", [("HunYuanDenseV1ForCausalLM", False), ("HunYuanMoEV1ForCausalLM", True)])
+def test_hunyuan_released_ntk_alpha_config_is_served(tiny_checkpoint, tmp_path, arch, moe):
+    ckpt = tiny_checkpoint(arch, overrides=_HY_MOE_SIZES if moe else _HY_SIZES)
+    ckpt = edit_config(ckpt, tmp_path / "hy", lambda c: _hunyuan_released(c, moe))
+    want = _served_as_transformers(ckpt, f"{arch} released form")
+    # sensitivity: the alpha stretch of theta matters (transformers' tokens at the default rope differ)
+    plain = edit_config(ckpt, tmp_path / "plain", lambda c: c.pop("rope_scaling"))
+    assert _TOKENS.hf(plain) != want
+
+
+@pytest.mark.parametrize("field,value", [("moe_topk", [4, 2, 4]), ("num_shared_expert", [1, 2, 1]),
+                                         ("moe_intermediate_size", [64, 32, 64]), ("attention_head_dim", 16),
+                                         ("use_cla", True), ("use_mixed_mlp_moe", False)])
+def test_hunyuan_a13b_other_leftover_values_are_refused(tmp_path, field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("HunYuanMoEV1ForCausalLM", _HY_MOE_SIZES).to_dict()
+    _hunyuan_released(cfg, True)
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).moe_topk == 4
+    cfg[field] = value
+    with pytest.raises(ValueError, match="moe_topk|released_leftovers|" + field):
         module.Config.from_hf(cfg)
