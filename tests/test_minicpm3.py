@@ -34,18 +34,3 @@ def test_each_minicpm3_scaling_matters(field, neutral_value, tiny_checkpoint, tm
         f"{field} = {neutral_value} changes nothing in transformers' output on the tiny checkpoint: no arm"
     _agree(_engine(arm, prompt), want, f"{field} = {neutral_value}")
 
-
-def test_longrope_is_refused_by_name(tiny_checkpoint, tmp_path):
-    """The released MiniCPM3-4B's longrope parameters are not modelled: the load refuses them, naming the field."""
-    from fixtures.tiny_hf import edit_config
-
-    from xllm_gen import LLM
-
-    def longrope(cfg):
-        cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-                                  "long_factor": [2.0] * 4, "original_max_position_embeddings": 256}
-
-    arm = edit_config(tiny_checkpoint(ARCH), tmp_path / "longrope", longrope)
-    with pytest.raises(Exception, match="longrope") as info:
-        LLM(model=str(arm), device="cpu", dtype="float32", block_size=4)
-    assert "rope" in str(info.value)

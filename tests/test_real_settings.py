@@ -70,6 +70,66 @@ def _mistral_nemo() -> dict:
     return c
 
 
+_MLA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=512)
+
+
+def _deepseek_v2_lite() -> dict:
+    c = _real("deepseek_v2__DeepSeek-V2-Lite")     # yarn factor 40 with mscale = mscale_all_dim 0.707; greedy top-6
+    c.update(_MLA, moe_intermediate_size=32, n_routed_experts=8, q_lora_rank=None, aux_loss_alpha=0.001, seq_aux=True,
+             attention_dropout=0.0, tie_word_embeddings=False)   # the Hub file's fields the mlc-llm preset leaves out
+    return c
+
+
+def _deepseek_v2() -> dict:
+    c = _deepseek_v2_lite()                        # DeepSeek-V2 (236B): low-rank q, 160 experts in 8 groups, best 3
+    c.update(q_lora_rank=48, n_routed_experts=16, n_group=8, topk_group=3, topk_method="group_limited_greedy",
+             routed_scaling_factor=16.0, aux_loss_alpha=0.003)
+    return c
+
+
+def _deepseek_v3() -> dict:
+    c = _real("deepseek_v3__DeepSeek-V3")          # the FP8 quantization_config dropped (the tiny weights are float32)
+    c.pop("quantization_config")
+    c.update(_MLA, moe_intermediate_size=32, q_lora_rank=48, n_routed_experts=16, first_k_dense_replace=1)
+    return c
+
+
+def _mixtral() -> dict:
+    c = _real("mixtral__Mixtral-8x7B-v0.1")
+    c.update(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+             vocab_size=512)
+    return c
+
+
+def _exaone4_32b() -> dict:
+    c = _real("exaone4__EXAONE-4.0-32B")           # LLLG layer_types, llama3 rope; rotary on the sliding layers only
+    c.update(hidden_size=64, head_dim=16, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, sliding_window=6, layer_types=c["layer_types"][:4])
+    return c
+
+
+# openbmb/MiniCPM3-4B's config.json (as published), sizes shrunk: its 16 longrope factors (short = long) subsampled to
+# the 4 rotating frequencies of qk_rope_head_dim 8; v_head_dim left implicit (hidden / heads) as there
+_MINICPM3_FACTORS = [1.0591234137867171, 3.1174739066063757, 16.43262007003069, 28.717843855233994]
+
+
+def _minicpm3_4b() -> dict:
+    return {"architectures": ["MiniCPM3ForCausalLM"], "bos_token_id": 1, "eos_token_id": [2, 73440],
+            "hidden_act": "silu", "initializer_range": 0.1, "hidden_size": 64, "num_hidden_layers": 3,
+            "intermediate_size": 160, "max_position_embeddings": 32768, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "q_lora_rank": 48,
+            "kv_lora_rank": 32, "rms_norm_eps": 1e-05,
+            "rope_scaling": {"type": "longrope", "long_factor": _MINICPM3_FACTORS, "short_factor": _MINICPM3_FACTORS,
+                             "original_max_position_embeddings": 32768},
+            "vocab_size": 512, "scale_emb": 12, "dim_model_base": 256, "scale_depth": 1.4, "use_cache": True,
+            "torch_dtype": "bfloat16"}
+
+
+# sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
+_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16}}
+
+
 CASES = {
     # the first Phi-3-mini-128k / Phi-3-medium-128k releases name longrope `su` (refused before)
     "phi3-128k-su-short": ("Phi3ForCausalLM", "phi3", lambda: _phi35("su", False), (3, 9, 17, 30)),
@@ -77,22 +137,32 @@ CASES = {
     "gemma2-27b": ("Gemma2ForCausalLM", "gemma2", _gemma2_27b, (3, 9, 17, 30)),
     "stablelm-2-12b": ("StableLmForCausalLM", "stablelm", lambda: dict(_STABLELM_2_12B), (3, 9, 17, 30)),
     "mistral-nemo": ("MistralForCausalLM", "mistral", _mistral_nemo, (3, 9, 17, 30)),
+    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", "deepseek_v2", _deepseek_v2_lite, (3, 9, 17, 30)),
+    "deepseek-v2": ("DeepseekV2ForCausalLM", "deepseek_v2", _deepseek_v2, (3, 9, 17, 30)),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_v3, (3, 9, 17, 30)),
+    "mixtral-8x7b": ("MixtralForCausalLM", "mixtral", _mixtral, (3, 9, 17, 30)),
+    "exaone-4.0-32b": ("Exaone4ForCausalLM", "exaone4", _exaone4_32b, (3, 9, 17, 30)),
+    "minicpm3-4b": ("MiniCPM3ForCausalLM", "minicpm3", _minicpm3_4b, (3, 9, 17, 30)),
 }
 
 
-def _build(tmp: Path, arch: str, real: dict) -> Path:
+def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> Path:
     from fixtures.tiny_hf import make_tiny_checkpoint
 
     ov = {k: v for k, v in real.items() if k not in _META}
     rs = ov.pop("rope_scaling", None)
     rp = {"rope_type": "default", "rope_theta": ov.get("rope_theta", 10000.0)}
-    if isinstance(rs, dict):
-        rp = {**{k: v for k, v in rs.items() if k != "type"}, "rope_type": "longrope", "rope_theta": rp["rope_theta"]}
+    if isinstance(rs, dict):         # Phi-3's older names (su, its yarn) read as longrope
+        kind = rs.get("rope_type", rs.get("type"))
+        kind = "longrope" if kind == "su" or arch.startswith("Phi3") else kind
+        rp = {**{k: v for k, v in rs.items() if k not in ("type", "rope_type")}, "rope_type": kind,
+              "rope_theta": rp["rope_theta"]}
     if "partial_rotary_factor" in ov:
         rp["partial_rotary_factor"] = ov["partial_rotary_factor"]
     ov["rope_parameters"] = rp
-    ov.setdefault("head_dim", ov["hidden_size"] // ov["num_attention_heads"])   # transformers' value where absent
-    make_tiny_checkpoint(arch, tmp, overrides=ov)
+    if "qk_rope_head_dim" not in ov:               # (MLA: transformers sets head_dim from qk_rope_head_dim)
+        ov.setdefault("head_dim", ov["hidden_size"] // ov["num_attention_heads"])   # transformers' value where absent
+    make_tiny_checkpoint(arch, tmp, overrides={**ov, **(build_only or {})})
     built = json.loads((tmp / "config.json").read_text())
     cfg = {**real, "architectures": [arch], "torch_dtype": "float32"}
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -110,6 +180,6 @@ def test_real_settings_verify(case, tmp_path):
     from xllm_gen.codegen.verify import verify
 
     arch, spec, make, prompt_lens = CASES[case]
-    ckpt = _build(tmp_path / case, arch, make())
+    ckpt = _build(tmp_path / case, arch, make(), _BUILD_ONLY.get(case))
     report = verify(ROOT / "specs" / f"{spec}.yaml", ckpt, prompt_lens=prompt_lens)
     assert report.ok, report.text()

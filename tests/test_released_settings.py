@@ -20,6 +20,9 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   A13B also its vision-tower fields, use_mixed_mlp_moe, num_shared_expert / moe_intermediate_size lists, ...). The
   MoE spec refused the NTK-alpha rope outright and A13B's per-layer `moe_topk: [8, 8, ...]` list (transformers'
   gate reads moe_topk[layer_idx]): a uniform list is served now, a mixed one refused.
+- MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
+  dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
+  the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
 """
 from __future__ import annotations
 
@@ -231,3 +234,26 @@ def test_hunyuan_a13b_other_leftover_values_are_refused(tmp_path, field, value):
     cfg[field] = value
     with pytest.raises(ValueError, match="moe_topk|released_leftovers|" + field):
         module.Config.from_hf(cfg)
+
+
+# openbmb/MiniCPM3-4B's config.json, sizes shrunk (40 heads -> 4; qk_rope_head_dim 32 -> 8: the 16 longrope factors
+# subsampled to 4; hidden 2560 / 40 heads gives v_head_dim 64, here 64 / 4 = 16, which config.json leaves implicit)
+_MINICPM3_FACTORS = [1.0591234137867171, 3.1174739066063757, 16.43262007003069, 28.717843855233994]
+_MINICPM3_4B = {"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 160, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                "q_lora_rank": 48, "kv_lora_rank": 32, "rms_norm_eps": 1e-05, "max_position_embeddings": 32768,
+                "scale_emb": 12, "dim_model_base": 256, "scale_depth": 1.4, "initializer_range": 0.1}
+
+
+def _minicpm3_released(c: dict) -> None:
+    c.pop("rope_parameters", None)
+    c.pop("v_head_dim", None)
+    c.update(rope_scaling={"type": "longrope", "long_factor": _MINICPM3_FACTORS, "short_factor": _MINICPM3_FACTORS,
+                           "original_max_position_embeddings": 32768})
+
+
+def test_minicpm3_4b_longrope(tiny_checkpoint, tmp_path):
+    base = tiny_checkpoint("MiniCPM3ForCausalLM", overrides=_MINICPM3_4B)
+    ckpt = edit_config(base, tmp_path / "minicpm3", _minicpm3_released)
+    want = _served_as_transformers(ckpt, "MiniCPM3-4B form")
+    assert _TOKENS.hf(base) != want                  # the factors matter (transformers' tokens without them differ)
