@@ -257,3 +257,34 @@ def test_minicpm3_4b_longrope(tiny_checkpoint, tmp_path):
     ckpt = edit_config(base, tmp_path / "minicpm3", _minicpm3_released)
     want = _served_as_transformers(ckpt, "MiniCPM3-4B form")
     assert _TOKENS.hf(base) != want                  # the factors matter (transformers' tokens without them differ)
+
+
+# Qwen/Qwen2.5-7B-Instruct-1M's config.json fields (sizes shrunk; the chunk kept at its real 262144 - 8192)
+_QWEN25_1M_DCA = {"chunk_size": 262144, "local_size": 8192, "original_max_position_embeddings": 262144}
+
+
+def test_qwen25_1m_dual_chunk_attention_served_within_one_chunk(tiny_checkpoint, tmp_path):
+    """Qwen2.5-*-1M carry `dual_chunk_attention_config`, which transformers ignores (full attention at every length)
+    and vLLM runs; both compute plain causal attention while the context fits one chunk of chunk_size - local_size
+    tokens. It was refused as unknown; now the context is capped there (max_position_embeddings, the engine's
+    max_model_len) and served as both compute it: transformers' tokens, and a request past the cap refused."""
+    from xllm_gen import LLM, SamplingParams
+    from xllm_gen.runtime.loading import registry
+
+    ckpt = tiny_checkpoint("Qwen2ForCausalLM", overrides={"max_position_embeddings": 1010000,
+                                                          "rope_parameters": {"rope_type": "default",
+                                                                              "rope_theta": 10000000.0}})
+    ckpt = edit_config(ckpt, tmp_path / "q1m", lambda c: c.update(dual_chunk_attention_config=dict(_QWEN25_1M_DCA)))
+    _served_as_transformers(ckpt, "Qwen2.5-7B-Instruct-1M form")
+    import json
+    cfg = json.loads((ckpt / "config.json").read_text())
+    module, _ = registry.resolve(cfg)
+    c = module.Config.from_hf(cfg)
+    assert c.max_position_embeddings == 262144 - 8192 and c.max_position_raw == 1010000
+    small = dict(cfg, dual_chunk_attention_config={**_QWEN25_1M_DCA, "chunk_size": 40, "local_size": 8})
+    assert module.Config.from_hf(small).max_position_embeddings == 32
+    ckpt32 = edit_config(ckpt, tmp_path / "q1m32", lambda d: d.update(small))
+    with LLM(model=str(ckpt32), device="cpu", dtype="float32", block_size=4) as llm:
+        assert llm.engine.max_model_len == 32
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([{"prompt_token_ids": list(range(5, 5 + 33))}], SamplingParams(max_tokens=1))
