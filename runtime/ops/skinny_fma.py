@@ -31,6 +31,14 @@ from xllm_gen.runtime.ops.skinny_mma import skinny_mma_gemm
 # partial dot lies inside one scale block and is multiplied by its scale (a [BLOCK_N, KC] gather of a few cached
 # floats a tile), so the weight streams at one byte an element with one FFMA an element more than nothing.
 @triton.jit
+def _slice_dots(w, x, sc, SCALED: tl.constexpr):
+    """The tile's VEC-wide partial dots [BLOCK_N, KC] of one x row, each times its block's scale where SCALED."""
+    if SCALED:
+        return tl.sum(w * x, axis=2) * sc
+    return tl.sum(w * x, axis=2)
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
                         S_ROWS, S_COLS,
                         M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -100,40 +108,25 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_xm, stri
                 x6 = tl.load(x_ptrs + 6 * stride_xm + k0, mask=km, other=0.0).to(tl.float32)
             if M > 7:
                 x7 = tl.load(x_ptrs + 7 * stride_xm + k0, mask=km, other=0.0).to(tl.float32)
+        sc = 1.0
         if SCALED:
             # the scale of each (row, VEC-wide K slice) of the tile; slices past K (masked tail, w = 0) clamped
             sc = tl.load(s_rows + (tl.minimum(k0 + kc * VEC, K - 1) // S_COLS)[None, :])
-            acc0 += tl.sum(w * x0, axis=2) * sc
-            if M > 1:
-                acc1 += tl.sum(w * x1, axis=2) * sc
-            if M > 2:
-                acc2 += tl.sum(w * x2, axis=2) * sc
-            if M > 3:
-                acc3 += tl.sum(w * x3, axis=2) * sc
-            if M > 4:
-                acc4 += tl.sum(w * x4, axis=2) * sc
-            if M > 5:
-                acc5 += tl.sum(w * x5, axis=2) * sc
-            if M > 6:
-                acc6 += tl.sum(w * x6, axis=2) * sc
-            if M > 7:
-                acc7 += tl.sum(w * x7, axis=2) * sc
-        else:
-            acc0 += tl.sum(w * x0, axis=2)
-            if M > 1:
-                acc1 += tl.sum(w * x1, axis=2)
-            if M > 2:
-                acc2 += tl.sum(w * x2, axis=2)
-            if M > 3:
-                acc3 += tl.sum(w * x3, axis=2)
-            if M > 4:
-                acc4 += tl.sum(w * x4, axis=2)
-            if M > 5:
-                acc5 += tl.sum(w * x5, axis=2)
-            if M > 6:
-                acc6 += tl.sum(w * x6, axis=2)
-            if M > 7:
-                acc7 += tl.sum(w * x7, axis=2)
+        acc0 += _slice_dots(w, x0, sc, SCALED)
+        if M > 1:
+            acc1 += _slice_dots(w, x1, sc, SCALED)
+        if M > 2:
+            acc2 += _slice_dots(w, x2, sc, SCALED)
+        if M > 3:
+            acc3 += _slice_dots(w, x3, sc, SCALED)
+        if M > 4:
+            acc4 += _slice_dots(w, x4, sc, SCALED)
+        if M > 5:
+            acc5 += _slice_dots(w, x5, sc, SCALED)
+        if M > 6:
+            acc6 += _slice_dots(w, x6, sc, SCALED)
+        if M > 7:
+            acc7 += _slice_dots(w, x7, sc, SCALED)
     pdl_trigger(PDL)
     n_mask = offs_n < N
     if HAS_BIAS:
