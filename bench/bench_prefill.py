@@ -59,7 +59,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefill-attention", default="fa2",
                     help="FlashInfer prefill kernel families to compare (fa2,fa3), one engine per budget each")
+    ap.add_argument("--prefill-graphs", default="default",
+                    help="piecewise prefill graph buckets to compare: 'default' (the engine's), a largest bucket "
+                         "(e.g. 4096: the default buckets up to it), or 'none' (eager prefill)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="one more run under cProfile: the host functions by own time (where a host gap comes from)")
     ap.add_argument("--out", default=None, help="markdown output (stdout always)")
     args = ap.parse_args()
 
@@ -74,13 +79,20 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     lines = [f"## Prefill: {args.model}, {args.prompts} prompts x {args.input_len} tokens, max_tokens 1",
              "", f"versions: {versions()}", f"FLOPs per run: {F / 1e12:.2f} TFLOP (linear + causal attention)", "",
-             "| prefill attention | max_num_batched_tokens | wall ms (median) | runs ms | TFLOP/s |", "|---|---|---|---|---|"]
+             "| prefill attention | prefill graphs | max_num_batched_tokens | wall ms (median) | runs ms | TFLOP/s |",
+             "|---|---|---|---|---|---|"]
     profiles = []
-    runs = [(a, int(b)) for a in args.prefill_attention.split(",") for b in args.budgets.split(",")]
-    for attn, budget in runs:
+    from xllm_gen.runtime.executor.prefill_graphs import DEFAULT_PREFILL_GRAPH_SIZES
+
+    def graph_sizes(g: str):
+        return None if g == "default" else [] if g == "none" else [b for b in DEFAULT_PREFILL_GRAPH_SIZES if b <= int(g)]
+    runs = [(a, int(b), g) for g in args.prefill_graphs.split(",") for a in args.prefill_attention.split(",")
+            for b in args.budgets.split(",")]
+    for attn, budget, graphs in runs:
         llm = LLM(str(d), dtype="bfloat16", load_format="dummy", max_num_seqs=max(args.prompts, 16),
                   _debug={"prefill_attention": attn}, max_model_len=args.input_len + 16, max_num_batched_tokens=budget, enable_prefix_caching=False,
-                  num_kv_blocks=(args.prompts * (args.input_len + 16)) // 16 + 64)
+                  num_kv_blocks=(args.prompts * (args.input_len + 16)) // 16 + 64,
+                  prefill_graph_sizes=graph_sizes(graphs))
         llm.generate(prompts[: min(8, len(prompts))], params, use_tqdm=False)       # warm-up (tuning, plans)
         times = []
         for _ in range(args.runs):
@@ -90,7 +102,21 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
         med = statistics.median(times)
-        lines.append(f"| {attn} | {budget} | {med:.1f} | {', '.join(f'{t:.1f}' for t in times)} | {F / med / 1e9:.0f} |")
+        lines.append(f"| {attn} | {graphs} | {budget} | {med:.1f} | {', '.join(f'{t:.1f}' for t in times)} | {F / med / 1e9:.0f} |")
+        if args.host_profile:
+            import cProfile
+            import io
+            import pstats
+            pr = cProfile.Profile()
+            torch.cuda.synchronize()
+            pr.enable()
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+            profiles += ["", f"### Host profile (cProfile, by own time), {attn}, budget {budget}", "", "```",
+                         buf.getvalue().strip(), "```"]
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

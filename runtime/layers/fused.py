@@ -57,6 +57,8 @@ def gemv_config(linear, x: torch.Tensor, prologue: str):
     w = linear.weight
     if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= min(_FUSED_MAX_ROWS, _lin._SKINNY_MAX_ROWS):
         return False
+    if x.is_cuda and not _lin.decode_step():      # prefill: the plain ops (cuBLAS: row-count invariant, _lin._linear)
+        return False
     if linear.act_quant is not None or w.dim() != 2 or not w.dtype.is_floating_point or x.dtype != w.dtype:
         return False
     if not isinstance(linear, (_lin.ReplicatedLinear, _lin.ColumnParallelLinear, _lin.MergedColumnParallelLinear,

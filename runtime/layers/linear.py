@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xllm_gen.runtime.executor import context as _context
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, replicated, split_segment
 from xllm_gen.runtime.ops import skinny_gemm
@@ -36,10 +37,19 @@ _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_GEMM_CHOICE: dict = {}
 
 
+def decode_step() -> bool:
+    """Whether the running forward is a decode step (or none is set: the tunings' timing calls). A prefill step of
+    a few tokens stays on cuBLAS, whose result for a row does not depend on the row count: a prompt of 17 tokens
+    prefilled eagerly and one replayed in a prefill graph's 64-token bucket must agree (the skinny kernels' launch
+    config, and so their summation order, follows the rows; tests/gpu/test_gpu_prefill_graphs.py)."""
+    ctx = _context._CONTEXT
+    return ctx is None or not ctx.is_prefill
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear, or a skinny-GEMM kernel for a CUDA decode batch of at most 64 rows where it was measured faster."""
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= _SKINNY_MAX_ROWS and weight.dtype in _SKINNY_DTYPES
-            and x.dtype == weight.dtype):
+            and x.dtype == weight.dtype and decode_step()):
         use = _FORCE if _FORCE is not None else DECODE_GEMM_CHOICE.get(
             (x.shape[0], weight.shape[0], weight.shape[1], weight.dtype), False)
         if use:

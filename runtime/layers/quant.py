@@ -20,9 +20,18 @@ FP8_MAX = float(torch.finfo(FP8).max)       # 448
 _MIN_SCALE = 1e-12
 
 
+def div_rn(a: torch.Tensor, b) -> torch.Tensor:
+    """a / b correctly rounded on every device. CUDA torch divides by a Python number as a multiply by its
+    reciprocal (at times one ulp off: a different fp8 scale than the CPU's); a divisor tensor on a's device is a
+    true division there, as on the CPU and in ops/fp8_act_quant.py (div_rn)."""
+    if not isinstance(b, torch.Tensor):
+        b = torch.full((), b, dtype=a.dtype, device=a.device)      # a fill kernel: capturable in a CUDA graph
+    return a / b
+
+
 def fp8_round_trip(x: torch.Tensor, scale) -> torch.Tensor:
     """x quantized to fp8 e4m3 with `scale` (x / scale saturated to +-448) and back, in float32."""
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
+    return div_rn(x, scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
 
 
 class ActQuant:
@@ -46,18 +55,18 @@ class ActQuant:
         dtype = x.dtype
         xf = x.float()
         if self.kind == "static":
-            return fp8_round_trip(xf, self.scale).to(dtype)       # a Python float: no copy inside a CUDA graph
+            return fp8_round_trip(xf, self.scale).to(dtype)
         if self.kind == "tensor":
-            s = (xf.abs().amax() / FP8_MAX).clamp(min=_MIN_SCALE)
+            s = div_rn(xf.abs().amax(), FP8_MAX).clamp(min=_MIN_SCALE)
             return fp8_round_trip(xf, s).to(dtype)
         if self.kind == "token":
-            s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+            s = div_rn(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
             return fp8_round_trip(xf, s).to(dtype)
         K, g = xf.shape[-1], self.group                    # "group": the last group may be partial
         pad = (-K) % g
         xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
         xg = xp.reshape(*xp.shape[:-1], -1, g)
-        s = (xg.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        s = div_rn(xg.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
         y = fp8_round_trip(xg, s).reshape(xp.shape)
         return (y[..., :K] if pad else y).to(dtype)
 
@@ -136,7 +145,7 @@ class OnlineFp8View:
     def __getitem__(self, idx) -> torch.Tensor:
         (r0, r1), (c0, c1) = _norm_index(idx, self.shape)
         w = self.weight[r0:r1].to(torch.float32)
-        s = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        s = div_rn(w.abs().amax(dim=1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
         if self.component == "codes":
             return (w / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32)[:, c0:c1]
         if self.component == "scales":
