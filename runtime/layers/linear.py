@@ -180,10 +180,10 @@ class _Linear(nn.Module):
                 replicated(self.bias, owner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:     # quantizes x itself (in its GEMM's prologue where the kernel can)
-            return self.packed(x, self.bias, self.act_quant)
         if self.act_quant is not None:
             x = self.act_quant(x)
+        if self.packed is not None:
+            return self.packed(x, self.bias)
         return _linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -305,15 +305,15 @@ class RowParallelLinear(_Linear):
         self._attach(1, (seg,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:     # quantizes x itself (in its GEMM's prologue where the kernel can)
-            y = self.packed(x, self.bias if self.tp_size == 1 else None, self.act_quant)
+        if self.act_quant is not None:
+            x = self.act_quant(x)
+        if self.packed is not None:
+            y = self.packed(x, self.bias if self.tp_size == 1 else None)
             if self.tp_size == 1:
                 return y
+        elif self.tp_size == 1:
+            return _linear(x, self.weight, self.bias)
         else:
-            if self.act_quant is not None:
-                x = self.act_quant(x)
-            if self.tp_size == 1:
-                return _linear(x, self.weight, self.bias)
             y = _linear(x, self.weight)
         if self.reduce:
             y = all_reduce(y)

@@ -48,9 +48,7 @@ class PackedInt4(nn.Module):
             return Q.int4_dequantize(self.qweight, self.scales, self.zeros, self.group, dtype)
         return Q.dequant_int4(self.qweight, self.scales, self.zeros, self.group, dtype)
 
-    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_quant=None) -> torch.Tensor:
-        if act_quant is not None:
-            x = act_quant(x)
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
             x2 = x.reshape(-1, self.in_features)
             y = Q.int4_gemm(x2, self.qweight, self.scales, self.zeros, self.group, bias, locks=self.locks,
@@ -76,18 +74,11 @@ class PackedFp8(nn.Module):
             return Q.fp8_dequantize(self.weight, self.scale, self.block, dtype)
         return Q.dequant_fp8(self.weight, self.scale, self.block, dtype)
 
-    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_quant=None) -> torch.Tensor:
-        """act_quant: the layer's ActQuant of x; a per-token-group one is fused into the FMA kernel's prologue when
-        that kernel runs (fp8_gemm's act_group), any other is applied here first."""
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
-            group = act_quant.group if act_quant is not None and act_quant.kind == "group" else 0
-            if act_quant is not None and not group:
-                x = act_quant(x)
             x2 = x.reshape(-1, self.in_features)
-            y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias, locks=self.locks, act_group=group)
+            y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias, locks=self.locks)
             return y.reshape(*x.shape[:-1], self.out_features)
-        if act_quant is not None:
-            x = act_quant(x)
         return F.linear(x, self.dequantized(x.dtype), bias)
 
     def extra_repr(self) -> str:

@@ -33,24 +33,6 @@ def _e4m3_round(v):
 
 
 @triton.jit
-def round_trip(x, s, OUT_BF16: tl.constexpr):
-    """x (float32) through fp8 e4m3 with scale s and back (x / s saturated to +-448, rounded, times s); rounded to
-    bfloat16 on the bits where OUT_BF16 (the value the torch ops' `.to(bfloat16)` gives)."""
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
-    y = _e4m3_round(v) * s
-    if OUT_BF16:        # round half to even to bfloat16 on the bits (the cast below is then exact, also interpreted)
-        bits = y.to(tl.int32, bitcast=True)
-        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return y
-
-
-@triton.jit
-def group_scale(amax):
-    """The dynamic scale of a group whose largest magnitude is amax: max(amax / 448, 1e-12), correctly rounded."""
-    return tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
-
-
-@triton.jit
 def _fp8_act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, static_scale, GROUP: tl.constexpr,
                           BLOCK: tl.constexpr, STATIC: tl.constexpr, OUT_BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -61,8 +43,12 @@ def _fp8_act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, static_scale, G
     if STATIC:
         s = static_scale
     else:
-        s = group_scale(tl.max(tl.abs(x), axis=0))
-    y = round_trip(x, s, OUT_BF16)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
+    y = _e4m3_round(v) * s
+    if OUT_BF16:        # round half to even to bfloat16 on the bits (the cast below is then exact, also interpreted)
+        bits = y.to(tl.int32, bitcast=True)
+        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

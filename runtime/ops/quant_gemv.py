@@ -35,15 +35,8 @@ import triton
 import triton.language as tl
 
 from xllm_gen.runtime.ops import quant_tinygemm
-from xllm_gen.runtime.ops.fp8_act_quant import fp8_act_quant
 from xllm_gen.runtime.ops.quant_splitk import SPLITK_MAX_M, splitk_gemv
-from xllm_gen.runtime.ops.skinny_fma import (
-    SKINNY_MAX_M,
-    act_group_fits,
-    fp8_fits,
-    fp8_skinny_gemm,
-    skinny_gemm_candidates,
-)
+from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, fp8_fits, fp8_skinny_gemm
 
 GEMV_MAX_M = 64        # rows up to which the layers call these kernels (else dequantize + cuBLAS)
 
@@ -258,23 +251,14 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple,
              bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None, kernel: Optional[str] = None,
-             locks: Optional[torch.Tensor] = None, act_group: int = 0) -> torch.Tensor:
-    """x [M, K] @ dequant_fp8(weight [N, K] float8_e4m3fn, scale float32 [ceil(N/bn), ceil(K/bk)], block (bn, bk))^T.
-    act_group > 0: x is first quantized as ActQuant("group", act_group) does (the checkpoint's dynamic per-token-group
-    activation scales): inside the FMA kernel where it runs with K tiles of whole groups, else one fp8_act_quant
-    launch before the GEMM (the same values either way)."""
+             locks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ dequant_fp8(weight [N, K] float8_e4m3fn, scale float32 [ceil(N/bn), ceil(K/bk)], block (bn, bk))^T."""
     N, K = weight.shape
     bn, bk = block
     if x.shape[1] != K or scale.shape != (-(-N // bn), -(-K // bk)) or scale.dtype != torch.float32:
         raise ValueError(f"fp8_gemm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)} "
                          f"{scale.dtype}, block {block} do not fit")
     kernel, config = _pick("fp8", x, N, K, bk, config, kernel)
-    if kernel == "fma":
-        config = config or skinny_gemm_candidates(x.shape[0], N, K, 1)[0]
-        if act_group and act_group_fits(config, act_group):
-            return fp8_skinny_gemm(x, weight, scale, block, bias, config, act_group)
-    if act_group:
-        x = fp8_act_quant(x, act_group)
     if kernel == "fma":
         return fp8_skinny_gemm(x, weight, scale, block, bias, config)
     if kernel == "splitk":

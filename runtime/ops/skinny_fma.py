@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from xllm_gen.runtime.ops import pdl
-from xllm_gen.runtime.ops.fp8_act_quant import group_scale, round_trip
 from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger, prefetch_rows_l2
 from xllm_gen.runtime.ops.skinny_mma import skinny_mma_gemm
 
@@ -40,26 +39,11 @@ def _slice_dots(w, x, sc, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_tile(x, KC: tl.constexpr, VEC: tl.constexpr, GROUP: tl.constexpr, ROUND: tl.constexpr):
-    """One x row's tile [1, KC, VEC] (float32, BLOCK_K a multiple of GROUP, the tile starting on a group boundary)
-    through ActQuant's per-token-group fp8 round trip (ops/fp8_act_quant.py, the same arithmetic), then rounded as
-    the activation dtype holds it (ROUND 1: bfloat16 on the bits, 2: float16): the values the unfused path would
-    feed the GEMM. A masked tail reads zeros, which change no group's amax (the reference pads with zeros)."""
-    G: tl.constexpr = KC * VEC // GROUP
-    xg = tl.reshape(x, (G, GROUP))
-    y = round_trip(xg, group_scale(tl.max(tl.abs(xg), axis=1))[:, None], ROUND == 1)
-    if ROUND == 2:
-        y = y.to(tl.float16).to(tl.float32)
-    return tl.reshape(y, (1, KC, VEC))
-
-
-@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
                         S_ROWS, S_COLS,
                         M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         VEC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
-                        KP: tl.constexpr = 1, LINE: tl.constexpr = 64, SCALED: tl.constexpr = False,
-                        ACT_GROUP: tl.constexpr = 0, ACT_ROUND: tl.constexpr = 0):
+                        KP: tl.constexpr = 1, LINE: tl.constexpr = 64, SCALED: tl.constexpr = False):
     KC: tl.constexpr = BLOCK_K // VEC
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,22 +108,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_xm, stri
                 x6 = tl.load(x_ptrs + 6 * stride_xm + k0, mask=km, other=0.0).to(tl.float32)
             if M > 7:
                 x7 = tl.load(x_ptrs + 7 * stride_xm + k0, mask=km, other=0.0).to(tl.float32)
-        if ACT_GROUP > 0:       # the activation's fp8 round trip in the prologue (no separate launch)
-            x0 = _act_quant_tile(x0, KC, VEC, ACT_GROUP, ACT_ROUND)
-            if M > 1:
-                x1 = _act_quant_tile(x1, KC, VEC, ACT_GROUP, ACT_ROUND)
-            if M > 2:
-                x2 = _act_quant_tile(x2, KC, VEC, ACT_GROUP, ACT_ROUND)
-            if M > 3:
-                x3 = _act_quant_tile(x3, KC, VEC, ACT_GROUP, ACT_ROUND)
-            if M > 4:
-                x4 = _act_quant_tile(x4, KC, VEC, ACT_GROUP, ACT_ROUND)
-            if M > 5:
-                x5 = _act_quant_tile(x5, KC, VEC, ACT_GROUP, ACT_ROUND)
-            if M > 6:
-                x6 = _act_quant_tile(x6, KC, VEC, ACT_GROUP, ACT_ROUND)
-            if M > 7:
-                x7 = _act_quant_tile(x7, KC, VEC, ACT_GROUP, ACT_ROUND)
         sc = 1.0
         if SCALED:
             # the scale of each (row, VEC-wide K slice) of the tile; slices past K (masked tail, w = 0) clamped
@@ -268,7 +236,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return _launch(x, weight, bias, y, config, block_n)
 
 
-def _launch(x, weight, bias, y, config, block_n=None, scale=None, s_rows=1, s_cols=1, act_group=0):
+def _launch(x, weight, bias, y, config, block_n=None, scale=None, s_rows=1, s_cols=1):
     M, K = x.shape
     N = weight.shape[0]
     bn, bk, warps, stages = config or skinny_gemm_config(M, N, K, weight.element_size())
@@ -279,9 +247,7 @@ def _launch(x, weight, bias, y, config, block_n=None, scale=None, s_rows=1, s_co
         x, weight, bias if has_bias else weight, y, weight if scale is None else scale, N, K, x.stride(0),
         weight.stride(0), y.stride(0), 0 if scale is None else scale.stride(0), s_rows, s_cols,
         M=M, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, VEC=vec, EVEN_K=K % bk == 0, NUM_STAGES=stages,
-        SCALED=scale is not None, ACT_GROUP=act_group,
-        ACT_ROUND={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0) if act_group else 0,
-        num_warps=warps, num_stages=stages, **pdl.launch(x),
+        SCALED=scale is not None, num_warps=warps, num_stages=stages, **pdl.launch(x),
         **pdl.prefetch_meta(K, weight.element_size()))
     return y
 
@@ -291,20 +257,12 @@ def fp8_fits(K: int, block: tuple) -> bool:
     return block[1] % 16 == 0 or block[1] >= K
 
 
-def act_group_fits(config: tuple, group: int) -> bool:
-    """Whether a launch config's K tiles hold whole activation-quantization groups (fp8_skinny_gemm's act_group)."""
-    return group > 0 and config[1] % group == 0
-
-
 def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple,
-                    bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None,
-                    act_group: int = 0) -> torch.Tensor:
+                    bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None) -> torch.Tensor:
     """x [M, K] (M <= 8) @ dequant(weight [N, K] float8_e4m3fn, scale float32 [ceil(N / bn), ceil(K / bk)],
     block (bn, bk))^T (+ bias) -> [M, N] in x's dtype: the skinny GEMM streaming the float8 weight (SCALED), each
     16-wide partial dot times its block's scale, fp32 accumulation. config: (BLOCK_N, BLOCK_K, num_warps,
-    num_stages), default FP8_CANDIDATES' first. act_group > 0: x goes through ActQuant's dynamic per-token-group
-    fp8 round trip (groups of act_group columns) inside the kernel, bit for bit `fp8_act_quant(x, act_group)`
-    followed by this GEMM; the config's BLOCK_K must hold whole groups (act_group_fits)."""
+    num_stages), default FP8_CANDIDATES' first."""
     M, K = x.shape
     N = weight.shape[0]
     if M > SKINNY_MAX_M or weight.shape[1] != K or weight.element_size() != 1 or not fp8_fits(K, block) \
@@ -318,6 +276,4 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if M == 0 or N == 0:
         return y
     config = config or skinny_gemm_candidates(M, N, K, 1)[0]
-    if act_group and not act_group_fits(config, act_group):
-        raise ValueError(f"fp8_skinny_gemm: BLOCK_K {config[1]} does not hold whole activation groups of {act_group}")
-    return _launch(x, weight.contiguous(), bias, y, config, None, scale.contiguous(), block[0], block[1], act_group)
+    return _launch(x, weight.contiguous(), bias, y, config, None, scale.contiguous(), block[0], block[1])
