@@ -126,3 +126,19 @@ def test_server_flags():
     a = ap.parse_args(["--prefill-graph-sizes", "16", "256", "--cuda-graph-sizes", "1", "8"])
     assert a.prefill_graph_sizes == [16, 256] and a.cuda_graph_sizes == [1, 8]
     assert all(action.help for action in ap._actions), "every flag has help text"
+
+
+def test_prefill_steps_keep_gemms_off_the_skinny_kernels():
+    """Decode steps (and the tunings' timing calls, outside any step) may take the skinny-GEMM kernels; a prefill
+    step may not (layers/linear.py decode_step): their launch config follows the row count, so an eager prefill and
+    the same prompt padded into a prefill graph's bucket would sum in different orders."""
+    from xllm_gen.runtime.layers.linear import decode_step
+    reset_context()
+    assert decode_step()
+    for prefill in (True, False):
+        set_context(ForwardContext(is_prefill=prefill, cu_seqlens_q=None, seq_lens=None, slot_mapping=None,
+                                   block_tables=None))
+        try:
+            assert decode_step() is not prefill
+        finally:
+            reset_context()
