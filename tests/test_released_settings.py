@@ -23,6 +23,10 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- ERNIE-4.5-21B-A3B-PT: Baidu's leftovers (moe_capacity, moe_gate, moe_use_aux_free, use_rmsnorm,
+  num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
+  / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
+  unexpected tensors.
 """
 from __future__ import annotations
 
