@@ -126,6 +126,60 @@ def _minicpm3_4b() -> dict:
             "torch_dtype": "bfloat16"}
 
 
+_GLM_DENSE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+                  intermediate_size=256, vocab_size=512)
+
+
+def _glm(stem: str, **extra) -> dict:
+    c = _real(stem)                                # partial (0.5) interleaved rotary, q/k/v biases, 9B-chat's eps 1.5625e-07
+    c.update(_GLM_DENSE, **extra)
+    return c
+
+
+def _glm_z1_yarn() -> dict:
+    # GLM-Z1-9B-0414 ships GLM-4-9B-0414's config.json; its model card has long inputs served with YaRN added as
+    # rope_scaling {type: yarn, factor: 4, original_max_position_embeddings: 32768}
+    return _glm("glm4__GLM-4-9B-0414", rope_scaling={"type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 32768})
+
+
+_GLM_MOE = dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                moe_intermediate_size=32, n_routed_experts=16, vocab_size=512)
+
+
+def _glm45() -> dict:
+    c = _real("glm4_moe__GLM-4.5")                 # q/k norms, 3 dense layers, routed scale 2.5, top-8 (of 16 here)
+    c.update(_GLM_MOE, num_hidden_layers=5)
+    return c
+
+
+def _glm45_air() -> dict:
+    c = _real("glm4_moe__GLM-4.5-Air")             # no q/k norms, 1 dense layer, routed scale 1.0
+    c.update(_GLM_MOE, num_hidden_layers=3)
+    return c
+
+
+def _ernie45_03b() -> dict:
+    c = _real("ernie4_5__ERNIE-4.5-0.3B")          # interleaved rotary, tied head, remote-code architectures name
+    c.update(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+             intermediate_size=256, vocab_size=512)
+    return c
+
+
+def _ernie45_21b() -> dict:
+    c = _real("ernie4_5_moe__ERNIE-4.5-21B-A3B-PT")    # moe_capacity / moe_gate / moe_use_aux_free / MTP leftovers
+    c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, intermediate_size=128,
+             moe_intermediate_size=32, moe_num_experts=16, vocab_size=512)
+    return c
+
+
+def _seed_oss_36b() -> dict:
+    c = _real("seed_oss__Seed-OSS-36B-Instruct")   # rope_scaling {rope_type: default}, dropouts 0.1, o_proj unbiased
+    c.update(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+             intermediate_size=256, vocab_size=512)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
 _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16}}
 
@@ -143,6 +197,15 @@ CASES = {
     "mixtral-8x7b": ("MixtralForCausalLM", "mixtral", _mixtral, (3, 9, 17, 30)),
     "exaone-4.0-32b": ("Exaone4ForCausalLM", "exaone4", _exaone4_32b, (3, 9, 17, 30)),
     "minicpm3-4b": ("MiniCPM3ForCausalLM", "minicpm3", _minicpm3_4b, (3, 9, 17, 30)),
+    "glm-4-9b-chat-hf": ("GlmForCausalLM", "glm", lambda: _glm("glm__glm-4-9b-chat-hf"), (3, 9, 17, 30)),
+    "glm-4-9b-0414": ("Glm4ForCausalLM", "glm4", lambda: _glm("glm4__GLM-4-9B-0414"), (3, 9, 17, 30)),
+    "glm-4-32b-0414": ("Glm4ForCausalLM", "glm4", lambda: _glm("glm4__GLM-4-32B-0414"), (3, 9, 17, 30)),
+    "glm-z1-9b-yarn": ("Glm4ForCausalLM", "glm4", _glm_z1_yarn, (3, 9, 17, 30)),
+    "glm-4.5": ("Glm4MoeForCausalLM", "glm4_moe", _glm45, (3, 9, 17, 30)),
+    "glm-4.5-air": ("Glm4MoeForCausalLM", "glm4_moe", _glm45_air, (3, 9, 17, 30)),
+    "ernie-4.5-0.3b": ("Ernie4_5ForCausalLM", "ernie4_5", _ernie45_03b, (3, 9, 17, 30)),
+    "ernie-4.5-21b-a3b": ("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", _ernie45_21b, (3, 9, 17, 30)),
+    "seed-oss-36b": ("SeedOssForCausalLM", "seed_oss", _seed_oss_36b, (3, 9, 17, 30)),
 }
 
 

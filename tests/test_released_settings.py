@@ -23,6 +23,10 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- ERNIE-4.5-21B-A3B-PT: Baidu's leftovers (moe_capacity, moe_gate, moe_use_aux_free, use_rmsnorm,
+  num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
+  / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
+  unexpected tensors.
 """
 from __future__ import annotations
 
@@ -288,3 +292,73 @@ def test_qwen25_1m_dual_chunk_attention_served_within_one_chunk(tiny_checkpoint,
         assert llm.engine.max_model_len == 32
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate([{"prompt_token_ids": list(range(5, 5 + 33))}], SamplingParams(max_tokens=1))
+
+
+# --- hI: glm, glm4, glm4_moe, ernie4_5, ernie4_5_moe, seed_oss ---
+def _with_extra_tensors(src, dst, names_shapes: dict):
+    """A copy of checkpoint `src` whose safetensors also hold `names_shapes` (name -> shape, random values): the
+    tensors a released checkpoint stores beside the served model (a multi-token-prediction head)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = edit_config(src, dst, lambda c: None)
+    (dst / "model.safetensors").unlink()
+    tensors = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    tensors.update({n: torch.randn(*s, generator=g) for n, s in names_shapes.items()})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+# baidu/ERNIE-4.5-21B-A3B-PT's config.json fields that transformers' Ernie4_5_MoeConfig has no field for
+_ERNIE45_MOE_LEFTOVERS = {"moe_capacity": [64, 64, 64], "moe_gate": "topk", "moe_use_aux_free": True,
+                          "num_nextn_predict_layers": 1, "multi_token_pred_lambda": 0.3}
+_ERNIE45_MOE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+                "intermediate_size": 128, "moe_intermediate_size": 32, "moe_num_experts": 16, "moe_k": 6,
+                "moe_num_shared_experts": 2, "tie_word_embeddings": True}
+
+
+def test_ernie45_21b_released_leftovers_and_mtp_tensors(tiny_checkpoint, tmp_path):
+    """ERNIE-4.5-21B-A3B-PT was refused for moe_capacity / moe_gate / moe_use_aux_free / num_nextn_predict_layers /
+    multi_token_pred_lambda; its checkpoint also stores the MTP head (mtp_*), which transformers skips and the loader
+    refused as unexpected tensors."""
+    ckpt = tiny_checkpoint("Ernie4_5_MoeForCausalLM", overrides=_ERNIE45_MOE)
+    ckpt = edit_config(ckpt, tmp_path / "ernie", lambda c: c.update(_ERNIE45_MOE_LEFTOVERS))
+    ckpt = _with_extra_tensors(ckpt, tmp_path / "ernie_mtp", {"model.mtp_linear_proj.0.weight": (64, 128),
+                                                              "model.mtp_emb_norm.0.weight": (64,),
+                                                              "model.mtp_block.0.mlp.down_proj.weight": (64, 128)})
+    _served_as_transformers(ckpt, "ERNIE-4.5-21B-A3B form")
+
+
+@pytest.mark.parametrize("field,value", [("moe_use_aux_free", False), ("moe_gate", "top2"), ("use_rmsnorm", False)])
+def test_ernie45_moe_other_leftover_values_are_refused(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = {**tiny_config("Ernie4_5_MoeForCausalLM", _ERNIE45_MOE).to_dict(), **_ERNIE45_MOE_LEFTOVERS}
+    module, _ = registry.resolve(cfg)
+    module.Config.from_hf(cfg)
+    with pytest.raises(ValueError, match=field):
+        module.Config.from_hf({**cfg, field: value})
+
+
+_GLM45_AIR = {"hidden_size": 64, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+              "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 8,
+              "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 1.0,
+              "use_qk_norm": False, "attention_bias": True, "partial_rotary_factor": 0.5,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}}
+
+
+def test_glm45_mtp_layer_tensors_are_skipped(tiny_checkpoint, tmp_path):
+    """GLM-4.5 / GLM-4.5-Air store their MTP layer as model.layers.92.* / model.layers.46.*, which transformers skips
+    (the loader refused them as unexpected tensors); any other stray layer is still refused."""
+    from xllm_gen import LLM
+
+    ckpt = tiny_checkpoint("Glm4MoeForCausalLM", overrides=_GLM45_AIR)
+    ckpt = edit_config(ckpt, tmp_path / "air", lambda c: c.update(num_nextn_predict_layers=1))
+    mtp = {f"model.layers.{n}.{t}": (64, 128) for n in (46, 92) for t in ("eh_proj.weight", "mlp.down_proj.weight")}
+    _served_as_transformers(_with_extra_tensors(ckpt, tmp_path / "air_mtp", mtp), "GLM-4.5-Air form + MTP layer")
+    stray = _with_extra_tensors(ckpt, tmp_path / "stray", {"model.layers.47.eh_proj.weight": (64, 128)})
+    with pytest.raises(Exception, match=r"unexpected tensor.*model\.layers\.47\.eh_proj"):
+        LLM(model=str(stray), device="cpu", dtype="float32")
