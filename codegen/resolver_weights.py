@@ -169,6 +169,11 @@ class WeightsResolver:
                 re.compile(pat)
             except re.error as e:
                 raise self.err(("ignore_checkpoint_tensors", i), f"ignore_checkpoint_tensors[{i}]: bad regex: {e}")
+            if re.search(r"\\\.\$?$", pat):     # the loader fullmatches: a name never ends in a dot
+                raise self.err(("ignore_checkpoint_tensors", i),
+                               f"ignore_checkpoint_tensors[{i}]: '{pat}' matches no tensor name (patterns match the "
+                               "whole name, and none ends in '.'): end it with '.*' to skip every tensor under the "
+                               "prefix")
         return tuple(self.spec.ignore_checkpoint_tensors)
 
     def resolve_renames(self) -> Tuple[Tuple[str, str], ...]:

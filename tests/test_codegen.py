@@ -576,3 +576,22 @@ def test_plain_activations_match_transformers():
         torch.testing.assert_close(act(name)(x), ACT2FN[name](x), rtol=1e-6, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="unsupported activation 'swiglu'"):
         act("swiglu")
+
+
+@pytest.mark.parametrize("pattern,match", [
+    (r"'^model\.layers\.61\.'", r"child\.yaml:\d+:\d+: error: ignore_checkpoint_tensors\[0\]: .* matches no tensor name.*'\.\*'"),
+    (r"'^mtp\.$'", r"matches no tensor name"),
+    (r"'(?P<'", r"bad regex"),
+])
+def test_ignore_checkpoint_tensors_errors(tmp_path, pattern, match):
+    """The loader matches ignore_checkpoint_tensors against whole tensor names (fullmatch): a prefix written without
+    '.*' matched nothing, and eight specs' multi-token-prediction skips were dead that way (a release storing its MTP
+    layer was refused as having unexpected tensors); such a pattern is now a located error."""
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError
+
+    path, _ = _child(tmp_path, extra=f"ignore_checkpoint_tensors: [{pattern}]\n")
+    with pytest.raises(SpecError, match=match):
+        compile_spec(path)
+    path, _ = _child(tmp_path, extra="ignore_checkpoint_tensors: ['^model\\.layers\\.61\\..*']\n")
+    assert compile_spec(path).ir.ignored == (r"^model\.layers\.61\..*",)

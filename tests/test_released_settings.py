@@ -362,3 +362,17 @@ def test_glm45_mtp_layer_tensors_are_skipped(tiny_checkpoint, tmp_path):
     stray = _with_extra_tensors(ckpt, tmp_path / "stray", {"model.layers.47.eh_proj.weight": (64, 128)})
     with pytest.raises(Exception, match=r"unexpected tensor.*model\.layers\.47\.eh_proj"):
         LLM(model=str(stray), device="cpu", dtype="float32")
+
+
+# --- main: dead multi-token-prediction skips ---
+@pytest.mark.parametrize("arch,names", [
+    ("DeepseekV3ForCausalLM", ["model.layers.61.eh_proj.weight", "model.layers.61.enorm.weight"]),
+    ("NemotronHForCausalLM", ["mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight"]),
+])
+def test_mtp_layer_tensors_of_a_release_are_skipped(tiny_checkpoint, tmp_path, arch, names):
+    """DeepSeek-V3 stores its MTP layer as model.layers.61.* (transformers skips it); Nemotron-H releases store mtp.*.
+    The specs' skip patterns lacked '.*' and so matched nothing under the loader's whole-name match: such a release
+    was refused as having unexpected tensors (the compiler now rejects a pattern that matches no name)."""
+    ckpt = tiny_checkpoint(arch)
+    ckpt = _with_extra_tensors(ckpt, tmp_path / "mtp", {n: (8, 8) if n.endswith("proj.weight") else (8,) for n in names})
+    _served_as_transformers(ckpt, f"{arch} + MTP tensors")
