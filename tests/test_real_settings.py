@@ -126,6 +126,45 @@ def _minicpm3_4b() -> dict:
             "torch_dtype": "bfloat16"}
 
 
+_SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, vocab_size=512)
+
+
+def _granite(stem: str) -> dict:
+    c = _real(stem)                                # Granite 3.x: the four scalings, attention_dropout 0.1 (3.0 / 3.1)
+    c.update(_SIZES, intermediate_size=128)
+    return c
+
+
+def _granitemoe(stem: str) -> dict:
+    c = _real(stem)                                # 32 / 40 experts top-8 -> 8 top-2
+    c.update(_SIZES, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+    if "shared_intermediate_size" in c:
+        c["shared_intermediate_size"] = 64
+    return c
+
+
+def _granite4(stem: str) -> dict:
+    """Granite 4.0: the H releases (position_embedding_type 'nope', layer_types 'mamba' / 'attention', 64-72 experts)
+    shrunk to 4 layers with the attention layer second and SSD chunks of 8; the dense release (micro: all attention,
+    rope, num_local_experts = num_experts_per_tok = 0) to 3 layers."""
+    c = _real(stem)
+    c.update(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, vocab_size=512, mamba_n_heads=8,
+             mamba_d_head=24, mamba_d_state=16, mamba_chunk_size=8)
+    if c["num_local_experts"]:
+        c.update(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"], intermediate_size=32,
+                 num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=64)
+    else:
+        c.update(num_hidden_layers=3, layer_types=["attention"] * 3, intermediate_size=128, shared_intermediate_size=128)
+    return c
+
+
+def _bamba_9b() -> dict:
+    c = _real("bamba__Bamba-9B")                   # attn_rotary_emb 64 of head_dim 128 -> 8 of 16; use_mamba_kernels
+    c.update(_SIZES, num_hidden_layers=4, attn_layer_indices=[1], attn_rotary_emb=8, intermediate_size=128,
+             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8)
+    return c
+
+
 _GLM_DENSE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
                   intermediate_size=256, vocab_size=512)
 
@@ -197,6 +236,27 @@ CASES = {
     "mixtral-8x7b": ("MixtralForCausalLM", "mixtral", _mixtral, (3, 9, 17, 30)),
     "exaone-4.0-32b": ("Exaone4ForCausalLM", "exaone4", _exaone4_32b, (3, 9, 17, 30)),
     "minicpm3-4b": ("MiniCPM3ForCausalLM", "minicpm3", _minicpm3_4b, (3, 9, 17, 30)),
+    "granite-3.0-8b-instruct": ("GraniteForCausalLM", "granite", lambda: _granite("granite__granite-3.0-8b-instruct"),
+                                (3, 9, 17, 30)),
+    "granite-3.1-2b-instruct": ("GraniteForCausalLM", "granite", lambda: _granite("granite__granite-3.1-2b-instruct"),
+                                (3, 9, 17, 30)),
+    "granite-3.3-8b-instruct": ("GraniteForCausalLM", "granite", lambda: _granite("granite__granite-3.3-8b-instruct"),
+                                (3, 9, 17, 30)),
+    "granite-3.0-3b-a800m": ("GraniteMoeForCausalLM", "granitemoe",
+                             lambda: _granitemoe("granitemoe__granite-3.0-3b-a800m-instruct"), (3, 9, 17, 30)),
+    "granite-3.1-1b-a400m": ("GraniteMoeForCausalLM", "granitemoe",
+                             lambda: _granitemoe("granitemoe__granite-3.1-1b-a400m"), (3, 9, 17, 30)),
+    "granitemoeshared-3b": ("GraniteMoeSharedForCausalLM", "granitemoeshared",
+                            lambda: _granitemoe("granitemoeshared__granite-3.0-3b-a800m-shared"), (3, 9, 17, 30)),
+    # refused before (position_embedding_type 'nope', normalization_function; micro: num_experts_per_tok 0)
+    "granite-4.0-h-tiny": ("GraniteMoeHybridForCausalLM", "granitemoehybrid",
+                           lambda: _granite4("granitemoehybrid__granite-4.0-h-tiny"), (3, 9, 17, 30)),
+    "granite-4.0-h-small": ("GraniteMoeHybridForCausalLM", "granitemoehybrid",
+                            lambda: _granite4("granitemoehybrid__granite-4.0-h-small"), (3, 9, 17, 30)),
+    "granite-4.0-micro": ("GraniteMoeHybridForCausalLM", "granitemoehybrid",
+                          lambda: _granite4("granitemoehybrid__granite-4.0-micro"), (3, 9, 17, 30)),
+    # refused before (attn_rotary_emb, use_mamba_kernels)
+    "bamba-9b": ("BambaForCausalLM", "bamba", _bamba_9b, (3, 9, 17, 30)),
     "glm-4-9b-chat-hf": ("GlmForCausalLM", "glm", lambda: _glm("glm__glm-4-9b-chat-hf"), (3, 9, 17, 30)),
     "glm-4-9b-0414": ("Glm4ForCausalLM", "glm4", lambda: _glm("glm4__GLM-4-9B-0414"), (3, 9, 17, 30)),
     "glm-4-32b-0414": ("Glm4ForCausalLM", "glm4", lambda: _glm("glm4__GLM-4-32B-0414"), (3, 9, 17, 30)),

@@ -23,6 +23,13 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- Granite 4.0-H (granite-4.0-h-tiny / -h-small): `position_embedding_type: nope` (no rotary: transformers builds one only
+  for 'rope') was refused (only 'rope' admitted), and `normalization_function: rmsnorm` (an IBM-training leftover) as
+  unknown; the legacy layer names ('mamba' / 'attention') are read as transformers remaps them. Granite 4.0 dense
+  (granite-4.0-micro, -h-1b): `num_local_experts: 0` with `num_experts_per_tok: 0` was refused (min 1).
+- Bamba-9B: `attn_rotary_emb: 64` (the rotary dims, = head_dim * 0.5) and `use_mamba_kernels` were refused as unknown;
+  a top-level `partial_rotary_factor`, which transformers' BambaConfig replaces by 0.5, was read (served wrong at any
+  other value): now assumed 0.5.
 - ERNIE-4.5-21B-A3B-PT: Baidu's leftovers (moe_capacity, moe_gate, moe_use_aux_free, use_rmsnorm,
   num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
   / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
@@ -376,3 +383,77 @@ def test_mtp_layer_tensors_of_a_release_are_skipped(tiny_checkpoint, tmp_path, a
     ckpt = tiny_checkpoint(arch)
     ckpt = _with_extra_tensors(ckpt, tmp_path / "mtp", {n: (8, 8) if n.endswith("proj.weight") else (8,) for n in names})
     _served_as_transformers(ckpt, f"{arch} + MTP tensors")
+
+
+# --- hH: granitemoehybrid, bamba ---
+# ibm-granite/granite-4.0-h-tiny / -h-small's config.json beyond the sizes: no position embedding ('nope'), the legacy
+# layer names, an IBM-training leftover
+_GRANITE4_H_LEFTOVERS = {"position_embedding_type": "nope", "normalization_function": "rmsnorm",
+                         "layer_types": ["attention", "mamba", "attention"]}
+
+
+def test_granite4_h_nope_form_is_served(tiny_checkpoint, tmp_path):
+    base = tiny_checkpoint("GraniteMoeHybridForCausalLM")          # the tiny default: rotary ('rope')
+    ckpt = edit_config(base, tmp_path / "g4h", lambda c: c.update(_GRANITE4_H_LEFTOVERS))
+    want = _served_as_transformers(ckpt, "Granite 4.0-H form")
+    assert _TOKENS.hf(base) != want                  # sensitivity: 'nope' (no rotary) changes transformers' tokens
+
+
+# ibm-granite/granite-4.0-micro (and -h-1b / -h-350m): dense, num_local_experts 0 AND num_experts_per_tok 0
+_GRANITE4_DENSE = {"num_local_experts": 0, "num_experts_per_tok": 0, "position_embedding_type": "rope"}
+
+
+def test_granite4_dense_zero_top_k_is_served(tiny_checkpoint, tmp_path):
+    base = tiny_checkpoint("GraniteMoeHybridForCausalLM", overrides=_GRANITE4_DENSE)
+    ckpt = edit_config(base, tmp_path / "g4d", lambda c: c.update(normalization_function="rmsnorm",
+                                                                  layer_types=["attention", "mamba", "attention"]))
+    _served_as_transformers(ckpt, "Granite 4.0 dense form")
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"num_local_experts": 4, "num_experts_per_tok": 0}, "experts_have_top_k"),     # experts, none routed
+    ({"layer_types": ["attention", "mamba", "sliding_attention"]}, "layer_types_other"),  # a kind it does not run
+    ({"normalization_function": "layernorm"}, "normalization_function"),
+    ({"position_embedding_type": "alibi"}, "position_embedding_type"),
+])
+def test_granite4_other_values_are_refused(edit, match):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("GraniteMoeHybridForCausalLM", _GRANITE4_DENSE).to_dict()
+    cfg.update(_GRANITE4_H_LEFTOVERS)
+    module, _ = registry.resolve(cfg)
+    module.Config.from_hf(cfg)
+    cfg.update(edit)
+    with pytest.raises(ValueError, match=match):
+        module.Config.from_hf(cfg)
+
+
+def test_bamba_9b_leftovers_are_accepted_and_the_rotary_agrees(tiny_checkpoint, tmp_path):
+    """Bamba-9B's config.json carries attn_rotary_emb (64 of head_dim 128) and use_mamba_kernels, which transformers
+    never reads: both were refused as unknown. attn_rotary_emb is accepted where it states the rotary dims transformers
+    builds (head_dim * 0.5), refused otherwise; a top-level partial_rotary_factor, which transformers' BambaConfig
+    replaces by 0.5 (the spec read it), is assumed 0.5."""
+    import json
+
+    from transformers import BambaConfig
+
+    from xllm_gen.runtime.loading import registry
+
+    base = tiny_checkpoint("BambaForCausalLM")
+    cfg = json.loads((base / "config.json").read_text())
+    half = cfg["hidden_size"] // cfg["num_attention_heads"] // 2
+    ckpt = edit_config(base, tmp_path / "bamba9b", lambda c: c.update(attn_rotary_emb=half, use_mamba_kernels=True,
+                                                                      num_logits_to_keep=1))
+    want = _served_as_transformers(ckpt, "Bamba-9B form")
+    module, _ = registry.resolve(cfg)
+    for edit, match in (({"attn_rotary_emb": 2 * half}, "attn_rotary_emb"),
+                        ({"partial_rotary_factor": 1.0}, "partial_rotary_factor")):
+        with pytest.raises(ValueError, match=match):
+            module.Config.from_hf({**cfg, **edit})
+    # the premise: transformers turns half the head whatever the top-level field says, and the rotary dims matter
+    assert BambaConfig(partial_rotary_factor=1.0).rope_parameters["partial_rotary_factor"] == 0.5
+    whole = edit_config(base, tmp_path / "bamba_whole",
+                        lambda c: c["rope_parameters"].update(partial_rotary_factor=1.0))
+    assert _TOKENS.hf(whole) != want
