@@ -126,8 +126,50 @@ def _minicpm3_4b() -> dict:
             "torch_dtype": "bfloat16"}
 
 
+# --- hK: Mamba-2 / Falcon-H1 / LFM2 / Jamba / Qwen3-Next releases (sizes shrunk, every other field as published)
+def _mamba_codestral() -> dict:
+    c = _real("mamba2__Mamba-Codestral-7B-v0.1")   # its leftovers: intermediate_size, norm_before_gate, rms_norm, ...
+    c.update(hidden_size=64, num_heads=8, head_dim=16, n_groups=4, state_size=16, num_hidden_layers=3,
+             intermediate_size=128, time_step_rank=4, vocab_size=512)
+    return c
+
+
+def _falcon_h1_05b() -> dict:
+    c = _real("falcon_h1__Falcon-H1-0.5B")          # muP multipliers, mamba_d_ssm 1.5 x hidden (not expand x hidden)
+    c.update(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=256,
+             num_hidden_layers=3, mamba_n_heads=6, mamba_d_head=32, mamba_d_ssm=192, mamba_d_state=16,
+             vocab_size=512)
+    return c
+
+
+def _lfm2_12b() -> dict:
+    c = _real("lfm2__LFM2-1.2B")                    # block_ff_dim (read) beside an adjusted intermediate_size (stale)
+    c.update(hidden_size=128, block_dim=128, conv_dim=128, conv_dim_out=128, num_attention_heads=4, num_heads=4,
+             num_key_value_heads=2, head_dim=32, block_ff_dim=1152, intermediate_size=768, num_hidden_layers=6,
+             full_attn_idxs=[2, 5], vocab_size=512)
+    return c
+
+
+def _jamba_15_mini() -> dict:
+    c = _real("jamba__AI21-Jamba-1.5-Mini")         # attention every 8th layer (offset 4), MoE every 2nd (offset 1)
+    c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, num_experts=4,
+             num_hidden_layers=8, mamba_d_state=8, mamba_dt_rank=8, vocab_size=512)
+    return c
+
+
+def _qwen3_next_80b() -> dict:
+    c = _real("qwen3_next__Qwen3-Next-80B-A3B-Thinking")   # Instruct's config.json has the same fields and values
+    c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+             num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32, vocab_size=512)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
-_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16}}
+_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
+               # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
+               "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}}
 
 
 CASES = {
@@ -143,6 +185,11 @@ CASES = {
     "mixtral-8x7b": ("MixtralForCausalLM", "mixtral", _mixtral, (3, 9, 17, 30)),
     "exaone-4.0-32b": ("Exaone4ForCausalLM", "exaone4", _exaone4_32b, (3, 9, 17, 30)),
     "minicpm3-4b": ("MiniCPM3ForCausalLM", "minicpm3", _minicpm3_4b, (3, 9, 17, 30)),
+    "mamba-codestral-7b": ("Mamba2ForCausalLM", "mamba2", _mamba_codestral, (3, 9, 17, 30)),
+    "falcon-h1-0.5b": ("FalconH1ForCausalLM", "falcon_h1", _falcon_h1_05b, (3, 9, 17, 30)),
+    "lfm2-1.2b": ("Lfm2ForCausalLM", "lfm2", _lfm2_12b, (3, 9, 17, 30)),
+    "jamba-1.5-mini": ("JambaForCausalLM", "jamba", _jamba_15_mini, (3, 9, 17, 30)),
+    "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next_80b, (3, 9, 17, 30)),
 }
 
 
@@ -160,7 +207,8 @@ def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> 
     if "partial_rotary_factor" in ov:
         rp["partial_rotary_factor"] = ov["partial_rotary_factor"]
     ov["rope_parameters"] = rp
-    if "qk_rope_head_dim" not in ov:               # (MLA: transformers sets head_dim from qk_rope_head_dim)
+    if "qk_rope_head_dim" not in ov and "num_attention_heads" in ov:   # (MLA: head_dim from qk_rope_head_dim;
+                                                                      # attention-free Mamba: none)
         ov.setdefault("head_dim", ov["hidden_size"] // ov["num_attention_heads"])   # transformers' value where absent
     make_tiny_checkpoint(arch, tmp, overrides={**ov, **(build_only or {})})
     built = json.loads((tmp / "config.json").read_text())
