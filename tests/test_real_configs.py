@@ -38,6 +38,9 @@ REFUSED: dict[str, str] = {
     # lora_rank, mamba_headdim 64 (112 heads). transformers' Zamba2Config reads none of them and would build 8 Mamba
     # heads (n_mamba_heads' default), which the weights do not fit: refused naming the fields
     "zamba2__Zamba2-7B-zyphra-format": r"ffn_hidden_size",
+    # state-spaces/mamba2-2.7b is a mamba_ssm checkpoint (d_model, n_layer, ssm_cfg; backbone.* tensors), no
+    # transformers config (no model_type, no architectures): transformers cannot load it either
+    "mamba2__mamba2-2.7b": r"architectures",
 }
 
 # symbols compared with transformers' config attribute of the same name, where both exist
