@@ -166,10 +166,33 @@ def _qwen3_next_80b() -> dict:
     return c
 
 
+# Zyphra/Zamba2-7B's settings under transformers' names (its config.json in the index is in Zyphra's older names,
+# which transformers cannot read: tests/data/real_configs/zamba2__Zamba2-7B-zyphra-format.json, refused): two shared
+# blocks taking turns, rotary in the shared attention (use_mem_rope), 2 B/C groups, MLP adapters only, the fields
+# transformers 4.48's Zamba2Config wrote beside them (derived sizes, hybrid_layer_ids, time_step_limit null), the
+# 81-layer pattern's first 12 layers (6 Mamba, hybrid, 4 Mamba, hybrid)
+def _zamba2_7b() -> dict:
+    layers = ["mamba"] * 6 + ["hybrid"] + ["mamba"] * 4 + ["hybrid"]
+    return {"architectures": ["Zamba2ForCausalLM"], "model_type": "zamba2", "add_bias_linear": False,
+            "adapter_rank": 8, "attention_dropout": 0.0, "attention_head_dim": 32, "attention_hidden_size": 128,
+            "bos_token_id": 1, "chunk_size": 256, "eos_token_id": 2, "hidden_act": "gelu", "hidden_size": 64,
+            "hybrid_layer_ids": [6, 11], "initializer_range": 0.02, "intermediate_size": 256, "kv_channels": 16,
+            "layers_block_type": layers, "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2,
+            "mamba_headdim": 16, "mamba_ngroups": 2, "max_position_embeddings": 4096, "n_mamba_heads": 8,
+            "num_attention_heads": 4, "num_hidden_layers": 12, "num_key_value_heads": 4, "num_logits_to_keep": 1,
+            "num_mem_blocks": 2, "num_query_groups": 4, "pad_token_id": 0, "rms_norm_eps": 1e-05, "rope_theta": 10000,
+            "time_step_floor": 0.0001, "time_step_limit": None, "time_step_max": 0.1, "time_step_min": 0.001,
+            "torch_dtype": "bfloat16", "use_cache": True, "use_conv_bias": True, "use_long_context": False,
+            "use_mamba_kernels": True, "use_mem_eff_path": False, "use_mem_rope": True,
+            "use_shared_attention_adapter": False, "vocab_size": 512}
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
 _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
                # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
-               "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}}
+               "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+               # Zamba2's head_dim is an alias of attention_head_dim (2 * hidden / heads), not hidden / heads
+               "zamba2-7b": {"head_dim": 32}}
 
 
 CASES = {
@@ -190,6 +213,7 @@ CASES = {
     "lfm2-1.2b": ("Lfm2ForCausalLM", "lfm2", _lfm2_12b, (3, 9, 17, 30)),
     "jamba-1.5-mini": ("JambaForCausalLM", "jamba", _jamba_15_mini, (3, 9, 17, 30)),
     "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next_80b, (3, 9, 17, 30)),
+    "zamba2-7b": ("Zamba2ForCausalLM", "zamba2", _zamba2_7b, (3, 9, 17, 30)),
 }
 
 
