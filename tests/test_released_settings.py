@@ -30,6 +30,8 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   transformers' Lfm2Config pops over intermediate_size / tie_word_embeddings (a copy of LFM2-1.2B carries the adjusted
   width 8192 in intermediate_size: the spec read that), and the training code's restated sizes / init settings
   (block_dim, conv_dim, num_heads, block_norm_eps, use_pos_enc, ...), refused as unknown.
+- Jamba-v0.1 (its remote-code-era config.json): `calc_logits_for_entire_prompt`, `n_ctx`, fields transformers'
+  Jamba never reads, refused as unknown.
 """
 from __future__ import annotations
 
@@ -297,7 +299,7 @@ def test_qwen25_1m_dual_chunk_attention_served_within_one_chunk(tiny_checkpoint,
             llm.generate([{"prompt_token_ids": list(range(5, 5 + 33))}], SamplingParams(max_tokens=1))
 
 
-# --- hK: mamba2 (Mamba-Codestral-7B), lfm2 (LFM2-350M / 1.2B) ---
+# --- hK: mamba2 (Mamba-Codestral-7B), lfm2 (LFM2-350M / 1.2B), jamba (Jamba-v0.1) ---
 _CODESTRAL_LEFTOVERS = {"intermediate_size": None, "norm_before_gate": True, "rms_norm": True,
                         "time_step_init_scheme": "random", "time_step_scale": 1.0, "rescale_prenorm_residual": False}
 
@@ -367,3 +369,24 @@ def test_lfm2_leftover_other_values_are_refused():
     for field, value in (("use_pos_enc", False), ("block_use_swiglu", False)):
         with pytest.raises(ValueError, match=field):
             module.Config.from_hf({**real, field: value})
+
+
+def test_jamba_v01_remote_code_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    """Jamba-v0.1's config.json from its remote-code days: calc_logits_for_entire_prompt and n_ctx (the context length
+    transformers names max_position_embeddings, absent there: its default 262144), fields transformers' Jamba never
+    reads, refused as unknown before; mamba_inner_layernorms true (what transformers builds) was already assumed."""
+    def v01(c: dict) -> None:
+        c.pop("max_position_embeddings", None)
+        c.update(calc_logits_for_entire_prompt=False, n_ctx=262144, mamba_inner_layernorms=True,
+                 use_mamba_kernels=True)
+
+    ckpt = edit_config(tiny_checkpoint("JambaForCausalLM"), tmp_path / "jamba01", v01)
+    _served_as_transformers(ckpt, "Jamba-v0.1 form")
+    import json
+
+    from xllm_gen.runtime.loading import registry
+    cfg = json.loads((ckpt / "config.json").read_text())
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).max_position_embeddings == 262144
+    with pytest.raises(ValueError, match="mamba_inner_layernorms"):
+        module.Config.from_hf({**cfg, "mamba_inner_layernorms": False})
