@@ -187,12 +187,23 @@ def _zamba2_7b() -> dict:
             "use_shared_attention_adapter": False, "vocab_size": 512}
 
 
+def _zamba2_12b() -> dict:
+    """Zyphra/Zamba2-1.2B's settings (its fields as transformers' Zamba2 documents them; no file in the index): ONE
+    shared block, LoRA adapters on its q/k/v too (use_shared_attention_adapter), rotary (use_mem_rope), a hybrid layer
+    every 6th; the first 13 layers."""
+    c = _zamba2_7b()
+    layers = ["mamba"] * 6 + ["hybrid"] + ["mamba"] * 5 + ["hybrid"]
+    c.update(layers_block_type=layers, num_hidden_layers=13, hybrid_layer_ids=[6, 12], num_mem_blocks=1,
+             mamba_ngroups=1, use_shared_attention_adapter=True)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
 _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
                # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
                "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
                # Zamba2's head_dim is an alias of attention_head_dim (2 * hidden / heads), not hidden / heads
-               "zamba2-7b": {"head_dim": 32}}
+               "zamba2-7b": {"head_dim": 32}, "zamba2-1.2b": {"head_dim": 32}}
 
 
 CASES = {
@@ -214,6 +225,7 @@ CASES = {
     "jamba-1.5-mini": ("JambaForCausalLM", "jamba", _jamba_15_mini, (3, 9, 17, 30)),
     "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next_80b, (3, 9, 17, 30)),
     "zamba2-7b": ("Zamba2ForCausalLM", "zamba2", _zamba2_7b, (3, 9, 17, 30)),
+    "zamba2-1.2b": ("Zamba2ForCausalLM", "zamba2", _zamba2_12b, (3, 9, 17, 30)),
 }
 
 
