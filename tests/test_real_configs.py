@@ -34,6 +34,13 @@ REFUSED: dict[str, str] = {
     # Qwen4-Exp's attention layers carry the QSA token indexer, not modelled (specs/qwen4_exp.yaml serves the
     # DeltaNet + MoE layers on hyper-connections): refused naming the guard symbol
     "qwen4_exp__Qwen4-Exp": r"indexed_attention_layers",
+    # Zamba2-7B's config.json in Zyphra's own (pre-transformers) names: state_size, expansion_factor, ffn_hidden_size,
+    # lora_rank, mamba_headdim 64 (112 heads). transformers' Zamba2Config reads none of them and would build 8 Mamba
+    # heads (n_mamba_heads' default), which the weights do not fit: refused naming the fields
+    "zamba2__Zamba2-7B-zyphra-format": r"ffn_hidden_size",
+    # state-spaces/mamba2-2.7b is a mamba_ssm checkpoint (d_model, n_layer, ssm_cfg; backbone.* tensors), no
+    # transformers config (no model_type, no architectures): transformers cannot load it either
+    "mamba2__mamba2-2.7b": r"architectures",
 }
 
 # symbols compared with transformers' config attribute of the same name, where both exist

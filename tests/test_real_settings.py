@@ -219,8 +219,84 @@ def _seed_oss_36b() -> dict:
     return c
 
 
+# --- hK: Mamba-2 / Falcon-H1 / LFM2 / Jamba / Qwen3-Next releases (sizes shrunk, every other field as published)
+def _mamba_codestral() -> dict:
+    c = _real("mamba2__Mamba-Codestral-7B-v0.1")   # its leftovers: intermediate_size, norm_before_gate, rms_norm, ...
+    c.update(hidden_size=64, num_heads=8, head_dim=16, n_groups=4, state_size=16, num_hidden_layers=3,
+             intermediate_size=128, time_step_rank=4, vocab_size=512)
+    return c
+
+
+def _falcon_h1_05b() -> dict:
+    c = _real("falcon_h1__Falcon-H1-0.5B")          # muP multipliers, mamba_d_ssm 1.5 x hidden (not expand x hidden)
+    c.update(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=256,
+             num_hidden_layers=3, mamba_n_heads=6, mamba_d_head=32, mamba_d_ssm=192, mamba_d_state=16,
+             vocab_size=512)
+    return c
+
+
+def _lfm2_12b() -> dict:
+    c = _real("lfm2__LFM2-1.2B")                    # block_ff_dim (read) beside an adjusted intermediate_size (stale)
+    c.update(hidden_size=128, block_dim=128, conv_dim=128, conv_dim_out=128, num_attention_heads=4, num_heads=4,
+             num_key_value_heads=2, head_dim=32, block_ff_dim=1152, intermediate_size=768, num_hidden_layers=6,
+             full_attn_idxs=[2, 5], vocab_size=512)
+    return c
+
+
+def _jamba_15_mini() -> dict:
+    c = _real("jamba__AI21-Jamba-1.5-Mini")         # attention every 8th layer (offset 4), MoE every 2nd (offset 1)
+    c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, num_experts=4,
+             num_hidden_layers=8, mamba_d_state=8, mamba_dt_rank=8, vocab_size=512)
+    return c
+
+
+def _qwen3_next_80b() -> dict:
+    c = _real("qwen3_next__Qwen3-Next-80B-A3B-Thinking")   # Instruct's config.json has the same fields and values
+    c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+             num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32, vocab_size=512)
+    return c
+
+
+# Zyphra/Zamba2-7B's settings under transformers' names (its config.json in the index is in Zyphra's older names,
+# which transformers cannot read: tests/data/real_configs/zamba2__Zamba2-7B-zyphra-format.json, refused): two shared
+# blocks taking turns, rotary in the shared attention (use_mem_rope), 2 B/C groups, MLP adapters only, the fields
+# transformers 4.48's Zamba2Config wrote beside them (derived sizes, hybrid_layer_ids, time_step_limit null), the
+# 81-layer pattern's first 12 layers (6 Mamba, hybrid, 4 Mamba, hybrid)
+def _zamba2_7b() -> dict:
+    layers = ["mamba"] * 6 + ["hybrid"] + ["mamba"] * 4 + ["hybrid"]
+    return {"architectures": ["Zamba2ForCausalLM"], "model_type": "zamba2", "add_bias_linear": False,
+            "adapter_rank": 8, "attention_dropout": 0.0, "attention_head_dim": 32, "attention_hidden_size": 128,
+            "bos_token_id": 1, "chunk_size": 256, "eos_token_id": 2, "hidden_act": "gelu", "hidden_size": 64,
+            "hybrid_layer_ids": [6, 11], "initializer_range": 0.02, "intermediate_size": 256, "kv_channels": 16,
+            "layers_block_type": layers, "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2,
+            "mamba_headdim": 16, "mamba_ngroups": 2, "max_position_embeddings": 4096, "n_mamba_heads": 8,
+            "num_attention_heads": 4, "num_hidden_layers": 12, "num_key_value_heads": 4, "num_logits_to_keep": 1,
+            "num_mem_blocks": 2, "num_query_groups": 4, "pad_token_id": 0, "rms_norm_eps": 1e-05, "rope_theta": 10000,
+            "time_step_floor": 0.0001, "time_step_limit": None, "time_step_max": 0.1, "time_step_min": 0.001,
+            "torch_dtype": "bfloat16", "use_cache": True, "use_conv_bias": True, "use_long_context": False,
+            "use_mamba_kernels": True, "use_mem_eff_path": False, "use_mem_rope": True,
+            "use_shared_attention_adapter": False, "vocab_size": 512}
+
+
+def _zamba2_12b() -> dict:
+    """Zyphra/Zamba2-1.2B's settings (its fields as transformers' Zamba2 documents them; no file in the index): ONE
+    shared block, LoRA adapters on its q/k/v too (use_shared_attention_adapter), rotary (use_mem_rope), a hybrid layer
+    every 6th; the first 13 layers."""
+    c = _zamba2_7b()
+    layers = ["mamba"] * 6 + ["hybrid"] + ["mamba"] * 5 + ["hybrid"]
+    c.update(layers_block_type=layers, num_hidden_layers=13, hybrid_layer_ids=[6, 12], num_mem_blocks=1,
+             mamba_ngroups=1, use_shared_attention_adapter=True)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
-_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16}}
+_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
+               # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
+               "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+               # Zamba2's head_dim is an alias of attention_head_dim (2 * hidden / heads), not hidden / heads
+               "zamba2-7b": {"head_dim": 32}, "zamba2-1.2b": {"head_dim": 32}}
 
 
 CASES = {
@@ -266,6 +342,13 @@ CASES = {
     "ernie-4.5-0.3b": ("Ernie4_5ForCausalLM", "ernie4_5", _ernie45_03b, (3, 9, 17, 30)),
     "ernie-4.5-21b-a3b": ("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", _ernie45_21b, (3, 9, 17, 30)),
     "seed-oss-36b": ("SeedOssForCausalLM", "seed_oss", _seed_oss_36b, (3, 9, 17, 30)),
+    "mamba-codestral-7b": ("Mamba2ForCausalLM", "mamba2", _mamba_codestral, (3, 9, 17, 30)),
+    "falcon-h1-0.5b": ("FalconH1ForCausalLM", "falcon_h1", _falcon_h1_05b, (3, 9, 17, 30)),
+    "lfm2-1.2b": ("Lfm2ForCausalLM", "lfm2", _lfm2_12b, (3, 9, 17, 30)),
+    "jamba-1.5-mini": ("JambaForCausalLM", "jamba", _jamba_15_mini, (3, 9, 17, 30)),
+    "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next_80b, (3, 9, 17, 30)),
+    "zamba2-7b": ("Zamba2ForCausalLM", "zamba2", _zamba2_7b, (3, 9, 17, 30)),
+    "zamba2-1.2b": ("Zamba2ForCausalLM", "zamba2", _zamba2_12b, (3, 9, 17, 30)),
 }
 
 
@@ -283,7 +366,8 @@ def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> 
     if "partial_rotary_factor" in ov:
         rp["partial_rotary_factor"] = ov["partial_rotary_factor"]
     ov["rope_parameters"] = rp
-    if "qk_rope_head_dim" not in ov:               # (MLA: transformers sets head_dim from qk_rope_head_dim)
+    if "qk_rope_head_dim" not in ov and "num_attention_heads" in ov:   # (MLA: head_dim from qk_rope_head_dim;
+                                                                      # attention-free Mamba: none)
         ov.setdefault("head_dim", ov["hidden_size"] // ov["num_attention_heads"])   # transformers' value where absent
     make_tiny_checkpoint(arch, tmp, overrides={**ov, **(build_only or {})})
     built = json.loads((tmp / "config.json").read_text())

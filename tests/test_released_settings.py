@@ -23,6 +23,15 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- Mamba-Codestral-7B (Mamba2ForCausalLM): `intermediate_size`, `norm_before_gate: true`, `rms_norm: true`,
+  `time_step_init_scheme`, `time_step_scale`, fields transformers' Mamba2 never reads (its gated norm always gates
+  first), refused as unknown; rms_norm is assumed true now (false, mamba_ssm's LayerNorm model, is refused).
+- LFM2-350M / 1.2B (first releases): the feed-forward width as `block_ff_dim` and the tie as `tie_embedding`, which
+  transformers' Lfm2Config pops over intermediate_size / tie_word_embeddings (a copy of LFM2-1.2B carries the adjusted
+  width 8192 in intermediate_size: the spec read that), and the training code's restated sizes / init settings
+  (block_dim, conv_dim, num_heads, block_norm_eps, use_pos_enc, ...), refused as unknown.
+- Jamba-v0.1 (its remote-code-era config.json): `calc_logits_for_entire_prompt`, `n_ctx`, fields transformers'
+  Jamba never reads, refused as unknown.
 - Granite 4.0-H (granite-4.0-h-tiny / -h-small): `position_embedding_type: nope` (no rotary: transformers builds one only
   for 'rope') was refused (only 'rope' admitted), and `normalization_function: rmsnorm` (an IBM-training leftover) as
   unknown; the legacy layer names ('mamba' / 'attention') are read as transformers remaps them. Granite 4.0 dense
@@ -457,3 +466,96 @@ def test_bamba_9b_leftovers_are_accepted_and_the_rotary_agrees(tiny_checkpoint, 
     whole = edit_config(base, tmp_path / "bamba_whole",
                         lambda c: c["rope_parameters"].update(partial_rotary_factor=1.0))
     assert _TOKENS.hf(whole) != want
+
+
+# --- hK: mamba2 (Mamba-Codestral-7B), lfm2 (LFM2-350M / 1.2B), jamba (Jamba-v0.1) ---
+_CODESTRAL_LEFTOVERS = {"intermediate_size": None, "norm_before_gate": True, "rms_norm": True,
+                        "time_step_init_scheme": "random", "time_step_scale": 1.0, "rescale_prenorm_residual": False}
+
+
+def _codestral_released(c: dict) -> None:
+    c.update(_CODESTRAL_LEFTOVERS, intermediate_size=c["expand"] * c["hidden_size"])
+
+
+def test_mamba_codestral_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    """Mamba-Codestral-7B's config.json carries fields transformers' Mamba2 never reads (intermediate_size,
+    norm_before_gate: its gated RMSNorm always gates first, time_step_init_scheme / time_step_scale; rms_norm true):
+    refused as unknown before."""
+    ckpt = edit_config(tiny_checkpoint("Mamba2ForCausalLM"), tmp_path / "codestral", _codestral_released)
+    _served_as_transformers(ckpt, "Mamba-Codestral form")
+
+
+def test_mamba2_layernorm_rms_norm_false_is_refused():
+    import json
+    from pathlib import Path
+
+    from xllm_gen.runtime.loading import registry
+
+    real = json.loads((Path(__file__).parent / "data" / "real_configs" / "mamba2__Mamba-Codestral-7B-v0.1.json")
+                      .read_text())
+    module, _ = registry.resolve(real)
+    module.Config.from_hf(real)
+    with pytest.raises(ValueError, match="rms_norm"):
+        module.Config.from_hf({**real, "rms_norm": False})
+
+
+# LFM2's first releases (LFM2-350M / 700M / 1.2B) as Liquid wrote them: the feed-forward width as block_ff_dim, the
+# tie as tie_embedding, the training code's names for restated sizes and init settings
+def _lfm2_first_release(c: dict, *, stale: int, tie: bool) -> None:
+    c.update(block_ff_dim=c["intermediate_size"], intermediate_size=stale, tie_embedding=tie,
+             block_dim=c["hidden_size"], conv_dim=c["hidden_size"], conv_dim_out=c["hidden_size"],
+             num_heads=c["num_attention_heads"], block_norm_eps=c["norm_eps"], block_mlp_init_scale=1.0,
+             block_out_init_scale=1.0, block_use_swiglu=True, block_use_xavier_init=True, conv_use_xavier_init=True,
+             use_pos_enc=True)
+
+
+def test_lfm2_first_release_names_block_ff_dim_and_tie_embedding(tiny_checkpoint, tmp_path):
+    """transformers' Lfm2Config pops block_ff_dim over intermediate_size and tie_embedding over tie_word_embeddings;
+    the spec read intermediate_size (a copy of LFM2-1.2B carries the adjusted 8192 there beside block_ff_dim 12288)
+    and refused the leftovers. Here block_ff_dim disagrees with intermediate_size (reading the stale one builds
+    another MLP width), and in the second arm tie_embedding with tie_word_embeddings (reading the latter looks for a
+    head the checkpoint lacks)."""
+    untied = tiny_checkpoint("Lfm2ForCausalLM", overrides={"tie_word_embeddings": False, "intermediate_size": 288})
+    ckpt = edit_config(untied, tmp_path / "lfm2", lambda c: _lfm2_first_release(c, stale=160, tie=False))
+    want = _served_as_transformers(ckpt, "LFM2 first-release form (untied)")
+    # tied by tie_embedding (no lm_head tensor) although tie_word_embeddings says untied
+    tied = tiny_checkpoint("Lfm2ForCausalLM", overrides={"tie_word_embeddings": True, "intermediate_size": 288})
+    ckpt = edit_config(tied, tmp_path / "lfm2_tied", lambda c: _lfm2_first_release(c, stale=160, tie=True)
+                       or c.update(tie_word_embeddings=False))
+    assert _served_as_transformers(ckpt, "LFM2 first-release form (tied by tie_embedding)") != want
+
+
+def test_lfm2_leftover_other_values_are_refused():
+    import json
+    from pathlib import Path
+
+    from xllm_gen.runtime.loading import registry
+
+    real = json.loads((Path(__file__).parent / "data" / "real_configs" / "lfm2__LFM2-1.2B.json").read_text())
+    module, _ = registry.resolve(real)
+    c = module.Config.from_hf(real)
+    assert (c.intermediate_size, c.ff_size) == (12288, 8192)      # block_ff_dim, adjusted as transformers does
+    for field, value in (("use_pos_enc", False), ("block_use_swiglu", False)):
+        with pytest.raises(ValueError, match=field):
+            module.Config.from_hf({**real, field: value})
+
+
+def test_jamba_v01_remote_code_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    """Jamba-v0.1's config.json from its remote-code days: calc_logits_for_entire_prompt and n_ctx (the context length
+    transformers names max_position_embeddings, absent there: its default 262144), fields transformers' Jamba never
+    reads, refused as unknown before; mamba_inner_layernorms true (what transformers builds) was already assumed."""
+    def v01(c: dict) -> None:
+        c.pop("max_position_embeddings", None)
+        c.update(calc_logits_for_entire_prompt=False, n_ctx=262144, mamba_inner_layernorms=True,
+                 use_mamba_kernels=True)
+
+    ckpt = edit_config(tiny_checkpoint("JambaForCausalLM"), tmp_path / "jamba01", v01)
+    _served_as_transformers(ckpt, "Jamba-v0.1 form")
+    import json
+
+    from xllm_gen.runtime.loading import registry
+    cfg = json.loads((ckpt / "config.json").read_text())
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).max_position_embeddings == 262144
+    with pytest.raises(ValueError, match="mamba_inner_layernorms"):
+        module.Config.from_hf({**cfg, "mamba_inner_layernorms": False})
