@@ -23,6 +23,9 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- Minitron-8B / 4B (hJ): their config.json names the partial rotary factor `rope_percent` (transformers 4.4x read it,
+  transformers 5 ignores it: 0.5 either way in the releases), refused as unknown; accepted where it equals the
+  factor served, refused otherwise.
 """
 from __future__ import annotations
 
@@ -288,3 +291,36 @@ def test_qwen25_1m_dual_chunk_attention_served_within_one_chunk(tiny_checkpoint,
         assert llm.engine.max_model_len == 32
         with pytest.raises(ValueError, match="max_model_len"):
             llm.generate([{"prompt_token_ids": list(range(5, 5 + 33))}], SamplingParams(max_tokens=1))
+
+
+# --- hJ: olmoe, olmo2, starcoder2, qwen2_moe, phimoe, phi, nemotron ---
+# nvidia/Minitron-8B-Base's config.json, sizes shrunk (48 heads of 128 beside hidden 4096 -> 6 of 16 beside 64)
+_MINITRON_8B = {"hidden_size": 64, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 192, "num_hidden_layers": 3, "norm_eps": 1e-05,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+
+
+def _minitron_released(c: dict) -> None:
+    c.pop("rope_parameters", None)
+    c.update(rope_percent=0.5, rope_theta=10000)
+
+
+def test_minitron_rope_percent_is_read_where_both_readings_agree(tiny_checkpoint, tmp_path):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    base = tiny_checkpoint("NemotronForCausalLM", overrides=_MINITRON_8B)
+    ckpt = edit_config(base, tmp_path / "minitron", _minitron_released)
+    want = _served_as_transformers(ckpt, "Minitron-8B form")
+    # sensitivity: the partial rotary matters (transformers' tokens with the whole head rotating differ)
+    full = tiny_checkpoint("NemotronForCausalLM", overrides={
+        **_MINITRON_8B, "rope_parameters": {**_MINITRON_8B["rope_parameters"], "partial_rotary_factor": 1.0}})
+    assert _TOKENS.hf(full) != want
+    # a rope_percent transformers 4.4x would rotate by, and transformers 5 would not, is refused by name
+    cfg = tiny_config("NemotronForCausalLM", _MINITRON_8B).to_dict()
+    _minitron_released(cfg)
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).partial_rotary_factor == 0.5
+    with pytest.raises(ValueError, match="rope_percent"):
+        module.Config.from_hf({**cfg, "rope_percent": 0.25})
