@@ -26,6 +26,11 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - Minitron-8B / 4B (hJ): their config.json names the partial rotary factor `rope_percent` (transformers 4.4x read it,
   transformers 5 ignores it: 0.5 either way in the releases), refused as unknown; accepted where it equals the
   factor served, refused otherwise.
+- Phi-3.5-MoE-instruct (hJ): its config.json carries `hidden_dropout` (a remote-code field PhimoeConfig lacks),
+  refused as unknown. And at the engine's default max_model_len (131072 > the original 4096) the engine turned at
+  long_factor (vLLM's regime), where transformers' PhiMoE turns at short_factor at every length (only its mscale
+  follows the regime; the release's two mscales are equal): every sequence was served wrong. The rotary's
+  `longrope_factors: short` serves short_factor in both regimes.
 """
 from __future__ import annotations
 
@@ -324,3 +329,36 @@ def test_minitron_rope_percent_is_read_where_both_readings_agree(tiny_checkpoint
     assert module.Config.from_hf(cfg).partial_rotary_factor == 0.5
     with pytest.raises(ValueError, match="rope_percent"):
         module.Config.from_hf({**cfg, "rope_percent": 0.25})
+
+
+# microsoft/Phi-3.5-MoE-instruct's config.json fields, sizes shrunk (head_dim 16: the 64 factors per list subsampled
+# to the 8 rotating frequencies)
+_PHI35_MOE_SIZES = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+                    "num_hidden_layers": 3, "num_local_experts": 8, "attention_bias": True, "lm_head_bias": True,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05}
+_PHI35_MOE_ROPE = {"long_factor": [1.0199999809265137, 1.0299999713897705, 1.0399999618530273, 1.0499999523162842,
+                                   1.0499999523162842, 1.0499999523162842, 1.059999942779541, 1.059999942779541],
+                   "long_mscale": 1.243163121016122, "original_max_position_embeddings": 4096,
+                   "short_factor": [1.0, 1.0399999618530273, 1.0399999618530273, 1.0399999618530273,
+                                    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842],
+                   "short_mscale": 1.243163121016122, "type": "longrope"}
+
+
+def _phi35_moe_released(c: dict, **rope) -> None:
+    c.pop("rope_parameters", None)
+    c.update(rope_scaling={**_PHI35_MOE_ROPE, **rope}, rope_theta=10000.0, original_max_position_embeddings=4096,
+             hidden_dropout=0.0, input_jitter_noise=0.01, router_jitter_noise=0.01, router_aux_loss_coef=0.0,
+             sliding_window=131072, output_router_logits=False)
+
+
+def test_phi35_moe_short_factor_at_the_default_context(tiny_checkpoint, tmp_path):
+    """Served at the engine's default max_model_len (131072, past the original 4096) as transformers computes it:
+    short_factor at every length. The long arm's long_factor is 8x the release's: transformers never reads it, an
+    engine turning at it (vLLM's long regime) differs; the short arm's 8x short_factor changes transformers' tokens."""
+    base = tiny_checkpoint("PhimoeForCausalLM", overrides=_PHI35_MOE_SIZES)
+    want = _served_as_transformers(edit_config(base, tmp_path / "released", _phi35_moe_released), "Phi-3.5-MoE form")
+    big = [8 * f for f in _PHI35_MOE_ROPE["long_factor"]]
+    long = edit_config(base, tmp_path / "long", lambda c: _phi35_moe_released(c, long_factor=big))
+    assert _served_as_transformers(long, "Phi-3.5-MoE, long_factor x8") == want
+    short = edit_config(base, tmp_path / "short", lambda c: _phi35_moe_released(c, short_factor=big))
+    assert _TOKENS.hf(short) != want                 # the factor list the engine turns at matters
