@@ -30,7 +30,8 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   refused as unknown. And at the engine's default max_model_len (131072 > the original 4096) the engine turned at
   long_factor (vLLM's regime), where transformers' PhiMoE turns at short_factor at every length (only its mscale
   follows the regime; the release's two mscales are equal): every sequence was served wrong. The rotary's
-  `longrope_factors: short` serves short_factor in both regimes.
+  `longrope_factors: short` serves short_factor in both regimes. Its `architectures: [PhiMoEForCausalLM]` (the
+  remote-code class; transformers loads it by model_type as PhimoeForCausalLM) was refused as not served.
 """
 from __future__ import annotations
 
@@ -348,7 +349,8 @@ def _phi35_moe_released(c: dict, **rope) -> None:
     c.pop("rope_parameters", None)
     c.update(rope_scaling={**_PHI35_MOE_ROPE, **rope}, rope_theta=10000.0, original_max_position_embeddings=4096,
              hidden_dropout=0.0, input_jitter_noise=0.01, router_jitter_noise=0.01, router_aux_loss_coef=0.0,
-             sliding_window=131072, output_router_logits=False)
+             sliding_window=131072, output_router_logits=False,
+             architectures=["PhiMoEForCausalLM"])          # the remote-code class name the release carries
 
 
 def test_phi35_moe_short_factor_at_the_default_context(tiny_checkpoint, tmp_path):
