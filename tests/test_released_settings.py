@@ -333,10 +333,11 @@ def test_minitron_rope_percent_is_read_where_both_readings_agree(tiny_checkpoint
 
 
 # microsoft/Phi-3.5-MoE-instruct's config.json fields, sizes shrunk (head_dim 16: the 64 factors per list subsampled
-# to the 8 rotating frequencies)
+# to the 8 rotating frequencies; the context 131072 (= its window) shrunk to 8192, still past the original 4096: the
+# engine's default max_model_len is in the long regime)
 _PHI35_MOE_SIZES = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
                     "num_hidden_layers": 3, "num_local_experts": 8, "attention_bias": True, "lm_head_bias": True,
-                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05}
+                    "max_position_embeddings": 8192, "rms_norm_eps": 1e-05}
 _PHI35_MOE_ROPE = {"long_factor": [1.0199999809265137, 1.0299999713897705, 1.0399999618530273, 1.0499999523162842,
                                    1.0499999523162842, 1.0499999523162842, 1.059999942779541, 1.059999942779541],
                    "long_mscale": 1.243163121016122, "original_max_position_embeddings": 4096,
@@ -349,13 +350,13 @@ def _phi35_moe_released(c: dict, **rope) -> None:
     c.pop("rope_parameters", None)
     c.update(rope_scaling={**_PHI35_MOE_ROPE, **rope}, rope_theta=10000.0, original_max_position_embeddings=4096,
              hidden_dropout=0.0, input_jitter_noise=0.01, router_jitter_noise=0.01, router_aux_loss_coef=0.0,
-             sliding_window=131072, output_router_logits=False,
+             sliding_window=8192, output_router_logits=False,
              architectures=["PhiMoEForCausalLM"])          # the remote-code class name the release carries
 
 
 def test_phi35_moe_short_factor_at_the_default_context(tiny_checkpoint, tmp_path):
-    """Served at the engine's default max_model_len (131072, past the original 4096) as transformers computes it:
-    short_factor at every length. The long arm's long_factor is 8x the release's: transformers never reads it, an
+    """Served at the engine's default max_model_len (max_position_embeddings, past the original 4096) as transformers
+    computes it: short_factor at every length. The long arm's long_factor is 8x the release's: transformers never reads it, an
     engine turning at it (vLLM's long regime) differs; the short arm's 8x short_factor changes transformers' tokens."""
     base = tiny_checkpoint("PhimoeForCausalLM", overrides=_PHI35_MOE_SIZES)
     want = _served_as_transformers(edit_config(base, tmp_path / "released", _phi35_moe_released), "Phi-3.5-MoE form")
