@@ -197,6 +197,7 @@ HJ_CASES = {
                           (3, 9, 17, 30)),
     "qwen2-57b-a14b": ("Qwen2MoeForCausalLM", "qwen2_moe", lambda: _qwen2_moe("qwen2_moe__Qwen2-57B-A14B", 2),
                        (3, 9, 17, 30)),
+    "phi-1": ("PhiForCausalLM", "phi", lambda: _phi("phi__phi-1"), (3, 9, 17, 30)),    # rotary_dim 32: a leftover
     "phi-1_5": ("PhiForCausalLM", "phi", lambda: _phi("phi__phi-1_5"), (3, 9, 17, 30)),
     "phi-2": ("PhiForCausalLM", "phi", lambda: _phi("phi__phi-2"), (3, 9, 17, 30)),
     "minitron-8b-base": ("NemotronForCausalLM", "nemotron", lambda: _nemotron("nemotron__Minitron-8B-Base", 6),
