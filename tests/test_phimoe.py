@@ -4,8 +4,9 @@ per-regime mscale, LayerNorms with bias, attention and lm_head biases, a sliding
 - the routing primitive equals transformers' own `sparsemixer` (eval mode) on random logits, ties and wide margins
   included, and differs from softmax top-2 (its sensitivity);
 - greedy parity on a tiny checkpoint with every feature on (longrope in the short regime: engine max_model_len 64
-  = original_max_position_embeddings; transformers' PhiMoE applies short_factor at every length anyway, with
-  long_mscale beyond the original context, so only the short regime is comparable: see codegen/README.md);
+  = original_max_position_embeddings; transformers' PhiMoE applies short_factor at every length, as the spec's
+  `longrope_factors: short` does, with long_mscale beyond the original context: with this fixture's two different
+  mscales only the short regime is comparable; the release's are equal, see test_released_settings.py);
 - router_jitter_noise reaches the computation (another value changes transformers' tokens and the engine's agree);
 - the guard refuses num_experts_per_tok other than 2, naming it.
 """

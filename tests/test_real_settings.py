@@ -291,12 +291,96 @@ def _zamba2_12b() -> dict:
     return c
 
 
+# --- hJ: OLMoE, OLMo 2, StarCoder2, Qwen2-MoE, PhiMoE, Phi, Nemotron at their released config.json, sizes shrunk
+def _shrunk(stem: str, **sizes) -> dict:
+    c = _real(stem)
+    c.update(vocab_size=512, **sizes)
+    return c
+
+
+def _olmoe_0125() -> dict:
+    return _shrunk("olmoe__OLMoE-1B-7B-0125-Instruct", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                   num_hidden_layers=3, intermediate_size=32, num_experts=8, num_experts_per_tok=4)
+
+
+def _olmo2(stem: str, kv: int) -> dict:
+    return _shrunk(stem, hidden_size=128, num_attention_heads=8, num_key_value_heads=kv, num_hidden_layers=3,
+                   intermediate_size=256)
+
+
+def _starcoder2(stem: str) -> dict:               # the 4096 window shrunk to 6: the prompts cross it
+    return _shrunk(stem, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3,
+                   intermediate_size=192, sliding_window=6)
+
+
+def _qwen2_moe(stem: str, kv: int) -> dict:        # use_sliding_window false: the (shrunk) window must stay off
+    return _shrunk(stem, hidden_size=128, num_attention_heads=8, num_key_value_heads=kv, num_hidden_layers=3,
+                   intermediate_size=160, moe_intermediate_size=32, shared_expert_intermediate_size=80,
+                   num_experts=8, num_experts_per_tok=4, sliding_window=6)
+
+
+def _phi(stem: str) -> dict:                       # head_dim 20: phi-2's 0.4 rotates 8 dims of each head
+    return _shrunk(stem, hidden_size=80, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+                   intermediate_size=160)
+
+
+def _nemotron(stem: str, heads: int) -> dict:     # head_dim 16 beside hidden 64: heads x head_dim != hidden (8B)
+    return _shrunk(stem, hidden_size=64, num_attention_heads=heads, num_key_value_heads=2, head_dim=16,
+                   num_hidden_layers=3, intermediate_size=192)
+
+
+# microsoft/Phi-3.5-MoE-instruct's config.json (as published; its 64 longrope factors per list subsampled to the 8
+# rotating frequencies of head_dim 16, sizes shrunk). transformers' PhiMoE turns at short_factor at every length and
+# scales by the regime's mscale; the engine serves the short regime with max_model_len <= the original context
+_PHI35_MOE = {
+    "architectures": ["PhiMoEForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 32000, "hidden_act": "silu", "hidden_dropout": 0.0, "hidden_size": 64, "initializer_range": 0.02,
+    "input_jitter_noise": 0.01, "intermediate_size": 96, "lm_head_bias": True, "max_position_embeddings": 131072,
+    "model_type": "phimoe", "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+    "num_key_value_heads": 2, "num_local_experts": 8, "original_max_position_embeddings": 4096,
+    "output_router_logits": False, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"long_factor": [1.0199999809265137, 1.0299999713897705, 1.0399999618530273, 1.0499999523162842,
+                                     1.0499999523162842, 1.0499999523162842, 1.059999942779541, 1.059999942779541],
+                     "long_mscale": 1.243163121016122, "original_max_position_embeddings": 4096,
+                     "short_factor": [1.0, 1.0399999618530273, 1.0399999618530273, 1.0399999618530273,
+                                      1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842],
+                     "short_mscale": 1.243163121016122, "type": "longrope"},
+    "rope_theta": 10000.0, "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.01, "sliding_window": 131072,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.3", "use_cache": True,
+    "vocab_size": 512}
+
+
+HJ_CASES = {
+    "olmoe-1b-7b-0125-instruct": ("OlmoeForCausalLM", "olmoe", _olmoe_0125, (3, 9, 17, 30)),
+    "olmo-2-1124-7b": ("Olmo2ForCausalLM", "olmo2", lambda: _olmo2("olmo2__OLMo-2-1124-7B", 8), (3, 9, 17, 30)),
+    "olmo-2-0325-32b": ("Olmo2ForCausalLM", "olmo2", lambda: _olmo2("olmo2__OLMo-2-0325-32B", 2), (3, 9, 17, 30)),
+    "starcoder2-3b": ("Starcoder2ForCausalLM", "starcoder2", lambda: _starcoder2("starcoder2__starcoder2-3b"),
+                      (3, 9, 17, 30)),
+    "starcoder2-15b": ("Starcoder2ForCausalLM", "starcoder2", lambda: _starcoder2("starcoder2__starcoder2-15b"),
+                       (3, 9, 17, 30)),
+    "qwen1.5-moe-a2.7b": ("Qwen2MoeForCausalLM", "qwen2_moe", lambda: _qwen2_moe("qwen2_moe__Qwen1.5-MoE-A2.7B", 8),
+                          (3, 9, 17, 30)),
+    "qwen2-57b-a14b": ("Qwen2MoeForCausalLM", "qwen2_moe", lambda: _qwen2_moe("qwen2_moe__Qwen2-57B-A14B", 2),
+                       (3, 9, 17, 30)),
+    "phi-1": ("PhiForCausalLM", "phi", lambda: _phi("phi__phi-1"), (3, 9, 17, 30)),    # rotary_dim 32: a leftover
+    "phi-1_5": ("PhiForCausalLM", "phi", lambda: _phi("phi__phi-1_5"), (3, 9, 17, 30)),
+    "phi-2": ("PhiForCausalLM", "phi", lambda: _phi("phi__phi-2"), (3, 9, 17, 30)),
+    "minitron-8b-base": ("NemotronForCausalLM", "nemotron", lambda: _nemotron("nemotron__Minitron-8B-Base", 6),
+                         (3, 9, 17, 30)),
+    "nemotron-mini-4b-instruct": ("NemotronForCausalLM", "nemotron",
+                                  lambda: _nemotron("nemotron__Nemotron-Mini-4B-Instruct", 4), (3, 9, 17, 30)),
+    "phi-3.5-moe-instruct": ("PhimoeForCausalLM", "phimoe", lambda: dict(_PHI35_MOE), (3, 9, 17, 30)),
+}
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
 _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
                # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
                "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
                # Zamba2's head_dim is an alias of attention_head_dim (2 * hidden / heads), not hidden / heads
-               "zamba2-7b": {"head_dim": 32}, "zamba2-1.2b": {"head_dim": 32}}
+               "zamba2-7b": {"head_dim": 32}, "zamba2-1.2b": {"head_dim": 32},
+               # (the tiny builder's default makes layer 1 dense; the releases have every layer sparse)
+               "qwen1.5-moe-a2.7b": {"mlp_only_layers": []}, "qwen2-57b-a14b": {"mlp_only_layers": []}}
 
 
 CASES = {
@@ -350,6 +434,7 @@ CASES = {
     "zamba2-7b": ("Zamba2ForCausalLM", "zamba2", _zamba2_7b, (3, 9, 17, 30)),
     "zamba2-1.2b": ("Zamba2ForCausalLM", "zamba2", _zamba2_12b, (3, 9, 17, 30)),
 }
+CASES.update(HJ_CASES)
 
 
 def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> Path:

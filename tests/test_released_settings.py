@@ -23,6 +23,15 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- Minitron-8B / 4B (hJ): their config.json names the partial rotary factor `rope_percent` (transformers 4.4x read it,
+  transformers 5 ignores it: 0.5 either way in the releases), refused as unknown; accepted where it equals the
+  factor served, refused otherwise.
+- Phi-3.5-MoE-instruct (hJ): its config.json carries `hidden_dropout` (a remote-code field PhimoeConfig lacks),
+  refused as unknown. And at the engine's default max_model_len (131072 > the original 4096) the engine turned at
+  long_factor (vLLM's regime), where transformers' PhiMoE turns at short_factor at every length (only its mscale
+  follows the regime; the release's two mscales are equal): every sequence was served wrong. The rotary's
+  `longrope_factors: short` serves short_factor in both regimes. Its `architectures: [PhiMoEForCausalLM]` (the
+  remote-code class; transformers loads it by model_type as PhimoeForCausalLM) was refused as not served.
 - Mamba-Codestral-7B (Mamba2ForCausalLM): `intermediate_size`, `norm_before_gate: true`, `rms_norm: true`,
   `time_step_init_scheme`, `time_step_scale`, fields transformers' Mamba2 never reads (its gated norm always gates
   first), refused as unknown; rms_norm is assumed true now (false, mamba_ssm's LayerNorm model, is refused).
@@ -559,3 +568,71 @@ def test_jamba_v01_remote_code_leftovers_are_accepted(tiny_checkpoint, tmp_path)
     assert module.Config.from_hf(cfg).max_position_embeddings == 262144
     with pytest.raises(ValueError, match="mamba_inner_layernorms"):
         module.Config.from_hf({**cfg, "mamba_inner_layernorms": False})
+
+
+# --- hJ: olmoe, olmo2, starcoder2, qwen2_moe, phimoe, phi, nemotron ---
+# nvidia/Minitron-8B-Base's config.json, sizes shrunk (48 heads of 128 beside hidden 4096 -> 6 of 16 beside 64)
+_MINITRON_8B = {"hidden_size": 64, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 192, "num_hidden_layers": 3, "norm_eps": 1e-05,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+
+
+def _minitron_released(c: dict) -> None:
+    c.pop("rope_parameters", None)
+    c.update(rope_percent=0.5, rope_theta=10000)
+
+
+def test_minitron_rope_percent_is_read_where_both_readings_agree(tiny_checkpoint, tmp_path):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    base = tiny_checkpoint("NemotronForCausalLM", overrides=_MINITRON_8B)
+    ckpt = edit_config(base, tmp_path / "minitron", _minitron_released)
+    want = _served_as_transformers(ckpt, "Minitron-8B form")
+    # sensitivity: the partial rotary matters (transformers' tokens with the whole head rotating differ)
+    full = tiny_checkpoint("NemotronForCausalLM", overrides={
+        **_MINITRON_8B, "rope_parameters": {**_MINITRON_8B["rope_parameters"], "partial_rotary_factor": 1.0}})
+    assert _TOKENS.hf(full) != want
+    # a rope_percent transformers 4.4x would rotate by, and transformers 5 would not, is refused by name
+    cfg = tiny_config("NemotronForCausalLM", _MINITRON_8B).to_dict()
+    _minitron_released(cfg)
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).partial_rotary_factor == 0.5
+    with pytest.raises(ValueError, match="rope_percent"):
+        module.Config.from_hf({**cfg, "rope_percent": 0.25})
+
+
+# microsoft/Phi-3.5-MoE-instruct's config.json fields, sizes shrunk (head_dim 16: the 64 factors per list subsampled
+# to the 8 rotating frequencies; the context 131072 (= its window) shrunk to 8192, still past the original 4096: the
+# engine's default max_model_len is in the long regime)
+_PHI35_MOE_SIZES = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+                    "num_hidden_layers": 3, "num_local_experts": 8, "attention_bias": True, "lm_head_bias": True,
+                    "max_position_embeddings": 8192, "rms_norm_eps": 1e-05}
+_PHI35_MOE_ROPE = {"long_factor": [1.0199999809265137, 1.0299999713897705, 1.0399999618530273, 1.0499999523162842,
+                                   1.0499999523162842, 1.0499999523162842, 1.059999942779541, 1.059999942779541],
+                   "long_mscale": 1.243163121016122, "original_max_position_embeddings": 4096,
+                   "short_factor": [1.0, 1.0399999618530273, 1.0399999618530273, 1.0399999618530273,
+                                    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842],
+                   "short_mscale": 1.243163121016122, "type": "longrope"}
+
+
+def _phi35_moe_released(c: dict, **rope) -> None:
+    c.pop("rope_parameters", None)
+    c.update(rope_scaling={**_PHI35_MOE_ROPE, **rope}, rope_theta=10000.0, original_max_position_embeddings=4096,
+             hidden_dropout=0.0, input_jitter_noise=0.01, router_jitter_noise=0.01, router_aux_loss_coef=0.0,
+             sliding_window=8192, output_router_logits=False,
+             architectures=["PhiMoEForCausalLM"])          # the remote-code class name the release carries
+
+
+def test_phi35_moe_short_factor_at_the_default_context(tiny_checkpoint, tmp_path):
+    """Served at the engine's default max_model_len (max_position_embeddings, past the original 4096) as transformers
+    computes it: short_factor at every length. The long arm's long_factor is 8x the release's: transformers never reads it, an
+    engine turning at it (vLLM's long regime) differs; the short arm's 8x short_factor changes transformers' tokens."""
+    base = tiny_checkpoint("PhimoeForCausalLM", overrides=_PHI35_MOE_SIZES)
+    want = _served_as_transformers(edit_config(base, tmp_path / "released", _phi35_moe_released), "Phi-3.5-MoE form")
+    big = [8 * f for f in _PHI35_MOE_ROPE["long_factor"]]
+    long = edit_config(base, tmp_path / "long", lambda c: _phi35_moe_released(c, long_factor=big))
+    assert _served_as_transformers(long, "Phi-3.5-MoE, long_factor x8") == want
+    short = edit_config(base, tmp_path / "short", lambda c: _phi35_moe_released(c, short_factor=big))
+    assert _TOKENS.hf(short) != want                 # the factor list the engine turns at matters

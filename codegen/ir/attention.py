@@ -23,6 +23,7 @@ class RotaryIR:
     layout_symbol: Optional[str] = None       # a str config symbol selecting the layout (`layout`: its first value)
     original_max_position: Optional[Size] = None   # overrides the rope mapping's original_max_position_embeddings
     direction: str = "forward"                # forward | backward (pairs turn by -theta * position)
+    longrope_factors: str = "by_context"      # by_context | short (longrope's factor list at every context)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,11 @@ class Rotary(Strict):
     # top-level original_max_position_embeddings, which transformers writes over the mapping's key): used by the
     # scalings that read it (yarn, llama3, longrope)
     original_max_position: Optional[Dim] = None
+    # longrope: which factor list the frequencies take. by_context (default): short_factor while the engine's context
+    # (max_model_len) is within the original one, long_factor beyond (vLLM; transformers' Phi-3 for a sequence past
+    # the original context). short: short_factor at every context, only the attention factor (short_mscale /
+    # long_mscale) follows the regime (transformers' PhiMoE computes its frequencies with short_factor at any length)
+    longrope_factors: Literal["by_context", "short"] = "by_context"
 
 
 class LoRA(Strict):

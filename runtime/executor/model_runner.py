@@ -121,9 +121,10 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
         long_regime.discard(None)
         if long_regime and get_tp_rank() == 0:   # every position takes long_factor: say so (short ones differ from HF)
             logger.warning("longrope: max_model_len %d exceeds the original context %s, so every position uses "
-                           "long_factor (as vLLM); transformers uses short_factor while a sequence is within the "
-                           "original context, so outputs of such sequences differ from it. Set max_model_len <= %s to "
-                           "serve them with short_factor.", max_model_len, min(long_regime), min(long_regime))
+                           "the long-context regime (long_factor / long_mscale, as vLLM); transformers uses the short "
+                           "one while a sequence is within the original context, so outputs of such sequences differ "
+                           "from it. Set max_model_len <= %s to serve them in the short regime.", max_model_len,
+                           min(long_regime), min(long_regime))
         if load_format == "dummy":         # random weights, for benchmarks of a shape without a checkpoint
             self.loaded_params = self._init_dummy_weights()
             if self.debug.get("dummy_quantize"):   # and quantized in place (bench/bench_quant.py --e2e)

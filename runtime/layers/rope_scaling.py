@@ -20,7 +20,8 @@ _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mro
 
 def rope_parameters(head_dim: int, theta: float, max_position: int,
                     scaling: Optional[Mapping[str, Any]] = None,
-                    full_dim: Optional[int] = None, context_len: Optional[int] = None) -> tuple[torch.Tensor, float]:
+                    full_dim: Optional[int] = None, context_len: Optional[int] = None,
+                    longrope_factors: str = "by_context") -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] float32, attention_factor) of a rope-parameter mapping whose rope_type is a kind
     of rope_kinds.py (the generated config reader translates transformers' names). `head_dim` is the number of
     rotating dims (transformers' int(head_dim * partial_rotary_factor)); `full_dim` (the whole head, default
@@ -62,6 +63,9 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
       max_model_len serves every position with long_factor (what transformers computes for a sequence that
       exceeds the original context in one forward; shorter sequences differ from transformers then).
       `context_len` None (a model built outside an engine): short_factor, transformers' initial frequencies.
+      `longrope_factors` "short": short_factor at every context (a model whose reference computes its frequencies
+      with short_factor whatever the length, and only its attention factor per regime: transformers' PhiMoE); the
+      attention factor (short_mscale / long_mscale) still follows the context's regime.
 
     Unknown rope types, unknown keys and missing required keys raise ValueError naming them.
     """
@@ -120,10 +124,13 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         attention_factor = p.get("attention_factor")
         if attention_factor is None:
             attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        key = "long_factor" if context_len and context_len > original else "short_factor"
-        mscale = p.get("long_mscale" if key == "long_factor" else "short_mscale")
+        if longrope_factors not in ("by_context", "short"):
+            raise ValueError(f"longrope_factors must be 'by_context' or 'short', not {longrope_factors!r}")
+        long = bool(context_len and context_len > original)
+        key = "long_factor" if long and longrope_factors == "by_context" else "short_factor"
+        mscale = p.get("long_mscale" if long else "short_mscale")
         if mscale is not None:          # PhiMoE: the attention factor per regime (as vLLM's short / long mscale)
-            attention_factor = number("long_mscale" if key == "long_factor" else "short_mscale")
+            attention_factor = number("long_mscale" if long else "short_mscale")
         ext = p[key]
         if (not isinstance(ext, (list, tuple)) or len(ext) != half or
                 not all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
