@@ -171,8 +171,8 @@ def _cohere2(stem: str) -> dict:
 
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
 _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
-               **{k: {"layer_types": _G3_LAYERS} for k in ("gemma-3-1b-it", "gemma-3-4b-it", "gemma-3-12b-it",
-                                                           "gemma-3-27b-it")},
+               **{k: {"layer_types": _G3_LAYERS} for k in ("gemma-3-1b-it", "gemma-3-270m", "gemma-3-4b-it",
+                                                           "gemma-3-12b-it", "gemma-3-27b-it")},
                **{k: {"layer_types": _C2_LAYERS} for k in ("command-r7b-12-2024", "command-a-03-2025")}}
 
 
@@ -197,6 +197,9 @@ CASES = {
     "gemma-3-1b-it": ("Gemma3ForCausalLM", "gemma3",
                       lambda: _gemma3("gemma3__gemma-3-1b-it", num_attention_heads=4, num_key_value_heads=1,
                                       head_dim=32, query_pre_attn_scalar=32), (3, 9, 17, 30)),
+    "gemma-3-270m": ("Gemma3ForCausalLM", "gemma3",
+                     lambda: _gemma3("gemma3__gemma-3-270m", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                     query_pre_attn_scalar=32, layer_types=_G3_LAYERS), (3, 9, 17, 30)),
     "gemma-3-4b-it": ("Gemma3ForCausalLM", "gemma3",
                       lambda: _gemma3("gemma3__gemma-3-4b-it-text", num_attention_heads=4, num_key_value_heads=2,
                                       head_dim=32), (3, 9, 17, 30)),
