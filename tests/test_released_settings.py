@@ -28,8 +28,8 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   refused otherwise. Gemma 3 4b / 12b / 27b: the multimodal releases' sparse text_config (no vocab_size, context, on 4b
   no head counts) was refused (vocab_size) or read with Gemma 2's defaults; now Gemma3TextConfig's. Command R7B /
   Command A: Cohere's own fields (layer_switch, order_of_interleaved_layers, position_embedding_type, rotary_pct,
-  use_embedding_sharing, use_gated_activation, use_parallel_block, use_parallel_embedding), refused as unknown;
-  transformers reads none and builds what they state: accepted at those values, refused at others.
+  use_embedding_sharing, use_gated_activation, use_parallel_block, use_parallel_embedding; Tiny Aya's use_qk_norm),
+  refused as unknown; transformers reads none and builds what they state: accepted at those values, refused at others.
 """
 from __future__ import annotations
 
@@ -381,7 +381,7 @@ _R7B_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads"
 _R7B_LEFTOVERS = {"layer_switch": 4, "order_of_interleaved_layers": "local_attn_first",
                   "position_embedding_type": "rope_gptj", "rotary_pct": 1.0, "use_embedding_sharing": True,
                   "use_gated_activation": True, "use_parallel_block": True, "use_parallel_embedding": True,
-                  "cache_implementation": "hybrid"}
+                  "cache_implementation": "hybrid", "use_qk_norm": False}      # (the last: Tiny Aya's)
 
 
 def _r7b_released(c: dict) -> None:
@@ -399,7 +399,8 @@ def test_command_r7b_released_leftovers_are_accepted(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("field,value", [("layer_switch", 2), ("use_embedding_sharing", False),
                                          ("order_of_interleaved_layers", "global_attn_first"),
                                          ("position_embedding_type", "rope_gpt_neox"), ("rotary_pct", 0.5),
-                                         ("use_gated_activation", False), ("use_parallel_block", False)])
+                                         ("use_gated_activation", False), ("use_parallel_block", False),
+                                         ("use_qk_norm", True)])
 def test_command_r7b_other_leftover_values_are_refused(field, value):
     from fixtures.tiny_hf import tiny_config
 
