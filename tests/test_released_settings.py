@@ -332,7 +332,7 @@ def test_recurrentgemma_other_legacy_block_types_is_refused():
     module, _ = registry.resolve(cfg)
     assert module.Config.from_hf(cfg).block_types == ("recurrent", "recurrent", "attention")
     cfg["_block_types"] = ["recurrent", "attention"]
-    with pytest.raises(ValueError, match="legacy_block_types_agree"):
+    with pytest.raises(ValueError, match="_block_types"):
         module.Config.from_hf(cfg)
 
 
