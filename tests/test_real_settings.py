@@ -373,6 +373,49 @@ HJ_CASES = {
 }
 
 
+_GEMMA = dict(hidden_size=64, num_hidden_layers=3, intermediate_size=128, vocab_size=512)
+
+
+def _gemma(stem: str, heads: int, kv: int, head_dim: int) -> dict:
+    c = _real(stem)                                # hidden_act gelu (read as the tanh GELU), hidden_activation leftover
+    c.update(_GEMMA, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim)
+    return c
+
+
+# Gemma 3 / Command R7B tiny layouts: 7 layers (the full layer 5 of period 6 inside), 5 layers (full layer 3 of 4)
+_G3_LAYERS = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+_C2_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"]
+_G3 = dict(hidden_size=64, num_hidden_layers=7, intermediate_size=128, vocab_size=512, sliding_window=6)
+
+
+def _gemma3(stem: str, **sizes) -> dict:
+    c = _real(stem)                                # the 4b / 12b / 27b text_config: linear factor 8 on the full layers
+    c.update(_G3, **sizes)
+    return c
+
+
+def _recurrentgemma(stem: str) -> dict:
+    c = _real(stem)                                # `_block_types` (transformers 4.40's name), partial rotary 0.5
+    c.update(hidden_size=64, lru_width=64, num_hidden_layers=4, intermediate_size=192, vocab_size=512,
+             num_attention_heads=4, num_key_value_heads=1, head_dim=16, attention_window_size=6)
+    return c
+
+
+def _vaultgemma_1b() -> dict:
+    c = _real("vaultgemma__vaultgemma-1b")         # MHA, head_dim 256 beside hidden 1152 / 4 heads, no soft-caps
+    c.update(hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=512, num_attention_heads=4,
+             num_key_value_heads=4, head_dim=32, query_pre_attn_scalar=32, sliding_window=6,
+             layer_types=c["layer_types"][:4])
+    return c
+
+
+def _cohere2(stem: str) -> dict:
+    c = _real(stem)                                # Cohere's leftovers; the period as sliding_window_pattern 4
+    c.update(hidden_size=64, num_hidden_layers=5, intermediate_size=128, vocab_size=512, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=6)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
 _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
                # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
@@ -380,7 +423,10 @@ _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
                # Zamba2's head_dim is an alias of attention_head_dim (2 * hidden / heads), not hidden / heads
                "zamba2-7b": {"head_dim": 32}, "zamba2-1.2b": {"head_dim": 32},
                # (the tiny builder's default makes layer 1 dense; the releases have every layer sparse)
-               "qwen1.5-moe-a2.7b": {"mlp_only_layers": []}, "qwen2-57b-a14b": {"mlp_only_layers": []}}
+               "qwen1.5-moe-a2.7b": {"mlp_only_layers": []}, "qwen2-57b-a14b": {"mlp_only_layers": []},
+               **{k: {"layer_types": _G3_LAYERS} for k in ("gemma-3-1b-it", "gemma-3-270m", "gemma-3-4b-it",
+                                                           "gemma-3-12b-it", "gemma-3-27b-it")},
+               **{k: {"layer_types": _C2_LAYERS} for k in ("command-r7b-12-2024", "command-a-03-2025")}}
 
 
 CASES = {
@@ -433,6 +479,35 @@ CASES = {
     "qwen3-next-80b-a3b": ("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next_80b, (3, 9, 17, 30)),
     "zamba2-7b": ("Zamba2ForCausalLM", "zamba2", _zamba2_7b, (3, 9, 17, 30)),
     "zamba2-1.2b": ("Zamba2ForCausalLM", "zamba2", _zamba2_12b, (3, 9, 17, 30)),
+    # (hG) Gemma 1, Gemma 3 text, RecurrentGemma, VaultGemma, Cohere 2 at their released config.json
+    "gemma-7b": ("GemmaForCausalLM", "gemma", lambda: _gemma("gemma__gemma-7b", 4, 4, 32), (3, 9, 17, 30)),
+    "gemma-2b": ("GemmaForCausalLM", "gemma", lambda: _gemma("gemma__gemma-2b", 4, 1, 16), (3, 9, 17, 30)),
+    "gemma-1.1-2b-it": ("GemmaForCausalLM", "gemma", lambda: _gemma("gemma__gemma-1.1-2b-it", 4, 1, 16), (3, 9, 30)),
+    "codegemma-7b-it": ("GemmaForCausalLM", "gemma", lambda: _gemma("gemma__codegemma-7b-it", 4, 4, 32), (3, 9, 30)),
+    "gemma-3-1b-it": ("Gemma3ForCausalLM", "gemma3",
+                      lambda: _gemma3("gemma3__gemma-3-1b-it", num_attention_heads=4, num_key_value_heads=1,
+                                      head_dim=32, query_pre_attn_scalar=32), (3, 9, 17, 30)),
+    "gemma-3-270m": ("Gemma3ForCausalLM", "gemma3",
+                     lambda: _gemma3("gemma3__gemma-3-270m", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                     query_pre_attn_scalar=32, layer_types=_G3_LAYERS), (3, 9, 17, 30)),
+    "gemma-3-4b-it": ("Gemma3ForCausalLM", "gemma3",
+                      lambda: _gemma3("gemma3__gemma-3-4b-it-text", num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=32), (3, 9, 17, 30)),
+    "gemma-3-12b-it": ("Gemma3ForCausalLM", "gemma3",
+                       lambda: _gemma3("gemma3__gemma-3-12b-it-text", num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=32), (3, 9, 17, 30)),
+    "gemma-3-27b-it": ("Gemma3ForCausalLM", "gemma3",
+                       lambda: _gemma3("gemma3__gemma-3-27b-it-text", num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=16, query_pre_attn_scalar=24), (3, 9, 17, 30)),
+    "recurrentgemma-2b": ("RecurrentGemmaForCausalLM", "recurrent_gemma",
+                          lambda: _recurrentgemma("recurrent_gemma__recurrentgemma-2b"), (3, 9, 17, 30)),
+    "recurrentgemma-9b": ("RecurrentGemmaForCausalLM", "recurrent_gemma",
+                          lambda: _recurrentgemma("recurrent_gemma__recurrentgemma-9b"), (3, 9, 17, 30)),
+    "vaultgemma-1b": ("VaultGemmaForCausalLM", "vaultgemma", _vaultgemma_1b, (3, 9, 17, 30)),
+    "command-r7b-12-2024": ("Cohere2ForCausalLM", "cohere2",
+                            lambda: _cohere2("cohere2__c4ai-command-r7b-12-2024"), (3, 9, 17, 30)),
+    "command-a-03-2025": ("Cohere2ForCausalLM", "cohere2",
+                          lambda: _cohere2("cohere2__c4ai-command-a-03-2025"), (3, 9, 17, 30)),
 }
 CASES.update(HJ_CASES)
 

@@ -23,6 +23,13 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- (hG) recurrentgemma-2b / 9b: the layer pattern stored as `_block_types` (transformers 4.40's attribute), refused as
+  unknown; transformers 5 ignores it and builds block_types (default = every release's value): accepted where equal,
+  refused otherwise. Gemma 3 4b / 12b / 27b: the multimodal releases' sparse text_config (no vocab_size, context, on 4b
+  no head counts) was refused (vocab_size) or read with Gemma 2's defaults; now Gemma3TextConfig's. Command R7B /
+  Command A: Cohere's own fields (layer_switch, order_of_interleaved_layers, position_embedding_type, rotary_pct,
+  use_embedding_sharing, use_gated_activation, use_parallel_block, use_parallel_embedding; Tiny Aya's use_qk_norm),
+  refused as unknown; transformers reads none and builds what they state: accepted at those values, refused at others.
 - Minitron-8B / 4B (hJ): their config.json names the partial rotary factor `rope_percent` (transformers 4.4x read it,
   transformers 5 ignores it: 0.5 either way in the releases), refused as unknown; accepted where it equals the
   factor served, refused otherwise.
@@ -636,3 +643,121 @@ def test_phi35_moe_short_factor_at_the_default_context(tiny_checkpoint, tmp_path
     assert _served_as_transformers(long, "Phi-3.5-MoE, long_factor x8") == want
     short = edit_config(base, tmp_path / "short", lambda c: _phi35_moe_released(c, short_factor=big))
     assert _TOKENS.hf(short) != want                 # the factor list the engine turns at matters
+
+
+# --- hG: recurrent_gemma, gemma3, cohere2 (gemma, vaultgemma: served as released, tests/test_real_settings.py) ---
+# google/recurrentgemma-2b's config.json fields (sizes shrunk): the pattern saved as `_block_types` (transformers 4.40)
+_RG_SIZES = {"hidden_size": 64, "lru_width": 64, "intermediate_size": 192, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "num_hidden_layers": 4, "attention_window_size": 6}
+_RG_RELEASED = {"_block_types": ["recurrent", "recurrent", "attention"], "embeddings_scale_by_sqrt_dim": True,
+                "head_dim": 16, "partial_rotary_factor": 0.5, "rope_theta": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+                "final_w_init_variance_scale": 0.5, "w_init_variance_scale": 0.01}
+
+
+def _rg_released(c: dict) -> None:
+    c.pop("block_types", None)
+    c.pop("rope_parameters", None)
+    c.update(_RG_RELEASED)
+
+
+def test_recurrentgemma_released_block_types_field(tiny_checkpoint, tmp_path):
+    """recurrentgemma-2b / 9b store the layer pattern as `_block_types`, which transformers 5 ignores (it builds
+    block_types, default [recurrent, recurrent, attention], every release's value); it was refused as unknown."""
+    ckpt = tiny_checkpoint("RecurrentGemmaForCausalLM", overrides=_RG_SIZES)
+    ckpt = edit_config(ckpt, tmp_path / "rg", _rg_released)
+    _served_as_transformers(ckpt, "recurrentgemma-2b form")
+
+
+def test_recurrentgemma_other_legacy_block_types_is_refused():
+    """Another `_block_types` than the pattern transformers 5 builds: transformers 4.x (which read it) and 5 build other
+    layers, so it is refused by name rather than served as either."""
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("RecurrentGemmaForCausalLM", _RG_SIZES).to_dict()
+    _rg_released(cfg)
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).block_types == ("recurrent", "recurrent", "attention")
+    cfg["_block_types"] = ["recurrent", "attention"]
+    with pytest.raises(ValueError, match="_block_types"):
+        module.Config.from_hf(cfg)
+
+
+# google/gemma-3-4b-it's text_config as published (sparse: transformers' Gemma3TextConfig defaults fill in vocab_size,
+# context length, 8 / 4 heads of 256), sizes shrunk: hidden, intermediate, layers, vocab, window
+_G3_4B_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7,
+               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 6}
+_G3_KEEP = ("architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
+            "vocab_size")                  # (the tiny tokenizer's)
+
+
+def _g3_sparse(c: dict) -> None:
+    for k in list(c):
+        if k not in _G3_KEEP:
+            del c[k]
+    c.update(_G3_4B_TEXT)
+
+
+def test_gemma3_sparse_released_text_config(tiny_checkpoint, tmp_path):
+    """The multimodal Gemma 3 releases' text_config omits what equals Gemma3TextConfig's defaults; the spec had none
+    for vocab_size (refused) and Gemma 2's for the rest (kv heads = heads: refused at load; 8192 context)."""
+    from xllm_gen.runtime.loading import registry
+
+    built = tiny_checkpoint("Gemma3ForCausalLM", overrides={
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 6,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]})
+    ckpt = edit_config(built, tmp_path / "g3", _g3_sparse)
+    want = _served_as_transformers(ckpt, "gemma-3-4b text_config form")
+    # sensitivity: the full layer's linear rope factor 8 matters (transformers' tokens without it differ)
+    plain = edit_config(ckpt, tmp_path / "plain", lambda c: c.pop("rope_scaling"))
+    assert _TOKENS.hf(plain) != want
+    import json
+    cfg = json.loads((ckpt / "config.json").read_text())
+    module, _ = registry.resolve(cfg)
+    c = module.Config.from_hf({k: v for k, v in cfg.items() if k != "vocab_size"})
+    assert (c.vocab_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.max_position_embeddings) == (
+        262208, 8, 4, 256, 131072)
+
+
+# CohereLabs/c4ai-command-r7b-12-2024's config.json fields (sizes shrunk): Cohere's own fields beside transformers'
+_R7B_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 5, "sliding_window": 6, "logit_scale": 0.25,
+              "layer_types": ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"],
+              "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}
+_R7B_LEFTOVERS = {"layer_switch": 4, "order_of_interleaved_layers": "local_attn_first",
+                  "position_embedding_type": "rope_gptj", "rotary_pct": 1.0, "use_embedding_sharing": True,
+                  "use_gated_activation": True, "use_parallel_block": True, "use_parallel_embedding": True,
+                  "cache_implementation": "hybrid", "use_qk_norm": False}      # (the last: Tiny Aya's)
+
+
+def _r7b_released(c: dict) -> None:
+    c.pop("layer_types")                           # the release states the period, transformers derives the layers
+    c.pop("rope_parameters", None)
+    c.update(_R7B_LEFTOVERS, sliding_window_pattern=4, rope_theta=50000, rope_scaling=None, head_dim=16)
+
+
+def test_command_r7b_released_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    ckpt = tiny_checkpoint("Cohere2ForCausalLM", overrides=_R7B_SIZES)
+    ckpt = edit_config(ckpt, tmp_path / "r7b", _r7b_released)
+    _served_as_transformers(ckpt, "Command R7B form")
+
+
+@pytest.mark.parametrize("field,value", [("layer_switch", 2), ("use_embedding_sharing", False),
+                                         ("order_of_interleaved_layers", "global_attn_first"),
+                                         ("position_embedding_type", "rope_gpt_neox"), ("rotary_pct", 0.5),
+                                         ("use_gated_activation", False), ("use_parallel_block", False),
+                                         ("use_qk_norm", True)])
+def test_command_r7b_other_leftover_values_are_refused(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("Cohere2ForCausalLM", _R7B_SIZES).to_dict()
+    _r7b_released(cfg)
+    module, _ = registry.resolve(cfg)
+    assert module.Config.from_hf(cfg).layer_types == ("sliding_attention",) * 3 + ("full_attention", "sliding_attention")
+    cfg[field] = value
+    with pytest.raises(ValueError, match=field):
+        module.Config.from_hf(cfg)
