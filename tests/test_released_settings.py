@@ -28,7 +28,9 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   [out, in] by its shape: served wrong, now declared transposed. Llama 4 Scout / Maverick: `attn_temperature_tuning: 4`
   (an int; refused, now read by its truth, as transformers 4.51 and vLLM do) and `for_llm_compressor`. Apertus-8B /
   70B: qk_norm / mlp_bias / post_norm / hidden_dropout leftovers. dots.llm1.inst: DeepSeek-V3 leftovers (scoring_func,
-  topk_method, moe_layer_freq, pretraining_tp, use_sliding_window) and null n_group / topk_group.
+  topk_method, moe_layer_freq, pretraining_tp, use_sliding_window) and null n_group / topk_group. Llama 4's
+  `no_rope_layers: []` (transformers' default; a traceback before) and dbrx-instruct re-serialized with
+  PretrainedConfig's fields in its sub-configs.
 """
 from __future__ import annotations
 
@@ -422,3 +424,37 @@ def test_dots1_inst_release_leftovers_and_null_groups(tiny_checkpoint, tmp_path)
     for field, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("moe_layer_freq", 2)):
         with pytest.raises(ConfigError, match=field):
             _read({**_config(ckpt), field: value})
+
+
+def test_llama4_empty_no_rope_layers_means_the_default(tiny_checkpoint, tmp_path):
+    """`no_rope_layers: []` (a release may write the empty list): transformers' Llama4TextConfig takes the default
+    (every no_rope_layer_interval-th layer NoPE) for an empty list; the spec indexed the empty tuple (a traceback).
+    Served as transformers; the tiny config's own list ([1, 0, 1]) gives other tokens."""
+    built = tiny_checkpoint("Llama4ForCausalLM")
+    empty = edit_config(built, tmp_path / "empty", lambda c: c.update(no_rope_layers=[]))
+    assert _read(_config(empty)).no_rope_layers == (1, 1, 1)
+    want = _served_as_transformers(empty, "Llama 4 no_rope_layers: []")
+    assert _TOKENS.hf(built) != want
+
+
+# mlx-community's re-serialized dbrx-instruct: PretrainedConfig's fields dumped into both sub-configs
+_PRETRAINED_NOISE = {"return_dict": True, "output_hidden_states": False, "torch_dtype": None,
+                     "tie_word_embeddings": True, "max_length": 20, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                     "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "model_type": ""}
+
+
+def test_dbrx_reserialized_sub_configs_are_read_alike():
+    """The same release re-serialized with PretrainedConfig's fields in attn_config / ffn_config (a sub-config's
+    tie_word_embeddings: true, refused before) and ffn_config.uniform_expert_assignment: false (llm-foundry's training
+    switch, which transformers never reads) reads as the plain file; uniform routing (true) is refused by name."""
+    import json
+    from pathlib import Path
+
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    plain = json.loads((Path(__file__).parent / "data" / "real_configs" / "dbrx__dbrx-instruct.json").read_text())
+    noisy = {**plain, "attn_config": {**_PRETRAINED_NOISE, **plain["attn_config"], "attn_pdrop": 0},
+             "ffn_config": {**_PRETRAINED_NOISE, **plain["ffn_config"], "ffn_act_fn": {"name": "silu"},
+                            "moe_normalize_expert_weights": 1, "uniform_expert_assignment": False}}
+    assert _read(noisy) == _read(plain)
+    with pytest.raises(ConfigError, match="uniform_expert_assignment"):
+        _read({**noisy, "ffn_config": {**noisy["ffn_config"], "uniform_expert_assignment": True}})
