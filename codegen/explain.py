@@ -39,7 +39,8 @@ def format_resolved(ir: ModelIR) -> str:
             default = "  (optional)" if f.optional else "  (required)"
         extra = (f"  values: {', '.join(f.values)}" if f.values else "") + \
             (f"  aliases: {', '.join(f'{a}={t}' for a, t in f.aliases)}" if f.aliases else "") + \
-            (f"  in [{f.bounds[0]}, {f.bounds[1]}]" if f.bounds != (None, None) else "")
+            (f"  in [{f.bounds[0]}, {f.bounds[1]}]" if f.bounds != (None, None) else "") + \
+            ("  (an int read by its truth)" if f.truthy else "")
         w(f"  {f.name:<{width}}  {f.type:<9}  <- {' | '.join(f.paths)}{default}{extra}")
     if ir.config_assume:
         w("config assumed (not modelled; another value is refused): " +

@@ -137,6 +137,8 @@ def from_hf_line(f: ConfigFieldIR) -> str:
         args.append(f"bounds={tuple(f.bounds)!r}")
     if f.positive:
         args.append("positive=True")
+    if f.truthy:
+        args.append("truthy=True")
     return f"r.read({', '.join(args)})"
 
 

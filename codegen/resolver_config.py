@@ -62,6 +62,9 @@ class ConfigResolver:
                 if bound is not None and (f.type not in ("int", "float") or not math.isfinite(bound)):
                     raise self.err(path + (key,), f"config.{name}.{key}: bounds are finite numbers of int / float "
                                                   f"symbols")
+            if f.truthy and (f.type != "bool" or f.expr is not None):
+                raise self.err(path + ("truthy",), f"config.{name}.truthy: only a bool symbol read from config.json "
+                                                   f"reads an int as its truth value")
             if f.guard and f.values is None and f.min is None and f.max is None:
                 raise self.err(path + ("guard",), f"config.{name}.guard: a guard-only symbol restricts its field: give "
                                                   f"`values`, `min` or `max` (a fixed value is `config_assume`)")
@@ -99,7 +102,7 @@ class ConfigResolver:
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
                 values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max),
-                guard=f.guard, aliases=tuple((f.aliases or {}).items()))
+                guard=f.guard, aliases=tuple((f.aliases or {}).items()), truthy=f.truthy)
             if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
         for name, f, path in pending:       # expressions may name symbols declared after them

@@ -59,6 +59,9 @@ NO_EFFECT_IN = {
     # and checks the cap, the refusal past it, and that transformers selects keys past it
     **{("kolibri1_1", s): "the context cap only (tests/test_kolibri1_1.py)"
        for s in ("max_position_raw", "index_topk", "index_num_local_tokens", "index_num_sink_tokens")},
+    # shadowed as a default_expr is, through an expr (an empty no_rope_layers list counts as absent, so the default is
+    # the else branch of a derived no_rope_layers): the tiny config states no_rope_layers
+    ("llama4", "no_rope_layer_interval"): "only the default of no_rope_layers, which the tiny config states",
 }
 # (spec, symbol) of the default run: one spec, fields of different kinds (float, str with values, bool)
 DEFAULT_ARM = {("qwen3", "rms_norm_eps"), ("qwen3", "hidden_act"), ("qwen3", "attention_bias")}

@@ -416,8 +416,72 @@ def _cohere2(stem: str) -> dict:
     return c
 
 
+_ATT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+
+
+def _gpt_oss(stem: str) -> dict:
+    c = _real(stem)                                # yarn factor 32 with truncate false, sinks, sliding 128 -> 6
+    c.pop("quantization_config")                   # (MXFP4: tests/test_mxfp4.py; the tiny weights are float32)
+    c.update(_ATT, num_hidden_layers=4, layer_types=c["layer_types"][:4], intermediate_size=64, num_local_experts=8,
+             sliding_window=6)
+    return c
+
+
+def _dbrx_instruct() -> dict:
+    c = _real("dbrx__dbrx-instruct")               # clip_qkv 8, 16 experts top-4 (here 8, and ffn = d_model: square)
+    c.update(d_model=64, n_heads=4, n_layers=3, vocab_size=512,
+             # transformers 5 reads the rope base from rope_parameters only (the release's attn_config.rope_theta,
+             # which the spec reads, is lost there): the same base, written as it reads it
+             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    c["attn_config"] = {**c["attn_config"], "kv_n_heads": 2}
+    c["ffn_config"] = {**c["ffn_config"], "ffn_hidden_size": 64, "moe_num_experts": 8}
+    return c
+
+
+def _jetmoe_8b() -> dict:
+    c = _real("jetmoe__jetmoe-8b")
+    c.update(hidden_size=64, num_key_value_heads=2, kv_channels=16, num_hidden_layers=3, intermediate_size=64,
+             num_local_experts=4, vocab_size=512)
+    return c
+
+
+def _dots1_inst(n_group) -> dict:
+    c = _real("dots1__dots.llm1.inst")             # 128 experts top-6 (here 8), 2 shared, 1 dense layer, theta 1e7
+    c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3, intermediate_size=128,
+             moe_intermediate_size=32, n_routed_experts=8, vocab_size=512, n_group=n_group, topk_group=n_group)
+    return c
+
+
+def _llama4(stem: str) -> dict:
+    c = _real(stem)                                # chunked attention 8192 -> 8, NoPE layers, temperature tuning
+    c.update(_ATT, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=4,
+             attention_chunk_size=8)
+    if "moe_layers" in c:
+        c["moe_layers"] = [i for i in c["moe_layers"] if i < 4]
+    if "no_rope_layers" in c:
+        c["no_rope_layers"] = c["no_rope_layers"][:4]
+    if "floor_scale" in c:                         # 8192 -> 8: the NoPE layers' query scale moves within 30 tokens
+        c["floor_scale"] = 8
+    if c.get("attn_temperature_tuning") == 4:      # (transformers 5 wants the bool; the int: tests/test_released_settings)
+        c["attn_temperature_tuning"] = True
+    return c
+
+
+def _apertus_8b() -> dict:
+    c = _real("apertus__Apertus-8B-Instruct-2509")   # xIELU, q/k norms, llama3 rope; qk_norm / post_norm leftovers
+    c.update(_ATT, intermediate_size=128, num_hidden_layers=3)
+    return c
+
+
+def _afm_45b() -> dict:
+    c = _real("arcee__AFM-4.5B")                   # relu2 MLP, yarn factor 20 over 4096 (with `type` beside rope_type)
+    c.update(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, head_dim=16, intermediate_size=192,
+             num_hidden_layers=3, vocab_size=512)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
-_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16},
+_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16}, "llama4-maverick": {"no_rope_layers": None},
                # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
                "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
                # Zamba2's head_dim is an alias of attention_head_dim (2 * hidden / heads), not hidden / heads
@@ -508,6 +572,17 @@ CASES = {
                             lambda: _cohere2("cohere2__c4ai-command-r7b-12-2024"), (3, 9, 17, 30)),
     "command-a-03-2025": ("Cohere2ForCausalLM", "cohere2",
                           lambda: _cohere2("cohere2__c4ai-command-a-03-2025"), (3, 9, 17, 30)),
+    "gpt-oss-20b": ("GptOssForCausalLM", "gpt_oss", lambda: _gpt_oss("gpt_oss__gpt-oss-20b"), (3, 9, 17, 30)),
+    "gpt-oss-120b": ("GptOssForCausalLM", "gpt_oss", lambda: _gpt_oss("gpt_oss__gpt-oss-120b"), (3, 9, 17, 30)),
+    "dbrx-instruct": ("DbrxForCausalLM", "dbrx", _dbrx_instruct, (3, 9, 17, 30)),
+    "jetmoe-8b": ("JetMoeForCausalLM", "jetmoe", _jetmoe_8b, (3, 9, 17, 30)),
+    # n_group / topk_group null in the release: no group limit, one group (transformers 5 cannot run null)
+    "dots.llm1.inst": ("Dots1ForCausalLM", "dots1", lambda: _dots1_inst(1), (3, 9, 17, 30)),
+    "llama4-scout": ("Llama4ForCausalLM", "llama4", lambda: _llama4("llama4__Llama-4-Scout-17B-16E"), (3, 9, 17, 30)),
+    "llama4-maverick": ("Llama4ForCausalLM", "llama4", lambda: _llama4("llama4__Llama-4-Maverick-17B-128E"),
+                        (3, 9, 17, 30)),
+    "apertus-8b": ("ApertusForCausalLM", "apertus", _apertus_8b, (3, 9, 17, 30)),
+    "afm-4.5b": ("ArceeForCausalLM", "arcee", _afm_45b, (3, 9, 17, 30)),
 }
 CASES.update(HJ_CASES)
 

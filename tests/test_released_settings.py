@@ -23,6 +23,14 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - MiniCPM3-4B: `rope_scaling: {type: longrope, short_factor / long_factor (one per rotating frequency of the rope
   dims), original_max_position_embeddings: 32768}` (= max_position_embeddings: the short factors at every context);
   the spec admitted only default rope and refused the release (transformers' MiniCPM3 reads it with its longrope).
+- dbrx-instruct: `router_aux_loss_coef` (refused as unknown) and its rope base in attn_config.rope_theta (read; transformers
+  5 drops it); with square experts (ffn_hidden_size == d_model) the experts' w2 ([in, out] per expert) was read as
+  [out, in] by its shape: served wrong, now declared transposed. Llama 4 Scout / Maverick: `attn_temperature_tuning: 4`
+  (an int; refused, now read by its truth, as transformers 4.51 and vLLM do) and `for_llm_compressor`. Apertus-8B /
+  70B: qk_norm / mlp_bias / post_norm / hidden_dropout leftovers. dots.llm1.inst: DeepSeek-V3 leftovers (scoring_func,
+  topk_method, moe_layer_freq, pretraining_tp, use_sliding_window) and null n_group / topk_group. Llama 4's
+  `no_rope_layers: []` (transformers' default; a traceback before) and dbrx-instruct re-serialized with
+  PretrainedConfig's fields in its sub-configs.
 - (hG) recurrentgemma-2b / 9b: the layer pattern stored as `_block_types` (transformers 4.40's attribute), refused as
   unknown; transformers 5 ignores it and builds block_types (default = every release's value): accepted where equal,
   refused otherwise. Gemma 3 4b / 12b / 27b: the multimodal releases' sparse text_config (no vocab_size, context, on 4b
@@ -761,3 +769,165 @@ def test_command_r7b_other_leftover_values_are_refused(field, value):
     cfg[field] = value
     with pytest.raises(ValueError, match=field):
         module.Config.from_hf(cfg)
+
+
+# --- hL: gpt_oss, dbrx, jetmoe, dots1, llama4, apertus, arcee ---
+# (their released config.json files: tests/data/real_configs; the full settings: tests/test_real_settings.py CASES)
+def _config(ckpt) -> dict:
+    import json
+    return json.loads((ckpt / "config.json").read_text())
+
+
+def _read(cfg: dict):
+    from xllm_gen.runtime.loading import registry
+    module, _ = registry.resolve(cfg)
+    return module.Config.from_hf(cfg)
+
+
+# dbrx-instruct's settings, sizes shrunk, with SQUARE experts (ffn_hidden_size == d_model)
+_DBRX_SQUARE = {"attn_config": {"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 500000},
+                "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 4}}
+
+
+def _dbrx_release(c: dict) -> None:
+    """The config.json as dbrx-instruct publishes it: the base in attn_config only, the router loss weight."""
+    c.pop("rope_parameters", None)
+    c["attn_config"]["rope_theta"] = 500000
+    c.update(router_aux_loss_coef=0.05)
+
+
+def _transpose_experts_w2(src, dst):
+    """A copy of a DBRX checkpoint with each expert's w2 matrix transposed in place (same shape when square)."""
+    from safetensors.torch import load_file, save_file
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).symlink_to(f.resolve())
+    sd = load_file(src / "model.safetensors")
+    for k in [k for k in sd if k.endswith("experts.mlp.w2")]:
+        e, n = _DBRX_SQUARE["ffn_config"]["moe_num_experts"], _DBRX_SQUARE["ffn_config"]["ffn_hidden_size"]
+        sd[k] = sd[k].view(e, n, -1).transpose(1, 2).reshape(e * n, -1).contiguous()
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_dbrx_instruct_release_with_square_experts(tiny_checkpoint, tmp_path):
+    """dbrx-instruct's config.json carries router_aux_loss_coef (refused as unknown before) and its rope base in
+    attn_config.rope_theta, which transformers 5's DbrxConfig drops (10000 then): the spec reads the release's base,
+    equal to transformers given it the way it reads it (rope_parameters). And DBRX's w2 stores each expert's down
+    matrix [in, out]: with square experts the loader took it as [out, in] by its shape (served wrong); the spec now
+    declares it transposed."""
+    built = tiny_checkpoint("DbrxForCausalLM", overrides=_DBRX_SQUARE)
+    ckpt = edit_config(built, tmp_path / "release", _dbrx_release)
+    ref = edit_config(ckpt, tmp_path / "as_tf5", lambda c: c.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    assert _read(_config(ckpt)).rope_theta == 500000.0
+    want = _TOKENS.hf(ref)
+    assert not _flat(want)
+    _assert_same(_TOKENS.engine(ckpt), want, "dbrx-instruct release, square experts")
+    # sensitivity: transformers' own reading of the release (base 10000) differs
+    assert _TOKENS.hf(ckpt) != want
+
+
+@pytest.mark.slow      # a third transformers run of the DBRX checkpoint (~8 s)
+def test_dbrx_square_experts_layout_matters(tiny_checkpoint, tmp_path):
+    """The other reading of a square w2 (each expert's matrix transposed) changes transformers' tokens: the layout the
+    spec declares is not a guess that any reading would pass."""
+    built = tiny_checkpoint("DbrxForCausalLM", overrides=_DBRX_SQUARE)
+    assert _TOKENS.hf(_transpose_experts_w2(built, tmp_path / "w2t")) != _TOKENS.hf(built)
+
+
+def _scout_release(c: dict) -> None:
+    c.update(attn_temperature_tuning=4, for_llm_compressor=False)
+
+
+def test_llama4_scout_attn_temperature_tuning_int(tiny_checkpoint, tmp_path):
+    """Llama 4 Scout / Maverick publish `attn_temperature_tuning: 4`, which the spec refused (not a bool) and
+    transformers 5's strict config class refuses too (transformers 4.51 and vLLM test it by truth: on). The symbol
+    reads an int by its truth now (`truthy`), and the engine's tokenizer loads although transformers refuses the
+    field's type: served equal to transformers with `true`; `false` changes transformers' tokens."""
+    built = tiny_checkpoint("Llama4ForCausalLM")          # (its tiny config: floor_scale 4, NoPE layer 1)
+    ckpt = edit_config(built, tmp_path / "scout", _scout_release)
+    on = edit_config(built, tmp_path / "on", lambda c: c.update(attn_temperature_tuning=True))
+    off = edit_config(built, tmp_path / "off", lambda c: c.update(attn_temperature_tuning=False))
+    assert _read(_config(ckpt)).attn_temperature_tuning is True
+    assert _read({**_config(ckpt), "attn_temperature_tuning": 0}).attn_temperature_tuning is False
+    want = _TOKENS.hf(on)
+    assert not _flat(want)
+    _assert_same(_TOKENS.engine(ckpt), want, "Llama 4 Scout attn_temperature_tuning: 4")
+    assert _TOKENS.hf(off) != want
+
+
+@pytest.mark.parametrize("value", ["yes", 4.0, [1]])
+def test_llama4_attn_temperature_tuning_other_types_are_refused(tiny_checkpoint, value):
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    cfg = _config(tiny_checkpoint("Llama4ForCausalLM"))
+    with pytest.raises(ConfigError, match="attn_temperature_tuning"):
+        _read({**cfg, "attn_temperature_tuning": value})
+
+
+def test_apertus_release_leftovers(tiny_checkpoint):
+    """Apertus-8B / 70B carry qk_norm, mlp_bias, post_norm and hidden_dropout, which transformers' ApertusConfig never
+    reads (refused as unknown before): accepted at the released values, another value refused by name."""
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    cfg = {**_config(tiny_checkpoint("ApertusForCausalLM")), "qk_norm": True, "mlp_bias": False, "post_norm": False,
+           "hidden_dropout": 0.0}
+    _read(cfg)
+    for field, value in (("qk_norm", False), ("post_norm", True), ("mlp_bias", True)):
+        with pytest.raises(ConfigError, match=field):
+            _read({**cfg, field: value})
+
+
+def _dots1_release(c: dict) -> None:
+    c.update(scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, pretraining_tp=1,
+             use_sliding_window=False, n_group=None, topk_group=None)
+
+
+def test_dots1_inst_release_leftovers_and_null_groups(tiny_checkpoint, tmp_path):
+    """dots.llm1.inst carries DeepSeek-V3 leftovers transformers' Dots1Config never reads (scoring_func, topk_method,
+    moe_layer_freq, pretraining_tp, use_sliding_window: refused as unknown before) and n_group / topk_group null (no
+    group limit; transformers 5 cannot run null): served equal to transformers with one group; other values refused."""
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    built = tiny_checkpoint("Dots1ForCausalLM", overrides={"first_k_dense_replace": 1})
+    ckpt = edit_config(built, tmp_path / "dots1", _dots1_release)
+    ref = edit_config(ckpt, tmp_path / "one_group", lambda c: c.update(n_group=1, topk_group=1))
+    assert _read(_config(ckpt)) == _read(_config(ref))
+    _served_as_transformers(ref, "dots.llm1.inst form")
+    _assert_same(_TOKENS.engine(ckpt), _TOKENS.hf(ref), "dots.llm1.inst, null groups")
+    for field, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("moe_layer_freq", 2)):
+        with pytest.raises(ConfigError, match=field):
+            _read({**_config(ckpt), field: value})
+
+
+def test_llama4_empty_no_rope_layers_means_the_default(tiny_checkpoint, tmp_path):
+    """`no_rope_layers: []` (a release may write the empty list): transformers' Llama4TextConfig takes the default
+    (every no_rope_layer_interval-th layer NoPE) for an empty list; the spec indexed the empty tuple (a traceback).
+    Served as transformers; the tiny config's own list ([1, 0, 1]) gives other tokens."""
+    built = tiny_checkpoint("Llama4ForCausalLM")
+    empty = edit_config(built, tmp_path / "empty", lambda c: c.update(no_rope_layers=[]))
+    assert _read(_config(empty)).no_rope_layers == (1, 1, 1)
+    want = _served_as_transformers(empty, "Llama 4 no_rope_layers: []")
+    assert _TOKENS.hf(built) != want
+
+
+# mlx-community's re-serialized dbrx-instruct: PretrainedConfig's fields dumped into both sub-configs
+_PRETRAINED_NOISE = {"return_dict": True, "output_hidden_states": False, "torch_dtype": None,
+                     "tie_word_embeddings": True, "max_length": 20, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                     "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "model_type": ""}
+
+
+def test_dbrx_reserialized_sub_configs_are_read_alike():
+    """The same release re-serialized with PretrainedConfig's fields in attn_config / ffn_config (a sub-config's
+    tie_word_embeddings: true, refused before) and ffn_config.uniform_expert_assignment: false (llm-foundry's training
+    switch, which transformers never reads) reads as the plain file; uniform routing (true) is refused by name."""
+    import json
+    from pathlib import Path
+
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    plain = json.loads((Path(__file__).parent / "data" / "real_configs" / "dbrx__dbrx-instruct.json").read_text())
+    noisy = {**plain, "attn_config": {**_PRETRAINED_NOISE, **plain["attn_config"], "attn_pdrop": 0},
+             "ffn_config": {**_PRETRAINED_NOISE, **plain["ffn_config"], "ffn_act_fn": {"name": "silu"},
+                            "moe_normalize_expert_weights": 1, "uniform_expert_assignment": False}}
+    assert _read(noisy) == _read(plain)
+    with pytest.raises(ConfigError, match="uniform_expert_assignment"):
+        _read({**noisy, "ffn_config": {**noisy["ffn_config"], "uniform_expert_assignment": True}})

@@ -21,6 +21,7 @@ class ConfigFieldIR:
     bounds: Tuple[Any, Any] = (None, None)     # inclusive (min, max), None = unbounded
     positive: bool = False        # used where a number must be > 0 (eps, theta, scales): checked at load
     guard: bool = False           # guard-only: read and checked (values / bounds), used by no block
+    truthy: bool = False          # bool: an int in config.json is read as its truth value
 
     @property
     def derived(self) -> bool:

@@ -36,3 +36,6 @@ class ConfigField(Strict):
     # a guard-only symbol: read (or derived) and held to its `values` / `min` / `max` at load, but used by no
     # block. Every other symbol must reach the generated model (a symbol read and never used is a compile error)
     guard: StrictBool = False
+    # bool symbols: an int in config.json is read as its truth value (0: false, any other: true), for a field a config
+    # class tested by truth where releases wrote an int (Llama 4 Scout / Maverick: `attn_temperature_tuning: 4`)
+    truthy: StrictBool = False

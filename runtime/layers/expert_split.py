@@ -60,7 +60,16 @@ class _FlatExperts:
 
 def _stacked(loaded, want: tuple):
     """`loaded` as a stacked [E, a, b] source of the stacked parameter shape `want` [E, ...]: a flat 2-D tensor
-    [E * a, b] (experts one after another) is viewed as [E, a, b]; anything else is returned as it is."""
+    [E * a, b] (experts one after another) is viewed as [E, a, b]; one declared transposed (a `weights` entry's
+    `transpose`: each expert's matrix stored [in, out], flat [E * in, out]) as its experts' matrices transposed, so
+    that a square expert is read in the declared layout, not guessed from its shape; anything else is returned as
+    it is."""
+    from xllm_gen.runtime.loading.weights import LayoutView, TensorLayout
+    if isinstance(loaded, LayoutView) and loaded.layout == TensorLayout(loaded.layout.source, transpose=True) \
+            and len(want) == 3:
+        base = tuple(source_shape(loaded.base))
+        if len(base) == 2 and base[0] % want[0] == 0 and (base[0] // want[0], base[1]) == (want[2], want[1]):
+            return LayoutView(_FlatExperts(loaded.base, want[0]), loaded.layout)
     shape = tuple(source_shape(loaded))
     if len(want) == 3 and len(shape) == 2 and shape[0] % want[0] == 0 and \
             (shape[0] // want[0], shape[1]) in ((want[1], want[2]), (want[2], want[1])):

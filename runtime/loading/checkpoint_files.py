@@ -122,6 +122,24 @@ def _blame_config(model_dir: Path) -> None:
                                   f"{type(e).__name__}: {why}") from None
 
 
+def _field_type_rejected(model_dir: Path) -> bool:
+    """Whether transformers' config class refuses config.json for a field's type only (its strict dataclass)."""
+    if not (Path(model_dir) / "config.json").is_file():
+        return False
+    try:
+        from huggingface_hub.errors import StrictDataclassFieldValidationError
+        from transformers import AutoConfig
+    except ImportError:
+        return False
+    try:
+        AutoConfig.from_pretrained(str(model_dir))
+    except StrictDataclassFieldValidationError:
+        return True
+    except Exception:  # noqa: BLE001 - any other rejection is reported as it is
+        return False
+    return False
+
+
 def load_tokenizer(tokenizer_dir: Path, *, required: bool = False):
     """AutoTokenizer from `tokenizer_dir`; None when the dir has no tokenizer file at all (and not
     `required`). A tokenizer that is present but cannot be loaded is a CheckpointFileError naming the file:
@@ -139,6 +157,14 @@ def load_tokenizer(tokenizer_dir: Path, *, required: bool = False):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, the user learns which files failed
+        if _field_type_rejected(tokenizer_dir):
+            # transformers' strict config class refuses the TYPE of a config.json field (a release's int where the
+            # class now wants a bool): the tokenizer does not depend on it, the spec's config guard judges the field
+            try:
+                from transformers import AutoTokenizer, PretrainedConfig
+                return AutoTokenizer.from_pretrained(str(tokenizer_dir), config=PretrainedConfig())
+            except Exception:  # noqa: BLE001 - reported below, as without the retry
+                pass
         _blame_config(tokenizer_dir)
         files = ", ".join(present) or "no tokenizer files"
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -139,7 +139,8 @@ class ConfigReader:
 
     def read(self, name: str, type_: str, paths: tuple[str, ...], *, default: Any = MISSING,
              default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
-             optional: bool = False, bounds: tuple = (None, None), positive: bool = False) -> Any:
+             optional: bool = False, bounds: tuple = (None, None), positive: bool = False,
+             truthy: bool = False) -> Any:
         self.read_paths.update(paths)
         where = None
         for p in paths:
@@ -162,6 +163,8 @@ class ConfigReader:
             else:
                 raise self.error(f"config.json has no field {' or '.join(repr(p) for p in paths)} (symbol '{name}')")
             where = f"{paths[0]} (default)"
+        if truthy and type_ == "bool" and _is_int(value):    # an int where the config class tests the field by truth
+            value = bool(value)
         value = self.check(name, type_, where, value, values, optional, bounds)
         if positive and value is not None and not value > 0:
             raise self.error(f"config.json field '{where}' = {value!r} must be > 0")
