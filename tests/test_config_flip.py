@@ -84,6 +84,8 @@ def _flips(f, value: Any) -> list:
     flipped = _flip(f, value)
     if f.type == "float" and flipped is not None and isinstance(value, float):
         return [flipped, value * 20 if value else 1.0]   # smaller, then larger
+    if f.type == "int" and flipped is not None and isinstance(value, int) and value > 1:
+        return [flipped, value * 3]       # a rounding multiple may already divide the size at 2x (LFM2's 32 -> 64)
     return [] if flipped is None else [flipped]
 
 
