@@ -253,3 +253,26 @@ def test_corrupted_checkpoint_loads_or_names_a_file(tiny, fuzz_dir, case):
     except Exception as e:  # noqa: BLE001
         pytest.fail(f"{case}: {type(e).__name__}: {e}")
     llm.shutdown()
+
+
+def test_tied_head_with_a_different_stored_head_is_refused(tiny, tmp_path):
+    """config.json ties the head to the embedding but the checkpoint also stores an lm_head.weight: an equal copy
+    serves (tied, as transformers); a different one is refused naming both tensors, because transformers then does
+    not tie them and serves the stored head (the engine tied it: another model, silently)."""
+    from test_spec_battery import Tokens, _assert_same
+    from transformers import AutoModelForCausalLM
+
+    from xllm_gen import LLM
+
+    d = _copy(tiny, tmp_path)
+    _cfg(d, tie_word_embeddings=True)
+    _tensors(d, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    tokens = Tokens()
+    _assert_same(tokens.engine(d, 1), tokens.hf(d), "tied head stored twice")
+    other = _copy(tiny, tmp_path, "other")
+    _cfg(other, tie_word_embeddings=True)          # the tiny's own untied head, now stored beside a tying config
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' differs from 'model\.embed_tokens\.weight'.*"
+                                         r"tie_word_embeddings"):
+        LLM(model=str(other), device="cpu", dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(str(other), dtype=torch.float32)
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)    # transformers: untied, as stored

@@ -251,6 +251,31 @@ def _check_tp(params: dict, tp_size: Optional[int], tp_rank: Optional[int]) -> N
         return
 
 
+def _check_tied_copies(model: torch.nn.Module, params: dict, ckpt, qload, model_dir) -> set[str]:
+    """A checkpoint tensor named after a parameter that the model shares with another (a head tied to the
+    embedding by config.json) must hold the same values: transformers does NOT tie the two when both tensors are
+    present and differ (it serves the stored head), so tying would serve another model. Equal copies are used (read
+    and compared, this rank's slice); a different one is an error naming both. Returns the names checked."""
+    checked = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in params or name not in ckpt.file_of:
+            continue
+        owner = next(n for n, q in params.items() if q is p)
+        split = getattr(p, "tp_split", None)
+        copy = torch.empty_like(p.data)
+        try:
+            (split.load if split is not None else default_weight_loader)(copy, qload.open(name), None)
+        except WeightLoadError as e:
+            raise CheckpointError(f"{model_dir}: tensor {name!r} (tied to {owner!r} by config.json): {e}") from None
+        if not torch.equal(copy, p.data):
+            raise CheckpointError(
+                f"{model_dir}: tensor {name!r} differs from {owner!r}, which config.json ties it to "
+                "(tie_word_embeddings): transformers then does not tie them and serves the stored tensor. Set "
+                "tie_word_embeddings to false in config.json to serve it, or remove the tensor to tie")
+        checked.add(name)
+    return checked
+
+
 def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str | Path, *,
                  tp_size: Optional[int] = None, tp_rank: Optional[int] = None, ignored: Iterable[str] = (),
                  quant: Optional[QuantConfig] = None, kv_cache_dtype: str = "auto",
@@ -350,6 +375,7 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         used_sources |= qload.finish()
     except QuantLoadError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
+    used_sources |= _check_tied_copies(model, params, ckpt, qload, model_dir)
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{model_dir}: no checkpoint tensor for parameter(s) {', '.join(missing[:8])}"
