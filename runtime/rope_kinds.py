@@ -6,10 +6,10 @@ those names to these kinds (codegen/resolver.py HF_ROPE_TYPES) and the generated
 - default, linear, dynamic (NTK-aware base), yarn (NTK-by-parts);
 - frequency_bands: frequencies below a low band divided by `factor`, above a high band kept, a smooth blend
   between (bands from low_freq_factor / high_freq_factor at original_max_position_embeddings).
-- longrope (LongRoPE, Phi-3's "su"): a per-frequency divisor, `short_factor` for contexts within
+- longrope (LongRoPE; "su" in early releases): a per-frequency divisor, `short_factor` for contexts within
   original_max_position_embeddings and `long_factor` beyond (lists of rotary_dim / 2 numbers), and an attention
   factor (given, or sqrt(1 + ln(factor) / ln(original)) with factor = max_position / original), or per regime
-  short_mscale / long_mscale where given (PhiMoE; vLLM's Phi3LongRoPEScaledRotaryEmbedding reads them too).
+  short_mscale / long_mscale where given (a MoE release's; vLLM's LongRoPE rotary reads them too).
 - proportional (transformers' `_compute_proportional_rope_parameters`): the whole
   head rotates in the neox layout with the default frequencies over head_dim for the first
   int(partial_rotary_factor * head_dim // 2) pairs and frequency 0 (cos 1, sin 0: no turn) for the rest, all

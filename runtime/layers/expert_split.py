@@ -41,7 +41,7 @@ class _ExpertWindow:
 
 
 class _FlatExperts:
-    """A tensor (or lazy slice) storing the experts' matrices one after another along dim 0, [E * rows, cols] (DBRX's
+    """A tensor (or lazy slice) storing the experts' matrices one after another along dim 0, [E * rows, cols] (one release's
     `experts.mlp.w1`), seen as the stacked [E, rows, cols]; reads only the rows asked for."""
 
     def __init__(self, base, num_experts: int):
@@ -148,7 +148,7 @@ class ExpertSplit:
 
     def segment_indices(self, shard_id: Union[int, str]) -> tuple[int, ...]:
         """The segments a shard id fills: one ('e' / 'e.<segment>'), or a segment of every expert (a bare segment
-        name: one stacked tensor per segment, e.g. DBRX's w1 = gate, v1 = up of all experts)."""
+        name: one stacked tensor per segment, e.g. w1 = gate, v1 = up of all experts)."""
         segs = self.inner.segment_names if len(self.inner.segments) > 1 else ()
         if isinstance(shard_id, str) and shard_id in segs:
             k = segs.index(shard_id)

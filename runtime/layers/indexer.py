@@ -1,4 +1,4 @@
-"""The sparse-attention indexer (DeepSeek Sparse Attention's "lightning indexer"): each query attends only to the
+"""The sparse-attention indexer (a "lightning indexer" for sparse attention): each query attends only to the
 `topk` earlier keys a light scorer ranks highest.
 
 Per token t (x the attention's input, q_in the query latent the attention's low-rank q is made from):

@@ -53,7 +53,7 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
     - longrope (transformers' _compute_longrope_parameters): inv_freq = 1 / (ext * theta ** (arange(0, D, 2) / D))
       with ext = long_factor when `context_len` > original_max_position_embeddings, else short_factor (each a
       list of D/2 numbers); attention_factor given, or sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)
-      with factor given or max_position / original; `short_mscale` / `long_mscale` (PhiMoE), where given, replace
+      with factor given or max_position / original; `short_mscale` / `long_mscale`, where given, replace
       the attention factor in their regime. transformers picks the list per forward call from the
       longest position it sees (long_factor for the whole call once a sequence exceeds the original context),
       which a KV cache cannot follow (cached keys keep the rotation they were written with). This runtime
@@ -64,8 +64,8 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
       exceeds the original context in one forward; shorter sequences differ from transformers then).
       `context_len` None (a model built outside an engine): short_factor, transformers' initial frequencies.
       `longrope_factors` "short": short_factor at every context (a model whose reference computes its frequencies
-      with short_factor whatever the length, and only its attention factor per regime: transformers' PhiMoE); the
-      attention factor (short_mscale / long_mscale) still follows the context's regime.
+      with short_factor whatever the length and only its attention factor per regime); the attention factor
+      (short_mscale / long_mscale) still follows the context's regime.
 
     Unknown rope types, unknown keys and missing required keys raise ValueError naming them.
     """
@@ -129,7 +129,7 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
         long = bool(context_len and context_len > original)
         key = "long_factor" if long and longrope_factors == "by_context" else "short_factor"
         mscale = p.get("long_mscale" if long else "short_mscale")
-        if mscale is not None:          # PhiMoE: the attention factor per regime (as vLLM's short / long mscale)
+        if mscale is not None:          # the attention factor per regime (as vLLM's short / long mscale)
             attention_factor = number("long_mscale" if long else "short_mscale")
         ext = p[key]
         if (not isinstance(ext, (list, tuple)) or len(ext) != half or

@@ -99,7 +99,7 @@ class Rotary(nn.Module):
     same op (CPU reference or the CUDA kernel) on the [N, H, rotary_dim] slice.
 
     `original_max_position` (optional): overrides the mapping's original_max_position_embeddings for the kinds
-    that read it (transformers' rule for a config with a top-level original_max_position_embeddings, Phi-3).
+    that read it (transformers' rule for a config with a top-level original_max_position_embeddings).
     longrope's frequencies depend on the engine's max_model_len: the runner calls `set_context_len`.
     `longrope_factors` "short": longrope turns at short_factor at every context, only its attention factor follows
     the regime (rope_parameters).
@@ -141,7 +141,7 @@ class Rotary(nn.Module):
         self.scaling = dict(scaling) if scaling else None
         self.rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
         if original_max_position is not None and self.scaling and self.rope_type in _READS_ORIGINAL:
-            # the model's own original context (Phi-3's top-level original_max_position_embeddings, which
+            # the model's own original context (a top-level original_max_position_embeddings, which
             # transformers writes over the rope mapping's key)
             self.scaling["original_max_position_embeddings"] = original_max_position
         self.context_len: Optional[int] = None      # the engine's max_model_len (set_context_len)

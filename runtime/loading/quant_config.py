@@ -2,7 +2,7 @@
 `quantization="fp8"`), with plain dict code: no spec ever mentions it, every spec gets it at once.
 
 What is supported (everything else is refused, naming the method or the setting):
-- `quant_method: fp8` (the official *-FP8 releases, DeepSeek-V3): float8_e4m3fn weights with `weight_scale_inv` per
+- `quant_method: fp8` (the official *-FP8 releases): float8_e4m3fn weights with `weight_scale_inv` per
   `weight_block_size` block (or one per tensor without it); dynamic activation quantization per token and
   group of block-K columns (`activation_scheme: dynamic`), or a static per-tensor `input_scale` (`static`).
 - `quant_method: compressed-tensors`, `format: float-quantized` (llm-compressor FP8): 8-bit float weights with

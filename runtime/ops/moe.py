@@ -81,7 +81,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
 
 
 def sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PhiMoE's SparseMixer routing in eval mode (transformers' modeling_phimoe.sparsemixer, training=False): two
+    """SparseMixer routing in eval mode (as transformers' sparsemixer with training=False): two
     experts, in the logits' dtype, static shapes.
 
     First: the top logit s1 (expert i1); the logits s_j with (s1 - s_j) / max(|s_j|, s1) > 2 * jitter_eps are masked

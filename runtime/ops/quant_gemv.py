@@ -9,7 +9,7 @@ activation dtype (the exact values the reference layer holds after dequantizing 
   mask per slice, no register shuffles, and each slice is a plain [BLOCK_N, BLOCK_K] operand of its own tl.dot);
   `scales` [N, K / g] (the checkpoint's float dtype), `zeros` uint8 [N, K / g]; w = (q - z) * s.
 - fp8 (float8_e4m3fn [N, K]) with float32 scales [ceil(N / bn), ceil(K / bk)], one per bn x bk block: 128 x 128
-  blocks (the official *-FP8 releases, DeepSeek-V3), per output channel (bn 1, bk K) or per tensor (bn N, bk K); w = q * s.
+  blocks (the official *-FP8 releases of large MoE and dense models), per output channel (bn 1, bk K) or per tensor (bn N, bk K); w = q * s.
 
 The kernel: one program per BLOCK_N output rows and 16 input rows (rows past M masked), walking K in BLOCK_K
 tiles (int4: BLOCK_K words). When one scale covers a tile's columns (group / block a multiple of the tile, or one
