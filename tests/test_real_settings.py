@@ -587,6 +587,42 @@ CASES = {
 CASES.update(HJ_CASES)
 
 
+# (hM) GPT-2 / GPT-Neo / GPT-J / CodeGen / GPTBigCode releases: GPT-2 double-heads and training-fork leftovers
+_G2 = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512)
+
+
+def _g2(stem: str, **sizes) -> dict:
+    c = _real(stem)
+    c.update(_G2, **sizes)
+    return c
+
+
+def _neo(stem: str) -> dict:
+    c = _real(stem)                                # window 6 (crossed by the prompts), global / local alternating
+    c.update(hidden_size=64, num_heads=4, num_layers=4, vocab_size=512, window_size=6,
+             attention_layers=["global", "local"] * 2, attention_types=[[["global", "local"], 2]])
+    return c
+
+
+HM_CASES = {
+    "distilgpt2": ("GPT2LMHeadModel", "gpt2", lambda: _g2("gpt2__distilgpt2"), (3, 9, 17, 30)),
+    "gpt-neo-125m": ("GPTNeoForCausalLM", "gpt_neo", lambda: _neo("gpt_neo__gpt-neo-125m"), (3, 9, 17, 30)),
+    "gpt-neo-1.3b": ("GPTNeoForCausalLM", "gpt_neo", lambda: _neo("gpt_neo__gpt-neo-1.3B"), (3, 9, 17, 30)),
+    "gpt-neo-2.7b": ("GPTNeoForCausalLM", "gpt_neo", lambda: _neo("gpt_neo__gpt-neo-2.7B"), (3, 9, 17, 30)),
+    "gpt-j-6b": ("GPTJForCausalLM", "gptj", lambda: _g2("gptj__gpt-j-6b", rotary_dim=8), (3, 9, 17, 30)),
+    "codegen-350m-mono": ("CodeGenForCausalLM", "codegen", lambda: _g2("codegen__codegen-350M-mono", rotary_dim=8),
+                          (3, 9, 17, 30)),
+    "codegen-2b-mono": ("CodeGenForCausalLM", "codegen", lambda: _g2("codegen__codegen-2B-mono", rotary_dim=8),
+                        (3, 9, 17, 30)),
+    "starcoderbase": ("GPTBigCodeForCausalLM", "gpt_bigcode", lambda: _g2("gpt_bigcode__starcoderbase", n_inner=256),
+                      (3, 9, 17, 30)),
+    "santacoder": ("GPTBigCodeForCausalLM", "gpt_bigcode",
+                   lambda: _g2("gpt_bigcode__gpt_bigcode-santacoder", n_inner=256), (3, 9, 17, 30)),
+}
+CASES.update(HM_CASES)
+_BUILD_ONLY["distilgpt2"] = {"n_inner": None}      # the fixture's n_inner left out: 4 * n_embd as the release
+
+
 def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> Path:
     from fixtures.tiny_hf import make_tiny_checkpoint
 

@@ -67,6 +67,10 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
   / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
   unexpected tensors.
+- (hM) gpt-neo-125m / 1.3B / 2.7B, gpt-j-6b, codegen-350M / 2B-mono: the GPT-2 double-heads `summary_*` leftovers,
+  GPT-J's `rotary: true` and GPT-J's / CodeGen's `scale_attn_weights: true` (fields their transformers classes lack;
+  accepted at true only), starcoderbase's BigCode-fork runtime options (inference_runner, pad_key_length,
+  pre_allocate_kv_cache, validate_runner_input) and distilgpt2's `_num_labels`, all refused as unknown before.
 """
 from __future__ import annotations
 
@@ -931,3 +935,38 @@ def test_dbrx_reserialized_sub_configs_are_read_alike():
     assert _read(noisy) == _read(plain)
     with pytest.raises(ConfigError, match="uniform_expert_assignment"):
         _read({**noisy, "ffn_config": {**noisy["ffn_config"], "uniform_expert_assignment": True}})
+
+
+# --- hM: gpt2, gpt_bigcode, gpt_neo, gptj, codegen ---
+_SUMMARY = {"summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
+            "summary_type": "cls_index", "summary_use_proj": True}
+# each release's fields its transformers class never reads (tests/data/real_configs: gpt-neo-125m, gpt-j-6b,
+# codegen-350M-mono, starcoderbase, distilgpt2)
+_HM_LEFTOVERS = {
+    "GPTNeoForCausalLM": dict(_SUMMARY, gradient_checkpointing=False),
+    "GPTJForCausalLM": dict(_SUMMARY, rotary=True, scale_attn_weights=True, tokenizer_class="GPT2Tokenizer"),
+    "CodeGenForCausalLM": dict(_SUMMARY, scale_attn_weights=True, n_ctx=2048),
+    "GPTBigCodeForCausalLM": dict(_SUMMARY, inference_runner=0, pad_key_length=True, pre_allocate_kv_cache=False,
+                                  validate_runner_input=True, max_batch_size=None, max_sequence_length=None),
+    "GPT2LMHeadModel": dict(_SUMMARY, _num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}),
+}
+
+
+@pytest.mark.parametrize("arch", list(_HM_LEFTOVERS))
+def test_gpt_family_release_leftovers_are_accepted(tiny_checkpoint, tmp_path, arch):
+    """The releases' GPT-2 double-heads summary_* fields (GPT-Neo, GPT-J, CodeGen), GPT-J's `rotary: true` /
+    `scale_attn_weights: true` (CodeGen's too), the BigCode fork's runtime options (starcoderbase / starcoder) and
+    distilgpt2's `_num_labels` were refused as unknown; transformers reads none of them. Served as transformers."""
+    ckpt = edit_config(tiny_checkpoint(arch), tmp_path / "release", lambda c: c.update(_HM_LEFTOVERS[arch]))
+    _served_as_transformers(ckpt, f"{arch} with its release's leftovers")
+
+
+@pytest.mark.parametrize("arch,field,value", [("GPTJForCausalLM", "rotary", False),
+                                              ("GPTJForCausalLM", "scale_attn_weights", False),
+                                              ("CodeGenForCausalLM", "scale_attn_weights", False)])
+def test_gptj_codegen_other_leftover_values_are_refused(tiny_checkpoint, arch, field, value):
+    """`rotary` / `scale_attn_weights` are accepted only at true (what transformers always computes): false, the
+    original code's unrotated / unscaled attention, is refused by name."""
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    with pytest.raises(ConfigError, match=field):
+        _read({**_config(tiny_checkpoint(arch)), field: value})
