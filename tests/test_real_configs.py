@@ -112,6 +112,8 @@ def test_real_config_is_read(path):
             continue
         if want is None and name == "head_dim":   # transformers derives it where the file has none
             continue
+        if want is None and name == "intermediate_size" and hf.get("model_type") == "gpt_neo":
+            continue                              # GPT-Neo's block derives 4 * hidden_size from a null field
         if isinstance(want, list):
             ours, want = list(ours), list(want)
         if ours != want:
