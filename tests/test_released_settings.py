@@ -67,6 +67,11 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
   / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
   unexpected tensors.
+- (hN) OPT-125m / 350m: `activation_dropout` and fairseq's `prefix: </s>`; BLOOM-560m / bloomz-560m: Megatron flags
+  (attention_softmax_in_fp32, bias_dropout_fusion, skip_bias_add, skip_bias_add_qkv); MPT-7b / -8k / -storywriter:
+  `init_config`, `verbose`, `tokenizer_name`, and -8k's `ffn_config.ffn_type: mptmlp` / `fc_type: torch` (another
+  kind refused): leftovers transformers never reads, refused as unknown before; and MPT's `architectures:
+  [MPTForCausalLM]` (the remote-code class; transformers loads it by model_type) was refused as not served.
 """
 from __future__ import annotations
 
@@ -931,3 +936,49 @@ def test_dbrx_reserialized_sub_configs_are_read_alike():
     assert _read(noisy) == _read(plain)
     with pytest.raises(ConfigError, match="uniform_expert_assignment"):
         _read({**noisy, "ffn_config": {**noisy["ffn_config"], "uniform_expert_assignment": True}})
+
+
+# --- hN: opt, bloom, mpt (xglm, biogpt: served as released, tests/test_real_settings.py) ---
+def _real_file(stem: str) -> dict:
+    import json
+    from pathlib import Path
+    return json.loads((Path(__file__).parent / "data" / "real_configs" / f"{stem}.json").read_text())
+
+
+@pytest.mark.parametrize("stem,leftovers", [
+    ("opt__opt-125m", ("activation_dropout", "prefix")),
+    ("opt__opt-350m", ("activation_dropout", "prefix")),
+    ("bloom__bloom-560m", ("attention_softmax_in_fp32", "bias_dropout_fusion", "skip_bias_add", "skip_bias_add_qkv")),
+    ("mpt__mpt-7b", ("init_config", "verbose", "tokenizer_name")),
+    ("mpt__mpt-7b-8k", ("init_config", "verbose", "tokenizer_name", "ffn_config", "fc_type")),
+])
+def test_released_leftovers_read_as_the_plain_file(stem, leftovers):
+    """OPT's `activation_dropout` / fairseq `prefix`, BLOOM's Megatron flags (attention_softmax_in_fp32,
+    bias_dropout_fusion, skip_bias_add, skip_bias_add_qkv), MPT's `init_config` / `verbose` / `tokenizer_name` and
+    mpt-7b-8k's `ffn_config: {ffn_type: mptmlp}` / `fc_type: torch`: fields of the released config.json that
+    transformers never reads, refused as unknown before. The release reads as the file without them."""
+    real = _real_file(stem)
+    assert _read(real) == _read({k: v for k, v in real.items() if k not in leftovers})
+
+
+def test_mpt_other_ffn_or_linear_kind_is_refused():
+    """llm-foundry's ffn_type / fc_type other than the plain MLP on nn.Linear (an MoE, Transformer Engine) are not
+    what transformers' MptMLP builds: refused by name."""
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    real = _real_file("mpt__mpt-7b-8k")
+    with pytest.raises(ConfigError, match="ffn_type"):
+        _read({**real, "ffn_config": {"ffn_type": "mb_moe"}})
+    with pytest.raises(ConfigError, match="fc_type"):
+        _read({**real, "fc_type": "te"})
+
+
+def test_opt_350m_release_form_served_as_transformers(tiny_checkpoint):
+    """OPT-350m's form (project_in / project_out, post-norm, its leftovers) serves as transformers; pre-norm
+    (do_layer_norm_before true) gives other tokens."""
+    real = _real_file("opt__opt-350m")
+    ov = {k: real[k] for k in ("activation_dropout", "prefix", "dropout", "layerdrop", "init_std",
+                               "do_layer_norm_before", "activation_function")}
+    post = tiny_checkpoint("OPTForCausalLM", overrides={**ov, "word_embed_proj_dim": 32})
+    want = _served_as_transformers(post, "OPT-350m form")
+    pre = tiny_checkpoint("OPTForCausalLM", overrides={**ov, "word_embed_proj_dim": 32, "do_layer_norm_before": True})
+    assert _TOKENS.hf(pre) != want
