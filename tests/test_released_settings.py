@@ -71,7 +71,8 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   (attention_softmax_in_fp32, bias_dropout_fusion, skip_bias_add, skip_bias_add_qkv); MPT-7b / -8k / -storywriter:
   `init_config`, `verbose`, `tokenizer_name`, and -8k's `ffn_config.ffn_type: mptmlp` / `fc_type: torch` (another
   kind refused): leftovers transformers never reads, refused as unknown before; and MPT's `architectures:
-  [MPTForCausalLM]` (the remote-code class; transformers loads it by model_type) was refused as not served.
+  [MPTForCausalLM]` (the remote-code class; transformers loads it by model_type) was refused as not served. BLOOM
+  (176B)'s `n_embed` / `num_attention_heads` names (BloomConfig's aliases) were refused (no hidden_size).
 """
 from __future__ import annotations
 
@@ -982,3 +983,16 @@ def test_opt_350m_release_form_served_as_transformers(tiny_checkpoint):
     want = _served_as_transformers(post, "OPT-350m form")
     pre = tiny_checkpoint("OPTForCausalLM", overrides={**ov, "word_embed_proj_dim": 32, "do_layer_norm_before": True})
     assert _TOKENS.hf(pre) != want
+
+
+def test_bloom_176b_field_names_read_as_transformers():
+    """bigscience/bloom (176B) writes the width as `n_embed` and the heads as `num_attention_heads` (BloomConfig pops
+    n_embed over hidden_size and maps num_attention_heads onto n_head); the spec refused it (no hidden_size). Read as
+    transformers: n_embed wins over a hidden_size beside it."""
+    import transformers
+    base = _real_file("bloom__bloom-560m")
+    named = {k: v for k, v in base.items() if k not in ("hidden_size", "n_head")}
+    named.update(n_embed=base["hidden_size"], num_attention_heads=base["n_head"])
+    assert _read(named) == _read(base)
+    both = {**base, "n_embed": 512}
+    assert _read(both).hidden_size == transformers.BloomConfig(**both).hidden_size == 512
