@@ -72,7 +72,8 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   `init_config`, `verbose`, `tokenizer_name`, and -8k's `ffn_config.ffn_type: mptmlp` / `fc_type: torch` (another
   kind refused): leftovers transformers never reads, refused as unknown before; and MPT's `architectures:
   [MPTForCausalLM]` (the remote-code class; transformers loads it by model_type) was refused as not served. BLOOM
-  (176B)'s `n_embed` / `num_attention_heads` names (BloomConfig's aliases) were refused (no hidden_size).
+  (176B)'s `n_embed` / `num_attention_heads` names (BloomConfig's aliases) were refused (no hidden_size). Later
+  llm-foundry MPT exports' attn_config defaults (rope false + its settings, sliding_window_size -1, kv_n_heads).
 """
 from __future__ import annotations
 
@@ -996,3 +997,21 @@ def test_bloom_176b_field_names_read_as_transformers():
     assert _read(named) == _read(base)
     both = {**base, "n_embed": 512}
     assert _read(both).hidden_size == transformers.BloomConfig(**both).hidden_size == 512
+
+
+_FOUNDRY_ATTN = {"rope": False, "rope_theta": 10000, "rope_impl": "dail", "sliding_window_size": -1, "kv_n_heads": 1,
+                 "rope_dail_config": {"type": "original", "pos_idx_in_fp32": True, "xpos_scale_base": 512},
+                 "rope_hf_config": {"type": "no_scaling", "factor": 1.0}}
+
+
+def test_mpt_later_foundry_attn_config_defaults_read_as_the_plain_file():
+    """Later llm-foundry exports write their attn_config defaults (rope false with its unused rope settings, no sliding
+    window, kv_n_heads beside multihead attention), refused as unknown before; transformers reads none. At those
+    values the file reads as without them; rotary or a window is refused by name."""
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    real = _real_file("mpt__mpt-7b-8k")
+    noisy = {**real, "attn_config": {**real["attn_config"], **_FOUNDRY_ATTN}}
+    assert _read(noisy) == _read(real)
+    for field, value in (("rope", True), ("sliding_window_size", 512)):
+        with pytest.raises(ConfigError, match=field):
+            _read({**noisy, "attn_config": {**noisy["attn_config"], field: value}})
