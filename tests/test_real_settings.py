@@ -587,6 +587,45 @@ CASES = {
 CASES.update(HJ_CASES)
 
 
+# (hN) OPT, BLOOM, MPT, XGLM, BioGPT at their released config.json (fields as published, sizes shrunk)
+def _sized(stem: str, **sizes) -> dict:
+    c = _real(stem)
+    c.update(sizes)
+    return c
+
+
+_OPT = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)
+_BLOOM = dict(hidden_size=64, n_layer=2, n_head=4, vocab_size=512)
+_MPT = dict(d_model=64, n_layers=2, n_heads=4, vocab_size=512)
+HN_CASES = {
+    "opt-125m": ("OPTForCausalLM", "opt", lambda: _sized("opt__opt-125m", **_OPT, word_embed_proj_dim=64),
+                 (3, 9, 17, 30)),
+    # project_in / project_out (word_embed_proj_dim 512 beside hidden 1024), post-norm (do_layer_norm_before false)
+    "opt-350m": ("OPTForCausalLM", "opt", lambda: _sized("opt__opt-350m", **_OPT, word_embed_proj_dim=32),
+                 (3, 9, 17, 30)),
+    "opt-1.3b": ("OPTForCausalLM", "opt", lambda: _sized("opt__opt-1.3b", **_OPT, word_embed_proj_dim=64),
+                 (3, 9, 17, 30)),
+    "opt-6.7b": ("OPTForCausalLM", "opt", lambda: _sized("opt__opt-6.7b", **_OPT, word_embed_proj_dim=64),
+                 (3, 9, 17, 30)),
+    "bloom-560m": ("BloomForCausalLM", "bloom", lambda: _sized("bloom__bloom-560m", **_BLOOM), (3, 9, 17, 30)),
+    "bloomz-560m": ("BloomForCausalLM", "bloom", lambda: _sized("bloom__bloomz-560m", **_BLOOM), (3, 9, 17, 30)),
+    "mpt-7b": ("MptForCausalLM", "mpt", lambda: _sized("mpt__mpt-7b", **_MPT), (3, 9, 17, 30)),
+    "mpt-7b-8k": ("MptForCausalLM", "mpt", lambda: _sized("mpt__mpt-7b-8k", **_MPT), (3, 9, 17, 30)),
+    "mpt-7b-storywriter": ("MptForCausalLM", "mpt", lambda: _sized("mpt__mpt-7b-storywriter", **_MPT),
+                           (3, 9, 17, 30)),
+    "xglm-564m": ("XGLMForCausalLM", "xglm",
+                  lambda: _sized("xglm__xglm-564M", d_model=64, attention_heads=4, num_layers=2, ffn_dim=128,
+                                 vocab_size=512), (3, 9, 17, 30)),
+    "biogpt": ("BioGptForCausalLM", "biogpt",
+               lambda: _sized("biogpt__biogpt", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                              intermediate_size=128, vocab_size=512), (3, 9, 17, 30)),
+    "biogpt-large": ("BioGptForCausalLM", "biogpt",
+                     lambda: _sized("biogpt__BioGPT-Large", hidden_size=64, num_attention_heads=4,
+                                    num_hidden_layers=2, intermediate_size=128, vocab_size=512), (3, 9, 17, 30)),
+}
+CASES.update(HN_CASES)
+
+
 # (hM) GPT-2 / GPT-Neo / GPT-J / CodeGen / GPTBigCode releases: GPT-2 double-heads and training-fork leftovers
 _G2 = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=512)
 

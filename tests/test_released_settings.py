@@ -67,6 +67,13 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
   / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
   unexpected tensors.
+- (hN) OPT-125m / 350m: `activation_dropout` and fairseq's `prefix: </s>`; BLOOM-560m / bloomz-560m: Megatron flags
+  (attention_softmax_in_fp32, bias_dropout_fusion, skip_bias_add, skip_bias_add_qkv); MPT-7b / -8k / -storywriter:
+  `init_config`, `verbose`, `tokenizer_name`, and -8k's `ffn_config.ffn_type: mptmlp` / `fc_type: torch` (another
+  kind refused): leftovers transformers never reads, refused as unknown before; and MPT's `architectures:
+  [MPTForCausalLM]` (the remote-code class; transformers loads it by model_type) was refused as not served. BLOOM
+  (176B)'s `n_embed` / `num_attention_heads` names (BloomConfig's aliases) were refused (no hidden_size). Later
+  llm-foundry MPT exports' attn_config defaults (rope false + its settings, sliding_window_size -1, kv_n_heads).
 - (hM) gpt-neo-125m / 1.3B / 2.7B, gpt-j-6b, codegen-350M / 2B-mono: the GPT-2 double-heads `summary_*` leftovers,
   GPT-J's `rotary: true` and GPT-J's / CodeGen's `scale_attn_weights: true` (fields their transformers classes lack;
   accepted at true only), starcoderbase's BigCode-fork runtime options (inference_runner, pad_key_length,
@@ -970,3 +977,80 @@ def test_gptj_codegen_other_leftover_values_are_refused(tiny_checkpoint, arch, f
     from xllm_gen.runtime.loading.hf_config import ConfigError
     with pytest.raises(ConfigError, match=field):
         _read({**_config(tiny_checkpoint(arch)), field: value})
+
+
+# --- hN: opt, bloom, mpt (xglm, biogpt: served as released, tests/test_real_settings.py) ---
+def _real_file(stem: str) -> dict:
+    import json
+    from pathlib import Path
+    return json.loads((Path(__file__).parent / "data" / "real_configs" / f"{stem}.json").read_text())
+
+
+@pytest.mark.parametrize("stem,leftovers", [
+    ("opt__opt-125m", ("activation_dropout", "prefix")),
+    ("opt__opt-350m", ("activation_dropout", "prefix")),
+    ("bloom__bloom-560m", ("attention_softmax_in_fp32", "bias_dropout_fusion", "skip_bias_add", "skip_bias_add_qkv")),
+    ("mpt__mpt-7b", ("init_config", "verbose", "tokenizer_name")),
+    ("mpt__mpt-7b-8k", ("init_config", "verbose", "tokenizer_name", "ffn_config", "fc_type")),
+])
+def test_released_leftovers_read_as_the_plain_file(stem, leftovers):
+    """OPT's `activation_dropout` / fairseq `prefix`, BLOOM's Megatron flags (attention_softmax_in_fp32,
+    bias_dropout_fusion, skip_bias_add, skip_bias_add_qkv), MPT's `init_config` / `verbose` / `tokenizer_name` and
+    mpt-7b-8k's `ffn_config: {ffn_type: mptmlp}` / `fc_type: torch`: fields of the released config.json that
+    transformers never reads, refused as unknown before. The release reads as the file without them."""
+    real = _real_file(stem)
+    assert _read(real) == _read({k: v for k, v in real.items() if k not in leftovers})
+
+
+def test_mpt_other_ffn_or_linear_kind_is_refused():
+    """llm-foundry's ffn_type / fc_type other than the plain MLP on nn.Linear (an MoE, Transformer Engine) are not
+    what transformers' MptMLP builds: refused by name."""
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    real = _real_file("mpt__mpt-7b-8k")
+    with pytest.raises(ConfigError, match="ffn_type"):
+        _read({**real, "ffn_config": {"ffn_type": "mb_moe"}})
+    with pytest.raises(ConfigError, match="fc_type"):
+        _read({**real, "fc_type": "te"})
+
+
+def test_opt_350m_release_form_served_as_transformers(tiny_checkpoint):
+    """OPT-350m's form (project_in / project_out, post-norm, its leftovers) serves as transformers; pre-norm
+    (do_layer_norm_before true) gives other tokens."""
+    real = _real_file("opt__opt-350m")
+    ov = {k: real[k] for k in ("activation_dropout", "prefix", "dropout", "layerdrop", "init_std",
+                               "do_layer_norm_before", "activation_function")}
+    post = tiny_checkpoint("OPTForCausalLM", overrides={**ov, "word_embed_proj_dim": 32})
+    want = _served_as_transformers(post, "OPT-350m form")
+    pre = tiny_checkpoint("OPTForCausalLM", overrides={**ov, "word_embed_proj_dim": 32, "do_layer_norm_before": True})
+    assert _TOKENS.hf(pre) != want
+
+
+def test_bloom_176b_field_names_read_as_transformers():
+    """bigscience/bloom (176B) writes the width as `n_embed` and the heads as `num_attention_heads` (BloomConfig pops
+    n_embed over hidden_size and maps num_attention_heads onto n_head); the spec refused it (no hidden_size). Read as
+    transformers: n_embed wins over a hidden_size beside it."""
+    import transformers
+    base = _real_file("bloom__bloom-560m")
+    named = {k: v for k, v in base.items() if k not in ("hidden_size", "n_head")}
+    named.update(n_embed=base["hidden_size"], num_attention_heads=base["n_head"])
+    assert _read(named) == _read(base)
+    both = {**base, "n_embed": 512}
+    assert _read(both).hidden_size == transformers.BloomConfig(**both).hidden_size == 512
+
+
+_FOUNDRY_ATTN = {"rope": False, "rope_theta": 10000, "rope_impl": "dail", "sliding_window_size": -1, "kv_n_heads": 1,
+                 "rope_dail_config": {"type": "original", "pos_idx_in_fp32": True, "xpos_scale_base": 512},
+                 "rope_hf_config": {"type": "no_scaling", "factor": 1.0}}
+
+
+def test_mpt_later_foundry_attn_config_defaults_read_as_the_plain_file():
+    """Later llm-foundry exports write their attn_config defaults (rope false with its unused rope settings, no sliding
+    window, kv_n_heads beside multihead attention), refused as unknown before; transformers reads none. At those
+    values the file reads as without them; rotary or a window is refused by name."""
+    from xllm_gen.runtime.loading.hf_config import ConfigError
+    real = _real_file("mpt__mpt-7b-8k")
+    noisy = {**real, "attn_config": {**real["attn_config"], **_FOUNDRY_ATTN}}
+    assert _read(noisy) == _read(real)
+    for field, value in (("rope", True), ("sliding_window_size", 512)):
+        with pytest.raises(ConfigError, match=field):
+            _read({**noisy, "attn_config": {**noisy["attn_config"], field: value}})
