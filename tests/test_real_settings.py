@@ -480,6 +480,23 @@ def _afm_45b() -> dict:
     return c
 
 
+def _qwen35_9b() -> dict:
+    c = dict(_real("qwen3_5__Qwen3.5-9B")["text_config"])   # (hO) the text decoder: gated attention, mrope (text:
+    c.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=4,   # plain rotary),
+             intermediate_size=256, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4,  # MTP leftovers
+             linear_key_head_dim=32, linear_value_head_dim=32, layer_types=c["layer_types"][:4])
+    c.pop("eos_token_id")
+    return c
+
+
+def _devstral_small_2() -> dict:
+    c = dict(_real("ministral3__Devstral-Small-2-24B-Instruct-2512")["text_config"])   # (hO) yarn 48 + llama 4 beta
+    c.update(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3,
+             intermediate_size=256, vocab_size=512, max_position_embeddings=384)
+    c["rope_parameters"] = dict(c["rope_parameters"], original_max_position_embeddings=8)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
 _BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16}, "llama4-maverick": {"no_rope_layers": None},
                # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
@@ -585,6 +602,10 @@ CASES = {
     "afm-4.5b": ("ArceeForCausalLM", "arcee", _afm_45b, (3, 9, 17, 30)),
 }
 CASES.update(HJ_CASES)
+CASES.update({    # (hO) the text decoders of multimodal releases
+    "qwen3.5-9b": ("Qwen3_5ForCausalLM", "qwen3_5", _qwen35_9b, (3, 9, 17, 30)),
+    "devstral-small-2": ("Ministral3ForCausalLM", "ministral3", _devstral_small_2, (3, 9, 17, 30)),
+})
 
 
 def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> Path:

@@ -67,6 +67,9 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
   / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
   unexpected tensors.
+- (hO) Qwen3.5-9B (text_config; Qwen3.5-MoE alike): attn_output_gate / mtp_num_hidden_layers /
+  mtp_use_dedicated_embeddings / mamba_ssm_dtype, which transformers never reads, were refused as unknown; the gate
+  is assumed true (false refused), the rest ignored.
 """
 from __future__ import annotations
 
@@ -931,3 +934,33 @@ def test_dbrx_reserialized_sub_configs_are_read_alike():
     assert _read(noisy) == _read(plain)
     with pytest.raises(ConfigError, match="uniform_expert_assignment"):
         _read({**noisy, "ffn_config": {**noisy["ffn_config"], "uniform_expert_assignment": True}})
+
+
+# --- hO: qwen3_5, qwen3_5_moe, ministral3 ---
+# Qwen/Qwen3.5-9B's text_config fields that transformers' Qwen3.5 (and Qwen3.5-MoE) never reads, with the release's values
+_QWEN35_LEFTOVERS = {"attn_output_gate": True, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+                     "mamba_ssm_dtype": "float32"}
+
+
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_qwen35_released_text_config_leftovers_and_mtp_tensors(tiny_checkpoint, tmp_path, arch):
+    """Qwen3.5's released text_config (attn_output_gate, mtp_num_hidden_layers, mtp_use_dedicated_embeddings,
+    mamba_ssm_dtype) was refused as unknown; served as transformers now, with an MTP tensor (mtp.*) the release stores."""
+    ckpt = tiny_checkpoint(arch)
+    ckpt = edit_config(ckpt, tmp_path / "q35", lambda c: c.update(_QWEN35_LEFTOVERS))
+    ckpt = _with_extra_tensors(ckpt, tmp_path / "q35_mtp", {"mtp.fc.weight": (8, 16), "mtp.norm.weight": (8,)})
+    _served_as_transformers(ckpt, f"{arch} Qwen3.5 release form")
+
+
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_qwen35_ungated_attention_is_refused(arch):
+    """attn_output_gate: false would be attention without the output gate transformers always builds: refused."""
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config(arch).to_dict()
+    cfg.update(_QWEN35_LEFTOVERS, attn_output_gate=False)
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match="attn_output_gate"):
+        module.Config.from_hf(cfg)
