@@ -70,6 +70,9 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
 - (hO) Qwen3.5-9B (text_config; Qwen3.5-MoE alike): attn_output_gate / mtp_num_hidden_layers /
   mtp_use_dedicated_embeddings / mamba_ssm_dtype, which transformers never reads, were refused as unknown; the gate
   is assumed true (false refused), the rest ignored.
+- (hO) K-EXAONE-236B-A23B: scoring_func / topk_method (assumed sigmoid / noaux_tc, the router transformers builds),
+  is_moe_layer / first_last_k_dense_replace (ignored: transformers lays the layers out by mlp_layer_types), refused as
+  unknown. MiniMax-M2.5, LongCat-Flash-Chat, Devstral-Small-2 served as released (slow cases in test_real_settings).
 """
 from __future__ import annotations
 
@@ -936,7 +939,7 @@ def test_dbrx_reserialized_sub_configs_are_read_alike():
         _read({**noisy, "ffn_config": {**noisy["ffn_config"], "uniform_expert_assignment": True}})
 
 
-# --- hO: qwen3_5, qwen3_5_moe, ministral3 ---
+# --- hO: qwen3_5, qwen3_5_moe, exaone_moe ---
 # Qwen/Qwen3.5-9B's text_config fields that transformers' Qwen3.5 (and Qwen3.5-MoE) never reads, with the release's values
 _QWEN35_LEFTOVERS = {"attn_output_gate": True, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
                      "mamba_ssm_dtype": "float32"}
@@ -963,4 +966,32 @@ def test_qwen35_ungated_attention_is_refused(arch):
     cfg.update(_QWEN35_LEFTOVERS, attn_output_gate=False)
     module, _ = registry.resolve(cfg)
     with pytest.raises(ValueError, match="attn_output_gate"):
+        module.Config.from_hf(cfg)
+
+
+# LGAI-EXAONE/K-EXAONE-236B-A23B's config.json fields that transformers' ExaoneMoe never reads (TensorRT-LLM's copy)
+_K_EXAONE_LEFTOVERS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_last_k_dense_replace": 1,
+                       "sliding_window_pattern": "LLLG"}
+
+
+def test_k_exaone_released_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    """K-EXAONE's scoring_func / topk_method / is_moe_layer / first_last_k_dense_replace were refused as unknown; the
+    router transformers builds is assumed (sigmoid, noaux_tc), the layout restatements ignored."""
+    ckpt = tiny_checkpoint("ExaoneMoeForCausalLM")
+
+    def edit(c):
+        c.update(_K_EXAONE_LEFTOVERS, is_moe_layer=[t == "sparse" for t in c["mlp_layer_types"]])
+    _served_as_transformers(edit_config(ckpt, tmp_path / "kx", edit), "K-EXAONE release form")
+
+
+@pytest.mark.parametrize("field,value", [("scoring_func", "softmax"), ("topk_method", "greedy")])
+def test_k_exaone_other_router_values_are_refused(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("ExaoneMoeForCausalLM").to_dict()
+    cfg.update(_K_EXAONE_LEFTOVERS, **{field: value})
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match=field):
         module.Config.from_hf(cfg)
