@@ -480,8 +480,49 @@ def _afm_45b() -> dict:
     return c
 
 
+def _qwen35_9b() -> dict:
+    c = dict(_real("qwen3_5__Qwen3.5-9B")["text_config"])   # (hO) the text decoder: gated attention, mrope (text:
+    c.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=4,   # plain rotary),
+             intermediate_size=256, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4,  # MTP leftovers
+             linear_key_head_dim=32, linear_value_head_dim=32, layer_types=c["layer_types"][:4])
+    c.pop("eos_token_id")
+    return c
+
+
+def _devstral_small_2() -> dict:
+    c = dict(_real("ministral3__Devstral-Small-2-24B-Instruct-2512")["text_config"])   # (hO) yarn 48 + llama 4 beta
+    c.update(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3,
+             intermediate_size=256, vocab_size=512, max_position_embeddings=384)
+    c["rope_parameters"] = dict(c["rope_parameters"], original_max_position_embeddings=8)
+    return c
+
+
+def _minimax_m25() -> dict:
+    c = _real("minimax_m2__MiniMax-M2.5")          # (hO) whole-projection q/k norms, rotary_dim 64 of 128, MTP leftovers
+    c.update(hidden_size=64, head_dim=16, rotary_dim=8, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=3, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4, vocab_size=512,
+             attn_type_list=[1, 1, 1])
+    return c
+
+
+def _longcat_flash_chat() -> dict:
+    c = _real("longcat_flash__LongCat-Flash-Chat")   # (hO) 12 of 512 + 256 identity experts; head_dim (64) left to the
+    c.update(vocab_size=512, hidden_size=64, ffn_hidden_size=128, expert_ffn_hidden_size=32, num_layers=2,  # class,
+             num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=16,  # so the
+             n_routed_experts=16, zero_expert_num=8)                                     # rope dims stay 64
+    return c
+
+
+def _k_exaone() -> dict:
+    c = _real("exaone_moe__K-EXAONE-236B-A23B-trtllm-test")   # (hO) is_moe_layer, scoring_func / topk_method leftovers
+    c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+             moe_intermediate_size=32, num_experts=16, vocab_size=512)
+    return c
+
+
 # sizes the tiny weights need that the real config.json leaves to the config class (not written to config.json)
-_BUILD_ONLY = {"minicpm3-4b": {"v_head_dim": 16}, "llama4-maverick": {"no_rope_layers": None},
+_BUILD_ONLY = {"longcat-flash-chat": {"head_dim": 64, "qk_head_dim": 80},
+               "minicpm3-4b": {"v_head_dim": 16}, "llama4-maverick": {"no_rope_layers": None},
                # the fixture's Qwen3-Next layout replaced by the one full_attention_interval 4 gives 4 layers
                "qwen3-next-80b-a3b": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
                # Zamba2's head_dim is an alias of attention_head_dim (2 * hidden / heads), not hidden / heads
@@ -585,6 +626,13 @@ CASES = {
     "afm-4.5b": ("ArceeForCausalLM", "arcee", _afm_45b, (3, 9, 17, 30)),
 }
 CASES.update(HJ_CASES)
+CASES.update({    # (hO) the text decoders of multimodal releases
+    "qwen3.5-9b": ("Qwen3_5ForCausalLM", "qwen3_5", _qwen35_9b, (3, 9, 17, 30)),
+    "devstral-small-2": ("Ministral3ForCausalLM", "ministral3", _devstral_small_2, (3, 9, 17, 30)),
+    "minimax-m2.5": ("MiniMaxM2ForCausalLM", "minimax_m2", _minimax_m25, (3, 9, 17, 30)),
+    "longcat-flash-chat": ("LongcatFlashForCausalLM", "longcat_flash", _longcat_flash_chat, (3, 9, 17, 30)),
+    "k-exaone-236b-a23b": ("ExaoneMoeForCausalLM", "exaone_moe", _k_exaone, (3, 9, 17, 30)),
+})
 
 
 # (hN) OPT, BLOOM, MPT, XGLM, BioGPT at their released config.json (fields as published, sizes shrunk)

@@ -67,6 +67,12 @@ sizes shrunk), served against transformers: the forms the default tiny configs d
   num_nextn_predict_layers, multi_token_pred_lambda) were refused as unknown; its MTP head tensors (mtp_*) and GLM-4.5's
   / GLM-4.5-Air's MTP layer (model.layers.92.* / 46.*), which transformers skips, were refused by the loader as
   unexpected tensors.
+- (hO) Qwen3.5-9B (text_config; Qwen3.5-MoE alike): attn_output_gate / mtp_num_hidden_layers /
+  mtp_use_dedicated_embeddings / mamba_ssm_dtype, which transformers never reads, were refused as unknown; the gate
+  is assumed true (false refused), the rest ignored.
+- (hO) K-EXAONE-236B-A23B: scoring_func / topk_method (assumed sigmoid / noaux_tc, the router transformers builds),
+  is_moe_layer / first_last_k_dense_replace (ignored: transformers lays the layers out by mlp_layer_types), refused as
+  unknown. MiniMax-M2.5, LongCat-Flash-Chat, Devstral-Small-2 served as released (slow cases in test_real_settings).
 - (hN) OPT-125m / 350m: `activation_dropout` and fairseq's `prefix: </s>`; BLOOM-560m / bloomz-560m: Megatron flags
   (attention_softmax_in_fp32, bias_dropout_fusion, skip_bias_add, skip_bias_add_qkv); MPT-7b / -8k / -storywriter:
   `init_config`, `verbose`, `tokenizer_name`, and -8k's `ffn_config.ffn_type: mptmlp` / `fc_type: torch` (another
@@ -1054,3 +1060,61 @@ def test_mpt_later_foundry_attn_config_defaults_read_as_the_plain_file():
     for field, value in (("rope", True), ("sliding_window_size", 512)):
         with pytest.raises(ConfigError, match=field):
             _read({**noisy, "attn_config": {**noisy["attn_config"], field: value}})
+
+
+# --- hO: qwen3_5, qwen3_5_moe, exaone_moe ---
+# Qwen/Qwen3.5-9B's text_config fields that transformers' Qwen3.5 (and Qwen3.5-MoE) never reads, with the release's values
+_QWEN35_LEFTOVERS = {"attn_output_gate": True, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+                     "mamba_ssm_dtype": "float32"}
+
+
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_qwen35_released_text_config_leftovers_and_mtp_tensors(tiny_checkpoint, tmp_path, arch):
+    """Qwen3.5's released text_config (attn_output_gate, mtp_num_hidden_layers, mtp_use_dedicated_embeddings,
+    mamba_ssm_dtype) was refused as unknown; served as transformers now, with an MTP tensor (mtp.*) the release stores."""
+    ckpt = tiny_checkpoint(arch)
+    ckpt = edit_config(ckpt, tmp_path / "q35", lambda c: c.update(_QWEN35_LEFTOVERS))
+    ckpt = _with_extra_tensors(ckpt, tmp_path / "q35_mtp", {"mtp.fc.weight": (8, 16), "mtp.norm.weight": (8,)})
+    _served_as_transformers(ckpt, f"{arch} Qwen3.5 release form")
+
+
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_qwen35_ungated_attention_is_refused(arch):
+    """attn_output_gate: false would be attention without the output gate transformers always builds: refused."""
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config(arch).to_dict()
+    cfg.update(_QWEN35_LEFTOVERS, attn_output_gate=False)
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match="attn_output_gate"):
+        module.Config.from_hf(cfg)
+
+
+# LGAI-EXAONE/K-EXAONE-236B-A23B's config.json fields that transformers' ExaoneMoe never reads (TensorRT-LLM's copy)
+_K_EXAONE_LEFTOVERS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_last_k_dense_replace": 1,
+                       "sliding_window_pattern": "LLLG"}
+
+
+def test_k_exaone_released_leftovers_are_accepted(tiny_checkpoint, tmp_path):
+    """K-EXAONE's scoring_func / topk_method / is_moe_layer / first_last_k_dense_replace were refused as unknown; the
+    router transformers builds is assumed (sigmoid, noaux_tc), the layout restatements ignored."""
+    ckpt = tiny_checkpoint("ExaoneMoeForCausalLM")
+
+    def edit(c):
+        c.update(_K_EXAONE_LEFTOVERS, is_moe_layer=[t == "sparse" for t in c["mlp_layer_types"]])
+    _served_as_transformers(edit_config(ckpt, tmp_path / "kx", edit), "K-EXAONE release form")
+
+
+@pytest.mark.parametrize("field,value", [("scoring_func", "softmax"), ("topk_method", "greedy")])
+def test_k_exaone_other_router_values_are_refused(field, value):
+    from fixtures.tiny_hf import tiny_config
+
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config("ExaoneMoeForCausalLM").to_dict()
+    cfg.update(_K_EXAONE_LEFTOVERS, **{field: value})
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match=field):
+        module.Config.from_hf(cfg)
