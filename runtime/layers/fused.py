@@ -174,12 +174,43 @@ def _split_bias(linear):
     return (None if tail else linear.bias), tail
 
 
+def _quant_epilogue(linear, x: torch.Tensor, width: int, gated: bool):
+    """The fp8 round trip of linear's input as the producing op's epilogue (ops/norm_act_kernels.py `quant`):
+    (group, static scale), or None where the op and the quantization stay two launches (no per-token / group /
+    static ActQuant, a replaced forward, a width the epilogue cannot tile, torch ops)."""
+    aq = linear.act_quant
+    if aq is None or aq.kind not in ("group", "token", "static") or MODE == "0":
+        return None
+    if not (x.is_cuda and ops._direct() or not x.is_cuda and MODE == "1" and _CPU_KERNELS):
+        return None
+    if type(linear).forward not in (_lin._Linear.forward, _lin.RowParallelLinear.forward) or "forward" in vars(linear):
+        return None
+    quant = (aq.group if aq.kind == "group" else None, aq.scale if aq.kind == "static" else None)
+    from xllm_gen.runtime.ops.norm_act_kernels import quant_fits
+    return quant if quant_fits(quant, width, gated) else None
+
+
+def _norm_quant_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor], quant):
+    """norm_linear with the norm's output quantized in the norm's kernel (one launch fewer)."""
+    from xllm_gen.runtime.ops import norm_act_kernels as K
+    weight, eps, offset = norm.weight, norm.eps, norm.weight_offset
+    if residual is None:
+        h = K.rms_norm(x, weight, eps, offset, quant=quant)
+    else:
+        h, residual = K.fused_add_rms_norm(x, residual, weight, eps, offset, quant=quant)
+    return linear(h, quantized=True), (x if residual is None else residual)
+
+
 def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor]):
     """(linear(norm(x + residual)), x + residual); residual None: (linear(norm(x)), x)."""
     args = _norm_args(norm)
     cfg = gemv_config(linear, x, "norm") if args is not None else False
     if (cfg is False or norm.weight.dtype != x.dtype or norm.weight.shape[0] != x.shape[-1]
             or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
+        quant = (_quant_epilogue(linear, x, x.shape[-1], False) if args is not None and norm.residual_float32 is None
+                 and (residual is None or residual.shape == x.shape) else None)
+        if quant is not None:
+            return _norm_quant_linear(norm, linear, x, residual, quant)
         h, residual = norm(x, residual)
         return linear(h), residual
     weight, eps, offset = args
@@ -194,6 +225,12 @@ def act_linear(act, linear, x: torch.Tensor) -> torch.Tensor:
     fits = kind is not None and x.dim() == 2 and x.shape[-1] == 2 * linear.in_features
     cfg = gemv_config(linear, x, "act") if fits else False
     if cfg is False:
+        quant = _quant_epilogue(linear, x, x.shape[-1] // 2, True) if kind is not None else None
+        if quant is not None:       # the activation's kernel ends in linear's input quantization
+            from xllm_gen.runtime.ops import norm_act_kernels as K
+            h = (K.silu_and_mul(x, quant=quant) if kind == "silu" else
+                 K.gelu_and_mul(x, "tanh" if kind == "gelu_tanh" else "none", quant=quant))
+            return linear(h, quantized=True)
         return linear(act(x))
     bias, tail = _split_bias(linear)
     y = _fused_ops().act_gemv(x, linear.weight, bias, kind, config=cfg)

@@ -179,8 +179,9 @@ class _Linear(nn.Module):
             else:
                 replicated(self.bias, owner)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant is not None:
+    def forward(self, x: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        """quantized: x already went through act_quant (fused into the op that made it, layers/fused.py)."""
+        if self.act_quant is not None and not quantized:
             x = self.act_quant(x)
         if self.packed is not None:
             return self.packed(x, self.bias)
@@ -304,8 +305,8 @@ class RowParallelLinear(_Linear):
         self.reduce = reduce
         self._attach(1, (seg,))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant is not None:
+    def forward(self, x: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        if self.act_quant is not None and not quantized:
             x = self.act_quant(x)
         if self.packed is not None:
             y = self.packed(x, self.bias if self.tp_size == 1 else None)

@@ -52,6 +52,27 @@ def _fp8_act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, static_scale, G
     tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def fp8_round_trip_tile(y, static_scale, GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+                        OUT_BF16: tl.constexpr):
+    """The round trip of a [BLOCK] float32 tile of one row (zeros where masked: they change no group's amax) whose
+    first column starts a group: per GROUP consecutive columns (GROUP divides BLOCK; GROUP == BLOCK: one scale for
+    the tile), or with `static_scale`. The same arithmetic as _fp8_act_quant_kernel, element for element, so an op
+    that ends in this epilogue (ops/norm_act_kernels.py) equals that op followed by fp8_act_quant bit for bit."""
+    if STATIC:
+        v = tl.minimum(tl.maximum(tl.math.div_rn(y, static_scale), -FP8_MAX), FP8_MAX)
+        out = _e4m3_round(v) * static_scale
+    else:
+        yg = tl.reshape(y, (BLOCK // GROUP, GROUP))
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(yg), axis=1), FP8_MAX), MIN_SCALE)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(yg, s[:, None]), -FP8_MAX), FP8_MAX)
+        out = tl.reshape(_e4m3_round(v) * s[:, None], (BLOCK,))
+    if OUT_BF16:
+        bits = out.to(tl.int32, bitcast=True)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return out
+
+
 def fp8_act_quant(x: torch.Tensor, group: Optional[int], static_scale: Optional[float] = None) -> torch.Tensor:
     """ActQuant's round trip of x [..., K] in one launch: per row and `group` columns (None: the whole row, a
     per-token scale), or with a static scale (`static_scale`; group ignored). Output in x's dtype and shape."""

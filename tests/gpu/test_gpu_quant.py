@@ -454,3 +454,13 @@ def test_fp8_act_quant_cuda_bit_exact():
         for kind, group, scale in (("group", 128, None), ("token", 0, None), ("static", 0, 0.37)):
             q = ActQuant(kind, group, scale)
             assert torch.equal(q(x), q.reference(x)), (kind, x.dtype)
+
+
+def test_fp8_act_epilogue_cuda_bit_exact():
+    """The round trip as the epilogue of RMSNorm / silu / gelu and mul (ops/norm_act_kernels.py `quant`) on CUDA:
+    bit for bit the op followed by the one-launch round trip, in float32 also ActQuant's torch ops; norm_linear /
+    act_linear of a quantized linear take it and equal the plain ops (tests/test_fp8_act_epilogue.py's checks)."""
+    from test_fp8_act_epilogue import _checks
+    res = _checks("cuda")
+    bad = [k for k, v in res.items() if not v]
+    assert not bad and len(res) == 77, bad
