@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from serving_util import ENGINE_MODES, ServerProcess, descendants, mode_args
 
 pytestmark = pytest.mark.engine
@@ -130,6 +131,61 @@ def test_sampling_fields(client, model_name, local):
     content = ch.choices[0].logprobs.content
     assert len(content) == ch.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+
+def _post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_and_prompt_logprobs_match_transformers(server, model_name, qwen3_tied):
+    """lm-eval-harness's loglikelihood request (echo, max_tokens 0, logprobs 1) returns the prompt and each prompt
+    token's logprob, equal to transformers' teacher-forced float32 log-softmax; echo with generation appends the
+    generated text; `prompt_logprobs` (vLLM's field) is in the completion choice and the chat reply, never dropped;
+    a streamed echo equals the non-streamed one."""
+    from transformers import AutoModelForCausalLM
+
+    ids = [5, 17, 99, 3, 42, 7]
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_tied), dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    want = [ref[i - 1, t].item() for i, t in enumerate(ids) if i]
+    greedy = [ref[i - 1].argmax().item() for i in range(1, len(ids))]
+    body = {"model": model_name, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    only = _post(server, "/v1/completions", body)
+    c = only["choices"][0]
+    lp = c["logprobs"]
+    assert only["usage"]["completion_tokens"] == 0 and c["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(ids) and "".join(lp["tokens"]) == c["text"] and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want)) < 1e-4, (lp["token_logprobs"], want)
+    for i, top in enumerate(lp["top_logprobs"][1:]):         # the top-1 entry and the prompt token's own
+        best = max(top.values())
+        assert abs(best - ref[i].max().item()) < 1e-4 and len(top) == (1 if greedy[i] == ids[i + 1] else 2)
+    gen = _post(server, "/v1/completions", {**body, "max_tokens": 3, "ignore_eos": True})
+    plain = _post(server, "/v1/completions", {**body, "max_tokens": 3, "ignore_eos": True, "echo": False})
+    g = gen["choices"][0]
+    assert g["text"] == c["text"] + plain["choices"][0]["text"] and gen["usage"]["completion_tokens"] == 3
+    # (another batch shape / a prefix-cache hit: float32 rounding apart)
+    assert g["logprobs"]["token_logprobs"][0] is None and g["logprobs"]["token_logprobs"][1:] == \
+        pytest.approx(lp["token_logprobs"][1:] + plain["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    assert len(g["logprobs"]["text_offset"]) == len(ids) + 3
+    # vLLM's prompt_logprobs field: per prompt token {id: {logprob, rank, decoded_token}}, None first
+    pl = _post(server, "/v1/completions", {"model": model_name, "prompt": ids, "max_tokens": 1,
+                                           "prompt_logprobs": 0})["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    assert max(abs(e[str(t)]["logprob"] - w) for e, t, w in zip(pl[1:], ids[1:], want)) < 1e-4
+    chat = _post(server, "/v1/chat/completions", {"model": model_name, "max_tokens": 1, "prompt_logprobs": 1,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    # streamed: the first chunk echoes the prompt (with its logprobs), the rest is the generated text
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "max_tokens": 3, "ignore_eos": True,
+                                                                     "stream": True}, timeout=60) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == g["text"]
+    streamed = sum((ch["choices"][0]["logprobs"]["token_logprobs"] for ch in chunks), [])
+    assert streamed[0] is None and streamed[1:] == pytest.approx(g["logprobs"]["token_logprobs"][1:], abs=1e-4)
 
 
 @pytest.mark.parametrize("body,param", [

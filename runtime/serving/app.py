@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, NamedTuple, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +36,63 @@ def _completion_logprobs(c, engine, text_offset: int) -> Optional[dict]:
         offsets.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class Collected(NamedTuple):
+    """A request's accumulated output (non-streaming)."""
+    prompt_ids: list
+    comps: list
+    prompt_logprobs: Optional[list]     # None for the first prompt token (each: {token id: Logprob})
+    prompt_text: Optional[str]          # the prompt as given (None: given as token ids)
+
+
+def _prompt_logprobs(entries) -> Optional[list]:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+                                    for t, v in e.items()} for e in entries]
+
+
+def _echoed_logprobs(prompt_ids: list, entries, engine) -> dict:
+    """The completions `logprobs` of the echoed prompt tokens (the first one has none, as in OpenAI's API)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = 0
+    for i, tid in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        lp = entry.get(tid) if entry else None
+        s = lp.decoded_token if lp and lp.decoded_token is not None else engine.decode_text([tid])
+        tokens.append(s)
+        token_lps.append(lp.logprob if lp else None)
+        tops.append({(v.decoded_token or ""): v.logprob for v in entry.values()} if entry else None)
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _completion_choice(body, got: Collected, c, engine, index: int, prompt_only: bool = False) -> dict:
+    """One /v1/completions choice: the generated text (after the prompt with `echo`; only the prompt with
+    `echo` and max_tokens 0, or `prompt_only`: a stream's first chunk), its logprobs, the prompt logprobs when
+    asked for."""
+    prefix, lps = "", None
+    if body.echo:
+        prefix = got.prompt_text if got.prompt_text is not None else engine.decode_text(list(got.prompt_ids))
+        if body.logprobs is not None:
+            lps = _echoed_logprobs(list(got.prompt_ids), got.prompt_logprobs, engine)
+    gen = prompt_only or body.echo_only
+    text = prefix + ("" if gen else c.text)
+    own = None if gen else _completion_logprobs(c, engine, len(prefix))
+    if lps is None:
+        lps = own
+    elif own is not None:
+        lps = {k: lps[k] + own[k] for k in lps}
+    choice = {"index": index, "text": text, "logprobs": lps,
+              "finish_reason": None if prompt_only else "length" if body.echo_only else c.finish_reason,
+              "stop_reason": None if gen else c.stop_reason}
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = _prompt_logprobs(got.prompt_logprobs)
+    return choice
 
 
 def _chat_logprobs(c, n_top: int) -> Optional[dict]:
@@ -225,6 +282,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         lps: dict[int, list] = {}
         final: dict[int, Any] = {}
         prompt_ids: list = []
+        prompt_text, prompt_lps = None, None
         err = None
         gen = results(rid, q)
         try:
@@ -241,6 +299,8 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                 except StopAsyncIteration:
                     break
                 prompt_ids = out.prompt_token_ids
+                prompt_text = out.prompt if prompt_text is None else prompt_text
+                prompt_lps = out.prompt_logprobs if prompt_lps is None else prompt_lps
                 err = err or out.error
                 for c in out.outputs:
                     texts[c.index] = texts.get(c.index, "") + c.text
@@ -257,7 +317,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         comps = [CompletionOutput(i, texts.get(i, ""), ids.get(i, []), final[i].finish_reason,
                                   lps.get(i) if final[i].logprobs is not None else None, None, final[i].stop_reason)
                  for i in sorted(final)]
-        return prompt_ids, comps
+        return Collected(prompt_ids, comps, prompt_lps, prompt_text)
 
     # ---- /v1/completions ------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -272,7 +332,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         n = params.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_completions(base, created, queues, n, include_usage, params),
+            return StreamingResponse(stream_completions(base, created, queues, n, include_usage, body),
                                      media_type="text/event-stream")
         choices, p_tok, c_tok = [], 0, 0
         for k, (rid, q) in enumerate(queues):
@@ -281,20 +341,19 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                 for r, _ in queues:
                     async_engine.abort(r)
                 return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-            prompt_ids, comps = got
-            p_tok += len(prompt_ids)
-            for c in comps:
-                c_tok += len(c.token_ids)
-                choices.append({"index": k * n + c.index, "text": c.text,
-                                "logprobs": _completion_logprobs(c, engine, 0), "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+            p_tok += len(got.prompt_ids)
+            for c in got.comps:
+                choice = _completion_choice(body, got, c, engine, k * n + c.index)
+                c_tok += 0 if body.echo_only else len(c.token_ids)
+                choices.append(choice)
         return {"id": base, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(p_tok, c_tok)}
 
-    async def stream_completions(base, created, queues, n, include_usage, params) -> AsyncIterator[str]:
+    async def stream_completions(base, created, queues, n, include_usage, body) -> AsyncIterator[str]:
         p_tok, c_tok = 0, 0
         offsets: dict = {}
         live = {rid for rid, _ in queues}
+        head = {"id": base, "object": "text_completion", "created": created, "model": model_name}
         try:
             for k, (rid, q) in enumerate(queues):
                 async for out in results(rid, q):
@@ -304,14 +363,22 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                         offsets[rid] = {}
                         p_tok += len(out.prompt_token_ids)
                     for c in out.outputs:
-                        c_tok += len(c.token_ids)
-                        off = offsets[rid].get(c.index, 0)
-                        offsets[rid][c.index] = off + len(c.text)
-                        chunk = {"id": base, "object": "text_completion", "created": created, "model": model_name,
-                                 "choices": [{"index": k * n + c.index, "text": c.text,
-                                              "logprobs": _completion_logprobs(c, engine, off),
-                                              "finish_reason": c.finish_reason,
-                                              "stop_reason": c.stop_reason}]}
+                        off = offsets[rid].get(c.index)
+                        if off is None:     # a choice's first chunk: the echoed prompt, the prompt logprobs
+                            first = _completion_choice(body, Collected(out.prompt_token_ids, [], out.prompt_logprobs,
+                                                                       out.prompt), c, engine, k * n + c.index,
+                                                       prompt_only=True)
+                            off = len(first["text"])
+                            if body.echo or "prompt_logprobs" in first:
+                                yield _sse({**head, "choices": [first], **({"usage": None} if include_usage else {})})
+                        text, lps = ("", None) if body.echo_only else (c.text, _completion_logprobs(c, engine, off))
+                        c_tok += 0 if body.echo_only else len(c.token_ids)
+                        offsets[rid][c.index] = off + len(text)
+                        if body.echo_only and c.finish_reason is None:
+                            continue
+                        chunk = {**head, "choices": [{"index": k * n + c.index, "text": text, "logprobs": lps,
+                                                      "finish_reason": "length" if body.echo_only else c.finish_reason,
+                                                      "stop_reason": None if body.echo_only else c.stop_reason}]}
                         if include_usage:
                             chunk["usage"] = None
                         yield _sse(chunk)
@@ -354,15 +421,18 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         got = await collect(rid, q, request)
         if got is None:
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-        prompt_ids, comps = got
+        prompt_ids, comps = got.prompt_ids, got.comps
         choices = []
         for c in comps:
             message = reply_message(c.text, reasoning, parser)
             finish = "tool_calls" if message.get("tool_calls") else c.finish_reason
             choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, n_top),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
-        return {"id": base, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
+        reply = {"id": base, "object": "chat.completion", "created": created, "model": model_name,
+                 "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
+        if params.prompt_logprobs is not None:
+            reply["prompt_logprobs"] = _prompt_logprobs(got.prompt_logprobs)
+        return reply
 
     async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None) -> AsyncIterator[str]:
         head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
@@ -379,6 +449,9 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                 yield _sse(chunk)
             async for out in results(rid, q):
                 p_tok = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:      # once, before the choices' deltas
+                    yield _sse({**head, "choices": [], "prompt_logprobs": _prompt_logprobs(out.prompt_logprobs),
+                                **({"usage": None} if include_usage else {})})
                 for c in out.outputs:
                     c_tok += len(c.token_ids)
                     if reasoning is None and parser is None:

@@ -7,6 +7,7 @@ structured_outputs, chat_template_kwargs) are accepted in the body (the openai c
 regex, choice, grammar, json_object) become SamplingParams.structured_outputs."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Dict, List, Optional, Union
 
@@ -193,10 +194,22 @@ class CompletionRequest(_Sampling):
     def _num_logprobs(self) -> Optional[int]:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated (lm-eval's loglikelihood)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def _max_tokens(self) -> Optional[int]:
+        return 1 if self.echo_only else self.max_tokens       # one step computes the prompt's logprobs
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(default_max_tokens)
+        if self.echo and self.logprobs is not None:    # echoed prompt tokens carry logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, self.logprobs))
+        return params
+
     def prompts(self) -> list:
         """The prompts of this body: one per string or token list."""
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
