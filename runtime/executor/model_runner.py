@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from xllm_gen.runtime import layers as L
+from xllm_gen.runtime import ops
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.executor.build_errors import _model_build_error
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
@@ -102,6 +103,11 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
             logger.warning("dtype float32 on CUDA: attention runs in torch, without CUDA graphs (FlashInfer has no "
                            "float32 kernels); use bfloat16 or float16 to serve")
             self.debug["torch_attention"] = True
+            enforce_eager = True
+        if self.device.type == "cuda" and ops._FORCE_TORCH and not enforce_eager:
+            # the torch references store the KV cache by boolean indexing (a host sync): not capturable
+            logger.warning("XLLM_OPS=torch (debugging: the torch reference of every fused op) runs eagerly, "
+                           "without CUDA graphs")
             enforce_eager = True
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
