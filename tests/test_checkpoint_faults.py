@@ -2,7 +2,7 @@
 and the tensor or config field, with no traceback, from `LLM(...)` and from `xllm-gen-generate`.
 
 Hand-written faults (one test each): truncated / empty / garbage safetensors, mis-shaped tensors, integer
-and bool weights, zero / negative / absurd sizes and a NaN in config.json, values the model cannot be built from
+and bool weights, a NaN / infinite weight value (named by its stored tensor, also inside a fused parameter), zero / negative / absurd sizes and a NaN in config.json, values the model cannot be built from
 (more layers than layer_types lists, an odd rotary head_dim), config.json that is a list, not
 JSON or not UTF-8, an index without weight_map, a malformed generation_config.json (bad JSON, a list, a
 field of the wrong type, an eos id outside the vocabulary), a corrupt or empty tokenizer.json /
@@ -75,6 +75,13 @@ FAULTS = {
                    rf"tensor '{re.escape(_N)}': dtype I32 cannot fill .*model\.safetensors"),
     "tensor_bool": (lambda d: _tensors(d, lambda t: t.__setitem__(_N, t[_N] > 0)),
                     rf"tensor '{re.escape(_N)}': dtype BOOL cannot fill .*model\.safetensors"),
+    # a corrupted weight: served, every logit turns NaN and greedy decoding emits token 0 silently
+    "tensor_nan": (lambda d: _tensors(d, lambda t: t[_W].view(-1).__setitem__(5, float("nan"))),
+                   rf"tensor '{re.escape(_W)}' -> parameter .*: 1 NaN / infinite value\(s\) .*model\.safetensors"),
+    "tensor_inf_in_fused": (lambda d: _tensors(d, lambda t: t["model.layers.1.self_attn.k_proj.weight"].view(-1)
+                                               .__setitem__(0, float("-inf"))),
+                            r"tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' -> parameter "
+                            r"'model\.layers\.1\.self_attn\.qkv_proj\.weight': 1 NaN / infinite"),
     "size_zero": (lambda d: _cfg(d, hidden_size=0), r"config\.json: .*'hidden_size' = 0 must be in \[1, "),
     "size_negative": (lambda d: _cfg(d, num_attention_heads=-4), r"config\.json: .*'num_attention_heads' = -4"),
     "kv_heads_zero": (lambda d: _cfg(d, num_key_value_heads=0), r"config\.json: .*'num_key_value_heads' = 0"),

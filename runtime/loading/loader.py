@@ -276,6 +276,34 @@ def _check_tied_copies(model: torch.nn.Module, params: dict, ckpt, qload, model_
     return checked
 
 
+def _check_finite(param: torch.Tensor, rule: WeightRule, ckpt) -> None:
+    """A NaN or infinite value in a loaded weight (a corrupted file, a bad conversion) is an error naming the
+    tensor: served, it turns every logit NaN and the greedy tokens into token 0, silently. One float32-accumulated
+    sum per chunk (NaN and inf propagate; finite bf16 / fp16 weights cannot overflow it), no copy of the weight."""
+    if not param.dtype.is_floating_point or param.numel() == 0:
+        return
+    flat = param.detach().reshape(-1)
+    if all(bool(torch.isfinite(c.sum(dtype=torch.float32))) for c in flat.split(1 << 26)):
+        return
+    bad = int((~torch.isfinite(flat)).sum())
+    if bad == 0:                 # finite values whose float32 sum overflowed: nothing wrong
+        return
+    sources = [n for n in rule.sources if n in ckpt.file_of]
+    culprits = []
+    for n in sources:            # which stored tensor (re-read on the host: only on this error path)
+        try:
+            t = ckpt.slice(n)[:]
+        except Exception:        # noqa: BLE001 - a source that cannot be read whole here: named with the others
+            culprits = []
+            break
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            culprits.append(n)
+    names = ", ".join(repr(n) for n in (culprits or rule.sources))
+    where = sorted({str(ckpt.path_of(n)) for n in (culprits or sources)})
+    raise CheckpointError(f"tensor {names} -> parameter {rule.param!r}: {bad} NaN / infinite value(s) of "
+                          f"{flat.numel()} (file {', '.join(where) or '?'}): the checkpoint is corrupted")
+
+
 def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str | Path, *,
                  tp_size: Optional[int] = None, tp_rank: Optional[int] = None, ignored: Iterable[str] = (),
                  quant: Optional[QuantConfig] = None, kv_cache_dtype: str = "auto",
@@ -365,6 +393,7 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
             if left:
                 raise CheckpointError(f"parameter {rule.param!r}: the weight plan fills segments "
                                       f"{', '.join(map(str, rule.segments))} but not {', '.join(left)}")
+        _check_finite(param, rule, ckpt)
         loaded.add(rule.param)
         used_sources.update(rule.sources)
         last = rule.sources[-1] if rule.sources else ""
