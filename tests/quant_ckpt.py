@@ -484,3 +484,61 @@ def write_mxfp4_experts(src: Path, dst: Path, ref: Path, *, suffixes=("mlp.exper
             out[name] = deq[name] = t
     qc = {"quant_method": "mxfp4", "modules_to_not_convert": list(modules_to_not_convert)}
     return _write(dst, out, qc), _write(ref, deq, None)
+
+
+# ---------------------------------------------------------------------------------------------- compressed-tensors int
+def write_ct_pack(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 32, sym: bool = True,
+                  strategy: str = "group", act_order: bool = False, seed: int = 0) -> tuple[Path, Path]:
+    """llm-compressor's W4A16 / W8A16 checkpoint (compressed-tensors `pack-quantized`), written and read back by the
+    compressed-tensors library itself: its quantization parameters (`calculate_qparams`), its compressor
+    (`PackedQuantizationCompressor.compress`: weight_packed / weight_scale / weight_shape / weight_zero_point) and its
+    QuantizationConfig; the reference checkpoint holds the library's `decompress` of every layer. `act_order`: each
+    input column in a random group (actorder "group" of earlier llm-compressor releases; the library now refuses to
+    write it, checkpoints written with it are served), `weight_g_idx` beside the packed weight,
+    quantized and dequantized here by that map (the library's compressor takes groups in order)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    src, dst, ref = Path(src), Path(dst), Path(ref)
+    _copy_small_files(src, dst)
+    _copy_small_files(src, ref)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=group if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    gen = torch.Generator().manual_seed(seed)
+    out, deq = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not _is_linear(name):
+            out[name] = deq[name] = w
+            continue
+        base = name[: -len(".weight")]
+        N, K = w.shape
+        g = group if strategy == "group" else K
+        g_idx = (torch.randperm(K, generator=gen) // g) if act_order else torch.arange(K) // g
+        cols = [w.float()[:, g_idx == j] for j in range(K // g)]
+        scale, zp = calculate_qparams(torch.stack([c.amin(1) for c in cols], 1),
+                                      torch.stack([c.amax(1) for c in cols], 1), args)
+        scale, zp = scale.to(w.dtype), torch.round(zp).to(torch.int8)
+        if not act_order:
+            part = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp},
+                                                         scheme)
+            out.update({f"{base}.{k}": v for k, v in part.items()})
+            deq[name] = PackedQuantizationCompressor.decompress(part, scheme)["weight"].float()
+            continue
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        s, z = scale.float()[:, g_idx], zp.float()[:, g_idx]
+        q = torch.clamp(torch.round(w.float() / s) + z, lo, hi)
+        out[f"{base}.weight_packed"] = pack_to_int32(q.to(torch.int8), bits)
+        out[f"{base}.weight_scale"] = scale
+        out[f"{base}.weight_shape"] = torch.tensor([N, K])
+        out[f"{base}.weight_g_idx"] = g_idx.to(torch.int32)
+        if not sym:
+            out[f"{base}.weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+        deq[name] = ((q - z) * s.to(w.dtype).float()).to(w.dtype).float()
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized", ignore=["lm_head"],
+                            quantization_status="compressed").to_dict()
+    if act_order:               # as releases of llm-compressor before the library dropped actorder "group" wrote it
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    return _write(dst, out, qc), _write(ref, deq, None)

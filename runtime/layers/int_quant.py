@@ -11,6 +11,11 @@ that window are read, so any TP split works, also one that cuts a group or a pac
   (the group of each input row: i // g without act-order; any map with desc_act); checkpoint_format gptq stores
   the zeros minus 1 (zero = stored + 1), gptq_v2 as they are; w = (q - z) * s[g_idx].
 
+- compressed-tensors pack-quantized (llm-compressor W4A16 / W8A16): weight_packed int32 [out, in / p] (input
+  columns packed in order, low bits first, each value stored plus 2^(bits-1)), weight_scale [out, groups],
+  weight_shape [2] (the unpacked [out, in]), asymmetric: weight_zero_point int32 [out / p, groups] (output rows packed,
+  the same offset), act-order: weight_g_idx [in]; w = (q - z) * s[g_idx] (z = 2^(bits-1) when symmetric).
+
 `component` chooses what a read returns, all float32: "weight" (the dequantized weight, the reference semantics:
 (q - z) * s in float32, rounded once to the layer's dtype when copied), or "codes", "zeros", "scales" (per element),
 which the loader reads through the same weight loader to repack this rank's part for the int4 GEMM
@@ -74,6 +79,8 @@ class IntWeightView:
 
     @classmethod
     def open(cls, ckpt, base: str, qc) -> "IntWeightView":
+        if qc.method == "pack-quantized":
+            return cls._open_pack_quantized(ckpt, base, qc)
         names = {k: f"{base}.{k}" for k in ("qweight", "qzeros", "scales", "g_idx")}
         have = set(ckpt.names())
         for k in ("qweight", "qzeros", "scales"):
@@ -113,6 +120,50 @@ class IntWeightView:
         v = cls(qc.method, qc.bits, g, qc.zero_offset, qw, qz, sc, g_idx, used, (N, K))
         return v
 
+    @classmethod
+    def _open_pack_quantized(cls, ckpt, base: str, qc) -> "IntWeightView":
+        names = {k: f"{base}.weight_{k}" for k in ("packed", "scale", "shape", "zero_point", "g_idx")}
+        have = set(ckpt.names())
+        for k in ("packed", "scale", "shape"):
+            if names[k] not in have:
+                raise IntQuantError(f"missing tensor {names[k]!r}: compressed-tensors layer {base!r} has "
+                                    f"{names['packed']!r} but not its weight_{k}")
+        qw, sc = ckpt.slice(names["packed"]), ckpt.slice(names["scale"])
+        if _dtype(qw) not in ("I32", "torch.int32"):
+            raise IntQuantError(f"tensor {names['packed']!r}: dtype {_dtype(qw)}, expected I32 (packed {qc.bits}-bit)")
+        if _dtype(sc) not in ("F16", "BF16", "F32", "torch.float16", "torch.bfloat16", "torch.float32"):
+            raise IntQuantError(f"tensor {names['scale']!r}: dtype {_dtype(sc)}, expected a float dtype")
+        shape = ckpt.slice(names["shape"])[:].reshape(-1).tolist()
+        if len(shape) != 2 or min(shape) < 1:
+            raise IntQuantError(f"tensor {names['shape']!r} = {shape}: expected the weight's [out, in]")
+        N, K = (int(v) for v in shape)
+        p = 32 // qc.bits
+        g = K if qc.group == -1 else qc.group
+        ng = -(-K // g)
+        want = {"packed": (_shape(qw), (N, -(-K // p))), "scale": (_shape(sc), (N, ng))}
+        qz = None
+        if names["zero_point"] in have:
+            qz = ckpt.slice(names["zero_point"])
+            if _dtype(qz) not in ("I32", "torch.int32"):
+                raise IntQuantError(f"tensor {names['zero_point']!r}: dtype {_dtype(qz)}, expected I32")
+            want["zero_point"] = (_shape(qz), (-(-N // p), ng))
+        gi = ckpt.slice(names["g_idx"]) if names["g_idx"] in have else None
+        if gi is not None:
+            want["g_idx"] = (_shape(gi), (K,))
+        for k, (got, exp) in want.items():
+            if tuple(got) != exp:
+                raise IntQuantError(
+                    f"tensor {names[k]!r} has shape {tuple(got)}, expected {exp} for {names['packed']!r} "
+                    f"(pack-quantized, bits {qc.bits}, group_size {qc.group}: weight_shape [{N}, {K}])")
+        g_idx = None
+        if gi is not None:
+            g_idx = gi[:].to(torch.int64)
+            if g_idx.min() < 0 or g_idx.max() >= ng:
+                raise IntQuantError(f"tensor {names['g_idx']!r}: group indices must lie in [0, {ng})")
+        used = [names[k] for k in ("packed", "scale", "shape")] + [names[k] for k, t in (("zero_point", qz), ("g_idx", gi))
+                                                                   if t is not None]
+        return cls("pack-quantized", qc.bits, g, 0, qw, qz, sc, g_idx, used, (N, K))
+
     def with_component(self, component: str) -> "IntWeightView":
         return IntWeightView(self.method, self.bits, self.group, self.zero_offset, self.qweight, self.qzeros,
                              self.scales, self.g_idx, self.names, self.shape, component)
@@ -137,6 +188,16 @@ class IntWeightView:
         if self.method == "awq":
             codes = unpack_cols(self.qweight[c0:c1, w0:w1], bits, AWQ_ORDER)[:, r0 - w0 * p: r1 - w0 * p].T
             zeros = unpack_cols(self.qzeros[g0:g1, w0:w1], bits, AWQ_ORDER)[:, r0 - w0 * p: r1 - w0 * p]
+        elif self.method == "pack-quantized":       # [out, in]-major: codes along rows, scales / zeros transposed
+            k0, k1 = c0 // p, -(-c1 // p)
+            codes = unpack_cols(self.qweight[r0:r1, k0:k1], bits)[:, c0 - k0 * p: c1 - k0 * p]
+            if self.qzeros is None:                  # symmetric: every zero at the storage offset
+                zeros = torch.full((g1 - g0, r1 - r0), 1 << (bits - 1), dtype=torch.int32)
+            else:
+                zeros = unpack_rows(self.qzeros[w0:w1, g0:g1], bits)[r0 - w0 * p: r1 - w0 * p].T
+            scales = self.scales[r0:r1, g0:g1].to(torch.float32).T
+            idx = grp - g0
+            return codes.to(torch.float32), zeros.to(torch.float32)[idx].T, scales[idx].T
         else:
             k0, k1 = c0 // p, -(-c1 // p)
             codes = unpack_rows(self.qweight[k0:k1, r0:r1], bits)[c0 - k0 * p: c1 - k0 * p].T

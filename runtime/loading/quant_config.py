@@ -7,7 +7,9 @@ What is supported (everything else is refused, naming the method or the setting)
   group of block-K columns (`activation_scheme: dynamic`), or a static per-tensor `input_scale` (`static`).
 - `quant_method: compressed-tensors`, `format: float-quantized` (llm-compressor FP8): 8-bit float weights with
   a per-tensor or per-channel `weight_scale`; input activations none (weight-only), dynamic per token or per
-  tensor, or static per tensor (`input_scale`); the `ignore` list.
+  tensor, or static per tensor (`input_scale`); the `ignore` list. `format: pack-quantized` (llm-compressor's
+  W4A16 / W8A16): int4 / int8 weights packed in int32 with per-group or per-channel scales, symmetric or with
+  packed zero points, act-order `weight_g_idx`; activations none.
 - `quant_method: awq` (AutoAWQ, `version: gemm`, `zero_point: true`, bits 4) and `quant_method: gptq` (AutoGPTQ /
   GPTQModel / optimum, bits 4 or 8, `sym` true or false, `desc_act` false or true (its `g_idx`),
   `checkpoint_format` gptq (zeros stored minus one) or gptq_v2): integer weights with per-group scales and zeros,
@@ -33,7 +35,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SUPPORTED = ("fp8 (block-wise or per-tensor), compressed-tensors (format float-quantized), awq (version gemm), "
+SUPPORTED = ("fp8 (block-wise or per-tensor), compressed-tensors (format float-quantized or pack-quantized), "
+             "awq (version gemm), "
              "gptq (bits 4 / 8), mxfp4, online fp8")
 # keys of each method's quantization_config that change nothing the runtime computes (bookkeeping)
 _FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
@@ -41,7 +44,8 @@ _FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "m
 # transformers' Mxfp4Config.to_dict (dequantize: a loading option of transformers; the runtime always dequantizes)
 _MXFP4_KEYS = {"quant_method", "modules_to_not_convert", "dequantize"}
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "global_compression_ratio",
-            "kv_cache_scheme", "sparsity_config", "version", "transform_config", "quant_method_version"}
+            "kv_cache_scheme", "sparsity_config", "version", "transform_config", "quant_method_version",
+            "moe_sparsity_config"}
 
 
 # kernel choices of the writer's runtime (`use_<kernel>` switches, `<kernel>_config` settings): no effect on the format
@@ -65,7 +69,8 @@ class QuantConfigError(ValueError):
 class QuantConfig:
     """What the loader and the linear layers need to know about a checkpoint's quantization.
 
-    method: "fp8" | "compressed-tensors" | "awq" | "gptq" | "mxfp4" | "online-fp8".
+    method: "fp8" | "compressed-tensors" (float-quantized) | "pack-quantized" (compressed-tensors' integer format) |
+        "awq" | "gptq" | "mxfp4" | "online-fp8".
     scale_suffix: the weight scale tensor's name after the layer prefix ("weight_scale_inv" / "weight_scale").
     weight_block: (rows, cols) of one weight scale for fp8 block-wise; None: the scale tensor's shape says
         (per tensor: one value; per channel: one per output row).
@@ -92,9 +97,10 @@ class QuantConfig:
     def describe(self) -> str:
         if self.method == "mxfp4":
             return "mxfp4 (weights e2m1 with an e8m0 scale per 32, dequantized at load; activations none)"
-        if self.method in ("awq", "gptq"):
+        if self.method in ("awq", "gptq", "pack-quantized"):
             g = "per channel" if self.group == -1 else f"group {self.group}"
-            return f"{self.method} (weights int{self.bits}, {g}; activations none)"
+            name = "compressed-tensors pack-quantized" if self.method == "pack-quantized" else self.method
+            return f"{name} (weights int{self.bits}, {g}; activations none)"
         w = f"block {self.weight_block[0]}x{self.weight_block[1]}" if self.weight_block else "per tensor/channel"
         a = {None: "none", "group": f"dynamic per token-group of {self.act_group}", "token": "dynamic per token",
              "tensor": "dynamic per tensor", "static": "static per tensor"}[self.act]
@@ -202,10 +208,12 @@ def _ct(qc: dict) -> QuantConfig:
     if extra:
         raise _err(f"compressed-tensors with unsupported field(s) {', '.join(extra)}")
     fmt = qc.get("format")
-    if fmt != "float-quantized":
-        raise _err(f"compressed-tensors format={fmt!r} is not supported (supported: 'float-quantized')")
-    if qc.get("sparsity_config"):
-        raise _err("compressed-tensors sparsity_config is not supported")
+    if fmt not in ("float-quantized", "pack-quantized"):
+        raise _err(f"compressed-tensors format={fmt!r} is not supported (supported: 'float-quantized', "
+                   f"'pack-quantized')")
+    for key in ("sparsity_config", "moe_sparsity_config"):
+        if qc.get(key):
+            raise _err(f"compressed-tensors {key} is not supported")
     kv = _ct_kv_scheme(qc.get("kv_cache_scheme"))
     groups = qc.get("config_groups")
     if kv and groups in (None, {}):          # KV-cache scales only: the weights are not quantized
@@ -224,6 +232,11 @@ def _ct(qc: dict) -> QuantConfig:
     w = g.get("weights")
     if not isinstance(w, dict):
         raise _err(f"{where}.weights is missing")
+    if g.get("format") not in (None, fmt):
+        raise _err(f"{where}.format={g.get('format')!r} differs from format={fmt!r} (mixed formats are not "
+                   f"supported)")
+    if fmt == "pack-quantized":
+        return _ct_pack(qc, g, w, where)
     for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
         if w.get(key, want) != want:
             raise _err(f"{where}.weights.{key}={w.get(key)!r} is not supported ({want!r})")
@@ -252,10 +265,50 @@ def _ct(qc: dict) -> QuantConfig:
                        f"(token dynamic, tensor static, tensor dynamic)")
     if g.get("output_activations") is not None:
         raise _err(f"{where}.output_activations is not supported")
+    return QuantConfig("compressed-tensors", "weight_scale", None, act, 0, _ct_ignore(qc), kv_scheme=kv)
+
+
+def _ct_ignore(qc: dict) -> tuple:
     ignore = qc.get("ignore") or ()
     if not isinstance(ignore, (list, tuple)) or not all(isinstance(s, str) for s in ignore):
         raise _err(f"ignore={ignore!r} must be a list of module names")
-    return QuantConfig("compressed-tensors", "weight_scale", None, act, 0, tuple(ignore), kv_scheme=kv)
+    return tuple(ignore)
+
+
+def _ct_pack(qc: dict, g: dict, w: dict, where: str) -> QuantConfig:
+    """compressed-tensors `pack-quantized` (llm-compressor's W4A16 / W8A16, GPTQ / AWQ recipes): integer weights,
+    8 (4-bit) or 4 (8-bit) values an int32 word along the input dim, offset by 2^(bits-1); `weight_scale`
+    [out, groups]; asymmetric: `weight_zero_point` packed along the output dim; `weight_g_idx` with act-order."""
+    if w.get("type") != "int":
+        raise _err(f"{where}.weights.type={w.get('type')!r} is not supported with format 'pack-quantized' ('int')")
+    bits = w.get("num_bits")
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise _err(f"{where}.weights.num_bits={bits!r} is not supported (4, 8)")
+    if not isinstance(w.get("symmetric", True), bool):
+        raise _err(f"{where}.weights.symmetric={w.get('symmetric')!r}: must be true or false")
+    if w.get("dynamic", False) is not False:
+        raise _err(f"{where}.weights.dynamic={w.get('dynamic')!r} is not supported (false)")
+    strategy = w.get("strategy")
+    if strategy == "group":
+        group = w.get("group_size")
+        if group not in _GROUPS[1:] or isinstance(group, bool):
+            raise _err(f"{where}.weights.group_size={group!r} is not supported (a power of 2 >= 16)")
+    elif strategy == "channel":
+        group = -1
+    else:
+        raise _err(f"{where}.weights.strategy={strategy!r} is not supported with format 'pack-quantized' "
+                   f"('group', 'channel')")
+    if w.get("actorder") not in (None, False, "group", "weight", "static"):
+        raise _err(f"{where}.weights.actorder={w.get('actorder')!r} is not supported (null, 'group', 'weight', "
+                   f"'static')")
+    if w.get("block_structure") not in (None, False):
+        raise _err(f"{where}.weights.block_structure={w.get('block_structure')!r} is not supported")
+    if g.get("input_activations") is not None:
+        raise _err(f"{where}.input_activations is not supported with format 'pack-quantized' (weight-only: null)")
+    if g.get("output_activations") is not None:
+        raise _err(f"{where}.output_activations is not supported")
+    return QuantConfig("pack-quantized", ignore=_ct_ignore(qc), bits=bits, group=group,
+                       kv_scheme=_ct_kv_scheme(qc.get("kv_cache_scheme")))
 
 
 # kv_cache_scheme fields of compressed-tensors' QuantizationArgs that change nothing the runtime computes

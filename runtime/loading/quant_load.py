@@ -84,12 +84,15 @@ class QuantLoad:
         if name in self.names or not name.endswith(".weight"):
             return self.ckpt.slice(name)
         base = name[: -len(".weight")]
-        if f"{base}.qweight" not in self.names:
+        packed = next((f"{base}.{k}" for k in ("qweight", "weight_packed") if f"{base}.{k}" in self.names), None)
+        if packed is None:
             return self.ckpt.slice(name)
         qc = self.qc
-        if qc is None or qc.method not in ("awq", "gptq"):
-            raise QuantLoadError(f"tensor {base + '.qweight'!r} is a packed integer weight, but config.json's "
-                                 f"quantization_config is {qc.describe() if qc else 'missing'} (awq / gptq expected)")
+        want = ("awq", "gptq") if packed.endswith(".qweight") else ("pack-quantized",)
+        if qc is None or qc.method not in want:
+            raise QuantLoadError(f"tensor {packed!r} is a packed integer weight, but config.json's "
+                                 f"quantization_config is {qc.describe() if qc else 'missing'} "
+                                 f"({' / '.join(want) if packed.endswith('.qweight') else 'compressed-tensors format pack-quantized'} expected)")
         try:
             view = IntWeightView.open(self.ckpt, base, qc)
         except IntQuantError as e:
@@ -245,7 +248,7 @@ class QuantLoad:
                         len(self.unpacked), f" ({', '.join(self.unpacked[:4])}...)" if self.unpacked else "")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()               # the dropped dequantized weights, for the KV cache
-        if self.qc is not None and self.qc.method in ("awq", "gptq"):
+        if self.qc is not None and self.qc.method in ("awq", "gptq", "pack-quantized"):
             self._zero_biases()
         if self.mxfp4:
             packed = sum(b for b, _ in self.mxfp4.values())
