@@ -10,6 +10,7 @@ needed. Without caching the pool behaves as before: the most recently freed bloc
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from typing import Optional
 
@@ -132,7 +133,8 @@ class BlockManager:
         bs = self.block_size
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(_extra_key(seq))
-        h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in seq.token_ids[i * bs:(i + 1) * bs]))
+        ids = seq.token_ids[i * bs:(i + 1) * bs]
+        h.update(struct.pack(f"<{len(ids)}q", *ids))      # (per token in Python: ~1.7 us a token at admission)
         return h.digest()
 
     def acquire_prefix(self, seq: Sequence) -> int:
