@@ -319,6 +319,37 @@ def test_reasoning_split_streamed_and_not(client, model):
     assert plain.message.model_extra.get("reasoning_content") is None
 
 
+def test_reasoning_opened_by_the_template(client, model):
+    """A template that opens the thinking itself (Qwen3-*-Thinking-2507, DeepSeek-R1, QwQ: the prompt ends with
+    <think>): the reply starts inside the reasoning, only </think> closes it; streamed and not agree. Without the
+    opened prompt the same text would be all content (the parser must read the prompt)."""
+    opener = TEMPLATE.read_text() + "{%- if add_generation_prompt %}{{- '<think>\\n' }}{%- endif %}"
+    closed = {"regex": r"[a-z ]{4,16}</think>[a-z ]{4,16}"}
+    kw = dict(model=model, messages=MSGS, max_tokens=64, temperature=0,
+              extra_body={"structured_outputs": closed, "chat_template": opener})
+    r = client.chat.completions.create(**kw).choices[0].message
+    reasoning = r.model_extra.get("reasoning_content")
+    assert reasoning and re.fullmatch("[a-z ]{4,16}", reasoning) and re.fullmatch("[a-z ]{4,16}", r.content), r
+    rs, cs = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            rs += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            cs += ch.delta.content or ""
+    assert (rs, cs) == (reasoning, r.content)
+
+
+def test_think_parser_opened_state():
+    from xllm_gen.runtime.serving.reasoning_parsers import get
+    p = get("think")()
+    assert p.opened_by("<|im_start|>assistant\n<think>\n") and not p.opened_by("assistant\n<think>\n\n</think>\n\n")
+    assert p.extract("a b</think>answer", opened=True) == ("a b", "answer")
+    assert p.extract("a b</think>answer") == (None, "a b</think>answer")          # not opened: all content
+    assert p.extract("still thinking", opened=True) == ("still thinking", None)    # cut before </think>
+    s = p.streamer(True)
+    parts = [s.feed(d) for d in ("thin", "king</th", "ink>the ", "answer")] + [s.finish()]
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == ("thinking", "the answer")
+
+
 def test_chat_template_kwargs_reach_the_template(client, model, ckpt, make_llm):
     on = client.chat.completions.create(model=model, messages=MSGS, max_tokens=2, temperature=0)
     off = client.chat.completions.create(model=model, messages=MSGS, max_tokens=2, temperature=0,

@@ -414,17 +414,18 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         created = int(time.time())
         rid, q = (await admit_all(base, [prompt], params))[0]
         n_top = body.top_logprobs or 0
+        opened = reasoning is not None and reasoning.opened_by(prompt.get("prompt"))   # the template opened it
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top, parser),
-                                     media_type="text/event-stream")
+            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top, parser,
+                                                 opened), media_type="text/event-stream")
         got = await collect(rid, q, request)
         if got is None:
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         prompt_ids, comps = got.prompt_ids, got.comps
         choices = []
         for c in comps:
-            message = reply_message(c.text, reasoning, parser)
+            message = reply_message(c.text, reasoning, parser, opened)
             finish = "tool_calls" if message.get("tool_calls") else c.finish_reason
             choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, n_top),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -434,11 +435,12 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             reply["prompt_logprobs"] = _prompt_logprobs(got.prompt_logprobs)
         return reply
 
-    async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None) -> AsyncIterator[str]:
+    async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None,
+                          opened: bool = False) -> AsyncIterator[str]:
         head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
         p_tok, c_tok = 0, 0
         finished = False
-        state = {i: ReplySplitter(reasoning, parser) for i in range(n)}     # per choice
+        state = {i: ReplySplitter(reasoning, parser, opened) for i in range(n)}     # per choice
 
         try:
             for i in range(n):

@@ -59,11 +59,12 @@ def plan_tools(body, params, tools_cls) -> tuple:
     return tools, parser
 
 
-def reply_message(text: str, reasoning=None, parser=None) -> dict:
-    """The assistant message of a finished reply: content, and reasoning_content / tool_calls by the parsers."""
+def reply_message(text: str, reasoning=None, parser=None, opened: bool = False) -> dict:
+    """The assistant message of a finished reply: content, and reasoning_content / tool_calls by the parsers
+    (`opened`: the prompt opened the reasoning, reasoning.opened_by)."""
     message: dict = {"role": "assistant", "content": text}
     if reasoning is not None:
-        message["reasoning_content"], message["content"] = reasoning.extract(text)
+        message["reasoning_content"], message["content"] = reasoning.extract(text, opened)
     if parser is not None and message["content"] is not None:
         content, calls = parser.extract(message["content"])
         if calls:
@@ -76,8 +77,8 @@ class ReplySplitter:
     """One streamed choice: each text delta -> the chunk's delta (reasoning_content, content, tool_calls), text
     that may begin a tag held back until it is known; `calls_sent` counts the tool calls streamed."""
 
-    def __init__(self, reasoning=None, parser=None):
-        self.reasoning = reasoning.streamer() if reasoning is not None else None
+    def __init__(self, reasoning=None, parser=None, opened: bool = False):
+        self.reasoning = reasoning.streamer(opened) if reasoning is not None else None
         self.tools = parser.streamer() if parser is not None else None
         self.calls_sent = 0
 

@@ -17,27 +17,35 @@ register, names, get = _REGISTRY.register, _REGISTRY.names, _REGISTRY.get
 
 class ThinkTagParser:
     """Reasoning written as START ... END at the start of the output (leading whitespace allowed); without
-    START the whole output is content; an output that ends before END is all reasoning."""
+    START the whole output is content; an output that ends before END is all reasoning. `opened`: the prompt
+    already ends with START (a chat template that opens the thinking itself: Qwen3-*-Thinking-2507, DeepSeek-R1,
+    QwQ), so the output starts inside the reasoning and only END closes it (`opened_by(prompt)` says so)."""
     start = "<think>"
     end = "</think>"
 
-    def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
-        s = self.streamer()
+    def opened_by(self, prompt) -> bool:
+        """Whether a rendered prompt leaves the reply inside the reasoning (it ends with START)."""
+        return isinstance(prompt, str) and prompt.rstrip().endswith(self.start)
+
+    def extract(self, text: str, opened: bool = False) -> tuple[Optional[str], Optional[str]]:
+        s = self.streamer(opened)
         r1, c1 = s.feed(text)
         r2, c2 = s.finish()
         r, c = r1 + r2, c1 + c2
         return (r if s.saw_start else None), (c or None)
 
-    def streamer(self) -> "_ThinkStream":
-        return _ThinkStream(self)
+    def streamer(self, opened: bool = False) -> "_ThinkStream":
+        return _ThinkStream(self, opened)
 
 
 class _ThinkStream:
-    def __init__(self, p: ThinkTagParser):
+    def __init__(self, p: ThinkTagParser, opened: bool = False):
         self.p = p
         self.buf = ""
-        self.state = "undecided"             # -> "reasoning" -> "content", or "content" at once
-        self.saw_start = False
+        # "undecided" -> "reasoning" -> "content", or "content" at once; a prompt that opened START: "reasoning"
+        self.state = "reasoning" if opened else "undecided"
+        self.saw_start = opened
+        self.opened = opened
 
     def feed(self, delta: str) -> tuple[str, str]:
         p = self.p
