@@ -542,3 +542,61 @@ def write_ct_pack(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int 
     if act_order:               # as releases of llm-compressor before the library dropped actorder "group" wrote it
         qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     return _write(dst, out, qc), _write(ref, deq, None)
+
+
+def write_ct_int8(src: Path, dst: Path, ref: Path, *, strategy: str = "channel", act: str | None = "token",
+                  input_scales: dict | None = None) -> tuple[Path, Path]:
+    """llm-compressor's W8A8 / W8A16 int8 checkpoint (compressed-tensors `int-quantized`), written by the library:
+    `calculate_qparams` and `NaiveQuantizationCompressor.compress` (int8 `weight`, `weight_scale` per channel or
+    tensor), its QuantizationConfig; `act` None (W8A16), "token" (dynamic per token) or "static" (per-tensor
+    `input_scale` from `input_scales[layer prefix]`). The reference holds the library's `decompress`."""
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    src, dst, ref = Path(src), Path(dst), Path(ref)
+    _copy_small_files(src, dst)
+    _copy_small_files(src, ref)
+    ia = None if act is None else QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy=act if act ==
+                                                   "token" else "tensor", dynamic=act == "token")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", symmetric=True,
+                                                                             strategy=strategy),
+                                input_activations=ia)
+    out, deq = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not _is_linear(name):
+            out[name] = deq[name] = w
+            continue
+        base = name[: -len(".weight")]
+        wf = w.float()
+        lo, hi = (wf.amin(1, keepdim=True), wf.amax(1, keepdim=True)) if strategy == "channel" else \
+            (wf.amin().reshape(1), wf.amax().reshape(1))
+        scale, zp = calculate_qparams(lo, hi, scheme.weights)
+        part = NaiveQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(w.dtype),
+                                                     "weight_zero_point": zp.to(torch.int8)}, scheme)
+        out.update({f"{base}.{k}": v for k, v in part.items() if k != "weight_zero_point"})
+        deq[name] = NaiveQuantizationCompressor.decompress(part, scheme)["weight"].float()
+        if act == "static":
+            out[base + ".input_scale"] = torch.tensor([input_scales[base]], dtype=torch.float32)
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized", ignore=["lm_head"],
+                            quantization_status="compressed").to_dict()
+    return _write(dst, out, qc), _write(ref, deq, None)
+
+
+def emulate_int8(x: torch.Tensor, kind: str, scale: float | None = None) -> torch.Tensor:
+    """The reference int8 activation quantization, symmetric, as vLLM's int8 kernels: scale amax / 127 per token
+    (or the static scale), values rounded half to even and clamped to [-128, 127] (float32)."""
+    xf = x.float()
+    s = torch.tensor(scale) if kind == "static" else (xf.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-12)
+    return (torch.round(xf / s).clamp(-128, 127) * s).to(x.dtype)
+
+
+def int8_act_hooks(model, kind: str, scales: dict | None = None) -> list:
+    """Forward pre-hooks quantizing the decoder's linear layers' inputs to int8 (emulate_int8)."""
+    handles = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and _is_linear(name + ".weight"):
+            s = None if scales is None else scales[name]
+            handles.append(mod.register_forward_pre_hook(
+                lambda m, args, s=s: (emulate_int8(args[0], kind, s),) + tuple(args[1:])))
+    return handles

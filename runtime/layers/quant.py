@@ -17,6 +17,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)       # 448
+INT8_MAX = 127.0
 _MIN_SCALE = 1e-12
 
 
@@ -38,14 +39,16 @@ class ActQuant:
     """The activation quantization of one linear layer's input (called in its forward).
 
     kind: "group" (per token and group of `group` input columns, dynamic), "token" (per token, dynamic),
-    "tensor" (one dynamic scale), "static" (the checkpoint's input_scale). Under TP a row-parallel layer
-    quantizes its own input columns (per token: this rank's columns, as vLLM's kernels do)."""
+    "tensor" (one dynamic scale), "static" (the checkpoint's input_scale): fp8 e4m3; "int8_token", "int8_tensor",
+    "int8_static": the same scales for int8 (symmetric: scale = amax / 127, q = round(x / scale) half to even,
+    clamped to [-128, 127], as vLLM's int8 kernels). Under TP a row-parallel layer quantizes its own input
+    columns (per token: this rank's columns, as vLLM's kernels do)."""
 
     def __init__(self, kind: str, group: int = 0, scale: Optional[float] = None):
         self.kind, self.group, self.scale = kind, int(group), scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.kind != "tensor":         # one Triton launch, bit for bit the torch ops below
+        if x.is_cuda and self.kind in ("group", "token", "static"):     # one Triton launch, bit for bit the torch ops
             from xllm_gen.runtime.ops.fp8_act_quant import fp8_act_quant
             return fp8_act_quant(x, self.group if self.kind == "group" else None,
                                  self.scale if self.kind == "static" else None)
@@ -54,6 +57,13 @@ class ActQuant:
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
+        if self.kind.startswith("int8_"):
+            if self.kind == "int8_static":
+                s = self.scale
+            else:
+                amax = xf.abs().amax(dim=-1, keepdim=True) if self.kind == "int8_token" else xf.abs().amax()
+                s = div_rn(amax, INT8_MAX).clamp(min=_MIN_SCALE)
+            return (torch.round(div_rn(xf, s)).clamp(-INT8_MAX - 1, INT8_MAX) * s).to(dtype)
         if self.kind == "static":
             return fp8_round_trip(xf, self.scale).to(dtype)
         if self.kind == "tensor":
@@ -72,7 +82,7 @@ class ActQuant:
 
     def __repr__(self) -> str:
         extra = f", group={self.group}" if self.kind == "group" else (
-            f", scale={self.scale:g}" if self.kind == "static" else "")
+            f", scale={self.scale:g}" if self.kind in ("static", "int8_static") else "")
         return f"ActQuant({self.kind}{extra})"
 
 

@@ -9,7 +9,9 @@ What is supported (everything else is refused, naming the method or the setting)
   a per-tensor or per-channel `weight_scale`; input activations none (weight-only), dynamic per token or per
   tensor, or static per tensor (`input_scale`); the `ignore` list. `format: pack-quantized` (llm-compressor's
   W4A16 / W8A16): int4 / int8 weights packed in int32 with per-group or per-channel scales, symmetric or with
-  packed zero points, act-order `weight_g_idx`; activations none.
+  packed zero points, act-order `weight_g_idx`; activations none. `format: int-quantized` (W8A8 / W8A16 int8):
+  int8 weights with a per-channel / per-tensor `weight_scale`, activations none or int8 symmetric (dynamic per
+  token / tensor, static per tensor).
 - `quant_method: awq` (AutoAWQ, `version: gemm`, `zero_point: true`, bits 4) and `quant_method: gptq` (AutoGPTQ /
   GPTQModel / optimum, bits 4 or 8, `sym` true or false, `desc_act` false or true (its `g_idx`),
   `checkpoint_format` gptq (zeros stored minus one) or gptq_v2): integer weights with per-group scales and zeros,
@@ -76,9 +78,9 @@ class QuantConfig:
         (per tensor: one value; per channel: one per output row).
     act: activation quantization of the quantized layers: None (weights only), "group" (dynamic, per token and
         group of `act_group` input columns), "token" (dynamic per token), "tensor" (dynamic per tensor),
-        "static" (the checkpoint's per-tensor `input_scale`).
+        "static" (the checkpoint's per-tensor `input_scale`); fp8 e4m3, or int8 with the prefix "int8_".
     ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide).
-    bits, group (-1: one group over all input features), zero_offset (GPTQ v1 stores zeros minus 1: 1),
+    bits (8 with compressed-tensors: int8 weights), group (-1: one group over all input features), zero_offset (GPTQ v1 stores zeros minus 1: 1),
     awq (AWQ's packing: qweight [in, out / 8] with the interleaved nibble order) of the integer formats.
     kv_scheme: "tensor" / "head" when the config promises static fp8 KV-cache scales per tensor / per KV head
     (compressed-tensors `kv_cache_scheme` strategy tensor / attn_head, AutoFP8's `kv_cache_scheme: static`); the
@@ -103,8 +105,9 @@ class QuantConfig:
             return f"{name} (weights int{self.bits}, {g}; activations none)"
         w = f"block {self.weight_block[0]}x{self.weight_block[1]}" if self.weight_block else "per tensor/channel"
         a = {None: "none", "group": f"dynamic per token-group of {self.act_group}", "token": "dynamic per token",
-             "tensor": "dynamic per tensor", "static": "static per tensor"}[self.act]
-        return f"{self.method} (weights fp8 e4m3, {w}; activations {a})"
+             "tensor": "dynamic per tensor", "static": "static per tensor"}[self.act.removeprefix("int8_")
+                                                                             if self.act else None]
+        return f"{self.method} (weights {'int8' if self.bits == 8 else 'fp8 e4m3'}, {w}; activations {a})"
 
 
 def _err(msg: str) -> QuantConfigError:
@@ -208,9 +211,9 @@ def _ct(qc: dict) -> QuantConfig:
     if extra:
         raise _err(f"compressed-tensors with unsupported field(s) {', '.join(extra)}")
     fmt = qc.get("format")
-    if fmt not in ("float-quantized", "pack-quantized"):
+    if fmt not in ("float-quantized", "pack-quantized", "int-quantized"):
         raise _err(f"compressed-tensors format={fmt!r} is not supported (supported: 'float-quantized', "
-                   f"'pack-quantized')")
+                   f"'int-quantized', 'pack-quantized')")
     for key in ("sparsity_config", "moe_sparsity_config"):
         if qc.get(key):
             raise _err(f"compressed-tensors {key} is not supported")
@@ -237,7 +240,8 @@ def _ct(qc: dict) -> QuantConfig:
                    f"supported)")
     if fmt == "pack-quantized":
         return _ct_pack(qc, g, w, where)
-    for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True), ("dynamic", False)):
+    kind = "int" if fmt == "int-quantized" else "float"       # int8 (W8A8 / W8A16) or float8 values
+    for key, want in (("num_bits", 8), ("type", kind), ("symmetric", True), ("dynamic", False)):
         if w.get(key, want) != want:
             raise _err(f"{where}.weights.{key}={w.get(key)!r} is not supported ({want!r})")
     if w.get("strategy") not in ("tensor", "channel"):
@@ -250,22 +254,24 @@ def _ct(qc: dict) -> QuantConfig:
     if a is not None:
         if not isinstance(a, dict):
             raise _err(f"{where}.input_activations is not an object")
-        for key, want in (("num_bits", 8), ("type", "float"), ("symmetric", True)):
+        for key, want in (("num_bits", 8), ("type", kind), ("symmetric", True)):
             if a.get(key, want) != want:
                 raise _err(f"{where}.input_activations.{key}={a.get(key)!r} is not supported ({want!r})")
         strategy, dynamic = a.get("strategy"), a.get("dynamic")
+        prefix = "int8_" if kind == "int" else ""
         if strategy == "token" and dynamic is True:
-            act = "token"
+            act = prefix + "token"
         elif strategy == "tensor" and dynamic is False:
-            act = "static"
+            act = prefix + "static"
         elif strategy == "tensor" and dynamic is True:
-            act = "tensor"
+            act = prefix + "tensor"
         else:
             raise _err(f"{where}.input_activations strategy={strategy!r} dynamic={dynamic!r} is not supported "
                        f"(token dynamic, tensor static, tensor dynamic)")
     if g.get("output_activations") is not None:
         raise _err(f"{where}.output_activations is not supported")
-    return QuantConfig("compressed-tensors", "weight_scale", None, act, 0, _ct_ignore(qc), kv_scheme=kv)
+    return QuantConfig("compressed-tensors", "weight_scale", None, act, 0, _ct_ignore(qc), kv_scheme=kv,
+                       bits=8 if kind == "int" else 0)
 
 
 def _ct_ignore(qc: dict) -> tuple:

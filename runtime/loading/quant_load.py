@@ -133,7 +133,9 @@ class QuantLoad:
             self.used.update(sl.names)
             self.layers.setdefault(mod_name, []).append((name, None))
             return sl
-        if dtype not in _FP8_DTYPES:
+        int8 = dtype == "I8" and qc is not None and qc.method == "compressed-tensors" and qc.bits == 8
+        what = "int8" if int8 else "float8"
+        if dtype not in _FP8_DTYPES and not int8:
             if qc is not None and qc.method == "online-fp8" and linear is not None and not self._is_router(mod_name):
                 self.layers.setdefault(mod_name, []).append((name, None))
                 return OnlineFp8View(sl)
@@ -145,25 +147,25 @@ class QuantLoad:
                                  f"that gives its scales")
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         if base is None:
-            raise QuantLoadError(f"tensor {name!r} is float8 ({dtype}) but is not a layer's '.weight': only linear "
+            raise QuantLoadError(f"tensor {name!r} is {what} ({dtype}) but is not a layer's '.weight': only linear "
                                  f"weights can be quantized ({qc.method})")
         shape = _shape(sl)
         if len(shape) != 2:
-            raise QuantLoadError(f"tensor {name!r}: a float8 weight must be 2-D [out, in], got shape {shape}")
+            raise QuantLoadError(f"tensor {name!r}: a {what} weight must be 2-D [out, in], got shape {shape}")
         sname = f"{base}.{qc.scale_suffix}"
         if sname not in self.names:
-            raise QuantLoadError(f"missing tensor {sname!r}: the scale of the float8 weight {name!r} ({qc.method})")
+            raise QuantLoadError(f"missing tensor {sname!r}: the scale of the {what} weight {name!r} ({qc.method})")
         scale = self.ckpt.slice(sname)[:].float()
         block = self._block(name, sname, shape, tuple(scale.shape), scale)
         if block is None:
             raise QuantLoadError(f"tensor {sname!r} has shape {tuple(scale.shape)}, which is not a scale of the "
-                                 f"float8 weight {name!r} {shape}: expected "
+                                 f"{what} weight {name!r} {shape}: expected "
                                  + self._expected(shape))
         if not torch.isfinite(scale).all() or (scale <= 0).any():
             raise QuantLoadError(f"tensor {sname!r}: scales must be finite and > 0")
         self.used.add(sname)
         input_scale = None
-        if qc.act == "static":
+        if qc.act in ("static", "int8_static"):
             iname = f"{base}.input_scale"
             if iname not in self.names:
                 raise QuantLoadError(f"missing tensor {iname!r}: the static activation scale of {name!r}")
@@ -174,7 +176,7 @@ class QuantLoad:
             input_scale = float(t.reshape(()).item())
             self.used.add(iname)
         if linear is None:
-            raise QuantLoadError(f"tensor {name!r} is float8, but parameter {param!r} is not a linear layer's weight "
+            raise QuantLoadError(f"tensor {name!r} is {what}, but parameter {param!r} is not a linear layer's weight "
                                  f"(quantized embeddings / heads / experts are not supported)")
         self.layers.setdefault(mod_name, []).append((name, input_scale))
         return Fp8WeightView(sl, scale.reshape(block_grid(shape, block)), block)
@@ -199,6 +201,8 @@ class QuantLoad:
         bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, an 8B model's
         batch-1 decode at 0.68x (fp8) / 0.71x (int4) bf16's time on an H200, bench/results/h200_quant_fma_2026-12-04.md),
         dequantized at load elsewhere (CPU, float32: the reference semantics)."""
+        if self.qc is not None and self.qc.method == "compressed-tensors" and self.qc.bits == 8:
+            return False            # int8 weights: no int8 GEMM here, the layer holds them dequantized
         forced = _pack_forced()
         if forced is not None:
             return forced
@@ -265,8 +269,8 @@ class QuantLoad:
             act = self.qc.act
             if act is None:
                 continue
-            if act == "static":           # a fused layer (q|k|v) takes the largest of its sources' scales
-                mod.act_quant = ActQuant("static", scale=max(s for _, s in srcs))
+            if act in ("static", "int8_static"):     # a fused layer (q|k|v): the largest of its sources' scales
+                mod.act_quant = ActQuant(act, scale=max(s for _, s in srcs))
                 continue
             aq = ActQuant(act, self.qc.act_group)
             if act == "group" and isinstance(mod, RowParallelLinear) and mod.tp_size > 1:
