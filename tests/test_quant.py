@@ -197,8 +197,9 @@ def test_missing_or_misshaped_scale_names_the_tensor(fp8_block, tmp_path):
     ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": True}, "bits=3"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "exllama"}, "version='exllama'"),
     ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"}, "fmt='e5m2'"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {}}, "format='marlin-24'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
-     "format='pack-quantized'"),
+     "needs exactly one config_groups entry"),
 ])
 def test_unsupported_quantization_refused_by_name(base, tmp_path, qc, needle):
     d = _edit_ckpt(base, tmp_path / "u", edit_cfg=lambda c: c.__setitem__("quantization_config", qc))
