@@ -6,7 +6,6 @@ non-size field as published, only the sizes shrunk; the tiny checkpoint from tra
 from __future__ import annotations
 
 import pytest
-
 from test_real_settings import ROOT, _build, _real
 
 

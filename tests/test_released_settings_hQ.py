@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_real_settings import _real
 
 
