@@ -63,6 +63,11 @@ CASES = {
                                lambda: _sized("gpt_neox_japanese__gpt-neox-japanese-2.7b", hidden_size=64,
                                               num_attention_heads=4, num_hidden_layers=3, vocab_size=512),
                                (3, 9, 17, 30)),
+    # the file as recalled may lack a tie field the Hub file has (tie_word_embeddings: false): both served
+    "gpt-neox-japanese-2.7b-untied": ("GPTNeoXJapaneseForCausalLM", "gpt_neox_japanese",
+                                      lambda: _sized("gpt_neox_japanese__gpt-neox-japanese-2.7b", hidden_size=64,
+                                                     num_attention_heads=4, num_hidden_layers=3, vocab_size=512,
+                                                     tie_word_embeddings=False), (3, 9, 17, 30)),
     "openai-gpt": ("OpenAIGPTLMHeadModel", "openai_gpt",
                    lambda: _sized("openai_gpt__openai-gpt", n_embd=64, n_head=4, n_layer=3, vocab_size=512),
                    (3, 9, 17, 30)),
