@@ -163,12 +163,18 @@ class _Recorder:
         def hook(module, args, output):
             if not self.armed or i in self.out:
                 return
-            if isinstance(output, tuple):
+            if isinstance(output, (tuple, list)):      # (a list: transformers' GPT-1 blocks return [h, ...])
                 h = output[0]
                 if self.engine and len(output) > 1 and output[1] is not None:
                     h = h + output[1]        # the generated layers return (hidden, running residual)
             else:
                 h = output
+            scale = getattr(module, "stream_scale", 1.0) if self.engine else 1.0
+            if scale != 1.0:
+                # a layer that scales the whole stream after itself (layers.stream_scale) does so where transformers
+                # scales it outside its block, after the block's hook: compare the stream before that scale (the
+                # next layer's state compares the scaled one)
+                h = h / scale
             self.out[i] = h.detach().float().reshape(-1, h.shape[-1]).cpu()
         return hook
 
