@@ -404,3 +404,44 @@ def test_step_deltas_concatenate_to_final_outputs(qwen3_tied, make_llm):
     assert len(plp["r3"]) == len(final[3].prompt_logprobs)
     assert eng.scheduler.num_preemptions > 0
     _clean(llm)
+
+
+# ------------------------------------------------------------------ special tokens of a text prompt
+def test_text_prompts_get_the_tokenizers_bos_chat_prompts_do_not(qwen3_tied, tmp_path):
+    """A tokenizer that adds a BOS (Llama, Gemma, Mistral): a text prompt is tokenized with it, as vLLM and
+    transformers' tokenizer(text) do (a Gemma model without its <bos> degrades badly); a chat prompt is not (its
+    template wrote the special tokens); `add_special_tokens` in a prompt dict chooses."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from xllm_gen import LLM, SamplingParams
+
+    d = tmp_path / "bos"
+    shutil.copytree(qwen3_tied, d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    bos = next(a for a in tj["added_tokens"] if a["content"] == "<|endoftext|>")
+    tj["post_processor"] = {"type": "TemplateProcessing",
+                            "single": [{"SpecialToken": {"id": bos["content"], "type_id": 0}},
+                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": [{"SpecialToken": {"id": bos["content"], "type_id": 0}},
+                                     {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                            "special_tokens": {bos["content"]: {"id": bos["content"], "ids": [bos["id"]],
+                                                                "tokens": [bos["content"]]}}}
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    text = "The capital of France is"
+    assert tok(text)["input_ids"][0] == bos["id"]           # the fixture's tokenizer now adds a BOS
+    llm = LLM(str(d), device="cpu", dtype="float32", num_kv_blocks=64)
+    try:
+        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        plain, raw = llm.generate([text, {"prompt": text, "add_special_tokens": False}], sp)
+        assert plain.prompt_token_ids == tok(text)["input_ids"]
+        assert raw.prompt_token_ids == tok(text, add_special_tokens=False)["input_ids"]
+        chat = llm.chat([{"role": "user", "content": text}], sp)[0]
+        assert chat.prompt_token_ids == tok(chat.prompt, add_special_tokens=False)["input_ids"]
+        bad = llm.generate([{"prompt": text, "add_special_tokens": "yes"}], sp, on_error="return")[0]
+        assert "add_special_tokens" in bad.error
+    finally:
+        llm.shutdown()

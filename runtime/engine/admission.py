@@ -49,7 +49,8 @@ class EngineAdmission:
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs",
+                                     "add_special_tokens"}
             if unknown:
                 raise ValueError(f"{where}: unknown prompt key(s) {sorted(map(str, unknown))}")
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
@@ -76,8 +77,13 @@ class EngineAdmission:
             _check_unicode(where, text)
             if self.tokenizer is None:
                 raise ValueError(f"{where}: text prompt, but the checkpoint has no tokenizer")
+            # the tokenizer's own special tokens (a BOS where it adds one) as vLLM and HF tokenize a text prompt; a
+            # rendered chat prompt already holds them: "add_special_tokens": False (LLM.chat, the server's chat)
+            special = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
+            if not isinstance(special, bool):
+                raise ValueError(f"{where}: 'add_special_tokens' must be true or false, got {special!r}")
             try:
-                token_ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+                token_ids = self.tokenizer.encode(text, add_special_tokens=special) if text else []
             except Exception as e:
                 raise ValueError(f"{where}: prompt cannot be tokenized ({type(e).__name__}: {e})") from None
         # checked per distinct type and by min / max (C loops): a Python generator over every token cost ~1 ms a

@@ -158,7 +158,7 @@ class LLM:
                                                     **(chat_template_kwargs or {}))
             except Exception as e:        # no template, malformed messages: name the conversation
                 raise ValueError(f"request {i}: cannot apply the chat template: {e}") from e
-            prompt: dict = {"prompt": text}
+            prompt: dict = {"prompt": text, "add_special_tokens": False}     # the template wrote them
             if media["image"] or media["video"]:
                 prompt["multi_modal_data"] = {k: v for k, v in media.items() if v}
                 prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs or {})

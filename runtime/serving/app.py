@@ -410,6 +410,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
                                          bool(body.add_generation_prompt), template_tools,
                                          body.chat_template_kwargs, allowed_local_media_path)
+        prompt["add_special_tokens"] = bool(body.add_special_tokens)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         rid, q = (await admit_all(base, [prompt], params))[0]

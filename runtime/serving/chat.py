@@ -169,7 +169,7 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
         raise
     except Exception as e:
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
-    prompt: dict = {"prompt": text}
+    prompt: dict = {"prompt": text, "add_special_tokens": False}     # the template wrote them (vLLM's chat default)
     if media["image"] or media["video"]:
         prompt["multi_modal_data"] = {k: v for k, v in media.items() if v}
     return prompt

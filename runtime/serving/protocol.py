@@ -190,6 +190,7 @@ class CompletionRequest(_Sampling):
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    add_special_tokens: bool = True          # vLLM's: the tokenizer's special tokens (BOS) around a text prompt
 
     def _num_logprobs(self) -> Optional[int]:
         return self.logprobs
@@ -216,13 +217,13 @@ class CompletionRequest(_Sampling):
             raise APIError("best_of other than n is not supported", param="best_of")
         p = self.prompt
         if isinstance(p, str):
-            return [p]
+            return [{"prompt": p, "add_special_tokens": self.add_special_tokens}]
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
         if all(isinstance(x, int) for x in p):
             return [{"prompt_token_ids": list(p)}]
         if all(isinstance(x, str) for x in p):
-            return list(p)
+            return [{"prompt": x, "add_special_tokens": self.add_special_tokens} for x in p]
         if all(isinstance(x, list) for x in p):
             return [{"prompt_token_ids": list(x)} for x in p]
         raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
@@ -252,6 +253,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: Optional[bool] = True
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None     # extra template variables (enable_thinking, ...)
+    add_special_tokens: bool = False         # vLLM's: the template writes them; True adds the tokenizer's too
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
