@@ -188,6 +188,24 @@ def test_echo_and_prompt_logprobs_match_transformers(server, model_name, qwen3_t
     assert streamed[0] is None and streamed[1:] == pytest.approx(g["logprobs"]["token_logprobs"][1:], abs=1e-4)
 
 
+def test_tokenize_and_detokenize(server, model_name):
+    """vLLM's /tokenize gives the ids a completion / chat request is served with (their usage counts agree);
+    /detokenize inverts it; a bad id is a 400 naming `tokens`."""
+    text = "The quick brown fox"
+    tok = _post(server, "/tokenize", {"model": model_name, "prompt": text, "return_token_strs": True})
+    done = _post(server, "/v1/completions", {"model": model_name, "prompt": text, "max_tokens": 1})
+    assert tok["count"] == len(tok["tokens"]) == done["usage"]["prompt_tokens"] and len(tok["token_strs"]) == tok["count"]
+    assert _post(server, "/detokenize", {"tokens": tok["tokens"]})["prompt"] == text
+    msgs = [{"role": "user", "content": "hi there"}]
+    chat_tok = _post(server, "/tokenize", {"model": model_name, "messages": msgs})
+    chat = _post(server, "/v1/chat/completions", {"model": model_name, "messages": msgs, "max_tokens": 1})
+    assert chat_tok["count"] == chat["usage"]["prompt_tokens"] and chat_tok["max_model_len"] > 0
+    for path, body, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt")):
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "top_p": 7}, "top_p"),
     ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"),

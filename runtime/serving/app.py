@@ -18,7 +18,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from xllm_gen.runtime.serving.async_engine import QueueFullError
 from xllm_gen.runtime.serving.chat import render_chat
 from xllm_gen.runtime.serving.chat_reply import ReplySplitter, plan_tools, reply_message
-from xllm_gen.runtime.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_of
+from xllm_gen.runtime.serving.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    param_of,
+)
 
 logger = logging.getLogger("xllm_gen.serving")
 
@@ -177,7 +184,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         """404 / 405 in OpenAI's error shape."""
         if exc.status_code == 404:
             msg = f"no such endpoint: {request.method} {request.url.path} (see /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /health, /metrics)"
+                  "/v1/chat/completions, /tokenize, /detokenize, /health, /metrics)"
             return JSONResponse(APIError(msg, 404, type="not_found_error").body(), status_code=404)
         return JSONResponse(APIError(str(exc.detail), exc.status_code, type="invalid_request_error").body(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
@@ -220,6 +227,37 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "xllm-gen", "root": str(engine.model_dir),
                                             "max_model_len": engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """The prompt's token ids as a completion (prompt) or chat (messages) request would be served with."""
+        check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if engine.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="prompt")
+        if body.messages is not None:
+            rendered = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
+                                               body.add_generation_prompt, body.tools, body.chat_template_kwargs,
+                                               allowed_local_media_path)
+            text, special = rendered["prompt"], bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = engine.tokenizer.encode(text, add_special_tokens=special) if text else []
+        reply = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        return reply
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body)
+        if engine.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"tokens: token id {bad} out of vocabulary (size {engine.vocab_size})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @app.get("/metrics")
     async def prom():

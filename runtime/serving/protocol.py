@@ -277,3 +277,26 @@ class ChatCompletionRequest(_Sampling):
             if reserved:
                 raise APIError(f"chat_template_kwargs must not set {sorted(reserved)} (they have their own fields)",
                                param="chat_template_kwargs")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a text `prompt` (with the tokenizer's special tokens unless add_special_tokens is
+    false) or chat `messages` rendered by the chat template (without them by default), exactly as a completion or
+    chat request would be tokenized."""
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: token ids -> text."""
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    tokens: List[int]
