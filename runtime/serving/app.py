@@ -1,20 +1,20 @@
 """The OpenAI-compatible HTTP app (FastAPI) over an async engine: `build_app` and the response shaping it uses
-(completions, chat completions with tools and reasoning, streaming as Server-Sent Events, /v1/models, /health,
+(completions, chat completions with tools and reasoning, streaming as Server-Sent Events, /v1/models, /tokenize, /health,
 /metrics). server.py is the `xllm-gen-serve` command that builds the engine and serves this app."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, NamedTuple, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from xllm_gen.runtime.serving import shaping as S
 from xllm_gen.runtime.serving.async_engine import QueueFullError
 from xllm_gen.runtime.serving.chat import render_chat
 from xllm_gen.runtime.serving.chat_reply import ReplySplitter, plan_tools, reply_message
@@ -28,103 +28,6 @@ from xllm_gen.runtime.serving.protocol import (
 )
 
 logger = logging.getLogger("xllm_gen.serving")
-
-def _completion_logprobs(c, engine, text_offset: int) -> Optional[dict]:
-    if c.logprobs is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    off = text_offset
-    for tid, entry in zip(c.token_ids, c.logprobs):
-        lp = entry.get(tid)
-        s = lp.decoded_token if lp and lp.decoded_token is not None else engine.decode_text([tid])
-        tokens.append(s)
-        token_lps.append(lp.logprob if lp else None)
-        tops.append({(v.decoded_token or ""): v.logprob for t, v in entry.items()})
-        offsets.append(off)
-        off += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-class Collected(NamedTuple):
-    """A request's accumulated output (non-streaming)."""
-    prompt_ids: list
-    comps: list
-    prompt_logprobs: Optional[list]     # None for the first prompt token (each: {token id: Logprob})
-    prompt_text: Optional[str]          # the prompt as given (None: given as token ids)
-
-
-def _prompt_logprobs(entries) -> Optional[list]:
-    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}}."""
-    if entries is None:
-        return None
-    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
-                                    for t, v in e.items()} for e in entries]
-
-
-def _echoed_logprobs(prompt_ids: list, entries, engine) -> dict:
-    """The completions `logprobs` of the echoed prompt tokens (the first one has none, as in OpenAI's API)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    off = 0
-    for i, tid in enumerate(prompt_ids):
-        entry = entries[i] if entries is not None and i < len(entries) else None
-        lp = entry.get(tid) if entry else None
-        s = lp.decoded_token if lp and lp.decoded_token is not None else engine.decode_text([tid])
-        tokens.append(s)
-        token_lps.append(lp.logprob if lp else None)
-        tops.append({(v.decoded_token or ""): v.logprob for v in entry.values()} if entry else None)
-        offsets.append(off)
-        off += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _completion_choice(body, got: Collected, c, engine, index: int, prompt_only: bool = False) -> dict:
-    """One /v1/completions choice: the generated text (after the prompt with `echo`; only the prompt with
-    `echo` and max_tokens 0, or `prompt_only`: a stream's first chunk), its logprobs, the prompt logprobs when
-    asked for."""
-    prefix, lps = "", None
-    if body.echo:
-        prefix = got.prompt_text if got.prompt_text is not None else engine.decode_text(list(got.prompt_ids))
-        if body.logprobs is not None:
-            lps = _echoed_logprobs(list(got.prompt_ids), got.prompt_logprobs, engine)
-    gen = prompt_only or body.echo_only
-    text = prefix + ("" if gen else c.text)
-    own = None if gen else _completion_logprobs(c, engine, len(prefix))
-    if lps is None:
-        lps = own
-    elif own is not None:
-        lps = {k: lps[k] + own[k] for k in lps}
-    choice = {"index": index, "text": text, "logprobs": lps,
-              "finish_reason": None if prompt_only else "length" if body.echo_only else c.finish_reason,
-              "stop_reason": None if gen else c.stop_reason}
-    if body.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = _prompt_logprobs(got.prompt_logprobs)
-    return choice
-
-
-def _chat_logprobs(c, n_top: int) -> Optional[dict]:
-    if c.logprobs is None:
-        return None
-    content = []
-    for tid, entry in zip(c.token_ids, c.logprobs):
-        lp = entry.get(tid)
-        tok = lp.decoded_token or ""
-        tops = sorted(((v.rank, t, v) for t, v in entry.items() if v.rank <= n_top), key=lambda x: x[0])
-        content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8", "replace")),
-                        "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
-                                          "bytes": list((v.decoded_token or "").encode("utf-8", "replace"))}
-                                         for _, _, v in tops[:n_top]]})
-    return {"content": content}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
 
 # ------------------------------------------------------------------------------------ the app
 def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[str] = None,
@@ -355,7 +258,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         comps = [CompletionOutput(i, texts.get(i, ""), ids.get(i, []), final[i].finish_reason,
                                   lps.get(i) if final[i].logprobs is not None else None, None, final[i].stop_reason)
                  for i in sorted(final)]
-        return Collected(prompt_ids, comps, prompt_lps, prompt_text)
+        return S.Collected(prompt_ids, comps, prompt_lps, prompt_text)
 
     # ---- /v1/completions ------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -381,11 +284,11 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                 return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
             p_tok += len(got.prompt_ids)
             for c in got.comps:
-                choice = _completion_choice(body, got, c, engine, k * n + c.index)
+                choice = S.completion_choice(body, got, c, engine, k * n + c.index)
                 c_tok += 0 if body.echo_only else len(c.token_ids)
                 choices.append(choice)
         return {"id": base, "object": "text_completion", "created": created, "model": model_name,
-                "choices": choices, "usage": _usage(p_tok, c_tok)}
+                "choices": choices, "usage": S.usage(p_tok, c_tok)}
 
     async def stream_completions(base, created, queues, n, include_usage, body) -> AsyncIterator[str]:
         p_tok, c_tok = 0, 0
@@ -403,13 +306,13 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                     for c in out.outputs:
                         off = offsets[rid].get(c.index)
                         if off is None:     # a choice's first chunk: the echoed prompt, the prompt logprobs
-                            first = _completion_choice(body, Collected(out.prompt_token_ids, [], out.prompt_logprobs,
+                            first = S.completion_choice(body, S.Collected(out.prompt_token_ids, [], out.prompt_logprobs,
                                                                        out.prompt), c, engine, k * n + c.index,
                                                        prompt_only=True)
                             off = len(first["text"])
                             if body.echo or "prompt_logprobs" in first:
-                                yield _sse({**head, "choices": [first], **({"usage": None} if include_usage else {})})
-                        text, lps = ("", None) if body.echo_only else (c.text, _completion_logprobs(c, engine, off))
+                                yield S.sse({**head, "choices": [first], **({"usage": None} if include_usage else {})})
+                        text, lps = ("", None) if body.echo_only else (c.text, S.completion_logprobs(c, engine, off))
                         c_tok += 0 if body.echo_only else len(c.token_ids)
                         offsets[rid][c.index] = off + len(text)
                         if body.echo_only and c.finish_reason is None:
@@ -419,16 +322,16 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                                                       "stop_reason": None if body.echo_only else c.stop_reason}]}
                         if include_usage:
                             chunk["usage"] = None
-                        yield _sse(chunk)
+                        yield S.sse(chunk)
                     if out.error:
-                        yield _sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
+                        yield S.sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
                 live.discard(rid)
             if include_usage:
-                yield _sse({"id": base, "object": "text_completion", "created": created, "model": model_name,
-                            "choices": [], "usage": _usage(p_tok, c_tok)})
+                yield S.sse({"id": base, "object": "text_completion", "created": created, "model": model_name,
+                            "choices": [], "usage": S.usage(p_tok, c_tok)})
             yield "data: [DONE]\n\n"
         except APIError as e:
-            yield _sse(e.body())
+            yield S.sse(e.body())
             yield "data: [DONE]\n\n"
         finally:                              # client gone (cancelled) or finished: free what is left
             for rid in live:
@@ -466,12 +369,12 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         for c in comps:
             message = reply_message(c.text, reasoning, parser, opened)
             finish = "tool_calls" if message.get("tool_calls") else c.finish_reason
-            choices.append({"index": c.index, "message": message, "logprobs": _chat_logprobs(c, n_top),
+            choices.append({"index": c.index, "message": message, "logprobs": S.chat_logprobs(c, n_top),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         reply = {"id": base, "object": "chat.completion", "created": created, "model": model_name,
-                 "choices": choices, "usage": _usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
+                 "choices": choices, "usage": S.usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
         if params.prompt_logprobs is not None:
-            reply["prompt_logprobs"] = _prompt_logprobs(got.prompt_logprobs)
+            reply["prompt_logprobs"] = S.prompt_logprobs(got.prompt_logprobs)
         return reply
 
     async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None,
@@ -487,11 +390,11 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                                               "logprobs": None, "finish_reason": None}]}
                 if include_usage:
                     chunk["usage"] = None
-                yield _sse(chunk)
+                yield S.sse(chunk)
             async for out in results(rid, q):
                 p_tok = len(out.prompt_token_ids)
                 if out.prompt_logprobs is not None:      # once, before the choices' deltas
-                    yield _sse({**head, "choices": [], "prompt_logprobs": _prompt_logprobs(out.prompt_logprobs),
+                    yield S.sse({**head, "choices": [], "prompt_logprobs": S.prompt_logprobs(out.prompt_logprobs),
                                 **({"usage": None} if include_usage else {})})
                 for c in out.outputs:
                     c_tok += len(c.token_ids)
@@ -505,20 +408,20 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                     if finish is not None and state[c.index].calls_sent:
                         finish = "tool_calls"
                     chunk = {**head, "choices": [{"index": c.index, "delta": delta,
-                                                  "logprobs": _chat_logprobs(c, n_top),
+                                                  "logprobs": S.chat_logprobs(c, n_top),
                                                   "finish_reason": finish, "stop_reason": c.stop_reason}]}
                     if include_usage:
                         chunk["usage"] = None
-                    yield _sse(chunk)
+                    yield S.sse(chunk)
                 if out.error:
-                    yield _sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
+                    yield S.sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
             finished = True
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(p_tok, c_tok)})
+                yield S.sse({**head, "choices": [], "usage": S.usage(p_tok, c_tok)})
             yield "data: [DONE]\n\n"
         except APIError as e:
             finished = True
-            yield _sse(e.body())
+            yield S.sse(e.body())
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
