@@ -91,6 +91,14 @@ def _aria_text() -> dict:
     return c
 
 
+def _north_mini_code() -> dict:
+    c = _real("cohere2_moe__North-Mini-Code-1.0")  # a dense first layer, sigmoid top-8 unnormalized, every 4th full
+    c.update(hidden_size=64, head_dim=16, num_attention_heads=8, num_key_value_heads=1, num_hidden_layers=5,
+             layer_types=c["layer_types"][:5], intermediate_size=32, prefix_dense_intermediate_size=128,
+             num_experts=16, sliding_window=6, vocab_size=512)
+    return c
+
+
 CASES = {
     "minimax-text-01-hf": ("MiniMaxForCausalLM", "minimax", _minimax_text01_hf, (3, 9, 17, 30)),
     "kimi-linear-48b-a3b": ("KimiLinearForCausalLM", "kimi_linear", _kimi_linear_48b, (3, 9, 17, 30)),
@@ -103,13 +111,15 @@ CASES = {
                              (3, 9, 17, 30)),
     "trinity-mini": ("AfmoeForCausalLM", "afmoe", lambda: _trinity("afmoe__Trinity-Mini"), (3, 9, 17, 30)),
     "aria-text": ("AriaTextForCausalLM", "aria_text", _aria_text, (3, 9, 17, 30)),
+    "north-mini-code-1.0": ("Cohere2MoeForCausalLM", "cohere2_moe", _north_mini_code, (3, 9, 17, 30)),
 }
 # sizes the tiny weights need that the real config.json leaves to the config class
 # (the fixture's 3-layer lists replaced by what the release's fields give transformers)
 BUILD_ONLY: dict[str, dict] = {
     "deepseek-v3.2-exp": {"mlp_layer_types": None}, "glm-5": {"mlp_layer_types": None, "indexer_types": None},
     "mimo-v2-flash": {"layer_types": None, "mlp_layer_types": None},
-    "trinity-nano-preview": {"layer_types": None}, "trinity-mini": {"layer_types": None}}
+    "trinity-nano-preview": {"layer_types": None}, "trinity-mini": {"layer_types": None},
+    "north-mini-code-1.0": {"mlp_layer_types": None}}
 
 
 @pytest.mark.slow      # ~10 s each: a transformers model and an engine per checkpoint
@@ -127,6 +137,10 @@ def test_real_settings_hr_verify(case, tmp_path):
 # releases of remote-code-only classes transformers cannot build: refused at load, naming the class
 REFUSED = {
     "minimax-text-01": ("minimax__MiniMax-Text-01", "MiniMaxText01ForCausalLM"),
+    # the Ring linear 2.0 releases (lightning-style linear attention in groups, bailing_moe_linear): not the
+    # KDA + MLA model transformers' bailing_hybrid builds (specs/bailing_hybrid.yaml)
+    "ring-mini-linear-2.0": ("bailing_hybrid__Ring-mini-linear-2.0", "BailingMoeLinearV2ForCausalLM"),
+    "ring-flash-linear-2.0": ("bailing_hybrid__Ring-flash-linear-2.0", "BailingMoeLinearV2ForCausalLM"),
 }
 
 
