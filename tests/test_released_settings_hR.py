@@ -141,3 +141,28 @@ def test_layernorm_without_centering_is_rmsnorm_math():
     with torch.no_grad():
         centered.weight.copy_(ln.weight)
     assert not torch.allclose(centered(x), ln(x), atol=1e-3)      # (the mean is not zero: the forms differ)
+
+
+@pytest.mark.parametrize("center,extra,message", [
+    ("false", "", "center: false: write `kind: rmsnorm`"),
+    ("layernorm_form", ", weight: false", "the RMSNorm form needs a plain weight"),
+    ("layernorm_form", ", weight_offset: 1", "the RMSNorm form needs a plain weight"),
+])
+def test_layernorm_center_misuse_is_a_located_error(tmp_path, center, extra, message):
+    from pathlib import Path
+
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError, SpecErrors
+
+    text = (Path(__file__).resolve().parents[1] / "specs" / "cohere2_moe.yaml").read_text()
+    old = "input_layernorm: {kind: layernorm, dim: hidden_size, eps: norm_eps, bias: false, center: layernorm_form}"
+    assert old in text
+    path = tmp_path / "mutant.yaml"
+    path.write_text(text.replace(old, "input_layernorm: {kind: layernorm, dim: hidden_size, eps: norm_eps, "
+                                      f"bias: false, center: {center}{extra}}}"))
+    # (extends: resolved beside the original)
+    path.write_text(path.read_text().replace("extends: cohere2.yaml",
+                                             f"extends: {Path(__file__).resolve().parents[1] / 'specs' / 'cohere2.yaml'}"))
+    with pytest.raises((SpecError, SpecErrors)) as info:
+        compile_spec(path)
+    assert message in str(info.value)
