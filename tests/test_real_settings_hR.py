@@ -1,6 +1,6 @@
 """(hR) Released settings of linear-attention / sparse-attention / MoE families: MiniMax-Text-01, Kimi-Linear,
-FlexOlmo, DeepSeek-V3.2-Exp, GLM-5 (GlmMoeDsa), MiMo-V2-Flash, AFMoE (Trinity), Aria's text decoder, and the Bailing
-linear releases. Each release's config.json (tests/data/real_configs, provenance in MANIFEST.md), every non-size
+FlexOlmo, DeepSeek-V3.2-Exp, GLM-5 (GlmMoeDsa), MiMo-V2-Flash, AFMoE (Trinity), Aria's text decoder, Cohere 2 MoE
+(North-Mini-Code-1.0) and the Bailing linear releases (Ring-*-linear-2.0). Each release's config.json (tests/data/real_configs, provenance in MANIFEST.md), every non-size
 field as published, the sizes shrunk; the weights from transformers' own class. `verify` must find the same greedy
 tokens and per-layer states as transformers. Releases transformers cannot build (remote-code-only classes) must be
 refused at load, naming what is not served.
@@ -151,3 +151,16 @@ def test_real_settings_hr_refused(case):
     stem, named = REFUSED[case]
     with pytest.raises(ValueError, match=named):
         registry.resolve(_real(stem))
+
+
+def test_minimax_text01_hf_with_rotary_dim_is_refused():
+    """The remote release rotates rotary_dim 64 of head_dim 128; transformers' MiniMax rotates the whole head and
+    never reads rotary_dim. Whether the -hf file carries it is not known here: if it does, the engine cannot serve
+    both readings, and refuses it by name (not modelled) rather than pick one."""
+    from xllm_gen.runtime.loading import registry
+
+    cfg = _minimax_text01_hf()
+    cfg["rotary_dim"] = cfg["head_dim"] // 2
+    module, _ = registry.resolve(cfg)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        module.Config.from_hf(cfg)
