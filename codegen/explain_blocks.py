@@ -114,6 +114,8 @@ def _block(b) -> str:
         off = f", weight = {b.weight_offset:g} + w" if b.weight_offset else ""
         bias = (f", bias where {b.bias_flag}" if b.bias_flag is not None else ", bias") if b.bias else ""
         where = f", only where {b.enabled} (else the identity)" if b.enabled.literal is not True else ""
+        if getattr(b, "center", None) is not None and b.center.literal is not True:
+            where += f", centered only where {b.center} (else x / rms(x) * w)"
         gate = ""
         if b.gate_rank is not None:
             gate = (f", gated: y * sigmoid(mlp.fc2(silu(mlp.fc1(y)))) of rank {b.gate_rank}"

@@ -64,6 +64,17 @@ class LayerResolver:
             raise self.err(path + ("weight_offset",), f"{self._where(path)}.weight_offset: a norm without a "
                                                       f"weight (weight: false) has no weight to offset")
         kind = "rmsnorm" if isinstance(b, RMSNormBlock) else "layernorm"
+        center = Value(literal=True)
+        if kind == "layernorm" and b.center is not True:
+            if context == "vision":
+                raise self.err(path + ("center",), f"{self._where(path)}.center: a vision norm is a literal form")
+            if not b.weight or b.weight_offset:
+                raise self.err(path + ("center",), f"{self._where(path)}.center: the RMSNorm form needs a plain "
+                                                   f"weight (weight: true, no weight_offset)", at_key=True)
+            center = self.flag(path + ("center",), b.center)
+            if center.literal is False and bias_flag is None and not bias:
+                raise self.err(path + ("center",), f"{self._where(path)}.center: false: write `kind: rmsnorm`",
+                               at_key=True)
         gate_rank, gate_enabled = None, Value(literal=True)
         if getattr(b, "gate", None) is not None:
             gp = path + ("gate",)
@@ -78,7 +89,7 @@ class LayerResolver:
                 raise self.err(gp + ("enabled",), f"{self._where(gp)}.enabled: false: delete the gate")
         return NormIR(kind, name, self.dim(path + ("dim",), b.dim), eps, bias,
                       weight_offset=float(b.weight_offset), weight=b.weight, enabled=enabled, bias_flag=bias_flag,
-                      gate_rank=gate_rank, gate_enabled=gate_enabled)
+                      gate_rank=gate_rank, gate_enabled=gate_enabled, center=center)
 
     def resolve_layer(self) -> LayerIR:
         L = self.spec.decoder.layers

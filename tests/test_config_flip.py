@@ -54,6 +54,11 @@ NO_EFFECT = {"eos_token_id": "generation stops are ignored (ignore_eos)",
              "mamba_norm_before_gate": "gated by mamba_rms_norm (tests/test_falcon_h1.py flips it with the norm on)"}
 # (spec, symbol): fields of one spec whose flip cannot change the battery's tokens, with the test that covers them
 NO_EFFECT_IN = {
+    # MiMo-V2-Flash's restatements of the sliding layers' shape (read only to be checked against what transformers
+    # builds): the flip from absent to 4 lands on the tiny checkpoint's own value (4 heads, 2 x 2 KV heads); other
+    # values are refused by name (tests/test_released_settings_hR.py)
+    **{("mimo_v2_flash", s): "a restatement checked against the built shape (tests/test_released_settings_hR.py)"
+       for s in ("swa_num_attention_heads", "swa_num_key_value_heads")},
     # Kolibri 1.1's context cap (the engine's max_model_len: index_topk + local + sink tokens, at most the checkpoint's
     # max_position_embeddings): outputs within the cap do not depend on it; tests/test_kolibri1_1.py flips each field
     # and checks the cap, the refusal past it, and that transformers selects keys past it

@@ -21,11 +21,13 @@ class NormIR:
     bias_flag: Optional[Value] = None   # a bool symbol / expression: the bias exists only where it holds (bias: True)
     gate_rank: Optional[Size] = None    # a low-rank sigmoid gate on the output: y * sigmoid(fc2(silu(fc1(y))))
     gate_enabled: Value = Value(literal=True)   # the layers with the gate (per layer); the others: the plain norm
+    # layernorm: where it holds the mean is subtracted; elsewhere y = x / rms(x) * w (a config-chosen RMSNorm form)
+    center: Value = Value(literal=True)
 
     @property
     def always(self) -> bool:
-        """The norm exists in every layer and its bias is fixed by the spec."""
-        return self.enabled.literal is True and self.bias_flag is None
+        """The norm exists in every layer, its bias is fixed by the spec and so is its form."""
+        return self.enabled.literal is True and self.bias_flag is None and self.center.literal is True
 
     def bias_py(self) -> str:
         return self.bias_flag.py() if self.bias_flag is not None else repr(self.bias)

@@ -89,7 +89,10 @@ class RMSNormBlock(Strict):
 class LayerNormBlock(Strict):
     """y = (x - mean) / std * w + b. `weight_offset: 1` scales by (1 + w) (Nemotron's LayerNorm1P); `weight:
     false` and `bias: false` make it non-parametric (OLMo 1's LayerNorm: no parameters at all); `bias` may be a bool
-    config symbol (ModernBERT's `norm_bias`). `enabled`: per layer, as an RMSNorm's."""
+    config symbol (ModernBERT's `norm_bias`). `enabled`: per layer, as an RMSNorm's. `center` (a flag, may be a
+    config flag): false drops the mean subtraction, y = x / rms(x) * w (+ b), an RMSNorm computed in float32 and cast
+    back before the weight, where a config chooses the norm's form (Cohere 2 MoE: RMSNorm where `rms_norm_eps` is
+    set)."""
     kind: Literal["layernorm"]
     dim: Dim
     eps: Num
@@ -97,6 +100,7 @@ class LayerNormBlock(Strict):
     weight: StrictBool = True
     weight_offset: Union[StrictInt, StrictFloat] = 0
     enabled: Flag = True
+    center: Flag = True
 
 
 class LinearBlock(Strict):

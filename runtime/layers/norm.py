@@ -85,18 +85,28 @@ class LayerNorm(nn.Module):
 
     Same residual protocol as RMSNorm, so a decoder step may use either: forward(x) -> y;
     forward(x, residual) -> (layernorm(x + residual), x + residual); forward(x, None) -> (layernorm(x), x).
+
+    center=False (a form a config chooses): no mean subtraction, y = w * (x / rms(x)) (+ b) with the statistics in
+    float32 and the normalized value cast to the input dtype before the weight (RMSNorm's math, the same parameters).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, bias: bool = True, weight: bool = True,
-                 weight_offset: float = 0.0):
+                 weight_offset: float = 0.0, center: bool = True):
         super().__init__()
         self.dim = dim
         self.eps = eps
         self.weight_offset = float(weight_offset)
+        self.center = bool(center)
+        if not self.center and (not weight or self.weight_offset):
+            raise ValueError("LayerNorm: the uncentered (RMS) form needs a plain weight")
         self.weight = nn.Parameter(torch.empty(dim)) if weight else None
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.center:
+            xf = x.float()
+            y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.weight is None and self.bias is None:
             return F.layer_norm(x.float(), (self.dim,), None, None, self.eps).to(x.dtype)
         w = self.weight + self.weight_offset if self.weight is not None and self.weight_offset else self.weight
@@ -113,7 +123,8 @@ class LayerNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.dim}, eps={self.eps}, bias={self.bias is not None}"
                 + (", weight=False" if self.weight is None else "")
-                + (f", weight_offset={self.weight_offset}" if self.weight_offset else ""))
+                + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+                + ("" if self.center else ", center=False"))
 
 
 class IdentityNorm(nn.Module):
