@@ -1,0 +1,46 @@
+"""(hS) Fast tests of the fixes found by the released-settings trials of tests/test_real_settings_hS.py: fields of
+published config.json files that transformers never reads, refused before as unknown (so the release was refused at
+load); where a field's other value would change the model transformers builds, that value stays refused by name.
+
+- Mellum 2 / 2.1 (MellumForCausalLM): `use_sliding_window: true`, `max_window_layers: 0` (Qwen-config leftovers:
+  transformers' Mellum places its windows by layer_types alone) and `num_mtp_layers` (the mtp.* layer is not loaded).
+- HyperCLOVAX-SEED-Think-14B: `end_token_id`, a generation-time id of the original code.
+- Solar-Open-100B: `intermediate_size: 10240` (transformers' Solar Open has no dense MLP; the shared experts are sized
+  by moe_intermediate_size) and `first_k_dense_replace: 0` (every layer the mixture, as transformers builds it; a dense
+  prefix is refused by name).
+- Youtu-LLM-2B: `mlp_bias: false` (transformers' Youtu MLP is always bias-free; true is refused by name).
+"""
+from __future__ import annotations
+
+import pytest
+from fixtures.tiny_hf import tiny_config
+
+
+def _config(arch: str, **fields):
+    from xllm_gen.runtime.loading import registry
+
+    cfg = tiny_config(arch).to_dict()
+    cfg.update(fields)
+    module, _ = registry.resolve(cfg)
+    return module.Config, cfg
+
+
+@pytest.mark.parametrize("arch,fields", [
+    ("MellumForCausalLM", {"use_sliding_window": True, "max_window_layers": 0, "num_mtp_layers": 1}),
+    ("HyperCLOVAXForCausalLM", {"end_token_id": 128001, "pretraining_tp": 1}),
+    ("SolarOpenForCausalLM", {"intermediate_size": 10240, "first_k_dense_replace": 0}),
+    ("YoutuForCausalLM", {"mlp_bias": False}),
+])
+def test_released_leftovers_are_accepted(arch, fields):
+    config_cls, cfg = _config(arch, **fields)
+    config_cls.from_hf(cfg)
+
+
+@pytest.mark.parametrize("arch,field,value", [
+    ("SolarOpenForCausalLM", "first_k_dense_replace", 1),
+    ("YoutuForCausalLM", "mlp_bias", True),
+])
+def test_other_values_are_refused_by_name(arch, field, value):
+    config_cls, cfg = _config(arch, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        config_cls.from_hf(cfg)
