@@ -9,6 +9,10 @@ load); where a field's other value would change the model transformers builds, t
   by moe_intermediate_size) and `first_k_dense_replace: 0` (every layer the mixture, as transformers builds it; a dense
   prefix is refused by name).
 - Youtu-LLM-2B: `mlp_bias: false` (transformers' Youtu MLP is always bias-free; true is refused by name).
+- Qwen3-VL / Qwen3-VL-MoE: transformers' ConditionalGeneration ties the head by the top-level tie_word_embeddings alone
+  (false where absent); the spec fell back to text_config.tie_word_embeddings (true on Qwen3-VL-4B, the text config
+  class's default on the MoE releases), so a config.json without the top-level flag was served tied where
+  transformers serves the stored head (refused at load when the two differ, served wrong where they don't exist).
 """
 from __future__ import annotations
 
@@ -44,3 +48,20 @@ def test_other_values_are_refused_by_name(arch, field, value):
     config_cls, cfg = _config(arch, **{field: value})
     with pytest.raises(ValueError, match=field):
         config_cls.from_hf(cfg)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"])
+@pytest.mark.parametrize("top,text", [(None, True), (False, True), (True, False), (None, None)])
+def test_qwen3_vl_ties_by_the_top_level_flag(arch, top, text):
+    import transformers
+
+    config_cls, cfg = _config(arch)
+    cfg.pop("tie_word_embeddings", None)
+    cfg["text_config"].pop("tie_word_embeddings", None)
+    if top is not None:
+        cfg["tie_word_embeddings"] = top
+    if text is not None:
+        cfg["text_config"]["tie_word_embeddings"] = text
+    want = getattr(transformers, arch).config_class.from_dict(cfg).tie_word_embeddings   # what the model ties by
+    assert want is bool(top)
+    assert config_cls.from_hf(cfg).tie_word_embeddings is want
