@@ -67,6 +67,8 @@ TEXT_CASES = {
     "mellum-4b-base": ("LlamaForCausalLM", "llama", lambda: _sized("llama__Mellum-4b-base", **_DENSE)),
     "hyperclovax-seed-think-14b": ("HyperCLOVAXForCausalLM", "hyperclovax",
                                    lambda: _sized("hyperclovax__HyperCLOVAX-SEED-Think-14B", **_DENSE)),
+    "hyperclovax-seed-text-instruct-1.5b": ("LlamaForCausalLM", "llama",
+                                            lambda: _sized("llama__HyperCLOVAX-SEED-Text-Instruct-1.5B", _DENSE)),
     "jais-2-8b-chat": ("Jais2ForCausalLM", "jais2",
                        lambda: _sized("jais2__Jais-2-8B-Chat", **dict(_DENSE, num_key_value_heads=4))),
     "solar-open-100b": ("SolarOpenForCausalLM", "solar_open",
