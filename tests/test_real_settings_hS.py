@@ -9,7 +9,8 @@ transformers' Qwen3VL(Moe)ForConditionalGeneration fed by the checkpoint's own p
 Qwen3-VL keeps head_dim 128 and the released mrope_section [24, 20, 20] (the heads are few, not narrow); the vision
 tower keeps the released patch / merge sizes and its 2304-entry position table (48 x 48, bilinearly interpolated to
 the tiny grids), its depth shrunk with the deepstack taps kept strictly inside it (not on the last block, as
-released).
+released). At these settings the image check is not blind: the engine with its deepstack zeroed, or with the blocked
+mRoPE layout, gives other tokens than transformers on these requests (the three-image-size prompt for the layout).
 """
 from __future__ import annotations
 
