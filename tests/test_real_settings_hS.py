@@ -4,7 +4,8 @@ Jais 2, Solar Open, Youtu-LLM, CWM, Qwen3-MoE 235B, Qwen3 dense 4B / 8B / 32B.
 Each case takes a released config.json (tests/data/real_configs, provenance in its MANIFEST.md), keeps every non-size
 field as published and shrinks only the sizes; transformers' own class writes the tiny weights. Text: `verify` (greedy
 tokens and per-layer states). Qwen3-VL also on images: the engine's greedy tokens on image requests against
-transformers' Qwen3VL(Moe)ForConditionalGeneration fed by the checkpoint's own processor.
+transformers' Qwen3VL(Moe)ForConditionalGeneration fed by the checkpoint's own processor, and the per-layer states of
+those prompts' prefill (pixels, deepstack levels and mRoPE positions included).
 
 Qwen3-VL keeps head_dim 128 and the released mrope_section [24, 20, 20] (the heads are few, not narrow); the vision
 tower keeps the released patch / merge sizes and its 2304-entry position table (48 x 48, bilinearly interpolated to
@@ -168,15 +169,17 @@ VL_REQUESTS = [
 ]
 
 
-def vl_image_mismatches(spec: Path, ckpt: Path, max_tokens: int = 12) -> list[str]:
-    """Greedy tokens of the engine (the spec compiled now) vs transformers on image requests: the differences."""
+def vl_image_mismatches(spec: Path, ckpt: Path, max_tokens: int = 12, **llm_kwargs) -> list[str]:
+    """The engine (the spec compiled now) vs transformers on image requests: greedy tokens, and the per-layer states
+    of each prompt's prefill; the differences."""
     import tempfile
 
-    from hf_ref import hf_vl_greedy, hf_vl_inputs
+    import torch
+    from hf_ref import _as_inputs, hf_model, hf_vl_greedy, hf_vl_inputs
 
     from xllm_gen import LLM, SamplingParams
     from xllm_gen.codegen.compiler import compile_spec
-    from xllm_gen.codegen.verify import _import_compiled, _served_by
+    from xllm_gen.codegen.verify import DEFAULT_TOL, _decoder_layers, _import_compiled, _Recorder, _served_by
 
     compiled = compile_spec(spec)
     bad = []
@@ -184,7 +187,7 @@ def vl_image_mismatches(spec: Path, ckpt: Path, max_tokens: int = 12) -> list[st
         model_module, runner_module = _import_compiled(compiled.files, compiled.ir.name, Path(tmp))
         with _served_by(model_module, runner_module):
             llm = LLM(model=str(ckpt), device="cpu", dtype="float32", enforce_eager=True,
-                      enable_prefix_caching=False, block_size=4)
+                      enable_prefix_caching=False, block_size=4, **llm_kwargs)
         try:
             sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             for prompt, sizes in VL_REQUESTS:
@@ -197,6 +200,32 @@ def vl_image_mismatches(spec: Path, ckpt: Path, max_tokens: int = 12) -> list[st
                     bad.append(f"{prompt!r}: transformers' greedy tokens are flat ({list(want)}): no evidence")
                 if got != list(want):
                     bad.append(f"{prompt!r}: engine {got} vs transformers {list(want)}")
+            # the per-layer states of the image prompt's prefill (deepstack levels added after the first layers)
+            hf = hf_model(ckpt)
+            n = hf.config.get_text_config().num_hidden_layers
+            hf_rec = _Recorder(_decoder_layers(hf, n), engine=False)
+            eng_rec = _Recorder(_decoder_layers(llm.engine.runner.model, n), engine=True)
+            try:
+                for prompt, sizes in VL_REQUESTS:
+                    images = [_image(*s) for s in sizes]
+                    hf.model.rope_deltas = None
+                    hf_rec.arm()
+                    with torch.no_grad():
+                        hf(**_as_inputs(hf_vl_inputs(ckpt, prompt, images)), use_cache=False)
+                    hf.model.rope_deltas = None
+                    ref = hf_rec.take()
+                    eng_rec.arm()
+                    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+                    llm.generate([{"prompt": prompt, "multi_modal_data": {"image": images}}], one)
+                    mine = eng_rec.take()
+                    assert len(ref) == len(mine) == n, (len(ref), len(mine), n)
+                    for layer, (a, b) in enumerate(zip(ref, mine)):
+                        rel = float((b - a).abs().max() / a.abs().max().clamp_min(1e-12))
+                        if a.shape != b.shape or rel > DEFAULT_TOL["float32"]:
+                            bad.append(f"{prompt!r}: layer {layer} states differ (relative {rel:.3e})")
+            finally:
+                hf_rec.remove()
+                eng_rec.remove()
         finally:
             llm.shutdown()
     return bad
