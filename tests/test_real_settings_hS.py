@@ -49,10 +49,12 @@ def _cwm() -> dict:
     return c
 
 
-def _youtu() -> dict:
-    return _sized("youtu__Youtu-LLM-2B", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                  num_hidden_layers=3, intermediate_size=128, vocab_size=512, q_lora_rank=48, kv_lora_rank=32,
-                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, qk_head_dim=24, head_dim=8)
+def _youtu(stem: str = "youtu__Youtu-LLM-2B") -> dict:
+    c = _sized(stem, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+               intermediate_size=128, vocab_size=512, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, v_head_dim=16)
+    c.update({k: v for k, v in (("qk_head_dim", 24), ("head_dim", 8)) if k in c})   # restated sizes, where released
+    return c
 
 
 TEXT_CASES = {
@@ -77,6 +79,8 @@ TEXT_CASES = {
                         lambda: _sized("solar_open__Solar-Open-100B", **_MOE, n_routed_experts=8,
                                        num_experts_per_tok=2)),
     "youtu-llm-2b": ("YoutuForCausalLM", "youtu", _youtu),
+    # the identity YaRN block of an earlier form (factor 1, mscale_all_dim 0, no original context)
+    "youtu-llm-2b-yarn-identity": ("YoutuForCausalLM", "youtu", lambda: _youtu("youtu__Youtu-LLM-2B-yarn-identity")),
     "cwm": ("CwmForCausalLM", "cwm", _cwm),
 }
 

@@ -9,6 +9,9 @@ load); where a field's other value would change the model transformers builds, t
   by moe_intermediate_size) and `first_k_dense_replace: 0` (every layer the mixture, as transformers builds it; a dense
   prefix is refused by name).
 - Youtu-LLM-2B: `mlp_bias: false` (transformers' Youtu MLP is always bias-free; true is refused by name).
+- Youtu-LLM-2B as its mlx-community export carries it: `rope_scaling: {type: yarn, factor: 1.0, mscale_all_dim: 0}`.
+  transformers tests yarn's mscale / mscale_all_dim by their truth (0 = absent: no mscale ratio in the attention
+  factor, no softmax mscale); the rope parser refused 0 as not a positive number. Now 0 is read as absent (runtime).
 - Qwen3-VL / Qwen3-VL-MoE: transformers' ConditionalGeneration ties the head by the top-level tie_word_embeddings alone
   (false where absent); the spec fell back to text_config.tie_word_embeddings (true on Qwen3-VL-4B, the text config
   class's default on the MoE releases), so a config.json without the top-level flag was served tied where
@@ -17,7 +20,8 @@ load); where a field's other value would change the model transformers builds, t
 from __future__ import annotations
 
 import pytest
-from fixtures.tiny_hf import tiny_config
+from fixtures.tiny_hf import edit_config, tiny_config
+from test_spec_battery import Tokens, _assert_same
 
 
 def _config(arch: str, **fields):
@@ -65,3 +69,13 @@ def test_qwen3_vl_ties_by_the_top_level_flag(arch, top, text):
     want = getattr(transformers, arch).config_class.from_dict(cfg).tie_word_embeddings   # what the model ties by
     assert want is bool(top)
     assert config_cls.from_hf(cfg).tie_word_embeddings is want
+
+
+@pytest.mark.parametrize("zero", ["mscale_all_dim", "mscale"])
+def test_yarn_zero_mscale_reads_as_absent(tiny_checkpoint, tmp_path, zero):
+    """A YaRN block with mscale_all_dim (or mscale) 0 at factor 8 (the tiny Youtu's, whose attention also takes the
+    softmax mscale): served as transformers serves it, which reads the 0 as no value."""
+    ckpt = tiny_checkpoint("YoutuForCausalLM")
+    ckpt = edit_config(ckpt, tmp_path / zero, lambda c: c["rope_parameters"].update({zero: 0}))
+    tokens = Tokens()
+    _assert_same(tokens.engine(ckpt, 1), tokens.hf(ckpt), f"yarn {zero}=0")
