@@ -254,7 +254,10 @@ def test_config_fallbacks_for_older_checkpoints():
     vision = {k: v for k, v in VISION.items()}
     c = gen.Config.from_hf({"text_config": text, "vision_config": vision})
     assert c.rope_theta == 5e6 and c.mrope_section == (24, 20, 20) and c.eos_token_id == (151645,)
-    assert c.tie_word_embeddings is True and c.vision_rope_theta == 10000.0
+    # transformers 5 ties the head by the top-level flag alone (false where absent), never by text_config's (hS)
+    assert c.tie_word_embeddings is False and c.vision_rope_theta == 10000.0
+    assert gen.Config.from_hf({"text_config": text, "vision_config": vision,
+                               "tie_word_embeddings": True}).tie_word_embeddings is True
     del vision["deepstack_visual_indexes"]
     with pytest.raises(ValueError, match="deepstack_visual_indexes"):
         gen.Config.from_hf({"text_config": text, "vision_config": vision})

@@ -51,6 +51,9 @@ RUNTIME_READS = frozenset({"eos_token_id", "max_position_embeddings", "vocab_siz
 # where a kind needs it. rope_theta and the mRoPE keys are read by other symbols of the spec.
 _ROPE_NEEDS_ORIGINAL = ("frequency_bands", "longrope")
 _ROPE_SHARED = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
+# YaRN keys transformers tests by their truth (its attention factor takes the mscale ratio only when both are set,
+# the attention's softmax mscale only when mscale_all_dim is): a 0 is the same as the key left out
+_ROPE_ZERO_IS_ABSENT = {"yarn": ("mscale", "mscale_all_dim")}
 
 
 class WildcardConflict(ValueError):
@@ -254,6 +257,8 @@ class ConfigReader:
                 # another key (partial_rotary_factor, Hunyuan's alpha): modeled only where a symbol of the spec
                 # reads it (checked in finish)
                 self.rope_pending.append((f"{path}.{key}", v, name, known))
+                continue
+            if key in _ROPE_ZERO_IS_ABSENT.get(rtype, ()) and _is_num(v) and v == 0:
                 continue
             if key == "truncate":
                 if not isinstance(v, bool):
