@@ -41,9 +41,6 @@ REFUSED: dict[str, str] = {
     # state-spaces/mamba2-2.7b is a mamba_ssm checkpoint (d_model, n_layer, ssm_cfg; backbone.* tensors), no
     # transformers config (no model_type, no architectures): transformers cannot load it either
     "mamba2__mamba2-2.7b": r"architectures",
-    # Falcon-RW (tiiuae/falcon-rw-1b): ALiBi scaled by 1 / sqrt(head_dim) and sequential blocks, not modelled by
-    # specs/falcon.yaml: refused naming alibi
-    "falcon__falcon-rw-1b": r"alibi",
 }
 
 # file stem -> (edit, why): where transformers 5 cannot read the release as published, the same settings written the way

@@ -66,6 +66,11 @@ CASES = {
                    (3, 9, 17, 30)),
     "falcon-rw-1b": ("FalconForCausalLM", "falcon", lambda: _sized("falcon__falcon-rw-1b", **_FALCON),
                      (3, 9, 17, 30)),
+    # 32 heads as released (slopes 2 ** (-i / 4): not powers of two)
+    "falcon-rw-1b-32heads": ("FalconForCausalLM", "falcon",
+                             lambda: _sized("falcon__falcon-rw-1b", **_FALCON | dict(hidden_size=256,
+                                                                                      num_attention_heads=32)),
+                             (3, 9, 17, 30)),
     "diffllama-0.3b-handcut": ("DiffLlamaForCausalLM", "diffllama",
                                lambda: _sized("diffllama__DiffLlama-0.3B-handcut",
                                               **_DENSE | dict(num_key_value_heads=2), head_dim=16), (3, 9, 17, 30)),
@@ -97,7 +102,7 @@ def _build_falcon(tmp: Path, arch: str, real: dict) -> Path:
 # 1 / sqrt(head_dim), and the sequential parallel_attn: false block, are not modelled by specs/falcon.yaml); a
 # MistralForCausalLM file whose layer_types mark a full-attention layer beside a window shorter than its context
 # (transformers' Mistral slides every layer, the file means alternation)
-REFUSED = {"falcon-rw-1b": r"REFUSED.*alibi", "ministral-8b-2410-window6": r"REFUSED.*layer_types"}
+REFUSED = {"ministral-8b-2410-window6": r"REFUSED.*layer_types"}
 
 
 @pytest.mark.slow      # ~10 s each: a transformers model and an engine per checkpoint

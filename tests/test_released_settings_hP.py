@@ -9,6 +9,12 @@ without its fix):
   layer every 4th), refused as unknown. transformers' Mistral ignores them (every layer slides by sliding_window);
   the release's window is its whole context (32768 = max_position_embeddings), where both readings agree: served.
   A shorter window beside a full_attention layer is refused naming layer_types.
+- tiiuae/falcon-rw-1b (Falcon-RW): `alibi: true` with `parallel_attn: false` was refused (alibi assumed false).
+  transformers' Falcon adds ALiBi to its mask divided by sqrt(head_dim) (Bloom's is not scaled), builds it in
+  bfloat16 at the absolute key positions (slopes rounded, products rounded), turns no rotary, and runs sequential
+  blocks (input_layernorm -> attention -> post_attention_layernorm -> MLP). specs/falcon.yaml reads alibi and
+  parallel_attn now; the attention language got `alibi` as a per-checkpoint flag, `alibi_scale` and `alibi_bf16`.
+  The shared-norm parallel form (Falcon-7B / 11B) reads its one input_layernorm into both parallel norms.
 """
 from __future__ import annotations
 
@@ -62,3 +68,39 @@ def test_mistral_layer_types_all_sliding_are_served():
     config, cfg = _config("mistral__Ministral-8B-Instruct-2410", sliding_window=4096,
                           layer_types=["sliding_attention"] * 36)
     assert config.from_hf(cfg).sliding_window == 4096
+
+
+_FALCON_RW = {"alibi": True, "parallel_attn": False, "bias": True, "multi_query": False,
+              "new_decoder_architecture": False, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 4,
+              "num_hidden_layers": 2}
+
+
+def test_falcon_rw_alibi_sequential_is_served(tiny_checkpoint):
+    from test_released_settings import _TOKENS, _served_as_transformers
+
+    want = _served_as_transformers(tiny_checkpoint("FalconForCausalLM", overrides=_FALCON_RW), "Falcon-RW form")
+    # sensitivity: the ALiBi bias matters (transformers' tokens with the rotary form instead differ)
+    assert _TOKENS.hf(tiny_checkpoint("FalconForCausalLM", overrides={**_FALCON_RW, "alibi": False})) != want
+
+
+def test_falcon_alibi_bias_is_transformers_bfloat16_bias():
+    """32 heads (Falcon-RW-1B's): slopes 2 ** (-i / 4), not powers of two, so transformers' bfloat16 bias (rounded at
+    the absolute key positions) differs from the float32 relative one beyond what the softmax shift absorbs."""
+    import math
+
+    import torch
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    from xllm_gen.runtime.attention.torch_ref import alibi_bias
+    from xllm_gen.runtime.layers.attention import alibi_slopes
+
+    heads, head_dim, n = 32, 64, 40
+    want = build_alibi_tensor(torch.ones(1, n, dtype=torch.long), heads, torch.float32).view(heads, 1, n)
+    want = want / math.sqrt(head_dim)                                    # FalconModel.forward's scaling
+    slopes = alibi_slopes(heads).view(heads, 1, 1)
+    kpos, qpos = torch.arange(n)[None, :], torch.arange(n)[:, None]
+    got = alibi_bias(slopes, kpos, qpos, head_dim ** -0.5)              # [heads, 1, n]: the same for every query
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    rel = alibi_bias(slopes * head_dim ** -0.5, kpos, qpos)               # the float32 relative form
+    shift = (rel - want).amax(-1, keepdim=True)                          # the softmax-invariant per-query offset
+    assert (rel - want - shift).abs().max() > 1e-3
