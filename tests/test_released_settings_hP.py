@@ -104,3 +104,14 @@ def test_falcon_alibi_bias_is_transformers_bfloat16_bias():
     rel = alibi_bias(slopes * head_dim ** -0.5, kpos, qpos)               # the float32 relative form
     shift = (rel - want).amax(-1, keepdim=True)                          # the softmax-invariant per-query offset
     assert (rel - want - shift).abs().max() > 1e-3
+
+
+def test_falcon_new_decoder_sequential_is_refused():
+    """transformers' new-decoder layer reads its parallel norms (ln_attn) whatever parallel_attn says, and fails on a
+    sequential file: refused by name rather than served as some other form."""
+    config, cfg = _config("falcon__falcon-40b", parallel_attn=False)
+    with pytest.raises(ValueError, match="sequential_old_decoder"):
+        config.from_hf(cfg)
+    config, cfg = _config("falcon__falcon-rw-1b")
+    c = config.from_hf(cfg)
+    assert (c.alibi, c.parallel_attn) == (True, False)
