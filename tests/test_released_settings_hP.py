@@ -115,3 +115,13 @@ def test_falcon_new_decoder_sequential_is_refused():
     config, cfg = _config("falcon__falcon-rw-1b")
     c = config.from_hf(cfg)
     assert (c.alibi, c.parallel_attn) == (True, False)
+
+
+def test_falcon_old_decoder_fewer_kv_heads_is_refused():
+    """The old decoder without multi-query stores q/k/v per head; transformers' Falcon fails on such a file that says
+    fewer KV heads (num_kv_heads 8 of 32): refused by name, not served in the per-group layout."""
+    config, cfg = _config("falcon__falcon-rw-1b", num_kv_heads=8)
+    with pytest.raises(ValueError, match="old_decoder_kv_per_head"):
+        config.from_hf(cfg)
+    config, cfg = _config("falcon__falcon-rw-1b", num_kv_heads=32)
+    assert config.from_hf(cfg).num_kv_heads == 32
