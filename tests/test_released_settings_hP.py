@@ -75,10 +75,11 @@ _FALCON_RW = {"alibi": True, "parallel_attn": False, "bias": True, "multi_query"
               "num_hidden_layers": 2}
 
 
-def test_falcon_rw_alibi_sequential_is_served(tiny_checkpoint):
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_falcon_rw_alibi_sequential_is_served(tiny_checkpoint, tp):
     from test_released_settings import _TOKENS, _served_as_transformers
 
-    want = _served_as_transformers(tiny_checkpoint("FalconForCausalLM", overrides=_FALCON_RW), "Falcon-RW form")
+    want = _served_as_transformers(tiny_checkpoint("FalconForCausalLM", overrides=_FALCON_RW), "Falcon-RW form", tp)
     # sensitivity: the ALiBi bias matters (transformers' tokens with the rotary form instead differ)
     assert _TOKENS.hf(tiny_checkpoint("FalconForCausalLM", overrides={**_FALCON_RW, "alibi": False})) != want
 
