@@ -98,10 +98,9 @@ def _build_falcon(tmp: Path, arch: str, real: dict) -> Path:
     return tmp
 
 
-# cases refused at load, by design, naming the field: Falcon-RW's ALiBi (transformers' Falcon scales the bias by
-# 1 / sqrt(head_dim), and the sequential parallel_attn: false block, are not modelled by specs/falcon.yaml); a
-# MistralForCausalLM file whose layer_types mark a full-attention layer beside a window shorter than its context
-# (transformers' Mistral slides every layer, the file means alternation)
+# cases refused at load, by design, naming the field: a MistralForCausalLM file whose layer_types mark a
+# full-attention layer beside a window shorter than its context (transformers' Mistral slides every layer, the file
+# means alternation). (Falcon-RW was refused here, naming alibi, until specs/falcon.yaml modelled it.)
 REFUSED = {"ministral-8b-2410-window6": r"REFUSED.*layer_types"}
 
 
