@@ -151,7 +151,9 @@ def _block(b) -> str:
                    + (f" bias={b.out_gate_proj_bias}" if b.out_gate_proj_bias is not None else "")
                    if b.out_gate else "")
                 + (f", out_gate={b.q_gate}(in q's rows, per head [q, gate]) per element" if b.q_gate else "")
-                + (f", alibi(bias_max={b.alibi})" if b.alibi else "")
+                + (f", alibi(bias_max={b.alibi}" + (f", scale={b.alibi_scale}" if b.alibi_scale else "")
+                   + (", bfloat16 at absolute key positions" if b.alibi_bf16 else "")
+                   + (f", where {b.alibi_when}" if b.alibi_when else "") + ")" if b.alibi else "")
                 + (f", key_bias(exp({b.key_bias.gain} * softplus({b.key_bias.proj}(v))), keep={b.key_bias.keep})"
                    if b.key_bias else "") + _sub_norm(b.sub_norm)
                 + (f", kv_nvfp4={b.kv_nvfp4} (k, v rounded to NVFP4 before the cache)" if b.kv_nvfp4 else "")

@@ -188,6 +188,7 @@ class AttentionResolver:
                 module(dp, m)
             diff = self.positive(dp + ("eps",), b.differential.eps, below=1.0)
         kbias = self.resolve_key_bias(path, b, vfk, module)
+        alibi, alibi_when, alibi_scale = self.resolve_alibi(path, b)
         nvfp4 = self.flag(path + ("kv_nvfp4",), b.kv_nvfp4, per_layer=True)
         nvfp4 = None if nvfp4.literal is False else nvfp4
         if nvfp4 is not None:
@@ -212,7 +213,7 @@ class AttentionResolver:
             out_gate_bias=self._gate_bias(path, b, gate_name),
             out_gate_proj_bias=self._gate_proj_bias(path, b, gate_name),
             q_gate=self.q_gate(path + ("out_gate",), b.out_gate),
-            alibi=self.positive(path + ("alibi_bias_max",), b.alibi_bias_max) if b.alibi else None, sub_norm=sub,
+            alibi=alibi, alibi_when=alibi_when, alibi_scale=alibi_scale, alibi_bf16=b.alibi_bf16, sub_norm=sub,
             differential=diff, v_head_dim=v_dim, value_scale=vscale, v_norm=vnorm, values_from_keys=vfk, kv_source=kvsrc,
             sinks_when=sinks if has_sinks and sinks.literal is not True else None,
             input_width=self.dim(path + ("input_width",), b.input_width) if b.input_width is not None else None,
@@ -220,6 +221,19 @@ class AttentionResolver:
             qkv_scale=self.segment_scales(path + ("qkv",), b.qkv.scale, ("q", "k", "v")),
             out_scale=self.output_scale(path + ("out",), b.out.scale),
             experts=experts, key_bias=kbias, kv_nvfp4=nvfp4)
+
+    def resolve_alibi(self, path, b):
+        """attention.alibi (a literal, or a per-checkpoint flag), its bias_max and an optional factor on the slopes:
+        (bias_max or None when off, the flag where not literally true, the factor)."""
+        flag = self.flag(path + ("alibi",), b.alibi)
+        if flag.literal is False:
+            for key, on in (("alibi_scale", b.alibi_scale is not None), ("alibi_bf16", b.alibi_bf16)):
+                if on:
+                    raise self.err(path + (key,), f"{self._where(path)}.{key}: without `alibi`", at_key=True)
+            return None, None, None
+        bias_max = self.positive(path + ("alibi_bias_max",), b.alibi_bias_max)
+        scale = self.positive(path + ("alibi_scale",), b.alibi_scale) if b.alibi_scale is not None else None
+        return bias_max, (None if flag.literal is True else flag), scale
 
     def resolve_key_bias(self, path, b, vfk, module):
         """attention.key_bias (a per-key score bias from the values): its modules, flag and `keep`."""

@@ -212,18 +212,21 @@ def test_wrong_layout_breaks_parity(tiny_checkpoint, monkeypatch, arch, module, 
     assert got != want, f"{arch}: reading the fused qkv as blocked does not change the output"
 
 
-@pytest.mark.parametrize("field, value", [("alibi", True), ("parallel_attn", False)])
-def test_falcon_forms_not_modelled_are_refused_by_name(field, value):
+def test_falcon_rw_forms_are_read_and_new_decoder_sequential_refused_by_name():
+    """(hP) ALiBi and the sequential blocks (Falcon-RW) are modelled now (tests/test_released_settings_hP.py); a
+    sequential new-decoder file, which transformers' Falcon cannot run, is refused by name."""
     from fixtures.tiny_hf import tiny_config
 
     from xllm_gen.runtime.loading import registry
     from xllm_gen.runtime.loading.hf_config import ConfigError
 
-    cfg = tiny_config("FalconForCausalLM").to_dict()
-    cfg[field] = value
+    cfg = {**tiny_config("FalconForCausalLM").to_dict(), "new_decoder_architecture": False, "alibi": True,
+           "parallel_attn": False}
     module, _ = registry.resolve(cfg)
-    with pytest.raises(ConfigError, match=f"specs/falcon.yaml.*{field}"):
-        module.Config.from_hf(cfg)
+    c = module.Config.from_hf(cfg)
+    assert (c.alibi, c.parallel_attn) == (True, False)
+    with pytest.raises(ConfigError, match="specs/falcon.yaml.*sequential_old_decoder"):
+        module.Config.from_hf({**cfg, "new_decoder_architecture": True})
 
 
 def test_gpt_neox_absent_rotary_pct_is_transformers_default():

@@ -131,6 +131,9 @@ class AttentionIR:
     out_gate_proj_bias: Optional[Value] = None          # the gate projection's bias flag (None: no bias)
     out_gate_bias: Optional[str] = None   # a learned [heads] bias on the gate logits (parameter of the block)
     alibi: Optional[Value] = None              # ALiBi: the slopes' bias_max (8); None = off
+    alibi_when: Optional[Value] = None         # ALiBi on the checkpoints where this flag holds; None = always
+    alibi_scale: Optional[Value] = None        # a factor on the slopes; None = 1
+    alibi_bf16: bool = False                   # the bias in bfloat16 at absolute key positions, then scaled
     q_gate: Optional[str] = None               # an output gate riding in q's rows (activation), per (head, dim)
     sub_norm: Optional[SubNormIR] = None       # a norm of the attention output before the output projection
     differential: Optional[Value] = None       # differential attention: the eps of its weightless RMSNorm

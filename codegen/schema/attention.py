@@ -209,10 +209,17 @@ class AttentionBlock(Strict):
     # this layer attends over; where it is another (earlier) layer, this layer has q alone (no k / v segments, no k
     # norm) and writes no cache (Gemma 4's num_kv_shared_layers); absent or `layer`: its own
     kv_source: Optional[Dim] = None
-    # ALiBi (Bloom, MPT): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled scores; the
-    # slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8)
-    alibi: StrictBool = False
+    # ALiBi (Bloom, MPT, Falcon-RW): a per-head linear bias slope_h * (key_pos - query_pos) added to the scaled
+    # scores; the slopes are the geometric series of the ALiBi paper over the heads (`alibi_bias_max`: its base, 8).
+    # A bool literal, or a bool symbol / expression over config symbols (per checkpoint: Falcon's `alibi`)
+    alibi: Flag = False
     alibi_bias_max: Num = 8
+    # a factor on the slopes (Falcon: transformers scales the ALiBi bias with the scores, by 1 / sqrt(head_dim));
+    # absent: 1
+    alibi_scale: Optional[Num] = None
+    # the bias built as transformers' Falcon builds it: in bfloat16 at the absolute key positions,
+    # bf16(bf16(slope) * key_pos) * alibi_scale (its rounding depends on the position: not the relative form)
+    alibi_bf16: StrictBool = False
     # a learned per-key score bias computed from the values, with an optional top-`keep` of keys per query (Doge's
     # dynamic mask attention, above); absent: none
     key_bias: Optional[KeyBias] = None

@@ -101,11 +101,12 @@ class TorchPagedBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
                 sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
                 k_scale: float = 1.0, v_scale: float = 1.0, key_mask: Optional[torch.Tensor] = None,
-                key_bias: Optional[torch.Tensor] = None):
+                key_bias: Optional[torch.Tensor] = None, alibi_bf16_scale: Optional[float] = None):
         """key_mask [N, L] bool (a sparse-attention indexer's selection): query token t sees key position p only
         where key_mask[t, p], besides the causal mask and the variant's. key_bias [N, Hk, L] float32 (a per-key score
         bias, runtime/layers/key_bias.py): added to the scores of query token t's heads of KV head h against key p
-        after scaling and any soft-cap (transformers adds its float mask there); -inf hides the key."""
+        after scaling and any soft-cap (transformers adds its float mask there); -inf hides the key.
+        alibi_bf16_scale: the ALiBi bias in its bfloat16 form (alibi_bias)."""
         if ctx is not self._ctx:
             self.plan(ctx)
         variant = variant or FULL
@@ -129,7 +130,8 @@ class TorchPagedBackend(AttentionBackend):
             out[q0:q1] = attend(q[q0:q1], ks, vs, scale, n - (q1 - q0), variant.sliding_window,
                                 variant.logit_softcap, sinks, alibi_slopes, variant.chunk_size,
                                 None if key_mask is None else key_mask[q0:q1, :n],
-                                None if key_bias is None else key_bias[q0:q1, :, :n]).to(q.dtype)
+                                None if key_bias is None else key_bias[q0:q1, :, :n],
+                                alibi_bf16_scale).to(q.dtype)
             return out
         rows, q_index, q_valid, q_pos, k_valid, L = self._index(q.device)
         B = len(rows)
@@ -150,8 +152,9 @@ class TorchPagedBackend(AttentionBackend):
         vf = torch.where(k_valid[:, :, None, None], vs.float(), 0.0).permute(0, 2, 1, 3)[:, :, None]
         s = torch.matmul(qf, kf.transpose(-1, -2)) * scale                          # [B, Hk, g, Q, L]
         if alibi_slopes is not None:     # ALiBi: slope_h * (key position - query position)
-            rel = torch.arange(L, device=q.device)[None, None, :] - q_pos[:, :, None]   # [B, Q, L]
-            s = s + alibi_slopes.float().view(1, Hk, g, 1, 1) * rel[:, None, None]
+            kp = torch.arange(L, device=q.device)[None, None, None, None, :]               # [1, 1, 1, 1, L]
+            s = s + alibi_bias(alibi_slopes.float().view(1, Hk, g, 1, 1), kp, q_pos[:, None, None, :, None],
+                               alibi_bf16_scale)
         if variant.logit_softcap is not None:
             s = torch.tanh(s / variant.logit_softcap) * variant.logit_softcap
         if key_bias is not None:         # [N, Hk, L] -> [B, Hk, 1, Q, L]
@@ -209,18 +212,31 @@ def _softmax(s: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.softmax(comb, dim=-1)[..., :-1]
 
 
+def alibi_bias(slopes: torch.Tensor, kpos: torch.Tensor, qpos: torch.Tensor,
+               bf16_scale: Optional[float] = None) -> torch.Tensor:
+    """The ALiBi bias (float32, broadcast over slopes / key positions / query positions): slope * (kpos - qpos); with
+    `bf16_scale`, the bias at the absolute key positions computed in bfloat16 and then scaled,
+    bf16(bf16(slope) * kpos) * bf16_scale (a reference that builds its bias tensor in bfloat16 and divides it by
+    sqrt(head_dim) rounds both, and its rounding depends on the absolute position: the relative form cannot match it
+    where the slopes are not powers of two)."""
+    if bf16_scale is None:
+        return slopes * (kpos - qpos)
+    return (slopes.bfloat16().float() * kpos).bfloat16().float() * bf16_scale
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,
            sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
            sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
            chunk_size: Optional[int] = None, key_mask: Optional[torch.Tensor] = None,
-           key_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+           key_bias: Optional[torch.Tensor] = None, alibi_bf16_scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of q [Q, H, D] against k [L, Hk, D], v [L, Hk, Dv] -> [Q, H, Dv]; query j sits at position
     q_offset + j.
 
     HF eager semantics: scores = q k^T * scale; with logit_softcap c, scores = c * tanh(scores / c) (before the
     mask); key p is visible to query position i iff p <= i and, with a sliding window W, p > i - W. `sinks` [H]:
     a per-head logit in the softmax denominator (attention sinks). `alibi_slopes` [H]: ALiBi, slope_h * (key position -
-    query position) added to the scaled scores. With a chunk size C, also p // C == i // C (chunked local
+    query position) added to the scaled scores (its bfloat16 form with `alibi_bf16_scale`: alibi_bias). With a chunk
+    size C, also p // C == i // C (chunked local
     attention). `key_mask` [Q, L] bool: query j sees key p only where key_mask[j, p] (a sparse-attention
     indexer's selection). `key_bias` [Q, Hk, L]: added to the scores of each KV head's query heads after any soft-cap
     (a per-key score bias; -inf hides the key)."""
@@ -234,7 +250,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_of
     qpos = torch.arange(Q, device=q.device)[:, None] + q_offset
     kpos = torch.arange(L, device=q.device)[None, :]
     if alibi_slopes is not None:
-        s = s + alibi_slopes.float().view(H, 1, 1) * (kpos - qpos)
+        s = s + alibi_bias(alibi_slopes.float().view(H, 1, 1), kpos, qpos, alibi_bf16_scale)
     if logit_softcap is not None:
         s = torch.tanh(s / logit_softcap) * logit_softcap
     if key_bias is not None:

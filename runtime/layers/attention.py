@@ -50,7 +50,7 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None, sinks: bool = False,
                  v_head_dim: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
-                 chunk_size: Optional[int] = None):
+                 chunk_size: Optional[int] = None, alibi_bf16_scale: Optional[float] = None):
         super().__init__()
         for name, x in (("heads", num_heads), ("kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("v_head_dim", head_dim if v_head_dim is None else v_head_dim)):
@@ -65,6 +65,11 @@ class Attention(nn.Module):
         self.scale = scale
         self.variant = make_variant(sliding_window, logit_softcap, sinks, alibi_slopes is not None, chunk_size)
         self.alibi_slopes = alibi_slopes     # ALiBi: this rank's heads' slopes [H] (float32), a plain attribute
+        # the ALiBi bias in bfloat16 at absolute key positions, times this factor (the backend's alibi_bias); None:
+        # slope * (key position - query position) in float32
+        self.alibi_extra = {} if alibi_bf16_scale is None else {"alibi_bf16_scale": float(alibi_bf16_scale)}
+        if alibi_bf16_scale is not None and alibi_slopes is None:
+            raise ValueError("attention: alibi_bf16_scale without alibi_slopes")
         self.sliding_window = self.variant.sliding_window
         self.logit_softcap = self.variant.logit_softcap
         self.k_cache = torch.tensor([])
@@ -121,6 +126,7 @@ class Attention(nn.Module):
             extra = {"sinks": sinks} if sinks is not None else {}
             if self.alibi_slopes is not None:
                 extra["alibi_slopes"] = self.alibi_slopes
+                extra.update(self.alibi_extra)
             if key_mask is not None:
                 extra["key_mask"] = key_mask
             if key_bias is not None:
@@ -133,7 +139,7 @@ class Attention(nn.Module):
             if self.alibi_slopes.device != q.device:
                 self.alibi_slopes = self.alibi_slopes.to(q.device)
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
-                                      sinks=sinks, alibi_slopes=self.alibi_slopes, **kv)
+                                      sinks=sinks, alibi_slopes=self.alibi_slopes, **self.alibi_extra, **kv)
         elif sinks is not None:
             out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx, self.scale, variant=self.variant,
                                       sinks=sinks, **kv)
@@ -156,6 +162,7 @@ class Attention(nn.Module):
             extra["sinks"] = sinks
         if self.alibi_slopes is not None:
             extra["alibi_slopes"] = self.alibi_slopes.to(q.device)
+            extra.update(self.alibi_extra)
         out = ctx.backend.forward(q, k, v, o.k_cache, o.v_cache, ctx, self.scale, **extra, **kv)
         return out.reshape(-1, self.num_heads * self.v_head_dim)
 

@@ -148,8 +148,11 @@ FEATURE_OVERRIDES: dict[str, list[dict[str, Any]]] = {
     "StableLmForCausalLM": [{"use_parallel_residual": True}],
     # GPT-NeoX checkpoints with sequential residuals (Pythia and NeoX-20B: parallel, the default)
     "GPTNeoXForCausalLM": [{"use_parallel_residual": False}],
-    # Falcon-40B / 180B: the new decoder architecture with grouped kv heads; Falcon-RW style: no multi-query
-    "FalconForCausalLM": [{"new_decoder_architecture": True, "num_kv_heads": 2}, {"multi_query": False}],
+    # Falcon-40B / 180B: the new decoder architecture with grouped kv heads; Falcon-RW style: no multi-query;
+    # Falcon-RW (falcon-rw-1b / 7b): ALiBi, sequential blocks, biases, as many KV heads as heads (its q/k/v per head)
+    "FalconForCausalLM": [{"new_decoder_architecture": True, "num_kv_heads": 2}, {"multi_query": False},
+                          {"alibi": True, "parallel_attn": False, "new_decoder_architecture": False,
+                           "multi_query": False, "bias": True, "num_kv_heads": 4}],
     # GPT-2: the per-layer attention scale (Mistral-era GPT-2 variants), unscaled attention, the untied head
     "GPT2LMHeadModel": [{"scale_attn_by_inverse_layer_idx": True}, {"scale_attn_weights": False},
                         {"tie_word_embeddings": False}],
