@@ -85,7 +85,7 @@ def _trinity(stem: str) -> dict:
 
 
 def _aria_text() -> dict:
-    c = dict(_real("aria__Aria")["text_config"])   # 64 experts top-6 + 2 shared, theta 5e6
+    c = _real("aria_text__Aria")   # 64 experts top-6 + 2 shared, theta 5e6
     c.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32, num_hidden_layers=3,
              moe_num_experts=16, vocab_size=512)
     return c

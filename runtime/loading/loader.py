@@ -280,7 +280,7 @@ def _check_finite(param: torch.Tensor, rule: WeightRule, ckpt) -> None:
     """A NaN or infinite value in a loaded weight (a corrupted file, a bad conversion) is an error naming the
     tensor: served, it turns every logit NaN and the greedy tokens into token 0, silently. One float32-accumulated
     sum per chunk (NaN and inf propagate; finite bf16 / fp16 weights cannot overflow it), no copy of the weight."""
-    if not param.dtype.is_floating_point or param.numel() == 0:
+    if not param.dtype.is_floating_point or param.numel() == 0 or param.is_meta:      # (meta: a shapes-only load)
         return
     flat = param.detach().reshape(-1)
     if all(bool(torch.isfinite(c.sum(dtype=torch.float32))) for c in flat.split(1 << 26)):
