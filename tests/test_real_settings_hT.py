@@ -57,6 +57,13 @@ def _dots3() -> dict:
     return c
 
 
+def _compass() -> dict:
+    c = _shrunk("CohereCompassForCausalLM", "cohere_compass__North-Micro-Vision-Instruct-text", 4)
+    c["rope_parameters"] = {**c["rope_parameters"],
+                            "sliding_attention": {**c["rope_parameters"]["sliding_attention"], "mrope_section": [4, 2, 2]}}
+    return c
+
+
 def _kolibri1_1() -> dict:
     # 10 layers: the release's first indexed layer (4) and the layer reading its K/V (9, kv_source_layers)
     c = _shrunk("Kolibri1_1ForCausalLM", "kolibri1_1__documented-defaults", 10)
@@ -90,30 +97,56 @@ CASES = {
     "flint-defaults": ("FlintForCausalLM", "flint", lambda: _shrunk("FlintForCausalLM", "flint" + _D, 4)),
     "hrm-text-defaults": ("HrmTextForCausalLM", "hrm_text",
                           lambda: _shrunk("HrmTextForCausalLM", "hrm_text" + _D, 24)),
-    "cohere-compass-defaults": ("CohereCompassForCausalLM", "cohere_compass",
-                                lambda: _shrunk("CohereCompassForCausalLM", "cohere_compass" + _D, 4)),
+    # the sliding layers' interleaved mRoPE section [24, 20, 20] of head_dim 128 -> [4, 2, 2] of 16
+    "north-micro-vision-instruct-text": ("CohereCompassForCausalLM", "cohere_compass", _compass),
     "apertus-v1.5-8b": ("Apertus1p5TextForCausalLM", "apertus1p5",
-                        lambda: _shrunk("Apertus1p5TextForCausalLM", "apertus1p5__Apertus-v1.5-8B-text", 3)),
-    "axk1-defaults": ("AXK1ForCausalLM", "axk1", lambda: _shrunk("AXK1ForCausalLM", "axk1" + _D, 4)),
+                        lambda: _shrunk("Apertus1p5TextForCausalLM", "apertus1p5__Apertus-v1.5-8B-text", 3,
+                                        output_vocab_size=384)),   # 131072 of 266752: logits over a prefix
+    # 8 groups of 2 experts (256 in 8 groups of 32 as released), the best 4 groups kept
+    "axk1-defaults": ("AXK1ForCausalLM", "axk1",
+                      lambda: _shrunk("AXK1ForCausalLM", "axk1" + _D, 4, n_routed_experts=16)),
     "axk2-defaults": ("AXK2ForCausalLM", "axk2", lambda: _shrunk("AXK2ForCausalLM", "axk2" + _D, 4)),
     "gemma-4-12b-unified": ("Gemma4UnifiedForCausalLM", "gemma4",
                             lambda: _shrunk("Gemma4UnifiedForCausalLM", "gemma4__gemma-4-12B-unified-text", 6,
                                             global_head_dim=32, num_global_key_value_heads=1)),
     "lara-mini-defaults": ("LaraMiniForCausalLM", "lara_mini",
                            lambda: _shrunk("LaraMiniForCausalLM", "lara_mini" + _D, 4)),
-    "beam-defaults": ("BeamForCausalLM", "beam", lambda: _shrunk("BeamForCausalLM", "beam" + _D, 6)),
-    # 5 layers (full, 3 sliding, full); top-8 of 16 experts
-    "north-mini-code-1.0": ("Cohere2MoeForCausalLM", "cohere2_moe",
-                            lambda: _shrunk("Cohere2MoeForCausalLM", "cohere2_moe__North-Mini-Code-1.0", 5,
-                                            num_experts=16, prefix_dense_intermediate_size=96)),
+    # 6 layers (the first full layer is 5; 3 dense layers), 8 groups of 2 experts
+    "beam-defaults": ("BeamForCausalLM", "beam",
+                      lambda: _shrunk("BeamForCausalLM", "beam" + _D, 6, num_experts=16)),
 }
 
+# refused at load, naming the field: the release's RMSNorm form (`rms_norm_eps` set; cohere2_moe.yaml models the
+# LayerNorm form only). 5 layers (full, 3 sliding, full); top-8 of 16 experts
+_NORTH = dict(num_experts=16, prefix_dense_intermediate_size=96)
+REFUSED = {
+    "north-mini-code-1.0": ("Cohere2MoeForCausalLM", "cohere2_moe",
+                            lambda: _shrunk("Cohere2MoeForCausalLM", "cohere2_moe__North-Mini-Code-1.0", 5, **_NORTH),
+                            "rms_norm_eps"),
+}
+# the same release without rms_norm_eps (its other fields: parallel block, dense prefix, sigmoid routing unnormalized)
+CASES["north-mini-code-1.0-layernorm"] = (
+    "Cohere2MoeForCausalLM", "cohere2_moe",
+    lambda: {k: v for k, v in _shrunk("Cohere2MoeForCausalLM", "cohere2_moe__North-Mini-Code-1.0", 5,
+                                      **_NORTH).items() if k != "rms_norm_eps"})
 
-def _build_only(cfg: dict) -> dict | None:
+
+def _build_only(arch: str, cfg: dict) -> dict | None:
     """What the build alone needs: per-layer-type rope mappings as released (_build's flat rope_parameters would
-    replace them)."""
+    replace them); the per-layer overrides the config class derives from the release's legacy fields (Gemma 4
+    unified's global_head_dim), in place of the tiny fixture's own."""
+    from fixtures.tiny_hf import ARCH_DEFAULTS, DROP, model_class
+
+    out = {}
     rp = cfg.get("rope_parameters")
-    return {"rope_parameters": rp} if isinstance(rp, dict) and rp else None
+    if isinstance(rp, dict) and rp:
+        out["rope_parameters"] = rp
+    mine = ARCH_DEFAULTS.get(arch, {}).get("per_layer_config")
+    if mine is not None and "per_layer_config" not in cfg:
+        kw = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+        derived = model_class(arch).config_class(**kw).to_dict().get("per_layer_config") or {}
+        out["per_layer_config"] = {**{k: DROP for k in mine}, **{str(k): dict(v) for k, v in derived.items()}}
+    return out or None
 
 
 @pytest.mark.slow      # ~10 s each: a transformers model and an engine per checkpoint
@@ -124,6 +157,19 @@ def test_real_settings_ht_verify(case, tmp_path):
 
     arch, spec, make = CASES[case]
     cfg = make()
-    ckpt = _build(tmp_path / case, arch, cfg, _build_only(cfg))
+    ckpt = _build(tmp_path / case, arch, cfg, _build_only(arch, cfg))
     report = verify(ROOT / "specs" / f"{spec}.yaml", ckpt, prompt_lens=(3, 9, 17, 30))
     assert report.ok, report.text()
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_real_settings_ht_refused(case, tmp_path):
+    from xllm_gen.codegen.verify import verify
+
+    arch, spec, make, field = REFUSED[case]
+    cfg = make()
+    ckpt = _build(tmp_path / case, arch, cfg, _build_only(arch, cfg))
+    report = verify(ROOT / "specs" / f"{spec}.yaml", ckpt, prompt_lens=(3, 9))
+    assert not report.ok and "REFUSED" in report.text() and field in report.text(), report.text()

@@ -3,6 +3,11 @@
 - tencent/Hy3's config.json (num_nextn_predict_layers, qk_norm, first_k_dense_replace, expert_hidden_dim: fields
   transformers' HYV3Config never reads) was refused as unknown fields; accepted now, qk_norm assumed true (refused by
   name otherwise), and the MTP layer's tensors (model.layers.80.*) skipped at load as transformers skips them.
+- Laguna XS.2's `gating: "per-head"` (transformers reads it as `true`: one gate per head) was refused ("assumes
+  gating=True"): `config_assume` takes `{any_of: [...]}` now (values transformers treats alike), laguna.yaml assumes
+  `{any_of: [true, per-head]}`; "per-element" (not modeled) stays refused by name. Its `mlp_only_layers` /
+  `norm_topk_prob` (Qwen3-MoE leftovers LagunaConfig deletes; transformers never reads them) were refused as unknown:
+  ignored now.
 """
 from __future__ import annotations
 
@@ -40,3 +45,46 @@ def test_hy3_mtp_layer_tensors_are_skipped_like_transformers():
         assert any(re.fullmatch(p, name) for p in pats)
         assert any(re.search(p, name) for p in HYV3ForCausalLM._keys_to_ignore_on_load_unexpected)
     assert not any(re.fullmatch(p, "model.layers.8.self_attn.q_proj.weight") for p in pats)
+
+
+@pytest.mark.parametrize("gating", [True, "per-head"])
+def test_laguna_per_head_gating_spellings_are_served(gating):
+    cfg = _real("laguna__Laguna-XS.2.1")
+    cfg["gating"] = gating
+    _read(cfg)
+
+
+@pytest.mark.parametrize("gating", ["per-element", False])
+def test_laguna_other_gating_is_refused_by_name(gating):
+    cfg = _real("laguna__Laguna-XS.2.1")
+    cfg["gating"] = gating
+    with pytest.raises(Exception, match="gating"):
+        _read(cfg)
+
+
+def test_transformers_reads_laguna_gating_spellings_alike():
+    from transformers import LagunaConfig
+    from transformers.models.laguna.modeling_laguna import LagunaAttention
+
+    def per_head(g):
+        c = LagunaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=1, gating=g)
+        return LagunaAttention(c, 0, 4).gate_per_head
+
+    assert per_head(True) and per_head("per-head") and not per_head("per-element")
+
+
+def test_config_assume_any_of_in_the_language(tmp_path):
+    from pydantic import TypeAdapter
+
+    from xllm_gen.codegen.schema import AssumeAnyOf, Spec
+    from xllm_gen.runtime.loading.hf_config import ConfigError, ConfigReader
+
+    field = Spec.model_fields["config_assume"]
+    parsed = TypeAdapter(field.annotation).validate_python({"gating": {"any_of": [True, "per-head"]}, "x": 1})
+    assert isinstance(parsed["gating"], AssumeAnyOf) and parsed["x"] == 1
+    r = ConfigReader({"gating": "per-head"}, "x.yaml", assume={"gating": {"any_of": [True, "per-head"]}})
+    r.finish()
+    r = ConfigReader({"gating": "per-element"}, "x.yaml", assume={"gating": {"any_of": [True, "per-head"]}})
+    with pytest.raises(ConfigError, match="gating"):
+        r.finish()

@@ -296,6 +296,17 @@ class ConfigReader:
                                  f"{', '.join(known) or 'nothing'}; no symbol of the spec reads it)")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
+            if isinstance(expected, dict) and set(expected) == {"any_of"}:   # values transformers treats alike
+                shown = " or ".join(repr(v) for v in expected["any_of"])
+                if got is not MISSING and not any(_same(got, v) for v in expected["any_of"]):
+                    raise self.error(f"assumes config.json {key}={shown}, but this checkpoint has {key}={got!r}: "
+                                     f"the spec does not model it")
+                if got is MISSING and key in self.defaults and \
+                        not any(_same(self.defaults[key], v) for v in expected["any_of"]):
+                    raise self.error(f"assumes config.json {key}={shown}, but this checkpoint omits {key}, which "
+                                     f"means {self.defaults[key]!r} (transformers' default for this family): the "
+                                     f"spec does not model it")
+                continue
             if got is MISSING and key in self.defaults:      # absent: the family's transformers default applies
                 if not _same(self.defaults[key], expected):
                     raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint omits {key}, "
