@@ -141,11 +141,12 @@ def _build_only(arch: str, cfg: dict) -> dict | None:
     rp = cfg.get("rope_parameters")
     if isinstance(rp, dict) and rp:
         out["rope_parameters"] = rp
-    mine = ARCH_DEFAULTS.get(arch, {}).get("per_layer_config")
-    if mine is not None and "per_layer_config" not in cfg:
+    stale = set(ARCH_DEFAULTS.get(arch, {}).get("per_layer_config") or {}) | set(
+        model_class(arch).config_class().to_dict().get("per_layer_config") or {})
+    if stale:
         kw = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
         derived = model_class(arch).config_class(**kw).to_dict().get("per_layer_config") or {}
-        out["per_layer_config"] = {**{k: DROP for k in mine}, **{str(k): dict(v) for k, v in derived.items()}}
+        out["per_layer_config"] = {**{k: DROP for k in stale}, **{str(k): dict(v) for k, v in derived.items()}}
     return out or None
 
 

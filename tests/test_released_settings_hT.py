@@ -8,6 +8,9 @@
   `{any_of: [true, per-head]}`; "per-element" (not modeled) stays refused by name. Its `mlp_only_layers` /
   `norm_topk_prob` (Qwen3-MoE leftovers LagunaConfig deletes; transformers never reads them) were refused as unknown:
   ignored now.
+- dots3.note: a sliding layer's per_layer_config entry without q_lora_rank / head_dim / v_head_dim (transformers 5's
+  serialized form omits what equals the top level) was read as transformers' fixed sliding defaults (1024 / 256 /
+  128) instead of the top level's: refused at load with a weight-shape error; read as transformers reads it now.
 """
 from __future__ import annotations
 
@@ -88,3 +91,22 @@ def test_config_assume_any_of_in_the_language(tmp_path):
     r = ConfigReader({"gating": "per-element"}, "x.yaml", assume={"gating": {"any_of": [True, "per-head"]}})
     with pytest.raises(ConfigError, match="gating"):
         r.finish()
+
+
+def test_dots3_per_layer_entry_without_a_shape_inherits_the_top_level_like_transformers():
+    """transformers 5 saves per_layer_config as each layer's difference from the top level: a sliding layer's entry
+    without q_lora_rank / head_dim / v_head_dim has the top level's (the spec used fixed 1024 / 256 / 128 before:
+    a checkpoint whose top level differs was refused with a weight-shape error)."""
+    from transformers.models.dots3_note.configuration_dots3_note import Dots3NoteTextConfig
+
+    entry = {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 24}
+    cfg = {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note", "hidden_size": 64,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
+           "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 32,
+           "layer_types": ["indexed_attention", "indexed_attention", "sliding_attention", "sliding_attention"],
+           "per_layer_config": {"02": entry, "03": entry}}
+    hf = Dots3NoteTextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    layer = hf.per_layer_config[2]
+    c = _read(cfg)
+    assert (c.swa_q_lora_rank, c.swa_head_dim, c.swa_v_head_dim) == (layer.q_lora_rank, layer.head_dim,
+                                                                     layer.v_head_dim) == (24, 32, 12)
