@@ -11,6 +11,10 @@
 - dots3.note: a sliding layer's per_layer_config entry without q_lora_rank / head_dim / v_head_dim (transformers 5's
   serialized form omits what equals the top level) was read as transformers' fixed sliding defaults (1024 / 256 /
   128) instead of the top level's: refused at load with a weight-shape error; read as transformers reads it now.
+- Gemma 4 (and unified): transformers 5.25 saves per_layer_config as the full layers' difference from the top level
+  (`{}` where they equal it); the spec read a missing per-layer head_dim as 512 (the legacy global_head_dim default).
+  A config symbol may now tell a field's presence (`present: true`); gemma4.yaml reads the legacy global_head_dim /
+  num_global_key_value_heads only where per_layer_config is absent, as transformers does.
 """
 from __future__ import annotations
 
@@ -110,3 +114,37 @@ def test_dots3_per_layer_entry_without_a_shape_inherits_the_top_level_like_trans
     c = _read(cfg)
     assert (c.swa_q_lora_rank, c.swa_head_dim, c.swa_v_head_dim) == (layer.q_lora_rank, layer.head_dim,
                                                                      layer.v_head_dim) == (24, 32, 12)
+
+
+@pytest.mark.parametrize("arch,cls", [("Gemma4UnifiedForCausalLM", "Gemma4UnifiedTextConfig"),
+                                      ("Gemma4ForCausalLM", "Gemma4TextConfig")])
+def test_gemma4_per_layer_config_given_omits_what_equals_the_top_level(arch, cls):
+    """transformers 5 writes per_layer_config as each full layer's difference from the top level: a checkpoint whose
+    full layers have the sliding layers' head_dim saves `per_layer_config: {}`. The spec read the full layers' head_dim
+    as 512 (the legacy global_head_dim's default) there: now per_layer_config's presence decides (`present: true`),
+    as in transformers; without it the legacy global_head_dim is read."""
+    import transformers
+
+    conf = getattr(transformers, cls)
+    kw = dict(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    for extra in (dict(head_dim=32, global_head_dim=32), dict(head_dim=32, global_head_dim=64)):
+        hf = conf(**kw, **extra)
+        d = {**hf.to_dict(), "architectures": [arch]}
+        full = hf.per_layer_config[hf.layer_types.index("full_attention")]
+        assert _read(d).global_head_dim == full.head_dim
+        legacy = {k: v for k, v in d.items() if k != "per_layer_config"} | extra
+        assert _read(legacy).global_head_dim == full.head_dim
+
+
+def test_present_symbols_read_no_content():
+    """`present: true` tells a field's presence only: the keys under it are still the guard's."""
+    from xllm_gen.runtime.loading.hf_config import ConfigReader
+
+    for hf, want in (({"per_layer_config": {}}, True), ({"per_layer_config": None}, True), ({}, False)):
+        r = ConfigReader(hf, "x.yaml")
+        assert r.present("given", "per_layer_config") is want
+        r.finish()
+    r = ConfigReader({"per_layer_config": {"5": {"sliding_window": 3}}}, "x.yaml")
+    r.present("given", "per_layer_config")
+    with pytest.raises(Exception, match="sliding_window"):
+        r.finish()

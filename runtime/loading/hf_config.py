@@ -137,6 +137,12 @@ class ConfigReader:
     def error(self, msg: str) -> ConfigError:
         return ConfigError(f"{self.spec}: {msg}")
 
+    def present(self, name: str, path: str) -> bool:
+        """Whether config.json has `path` at all (any value, null and `{}` included); its content is not read (the
+        guard still wants each key under it read, assumed or ignored)."""
+        self.values[name] = _lookup(self.hf, path) is not MISSING or _present_null(self.hf, path)
+        return self.values[name]
+
     def read(self, name: str, type_: str, paths: tuple[str, ...], *, default: Any = MISSING,
              default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
              optional: bool = False, bounds: tuple = (None, None), positive: bool = False,
