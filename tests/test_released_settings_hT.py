@@ -8,9 +8,10 @@
   `{any_of: [true, per-head]}`; "per-element" (not modeled) stays refused by name. Its `mlp_only_layers` /
   `norm_topk_prob` (Qwen3-MoE leftovers LagunaConfig deletes; transformers never reads them) were refused as unknown:
   ignored now.
-- dots3.note: a sliding layer's per_layer_config entry without q_lora_rank / head_dim / v_head_dim (transformers 5's
-  serialized form omits what equals the top level) was read as transformers' fixed sliding defaults (1024 / 256 /
-  128) instead of the top level's: refused at load with a weight-shape error; read as transformers reads it now.
+- dots3.note: a sliding layer's per_layer_config entry without a shape key (transformers 5's serialized form omits
+  what equals the top level) was read as transformers' fixed sliding defaults (64 heads, ranks 1024, 256 / 192 / 128)
+  instead of the top level's: refused at load with a weight-shape error; now per_layer_config's presence decides
+  (`present: true`): given, an omitted key is the top level's; absent, the swa_* aliases or the class defaults.
 - Gemma 4 (and unified): transformers 5.25 saves per_layer_config as the full layers' difference from the top level
   (`{}` where they equal it); the spec read a missing per-layer head_dim as 512 (the legacy global_head_dim default).
   A config symbol may now tell a field's presence (`present: true`); gemma4.yaml reads the legacy global_head_dim /
@@ -97,23 +98,37 @@ def test_config_assume_any_of_in_the_language(tmp_path):
         r.finish()
 
 
-def test_dots3_per_layer_entry_without_a_shape_inherits_the_top_level_like_transformers():
-    """transformers 5 saves per_layer_config as each layer's difference from the top level: a sliding layer's entry
-    without q_lora_rank / head_dim / v_head_dim has the top level's (the spec used fixed 1024 / 256 / 128 before:
-    a checkpoint whose top level differs was refused with a weight-shape error)."""
+_SWA = {"swa_heads": "num_attention_heads", "swa_kv_heads": "num_key_value_heads", "swa_q_lora_rank": "q_lora_rank",
+        "swa_kv_lora_rank": "kv_lora_rank", "swa_head_dim": "head_dim", "swa_qk_nope_head_dim": "qk_nope_head_dim",
+        "swa_v_head_dim": "v_head_dim", "swa_qk_rope_head_dim": "qk_rope_head_dim"}
+_DOTS3_TOP = {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note", "hidden_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
+              "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 32,
+              "layer_types": ["indexed_attention", "indexed_attention", "sliding_attention", "sliding_attention"]}
+
+
+@pytest.mark.parametrize("extra", [
+    # transformers 5's serialized form: only what differs from the top level
+    {"per_layer_config": {"02": {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 32,
+                                 "qk_nope_head_dim": 24}, "03": {"num_attention_heads": 2, "num_key_value_heads": 2,
+                                                                 "kv_lora_rank": 32, "qk_nope_head_dim": 24}}},
+    {"per_layer_config": {"02": {"kv_lora_rank": 32, "qk_nope_head_dim": 24},
+                          "03": {"kv_lora_rank": 32, "qk_nope_head_dim": 24}}},
+    # the released form: swa_* aliases, no per_layer_config (the class derives the entries)
+    {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_q_lora_rank": 16, "swa_kv_lora_rank": 32,
+     "swa_head_dim": 32, "swa_qk_nope_head_dim": 24, "swa_v_head_dim": 12},
+], ids=["per-layer-diff", "per-layer-one-key", "swa-aliases"])
+def test_dots3_sliding_shapes_read_as_transformers(extra):
+    """A sliding layer's per_layer_config entry omitting a shape has the top level's (transformers 5 saves only the
+    difference): the spec read transformers' fixed sliding defaults (64 heads, ranks 1024, 256 / 192 / 128) there
+    before - refused at load with a weight-shape error; now per_layer_config's presence decides, as in transformers."""
     from transformers.models.dots3_note.configuration_dots3_note import Dots3NoteTextConfig
 
-    entry = {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 24}
-    cfg = {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note", "hidden_size": 64,
-           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
-           "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "head_dim": 32,
-           "layer_types": ["indexed_attention", "indexed_attention", "sliding_attention", "sliding_attention"],
-           "per_layer_config": {"02": entry, "03": entry}}
+    cfg = {**_DOTS3_TOP, **extra}
     hf = Dots3NoteTextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     layer = hf.per_layer_config[2]
     c = _read(cfg)
-    assert (c.swa_q_lora_rank, c.swa_head_dim, c.swa_v_head_dim) == (layer.q_lora_rank, layer.head_dim,
-                                                                     layer.v_head_dim) == (24, 32, 12)
+    assert {k: getattr(c, k) for k in _SWA} == {k: getattr(layer, v) for k, v in _SWA.items()}
 
 
 @pytest.mark.parametrize("arch,cls", [("Gemma4UnifiedForCausalLM", "Gemma4UnifiedTextConfig"),
