@@ -283,6 +283,8 @@ def variant_config(module, ir: ModelIR, v: VariantIR):
         node = hf
         for p in parents:
             node = node.setdefault(p, {})
+        if isinstance(value, dict) and set(value) == {"any_of"}:
+            value = value["any_of"][0]
         if value is not None and isinstance(node, dict) and leaf not in node:
             node[leaf] = value
     return module.Config.from_hf(hf)

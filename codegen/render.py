@@ -119,6 +119,8 @@ def from_hf_line(f: ConfigFieldIR) -> str:
         if f.values or f.bounds != (None, None):    # a refusal shows the formula (and so the fields it reads)
             opt += f", source={f.expr.source!r}"
         return f'r.derive("{f.name}", "{f.type}", lambda: {f.expr.py("c", subscript=True)}{opt})'
+    if f.present:
+        return f'r.present("{f.name}", "{f.paths[0]}")'
     paths = "(" + ", ".join(f'"{p}"' for p in f.paths) + ("," if len(f.paths) == 1 else "") + ")"
     args = [f'"{f.name}"', f'"{f.type}"', paths]
     if f.default_expr is not None:

@@ -40,6 +40,7 @@ from .resolver_variants import MAX_LAYERS, MAX_SIZE, VariantResolver, _is_num, _
 from .resolver_vision import VisionResolver
 from .resolver_weights import WeightsResolver
 from .schema import (
+    AssumeAnyOf,
     Spec,
 )
 from .yaml_loader import display_path
@@ -193,7 +194,8 @@ class _Resolver(SymbolResolver, ConfigResolver, LayerResolver, HeadResolver, Blo
             embed=embed, layer=layer, norm=norm, lm_head=lm_head, deepstack_after=deepstack, params=params,
             weights=weights, ignored=ignored, checkpoint_renames=renames, runner=runner, tp_sizes=tp_sizes, variants=variants,
             decoder_prefix=self.prefix, deepstack_levels=levels, vision=vision,
-            spec_file=str(self.tree.files[0]), config_assume=tuple(s.config_assume.items()), config_ignore=tuple(s.config_ignore),
+            spec_file=str(self.tree.files[0]), config_assume=tuple((k, {'any_of': list(v.any_of)} if isinstance(v, AssumeAnyOf) else v)
+                                 for k, v in s.config_assume.items()), config_ignore=tuple(s.config_ignore),
             config_defaults=tuple(s.config_defaults.items()), embed_positions=embed_positions,
             embed_norm=embed_norm, norm_enabled=norm_enabled, project_in=project_in, project_out=project_out,
             residual_float32=residual_float32, head_transform=head_transform, per_layer_input=per_layer_input,

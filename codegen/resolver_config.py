@@ -65,6 +65,10 @@ class ConfigResolver:
             if f.truthy and (f.type != "bool" or f.expr is not None):
                 raise self.err(path + ("truthy",), f"config.{name}.truthy: only a bool symbol read from config.json "
                                                    f"reads an int as its truth value")
+            if f.present and (f.type != "bool" or f.expr is not None or f.default is not None or f.optional
+                              or f.default_expr is not None or f.truthy or isinstance(f.from_, list)):
+                raise self.err(path + ("present",), f"config.{name}.present: only a bool symbol with one `from` path "
+                                                    f"and no default / optional / truthy tells a field's presence")
             if f.guard and f.values is None and f.min is None and f.max is None:
                 raise self.err(path + ("guard",), f"config.{name}.guard: a guard-only symbol restricts its field: give "
                                                   f"`values`, `min` or `max` (a fixed value is `config_assume`)")
@@ -96,13 +100,13 @@ class ConfigResolver:
                     default = float(default)
                 if f.type.endswith("_tuple"):
                     default = tuple(default)
-            has_default = default is not None or f.optional or f.default_expr is not None or f.type == "rope"
+            has_default = default is not None or f.optional or f.default_expr is not None or f.type == "rope" or f.present
             if f.default_expr is not None:
                 pending.append((name, f, path))
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
                 values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max),
-                guard=f.guard, aliases=tuple((f.aliases or {}).items()), truthy=f.truthy)
+                guard=f.guard, aliases=tuple((f.aliases or {}).items()), truthy=f.truthy, present=f.present)
             if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
         for name, f, path in pending:       # expressions may name symbols declared after them

@@ -70,6 +70,19 @@ AS_TRANSFORMERS: dict[str, tuple[dict, str]] = {
                          "step_kernel": "native"}, "chunkwise_kernel / sequence_kernel / step_kernel"),
 }
 
+# file stem -> {field: why}: a field the spec reads differently on purpose (a documented limit it serves within)
+LIMITS: dict[str, dict[str, str]] = {
+    "kolibri1_1__documented-defaults": {"max_position_embeddings": "served up to the indexer's dense budget "
+                                        "(docs/coverage.md, limit): longer requests are refused"},
+}
+
+# file stem -> why the real-size check cannot build transformers' checkpoint for it
+HARNESS_CANNOT_BUILD: dict[str, str] = {
+    "olmo_hybrid__documented-defaults": "transformers' save splits the fused conv1d into three equal q / k / v "
+    "tensors (the reverse of its load-time Concatenate), which a model whose value heads are twice the key heads' "
+    "width (these defaults) does not have; OLMo-core's own checkpoints store them at their sizes",
+}
+
 # (our layer kind, transformers' label) read as the same layer: Zamba's Mamba layers are "linear_attention" there
 LAYER_KIND_LABELS = {("mamba", "linear_attention"): "linear_attention"}
 
@@ -104,7 +117,7 @@ def test_every_file_names_a_spec_and_is_in_the_manifest():
     for path in FILES:
         assert (Path(__file__).parents[1] / "specs" / f"{_spec(path)}.yaml").is_file(), path.name
         assert f"`{path.name}`" in manifest, f"{path.name}: no source in MANIFEST.md"
-    for stem in (*REFUSED, *SLOW_AT_SIZE, *AS_TRANSFORMERS):
+    for stem in (*REFUSED, *SLOW_AT_SIZE, *AS_TRANSFORMERS, *LIMITS, *HARNESS_CANNOT_BUILD):
         assert (DATA / f"{stem}.json").is_file(), stem
 
 
@@ -138,6 +151,8 @@ def test_real_config_is_read(path):
                 raise
             continue
         if want is None and name == "head_dim":   # transformers derives it where the file has none
+            continue
+        if name in LIMITS.get(_stem(path), {}):
             continue
         if want is None and name == "intermediate_size" and hf.get("model_type") == "gpt_neo":
             continue                              # GPT-Neo's block derives 4 * hidden_size from a null field
@@ -208,7 +223,23 @@ class _MetaHandle:
         return list(self.tensors)
 
     def get_slice(self, name):
-        return self.tensors[name]
+        return _MetaSlice(self.tensors[name])
+
+
+class _MetaSlice:
+    """safe_open's slice interface (get_shape, get_dtype, indexing) over a meta tensor."""
+
+    def __init__(self, t):
+        self.t, self.shape, self.dtype = t, t.shape, t.dtype
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def get_dtype(self):
+        return {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32"}.get(str(self.t.dtype), "F32")
+
+    def __getitem__(self, idx):
+        return self.t[idx]
 
 
 def _hf_tensors(hf: dict) -> dict:
@@ -275,6 +306,8 @@ def test_real_config_fits_transformers_checkpoint_at_real_size(path, tmp_path, m
     hf, model = _read(path)
     if _stem(path) in REFUSED and "quantization_config" not in REFUSED[_stem(path)]:
         pytest.skip("refused at load")
+    if _stem(path) in HARNESS_CANNOT_BUILD:
+        pytest.skip(HARNESS_CANNOT_BUILD[_stem(path)])
     hf = {k: v for k, v in hf.items() if k != "quantization_config"}   # transformers' from_config is unquantized
     _load_at_size(model, hf, _hf_tensors(_as_transformers(hf, path)), tmp_path, monkeypatch)
 

@@ -22,6 +22,7 @@ class ConfigFieldIR:
     positive: bool = False        # used where a number must be > 0 (eps, theta, scales): checked at load
     guard: bool = False           # guard-only: read and checked (values / bounds), used by no block
     truthy: bool = False          # bool: an int in config.json is read as its truth value
+    present: bool = False         # bool: whether config.json has the path (its content is not read)
 
     @property
     def derived(self) -> bool:

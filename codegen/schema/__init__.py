@@ -115,6 +115,7 @@ from .schedule import (
 )
 from .spec import (
     BLOCK_KINDS,
+    AssumeAnyOf,
     Spec,
     TensorParallel,
 )

@@ -39,3 +39,8 @@ class ConfigField(Strict):
     # bool symbols: an int in config.json is read as its truth value (0: false, any other: true), for a field a config
     # class tested by truth where releases wrote an int (Llama 4 Scout / Maverick: `attn_temperature_tuning: 4`)
     truthy: StrictBool = False
+    # bool symbols: whether config.json has the (one) `from` path at all, whatever its value (`{}` and null too);
+    # reads none of its content (the guard still wants every key under it read, assumed or ignored). transformers 5's
+    # per-layer overrides differ by presence: `per_layer_config` given -> an entry's omitted key is the top level's,
+    # absent -> the config class derives the entries (Gemma 4's global_head_dim)
+    present: StrictBool = False

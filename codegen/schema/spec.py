@@ -2,15 +2,21 @@
 the block kinds the language has (`BLOCK_KINDS`)."""
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Optional, Union
+from typing import Annotated, Dict, List, Literal, Optional, Union
 
-from pydantic import StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from .base import Scalar, Strict
 from .config import ConfigField
 from .decoder import Decoder, LMHeadBlock
 from .vision import Vision
 from .weights import WeightEntry
+
+
+class AssumeAnyOf(Strict):
+    """`config_assume: {gating: {any_of: [true, per-head]}}`: values that mean the same to transformers (which the
+    spec models alike); a checkpoint with any other value is refused naming the field."""
+    any_of: List[Union[StrictBool, StrictInt, StrictFloat, StrictStr, None]] = Field(min_length=2)
 
 
 class TensorParallel(Strict):
@@ -28,7 +34,8 @@ class Spec(Strict):
     config: Dict[StrictStr, ConfigField]  # config symbols: spec name -> how it is read from config.json
     # config.json fields that change the math but that the spec does not read, with the value it assumes
     # (a checkpoint with another value is refused); dotted paths
-    config_assume: Dict[StrictStr, Scalar] = {}
+    # (a checkpoint with another value is refused); dotted paths; `{any_of: [...]}`: values transformers treats alike
+    config_assume: Dict[StrictStr, Annotated[Union[AssumeAnyOf, Scalar], Field(union_mode="left_to_right")]] = {}
     # transformers' default of an assumed field (the value its config class fills in when config.json omits it,
     # e.g. partial_rotary_factor: 0.5): the guard compares the effective value with config_assume, so a checkpoint
     # without the field is refused where the family's default differs from what the spec assumes

@@ -140,6 +140,12 @@ class ConfigReader:
     def error(self, msg: str) -> ConfigError:
         return ConfigError(f"{self.spec}: {msg}")
 
+    def present(self, name: str, path: str) -> bool:
+        """Whether config.json has `path` at all (any value, null and `{}` included); its content is not read (the
+        guard still wants each key under it read, assumed or ignored)."""
+        self.values[name] = _lookup(self.hf, path) is not MISSING or _present_null(self.hf, path)
+        return self.values[name]
+
     def read(self, name: str, type_: str, paths: tuple[str, ...], *, default: Any = MISSING,
              default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
              optional: bool = False, bounds: tuple = (None, None), positive: bool = False,
@@ -301,6 +307,17 @@ class ConfigReader:
                                  f"{', '.join(known) or 'nothing'}; no symbol of the spec reads it)")
         for key, expected in self.assume.items():
             got = _lookup(self.hf, key)
+            if isinstance(expected, dict) and set(expected) == {"any_of"}:   # values transformers treats alike
+                shown = " or ".join(repr(v) for v in expected["any_of"])
+                if got is not MISSING and not any(_same(got, v) for v in expected["any_of"]):
+                    raise self.error(f"assumes config.json {key}={shown}, but this checkpoint has {key}={got!r}: "
+                                     f"the spec does not model it")
+                if got is MISSING and key in self.defaults and \
+                        not any(_same(self.defaults[key], v) for v in expected["any_of"]):
+                    raise self.error(f"assumes config.json {key}={shown}, but this checkpoint omits {key}, which "
+                                     f"means {self.defaults[key]!r} (transformers' default for this family): the "
+                                     f"spec does not model it")
+                continue
             if got is MISSING and key in self.defaults:      # absent: the family's transformers default applies
                 if not _same(self.defaults[key], expected):
                     raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint omits {key}, "
