@@ -170,7 +170,7 @@ def test_faulty_tensors_named(ckpts, tmp_path, edit, needle):
      r"input_activations is not supported with format 'pack-quantized'"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("strategy", "tensor"),
      r"strategy='tensor' is not supported with format 'pack-quantized'"),
-    (lambda qc: qc.__setitem__("format", "int-quantized"), r"format='int-quantized' is not supported"),
+    (lambda qc: qc.__setitem__("format", "marlin-24"), r"format='marlin-24' is not supported"),
 ])
 def test_unsupported_settings_refused(ckpts, tmp_path, edit, needle):
     with pytest.raises(ValueError, match=needle):

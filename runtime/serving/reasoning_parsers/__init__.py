@@ -18,8 +18,8 @@ register, names, get = _REGISTRY.register, _REGISTRY.names, _REGISTRY.get
 class ThinkTagParser:
     """Reasoning written as START ... END at the start of the output (leading whitespace allowed); without
     START the whole output is content; an output that ends before END is all reasoning. `opened`: the prompt
-    already ends with START (a chat template that opens the thinking itself: Qwen3-*-Thinking-2507, DeepSeek-R1,
-    QwQ), so the output starts inside the reasoning and only END closes it (`opened_by(prompt)` says so)."""
+    already ends with START (a chat template that opens the thinking itself), so the output starts inside the
+    reasoning and only END closes it (`opened_by(prompt)` says so)."""
     start = "<think>"
     end = "</think>"
 
