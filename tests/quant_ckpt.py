@@ -486,6 +486,21 @@ def write_mxfp4_experts(src: Path, dst: Path, ref: Path, *, suffixes=("mlp.exper
     return _write(dst, out, qc), _write(ref, deq, None)
 
 
+def edit_ckpt(src: Path, dst: Path, tensors=None, qc=None) -> Path:
+    """A copy of checkpoint `src` in `dst`, its tensors edited in place by `tensors(state_dict)` and its
+    quantization_config by `qc(dict)` (fault and sensitivity arms)."""
+    shutil.copytree(src, dst)
+    if tensors:
+        sd = load_file(str(dst / "model.safetensors"))
+        tensors(sd)
+        save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if qc:
+        cfg = json.loads((dst / "config.json").read_text())
+        qc(cfg["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
 # ---------------------------------------------------------------------------------------------- compressed-tensors int
 def write_ct_pack(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 32, sym: bool = True,
                   strategy: str = "group", act_order: bool = False, seed: int = 0) -> tuple[Path, Path]:

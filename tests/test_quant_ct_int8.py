@@ -13,18 +13,15 @@ semantics, scale amax / 127 per token or the checkpoint's static input_scale, ro
 """
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 from hf_ref import hf_greedy, hf_model, hf_prefill_logits
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tests.fixtures.tiny_hf import make_tiny_qwen3
 
 pytest.importorskip("compressed_tensors")
-from quant_ckpt import calibrate_input_scales, int8_act_hooks, write_ct_int8  # noqa: E402
+from quant_ckpt import calibrate_input_scales, edit_ckpt, int8_act_hooks, write_ct_int8  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -106,19 +103,6 @@ def test_w8a8_static_input_scales(base, tmp_path):
     _check(ckpt, ref, "static", scales, act_repr="ActQuant(int8_static")
 
 
-def _edit(src, dst, tensors=None, qc=None):
-    shutil.copytree(src, dst)
-    if tensors:
-        sd = load_file(str(dst / "model.safetensors"))
-        tensors(sd)
-        save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    if qc:
-        cfg = json.loads((dst / "config.json").read_text())
-        qc(cfg["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_activations_and_scales_matter(w8a8, tmp_path):
     """Against transformers without the activation hooks the engine's logits differ (it quantizes its inputs);
     weight scales of 1 break the tokens."""
@@ -135,7 +119,7 @@ def test_activations_and_scales_matter(w8a8, tmp_path):
         for k in [k for k in sd if k.endswith("weight_scale")]:
             sd[k] = torch.ones_like(sd[k])
 
-    llm = _llm(_edit(ckpt, tmp_path / "u", tensors=unit_scales))
+    llm = _llm(edit_ckpt(ckpt, tmp_path / "u", tensors=unit_scales))
     try:
         assert _greedy(llm) != want
     finally:
@@ -152,7 +136,7 @@ def test_activations_and_scales_matter(w8a8, tmp_path):
 ])
 def test_faults_named(w8a8, tmp_path, tensors, qc, needle):
     with pytest.raises(ValueError, match=needle):
-        _llm(_edit(w8a8[0], tmp_path / "x", tensors=tensors, qc=qc))
+        _llm(edit_ckpt(w8a8[0], tmp_path / "x", tensors=tensors, qc=qc))
 
 
 @pytest.mark.slow

@@ -14,17 +14,16 @@ float32 rounding.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from hf_ref import hf_greedy, hf_prefill_logits
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tests.fixtures.tiny_hf import make_tiny_qwen3
 
 pytest.importorskip("compressed_tensors")
-from quant_ckpt import write_ct_pack  # noqa: E402
+from quant_ckpt import edit_ckpt, write_ct_pack  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -112,19 +111,6 @@ def test_packed_path_same_tokens(ckpts, monkeypatch):
             llm.shutdown()
 
 
-def _edit(src, dst, tensors=None, qc=None):
-    shutil.copytree(src, dst)
-    if tensors:
-        sd = load_file(str(dst / "model.safetensors"))
-        tensors(sd)
-        save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    if qc:
-        cfg = json.loads((dst / "config.json").read_text())
-        qc(cfg["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("edit", ["no_zero_points", pytest.param("swapped_scales", marks=pytest.mark.slow)])
 def test_dropped_zero_points_or_swapped_scales_break_parity(ckpts, tmp_path, edit):
     ckpt, ref = ckpts["w4_g32_asym"]
@@ -138,7 +124,7 @@ def test_dropped_zero_points_or_swapped_scales_break_parity(ckpts, tmp_path, edi
         a, b = "model.layers.0.mlp.up_proj.weight_scale", "model.layers.0.mlp.gate_proj.weight_scale"
         sd[a], sd[b] = sd[b].clone(), sd[a].clone()
 
-    d = _edit(ckpt, tmp_path / "e", tensors=no_zp if edit == "no_zero_points" else swap)
+    d = edit_ckpt(ckpt, tmp_path / "e", tensors=no_zp if edit == "no_zero_points" else swap)
     llm = _llm(d)
     try:
         got = _greedy(llm)
@@ -160,7 +146,7 @@ def test_dropped_zero_points_or_swapped_scales_break_parity(ckpts, tmp_path, edi
 ])
 def test_faulty_tensors_named(ckpts, tmp_path, edit, needle):
     with pytest.raises(ValueError, match=needle):
-        _llm(_edit(ckpts["w4_g32_sym"][0], tmp_path / "x", tensors=edit))
+        _llm(edit_ckpt(ckpts["w4_g32_sym"][0], tmp_path / "x", tensors=edit))
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -174,7 +160,7 @@ def test_faulty_tensors_named(ckpts, tmp_path, edit, needle):
 ])
 def test_unsupported_settings_refused(ckpts, tmp_path, edit, needle):
     with pytest.raises(ValueError, match=needle):
-        _llm(_edit(ckpts["w4_g32_sym"][0], tmp_path / "x", qc=edit))
+        _llm(edit_ckpt(ckpts["w4_g32_sym"][0], tmp_path / "x", qc=edit))
 
 
 @pytest.mark.slow
