@@ -33,32 +33,13 @@ def _e4m3_round(v):
 
 
 @triton.jit
-def _fp8_act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, static_scale, GROUP: tl.constexpr,
-                          BLOCK: tl.constexpr, STATIC: tl.constexpr, OUT_BF16: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, BLOCK)
-    mask = (cols < K) & (tl.arange(0, BLOCK) < GROUP)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    if STATIC:
-        s = static_scale
-    else:
-        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
-    y = _e4m3_round(v) * s
-    if OUT_BF16:        # round half to even to bfloat16 on the bits (the cast below is then exact, also interpreted)
-        bits = y.to(tl.int32, bitcast=True)
-        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def fp8_round_trip_tile(y, static_scale, GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
                         OUT_BF16: tl.constexpr):
     """The round trip of a [BLOCK] float32 tile of one row (zeros where masked: they change no group's amax) whose
     first column starts a group: per GROUP consecutive columns (GROUP divides BLOCK; GROUP == BLOCK: one scale for
-    the tile), or with `static_scale`. The same arithmetic as _fp8_act_quant_kernel, element for element, so an op
-    that ends in this epilogue (ops/norm_act_kernels.py) equals that op followed by fp8_act_quant bit for bit."""
+    the tile), or with `static_scale`. The one implementation of the round trip: _fp8_act_quant_kernel runs it on one
+    group a program, the epilogues of ops/norm_act_kernels.py on their output tiles, so an op ending in it equals
+    that op followed by fp8_act_quant bit for bit."""
     if STATIC:
         v = tl.minimum(tl.maximum(tl.math.div_rn(y, static_scale), -FP8_MAX), FP8_MAX)
         out = _e4m3_round(v) * static_scale
@@ -71,6 +52,18 @@ def fp8_round_trip_tile(y, static_scale, GROUP: tl.constexpr, BLOCK: tl.constexp
         bits = out.to(tl.int32, bitcast=True)
         out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     return out
+
+
+@triton.jit
+def _fp8_act_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, static_scale, GROUP: tl.constexpr,
+                          BLOCK: tl.constexpr, STATIC: tl.constexpr, OUT_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (cols < K) & (tl.arange(0, BLOCK) < GROUP)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    y = fp8_round_trip_tile(x, static_scale, BLOCK, BLOCK, STATIC, OUT_BF16)     # one group a program
+    tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_act_quant(x: torch.Tensor, group: Optional[int], static_scale: Optional[float] = None) -> torch.Tensor:
