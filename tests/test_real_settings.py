@@ -710,6 +710,19 @@ CASES.update(HM_CASES)
 _BUILD_ONLY["distilgpt2"] = {"n_inner": None}      # the fixture's n_inner left out: 4 * n_embd as the release
 
 
+def _write_real_config(tmp: Path, arch: str, real: dict) -> Path:
+    """The built tiny checkpoint's config.json replaced by the release's (float32; the fixture's special token ids,
+    which fit its vocabulary)."""
+    built = json.loads((tmp / "config.json").read_text())
+    cfg = {**real, "architectures": [arch], "torch_dtype": "float32"}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        cfg.pop(k, None)
+        if k in built:
+            cfg[k] = built[k]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    return tmp
+
+
 def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> Path:
     from fixtures.tiny_hf import make_tiny_checkpoint
 
@@ -728,14 +741,7 @@ def _build(tmp: Path, arch: str, real: dict, build_only: dict | None = None) -> 
                                                                       # attention-free Mamba: none)
         ov.setdefault("head_dim", ov["hidden_size"] // ov["num_attention_heads"])   # transformers' value where absent
     make_tiny_checkpoint(arch, tmp, overrides={**ov, **(build_only or {})})
-    built = json.loads((tmp / "config.json").read_text())
-    cfg = {**real, "architectures": [arch], "torch_dtype": "float32"}
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        cfg.pop(k, None)
-        if k in built:
-            cfg[k] = built[k]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    return tmp
+    return _write_real_config(tmp, arch, real)
 
 
 @pytest.mark.slow      # ~10 s each: a transformers model and an engine per checkpoint

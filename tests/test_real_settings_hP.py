@@ -4,12 +4,11 @@ the sizes shrunk, a tiny checkpoint from transformers' own class, served against
 tests/test_real_settings.py). Windows are shrunk below the prompts where a case says so, so that they are crossed."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-from test_real_settings import _META, ROOT, _build, _real
+from test_real_settings import _META, ROOT, _build, _real, _write_real_config
 
 _DENSE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
               intermediate_size=128, vocab_size=512)
@@ -88,14 +87,7 @@ def _build_falcon(tmp: Path, arch: str, real: dict) -> Path:
     from fixtures.tiny_hf import make_tiny_checkpoint
 
     make_tiny_checkpoint(arch, tmp, overrides={k: v for k, v in real.items() if k not in _META})
-    built = json.loads((tmp / "config.json").read_text())
-    cfg = {**real, "architectures": [arch], "torch_dtype": "float32"}
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        cfg.pop(k, None)
-        if k in built:
-            cfg[k] = built[k]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    return tmp
+    return _write_real_config(tmp, arch, real)
 
 
 # cases refused at load, by design, naming the field: a MistralForCausalLM file whose layer_types mark a
