@@ -22,7 +22,9 @@ from safetensors.torch import load_file, save_file
 FP8 = torch.float8_e4m3fn
 FMAX = 448.0
 LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                   "up_proj.weight", "down_proj.weight")
+                   "up_proj.weight", "down_proj.weight",
+                   # multi-head latent attention (DeepSeek-V2 / V3: quantized in their FP8 releases)
+                   "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight")
 
 
 def _is_linear(name: str) -> bool:
@@ -614,4 +616,45 @@ def int8_act_hooks(model, kind: str, scales: dict | None = None) -> list:
             s = None if scales is None else scales[name]
             handles.append(mod.register_forward_pre_hook(
                 lambda m, args, s=s: (emulate_int8(args[0], kind, s),) + tuple(args[1:])))
+    return handles
+
+
+# ---------------------------------------------------------------------------------------------- quantized experts
+class _Restore:
+    def __init__(self, mod):
+        self.mod = mod
+
+    def remove(self) -> None:
+        self.mod.__dict__.pop("forward", None)         # back to the class's forward
+
+
+def expert_act_quant(model, quant=None) -> list:
+    """Replaces the forward of a transformers model's stacked experts (modules holding 3-D `gate_up_proj [E, 2I, H]`
+    and `down_proj [E, H, I]`) with a plain per-expert loop in which `quant(x, which)` (which: "in" for the
+    experts' input, "down" for the intermediate) is applied to each projection's input, as a quantized checkpoint's
+    fused MoE kernel does; quant None: no quantization (the loop's faithfulness to transformers' own forward is a
+    test of its own). Returns handles whose remove() restores the module's forward."""
+    import torch.nn.functional as F
+    handles = []
+    for mod in model.modules():
+        gu, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if not (isinstance(gu, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter) and gu.dim() == 3):
+            continue
+
+        def forward(hidden_states, top_k_index, top_k_weights, mod=mod):
+            q = quant or (lambda x, which: x)
+            out = torch.zeros_like(hidden_states)
+            x = q(hidden_states, "in")
+            for e in range(mod.gate_up_proj.shape[0]):
+                tok, pos = torch.where(top_k_index == e)
+                if not len(tok):
+                    continue
+                gate, up = F.linear(x[tok], mod.gate_up_proj[e]).chunk(2, dim=-1)
+                h = q(mod.act_fn(gate) * up, "down")
+                y = F.linear(h, mod.down_proj[e]) * top_k_weights[tok, pos, None]
+                out.index_add_(0, tok, y.to(out.dtype))
+            return out
+        mod.forward = forward
+        handles.append(_Restore(mod))
+    assert handles, "no stacked experts module found"
     return handles

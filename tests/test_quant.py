@@ -593,13 +593,3 @@ def test_tp2_fp8_kv_cache_scales(kv_scaled):
     transformers' with K / V rounded with the scales."""
     ref, scales, ckpt = kv_scaled
     assert _tp2(ckpt, _greedy, kv_cache_dtype="fp8") == _hf_fp8_kv_greedy(ref, PROMPTS, N_NEW, scales)
-
-
-def test_fp8_moe_experts_refused_by_name(tmp_path):
-    """float8 expert weights (a FusedMoE's stacked parameters) are refused, naming the tensor."""
-    from tests.fixtures.tiny_hf import make_tiny_checkpoint
-    base = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe")
-    ckpt, _ = write_fp8_block(base, tmp_path / "c", tmp_path / "r", BLOCK)
-    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.experts\.\d+\.\w+_proj\.weight' is float8.*"
-                                         r"experts are not supported"):
-        _llm(ckpt)

@@ -18,6 +18,10 @@ Sharding, decided here (and only here):
 
 Loading: each stacked parameter's `tp_split` is an ExpertSplit (layers/expert_split.py), whose `load` is its
 `weight_loader`, reading only this rank's experts / rows.
+
+Quantized experts (an fp8 / int checkpoint's per-expert weights, runtime/loading/quant_load.py) are held dequantized;
+the checkpoint's activation quantization is `act_quant` on the experts' input and `act_quant_down` on the
+intermediate (the down projections' input), set at load: the semantics of vLLM's fp8 / int8 fused MoE.
 """
 from __future__ import annotations
 
@@ -53,6 +57,11 @@ class FusedMoE(nn.Module):
     limit; "glu_clamped": act, limit, the plain `act` experts where limit is None). `bias`: per-expert biases
     `gate_up_proj_bias [E, 2 * I]` (split as gate_up_proj's rows) and
     `down_proj_bias [E, H]` (whole on every rank; with parallel="tensor" rank 0 adds it, once)."""
+
+    # a quantized checkpoint's activation quantization (runtime.layers.quant.ActQuant), set at load: of the experts'
+    # input (the gate / up projections') and of the intermediate (the down projections' input)
+    act_quant = None
+    act_quant_down = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
                  activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
@@ -214,25 +223,30 @@ class FusedMoE(nn.Module):
     def _experts(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the chosen experts' weighted sum (before the all-reduce)."""
         norm = getattr(self, self.out_norm) if self.out_norm is not None else None
+        x, act_fn, mid = hidden_states, self.act_fn, self.act_quant_down
+        if self.act_quant is not None:    # per token (and group): the same rows every chosen expert reads
+            x = self.act_quant(hidden_states)
+        if mid is not None:               # the intermediate quantized as the down projections read it
+            act_fn = lambda h, f=self.act_fn: mid(f(h))                                     # noqa: E731
         if not self.gated:                # down(act(up)): the torch grouped reference on every device
-            return moe_ops.fused_moe_reference(hidden_states, self.up_proj, self.down_proj, weights, ids, self.act_fn,
+            return moe_ops.fused_moe_reference(x, self.up_proj, self.down_proj, weights, ids, act_fn,
                                                out_norm=norm)
         if norm is not None:              # each expert's output normalized: the torch grouped reference
-            return moe_ops.fused_moe_reference(hidden_states, self.gate_up_proj, self.down_proj, weights, ids,
-                                               self.act_fn, b13=self.gate_up_proj_bias if self.has_bias else None,
+            return moe_ops.fused_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                               act_fn, b13=self.gate_up_proj_bias if self.has_bias else None,
                                                b2=self.down_proj_bias if self.has_bias else None,
                                                weights_on_input=self.weights_on == "input", out_norm=norm)
         if self.has_bias and self.weights_on == "input":
             raise NotImplementedError("FusedMoE: routing weights on the expert input with expert biases")
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
             b2 = self.down_proj_bias if self.parallel == "expert" or self.tp_rank == 0 else None   # bias once
-            return moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
-                                     self.act_fn, self.gate_up_proj_bias, b2)
+            return moe_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+                                     act_fn, self.gate_up_proj_bias, b2, mid=mid)
         if self.weights_on == "input":
-            return moe_ops.fused_moe_reference(hidden_states, self.gate_up_proj, self.down_proj, weights, ids,
-                                               self.act_fn, weights_on_input=True)
-        return moe_ops.fused_moe(hidden_states, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
-                                 self.act_fn)
+            return moe_ops.fused_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                               act_fn, weights_on_input=True)
+        return moe_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, act_fn,
+                                 mid=mid)
 
     def extra_repr(self) -> str:
         routing = ("weights_on='input', " if self.weights_on == "input" else "") + (
@@ -244,6 +258,8 @@ class FusedMoE(nn.Module):
             f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, "))
         routing += f"identity_experts={self.identity_experts}, " if self.identity_experts else ""
         routing += f"out_norm={self.out_norm!r}, " if self.out_norm else ""
+        if self.act_quant is not None or self.act_quant_down is not None:
+            routing += f"act_quant={self.act_quant!r}, act_quant_down={self.act_quant_down!r}, "
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "
                 f"top_k={self.top_k}, renormalize={self.renormalize}, intermediate={self.intermediate} (per rank), "
                 f"activation={self.activation!r}{self.activation_params or ''}, bias={self.has_bias}, parallel={self.parallel!r}, tp={self.tp_size}")

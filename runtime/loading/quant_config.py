@@ -29,7 +29,8 @@ What is supported (everything else is refused, naming the method or the setting)
 
 Which layers are quantized follows the checkpoint: a float8 weight needs its scale tensor (its absence is an
 error naming it); a weight stored in a float dtype (lm_head, embeddings, `ignore` / `modules_to_not_convert`
-layers) is loaded as it is.
+layers) is loaded as it is. MoE experts stored per expert are read in every format (held dequantized, activations
+quantized as the format says: runtime.layers.moe.FusedMoE act_quant / act_quant_down).
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ def _pack_forced() -> Optional[bool]:
 
 
 _FP8_DTYPES = {"F8_E4M3"}
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")      # FusedMoE's stacked expert weights
 
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ class QuantLoad:
     def __init__(self, model: torch.nn.Module, ckpt, qc: Optional[QuantConfig]):
         self.model, self.ckpt, self.qc = model, ckpt, qc
         self.layers: dict[str, list] = {}          # module name -> [(source, static input scale or None)]
-        self.plain: dict[str, list] = {}           # module name -> float sources of a quantized-capable layer
+        self.experts: dict[str, list] = {}         # a FusedMoE's stacked parameter -> the same, one per expert
+        self.plain: dict[str, list] = {}           # module / expert parameter -> float sources of a quantized-capable
+                                                   # layer
         self.used: set[str] = set()                # scale tensors consumed
         self.names = set(ckpt.names())
         self.packed: list[str] = []                # layers holding packed weights (runtime/layers/quant_linear.py)
@@ -100,13 +103,31 @@ class QuantLoad:
         return view
 
     def _module(self, param: str):
+        """(module name, the linear layer whose weight `param` is, or the FusedMoE whose stacked expert weight it
+        is, else None)."""
         from xllm_gen.runtime.layers.linear import _Linear
+        from xllm_gen.runtime.layers.moe import FusedMoE
         mod_name, _, attr = param.rpartition(".")
         try:
             mod = self.model.get_submodule(mod_name)
         except AttributeError:
             return mod_name, None
-        return mod_name, (mod if isinstance(mod, _Linear) and attr == "weight" else None)
+        if isinstance(mod, _Linear) and attr == "weight" or isinstance(mod, FusedMoE) and attr in EXPERT_WEIGHTS:
+            return mod_name, mod
+        return mod_name, None
+
+    @staticmethod
+    def _is_experts(layer) -> bool:
+        from xllm_gen.runtime.layers.moe import FusedMoE
+        return isinstance(layer, FusedMoE)
+
+    def _record(self, param: str, mod_name: str, layer, name: str, input_scale: Optional[float] = None) -> None:
+        """A quantized source of a linear layer, or of a FusedMoE's stacked parameter (its gate / up and its down
+        projections take different activation quantizations)."""
+        if self._is_experts(layer):
+            self.experts.setdefault(param, []).append((name, input_scale))
+        else:
+            self.layers.setdefault(mod_name, []).append((name, input_scale))
 
     def _is_router(self, mod_name: str) -> bool:
         """A linear layer beside a FusedMoE in its parent module: the MoE router, never quantized online."""
@@ -128,19 +149,20 @@ class QuantLoad:
         if isinstance(sl, IntWeightView):
             if linear is None:
                 raise QuantLoadError(f"tensor {sl.names[0]!r} is {qc.method}-quantized, but parameter {param!r} is not "
-                                     f"a linear layer's weight (quantized embeddings / heads / experts are not "
-                                     f"supported)")
+                                     f"a linear layer's or a FusedMoE's expert weight (quantized embeddings / heads "
+                                     f"are not supported)")
             self.used.update(sl.names)
-            self.layers.setdefault(mod_name, []).append((name, None))
+            self._record(param, mod_name, linear, name)
             return sl
         int8 = dtype == "I8" and qc is not None and qc.method == "compressed-tensors" and qc.bits == 8
         what = "int8" if int8 else "float8"
         if dtype not in _FP8_DTYPES and not int8:
-            if qc is not None and qc.method == "online-fp8" and linear is not None and not self._is_router(mod_name):
+            if (qc is not None and qc.method == "online-fp8" and linear is not None and not self._is_experts(linear)
+                    and not self._is_router(mod_name)):
                 self.layers.setdefault(mod_name, []).append((name, None))
                 return OnlineFp8View(sl)
             if linear is not None:
-                self.plain.setdefault(mod_name, []).append(name)
+                self.plain.setdefault(param if self._is_experts(linear) else mod_name, []).append(name)
             return sl
         if qc is None or qc.method == "online-fp8":
             raise QuantLoadError(f"tensor {name!r} is float8 ({dtype}), but config.json has no quantization_config "
@@ -176,9 +198,9 @@ class QuantLoad:
             input_scale = float(t.reshape(()).item())
             self.used.add(iname)
         if linear is None:
-            raise QuantLoadError(f"tensor {name!r} is {what}, but parameter {param!r} is not a linear layer's weight "
-                                 f"(quantized embeddings / heads / experts are not supported)")
-        self.layers.setdefault(mod_name, []).append((name, input_scale))
+            raise QuantLoadError(f"tensor {name!r} is {what}, but parameter {param!r} is not a linear layer's or a "
+                                 f"FusedMoE's expert weight (quantized embeddings / heads are not supported)")
+        self._record(param, mod_name, linear, name, input_scale)
         return Fp8WeightView(sl, scale.reshape(block_grid(shape, block)), block)
 
     def _expected(self, shape) -> str:
@@ -200,7 +222,10 @@ class QuantLoad:
         """Whether the quantized layer of `param` keeps its weight packed: XLLM_PACKED_QUANT=1 / 0, else on CUDA in
         bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, an 8B model's
         batch-1 decode at 0.68x (fp8) / 0.71x (int4) bf16's time on an H200, bench/results/h200_quant_fma_2026-12-04.md),
-        dequantized at load elsewhere (CPU, float32: the reference semantics)."""
+        dequantized at load elsewhere (CPU, float32: the reference semantics). Experts (a FusedMoE's stacked
+        weights) are always held dequantized: no quantized grouped-GEMM kernel here."""
+        if self._is_experts(self._module(param)[1]):
+            return False
         if self.qc is not None and self.qc.method == "compressed-tensors" and self.qc.bits == 8:
             return False            # int8 weights: no int8 GEMM here, the layer holds them dequantized
         forced = _pack_forced()
@@ -235,18 +260,32 @@ class QuantLoad:
     def _zero_biases(self) -> None:
         """GPTQ writers save a `.bias` for every quantized linear layer, zeros where the model has none: consumed
         when the layer has no bias parameter and the tensor is all zeros (else left for the unexpected-tensor check)."""
-        for mod_name, srcs in self.layers.items():
-            mod = self.model.get_submodule(mod_name)
-            if getattr(mod, "bias", None) is not None:
+        layers = [(self.model.get_submodule(m), srcs) for m, srcs in self.layers.items()]
+        layers += [(self._module(p)[1], srcs) for p, srcs in self.experts.items()]
+        for mod, srcs in layers:
+            if getattr(mod, "bias", None) is not None or getattr(mod, "has_bias", False):
                 continue
             for name, _ in srcs:
                 b = name[: -len(".weight")] + ".bias"
                 if b in self.names and not self.ckpt.slice(b)[:].any():
                     self.used.add(b)
 
-    def finish(self) -> set[str]:
-        """Gives each quantized linear layer its activation quantization; returns the scale tensors used."""
+    @staticmethod
+    def _split_input(mod, attr: str):
+        """This rank's input columns of a layer whose input features are split over TP ranks (a row-parallel linear
+        layer, a FusedMoE's down projections with parallel="tensor"), else None."""
         from xllm_gen.runtime.layers.linear import RowParallelLinear
+        if getattr(mod, "tp_size", 1) <= 1:
+            return None
+        if isinstance(mod, RowParallelLinear):
+            return mod.weight.tp_split.segments[0]
+        if attr == "act_quant_down" and mod.parallel == "tensor":
+            return mod.down_proj.tp_split.inner.segments[0]
+        return None
+
+    def finish(self) -> set[str]:
+        """Gives each quantized linear layer (and each FusedMoE with quantized experts) its activation
+        quantization; returns the scale tensors used."""
         if self.packed or self.unpacked:
             logger.info("quantized linear layers: %d packed (weight-only GEMM), %d dequantized%s", len(self.packed),
                         len(self.unpacked), f" ({', '.join(self.unpacked[:4])}...)" if self.unpacked else "")
@@ -261,25 +300,28 @@ class QuantLoad:
             logger.info("MXFP4: %d parameters dequantized at load to %s: %.2f GiB held on this rank; the checkpoint's "
                         "packed e2m1 + e8m0 tensors for them: %.2f GiB (all ranks). A fused MXFP4 kernel is not used",
                         len(self.mxfp4), str(dtype).replace("torch.", ""), held / 2**30, packed / 2**30)
-        for mod_name, srcs in self.layers.items():
-            if mod_name in self.plain:
-                raise QuantLoadError(f"layer {mod_name!r}: tensor(s) {', '.join(self.plain[mod_name])} are not "
-                                     f"quantized but {srcs[0][0]!r} is: a fused layer's sources must all be")
-            mod = self.model.get_submodule(mod_name)
+        targets = [(m, self.model.get_submodule(m), "act_quant", srcs) for m, srcs in self.layers.items()]
+        targets += [(p, self._module(p)[1], "act_quant_down" if p.endswith(".down_proj") else "act_quant", srcs)
+                    for p, srcs in self.experts.items()]
+        for where, mod, attr, srcs in targets:
+            if where in self.plain:
+                raise QuantLoadError(f"{'layer' if attr == 'act_quant' and where in self.layers else 'parameter'} "
+                                     f"{where!r}: tensor(s) {', '.join(self.plain[where][:4])} are not quantized but "
+                                     f"{srcs[0][0]!r} is: a fused layer's sources (and all experts) must all be")
             act = self.qc.act
             if act is None:
                 continue
-            if act in ("static", "int8_static"):     # a fused layer (q|k|v): the largest of its sources' scales
-                mod.act_quant = ActQuant(act, scale=max(s for _, s in srcs))
+            if act in ("static", "int8_static"):     # a fused layer (q|k|v), the experts: the largest of the scales
+                setattr(mod, attr, ActQuant(act, scale=max(s for _, s in srcs)))
                 continue
             aq = ActQuant(act, self.qc.act_group)
-            if act == "group" and isinstance(mod, RowParallelLinear) and mod.tp_size > 1:
-                seg = mod.weight.tp_split.segments[0]
-                if seg.start % aq.group or (seg.rows % aq.group and seg.stop != seg.size):
-                    raise QuantLoadError(
-                        f"layer {mod_name!r} ({type(mod).__name__}): its {seg.size} input features split over "
-                        f"tp={mod.tp_size} give rank {mod.tp_rank} columns [{seg.start}, {seg.stop}), which do not "
-                        f"fall on the activation groups of {aq.group} (weight_block_size): each rank's columns must "
-                        f"start on a multiple of {aq.group}")
-            mod.act_quant = aq
+            seg = self._split_input(mod, attr)
+            if act == "group" and seg is not None and (seg.start % aq.group or (seg.rows % aq.group
+                                                                                and seg.stop != seg.size)):
+                raise QuantLoadError(
+                    f"{'layer' if where in self.layers else 'parameter'} {where!r} ({type(mod).__name__}): its "
+                    f"{seg.size} input features split over tp={mod.tp_size} give rank {mod.tp_rank} columns "
+                    f"[{seg.start}, {seg.stop}), which do not fall on the activation groups of {aq.group} "
+                    f"(weight_block_size): each rank's columns must start on a multiple of {aq.group}")
+            setattr(mod, attr, aq)
         return self.used

@@ -226,15 +226,18 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str, act: Callable[[torch.Tensor], torch.Tensor],
-              b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None) -> torch.Tensor:
+              b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+              mid: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """The experts' output: the Triton grouped kernel (ops/moe_triton.py) for a SiLU gate without expert biases
     on CUDA, else the torch reference (on any device; static shapes, graph-capturable). `activation` names the
-    gate ("silu", "gelu_tanh", "swiglu_clamped", ...), `act` is its gated module; b13 / b2 the expert biases."""
+    gate ("silu", "gelu_tanh", "swiglu_clamped", ...), `act` is its gated module (with `mid` applied to its output,
+    when given); b13 / b2 the expert biases. `mid`: what the intermediate goes through before the down projections
+    (a quantized checkpoint's activation quantization), for the Triton path, which fuses the activation."""
     if b13 is not None or b2 is not None:
         return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, act, b13=b13, b2=b2)
     if x.is_cuda and activation == "silu":
         from xllm_gen.runtime.ops import use_triton
         if use_triton(x):
             from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
-            return fused_moe_silu(x, w13, w2, topk_weights, topk_ids)
+            return fused_moe_silu(x, w13, w2, topk_weights, topk_ids, mid=mid)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, act)

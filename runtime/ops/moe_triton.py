@@ -268,9 +268,10 @@ def default_config(T: int, E: int, top_k: int, H: int, I: int) -> MoeConfig:
 
 
 def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+                   topk_ids: torch.Tensor, config: MoeConfig | None = None, mid=None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, K] -> [T, H] (see the module doc).
-    `config`: the tiles and launch parameters (None: default_config of the shapes)."""
+    `config`: the tiles and launch parameters (None: default_config of the shapes). `mid`: a row-wise map of the
+    intermediate [pairs, I] between the two kernels (a quantized checkpoint's activation quantization)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -288,6 +289,8 @@ def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, PREC=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if mid is not None:                 # rows are independent: padding rows (zeros) stay zeros, never read
+        h = mid(h)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)      # rows of pairs routed nowhere: never read
     weights = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(nb, triton.cdiv(H, cfg.block_n2))](

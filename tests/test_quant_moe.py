@@ -1,0 +1,197 @@
+"""Quantized mixture-of-experts checkpoints: per-expert fp8 / int weights (Qwen3-30B-A3B-FP8, DeepSeek-V3's FP8
+release, llm-compressor's MoE FP8 / W8A8, AWQ / GPTQ MoE) load into FusedMoE's stacked experts, dequantized, with
+the checkpoint's activation quantization on the experts' input and on the intermediate (FusedMoE.act_quant /
+act_quant_down), against transformers on the dequantized weights, float32 on CPU.
+
+- The reference quantizes the same activations with code written independently of the runtime: forward pre-hooks
+  on the linear layers (tests/quant_ckpt.py act_quant_hooks) and a per-expert loop replacing transformers' experts
+  forward (expert_act_quant), itself checked against transformers' own forward.
+- Sensitivity: the reference without the experts' quantization, and altered expert scales, are far from the
+  engine.
+- TP 2 (slow): expert weights and activation groups split over the ranks; a split the activation groups cannot
+  follow is refused naming the parameter.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hf_ref import hf_greedy, hf_model, hf_prefill_logits
+from quant_ckpt import (
+    act_quant_hooks,
+    edit_ckpt,
+    emulate,
+    emulate_int8,
+    expert_act_quant,
+    int8_act_hooks,
+    write_awq,
+    write_ct_fp8,
+    write_ct_int8,
+    write_fp8_block,
+    write_gptq,
+)
+
+from tests.fixtures.tiny_hf import make_tiny_checkpoint
+
+BLOCK = (16, 16)       # moe_intermediate_size 32: two activation groups per expert row, one per TP-2 rank
+PROMPTS = [[97, 11, 187, 0, 57, 67], [78, 67, 315, 96, 374], [3, 17, 99, 102, 7, 7, 300, 41, 5]]
+N_NEW = 10
+TOL_SAME = 1e-3        # the reference quantizes the same activations: float rounding only
+OPTS = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=8, max_model_len=256,
+            enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("moe") / "base")
+
+
+@pytest.fixture(scope="module")
+def fp8_block(moe, tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe_fp8b")
+    return write_fp8_block(moe, d / "ckpt", d / "ref", BLOCK)
+
+
+def _llm(path, **kw):
+    from xllm_gen import LLM
+    return LLM(model=str(path), **{**OPTS, **kw})
+
+
+def _greedy(llm, prompts=PROMPTS, n=N_NEW) -> list[list[int]]:
+    from xllm_gen import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _fp8(kind, group=0):
+    return lambda x, which: emulate(x, kind, group)
+
+
+def _reference(ref, linear=None, experts=None, prompts=PROMPTS, n=N_NEW, logits_of=None):
+    """transformers' greedy tokens on the dequantized checkpoint (or, with `logits_of`, its prefill logits of that
+    sequence), the linear layers' inputs quantized by `linear` (hooks installer) and the experts' by `experts`."""
+    model = hf_model(ref)
+    handles = (linear(model) if linear else []) + expert_act_quant(model, experts)
+    try:
+        return hf_prefill_logits(ref, logits_of) if logits_of is not None else hf_greedy(ref, prompts, n)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _err(llm, ref, seq, **kw) -> float:
+    want = _reference(ref, logits_of=seq, **kw)
+    got = torch.as_tensor(llm.prefill_logits(seq)).float()[:, : want.shape[1]]
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_reference_experts_loop_is_transformers(fp8_block):
+    """The reference's per-expert loop without quantization gives transformers' own logits (so what the
+    quantizing loop adds is the quantization alone)."""
+    _, ref = fp8_block
+    seq = PROMPTS[2] + PROMPTS[0]
+    plain = hf_prefill_logits(ref, seq)
+    looped = _reference(ref, logits_of=seq)
+    assert (looped - plain).abs().max().item() <= 1e-5 * plain.abs().max().item()
+
+
+def test_fp8_block_experts_match_hf(fp8_block):
+    """Qwen3-*-FP8's format on an MoE: every expert's gate / up / down weight float8 with 16x16 block scales, the
+    experts' input and intermediate quantized per token and group of 16: greedy tokens equal transformers with the
+    same quantization, logits within float rounding; without the experts' activation quantization the reference
+    is far off (the engine does quantize them)."""
+    ckpt, ref = fp8_block
+    llm = _llm(ckpt)
+    moe_layer = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert repr(moe_layer.act_quant) == repr(moe_layer.act_quant_down) == "ActQuant(group, group=16)"
+    hooks = lambda m: act_quant_hooks(m, "group", BLOCK[1])                                  # noqa: E731
+    assert _greedy(llm) == _reference(ref, hooks, _fp8("group", BLOCK[1]))
+    seq = PROMPTS[2] + PROMPTS[1]
+    same = _err(llm, ref, seq, linear=hooks, experts=_fp8("group", BLOCK[1]))
+    without = _err(llm, ref, seq, linear=hooks)
+    print(f"\n[moe fp8 block] relative logit error {same:.2e}; reference without the experts' quantization {without:.2e}")
+    assert same < TOL_SAME and without > 10 * max(same, 1e-6), (same, without)
+
+
+def test_fp8_block_expert_scales_matter(fp8_block, tmp_path):
+    """Expert scales read wrong (all expert scales doubled) -> far from the reference."""
+    ckpt, ref = fp8_block
+
+    def double(sd):
+        for k in sd:
+            if ".experts." in k and k.endswith("weight_scale_inv"):
+                sd[k] = sd[k] * 2
+    bad = edit_ckpt(ckpt, tmp_path / "bad", tensors=double)
+    err = _err(_llm(bad), ref, PROMPTS[2] + PROMPTS[1], linear=lambda m: act_quant_hooks(m, "group", BLOCK[1]),
+               experts=_fp8("group", BLOCK[1]))
+    assert err > 0.05, err
+
+
+def test_fp8_expert_scale_missing_names_the_tensor(fp8_block, tmp_path):
+    ckpt, _ = fp8_block
+    name = "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"
+    bad = edit_ckpt(ckpt, tmp_path / "bad", tensors=lambda sd: sd.pop(name))
+    with pytest.raises(ValueError, match=rf"missing tensor '{name}'"):
+        _llm(bad)
+
+
+def test_ct_fp8_experts_per_token(moe, tmp_path):
+    """llm-compressor's FP8_DYNAMIC on an MoE (per-channel weight scales, dynamic per-token activations)."""
+    ckpt, ref = write_ct_fp8(moe, tmp_path / "ckpt", tmp_path / "ref", strategy="channel", act="token")
+    assert _greedy(_llm(ckpt)) == _reference(ref, lambda m: act_quant_hooks(m, "token"), _fp8("token"))
+
+
+def test_ct_int8_w8a8_experts(moe, tmp_path):
+    """compressed-tensors W8A8 int8 on an MoE: int8 expert weights, per-token int8 activations."""
+    ckpt, ref = write_ct_int8(moe, tmp_path / "ckpt", tmp_path / "ref", strategy="channel", act="token")
+    got = _greedy(_llm(ckpt))
+    assert got == _reference(ref, lambda m: int8_act_hooks(m, "token"), lambda x, which: emulate_int8(x, "token"))
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_int4_experts_weight_only(moe, tmp_path, fmt):
+    """AWQ / GPTQ int4 MoE checkpoints (every expert's projections packed, group 16): weights only, greedy tokens
+    equal transformers on the dequantized weights."""
+    writer = write_awq if fmt == "awq" else write_gptq
+    ckpt, ref = writer(moe, tmp_path / "ckpt", tmp_path / "ref", group=16)
+    assert _greedy(_llm(ckpt)) == _reference(ref)
+
+
+@pytest.mark.slow
+def test_tp2_fp8_block_experts(fp8_block):
+    """TP 2: each rank holds half of every expert's intermediate (one activation group of 16): tokens equal."""
+    ckpt, ref = fp8_block
+    llm = _llm(ckpt, tensor_parallel_size=2)
+    try:
+        got = _greedy(llm)
+    finally:
+        llm.shutdown()
+    assert got == _reference(ref, lambda m: act_quant_hooks(m, "group", BLOCK[1]), _fp8("group", BLOCK[1]))
+
+
+@pytest.mark.slow
+def test_tp2_expert_split_off_the_groups_refused(moe, tmp_path):
+    """Groups of 32 over an intermediate of 32 split in two: rank 1's columns start at 16, inside a group: refused
+    naming the experts' parameter (the dense layer 1's MLP, whose split would be refused first, stays float)."""
+    ckpt, _ = write_fp8_block(moe, tmp_path / "ckpt", tmp_path / "ref", (32, 32), skip=("layers.1.mlp.",))
+    with pytest.raises(Exception, match=r"experts\.down_proj.*do not fall on the activation groups of 32"):
+        _llm(ckpt, tensor_parallel_size=2)
+
+
+def test_deepseek_v3_fp8_release_format(tmp_path):
+    """DeepSeek-V3's FP8 release format: block fp8 on everything its release quantizes (the latent attention's
+    q_a / q_b / kv_a / kv_b / o projections, the dense and shared-expert MLPs and every routed expert), grouped
+    sigmoid routing with the correction bias: greedy tokens equal transformers with the same activation
+    quantization, logits within float rounding."""
+    base = make_tiny_checkpoint("DeepseekV3ForCausalLM", tmp_path / "base")
+    ckpt, ref = write_fp8_block(base, tmp_path / "ckpt", tmp_path / "ref", BLOCK)
+    llm = _llm(ckpt)
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    linears = [m for m in attn.modules() if hasattr(m, "act_quant") and hasattr(m, "weight")]
+    assert len(linears) >= 4 and all(m.act_quant is not None for m in linears), linears
+    hooks = lambda m: act_quant_hooks(m, "group", BLOCK[1])                                  # noqa: E731
+    assert _greedy(llm) == _reference(ref, hooks, _fp8("group", BLOCK[1]))
+    same = _err(llm, ref, PROMPTS[2] + PROMPTS[1], linear=hooks, experts=_fp8("group", BLOCK[1]))
+    assert same < TOL_SAME, same
