@@ -47,8 +47,14 @@ def _write(dst: Path, tensors: dict, qc: dict | None) -> Path:
     return dst
 
 
-def quantize_block(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight, float32 scale_inv [ceil(N/bn), ceil(K/bk)]): scale = block amax / 448."""
+def _ue8m0(s: torch.Tensor) -> torch.Tensor:
+    """A scale rounded up to a power of two (UE8M0), as DeepGEMM / transformers' ceil_to_ue8m0."""
+    return torch.exp2(torch.ceil(torch.log2(s)))
+
+
+def quantize_block(w: torch.Tensor, block, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 scale_inv [ceil(N/bn), ceil(K/bk)]): scale = block amax / 448 (`pow2`: rounded up to
+    a power of two, UE8M0)."""
     bn, bk = block
     N, K = w.shape
     gn, gk = -(-N // bn), -(-K // bk)
@@ -58,6 +64,7 @@ def quantize_block(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
         for j in range(gk):
             blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
             s = blk.abs().max().clamp(min=1e-12) / FMAX
+            s = _ue8m0(s) if pow2 else s
             scale[i, j] = s
             q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / s).clamp(-FMAX, FMAX).to(FP8)
     return q, scale
@@ -72,9 +79,12 @@ def dequant_block(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     return out
 
 
-def write_fp8_block(src: Path, dst: Path, ref: Path, block=(32, 32), skip=()) -> tuple[Path, Path]:
+def write_fp8_block(src: Path, dst: Path, ref: Path, block=(32, 32), skip=(), ue8m0: str | None = None
+                    ) -> tuple[Path, Path]:
     """The fp8 block-wise checkpoint of `src` in `dst`, its dequantized float32 twin in `ref`. Layers whose name
-    contains one of `skip` stay float (and are listed in modules_to_not_convert)."""
+    contains one of `skip` stay float (and are listed in modules_to_not_convert). `ue8m0` (DeepSeek-V3.1's
+    `scale_fmt: ue8m0`): power-of-two scales stored as "f32" (the release), "e8m0" (torch.float8_e8m0fnu) or "u8"
+    (e8m0 bytes)."""
     src, dst, ref = Path(src), Path(dst), Path(ref)
     _copy_small_files(src, dst)
     _copy_small_files(src, ref)
@@ -82,13 +92,17 @@ def write_fp8_block(src: Path, dst: Path, ref: Path, block=(32, 32), skip=()) ->
     out, deq = {}, {}
     for name, t in sd.items():
         if _is_linear(name) and not any(s in name for s in skip):
-            q, s = quantize_block(t.float(), block)
-            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, s
+            q, s = quantize_block(t.float(), block, pow2=ue8m0 is not None)
+            stored = {None: s, "f32": s, "e8m0": s.to(torch.float8_e8m0fnu),
+                      "u8": (torch.log2(s) + 127).round().to(torch.uint8)}[ue8m0]
+            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = q, stored
             deq[name] = dequant_block(q, s, block)
         else:
             out[name] = deq[name] = t
     qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
           "weight_block_size": list(block), "modules_to_not_convert": list(skip) or None}
+    if ue8m0:
+        qc["scale_fmt"] = "ue8m0"
     return _write(dst, out, qc), _write(ref, deq, None)
 
 
@@ -204,8 +218,9 @@ def _rt(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (x / s).clamp(-FMAX, FMAX).to(FP8).float() * s
 
 
-def emulate(x: torch.Tensor, kind: str, group: int = 0, scale: float | None = None) -> torch.Tensor:
-    """The reference activation quantization (loops over groups; float32)."""
+def emulate(x: torch.Tensor, kind: str, group: int = 0, scale: float | None = None, pow2: bool = False) -> torch.Tensor:
+    """The reference activation quantization (loops over groups; float32). `pow2`: the dynamic scales rounded up to
+    powers of two (UE8M0)."""
     xf = x.float()
     if kind == "static":
         y = _rt(xf, torch.tensor(scale))
@@ -215,20 +230,21 @@ def emulate(x: torch.Tensor, kind: str, group: int = 0, scale: float | None = No
         parts = []
         for j in range(0, xf.shape[-1], group):
             g = xf[..., j:j + group]
-            parts.append(_rt(g, (g.abs().amax(-1, keepdim=True) / FMAX).clamp(min=1e-12)))
+            s = (g.abs().amax(-1, keepdim=True) / FMAX).clamp(min=1e-12)
+            parts.append(_rt(g, _ue8m0(s) if pow2 else s))
         y = torch.cat(parts, -1)
     return y.to(x.dtype)
 
 
-def act_quant_hooks(model, kind: str, group: int = 0, scales: dict | None = None, skip=()) -> list:
+def act_quant_hooks(model, kind: str, group: int = 0, scales: dict | None = None, skip=(), pow2: bool = False) -> list:
     """Forward pre-hooks on the decoder's linear layers of a transformers model (but those whose name contains one
-    of `skip`): their inputs quantized."""
+    of `skip`): their inputs quantized (`pow2`: UE8M0 scales)."""
     handles = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and _is_linear(name + ".weight") and not any(s in name for s in skip):
             s = None if scales is None else scales[name]
             handles.append(mod.register_forward_pre_hook(
-                lambda m, args, s=s: (emulate(args[0], kind, group, s),) + tuple(args[1:])))
+                lambda m, args, s=s: (emulate(args[0], kind, group, s, pow2),) + tuple(args[1:])))
     return handles
 
 

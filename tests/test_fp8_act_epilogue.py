@@ -2,7 +2,7 @@
 (ops/norm_act_kernels.py `quant`; layers/fused.py norm_linear / act_linear): under the Triton interpreter (CPU), bit
 for bit the op followed by the one-launch round trip (ops/fp8_act_quant.py), and in float32 also ActQuant's torch
 ops. RMSNorm with and without the residual add, silu / gelu and mul (one tile and several tiles of a row), per
-token-group (128), per token, static scale; widths that are not a power of two. The layer wiring: norm_linear /
+token-group (128; also with power-of-two scales, `scale_fmt: ue8m0`), per token, static scale; widths that are not a power of two. The layer wiring: norm_linear /
 act_linear of a linear with an ActQuant equal the plain ops, and differ where the quantization is left out
 (sensitivity)."""
 from __future__ import annotations
@@ -15,11 +15,12 @@ import sys
 import pytest
 import torch
 
-QUANTS = {"group128": ("group", 128, None), "token": ("token", 0, None), "static": ("static", 0, 0.05)}
+QUANTS = {"group128": ("group", 128, None, False), "token": ("token", 0, None, False),
+          "static": ("static", 0, 0.05, False), "group128_pow2": ("group", 128, None, True)}
 
 
-def _q(kind, group, scale):
-    return (group if kind == "group" else None, scale if kind == "static" else None)
+def _q(kind, group, scale, pow2):
+    return (group if kind == "group" else None, scale if kind == "static" else None, pow2)
 
 
 def _checks(dev: str = "cpu") -> dict:
@@ -33,8 +34,8 @@ def _checks(dev: str = "cpu") -> dict:
             x = (torch.randn(3, D, generator=g) * 3).to(dev, dtype)
             r = torch.randn(3, D, generator=g).to(dev, dtype)
             w = (torch.rand(D, generator=g) + 0.5).to(dev, dtype)
-            for name, (kind, group, scale) in QUANTS.items():
-                aq, q = ActQuant(kind, group, scale), _q(kind, group, scale)
+            for name, (kind, group, scale, pow2) in QUANTS.items():
+                aq, q = ActQuant(kind, group, scale, pow2), _q(kind, group, scale, pow2)
                 for res in (False, True):
                     if res:
                         y, nr = K.fused_add_rms_norm(x, r, w, 1e-6, 0.0, quant=q)
@@ -42,17 +43,17 @@ def _checks(dev: str = "cpu") -> dict:
                         ok = torch.equal(nr, pr)
                     else:
                         y, p, ok = K.rms_norm(x, w, 1e-6, quant=q), K.rms_norm(x, w, 1e-6), True
-                    want = fp8_act_quant(p, group if kind == "group" else None, scale)
+                    want = fp8_act_quant(p, group if kind == "group" else None, scale, pow2)
                     ok = ok and torch.equal(y, want) and (dtype != torch.float32 or torch.equal(y, aq.reference(p)))
                     out[f"norm_res{int(res)}_{D}_{name}_{dtype}"] = bool(ok and not torch.equal(y, p))
             for n in (96, 300, 2048):
                 h = (torch.randn(2, 2 * n, generator=g) * 2).to(dev, dtype)
-                for name, (kind, group, scale) in QUANTS.items():
-                    aq, q = ActQuant(kind, group, scale), _q(kind, group, scale)
+                for name, (kind, group, scale, pow2) in QUANTS.items():
+                    aq, q = ActQuant(kind, group, scale, pow2), _q(kind, group, scale, pow2)
                     for act in ("silu", "gelu"):
                         y = K.silu_and_mul(h, quant=q) if act == "silu" else K.gelu_and_mul(h, "tanh", quant=q)
                         p = K.silu_and_mul(h) if act == "silu" else K.gelu_and_mul(h, "tanh")
-                        want = fp8_act_quant(p, group if kind == "group" else None, scale)
+                        want = fp8_act_quant(p, group if kind == "group" else None, scale, pow2)
                         ok = torch.equal(y, want) and (dtype != torch.float32 or torch.equal(y, aq.reference(p)))
                         out[f"{act}_{n}_{name}_{dtype}"] = bool(ok and not torch.equal(y, p))
     out.update(_layer_checks(dev))
@@ -110,7 +111,7 @@ def interpreted():
 def test_epilogue_round_trip_is_bit_exact(interpreted):
     kernels = {k: v for k, v in interpreted.items() if not k.startswith(("norm_linear", "act_linear"))}
     bad = [k for k, v in kernels.items() if not v]
-    assert not bad and len(kernels) == 2 * 3 * 3 * 2 + 2 * 3 * 3 * 2, bad
+    assert not bad and len(kernels) == 2 * 3 * len(QUANTS) * 2 * 2, bad
 
 
 def test_layer_wiring_quantizes_once(interpreted):

@@ -178,6 +178,49 @@ def _edit_ckpt(src: Path, dst: Path, edit_sd=None, edit_cfg=None) -> Path:
     return dst
 
 
+@pytest.mark.parametrize("stored", ["f32", "e8m0", "u8"])
+def test_fp8_block_ue8m0(base, tmp_path, stored):
+    """DeepSeek-V3.1 / V3.2's `scale_fmt: ue8m0`: power-of-two weight scales (stored float32 as the releases, as
+    float8_e8m0fnu, or as e8m0 bytes) and the dynamic activation scales rounded up to powers of two: greedy tokens
+    equal transformers with that activation quantization (UE8M0 scales written independently), logits within
+    float rounding; the reference with plain (not power-of-two) activation scales is further off."""
+    ckpt, ref = write_fp8_block(base, tmp_path / "ckpt", tmp_path / "ref", BLOCK, ue8m0=stored)
+    llm = _llm(ckpt)
+    assert repr(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.act_quant) == \
+        f"ActQuant(group, group={BLOCK[1]}, pow2)"
+    model = hf_model(ref)
+    handles = act_quant_hooks(model, "group", BLOCK[1], pow2=True)
+    try:
+        assert _greedy(llm) == hf_greedy(ref, PROMPTS, N_NEW)
+    finally:
+        for h in handles:
+            h.remove()
+    if stored == "f32":
+        _, same = _teacher_forced(llm, ref, PROMPTS[2], hook=("group", BLOCK[1], None, (), True))
+        _, plain = _teacher_forced(llm, ref, PROMPTS[2], hook=("group", BLOCK[1]))
+        print(f"\n[ue8m0] relative logit error {same:.2e}; against plain activation scales {plain:.2e}")
+        assert same < TOL_SAME < plain, (same, plain)
+
+
+def test_fp8_ue8m0_faults_name_the_tensor(base, tmp_path):
+    """Under scale_fmt ue8m0 a scale that is no power of two is refused naming the tensor; e8m0 scale bytes
+    without scale_fmt ue8m0 too; an unknown scale_fmt names the setting."""
+    ckpt, _ = write_fp8_block(base, tmp_path / "ckpt", tmp_path / "ref", BLOCK, ue8m0="f32")
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    bad = _edit_ckpt(ckpt, tmp_path / "bad", edit_sd=lambda sd: sd[name].mul_(1.5))
+    with pytest.raises(ValueError, match=rf"tensor '{name}': scale_fmt 'ue8m0' promises power-of-two scales"):
+        _llm(bad)
+    u8, _ = write_fp8_block(base, tmp_path / "u8", tmp_path / "u8ref", BLOCK, ue8m0="u8")
+    no_fmt = _edit_ckpt(u8, tmp_path / "nofmt", edit_cfg=lambda c: c["quantization_config"].pop("scale_fmt"))
+    with pytest.raises(ValueError, match=r"weight_scale_inv' is uint8 \(e8m0 scale bytes\), but quantization_config "
+                                         r"has no scale_fmt 'ue8m0'"):
+        _llm(no_fmt)
+    other = _edit_ckpt(ckpt, tmp_path / "other",
+                       edit_cfg=lambda c: c["quantization_config"].__setitem__("scale_fmt", "e4m3"))
+    with pytest.raises(ValueError, match=r"scale_fmt='e4m3' is not supported"):
+        _llm(other)
+
+
 def test_missing_or_misshaped_scale_names_the_tensor(fp8_block, tmp_path):
     ckpt, _ = fp8_block
     name = "model.layers.1.self_attn.k_proj.weight_scale_inv"

@@ -1,5 +1,5 @@
 """Quantized mixture-of-experts checkpoints: per-expert fp8 / int weights (Qwen3-30B-A3B-FP8, DeepSeek-V3's FP8
-release, llm-compressor's MoE FP8 / W8A8, AWQ / GPTQ MoE) load into FusedMoE's stacked experts, dequantized, with
+release and V3.1's UE8M0 form, llm-compressor's MoE FP8 / W8A8, AWQ / GPTQ MoE) load into FusedMoE's stacked experts, dequantized, with
 the checkpoint's activation quantization on the experts' input and on the intermediate (FusedMoE.act_quant /
 act_quant_down), against transformers on the dequantized weights, float32 on CPU.
 
@@ -180,18 +180,23 @@ def test_tp2_expert_split_off_the_groups_refused(moe, tmp_path):
         _llm(ckpt, tensor_parallel_size=2)
 
 
-def test_deepseek_v3_fp8_release_format(tmp_path):
+@pytest.mark.parametrize("ue8m0", [None, "f32"], ids=["v3", "v3.1_ue8m0"])
+def test_deepseek_v3_fp8_release_format(tmp_path, ue8m0):
     """DeepSeek-V3's FP8 release format: block fp8 on everything its release quantizes (the latent attention's
     q_a / q_b / kv_a / kv_b / o projections, the dense and shared-expert MLPs and every routed expert), grouped
     sigmoid routing with the correction bias: greedy tokens equal transformers with the same activation
-    quantization, logits within float rounding."""
+    quantization, logits within float rounding. V3.1's `scale_fmt: ue8m0`: power-of-two scales, weights and
+    activations (the experts' too)."""
     base = make_tiny_checkpoint("DeepseekV3ForCausalLM", tmp_path / "base")
-    ckpt, ref = write_fp8_block(base, tmp_path / "ckpt", tmp_path / "ref", BLOCK)
+    ckpt, ref = write_fp8_block(base, tmp_path / "ckpt", tmp_path / "ref", BLOCK, ue8m0=ue8m0)
     llm = _llm(ckpt)
+    pow2 = ue8m0 is not None
     attn = llm.engine.runner.model.model.layers[1].self_attn
     linears = [m for m in attn.modules() if hasattr(m, "act_quant") and hasattr(m, "weight")]
     assert len(linears) >= 4 and all(m.act_quant is not None for m in linears), linears
-    hooks = lambda m: act_quant_hooks(m, "group", BLOCK[1])                                  # noqa: E731
-    assert _greedy(llm) == _reference(ref, hooks, _fp8("group", BLOCK[1]))
-    same = _err(llm, ref, PROMPTS[2] + PROMPTS[1], linear=hooks, experts=_fp8("group", BLOCK[1]))
+    assert llm.engine.runner.model.model.layers[1].mlp.experts.act_quant.pow2 == pow2
+    hooks = lambda m: act_quant_hooks(m, "group", BLOCK[1], pow2=pow2)                      # noqa: E731
+    experts = lambda x, which: emulate(x, "group", BLOCK[1], pow2=pow2)                     # noqa: E731
+    assert _greedy(llm) == _reference(ref, hooks, experts)
+    same = _err(llm, ref, PROMPTS[2] + PROMPTS[1], linear=hooks, experts=experts)
     assert same < TOL_SAME, same

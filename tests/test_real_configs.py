@@ -48,8 +48,6 @@ REFUSED: dict[str, str] = {
     "minimax__MiniMax-Text-01": r"architectures \['MiniMaxText01ForCausalLM'\] are not served",
     # the ternary BitNet release's quantization (packed 2-bit weights) is not modelled; its master weights are served
     "bitnet__bitnet-b1.58-2B-4T": r"quantization_config: quant_method='bitnet' is not supported",
-    # DeepSeek-V3.2's FP8 scales in UE8M0 (power-of-two activation scales) are not modelled yet: refused by name
-    "deepseek_v32__DeepSeek-V3.2-Exp": r"quantization_config: quant_method 'fp8' with unsupported field\(s\) scale_fmt",
 }
 
 DROP = object()        # an AS_TRANSFORMERS edit that removes the field

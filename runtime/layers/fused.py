@@ -176,7 +176,7 @@ def _split_bias(linear):
 
 def _quant_epilogue(linear, x: torch.Tensor, width: int, gated: bool):
     """The fp8 round trip of linear's input as the producing op's epilogue (ops/norm_act_kernels.py `quant`):
-    (group, static scale), or None where the op and the quantization stay two launches (no per-token / group /
+    (group, static scale, power-of-two scales), or None where the op and the quantization stay two launches (no per-token / group /
     static ActQuant, a replaced forward, a width the epilogue cannot tile, torch ops)."""
     aq = linear.act_quant
     if aq is None or aq.kind not in ("group", "token", "static") or MODE == "0":
@@ -185,7 +185,7 @@ def _quant_epilogue(linear, x: torch.Tensor, width: int, gated: bool):
         return None
     if type(linear).forward not in (_lin._Linear.forward, _lin.RowParallelLinear.forward) or "forward" in vars(linear):
         return None
-    quant = (aq.group if aq.kind == "group" else None, aq.scale if aq.kind == "static" else None)
+    quant = (aq.group if aq.kind == "group" else None, aq.scale if aq.kind == "static" else None, aq.pow2)
     from xllm_gen.runtime.ops.norm_act_kernels import quant_fits
     return quant if quant_fits(quant, width, gated) else None
 

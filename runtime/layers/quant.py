@@ -30,6 +30,13 @@ def div_rn(a: torch.Tensor, b) -> torch.Tensor:
     return a / b
 
 
+def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= s (float32, normal, > 0), on the bits: exact (UE8M0 scales)."""
+    bits = s.contiguous().view(torch.int32)
+    e = bits & 0x7F800000
+    return torch.where((bits & 0x7FFFFF) != 0, e + 0x800000, e).view(torch.float32)
+
+
 def fp8_round_trip(x: torch.Tensor, scale) -> torch.Tensor:
     """x quantized to fp8 e4m3 with `scale` (x / scale saturated to +-448) and back, in float32."""
     return div_rn(x, scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
@@ -42,17 +49,25 @@ class ActQuant:
     "tensor" (one dynamic scale), "static" (the checkpoint's input_scale): fp8 e4m3; "int8_token", "int8_tensor",
     "int8_static": the same scales for int8 (symmetric: scale = amax / 127, q = round(x / scale) half to even,
     clamped to [-128, 127], as vLLM's int8 kernels). Under TP a row-parallel layer quantizes its own input
-    columns (per token: this rank's columns, as vLLM's kernels do)."""
+    columns (per token: this rank's columns, as vLLM's kernels do). `pow2` (fp8 dynamic kinds; a checkpoint's
+    `scale_fmt: ue8m0`): each scale rounded up to a power of two, as DeepSeek's inference code and DeepGEMM's UE8M0
+    recipe quantize the activations of the DeepSeek-V3.1 / V3.2 FP8 releases."""
 
-    def __init__(self, kind: str, group: int = 0, scale: Optional[float] = None):
-        self.kind, self.group, self.scale = kind, int(group), scale
+    def __init__(self, kind: str, group: int = 0, scale: Optional[float] = None, pow2: bool = False):
+        if pow2 and kind not in ("group", "token", "tensor"):
+            raise ValueError(f"ActQuant: power-of-two scales are for the dynamic fp8 kinds, not {kind!r}")
+        self.kind, self.group, self.scale, self.pow2 = kind, int(group), scale, bool(pow2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.kind in ("group", "token", "static"):     # one Triton launch, bit for bit the torch ops
             from xllm_gen.runtime.ops.fp8_act_quant import fp8_act_quant
             return fp8_act_quant(x, self.group if self.kind == "group" else None,
-                                 self.scale if self.kind == "static" else None)
+                                 self.scale if self.kind == "static" else None, self.pow2)
         return self.reference(x)
+
+    def _dynamic(self, amax: torch.Tensor) -> torch.Tensor:
+        s = div_rn(amax, FP8_MAX).clamp(min=_MIN_SCALE)
+        return ceil_pow2(s) if self.pow2 else s
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -67,22 +82,20 @@ class ActQuant:
         if self.kind == "static":
             return fp8_round_trip(xf, self.scale).to(dtype)
         if self.kind == "tensor":
-            s = div_rn(xf.abs().amax(), FP8_MAX).clamp(min=_MIN_SCALE)
-            return fp8_round_trip(xf, s).to(dtype)
+            return fp8_round_trip(xf, self._dynamic(xf.abs().amax())).to(dtype)
         if self.kind == "token":
-            s = div_rn(xf.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
-            return fp8_round_trip(xf, s).to(dtype)
+            return fp8_round_trip(xf, self._dynamic(xf.abs().amax(dim=-1, keepdim=True))).to(dtype)
         K, g = xf.shape[-1], self.group                    # "group": the last group may be partial
         pad = (-K) % g
         xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
         xg = xp.reshape(*xp.shape[:-1], -1, g)
-        s = div_rn(xg.abs().amax(dim=-1, keepdim=True), FP8_MAX).clamp(min=_MIN_SCALE)
-        y = fp8_round_trip(xg, s).reshape(xp.shape)
+        y = fp8_round_trip(xg, self._dynamic(xg.abs().amax(dim=-1, keepdim=True))).reshape(xp.shape)
         return (y[..., :K] if pad else y).to(dtype)
 
     def __repr__(self) -> str:
         extra = f", group={self.group}" if self.kind == "group" else (
             f", scale={self.scale:g}" if self.kind in ("static", "int8_static") else "")
+        extra += ", pow2" if self.pow2 else ""
         return f"ActQuant({self.kind}{extra})"
 
 

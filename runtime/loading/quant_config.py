@@ -5,6 +5,8 @@ What is supported (everything else is refused, naming the method or the setting)
 - `quant_method: fp8` (the official *-FP8 releases): float8_e4m3fn weights with `weight_scale_inv` per
   `weight_block_size` block (or one per tensor without it); dynamic activation quantization per token and
   group of block-K columns (`activation_scheme: dynamic`), or a static per-tensor `input_scale` (`static`).
+  `scale_fmt: ue8m0` (DeepSeek-V3.1 / V3.2): the weight scales are powers of two (stored float32, float8_e8m0fnu
+  or as e8m0 bytes), and the dynamic activation scales are rounded up to powers of two.
 - `quant_method: compressed-tensors`, `format: float-quantized` (llm-compressor FP8): 8-bit float weights with
   a per-tensor or per-channel `weight_scale`; input activations none (weight-only), dynamic per token or per
   tensor, or static per tensor (`input_scale`); the `ignore` list. `format: pack-quantized` (llm-compressor's
@@ -43,7 +45,7 @@ SUPPORTED = ("fp8 (block-wise or per-tensor), compressed-tensors (format float-q
              "gptq (bits 4 / 8), mxfp4, online fp8")
 # keys of each method's quantization_config that change nothing the runtime computes (bookkeeping)
 _FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
-             "ignored_layers", "dequantize", "kv_cache_scheme"}
+             "ignored_layers", "dequantize", "kv_cache_scheme", "scale_fmt"}
 # transformers' Mxfp4Config.to_dict (dequantize: a loading option of transformers; the runtime always dequantizes)
 _MXFP4_KEYS = {"quant_method", "modules_to_not_convert", "dequantize"}
 _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "global_compression_ratio",
@@ -83,6 +85,8 @@ class QuantConfig:
     ignore: the checkpoint's list of unquantized modules (documentation; the tensors' dtypes decide).
     bits (8 with compressed-tensors: int8 weights), group (-1: one group over all input features), zero_offset (GPTQ v1 stores zeros minus 1: 1),
     awq (AWQ's packing: qweight [in, out / 8] with the interleaved nibble order) of the integer formats.
+    scale_pow2: fp8's `scale_fmt: ue8m0`: power-of-two weight scales, and dynamic activation scales rounded up to
+        powers of two.
     kv_scheme: "tensor" / "head" when the config promises static fp8 KV-cache scales per tensor / per KV head
     (compressed-tensors `kv_cache_scheme` strategy tensor / attn_head, AutoFP8's `kv_cache_scheme: static`); the
     tensors themselves (runtime.loading.kv_scales) are read whenever the checkpoint holds them, by their shape."""
@@ -96,6 +100,7 @@ class QuantConfig:
     group: int = 0
     zero_offset: int = 0
     kv_scheme: Optional[str] = None
+    scale_pow2: bool = False
 
     def describe(self) -> str:
         if self.method == "mxfp4":
@@ -108,7 +113,8 @@ class QuantConfig:
         a = {None: "none", "group": f"dynamic per token-group of {self.act_group}", "token": "dynamic per token",
              "tensor": "dynamic per tensor", "static": "static per tensor"}[self.act.removeprefix("int8_")
                                                                              if self.act else None]
-        return f"{self.method} (weights {'int8' if self.bits == 8 else 'fp8 e4m3'}, {w}; activations {a})"
+        return (f"{self.method} (weights {'int8' if self.bits == 8 else 'fp8 e4m3'}, {w}; activations {a}"
+                f"{'; scales ue8m0 (powers of two)' if self.scale_pow2 else ''})")
 
 
 def _err(msg: str) -> QuantConfigError:
@@ -136,6 +142,11 @@ def _fp8(qc: dict) -> QuantConfig:
         block = (int(block[0]), int(block[1]))
     if qc.get("dequantize"):
         raise _err("dequantize=true is not supported")
+    scale_fmt = qc.get("scale_fmt", "float")
+    if scale_fmt not in ("float", "ue8m0"):
+        raise _err(f"scale_fmt={scale_fmt!r} is not supported ('float', 'ue8m0')")
+    if scale_fmt == "ue8m0" and scheme != "dynamic":
+        raise _err(f"scale_fmt 'ue8m0' with activation_scheme={scheme!r}: UE8M0 scales are dynamic ones")
     ignore = tuple(qc.get("modules_to_not_convert") or ()) + tuple(qc.get("ignored_layers") or ())
     act = "group" if block else ("static" if scheme == "static" else "tensor")
     kv = qc.get("kv_cache_scheme")
@@ -143,7 +154,7 @@ def _fp8(qc: dict) -> QuantConfig:
         raise _err(f"quant_method 'fp8' with kv_cache_scheme={kv!r} is not supported ('static': per-tensor KV-cache "
                    f"scales)")
     return QuantConfig("fp8", "weight_scale_inv", block, act, block[1] if block else 0, ignore,
-                       kv_scheme="tensor" if kv else None)
+                       kv_scheme="tensor" if kv else None, scale_pow2=scale_fmt == "ue8m0")
 
 
 def _pos_int(qc: dict, key: str, allowed, method: str) -> int:

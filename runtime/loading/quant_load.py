@@ -18,7 +18,7 @@ import torch
 
 from xllm_gen.runtime.layers.int_quant import IntQuantError, IntWeightView, pack_components
 from xllm_gen.runtime.layers.mxfp4 import BLOCKS_SUFFIX, Mxfp4Error, Mxfp4View
-from xllm_gen.runtime.layers.quant import ActQuant, Fp8WeightView, OnlineFp8View
+from xllm_gen.runtime.layers.quant import ActQuant, Fp8WeightView, OnlineFp8View, ceil_pow2
 from xllm_gen.runtime.loading.quant_config import QuantConfig, block_grid
 
 
@@ -177,7 +177,7 @@ class QuantLoad:
         sname = f"{base}.{qc.scale_suffix}"
         if sname not in self.names:
             raise QuantLoadError(f"missing tensor {sname!r}: the scale of the {what} weight {name!r} ({qc.method})")
-        scale = self.ckpt.slice(sname)[:].float()
+        scale = self._scale(sname)
         block = self._block(name, sname, shape, tuple(scale.shape), scale)
         if block is None:
             raise QuantLoadError(f"tensor {sname!r} has shape {tuple(scale.shape)}, which is not a scale of the "
@@ -185,6 +185,9 @@ class QuantLoad:
                                  + self._expected(shape))
         if not torch.isfinite(scale).all() or (scale <= 0).any():
             raise QuantLoadError(f"tensor {sname!r}: scales must be finite and > 0")
+        if qc.scale_pow2 and not torch.equal(ceil_pow2(scale), scale):
+            bad = scale[ceil_pow2(scale) != scale][0].item()
+            raise QuantLoadError(f"tensor {sname!r}: scale_fmt 'ue8m0' promises power-of-two scales, it holds {bad!r}")
         self.used.add(sname)
         input_scale = None
         if qc.act in ("static", "int8_static"):
@@ -202,6 +205,19 @@ class QuantLoad:
                                  f"FusedMoE's expert weight (quantized embeddings / heads are not supported)")
         self._record(param, mod_name, linear, name, input_scale)
         return Fp8WeightView(sl, scale.reshape(block_grid(shape, block)), block)
+
+    def _scale(self, sname: str) -> torch.Tensor:
+        """A weight scale tensor in float32: float8_e8m0fnu converts, and e8m0 bytes (uint8: 2^(b - 127), as MXFP8
+        writers store them) are read as such under `scale_fmt: ue8m0`."""
+        t = self.ckpt.slice(sname)[:]
+        if t.dtype != torch.uint8:
+            return t.float()
+        if not self.qc.scale_pow2:
+            raise QuantLoadError(f"tensor {sname!r} is uint8 (e8m0 scale bytes), but quantization_config has no "
+                                 f"scale_fmt 'ue8m0'")
+        if (t == 255).any():
+            raise QuantLoadError(f"tensor {sname!r}: e8m0 byte 255 is NaN")
+        return torch.exp2(t.float() - 127.0)
 
     def _expected(self, shape) -> str:
         if self.qc.weight_block:
@@ -314,7 +330,7 @@ class QuantLoad:
             if act in ("static", "int8_static"):     # a fused layer (q|k|v), the experts: the largest of the scales
                 setattr(mod, attr, ActQuant(act, scale=max(s for _, s in srcs)))
                 continue
-            aq = ActQuant(act, self.qc.act_group)
+            aq = ActQuant(act, self.qc.act_group, pow2=self.qc.scale_pow2)
             seg = self._split_input(mod, attr)
             if act == "group" and seg is not None and (seg.start % aq.group or (seg.rows % aq.group
                                                                                 and seg.stop != seg.size)):

@@ -7,7 +7,8 @@ was imported (tests).
 
 `quant` (the launchers' optional last argument): the output goes through the fp8 round trip of the linear layer
 that reads it (layers/quant.py ActQuant) in the same kernel, bit for bit the op followed by ops/fp8_act_quant.py:
-(group, None) dynamic scales per token and `group` columns (None: per token), (None, scale) a static scale. An FP8
+(group, None[, pow2]) dynamic scales per token and `group` columns (None: per token; pow2: rounded up to powers of
+two), (None, scale) a static scale. An FP8
 checkpoint's decode step then spends no launch of its own on quantizing the qkv / gate_up / down inputs.
 `quant_fits` says whether a row width can take it (else the caller runs the two ops).
 """
@@ -28,19 +29,19 @@ _WHOLE_ROW_MAX = 16384         # a per-token scale needs the whole row in one pr
 
 @triton.jit
 def _epilogue(y, out_dtype: tl.constexpr, qscale, QUANT: tl.constexpr, QGROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """y (float32) rounded to the output dtype, then (QUANT 1: dynamic per QGROUP columns, 2: static qscale) its
-    fp8 round trip."""
+    """y (float32) rounded to the output dtype, then (QUANT 1: dynamic per QGROUP columns, 2: static qscale, 3:
+    dynamic with power-of-two scales) its fp8 round trip."""
     y = y.to(out_dtype)
     if QUANT != 0:
         y = fp8_round_trip_tile(y.to(tl.float32), qscale, QGROUP, BLOCK, QUANT == 2,
-                                out_dtype == tl.bfloat16).to(out_dtype)
+                                out_dtype == tl.bfloat16, QUANT == 3).to(out_dtype)
     return y
 
 
 def _quant_group(quant, width: int, block: int):
     """The epilogue's QGROUP for `quant` over a row of `width` columns in tiles of `block`, or None where it cannot
     run there (a group that is no power of two, or a whole row wider than one program holds)."""
-    group, static = quant
+    group, static = quant[:2]
     if static is not None:
         return 1
     if group is None or group >= width:           # one scale per row (as fp8_act_quant: a group past the row)
@@ -57,7 +58,7 @@ def quant_fits(quant, width: int, gated: bool = False) -> bool:
 def _act_block(n: int, quant) -> int:
     if quant is None:
         return min(_ACT_BLOCK, triton.next_power_of_2(n))
-    group, static = quant
+    group, static = quant[:2]
     if static is None and (group is None or group >= n):      # the whole row in one program
         return triton.next_power_of_2(n)
     return max(min(_ACT_BLOCK, triton.next_power_of_2(n)), group or 1)
@@ -69,8 +70,9 @@ def _quant_kw(quant, width: int, block: int) -> dict:
     qgroup = _quant_group(quant, width, block)
     if qgroup is None:
         raise ValueError(f"fp8 round trip {quant} cannot end an op over rows of {width} columns (quant_fits)")
-    return dict(qscale=float(quant[1]) if quant[1] is not None else 1.0, QUANT=2 if quant[1] is not None else 1,
-                QGROUP=qgroup)
+    pow2 = len(quant) > 2 and quant[2]
+    return dict(qscale=float(quant[1]) if quant[1] is not None else 1.0,
+                QUANT=2 if quant[1] is not None else 3 if pow2 else 1, QGROUP=qgroup)
 
 
 # ---------------------------------------------------------------------------------------------- rms_norm
