@@ -20,6 +20,7 @@ import torch
 from hf_ref import hf_greedy, hf_model, hf_prefill_logits
 from quant_ckpt import (
     act_quant_hooks,
+    calibrate_input_scales,
     edit_ckpt,
     emulate,
     emulate_int8,
@@ -141,6 +142,45 @@ def test_ct_fp8_experts_per_token(moe, tmp_path):
     """llm-compressor's FP8_DYNAMIC on an MoE (per-channel weight scales, dynamic per-token activations)."""
     ckpt, ref = write_ct_fp8(moe, tmp_path / "ckpt", tmp_path / "ref", strategy="channel", act="token")
     assert _greedy(_llm(ckpt)) == _reference(ref, lambda m: act_quant_hooks(m, "token"), _fp8("token"))
+
+
+def test_ct_fp8_experts_static_scales(moe, tmp_path):
+    """Static per-tensor input scales, one per expert and projection (llm-compressor calibrates each expert): the
+    experts' input takes the largest gate / up scale of the layer's experts, the intermediate the largest down
+    scale (vLLM's fused MoE); tokens equal the reference quantizing with those maxima, and differ from one that
+    takes the first expert's scales."""
+    import json
+    ref0 = write_ct_fp8(moe, tmp_path / "probe", tmp_path / "probe_ref", strategy="channel", act=None)[1]
+    model = hf_model(ref0)
+    ids = torch.tensor([sum(PROMPTS, [])])
+    scales = calibrate_input_scales(model, ids)
+    seen: dict = {}
+
+    def record(x, which):
+        seen[which] = max(seen.get(which, 0.0), float(x.abs().max()))
+        return x
+    handles = expert_act_quant(model, record)
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    cfg = json.loads((moe / "config.json").read_text())
+    E = cfg["num_local_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        for e in range(E):      # distinct per expert: the last expert's are the largest
+            for proj, which in (("gate_proj", "in"), ("up_proj", "in"), ("down_proj", "down")):
+                scales[f"model.layers.{i}.mlp.experts.{e}.{proj}"] = seen[which] / 448.0 * (0.6 + 0.2 * e)
+    ckpt, ref = write_ct_fp8(moe, tmp_path / "ckpt", tmp_path / "ref", strategy="channel", act="static",
+                             input_scales=scales)
+    got = _greedy(_llm(ckpt))
+    top = {"in": seen["in"] / 448.0 * (0.6 + 0.2 * (E - 1)), "down": seen["down"] / 448.0 * (0.6 + 0.2 * (E - 1))}
+    first = {k: v / (0.6 + 0.2 * (E - 1)) * 0.6 for k, v in top.items()}
+    linear = lambda m: act_quant_hooks(m, "static", scales=scales)                        # noqa: E731
+    assert got == _reference(ref, linear, lambda x, which: emulate(x, "static", scale=top[which]))
+    seq = PROMPTS[2] + PROMPTS[1]
+    llm = _llm(ckpt)
+    wrong = _err(llm, ref, seq, linear=linear, experts=lambda x, which: emulate(x, "static", scale=first[which]))
+    assert wrong > 10 * TOL_SAME, wrong
 
 
 def test_ct_int8_w8a8_experts(moe, tmp_path):
