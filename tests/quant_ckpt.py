@@ -107,16 +107,19 @@ def write_fp8_block(src: Path, dst: Path, ref: Path, block=(32, 32), skip=(), ue
 
 
 def write_ct_fp8(src: Path, dst: Path, ref: Path, *, strategy: str = "channel", act: str | None = "token",
-                 input_scales: dict | None = None) -> tuple[Path, Path]:
+                 input_scales: dict | None = None, linears=None) -> tuple[Path, Path]:
     """compressed-tensors float-quantized: weights per `strategy` ("channel" | "tensor"); act None (W8A16),
-    "token" (dynamic) or "static" (per-tensor `input_scale` from `input_scales[layer prefix]`)."""
+    "token" (dynamic) or "static" (per-tensor `input_scale` from `input_scales[layer prefix]`). `linears`: the
+    module names whose `.weight` is quantized (as llm-compressor's `targets: [Linear]` picks the model's linear
+    layers); default: the decoder's usual projection names."""
     src, dst, ref = Path(src), Path(dst), Path(ref)
     _copy_small_files(src, dst)
     _copy_small_files(src, ref)
     sd = load_file(str(src / "model.safetensors"))
     out, deq = {}, {}
     for name, t in sd.items():
-        if _is_linear(name):
+        if (_is_linear(name) if linears is None else name.endswith(".weight") and name[:-len(".weight")] in linears
+                and t.dim() == 2 and t.is_floating_point()):
             w = t.float()
             amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
             s = amax.clamp(min=1e-12) / FMAX

@@ -251,6 +251,24 @@ def test_unsupported_quantization_refused_by_name(base, tmp_path, qc, needle):
 
 
 # ---------------------------------------------------------------------------------------- compressed-tensors
+def test_weight_only_quantized_head_and_embeddings(base, tmp_path):
+    """A weight-only checkpoint that quantizes the lm_head and the embeddings too (llm-compressor without an
+    `ignore`): those tensors are dequantized into their parameters (no linear layer needed), greedy tokens equal
+    transformers on the dequantized weights. With activation quantization the lm_head cannot take its input's
+    quantization: refused naming the tensor."""
+    from safetensors import safe_open
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        names = {k[: -len(".weight")] for k in f.keys() if k.endswith(".weight") and f.get_slice(k).get_shape()[-1] > 1
+                 and len(f.get_slice(k).get_shape()) == 2}
+    assert {"lm_head", "model.embed_tokens"} <= names
+    ckpt, ref = write_ct_fp8(base, tmp_path / "ckpt", tmp_path / "ref", act=None, linears=names)
+    assert _greedy(_llm(ckpt)) == _hf_greedy_hooked(ref, None)
+    act, _ = write_ct_fp8(base, tmp_path / "act", tmp_path / "act_ref", act="token", linears=names)
+    with pytest.raises(ValueError, match=r"tensor '(lm_head|model\.embed_tokens)\.weight' is float8 with activation "
+                                         r"quantization .*its input cannot be quantized as the format says"):
+        _llm(act)
+
+
 def test_ct_weight_only_greedy_identical(base, tmp_path):
     ckpt, ref = write_ct_fp8(base, tmp_path / "ckpt", tmp_path / "ref", strategy="tensor", act=None)
     llm = _llm(ckpt)

@@ -267,9 +267,14 @@ class FusedMoE(nn.Module):
 
 def linear_float32(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A router's logits in float32: layer's weight (and bias) and the input cast to float32 (a router kept in float32
-    whatever the model dtype, as the spec's router.float32 says)."""
+    whatever the model dtype, as the spec's router.float32 says). A quantized checkpoint's layer: its input quantized
+    as its own forward would (act_quant), its packed weight dequantized."""
+    if getattr(layer, "act_quant", None) is not None:
+        x = layer.act_quant(x)
+    packed = getattr(layer, "packed", None)
+    weight = packed.dequantized(torch.float32) if packed is not None else layer.weight.float()
     bias = None if getattr(layer, "bias", None) is None else layer.bias.float()
-    return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
+    return torch.nn.functional.linear(x.float(), weight, bias)
 
 
 def routing_bias(num_experts: int) -> nn.Parameter:

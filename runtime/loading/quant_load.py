@@ -70,6 +70,7 @@ class QuantLoad:
         self.packed: list[str] = []                # layers holding packed weights (runtime/layers/quant_linear.py)
         self.unpacked: list[str] = []              # quantized layers that keep their dequantized weight
         self.mxfp4: dict[str, tuple] = {}          # parameter -> (its MXFP4 source tensors' packed bytes, its bytes)
+        self.loose: list[str] = []                 # other parameters loaded from weight-only quantized tensors
 
     def open(self, name: str):
         """The checkpoint slice of `name`, or, for an AWQ / GPTQ layer's `.weight` (stored as `.qweight`, `.qzeros`,
@@ -147,11 +148,10 @@ class QuantLoad:
                 _nbytes(self.ckpt.slice(n)) for n in sl.names), param_t.numel() * param_t.element_size())
             return sl
         if isinstance(sl, IntWeightView):
-            if linear is None:
-                raise QuantLoadError(f"tensor {sl.names[0]!r} is {qc.method}-quantized, but parameter {param!r} is not "
-                                     f"a linear layer's or a FusedMoE's expert weight (quantized embeddings / heads "
-                                     f"are not supported)")
             self.used.update(sl.names)
+            if linear is None:                   # weight-only: dequantized into any parameter
+                self.loose.append(param)
+                return sl
             self._record(param, mod_name, linear, name)
             return sl
         int8 = dtype == "I8" and qc is not None and qc.method == "compressed-tensors" and qc.bits == 8
@@ -201,9 +201,13 @@ class QuantLoad:
             input_scale = float(t.reshape(()).item())
             self.used.add(iname)
         if linear is None:
-            raise QuantLoadError(f"tensor {name!r} is {what}, but parameter {param!r} is not a linear layer's or a "
-                                 f"FusedMoE's expert weight (quantized embeddings / heads are not supported)")
-        self._record(param, mod_name, linear, name, input_scale)
+            if qc.act is not None:
+                raise QuantLoadError(f"tensor {name!r} is {what} with activation quantization ({qc.describe()}), but "
+                                     f"parameter {param!r} is not a linear layer's or a FusedMoE's expert weight: its "
+                                     f"input cannot be quantized as the format says")
+            self.loose.append(param)             # weight-only: dequantized into any parameter
+        else:
+            self._record(param, mod_name, linear, name, input_scale)
         return Fp8WeightView(sl, scale.reshape(block_grid(shape, block)), block)
 
     def _scale(self, sname: str) -> torch.Tensor:
@@ -239,9 +243,10 @@ class QuantLoad:
         bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, an 8B model's
         batch-1 decode at 0.68x (fp8) / 0.71x (int4) bf16's time on an H200, bench/results/h200_quant_fma_2026-12-04.md),
         dequantized at load elsewhere (CPU, float32: the reference semantics). Experts (a FusedMoE's stacked
-        weights) are always held dequantized: no quantized grouped-GEMM kernel here."""
-        if self._is_experts(self._module(param)[1]):
-            return False
+        weights) and parameters of no linear layer are always held dequantized (no quantized kernel for them)."""
+        mod_name, layer = self._module(param)
+        if layer is None or self._is_experts(layer) or self._is_router(mod_name):
+            return False            # the router: read in float32 (layers/moe.py linear_float32), kept unpacked
         if self.qc is not None and self.qc.method == "compressed-tensors" and self.qc.bits == 8:
             return False            # int8 weights: no int8 GEMM here, the layer holds them dequantized
         forced = _pack_forced()
@@ -269,9 +274,27 @@ class QuantLoad:
             return
         if tensor.dtype == torch.float32 and not torch.equal(packed.dequantized(torch.float32), tensor):
             raise QuantLoadError(f"layer {mod_name!r}: the repacked weight differs from the dequantized one")
-        mod.packed = packed
-        mod.weight = torch.nn.Parameter(tensor.new_empty(0), requires_grad=False)   # no dequantized copy
+        empty = torch.nn.Parameter(tensor.new_empty(0), requires_grad=False)       # no dequantized copy
+        for m in self._twins(mod):
+            m.packed, m.weight = packed, empty
         self.packed.append(mod_name)
+
+    def _twins(self, mod) -> list:
+        """`mod` and the modules that share its weight parameter (a block whose weights several layers run:
+        layers.shared share_blocks / share_layers tie parameters, not modules), which must be given the same
+        load-time attributes (act_quant, packed)."""
+        if not hasattr(self, "_by_param"):
+            self._by_param: dict = {}
+            for m in self.model.modules():
+                for attr in ("weight",) + EXPERT_WEIGHTS:
+                    p = m._parameters.get(attr)
+                    if p is not None:        # (the parameter held too: its id is never reused meanwhile)
+                        self._by_param.setdefault(id(p), (p, []))[1].append(m)
+        for attr in ("weight",) + EXPERT_WEIGHTS:
+            p = mod._parameters.get(attr)
+            if p is not None:
+                return self._by_param.get(id(p), (p, [mod]))[1]
+        return [mod]
 
     def _zero_biases(self) -> None:
         """GPTQ writers save a `.bias` for every quantized linear layer, zeros where the model has none: consumed
@@ -309,6 +332,9 @@ class QuantLoad:
                 torch.cuda.empty_cache()               # the dropped dequantized weights, for the KV cache
         if self.qc is not None and self.qc.method in ("awq", "gptq", "pack-quantized"):
             self._zero_biases()
+        if self.loose:
+            logger.info("weight-only quantized tensors dequantized at load into %d parameter(s) of no linear layer "
+                        "(%s%s)", len(self.loose), ", ".join(self.loose[:3]), "..." if len(self.loose) > 3 else "")
         if self.mxfp4:
             packed = sum(b for b, _ in self.mxfp4.values())
             held = sum(h for _, h in self.mxfp4.values())
@@ -328,7 +354,8 @@ class QuantLoad:
             if act is None:
                 continue
             if act in ("static", "int8_static"):     # a fused layer (q|k|v), the experts: the largest of the scales
-                setattr(mod, attr, ActQuant(act, scale=max(s for _, s in srcs)))
+                for m in self._twins(mod):
+                    setattr(m, attr, ActQuant(act, scale=max(s for _, s in srcs)))
                 continue
             aq = ActQuant(act, self.qc.act_group, pow2=self.qc.scale_pow2)
             seg = self._split_input(mod, attr)
@@ -339,5 +366,6 @@ class QuantLoad:
                     f"{seg.size} input features split over tp={mod.tp_size} give rank {mod.tp_rank} columns "
                     f"[{seg.start}, {seg.stop}), which do not fall on the activation groups of {aq.group} "
                     f"(weight_block_size): each rank's columns must start on a multiple of {aq.group}")
-            setattr(mod, attr, aq)
+            for m in self._twins(mod):
+                setattr(m, attr, aq)
         return self.used
