@@ -413,10 +413,11 @@ def write_awq(src: Path, dst: Path, ref: Path, group: int = 128, skip=(), order=
 
 def write_gptq(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 128, sym: bool = True,
                desc_act: bool = False, fmt: str = "gptq", zero_bias: bool = True, declared_fmt: str | None = None,
-               seed: int = 0) -> tuple[Path, Path]:
+               seed: int = 0, linears=None) -> tuple[Path, Path]:
     """AutoGPTQ / GPTQModel layout of `src` in `dst` (`fmt` gptq: zeros stored minus 1; gptq_v2: as they are;
     desc_act: a random act-order permutation per layer, its g_idx); zero `.bias` tensors for bias-free layers, as
-    AutoGPTQ writes them. `declared_fmt` overrides the config's checkpoint_format (sensitivity arms)."""
+    AutoGPTQ writes them. `declared_fmt` overrides the config's checkpoint_format (sensitivity arms). `linears`: the
+    module names whose `.weight` is quantized (default: the decoder's usual projection names)."""
     src, dst, ref = Path(src), Path(dst), Path(ref)
     _copy_small_files(src, dst)
     _copy_small_files(src, ref)
@@ -424,7 +425,7 @@ def write_gptq(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 1
     gen = torch.Generator().manual_seed(seed)
     out, deq = {}, {}
     for name, t in sd.items():
-        if _is_linear(name):
+        if _is_linear(name) if linears is None else name.endswith(".weight") and name[:-len(".weight")] in linears:
             K = t.shape[1]
             perm = torch.randperm(K, generator=gen) if desc_act else None
             codes, s, z, g_idx = quantize_int(t.float(), bits, group, sym, perm, min_zero=1 if fmt == "gptq" else 0)

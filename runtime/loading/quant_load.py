@@ -70,7 +70,7 @@ class QuantLoad:
         self.packed: list[str] = []                # layers holding packed weights (runtime/layers/quant_linear.py)
         self.unpacked: list[str] = []              # quantized layers that keep their dequantized weight
         self.mxfp4: dict[str, tuple] = {}          # parameter -> (its MXFP4 source tensors' packed bytes, its bytes)
-        self.loose: list[str] = []                 # other parameters loaded from weight-only quantized tensors
+        self.loose: list = []                      # (parameter, source) of no linear layer, weight-only quantized
 
     def open(self, name: str):
         """The checkpoint slice of `name`, or, for an AWQ / GPTQ layer's `.weight` (stored as `.qweight`, `.qzeros`,
@@ -150,7 +150,7 @@ class QuantLoad:
         if isinstance(sl, IntWeightView):
             self.used.update(sl.names)
             if linear is None:                   # weight-only: dequantized into any parameter
-                self.loose.append(param)
+                self.loose.append((param, name))
                 return sl
             self._record(param, mod_name, linear, name)
             return sl
@@ -205,7 +205,7 @@ class QuantLoad:
                 raise QuantLoadError(f"tensor {name!r} is {what} with activation quantization ({qc.describe()}), but "
                                      f"parameter {param!r} is not a linear layer's or a FusedMoE's expert weight: its "
                                      f"input cannot be quantized as the format says")
-            self.loose.append(param)             # weight-only: dequantized into any parameter
+            self.loose.append((param, name))     # weight-only: dequantized into any parameter
         else:
             self._record(param, mod_name, linear, name, input_scale)
         return Fp8WeightView(sl, scale.reshape(block_grid(shape, block)), block)
@@ -297,17 +297,13 @@ class QuantLoad:
         return [mod]
 
     def _zero_biases(self) -> None:
-        """GPTQ writers save a `.bias` for every quantized linear layer, zeros where the model has none: consumed
-        when the layer has no bias parameter and the tensor is all zeros (else left for the unexpected-tensor check)."""
-        layers = [(self.model.get_submodule(m), srcs) for m, srcs in self.layers.items()]
-        layers += [(self._module(p)[1], srcs) for p, srcs in self.experts.items()]
-        for mod, srcs in layers:
-            if getattr(mod, "bias", None) is not None or getattr(mod, "has_bias", False):
-                continue
-            for name, _ in srcs:
-                b = name[: -len(".weight")] + ".bias"
-                if b in self.names and not self.ckpt.slice(b)[:].any():
-                    self.used.add(b)
+        """GPTQ writers save a `.bias` beside every quantized weight, zeros where the model has none: an all-zero one is
+        consumed (a nonzero one the weight plan does not map is left for the unexpected-tensor check)."""
+        sources = [n for srcs in (*self.layers.values(), *self.experts.values()) for n, _ in srcs]
+        for name in sources + [n for _, n in self.loose]:
+            b = name[: -len(".weight")] + ".bias"
+            if b in self.names and not self.ckpt.slice(b)[:].any():
+                self.used.add(b)         # (a bias the weight plan maps is loaded as well: zeros either way)
 
     @staticmethod
     def _split_input(mod, attr: str):
@@ -334,7 +330,8 @@ class QuantLoad:
             self._zero_biases()
         if self.loose:
             logger.info("weight-only quantized tensors dequantized at load into %d parameter(s) of no linear layer "
-                        "(%s%s)", len(self.loose), ", ".join(self.loose[:3]), "..." if len(self.loose) > 3 else "")
+                        "(%s%s)", len(self.loose), ", ".join(p for p, _ in self.loose[:3]),
+                        "..." if len(self.loose) > 3 else "")
         if self.mxfp4:
             packed = sum(b for b, _ in self.mxfp4.values())
             held = sum(h for _, h in self.mxfp4.values())

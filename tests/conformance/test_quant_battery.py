@@ -3,14 +3,15 @@ checkpoint, its linear layers' weights quantized as llm-compressor writes them (
 FP8, per-channel scales; the layers are transformers' `nn.Linear` modules but the lm_head, as its `targets: [Linear]`
 picks them), serves the same greedy tokens as transformers on the dequantized weights (float32, CPU):
 
-- W8A16 (weights only): every family;
+- W8A16 (weights only) and GPTQ int4 (weights only, where the shapes pack): every family;
 - FP8_DYNAMIC (activations quantized per token): transformers' quantized modules get the same quantization of
   their input by forward pre-hooks (tests/quant_ckpt.py emulate), the modules transformers calls (a weight its
   parent reads directly is left unquantized: `_called`); a family whose spec holds one of those weights outside a
   linear layer is refused naming the tensor (its input cannot be quantized there), never served wrong.
 
 Families whose transformers model has no nn.Linear (GPT-2's Conv1D) have nothing llm-compressor would quantize.
-Default run: a set of families that together use every runtime layer helper (`_layer_cover`); all with --runslow.
+Default run: a set of families that together use every runtime layer helper (`_layer_cover`), GPTQ and FP8_DYNAMIC;
+all families and W8A16 with --runslow.
 """
 from __future__ import annotations
 
@@ -96,12 +97,31 @@ def _quantized(plan, tiny_checkpoint, tmp_path, act):
     return ckpt, ref, linears
 
 
+@pytest.mark.slow      # by default the FP8_DYNAMIC arm loads the same fp8 weight views
 @pytest.mark.engine
 @pytest.mark.parametrize("plan", CASES)
 def test_w8a16_every_family(plan, tiny_checkpoint, tokens, tmp_path):
     ckpt, ref, linears = _quantized(plan, tiny_checkpoint, tmp_path, None)
     _assert_same(tokens.engine(ckpt, 1), tokens.hf(ref),
                  f"{plan.spec.name} ({plan.family.architecture}) W8A16 fp8, {len(linears)} tensors")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("plan", CASES)
+def test_gptq_int4_every_family(plan, tiny_checkpoint, tokens, tmp_path):
+    """GPTQ int4 (symmetric, group 16, zeros stored minus one) on the linear weights whose shapes GPTQ packs (input
+    features a multiple of 16, output features of 8): weights only, greedy tokens equal."""
+    from quant_ckpt import write_gptq
+    from safetensors import safe_open
+    base = tiny_checkpoint(plan.family.architecture)
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        shapes = {k[: -len(".weight")]: f.get_slice(k).get_shape() for k in f.keys() if k.endswith(".weight")}
+    linears = {t for t in _linears(base) if shapes[t][1] % 16 == 0 and shapes[t][0] % 8 == 0}
+    if not linears:
+        pytest.skip(f"{plan.family.architecture}: no nn.Linear weight GPTQ can pack")
+    ckpt, ref = write_gptq(base, tmp_path / "ckpt", tmp_path / "ref", group=16, linears=linears)
+    _assert_same(tokens.engine(ckpt, 1), tokens.hf(ref),
+                 f"{plan.spec.name} ({plan.family.architecture}) GPTQ int4, {len(linears)} tensors")
 
 
 # an fp8 rounding flip: a value one float ulp from an e4m3 rounding boundary (or a row's amax one ulp apart) rounds
