@@ -79,19 +79,21 @@ def dequant_block(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     return out
 
 
-def write_fp8_block(src: Path, dst: Path, ref: Path, block=(32, 32), skip=(), ue8m0: str | None = None
-                    ) -> tuple[Path, Path]:
+def write_fp8_block(src: Path, dst: Path, ref: Path, block=(32, 32), skip=(), ue8m0: str | None = None,
+                    linears=None) -> tuple[Path, Path]:
     """The fp8 block-wise checkpoint of `src` in `dst`, its dequantized float32 twin in `ref`. Layers whose name
     contains one of `skip` stay float (and are listed in modules_to_not_convert). `ue8m0` (DeepSeek-V3.1's
     `scale_fmt: ue8m0`): power-of-two scales stored as "f32" (the release), "e8m0" (torch.float8_e8m0fnu) or "u8"
-    (e8m0 bytes)."""
+    (e8m0 bytes). `linears`: the module names whose `.weight` is quantized (default: the decoder's usual projection
+    names)."""
     src, dst, ref = Path(src), Path(dst), Path(ref)
     _copy_small_files(src, dst)
     _copy_small_files(src, ref)
     sd = load_file(str(src / "model.safetensors"))
     out, deq = {}, {}
     for name, t in sd.items():
-        if _is_linear(name) and not any(s in name for s in skip):
+        chosen = _is_linear(name) if linears is None else name.endswith(".weight") and name[:-len(".weight")] in linears
+        if chosen and not any(s in name for s in skip):
             q, s = quantize_block(t.float(), block, pow2=ue8m0 is not None)
             stored = {None: s, "f32": s, "e8m0": s.to(torch.float8_e8m0fnu),
                       "u8": (torch.log2(s) + 127).round().to(torch.uint8)}[ue8m0]
@@ -678,3 +680,23 @@ def expert_act_quant(model, quant=None) -> list:
         handles.append(_Restore(mod))
     assert handles, "no stacked experts module found"
     return handles
+
+
+def hf_linear_tensors(ckpt: Path) -> dict[str, list[str]]:
+    """checkpoint tensor (name without `.weight`) -> the transformers nn.Linear modules (not the output head) that
+    load it: what llm-compressor's `targets: [Linear]` quantizes. Matched by value, so renames between the file and
+    the modules (transformers' conversions) do not matter."""
+    from hf_ref import hf_model
+    model = hf_model(ckpt)
+    head = model.get_output_embeddings()
+    by_shape: dict = {}
+    for n, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and m is not head:
+            by_shape.setdefault(tuple(m.weight.shape), []).append((n, m.weight.detach()))
+    found: dict = {}
+    for name, t in load_file(str(Path(ckpt) / "model.safetensors")).items():
+        if name.endswith(".weight") and t.dim() == 2:
+            mods = [n for n, w in by_shape.get(tuple(t.shape), ()) if torch.equal(t.float(), w.float())]
+            if mods:
+                found[name[: -len(".weight")]] = mods
+    return found

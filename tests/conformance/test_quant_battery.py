@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_ref import hf_model
-from quant_ckpt import emulate, write_ct_fp8
+from quant_ckpt import emulate, hf_linear_tensors, write_ct_fp8
 from test_spec_battery import Tokens, _assert_same
 
 from conformance import families as F
@@ -51,25 +51,6 @@ def tokens() -> Tokens:
     return Tokens()
 
 
-def _linears(ckpt) -> dict[str, list[str]]:
-    """checkpoint tensor (name without `.weight`) -> the transformers nn.Linear modules (not the lm_head) that load
-    it, matched by value: renames between the file and the modules (conversions) do not matter."""
-    from safetensors.torch import load_file
-    model = hf_model(ckpt)
-    head = model.get_output_embeddings()
-    by_shape: dict = {}
-    for n, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and m is not head:
-            by_shape.setdefault(tuple(m.weight.shape), []).append((n, m.weight.detach()))
-    found: dict = {}
-    for name, t in load_file(str(ckpt / "model.safetensors")).items():
-        if name.endswith(".weight") and t.dim() == 2:
-            mods = [n for n, w in by_shape.get(tuple(t.shape), ()) if torch.equal(t.float(), w.float())]
-            if mods:
-                found[name[: -len(".weight")]] = mods
-    return found
-
-
 def _called(ckpt, linears: dict) -> dict:
     """The entries of `linears` whose transformers modules are all called in a forward pass: a module whose weight the
     parent reads directly (LongCat-Flash's router: F.linear(x.float(), classifier.weight.float())) takes no
@@ -90,7 +71,7 @@ def _called(ckpt, linears: dict) -> dict:
 
 def _quantized(plan, tiny_checkpoint, tmp_path, act):
     base = tiny_checkpoint(plan.family.architecture)
-    linears = _linears(base) if act is None else _called(base, _linears(base))
+    linears = hf_linear_tensors(base) if act is None else _called(base, hf_linear_tensors(base))
     if not linears:
         pytest.skip(f"{plan.family.architecture}: transformers' model has no nn.Linear weight (nothing to quantize)")
     ckpt, ref = write_ct_fp8(base, tmp_path / "ckpt", tmp_path / "ref", act=act, linears=set(linears))
@@ -116,7 +97,7 @@ def test_gptq_int4_every_family(plan, tiny_checkpoint, tokens, tmp_path):
     base = tiny_checkpoint(plan.family.architecture)
     with safe_open(str(base / "model.safetensors"), "pt") as f:
         shapes = {k[: -len(".weight")]: f.get_slice(k).get_shape() for k in f.keys() if k.endswith(".weight")}
-    linears = {t for t in _linears(base) if shapes[t][1] % 16 == 0 and shapes[t][0] % 8 == 0}
+    linears = {t for t in hf_linear_tensors(base) if shapes[t][1] % 16 == 0 and shapes[t][0] % 8 == 0}
     if not linears:
         pytest.skip(f"{plan.family.architecture}: no nn.Linear weight GPTQ can pack")
     ckpt, ref = write_gptq(base, tmp_path / "ckpt", tmp_path / "ref", group=16, linears=linears)
