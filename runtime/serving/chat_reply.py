@@ -45,7 +45,7 @@ def plan_tools(body, params, tools_cls) -> tuple:
         raise APIError(f"tool_choice {choice if isinstance(choice, str) else 'with a named function'} needs a "
                        "tool-call parser: start the server with --tool-call-parser (e.g. hermes)",
                        param="tool_choice")
-    parser = tools_cls()
+    parser = tools_cls(tools)
     if forced is not None:
         if params.structured_outputs is not None:
             raise APIError("response_format / structured_outputs cannot be combined with tool_choice "

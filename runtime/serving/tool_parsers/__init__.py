@@ -19,7 +19,9 @@ from typing import Optional
 
 from xllm_gen.runtime.serving.parser_registry import ParserRegistry
 
-_REGISTRY = ParserRegistry("tool-call parser", {"hermes": "xllm_gen.runtime.serving.tool_parsers.hermes"}, "TOOL_CALL_PARSERS")
+_BUILTIN = {"hermes": "xllm_gen.runtime.serving.tool_parsers.hermes",
+            "xml_function": "xllm_gen.runtime.serving.tool_parsers.xml_function"}
+_REGISTRY = ParserRegistry("tool-call parser", _BUILTIN, "TOOL_CALL_PARSERS")
 register, names, get = _REGISTRY.register, _REGISTRY.names, _REGISTRY.get
 
 
@@ -37,7 +39,12 @@ class ToolCall:
 
 
 class ToolParser:
+    """One request's parser; `tools`: the request's (checked) tools, for formats whose calls are read by their
+    parameters' types."""
     name = ""
+
+    def __init__(self, tools: Optional[list] = None):
+        self.tools = list(tools or ())
 
     def extract(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
         raise NotImplementedError
