@@ -1,7 +1,8 @@
 """Mixture-of-experts decode benchmark: TPOT of the generated Qwen3-MoE runner (random bf16 weights of
 Qwen3-30B-A3B's shapes, from specs/qwen3_moe.yaml) at batch 1 / 16 / 64, eager and CUDA-graph decode, beside
 the floor of the bytes a decode step actually reads (the active experts only) and transformers in the same run;
-plus a kernel table (Triton fused MoE vs the torch reference at one layer's shapes, GPU time inside CUDA graphs)
+plus a kernel table (Triton fused MoE with bf16 and with float8 experts (128 x 128 block scales, as the FP8
+releases) vs the torch reference at one layer's shapes, GPU time inside CUDA graphs)
 and a sweep of the fused MoE's tile configs per number of tokens (the JSON's "kernel_sweep": the data for
 ops/moe_triton.py default_config). The report (.md + .json) is rewritten after every section.
 
@@ -132,6 +133,18 @@ class Layer:
         self.w13 /= self.H ** 0.5
         self.w2 = torch.randn(self.E, self.H, self.I, device="cuda", dtype=torch.bfloat16, generator=g)
         self.w2 /= self.I ** 0.5
+        # the same experts as an FP8 release holds them (e4m3, a scale per 128 x 128 block, kept per row and 128
+        # columns: runtime/loading/quant_load.py _pack_experts)
+        self.fp8 = [self._fp8(w) for w in (self.w13, self.w2)]
+
+    @staticmethod
+    def _fp8(w: torch.Tensor, b: int = 128):
+        E, N, K = w.shape
+        pad = torch.nn.functional.pad(w.float(), (0, (-K) % b, 0, (-N) % b))
+        s = (pad.abs().reshape(E, pad.shape[1] // b, b, pad.shape[2] // b, b).amax((2, 4)) / 448.0).clamp(min=1e-12)
+        s = s.repeat_interleave(b, 1)[:, :N]                                    # [E, N, ceil(K / b)]
+        q = (w.float() / s.repeat_interleave(b, 2)[..., :K]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return q, s.contiguous(), b
 
     def logits(self, T: int) -> torch.Tensor:
         g = torch.Generator(device=self.w13.device).manual_seed(2000 + T)
@@ -166,8 +179,11 @@ def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
         logits = L.logits(T)
         cfg = default_config(T, L.E, L.K, L.H, L.I)
         row = dict(tokens=T, experts_hit=hit, bytes=nbytes, config=asdict(cfg))
+        (q13, s13, b13), (q2, s2, b2) = L.fp8
         cases = (("triton_eager", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), None),
                  ("triton_graph", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), 10),
+                 ("triton_fp8_graph", lambda: fused_moe_silu(x, q13, q2, w, ids, config=cfg, scales13=(s13, b13),
+                                                             scales2=(s2, b2)), 10),
                  ("route_graph", lambda: route_topk(logits, L.K, True), 10),
                  ("align_graph", lambda: moe_align_triton(ids, L.E, cfg.block_m), 10),
                  ("torch_align_graph", lambda: moe_align(ids, L.E, cfg.block_m), 10),
@@ -184,6 +200,9 @@ def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
                 row[name + "_error"] = f"{type(e).__name__}: {e}"[:500]
         if row.get("triton_graph_ms"):
             row["triton_graph_GBs"] = nbytes / (row["triton_graph_ms"] * 1e-3) / 1e9
+        if row.get("triton_fp8_graph_ms") and row.get("triton_graph_ms"):   # float8 experts: half the bytes
+            row["triton_fp8_graph_GBs"] = nbytes / 2 / (row["triton_fp8_graph_ms"] * 1e-3) / 1e9
+            row["fp8_vs_bf16"] = row["triton_fp8_graph_ms"] / row["triton_graph_ms"]
         log(f"kernel T={T}: {row}")
         rows.append(row)
     return rows
@@ -315,12 +334,15 @@ def markdown(R: dict) -> str:
                  "CUDA graph (10 calls per replay, median of 20 replays); *eager*: host launches included; "
                  "GB/s: bytes of the experts hit / Triton graph time.\n")
         L.append("| tokens | experts hit | expert bytes (MB) | Triton eager ms | Triton graph ms | of it: align ms "
-                 "| Triton GB/s | routing ms | torch align ms | torch ref graph ms |")
-        L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                 "| Triton GB/s | fp8 experts graph ms | fp8 / bf16 | fp8 GB/s | routing ms | torch align ms "
+                 "| torch ref graph ms |")
+        L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in R["kernel"]:
             L.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bytes'] / 1e6:.1f} | {f(r.get('triton_eager_ms'))} "
                      f"| {f(r.get('triton_graph_ms'))} | {f(r.get('align_graph_ms'))} | "
-                     f"{f(r.get('triton_graph_GBs'), 0)} | {f(r.get('route_graph_ms'))} | "
+                     f"{f(r.get('triton_graph_GBs'), 0)} | {f(r.get('triton_fp8_graph_ms'))} | "
+                     f"{f(r.get('fp8_vs_bf16'), 2)} | {f(r.get('triton_fp8_graph_GBs'), 0)} | "
+                     f"{f(r.get('route_graph_ms'))} | "
                      f"{f(r.get('torch_align_graph_ms'))} | {f(r.get('torch_ref_graph_ms'))} |")
         errs = {f"T={r['tokens']} {k}": v for r in R["kernel"] for k, v in r.items() if k.endswith("_error")}
         if errs:

@@ -200,9 +200,12 @@ def test_int4_experts_weight_only(moe, tmp_path, fmt):
 
 
 @pytest.mark.slow
-def test_tp2_fp8_block_experts(fp8_block):
-    """TP 2: each rank holds half of every expert's intermediate (one activation group of 16): tokens equal."""
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_tp2_fp8_block_experts(fp8_block, packed, monkeypatch):
+    """TP 2: each rank holds half of every expert's intermediate (one activation group of 16), dequantized or
+    packed (XLLM_PACKED_QUANT): tokens equal."""
     ckpt, ref = fp8_block
+    monkeypatch.setenv("XLLM_PACKED_QUANT", packed)
     llm = _llm(ckpt, tensor_parallel_size=2)
     try:
         got = _greedy(llm)
@@ -240,3 +243,66 @@ def test_deepseek_v3_fp8_release_format(tmp_path, ue8m0):
     assert _greedy(llm) == _reference(ref, hooks, experts)
     same = _err(llm, ref, PROMPTS[2] + PROMPTS[1], linear=hooks, experts=experts)
     assert same < TOL_SAME, same
+
+
+# ------------------------------------------------------------------------------------ float8 experts kept packed
+_KERNEL = r"""
+import json, torch
+from xllm_gen.runtime.ops.moe import dequantize_experts, topk_softmax
+from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
+torch.manual_seed(0)
+out = {}
+def fp8(w, bk):
+    E, N, K = w.shape
+    nb = -(-K // bk)
+    s = torch.stack([w[..., j * bk:(j + 1) * bk].abs().amax(-1) for j in range(nb)], -1) / 448.0 + 1e-6
+    q = (w / s.repeat_interleave(bk, -1)[..., :K]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s
+for T, H, I, E, K, bk13, bk2, dtype in [(5, 48, 16, 4, 2, 16, 16, torch.float32), (9, 32, 24, 6, 3, 32, 24, torch.float32),
+                                        (7, 64, 32, 4, 2, 16, 32, torch.float16)]:
+    x = torch.randn(T, H).to(dtype)
+    q13, s13 = fp8(torch.randn(E, 2 * I, H) / H ** .5, bk13)
+    q2, s2 = fp8(torch.randn(E, H, I) / I ** .5, bk2)
+    w, ids = topk_softmax(torch.randn(T, E), K, True)
+    w = w.to(dtype)
+    ids[0, 0] = E                                   # routed nowhere
+    d13, d2 = dequantize_experts(q13, s13, bk13, dtype), dequantize_experts(q2, s2, bk2, dtype)
+    a = fused_moe_silu(x, q13, q2, w, ids, scales13=(s13, bk13), scales2=(s2, bk2))
+    b = fused_moe_silu(x, d13, d2, w, ids)
+    s13[1] *= 2
+    c = fused_moe_silu(x, q13, q2, w, ids, scales13=(s13, bk13), scales2=(s2, bk2))
+    out[f"{T}x{H}x{I}x{E}x{K}-{bk13}-{bk2}-{dtype}"] = [bool(torch.equal(a, b)), not torch.equal(a, c)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_fp8_experts_kernel_bit_exact_interpreted():
+    """The grouped kernels reading float8 experts (scales per row and bk columns, bk a divisor of K or not) give the
+    dequantized experts' result bit for bit (float32 and float16, under TRITON_INTERPRET=1); an expert's scales
+    doubled changes it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", _KERNEL], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    got = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert got and all(all(v) for v in got.values()), got
+
+
+def test_packed_fp8_experts_serve_as_dequantized(fp8_block, monkeypatch):
+    """XLLM_PACKED_QUANT=1 (the CUDA default) on CPU: the experts are held as float8 codes and scales per row and 16
+    columns (the stacked parameters emptied: half the bytes of bf16, a quarter of float32's) and serve the same
+    tokens as the dequantized experts and as transformers."""
+    ckpt, ref = fp8_block
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
+    llm = _llm(ckpt)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert sorted(experts.packed) == ["down_proj", "gate_up_proj"] and experts.gate_up_proj.numel() == 0
+    codes, scale, bk = experts.packed["gate_up_proj"]
+    assert codes.dtype == torch.float8_e4m3fn and bk == BLOCK[1] and scale.shape == (*codes.shape[:2], 64 // 16)
+    got = _greedy(llm)
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "0")
+    assert got == _greedy(_llm(ckpt))
+    assert got == _reference(ref, lambda m: act_quant_hooks(m, "group", BLOCK[1]), _fp8("group", BLOCK[1]))

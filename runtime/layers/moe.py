@@ -62,6 +62,9 @@ class FusedMoE(nn.Module):
     # input (the gate / up projections') and of the intermediate (the down projections' input)
     act_quant = None
     act_quant_down = None
+    # a float8 checkpoint's experts kept packed (runtime/loading/quant_load.py), set at load: stacked parameter name
+    # -> (float8 codes [E, rows, K], scales [E, rows, ceil(K / bk)], bk); the parameter itself is then empty
+    packed = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
                  activation: str, parallel: str = "tensor", activation_params: Optional[dict] = None,
@@ -224,15 +227,27 @@ class FusedMoE(nn.Module):
         """This rank's part of the chosen experts' weighted sum (before the all-reduce)."""
         norm = getattr(self, self.out_norm) if self.out_norm is not None else None
         x, act_fn, mid = hidden_states, self.act_fn, self.act_quant_down
+        w_in, w2 = self.gate_up_proj if self.gated else self.up_proj, self.down_proj
+        p_in = p2 = None
+        if self.packed is not None:
+            p_in, p2 = self.packed.get("gate_up_proj" if self.gated else "up_proj"), self.packed.get("down_proj")
         if self.act_quant is not None:    # per token (and group): the same rows every chosen expert reads
             x = self.act_quant(hidden_states)
         if mid is not None:               # the intermediate quantized as the down projections read it
             act_fn = lambda h, f=self.act_fn: mid(f(h))                                     # noqa: E731
+        if (p_in is not None and p2 is not None and self.gated and norm is None and not self.has_bias
+                and self.weights_on == "output"):       # the float8 experts as they are (dequantized off the kernels)
+            return moe_ops.fused_moe(x, p_in[0], p2[0], weights, ids, self.activation, act_fn, mid=mid,
+                                     scales13=p_in[1:], scales2=p2[1:])
+        if p_in is not None:
+            w_in = moe_ops.dequantize_experts(*p_in, x.dtype)
+        if p2 is not None:
+            w2 = moe_ops.dequantize_experts(*p2, x.dtype)
         if not self.gated:                # down(act(up)): the torch grouped reference on every device
-            return moe_ops.fused_moe_reference(x, self.up_proj, self.down_proj, weights, ids, act_fn,
+            return moe_ops.fused_moe_reference(x, w_in, w2, weights, ids, act_fn,
                                                out_norm=norm)
         if norm is not None:              # each expert's output normalized: the torch grouped reference
-            return moe_ops.fused_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids,
+            return moe_ops.fused_moe_reference(x, w_in, w2, weights, ids,
                                                act_fn, b13=self.gate_up_proj_bias if self.has_bias else None,
                                                b2=self.down_proj_bias if self.has_bias else None,
                                                weights_on_input=self.weights_on == "input", out_norm=norm)
@@ -240,12 +255,12 @@ class FusedMoE(nn.Module):
             raise NotImplementedError("FusedMoE: routing weights on the expert input with expert biases")
         if self.has_bias:                 # with parallel="tensor" every rank computes part of each expert: the
             b2 = self.down_proj_bias if self.parallel == "expert" or self.tp_rank == 0 else None   # bias once
-            return moe_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation,
+            return moe_ops.fused_moe(x, w_in, w2, weights, ids, self.activation,
                                      act_fn, self.gate_up_proj_bias, b2, mid=mid)
         if self.weights_on == "input":
-            return moe_ops.fused_moe_reference(x, self.gate_up_proj, self.down_proj, weights, ids,
+            return moe_ops.fused_moe_reference(x, w_in, w2, weights, ids,
                                                act_fn, weights_on_input=True)
-        return moe_ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.activation, act_fn,
+        return moe_ops.fused_moe(x, w_in, w2, weights, ids, self.activation, act_fn,
                                  mid=mid)
 
     def extra_repr(self) -> str:
@@ -258,6 +273,7 @@ class FusedMoE(nn.Module):
             f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, "))
         routing += f"identity_experts={self.identity_experts}, " if self.identity_experts else ""
         routing += f"out_norm={self.out_norm!r}, " if self.out_norm else ""
+        routing += f"packed float8 {sorted(self.packed)}, " if self.packed else ""
         if self.act_quant is not None or self.act_quant_down is not None:
             routing += f"act_quant={self.act_quant!r}, act_quant_down={self.act_quant_down!r}, "
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "

@@ -85,12 +85,13 @@ class PackedFp8(nn.Module):
         return f"fp8 e4m3, N={self.out_features}, K={self.in_features}, scale per row and {self.block[1]} columns"
 
 
-def pack_fp8_components(codes: torch.Tensor, scales: torch.Tensor) -> Optional[tuple]:
+def pack_fp8_components(codes: torch.Tensor, scales: torch.Tensor, block: Optional[int] = None) -> Optional[tuple]:
     """This rank's [N, K] fp8 values and per-element scales (float32) -> (float8 weight, scales [N, ceil(K / bk)],
-    bk), bk the widest of 128-multiples / K over which every row's scale is constant from column 0; None if none
-    (a TP split that cuts a scale block: the layer keeps its dequantized weight)."""
+    bk), bk the widest of K / 128-multiples / the checkpoint's `block` columns over which every row's scale is
+    constant from column 0; None if none (a TP split that cuts a scale block: the layer keeps its dequantized
+    weight)."""
     N, K = codes.shape
-    for bk in (K,) + tuple(b for b in (512, 256, 128) if b < K):
+    for bk in (K,) + tuple(b for b in sorted({512, 256, 128, block or 128}, reverse=True) if b < K):
         s = scales[:, ::bk]
         if torch.equal(scales, s.repeat_interleave(bk, 1)[:, :K]):
             return codes.to(torch.float8_e4m3fn), s.contiguous(), bk

@@ -40,6 +40,15 @@ class QuantLoadError(ValueError):
     pass
 
 
+def _placeholder(tensor: torch.Tensor) -> torch.nn.Parameter:
+    """The empty parameter that replaces a packed weight; it keeps the weight's TP split (how the layer's input
+    features are split: the activation groups' check reads it)."""
+    empty = torch.nn.Parameter(tensor.new_empty(0), requires_grad=False)
+    if hasattr(tensor, "tp_split"):
+        empty.tp_split = tensor.tp_split
+    return empty
+
+
 def _dtype(sl) -> str:
     try:
         return sl.get_dtype()
@@ -242,13 +251,16 @@ class QuantLoad:
         """Whether the quantized layer of `param` keeps its weight packed: XLLM_PACKED_QUANT=1 / 0, else on CUDA in
         bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, an 8B model's
         batch-1 decode at 0.68x (fp8) / 0.71x (int4) bf16's time on an H200, bench/results/h200_quant_fma_2026-12-04.md),
-        dequantized at load elsewhere (CPU, float32: the reference semantics). Experts (a FusedMoE's stacked
-        weights) and parameters of no linear layer are always held dequantized (no quantized kernel for them)."""
+        dequantized at load elsewhere (CPU, float32: the reference semantics). Float8 experts (a FusedMoE's stacked
+        weights) pack the same way (the Triton grouped kernels read float8 weights); integer experts and parameters
+        of no linear layer are always held dequantized (no quantized kernel for them)."""
         mod_name, layer = self._module(param)
-        if layer is None or self._is_experts(layer) or self._is_router(mod_name):
+        if layer is None or not self._is_experts(layer) and self._is_router(mod_name):
             return False            # the router: read in float32 (layers/moe.py linear_float32), kept unpacked
         if self.qc is not None and self.qc.method == "compressed-tensors" and self.qc.bits == 8:
             return False            # int8 weights: no int8 GEMM here, the layer holds them dequantized
+        if self._is_experts(layer) and (self.qc is None or self.qc.method not in ("fp8", "compressed-tensors")):
+            return False            # integer experts: no int4 grouped kernel
         forced = _pack_forced()
         if forced is not None:
             return forced
@@ -259,8 +271,11 @@ class QuantLoad:
         weight loader, so every TP split and fused segment is in place) and drops its dequantized weight; a layer
         whose codes do not pack (act-order GPTQ, 8 bits, a split that cuts a group or scale block) keeps it."""
         from xllm_gen.runtime.layers.quant_linear import PackedFp8, PackedInt4, pack_fp8_components
-        mod_name, _, _ = param.rpartition(".")
+        mod_name, _, attr = param.rpartition(".")
         mod = self.model.get_submodule(mod_name)
+        if self._is_experts(mod):
+            self._pack_experts(mod, mod_name, attr, tensor, parts)
+            return
         if "zeros" in parts:
             qc = self.qc
             group = qc.group if qc.group != -1 else tensor.shape[1]
@@ -274,15 +289,43 @@ class QuantLoad:
             return
         if tensor.dtype == torch.float32 and not torch.equal(packed.dequantized(torch.float32), tensor):
             raise QuantLoadError(f"layer {mod_name!r}: the repacked weight differs from the dequantized one")
-        empty = torch.nn.Parameter(tensor.new_empty(0), requires_grad=False)       # no dequantized copy
-        for m in self._twins(mod):
+        empty = _placeholder(tensor)                                                # no dequantized copy
+        for m in self._retie(mod, "weight", empty):
             m.packed, m.weight = packed, empty
         self.packed.append(mod_name)
 
-    def _twins(self, mod) -> list:
-        """`mod` and the modules that share its weight parameter (a block whose weights several layers run:
-        layers.shared share_blocks / share_layers tie parameters, not modules), which must be given the same
-        load-time attributes (act_quant, packed)."""
+    def _pack_experts(self, mod, mod_name: str, attr: str, tensor: torch.Tensor, parts: dict) -> None:
+        """A FusedMoE's stacked float8 experts [E, rows, K] kept as float8 codes and scales per row and bk columns
+        (FusedMoE.packed); experts whose codes do not pack (a split that cuts a scale block) keep the weight."""
+        from xllm_gen.runtime.layers.quant_linear import pack_fp8_components
+        block = self.qc.weight_block[1] if self.qc is not None and self.qc.weight_block else None
+        got = None if "zeros" in parts else pack_fp8_components(parts["codes"].reshape(-1, tensor.shape[-1]),
+                                                                parts["scales"].reshape(-1, tensor.shape[-1]), block)
+        if got is None:
+            self.unpacked.append(f"{mod_name}.{attr}")
+            return
+        codes, scale, bk = got
+        codes, scale = codes.view(tensor.shape), scale.view(*tensor.shape[:-1], -1)
+        if tensor.dtype == torch.float32:
+            from xllm_gen.runtime.ops.moe import dequantize_experts
+            if not torch.equal(dequantize_experts(codes, scale, bk, torch.float32), tensor):
+                raise QuantLoadError(f"parameter {mod_name}.{attr}: the repacked experts differ from the dequantized ones")
+        empty = _placeholder(tensor)
+        for m in self._retie(mod, attr, empty):
+            m.packed = {**(m.packed or {}), attr: (codes, scale, bk)}
+            setattr(m, attr, empty)
+        self.packed.append(f"{mod_name}.{attr}")
+
+    def _retie(self, mod, attr: str, placeholder) -> list:
+        """The twins of `mod` by `attr`, recorded as sharing `placeholder` (what replaces their packed weight)."""
+        twins = self._twins(mod, attr)
+        self._by_param[id(placeholder)] = (placeholder, twins)
+        return twins
+
+    def _twins(self, mod, attr: Optional[str] = None) -> list:
+        """`mod` and the modules that share its weight parameter (`attr`, else the first of weight / the stacked
+        expert weights; a block whose weights several layers run: layers.shared share_blocks / share_layers tie
+        parameters, not modules), which must be given the same load-time attributes (act_quant, packed)."""
         if not hasattr(self, "_by_param"):
             self._by_param: dict = {}
             for m in self.model.modules():
@@ -290,8 +333,8 @@ class QuantLoad:
                     p = m._parameters.get(attr)
                     if p is not None:        # (the parameter held too: its id is never reused meanwhile)
                         self._by_param.setdefault(id(p), (p, []))[1].append(m)
-        for attr in ("weight",) + EXPERT_WEIGHTS:
-            p = mod._parameters.get(attr)
+        for a in (attr,) if attr else ("weight",) + EXPERT_WEIGHTS:
+            p = mod._parameters.get(a)
             if p is not None:
                 return self._by_param.get(id(p), (p, [mod]))[1]
         return [mod]

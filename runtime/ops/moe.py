@@ -224,20 +224,38 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return out[:T]
 
 
+def dequantize_experts(codes: torch.Tensor, scale: torch.Tensor, bk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Float8 expert weights [E, rows, K] times their scales [E, rows, ceil(K / bk)] (one per row and bk columns),
+    in `dtype`: what the dequantized experts hold."""
+    K = codes.shape[-1]
+    return (codes.float() * scale.repeat_interleave(bk, -1)[..., :K]).to(dtype)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str, act: Callable[[torch.Tensor], torch.Tensor],
               b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
-              mid: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+              mid: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+              scales13: Optional[tuple] = None, scales2: Optional[tuple] = None) -> torch.Tensor:
     """The experts' output: the Triton grouped kernel (ops/moe_triton.py) for a SiLU gate without expert biases
     on CUDA, else the torch reference (on any device; static shapes, graph-capturable). `activation` names the
     gate ("silu", "gelu_tanh", "swiglu_clamped", ...), `act` is its gated module (with `mid` applied to its output,
     when given); b13 / b2 the expert biases. `mid`: what the intermediate goes through before the down projections
-    (a quantized checkpoint's activation quantization), for the Triton path, which fuses the activation."""
+    (a quantized checkpoint's activation quantization), for the Triton path, which fuses the activation.
+    `scales13` / `scales2`: w13 / w2 are float8 with these (scale, bk) (dequantize_experts): the Triton kernels read
+    them as they are, the torch path dequantizes them."""
+    if (scales13 is not None or scales2 is not None) and not (x.is_cuda and activation == "silu" and b13 is None
+                                                               and b2 is None and _triton(x)):
+        w13 = w13 if scales13 is None else dequantize_experts(w13, *scales13, x.dtype)
+        w2 = w2 if scales2 is None else dequantize_experts(w2, *scales2, x.dtype)
+        scales13 = scales2 = None
     if b13 is not None or b2 is not None:
         return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, act, b13=b13, b2=b2)
-    if x.is_cuda and activation == "silu":
-        from xllm_gen.runtime.ops import use_triton
-        if use_triton(x):
-            from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
-            return fused_moe_silu(x, w13, w2, topk_weights, topk_ids, mid=mid)
+    if x.is_cuda and activation == "silu" and _triton(x):
+        from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
+        return fused_moe_silu(x, w13, w2, topk_weights, topk_ids, mid=mid, scales13=scales13, scales2=scales2)
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, act)
+
+
+def _triton(x: torch.Tensor) -> bool:
+    from xllm_gen.runtime.ops import use_triton
+    return use_triton(x)

@@ -25,10 +25,25 @@ from xllm_gen.runtime.ops.moe import Alignment, padded_rows
 
 
 @triton.jit
+def _weight_tile(w_ptr, s_ptr, e, rows, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn, SBK, dtype,
+                 W_FP8: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of expert e's rows `rows` x columns `offs_k`; float8 weights (W_FP8) times their
+    scale per row and SBK columns, rounded to `dtype`: the values the dequantized weight holds."""
+    w = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+    if W_FP8:
+        s = tl.load(s_ptr + e * stride_se + rows[None, :] * stride_sn + (offs_k // SBK)[:, None], mask=mask,
+                    other=0.0)
+        w = (w.to(tl.float32) * s).to(dtype)
+    return w
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
                         num_pairs, top_k, E, N, Kdim,
                         stride_xm, stride_we, stride_wn, stride_hm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                        s_ptr, stride_se, stride_sn, SBK,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                        W_FP8: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -47,10 +62,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
         mask_k = offs_k < Kdim
         a = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
-        wg = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
-                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-        wu = tl.load(w_ptr + e * stride_we + (offs_n[None, :] + N) * stride_wn + offs_k[:, None],
-                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        mask = mask_n[None, :] & mask_k[:, None]
+        wg = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn, SBK,
+                          a.dtype, W_FP8)
+        wu = _weight_tile(w_ptr, s_ptr, e, offs_n + N, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn, SBK,
+                          a.dtype, W_FP8)
         acc_g += tl.dot(a, wg, input_precision=PREC)
         acc_u += tl.dot(a, wu, input_precision=PREC)
     # the projections round to the activation dtype (as a linear layer's output does), then silu(gate) * up
@@ -65,7 +81,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
 def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
                      num_pairs, E, N, Kdim,
                      stride_hm, stride_we, stride_wn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                     s_ptr, stride_se, stride_sn, SBK,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     W_FP8: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -82,8 +100,8 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_p
         mask_k = offs_k < Kdim
         a = tl.load(h_ptr + rows[:, None] * stride_hm + offs_k[None, :],
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
-                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, mask_n[None, :] & mask_k[:, None], stride_we, stride_wn,
+                         stride_se, stride_sn, SBK, a.dtype, W_FP8)
         acc += tl.dot(a, w, input_precision=PREC)
     wt = tl.load(weights_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
@@ -267,17 +285,31 @@ def default_config(T: int, E: int, top_k: int, H: int, I: int) -> MoeConfig:
                      block_n2=_block(H, 128), block_k2=_block(I, 64), num_warps=8, num_stages=3)
 
 
+def _scale_args(scales: tuple | None, x: torch.Tensor) -> tuple:
+    """(scale pointer, its expert / row strides, columns per scale) of float8 weights, or placeholders."""
+    if scales is None:
+        return x, 0, 0, 1
+    s, bk = scales
+    return s, s.stride(0), s.stride(1), int(bk)
+
+
 def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, config: MoeConfig | None = None, mid=None) -> torch.Tensor:
+                   topk_ids: torch.Tensor, config: MoeConfig | None = None, mid=None,
+                   scales13: tuple | None = None, scales2: tuple | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, K] -> [T, H] (see the module doc).
     `config`: the tiles and launch parameters (None: default_config of the shapes). `mid`: a row-wise map of the
-    intermediate [pairs, I] between the two kernels (a quantized checkpoint's activation quantization)."""
+    intermediate [pairs, I] between the two kernels (a quantized checkpoint's activation quantization).
+    `scales13` / `scales2`: float8 e4m3 weights' (scale [E, rows, ceil(K / bk)] float32, bk): each weight value is
+    read as bf16/fp16/fp32(value x its scale), the dequantized weight's values, so the result is that of the
+    dequantized experts bit for bit, with half their bytes read."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     K = topk_ids.shape[1]
     cfg = config if config is not None else default_config(T, E, K, H, I)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    scales13 = None if scales13 is None else (scales13[0].contiguous(), scales13[1])
+    scales2 = None if scales2 is None else (scales2[0].contiguous(), scales2[1])
     prec = "ieee" if x.dtype == torch.float32 else "tf32"      # float32 stays float32 (no TF32 rounding)
     topk_ids = topk_ids.contiguous()
     al = moe_align_triton(topk_ids, E, cfg.block_m)
@@ -286,18 +318,18 @@ def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n1))](
         x, w13, h, al.sorted_pairs, al.block_expert, T * K, K, E, I, H,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *_scale_args(scales13, x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_FP8=scales13 is not None)
     if mid is not None:                 # rows are independent: padding rows (zeros) stay zeros, never read
         h = mid(h)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)      # rows of pairs routed nowhere: never read
     weights = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(nb, triton.cdiv(H, cfg.block_n2))](
         h, w2, y, al.sorted_pairs, al.block_expert, weights, T * K, E, H, I,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *_scale_args(scales2, x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_FP8=scales2 is not None)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T:
         block_h = min(1024, triton.next_power_of_2(H))

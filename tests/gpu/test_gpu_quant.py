@@ -225,6 +225,41 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
     _compare(e, g, f"packed_{fmt}_graph_vs_eager")
 
 
+def test_packed_fp8_experts_cuda(tmp_path, monkeypatch):
+    """A Qwen3-MoE fp8 block checkpoint (128 x 128) in bf16 on CUDA: the experts kept as float8 (the grouped
+    kernels reading them) give the dequantized experts' prefill logits bit for bit (the kernels read each weight as
+    bf16(value x scale), the dequantized weight's values); graphs equal eager."""
+    from fixtures.tiny_hf import make_tiny_checkpoint
+    from quant_ckpt import write_fp8_block
+
+    from xllm_gen import LLM, SamplingParams
+    base = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "base", overrides={
+        "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512, "num_local_experts": 8})
+    ckpt = write_fp8_block(base, tmp_path / "c", tmp_path / "r", (128, 128))[0]
+    kw = dict(dtype="bfloat16", block_size=16, max_num_seqs=4, max_model_len=256, num_kv_blocks=64)
+    logits = {}
+    for packed in ("0", "1"):
+        monkeypatch.setenv("XLLM_PACKED_QUANT", packed)
+        llm = LLM(str(ckpt), device="cuda", enforce_eager=True, **kw)
+        experts = llm.engine.runner.model.model.layers[0].mlp.experts
+        assert (experts.packed is not None) == (packed == "1")
+        logits[packed] = [torch.as_tensor(llm.prefill_logits(p)).float().cpu() for p in PROMPTS]
+        llm.shutdown()
+    for a, b in zip(logits["0"], logits["1"]):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer not installed: graph arm not run")
+    from fixtures.graph_compare import _compare, _eager
+    spl = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm = LLM(str(ckpt), device="cuda", cuda_graph_sizes=[1, 2, 4], **kw)
+    g = llm.generate(prompts, spl)
+    with _eager(llm):
+        e = llm.generate(prompts, spl)
+    llm.shutdown()
+    _compare(e, g, "packed_fp8_experts_graph_vs_eager")
+
+
 # ---------------------------------------------------------------------------------------------- FP8 KV cache
 @pytest.mark.parametrize("decode_kernel", ["flashinfer", "triton"])
 def test_fp8_kv_cache_cuda(tmp_path, decode_kernel):
