@@ -4,11 +4,14 @@ structured outputs). A mixin of LLMEngine (engine.py), which owns the tokenizer,
 from __future__ import annotations
 
 import copy
+import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 from xllm_gen.runtime.engine.sampling_params import SEED_MOD, SamplingParams
 from xllm_gen.runtime.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def _check_unicode(where: str, text: Any) -> None:
@@ -116,11 +119,25 @@ class EngineAdmission:
             compiled = self.structured.compile(params.structured_outputs)    # cached; GrammarError names it
         seq = Sequence(self._next_id, token_ids, params, prompt=text, mm_inputs=mm_inputs)
         if compiled is not None:
-            seq.grammar, seq.compiled_grammar = self.structured.matcher(compiled), compiled
+            seq.gate = self._reasoning_gate(params.structured_outputs, token_ids)
+            seq.grammar, seq.compiled_grammar = self.structured.matcher(compiled, seq.gate), compiled
         seq.no_prefix_cache = params.prompt_logprobs is not None     # needs every prompt row computed
         self._next_id += 1
         seq.arrival_time = time.monotonic()
         return seq
+
+    def _reasoning_gate(self, so, token_ids) -> Optional[tuple]:
+        """The grammar's reasoning gate (structured_outputs.reasoning_gate), or None: no reasoning_tags, or a tag
+        that is not one token of this tokenizer (logged once; the constraint then holds from the first token)."""
+        if so.reasoning_tags is None:
+            return None
+        from xllm_gen.runtime.engine.structured_outputs import reasoning_gate
+        gate = reasoning_gate(self.tokenizer, so.reasoning_tags, token_ids)
+        if gate is None and not getattr(self, "_gate_warned", False):
+            self._gate_warned = True
+            logger.warning("structured outputs: the reasoning tags %s are not single tokens of this tokenizer; the "
+                           "constraint holds from the first token", list(so.reasoning_tags))
+        return gate
 
     def make_sequences(self, index: Any, prompt: Any, params: SamplingParams) -> list[Sequence]:
         """The `params.n` sequences of one request (a seed s gives completion i the seed s + i)."""
@@ -134,6 +151,7 @@ class EngineAdmission:
             self._next_id += 1
             s.index, s.arrival_time, s.no_prefix_cache = i, first.arrival_time, first.no_prefix_cache
             if first.grammar is not None:          # each completion walks the grammar on its own
-                s.grammar = self.structured.matcher(first.compiled_grammar)
+                s.gate = first.gate
+                s.grammar = self.structured.matcher(first.compiled_grammar, s.gate)
             seqs.append(s)
         return seqs

@@ -33,6 +33,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator = None                   # per-request torch.Generator when params.seed is set
         self.grammar = None                     # xgrammar GrammarMatcher when params.structured_outputs is set
+        self.gate = None                        # (start id, end id, open): its reasoning gate (ReasoningGate)
         self.vision_cache = None                # (embeds, deepstack) while the prompt's visual rows are prefilled
         self.stop_reason = None                 # the stop string or stop token id that ended it
         self.error: Optional[str] = None        # set when the request failed after admission

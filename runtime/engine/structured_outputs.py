@@ -12,7 +12,13 @@ without a constraint in the same batch are untouched. Once the grammar is comple
 
 Under async decode (engine/async_decode.py) a greedy constrained row's step is launched before the previous
 token is read; its mask is filled only after that token is accepted by the matcher (AsyncDecode.finish_masked),
-so the mask always matches the row's real state."""
+so the mask always matches the row's real state.
+
+`reasoning_tags` (start, end): the constraint applies after the reply's reasoning, as vLLM's structured outputs
+with a reasoning parser (the server sets them from --reasoning-parser): the first token may open the reasoning
+(the start tag) or begin the constrained text; a reasoning (opened there or left open by the prompt) runs free
+until the end tag, and the constraint holds from the next token (ReasoningGate). Each tag must be one token of the
+tokenizer (a model's <think> / </think> are); where it is not, the constraint holds from the first token."""
 from __future__ import annotations
 
 import json
@@ -38,6 +44,7 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None               # EBNF (root ::= ...)
     json_object: Optional[bool] = None          # any JSON object
     disable_any_whitespace: bool = True         # compact JSON (xgrammar's separators ", " and ": ")
+    reasoning_tags: Optional[Union[list, tuple]] = None     # (start, end): the constraint follows the reasoning
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "structured_outputs") -> "StructuredOutputsParams":
@@ -78,6 +85,10 @@ class StructuredOutputsParams:
             p.append(f"{where}.json_object must be a bool")
         if not isinstance(self.disable_any_whitespace, bool):
             p.append(f"{where}.disable_any_whitespace must be a bool")
+        tags = self.reasoning_tags
+        if tags is not None and not (isinstance(tags, (list, tuple)) and len(tags) == 2
+                                     and all(isinstance(t, str) and t for t in tags)):
+            p.append(f"{where}.reasoning_tags must be two non-empty strings (start, end)")
         return p
 
     def key(self) -> tuple:
@@ -170,11 +181,23 @@ class GrammarBackend:
             raise GrammarError(f"{where}.{kind}: {what}: {_reason(e)}") from None
 
     # ---- per step ---------------------------------------------------------------------------------
-    def matcher(self, compiled):
-        return self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
+    def matcher(self, compiled, gate: Optional[tuple] = None):
+        """A sequence's matcher; `gate` (start token id, end token id, reasoning open at the prompt's end): the
+        matcher behind a ReasoningGate."""
+        m = self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
+        return m if gate is None else ReasoningGate(m, *gate)
 
     def apply(self, logits, matchers: list) -> None:
-        """Masks, in place, the rows of `logits` [B, V] (float32) whose matcher is not None."""
+        """Masks, in place, the rows of `logits` [B, V] (float32) whose matcher is not None (a ReasoningGate's row
+        only past its reasoning; at its start the start tag is allowed beside the grammar's tokens)."""
+        extra: dict = {}
+        real = list(matchers)
+        for i, m in enumerate(matchers):
+            if isinstance(m, ReasoningGate):
+                real[i], tok = m.mask_rule()
+                if tok is not None:
+                    extra[i] = tok
+        matchers = real
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
@@ -192,9 +215,59 @@ class GrammarBackend:
             if self._batch is None:
                 self._batch = self.xgr.BatchGrammarMatcher(max_threads="auto")
             self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], host, indices=rows)
+        for i, tok in extra.items():                # the bit of the start tag (int32 words, bit 31 the sign)
+            word = int(host[i, tok // 32]) | (1 << (tok % 32))
+            host[i, tok // 32] = word - (1 << 32) if word >= 1 << 31 else word
         bm = host.to(logits.device, non_blocking=True) if logits.is_cuda else host
         self.xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=min(self.info.vocab_size, logits.shape[-1]),
                                              indices=rows)
+
+
+class ReasoningGate:
+    """A sequence's grammar behind its reasoning (StructuredOutputsParams.reasoning_tags): "start": the next token
+    may be the start tag (then "thinking") or the grammar's first (then "grammar"); "thinking": every token is free
+    until the end tag (then "grammar"); "grammar": the matcher's. The interface the engine uses of a matcher:
+    accept_token, is_terminated; GrammarBackend.apply reads mask_rule."""
+
+    def __init__(self, matcher, start_id: int, end_id: int, opened: bool):
+        self.matcher, self.start_id, self.end_id = matcher, int(start_id), int(end_id)
+        self.state = "thinking" if opened else "start"
+
+    def accept_token(self, token: int) -> bool:
+        if self.state == "thinking":
+            if token == self.end_id:
+                self.state = "grammar"
+            return True
+        if self.state == "start":
+            if token == self.start_id:
+                self.state = "thinking"
+                return True
+            self.state = "grammar"
+        return self.matcher.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return self.state == "grammar" and self.matcher.is_terminated()
+
+    def mask_rule(self) -> tuple:
+        """(the matcher whose mask applies, or None: unmasked; a token allowed beside it, or None)."""
+        if self.state == "thinking":
+            return None, None
+        return self.matcher, (self.start_id if self.state == "start" else None)
+
+
+def reasoning_gate(tokenizer, tags, prompt_ids) -> Optional[tuple]:
+    """(start id, end id, open at the prompt's end) of `tags` in `tokenizer`, or None where a tag is not one token.
+    Open: the prompt's last tag is the start tag (a template that opens the reasoning)."""
+    ids = []
+    for tag in tags:
+        enc = tokenizer.encode(tag, add_special_tokens=False)
+        if len(enc) != 1:
+            return None
+        ids.append(int(enc[0]))
+    start, end = ids
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
+    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
+    return start, end, last_start > last_end
 
 
 def bounded_strings(node: Any) -> Any:

@@ -347,6 +347,9 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         where, param = body.structured_where()
         if parser is not None and params.structured_outputs is not None and body.tool_choice not in (None, "auto"):
             where, param = "tools", "tools"
+        so = params.structured_outputs
+        if reasoning is not None and so is not None and so.reasoning_tags is None:   # the constraint follows the
+            so.reasoning_tags = (reasoning.start, reasoning.end)                       # reasoning, as vLLM's
         await precompile(params, where, param)
         prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
                                          bool(body.add_generation_prompt), template_tools,
