@@ -105,6 +105,25 @@ def test_gptq_int4_every_family(plan, tiny_checkpoint, tokens, tmp_path):
                  f"{plan.spec.name} ({plan.family.architecture}) GPTQ int4, {len(linears)} tensors")
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("plan", CASES)
+def test_w8a16_experts_every_moe_family(plan, tiny_checkpoint, tokens, tmp_path):
+    """An MoE family's per-expert 2-D checkpoint tensors (transformers holds them as stacked 3-D parameters, not
+    nn.Linear: the arms above leave them float) quantized weight-only: they load into the stacked experts (any
+    layout the spec's weights section reads: per expert, segments, transposed) and serve transformers' tokens."""
+    from safetensors import safe_open
+    base = tiny_checkpoint(plan.family.architecture)
+    covered = set(hf_linear_tensors(base))
+    with safe_open(str(base / "model.safetensors"), "pt") as f:
+        experts = {k[: -len(".weight")] for k in f.keys() if ".experts." in k and k.endswith(".weight")
+                   and len(f.get_slice(k).get_shape()) == 2 and k[: -len(".weight")] not in covered}
+    if not experts:
+        pytest.skip(f"{plan.family.architecture}: no per-expert 2-D tensor outside transformers' nn.Linear layers")
+    ckpt, ref = write_ct_fp8(base, tmp_path / "ckpt", tmp_path / "ref", act=None, linears=experts)
+    _assert_same(tokens.engine(ckpt, 1), tokens.hf(ref),
+                 f"{plan.spec.name} ({plan.family.architecture}) W8A16 experts, {len(experts)} tensors")
+
+
 # an fp8 rounding flip: a value one float ulp from an e4m3 rounding boundary (or a row's amax one ulp apart) rounds
 # the other way in transformers' and the engine's arithmetic, and that element moves by up to 1/16; after a few
 # layers (squared activations, a tiny model's small margins) the logits can move by 1e-2. About one family in ten
