@@ -329,8 +329,8 @@ class QuantLoad:
         if not hasattr(self, "_by_param"):
             self._by_param: dict = {}
             for m in self.model.modules():
-                for attr in ("weight",) + EXPERT_WEIGHTS:
-                    p = m._parameters.get(attr)
+                for name in ("weight",) + EXPERT_WEIGHTS:
+                    p = m._parameters.get(name)
                     if p is not None:        # (the parameter held too: its id is never reused meanwhile)
                         self._by_param.setdefault(id(p), (p, []))[1].append(m)
         for a in (attr,) if attr else ("weight",) + EXPERT_WEIGHTS:
