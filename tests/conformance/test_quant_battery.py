@@ -10,8 +10,8 @@ picks them), serves the same greedy tokens as transformers on the dequantized we
   linear layer is refused naming the tensor (its input cannot be quantized there), never served wrong.
 
 Families whose transformers model has no nn.Linear (GPT-2's Conv1D) have nothing llm-compressor would quantize.
-Default run: a set of families that together use every runtime layer helper (`_layer_cover`), GPTQ and FP8_DYNAMIC;
-all families and W8A16 with --runslow.
+Default run: a set of families that together use every runtime layer helper (`_layer_cover`), FP8_DYNAMIC and the
+experts arm; all families, W8A16 and GPTQ with --runslow.
 """
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ def test_w8a16_every_family(plan, tiny_checkpoint, tokens, tmp_path):
                  f"{plan.spec.name} ({plan.family.architecture}) W8A16 fp8, {len(linears)} tensors")
 
 
+@pytest.mark.slow      # by default tests/test_quant_int.py reads GPTQ through the same IntWeightView
 @pytest.mark.engine
 @pytest.mark.parametrize("plan", CASES)
 def test_gptq_int4_every_family(plan, tiny_checkpoint, tokens, tmp_path):
