@@ -306,3 +306,29 @@ def test_packed_fp8_experts_serve_as_dequantized(fp8_block, monkeypatch):
     monkeypatch.setenv("XLLM_PACKED_QUANT", "0")
     assert got == _greedy(_llm(ckpt))
     assert got == _reference(ref, lambda m: act_quant_hooks(m, "group", BLOCK[1]), _fp8("group", BLOCK[1]))
+
+
+def test_packed_experts_never_allocated_at_compute_size(fp8_block, moe, tmp_path, monkeypatch):
+    """With the experts kept packed, the model builds them on the meta device (no memory at the compute dtype's
+    size); where they cannot be packed after all (a scale layout the packing refuses, simulated) or are stored
+    float (modules_to_not_convert), the load makes them real and fills them: the same tokens each way."""
+    from xllm_gen.runtime.layers import moe as moe_layer
+    from xllm_gen.runtime.layers import quant_linear
+    ckpt, ref = fp8_block
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
+    built = []
+    real_weight = moe_layer._expert_weight
+    monkeypatch.setattr(moe_layer, "_expert_weight", lambda *s: built.append(real_weight(*s)) or built[-1])
+    want = _reference(ref, lambda m: act_quant_hooks(m, "group", BLOCK[1]), _fp8("group", BLOCK[1]))
+    llm = _llm(ckpt)
+    assert built and all(p.is_meta for p in built)
+    assert _greedy(llm) == want
+    monkeypatch.setattr(quant_linear, "pack_fp8_components", lambda *a, **k: None)
+    llm = _llm(ckpt)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts.packed is None and not experts.gate_up_proj.is_meta and experts.gate_up_proj.numel() > 0
+    assert _greedy(llm) == want
+    float_experts, float_ref = write_fp8_block(moe, tmp_path / "c", tmp_path / "r", BLOCK, skip=(".experts.",))
+    llm = _llm(float_experts)
+    assert not llm.engine.runner.model.model.layers[0].mlp.experts.down_proj.is_meta
+    assert _greedy(llm) == _reference(float_ref, lambda m: act_quant_hooks(m, "group", BLOCK[1], skip=(".experts.",)))

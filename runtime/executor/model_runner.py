@@ -112,8 +112,13 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
         self.enforce_eager = enforce_eager or self.device.type != "cuda"
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
         self.config = self.model_module.Config.from_hf(hf_config)
+        quant = parse_quant_config(hf_config, quantization) if load_format != "dummy" else None
+        from xllm_gen.runtime.layers.moe import experts_on_meta
+        from xllm_gen.runtime.loading.quant_load import packs_experts
+        # float8 experts the load keeps packed are never allocated at the compute dtype's size
+        on_meta = experts_on_meta() if packs_experts(quant, self.device, dtype) else contextlib.nullcontext()
         try:
-            with torch.device(self.device), _default_dtype(dtype):
+            with torch.device(self.device), _default_dtype(dtype), on_meta:
                 self.model = self.model_module.Model(self.config)
         except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError) as e:
             raise CheckpointFileError(f"{Path(model_dir) / 'config.json'}: "
@@ -141,7 +146,7 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
                 self.model, self.model_module.weight_plan(self.model), model_dir,
                 tp_size=get_tp_size(), tp_rank=get_tp_rank(),
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
-                quant=parse_quant_config(hf_config, quantization), kv_cache_dtype=kv_cache_dtype,
+                quant=quant, kv_cache_dtype=kv_cache_dtype,
                 renames=getattr(self.model_module, "CHECKPOINT_RENAMES", ()))
         # the attention layers with a KV cache of their own (a layer that reads another's, L.share_kv, has none)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is None]

@@ -49,6 +49,27 @@ from xllm_gen.runtime.ops import moe as moe_ops
 PARALLEL_MODES = ("tensor", "expert")
 
 
+class _ExpertsOnMeta:
+    """`with experts_on_meta():` FusedMoE's stacked expert weights are built on the meta device (no memory): a
+    checkpoint whose experts the loader keeps packed (float8) fills them packed, never at their compute-dtype size
+    (runtime/loading/quant_load.py; one it cannot pack is materialized there)."""
+    active = False
+
+    def __enter__(self):
+        self.prev, _ExpertsOnMeta.active = _ExpertsOnMeta.active, True
+
+    def __exit__(self, *exc):
+        _ExpertsOnMeta.active = self.prev
+
+
+def experts_on_meta() -> _ExpertsOnMeta:
+    return _ExpertsOnMeta()
+
+
+def _expert_weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device="meta" if _ExpertsOnMeta.active else None))
+
+
 class FusedMoE(nn.Module):
     """Experts as one stacked gated MLP: out[t] = sum_k w[t, k] * down_e(act(gate_e(x)) * up_e(x)),
     e = ids[t, k], from softmax top-k routing of the router logits (renormalized when `renormalize`).
@@ -163,16 +184,16 @@ class FusedMoE(nn.Module):
         # per expert: gate_up_proj column-parallel (rows of each segment), down_proj row-parallel (columns);
         # with parallel="expert" the segments are whole (every row), the experts are what is split
         if self.gated:
-            self.gate_up_proj = nn.Parameter(torch.empty(e1 - e0, 2 * gate.rows, hidden))
+            self.gate_up_proj = _expert_weight(e1 - e0, 2 * gate.rows, hidden)
             _attach_experts(self.gate_up_proj, ExpertSplit(
                 ParamSplit("column", 0, (gate, up), (2 * gate.rows, hidden), tp, rank, owner),
                 num_experts, e0, e1, parallel, owner))
         else:
-            self.up_proj = nn.Parameter(torch.empty(e1 - e0, up.rows, hidden))
+            self.up_proj = _expert_weight(e1 - e0, up.rows, hidden)
             _attach_experts(self.up_proj, ExpertSplit(
                 ParamSplit("column", 0, (up,), (up.rows, hidden), tp, rank, owner), num_experts, e0, e1, parallel,
                 owner))
-        self.down_proj = nn.Parameter(torch.empty(e1 - e0, hidden, down.rows))
+        self.down_proj = _expert_weight(e1 - e0, hidden, down.rows)
         _attach_experts(self.down_proj, ExpertSplit(
             ParamSplit("row", 1, (down,), (hidden, down.rows), tp, rank, owner), num_experts, e0, e1, parallel, owner))
         self.out_norm = out_norm      # the module name of a per-expert output norm (ExpertNorm), or None

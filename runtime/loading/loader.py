@@ -320,6 +320,8 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
     ckpt = Checkpoint(model_dir, renames)
     qload = QuantLoad(model, ckpt, quant)
     params = dict(model.named_parameters())
+    # the device of the model's real parameters (a meta one, layers/moe.py experts_on_meta, is made real there)
+    device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
     _check_tp(params, tp_size, tp_rank)
     loaded: set[str] = set()
     used_sources: set[str] = set()
@@ -333,7 +335,8 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         loader = getattr(param, "weight_loader", default_weight_loader)
         shard_ids = rule.segments or (None,)
         quantized = []                    # (source view, shard_id) of a quantized layer's weight (to repack)
-
+        deferred = []                     # a meta-device parameter's sources (experts_on_meta): filled packed, or
+                                          # into the parameter once it is made real
         def fill(dst, sl, name, shard_id):
             try:
                 if rule.stored is not None:                    # stored transposed / segments interleaved
@@ -374,16 +377,25 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
             except QuantLoadError as e:
                 raise CheckpointError(f"{model_dir}: {e}") from None
             _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
-            fill(param, sl, name, shard_id)
+            if param.is_meta:
+                deferred.append((sl, name, shard_id))
+            else:
+                fill(param, sl, name, shard_id)
             if hasattr(sl, "with_component"):
                 quantized.append((sl, name, shard_id))
+        packed = False
         if quantized and len(quantized) == len(rule.sources) and qload.packs(rule.param, param):      # this rank's codes / scales, read the same way
             parts = {}
             for comp in quantized[0][0].COMPONENTS:
-                parts[comp] = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                parts[comp] = torch.empty(param.shape, dtype=torch.float32, device=device)
                 for sl, name, shard_id in quantized:
                     fill(parts[comp], sl.with_component(comp), name, shard_id)
-            qload.pack(rule.param, param, parts)
+            packed = qload.pack(rule.param, param, parts)
+        if param.is_meta and not packed:  # not packed after all: the parameter made real and filled
+            mod_name, _, attr = rule.param.rpartition(".")
+            param = params[rule.param] = qload.materialize(mod_name, attr, param, device)
+            for sl, name, shard_id in deferred:
+                fill(param, sl, name, shard_id)
         split = getattr(param, "tp_split", None)
         if rule.segments and split is not None:
             filled = set()

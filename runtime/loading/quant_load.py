@@ -40,10 +40,21 @@ class QuantLoadError(ValueError):
     pass
 
 
-def _placeholder(tensor: torch.Tensor) -> torch.nn.Parameter:
-    """The empty parameter that replaces a packed weight; it keeps the weight's TP split (how the layer's input
-    features are split: the activation groups' check reads it)."""
-    empty = torch.nn.Parameter(tensor.new_empty(0), requires_grad=False)
+def packs_experts(qc: Optional[QuantConfig], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a load of this checkpoint keeps float8 MoE experts packed (QuantLoad.packs' rule for them): then the
+    model builds its experts on the meta device (layers/moe.py experts_on_meta) and the load fills them packed."""
+    if qc is None or qc.method not in ("fp8", "compressed-tensors") or qc.bits == 8:
+        return False
+    forced = _pack_forced()
+    if forced is not None:
+        return forced
+    return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def _placeholder(tensor: torch.Tensor, device=None) -> torch.nn.Parameter:
+    """The empty parameter that replaces a packed weight (on `device`, default the weight's); it keeps the weight's
+    TP split (how the layer's input features are split: the activation groups' check reads it)."""
+    empty = torch.nn.Parameter(torch.empty(0, dtype=tensor.dtype, device=device or tensor.device), requires_grad=False)
     if hasattr(tensor, "tp_split"):
         empty.tp_split = tensor.tp_split
     return empty
@@ -266,7 +277,7 @@ class QuantLoad:
             return forced
         return tensor.is_cuda and tensor.dtype in (torch.bfloat16, torch.float16)
 
-    def pack(self, param: str, tensor: torch.Tensor, parts: dict) -> None:
+    def pack(self, param: str, tensor: torch.Tensor, parts: dict) -> bool:
         """Repacks a quantized layer from this rank's per-element codes / zeros / scales (read through the layer's
         weight loader, so every TP split and fused segment is in place) and drops its dequantized weight; a layer
         whose codes do not pack (act-order GPTQ, 8 bits, a split that cuts a group or scale block) keeps it."""
@@ -274,8 +285,7 @@ class QuantLoad:
         mod_name, _, attr = param.rpartition(".")
         mod = self.model.get_submodule(mod_name)
         if self._is_experts(mod):
-            self._pack_experts(mod, mod_name, attr, tensor, parts)
-            return
+            return self._pack_experts(mod, mod_name, attr, tensor, parts)
         if "zeros" in parts:
             qc = self.qc
             group = qc.group if qc.group != -1 else tensor.shape[1]
@@ -286,35 +296,50 @@ class QuantLoad:
             packed = PackedFp8(*got) if got is not None else None
         if packed is None:
             self.unpacked.append(mod_name)
-            return
+            return False
         if tensor.dtype == torch.float32 and not torch.equal(packed.dequantized(torch.float32), tensor):
             raise QuantLoadError(f"layer {mod_name!r}: the repacked weight differs from the dequantized one")
         empty = _placeholder(tensor)                                                # no dequantized copy
         for m in self._retie(mod, "weight", empty):
             m.packed, m.weight = packed, empty
         self.packed.append(mod_name)
+        return True
 
-    def _pack_experts(self, mod, mod_name: str, attr: str, tensor: torch.Tensor, parts: dict) -> None:
+    def _pack_experts(self, mod, mod_name: str, attr: str, tensor: torch.Tensor, parts: dict) -> bool:
         """A FusedMoE's stacked float8 experts [E, rows, K] kept as float8 codes and scales per row and bk columns
-        (FusedMoE.packed); experts whose codes do not pack (a split that cuts a scale block) keep the weight."""
+        (FusedMoE.packed); False for experts whose codes do not pack (a split that cuts a scale block): they keep
+        the weight. `tensor` may be on the meta device (experts_on_meta): the parts are the only values read."""
         from xllm_gen.runtime.layers.quant_linear import pack_fp8_components
         block = self.qc.weight_block[1] if self.qc is not None and self.qc.weight_block else None
         got = None if "zeros" in parts else pack_fp8_components(parts["codes"].reshape(-1, tensor.shape[-1]),
                                                                 parts["scales"].reshape(-1, tensor.shape[-1]), block)
         if got is None:
             self.unpacked.append(f"{mod_name}.{attr}")
-            return
+            return False
         codes, scale, bk = got
         codes, scale = codes.view(tensor.shape), scale.view(*tensor.shape[:-1], -1)
-        if tensor.dtype == torch.float32:
+        if tensor.dtype == torch.float32 and not tensor.is_meta:
             from xllm_gen.runtime.ops.moe import dequantize_experts
             if not torch.equal(dequantize_experts(codes, scale, bk, torch.float32), tensor):
                 raise QuantLoadError(f"parameter {mod_name}.{attr}: the repacked experts differ from the dequantized ones")
-        empty = _placeholder(tensor)
+        empty = _placeholder(tensor, parts["codes"].device)
         for m in self._retie(mod, attr, empty):
             m.packed = {**(m.packed or {}), attr: (codes, scale, bk)}
             setattr(m, attr, empty)
         self.packed.append(f"{mod_name}.{attr}")
+        return True
+
+    def materialize(self, mod_name: str, attr: str, param: torch.nn.Parameter, device) -> torch.nn.Parameter:
+        """A meta-device parameter (experts_on_meta) made real on `device`, in its place on `mod_name` and the modules
+        that share it, keeping its TP split and weight loader."""
+        real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                  requires_grad=param.requires_grad)
+        for key in ("tp_split", "weight_loader"):
+            if hasattr(param, key):
+                setattr(real, key, getattr(param, key))
+        for m in self._retie(self.model.get_submodule(mod_name), attr, real):
+            setattr(m, attr, real)
+        return real
 
     def _retie(self, mod, attr: str, placeholder) -> list:
         """The twins of `mod` by `attr`, recorded as sharing `placeholder` (what replaces their packed weight)."""
