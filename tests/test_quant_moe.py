@@ -1,7 +1,9 @@
 """Quantized mixture-of-experts checkpoints: per-expert fp8 / int weights (Qwen3-30B-A3B-FP8, DeepSeek-V3's FP8
-release and V3.1's UE8M0 form, llm-compressor's MoE FP8 / W8A8, AWQ / GPTQ MoE) load into FusedMoE's stacked experts, dequantized, with
-the checkpoint's activation quantization on the experts' input and on the intermediate (FusedMoE.act_quant /
-act_quant_down), against transformers on the dequantized weights, float32 on CPU.
+release and V3.1's UE8M0 form, llm-compressor's MoE FP8 / W8A8, AWQ / GPTQ MoE) load into FusedMoE's stacked
+experts, with the checkpoint's activation quantization on the experts' input and on the intermediate
+(FusedMoE.act_quant / act_quant_down), against transformers on the dequantized weights, float32 on CPU. Float8
+experts kept packed (XLLM_PACKED_QUANT=1, the CUDA default): built on the meta device, filled packed, read by the
+grouped kernels bit for bit as the dequantized experts (interpreter); their fallbacks made real.
 
 - The reference quantizes the same activations with code written independently of the runtime: forward pre-hooks
   on the linear layers (tests/quant_ckpt.py act_quant_hooks) and a per-expert loop replacing transformers' experts
