@@ -320,8 +320,9 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
     ckpt = Checkpoint(model_dir, renames)
     qload = QuantLoad(model, ckpt, quant)
     params = dict(model.named_parameters())
-    # the device of the model's real parameters (a meta one, layers/moe.py experts_on_meta, is made real there)
-    device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
+    # the device of the model's real parameters (a meta one, layers/moe.py experts_on_meta, is made real there);
+    # None for a shapes-only load (every parameter on meta): nothing is made real
+    device = next((p.device for p in params.values() if not p.is_meta), None)
     _check_tp(params, tp_size, tp_rank)
     loaded: set[str] = set()
     used_sources: set[str] = set()
@@ -377,7 +378,7 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
             except QuantLoadError as e:
                 raise CheckpointError(f"{model_dir}: {e}") from None
             _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
-            if param.is_meta:
+            if param.is_meta and device is not None:
                 deferred.append((sl, name, shard_id))
             else:
                 fill(param, sl, name, shard_id)
@@ -387,11 +388,11 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         if quantized and len(quantized) == len(rule.sources) and qload.packs(rule.param, param):      # this rank's codes / scales, read the same way
             parts = {}
             for comp in quantized[0][0].COMPONENTS:
-                parts[comp] = torch.empty(param.shape, dtype=torch.float32, device=device)
+                parts[comp] = torch.empty(param.shape, dtype=torch.float32, device=device or param.device)
                 for sl, name, shard_id in quantized:
                     fill(parts[comp], sl.with_component(comp), name, shard_id)
             packed = qload.pack(rule.param, param, parts)
-        if param.is_meta and not packed:  # not packed after all: the parameter made real and filled
+        if deferred and not packed:       # not packed after all: the parameter made real and filled
             mod_name, _, attr = rule.param.rpartition(".")
             param = params[rule.param] = qload.materialize(mod_name, attr, param, device)
             for sl, name, shard_id in deferred:
