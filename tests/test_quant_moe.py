@@ -334,3 +334,23 @@ def test_packed_experts_never_allocated_at_compute_size(fp8_block, moe, tmp_path
     llm = _llm(float_experts)
     assert not llm.engine.runner.model.model.layers[0].mlp.experts.down_proj.is_meta
     assert _greedy(llm) == _reference(float_ref, lambda m: act_quant_hooks(m, "group", BLOCK[1], skip=(".experts.",)))
+
+
+def test_packed_expert_nan_is_named(fp8_block, tmp_path, monkeypatch):
+    """A NaN float8 code in an expert: kept packed (never dequantized at load), refused naming the parameter;
+    dequantized, naming the stored tensor (the NaN check re-reads the float8 tensor in float32: it could not)."""
+    ckpt, _ = fp8_block
+    name = "model.layers.2.mlp.experts.1.down_proj.weight"
+
+    def poison(sd):
+        w = sd[name].view(torch.uint8).clone()
+        w[0, 0] = 0x7F                                      # float8 e4m3fn NaN
+        sd[name] = w.view(torch.float8_e4m3fn)
+    bad = edit_ckpt(ckpt, tmp_path / "bad", tensors=poison)
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.down_proj: its experts' float8 checkpoint "
+                                         r"tensors hold a NaN"):
+        _llm(bad)
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "0")                # dequantized: the stored tensor is named
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.1\.down_proj\.weight"):
+        _llm(bad)

@@ -296,7 +296,7 @@ def _check_finite(param: torch.Tensor, rule: WeightRule, ckpt) -> None:
         except Exception:        # noqa: BLE001 - a source that cannot be read whole here: named with the others
             culprits = []
             break
-        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t if t.element_size() > 1 else t.float()).all()):
             culprits.append(n)
     names = ", ".join(repr(n) for n in (culprits or rule.sources))
     where = sorted({str(ckpt.path_of(n)) for n in (culprits or sources)})

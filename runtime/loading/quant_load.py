@@ -310,6 +310,9 @@ class QuantLoad:
         (FusedMoE.packed); False for experts whose codes do not pack (a split that cuts a scale block): they keep
         the weight. `tensor` may be on the meta device (experts_on_meta): the parts are the only values read."""
         from xllm_gen.runtime.layers.quant_linear import pack_fp8_components
+        if not bool(torch.isfinite(parts["codes"].sum())):        # the weights never exist dequantized here
+            raise QuantLoadError(f"parameter {mod_name}.{attr}: its experts' float8 checkpoint tensors hold a NaN "
+                                 f"(or infinite) value")
         block = self.qc.weight_block[1] if self.qc is not None and self.qc.weight_block else None
         got = None if "zeros" in parts else pack_fp8_components(parts["codes"].reshape(-1, tensor.shape[-1]),
                                                                 parts["scales"].reshape(-1, tensor.shape[-1]), block)
