@@ -354,3 +354,23 @@ def test_packed_expert_nan_is_named(fp8_block, tmp_path, monkeypatch):
     monkeypatch.setenv("XLLM_PACKED_QUANT", "0")                # dequantized: the stored tensor is named
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.1\.down_proj\.weight"):
         _llm(bad)
+
+
+def test_packing_rule_of_meta_experts_follows_the_model_device(monkeypatch):
+    """The load keeps meta experts packed by the same rule the model was built by (the model's device and dtype,
+    not the meta tensor's): on CUDA in bf16 with XLLM_PACKED_QUANT unset, packed; in float32, not."""
+    from xllm_gen.runtime.layers.moe import FusedMoE, experts_on_meta
+    from xllm_gen.runtime.loading.quant_config import parse_quant_config
+    from xllm_gen.runtime.loading.quant_load import QuantLoad, packs_experts
+    monkeypatch.delenv("XLLM_PACKED_QUANT", raising=False)
+    qc = parse_quant_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}})
+    with experts_on_meta():
+        model = torch.nn.ModuleDict({"experts": FusedMoE(4, 32, 16, 2, True, "silu"),
+                                     "norm": torch.nn.LayerNorm(32)})
+    ql = QuantLoad(model, type("Ckpt", (), {"names": lambda self: []})(), qc)
+    ql.device = torch.device("cuda")
+    for dtype, want in ((torch.bfloat16, True), (torch.float32, False)):
+        meta = torch.empty(4, 32, 32, device="meta", dtype=dtype)
+        assert ql.packs("experts.gate_up_proj", meta) is want
+        assert packs_experts(qc, torch.device("cuda"), dtype) is want
+    assert model["experts"].gate_up_proj.is_meta

@@ -91,6 +91,8 @@ class QuantLoad:
         self.unpacked: list[str] = []              # quantized layers that keep their dequantized weight
         self.mxfp4: dict[str, tuple] = {}          # parameter -> (its MXFP4 source tensors' packed bytes, its bytes)
         self.loose: list = []                      # (parameter, source) of no linear layer, weight-only quantized
+        # the device of the model's real parameters (its experts may be on meta: layers/moe.py experts_on_meta)
+        self.device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("meta"))
 
     def open(self, name: str):
         """The checkpoint slice of `name`, or, for an AWQ / GPTQ layer's `.weight` (stored as `.qweight`, `.qzeros`,
@@ -270,8 +272,8 @@ class QuantLoad:
             return False            # the router: read in float32 (layers/moe.py linear_float32), kept unpacked
         if self.qc is not None and self.qc.method == "compressed-tensors" and self.qc.bits == 8:
             return False            # int8 weights: no int8 GEMM here, the layer holds them dequantized
-        if self._is_experts(layer) and (self.qc is None or self.qc.method not in ("fp8", "compressed-tensors")):
-            return False            # integer experts: no int4 grouped kernel
+        if self._is_experts(layer):     # the rule the model was built by (experts on meta where it holds)
+            return packs_experts(self.qc, self.device, tensor.dtype)
         forced = _pack_forced()
         if forced is not None:
             return forced
