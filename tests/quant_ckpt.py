@@ -31,6 +31,12 @@ def _is_linear(name: str) -> bool:
     return ".layers." in name and name.endswith(LINEAR_SUFFIXES)
 
 
+def _chosen(name: str, linears) -> bool:
+    """Whether a writer quantizes tensor `name`: a weight of one of the module names `linears`, or (None) of the
+    decoder's usual projections."""
+    return _is_linear(name) if linears is None else name.endswith(".weight") and name[:-len(".weight")] in linears
+
+
 def _copy_small_files(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -92,8 +98,7 @@ def write_fp8_block(src: Path, dst: Path, ref: Path, block=(32, 32), skip=(), ue
     sd = load_file(str(src / "model.safetensors"))
     out, deq = {}, {}
     for name, t in sd.items():
-        chosen = _is_linear(name) if linears is None else name.endswith(".weight") and name[:-len(".weight")] in linears
-        if chosen and not any(s in name for s in skip):
+        if _chosen(name, linears) and not any(s in name for s in skip):
             q, s = quantize_block(t.float(), block, pow2=ue8m0 is not None)
             stored = {None: s, "f32": s, "e8m0": s.to(torch.float8_e8m0fnu),
                       "u8": (torch.log2(s) + 127).round().to(torch.uint8)}[ue8m0]
@@ -120,8 +125,7 @@ def write_ct_fp8(src: Path, dst: Path, ref: Path, *, strategy: str = "channel", 
     sd = load_file(str(src / "model.safetensors"))
     out, deq = {}, {}
     for name, t in sd.items():
-        if (_is_linear(name) if linears is None else name.endswith(".weight") and name[:-len(".weight")] in linears
-                and t.dim() == 2 and t.is_floating_point()):
+        if _chosen(name, linears) and t.dim() == 2 and t.is_floating_point():
             w = t.float()
             amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
             s = amax.clamp(min=1e-12) / FMAX
@@ -427,7 +431,7 @@ def write_gptq(src: Path, dst: Path, ref: Path, *, bits: int = 4, group: int = 1
     gen = torch.Generator().manual_seed(seed)
     out, deq = {}, {}
     for name, t in sd.items():
-        if _is_linear(name) if linears is None else name.endswith(".weight") and name[:-len(".weight")] in linears:
+        if _chosen(name, linears):
             K = t.shape[1]
             perm = torch.randperm(K, generator=gen) if desc_act else None
             codes, s, z, g_idx = quantize_int(t.float(), bits, group, sym, perm, min_zero=1 if fmt == "gptq" else 0)

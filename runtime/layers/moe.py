@@ -25,6 +25,7 @@ intermediate (the down projections' input), set at load: the semantics of vLLM's
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -49,25 +50,23 @@ from xllm_gen.runtime.ops import moe as moe_ops
 PARALLEL_MODES = ("tensor", "expert")
 
 
-class _ExpertsOnMeta:
-    """`with experts_on_meta():` FusedMoE's stacked expert weights are built on the meta device (no memory): a
-    checkpoint whose experts the loader keeps packed (float8) fills them packed, never at their compute-dtype size
+_EXPERTS_ON_META = [False]
+
+
+@contextlib.contextmanager
+def experts_on_meta():
+    """Within it, FusedMoE's stacked expert weights are built on the meta device (no memory): a checkpoint whose
+    experts the loader keeps packed (float8) fills them packed, never at their compute-dtype size
     (runtime/loading/quant_load.py; one it cannot pack is materialized there)."""
-    active = False
-
-    def __enter__(self):
-        self.prev, _ExpertsOnMeta.active = _ExpertsOnMeta.active, True
-
-    def __exit__(self, *exc):
-        _ExpertsOnMeta.active = self.prev
-
-
-def experts_on_meta() -> _ExpertsOnMeta:
-    return _ExpertsOnMeta()
+    prev, _EXPERTS_ON_META[0] = _EXPERTS_ON_META[0], True
+    try:
+        yield
+    finally:
+        _EXPERTS_ON_META[0] = prev
 
 
 def _expert_weight(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, device="meta" if _ExpertsOnMeta.active else None))
+    return nn.Parameter(torch.empty(*shape, device="meta" if _EXPERTS_ON_META[0] else None))
 
 
 class FusedMoE(nn.Module):
