@@ -227,7 +227,7 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 def dequantize_experts(codes: torch.Tensor, scale: torch.Tensor, bk: int, dtype: torch.dtype) -> torch.Tensor:
     """Float8 expert weights [E, rows, K] times their scales [E, rows, ceil(K / bk)] (one per row and bk columns),
     in `dtype`: what the dequantized experts hold."""
-    from xllm_gen.runtime.ops.quant_gemv import dequant_fp8          # the dense layers' (PackedFp8), row by row
+    from xllm_gen.runtime.ops.quant_gemv import dequant_fp8  # the dense layers' (PackedFp8), row by row
     K = codes.shape[-1]
     return dequant_fp8(codes.reshape(-1, K), scale.reshape(-1, scale.shape[-1]), (1, bk), dtype).view(codes.shape)
 
