@@ -18,7 +18,8 @@ and reports the best five per shape (set the tables / SPLITK_AUTO_MAX_M from the
 weights (load_format=dummy) in bf16, and quantized in place and packed (`_debug={"dummy_quantize": "int4" | "fp8"}`:
 int4 round-to-nearest groups of 128 with zero points, fp8 e4m3 per channel, weights only) under each kernel choice
 (XLLM_QUANT_GEMV=mma, splitk, auto: auto measures both per shape at start), each engine in its own process, with a
-time limit (--e2e-timeout seconds).
+time limit (--e2e-timeout seconds). An MoE variant (Qwen3-30B-A3B) quantizes its experts too (fp8 / fp8_block: kept
+float8, the grouped kernels reading them; int4 leaves them bf16).
 """
 from __future__ import annotations
 
@@ -224,11 +225,13 @@ def bench_e2e(args) -> list:
     official *-FP8 releases), each engine in its own process under a time limit."""
     import tempfile
     sys.path.insert(0, str(REPO / "bench"))
+    import bench_moe
     from bench_decode import write_config
     root = Path(tempfile.mkdtemp(prefix="bench_quant_"))
     res = []
     for name in args.e2e.split(","):
-        d = write_config(root, name)
+        moe = "-A" in name                          # Qwen3-30B-A3B: specs/qwen3_moe.yaml's variant (experts float8)
+        d = bench_moe.write_config(root, name) if moe else write_config(root, name)
         for batch in [int(b) for b in args.e2e_batches.split(",")]:
             kernels = args.e2e_kernels.split(",")
             quants = args.e2e_quants.split(",")
@@ -267,8 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="", help="kernels whose name holds one of these (comma list; bf16 cuBLAS kept)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table (e.g. only --e2e)")
-    ap.add_argument("--e2e", default="", help="Qwen3 variants for the decode-TPOT arm, e.g. Qwen3-0.6B,Qwen3-8B "
-                                                  "(random weights: load_format=dummy)")
+    ap.add_argument("--e2e", default="", help="Qwen3 variants for the decode-TPOT arm, e.g. Qwen3-0.6B,Qwen3-8B, "
+                                                  "Qwen3-30B-A3B (random weights: load_format=dummy)")
     ap.add_argument("--e2e-timeout", type=int, default=600)
     ap.add_argument("--e2e-kernels", default=",".join(E2E_KERNELS), help="XLLM_QUANT_GEMV values to run, e.g. auto")
     ap.add_argument("--e2e-batches", default="1,16")

@@ -260,8 +260,15 @@ def fp8(w, bk):
     s = torch.stack([w[..., j * bk:(j + 1) * bk].abs().amax(-1) for j in range(nb)], -1) / 448.0 + 1e-6
     q = (w / s.repeat_interleave(bk, -1)[..., :K]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q, s
-for T, H, I, E, K, bk13, bk2, dtype in [(5, 48, 16, 4, 2, 16, 16, torch.float32), (9, 32, 24, 6, 3, 32, 24, torch.float32),
-                                        (7, 64, 32, 4, 2, 16, 32, torch.float16)]:
+from xllm_gen.runtime.ops.moe_triton import MoeConfig, _scale_mode, default_config
+modes = set()
+# the scale reads of _weight_tile: 1 (a column per tile), 2 (several per tile, a partial last one), 0 (gathered)
+for T, H, I, E, K, bk13, bk2, dtype, cfg in [
+        (5, 48, 16, 4, 2, 16, 16, torch.float32, None), (9, 32, 24, 6, 3, 32, 24, torch.float32, None),
+        (7, 64, 32, 4, 2, 16, 32, torch.float16, None), (6, 96, 40, 4, 2, 24, 40, torch.float32, None),
+        (4, 64, 32, 4, 2, 32, 16, torch.float32, MoeConfig(block_k1=16, block_k2=16))]:
+    c = cfg or default_config(T, E, K, H, I)
+    modes |= {_scale_mode(bk13, c.block_k1, H), _scale_mode(bk2, c.block_k2, I)}
     x = torch.randn(T, H).to(dtype)
     q13, s13 = fp8(torch.randn(E, 2 * I, H) / H ** .5, bk13)
     q2, s2 = fp8(torch.randn(E, H, I) / I ** .5, bk2)
@@ -269,19 +276,21 @@ for T, H, I, E, K, bk13, bk2, dtype in [(5, 48, 16, 4, 2, 16, 16, torch.float32)
     w = w.to(dtype)
     ids[0, 0] = E                                   # routed nowhere
     d13, d2 = dequantize_experts(q13, s13, bk13, dtype), dequantize_experts(q2, s2, bk2, dtype)
-    a = fused_moe_silu(x, q13, q2, w, ids, scales13=(s13, bk13), scales2=(s2, bk2))
-    b = fused_moe_silu(x, d13, d2, w, ids)
+    a = fused_moe_silu(x, q13, q2, w, ids, config=cfg, scales13=(s13, bk13), scales2=(s2, bk2))
+    b = fused_moe_silu(x, d13, d2, w, ids, config=cfg)
     s13[1] *= 2
-    c = fused_moe_silu(x, q13, q2, w, ids, scales13=(s13, bk13), scales2=(s2, bk2))
+    s2[2] *= 2
+    c = fused_moe_silu(x, q13, q2, w, ids, config=cfg, scales13=(s13, bk13), scales2=(s2, bk2))
     out[f"{T}x{H}x{I}x{E}x{K}-{bk13}-{bk2}-{dtype}"] = [bool(torch.equal(a, b)), not torch.equal(a, c)]
+out["modes"] = [sorted(modes) == [0, 1, 2]]
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_fp8_experts_kernel_bit_exact_interpreted():
-    """The grouped kernels reading float8 experts (scales per row and bk columns, bk a divisor of K or not) give the
-    dequantized experts' result bit for bit (float32 and float16, under TRITON_INTERPRET=1); an expert's scales
-    doubled changes it."""
+    """The grouped kernels reading float8 experts (scales per row and bk columns, bk a divisor of K or not; each of
+    the kernel's three ways of reading the scales) give the dequantized experts' result bit for bit (float32 and
+    float16, under TRITON_INTERPRET=1); an expert's scales doubled changes it."""
     import json
     import os
     import subprocess

@@ -114,7 +114,8 @@ def rtn_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, t
 def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> int:
     """Benchmarks without a quantized checkpoint (load_format="dummy", `_debug={"dummy_quantize": kind}`): every
     linear layer's weight (not an MoE router's) quantized in place, "int4" (round to nearest, groups of 128, zero
-    points: an AWQ checkpoint's form), "fp8" (e4m3 per output channel, weights only) or "fp8_block" (e4m3 with a
+    points: an AWQ checkpoint's form; MoE experts stay as they are), "fp8" (e4m3 per output channel, weights only;
+    MoE experts too, as FusedMoE.packed) or "fp8_block" (e4m3 with a
     scale per 128 x 128 block, as the official *-FP8 releases; held, as a loaded checkpoint's, per row and 128
     columns; the layers' inputs are then quantized as those releases' are: dynamic fp8 per token and 128 columns,
     layers/quant.py ActQuant), packed (`pack`; default on CUDA) or written back dequantized. Returns the number of
@@ -128,6 +129,9 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
                for c in m.children() if isinstance(c, _Linear)}
     n = 0
     for mod in model.modules():
+        if isinstance(mod, FusedMoE) and kind != "int4":
+            n += _quantize_dummy_experts(mod, kind, pack)
+            continue
         w = getattr(mod, "weight", None)
         if not isinstance(mod, _Linear) or id(mod) in routers or w is None or w.dim() != 2 or w.shape[1] % 8:
             continue
@@ -137,15 +141,10 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
             codes, s, z = rtn_int4(w, g)
             packed = PackedInt4(Q.pack_int4(codes), s, z, g)
         elif kind == "fp8_block" and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
-            N, K = w.shape
-            sb = (w.float().abs().reshape(N // 128, 128, K // 128, 128).amax((1, 3)) / 448.0).clamp(min=1e-12)
-            s = sb.repeat_interleave(128, 0)                                   # [N, K / 128]: per row, 128 columns
-            q = (w.float() / s.repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
-            packed = PackedFp8(q, s.contiguous(), 128)
+            packed = PackedFp8(*_fp8_rows(w, 128), 128)                       # scales per row and 128 columns
             mod.act_quant = ActQuant("group", 128)     # and the releases' activations: dynamic, per token and 128
         else:
-            s = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
-            packed = PackedFp8((w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s, w.shape[1])
+            packed = PackedFp8(*_fp8_rows(w, w.shape[1]), w.shape[1])
         if do_pack:
             mod.packed = packed
             mod.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
@@ -155,3 +154,45 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return n
+
+
+def _fp8_rows(w: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as float8 e4m3 with a scale per row and bk columns: bk = 128 takes the amax of each 128 x 128 block
+    (the *-FP8 releases' block scales, repeated over the block's rows), bk = K one scale per row."""
+    N, K = w.shape
+    if bk == K:
+        s = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+    else:
+        sb = (w.float().abs().reshape(N // bk, bk, K // bk, bk).amax((1, 3)) / 448.0).clamp(min=1e-12)
+        s = sb.repeat_interleave(bk, 0)
+    q = (w.float() / s.repeat_interleave(bk, 1)[:, :K]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s.contiguous()
+
+
+@torch.no_grad()
+def _quantize_dummy_experts(mod, kind: str, pack: Optional[bool]) -> int:
+    """quantize_dummy of a FusedMoE: its stacked experts as float8 (per channel, or 128 x 128 blocks with the inputs
+    and the intermediate quantized per token and 128 columns, as Qwen3-*-A*B-FP8), kept packed as a loaded
+    checkpoint's (FusedMoE.packed) or written back dequantized. 1 if quantized (gated experts without biases)."""
+    from xllm_gen.runtime.layers.quant import ActQuant
+    from xllm_gen.runtime.ops.moe import dequantize_experts
+    if not mod.gated or mod.has_bias:
+        return 0
+    packed = {}
+    for attr in ("gate_up_proj", "down_proj"):
+        w = getattr(mod, attr)
+        E, N, K = w.shape
+        bk = 128 if kind == "fp8_block" and N % 128 == 0 and K % 128 == 0 else K
+        codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(E, N, -(-K // bk), dtype=torch.float32, device=w.device)
+        for e in range(E):                                   # an expert at a time: no float32 copy of them all
+            codes[e], scales[e] = _fp8_rows(w[e], bk)
+        if w.is_cuda if pack is None else pack:
+            packed[attr] = (codes, scales, bk)
+            setattr(mod, attr, nn.Parameter(w.new_empty(0), requires_grad=False))
+        else:
+            w.copy_(dequantize_experts(codes, scales, bk, w.dtype))
+    mod.packed = packed or None
+    if kind == "fp8_block":
+        mod.act_quant, mod.act_quant_down = ActQuant("group", 128), ActQuant("group", 128)
+    return 1

@@ -25,15 +25,30 @@ from xllm_gen.runtime.ops.moe import Alignment, padded_rows
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, e, rows, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn, SBK, dtype,
-                 W_FP8: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile of expert e's rows `rows` x columns `offs_k`; float8 weights (W_FP8) times their
-    scale per row and SBK columns, rounded to `dtype`: the values the dequantized weight holds."""
+def _weight_tile(w_ptr, s_ptr, e, rows, mask_rows, k0, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn,
+                 Kdim, dtype, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, SBK: tl.constexpr,
+                 SCALES: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of expert e's rows `rows` x columns `offs_k` (from k0); float8 weights (W_FP8)
+    times their scale per row and SBK columns, rounded to `dtype`: the values the dequantized weight holds.
+    How the scales are read (SCALES, chosen on the host by _scale_mode): 1 = the tile lies in one scale column (a
+    scale per row), 2 = BLOCK_K / SBK whole scale columns (the tile viewed as [groups, SBK, rows]), 0 = a scale
+    gathered per element (any other SBK; slow: an index and a load per weight value)."""
     w = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
     if W_FP8:
-        s = tl.load(s_ptr + e * stride_se + rows[None, :] * stride_sn + (offs_k // SBK)[:, None], mask=mask,
-                    other=0.0)
-        w = (w.to(tl.float32) * s).to(dtype)
+        s_row = s_ptr + e * stride_se + rows * stride_sn
+        if SCALES == 1:
+            s = tl.load(s_row + k0 // SBK, mask=mask_rows, other=0.0)
+            w = (w.to(tl.float32) * s[None, :]).to(dtype)
+        elif SCALES == 2:
+            G: tl.constexpr = BLOCK_K // SBK
+            g = tl.arange(0, G)
+            s = tl.load(s_row[None, :] + (k0 // SBK + g)[:, None],
+                        mask=mask_rows[None, :] & (k0 + g * SBK < Kdim)[:, None], other=0.0)
+            w3 = tl.reshape(w.to(tl.float32), (G, SBK, w.shape[1])) * s[:, None, :]
+            w = tl.reshape(w3, (BLOCK_K, w.shape[1])).to(dtype)
+        else:
+            s = tl.load(s_row[None, :] + (offs_k // SBK)[:, None], mask=mask, other=0.0)
+            w = (w.to(tl.float32) * s).to(dtype)
     return w
 
 
@@ -41,9 +56,9 @@ def _weight_tile(w_ptr, s_ptr, e, rows, offs_k, mask, stride_we, stride_wn, stri
 def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
                         num_pairs, top_k, E, N, Kdim,
                         stride_xm, stride_we, stride_wn, stride_hm,
-                        s_ptr, stride_se, stride_sn, SBK,
+                        s_ptr, stride_se, stride_sn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                        W_FP8: tl.constexpr = False):
+                        W_FP8: tl.constexpr = False, SBK: tl.constexpr = 1, SCALES: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -63,10 +78,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
         a = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
         mask = mask_n[None, :] & mask_k[:, None]
-        wg = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn, SBK,
-                          a.dtype, W_FP8)
-        wu = _weight_tile(w_ptr, s_ptr, e, offs_n + N, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn, SBK,
-                          a.dtype, W_FP8)
+        wg = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, k0, offs_k, mask, stride_we, stride_wn, stride_se,
+                          stride_sn, Kdim, a.dtype, BLOCK_K, W_FP8, SBK, SCALES)
+        wu = _weight_tile(w_ptr, s_ptr, e, offs_n + N, mask_n, k0, offs_k, mask, stride_we, stride_wn, stride_se,
+                          stride_sn, Kdim, a.dtype, BLOCK_K, W_FP8, SBK, SCALES)
         acc_g += tl.dot(a, wg, input_precision=PREC)
         acc_u += tl.dot(a, wu, input_precision=PREC)
     # the projections round to the activation dtype (as a linear layer's output does), then silu(gate) * up
@@ -81,9 +96,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
 def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
                      num_pairs, E, N, Kdim,
                      stride_hm, stride_we, stride_wn, stride_ym,
-                     s_ptr, stride_se, stride_sn, SBK,
+                     s_ptr, stride_se, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     W_FP8: tl.constexpr = False):
+                     W_FP8: tl.constexpr = False, SBK: tl.constexpr = 1, SCALES: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -100,8 +115,8 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_p
         mask_k = offs_k < Kdim
         a = tl.load(h_ptr + rows[:, None] * stride_hm + offs_k[None, :],
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, e, offs_n, offs_k, mask_n[None, :] & mask_k[:, None], stride_we, stride_wn,
-                         stride_se, stride_sn, SBK, a.dtype, W_FP8)
+        w = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, k0, offs_k, mask_n[None, :] & mask_k[:, None], stride_we,
+                         stride_wn, stride_se, stride_sn, Kdim, a.dtype, BLOCK_K, W_FP8, SBK, SCALES)
         acc += tl.dot(a, w, input_precision=PREC)
     wt = tl.load(weights_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
@@ -285,12 +300,23 @@ def default_config(T: int, E: int, top_k: int, H: int, I: int) -> MoeConfig:
                      block_n2=_block(H, 128), block_k2=_block(I, 64), num_warps=8, num_stages=3)
 
 
-def _scale_args(scales: tuple | None, x: torch.Tensor) -> tuple:
-    """(scale pointer, its expert / row strides, columns per scale) of float8 weights, or placeholders."""
+def _scale_mode(sbk: int, block_k: int, kdim: int) -> int:
+    """How _weight_tile reads the scales of SBK-column groups with BLOCK_K-column tiles (see its doc)."""
+    if sbk % block_k == 0 or sbk >= kdim:
+        return 1
+    if block_k % sbk == 0:
+        return 2
+    return 0
+
+
+def _scale_args(scales: tuple | None, x: torch.Tensor, block_k: int, kdim: int) -> tuple:
+    """(scale pointer, its expert / row strides) and the constexprs (W_FP8, SBK, SCALES) of float8 weights, or
+    placeholders."""
     if scales is None:
-        return x, 0, 0, 1
+        return (x, 0, 0), {}
     s, bk = scales
-    return s, s.stride(0), s.stride(1), int(bk)
+    bk = int(bk)
+    return (s, s.stride(0), s.stride(1)), dict(W_FP8=True, SBK=bk, SCALES=_scale_mode(bk, block_k, kdim))
 
 
 def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -316,20 +342,22 @@ def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     P = al.sorted_pairs.numel()
     nb = al.block_expert.numel()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    s13, fp8_13 = _scale_args(scales13, x, cfg.block_k1, H)
     _moe_gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n1))](
         x, w13, h, al.sorted_pairs, al.block_expert, T * K, K, E, I, H,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *_scale_args(scales13, x),
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_FP8=scales13 is not None)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_13)
     if mid is not None:                 # rows are independent: padding rows (zeros) stay zeros, never read
         h = mid(h)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)      # rows of pairs routed nowhere: never read
     weights = topk_weights.reshape(-1).contiguous()
+    s2, fp8_2 = _scale_args(scales2, x, cfg.block_k2, I)
     _moe_down_kernel[(nb, triton.cdiv(H, cfg.block_n2))](
         h, w2, y, al.sorted_pairs, al.block_expert, weights, T * K, E, H, I,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *_scale_args(scales2, x),
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_FP8=scales2 is not None)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_2)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T:
         block_h = min(1024, triton.next_power_of_2(H))
