@@ -172,7 +172,7 @@ def _fp8_rows(w: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def _quantize_dummy_experts(mod, kind: str, pack: Optional[bool]) -> int:
     """quantize_dummy of a FusedMoE: its stacked experts as float8 (per channel, or 128 x 128 blocks with the inputs
-    and the intermediate quantized per token and 128 columns, as Qwen3-*-A*B-FP8), kept packed as a loaded
+    and the intermediate quantized per token and 128 columns, as the FP8 MoE releases), kept packed as a loaded
     checkpoint's (FusedMoE.packed) or written back dequantized. 1 if quantized (gated experts without biases)."""
     from xllm_gen.runtime.layers.quant import ActQuant
     from xllm_gen.runtime.ops.moe import dequantize_experts

@@ -93,6 +93,7 @@ class QuantLoad:
         self.loose: list = []                      # (parameter, source) of no linear layer, weight-only quantized
         # the device of the model's real parameters (its experts may be on meta: layers/moe.py experts_on_meta)
         self.device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("meta"))
+        self._modules: dict[str, tuple] = {}       # _module's answers, by parameter name
 
     def open(self, name: str):
         """The checkpoint slice of `name`, or, for an AWQ / GPTQ layer's `.weight` (stored as `.qweight`, `.qzeros`,
@@ -127,7 +128,13 @@ class QuantLoad:
 
     def _module(self, param: str):
         """(module name, the linear layer whose weight `param` is, or the FusedMoE whose stacked expert weight it
-        is, else None)."""
+        is, else None). Memoized: a stacked expert parameter takes one tensor per expert (hundreds of thousands of
+        calls for a large MoE checkpoint, each a walk of the module tree)."""
+        if param not in self._modules:
+            self._modules[param] = self._find_module(param)
+        return self._modules[param]
+
+    def _find_module(self, param: str):
         from xllm_gen.runtime.layers.linear import _Linear
         from xllm_gen.runtime.layers.moe import FusedMoE
         mod_name, _, attr = param.rpartition(".")
