@@ -19,6 +19,7 @@ segments stacked in order, e.g. a checkpoint's fused q|k|v, split here before sh
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
@@ -231,7 +232,7 @@ class ParamSplit:
     tp_rank: int = 0
     owner: str = ""                  # the layer class, for messages
 
-    @property
+    @functools.cached_property          # asked for every checkpoint tensor a parameter takes
     def segment_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.segments)
 
