@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,34 +155,83 @@ def _find(names: set, layer: str, options) -> str | None:
     return None
 
 
+@dataclass
+class _Layer:
+    """Where the draft found a decoder layer's parts: full parameter-module names (None where absent)."""
+    prefix: str                                 # "model.layers.{i}."
+    q: str | None
+    k: str | None
+    v: str | None
+    qkv_fused: str | None
+    o: str
+    attn_mod: str
+    gate: str | None
+    up: str | None
+    down: str
+    gate_up_fused: str | None
+    mlp_mod: str
+    attn_norm: str
+    mlp_norm: str
+    extra_norms: list
+    inner_norms: list
+
+    def rel(self, n: str) -> str:
+        return n[len(self.prefix):]
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None or self.gate_up_fused is not None
+
+
 def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
-    """(spec YAML text, Draft) for a transformers class name or a checkpoint directory."""
+    """(spec YAML text, Draft) for a transformers class name or a checkpoint directory. The steps: the state_dict's
+    layer layout (which modules, which flag controls which bias), the config symbols, the other fields (assumed,
+    ignored or on the checklist), hints from the modeling source, then the text."""
     cls, config, raw = _load(target)
     arch = cls.__name__
     full = config.to_dict()
     values = dict(full)
     if raw is not None:
         values.update(raw)
-    from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS
-
     d = Draft(arch, name or _snake(arch), re.sub(r"(ForCausalLM|LMHeadModel)$", "", arch) or "Model", values)
-    params = _meta_params(cls, config)
-    names = set(params)
-    layer = next((n.split("{i}")[0] + "{i}." for n in names if "{i}" in n), None)
+    names = set(_meta_params(cls, config))
+    prefix = _layer_prefix(d, names)
+    controls = _bias_controls(cls, config, full, names)
+    layer = _find_layer(d, names, prefix)
+    norm_kind = "layernorm" if (layer.attn_norm + ".bias") in names else "rmsnorm"
+    eps = _eps(d, full)
+    _config_symbols(d, full)
+    _other_fields(d, full, controls)
+    _source_hints(d, cls)
+    _unused_parameters(d, names, layer)
+    return _render(d, target, type(config).__name__, full, names, controls, layer, norm_kind, eps), d
+
+
+def _layer_prefix(d: Draft, names: set) -> str:
+    """The decoder layers' parameter prefix ("model.layers.{i}."): of several stacks of layers, one not named as a
+    vision / audio tower or an encoder, then the one with the most parameters, then by name (never the set's order:
+    the draft is the same on every run); a MoE layer is refused."""
+    stacks = Counter(n.split("{i}")[0] + "{i}." for n in names if "{i}" in n)
+    tower = re.compile(r"vision|visual|image|audio|encoder|patch", re.I)
+    layer = min(stacks, key=lambda s: (bool(tower.search(s)), -stacks[s], s)) if stacks else None
     if layer is None:
-        raise DraftError(f"{arch}: no per-layer parameters found in the model's state_dict")
+        raise DraftError(f"{d.architecture}: no per-layer parameters found in the model's state_dict")
     if layer != "model.layers.{i}.":
         d.checklist.append(f"decoder layers live at `{layer}` (not `model.layers.{{i}}.`): rename every tensor in "
                            f"`weights` or set decoder.prefix")
-
     experts = sorted({n.split(".experts.")[0] + ".experts" for n in names if ".experts." in n})
     if experts:
-        raise DraftError(f"{arch}: a mixture-of-experts layer ({', '.join(rel_layer(e, layer) for e in experts)}): the draft "
+        raise DraftError(f"{d.architecture}: a mixture-of-experts layer "
+                         f"({', '.join(rel_layer(e, layer) for e in experts)}): the draft "
                          f"writes dense Llama-like layers only; start from a `moe` spec in specs/ (qwen3_moe.yaml, "
                          f"mixtral.yaml) and check it with xllm-gen verify")
+    return layer
 
-    # ---- which parameters each bool flag adds or removes
-    controls: dict[str, str] = {}            # parameter name -> flag
+
+def _bias_controls(cls, config, full: dict, names: set) -> dict[str, str]:
+    """parameter name -> the bool config field that adds or removes it (the model built with the field flipped)."""
+    from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS
+    controls: dict[str, str] = {}
     for key, value in full.items():
         if isinstance(value, bool) and key not in GENERIC_FIELDS and key != "tie_word_embeddings":
             try:
@@ -190,9 +240,16 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
                 continue
             for n in (names ^ flipped):
                 controls[n] = key
-    # ---- attention and MLP modules
-    def rel_name(n: str, prefix: str) -> str:
-        return n[len(prefix):]
+    return controls
+
+
+def _find_layer(d: Draft, names: set, layer: str) -> _Layer:
+    """The attention and MLP projections and the norms of a layer, by their usual names; what does not fit a
+    Llama-like pre-norm layer is refused or put on the checklist."""
+    arch = d.architecture
+
+    def rel(n: str) -> str:
+        return n[len(layer):]
 
     q = _find(names, layer, ATTN_NAMES["q"])
     k = _find(names, layer, ATTN_NAMES["k"])
@@ -200,7 +257,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     qkv_fused = None if (q and k and v) else _find(names, layer, FUSED_QKV)
     if qkv_fused:
         q = k = v = None
-        d.checklist.append(f"the checkpoint stores q/k/v fused in `{rel_name(qkv_fused, layer)}`: the draft loads it as "
+        d.checklist.append(f"the checkpoint stores q/k/v fused in `{rel(qkv_fused)}`: the draft loads it as "
                            f"[q | k | v] stacked in that order (Phi-3's layout); a per-head interleaved layout "
                            f"(GPT-NeoX `query_key_value`) needs a row layout in `weights`")
     attn_mod = (q or qkv_fused).rsplit(".", 1)[0] if (q or qkv_fused) else None
@@ -211,7 +268,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     down = _find(rest, layer, MLP_NAMES["down"])
     gate_up_fused = _find(rest, layer, FUSED_GATE_UP) if not (gate or up) else None
     if gate_up_fused:
-        d.checklist.append(f"the checkpoint stores gate/up fused in `{rel_name(gate_up_fused, layer)}`: the draft loads "
+        d.checklist.append(f"the checkpoint stores gate/up fused in `{rel(gate_up_fused)}`: the draft loads "
                            f"it as [gate | up] stacked in that order (Phi-3's layout); check the modeling file's chunk")
     if not ((q and k and v) or qkv_fused) or not o:
         fused = sorted(n for n in names if n.startswith(layer) and re.search(r"(qkv|query_key_value|c_attn)", n))
@@ -221,24 +278,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     if not ((up or gate_up_fused) and down):
         raise DraftError(f"{arch}: no up/down MLP projections found in the state_dict (a MoE or another MLP form: "
                          f"start from a spec in specs/ by hand)")
-    mlp_mod = down.rsplit(".", 1)[0]
 
-    def rel(n: str) -> str:
-        return n[len(layer):]
-
-    def bias_flag(*mods: str) -> str:
-        flags = {controls.get(m + ".bias") for m in mods}
-        present = {(m + ".bias") in names for m in mods}
-        if len(flags) > 1 or len(present) > 1:
-            d.checklist.append(f"the biases of {', '.join(rel(m) for m in mods)} are controlled by different flags "
-                               f"({', '.join(sorted(str(f) for f in flags))}): one flag per fused projection")
-        flag = next(iter(flags))
-        if flag:
-            d.symbols[flag] = f"{{type: bool, from: {flag}, default: {_yaml_scalar(values.get(flag))}}}"
-            return flag
-        return "true" if all(present) else "false"
-
-    # ---- norms of the layer and of the decoder
     norm_mods = sorted({n.rsplit(".", 1)[0] for n in names
                         if n.startswith(layer) and re.search(r"norm|ln_", n.rsplit(".", 2)[-2], re.I)})
     layer_norms = [m for m in norm_mods if m.count(".") == layer.count(".")]
@@ -261,36 +301,35 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings)\.weight$", n)), None)
     if final_norm is None or embed is None:
         raise DraftError(f"{arch}: cannot find the embedding or the final norm in the state_dict")
+    return _Layer(layer, q, k, v, qkv_fused, o, attn_mod, gate, up, down, gate_up_fused, down.rsplit(".", 1)[0],
+                  attn_norm, mlp_norm, extra_norms, inner_norms)
 
-    model_src = inspect.getsource(inspect.getmodule(cls))
-    layernorm = (attn_norm + ".bias") in names
-    norm_kind = "layernorm" if layernorm else "rmsnorm"
+
+def _eps(d: Draft, full: dict) -> str:
+    """The norms' epsilon: the config field that holds it, else a literal (on the checklist)."""
     eps_field = next((f for f in EPS_FIELDS if f in full), None)
     if eps_field is None:
         d.checklist.append("no norm epsilon field found: eps is a literal 1e-6 (check the modeling file)")
-        eps = "1.0e-6"
-    else:
-        eps = eps_field
+        return "1.0e-6"
+    return eps_field
 
-    # ---- config symbols
+
+def _config_symbols(d: Draft, full: dict) -> None:
+    """The symbols every decoder reads (sizes, eps, rope, activation), with the checklist items they raise."""
     for f, typ in CORE.items():
         if f not in full and not (f == "head_dim"):
             continue
-        extra = ""
         if f == "num_key_value_heads":
             d.symbols[f] = "{type: int, from: [num_key_value_heads, num_attention_heads]}"
-            continue
-        if f == "head_dim":
+        elif f == "head_dim":
             d.symbols[f] = '{type: int, from: head_dim, default_expr: "hidden_size // num_attention_heads"}'
-            continue
-        if f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        elif f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             d.symbols[f] = f"{{type: int, from: {f}}}"
-            continue
-        if f == "eos_token_id":
+        elif f == "eos_token_id":
             d.symbols[f] = "{type: int_tuple, from: eos_token_id, default: []}"
-            continue
-        extra = f", default: {_yaml_scalar(full.get(f))}"
-        d.symbols[f] = f"{{type: {typ}, from: {f}{extra}}}"
+        else:
+            d.symbols[f] = f"{{type: {typ}, from: {f}, default: {_yaml_scalar(full.get(f))}}}"
+    eps_field = next((f for f in EPS_FIELDS if f in full), None)
     if eps_field:
         d.symbols[eps_field] = f"{{type: float, from: {eps_field}, default: {_yaml_scalar(float(full[eps_field]))}}}"
     rope = full.get("rope_parameters")
@@ -312,14 +351,21 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     else:
         d.checklist.append("no rope parameters in the config: the attention may not use rotary (ALiBi, learned "
                            "positions): not a Llama-like decoder")
-    act_field = next((f for f in ACT_FIELDS if f in full), None)
-    act = full.get(act_field, "silu") if act_field else "silu"
+    act_field = _act_field(full)
     if act_field:
+        act = full.get(act_field, "silu")
         d.symbols[act_field] = f"{{type: str, from: {act_field}, default: {act}, values: [{act}]}}"
     else:
         d.checklist.append("no activation field in the config: the draft uses silu (check the modeling file)")
 
-    # ---- the rest of the fields: assume, ignore, or checklist
+
+def _act_field(full: dict) -> str | None:
+    return next((f for f in ACT_FIELDS if f in full), None)
+
+
+def _other_fields(d: Draft, full: dict, controls: dict) -> None:
+    """Every field no symbol reads: ignored (dropouts, init), assumed at its default, or on the checklist."""
+    from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS
     read = set(d.symbols) | {"rope_parameters", "rope_scaling", "rope_theta", "num_key_value_heads"}
     for key, value in sorted(full.items()):
         if key in read or key in GENERIC_FIELDS or key in d.symbols:
@@ -344,46 +390,72 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
         elif isinstance(value, dict) and value:
             d.checklist.append(f"config field `{key}` (a mapping) is not modeled")
 
-    # ---- hints from the modeling source
-    hints = [
-        (r"x\[\.\.\., *0::2\]|x\[\.\.\., *::2\]", "the modeling file's rotate_half is interleaved (rotate-every-two, "
-                                                  "GPT-J layout): the draft's neox rotary is wrong for it"),
-        (r"1(\.0)? \+ self\.weight", "a norm scales by (1 + weight): set weight_offset: 1 on the norms"),
-        (r"softcap", "the modeling file soft-caps logits: attention `softcap` / lm_head `softcap`"),
-        (r"sliding_window", "the modeling file uses a sliding window: attention `sliding_window` (per layer?)"),
-        (r"normalizer|embed_scale|\* *self\.config\.hidden_size *\*\* *0\.5|embedding_multiplier",
-         "the embedding output is scaled: embed_tokens `scale`"),
-        (r"residual_multiplier|logits_scaling|logit_scale", "a residual or logit scaling: dataflow `scale` / lm_head"),
-        (r"clip_qkv|clamp_\(", "q/k/v activations are clipped"),
-        (r"q_norm|k_norm|qk_norm|q_layernorm", "q/k norms appear in the modeling file"),
-        (r"parallel_residual|parallel_attn", "a parallel-residual dataflow appears in the modeling file"),
-    ]
-    for pattern, hint in hints:
+
+# (pattern in the modeling file's source, checklist item)
+SOURCE_HINTS = [
+    (r"x\[\.\.\., *0::2\]|x\[\.\.\., *::2\]", "the modeling file's rotate_half is interleaved (rotate-every-two, "
+                                              "GPT-J layout): the draft's neox rotary is wrong for it"),
+    (r"1(\.0)? \+ self\.weight", "a norm scales by (1 + weight): set weight_offset: 1 on the norms"),
+    (r"softcap", "the modeling file soft-caps logits: attention `softcap` / lm_head `softcap`"),
+    (r"sliding_window", "the modeling file uses a sliding window: attention `sliding_window` (per layer?)"),
+    (r"normalizer|embed_scale|\* *self\.config\.hidden_size *\*\* *0\.5|embedding_multiplier",
+     "the embedding output is scaled: embed_tokens `scale`"),
+    (r"residual_multiplier|logits_scaling|logit_scale", "a residual or logit scaling: dataflow `scale` / lm_head"),
+    (r"clip_qkv|clamp_\(", "q/k/v activations are clipped"),
+    (r"q_norm|k_norm|qk_norm|q_layernorm", "q/k norms appear in the modeling file"),
+    (r"parallel_residual|parallel_attn", "a parallel-residual dataflow appears in the modeling file"),
+]
+
+
+def _source_hints(d: Draft, cls) -> None:
+    model_src = inspect.getsource(inspect.getmodule(cls))
+    for pattern, hint in SOURCE_HINTS:
         if re.search(pattern, model_src):
             d.checklist.append(hint)
 
-    # ---- layer parameters the draft maps to nothing (the loader refuses a checkpoint with unused tensors)
-    used = {m for m in (q, k, v, o, gate, up, down, qkv_fused, gate_up_fused, attn_norm, mlp_norm) if m}
-    unused = sorted(rel(n) for n in names if n.startswith(layer) and n.rsplit(".", 1)[0] not in used
-                    and n.rsplit(".", 1)[0] not in extra_norms + inner_norms)
+
+def _unused_parameters(d: Draft, names: set, layer: _Layer) -> None:
+    """Layer parameters the draft maps to nothing (the loader refuses a checkpoint with unused tensors)."""
+    used = {m for m in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down, layer.qkv_fused,
+                        layer.gate_up_fused, layer.attn_norm, layer.mlp_norm) if m}
+    unused = sorted(layer.rel(n) for n in names if n.startswith(layer.prefix) and n.rsplit(".", 1)[0] not in used
+                    and n.rsplit(".", 1)[0] not in layer.extra_norms + layer.inner_norms)
     if unused:
         d.checklist.append(f"layer parameters the draft does not use: {', '.join(unused[:8])}"
                            f"{', ...' if len(unused) > 8 else ''}: model them (the loader refuses unused tensors)")
 
-    # ---- the spec text
+
+def _render(d: Draft, target: str, config_class: str, full: dict, names: set, controls: dict, layer: _Layer,
+            norm_kind: str, eps: str) -> str:
+    """The spec text: the checklist as comments, then config, decoder, lm_head, weights."""
+    rel = layer.rel
+
+    def bias_flag(*mods: str) -> str:
+        flags = {controls.get(m + ".bias") for m in mods}
+        present = {(m + ".bias") in names for m in mods}
+        if len(flags) > 1 or len(present) > 1:
+            d.checklist.append(f"the biases of {', '.join(rel(m) for m in mods)} are controlled by different flags "
+                               f"({', '.join(sorted(str(f) for f in flags))}): one flag per fused projection")
+        flag = next(iter(flags))
+        if flag:
+            d.symbols[flag] = f"{{type: bool, from: {flag}, default: {_yaml_scalar(d.config.get(flag))}}}"
+            return flag
+        return "true" if all(present) else "false"
+
+    q, qkv_fused, gate_up_fused, gated = layer.q, layer.qkv_fused, layer.gate_up_fused, layer.gated
     max_pos = "max_position_embeddings" if "max_position_embeddings" in d.symbols else "8192"
     if max_pos == "8192" and "rope_theta" in d.symbols:
         d.checklist.append("no max_position_embeddings field: the rotary table length is a literal 8192")
-    qb = bias_flag(q, k, v) if q else bias_flag(qkv_fused)
-    ob = bias_flag(o)
-    gated = gate is not None or gate_up_fused is not None
-    up_b = bias_flag(gate_up_fused) if gate_up_fused else bias_flag(*([gate, up] if gated else [up]))
-    down_b = bias_flag(down)
+    qb = bias_flag(q, layer.k, layer.v) if q else bias_flag(qkv_fused)
+    ob = bias_flag(layer.o)
+    up_b = bias_flag(gate_up_fused) if gate_up_fused else bias_flag(*([layer.gate, layer.up] if gated else [layer.up]))
+    down_b = bias_flag(layer.down)
     tied = "lm_head.weight" not in names or "tie_word_embeddings" in full
-    attn_name, mlp_name = rel(attn_mod), rel(mlp_mod)
+    attn_name, mlp_name = rel(layer.attn_mod), rel(layer.mlp_mod)
+    arch = d.architecture
     L = []
     L.append(f"# CHECKLIST: drafted by `xllm-gen draft {target}` from transformers' {arch} (config class "
-             f"{type(config).__name__}).")
+             f"{config_class}).")
     L.append("# A draft is a first guess of a Llama-like pre-norm decoder. Before trusting it, decide each item, then")
     L.append("# run: xllm-gen --dry-run THIS.yaml && xllm-gen verify THIS.yaml CHECKPOINT_DIR")
     for item in d.checklist:
@@ -412,41 +484,41 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
         L.append("# fields that do not change the forward pass")
         L.append("config_ignore: [" + ", ".join(d.ignore) + "]")
     norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}}}"
-    act_ref = act_field or "silu"
+    act_ref = _act_field(full) or "silu"
     L += ["", "decoder:",
           "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size}",
           "  layers:", "    count: num_hidden_layers", "    blocks:",
-          f"      {rel(attn_norm)}: {norm}",
+          f"      {rel(layer.attn_norm)}: {norm}",
           f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",
           "        heads: num_attention_heads", "        kv_heads: num_key_value_heads", "        head_dim: head_dim",
           f"        qkv: {{name: {qkv_fused.rsplit('.', 1)[1] if qkv_fused else 'qkv_proj'}, segments: [q, k, v], "
           f"bias: {qb}}}",
-          f"        out: {{name: {o.rsplit('.', 1)[1]}, bias: {ob}}}"]
+          f"        out: {{name: {layer.o.rsplit('.', 1)[1]}, bias: {ob}}}"]
     if "rope_theta" in d.symbols:
         L.append(f"        rotary: {{kind: neox, theta: rope_theta, max_position: {max_pos}, scaling: rope_scaling}}")
-    L += [f"      {rel(mlp_norm)}: {norm}", f"      {mlp_name}:"]
+    L += [f"      {rel(layer.mlp_norm)}: {norm}", f"      {mlp_name}:"]
     if gated:
         L += ["        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
               f"        activation: {act_ref}",
               f"        gate_up: {{name: {gate_up_fused.rsplit('.', 1)[1] if gate_up_fused else 'gate_up_proj'}, "
               f"segments: [gate, up], bias: {up_b}}}",
-              f"        down: {{name: {down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
+              f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
     else:
         L += ["        kind: mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
               f"        activation: {act_ref}",
-              f"        up: {{name: {up.rsplit('.', 1)[1]}, bias: {up_b}}}",
-              f"        down: {{name: {down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
-    L += ["    dataflow:", f"      - {{norm: {rel(attn_norm)}, block: {attn_name}}}",
-          f"      - {{norm: {rel(mlp_norm)}, block: {mlp_name}}}",
+              f"        up: {{name: {layer.up.rsplit('.', 1)[1]}, bias: {up_b}}}",
+              f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
+    L += ["    dataflow:", f"      - {{norm: {rel(layer.attn_norm)}, block: {attn_name}}}",
+          f"      - {{norm: {rel(layer.mlp_norm)}, block: {mlp_name}}}",
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
           + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
     fused = [(qkv_fused, qkv_fused, qb) if qkv_fused else
-             (f"{layer}{attn_name}.qkv_proj", {"q": q, "k": k, "v": v}, qb)]
+             (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
     if gate_up_fused:
         fused.append((gate_up_fused, gate_up_fused, up_b))
     elif gated:
-        fused.append((f"{layer}{mlp_name}.gate_up_proj", {"gate": gate, "up": up}, up_b))
+        fused.append((f"{layer.prefix}{mlp_name}.gate_up_proj", {"gate": layer.gate, "up": layer.up}, up_b))
     for target_name, parts, b in fused:
         for suffix in ("weight", "bias") if b != "false" else ("weight",):
             L.append(f"  {target_name}.{suffix}:")
@@ -460,4 +532,4 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     if tied:
         L.append("  - '^lm_head\\.weight$'")
     L += ["", "tensor_parallel:", "  sizes: [1, 2]", ""]
-    return "\n".join(L), d
+    return "\n".join(L)

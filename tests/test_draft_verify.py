@@ -165,6 +165,22 @@ def test_draft_checklist_flags_what_a_llama_draft_misses(arch, expected):
         assert e in text, f"{arch}: {e!r} not flagged:\n{text[:3000]}"
 
 
+def test_draft_picks_the_language_model_of_several_layer_stacks():
+    """A class with a vision tower and a language model (two stacks of layers): the draft is of the language model's
+    layers, and the same on every run (the stack was the first of a set's order: a new process could draft the vision
+    tower instead)."""
+    import os
+    import subprocess
+    import sys
+    code = "from xllm_gen.codegen.draft import draft_spec; print(draft_spec('Gemma3ForConditionalGeneration')[0])"
+    texts = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "2")}
+    assert len(texts) == 1, "the draft differs between runs"
+    text = texts.pop()
+    assert "model.language_model.layers.{i}.self_attn.q_proj.weight" in text, text[:3000]
+    assert "vision_tower" not in text.split("weights:")[1]
+
+
 def test_draft_of_fused_checkpoint_tensors_verifies(tiny_checkpoint, tmp_path):
     """A checkpoint that stores q/k/v and gate/up fused (Phi-3): the draft loads each as one tensor split into
     its segments (`weights: {param: {from: tensor}}`), flags the assumed order, and verifies."""
