@@ -136,6 +136,9 @@ class Layer:
         # the same experts as an FP8 release holds them (e4m3, a scale per 128 x 128 block, kept per row and 128
         # columns: runtime/loading/quant_load.py _pack_experts)
         self.fp8 = [self._fp8(w) for w in (self.w13, self.w2)]
+        # and as an AWQ / GPTQ release (4-bit codes, a zero and a scale per row and 128 columns; kept two codes to
+        # a byte: ops/moe.py pack_int4_experts)
+        self.int4 = [self._int4(w) for w in (self.w13, self.w2)]
 
     @staticmethod
     def _fp8(w: torch.Tensor, b: int = 128):
@@ -145,6 +148,17 @@ class Layer:
         s = s.repeat_interleave(b, 1)[:, :N]                                    # [E, N, ceil(K / b)]
         q = (w.float() / s.repeat_interleave(b, 2)[..., :K]).clamp(-448, 448).to(torch.float8_e4m3fn)
         return q, s.contiguous(), b
+
+    @staticmethod
+    def _int4(w: torch.Tensor, g: int = 128):
+        from xllm_gen.runtime.ops.moe import pack_int4_experts
+        E, N, K = w.shape
+        wg = w.float().reshape(E, N, K // g, g)
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 15).clamp(min=1e-6).half().float()
+        z = torch.round(-lo / s).clamp(0, 15)
+        q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], 0, 15).reshape(E, N, K)
+        return pack_int4_experts(q, z.repeat_interleave(g, -1), s.repeat_interleave(g, -1), g)
 
     def logits(self, T: int) -> torch.Tensor:
         g = torch.Generator(device=self.w13.device).manual_seed(2000 + T)
@@ -180,10 +194,13 @@ def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
         cfg = default_config(T, L.E, L.K, L.H, L.I)
         row = dict(tokens=T, experts_hit=hit, bytes=nbytes, config=asdict(cfg))
         (q13, s13, b13), (q2, s2, b2) = L.fp8
+        i13, i2 = L.int4
         cases = (("triton_eager", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), None),
                  ("triton_graph", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), 10),
                  ("triton_fp8_graph", lambda: fused_moe_silu(x, q13, q2, w, ids, config=cfg, scales13=(s13, b13),
                                                              scales2=(s2, b2)), 10),
+                 ("triton_int4_graph", lambda: fused_moe_silu(x, i13[0], i2[0], w, ids, config=cfg,
+                                                              scales13=i13[1:], scales2=i2[1:]), 10),
                  ("route_graph", lambda: route_topk(logits, L.K, True), 10),
                  ("align_graph", lambda: moe_align_triton(ids, L.E, cfg.block_m), 10),
                  ("torch_align_graph", lambda: moe_align(ids, L.E, cfg.block_m), 10),
@@ -203,6 +220,9 @@ def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
         if row.get("triton_fp8_graph_ms") and row.get("triton_graph_ms"):   # float8 experts: half the bytes
             row["triton_fp8_graph_GBs"] = nbytes / 2 / (row["triton_fp8_graph_ms"] * 1e-3) / 1e9
             row["fp8_vs_bf16"] = row["triton_fp8_graph_ms"] / row["triton_graph_ms"]
+        if row.get("triton_int4_graph_ms") and row.get("triton_graph_ms"):  # 4-bit experts: a quarter (+ groups)
+            row["triton_int4_graph_GBs"] = nbytes / 4 / (row["triton_int4_graph_ms"] * 1e-3) / 1e9
+            row["int4_vs_bf16"] = row["triton_int4_graph_ms"] / row["triton_graph_ms"]
         log(f"kernel T={T}: {row}")
         rows.append(row)
     return rows
@@ -334,14 +354,15 @@ def markdown(R: dict) -> str:
                  "CUDA graph (10 calls per replay, median of 20 replays); *eager*: host launches included; "
                  "GB/s: bytes of the experts hit / Triton graph time.\n")
         L.append("| tokens | experts hit | expert bytes (MB) | Triton eager ms | Triton graph ms | of it: align ms "
-                 "| Triton GB/s | fp8 experts graph ms | fp8 / bf16 | fp8 GB/s | routing ms | torch align ms "
-                 "| torch ref graph ms |")
-        L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                 "| Triton GB/s | fp8 experts graph ms | fp8 / bf16 | fp8 GB/s | int4 experts graph ms | int4 / bf16 "
+                 "| routing ms | torch align ms | torch ref graph ms |")
+        L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in R["kernel"]:
             L.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bytes'] / 1e6:.1f} | {f(r.get('triton_eager_ms'))} "
                      f"| {f(r.get('triton_graph_ms'))} | {f(r.get('align_graph_ms'))} | "
                      f"{f(r.get('triton_graph_GBs'), 0)} | {f(r.get('triton_fp8_graph_ms'))} | "
                      f"{f(r.get('fp8_vs_bf16'), 2)} | {f(r.get('triton_fp8_graph_GBs'), 0)} | "
+                     f"{f(r.get('triton_int4_graph_ms'))} | {f(r.get('int4_vs_bf16'), 2)} | "
                      f"{f(r.get('route_graph_ms'))} | "
                      f"{f(r.get('torch_align_graph_ms'))} | {f(r.get('torch_ref_graph_ms'))} |")
         errs = {f"T={r['tokens']} {k}": v for r in R["kernel"] for k, v in r.items() if k.endswith("_error")}

@@ -267,11 +267,12 @@ def test_dummy_quantize_for_benchmarks(base, kind):
     assert torch.equal(lin.a(x), ref.a(x))
 
 
-@pytest.mark.parametrize("kind", ["fp8", "fp8_block"])
+@pytest.mark.parametrize("kind", ["fp8", "fp8_block", "int4"])
 def test_dummy_quantize_experts(kind):
     """dummy_quantize of a FusedMoE (bench_quant --e2e on an MoE): the stacked experts as float8, a scale per row and
-    128 columns (fp8_block: one per 128 x 128 block) or per row (fp8); kept packed or written back dequantized, the
-    same output; fp8_block quantizes the experts' input and intermediate as the *-FP8 releases."""
+    128 columns (fp8_block: one per 128 x 128 block) or per row (fp8), or 4-bit codes two to a byte with a zero and a
+    scale per row and 128 columns (int4); kept packed or written back dequantized, the same output; fp8_block
+    quantizes the experts' input and intermediate as the FP8 releases."""
     import copy
 
     from xllm_gen.runtime import layers as L
@@ -282,13 +283,17 @@ def test_dummy_quantize_experts(kind):
         torch.nn.init.normal_(p, std=0.05)
     ref, orig = copy.deepcopy(moe), moe.down_proj.detach().clone()
     assert quantize_dummy(moe, kind, pack=True) == 1 and quantize_dummy(ref, kind, pack=False) == 1
-    codes, scale, bk = moe.packed["gate_up_proj"]
-    assert codes.dtype == torch.float8_e4m3fn and moe.gate_up_proj.numel() == 0 and ref.packed is None
-    if kind == "fp8_block":
+    codes, scale, bk, *zeros = moe.packed["gate_up_proj"]
+    assert moe.gate_up_proj.numel() == 0 and ref.packed is None
+    assert codes.dtype == (torch.uint8 if kind == "int4" else torch.float8_e4m3fn)
+    if kind == "int4":
+        assert bk == 128 and codes.shape == (4, 256, 128) and zeros[0].shape == scale.shape == (4, 256, 2)
+    elif kind == "fp8_block":
         assert bk == 128 and scale.shape == (4, 256, 2) and torch.equal(scale[:, :128], scale[:, :1].expand(4, 128, 2))
         assert moe.act_quant.group == 128 and moe.act_quant_down.group == 128
     else:
         assert bk == 256 and scale.shape == (4, 256, 1) and moe.act_quant is None
-    assert not torch.equal(ref.down_proj, orig) and torch.allclose(ref.down_proj, orig, rtol=0.07, atol=1e-3)
+    tol = dict(rtol=0, atol=0.03) if kind == "int4" else dict(rtol=0.07, atol=1e-3)     # half a 4-bit step
+    assert not torch.equal(ref.down_proj, orig) and torch.allclose(ref.down_proj, orig, **tol)
     x, logits = torch.randn(5, 256), torch.randn(5, 4)
     assert torch.equal(moe(x, logits), ref(x, logits))

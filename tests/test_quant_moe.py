@@ -193,12 +193,23 @@ def test_ct_int8_w8a8_experts(moe, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
-def test_int4_experts_weight_only(moe, tmp_path, fmt):
+def test_int4_experts_weight_only(moe, tmp_path, fmt, monkeypatch):
     """AWQ / GPTQ int4 MoE checkpoints (every expert's projections packed, group 16): weights only, greedy tokens
-    equal transformers on the dequantized weights."""
+    equal transformers on the dequantized weights; with XLLM_PACKED_QUANT=1 (the CUDA default) the experts are held
+    as 4-bit codes two to a byte with a zero and a scale per row and 16 columns (a quarter of bf16's bytes, the
+    stacked parameters emptied), and serve the same tokens."""
     writer = write_awq if fmt == "awq" else write_gptq
     ckpt, ref = writer(moe, tmp_path / "ckpt", tmp_path / "ref", group=16)
-    assert _greedy(_llm(ckpt)) == _reference(ref)
+    want = _reference(ref)
+    assert _greedy(_llm(ckpt)) == want
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
+    llm = _llm(ckpt)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert sorted(experts.packed) == ["down_proj", "gate_up_proj"] and experts.gate_up_proj.numel() == 0
+    codes, scale, group, zeros = experts.packed["gate_up_proj"]
+    assert codes.dtype == torch.uint8 and group == 16 and codes.shape[-1] * 2 == 64 == scale.shape[-1] * 16
+    assert zeros.dtype == torch.uint8 and zeros.shape == scale.shape
+    assert _greedy(llm) == want
 
 
 @pytest.mark.slow
@@ -283,6 +294,31 @@ for T, H, I, E, K, bk13, bk2, dtype, cfg in [
     c = fused_moe_silu(x, q13, q2, w, ids, config=cfg, scales13=(s13, bk13), scales2=(s2, bk2))
     out[f"{T}x{H}x{I}x{E}x{K}-{bk13}-{bk2}-{dtype}"] = [bool(torch.equal(a, b)), not torch.equal(a, c)]
 out["modes"] = [sorted(modes) == [0, 1, 2]]
+# 4-bit codes two to a byte, a zero and a scale per row and group (AWQ / GPTQ experts kept packed)
+from xllm_gen.runtime.ops.moe import dequantize_packed, pack_int4_experts
+def int4(E, N, K, g):
+    codes = torch.randint(0, 16, (E, N, K)).float()
+    zeros = torch.randint(0, 16, (E, N, K // g)).float().repeat_interleave(g, -1)
+    scales = (torch.rand(E, N, K // g) * 0.02 + 0.005).half().float().repeat_interleave(g, -1)
+    return pack_int4_experts(codes, zeros, scales, g)
+modes = set()
+for T, H, I, E, K, g13, g2, dtype, cfg in [
+        (5, 64, 32, 4, 2, 16, 16, torch.float32, None), (6, 96, 48, 4, 2, 32, 16, torch.float16, None),
+        (4, 64, 32, 4, 2, 32, 16, torch.float32, MoeConfig(block_k1=16, block_k2=16)),
+        (5, 96, 40, 4, 2, 48, 40, torch.float32, None)]:
+    c = cfg or default_config(T, E, K, H, I)
+    modes |= {_scale_mode(g13, c.block_k1, H), _scale_mode(g2, c.block_k2, I)}
+    x = torch.randn(T, H).to(dtype)
+    p13, p2 = int4(E, 2 * I, H, g13), int4(E, H, I, g2)
+    w, ids = topk_softmax(torch.randn(T, E), K, True)
+    w = w.to(dtype)
+    ids[0, 0] = E
+    a = fused_moe_silu(x, p13[0], p2[0], w, ids, config=cfg, scales13=p13[1:], scales2=p2[1:])
+    b = fused_moe_silu(x, dequantize_packed(p13, dtype), dequantize_packed(p2, dtype), w, ids, config=cfg)
+    p13[3][1] += 1
+    c = fused_moe_silu(x, p13[0], p2[0], w, ids, config=cfg, scales13=p13[1:], scales2=p2[1:])
+    out[f"int4-{T}x{H}x{I}x{E}x{K}-{g13}-{g2}-{dtype}"] = [bool(torch.equal(a, b)), not torch.equal(a, c)]
+out["int4_modes"] = [sorted(modes) == [0, 1, 2]]
 print("RESULT " + json.dumps(out))
 """
 
@@ -357,7 +393,7 @@ def test_packed_expert_nan_is_named(fp8_block, tmp_path, monkeypatch):
         sd[name] = w.view(torch.float8_e4m3fn)
     bad = edit_ckpt(ckpt, tmp_path / "bad", tensors=poison)
     monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.down_proj: its experts' float8 checkpoint "
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.down_proj: its experts' quantized checkpoint "
                                          r"tensors hold a NaN"):
         _llm(bad)
     monkeypatch.setenv("XLLM_PACKED_QUANT", "0")                # dequantized: the stored tensor is named

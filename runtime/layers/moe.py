@@ -82,8 +82,10 @@ class FusedMoE(nn.Module):
     # input (the gate / up projections') and of the intermediate (the down projections' input)
     act_quant = None
     act_quant_down = None
-    # a float8 checkpoint's experts kept packed (runtime/loading/quant_load.py), set at load: stacked parameter name
-    # -> (float8 codes [E, rows, K], scales [E, rows, ceil(K / bk)], bk); the parameter itself is then empty
+    # a quantized checkpoint's experts kept packed (runtime/loading/quant_load.py), set at load: stacked parameter
+    # name -> (float8 codes [E, rows, K], scales [E, rows, ceil(K / bk)], bk), or for 4-bit codes (two to a byte
+    # [E, rows, K / 2], scales [E, rows, K / group], group, zeros uint8 [E, rows, K / group]) (ops/moe.py
+    # dequantize_experts); the parameter itself is then empty
     packed = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int, renormalize: bool,
@@ -260,9 +262,9 @@ class FusedMoE(nn.Module):
             return moe_ops.fused_moe(x, p_in[0], p2[0], weights, ids, self.activation, act_fn, mid=mid,
                                      scales13=p_in[1:], scales2=p2[1:])
         if p_in is not None:
-            w_in = moe_ops.dequantize_experts(*p_in, x.dtype)
+            w_in = moe_ops.dequantize_packed(p_in, x.dtype)
         if p2 is not None:
-            w2 = moe_ops.dequantize_experts(*p2, x.dtype)
+            w2 = moe_ops.dequantize_packed(p2, x.dtype)
         if not self.gated:                # down(act(up)): the torch grouped reference on every device
             return moe_ops.fused_moe_reference(x, w_in, w2, weights, ids, act_fn,
                                                out_norm=norm)
@@ -293,7 +295,9 @@ class FusedMoE(nn.Module):
             f"routed_scale={self.routed_scale}, renormalize_min={self.renormalize_min}, "))
         routing += f"identity_experts={self.identity_experts}, " if self.identity_experts else ""
         routing += f"out_norm={self.out_norm!r}, " if self.out_norm else ""
-        routing += f"packed float8 {sorted(self.packed)}, " if self.packed else ""
+        if self.packed:
+            kinds = {"float8" if v[0].dtype == torch.float8_e4m3fn else "int4" for v in self.packed.values()}
+            routing += f"packed {'/'.join(sorted(kinds))} {sorted(self.packed)}, "
         if self.act_quant is not None or self.act_quant_down is not None:
             routing += f"act_quant={self.act_quant!r}, act_quant_down={self.act_quant_down!r}, "
         return routing + (f"experts={self.num_experts} (this rank: {self.expert_start}..{self.expert_start + self.num_local_experts - 1}), "

@@ -114,12 +114,11 @@ def rtn_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, t
 def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> int:
     """Benchmarks without a quantized checkpoint (load_format="dummy", `_debug={"dummy_quantize": kind}`): every
     linear layer's weight (not an MoE router's) quantized in place, "int4" (round to nearest, groups of 128, zero
-    points: an AWQ checkpoint's form; MoE experts stay as they are), "fp8" (e4m3 per output channel, weights only;
-    MoE experts too, as FusedMoE.packed) or "fp8_block" (e4m3 with a
+    points: an AWQ checkpoint's form), "fp8" (e4m3 per output channel, weights only) or "fp8_block" (e4m3 with a
     scale per 128 x 128 block, as the official *-FP8 releases; held, as a loaded checkpoint's, per row and 128
     columns; the layers' inputs are then quantized as those releases' are: dynamic fp8 per token and 128 columns,
-    layers/quant.py ActQuant), packed (`pack`; default on CUDA) or written back dequantized. Returns the number of
-    layers quantized."""
+    layers/quant.py ActQuant), packed (`pack`; default on CUDA) or written back dequantized. MoE experts too (as
+    FusedMoE.packed). Returns the number of layers quantized."""
     from xllm_gen.runtime.layers.linear import _Linear
     from xllm_gen.runtime.layers.moe import FusedMoE
     from xllm_gen.runtime.layers.quant import ActQuant
@@ -129,7 +128,7 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
                for c in m.children() if isinstance(c, _Linear)}
     n = 0
     for mod in model.modules():
-        if isinstance(mod, FusedMoE) and kind != "int4":
+        if isinstance(mod, FusedMoE):
             n += _quantize_dummy_experts(mod, kind, pack)
             continue
         w = getattr(mod, "weight", None)
@@ -171,27 +170,39 @@ def _fp8_rows(w: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def _quantize_dummy_experts(mod, kind: str, pack: Optional[bool]) -> int:
-    """quantize_dummy of a FusedMoE: its stacked experts as float8 (per channel, or 128 x 128 blocks with the inputs
-    and the intermediate quantized per token and 128 columns, as the FP8 MoE releases), kept packed as a loaded
-    checkpoint's (FusedMoE.packed) or written back dequantized. 1 if quantized (gated experts without biases)."""
+    """quantize_dummy of a FusedMoE: its stacked experts as 4-bit codes (groups of 128, zero points: an AWQ MoE's), or
+    float8 (per channel, or 128 x 128 blocks with the inputs and the intermediate quantized per token and 128
+    columns, as the FP8 MoE releases), kept packed as a loaded checkpoint's (FusedMoE.packed) or written back
+    dequantized. 1 if quantized (gated experts without biases)."""
     from xllm_gen.runtime.layers.quant import ActQuant
-    from xllm_gen.runtime.ops.moe import dequantize_experts
+    from xllm_gen.runtime.ops.moe import dequantize_packed
     if not mod.gated or mod.has_bias:
         return 0
     packed = {}
     for attr in ("gate_up_proj", "down_proj"):
         w = getattr(mod, attr)
         E, N, K = w.shape
-        bk = 128 if kind == "fp8_block" and N % 128 == 0 and K % 128 == 0 else K
-        codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-        scales = torch.empty(E, N, -(-K // bk), dtype=torch.float32, device=w.device)
-        for e in range(E):                                   # an expert at a time: no float32 copy of them all
-            codes[e], scales[e] = _fp8_rows(w[e], bk)
+        if kind == "int4":
+            g = 128 if K % 128 == 0 else K
+            codes = torch.empty(E, N, K // 2, dtype=torch.uint8, device=w.device)
+            scales = torch.empty(E, N, K // g, dtype=torch.float16, device=w.device)
+            zeros = torch.empty(E, N, K // g, dtype=torch.uint8, device=w.device)
+            for e in range(E):                               # an expert at a time: no float32 copy of them all
+                q, scales[e], zeros[e] = rtn_int4(w[e], g)
+                codes[e] = q[:, 0::2] | (q[:, 1::2] << 4)
+            got = (codes, scales, g, zeros)
+        else:
+            bk = 128 if kind == "fp8_block" and N % 128 == 0 and K % 128 == 0 else K
+            codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            scales = torch.empty(E, N, -(-K // bk), dtype=torch.float32, device=w.device)
+            for e in range(E):
+                codes[e], scales[e] = _fp8_rows(w[e], bk)
+            got = (codes, scales, bk)
         if w.is_cuda if pack is None else pack:
-            packed[attr] = (codes, scales, bk)
+            packed[attr] = got
             setattr(mod, attr, nn.Parameter(w.new_empty(0), requires_grad=False))
         else:
-            w.copy_(dequantize_experts(codes, scales, bk, w.dtype))
+            w.copy_(dequantize_packed(got, w.dtype))
     mod.packed = packed or None
     if kind == "fp8_block":
         mod.act_quant, mod.act_quant_down = ActQuant("group", 128), ActQuant("group", 128)

@@ -41,9 +41,14 @@ class QuantLoadError(ValueError):
 
 
 def packs_experts(qc: Optional[QuantConfig], device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a load of this checkpoint keeps float8 MoE experts packed (QuantLoad.packs' rule for them): then the
-    model builds its experts on the meta device (layers/moe.py experts_on_meta) and the load fills them packed."""
-    if qc is None or qc.method not in ("fp8", "compressed-tensors") or qc.bits == 8:
+    """Whether a load of this checkpoint keeps MoE experts packed (QuantLoad.packs' rule for them: float8, or 4-bit
+    AWQ / GPTQ / pack-quantized codes): then the model builds its experts on the meta device (layers/moe.py
+    experts_on_meta) and the load fills them packed."""
+    if qc is None:
+        return False
+    float8 = qc.method in ("fp8", "compressed-tensors") and qc.bits != 8
+    int4 = qc.method in ("awq", "gptq", "pack-quantized") and qc.bits == 4
+    if not (float8 or int4):
         return False
     forced = _pack_forced()
     if forced is not None:
@@ -271,9 +276,9 @@ class QuantLoad:
         """Whether the quantized layer of `param` keeps its weight packed: XLLM_PACKED_QUANT=1 / 0, else on CUDA in
         bf16 / fp16 (what the weight-only kernels are built and measured for: 2-4x less weight memory, an 8B model's
         batch-1 decode at 0.68x (fp8) / 0.71x (int4) bf16's time on an H200, bench/results/h200_quant_fma_2026-12-04.md),
-        dequantized at load elsewhere (CPU, float32: the reference semantics). Float8 experts (a FusedMoE's stacked
-        weights) pack the same way (the Triton grouped kernels read float8 weights); integer experts and parameters
-        of no linear layer are always held dequantized (no quantized kernel for them)."""
+        dequantized at load elsewhere (CPU, float32: the reference semantics). Float8 and 4-bit experts (a FusedMoE's
+        stacked weights) pack the same way (the Triton grouped kernels read them); int8 experts and parameters of no
+        linear layer are always held dequantized (no quantized kernel for them)."""
         mod_name, layer = self._module(param)
         if layer is None or not self._is_experts(layer) and self._is_router(mod_name):
             return False            # the router: read in float32 (layers/moe.py linear_float32), kept unpacked
@@ -315,28 +320,36 @@ class QuantLoad:
         return True
 
     def _pack_experts(self, mod, mod_name: str, attr: str, tensor: torch.Tensor, parts: dict) -> bool:
-        """A FusedMoE's stacked float8 experts [E, rows, K] kept as float8 codes and scales per row and bk columns
-        (FusedMoE.packed); False for experts whose codes do not pack (a split that cuts a scale block): they keep
-        the weight. `tensor` may be on the meta device (experts_on_meta): the parts are the only values read."""
+        """A FusedMoE's stacked experts [E, rows, K] kept packed (FusedMoE.packed): float8 codes and scales per row
+        and bk columns, or 4-bit codes two to a byte with a zero and a scale per row and group; False for experts
+        whose codes do not pack (a split that cuts a scale block or a group, act-order GPTQ, 8 bits): they keep the
+        weight. `tensor` may be on the meta device (experts_on_meta): the parts are the only values read."""
         from xllm_gen.runtime.layers.quant_linear import pack_fp8_components
-        if not bool(torch.isfinite(parts["codes"].sum())):        # the weights never exist dequantized here
-            raise QuantLoadError(f"parameter {mod_name}.{attr}: its experts' float8 checkpoint tensors hold a NaN "
+        from xllm_gen.runtime.ops.moe import dequantize_packed, pack_int4_experts
+        if not all(bool(torch.isfinite(t.sum())) for t in parts.values()):  # never dequantized here to check
+            raise QuantLoadError(f"parameter {mod_name}.{attr}: its experts' quantized checkpoint tensors hold a NaN "
                                  f"(or infinite) value")
-        block = self.qc.weight_block[1] if self.qc is not None and self.qc.weight_block else None
-        got = None if "zeros" in parts else pack_fp8_components(parts["codes"].reshape(-1, tensor.shape[-1]),
-                                                                parts["scales"].reshape(-1, tensor.shape[-1]), block)
+        shape = tensor.shape
+        if "zeros" in parts:
+            group = self.qc.group if self.qc.group != -1 else shape[-1]
+            got = pack_int4_experts(parts["codes"].view(shape), parts["zeros"].view(shape),
+                                    parts["scales"].view(shape), group) if self.qc.bits == 4 else None
+        else:
+            block = self.qc.weight_block[1] if self.qc is not None and self.qc.weight_block else None
+            got = pack_fp8_components(parts["codes"].reshape(-1, shape[-1]), parts["scales"].reshape(-1, shape[-1]),
+                                      block)
+            if got is not None:
+                codes, scale, bk = got
+                got = (codes.view(shape), scale.view(*shape[:-1], -1), bk)
         if got is None:
             self.unpacked.append(f"{mod_name}.{attr}")
             return False
-        codes, scale, bk = got
-        codes, scale = codes.view(tensor.shape), scale.view(*tensor.shape[:-1], -1)
         if tensor.dtype == torch.float32 and not tensor.is_meta:
-            from xllm_gen.runtime.ops.moe import dequantize_experts
-            if not torch.equal(dequantize_experts(codes, scale, bk, torch.float32), tensor):
+            if not torch.equal(dequantize_packed(got, torch.float32), tensor):
                 raise QuantLoadError(f"parameter {mod_name}.{attr}: the repacked experts differ from the dequantized ones")
         empty = _placeholder(tensor, parts["codes"].device)
         for m in self._retie(mod, attr, empty):
-            m.packed = {**(m.packed or {}), attr: (codes, scale, bk)}
+            m.packed = {**(m.packed or {}), attr: got}
             setattr(m, attr, empty)
         self.packed.append(f"{mod_name}.{attr}")
         return True

@@ -224,12 +224,44 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return out[:T]
 
 
-def dequantize_experts(codes: torch.Tensor, scale: torch.Tensor, bk: int, dtype: torch.dtype) -> torch.Tensor:
-    """Float8 expert weights [E, rows, K] times their scales [E, rows, ceil(K / bk)] (one per row and bk columns),
-    in `dtype`: what the dequantized experts hold."""
-    from xllm_gen.runtime.ops.quant_gemv import dequant_fp8  # the dense layers' (PackedFp8), row by row
+def dequantize_experts(codes: torch.Tensor, scale: torch.Tensor, bk: int, dtype: torch.dtype,
+                       zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Packed expert weights [E, rows, K] in `dtype`: what the dequantized experts hold. Float8 codes times their
+    scales [E, rows, ceil(K / bk)] (one per row and bk columns); or, with `zeros`, 4-bit codes two to a byte
+    (uint8 [E, rows, K / 2], column 2c in the low nibble of byte c, 2c + 1 in the high one) read as (q - zero) x scale
+    in float32, rounded once, with a zero (uint8) and a scale per row and group of bk columns (pack_int4_experts)."""
     K = codes.shape[-1]
+    if zeros is not None:
+        q = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(*codes.shape[:-1], 2 * K).to(torch.float32)
+        z = zeros.to(torch.float32).repeat_interleave(bk, -1)
+        return ((q - z) * scale.to(torch.float32).repeat_interleave(bk, -1)).to(dtype)
+    from xllm_gen.runtime.ops.quant_gemv import dequant_fp8  # the dense layers' (PackedFp8), row by row
     return dequant_fp8(codes.reshape(-1, K), scale.reshape(-1, scale.shape[-1]), (1, bk), dtype).view(codes.shape)
+
+
+def dequantize_packed(packed: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A FusedMoE.packed entry, (codes, scale, bk) float8 or (codes, scale, bk, zeros) 4-bit, dequantized."""
+    codes, scale, bk, *zeros = packed
+    return dequantize_experts(codes, scale, bk, dtype, *zeros)
+
+
+def pack_int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                      group: int) -> Optional[tuple]:
+    """This rank's experts [E, rows, K] as per-element 4-bit codes, zeros and scales (float32, the loader's parts)
+    -> (codes two to a byte [E, rows, K / 2], scales [E, rows, K / group] (float16 where exact, else float32),
+    group, zeros uint8 [E, rows, K / group]): FusedMoE.packed's int4 form; None where the codes do not pack so
+    (act-order GPTQ, a TP split that cuts a group, 8 bits): the experts then keep their dequantized weight."""
+    E, N, K = codes.shape
+    if K % 2 or K % group or codes.min() < 0 or codes.max() > 15 or zeros.min() < 0 or zeros.max() > 255:
+        return None
+    z, s = zeros[..., ::group], scales[..., ::group]
+    if not (torch.equal(zeros, z.repeat_interleave(group, -1)) and torch.equal(scales, s.repeat_interleave(group, -1))):
+        return None
+    q = codes.to(torch.uint8)
+    s16 = s.to(torch.float16)
+    s_out = s16 if torch.equal(s16.to(torch.float32), s) else s
+    return ((q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), s_out.contiguous(), group,
+            z.to(torch.uint8).contiguous())
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -242,12 +274,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     gate ("silu", "gelu_tanh", "swiglu_clamped", ...), `act` is its gated module (with `mid` applied to its output,
     when given); b13 / b2 the expert biases. `mid`: what the intermediate goes through before the down projections
     (a quantized checkpoint's activation quantization), for the Triton path, which fuses the activation.
-    `scales13` / `scales2`: w13 / w2 are float8 with these (scale, bk) (dequantize_experts): the Triton kernels read
-    them as they are, the torch path dequantizes them."""
+    `scales13` / `scales2`: w13 / w2 are packed with these (scale, bk) (float8) or (scale, bk, zeros) (4-bit codes two
+    to a byte; dequantize_experts): the Triton kernels read them as they are, the torch path dequantizes them."""
     if (scales13 is not None or scales2 is not None) and not (x.is_cuda and activation == "silu" and b13 is None
                                                                and b2 is None and _triton(x)):
-        w13 = w13 if scales13 is None else dequantize_experts(w13, *scales13, x.dtype)
-        w2 = w2 if scales2 is None else dequantize_experts(w2, *scales2, x.dtype)
+        w13 = w13 if scales13 is None else dequantize_packed((w13, *scales13), x.dtype)
+        w2 = w2 if scales2 is None else dequantize_packed((w2, *scales2), x.dtype)
         scales13 = scales2 = None
     if b13 is not None or b2 is not None:
         return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, act, b13=b13, b2=b2)

@@ -25,40 +25,74 @@ from xllm_gen.runtime.ops.moe import Alignment, padded_rows
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, e, rows, mask_rows, k0, offs_k, mask, stride_we, stride_wn, stride_se, stride_sn,
-                 Kdim, dtype, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr, SBK: tl.constexpr,
+def _group_values(p_row, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K: tl.constexpr, SBK: tl.constexpr,
+                  SCALES: tl.constexpr):
+    """A value per row and SBK columns (scales, zeros) for the [BLOCK_K, BLOCK_N] tile at k0, in float32, shaped to
+    multiply it: [BLOCK_N] (SCALES 1: the tile lies in one group), [G, BLOCK_N] (2: BLOCK_K / SBK whole groups) or
+    [BLOCK_K, BLOCK_N] (0: gathered per element, any other SBK)."""
+    if SCALES == 1:
+        v = tl.load(p_row + k0 // SBK, mask=mask_rows, other=0.0)
+    elif SCALES == 2:
+        G: tl.constexpr = BLOCK_K // SBK
+        g = tl.arange(0, G)
+        v = tl.load(p_row[None, :] + (k0 // SBK + g)[:, None], mask=mask_rows[None, :] & (k0 + g * SBK < Kdim)[:, None],
+                    other=0.0)
+    else:
+        v = tl.load(p_row[None, :] + (offs_k // SBK)[:, None], mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _dequant_groups(w, s, z, BLOCK_K: tl.constexpr, SBK: tl.constexpr, SCALES: tl.constexpr, HAS_Z: tl.constexpr):
+    """w [BLOCK_K, BLOCK_N] (float32) times its scales s, less its zeros z first where HAS_Z, (w - z) x s: s and z as
+    _group_values reads them."""
+    if SCALES == 2:
+        w3 = tl.reshape(w, (BLOCK_K // SBK, SBK, w.shape[1]))
+        if HAS_Z:
+            w3 = w3 - z[:, None, :]
+        return tl.reshape(w3 * s[:, None, :], (BLOCK_K, w.shape[1]))
+    if SCALES == 1:
+        s = s[None, :]
+        if HAS_Z:
+            z = z[None, :]
+    if HAS_Z:
+        w = w - z
+    return w * s
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, mask_rows, k0, offs_k, mask, stride_we, stride_wn, stride_se,
+                 stride_sn, Kdim, dtype, BLOCK_K: tl.constexpr, WQ: tl.constexpr, SBK: tl.constexpr,
                  SCALES: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile of expert e's rows `rows` x columns `offs_k` (from k0); float8 weights (W_FP8)
-    times their scale per row and SBK columns, rounded to `dtype`: the values the dequantized weight holds.
-    How the scales are read (SCALES, chosen on the host by _scale_mode): 1 = the tile lies in one scale column (a
-    scale per row), 2 = BLOCK_K / SBK whole scale columns (the tile viewed as [groups, SBK, rows]), 0 = a scale
-    gathered per element (any other SBK; slow: an index and a load per weight value)."""
-    w = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
-    if W_FP8:
-        s_row = s_ptr + e * stride_se + rows * stride_sn
-        if SCALES == 1:
-            s = tl.load(s_row + k0 // SBK, mask=mask_rows, other=0.0)
-            w = (w.to(tl.float32) * s[None, :]).to(dtype)
-        elif SCALES == 2:
-            G: tl.constexpr = BLOCK_K // SBK
-            g = tl.arange(0, G)
-            s = tl.load(s_row[None, :] + (k0 // SBK + g)[:, None],
-                        mask=mask_rows[None, :] & (k0 + g * SBK < Kdim)[:, None], other=0.0)
-            w3 = tl.reshape(w.to(tl.float32), (G, SBK, w.shape[1])) * s[:, None, :]
-            w = tl.reshape(w3, (BLOCK_K, w.shape[1])).to(dtype)
-        else:
-            s = tl.load(s_row[None, :] + (offs_k // SBK)[:, None], mask=mask, other=0.0)
-            w = (w.to(tl.float32) * s).to(dtype)
-    return w
+    """The [BLOCK_K, BLOCK_N] tile of expert e's rows `rows` x columns `offs_k` (from k0), as `dtype`: the values the
+    dequantized weight holds. WQ 0: the weights as they are; 1: float8 times a scale per row and SBK columns; 2:
+    4-bit codes two to a byte (column k in the low nibble of byte k // 2 when k is even), (q - zero) x scale with a
+    zero and a scale per row and SBK columns, in float32, rounded once (ops/moe.py dequantize_experts).
+    How the per-group values are read (SCALES, chosen on the host by _scale_mode): see _group_values; the gathered
+    form (0) costs an index and a load per weight value (slow)."""
+    if WQ == 2:
+        b = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
+        q = ((b >> ((offs_k % 2) * 4).to(tl.uint8)[:, None]) & 0xF).to(tl.float32)
+    else:
+        w = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+    if WQ == 0:
+        return w
+    s = _group_values(s_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
+                      SCALES)
+    if WQ == 1:
+        return _dequant_groups(w.to(tl.float32), s, s, BLOCK_K, SBK, SCALES, False).to(dtype)
+    z = _group_values(z_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
+                      SCALES)
+    return _dequant_groups(q, s, z, BLOCK_K, SBK, SCALES, True).to(dtype)
 
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
                         num_pairs, top_k, E, N, Kdim,
                         stride_xm, stride_we, stride_wn, stride_hm,
-                        s_ptr, stride_se, stride_sn,
+                        s_ptr, z_ptr, stride_se, stride_sn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                        W_FP8: tl.constexpr = False, SBK: tl.constexpr = 1, SCALES: tl.constexpr = 0):
+                        WQ: tl.constexpr = 0, SBK: tl.constexpr = 1, SCALES: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -78,10 +112,10 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
         a = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
         mask = mask_n[None, :] & mask_k[:, None]
-        wg = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, k0, offs_k, mask, stride_we, stride_wn, stride_se,
-                          stride_sn, Kdim, a.dtype, BLOCK_K, W_FP8, SBK, SCALES)
-        wu = _weight_tile(w_ptr, s_ptr, e, offs_n + N, mask_n, k0, offs_k, mask, stride_we, stride_wn, stride_se,
-                          stride_sn, Kdim, a.dtype, BLOCK_K, W_FP8, SBK, SCALES)
+        wg = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, mask_n, k0, offs_k, mask, stride_we, stride_wn, stride_se,
+                          stride_sn, Kdim, a.dtype, BLOCK_K, WQ, SBK, SCALES)
+        wu = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n + N, mask_n, k0, offs_k, mask, stride_we, stride_wn,
+                          stride_se, stride_sn, Kdim, a.dtype, BLOCK_K, WQ, SBK, SCALES)
         acc_g += tl.dot(a, wg, input_precision=PREC)
         acc_u += tl.dot(a, wu, input_precision=PREC)
     # the projections round to the activation dtype (as a linear layer's output does), then silu(gate) * up
@@ -96,9 +130,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
 def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
                      num_pairs, E, N, Kdim,
                      stride_hm, stride_we, stride_wn, stride_ym,
-                     s_ptr, stride_se, stride_sn,
+                     s_ptr, z_ptr, stride_se, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     W_FP8: tl.constexpr = False, SBK: tl.constexpr = 1, SCALES: tl.constexpr = 0):
+                     WQ: tl.constexpr = 0, SBK: tl.constexpr = 1, SCALES: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -115,8 +149,8 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, pairs_ptr, block_expert_ptr, weights_p
         mask_k = offs_k < Kdim
         a = tl.load(h_ptr + rows[:, None] * stride_hm + offs_k[None, :],
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, k0, offs_k, mask_n[None, :] & mask_k[:, None], stride_we,
-                         stride_wn, stride_se, stride_sn, Kdim, a.dtype, BLOCK_K, W_FP8, SBK, SCALES)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, mask_n, k0, offs_k, mask_n[None, :] & mask_k[:, None],
+                         stride_we, stride_wn, stride_se, stride_sn, Kdim, a.dtype, BLOCK_K, WQ, SBK, SCALES)
         acc += tl.dot(a, w, input_precision=PREC)
     wt = tl.load(weights_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
@@ -310,13 +344,16 @@ def _scale_mode(sbk: int, block_k: int, kdim: int) -> int:
 
 
 def _scale_args(scales: tuple | None, x: torch.Tensor, block_k: int, kdim: int) -> tuple:
-    """(scale pointer, its expert / row strides) and the constexprs (W_FP8, SBK, SCALES) of float8 weights, or
-    placeholders."""
+    """(scale pointer, zero pointer, their expert / row strides) and the constexprs (WQ, SBK, SCALES) of packed
+    weights: (scale, bk) float8, (scale, bk, zeros) 4-bit codes; or placeholders."""
     if scales is None:
-        return (x, 0, 0), {}
-    s, bk = scales
+        return (x, x, 0, 0), {}
+    s, bk, z = (*scales, None)[:3]
     bk = int(bk)
-    return (s, s.stride(0), s.stride(1)), dict(W_FP8=True, SBK=bk, SCALES=_scale_mode(bk, block_k, kdim))
+    if z is not None and z.stride() != s.stride():
+        raise ValueError(f"fused_moe_silu: zeros {tuple(z.shape)} and scales {tuple(s.shape)} of one layout expected")
+    return (s, s if z is None else z, s.stride(0), s.stride(1)), dict(WQ=1 if z is None else 2, SBK=bk,
+                                                                      SCALES=_scale_mode(bk, block_k, kdim))
 
 
 def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -327,37 +364,39 @@ def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     intermediate [pairs, I] between the two kernels (a quantized checkpoint's activation quantization).
     `scales13` / `scales2`: float8 e4m3 weights' (scale [E, rows, ceil(K / bk)] float32, bk): each weight value is
     read as bf16/fp16/fp32(value x its scale), the dequantized weight's values, so the result is that of the
-    dequantized experts bit for bit, with half their bytes read."""
+    dequantized experts bit for bit, with half their bytes read; or 4-bit codes two to a byte (w13 [E, 2I, H / 2],
+    w2 [E, H, I / 2] uint8) with (scale, bk, zeros) per row and group of bk columns, read as (q - zero) x scale
+    (ops/moe.py dequantize_experts), a quarter of the bytes."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     K = topk_ids.shape[1]
     cfg = config if config is not None else default_config(T, E, K, H, I)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    scales13 = None if scales13 is None else (scales13[0].contiguous(), scales13[1])
-    scales2 = None if scales2 is None else (scales2[0].contiguous(), scales2[1])
+    scales13 = None if scales13 is None else tuple(t.contiguous() if torch.is_tensor(t) else t for t in scales13)
+    scales2 = None if scales2 is None else tuple(t.contiguous() if torch.is_tensor(t) else t for t in scales2)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"      # float32 stays float32 (no TF32 rounding)
     topk_ids = topk_ids.contiguous()
     al = moe_align_triton(topk_ids, E, cfg.block_m)
     P = al.sorted_pairs.numel()
     nb = al.block_expert.numel()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    s13, fp8_13 = _scale_args(scales13, x, cfg.block_k1, H)
+    s13, wq13 = _scale_args(scales13, x, cfg.block_k1, H)
     _moe_gate_up_kernel[(nb, triton.cdiv(I, cfg.block_n1))](
         x, w13, h, al.sorted_pairs, al.block_expert, T * K, K, E, I, H,
         x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), *s13,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_13)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **wq13)
     if mid is not None:                 # rows are independent: padding rows (zeros) stay zeros, never read
         h = mid(h)
     y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)      # rows of pairs routed nowhere: never read
     weights = topk_weights.reshape(-1).contiguous()
-    s2, fp8_2 = _scale_args(scales2, x, cfg.block_k2, I)
+    s2, wq2 = _scale_args(scales2, x, cfg.block_k2, I)
     _moe_down_kernel[(nb, triton.cdiv(H, cfg.block_n2))](
         h, w2, y, al.sorted_pairs, al.block_expert, weights, T * K, E, H, I,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *s2,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, PREC=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_2)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **wq2)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T:
         block_h = min(1024, triton.next_power_of_2(H))

@@ -225,17 +225,22 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
     _compare(e, g, f"packed_{fmt}_graph_vs_eager")
 
 
-def test_packed_fp8_experts_cuda(tmp_path, monkeypatch):
-    """A Qwen3-MoE fp8 block checkpoint (128 x 128) in bf16 on CUDA: the experts kept as float8 (the grouped
-    kernels reading them) give the dequantized experts' prefill logits bit for bit (the kernels read each weight as
-    bf16(value x scale), the dequantized weight's values); graphs equal eager."""
+@pytest.mark.parametrize("fmt", ["fp8_block", "awq"])
+def test_packed_fp8_experts_cuda(tmp_path, monkeypatch, fmt):
+    """A Qwen3-MoE fp8 block checkpoint (128 x 128), or AWQ (int4, group 128), in bf16 on CUDA: the experts kept
+    packed (float8, or 4-bit codes two to a byte; the grouped kernels reading them) give the dequantized experts'
+    prefill logits bit for bit (the kernels read each weight as bf16(value x scale) / bf16((q - zero) x scale), the
+    dequantized weight's values); graphs equal eager."""
     from fixtures.tiny_hf import make_tiny_checkpoint
-    from quant_ckpt import write_fp8_block
+    from quant_ckpt import write_awq, write_fp8_block
 
     from xllm_gen import LLM, SamplingParams
     base = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "base", overrides={
         "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512, "num_local_experts": 8})
-    ckpt = write_fp8_block(base, tmp_path / "c", tmp_path / "r", (128, 128))[0]
+    if fmt == "awq":
+        ckpt = write_awq(base, tmp_path / "c", tmp_path / "r", group=128)[0]
+    else:
+        ckpt = write_fp8_block(base, tmp_path / "c", tmp_path / "r", (128, 128))[0]
     kw = dict(dtype="bfloat16", block_size=16, max_num_seqs=4, max_model_len=256, num_kv_blocks=64)
     logits = {}
     for packed in ("0", "1"):
