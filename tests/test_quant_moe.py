@@ -228,6 +228,20 @@ def test_tp2_fp8_block_experts(fp8_block, packed, monkeypatch):
 
 
 @pytest.mark.slow
+def test_tp2_packed_int4_experts(moe, tmp_path, monkeypatch):
+    """TP 2, AWQ experts kept packed: each rank packs its half of every expert's intermediate (one group of 16):
+    tokens equal transformers on the dequantized weights."""
+    ckpt, ref = write_awq(moe, tmp_path / "ckpt", tmp_path / "ref", group=16)
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
+    llm = _llm(ckpt, tensor_parallel_size=2)
+    try:
+        got = _greedy(llm)
+    finally:
+        llm.shutdown()
+    assert got == _reference(ref)
+
+
+@pytest.mark.slow
 def test_tp2_expert_split_off_the_groups_refused(moe, tmp_path):
     """Groups of 32 over an intermediate of 32 split in two: rank 1's columns start at 16, inside a group: refused
     naming the experts' parameter (the dense layer 1's MLP, whose split would be refused first, stays float)."""
