@@ -45,19 +45,21 @@ def _group_values(p_row, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K: tl.constexp
 @triton.jit
 def _dequant_groups(w, s, z, BLOCK_K: tl.constexpr, SBK: tl.constexpr, SCALES: tl.constexpr, HAS_Z: tl.constexpr):
     """w [BLOCK_K, BLOCK_N] (float32) times its scales s, less its zeros z first where HAS_Z, (w - z) x s: s and z as
-    _group_values reads them."""
+    _group_values reads them. (One exit: code after a `return` under a constexpr `if` is still compiled for the GPU.)"""
     if SCALES == 2:
         w3 = tl.reshape(w, (BLOCK_K // SBK, SBK, w.shape[1]))
         if HAS_Z:
             w3 = w3 - z[:, None, :]
-        return tl.reshape(w3 * s[:, None, :], (BLOCK_K, w.shape[1]))
-    if SCALES == 1:
-        s = s[None, :]
+        out = tl.reshape(w3 * s[:, None, :], (BLOCK_K, w.shape[1]))
+    elif SCALES == 1:
         if HAS_Z:
-            z = z[None, :]
-    if HAS_Z:
-        w = w - z
-    return w * s
+            w = w - z[None, :]
+        out = w * s[None, :]
+    else:
+        if HAS_Z:
+            w = w - z
+        out = w * s
+    return out
 
 
 @triton.jit
@@ -73,17 +75,19 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, mask_rows, k0, offs_k, mask, stri
     if WQ == 2:
         b = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
         q = ((b >> ((offs_k % 2) * 4).to(tl.uint8)[:, None]) & 0xF).to(tl.float32)
+        s = _group_values(s_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
+                          SCALES)
+        z = _group_values(z_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
+                          SCALES)
+        w = _dequant_groups(q, s, z, BLOCK_K, SBK, SCALES, True).to(dtype)
+    elif WQ == 1:
+        w = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
+        s = _group_values(s_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
+                          SCALES)
+        w = _dequant_groups(w.to(tl.float32), s, s, BLOCK_K, SBK, SCALES, False).to(dtype)
     else:
         w = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0)
-    if WQ == 0:
-        return w
-    s = _group_values(s_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
-                      SCALES)
-    if WQ == 1:
-        return _dequant_groups(w.to(tl.float32), s, s, BLOCK_K, SBK, SCALES, False).to(dtype)
-    z = _group_values(z_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
-                      SCALES)
-    return _dequant_groups(q, s, z, BLOCK_K, SBK, SCALES, True).to(dtype)
+    return w
 
 
 @triton.jit
