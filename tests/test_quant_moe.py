@@ -212,6 +212,17 @@ def test_int4_experts_weight_only(moe, tmp_path, fmt, monkeypatch):
     assert _greedy(llm) == want
 
 
+def test_act_order_int4_experts_fall_back_to_dequantized(moe, tmp_path, monkeypatch):
+    """GPTQ with desc_act (a permuted group per column): the codes are not group-constant, so the experts (built on
+    the meta device for packing) are made real and held dequantized, and serve transformers' tokens."""
+    ckpt, ref = write_gptq(moe, tmp_path / "ckpt", tmp_path / "ref", group=16, desc_act=True)
+    monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
+    llm = _llm(ckpt)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts.packed is None and experts.gate_up_proj.numel() > 0 and not experts.gate_up_proj.is_meta
+    assert _greedy(llm) == _reference(ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("packed", ["0", "1"])
 def test_tp2_fp8_block_experts(fp8_block, packed, monkeypatch):
