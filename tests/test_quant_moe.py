@@ -444,3 +444,18 @@ def test_packing_rule_of_meta_experts_follows_the_model_device(monkeypatch):
         assert ql.packs("experts.gate_up_proj", meta) is want
         assert packs_experts(qc, torch.device("cuda"), dtype) is want
     assert model["experts"].gate_up_proj.is_meta
+
+
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_online_fp8_quantizes_the_experts(moe, tmp_path, packed, monkeypatch):
+    """quantization="fp8" on a float MoE checkpoint: the experts stored per expert are quantized per row at load as
+    the dense layers are (kept float8 with XLLM_PACKED_QUANT=1), with dynamic per-token activations on their input
+    and intermediate; the router stays float. The reference: llm-compressor's FP8_DYNAMIC checkpoint of the same
+    weights (per-channel scales, per-token activations) under transformers."""
+    monkeypatch.setenv("XLLM_PACKED_QUANT", packed)
+    _, ref = write_ct_fp8(moe, tmp_path / "ckpt", tmp_path / "ref", strategy="channel", act="token")
+    llm = _llm(moe, quantization="fp8")
+    layer = llm.engine.runner.model.model.layers[0].mlp
+    assert layer.experts.act_quant.kind == "token" and layer.experts.act_quant_down.kind == "token"
+    assert layer.gate.act_quant is None and (layer.experts.packed is not None) == (packed == "1")
+    assert _greedy(llm) == _reference(ref, lambda m: act_quant_hooks(m, "token"), _fp8("token"))

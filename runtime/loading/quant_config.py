@@ -26,8 +26,8 @@ What is supported (everything else is refused, naming the method or the setting)
   the compute dtype at load (runtime/layers/mxfp4.py); `modules_to_not_convert` is documentation (the tensors
   stored in a float dtype load as they are). Activations are not quantized.
 - online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
-  channel at load (not the embeddings, the lm_head, MoE experts or the MoE router), activations dynamically per
-  token.
+  channel at load, MoE experts stored per expert too (not the embeddings, the lm_head, the MoE router or experts
+  stored stacked in one tensor), activations dynamically per token.
 
 Which layers are quantized follows the checkpoint: a float8 weight needs its scale tensor (its absence is an
 error naming it); a weight stored in a float dtype (lm_head, embeddings, `ignore` / `modules_to_not_convert`

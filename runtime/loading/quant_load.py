@@ -46,7 +46,7 @@ def packs_experts(qc: Optional[QuantConfig], device: torch.device, dtype: torch.
     experts_on_meta) and the load fills them packed."""
     if qc is None:
         return False
-    float8 = qc.method in ("fp8", "compressed-tensors") and qc.bits != 8
+    float8 = qc.method in ("fp8", "compressed-tensors", "online-fp8") and qc.bits != 8
     int4 = qc.method in ("awq", "gptq", "pack-quantized") and qc.bits == 4
     if not (float8 or int4):
         return False
@@ -191,9 +191,10 @@ class QuantLoad:
         int8 = dtype == "I8" and qc is not None and qc.method == "compressed-tensors" and qc.bits == 8
         what = "int8" if int8 else "float8"
         if dtype not in _FP8_DTYPES and not int8:
-            if (qc is not None and qc.method == "online-fp8" and linear is not None and not self._is_experts(linear)
-                    and not self._is_router(mod_name)):
-                self.layers.setdefault(mod_name, []).append((name, None))
+            if (qc is not None and qc.method == "online-fp8" and linear is not None
+                    and (self._is_experts(linear) and len(_shape(sl)) == 2        # one expert's [out, in] tensor
+                         or not self._is_experts(linear) and not self._is_router(mod_name))):
+                self._record(param, mod_name, linear, name)
                 return OnlineFp8View(sl)
             if linear is not None:
                 self.plain.setdefault(param if self._is_experts(linear) else mod_name, []).append(name)
