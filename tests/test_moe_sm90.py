@@ -8,12 +8,8 @@ blocks (gate / up: 360 bytes), and the float8 ones measured 0.77-0.99x bf16 on a
 Skipped where this Triton has no CUDA backend or ptxas."""
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import tempfile
-
 import pytest
+from fixtures.sm90 import assemble, compile_sm90, ptxas
 
 triton = pytest.importorskip("triton")
 
@@ -21,9 +17,6 @@ H, I, E, TOP_K = 2048, 768, 128, 8
 
 
 def _compile(kernel: str, wq: int, T: int):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from xllm_gen.runtime.ops import moe_triton as M
     cfg = M.default_config(T, E, TOP_K, H, I)
     fn = M._moe_gate_up_kernel if kernel == "gate_up" else M._moe_down_kernel
@@ -35,28 +28,15 @@ def _compile(kernel: str, wq: int, T: int):
     const = dict(BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PREC="tf32", WQ=wq, SBK=128,
                  SCALES=M._scale_mode(128, block_k, kdim))
     sig.update({k: "constexpr" for k in const})
-    src = ASTSource(fn=fn, signature=sig, constexprs=const)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    return k, const["SCALES"]
+    return compile_sm90(fn, sig, const, num_warps=cfg.num_warps, num_stages=cfg.num_stages), const["SCALES"]
 
 
 @pytest.mark.parametrize("wq", [1, 2], ids=["float8", "int4"])
 @pytest.mark.parametrize("kernel", ["gate_up", "down"])
 @pytest.mark.parametrize("T", [1, 512], ids=["decode", "prefill"])
 def test_packed_expert_kernels_build_for_sm90(wq, kernel, T):
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("no bundled ptxas")
-    try:
-        k, mode = _compile(kernel, wq, T)
-    except (ImportError, RuntimeError) as e:       # no CUDA backend in this Triton build
-        pytest.skip(f"sm_90 compile unavailable: {e}")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    p = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                       text=True, timeout=300)
-    os.unlink(f.name)
-    spill = re.search(r"(\d+) bytes spill stores", p.stderr)
-    print(f"\n{kernel} WQ {wq} T {T} scale form {mode}: {spill.group(0) if spill else p.stderr[-300:]}")
-    assert p.returncode == 0 and spill, f"scale form {mode}: {p.stderr[-2000:]}"
+    path = ptxas()
+    k, mode = _compile(kernel, wq, T)
+    rc, report, spill = assemble(k, path)
+    print(f"\n{kernel} WQ {wq} T {T} scale form {mode}: {spill} bytes spill stores")
+    assert rc == 0 and spill is not None, f"scale form {mode}: {report[-2000:]}"
