@@ -151,14 +151,10 @@ class Layer:
 
     @staticmethod
     def _int4(w: torch.Tensor, g: int = 128):
-        from xllm_gen.runtime.ops.moe import pack_int4_experts
-        E, N, K = w.shape
-        wg = w.float().reshape(E, N, K // g, g)
-        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-        s = ((hi - lo) / 15).clamp(min=1e-6).half().float()
-        z = torch.round(-lo / s).clamp(0, 15)
-        q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], 0, 15).reshape(E, N, K)
-        return pack_int4_experts(q, z.repeat_interleave(g, -1), s.repeat_interleave(g, -1), g)
+        from xllm_gen.runtime.layers.quant_linear import rtn_int4
+        from xllm_gen.runtime.ops.moe import pack_nibbles
+        q, s, z = (torch.stack(t) for t in zip(*(rtn_int4(w[e], g) for e in range(w.shape[0]))))
+        return pack_nibbles(q), s, g, z
 
     def logits(self, T: int) -> torch.Tensor:
         g = torch.Generator(device=self.w13.device).manual_seed(2000 + T)

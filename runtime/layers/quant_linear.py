@@ -175,7 +175,7 @@ def _quantize_dummy_experts(mod, kind: str, pack: Optional[bool]) -> int:
     columns, as the FP8 MoE releases), kept packed as a loaded checkpoint's (FusedMoE.packed) or written back
     dequantized. 1 if quantized (gated experts without biases)."""
     from xllm_gen.runtime.layers.quant import ActQuant
-    from xllm_gen.runtime.ops.moe import dequantize_packed
+    from xllm_gen.runtime.ops.moe import dequantize_packed, pack_nibbles
     if not mod.gated or mod.has_bias:
         return 0
     packed = {}
@@ -189,7 +189,7 @@ def _quantize_dummy_experts(mod, kind: str, pack: Optional[bool]) -> int:
             zeros = torch.empty(E, N, K // g, dtype=torch.uint8, device=w.device)
             for e in range(E):                               # an expert at a time: no float32 copy of them all
                 q, scales[e], zeros[e] = rtn_int4(w[e], g)
-                codes[e] = q[:, 0::2] | (q[:, 1::2] << 4)
+                codes[e] = pack_nibbles(q)
             got = (codes, scales, g, zeros)
         else:
             bk = 128 if kind == "fp8_block" and N % 128 == 0 and K % 128 == 0 else K

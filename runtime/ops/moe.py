@@ -257,11 +257,14 @@ def pack_int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
     z, s = zeros[..., ::group], scales[..., ::group]
     if not (torch.equal(zeros, z.repeat_interleave(group, -1)) and torch.equal(scales, s.repeat_interleave(group, -1))):
         return None
-    q = codes.to(torch.uint8)
     s16 = s.to(torch.float16)
     s_out = s16 if torch.equal(s16.to(torch.float32), s) else s
-    return ((q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), s_out.contiguous(), group,
-            z.to(torch.uint8).contiguous())
+    return pack_nibbles(codes.to(torch.uint8)), s_out.contiguous(), group, z.to(torch.uint8).contiguous()
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes uint8 [..., K] -> two to a byte [..., K / 2]: column 2c in the low nibble of byte c."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
