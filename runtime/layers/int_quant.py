@@ -227,13 +227,22 @@ def pack_components(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tens
     4-bit codes with zeros and scales constant over each run of `group` columns from column 0 (act-order GPTQ, a TP
     split that cuts a group, 8-bit): that layer then keeps its dequantized weight."""
     from xllm_gen.runtime.ops.quant_gemv import pack_int4
-    N, K = codes.shape
-    if K % 8 or K % group or codes.max() > 15 or zeros.max() > 255:
+    if codes.shape[-1] % 8:
         return None
-    z = zeros[:, ::group]
-    s = scales[:, ::group]
-    if not (torch.equal(zeros, z.repeat_interleave(group, 1)) and torch.equal(scales, s.repeat_interleave(group, 1))):
+    groups = int4_groups(codes, zeros, scales, group)
+    return None if groups is None else (pack_int4(codes.to(torch.uint8)), *groups)
+
+
+def int4_groups(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                group: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(scales float16 where exact else float32, zeros uint8), each [..., K / group], of per-element 4-bit codes /
+    zeros / scales [..., K] (float32) whose zeros and scales are constant over each run of `group` columns from
+    column 0; None otherwise (the weight then stays dequantized)."""
+    K = codes.shape[-1]
+    if K % group or codes.min() < 0 or codes.max() > 15 or zeros.min() < 0 or zeros.max() > 255:
+        return None
+    z, s = zeros[..., ::group], scales[..., ::group]
+    if not (torch.equal(zeros, z.repeat_interleave(group, -1)) and torch.equal(scales, s.repeat_interleave(group, -1))):
         return None
     s16 = s.to(torch.float16)
-    s_out = s16 if torch.equal(s16.to(torch.float32), s) else s
-    return pack_int4(codes.to(torch.uint8)), s_out.contiguous(), z.to(torch.uint8).contiguous()
+    return (s16 if torch.equal(s16.to(torch.float32), s) else s).contiguous(), z.to(torch.uint8).contiguous()

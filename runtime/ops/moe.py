@@ -251,15 +251,12 @@ def pack_int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
     -> (codes two to a byte [E, rows, K / 2], scales [E, rows, K / group] (float16 where exact, else float32),
     group, zeros uint8 [E, rows, K / group]): FusedMoE.packed's int4 form; None where the codes do not pack so
     (act-order GPTQ, a TP split that cuts a group, 8 bits): the experts then keep their dequantized weight."""
-    E, N, K = codes.shape
-    if K % 2 or K % group or codes.min() < 0 or codes.max() > 15 or zeros.min() < 0 or zeros.max() > 255:
+    from xllm_gen.runtime.layers.int_quant import int4_groups  # the dense layers' rule (pack_components)
+    groups = None if codes.shape[-1] % 2 else int4_groups(codes, zeros, scales, group)
+    if groups is None:
         return None
-    z, s = zeros[..., ::group], scales[..., ::group]
-    if not (torch.equal(zeros, z.repeat_interleave(group, -1)) and torch.equal(scales, s.repeat_interleave(group, -1))):
-        return None
-    s16 = s.to(torch.float16)
-    s_out = s16 if torch.equal(s16.to(torch.float32), s) else s
-    return pack_nibbles(codes.to(torch.uint8)), s_out.contiguous(), group, z.to(torch.uint8).contiguous()
+    s, z = groups
+    return pack_nibbles(codes.to(torch.uint8)), s, group, z
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
