@@ -88,6 +88,7 @@ def _rotary(r) -> str:
     rot += f", original_max_position={r.original_max_position}" if r.original_max_position else ""
     rot += f", direction={r.direction}" if r.direction != "forward" else ""
     rot += f", longrope_factors={r.longrope_factors}" if r.longrope_factors != "by_context" else ""
+    rot += ", longrope_mscale" if r.longrope_mscale else ""
     return rot + (f", scaling={r.scaling})" if r.scaling else ")")
 
 

@@ -309,13 +309,15 @@ class AttentionResolver:
                 raise self.err(rp + ("original_max_position",), f"{self._where(rp)}.original_max_position: only "
                                                                 f"with a rope `scaling` (it is a scaling parameter)")
             original = self.dim(rp + ("original_max_position",), rot.original_max_position)
-        if rot.longrope_factors != "by_context" and scaling is None:
-            raise self.err(rp + ("longrope_factors",), f"{self._where(rp)}.longrope_factors: only with a rope "
-                                                       f"`scaling` (it chooses longrope's factor list)")
+        for key, on in (("longrope_factors", rot.longrope_factors != "by_context"),
+                        ("longrope_mscale", rot.longrope_mscale)):
+            if on and scaling is None:
+                raise self.err(rp + (key,), f"{self._where(rp)}.{key}: only with a rope `scaling` (a longrope "
+                                            f"parameter)")
         return RotaryIR(rot.kind, self.positive(rp + ("theta",), rot.theta, per_layer=True),
                         self.dim(rp + ("max_position",), rot.max_position), mrope, scaling,
                         fraction, rdim, layout, enabled, kind_symbol, layout_symbol, original, rot.direction,
-                        rot.longrope_factors)
+                        rot.longrope_factors, rot.longrope_mscale)
 
     def _gate_proj_bias(self, path, b, gate_name):
         """The output gate projection's bias flag (`out_gate.bias`), None where it has none."""

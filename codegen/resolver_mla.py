@@ -92,9 +92,11 @@ class MLAResolver(RotaryResolver, IndexerResolver):
         rope_dims = self.dim(path + ("qk_rope_head_dim",), b.qk_rope_head_dim)
         indexer = (self.resolve_indexer(path, b.indexer, rope_dims, q_lora, when, enabled)
                    if b.indexer is not None else None)
-        if rot.longrope_factors != "by_context":
-            raise self.err(rp + ("longrope_factors",), f"{self._where(rp)}.longrope_factors: not for mla_attention's "
-                                                       f"rotary (attention's only)")
+        for key, on in (("longrope_factors", rot.longrope_factors != "by_context"),
+                        ("longrope_mscale", rot.longrope_mscale)):
+            if on:
+                raise self.err(rp + (key,), f"{self._where(rp)}.{key}: not for mla_attention's rotary (attention's "
+                                            f"only)")
         return MLAIR(
             kind="mla_attention", name=name, class_name=class_name,
             hidden=self.dim(path + ("hidden",), b.hidden), heads=self.dim(path + ("heads",), b.heads),

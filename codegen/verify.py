@@ -13,7 +13,12 @@ any local checkpoint (tiny or real), with the first divergence located.
    hidden + residual). Per layer: the max |engine - transformers| over positions and features, relative to
    the layer's max |transformers| value; the first layer over the tolerance is the first divergence, reported
    with its first position over it.
-Exit status (cli): 0 when the tokens agree and every layer is within the tolerance, 1 otherwise.
+5. The same teacher-forced run compares the output distribution: the engine's log-probabilities (its top
+   `LOGPROB_TOP` per position and the next token's, prompt_logprobs + logprobs) against transformers'
+   log_softmax of its logits, max absolute difference. What comes after the last layer (final norm, lm_head,
+   logit scales and soft-caps) can keep every argmax and still change every probability a sampler draws from.
+Exit status (cli): 0 when the tokens agree and every layer and the log-probabilities are within the tolerance, 1
+otherwise.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ class VerifyError(Exception):
 
 
 DEFAULT_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
+LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.25}    # absolute, in nats
+LOGPROB_TOP = 5
 
 
 @dataclasses.dataclass
@@ -51,6 +58,8 @@ class PromptResult:
     hf_tokens: list
     engine_tokens: list
     layers: list                   # [LayerError] teacher-forced over prompt + hf continuation
+    logprob_err: float = 0.0       # max |engine - hf| log-probability over the compared entries
+    logprob_bad_position: int | None = None   # first position over LOGPROB_TOL (None: within)
 
     @property
     def first_token_diff(self) -> int | None:
@@ -74,7 +83,8 @@ class Report:
     @property
     def ok(self) -> bool:
         return self.refused is None and all(
-            p.first_token_diff is None and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
+            p.first_token_diff is None and p.logprob_bad_position is None
+            and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
 
     def first_divergence(self) -> tuple[int, PromptResult, LayerError] | None:
         """(prompt index, prompt, layer error) of the earliest layer over the tolerance over all prompts."""
@@ -100,7 +110,11 @@ class Report:
             d = p.first_token_diff
             lines.append(f"prompt {i} ({p.prompt_len} tokens): greedy tokens "
                          + ("agree" if d is None else
-                            f"DIFFER at step {d}: engine {p.engine_tokens[d:d + 4]} vs transformers {p.hf_tokens[d:d + 4]}"))
+                            f"DIFFER at step {d}: engine {p.engine_tokens[d:d + 4]} vs transformers {p.hf_tokens[d:d + 4]}")
+                         + f"; log-probabilities max error {p.logprob_err:.1e}"
+                         + ("" if p.logprob_bad_position is None else
+                            f" DIFFER from position {p.logprob_bad_position} (> {LOGPROB_TOL[self.dtype]:g}: the "
+                            f"output distribution, after the last layer: final norm, lm_head, logit scale / soft-cap)"))
         first = self.first_divergence()
         if first is not None:
             i, p, e = first
@@ -205,6 +219,24 @@ def _ordinary_token_ids(ckpt: Path, vocab: int):
     return keep[keep < len(tok)] if len(keep[keep < len(tok)]) else keep
 
 
+def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
+    """(max |engine - transformers| log-probability, first position over `tol`) over the engine's entries: per
+    position p >= 1 of the prompt the distribution of its token given the tokens before (prompt_logprobs), and the
+    next token's after the last (logprobs); transformers' from log_softmax of its logits in float32."""
+    import torch
+    ref = torch.log_softmax(hf_logits.float(), dim=-1)
+    rows = [(p, d) for p, d in enumerate(out.prompt_logprobs or []) if d]       # position p: given tokens < p
+    rows += [(len(ref), d) for d in (out.outputs[0].logprobs or [])[:1] if d]
+    err, bad = 0.0, None
+    for p, entries in rows:
+        want = ref[p - 1]
+        e = max(abs(float(lp.logprob) - float(want[t])) for t, lp in entries.items())
+        err = max(err, e)
+        if bad is None and e > tol:
+            bad = p
+    return err, bad
+
+
 # ------------------------------------------------------------------------------------------------ verify
 def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32", max_tokens: int = 16,
            prompt_lens: Sequence[int] = (3, 9, 17, 30), rtol: float | None = None, seed: int = 0) -> Report:
@@ -242,7 +274,12 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         import transformers
         torch_dtype = getattr(torch, dtype)
         cls = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
-        hf = cls.from_pretrained(str(ckpt), dtype=torch_dtype, attn_implementation="eager").to(device).eval()
+        try:
+            hf = cls.from_pretrained(str(ckpt), dtype=torch_dtype, attn_implementation="eager").to(device).eval()
+        except Exception as e:      # the reference side: say so (the spec is not what failed)
+            raise VerifyError(f"{checkpoint}: transformers {transformers.__version__} cannot load it with {cls.__name__}"
+                              f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so there is no "
+                              f"reference to compare with; the engine was not run") from None
         hf.generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None,
                                                              bos_token_id=None)     # greedy, EOS ignored
         vocab = int(getattr(config, "vocab_size", text_cfg.get("vocab_size")))
@@ -279,7 +316,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             eng_model = llm.engine.runner.model
             eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True)
             greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=LOGPROB_TOP,
+                                 prompt_logprobs=LOGPROB_TOP)
             for ids in prompts:
                 want = hf_greedy(ids)
                 got = llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
@@ -289,11 +327,12 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 hf_rec.arm()
                 with torch.no_grad():
                     x = torch.tensor([seq], device=device)
-                    hf(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+                    hf_logits = hf(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0]
                 ref = hf_rec.take()
                 eng_rec.arm()
-                llm.generate([{"prompt_token_ids": seq}], one)
+                out = llm.generate([{"prompt_token_ids": seq}], one)[0]
                 mine = eng_rec.take()
+                lp_err, lp_bad = _logprob_error(hf_logits, out, LOGPROB_TOL[dtype])
                 layers = []
                 for l, (a, b) in enumerate(zip(ref, mine)):
                     if a.shape != b.shape:
@@ -305,7 +344,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     bad = (per_pos > tol).nonzero()
                     layers.append(LayerError(l, float(per_pos.max()), float(diff.max()),
                                              int(bad[0, 0]) if len(bad) else None))
-                report.prompts.append(PromptResult(len(ids), want, list(got), layers))
+                report.prompts.append(PromptResult(len(ids), want, list(got), layers, lp_err, lp_bad))
             eng_rec.remove()
         finally:
             llm.shutdown()

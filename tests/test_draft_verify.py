@@ -131,6 +131,23 @@ def test_verify_locates_a_late_divergence(drafted, ckpt):
     assert f"first divergence: layer {n - 1}, position 4" in r.text()
 
 
+def test_verify_compares_the_output_distribution(drafted, ckpt):
+    """A wrong logit scale after the last layer keeps every argmax (greedy tokens and layer states agree) but changes
+    every probability a sampler draws from: verify compares the log-probabilities too, and fails naming them."""
+    import re as _re
+
+    from xllm_gen.codegen.verify import verify
+    text = drafted.read_text()
+    line = _re.search(r"^lm_head: \{(.*)\}$", text, _re.M)
+    assert line, "the drafted spec's lm_head line"
+    bad = _variant(drafted, drafted.parent / "logit_scale.yaml", line.group(0),
+                   "lm_head: {" + line.group(1) + ", logit_scale: 3.0}")
+    r = verify(bad, ckpt, max_tokens=4, prompt_lens=[5])
+    assert not r.ok and all(p.first_token_diff is None for p in r.prompts), r.text()
+    assert r.first_divergence() is None and r.prompts[0].logprob_bad_position == 1, r.text()
+    assert "log-probabilities max error" in r.text() and "DIFFER from position 1" in r.text()
+
+
 def test_verify_reports_a_refusal_by_name(drafted, ckpt, tmp_path):
     from fixtures.tiny_hf import edit_config
 

@@ -176,3 +176,24 @@ def test_long_regime_is_announced(tiny_checkpoint, caplog):
         assert bool(msgs) == warned, msgs
         if warned:
             assert "original context 64" in msgs[0] and "max_model_len <= 64" in msgs[0], msgs[0]
+
+
+def test_mscale_keys_only_where_the_rotary_reads_them():
+    """short_mscale / long_mscale in a longrope mapping are PhiMoE's: its rotary (the spec's `longrope_mscale: true`)
+    takes them as the attention factor per regime; transformers' generic longrope (Phi-3) ignores them, and so does
+    a rotary without the flag (it applied them before, serving such a Phi-3 checkpoint wrong with no refusal)."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from xllm_gen.runtime.layers.rope_scaling import rope_parameters
+
+    scaling = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+               "original_max_position_embeddings": 16, "short_mscale": 1.3, "long_mscale": 1.7}
+    ref = Phi3Config(hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75, max_position_embeddings=256,
+                     original_max_position_embeddings=16,
+                     rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.75, **scaling})
+    for context, seq_len in ((16, None), (256, 17)):
+        _, want = ROPE_INIT_FUNCTIONS["longrope"](ref, "cpu", seq_len=seq_len)
+        _, got = rope_parameters(12, 10000.0, 256, scaling, 16, context)
+        _, phimoe = rope_parameters(12, 10000.0, 256, scaling, 16, context, longrope_mscale=True)
+        assert got == want != phimoe == (1.3 if context == 16 else 1.7)

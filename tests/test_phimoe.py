@@ -74,14 +74,20 @@ def test_guard_refuses(field, value):
         Config.from_hf(hf)
 
 
-def test_phi3_refuses_mscale():
-    """transformers' Phi-3 ignores short_mscale / long_mscale, which the longrope kind would apply: refused."""
-    from xllm_gen.generated.phi3.model import Config
+def test_phi3_ignores_mscale():
+    """transformers' Phi-3 ignores short_mscale / long_mscale (its generic longrope computes the attention factor from
+    factor / attention_factor); phi3.yaml's rotary, without `longrope_mscale`, ignores them too (it was refused)."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from xllm_gen.generated.phi3.model import Config, Phi3Attention
 
     hf = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 512, "hidden_size": 64,
           "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
           "max_position_embeddings": 8192, "original_max_position_embeddings": 4096,
           "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
                            "short_mscale": 1.2, "long_mscale": 1.2}}
-    with pytest.raises(ValueError, match="short_mscale"):
-        Config.from_hf(hf)
+    rot = Phi3Attention(Config.from_hf(hf), 0).rotary_emb
+    rot.set_context_len(4096)
+    _, want = ROPE_INIT_FUNCTIONS["longrope"](Phi3Config.from_dict(hf), "cpu")
+    assert rot.attention_factor == want != 1.2

@@ -24,6 +24,7 @@ class RotaryIR:
     original_max_position: Optional[Size] = None   # overrides the rope mapping's original_max_position_embeddings
     direction: str = "forward"                # forward | backward (pairs turn by -theta * position)
     longrope_factors: str = "by_context"      # by_context | short (longrope's factor list at every context)
+    longrope_mscale: bool = False             # longrope's short_mscale / long_mscale keys are read
 
 
 @dataclass(frozen=True)

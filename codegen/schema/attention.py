@@ -123,6 +123,9 @@ class Rotary(Strict):
     # the original context). short: short_factor at every context, only the attention factor (short_mscale /
     # long_mscale) follows the regime (transformers' PhiMoE computes its frequencies with short_factor at any length)
     longrope_factors: Literal["by_context", "short"] = "by_context"
+    # longrope: the mapping's short_mscale / long_mscale replace the attention factor per regime (transformers'
+    # PhiMoE rotary). Off (default): they are ignored, as transformers' generic longrope (Phi-3) ignores them
+    longrope_mscale: StrictBool = False
 
 
 class LoRA(Strict):

@@ -21,7 +21,7 @@ _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mro
 def rope_parameters(head_dim: int, theta: float, max_position: int,
                     scaling: Optional[Mapping[str, Any]] = None,
                     full_dim: Optional[int] = None, context_len: Optional[int] = None,
-                    longrope_factors: str = "by_context") -> tuple[torch.Tensor, float]:
+                    longrope_factors: str = "by_context", longrope_mscale: bool = False) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2] float32, attention_factor) of a rope-parameter mapping whose rope_type is a kind
     of rope_kinds.py (the generated config reader translates transformers' names). `head_dim` is the number of
     rotating dims (transformers' int(head_dim * partial_rotary_factor)); `full_dim` (the whole head, default
@@ -53,8 +53,9 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
     - longrope (transformers' _compute_longrope_parameters): inv_freq = 1 / (ext * theta ** (arange(0, D, 2) / D))
       with ext = long_factor when `context_len` > original_max_position_embeddings, else short_factor (each a
       list of D/2 numbers); attention_factor given, or sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)
-      with factor given or max_position / original; `short_mscale` / `long_mscale`, where given, replace
-      the attention factor in their regime. transformers picks the list per forward call from the
+      with factor given or max_position / original; with `longrope_mscale`, `short_mscale` / `long_mscale`,
+      where given, replace the attention factor in their regime (PhiMoE's rotary; transformers' generic longrope,
+      Phi-3's, ignores them). transformers picks the list per forward call from the
       longest position it sees (long_factor for the whole call once a sequence exceeds the original context),
       which a KV cache cannot follow (cached keys keep the rotation they were written with). This runtime
       decides once per engine, as vLLM does (Phi3LongRoPEScaledRotaryEmbedding.use_long_rope): the engine's
@@ -128,7 +129,7 @@ def rope_parameters(head_dim: int, theta: float, max_position: int,
             raise ValueError(f"longrope_factors must be 'by_context' or 'short', not {longrope_factors!r}")
         long = bool(context_len and context_len > original)
         key = "long_factor" if long and longrope_factors == "by_context" else "short_factor"
-        mscale = p.get("long_mscale" if long else "short_mscale")
+        mscale = p.get("long_mscale" if long else "short_mscale") if longrope_mscale else None
         if mscale is not None:          # the attention factor per regime (as vLLM's short / long mscale)
             attention_factor = number("long_mscale" if long else "short_mscale")
         ext = p[key]

@@ -53,7 +53,8 @@ _READS_ORIGINAL = ("yarn", "frequency_bands", "longrope")
 
 def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.device,
                  scaling: Optional[Mapping[str, Any]] = None, full_dim: Optional[int] = None,
-                 context_len: Optional[int] = None, longrope_factors: str = "by_context"):
+                 context_len: Optional[int] = None, longrope_factors: str = "by_context",
+                 longrope_mscale: bool = False):
     """(inv_freq [D/2], cos|sin [max_position, D], attention_factor): float32 tensors, cos and sin already
     multiplied by attention_factor (as transformers does before casting), built once per (shape, theta,
     scaling, device) and shared by every layer: a 262k-position table is 134 MB, too much to hold once per
@@ -61,14 +62,15 @@ def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.d
     skey = _scaling_key(scaling)
     if not scaling or dict(scaling).get("rope_type", dict(scaling).get("type")) not in CONTEXT_DEPENDENT:
         context_len = None                  # the frequencies do not depend on it: share the table
-    key = (head_dim, theta, max_position, skey, full_dim, context_len, longrope_factors, str(device))
+    key = (head_dim, theta, max_position, skey, full_dim, context_len, longrope_factors, longrope_mscale, str(device))
     if key not in _TABLES:
-        cpu_key = (head_dim, theta, max_position, skey, full_dim, context_len, longrope_factors, "cpu")
+        cpu_key = (head_dim, theta, max_position, skey, full_dim, context_len, longrope_factors, longrope_mscale,
+                   "cpu")
         cpu = _TABLES.get(cpu_key)
         if cpu is None:
             with torch.device("cpu"):       # computed on CPU even inside a torch.device("meta"/"cuda") build
                 inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling, full_dim, context_len,
-                                                   longrope_factors)
+                                                   longrope_factors, longrope_mscale)
                 freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
                 cos, sin = freqs.cos(), freqs.sin()
                 if factor != 1.0:
@@ -102,18 +104,20 @@ class Rotary(nn.Module):
     that read it (transformers' rule for a config with a top-level original_max_position_embeddings).
     longrope's frequencies depend on the engine's max_model_len: the runner calls `set_context_len`.
     `longrope_factors` "short": longrope turns at short_factor at every context, only its attention factor follows
-    the regime (rope_parameters).
+    the regime (rope_parameters). `longrope_mscale`: the mapping's short_mscale / long_mscale are that attention
+    factor (PhiMoE); otherwise they are ignored, as transformers' generic longrope ignores them.
     """
 
     def __init__(self, head_dim: int, theta: float, max_position: int, kind: str = "neox",
                  mrope_section: Optional[Sequence[int]] = None, scaling: Optional[Mapping[str, Any]] = None,
                  rotary_dim: Optional[int] = None, layout: str = "neox",
                  original_max_position: Optional[int] = None, direction: str = "forward", position: str = "first",
-                 longrope_factors: str = "by_context"):
+                 longrope_factors: str = "by_context", longrope_mscale: bool = False):
         super().__init__()
         if longrope_factors not in ("by_context", "short"):
             raise ValueError(f"longrope_factors must be 'by_context' or 'short', not {longrope_factors!r}")
         self.longrope_factors = longrope_factors
+        self.longrope_mscale = bool(longrope_mscale)
         if position not in ("first", "last"):
             raise ValueError(f"rotary position must be 'first' or 'last', not {position!r}")
         self.position = position        # which dims of a partial rotary turn: the first or the last rotary_dim
@@ -154,7 +158,7 @@ class Rotary(nn.Module):
         self._tables = None if rotary_dim else (torch.empty(0), torch.empty(max_position, 0), 1.0)
         if rotary_dim:      # the scaling is checked now (a bad mapping fails the build, naming the key): cheap
             rope_parameters(rotary_dim, self.theta, max_position, self.scaling, head_dim,
-                            longrope_factors=longrope_factors)
+                            longrope_factors=longrope_factors, longrope_mscale=self.longrope_mscale)
         # interleaved: the rotary dims gathered evens then odds (pairs (2j, 2j + 1) -> (j, j + half))
         self.gather = (torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)))
                        if layout == "interleaved" and rotary_dim else None)
@@ -192,7 +196,8 @@ class Rotary(nn.Module):
         if self.rope_type != "longrope" or not self.head_dim or not self.context_len:
             return None
         original = int(self.scaling.get("original_max_position_embeddings", self.max_position))
-        if self.longrope_factors == "short" and self.scaling.get("short_mscale") == self.scaling.get("long_mscale"):
+        if self.longrope_factors == "short" and (not self.longrope_mscale or
+                                                 self.scaling.get("short_mscale") == self.scaling.get("long_mscale")):
             return None         # short_factor and one attention factor at every context: no regime to differ in
         return original if self.context_len > original else None
 
@@ -201,7 +206,8 @@ class Rotary(nn.Module):
         """(inv_freq, cos|sin, attention_factor) on the device of the last inputs, built on first use."""
         if self._tables is None:
             self._tables = _rope_tables(self.head_dim, self.theta, self.max_position, self._device, self.scaling,
-                                        self.full_head_dim, self.context_len, self.longrope_factors)
+                                        self.full_head_dim, self.context_len, self.longrope_factors,
+                                        self.longrope_mscale)
         return self._tables
 
     @property
