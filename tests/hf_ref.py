@@ -81,8 +81,11 @@ def hf_processor(ckpt_dir):
     return _load_processor(_key(ckpt_dir))
 
 
-def _generate(model, inputs: dict, max_new_tokens: int, n_prompt: int) -> list[int]:
+def _generate(model, inputs: dict, max_new_tokens: int, n_prompt: int, logprobs_out: list | None = None) -> list[int]:
+    """Greedy new tokens; with `logprobs_out`, each step's log_softmax [vocab] (float32) is appended to it."""
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if logprobs_out is not None:
+        kw.update(output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         try:
             out = model.generate(**inputs, **kw)
@@ -90,20 +93,28 @@ def _generate(model, inputs: dict, max_new_tokens: int, n_prompt: int) -> list[i
             if "can only be called on Attention layers" not in str(e):   # (Qwen4-Exp without attention layers)
                 raise
             out = model.generate(**inputs, **kw, use_cache=False)
+    if logprobs_out is not None:
+        logprobs_out.extend(torch.log_softmax(step[0].float(), dim=-1) for step in out.logits)
+        out = out.sequences
     new = out[0, n_prompt:].tolist()
     assert len(new) == max_new_tokens, f"HF stopped early ({len(new)} of {max_new_tokens} tokens)"
     return new
 
 
 # ------------------------------------------------------------------------------------------- text models
-def hf_greedy(ckpt_dir, prompt_token_ids_list: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations (ignoring EOS) of each prompt, one prompt at a time."""
+def hf_greedy(ckpt_dir, prompt_token_ids_list: Sequence[Sequence[int]], max_new_tokens: int,
+              logprobs_out: list | None = None) -> list[list[int]]:
+    """Greedy continuations (ignoring EOS) of each prompt, one prompt at a time; with `logprobs_out`, one list per
+    prompt of each step's log_softmax [vocab] is appended to it."""
     model = hf_model(ckpt_dir)
     outs = []
     for ids in prompt_token_ids_list:
         ids = torch.tensor([list(ids)], dtype=torch.long)
+        steps = None if logprobs_out is None else []
         outs.append(_generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens,
-                              ids.shape[1]))
+                              ids.shape[1], steps))
+        if logprobs_out is not None:
+            logprobs_out.append(steps)
     return outs
 
 

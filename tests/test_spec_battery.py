@@ -255,27 +255,36 @@ def _fresh(model) -> None:
             m.max_seq_len_cached = m.original_max_seq_len
 
 
+LOGPROB_TOP = 5           # engine log-probabilities compared per step
+LOGPROB_TOL = 1e-3        # float32, absolute (nats)
+
+
 class Tokens:
-    """HF and engine greedy tokens per checkpoint, computed once per session."""
+    """HF and engine greedy tokens per checkpoint, computed once per session, with each step's log-probabilities
+    (HF: the log_softmax of its logits; engine: its top LOGPROB_TOP and the chosen token's) for
+    `assert_same_distribution`."""
 
     def __init__(self):
         self._hf: dict[str, list[list[int]]] = {}
+        self._hf_lp: dict[str, list] = {}
         self._engine: dict[tuple[str, int], list[list[int]]] = {}
+        self._engine_lp: dict[tuple[str, int], list] = {}
 
     def hf(self, ckpt: Path) -> list[list[int]]:
         key = str(ckpt)
         if key not in self._hf:
             model = hf_model(ckpt)
-            out = []
+            out, lps = [], []
             for r in _requests(ckpt):
                 _fresh(model)
                 if "multi_modal_data" in r:
                     inputs = hf_vl_inputs(ckpt, r["prompt"], images=r["multi_modal_data"]["image"])
                     out.append(hf_vl_greedy(ckpt, inputs, MAX_TOKENS))
+                    lps.append(None)
                 else:
-                    out.append(hf_greedy(ckpt, [r["prompt_token_ids"]], MAX_TOKENS)[0])
+                    out.append(hf_greedy(ckpt, [r["prompt_token_ids"]], MAX_TOKENS, lps)[0])
             _fresh(model)
-            self._hf[key] = out
+            self._hf[key], self._hf_lp[key] = out, lps
         return self._hf[key]
 
     def engine(self, ckpt: Path, tp: int = 1) -> list[list[int]]:
@@ -283,11 +292,45 @@ class Tokens:
         if key not in self._engine:
             from xllm_gen import LLM, SamplingParams
 
-            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP)
             with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                      tensor_parallel_size=tp) as llm:
-                self._engine[key] = [o.outputs[0].token_ids for o in llm.generate(_requests(ckpt), params)]
+                outs = llm.generate(_requests(ckpt), params)
+            self._engine[key] = [o.outputs[0].token_ids for o in outs]
+            self._engine_lp[key] = [o.outputs[0].logprobs for o in outs]
         return self._engine[key]
+
+    def hf_logprobs(self, ckpt: Path) -> list:
+        """Per request, HF's log_softmax [vocab] per generated step (None for an image request)."""
+        self.hf(ckpt)
+        return self._hf_lp[str(ckpt)]
+
+    def distribution_error(self, ckpt: Path, tp: int = 1) -> list[tuple[float, int | None]]:
+        """Per text request: (max |engine - HF| log-probability over the engine's entries, first step over
+        LOGPROB_TOL), over the steps where both have generated the same tokens so far."""
+        hf_tokens, engine_tokens = self.hf(ckpt), self.engine(ckpt, tp)
+        out = []
+        for want, got, ref, mine in zip(hf_tokens, engine_tokens, self._hf_lp[str(ckpt)],
+                                        self._engine_lp[(str(ckpt), tp)]):
+            if ref is None or not mine:
+                continue
+            err, bad = 0.0, None
+            for step, (r, m) in enumerate(zip(ref, mine)):
+                if want[:step] != list(got[:step]):
+                    break
+                e = max(abs(float(lp.logprob) - float(r[t])) for t, lp in m.items())
+                err = max(err, e)
+                if bad is None and e > LOGPROB_TOL:
+                    bad = step
+            out.append((err, bad))
+        return out
+
+    def assert_same_distribution(self, ckpt: Path, tp: int, what: str) -> None:
+        """What comes after the last layer (logit scales, soft-caps) may keep every argmax: the engine's
+        log-probabilities must equal HF's too."""
+        bad = [(i, e, s) for i, (e, s) in enumerate(self.distribution_error(ckpt, tp)) if s is not None]
+        assert not bad, f"{what}: engine log-probabilities != HF's (> {LOGPROB_TOL}) for requests " + "; ".join(
+            f"#{i} from step {s} (max error {e:.3g})" for i, e, s in bad)
 
 
 @pytest.fixture(scope="session")
@@ -396,6 +439,7 @@ def test_greedy_matches_hf(spec, tp, tiny_checkpoint, tokens):
     got = engine_or_tp_refusal(tokens, ckpt, tp, spec)
     if got is not None:
         _assert_same(got, tokens.hf(ckpt), f"{spec.name} ({spec.architecture}) tp={tp}")
+        tokens.assert_same_distribution(ckpt, tp, f"{spec.name} ({spec.architecture}) tp={tp}")
 
 
 @pytest.mark.engine

@@ -5,11 +5,13 @@ For each served family (tests/conformance/families.py):
   - every feature toggle the spec's config guard refuses must be refused by name (the message names the
     field): recorded as "refused" in docs/coverage.md, not a failure;
   - a tiny checkpoint with every accepted toggle ON: greedy parity with transformers (float32, CPU; the spec
-    battery's prompts of 3, 9, 17, 30 tokens, 16 new tokens, block size 4) at TP 1, and TP 2 (`--runslow`);
+    battery's prompts of 3, 9, 17, 30 tokens, 16 new tokens, block size 4) at TP 1, and TP 2 (`--runslow`), and
+    the same log-probabilities at every step (the engine's top 5 against HF's log_softmax, 1e-3 nats);
     and the features must matter: transformers' own tokens differ from the default tiny checkpoint's;
   - slow: each accepted toggle alone (a sensitivity arm per feature): transformers' tokens change (a toggle
-    that does not change them fails: the fixture would test nothing; except monotone maps of the final
-    logits, which greedy tokens cannot show: xfail), and the engine still agrees.
+    that does not change them fails: the fixture would test nothing; a monotone map of the final logits, which
+    greedy tokens cannot show, must change transformers' log-probabilities instead), and the engine still agrees,
+    tokens and log-probabilities.
 The default tiny configs are the spec battery's business (tests/test_spec_battery.py).
 """
 from __future__ import annotations
@@ -82,7 +84,9 @@ def test_features_on_parity(plan, tp, tiny_checkpoint, tokens):
     want = tokens.hf(ckpt)
     got = engine_or_tp_refusal(tokens, ckpt, tp, plan.spec)
     if got is not None:
-        _assert_same(got, want, f"{plan.spec.name} ({arch}) features ON {[t.name for t in plan.accepted]} tp={tp}")
+        what = f"{plan.spec.name} ({arch}) features ON {[t.name for t in plan.accepted]} tp={tp}"
+        _assert_same(got, want, what)
+        tokens.assert_same_distribution(ckpt, tp, what)
 
 
 @pytest.mark.slow      # a second transformers run per family (the default config): half the battery's time
@@ -98,8 +102,7 @@ def test_features_on_change_transformers_tokens(plan, tiny_checkpoint, tokens):
         f"fixture: the features ON ({[t.name for t in plan.accepted]}) do not change transformers' tokens")
 
 
-# fields whose effect is a monotone map of the final logits: greedy tokens cannot show them (the engine applies them;
-# their values are still parity-checked for not breaking anything, inside the feature-ON config)
+# fields whose effect is a monotone map of the final logits: greedy tokens cannot show them, the log-probabilities do
 MONOTONE_ON_LOGITS = ("final_logit_softcapping", "logits_soft_cap", "logits_scaling", "logit_scale",
                       "lm_head_multiplier")     # FalconH1's (positive) logit multiplier
 
@@ -129,8 +132,16 @@ def test_each_feature_matters_and_agrees(plan, toggle, tiny_checkpoint, tokens):
             _assert_same(tokens.engine(ckpt, 1), want, f"{plan.spec.name} ({arch}) {toggle.name} (ignored) tp=1")
             return
         if toggle.field in MONOTONE_ON_LOGITS:
-            pytest.xfail(f"{toggle.name}: a monotone map of the final logits cannot change greedy tokens")
+            # greedy tokens cannot show it, the log-probabilities must: HF's change, and the engine's follow
+            import torch
+            pairs = [(a, b) for ra, rb in zip(tokens.hf_logprobs(ckpt), tokens.hf_logprobs(tiny_checkpoint(arch)))
+                     if ra is not None for a, b in zip(ra, rb)]
+            assert pairs and any(not torch.allclose(a, b, atol=1e-3) for a, b in pairs), \
+                f"{toggle.name} alone changes neither transformers' tokens nor its log-probabilities"
+            tokens.assert_same_distribution(ckpt, 1, f"{plan.spec.name} ({arch}) {toggle.name} tp=1")
+            return
         if (arch, toggle.field) in ERASED_BY_A_NORM:
             pytest.xfail(f"{toggle.name}: a per-token scale that the next RMSNorm cancels cannot change greedy tokens")
         pytest.fail(f"{toggle.name} alone does not change transformers' tokens on the tiny checkpoint")
     _assert_same(tokens.engine(ckpt, 1), want, f"{plan.spec.name} ({arch}) {toggle.name} tp=1")
+    tokens.assert_same_distribution(ckpt, 1, f"{plan.spec.name} ({arch}) {toggle.name} tp=1")
