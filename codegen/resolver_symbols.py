@@ -34,6 +34,10 @@ class SymbolResolver:
 
     def symbol(self, path, name: str, types: Tuple[str, ...]) -> ConfigFieldIR:
         field = self.config.get(name)
+        if field is None and name in ("None", "True", "False"):     # a literal alone reads as a symbol name here
+            raise self.err(path, f"{self._where(path)}: '{name}' alone is read as a config symbol's name; a bare "
+                                 f"value is YAML: {'`~` (null)' if name == 'None' else '`' + name.lower() + '`'}"
+                                 f" (inside an expression, {name} is the literal)")
         if field is None:
             raise self.err(path, f"{self._where(path)}: unknown config symbol '{name}'"
                                  f"{did_you_mean(name, self.config)}; symbols are the keys of `config`")

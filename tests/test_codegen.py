@@ -120,6 +120,10 @@ BAD = {
         "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_sise}",
         "decoder.embed_tokens.dim: unknown config symbol 'hidden_sise' (did you mean 'hidden_size'?)",
         "hidden_sise"),
+    "literal_alone_read_as_symbol": (   # a blind user's `chunk_size: "None"`: say it is YAML's ~ here
+        "        sliding_window: \"sliding_window if layer_types[layer] == 'sliding_attention' else None\"",
+        "        sliding_window: None",
+        "sliding_window: 'None' alone is read as a config symbol's name; a bare value is YAML: `~` (null)", "sliding_window: None"),
     "unknown_symbol_in_expression": (
         'default_expr: "hidden_size // num_attention_heads"', 'default_expr: "hidden_size // num_atention_heads"',
         "unknown config symbol 'num_atention_heads' (did you mean 'num_attention_heads'?)", "num_atention_heads"),

@@ -3,8 +3,10 @@ the TP ranks and loaded (ExpertSplit, attached as the parameter's `tp_split` and
 
 Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
 (down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
-means `loaded` is the whole stacked tensor, [E, out, in] or, as some checkpoints store it, [E, in, out] (read
-transposed; as in transformers, a square matrix is taken as [out, in]). The weight plan names every expert's tensors
+means `loaded` is the whole stacked tensor, [E, out, in]; a checkpoint that stores each expert [in, out] (Llama 4,
+GPT-OSS) is read through the spec's declared `transpose: true` layout. The orientation is never guessed from the
+shape: a square expert cannot show it, so a spec that forgot `transpose` would load such experts transposed
+silently; a non-square [E, in, out] is refused naming the fix. The weight plan names every expert's tensors
 (`param.tp_split.expert_ids`: all experts, so that every checkpoint tensor is accounted for); an expert another
 rank holds is skipped without reading its bytes (`param.tp_split.local_expert_ids` are this rank's).
 """
@@ -20,24 +22,20 @@ from xllm_gen.runtime.executor.sharding import ParamSplit, SegmentSlice, WeightL
 
 
 class _ExpertWindow:
-    """Expert e of a stacked [E, rows, cols] tensor or lazy slice, itself sliceable lazily ([rows], [:, cols]).
-    `transposed`: the stacked tensor holds each expert's matrix as [cols, rows] (read, then transposed)."""
+    """Expert e of a stacked [E, rows, cols] tensor or lazy slice, itself sliceable lazily ([rows], [:, cols])."""
 
-    def __init__(self, base, e: int, transposed: bool = False):
-        self.base, self.e, self.transposed = base, e, transposed
+    def __init__(self, base, e: int):
+        self.base, self.e = base, e
 
     def get_shape(self) -> list[int]:
-        shape = list(source_shape(self.base)[1:])
-        return shape[::-1] if self.transposed else shape
+        return list(source_shape(self.base)[1:])
 
     def __getitem__(self, idx):
         idx = (idx if isinstance(idx, tuple) else (idx,)) + (slice(None),) * 2
         rows, cols = idx[0], idx[1]
         if len(source_shape(self.base)) == 2:                    # a stacked bias [E, rows]
             return self.base[(slice(self.e, self.e + 1), rows)][0]
-        if not self.transposed:
-            return self.base[(slice(self.e, self.e + 1), rows, cols)][0]
-        return self.base[(slice(self.e, self.e + 1), cols, rows)][0].transpose(0, 1).contiguous()
+        return self.base[(slice(self.e, self.e + 1), rows, cols)][0]
 
 
 class _FlatExperts:
@@ -73,8 +71,17 @@ def _stacked(loaded, want: tuple):
     shape = tuple(source_shape(loaded))
     if len(want) == 3 and len(shape) == 2 and shape[0] % want[0] == 0 and \
             (shape[0] // want[0], shape[1]) in ((want[1], want[2]), (want[2], want[1])):
-        return _FlatExperts(loaded, want[0])
+        return _FlatExperts(loaded, want[0])      # [E, in, out] is refused by the caller, naming `transpose`
     return loaded
+
+
+def _orientation_error(what: str, shape: tuple, want: tuple) -> WeightLoadError:
+    if len(want) == 3 and shape == (want[0], want[2], want[1]):
+        return WeightLoadError(f"{what}: shape {shape} is (experts, in, out), the spec reads (experts, out, in) "
+                               f"{want}: if the checkpoint stores each expert's matrix [in, out], say so in the spec's "
+                               f"`weights` (`<parameter>: {{transpose: true}}`); the loader does not guess it from "
+                               f"the shape (a square expert cannot show it)")
+    return WeightLoadError(f"{what}: shape {shape}, expected {want} (experts, out, in)")
 
 
 @dataclass(frozen=True)
@@ -164,22 +171,20 @@ class ExpertSplit:
             want = (self.num_experts, rows, inner[1])
             loaded = _stacked(loaded, want)
             shape = tuple(source_shape(loaded))
-            if shape != want and shape != (want[0], want[2], want[1]):
-                raise WeightLoadError(f"segment {shard_id!r} of all experts: shape {shape}, expected {want} (experts, "
-                                      f"out, in) or {(want[0], want[2], want[1])} (experts, in, out)")
+            if shape != want:
+                raise _orientation_error(f"segment {shard_id!r} of all experts", shape, want)
             for e in self.local_expert_ids:
-                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e, shape != want), segs[k])
+                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e), segs[k])
             return
         if shard_id is None:                                      # the whole stacked tensor [E, out, in] / [E, in, out]
             loaded = _stacked(loaded, self.global_shape())
             shape, want = tuple(source_shape(loaded)), self.global_shape()
             if len(want) == 2 and shape != want:                  # a stacked bias [E, out]
                 raise WeightLoadError(f"shape {shape}, expected {want} (experts, out)")
-            if shape != want and shape != (want[0], want[2], want[1]):
-                raise WeightLoadError(f"shape {shape}, expected {want} (experts, out, in) or "
-                                      f"{(want[0], want[2], want[1])} (experts, in, out)")
+            if shape != want:
+                raise _orientation_error("the stacked experts", shape, want)
             for e in self.local_expert_ids:
-                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e, shape != want), None)
+                self.inner.load(param[e - self.expert_start], _ExpertWindow(loaded, e), None)
             return
         self.segment_index(shard_id)                              # raises for an unknown id
         e, _, seg = str(shard_id).partition(".")
