@@ -5,7 +5,9 @@ only that field: a fallback path is another field, present) is removed from tran
 spec's value (generated Config.from_hf) must equal the config class's (`cls.from_dict`). A refusal is fine
 (never served wrong). Found this way: Qwen3-Next / Qwen3.5 / Flint / Mellum computed head_dim as hidden / heads
 where transformers defaults it (256 / 128: a loud shape error at load), and Cohere Compass scaled its logits by
-Cohere's 0.0625 where transformers takes 1.0 (silently: greedy tokens are unchanged, every probability is not).
+Cohere's 0.0625 where transformers takes 1.0 (silently: greedy tokens are unchanged, every probability is not);
+57 specs fell back from num_key_value_heads to num_attention_heads where the class has its own default (transformers
+5's Qwen3Config: 32 whatever the heads), and Flint from num_experts to a num_local_experts its class never reads.
 
 Default run: a few families; `--runslow`: every served family.
 """
@@ -23,6 +25,11 @@ NOT_MATH = {"eos_token_id", "bos_token_id", "pad_token_id", "model_type"}
 # (spec, symbol): the spec's value means what transformers' value means, spelled differently
 SAME_MEANING = {
     ("bamba", "attn_layer_indices"): "() and None: no attention layer listed",
+    # the original RefinedWeb names, as the first Falcon configs write them (transformers 4's FalconConfig mapped
+    # them; 5.25's ignores them and builds its class defaults): the spec reads them as the model was trained
+    ("falcon", "num_hidden_layers"): "n_layer: the RefinedWeb name of num_hidden_layers",
+    ("falcon", "num_attention_heads"): "n_head: the RefinedWeb name of num_attention_heads",
+    ("falcon", "num_kv_heads"): "n_head_kv: the RefinedWeb name of num_kv_heads",
     ("falcon", "num_ln_in_parallel_attn"): "None is 2 with new_decoder_architecture (transformers' modeling rule)",
     ("gpt2", "intermediate_size"): "n_inner None is 4 * hidden_size (modeling code)",
     ("gpt_bigcode", "intermediate_size"): "n_inner None is 4 * hidden_size (modeling code)",
@@ -51,8 +58,42 @@ def _norm(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
+def _other(value, typ: str, values: tuple):
+    """Another valid value of a field of type `typ` (None: none to offer)."""
+    if typ == "str":
+        return next((v for v in values if v != value), None)
+    if isinstance(value, bool) or typ == "bool":
+        return None if value is None else not value
+    if typ == "int" and isinstance(value, int):
+        return value * 2 if value else 1
+    if typ == "float" and isinstance(value, (int, float)):
+        return value * 2 if value else 0.5
+    return None
+
+
+def _mismatch(cls, config, hf: dict, field: str, name: str, what: str) -> str | None:
+    """transformers' value of `field` on this config.json vs the spec's symbol `name` (None: the same, or no
+    reference / a refusal)."""
+    try:
+        want = getattr(cls.from_dict(json.loads(json.dumps(hf))), field)
+    except Exception:                        # transformers cannot build it: nothing to compare
+        return None
+    try:
+        got = getattr(config.from_hf(json.loads(json.dumps(hf))), name)
+    except ValueError:                       # refused by the guard: never served wrong
+        return None
+    if _norm(got) == _norm(want) or (isinstance(want, (int, float)) and not isinstance(want, bool)
+                                     and isinstance(got, (int, float)) and not isinstance(got, bool)
+                                     and float(got) == float(want)):
+        return None
+    return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec reads {name} = {got!r}"
+
+
 @pytest.mark.parametrize("plan", _plans())
 def test_absent_field_is_transformers_default(plan):
+    """(1) the field absent (its fallbacks, other fields, as the class has them); (2) the field absent and each
+    fallback field present with another valid value: a fallback transformers does not read (Gemma 2's hidden_act
+    beside hidden_activation) must not change the spec's value."""
     import inspect
 
     import transformers
@@ -61,27 +102,25 @@ def test_absent_field_is_transformers_default(plan):
     config = F.generated_model(plan.spec).Config
     src = inspect.getsource(config.from_hf)
     wrong = []
-    for m in re.finditer(r'r\.read\("(\w+)", "(\w+)", \(([^)]*)\)', src):
+    for m in re.finditer(r'r\.read\("(\w+)", "(\w+)", \(([^)]*)\)([^\n]*)', src):
         name, typ = m.group(1), m.group(2)
         paths = [p.strip().strip('"') for p in m.group(3).split(",") if p.strip()]
-        if "." in paths[0] or typ == "rope" or paths[0] not in base or paths[0] in NOT_MATH:
+        vm = re.search(r"values=\(([^)]*)\)", m.group(4))
+        values = tuple(v.strip().strip("'\"") for v in vm.group(1).split(",") if v.strip()) if vm else ()
+        field = paths[0]
+        if "." in field or typ == "rope" or field not in base or field in NOT_MATH:
             continue
         if (plan.spec.name, name) in SAME_MEANING:
             continue
-        hf = {k: v for k, v in base.items() if k != paths[0]}      # its fallbacks stay (other fields)
+        hf = {k: v for k, v in base.items() if k != field}
         hf["architectures"] = [plan.family.architecture]
-        try:
-            want = getattr(cls.from_dict(json.loads(json.dumps(hf))), paths[0])
-        except Exception:                    # transformers cannot build it without the field: nothing to compare
-            continue
-        try:
-            got = getattr(config.from_hf(json.loads(json.dumps(hf))), name)
-        except ValueError:                   # refused by the guard: never served wrong
-            continue
-        same = _norm(got) == _norm(want) or (
-            isinstance(want, (int, float)) and not isinstance(want, bool) and isinstance(got, (int, float))
-            and not isinstance(got, bool) and float(got) == float(want))
-        if not same:
-            wrong.append(f"{paths[0]} absent: transformers' {cls.__name__} means {want!r}, the spec reads {name} = "
-                         f"{got!r}")
+        wrong.append(_mismatch(cls, config, hf, field, name, f"{field} absent"))
+        for alias in paths[1:]:
+            if "." in alias or alias in NOT_MATH:
+                continue
+            other = _other(base.get(alias, base[field]), typ, values)
+            if other is not None:
+                wrong.append(_mismatch(cls, config, {**hf, alias: other}, field, name,
+                                       f"{field} absent, {alias} = {other!r}"))
+    wrong = [w for w in wrong if w]
     assert not wrong, f"{plan.spec.rel}: " + "; ".join(wrong)

@@ -399,7 +399,10 @@ def test_config_from_hf():
     no_eos = _hf_config()
     del no_eos["eos_token_id"], no_eos["num_key_value_heads"]
     c = model.Config.from_hf(no_eos)
-    assert c.eos_token_id == () and c.num_key_value_heads == 4
+    # absent num_key_value_heads: transformers' Qwen3Config default (32), not num_attention_heads
+    import transformers
+    assert c.eos_token_id == () and c.num_key_value_heads == transformers.Qwen3Config.from_dict(
+        dict(no_eos)).num_key_value_heads == 32
     bad = _hf_config()
     del bad["hidden_size"]
     with pytest.raises(ValueError, match="hidden_size"):

@@ -397,9 +397,13 @@ def test_expert_parallel_matches_hf_at_tp2(tiny_checkpoint, tmp_path, tmp_path_f
 
 
 def test_stacked_checkpoint_tensor_in_either_layout(tmp_path):
-    """A stacked [E, out, in] tensor, or [E, in, out] as some checkpoints store it, fills each rank's slices."""
+    """A stacked [E, out, in] tensor, or [E, in, out] as some checkpoints store it (declared: the spec's
+    `transpose: true`, a TensorLayout view), fills each rank's slices; undeclared, [E, in, out] is refused naming
+    `transpose` (the orientation is never guessed from the shape)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from xllm_gen.runtime.loading.weights import TensorLayout
 
     E, H, I = 4, 8, 6
     w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
@@ -409,8 +413,11 @@ def test_stacked_checkpoint_tensor_in_either_layout(tmp_path):
         want = _stacked_layer(2, rank, "tensor", w13, w2, E, H, I, 2)
         with _tp_state(rank, 2):
             got = moe_layer.FusedMoE(E, H, I, 2, True, "silu")
-        got.gate_up_proj.weight_loader(got.gate_up_proj, f.get_slice("gu"), None)
-        got.down_proj.weight_loader(got.down_proj, f.get_slice("d"), None)
+        with pytest.raises(ValueError, match=r"\(experts, in, out\).*transpose: true"):
+            got.down_proj.weight_loader(got.down_proj, f.get_slice("d"), None)
+        got.gate_up_proj.weight_loader(got.gate_up_proj, TensorLayout("gu", transpose=True).view(f.get_slice("gu")),
+                                       None)
+        got.down_proj.weight_loader(got.down_proj, TensorLayout("d", transpose=True).view(f.get_slice("d")), None)
         assert torch.equal(got.gate_up_proj, want.gate_up_proj) and torch.equal(got.down_proj, want.down_proj)
     with pytest.raises(ValueError, match="experts, out, in"):
         got.down_proj.weight_loader(got.down_proj, torch.randn(E, H, I + 1), None)

@@ -3,8 +3,8 @@ the TP ranks and loaded (ExpertSplit, attached as the parameter's `tp_split` and
 
 Loading (`param.weight_loader(param, loaded, shard_id)`): shard_id "e.gate" / "e.up" (gate_up_proj) or "e"
 (down_proj) fills expert e from a per-expert checkpoint tensor, reading only this rank's rows; shard_id None
-means `loaded` is the whole stacked tensor, [E, out, in]; a checkpoint that stores each expert [in, out] (Llama 4,
-GPT-OSS) is read through the spec's declared `transpose: true` layout. The orientation is never guessed from the
+means `loaded` is the whole stacked tensor, [E, out, in]; a checkpoint that stores each expert [in, out] is read
+through the spec's declared `transpose: true` layout. The orientation is never guessed from the
 shape: a square expert cannot show it, so a spec that forgot `transpose` would load such experts transposed
 silently; a non-square [E, in, out] is refused naming the fix. The weight plan names every expert's tensors
 (`param.tp_split.expert_ids`: all experts, so that every checkpoint tensor is accounted for); an expert another
