@@ -200,7 +200,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     layer = _find_layer(d, names, prefix)
     norm_kind = "layernorm" if (layer.attn_norm + ".bias") in names else "rmsnorm"
     eps = _eps(d, full)
-    _config_symbols(d, full)
+    _config_symbols(d, full, type(config))
     _other_fields(d, full, controls)
     _source_hints(d, cls)
     _unused_parameters(d, names, layer)
@@ -314,12 +314,31 @@ def _eps(d: Draft, full: dict) -> str:
     return eps_field
 
 
-def _config_symbols(d: Draft, full: dict) -> None:
-    """The symbols every decoder reads (sizes, eps, rope, activation), with the checklist items they raise."""
+def _fixed_default(config_cls, field: str):
+    """The config class's default of `field` when it is a constant (not computed from num_attention_heads: a class
+    built with twice the heads keeps it), else None: what an absent field means to transformers."""
+    try:
+        base = config_cls().to_dict()
+        heads = base["num_attention_heads"]
+        probe = config_cls.from_dict({"num_attention_heads": heads * 2}).to_dict()
+    except Exception:  # noqa: BLE001 - a class that cannot be built with defaults: no constant to state
+        return None
+    value = base.get(field)
+    return value if isinstance(value, int) and not isinstance(value, bool) and probe.get(field) == value else None
+
+
+def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
+    """The symbols every decoder reads (sizes, eps, rope, activation), with the checklist items they raise. An
+    absent num_key_value_heads / head_dim means what it means to transformers: the class's constant default
+    where it has one, else computed from the heads as transformers computes it."""
     for f, typ in CORE.items():
         if f not in full and not (f == "head_dim"):
             continue
-        if f == "num_key_value_heads":
+        fixed = _fixed_default(config_cls, f) if config_cls is not None and f in (
+            "num_key_value_heads", "head_dim") else None
+        if fixed is not None:
+            d.symbols[f] = f"{{type: int, from: {f}, default: {fixed}}}"
+        elif f == "num_key_value_heads":
             d.symbols[f] = "{type: int, from: [num_key_value_heads, num_attention_heads]}"
         elif f == "head_dim":
             d.symbols[f] = '{type: int, from: head_dim, default_expr: "hidden_size // num_attention_heads"}'

@@ -220,3 +220,16 @@ def test_compiler_cli_does_not_import_transformers():
             "[m for m in ('transformers', 'torch') if m in sys.modules]")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_draft_states_what_an_absent_field_means():
+    """An absent num_key_value_heads / head_dim means the class's constant default where it has one (SeedOssConfig:
+    8 KV heads whatever the heads), else what transformers computes from the heads (LlamaConfig): the draft writes
+    `default: N` or the fallback accordingly."""
+    import transformers
+
+    from xllm_gen.codegen.draft import _fixed_default
+    seed, llama = transformers.SeedOssConfig, transformers.LlamaConfig
+    assert _fixed_default(seed, "num_key_value_heads") == seed.from_dict({"num_attention_heads": 96}).num_key_value_heads
+    assert _fixed_default(llama, "num_key_value_heads") is None
+    assert llama.from_dict({"num_attention_heads": 64}).num_key_value_heads == 64
