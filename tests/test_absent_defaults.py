@@ -9,6 +9,9 @@ Cohere's 0.0625 where transformers takes 1.0 (silently: greedy tokens are unchan
 57 specs fell back from num_key_value_heads to num_attention_heads where the class has its own default (transformers
 5's Qwen3Config: 32 whatever the heads), and Flint from num_experts to a num_local_experts its class never reads.
 
+tests/test_config_guard.py test_spec_defaults_are_transformers_defaults checks each declared `default:` (and
+config_assume) against the class; this checks the value the spec ends up with, fallbacks included.
+
 Default run: a few families; `--runslow`: every served family.
 """
 from __future__ import annotations
