@@ -45,6 +45,9 @@ SAME_MEANING = {
     ("gemma4", "use_bidirectional_attention"): "a guard on the vision tokens' attention: text prompts alike",
     ("llama4", "no_rope_layers_given"): "the raw field; the derived no_rope_layers applies the class's default",
 }
+# (3): a default computed from these (head_dim = hidden / heads) or constant (Qwen3Config's 128) only shows when
+# they move away from the class defaults, where the two coincide
+SIZES = ("num_attention_heads", "hidden_size")
 DEFAULT_ARM = {"qwen3_next", "flint", "cohere_compass", "llama", "gemma2"}
 
 
@@ -96,7 +99,8 @@ def _mismatch(cls, config, hf: dict, field: str, name: str, what: str) -> str | 
 def test_absent_field_is_transformers_default(plan):
     """(1) the field absent (its fallbacks, other fields, as the class has them); (2) the field absent and each
     fallback field present with another valid value: a fallback transformers does not read (Gemma 2's hidden_act
-    beside hidden_activation) must not change the spec's value."""
+    beside hidden_activation) must not change the spec's value; (3) the field absent and the heads or the hidden
+    size doubled: a constant default and one computed from them differ only there."""
     import inspect
 
     import transformers
@@ -125,5 +129,9 @@ def test_absent_field_is_transformers_default(plan):
             if other is not None:
                 wrong.append(_mismatch(cls, config, {**hf, alias: other}, field, name,
                                        f"{field} absent, {alias} = {other!r}"))
+        for size in SIZES:      # (3) a size another default may be computed from, doubled: constant or computed?
+            if size != field and size not in paths and isinstance(base.get(size), int):
+                wrong.append(_mismatch(cls, config, {**hf, size: base[size] * 2}, field, name,
+                                       f"{field} absent, {size} = {base[size] * 2}"))
     wrong = [w for w in wrong if w]
     assert not wrong, f"{plan.spec.rel}: " + "; ".join(wrong)

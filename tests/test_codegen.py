@@ -125,15 +125,15 @@ BAD = {
         "        sliding_window: None",
         "sliding_window: 'None' alone is read as a config symbol's name; a bare value is YAML: `~` (null)", "sliding_window: None"),
     "unknown_symbol_in_expression": (
-        'default_expr: "hidden_size // num_attention_heads"', 'default_expr: "hidden_size // num_atention_heads"',
+        'from: head_dim, default: 128}', 'from: head_dim, default_expr: "hidden_size // num_atention_heads"}',
         "unknown config symbol 'num_atention_heads' (did you mean 'num_attention_heads'?)", "num_atention_heads"),
     "expression_not_allowed": (
-        'default_expr: "hidden_size // num_attention_heads"', 'default_expr: "__import__(\'os\').getpid()"',
+        'from: head_dim, default: 128}', 'from: head_dim, default_expr: "__import__(\'os\').getpid()"}',
         "config.head_dim.default_expr: only the calls bool, float, int, len, max, min, range are allowed",
         "__import__"),
     "expression_cycle": (   # head_dim's default reads head_dim2, whose default reads head_dim
-        '"hidden_size // num_attention_heads"}',
-        '"head_dim2"}\n  head_dim2: {type: int, from: hd2, default_expr: "head_dim"}',
+        'from: head_dim, default: 128}',
+        'from: head_dim, default_expr: "head_dim2"}\n  head_dim2: {type: int, from: hd2, default_expr: "head_dim"}',
         "expressions form a cycle: head_dim -> head_dim2 -> head_dim", "  head_dim:"),
     "layer_outside_a_layer": (
         "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size}",
