@@ -118,6 +118,13 @@ class ConfigResolver:
                                                                           e})
         self.check_cycles()
         self.resolve_guard()
+        ctx = self.config.get("max_position_embeddings")
+        if ctx is None or ctx.type != "int":       # the engine reads the context length by this name
+            where = ("config", "max_position_embeddings") if ctx is not None else ("config",)
+            raise self.err(where, "config.max_position_embeddings: the engine reads the context length (the default "
+                                  "max_model_len) from an int symbol of this name; a family without a position "
+                                  "table still has one: read its config field (e.g. `from: seq_length`) or state "
+                                  "one (`expr: \"2048\"`)", at_key=True)
 
     def check_defaults(self) -> None:
         """A literal `default` of a symbol used as a size, or as a positive number (eps, theta, scale, ...), is

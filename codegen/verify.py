@@ -231,6 +231,7 @@ def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
     for p, entries in rows:
         want = ref[p - 1]
         e = max(abs(float(lp.logprob) - float(want[t])) for t, lp in entries.items())
+        e = float("inf") if e != e else e              # NaN (a broken engine or reference) is no agreement
         err = max(err, e)
         if bad is None and e > tol:
             bad = p

@@ -124,6 +124,9 @@ BAD = {
         "        sliding_window: \"sliding_window if layer_types[layer] == 'sliding_attention' else None\"",
         "        sliding_window: None",
         "sliding_window: 'None' alone is read as a config symbol's name; a bare value is YAML: `~` (null)", "sliding_window: None"),
+    "no_context_length": (   # the engine reads it by name: a compile error, not an AttributeError at load
+        '  max_position_embeddings: {type: int, from: max_position_embeddings, default: 32768}\n', "",
+        "config.max_position_embeddings: the engine reads the context length", "config:"),
     "unknown_symbol_in_expression": (
         'from: head_dim, default: 128}', 'from: head_dim, default_expr: "hidden_size // num_atention_heads"}',
         "unknown config symbol 'num_atention_heads' (did you mean 'num_attention_heads'?)", "num_atention_heads"),
