@@ -219,6 +219,14 @@ def _ordinary_token_ids(ckpt: Path, vocab: int):
     return keep[keep < len(tok)] if len(keep[keep < len(tok)]) else keep
 
 
+def logprob_row_error(entries: dict, ref_row) -> float:
+    """Max |engine - reference| log-probability over the engine's entries of one position ({token id: Logprob}),
+    against the reference's log_softmax row; a NaN on either side is no agreement (inf). Shared with the
+    batteries (tests/test_spec_battery.py Tokens)."""
+    e = max(abs(float(lp.logprob) - float(ref_row[t])) for t, lp in entries.items())
+    return float("inf") if e != e else e
+
+
 def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
     """(max |engine - transformers| log-probability, first position over `tol`) over the engine's entries: per
     position p >= 1 of the prompt the distribution of its token given the tokens before (prompt_logprobs), and the
@@ -230,8 +238,7 @@ def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
     err, bad = 0.0, None
     for p, entries in rows:
         want = ref[p - 1]
-        e = max(abs(float(lp.logprob) - float(want[t])) for t, lp in entries.items())
-        e = float("inf") if e != e else e              # NaN (a broken engine or reference) is no agreement
+        e = logprob_row_error(entries, want)
         err = max(err, e)
         if bad is None and e > tol:
             bad = p

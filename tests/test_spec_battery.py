@@ -308,6 +308,7 @@ class Tokens:
     def distribution_error(self, ckpt: Path, tp: int = 1) -> list[tuple[float, int | None]]:
         """Per text request: (max |engine - HF| log-probability over the engine's entries, first step over
         LOGPROB_TOL), over the steps where both have generated the same tokens so far."""
+        from xllm_gen.codegen.verify import logprob_row_error
         hf_tokens, engine_tokens = self.hf(ckpt), self.engine(ckpt, tp)
         out = []
         for want, got, ref, mine in zip(hf_tokens, engine_tokens, self._hf_lp[str(ckpt)],
@@ -318,7 +319,7 @@ class Tokens:
             for step, (r, m) in enumerate(zip(ref, mine)):
                 if want[:step] != list(got[:step]):
                     break
-                e = max(abs(float(lp.logprob) - float(r[t])) for t, lp in m.items())
+                e = logprob_row_error(m, r)
                 err = max(err, e)
                 if bad is None and e > LOGPROB_TOL:
                     bad = step
