@@ -201,6 +201,7 @@ def test_tokenize_and_detokenize(server, model_name):
     chat = _post(server, "/v1/chat/completions", {"model": model_name, "messages": msgs, "max_tokens": 1})
     assert chat_tok["count"] == chat["usage"]["prompt_tokens"] and chat_tok["max_model_len"] > 0
     for path, body, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+                              ("/detokenize", {"tokens": [True]}, "tokens"),
                               ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt")):
         r = httpx.post(server.url + path, json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -209,6 +210,9 @@ def test_tokenize_and_detokenize(server, model_name):
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "top_p": 7}, "top_p"),
     ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),          # a JSON boolean is no integer
+    ({"prompt": [True, False, True]}, "prompt"),
+    ({"prompt": "x", "logit_bias": {"5": True}}, "logit_bias"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "n": 0}, "n"),

@@ -25,6 +25,7 @@ from xllm_gen.runtime.serving.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     param_of,
+    validation_error,
 )
 
 logger = logging.getLogger("xllm_gen.serving")
@@ -99,21 +100,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x not in ("body",)]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        if first.get("type") == "extra_forbidden":        # never silently dropped
-            unknown = sorted(".".join(str(x) for x in e.get("loc", ()) if x != "body")
-                             for e in errs if e.get("type") == "extra_forbidden")
-            return error(APIError(f"unknown field(s) {', '.join(unknown)}: not supported by this server",
-                                  param=param))
-        if first.get("type") == "json_invalid":
-            ctx = first.get("ctx") or {}
-            return error(APIError(f"the request body is not valid JSON: {ctx.get('error', 'decode error')} "
-                                  f"at character {first.get('loc', ('', '?'))[-1]}", param=None))
-        return error(APIError(f"{where}: {first.get('msg', 'invalid request body')}", param=param))
+        return error(validation_error(exc.errors()))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

@@ -46,14 +46,71 @@ def param_of(message: str) -> Optional[str]:
     return word if word in _PARAMS else None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# the loc component pydantic gives a union's member (e.g. "str", "list[int]"); never a field name of these bodies
+_UNION_MEMBER = re.compile(r"^(?:str|int|float|bool|none|(?:list|dict|tuple|set)\[.*\]|[a-z-]+\[.*\])$")
+
+
+def _where(loc) -> str:
+    """A body location as written in messages: messages[0].content."""
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "body"
+
+
+def _json_text(value, limit: int = 40) -> str:
+    """A sent value as JSON, cut to `limit` characters (for error messages)."""
+    import json
+
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def validation_error(errors: list) -> "APIError":
+    """The 400 of a body that fails its model (pydantic's errors, FastAPI's "body" loc prefix or not): the first
+    problem, its field named as written (messages[0].content) and, for a wrong JSON type, the value sent. Of a union
+    (stop: a string or a list of strings) the member that got furthest speaks; if none got past the value's type,
+    the message lists the members."""
+    errs = [dict(e, loc=tuple(x for x in e.get("loc", ()) if x != "body")) for e in errors]
+    if not errs:
+        return APIError("invalid request body")
+    first = errs[0]
+    loc = first["loc"]
+    param = str(loc[0]) if loc else None
+    if first.get("type") == "extra_forbidden":          # never silently dropped
+        unknown = sorted(_where(e["loc"]) for e in errs if e.get("type") == "extra_forbidden")
+        return APIError(f"unknown field(s) {', '.join(unknown)}: not supported by this server", param=param)
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return APIError(f"the request body is not valid JSON: {ctx.get('error', 'decode error')} "
+                        f"at character {loc[-1] if loc else '?'}")
+    at = next((i for i, x in enumerate(loc) if i and isinstance(x, str) and _UNION_MEMBER.match(x)), None)
+    if at is not None:                                   # a union's member: the one that got furthest
+        members = [e for e in errs if e["loc"][:at] == loc[:at] and len(e["loc"]) > at]
+        first = max(members, key=lambda e: len(e["loc"]))
+        if len(first["loc"]) == at + 1:                  # none did: the value is of none of the members' types
+            kinds = " or ".join(dict.fromkeys(str(e["loc"][at]) for e in members))
+            return APIError(f"{_where(loc[:at])}: Input should be {kinds}, got {_json_text(first.get('input'))}",
+                            param=param)
+        loc = tuple(x for i, x in enumerate(first["loc"]) if i != at)
+    msg = first.get("msg", "invalid request body")
+    if str(first.get("type", "")).endswith("_type") and "input" in first:    # a wrong JSON type: say which
+        msg += f", got {_json_text(first['input'])}"
+    return APIError(f"{_where(loc)}: {msg}", param=param)
+
+
+class _Body(BaseModel):
+    """A request body or a part of one: unknown fields refused, and strict types as the Python API has them (a JSON
+    true is not the integer 1, nor "3" the integer 3, nor 3.0 an integer; an integer is a valid float)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Sampling(_Body):
     model: Optional[str] = None
     n: Optional[int] = 1
     max_tokens: Optional[int] = None
@@ -230,8 +287,7 @@ class CompletionRequest(_Sampling):
                        param="prompt")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
@@ -279,11 +335,10 @@ class ChatCompletionRequest(_Sampling):
                                param="chat_template_kwargs")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """vLLM's POST /tokenize: a text `prompt` (with the tokenizer's special tokens unless add_special_tokens is
     false) or chat `messages` rendered by the chat template (without them by default), exactly as a completion or
     chat request would be tokenized."""
-    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[List[ChatMessage]] = None
@@ -295,8 +350,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """vLLM's POST /detokenize: token ids -> text."""
-    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     tokens: List[int]
