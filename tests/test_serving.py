@@ -238,6 +238,20 @@ def test_bad_completion_bodies(server, body, param):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_batched_prompt_errors_name_the_index(server):
+    """What the engine finds wrong with one of several prompts names its index (the body's form is checked before)."""
+    for prompt, message in (([[1, 2, 3], [4, 10 ** 6]], "prompt[1]: token id 1000000 out of vocabulary"),
+                            (["ok", "", "x"], "prompt[1]: empty prompt"),
+                            (["ok", "x" * 5000], "prompt[1]: prompt of "),
+                            ([[1, 2], [3.5]], "prompt[1][0]: a token id is an integer, got 3.5")):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+        assert r.json()["error"]["param"] == "prompt"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": ["ok", "x"], "logit_bias": {"999999": 1}})
+    assert r.json()["error"]["message"].startswith("logit_bias: "), r.text        # not about a prompt: no index
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),

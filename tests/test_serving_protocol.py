@@ -73,3 +73,36 @@ def test_what_clients_send_still_validates():
 ])
 def test_messages_name_the_field_as_written(cls, body, message):
     assert _refused(cls, body)[0].startswith(message)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([True, False, True], "prompt[0]: a prompt is a string, a list of strings, a list of token ids or a list of "
+                          "token-id lists, got true"),
+    ([[1, 2], [3.5]], "prompt[1][0]: a token id is an integer, got 3.5"),
+    ([[1, 2], [3, True]], "prompt[1][1]: a token id is an integer, got true"),
+    (["ok", [1]], "prompt[1]: a list of prompts is all strings or all token-id lists, got [1]"),
+    ([[1], "x"], "prompt[1]: a list of prompts is all strings or all token-id lists, got \"x\""),
+    ([1, "x"], "prompt[1]: a token id is an integer, got \"x\""),
+    (5, "prompt: a prompt is a string"),
+    (None, "prompt: a prompt is a string"),
+    ([], "prompt must not be empty"),
+])
+def test_malformed_prompts_name_the_element(prompt, message):
+    from xllm_gen.runtime.serving.protocol import APIError
+
+    req = CompletionRequest.model_validate({"prompt": prompt})
+    with pytest.raises(APIError) as e:
+        req.prompts()
+    assert e.value.message.startswith(message) and e.value.param == "prompt", e.value.message
+
+
+def test_prompt_forms():
+    forms = {"x": ([{"prompt": "x", "add_special_tokens": True}], False),
+             ("a", "b"): ([{"prompt": "a", "add_special_tokens": True}, {"prompt": "b", "add_special_tokens": True}],
+                          True),
+             (1, 2): ([{"prompt_token_ids": [1, 2]}], False),
+             ((1, 2), (3,)): ([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}], True)}
+    as_json = lambda v: [as_json(x) for x in v] if isinstance(v, tuple) else v     # noqa: E731
+    for prompt, (want, batched) in forms.items():
+        req = CompletionRequest.model_validate({"prompt": as_json(prompt)})
+        assert (req.prompts(), req.batched) == (want, batched)

@@ -171,22 +171,28 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         except ValueError as e:
             raise APIError(str(e), param=param) from None
 
-    async def admit(rid: str, prompt: Any, params) -> asyncio.Queue:
+    async def admit(rid: str, prompt: Any, params, name: Optional[str] = None) -> asyncio.Queue:
+        """`name`: the prompt's place in the body (prompt[1]), which an error about the prompt names."""
         try:
             return await async_engine.add(rid, prompt, params)
         except QueueFullError as e:
             raise APIError(str(e), status=503, type="server_overloaded") from None
         except ValueError as e:
             msg = str(e).replace(f"request {rid}: ", "")
-            raise APIError(msg, param=param_of(msg) or "prompt") from None
+            param = param_of(msg) or "prompt"
+            if name is not None and param == "prompt":
+                msg = f"{name}: {msg.removeprefix('prompt_token_ids: ')}"
+            raise APIError(msg, param=param) from None
         except RuntimeError as e:
             raise APIError(str(e), status=503, type="server_error") from None
 
-    async def admit_all(base: str, prompts: list, params) -> list:
+    async def admit_all(base: str, prompts: list, params, batched: bool = False) -> list:
+        """`batched`: the body's prompt is a list of prompts (errors name the index)."""
         queues = []
         try:
             for i, p in enumerate(prompts):
-                queues.append((f"{base}-{i}", await admit(f"{base}-{i}", p, params)))
+                queues.append((f"{base}-{i}", await admit(f"{base}-{i}", p, params,
+                                                          f"prompt[{i}]" if batched else None)))
         except BaseException:
             for rid, _ in queues:
                 async_engine.abort(rid)
@@ -256,7 +262,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         await precompile(params, *body.structured_where())
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        queues = await admit_all(base, prompts, params)
+        queues = await admit_all(base, prompts, params, body.batched)
         n = params.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -242,7 +242,7 @@ def response_format_constraint(rf: Optional[dict]) -> Optional[StructuredOutputs
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, List[str], List[int], List[List[int]]]
+    prompt: Any = Field()      # a string, strings, token ids or token-id lists: prompts() names a bad element
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
@@ -266,8 +266,14 @@ class CompletionRequest(_Sampling):
             params = dataclasses.replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, self.logprobs))
         return params
 
+    @property
+    def batched(self) -> bool:
+        """The prompt is a list of prompts (strings or token-id lists): their errors name the index, prompt[1]."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], (str, list))
+
     def prompts(self) -> list:
-        """The prompts of this body: one per string or token list."""
+        """The prompts of this body: one per string or token list; APIError naming the element (prompt[1][0]) of a
+        malformed one. The first element says which of the four forms the list is."""
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -275,15 +281,40 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [{"prompt": p, "add_special_tokens": self.add_special_tokens}]
+        if not isinstance(p, list):
+            raise APIError(f"prompt: {_PROMPT_FORMS}, got {_json_text(p)}", param="prompt")
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
+        if _is_token_id(p[0]):
+            _check_token_ids("prompt", p, "prompt is a list of token ids")
             return [{"prompt_token_ids": list(p)}]
-        if all(isinstance(x, str) for x in p):
+        if isinstance(p[0], str):
+            bad = next((i for i, x in enumerate(p) if not isinstance(x, str)), None)
+            if bad is not None:
+                raise APIError(f"prompt[{bad}]: a list of prompts is all strings or all token-id lists, got "
+                               f"{_json_text(p[bad])} after a string", param="prompt")
             return [{"prompt": x, "add_special_tokens": self.add_special_tokens} for x in p]
-        if all(isinstance(x, list) for x in p):
+        if isinstance(p[0], list):
+            for i, x in enumerate(p):
+                if not isinstance(x, list):
+                    raise APIError(f"prompt[{i}]: a list of prompts is all strings or all token-id lists, got "
+                                   f"{_json_text(x)} after a list", param="prompt")
+                _check_token_ids(f"prompt[{i}]", x, "a token-id list")
             return [{"prompt_token_ids": list(x)} for x in p]
-        raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+        raise APIError(f"prompt[0]: {_PROMPT_FORMS}, got {_json_text(p[0])} as the first element", param="prompt")
+
+
+_PROMPT_FORMS = "a prompt is a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _is_token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)       # JSON true is no token id
+
+
+def _check_token_ids(where: str, ids: list, what: str) -> None:
+    bad = next((i for i, x in enumerate(ids) if not _is_token_id(x)), None)
+    if bad is not None:
+        raise APIError(f"{where}[{bad}]: a token id is an integer, got {_json_text(ids[bad])} ({what})",
                        param="prompt")
 
 
