@@ -202,9 +202,15 @@ def test_tokenize_and_detokenize(server, model_name):
     assert chat_tok["count"] == chat["usage"]["prompt_tokens"] and chat_tok["max_model_len"] > 0
     for path, body, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
                               ("/detokenize", {"tokens": [True]}, "tokens"),
-                              ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt")):
-        r = httpx.post(server.url + path, json=body, timeout=30)
+                              ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt"),
+                              ("/tokenize", {"prompt": "a\ud800"}, "prompt"),        # a lone surrogate
+                              ("/tokenize", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udc00"}]},
+                               "messages")):
+        r = httpx.post(server.url + path, content=json.dumps(body), timeout=30,      # \ud800 escaped
+                       headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "Traceback" not in server.log.read_text()
 
 
 @pytest.mark.parametrize("body,param", [

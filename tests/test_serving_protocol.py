@@ -106,3 +106,27 @@ def test_prompt_forms():
     for prompt, (want, batched) in forms.items():
         req = CompletionRequest.model_validate({"prompt": as_json(prompt)})
         assert (req.prompts(), req.batched) == (want, batched)
+
+
+@pytest.mark.parametrize("cls,body,message,param", [
+    (TokenizeRequest, {"prompt": "a\ud800"}, "prompt: not valid Unicode (a lone surrogate at character 1)", "prompt"),
+    (TokenizeRequest, {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content: ", "messages"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages[0].content[0].text: ", "messages"),
+    (CompletionRequest, {"prompt": ["ok", "日本\ud800"]}, "prompt[1]: not valid Unicode (a lone surrogate at "
+                                                          "character 2)", "prompt"),
+    (CompletionRequest, {"prompt": "x", "stop": ["a", "\ud800"]}, "stop[1]: ", "stop"),
+    (CompletionRequest, {"prompt": "x", "chat_template_kwargs": {"\ud800": 1}}, "chat_template_kwargs: not valid "
+     "Unicode (a lone surrogate at character 0 of a key)", "chat_template_kwargs"),
+    (DetokenizeRequest, {"tokens": [1], "model": "\ud800"}, "model: ", "model"),
+])
+def test_lone_surrogates_refused_in_every_body(cls, body, message, param):
+    """One check of every request body (_Request) before its fields are read: no endpoint's tokenizer or template
+    meets a lone surrogate (/tokenize answered a bare 500)."""
+    msg, got = _refused(cls, body)
+    assert msg.startswith(message) and "not valid Unicode" in msg and got == param, msg
+    msg.encode("utf-8")                                     # the message itself is printable
+
+
+def test_valid_unicode_passes():
+    assert TokenizeRequest.model_validate({"prompt": "日本語 🎉 \u00e9"}).prompt == "日本語 🎉 é"

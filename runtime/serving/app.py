@@ -106,6 +106,12 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
     async def _api_error(request: Request, exc: APIError):
         return error(exc)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        """A bug, not a bad request: a 500 in OpenAI's shape (uvicorn still logs the traceback)."""
+        return error(APIError(f"internal server error ({type(exc).__name__}); see the server log", status=500,
+                              type="server_error"))
+
     @app.get("/health")
     async def health():
         if not async_engine.alive:

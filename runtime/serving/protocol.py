@@ -11,7 +11,8 @@ import dataclasses
 import re
 from typing import Any, Dict, List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
 from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
@@ -84,6 +85,8 @@ def validation_error(errors: list) -> "APIError":
         ctx = first.get("ctx") or {}
         return APIError(f"the request body is not valid JSON: {ctx.get('error', 'decode error')} "
                         f"at character {loc[-1] if loc else '?'}")
+    if first.get("type") == "unicode_invalid":          # _Request's check: it names the field itself
+        return APIError(first.get("msg", "not valid Unicode"), param=(first.get("ctx") or {}).get("param"))
     at = next((i for i, x in enumerate(loc) if i and isinstance(x, str) and _UNION_MEMBER.match(x)), None)
     if at is not None:                                   # a union's member: the one that got furthest
         members = [e for e in errs if e["loc"][:at] == loc[:at] and len(e["loc"]) > at]
@@ -110,7 +113,54 @@ class StreamOptions(_Body):
     continuous_usage_stats: Optional[bool] = False
 
 
-class _Sampling(_Body):
+def _surrogate_at(text: str) -> Optional[int]:
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _bad_unicode(value) -> Optional[tuple]:
+    """(loc, character, in a key) of the first string or object key in a JSON value that is not valid Unicode: a
+    lone surrogate, which JSON's \\ud800 escapes can carry and no tokenizer takes; None if there is none."""
+    stack = [((), value)]
+    while stack:
+        loc, v = stack.pop()
+        if isinstance(v, str):
+            at = _surrogate_at(v)
+            if at is not None:
+                return loc, at, False
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                at = _surrogate_at(k) if isinstance(k, str) else None
+                if at is not None:              # the key is not printable: the object that holds it is named
+                    return loc, at, True
+                stack.append(((*loc, k), x))
+        elif isinstance(v, list):
+            stack.extend(((*loc, i), x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+class _Request(_Body):
+    """A whole request body: its text is valid Unicode everywhere (prompt, messages, stop, tools, ...), checked here
+    for every endpoint before any field is read, so that no tokenizer or template meets a lone surrogate."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        bad = _bad_unicode(data)
+        if bad is not None:
+            loc, at, key = bad
+            raise PydanticCustomError("unicode_invalid", "{where}: not valid Unicode (a lone surrogate at character "
+                                      "{at}{key})", {"where": _where(loc), "param": str(loc[0]) if loc else None,
+                                                     "at": at, "key": " of a key" if key else ""})
+        return data
+
+
+class _Sampling(_Request):
     model: Optional[str] = None
     n: Optional[int] = 1
     max_tokens: Optional[int] = None
@@ -366,7 +416,7 @@ class ChatCompletionRequest(_Sampling):
                                param="chat_template_kwargs")
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """vLLM's POST /tokenize: a text `prompt` (with the tokenizer's special tokens unless add_special_tokens is
     false) or chat `messages` rendered by the chat template (without them by default), exactly as a completion or
     chat request would be tokenized."""
@@ -381,7 +431,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     """vLLM's POST /detokenize: token ids -> text."""
     model: Optional[str] = None
     tokens: List[int]
