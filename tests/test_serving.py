@@ -296,6 +296,30 @@ def test_disconnect_mid_stream_frees_blocks(server, model_name):
     assert m["xllm:request_success_total[('finished_reason', 'abort')]"] >= 1
 
 
+def test_disconnect_without_streaming_aborts(server, model_name):
+    """A plain (non-streaming) request whose client goes away is aborted at once, completions and chat alike (it ran
+    to max_tokens: the middleware kept the disconnect from the endpoint)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    aborts = server.wait_idle()["xllm:request_success_total[('finished_reason', 'abort')]"]
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        data = json.dumps({"model": model_name, "max_tokens": 300, "ignore_eos": True, **body}).encode()
+        with socket.create_connection(urlsplit(server.url)[1].split(":")) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            deadline = time.monotonic() + 30
+            while server.metrics()["xllm:num_requests_running"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        t0 = time.monotonic()
+        m = server.wait_idle(timeout=10)
+        assert time.monotonic() - t0 < 5, path
+        aborts += 1
+        assert m["xllm:request_success_total[('finished_reason', 'abort')]"] == aborts, path
+
+
 def test_metrics_parse(server, client, model_name):
     client.completions.create(model=model_name, prompt="metrics", max_tokens=4)
     m = server.wait_idle()

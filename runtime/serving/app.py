@@ -54,27 +54,54 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
     app.state.async_engine = async_engine
     access = logging.getLogger("xllm_gen.access")
 
-    @app.middleware("http")
-    async def _auth_and_log(request: Request, call_next):
+    class AuthAndLog:
         """--api-key: a Bearer token on /v1/* (401 in OpenAI's shape otherwise); one access line per request
-        (method, path, status, latency) unless --disable-log-requests."""
-        t0 = time.monotonic()
-        if api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
-            import hmac
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                response = JSONResponse(APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
-                                                 type="authentication_error").body(), status_code=401)
+        (method, path, status, latency to the last byte) unless --disable-log-requests. Pure ASGI: @app.middleware's
+        wrapper keeps the client's http.disconnect from the endpoint, and a non-streaming request whose client had
+        left ran to its end."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            t0 = time.monotonic()
+            method, path = scope["method"], scope["path"]
+            status, streaming = 500, False
+
+            def log():
                 if log_requests:
-                    access.info("%s %s %d %.1f ms", request.method, request.url.path, 401,
-                                1000 * (time.monotonic() - t0))
-                return response
-        response = await call_next(request)
-        if log_requests:
-            access.info("%s %s %d %.1f ms%s", request.method, request.url.path, response.status_code,
-                        1000 * (time.monotonic() - t0),
-                        " (streaming)" if isinstance(response, StreamingResponse) else "")
-        return response
+                    access.info("%s %s %d %.1f ms%s", method, path, status, 1000 * (time.monotonic() - t0),
+                                " (streaming)" if streaming else "")
+
+            if api_key and path.startswith("/v1/") and method != "OPTIONS":
+                import hmac
+
+                from starlette.datastructures import Headers
+                got = Headers(scope=scope).get("authorization", "")
+                if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                    status = 401
+                    await JSONResponse(APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
+                                                type="authentication_error").body(), status_code=401)(
+                        scope, receive, send)
+                    log()
+                    return
+
+            async def send_(message):
+                nonlocal status, streaming
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    streaming = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                                    for k, v in message.get("headers", ()))
+                await send(message)
+
+            try:
+                await self.app(scope, receive, send_)
+            finally:
+                log()
+
+    app.add_middleware(AuthAndLog)
 
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -215,8 +242,34 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             if item.finished:
                 return
 
-    async def collect(rid: str, q: asyncio.Queue, request: Request):
-        """Accumulates a request's deltas (non-streaming); aborts it when the client goes away."""
+    async def until_disconnected(request: Request) -> None:
+        """Returns once the client has gone away (http.disconnect; the body has been read by then)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def unless_disconnected(request: Request, work) -> Any:
+        """The result of the coroutine `work`, or None as soon as the client goes away first (`work` is then
+        cancelled, which aborts the request it is collecting)."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return None
+
+    async def collect(rid: str, q: asyncio.Queue):
+        """Accumulates a request's deltas (non-streaming); aborts it if cancelled (the client went away)."""
         texts: dict[int, str] = {}
         ids: dict[int, list] = {}
         lps: dict[int, list] = {}
@@ -224,20 +277,8 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         prompt_ids: list = []
         prompt_text, prompt_lps = None, None
         err = None
-        gen = results(rid, q)
         try:
-            while True:
-                nxt = asyncio.ensure_future(gen.__anext__())
-                while not nxt.done():
-                    await asyncio.wait([nxt], timeout=1.0)
-                    if not nxt.done() and await request.is_disconnected():
-                        nxt.cancel()
-                        async_engine.abort(rid)
-                        return None
-                try:
-                    out = nxt.result()
-                except StopAsyncIteration:
-                    break
+            async for out in results(rid, q):
                 prompt_ids = out.prompt_token_ids
                 prompt_text = out.prompt if prompt_text is None else prompt_text
                 prompt_lps = out.prompt_logprobs if prompt_lps is None else prompt_lps
@@ -274,13 +315,20 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(stream_completions(base, created, queues, n, include_usage, body),
                                      media_type="text/event-stream")
-        choices, p_tok, c_tok = [], 0, 0
-        for k, (rid, q) in enumerate(queues):
-            got = await collect(rid, q, request)
-            if got is None:
+        async def collect_all():
+            return [await collect(rid, q) for rid, q in queues]
+
+        collected = None
+        try:
+            collected = await unless_disconnected(request, collect_all())
+        finally:                              # the others of a failed, cancelled or abandoned request too
+            if collected is None:
                 for r, _ in queues:
                     async_engine.abort(r)
-                return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+        if collected is None:
+            return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+        choices, p_tok, c_tok = [], 0, 0
+        for k, got in enumerate(collected):
             p_tok += len(got.prompt_ids)
             for c in got.comps:
                 choice = S.completion_choice(body, got, c, engine, k * n + c.index)
@@ -363,7 +411,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top, parser,
                                                  opened), media_type="text/event-stream")
-        got = await collect(rid, q, request)
+        got = await unless_disconnected(request, collect(rid, q))
         if got is None:
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         prompt_ids, comps = got.prompt_ids, got.comps
