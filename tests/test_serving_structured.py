@@ -138,6 +138,13 @@ def test_unconstrained_request_unchanged_beside_constrained_ones(client, model):
     ({"response_format": {"type": "xml"}}, "response_format", ["text, json_object, json_schema"]),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format", ["name"]),
     ({"structured_outputs": {"regex": "a("}}, "structured_outputs", ["structured_outputs.regex", "invalid regex"]),
+    # what the grammar would not enforce: 400 at admission, never served
+    ({"response_format": _rf({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}})},
+     "response_format", ["does not enforce", "'multipleOf' at /properties/n/multipleOf"]),
+    ({"structured_outputs": {"json": {"not": {}}}}, "structured_outputs", ["'not' at /not"]),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"}, "tools",
+     ["tools[0].function.parameters", "'uniqueItems' at /properties/a/uniqueItems"]),
     ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", ["invalid EBNF"]),
     ({"structured_outputs": {"choice": "abc"}}, "structured_outputs", ["choice"]),
     ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs", ["exactly one"]),

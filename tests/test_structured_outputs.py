@@ -2,7 +2,8 @@
 each check is strong: the output parses and validates against the schema, matches the regex, is one of the
 choices; the same request without the constraint does not. Constrained and unconstrained rows share a batch
 (the unconstrained rows' tokens are unchanged), also when a constrained request joins a batch that runs
-async decode steps; n > 1 completions each walk the grammar; bad constraints are refused by name."""
+async decode steps; n > 1 completions each walk the grammar; bad constraints are refused by name, and so are JSON
+schema keywords the grammar would not enforce (each kept keyword is shown enforced)."""
 from __future__ import annotations
 
 import json
@@ -205,3 +206,75 @@ def test_tensor_parallel_2(qwen3_tied, make_llm):
     tp2 = make_llm(qwen3_tied, tensor_parallel_size=2).generate(["Hi", "Hi", "Hi"], sps)
     assert _valid(tp2[0].outputs[0].text) and re.fullmatch("[a-z]{2}[0-9]{2}", tp2[1].outputs[0].text)
     assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+
+
+# ------------------------------------------------------------------ what the grammar cannot enforce is refused
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "number", "multipleOf": 0.5}, ["'multipleOf'", "/multipleOf"]),
+    ({"not": {}}, ["'not'", "/not"]),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, ["'uniqueItems'", "/uniqueItems"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, ["'dependentRequired'", "/dependentRequired"]),
+    ({"$defs": {"x": {"type": "integer", "nullable": True}}, "$ref": "#/$defs/x"}, ["'nullable'", "/$defs/x/nullable"]),
+    ({"type": "object", "properties": {"p": {"anyOf": [{"type": "array", "contains": {"const": 1}}]}}},
+     ["'contains'", "/properties/p/anyOf/0/contains"]),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, ["'if'", "'then'"]),
+    ({"type": "string", "format": "idn-email"}, ["'format'", "idn-email"]),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, ["'maxLength'", "beside 'pattern'"]),
+    ({"type": "integer", "minimum": 0, "anyOf": [{"type": "integer", "maximum": 5}]}, ["beside 'anyOf'"]),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, ["'oneOf'", "branches 0 and 1"]),
+    ({"type": "integer", "enum": [1, "a"]}, ["'enum'", '"a"']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, ["'required'", "'b'"]),
+    ({"minimum": 3}, ["'minimum'", "beside a \"type\""]),
+])
+def test_unenforced_schema_keywords_are_refused(llm, schema, words):
+    """A keyword xgrammar would ignore (the output could break it) is refused at admission, naming the keyword and
+    its JSON path; the other requests of the call are served."""
+    with pytest.raises(ValueError) as e:
+        llm.generate(["a", "b"], [_sp(max_tokens=4), _sp(structured_outputs=_so(json=schema))])
+    msg = str(e.value)
+    assert msg.startswith("request 1: structured_outputs.json") and "does not enforce" in msg, msg
+    assert all(w in msg for w in words), msg
+    assert e.value.outputs[0].outputs and e.value.outputs[1].error
+
+
+def test_enforced_keywords_are_accepted_and_really_enforced(llm):
+    """The allow-list keeps what xgrammar enforces: for each keyword, an instance that breaks only it is refused
+    by the compiled grammar (and its twin without the break is accepted)."""
+    backend = llm.engine.structured
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    cases = [  # (schema, valid instance, instance breaking one keyword)
+        ({"type": "integer", "multipleOf": 7}, 14, 15),
+        ({"type": "integer", "exclusiveMinimum": 3, "maximum": 9}, 4, 3),
+        ({"type": "string", "minLength": 2, "maxLength": 3}, "ab", "abcd"),
+        ({"type": "string", "pattern": "^a+$"}, "aa", "b"),
+        ({"type": "string", "format": "ipv4"}, "1.2.3.4", "1.2.3"),
+        ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}}, [1, "x"], [1, 2]),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}, [1], [1, 2, 3]),
+        ({**obj, "required": ["a"]}, {"a": 1}, {"b": 1}),
+        ({**obj, "minProperties": 2}, {"a": 1, "b": 2}, {"a": 1}),
+        ({**obj, "maxProperties": 1}, {"a": 1}, {"a": 1, "b": 2}),
+        ({"type": "object", "patternProperties": {"^x.*$": {"type": "integer"}}}, {"xa": 1}, {"xa": "s"}),
+        ({"type": "object", "propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "integer"}},
+         {"ab": 1}, {"abc": 1}),
+        ({"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+         {"a": 1}, {"a": "s"}),
+        ({"anyOf": [{"type": "integer"}, {"type": "null"}], "title": "t", "default": None}, None, "s"),
+        ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                    {"type": "object", "properties": {"k": {"const": "b"}, "n": {"type": "integer"}},
+                     "required": ["k"]}]}, {"k": "b", "n": 1}, {"k": "a", "n": 1}),
+        ({"type": "string", "enum": ["cat", "dog"]}, "dog", "cow"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, [1, 1], ["s"]),
+    ]
+    for schema, good, bad in cases:
+        compiled = backend.compile(_so(json=schema))
+
+        def accepts(value):
+            m = backend.xgr.GrammarMatcher(compiled)
+            return m.accept_string(json.dumps(value)) and m.is_completed()
+        assert accepts(good) and not accepts(bad), (schema, good, bad)
+        jsonschema.validate(good, schema)
+    out = llm.generate(["n"], _sp(temperature=1.0, seed=2, structured_outputs=_so(
+        json={"type": "integer", "multipleOf": 7, "minimum": -1000, "maximum": 1000})))[0].outputs[0]
+    assert out.finish_reason == "stop" and int(out.text) % 7 == 0, out.text
+

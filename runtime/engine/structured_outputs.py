@@ -10,6 +10,9 @@ constrained rows on the host (while the device runs the step), applies it to tho
 (xgrammar's kernel on CUDA, its CPU routine otherwise) and advances each matcher with the token drawn. Rows
 without a constraint in the same batch are untouched. Once the grammar is complete only EOS is allowed.
 
+What the grammar cannot hold is refused at compile (a 400 / ValueError before admission), never served as output
+that breaks it: a JSON schema keyword xgrammar would ignore (engine/schema_support.py).
+
 Under async decode (engine/async_decode.py) a greedy constrained row's step is launched before the previous
 token is read; its mask is filled only after that token is accepted by the matcher (AsyncDecode.finish_masked),
 so the mask always matches the row's real state.
@@ -27,6 +30,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
+
+from xllm_gen.runtime.engine.schema_support import unenforced
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _XGR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -164,6 +169,10 @@ class GrammarBackend:
                 if not isinstance(schema, (dict, bool)):
                     raise GrammarError(f"{where}.json: a JSON schema is an object, got {type(schema).__name__}")
                 _check_schema(schema, f"{where}.json")
+                problems = unenforced(schema)
+                if problems:
+                    raise GrammarError(f"{where}.json: JSON schema keyword(s) the grammar backend does not enforce "
+                                       f"(the output could break them): {'; '.join(problems)}")
                 return c.compile_json_schema(json.dumps(bounded_strings(schema)), any_whitespace=ws, strict_mode=True)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=ws)

@@ -50,6 +50,12 @@ def plan_tools(body, params, tools_cls) -> tuple:
         if params.structured_outputs is not None:
             raise APIError("response_format / structured_outputs cannot be combined with tool_choice "
                            "'required' or a named function", param="tool_choice")
+        from xllm_gen.runtime.engine.schema_support import unenforced
+        for i, t in enumerate(tools):          # the forced call's arguments follow the schema: all of it enforced
+            problems = unenforced(t["function"].get("parameters") or {}) if any(t is f for f in forced) else ()
+            if problems:
+                raise APIError(f"tools[{i}].function.parameters: JSON schema keyword(s) the grammar backend does not "
+                               f"enforce (the call could break them): {'; '.join(problems)}", param="tools")
         try:
             ebnf = parser.grammar(forced)
         except Exception as e:
