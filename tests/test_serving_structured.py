@@ -138,10 +138,12 @@ def test_unconstrained_request_unchanged_beside_constrained_ones(client, model):
     ({"response_format": {"type": "xml"}}, "response_format", ["text, json_object, json_schema"]),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format", ["name"]),
     ({"structured_outputs": {"regex": "a("}}, "structured_outputs", ["structured_outputs.regex", "invalid regex"]),
-    # what the grammar would not enforce: 400 at admission, never served
+    # what the grammar would not enforce, and grammars that match nothing: 400 at admission, never served
     ({"response_format": _rf({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}})},
      "response_format", ["does not enforce", "'multipleOf' at /properties/n/multipleOf"]),
     ({"structured_outputs": {"json": {"not": {}}}}, "structured_outputs", ["'not' at /not"]),
+    ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "structured_outputs", ["accepts no token at the start"]),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", ["accepts no token at the start"]),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"}, "tools",
      ["tools[0].function.parameters", "'uniqueItems' at /properties/a/uniqueItems"]),

@@ -3,7 +3,8 @@ each check is strong: the output parses and validates against the schema, matche
 choices; the same request without the constraint does not. Constrained and unconstrained rows share a batch
 (the unconstrained rows' tokens are unchanged), also when a constrained request joins a batch that runs
 async decode steps; n > 1 completions each walk the grammar; bad constraints are refused by name, and so are JSON
-schema keywords the grammar would not enforce (each kept keyword is shown enforced)."""
+schema keywords the grammar would not enforce (each kept keyword is shown enforced) and grammars that allow no first
+token; a grammar that dead-ends mid-output fails that request alone."""
 from __future__ import annotations
 
 import json
@@ -278,3 +279,24 @@ def test_enforced_keywords_are_accepted_and_really_enforced(llm):
         json={"type": "integer", "multipleOf": 7, "minimum": -1000, "maximum": 1000})))[0].outputs[0]
     assert out.finish_reason == "stop" and int(out.text) % 7 == 0, out.text
 
+
+@pytest.mark.parametrize("so", [{"regex": "[^\\x00-\\U0010FFFF]"}, {"grammar": "root ::= root"}])
+def test_a_grammar_that_cannot_start_is_refused(llm, so):
+    with pytest.raises(ValueError, match=r"request 1: structured_outputs\.\w+: the grammar accepts no token at the "
+                                         "start") as e:
+        llm.generate(["a", "b"], [_sp(max_tokens=2), _sp(structured_outputs=so)])
+    assert e.value.outputs[0].outputs and e.value.outputs[1].error
+
+
+def test_a_dead_end_mid_output_fails_that_request_alone(llm):
+    """A grammar that admits "a" and then nothing: the request ends with a clear error after its first token
+    (greedy, through the async masked steps, and sampled), the requests beside it are served unchanged."""
+    dead = {"grammar": 'root ::= "a" [^\\x00-\\U0010FFFF]'}
+    plain = _sp(max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["Hello there"], plain)[0].outputs[0].token_ids
+    for kw in (dict(), dict(temperature=1.0, seed=3)):
+        outs = llm.generate(["x", "Hello there"], [_sp(max_tokens=8, structured_outputs=dead, **kw), plain],
+                            on_error="return")
+        assert outs[0].error and "the grammar allows no next token after 1 generated token" in outs[0].error, outs[0]
+        assert outs[0].error.startswith("request 0: ")
+        assert outs[1].error is None and outs[1].outputs[0].token_ids == alone

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from xllm_gen.runtime.engine.sequence import Sequence
+from xllm_gen.runtime.engine.structured_outputs import dead_end_error
 
 
 @dataclass
@@ -107,7 +108,8 @@ class AsyncDecode:
             logits = step.logits.float()
             matchers = [None if (s.is_finished or s.error or s.grammar is None or s.grammar.is_terminated())
                         else s.grammar for s in step.seqs]
-            grammar.apply(logits, matchers)
+            for i in grammar.apply(logits, matchers):          # dead ends fail alone (the argmax is dropped)
+                step.seqs[i].error = dead_end_error(step.seqs[i].num_completion_tokens)
             done = self._send(step.seqs, logits.argmax(dim=-1))
         step.tokens, step.host, step.event, step.logits = done.tokens, done.host, done.event, None
 

@@ -241,7 +241,7 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
             tokens = self._async.read(prev)
             live = [(s, t) for s, t in zip(prev.seqs, tokens) if not s.is_finished]    # not ended / aborted since
             for s, t in live:                     # structured outputs: the grammars accept the tokens read
-                if s.grammar is not None and not s.grammar.accept_token(t):
+                if s.grammar is not None and not s.error and not s.grammar.accept_token(t):
                     s.error = f"structured outputs: token {t} does not fit the grammar"
             finished: list[Sequence] = []
             self._accept([s for s, _ in live], [t for _, t in live], finished, commit=True)

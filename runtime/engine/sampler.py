@@ -20,6 +20,7 @@ import torch
 from xllm_gen.runtime.engine.outputs import Logprob
 from xllm_gen.runtime.engine.sampling_params import SEED_MOD
 from xllm_gen.runtime.engine.sequence import Sequence
+from xllm_gen.runtime.engine.structured_outputs import dead_end_error
 
 logger = logging.getLogger("xllm_gen")
 
@@ -136,7 +137,8 @@ class Sampler:
         if constrained:                               # structured outputs: mask those rows in place
             logits = logits.clone()
             try:
-                self.grammar.apply(logits, matchers)
+                for i in self.grammar.apply(logits, matchers):     # dead ends: nothing to sample, the row fails
+                    seqs[i].error = dead_end_error(seqs[i].num_completion_tokens)
             except Exception as e:
                 logger.exception("structured outputs: masking failed")
                 for i in constrained:
@@ -147,7 +149,7 @@ class Sampler:
         tokens: list[Optional[int]] = [None] * len(seqs)
         if plain:
             for i, t in zip(plain, logits[plain].argmax(dim=-1).tolist()):
-                tokens[i] = int(t)
+                tokens[i] = None if seqs[i].error else int(t)
         rest = [i for i in range(len(seqs)) if tokens[i] is None and not seqs[i].error]
         if rest:
             eos = list(eos_token_ids)

@@ -11,7 +11,10 @@ constrained rows on the host (while the device runs the step), applies it to tho
 without a constraint in the same batch are untouched. Once the grammar is complete only EOS is allowed.
 
 What the grammar cannot hold is refused at compile (a 400 / ValueError before admission), never served as output
-that breaks it: a JSON schema keyword xgrammar would ignore (engine/schema_support.py).
+that breaks it: a JSON schema keyword xgrammar would ignore (engine/schema_support.py), and a grammar that allows no
+first token (it matches nothing this tokenizer can write: an empty character class, `root ::= root`). A grammar that
+reaches such a dead end later ends that request alone with an error (GrammarBackend.apply reports the row)
+instead of sampling from an all -inf row.
 
 Under async decode (engine/async_decode.py) a greedy constrained row's step is launched before the previous
 token is read; its mask is filled only after that token is accepted by the matcher (AsyncDecode.finish_masked),
@@ -107,6 +110,12 @@ class StructuredOutputsParams:
         return kind, v, self.disable_any_whitespace
 
 
+def dead_end_error(num_tokens: int) -> str:
+    """The error of a request whose grammar allows no next token (GrammarBackend.apply's dead rows)."""
+    return (f"structured outputs: the grammar allows no next token after {num_tokens} generated token(s): no "
+            "continuation this tokenizer can write completes it")
+
+
 def _reason(e: Exception) -> str:
     lines = [_XGR_PREFIX.sub("", ln) for ln in str(e).strip().splitlines() if ln.strip()]
     return " ".join(lines) or type(e).__name__
@@ -147,6 +156,7 @@ class GrammarBackend:
                 self.hits += 1
                 return hit
         compiled = self._compile(so, where)         # outside the lock: compiles run in parallel
+        self._check_first_token(compiled, so, where)
         with self._lock:
             self.misses += 1
             self._cache[key] = compiled
@@ -189,6 +199,18 @@ class GrammarBackend:
                     "regex": "invalid regex", "choice": "invalid choice", "grammar": "invalid EBNF grammar"}[kind]
             raise GrammarError(f"{where}.{kind}: {what}: {_reason(e)}") from None
 
+    def _check_first_token(self, compiled, so: StructuredOutputsParams, where: str) -> None:
+        """A grammar whose first mask is empty (it cannot start, nor end at once) would fail at the first sampling
+        step: refused here, once per compile."""
+        import torch
+
+        mask = torch.zeros((1, self.bitmask_words), dtype=torch.int32)
+        self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None
+                                ).fill_next_token_bitmask(mask, 0)
+        if not bool(mask.any()):
+            raise GrammarError(f"{where}.{so.kind}: the grammar accepts no token at the start: it matches no text "
+                               "this tokenizer can write")
+
     # ---- per step ---------------------------------------------------------------------------------
     def matcher(self, compiled, gate: Optional[tuple] = None):
         """A sequence's matcher; `gate` (start token id, end token id, reasoning open at the prompt's end): the
@@ -196,9 +218,10 @@ class GrammarBackend:
         m = self.xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None)
         return m if gate is None else ReasoningGate(m, *gate)
 
-    def apply(self, logits, matchers: list) -> None:
+    def apply(self, logits, matchers: list) -> list:
         """Masks, in place, the rows of `logits` [B, V] (float32) whose matcher is not None (a ReasoningGate's row
-        only past its reasoning; at its start the start tag is allowed beside the grammar's tokens)."""
+        only past its reasoning; at its start the start tag is allowed beside the grammar's tokens). Returns the
+        rows whose grammar allows no token at all (a dead end: the row's logits are all -inf, nothing to sample)."""
         extra: dict = {}
         real = list(matchers)
         for i, m in enumerate(matchers):
@@ -209,7 +232,7 @@ class GrammarBackend:
         matchers = real
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
-            return
+            return []
         n = logits.shape[0]
         self._turn ^= 1
         host = self._host.get((n, self._turn))
@@ -230,6 +253,9 @@ class GrammarBackend:
         bm = host.to(logits.device, non_blocking=True) if logits.is_cuda else host
         self.xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=min(self.info.vocab_size, logits.shape[-1]),
                                              indices=rows)
+        # one host reduction over the masks just filled; a terminated matcher's empty mask is no dead end
+        alive = host[rows].any(dim=1).tolist()
+        return [i for i, ok in zip(rows, alive) if not ok and not matchers[i].is_terminated()]
 
 
 class ReasoningGate:
