@@ -38,3 +38,18 @@ def test_vl_chat_with_an_image_matches_hf(qwen3_vl_tied, make_llm):
     assert out == hf_vl_greedy(qwen3_vl_tied, hf_vl_inputs(qwen3_vl_tied, text, images=[img]), 12)
     with pytest.raises(ValueError, match="request 0: .*'image' content part"):
         llm.chat([{"role": "user", "content": [{"type": "image"}]}], _sp())
+
+
+def test_a_bad_conversation_fails_alone(qwen3_tied, make_llm):
+    """As a bad prompt in generate: the conversation that cannot be rendered is named by its index, the others are
+    served (on_error "return" puts the error on its output, "raise" raises after serving them)."""
+    llm = make_llm(qwen3_tied)
+    ok = [{"role": "user", "content": "Tell me about the weather."}]
+    want = llm.chat(ok, _sp())[0].outputs[0].token_ids
+    outs = llm.chat([ok, [{"role": 5, "content": None}], "not a conversation", ok], _sp(), on_error="return")
+    assert outs[0].outputs[0].token_ids == want and outs[3].outputs[0].token_ids == want
+    assert outs[1].error.startswith("request 1: ") and not outs[1].outputs, outs[1]
+    assert outs[2].error.startswith("request 2: a conversation is a list"), outs[2]
+    with pytest.raises(ValueError, match="^request 1: ") as e:
+        llm.chat([ok, [{"role": 5, "content": None}]], _sp())
+    assert e.value.outputs[0].outputs[0].token_ids == want

@@ -67,11 +67,16 @@ class LLM:
         does not fail the others: with on_error="raise" (default) an InvalidRequestError naming each bad
         request is raised after the valid ones are served (its .outputs has them all); with
         on_error="return" the bad request's output carries .error instead."""
-        if on_error not in ("raise", "return"):
-            raise ValueError("on_error must be 'raise' or 'return'")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        return self._run(list(prompts), sampling_params, on_error=on_error, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list, sampling_params=None, *, on_error: str = "raise", use_tqdm: bool = False,
+             failed: Optional[dict] = None) -> list[RequestOutput]:
+        """generate's work; `failed`: index -> why, requests that already failed before admission (a chat
+        conversation that cannot be rendered), reported like an admission error."""
+        if on_error not in ("raise", "return"):
+            raise ValueError("on_error must be 'raise' or 'return'")
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -87,6 +92,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 key = ("generate", self._calls, i)
                 try:
+                    if failed and i in failed:
+                        raise ValueError(failed[i])
                     engine.add_request(key, prompt, p)
                 except ValueError as e:
                     msg = str(e).replace(f"request {key}", f"request {i}")
@@ -135,35 +142,51 @@ class LLM:
         """Generates replies to one conversation or a list of them, rendered with the checkpoint's chat
         template (its processor's for multimodal checkpoints). Content parts {"type": "image", "image": PIL}
         and {"type": "video", "video": frames} become placeholders plus multi_modal_data, in order.
-        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` (OpenAI's list) reach the template."""
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` (OpenAI's list) reach the template.
+        A conversation that cannot be rendered (malformed messages, the template's own error) fails alone, as a bad
+        prompt does in `generate`: named by its index, the others served, `on_error` as there."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         engine = self.engine
         renderer = engine.mm_processor.processor if engine.mm_processor is not None else engine.tokenizer
         if renderer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
-        prompts = []
+        prompts: list = []
+        failed: dict = {}
         for i, conv in enumerate(conversations):
-            media: dict[str, list] = {"image": [], "video": []}
-            for message in conv:
-                content = message.get("content") if isinstance(message, dict) else None
-                for part in content if isinstance(content, list) else []:
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    if kind in media:
-                        if kind not in part:
-                            raise ValueError(f"request {i}: a {kind!r} content part needs the {kind} under key {kind!r}")
-                        media[kind].append(part[kind])
             try:
-                text = renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
-                                                    add_generation_prompt=add_generation_prompt, tools=tools,
-                                                    **(chat_template_kwargs or {}))
-            except Exception as e:        # no template, malformed messages: name the conversation
-                raise ValueError(f"request {i}: cannot apply the chat template: {e}") from e
-            prompt: dict = {"prompt": text, "add_special_tokens": False}     # the template wrote them
-            if media["image"] or media["video"]:
-                prompt["multi_modal_data"] = {k: v for k, v in media.items() if v}
-                prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs or {})
-            prompts.append(prompt)
-        return self.generate(prompts, sampling_params, **generate_kwargs)
+                prompts.append(self._chat_prompt(renderer, conv, chat_template, add_generation_prompt, tools,
+                                                 chat_template_kwargs, mm_processor_kwargs))
+            except ValueError as e:
+                prompts.append(None)
+                failed[i] = str(e)
+        return self._run(prompts, sampling_params, failed=failed, **generate_kwargs)
+
+    @staticmethod
+    def _chat_prompt(renderer, conv, chat_template, add_generation_prompt, tools, chat_template_kwargs,
+                     mm_processor_kwargs) -> dict:
+        """One conversation's engine prompt; ValueError saying why it cannot be rendered."""
+        if not isinstance(conv, list):
+            raise ValueError(f"a conversation is a list of messages, got {type(conv).__name__}")
+        media: dict[str, list] = {"image": [], "video": []}
+        for message in conv:
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else []:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in media:
+                    if kind not in part:
+                        raise ValueError(f"a {kind!r} content part needs the {kind} under key {kind!r}")
+                    media[kind].append(part[kind])
+        try:
+            text = renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt, tools=tools,
+                                                **(chat_template_kwargs or {}))
+        except Exception as e:        # no template, malformed messages
+            raise ValueError(f"cannot apply the chat template: {type(e).__name__}: {e}") from None
+        prompt: dict = {"prompt": text, "add_special_tokens": False}     # the template wrote them
+        if media["image"] or media["video"]:
+            prompt["multi_modal_data"] = {k: v for k, v in media.items() if v}
+            prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs or {})
+        return prompt
 
     @torch.inference_mode()
     def prefill_logits(self, prompt: Union[list, str, dict]) -> torch.Tensor:
