@@ -53,3 +53,48 @@ def test_a_bad_conversation_fails_alone(qwen3_tied, make_llm):
     with pytest.raises(ValueError, match="^request 1: ") as e:
         llm.chat([ok, [{"role": 5, "content": None}]], _sp())
     assert e.value.outputs[0].outputs[0].token_ids == want
+
+
+BROKEN = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
+
+
+def test_a_broken_chat_template_is_named_at_load(qwen3_tied, make_llm, tmp_path, caplog):
+    """A template that does not compile is found at load, naming the file and the line (logged); completions are
+    served, chat is refused with that message unless a template is passed."""
+    import logging
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, ckpt)
+    (ckpt / "chat_template.jinja").write_text(BROKEN)
+    with caplog.at_level(logging.WARNING, logger="xllm_gen"):
+        llm = make_llm(ckpt)
+    where = f"{ckpt / 'chat_template.jinja'}, line 2: unexpected '}}'"
+    assert where in caplog.text and llm.engine.chat_template_error == where
+    assert llm.generate(["Hello"], _sp())[0].outputs[0].token_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="chat template does not compile: .*chat_template.jinja, line 2"):
+        llm.chat(msgs, _sp())
+    good = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert llm.chat(msgs, _sp(), chat_template=good)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="chat_template does not compile: line 1"):
+        llm.chat(msgs, _sp(), chat_template="{% if %}")
+
+
+def test_the_template_transformers_reads_is_the_one_named(tmp_path):
+    """chat_template.jinja (and additional_chat_templates/*.jinja) win over tokenizer_config.json's chat_template,
+    whose named list form is checked entry by entry."""
+    import json
+
+    from xllm_gen.runtime.engine.chat_template import checkpoint_template_problem
+
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"chat_template": [{"name": "default", "template": "{{ x }}"},
+                                                 {"name": "tool_use", "template": "a\nb\n{% if %}"}]}))
+    assert checkpoint_template_problem(tmp_path) == f"{cfg}'s chat_template 'tool_use', line 3: " \
+                                                    "Expected an expression, got 'end of statement block'"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert checkpoint_template_problem(tmp_path) is None            # the file wins: the config is not read
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "rag.jinja").write_text(BROKEN)
+    assert checkpoint_template_problem(tmp_path).endswith("rag.jinja, line 2: unexpected '}'")

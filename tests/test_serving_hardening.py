@@ -1,7 +1,8 @@
 """The server's hardening: --api-key (Bearer on /v1/*), CORS, an access log line per request, 404 and JSON
 decode errors in OpenAI's error shape, a busy --port found before the model loads, --help / --version without
-importing torch, max_model_len above the model's context refused, missing model paths and hub ids named, local
-media paths refused unless under --allowed-local-media-path (with the same answer whether a file exists)."""
+importing torch, max_model_len above the model's context refused, a chat template that does not compile refused
+at start (file and line), missing model paths and hub ids named, local media paths refused unless under
+--allowed-local-media-path (with the same answer whether a file exists)."""
 from __future__ import annotations
 
 import socket
@@ -109,6 +110,23 @@ def test_unknown_parsers_are_named():
 
     assert reasoning_parsers.get("qwen3") is reasoning_parsers.get("think")           # family alias -> format
     assert tool_parsers.get("qwen3") is tool_parsers.get("hermes")
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_at_start(qwen3_tied, tmp_path):
+    """Every chat request would fail on it: the server does not start, naming the file and the line (the
+    checkpoint's or --chat-template's, before the model loads); --chat-template replaces a broken checkpoint's."""
+    import shutil
+
+    _fails_fast(["--chat-template", "{% for m in messages %}{{ m }", "--port", str(free_port())],
+                ["--chat-template does not compile: line 1: unexpected '}'"])
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(qwen3_tied, ckpt)
+    (ckpt / "chat_template.jinja").write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    _fails_fast([str(ckpt), "--port", str(free_port())],
+                [f"{ckpt / 'chat_template.jinja'}, line 2: unexpected '}}'", "--chat-template"])
+    # with a template of its own it gets past the check (to the next refusal, found while reading config.json)
+    _fails_fast([str(ckpt), "--port", str(free_port()), "--chat-template", "{{ messages }}", "--device", "cpu",
+                 "--max-model-len", "100000"], ["max_model_len 100000 exceeds"])
 
 
 def test_max_model_len_above_the_model_is_refused(qwen3_tied):

@@ -179,6 +179,7 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
                 self.mm_processor = MultiModalProcessor(str(self.model_dir), self.hf_config,
                                                         device=self.mm_preprocess_device)
             self.eos_token_ids = _eos_ids(self.generation_config, self.config, self.tokenizer)
+            self.chat_template_error = self._check_chat_template()
         except BaseException:
             self.shutdown()              # stop TP ranks at once, not at garbage collection
             raise
@@ -210,6 +211,19 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
         """The checkpoint's (or `tokenizer=`) tokenizer; None only when the checkpoint has no tokenizer file (it
         then serves prompt_token_ids). One that is present but cannot be loaded is an error naming the file."""
         return load_tokenizer(self.tokenizer_dir, required=self.tokenizer_dir != self.model_dir)
+
+    def _check_chat_template(self) -> Optional[str]:
+        """The checkpoint's chat template compiled once at load: "<file>, line N: reason" when it does not (logged;
+        LLM.chat then refuses without a template of its own, the server refuses to start without --chat-template),
+        None when it does. Completions never read it, so the load goes on."""
+        if self.mm_processor is None and self.tokenizer is None:
+            return None
+        from xllm_gen.runtime.engine.chat_template import checkpoint_template_problem
+        problem = checkpoint_template_problem(self.model_dir if self.mm_processor is not None else self.tokenizer_dir)
+        if problem:
+            logger.warning("the chat template does not compile: %s; chat is refused until it is fixed (or a template "
+                           "is given), completions are served", problem)
+        return problem
 
     @property
     def structured(self):

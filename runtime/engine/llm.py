@@ -150,6 +150,13 @@ class LLM:
         renderer = engine.mm_processor.processor if engine.mm_processor is not None else engine.tokenizer
         if renderer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
+        from xllm_gen.runtime.engine.chat_template import template_problem
+        if chat_template is None and getattr(engine, "chat_template_error", None):    # every conversation would fail
+            raise ValueError(f"chat is not available: the checkpoint's chat template does not compile: "
+                             f"{engine.chat_template_error}; fix it, or pass chat_template=")
+        problem = template_problem(chat_template) if chat_template is not None else None
+        if problem:
+            raise ValueError(f"chat_template does not compile: {problem}")
         prompts: list = []
         failed: dict = {}
         for i, conv in enumerate(conversations):

@@ -119,6 +119,26 @@ def _chat_template(arg: Optional[str]) -> Optional[str]:
     return path.read_text()
 
 
+def _check_chat_template(args, template: Optional[str]) -> None:
+    """Before the load (fast): --chat-template, else the checkpoint's template, must compile: every chat request
+    would fail on it, so the server does not start (ValueError naming the file and the line). A GGUF file's
+    template is known only once converted: the engine logs it at load."""
+    from pathlib import Path
+
+    from xllm_gen.runtime.engine.chat_template import checkpoint_template_problem, template_problem
+
+    if template is not None:
+        problem = template_problem(template)
+        if problem:
+            raise ValueError(f"--chat-template does not compile: {problem}")
+        return
+    where = args.tokenizer or args.model
+    problem = checkpoint_template_problem(Path(where)) if where and Path(where).is_dir() else None
+    if problem:
+        raise ValueError(f"the checkpoint's chat template does not compile: {problem}; fix it, or serve with "
+                         "--chat-template FILE (a template to use instead)")
+
+
 def check_model_path(model: str) -> None:
     """A clear error for a model argument that is not a checkpoint dir (before any heavy import)."""
     from pathlib import Path
@@ -239,6 +259,7 @@ def main(argv=None) -> int:
         else:
             sock = bind_socket(args.host, args.port)
         template = _chat_template(args.chat_template)
+        _check_chat_template(args, template)
         from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
         if args.tool_call_parser:
             tool_parsers.get(args.tool_call_parser)

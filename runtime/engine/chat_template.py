@@ -1,0 +1,80 @@
+"""Chat templates, checked before anything is served.
+
+`template_problem(text)` / `checkpoint_template_problem(dir)`: a template that does not compile (a Jinja syntax
+error) is found once, at load, naming the file and the line (chat_template.jinja, additional_chat_templates/*.jinja,
+tokenizer_config.json's or chat_template.json's chat_template: the one transformers reads), instead of failing every
+chat request with a bare "unexpected '}'". The engine logs it and refuses chat while completions stay served; the
+server refuses to start without --chat-template (engine.py, server.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+
+def template_problem(text: Any) -> Optional[str]:
+    """"line N: reason" when `text` does not compile as transformers compiles a chat template; None when it does
+    (or when transformers' compiler is not available: the first chat reports it then)."""
+    if not isinstance(text, str):
+        return f"a chat template is text, got {type(text).__name__}"
+    try:
+        import jinja2
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    try:
+        _compile_jinja_template(text)         # cached by transformers: the first chat reuses it
+    except jinja2.TemplateSyntaxError as e:
+        return f"line {e.lineno}: {e.message}"
+    except jinja2.TemplateError as e:
+        return str(e)
+    return None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None                           # read_json at load names a corrupt file; not this check's job
+
+
+def checkpoint_templates(directory: Path) -> list[tuple[str, Any]]:
+    """(where, template text) of each chat template the tokenizer / processor of `directory` reads, in
+    transformers' order: chat_template.jinja and additional_chat_templates/*.jinja win over tokenizer_config.json's
+    chat_template (a string or a list of {"name", "template"}); a processor's legacy chat_template.json after."""
+    d = Path(directory)
+    out: list[tuple[str, Any]] = []
+    jinja = d / "chat_template.jinja"
+    extra = sorted((d / "additional_chat_templates").glob("*.jinja")) if (d / "additional_chat_templates").is_dir() \
+        else []
+    for path in ([jinja] if jinja.is_file() else []) + extra:
+        out.append((str(path), path.read_text(encoding="utf-8", errors="replace")))
+    if not out:
+        cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else None
+        t = cfg.get("chat_template") if isinstance(cfg, dict) else None
+        where = f"{d / 'tokenizer_config.json'}'s chat_template"
+        if isinstance(t, list):
+            out += [(f"{where} {e.get('name')!r}", e.get("template")) for e in t if isinstance(e, dict)]
+        elif t is not None:
+            out.append((where, t))
+    if not jinja.is_file() and (d / "chat_template.json").is_file():
+        legacy = _read_json(d / "chat_template.json")
+        if isinstance(legacy, dict) and "chat_template" in legacy:
+            out.append((f"{d / 'chat_template.json'}'s chat_template", legacy["chat_template"]))
+    return out
+
+
+def checkpoint_template_problem(*directories: Path) -> Optional[str]:
+    """"<file>, line N: reason" of the first chat template of these dirs (the tokenizer's, the checkpoint's) that
+    does not compile; None when all do (or there is none)."""
+    seen = set()
+    for d in directories:
+        if d is None or Path(d).resolve() in seen:
+            continue
+        seen.add(Path(d).resolve())
+        for where, text in checkpoint_templates(Path(d)):
+            problem = template_problem(text)
+            if problem:
+                return f"{where}, {problem}"
+    return None
+
