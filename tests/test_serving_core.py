@@ -1,8 +1,9 @@
 """The server's engine core in its own process (runtime/serving/engine_core.py, core_client.py): it is another
 process than the API's; a request survives while another client disconnects (the disconnect aborts only its
 own request in the core); an error in the core's step reaches the client as a 500 naming it and the server
-stays up; a dead core makes /health 503 and requests 503; killing the API process (even with SIGKILL) leaves no
-orphan core; --engine-in-process keeps the engine in a thread (no child process) and serves the same text."""
+stays up; a dead core makes /health 503 and requests 503 (in every API process of --api-server-count); killing
+the API process (even with SIGKILL) leaves no orphan core; --engine-in-process keeps the engine in a thread (no
+child process) and serves the same text."""
 from __future__ import annotations
 
 import json
@@ -149,6 +150,82 @@ def test_dead_core_fails_requests_and_health(qwen3_tied):
         assert server.stop() == 0
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_an_api_process_that_did_not_start_the_core_sees_it_die():
+    """API process i > 0 (--api-server-count) is not the core's parent: it watches the core's pid (given at its
+    start). Here a stand-in core is killed under a request in flight: the request fails naming the exit, the client is
+    no longer alive (/health 503) and a new request is refused (503), all within the receiver's poll."""
+    import asyncio
+    import subprocess
+    import sys
+    import tempfile
+
+    from xllm_gen.runtime.serving.async_engine import _Track
+    from xllm_gen.runtime.serving.core_client import CoreClient
+
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    d = tempfile.mkdtemp(prefix="xllm-watch-")
+    client = CoreClient(None, index=1, addresses=(f"ipc://{d}/in", [f"ipc://{d}/out1"]), core_pid=core.pid)
+
+    async def run():
+        client.start(asyncio.get_running_loop())
+        track = client._tracks["r"] = _Track(asyncio.Queue(), time.monotonic())
+        await asyncio.sleep(0.5)
+        assert client.alive and client._core_exited() is None
+        core.kill()
+        t0 = time.monotonic()
+        item = await asyncio.wait_for(track.queue.get(), 5)
+        assert time.monotonic() - t0 < 2
+        assert isinstance(item, RuntimeError) and f"engine core process exited (pid {core.pid})" in str(item)
+        assert not client.alive
+        with pytest.raises(RuntimeError, match="not running"):
+            await client.add("new", "x", None)
+
+    try:
+        asyncio.run(run())
+    finally:
+        core.kill()
+        core.wait()
+        client.stop()
+
+
+@pytest.mark.slow
+def test_dead_core_seen_by_every_api_process(qwen3_tied):
+    """--api-server-count 2, the core killed under requests in flight on both API processes: every one fails at once
+    (500 naming the exit), /health is 503 and new requests 503 whichever process answers, and SIGTERM stops all fast
+    (API process 1 used to hang its requests, answer /health 200, and hold the shutdown for the graceful timeout)."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv = ServerProcess(qwen3_tied, *ARGS, "--api-server-count", "2", "--log-level", "info")
+    try:
+        deadline = time.monotonic() + 60
+        while "API server 1 of 2" not in srv.log.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(_complete, srv, f"in flight {i}", 300) for i in range(8)]
+            deadline = time.monotonic() + 30
+            while srv.metrics()["xllm:num_requests_running"] < 1:      # the core's gauge, either process
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            _core(srv).kill()
+            t0 = time.monotonic()
+            got = [f.result(60) for f in futs]
+        assert time.monotonic() - t0 < 10
+        assert all(r.status_code in (500, 503) and "engine" in r.json()["error"]["message"] for r in got), \
+            [r.text for r in got]
+        for _ in range(8):                        # a new connection each: either process may answer
+            assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+            assert _complete(srv, "after", 2).status_code == 503
+        failed = set(re.findall(r"xllm_gen\.serving\[(\d+)\]: engine core failed", srv.log.read_text()))
+        assert len(failed) == 2, srv.log.read_text()[-3000:]
+        t0 = time.monotonic()
+        assert srv.stop() == 0
+        assert time.monotonic() - t0 < 20
+    finally:
+        srv.stop(signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -102,16 +102,51 @@ def _name_tokens(tokenizer, entries) -> None:
                 lp.decoded_token = tokenizer.decode([tid])
 
 
+class _PidWatch:
+    """Whether a process that is not this one's child has exited: a pidfd (Linux 5.3+) reads ready once it has, even
+    while it waits unreaped; elsewhere signal 0 (which reads a zombie as alive until its parent reaps it)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.fd, self.gone = pid, None, False
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.gone = True
+        except (AttributeError, OSError):     # no pidfd here: signal 0
+            pass
+
+    def exited(self) -> bool:
+        if self.gone:
+            return True
+        if self.fd is not None:
+            import select
+            self.gone = bool(select.select([self.fd], [], [], 0)[0])
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.gone = True
+            except PermissionError:           # alive, someone else's
+                pass
+        return self.gone
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class CoreClient(AsyncEngine):
     """Starts the engine core (`args`: the server's parsed arguments) and talks to it; `wait_ready()` returns
     once the model is loaded (ValueError with the core's message when it could not be).
 
     With several API processes (--api-server-count N), the first (index 0) starts the core with one output
     address per API process (`addresses`: (input address, [output addresses])); API process i > 0 is given
-    (input address, [its output address]) and index i, and only talks to the core that the first one owns."""
+    (input address, [its output address]), index i and the core's pid (`core_pid`), and only talks to the core that
+    the first one owns; it watches that pid, so that every API process fails its requests when the core dies."""
 
     def __init__(self, args, metrics=None, max_queue: int = 256, stats_interval: float = 10.0, *,
-                 count: int = 1, index: int = 0, addresses: Optional[tuple] = None):
+                 count: int = 1, index: int = 0, addresses: Optional[tuple] = None, core_pid: Optional[int] = None):
         import zmq
 
         super().__init__(None, metrics, max_queue=max_queue, stats_interval=stats_interval)
@@ -133,6 +168,7 @@ class CoreClient(AsyncEngine):
         self.info: Optional[dict] = None
         self.proc = None
         self.children: list = []                     # API processes 1..N-1 (their Popen), started by the server
+        self._watch = _PidWatch(core_pid) if core_pid is not None else None
         if index == 0:
             self.proc = subprocess.Popen([sys.executable, "-m", "xllm_gen.runtime.serving.engine_core", in_addr,
                                           ",".join(outs), str(os.getpid())], stdin=subprocess.PIPE)
@@ -141,11 +177,19 @@ class CoreClient(AsyncEngine):
 
     @property
     def core_pid(self) -> Optional[int]:
-        return self.proc.pid if self.proc is not None else None
+        if self.proc is not None:
+            return self.proc.pid
+        return self._watch.pid if self._watch is not None else None
 
-    def _core_exited(self) -> Optional[int]:
-        """The core's exit code once it has exited (only the API process that started it can tell)."""
-        return self.proc.poll() if self.proc is not None else None
+    def _core_exited(self) -> Optional[str]:
+        """How the core ended ("exited with code -9") once it has, else None: the API process that started it has
+        its exit code; the others watch its pid."""
+        if self.proc is not None:
+            rc = self.proc.poll()
+            return None if rc is None else f"exited with code {rc}"
+        if self._watch is not None and self._watch.exited():
+            return f"exited (pid {self._watch.pid})"
+        return None
 
     def wait_ready(self) -> CoreFrontend:
         # while the core loads the model: import what this process needs too (the tokenizer's libraries)
@@ -162,10 +206,9 @@ class CoreClient(AsyncEngine):
                 if msg[0] == "failed":
                     self.stop()
                     raise ValueError(msg[1])
-            elif self._core_exited() is not None:
+            elif (how := self._core_exited()) is not None:
                 self.stop()
-                raise RuntimeError(f"the engine core process exited with code {self.proc.returncode} while "
-                                   "loading the model (see the log above)")
+                raise RuntimeError(f"the engine core process {how} while loading the model (see the log above)")
         try:
             self.engine = CoreFrontend(self.info)
         except BaseException:
@@ -213,6 +256,8 @@ class CoreClient(AsyncEngine):
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
+        if self._watch is not None:
+            self._watch.close()
         if self._dir is not None:
             import shutil
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -276,8 +321,9 @@ class CoreClient(AsyncEngine):
                 if not self._pull.poll(200):
                     if self._stop:
                         return
-                    if self._core_exited() is not None:
-                        raise RuntimeError(f"the engine core process exited with code {self.proc.returncode}")
+                    how = self._core_exited()
+                    if how is not None:
+                        raise RuntimeError(f"the engine core process {how}")
                     continue
                 msg = pickle.loads(self._pull.recv())
                 kind = msg[0]

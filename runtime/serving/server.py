@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-server-count", type=int, default=1, metavar="N",
                     help="API processes (HTTP, tokenization, detokenization) sharing the port and one engine core; "
                          "each has its own /metrics counters (the gauges are the core's)")
-    ap.add_argument("--_api-server", help=argparse.SUPPRESS)     # INDEX,IN,OUT,FD: an API process i > 0
+    ap.add_argument("--_api-server", help=argparse.SUPPRESS)     # INDEX,IN,OUT,FD,CORE_PID: API process i > 0
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may take to finish after SIGTERM before they are aborted")
     ap.add_argument("--allowed-local-media-path", metavar="DIR",
@@ -205,14 +205,15 @@ def make_engine(args):
 
 def _start_api_servers(argv: list, aeng, sock) -> list:
     """API processes 1..N-1 (--api-server-count N): the same arguments, the listening socket inherited, each
-    with its own output address of the core that this process started."""
+    with its own output address of the core that this process started, and the core's pid to watch."""
     import subprocess
 
     in_addr, outs = aeng.addresses
     fd = sock.fileno()
     os_set_inheritable(fd)
     return [subprocess.Popen([sys.executable, "-m", "xllm_gen.runtime.serving.server", *argv, "--_api-server",
-                              f"{i},{in_addr},{outs[i]},{fd}"], pass_fds=(fd,)) for i in range(1, len(outs))]
+                              f"{i},{in_addr},{outs[i]},{fd},{aeng.core_pid}"], pass_fds=(fd,))
+            for i in range(1, len(outs))]
 
 
 def os_set_inheritable(fd: int) -> None:
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
 
             from xllm_gen.runtime.serving.engine_core import die_with_parent
             die_with_parent(os.getppid())
-            index, in_addr, out_addr, fd = child.split(",")
+            index, in_addr, out_addr, fd, core_pid = child.split(",")
             sock = socket.socket(fileno=int(fd))
         else:
             sock = bind_socket(args.host, args.port)
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
             from xllm_gen.runtime.serving.core_client import CoreClient
             if child:
                 aeng = CoreClient(args, None, max_queue=args.max_queue, stats_interval=0, index=int(index),
-                                  addresses=(in_addr, [out_addr]))
+                                  addresses=(in_addr, [out_addr]), core_pid=int(core_pid))
             else:
                 aeng = CoreClient(args, None, max_queue=args.max_queue, stats_interval=args.log_stats_interval,
                                   count=args.api_server_count)
