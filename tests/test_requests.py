@@ -157,6 +157,16 @@ def test_sampling_params_accept_good_values(kwargs):
     SamplingParams(**kwargs)
 
 
+def test_best_of_says_what_to_do_instead():
+    """vLLM's best_of (more samples than returned, ranked) is not supported: a ValueError saying what to do, not
+    Python's bare TypeError for an unknown argument; best_of == n (nothing to rank) passes."""
+    from xllm_gen import SamplingParams
+
+    with pytest.raises(ValueError, match=r"best_of=4 is not supported .*n=k with logprobs=0 .*cumulative_logprob"):
+        SamplingParams(n=2, best_of=4)
+    assert SamplingParams(n=2, best_of=2).n == 2
+
+
 # ----------------------------------------------------------------------------------------------- sampling
 def test_seeded_sampling_reproducible_and_batch_independent(qwen3_tied, make_llm):
     llm = make_llm(qwen3_tied)

@@ -52,6 +52,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # constrained decoding (json schema / json_object / regex / choice / EBNF grammar); a dict is converted
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's older name, kept so its scripts say what to do: only None or n (no ranking of extra samples here)
+    best_of: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -113,6 +115,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.best_of is not None and self.best_of != self.n:
+            p.append(f"best_of={self.best_of!r} is not supported (only best_of == n): for the best of k samples, "
+                     "ask for n=k with logprobs=0 and keep the completion with the highest cumulative_logprob")
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, StructuredOutputsParams):
