@@ -1,5 +1,6 @@
 """LLM.chat: conversations rendered with the checkpoint's chat template (text, and images for Qwen3-VL)
-give the same tokens as generate() on the rendered prompt, and those equal Hugging Face's."""
+give the same tokens as generate() on the rendered prompt, and those equal Hugging Face's. A conversation that
+cannot be rendered fails alone; a template that does not compile is named (file and line) at load."""
 from __future__ import annotations
 
 import numpy as np
@@ -98,3 +99,20 @@ def test_the_template_transformers_reads_is_the_one_named(tmp_path):
     (tmp_path / "additional_chat_templates").mkdir()
     (tmp_path / "additional_chat_templates" / "rag.jinja").write_text(BROKEN)
     assert checkpoint_template_problem(tmp_path).endswith("rag.jinja, line 2: unexpected '}'")
+
+
+def test_messages_a_template_cannot_take_are_named(qwen3_tied, make_llm):
+    """A null or missing content is refused where OpenAI refuses it (a user / system / tool turn), a role must be a
+    non-empty string; any role name passes to the template (templates define roles, as in transformers and vLLM),
+    and an assistant turn may carry no content."""
+    llm = make_llm(qwen3_tied)
+    outs = llm.chat([[{"role": "user", "content": None}], [{"role": "system", "content": "x"}, {"role": "user"}],
+                     [{"role": "", "content": "x"}], [{"role": "user", "content": {"a": 1}}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                      {"role": "wizard", "content": "abracadabra"}]], _sp(), on_error="return")
+    assert outs[0].error == ("request 0: messages[0].content is null: a 'user' turn needs content (a string or a "
+                             "list of content parts); only an assistant turn may leave it out")
+    assert outs[1].error.startswith("request 1: messages[1].content is missing: a 'user' turn needs content")
+    assert outs[2].error.startswith("request 2: messages[0].role must be a non-empty string")
+    assert outs[3].error.startswith("request 3: messages[0].content must be a string or a list")
+    assert outs[4].error is None and "<|im_start|>wizard\nabracadabra" in outs[4].prompt

@@ -273,6 +273,20 @@ def test_bad_chat_bodies(server, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_null_content_is_refused_where_openai_refuses_it(server, model_name):
+    """A user / system / tool turn's null content is a 400 naming the message (vLLM would render it empty); an
+    assistant's may be null (a tool-call turn sent back); any role name reaches the template."""
+    url = server.url + "/v1/chat/completions"
+    for msgs, where in (([{"role": "user", "content": None}], "messages[0]"),
+                        ([{"role": "system", "content": "x"}, {"role": "user"}], "messages[1]")):
+        r = httpx.post(url, json={"model": model_name, "messages": msgs, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert r.json()["error"]["message"].startswith(f"{where}.content is "), r.text
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "wizard", "content": "x"}]
+    r = httpx.post(url, json={"model": model_name, "messages": ok, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_malformed_json_and_server_stays_up(server, client, model_name):
     for raw in (b"{not json", b"[]", b'"str"', b"\xff\xfe"):
         r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})

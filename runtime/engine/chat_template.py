@@ -1,15 +1,23 @@
-"""Chat templates, checked before anything is served.
+"""Chat templates and the messages they take, checked before anything is served.
 
 `template_problem(text)` / `checkpoint_template_problem(dir)`: a template that does not compile (a Jinja syntax
 error) is found once, at load, naming the file and the line (chat_template.jinja, additional_chat_templates/*.jinja,
 tokenizer_config.json's or chat_template.json's chat_template: the one transformers reads), instead of failing every
 chat request with a bare "unexpected '}'". The engine logs it and refuses chat while completions stay served; the
-server refuses to start without --chat-template (engine.py, server.py)."""
+server refuses to start without --chat-template (engine.py, server.py).
+
+`message_problem`: the messages a template gets. Any role string passes, as in transformers and vLLM (templates
+define their own roles, and one that does not know a role raises its own error); a missing or null content is
+refused where OpenAI refuses it (every role but an assistant's, whose tool-call turns carry none; vLLM renders it
+as empty text, transformers hands the template None, which many render as the text "None")."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any, Optional
+
+# roles whose content may be null (OpenAI: an assistant turn with tool_calls, a legacy function result)
+CONTENT_OPTIONAL_ROLES = frozenset({"assistant", "function"})
 
 
 def template_problem(text: Any) -> Optional[str]:
@@ -78,3 +86,18 @@ def checkpoint_template_problem(*directories: Path) -> Optional[str]:
                 return f"{where}, {problem}"
     return None
 
+
+def message_problem(where: str, message: Any) -> Optional[str]:
+    """Why one chat message (a dict in OpenAI's shape) cannot go to a template, or None."""
+    if not isinstance(message, dict):
+        return f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}"
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        return f"{where}.role must be a non-empty string, got {role!r}"
+    content = message.get("content")
+    if content is None and role not in CONTENT_OPTIONAL_ROLES:
+        return (f"{where}.content is {'null' if 'content' in message else 'missing'}: a {role!r} turn needs content "
+                "(a string or a list of content parts); only an assistant turn may leave it out")
+    if content is not None and not isinstance(content, (str, list)):
+        return f"{where}.content must be a string or a list of content parts, got {type(content).__name__}"
+    return None

@@ -172,10 +172,14 @@ class LLM:
     def _chat_prompt(renderer, conv, chat_template, add_generation_prompt, tools, chat_template_kwargs,
                      mm_processor_kwargs) -> dict:
         """One conversation's engine prompt; ValueError saying why it cannot be rendered."""
+        from xllm_gen.runtime.engine.chat_template import message_problem
         if not isinstance(conv, list):
             raise ValueError(f"a conversation is a list of messages, got {type(conv).__name__}")
         media: dict[str, list] = {"image": [], "video": []}
-        for message in conv:
+        for k, message in enumerate(conv):
+            problem = message_problem(f"messages[{k}]", message)
+            if problem:
+                raise ValueError(problem)
             content = message.get("content") if isinstance(message, dict) else None
             for part in content if isinstance(content, list) else []:
                 kind = part.get("type") if isinstance(part, dict) else None

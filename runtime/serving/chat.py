@@ -17,6 +17,7 @@ import os
 from typing import Any, Optional
 from urllib.parse import unquote, urlparse
 
+from xllm_gen.runtime.engine.chat_template import message_problem
 from xllm_gen.runtime.serving.protocol import APIError
 
 
@@ -128,6 +129,9 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
     conv = []
     for m, msg in enumerate(messages):
         content = msg.content
+        problem = message_problem(f"messages[{m}]", {"role": msg.role, "content": content})
+        if problem:                    # a null user / system / tool content (OpenAI's 400), an empty role
+            raise APIError(problem, param="messages")
         if content is None or isinstance(content, str):
             conv.append(_turn(msg, content or ""))
             continue
