@@ -384,3 +384,17 @@ def test_decode_gemm_row_counts_take_their_bucket_choice(monkeypatch):
     x = torch.randn(3, 32)
     with torch.no_grad():
         assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+
+
+def test_rotary_table_covers_the_engine_context():
+    """The CUDA kernel reads cos|sin at each position unchecked: a rotary whose max_position (the spec's
+    `rotary.max_position`) is short of the engine's max_model_len gets a table covering the context, with the same
+    rows where both have them (the frequencies still read max_position)."""
+    from xllm_gen.runtime.layers.rotary import Rotary
+    short, full = Rotary(8, 10000.0, 2), Rotary(8, 10000.0, 64)
+    assert short.cos_sin_cache.shape[0] == 2
+    short.set_context_len(64)
+    assert short.cos_sin_cache.shape[0] == 64
+    assert torch.equal(short.cos_sin_cache, full.cos_sin_cache)
+    full.set_context_len(16)                         # a shorter context keeps max_position's rows
+    assert full.cos_sin_cache.shape[0] == 64

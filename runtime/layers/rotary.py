@@ -54,24 +54,27 @@ _READS_ORIGINAL = ("yarn", "frequency_bands", "longrope")
 def _rope_tables(head_dim: int, theta: float, max_position: int, device: torch.device,
                  scaling: Optional[Mapping[str, Any]] = None, full_dim: Optional[int] = None,
                  context_len: Optional[int] = None, longrope_factors: str = "by_context",
-                 longrope_mscale: bool = False):
-    """(inv_freq [D/2], cos|sin [max_position, D], attention_factor): float32 tensors, cos and sin already
+                 longrope_mscale: bool = False, rows: Optional[int] = None):
+    """(inv_freq [D/2], cos|sin [rows, D], attention_factor): float32 tensors, cos and sin already
     multiplied by attention_factor (as transformers does before casting), built once per (shape, theta,
     scaling, device) and shared by every layer: a 262k-position table is 134 MB, too much to hold once per
-    layer."""
+    layer. `rows` (default max_position): the positions the table covers, the engine's context where it is longer
+    (the frequencies still read max_position, transformers' max_position_embeddings)."""
+    rows = max_position if rows is None else rows
     skey = _scaling_key(scaling)
     if not scaling or dict(scaling).get("rope_type", dict(scaling).get("type")) not in CONTEXT_DEPENDENT:
         context_len = None                  # the frequencies do not depend on it: share the table
-    key = (head_dim, theta, max_position, skey, full_dim, context_len, longrope_factors, longrope_mscale, str(device))
+    key = (head_dim, theta, max_position, rows, skey, full_dim, context_len, longrope_factors, longrope_mscale,
+           str(device))
     if key not in _TABLES:
-        cpu_key = (head_dim, theta, max_position, skey, full_dim, context_len, longrope_factors, longrope_mscale,
-                   "cpu")
+        cpu_key = (head_dim, theta, max_position, rows, skey, full_dim, context_len, longrope_factors,
+                   longrope_mscale, "cpu")
         cpu = _TABLES.get(cpu_key)
         if cpu is None:
             with torch.device("cpu"):       # computed on CPU even inside a torch.device("meta"/"cuda") build
                 inv_freq, factor = rope_parameters(head_dim, theta, max_position, scaling, full_dim, context_len,
                                                    longrope_factors, longrope_mscale)
-                freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+                freqs = torch.arange(rows, dtype=torch.float)[:, None] * inv_freq[None, :]
                 cos, sin = freqs.cos(), freqs.sin()
                 if factor != 1.0:
                     cos, sin = cos * factor, sin * factor
@@ -149,6 +152,7 @@ class Rotary(nn.Module):
             # transformers writes over the rope mapping's key)
             self.scaling["original_max_position_embeddings"] = original_max_position
         self.context_len: Optional[int] = None      # the engine's max_model_len (set_context_len)
+        self.rows = max_position        # the CUDA kernel's table covers every position the engine serves
         half = rotary_dim // 2
         # the tables (inv_freq, cos|sin, attention_factor) are built on first use, on the device of the inputs:
         # a model built only to read its parameter shapes (tp_check's meta build at compile time) never builds
@@ -183,7 +187,12 @@ class Rotary(nn.Module):
     def set_context_len(self, context_len: int) -> None:
         """The engine's max_model_len, told once after the model is built and before any step: the scaling
         kinds whose frequencies depend on the context (longrope: short_factor up to the original context,
-        long_factor beyond; see rope_parameters) choose their tables from it, for every position."""
+        long_factor beyond; see rope_parameters) choose their tables from it, for every position. The cos|sin table
+        covers the context where it is longer than max_position (the CUDA kernel reads it at each position
+        unchecked: a spec whose max_position is short of the engine's context would read past its end)."""
+        if max(self.max_position, context_len) != self.rows:
+            self.rows = max(self.max_position, context_len)
+            self._tables = None
         if self.rope_type not in CONTEXT_DEPENDENT or not self.head_dim or context_len == self.context_len:
             return
         self.context_len = context_len
@@ -207,7 +216,7 @@ class Rotary(nn.Module):
         if self._tables is None:
             self._tables = _rope_tables(self.head_dim, self.theta, self.max_position, self._device, self.scaling,
                                         self.full_head_dim, self.context_len, self.longrope_factors,
-                                        self.longrope_mscale)
+                                        self.longrope_mscale, self.rows)
         return self._tables
 
     @property
