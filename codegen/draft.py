@@ -2,7 +2,7 @@
 
 What it reads (transformers is imported here only, lazily: a normal compile never imports it):
   - the config class of the architecture (`transformers.<Arch>.config_class`), or a checkpoint's config.json
-    (its `architectures[0]` names the class; its values become the defaults);
+    (its `architectures[0]` names the class; its fields are drafted, with the class's defaults);
   - the parameter names and shapes of the HF model built on the meta device from that config (2 layers), and,
     for every bool config field, of the model built with the field flipped: the parameters a flag adds or
     removes tell which projection bias (or which tying) the flag controls;
@@ -199,12 +199,19 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     controls = _bias_controls(cls, config, full, names)
     layer = _find_layer(d, names, prefix)
     norm_kind = "layernorm" if (layer.attn_norm + ".bias") in names else "rmsnorm"
-    eps = _eps(d, full)
-    _config_symbols(d, full, type(config))
+    # a symbol's default is what an absent field means to transformers (the class's default), not the checkpoint's
+    # value: a drafted spec serves another checkpoint that omits the field as transformers does
+    try:
+        class_defaults = type(config)().to_dict()
+    except Exception:  # noqa: BLE001 - a class that cannot be built with its defaults: the checkpoint's values
+        class_defaults = {}
+    defaults = {k: class_defaults.get(k, v) for k, v in full.items()}
+    eps = _eps(d, defaults)
+    _config_symbols(d, defaults, type(config))
     _other_fields(d, full, controls)
     _source_hints(d, cls)
     _unused_parameters(d, names, layer)
-    return _render(d, target, type(config).__name__, full, names, controls, layer, norm_kind, eps), d
+    return _render(d, target, type(config).__name__, defaults, names, controls, layer, norm_kind, eps), d
 
 
 def _layer_prefix(d: Draft, names: set) -> str:
@@ -327,6 +334,24 @@ def _fixed_default(config_cls, field: str):
     return value if isinstance(value, int) and not isinstance(value, bool) and probe.get(field) == value else None
 
 
+def _if_null(config_cls, field: str) -> str:
+    """`, if_null: ...` where the class computes an explicit null of `field` from the heads (Qwen3Config:
+    num_key_value_heads absent is 32, null is num_attention_heads; head_dim null is hidden / heads)."""
+    # (the if_null, its value, the size moved so that it differs from the class default)
+    formula, value, size = {
+        "num_key_value_heads": ("num_attention_heads", lambda c: c["num_attention_heads"], "num_attention_heads"),
+        "head_dim": ('"hidden_size // num_attention_heads"', lambda c: c["hidden_size"] // c["num_attention_heads"],
+                     "hidden_size")}[field]
+    try:
+        base = config_cls().to_dict()
+        probe = {**base, field: None, size: base[size] * 2}
+        if getattr(config_cls.from_dict(probe), field) == value(probe):
+            return f", if_null: {formula}"
+    except Exception:  # noqa: BLE001 - a class that cannot be built so: the null stays refused by the reader
+        pass
+    return ""
+
+
 def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
     """The symbols every decoder reads (sizes, eps, rope, activation), with the checklist items they raise. An
     absent num_key_value_heads / head_dim means what it means to transformers: the class's constant default
@@ -337,7 +362,7 @@ def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
         fixed = _fixed_default(config_cls, f) if config_cls is not None and f in (
             "num_key_value_heads", "head_dim") else None
         if fixed is not None:
-            d.symbols[f] = f"{{type: int, from: {f}, default: {fixed}}}"
+            d.symbols[f] = f"{{type: int, from: {f}, default: {fixed}{_if_null(config_cls, f)}}}"
         elif f == "num_key_value_heads":
             d.symbols[f] = "{type: int, from: [num_key_value_heads, num_attention_heads]}"
         elif f == "head_dim":
@@ -373,7 +398,8 @@ def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
     act_field = _act_field(full)
     if act_field:
         act = full.get(act_field, "silu")
-        d.symbols[act_field] = f"{{type: str, from: {act_field}, default: {act}, values: [{act}]}}"
+        acts = sorted({act, d.config.get(act_field, act)})      # the class's default and the checkpoint's
+        d.symbols[act_field] = f"{{type: str, from: {act_field}, default: {act}, values: [{', '.join(acts)}]}}"
     else:
         d.checklist.append("no activation field in the config: the draft uses silu (check the modeling file)")
 
@@ -457,7 +483,7 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
                                f"({', '.join(sorted(str(f) for f in flags))}): one flag per fused projection")
         flag = next(iter(flags))
         if flag:
-            d.symbols[flag] = f"{{type: bool, from: {flag}, default: {_yaml_scalar(d.config.get(flag))}}}"
+            d.symbols[flag] = f"{{type: bool, from: {flag}, default: {_yaml_scalar(full.get(flag))}}}"
             return flag
         return "true" if all(present) else "false"
 

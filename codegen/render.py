@@ -97,10 +97,10 @@ def config_order(ir: ModelIR) -> list:
         if f.name in done:
             return
         done[f.name] = True
-        e = f.expr if f.derived else f.default_expr
-        for n in (e.names if e is not None else ()):
-            if n in fields:
-                visit(fields[n])
+        for e in (f.expr if f.derived else f.default_expr, f.if_null):
+            for n in (e.names if e is not None else ()):
+                if n in fields:
+                    visit(fields[n])
         out.append(f)
 
     for f in ir.config:
@@ -127,6 +127,8 @@ def from_hf_line(f: ConfigFieldIR) -> str:
         args.append(f"default_fn=lambda: {f.default_expr.py('c', subscript=True)}")
     elif f.default is not None:
         args.append(f"default={f.default!r}")
+    if f.if_null is not None:
+        args.append(f"if_null=lambda: {f.if_null.py('c', subscript=True)}")
     if f.values and f.type == "rope":          # checkpoint names -> the rotary's scaling kinds
         kinds = {v: HF_ROPE_TYPES[v] for v in f.values}
         kinds.update((alias, HF_ROPE_TYPES[target]) for alias, target in f.aliases)

@@ -73,9 +73,10 @@ class ConfigResolver:
                 raise self.err(path + ("guard",), f"config.{name}.guard: a guard-only symbol restricts its field: give "
                                                   f"`values`, `min` or `max` (a fixed value is `config_assume`)")
             if f.expr is not None:
-                if f.from_ is not None or f.default is not None or f.default_expr is not None:
+                if (f.from_ is not None or f.default is not None or f.default_expr is not None
+                        or f.if_null is not None):
                     raise self.err(path + ("expr",), f"config.{name}: a derived symbol (`expr`) reads no config.json "
-                                                     f"field: drop `from` / `default`")
+                                                     f"field: drop `from` / `default` / `if_null`")
                 pending.append((name, f, path))
                 self.config[name] = ConfigFieldIR(name, f.type, (), None, False, f.doc.strip(), expr=True,
                                                   optional=f.optional, values=tuple(f.values) if f.values else None,
@@ -101,7 +102,10 @@ class ConfigResolver:
                 if f.type.endswith("_tuple"):
                     default = tuple(default)
             has_default = default is not None or f.optional or f.default_expr is not None or f.type == "rope" or f.present
-            if f.default_expr is not None:
+            if f.if_null is not None and (f.optional or f.present or f.type == "rope"):
+                raise self.err(path + ("if_null",), f"config.{name}.if_null: an optional symbol reads null as None, a "
+                                                    f"rope symbol as the default rope; `if_null` is for the others")
+            if f.default_expr is not None or f.if_null is not None:
                 pending.append((name, f, path))
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
@@ -110,12 +114,14 @@ class ConfigResolver:
             if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
         for name, f, path in pending:       # expressions may name symbols declared after them
-            key = "expr" if f.expr is not None else "default_expr"
-            e = self.expr(path + (key,), getattr(f, key))
-            if name in e.names:
-                raise self.err(path + (key,), f"config.{name}.{key}: a symbol cannot refer to itself")
-            self.config[name] = dataclasses.replace(self.config[name], **{"expr" if key == "expr" else "default_expr":
-                                                                          e})
+            for key in ("expr", "default_expr", "if_null"):
+                if getattr(f, key) is None:
+                    continue
+                src = getattr(f, key)
+                e = self.expr(path + (key,), src if isinstance(src, str) else repr(src))   # if_null: 2, false
+                if name in e.names:
+                    raise self.err(path + (key,), f"config.{name}.{key}: a symbol cannot refer to itself")
+                self.config[name] = dataclasses.replace(self.config[name], **{key: e})
         self.check_cycles()
         self.resolve_guard()
         ctx = self.config.get("max_position_embeddings")
@@ -167,7 +173,7 @@ class ConfigResolver:
 
     def check_cycles(self) -> None:
         """Derived symbols and default expressions form no cycle."""
-        deps = {n: set((f.expr or f.default_expr).names) if (f.expr or f.default_expr) else set()
+        deps = {n: {x for e in (f.expr, f.default_expr, f.if_null) if e is not None for x in e.names}
                 for n, f in self.config.items()}
         state: Dict[str, int] = {}
 

@@ -79,10 +79,12 @@ class Report:
     tol: float
     refused: str | None = None
     prompts: list = dataclasses.field(default_factory=list)
+    defaults: list = dataclasses.field(default_factory=list)   # absent / null fields read unlike transformers
+    reference: str = ""            # the transformers class compared with (a note where model_type chose it)
 
     @property
     def ok(self) -> bool:
-        return self.refused is None and all(
+        return self.refused is None and not self.defaults and all(
             p.first_token_diff is None and p.logprob_bad_position is None
             and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
 
@@ -101,7 +103,8 @@ class Report:
         head = f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}, tolerance {self.tol:g})"
         if self.refused:
             return f"{head}\nREFUSED by {self.refused}\nFAIL"
-        lines = [head]
+        lines = [head] + ([self.reference] if self.reference else [])
+        lines += [f"default DIFFERS: {d}" for d in self.defaults]
         n_layers = len(self.prompts[0].layers) if self.prompts else 0
         worst = [max((p.layers[l].max_rel for p in self.prompts), default=0.0) for l in range(n_layers)]
         lines.append("per-layer max relative error (teacher-forced, all prompts): "
@@ -113,8 +116,10 @@ class Report:
                             f"DIFFER at step {d}: engine {p.engine_tokens[d:d + 4]} vs transformers {p.hf_tokens[d:d + 4]}")
                          + f"; log-probabilities max error {p.logprob_err:.1e}"
                          + ("" if p.logprob_bad_position is None else
-                            f" DIFFER from position {p.logprob_bad_position} (> {LOGPROB_TOL[self.dtype]:g}: the "
-                            f"output distribution, after the last layer: final norm, lm_head, logit scale / soft-cap)"))
+                            f" DIFFER from position {p.logprob_bad_position} (> {LOGPROB_TOL[self.dtype]:g}"
+                            + ("" if any(e.first_bad_position is not None for e in p.layers) else
+                               ": every layer agrees, so after the last layer: final norm, lm_head, logit scale / "
+                               "soft-cap") + ")"))
         first = self.first_divergence()
         if first is not None:
             i, p, e = first
@@ -246,6 +251,25 @@ def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
 
 
 # ------------------------------------------------------------------------------------------------ verify
+def _model_type_class(cls, model_type, report: Report):
+    """(model class, config class): `cls` and its own config class, or where config.json's `model_type` has another
+    config class (one architecture name shared by several model types: Glm4MoeForCausalLM for glm4_moe /
+    sarvam_moe / param2moe, each with its own defaults), that config class and its causal-LM class."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    own = getattr(cls, "config_class", None)
+    try:
+        config_cls = CONFIG_MAPPING[model_type]
+    except (KeyError, TypeError):
+        return cls, own
+    if own is None or own is config_cls:
+        return cls, own
+    other = MODEL_FOR_CAUSAL_LM_MAPPING.get(config_cls, cls)
+    report.reference = (f"reference: {other.__name__} with {config_cls.__name__} (config.json's model_type "
+                        f"{model_type!r}, as transformers' Auto classes read it), not {own.__name__}")
+    return other, config_cls
+
+
 def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32", max_tokens: int = 16,
            prompt_lens: Sequence[int] = (3, 9, 17, 30), rtol: float | None = None, seed: int = 0) -> Report:
     import numpy as np
@@ -278,12 +302,19 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         text_cfg = hf_cfg.get("text_config") if isinstance(hf_cfg.get("text_config"), dict) else hf_cfg
         n_layers = int(text_cfg.get("num_hidden_layers", getattr(config, "num_hidden_layers", 0)))
 
-        # the reference
+        # the reference: the architecture's class, or the class config.json's model_type names where that reads the
+        # config with another config class (transformers' Auto classes and vLLM's config parsing follow model_type)
         import transformers
         torch_dtype = getattr(torch, dtype)
         cls = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
+        cls, config_cls = _model_type_class(cls, hf_cfg.get("model_type"), report)
+        if config_cls is not None:
+            from .defaults_check import default_mismatches
+            report.defaults = default_mismatches(ir.config, model_module.Config, config_cls, hf_cfg, arch, ir.name)
         try:
-            hf = cls.from_pretrained(str(ckpt), dtype=torch_dtype, attn_implementation="eager").to(device).eval()
+            extra = {"config": config_cls.from_pretrained(str(ckpt))} if report.reference else {}
+            hf = cls.from_pretrained(str(ckpt), dtype=torch_dtype, attn_implementation="eager",
+                                     **extra).to(device).eval()
         except Exception as e:      # the reference side: say so (the spec is not what failed)
             raise VerifyError(f"{checkpoint}: transformers {transformers.__version__} cannot load it with {cls.__name__}"
                               f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so there is no "

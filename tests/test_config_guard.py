@@ -358,3 +358,45 @@ def test_mrope_blocked_checkpoint_is_refused_by_name():
     cfg["text_config"]["rope_parameters"]["mrope_interleaved"] = False
     with pytest.raises(ConfigError, match="mrope_kind.*'mrope_blocked'"):
         model.Config.from_hf(cfg)
+
+
+# ---- an explicit null: what transformers' config class makes of None (`if_null`) --------------------------------
+
+def test_explicit_null_reads_as_the_class_computes_it():
+    """Qwen3Config: num_key_value_heads absent is 32, null is num_attention_heads (`if_null`); a bool null is false
+    (the modeling code tests it by truth); a number without an `if_null` is refused naming the field (transformers
+    has no value for it), where absent reads its default."""
+    import transformers
+    model = compile_spec(SPECS / "qwen3.yaml").module()
+    hf = _hf(num_attention_heads=8)
+    hf.pop("num_key_value_heads")
+    assert model.Config.from_hf(hf).num_key_value_heads == 32
+    assert model.Config.from_hf({**hf, "num_key_value_heads": None}).num_key_value_heads == 8
+    assert transformers.Qwen3Config(**{**hf, "num_key_value_heads": None}).num_key_value_heads == 8
+    assert model.Config.from_hf({**hf, "attention_bias": None}).attention_bias is False
+    with pytest.raises(ConfigError, match=r"qwen3\.yaml: config\.json field 'max_window_layers' is null, and the spec "
+                                          r"says nothing of what a null 'max_window_layers' means"):
+        model.Config.from_hf({**hf, "max_window_layers": None})
+
+
+def test_if_null_is_checked_at_compile(tmp_path):
+    path, text = _mutant(tmp_path, "qwen3.yaml", ("if_null: num_attention_heads}", "if_null: num_attention_head}"))
+    err = _compile_error(path)
+    assert "config.num_key_value_heads.if_null: unknown config symbol 'num_attention_head'" in err.message
+    path, _ = _mutant(tmp_path, "qwen3.yaml", ("  sliding_window:          {type: int, from: sliding_window, optional: true,",
+                                               "  sliding_window:          {type: int, from: sliding_window, optional: true, if_null: 4,"),
+                      name="m2.yaml")
+    assert "an optional symbol reads null as None" in _compile_error(path).message
+
+
+def test_default_expr_failing_on_a_checkpoint_names_the_symbol(tmp_path):
+    """A default_expr that cannot be computed from a config.json (an index past a list) is a config error naming the
+    spec and the symbol, as a derived symbol's is (it was a bare IndexError)."""
+    path, _ = _mutant(tmp_path, "qwen3.yaml", (
+        "  layer_types:\n", "  picks:                   {type: int_tuple, from: picks, default: [0, 1, 2, 3]}\n"
+                            "  first_pick:              {type: int, from: first_pick, default_expr: \"picks[3]\", guard: true, min: 0}\n"
+                            "  layer_types:\n"))
+    model = compile_spec(path).module()
+    with pytest.raises(ConfigError, match=r"mutant\.yaml: symbol 'first_pick': its default_expr cannot be computed "
+                                          r"from config\.json: IndexError"):
+        model.Config.from_hf(_hf(picks=[1]))

@@ -15,6 +15,7 @@ class ConfigFieldIR:
     doc: str = ""
     expr: Any = None              # derived symbol: an Expr over other symbols (reads no config.json path)
     default_expr: Any = None      # fallback Expr when no path is present
+    if_null: Any = None           # Expr: the value of an explicit null in config.json (none: the reader's rule)
     values: Optional[Tuple[str, ...]] = None   # str / rope: the admitted values
     aliases: Tuple[Tuple[str, str], ...] = ()  # rope: (config.json rope_type name, the admitted value it is read as)
     optional: bool = False        # None admitted

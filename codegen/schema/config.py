@@ -24,6 +24,11 @@ class ConfigField(Strict):
     from_: Optional[Union[StrictStr, List[StrictStr]]] = Field(default=None, alias="from")
     default: Optional[Scalar] = None     # a literal used when no path is present (none: the field is required)
     default_expr: Optional[StrictStr] = None  # an expression over other symbols used when no path is present
+    # what an explicit null in config.json means, where the config class computes a value for None (Qwen3Config's
+    # num_key_value_heads: absent 32, null num_attention_heads): an expression over other symbols. Without it a null
+    # is the computed default (`default_expr`), false (a bool: the modeling code tests it by truth), None
+    # (`optional`), the default rope (a rope symbol), and otherwise refused by name
+    if_null: Optional[Union[StrictStr, StrictBool, StrictInt, StrictFloat]] = None   # a number: that constant
     expr: Optional[StrictStr] = None     # a derived symbol: an expression, no config.json field read
     values: Optional[List[StrictStr]] = None  # str / rope symbols: the values (rope types) the spec models
     # rope symbols: other rope_type names config.json may carry, each read as one of `values` (transformers' Phi3Config

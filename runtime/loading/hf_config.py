@@ -149,7 +149,7 @@ class ConfigReader:
     def read(self, name: str, type_: str, paths: tuple[str, ...], *, default: Any = MISSING,
              default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
              optional: bool = False, bounds: tuple = (None, None), positive: bool = False,
-             truthy: bool = False) -> Any:
+             truthy: bool = False, if_null: Optional[Callable[[], Any]] = None) -> Any:
         self.read_paths.update(paths)
         where = None
         for p in paths:
@@ -160,11 +160,27 @@ class ConfigReader:
             if v is not MISSING:
                 where, value = p, v
                 break
-        if where is None and optional and any(_present_null(self.hf, p) for p in paths):
-            where, value = next(p for p in paths if _present_null(self.hf, p)), None   # an explicit null: None
+        null_at = None if where is not None else next((p for p in paths if _present_null(self.hf, p)), None)
+        if null_at is not None and not optional and type_ in ("int", "float", "str", "bool"):
+            # an explicit null is what transformers' config class makes of None, not its class default (the value of
+            # an absent field): what the spec states (`if_null`), false for a flag the modeling code tests by truth;
+            # a number or name has no meaning the spec knows (transformers fails on it); a list (token ids, per-layer
+            # lists) reads a null as its default
+            if if_null is not None:
+                where, value = f"{null_at} (null)", self._formula(name, "if_null", if_null)
+            elif default_fn is not None:       # the default computed from other symbols, as the class computes it
+                pass
+            elif type_ == "bool":
+                where, value = f"{null_at} (null)", False
+            else:
+                raise self.error(f"config.json field '{null_at}' is null, and the spec says nothing of what a null "
+                                 f"'{name}' means (its absence means the default; a spec states a null's meaning "
+                                 f"with `if_null`)")
+        if where is None and optional and null_at is not None:
+            where, value = null_at, None   # an explicit null: None
         if where is None:
             if default_fn is not None:
-                value = default_fn()
+                value = self._formula(name, "default_expr", default_fn)
             elif default is not MISSING:
                 value = default
             elif optional or type_ == "rope":     # no rope parameters: the default rope
@@ -179,6 +195,15 @@ class ConfigReader:
             raise self.error(f"config.json field '{where}' = {value!r} must be > 0")
         self.values[name] = value
         return value
+
+    def _formula(self, name: str, key: str, fn: Callable[[], Any]) -> Any:
+        """A symbol's `default_expr` / `if_null` evaluated on this checkpoint (a formula that fails on it is a
+        config error naming the symbol, not a bare IndexError)."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a formula that fails on this checkpoint is a config error
+            raise self.error(f"symbol '{name}': its {key} cannot be computed from config.json: "
+                             f"{type(exc).__name__}: {exc}") from None
 
     def derive(self, name: str, type_: str, fn: Callable[[], Any], *, optional: bool = False,
                values: Optional[tuple] = None, bounds: tuple = (None, None), source: str = "") -> Any:

@@ -1,0 +1,131 @@
+"""The spec's reading of absent and null config.json fields against transformers' config class (issue 20): what an
+absent field means is the class's default for that family, never "anything goes", and an explicit null is what the
+class makes of None (`if_null`). Used by `xllm-gen verify` on the checkpoint's own config.json and by
+tests/test_absent_defaults.py on every served family's class defaults.
+
+For each symbol the spec reads from a top-level field: (1) the field absent (its fallbacks, other fields, as given);
+(2) absent, and each fallback field present with another valid value (a fallback transformers does not read, Gemma
+2's hidden_act beside hidden_activation, must not change the value); (3) absent, and the heads or the hidden size
+doubled (a constant default and one computed from them coincide at the class defaults); (4) the field null, with the
+sizes as given and doubled. The spec's value must equal the class's, or the config be refused (never served wrong);
+a null that transformers gives a value, where the spec serves the field absent, must not be refused.
+"""
+from __future__ import annotations
+
+import json
+
+# identity and generation-stop fields (the engine also reads generation_config.json), not the math
+NOT_MATH = {"eos_token_id", "bos_token_id", "pad_token_id", "model_type"}
+
+# (spec, symbol): the spec's value means what transformers' value means, spelled differently
+SAME_MEANING = {
+    ("bamba", "attn_layer_indices"): "() and None: no attention layer listed",
+    # the original RefinedWeb names, as the first Falcon configs write them (transformers 4's FalconConfig mapped
+    # them; 5.25's ignores them and builds its class defaults): the spec reads them as the model was trained
+    ("falcon", "num_hidden_layers"): "n_layer: the RefinedWeb name of num_hidden_layers",
+    ("falcon", "num_attention_heads"): "n_head: the RefinedWeb name of num_attention_heads",
+    ("falcon", "num_kv_heads"): "n_head_kv: the RefinedWeb name of num_kv_heads",
+    ("falcon", "num_ln_in_parallel_attn"): "None is 2 with new_decoder_architecture (transformers' modeling rule)",
+    ("gpt2", "intermediate_size"): "n_inner None is 4 * hidden_size (modeling code)",
+    ("gpt_bigcode", "intermediate_size"): "n_inner None is 4 * hidden_size (modeling code)",
+    ("gpt_neo", "intermediate_size"): "None is 4 * hidden_size (modeling code)",
+    ("hunyuan_v1_moe", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
+    ("hunyuan_v1_moe", "moe_topk_list"): "an int top-k is the same top-k on every layer",
+    ("minimax", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
+    ("mixtral", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
+    ("lfm2", "full_attn_idxs"): "None is every layer (transformers' Lfm2Config)",
+    ("gemma4", "use_bidirectional_attention"): "a guard on the vision tokens' attention: text prompts alike",
+    ("llama4", "no_rope_layers_given"): "the raw field; the derived no_rope_layers applies the class's default",
+    # an optional read whose null the spec's derived symbol or block gives transformers' meaning
+    ("falcon_h1", "num_key_value_heads_read"): "None: the derived num_key_value_heads is num_attention_heads",
+    ("minicpm5_moe", "head_dim_field"): "None: the derived head_dim is hidden_size // num_attention_heads",
+    ("minicpm3", "scale_depth"): "None: the residual scale is 1 (scale_depth = sqrt(num_hidden_layers))",
+    ("minicpm3", "dim_model_base"): "None: no logit scaling (dim_model_base = hidden_size)",
+    ("qwen2_moe", "sliding_window"): "None and 0 (use_sliding_window off): no window",
+}
+# (3): a default computed from these (head_dim = hidden / heads) or constant (Qwen3Config's 128) only shows when
+# they move away from the class defaults, where the two coincide
+SIZES = ("num_attention_heads", "hidden_size")
+
+
+def _norm(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _other(value, typ: str, values: tuple):
+    """Another valid value of a field of type `typ` (None: none to offer)."""
+    if typ == "str":
+        return next((v for v in values if v != value), None)
+    if isinstance(value, bool) or typ == "bool":
+        return None if value is None else not value
+    if typ == "int" and isinstance(value, int):
+        return value * 2 if value else 1
+    if typ == "float" and isinstance(value, (int, float)):
+        return value * 2 if value else 0.5
+    return None
+
+
+def _mismatch(cls, config, hf: dict, field: str, name: str, what: str, null: bool = False,
+              typ: str = "", served_absent: bool = True) -> str | None:
+    """transformers' value of `field` on this config.json vs the spec's symbol `name` (None: the same, or no
+    reference / a refusal). `null`: config.json writes the field as null (`served_absent`: the spec has a default, so
+    refusing the null where transformers gives it a value refuses a checkpoint transformers serves)."""
+    try:
+        want = getattr(cls.from_dict(json.loads(json.dumps(hf))), field)
+    except Exception:                        # transformers cannot build it: nothing to compare
+        return None
+    try:
+        got = getattr(config.from_hf(json.loads(json.dumps(hf))), name)
+    except ValueError as e:                  # refused by the guard: never served wrong
+        if null and want is not None and served_absent and f"field '{field}' is null" in str(e):
+            # but a null that transformers gives a value must be read as that value (`if_null`), not refused
+            return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec refuses the null"
+        return None
+    if null and want is None and (got is False or typ != "bool"):
+        # transformers keeps the null: its modeling code tests a flag by truth (false), and has no value for a number
+        # (it fails, or computes one in the modeling code, which this check cannot see): nothing to compare
+        return None
+    if _norm(got) == _norm(want) or (isinstance(want, (int, float)) and not isinstance(want, bool)
+                                     and isinstance(got, (int, float)) and not isinstance(got, bool)
+                                     and float(got) == float(want)):
+        return None
+    return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec reads {name} = {got!r}"
+
+
+def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spec_name: str = "") -> list[str]:
+    """The disagreements (text) of the generated `config` (its Config class) with transformers' `config_cls`, for the
+    symbols `ir_config` (the compiled IR's) reads, around the config.json dict `base`."""
+    cls = config_cls
+    wrong = []
+    for f in ir_config:      # the symbols read from config.json
+        if f.expr is not None or f.present or not f.paths:
+            continue
+        name, typ, paths, values = f.name, f.type, list(f.paths), tuple(f.values or ())
+        field = paths[0]
+        if "." in field or typ == "rope" or field not in base or field in NOT_MATH:
+            continue
+        if (spec_name, name) in SAME_MEANING:
+            continue
+        hf = {k: v for k, v in base.items() if k != field}
+        hf["architectures"] = [arch]
+        wrong.append(_mismatch(cls, config, hf, field, name, f"{field} absent"))
+        for alias in paths[1:]:
+            if "." in alias or alias in NOT_MATH:
+                continue
+            other = _other(base.get(alias, base[field]), typ, values)
+            if other is not None:
+                wrong.append(_mismatch(cls, config, {**hf, alias: other}, field, name,
+                                       f"{field} absent, {alias} = {other!r}"))
+        for size in SIZES:      # (3) a size another default may be computed from, doubled: constant or computed?
+            if size != field and size not in paths and isinstance(base.get(size), int):
+                wrong.append(_mismatch(cls, config, {**hf, size: base[size] * 2}, field, name,
+                                       f"{field} absent, {size} = {base[size] * 2}"))
+        # (4) the field written as null: what the class makes of None (Qwen3Config: num_key_value_heads absent is 32,
+        # null is num_attention_heads), with the sizes as given and doubled
+        for size in (None,) + SIZES:
+            if size is None or (size != field and isinstance(base.get(size), int)):
+                nulled = {**hf, field: None, **({size: base[size] * 2} if size else {})}
+                wrong.append(_mismatch(cls, config, nulled, field, name, f"{field} null" + (
+                    f", {size} = {base[size] * 2}" if size else ""), null=True, typ=typ,
+                                       served_absent=f.has_default))
+    return [w for w in wrong if w]
