@@ -233,3 +233,18 @@ def test_draft_states_what_an_absent_field_means():
     assert _fixed_default(seed, "num_key_value_heads") == seed.from_dict({"num_attention_heads": 96}).num_key_value_heads
     assert _fixed_default(llama, "num_key_value_heads") is None
     assert llama.from_dict({"num_attention_heads": 64}).num_key_value_heads == 64
+
+
+def test_verify_checks_the_defaults_against_the_config_class(drafted, ckpt):
+    """A wrong `default` passes every token and layer where the checkpoint writes the field (transformers 5 writes
+    them all); verify also reads each field absent and null against the config class, so it fails naming it."""
+    from xllm_gen.codegen.verify import verify
+
+    text = drafted.read_text()
+    line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("mlp_bias:"))
+    bad = _variant(drafted, drafted.parent / "wrong_default.yaml", line,
+                   line.replace("default: false", "default: true"))
+    r = verify(bad, ckpt, max_tokens=2, prompt_lens=[3])
+    assert all(p.first_token_diff is None for p in r.prompts) and not r.ok
+    assert any(d.startswith("mlp_bias absent: transformers' SeedOssConfig means mlp_bias = False") for d in r.defaults)
+    assert "default DIFFERS: mlp_bias absent" in r.text()

@@ -112,6 +112,7 @@ def test_unknown_parsers_are_named():
     assert tool_parsers.get("qwen3") is tool_parsers.get("hermes")
 
 
+@pytest.mark.slow                   # three server starts (~19 s); tests/test_chat.py checks the same at load, offline
 def test_a_chat_template_that_does_not_compile_is_refused_at_start(qwen3_tied, tmp_path):
     """Every chat request would fail on it: the server does not start, naming the file and the line (the
     checkpoint's or --chat-template's, before the model loads); --chat-template replaces a broken checkpoint's."""
