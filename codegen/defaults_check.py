@@ -98,8 +98,10 @@ def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spe
     cls = config_cls
     wrong = []
     for f in ir_config:      # the symbols read from config.json
-        if f.expr is not None or f.present or not f.paths:
+        if f.expr is not None or f.present or not f.paths or f.guard:    # a guard-only symbol reaches no block
             continue
+        if f.optional and f.default is None and f.default_expr is None:
+            continue        # absent is None, whose meaning is in the expressions that read it (not judged here)
         name, typ, paths, values = f.name, f.type, list(f.paths), tuple(f.values or ())
         field = paths[0]
         if "." in field or typ == "rope" or field not in base or field in NOT_MATH:

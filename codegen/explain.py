@@ -271,7 +271,9 @@ def variant_config(module, ir: ModelIR, v: VariantIR):
     back by the generated `Config.from_hf` (defaults and derived symbols as for a real checkpoint)."""
     values = dict(v.values)
     hf: dict = {"architectures": list(ir.architectures)}
-    for f in ir.config:
+    # mappings first (a rope symbol's rope_parameters), then the fields inside them (rope_parameters.rope_theta):
+    # in declaration order the mapping written after its theta overwrote the variant's theta
+    for f in sorted(ir.config, key=lambda f: not isinstance(values.get(f.name), dict)):
         if not f.paths or values.get(f.name) is None:
             continue
         *parents, leaf = f.paths[0].split(".")

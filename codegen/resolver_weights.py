@@ -101,6 +101,25 @@ class WeightsResolver:
             if e is not None:
                 wt = dataclasses.replace(wt, layout=self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e))
             out.append(wt)
+        return self.bias_layouts(out, keys, section, where_s)
+
+    def bias_layouts(self, out: list, keys: dict, section: tuple, where_s: str) -> Tuple[WeightIR, ...]:
+        """A fused bias read from one tensor holds its rows in its weight's layout: it takes the weight's layout
+        where its entry gives none (GPTBigCode's c_attn bias, per kv_group like its weight: read blocked, it was
+        right only where the two orders coincide, multi-query), and one that differs is an error."""
+        at = {wt.param.name: i for i, wt in enumerate(out)}
+        for i, wt in enumerate(out):
+            name = wt.param.name
+            w = at.get(name[:-len(".bias")] + ".weight") if name.endswith(".bias") else None
+            if w is None or out[w].layout is None or len(wt.sources) != 1 or len(wt.param.segments or ()) < 2:
+                continue
+            if wt.layout is None:
+                out[i] = dataclasses.replace(wt, layout=out[w].layout)
+            elif wt.layout != out[w].layout:
+                key = keys.get(name, name)
+                raise self.err(section + (key, "layout"), f"{where_s}['{key}'].layout: the bias's rows are laid out "
+                                                          f"as its weight's ({keys.get(out[w].param.name)}), or the "
+                                                          f"two disagree on which row is which segment")
         return tuple(out)
 
     def source_exprs(self, p: ParamIR, sources, path, where_s: str, key: str, looped: bool) -> Tuple[str, ...]:

@@ -400,3 +400,14 @@ def test_default_expr_failing_on_a_checkpoint_names_the_symbol(tmp_path):
     with pytest.raises(ConfigError, match=r"mutant\.yaml: symbol 'first_pick': its default_expr cannot be computed "
                                           r"from config\.json: IndexError"):
         model.Config.from_hf(_hf(picks=[1]))
+
+
+def test_variant_rope_mapping_keeps_the_variants_theta(tmp_path):
+    """A variant's config is written at each symbol's config.json path: a rope symbol's mapping (rope_parameters)
+    declared after rope_theta (rope_parameters.rope_theta) overwrote the variant's theta, and a guard over the theta
+    refused a correct variant (a blind DBRX spec)."""
+    path, _ = _mutant(tmp_path, "qwen3.yaml", (
+        "values: [default, linear, dynamic, yarn]}",
+        "values: [default, linear, dynamic, yarn], default: {rope_type: default}}\n"
+        "  theta_floor:             {type: float, expr: rope_theta, min: 1000000.0, guard: true}"))
+    compile_spec(path)          # the variants' rope_theta 1e6 reaches the guard (it read 10000 before)

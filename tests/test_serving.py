@@ -430,6 +430,7 @@ def test_full_queue_and_sigterm(qwen3_tied, mode):
         assert srv.proc.wait(60) == 0
         for p in family:                     # the core stopped with the API process, not orphaned
             p.wait(10)
+        assert sorted(got) == [0, 1], f"a stream was cut, not finished: {sorted(got)}"   # (the loop below checks them)
         for lines in got.values():
             assert lines[-1] == "data: [DONE]"
             assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
