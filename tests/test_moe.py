@@ -476,3 +476,24 @@ def test_explain_tp_shows_per_rank_expert_bytes(capsys):
     assert "per rank at tp=4" in block
     assert "mlp.experts.gate_up_proj         [128, 384, 2048]      100,663,296      201,326,592" in block
     assert "mlp.experts.down_proj            [128, 2048, 192]" in block
+
+
+def test_float32_router_keeps_the_checkpoints_float32_weights(tiny_checkpoint):
+    """`router.float32` (transformers' _keep_in_fp32_modules): in a bfloat16 model the router's weight is held in
+    float32, so a float32 checkpoint tensor is not rounded at load (DeepSeek-V3 / GLM-4-MoE / dots1 routers)."""
+    from safetensors.torch import load_file
+
+    from xllm_gen import LLM
+    ckpt = tiny_checkpoint("DeepseekV3ForCausalLM")
+    stored = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        stored.update({k: v for k, v in load_file(f).items() if k.endswith(".mlp.gate.weight")})
+    assert stored and all(v.dtype == torch.float32 for v in stored.values())
+    llm = LLM(model=str(ckpt), device="cpu", dtype="bfloat16", enforce_eager=True)
+    try:
+        gates = {n: p for n, p in llm.engine.runner.model.named_parameters() if n.endswith(".mlp.gate.weight")}
+        assert gates and all(p.dtype == torch.float32 for p in gates.values())
+        name = sorted(stored)[0]
+        assert torch.equal(gates[name], stored[name])
+    finally:
+        llm.shutdown()

@@ -193,8 +193,12 @@ class _Linear(nn.Module):
 
 
 class ReplicatedLinear(_Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, float32: bool = False):
         super().__init__(in_features, out_features, bias)
+        if float32:     # a router kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules): a
+            # float32 checkpoint tensor is not rounded to bfloat16 at load
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32))
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=torch.float32)) if bias else None
         self._attach()
 
 
