@@ -254,7 +254,8 @@ _QKV = "model.layers.{i}.self_attention.query_key_value"
     ("weights:\n  model.layers.{i}.self_attention.dense.weight:\n    from: x.{i}.dense\n"
      "    layout: {interleave: [q, k, v], per: head}\n",
      r"child\.yaml:\d+:\d+: .*layout: only a fused column-parallel parameter"),
-    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, v], per: head}}\n",
+    (f"weights:\n  {_QKV}.weight:\n    from: x.{{i}}.qkv\n    layout: {{interleave: [q, k, v], per: head}}\n"
+     f"  {_QKV}.bias:\n    from: x.{{i}}.qkv_bias\n    layout: {{interleave: [q, k, v], per: head}}\n",
      r"child\.yaml:\d+:\d+: error: variants\.falcon-40b: .*layout per: head needs every segment to have as many "
      r"heads, got q: 128, k: 8, v: 8"),
     (f"weights:\n  {_QKV}.weight:\n    from: {{q: 'a.{{i}}.q', k: 'a.{{i}}.k', v: 'a.{{i}}.v'}}\n"
