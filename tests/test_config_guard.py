@@ -411,3 +411,18 @@ def test_variant_rope_mapping_keeps_the_variants_theta(tmp_path):
         "values: [default, linear, dynamic, yarn], default: {rope_type: default}}\n"
         "  theta_floor:             {type: float, expr: rope_theta, min: 1000000.0, guard: true}"))
     compile_spec(path)          # the variants' rope_theta 1e6 reaches the guard (it read 10000 before)
+
+
+def test_apertus_without_a_rope_mapping_takes_the_class_theta():
+    """ApertusConfig fills Llama 3 scaling at theta 12e6 when config.json has no rope mapping, whatever a top-level
+    rope_theta says (a blind Apertus spec read 5e5 there and served a wrong model; the guard had nothing to refuse)."""
+    import importlib
+
+    import transformers
+    model = importlib.import_module("xllm_gen.generated.apertus.model")
+    hf = {k: v for k, v in transformers.ApertusConfig().to_dict().items() if k != "rope_parameters"}
+    hf.update(architectures=["ApertusForCausalLM"], rope_theta=500000.0)
+    want = transformers.ApertusConfig(**{k: v for k, v in hf.items() if k != "architectures"}).rope_parameters
+    assert model.Config.from_hf(hf).rope_theta == want["rope_theta"] == 12000000.0
+    mapped = {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert model.Config.from_hf(mapped).rope_theta == 500000.0
