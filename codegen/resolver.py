@@ -186,7 +186,8 @@ class _Resolver(SymbolResolver, ConfigResolver, LayerResolver, HeadResolver, Blo
                                                       vision, embed) for name in s.variants)
         for v in variants:
             self.check_layout_variant(v.name, dict(v.values))
-            self.check_projection_variant(v.name, dict(v.values), embed, stream, project_in, project_out, lm_head)
+            self.check_projection_variant(v.name, dict(v.values), embed, stream, project_in, project_out, lm_head,
+                                          head_transform is not None)
         return ModelIR(
             name=s.name, spec_path=display_path(self.tree.files[0]),
             spec_files=tuple(display_path(f) for f in self.tree.files), description=s.description.strip(),

@@ -42,9 +42,17 @@ def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
 
 
 class VariantResolver:
-    def check_projection_variant(self, name, values, embed, stream, project_in, project_out, lm_head) -> None:
+    def check_projection_variant(self, name, values, embed, stream, project_in, project_out, lm_head,
+                                 head_transform: bool = False) -> None:
         """Per variant: a projection that is off leaves the widths equal (the embedding's = the residual's = the LM
-        head's); one that is on changes nothing else (its in / out were checked symbolically)."""
+        head's); one that is on changes nothing else (its in / out were checked symbolically). Without project_out
+        or a head transform the LM head reads the residual stream: its dim is the stream's width (OPT-350m's 512-wide
+        head on a 1024-wide stream, project_out dropped, compiled and failed at load with a bare matmul error)."""
+        if project_out is None and not head_transform and str(stream.dim) != str(lm_head.dim) \
+                and stream.dim.eval(values) != lm_head.dim.eval(values):
+            raise self.err(("lm_head", "dim"), f"variants.{name}: lm_head.dim is {lm_head.dim} = "
+                                               f"{lm_head.dim.eval(values)}, but it reads the residual stream, "
+                                               f"{stream.dim} = {stream.dim.eval(values)} wide (no decoder.project_out)")
         if lm_head.tie.literal is not False and str(lm_head.vocab) != str(embed.vocab) and lm_head.tie.eval(values) \
                 and lm_head.vocab.eval(values) != embed.vocab.eval(values):
             raise self.err(("lm_head",), f"variants.{name}: lm_head: a tied head must have the embedding's shape: "

@@ -426,3 +426,15 @@ def test_apertus_without_a_rope_mapping_takes_the_class_theta():
     assert model.Config.from_hf(hf).rope_theta == want["rope_theta"] == 12000000.0
     mapped = {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
     assert model.Config.from_hf(mapped).rope_theta == 500000.0
+
+
+def test_lm_head_reading_the_stream_has_its_width(tmp_path):
+    """Without decoder.project_out the LM head reads the residual stream: a variant whose head dim differs from the
+    stream's (OPT-350m: 512 vs 1024) is a located compile error (it compiled, and failed at load with a bare matmul
+    error)."""
+    path, _ = _mutant(tmp_path, "opt.yaml", (
+        '  project_out: {in: hidden_size, out: word_embed_proj_dim, enabled: "word_embed_proj_dim != hidden_size"}\n',
+        ""))
+    err = _compile_error(path)
+    assert "lm_head.dim is word_embed_proj_dim = 512, but it reads the residual stream, hidden_size = 1024" in \
+        err.message, err.message
