@@ -45,7 +45,10 @@ def _check(node: ast.AST, names: set, bound: frozenset = frozenset()) -> None:
                 or not (isinstance(gens[0].iter, ast.Call) and isinstance(gens[0].iter.func, ast.Name)
                         and gens[0].iter.func.id == "range")):
             raise ExprError("a list comprehension must be `[... for i in range(n)]` (with at most one `if` clause)")
-        _check(gens[0].iter, names, bound)
+        if gens[0].iter.keywords:
+            raise ExprError("range takes positional arguments")
+        for a in gens[0].iter.args:          # range itself is only this comprehension's iterable
+            _check(a, names, bound)
         _check(node.elt, names, bound | {gens[0].target.id})
         for cond in gens[0].ifs:
             _check(cond, names, bound | {gens[0].target.id})
@@ -69,7 +72,10 @@ def _check(node: ast.AST, names: set, bound: frozenset = frozenset()) -> None:
             raise ExprError("comparison not allowed")
     elif isinstance(node, ast.Call):
         if not isinstance(node.func, ast.Name) or node.func.id not in _CALLS or node.keywords:
-            raise ExprError(f"only the calls {', '.join(sorted(_CALLS))} are allowed (positional arguments)")
+            raise ExprError(f"only the calls {', '.join(sorted(c for c in _CALLS if c != 'range'))} are allowed "
+                            f"(positional arguments), and range(n) as a list comprehension's iterable")
+        if node.func.id == "range":       # a range object is no spec value (a list is: [i for i in range(n)])
+            raise ExprError("range(n) is only a list comprehension's iterable: write [i for i in range(n)]")
     elif not isinstance(node, (ast.Expression, ast.BoolOp, ast.IfExp, ast.Subscript, ast.List, ast.Tuple,
                                ast.Load, ast.operator, ast.cmpop, ast.boolop, ast.unaryop)):
         raise ExprError(f"{type(node).__name__} is not allowed in a spec expression")

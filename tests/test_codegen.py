@@ -132,8 +132,11 @@ BAD = {
         "unknown config symbol 'num_atention_heads' (did you mean 'num_attention_heads'?)", "num_atention_heads"),
     "expression_not_allowed": (
         'from: head_dim, default: 128}', 'from: head_dim, default_expr: "__import__(\'os\').getpid()"}',
-        "config.head_dim.default_expr: only the calls bool, float, int, len, max, min, range are allowed",
+        "config.head_dim.default_expr: only the calls bool, float, int, len, max, min are allowed",
         "__import__"),
+    "bare_range": (         # a range object is no spec value: it was refused at load as a config.json error
+        'from: head_dim, default: 128}', 'from: head_dim, default_expr: "max(range(4))"}',
+        "config.head_dim.default_expr: range(n) is only a list comprehension's iterable", "max(range"),
     "expression_cycle": (   # head_dim's default reads head_dim2, whose default reads head_dim
         'from: head_dim, default: 128}',
         'from: head_dim, default_expr: "head_dim2"}\n  head_dim2: {type: int, from: hd2, default_expr: "head_dim"}',
