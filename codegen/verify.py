@@ -17,6 +17,9 @@ any local checkpoint (tiny or real), with the first divergence located.
    `LOGPROB_TOP` per position and the next token's, prompt_logprobs + logprobs) against transformers'
    log_softmax of its logits, max absolute difference. What comes after the last layer (final norm, lm_head,
    logit scales and soft-caps) can keep every argmax and still change every probability a sampler draws from.
+6. The greedy run's decode steps return their log-probabilities too, compared with the teacher-forced rows of the
+   same positions while the tokens agree: the decode path (paged attention over the cache) can keep the argmax
+   and still differ from the prefill path that 4 and 5 exercise.
 Exit status (cli): 0 when the tokens agree and every layer and the log-probabilities are within the tolerance, 1
 otherwise.
 """
@@ -60,6 +63,8 @@ class PromptResult:
     layers: list                   # [LayerError] teacher-forced over prompt + hf continuation
     logprob_err: float = 0.0       # max |engine - hf| log-probability over the compared entries
     logprob_bad_position: int | None = None   # first position over LOGPROB_TOL (None: within)
+    step_logprob_err: float = 0.0  # the same over the greedy decode steps (while the tokens agree)
+    step_logprob_bad: int | None = None       # first decode step over LOGPROB_TOL (None: within)
 
     @property
     def first_token_diff(self) -> int | None:
@@ -85,7 +90,7 @@ class Report:
     @property
     def ok(self) -> bool:
         return self.refused is None and not self.defaults and all(
-            p.first_token_diff is None and p.logprob_bad_position is None
+            p.first_token_diff is None and p.logprob_bad_position is None and p.step_logprob_bad is None
             and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
 
     def first_divergence(self) -> tuple[int, PromptResult, LayerError] | None:
@@ -119,7 +124,13 @@ class Report:
                             f" DIFFER from position {p.logprob_bad_position} (> {LOGPROB_TOL[self.dtype]:g}"
                             + ("" if any(e.first_bad_position is not None for e in p.layers) else
                                ": every layer agrees, so after the last layer: final norm, lm_head, logit scale / "
-                               "soft-cap") + ")"))
+                               "soft-cap") + ")")
+                         + f"; decode steps' log-probabilities max error {p.step_logprob_err:.1e}"
+                         + ("" if p.step_logprob_bad is None else
+                            f" DIFFER from step {p.step_logprob_bad} (> {LOGPROB_TOL[self.dtype]:g}: the decode path "
+                            f"(paged attention over the cache, decode-only kernels), since the prefill's agree)"
+                            if p.logprob_bad_position is None else
+                            f" DIFFER from step {p.step_logprob_bad}"))
         first = self.first_divergence()
         if first is not None:
             i, p, e = first
@@ -250,6 +261,25 @@ def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
     return err, bad
 
 
+def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float) -> tuple[float, int | None]:
+    """(max error, first step over `tol`) of the engine's per-step log-probabilities of its greedy decode steps
+    against transformers' teacher-forced distributions at the same positions: step i is compared while the tokens
+    before it agree (the reference row is the distribution given the prompt and want[:i]). The prefill's
+    log-probabilities (prompt_logprobs) exercise the prefill path; these exercise the decode path."""
+    import torch
+    ref = torch.log_softmax(hf_logits.float(), dim=-1)
+    err, bad = 0.0, None
+    for i, entries in enumerate(got.logprobs or []):
+        row = prompt_len - 1 + i
+        if row >= len(ref) or list(got.token_ids[:i]) != want[:i] or not entries:
+            break
+        e = logprob_row_error(entries, ref[row])
+        err = max(err, e)
+        if bad is None and e > tol:
+            bad = i
+    return err, bad
+
+
 # ------------------------------------------------------------------------------------------------ verify
 def _model_type_class(cls, model_type, report: Report):
     """(model class, config class): `cls` and its own config class, or where config.json's `model_type` has another
@@ -354,12 +384,13 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         try:
             eng_model = llm.engine.runner.model
             eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True)
-            greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROB_TOP)
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=LOGPROB_TOP,
                                  prompt_logprobs=LOGPROB_TOP)
             for ids in prompts:
                 want = hf_greedy(ids)
-                got = llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
+                got_out = llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0]
+                got = got_out.token_ids
                 cont = want[:-1]                           # teacher-forced: prompt + the reference continuation,
                 bad = [i for i, t in enumerate(cont) if t not in allowed_set]   # up to a special token
                 seq = ids + cont[: bad[0] if bad else len(cont)]
@@ -372,6 +403,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 out = llm.generate([{"prompt_token_ids": seq}], one)[0]
                 mine = eng_rec.take()
                 lp_err, lp_bad = _logprob_error(hf_logits, out, LOGPROB_TOL[dtype])
+                step_err, step_bad = _step_logprob_error(hf_logits, len(ids), want, got_out, LOGPROB_TOL[dtype])
                 layers = []
                 for l, (a, b) in enumerate(zip(ref, mine)):
                     if a.shape != b.shape:
@@ -383,7 +415,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     bad = (per_pos > tol).nonzero()
                     layers.append(LayerError(l, float(per_pos.max()), float(diff.max()),
                                              int(bad[0, 0]) if len(bad) else None))
-                report.prompts.append(PromptResult(len(ids), want, list(got), layers, lp_err, lp_bad))
+                report.prompts.append(PromptResult(len(ids), want, list(got), layers, lp_err, lp_bad,
+                                                   step_err, step_bad))
             eng_rec.remove()
         finally:
             llm.shutdown()

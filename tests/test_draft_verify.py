@@ -248,3 +248,26 @@ def test_verify_checks_the_defaults_against_the_config_class(drafted, ckpt):
     assert all(p.first_token_diff is None for p in r.prompts) and not r.ok
     assert any(d.startswith("mlp_bias absent: transformers' SeedOssConfig means mlp_bias = False") for d in r.defaults)
     assert "default DIFFERS: mlp_bias absent" in r.text()
+
+
+def test_verify_compares_the_decode_steps(drafted, ckpt, monkeypatch):
+    """A fault on the decode path alone (here a softmax scale 30% off in the paged decode attention) leaves the
+    prefill, the teacher-forced layer states and the prompt's log-probabilities exact; the greedy run's per-step
+    log-probabilities catch it, and the report says the prefill agrees."""
+    from xllm_gen.codegen.verify import verify
+    from xllm_gen.runtime.attention import torch_ref
+
+    clean = verify(drafted, ckpt, max_tokens=4, prompt_lens=[5])
+    assert clean.ok and clean.prompts[0].step_logprob_err < 1e-4, clean.text()
+    forward = torch_ref.TorchPagedBackend.forward
+
+    def decode_fault(self, q, k, v, kc, vc, ctx, scale, *a, **kw):
+        if ctx is not self._ctx:
+            self.plan(ctx)
+        return forward(self, q, k, v, kc, vc, ctx, scale * (1.3 if self._decode else 1.0), *a, **kw)
+    monkeypatch.setattr(torch_ref.TorchPagedBackend, "forward", decode_fault)
+    r = verify(drafted, ckpt, max_tokens=4, prompt_lens=[5])
+    p = r.prompts[0]
+    assert not r.ok and r.first_divergence() is None and p.logprob_bad_position is None, r.text()
+    assert p.step_logprob_bad is not None and p.step_logprob_bad >= 1, r.text()   # step 0 is the prefill's
+    assert "DIFFER from step 1" in r.text() and "the decode path" in r.text(), r.text()
