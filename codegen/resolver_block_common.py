@@ -164,14 +164,25 @@ class BlockCommon:
                 raise self.err(path, f"{self._where(path)}: config symbol '{name}' selects the activation: list the "
                                      f"activations the spec models in its `values`")
             for v in f.values:
+                if v in PARAM_ACTIVATIONS and v not in allowed:
+                    raise self.err(("config", name, "values"), f"config.{name}.values: '{v}' "
+                                                                + self._learned_only_mlp(v))
                 if v not in allowed:
                     raise self.err(("config", name, "values"), f"config.{name}.values: '{v}' is not {what} the "
                                                                 f"runtime has ({', '.join(allowed)})")
             return Value(symbol=name)
+        if name in PARAM_ACTIVATIONS and name not in allowed:
+            raise self.err(path, f"{self._where(path)}: '{name}' " + self._learned_only_mlp(name))
         if name not in allowed:
             raise self.err(path, f"{self._where(path)}: '{name}' is neither {what} ({', '.join(allowed)}) nor a str "
                                  f"config symbol{did_you_mean(name, list(allowed) + list(self.config))}")
         return Value(literal=name)
+
+    @staticmethod
+    def _learned_only_mlp(name: str) -> str:
+        params = ", ".join(f"act_fn.{p}" for p, _ in PARAM_ACTIVATIONS[name])
+        return (f"has learned parameters ({params}): only a plain `mlp` block (down(act(up))) admits it, not a "
+                f"gated MLP or the experts")
 
     @staticmethod
     def sub_norm_params(P, n, seg) -> List[ParamIR]:

@@ -8,6 +8,8 @@ import math
 import re
 from typing import Dict
 
+from xllm_gen.runtime.rope_kinds import ROPE_SCALING_KEYS  # pure Python: the keys each rope type reads
+
 from .errors import did_you_mean
 from .ir import (
     ConfigFieldIR,
@@ -16,12 +18,15 @@ from .ir import (
 from .resolver_blocks import _is_int
 from .resolver_variants import MAX_SIZE, _is_num, _type_ok
 
+# the keys of a rope mapping that every rope type reads (runtime/loading/hf_config.py _ROPE_SHARED)
+ROPE_SHARED_KEYS = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
 # rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
 # transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
 # (runtime/rope_kinds.py); a spec's `type: rope` symbol lists the names it models.
 HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
                  "llama3": "frequency_bands", "longrope": "longrope", "proportional": "proportional"}
 ROPE_TYPES = tuple(HF_ROPE_TYPES)
+
 
 class ConfigResolver:
     def resolve_config(self) -> None:
@@ -113,6 +118,8 @@ class ConfigResolver:
                 guard=f.guard, aliases=tuple((f.aliases or {}).items()), truthy=f.truthy, present=f.present)
             if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
+                if f.type == "rope":
+                    self.check_rope_default(path + ("default",), name, f, default)
         for name, f, path in pending:       # expressions may name symbols declared after them
             for key in ("expr", "default_expr", "if_null"):
                 if getattr(f, key) is None:
@@ -190,6 +197,33 @@ class ConfigResolver:
 
         for n in self.config:
             visit(n, [])
+
+    def check_rope_default(self, path, name: str, f, default) -> None:
+        """A rope symbol's default mapping, read as the generated Config reads a checkpoint's (the runtime's rope
+        reader: its keys per rope type, required keys, positive numbers), so that a bad default is this spec's
+        error here, not a config.json error at the first variant or checkpoint that leaves the field out."""
+        from xllm_gen.runtime.loading.hf_config import ConfigError, ConfigReader
+        types = {v: HF_ROPE_TYPES[v] for v in f.values or ()}
+        types.update({a: HF_ROPE_TYPES[t] for a, t in (f.aliases or {}).items()})
+        where = f"config.{name}.default"
+        reader = ConfigReader({"max_position_embeddings": 1}, "")
+        try:
+            reader.rope(where, default, types)
+            error = None
+        except ConfigError as e:
+            error = str(e).split(": ", 1)[-1].replace("config.json field ", "").replace(f"'{where}.", "'")
+        rope_type = default.get("rope_type", default.get("type", "default")) if isinstance(default, dict) else None
+        known = ROPE_SCALING_KEYS.get(types.get(rope_type), ((), ()))
+        known = known[0] + known[1]
+        for key in default if isinstance(default, dict) else ():
+            if key not in known and key not in ROPE_SHARED_KEYS:
+                raise self.err(path, f"{where}: rope type '{rope_type}' has no key '{key}'"
+                                     f"{did_you_mean(key, known)} (it reads: {', '.join(known) or 'nothing'})")
+        for key in ROPE_SCALING_KEYS.get(types.get(rope_type), ((), ()))[0]:
+            if key not in default:
+                raise self.err(path, f"{where}: rope type '{rope_type}' needs '{key}'")
+        if error:
+            raise self.err(path, f"{where}: {error}")
 
     def check_value(self, path, where: str, f: ConfigFieldIR, value, at_key: bool = False) -> None:
         """A str / rope value against the symbol's admitted values, and numbers against its bounds."""

@@ -162,6 +162,22 @@ BAD = {
     "activation_not_gated": (
         "        activation: hidden_act", "        activation: swiglu",
         "'swiglu' is neither an activation", "activation: swiglu"),
+    "rope_default_unknown_key": (
+        "values: [default, linear, dynamic, yarn]}",
+        "values: [default, linear, dynamic, yarn],\n    default: {rope_type: yarn, factr: 4.0}}",
+        "config.rope_scaling.default: rope type 'yarn' has no key 'factr' (did you mean 'factor'?)", "default: {"),
+    "rope_default_missing_key": (
+        "values: [default, linear, dynamic, yarn]}",
+        "values: [default, linear, dynamic, yarn],\n    default: {rope_type: linear}}",
+        "config.rope_scaling.default: rope type 'linear' needs 'factor'", "default: {"),
+    "rope_default_bad_number": (
+        "values: [default, linear, dynamic, yarn]}",
+        "values: [default, linear, dynamic, yarn],\n    default: {rope_type: linear, factor: 0}}",
+        "config.rope_scaling.default: 'factor' = 0 must be a positive number", "default: {"),
+    "learned_activation_in_a_gated_mlp": (
+        "        activation: hidden_act", "        activation: xielu",
+        "'xielu' has learned parameters (act_fn.alpha_p, act_fn.alpha_n, act_fn.beta, act_fn.eps): only a plain `mlp` "
+        "block", "activation: xielu"),
     "negative_eps": (
         "        qk_norm: {kind: rmsnorm, eps: rms_norm_eps,", "        qk_norm: {kind: rmsnorm, eps: -1.0e-6,",
         "decoder.layers.blocks.self_attn.qk_norm.eps: must be > 0, got -1e-06", "eps: -1.0e-6"),
