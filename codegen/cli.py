@@ -386,6 +386,8 @@ def _verify_main(argv: List[str]) -> int:
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     p.add_argument("--device", default="cpu", help="engine and transformers device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--tp", type=int, default=1, help="the engine's tensor parallel size (default 1; on CPU, TP > 1 "
+                                                      "runs one process per rank)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     p.add_argument("--prompt-lens", default="3,9,17,30", help="prompt lengths in tokens (default 3,9,17,30)")
     p.add_argument("--atol", type=float, default=None,
@@ -397,7 +399,7 @@ def _verify_main(argv: List[str]) -> int:
     try:
         lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
         report = verify(args.spec, args.checkpoint, device=args.device, dtype=args.dtype,
-                        max_tokens=args.max_tokens, prompt_lens=lens, rtol=args.atol)
+                        max_tokens=args.max_tokens, prompt_lens=lens, rtol=args.atol, tensor_parallel_size=args.tp)
     except (SpecError, SpecErrors) as e:
         _report(e)
         return 2

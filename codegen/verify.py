@@ -86,6 +86,7 @@ class Report:
     prompts: list = dataclasses.field(default_factory=list)
     defaults: list = dataclasses.field(default_factory=list)   # absent / null fields read unlike transformers
     reference: str = ""            # the transformers class compared with (a note where model_type chose it)
+    tp: int = 1                    # the engine's tensor parallel size
 
     @property
     def ok(self) -> bool:
@@ -105,7 +106,8 @@ class Report:
         return best
 
     def text(self) -> str:
-        head = f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}, tolerance {self.tol:g})"
+        head = (f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}"
+                + (f", TP {self.tp}" if self.tp > 1 else "") + f", tolerance {self.tol:g})")
         if self.refused:
             return f"{head}\nREFUSED by {self.refused}\nFAIL"
         lines = [head] + ([self.reference] if self.reference else [])
@@ -158,15 +160,38 @@ def _import_compiled(files: dict, name: str, tmp: Path):
 
 
 @contextlib.contextmanager
-def _served_by(model_module, runner_module):
-    """Inside: the engine serves every checkpoint with these modules (the registry is bypassed)."""
+def _served_by(model_module, runner_module, tmp: Path, name: str, tp: int):
+    """Inside: the engine serves every checkpoint with these modules. At TP 1 the registry is bypassed; at TP > 1
+    the rank processes import the runner by name, so the package is found as a user's generated/ directory
+    (XLLM_GEN_PATH = tmp, preferred over a shipped package of the same architectures), which the workers inherit."""
+    import os
+
     from xllm_gen.runtime.loading import registry
-    orig = registry.resolve
-    registry.resolve = lambda hf_config: (model_module, runner_module)
+    if tp == 1:
+        orig = registry.resolve
+        registry.resolve = lambda hf_config: (model_module, runner_module)
+        try:
+            yield
+        finally:
+            registry.resolve = orig
+        return
+    package = f"{registry._USER_PKG}.{name}"
+    saved = {k: os.environ.get(k) for k in (registry.SEARCH_PATH_ENV, registry.PREFER_ENV)}
+    os.environ[registry.SEARCH_PATH_ENV] = os.pathsep.join([str(tmp)] + [d for d in [saved[registry.SEARCH_PATH_ENV]] if d])
+    os.environ[registry.PREFER_ENV] = os.pathsep.join([package] + [d for d in [saved[registry.PREFER_ENV]] if d])
+    stale = [m for m in sys.modules if m == package or m.startswith(package + ".")]
+    for m in stale:                    # an earlier verify's package of the same name (another temporary directory)
+        del sys.modules[m]
     try:
         yield
     finally:
-        registry.resolve = orig
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for m in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[m]
 
 
 def _decoder_layers(model, n_layers: int):
@@ -301,7 +326,8 @@ def _model_type_class(cls, model_type, report: Report):
 
 
 def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32", max_tokens: int = 16,
-           prompt_lens: Sequence[int] = (3, 9, 17, 30), rtol: float | None = None, seed: int = 0) -> Report:
+           prompt_lens: Sequence[int] = (3, 9, 17, 30), rtol: float | None = None, seed: int = 0,
+           tensor_parallel_size: int = 1) -> Report:
     import numpy as np
     import torch
 
@@ -320,7 +346,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
     if dtype not in DEFAULT_TOL:
         raise VerifyError(f"--dtype {dtype}: one of {', '.join(DEFAULT_TOL)}")
     tol = DEFAULT_TOL[dtype] if rtol is None else rtol
-    report = Report(str(spec_path), str(checkpoint), arch, dtype, tol)
+    report = Report(str(spec_path), str(checkpoint), arch, dtype, tol, tp=tensor_parallel_size)
 
     with tempfile.TemporaryDirectory(prefix="xllm_gen_verify_") as tmp:
         model_module, runner_module = _import_compiled(compiled.files, ir.name, Path(tmp))
@@ -373,16 +399,19 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         hf_rec = _Recorder(hf_layers or [], engine=False)
 
         from xllm_gen import LLM, SamplingParams
-        with _served_by(model_module, runner_module):
+        with _served_by(model_module, runner_module, Path(tmp), ir.name, tensor_parallel_size):
             try:
                 llm = LLM(model=str(ckpt), device=device, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+                          tensor_parallel_size=tensor_parallel_size,
                           max_model_len=max(prompt_lens) + max_tokens + 1, max_num_seqs=4)
             except Exception as e:     # the loader's strict checks: a tensor the spec has no parameter for, ...
                 hf_rec.remove()
                 report.refused = f"the engine cannot load the checkpoint with this spec: {type(e).__name__}: {e}"
                 return report
         try:
-            eng_model = llm.engine.runner.model
+            runner = llm.engine.runner
+            eng_model = (runner.runner if tensor_parallel_size > 1 else runner).model   # rank 0's (the residual
+            # stream is whole on every rank: the row-parallel outputs are all-reduced)
             eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True)
             greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROB_TOP)
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=LOGPROB_TOP,

@@ -271,3 +271,15 @@ def test_verify_compares_the_decode_steps(drafted, ckpt, monkeypatch):
     assert not r.ok and r.first_divergence() is None and p.logprob_bad_position is None, r.text()
     assert p.step_logprob_bad is not None and p.step_logprob_bad >= 1, r.text()   # step 0 is the prefill's
     assert "DIFFER from step 1" in r.text() and "the decode path" in r.text(), r.text()
+
+
+@pytest.mark.slow      # two TP 2 engines (one process per rank)
+def test_verify_at_tp2_serves_the_spec_under_test(drafted, ckpt):
+    """`--tp 2`: the rank processes import the compiled spec by name (a user's generated/ directory preferred over
+    a shipped package of the architecture), so a wrong spec fails at TP 2 as at TP 1 and the right one passes."""
+    bad = _variant(drafted, drafted.parent / "wrong_eps_tp.yaml", "input_layernorm: {kind: rmsnorm, dim: hidden_size, "
+                   "eps: rms_norm_eps}", "input_layernorm: {kind: rmsnorm, dim: hidden_size, eps: 0.5}")
+    rc, out, _ = _cli("verify", str(drafted), str(ckpt), "--tp", "2", "--max-tokens", "4", "--prompt-lens", "5")
+    assert rc == 0 and "TP 2" in out and "OK" in out, out
+    rc, out, _ = _cli("verify", str(bad), str(ckpt), "--tp", "2", "--max-tokens", "4", "--prompt-lens", "5")
+    assert rc == 1 and "first divergence: layer 0, position 0" in out, out
