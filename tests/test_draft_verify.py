@@ -93,6 +93,7 @@ def test_verify_accepts_the_drafted_spec(drafted, ckpt):
     rc, out, err = _cli("verify", str(drafted), str(ckpt), "--max-tokens", "8", "--prompt-lens", "3,17")
     assert rc == 0, out + err
     assert out.rstrip().endswith("OK") and "first divergence" not in out
+    assert len(re.findall(r"decode steps' log-probabilities max error \d", out)) == 2, out
 
 
 def _variant(src: Path, dst: Path, old: str, new: str) -> Path:
@@ -257,8 +258,6 @@ def test_verify_compares_the_decode_steps(drafted, ckpt, monkeypatch):
     from xllm_gen.codegen.verify import verify
     from xllm_gen.runtime.attention import torch_ref
 
-    clean = verify(drafted, ckpt, max_tokens=4, prompt_lens=[5])
-    assert clean.ok and clean.prompts[0].step_logprob_err < 1e-4, clean.text()
     forward = torch_ref.TorchPagedBackend.forward
 
     def decode_fault(self, q, k, v, kc, vc, ctx, scale, *a, **kw):
