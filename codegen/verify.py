@@ -87,6 +87,7 @@ class Report:
     defaults: list = dataclasses.field(default_factory=list)   # absent / null fields read unlike transformers
     reference: str = ""            # the transformers class compared with (a note where model_type chose it)
     tp: int = 1                    # the engine's tensor parallel size
+    notes: list = dataclasses.field(default_factory=list)   # what this run could not exercise (never a failure)
 
     @property
     def ok(self) -> bool:
@@ -112,6 +113,7 @@ class Report:
             return f"{head}\nREFUSED by {self.refused}\nFAIL"
         lines = [head] + ([self.reference] if self.reference else [])
         lines += [f"default DIFFERS: {d}" for d in self.defaults]
+        lines += [f"note: {n}" for n in self.notes]
         n_layers = len(self.prompts[0].layers) if self.prompts else 0
         worst = [max((p.layers[l].max_rel for p in self.prompts), default=0.0) for l in range(n_layers)]
         lines.append("per-layer max relative error (teacher-forced, all prompts): "
@@ -305,6 +307,35 @@ def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float)
     return err, bad
 
 
+def _unexercised(model, longest: int) -> list:
+    """Attention windows / chunks this run's sequences (at most `longest` tokens) never reach: a wrong window size or
+    pattern passes such a run; say so, with what would exercise it."""
+    from xllm_gen.runtime.attention.base import AttentionVariant
+    spans = {}
+    for m in model.modules():
+        v = getattr(m, "variant", None)
+        if isinstance(v, AttentionVariant):
+            for what, size in (("sliding window", v.sliding_window), ("attention chunk", v.chunk_size)):
+                if size is not None and size >= longest:
+                    spans.setdefault(what, set()).add(size)
+    return [f"{what} {', '.join(map(str, sorted(sizes)))} not exercised: the longest sequence is {longest} tokens "
+            f"(--prompt-lens beyond it, or a checkpoint with a smaller {what.split()[-1]}, would test it)"
+            for what, sizes in spans.items()]
+
+
+def _reference(run, cls, checkpoint):
+    """transformers' side of a comparison: where its own forward fails on this checkpoint (a config its modeling
+    code cannot run), say so; the spec is not what failed and there is nothing to compare with."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 - any failure of the reference model
+        import transformers
+        raise VerifyError(f"{checkpoint}: the transformers reference failed: {cls.__name__} (transformers "
+                          f"{transformers.__version__}) raised {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}; there is nothing to compare with (the config "
+                          f"may be one transformers cannot run)") from None
+
+
 # ------------------------------------------------------------------------------------------------ verify
 def _model_type_class(cls, model_type, report: Report):
     """(model class, config class): `cls` and its own config class, or where config.json's `model_type` has another
@@ -412,12 +443,13 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             runner = llm.engine.runner
             eng_model = (runner.runner if tensor_parallel_size > 1 else runner).model   # rank 0's (the residual
             # stream is whole on every rank: the row-parallel outputs are all-reduced)
+            report.notes += _unexercised(eng_model, max(prompt_lens) + max_tokens)
             eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True)
             greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROB_TOP)
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=LOGPROB_TOP,
                                  prompt_logprobs=LOGPROB_TOP)
             for ids in prompts:
-                want = hf_greedy(ids)
+                want = _reference(lambda: hf_greedy(ids), cls, checkpoint)
                 got_out = llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0]
                 got = got_out.token_ids
                 cont = want[:-1]                           # teacher-forced: prompt + the reference continuation,
@@ -426,7 +458,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 hf_rec.arm()
                 with torch.no_grad():
                     x = torch.tensor([seq], device=device)
-                    hf_logits = hf(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0]
+                    hf_logits = _reference(lambda: hf(input_ids=x, attention_mask=torch.ones_like(x),
+                                                      use_cache=False).logits[0], cls, checkpoint)
                 ref = hf_rec.take()
                 eng_rec.arm()
                 out = llm.generate([{"prompt_token_ids": seq}], one)[0]

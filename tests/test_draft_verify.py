@@ -282,3 +282,39 @@ def test_verify_at_tp2_serves_the_spec_under_test(drafted, ckpt):
     assert rc == 0 and "TP 2" in out and "OK" in out, out
     rc, out, _ = _cli("verify", str(bad), str(ckpt), "--tp", "2", "--max-tokens", "4", "--prompt-lens", "5")
     assert rc == 1 and "first divergence: layer 0, position 0" in out, out
+
+
+def test_verify_says_when_the_transformers_reference_fails(drafted, ckpt, monkeypatch):
+    """A config transformers' modeling code cannot run (GPT-OSS with `sliding_window: null`): the error says the
+    reference failed, not a bare exception as if the spec or the checkpoint were wrong."""
+    import json
+
+    import transformers
+
+    from xllm_gen.codegen.verify import VerifyError, verify
+    cls = getattr(transformers, json.loads((ckpt / "config.json").read_text())["architectures"][0])
+
+    def broken(self, *a, **k):
+        raise TypeError("'NoneType' object cannot be interpreted as an integer")
+    monkeypatch.setattr(cls, "forward", broken)
+    with pytest.raises(VerifyError, match=rf"the transformers reference failed: {cls.__name__} .*raised TypeError"):
+        verify(drafted, ckpt, max_tokens=2, prompt_lens=[3])
+
+
+def test_verify_notes_a_window_its_sequences_never_reach():
+    """A real config's window (4096) is longer than verify's sequences: a wrong window size or pattern would pass, so
+    the report says the window was not exercised (a note, not a failure); a reached window gets no note."""
+    import torch
+
+    from xllm_gen.codegen.verify import _unexercised
+    from xllm_gen.runtime.attention.base import AttentionVariant
+
+    class Attn(torch.nn.Module):
+        def __init__(self, window):
+            super().__init__()
+            self.variant = AttentionVariant(sliding_window=window)
+    model = torch.nn.Sequential(Attn(4096), Attn(None), Attn(6))
+    notes = _unexercised(model, 46)
+    assert notes == ["sliding window 4096 not exercised: the longest sequence is 46 tokens (--prompt-lens beyond it, "
+                     "or a checkpoint with a smaller window, would test it)"], notes
+    assert _unexercised(torch.nn.Sequential(Attn(6)), 46) == []
