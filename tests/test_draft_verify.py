@@ -318,3 +318,17 @@ def test_verify_notes_a_window_its_sequences_never_reach():
     assert notes == ["sliding window 4096 not exercised: the longest sequence is 46 tokens (--prompt-lens beyond it, "
                      "or a checkpoint with a smaller window, would test it)"], notes
     assert _unexercised(torch.nn.Sequential(Attn(6)), 46) == []
+
+
+def test_verify_in_bfloat16_measures_against_float32(drafted, ckpt):
+    """--dtype bfloat16: the reference is transformers in float32 and transformers' own bfloat16 run the yardstick
+    (the engine may be a few times as far from float32 as transformers' bfloat16 is, and a greedy token may differ
+    only at a near-tie); a wrong eps still fails at layer 0."""
+    from xllm_gen.codegen.verify import verify
+    r = verify(drafted, ckpt, dtype="bfloat16", max_tokens=6, prompt_lens=[5, 17])
+    assert r.ok, r.text()
+    assert "reference: transformers in float32" in r.text()
+    bad = _variant(drafted, drafted.parent / "wrong_eps_bf16.yaml", "input_layernorm: {kind: rmsnorm, dim: hidden_size, "
+                   "eps: rms_norm_eps}", "input_layernorm: {kind: rmsnorm, dim: hidden_size, eps: 0.5}")
+    r = verify(bad, ckpt, dtype="bfloat16", max_tokens=4, prompt_lens=[5])
+    assert not r.ok and r.first_divergence()[2].layer == 0, r.text()
