@@ -34,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+from xllm_gen.runtime.engine.regex_limits import MAX_DEPTH, depth, schema_regex_problems, size_problem
 from xllm_gen.runtime.engine.schema_support import unenforced
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -183,10 +184,16 @@ class GrammarBackend:
                 if problems:
                     raise GrammarError(f"{where}.json: JSON schema keyword(s) the grammar backend does not enforce "
                                        f"(the output could break them): {'; '.join(problems)}")
+                problems = schema_regex_problems(schema, self.xgr.Grammar.from_regex)
+                if problems:
+                    raise GrammarError(f"{where}.json: {'; '.join(problems)}")
                 return c.compile_json_schema(json.dumps(bounded_strings(schema)), any_whitespace=ws, strict_mode=True)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=ws)
             if kind == "regex":
+                problem = size_problem(so.regex, f"{where}.regex")
+                if problem:
+                    raise GrammarError(problem)
                 return c.compile_regex(so.regex)
             if kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False)
@@ -329,7 +336,12 @@ def bounded_strings(node: Any) -> Any:
 
 def _check_schema(schema: Any, where: str) -> None:
     """A structural check with the JSON Schema meta-schema when `jsonschema` is installed (xgrammar silently
-    ignores some malformed keywords)."""
+    ignores some malformed keywords). A schema nested deeper than MAX_DEPTH levels is refused first (the checks and
+    the grammar recurse per level)."""
+    levels = depth(schema)
+    if levels > MAX_DEPTH:
+        raise GrammarError(f"{where}: the schema is nested more than {MAX_DEPTH} levels deep (objects and arrays); "
+                           f"at most {MAX_DEPTH} are served")
     try:
         import jsonschema
     except ImportError:
