@@ -275,16 +275,19 @@ def test_bad_chat_bodies(server, body, param):
 
 def test_null_content_is_refused_where_openai_refuses_it(server, model_name):
     """A user / system / tool turn's null content is a 400 naming the message (vLLM would render it empty); an
-    assistant's may be null (a tool-call turn sent back); any role name reaches the template."""
+    assistant's may be null (a tool-call turn sent back); a role OpenAI does not have is a 400 (a template would
+    drop the message unseen)."""
     url = server.url + "/v1/chat/completions"
     for msgs, where in (([{"role": "user", "content": None}], "messages[0]"),
                         ([{"role": "system", "content": "x"}, {"role": "user"}], "messages[1]")):
         r = httpx.post(url, json={"model": model_name, "messages": msgs, "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         assert r.json()["error"]["message"].startswith(f"{where}.content is "), r.text
-    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "wizard", "content": "x"}]
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "developer", "content": "x"}]
     r = httpx.post(url, json={"model": model_name, "messages": ok, "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text
+    r = httpx.post(url, json={"model": model_name, "messages": [*ok, {"role": "wizard", "content": "x"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[3].role must be one of"), r.text
 
 
 def test_malformed_json_and_server_stays_up(server, client, model_name):

@@ -99,3 +99,177 @@ def test_non_streaming_request_aborted_when_the_client_goes_away():
         assert sent[0]["status"] == 499
 
     asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------------ a stub that answers
+class ScriptTokenizer:
+    """A tokenizer whose chat template writes the roles, the tools and the template variables it got (recorded);
+    its tags <think> / </think> are three tokens each (so a constraint holds from the reply's first token)."""
+
+    def __init__(self, opens_thinking: bool = False):
+        self.opens_thinking, self.kwargs = opens_thinking, {}
+
+    def apply_chat_template(self, conv, chat_template=None, tokenize=False, add_generation_prompt=True, tools=None,
+                            **kw):
+        self.kwargs = kw
+        text = "".join(f"<{m['role']}>{m['content']}" for m in conv) + (f"<tools>{tools}" if tools else "")
+        return text + ("<assistant><think>\n" if self.opens_thinking else "<assistant>")
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(ch) for ch in text][:3] if text in ("<think>", "</think>") else list(range(len(text)))
+
+
+class ScriptedEngine(StubEngine):
+    """Each request's reply is `reply` (one step of `steps` deltas), finished with `finish`; the sampling params
+    of the last request are kept."""
+
+    def __init__(self, reply: str, finish: str = "stop", steps: int = 1, tokenizer=None):
+        super().__init__(tokenizer or ScriptTokenizer())
+        self.engine.structured = SimpleNamespace(compile=lambda so, where: None)
+        self.engine.mm_processor = None
+        self.reply, self.finish, self.steps, self.params = reply, finish, steps, None
+
+    async def add(self, rid, prompt, params):
+        from xllm_gen.runtime.engine.outputs import CompletionOutput, RequestOutput
+
+        self.params = params
+        q = asyncio.Queue()
+        cut = [len(self.reply) * k // self.steps for k in range(self.steps + 1)]
+        for k in range(self.steps):
+            last = k == self.steps - 1
+            q.put_nowait(RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(
+                0, self.reply[cut[k]:cut[k + 1]], [10 + k], self.finish if last else None)], finished=last))
+        return q
+
+
+def _client(stub, **kw):
+    from fastapi.testclient import TestClient
+
+    from xllm_gen.runtime.serving.app import build_app
+    return TestClient(build_app(stub, "stub", None, log_requests=False, **kw))
+
+
+def _chunks(r) -> list:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+USER = [{"role": "user", "content": "hi"}]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_cut_tool_call_is_length_and_never_content():
+    """max_tokens cutting a second call: finish_reason "length" (OpenAI's), the complete call kept, the unfinished
+    one neither a call nor content, streamed or not."""
+    stub = ScriptedEngine(CALL + "\n" + CALL[:30], finish="length", steps=4)
+    body = {"messages": USER, "tools": WEATHER, "max_tokens": 9}
+    with _client(stub, tool_parser="hermes") as c:
+        msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        chunks = _chunks(c.post("/v1/chat/completions", json={**body, "stream": True}))
+        whole = _client(ScriptedEngine(CALL), tool_parser="hermes").__enter__().post(
+            "/v1/chat/completions", json=body).json()["choices"][0]
+    assert msg["finish_reason"] == "length" and len(msg["message"]["tool_calls"]) == 1, msg
+    assert "<tool_call" not in (msg["message"]["content"] or "")
+    streamed = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    calls = [t for ch in chunks if ch["choices"] for t in ch["choices"][0]["delta"].get("tool_calls") or []]
+    assert "<tool_call" not in streamed and len(calls) == 1
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
+    assert whole["finish_reason"] == "tool_calls"            # a reply that ended on its own
+
+
+def test_constraint_from_the_first_token_is_content_not_reasoning():
+    """A template that opens the thinking, tags that are not single tokens: the constraint holds from token 0, so
+    a forced call / JSON reply is read as content (it was all filed as reasoning_content)."""
+    tok = ScriptTokenizer(opens_thinking=True)
+    with _client(ScriptedEngine(CALL, tokenizer=tok), tool_parser="hermes", reasoning_parser="think") as c:
+        r = c.post("/v1/chat/completions", json={"messages": USER, "tools": WEATHER, "tool_choice": "required"})
+        msg = r.json()["choices"][0]
+        assert msg["finish_reason"] == "tool_calls" and msg["message"]["tool_calls"], r.text
+        chunks = _chunks(c.post("/v1/chat/completions", json={"messages": USER, "tools": WEATHER, "stream": True,
+                                                              "tool_choice": "required"}))
+        assert any(ch["choices"] and ch["choices"][0]["delta"].get("tool_calls") for ch in chunks)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    with _client(ScriptedEngine('{"a": 1}', tokenizer=tok), reasoning_parser="think") as c:
+        msg = c.post("/v1/chat/completions", json={"messages": USER, "response_format": schema}).json()
+        assert msg["choices"][0]["message"]["content"] == '{"a": 1}'
+        free = c.post("/v1/chat/completions", json={"messages": USER}).json()      # unconstrained: reasoning
+        assert free["choices"][0]["message"]["reasoning_content"] == '{"a": 1}'
+
+
+def test_openai_and_vllm_fields():
+    """OpenAI's bookkeeping fields and nulls are accepted; reasoning_effort reaches the template; request_id,
+    return_token_ids, include_reasoning and continuous_usage_stats are served; system_fingerprint everywhere;
+    fields that would change the output unimplemented are a 400 saying so; unknown ones stay a 400."""
+    tok = ScriptTokenizer()
+    stub = ScriptedEngine("<think>r</think>answer", steps=3, tokenizer=tok)
+    with _client(stub, reasoning_parser="think") as c:
+        post = lambda **kw: c.post("/v1/chat/completions", json={"messages": USER, **kw})     # noqa: E731
+        r = post(store=False, metadata={"k": "v"}, service_tier="auto", prompt_cache_key="k", safety_identifier="s",
+                 user="u", prediction=None, function_call=None, audio=None, modalities=["text"], verbosity=None,
+                 reasoning_effort="low", request_id="mine", return_token_ids=True, include_reasoning=False)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert tok.kwargs.get("reasoning_effort") == "low" and out["id"] == "chatcmpl-mine"
+        assert out["prompt_token_ids"] == [1, 2, 3] and out["choices"][0]["token_ids"] == [10, 11, 12]
+        assert "reasoning_content" not in out["choices"][0]["message"]
+        assert out["choices"][0]["message"]["content"] == "answer" and out["system_fingerprint"].startswith("fp_")
+        chunks = _chunks(post(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        assert all(ch["usage"] and ch["system_fingerprint"] for ch in chunks), chunks
+        used = [ch["usage"]["completion_tokens"] for ch in chunks]     # a step whose text is held back: no chunk
+        assert used[0] == 0 and used == sorted(used) and used[-2:] == [3, 3], used
+        assert all(ch["usage"]["prompt_tokens"] == 3 for ch in chunks)
+        cmpl = _chunks(c.post("/v1/completions", json={"prompt": "x", "stream": True,
+                                                       "stream_options": {"continuous_usage_stats": True}}))
+        assert [ch["usage"]["completion_tokens"] for ch in cmpl] == [1, 2, 3]
+        for field, value in (("verbosity", "low"), ("truncate_prompt_tokens", 5), ("bad_words", ["x"]),
+                             ("allowed_token_ids", [1]), ("priority", 2), ("cache_salt", "s"), ("echo", True),
+                             ("audio", {"voice": "x"}), ("return_tokens_as_token_ids", True),
+                             ("function_call", "auto"), ("modalities", ["audio"])):
+            r = post(**{field: value})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == field and "not supported" in err["message"], r.text
+        r = post(colour=1)
+        assert r.status_code == 400 and "unknown field" in r.json()["error"]["message"]
+        r = post(messages=[{"role": "assistant", "content": "The answ"}], continue_final_message=True,
+                 add_generation_prompt=False)
+        assert r.status_code == 200 and tok.kwargs.get("continue_final_message") is True, r.text
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", ["top_logprobs", "[0, 20]"]),
+    ({"max_tokens": -1}, "max_tokens", ["max_tokens must be"]),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages", ["messages[0].role", "'robot'"]),
+    ({"messages": [{"role": "tool", "content": "r"}]}, "messages", ["messages[0].tool_call_id"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", ["'schema'"]),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     ["type: object"]),
+    ({"reasoning_effort": "max"}, "reasoning_effort", ["low"]),
+])
+def test_bad_fields_name_themselves(body, param, words):
+    with _client(ScriptedEngine("x"), tool_parser="hermes") as c:
+        r = c.post("/v1/chat/completions", json={"messages": USER, **body})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and all(w in err["message"] for w in words), r.text
+    assert "min_tokens" not in err["message"]
+
+
+def test_slow_compile_is_a_400_and_never_starves_chat():
+    """A constraint that compiles past the limit is a 400 naming its field; the compiles run on their own daemon
+    threads, so chat rendering (asyncio's default pool) goes on meanwhile and the process can exit."""
+    import threading
+
+    stub = ScriptedEngine("x")
+    release = threading.Event()
+    stub.engine.structured = SimpleNamespace(compile=lambda so, where: release.wait(5))
+    with _client(stub, grammar_timeout_s=0.3) as c:
+        t0 = time.monotonic()
+        for k in range(4):                          # more than the pool's threads
+            r = c.post("/v1/chat/completions", json={"messages": USER, "structured_outputs": {"regex": f"a{k}"}})
+            assert r.status_code in (400, 503) and "0.3 s" in r.json()["error"]["message"], r.text
+        assert r.status_code == 503                 # the compilers are still busy: retry later
+        assert time.monotonic() - t0 < 3
+        r = c.post("/tokenize", json={"messages": USER})       # chat rendering is not starved
+        assert r.status_code == 200
+        assert all(t.daemon for t in threading.enumerate() if t.name.startswith("xllm-grammar"))
+        release.set()

@@ -166,6 +166,20 @@ def test_unconstrained_request_unchanged_beside_constrained_ones(client, model):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      ["cannot be combined"]),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", ["tools"]),
+    # a pattern feature the grammar would drop is refused as structured_outputs.regex refuses it
+    ({"response_format": _rf({"type": "string", "pattern": "^(?!b)[ab]{3}$"})}, "response_format",
+     ["'pattern' at /pattern", "Lookahead"]),
+    ({"structured_outputs": {"regex": "^(?!b)[ab]{3}$"}}, "structured_outputs", ["Lookahead"]),
+    # what would compile for minutes (and nest past the limit) is refused before any compile
+    ({"response_format": _rf({"type": "string", "pattern": "^[a-z]{0,30000}[0-9]{0,30000}$"})}, "response_format",
+     ["unrolls to 60000", "at most 4096"]),
+    ({"structured_outputs": {"regex": "(a{0,100}){0,100}"}}, "structured_outputs", ["unrolls to 10000"]),
+    ({"response_format": _rf({"type": "string", "maxLength": 100000})}, "response_format", ["'maxLength'", "4096"]),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?i)abc"}}}}}], "tool_choice": "required"}, "tools",
+     ["tools[0].function.parameters", "/properties/a/pattern"]),
+    ({"response_format": _rf(json.loads('{"type": "array", "items": ' * 300 + '{}' + '}' * 300))},
+     "response_format", ["nested more than 128 levels"]),
 ])
 def test_bad_bodies_name_the_problem(server, body, param, words):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, **body}, timeout=60)
@@ -345,6 +359,17 @@ def test_reasoning_opened_by_the_template(client, model):
             rs += (ch.delta.model_extra or {}).get("reasoning_content") or ""
             cs += ch.delta.content or ""
     assert (rs, cs) == (reasoning, r.content)
+
+
+def test_regex_limits():
+    from xllm_gen.runtime.engine.regex_limits import expanded_size, schema_patterns
+    assert [expanded_size(r) for r in ("abc", "[a-z]{0,10}", "(ab){3}", "(a{2}|b){4}", r"\d{5,}", "x{,7}")] == \
+        [3, 10, 6, 12, 5, 7]
+    found = {(at, k) for at, k, _ in schema_patterns({"properties": {"a": {"pattern": "x", "maxLength": 3}},
+                                                      "patternProperties": {"^p": {"minLength": 1}},
+                                                      "enum": [{"pattern": "not a schema"}]})}
+    assert found == {("/properties/a/pattern", "pattern"), ("/properties/a/maxLength", "maxLength"),
+                     ("/patternProperties/^p", "patternProperties"), ("/patternProperties/^p/minLength", "minLength")}
 
 
 def test_think_parser_opened_state():

@@ -17,7 +17,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from xllm_gen.runtime.serving import shaping as S
 from xllm_gen.runtime.serving.async_engine import QueueFullError
 from xllm_gen.runtime.serving.chat import render_chat
-from xllm_gen.runtime.serving.chat_reply import ReplySplitter, plan_tools, reply_message
+from xllm_gen.runtime.serving.chat_reply import constrained_from_start, finish_reason, plan_tools, reply_message
+from xllm_gen.runtime.serving.chat_stream import ChatStreamOptions, stream_chat
+from xllm_gen.runtime.serving.grammar_pool import CompileTimeout, GrammarPool
+from xllm_gen.runtime.serving.middleware import AuthAndLog
 from xllm_gen.runtime.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -34,15 +37,19 @@ logger = logging.getLogger("xllm_gen.serving")
 def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
               allowed_local_media_path: Optional[str] = None, api_key: Optional[str] = None,
-              allowed_origins: Optional[list] = None, log_requests: bool = True):
+              allowed_origins: Optional[list] = None, log_requests: bool = True,
+              grammar_timeout_s: Optional[float] = None):
     """The FastAPI app. `tool_parser` / `reasoning_parser`: names in runtime/serving/tool_parsers/ and
     reasoning_parsers/ (None: tool_choice auto / required / named are refused; no reasoning split);
-    `chat_template`: the default template (Jinja text) instead of the checkpoint's."""
+    `chat_template`: the default template (Jinja text) instead of the checkpoint's; `grammar_timeout_s`: the
+    limit of a constraint's compile (grammar_pool.py; default $XLLM_GRAMMAR_COMPILE_TIMEOUT_S or 30 s)."""
     from xllm_gen.runtime.serving import reasoning_parsers, tool_parsers
 
     engine = async_engine.engine
     tools_cls = tool_parsers.get(tool_parser) if tool_parser else None
     reasoning = reasoning_parsers.get(reasoning_parser)() if reasoning_parser else None
+    grammars = GrammarPool(timeout_s=grammar_timeout_s)
+    fingerprint = S.system_fingerprint(model_name)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -52,56 +59,8 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
 
     app = FastAPI(title="xllm-gen", lifespan=lifespan)
     app.state.async_engine = async_engine
-    access = logging.getLogger("xllm_gen.access")
 
-    class AuthAndLog:
-        """--api-key: a Bearer token on /v1/* (401 in OpenAI's shape otherwise); one access line per request
-        (method, path, status, latency to the last byte) unless --disable-log-requests. Pure ASGI: @app.middleware's
-        wrapper keeps the client's http.disconnect from the endpoint, and a non-streaming request whose client had
-        left ran to its end."""
-
-        def __init__(self, app):
-            self.app = app
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] != "http":
-                return await self.app(scope, receive, send)
-            t0 = time.monotonic()
-            method, path = scope["method"], scope["path"]
-            status, streaming = 500, False
-
-            def log():
-                if log_requests:
-                    access.info("%s %s %d %.1f ms%s", method, path, status, 1000 * (time.monotonic() - t0),
-                                " (streaming)" if streaming else "")
-
-            if api_key and path.startswith("/v1/") and method != "OPTIONS":
-                import hmac
-
-                from starlette.datastructures import Headers
-                got = Headers(scope=scope).get("authorization", "")
-                if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                    status = 401
-                    await JSONResponse(APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
-                                                type="authentication_error").body(), status_code=401)(
-                        scope, receive, send)
-                    log()
-                    return
-
-            async def send_(message):
-                nonlocal status, streaming
-                if message["type"] == "http.response.start":
-                    status = message["status"]
-                    streaming = any(k == b"content-type" and v.startswith(b"text/event-stream")
-                                    for k, v in message.get("headers", ()))
-                await send(message)
-
-            try:
-                await self.app(scope, receive, send_)
-            finally:
-                log()
-
-    app.add_middleware(AuthAndLog)
+    app.add_middleware(AuthAndLog, api_key=api_key, log_requests=log_requests)
 
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -199,10 +158,14 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         if so is None:
             return
         try:
-            backend = engine.structured
-            await asyncio.to_thread(backend.compile, so, where)
+            await grammars.compile(engine.structured, so, where)
         except ValueError as e:
             raise APIError(str(e), param=param) from None
+        except CompileTimeout as e:
+            raise (APIError(str(e), param=param) if e.started else
+                   APIError(str(e), status=503, type="server_overloaded")) from None
+        except RecursionError:
+            raise APIError(f"{where}: the constraint is nested too deeply to compile", param=param) from None
 
     async def admit(rid: str, prompt: Any, params, name: Optional[str] = None) -> asyncio.Queue:
         """`name`: the prompt's place in the body (prompt[1]), which an error about the prompt names."""
@@ -307,13 +270,15 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         prompts = body.prompts()
         params = body.sampling_params(engine.max_model_len)
         await precompile(params, *body.structured_where())
-        base = f"cmpl-{uuid.uuid4().hex}"
+        base = f"cmpl-{body.request_id or uuid.uuid4().hex}"          # vLLM's id of a request_id
         created = int(time.time())
-        queues = await admit_all(base, prompts, params, body.batched)
+        queues = await admit_all(f"{base}-{uuid.uuid4().hex[:8]}" if body.request_id else base, prompts, params,
+                                 body.batched)
         n = params.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_completions(base, created, queues, n, include_usage, body),
+            continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+            return StreamingResponse(stream_completions(base, created, queues, n, include_usage, body, continuous),
                                      media_type="text/event-stream")
         async def collect_all():
             return [await collect(rid, q) for rid, q in queues]
@@ -332,16 +297,32 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             p_tok += len(got.prompt_ids)
             for c in got.comps:
                 choice = S.completion_choice(body, got, c, engine, k * n + c.index)
+                if body.return_token_ids:            # vLLM's: the ids served, per choice
+                    choice.update(prompt_token_ids=list(got.prompt_ids), token_ids=list(c.token_ids))
                 c_tok += 0 if body.echo_only else len(c.token_ids)
                 choices.append(choice)
         return {"id": base, "object": "text_completion", "created": created, "model": model_name,
-                "choices": choices, "usage": S.usage(p_tok, c_tok)}
+                "system_fingerprint": fingerprint, "choices": choices, "usage": S.usage(p_tok, c_tok)}
 
-    async def stream_completions(base, created, queues, n, include_usage, body) -> AsyncIterator[str]:
+    async def stream_completions(base, created, queues, n, include_usage, body,
+                                 continuous: bool = False) -> AsyncIterator[str]:
         p_tok, c_tok = 0, 0
         offsets: dict = {}
         live = {rid for rid, _ in queues}
-        head = {"id": base, "object": "text_completion", "created": created, "model": model_name}
+        head = {"id": base, "object": "text_completion", "created": created, "model": model_name,
+                "system_fingerprint": fingerprint}
+
+        seen: set = set()
+
+        def first_chunk(rid, index) -> bool:
+            if (rid, index) in seen:
+                return False
+            seen.add((rid, index))
+            return True
+
+        def usage_field() -> dict:       # continuous_usage_stats: the usage so far in every chunk (vLLM's)
+            return {"usage": S.usage(p_tok, c_tok)} if continuous else {"usage": None} if include_usage else {}
+
         try:
             for k, (rid, q) in enumerate(queues):
                 async for out in results(rid, q):
@@ -358,24 +339,25 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                                                        prompt_only=True)
                             off = len(first["text"])
                             if body.echo or "prompt_logprobs" in first:
-                                yield S.sse({**head, "choices": [first], **({"usage": None} if include_usage else {})})
+                                yield S.sse({**head, "choices": [first], **usage_field()})
                         text, lps = ("", None) if body.echo_only else (c.text, S.completion_logprobs(c, engine, off))
                         c_tok += 0 if body.echo_only else len(c.token_ids)
                         offsets[rid][c.index] = off + len(text)
                         if body.echo_only and c.finish_reason is None:
                             continue
-                        chunk = {**head, "choices": [{"index": k * n + c.index, "text": text, "logprobs": lps,
+                        ids = {"token_ids": list(c.token_ids)} if body.return_token_ids else {}
+                        if ids and first_chunk(rid, c.index):
+                            ids["prompt_token_ids"] = list(out.prompt_token_ids)
+                        chunk = {**head, "choices": [{**ids, "index": k * n + c.index, "text": text, "logprobs": lps,
                                                       "finish_reason": "length" if body.echo_only else c.finish_reason,
-                                                      "stop_reason": None if body.echo_only else c.stop_reason}]}
-                        if include_usage:
-                            chunk["usage"] = None
+                                                      "stop_reason": None if body.echo_only else c.stop_reason}],
+                                 **usage_field()}
                         yield S.sse(chunk)
                     if out.error:
                         yield S.sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
                 live.discard(rid)
             if include_usage:
-                yield S.sse({"id": base, "object": "text_completion", "created": created, "model": model_name,
-                            "choices": [], "usage": S.usage(p_tok, c_tok)})
+                yield S.sse({**head, "choices": [], "usage": S.usage(p_tok, c_tok)})
             yield "data: [DONE]\n\n"
         except APIError as e:
             yield S.sse(e.body())
@@ -398,84 +380,52 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         if reasoning is not None and so is not None and so.reasoning_tags is None:   # the constraint follows the
             so.reasoning_tags = (reasoning.start, reasoning.end)                       # reasoning, as vLLM's
         await precompile(params, where, param)
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:           # vLLM's: a template variable
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         prompt = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
-                                         bool(body.add_generation_prompt), template_tools,
-                                         body.chat_template_kwargs, allowed_local_media_path)
+                                         bool(body.add_generation_prompt), template_tools, kwargs,
+                                         allowed_local_media_path, bool(body.continue_final_message))
         prompt["add_special_tokens"] = bool(body.add_special_tokens)
-        base = f"chatcmpl-{uuid.uuid4().hex}"
+        base = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
-        rid, q = (await admit_all(base, [prompt], params))[0]
-        n_top = body.top_logprobs or 0
-        opened = reasoning is not None and reasoning.opened_by(prompt.get("prompt"))   # the template opened it
+        rid, q = (await admit_all(base if body.request_id is None else f"{base}-{uuid.uuid4().hex[:8]}",
+                                  [prompt], params))[0]
+        reader = reasoning
+        opened = reader is not None and reader.opened_by(prompt.get("prompt"))       # the template opened it
+        if opened and constrained_from_start(engine, so):    # no room to reason: reasoning only if it writes the end
+            opened = "maybe"
+        keep_reasoning = body.include_reasoning is not False
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_chat(base, created, rid, q, params.n, include_usage, n_top, parser,
-                                                 opened), media_type="text/event-stream")
+            so_ = body.stream_options
+            opts = ChatStreamOptions(params.n, bool(so_ and so_.include_usage), bool(so_ and so_.continuous_usage_stats),
+                                     body.top_logprobs or 0, reader, parser, opened, keep_reasoning,
+                                     bool(body.return_token_ids))
+            head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "system_fingerprint": fingerprint}
+            return StreamingResponse(stream_chat(head, results(rid, q), opts, lambda: async_engine.abort(rid)),
+                                     media_type="text/event-stream")
         got = await unless_disconnected(request, collect(rid, q))
         if got is None:
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         prompt_ids, comps = got.prompt_ids, got.comps
         choices = []
         for c in comps:
-            message = reply_message(c.text, reasoning, parser, opened)
-            finish = "tool_calls" if message.get("tool_calls") else c.finish_reason
-            choices.append({"index": c.index, "message": message, "logprobs": S.chat_logprobs(c, n_top),
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
+            message = reply_message(c.text, reader, parser, opened, c.finish_reason == "length", keep_reasoning)
+            choice = {"index": c.index, "message": message, "logprobs": S.chat_logprobs(c, body.top_logprobs or 0),
+                      "finish_reason": finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
+                      "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         reply = {"id": base, "object": "chat.completion", "created": created, "model": model_name,
-                 "choices": choices, "usage": S.usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
+                 "system_fingerprint": fingerprint, "choices": choices,
+                 "usage": S.usage(len(prompt_ids), sum(len(c.token_ids) for c in comps))}
+        if body.return_token_ids:
+            reply["prompt_token_ids"] = list(prompt_ids)
         if params.prompt_logprobs is not None:
             reply["prompt_logprobs"] = S.prompt_logprobs(got.prompt_logprobs)
         return reply
-
-    async def stream_chat(base, created, rid, q, n, include_usage, n_top, parser=None,
-                          opened: bool = False) -> AsyncIterator[str]:
-        head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name}
-        p_tok, c_tok = 0, 0
-        finished = False
-        state = {i: ReplySplitter(reasoning, parser, opened) for i in range(n)}     # per choice
-
-        try:
-            for i in range(n):
-                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield S.sse(chunk)
-            async for out in results(rid, q):
-                p_tok = len(out.prompt_token_ids)
-                if out.prompt_logprobs is not None:      # once, before the choices' deltas
-                    yield S.sse({**head, "choices": [], "prompt_logprobs": S.prompt_logprobs(out.prompt_logprobs),
-                                **({"usage": None} if include_usage else {})})
-                for c in out.outputs:
-                    c_tok += len(c.token_ids)
-                    if reasoning is None and parser is None:
-                        delta = {"content": c.text} if (c.text or not c.finish_reason) else {}
-                    else:
-                        delta = state[c.index].feed(c.text, c.finish_reason is not None)
-                        if not delta and not c.finish_reason and not c.logprobs:
-                            continue                  # held back (a tag may be starting)
-                    finish = c.finish_reason
-                    if finish is not None and state[c.index].calls_sent:
-                        finish = "tool_calls"
-                    chunk = {**head, "choices": [{"index": c.index, "delta": delta,
-                                                  "logprobs": S.chat_logprobs(c, n_top),
-                                                  "finish_reason": finish, "stop_reason": c.stop_reason}]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield S.sse(chunk)
-                if out.error:
-                    yield S.sse({"error": {"message": out.error, "type": "server_error", "code": 500}})
-            finished = True
-            if include_usage:
-                yield S.sse({**head, "choices": [], "usage": S.usage(p_tok, c_tok)})
-            yield "data: [DONE]\n\n"
-        except APIError as e:
-            finished = True
-            yield S.sse(e.body())
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:
-                async_engine.abort(rid)
 
     return app
 

@@ -116,10 +116,12 @@ def _turn(msg, content) -> dict:
 
 def render_chat(engine, messages: list, chat_template: Optional[str] = None,
                 add_generation_prompt: bool = True, tools: Optional[list] = None,
-                template_kwargs: Optional[dict] = None, allowed_media: Optional[str] = None) -> dict:
+                template_kwargs: Optional[dict] = None, allowed_media: Optional[str] = None,
+                continue_final_message: bool = False) -> dict:
     """The engine prompt dict ({"prompt": text[, "multi_modal_data": ...]}) of an OpenAI conversation.
     `tools` (OpenAI's list) and `template_kwargs` (e.g. enable_thinking) reach the chat template; a template
-    that does not render the tools is refused (the model would never see them)."""
+    that does not render the tools is refused (the model would never see them). `continue_final_message`
+    (vLLM's): the last (assistant) message is left open, for the reply to continue it."""
     multimodal = engine.mm_processor is not None
     renderer = engine.mm_processor.processor if multimodal else engine.tokenizer
     if renderer is None:
@@ -162,6 +164,8 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
         else:
             conv.append(_turn(msg, parts))
     kwargs = dict(template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         text = renderer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
                                             add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)

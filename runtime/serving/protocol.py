@@ -16,6 +16,12 @@ from pydantic_core import PydanticCustomError
 
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
 from xllm_gen.runtime.engine.structured_outputs import StructuredOutputsParams
+from xllm_gen.runtime.serving.request_fields import (  # noqa: F401 - response_format_constraint: re-exported
+    ChatExtras,
+    SamplingExtras,
+    response_format_constraint,
+    unsupported,
+)
 
 
 class APIError(Exception):
@@ -160,7 +166,7 @@ class _Request(_Body):
         return data
 
 
-class _Sampling(_Request):
+class _Sampling(_Request, SamplingExtras):
     model: Optional[str] = None
     n: Optional[int] = 1
     max_tokens: Optional[int] = None
@@ -191,6 +197,13 @@ class _Sampling(_Request):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams of this body; APIError (400, naming the field) when a value is invalid."""
+        bad = unsupported(self)
+        if bad is not None:
+            raise APIError(bad[0], param=bad[1])
+        mt = self._max_tokens()
+        if mt is not None and mt < 1:
+            raise APIError(f"{self._max_tokens_field()} must be an integer >= 1, got {mt}",
+                           param=self._max_tokens_field())
         kw: dict[str, Any] = {}
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
@@ -228,6 +241,9 @@ class _Sampling(_Request):
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
 
+    def _max_tokens_field(self) -> str:
+        return "max_tokens"
+
     def structured(self) -> Optional[StructuredOutputsParams]:
         """The constraint of `response_format` or `structured_outputs` (not both); APIError naming the field."""
         rf, so = self.response_format, self.structured_outputs
@@ -251,44 +267,6 @@ class _Sampling(_Request):
             return ("response_format.json_schema.schema" if kind == "json_schema" else "response_format",
                     "response_format")
         return "structured_outputs", "structured_outputs"
-
-
-def response_format_constraint(rf: Optional[dict]) -> Optional[StructuredOutputsParams]:
-    """OpenAI's response_format: {"type": "text"} | {"type": "json_object"} |
-    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
-    if rf is None:
-        return None
-    kind = rf.get("type")
-    if kind == "text":
-        extra = set(rf) - {"type"}
-        if extra:
-            raise APIError(f"response_format: unknown field(s) {sorted(extra)}", param="response_format")
-        return None
-    if kind == "json_object":
-        extra = set(rf) - {"type"}
-        if extra:
-            raise APIError(f"response_format: unknown field(s) {sorted(extra)}", param="response_format")
-        return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        extra = set(rf) - {"type", "json_schema"}
-        if extra:
-            raise APIError(f"response_format: unknown field(s) {sorted(extra)}", param="response_format")
-        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not js["name"]:
-            raise APIError("response_format.json_schema needs a 'name' (a non-empty string) and a 'schema'",
-                           param="response_format")
-        bad = set(js) - {"name", "schema", "strict", "description"}
-        if bad:
-            raise APIError(f"response_format.json_schema: unknown field(s) {sorted(bad)}", param="response_format")
-        schema = js.get("schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise APIError("response_format.json_schema.schema must be a JSON schema object",
-                           param="response_format")
-        if js.get("strict") not in (None, True, False):
-            raise APIError("response_format.json_schema.strict must be a bool", param="response_format")
-        return StructuredOutputsParams(json=schema)
-    raise APIError(f"response_format.type must be one of text, json_object, json_schema, got {kind!r}",
-                   param="response_format")
 
 
 class CompletionRequest(_Sampling):
@@ -368,6 +346,9 @@ def _check_token_ids(where: str, ids: list, what: str) -> None:
                        param="prompt")
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
@@ -382,7 +363,7 @@ class ChatMessage(_Body):
     function_call: Optional[Dict[str, Any]] = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ChatExtras):
     messages: List[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
@@ -399,9 +380,16 @@ class ChatCompletionRequest(_Sampling):
     def _max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def _max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def _num_logprobs(self) -> Optional[int]:
+        from xllm_gen.runtime.engine.sampling_params import MAX_LOGPROBS
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs")
         if self.logprobs:
             return self.top_logprobs or 0
         return None
@@ -409,6 +397,16 @@ class ChatCompletionRequest(_Sampling):
     def check_supported(self) -> None:
         if self.functions:
             raise APIError("functions (deprecated) is not supported; use tools", param="functions")
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise APIError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}",
+                               param="messages")
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(f"messages[{i}].tool_call_id is required: a role 'tool' message answers the tool "
+                               "call of that id", param="messages")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError("continue_final_message needs the last message to be the assistant's (the one to "
+                           "continue)", param="continue_final_message")
         if self.chat_template_kwargs is not None:
             reserved = {"messages", "tools", "add_generation_prompt", "chat_template"} & set(self.chat_template_kwargs)
             if reserved:

@@ -101,3 +101,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def system_fingerprint(model_name: str) -> str:
+    """OpenAI's system_fingerprint: the serving configuration (this package's version and the served model)."""
+    import hashlib
+
+    try:
+        from importlib.metadata import version
+        v = version("xllm-gen")
+    except Exception:
+        v = "unknown"
+    return f"fp_xllm-gen-{v}-{hashlib.sha256(model_name.encode()).hexdigest()[:8]}"

@@ -19,7 +19,9 @@ class ThinkTagParser:
     """Reasoning written as START ... END at the start of the output (leading whitespace allowed); without
     START the whole output is content; an output that ends before END is all reasoning. `opened`: the prompt
     already ends with START (a chat template that opens the thinking itself), so the output starts inside the
-    reasoning and only END closes it (`opened_by(prompt)` says so)."""
+    reasoning and only END closes it (`opened_by(prompt)` says so). `opened="maybe"`: the prompt opened it but a
+    constraint held from the reply's first token, so the reply is reasoning only if it writes END (held back until
+    END or the end; without END it is all content: the constrained answer)."""
     start = "<think>"
     end = "</think>"
 
@@ -42,15 +44,22 @@ class _ThinkStream:
     def __init__(self, p: ThinkTagParser, opened: bool = False):
         self.p = p
         self.buf = ""
-        # "undecided" -> "reasoning" -> "content", or "content" at once; a prompt that opened START: "reasoning"
-        self.state = "reasoning" if opened else "undecided"
-        self.saw_start = opened
+        # "undecided" -> "reasoning" -> "content", or "content" at once; a prompt that opened START: "reasoning";
+        # "maybe" -> "content" (END seen: what came before it was the reasoning), or all content at the end
+        self.state = "maybe" if opened == "maybe" else "reasoning" if opened else "undecided"
+        self.saw_start = opened is True
         self.opened = opened
 
     def feed(self, delta: str) -> tuple[str, str]:
         p = self.p
         self.buf += delta
         r = c = ""
+        if self.state == "maybe":
+            j = self.buf.find(p.end)
+            if j < 0:
+                return r, c
+            self.saw_start = True
+            r, self.buf, self.state = self.buf[:j], self.buf[j + len(p.end):], "content"
         if self.state == "undecided":
             head = self.buf.lstrip()
             if head.startswith(p.start):

@@ -46,7 +46,8 @@ class ToolParser:
     def __init__(self, tools: Optional[list] = None):
         self.tools = list(tools or ())
 
-    def extract(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
+    def extract(self, text: str, truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
+        """(content, calls) of a finished output; `truncated`: it was cut short (an unfinished call is dropped)."""
         raise NotImplementedError
 
     def streamer(self):
@@ -80,10 +81,10 @@ class TaggedJSONToolParser(ToolParser):
         args = obj.get("arguments", obj.get("parameters", {}))
         return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
-    def extract(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
+    def extract(self, text: str, truncated: bool = False) -> tuple[Optional[str], list[ToolCall]]:
         s = self.streamer()
         content, calls = s.feed(text)
-        more, last = s.finish()
+        more, last = s.finish(truncated)
         content += more
         return (content if content.strip() else None), calls + last
 
@@ -136,12 +137,15 @@ class _TagStream:
             else:
                 calls.append(call)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The end of the output: an unterminated call is parsed if its JSON is complete."""
+    def finish(self, truncated: bool = False) -> tuple[str, list[ToolCall]]:
+        """The end of the output: an unterminated call is parsed if its JSON is complete; `truncated` (the output
+        was cut by max_tokens / the context): an unterminated call is dropped, neither a call nor content."""
         rest, self.buf = self.buf, ""
         if not self.in_call:
             return rest, []
         self.in_call = False
+        if truncated:
+            return "", []
         call = self.p.parse_call(rest.strip())
         return ("", [call]) if call is not None else (self.p.start + rest, [])
 
@@ -184,5 +188,8 @@ def check_tools(tools: list) -> list[dict]:
                 _check_schema(params, f"{where}.function.parameters")
             except GrammarError as e:
                 raise ValueError(str(e)) from None
+            if params and params.get("type") != "object":      # OpenAI's rule: the arguments are an object
+                raise ValueError(f"{where}.function.parameters must be a JSON Schema of 'type: object' (the call's "
+                                 f"arguments are a JSON object), got 'type': {json.dumps(params.get('type'))}")
         out.append(t)
     return out
