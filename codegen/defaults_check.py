@@ -8,7 +8,10 @@ For each symbol the spec reads from a top-level field: (1) the field absent (its
 2's hidden_act beside hidden_activation, must not change the value); (3) absent, and the heads or the hidden size
 doubled (a constant default and one computed from them coincide at the class defaults); (4) the field null, with the
 sizes as given and doubled. The spec's value must equal the class's, or the config be refused (never served wrong);
-a null that transformers gives a value, where the spec serves the field absent, must not be refused.
+a null that transformers gives a value, where the spec serves the field absent, must not be refused. A symbol read
+from a nested path first (`[rope_parameters.rope_theta, rope_theta]`) is checked with the mapping and its other
+paths absent (arms 1 and 3), the class's value read where it keeps it; a field the class pops from its kwargs is read
+from its `_<name>` attribute (Gemma 3's sliding_window_pattern).
 """
 from __future__ import annotations
 
@@ -65,15 +68,55 @@ def _other(value, typ: str, values: tuple):
     return None
 
 
-def _mismatch(cls, config, hf: dict, field: str, name: str, what: str, null: bool = False,
+_MISSING = object()
+
+
+def _lookup(obj, path: str):
+    """A dotted path on a transformers config (attributes, then mapping keys: rope_parameters.rope_theta), or on a
+    config.json dict; a field the class pops from its kwargs lives under `_<name>` (Gemma 3's
+    `_sliding_window_pattern`). _MISSING where it does not resolve."""
+    for i, part in enumerate(path.split(".")):
+        if isinstance(obj, dict):
+            obj = obj.get(part, _MISSING)
+        else:
+            try:                # a per-layer attribute of a heterogeneous config raises: no single value
+                v = getattr(obj, part, _MISSING)
+                obj = getattr(obj, f"_{part}", _MISSING) if v is _MISSING and i == 0 else v
+            except Exception:  # noqa: BLE001
+                return _MISSING
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
+def _without(hf: dict, paths) -> dict:
+    """config.json without the given (dotted) paths: a nested key is removed from a copy of its mapping."""
+    out = json.loads(json.dumps(hf))
+    for path in paths:
+        *parents, last = path.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return out
+
+
+def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = False,
               typ: str = "", served_absent: bool = True) -> str | None:
-    """transformers' value of `field` on this config.json vs the spec's symbol `name` (None: the same, or no
-    reference / a refusal). `null`: config.json writes the field as null (`served_absent`: the spec has a default, so
-    refusing the null where transformers gives it a value refuses a checkpoint transformers serves)."""
+    """transformers' value of `field` (a path, or a list of them: the first that the class's config resolves) on
+    this config.json vs the spec's symbol `name` (None: the same, or no reference / a refusal). `null`: config.json
+    writes the field as null (`served_absent`: the spec has a default, so refusing the null where transformers gives
+    it a value refuses a checkpoint transformers serves)."""
+    fields = [field] if isinstance(field, str) else list(field)
     try:
-        want = getattr(cls.from_dict(json.loads(json.dumps(hf))), field)
+        ref = cls.from_dict(json.loads(json.dumps(hf)))
     except Exception:                        # transformers cannot build it: nothing to compare
         return None
+    want = next((v for v in (_lookup(ref, f) for f in fields) if v is not _MISSING), _MISSING)
+    if want is _MISSING:                     # the class keeps no such field: nothing to compare
+        return None
+    field = fields[0]
     try:
         got = getattr(config.from_hf(json.loads(json.dumps(hf))), name)
     except ValueError as e:                  # refused by the guard: never served wrong
@@ -104,9 +147,24 @@ def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spe
             continue        # absent is None, whose meaning is in the expressions that read it (not judged here)
         name, typ, paths, values = f.name, f.type, list(f.paths), tuple(f.values or ())
         field = paths[0]
-        if "." in field or typ == "rope" or field not in base or field in NOT_MATH:
+        if typ == "rope" or field in NOT_MATH or (spec_name, name) in SAME_MEANING:
             continue
-        if (spec_name, name) in SAME_MEANING:
+        if "." in field:
+            # a nested path (rope_parameters.rope_theta, then the legacy top-level field): the mapping that holds it
+            # absent with every other path, as a Hub config without the field is (a mapping present without its
+            # theta reads another default in some classes: Dots3-Note, LFM3, Ministral 3 fill in their global theta;
+            # no released config writes one); the class's value read where it keeps it (its rope mapping)
+            if all(_lookup(base, p) is _MISSING for p in paths):
+                continue
+            hf = _without(base, [p.split(".")[0] for p in paths])
+            hf["architectures"] = [arch]
+            wrong.append(_mismatch(cls, config, hf, paths, name, f"{' / '.join(paths)} absent"))
+            for size in SIZES:
+                if size not in paths and isinstance(base.get(size), int):
+                    wrong.append(_mismatch(cls, config, {**hf, size: base[size] * 2}, paths, name,
+                                           f"{' / '.join(paths)} absent, {size} = {base[size] * 2}"))
+            continue
+        if field not in base:
             continue
         hf = {k: v for k, v in base.items() if k != field}
         hf["architectures"] = [arch]

@@ -90,6 +90,7 @@ class Report:
     defaults: list = dataclasses.field(default_factory=list)   # absent / null fields read unlike transformers
     reference: str = ""            # the transformers class compared with (a note where model_type chose it)
     tp: int = 1                    # the engine's tensor parallel size
+    defaults_checked: str = ""     # the config class the defaults were checked against ("" : not checked)
     notes: list = dataclasses.field(default_factory=list)   # what this run could not exercise (never a failure)
 
     @property
@@ -117,6 +118,8 @@ class Report:
             return f"{head}\nREFUSED by {self.refused}\nFAIL"
         lines = [head] + ([self.reference] if self.reference else [])
         lines += [f"default DIFFERS: {d}" for d in self.defaults]
+        if self.defaults_checked and not self.defaults:
+            lines.append(f"defaults: the fields read absent and null agree with {self.defaults_checked}")
         lines += [f"note: {n}" for n in self.notes]
         n_layers = len(self.prompts[0].layers) if self.prompts else 0
         worst = [max((p.layers[l].max_rel for p in self.prompts), default=0.0) for l in range(n_layers)]
@@ -433,6 +436,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         if config_cls is not None:
             from .defaults_check import default_mismatches
             report.defaults = default_mismatches(ir.config, model_module.Config, config_cls, hf_cfg, arch, ir.name)
+            report.defaults_checked = f"transformers' {config_cls.__name__}"
         # in a 16-bit dtype the reference is transformers in float32 and transformers in that dtype is the yardstick:
         # the engine may be as far from float32 as a few times transformers' own 16-bit error, not farther
         sixteen = torch_dtype != torch.float32

@@ -94,6 +94,7 @@ def test_verify_accepts_the_drafted_spec(drafted, ckpt):
     assert rc == 0, out + err
     assert out.rstrip().endswith("OK") and "first divergence" not in out
     assert len(re.findall(r"decode steps' log-probabilities max error \d", out)) == 2, out
+    assert "defaults: the fields read absent and null agree with transformers' " in out, out
 
 
 def _variant(src: Path, dst: Path, old: str, new: str) -> Path:
@@ -249,6 +250,14 @@ def test_verify_checks_the_defaults_against_the_config_class(drafted, ckpt):
     assert all(p.first_token_diff is None for p in r.prompts) and not r.ok
     assert any(d.startswith("mlp_bias absent: transformers' SeedOssConfig means mlp_bias = False") for d in r.defaults)
     assert "default DIFFERS: mlp_bias absent" in r.text()
+    # a symbol read from a nested path first (the rope mapping's theta, then the legacy top-level field): the mapping
+    # and the field absent, as a Hub config without them (a blind Starcoder2 spec's theta default 1e5 passed)
+    line = next(ln for ln in text.splitlines() if ln.lstrip().startswith("rope_theta:"))
+    bad = _variant(drafted, drafted.parent / "wrong_theta_default.yaml", line,
+                   line.replace("default: 10000.0", "default: 100000.0"))
+    r = verify(bad, ckpt, max_tokens=2, prompt_lens=[3])
+    assert not r.ok and "default DIFFERS: rope_parameters.rope_theta / rope_theta absent: transformers' SeedOssConfig " \
+        "means rope_parameters.rope_theta = 10000.0, the spec reads rope_theta = 100000.0" in r.text(), r.text()
 
 
 def test_verify_compares_the_decode_steps(drafted, ckpt, monkeypatch):
