@@ -26,7 +26,6 @@ otherwise.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -35,123 +34,28 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .compiler import compile_spec
+from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' import
+    _logprob_error,
+    _near_tie,
+    _own_logprob_error,
+    _reference,
+    _rel_error,
+    _step_logprob_error,
+    _unexercised,
+    logprob_row_error,
+)
+from .verify_report import (  # noqa: F401 - the names verify's callers import from here
+    DEFAULT_TOL,
+    LOGPROB_TOL,
+    LOGPROB_TOP,
+    NEAR_TIE,
+    YARDSTICK,
+    LayerError,
+    PromptResult,
+    Report,
+    VerifyError,
+)
 from .writer import write
-
-
-class VerifyError(Exception):
-    """The check could not run (bad checkpoint, architecture not claimed by the spec, ...)."""
-
-
-DEFAULT_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
-LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.25}    # absolute, in nats
-LOGPROB_TOP = 5
-YARDSTICK = 3          # 16-bit: the engine's error may be this many times transformers' own (GPU spec tests' bound)
-NEAR_TIE = 0.02        # 16-bit: the least float32 log-probability margin of a differing greedy token that is a tie
-
-
-@dataclasses.dataclass
-class LayerError:
-    layer: int
-    max_rel: float                 # max |engine - hf| / max |hf| over positions and features
-    max_abs: float
-    first_bad_position: int | None  # first position over the tolerance (None: within)
-
-
-@dataclasses.dataclass
-class PromptResult:
-    prompt_len: int
-    hf_tokens: list
-    engine_tokens: list
-    layers: list                   # [LayerError] teacher-forced over prompt + hf continuation
-    logprob_err: float = 0.0       # max |engine - hf| log-probability over the compared entries
-    logprob_bad_position: int | None = None   # first position over LOGPROB_TOL (None: within)
-    step_logprob_err: float = 0.0  # the same over the greedy decode steps (while the tokens agree)
-    step_logprob_bad: int | None = None       # first decode step over LOGPROB_TOL (None: within)
-    near_tie: tuple | None = None  # 16-bit: (step, float32 margin, bound) of a first differing token at a near-tie
-
-    @property
-    def first_token_diff(self) -> int | None:
-        for i, (a, b) in enumerate(zip(self.hf_tokens, self.engine_tokens)):
-            if a != b:
-                return i
-        return None if len(self.hf_tokens) == len(self.engine_tokens) else min(len(self.hf_tokens),
-                                                                                 len(self.engine_tokens))
-
-
-@dataclasses.dataclass
-class Report:
-    spec: str
-    checkpoint: str
-    architecture: str
-    dtype: str
-    tol: float
-    refused: str | None = None
-    prompts: list = dataclasses.field(default_factory=list)
-    defaults: list = dataclasses.field(default_factory=list)   # absent / null fields read unlike transformers
-    reference: str = ""            # the transformers class compared with (a note where model_type chose it)
-    tp: int = 1                    # the engine's tensor parallel size
-    defaults_checked: str = ""     # the config class the defaults were checked against ("" : not checked)
-    notes: list = dataclasses.field(default_factory=list)   # what this run could not exercise (never a failure)
-
-    @property
-    def ok(self) -> bool:
-        return self.refused is None and not self.defaults and all(
-            (p.first_token_diff is None or p.near_tie is not None) and p.logprob_bad_position is None
-            and p.step_logprob_bad is None
-            and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
-
-    def first_divergence(self) -> tuple[int, PromptResult, LayerError] | None:
-        """(prompt index, prompt, layer error) of the earliest layer over the tolerance over all prompts."""
-        best = None
-        for i, p in enumerate(self.prompts):
-            for e in p.layers:
-                if e.first_bad_position is not None:
-                    if best is None or (e.layer, e.first_bad_position) < (best[2].layer, best[2].first_bad_position):
-                        best = (i, p, e)
-                    break
-        return best
-
-    def text(self) -> str:
-        head = (f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}"
-                + (f", TP {self.tp}" if self.tp > 1 else "") + f", tolerance {self.tol:g})")
-        if self.refused:
-            return f"{head}\nREFUSED by {self.refused}\nFAIL"
-        lines = [head] + ([self.reference] if self.reference else [])
-        lines += [f"default DIFFERS: {d}" for d in self.defaults]
-        if self.defaults_checked and not self.defaults:
-            lines.append(f"defaults: the fields read absent and null agree with {self.defaults_checked}")
-        lines += [f"note: {n}" for n in self.notes]
-        n_layers = len(self.prompts[0].layers) if self.prompts else 0
-        worst = [max((p.layers[l].max_rel for p in self.prompts), default=0.0) for l in range(n_layers)]
-        lines.append("per-layer max relative error (teacher-forced, all prompts): "
-                     + " ".join(f"{l}:{w:.1e}" for l, w in enumerate(worst)))
-        for i, p in enumerate(self.prompts):
-            d = p.first_token_diff
-            lines.append(f"prompt {i} ({p.prompt_len} tokens): greedy tokens "
-                         + ("agree" if d is None else
-                            f"differ at a near-tie from step {d} (float32 margin {p.near_tie[1]:.3f} < "
-                            f"{p.near_tie[2]:.3f}, within transformers' own {self.dtype} noise)" if p.near_tie else
-                            f"DIFFER at step {d}: engine {p.engine_tokens[d:d + 4]} vs transformers {p.hf_tokens[d:d + 4]}")
-                         + f"; log-probabilities max error {p.logprob_err:.1e}"
-                         + ("" if p.logprob_bad_position is None else
-                            f" DIFFER from position {p.logprob_bad_position} (> {LOGPROB_TOL[self.dtype]:g}"
-                            + ("" if any(e.first_bad_position is not None for e in p.layers) else
-                               ": every layer agrees, so after the last layer: final norm, lm_head, logit scale / "
-                               "soft-cap") + ")")
-                         + f"; decode steps' log-probabilities max error {p.step_logprob_err:.1e}"
-                         + ("" if p.step_logprob_bad is None else
-                            f" DIFFER from step {p.step_logprob_bad} (> {LOGPROB_TOL[self.dtype]:g}: the decode path "
-                            f"(paged attention over the cache, decode-only kernels), since the prefill's agree)"
-                            if p.logprob_bad_position is None else
-                            f" DIFFER from step {p.step_logprob_bad}"))
-        first = self.first_divergence()
-        if first is not None:
-            i, p, e = first
-            lines.append(f"first divergence: layer {e.layer}, position {e.first_bad_position} (prompt {i}, "
-                         f"{p.prompt_len} prompt tokens + continuation): max error {e.max_abs:.3e} "
-                         f"(relative {e.max_rel:.3e} > {self.tol:g})")
-        lines.append("OK" if self.ok else "FAIL")
-        return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ the package
@@ -171,7 +75,7 @@ def _import_compiled(files: dict, name: str, tmp: Path):
 
 
 @contextlib.contextmanager
-def _served_by(model_module, runner_module, tmp: Path, name: str, tp: int):
+def _served_by(model_module, runner_module, tmp: Path | None = None, name: str = "", tp: int = 1):
     """Inside: the engine serves every checkpoint with these modules. At TP 1 the registry is bypassed; at TP > 1
     the rank processes import the runner by name, so the package is found as a user's generated/ directory
     (XLLM_GEN_PATH = tmp, preferred over a shipped package of the same architectures), which the workers inherit."""
@@ -269,109 +173,6 @@ def _ordinary_token_ids(ckpt: Path, vocab: int):
     special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
     keep = ids[~np.isin(ids, sorted(special))]
     return keep[keep < len(tok)] if len(keep[keep < len(tok)]) else keep
-
-
-def logprob_row_error(entries: dict, ref_row) -> float:
-    """Max |engine - reference| log-probability over the engine's entries of one position ({token id: Logprob}),
-    against the reference's log_softmax row; a NaN on either side is no agreement (inf). Shared with the
-    batteries (tests/test_spec_battery.py Tokens)."""
-    e = max(abs(float(lp.logprob) - float(ref_row[t])) for t, lp in entries.items())
-    return float("inf") if e != e else e
-
-
-def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
-    """(max |engine - transformers| log-probability, first position over `tol`) over the engine's entries: per
-    position p >= 1 of the prompt the distribution of its token given the tokens before (prompt_logprobs), and the
-    next token's after the last (logprobs); transformers' from log_softmax of its logits in float32."""
-    import torch
-    ref = torch.log_softmax(hf_logits.float(), dim=-1)
-    rows = [(p, d) for p, d in enumerate(out.prompt_logprobs or []) if d]       # position p: given tokens < p
-    rows += [(len(ref), d) for d in (out.outputs[0].logprobs or [])[:1] if d]
-    err, bad = 0.0, None
-    for p, entries in rows:
-        want = ref[p - 1]
-        e = logprob_row_error(entries, want)
-        err = max(err, e)
-        if bad is None and e > tol:
-            bad = p
-    return err, bad
-
-
-def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float) -> tuple[float, int | None]:
-    """(max error, first step over `tol`) of the engine's per-step log-probabilities of its greedy decode steps
-    against transformers' teacher-forced distributions at the same positions: step i is compared while the tokens
-    before it agree (the reference row is the distribution given the prompt and want[:i]). The prefill's
-    log-probabilities (prompt_logprobs) exercise the prefill path; these exercise the decode path."""
-    import torch
-    ref = torch.log_softmax(hf_logits.float(), dim=-1)
-    err, bad = 0.0, None
-    for i, entries in enumerate(got.logprobs or []):
-        row = prompt_len - 1 + i
-        if row >= len(ref) or list(got.token_ids[:i]) != want[:i] or not entries:
-            break
-        e = logprob_row_error(entries, ref[row])
-        err = max(err, e)
-        if bad is None and e > tol:
-            bad = i
-    return err, bad
-
-
-def _rel_error(b, a) -> float:
-    """max |b - a| relative to max |a| (hidden states of one layer, float32)."""
-    a = a.float()
-    return float((b.float() - a).abs().max() / a.abs().max().clamp_min(1e-12))
-
-
-def _own_logprob_error(logits32, logits16) -> float:
-    """transformers' own 16-bit error: max |log_softmax(16-bit) - log_softmax(float32)| over each position's top
-    LOGPROB_TOP tokens of the float32 run (what the engine's entries are compared on)."""
-    import torch
-    lp32 = torch.log_softmax(logits32.float(), dim=-1)
-    lp16 = torch.log_softmax(logits16.float(), dim=-1)
-    top = lp32.topk(LOGPROB_TOP, dim=-1).indices
-    return float((lp16.gather(-1, top) - lp32.gather(-1, top)).abs().max())
-
-
-def _near_tie(row_logits, want: list, got: list, bound: float):
-    """16-bit: where the engine's greedy tokens first differ from float32 transformers', (step, margin, bound) when
-    float32's margin between its token and the engine's is below `bound` (a near-tie, within 16-bit noise); else
-    None (a real difference, or none). row_logits(d): float32 logits of step d given the prompt and want[:d]."""
-    import torch
-    d = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-    if d is None:
-        return None
-    lp = torch.log_softmax(row_logits(d).float(), dim=-1)
-    margin = float(lp[want[d]] - lp[got[d]])
-    return (d, margin, bound) if margin < bound else None
-
-
-def _unexercised(model, longest: int) -> list:
-    """Attention windows / chunks this run's sequences (at most `longest` tokens) never reach: a wrong window size or
-    pattern passes such a run; say so, with what would exercise it."""
-    from xllm_gen.runtime.attention.base import AttentionVariant
-    spans = {}
-    for m in model.modules():
-        v = getattr(m, "variant", None)
-        if isinstance(v, AttentionVariant):
-            for what, size in (("sliding window", v.sliding_window), ("attention chunk", v.chunk_size)):
-                if size is not None and size >= longest:
-                    spans.setdefault(what, set()).add(size)
-    return [f"{what} {', '.join(map(str, sorted(sizes)))} not exercised: the longest sequence is {longest} tokens "
-            f"(--prompt-lens beyond it, or a checkpoint with a smaller {what.split()[-1]}, would test it)"
-            for what, sizes in spans.items()]
-
-
-def _reference(run, cls, checkpoint):
-    """transformers' side of a comparison: where its own forward fails on this checkpoint (a config its modeling
-    code cannot run), say so; the spec is not what failed and there is nothing to compare with."""
-    try:
-        return run()
-    except Exception as e:  # noqa: BLE001 - any failure of the reference model
-        import transformers
-        raise VerifyError(f"{checkpoint}: the transformers reference failed: {cls.__name__} (transformers "
-                          f"{transformers.__version__}) raised {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}; there is nothing to compare with (the config "
-                          f"may be one transformers cannot run)") from None
 
 
 # ------------------------------------------------------------------------------------------------ verify

@@ -1,0 +1,108 @@
+"""What `xllm-gen verify` compares (codegen/verify.py runs the models): log-probability rows (prompt and decode
+steps), layer errors, 16-bit yardsticks and near-ties, and what a run cannot exercise."""
+from __future__ import annotations
+
+from .verify_report import LOGPROB_TOP, VerifyError
+
+
+def logprob_row_error(entries: dict, ref_row) -> float:
+    """Max |engine - reference| log-probability over the engine's entries of one position ({token id: Logprob}),
+    against the reference's log_softmax row; a NaN on either side is no agreement (inf). Shared with the
+    batteries (tests/test_spec_battery.py Tokens)."""
+    e = max(abs(float(lp.logprob) - float(ref_row[t])) for t, lp in entries.items())
+    return float("inf") if e != e else e
+
+
+def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
+    """(max |engine - transformers| log-probability, first position over `tol`) over the engine's entries: per
+    position p >= 1 of the prompt the distribution of its token given the tokens before (prompt_logprobs), and the
+    next token's after the last (logprobs); transformers' from log_softmax of its logits in float32."""
+    import torch
+    ref = torch.log_softmax(hf_logits.float(), dim=-1)
+    rows = [(p, d) for p, d in enumerate(out.prompt_logprobs or []) if d]       # position p: given tokens < p
+    rows += [(len(ref), d) for d in (out.outputs[0].logprobs or [])[:1] if d]
+    err, bad = 0.0, None
+    for p, entries in rows:
+        want = ref[p - 1]
+        e = logprob_row_error(entries, want)
+        err = max(err, e)
+        if bad is None and e > tol:
+            bad = p
+    return err, bad
+
+
+def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float) -> tuple[float, int | None]:
+    """(max error, first step over `tol`) of the engine's per-step log-probabilities of its greedy decode steps
+    against transformers' teacher-forced distributions at the same positions: step i is compared while the tokens
+    before it agree (the reference row is the distribution given the prompt and want[:i]). The prefill's
+    log-probabilities (prompt_logprobs) exercise the prefill path; these exercise the decode path."""
+    import torch
+    ref = torch.log_softmax(hf_logits.float(), dim=-1)
+    err, bad = 0.0, None
+    for i, entries in enumerate(got.logprobs or []):
+        row = prompt_len - 1 + i
+        if row >= len(ref) or list(got.token_ids[:i]) != want[:i] or not entries:
+            break
+        e = logprob_row_error(entries, ref[row])
+        err = max(err, e)
+        if bad is None and e > tol:
+            bad = i
+    return err, bad
+
+
+def _rel_error(b, a) -> float:
+    """max |b - a| relative to max |a| (hidden states of one layer, float32)."""
+    a = a.float()
+    return float((b.float() - a).abs().max() / a.abs().max().clamp_min(1e-12))
+
+
+def _own_logprob_error(logits32, logits16) -> float:
+    """transformers' own 16-bit error: max |log_softmax(16-bit) - log_softmax(float32)| over each position's top
+    LOGPROB_TOP tokens of the float32 run (what the engine's entries are compared on)."""
+    import torch
+    lp32 = torch.log_softmax(logits32.float(), dim=-1)
+    lp16 = torch.log_softmax(logits16.float(), dim=-1)
+    top = lp32.topk(LOGPROB_TOP, dim=-1).indices
+    return float((lp16.gather(-1, top) - lp32.gather(-1, top)).abs().max())
+
+
+def _near_tie(row_logits, want: list, got: list, bound: float):
+    """16-bit: where the engine's greedy tokens first differ from float32 transformers', (step, margin, bound) when
+    float32's margin between its token and the engine's is below `bound` (a near-tie, within 16-bit noise); else
+    None (a real difference, or none). row_logits(d): float32 logits of step d given the prompt and want[:d]."""
+    import torch
+    d = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if d is None:
+        return None
+    lp = torch.log_softmax(row_logits(d).float(), dim=-1)
+    margin = float(lp[want[d]] - lp[got[d]])
+    return (d, margin, bound) if margin < bound else None
+
+
+def _unexercised(model, longest: int) -> list:
+    """Attention windows / chunks this run's sequences (at most `longest` tokens) never reach: a wrong window size or
+    pattern passes such a run; say so, with what would exercise it."""
+    from xllm_gen.runtime.attention.base import AttentionVariant
+    spans = {}
+    for m in model.modules():
+        v = getattr(m, "variant", None)
+        if isinstance(v, AttentionVariant):
+            for what, size in (("sliding window", v.sliding_window), ("attention chunk", v.chunk_size)):
+                if size is not None and size >= longest:
+                    spans.setdefault(what, set()).add(size)
+    return [f"{what} {', '.join(map(str, sorted(sizes)))} not exercised: the longest sequence is {longest} tokens "
+            f"(--prompt-lens beyond it, or a checkpoint with a smaller {what.split()[-1]}, would test it)"
+            for what, sizes in spans.items()]
+
+
+def _reference(run, cls, checkpoint):
+    """transformers' side of a comparison: where its own forward fails on this checkpoint (a config its modeling
+    code cannot run), say so; the spec is not what failed and there is nothing to compare with."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 - any failure of the reference model
+        import transformers
+        raise VerifyError(f"{checkpoint}: the transformers reference failed: {cls.__name__} (transformers "
+                          f"{transformers.__version__}) raised {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}; there is nothing to compare with (the config "
+                          f"may be one transformers cannot run)") from None
