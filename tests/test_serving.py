@@ -349,18 +349,21 @@ def test_metrics_parse(server, client, model_name):
 
 
 def test_event_loop_not_blocked_by_steps(server, model_name):
-    """While long generations step, /health answers at once."""
+    """While long generations step, /health answers at once: a loop blocked by the steps delays every probe, so the
+    median is the measure (on a loaded 2-core CI machine one probe can wait for the OS scheduler: 1.2 s was seen
+    once in a full run, while the median stays in milliseconds)."""
     body = {"model": model_name, "prompt": "busy", "max_tokens": 300, "ignore_eos": True, "n": 4}
     t = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120))
     t.start()
     time.sleep(0.5)
-    worst = 0.0
+    took = []
     for _ in range(10):
         t0 = time.monotonic()
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-        worst = max(worst, time.monotonic() - t0)
+        took.append(time.monotonic() - t0)
     t.join()
-    assert worst < 1.0, worst
+    took.sort()
+    assert took[len(took) // 2] < 0.25 and took[-1] < 3.0, took
 
 
 async def _stream_client(url, model, prompt, rng, results, i):
