@@ -149,27 +149,22 @@ def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spe
         field = paths[0]
         if typ == "rope" or field in NOT_MATH or (spec_name, name) in SAME_MEANING:
             continue
-        if "." in field:
+        nested = "." in field
+        if nested:
             # a nested path (rope_parameters.rope_theta, then the legacy top-level field): the mapping that holds it
             # absent with every other path, as a Hub config without the field is (a mapping present without its
             # theta reads another default in some classes: Dots3-Note, LFM3, Ministral 3 fill in their global theta;
             # no released config writes one); the class's value read where it keeps it (its rope mapping)
             if all(_lookup(base, p) is _MISSING for p in paths):
                 continue
-            hf = _without(base, [p.split(".")[0] for p in paths])
-            hf["architectures"] = [arch]
-            wrong.append(_mismatch(cls, config, hf, paths, name, f"{' / '.join(paths)} absent"))
-            for size in SIZES:
-                if size not in paths and isinstance(base.get(size), int):
-                    wrong.append(_mismatch(cls, config, {**hf, size: base[size] * 2}, paths, name,
-                                           f"{' / '.join(paths)} absent, {size} = {base[size] * 2}"))
+            hf, ref, absent = _without(base, [p.split(".")[0] for p in paths]), paths, " / ".join(paths) + " absent"
+        elif field in base:
+            hf, ref, absent = {k: v for k, v in base.items() if k != field}, field, f"{field} absent"
+        else:
             continue
-        if field not in base:
-            continue
-        hf = {k: v for k, v in base.items() if k != field}
         hf["architectures"] = [arch]
-        wrong.append(_mismatch(cls, config, hf, field, name, f"{field} absent"))
-        for alias in paths[1:]:
+        wrong.append(_mismatch(cls, config, hf, ref, name, absent))
+        for alias in [] if nested else paths[1:]:
             if "." in alias or alias in NOT_MATH:
                 continue
             other = _other(base.get(alias, base[field]), typ, values)
@@ -177,9 +172,11 @@ def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spe
                 wrong.append(_mismatch(cls, config, {**hf, alias: other}, field, name,
                                        f"{field} absent, {alias} = {other!r}"))
         for size in SIZES:      # (3) a size another default may be computed from, doubled: constant or computed?
-            if size != field and size not in paths and isinstance(base.get(size), int):
-                wrong.append(_mismatch(cls, config, {**hf, size: base[size] * 2}, field, name,
-                                       f"{field} absent, {size} = {base[size] * 2}"))
+            if size not in paths and isinstance(base.get(size), int):
+                wrong.append(_mismatch(cls, config, {**hf, size: base[size] * 2}, ref, name,
+                                       f"{absent}, {size} = {base[size] * 2}"))
+        if nested:
+            continue
         # (4) the field written as null: what the class makes of None (Qwen3Config: num_key_value_heads absent is 32,
         # null is num_attention_heads), with the sizes as given and doubled
         for size in (None,) + SIZES:

@@ -8,7 +8,7 @@ import math
 import re
 from typing import Dict
 
-from xllm_gen.runtime.rope_kinds import ROPE_SCALING_KEYS  # pure Python: the keys each rope type reads
+from xllm_gen.runtime.rope_kinds import ROPE_SCALING_KEYS, ROPE_SHARED_KEYS  # pure Python: each type's keys
 
 from .errors import did_you_mean
 from .ir import (
@@ -18,8 +18,6 @@ from .ir import (
 from .resolver_blocks import _is_int
 from .resolver_variants import MAX_SIZE, _is_num, _type_ok
 
-# the keys of a rope mapping that every rope type reads (runtime/loading/hf_config.py _ROPE_SHARED)
-ROPE_SHARED_KEYS = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
 # rope types as transformers names them (modeling_rope_utils); the runtime Rotary computes each
 # transformers' rope_type names (what config.json carries) -> the rotary primitive's scaling kinds
 # (runtime/rope_kinds.py); a spec's `type: rope` symbol lists the names it models.
@@ -213,13 +211,13 @@ class ConfigResolver:
         except ConfigError as e:
             error = str(e).split(": ", 1)[-1].replace("config.json field ", "").replace(f"'{where}.", "'")
         rope_type = default.get("rope_type", default.get("type", "default")) if isinstance(default, dict) else None
-        known = ROPE_SCALING_KEYS.get(types.get(rope_type), ((), ()))
-        known = known[0] + known[1]
+        required, optional = ROPE_SCALING_KEYS.get(types.get(rope_type), ((), ()))
+        known = required + optional
         for key in default if isinstance(default, dict) else ():
             if key not in known and key not in ROPE_SHARED_KEYS:
                 raise self.err(path, f"{where}: rope type '{rope_type}' has no key '{key}'"
                                      f"{did_you_mean(key, known)} (it reads: {', '.join(known) or 'nothing'})")
-        for key in ROPE_SCALING_KEYS.get(types.get(rope_type), ((), ()))[0]:
+        for key in required:
             if key not in default:
                 raise self.err(path, f"{where}: rope type '{rope_type}' needs '{key}'")
         if error:

@@ -31,4 +31,6 @@ ROPE_SCALING_KEYS = {
 }
 # keys whose value is a list of positive numbers (one per rotating frequency), not one number
 ROPE_LIST_KEYS = ("short_factor", "long_factor")
+# the keys of a rope mapping read whatever its type (its type, theta and the multimodal sections)
+ROPE_SHARED_KEYS = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
 ROPE_KINDS = tuple(ROPE_SCALING_KEYS)

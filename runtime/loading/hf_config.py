@@ -10,7 +10,7 @@ import fnmatch
 import math
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from xllm_gen.runtime.rope_kinds import ROPE_LIST_KEYS, ROPE_SCALING_KEYS
+from xllm_gen.runtime.rope_kinds import ROPE_LIST_KEYS, ROPE_SCALING_KEYS, ROPE_SHARED_KEYS
 
 MISSING = object()
 _MAX_INT = 2 ** 63          # ints a config field or a spec expression may hold (codegen/expr.py MAX_INT)
@@ -50,7 +50,6 @@ RUNTIME_READS = frozenset({"eos_token_id", "max_position_embeddings", "vocab_siz
 # same table). Read like transformers: original_max_position_embeddings falls back to max_position_embeddings
 # where a kind needs it. rope_theta and the mRoPE keys are read by other symbols of the spec.
 _ROPE_NEEDS_ORIGINAL = ("frequency_bands", "longrope")
-_ROPE_SHARED = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
 # YaRN keys transformers tests by their truth (its attention factor takes the mscale ratio only when both are set,
 # the attention's softmax mscale only when mscale_all_dim is): a 0 is the same as the key left out
 _ROPE_ZERO_IS_ABSENT = {"yarn": ("mscale", "mscale_all_dim")}
@@ -278,7 +277,7 @@ class ConfigReader:
         known = required + optional
         out: dict = {"rope_type": rtype}
         for key, v in value.items():
-            if key in _ROPE_SHARED:
+            if key in ROPE_SHARED_KEYS:
                 continue
             if key == "partial_rotary_factor" and not isinstance(v, bool) and v in (None, 1, 1.0):
                 continue                       # the whole head rotates: what every rotary kind computes
