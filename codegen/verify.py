@@ -91,12 +91,15 @@ def _served_by(model_module, runner_module, tmp: Path | None = None, name: str =
             registry.resolve = orig
         return
     package = f"{registry._USER_PKG}.{name}"
-    saved = {k: os.environ.get(k) for k in (registry.SEARCH_PATH_ENV, registry.PREFER_ENV)}
-    os.environ[registry.SEARCH_PATH_ENV] = os.pathsep.join([str(tmp)] + [d for d in [saved[registry.SEARCH_PATH_ENV]] if d])
-    os.environ[registry.PREFER_ENV] = os.pathsep.join([package] + [d for d in [saved[registry.PREFER_ENV]] if d])
-    stale = [m for m in sys.modules if m == package or m.startswith(package + ".")]
-    for m in stale:                    # an earlier verify's package of the same name (another temporary directory)
-        del sys.modules[m]
+    first = {registry.SEARCH_PATH_ENV: str(tmp), registry.PREFER_ENV: package}
+    saved = {k: os.environ.get(k) for k in first}
+    for k, v in first.items():          # ahead of what the user set
+        os.environ[k] = os.pathsep.join([v] + ([saved[k]] if saved[k] else []))
+
+    def forget():      # the package's modules: an earlier verify's (another temporary directory), or this one's
+        for m in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[m]
+    forget()
     try:
         yield
     finally:
@@ -105,8 +108,7 @@ def _served_by(model_module, runner_module, tmp: Path | None = None, name: str =
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for m in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
-            del sys.modules[m]
+        forget()
 
 
 def _decoder_layers(model, n_layers: int):
