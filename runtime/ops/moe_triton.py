@@ -73,8 +73,10 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, mask_rows, k0, offs_k, mask, stri
     How the per-group values are read (SCALES, chosen on the host by _scale_mode): see _group_values; the gathered
     form (0) costs an index and a load per weight value (slow)."""
     if WQ == 2:
-        b = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + (offs_k // 2)[:, None], mask=mask, other=0)
-        q = ((b >> ((offs_k % 2) * 4).to(tl.uint8)[:, None]) & 0xF).to(tl.float32)
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_b[:, None],
+                    mask=mask_rows[None, :] & (offs_b < Kdim // 2)[:, None], other=0)
+        q = tl.reshape(tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1)), (BLOCK_K, b.shape[1])).to(tl.float32)
         s = _group_values(s_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
                           SCALES)
         z = _group_values(z_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,

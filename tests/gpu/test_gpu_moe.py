@@ -103,3 +103,37 @@ def test_triton_route_equals_torch_route(T, first, count):
     probs = torch.softmax(lb, -1, dtype=torch.float32)
     torch.testing.assert_close(wa.float(), wb.float(), rtol=0, atol=0)
     torch.testing.assert_close(probs.gather(1, ia), probs.gather(1, ib), rtol=0, atol=0)
+
+
+def _int4(E, N, K, g, seed):
+    from xllm_gen.runtime.ops.moe import pack_int4_experts
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (E, N, K), generator=gen).float()
+    zeros = torch.randint(0, 16, (E, N, K // g), generator=gen).float().repeat_interleave(g, -1)
+    scales = (torch.rand(E, N, K // g, generator=gen) * 0.002 + 0.0005).half().float().repeat_interleave(g, -1)
+    return tuple(t.cuda() if torch.is_tensor(t) else t for t in pack_int4_experts(codes, zeros, scales, g))
+
+
+# (H, I, group): the scale-read forms of ops/moe_triton.py _weight_tile: a tile inside one group (1), whole groups
+# per tile (2: gate / up at H 256 with 256-column tiles), gathered (0: a group of 48)
+@pytest.mark.parametrize("H,I,g", [(2048, 768, 128), (256, 256, 128), (384, 192, 64), (192, 96, 48)])
+@pytest.mark.parametrize("T", [1, 16, 300])
+def test_int4_experts_kernel_bit_exact(T, H, I, g):
+    """4-bit experts kept packed (two codes to a byte, a zero and a scale per row and group) give the dequantized
+    experts' result bit for bit in bfloat16 on the GPU, as they do interpreted (tests/test_quant_moe.py): the kernel
+    reads each weight as bf16((q - zero) x scale); a zero moved by one changes the output."""
+    from xllm_gen.runtime.ops.moe import dequantize_packed, topk_softmax
+    from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
+
+    E, K = 16, 4
+    g_ = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", generator=g_).bfloat16()
+    w, ids = topk_softmax(torch.randn(T, E, device="cuda", generator=g_), K, True)
+    p13, p2 = _int4(E, 2 * I, H, g, 1), _int4(E, H, I, g, 2)
+    a = fused_moe_silu(x, p13[0], p2[0], w.bfloat16(), ids, scales13=p13[1:], scales2=p2[1:])
+    b = fused_moe_silu(x, dequantize_packed(p13, torch.bfloat16), dequantize_packed(p2, torch.bfloat16),
+                       w.bfloat16(), ids)
+    assert torch.equal(a, b), (a.float() - b.float()).abs().max().item()
+    p13[3][ids[0, 0]] += 1
+    c = fused_moe_silu(x, p13[0], p2[0], w.bfloat16(), ids, scales13=p13[1:], scales2=p2[1:])
+    assert not torch.equal(a, c)
