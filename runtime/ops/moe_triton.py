@@ -76,7 +76,10 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, mask_rows, k0, offs_k, mask, stri
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         b = tl.load(w_ptr + e * stride_we + rows[None, :] * stride_wn + offs_b[:, None],
                     mask=mask_rows[None, :] & (offs_b < Kdim // 2)[:, None], other=0)
-        q = tl.reshape(tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1)), (BLOCK_K, b.shape[1])).to(tl.float32)
+        b = b.to(tl.int32)
+        q = tl.reshape(tl.permute(tl.join(b & 0xF, b >> 4), (0, 2, 1)), (BLOCK_K, b.shape[1]))
+        # q as a float without an int-to-float conversion (a slow pipe): the bits of 2^23 + q, less 2^23 (exact)
+        q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         s = _group_values(s_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
                           SCALES)
         z = _group_values(z_ptr + e * stride_se + rows * stride_sn, mask_rows, k0, offs_k, mask, Kdim, BLOCK_K, SBK,
