@@ -269,28 +269,35 @@ def sweep_candidates(T: int, layer: Layer) -> list:
     c = [default_config(T, layer.E, layer.K, layer.H, layer.I)]
     for t in [(16, 32, 128, 32, 128, 4, 3), (16, 32, 256, 64, 128, 4, 3), (16, 64, 128, 64, 128, 4, 3),
               (16, 64, 128, 128, 64, 4, 4), (16, 64, 256, 128, 128, 8, 3), (16, 128, 64, 128, 64, 4, 4),
-              (16, 128, 128, 128, 128, 8, 3), (16, 32, 64, 32, 64, 4, 2), (16, 64, 64, 64, 64, 8, 4)]:
+              (16, 128, 128, 128, 128, 8, 3), (16, 32, 64, 32, 64, 4, 2), (16, 64, 64, 64, 64, 8, 4),
+              (16, 16, 256, 32, 256, 4, 3), (16, 16, 128, 32, 128, 2, 4)]:        # narrow: more programs
         c.append(MoeConfig(*t))
     if T >= 64:
         c += [MoeConfig(32, 64, 128, 64, 128, 4, 3), MoeConfig(64, 128, 64, 128, 64, 8, 3)]
     return list(dict.fromkeys(c))                       # frozen dataclass: hashable, duplicates dropped
 
 
-def config_sweep(log, layer: Layer, tokens=TOKENS, budget_s: float = 45.0) -> dict:
-    """Per T, each candidate config of fused_moe_silu timed in a CUDA graph (graph_ms), its output checked
+def config_sweep(log, layer: Layer, tokens=TOKENS, budget_s: float = 45.0, form: str = "bf16") -> dict:
+    """Per T, each candidate config of fused_moe_silu (the experts in `form`: bf16, or kept packed as fp8 / int4)
+    timed in a CUDA graph (graph_ms), its output checked
     against the default config's (max |diff| / max |default|; bf16, so differences of a rounding are expected,
     > 3e-2 marks it wrong and it cannot be best); the best config, its time and bandwidth. Stops trying configs
     after budget_s (compiles included), the rest marked skipped (the default config is always timed)."""
     from xllm_gen.runtime.ops.moe_triton import default_config, fused_moe_silu
 
     L = layer
+    (q13, s13, b13), (q2, s2, b2) = L.fp8
+    i13, i2 = L.int4
+    w13, w2, packed = {"bf16": (L.w13, L.w2, {}),
+                       "fp8": (q13, q2, dict(scales13=(s13, b13), scales2=(s2, b2))),
+                       "int4": (i13[0], i2[0], dict(scales13=i13[1:], scales2=i2[1:]))}[form]
     t0 = time.perf_counter()
-    out = dict(shapes=dict(H=L.H, I=L.I, E=L.E, top_k=L.K, dtype=str(L.w13.dtype).replace("torch.", "")),
+    out = dict(shapes=dict(H=L.H, I=L.I, E=L.E, top_k=L.K, dtype=str(L.w13.dtype).replace("torch.", ""), form=form),
                budget_s=budget_s, by_tokens=[])
     for T in tokens:
         x, w, ids, hit, nbytes = L.inputs(T)
         dflt = default_config(T, L.E, L.K, L.H, L.I)
-        ref = fused_moe_silu(x, L.w13, L.w2, w, ids, config=dflt).float()
+        ref = fused_moe_silu(x, w13, w2, w, ids, config=dflt, **packed).float()
         scale = ref.abs().max().clamp(min=1e-6)
         res = []
         for cfg in sweep_candidates(T, L):
@@ -300,7 +307,7 @@ def config_sweep(log, layer: Layer, tokens=TOKENS, budget_s: float = 45.0) -> di
                 res.append(r)
                 continue
             try:
-                fn = (lambda c=cfg: fused_moe_silu(x, L.w13, L.w2, w, ids, config=c))
+                fn = (lambda c=cfg: fused_moe_silu(x, w13, w2, w, ids, config=c, **packed))
                 r["rel_err"] = ((fn().float() - ref).abs().max() / scale).item()      # compiles here
                 r["ms"] = graph_ms(fn, inner=10)
                 r["GBs"] = nbytes / (r["ms"] * 1e-3) / 1e9
@@ -429,6 +436,8 @@ def main(argv=None) -> int:
                          "profile (with engine: where a graph decode step goes, per batch), hf")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts of the kernel table and sweep")
     ap.add_argument("--sweep-budget-s", type=float, default=45.0, help="time limit of the config sweep (compiles included)")
+    ap.add_argument("--sweep-form", default="bf16", choices=("bf16", "fp8", "int4"),
+                    help="the experts' form in the config sweep: bf16, or kept packed as fp8 / int4")
     ap.add_argument("--hf-compile", action="store_true",
                     help="also run transformers' static cache + torch.compile (minutes for this model; off by default)")
     ap.add_argument("--workdir", default=None)
@@ -480,7 +489,7 @@ def main(argv=None) -> int:
             save()
         if "sweep" in sections:
             try:
-                R["kernel_sweep"] = config_sweep(log, layer, tokens, args.sweep_budget_s)
+                R["kernel_sweep"] = config_sweep(log, layer, tokens, args.sweep_budget_s, args.sweep_form)
             except Exception as e:   # noqa: BLE001
                 R["kernel_sweep_error"] = f"{type(e).__name__}: {e}"[:1000]
             save()

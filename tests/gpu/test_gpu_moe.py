@@ -118,22 +118,34 @@ def _int4(E, N, K, g, seed):
 # per tile (2: gate / up at H 256 with 256-column tiles), gathered (0: a group of 48)
 @pytest.mark.parametrize("H,I,g", [(2048, 768, 128), (256, 256, 128), (384, 192, 64), (192, 96, 48)])
 @pytest.mark.parametrize("T", [1, 16, 300])
-def test_int4_experts_kernel_bit_exact(T, H, I, g):
+def test_int4_experts_kernel_matches_dequantized(T, H, I, g):
     """4-bit experts kept packed (two codes to a byte, a zero and a scale per row and group) give the dequantized
-    experts' result bit for bit in bfloat16 on the GPU, as they do interpreted (tests/test_quant_moe.py): the kernel
-    reads each weight as bf16((q - zero) x scale); a zero moved by one changes the output."""
-    from xllm_gen.runtime.ops.moe import dequantize_packed, topk_softmax
+    experts' bf16 result up to the fp32 accumulation order. The kernel reads each weight as bf16((q - zero) x scale),
+    the dequantized weight's value, but the compiler feeds a tile dequantized in registers to the tensor cores in
+    another k order than a loaded bf16 tile (measured on an H100: 1 of 4 shapes at 16 tokens differs, by 3e-5 where
+    the outputs reach 0.07; interpreted they are bit-exact, tests/test_quant_moe.py). So: the difference is at most
+    one bf16 step at the output's scale, the packed result is as close to the float32 product of the dequantized
+    weights as the bf16 experts' is, and a zero moved by one moves the output far past that bound."""
+    from xllm_gen.runtime.ops.moe import dequantize_packed, fused_moe_reference, topk_softmax
     from xllm_gen.runtime.ops.moe_triton import fused_moe_silu
 
     E, K = 16, 4
     g_ = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, H, device="cuda", generator=g_).bfloat16()
     w, ids = topk_softmax(torch.randn(T, E, device="cuda", generator=g_), K, True)
+    w = w.bfloat16()
     p13, p2 = _int4(E, 2 * I, H, g, 1), _int4(E, H, I, g, 2)
-    a = fused_moe_silu(x, p13[0], p2[0], w.bfloat16(), ids, scales13=p13[1:], scales2=p2[1:])
-    b = fused_moe_silu(x, dequantize_packed(p13, torch.bfloat16), dequantize_packed(p2, torch.bfloat16),
-                       w.bfloat16(), ids)
-    assert torch.equal(a, b), (a.float() - b.float()).abs().max().item()
+    d13, d2 = dequantize_packed(p13, torch.bfloat16), dequantize_packed(p2, torch.bfloat16)
+    a = fused_moe_silu(x, p13[0], p2[0], w, ids, scales13=p13[1:], scales2=p2[1:]).float()
+    b = fused_moe_silu(x, d13, d2, w, ids).float()
+    r = fused_moe_reference(x.float(), d13.float(), d2.float(), w.float(), ids, _act)
+    scale = b.abs().max().item()
+    bound = scale * 2.0 ** -8                                    # one bf16 step (8 significant bits) at the scale
+    diff = (a - b).abs().max().item()
+    err_a, err_b = (a - r).abs().max().item(), (b - r).abs().max().item()
+    print(f"\nT {T} H {H} I {I} g {g}: packed vs bf16 {diff:.2e} (bound {bound:.2e}); vs float32: packed {err_a:.2e}, "
+          f"bf16 {err_b:.2e}")
+    assert diff <= bound and err_a <= 1.25 * err_b + bound / 4, (diff, bound, err_a, err_b)
     p13[3][ids[0, 0]] += 1
-    c = fused_moe_silu(x, p13[0], p2[0], w.bfloat16(), ids, scales13=p13[1:], scales2=p2[1:])
-    assert not torch.equal(a, c)
+    c = fused_moe_silu(x, p13[0], p2[0], w, ids, scales13=p13[1:], scales2=p2[1:]).float()
+    assert (c - b).abs().max().item() > 4 * bound

@@ -229,8 +229,11 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
 def test_packed_fp8_experts_cuda(tmp_path, monkeypatch, fmt):
     """A Qwen3-MoE fp8 block checkpoint (128 x 128), or AWQ (int4, group 128), in bf16 on CUDA: the experts kept
     packed (float8, or 4-bit codes two to a byte; the grouped kernels reading them) give the dequantized experts'
-    prefill logits bit for bit (the kernels read each weight as bf16(value x scale) / bf16((q - zero) x scale), the
-    dequantized weight's values); graphs equal eager."""
+    prefill logits (the kernels read each weight as bf16(value x scale) / bf16((q - zero) x scale), the dequantized
+    weight's values): float8 bit for bit; 4-bit up to the fp32 accumulation order of the tensor cores (the compiler
+    orders k differently for a tile dequantized in registers, tests/gpu/test_gpu_moe.py), so their difference stays
+    within a quarter of the bf16 model's own distance from float32 (the same experts dequantized, in float32) at every
+    prompt, with the same greedy tokens. Graphs equal eager."""
     from fixtures.tiny_hf import make_tiny_checkpoint
     from quant_ckpt import write_awq, write_fp8_block
 
@@ -250,8 +253,18 @@ def test_packed_fp8_experts_cuda(tmp_path, monkeypatch, fmt):
         assert (experts.packed is not None) == (packed == "1")
         logits[packed] = [torch.as_tensor(llm.prefill_logits(p)).float().cpu() for p in PROMPTS]
         llm.shutdown()
-    for a, b in zip(logits["0"], logits["1"]):
-        assert torch.equal(a, b), (a - b).abs().max().item()
+    if fmt == "awq":
+        monkeypatch.setenv("XLLM_PACKED_QUANT", "0")
+        llm = LLM(str(ckpt), device="cuda", enforce_eager=True, **{**kw, "dtype": "float32"})
+        ref = [torch.as_tensor(llm.prefill_logits(p)).float().cpu() for p in PROMPTS]
+        llm.shutdown()
+    for i, (a, b) in enumerate(zip(logits["0"], logits["1"])):
+        if fmt != "awq":
+            assert torch.equal(a, b), (a - b).abs().max().item()
+            continue
+        diff, noise = (a - b).abs().max().item(), (a - ref[i]).abs().max().item()
+        print(f"\nprompt {i}: packed vs dequantized experts {diff:.3e}, bf16 vs float32 {noise:.3e}")
+        assert diff <= noise / 4 and torch.equal(a.argmax(-1), b.argmax(-1)), (diff, noise)
     if importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer not installed: graph arm not run")
     from fixtures.graph_compare import _compare, _eager
