@@ -1,5 +1,6 @@
-"""The CUDA attention path refuses at load, naming the feature, what FlashInfer cannot run: a head_dim its
-paged prefill / decode kernels are not built for (GPT-J's tiny head_dim 16 failed inside FlashInfer on an H200),
+"""The CUDA attention path refuses at load, naming the feature, what FlashInfer cannot run: a head_dim past the
+largest its paged prefill / decode kernels are built for (smaller ones it lacks, e.g. GPT-J's tiny 16, which failed
+inside FlashInfer on an H200, are served zero-padded),
 chunked local attention, KV sharing across layers, a sparse-attention indexer, value heads of another width.
 Decided on the CPU: the backend choice runs before any kernel, so no GPU is needed."""
 from __future__ import annotations
@@ -19,15 +20,15 @@ def _runner_on_cuda(head_dims, sinks=False, chunk_size=None):
     return types.SimpleNamespace(device=torch.device("cuda"), debug={}, attn_layers=layers)
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 80, 96, 112, 160, 192])
-def test_unsupported_head_dim_is_refused_by_name(head_dim):
-    with pytest.raises(NotImplementedError, match=f"head_dim {head_dim} is not one FlashInfer"):
+@pytest.mark.parametrize("head_dim", [320, 512])
+def test_head_dim_past_the_kernels_is_refused_by_name(head_dim):
+    with pytest.raises(NotImplementedError, match=f"head_dim {head_dim} is larger than FlashInfer"):
         ModelRunner._make_backend(_runner_on_cuda([head_dim, head_dim]))
 
 
 def test_one_unsupported_layer_is_enough():
-    msg = cuda_attention_refusal([128, 128, 80])
-    assert msg is not None and "head_dim 80" in msg
+    msg = cuda_attention_refusal([128, 128, 320])
+    assert msg is not None and "head_dim 320" in msg
 
 
 @pytest.mark.parametrize("head_dim", FLASHINFER_HEAD_DIMS)
@@ -35,12 +36,21 @@ def test_supported_head_dims_pass(head_dim):
     assert cuda_attention_refusal([head_dim] * 3) is None
 
 
+@pytest.mark.parametrize("head_dim,width", [(16, 64), (32, 64), (80, 128), (96, 128), (112, 128), (160, 256),
+                                            (192, 256), (64, 64), (256, 256)])
+def test_smaller_head_dims_are_padded_not_refused(head_dim, width):
+    """Phi-2's 80, Phi-3-mini's 96, ...: served on CUDA with heads zero-padded to the next kernel head dim
+    (tests/test_padded_heads.py checks the padded attention against the plain one)."""
+    from xllm_gen.runtime.attention.base import padded_head_dim
+    assert cuda_attention_refusal([head_dim]) is None and padded_head_dim(head_dim) == width
+
+
 def test_sinks_are_not_refused():
     """Attention sinks are served on CUDA (runtime/attention/flashinfer_run.py; tests/test_attention_epilogue.py):
     only the head_dim decides here."""
     assert cuda_attention_refusal([64]) is None
-    with pytest.raises(NotImplementedError, match="head_dim 80 is not one FlashInfer"):
-        ModelRunner._make_backend(_runner_on_cuda([80], sinks=True))
+    with pytest.raises(NotImplementedError, match="head_dim 320 is larger than FlashInfer"):
+        ModelRunner._make_backend(_runner_on_cuda([320], sinks=True))
 
 
 def test_chunked_attention_is_refused_by_name():

@@ -38,8 +38,15 @@ class AttentionVariant(NamedTuple):
 FULL = AttentionVariant()
 
 # Head dims FlashInfer's paged prefill / decode kernels are built for (DISPATCH_HEAD_DIM: 64, 128, 256; 512 only
-# on SM12x): any other one fails inside the kernel (GPT-J's tiny head_dim 16 did on an H200).
+# on SM12x): any other one fails inside the kernel (GPT-J's tiny head_dim 16 did on an H200). Smaller ones are
+# served zero-padded to the next of these (padded_head_dim; Attention.pad_head_dim): Phi-2's 80, Phi-3-mini's 96.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def padded_head_dim(head_dim: int) -> Optional[int]:
+    """The kernel head dim a layer of `head_dim` is served at on CUDA: itself when the kernels have it, else the next
+    larger one (zero-padded heads: a wider KV cache, the same attention), None past the largest."""
+    return next((d for d in FLASHINFER_HEAD_DIMS if d >= head_dim), None)
 
 
 def cuda_attention_refusal(head_dims: Iterable[int], chunked: bool = False,
@@ -58,11 +65,11 @@ def cuda_attention_refusal(head_dims: Iterable[int], chunked: bool = False,
                 "own chunk), which the CUDA attention path (FlashInfer paged prefill / decode wrappers as planned "
                 "here: a causal mask with at most a sliding window) does not implement; serve it on the CPU "
                 "(device='cpu')")
-    bad = sorted({int(d) for d in head_dims} - set(FLASHINFER_HEAD_DIMS))
+    bad = sorted({int(d) for d in head_dims if padded_head_dim(int(d)) is None})
     if bad:
-        return (f"this model's attention head_dim {', '.join(map(str, bad))} is not one FlashInfer's paged "
-                f"prefill / decode kernels support ({', '.join(map(str, FLASHINFER_HEAD_DIMS))}), so the CUDA "
-                "attention path cannot serve it; serve it on the CPU (device='cpu')")
+        return (f"this model's attention head_dim {', '.join(map(str, bad))} is larger than FlashInfer's paged "
+                f"prefill / decode kernels support ({', '.join(map(str, FLASHINFER_HEAD_DIMS))}; smaller ones are "
+                "served zero-padded), so the CUDA attention path cannot serve it; serve it on the CPU (device='cpu')")
     return None
 
 

@@ -159,6 +159,7 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
                 raise ValueError("debug kv_scales needs kv_cache_dtype='fp8'")
             for layer in self.attn_layers:
                 layer.k_scale, layer.v_scale = (float(x) for x in self.debug["kv_scales"])
+        self._pad_head_dims()              # head dims the CUDA kernels lack: zero-padded heads (a wider cache)
         self._allocate_state_pool()
         self.num_kv_blocks = num_kv_blocks or self._auto_num_blocks(gpu_memory_utilization)
         self._allocate_kv_cache()

@@ -13,6 +13,26 @@ logger = logging.getLogger("xllm_gen")
 
 
 class RunnerAttentionBackend:
+    def _pad_head_dims(self) -> None:
+        """On the CUDA attention path, layers whose head dim the kernels lack are served zero-padded to the next one
+        they have (runtime/attention/base.py padded_head_dim); debug `pad_head_dim` (a width) pads every layer on
+        any device (tests: the padded path against the plain one on the CPU). Before the KV cache is allocated."""
+        from xllm_gen.runtime.attention.base import padded_head_dim
+        forced = self.debug.get("pad_head_dim")
+        cuda = self.device.type == "cuda" and not self.debug.get("torch_attention")
+        for layer in self.attn_layers:
+            if getattr(layer, "qk_head_dim", layer.head_dim) != getattr(layer, "v_head_dim", layer.head_dim) \
+                    or getattr(layer, "kv_readers", None):
+                continue                  # refused on CUDA by name (_make_backend); never padded
+            width = int(forced) if forced else padded_head_dim(layer.head_dim) if cuda else None
+            if width is not None and width != layer.head_dim:
+                layer.pad_head_dim(width)
+        padded = sorted({(m.model_head_dim, m.head_dim) for m in self.attn_layers
+                         if getattr(m, "model_head_dim", None) is not None})
+        if padded:
+            logger.info("attention heads served zero-padded (model head_dim -> kernel head_dim): %s; the KV cache "
+                        "is that much wider", ", ".join(f"{a} -> {b}" for a, b in padded))
+
     def _make_backend(self):
         from xllm_gen.runtime.attention.flashinfer_backend import prefill_attention_choice
         if self.device.type == "cuda" and not self.debug.get("torch_attention") and self.attn_layers:

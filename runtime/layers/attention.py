@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = self.qk_head_dim = head_dim      # q / k heads' width (the k cache's)
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim      # value heads' width (the v cache's)
+        self.model_head_dim: Optional[int] = None         # set by pad_head_dim: the model's width, when padded
         self.scale = scale
         self.variant = make_variant(sliding_window, logit_softcap, sinks, alibi_slopes is not None, chunk_size)
         self.alibi_slopes = alibi_slopes     # ALiBi: this rank's heads' slopes [H] (float32), a plain attribute
@@ -85,6 +86,21 @@ class Attention(nn.Module):
         self.kv_readers = 0
         self.last_kv: tuple = ()
 
+    def pad_head_dim(self, width: int) -> None:
+        """Serve this layer's heads zero-padded to `width` (> head_dim) for kernels built for a few head dims only
+        (FlashInfer's: 64, 128, 256): q, k and v get width - head_dim zero columns before the cache write and the
+        kernels, and the output's padding (zero: the padded values are zero) is cut off again. q . k and the
+        softmax are unchanged (the scale is the layer's own, given explicitly); the KV cache is width wide.
+        Before the cache is allocated (runner); q / k / v heads of one width only."""
+        if self.model_head_dim is not None or self.k_cache.numel():
+            raise RuntimeError("Attention.pad_head_dim: once, before the KV cache is allocated")
+        if self.qk_head_dim != self.v_head_dim or self.kv_owner is not None or self.kv_readers:
+            raise NotImplementedError("Attention.pad_head_dim: value heads of another width, or a shared KV cache")
+        if width <= self.head_dim:
+            raise ValueError(f"Attention.pad_head_dim: width {width} <= head_dim {self.head_dim}")
+        self.model_head_dim = self.head_dim
+        self.head_dim = self.qk_head_dim = self.v_head_dim = int(width)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: Optional[torch.Tensor] = None, kv_stored: bool = False,
                 key_mask: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -96,6 +112,14 @@ class Attention(nn.Module):
         the CUDA path refuses such a model at load."""
         if (sinks is not None) != self.variant.sinks:
             raise ValueError("Attention: pass `sinks` exactly when the layer was built with sinks=True")
+        if self.model_head_dim is not None:       # heads served zero-padded (pad_head_dim)
+            if kv_stored:
+                raise RuntimeError("Attention: K / V stored by a fused kernel into a padded cache")
+            d, pad = self.model_head_dim, self.head_dim - self.model_head_dim
+            q, k, v = (F.pad(t.reshape(-1, h, d), (0, pad)) for t, h in
+                       ((q, self.num_heads), (k, self.num_kv_heads), (v, self.num_kv_heads)))
+            out = self._attend(q, k, v, sinks, False, key_mask, key_bias)
+            return out.view(-1, self.num_heads, self.head_dim)[..., :d].reshape(-1, self.num_heads * d)
         return self._attend(q, k, v, sinks, kv_stored, key_mask, key_bias)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

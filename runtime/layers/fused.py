@@ -263,7 +263,8 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                         or not q.is_cuda and MODE == "1" and _CPU_KERNELS):
         ctx = get_context()
         kc, vc = attn.k_cache, attn.v_cache
-        if (not ctx.is_prefill and ctx.graph_break is None and kc.numel() and vc.numel() and kc.device == q.device
+        if (not ctx.is_prefill and ctx.graph_break is None and attn.model_head_dim is None     # (not padded heads)
+                and kc.numel() and vc.numel() and kc.device == q.device
                 and kc.shape == vc.shape and kc.dtype == k.dtype == v.dtype and vc.dtype == v.dtype and kc.is_contiguous()
                 and vc.is_contiguous()):
             args = _fused_rope_args(q_norm, k_norm, rotary)
