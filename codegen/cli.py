@@ -395,13 +395,17 @@ def _verify_main(argv: List[str]) -> int:
     p.add_argument("--atol", type=float, default=None,
                    help="max abs error per layer, relative to the layer's max |hidden| (default 1e-4 for float32, "
                         "5e-2 for 16-bit dtypes)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the checkpoint's own modeling code (its config.json auto_map) as the "
+                        "reference, for a family transformers does not ship")
     args = p.parse_args(argv)
     from .verify import VerifyError, verify
 
     try:
         lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
         report = verify(args.spec, args.checkpoint, device=args.device, dtype=args.dtype,
-                        max_tokens=args.max_tokens, prompt_lens=lens, rtol=args.atol, tensor_parallel_size=args.tp)
+                        max_tokens=args.max_tokens, prompt_lens=lens, rtol=args.atol, tensor_parallel_size=args.tp,
+                        trust_remote_code=args.trust_remote_code)
     except (SpecError, SpecErrors) as e:
         _report(e)
         return 2

@@ -199,7 +199,7 @@ def _model_type_class(cls, model_type, report: Report):
 
 def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32", max_tokens: int = 16,
            prompt_lens: Sequence[int] = (3, 9, 17, 30), rtol: float | None = None, seed: int = 0,
-           tensor_parallel_size: int = 1) -> Report:
+           tensor_parallel_size: int = 1, trust_remote_code: bool = False) -> Report:
     import numpy as np
     import torch
 
@@ -244,13 +244,19 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         # the engine may be as far from float32 as a few times transformers' own 16-bit error, not farther
         sixteen = torch_dtype != torch.float32
         try:
-            extra = {"config": config_cls.from_pretrained(str(ckpt))} if report.reference else {}
-            hf, hf16 = (cls.from_pretrained(str(ckpt), dtype=t, attn_implementation="eager", **extra).to(device).eval()
+            # trust_remote_code: a family transformers does not ship is its checkpoint's own modeling code (auto_map)
+            remote = {"trust_remote_code": True} if trust_remote_code else {}
+            extra = {"config": config_cls.from_pretrained(str(ckpt), **remote)} if report.reference else {}
+            hf, hf16 = (cls.from_pretrained(str(ckpt), dtype=t, attn_implementation="eager", **extra, **remote)
+                        .to(device).eval()
                         if t is not None else None for t in (torch.float32, torch_dtype if sixteen else None))
         except Exception as e:      # the reference side: say so (the spec is not what failed)
             raise VerifyError(f"{checkpoint}: transformers {transformers.__version__} cannot load it with {cls.__name__}"
                               f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so there is no "
-                              f"reference to compare with; the engine was not run") from None
+                              f"reference to compare with; the engine was not run"
+                              + ("" if trust_remote_code or "auto_map" not in hf_cfg else
+                                 " (config.json has an auto_map: --trust-remote-code runs the checkpoint's own "
+                                 "modeling code as the reference)")) from None
         hf.generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None,
                                                              bos_token_id=None)     # greedy, EOS ignored
         if sixteen:

@@ -90,9 +90,19 @@ def _unexercised(model, longest: int) -> list:
             for what, size in (("sliding window", v.sliding_window), ("attention chunk", v.chunk_size)):
                 if size is not None and size >= longest:
                     spans.setdefault(what, set()).add(size)
-    return [f"{what} {', '.join(map(str, sorted(sizes)))} not exercised: the longest sequence is {longest} tokens "
-            f"(--prompt-lens beyond it, or a checkpoint with a smaller {what.split()[-1]}, would test it)"
-            for what, sizes in spans.items()]
+    notes = [f"{what} {', '.join(map(str, sorted(sizes)))} not exercised: the longest sequence is {longest} tokens "
+             f"(--prompt-lens beyond it, or a checkpoint with a smaller {what.split()[-1]}, would test it)"
+             for what, sizes in spans.items()]
+    # longrope: this run's context (its longest sequence) keeps short_factor; a deployment whose max_model_len passes
+    # the original context (the default, max_position_embeddings) takes long_factor at every position
+    originals = {int(m.scaling.get("original_max_position_embeddings", m.max_position)) for m in model.modules()
+                 if getattr(m, "rope_type", None) == "longrope" and isinstance(getattr(m, "scaling", None), dict)
+                 and getattr(m, "longrope_factors", "by_context") == "by_context"}
+    notes += [f"longrope long_factor not exercised: the longest sequence is {longest} tokens, within the original "
+              f"context {o}; served with max_model_len above {o} (the default: max_position_embeddings) every "
+              f"position takes long_factor (transformers: only sequences past {o}); --prompt-lens beyond {o} test it"
+              for o in sorted(originals) if longest <= o]
+    return notes
 
 
 def _reference(run, cls, checkpoint):

@@ -329,6 +329,27 @@ def test_verify_notes_a_window_its_sequences_never_reach():
     assert _unexercised(torch.nn.Sequential(Attn(6)), 46) == []
 
 
+def test_verify_notes_longrope_long_factor_it_never_reaches():
+    """longrope: verify's context (its longest sequence) keeps short_factor, while a deployment at the default
+    max_model_len (past the original context) takes long_factor at every position, so a spec that never turns to
+    long_factor would pass; the report says so. Sequences past the original context, or a rotary pinned to short
+    factors (`longrope_factors: short`), get no note."""
+    import torch
+
+    from xllm_gen.codegen.verify import _unexercised
+    from xllm_gen.runtime.layers.rotary import Rotary
+
+    def rot(factors="by_context"):
+        return Rotary(16, 10000.0, 8192, scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                                                  "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                      longrope_factors=factors)
+    notes = _unexercised(torch.nn.Sequential(rot(), rot()), 46)
+    assert len(notes) == 1 and notes[0].startswith("longrope long_factor not exercised: the longest sequence is 46 "
+                                                   "tokens, within the original context 4096"), notes
+    assert _unexercised(torch.nn.Sequential(rot()), 5000) == []
+    assert _unexercised(torch.nn.Sequential(rot("short")), 46) == []
+
+
 def test_verify_in_bfloat16_measures_against_float32(drafted, ckpt):
     """--dtype bfloat16: the reference is transformers in float32 and transformers' own bfloat16 run the yardstick
     (the engine may be a few times as far from float32 as transformers' bfloat16 is, and a greedy token may differ
