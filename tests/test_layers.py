@@ -398,3 +398,22 @@ def test_rotary_table_covers_the_engine_context():
     assert torch.equal(short.cos_sin_cache, full.cos_sin_cache)
     full.set_context_len(16)                         # a shorter context keeps max_position's rows
     assert full.cos_sin_cache.shape[0] == 64
+
+
+def test_decode_gemm_tuning_never_takes_a_kernel_that_differs(monkeypatch):
+    """The decode-GEMM tuning (layers/linear.py) checks each skinny-kernel launch config against cuBLAS on the
+    layer's weight before timing it, and a decision read from the tuning file too: a config off by more than the
+    output's 16-bit rounding (here: a kernel that drops the bias, or one that fails) is never used."""
+    import torch.nn.functional as F
+
+    from xllm_gen.runtime.layers import linear as Lin
+    x, w, b = torch.randn(4, 64), torch.randn(32, 64), torch.randn(32)
+    monkeypatch.setattr(Lin, "skinny_gemm", lambda x, w, b, config=None: F.linear(x, w, b))
+    assert Lin._agrees(x, w, b, (32, 64, 4, 2))
+    monkeypatch.setattr(Lin, "skinny_gemm", lambda x, w, b, config=None: F.linear(x, w))
+    assert not Lin._agrees(x, w, b, (32, 64, 4, 2))
+
+    def fails(*a, **k):
+        raise RuntimeError("out of shared memory")
+    monkeypatch.setattr(Lin, "skinny_gemm", fails)
+    assert not Lin._agrees(x, w, b, (32, 64, 4, 2))

@@ -8,6 +8,7 @@ num_kv_heads < tp: rank r holds KV head r // (tp // num_kv_heads)). `shard_id=No
 means the checkpoint tensor holds all its segments stacked (e.g. a fused q|k|v), split before sharding."""
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 from typing import Optional, Sequence
@@ -20,6 +21,8 @@ from xllm_gen.runtime.executor import context as _context
 from xllm_gen.runtime.executor.distributed import all_reduce, get_tp_rank, get_tp_size
 from xllm_gen.runtime.executor.sharding import ParamSplit, Segment, attach, raise_or_defer, replicated, split_segment
 from xllm_gen.runtime.ops import skinny_gemm
+
+logger = logging.getLogger("xllm_gen")
 
 # Decode-sized GEMMs (<= 64 rows, bf16/fp16): cuBLAS or a skinny-GEMM Triton kernel (ops.skinny_gemm: an FMA weight
 # stream up to 8 rows, a split-K tensor-core one from 9 to 64), whichever a measurement on this GPU found faster for
@@ -108,15 +111,16 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
         chosen = {}
         for M in tuned:
             key, ckey = (M, N, K, dt), tuning_cache.key("gemm", M, N, K, dt)
+            x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
             if key not in DECODE_GEMM_CHOICE and ckey in cache[0]:
-                DECODE_GEMM_CHOICE[key] = cache[0][ckey]
+                c = cache[0][ckey]          # a file's decision: still checked against cuBLAS on this weight
+                DECODE_GEMM_CHOICE[key] = c if not c or _agrees(x, *ws[0], c) else False
             if key not in DECODE_GEMM_CHOICE:
-                x = torch.randn(M, K, device=ws[0][0].device, dtype=dt)
                 t_cublas = graph_time_ms(lambda: [F.linear(x, w, b) for w, b in seq]) / len(seq)
                 timed = [(graph_time_ms(lambda: [skinny_gemm(x, w, b, config=cfg) for w, b in seq]) / len(seq), cfg)
                          for cfg in (skinny_gemm_candidates(M, N, K, ws[0][0].element_size()) if M <= SKINNY_MAX_M
-                                     else skinny_mma_candidates(M, N, K))]
-                t_triton, cfg = min(timed)
+                                     else skinny_mma_candidates(M, N, K)) if _agrees(x, *ws[0], cfg)]
+                t_triton, cfg = min(timed, key=lambda t: t[0]) if timed else (float("inf"), False)
                 DECODE_GEMM_CHOICE[key] = cache[1][ckey] = cfg if t_triton < margin * t_cublas else False
                 report[(M, N, K)] = (1e3 * t_cublas, 1e3 * t_triton, DECODE_GEMM_CHOICE[key])
             chosen[M] = DECODE_GEMM_CHOICE[key]
@@ -125,6 +129,25 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     tune_fused_gemvs(shapes, tuned, cache)
     tuning_cache.save(path, cache[1])
     return report
+
+
+def _agrees(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], config) -> bool:
+    """Whether the skinny kernel in `config` gives cuBLAS's product on this weight, up to the 16-bit rounding of the
+    output (both accumulate in float32): a launch config that computes something else is never chosen however fast
+    (logged). A wrong result is off by the output's own scale, a right one by a rounding step or two."""
+    ref = F.linear(x, w, b).float()
+    try:
+        y = skinny_gemm(x, w, b, config=config if isinstance(config, tuple) else None).float()
+    except Exception as e:      # noqa: BLE001 - a config this GPU cannot run: not a candidate
+        logger.warning("skinny GEMM config %s for %s x %s failed (%s: %s): not used", config, tuple(x.shape),
+                       tuple(w.shape), type(e).__name__, str(e)[:200])
+        return False
+    err = ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+    if not err <= 2.0 ** -6:
+        logger.warning("skinny GEMM config %s for %s x %s differs from cuBLAS (relative %.3g): not used", config,
+                       tuple(x.shape), tuple(w.shape), err)
+        return False
+    return True
 
 
 def timing_sequence(ws: list, N: int, K: int, stream_bytes: int = 96 << 20, max_calls: int = 256) -> list:
