@@ -438,3 +438,25 @@ def test_lm_head_reading_the_stream_has_its_width(tmp_path):
     err = _compile_error(path)
     assert "lm_head.dim is word_embed_proj_dim = 512, but it reads the residual stream, hidden_size = 1024" in \
         err.message, err.message
+
+
+def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():
+    """config.json with a legacy `rope_scaling` beside `rope_parameters`: transformers' configs take rope_scaling
+    (PreTrainedConfig.convert_rope_params_to_dict), with the top-level rope_theta where it has none; the engine reads
+    the same (a spec reading rope_parameters first served the other rope, silently). Checked against transformers."""
+    import importlib
+
+    from transformers import LlamaConfig
+    model = importlib.import_module("xllm_gen.generated.llama.model")
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
+    hf = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+          "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 500.0}
+    ref = LlamaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")}).rope_parameters
+    c = model.Config.from_hf(hf)
+    assert ref["rope_type"] == "linear" and ref["rope_theta"] == 500.0
+    assert c.rope_scaling["rope_type"] == "linear" and c.rope_scaling["factor"] == 2.0 and c.rope_theta == 500.0
+    assert hf["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}      # the caller's dict untouched
+    plain = model.Config.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 9.0}})
+    assert plain.rope_theta == 9.0

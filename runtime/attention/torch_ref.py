@@ -216,12 +216,13 @@ def alibi_bias(slopes: torch.Tensor, kpos: torch.Tensor, qpos: torch.Tensor,
                bf16_scale: Optional[float] = None) -> torch.Tensor:
     """The ALiBi bias (float32, broadcast over slopes / key positions / query positions): slope * (kpos - qpos); with
     `bf16_scale`, the bias at the absolute key positions computed in bfloat16 and then scaled,
-    bf16(bf16(slope) * kpos) * bf16_scale (a reference that builds its bias tensor in bfloat16 and divides it by
-    sqrt(head_dim) rounds both, and its rounding depends on the absolute position: the relative form cannot match it
-    where the slopes are not powers of two)."""
+    bf16(bf16(slope) * bf16(kpos)) * bf16_scale (a reference that builds its bias tensor in bfloat16, positions
+    included, and divides it by sqrt(head_dim) rounds all three, and its rounding depends on the absolute position:
+    the relative form cannot match it where the slopes are not powers of two; positions past 256 are rounded to
+    bfloat16's 8 significant bits, 257 to 256, as transformers' Falcon `slopes.bfloat16() * arange` does)."""
     if bf16_scale is None:
         return slopes * (kpos - qpos)
-    return (slopes.bfloat16().float() * kpos).bfloat16().float() * bf16_scale
+    return (slopes.bfloat16() * kpos.bfloat16()).float() * bf16_scale
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int,

@@ -120,6 +120,25 @@ def _flatten(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
         yield prefix, node
 
 
+def _rope_scaling_wins(node: dict) -> dict:
+    """config.json with both a (legacy) `rope_scaling` mapping and `rope_parameters`, at the top level or in
+    `text_config`: transformers' configs take rope_scaling for rope_parameters (PreTrainedConfig.
+    convert_rope_params_to_dict: `rope_scaling or rope_parameters`; a missing theta then comes from the top-level
+    rope_theta), so a spec reading rope_parameters first reads what transformers computes with. A copy; others as is."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = _rope_scaling_wins(out["text_config"])
+    scaling = out.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling and "rope_parameters" in out and out["rope_parameters"] != scaling:
+        params = dict(scaling)
+        if "rope_theta" in out and "rope_theta" not in params:
+            params["rope_theta"] = out["rope_theta"]
+        out["rope_parameters"] = params
+    return out
+
+
 class ConfigReader:
     """Reads the symbols of one spec from a config.json dict, then (`finish`) applies the config guard."""
 
@@ -127,7 +146,7 @@ class ConfigReader:
                  ignore: Iterable[str] = (), defaults: Optional[Mapping[str, Any]] = None):
         if not isinstance(hf, dict):
             raise ConfigError(f"config.json: the top level must be an object, got {type(hf).__name__}")
-        self.hf = hf
+        self.hf = _rope_scaling_wins(hf)
         self.spec = spec
         self.assume = dict(assume or {})
         self.ignore = tuple(ignore)
