@@ -157,7 +157,11 @@ def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spe
             # no released config writes one); the class's value read where it keeps it (its rope mapping)
             if all(_lookup(base, p) is _MISSING for p in paths):
                 continue
-            hf, ref, absent = _without(base, [p.split(".")[0] for p in paths]), paths, " / ".join(paths) + " absent"
+            roots = [p.split(".")[0] for p in paths]
+            # a legacy rope_scaling stands for rope_parameters in transformers' configs (and the engine's reader):
+            # without the one, also without the other
+            roots += ["rope_scaling"] if "rope_parameters" in roots else []
+            hf, ref, absent = _without(base, roots), paths, " / ".join(paths) + " absent"
         elif field in base:
             hf, ref, absent = {k: v for k, v in base.items() if k != field}, field, f"{field} absent"
         else:

@@ -62,6 +62,7 @@ class _Resolver(SymbolResolver, ConfigResolver, LayerResolver, HeadResolver, Blo
         self.smap = loaded.tree.smap
         self.config: Dict[str, ConfigFieldIR] = {}
         self.positives: List[Tuple[tuple, Value]] = []   # (path, value) that must be > 0 in every variant
+        self.divisors: List[Tuple[tuple, Value]] = []    # (path, symbol) an expression divides by: > 0 at load
         self.below: List[Tuple[tuple, Value, float]] = []  # (path, value, bound): value < bound in every variant
         self.sizes: List[Tuple[tuple, Any]] = []         # (path, size) of every symbolic size: 1..MAX_SIZE
 

@@ -175,6 +175,12 @@ class ConfigResolver:
             f = self.config.get(sym) if sym else None
             if f is not None and not f.derived and f.type in ("int", "float") and not f.positive:
                 self.config[sym] = dataclasses.replace(f, positive=True)
+        # a symbol an expression divides by (resolver_symbols._divisors): > 0 too, where its bounds do not say so
+        for _, v in self.divisors:
+            f = self.config.get(v.symbol)
+            if f is not None and not f.derived and f.type in ("int", "float") and not f.positive \
+                    and not (f.bounds[0] is not None and f.bounds[0] > 0):
+                self.config[v.symbol] = dataclasses.replace(f, positive=True)
 
     def check_cycles(self) -> None:
         """Derived symbols and default expressions form no cycle."""

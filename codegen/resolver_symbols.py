@@ -61,6 +61,8 @@ class SymbolResolver:
             if n not in self.config:
                 raise self.err(path, f"{self._where(path)}: unknown config symbol '{n}'"
                                      f"{did_you_mean(n, self.config)}; symbols are the keys of `config`")
+        for n in _divisors(e.tree()):     # `x / s`: s must be > 0 (a config.json with 0 refused by name at load,
+            self.divisors.append((path, Value(symbol=n)))      # not a ZeroDivisionError in the first step)
         return e
 
     def dim(self, path, value, per_layer: bool = False):
@@ -119,3 +121,20 @@ class SymbolResolver:
             raise self.err(path, f"{self._where(path)}: {what} '{name}' is not a valid Python identifier",
                            at_key=at_key)
         return name
+
+
+def _divisors(tree) -> set:
+    """The symbols an expression divides by directly (`a / s`, `a // s`, `a % s`), outside a conditional (a
+    division under `... if s else ...` may be guarded)."""
+    import ast
+    out: set = set()
+
+    def walk(node, guarded: bool) -> None:
+        guarded = guarded or isinstance(node, (ast.IfExp, ast.BoolOp))
+        if (not guarded and isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod))
+                and isinstance(node.right, ast.Name)):
+            out.add(node.right.id)
+        for child in ast.iter_child_nodes(node):
+            walk(child, guarded)
+    walk(tree, False)
+    return out - {"layer"}

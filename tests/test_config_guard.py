@@ -460,3 +460,23 @@ def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():
     assert hf["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}      # the caller's dict untouched
     plain = model.Config.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 9.0}})
     assert plain.rope_theta == 9.0
+
+
+def test_a_symbol_divided_by_is_refused_at_zero():
+    """A symbol an expression divides by (Granite's `logit_scale: 1 / logits_scaling`) must be > 0: a config.json with
+    0 is refused at load naming the field, not served until the first step fails with ZeroDivisionError (a blind
+    exercise found it). A division under a conditional (`a / s if s else 0`) may be guarded: not implied."""
+    import importlib
+
+    from xllm_gen.codegen.expr import parse
+    from xllm_gen.codegen.resolver_symbols import _divisors
+    model = importlib.import_module("xllm_gen.generated.granite.model")
+    base = {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 128}
+    assert model.Config.from_hf({**base, "logits_scaling": 8.0}).logits_scaling == 8.0
+    with pytest.raises(ConfigError, match="'logits_scaling' = 0.0 must be > 0"):
+        model.Config.from_hf({**base, "logits_scaling": 0.0})
+    assert _divisors(parse("(h / a) ** 0.5 + b // c - d % e").tree()) == {"a", "c", "e"}
+    assert _divisors(parse("h / a if a else 0").tree()) == set()
+    assert _divisors(parse("layer % period").tree()) == {"period"}

@@ -76,7 +76,7 @@ class GraniteConfig:
         r.read("embedding_multiplier", "float", ("embedding_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("attention_multiplier", "float", ("attention_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("residual_multiplier", "float", ("residual_multiplier",), default=1.0)
-        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None))
+        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None), positive=True)
         return cls(**r.finish())
 
 

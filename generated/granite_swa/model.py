@@ -78,7 +78,7 @@ class GraniteSWAConfig:
         r.read("embedding_multiplier", "float", ("embedding_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("attention_multiplier", "float", ("attention_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("residual_multiplier", "float", ("residual_multiplier",), default=1.0)
-        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None))
+        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("sliding_window", "int", ("sliding_window",), default=128, optional=True, bounds=(1, None))
         r.read("layer_types", "str_tuple", ("layer_types",), default_fn=lambda: ['full_attention' if i % 4 == 0 else 'sliding_attention' for i in range(c['num_hidden_layers'])])
         r.read("layer_rope_theta", "float_tuple", ("layer_rope_theta",), default_fn=lambda: ([c['rope_theta']] * c['num_hidden_layers']))

@@ -77,7 +77,7 @@ class GraniteMoeConfig:
         r.read("embedding_multiplier", "float", ("embedding_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("attention_multiplier", "float", ("attention_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("residual_multiplier", "float", ("residual_multiplier",), default=1.0)
-        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None))
+        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("num_local_experts", "int", ("num_local_experts",), bounds=(1, 2147483647))
         r.read("num_experts_per_tok", "int", ("num_experts_per_tok",), bounds=(1, 2147483647))
         return cls(**r.finish())

@@ -104,7 +104,7 @@ class GraniteMoeHybridConfig:
         r.read("embedding_multiplier", "float", ("embedding_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("attention_multiplier", "float", ("attention_multiplier",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("residual_multiplier", "float", ("residual_multiplier",), default=1.0)
-        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None))
+        r.read("logits_scaling", "float", ("logits_scaling",), default=1.0, bounds=(0.0, None), positive=True)
         r.read("num_local_experts", "int", ("num_local_experts",), default=8, bounds=(0, None))
         r.read("num_experts_per_tok", "int", ("num_experts_per_tok",), default=2, bounds=(0, None))
         r.read("shared_intermediate_size", "int", ("shared_intermediate_size",), default=1024, bounds=(1, 2147483647))

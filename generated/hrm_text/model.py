@@ -76,7 +76,7 @@ class HrmTextConfig:
         r.read("num_layers_per_stack", "int", ("num_layers_per_stack",), default_fn=lambda: c['num_hidden_layers'], bounds=(1, None))
         r.read("H_cycles", "int", ("H_cycles",), default=2, bounds=(1, None))
         r.read("L_cycles", "int", ("L_cycles",), default=3, bounds=(1, None))
-        r.read("initializer_range", "float", ("initializer_range",), default=0.02, bounds=(0.0, None))
+        r.read("initializer_range", "float", ("initializer_range",), default=0.02, bounds=(0.0, None), positive=True)
         r.read("embedding_scale", "float", ("embedding_scale",), default_fn=lambda: (1.0 / c['initializer_range']), positive=True)
         return cls(**r.finish())
 

@@ -86,7 +86,7 @@ class LongcatFlashConfig:
         r.read("num_attention_heads", "int", ("num_attention_heads",), default=64, bounds=(1, 2147483647))
         r.read("num_key_value_heads", "int", ("num_key_value_heads", "num_attention_heads"))
         r.derive("kv_heads_equal_heads", "int", lambda: (c['num_key_value_heads'] - c['num_attention_heads']), bounds=(0, 0), source='num_key_value_heads - num_attention_heads')
-        r.read("q_lora_rank", "int", ("q_lora_rank",), default=1536)
+        r.read("q_lora_rank", "int", ("q_lora_rank",), default=1536, positive=True)
         r.read("kv_lora_rank", "int", ("kv_lora_rank",), default=512, bounds=(1, 2147483647))
         r.read("qk_nope_head_dim", "int", ("qk_nope_head_dim",), default=128, bounds=(1, 2147483647))
         r.read("qk_rope_head_dim", "int", ("qk_rope_head_dim",), default=64, bounds=(1, 2147483647))
