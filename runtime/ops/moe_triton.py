@@ -375,7 +375,9 @@ def fused_moe_silu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     read as bf16/fp16/fp32(value x its scale), the dequantized weight's values, so the result is that of the
     dequantized experts bit for bit, with half their bytes read; or 4-bit codes two to a byte (w13 [E, 2I, H / 2],
     w2 [E, H, I / 2] uint8) with (scale, bk, zeros) per row and group of bk columns, read as (q - zero) x scale
-    (ops/moe.py dequantize_experts), a quarter of the bytes."""
+    (ops/moe.py dequantize_experts), a quarter of the bytes: the dequantized experts' values, their result bit for
+    bit interpreted; on the GPU up to the fp32 summation order (the compiler orders k differently for a tile
+    dequantized in registers: one bf16 step at most, tests/gpu/test_gpu_moe.py)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
