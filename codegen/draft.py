@@ -42,8 +42,8 @@ ATTN_NAMES = {"q": ("q_proj", "query"), "k": ("k_proj", "key"), "v": ("v_proj", 
               "o": ("o_proj", "dense", "out_proj", "c_proj")}
 FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv")
 FUSED_GATE_UP = ("gate_up_proj",)
-MLP_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3", "fc1", "c_fc"),
-             "down": ("down_proj", "w2", "fc2", "c_proj")}
+MLP_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3", "fc1", "c_fc", "dense_h_to_4h"),
+             "down": ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h")}
 
 
 class DraftError(SpecError):

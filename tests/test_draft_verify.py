@@ -173,6 +173,10 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
     ("Gemma2ForCausalLM", ["weight_offset: 1", "softcap", "post_feedforward_layernorm", "embed_tokens `scale`"]),
     ("HeliumForCausalLM", ["interleaved"]),
     ("PhiForCausalLM", ["not a pre-norm decoder layer"]),
+    # Falcon / Bloom name their MLP dense_h_to_4h / dense_4h_to_h: found (the draft failed on "no up/down MLP"),
+    # Falcon's one-norm parallel layer then named as what it is, Bloom's fused per-head qkv and ALiBi flagged
+    ("FalconForCausalLM", ["not a pre-norm decoder layer"]),
+    ("BloomForCausalLM", ["query_key_value", "no rope parameters"]),
 ])
 def test_draft_checklist_flags_what_a_llama_draft_misses(arch, expected):
     """Drafting by class name (no checkpoint): the checklist (or the error, for a non-Llama-like layer) names
