@@ -156,6 +156,13 @@ class Layer:
         q, s, z = (torch.stack(t) for t in zip(*(rtn_int4(w[e], g) for e in range(w.shape[0]))))
         return pack_nibbles(q), s, g, z
 
+    def experts(self, form: str) -> tuple:
+        """(w13, w2, fused_moe_silu's scales keywords) of the experts in `form`: bf16, or kept packed as fp8 / int4."""
+        if form == "bf16":
+            return self.w13, self.w2, {}
+        p13, p2 = {"fp8": self.fp8, "int4": self.int4}[form]
+        return p13[0], p2[0], dict(scales13=tuple(p13[1:]), scales2=tuple(p2[1:]))
+
     def logits(self, T: int) -> torch.Tensor:
         g = torch.Generator(device=self.w13.device).manual_seed(2000 + T)
         return torch.randn(T, self.E, device=self.w13.device, dtype=self.w13.dtype, generator=g)
@@ -189,14 +196,12 @@ def kernel_table(log, layer: Layer, tokens=TOKENS) -> list:
         logits = L.logits(T)
         cfg = default_config(T, L.E, L.K, L.H, L.I)
         row = dict(tokens=T, experts_hit=hit, bytes=nbytes, config=asdict(cfg))
-        (q13, s13, b13), (q2, s2, b2) = L.fp8
-        i13, i2 = L.int4
+        f13, f2, fk = L.experts("fp8")
+        i13, i2, ik = L.experts("int4")
         cases = (("triton_eager", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), None),
                  ("triton_graph", lambda: fused_moe_silu(x, L.w13, L.w2, w, ids, config=cfg), 10),
-                 ("triton_fp8_graph", lambda: fused_moe_silu(x, q13, q2, w, ids, config=cfg, scales13=(s13, b13),
-                                                             scales2=(s2, b2)), 10),
-                 ("triton_int4_graph", lambda: fused_moe_silu(x, i13[0], i2[0], w, ids, config=cfg,
-                                                              scales13=i13[1:], scales2=i2[1:]), 10),
+                 ("triton_fp8_graph", lambda: fused_moe_silu(x, f13, f2, w, ids, config=cfg, **fk), 10),
+                 ("triton_int4_graph", lambda: fused_moe_silu(x, i13, i2, w, ids, config=cfg, **ik), 10),
                  ("route_graph", lambda: route_topk(logits, L.K, True), 10),
                  ("align_graph", lambda: moe_align_triton(ids, L.E, cfg.block_m), 10),
                  ("torch_align_graph", lambda: moe_align(ids, L.E, cfg.block_m), 10),
@@ -286,11 +291,7 @@ def config_sweep(log, layer: Layer, tokens=TOKENS, budget_s: float = 45.0, form:
     from xllm_gen.runtime.ops.moe_triton import default_config, fused_moe_silu
 
     L = layer
-    (q13, s13, b13), (q2, s2, b2) = L.fp8
-    i13, i2 = L.int4
-    w13, w2, packed = {"bf16": (L.w13, L.w2, {}),
-                       "fp8": (q13, q2, dict(scales13=(s13, b13), scales2=(s2, b2))),
-                       "int4": (i13[0], i2[0], dict(scales13=i13[1:], scales2=i2[1:]))}[form]
+    w13, w2, packed = L.experts(form)
     t0 = time.perf_counter()
     out = dict(shapes=dict(H=L.H, I=L.I, E=L.E, top_k=L.K, dtype=str(L.w13.dtype).replace("torch.", ""), form=form),
                budget_s=budget_s, by_tokens=[])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 
+from xllm_gen.runtime.rope_kinds import LEGACY_ROPE_MAPPING, ROPE_MAPPING
+
 # identity and generation-stop fields (the engine also reads generation_config.json), not the math
 NOT_MATH = {"eos_token_id", "bos_token_id", "pad_token_id", "model_type"}
 
@@ -160,7 +162,7 @@ def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spe
             roots = [p.split(".")[0] for p in paths]
             # a legacy rope_scaling stands for rope_parameters in transformers' configs (and the engine's reader):
             # without the one, also without the other
-            roots += ["rope_scaling"] if "rope_parameters" in roots else []
+            roots += [LEGACY_ROPE_MAPPING] if ROPE_MAPPING in roots else []
             hf, ref, absent = _without(base, roots), paths, " / ".join(paths) + " absent"
         elif field in base:
             hf, ref, absent = {k: v for k, v in base.items() if k != field}, field, f"{field} absent"

@@ -33,4 +33,7 @@ ROPE_SCALING_KEYS = {
 ROPE_LIST_KEYS = ("short_factor", "long_factor")
 # the keys of a rope mapping read whatever its type (its type, theta and the multimodal sections)
 ROPE_SHARED_KEYS = ("rope_type", "type", "rope_theta", "mrope_section", "mrope_interleaved")
+# config.json's rope mapping under its two names: transformers 5's, and the legacy one, which its configs take
+# in place of the other where both are given (runtime/loading/hf_config.py _rope_scaling_wins)
+ROPE_MAPPING, LEGACY_ROPE_MAPPING = "rope_parameters", "rope_scaling"
 ROPE_KINDS = tuple(ROPE_SCALING_KEYS)

@@ -10,7 +10,13 @@ import fnmatch
 import math
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from xllm_gen.runtime.rope_kinds import ROPE_LIST_KEYS, ROPE_SCALING_KEYS, ROPE_SHARED_KEYS
+from xllm_gen.runtime.rope_kinds import (
+    LEGACY_ROPE_MAPPING,
+    ROPE_LIST_KEYS,
+    ROPE_MAPPING,
+    ROPE_SCALING_KEYS,
+    ROPE_SHARED_KEYS,
+)
 
 MISSING = object()
 _MAX_INT = 2 ** 63          # ints a config field or a spec expression may hold (codegen/expr.py MAX_INT)
@@ -130,12 +136,12 @@ def _rope_scaling_wins(node: dict) -> dict:
     out = dict(node)
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = _rope_scaling_wins(out["text_config"])
-    scaling = out.get("rope_scaling")
-    if isinstance(scaling, dict) and scaling and "rope_parameters" in out and out["rope_parameters"] != scaling:
+    scaling = out.get(LEGACY_ROPE_MAPPING)
+    if isinstance(scaling, dict) and scaling and ROPE_MAPPING in out and out[ROPE_MAPPING] != scaling:
         params = dict(scaling)
         if "rope_theta" in out and "rope_theta" not in params:
             params["rope_theta"] = out["rope_theta"]
-        out["rope_parameters"] = params
+        out[ROPE_MAPPING] = params
     return out
 
 
