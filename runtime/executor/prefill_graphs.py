@@ -197,7 +197,7 @@ class PrefillGraphs:
         for i, (layer, key, sinks) in enumerate(holes):
             graphs[i].replay()
             qb, kb, vb, ob = self._buffers[key]
-            extra = {} if sinks is None else {"sinks": sinks}
-            ob[:N].copy_(layer(qb[:N], kb[:N], vb[:N], **extra))     # eager attention on the real rows (ctx is set)
+            # eager attention on the real rows (ctx is set), on the heads as the break received them (padded ones too)
+            ob[:N].copy_(layer.attend(qb[:N], kb[:N], vb[:N], sinks))
         graphs[-1].replay()
         return pieces.output[:N]

@@ -34,7 +34,7 @@ class Attention(nn.Module):
 
     sinks=True: attention sinks, a learned logit per query head in the softmax denominator; the owning module
     holds the parameter (`attention_sinks`) and passes it to forward(..., sinks=) (and the layer to a piecewise
-    prefill graph's break, `ctx.graph_break(layer, q, k, v, sinks=)`, which calls the layer with them again).
+    prefill graph's break, `ctx.graph_break(layer, q, k, v, sinks=)`, which calls `layer.attend` with them again).
 
     v_head_dim (default head_dim): the value heads' width, when it differs from the q/k heads' (MiMo-V2-Flash's
     `v_head_dim`; multi-head latent attention expanded to per-head K/V: q/k nope + rope dims, v its own). The cache
@@ -118,13 +118,15 @@ class Attention(nn.Module):
             d, pad = self.model_head_dim, self.head_dim - self.model_head_dim
             q, k, v = (F.pad(t.reshape(-1, h, d), (0, pad)) for t, h in
                        ((q, self.num_heads), (k, self.num_kv_heads), (v, self.num_kv_heads)))
-            out = self._attend(q, k, v, sinks, False, key_mask, key_bias)
+            out = self.attend(q, k, v, sinks, False, key_mask, key_bias)
             return out.view(-1, self.num_heads, self.head_dim)[..., :d].reshape(-1, self.num_heads * d)
-        return self._attend(q, k, v, sinks, kv_stored, key_mask, key_bias)
+        return self.attend(q, k, v, sinks, kv_stored, key_mask, key_bias)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor], kv_stored: bool = False,
-                key_mask: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: Optional[torch.Tensor], kv_stored: bool = False,
+               key_mask: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """forward on heads as this layer's cache holds them (zero-padded already where pad_head_dim applies): what a
+        piecewise prefill graph's break receives and replays."""
         ctx = get_context()
         if self.kv_owner is not None and key_bias is not None:
             raise NotImplementedError("Attention: a per-key score bias on a layer that reads another layer's KV cache")

@@ -23,8 +23,9 @@ def test_padded_heads_cuda(tmp_path, head_dim):
     kw = dict(dtype="bfloat16", block_size=16, max_num_seqs=4, max_model_len=256, num_kv_blocks=64)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     res = {}
-    for name, debug in (("padded", {}), ("torch", {"torch_attention": True})):
-        llm = LLM(str(ckpt), device="cuda", _debug=debug, **kw)
+    # the reference arm eagerly: CUDA graphs are built around FlashInfer's wrappers
+    for name, debug, eager in (("padded", {}, False), ("torch", {"torch_attention": True}, True)):
+        llm = LLM(str(ckpt), device="cuda", _debug=debug, enforce_eager=eager, **kw)
         layers = llm.engine.runner.attn_layers
         assert all((m.model_head_dim, m.head_dim) == ((head_dim, 128) if name == "padded" else (None, head_dim))
                    for m in layers)
