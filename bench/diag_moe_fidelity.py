@@ -1,6 +1,9 @@
 """Where a MoE spec's bf16 prefill error against transformers float32 comes from (issue 23's qwen2_moe GPU item).
 
-    python bench/diag_moe_fidelity.py            # on a GPU host (on CPU it runs the same checks in bf16)
+    python bench/diag_moe_fidelity.py [ARCH]     # on a GPU host (on CPU it runs the same checks in bf16)
+
+ARCH (default Qwen2MoeForCausalLM) is any MoE architecture of tests/gpu/test_gpu_specs.py (Qwen3MoeForCausalLM,
+Glm4MoeForCausalLM, ...); the per-layer comparison needs HF's `mlp.gate` router.
 
 Builds tests/gpu/test_gpu_specs.py's tiny Qwen2-MoE checkpoint and prints: the engine's prefill error (max |diff| /
 max |logit|) with graphs, eagerly and with XLLM_OPS=torch (the torch references for every fused op), beside HF
@@ -22,12 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-ARCH = "Qwen2MoeForCausalLM"
-OUT = Path("/tmp/diag_moe_fidelity")
+ARCH = os.environ.get("DIAG_ARCH") or "Qwen2MoeForCausalLM"
+OUT = Path("/tmp/diag_moe_fidelity") / ARCH
 
 
 def _ckpt() -> Path:
     import test_gpu_specs as T
+    OUT.mkdir(parents=True, exist_ok=True)
     if not (OUT / "ckpt" / "config.json").exists():
         T._checkpoint(ARCH, OUT / "ckpt")
     return OUT / "ckpt"
@@ -46,13 +50,71 @@ def _llm(eager: bool):
 
 
 def engine_prefill(eager: bool) -> None:
-    """(in a subprocess: XLLM_OPS is read at import) the engine's prefill logits of the prompts, saved."""
+    """(in a subprocess: XLLM_OPS is read at import) the engine's prefill logits of the prompts, saved, and for the
+    last prompt each decoder layer's attention output, MLP input and output and residual stream (hooks)."""
     vocab = json.loads((_ckpt() / "config.json").read_text())["vocab_size"]
     llm = _llm(eager)
+    layers = llm.engine.runner.model.model.layers
+    caps: dict = {}
+
+    def keep(name):
+        def hook(m, a, o):
+            caps[name] = ([x.float().cpu() for x in a if torch.is_tensor(x)],
+                          [x.float().cpu() for x in (o if isinstance(o, tuple) else (o,)) if torch.is_tensor(x)])
+        return hook
     with torch.inference_mode():
-        res = [llm.prefill_logits(p).float().cpu() for p in _prompts(vocab)]
+        prompts = _prompts(vocab)
+        res = [llm.prefill_logits(p).float().cpu() for p in prompts[:-1]]
+        hooks = [h for i, layer in enumerate(layers) for h in (
+            layer.register_forward_hook(keep(f"layer{i}")), layer.self_attn.register_forward_hook(keep(f"attn{i}")),
+            layer.mlp.register_forward_hook(keep(f"mlp{i}")))]
+        res.append(llm.prefill_logits(prompts[-1]).float().cpu())
+        for h in hooks:
+            h.remove()
     llm.shutdown()
-    torch.save(res, OUT / f"engine_ops{os.environ.get('XLLM_OPS', '')}_eager{eager}.pt")
+    tag = f"ops{os.environ.get('XLLM_OPS', '')}_eager{eager}"
+    torch.save(res, OUT / f"engine_{tag}.pt")
+    torch.save(caps, OUT / f"layers_{tag}.pt")
+
+
+def _hf_layers(hf, prompt) -> dict:
+    """HF's per-layer attention output, MLP input / output and residual stream for `prompt`."""
+    caps: dict = {}
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        hooks.append(layer.self_attn.register_forward_hook(
+            lambda m, a, o, i=i: caps.__setitem__(f"attn{i}", o[0] if isinstance(o, tuple) else o)))
+        hooks.append(layer.mlp.register_forward_hook(
+            lambda m, a, o, i=i: caps.__setitem__(f"mlp{i}", (a[0], o[0] if isinstance(o, tuple) else o))))
+    with torch.inference_mode():
+        out = hf(torch.tensor([prompt], device=DEV), output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    caps["stream"] = out.hidden_states
+    return caps
+
+
+def _compare_layers(tag: str, ours: dict, hf: dict) -> None:
+    """Per decoder layer: the engine's errors against HF float32 (max |diff| / max |ref|) of the attention output,
+    the MLP input and output, and the residual stream after the layer; with the positions whose error stands out."""
+    n = sum(1 for k in ours if k.startswith("layer"))
+    for i in range(n):
+        a_attn = ours[f"attn{i}"][1][0]
+        h_attn = hf[f"attn{i}"][0].float().cpu()
+        m_in, m_out = ours[f"mlp{i}"][0][0], ours[f"mlp{i}"][1][0]
+        h_in, h_out = (t[0].float().cpu() for t in hf[f"mlp{i}"])
+        lo = ours[f"layer{i}"][1]
+        stream = lo[0] + lo[1] if len(lo) > 1 else lo[0]
+        h_stream = hf["stream"][i + 1][0].float().cpu()
+        if i == n - 1:       # HF's last hidden state is after the final norm: compare the un-normed stream instead
+            h_stream = None
+        pos = (m_out - h_out.reshape(m_out.shape)).abs().amax(-1) / h_out.abs().max()
+        bad = (pos > 10 * pos.median()).nonzero().flatten().tolist()
+        print(f"{tag} layer {i}: attn {_rel(a_attn, h_attn.reshape(a_attn.shape)):.4f} mlp in "
+              f"{_rel(m_in, h_in.reshape(m_in.shape)):.4f} mlp out {_rel(m_out, h_out.reshape(m_out.shape)):.4f}"
+              + ("" if h_stream is None else f" stream {_rel(stream, h_stream.reshape(stream.shape)):.4f}")
+              + f" | mlp-out error by position: median {pos.median():.4f} max {pos.max():.4f} at "
+              f"{int(pos.argmax())}; positions > 10x median: {bad[:20]}")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -84,6 +146,19 @@ def main() -> None:
     print("hf bf16 prefill error", [round(_rel(a, b), 4) for a, b in zip(h16, refs)])
     for f in sorted(OUT.glob("engine_*.pt")):
         print(f.stem, "prefill error per prompt", [round(_rel(a, b), 4) for a, b in zip(torch.load(f), refs)])
+    hf_layers = _hf_layers(hf32, prompts[-1])
+    for f in sorted(OUT.glob("layers_*.pt")):
+        try:
+            _compare_layers(f.stem, torch.load(f), hf_layers)
+        except Exception as e:   # noqa: BLE001 - a family whose blocks return other shapes
+            print(f.stem, "layer comparison failed:", type(e).__name__, e)
+    try:
+        _per_layer(hf32, hf16, prompts, moe_ops)
+    except Exception as e:     # noqa: BLE001 - a family whose HF block differs: the engine figures above still stand
+        print("per-layer comparison failed:", type(e).__name__, e)
+
+
+def _per_layer(hf32, hf16, prompts, moe_ops) -> None:
     llm = _llm(True)
     ours = llm.engine.runner.model
     caps = {}
@@ -103,7 +178,7 @@ def main() -> None:
             b = hf16.model.layers[i].mlp(xb.unsqueeze(0))
             b = (b[0] if isinstance(b, tuple) else b).reshape(x.shape).float()
             line = f"layer {i} {type(block).__name__}: ours {_rel(a, y):.4f} hf bf16 {_rel(b, y):.4f}"
-            if hasattr(block, "experts"):
+            if hasattr(block, "experts") and getattr(block.experts, "plain_routing", False):
                 e = block.experts
                 logits = block.gate(xb)
                 _, ids = moe_ops.route(logits, e.top_k, e.renormalize)
@@ -122,6 +197,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 2:
+        os.environ["DIAG_ARCH"] = sys.argv[1]
+        sys.exit(subprocess.run([sys.executable, __file__], env=os.environ).returncode)
     if len(sys.argv) > 2 and sys.argv[1] == "engine":
         engine_prefill(sys.argv[2] == "True")
     else:

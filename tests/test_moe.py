@@ -497,3 +497,40 @@ def test_float32_router_keeps_the_checkpoints_float32_weights(tiny_checkpoint):
         assert torch.equal(gates[name], stored[name])
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kw", [dict(scoring="softmax"), dict(scoring="sigmoid", n_group=4, topk_group=2),
+                                dict(scoring="sigmoid", n_group=4, topk_group=2, group_score="max",
+                                     group_dropped="zero"),
+                                dict(scoring="sigmoid", bias_on="logits")], ids=["softmax", "groups", "max-zero",
+                                                                                  "logit-bias"])
+def test_routing_margin_bounds_the_perturbation_that_changes_the_experts(kw):
+    """routing_margin is what a parity test trusts to set aside bf16 routing ties: a perturbation of the logits
+    well inside a token's margin never changes select_experts' experts, and at a measured tie (margin ~0) one that
+    breaks it the other way does."""
+    torch.manual_seed(0)
+    T, E, K = 256, 16, 3
+    logits = torch.randn(T, E)
+    bias = torch.randn(E) * 0.1
+    args = dict(kw)
+    dropped = args.pop("group_dropped", "excluded")
+    margin = M.routing_margin(logits, K, score_bias=bias, group_dropped=dropped, **args)
+    sel = dict(n_group=args.get("n_group", 1), topk_group=args.get("topk_group", 1),
+               group_score=args.get("group_score", "top2_sum"), score_bias=bias, bias_on=args.get("bias_on", "scores"),
+               group_dropped=dropped)
+
+    def experts(x):
+        return M.select_experts(x, K, True, args["scoring"], **sel)[1].sort(-1).values
+
+    base = experts(logits)
+    # a logit change of e moves a probability p by at most ~2 e p (softmax), a sigmoid by e / 4, a biased logit by e;
+    # the margin is relative to the top choice score: a change of 0.1 x margin keeps every token's choice
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        step = torch.rand(T, 1, generator=g) * margin.clamp(max=1.0).unsqueeze(-1) * 0.1
+        noise = (torch.rand(T, E, generator=g) * 2 - 1) * step
+        assert torch.equal(experts(logits + noise), base)
+    # and it is tight: noise of 10 x each token's margin changes many tokens' experts
+    g = torch.Generator().manual_seed(0)
+    noise = (torch.rand(T, E, generator=g) * 2 - 1) * margin.clamp(max=1.0).unsqueeze(-1) * 10
+    assert (experts(logits + noise) != base).any(-1).sum() > T // 10

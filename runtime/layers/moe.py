@@ -245,6 +245,24 @@ class FusedMoE(nn.Module):
             out = out + (hidden_states * identity).to(out.dtype)
         return out
 
+    def routing_margin(self, router_logits: torch.Tensor, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T] how near each token's choice of experts is to a tie (ops/moe.py routing_margin), as this layer routes."""
+        if self.routing == "sparsemixer":
+            return moe_ops.routing_margin(router_logits, 2, None)
+        return moe_ops.routing_margin(router_logits, self.top_k, self.scoring, self.n_group, self.topk_group,
+                                      self.group_score, score_bias, self.selection_bias_on, self.group_dropped)
+
+    def chosen_experts(self, router_logits: torch.Tensor, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T, top_k] the experts each token is routed to (global ids, ascending), as this layer routes (torch)."""
+        if self.routing == "sparsemixer":
+            ids = moe_ops.sparsemixer(router_logits, self.jitter_eps)[1]
+        else:
+            ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring, self.n_group,
+                                         self.topk_group, self.group_score, score_bias, self.routed_scale,
+                                         self.renormalize_min, self.selection_bias_on, self.renormalize_epsilon,
+                                         self.group_dropped)[1]
+        return ids.sort(-1).values
+
     def _experts(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the chosen experts' weighted sum (before the all-reduce)."""
         norm = getattr(self, self.out_norm) if self.out_norm is not None else None

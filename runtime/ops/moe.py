@@ -80,6 +80,35 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     return weights.to(router_logits.dtype), ids
 
 
+def routing_margin(router_logits: torch.Tensor, top_k: int, scoring: Optional[str] = "softmax", n_group: int = 1,
+                   topk_group: int = 1, group_score: str = "top2_sum", score_bias: Optional[torch.Tensor] = None,
+                   bias_on: str = "scores", group_dropped: str = "excluded") -> torch.Tensor:
+    """[T] how near each token's choice of experts is to a tie, as `select_experts` chooses them (`scoring` None:
+    the logits themselves, as sparsemixer ranks them): the gap between the top_k-th and the next choice score, and
+    with groups between the topk_group-th and the next group score, relative to the largest magnitude among them
+    (the smaller of the two). A model run in bf16 may choose other experts than float32 where this is within its
+    rounding noise (~1e-2 on the tiny test models): a discrete difference that no tolerance on the logits covers,
+    so parity tests set such tokens aside (tests/gpu/test_gpu_specs.py)."""
+    logits = router_logits.float()
+    scores = logits if scoring is None else torch.softmax(logits, -1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = (logits if bias_on == "logits" else scores) + (0.0 if score_bias is None else score_bias.float())
+    T, E = choice.shape
+    margin = torch.full((T,), float("inf"), device=choice.device)
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.view(T, n_group, E // n_group)
+        gscore = grouped.topk(2, dim=-1)[0].sum(-1) if group_score == "top2_sum" else grouped.max(-1).values
+        g = gscore.sort(-1, descending=True).values
+        margin = (g[:, topk_group - 1] - g[:, topk_group]) / g.abs().amax(-1).clamp_min(1e-30)
+        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gscore.topk(topk_group, -1)[1], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1),
+                                    0.0 if group_dropped == "zero" else float("-inf"))
+    if top_k < E:
+        c = choice.sort(-1, descending=True).values
+        gap = torch.where(torch.isinf(c[:, top_k]), torch.inf, c[:, top_k - 1] - c[:, top_k])
+        margin = torch.minimum(margin, gap / c[:, :1].abs().clamp_min(1e-30).squeeze(-1))
+    return margin
+
+
 def sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseMixer routing in eval mode (as transformers' sparsemixer with training=False): two
     experts, in the logits' dtype, static shapes.
