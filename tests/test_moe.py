@@ -514,7 +514,9 @@ def test_routing_margin_bounds_the_perturbation_that_changes_the_experts(kw):
     bias = torch.randn(E) * 0.1
     args = dict(kw)
     dropped = args.pop("group_dropped", "excluded")
-    margin = M.routing_margin(logits, K, score_bias=bias, group_dropped=dropped, **args)
+    choice = M.choice_scores(logits, args["scoring"], bias, args.get("bias_on", "scores"))
+    margin = M.routing_margin(choice, K, args.get("n_group", 1), args.get("topk_group", 1),
+                              args.get("group_score", "top2_sum"), dropped)
     sel = dict(n_group=args.get("n_group", 1), topk_group=args.get("topk_group", 1),
                group_score=args.get("group_score", "top2_sum"), score_bias=bias, bias_on=args.get("bias_on", "scores"),
                group_dropped=dropped)
@@ -534,3 +536,32 @@ def test_routing_margin_bounds_the_perturbation_that_changes_the_experts(kw):
     g = torch.Generator().manual_seed(0)
     noise = (torch.rand(T, E, generator=g) * 2 - 1) * margin.clamp(max=1.0).unsqueeze(-1) * 10
     assert (experts(logits + noise) != base).any(-1).sum() > T // 10
+
+
+def test_gpu_parity_routing_ties_on_cpu(tmp_path):
+    """The GPU spec parity's routing-tie rule (tests/gpu/test_gpu_specs.py _routing_ties), run with the CPU engine
+    in bf16 as the device side: the tiny GLM-4-MoE's position 92 of its 100-token prompt, routed otherwise in bf16
+    (top-2 experts 0.0015 apart in float32), is set aside; with the routing bias flipped in the bf16 engine, the
+    experts that differ are a routing error, not noise."""
+    import random
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    import test_gpu_specs as G
+
+    from xllm_gen import LLM
+    ckpt = G._checkpoint("Glm4MoeForCausalLM", tmp_path / "ckpt")
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    rng = random.Random(3)
+    prompt = [[rng.randrange(min(vocab, 5000)) for _ in range(n)] for n in G.PROMPT_LENS][-1]
+    llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=4, num_kv_blocks=64, max_model_len=512, enforce_eager=True)
+    routes = [G._routing(llm, prompt)]
+    for m in llm.engine.runner.model.modules():
+        if hasattr(m, "e_score_correction_bias"):
+            with torch.no_grad():
+                m.e_score_correction_bias.copy_(m.e_score_correction_bias.flip(0))
+    flipped = [G._routing(llm, prompt)]
+    llm.shutdown()
+    tie = G._routing_ties(routes, ckpt, [prompt])[0]
+    assert tie[92] and tie.sum() <= len(prompt) // 2
+    with pytest.raises(AssertionError, match="a routing error"):
+        G._routing_ties(flipped, ckpt, [prompt])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -67,6 +67,15 @@ def experts_on_meta():
 
 def _expert_weight(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta" if _EXPERTS_ON_META[0] else None))
+
+
+class RoutingView(NamedTuple):
+    """FusedMoE.routing_view: [T, E] the choice scores without the selection-only bias (float32: what rounding moves;
+    the bias is a parameter), [T, top_k] the experts chosen (global ids, ascending), [T] the margin of the choice
+    (ops/moe.py routing_margin)."""
+    unbiased: torch.Tensor
+    experts: torch.Tensor
+    margin: torch.Tensor
 
 
 class FusedMoE(nn.Module):
@@ -245,23 +254,22 @@ class FusedMoE(nn.Module):
             out = out + (hidden_states * identity).to(out.dtype)
         return out
 
-    def routing_margin(self, router_logits: torch.Tensor, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[T] how near each token's choice of experts is to a tie (ops/moe.py routing_margin), as this layer routes."""
+    def routing_view(self, router_logits: torch.Tensor, score_bias: Optional[torch.Tensor] = None) -> RoutingView:
+        """How this layer routes each token (torch; for parity tests that tell bf16 near-ties from routing errors):
+        the scores it chooses by, the experts chosen and how near the choice is to a tie (ops/moe.py)."""
         if self.routing == "sparsemixer":
-            return moe_ops.routing_margin(router_logits, 2, None)
-        return moe_ops.routing_margin(router_logits, self.top_k, self.scoring, self.n_group, self.topk_group,
-                                      self.group_score, score_bias, self.selection_bias_on, self.group_dropped)
-
-    def chosen_experts(self, router_logits: torch.Tensor, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[T, top_k] the experts each token is routed to (global ids, ascending), as this layer routes (torch)."""
-        if self.routing == "sparsemixer":
-            ids = moe_ops.sparsemixer(router_logits, self.jitter_eps)[1]
-        else:
-            ids = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring, self.n_group,
+            logits = moe_ops.choice_scores(router_logits, None)
+            return RoutingView(logits, moe_ops.sparsemixer(router_logits, self.jitter_eps)[1].sort(-1).values,
+                               moe_ops.routing_margin(logits, 2))
+        unbiased = moe_ops.choice_scores(router_logits, self.scoring, None, self.selection_bias_on)
+        choice = unbiased if score_bias is None else unbiased + score_bias.float()
+        experts = moe_ops.select_experts(router_logits, self.top_k, self.renormalize, self.scoring, self.n_group,
                                          self.topk_group, self.group_score, score_bias, self.routed_scale,
                                          self.renormalize_min, self.selection_bias_on, self.renormalize_epsilon,
                                          self.group_dropped)[1]
-        return ids.sort(-1).values
+        return RoutingView(unbiased, experts.sort(-1).values,
+                           moe_ops.routing_margin(choice, self.top_k, self.n_group, self.topk_group, self.group_score,
+                                                  self.group_dropped))
 
     def _experts(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the chosen experts' weighted sum (before the all-reduce)."""

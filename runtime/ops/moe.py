@@ -80,18 +80,23 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     return weights.to(router_logits.dtype), ids
 
 
-def routing_margin(router_logits: torch.Tensor, top_k: int, scoring: Optional[str] = "softmax", n_group: int = 1,
-                   topk_group: int = 1, group_score: str = "top2_sum", score_bias: Optional[torch.Tensor] = None,
-                   bias_on: str = "scores", group_dropped: str = "excluded") -> torch.Tensor:
-    """[T] how near each token's choice of experts is to a tie, as `select_experts` chooses them (`scoring` None:
-    the logits themselves, as sparsemixer ranks them): the gap between the top_k-th and the next choice score, and
-    with groups between the topk_group-th and the next group score, relative to the largest magnitude among them
-    (the smaller of the two). A model run in bf16 may choose other experts than float32 where this is within its
-    rounding noise (~1e-2 on the tiny test models): a discrete difference that no tolerance on the logits covers,
-    so parity tests set such tokens aside (tests/gpu/test_gpu_specs.py)."""
+def choice_scores(router_logits: torch.Tensor, scoring: Optional[str] = "softmax",
+                  score_bias: Optional[torch.Tensor] = None, bias_on: str = "scores") -> torch.Tensor:
+    """[T, E] float32: the scores `select_experts` chooses experts by (`scoring` None: the logits themselves, as
+    sparsemixer ranks them), a selection-only bias included."""
     logits = router_logits.float()
     scores = logits if scoring is None else torch.softmax(logits, -1) if scoring == "softmax" else torch.sigmoid(logits)
-    choice = (logits if bias_on == "logits" else scores) + (0.0 if score_bias is None else score_bias.float())
+    return (logits if bias_on == "logits" else scores) + (0.0 if score_bias is None else score_bias.float())
+
+
+def routing_margin(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
+                   group_score: str = "top2_sum", group_dropped: str = "excluded") -> torch.Tensor:
+    """[T] how near each token's choice of experts is to a tie, from its `choice_scores`, as `select_experts`
+    chooses: the gap between the top_k-th and the next choice score, and with groups between the topk_group-th and
+    the next group score, relative to the largest magnitude among them (the smaller of the two). Scores that move by
+    less than half of it (relative to the top score) keep the choice. A model run in bf16 may choose other experts
+    than float32 where its rounding moves them by more: a discrete difference that no tolerance on the logits
+    covers, which parity tests must tell from a routing error (tests/gpu/test_gpu_specs.py)."""
     T, E = choice.shape
     margin = torch.full((T,), float("inf"), device=choice.device)
     if n_group > 1 and topk_group < n_group:
