@@ -13,16 +13,19 @@ def logprob_row_error(entries: dict, ref_row) -> float:
     return float("inf") if e != e else e
 
 
-def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
+def _logprob_error(hf_logits, out, tol: float, skip=None) -> tuple[float, int | None]:
     """(max |engine - transformers| log-probability, first position over `tol`) over the engine's entries: per
     position p >= 1 of the prompt the distribution of its token given the tokens before (prompt_logprobs), and the
-    next token's after the last (logprobs); transformers' from log_softmax of its logits in float32."""
+    next token's after the last (logprobs); transformers' from log_softmax of its logits in float32. `skip` [len]
+    bool: positions whose distribution is not compared (MoE routing ties, verify_routing)."""
     import torch
     ref = torch.log_softmax(hf_logits.float(), dim=-1)
     rows = [(p, d) for p, d in enumerate(out.prompt_logprobs or []) if d]       # position p: given tokens < p
     rows += [(len(ref), d) for d in (out.outputs[0].logprobs or [])[:1] if d]
     err, bad = 0.0, None
     for p, entries in rows:
+        if skip is not None and skip[p - 1]:
+            continue
         want = ref[p - 1]
         e = logprob_row_error(entries, want)
         err = max(err, e)
@@ -31,7 +34,8 @@ def _logprob_error(hf_logits, out, tol: float) -> tuple[float, int | None]:
     return err, bad
 
 
-def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float) -> tuple[float, int | None]:
+def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float,
+                        skip=None) -> tuple[float, int | None]:
     """(max error, first step over `tol`) of the engine's per-step log-probabilities of its greedy decode steps
     against transformers' teacher-forced distributions at the same positions: step i is compared while the tokens
     before it agree (the reference row is the distribution given the prompt and want[:i]). The prefill's
@@ -43,6 +47,8 @@ def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float)
         row = prompt_len - 1 + i
         if row >= len(ref) or list(got.token_ids[:i]) != want[:i] or not entries:
             break
+        if skip is not None and skip[row]:
+            continue
         e = logprob_row_error(entries, ref[row])
         err = max(err, e)
         if bad is None and e > tol:
@@ -66,12 +72,17 @@ def _own_logprob_error(logits32, logits16) -> float:
     return float((lp16.gather(-1, top) - lp32.gather(-1, top)).abs().max())
 
 
+def _first_diff(want: list, got: list) -> int | None:
+    """The first step where two greedy continuations differ (None: they agree where both have tokens)."""
+    return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+
+
 def _near_tie(row_logits, want: list, got: list, bound: float):
     """16-bit: where the engine's greedy tokens first differ from float32 transformers', (step, margin, bound) when
     float32's margin between its token and the engine's is below `bound` (a near-tie, within 16-bit noise); else
     None (a real difference, or none). row_logits(d): float32 logits of step d given the prompt and want[:d]."""
     import torch
-    d = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    d = _first_diff(want, got)
     if d is None:
         return None
     lp = torch.log_softmax(row_logits(d).float(), dim=-1)

@@ -35,6 +35,8 @@ class PromptResult:
     step_logprob_err: float = 0.0  # the same over the greedy decode steps (while the tokens agree)
     step_logprob_bad: int | None = None       # first decode step over LOGPROB_TOL (None: within)
     near_tie: tuple | None = None  # 16-bit: (step, float32 margin, bound) of a first differing token at a near-tie
+    routing_ties: int = 0          # 16-bit: positions set aside, MoE routing within rounding of a tie (verify_routing)
+    routing_error: str | None = None   # 16-bit: experts that differ from float32's beyond that noise
 
     @property
     def first_token_diff(self) -> int | None:
@@ -64,6 +66,7 @@ class Report:
     def ok(self) -> bool:
         return self.refused is None and not self.defaults and all(
             (p.first_token_diff is None or p.near_tie is not None) and p.logprob_bad_position is None
+            and p.routing_error is None
             and p.step_logprob_bad is None
             and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
 
@@ -96,6 +99,8 @@ class Report:
             d = p.first_token_diff
             lines.append(f"prompt {i} ({p.prompt_len} tokens): greedy tokens "
                          + ("agree" if d is None else
+                            f"differ from step {d}, a position whose MoE routing is within {self.dtype} rounding of "
+                            f"a tie" if p.near_tie and len(p.near_tie) > 3 else
                             f"differ at a near-tie from step {d} (float32 margin {p.near_tie[1]:.3f} < "
                             f"{p.near_tie[2]:.3f}, within transformers' own {self.dtype} noise)" if p.near_tie else
                             f"DIFFER at step {d}: engine {p.engine_tokens[d:d + 4]} vs transformers {p.hf_tokens[d:d + 4]}")
@@ -110,7 +115,10 @@ class Report:
                             f" DIFFER from step {p.step_logprob_bad} (> {LOGPROB_TOL[self.dtype]:g}: the decode path "
                             f"(paged attention over the cache, decode-only kernels), since the prefill's agree)"
                             if p.logprob_bad_position is None else
-                            f" DIFFER from step {p.step_logprob_bad}"))
+                            f" DIFFER from step {p.step_logprob_bad}")
+                         + (f"; {p.routing_ties} positions set aside (MoE routing within {self.dtype} rounding of a "
+                            f"tie: compared by no measure)" if p.routing_ties else "")
+                         + (f"; ROUTING ERROR: {p.routing_error}" if p.routing_error else ""))
         first = self.first_divergence()
         if first is not None:
             i, p, e = first

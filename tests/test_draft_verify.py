@@ -366,3 +366,24 @@ def test_verify_in_bfloat16_measures_against_float32(drafted, ckpt):
                    "eps: rms_norm_eps}", "input_layernorm: {kind: rmsnorm, dim: hidden_size, eps: 0.5}")
     r = verify(bad, ckpt, dtype="bfloat16", max_tokens=4, prompt_lens=[5])
     assert not r.ok and r.first_divergence()[2].layer == 0, r.text()
+
+
+def test_verify_in_bfloat16_sets_moe_routing_ties_aside(tmp_path):
+    """--dtype bfloat16 on an MoE spec: positions whose experts bf16 rounding may change (the engine's routing against
+    its own float32 run, codegen/verify_routing.py) are compared by no measure and counted; a spec that routes by
+    another score (softmax for GLM-4-MoE's sigmoid) still fails."""
+    from fixtures.tiny_hf import make_tiny_checkpoint
+
+    from xllm_gen.codegen.verify import verify
+    ckpt = make_tiny_checkpoint("Glm4MoeForCausalLM", tmp_path / "ckpt", seed=0)
+    spec = Path(__file__).resolve().parents[1] / "specs" / "glm4_moe.yaml"
+    r = verify(spec, ckpt, dtype="bfloat16", max_tokens=4, prompt_lens=[9, 30])
+    assert r.ok, r.text()
+    assert all(p.routing_error is None for p in r.prompts) and sum(p.routing_ties for p in r.prompts) > 0, r.text()
+    specs = tmp_path / "specs"          # beside the specs it extends
+    specs.mkdir()
+    for f in spec.parent.glob("*.yaml"):
+        (specs / f.name).write_text(f.read_text())
+    bad = _variant(spec, specs / "glm4_moe.yaml", "scoring: sigmoid", "scoring: softmax")
+    r = verify(bad, ckpt, dtype="bfloat16", max_tokens=4, prompt_lens=[9, 30])
+    assert not r.ok, r.text()

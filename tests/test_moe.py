@@ -526,7 +526,7 @@ def test_routing_margin_bounds_the_perturbation_that_changes_the_experts(kw):
 
     base = experts(logits)
     # a logit change of e moves a probability p by at most ~2 e p (softmax), a sigmoid by e / 4, a biased logit by e;
-    # the margin is relative to the top choice score: a change of 0.1 x margin keeps every token's choice
+    # the margin is relative to the spread of the choice scores: a change of 0.1 x margin keeps every token's choice
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
         step = torch.rand(T, 1, generator=g) * margin.clamp(max=1.0).unsqueeze(-1) * 0.1

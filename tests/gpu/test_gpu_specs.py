@@ -184,38 +184,18 @@ def _guard_refuses(architecture: str, ckpt: Path) -> bool:
 def _routing(llm, tokens: list) -> list:
     """How the engine routes each position of `tokens` in each MoE layer (teacher-forced prefill, eager so that hooks
     run): FusedMoE.routing_view per layer, on the host ([] without routed experts)."""
-    from xllm_gen.runtime.layers.moe import FusedMoE
+    from xllm_gen.codegen.verify_routing import record_routing
     runner = llm.engine.runner
-    moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-    views = []
-
-    def hook(module, args, kwargs):
-        logits = args[1] if len(args) > 1 else kwargs["router_logits"]
-        bias = args[2] if len(args) > 2 else kwargs.get("score_bias")
-        view = module.routing_view(logits, bias)
-        views.append(type(view)(*(t.cpu() for t in view)))
-    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in moes]
-    graphs, runner.prefill_graphs = getattr(runner, "prefill_graphs", None), None
-    try:
-        with torch.inference_mode():
-            llm.prefill_logits(tokens)
-    finally:
-        runner.prefill_graphs = graphs
-        for h in hooks:
-            h.remove()
-    return views
+    with torch.inference_mode():
+        return record_routing(runner.model, lambda: llm.prefill_logits(tokens), runner)
 
 
 def _routing_ties(routes: list, ckpt: Path, seqs: list) -> list:
     """Per sequence, [len] bool: the positions the comparison sets aside because bf16 rounding may route them to
-    other experts than float32 does. The reference routing is the engine's own in float32 on the CPU (which matches
-    transformers float32 to ~1e-6: the CPU battery); per MoE layer and position, `noise` is how far the bf16 run's
-    choice scores are from it (relative to the top score; without the selection-only bias, a parameter that rounding
-    does not move: a wrong one is an error, not noise). A position is set aside where its experts differ, or
-    where its margin (ops/moe.py routing_margin) is within twice the noise or ROUTE_NEAR_TIE (the decode steps round
-    otherwise than this prefill). Experts that differ although the float32 margin exceeds what the noise can
-    overturn (4x: a pair of group scores moves by up to twice a score's noise) are a routing error."""
+    other experts than float32 does (codegen/verify_routing.py, the rule `verify --dtype bfloat16` applies too; the
+    float32 routing is the engine's on the CPU). Experts that differ beyond the measured noise fail the test."""
     from xllm_gen import LLM
+    from xllm_gen.codegen.verify_routing import routing_ties
     if not any(routes):
         return [torch.zeros(len(s), dtype=torch.bool) for s in seqs]
     llm = LLM(str(ckpt), device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=512, max_model_len=512,
@@ -225,16 +205,11 @@ def _routing_ties(routes: list, ckpt: Path, seqs: list) -> list:
     finally:
         llm.shutdown()
     ties = []
-    for i, (views, views32) in enumerate(zip(routes, exact)):
-        tie = torch.zeros(len(seqs[i]), dtype=torch.bool)
-        for layer, (v, v32) in enumerate(zip(views, views32)):
-            noise = (v.unbiased - v32.unbiased).abs().amax(-1) / v32.unbiased.abs().amax(-1).clamp_min(1e-30)
-            differs = (v.experts != v32.experts).any(-1)
-            wrong = (differs & (v32.margin > 4 * noise + 1e-6)).nonzero().flatten().tolist()
-            assert not wrong, (f"request {i}, MoE layer {layer}: positions {wrong} are routed to other experts than "
-                               f"in float32 at margins {v32.margin[wrong].tolist()} that bf16 rounding (noise "
-                               f"{noise[wrong].tolist()}) cannot overturn: a routing error")
-            tie |= differs | (v.margin < torch.clamp(2 * noise, min=ROUTE_NEAR_TIE))
+    for i, (views, views32, seq) in enumerate(zip(routes, exact, seqs)):
+        tie, errors = routing_ties(views, views32, len(seq))
+        assert not errors, (f"request {i}: routed to other experts than in float32 where bf16 rounding (the noise) "
+                            f"cannot overturn the choice, (MoE layer, positions, float32 margins, noise) {errors}: "
+                            f"a routing error")
         ties.append(tie)
     return ties
 
