@@ -325,6 +325,11 @@ def _main(argv: Optional[List[str]] = None) -> int:
         stale = False
         for c in compiled:
             directory = output_dir(c.ir.name, args.out, c.ir.spec_file)
+            if not directory.is_dir():     # a new spec: nothing to diff (--dry-run compiles without writing)
+                stale = True
+                print(f"error: {display_path(directory)}/ was never generated for {c.ir.spec_path} (the spec "
+                      f"compiles); run: xllm-gen {c.ir.spec_path}", file=sys.stderr)
+                continue
             diffs = check(c.files, directory)
             if diffs:
                 stale = True

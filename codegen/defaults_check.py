@@ -111,8 +111,8 @@ def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = F
     writes the field as null (`served_absent`: the spec has a default, so refusing the null where transformers gives
     it a value refuses a checkpoint transformers serves)."""
     fields = [field] if isinstance(field, str) else list(field)
-    try:
-        ref = cls.from_dict(json.loads(json.dumps(hf)))
+    try:        # (a private `_<name>` copy in config.json, which save_pretrained writes, is no reading of the field)
+        ref = cls.from_dict(_without(hf, [f"_{f}" for f in fields if "." not in f]))
     except Exception:                        # transformers cannot build it: nothing to compare
         return None
     want = next((v for v in (_lookup(ref, f) for f in fields) if v is not _MISSING), _MISSING)

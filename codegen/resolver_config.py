@@ -35,8 +35,9 @@ class ConfigResolver:
             if name in ("layer", "config") or name in ("len", "min", "max", "int", "float", "bool", "range"):
                 raise self.err(path, f"config.{name}: '{name}' is reserved in spec expressions", at_key=True)
             if f.values is not None:
-                if f.type not in ("str", "rope"):
-                    raise self.err(path + ("values",), f"config.{name}.values: only str and rope symbols take values")
+                if f.type not in ("str", "str_tuple", "rope"):
+                    raise self.err(path + ("values",), f"config.{name}.values: only str, str_tuple (each entry) and "
+                                                       f"rope symbols take values")
                 if not f.values or len(set(f.values)) != len(f.values):
                     raise self.err(path + ("values",), f"config.{name}.values: list the admitted values, each once")
                 if f.type == "rope":
@@ -230,12 +231,14 @@ class ConfigResolver:
             raise self.err(path, f"{where}: {error}")
 
     def check_value(self, path, where: str, f: ConfigFieldIR, value, at_key: bool = False) -> None:
-        """A str / rope value against the symbol's admitted values, and numbers against its bounds."""
+        """A str / rope value (each entry of a str_tuple) against the symbol's admitted values, and numbers against
+        its bounds."""
         if f.values and value is not None:
             v = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else value
-            if v not in f.values:
-                raise self.err(path, f"{where}: {v!r} is not one of the values the spec models: "
-                                     f"{', '.join(f.values)}", at_key=at_key)
+            for x in (v if isinstance(v, (list, tuple)) else (v,)):    # a str_tuple: each entry
+                if x not in f.values:
+                    raise self.err(path, f"{where}: {x!r} is not one of the values the spec models: "
+                                         f"{', '.join(f.values)}", at_key=at_key)
         lo, hi = f.bounds
         if value is not None and ((lo is not None and value < lo) or (hi is not None and value > hi)):
             raise self.err(path, f"{where}: {value!r} is outside [{lo}, {hi}]", at_key=at_key)

@@ -296,6 +296,10 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             except Exception as e:     # the loader's strict checks: a tensor the spec has no parameter for, ...
                 hf_rec.remove()
                 hf16_rec.remove()
+                if "max_model_len" in str(e):       # verify's own sequences, not the spec: say so
+                    raise VerifyError(f"verify's longest sequence ({max(prompt_lens)} prompt tokens + {max_tokens} new) "
+                                      f"does not fit this checkpoint ({e}): pass shorter --prompt-lens or fewer "
+                                      f"--max-tokens") from None
                 report.refused = f"the engine cannot load the checkpoint with this spec: {type(e).__name__}: {e}"
                 return report
             # 16-bit MoE: the engine's own float32 routing tells rounding's near-ties from routing errors

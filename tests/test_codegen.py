@@ -260,6 +260,14 @@ def test_check_passes_on_committed_tree(capsys):
     assert "up to date: generated/qwen3/" in out
 
 
+def test_check_of_a_spec_never_generated_says_so(tmp_path, capsys):
+    """--check on a new spec (no generated directory yet): one line that says so and what to run, not a diff of
+    every file as '(missing)' under 'stale or edited by hand'."""
+    code, out, err = run_cli(capsys, "--check", QWEN3, "--out", tmp_path)
+    assert code == 1 and "(missing)" not in out
+    assert "was never generated" in err and "run: xllm-gen" in err
+
+
 def test_check_fails_with_diff_after_hand_edit(tmp_path, capsys):
     shutil.copytree(REPO / "generated" / "qwen3", tmp_path / "qwen3", ignore=shutil.ignore_patterns("__pycache__"))
     code, out, _ = run_cli(capsys, "--check", QWEN3, "--out", tmp_path)

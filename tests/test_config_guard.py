@@ -81,6 +81,19 @@ def test_derived_values_checked_at_load(tmp_path):
         model.Config.from_hf(_hf(hidden_act="gelu"))
 
 
+def test_str_tuple_values_checked_per_entry(tmp_path):
+    """`values` on a str_tuple symbol: every entry one of them (a per-layer kind the spec does not model, such as
+    chunked attention in layer_types, was served as full attention), the refusal naming the entry."""
+    path, _ = _mutant(tmp_path, "qwen3.yaml", ("    from: layer_types\n",
+                                               "    from: layer_types\n    values: [full_attention, sliding_attention]\n"))
+    model = compile_spec(path).module()
+    ok = model.Config.from_hf(_hf(layer_types=["full_attention", "sliding_attention"], sliding_window=8))
+    assert ok.layer_types == ("full_attention", "sliding_attention")
+    assert model.Config.from_hf(_hf()).layer_types == ("full_attention", "full_attention")    # the default_expr's
+    with pytest.raises(ConfigError, match=r"does not model layer_types\[1\]='chunked_attention'"):
+        model.Config.from_hf(_hf(layer_types=["full_attention", "chunked_attention"]))
+
+
 # ---- 2. absent means transformers' default -------------------------------------------------------------------
 
 def _hf_defaults(architecture: str):
@@ -460,6 +473,27 @@ def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():
     assert hf["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}      # the caller's dict untouched
     plain = model.Config.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 9.0}})
     assert plain.rope_theta == 9.0
+
+
+def test_rope_scaling_beside_a_mapping_per_layer_type_as_in_transformers():
+    """Gemma 3's rope_parameters per layer type with a legacy rope_scaling: transformers merges rope_scaling into the
+    full_attention entry (its theta kept) and leaves sliding_attention; the engine reads the same (it replaced the
+    whole mapping: refused, naming fields that are not in config.json). Checked against transformers."""
+    import importlib
+
+    from transformers import Gemma3TextConfig
+    model = importlib.import_module("xllm_gen.generated.gemma3.model")
+    hf = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+          "head_dim": 8, "query_pre_attn_scalar": 8, "max_position_embeddings": 128, "sliding_window": 16,
+          "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    ref = Gemma3TextConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")}).rope_parameters
+    c = model.Config.from_hf(hf)
+    assert ref["full_attention"]["rope_type"] == "linear" and ref["sliding_attention"]["rope_type"] == "default"
+    assert c.rope_scaling["rope_type"] == "linear" and c.rope_scaling["factor"] == ref["full_attention"]["factor"]
+    assert c.rope_theta == ref["full_attention"]["rope_theta"] and c.rope_local == {"rope_type": "default"}
 
 
 def test_a_symbol_divided_by_is_refused_at_zero():

@@ -387,3 +387,14 @@ def test_verify_in_bfloat16_sets_moe_routing_ties_aside(tmp_path):
     bad = _variant(spec, specs / "glm4_moe.yaml", "scoring: sigmoid", "scoring: softmax")
     r = verify(bad, ckpt, dtype="bfloat16", max_tokens=4, prompt_lens=[9, 30])
     assert not r.ok, r.text()
+
+
+def test_verify_says_when_its_own_sequences_do_not_fit(drafted, ckpt):
+    """Prompts + new tokens longer than the checkpoint admits: verify's own choice, named as such (with the flags to
+    change), not 'the engine cannot load the checkpoint with this spec'."""
+    import json
+
+    from xllm_gen.codegen.verify import VerifyError, verify
+    longest = json.loads((ckpt / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(VerifyError, match=r"verify's longest sequence .* --prompt-lens or fewer --max-tokens"):
+        verify(drafted, ckpt, max_tokens=4, prompt_lens=[longest])

@@ -538,6 +538,7 @@ def test_routing_margin_bounds_the_perturbation_that_changes_the_experts(kw):
     assert (experts(logits + noise) != base).any(-1).sum() > T // 10
 
 
+@pytest.mark.slow     # ~6 s; verify's bf16 MoE test runs the same rule in the default suite
 def test_gpu_parity_routing_ties_on_cpu(tmp_path):
     """The GPU spec parity's routing-tie rule (tests/gpu/test_gpu_specs.py _routing_ties), run with the CPU engine
     in bf16 as the device side: the tiny GLM-4-MoE's position 92 of its 100-token prompt, routed otherwise in bf16

@@ -30,7 +30,8 @@ class ConfigField(Strict):
     # (`optional`), the default rope (a rope symbol), and otherwise refused by name
     if_null: Optional[Union[StrictStr, StrictBool, StrictInt, StrictFloat]] = None   # a number: that constant
     expr: Optional[StrictStr] = None     # a derived symbol: an expression, no config.json field read
-    values: Optional[List[StrictStr]] = None  # str / rope symbols: the values (rope types) the spec models
+    # str / str_tuple (each entry) / rope symbols: the values (rope types) the spec models
+    values: Optional[List[StrictStr]] = None
     # rope symbols: other rope_type names config.json may carry, each read as one of `values` (transformers' Phi3Config
     # reads the older `su` and `yarn` as longrope): `aliases: {su: longrope}`
     aliases: Optional[Dict[StrictStr, StrictStr]] = None

@@ -130,13 +130,24 @@ def _rope_scaling_wins(node: dict) -> dict:
     """config.json with both a (legacy) `rope_scaling` mapping and `rope_parameters`, at the top level or in
     `text_config`: transformers' configs take rope_scaling for rope_parameters (PreTrainedConfig.
     convert_rope_params_to_dict: `rope_scaling or rope_parameters`; a missing theta then comes from the top-level
-    rope_theta), so a spec reading rope_parameters first reads what transformers computes with. A copy; others as is."""
+    rope_theta), so a spec reading rope_parameters first reads what transformers computes with; a mapping per layer
+    type takes rope_scaling into its full_attention entry. A copy; others as is."""
     if not isinstance(node, dict):
         return node
     out = dict(node)
     if isinstance(out.get("text_config"), dict):
         out["text_config"] = _rope_scaling_wins(out["text_config"])
     scaling = out.get(LEGACY_ROPE_MAPPING)
+    params = out.get(ROPE_MAPPING)
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        # a mapping per layer type: transformers' configs that keep one (Gemma 3, OLMo 3, ModernBERT) merge a legacy
+        # rope_scaling into its full_attention entry (its theta kept); one without that entry has no reading
+        if isinstance(scaling, dict) and scaling:
+            if not isinstance(params.get("full_attention"), dict):
+                raise ConfigError(f"config.json: `{LEGACY_ROPE_MAPPING}` beside a `{ROPE_MAPPING}` per layer type "
+                                  f"without a full_attention entry: no layers it applies to")
+            out[ROPE_MAPPING] = {**params, "full_attention": {**params["full_attention"], **scaling}}
+        return out
     if isinstance(scaling, dict) and scaling and ROPE_MAPPING in out and out[ROPE_MAPPING] != scaling:
         params = dict(scaling)
         if "rope_theta" in out and "rope_theta" not in params:
@@ -273,7 +284,12 @@ class ConfigReader:
         elif type_ == "rope":
             value = self.rope(where, value, values)
             values = None
-        if values is not None and value not in values:
+        if values is not None and type_ == "str_tuple":       # each entry one of them (per-layer kinds)
+            bad_at = next((i for i, x in enumerate(value) if x not in values), None)
+            if bad_at is not None:
+                raise self.error(f"does not model {where.split(' ')[0]}[{bad_at}]={value[bad_at]!r} (it models: "
+                                 f"{', '.join(values)})")
+        elif values is not None and value not in values:
             shown = where[:-len(" (derived)")] + " =" if where.endswith("(derived)") else where.split(" ")[0] + "="
             raise self.error(f"does not model {shown}{value!r} (it models: {', '.join(values)})")
         if type_ == "int" and not -_MAX_INT < value < _MAX_INT or \
