@@ -419,10 +419,16 @@ def _other_fields(d: Draft, full: dict, controls: dict) -> None:
         if any(w in low for w in IGNORE_WORDS):
             d.ignore.append(key)
         elif isinstance(value, (bool, int, float, str)) and not isinstance(value, (list, dict)):
-            if key in controls.values():
-                continue
+            adds = sorted(n for n, f in controls.items() if f == key)
+            if adds and all(n.endswith(".bias") for n in adds):
+                continue    # a bias flag: the projections read it (_render's bias_flag)
             d.assume[key] = value
-            if key != "pretraining_tp":
+            if adds:        # a flag that adds or removes other parameters (qk_layernorm, ...): not wired by the draft
+                d.checklist.append(f"config field `{key}` = {value!r} is assumed (config_assume), but flipping it "
+                                   f"changes the parameters ({', '.join(adds[:3])}"
+                                   f"{', ...' if len(adds) > 3 else ''}): model them and read it as a symbol if the "
+                                   f"released checkpoints set it")
+            elif key != "pretraining_tp":
                 d.checklist.append(f"config field `{key}` = {value!r} is assumed (config_assume): find what it "
                                    f"changes in the modeling file; read it as a symbol if the blocks must use it")
         elif value is None:

@@ -177,6 +177,9 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
     # Falcon's one-norm parallel layer then named as what it is, Bloom's fused per-head qkv and ALiBi flagged
     ("FalconForCausalLM", ["not a pre-norm decoder layer"]),
     ("BloomForCausalLM", ["query_key_value", "no rope parameters"]),
+    # flags that add or remove parameters the draft does not wire (q/k LayerNorms, the parallel residual's norm):
+    # assumed at their defaults and on the checklist (they were neither read nor assumed: every saved StableLM refused)
+    ("StableLmForCausalLM", ["`qk_layernorm` = False is assumed", "`use_parallel_residual` = False is assumed"]),
 ])
 def test_draft_checklist_flags_what_a_llama_draft_misses(arch, expected):
     """Drafting by class name (no checkpoint): the checklist (or the error, for a non-Llama-like layer) names
