@@ -133,8 +133,14 @@ def _meta_params(cls, config, **changes) -> dict[str, tuple]:
         try:
             model, cfg = build(shrink=False)
         except Exception as e:
+            from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS
+            nulls = [k for k, v in config.to_dict().items()
+                     if v is None and k not in GENERIC_FIELDS and not k.endswith("_token_id")][:4]
             raise DraftError(f"{cls.__name__}: cannot build the transformers model on the meta device "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                             + (f"; its config is null in {', '.join(nulls)}: where transformers' class defaults do "
+                                f"not build, draft from a checkpoint directory (its config.json)" if nulls else "")
+                             ) from None
     out = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         out[re.sub(r"\.(\d+)\.", ".{i}.", n, count=1)] = tuple(p.shape)
@@ -446,7 +452,8 @@ def _other_fields(d: Draft, full: dict, controls: dict) -> None:
 SOURCE_HINTS = [
     (r"x\[\.\.\., *0::2\]|x\[\.\.\., *::2\]", "the modeling file's rotate_half is interleaved (rotate-every-two, "
                                               "GPT-J layout): the draft's neox rotary is wrong for it"),
-    (r"1(\.0)? \+ self\.weight", "a norm scales by (1 + weight): set weight_offset: 1 on the norms"),
+    (r"1(\.0)? \+ self\.weight|self\.weight \+ 1(\.0)?\b", "a norm scales by (1 + weight): set weight_offset: 1 on "
+                                                         "the norms"),
     (r"softcap", "the modeling file soft-caps logits: attention `softcap` / lm_head `softcap`"),
     (r"sliding_window", "the modeling file uses a sliding window: attention `sliding_window` (per layer?)"),
     (r"normalizer|embed_scale|\* *self\.config\.hidden_size *\*\* *0\.5|embedding_multiplier",

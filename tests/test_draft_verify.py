@@ -180,6 +180,8 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
     # flags that add or remove parameters the draft does not wire (q/k LayerNorms, the parallel residual's norm):
     # assumed at their defaults and on the checklist (they were neither read nor assumed: every saved StableLM refused)
     ("StableLmForCausalLM", ["`qk_layernorm` = False is assumed", "`use_parallel_residual` = False is assumed"]),
+    # transformers' own NemotronConfig defaults do not build (num_key_value_heads null): said, with the way out
+    ("NemotronForCausalLM", ["null in num_key_value_heads", "draft from a checkpoint directory"]),
 ])
 def test_draft_checklist_flags_what_a_llama_draft_misses(arch, expected):
     """Drafting by class name (no checkpoint): the checklist (or the error, for a non-Llama-like layer) names
