@@ -4,11 +4,12 @@ In bf16 / fp16 a token whose experts nearly tie may be routed to other experts t
 difference at that position that no tolerance on hidden states or log-probabilities covers, and that transformers'
 own 16-bit run makes at other positions (a tiny GLM-4-MoE's position 92 was 0.6 off: its top-2 experts 0.0015 apart).
 The reference routing is the engine's own in float32 (which matches transformers float32: the CPU batteries); per
-MoE layer and position, `noise` is how far the 16-bit choice scores are from it, relative to their spread (without
-the selection-only bias, a parameter that rounding does not move). A position is set aside where its experts differ
-or its margin (runtime/ops/moe.py routing_margin) is within twice the noise or MIN_MARGIN (a decode step rounds
-otherwise than the teacher-forced prefill recorded here); experts that differ although the float32 margin exceeds
-what the noise can overturn (4x: a pair of group scores moves by up to twice a score's noise) are a routing error.
+MoE layer and position, `noise` is the largest change of a choice score between the two runs (without the
+selection-only bias, a parameter that rounding does not move). A choice changes only where two scores move by more
+than its margin (runtime/ops/moe.py routing_margin, in score units), so by less than twice the noise. A position is
+set aside where its experts differ, or where its margin is within twice the noise or MIN_MARGIN of the scores'
+spread (a decode step rounds otherwise than the teacher-forced prefill recorded here); experts that differ although
+the float32 margin is over 4x the noise (twice what rounding can overturn) are a routing error.
 """
 from __future__ import annotations
 
@@ -51,15 +52,14 @@ def routing_ties(views: list, views32: list, n: int):
     """([n] bool: positions set aside, [(MoE layer, positions, float32 margins, noise)] routing errors) from the
     16-bit run's routing views and the float32 run's, per MoE layer, over the same n positions."""
     import torch
-
-    from xllm_gen.runtime.ops.moe import score_spread
     tie = torch.zeros(n, dtype=torch.bool)
     errors = []
     for layer, (v, v32) in enumerate(zip(views, views32)):
-        noise = (v.unbiased - v32.unbiased).abs().amax(-1) / score_spread(v32.unbiased)
+        noise = (v.unbiased - v32.unbiased).abs().amax(-1)
+        spread = v32.unbiased.amax(-1) - v32.unbiased.amin(-1)
         differs = (v.experts != v32.experts).any(-1)
-        wrong = (differs & (v32.margin > 4 * noise + 1e-6)).nonzero().flatten().tolist()
+        wrong = (differs & (v32.margin > 4 * noise + 1e-6 * spread)).nonzero().flatten().tolist()
         if wrong:
             errors.append((layer, wrong, v32.margin[wrong].tolist(), noise[wrong].tolist()))
-        tie |= differs | (v.margin < torch.clamp(2 * noise, min=MIN_MARGIN))
+        tie |= differs | (v.margin < torch.maximum(2 * noise, MIN_MARGIN * spread))
     return tie, errors

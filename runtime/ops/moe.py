@@ -92,32 +92,25 @@ def choice_scores(router_logits: torch.Tensor, scoring: Optional[str] = "softmax
 def routing_margin(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1,
                    group_score: str = "top2_sum", group_dropped: str = "excluded") -> torch.Tensor:
     """[T] how near each token's choice of experts is to a tie, from its `choice_scores`, as `select_experts`
-    chooses: the gap between the top_k-th and the next choice score, and with groups between the topk_group-th and
-    the next group score, relative to the spread of those scores (largest - smallest; the smaller of the two
-    ratios). Scores that move by less than half the gap keep the choice. A model run in bf16 may choose other
-    experts than float32 where its rounding moves them by more: a discrete difference that no tolerance on the
-    logits covers, which parity tests must tell from a routing error (codegen/verify_routing.py)."""
+    chooses, in score units: the gap between the top_k-th and the next choice score, and with groups half the gap
+    between the topk_group-th and the next group score (a group score sums up to two choice scores), the smaller.
+    Scores that each move by less than half of it keep the choice. A model run in bf16 may choose other experts than
+    float32 where its rounding moves them by more: a discrete difference that no tolerance on the logits covers,
+    which parity tests must tell from a routing error (codegen/verify_routing.py)."""
     T, E = choice.shape
     margin = torch.full((T,), float("inf"), device=choice.device)
     if n_group > 1 and topk_group < n_group:
         grouped = choice.view(T, n_group, E // n_group)
         gscore = grouped.topk(2, dim=-1)[0].sum(-1) if group_score == "top2_sum" else grouped.max(-1).values
         g = gscore.sort(-1, descending=True).values
-        margin = (g[:, topk_group - 1] - g[:, topk_group]) / (g[:, 0] - g[:, -1]).clamp_min(1e-30)
+        margin = (g[:, topk_group - 1] - g[:, topk_group]) / 2
         keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gscore.topk(topk_group, -1)[1], True)
         choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1),
                                     0.0 if group_dropped == "zero" else float("-inf"))
     if top_k < E:
         c = choice.sort(-1, descending=True).values
-        finite = torch.where(torch.isinf(c), c[:, :1], c)
-        gap = torch.where(torch.isinf(c[:, top_k]), torch.inf, c[:, top_k - 1] - c[:, top_k])
-        margin = torch.minimum(margin, gap / (c[:, 0] - finite.amin(-1)).clamp_min(1e-30))
+        margin = torch.minimum(margin, torch.where(torch.isinf(c[:, top_k]), torch.inf, c[:, top_k - 1] - c[:, top_k]))
     return margin
-
-
-def score_spread(choice: torch.Tensor) -> torch.Tensor:
-    """[T] largest - smallest of each token's choice scores: the scale routing_margin is relative to."""
-    return (choice.amax(-1) - choice.amin(-1)).clamp_min(1e-30)
 
 
 def sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
