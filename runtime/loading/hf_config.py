@@ -140,8 +140,8 @@ def _rope_scaling_wins(node: dict) -> dict:
     scaling = out.get(LEGACY_ROPE_MAPPING)
     params = out.get(ROPE_MAPPING)
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        # a mapping per layer type: transformers' configs that keep one (Gemma 3, OLMo 3, ModernBERT) merge a legacy
-        # rope_scaling into its full_attention entry (its theta kept); one without that entry has no reading
+        # a mapping per layer type: transformers' configs that keep one merge a legacy rope_scaling into its
+        # full_attention entry (its theta kept); one without that entry has no reading
         if isinstance(scaling, dict) and scaling:
             if not isinstance(params.get("full_attention"), dict):
                 raise ConfigError(f"config.json: `{LEGACY_ROPE_MAPPING}` beside a `{ROPE_MAPPING}` per layer type "
