@@ -186,6 +186,38 @@ def test_assumed_field_absent_means_the_family_default(tmp_path):
     assert err.location.line == _line_of(text, "config_defaults:")
 
 
+def test_a_null_partial_rotary_factor_rotates_the_whole_head_as_transformers(tiny_checkpoint, tmp_path):
+    """GLM-4 with `partial_rotary_factor: null`: transformers keeps the null out of rope_parameters and its rotary
+    takes 1.0 (the whole head); the spec's if_null reads the same (it refused the null). Logits against transformers
+    in float32; the class default 0.5 must differ."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from xllm_gen import LLM
+    src = tiny_checkpoint("Glm4ForCausalLM")
+    out = {}
+    for name, factor in (("null", None), ("half", 0.5)):
+        ckpt = tmp_path / name
+        shutil.copytree(src, ckpt)
+        cfg = json.loads((ckpt / "config.json").read_text())
+        cfg["partial_rotary_factor"] = factor
+        cfg.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+        ids = [3, 17, 99, 5, 42, 7, 11]
+        llm = LLM(str(ckpt), dtype="float32", max_num_seqs=2, num_kv_blocks=32, max_model_len=64, enforce_eager=True)
+        with torch.inference_mode():
+            ours = llm.prefill_logits(ids).float()
+        llm.shutdown()
+        hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids]), use_cache=False).logits[0].float()
+        out[name] = (ours, ref)
+        assert (ours - ref).abs().max() < 1e-4 * ref.abs().max(), name
+    assert (out["null"][1] - out["half"][1]).abs().max() > 1e-3      # the null means something else than 0.5
+
+
 # ---- 3. fields of transformers' base config never change the math ------------------------------------------
 
 def test_base_pretrained_config_fields_are_generic():
