@@ -358,7 +358,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     routing_error = (f"experts differ from float32's where {dtype} rounding cannot overturn the "
                                      f"choice (MoE layer, positions, float32 margins, noise): {errors}"
                                      if errors else None)
-                    if near_tie is None and (d := _first_diff(want, got)) is not None and tie[len(ids) - 1 + d]:
+                    d = _first_diff(want, got)
+                    if near_tie is None and d is not None and len(ids) - 1 + d < len(tie) and tie[len(ids) - 1 + d]:
                         near_tie = (d, 0.0, 0.0, "routing")
                 out = outs[0]
                 mine = eng_rec.take()
