@@ -289,10 +289,10 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
 
         from xllm_gen import LLM, SamplingParams
         with _served_by(model_module, runner_module, Path(tmp), ir.name, tensor_parallel_size):
+            max_len = max(prompt_lens) + max_tokens + 1
             try:
                 llm = LLM(model=str(ckpt), device=device, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
-                          tensor_parallel_size=tensor_parallel_size,
-                          max_model_len=max(prompt_lens) + max_tokens + 1, max_num_seqs=4)
+                          tensor_parallel_size=tensor_parallel_size, max_model_len=max_len, max_num_seqs=4)
             except Exception as e:     # the loader's strict checks: a tensor the spec has no parameter for, ...
                 hf_rec.remove()
                 hf16_rec.remove()
@@ -302,15 +302,13 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                       f"--max-tokens") from None
                 report.refused = f"the engine cannot load the checkpoint with this spec: {type(e).__name__}: {e}"
                 return report
-            # 16-bit MoE: the engine's own float32 routing tells rounding's near-ties from routing errors
-            llm32 = (LLM(model=str(ckpt), device="cpu", dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-                         max_model_len=max(prompt_lens) + max_tokens + 1, max_num_seqs=4)
-                     if sixteen and moe_layers(llm.engine.runner.model if tensor_parallel_size == 1 else
-                                               llm.engine.runner.runner.model) else None)
-        try:
             runner = llm.engine.runner
             eng_model = (runner.runner if tensor_parallel_size > 1 else runner).model   # rank 0's (the residual
             # stream is whole on every rank: the row-parallel outputs are all-reduced)
+            # 16-bit MoE: the engine's own float32 routing tells rounding's near-ties from routing errors
+            llm32 = (LLM(model=str(ckpt), device="cpu", dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+                         max_model_len=max_len, max_num_seqs=4) if sixteen and moe_layers(eng_model) else None)
+        try:
             report.notes += _unexercised(eng_model, max(prompt_lens) + max_tokens)
             eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True)
             greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROB_TOP)
