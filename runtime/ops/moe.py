@@ -57,16 +57,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     base = logits if bias_on == "logits" else scores
     choice = base if score_bias is None else base + score_bias.float()
     if n_group > 1 and topk_group < n_group:
-        T, E = choice.shape
-        grouped = choice.view(T, n_group, E // n_group)
-        if group_score == "top2_sum":
-            gscore = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        else:
-            gscore = grouped.max(dim=-1).values
-        gidx = torch.topk(gscore, k=topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
-        choice = choice.masked_fill(~keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E),
-                                    0.0 if group_dropped == "zero" else float("-inf"))
+        choice = _keep_groups(choice, _group_scores(choice, n_group, group_score), topk_group, group_dropped)
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize and renormalize_min > 0.0:
@@ -78,6 +69,23 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     if routed_scale != 1.0:
         weights = weights * routed_scale
     return weights.to(router_logits.dtype), ids
+
+
+def _group_scores(choice: torch.Tensor, n_group: int, group_score: str) -> torch.Tensor:
+    """[T, n_group]: each group's score, the sum of its two best choice scores (top2_sum) or its best (max)."""
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)
+    return grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2_sum" else grouped.max(dim=-1).values
+
+
+def _keep_groups(choice: torch.Tensor, gscore: torch.Tensor, topk_group: int, group_dropped: str) -> torch.Tensor:
+    """The choice scores with the experts outside the topk_group best groups dropped (-inf, or 0 for "zero")."""
+    T, E = choice.shape
+    n_group = gscore.shape[1]
+    gidx = torch.topk(gscore, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+    return choice.masked_fill(~keep.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E),
+                              0.0 if group_dropped == "zero" else float("-inf"))
 
 
 def choice_scores(router_logits: torch.Tensor, scoring: Optional[str] = "softmax",
@@ -100,13 +108,10 @@ def routing_margin(choice: torch.Tensor, top_k: int, n_group: int = 1, topk_grou
     T, E = choice.shape
     margin = torch.full((T,), float("inf"), device=choice.device)
     if n_group > 1 and topk_group < n_group:
-        grouped = choice.view(T, n_group, E // n_group)
-        gscore = grouped.topk(2, dim=-1)[0].sum(-1) if group_score == "top2_sum" else grouped.max(-1).values
+        gscore = _group_scores(choice, n_group, group_score)
         g = gscore.sort(-1, descending=True).values
         margin = (g[:, topk_group - 1] - g[:, topk_group]) / 2
-        keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gscore.topk(topk_group, -1)[1], True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1),
-                                    0.0 if group_dropped == "zero" else float("-inf"))
+        choice = _keep_groups(choice, gscore, topk_group, group_dropped)
     if top_k < E:
         c = choice.sort(-1, descending=True).values
         margin = torch.minimum(margin, torch.where(torch.isinf(c[:, top_k]), torch.inf, c[:, top_k - 1] - c[:, top_k]))
