@@ -56,7 +56,7 @@ from .verify_report import (  # noqa: F401 - the names verify's callers import f
     Report,
     VerifyError,
 )
-from .verify_routing import moe_layers, record_routing, routing_ties
+from .verify_routing import contaminated, forced_routing, moe_layers, record_routing, routing_ties
 from .writer import write
 
 
@@ -343,26 +343,36 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                         with torch.no_grad():                                 # run stopped: this step's own forward
                             return hf(input_ids=y, attention_mask=torch.ones_like(y), use_cache=False).logits[0, -1]
                     near_tie = _near_tie(row_logits, want, list(got), max(NEAR_TIE, 2 * own))
-                eng_rec.arm()
-                outs, tie, routing_error = [], None, None
+                outs, tie, free_tie, routing_error = [], None, None, None
                 run = lambda: outs.append(llm.generate([{"prompt_token_ids": seq}], one)[0])  # noqa: E731
+                if llm32 is not None:
+                    # the engine's 16-bit routing against its float32 routing: routing errors, and the positions
+                    # of the free run (greedy decode) left to compare
+                    routed = record_routing(eng_model, lambda: llm.generate([{"prompt_token_ids": seq}], one))
+                    routed32 = record_routing(llm32.engine.runner.model,
+                                              lambda: llm32.generate([{"prompt_token_ids": seq}], one))
+                    ties = routing_ties(routed.views, routed32.views, len(seq))
+                    routing_error = (f"experts differ from float32's where {dtype} rounding cannot overturn the "
+                                     f"choice (MoE layer, positions, float32 margins, noise): {ties.errors}"
+                                     if ties.errors else None)
+                    free_tie = ties.tie | contaminated(ties.differs)
+                    d = _first_diff(want, got)
+                    if (near_tie is None and d is not None and len(ids) - 1 + d < len(free_tie)
+                            and free_tie[len(ids) - 1 + d]):
+                        near_tie = (d, 0.0, 0.0, "routing")
+                eng_rec.arm()
                 if llm32 is None:
                     run()
-                else:
-                    views = record_routing(eng_model, run)
-                    views32 = record_routing(llm32.engine.runner.model,
-                                             lambda: llm32.generate([{"prompt_token_ids": seq}], one))
-                    tie, errors = routing_ties(views, views32, len(seq))
-                    routing_error = (f"experts differ from float32's where {dtype} rounding cannot overturn the "
-                                     f"choice (MoE layer, positions, float32 margins, noise): {errors}"
-                                     if errors else None)
-                    d = _first_diff(want, got)
-                    if near_tie is None and d is not None and len(ids) - 1 + d < len(tie) and tie[len(ids) - 1 + d]:
-                        near_tie = (d, 0.0, 0.0, "routing")
+                elif tensor_parallel_size == 1:  # teacher-forced in 16 bits with float32's routing: every position
+                    with forced_routing(eng_model, routed32.logits):
+                        run()
+                else:                            # other ranks route by their own logits: the ties set aside
+                    run()
+                    tie = ties.tie
                 out = outs[0]
                 mine = eng_rec.take()
                 lp_err, lp_bad = _logprob_error(hf_logits, out, lp_tol, tie)
-                step_err, step_bad = _step_logprob_error(hf_logits, len(ids), want, got_out, lp_tol, tie)
+                step_err, step_bad = _step_logprob_error(hf_logits, len(ids), want, got_out, lp_tol, free_tie)
                 layers = []
                 for l, (a, b) in enumerate(zip(ref, mine)):
                     if a.shape != b.shape:
@@ -376,13 +386,15 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     bad = (per_pos > (layer_tols[l] if layer_tols else tol)).nonzero()
                     layers.append(LayerError(l, float(per_pos.max()), float(diff.max()),
                                              int(bad[0, 0]) if len(bad) else None))
-                if tie is not None and 2 * int(tie.sum()) > len(seq):
-                    report.notes.append(f"prompt {len(report.prompts)}: {int(tie.sum())} of {len(seq)} positions route "
-                                        f"within {dtype} rounding of a tie (set aside): this comparison covers little "
-                                        f"of the MoE layers; verify in float32 is exact")
+                if free_tie is not None and 2 * int(free_tie.sum()) > len(seq):
+                    report.notes.append(f"prompt {len(report.prompts)}: {int(free_tie.sum())} of {len(seq)} positions "
+                                        f"of the free run route within {dtype} rounding of a tie or after other "
+                                        f"experts (set aside from the greedy steps; the teacher-forced comparison "
+                                        f"routes as float32 and covers all)")
                 report.prompts.append(PromptResult(len(ids), want, list(got), layers, lp_err, lp_bad,
                                                    step_err, step_bad, near_tie,
-                                                   int(tie.sum()) if tie is not None else 0, routing_error))
+                                                   int(free_tie.sum()) if free_tie is not None else 0,
+                                                   routing_error))
             eng_rec.remove()
         finally:
             llm.shutdown()

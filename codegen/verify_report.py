@@ -35,7 +35,7 @@ class PromptResult:
     step_logprob_err: float = 0.0  # the same over the greedy decode steps (while the tokens agree)
     step_logprob_bad: int | None = None       # first decode step over LOGPROB_TOL (None: within)
     near_tie: tuple | None = None  # 16-bit: (step, float32 margin, bound) of a first differing token at a near-tie
-    routing_ties: int = 0          # 16-bit: positions set aside, MoE routing within rounding of a tie (verify_routing)
+    routing_ties: int = 0          # 16-bit MoE: positions the decode steps set aside (verify_routing: near a tie or after a flip)
     routing_error: str | None = None   # 16-bit: experts that differ from float32's beyond that noise
 
     @property
@@ -116,8 +116,9 @@ class Report:
                             f"(paged attention over the cache, decode-only kernels), since the prefill's agree)"
                             if p.logprob_bad_position is None else
                             f" DIFFER from step {p.step_logprob_bad}")
-                         + (f"; {p.routing_ties} positions set aside (MoE routing within {self.dtype} rounding of a "
-                            f"tie: compared by no measure)" if p.routing_ties else "")
+                         + (f"; {p.routing_ties} positions set aside from the decode steps (MoE routing within "
+                            f"{self.dtype} rounding of a tie, or after a position routed otherwise; the teacher-"
+                            f"forced comparison routes as float32)" if p.routing_ties else "")
                          + (f"; ROUTING ERROR: {p.routing_error}" if p.routing_error else ""))
         first = self.first_divergence()
         if first is not None:

@@ -563,7 +563,41 @@ def test_gpu_parity_routing_ties_on_cpu(tmp_path):
                 m.e_score_correction_bias.copy_(m.e_score_correction_bias.flip(0))
     flipped = [G._routing(llm, prompt)]
     llm.shutdown()
-    tie = G._routing_ties(routes, ckpt, [prompt])[0]
+    tie = G._routing_ties(routes, ckpt, [prompt])[0][0]
     assert tie[92] and tie.sum() <= len(prompt) // 2
     with pytest.raises(AssertionError, match="a routing error"):
         G._routing_ties(flipped, ckpt, [prompt])
+
+
+def test_forced_routing_takes_the_float32_routing(tiny_checkpoint):
+    """verify_routing.forced_routing (the 16-bit comparisons' teacher-forcing of the routing): the bf16 engine routed
+    by the float32 run's router logits chooses the float32 run's experts at every position; routed by another
+    sequence's logits its output changes (the forcing takes effect); a run of another length is refused."""
+    from xllm_gen import LLM
+    from xllm_gen.codegen.verify_routing import forced_routing, record_routing
+    ckpt = tiny_checkpoint(ARCH)
+    seq, other = list(range(3, 40)), list(range(100, 137))
+
+    def routed(llm, tokens, logits=None):
+        model, out = llm.engine.runner.model, []
+        with torch.inference_mode():
+            if logits is None:
+                return record_routing(model, lambda: out.append(llm.prefill_logits(tokens))), out[0]
+            with forced_routing(model, logits):
+                return record_routing(model, lambda: out.append(llm.prefill_logits(tokens))), out[0]
+    llm32 = LLM(str(ckpt), device="cpu", dtype="float32", max_num_seqs=2, num_kv_blocks=64, enforce_eager=True)
+    r32, _ = routed(llm32, seq)
+    r32_other, _ = routed(llm32, other)
+    llm32.shutdown()
+    llm = LLM(str(ckpt), device="cpu", dtype="bfloat16", max_num_seqs=2, num_kv_blocks=64, enforce_eager=True)
+    try:
+        _, free = routed(llm, seq)
+        r16, forced = routed(llm, seq, r32.logits)
+        for v, v32 in zip(r16.views, r32.views):
+            assert torch.equal(v.experts, v32.experts)
+        _, wrong = routed(llm, seq, r32_other.logits)
+        assert (wrong.float() - forced.float()).abs().max() > 10 * (free.float() - forced.float()).abs().max().clamp_min(1e-3)
+        with pytest.raises(ValueError, match="forced_routing"):
+            routed(llm, seq[:-5], r32.logits)
+    finally:
+        llm.shutdown()
