@@ -191,7 +191,9 @@ def _model_type_class(cls, model_type, report: Report):
         config_cls = CONFIG_MAPPING[model_type]
     except (KeyError, TypeError):
         return cls, own
-    if own is None or own is config_cls:
+    if own is None:                 # the Auto class (an architecture name transformers does not ship, e.g. a
+        return cls, config_cls      # remote-code MPTForCausalLM): it reads config.json by model_type, so do the defaults
+    if own is config_cls:
         return cls, own
     other = MODEL_FOR_CAUSAL_LM_MAPPING.get(config_cls, cls)
     report.reference = (f"reference: {other.__name__} with {config_cls.__name__} (config.json's model_type "
@@ -242,6 +244,10 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             from .defaults_check import default_mismatches
             report.defaults = default_mismatches(ir.config, model_module.Config, config_cls, hf_cfg, arch, ir.name)
             report.defaults_checked = f"transformers' {config_cls.__name__}"
+        else:
+            report.notes.append(f"defaults: not checked (transformers has no config class for model_type "
+                                f"{hf_cfg.get('model_type')!r}): each field absent from config.json is read with the "
+                                f"spec's default, which nothing here compares with the modeling code's")
         # in a 16-bit dtype the reference is transformers in float32 and transformers in that dtype is the yardstick:
         # the engine may be as far from float32 as a few times transformers' own 16-bit error, not farther
         sixteen = torch_dtype != torch.float32
