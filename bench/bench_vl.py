@@ -258,10 +258,12 @@ def bench_xllm(R: dict, model_dir: Path, load_format: str, reqs: dict, args, log
     extra = {}
     if args.prefill_graph_sizes:                 # e.g. finer buckets: a 1045-token prompt pads to 1536 by default
         extra["prefill_graph_sizes"] = [int(x) for x in args.prefill_graph_sizes.split(",") if x]
-    R["xllm_options"] = dict(extra, enable_prefix_caching=False)
+    debug = {"vision_graphs": True}
+    if args.dummy_quantize:                      # random weights quantized in place, the vision tower kept bf16
+        debug.update(dummy_quantize=args.dummy_quantize, dummy_quantize_skip=["visual"])   # as Qwen3-VL-*-FP8
+    R["xllm_options"] = dict(extra, enable_prefix_caching=False, dummy_quantize=args.dummy_quantize)
     llm = LLM(str(model_dir), device=dev, dtype=dtype, load_format=load_format, max_model_len=max_len,
-              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False,
-              _debug={"vision_graphs": True}, **extra)
+              num_kv_blocks=blocks, max_num_seqs=4, enable_prefix_caching=False, _debug=debug, **extra)
     sync(dev)
     R["xllm_load_s"] = time.perf_counter() - t0
     log(f"xllm: engine up in {R['xllm_load_s']:.1f} s (max_model_len {max_len}, {blocks} KV blocks)")
@@ -538,6 +540,9 @@ def _alarm(signum, frame):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dummy-quantize", default=None, choices=["fp8_block", "fp8", "int4"],
+                    help="our engine's random weights quantized in place (the language model's linear layers; the "
+                         "vision tower stays bf16, as in Qwen3-VL-8B-FP8): fp8_block is that release's form")
     ap.add_argument("--variant", default=VARIANT, help="a specs/qwen3_vl.yaml variant, or `tiny` (the test fixture)")
     ap.add_argument("--image-size", type=int, default=1024)
     ap.add_argument("--frames", type=int, default=8)

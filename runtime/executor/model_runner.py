@@ -140,7 +140,7 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
             self.loaded_params = self._init_dummy_weights()
             if self.debug.get("dummy_quantize"):   # and quantized in place (bench/bench_quant.py --e2e)
                 from xllm_gen.runtime.layers.quant_linear import quantize_dummy
-                quantize_dummy(self.model, self.debug["dummy_quantize"])
+                quantize_dummy(self.model, self.debug["dummy_quantize"], skip=self.debug.get("dummy_quantize_skip", ()))
         else:
             self.loaded_params = load_weights(
                 self.model, self.model_module.weight_plan(self.model), model_dir,

@@ -11,7 +11,7 @@ q * s once to the activation dtype), so a packed model on the CPU must give the 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -111,14 +111,15 @@ def rtn_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 @torch.no_grad()
-def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> int:
+def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None, skip: Sequence[str] = ()) -> int:
     """Benchmarks without a quantized checkpoint (load_format="dummy", `_debug={"dummy_quantize": kind}`): every
     linear layer's weight (not an MoE router's) quantized in place, "int4" (round to nearest, groups of 128, zero
     points: an AWQ checkpoint's form), "fp8" (e4m3 per output channel, weights only) or "fp8_block" (e4m3 with a
     scale per 128 x 128 block, as the official *-FP8 releases; held, as a loaded checkpoint's, per row and 128
     columns; the layers' inputs are then quantized as those releases' are: dynamic fp8 per token and 128 columns,
     layers/quant.py ActQuant), packed (`pack`; default on CUDA) or written back dequantized. MoE experts too (as
-    FusedMoE.packed). Returns the number of layers quantized."""
+    FusedMoE.packed). `skip`: module name prefixes left unquantized (the releases keep e.g. a vision tower in bf16,
+    `_debug={"dummy_quantize_skip": [...]}`). Returns the number of layers quantized."""
     from xllm_gen.runtime.layers.linear import _Linear
     from xllm_gen.runtime.layers.moe import FusedMoE
     from xllm_gen.runtime.layers.quant import ActQuant
@@ -127,7 +128,9 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None) -> 
     routers = {id(c) for m in model.modules() if any(isinstance(x, FusedMoE) for x in m.children())
                for c in m.children() if isinstance(c, _Linear)}
     n = 0
-    for mod in model.modules():
+    for name, mod in model.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in skip):
+            continue
         if isinstance(mod, FusedMoE):
             n += _quantize_dummy_experts(mod, kind, pack)
             continue
