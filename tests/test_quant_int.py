@@ -267,11 +267,13 @@ def test_dummy_quantize_for_benchmarks(base, kind):
     assert torch.equal(lin.a(x), ref.a(x))
     # a skipped subtree (bench_vl's vision tower, kept bf16 as in the *-FP8 releases) is left as it is
     two = torch.nn.Module()
-    two.visual, two.lm = torch.nn.Module(), ReplicatedLinear(256, 128)
-    two.visual.proj = ReplicatedLinear(256, 128)
-    before = two.visual.proj.weight.clone()
-    assert quantize_dummy(two, kind, pack=True, skip=["visual"]) == 1
-    assert two.lm.packed is not None and two.visual.proj.packed is None and torch.equal(two.visual.proj.weight, before)
+    two.model = torch.nn.Module()
+    two.model.visual, two.model.lm = torch.nn.Module(), ReplicatedLinear(256, 128)
+    two.model.visual.proj = ReplicatedLinear(256, 128)
+    before = two.model.visual.proj.weight.clone()
+    assert quantize_dummy(two, kind, pack=True, skip=["visual"]) == 1         # model.visual: at any depth
+    assert two.model.lm.packed is not None and two.model.visual.proj.packed is None
+    assert torch.equal(two.model.visual.proj.weight, before)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "fp8_block", "int4"])

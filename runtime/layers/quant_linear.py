@@ -118,8 +118,9 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None, ski
     scale per 128 x 128 block, as the official *-FP8 releases; held, as a loaded checkpoint's, per row and 128
     columns; the layers' inputs are then quantized as those releases' are: dynamic fp8 per token and 128 columns,
     layers/quant.py ActQuant), packed (`pack`; default on CUDA) or written back dequantized. MoE experts too (as
-    FusedMoE.packed). `skip`: module name prefixes left unquantized (the releases keep e.g. a vision tower in bf16,
-    `_debug={"dummy_quantize_skip": [...]}`). Returns the number of layers quantized."""
+    FusedMoE.packed). `skip`: module names left unquantized with what they hold, at any depth ("visual" matches
+    model.visual; the releases keep e.g. a vision tower in bf16; `_debug={"dummy_quantize_skip": [...]}`). Returns the
+    number of layers quantized."""
     from xllm_gen.runtime.layers.linear import _Linear
     from xllm_gen.runtime.layers.moe import FusedMoE
     from xllm_gen.runtime.layers.quant import ActQuant
@@ -129,7 +130,7 @@ def quantize_dummy(model: nn.Module, kind: str, pack: Optional[bool] = None, ski
                for c in m.children() if isinstance(c, _Linear)}
     n = 0
     for name, mod in model.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in skip):
+        if any(f".{p}." in f".{name}." for p in skip):     # a module named so at any depth, and what it holds
             continue
         if isinstance(mod, FusedMoE):
             n += _quantize_dummy_experts(mod, kind, pack)
