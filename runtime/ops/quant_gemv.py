@@ -273,7 +273,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 # besides the output.
 @triton.jit
 def _wq_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_zn, S_ROWS, S_COLS,
-                       INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       INT4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SCALE_PER_TILE: tl.constexpr = False):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -293,18 +294,23 @@ def _wq_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qn, stride_sn, s
     else:
         m = n_mask[:, None] & (offs_k < K)[None, :]
         q = tl.load(q_ptr + rows[:, None] * stride_qn + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + (rows // S_ROWS)[:, None] * stride_sn + (offs_k // S_COLS)[None, :], mask=m, other=0.0)
+        if SCALE_PER_TILE:      # the tile lies in one group of scale columns: a scale per row, not per value (a
+            gk = tl.program_id(1) * BLOCK_K // S_COLS      # gather and an index division per value made the
+            s = tl.load(s_ptr + (rows // S_ROWS) * stride_sn + gk, mask=n_mask, other=0.0)[:, None]   # kernel slow)
+        else:
+            s = tl.load(s_ptr + (rows // S_ROWS)[:, None] * stride_sn + (offs_k // S_COLS)[None, :], mask=m, other=0.0)
         tl.store(w_ptr + rows[:, None] * K + offs_k[None, :], (q * s).to(w_ptr.dtype.element_ty), mask=m)
 
 
 def _dequant_launch(q, s, z, N, K, s_rows, s_cols, int4, dtype):
     w = torch.empty((N, K), dtype=dtype, device=q.device)
     if N and K:
-        bn, bk = 32, (64 if int4 else 256)
+        bn, bk = (32, 64) if int4 else (64, 128)
         grid = (triton.cdiv(N, bn), triton.cdiv(K // 8 if int4 else K, bk))
+        per_tile = not int4 and (s_cols % bk == 0 or s_cols >= K)
         _wq_dequant_kernel[grid](q, s, z if z is not None else s, w, N, K, q.stride(0), s.stride(0),
                                  z.stride(0) if z is not None else 0, s_rows, s_cols, INT4=int4, BLOCK_N=bn,
-                                 BLOCK_K=bk, num_warps=4)
+                                 BLOCK_K=bk, SCALE_PER_TILE=per_tile, num_warps=4)
     return w
 
 
