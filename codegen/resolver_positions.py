@@ -4,6 +4,7 @@ and a norm of the embedding output (`decoder.embed_norm`: Bloom's word_embedding
 err / dim and the spec), as resolver_blocks.py is for the block kinds."""
 from __future__ import annotations
 
+from .expr import is_symbol
 from .ir import EmbeddingIR, NormIR, ParamIR, PositionEmbeddingIR, Size
 
 # the largest position offset a spec may declare (OPT: 2, XGLM: 2)
@@ -24,8 +25,16 @@ class PositionsResolver:
         if b.frequencies is not None and b.kind != "sinusoidal":
             raise self.err(p + ("frequencies",), f"decoder.embed_positions.frequencies: only a sinusoidal table has "
                                                  f"frequencies (kind is {b.kind})")
+        zero_row = None
+        if b.zero_row is not None:
+            if b.kind != "sinusoidal":
+                raise self.err(p + ("zero_row",), f"decoder.embed_positions.zero_row: only a sinusoidal table has a "
+                                                  f"zeroed row (kind is {b.kind}; a learned table's rows are weights)")
+            if isinstance(b.zero_row, str) and is_symbol(b.zero_row):
+                self.symbol(p + ("zero_row",), b.zero_row, ("int",))
+            zero_row = self.num(p + ("zero_row",), b.zero_row, optional=True)
         return PositionEmbeddingIR(b.kind, self.dim(p + ("positions",), b.positions), dim, b.offset,
-                                   b.frequencies or "fairseq")
+                                   b.frequencies or "fairseq", zero_row)
 
     def position_param(self, pe: PositionEmbeddingIR) -> ParamIR:
         """A learned table: `<prefix>.embed_positions.weight [positions + offset, dim]`, replicated."""

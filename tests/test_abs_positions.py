@@ -92,6 +92,31 @@ def _engine(ckpt, prompts):
         return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
+@pytest.mark.parametrize("row", [1, 2, 5, -1])
+def test_sinusoidal_zero_row_matches_xglm_padding_idx(row):
+    """`zero_row` (decoder.embed_positions): transformers' padding_idx row of the table is zeros, indexed as it indexes
+    it; a row outside the table is refused by name."""
+    from transformers.models.xglm.modeling_xglm import XGLMSinusoidalPositionalEmbedding
+
+    from xllm_gen.runtime import layers as L
+    hf = XGLMSinusoidalPositionalEmbedding(40, 16, padding_idx=row)
+    pe = L.SinusoidalPositionEmbedding(40, 16, offset=2, zero_row=row)
+    pos = torch.arange(40)
+    torch.testing.assert_close(pe(pos), hf.weights[pos + 2].float(), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="zero_row 42 is outside"):
+        L.SinusoidalPositionEmbedding(40, 16, offset=2, zero_row=42)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("pad", [2, 5])
+def test_xglm_pad_token_zeroes_a_position(tiny_checkpoint, tmp_path, pad):
+    """XGLM with pad_token_id 2 (a fine-tune's pad = eos: position 0 reads zeros) or 5 (position 3): transformers'
+    tokens change, the engine follows (specs/xglm.yaml `zero_row: pad_token_id`)."""
+    def edit(cfg):
+        cfg["pad_token_id"] = pad
+    _config_arm(tiny_checkpoint, tmp_path, "XGLMForCausalLM", edit, f"pad_token_id {pad}")
+
+
 def _prompts():
     rng = np.random.default_rng(7)
     return [rng.integers(0, 400, n).tolist() for n in (5, 23)]

@@ -448,7 +448,9 @@ QK_FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", list(QK_FORMS))
+# the default arm: the forms no shipped family covers; Gemma 3's (1 + w) q/k norm is in the conformance battery
+@pytest.mark.parametrize("form", [pytest.param(f, marks=pytest.mark.slow) if f == "rmsnorm_offset" else f
+                                  for f in QK_FORMS])
 def test_qk_norm_forms_match_transformers(form, tmp_path, tiny_checkpoint, monkeypatch):
     """Each q/k norm form, written into HF Qwen3's q_norm / k_norm slots (the after-rotary one by moving the
     norm behind HF's rotary), changes HF's tokens, and the spec with that `qk_norm` serves HF's tokens."""

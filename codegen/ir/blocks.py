@@ -51,6 +51,7 @@ class PositionEmbeddingIR:
     dim: Size
     offset: int = 0
     frequencies: str = "fairseq"  # sinusoidal: fairseq (10000 ** (-j / (d/2 - 1))) | transformer (10000 ** (-2j / d))
+    zero_row: Optional[Value] = None   # sinusoidal: a table row set to zeros (None at load: none)
 
 
 @dataclass(frozen=True)

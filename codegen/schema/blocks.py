@@ -54,12 +54,14 @@ class PositionEmbeddingBlock(Strict):
     `position + offset` (GPT-2's wpe, OPT's offset 2); `sinusoidal`: the fixed fairseq table (sin of the first
     half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`.
     `frequencies` (sinusoidal only): `fairseq` f_j = 10000 ** (-j / (dim/2 - 1)) (XGLM); `transformer` the original
-    Transformer's f_j = 10000 ** (-2j / dim) (CTRL)."""
+    Transformer's f_j = 10000 ** (-2j / dim) (CTRL). `zero_row` (sinusoidal only): a table row set to zeros, an int
+    symbol or expression, None for none (transformers' padding_idx: XGLM zeroes row pad_token_id)."""
     kind: Literal["learned", "sinusoidal"]
     positions: Dim
     dim: Dim
     offset: StrictInt = 0
     frequencies: Optional[Literal["fairseq", "transformer"]] = None
+    zero_row: Optional[Union[StrictStr, StrictInt]] = None
 
 
 class NormGate(Strict):

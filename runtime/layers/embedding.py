@@ -6,6 +6,7 @@ parameter (and so its loader): the weight plan has no rule for it."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -119,13 +120,20 @@ class SinusoidalPositionEmbedding(nn.Module):
     table[positions + offset] [N, dim] (float32; the caller casts). The table is a plain attribute (not a
     buffer: it is not in the state dict), moved to the positions' device on first use."""
 
-    def __init__(self, num_positions: int, dim: int, offset: int = 0, frequencies: str = "fairseq"):
+    def __init__(self, num_positions: int, dim: int, offset: int = 0, frequencies: str = "fairseq",
+                 zero_row: Optional[int] = None):
         super().__init__()
         if frequencies not in ("fairseq", "transformer"):
             raise ValueError(f"SinusoidalPositionEmbedding: frequencies {frequencies!r} is not fairseq or transformer")
         self.num_positions, self.dim, self.offset, self.frequencies = num_positions, dim, offset, frequencies
         table = sinusoidal_table if frequencies == "fairseq" else transformer_sinusoidal_table
         self.table = table(num_positions + offset, dim)
+        self.zero_row = zero_row
+        if zero_row is not None:       # transformers' padding_idx row, indexed as it indexes it (a negative one wraps)
+            if not -len(self.table) <= zero_row < len(self.table):
+                raise ValueError(f"SinusoidalPositionEmbedding: zero_row {zero_row} is outside the table's "
+                                 f"{len(self.table)} rows (positions {num_positions} + offset {offset})")
+            self.table[zero_row] = 0.0
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if self.table.device != positions.device:
@@ -134,4 +142,5 @@ class SinusoidalPositionEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"positions={self.num_positions}, dim={self.dim}, offset={self.offset}"
-                + (f", frequencies={self.frequencies}" if self.frequencies != "fairseq" else ""))
+                + (f", frequencies={self.frequencies}" if self.frequencies != "fairseq" else "")
+                + (f", zero_row={self.zero_row}" if self.zero_row is not None else ""))
