@@ -85,7 +85,7 @@ class Report:
         head = (f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}"
                 + (f", TP {self.tp}" if self.tp > 1 else "") + f", tolerance {self.tol:g})")
         if self.refused:
-            return f"{head}\nREFUSED by {self.refused}\nFAIL"
+            return f"{head}\nREFUSED: {self.refused}\nFAIL"
         lines = [head] + ([self.reference] if self.reference else [])
         lines += [f"default DIFFERS: {d}" for d in self.defaults]
         if self.defaults_checked and not self.defaults:
