@@ -47,6 +47,9 @@ from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' 
 )
 from .verify_report import (  # noqa: F401 - the names verify's callers import from here
     DEFAULT_TOL,
+    EXACT_FLOOR,
+    EXACT_LOGPROB_FLOOR,
+    EXACT_YARDSTICK,
     LOGPROB_TOL,
     LOGPROB_TOP,
     NEAR_TIE,
@@ -149,7 +152,8 @@ class _Recorder:
                 # scales it outside its block, after the block's hook: compare the stream before that scale (the
                 # next layer's state compares the scaled one)
                 h = h / scale
-            self.out[i] = h.detach().float().reshape(-1, h.shape[-1]).cpu()
+            h = h.detach()              # float32 (a float64 run keeps its precision: the float32 yardstick)
+            self.out[i] = (h if str(h.dtype) == "torch.float64" else h.float()).reshape(-1, h.shape[-1]).cpu()
         return hook
 
     def arm(self):
@@ -292,6 +296,16 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             hf_layers = None
         hf_rec = _Recorder(hf_layers or [], engine=False)
         hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen and hf_layers else [], engine=False)
+        # float32 on the CPU, no --atol: transformers' float64 run measures its own float32 error, the yardstick
+        hf64 = None
+        if not sixteen and rtol is None and device == "cpu":
+            try:
+                hf64 = cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager", **extra,
+                                           **remote).eval()
+            except Exception as e:      # noqa: BLE001 - a class that cannot build in float64: the fixed bounds
+                report.notes.append(f"bounds: the fixed {tol:g} / {LOGPROB_TOL[dtype]:g} (transformers cannot build "
+                                    f"{cls.__name__} in float64: {type(e).__name__})")
+        hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None and hf_layers else [], engine=False)
 
         from xllm_gen import LLM, SamplingParams
         with _served_by(model_module, runner_module, Path(tmp), ir.name, tensor_parallel_size):
@@ -302,6 +316,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             except Exception as e:     # the loader's strict checks: a tensor the spec has no parameter for, ...
                 hf_rec.remove()
                 hf16_rec.remove()
+                hf64_rec.remove()
                 if "max_model_len" in str(e):       # verify's own sequences, not the spec: say so
                     raise VerifyError(f"verify's longest sequence ({max(prompt_lens)} prompt tokens + {max_tokens} new) "
                                       f"does not fit this checkpoint ({e}): pass shorter --prompt-lens or fewer "
@@ -334,6 +349,22 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                                       use_cache=False).logits[0], cls, checkpoint)
                 ref = hf_rec.take()
                 lp_tol, layer_tols, near_tie = LOGPROB_TOL[dtype], None, None
+                if hf64 is not None:         # the yardstick: transformers' own float32 error against float64
+                    hf64_rec.arm()
+                    try:
+                        with torch.no_grad():
+                            logits64 = hf64(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0]
+                        exact = hf64_rec.take()
+                    except Exception as e:   # noqa: BLE001 - a float64 forward that fails (a float32-only kernel)
+                        hf64_rec.take()
+                        report.notes.append(f"bounds: the fixed {tol:g} / {LOGPROB_TOL[dtype]:g} (transformers' "
+                                            f"float64 run failed: {type(e).__name__})")
+                        hf64 = None
+                    else:
+                        lp_tol = max(EXACT_YARDSTICK * _own_logprob_error(logits64, hf_logits), EXACT_LOGPROB_FLOOR)
+                        if len(exact) == len(ref):
+                            layer_tols = [max(EXACT_YARDSTICK * _rel_error(a, a64), EXACT_FLOOR)
+                                          for a, a64 in zip(ref, exact)]
                 if sixteen:                  # the yardstick: transformers' own 16-bit error on the same sequence
                     hf16_rec.arm()
                     with torch.no_grad():
@@ -389,9 +420,10 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     per_pos = diff.max(dim=-1).values / scale
                     if tie is not None and per_pos.shape[0] == len(tie):
                         per_pos = per_pos.masked_fill(tie.to(per_pos.device), 0.0)
-                    bad = (per_pos > (layer_tols[l] if layer_tols else tol)).nonzero()
+                    bound = layer_tols[l] if layer_tols else tol
+                    bad = (per_pos > bound).nonzero()
                     layers.append(LayerError(l, float(per_pos.max()), float(diff.max()),
-                                             int(bad[0, 0]) if len(bad) else None))
+                                             int(bad[0, 0]) if len(bad) else None, bound))
                 if free_tie is not None and 2 * int(free_tie.sum()) > len(seq):
                     report.notes.append(f"prompt {len(report.prompts)}: {int(free_tie.sum())} of {len(seq)} positions "
                                         f"of the free run route within {dtype} rounding of a tie or after other "
@@ -400,7 +432,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 report.prompts.append(PromptResult(len(ids), want, list(got), layers, lp_err, lp_bad,
                                                    step_err, step_bad, near_tie,
                                                    int(free_tie.sum()) if free_tie is not None else 0,
-                                                   routing_error))
+                                                   routing_error, lp_tol))
             eng_rec.remove()
         finally:
             llm.shutdown()
@@ -408,4 +440,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 llm32.shutdown()
             hf_rec.remove()
             hf16_rec.remove()
+            hf64_rec.remove()
+    if hf64 is not None:
+        report.notes.append(f"bounds: {EXACT_YARDSTICK}x transformers' own float32 error against its float64 run, on "
+                            f"each layer / log-probability (at least {EXACT_FLOOR:g} / {EXACT_LOGPROB_FLOOR:g})")
     return report

@@ -58,16 +58,16 @@ def _step_logprob_error(hf_logits, prompt_len: int, want: list, got, tol: float,
 
 def _rel_error(b, a) -> float:
     """max |b - a| relative to max |a| (hidden states of one layer, float32)."""
-    a = a.float()
-    return float((b.float() - a).abs().max() / a.abs().max().clamp_min(1e-12))
+    a = a.double()
+    return float((b.double() - a).abs().max() / a.abs().max().clamp_min(1e-12))
 
 
 def _own_logprob_error(logits32, logits16) -> float:
     """transformers' own 16-bit error: max |log_softmax(16-bit) - log_softmax(float32)| over each position's top
     LOGPROB_TOP tokens of the float32 run (what the engine's entries are compared on)."""
     import torch
-    lp32 = torch.log_softmax(logits32.float(), dim=-1)
-    lp16 = torch.log_softmax(logits16.float(), dim=-1)
+    lp32 = torch.log_softmax(logits32.double(), dim=-1)
+    lp16 = torch.log_softmax(logits16.double(), dim=-1)
     top = lp32.topk(LOGPROB_TOP, dim=-1).indices
     return float((lp16.gather(-1, top) - lp32.gather(-1, top)).abs().max())
 
