@@ -424,3 +424,19 @@ def test_verify_checks_defaults_under_a_remote_code_architecture_name(tmp_path):
     import transformers
     report = type("R", (), {"reference": None})()
     assert _model_type_class(transformers.AutoModelForCausalLM, "no_such_type", report)[1] is None
+
+
+def test_verify_float32_bounds_catch_a_gelu_approximation(tmp_path):
+    """float32 verify bounds each layer by transformers' own float32 error against its float64 run: an erf GELU
+    written for BLOOM's tanh one (6e-5 relative on a tiny checkpoint, which a fixed 1e-4 passed) fails at layer 0;
+    the right spec passes with the bound printed."""
+    from fixtures.tiny_hf import make_tiny_checkpoint
+
+    from xllm_gen.codegen.verify import verify
+    ckpt = make_tiny_checkpoint("BloomForCausalLM", tmp_path / "ckpt", seed=0)
+    spec = Path(__file__).resolve().parents[1] / "specs" / "bloom.yaml"
+    ok = verify(spec, ckpt, max_tokens=3, prompt_lens=[5, 17])
+    assert ok.ok and "float64 run" in ok.text(), ok.text()
+    bad = verify(_variant(spec, tmp_path / "bloom.yaml", "activation: gelu_pytorch_tanh ", "activation: gelu "),
+                 ckpt, max_tokens=3, prompt_lens=[5, 17])
+    assert not bad.ok and bad.first_divergence()[2].layer == 0, bad.text()
