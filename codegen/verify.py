@@ -49,6 +49,7 @@ from .verify_report import (  # noqa: F401 - the names verify's callers import f
     DEFAULT_TOL,
     EXACT_FLOOR,
     EXACT_LOGPROB_FLOOR,
+    EXACT_MAX_BYTES,
     EXACT_YARDSTICK,
     LOGPROB_TOL,
     LOGPROB_TOP,
@@ -298,7 +299,11 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen and hf_layers else [], engine=False)
         # float32 on the CPU, no --atol: transformers' float64 run measures its own float32 error, the yardstick
         hf64 = None
-        if not sixteen and rtol is None and device == "cpu":
+        f64_bytes = 8 * sum(p.numel() for p in hf.parameters())
+        if not sixteen and rtol is None and device == "cpu" and f64_bytes > EXACT_MAX_BYTES:
+            report.notes.append(f"bounds: the fixed {tol:g} / {LOGPROB_TOL[dtype]:g} (transformers in float64 would "
+                                f"take {f64_bytes / 2**30:.1f} GiB, over {EXACT_MAX_BYTES / 2**30:.0f})")
+        elif not sixteen and rtol is None and device == "cpu":
             try:
                 hf64 = cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager", **extra,
                                            **remote).eval()
