@@ -154,7 +154,7 @@ class _Recorder:
                 # next layer's state compares the scaled one)
                 h = h / scale
             h = h.detach()              # float32 (a float64 run keeps its precision: the float32 yardstick)
-            self.out[i] = (h if str(h.dtype) == "torch.float64" else h.float()).reshape(-1, h.shape[-1]).cpu()
+            self.out[i] = (h if h.element_size() == 8 else h.float()).reshape(-1, h.shape[-1]).cpu()
         return hook
 
     def arm(self):
@@ -167,6 +167,33 @@ class _Recorder:
     def remove(self):
         for h in self.handles:
             h.remove()
+
+
+def _float64_reference(cls, ckpt: Path, hf, kwargs: dict, report: Report):
+    """transformers' `cls` in float64 (the float32 yardstick), or None with a note: its weights over EXACT_MAX_BYTES,
+    or a class that cannot build in float64."""
+    import torch
+    tol, lp = DEFAULT_TOL["float32"], LOGPROB_TOL["float32"]
+    size = 8 * sum(p.numel() for p in hf.parameters())
+    if size > EXACT_MAX_BYTES:
+        report.notes.append(f"bounds: the fixed {tol:g} / {lp:g} (transformers in float64 would take "
+                            f"{size / 2**30:.1f} GiB, over {EXACT_MAX_BYTES / 2**30:.0f})")
+        return None
+    try:
+        return cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager", **kwargs).eval()
+    except Exception as e:      # noqa: BLE001 - a class that cannot build in float64: the fixed bounds
+        report.notes.append(f"bounds: the fixed {tol:g} / {lp:g} (transformers cannot build {cls.__name__} in "
+                            f"float64: {type(e).__name__})")
+        return None
+
+
+def _exact_bounds(logits64, logits32, layers64: list, layers32: list) -> tuple:
+    """(log-probability bound, per-layer bounds or None): EXACT_YARDSTICK times transformers' own float32 error
+    against its float64 run, at least the floors."""
+    lp_tol = max(EXACT_YARDSTICK * _own_logprob_error(logits64, logits32), EXACT_LOGPROB_FLOOR)
+    layer_tols = ([max(EXACT_YARDSTICK * _rel_error(a, a64), EXACT_FLOOR) for a, a64 in zip(layers32, layers64)]
+                  if len(layers64) == len(layers32) else None)
+    return lp_tol, layer_tols
 
 
 def _ordinary_token_ids(ckpt: Path, vocab: int):
@@ -298,18 +325,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         hf_rec = _Recorder(hf_layers or [], engine=False)
         hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen and hf_layers else [], engine=False)
         # float32 on the CPU, no --atol: transformers' float64 run measures its own float32 error, the yardstick
-        hf64 = None
-        f64_bytes = 8 * sum(p.numel() for p in hf.parameters())
-        if not sixteen and rtol is None and device == "cpu" and f64_bytes > EXACT_MAX_BYTES:
-            report.notes.append(f"bounds: the fixed {tol:g} / {LOGPROB_TOL[dtype]:g} (transformers in float64 would "
-                                f"take {f64_bytes / 2**30:.1f} GiB, over {EXACT_MAX_BYTES / 2**30:.0f})")
-        elif not sixteen and rtol is None and device == "cpu":
-            try:
-                hf64 = cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager", **extra,
-                                           **remote).eval()
-            except Exception as e:      # noqa: BLE001 - a class that cannot build in float64: the fixed bounds
-                report.notes.append(f"bounds: the fixed {tol:g} / {LOGPROB_TOL[dtype]:g} (transformers cannot build "
-                                    f"{cls.__name__} in float64: {type(e).__name__})")
+        hf64 = (_float64_reference(cls, ckpt, hf, {**extra, **remote}, report)
+                if not sixteen and rtol is None and device == "cpu" else None)
         hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None and hf_layers else [], engine=False)
 
         from xllm_gen import LLM, SamplingParams
@@ -366,10 +383,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                             f"float64 run failed: {type(e).__name__})")
                         hf64 = None
                     else:
-                        lp_tol = max(EXACT_YARDSTICK * _own_logprob_error(logits64, hf_logits), EXACT_LOGPROB_FLOOR)
-                        if len(exact) == len(ref):
-                            layer_tols = [max(EXACT_YARDSTICK * _rel_error(a, a64), EXACT_FLOOR)
-                                          for a, a64 in zip(ref, exact)]
+                        lp_tol, layer_tols = _exact_bounds(logits64, hf_logits, exact, ref)
                 if sixteen:                  # the yardstick: transformers' own 16-bit error on the same sequence
                     hf16_rec.arm()
                     with torch.no_grad():

@@ -92,8 +92,10 @@ class Report:
         return best
 
     def text(self) -> str:
+        own = any(e.tol not in (None, self.tol) for p in self.prompts for e in p.layers)
         head = (f"verify {self.spec} on {self.checkpoint} ({self.architecture}, {self.dtype}"
-                + (f", TP {self.tp}" if self.tp > 1 else "") + f", tolerance {self.tol:g})")
+                + (f", TP {self.tp}" if self.tp > 1 else "")
+                + (", tolerance per layer: see the bounds note)" if own else f", tolerance {self.tol:g})"))
         if self.refused:
             return f"{head}\nREFUSED: {self.refused}\nFAIL"
         lines = [head] + ([self.reference] if self.reference else [])
