@@ -546,3 +546,19 @@ def test_a_symbol_divided_by_is_refused_at_zero():
     assert _divisors(parse("(h / a) ** 0.5 + b // c - d % e").tree()) == {"a", "c", "e"}
     assert _divisors(parse("h / a if a else 0").tree()) == set()
     assert _divisors(parse("layer % period").tree()) == {"period"}
+
+
+def test_qwen2_sliding_layers_without_the_flag_are_refused():
+    """Qwen2Config nulls sliding_window without use_sliding_window (transformers then fails on a sliding layer): a
+    config.json whose layer_types name sliding layers without the flag is refused by name, not served with its
+    window; with the flag, or without sliding layers, it loads."""
+    import pytest as _pytest
+
+    from xllm_gen.generated.qwen2.model import Qwen2Config
+    base = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=100, sliding_window=8)
+    types = ["sliding_attention", "full_attention"]
+    with _pytest.raises(ValueError, match="sliding_layers_need_the_flag"):
+        Qwen2Config.from_hf({**base, "use_sliding_window": False, "layer_types": types})
+    assert Qwen2Config.from_hf({**base, "use_sliding_window": True, "layer_types": types}).layer_types == tuple(types)
+    assert set(Qwen2Config.from_hf({**base, "use_sliding_window": False}).layer_types) == {"full_attention"}
