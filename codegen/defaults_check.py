@@ -35,7 +35,6 @@ SAME_MEANING = {
     ("gpt_bigcode", "intermediate_size"): "n_inner None is 4 * hidden_size (modeling code)",
     ("gpt_neo", "intermediate_size"): "None is 4 * hidden_size (modeling code)",
     ("hunyuan_v1_moe", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
-    ("hunyuan_v1_moe", "moe_topk_list"): "an int top-k is the same top-k on every layer",
     ("minimax", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
     ("mixtral", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
     ("lfm2", "full_attn_idxs"): "None is every layer (transformers' Lfm2Config)",
@@ -126,6 +125,8 @@ def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = F
             # but a null that transformers gives a value must be read as that value (`if_null`), not refused
             return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec refuses the null"
         return None
+    if isinstance(got, tuple) and want is not None and not isinstance(want, (list, tuple, dict)):
+        want = (want,)      # an `int | list[int]` field (HunYuan's num_experts): a tuple symbol reads a scalar as (x,)
     if null and want is None and (got is False or typ != "bool"):
         # transformers keeps the null: its modeling code tests a flag by truth (false), and has no value for a number
         # (it fails, or computes one in the modeling code, which this check cannot see): nothing to compare

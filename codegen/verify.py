@@ -183,7 +183,7 @@ def _float64_reference(cls, ckpt: Path, hf, kwargs: dict, report: Report):
         return cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager", **kwargs).eval()
     except Exception as e:      # noqa: BLE001 - a class that cannot build in float64: the fixed bounds
         report.notes.append(f"bounds: the fixed {tol:g} / {lp:g} (transformers cannot build {cls.__name__} in "
-                            f"float64: {type(e).__name__})")
+                            f"float64: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
         return None
 
 
@@ -380,7 +380,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     except Exception as e:   # noqa: BLE001 - a float64 forward that fails (a float32-only kernel)
                         hf64_rec.take()
                         report.notes.append(f"bounds: the fixed {tol:g} / {LOGPROB_TOL[dtype]:g} (transformers' "
-                                            f"float64 run failed: {type(e).__name__})")
+                                            f"float64 run failed: {type(e).__name__}: "
+                                            f"{str(e).splitlines()[0][:120] if str(e) else ''})")
                         hf64 = None
                     else:
                         lp_tol, layer_tols = _exact_bounds(logits64, hf_logits, exact, ref)

@@ -107,11 +107,11 @@ def _unexercised(model, longest: int) -> list:
     # longrope: this run's context (its longest sequence) keeps short_factor; a deployment whose max_model_len passes
     # the original context (the default, max_position_embeddings) takes long_factor at every position
     originals = {int(m.scaling.get("original_max_position_embeddings", m.max_position)) for m in model.modules()
-                 if getattr(m, "rope_type", None) == "longrope" and isinstance(getattr(m, "scaling", None), dict)
-                 and getattr(m, "longrope_factors", "by_context") == "by_context"}
-    notes += [f"longrope long_factor not exercised: the longest sequence is {longest} tokens, within the original "
-              f"context {o}; served with max_model_len above {o} (the default: max_position_embeddings) every "
-              f"position takes long_factor (transformers: only sequences past {o}); --prompt-lens beyond {o} test it"
+                 if callable(getattr(m, "long_regime_differs", None)) and m.long_regime_differs()}
+    notes += [f"longrope's long-context regime (long_factor / long_mscale) not exercised: the longest sequence is "
+              f"{longest} tokens, within the original context {o}; served with max_model_len above {o} (the default: "
+              f"max_position_embeddings) every position takes it (transformers: only sequences past {o}); "
+              f"--prompt-lens beyond {o} test it"
               for o in sorted(originals) if longest <= o]
     return notes
 

@@ -25,7 +25,8 @@ from conformance import families as F
 
 from xllm_gen.codegen.defaults_check import default_mismatches
 
-DEFAULT_ARM = {"qwen3_next", "flint", "cohere_compass", "llama", "gemma2"}
+# hunyuan_v1_moe: an `int | list[int]` field (moe_topk) read as a tuple symbol, which a scalar default must match
+DEFAULT_ARM = {"qwen3_next", "flint", "cohere_compass", "llama", "gemma2", "hunyuan_v1_moe"}
 
 
 def _plans():

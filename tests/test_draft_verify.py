@@ -341,22 +341,27 @@ def test_verify_notes_a_window_its_sequences_never_reach():
 def test_verify_notes_longrope_long_factor_it_never_reaches():
     """longrope: verify's context (its longest sequence) keeps short_factor, while a deployment at the default
     max_model_len (past the original context) takes long_factor at every position, so a spec that never turns to
-    long_factor would pass; the report says so. Sequences past the original context, or a rotary pinned to short
-    factors (`longrope_factors: short`), get no note."""
+    long_factor would pass; the report says so. So does a rotary pinned to short factors whose attention factor
+    differs by regime (Phi-3.5-MoE's short_mscale / long_mscale). Sequences past the original context, or short factors
+    with one attention factor, get no note."""
     import torch
 
     from xllm_gen.codegen.verify import _unexercised
     from xllm_gen.runtime.layers.rotary import Rotary
 
-    def rot(factors="by_context"):
+    def rot(factors="by_context", mscales=None):
         return Rotary(16, 10000.0, 8192, scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096,
-                                                  "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
-                      longrope_factors=factors)
+                                                  "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                                  **(mscales or {})},
+                      longrope_factors=factors, longrope_mscale=mscales is not None)
     notes = _unexercised(torch.nn.Sequential(rot(), rot()), 46)
-    assert len(notes) == 1 and notes[0].startswith("longrope long_factor not exercised: the longest sequence is 46 "
-                                                   "tokens, within the original context 4096"), notes
+    assert len(notes) == 1 and notes[0].startswith("longrope's long-context regime (long_factor / long_mscale) not "
+                                                   "exercised: the longest sequence is 46 tokens, within the original "
+                                                   "context 4096"), notes
     assert _unexercised(torch.nn.Sequential(rot()), 5000) == []
     assert _unexercised(torch.nn.Sequential(rot("short")), 46) == []
+    assert len(_unexercised(torch.nn.Sequential(rot("short", {"short_mscale": 1.1, "long_mscale": 1.2})), 46)) == 1
+    assert _unexercised(torch.nn.Sequential(rot("short", {"short_mscale": 1.1, "long_mscale": 1.1})), 46) == []
 
 
 def test_verify_in_bfloat16_measures_against_float32(drafted, ckpt):

@@ -202,13 +202,18 @@ class Rotary(nn.Module):
         """The original context when the engine's context puts this rotary in its long-context regime (longrope with
         context_len > original_max_position_embeddings: long_factor at every position, where transformers keeps
         short_factor while a sequence is within the original context), else None."""
-        if self.rope_type != "longrope" or not self.head_dim or not self.context_len:
+        if not self.context_len or not self.long_regime_differs():
             return None
         original = int(self.scaling.get("original_max_position_embeddings", self.max_position))
-        if self.longrope_factors == "short" and (not self.longrope_mscale or
-                                                 self.scaling.get("short_mscale") == self.scaling.get("long_mscale")):
-            return None         # short_factor and one attention factor at every context: no regime to differ in
         return original if self.context_len > original else None
+
+    def long_regime_differs(self) -> bool:
+        """Whether a longrope rotary computes otherwise past the original context (long_factor, or long_mscale);
+        short_factor with one attention factor at every context has no regime to differ in."""
+        if self.rope_type != "longrope" or not self.head_dim:
+            return False
+        return not (self.longrope_factors == "short" and (
+            not self.longrope_mscale or self.scaling.get("short_mscale") == self.scaling.get("long_mscale")))
 
     @property
     def tables(self):
