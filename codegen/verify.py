@@ -340,9 +340,9 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 hf16_rec.remove()
                 hf64_rec.remove()
                 if "max_model_len" in str(e):       # verify's own sequences, not the spec: say so
-                    raise VerifyError(f"verify's longest sequence ({max(prompt_lens)} prompt tokens + {max_tokens} new) "
-                                      f"does not fit this checkpoint ({e}): pass shorter --prompt-lens or fewer "
-                                      f"--max-tokens") from None
+                    raise VerifyError(f"verify's longest sequence ({max(prompt_lens)} prompt tokens + {max_tokens} new, "
+                                      f"and one slot for the step after: max_model_len {max_len}) does not fit this "
+                                      f"checkpoint ({e}): pass shorter --prompt-lens or fewer --max-tokens") from None
                 report.refused = f"the engine cannot load the checkpoint with this spec: {type(e).__name__}: {e}"
                 return report
             runner = llm.engine.runner
