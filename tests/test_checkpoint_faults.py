@@ -283,3 +283,18 @@ def test_tied_head_with_a_different_stored_head_is_refused(tiny, tmp_path):
         LLM(model=str(other), device="cpu", dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(str(other), dtype=torch.float32)
     assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)    # transformers: untied, as stored
+
+
+def test_model_build_error_names_the_config_fields_of_the_failing_statement(tiny_checkpoint, tmp_path):
+    """A config each of whose values is valid alone but that the model cannot be built from (Phi with a
+    partial_rotary_factor giving odd rotary dims, which transformers cannot run either): the error names the spec, the
+    generated line, and the config fields that statement reads with their values (partial_rotary_factor = 0.45)."""
+    from fixtures.tiny_hf import edit_config
+
+    from xllm_gen import LLM
+    ckpt = edit_config(tiny_checkpoint("PhiForCausalLM"), tmp_path / "odd",
+                       lambda c: c.setdefault("rope_parameters", {}).__setitem__("partial_rotary_factor", 0.45))
+    with pytest.raises(Exception, match=r"specs/phi\.yaml: the model cannot be built from this config: ValueError: "
+                                        r"rotary dims must be even, got 7 .*config fields it reads: .*"
+                                        r"partial_rotary_factor = 0\.45"):
+        LLM(str(ckpt), device="cpu", dtype="float32")

@@ -24,9 +24,37 @@ def _model_build_error(model_module, e: BaseException) -> str:
         layer = where.tb_frame.f_locals.get("layer_idx")
         hint = _per_layer_hint(e, where.tb_frame.f_locals, linecache.getline(file, where.tb_lineno), layer)
         at = (f" (building {'layer ' + str(layer) + ', ' if isinstance(layer, int) else ''}"
-              f"{gen_dir.name}/{Path(file).name}:{where.tb_lineno}: {linecache.getline(file, where.tb_lineno).strip()})")
+              f"{gen_dir.name}/{Path(file).name}:{where.tb_lineno}: {linecache.getline(file, where.tb_lineno).strip()}"
+              f"{_fields_read(where.tb_frame.f_locals.get('config'), _statement(file, where.tb_lineno))})")
     spec = getattr(model_module, "SPEC", model_module.__name__)
     return f"{spec}: the model cannot be built from this config: {hint}{type(e).__name__}: {e}{at}"
+
+
+def _statement(file: str, lineno: int, most: int = 16) -> str:
+    """The generated statement that starts at `lineno`, over its continuation lines (until its brackets close)."""
+    lines, depth = [], 0
+    for n in range(lineno, lineno + most):
+        line = linecache.getline(file, n)
+        if not line:
+            break
+        lines.append(line)
+        depth += sum(line.count(c) for c in "([{") - sum(line.count(c) for c in ")]}")
+        if depth <= 0:
+            break
+    return "".join(lines)
+
+
+def _fields_read(config, statement: str) -> str:
+    """'; config fields it reads: a = 1, b = 0.3': the checkpoint's values the failing statement computes with (a
+    rotary of odd dims names partial_rotary_factor, not only the generated line)."""
+    import re
+
+    if config is None:
+        return ""
+    names = list(dict.fromkeys(re.findall(r"config\.(\w+)", statement)))
+    shown = [f"{n} = {getattr(config, n)!r}" for n in names if hasattr(config, n)
+             and not isinstance(getattr(config, n), (tuple, list, dict))]
+    return f"; config fields it reads: {', '.join(shown)}" if shown else ""
 
 
 def _per_layer_hint(e: BaseException, local: dict, source: str, layer) -> str:
