@@ -140,7 +140,19 @@ def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = F
 
 def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spec_name: str = "") -> list[str]:
     """The disagreements (text) of the generated `config` (its Config class) with transformers' `config_cls`, for the
-    symbols `ir_config` (the compiled IR's) reads, around the config.json dict `base`."""
+    symbols `ir_config` (the compiled IR's) reads, around the config.json dict `base`. transformers' own warnings about
+    the probed configs (each a field removed or changed: a YaRN factor it infers from a probed context, ...) are
+    silenced: they would read as warnings about the checkpoint."""
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return _default_mismatches(ir_config, config, config_cls, base, arch, spec_name)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spec_name: str = "") -> list[str]:
     cls = config_cls
     wrong = []
     for f in ir_config:      # the symbols read from config.json
