@@ -45,12 +45,9 @@ from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' 
     _unexercised,
     logprob_row_error,
 )
+from .verify_exact import USED_NOTE, exact_bounds, fixed_bounds_note, float64_reference
 from .verify_report import (  # noqa: F401 - the names verify's callers import from here
     DEFAULT_TOL,
-    EXACT_FLOOR,
-    EXACT_LOGPROB_FLOOR,
-    EXACT_MAX_BYTES,
-    EXACT_YARDSTICK,
     LOGPROB_TOL,
     LOGPROB_TOP,
     NEAR_TIE,
@@ -167,33 +164,6 @@ class _Recorder:
     def remove(self):
         for h in self.handles:
             h.remove()
-
-
-def _float64_reference(cls, ckpt: Path, hf, kwargs: dict, report: Report):
-    """transformers' `cls` in float64 (the float32 yardstick), or None with a note: its weights over EXACT_MAX_BYTES,
-    or a class that cannot build in float64."""
-    import torch
-    tol, lp = DEFAULT_TOL["float32"], LOGPROB_TOL["float32"]
-    size = 8 * sum(p.numel() for p in hf.parameters())
-    if size > EXACT_MAX_BYTES:
-        report.notes.append(f"bounds: the fixed {tol:g} / {lp:g} (transformers in float64 would take "
-                            f"{size / 2**30:.1f} GiB, over {EXACT_MAX_BYTES / 2**30:.0f})")
-        return None
-    try:
-        return cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager", **kwargs).eval()
-    except Exception as e:      # noqa: BLE001 - a class that cannot build in float64: the fixed bounds
-        report.notes.append(f"bounds: the fixed {tol:g} / {lp:g} (transformers cannot build {cls.__name__} in "
-                            f"float64: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
-        return None
-
-
-def _exact_bounds(logits64, logits32, layers64: list, layers32: list) -> tuple:
-    """(log-probability bound, per-layer bounds or None): EXACT_YARDSTICK times transformers' own float32 error
-    against its float64 run, at least the floors."""
-    lp_tol = max(EXACT_YARDSTICK * _own_logprob_error(logits64, logits32), EXACT_LOGPROB_FLOOR)
-    layer_tols = ([max(EXACT_YARDSTICK * _rel_error(a, a64), EXACT_FLOOR) for a, a64 in zip(layers32, layers64)]
-                  if len(layers64) == len(layers32) else None)
-    return lp_tol, layer_tols
 
 
 def _ordinary_token_ids(ckpt: Path, vocab: int):
@@ -325,7 +295,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         hf_rec = _Recorder(hf_layers or [], engine=False)
         hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen and hf_layers else [], engine=False)
         # float32 on the CPU, no --atol: transformers' float64 run measures its own float32 error, the yardstick
-        hf64 = (_float64_reference(cls, ckpt, hf, {**extra, **remote}, report)
+        hf64 = (float64_reference(cls, ckpt, hf, {**extra, **remote}, report)
                 if not sixteen and rtol is None and device == "cpu" else None)
         hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None and hf_layers else [], engine=False)
 
@@ -379,12 +349,10 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                         exact = hf64_rec.take()
                     except Exception as e:   # noqa: BLE001 - a float64 forward that fails (a float32-only kernel)
                         hf64_rec.take()
-                        report.notes.append(f"bounds: the fixed {tol:g} / {LOGPROB_TOL[dtype]:g} (transformers' "
-                                            f"float64 run failed: {type(e).__name__}: "
-                                            f"{str(e).splitlines()[0][:120] if str(e) else ''})")
+                        fixed_bounds_note(report, "transformers' float64 run failed", e)
                         hf64 = None
                     else:
-                        lp_tol, layer_tols = _exact_bounds(logits64, hf_logits, exact, ref)
+                        lp_tol, layer_tols = exact_bounds(logits64, hf_logits, exact, ref)
                 if sixteen:                  # the yardstick: transformers' own 16-bit error on the same sequence
                     hf16_rec.arm()
                     with torch.no_grad():
@@ -462,6 +430,5 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             hf16_rec.remove()
             hf64_rec.remove()
     if hf64 is not None:
-        report.notes.append(f"bounds: {EXACT_YARDSTICK}x transformers' own float32 error against its float64 run, on "
-                            f"each layer / log-probability (at least {EXACT_FLOOR:g} / {EXACT_LOGPROB_FLOOR:g})")
+        report.notes.append(USED_NOTE)
     return report

@@ -1,0 +1,51 @@
+"""verify's float32 yardstick: transformers' own float32 error against its float64 run. Each layer and each
+log-probability of the engine may be EXACT_YARDSTICK times as far from transformers' float32 as that is, at least the
+floors (verify_report.py). Where the float64 run cannot be had, the fixed DEFAULT_TOL / LOGPROB_TOL apply, with a note.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .verify_compare import _own_logprob_error, _rel_error
+from .verify_report import (
+    DEFAULT_TOL,
+    EXACT_FLOOR,
+    EXACT_LOGPROB_FLOOR,
+    EXACT_MAX_BYTES,
+    EXACT_YARDSTICK,
+    LOGPROB_TOL,
+    Report,
+)
+
+USED_NOTE = (f"bounds: {EXACT_YARDSTICK}x transformers' own float32 error against its float64 run, on each layer / "
+             f"log-probability (at least {EXACT_FLOOR:g} / {EXACT_LOGPROB_FLOOR:g})")
+
+
+def fixed_bounds_note(report: Report, why: str, e: BaseException | None = None) -> None:
+    """The note that the fixed float32 bounds apply, and why (the error's first line where there is one)."""
+    err = "" if e is None else f": {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    report.notes.append(f"bounds: the fixed {DEFAULT_TOL['float32']:g} / {LOGPROB_TOL['float32']:g} ({why}{err})")
+
+
+def float64_reference(cls, ckpt: Path, hf, kwargs: dict, report: Report):
+    """transformers' `cls` in float64, or None with a note: its weights over EXACT_MAX_BYTES, or a class that cannot
+    build in float64."""
+    import torch
+    size = 8 * sum(p.numel() for p in hf.parameters())
+    if size > EXACT_MAX_BYTES:
+        fixed_bounds_note(report, f"transformers in float64 would take {size / 2**30:.1f} GiB, over "
+                                  f"{EXACT_MAX_BYTES / 2**30:.0f}")
+        return None
+    try:
+        return cls.from_pretrained(str(ckpt), dtype=torch.float64, attn_implementation="eager", **kwargs).eval()
+    except Exception as e:      # noqa: BLE001 - a class that cannot build in float64: the fixed bounds
+        fixed_bounds_note(report, f"transformers cannot build {cls.__name__} in float64", e)
+        return None
+
+
+def exact_bounds(logits64, logits32, layers64: list, layers32: list) -> tuple:
+    """(log-probability bound, per-layer bounds or None) from transformers' float64 and float32 runs of a sequence."""
+    lp_tol = max(EXACT_YARDSTICK * _own_logprob_error(logits64, logits32), EXACT_LOGPROB_FLOOR)
+    layer_tols = ([max(EXACT_YARDSTICK * _rel_error(a, a64), EXACT_FLOOR) for a, a64 in zip(layers32, layers64)]
+                  if len(layers64) == len(layers32) else None)
+    return lp_tol, layer_tols
