@@ -208,7 +208,7 @@ class _Linear(nn.Module):
         if self.act_quant is not None and not quantized:
             x = self.act_quant(x)
         if self.packed is not None:
-            return self.packed(x, self.bias)
+            return self.packed(x, self.bias, self.act_quant)
         return _linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -337,7 +337,7 @@ class RowParallelLinear(_Linear):
         if self.act_quant is not None and not quantized:
             x = self.act_quant(x)
         if self.packed is not None:
-            y = self.packed(x, self.bias if self.tp_size == 1 else None)
+            y = self.packed(x, self.bias if self.tp_size == 1 else None, self.act_quant)
             if self.tp_size == 1:
                 return y
         elif self.tp_size == 1:

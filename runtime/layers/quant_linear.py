@@ -5,7 +5,8 @@ On CUDA a quantized checkpoint's 4-bit (AWQ / GPTQ) or fp8 layer keeps its weigh
 [N, K], float32 scales [N, ceil(K / bk)], one per row and bk columns). Their forward is the weight-only GEMM of
 runtime/ops/quant_gemv.py (bf16 / fp16 activations on CUDA, up to GEMV_MAX_M rows: decode, the split-K GEMV or the
 tensor-core tile as quant_gemv.gemv_choice picks; more rows, a prefill
-chunk: the weight dequantized for the call by one Triton kernel, then cuBLAS), or, on the CPU (tests), F.linear on the dequantized
+chunk: for fp8 with inputs quantized per token and 128 columns the block-scaled float8 GEMM (ops/fp8_block_gemm.py),
+otherwise the weight dequantized for the call by one Triton kernel, then cuBLAS), or, on the CPU (tests), F.linear on the dequantized
 weight: the same values the reference layer holds (dequant_int4 / dequant_fp8 round (q - z) * s and
 q * s once to the activation dtype), so a packed model on the CPU must give the reference model's tokens.
 """
@@ -17,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xllm_gen.runtime.ops import fp8_block_gemm, quant_tinygemm
 from xllm_gen.runtime.ops import quant_gemv as Q
-from xllm_gen.runtime.ops import quant_tinygemm
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -48,7 +49,7 @@ class PackedInt4(nn.Module):
             return Q.int4_dequantize(self.qweight, self.scales, self.zeros, self.group, dtype)
         return Q.dequant_int4(self.qweight, self.scales, self.zeros, self.group, dtype)
 
-    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_quant=None) -> torch.Tensor:
         if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
             x2 = x.reshape(-1, self.in_features)
             y = Q.int4_gemm(x2, self.qweight, self.scales, self.zeros, self.group, bias, locks=self.locks,
@@ -68,17 +69,26 @@ class PackedFp8(nn.Module):
         self.block = (1, int(block_cols))
         self.out_features, self.in_features = weight.shape
         self.locks = _locks(self.out_features, weight.device)
+        # the scales as the prefill's block-scaled float8 GEMM reads them (None: that GEMM cannot take the layer)
+        self.kernel_scale = (fp8_block_gemm.kernel_scales(scale, self.block[1], self.out_features, self.in_features)
+                             if weight.is_cuda else None)
 
     def dequantized(self, dtype) -> torch.Tensor:
         if self.weight.is_cuda:
             return Q.fp8_dequantize(self.weight, self.scale, self.block, dtype)
         return Q.dequant_fp8(self.weight, self.scale, self.block, dtype)
 
-    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() <= Q.GEMV_MAX_M * self.in_features:
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_quant=None) -> torch.Tensor:
+        """act_quant: the layer's input quantization (x went through it): per token and 128 columns lets a prefill
+        chunk run the block-scaled float8 GEMM (ops/fp8_block_gemm.py) instead of dequantize + cuBLAS."""
+        if x.is_cuda and x.dtype in _KERNEL_DTYPES:
             x2 = x.reshape(-1, self.in_features)
-            y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias, locks=self.locks)
-            return y.reshape(*x.shape[:-1], self.out_features)
+            if x2.shape[0] <= Q.GEMV_MAX_M:
+                y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias, locks=self.locks)
+                return y.reshape(*x.shape[:-1], self.out_features)
+            if fp8_block_gemm.takes(act_quant, x2, self.kernel_scale):
+                y = fp8_block_gemm.fp8_block_linear(x2, self.weight, self.kernel_scale, bias)
+                return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized(x.dtype), bias)
 
     def extra_repr(self) -> str:

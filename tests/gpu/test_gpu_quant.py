@@ -129,6 +129,68 @@ def test_fp8_gemm_cuda(M):
             assert torch.equal(Q.fp8_dequantize(w, sc, blk, torch.bfloat16), Q.dequant_fp8(w, sc, blk, torch.bfloat16))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
+@pytest.mark.parametrize("M", [65, 300, 1024])
+def test_fp8_block_prefill_gemm_cuda(M):
+    """A prefill chunk of a float8 layer whose input is quantized per token and 128 columns (the *-FP8 releases)
+    runs the block-scaled float8 GEMM (ops/fp8_block_gemm.py, sm 9.0): against the reference layer (F.linear on the
+    bf16 round trip of the input and the weight dequantized to bf16) and against the float32 product of the same
+    quantized operands. It skips the reference's bf16 roundings of q * s, so it is about as close to the float32
+    product as the reference is (asserted), and within bf16 rounding of the reference. Scales one block off: far
+    from both. 128 x 128 block scales, per channel, per 256 columns, N not a multiple of 128, a bias; captured in
+    a CUDA graph."""
+    from xllm_gen.runtime.layers.quant import ActQuant
+    from xllm_gen.runtime.layers.quant_linear import PackedFp8
+    from xllm_gen.runtime.ops import fp8_block_gemm as B
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the block-scaled float8 GEMM is sm 9.0's")
+    torch.manual_seed(0)
+    aq = ActQuant("group", 128)
+    for N, K, bc, shared in ((6144, 4096, 128, True), (4096, 12288, 128, True), (1024, 4096, 4096, True),
+                             (576, 1024, 256, True), (1024, 4096, 128, False)):
+        w = (torch.randn(N, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sc = torch.rand(N, -(-K // bc), device="cuda") * 1e-3 + 1e-4
+        if shared:                                  # 128 x 128 blocks, held per row as a loaded checkpoint's
+            sc = sc[::128].repeat_interleave(128, 0)[:N].contiguous()
+        bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        x = aq(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))         # as the fused norm hands it over
+        w16 = Q.dequant_fp8(w, sc, (1, bc), torch.bfloat16)
+        ref16 = torch.nn.functional.linear(x, w16, bias)
+        exact = x.float() @ Q.dequant_fp8(w, sc, (1, bc), torch.float32).T + bias.float()
+        layer = PackedFp8(w, sc, bc)
+        if not shared:          # a scale per row: not the kernel's (its per-row form computed wrong products)
+            assert layer.kernel_scale is None and torch.equal(layer(x, bias, act_quant=aq), ref16)
+            continue
+        assert layer.kernel_scale is not None and layer.kernel_scale.shape == (-(-N // 128), K // 128)
+        got = layer(x, bias, act_quant=aq)
+        # the kernel's own input quantization against ActQuant's codes and scales handed to it as float8 input
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+        xs = (x.float().reshape(M, K // 128, 128).abs().amax(-1) / 448).clamp(min=1e-12)
+        xq = (x.float() / xs.repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w8a8 = fp8_blockscale_gemm_sm90(xq, w, xs, layer.kernel_scale) + bias
+        print(f"\n  kernel's input quantization vs ActQuant codes given: {_rel_err(got, w8a8):.2e}")
+        assert _rel_err(got, w8a8) < 2 ** -7
+        assert torch.equal(got, B.fp8_block_linear(x, w, layer.kernel_scale, bias))       # the layer took it
+        bad = B.fp8_block_linear(x, w, layer.kernel_scale.roll(1, 0), bias)
+        e, e_ref, e_bad = _rel_err(got, exact), _rel_err(ref16, exact), _rel_err(bad, exact)
+        print(f"\n[fp8 block prefill] M {M} N {N} K {K} per {bc}: vs float32 {e:.2e} (reference layer {e_ref:.2e}), "
+              f"vs reference {_rel_err(got, ref16):.2e}; scales rolled {e_bad:.2e}")
+        # bf16 output rounding alone is up to 2^-8 of the largest output; both sides have it
+        assert e < 8e-3 and e <= e_ref * 1.5 + 2 ** -9 and _rel_err(got, ref16) < 1e-2 and e_bad > 5e-2
+        assert torch.equal(layer(x, bias, act_quant=None), ref16)       # no group quantization: the dequant path
+    x2 = aq(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    want = layer(x2, bias, act_quant=aq)
+    static_x = torch.zeros_like(x2)
+    layer(static_x, bias, act_quant=aq)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = layer(static_x, bias, act_quant=aq)
+    static_x.copy_(x2)
+    g.replay()
+    assert torch.equal(static_y, want)
+
+
 def test_quant_gemms_in_cuda_graph():
     """Captured in a CUDA graph (the decode graphs) and replayed on new inputs: the eager result."""
     from xllm_gen.runtime.ops import quant_gemv as Q
