@@ -4,8 +4,10 @@ The reference semantics (layers/quant.py) quantize a layer's input per token and
 the official *-FP8 releases' activations) and hold the weight dequantized. Below GEMV_MAX_M rows the weight-only
 GEMVs (quant_gemv.py) read the float8 weight; above, a prefill chunk used to dequantize the whole weight to bf16
 for cuBLAS: a full weight written and read again per chunk, then a bf16 GEMM. Here, instead, FlashInfer's
-`fp8_blockscale_gemm_sm90` (DeepGEMM's kernel, JIT-built on first use, sm 9.0): it quantizes the bf16 input per
-token and 128 columns itself and multiplies float8 by float8 with a scale per 128-column tile on each side.
+`fp8_blockscale_gemm_sm90` (DeepGEMM's kernel, sm 9.0): it quantizes the bf16 input per token and 128 columns
+itself and multiplies float8 by float8 with a scale per 128-column tile on each side. FlashInfer builds it on first
+use (about a minute, once per host: kept in its cache folder); with CUDA graphs that first use is a bucket's
+warm-up run at engine start (executor/prefill_graphs.py), never a capture or a request.
 
 The input it gets already went through ActQuant's round trip (fused into the norm before the layer: bf16(q * s)),
 so its own quantization finds the same codes (bf16 moves a value by at most 2^-9 of itself, an e4m3 step is 2^-3)
