@@ -129,3 +129,12 @@ def test_residual_float32_needs_plain_norm_steps(tmp_path):
     with contextlib.redirect_stderr(err):
         assert cli_main(["--dry-run", str(specs / "x.yaml")]) != 0
     assert "x.yaml:" in err.getvalue() and "decoder.residual_float32: every residual step" in err.getvalue()
+
+
+def test_mamba2_time_step_max_none_is_no_bound():
+    """codegen/README.md's mamba2 `time_step_max`: none means no bound; an expression that gives None (a config
+    whose limit is unset) builds the mixer with an infinite upper clamp instead of failing at compile time."""
+    from xllm_gen.runtime.layers.recurrent.mamba2 import Mamba2
+    m = Mamba2(heads=2, head_dim=4, groups=1, state_size=4, conv_kernel=2, chunk_size=4, eps=1e-5,
+               time_step_limit=(0.001, None))
+    assert m.time_step_limit == (0.001, float("inf"))

@@ -147,7 +147,8 @@ class Mamba2(RecurrentMixer):
         self.heads, self.groups = max(1, heads // tp), max(1, groups // tp)
         self.head_dim, self.state_size, self.chunk_size = head_dim, state_size, chunk_size
         self.conv_kernel = conv_kernel
-        self.time_step_limit = tuple(float(v) for v in time_step_limit)
+        lo, hi = time_step_limit            # a max of None (an expression's 'no bound') is no clamp from above
+        self.time_step_limit = (float(lo), float("inf") if hi is None else float(hi))
         self.conv1d = CausalConv1d((("x", heads, head_dim), ("B", groups, state_size, True),
                                     ("C", groups, state_size, True)), conv_kernel, conv_bias)
         heads_seg = split_segment(Segment("heads", heads), tp, rank, [])
