@@ -164,13 +164,6 @@ def test_fp8_block_prefill_gemm_cuda(M):
             continue
         assert layer.kernel_scale is not None and layer.kernel_scale.shape == (-(-N // 128), K // 128)
         got = layer(x, bias, act_quant=aq)
-        # the kernel's own input quantization against ActQuant's codes and scales handed to it as float8 input
-        from flashinfer.gemm import fp8_blockscale_gemm_sm90
-        xs = (x.float().reshape(M, K // 128, 128).abs().amax(-1) / 448).clamp(min=1e-12)
-        xq = (x.float() / xs.repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
-        w8a8 = fp8_blockscale_gemm_sm90(xq, w, xs, layer.kernel_scale) + bias
-        print(f"\n  kernel's input quantization vs ActQuant codes given: {_rel_err(got, w8a8):.2e}")
-        assert _rel_err(got, w8a8) < 2 ** -7
         assert torch.equal(got, B.fp8_block_linear(x, w, layer.kernel_scale, bias))       # the layer took it
         bad = B.fp8_block_linear(x, w, layer.kernel_scale.roll(1, 0), bias)
         e, e_ref, e_bad = _rel_err(got, exact), _rel_err(ref16, exact), _rel_err(bad, exact)
