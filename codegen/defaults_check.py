@@ -138,6 +138,25 @@ def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = F
     return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec reads {name} = {got!r}"
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _overwritten(cls, base: dict, field: str, arch: str) -> bool:
+    """Whether the config class replaces the number config.json gives for `field` by another one, computed from
+    other fields (Zamba2Config raises max_position_embeddings to 16384 under use_long_context): then what an absent
+    field means is that computation, which the spec reproduces in its own expressions, not a default of the field."""
+    given = base.get(field)
+    if not _number(given) or not given:
+        return False
+    probe = given * 2                        # another value than a saved config's (which may hold the computed one)
+    try:
+        held = _lookup(cls.from_dict({**base, field: probe, "architectures": [arch]}), field)
+    except Exception:                        # transformers cannot build it: the other arms say nothing either
+        return False
+    return _number(held) and float(held) != float(probe)
+
+
 def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spec_name: str = "") -> list[str]:
     """The disagreements (text) of the generated `config` (its Config class) with transformers' `config_cls`, for the
     symbols `ir_config` (the compiled IR's) reads, around the config.json dict `base`. transformers' own warnings about
@@ -178,6 +197,8 @@ def _default_mismatches(ir_config, config, config_cls, base: dict, arch: str, sp
             roots += [LEGACY_ROPE_MAPPING] if ROPE_MAPPING in roots else []
             hf, ref, absent = _without(base, roots), paths, " / ".join(paths) + " absent"
         elif field in base:
+            if _overwritten(cls, base, field, arch):
+                continue        # the class computes the field from others whatever config.json says: no default
             hf, ref, absent = {k: v for k, v in base.items() if k != field}, field, f"{field} absent"
         else:
             continue

@@ -48,3 +48,20 @@ def test_absent_field_is_transformers_default(plan):
     wrong = default_mismatches(compile_spec(plan.spec.path).ir.config, F.generated_model(plan.spec).Config, cls,
                                cls().to_dict(), plan.family.architecture, plan.spec.name)
     assert not wrong, f"{plan.spec.rel}: " + "; ".join(wrong)
+
+
+def test_a_field_the_class_computes_is_no_default():
+    """Zamba2Config raises max_position_embeddings to 16384 under use_long_context whatever config.json says: a
+    spec that derives the same (`16384 if use_long_context else <the field>`) is right, and the check must not
+    report the field's own default (4096) as a disagreement; without the flag the field is an ordinary one."""
+    import transformers
+
+    from xllm_gen.codegen.defaults_check import _overwritten
+    cls = transformers.Zamba2Config
+    base = cls(use_long_context=True).to_dict()
+    assert base["max_position_embeddings"] == 16384
+    assert _overwritten(cls, base, "max_position_embeddings", "Zamba2ForCausalLM")
+    assert _overwritten(cls, {**base, "max_position_embeddings": 4096}, "max_position_embeddings", "Zamba2ForCausalLM")
+    plain = cls(use_long_context=False).to_dict()
+    assert not _overwritten(cls, plain, "max_position_embeddings", "Zamba2ForCausalLM")
+    assert not _overwritten(cls, plain, "hidden_size", "Zamba2ForCausalLM")
