@@ -246,6 +246,8 @@ def test_packed_layers_cuda(tmp_path, monkeypatch, fmt):
     monkeypatch.setenv("XLLM_PACKED_QUANT", "0")
     deq = LLM(str(ckpt), device="cuda", enforce_eager=True, **kw)
     seqs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, deq.generate(prompts, sp))]
+    # and one prompt past GEMV_MAX_M rows: a prefill chunk of packed fp8 layers runs the block-scaled float8 GEMM
+    seqs.append([(7 * i + 3) % 400 for i in range(150)])
     want = [torch.as_tensor(deq.prefill_logits(s)).float().cpu() for s in seqs]
     deq.shutdown()
     monkeypatch.setenv("XLLM_PACKED_QUANT", "1")
