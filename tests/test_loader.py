@@ -277,3 +277,26 @@ def test_loader_refuses_a_model_built_for_another_rank(odd_vocab):
         load_weights(model, _plan(module, model, config), odd_vocab, tp_size=2, tp_rank=1,
                      ignored=module.IGNORED_CHECKPOINT_TENSORS)
     assert D.get_tp_size() == 1
+
+
+def _strip_base_prefix(t):
+    for k in [k for k in t if k.startswith("model.")]:
+        t[k[len("model."):]] = t.pop(k)
+
+
+def test_checkpoint_saved_without_the_base_model_prefix(tiny, tmp_path):
+    """transformers' base_model_prefix rule: the hub files of GPT-2, BLOOM and OPT were saved from the base model
+    ('h.0.attn.c_attn.weight', 'decoder.layers.0...'), and the causal-LM class reads them under its prefix. The
+    loader does the same: every parameter gets the prefixed checkpoint's values. A checkpoint with both forms is
+    not rewritten (its unprefixed tensors stay unexpected, named)."""
+    want, _ = _load(tiny)
+    ckpt = _copy_with(tiny, tmp_path, _strip_base_prefix)
+    assert "layers.0.self_attn.q_proj.weight" in load_file(str(ckpt / "model.safetensors"))
+    got, loaded = _load(ckpt)
+    assert loaded == {n for n, _ in got.named_parameters()}
+    for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters()):
+        assert torch.equal(a, b), n
+    both = _copy_with(tiny, tmp_path / "both",
+                      lambda t: t.__setitem__("layers.0.mlp.extra.weight", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) in the checkpoint: layers\.0\.mlp\.extra"):
+        _load(both)

@@ -139,6 +139,32 @@ class Checkpoint:
                         self.chunk_of[new] = (k, len(targets))
             self.file_of = file_of
 
+    def adopt_base_prefix(self, expected: Iterable[str]) -> Optional[str]:
+        """transformers' base_model_prefix rule: a checkpoint saved from the base model (the hub files of GPT-2 and
+        BLOOM: 'h.0.attn.c_attn.weight', 'wte.weight'; OPT's: 'decoder.layers.0...') holds the names that the
+        causal-LM class reads under '<prefix>.' ('transformer.', 'model.'). Where no checkpoint name starts with the
+        prefix that most expected names share, but some start with a second component of it ('h', 'wte', 'decoder'),
+        those are read as '<prefix>.<name>'. Returns the prefix adopted, or None."""
+        heads = [n.split(".", 1) for n in expected if "." in n]
+        counts: dict[str, int] = {}
+        for first, _ in heads:
+            counts[first] = counts.get(first, 0) + 1
+        if not counts:
+            return None
+        prefix = max(counts, key=counts.get)
+        seconds = {rest.split(".", 1)[0] for first, rest in heads if first == prefix}
+        if any(n.startswith(prefix + ".") for n in self.file_of):
+            return None
+        moved = {n: f"{prefix}.{n}" for n in self.file_of if n.split(".", 1)[0] in seconds}
+        if not moved or any(new in self.file_of for new in moved.values()):
+            return None
+        for old, new in moved.items():
+            self.file_of[new] = self.file_of.pop(old)
+            self.stored_name[new] = self.stored_name.pop(old, old)
+            if old in self.chunk_of:
+                self.chunk_of[new] = self.chunk_of.pop(old)
+        return prefix
+
     @staticmethod
     def _read_index(index: Path) -> dict[str, str]:
         try:
@@ -318,6 +344,7 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
     The TP rank is the one the model's layers were built for (get_tp_rank() at build time); `tp_size` /
     `tp_rank`, when given, must agree with it."""
     ckpt = Checkpoint(model_dir, renames)
+    ckpt.adopt_base_prefix(n for rule in plan for n in rule.sources)
     qload = QuantLoad(model, ckpt, quant)
     params = dict(model.named_parameters())
     # the device of the model's real parameters (a meta one, layers/moe.py experts_on_meta, is made real there);
