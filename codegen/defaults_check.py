@@ -22,31 +22,6 @@ from xllm_gen.runtime.rope_kinds import LEGACY_ROPE_MAPPING, ROPE_MAPPING
 # identity and generation-stop fields (the engine also reads generation_config.json), not the math
 NOT_MATH = {"eos_token_id", "bos_token_id", "pad_token_id", "model_type"}
 
-# (spec, symbol): the spec's value means what transformers' value means, spelled differently
-SAME_MEANING = {
-    ("bamba", "attn_layer_indices"): "() and None: no attention layer listed",
-    # the original RefinedWeb names, as the first Falcon configs write them (transformers 4's FalconConfig mapped
-    # them; 5.25's ignores them and builds its class defaults): the spec reads them as the model was trained
-    ("falcon", "num_hidden_layers"): "n_layer: the RefinedWeb name of num_hidden_layers",
-    ("falcon", "num_attention_heads"): "n_head: the RefinedWeb name of num_attention_heads",
-    ("falcon", "num_kv_heads"): "n_head_kv: the RefinedWeb name of num_kv_heads",
-    ("falcon", "num_ln_in_parallel_attn"): "None is 2 with new_decoder_architecture (transformers' modeling rule)",
-    ("gpt2", "intermediate_size"): "n_inner None is 4 * hidden_size (modeling code)",
-    ("gpt_bigcode", "intermediate_size"): "n_inner None is 4 * hidden_size (modeling code)",
-    ("gpt_neo", "intermediate_size"): "None is 4 * hidden_size (modeling code)",
-    ("hunyuan_v1_moe", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
-    ("minimax", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
-    ("mixtral", "head_dim"): "None is hidden_size // num_attention_heads (modeling code)",
-    ("lfm2", "full_attn_idxs"): "None is every layer (transformers' Lfm2Config)",
-    ("gemma4", "use_bidirectional_attention"): "a guard on the vision tokens' attention: text prompts alike",
-    ("llama4", "no_rope_layers_given"): "the raw field; the derived no_rope_layers applies the class's default",
-    # an optional read whose null the spec's derived symbol or block gives transformers' meaning
-    ("falcon_h1", "num_key_value_heads_read"): "None: the derived num_key_value_heads is num_attention_heads",
-    ("minicpm5_moe", "head_dim_field"): "None: the derived head_dim is hidden_size // num_attention_heads",
-    ("minicpm3", "scale_depth"): "None: the residual scale is 1 (scale_depth = sqrt(num_hidden_layers))",
-    ("minicpm3", "dim_model_base"): "None: no logit scaling (dim_model_base = hidden_size)",
-    ("qwen2_moe", "sliding_window"): "None and 0 (use_sliding_window off): no window",
-}
 # (3): a default computed from these (head_dim = hidden / heads) or constant (Qwen3Config's 128) only shows when
 # they move away from the class defaults, where the two coincide
 SIZES = ("num_attention_heads", "hidden_size")
@@ -181,7 +156,7 @@ def _default_mismatches(ir_config, config, config_cls, base: dict, arch: str, sp
             continue        # absent is None, whose meaning is in the expressions that read it (not judged here)
         name, typ, paths, values = f.name, f.type, list(f.paths), tuple(f.values or ())
         field = paths[0]
-        if typ == "rope" or field in NOT_MATH or (spec_name, name) in SAME_MEANING:
+        if typ == "rope" or field in NOT_MATH or f.same_meaning:     # the spec says why it reads it otherwise
             continue
         nested = "." in field
         if nested:

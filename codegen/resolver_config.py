@@ -73,6 +73,9 @@ class ConfigResolver:
                               or f.default_expr is not None or f.truthy or isinstance(f.from_, list)):
                 raise self.err(path + ("present",), f"config.{name}.present: only a bool symbol with one `from` path "
                                                     f"and no default / optional / truthy tells a field's presence")
+            if f.same_meaning and f.expr is not None:
+                raise self.err(path + ("same_meaning",), f"config.{name}.same_meaning: a derived symbol reads no field "
+                                                         f"to compare with transformers' class")
             if f.guard and f.values is None and f.min is None and f.max is None:
                 raise self.err(path + ("guard",), f"config.{name}.guard: a guard-only symbol restricts its field: give "
                                                   f"`values`, `min` or `max` (a fixed value is `config_assume`)")
@@ -114,7 +117,8 @@ class ConfigResolver:
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
                 values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max),
-                guard=f.guard, aliases=tuple((f.aliases or {}).items()), truthy=f.truthy, present=f.present)
+                guard=f.guard, aliases=tuple((f.aliases or {}).items()), truthy=f.truthy, present=f.present,
+                same_meaning=f.same_meaning.strip())
             if default is not None:
                 self.check_value(path + ("default",), f"config.{name}.default", self.config[name], default)
                 if f.type == "rope":

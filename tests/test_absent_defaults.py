@@ -65,3 +65,23 @@ def test_a_field_the_class_computes_is_no_default():
     plain = cls(use_long_context=False).to_dict()
     assert not _overwritten(cls, plain, "max_position_embeddings", "Zamba2ForCausalLM")
     assert not _overwritten(cls, plain, "hidden_size", "Zamba2ForCausalLM")
+
+
+def test_same_meaning_is_the_specs_own_statement():
+    """A read symbol whose value differs from transformers' class attribute with the same meaning says so in the
+    spec (`same_meaning`), where a user's spec can say it too (no list of exempt shipped specs): Llama 4's raw
+    `no_rope_layers` field is read as given and derived into the per-layer list the class builds. Without the
+    statement the check reports it."""
+    import dataclasses
+
+    import transformers
+
+    from xllm_gen.codegen.compiler import compile_spec
+    plan = next(p for p in F.served_plans() if p.spec is not None and p.spec.name == "llama4")
+    cls = getattr(transformers, plan.family.architecture).config_class
+    fields = compile_spec(plan.spec.path).ir.config
+    assert [f.name for f in fields if f.same_meaning] == ["no_rope_layers_given"]
+    bare = [dataclasses.replace(f, same_meaning="") for f in fields]
+    args = (F.generated_model(plan.spec).Config, cls, cls().to_dict(), plan.family.architecture, "llama4")
+    assert not default_mismatches(fields, *args)
+    assert any("no_rope_layers" in w for w in default_mismatches(bare, *args))

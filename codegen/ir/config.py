@@ -24,6 +24,7 @@ class ConfigFieldIR:
     guard: bool = False           # guard-only: read and checked (values / bounds), used by no block
     truthy: bool = False          # bool: an int in config.json is read as its truth value
     present: bool = False         # bool: whether config.json has the path (its content is not read)
+    same_meaning: str = ""        # why the defaults check does not compare it with transformers' class (a reason)
 
     @property
     def derived(self) -> bool:
