@@ -36,7 +36,7 @@ CORE = {
 }
 EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon", "norm_eps")
 ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
-ATTN_NAMES = {"q": ("q_proj", "query"), "k": ("k_proj", "key"), "v": ("v_proj", "value"),
+ATTN_NAMES = {"q": ("q_proj", "query", "Wq"), "k": ("k_proj", "key", "Wk"), "v": ("v_proj", "value", "Wv"),
               "o": ("o_proj", "dense", "out_proj", "c_proj")}
 FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv")
 FUSED_GATE_UP = ("gate_up_proj",)
@@ -58,6 +58,8 @@ class Draft:
     assume: dict = field(default_factory=dict)
     ignore: list = field(default_factory=list)
     checklist: list = field(default_factory=list)
+    # a core symbol -> the config.json field the class's attribute_map reads it from (GPT-2: hidden_size <- n_embd)
+    sources: dict = field(default_factory=dict)
 
 
 def _snake(cls_name: str) -> str:
@@ -210,6 +212,11 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     except Exception:  # noqa: BLE001 - a class that cannot be built with its defaults: the checkpoint's values
         class_defaults = {}
     defaults = {k: class_defaults.get(k, v) for k, v in full.items()}
+    # the class's own names for the core sizes (attribute_map: GPT-2's n_embd is hidden_size): read under the core
+    # symbol names, from the field config.json holds
+    d.sources = {core: src for core, src in getattr(type(config), "attribute_map", {}).items()
+                 if core in CORE and src in full and core not in full}
+    defaults.update({core: defaults[src] for core, src in d.sources.items()})
     eps = _eps(d, defaults)
     _config_symbols(d, defaults, type(config))
     other_fields(d, full, controls)
@@ -295,7 +302,7 @@ def _find_layer(d: Draft, names: set, layer: str) -> _Layer:
     layer_norms = [m for m in norm_mods if m.count(".") == layer.count(".")]
     attn_norm = next((m for m in layer_norms if "input" in m or "attn" in m or "ln_1" in m), None)
     mlp_norm = next((m for m in layer_norms if m != attn_norm and ("post_attention" in m or "ln_2" in m or "ffn" in m
-                                                                    or "mlp" in m)), None)
+                                                                    or "mlp" in m or "feedforward" in m)), None)
     extra_norms = [m for m in layer_norms if m not in (attn_norm, mlp_norm)]
     inner_norms = [m for m in norm_mods if m not in layer_norms]
     if extra_norms:
@@ -308,7 +315,7 @@ def _find_layer(d: Draft, names: set, layer: str) -> _Layer:
         raise DraftError(f"{arch}: cannot tell the two pre-norms of a layer among {', '.join(map(rel, layer_norms))}"
                          f": not a pre-norm decoder layer, write the dataflow by hand")
     final_norm = next((n.rsplit(".", 1)[0] for n in sorted(names) if not n.startswith(layer.split("{i}")[0])
-                       and "norm" in n and n.endswith(".weight")), None)
+                       and re.search(r"norm|(^|\.)ln_f\.", n) and n.endswith(".weight")), None)
     embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings)\.weight$", n)), None)
     if final_norm is None or embed is None:
         raise DraftError(f"{arch}: cannot find the embedding or the final norm in the state_dict")
@@ -360,23 +367,30 @@ def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
     """The symbols every decoder reads (sizes, eps, rope, activation), with the checklist items they raise. An
     absent num_key_value_heads / head_dim means what it means to transformers: the class's constant default
     where it has one, else computed from the heads as transformers computes it."""
+    def src(f: str) -> str:
+        return d.sources.get(f, f)
+
+    if "intermediate_size" not in full:        # no field of that name (GPT-2's n_inner, None: 4 * hidden_size)
+        d.symbols["intermediate_size"] = '{type: int, from: intermediate_size, default_expr: "4 * hidden_size"}'
+        d.checklist.append("no `intermediate_size` field: the draft reads the MLP width as 4 * hidden_size when absent; "
+                           "find the class's own field for it (GPT-2: n_inner, null meaning 4 * hidden_size)")
     for f, typ in CORE.items():
-        if f not in full and not (f == "head_dim"):
+        if f not in full and f not in ("head_dim", "num_key_value_heads"):
             continue
         fixed = _fixed_default(config_cls, f) if config_cls is not None and f in (
             "num_key_value_heads", "head_dim") else None
         if fixed is not None:
-            d.symbols[f] = f"{{type: int, from: {f}, default: {fixed}{_if_null(config_cls, f)}}}"
+            d.symbols[f] = f"{{type: int, from: {src(f)}, default: {fixed}{_if_null(config_cls, f)}}}"
         elif f == "num_key_value_heads":
-            d.symbols[f] = "{type: int, from: [num_key_value_heads, num_attention_heads]}"
+            d.symbols[f] = f"{{type: int, from: [{src(f)}, {src('num_attention_heads')}]}}"
         elif f == "head_dim":
             d.symbols[f] = '{type: int, from: head_dim, default_expr: "hidden_size // num_attention_heads"}'
         elif f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            d.symbols[f] = f"{{type: int, from: {f}}}"
+            d.symbols[f] = f"{{type: int, from: {src(f)}}}"
         elif f == "eos_token_id":
             d.symbols[f] = "{type: int_tuple, from: eos_token_id, default: []}"
         else:
-            d.symbols[f] = f"{{type: {typ}, from: {f}, default: {_yaml_scalar(full.get(f))}}}"
+            d.symbols[f] = f"{{type: {typ}, from: {src(f)}, default: {_yaml_scalar(full.get(f))}}}"
     eps_field = next((f for f in EPS_FIELDS if f in full), None)
     if eps_field:
         d.symbols[eps_field] = f"{{type: float, from: {eps_field}, default: {_yaml_scalar(float(full[eps_field]))}}}"

@@ -17,7 +17,8 @@ IGNORE_WORDS = ("dropout", "pdrop", "initializer", "output_router_logits", "rout
 def other_fields(d: Draft, full: dict, controls: dict) -> None:
     """Every field no symbol reads: ignored (dropouts, init), assumed at its default, or on the checklist."""
     from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS
-    read = set(d.symbols) | {"rope_parameters", "rope_scaling", "rope_theta", "num_key_value_heads"}
+    read = set(d.symbols) | set(d.sources.values()) | {"rope_parameters", "rope_scaling", "rope_theta",
+                                                        "num_key_value_heads"}
     for key, value in sorted(full.items()):
         if key in read or key in GENERIC_FIELDS or key in d.symbols:
             continue
