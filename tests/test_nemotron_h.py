@@ -6,7 +6,8 @@
   (M * - E) instead of `layers_block_type` is served as transformers serves it (verify: tokens and every layer);
 - sensitivity arms: a spec whose letter mapping swaps M and * (or whose cases swap mlp and moe) is refused at load,
   never served; a layer type no case names is refused, naming the value and the expression; the Mamba-2 dt clamp
-  (`time_step_min`) reaches the runtime (slow: time_step_min raised changes transformers' tokens, the engine follows);
+  is transformers 5.25's `time_step_limit` (the no-op default; another limit is refused by name; time_step_min, which
+  5.17 clamped at, is initialization only: raised, transformers' tokens and the engine's stay equal, slow);
 - the runtime primitives against transformers' own modules: plain (non-gated) experts (`expert_mlp: plain`) equal
   NemotronHExperts, and LFM2-MoE's router (sigmoid + expert bias, renormalized by sum + 1e-6: `renormalize_epsilon`)
   equals Lfm2MoeTopKRouter exactly, where the `moe` kind's default (+ 1e-20) does not.
@@ -61,7 +62,7 @@ def test_layer_accounting(ckpt):
         assert all(isinstance(m, L.RecurrentMixer) == (t == "linear_attention") for m, t in zip(mixers, TYPES))
         a = runner.attn_layers[0]
         assert runner._kv_bytes_per_block() == 2 * 1 * runner.block_size * a.num_kv_heads * a.head_dim * 4
-        assert mixers[0].time_step_limit == (0.001, float("inf"))     # transformers' (time_step_min, inf)
+        assert mixers[0].time_step_limit == (0.0, float("inf"))       # transformers 5.25's time_step_limit
         out = llm.generate([{"prompt_token_ids": [5, 17, 99, 3, 250, 8]}],
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
@@ -162,15 +163,16 @@ def test_renormalize_epsilon_equals_lfm2_moe_router():
 
 
 @pytest.mark.slow
-def test_time_step_min_sensitivity(tiny_checkpoint):
-    """time_step_min raised (dt clamped at 0.9 in a prompt): transformers' tokens change and the engine follows."""
+def test_time_step_min_is_initialization_only(tiny_checkpoint):
+    """time_step_min raised to 0.9 (transformers 5.17 clamped dt at it in a prompt; 5.25 reads only time_step_limit):
+    the engine matches transformers 5.25 (verify), and a checkpoint whose time_step_limit clamps is refused by name
+    (blind NemotronH exercise: the spec had followed 5.17 and served both wrong)."""
     from codegen.verify import verify
-    base = tiny_checkpoint(ARCH)
     moved = tiny_checkpoint(ARCH, overrides={"time_step_min": 0.9})
     report = verify(SPEC, moved, max_tokens=8, prompt_lens=(9, 30))
     assert report.ok, report.text()
-    before = verify(SPEC, base, max_tokens=8, prompt_lens=(9, 30))
-    assert [p.hf_tokens for p in report.prompts] != [p.hf_tokens for p in before.prompts]
+    clamped = tiny_checkpoint(ARCH, overrides={"time_step_limit": [0.5, 1.0]})
+    assert not verify(SPEC, clamped, max_tokens=2, prompt_lens=(9,)).ok
 
 
 @pytest.mark.parametrize("old, new, message", [
