@@ -71,6 +71,7 @@ def test_granitemoe_swa_shared_expert_and_sinks_matter(tiny_checkpoint, tmp_path
     _arm(base, _edit_tensors(base, tmp_path / "granitemoe_swa_sinks", edit), "perturbing the attention sinks")
 
 
+@pytest.mark.slow      # a sensitivity arm (~10 s); the family's parity is the conformance battery's
 def test_mellum_mlp_layer_types_and_local_rope_matter(tiny_checkpoint):
     """Mellum: the dense first layer (mlp_layer_types) against all-sparse, and the sliding layers' own rope theta
     against the full layers', each move transformers' tokens and are served alike."""
@@ -82,6 +83,7 @@ def test_mellum_mlp_layer_types_and_local_rope_matter(tiny_checkpoint):
          "the full layers' rope theta on the sliding layers")
 
 
+@pytest.mark.slow      # a sensitivity arm (~10 s); the family's parity is the conformance battery's
 def test_flint_sinks_and_layer_types_matter(tiny_checkpoint, tmp_path):
     """Flint: the sink logits (softmax_offset in the checkpoint) and the rope-less full layers (all-sliding
     layer_types put rope on every layer) each move transformers' tokens and are served alike."""
