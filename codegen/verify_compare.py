@@ -90,6 +90,27 @@ def _near_tie(row_logits, want: list, got: list, bound: float):
     return (d, margin, bound) if margin < bound else None
 
 
+WEAK_GAIN = 0.5     # a weight matrix's std x sqrt(fan_in) below which activations fade layer after layer
+
+
+def weak_weights_note(hf_model) -> list:
+    """A tiny checkpoint left at transformers' random init (std 0.02 at a width of 64: std x sqrt(fan_in) ~0.16)
+    keeps every activation near 0, where the nonlinearities nearly agree (erf and tanh GELU within ~1e-6 of each
+    other there): a spec with the wrong one passes. Real weights have a gain near 1; say so where the median matrix's
+    is far below it (a blind exercise's erf-for-tanh GELU passed on such a checkpoint, failed at x8 weights)."""
+    import torch
+    gains = [float(p.detach().float().std() * p.shape[-1] ** 0.5) for n, p in hf_model.named_parameters()
+             if p.dim() == 2 and min(p.shape) > 1 and "embed" not in n and "lm_head" not in n]
+    if not gains:
+        return []
+    median = float(torch.tensor(gains).median())
+    if median >= WEAK_GAIN:
+        return []
+    return [f"weak weights: the median weight matrix has std x sqrt(fan_in) = {median:.2f} (transformers' random init "
+            f"at a small width): activations stay near 0, where activation functions nearly agree (erf vs tanh GELU), "
+            f"so a wrong one can pass; re-initialize wider (N(0, 1 / fan_in) per matrix) or verify real weights"]
+
+
 def _unexercised(model, longest: int) -> list:
     """Attention windows / chunks this run's sequences (at most `longest` tokens) never reach: a wrong window size or
     pattern passes such a run; say so, with what would exercise it."""
