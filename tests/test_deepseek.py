@@ -64,8 +64,8 @@ ARMS = {
 }
 
 
-# the default suite keeps the cheap arms (YaRN's mscale, the rope layout); --runslow runs them all (the routing and the
-# direct q are also the conformance battery's, features ON)
+# the default suite keeps the cheap arms (YaRN's mscale, the rope layout); --runslow runs them all (the conformance
+# battery serves the tiny default, grouped routing and the q LoRA on; the slow arms turn them off)
 FAST_ARMS = ("v3_no_mscale", "v3_rope_neox")
 
 
