@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+from xllm_gen.runtime.loading.hf_config import _is_num
 from xllm_gen.runtime.rope_kinds import LEGACY_ROPE_MAPPING, ROPE_MAPPING
 
 # identity and generation-stop fields (the engine also reads generation_config.json), not the math
@@ -106,15 +107,9 @@ def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = F
         # transformers keeps the null: its modeling code tests a flag by truth (false), and has no value for a number
         # (it fails, or computes one in the modeling code, which this check cannot see): nothing to compare
         return None
-    if _norm(got) == _norm(want) or (isinstance(want, (int, float)) and not isinstance(want, bool)
-                                     and isinstance(got, (int, float)) and not isinstance(got, bool)
-                                     and float(got) == float(want)):
+    if _norm(got) == _norm(want) or (_is_num(want) and _is_num(got) and float(got) == float(want)):
         return None
     return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec reads {name} = {got!r}"
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _overwritten(cls, base: dict, field: str, arch: str) -> bool:
@@ -122,14 +117,14 @@ def _overwritten(cls, base: dict, field: str, arch: str) -> bool:
     other fields (Zamba2Config raises max_position_embeddings to 16384 under use_long_context): then what an absent
     field means is that computation, which the spec reproduces in its own expressions, not a default of the field."""
     given = base.get(field)
-    if not _number(given) or not given:
+    if not _is_num(given) or not given:
         return False
     probe = given * 2                        # another value than a saved config's (which may hold the computed one)
     try:
         held = _lookup(cls.from_dict({**base, field: probe, "architectures": [arch]}), field)
     except Exception:                        # transformers cannot build it: the other arms say nothing either
         return False
-    return _number(held) and float(held) != float(probe)
+    return _is_num(held) and float(held) != float(probe)
 
 
 def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spec_name: str = "") -> list[str]:
