@@ -8,6 +8,7 @@ name the tensor, parameter or file.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -146,12 +147,9 @@ class Checkpoint:
         prefix that most expected names share, but some start with a second component of it ('h', 'wte', 'decoder'),
         those are read as '<prefix>.<name>'. Returns the prefix adopted, or None."""
         heads = [n.split(".", 1) for n in expected if "." in n]
-        counts: dict[str, int] = {}
-        for first, _ in heads:
-            counts[first] = counts.get(first, 0) + 1
-        if not counts:
+        if not heads:
             return None
-        prefix = max(counts, key=counts.get)
+        prefix = collections.Counter(first for first, _ in heads).most_common(1)[0][0]
         seconds = {rest.split(".", 1)[0] for first, rest in heads if first == prefix}
         if any(n.startswith(prefix + ".") for n in self.file_of):
             return None

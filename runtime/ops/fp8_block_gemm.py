@@ -12,8 +12,9 @@ warm-up run at engine start (executor/prefill_graphs.py), never a capture or a r
 The input it gets already went through ActQuant's round trip (fused into the norm before the layer: bf16(q * s)),
 so its own quantization finds the same codes (bf16 moves a value by at most 2^-9 of itself, an e4m3 step is 2^-3)
 and the scale within a bf16 ulp. The product then skips the reference's bf16 rounding of q * s on either side:
-the same quantized operands, closer to their exact product than the reference layer is, not bit-identical
-(tests/gpu/test_gpu_quant.py bounds both).
+the same quantized operands, as close to their exact product as the reference layer is up to bf16 rounding (on the
+H200 4-6e-3 of the output's max against the reference's 3-4e-3), not bit-identical (tests/gpu/test_gpu_quant.py
+bounds both).
 
 Measured on an H100 at an 8B model's shapes (bench/bench_fp8_prefill.py, bench/results/h100_2026-12-05_session26.md):
 0.65-0.89x the time of bf16 cuBLAS, where dequantize + cuBLAS took 1.05-1.79x. A Triton block-scaled GEMM (tl.dot
@@ -21,8 +22,8 @@ of float8 tiles, each 128-column partial product scaled before it is added) was 
 bf16 cuBLAS at its best launch config (the per-tile scaling waits on each wgmma), so it was not kept.
 
 Taken for: bf16 activations on sm 9.0 with flashinfer installed; a layer whose input quantization is per token and
-128 columns; K a multiple of 128 and N of 64 (the kernel's); a weight scale constant over each 128 x 128 block. Anything else keeps dequantize + cuBLAS. XLLM_FP8_PREFILL=dequant
-keeps it everywhere (a benchmark's baseline).
+128 columns; K a multiple of 128 and N of 64 (the kernel's); a weight scale constant over each 128 x 128 block.
+Anything else keeps dequantize + cuBLAS; XLLM_FP8_PREFILL=dequant keeps it everywhere (a benchmark's baseline).
 """
 from __future__ import annotations
 
