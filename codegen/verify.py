@@ -36,6 +36,7 @@ from typing import Any, Sequence
 from .compiler import compile_spec
 from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' import
     _first_diff,
+    _follows_own_forward,
     _logprob_error,
     _near_tie,
     _own_logprob_error,
@@ -370,6 +371,15 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                         with torch.no_grad():                                 # run stopped: this step's own forward
                             return hf(input_ids=y, attention_mask=torch.ones_like(y), use_cache=False).logits[0, -1]
                     near_tie = _near_tie(row_logits, want, list(got), max(NEAR_TIE, 2 * own))
+                own_forward = None
+                if _first_diff(want, list(got)) is not None:
+                    def forward_row(k, prefix, ids=ids, want=want, hf_logits=hf_logits):
+                        if list(prefix) == want[:k] and len(ids) - 1 + k < len(hf_logits):
+                            return hf_logits[len(ids) - 1 + k]
+                        y = torch.tensor([ids + list(prefix)], device=device)
+                        with torch.no_grad():
+                            return hf(input_ids=y, attention_mask=torch.ones_like(y), use_cache=False).logits[0, -1]
+                    own_forward = _follows_own_forward(forward_row, want, list(got))
                 outs, tie, free_tie, routing_error = [], None, None, None
                 run = lambda: outs.append(llm.generate([{"prompt_token_ids": seq}], one)[0])  # noqa: E731
                 if llm32 is not None:
@@ -422,7 +432,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 report.prompts.append(PromptResult(len(ids), want, list(got), layers, lp_err, lp_bad,
                                                    step_err, step_bad, near_tie,
                                                    int(free_tie.sum()) if free_tie is not None else 0,
-                                                   routing_error, lp_tol))
+                                                   routing_error, lp_tol, own_forward))
             eng_rec.remove()
         finally:
             llm.shutdown()

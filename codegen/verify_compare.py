@@ -77,6 +77,23 @@ def _first_diff(want: list, got: list) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
 
 
+def _follows_own_forward(row_logits, want: list, got: list):
+    """Where the engine's greedy tokens first differ from transformers' generate (cached), whether the engine follows
+    transformers' own uncached forward from there: at every step k from the first difference d, the engine's token
+    is the argmax of transformers' logits given the prompt and the engine's got[:k] (row_logits(k, got[:k])), and
+    at d that argmax is not generate's token. Then transformers' cache computes something else than its own forward
+    (a sliding window of 1 token, a clamp its prompt pass applies and its decode step does not), and the engine,
+    which the teacher-forced comparison checks against that forward, is not what differs: returns (d, generate's
+    token, the forward's token); else None."""
+    d = _first_diff(want, got)
+    if d is None:
+        return None
+    for k in range(d, len(got)):
+        if int(row_logits(k, got[:k]).argmax()) != got[k]:
+            return None
+    return d, want[d], got[d]
+
+
 def _near_tie(row_logits, want: list, got: list, bound: float):
     """16-bit: where the engine's greedy tokens first differ from float32 transformers', (step, margin, bound) when
     float32's margin between its token and the engine's is below `bound` (a near-tie, within 16-bit noise); else

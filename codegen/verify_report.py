@@ -47,6 +47,8 @@ class PromptResult:
     routing_ties: int = 0          # 16-bit MoE: positions the decode steps set aside (verify_routing: near a tie or after a flip)
     routing_error: str | None = None   # 16-bit: experts that differ from float32's beyond that noise
     logprob_tol: float | None = None   # the log-probability bound applied (None: LOGPROB_TOL of the dtype)
+    own_forward: tuple | None = None   # (step, generate's token, forward's token): transformers' cached generate
+                                       # leaves its own uncached forward there, and the engine follows the forward
 
     @property
     def first_token_diff(self) -> int | None:
@@ -75,7 +77,8 @@ class Report:
     @property
     def ok(self) -> bool:
         return self.refused is None and not self.defaults and all(
-            (p.first_token_diff is None or p.near_tie is not None) and p.logprob_bad_position is None
+            (p.first_token_diff is None or p.near_tie is not None or p.own_forward is not None)
+            and p.logprob_bad_position is None
             and p.routing_error is None
             and p.step_logprob_bad is None
             and all(e.first_bad_position is None for e in p.layers) for p in self.prompts)
@@ -111,6 +114,9 @@ class Report:
             d = p.first_token_diff
             lines.append(f"prompt {i} ({p.prompt_len} tokens): greedy tokens "
                          + ("agree" if d is None else
+                            f"agree with transformers' own forward (uncached, argmax at every step); its generate "
+                            f"(cached) gives {p.own_forward[1]} where that forward gives {p.own_forward[2]} at step {d}: "
+                            f"transformers' cache disagrees with its own forward there" if p.own_forward else
                             f"differ from step {d}, a position whose MoE routing is within {self.dtype} rounding of "
                             f"a tie" if p.near_tie and len(p.near_tie) > 3 else
                             f"differ at a near-tie from step {d} (float32 margin {p.near_tie[1]:.3f} < "

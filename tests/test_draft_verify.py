@@ -445,3 +445,41 @@ def test_verify_float32_bounds_catch_a_gelu_approximation(tmp_path):
     bad = verify(wrong, ckpt, max_tokens=3, prompt_lens=[5, 17])
     assert not bad.ok and bad.first_divergence()[2].layer == 0, bad.text()
     assert verify(wrong, ckpt, max_tokens=3, prompt_lens=[5, 17], rtol=1e-4).ok     # what the fixed bound missed
+
+
+def test_verify_follows_transformers_own_forward_where_its_cache_leaves_it():
+    """Where transformers' cached generate leaves its own uncached forward (the forward's argmax is another token),
+    the engine is judged against that forward from there on: it must take the forward's argmax at every later step
+    too; an engine that leaves both is still a difference."""
+    import torch
+    from xllm_gen.codegen.verify_compare import _follows_own_forward
+
+    best = {(): 5, (5,): 7, (5, 7): 2, (5, 9): 4}            # the forward's argmax after each prefix
+
+    def row(k, prefix):
+        out = torch.zeros(10)
+        out[best[tuple(prefix)]] = 1.0
+        return out
+    assert _follows_own_forward(row, [5, 9, 4], [5, 7, 2]) == (1, 9, 7)     # generate's 9, the forward's 7
+    assert _follows_own_forward(row, [5, 7, 2], [5, 7, 2]) is None          # no difference
+    assert _follows_own_forward(row, [5, 7, 2], [5, 9, 4]) is None          # generate follows the forward
+    assert _follows_own_forward(row, [5, 9, 4], [5, 7, 3]) is None          # the engine leaves the forward later
+
+
+def test_verify_gemma3_window_of_one_token(tmp_path):
+    """Gemma 3 with sliding_window 1 (each sliding layer's token sees itself only): transformers 5.25's generate
+    disagrees with its own forward there; the engine follows the forward at every step, layer and log-probability,
+    and verify says which side moved."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from xllm_gen.codegen.verify import verify
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=1,
+                           layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "c")
+    r = verify(Path(__file__).resolve().parents[1] / "specs" / "gemma3.yaml", tmp_path / "c", max_tokens=4,
+               prompt_lens=[3, 9])
+    assert r.ok, r.text()
+    assert all(p.first_token_diff is None or p.own_forward is not None for p in r.prompts), r.text()
