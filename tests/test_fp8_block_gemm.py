@@ -56,3 +56,18 @@ def test_takes_only_per_token_group_128_inputs():
                ActQuant("group", 128)):
         assert not B.takes(aq, x, ks)          # CPU
     assert not B.takes(ActQuant("group", 128), x, None)
+
+
+def test_decode_batches_take_the_kernel_from_decode_min_m_rows(monkeypatch):
+    """A decode batch (at most GEMV_MAX_M rows) of a layer the kernel takes runs it from DECODE_MIN_M rows; one row
+    keeps the float8-streaming GEMV (faster there), and so does any batch when XLLM_QUANT_GEMV forces a GEMV."""
+    from xllm_gen.runtime.ops import fp8_block_gemm as B
+    from xllm_gen.runtime.ops import quant_gemv as Q
+    monkeypatch.setattr(B, "takes", lambda aq, x, ks: True)          # as on an sm 9.0 GPU with flashinfer
+    assert not B.takes_decode(None, torch.zeros(1, 256), None)
+    assert all(B.takes_decode(None, torch.zeros(m, 256), None) for m in range(B.DECODE_MIN_M, Q.GEMV_MAX_M + 1))
+    monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "fma")
+    assert not B.takes_decode(None, torch.zeros(16, 256), None)
+    monkeypatch.setattr(Q, "QUANT_GEMV_MODE", "auto")
+    monkeypatch.setattr(B, "takes", lambda aq, x, ks: False)
+    assert not B.takes_decode(None, torch.zeros(16, 256), None)

@@ -4,8 +4,9 @@ On CUDA a quantized checkpoint's 4-bit (AWQ / GPTQ) or fp8 layer keeps its weigh
 `PackedInt4` (qweight int32 [N, K / 8], scales [N, K / g], zeros uint8 [N, K / g]) and `PackedFp8` (float8_e4m3fn
 [N, K], float32 scales [N, ceil(K / bk)], one per row and bk columns). Their forward is the weight-only GEMM of
 runtime/ops/quant_gemv.py (bf16 / fp16 activations on CUDA, up to GEMV_MAX_M rows: decode, the split-K GEMV or the
-tensor-core tile as quant_gemv.gemv_choice picks; more rows, a prefill
-chunk: for fp8 with inputs quantized per token and 128 columns the block-scaled float8 GEMM (ops/fp8_block_gemm.py),
+tensor-core tile as quant_gemv.gemv_choice picks; fp8 with inputs quantized per token and 128 columns from
+fp8_block_gemm.DECODE_MIN_M rows: the block-scaled float8 GEMM; more rows, a prefill
+chunk: for such fp8 the block-scaled float8 GEMM (ops/fp8_block_gemm.py),
 otherwise the weight dequantized for the call by one Triton kernel, then cuBLAS), or, on the CPU (tests), F.linear on the dequantized
 weight: the same values the reference layer holds (dequant_int4 / dequant_fp8 round (q - z) * s and
 q * s once to the activation dtype), so a packed model on the CPU must give the reference model's tokens.
@@ -80,10 +81,11 @@ class PackedFp8(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None, act_quant=None) -> torch.Tensor:
         """act_quant: the layer's input quantization (x went through it): per token and 128 columns lets a prefill
-        chunk run the block-scaled float8 GEMM (ops/fp8_block_gemm.py) instead of dequantize + cuBLAS."""
+        chunk, and a decode batch of DECODE_MIN_M rows or more, run the block-scaled float8 GEMM
+        (ops/fp8_block_gemm.py) instead of dequantize + cuBLAS / a weight-only GEMV."""
         if x.is_cuda and x.dtype in _KERNEL_DTYPES:
             x2 = x.reshape(-1, self.in_features)
-            if x2.shape[0] <= Q.GEMV_MAX_M:
+            if x2.shape[0] <= Q.GEMV_MAX_M and not fp8_block_gemm.takes_decode(act_quant, x2, self.kernel_scale):
                 y = Q.fp8_gemm(x2, self.weight, self.scale, self.block, bias, locks=self.locks)
                 return y.reshape(*x.shape[:-1], self.out_features)
             if fp8_block_gemm.takes(act_quant, x2, self.kernel_scale):

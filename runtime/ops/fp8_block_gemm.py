@@ -24,6 +24,10 @@ bf16 cuBLAS at its best launch config (the per-tile scaling waits on each wgmma)
 Taken for: bf16 activations on sm 9.0 with flashinfer installed; a layer whose input quantization is per token and
 128 columns; K a multiple of 128 and N of 64 (the kernel's); a weight scale constant over each 128 x 128 block.
 Anything else keeps dequantize + cuBLAS; XLLM_FP8_PREFILL=dequant keeps it everywhere (a benchmark's baseline).
+
+Decode batches of DECODE_MIN_M rows or more take it as well (`takes_decode`): below 64 rows the weight-only GEMVs'
+tensor-core tile dequantizes every element and falls behind (measured below DECODE_MIN_M's definition); a single
+row keeps the float8-streaming GEMV, which reads the weight faster than this kernel at one row.
 """
 from __future__ import annotations
 
@@ -35,6 +39,12 @@ from typing import Optional
 import torch
 
 TILE = 128          # input columns per activation scale, and the kernel's K tile
+# Decode batches from this many rows take the kernel too (XLLM_QUANT_GEMV=auto). H100, an 8B model's four shapes
+# (bench/bench_quant.py --only "fp8 block128", bench/results/h100_2026-12-06_session27.md): at 4 / 16 / 64 rows it
+# takes 0.53-0.69 / 0.54-0.68 / 0.55-0.78x the time of bf16 cuBLAS, where the weight-only GEMVs' best took 0.56-0.87
+# / 0.57-0.88 / 1.8-1.9x (the tensor-core tile dequantizing every element); at one row the float8-streaming FMA
+# GEMV stays ahead (0.49-0.51x against the kernel's 0.53-0.68x)
+DECODE_MIN_M = 2
 PREFILL_MODE = os.environ.get("XLLM_FP8_PREFILL", "block").strip().lower() or "block"
 if PREFILL_MODE not in ("block", "dequant"):
     raise ValueError(f"XLLM_FP8_PREFILL={PREFILL_MODE!r}: 'block' or 'dequant'")
@@ -66,6 +76,13 @@ def takes(act_quant, x: torch.Tensor, kernel_scale: Optional[torch.Tensor]) -> b
     return (PREFILL_MODE == "block" and kernel_scale is not None and x.dtype == torch.bfloat16 and x.is_cuda
             and act_quant is not None and act_quant.kind == "group" and act_quant.group == TILE
             and _device_has_kernel(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def takes_decode(act_quant, x: torch.Tensor, kernel_scale: Optional[torch.Tensor]) -> bool:
+    """Whether a decode batch of x's rows (at most the GEMVs' GEMV_MAX_M) runs the block-scaled GEMM instead of a
+    weight-only GEMV: from DECODE_MIN_M rows, where `takes`, unless XLLM_QUANT_GEMV forces a GEMV kernel."""
+    from xllm_gen.runtime.ops.quant_gemv import QUANT_GEMV_MODE
+    return x.shape[0] >= DECODE_MIN_M and QUANT_GEMV_MODE == "auto" and takes(act_quant, x, kernel_scale)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, kernel_scale: torch.Tensor,
