@@ -44,6 +44,7 @@ from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' 
     _rel_error,
     _step_logprob_error,
     _unexercised,
+    loaded_weights_note,
     logprob_row_error,
     weak_weights_note,
 )
@@ -271,7 +272,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                  "modeling code as the reference)")) from None
         hf.generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None,
                                                              bos_token_id=None)     # greedy, EOS ignored
-        report.notes += weak_weights_note(hf)
+        report.notes += weak_weights_note(hf) + loaded_weights_note(hf, ckpt)
         if sixteen:
             report.notes.append(f"reference: transformers in float32; the bounds are {YARDSTICK}x transformers' own "
                                 f"{dtype} error on each layer / log-probability (at least {tol:g} / "

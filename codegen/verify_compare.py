@@ -2,6 +2,8 @@
 steps), layer errors, 16-bit yardsticks and near-ties, and what a run cannot exercise."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .verify_report import LOGPROB_TOP, VerifyError
 
 
@@ -126,6 +128,44 @@ def weak_weights_note(hf_model) -> list:
     return [f"weak weights: the median weight matrix has std x sqrt(fan_in) = {median:.2f} (transformers' random init "
             f"at a small width): activations stay near 0, where activation functions nearly agree (erf vs tanh GELU), "
             f"so a wrong one can pass; re-initialize wider (N(0, 1 / fan_in) per matrix) or verify real weights"]
+
+
+LOADED_CHECK_MAX_BYTES = 2 << 30      # checkpoints up to this size are read back for loaded_weights_note
+
+
+def loaded_weights_note(hf_model, ckpt) -> list:
+    """transformers' model after from_pretrained against the checkpoint's own files: a tensor of the same name and
+    shape that it holds with other values was changed by its loading (an initialization step that runs on loaded
+    weights, e.g. Mamba's rescale_prenorm_residual dividing out_proj by sqrt(layers) in transformers 5.25), so the
+    reference is not the file's model; say which, where a comparison then fails the cause is there, not in the
+    spec (the engine serves the file's values)."""
+    import torch
+    from safetensors import safe_open
+    files = sorted(Path(ckpt).glob("*.safetensors"))
+    if sum(f.stat().st_size for f in files) > LOADED_CHECK_MAX_BYTES:     # a real model: reading it twice costs
+        return []
+    held = dict(hf_model.state_dict())
+    changed = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                mine = held.get(name)
+                if mine is None or tuple(mine.shape) != tuple(st.get_slice(name).get_shape()):
+                    continue
+                want = st.get_tensor(name)
+                if not want.is_floating_point():
+                    continue
+                want, mine = want.float(), mine.detach().float().cpu()
+                if not torch.allclose(mine, want, rtol=1e-2, atol=1e-6 * float(want.abs().max())):
+                    ratio = float(want.abs().max() / mine.abs().max().clamp_min(1e-30))
+                    changed.append(f"{name} (max |value| {ratio:.4g}x its loaded one)")
+    if not changed:
+        return []
+    return [f"transformers holds {len(changed)} tensor(s) with other values than the checkpoint's files after loading "
+            f"(its loading changed them: an initialization run on loaded weights, a conversion): "
+            f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}; the engine serves the files' values, so a "
+            f"difference from here on is transformers' loading, not the spec: find the config field behind it (the "
+            f"spec may refuse it by config_assume)"]
 
 
 def _unexercised(model, longest: int) -> list:

@@ -483,3 +483,20 @@ def test_verify_gemma3_window_of_one_token(tmp_path):
                prompt_lens=[3, 9])
     assert r.ok, r.text()
     assert all(p.first_token_diff is None or p.own_forward is not None for p in r.prompts), r.text()
+
+
+def test_verify_notes_tensors_transformers_changed_at_load(ckpt):
+    """A reference whose loading changed a tensor (transformers 5.25's Mamba init divides the loaded out_proj by
+    sqrt(layers) under rescale_prenorm_residual) is not the file's model: verify names the tensor; an unchanged
+    load gives no note."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from xllm_gen.codegen.verify_compare import loaded_weights_note
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    assert loaded_weights_note(hf, ckpt) == []
+    name, p = next((n, p) for n, p in hf.named_parameters() if n.endswith("o_proj.weight"))
+    with torch.no_grad():
+        p /= 3 ** 0.5
+    note = loaded_weights_note(hf, ckpt)
+    assert len(note) == 1 and name in note[0] and "1.732x" in note[0], note
