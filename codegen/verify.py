@@ -45,6 +45,7 @@ from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' 
     _step_logprob_error,
     _unexercised,
     loaded_weights_note,
+    missing_weights_note,
     logprob_row_error,
     weak_weights_note,
 )
@@ -260,9 +261,11 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             # trust_remote_code: a family transformers does not ship is its checkpoint's own modeling code (auto_map)
             remote = {"trust_remote_code": True} if trust_remote_code else {}
             extra = {"config": config_cls.from_pretrained(str(ckpt), **remote)} if report.reference else {}
-            hf, hf16 = (cls.from_pretrained(str(ckpt), dtype=t, attn_implementation="eager", **extra, **remote)
-                        .to(device).eval()
-                        if t is not None else None for t in (torch.float32, torch_dtype if sixteen else None))
+            hf, info = cls.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager",
+                                           output_loading_info=True, **extra, **remote)
+            hf = hf.to(device).eval()
+            hf16 = (cls.from_pretrained(str(ckpt), dtype=torch_dtype, attn_implementation="eager", **extra, **remote)
+                    .to(device).eval() if sixteen else None)
         except Exception as e:      # the reference side: say so (the spec is not what failed)
             raise VerifyError(f"{checkpoint}: transformers {transformers.__version__} cannot load it with {cls.__name__}"
                               f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so there is no "
@@ -272,7 +275,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                  "modeling code as the reference)")) from None
         hf.generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None,
                                                              bos_token_id=None)     # greedy, EOS ignored
-        report.notes += weak_weights_note(hf) + loaded_weights_note(hf, ckpt)
+        report.notes += weak_weights_note(hf) + loaded_weights_note(hf, ckpt) + missing_weights_note(hf, info)
         if sixteen:
             report.notes.append(f"reference: transformers in float32; the bounds are {YARDSTICK}x transformers' own "
                                 f"{dtype} error on each layer / log-probability (at least {tol:g} / "

@@ -168,6 +168,20 @@ def loaded_weights_note(hf_model, ckpt) -> list:
             f"spec may refuse it by config_assume)"]
 
 
+def missing_weights_note(hf_model, info) -> list:
+    """Tensors transformers found nowhere in the checkpoint (from_pretrained's missing keys, less a tied head): it
+    left them at random init, so the reference is not the checkpoint's model (a name only the original release
+    uses, e.g. mamba_ssm's backbone.embedding, which transformers 5.25 does not rename at load)."""
+    tied = set(getattr(hf_model, "all_tied_weights_keys", {}) or ())
+    missing = sorted(k for k in (info or {}).get("missing_keys", ()) if k not in tied)
+    if not missing:
+        return []
+    return [f"transformers did not find {len(missing)} tensor(s) of its model in the checkpoint and left them at "
+            f"random init: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (the checkpoint's names: "
+            f"{', '.join(sorted((info or {}).get('unexpected_keys', ()))[:4]) or 'none left over'}): it is not the "
+            f"checkpoint's model, so a difference from here on is the reference's"]
+
+
 def _unexercised(model, longest: int) -> list:
     """Attention windows / chunks this run's sequences (at most `longest` tokens) never reach: a wrong window size or
     pattern passes such a run; say so, with what would exercise it."""

@@ -20,6 +20,7 @@ YARDSTICK = 3          # 16-bit: the engine's error may be this many times trans
 EXACT_YARDSTICK = 10
 EXACT_FLOOR = 2e-6             # relative, per layer
 EXACT_LOGPROB_FLOOR = 2e-5     # nats
+EXACT_CAP, EXACT_LOGPROB_CAP = 5e-2, 0.25      # the float32 yardstick's bounds at most (the 16-bit fixed ones)
 EXACT_MAX_BYTES = 8 * 2**30    # the float64 reference's weights at most (a real 8B model's would take 64 GiB)
 NEAR_TIE = 0.02        # 16-bit: the least float32 log-probability margin of a differing greedy token that is a tie
 

@@ -500,3 +500,25 @@ def test_verify_notes_tensors_transformers_changed_at_load(ckpt):
         p /= 3 ** 0.5
     note = loaded_weights_note(hf, ckpt)
     assert len(note) == 1 and name in note[0] and "1.732x" in note[0], note
+
+
+def test_verify_fails_where_transformers_left_a_tensor_at_random_init(tmp_path):
+    """A Mamba checkpoint under mamba_ssm's name `backbone.embedding.weight`: the spec reads it (checkpoint_renames),
+    transformers 5.25 does not and leaves its embedding at random init. verify says so, and FAILS: its float64
+    yardstick used to load its own random embedding, measured that as transformers' own float32 error, and passed
+    an engine 4 nats away at 10x of it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    from xllm_gen.codegen.verify import verify
+    cfg = MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "c")
+    f = tmp_path / "c" / "model.safetensors"
+    tensors = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in load_file(str(f)).items()}
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    r = verify(Path(__file__).resolve().parents[1] / "specs" / "mamba.yaml", tmp_path / "c", max_tokens=2,
+               prompt_lens=[4])
+    assert not r.ok, r.text()
+    assert any("did not find" in n and "backbone.embeddings.weight" in n for n in r.notes), r.notes
