@@ -45,8 +45,8 @@ from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' 
     _step_logprob_error,
     _unexercised,
     loaded_weights_note,
-    missing_weights_note,
     logprob_row_error,
+    missing_weights_note,
     weak_weights_note,
 )
 from .verify_exact import USED_NOTE, exact_bounds, fixed_bounds_note, float64_reference

@@ -452,6 +452,7 @@ def test_verify_follows_transformers_own_forward_where_its_cache_leaves_it():
     the engine is judged against that forward from there on: it must take the forward's argmax at every later step
     too; an engine that leaves both is still a difference."""
     import torch
+
     from xllm_gen.codegen.verify_compare import _follows_own_forward
 
     best = {(): 5, (5,): 7, (5, 7): 2, (5, 9): 4}            # the forward's argmax after each prefix
