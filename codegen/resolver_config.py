@@ -257,6 +257,9 @@ class ConfigResolver:
             if key in read:
                 raise self.err(path, f"config_assume.{key}: this field is read by a config symbol; a field is "
                                      f"either read or assumed", at_key=True)
+            if isinstance(value, dict) and "any_of" in value:     # left over by AssumeAnyOf: no value in it
+                raise self.err(path + ("any_of",), f"config_assume.{key}.any_of: list the values transformers treats "
+                                                   f"alike (at least one)")
         for key in self.spec.config_defaults:
             if key not in self.spec.config_assume:
                 where = "read by a config symbol: state its default with the symbol's `default`" if key in read \

@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_real_settings import _real
 
@@ -96,6 +98,16 @@ def test_config_assume_any_of_in_the_language(tmp_path):
     r = ConfigReader({"gating": "per-element"}, "x.yaml", assume={"gating": {"any_of": [True, "per-head"]}})
     with pytest.raises(ConfigError, match="gating"):
         r.finish()
+    # one value is a value (found by a blind exercise: refused with a pydantic union message); none is a located
+    # error, not the internal error it was
+    assert isinstance(TypeAdapter(field.annotation).validate_python({"g": {"any_of": [1]}})["g"], AssumeAnyOf)
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {Path(__file__).resolve().parents[1] / 'specs' / 'llama.yaml'}\nname: s\n"
+                    "class_prefix: S\narchitectures: [SForCausalLM]\nconfig_assume:\n  pretraining_tp: {any_of: []}\n")
+    with pytest.raises(SpecError, match=r"s\.yaml:6:.*config_assume\.pretraining_tp\.any_of: list the values"):
+        compile_spec(spec)
 
 
 _SWA = {"swa_heads": "num_attention_heads", "swa_kv_heads": "num_key_value_heads", "swa_q_lora_rank": "q_lora_rank",

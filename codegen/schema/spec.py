@@ -16,7 +16,7 @@ from .weights import WeightEntry
 class AssumeAnyOf(Strict):
     """`config_assume: {gating: {any_of: [true, per-head]}}`: values that mean the same to transformers (which the
     spec models alike); a checkpoint with any other value is refused naming the field."""
-    any_of: List[Union[StrictBool, StrictInt, StrictFloat, StrictStr, None]] = Field(min_length=2)
+    any_of: List[Union[StrictBool, StrictInt, StrictFloat, StrictStr, None]] = Field(min_length=1)
 
 
 class TensorParallel(Strict):
