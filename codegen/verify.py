@@ -407,9 +407,9 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 elif tensor_parallel_size == 1:  # teacher-forced in 16 bits with float32's routing: every position
                     with forced_routing(eng_model, routed32.logits):
                         run()
-                else:                            # other ranks route by their own logits: the ties set aside
-                    run()
-                    tie = ties.tie
+                else:                            # other ranks route by their own logits: the ties set aside, and
+                    run()                        # the positions after a flip (they attend to it)
+                    tie = ties.tie | contaminated(ties.differs)
                 out = outs[0]
                 mine = eng_rec.take()
                 lp_err, lp_bad = _logprob_error(hf_logits, out, lp_tol, tie)
@@ -431,8 +431,11 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 if free_tie is not None and 2 * int(free_tie.sum()) > len(seq):
                     report.notes.append(f"prompt {len(report.prompts)}: {int(free_tie.sum())} of {len(seq)} positions "
                                         f"of the free run route within {dtype} rounding of a tie or after other "
-                                        f"experts (set aside from the greedy steps; the teacher-forced comparison "
-                                        f"routes as float32 and covers all)")
+                                        f"experts (set aside from the greedy steps; "
+                                        + ("the teacher-forced comparison routes as float32 and covers all)"
+                                           if tensor_parallel_size == 1 else
+                                           f"at TP {tensor_parallel_size} every rank routes by its own logits, so "
+                                           f"they are set aside from the teacher-forced comparison too)"))
                 report.prompts.append(PromptResult(len(ids), want, list(got), layers, lp_err, lp_bad,
                                                    step_err, step_bad, near_tie,
                                                    int(free_tie.sum()) if free_tie is not None else 0,

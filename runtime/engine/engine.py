@@ -20,6 +20,7 @@ from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, check_target, load_draft_runner
+from xllm_gen.runtime.executor.distributed import SingleRank
 from xllm_gen.runtime.loading import registry
 from xllm_gen.runtime.loading.checkpoint_files import (
     CheckpointFileError,
@@ -152,7 +153,7 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
                 self.runner = TensorParallelRunner(runner_cls, str(self.model_dir), self.hf_config,
                                                    tensor_parallel_size, runner_kwargs)
             else:
-                self.runner = runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs)
+                self.runner = SingleRank(lambda: runner_cls(str(self.model_dir), self.hf_config, **runner_kwargs))
         except BaseException:
             if draft is not None:
                 draft[0].shutdown()

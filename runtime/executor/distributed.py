@@ -8,6 +8,8 @@ Backends: NCCL for CUDA tensors, gloo for CPU tensors (whatever the process grou
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -28,6 +30,42 @@ def init_tp(rank: int, size: int, group=None) -> None:
 
 def reset_tp() -> None:
     init_tp(0, 1, None)
+
+
+@contextlib.contextmanager
+def tp_state(rank: int, size: int, group=None):
+    """This process's TP state set to (rank, size, group) for the block, then restored."""
+    saved = (_RANK, _SIZE, _GROUP)
+    init_tp(rank, size, group)
+    try:
+        yield
+    finally:
+        init_tp(*saved)
+
+
+class SingleRank:
+    """A tensor-parallel size 1 runner in a process that may also be another engine's rank 0 (verify runs a float32
+    engine beside the TP 2 engine under test): its layers read the TP state when they are built and the collectives
+    when they run, so it is built, and every method of it runs, with the state (0, 1) and the process's own state
+    restored after. Attributes read and set pass through to the runner."""
+
+    def __init__(self, build):
+        with tp_state(0, 1):
+            object.__setattr__(self, "_runner", build())
+
+    def __getattr__(self, name):
+        attr = getattr(self._runner, name)
+        if not callable(attr) or getattr(attr, "__self__", None) is not self._runner:
+            return attr                     # data, or a class / function attribute: as it is
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            with tp_state(0, 1):
+                return attr(*args, **kwargs)
+        return call
+
+    def __setattr__(self, name, value):
+        setattr(self._runner, name, value)
 
 
 def get_tp_rank() -> int:
