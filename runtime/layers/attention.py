@@ -57,7 +57,10 @@ class Attention(nn.Module):
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"attention {name} must be an int >= 1, got {x!r}")
         if num_heads % num_kv_heads and not sharding.deferring():     # (a TP plan's bad split: reported already)
-            raise ValueError(f"attention heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
+            tp = get_tp_size()
+            raise ValueError(f"attention heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})"
+                             + (f" (this rank's share at tensor parallel size {tp}; check the config's "
+                                f"num_attention_heads / num_key_value_heads)" if tp > 1 else ""))
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = self.qk_head_dim = head_dim      # q / k heads' width (the k cache's)
