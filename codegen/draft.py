@@ -387,8 +387,13 @@ def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
             d.symbols[f] = '{type: int, from: head_dim, default_expr: "hidden_size // num_attention_heads"}'
         elif f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             d.symbols[f] = f"{{type: int, from: {src(f)}}}"
-        elif f == "eos_token_id":
-            d.symbols[f] = "{type: int_tuple, from: eos_token_id, default: []}"
+        elif f == "eos_token_id":       # the config class's own (an absent field means it: the stop token)
+            try:                        # the class default, not a checkpoint's value (a checkpoint dir target)
+                eos = config_cls().eos_token_id if config_cls is not None else full.get(f)
+            except Exception:   # noqa: BLE001 - a class that cannot build with no arguments
+                eos = full.get(f)
+            eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+            d.symbols[f] = f"{{type: int_tuple, from: eos_token_id, default: {eos}}}"
         else:
             d.symbols[f] = f"{{type: {typ}, from: {src(f)}, default: {_yaml_scalar(full.get(f))}}}"
     eps_field = next((f for f in EPS_FIELDS if f in full), None)
