@@ -28,17 +28,6 @@ from xllm_gen.runtime.executor.sharding import (
 
 
 @contextlib.contextmanager
-def _tp_state(rank: int, size: int):
-    """This process's TP state set to (rank, size) for a moment (static checks), then restored."""
-    saved = (tpdist.get_tp_rank(), tpdist.get_tp_size(), tpdist.get_tp_group())
-    tpdist.init_tp(rank, size, None)
-    try:
-        yield
-    finally:
-        tpdist.init_tp(*saved)
-
-
-@contextlib.contextmanager
 def _default_dtype(dtype: Optional[torch.dtype]):
     saved = torch.get_default_dtype()
     if dtype is not None:
@@ -163,7 +152,7 @@ def _rank_plan(model: torch.nn.Module, rank: int) -> RankPlan:
 def build_meta_model(model_module, config, tp_size: int, rank: int = 0, dtype: Optional[torch.dtype] = None):
     """The generated Model of `rank` of `tp_size` on the meta device. Raises ShardingError naming every
     parameter whose size cannot be split (and the TP size)."""
-    with _tp_state(rank, tp_size), deferred_sharding_errors(), _ParamsOnMeta(), _default_dtype(dtype):
+    with tpdist.tp_state(rank, tp_size), deferred_sharding_errors(), _ParamsOnMeta(), _default_dtype(dtype):
         model = model_module.Model(config)
     problems = _sharding_problems(model)
     if problems:
@@ -198,7 +187,7 @@ def _legacy_plan_problems(model_module, config, plan: TPPlan) -> list[str]:
         return []
     tp = plan.tp_size
     try:
-        with _tp_state(0, tp):
+        with tpdist.tp_state(0, tp):
             rules = list(weight_plan(config))
     except Exception:            # a names-only plan: weight_plan(model), nothing to compare
         return []
