@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xllm_gen.runtime.executor.tp_check import _tp_state
+from xllm_gen.runtime.executor.distributed import tp_state as _tp_state
 from xllm_gen.runtime.layers import moe as moe_layer
 from xllm_gen.runtime.ops import moe as M
 
