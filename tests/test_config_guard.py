@@ -562,3 +562,32 @@ def test_qwen2_sliding_layers_without_the_flag_are_refused():
         Qwen2Config.from_hf({**base, "use_sliding_window": False, "layer_types": types})
     assert Qwen2Config.from_hf({**base, "use_sliding_window": True, "layer_types": types}).layer_types == tuple(types)
     assert set(Qwen2Config.from_hf({**base, "use_sliding_window": False}).layer_types) == {"full_attention"}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+def test_sliding_window_absent_under_use_sliding_window(family):
+    """Qwen2 / Qwen3 / Qwen3-MoE configs null the window unless use_sliding_window, and otherwise keep their class
+    default of 4096 where config.json omits it: a blind exercise found the specs reading absent as no window (full
+    attention served past 4096 tokens, verify's defaults check blind to it because the checkpoint's own flag was
+    off). The spec's reading must equal the config class's for each flag, absent and null."""
+    import importlib
+
+    import transformers
+    cfg_cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    Config = importlib.import_module(f"xllm_gen.generated.{family}.model").Config
+    base = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_window_layers": 2,
+            "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM"}[family]], "model_type": family}
+    if family == "qwen3_moe":
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        base.pop("max_window_layers")
+    for flag in (True, False):
+        for window in ("absent", None, 7):
+            hf = dict(base, use_sliding_window=flag)
+            if window != "absent":
+                hf["sliding_window"] = window
+            want = cfg_cls(**hf).sliding_window
+            got = Config.from_hf(hf).sliding_window
+            assert (got if flag else None) == want, (family, flag, window, got, want)
