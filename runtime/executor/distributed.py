@@ -47,7 +47,7 @@ class SingleRank:
     """A tensor-parallel size 1 runner in a process that may also be another engine's rank 0 (verify runs a float32
     engine beside the TP 2 engine under test): its layers read the TP state when they are built and the collectives
     when they run, so it is built, and every method of it runs, with the state (0, 1) and the process's own state
-    restored after. Attributes read and set pass through to the runner."""
+    restored after. Attributes read, set and deleted pass through to the runner."""
 
     def __init__(self, build):
         with tp_state(0, 1):
@@ -66,6 +66,9 @@ class SingleRank:
 
     def __setattr__(self, name, value):
         setattr(self._runner, name, value)
+
+    def __delattr__(self, name):
+        delattr(self._runner, name)
 
 
 def get_tp_rank() -> int:
