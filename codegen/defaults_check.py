@@ -112,6 +112,20 @@ def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = F
     return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec reads {name} = {got!r}"
 
 
+def _held(cls, hf: dict, ref):
+    """What the config class holds at `ref` (a path or paths) for the config.json dict hf; None where it cannot
+    build it."""
+    try:
+        held = cls.from_dict(dict(hf))
+    except Exception:       # noqa: BLE001 - transformers cannot build it: nothing to compare
+        return None
+    for p in [ref] if isinstance(ref, str) else ref:
+        v = _lookup(held, p)
+        if v is not _MISSING:
+            return v
+    return None
+
+
 def _overwritten(cls, base: dict, field: str, arch: str) -> bool:
     """Whether the config class replaces the number config.json gives for `field` by another one, computed from
     other fields (Zamba2Config raises max_position_embeddings to 16384 under use_long_context): then what an absent
@@ -144,11 +158,16 @@ def default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spe
 def _default_mismatches(ir_config, config, config_cls, base: dict, arch: str, spec_name: str = "") -> list[str]:
     cls = config_cls
     wrong = []
+    # the bool fields the spec reads that config.json sets: each probed flipped too
+    flags = [f.paths[0] for f in ir_config if f.type == "bool" and f.paths and f.expr is None and "." not in f.paths[0]
+             and isinstance(base.get(f.paths[0]), bool)]
     for f in ir_config:      # the symbols read from config.json
         if f.expr is not None or f.present or not f.paths or f.guard:    # a guard-only symbol reaches no block
             continue
-        if f.optional and f.default is None and f.default_expr is None:
-            continue        # absent is None, whose meaning is in the expressions that read it (not judged here)
+        # absent is None, whose meaning is in the expressions that read it: not judged, except where a flag the
+        # checkpoint sets, flipped, makes the class hold a value there (Qwen3Config's sliding_window: 4096 under
+        # use_sliding_window; a spec reading absent as None served full attention)
+        none_absent = f.optional and f.default is None and f.default_expr is None
         name, typ, paths, values = f.name, f.type, list(f.paths), tuple(f.values or ())
         field = paths[0]
         if typ == "rope" or field in NOT_MATH or f.same_meaning:     # the spec says why it reads it otherwise
@@ -173,6 +192,13 @@ def _default_mismatches(ir_config, config, config_cls, base: dict, arch: str, sp
         else:
             continue
         hf["architectures"] = [arch]
+        if none_absent:
+            for flag in flags:
+                if flag not in paths:
+                    probe = {**hf, flag: not base[flag]}
+                    if _held(cls, probe, ref) is not None:
+                        wrong.append(_mismatch(cls, config, probe, ref, name, f"{absent}, {flag} = {not base[flag]}"))
+            continue
         wrong.append(_mismatch(cls, config, hf, ref, name, absent))
         for alias in [] if nested else paths[1:]:
             if "." in alias or alias in NOT_MATH:
@@ -185,6 +211,10 @@ def _default_mismatches(ir_config, config, config_cls, base: dict, arch: str, sp
             if size not in paths and isinstance(base.get(size), int):
                 wrong.append(_mismatch(cls, config, {**hf, size: base[size] * 2}, ref, name,
                                        f"{absent}, {size} = {base[size] * 2}"))
+        for flag in flags:      # (3b) a flag the default may hang on, flipped (Qwen3Config: an absent sliding_window
+            if flag not in paths:   # is 4096 under use_sliding_window, None otherwise; a checkpoint has one of them)
+                wrong.append(_mismatch(cls, config, {**hf, flag: not base[flag]}, ref, name,
+                                       f"{absent}, {flag} = {not base[flag]}"))
         if nested:
             continue
         # (4) the field written as null: what the class makes of None (Qwen3Config: num_key_value_heads absent is 32,

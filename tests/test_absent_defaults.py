@@ -20,6 +20,8 @@ Default run: a few families; `--runslow`: every served family.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conformance import families as F
 
@@ -85,3 +87,28 @@ def test_same_meaning_is_the_specs_own_statement():
     args = (F.generated_model(plan.spec).Config, cls, cls().to_dict(), plan.family.architecture, "llama4")
     assert not default_mismatches(fields, *args)
     assert any("no_rope_layers" in w for w in default_mismatches(bare, *args))
+
+
+@pytest.mark.slow      # two compiles of qwen3 (~12 s); tests/test_config_guard.py covers the Qwen3 fix itself
+def test_a_default_that_hangs_on_a_flag_is_probed_with_the_flag_flipped(tmp_path):
+    """Qwen3Config keeps sliding_window's 4096 only under use_sliding_window: probed with a checkpoint's own flag
+    (off, as released), a spec that reads an absent window as None agrees, and it served full attention past 4096
+    tokens to a checkpoint with the flag on (found by a blind exercise). Each bool field the checkpoint sets is also
+    probed flipped: the None-reading spec is reported, the shipped one (4096 under the flag) is not."""
+    import transformers
+
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.verify import _import_compiled
+    cls = transformers.Qwen3Config
+    base = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16).to_dict()
+    assert base["use_sliding_window"] is False
+    shipped = Path(__file__).resolve().parents[1] / "specs" / "qwen3.yaml"
+    none_reading = tmp_path / "q.yaml"
+    none_reading.write_text(f"extends: {shipped}\nname: q_none\nclass_prefix: QNone\n"
+                            "config:\n  sliding_window: {default_expr: ~}\n")
+    for spec, wrong in ((shipped, False), (none_reading, True)):
+        compiled = compile_spec(spec)
+        model = _import_compiled(compiled.files, compiled.ir.name, tmp_path)[0]
+        found = default_mismatches(compiled.ir.config, model.Config, cls, base, "Qwen3ForCausalLM", "q")
+        assert bool(found) == wrong and all("use_sliding_window = True" in w for w in found), found
