@@ -134,10 +134,7 @@ def _overwritten(cls, base: dict, field: str, arch: str) -> bool:
     if not _is_num(given) or not given:
         return False
     probe = given * 2                        # another value than a saved config's (which may hold the computed one)
-    try:
-        held = _lookup(cls.from_dict({**base, field: probe, "architectures": [arch]}), field)
-    except Exception:                        # transformers cannot build it: the other arms say nothing either
-        return False
+    held = _held(cls, {**base, field: probe, "architectures": [arch]}, field)    # None: transformers cannot build it
     return _is_num(held) and float(held) != float(probe)
 
 

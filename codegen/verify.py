@@ -360,6 +360,15 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                         hf64 = None
                     else:
                         lp_tol, layer_tols = exact_bounds(logits64, hf_logits, exact, ref)
+                def forward_row(k, prefix, ids=ids, want=want, hf_logits=hf_logits):
+                    """transformers' uncached logits of step k after the prompt and `prefix`: the teacher-forced
+                    row where prefix is the reference's own continuation, else (past a special token the
+                    teacher-forced run stopped at, or another prefix) this step's own forward."""
+                    if list(prefix) == want[:k] and len(ids) - 1 + k < len(hf_logits):
+                        return hf_logits[len(ids) - 1 + k]
+                    y = torch.tensor([ids + list(prefix)], device=device)
+                    with torch.no_grad():
+                        return hf(input_ids=y, attention_mask=torch.ones_like(y), use_cache=False).logits[0, -1]
                 if sixteen:                  # the yardstick: transformers' own 16-bit error on the same sequence
                     hf16_rec.arm()
                     with torch.no_grad():
@@ -368,22 +377,9 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     layer_tols = [max(YARDSTICK * _rel_error(a16, a), tol) for a16, a in zip(hf16_rec.take(), ref)]
                     own = _own_logprob_error(hf_logits, logits16)
                     lp_tol = max(YARDSTICK * own, LOGPROB_TOL[dtype])
-                    def row_logits(d, ids=ids, want=want, hf_logits=hf_logits):
-                        if len(ids) - 1 + d < len(hf_logits):
-                            return hf_logits[len(ids) - 1 + d]
-                        y = torch.tensor([ids + want[:d]], device=device)   # past a special token the teacher-forced
-                        with torch.no_grad():                                 # run stopped: this step's own forward
-                            return hf(input_ids=y, attention_mask=torch.ones_like(y), use_cache=False).logits[0, -1]
-                    near_tie = _near_tie(row_logits, want, list(got), max(NEAR_TIE, 2 * own))
-                own_forward = None
-                if _first_diff(want, list(got)) is not None:
-                    def forward_row(k, prefix, ids=ids, want=want, hf_logits=hf_logits):
-                        if list(prefix) == want[:k] and len(ids) - 1 + k < len(hf_logits):
-                            return hf_logits[len(ids) - 1 + k]
-                        y = torch.tensor([ids + list(prefix)], device=device)
-                        with torch.no_grad():
-                            return hf(input_ids=y, attention_mask=torch.ones_like(y), use_cache=False).logits[0, -1]
-                    own_forward = _follows_own_forward(forward_row, want, list(got))
+                    near_tie = _near_tie(lambda d: forward_row(d, want[:d]), want, list(got), max(NEAR_TIE, 2 * own))
+                own_forward = (_follows_own_forward(forward_row, want, list(got))
+                               if _first_diff(want, list(got)) is not None else None)
                 outs, tie, free_tie, routing_error = [], None, None, None
                 run = lambda: outs.append(llm.generate([{"prompt_token_ids": seq}], one)[0])  # noqa: E731
                 if llm32 is not None:

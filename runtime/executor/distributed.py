@@ -9,7 +9,6 @@ Backends: NCCL for CUDA tensors, gloo for CPU tensors (whatever the process grou
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
@@ -55,10 +54,10 @@ class SingleRank:
 
     def __getattr__(self, name):
         attr = getattr(self._runner, name)
-        if not callable(attr) or getattr(attr, "__self__", None) is not self._runner:
-            return attr                     # data, or a class / function attribute: as it is
+        if (_RANK, _SIZE, _GROUP) == (0, 1, None) or not callable(attr) \
+                or getattr(attr, "__self__", None) is not self._runner:
+            return attr         # the process is TP 1 (the usual case: no wrapping on the step path), or data
 
-        @functools.wraps(attr)
         def call(*args, **kwargs):
             with tp_state(0, 1):
                 return attr(*args, **kwargs)

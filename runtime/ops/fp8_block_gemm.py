@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from xllm_gen.runtime.ops import quant_gemv
+
 TILE = 128          # input columns per activation scale, and the kernel's K tile
 # Decode batches from this many rows take the kernel too (XLLM_QUANT_GEMV=auto). H100, an 8B model's four shapes
 # (bench/bench_quant.py --only "fp8 block128", bench/results/h100_2026-12-06_session27.md): at 4 / 16 / 64 rows it
@@ -81,8 +83,7 @@ def takes(act_quant, x: torch.Tensor, kernel_scale: Optional[torch.Tensor]) -> b
 def takes_decode(act_quant, x: torch.Tensor, kernel_scale: Optional[torch.Tensor]) -> bool:
     """Whether a decode batch of x's rows (at most the GEMVs' GEMV_MAX_M) runs the block-scaled GEMM instead of a
     weight-only GEMV: from DECODE_MIN_M rows, where `takes`, unless XLLM_QUANT_GEMV forces a GEMV kernel."""
-    from xllm_gen.runtime.ops.quant_gemv import QUANT_GEMV_MODE
-    return x.shape[0] >= DECODE_MIN_M and QUANT_GEMV_MODE == "auto" and takes(act_quant, x, kernel_scale)
+    return x.shape[0] >= DECODE_MIN_M and quant_gemv.QUANT_GEMV_MODE == "auto" and takes(act_quant, x, kernel_scale)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, kernel_scale: torch.Tensor,
