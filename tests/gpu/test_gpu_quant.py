@@ -297,6 +297,11 @@ def test_packed_fp8_experts_cuda(tmp_path, monkeypatch, fmt):
     from quant_ckpt import write_awq, write_fp8_block
 
     from xllm_gen import LLM, SamplingParams
+    from xllm_gen.runtime.ops import fp8_block_gemm
+    # the dense float8 layers stay on the GEMVs / dequantize + cuBLAS in both arms: packed, they would otherwise take
+    # FlashInfer's block-scaled GEMM (its own activation quantization: close to the dequantized layer, not bit-equal;
+    # test_packed_layers_cuda bounds it), and this test isolates the experts
+    monkeypatch.setattr(fp8_block_gemm, "PREFILL_MODE", "dequant")
     base = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "base", overrides={
         "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512, "num_local_experts": 8})
     if fmt == "awq":
