@@ -9,7 +9,8 @@ What it reads (transformers is imported here only, lazily: a normal compile neve
   - the source of the modeling module, for hints only (rotate-half layout, (1 + w) norms, soft-capping, ...).
 
 What it writes: a Llama-like pre-norm decoder (embedding; per layer norm -> attention (fused q/k/v, neox
-rotary) -> norm -> gated or plain MLP; final norm; lm_head) with the module names found in the state_dict,
+rotary) -> norm -> gated or plain MLP, or a mixture of experts (draft_moe.py); final norm; lm_head) with the module
+names found in the state_dict,
 `weights` entries for the fused q/k/v and gate/up parameters, every config field as a symbol, under
 `config_assume` (its default: a checkpoint with another value is refused) or `config_ignore` (dropouts), and
 a CHECKLIST at the top of the file: what the draft could not infer and a person must decide (extra norms,
@@ -18,6 +19,7 @@ q/k norms, interleaved rotary, partial rotary, windows, scalings, unknown fields
 """
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections import Counter
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .draft_checklist import other_fields, source_hints, unused_parameters
+from .draft_moe import MoE, find_moe, moe_symbols, render_block, render_weights, sparse_condition
 from .errors import SpecError
 
 # config.json field -> (symbol, type) for the sizes every decoder has (the draft's fixed vocabulary)
@@ -202,8 +205,11 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     d = Draft(arch, name or _snake(arch), re.sub(r"(ForCausalLM|LMHeadModel)$", "", arch) or "Model", values)
     names = set(_meta_params(cls, config))
     prefix = _layer_prefix(d, names)
-    controls = _bias_controls(cls, config, full, names)
-    layer = _find_layer(d, names, prefix)
+    moe = find_moe(d, cls, config, prefix)
+    if moe is not None and moe.probe:     # every layer sparse by default: the names with a dense layer too
+        names = set(_meta_params(cls, config, **moe.probe))
+    controls = _bias_controls(cls, config, full, names, moe.probe if moe is not None else {})
+    layer = _find_layer(d, names, prefix, moe)
     norm_kind = "layernorm" if (layer.attn_norm + ".bias") in names else "rmsnorm"
     # a symbol's default is what an absent field means to transformers (the class's default), not the checkpoint's
     # value: a drafted spec serves another checkpoint that omits the field as transformers does
@@ -219,16 +225,32 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     defaults.update({core: defaults[src] for core, src in d.sources.items()})
     eps = _eps(d, defaults)
     _config_symbols(d, defaults, type(config))
+    source = inspect.getsource(inspect.getmodule(cls))
+    if "head_dim" in d.symbols and defaults.get("head_dim", 0) is None and re.search(
+            r'getattr\(config, "head_dim", None\) or config\.hidden_size // config\.num_attention_heads', source):
+        # the class's null head_dim is what the modeling code computes, the symbol's default (Mistral, Mixtral)
+        d.symbols["head_dim"] = ('{type: int, from: head_dim, default_expr: "hidden_size // num_attention_heads", '
+                                 'same_meaning: "None is hidden_size // num_attention_heads (modeling code)"}')
+    moe_fields = moe_symbols(d, moe, defaults, source) if moe else {}
+    sparse_if = sparse_condition(d, moe, defaults) if moe else None
+    if moe is not None and layer.down is None and "intermediate_size" in d.symbols and \
+            not any("intermediate_size" == v or "* intermediate_size" in v for v in moe_fields.values()):
+        # every layer sparse: the dense MLP width configures no block of the draft
+        del d.symbols["intermediate_size"]
+        d.ignore.append("intermediate_size")
+        d.checklist.append("every layer the draft built holds experts, so `intermediate_size` (the dense MLP's width) "
+                           "is ignored: where a config field makes some layers dense, model that MLP and read it")
     other_fields(d, full, controls)
     source_hints(d, cls)
-    unused_parameters(d, names, layer)
-    return _render(d, target, type(config).__name__, defaults, names, controls, layer, norm_kind, eps), d
+    unused_parameters(d, names - (moe.owned if moe else set()), layer)
+    return _render(d, target, type(config).__name__, defaults, names, controls, layer, norm_kind, eps,
+                   (moe, moe_fields, sparse_if)), d
 
 
 def _layer_prefix(d: Draft, names: set) -> str:
     """The decoder layers' parameter prefix ("model.layers.{i}."): of several stacks of layers, one not named as a
     vision / audio tower or an encoder, then the one with the most parameters, then by name (never the set's order:
-    the draft is the same on every run); a MoE layer is refused."""
+    the draft is the same on every run)."""
     stacks = Counter(n.split("{i}")[0] + "{i}." for n in names if "{i}" in n)
     tower = re.compile(r"vision|visual|image|audio|encoder|patch", re.I)
     layer = min(stacks, key=lambda s: (bool(tower.search(s)), -stacks[s], s)) if stacks else None
@@ -237,23 +259,18 @@ def _layer_prefix(d: Draft, names: set) -> str:
     if layer != "model.layers.{i}.":
         d.checklist.append(f"decoder layers live at `{layer}` (not `model.layers.{{i}}.`): rename every tensor in "
                            f"`weights` or set decoder.prefix")
-    experts = sorted({n.split(".experts.")[0] + ".experts" for n in names if ".experts." in n})
-    if experts:
-        raise DraftError(f"{d.architecture}: a mixture-of-experts layer "
-                         f"({', '.join(rel_layer(e, layer) for e in experts)}): the draft "
-                         f"writes dense Llama-like layers only; start from a `moe` spec in specs/ (qwen3_moe.yaml, "
-                         f"mixtral.yaml) and check it with xllm-gen verify")
     return layer
 
 
-def _bias_controls(cls, config, full: dict, names: set) -> dict[str, str]:
-    """parameter name -> the bool config field that adds or removes it (the model built with the field flipped)."""
+def _bias_controls(cls, config, full: dict, names: set, probe: dict) -> dict[str, str]:
+    """parameter name -> the bool config field that adds or removes it (the model built with the field flipped, and
+    the `probe` changes `names` was built with)."""
     from xllm_gen.runtime.loading.hf_config import GENERIC_FIELDS
     controls: dict[str, str] = {}
     for key, value in full.items():
         if isinstance(value, bool) and key not in GENERIC_FIELDS and key != "tie_word_embeddings":
             try:
-                flipped = set(_meta_params(cls, config, **{key: not value}))
+                flipped = set(_meta_params(cls, config, **{**probe, key: not value}))
             except Exception:
                 continue
             for n in (names ^ flipped):
@@ -261,9 +278,10 @@ def _bias_controls(cls, config, full: dict, names: set) -> dict[str, str]:
     return controls
 
 
-def _find_layer(d: Draft, names: set, layer: str) -> _Layer:
-    """The attention and MLP projections and the norms of a layer, by their usual names; what does not fit a
-    Llama-like pre-norm layer is refused or put on the checklist."""
+def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _Layer:
+    """The attention and MLP projections and the norms of a layer, by their usual names (the MLP of the dense layers
+    where `moe` holds the sparse ones'); what does not fit a Llama-like pre-norm layer is refused or put on the
+    checklist."""
     arch = d.architecture
 
     def rel(n: str) -> str:
@@ -280,7 +298,8 @@ def _find_layer(d: Draft, names: set, layer: str) -> _Layer:
                            f"(GPT-NeoX `query_key_value`) needs a row layout in `weights`")
     attn_mod = (q or qkv_fused).rsplit(".", 1)[0] if (q or qkv_fused) else None
     o = _find({n for n in names if attn_mod and n.startswith(attn_mod + ".")}, layer, ATTN_NAMES["o"]) if attn_mod else None
-    rest = {n for n in names if not (attn_mod and n.startswith(attn_mod + "."))}   # the MLP is not the attention
+    # the MLP is not the attention, nor the experts, router or shared expert
+    rest = {n for n in names if not (attn_mod and n.startswith(attn_mod + ".")) and not (moe and n in moe.owned)}
     gate = _find(rest, layer, MLP_NAMES["gate"])
     up = _find(rest, layer, MLP_NAMES["up"])
     down = _find(rest, layer, MLP_NAMES["down"])
@@ -293,7 +312,7 @@ def _find_layer(d: Draft, names: set, layer: str) -> _Layer:
         raise DraftError(f"{arch}: no separate q/k/v/o projections found in the state_dict"
                          + (f" (fused: {', '.join(fused)}): write the attention and its `weights` row layout by hand"
                             if fused else ""))
-    if not ((up or gate_up_fused) and down):
+    if not ((up or gate_up_fused) and down) and moe is None:
         raise DraftError(f"{arch}: no up/down MLP projections found in the state_dict (a MoE or another MLP form: "
                          f"start from a spec in specs/ by hand)")
 
@@ -319,7 +338,10 @@ def _find_layer(d: Draft, names: set, layer: str) -> _Layer:
     embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings)\.weight$", n)), None)
     if final_norm is None or embed is None:
         raise DraftError(f"{arch}: cannot find the embedding or the final norm in the state_dict")
-    return _Layer(layer, q, k, v, qkv_fused, o, attn_mod, gate, up, down, gate_up_fused, down.rsplit(".", 1)[0],
+    if not ((up or gate_up_fused) and down):        # every layer sparse: no dense MLP
+        gate = up = down = gate_up_fused = None
+    mlp_mod = down.rsplit(".", 1)[0] if down else layer + moe.module
+    return _Layer(layer, q, k, v, qkv_fused, o, attn_mod, gate, up, down, gate_up_fused, mlp_mod,
                   attn_norm, mlp_norm, extra_norms, inner_norms)
 
 
@@ -432,9 +454,12 @@ def _act_field(full: dict) -> str | None:
 
 
 def _render(d: Draft, target: str, config_class: str, full: dict, names: set, controls: dict, layer: _Layer,
-            norm_kind: str, eps: str) -> str:
-    """The spec text: the checklist as comments, then config, decoder, lm_head, weights."""
+            norm_kind: str, eps: str, sparse: tuple = (None, {}, None)) -> str:
+    """The spec text: the checklist as comments, then config, decoder, lm_head, weights. `sparse`: (the MoE, its
+    block's field values, the condition of the sparse layers: None where every layer is)."""
     rel = layer.rel
+    moe, moe_fields, sparse_if = sparse
+    dense = layer.down is not None and not (moe is not None and sparse_if is None)    # a dense MLP on some layers
 
     def bias_flag(*mods: str) -> str:
         flags = {controls.get(m + ".bias") for m in mods}
@@ -454,8 +479,10 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
         d.checklist.append("no max_position_embeddings field: the rotary table length is a literal 8192")
     qb = bias_flag(q, layer.k, layer.v) if q else bias_flag(qkv_fused)
     ob = bias_flag(layer.o)
-    up_b = bias_flag(gate_up_fused) if gate_up_fused else bias_flag(*([layer.gate, layer.up] if gated else [layer.up]))
-    down_b = bias_flag(layer.down)
+    if dense:
+        up_b = bias_flag(gate_up_fused) if gate_up_fused else bias_flag(*([layer.gate, layer.up] if gated else
+                                                                          [layer.up]))
+        down_b = bias_flag(layer.down)
     tied = "lm_head.weight" not in names or "tie_word_embeddings" in full
     attn_name, mlp_name = rel(layer.attn_mod), rel(layer.mlp_mod)
     arch = d.architecture
@@ -502,8 +529,16 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
           f"        out: {{name: {layer.o.rsplit('.', 1)[1]}, bias: {ob}}}"]
     if "rope_theta" in d.symbols:
         L.append(f"        rotary: {{kind: neox, theta: rope_theta, max_position: {max_pos}, scaling: rope_scaling}}")
-    L += [f"      {rel(layer.mlp_norm)}: {norm}", f"      {mlp_name}:"]
-    if gated:
+    L.append(f"      {rel(layer.mlp_norm)}: {norm}")
+    # the MoE block: named as the module where every layer is sparse, else `moe` (one module with the dense MLP)
+    moe_name = None if moe is None else (moe.module if sparse_if is None or not dense else "moe")
+    if moe is not None:
+        L += render_block(moe, moe_fields, act_ref, moe_name)
+    if dense:
+        L.append(f"      {mlp_name}:")
+    if not dense:
+        pass
+    elif gated:
         L += ["        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
               f"        activation: {act_ref}",
               f"        gate_up: {{name: {gate_up_fused.rsplit('.', 1)[1] if gate_up_fused else 'gate_up_proj'}, "
@@ -514,14 +549,21 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
               f"        activation: {act_ref}",
               f"        up: {{name: {layer.up.rsplit('.', 1)[1]}, bias: {up_b}}}",
               f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
-    L += ["    dataflow:", f"      - {{norm: {rel(layer.attn_norm)}, block: {attn_name}}}",
-          f"      - {{norm: {rel(layer.mlp_norm)}, block: {mlp_name}}}",
+    if moe is not None and dense and sparse_if is not None:
+        mlp_step = [f"      - norm: {rel(layer.mlp_norm)}",
+                    f"        block: {{if: {json.dumps(sparse_if)}, then: {moe_name}, else: {mlp_name}, "
+                    f"name: {moe.module}}}"]
+    else:       # one block: the experts on every layer, or the dense MLP
+        mlp_step = [f"      - {{norm: {rel(layer.mlp_norm)}, block: {moe_name or mlp_name}}}"]
+    L += ["    dataflow:", f"      - {{norm: {rel(layer.attn_norm)}, block: {attn_name}}}", *mlp_step,
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
           + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
     fused = [(qkv_fused, qkv_fused, qb) if qkv_fused else
              (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
-    if gate_up_fused:
+    if not dense:
+        pass
+    elif gate_up_fused:
         fused.append((gate_up_fused, gate_up_fused, up_b))
     elif gated:
         fused.append((f"{layer.prefix}{mlp_name}.gate_up_proj", {"gate": layer.gate, "up": layer.up}, up_b))
@@ -534,6 +576,8 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
             L.append("    from:")
             for seg, src in parts.items():
                 L.append(f"      {seg}: {src}.{suffix}")
+    if moe is not None:
+        L += render_weights(moe)
     L += ["", "ignore_checkpoint_tensors:", "  - '.*rotary_emb\\.inv_freq$'"]
     if tied:
         L.append("  - '^lm_head\\.weight$'")

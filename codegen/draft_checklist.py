@@ -20,7 +20,7 @@ def other_fields(d: Draft, full: dict, controls: dict) -> None:
     read = set(d.symbols) | set(d.sources.values()) | {"rope_parameters", "rope_scaling", "rope_theta",
                                                         "num_key_value_heads"}
     for key, value in sorted(full.items()):
-        if key in read or key in GENERIC_FIELDS or key in d.symbols:
+        if key in read or key in GENERIC_FIELDS or key in d.symbols or key in d.ignore:
             continue
         low = key.lower()
         if any(w in low for w in IGNORE_WORDS):

@@ -222,6 +222,30 @@ def test_draft_of_fused_checkpoint_tensors_verifies(tiny_checkpoint, tmp_path):
     assert rc == 0, stdout + stderr
 
 
+def test_draft_of_moe_layers_verifies(tiny_checkpoint, tmp_path):
+    """Mixture-of-experts layers (the draft refused them): Mixtral's router and experts are saved under other names than
+    transformers holds them (block_sparse_moe.gate, experts.{e}.w1 / w3 / w2: the draft maps the names as saved, by
+    reverting transformers' own conversion), and its routing renormalizes with no config flag (read from the modeling
+    source); the drafted spec verifies. Qwen2-MoE: the shared expert with its sigmoid gate, and the dense layers that
+    `mlp_only_layers` / `decoder_sparse_step` choose (every default layer is sparse: a probe config shows the dense MLP)."""
+    ckpt = tiny_checkpoint("MixtralForCausalLM", overrides={})
+    out = tmp_path / "mixtral_draft.yaml"
+    rc, _, err = _cli("draft", str(ckpt), "-o", str(out), "--name", "mixtral_draft")
+    assert rc == 0, err
+    text = out.read_text()
+    assert "kind: moe" in text and "norm_topk_prob: true" in text and "experts.{e}.w1.weight" in text
+    assert "from: model.layers.{i}.block_sparse_moe.gate.weight" in text
+    rc, stdout, stderr = _cli("verify", str(out), str(ckpt), "--max-tokens", "6", "--prompt-lens", "4,12")
+    assert rc == 0, stdout + stderr
+    rc, out2, err = _cli("draft", "Qwen2MoeForCausalLM")
+    assert rc == 0, err
+    assert "shared_expert: {name: shared_expert, intermediate: shared_expert_intermediate_size, gate: " \
+           "shared_expert_gate}" in out2
+    assert 'block: {if: "layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0", then: moe, ' \
+           'else: mlp, name: mlp}' in out2
+    assert "gate: model.layers.{i}.mlp.shared_expert.gate_proj.weight" in out2
+
+
 def test_compiler_cli_does_not_import_transformers():
     """draft and verify import transformers / torch lazily: the compiler and `--help` stay light."""
     import subprocess
