@@ -112,6 +112,37 @@ def _mismatch(cls, config, hf: dict, field, name: str, what: str, null: bool = F
     return f"{what}: transformers' {cls.__name__} means {field} = {want!r}, the spec reads {name} = {got!r}"
 
 
+def _rope_mismatch(cls, config, base: dict, paths: list, name: str, arch: str) -> str | None:
+    """A rope symbol with its mapping absent from config.json: the rope type (and the scaling keys both hold) that
+    transformers' class fills in, against the spec's reading. CwmConfig fills in llama3 (factor 16, ...); a spec that
+    read the absent mapping as the plain rope served another model (a blind exercise found it by hand)."""
+    roots = [p.split(".")[0] for p in paths]
+    roots += [LEGACY_ROPE_MAPPING] if ROPE_MAPPING in roots else []
+    hf = {**_without(base, roots), "architectures": [arch]}
+    want = _held(cls, hf, [ROPE_MAPPING, LEGACY_ROPE_MAPPING])
+    if want is not None and not isinstance(want, dict):
+        return None         # a per-layer-type mapping of mappings, or another form: not judged here
+    try:
+        got = getattr(config.from_hf(json.loads(json.dumps(hf))), name)
+    except ValueError:      # refused by the guard: never served wrong
+        return None
+    want, got = dict(want or {}), dict(got or {})
+    from .resolver_config import HF_ROPE_TYPES     # transformers' rope type -> the rotary's kind the reader gives
+    kind_w = want.get("rope_type", want.get("type")) or "default"
+    kind_w = HF_ROPE_TYPES.get(kind_w, kind_w)
+    kind_g = got.get("rope_type", got.get("type")) or "default"
+    what = f"{' / '.join(paths)} absent"
+    if kind_w != kind_g:
+        return f"{what}: transformers' {cls.__name__} means rope type {kind_w!r} ({want}), the spec reads {name} = " \
+               f"{kind_g!r}"
+    differ = sorted(k for k, v in want.items() if k in got and k not in ("rope_type", "type", "rope_theta")
+                    and _is_num(v) and _is_num(got[k]) and float(v) != float(got[k]))
+    if differ:
+        return f"{what}: transformers' {cls.__name__} means {', '.join(f'{k} = {want[k]!r}' for k in differ)}, the " \
+               f"spec reads {', '.join(f'{k} = {got[k]!r}' for k in differ)} ({name})"
+    return None
+
+
 def _held(cls, hf: dict, ref):
     """What the config class holds at `ref` (a path or paths) for the config.json dict hf; None where it cannot
     build it."""
@@ -167,6 +198,9 @@ def _default_mismatches(ir_config, config, config_cls, base: dict, arch: str, sp
         none_absent = f.optional and f.default is None and f.default_expr is None
         name, typ, paths, values = f.name, f.type, list(f.paths), tuple(f.values or ())
         field = paths[0]
+        if typ == "rope" and not f.same_meaning:
+            wrong.append(_rope_mismatch(cls, config, base, paths, name, arch))
+            continue
         if typ == "rope" or field in NOT_MATH or f.same_meaning:     # the spec says why it reads it otherwise
             continue
         nested = "." in field

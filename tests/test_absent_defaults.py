@@ -28,7 +28,8 @@ from conformance import families as F
 from xllm_gen.codegen.defaults_check import default_mismatches
 
 # hunyuan_v1_moe: an `int | list[int]` field (moe_topk) read as a tuple symbol, which a scalar default must match
-DEFAULT_ARM = {"qwen3_next", "flint", "cohere_compass", "llama", "gemma2", "hunyuan_v1_moe"}
+# cwm / gpt_oss: the rope arm (their config classes fill in a scaled rope where config.json has no mapping)
+DEFAULT_ARM = {"qwen3_next", "flint", "cohere_compass", "llama", "gemma2", "hunyuan_v1_moe", "cwm", "gpt_oss"}
 
 
 def _plans():
@@ -112,3 +113,27 @@ def test_a_default_that_hangs_on_a_flag_is_probed_with_the_flag_flipped(tmp_path
         model = _import_compiled(compiled.files, compiled.ir.name, tmp_path)[0]
         found = default_mismatches(compiled.ir.config, model.Config, cls, base, "Qwen3ForCausalLM", "q")
         assert bool(found) == wrong and all("use_sliding_window = True" in w for w in found), found
+
+
+@pytest.mark.slow      # two compiles of cwm (~15 s); the default arm runs the shipped cwm / gpt_oss through the rope arm
+def test_an_absent_rope_mapping_means_the_class_rope(tmp_path):
+    """CwmConfig fills in Llama 3 scaling (factor 16, ...) where config.json has no rope mapping; the spec read the
+    absent mapping as the plain rope and served another model (found by a blind exercise: verify failed from layer 0
+    while its defaults check said "agree", as rope symbols were not checked). The rope arm reports that reading and
+    passes the shipped spec (the llama3 mapping as the symbol's default)."""
+    import transformers
+
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.verify import _import_compiled
+    cls = transformers.CwmConfig
+    base = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16).to_dict()
+    shipped = Path(__file__).resolve().parents[1] / "specs" / "cwm.yaml"
+    plain = tmp_path / "c.yaml"
+    plain.write_text(f"extends: {shipped}\nname: c_plain\nclass_prefix: CPlain\n"
+                     "config:\n  rope_scaling: {default: ~}\n")
+    for spec, wrong in ((shipped, False), (plain, True)):
+        compiled = compile_spec(spec)
+        model = _import_compiled(compiled.files, compiled.ir.name, tmp_path)[0]
+        found = default_mismatches(compiled.ir.config, model.Config, cls, base, "CwmForCausalLM", "c")
+        assert bool(found) == wrong and all("rope type 'frequency_bands'" in w for w in found), found
