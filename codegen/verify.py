@@ -129,26 +129,51 @@ def _decoder_layers(model, n_layers: int):
     return list(found[0][1])
 
 
-class _Recorder:
-    """Forward hooks on decoder layers: the residual stream after each layer, of the first forward call."""
+def _final_norm(model, name: str | None):
+    """The final norm module `name` of a transformers model (the module of the checkpoint tensor the spec's final
+    norm weight loads from), or the engine's decoder `model.norm`; None where there is none."""
+    if name is None:
+        return None
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
-    def __init__(self, layers, engine: bool):
+
+def _final_norm_name(ir) -> str | None:
+    """The module the spec's final norm weight is read from (`model.norm`, GPT-2's `transformer.ln_f`)."""
+    if ir.norm is None:
+        return None
+    src = next((w.sources[0] for w in ir.weights if w.param.name == "model.norm.weight" and len(w.sources) == 1),
+               "model.norm.weight")
+    return src[: -len(".weight")] if src.endswith(".weight") and "{" not in src else None
+
+
+class _Recorder:
+    """Forward hooks on decoder layers: the residual stream after each layer, of the first forward call; with `tail`,
+    the output of that module (the final norm) as one more stage."""
+
+    def __init__(self, layers, engine: bool, tail=None):
         self.engine = engine
         self.out: dict[int, Any] = {}
         self.armed = False
         self.handles = [l.register_forward_hook(self._hook(i)) for i, l in enumerate(layers)]
+        if tail is not None and layers:
+            self.handles.append(tail.register_forward_hook(self._hook(len(layers), stream=False)))
 
-    def _hook(self, i):
+    def _hook(self, i, stream: bool = True):
         def hook(module, args, output):
             if not self.armed or i in self.out:
                 return
+            if not stream:              # the final norm: its output (the engine's norm returns (out, residual))
+                output = output[0] if isinstance(output, (tuple, list)) else output
             if isinstance(output, (tuple, list)):      # (a list: transformers' GPT-1 blocks return [h, ...])
                 h = output[0]
                 if self.engine and len(output) > 1 and output[1] is not None:
                     h = h + output[1]        # the generated layers return (hidden, running residual)
             else:
                 h = output
-            scale = getattr(module, "stream_scale", 1.0) if self.engine else 1.0
+            scale = getattr(module, "stream_scale", 1.0) if self.engine and stream else 1.0
             if scale != 1.0:
                 # a layer that scales the whole stream after itself (layers.stream_scale) does so where transformers
                 # scales it outside its block, after the block's hook: compare the stream before that scale (the
@@ -238,7 +263,12 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             report.refused = f"the spec's config guard: {e}"
             return report
         text_cfg = hf_cfg.get("text_config") if isinstance(hf_cfg.get("text_config"), dict) else hf_cfg
-        n_layers = int(text_cfg.get("num_hidden_layers", getattr(config, "num_hidden_layers", 0)))
+        # the decoder layers the spec builds (LongCat-Flash: num_layers, where transformers' num_hidden_layers is
+        # twice that: its sublayers), else config.json's count
+        try:
+            n_layers = int(ir.layer.count.eval(vars(config)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            n_layers = int(text_cfg.get("num_hidden_layers", getattr(config, "num_hidden_layers", 0)))
 
         # the reference: the architecture's class, or the class config.json's model_type names where that reads the
         # config with another config class (transformers' Auto classes and vLLM's config parsing follow model_type)
@@ -286,12 +316,17 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         prompts = [allowed[rng.integers(0, len(allowed), n)].tolist() for n in prompt_lens]
         allowed_set = set(allowed.tolist())
 
+        cached_logits: dict = {}      # prompt -> transformers' cached generate's logits of each step
+
         def hf_greedy(ids):
             x = torch.tensor([ids], device=device)
             with torch.no_grad():
                 out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)
-            return out[0, len(ids):].tolist()
+                                  do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True)
+            if getattr(out, "logits", None):
+                cached_logits[tuple(ids)] = torch.cat([l.float() for l in out.logits])
+            return out.sequences[0, len(ids):].tolist()
 
         if not n_layers:    # a config whose layer count is derived (NemotronH: len(layers_block_type))
             n_layers = int(getattr(hf.config.get_text_config(), "num_hidden_layers", 0) or 0)
@@ -299,12 +334,22 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             hf_layers = _decoder_layers(hf, n_layers)
         except VerifyError:     # a looped decoder (HRM-Text): no list of its executed layers, so greedy tokens only
             hf_layers = None
-        hf_rec = _Recorder(hf_layers or [], engine=False)
-        hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen and hf_layers else [], engine=False)
+            report.notes.append(f"per-layer comparison: not run (transformers' {type(hf).__name__} has no list of the "
+                                f"{n_layers} decoder layers the spec builds); the tokens and log-probabilities are "
+                                f"compared, a divergence is not located")
+        # the final norm, a stage after the last layer, where both sides have it (a wrong final eps moved the
+        # log-probabilities by 4e-6, under their bound: a blind exercise's wrong spec passed)
+        norm_name = _final_norm_name(ir)
+        hf_tail = _final_norm(hf, norm_name)
+        report.final_norm = hf_tail is not None and bool(hf_layers)
+        hf_rec = _Recorder(hf_layers or [], engine=False, tail=hf_tail)
+        hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen and hf_layers else [], engine=False,
+                             tail=_final_norm(hf16, norm_name) if sixteen and hf_tail is not None else None)
         # float32 on the CPU, no --atol: transformers' float64 run measures its own float32 error, the yardstick
         hf64 = (float64_reference(cls, ckpt, hf, {**extra, **remote}, report)
                 if not sixteen and rtol is None and device == "cpu" else None)
-        hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None and hf_layers else [], engine=False)
+        hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None and hf_layers else [], engine=False,
+                             tail=_final_norm(hf64, norm_name) if hf64 is not None and hf_tail is not None else None)
 
         from xllm_gen import LLM, SamplingParams
         with _served_by(model_module, runner_module, Path(tmp), ir.name, tensor_parallel_size):
@@ -330,7 +375,17 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                          max_model_len=max_len, max_num_seqs=4) if sixteen and moe_layers(eng_model) else None)
         try:
             report.notes += _unexercised(eng_model, max(prompt_lens) + max_tokens)
-            eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True)
+            eng_tail = _final_norm(eng_model, "model.norm") if report.final_norm else None
+            if report.final_norm and eng_tail is None:
+                hf_rec.remove()      # no engine norm to compare with: the layers only
+                hf_rec = _Recorder(hf_layers, engine=False)
+                hf16_rec.remove()
+                hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen else [], engine=False)
+                hf64_rec.remove()
+                hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None else [], engine=False)
+                report.final_norm = False
+            eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True,
+                                tail=eng_tail)
             greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROB_TOP)
             one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=LOGPROB_TOP,
                                  prompt_logprobs=LOGPROB_TOP)
@@ -410,6 +465,18 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 mine = eng_rec.take()
                 lp_err, lp_bad = _logprob_error(hf_logits, out, lp_tol, tie)
                 step_err, step_bad = _step_logprob_error(hf_logits, len(ids), want, got_out, lp_tol, free_tie)
+                if step_bad is not None and tuple(ids) in cached_logits and free_tie is None:
+                    # transformers' cached generate may itself differ from its uncached forward (Doge's top-k of
+                    # per-key biases breaks a tie otherwise on the shorter cached row): decode steps that follow the
+                    # cached reference within the bound are transformers' own disagreement, as for greedy tokens
+                    c_err, c_bad = _step_logprob_error(cached_logits[tuple(ids)], 1, want, got_out, lp_tol)
+                    if c_bad is None:
+                        report.notes.append(
+                            f"prompt {len(report.prompts)}: the decode steps' log-probabilities differ from "
+                            f"transformers' uncached forward from step {step_bad} ({step_err:.1e}) but follow its "
+                            f"cached generate (max error {c_err:.1e}): transformers' cache disagrees with its own "
+                            f"forward there")
+                        step_err, step_bad = c_err, None
                 layers = []
                 for l, (a, b) in enumerate(zip(ref, mine)):
                     if a.shape != b.shape:

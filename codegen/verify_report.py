@@ -74,6 +74,12 @@ class Report:
     tp: int = 1                    # the engine's tensor parallel size
     defaults_checked: str = ""     # the config class the defaults were checked against ("" : not checked)
     notes: list = dataclasses.field(default_factory=list)   # what this run could not exercise (never a failure)
+    final_norm: bool = False       # the last compared stage is the final norm's output, after the layers
+
+    def stage(self, index: int) -> str:
+        """The name of compared stage `index`: a layer's number, or `norm` (the final norm, after the last layer)."""
+        n = len(self.prompts[0].layers) if self.prompts else 0
+        return "norm" if self.final_norm and index == n - 1 else str(index)
 
     @property
     def ok(self) -> bool:
@@ -109,8 +115,9 @@ class Report:
         lines += [f"note: {n}" for n in self.notes]
         n_layers = len(self.prompts[0].layers) if self.prompts else 0
         worst = [max((p.layers[l].max_rel for p in self.prompts), default=0.0) for l in range(n_layers)]
-        lines.append("per-layer max relative error (teacher-forced, all prompts): "
-                     + " ".join(f"{l}:{w:.1e}" for l, w in enumerate(worst)))
+        if n_layers:
+            lines.append("per-layer max relative error (teacher-forced, all prompts): "
+                         + " ".join(f"{self.stage(l)}:{w:.1e}" for l, w in enumerate(worst)))
         for i, p in enumerate(self.prompts):
             d = p.first_token_diff
             lines.append(f"prompt {i} ({p.prompt_len} tokens): greedy tokens "
@@ -128,7 +135,7 @@ class Report:
                             f" DIFFER from position {p.logprob_bad_position} (> {p.logprob_tol or LOGPROB_TOL[self.dtype]:.2g}"
                             + ("" if any(e.first_bad_position is not None for e in p.layers) else
                                ": every layer agrees, so after the last layer: final norm, lm_head, logit scale / "
-                               "soft-cap") + ")")
+                               "soft-cap" if p.layers else ": no layer was compared, so it is not located") + ")")
                          + f"; decode steps' log-probabilities max error {p.step_logprob_err:.1e}"
                          + ("" if p.step_logprob_bad is None else
                             f" DIFFER from step {p.step_logprob_bad} (> {p.logprob_tol or LOGPROB_TOL[self.dtype]:.2g}: the decode path "
@@ -142,7 +149,8 @@ class Report:
         first = self.first_divergence()
         if first is not None:
             i, p, e = first
-            lines.append(f"first divergence: layer {e.layer}, position {e.first_bad_position} (prompt {i}, "
+            lines.append(f"first divergence: {'the final norm' if self.stage(e.layer) == 'norm' else f'layer {e.layer}'}, "
+                         f"position {e.first_bad_position} (prompt {i}, "
                          f"{p.prompt_len} prompt tokens + continuation): max error {e.max_abs:.3e} "
                          f"(relative {e.max_rel:.3e} > {e.tol or self.tol:.2g})")
         lines.append("OK" if self.ok else "FAIL")

@@ -547,3 +547,38 @@ def test_verify_fails_where_transformers_left_a_tensor_at_random_init(tmp_path):
                prompt_lens=[4])
     assert not r.ok, r.text()
     assert any("did not find" in n and "backbone.embeddings.weight" in n for n in r.notes), r.notes
+
+
+def test_verify_notes_on_a_checkpoint_with_an_empty_tensor(tmp_path):
+    """A tensor of zero elements (transformers saves a [0, hidden] shared expert where num_shared_experts is 0) is no
+    loading change: the check of transformers' loaded weights failed on it with a bare `max(): Expected reduction dim`
+    (a blind exercise), instead of letting the spec's refusal name the tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    from xllm_gen.codegen.verify_compare import loaded_weights_note
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+            self.w = torch.nn.Parameter(torch.ones(2, 4))
+
+    save_file({"empty": torch.zeros(0, 4), "w": torch.ones(2, 4)}, str(tmp_path / "model.safetensors"))
+    assert loaded_weights_note(M(), tmp_path) == []
+    save_file({"empty": torch.zeros(0, 4), "w": 2 * torch.ones(2, 4)}, str(tmp_path / "model.safetensors"))
+    assert "w (max |value| 2x" in " ".join(loaded_weights_note(M(), tmp_path))
+
+
+@pytest.mark.slow       # one verify of a LongCat-Flash checkpoint (~40 s)
+def test_verify_compares_the_layers_the_spec_builds_and_the_final_norm(tiny_checkpoint):
+    """LongCat-Flash's config counts num_layers decoder layers, each two sublayers (transformers' num_hidden_layers is
+    twice that): verify looked for a list of num_hidden_layers modules, compared no layer and blamed "after the last
+    layer" for a wrong latent eps (a blind exercise). It now takes the spec's own layer count, and compares the final
+    norm's output as one more stage."""
+    ckpt = tiny_checkpoint("LongcatFlashForCausalLM", overrides={})
+    rc, out, err = _cli("verify", str(ROOT / "specs" / "longcat_flash.yaml"), str(ckpt), "--max-tokens", "4",
+                        "--prompt-lens", "4,12")
+    assert rc == 0, out + err
+    line = next(l for l in out.splitlines() if l.startswith("per-layer max relative error"))
+    assert " 0:" in line and " 1:" in line and " norm:" in line, line
