@@ -127,7 +127,7 @@ def _rope_mismatch(cls, config, base: dict, paths: list, name: str, arch: str) -
     except ValueError:      # refused by the guard: never served wrong
         return None
     want, got = dict(want or {}), dict(got or {})
-    from .resolver_config import HF_ROPE_TYPES     # transformers' rope type -> the rotary's kind the reader gives
+    from .resolver_config import HF_ROPE_TYPES  # transformers' rope type -> the rotary's kind the reader gives
     kind_w = want.get("rope_type", want.get("type")) or "default"
     kind_w = HF_ROPE_TYPES.get(kind_w, kind_w)
     kind_g = got.get("rope_type", got.get("type")) or "default"
