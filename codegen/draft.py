@@ -40,11 +40,11 @@ CORE = {
 EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon", "norm_eps")
 ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
 ATTN_NAMES = {"q": ("q_proj", "query", "Wq"), "k": ("k_proj", "key", "Wk"), "v": ("v_proj", "value", "Wv"),
-              "o": ("o_proj", "dense", "out_proj", "c_proj")}
+              "o": ("o_proj", "dense", "out_proj", "c_proj", "Wo")}
 FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv")
-FUSED_GATE_UP = ("gate_up_proj",)
+FUSED_GATE_UP = ("gate_up_proj", "Wi")
 MLP_NAMES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3", "fc1", "c_fc", "dense_h_to_4h"),
-             "down": ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h")}
+             "down": ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h", "Wo")}
 
 
 class DraftError(SpecError):
@@ -309,9 +309,11 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _La
                            f"it as [gate | up] stacked in that order (Phi-3's layout); check the modeling file's chunk")
     if not ((q and k and v) or qkv_fused) or not o:
         fused = sorted(n for n in names if n.startswith(layer) and re.search(r"(qkv|query_key_value|c_attn)", n))
+        found = ", ".join(f"{r} = {rel(m)}" for r, m in (("q", q), ("k", k), ("v", v), ("o", o)) if m)
         raise DraftError(f"{arch}: no separate q/k/v/o projections found in the state_dict"
                          + (f" (fused: {', '.join(fused)}): write the attention and its `weights` row layout by hand"
-                            if fused else ""))
+                            if fused else f" (found: {found or 'none'}; the names tried: "
+                                          f"{', '.join(sum(ATTN_NAMES.values(), ()))})"))
     if not ((up or gate_up_fused) and down) and moe is None:
         raise DraftError(f"{arch}: no up/down MLP projections found in the state_dict (a MoE or another MLP form: "
                          f"start from a spec in specs/ by hand)")
@@ -330,12 +332,15 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _La
     if inner_norms:
         d.checklist.append(f"norms inside a block: {', '.join(rel(m) for m in inner_norms)}: q/k norms -> "
                            f"attention `qk_norm`, check per-head or whole-projection, before or after rotary")
+    if not layer_norms:
+        raise DraftError(f"{arch}: no norm parameters in a decoder layer: weightless norms (`weight: false`) or none;"
+                         f" write the norms and the dataflow by hand")
     if attn_norm is None or mlp_norm is None:
         raise DraftError(f"{arch}: cannot tell the two pre-norms of a layer among {', '.join(map(rel, layer_norms))}"
                          f": not a pre-norm decoder layer, write the dataflow by hand")
     final_norm = next((n.rsplit(".", 1)[0] for n in sorted(names) if not n.startswith(layer.split("{i}")[0])
                        and re.search(r"norm|(^|\.)ln_f\.", n) and n.endswith(".weight")), None)
-    embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings)\.weight$", n)), None)
+    embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings|tok_embeddings)\.weight$", n)), None)
     if final_norm is None or embed is None:
         raise DraftError(f"{arch}: cannot find the embedding or the final norm in the state_dict")
     if not ((up or gate_up_fused) and down):        # every layer sparse: no dense MLP

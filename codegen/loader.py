@@ -175,6 +175,11 @@ def _value_error(path, errs, data, smap) -> SpecError:
     where = _dotted(path)
     value = err.get("input")
     etype = err["type"]
+    if value is None and len(path) == 2 and path[0] == "variants":
+        # `~` deletes an inherited entry (under `extends`); here nothing was inherited under that name
+        return SpecError(f"{where}: is null: `~` deletes a variant inherited through `extends`, and no spec this one "
+                         f"extends has a variant '{path[1]}'; give its config values, or remove the entry",
+                         smap.value(path))
     if etype in ("union_tag_invalid", "union_tag_not_found"):
         kinds = re.findall(r"'([^']+)'", str(err.get("ctx", {}).get("expected_tags", "")))
         if etype == "union_tag_not_found":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from .expr import is_symbol
 from .ir import (
     MLAIR,
     MLPIR,
@@ -108,6 +109,10 @@ class HeadResolver:
     def resolve_lm_head(self, embed: EmbeddingIR) -> LMHeadIR:
         h = self.spec.lm_head
         p = ("lm_head",)
+        if isinstance(h.tie, str) and not is_symbol(h.tie):
+            # the tied head's parameter exists per checkpoint by one symbol; an expression here was rendered as no tie
+            raise self.err(p + ("tie",), f"lm_head.tie: '{h.tie}' is an expression; tie takes true, false or a bool "
+                                         f"symbol: derive one (`tied: {{type: bool, expr: \"{h.tie}\"}}`) and name it")
         head = LMHeadIR("lm_head", self.dim(p + ("vocab",), h.vocab), self.dim(p + ("dim",), h.dim),
                         self.flag(p + ("tie",), h.tie),
                         self.positive(p + ("softcap",), h.softcap, optional=True) if h.softcap is not None else None,

@@ -591,3 +591,24 @@ def test_sliding_window_absent_under_use_sliding_window(family):
             want = cfg_cls(**hf).sliding_window
             got = Config.from_hf(hf).sliding_window
             assert (got if flag else None) == want, (family, flag, window, got, want)
+
+
+def test_a_tie_expression_is_refused_naming_the_way(tmp_path):
+    """`lm_head.tie` takes true, false or a bool symbol (the head's parameter exists per checkpoint by that symbol); an
+    expression was rendered as no tie at all, and the only error said its symbol was unused (a blind exercise)."""
+    spec = tmp_path / "t.yaml"
+    spec.write_text(f"extends: {Path(__file__).resolve().parents[1] / 'specs' / 'llama.yaml'}\nname: t_tie\n"
+                    "class_prefix: TTie\nlm_head: {tie: \"not tie_word_embeddings\"}\n")
+    err = _compile_error(spec)
+    assert "lm_head.tie" in str(err) and "derive one" in str(err), str(err)
+
+
+def test_a_null_variant_without_an_inherited_one_says_what_null_means(tmp_path):
+    """`variants: {X: ~}` deletes an inherited variant; in a spec that inherits none it was a bare "expected a valid
+    dictionary, got None" (a blind exercise)."""
+    src = (Path(__file__).resolve().parents[1] / "specs" / "llama.yaml").read_text()
+    spec = tmp_path / "v.yaml"
+    spec.write_text(src.replace("name: llama", "name: v_null").replace("class_prefix: Llama", "class_prefix: VNull")
+                    + "  NotInherited: ~\n")
+    err = _compile_error(spec)
+    assert "variants.NotInherited" in str(err) and "inherited through `extends`" in str(err), str(err)
