@@ -17,6 +17,8 @@ from .errors import SpecError
 EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_k", "moe_topk", "top_k_experts",
                 "router_top_k")
+# size fields that are never an expert's width, whatever their value
+NOT_WIDTHS = ("hidden_size", "vocab_size", "head_dim", "max_position_embeddings", "num_hidden_layers")
 # per-expert projection names in checkpoints: (gate, up, down)
 EXPERT_PROJ = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
 # config fields that choose the sparse layers, as the expressions the families' modeling code uses
@@ -262,9 +264,10 @@ def moe_symbols(d, moe: MoE, full: dict, source: str = "") -> dict:
         out["top_k"] = "2"
         d.checklist.append("no config field for the experts per token found: top_k is a literal 2 (check the "
                            "modeling file)")
+    # the field of that value, an MLP width by its name (GPT-OSS's hidden_size equals its intermediate_size)
     inter = sorted((f for f, v in full.items() if v == moe.intermediate and isinstance(v, int)
-                    and not isinstance(v, bool) and "size" in f),
-                   key=lambda f: (not ("moe" in f or "expert" in f), f))
+                    and not isinstance(v, bool) and "size" in f and f not in NOT_WIDTHS),
+                   key=lambda f: (not ("moe" in f or "expert" in f), not ("intermediate" in f or "ffn" in f), f))
     if inter:
         d.symbols.setdefault(inter[0], f"{{type: int, from: {inter[0]}}}")
         out["intermediate"] = inter[0]

@@ -92,7 +92,7 @@ class Mamba(RecurrentMixer):
     activation), `x_proj` (intermediate -> time_step_rank + 2 state_size: dt | B | C, no bias), optional RMSNorms of
     dt, B, C (`dt_layernorm`, `b_layernorm`, `c_layernorm`; `inner_norm`: None, "weightless" (FalconMamba) or "weight"
     (Jamba), eps `inner_eps`), `dt_proj` (time_step_rank -> intermediate, with bias) and softplus, the selective scan
-    with A = -exp(A_log) [intermediate, state_size] and the D skip, y * act(z). TP splits the channels (intermediate):
+    with A = -exp(A_log) [intermediate, state_size] and the D skip, y * silu(z) (SiLU whatever `activation` says). TP splits the channels (intermediate):
     in_proj's x and z, the conv, dt_proj's output, A_log, D and the output projection's input; x_proj's input is a
     rank's channels, so its output (dt | B | C, replicated) is summed over the ranks (one all-reduce, a row-parallel
     linear).
