@@ -411,9 +411,10 @@ def test_variant_value_refused_by_the_generated_config_is_located(workdir):
 
 
 def test_expression_failing_on_a_variant_is_located(workdir):
-    """An expression that fails on a variant's values (found by the fuzzer: lm_head.tie "hidden_size // 0") is a
-    spec error at that variant, not an internal error."""
-    raw = (ROOT / "specs" / "qwen3.yaml").read_text().replace("tie: tie_word_embeddings}", 'tie: "hidden_size // 0"}')
-    assert '"hidden_size // 0"' in raw
+    """An expression that fails on a variant's values (found by the fuzzer: lm_head.tie "hidden_size // 0"; tie now
+    refuses any expression, so the rotary's theta carries it) is a spec error at that variant, not an internal
+    error."""
+    raw = (ROOT / "specs" / "qwen3.yaml").read_text().replace("theta: rope_theta,", 'theta: "rope_theta // 0",')
+    assert '"rope_theta // 0"' in raw
     rc, err = run_cli(_write(workdir, "div0.yaml", raw.encode()), workdir / "out")
     assert rc != 0 and "division by zero" in err and "internal error" not in err and "variants." in err, err
