@@ -376,6 +376,7 @@ def test_shared_expert_matters(zeroed, tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.slow       # a TP 2 process group (~4 s); the per-rank expert split is checked by the default loader tests
 def test_expert_parallel_matches_hf_at_tp2(tiny_checkpoint, tmp_path, tmp_path_factory, monkeypatch):
     """The same model with `parallel: expert` (whole experts per rank), compiled from a child spec into a user
     generated/ dir (XLLM_GEN_PATH), serves the tiny checkpoint at TP 2 with HF's greedy tokens."""

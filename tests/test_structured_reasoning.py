@@ -119,6 +119,7 @@ def test_tags_that_are_not_single_tokens_fall_back(llm):
 
 
 @pytest.mark.engine
+@pytest.mark.slow       # a server round trip (~7 s); the engine-level arms above cover the constraint itself
 def test_server_constrains_after_the_reasoning(ckpt, llm):
     """`--reasoning-parser qwen3` and a template that opens the thinking: response_format json_schema holds after
     </think>; the reply's content is the JSON, its reasoning_content the (here empty) reasoning."""

@@ -597,6 +597,7 @@ def test_qwen3_vl_static_checks(qwen3_vl_tied, no_meta_leak):
 
 
 @pytest.mark.vl
+@pytest.mark.slow       # a TP 2 process group of the VL model (~4 s); the text TP 2 parity stays in the default run
 def test_qwen3_vl_tp2_matches_tp1_and_hf(qwen3_vl_tied, make_llm):
     """Images and a video at TP=2 (vision inputs travel with the step description to rank 1): greedy
     tokens identical to TP=1 and to HF."""
