@@ -163,7 +163,9 @@ class _Recorder:
 
     def _hook(self, i, stream: bool = True):
         def hook(module, args, output):
-            if not self.armed or i in self.out:
+            # the final norm in transformers: its last call of the forward (NanoChat's one weightless `norm` module
+            # also normalizes the embeddings first)
+            if not self.armed or (i in self.out and (stream or self.engine)):
                 return
             if not stream:              # the final norm: its output (the engine's norm returns (out, residual))
                 output = output[0] if isinstance(output, (tuple, list)) else output
