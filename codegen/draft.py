@@ -539,18 +539,15 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     moe_name = None if moe is None else (moe.module if sparse_if is None or not dense else "moe")
     if moe is not None:
         L += render_block(moe, moe_fields, act_ref, moe_name)
-    if dense:
-        L.append(f"      {mlp_name}:")
-    if not dense:
-        pass
-    elif gated:
-        L += ["        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
+    if dense and gated:
+        L += [f"      {mlp_name}:", "        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
               f"        activation: {act_ref}",
               f"        gate_up: {{name: {gate_up_fused.rsplit('.', 1)[1] if gate_up_fused else 'gate_up_proj'}, "
               f"segments: [gate, up], bias: {up_b}}}",
               f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
-    else:
-        L += ["        kind: mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
+    elif dense:
+        L += [f"      {mlp_name}:", "        kind: mlp", "        hidden: hidden_size",
+              "        intermediate: intermediate_size",
               f"        activation: {act_ref}",
               f"        up: {{name: {layer.up.rsplit('.', 1)[1]}, bias: {up_b}}}",
               f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
@@ -566,11 +563,9 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
           + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
     fused = [(qkv_fused, qkv_fused, qb) if qkv_fused else
              (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
-    if not dense:
-        pass
-    elif gate_up_fused:
+    if dense and gate_up_fused:
         fused.append((gate_up_fused, gate_up_fused, up_b))
-    elif gated:
+    elif dense and gated:
         fused.append((f"{layer.prefix}{mlp_name}.gate_up_proj", {"gate": layer.gate, "up": layer.up}, up_b))
     for target_name, parts, b in fused:
         for suffix in ("weight", "bias") if b != "false" else ("weight",):

@@ -174,6 +174,8 @@ def _interpret(*args) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow       # ~8 s interpreted; the whole-layer kernel is off by default (XLLM_LAYER_KERNEL; slower than the
+# default path on the H100 / H200), and tests/gpu/test_gpu_layer_kernel.py runs it on a GPU
 def test_layer_kernel_matches_reference_layer():
     res = _interpret("kernels")
     assert len(res) == 7 + 4, sorted(res)
