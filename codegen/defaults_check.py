@@ -20,6 +20,8 @@ import json
 from xllm_gen.runtime.loading.hf_config import _is_num
 from xllm_gen.runtime.rope_kinds import LEGACY_ROPE_MAPPING, ROPE_MAPPING
 
+from .resolver_config import HF_ROPE_TYPES  # transformers' rope type -> the rotary kind the config reader gives
+
 # identity and generation-stop fields (the engine also reads generation_config.json), not the math
 NOT_MATH = {"eos_token_id", "bos_token_id", "pad_token_id", "model_type"}
 
@@ -127,7 +129,6 @@ def _rope_mismatch(cls, config, base: dict, paths: list, name: str, arch: str) -
     except ValueError:      # refused by the guard: never served wrong
         return None
     want, got = dict(want or {}), dict(got or {})
-    from .resolver_config import HF_ROPE_TYPES  # transformers' rope type -> the rotary's kind the reader gives
     kind_w = want.get("rope_type", want.get("type")) or "default"
     kind_w = HF_ROPE_TYPES.get(kind_w, kind_w)
     kind_g = got.get("rope_type", got.get("type")) or "default"

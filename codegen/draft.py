@@ -25,10 +25,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .draft_checklist import other_fields, source_hints, unused_parameters
-from .draft_moe import MoE, find_moe, moe_symbols, render_block, render_weights, sparse_condition
+from .draft_moe import MoE, find_moe, moe_symbols, sparse_condition
+from .draft_render import _act_field, _render, _yaml_scalar
 from .errors import SpecError
 
 # config.json field -> (symbol, type) for the sizes every decoder has (the draft's fixed vocabulary)
@@ -38,7 +38,6 @@ CORE = {
     "max_position_embeddings": "int", "tie_word_embeddings": "bool", "eos_token_id": "int_tuple",
 }
 EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon", "norm_eps")
-ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
 ATTN_NAMES = {"q": ("q_proj", "query", "Wq"), "k": ("k_proj", "key", "Wk"), "v": ("v_proj", "value", "Wv"),
               "o": ("o_proj", "dense", "out_proj", "c_proj", "Wo")}
 FUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv")
@@ -68,21 +67,6 @@ class Draft:
 def _snake(cls_name: str) -> str:
     base = re.sub(r"(ForCausalLM|LMHeadModel)$", "", cls_name)
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower() or "model"
-
-
-def _yaml_scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if v is None:
-        return "~"
-    if isinstance(v, float):
-        text = repr(v)
-        return text if ("." in text or "e" in text or "inf" in text or "nan" in text) else text + ".0"
-    if isinstance(v, (int,)):
-        return str(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    return json.dumps(v)
 
 
 def _load(target: str):
@@ -150,10 +134,6 @@ def _meta_params(cls, config, **changes) -> dict[str, tuple]:
     if getattr(cfg, "tie_word_embeddings", False):
         out.pop("lm_head.weight", None)
     return out
-
-
-def rel_layer(name: str, layer: str) -> str:
-    return name[len(layer):] if name.startswith(layer) else name
 
 
 def _find(names: set, layer: str, options) -> str | None:
@@ -452,134 +432,3 @@ def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
         d.symbols[act_field] = f"{{type: str, from: {act_field}, default: {act}, values: [{', '.join(acts)}]}}"
     else:
         d.checklist.append("no activation field in the config: the draft uses silu (check the modeling file)")
-
-
-def _act_field(full: dict) -> str | None:
-    return next((f for f in ACT_FIELDS if f in full), None)
-
-
-def _render(d: Draft, target: str, config_class: str, full: dict, names: set, controls: dict, layer: _Layer,
-            norm_kind: str, eps: str, sparse: tuple = (None, {}, None)) -> str:
-    """The spec text: the checklist as comments, then config, decoder, lm_head, weights. `sparse`: (the MoE, its
-    block's field values, the condition of the sparse layers: None where every layer is)."""
-    rel = layer.rel
-    moe, moe_fields, sparse_if = sparse
-    dense = layer.down is not None and not (moe is not None and sparse_if is None)    # a dense MLP on some layers
-
-    def bias_flag(*mods: str) -> str:
-        flags = {controls.get(m + ".bias") for m in mods}
-        present = {(m + ".bias") in names for m in mods}
-        if len(flags) > 1 or len(present) > 1:
-            d.checklist.append(f"the biases of {', '.join(rel(m) for m in mods)} are controlled by different flags "
-                               f"({', '.join(sorted(str(f) for f in flags))}): one flag per fused projection")
-        flag = next(iter(flags))
-        if flag:
-            d.symbols[flag] = f"{{type: bool, from: {flag}, default: {_yaml_scalar(full.get(flag))}}}"
-            return flag
-        return "true" if all(present) else "false"
-
-    q, qkv_fused, gate_up_fused, gated = layer.q, layer.qkv_fused, layer.gate_up_fused, layer.gated
-    max_pos = "max_position_embeddings" if "max_position_embeddings" in d.symbols else "8192"
-    if max_pos == "8192" and "rope_theta" in d.symbols:
-        d.checklist.append("no max_position_embeddings field: the rotary table length is a literal 8192")
-    qb = bias_flag(q, layer.k, layer.v) if q else bias_flag(qkv_fused)
-    ob = bias_flag(layer.o)
-    if dense:
-        up_b = bias_flag(gate_up_fused) if gate_up_fused else bias_flag(*([layer.gate, layer.up] if gated else
-                                                                          [layer.up]))
-        down_b = bias_flag(layer.down)
-    tied = "lm_head.weight" not in names or "tie_word_embeddings" in full
-    attn_name, mlp_name = rel(layer.attn_mod), rel(layer.mlp_mod)
-    arch = d.architecture
-    L = []
-    L.append(f"# CHECKLIST: drafted by `xllm-gen draft {target}` from transformers' {arch} (config class "
-             f"{config_class}).")
-    L.append("# A draft is a first guess of a Llama-like pre-norm decoder. Before trusting it, decide each item, then")
-    L.append("# run: xllm-gen --dry-run THIS.yaml && xllm-gen verify THIS.yaml CHECKPOINT_DIR")
-    for item in d.checklist:
-        L.append(f"# - [ ] {item}")
-    if not d.checklist:
-        L.append("# - [ ] nothing flagged: still read the modeling file against the decoder below")
-    L.append("# yaml-language-server: $schema=spec.schema.json")
-    L.append("spec_version: 2")
-    L.append(f"name: {d.name}")
-    L.append(f"class_prefix: {d.prefix}")
-    L.append(f"architectures: [{arch}]")
-    L.append(f"description: drafted from transformers' {arch}; review the checklist above.")
-    L.append("")
-    L.append("config:")
-    width = max(len(s) for s in d.symbols) + 1
-    for s, text in d.symbols.items():
-        L.append(f"  {(s + ':').ljust(width)} {text}")
-    if d.assume:
-        L.append("")
-        L.append("# fields the spec does not read: the values it builds in (a checkpoint with another value is refused)")
-        L.append("config_assume:")
-        for key, value in d.assume.items():
-            L.append(f"  {key}: {_yaml_scalar(value)}")
-    if d.ignore:
-        L.append("")
-        L.append("# fields that do not change the forward pass")
-        L.append("config_ignore: [" + ", ".join(d.ignore) + "]")
-    norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}}}"
-    act_ref = _act_field(full) or "silu"
-    L += ["", "decoder:",
-          "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size}",
-          "  layers:", "    count: num_hidden_layers", "    blocks:",
-          f"      {rel(layer.attn_norm)}: {norm}",
-          f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",
-          "        heads: num_attention_heads", "        kv_heads: num_key_value_heads", "        head_dim: head_dim",
-          f"        qkv: {{name: {qkv_fused.rsplit('.', 1)[1] if qkv_fused else 'qkv_proj'}, segments: [q, k, v], "
-          f"bias: {qb}}}",
-          f"        out: {{name: {layer.o.rsplit('.', 1)[1]}, bias: {ob}}}"]
-    if "rope_theta" in d.symbols:
-        L.append(f"        rotary: {{kind: neox, theta: rope_theta, max_position: {max_pos}, scaling: rope_scaling}}")
-    L.append(f"      {rel(layer.mlp_norm)}: {norm}")
-    # the MoE block: named as the module where every layer is sparse, else `moe` (one module with the dense MLP)
-    moe_name = None if moe is None else (moe.module if sparse_if is None or not dense else "moe")
-    if moe is not None:
-        L += render_block(moe, moe_fields, act_ref, moe_name)
-    if dense and gated:
-        L += [f"      {mlp_name}:", "        kind: gated_mlp", "        hidden: hidden_size", "        intermediate: intermediate_size",
-              f"        activation: {act_ref}",
-              f"        gate_up: {{name: {gate_up_fused.rsplit('.', 1)[1] if gate_up_fused else 'gate_up_proj'}, "
-              f"segments: [gate, up], bias: {up_b}}}",
-              f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
-    elif dense:
-        L += [f"      {mlp_name}:", "        kind: mlp", "        hidden: hidden_size",
-              "        intermediate: intermediate_size",
-              f"        activation: {act_ref}",
-              f"        up: {{name: {layer.up.rsplit('.', 1)[1]}, bias: {up_b}}}",
-              f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
-    if moe is not None and dense and sparse_if is not None:
-        mlp_step = [f"      - norm: {rel(layer.mlp_norm)}",
-                    f"        block: {{if: {json.dumps(sparse_if)}, then: {moe_name}, else: {mlp_name}, "
-                    f"name: {moe.module}}}"]
-    else:       # one block: the experts on every layer, or the dense MLP
-        mlp_step = [f"      - {{norm: {rel(layer.mlp_norm)}, block: {moe_name or mlp_name}}}"]
-    L += ["    dataflow:", f"      - {{norm: {rel(layer.attn_norm)}, block: {attn_name}}}", *mlp_step,
-          f"  norm: {norm}", "",
-          "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
-          + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
-    fused = [(qkv_fused, qkv_fused, qb) if qkv_fused else
-             (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
-    if dense and gate_up_fused:
-        fused.append((gate_up_fused, gate_up_fused, up_b))
-    elif dense and gated:
-        fused.append((f"{layer.prefix}{mlp_name}.gate_up_proj", {"gate": layer.gate, "up": layer.up}, up_b))
-    for target_name, parts, b in fused:
-        for suffix in ("weight", "bias") if b != "false" else ("weight",):
-            L.append(f"  {target_name}.{suffix}:")
-            if isinstance(parts, str):       # stored stacked: one tensor, split into its segments at load
-                L.append(f"    from: {parts}.{suffix}")
-                continue
-            L.append("    from:")
-            for seg, src in parts.items():
-                L.append(f"      {seg}: {src}.{suffix}")
-    if moe is not None:
-        L += render_weights(moe)
-    L += ["", "ignore_checkpoint_tensors:", "  - '.*rotary_emb\\.inv_freq$'"]
-    if tied:
-        L.append("  - '^lm_head\\.weight$'")
-    L += ["", "tensor_parallel:", "  sizes: [1, 2]", ""]
-    return "\n".join(L)

@@ -31,7 +31,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from .compiler import compile_spec
 from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' import
@@ -50,6 +50,7 @@ from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' 
     weak_weights_note,
 )
 from .verify_exact import USED_NOTE, exact_bounds, fixed_bounds_note, float64_reference
+from .verify_hooks import _decoder_layers, _final_norm, _final_norm_name, _Recorder  # noqa: F401 - tests import them
 from .verify_report import (  # noqa: F401 - the names verify's callers import from here
     DEFAULT_TOL,
     LOGPROB_TOL,
@@ -116,85 +117,6 @@ def _served_by(model_module, runner_module, tmp: Path | None = None, name: str =
             else:
                 os.environ[k] = v
         forget()
-
-
-def _decoder_layers(model, n_layers: int):
-    """The decoder layers of `model`: the ModuleList of `n_layers` modules, preferring one named `*layers` outside
-    a vision tower."""
-    import torch.nn as nn
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
-    found.sort(key=lambda nm: (not nm[0].endswith("layers"), "vis" in nm[0]))
-    if not found:
-        raise VerifyError(f"no list of {n_layers} decoder layers found in {type(model).__name__}")
-    return list(found[0][1])
-
-
-def _final_norm(model, name: str | None):
-    """The final norm module `name` of a transformers model (the module of the checkpoint tensor the spec's final
-    norm weight loads from), or the engine's decoder `model.norm`; None where there is none."""
-    if name is None:
-        return None
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
-
-
-def _final_norm_name(ir) -> str | None:
-    """The module the spec's final norm weight is read from (`model.norm`, GPT-2's `transformer.ln_f`)."""
-    if ir.norm is None:
-        return None
-    src = next((w.sources[0] for w in ir.weights if w.param.name == "model.norm.weight" and len(w.sources) == 1),
-               "model.norm.weight")
-    return src[: -len(".weight")] if src.endswith(".weight") and "{" not in src else None
-
-
-class _Recorder:
-    """Forward hooks on decoder layers: the residual stream after each layer, of the first forward call; with `tail`,
-    the output of that module (the final norm) as one more stage."""
-
-    def __init__(self, layers, engine: bool, tail=None):
-        self.engine = engine
-        self.out: dict[int, Any] = {}
-        self.armed = False
-        self.handles = [l.register_forward_hook(self._hook(i)) for i, l in enumerate(layers)]
-        if tail is not None and layers:
-            self.handles.append(tail.register_forward_hook(self._hook(len(layers), stream=False)))
-
-    def _hook(self, i, stream: bool = True):
-        def hook(module, args, output):
-            # the final norm in transformers: its last call of the forward (NanoChat's one weightless `norm` module
-            # also normalizes the embeddings first)
-            if not self.armed or (i in self.out and (stream or self.engine)):
-                return
-            if not stream:              # the final norm: its output (the engine's norm returns (out, residual))
-                output = output[0] if isinstance(output, (tuple, list)) else output
-            if isinstance(output, (tuple, list)):      # (a list: transformers' GPT-1 blocks return [h, ...])
-                h = output[0]
-                if self.engine and len(output) > 1 and output[1] is not None:
-                    h = h + output[1]        # the generated layers return (hidden, running residual)
-            else:
-                h = output
-            scale = getattr(module, "stream_scale", 1.0) if self.engine and stream else 1.0
-            if scale != 1.0:
-                # a layer that scales the whole stream after itself (layers.stream_scale) does so where transformers
-                # scales it outside its block, after the block's hook: compare the stream before that scale (the
-                # next layer's state compares the scaled one)
-                h = h / scale
-            h = h.detach()              # float32 (a float64 run keeps its precision: the float32 yardstick)
-            self.out[i] = (h if h.element_size() == 8 else h.float()).reshape(-1, h.shape[-1]).cpu()
-        return hook
-
-    def arm(self):
-        self.out, self.armed = {}, True
-
-    def take(self) -> list:
-        self.armed = False
-        return [self.out[i] for i in sorted(self.out)]
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def _ordinary_token_ids(ckpt: Path, vocab: int):
@@ -377,15 +299,9 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                          max_model_len=max_len, max_num_seqs=4) if sixteen and moe_layers(eng_model) else None)
         try:
             report.notes += _unexercised(eng_model, max(prompt_lens) + max_tokens)
+            # the generated decoder's final norm (where the spec has one); without it the stage is not compared
             eng_tail = _final_norm(eng_model, "model.norm") if report.final_norm else None
-            if report.final_norm and eng_tail is None:
-                hf_rec.remove()      # no engine norm to compare with: the layers only
-                hf_rec = _Recorder(hf_layers, engine=False)
-                hf16_rec.remove()
-                hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen else [], engine=False)
-                hf64_rec.remove()
-                hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None else [], engine=False)
-                report.final_norm = False
+            report.final_norm = eng_tail is not None
             eng_rec = _Recorder(_decoder_layers(eng_model, n_layers) if hf_layers is not None else [], engine=True,
                                 tail=eng_tail)
             greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=LOGPROB_TOP)

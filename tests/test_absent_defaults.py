@@ -90,28 +90,38 @@ def test_same_meaning_is_the_specs_own_statement():
     assert any("no_rope_layers" in w for w in default_mismatches(bare, *args))
 
 
+def _shipped_and_variant(tmp_path, spec_name: str, arch: str, config_yaml: str):
+    """(config class, a small default config.json, [(the shipped spec's mismatches, False), (a variant's, True)]): the
+    variant extends the shipped spec with `config_yaml` under `config:`; each compiled and checked by the defaults
+    check around the same config."""
+    import transformers
+
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.verify import _import_compiled
+    cls = getattr(transformers, arch).config_class
+    base = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16).to_dict()
+    shipped = Path(__file__).resolve().parents[1] / "specs" / f"{spec_name}.yaml"
+    variant = tmp_path / "variant.yaml"
+    variant.write_text(f"extends: {shipped}\nname: {spec_name}_variant\nclass_prefix: Variant\n"
+                       f"config:\n  {config_yaml}\n")
+    out = []
+    for spec, wrong in ((shipped, False), (variant, True)):
+        compiled = compile_spec(spec)
+        model = _import_compiled(compiled.files, compiled.ir.name, tmp_path)[0]
+        out.append((default_mismatches(compiled.ir.config, model.Config, cls, base, arch, spec_name), wrong))
+    return base, out
+
+
 @pytest.mark.slow      # two compiles of qwen3 (~12 s); tests/test_config_guard.py covers the Qwen3 fix itself
 def test_a_default_that_hangs_on_a_flag_is_probed_with_the_flag_flipped(tmp_path):
     """Qwen3Config keeps sliding_window's 4096 only under use_sliding_window: probed with a checkpoint's own flag
     (off, as released), a spec that reads an absent window as None agrees, and it served full attention past 4096
     tokens to a checkpoint with the flag on (found by a blind exercise). Each bool field the checkpoint sets is also
     probed flipped: the None-reading spec is reported, the shipped one (4096 under the flag) is not."""
-    import transformers
-
-    from xllm_gen.codegen.compiler import compile_spec
-    from xllm_gen.codegen.verify import _import_compiled
-    cls = transformers.Qwen3Config
-    base = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16).to_dict()
+    base, results = _shipped_and_variant(tmp_path, "qwen3", "Qwen3ForCausalLM", "sliding_window: {default_expr: ~}")
     assert base["use_sliding_window"] is False
-    shipped = Path(__file__).resolve().parents[1] / "specs" / "qwen3.yaml"
-    none_reading = tmp_path / "q.yaml"
-    none_reading.write_text(f"extends: {shipped}\nname: q_none\nclass_prefix: QNone\n"
-                            "config:\n  sliding_window: {default_expr: ~}\n")
-    for spec, wrong in ((shipped, False), (none_reading, True)):
-        compiled = compile_spec(spec)
-        model = _import_compiled(compiled.files, compiled.ir.name, tmp_path)[0]
-        found = default_mismatches(compiled.ir.config, model.Config, cls, base, "Qwen3ForCausalLM", "q")
+    for found, wrong in results:
         assert bool(found) == wrong and all("use_sliding_window = True" in w for w in found), found
 
 
@@ -121,19 +131,6 @@ def test_an_absent_rope_mapping_means_the_class_rope(tmp_path):
     absent mapping as the plain rope and served another model (found by a blind exercise: verify failed from layer 0
     while its defaults check said "agree", as rope symbols were not checked). The rope arm reports that reading and
     passes the shipped spec (the llama3 mapping as the symbol's default)."""
-    import transformers
-
-    from xllm_gen.codegen.compiler import compile_spec
-    from xllm_gen.codegen.verify import _import_compiled
-    cls = transformers.CwmConfig
-    base = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16).to_dict()
-    shipped = Path(__file__).resolve().parents[1] / "specs" / "cwm.yaml"
-    plain = tmp_path / "c.yaml"
-    plain.write_text(f"extends: {shipped}\nname: c_plain\nclass_prefix: CPlain\n"
-                     "config:\n  rope_scaling: {default: ~}\n")
-    for spec, wrong in ((shipped, False), (plain, True)):
-        compiled = compile_spec(spec)
-        model = _import_compiled(compiled.files, compiled.ir.name, tmp_path)[0]
-        found = default_mismatches(compiled.ir.config, model.Config, cls, base, "CwmForCausalLM", "c")
+    _, results = _shipped_and_variant(tmp_path, "cwm", "CwmForCausalLM", "rope_scaling: {default: ~}")
+    for found, wrong in results:
         assert bool(found) == wrong and all("rope type 'frequency_bands'" in w for w in found), found
