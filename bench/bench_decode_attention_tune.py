@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="0", help="0: Triton's default")
     ap.add_argument("--merge", default="1,0", help="1: the group's merge vectorized, 0: head by head")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="the cache's dtype (fp8: float8 e4m3, scale 1.0; queries stay bf16)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -51,9 +53,10 @@ def main(argv=None) -> int:
             page = args.page_size
             per_row = -(-ctx // page)
             npages = B * per_row
-            kv_bytes = 2 * npages * page * HK * D * 2
+            kv_dt = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+            kv_bytes = 2 * npages * page * HK * D * kv_dt.itemsize
             copies = int(max(2, min(64, -(-(128 << 20) // kv_bytes))))
-            caches = [tuple(torch.randn(npages, page, HK, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            caches = [tuple(torch.randn(npages, page, HK, D, device=dev, dtype=torch.bfloat16).to(kv_dt) for _ in range(2))
                       for _ in range(copies)]
             indptr = torch.arange(0, npages + 1, per_row, dtype=torch.int32)
             indices = torch.randperm(npages, device=dev).to(torch.int32)
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
                 workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=indptr.to(dev), paged_kv_indices_buffer=indices.clone(),
                 paged_kv_last_page_len_buffer=last.to(dev))
-            fi.plan(indptr, indices, last, H, HK, D, page, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            fi.plan(indptr, indices, last, H, HK, D, page, q_data_type=torch.bfloat16, kv_data_type=kv_dt)
             t_fi = 1e3 * graph_time_ms(lambda: [fi.run(q, kv) for kv in caches]) / copies
             ref = fi.run(q, caches[0]).float()
 
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
                     print(f"skip {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best = min(grid, key=grid.get)
             top = sorted(grid, key=grid.get)[:5]
-            row = dict(model=model, batch=B, context=ctx, flashinfer_us=t_fi, now_us=t_now, now_splits=auto_s,
+            row = dict(model=model, kv_dtype=args.kv_dtype, batch=B, context=ctx, kv_gb_per_s=kv_bytes / grid[best] / 1e3, flashinfer_us=t_fi, now_us=t_now, now_splits=auto_s,
                        best=list(best), best_us=grid[best], top=[[list(k), grid[k]] for k in top])
             rows_out.append(row)
             print(json.dumps(row), flush=True)
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
     ver = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__}
     import triton
     ver["triton"] = triton.__version__
-    md = ["# Decode attention: the Triton kernel's launch parameters swept (bf16, pages of "
+    md = [f"# Decode attention: the Triton kernel's launch parameters swept ({args.kv_dtype} KV, pages of "
           f"{args.page_size}, shuffled)", "", f"- command: `python {' '.join(sys.argv)}`", f"- versions: {ver}",
           "- us per call (one layer), median of 20 graph replays; config = (splits, block_n, num_warps, num_stages, merge vectorized)", "",
           "| model | batch | context | FlashInfer us | Triton now us (splits) | best us (config) | next best |",
