@@ -279,6 +279,9 @@ def test_auto_keeps_the_measured_faster_decode_kernel():
     # the launch variants timed at the best split count compete with it (16 rows on an H200: (8, 16, 2))
     assert pick_decode_kernel({0: 29.1, 8: 28.2, 3: 28.5, (8, 16, 2): 25.2, (8, 64, 2): 26.6}) == (8, 16, 2)
     assert pick_decode_kernel({0: 3.0}) == 0 and pick_decode_kernel({}) == 0
+    # a float8 cache's default tile holds as many bytes as a bf16 one's: twice the tokens
+    assert pick_decode_kernel({32: 5.0, 8: 4.0}, kv_dtype=torch.float8_e4m3fn) == (8, 128, 4)
+    assert pick_decode_kernel({32: 5.0}, kv_dtype=torch.bfloat16) == (32, 64, 4)
     assert split_candidates(1, 8, 132) == [32, 16, 8, 4]
     assert split_candidates(4, 8, 132) == [32, 16, 9, 8, 4, 2]
     assert split_candidates(16, 8, 132) == [8, 4, 3, 2, 1]

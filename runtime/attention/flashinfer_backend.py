@@ -185,7 +185,8 @@ class FlashInferBackend(AttentionBackend):
         or ("auto") the faster of FlashInfer and the Triton kernel where the Triton kernel is a candidate, measured
         once per process (triton_decode)."""
         if self.decode_kernel != "auto" or not decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto"):
-            return triton_decode.launch_of(decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel))
+            return triton_decode.launch_of(decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel),
+                                           self.kv_dtype)
         context = min(self.max_model_len or triton_decode.TUNE_CONTEXT, triton_decode.TUNE_CONTEXT)
         key = (bucket, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype, self.block_size,
                context)
@@ -195,12 +196,12 @@ class FlashInferBackend(AttentionBackend):
                     bucket, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype,
                     self.block_size, context, self.device, self.workspace, self.decode_tensor_cores,
                     triton_decode.split_candidates(bucket, self.num_kv_heads, self.num_sms))
-                choice = triton_decode.pick_decode_kernel(times)
+                choice = triton_decode.pick_decode_kernel(times, kv_dtype=self.kv_dtype)
             except torch.OutOfMemoryError:     # no room for the timing caches: the candidate rule's choice
                 times, choice = {}, decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto")
             triton_decode.DECODE_KERNEL_CHOICE[key] = choice
             self.decode_kernel_times[bucket] = times
-        return triton_decode.launch_of(triton_decode.DECODE_KERNEL_CHOICE[key])
+        return triton_decode.launch_of(triton_decode.DECODE_KERNEL_CHOICE[key], self.kv_dtype)
 
     def _make_graph_wrappers(self, variant: AttentionVariant, buckets: Sequence[int]) -> None:
         import flashinfer
@@ -323,7 +324,7 @@ class FlashInferBackend(AttentionBackend):
             return ws.graph[batch]
         bucket = next((b for b in self.graph_buckets if b >= batch), None)
         launch = self._bucket_launch(bucket) if bucket is not None else \
-            triton_decode.launch_of(self.decode_splits(batch))
+            triton_decode.launch_of(self.decode_splits(batch), self.kv_dtype)
         if not launch[0]:
             return ws.decode
         wrapper = ws.triton_eager.get(launch)

@@ -68,16 +68,30 @@ DEFAULT_LAUNCH = (64, 4)
 LAUNCH_CANDIDATES = ((16, 2), (32, 2), (64, 2)) if os.environ.get("XLLM_DECODE_LAUNCH_TUNING") == "1" else ()
 
 
-def launch_of(choice) -> tuple[int, int, int]:
-    """(splits, BLOCK_N, num_warps) of a decode-kernel choice: a split count (the default launch) or such a tuple;
-    0 (FlashInfer) gives (0, default launch)."""
-    return tuple(choice) if isinstance(choice, tuple) else (int(choice), *DEFAULT_LAUNCH)
+def default_launch(kv_dtype: Optional[torch.dtype] = None) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the default launch for a cache of `kv_dtype`: DEFAULT_LAUNCH's tile for a 16-bit
+    cache, and as many bytes a tile for a narrower one (a float8 cache: 128 tokens). The loop's iterations are
+    latency-bound, so a tile of the same tokens moved half the bytes in the same time: on an H100 at a 32k context a
+    float8 cache streamed at 1.2 TB/s with 64-token tiles, against 2.4 TB/s for bf16; with 128 (batch 1 / 4, 16 over
+    8 heads) 57.2 -> 46.5 / 295 -> 140-152 us a layer, FlashInfer's 45.5 / 130.9
+    (bench/results/h100_2026-12-06_session29.md). XLLM_DECODE_BLOCK_N overrides the tile."""
+    forced = os.environ.get("XLLM_DECODE_BLOCK_N")
+    if forced:
+        return int(forced), DEFAULT_LAUNCH[1]
+    size = torch.empty(0, dtype=kv_dtype).element_size() if kv_dtype is not None else 2
+    return DEFAULT_LAUNCH[0] * 2 // min(2, size), DEFAULT_LAUNCH[1]
 
 
-def pick_decode_kernel(times: dict, margin: float = TUNE_MARGIN):
+def launch_of(choice, kv_dtype: Optional[torch.dtype] = None) -> tuple[int, int, int]:
+    """(splits, BLOCK_N, num_warps) of a decode-kernel choice: a split count (the default launch for the cache's
+    dtype) or such a tuple; 0 (FlashInfer) gives (0, default launch)."""
+    return tuple(choice) if isinstance(choice, tuple) else (int(choice), *default_launch(kv_dtype))
+
+
+def pick_decode_kernel(times: dict, margin: float = TUNE_MARGIN, kv_dtype: Optional[torch.dtype] = None):
     """`times` {splits or (splits, BLOCK_N, num_warps): us per call}, 0 being FlashInfer's: the fastest Triton launch
     as (splits, BLOCK_N, num_warps) if it takes less than `margin` x FlashInfer's time, else 0 (FlashInfer)."""
-    triton = {launch_of(k): t for k, t in times.items() if k != 0}
+    triton = {launch_of(k, kv_dtype): t for k, t in times.items() if k != 0}
     if not triton:
         return 0
     best = min(triton, key=triton.get)
@@ -113,7 +127,7 @@ def measure_decode_kernels(rows: int, num_heads: int, num_kv_heads: int, head_di
             kv_data_type=kv_dtype)
     times = {0: 1e3 * graph_time_ms(lambda: [fi.run(q, kv) for kv in caches]) / copies}
 
-    def timed(s, block_n=DEFAULT_LAUNCH[0], num_warps=DEFAULT_LAUNCH[1]):
+    def timed(s, block_n=default_launch(kv_dtype)[0], num_warps=default_launch(kv_dtype)[1]):
         w = TritonDecodeWrapper(num_heads, num_kv_heads, head_dim, s, rows, device, block_n=block_n,
                                 num_warps=num_warps)
         w.plan(indptr, indices, last, num_heads, num_kv_heads, head_dim, page_size)
