@@ -9,7 +9,8 @@ What it reads (transformers is imported here only, lazily: a normal compile neve
   - the source of the modeling module, for hints only (rotate-half layout, (1 + w) norms, soft-capping, ...).
 
 What it writes: a Llama-like pre-norm decoder (embedding; per layer norm -> attention (fused q/k/v, neox
-rotary) -> norm -> gated or plain MLP, or a mixture of experts (draft_moe.py); final norm; lm_head) with the module
+rotary, or multi-head latent attention: draft_mla.py) -> norm -> gated or plain MLP, or a mixture of experts
+(draft_moe.py); final norm; lm_head) with the module
 names found in the state_dict,
 `weights` entries for the fused q/k/v and gate/up parameters, every config field as a symbol, under
 `config_assume` (its default: a checkpoint with another value is refused) or `config_ignore` (dropouts), and
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .draft_checklist import other_fields, source_hints, unused_parameters
+from .draft_mla import MLA, find_mla, mla_symbols
 from .draft_moe import MoE, find_moe, moe_symbols, sparse_condition
 from .draft_render import _act_field, _render, _yaml_scalar
 from .errors import SpecError
@@ -163,6 +165,7 @@ class _Layer:
     mlp_norm: str
     extra_norms: list
     inner_norms: list
+    mla: MLA | None = None                      # multi-head latent attention in place of q/k/v (draft_mla.py)
 
     def rel(self, n: str) -> str:
         return n[len(self.prefix):]
@@ -189,7 +192,8 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     if moe is not None and moe.probe:     # every layer sparse by default: the names with a dense layer too
         names = set(_meta_params(cls, config, **moe.probe))
     controls = _bias_controls(cls, config, full, names, moe.probe if moe is not None else {})
-    layer = _find_layer(d, names, prefix, moe)
+    mla = find_mla(d, cls, config, names, prefix)     # multi-head latent attention (draft_mla.py)
+    layer = _find_layer(d, names, prefix, moe, mla)
     norm_kind = "layernorm" if (layer.attn_norm + ".bias") in names else "rmsnorm"
     # a symbol's default is what an absent field means to transformers (the class's default), not the checkpoint's
     # value: a drafted spec serves another checkpoint that omits the field as transformers does
@@ -211,6 +215,8 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
         # the class's null head_dim is what the modeling code computes, the symbol's default (Mistral, Mixtral)
         d.symbols["head_dim"] = ('{type: int, from: head_dim, default_expr: "hidden_size // num_attention_heads", '
                                  'same_meaning: "None is hidden_size // num_attention_heads (modeling code)"}')
+    if mla is not None:
+        mla_symbols(d, mla, defaults, type(config))
     moe_fields = moe_symbols(d, moe, defaults, source) if moe else {}
     sparse_if = sparse_condition(d, moe, defaults) if moe else None
     if moe is not None and layer.down is None and "intermediate_size" in d.symbols and \
@@ -222,7 +228,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
                            "is ignored: where a config field makes some layers dense, model that MLP and read it")
     other_fields(d, full, controls)
     source_hints(d, cls)
-    unused_parameters(d, names - (moe.owned if moe else set()), layer)
+    unused_parameters(d, names - (moe.owned if moe else set()) - (mla.owned if mla else set()), layer)
     return _render(d, target, type(config).__name__, defaults, names, controls, layer, norm_kind, eps,
                    (moe, moe_fields, sparse_if)), d
 
@@ -258,7 +264,7 @@ def _bias_controls(cls, config, full: dict, names: set, probe: dict) -> dict[str
     return controls
 
 
-def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _Layer:
+def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: MLA | None = None) -> _Layer:
     """The attention and MLP projections and the norms of a layer, by their usual names (the MLP of the dense layers
     where `moe` holds the sparse ones'); what does not fit a Llama-like pre-norm layer is refused or put on the
     checklist."""
@@ -267,17 +273,15 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _La
     def rel(n: str) -> str:
         return n[len(layer):]
 
-    q = _find(names, layer, ATTN_NAMES["q"])
-    k = _find(names, layer, ATTN_NAMES["k"])
-    v = _find(names, layer, ATTN_NAMES["v"])
-    qkv_fused = None if (q and k and v) else _find(names, layer, FUSED_QKV)
+    q, k, v = (None, None, None) if mla else (_find(names, layer, ATTN_NAMES[r]) for r in "qkv")
+    qkv_fused = None if (q and k and v) or mla else _find(names, layer, FUSED_QKV)
     if qkv_fused:
         q = k = v = None
         d.checklist.append(f"the checkpoint stores q/k/v fused in `{rel(qkv_fused)}`: the draft loads it as "
                            f"[q | k | v] stacked in that order (Phi-3's layout); a per-head interleaved layout "
                            f"(GPT-NeoX `query_key_value`) needs a row layout in `weights`")
-    attn_mod = (q or qkv_fused).rsplit(".", 1)[0] if (q or qkv_fused) else None
-    o = _find({n for n in names if attn_mod and n.startswith(attn_mod + ".")}, layer, ATTN_NAMES["o"]) if attn_mod else None
+    attn_mod = mla.module if mla else (q or qkv_fused).rsplit(".", 1)[0] if (q or qkv_fused) else None
+    o = mla.o if mla else _find({n for n in names if attn_mod and n.startswith(attn_mod + ".")}, layer, ATTN_NAMES["o"]) if attn_mod else None
     # the MLP is not the attention, nor the experts, router or shared expert
     rest = {n for n in names if not (attn_mod and n.startswith(attn_mod + ".")) and not (moe and n in moe.owned)}
     gate = _find(rest, layer, MLP_NAMES["gate"])
@@ -287,7 +291,7 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _La
     if gate_up_fused:
         d.checklist.append(f"the checkpoint stores gate/up fused in `{rel(gate_up_fused)}`: the draft loads "
                            f"it as [gate | up] stacked in that order (Phi-3's layout); check the modeling file's chunk")
-    if not ((q and k and v) or qkv_fused) or not o:
+    if not ((q and k and v) or qkv_fused or mla) or not o:
         fused = sorted(n for n in names if n.startswith(layer) and re.search(r"(qkv|query_key_value|c_attn)", n))
         found = ", ".join(f"{r} = {rel(m)}" for r, m in (("q", q), ("k", k), ("v", v), ("o", o)) if m)
         raise DraftError(f"{arch}: no separate q/k/v/o projections found in the state_dict"
@@ -305,7 +309,7 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _La
     mlp_norm = next((m for m in layer_norms if m != attn_norm and ("post_attention" in m or "ln_2" in m or "ffn" in m
                                                                     or "mlp" in m or "feedforward" in m)), None)
     extra_norms = [m for m in layer_norms if m not in (attn_norm, mlp_norm)]
-    inner_norms = [m for m in norm_mods if m not in layer_norms]
+    inner_norms = [m for m in norm_mods if m not in layer_norms and not (mla and m.startswith(mla.module + "."))]
     if extra_norms:
         d.checklist.append(f"extra per-layer norms {', '.join(rel(m) for m in extra_norms)}: a sandwich / post-norm "
                            f"dataflow (dataflow `post_norm`); the draft has only the pre-norms")
@@ -327,7 +331,7 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None) -> _La
         gate = up = down = gate_up_fused = None
     mlp_mod = down.rsplit(".", 1)[0] if down else layer + moe.module
     return _Layer(layer, q, k, v, qkv_fused, o, attn_mod, gate, up, down, gate_up_fused, mlp_mod,
-                  attn_norm, mlp_norm, extra_norms, inner_norms)
+                  attn_norm, mlp_norm, extra_norms, inner_norms, mla)
 
 
 def _eps(d: Draft, full: dict) -> str:

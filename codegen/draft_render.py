@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from .draft_mla import render_mla
 from .draft_moe import render_block, render_weights
 
 if TYPE_CHECKING:
@@ -56,8 +57,9 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     max_pos = "max_position_embeddings" if "max_position_embeddings" in d.symbols else "8192"
     if max_pos == "8192" and "rope_theta" in d.symbols:
         d.checklist.append("no max_position_embeddings field: the rotary table length is a literal 8192")
-    qb = bias_flag(q, layer.k, layer.v) if q else bias_flag(qkv_fused)
-    ob = bias_flag(layer.o)
+    if layer.mla is None:
+        qb = bias_flag(q, layer.k, layer.v) if q else bias_flag(qkv_fused)
+        ob = bias_flag(layer.o)
     if dense:
         up_b = bias_flag(gate_up_fused) if gate_up_fused else bias_flag(*([layer.gate, layer.up] if gated else
                                                                           [layer.up]))
@@ -65,6 +67,15 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     tied = "lm_head.weight" not in names or "tie_word_embeddings" in full
     attn_name, mlp_name = rel(layer.attn_mod), rel(layer.mlp_mod)
     arch = d.architecture
+    attn_lines = render_mla(d, layer.mla, controls, names, full, max_pos, rel) if layer.mla else [
+        f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",
+        "        heads: num_attention_heads", "        kv_heads: num_key_value_heads", "        head_dim: head_dim",
+        f"        qkv: {{name: {qkv_fused.rsplit('.', 1)[1] if qkv_fused else 'qkv_proj'}, segments: [q, k, v], "
+        f"bias: {qb}}}",
+        f"        out: {{name: {layer.o.rsplit('.', 1)[1]}, bias: {ob}}}"]
+    if layer.mla is None and "rope_theta" in d.symbols:
+        attn_lines.append(f"        rotary: {{kind: neox, theta: rope_theta, max_position: {max_pos}, "
+                          f"scaling: rope_scaling}}")
     L = []
     L.append(f"# CHECKLIST: drafted by `xllm-gen draft {target}` from transformers' {arch} (config class "
              f"{config_class}).")
@@ -100,14 +111,7 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     L += ["", "decoder:",
           "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size}",
           "  layers:", "    count: num_hidden_layers", "    blocks:",
-          f"      {rel(layer.attn_norm)}: {norm}",
-          f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",
-          "        heads: num_attention_heads", "        kv_heads: num_key_value_heads", "        head_dim: head_dim",
-          f"        qkv: {{name: {qkv_fused.rsplit('.', 1)[1] if qkv_fused else 'qkv_proj'}, segments: [q, k, v], "
-          f"bias: {qb}}}",
-          f"        out: {{name: {layer.o.rsplit('.', 1)[1]}, bias: {ob}}}"]
-    if "rope_theta" in d.symbols:
-        L.append(f"        rotary: {{kind: neox, theta: rope_theta, max_position: {max_pos}, scaling: rope_scaling}}")
+          f"      {rel(layer.attn_norm)}: {norm}", *attn_lines]
     L.append(f"      {rel(layer.mlp_norm)}: {norm}")
     # the MoE block: named as the module where every layer is sparse, else `moe` (one module with the dense MLP)
     moe_name = None if moe is None else (moe.module if sparse_if is None or not dense else "moe")
@@ -135,8 +139,8 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
           + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
-    fused = [(qkv_fused, qkv_fused, qb) if qkv_fused else
-             (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
+    fused = [] if layer.mla else [(qkv_fused, qkv_fused, qb) if qkv_fused else
+                                  (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
     if dense and gate_up_fused:
         fused.append((gate_up_fused, gate_up_fused, up_b))
     elif dense and gated:
