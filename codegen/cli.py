@@ -390,9 +390,10 @@ def _verify_main(argv: List[str]) -> int:
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     p.add_argument("--device", default="cpu", help="engine and transformers device (default cpu)")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16 (16-bit: measured "
-                                                         "against transformers in float32, within a few times "
-                                                         "transformers' own 16-bit error)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float64 (CPU, TP 1: both sides in float64 "
+                                                         "throughout, bounds ~1e-15: a constant slightly off shows), "
+                                                         "bfloat16 or float16 (16-bit: measured against transformers in "
+                                                         "float32, within a few times transformers' own 16-bit error)")
     p.add_argument("--tp", type=int, default=1, help="the engine's tensor parallel size (default 1; on CPU, TP > 1 "
                                                       "runs one process per rank)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")

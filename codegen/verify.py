@@ -49,7 +49,8 @@ from .verify_compare import (  # noqa: F401 - logprob_row_error: the batteries' 
     missing_weights_note,
     weak_weights_note,
 )
-from .verify_exact import USED_NOTE, exact_bounds, fixed_bounds_note, float64_reference
+from .verify_exact import USED_NOTE, WIDE_NOTE, exact_bounds, fixed_bounds_note, float64_reference, wide_bounds
+from .verify_float64 import Float64, engine_failed
 from .verify_hooks import _decoder_layers, _final_norm, _final_norm_name, _Recorder  # noqa: F401 - tests import them
 from .verify_report import (  # noqa: F401 - the names verify's callers import from here
     DEFAULT_TOL,
@@ -210,7 +211,11 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                 f"spec's default, which nothing here compares with the modeling code's")
         # in a 16-bit dtype the reference is transformers in float32 and transformers in that dtype is the yardstick:
         # the engine may be as far from float32 as a few times transformers' own 16-bit error, not farther
-        sixteen = torch_dtype != torch.float32
+        sixteen = torch_dtype not in (torch.float32, torch.float64)
+        wide = torch_dtype == torch.float64     # both sides in float64 throughout (verify_float64.py, verify_exact.py)
+        f64 = Float64()
+        if wide and (device != "cpu" or tensor_parallel_size > 1):
+            raise VerifyError(f"--dtype float64 runs on the CPU at TP 1 only (--device {device}, --tp {tensor_parallel_size})")
         try:
             # trust_remote_code: a family transformers does not ship is its checkpoint's own modeling code (auto_map)
             remote = {"trust_remote_code": True} if trust_remote_code else {}
@@ -230,6 +235,14 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         hf.generation_config = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None,
                                                              bos_token_id=None)     # greedy, EOS ignored
         report.notes += weak_weights_note(hf) + loaded_weights_note(hf, ckpt) + missing_weights_note(hf, info)
+        # float32 on the CPU, no --atol: transformers' float64 run measures its own float32 error, the yardstick; in
+        # float64 the two swap (the float64 run is the reference, the float32 one measures the stages' conditioning)
+        hf64 = (float64_reference(cls, ckpt, hf, {**extra, **remote}, report)
+                if not sixteen and (rtol is None or wide) and device == "cpu" else None)
+        if wide and hf64 is None:
+            raise VerifyError(f"--dtype float64: no float64 reference here ({report.notes[-1]}); use --dtype float32")
+        if wide:
+            hf64.generation_config, hf, hf64 = hf.generation_config, hf64, hf      # the float64 run the reference
         if sixteen:
             report.notes.append(f"reference: transformers in float32; the bounds are {YARDSTICK}x transformers' own "
                                 f"{dtype} error on each layer / log-probability (at least {tol:g} / "
@@ -269,9 +282,6 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         hf_rec = _Recorder(hf_layers or [], engine=False, tail=hf_tail)
         hf16_rec = _Recorder(_decoder_layers(hf16, n_layers) if sixteen and hf_layers else [], engine=False,
                              tail=_final_norm(hf16, norm_name) if sixteen and hf_tail is not None else None)
-        # float32 on the CPU, no --atol: transformers' float64 run measures its own float32 error, the yardstick
-        hf64 = (float64_reference(cls, ckpt, hf, {**extra, **remote}, report)
-                if not sixteen and rtol is None and device == "cpu" else None)
         hf64_rec = _Recorder(_decoder_layers(hf64, n_layers) if hf64 is not None and hf_layers else [], engine=False,
                              tail=_final_norm(hf64, norm_name) if hf64 is not None and hf_tail is not None else None)
 
@@ -279,7 +289,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
         with _served_by(model_module, runner_module, Path(tmp), ir.name, tensor_parallel_size):
             max_len = max(prompt_lens) + max_tokens + 1
             try:
-                llm = LLM(model=str(ckpt), device=device, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+                llm = LLM(model=str(ckpt), device=device, dtype=torch_dtype, enforce_eager=True, enable_prefix_caching=False,
                           tensor_parallel_size=tensor_parallel_size, max_model_len=max_len, max_num_seqs=4)
             except Exception as e:     # the loader's strict checks: a tensor the spec has no parameter for, ...
                 hf_rec.remove()
@@ -297,8 +307,12 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             # 16-bit MoE: the engine's own float32 routing tells rounding's near-ties from routing errors
             llm32 = (LLM(model=str(ckpt), device="cpu", dtype="float32", enforce_eager=True, enable_prefix_caching=False,
                          max_model_len=max_len, max_num_seqs=4) if sixteen and moe_layers(eng_model) else None)
+        promoted = contextlib.ExitStack()       # float64: every forward below promoted, but the float32 yardstick's
         try:
             report.notes += _unexercised(eng_model, max(prompt_lens) + max_tokens)
+            if wide:    # the tables the engine builds on first use (rotary frequencies) built as served, outside
+                llm.generate([{"prompt_token_ids": prompts[0][:2]}], SamplingParams(temperature=0.0, max_tokens=1))
+                promoted.enter_context(f64.active())
             # the generated decoder's final norm (where the spec has one); without it the stage is not compared
             eng_tail = _final_norm(eng_model, "model.norm") if report.final_norm else None
             report.final_norm = eng_tail is not None
@@ -324,7 +338,7 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                 if hf64 is not None:         # the yardstick: transformers' own float32 error against float64
                     hf64_rec.arm()
                     try:
-                        with torch.no_grad():
+                        with torch.no_grad(), (f64.paused() if wide else contextlib.nullcontext()):
                             logits64 = hf64(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False).logits[0]
                         exact = hf64_rec.take()
                     except Exception as e:   # noqa: BLE001 - a float64 forward that fails (a float32-only kernel)
@@ -332,7 +346,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                         fixed_bounds_note(report, "transformers' float64 run failed", e)
                         hf64 = None
                     else:
-                        lp_tol, layer_tols = exact_bounds(logits64, hf_logits, exact, ref)
+                        lp_tol, layer_tols = (wide_bounds(hf_logits, logits64, ref, exact, rtol) if wide else
+                                              exact_bounds(logits64, hf_logits, exact, ref))
                 def forward_row(k, prefix, ids=ids, want=want, hf_logits=hf_logits):
                     """transformers' uncached logits of step k after the prompt and `prefix`: the teacher-forced
                     row where prefix is the reference's own continuation, else (past a special token the
@@ -400,8 +415,8 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                     if a.shape != b.shape:
                         raise VerifyError(f"layer {l}: transformers' hidden states {tuple(a.shape)} vs the engine's "
                                           f"{tuple(b.shape)}")
-                    diff = (b.float() - a.float()).abs()
-                    scale = a.float().abs().max().clamp_min(1e-12)
+                    diff = (b.double() - a.double()).abs()
+                    scale = a.double().abs().max().clamp_min(1e-300)
                     per_pos = diff.max(dim=-1).values / scale
                     if tie is not None and per_pos.shape[0] == len(tie):
                         per_pos = per_pos.masked_fill(tie.to(per_pos.device), 0.0)
@@ -422,7 +437,13 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
                                                    int(free_tie.sum()) if free_tie is not None else 0,
                                                    routing_error, lp_tol, own_forward))
             eng_rec.remove()
+        except Exception as e:      # a float32 state buffer the float64 run writes into (Mamba's): said, not the spec
+            if wide and not isinstance(e, VerifyError):
+                raise engine_failed(e) from None
+            raise
         finally:
+            promoted.close()
+            report.notes += f64.residue_note()
             llm.shutdown()
             if llm32 is not None:
                 llm32.shutdown()
@@ -430,5 +451,5 @@ def verify(spec_path, checkpoint, *, device: str = "cpu", dtype: str = "float32"
             hf16_rec.remove()
             hf64_rec.remove()
     if hf64 is not None:
-        report.notes.append(USED_NOTE)
+        report.notes.append(WIDE_NOTE if wide else USED_NOTE)
     return report

@@ -2,6 +2,14 @@
 log-probability of the engine may be EXACT_YARDSTICK times as far from transformers' float32 as that is, at least the
 floors and at most the caps (verify_report.py: the 16-bit fixed bounds; a float32 run that far from its float64 one
 measures something else than precision, and 10x of it would pass anything). Where the float64 run cannot be had, the fixed DEFAULT_TOL / LOGPROB_TOL apply, with a note.
+
+`--dtype float64` (wide_bounds): transformers' float64 run is the reference and the engine runs in float64 too, both
+with their float32 steps promoted (verify_float64.py). A stage's rounding error is, to first order, its conditioning
+times the unit round-off, so transformers' float32 error on a stage scaled by EPS_RATIO (float64's eps over float32's,
+2**-29) is its own float64 error there: each stage and the log-probabilities may be EXACT_YARDSTICK times that, at
+least the floors scaled the same way (as many float64 ulps as float32's floors are float32 ulps), and never more than
+float32's own bound. A spec constant slightly off (a norm eps 10x too large moves a stage by ~1e-6) hides under
+float32's bounds and stands ~1e6x above these.
 """
 from __future__ import annotations
 
@@ -20,6 +28,11 @@ from .verify_report import (
     Report,
 )
 
+EPS_RATIO = 2.0 ** -29         # torch.finfo(float64).eps / torch.finfo(float32).eps
+WIDE_NOTE = (f"bounds: float64 (transformers' float64 run the reference, the engine in float64, float32 steps promoted "
+             f"on both): {EXACT_YARDSTICK}x transformers' own float32 error against float64, scaled by float64's eps / "
+             f"float32's (2**-29), on each layer / log-probability (at least {EXACT_FLOOR * EPS_RATIO:.1e} / "
+             f"{EXACT_LOGPROB_FLOOR * EPS_RATIO:.1e})")
 USED_NOTE = (f"bounds: {EXACT_YARDSTICK}x transformers' own float32 error against its float64 run, on each layer / "
              f"log-probability (at least {EXACT_FLOOR:g} / {EXACT_LOGPROB_FLOOR:g})")
 
@@ -63,3 +76,16 @@ def exact_bounds(logits64, logits32, layers64: list, layers32: list) -> tuple:
     layer_tols = ([min(max(EXACT_YARDSTICK * _rel_error(a, a64), EXACT_FLOOR), EXACT_CAP)
                    for a, a64 in zip(layers32, layers64)] if len(layers64) == len(layers32) else None)
     return lp_tol, layer_tols
+
+
+def wide_bounds(logits32, logits64, layers32: list, layers64: list, rtol: float | None = None) -> tuple:
+    """--dtype float64's (log-probability bound, per-layer bounds or None) from transformers' float32 and float64 runs
+    of a sequence (the float64 one the reference): float32's own error scaled to float64's eps, within float32's bounds
+    (module doc); with `rtol` (--atol) the fixed per-layer bound instead."""
+    lp32, tols32 = exact_bounds(logits64, logits32, layers64, layers32)
+    lp_tol = min(max(EXACT_YARDSTICK * _own_logprob_error(logits64, logits32) * EPS_RATIO,
+                     EXACT_LOGPROB_FLOOR * EPS_RATIO), lp32)
+    if rtol is not None or tols32 is None:
+        return lp_tol, None
+    return lp_tol, [min(max(EXACT_YARDSTICK * _rel_error(a, a64) * EPS_RATIO, EXACT_FLOOR * EPS_RATIO), t32)
+                    for a, a64, t32 in zip(layers32, layers64, tols32)]
