@@ -206,7 +206,9 @@ def test_gpt_oss_bf16_graphs_vs_hf(tmp_path, monkeypatch, decode_kernel):
     monkeypatch.setattr(S, "_checkpoint", lambda arch, out: _strong_sinks(real_ckpt(arch, out)))
     assert S._cuda_refusal("GptOssForCausalLM") is None
     S.test_spec_bf16_graphs_vs_hf("GptOssForCausalLM", tmp_path)
-    assert captured == [(True, True)], f"decode / prefill graphs captured: {captured}"
+    # the first engine is the bf16 one under test (a MoE spec's battery then builds a float32 eager engine for its
+    # exact routing, which captures no graphs)
+    assert captured and captured[0] == (True, True), f"decode / prefill graphs captured: {captured}"
 
 
 def test_gpt_oss_sinks_matter(tmp_path):
