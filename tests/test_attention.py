@@ -282,6 +282,14 @@ def test_auto_keeps_the_measured_faster_decode_kernel():
     # a float8 cache's default tile holds as many bytes as a bf16 one's: twice the tokens
     assert pick_decode_kernel({32: 5.0, 8: 4.0}, kv_dtype=torch.float8_e4m3fn) == (8, 128, 4)
     assert pick_decode_kernel({32: 5.0}, kv_dtype=torch.bfloat16) == (32, 64, 4)
+    # timed at 1k, and at a long context where the engine admits one (the KV tokens of the timing capped)
+    from xllm_gen.runtime.attention.triton_decode import combine_timings, tune_contexts
+    assert tune_contexts(1, 40960) == [1024, 32768] and tune_contexts(16, 40960) == [1024, 4096]
+    assert tune_contexts(1, 2048) == [1024] and tune_contexts(1, None) == [1024] and tune_contexts(1, 512) == [512]
+    # the H100's in-engine figures at one row: 16 splits win at 1k by 2%, starve a 32k context; 32 suit both
+    both = combine_timings([{0: 11.0, 32: 9.0, 16: 8.8}, {0: 54.0, 32: 55.0, 16: 74.0}])
+    assert pick_decode_kernel(both) == (32, 64, 4) and pick_decode_kernel({0: 11.0, 32: 9.0, 16: 8.8}) == (16, 64, 4)
+    assert pick_decode_kernel(combine_timings([{0: 11.0, 16: 8.8}, {0: 54.0, 16: 74.0}])) == 0
     assert split_candidates(1, 8, 132) == [32, 16, 8, 4]
     assert split_candidates(4, 8, 132) == [32, 16, 9, 8, 4, 2]
     assert split_candidates(16, 8, 132) == [8, 4, 3, 2, 1]

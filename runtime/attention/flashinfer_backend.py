@@ -187,15 +187,15 @@ class FlashInferBackend(AttentionBackend):
         if self.decode_kernel != "auto" or not decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto"):
             return triton_decode.launch_of(decode_splits(bucket, self.num_kv_heads, self.num_sms, self.decode_kernel),
                                            self.kv_dtype)
-        context = min(self.max_model_len or triton_decode.TUNE_CONTEXT, triton_decode.TUNE_CONTEXT)
+        contexts = tuple(triton_decode.tune_contexts(bucket, self.max_model_len))
         key = (bucket, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype, self.block_size,
-               context)
+               contexts)
         if key not in triton_decode.DECODE_KERNEL_CHOICE:
-            try:
-                times = triton_decode.measure_decode_kernels(
+            try:   # timed at a 1k context, and at a long one where the engine admits it (combined: triton_decode)
+                times = triton_decode.combine_timings([triton_decode.measure_decode_kernels(
                     bucket, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kv_dtype,
                     self.block_size, context, self.device, self.workspace, self.decode_tensor_cores,
-                    triton_decode.split_candidates(bucket, self.num_kv_heads, self.num_sms))
+                    triton_decode.split_candidates(bucket, self.num_kv_heads, self.num_sms)) for context in contexts])
                 choice = triton_decode.pick_decode_kernel(times, kv_dtype=self.kv_dtype)
             except torch.OutOfMemoryError:     # no room for the timing caches: the candidate rule's choice
                 times, choice = {}, decode_splits(bucket, self.num_kv_heads, self.num_sms, "auto")

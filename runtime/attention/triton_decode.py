@@ -14,6 +14,7 @@ kernel (and split count) is measured once per process on the GPU at hand (`measu
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -42,13 +43,35 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, kernel: str = "au
     return max(1, min(max_splits, -(-2 * num_sms // programs)))
 
 
-# (rows, heads, KV heads, head_dim, dtype, KV dtype, page size, context) -> the Triton kernel's split count, or 0 for
+# (rows, heads, KV heads, head_dim, dtype, KV dtype, page size, contexts) -> the Triton kernel's split count, or 0 for
 # FlashInfer: measured once per process, so every backend of the process gives a bucket the same kernel (engines
 # then compare bit for bit, as DECODE_GEMM_CHOICE does for the GEMMs)
 DECODE_KERNEL_CHOICE: dict = {}
 TUNE_CONTEXT = 1024      # the context the kernels are timed at (the engine's max_model_len where shorter); longer
                          # ones favour FlashInfer a little (16 over 8 heads, 16 rows x 8192: 4% faster)
 TUNE_MARGIN = 0.97       # the Triton kernel must be 3% faster: a near tie keeps FlashInfer's
+LONG_TUNE_CONTEXT = 32768        # the longest context the kernels are also timed at (where the engine admits it)
+LONG_TUNE_TOKENS = 1 << 16       # KV tokens (rows x context) that timing holds at most (its caches: 128 KB a token)
+
+
+def tune_contexts(rows: int, max_model_len: Optional[int]) -> list[int]:
+    """The contexts a bucket's kernels are timed at: TUNE_CONTEXT (max_model_len where shorter) and, where the engine
+    admits contexts 4x longer, a long one (max_model_len, at most LONG_TUNE_CONTEXT and LONG_TUNE_TOKENS / rows). A
+    split count that suits 1k contexts starves long ones: on an H100 (Qwen3-0.6B, one row at a 32k context, in the
+    engine) the count chosen at 1k ran 74 us a layer, FlashInfer 54, 32 splits 55 (kernel alone)."""
+    short = min(max_model_len or TUNE_CONTEXT, TUNE_CONTEXT)
+    long = min(max_model_len or 0, LONG_TUNE_CONTEXT, LONG_TUNE_TOKENS // max(rows, 1))
+    return [short] + ([long] if long >= 4 * short else [])
+
+
+def combine_timings(per_context: list) -> dict:
+    """One figure per kernel from its timings at several contexts ({kernel: us} each): the geometric mean of its
+    time over the fastest kernel's at each context (the kernels timed at every context). One context: its times."""
+    if len(per_context) == 1:
+        return dict(per_context[0])
+    keys = set(per_context[0]).intersection(*per_context[1:])
+    return {k: math.prod(t[k] / min(t[j] for j in keys) for t in per_context) ** (1 / len(per_context))
+            for k in keys}
 
 
 def split_candidates(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> list[int]:
