@@ -116,3 +116,19 @@ def test_messages_a_template_cannot_take_are_named(qwen3_tied, make_llm):
     assert outs[2].error.startswith("request 2: messages[0].role must be a non-empty string")
     assert outs[3].error.startswith("request 3: messages[0].content must be a string or a list")
     assert outs[4].error is None and "<|im_start|>wizard\nabracadabra" in outs[4].prompt
+
+
+def test_bad_text_and_tool_calls_are_named_by_their_message(qwen3_tied, make_llm):
+    """A lone surrogate is named by its message (it was "lone surrogate at character 17" of the rendered prompt);
+    malformed tool_calls of an assistant turn by their index; each conversation fails alone."""
+    llm = make_llm(qwen3_tied)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    outs = llm.chat([[{"role": "user", "content": "ok \ud800"}],
+                     [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\udc00"}]}],
+                     [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call, {"id": "d"}]}],
+                     [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]},
+                      {"role": "tool", "content": "1"}]], _sp(), on_error="return")
+    assert outs[0].error == "request 0: messages[0].content: not valid Unicode (a lone surrogate at character 3)"
+    assert outs[1].error.startswith("request 1: messages[0].content[1].text: not valid Unicode")
+    assert outs[2].error.startswith("request 2: messages[1].tool_calls[1]: a tool call is")
+    assert outs[3].error is None and outs[3].outputs[0].token_ids

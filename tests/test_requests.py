@@ -297,6 +297,24 @@ def test_min_tokens_holds_back_stop_tokens(qwen3_tied, make_llm):
         SamplingParams(max_tokens=2, min_tokens=3)
 
 
+@pytest.mark.engine
+def test_min_tokens_holds_back_stop_strings(qwen3_tied, make_llm):
+    """As vLLM's: a stop string ends no completion before min_tokens tokens (it did after the first token)."""
+    from xllm_gen import SamplingParams
+
+    llm = make_llm(qwen3_tied)
+    ids = {"prompt_token_ids": [5, 17, 99, 3]}
+    full = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    stop = llm.get_tokenizer().decode(full.token_ids[:1])
+    assert stop, full.token_ids
+    early = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                               stop=[stop]))[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == 1
+    held = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop],
+                                              min_tokens=4))[0].outputs[0]
+    assert len(held.token_ids) >= 4 and held.token_ids[:4] == full.token_ids[:4], (held, full)
+
+
 # ------------------------------------------------------------------ the request-level engine API
 @pytest.mark.engine
 def test_engine_add_step_abort(qwen3_tied, make_llm):
@@ -326,6 +344,12 @@ def test_engine_add_step_abort(qwen3_tied, make_llm):
             done[o.request_id] = o
     assert set(done) == {"a", "c"}
     assert done["a"].outputs[0].token_ids == alone["a"] and done["c"].outputs[0].token_ids == alone["c"]
+    assert eng.block_manager.num_free_blocks == free
+    # any hashable id is a request's, None and 0 included (None's output was never reported and it stayed queued)
+    for rid in (None, 0):
+        eng.add_request(rid, {"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0.0, max_tokens=2))
+    got = [o.request_id for _ in range(8) if eng.has_unfinished_requests() for o in eng.step_outputs()]
+    assert sorted(got, key=str) == [0, None] and eng.num_requests() == 0
     assert eng.block_manager.num_free_blocks == free
 
 

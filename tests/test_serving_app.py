@@ -245,6 +245,14 @@ def test_openai_and_vllm_fields():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
      ["type: object"]),
     ({"reasoning_effort": "max"}, "reasoning_effort", ["low"]),
+    # an assistant turn's tool_calls sent back malformed: named (a template failed on "'dict object' has no
+    # attribute 'name'", or rendered it)
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"bogus": 1}]}, *USER]}, "messages",
+     ["messages[0].tool_calls[0]: a tool call is"]),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]},
+                   *USER]}, "messages", ["messages[0].tool_calls[0].function.name"]),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": 5}}]}, *USER]}, "messages", ["messages[0].tool_calls[0].function.arguments"]),
 ])
 def test_bad_fields_name_themselves(body, param, words):
     with _client(ScriptedEngine("x"), tool_parser="hermes") as c:
@@ -252,6 +260,36 @@ def test_bad_fields_name_themselves(body, param, words):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and all(w in err["message"] for w in words), r.text
     assert "min_tokens" not in err["message"]
+
+
+def test_unreadable_bodies_say_why():
+    """Bodies FastAPI cannot read as JSON get a 400 saying why (they got "There was an error parsing the body", or
+    "Input should be a valid dictionary" for JSON sent without its Content-Type); a schema's compile error names
+    response_format.json_schema.schema (it read ...schema.json)."""
+    stub = ScriptedEngine("x")
+
+    def compile(so, where):
+        raise ValueError(f"{where}.{so.kind}: invalid JSON schema at type: 'objec' is not valid")
+
+    stub.engine.structured = SimpleNamespace(compile=compile)
+    ok = json.dumps({"prompt": "x"}).encode()
+    cases = [(b'{"prompt": "\xff"}', "application/json", "not valid UTF-8 (byte 12"),
+             (b"[" * 100000 + b"]" * 100000, "application/json", "nested too deeply"),
+             (b"", "application/json", "the request body is empty"),
+             (ok, "text/plain", "Content-Type: application/json, got Content-Type 'text/plain'"),
+             (ok, None, "got no Content-Type header")]
+    with _client(stub) as c:
+        for raw, ctype, words in cases:
+            r = c.post("/v1/completions", content=raw, headers={"content-type": ctype} if ctype else {})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (raw[:20], r.text)
+        assert c.post("/v1/completions", content=ok, headers={"content-type": "application/json; charset=utf-8"}
+                      ).status_code == 200
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}
+        for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": USER})):
+            err = c.post(path, json={**body, "response_format": rf}).json()["error"]
+            assert err["message"].startswith("response_format.json_schema.schema: invalid JSON schema"), err
+            err = c.post(path, json={**body, "structured_outputs": {"json": {"type": "objec"}}}).json()["error"]
+            assert err["message"].startswith("structured_outputs.json: invalid"), err
 
 
 def test_slow_compile_is_a_400_and_never_starves_chat():

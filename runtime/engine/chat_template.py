@@ -9,7 +9,9 @@ server refuses to start without --chat-template (engine.py, server.py).
 `message_problem`: the messages a template gets. Any role string passes, as in transformers and vLLM (templates
 define their own roles, and one that does not know a role raises its own error); a missing or null content is
 refused where OpenAI refuses it (every role but an assistant's, whose tool-call turns carry none; vLLM renders it
-as empty text, transformers hands the template None, which many render as the text "None")."""
+as empty text, transformers hands the template None, which many render as the text "None"); an assistant's
+tool_calls need OpenAI's shape (function.name; arguments as JSON text or an object), and text that is not valid
+Unicode is named by its message, not by a character of the rendered prompt."""
 from __future__ import annotations
 
 import json
@@ -100,4 +102,45 @@ def message_problem(where: str, message: Any) -> Optional[str]:
                 "(a string or a list of content parts); only an assistant turn may leave it out")
     if content is not None and not isinstance(content, (str, list)):
         return f"{where}.content must be a string or a list of content parts, got {type(content).__name__}"
+    texts = [(f"{where}.content", content)] if isinstance(content, str) else [
+        (f"{where}.content[{k}].text", part.get("text")) for k, part in enumerate(content or ())
+        if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    for at, text in texts:                    # named here, not as a character of the rendered prompt
+        bad = _surrogate_at(text)
+        if bad is not None:
+            return f"{at}: not valid Unicode (a lone surrogate at character {bad})"
+    if message.get("tool_calls") is not None:
+        return _tool_calls_problem(f"{where}.tool_calls", message["tool_calls"])
+    return None
+
+
+def _surrogate_at(text: str) -> Optional[int]:
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _tool_calls_problem(where: str, calls: Any) -> Optional[str]:
+    """Why an assistant turn's tool_calls (OpenAI's shape) cannot go to a template, or None: each is
+    {"id"?, "type": "function"?, "function": {"name": non-empty string, "arguments": JSON text or an object}}
+    (a template reads function.name and the arguments; without them it fails naming no message)."""
+    if not isinstance(calls, list):
+        return f"{where} must be a list of tool calls, got {type(calls).__name__}"
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            return (f"{at}: a tool call is {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                    f"'arguments': ...}}}}, got {json.dumps(call, default=repr)[:60]}")
+        if call.get("type", "function") != "function":
+            return f"{at}.type must be 'function', got {call.get('type')!r}"
+        name = call["function"].get("name")
+        if not isinstance(name, str) or not name:
+            return f"{at}.function.name must be a non-empty string, got {name!r}"
+        args = call["function"].get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            return f"{at}.function.arguments must be a JSON string (or an object), got {type(args).__name__}"
     return None

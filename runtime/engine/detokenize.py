@@ -71,7 +71,9 @@ class EngineOutputs:
         if tok in p.stop_token_ids:
             seq.stop_reason = tok
             return "stop"
-        if p.stop and d is not None:
+        # stop strings, like EOS and stop_token_ids (banned by the sampler), end no completion shorter than
+        # min_tokens (vLLM's rule: checked once more than min_tokens tokens are out)
+        if p.stop and d is not None and seq.num_completion_tokens > p.min_tokens:
             hits = []
             for s in p.stop:
                 at = d.text.find(s, max(0, old_len - len(s) + 1))

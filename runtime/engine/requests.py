@@ -9,6 +9,8 @@ from xllm_gen.runtime.engine.outputs import RequestOutput
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
 from xllm_gen.runtime.engine.sequence import Sequence
 
+_UNKNOWN = object()          # a sequence of no request (aborted, or queued directly on the scheduler)
+
 
 class EngineRequests:
     """LLMEngine's requests (reads self.scheduler, self._async, self._last_progress; keeps self._requests
@@ -43,8 +45,8 @@ class EngineRequests:
         done = self.step()
         touched, finished = [], []
         for seq in self._last_progress + done:
-            rid = self._request_of.get(seq.seq_id)
-            if rid is not None and rid not in touched:
+            rid = self._request_of.get(seq.seq_id, _UNKNOWN)     # any hashable id, None included
+            if rid is not _UNKNOWN and rid not in touched:
                 touched.append(rid)
         for rid in touched:
             if all(s.is_finished for s in self._requests[rid]):

@@ -27,6 +27,7 @@ from xllm_gen.runtime.serving.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    body_parse_error,
     param_of,
     validation_error,
 )
@@ -76,6 +77,8 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             msg = f"no such endpoint: {request.method} {request.url.path} (see /v1/models, /v1/completions, " \
                   "/v1/chat/completions, /tokenize, /detokenize, /health, /metrics)"
             return JSONResponse(APIError(msg, 404, type="not_found_error").body(), status_code=404)
+        if exc.status_code == 400 and exc.__cause__ is not None:     # FastAPI could not read the body as JSON
+            return error(body_parse_error(exc.__cause__))
         return JSONResponse(APIError(str(exc.detail), exc.status_code, type="invalid_request_error").body(),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
@@ -86,7 +89,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error(validation_error(exc.errors()))
+        return error(validation_error(exc.errors(), request.headers.get("content-type")))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -153,14 +156,19 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
 
     async def precompile(params, where: str, param: str) -> None:
         """Compiles the request's constraint in a worker thread (cached), so that the engine's step never
-        waits on a compile and an invalid schema / regex / grammar is a 400 naming it."""
+        waits on a compile and an invalid schema / regex / grammar is a 400 naming it. `where`: the body field
+        that holds the constraint; where it is not `param` itself (response_format.json_schema.schema), the
+        compiler's "<param>.<kind>" (it names structured_outputs' own fields) becomes it."""
         so = params.structured_outputs
         if so is None:
             return
         try:
-            await grammars.compile(engine.structured, so, where)
+            await grammars.compile(engine.structured, so, param if where.startswith(param + ".") else where)
         except ValueError as e:
-            raise APIError(str(e), param=param) from None
+            msg, own = str(e), f"{param}.{so.kind}"
+            if where.startswith(param + ".") and msg.startswith(own):
+                msg = where + msg[len(own):]
+            raise APIError(msg, param=param) from None
         except CompileTimeout as e:
             raise (APIError(str(e), param=param) if e.started else
                    APIError(str(e), status=503, type="server_overloaded")) from None

@@ -131,8 +131,9 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
     conv = []
     for m, msg in enumerate(messages):
         content = msg.content
-        problem = message_problem(f"messages[{m}]", {"role": msg.role, "content": content})
-        if problem:                    # a null user / system / tool content (OpenAI's 400), an empty role
+        problem = message_problem(f"messages[{m}]", {"role": msg.role, "content": content,
+                                                     "tool_calls": msg.tool_calls})
+        if problem:     # a null user / system / tool content (OpenAI's 400), an empty role, malformed tool_calls
             raise APIError(problem, param="messages")
         if content is None or isinstance(content, str):
             conv.append(_turn(msg, content or ""))

@@ -73,17 +73,23 @@ def _json_text(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def validation_error(errors: list) -> "APIError":
+def validation_error(errors: list, content_type: Optional[str] = None) -> "APIError":
     """The 400 of a body that fails its model (pydantic's errors, FastAPI's "body" loc prefix or not): the first
     problem, its field named as written (messages[0].content) and, for a wrong JSON type, the value sent. Of a union
     (stop: a string or a list of strings) the member that got furthest speaks; if none got past the value's type,
-    the message lists the members."""
+    the message lists the members. An empty body, or one that was not read as JSON (`content_type`: the request's
+    Content-Type header; FastAPI reads JSON only under application/json), says so."""
     errs = [dict(e, loc=tuple(x for x in e.get("loc", ()) if x != "body")) for e in errors]
     if not errs:
         return APIError("invalid request body")
     first = errs[0]
     loc = first["loc"]
     param = str(loc[0]) if loc else None
+    if not loc and first.get("type") == "missing":
+        return APIError("the request body is empty: send a JSON object (Content-Type: application/json)")
+    if not loc and isinstance(first.get("input"), (bytes, bytearray)):       # the body was not parsed as JSON
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type header"
+        return APIError(f"the request body must be a JSON object sent with Content-Type: application/json, got {got}")
     if first.get("type") == "extra_forbidden":          # never silently dropped
         unknown = sorted(_where(e["loc"]) for e in errs if e.get("type") == "extra_forbidden")
         return APIError(f"unknown field(s) {', '.join(unknown)}: not supported by this server", param=param)
@@ -106,6 +112,17 @@ def validation_error(errors: list) -> "APIError":
     if str(first.get("type", "")).endswith("_type") and "input" in first:    # a wrong JSON type: say which
         msg += f", got {_json_text(first['input'])}"
     return APIError(f"{_where(loc)}: {msg}", param=param)
+
+
+def body_parse_error(cause: BaseException) -> "APIError":
+    """The 400 of a body that could not be read as JSON for a reason other than its syntax (FastAPI answers those
+    with a bare "There was an error parsing the body"): bytes that are not UTF-8, nesting too deep to parse."""
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(f"the request body is not valid UTF-8 (byte {cause.start}: {cause.reason}); send JSON "
+                        "encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return APIError("the request body is nested too deeply to parse (arrays / objects inside each other)")
+    return APIError(f"the request body cannot be parsed as JSON ({type(cause).__name__}: {cause})")
 
 
 class _Body(BaseModel):
@@ -261,7 +278,7 @@ class _Sampling(_Request, SamplingExtras):
         return response_format_constraint(rf)
 
     def structured_where(self) -> tuple[str, str]:
-        """(the message prefix, the param) that a compile error of this body's constraint names."""
+        """(the body field that holds this body's constraint, the param) that a compile error of it names."""
         if self.response_format is not None:
             kind = self.response_format.get("type")
             return ("response_format.json_schema.schema" if kind == "json_schema" else "response_format",
