@@ -313,6 +313,12 @@ def test_min_tokens_holds_back_stop_strings(qwen3_tied, make_llm):
     held = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop],
                                               min_tokens=4))[0].outputs[0]
     assert len(held.token_ids) >= 4 and held.token_ids[:4] == full.token_ids[:4], (held, full)
+    # stop_token_ids over the whole vocabulary leave min_tokens nothing to sample: refused at admission, alone (a
+    # sampled request failed on torch's "probability tensor contains inf", a greedy one emitted banned token 0)
+    every = list(range(llm.engine.vocab_size))
+    outs = llm.generate([ids, ids], [SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=every),
+                                     SamplingParams(max_tokens=2)], on_error="return")
+    assert outs[0].error.startswith("request 0: min_tokens: no token can be sampled") and not outs[1].error
 
 
 # ------------------------------------------------------------------ the request-level engine API

@@ -270,6 +270,28 @@ def test_fields_changed_after_construction_are_revalidated(qwen3_tied, make_llm,
     _clean(llm)
 
 
+def test_numpy_numbers_are_numbers(qwen3_tied, make_llm):
+    """numpy scalars (np.int64 from len() of an array, np.float32 from a sweep) and token ids are served as the
+    Python numbers they hold (they were refused as "max_tokens must be an integer >= 1, got np.int64(12)"),
+    also when set after construction; a float is still no integer."""
+    np = pytest.importorskip("numpy")
+    from xllm_gen import SamplingParams
+
+    llm = make_llm(qwen3_tied)
+    want = llm.generate([{"prompt_token_ids": [5, 17, 99]}], _sp(max_tokens=4, stop_token_ids=[7],
+                                                                  logit_bias={3: 1.5}))[0]
+    sp = SamplingParams(temperature=np.float32(0.0), max_tokens=np.int64(4), ignore_eos=True, seed=np.uint64(3),
+                        stop_token_ids=[np.int32(7)], logit_bias={np.int64(3): np.float64(1.5)}, n=np.int8(1))
+    assert type(sp.max_tokens) is int and type(sp.temperature) is float
+    late = _sp(max_tokens=2)
+    late.top_k = np.int64(5)
+    got = llm.generate([{"prompt_token_ids": list(np.array([5, 17, 99]))}, "Hello"], [sp, late])
+    assert got[0].outputs[0].token_ids == want.outputs[0].token_ids and got[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float64(5.0))
+    _clean(llm)
+
+
 def test_tiny_temperature_and_huge_seed(qwen3_tied, make_llm):
     llm = make_llm(qwen3_tied)
     greedy = llm.generate(["Hello"], _sp())[0].outputs[0].token_ids

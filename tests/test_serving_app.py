@@ -292,6 +292,18 @@ def test_unreadable_bodies_say_why():
             assert err["message"].startswith("structured_outputs.json: invalid"), err
 
 
+def test_a_batch_larger_than_the_server_admits_is_a_400():
+    """More prompts in one body than --max-num-seqs + --max-queue: it could never be admitted whole, so a 400
+    naming the limit (it was a 503 "retry later", on an idle server too)."""
+    stub = ScriptedEngine("x")
+    stub.max_active = 2
+    with _client(stub) as c:
+        assert c.post("/v1/completions", json={"prompt": ["a", "b"]}).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": [[1], [2], [3]]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and "3 prompts" in err["message"], r.text
+
+
 def test_slow_compile_is_a_400_and_never_starves_chat():
     """A constraint that compiles past the limit is a 400 naming its field; the compiles run on their own daemon
     threads, so chat rendering (asyncio's default pool) goes on meanwhile and the process can exit."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 import time
 from typing import Any, Optional
 
@@ -92,8 +93,8 @@ class EngineAdmission:
         # checked per distinct type and by min / max (C loops): a Python generator over every token cost ~1 ms a
         # 1k-token prompt, on the host while the GPU waited for the first step
         types = set(map(type, token_ids)) if isinstance(token_ids, (list, tuple)) else None
-        if types is None or not all(issubclass(t, int) and not issubclass(t, bool) for t in types):
-            raise ValueError(f"{where}: prompt_token_ids must be a list of ints")
+        if types is None or not all(issubclass(t, numbers.Integral) and not issubclass(t, bool) for t in types):
+            raise ValueError(f"{where}: prompt_token_ids must be a list of ints")      # (numpy's ints are ints)
         token_ids = list(token_ids) if types <= {int} else [int(t) for t in token_ids]
         if len(token_ids) == 0:
             raise ValueError(f"{where}: empty prompt")
@@ -112,6 +113,14 @@ class EngineAdmission:
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"{where}: stop_token_ids: token id {max(params.stop_token_ids)} out of vocabulary "
                              f"(size {self.vocab_size})")
+        eos = () if params.ignore_eos else tuple(getattr(self, "eos_token_ids", None) or ())
+        # min_tokens bans these until it is reached (a grammar lifts the bans where it can only end)
+        if params.min_tokens and params.structured_outputs is None and \
+                len(params.stop_token_ids) + len(eos) >= self.vocab_size:
+            if len(set(params.stop_token_ids) | set(eos)) >= self.vocab_size:
+                raise ValueError(f"{where}: min_tokens: no token can be sampled before min_tokens tokens: "
+                                 f"stop_token_ids{'' if params.ignore_eos else ' and EOS'} (which min_tokens bans) "
+                                 f"cover the whole vocabulary (size {self.vocab_size})")
         if mm_inputs is None and self.mm_processor is not None:
             self.mm_processor.check_no_placeholders(index, token_ids)
         compiled = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -15,6 +16,22 @@ GREEDY_EPS = 1e-5
 SEED_MOD = 2 ** 64             # torch.Generator takes seeds in [-(2**63), 2**64); larger ones are reduced mod 2**64
 MAX_LOGPROBS = 20              # as OpenAI's top_logprobs (vLLM's default max_logprobs)
 MAX_N = 128
+
+
+_INT_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "seed", "logprobs", "prompt_logprobs", "best_of")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _plain(v, kind):
+    """A numpy / other numbers.Integral (kind int) or numbers.Real (kind float) scalar as the Python number it
+    holds (np.int64(5) is an integer >= 1, which the checks would call "got np.int64(5)"); anything else as is."""
+    if isinstance(v, bool) or type(v) in (int, float):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if kind is float and isinstance(v, numbers.Real):
+        return float(v)
+    return v
 
 
 def _is_int(v) -> bool:
@@ -56,6 +73,7 @@ class SamplingParams:
     best_of: Optional[int] = None
 
     def __post_init__(self):
+        self._plain_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.structured_outputs, dict):
@@ -63,6 +81,17 @@ class SamplingParams:
         problems = self.problems()
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+
+    def _plain_numbers(self) -> None:
+        """numpy (any numbers.Integral / numbers.Real) scalars in the numeric fields become Python's."""
+        for name in _INT_FIELDS:
+            setattr(self, name, _plain(getattr(self, name), int))
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _plain(getattr(self, name), float))
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [_plain(t, int) for t in self.stop_token_ids]
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_plain(k, int): _plain(v, float) for k, v in self.logit_bias.items()}
 
     def problems(self) -> list[str]:
         """Every problem, each naming its field; never raises whatever the fields hold."""
@@ -128,10 +157,14 @@ class SamplingParams:
 
     def validated(self) -> "SamplingParams":
         """A checked, normalized, private copy (raises ValueError naming the fields)."""
-        problems = self.problems()
+        c = copy.copy(self)
+        try:
+            c._plain_numbers()
+        except Exception:                   # a field holding something odd: problems() names it
+            c = copy.copy(self)
+        problems = c.problems()
         if problems:
             raise ValueError("; ".join(problems))
-        c = copy.copy(self)
         c.stop = [c.stop] if isinstance(c.stop, str) else list(c.stop)
         c.stop_token_ids = list(c.stop_token_ids)
         c.logit_bias = dict(c.logit_bias) if c.logit_bias else None

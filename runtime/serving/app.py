@@ -276,6 +276,11 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         prompts = body.prompts()
+        limit = getattr(async_engine, "max_active", None)
+        if limit is not None and len(prompts) > limit:      # never admitted whole: a 503 "retry later" would lie
+            raise APIError(f"prompt: {len(prompts)} prompts in one request, more than this server admits at once "
+                           f"({limit}: --max-num-seqs plus --max-queue); send them in smaller batches",
+                           param="prompt")
         params = body.sampling_params(engine.max_model_len)
         await precompile(params, *body.structured_where())
         base = f"cmpl-{body.request_id or uuid.uuid4().hex}"          # vLLM's id of a request_id
