@@ -57,7 +57,7 @@ LONG_TUNE_TOKENS = 1 << 16       # KV tokens (rows x context) that timing holds 
 def tune_contexts(rows: int, max_model_len: Optional[int]) -> list[int]:
     """The contexts a bucket's kernels are timed at: TUNE_CONTEXT (max_model_len where shorter) and, where the engine
     admits contexts 4x longer, a long one (max_model_len, at most LONG_TUNE_CONTEXT and LONG_TUNE_TOKENS / rows). A
-    split count that suits 1k contexts starves long ones: on an H100 (Qwen3-0.6B, one row at a 32k context, in the
+    split count that suits 1k contexts starves long ones: on an H100 (16 over 8 heads of 128, one row at a 32k context, in the
     engine) the count chosen at 1k ran 74 us a layer, FlashInfer 54, 32 splits 55 (kernel alone)."""
     short = min(max_model_len or TUNE_CONTEXT, TUNE_CONTEXT)
     long = min(max_model_len or 0, LONG_TUNE_CONTEXT, LONG_TUNE_TOKENS // max(rows, 1))
