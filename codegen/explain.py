@@ -39,6 +39,8 @@ def format_resolved(ir: ModelIR) -> str:
             default = "  (optional)" if f.optional else "  (required)"
         if f.if_null is not None:
             default += f"  (null: {f.if_null})"
+        if f.read_if is not None:
+            default += f"  (read only where {f.read_if})"
         extra = (f"  values: {', '.join(f.values)}" if f.values else "") + \
             (f"  aliases: {', '.join(f'{a}={t}' for a, t in f.aliases)}" if f.aliases else "") + \
             (f"  in [{f.bounds[0]}, {f.bounds[1]}]" if f.bounds != (None, None) else "") + \

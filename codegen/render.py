@@ -97,7 +97,7 @@ def config_order(ir: ModelIR) -> list:
         if f.name in done:
             return
         done[f.name] = True
-        for e in (f.expr if f.derived else f.default_expr, f.if_null):
+        for e in (f.expr if f.derived else f.default_expr, f.if_null, f.read_if):
             for n in (e.names if e is not None else ()):
                 if n in fields:
                     visit(fields[n])
@@ -129,6 +129,8 @@ def from_hf_line(f: ConfigFieldIR) -> str:
         args.append(f"default={f.default!r}")
     if f.if_null is not None:
         args.append(f"if_null=lambda: {f.if_null.py('c', subscript=True)}")
+    if f.read_if is not None:
+        args.append(f"read_if=lambda: {f.read_if.py('c', subscript=True)}")
     if f.values and f.type == "rope":          # checkpoint names -> the rotary's scaling kinds
         kinds = {v: HF_ROPE_TYPES[v] for v in f.values}
         kinds.update((alias, HF_ROPE_TYPES[target]) for alias, target in f.aliases)

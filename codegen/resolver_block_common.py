@@ -24,7 +24,8 @@ from .schema import (
 ROTARY_KINDS = tuple(k for arg in typing.get_args(Rotary.model_fields["kind"].annotation)
                      if typing.get_origin(arg) is typing.Literal for k in typing.get_args(arg))
 
-# Hugging Face activation names (config hidden_act) with a fused gated kernel: what a moe block's experts admit
+# Hugging Face activation names (config hidden_act) with a fused gated kernel (the moe block's experts admit every name
+# of ACTIVATIONS: the others run the torch grouped experts)
 GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 # the runtime's activation table (runtime/layers/activation.py ACTIVATION_FNS, each equal to transformers' ACT2FN of
 # that name): what an mlp and a gated_mlp block admit, plain or gated (the compiler does not import torch: the

@@ -73,6 +73,11 @@ class ConfigResolver:
                               or f.default_expr is not None or f.truthy or isinstance(f.from_, list)):
                 raise self.err(path + ("present",), f"config.{name}.present: only a bool symbol with one `from` path "
                                                     f"and no default / optional / truthy tells a field's presence")
+            if f.read_if is not None and (f.expr is not None or f.present or f.type == "rope"
+                                          or not (f.default is not None or f.default_expr is not None or f.optional)):
+                raise self.err(path + ("read_if",), f"config.{name}.read_if: only a symbol read from config.json (not "
+                                                    f"`present`, not rope) with a default or `optional` (its value "
+                                                    f"where the field is not read)")
             if f.same_meaning and f.expr is not None:
                 raise self.err(path + ("same_meaning",), f"config.{name}.same_meaning: a derived symbol reads no field "
                                                          f"to compare with transformers' class")
@@ -112,7 +117,7 @@ class ConfigResolver:
             if f.if_null is not None and (f.optional or f.present or f.type == "rope"):
                 raise self.err(path + ("if_null",), f"config.{name}.if_null: an optional symbol reads null as None, a "
                                                     f"rope symbol as the default rope; `if_null` is for the others")
-            if f.default_expr is not None or f.if_null is not None:
+            if f.default_expr is not None or f.if_null is not None or f.read_if is not None:
                 pending.append((name, f, path))
             self.config[name] = ConfigFieldIR(
                 name, f.type, paths, default, has_default, f.doc.strip(),
@@ -124,7 +129,7 @@ class ConfigResolver:
                 if f.type == "rope":
                     self.check_rope_default(path + ("default",), name, f, default)
         for name, f, path in pending:       # expressions may name symbols declared after them
-            for key in ("expr", "default_expr", "if_null"):
+            for key in ("expr", "default_expr", "if_null", "read_if"):
                 if getattr(f, key) is None:
                     continue
                 src = getattr(f, key)
@@ -189,7 +194,7 @@ class ConfigResolver:
 
     def check_cycles(self) -> None:
         """Derived symbols and default expressions form no cycle."""
-        deps = {n: {x for e in (f.expr, f.default_expr, f.if_null) if e is not None for x in e.names}
+        deps = {n: {x for e in (f.expr, f.default_expr, f.if_null, f.read_if) if e is not None for x in e.names}
                 for n, f in self.config.items()}
         state: Dict[str, int] = {}
 

@@ -99,9 +99,11 @@ class FeedForwardResolver:
                 sact, sparams = self.activation(path + ("activation",), b.activation, ACTIVATIONS,
                                                 "an activation"), ()
             elif b.shared_expert.activation is not None:       # its own gated activation
-                sact, sparams = self.gated_activation(sp + ("activation",), b.shared_expert.activation)
+                sact, sparams = self.gated_activation(sp + ("activation",), b.shared_expert.activation, ACTIVATIONS,
+                                                      "an activation")
             else:
-                sact, sparams = self.gated_activation(path + ("activation",), b.activation)
+                sact, sparams = self.gated_activation(path + ("activation",), b.activation, ACTIVATIONS,
+                                                      "an activation")
             on = self.flag(sp + ("enabled",), b.shared_expert.enabled)
             if on.literal is False:
                 raise self.err(sp + ("enabled",), f"{self._where(sp)}.enabled: false: delete the shared expert "
@@ -125,8 +127,9 @@ class FeedForwardResolver:
                                                        f"expert_bias and weights_on: output only")
             act, act_params = self.activation(path + ("activation",), b.activation, ACTIVATIONS,
                                               "an activation"), ()
-        else:
-            act, act_params = self.gated_activation(path + ("activation",), b.activation)
+        else:   # any name of the table: one without a fused gated kernel runs the torch grouped experts
+            act, act_params = self.gated_activation(path + ("activation",), b.activation, ACTIVATIONS,
+                                                    "an activation")
         groups = None
         if b.groups is not None:
             gp = path + ("groups",)

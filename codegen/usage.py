@@ -49,7 +49,7 @@ def used_symbols(ir: ModelIR, files: Dict[str, str]) -> Set[str]:
     seen = set(todo)
     while todo:                       # a used (or guard) symbol's expressions read other symbols
         f = fields[todo.pop()]
-        for e in (f.expr, f.default_expr, f.if_null):
+        for e in (f.expr, f.default_expr, f.if_null, f.read_if):
             for n in (e.names if e is not None else ()):
                 if n in fields and n not in seen:
                     seen.add(n)

@@ -3,6 +3,8 @@ feature off changes transformers' output, and the engine serves the switched che
 by name where the spec builds the feature in)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_norm_dataflow import _arm, _edit_tensors, _engine, _hf
@@ -18,14 +20,14 @@ def test_cwm_layer_types_matter(tiny_checkpoint):
     assert _engine(base) == _hf(base)
 
 
-def test_hyperclovax_without_post_norm_is_refused_by_name(tiny_checkpoint):
-    """use_post_norm false (Granite's layer) changes transformers' output; the spec builds the post norms in,
-    so such a checkpoint is refused naming the field, never served wrong."""
+def test_hyperclovax_without_post_norm_is_served(tiny_checkpoint):
+    """use_post_norm false (Granite's layer: transformers builds post_norm1 / post_norm2 as nn.Identity, no
+    parameters) changes transformers' output; the spec's post norms are `enabled: use_post_norm`, served alike."""
     base = tiny_checkpoint("HyperCLOVAXForCausalLM")
     off = tiny_checkpoint("HyperCLOVAXForCausalLM", overrides={"use_post_norm": False})
-    assert _hf(off) != _hf(base)
-    with pytest.raises(Exception, match="use_post_norm"):
-        _engine(off)
+    want = _hf(off)
+    assert want != _hf(base)
+    assert _engine(off) == want
 
 
 def test_flex_olmo_top_k_matters(tiny_checkpoint):
@@ -95,3 +97,77 @@ def test_flint_sinks_and_layer_types_matter(tiny_checkpoint, tmp_path):
     _arm(base, _edit_tensors(base, tmp_path / "flint_sinks", edit), "perturbing the attention sinks")
     _arm(base, tiny_checkpoint("FlintForCausalLM", overrides={"layer_types": ["sliding_attention"] * 3}),
          "rope (and the window) on every layer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["FlexOlmoForCausalLM", "SolarOpenForCausalLM"])
+def test_moe_experts_follow_hidden_act(tiny_checkpoint, arch):
+    """FlexOlmo's and Solar Open's experts (and Solar Open's shared experts) run ACT2FN[hidden_act]: a relu checkpoint
+    (no fused gated kernel: the torch grouped experts) changes transformers' output and is served alike."""
+    _arm(tiny_checkpoint(arch), tiny_checkpoint(arch, overrides={"hidden_act": "relu"}), f"{arch} hidden_act relu")
+
+
+@pytest.mark.slow
+def test_olmo_hybrid_nope_is_served(tiny_checkpoint):
+    """OLMo Hybrid with a null rope theta (the released checkpoints' NoPE: transformers builds no rotary) changes
+    transformers' output against the default theta, and the spec serves it (rotary `enabled: rope_theta is not None`)."""
+    _arm(tiny_checkpoint("OlmoHybridForCausalLM"),
+         tiny_checkpoint("OlmoHybridForCausalLM", overrides={"rope_parameters": {"rope_theta": None}}), "NoPE")
+
+
+@pytest.mark.slow
+def test_exaone4_layer_types_derived_from_the_pattern(tiny_checkpoint, tmp_path):
+    """EXAONE 4 without layer_types in config.json: transformers derives them from sliding_window_pattern (full where
+    (i + 1) % pattern == 0; a pattern of 1 is every layer full, NoPE with the window set); the spec derives alike, and
+    reads the pattern only there (a string pattern beside layer_types, as released, is not read)."""
+    import json
+    import shutil
+
+    def edited(src, name, drop=("layer_types",), **fields):
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        for k in drop:
+            cfg.pop(k)
+        cfg.update(fields)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        return dst
+
+    base = tiny_checkpoint("Exaone4ForCausalLM")          # sliding_window_pattern 2: sliding, full, sliding
+    want = _hf(base)
+    assert _engine(edited(base, "p2")) == want
+    _arm(base, edited(tiny_checkpoint("Exaone4ForCausalLM", overrides={"sliding_window_pattern": 1}), "p1"),
+         "pattern 1 (every layer full)")
+    assert _engine(edited(base, "released", drop=(), sliding_window_pattern="LLLG")) == want
+
+
+def test_olmo_hybrid_and_exaone4_config_readings():
+    """Config readings alone (no model): OLMo Hybrid's rope theta, null (NoPE) wherever transformers' class holds None
+    and its value elsewhere; EXAONE 4's layer_types derived from sliding_window_pattern only where they are absent,
+    and the checkpoints transformers fails on refused by name."""
+    from transformers import Exaone4Config, OlmoHybridConfig
+
+    from xllm_gen.generated.exaone4.model import Exaone4Config as ExSpec
+    from xllm_gen.generated.olmo_hybrid.model import OlmoHybridConfig as OhSpec
+
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
+            "num_hidden_layers": 4, "vocab_size": 100}
+    for rope in ({"rope_parameters": {"rope_type": "default", "rope_theta": None}}, {"rope_theta": None}, {},
+                 {"rope_parameters": None}, {"rope_parameters": {"rope_type": "default"}, "rope_theta": None},
+                 {"rope_parameters": {"rope_type": "default", "rope_theta": None}, "rope_theta": 5000.0},
+                 {"rope_parameters": {"rope_type": "default", "rope_theta": 7000.0}, "rope_theta": None},
+                 {"rope_theta": 3000.0}):
+        hf = OlmoHybridConfig.from_dict(copy.deepcopy({**base, **rope})).rope_parameters.get("rope_theta")
+        assert OhSpec.from_hf(copy.deepcopy({**base, **rope})).rope_theta == hf, rope
+
+    ex = {**base, "architectures": ["Exaone4ForCausalLM"]}
+    for fields in ({"sliding_window_pattern": 2}, {"sliding_window_pattern": 1}, {"sliding_window_pattern": 5},
+                   {"sliding_window_pattern": -3}, {}):
+        want = Exaone4Config.from_dict(copy.deepcopy({**ex, **fields})).layer_types
+        assert list(ExSpec.from_hf(copy.deepcopy({**ex, **fields})).layer_types) == want, fields
+    given = ["sliding_attention", "full_attention"] * 2
+    assert list(ExSpec.from_hf({**ex, "layer_types": given, "sliding_window_pattern": "LLLG"}).layer_types) == given
+    with pytest.raises(ValueError, match="sliding_window_pattern"):        # transformers: int % str
+        ExSpec.from_hf({**ex, "sliding_window_pattern": "LLLG"})
+    with pytest.raises(ValueError, match="layer_types_derivable"):         # transformers: modulo by zero
+        ExSpec.from_hf({**ex, "sliding_window": None})

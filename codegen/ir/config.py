@@ -25,6 +25,7 @@ class ConfigFieldIR:
     truthy: bool = False          # bool: an int in config.json is read as its truth value
     present: bool = False         # bool: whether config.json has the path (its content is not read)
     same_meaning: str = ""        # why the defaults check does not compare it with transformers' class (a reason)
+    read_if: Any = None           # Expr (bool): the field is read only where it holds, else the default / None
 
     @property
     def derived(self) -> bool:

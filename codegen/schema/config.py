@@ -54,3 +54,8 @@ class ConfigField(Strict):
     # the meaning is the same (None where the modeling code computes 4 * hidden_size; a field the class ignores but the
     # checkpoint's training used): verify's defaults check (codegen/defaults_check.py) then does not compare it
     same_meaning: StrictStr = ""
+    # a bool expression over other symbols: where it is false the field is not read at all (the symbol is its default,
+    # None where `optional`, whatever config.json holds, of any type; the guard counts the field as read), as a config
+    # class that consults a field only to derive another one where that one is absent (EXAONE 4's
+    # sliding_window_pattern, used only where layer_types is absent, and a string in the releases that carry them)
+    read_if: Optional[StrictStr] = None

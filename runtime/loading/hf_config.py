@@ -184,10 +184,13 @@ class ConfigReader:
     def read(self, name: str, type_: str, paths: tuple[str, ...], *, default: Any = MISSING,
              default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
              optional: bool = False, bounds: tuple = (None, None), positive: bool = False,
-             truthy: bool = False, if_null: Optional[Callable[[], Any]] = None) -> Any:
+             truthy: bool = False, if_null: Optional[Callable[[], Any]] = None,
+             read_if: Optional[Callable[[], Any]] = None) -> Any:
         self.read_paths.update(paths)
         where = None
-        for p in paths:
+        # `read_if` false: the field is not read (whatever it holds), the symbol is its default (None where optional)
+        unread = read_if is not None and not self._formula(name, "read_if", read_if)
+        for p in () if unread else paths:
             try:
                 v = _lookup(self.hf, p)
             except WildcardConflict as e:
@@ -195,7 +198,8 @@ class ConfigReader:
             if v is not MISSING:
                 where, value = p, v
                 break
-        null_at = None if where is not None else next((p for p in paths if _present_null(self.hf, p)), None)
+        null_at = None if where is not None or unread else next((p for p in paths if _present_null(self.hf, p)),
+                                                                None)
         if null_at is not None and not optional and type_ in ("int", "float", "str", "bool"):
             # an explicit null is what transformers' config class makes of None, not its class default (the value of
             # an absent field): what the spec states (`if_null`), false for a flag the modeling code tests by truth;
