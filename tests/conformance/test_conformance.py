@@ -111,6 +111,7 @@ MONOTONE_ON_LOGITS = ("final_logit_softcapping", "logits_soft_cap", "logits_scal
 ERASED_BY_A_NORM = {
     # top-k renormalization scales the routed sum per token; no shared expert, then post_feedforward_layernorm
     ("BeamForCausalLM", "norm_topk_prob"),
+    ("FlexOlmoForCausalLM", "norm_topk_prob"),     # the same: post-norm layers, no shared expert
 }
 
 SENSITIVITY = [pytest.param(p, t, id=f"{_id(p)}-{t.name.split('=')[0]}") for p in PLANS for t in p.accepted]
