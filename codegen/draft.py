@@ -31,6 +31,8 @@ from .draft_checklist import other_fields, source_hints, unused_parameters
 from .draft_mla import MLA, find_mla, mla_symbols
 from .draft_moe import MoE, find_moe, moe_symbols, sparse_condition
 from .draft_render import _act_field, _render, _yaml_scalar
+from .draft_routing import find_routing
+from .draft_source import drop_answered_hints, find_scalings
 from .errors import SpecError
 
 # config.json field -> (symbol, type) for the sizes every decoder has (the draft's fixed vocabulary)
@@ -64,6 +66,9 @@ class Draft:
     checklist: list = field(default_factory=list)
     # a core symbol -> the config.json field the class's attribute_map reads it from (GPT-2: hidden_size <- n_embd)
     sources: dict = field(default_factory=dict)
+    # embedding / residual-branch / logit scalings read from the modeling source (draft_source.find_scalings):
+    # {"embed" | "residual" | "logit": a symbol or number}
+    scales: dict = field(default_factory=dict)
 
 
 def _snake(cls_name: str) -> str:
@@ -218,7 +223,10 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     if mla is not None:
         mla_symbols(d, mla, defaults, type(config))
     moe_fields = moe_symbols(d, moe, defaults, source) if moe else {}
-    sparse_if = sparse_condition(d, moe, defaults) if moe else None
+    if moe is not None:
+        find_routing(d, moe, prefix, defaults, type(config), moe_fields)     # draft_routing.py
+    sparse_if = sparse_condition(d, moe, defaults, prefix, type(config)) if moe else None
+    find_scalings(d, cls, config, prefix, defaults)                            # draft_source.py
     if moe is not None and layer.down is None and "intermediate_size" in d.symbols and \
             not any("intermediate_size" == v or "* intermediate_size" in v for v in moe_fields.values()):
         # every layer sparse: the dense MLP width configures no block of the draft
@@ -228,6 +236,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
                            "is ignored: where a config field makes some layers dense, model that MLP and read it")
     other_fields(d, full, controls)
     source_hints(d, cls)
+    drop_answered_hints(d)
     unused_parameters(d, names - (moe.owned if moe else set()) - (mla.owned if mla else set()), layer)
     return _render(d, target, type(config).__name__, defaults, names, controls, layer, norm_kind, eps,
                    (moe, moe_fields, sparse_if)), d

@@ -3,8 +3,9 @@ built on the meta device, the sparse layers, the config fields of their sizes, a
 holds them under (transformers converts some at load, e.g. per-expert tensors stacked into one; the draft maps the
 names as saved, by reverting transformers' own conversion on the meta state_dict).
 
-What it cannot tell from shapes and names (the scoring function, grouped routing, renormalization where no
-`norm_topk_prob` field exists, scaling factors) goes on the checklist.
+The routing itself (scoring, grouped top-k, scaling, renormalization) and the sparse layers' condition are read from
+the modeling source by draft_routing.py (over the meta model this module keeps in `MoE.model`); what neither can tell
+goes on the checklist.
 """
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ class MoE:
     probe: dict = field(default_factory=dict)    # config changes under which the model shows its dense layers
     rule: str | None = None                      # the sparse layers' condition (SPARSE_RULES), where one held
     owned: set = field(default_factory=set)      # in-memory names ({i}) that belong to the MoE
+    shapes: dict = field(default_factory=dict)   # a sparse layer's {name relative to the layer: shape}
     weights: list = field(default_factory=list)  # (runtime name, source: str | {segment: str}, extra keys)
+    model: Any = None                            # the meta model built (its classes' source: draft_routing.py)
+    routing_read: str | None = None              # what draft_routing read of the routing, for the spec's description
 
 
 def _layer_names(params: dict, prefix_re: str) -> dict[int, dict[str, tuple]]:
@@ -68,7 +72,7 @@ def _layer_names(params: dict, prefix_re: str) -> dict[int, dict[str, tuple]]:
     return out
 
 
-def build_meta(cls, config, layers: int, **changes):
+def build_meta(cls, config, layers: int, keep: dict | None = None, **changes):
     """The HF model on the meta device with `layers` decoder layers, its {name: shape} and the checkpoint names of
     its tensors ({in-memory name: saved name}, and the saved names transformers' conversion creates)."""
     import copy
@@ -82,6 +86,8 @@ def build_meta(cls, config, layers: int, **changes):
         setattr(cfg, k, v)
     with torch.device("meta"):
         model = cls(cfg)
+    if keep is not None:
+        keep["model"] = model
     sd = dict(model.state_dict())
     params = {n: tuple(t.shape) for n, t in sd.items()}
     try:
@@ -100,8 +106,9 @@ def find_moe(d, cls, config, layer_prefix: str) -> MoE | None:
     to 8 layers (on the meta device: no memory), so that dense first layers do not hide it."""
     total = int(getattr(config, "num_hidden_layers", 2) or 2)
     n = max(2, min(total, 8))
+    keep: dict = {}
     try:
-        cfg, params, renamed, created = build_meta(cls, config, n)
+        cfg, params, renamed, created = build_meta(cls, config, n, keep)
     except Exception:  # noqa: BLE001 - the caller's own meta build reports why a model does not build
         return None
     prefix_re = re.escape(layer_prefix.split("{i}")[0])
@@ -150,12 +157,13 @@ def find_moe(d, cls, config, layer_prefix: str) -> MoE | None:
                         if "shared" in k and k.endswith(".weight") and s == (1, hidden)), None)
     moe = MoE(module, E, hidden, inter, router, f"{module}.{router}.bias" in names,
               any(k.endswith("e_score_correction_bias") for k in children), shared, shared_inter, shared_gate,
-              sparse, n, probe, rule)
+              sparse, n, probe, rule, model=keep.get("model"))
     moe.owned = {f"{layer_prefix}{k}" for k in names if k.startswith(module + ".")
                  and (".experts." in k or k.startswith(f"{module}.{router}.")
                       or (shared and k.startswith(f"{module}.{shared}."))
                       or (shared_gate and k.startswith(f"{module}.{shared_gate}."))
                       or k.endswith("e_score_correction_bias"))}
+    moe.shapes = dict(names)
     known = {f"{layer_prefix}{module}.experts.gate_up_proj", f"{layer_prefix}{module}.experts.down_proj",
              f"{layer_prefix}{module}.{router}.weight", f"{layer_prefix}{module}.{router}.bias"}
     strange = sorted(k for k in moe.owned if ".experts." in k and k not in known)
@@ -177,7 +185,7 @@ def _dense_probe(cls, config, n: int, prefix_re: str) -> tuple[dict, str | None]
             continue
         changes = {f: DENSE_PROBES[f] for f in fields if f in DENSE_PROBES}
         try:
-            _, params, _, _ = build_meta(cls, config, n, **changes)
+            _, params, _, _ = build_meta(cls, config, n, None, **changes)
         except Exception:  # noqa: BLE001 - a probe the class does not take
             continue
         per_layer = _layer_names(params, prefix_re)
@@ -218,9 +226,19 @@ def _saved_names(d, moe: MoE, layer_prefix: str, li: int, renamed: dict, created
         d.checklist.append(f"the checkpoint stores the experts stacked ({run}.gate_up_proj / down_proj): check their "
                            f"orientation ([experts, out, in]; `transpose: true` where [experts, in, out]) and the "
                            f"gate/up order (`segments_interleaved` where alternating)")
-    # the router, selection bias and shared expert: renamed tensors (Mixtral's block_sparse_moe.gate)
+    # the selection bias: the runtime's <router>.e_score_correction_bias, wherever the model holds it (ERNIE 4.5:
+    # gate.moe_statics.e_score_correction_bias [1, experts])
+    bias_rt = f"{layer_prefix}{moe.module}.{moe.router}.e_score_correction_bias"
     for mem, saved in sorted(renamed.items()):
         gm, gs = generic(mem), generic(saved)
+        if gm.endswith(".e_score_correction_bias") and gm in moe.owned and gs != bias_rt:
+            shape = moe.shapes.get(gm[len(layer_prefix):], ())
+            moe.weights.append((bias_rt, gs, {"squeeze": "true"} if len(shape) == 2 and shape[0] == 1 else {}))
+    # the router and shared expert: renamed tensors (Mixtral's block_sparse_moe.gate)
+    for mem, saved in sorted(renamed.items()):
+        gm, gs = generic(mem), generic(saved)
+        if gm.endswith(".e_score_correction_bias"):
+            continue
         if gm in moe.owned and gm != gs and ".experts." not in gm:
             if moe.shared and re.search(rf"\.{re.escape(moe.shared)}\.(gate_proj|up_proj)\.", gm):
                 continue        # in the fused shared gate_up below
@@ -249,7 +267,8 @@ def moe_symbols(d, moe: MoE, full: dict, source: str = "") -> dict:
     """Config symbols of the MoE sizes and flags (added to d.symbols); returns the block's field values. `source`:
     the modeling module's text (renormalization where no `norm_topk_prob` field says)."""
     out: dict[str, str] = {}
-    ef = _field(full, EXPERTS_FIELDS, moe.experts) or _field(full, EXPERTS_FIELDS)
+    vals = {**full, **d.config}     # sizes matched by the checkpoint's values (a tiny one's), defaults the class's
+    ef = _field(vals, EXPERTS_FIELDS, moe.experts) or _field(vals, EXPERTS_FIELDS)
     if ef:
         d.symbols[ef] = f"{{type: int, from: {ef}, min: 1}}"
         out["experts"] = ef
@@ -265,7 +284,7 @@ def moe_symbols(d, moe: MoE, full: dict, source: str = "") -> dict:
         d.checklist.append("no config field for the experts per token found: top_k is a literal 2 (check the "
                            "modeling file)")
     # the field of that value, an MLP width by its name (GPT-OSS's hidden_size equals its intermediate_size)
-    inter = sorted((f for f, v in full.items() if v == moe.intermediate and isinstance(v, int)
+    inter = sorted((f for f, v in vals.items() if v == moe.intermediate and isinstance(v, int)
                     and not isinstance(v, bool) and "size" in f and f not in NOT_WIDTHS),
                    key=lambda f: (not ("moe" in f or "expert" in f), not ("intermediate" in f or "ffn" in f), f))
     if inter:
@@ -292,12 +311,12 @@ def moe_symbols(d, moe: MoE, full: dict, source: str = "") -> dict:
         d.checklist.append("the router has an e_score_correction_bias: `selection_bias: true` is drafted; DeepSeek-V3-"
                            "style routers also score by sigmoid with grouped top-k and a routed scale")
     if moe.shared:
-        sf = next((f for f, v in full.items() if v == moe.shared_intermediate and "shared" in f and "size" in f), None)
+        sf = next((f for f, v in vals.items() if v == moe.shared_intermediate and "shared" in f and "size" in f), None)
         if sf:
             d.symbols.setdefault(sf, f"{{type: int, from: {sf}}}")
             out["shared_intermediate"] = sf
-        elif "n_shared_experts" in full and "intermediate" in out and \
-                full["n_shared_experts"] * full.get(out["intermediate"], 0) == moe.shared_intermediate:
+        elif isinstance(vals.get("n_shared_experts"), int) and "intermediate" in out and \
+                vals["n_shared_experts"] * (vals.get(out["intermediate"]) or 0) == moe.shared_intermediate:
             d.symbols.setdefault("n_shared_experts", "{type: int, from: n_shared_experts, min: 1}")
             out["shared_intermediate"] = f"n_shared_experts * {out['intermediate']}"
         else:
@@ -306,9 +325,16 @@ def moe_symbols(d, moe: MoE, full: dict, source: str = "") -> dict:
     return out
 
 
-def sparse_condition(d, moe: MoE, full: dict) -> str | None:
-    """The per-layer expression that is true on the sparse layers (None: every layer is sparse), from the fields the
-    families use; checked against the layers built. None found: on the checklist."""
+def sparse_condition(d, moe: MoE, full: dict, layer_prefix: str | None = None, config_cls=None) -> str | None:
+    """The per-layer expression that is true on the sparse layers (None: every layer is sparse): the decoder layer's
+    own condition (draft_routing.sparse_from_source), else from the fields the families use; checked against the
+    layers built (with the checkpoint's values). None found: on the checklist."""
+    values = {**full, **d.config}
+    if layer_prefix is not None and (moe.probe or len(moe.sparse_layers) < moe.built_layers):
+        from .draft_routing import sparse_from_source
+        expr = sparse_from_source(d, moe, layer_prefix, values, full, config_cls)
+        if expr is not None:
+            return expr
     if moe.rule is not None:        # found by the dense probe: the default config's values are the defaults
         for fields, expr in SPARSE_RULES:
             if expr == moe.rule:
@@ -321,7 +347,7 @@ def sparse_condition(d, moe: MoE, full: dict) -> str | None:
         return None
     for fields, expr in SPARSE_RULES:
         if all(f in full for f in fields):
-            env = {f: (tuple(full[f]) if isinstance(full[f], list) else full[f]) for f in fields}
+            env = {f: (tuple(values[f]) if isinstance(values[f], list) else values[f]) for f in fields}
             try:
                 got = [i for i in range(moe.built_layers) if eval(expr, {}, {**env, "layer": i})]  # noqa: S307
             except Exception:  # noqa: BLE001 - a field of another meaning
@@ -342,9 +368,15 @@ def render_block(moe: MoE, fields: dict, act: str, name: str) -> list:
     L = [f"      {name}:", "        kind: moe", "        hidden: hidden_size", f"        experts: {fields['experts']}",
          f"        top_k: {fields['top_k']}", f"        intermediate: {fields['intermediate']}",
          f"        activation: {act}", f"        norm_topk_prob: {fields['norm_topk_prob']}",
-         f"        router: {{name: {moe.router}" + (", bias: true}" if moe.router_bias else "}")]
+         f"        router: {{name: {moe.router}" + (", bias: true" if moe.router_bias else "")
+         + (", float32: true}" if fields.get("router_float32") else "}")]
+    if "scoring" in fields:
+        L.append(f"        scoring: {fields['scoring']}")
     if moe.selection_bias:
         L.append("        selection_bias: true")
+    for key in ("selection_bias_on", "groups", "routed_scale", "renormalize_min"):
+        if key in fields:
+            L.append(f"        {key}: {fields[key]}")
     if moe.shared:
         gate = f", gate: {moe.shared_gate}" if moe.shared_gate else ""
         L.append(f"        shared_expert: {{name: {moe.shared}, intermediate: {fields['shared_intermediate']}{gate}}}")
@@ -353,10 +385,11 @@ def render_block(moe: MoE, fields: dict, act: str, name: str) -> list:
 
 def render_weights(moe: MoE) -> list:
     L = []
-    for target, src, _ in moe.weights:
+    for target, src, extra in moe.weights:
         L.append(f"  {target}:")
         if isinstance(src, str):
             L.append(f"    from: {src}")
+            L += [f"    {k}: {v}" for k, v in extra.items()]
         else:
             L.append("    from:")
             L += [f"      {seg}: {s}" for seg, s in src.items()]

@@ -109,7 +109,8 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}}}"
     act_ref = _act_field(full) or "silu"
     L += ["", "decoder:",
-          "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size}",
+          "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size"
+          + (f", scale: {d.scales['embed']}}}" if "embed" in d.scales else "}"),
           "  layers:", "    count: num_hidden_layers", "    blocks:",
           f"      {rel(layer.attn_norm)}: {norm}", *attn_lines]
     L.append(f"      {rel(layer.mlp_norm)}: {norm}")
@@ -129,16 +130,19 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
               f"        activation: {act_ref}",
               f"        up: {{name: {layer.up.rsplit('.', 1)[1]}, bias: {up_b}}}",
               f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
+    # each residual branch scaled (MiniCPM's scale_depth / sqrt(layers), Granite's residual_multiplier)
+    rs = f", scale: {d.scales['residual']}" if "residual" in d.scales else ""
     if moe is not None and dense and sparse_if is not None:
         mlp_step = [f"      - norm: {rel(layer.mlp_norm)}",
                     f"        block: {{if: {json.dumps(sparse_if)}, then: {moe_name}, else: {mlp_name}, "
-                    f"name: {moe.module}}}"]
+                    f"name: {moe.module}}}"] + ([f"        scale: {d.scales['residual']}"] if rs else [])
     else:       # one block: the experts on every layer, or the dense MLP
-        mlp_step = [f"      - {{norm: {rel(layer.mlp_norm)}, block: {moe_name or mlp_name}}}"]
-    L += ["    dataflow:", f"      - {{norm: {rel(layer.attn_norm)}, block: {attn_name}}}", *mlp_step,
+        mlp_step = [f"      - {{norm: {rel(layer.mlp_norm)}, block: {moe_name or mlp_name}{rs}}}"]
+    L += ["    dataflow:", f"      - {{norm: {rel(layer.attn_norm)}, block: {attn_name}{rs}}}", *mlp_step,
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
-          + (", tie: tie_word_embeddings}" if tied else "}"), "", "weights:"]
+          + (", tie: tie_word_embeddings" if tied else "")
+          + (f", logit_scale: {d.scales['logit']}}}" if "logit" in d.scales else "}"), "", "weights:"]
     fused = [] if layer.mla else [(qkv_fused, qkv_fused, qb) if qkv_fused else
                                   (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
     if dense and gate_up_fused:

@@ -170,7 +170,8 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
 
 @pytest.mark.parametrize("arch, expected", [
     ("Qwen3ForCausalLM", ["self_attn.q_norm", "qk_norm"]),
-    ("Gemma2ForCausalLM", ["weight_offset: 1", "softcap", "post_feedforward_layernorm", "embed_tokens `scale`"]),
+    # the embedding's hidden_size ** 0.5 is drafted (codegen/draft_source.py), no longer only flagged
+    ("Gemma2ForCausalLM", ["weight_offset: 1", "softcap", "post_feedforward_layernorm", "scale: embed_scale}"]),
     ("HeliumForCausalLM", ["interleaved"]),
     ("PhiForCausalLM", ["not a pre-norm decoder layer"]),
     # Falcon / Bloom name their MLP dense_h_to_4h / dense_4h_to_h: found (the draft failed on "no up/down MLP"),
@@ -241,8 +242,9 @@ def test_draft_of_moe_layers_verifies(tiny_checkpoint, tmp_path):
     assert rc == 0, err
     assert "shared_expert: {name: shared_expert, intermediate: shared_expert_intermediate_size, gate: " \
            "shared_expert_gate}" in out2
-    assert 'block: {if: "layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0", then: moe, ' \
-           'else: mlp, name: mlp}' in out2
+    # the decoder layer's own condition, translated from its __init__ (codegen/draft_routing.py)
+    assert 'block: {if: "layer not in mlp_only_layers and (num_experts > 0 and (layer + 1) % decoder_sparse_step == 0)' \
+           '", then: moe, else: mlp, name: mlp}' in out2
     assert "gate: model.layers.{i}.mlp.shared_expert.gate_proj.weight" in out2
 
 
