@@ -5,6 +5,7 @@ scheduling and sampling; model runners (one per TP rank) execute."""
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -39,8 +40,15 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
            "half": torch.float16}
 
 
+_SERVABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)     # float64: CPU verification
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
 def resolve_dtype(dtype: Any, hf_config: dict, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in _SERVABLE_DTYPES:       # an int / float8 default dtype fails deep in the model build
+            raise ValueError(f"dtype {dtype} cannot be served; use torch.float32, torch.bfloat16 or torch.float16 "
+                             f"(or 'auto'; torch.float64 for verification on the CPU)")
         return dtype
     if dtype in (None, "auto"):
         if device.type != "cuda":
@@ -78,6 +86,64 @@ def _mm_preprocess_device(option: Any, device: torch.device, tensor_parallel_siz
                          f"({e})") from None
 
 
+def _tokenizer_size(tok) -> Optional[int]:
+    """The number of ids a tokenizer can produce (len(tok): its vocabulary and added tokens), None if unknown."""
+    if tok is None:
+        return None
+    try:
+        return int(len(tok))
+    except Exception:  # noqa: BLE001 - a tokenizer without __len__: nothing to compare
+        return None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _resolve_device(device: Any) -> torch.device:
+    """`device` as a torch.device; an unknown device string, or a CUDA device this host does not have, is a
+    ValueError naming it (not torch's RuntimeError from deep inside the model build)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:N'): {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available on this host (torch "
+                             f"{torch.__version__}, CUDA build {torch.version.cuda}); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "meta"):
+        raise ValueError(f"device {device!r}: only 'cpu' and 'cuda' devices are served")
+    return dev
+
+
+def _check_engine_args(*, block_size, num_kv_blocks, max_num_batched_tokens, gpu_memory_utilization, seed,
+                       load_format) -> None:
+    """Engine options that would otherwise fail deep inside torch (a negative KV-cache size), per request (a
+    block_size of 0 divides by zero at admission), or pass silently (a load_format that is not read, a
+    max_num_batched_tokens of 0 taken as the default): each a ValueError naming the option and its value."""
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1 (tokens per KV-cache block), got {block_size!r}")
+    if block_size > 4096:
+        raise ValueError(f"block_size {block_size} is larger than any KV-cache block size served (at most 4096 "
+                         f"tokens a block; 16 is the default)")
+    if num_kv_blocks is not None and (not _is_int(num_kv_blocks) or num_kv_blocks < 1):
+        raise ValueError(f"num_kv_blocks must be an integer >= 1, or None (sized from the memory available), "
+                         f"got {num_kv_blocks!r}")
+    if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
+        raise ValueError(f"max_num_batched_tokens must be an integer >= 1, or None (the default), got "
+                         f"{max_num_batched_tokens!r}")
+    g = gpu_memory_utilization
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {g!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported (one of {', '.join(LOAD_FORMATS)}: "
+                         f"safetensors checkpoints, or dummy random weights)")
+
+
 class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
     spec = None                          # speculative decoding (SpecDecoder), when speculative_config is given
     def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
@@ -91,6 +157,9 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  mm_preprocess_device: Optional[str] = "cpu", speculative_config: Any = None):
         spec_cfg = SpeculativeConfig.parse(speculative_config)      # errors name the key, before any loading
+        _check_engine_args(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           gpu_memory_utilization=gpu_memory_utilization, seed=seed, load_format=load_format)
         self.tensor_parallel_size = tensor_parallel_size
         self.spec = None
         self.model_dir = resolve_model_path(model)        # a GGUF file: its converted HF checkpoint (cached)
@@ -99,7 +168,7 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
         self.hf_config = read_config_json(self.model_dir)      # errors name the file (and JSON line / column)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = _resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
         self.mm_preprocess_device = _mm_preprocess_device(mm_preprocess_device, self.device, tensor_parallel_size)
         model_module = None
@@ -211,7 +280,14 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
     def _load_tokenizer(self):
         """The checkpoint's (or `tokenizer=`) tokenizer; None only when the checkpoint has no tokenizer file (it
         then serves prompt_token_ids). One that is present but cannot be loaded is an error naming the file."""
-        return load_tokenizer(self.tokenizer_dir, required=self.tokenizer_dir != self.model_dir)
+        tok = load_tokenizer(self.tokenizer_dir, required=self.tokenizer_dir != self.model_dir)
+        vocab = self.config.vocab_size
+        n = _tokenizer_size(tok)
+        if n is not None and n > vocab:       # its last ids have no embedding row: a prompt holding one is refused
+            logger.warning("the tokenizer of %s has %d tokens, more than the model's vocab_size %d (config.json): a "
+                           "prompt that encodes to one of the ids >= %d is refused; a tokenizer of another model?",
+                           self.tokenizer_dir, n, vocab, vocab)
+        return tok
 
     def _check_chat_template(self) -> Optional[str]:
         """The checkpoint's chat template compiled once at load: "<file>, line N: reason" when it does not (logged;

@@ -92,7 +92,7 @@ class IntWeightView:
             if _dtype(sl) not in ("I32", "torch.int32"):
                 raise IntQuantError(f"tensor {names[k]!r}: dtype {_dtype(sl)}, expected I32 (packed {qc.bits}-bit)")
         if _dtype(sc) not in ("F16", "BF16", "F32", "torch.float16", "torch.bfloat16", "torch.float32"):
-            raise IntQuantError(f"tensor {names['scales']!r}: dtype {_dtype(sc)}, expected a float dtype")
+            raise IntQuantError(f"tensor {names['scales']!r}: dtype {_dtype(sc)}, expected F16, BF16 or F32")
         p = 32 // qc.bits
         s_qw, s_qz, s_sc = _shape(qw), _shape(qz), _shape(sc)
         if len(s_qw) != 2:
@@ -104,6 +104,8 @@ class IntWeightView:
         gi = None
         if qc.method == "gptq" and names["g_idx"] in have:
             gi = ckpt.slice(names["g_idx"])
+            if _dtype(gi) not in ("I32", "I64", "torch.int32", "torch.int64"):
+                raise IntQuantError(f"tensor {names['g_idx']!r}: dtype {_dtype(gi)}, expected I32 (group indices)")
             want["g_idx"] = (_shape(gi), (K,))
         for k, (got, exp) in want.items():
             if tuple(got) != exp:
@@ -132,7 +134,7 @@ class IntWeightView:
         if _dtype(qw) not in ("I32", "torch.int32"):
             raise IntQuantError(f"tensor {names['packed']!r}: dtype {_dtype(qw)}, expected I32 (packed {qc.bits}-bit)")
         if _dtype(sc) not in ("F16", "BF16", "F32", "torch.float16", "torch.bfloat16", "torch.float32"):
-            raise IntQuantError(f"tensor {names['scale']!r}: dtype {_dtype(sc)}, expected a float dtype")
+            raise IntQuantError(f"tensor {names['scale']!r}: dtype {_dtype(sc)}, expected F16, BF16 or F32")
         shape = ckpt.slice(names["shape"])[:].reshape(-1).tolist()
         if len(shape) != 2 or min(shape) < 1:
             raise IntQuantError(f"tensor {names['shape']!r} = {shape}: expected the weight's [out, in]")

@@ -145,6 +145,9 @@ def load_tokenizer(tokenizer_dir: Path, *, required: bool = False):
     `required`). A tokenizer that is present but cannot be loaded is a CheckpointFileError naming the file:
     the one that is not valid JSON when there is one, else the files present."""
     tokenizer_dir = Path(tokenizer_dir)
+    if required and not tokenizer_dir.is_dir():       # transformers would read the path as a hub repo id
+        raise CheckpointFileError(f"{tokenizer_dir}: the tokenizer dir "
+                                  f"{'is a file' if tokenizer_dir.exists() else 'does not exist'}")
     present = [f for f in TOKENIZER_FILES if (tokenizer_dir / f).is_file()]
     if not present and not required:
         return None

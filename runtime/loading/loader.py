@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import re
@@ -24,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from xllm_gen.runtime.executor.sharding import WeightLoadError, default_weight_loader
+from xllm_gen.runtime.loading.checkpoint_files import CheckpointFileError, read_json
 from xllm_gen.runtime.loading.kv_scales import KVScaleError, load_kv_scales
 from xllm_gen.runtime.loading.quant_config import QuantConfig
 from xllm_gen.runtime.loading.quant_load import QuantLoad, QuantLoadError
@@ -35,6 +35,11 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "
 
 class CheckpointError(ValueError):
     pass
+
+
+# the tensors a quantized `<layer>.weight` is stored as (AWQ / GPTQ, compressed-tensors pack-quantized)
+_QUANT_PARTS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_shape",
+                "weight_zero_point", "weight_g_idx", "weight_scale_inv")
 
 
 logger = logging.getLogger("xllm_gen.loading")
@@ -88,6 +93,8 @@ class LoadProgress:
 
 def _open(path: Path):
     """safe_open, or a CheckpointError naming the file (empty, truncated, garbage header)."""
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a safetensors file")
     try:
         return safe_open(str(path), framework="pt")
     except FileNotFoundError:
@@ -117,6 +124,10 @@ class Checkpoint:
             for f in files:
                 h = self._handles[f.name] = _open(f)
                 for name in h.keys():
+                    if name in self.file_of:      # which copy is served would depend on the files' order
+                        raise CheckpointError(
+                            f"{self.dir}: tensor {name!r} is stored in two files, {self.file_of[name]} and {f.name} "
+                            f"(and no model.safetensors.index.json says which to read): remove the stray file")
                     self.file_of[name] = f.name
         # a replacement that is a tuple of n names splits the tensor into n equal chunks of its first dim (transformers'
         # Chunk(dim=0) conversion): name k reads chunk k (lazily, only the rows asked for)
@@ -166,15 +177,20 @@ class Checkpoint:
     @staticmethod
     def _read_index(index: Path) -> dict[str, str]:
         try:
-            data = json.loads(index.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index}: not valid JSON: {e}") from None
+            data = read_json(index, index.name)
+        except CheckpointFileError as e:            # not UTF-8, not JSON (line / column), unreadable, too large
+            raise CheckpointError(str(e)) from None
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{index}: no 'weight_map' object (tensor name -> file name)")
         bad = [k for k, v in wm.items() if not isinstance(v, str) or not v]
         if bad:
             raise CheckpointError(f"{index}: weight_map entry {bad[0]!r} does not name a file")
+        for name, fname in wm.items():     # a shard is a file of the checkpoint dir (as the hub stores them)
+            parts = Path(fname).parts
+            if Path(fname).is_absolute() or ".." in parts:
+                raise CheckpointError(f"{index}: weight_map names {fname!r} for {name!r}, a path outside the "
+                                      f"checkpoint dir: shards are named relative to it")
         return dict(wm)
 
     def names(self) -> Iterable[str]:
@@ -195,9 +211,20 @@ class Checkpoint:
         return (f": the checkpoint holds {head}.* for {len(present)} layers ({min(present)}..{max(present)}), not "
                 f"layer {layer}; config.json asks for more layers (num_hidden_layers) than these files hold")
 
+    def stored_parts(self, name: str) -> list[str]:
+        """The checkpoint tensors that hold tensor `name`: itself, or a quantized weight's packed parts (AWQ / GPTQ
+        `<layer>.qweight`, `.qzeros`, `.scales`, `.g_idx`; compressed-tensors `<layer>.weight_packed`, ...; MXFP4
+        `<name>_blocks`, `<name>_scales`)."""
+        if name in self.file_of:
+            return [name]
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        return sorted(n for n in self.file_of if n.startswith(name + "_") or (
+            base is not None and n.startswith(base + ".") and n.rpartition(".")[2] in _QUANT_PARTS))
+
     def path_of(self, name: str) -> Path:
-        """The file that holds tensor `name` (for messages)."""
-        return self.dir / self.file_of.get(name, self.file_of.get(name + "_blocks", "?"))     # MXFP4: its blocks
+        """The file that holds tensor `name` (for messages; a quantized weight: the file of its packed parts)."""
+        parts = self.stored_parts(name)
+        return self.dir / (self.file_of[parts[0]] if parts else "?")
 
     def slice(self, name: str):
         if name not in self.file_of:
@@ -312,7 +339,8 @@ def _check_finite(param: torch.Tensor, rule: WeightRule, ckpt) -> None:
     bad = int((~torch.isfinite(flat)).sum())
     if bad == 0:                 # finite values whose float32 sum overflowed: nothing wrong
         return
-    sources = [n for n in rule.sources if n in ckpt.file_of]
+    # the stored tensors (a quantized weight's packed parts: a NaN scale is named, not the dequantized weight)
+    sources = [m for n in rule.sources for m in ckpt.stored_parts(n)]
     culprits = []
     for n in sources:            # which stored tensor (re-read on the host: only on this error path)
         try:
@@ -397,7 +425,10 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                 used_sources.update(rows)
                 sl, name = StackedRows([qload.open(n) for n in rows]), rows[0]
             else:
-                sl = qload.open(name)
+                try:
+                    sl = qload.open(name)
+                except QuantLoadError as e:       # a quantized weight's parts: named with their file
+                    raise CheckpointError(f"{model_dir}: {e} (file {ckpt.path_of(name)})") from None
             try:
                 sl = qload.source(rule.param, name, sl)
             except QuantLoadError as e:
