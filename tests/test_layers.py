@@ -396,8 +396,17 @@ def test_rotary_table_covers_the_engine_context():
     short.set_context_len(64)
     assert short.cos_sin_cache.shape[0] == 64
     assert torch.equal(short.cos_sin_cache, full.cos_sin_cache)
-    full.set_context_len(16)                         # a shorter context keeps max_position's rows
-    assert full.cos_sin_cache.shape[0] == 64
+    whole = full.cos_sin_cache.clone()
+    full.set_context_len(16)                         # a shorter context: positions stop there, so does the table
+    assert full.cos_sin_cache.shape[0] == 16 and torch.equal(full.cos_sin_cache, whole[:16])
+    # a config's max_position_embeddings of 1e9 builds no table of that size once the engine's context is known
+    huge = Rotary(8, 10000.0, 10 ** 9)
+    huge.set_context_len(32)
+    assert huge.cos_sin_cache.shape[0] == 32
+    # mRoPE's temporal positions can run past the token count (scaled video time): max_position's rows are kept
+    m = Rotary(8, 10000.0, 64, kind="mrope_interleaved", mrope_section=[2, 1, 1])
+    m.set_context_len(16)
+    assert m.cos_sin_cache.shape[0] == 64
 
 
 def test_decode_gemm_tuning_never_takes_a_kernel_that_differs(monkeypatch):

@@ -187,3 +187,21 @@ def test_tokenizer_with_more_ids_than_the_embedding_warns(qwen3_untied, tmp_path
         assert out[0].error and "out of vocabulary" in out[0].error and out[1].error is None
     finally:
         llm.shutdown()
+
+
+def test_huge_max_position_embeddings_builds_no_table_of_that_size(qwen3_untied, tmp_path):
+    """A config's max_position_embeddings of 1e9 loads and generates at the engine's context: the rotary table covers
+    the positions the engine serves (max_model_len), not 1e9 rows (32 GB: the first step used to fail allocating)."""
+    import json
+
+    from xllm_gen import SamplingParams
+    d = _copy(qwen3_untied, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 10 ** 9
+    (d / "config.json").write_text(json.dumps(cfg))
+    llm = _llm(d, max_model_len=64)
+    try:
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()

@@ -189,9 +189,13 @@ class Rotary(nn.Module):
         kinds whose frequencies depend on the context (longrope: short_factor up to the original context,
         long_factor beyond; see rope_parameters) choose their tables from it, for every position. The cos|sin table
         covers the context where it is longer than max_position (the CUDA kernel reads it at each position
-        unchecked: a spec whose max_position is short of the engine's context would read past its end)."""
-        if max(self.max_position, context_len) != self.rows:
-            self.rows = max(self.max_position, context_len)
+        unchecked: a spec whose max_position is short of the engine's context would read past its end). A 1-D
+        rotary's positions are token indices, below the context, so its table stops there (a config's
+        max_position_embeddings of 1e9, or Llama 4's 10M, is no table of that size); mRoPE's temporal positions
+        can run past the token count (scaled video time), so its table keeps max_position's rows too."""
+        rows = context_len if self.kind == "neox" else max(self.max_position, context_len)
+        if rows != self.rows:
+            self.rows = rows
             self._tables = None
         if self.rope_type not in CONTEXT_DEPENDENT or not self.head_dim or context_len == self.context_len:
             return
