@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .draft_attention import drop_answered, find_attention
 from .draft_checklist import other_fields, source_hints, unused_parameters
 from .draft_mla import MLA, find_mla, mla_symbols
 from .draft_moe import MoE, find_moe, moe_symbols, sparse_condition
@@ -171,6 +172,7 @@ class _Layer:
     extra_norms: list
     inner_norms: list
     mla: MLA | None = None                      # multi-head latent attention in place of q/k/v (draft_mla.py)
+    attn: object = None                         # q/k norms, rotary, window, scale (draft_attention.Attn)
 
     def rel(self, n: str) -> str:
         return n[len(self.prefix):]
@@ -234,9 +236,13 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
         d.ignore.append("intermediate_size")
         d.checklist.append("every layer the draft built holds experts, so `intermediate_size` (the dense MLP's width) "
                            "is ignored: where a config field makes some layers dense, model that MLP and read it")
+    if mla is None:
+        layer.attn = find_attention(d, cls, config, layer, controls, defaults)     # draft_attention.py
     other_fields(d, full, controls)
     source_hints(d, cls)
     drop_answered_hints(d)
+    if layer.attn is not None:
+        drop_answered(d, layer.attn, layer)
     unused_parameters(d, names - (moe.owned if moe else set()) - (mla.owned if mla else set()), layer)
     return _render(d, target, type(config).__name__, defaults, names, controls, layer, norm_kind, eps,
                    (moe, moe_fields, sparse_if)), d

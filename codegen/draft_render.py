@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from .draft_attention import attention_lines, rotary_keys
 from .draft_mla import render_mla
 from .draft_moe import render_block, render_weights
 
@@ -73,8 +74,11 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
         f"        qkv: {{name: {qkv_fused.rsplit('.', 1)[1] if qkv_fused else 'qkv_proj'}, segments: [q, k, v], "
         f"bias: {qb}}}",
         f"        out: {{name: {layer.o.rsplit('.', 1)[1]}, bias: {ob}}}"]
+    if layer.attn is not None:
+        attn_lines += attention_lines(layer.attn)
     if layer.mla is None and "rope_theta" in d.symbols:
-        attn_lines.append(f"        rotary: {{kind: neox, theta: rope_theta, max_position: {max_pos}, "
+        keys = rotary_keys(layer.attn) if layer.attn is not None else ""
+        attn_lines.append(f"        rotary: {{kind: neox, {keys}theta: rope_theta, max_position: {max_pos}, "
                           f"scaling: rope_scaling}}")
     L = []
     L.append(f"# CHECKLIST: drafted by `xllm-gen draft {target}` from transformers' {arch} (config class "

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 V3 = ("DeepseekV3ForCausalLM", {"num_hidden_layers": 3, "first_k_dense_replace": 1})
-# the tiny GLM-4-MoE's q/k norms and partial rotary are the attention's (not drafted here): off
-GLM4_MOE = ("Glm4MoeForCausalLM", {"use_qk_norm": False, "partial_rotary_factor": 1.0})
+# at the tiny builder's defaults: its q/k norms and partial rotary are drafted too (codegen/draft_attention.py)
+GLM4_MOE = ("Glm4MoeForCausalLM", {})
 GLM4_LITE = ("Glm4MoeLiteForCausalLM", {})         # mlp_layer_types ['sparse', 'dense', 'sparse']
 MINICPM3 = ("MiniCPM3ForCausalLM", {})
 

@@ -169,7 +169,8 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("arch, expected", [
-    ("Qwen3ForCausalLM", ["self_attn.q_norm", "qk_norm"]),
+    # q/k norms are drafted (codegen/draft_attention.py), no longer only flagged
+    ("Qwen3ForCausalLM", ["qk_norm: {kind: rmsnorm, eps: rms_norm_eps, q: q_norm, k: k_norm}"]),
     # the embedding's hidden_size ** 0.5 is drafted (codegen/draft_source.py), no longer only flagged
     ("Gemma2ForCausalLM", ["weight_offset: 1", "softcap", "post_feedforward_layernorm", "scale: embed_scale}"]),
     ("HeliumForCausalLM", ["interleaved"]),

@@ -1,0 +1,391 @@
+"""The features of an ordinary (non-MLA) attention layer for `xllm-gen draft` (codegen/draft.py), read from the attention
+class the decoder layer builds and from the config class, never from a family's name:
+
+  - q/k norms: the norm modules the attention's `__init__` builds beside q/k/v/o (found in the meta model, also with
+    the bool flag that adds them flipped on: GLM-4-MoE's / Cohere's `use_qk_norm`, read as `qk_norm.enabled`); per head
+    (weight `[head_dim]`), over the whole projection (`[heads * head_dim]`, OLMo 2) or a weight per head (`[heads,
+    head_dim]`, Cohere); rmsnorm or layernorm (the norm class's name), its eps (the call's `eps=` or the config field
+    passed), a `(1 + w)` scale (`weight_offset: 1`, Gemma 3), before or after the rotary call in the forward;
+  - the rotary: the layout from the rotary function the forward calls and the functions it calls (`rotate_half` over
+    even / odd slices: `layout: interleaved`), the partial rotary factor the modeling code reads
+    (`partial_rotary_factor`, in `rope_parameters` or at the top level: `fraction`);
+  - the window: `self.sliding_window = <expr>` in `__init__` translated (the layer's type read from `layer_types`),
+    with `layer_types` read as a symbol whose default is the list the config class computes (a pattern checked against
+    the class at several layer counts and field values);
+  - the softmax scale (`self.scaling` other than `head_dim ** -0.5`: Gemma's `query_pre_attn_scalar ** -0.5`,
+    Granite's `attention_multiplier`) and a soft-cap the forward passes (`softcap=self.<attr>`).
+What it cannot read goes on the checklist.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+
+from .draft_mla import _attention_class, _fn_layout, _init_call
+from .draft_source import add_symbol, class_source, meta_model, self_assignments, translate
+
+WINDOW = "sliding_attention"
+
+
+@dataclass
+class Attn:
+    """What the draft writes into the attention block beyond projections (each None / empty where not drafted)."""
+    qk_norm: str | None = None          # the `qk_norm:` flow mapping
+    layout: str | None = None           # interleaved
+    fraction: str | None = None         # a symbol
+    window: str | None = None           # the per-layer sliding_window expression
+    scale: str | None = None
+    softcap: str | None = None
+    clip: str | None = None
+    answered: set = field(default_factory=set)      # checklist topics answered: qk_norm, interleaved, window, ...
+
+
+def _strip_hasattr(node: ast.expr, fields: set) -> ast.expr:
+    """`X if hasattr(config, "f") else Y` -> X where f is a config field (Gemma 3 / Dots1's layer_type)."""
+    class T(ast.NodeTransformer):
+        def visit_IfExp(self, n):
+            self.generic_visit(n)
+            t = n.test
+            if isinstance(t, ast.Call) and isinstance(t.func, ast.Name) and t.func.id == "hasattr" and \
+                    len(t.args) == 2 and isinstance(t.args[1], ast.Constant) and t.args[1].value in fields:
+                return n.body
+            return n
+    return T().visit(node)
+
+
+def _method(cls, name: str) -> str:
+    """The source of method `name` as the class's text holds it (a decorator may wrap `__init__`: Dots1's kernels)."""
+    src = class_source(cls)
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return textwrap.dedent(ast.get_source_segment(src, node) or "")
+    return ""
+
+
+def _fn_calls_layout(module, name: str, depth: int = 0) -> str | None:
+    """The layout of rotary function `name`, following the functions it calls (apply_rotary_pos_emb -> rotate_half)."""
+    if module is None or depth > 2:
+        return None
+    try:
+        src = inspect.getsource(module)
+    except (OSError, TypeError):
+        return None
+    m = re.search(rf"\ndef {name}\(.*?(?=\n(?:def |class |@)|\Z)", src, re.S)
+    if m is None:
+        return None
+    body = re.sub(r'"""(.*?)"""', "", m.group(0), flags=re.S)
+    if re.search(r"view_as_complex|\[\.\.\., *0?::2\]|\[\.\.\., *1::2\]", body):
+        return "interleaved"
+    inner = [f for f in dict.fromkeys(re.findall(r"\b(\w+)\(", body.split(":", 1)[-1])) if f != name
+             and re.search(rf"\ndef {f}\(", src)]
+    found = {lay for f in inner for lay in [_fn_calls_layout(module, f, depth + 1)] if lay}
+    if "interleaved" in found:
+        return "interleaved"
+    return "neox" if found or _fn_layout(module, name) == "neox" else None
+
+
+def find_attention(d, cls, config, layer, controls: dict, defaults: dict) -> Attn:
+    """The attention features of `layer` (draft._Layer) as spec text; symbols added to `d`."""
+    a = Attn()
+    attn_cls = _attention_class(cls, config, layer.attn_mod)
+    if attn_cls is None:
+        return a
+    module = sys.modules.get(attn_cls.__module__)
+    init_src, fwd_src = _method(attn_cls, "__init__"), _method(attn_cls, "forward")
+    fields = set(d.config) | set(defaults)
+    attrs = {k: _strip_hasattr(v, fields) for k, v in self_assignments(init_src).items()}
+    _qk_norm(d, a, cls, config, layer, controls, defaults, init_src, fwd_src)
+    _rotary(d, a, fwd_src, module, defaults, type(config))
+    _window(d, a, attrs, fields, defaults, type(config))
+    _scale(d, a, init_src, fwd_src, attrs, fields, defaults, type(config))
+    _clip(d, a, fwd_src, attrs, fields, defaults)
+    return a
+
+
+def _qk_norm(d, a: Attn, cls, config, layer, controls, defaults, init_src, fwd_src) -> None:
+    mod = layer.attn_mod
+    cands = sorted({n.rsplit(".", 1)[0] for n in set(controls) | {f"{m}.weight" for m in layer.inner_norms}
+                    if n.startswith(mod + ".") and n.count(".") == mod.count(".") + 2
+                    and re.search(r"norm", n.rsplit(".", 2)[-2], re.I)})
+    if not cands:
+        return
+    rel = [c[len(mod) + 1:] for c in cands]
+    q = next((r for r in rel if r.startswith("q")), None)
+    k = next((r for r in rel if r.startswith("k")), None)
+    if q is None or k is None or len(rel) != 2:
+        d.checklist.append(f"norms inside the attention ({', '.join(rel)}): not one q and one k norm, write `qk_norm` "
+                           f"by hand")
+        return
+    flags = {controls.get(f"{c}.weight") for c in cands}
+    flag = flags.pop() if len(flags) == 1 else None
+    model = meta_model(cls, config, 2, **({flag: not d.config.get(flag, False)} if flag and
+                                          f"{cands[0]}.weight" not in _names(layer) else {}))
+    try:
+        qn = model.get_submodule(f"{mod}.{q}".replace("{i}", "0"))
+        kn = model.get_submodule(f"{mod}.{k}".replace("{i}", "0"))
+    except Exception:  # noqa: BLE001 - model None or the module missing
+        d.checklist.append(f"q/k norms {q}, {k}: not built on the meta device, write `qk_norm` by hand")
+        return
+    qw, kw = getattr(qn, "weight", None), getattr(kn, "weight", None)
+    cfg = config.to_dict()
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads = cfg["num_attention_heads"]
+    if qw is None or kw is None:
+        d.checklist.append(f"q/k norms {q}, {k} hold no `weight` (weightless, or per-head norm modules): write "
+                           f"`qk_norm` by hand")
+        return
+    shape = tuple(qw.shape)
+    over = "projection" if shape == (heads * head_dim,) else "per_head" if shape == (heads, head_dim) else \
+        "head" if shape == (head_dim,) else None
+    if over is None or heads * head_dim == head_dim:
+        d.checklist.append(f"q norm {q} weight {list(shape)}: not [head_dim], [heads * head_dim] or [heads, head_dim]; "
+                           f"write `qk_norm` by hand")
+        return
+    norm_cls = type(qn)
+    name = norm_cls.__name__
+    kind = "layernorm" if re.search(r"LayerNorm", name) and not re.search(r"RMS", name, re.I) else "rmsnorm"
+    nsrc = class_source(norm_cls)
+    call = _init_call(init_src, q)
+    eps = None
+    if call:
+        m = re.search(r"eps\s*=\s*([\w.]+)", call[1]) or re.search(r",\s*(config\.\w*eps\w*)\s*$", call[1].strip())
+        if m:
+            eps = m.group(1)[7:] if m.group(1).startswith("config.") else m.group(1)
+    if eps is None:
+        eps = repr(getattr(qn, "variance_epsilon", getattr(qn, "eps", 1e-6)))
+    elif eps not in d.symbols and not re.fullmatch(r"[\d.e-]+", eps):
+        add_symbol(d, eps, defaults, type(config))
+    parts = [f"kind: {kind}", f"eps: {eps}", f"q: {q}", f"k: {k}"]
+    if over == "projection":
+        parts.append("over: projection")
+    elif over == "per_head":
+        parts.append("weights: per_head")
+    if re.search(r"1(\.0)? \+ self\.weight|self\.weight(\.float\(\))? \+ 1(\.0)?\b|\(1(\.0)? \+ self\.weight", nsrc):
+        parts.append("weight_offset: 1")
+    if getattr(qn, "bias", None) is not None:
+        parts.append("bias: true")
+    iq = re.search(rf"self\.{q}\(", fwd_src)
+    ir = re.search(r"\b\w*(?:rotary|rope)\w*\(", fwd_src)
+    if iq and ir and ir.start() < iq.start():
+        parts.append("at: after_rotary")
+    if flag:
+        d.symbols[flag] = f"{{type: bool, from: {flag}, default: {'true' if defaults.get(flag) else 'false'}}}"
+        parts.append(f"enabled: {flag}")
+    a.qk_norm = "{" + ", ".join(parts) + "}"
+    a.answered.add("qk_norm")
+
+
+def _names(layer) -> set:
+    return {f"{m}.weight" for m in layer.inner_norms}
+
+
+def _rotary(d, a: Attn, fwd_src: str, module, defaults: dict, config_cls) -> None:
+    layouts = {lay for f in dict.fromkeys(re.findall(r"\b(\w*(?:rotary|rope)\w*)\(", fwd_src))
+               for lay in [_fn_calls_layout(module, f)] if lay}
+    if layouts == {"interleaved"}:
+        a.layout = "interleaved"
+        a.answered.add("interleaved")
+    elif len(layouts) > 1:
+        d.checklist.append("the attention's forward calls rotary functions of both layouts: check `rotary.layout`")
+    try:
+        msrc = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        msrc = ""
+    rope = defaults.get("rope_parameters")
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        d.checklist.append(f"rope_parameters is a mapping per layer type ({', '.join(rope)}): read each type's theta / "
+                           f"scaling and choose them per layer in `rotary` (specs/gemma3.yaml)")
+    if "rope_theta" not in d.symbols:
+        return
+    if "partial_rotary_factor" in msrc:
+        rope = defaults.get("rope_parameters") if isinstance(defaults.get("rope_parameters"), dict) else {}
+        dv = rope.get("partial_rotary_factor", defaults.get("partial_rotary_factor"))
+        dv = 1.0 if dv is None else float(dv)
+        d.symbols["partial_rotary_factor"] = (f"{{type: float, from: [rope_parameters.partial_rotary_factor, "
+                                              f"partial_rotary_factor], default: {dv!r}, min: 0.0, max: 1.0}}")
+        d.symbols["rotary_dims"] = '{type: int, expr: "int(head_dim * partial_rotary_factor)", min: 2, guard: true}'
+        a.fraction = "partial_rotary_factor"
+        a.answered.add("partial")
+
+
+def _layer_types_default(config_cls, defaults: dict) -> tuple | None:
+    """(default_expr, the int field or keyword it reads, the bool field it reads) of `layer_types` as the config class
+    computes it when absent: a pattern checked against the class built at several layer counts and field values."""
+    src = class_source(config_cls)
+    ints = [f for f, v in defaults.items() if isinstance(v, int) and not isinstance(v, bool)
+            and f != "num_hidden_layers" and re.search(rf"\b{f}\b", src)]
+    kwargs = [k for k in re.findall(r'kwargs\.(?:get|pop)\("(\w+)"', src) if k not in defaults]
+    bools = [f for f, v in defaults.items() if isinstance(v, bool) and re.search(rf"\b{f}\b", src) and "sliding" in f]
+    cands = []
+    for p in ints + kwargs:
+        cands.append((f"['{WINDOW}' if (i + 1) % {p} else 'full_attention' for i in range(num_hidden_layers)]",
+                      p, None))
+        for b in bools:
+            cands.append((f"['{WINDOW}' if {b} and sliding_window is not None and i >= {p} else 'full_attention' "
+                          f"for i in range(num_hidden_layers)]", p, b))
+        cands.append((f"['{WINDOW}' if sliding_window is not None and i >= {p} else 'full_attention' "
+                      f"for i in range(num_hidden_layers)]", p, None))
+    for n in range(2, 9):       # a constant period (Gemma 2: every other layer)
+        cands.append((f"['{WINDOW}' if (i + 1) % {n} else 'full_attention' for i in range(num_hidden_layers)]",
+                      None, None))
+    for v in ("full_attention", WINDOW):
+        cands.append((f"['{v}' for i in range(num_hidden_layers)]", None, None))
+
+    def agrees(expr, p, b) -> bool:
+        for n, pv, sw, bv in ((4, 2, 16, True), (7, 3, None, True), (5, 3, 8, False), (6, 4, 32, True)):
+            kw = {"num_hidden_layers": n, "sliding_window": sw, **({p: pv} if p else {}), **({b: bv} if b else {})}
+            try:
+                got = getattr(config_cls(**kw), "layer_types", None)
+            except Exception:  # noqa: BLE001 - the class refuses these values: no evidence
+                return False
+            env = {"num_hidden_layers": n, "sliding_window": sw, **({p: pv} if p else {}), **({b: bv} if b else {})}
+            if got != eval(expr, {"range": range, **env}):      # noqa: S307 - the draft's own expression
+                return False
+        return True
+    for expr, p, b in cands:
+        if agrees(expr, p, b):
+            return expr, p, b
+    return None
+
+
+def _pattern_symbols(d, read: tuple, defaults: dict, config_cls) -> None:
+    """Symbols of the fields a layer_types default reads; a keyword the class keeps only privately (Gemma 3's
+    `sliding_window_pattern`, saved as `_sliding_window_pattern`) read under its public name with its keyword default,
+    the private field ignored."""
+    for f in read:
+        if f is None or f in d.symbols:
+            continue
+        if f in defaults:
+            add_symbol(d, f, defaults, config_cls)
+            continue
+        m = re.search(rf'kwargs\.(?:get|pop)\("{f}",\s*(\d+)\)', class_source(config_cls))
+        d.symbols[f] = f"{{type: int, from: {f}" + (f", default: {m.group(1)}" if m else "") + ", min: 1}"
+        if f"_{f}" in defaults and f"_{f}" not in d.ignore:
+            d.ignore.append(f"_{f}")
+
+
+def _window_default(config_cls, defaults: dict) -> str:
+    """`default: N, ` of the class's window, or where the class nulls it unless a flag is set (Qwen3's
+    use_sliding_window) `default_expr: "N if flag else None", `."""
+    dv = defaults.get("sliding_window")
+    if isinstance(dv, int):
+        return f"default: {dv}, "
+    for b, v in defaults.items():
+        if isinstance(v, bool) and "sliding" in b:
+            try:
+                w = getattr(config_cls(**{b: not v}), "sliding_window", None)
+            except Exception:  # noqa: BLE001 - the class refuses it: no evidence
+                continue
+            if isinstance(w, int):
+                return f'default_expr: "{w} if {"not " if v else ""}{b} else None", '
+    return ""
+
+
+def _window(d, a: Attn, attrs: dict, fields: set, defaults: dict, config_cls) -> None:
+    node = attrs.get("sliding_window")
+    if node is None:
+        return
+    t = translate(node, attrs, fields)
+    if t is None:
+        d.checklist.append(f"the attention's window is `{ast.unparse(attrs['sliding_window'])}`: write "
+                           f"`sliding_window` by hand")
+        return
+    expr, used = t
+    for f in sorted(used):
+        if f == "layer_types":
+            found = _layer_types_default(config_cls, defaults)
+            if found:
+                d.symbols[f] = f'{{type: str_tuple, from: layer_types, default_expr: "{found[0]}"}}'
+                _pattern_symbols(d, found[1:], defaults, config_cls)
+            else:
+                d.symbols[f] = "{type: str_tuple, from: layer_types}"
+                d.checklist.append("`layer_types` is read from config.json (required): the list the config class "
+                                   "computes when it is absent was not recognized; write its `default_expr`")
+        elif f == "sliding_window":
+            d.symbols[f] = "{type: int, from: sliding_window, optional: true, " + _window_default(
+                config_cls, defaults) + "min: 1}"
+        else:
+            add_symbol(d, f, defaults, config_cls)
+    a.window = expr
+    a.answered.add("window")
+
+
+def _scale(d, a: Attn, init_src, fwd_src, attrs, fields, defaults, config_cls) -> None:
+    node = attrs.get("scaling")
+    if node is not None and not re.fullmatch(r"self\.head_dim\s*\*\*\s*\(?-0\.5\)?", ast.unparse(node)):
+        t = translate(node, attrs, fields)
+        if t is not None:
+            for f in sorted(t[1]):
+                add_symbol(d, f, defaults, config_cls)
+            a.scale = t[0]
+        else:
+            d.checklist.append(f"the softmax scale is `{ast.unparse(node)}`: set the attention's `scale`")
+    m = re.search(r"softcap\w*\s*=\s*self\.(\w+)", fwd_src)
+    if m and m.group(1) in attrs:
+        t = translate(attrs[m.group(1)], attrs, fields)
+        if t is not None and len(t[1]) == 1 and re.fullmatch(r"\w+", t[0]):
+            f = t[0]
+            dv = defaults.get(f)
+            d.symbols[f] = "{type: float, from: " + f + ", optional: true" + (
+                f", default: {float(dv)!r}" if isinstance(dv, (int, float)) else "") + ", min: 0.0}"
+            a.softcap = f
+            a.answered.add("softcap")
+
+
+def _clip(d, a: Attn, fwd_src: str, attrs: dict, fields: set, defaults: dict) -> None:
+    """q / k / v clamped right after the projections: `x.clamp_(min=-C, max=C)` with C a config field (OLMo's
+    `clip_qkv`), read as an optional symbol (null: no clipping)."""
+    hits = set(re.findall(r"(query|key|value)_states\.clamp_?\(min=-((?:self\.)?(?:config\.)?\w+), *max=\2\)", fwd_src))
+    if {h[0] for h in hits} != {"query", "key", "value"} or len({h[1] for h in hits}) != 1:
+        return
+    t = translate(hits.pop()[1], attrs, fields)
+    if t is None or not re.fullmatch(r"\w+", t[0]):
+        return
+    dv = defaults.get(t[0])
+    d.symbols[t[0]] = "{type: float, from: " + t[0] + ", optional: true" + (
+        f", default: {float(dv)!r}" if isinstance(dv, (int, float)) else "") + ", min: 0.0}"
+    a.clip = t[0]
+    a.answered.add("clip")
+
+
+def attention_lines(a: Attn) -> list:
+    """The attention block's extra lines (after out:), without the rotary line."""
+    L = []
+    if a.qk_norm:
+        L.append(f"        qk_norm: {a.qk_norm}")
+    if a.scale:
+        L.append(f'        scale: "{a.scale}"')
+    if a.softcap:
+        L.append(f"        softcap: {a.softcap}")
+    if a.clip:
+        L.append(f"        clip_qkv: {a.clip}")
+    if a.window:
+        L.append(f'        sliding_window: "{a.window}"')
+    return L
+
+
+def rotary_keys(a: Attn) -> str:
+    return (f"layout: {a.layout}, " if a.layout else "") + (f"fraction: {a.fraction}, " if a.fraction else "")
+
+
+ANSWERS = {     # a checklist item's start -> the topic that answers it
+    "norms inside a block": "qk_norm", "q/k norms appear": "qk_norm", "the modeling file's rotate_half is interleaved":
+    "interleaved", "config has partial_rotary_factor": "partial", "the modeling file uses a sliding window": "window",
+    "q/k/v activations are clipped": "clip",
+}
+
+
+def drop_answered(d, a: Attn, layer) -> None:
+    """The checklist items the drafted attention answers (the inner norms only where all are the q/k norms)."""
+    if any(not m.startswith(layer.attn_mod + ".") for m in layer.inner_norms):
+        a.answered.discard("qk_norm")
+    d.checklist[:] = [c for c in d.checklist if not any(c.startswith(k) and v in a.answered
+                                                        for k, v in ANSWERS.items())]

@@ -1,0 +1,156 @@
+"""`xllm-gen draft` of an ordinary attention layer's features (codegen/draft_attention.py), read from the attention class's
+source and the config class, never from a family's name; then `xllm-gen verify` of the drafts.
+
+  - q/k norms: per head (Qwen3), over the whole projection (OLMoE), `(1 + w)` (Gemma 3), behind a flag
+    (GLM-4-MoE's `use_qk_norm`: `enabled`), their eps the config field the call passes;
+  - the rotary: interleaved pairs from the `rotate_half` the rotary function calls (Helium), a partial rotary factor the
+    modeling code reads (StableLM, GLM-4-MoE: `fraction`, with the at-least-one-pair guard);
+  - windows: the attention's `self.sliding_window = ...` translated, `layer_types` with the default the config class
+    computes (Qwen3's use_sliding_window / max_window_layers, Gemma 3's `sliding_window_pattern` keyword);
+  - the softmax scale (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier), soft-capping (Gemma 2), clipped
+    q/k/v (OLMoE's clip_qkv);
+  - the drafts of tiny GLM-4-MoE (at the tiny builder's defaults), ERNIE 4.5 MoE, Dots1, OLMoE, Helium and StableLM
+    verify OK (slow); with the interleaved layout or the partial rotary dropped, or the window on the wrong layers,
+    verify fails (slow).
+Default arms draft by class name only (~2 s); the verify arms are slow.
+"""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+_CACHE: dict = {}
+
+
+def _draft(target: str) -> tuple[str, dict, dict]:
+    """(text, doc, the attention block) of the draft of `target` (a class name: drafted once per session)."""
+    from xllm_gen.codegen.draft import draft_spec
+    if target not in _CACHE:
+        text, _ = draft_spec(target)
+        doc = yaml.safe_load(text)
+        _CACHE[target] = (text, doc, doc["decoder"]["layers"]["blocks"]["self_attn"])
+    return _CACHE[target]
+
+
+def _checklist(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith("# - [ ]"))
+
+
+def test_per_head_qk_norm_and_a_window_by_layer_type():
+    text, doc, attn = _draft("Qwen3ForCausalLM")
+    assert attn["qk_norm"] == {"kind": "rmsnorm", "eps": "rms_norm_eps", "q": "q_norm", "k": "k_norm"}
+    assert attn["sliding_window"] == "sliding_window if layer_types[layer] == 'sliding_attention' else None"
+    cfg = doc["config"]
+    assert cfg["layer_types"]["default_expr"] == (
+        "['sliding_attention' if use_sliding_window and sliding_window is not None and i >= max_window_layers "
+        "else 'full_attention' for i in range(num_hidden_layers)]")
+    # the class nulls the window unless use_sliding_window: absent means 4096 only then
+    assert cfg["sliding_window"]["default_expr"] == "4096 if use_sliding_window else None"
+    assert {"use_sliding_window", "max_window_layers"} <= set(cfg)
+    checklist = _checklist(text)
+    assert "sliding window" not in checklist and "q/k norms" not in checklist and "layer_types" not in checklist
+
+
+def test_qk_norm_behind_a_flag_and_partial_rotary():
+    text, doc, attn = _draft("Glm4MoeForCausalLM")
+    assert attn["qk_norm"]["enabled"] == "use_qk_norm"
+    assert doc["config"]["use_qk_norm"]["default"] is False     # Glm4MoeConfig's own default
+    assert attn["rotary"]["fraction"] == "partial_rotary_factor"
+    prf = doc["config"]["partial_rotary_factor"]
+    assert prf["from"] == ["rope_parameters.partial_rotary_factor", "partial_rotary_factor"] and prf["default"] == 0.5
+    assert doc["config"]["rotary_dims"]["guard"] is True
+    assert "partial_rotary_factor" not in _checklist(text)
+
+
+def test_partial_rotary_of_a_dense_family():
+    _, doc, attn = _draft("StableLmForCausalLM")
+    assert attn["rotary"]["fraction"] == "partial_rotary_factor" and doc["config"]["partial_rotary_factor"]["default"] == 0.25
+    assert "layout" not in attn["rotary"] and "qk_norm" not in attn       # qk_layernorm: per-head norm lists
+
+
+def test_interleaved_rotary_from_rotate_half():
+    text, _, attn = _draft("HeliumForCausalLM")
+    assert attn["rotary"]["layout"] == "interleaved"
+    assert "rotate_half is interleaved" not in _checklist(text)
+    _, _, qwen = _draft("Qwen3ForCausalLM")
+    assert "layout" not in qwen["rotary"] and "fraction" not in qwen["rotary"]
+
+
+def test_projection_wide_qk_norm_and_clipping():
+    text, doc, attn = _draft("OlmoeForCausalLM")
+    assert attn["qk_norm"]["over"] == "projection"
+    assert attn["clip_qkv"] == "clip_qkv" and doc["config"]["clip_qkv"]["optional"] is True
+    assert "clipped" not in _checklist(text)
+
+
+def test_offset_qk_norm_scale_and_a_keyword_window_pattern():
+    _, doc, attn = _draft("Gemma3ForCausalLM")
+    assert attn["qk_norm"]["weight_offset"] == 1
+    assert attn["scale"] == "query_pre_attn_scalar ** (-0.5)"
+    cfg = doc["config"]
+    assert cfg["layer_types"]["default_expr"] == ("['sliding_attention' if (i + 1) % sliding_window_pattern else "
+                                                  "'full_attention' for i in range(num_hidden_layers)]")
+    assert cfg["sliding_window_pattern"] == {"type": "int", "from": "sliding_window_pattern", "default": 6, "min": 1}
+    assert "_sliding_window_pattern" in doc["config_ignore"]
+
+
+def test_attention_multiplier_is_the_scale():
+    _, _, attn = _draft("GraniteForCausalLM")
+    assert attn["scale"] == "attention_multiplier"
+
+
+# ---- verify (slow: a tiny checkpoint and two model runs each) -------------------------------------------------
+
+FAMILIES = {
+    "Glm4MoeForCausalLM": {},           # the tiny builder's defaults: q/k norms on, partial rotary 0.5
+    "Ernie4_5_MoeForCausalLM": {},      # interleaved rotary
+    "Dots1ForCausalLM": {},             # q/k norms, a window of 6 on layer 2 (max_window_layers 2)
+    "OlmoeForCausalLM": {},             # projection-wide q/k norms, clip_qkv
+    "HeliumForCausalLM": {},            # interleaved rotary
+    "StableLmForCausalLM": {},          # partial rotary 0.25
+}
+
+
+@pytest.fixture(scope="module")
+def drafted(tiny_checkpoint, tmp_path_factory):
+    from xllm_gen.codegen.draft import draft_spec
+    root = tmp_path_factory.mktemp("draft_attention")
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            ckpt = tiny_checkpoint(arch, overrides=FAMILIES[arch])
+            spec = root / f"{arch}.yaml"
+            spec.write_text(draft_spec(str(ckpt))[0])
+            cache[arch] = (ckpt, spec)
+        return cache[arch]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_verify_accepts_the_drafted_attention(drafted, arch):
+    from xllm_gen.codegen.verify import verify
+    ckpt, spec = drafted(arch)
+    r = verify(spec, ckpt, max_tokens=4, prompt_lens=[3, 9])
+    assert r.ok, r.text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, old, new, layer", [
+    pytest.param("Ernie4_5_MoeForCausalLM", "layout: interleaved, ", "", 0, id="interleaved-made-neox"),
+    pytest.param("Glm4MoeForCausalLM", "fraction: partial_rotary_factor, ", "", 0, id="partial-rotary-dropped"),
+    # the window (6) is on layer 2 only (layer_types [full, full, sliding]): moved to layers 0 and 1 instead
+    pytest.param("Dots1ForCausalLM", "layer_types[layer] == 'sliding_attention'",
+                 "layer_types[layer] != 'sliding_attention'", 0, id="window-on-the-wrong-layers"),
+])
+def test_verify_fails_a_draft_with_an_attention_fact_wrong(drafted, arch, old, new, layer):
+    from xllm_gen.codegen.verify import verify
+    ckpt, spec = drafted(arch)
+    text = spec.read_text()
+    assert old in text
+    bad = spec.parent / f"bad_{arch}.yaml"
+    bad.write_text(text.replace(old, new, 1))
+    r = verify(bad, ckpt, max_tokens=4, prompt_lens=[9])
+    assert not r.ok
+    assert r.first_divergence()[2].layer == layer, r.text()
