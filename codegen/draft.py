@@ -8,9 +8,10 @@ What it reads (transformers is imported here only, lazily: a normal compile neve
     removes tell which projection bias (or which tying) the flag controls;
   - the source of the modeling module, for hints only (rotate-half layout, (1 + w) norms, soft-capping, ...).
 
-What it writes: a Llama-like pre-norm decoder (embedding; per layer norm -> attention (fused q/k/v, neox
-rotary, or multi-head latent attention: draft_mla.py) -> norm -> gated or plain MLP, or a mixture of experts
-(draft_moe.py); final norm; lm_head) with the module
+What it writes: a Llama-like decoder (embedding; per layer norm -> attention (fused q/k/v, rotary, with the q/k
+norms, rotary layout / fraction, window, scale, soft-cap read by draft_attention.py, or multi-head latent attention:
+draft_mla.py) -> norm -> gated or plain MLP, or a mixture of experts (draft_moe.py); the pre- / post-norms as the
+layer's forward calls them, draft_layer.py; final norm; lm_head) with the module
 names found in the state_dict,
 `weights` entries for the fused q/k/v and gate/up parameters, every config field as a symbol, under
 `config_assume` (its default: a checkpoint with another value is refused) or `config_ignore` (dropouts), and
@@ -29,11 +30,12 @@ from pathlib import Path
 
 from .draft_attention import drop_answered, find_attention
 from .draft_checklist import other_fields, source_hints, unused_parameters
+from .draft_layer import final_softcap, norm_roles
 from .draft_mla import MLA, find_mla, mla_symbols
 from .draft_moe import MoE, find_moe, moe_symbols, sparse_condition
 from .draft_render import _act_field, _render, _yaml_scalar
 from .draft_routing import find_routing
-from .draft_source import drop_answered_hints, find_scalings
+from .draft_source import _fixed_default, _if_null, drop_answered_hints, find_scalings  # noqa: F401 - tests use _fixed_default
 from .errors import SpecError
 
 # config.json field -> (symbol, type) for the sizes every decoder has (the draft's fixed vocabulary)
@@ -173,6 +175,7 @@ class _Layer:
     inner_norms: list
     mla: MLA | None = None                      # multi-head latent attention in place of q/k/v (draft_mla.py)
     attn: object = None                         # q/k norms, rotary, window, scale (draft_attention.Attn)
+    roles: object = None                        # pre / post norms read from the forward (draft_layer.Roles)
 
     def rel(self, n: str) -> str:
         return n[len(self.prefix):]
@@ -200,8 +203,8 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
         names = set(_meta_params(cls, config, **moe.probe))
     controls = _bias_controls(cls, config, full, names, moe.probe if moe is not None else {})
     mla = find_mla(d, cls, config, names, prefix)     # multi-head latent attention (draft_mla.py)
-    layer = _find_layer(d, names, prefix, moe, mla)
-    norm_kind = "layernorm" if (layer.attn_norm + ".bias") in names else "rmsnorm"
+    layer = _find_layer(d, names, prefix, moe, mla, lambda *a: norm_roles(cls, config, prefix, *a))
+    norm_kind = "layernorm" if ((layer.attn_norm or layer.extra_norms[0]) + ".bias") in names else "rmsnorm"
     # a symbol's default is what an absent field means to transformers (the class's default), not the checkpoint's
     # value: a drafted spec serves another checkpoint that omits the field as transformers does
     try:
@@ -238,6 +241,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
                            "is ignored: where a config field makes some layers dense, model that MLP and read it")
     if mla is None:
         layer.attn = find_attention(d, cls, config, layer, controls, defaults)     # draft_attention.py
+    final_softcap(d, cls, defaults)
     other_fields(d, full, controls)
     source_hints(d, cls)
     drop_answered_hints(d)
@@ -279,7 +283,8 @@ def _bias_controls(cls, config, full: dict, names: set, probe: dict) -> dict[str
     return controls
 
 
-def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: MLA | None = None) -> _Layer:
+def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: MLA | None = None,
+                roles_of=None) -> _Layer:
     """The attention and MLP projections and the norms of a layer, by their usual names (the MLP of the dense layers
     where `moe` holds the sparse ones'); what does not fit a Llama-like pre-norm layer is refused or put on the
     checklist."""
@@ -320,12 +325,18 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: M
     norm_mods = sorted({n.rsplit(".", 1)[0] for n in names
                         if n.startswith(layer) and re.search(r"norm|ln_", n.rsplit(".", 2)[-2], re.I)})
     layer_norms = [m for m in norm_mods if m.count(".") == layer.count(".")]
-    attn_norm = next((m for m in layer_norms if "input" in m or "attn" in m or "ln_1" in m), None)
-    mlp_norm = next((m for m in layer_norms if m != attn_norm and ("post_attention" in m or "ln_2" in m or "ffn" in m
-                                                                    or "mlp" in m or "feedforward" in m)), None)
-    extra_norms = [m for m in layer_norms if m not in (attn_norm, mlp_norm)]
+    mlp_rel = rel(down.rsplit(".", 1)[0]) if down else moe.module if moe else ""
+    roles = roles_of(layer_norms, rel(attn_mod), mlp_rel) if roles_of and layer_norms and "." not in mlp_rel else None
+    if roles is not None:       # the pre- / post-norms read from the layer's forward (draft_layer.py)
+        attn_norm, mlp_norm = roles.attn_pre, roles.mlp_pre
+        extra_norms = [m for m in (roles.attn_post, roles.mlp_post) if m]
+    else:
+        attn_norm = next((m for m in layer_norms if "input" in m or "attn" in m or "ln_1" in m), None)
+        mlp_norm = next((m for m in layer_norms if m != attn_norm and ("post_attention" in m or "ln_2" in m or "ffn"
+                                                                        in m or "mlp" in m or "feedforward" in m)), None)
+        extra_norms = [m for m in layer_norms if m not in (attn_norm, mlp_norm)]
     inner_norms = [m for m in norm_mods if m not in layer_norms and not (mla and m.startswith(mla.module + "."))]
-    if extra_norms:
+    if extra_norms and roles is None:
         d.checklist.append(f"extra per-layer norms {', '.join(rel(m) for m in extra_norms)}: a sandwich / post-norm "
                            f"dataflow (dataflow `post_norm`); the draft has only the pre-norms")
     if inner_norms:
@@ -334,7 +345,7 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: M
     if not layer_norms:
         raise DraftError(f"{arch}: no norm parameters in a decoder layer: weightless norms (`weight: false`) or none;"
                          f" write the norms and the dataflow by hand")
-    if attn_norm is None or mlp_norm is None:
+    if (attn_norm is None or mlp_norm is None) and roles is None:
         raise DraftError(f"{arch}: cannot tell the two pre-norms of a layer among {', '.join(map(rel, layer_norms))}"
                          f": not a pre-norm decoder layer, write the dataflow by hand")
     final_norm = next((n.rsplit(".", 1)[0] for n in sorted(names) if not n.startswith(layer.split("{i}")[0])
@@ -346,7 +357,7 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: M
         gate = up = down = gate_up_fused = None
     mlp_mod = down.rsplit(".", 1)[0] if down else layer + moe.module
     return _Layer(layer, q, k, v, qkv_fused, o, attn_mod, gate, up, down, gate_up_fused, mlp_mod,
-                  attn_norm, mlp_norm, extra_norms, inner_norms, mla)
+                  attn_norm, mlp_norm, extra_norms, inner_norms, mla, roles=roles)
 
 
 def _eps(d: Draft, full: dict) -> str:
@@ -356,37 +367,6 @@ def _eps(d: Draft, full: dict) -> str:
         d.checklist.append("no norm epsilon field found: eps is a literal 1e-6 (check the modeling file)")
         return "1.0e-6"
     return eps_field
-
-
-def _fixed_default(config_cls, field: str):
-    """The config class's default of `field` when it is a constant (not computed from num_attention_heads: a class
-    built with twice the heads keeps it), else None: what an absent field means to transformers."""
-    try:
-        base = config_cls().to_dict()
-        heads = base["num_attention_heads"]
-        probe = config_cls.from_dict({"num_attention_heads": heads * 2}).to_dict()
-    except Exception:  # noqa: BLE001 - a class that cannot be built with defaults: no constant to state
-        return None
-    value = base.get(field)
-    return value if isinstance(value, int) and not isinstance(value, bool) and probe.get(field) == value else None
-
-
-def _if_null(config_cls, field: str) -> str:
-    """`, if_null: ...` where the class computes an explicit null of `field` from the heads (Qwen3Config:
-    num_key_value_heads absent is 32, null is num_attention_heads; head_dim null is hidden / heads)."""
-    # (the if_null, its value, the size moved so that it differs from the class default)
-    formula, value, size = {
-        "num_key_value_heads": ("num_attention_heads", lambda c: c["num_attention_heads"], "num_attention_heads"),
-        "head_dim": ('"hidden_size // num_attention_heads"', lambda c: c["hidden_size"] // c["num_attention_heads"],
-                     "hidden_size")}[field]
-    try:
-        base = config_cls().to_dict()
-        probe = {**base, field: None, size: base[size] * 2}
-        if getattr(config_cls.from_dict(probe), field) == value(probe):
-            return f", if_null: {formula}"
-    except Exception:  # noqa: BLE001 - a class that cannot be built so: the null stays refused by the reader
-        pass
-    return ""
 
 
 def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:

@@ -41,6 +41,8 @@ class Attn:
     scale: str | None = None
     softcap: str | None = None
     clip: str | None = None
+    theta: str | None = None            # per layer type (transformers 5's rope_parameters per layer type)
+    scaling: str | None = None
     answered: set = field(default_factory=set)      # checklist topics answered: qk_norm, interleaved, window, ...
 
 
@@ -103,8 +105,8 @@ def find_attention(d, cls, config, layer, controls: dict, defaults: dict) -> Att
     fields = set(d.config) | set(defaults)
     attrs = {k: _strip_hasattr(v, fields) for k, v in self_assignments(init_src).items()}
     _qk_norm(d, a, cls, config, layer, controls, defaults, init_src, fwd_src)
-    _rotary(d, a, fwd_src, module, defaults, type(config))
     _window(d, a, attrs, fields, defaults, type(config))
+    _rotary(d, a, fwd_src, module, defaults, type(config))
     _scale(d, a, init_src, fwd_src, attrs, fields, defaults, type(config))
     _clip(d, a, fwd_src, attrs, fields, defaults)
     return a
@@ -201,8 +203,7 @@ def _rotary(d, a: Attn, fwd_src: str, module, defaults: dict, config_cls) -> Non
         msrc = ""
     rope = defaults.get("rope_parameters")
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
-        d.checklist.append(f"rope_parameters is a mapping per layer type ({', '.join(rope)}): read each type's theta / "
-                           f"scaling and choose them per layer in `rotary` (specs/gemma3.yaml)")
+        _rope_per_type(d, a, rope)
     if "rope_theta" not in d.symbols:
         return
     if "partial_rotary_factor" in msrc:
@@ -214,6 +215,27 @@ def _rotary(d, a: Attn, fwd_src: str, module, defaults: dict, config_cls) -> Non
         d.symbols["rotary_dims"] = '{type: int, expr: "int(head_dim * partial_rotary_factor)", min: 2, guard: true}'
         a.fraction = "partial_rotary_factor"
         a.answered.add("partial")
+
+
+def _rope_per_type(d, a: Attn, rope: dict) -> None:
+    """transformers 5's rope parameters per layer type (Gemma 3: {full_attention: {...}, sliding_attention: {...}}): a
+    theta and a rope symbol per type, chosen per layer by `layer_types` (as specs/gemma3.yaml)."""
+    types = sorted(rope)
+    if len(types) != 2 or "layer_types" not in d.symbols:
+        d.checklist.append(f"rope_parameters is a mapping per layer type ({', '.join(types)}): read each type's theta / "
+                           f"scaling and choose them per layer in `rotary` (specs/gemma3.yaml)")
+        return
+    for t in types:
+        short = t.split("_")[0]
+        theta = float(rope[t].get("rope_theta", 10000.0))
+        d.symbols[f"rope_theta_{short}"] = (f"{{type: float, from: rope_parameters.{t}.rope_theta, "
+                                           f"default: {theta!r}}}")
+        d.symbols[f"rope_{short}"] = f"{{type: rope, from: rope_parameters.{t}, values: [default]}}"
+    d.symbols.pop("rope_scaling", None)
+    d.symbols["rope_theta"] = d.symbols.pop(f"rope_theta_{types[0].split('_')[0]}")     # the first type's theta
+    (s0, s1) = (t.split("_")[0] for t in types)
+    a.theta = f"\"rope_theta if layer_types[layer] == '{types[0]}' else rope_theta_{s1}\""
+    a.scaling = f"\"rope_{s0} if layer_types[layer] == '{types[0]}' else rope_{s1}\""
 
 
 def _layer_types_default(config_cls, defaults: dict) -> tuple | None:
@@ -379,7 +401,7 @@ def rotary_keys(a: Attn) -> str:
 ANSWERS = {     # a checklist item's start -> the topic that answers it
     "norms inside a block": "qk_norm", "q/k norms appear": "qk_norm", "the modeling file's rotate_half is interleaved":
     "interleaved", "config has partial_rotary_factor": "partial", "the modeling file uses a sliding window": "window",
-    "q/k/v activations are clipped": "clip",
+    "q/k/v activations are clipped": "clip", "the modeling file soft-caps logits": "softcap", "a norm scales by (1 + weight)": "offset",
 }
 
 
@@ -387,5 +409,9 @@ def drop_answered(d, a: Attn, layer) -> None:
     """The checklist items the drafted attention answers (the inner norms only where all are the q/k norms)."""
     if any(not m.startswith(layer.attn_mod + ".") for m in layer.inner_norms):
         a.answered.discard("qk_norm")
+    if "softcap" in d.scales:
+        a.answered.add("softcap")
+    if getattr(layer, "roles", None) is not None and layer.roles.offset:
+        a.answered.add("offset")
     d.checklist[:] = [c for c in d.checklist if not any(c.startswith(k) and v in a.answered
                                                         for k, v in ANSWERS.items())]

@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .draft_attention import attention_lines, rotary_keys
+from .draft_layer import step
 from .draft_mla import render_mla
 from .draft_moe import render_block, render_weights
 
@@ -78,8 +79,10 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
         attn_lines += attention_lines(layer.attn)
     if layer.mla is None and "rope_theta" in d.symbols:
         keys = rotary_keys(layer.attn) if layer.attn is not None else ""
-        attn_lines.append(f"        rotary: {{kind: neox, {keys}theta: rope_theta, max_position: {max_pos}, "
-                          f"scaling: rope_scaling}}")
+        theta, scaling = (layer.attn.theta, layer.attn.scaling) if layer.attn and layer.attn.theta else (
+            "rope_theta", "rope_scaling")
+        attn_lines.append(f"        rotary: {{kind: neox, {keys}theta: {theta}, max_position: {max_pos}, "
+                          f"scaling: {scaling}}}")
     L = []
     L.append(f"# CHECKLIST: drafted by `xllm-gen draft {target}` from transformers' {arch} (config class "
              f"{config_class}).")
@@ -110,14 +113,16 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
         L.append("")
         L.append("# fields that do not change the forward pass")
         L.append("config_ignore: [" + ", ".join(d.ignore) + "]")
-    norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}}}"
+    roles = layer.roles
+    norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}" + (", weight_offset: 1}" if roles and roles.offset
+                                                                   else "}")
     act_ref = _act_field(full) or "silu"
     L += ["", "decoder:",
           "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size"
           + (f", scale: {d.scales['embed']}}}" if "embed" in d.scales else "}"),
           "  layers:", "    count: num_hidden_layers", "    blocks:",
-          f"      {rel(layer.attn_norm)}: {norm}", *attn_lines]
-    L.append(f"      {rel(layer.mlp_norm)}: {norm}")
+          *([f"      {rel(layer.attn_norm)}: {norm}"] if layer.attn_norm else []), *attn_lines]
+    L += [f"      {rel(n)}: {norm}" for n in ((roles.attn_post, roles.mlp_pre) if roles else (layer.mlp_norm,)) if n]
     # the MoE block: named as the module where every layer is sparse, else `moe` (one module with the dense MLP)
     moe_name = None if moe is None else (moe.module if sparse_if is None or not dense else "moe")
     if moe is not None:
@@ -134,19 +139,24 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
               f"        activation: {act_ref}",
               f"        up: {{name: {layer.up.rsplit('.', 1)[1]}, bias: {up_b}}}",
               f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
+    if roles and roles.mlp_post:
+        L.append(f"      {rel(roles.mlp_post)}: {norm}")
     # each residual branch scaled (MiniCPM's scale_depth / sqrt(layers), Granite's residual_multiplier)
     rs = f", scale: {d.scales['residual']}" if "residual" in d.scales else ""
     if moe is not None and dense and sparse_if is not None:
-        mlp_step = [f"      - norm: {rel(layer.mlp_norm)}",
-                    f"        block: {{if: {json.dumps(sparse_if)}, then: {moe_name}, else: {mlp_name}, "
+        mlp_step = ([f"      - norm: {rel(layer.mlp_norm)}"] if layer.mlp_norm else []) + [
+                    f"      {'  ' if layer.mlp_norm else '- '}block: {{if: {json.dumps(sparse_if)}, then: {moe_name}, else: {mlp_name}, "
                     f"name: {moe.module}}}"] + ([f"        scale: {d.scales['residual']}"] if rs else [])
     else:       # one block: the experts on every layer, or the dense MLP
-        mlp_step = [f"      - {{norm: {rel(layer.mlp_norm)}, block: {moe_name or mlp_name}{rs}}}"]
-    L += ["    dataflow:", f"      - {{norm: {rel(layer.attn_norm)}, block: {attn_name}{rs}}}", *mlp_step,
+        mlp_step = [f"      - {step(rel, layer.mlp_norm, moe_name or mlp_name, roles and roles.mlp_post, rs)}"]
+    if roles and roles.mlp_post and len(mlp_step) > 1:
+        mlp_step.append(f"        post_norm: {rel(roles.mlp_post)}")
+    L += ["    dataflow:", f"      - {step(rel, layer.attn_norm, attn_name, roles and roles.attn_post, rs)}", *mlp_step,
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
           + (", tie: tie_word_embeddings" if tied else "")
-          + (f", logit_scale: {d.scales['logit']}}}" if "logit" in d.scales else "}"), "", "weights:"]
+          + (f", logit_scale: {d.scales['logit']}" if "logit" in d.scales else "")
+          + (f", softcap: {d.scales['softcap']}}}" if "softcap" in d.scales else "}"), "", "weights:"]
     fused = [] if layer.mla else [(qkv_fused, qkv_fused, qb) if qkv_fused else
                                   (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
     if dense and gate_up_fused:

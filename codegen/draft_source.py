@@ -306,3 +306,36 @@ def drop_answered_hints(d) -> None:
             continue
         keep.append(item)
     d.checklist[:] = keep
+
+
+# ---- the class's defaults of the head counts (draft.py _config_symbols) ------------------------------------------
+
+def _fixed_default(config_cls, field: str):
+    """The config class's default of `field` when it is a constant (not computed from num_attention_heads: a class
+    built with twice the heads keeps it), else None: what an absent field means to transformers."""
+    try:
+        base = config_cls().to_dict()
+        heads = base["num_attention_heads"]
+        probe = config_cls.from_dict({"num_attention_heads": heads * 2}).to_dict()
+    except Exception:  # noqa: BLE001 - a class that cannot be built with defaults: no constant to state
+        return None
+    value = base.get(field)
+    return value if isinstance(value, int) and not isinstance(value, bool) and probe.get(field) == value else None
+
+
+def _if_null(config_cls, field: str) -> str:
+    """`, if_null: ...` where the class computes an explicit null of `field` from the heads (Qwen3Config:
+    num_key_value_heads absent is 32, null is num_attention_heads; head_dim null is hidden / heads)."""
+    # (the if_null, its value, the size moved so that it differs from the class default)
+    formula, value, size = {
+        "num_key_value_heads": ("num_attention_heads", lambda c: c["num_attention_heads"], "num_attention_heads"),
+        "head_dim": ('"hidden_size // num_attention_heads"', lambda c: c["hidden_size"] // c["num_attention_heads"],
+                     "hidden_size")}[field]
+    try:
+        base = config_cls().to_dict()
+        probe = {**base, field: None, size: base[size] * 2}
+        if getattr(config_cls.from_dict(probe), field) == value(probe):
+            return f", if_null: {formula}"
+    except Exception:  # noqa: BLE001 - a class that cannot be built so: the null stays refused by the reader
+        pass
+    return ""

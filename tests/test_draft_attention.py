@@ -9,9 +9,11 @@ source and the config class, never from a family's name; then `xllm-gen verify` 
     computes (Qwen3's use_sliding_window / max_window_layers, Gemma 3's `sliding_window_pattern` keyword);
   - the softmax scale (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier), soft-capping (Gemma 2), clipped
     q/k/v (OLMoE's clip_qkv);
-  - the drafts of tiny GLM-4-MoE (at the tiny builder's defaults), ERNIE 4.5 MoE, Dots1, OLMoE, Helium and StableLM
-    verify OK (slow); with the interleaved layout or the partial rotary dropped, or the window on the wrong layers,
-    verify fails (slow).
+  - the layer's pre- / post-norms from its forward (codegen/draft_layer.py): OLMo 2's post-norms, Gemma 2 / 3's
+    sandwich of (1 + w) norms, the lm_head's soft-cap; Gemma 3's rope parameters per layer type;
+  - the drafts of tiny GLM-4-MoE (at the tiny builder's defaults), ERNIE 4.5 MoE, Dots1, OLMoE, Helium, StableLM,
+    OLMo 2, Gemma 2 and Gemma 3 verify OK (slow); with the interleaved layout, the partial rotary or the q/k norms'
+    (1 + w) dropped, or the window on the wrong layers, verify fails (slow).
 Default arms draft by class name only (~2 s); the verify arms are slow.
 """
 from __future__ import annotations
@@ -99,6 +101,33 @@ def test_attention_multiplier_is_the_scale():
     assert attn["scale"] == "attention_multiplier"
 
 
+def test_post_norms_and_sandwich_norms_from_the_layer_forward():
+    """The decoder layer's forward says which norm runs before and which after each block (codegen/draft_layer.py):
+    OLMo 2's post-norms only, Gemma 2's sandwich of (1 + w) norms; its final soft-cap on the lm_head."""
+    text, doc, attn = _draft("Olmo2ForCausalLM")
+    steps = doc["decoder"]["layers"]["dataflow"]
+    assert steps == [{"block": "self_attn", "post_norm": "post_attention_layernorm"},
+                     {"block": "mlp", "post_norm": "post_feedforward_layernorm"}]
+    assert attn["qk_norm"]["over"] == "projection"
+    text, doc, attn = _draft("Gemma2ForCausalLM")
+    steps = doc["decoder"]["layers"]["dataflow"]
+    assert steps == [{"norm": "input_layernorm", "block": "self_attn", "post_norm": "post_attention_layernorm"},
+                     {"norm": "pre_feedforward_layernorm", "block": "mlp", "post_norm": "post_feedforward_layernorm"}]
+    blocks = doc["decoder"]["layers"]["blocks"]
+    assert all(blocks[n]["weight_offset"] == 1 for n in ("input_layernorm", "post_feedforward_layernorm"))
+    assert attn["softcap"] == "attn_logit_softcapping" and doc["lm_head"]["softcap"] == "final_logit_softcapping"
+    assert doc["config"]["layer_types"]["default_expr"].startswith("['sliding_attention' if (i + 1) % 2 else")
+    checklist = _checklist(text)
+    assert "extra per-layer norms" not in checklist and "soft-caps" not in checklist and "(1 + weight)" not in checklist
+
+
+def test_rope_parameters_per_layer_type():
+    _, doc, attn = _draft("Gemma3ForCausalLM")
+    assert attn["rotary"]["theta"] == "rope_theta if layer_types[layer] == 'full_attention' else rope_theta_sliding"
+    assert attn["rotary"]["scaling"] == "rope_full if layer_types[layer] == 'full_attention' else rope_sliding"
+    assert doc["config"]["rope_sliding"]["from"] == "rope_parameters.sliding_attention"
+
+
 # ---- verify (slow: a tiny checkpoint and two model runs each) -------------------------------------------------
 
 FAMILIES = {
@@ -108,6 +137,9 @@ FAMILIES = {
     "OlmoeForCausalLM": {},             # projection-wide q/k norms, clip_qkv
     "HeliumForCausalLM": {},            # interleaved rotary
     "StableLmForCausalLM": {},          # partial rotary 0.25
+    "Olmo2ForCausalLM": {},             # post-norms only, projection-wide q/k norms
+    "Gemma2ForCausalLM": {},            # sandwich (1 + w) norms, soft-caps, a window every other layer
+    "Gemma3ForCausalLM": {},            # + (1 + w) q/k norms, rope parameters per layer type
 }
 
 
@@ -143,6 +175,8 @@ def test_verify_accepts_the_drafted_attention(drafted, arch):
     # the window (6) is on layer 2 only (layer_types [full, full, sliding]): moved to layers 0 and 1 instead
     pytest.param("Dots1ForCausalLM", "layer_types[layer] == 'sliding_attention'",
                  "layer_types[layer] != 'sliding_attention'", 0, id="window-on-the-wrong-layers"),
+    pytest.param("Gemma3ForCausalLM", "q: q_norm, k: k_norm, weight_offset: 1}", "q: q_norm, k: k_norm}", 0,
+                 id="qk-norm-offset-dropped"),
 ])
 def test_verify_fails_a_draft_with_an_attention_fact_wrong(drafted, arch, old, new, layer):
     from xllm_gen.codegen.verify import verify

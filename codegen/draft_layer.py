@@ -1,0 +1,85 @@
+"""The norms of a decoder layer for `xllm-gen draft` (codegen/draft.py), read from the decoder layer's forward: which norm
+runs before each block (its step's `norm`) and which after it, before the residual add (its `post_norm`): OLMo 2's
+post-norms only, Gemma 2 / 3's sandwich (pre and post norms around both blocks); and a `(1 + w)` scale in the norm
+class's source (`weight_offset: 1`, Gemma).
+
+The forward is read as a sequence of `self.<module>(` calls and residual adds (`residual + ...`): in each span between
+two adds, the norms called before the block are its pre-norm, those after it its post-norm. A layer whose spans do not
+hold one block each (a parallel residual: both blocks in one span) is left to the names (draft.py)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .draft_attention import _method
+from .draft_source import class_source, meta_model
+
+OFFSET = r"1(\.0)? \+ self\.weight|self\.weight(\.float\(\))? \+ 1(\.0)?\b"
+
+
+@dataclass
+class Roles:
+    attn_pre: str | None          # full module names ("model.layers.{i}.input_layernorm")
+    attn_post: str | None
+    mlp_pre: str | None
+    mlp_post: str | None
+    offset: bool = False            # the layer norms scale by (1 + w)
+
+    @property
+    def sandwich(self) -> bool:
+        return bool(self.attn_post or self.mlp_post)
+
+
+def norm_roles(cls, config, prefix: str, norms: list, attn: str, mlp: str) -> Roles | None:
+    """The pre- / post-norm of the attention (`attn`, the block's attribute name) and of the MLP (`mlp`) among the layer's
+    norms `norms` (full module names), from the decoder layer's forward; None where the forward does not read so."""
+    model = meta_model(cls, config)
+    if model is None:
+        return None
+    try:
+        layer = model.get_submodule(prefix.replace("{i}", "0").rstrip("."))
+    except AttributeError:
+        return None
+    src = _method(type(layer), "forward")
+    short = {n.rsplit(".", 1)[1]: n for n in norms}
+    spans, cur = [], []
+    for m in re.finditer(r"self\.(\w+)\(|\bresidual\s*\+|\+\s*residual\b", src):
+        if m.group(1) is None:
+            spans.append(cur)
+            cur = []
+        elif m.group(1) in short or m.group(1) in (attn, mlp):
+            cur.append(m.group(1))
+    roles = {}
+    for span in spans:
+        blocks = [x for x in span if x in (attn, mlp)]
+        if len(blocks) != 1:
+            continue
+        i = span.index(blocks[0])
+        pre, post = span[:i], span[i + 1:]
+        if len(pre) > 1 or len(post) > 1:
+            return None
+        roles[blocks[0]] = (short[pre[0]] if pre else None, short[post[0]] if post else None)
+    if set(roles) != {attn, mlp} or len({n for r in roles.values() for n in r if n}) != len(norms):
+        return None
+    norm_cls = type(layer.get_submodule(norms[0].rsplit(".", 1)[1]))
+    return Roles(*roles[attn], *roles[mlp], offset=bool(re.search(OFFSET, class_source(norm_cls))))
+
+
+def step(rel, pre: str | None, block: str, post: str | None, extra: str = "") -> str:
+    """A dataflow step's flow mapping."""
+    parts = ([f"norm: {rel(pre)}"] if pre else []) + [f"block: {block}"] + (
+        [f"post_norm: {rel(post)}"] if post else [])
+    return "{" + ", ".join(parts) + extra + "}"
+
+
+def final_softcap(d, cls, defaults: dict) -> None:
+    """The causal-LM head's soft-cap of the logits (`logits / C; tanh; * C`, C a config field: Gemma 2 / 3's
+    final_logit_softcapping) -> d.scales["softcap"] and an optional symbol (null: none)."""
+    src = _method(cls, "forward")
+    m = re.search(r"logits\s*=\s*logits\s*/\s*self\.config\.(\w+)\s*\n\s*logits\s*=\s*torch\.tanh\(logits\)", src)
+    if m is None or m.group(1) not in defaults:
+        return
+    f, dv = m.group(1), defaults.get(m.group(1))
+    d.symbols[f] = "{type: float, from: " + f + ", optional: true" + (
+        f", default: {float(dv)!r}" if isinstance(dv, (int, float)) else "") + ", min: 0.0}"
+    d.scales["softcap"] = f
