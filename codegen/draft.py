@@ -176,6 +176,7 @@ class _Layer:
     mla: MLA | None = None                      # multi-head latent attention in place of q/k/v (draft_mla.py)
     attn: object = None                         # q/k norms, rotary, window, scale (draft_attention.Attn)
     roles: object = None                        # pre / post norms read from the forward (draft_layer.Roles)
+    final_norm: str = "model.norm"              # the final norm's module as saved (Phi: model.final_layernorm)
 
     def rel(self, n: str) -> str:
         return n[len(self.prefix):]
@@ -204,7 +205,8 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     controls = _bias_controls(cls, config, full, names, moe.probe if moe is not None else {})
     mla = find_mla(d, cls, config, names, prefix)     # multi-head latent attention (draft_mla.py)
     layer = _find_layer(d, names, prefix, moe, mla, lambda *a: norm_roles(cls, config, prefix, *a))
-    norm_kind = "layernorm" if ((layer.attn_norm or layer.extra_norms[0]) + ".bias") in names else "rmsnorm"
+    norm_kind = "layernorm" if ((layer.attn_norm or layer.extra_norms[0]) + ".bias") in names else \
+        "layernorm_nobias" if layer.roles is not None and layer.roles.mean_free_layernorm else "rmsnorm"
     # a symbol's default is what an absent field means to transformers (the class's default), not the checkpoint's
     # value: a drafted spec serves another checkpoint that omits the field as transformers does
     try:
@@ -357,7 +359,7 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: M
         gate = up = down = gate_up_fused = None
     mlp_mod = down.rsplit(".", 1)[0] if down else layer + moe.module
     return _Layer(layer, q, k, v, qkv_fused, o, attn_mod, gate, up, down, gate_up_fused, mlp_mod,
-                  attn_norm, mlp_norm, extra_norms, inner_norms, mla, roles=roles)
+                  attn_norm, mlp_norm, extra_norms, inner_norms, mla, roles=roles, final_norm=final_norm)
 
 
 def _eps(d: Draft, full: dict) -> str:

@@ -24,6 +24,8 @@ class Roles:
     mlp_pre: str | None
     mlp_post: str | None
     offset: bool = False            # the layer norms scale by (1 + w)
+    parallel: bool = False          # both blocks read one norm's output and join the residual together (Cohere)
+    mean_free_layernorm: bool = False   # a LayerNorm (mean subtracted) without a bias parameter
 
     @property
     def sandwich(self) -> bool:
@@ -50,8 +52,14 @@ def norm_roles(cls, config, prefix: str, norms: list, attn: str, mlp: str) -> Ro
         elif m.group(1) in short or m.group(1) in (attn, mlp):
             cur.append(m.group(1))
     roles = {}
+    norm_cls = type(layer.get_submodule(norms[0].rsplit(".", 1)[1])) if norms and "." in norms[0] else None
+    nsrc = class_source(norm_cls) if norm_cls is not None else ""
+    layernorm = bool(re.search(r"\(hidden_states - mean\)|- *\w*\.mean\(", nsrc)) and "self.bias" not in nsrc
     for span in spans:
         blocks = [x for x in span if x in (attn, mlp)]
+        if sorted(blocks) == sorted((attn, mlp)) and len(span) == 3 and span[0] in short and len(spans) == 1:
+            return Roles(short[span[0]], None, short[span[0]], None, offset=bool(re.search(OFFSET, nsrc)),
+                         parallel=True, mean_free_layernorm=layernorm)   # one norm, both blocks, one add
         if len(blocks) != 1:
             continue
         i = span.index(blocks[0])
@@ -61,8 +69,7 @@ def norm_roles(cls, config, prefix: str, norms: list, attn: str, mlp: str) -> Ro
         roles[blocks[0]] = (short[pre[0]] if pre else None, short[post[0]] if post else None)
     if set(roles) != {attn, mlp} or len({n for r in roles.values() for n in r if n}) != len(norms):
         return None
-    norm_cls = type(layer.get_submodule(norms[0].rsplit(".", 1)[1]))
-    return Roles(*roles[attn], *roles[mlp], offset=bool(re.search(OFFSET, class_source(norm_cls))))
+    return Roles(*roles[attn], *roles[mlp], offset=bool(re.search(OFFSET, nsrc)), mean_free_layernorm=layernorm)
 
 
 def step(rel, pre: str | None, block: str, post: str | None, extra: str = "") -> str:

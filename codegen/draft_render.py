@@ -114,15 +114,17 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
         L.append("# fields that do not change the forward pass")
         L.append("config_ignore: [" + ", ".join(d.ignore) + "]")
     roles = layer.roles
-    norm = f"{{kind: {norm_kind}, dim: hidden_size, eps: {eps}" + (", weight_offset: 1}" if roles and roles.offset
-                                                                   else "}")
+    norm = f"{{kind: {norm_kind.split('_')[0]}, dim: hidden_size, eps: {eps}" + (
+        ", bias: false" if norm_kind == "layernorm_nobias" else "") + (
+        ", weight_offset: 1}" if roles and roles.offset else "}")
     act_ref = _act_field(full) or "silu"
     L += ["", "decoder:",
           "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size"
           + (f", scale: {d.scales['embed']}}}" if "embed" in d.scales else "}"),
           "  layers:", "    count: num_hidden_layers", "    blocks:",
           *([f"      {rel(layer.attn_norm)}: {norm}"] if layer.attn_norm else []), *attn_lines]
-    L += [f"      {rel(n)}: {norm}" for n in ((roles.attn_post, roles.mlp_pre) if roles else (layer.mlp_norm,)) if n]
+    L += [f"      {rel(n)}: {norm}" for n in ((roles.attn_post, roles.mlp_pre) if roles else (layer.mlp_norm,)) if n
+          and not (roles and roles.parallel)]
     # the MoE block: named as the module where every layer is sparse, else `moe` (one module with the dense MLP)
     moe_name = None if moe is None else (moe.module if sparse_if is None or not dense else "moe")
     if moe is not None:
@@ -151,10 +153,14 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
         mlp_step = [f"      - {step(rel, layer.mlp_norm, moe_name or mlp_name, roles and roles.mlp_post, rs)}"]
     if roles and roles.mlp_post and len(mlp_step) > 1:
         mlp_step.append(f"        post_norm: {rel(roles.mlp_post)}")
-    L += ["    dataflow:", f"      - {step(rel, layer.attn_norm, attn_name, roles and roles.attn_post, rs)}", *mlp_step,
+    first = [f"      - {step(rel, layer.attn_norm, attn_name, roles and roles.attn_post, rs)}"]
+    if roles and roles.parallel:        # both blocks on one norm's output, one residual add (Cohere)
+        first, mlp_step = [f"      - parallel: [{step(rel, layer.attn_norm, attn_name, None, rs)}, "
+                           f"{step(rel, layer.mlp_norm, moe_name or mlp_name, None, rs)}]"], []
+    L += ["    dataflow:", *first, *mlp_step,
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
-          + (", tie: tie_word_embeddings" if tied else "")
+          + (", tie: tie_word_embeddings" if tied else "") + (", bias: true" if "lm_head.bias" in names else "")
           + (f", logit_scale: {d.scales['logit']}" if "logit" in d.scales else "")
           + (f", softcap: {d.scales['softcap']}}}" if "softcap" in d.scales else "}"), "", "weights:"]
     fused = [] if layer.mla else [(qkv_fused, qkv_fused, qb) if qkv_fused else
@@ -172,6 +178,9 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
             L.append("    from:")
             for seg, src in parts.items():
                 L.append(f"      {seg}: {src}.{suffix}")
+    if layer.final_norm != "model.norm":       # the decoder's `norm` loads from the module the checkpoint names
+        L += [f"  model.norm.{p}: {{from: {layer.final_norm}.{p}}}" for p in ("weight", "bias")
+              if f"{layer.final_norm}.{p}" in names]
     if moe is not None:
         L += render_weights(moe)
     L += ["", "ignore_checkpoint_tensors:", "  - '.*rotary_emb\\.inv_freq$'"]

@@ -10,11 +10,12 @@ source and the config class, never from a family's name; then `xllm-gen verify` 
   - the softmax scale (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier), soft-capping (Gemma 2), clipped
     q/k/v (OLMoE's clip_qkv);
   - the layer's pre- / post-norms from its forward (codegen/draft_layer.py): OLMo 2's post-norms, Gemma 2 / 3's
-    sandwich of (1 + w) norms, the lm_head's soft-cap; Gemma 3's rope parameters per layer type;
+    sandwich of (1 + w) norms, Cohere's / Phi's parallel layer, the lm_head's soft-cap; Gemma 3's rope parameters
+    per layer type;
   - the drafts of tiny GLM-4-MoE (at the tiny builder's defaults), ERNIE 4.5 MoE, Dots1, OLMoE, Helium, StableLM,
-    OLMo 2, Gemma 2 and Gemma 3 verify OK (slow); with the interleaved layout, the partial rotary or the q/k norms'
+    OLMo 2, Gemma 2, Gemma 3, Cohere and Phi verify OK (slow); with the interleaved layout, the partial rotary or the q/k norms'
     (1 + w) dropped, or the window on the wrong layers, verify fails (slow).
-Default arms draft by class name only (~2 s); the verify arms are slow.
+Default arms draft by class name only (~2.5 s after the first draft of the session); the verify arms are slow.
 """
 from __future__ import annotations
 
@@ -64,7 +65,13 @@ def test_qk_norm_behind_a_flag_and_partial_rotary():
     assert "partial_rotary_factor" not in _checklist(text)
 
 
-def test_partial_rotary_of_a_dense_family():
+@pytest.mark.slow      # draft-only, but beyond the default arms' time budget (~0.7 s with Phi and Granite below)
+def test_partial_rotary_of_a_dense_family_and_a_multiplier_scale():
+    _, _, granite = _draft("GraniteForCausalLM")
+    assert granite["scale"] == "attention_multiplier"
+    _, doc, _ = _draft("PhiForCausalLM")     # its final norm loads from model.final_layernorm, its lm_head a bias
+    assert doc["weights"]["model.norm.weight"] == {"from": "model.final_layernorm.weight"}
+    assert doc["lm_head"]["bias"] is True
     _, doc, attn = _draft("StableLmForCausalLM")
     assert attn["rotary"]["fraction"] == "partial_rotary_factor" and doc["config"]["partial_rotary_factor"]["default"] == 0.25
     assert "layout" not in attn["rotary"] and "qk_norm" not in attn       # qk_layernorm: per-head norm lists
@@ -96,11 +103,6 @@ def test_offset_qk_norm_scale_and_a_keyword_window_pattern():
     assert "_sliding_window_pattern" in doc["config_ignore"]
 
 
-def test_attention_multiplier_is_the_scale():
-    _, _, attn = _draft("GraniteForCausalLM")
-    assert attn["scale"] == "attention_multiplier"
-
-
 def test_post_norms_and_sandwich_norms_from_the_layer_forward():
     """The decoder layer's forward says which norm runs before and which after each block (codegen/draft_layer.py):
     OLMo 2's post-norms only, Gemma 2's sandwich of (1 + w) norms; its final soft-cap on the lm_head."""
@@ -119,6 +121,18 @@ def test_post_norms_and_sandwich_norms_from_the_layer_forward():
     assert doc["config"]["layer_types"]["default_expr"].startswith("['sliding_attention' if (i + 1) % 2 else")
     checklist = _checklist(text)
     assert "extra per-layer norms" not in checklist and "soft-caps" not in checklist and "(1 + weight)" not in checklist
+
+
+def test_a_parallel_layer_with_per_head_qk_norms():
+    """Cohere: one bias-free LayerNorm feeding both blocks (one residual add), per-head q/k LayerNorms behind
+    use_qk_norm, interleaved rotary."""
+    _, doc, attn = _draft("CohereForCausalLM")
+    assert doc["decoder"]["layers"]["dataflow"] == [{"parallel": [{"norm": "input_layernorm", "block": "self_attn"},
+                                                                  {"norm": "input_layernorm", "block": "mlp"}]}]
+    assert doc["decoder"]["layers"]["blocks"]["input_layernorm"]["bias"] is False
+    assert attn["qk_norm"] == {"kind": "layernorm", "eps": "layer_norm_eps", "q": "q_norm", "k": "k_norm",
+                               "weights": "per_head", "enabled": "use_qk_norm"}
+    assert attn["rotary"]["layout"] == "interleaved"
 
 
 def test_rope_parameters_per_layer_type():
@@ -140,6 +154,8 @@ FAMILIES = {
     "Olmo2ForCausalLM": {},             # post-norms only, projection-wide q/k norms
     "Gemma2ForCausalLM": {},            # sandwich (1 + w) norms, soft-caps, a window every other layer
     "Gemma3ForCausalLM": {},            # + (1 + w) q/k norms, rope parameters per layer type
+    "CohereForCausalLM": {"use_qk_norm": True},     # parallel layer, per-head q/k LayerNorms, interleaved rotary
+    "PhiForCausalLM": {"qk_layernorm": True},       # parallel layer, partial rotary, q/k LayerNorms with bias
 }
 
 

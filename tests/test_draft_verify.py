@@ -174,7 +174,8 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
     # the embedding's hidden_size ** 0.5 is drafted (codegen/draft_source.py), no longer only flagged
     ("Gemma2ForCausalLM", ["weight_offset: 1", "softcap", "post_feedforward_layernorm", "scale: embed_scale}"]),
     ("HeliumForCausalLM", ["interleaved"]),
-    ("PhiForCausalLM", ["not a pre-norm decoder layer"]),
+    # Phi's parallel layer is now read from its forward (codegen/draft_layer.py), no longer refused
+    ("PhiForCausalLM", ["- parallel: [{norm: input_layernorm, block: self_attn}", "fraction: partial_rotary_factor"]),
     # Falcon / Bloom name their MLP dense_h_to_4h / dense_4h_to_h: found (the draft failed on "no up/down MLP"),
     # Falcon's one-norm parallel layer then named as what it is, Bloom's fused per-head qkv and ALiBi flagged
     ("FalconForCausalLM", ["not a pre-norm decoder layer"]),
