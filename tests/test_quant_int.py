@@ -270,6 +270,8 @@ def test_dummy_quantize_for_benchmarks(base, kind):
     two.model = torch.nn.Module()
     two.model.visual, two.model.lm = torch.nn.Module(), ReplicatedLinear(256, 128)
     two.model.visual.proj = ReplicatedLinear(256, 128)
+    for m in (two.model.lm, two.model.visual.proj):     # the layers' weights are uninitialized memory (NaN != NaN)
+        torch.nn.init.normal_(m.weight, std=0.02)
     before = two.model.visual.proj.weight.clone()
     assert quantize_dummy(two, kind, pack=True, skip=["visual"]) == 1         # model.visual: at any depth
     assert two.model.lm.packed is not None and two.model.visual.proj.packed is None

@@ -191,7 +191,7 @@ class Rotary(nn.Module):
         covers the context where it is longer than max_position (the CUDA kernel reads it at each position
         unchecked: a spec whose max_position is short of the engine's context would read past its end). A 1-D
         rotary's positions are token indices, below the context, so its table stops there (a config's
-        max_position_embeddings of 1e9, or Llama 4's 10M, is no table of that size); mRoPE's temporal positions
+        max_position_embeddings of 1e9, or a 10M one, is no table of that size); mRoPE's temporal positions
         can run past the token count (scaled video time), so its table keeps max_position's rows too."""
         rows = context_len if self.kind == "neox" else max(self.max_position, context_len)
         if rows != self.rows:
