@@ -5,7 +5,6 @@ scheduling and sampling; model runners (one per TP rank) execute."""
 from __future__ import annotations
 
 import logging
-import numbers
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +15,7 @@ from xllm_gen.runtime.engine.admission import EngineAdmission
 from xllm_gen.runtime.engine.async_decode import AsyncDecode
 from xllm_gen.runtime.engine.block_manager import BlockManager
 from xllm_gen.runtime.engine.detokenize import EngineOutputs, IncrementalDetokenizer  # noqa: F401 (re-exported)
+from xllm_gen.runtime.engine.engine_args import check_engine_args, resolve_device
 from xllm_gen.runtime.engine.requests import EngineRequests
 from xllm_gen.runtime.engine.sampler import Sampler
 from xllm_gen.runtime.engine.scheduler import Scheduler
@@ -41,7 +41,6 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
 
 
 _SERVABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)     # float64: CPU verification
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def resolve_dtype(dtype: Any, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -96,54 +95,6 @@ def _tokenizer_size(tok) -> Optional[int]:
         return None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _resolve_device(device: Any) -> torch.device:
-    """`device` as a torch.device; an unknown device string, or a CUDA device this host does not have, is a
-    ValueError naming it (not torch's RuntimeError from deep inside the model build)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:N'): {e}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available on this host (torch "
-                             f"{torch.__version__}, CUDA build {torch.version.cuda}); use device='cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type not in ("cpu", "meta"):
-        raise ValueError(f"device {device!r}: only 'cpu' and 'cuda' devices are served")
-    return dev
-
-
-def _check_engine_args(*, block_size, num_kv_blocks, max_num_batched_tokens, gpu_memory_utilization, seed,
-                       load_format) -> None:
-    """Engine options that would otherwise fail deep inside torch (a negative KV-cache size), per request (a
-    block_size of 0 divides by zero at admission), or pass silently (a load_format that is not read, a
-    max_num_batched_tokens of 0 taken as the default): each a ValueError naming the option and its value."""
-    if not _is_int(block_size) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1 (tokens per KV-cache block), got {block_size!r}")
-    if block_size > 4096:
-        raise ValueError(f"block_size {block_size} is larger than any KV-cache block size served (at most 4096 "
-                         f"tokens a block; 16 is the default)")
-    if num_kv_blocks is not None and (not _is_int(num_kv_blocks) or num_kv_blocks < 1):
-        raise ValueError(f"num_kv_blocks must be an integer >= 1, or None (sized from the memory available), "
-                         f"got {num_kv_blocks!r}")
-    if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
-        raise ValueError(f"max_num_batched_tokens must be an integer >= 1, or None (the default), got "
-                         f"{max_num_batched_tokens!r}")
-    g = gpu_memory_utilization
-    if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
-        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {g!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r} is not supported (one of {', '.join(LOAD_FORMATS)}: "
-                         f"safetensors checkpoints, or dummy random weights)")
-
-
 class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
     spec = None                          # speculative decoding (SpecDecoder), when speculative_config is given
     def __init__(self, model: str, *, device: str = "auto", dtype: Any = "auto", tensor_parallel_size: int = 1,
@@ -157,7 +108,7 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  mm_preprocess_device: Optional[str] = "cpu", speculative_config: Any = None):
         spec_cfg = SpeculativeConfig.parse(speculative_config)      # errors name the key, before any loading
-        _check_engine_args(block_size=block_size, num_kv_blocks=num_kv_blocks,
+        check_engine_args(block_size=block_size, num_kv_blocks=num_kv_blocks,
                            max_num_batched_tokens=max_num_batched_tokens,
                            gpu_memory_utilization=gpu_memory_utilization, seed=seed, load_format=load_format)
         self.tensor_parallel_size = tensor_parallel_size
@@ -168,7 +119,7 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
         self.hf_config = read_config_json(self.model_dir)      # errors name the file (and JSON line / column)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
         self.mm_preprocess_device = _mm_preprocess_device(mm_preprocess_device, self.device, tensor_parallel_size)
         model_module = None
