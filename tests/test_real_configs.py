@@ -273,12 +273,13 @@ def _load_at_size(model, hf: dict, tensors: dict, tmp_path, monkeypatch) -> set:
     import torch
 
     from xllm_gen.runtime.executor import tp_check
+    from xllm_gen.runtime.loading import checkpoint_reader
     from xllm_gen.runtime.loading import loader as LD
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: "model.safetensors" for k in tensors}}))
-    monkeypatch.setattr(LD, "_open", lambda p: _MetaHandle(tensors))
+    monkeypatch.setattr(checkpoint_reader, "_open", lambda p: _MetaHandle(tensors))
     config = model.Config.from_hf(hf)
     with torch.device("meta"), tp_check._default_dtype(torch.bfloat16):     # every tensor (float32 ones too)
         ours = model.Model(config)
