@@ -101,7 +101,7 @@ def default_launch(kv_dtype: Optional[torch.dtype] = None) -> tuple[int, int]:
     forced = os.environ.get("XLLM_DECODE_BLOCK_N")
     if forced:
         return int(forced), DEFAULT_LAUNCH[1]
-    size = torch.empty(0, dtype=kv_dtype).element_size() if kv_dtype is not None else 2
+    size = kv_dtype.itemsize if kv_dtype is not None else 2
     return DEFAULT_LAUNCH[0] * 2 // min(2, size), DEFAULT_LAUNCH[1]
 
 
