@@ -15,7 +15,7 @@ import torch
 from xllm_gen.runtime.engine.async_decode import AsyncDecode
 from xllm_gen.runtime.engine.block_manager import BlockManager
 from xllm_gen.runtime.engine.engine import LLMEngine
-from xllm_gen.runtime.engine.sampler import Sampler
+from xllm_gen.runtime.engine.sampler import Sampler, greedy_argmax
 from xllm_gen.runtime.engine.sampling_params import SamplingParams
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
@@ -68,7 +68,7 @@ class PagedFakeRunner:
         ids = None
         if prev_tokens is not None:
             ids = prev_tokens if rows is None else prev_tokens[torch.tensor(rows)]
-        return self.run(seqs, False, input_ids=ids).argmax(dim=-1)
+        return greedy_argmax(self.run(seqs, False, input_ids=ids))
 
 
 def make_engine(num_blocks, block_size, max_num_seqs, budget, chunked, max_model_len=4096, async_scheduling=False):

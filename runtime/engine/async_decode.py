@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from xllm_gen.runtime.engine.sampler import greedy_argmax
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.engine.structured_outputs import dead_end_error
 
@@ -31,8 +32,9 @@ from xllm_gen.runtime.engine.structured_outputs import dead_end_error
 class InFlight:
     """A launched decode step whose tokens are not read yet."""
     seqs: list[Sequence]
-    tokens: torch.Tensor                      # [B] int64 argmax, on the device
-    host: torch.Tensor                        # [B] view of a pinned buffer the tokens are copied into
+    tokens: torch.Tensor                      # [B] int64 argmax, on the device (the next step's inputs)
+    host: torch.Tensor                        # [B] view of a pinned buffer the tokens are copied into (-1: a row
+                                              # whose logits were not finite, sampler.greedy_argmax)
     event: Optional[torch.cuda.Event]         # recorded after that copy (None on a CPU)
     logits: Optional[torch.Tensor] = None     # a step with grammar rows: its logits until finish_masked
 
@@ -89,11 +91,12 @@ class AsyncDecode:
             s.num_pending += 1
         return step
 
-    def _send(self, seqs: list[Sequence], tokens: torch.Tensor) -> InFlight:
-        """Starts the copy of a step's device tokens to the host."""
+    def _send(self, seqs: list[Sequence], tokens: tuple[torch.Tensor, torch.Tensor]) -> InFlight:
+        """Starts the copy of a step's device tokens to the host (tokens: sampler.greedy_argmax's pair)."""
+        tokens, report = tokens
         host = self._host[self._turn][:len(seqs)]
         self._turn ^= 1
-        host.copy_(tokens, non_blocking=True)
+        host.copy_(report, non_blocking=True)
         event = None
         if tokens.is_cuda:
             event = torch.cuda.Event()
@@ -110,11 +113,12 @@ class AsyncDecode:
                         else s.grammar for s in step.seqs]
             for i in grammar.apply(logits, matchers):          # dead ends fail alone (the argmax is dropped)
                 step.seqs[i].error = dead_end_error(step.seqs[i].num_completion_tokens)
-            done = self._send(step.seqs, logits.argmax(dim=-1))
+            done = self._send(step.seqs, greedy_argmax(logits))
         step.tokens, step.host, step.event, step.logits = done.tokens, done.host, done.event, None
 
     def read(self, step: InFlight) -> list[int]:
-        """Waits for the step's tokens on the host; they are no longer pending."""
+        """Waits for the step's tokens on the host; they are no longer pending. A row whose logits were not finite
+        reads -1."""
         if step.event is not None:
             step.event.synchronize()
         for s in step.seqs:

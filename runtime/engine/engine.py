@@ -17,7 +17,7 @@ from xllm_gen.runtime.engine.block_manager import BlockManager
 from xllm_gen.runtime.engine.detokenize import EngineOutputs, IncrementalDetokenizer  # noqa: F401 (re-exported)
 from xllm_gen.runtime.engine.engine_args import check_engine_args, resolve_device
 from xllm_gen.runtime.engine.requests import EngineRequests
-from xllm_gen.runtime.engine.sampler import Sampler
+from xllm_gen.runtime.engine.sampler import Sampler, greedy_argmax, nonfinite_error
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, check_target, load_draft_runner
@@ -282,6 +282,9 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
                 self._count_decode(ahead)
             tokens = self._async.read(prev)
             live = [(s, t) for s, t in zip(prev.seqs, tokens) if not s.is_finished]    # not ended / aborted since
+            for s, t in live:                     # non-finite logits: the request fails alone
+                if t < 0 and not s.error:
+                    s.error = nonfinite_error(s.num_completion_tokens)
             for s, t in live:                     # structured outputs: the grammars accept the tokens read
                 if s.grammar is not None and not s.error and not s.grammar.accept_token(t):
                     s.error = f"structured outputs: token {t} does not fit the grammar"
@@ -358,7 +361,7 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
                         s.error = f"structured outputs failed: {type(e).__name__}: {e}"
                 if step.tokens is None:
                     with torch.inference_mode():
-                        done = self._async._send(step.seqs, step.logits.argmax(dim=-1))
+                        done = self._async._send(step.seqs, greedy_argmax(step.logits))
                     step.tokens, step.host, step.event, step.logits = done.tokens, done.host, done.event, None
 
     def _count_decode(self, seqs: list[Sequence]) -> None:

@@ -109,6 +109,21 @@ def row_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return torch.softmax(row, dim=-1)
 
 
+def nonfinite_error(position: int) -> str:
+    """A request's error when the model's logits for its next token are not finite."""
+    return (f"the model's logits for completion token {position} are not finite (NaN or inf): the request fails "
+            "rather than return a token chosen from them (overflow in the weights or activations; float32 or a "
+            "checked checkpoint may help)")
+
+
+def greedy_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax on the device [B] (a valid id: a next step's input), and the same with -1 for a row whose
+    logits are not finite (a NaN anywhere, or an infinite maximum): a model fault the engine reports, where a plain
+    argmax would return a token chosen from garbage (all-NaN rows give token 0)."""
+    vals, idx = logits.max(dim=-1)                  # NaN propagates into the row's maximum
+    return idx, torch.where(torch.isfinite(vals), idx, torch.full_like(idx, -1))
+
+
 def sample_row(logits: torch.Tensor, seq: Sequence, default_generator: torch.Generator) -> int:
     p = seq.params
     if p.greedy:
@@ -132,6 +147,9 @@ class Sampler:
         for a row that failed: its sequence's `.error` is set)."""
         logits = logits.float()
         raw = logits                                  # logprobs are the model's, before any constraint
+        for i, ok in enumerate(torch.isfinite(raw.amax(dim=-1)).tolist()):   # a model fault fails its row alone
+            if not ok and not seqs[i].error:
+                seqs[i].error = nonfinite_error(seqs[i].num_completion_tokens)
         matchers = [s.grammar for s in seqs]
         constrained = [i for i, m in enumerate(matchers) if m is not None]
         if constrained:                               # structured outputs: mask those rows in place

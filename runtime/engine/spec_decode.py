@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from xllm_gen.runtime.engine.block_manager import BlockManager
-from xllm_gen.runtime.engine.sampler import generator_of, process_row, row_probs
+from xllm_gen.runtime.engine.sampler import generator_of, greedy_argmax, nonfinite_error, process_row, row_probs
 from xllm_gen.runtime.engine.sequence import Sequence
 
 logger = logging.getLogger("xllm_gen")
@@ -372,7 +372,7 @@ class SpecDecoder:
         st = eng.stats
         st["steps"] += 1
         st["spec_steps"] += 1
-        greedy_tokens = rows.argmax(dim=-1).tolist()
+        greedy_tokens = greedy_argmax(rows)[1].tolist()      # -1: a row whose logits are not finite
         off = 0
         for seq, (drafts, qs) in zip(seqs, plan):
             n_rows = 1 + len(drafts)
@@ -411,6 +411,9 @@ class SpecDecoder:
         the bonus row as the sampler decides; a sampled row with a draft by rejection sampling."""
         eng = self.engine
         p = seq.params
+        if argmax < 0:                                  # non-finite logits: the request fails alone
+            seq.error = nonfinite_error(seq.num_completion_tokens)
+            return None
         if p.greedy and not p.needs_processing and p.logprobs is None and seq.grammar is None \
                 and seq.num_completion_tokens >= p.min_tokens:
             return argmax

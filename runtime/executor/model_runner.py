@@ -37,6 +37,7 @@ import torch
 
 from xllm_gen.runtime import layers as L
 from xllm_gen.runtime import ops
+from xllm_gen.runtime.engine.sampler import greedy_argmax
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.executor.build_errors import _model_build_error
 from xllm_gen.runtime.executor.context import ForwardContext, reset_context, set_context
@@ -401,7 +402,8 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
     @torch.inference_mode()
     def decode_greedy(self, seqs: list[Sequence], prev_tokens: Optional[torch.Tensor] = None,
                       rows: Optional[list[int]] = None) -> torch.Tensor:
-        """A greedy decode step whose tokens stay on the device: the argmax of each sequence [B] int64, not read
+        """A greedy decode step whose tokens stay on the device: sampler.greedy_argmax's (argmax, argmax or -1 where
+        the logits are not finite) of each sequence, [B] int64 each, not read
         back (the engine's async scheduling reads it while the next step runs). `prev_tokens`: the previous
         step's device tokens, this step's inputs (`rows`: the row of each sequence there; None: the same
         sequences in the same order); None: each sequence's last known token."""
@@ -409,7 +411,7 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
         if prev_tokens is not None:
             ids = prev_tokens if rows is None else prev_tokens.index_select(
                 0, torch.tensor(rows, dtype=torch.int64).to(prev_tokens.device, non_blocking=True))
-        return self.run(seqs, False, input_ids=ids).argmax(dim=-1)
+        return greedy_argmax(self.run(seqs, False, input_ids=ids))
 
     def forward(self, ids, pos, ctx, embeds):
         return self.model(ids, pos, embeds)
