@@ -218,6 +218,11 @@ from xllm_gen.runtime.ops import quant_gemv as Q
 splitk = sorted({k[1:] for k, v in Q.QUANT_GEMV_CHOICE.items() if v != "mma" and k[1] == batch})
 print("E2E " + json.dumps(dict(quant=quant, batch=batch, tpot_ms=round(tpot, 3), packed_layers=packed,
                                splitk_shapes=len(splitk))), flush=True)
+if len(sys.argv) > 5 and sys.argv[5] == "profile":   # where the step's GPU time goes (bench_decode.profile_decode)
+    sys.path.insert(0, sys.argv[6])
+    from bench_decode import profile_decode
+    p = profile_decode(llm, batch, 32, steps=20, top=24)
+    print("PROFILE " + json.dumps(dict(gpu_replay_ms=p.get("gpu_replay_ms"), kernels=p.get("kernels"))), flush=True)
 """
 
 
@@ -244,6 +249,8 @@ def bench_e2e(args) -> list:
             for quant, kernel in [("bf16", "")] + [(q, k) for q in quants for k in kernels]:
                 row = dict(model=name, quant=quant, kernel=kernel, batch=batch)
                 cmd = [sys.executable, "-c", E2E_CHILD, str(d), quant, str(batch), "64"]
+                if args.e2e_profile:
+                    cmd += ["profile", str(REPO / "bench")]
                 env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
                 if kernel:
                     env["XLLM_QUANT_GEMV"] = kernel
@@ -253,6 +260,9 @@ def bench_e2e(args) -> list:
                     line = [ln for ln in p.stdout.splitlines() if ln.startswith("E2E ")]
                     if line:
                         row.update(json.loads(line[-1][4:]))
+                    prof = [ln for ln in p.stdout.splitlines() if ln.startswith("PROFILE ")]
+                    if prof:
+                        row["profile"] = json.loads(prof[-1][8:])
                     else:
                         row["error"] = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
                 except subprocess.TimeoutExpired:
@@ -281,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-timeout", type=int, default=600)
     ap.add_argument("--e2e-kernels", default=",".join(E2E_KERNELS), help="XLLM_QUANT_GEMV values to run, e.g. auto")
     ap.add_argument("--e2e-batches", default="1,16")
+    ap.add_argument("--e2e-profile", action="store_true", help="also the top kernels of one graph decode step")
     ap.add_argument("--e2e-quants", default="int4,fp8", help="quantized forms of the decode-TPOT arm (comma list of int4, "
                     "fp8 (per channel), fp8_block (128 x 128 blocks))")
     args = ap.parse_args(argv)
@@ -310,6 +321,12 @@ def main(argv=None) -> int:
             L.append(f"| {r['model']} | {r['quant']} | {r.get('kernel', '')} | {r['batch']} | "
                      f"{r.get('tpot_ms', r.get('error'))} | {r.get('vs_bf16', '')} | {r.get('packed_layers', '')} | "
                      f"{r.get('splitk_shapes', '')} |")
+        for r in e2e:
+            if r.get("profile"):
+                L += ["", f"### Top kernels of one decode step: {r['model']} {r['quant']} {r.get('kernel', '')} batch "
+                      f"{r['batch']} (graph replay {r['profile'].get('gpu_replay_ms')} ms)", "",
+                      "| kernel | calls | ms |", "|---|---|---|"]
+                L += [f"| {k} | {c} | {ms:.4f} |" for k, c, ms in r["profile"].get("kernels") or []]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(L) + "\n")
