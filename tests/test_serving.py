@@ -258,6 +258,28 @@ def test_batched_prompt_errors_name_the_index(server):
     server.wait_idle()
 
 
+def test_max_tokens_past_the_context_is_a_400(server, model_name):
+    """An explicit max_tokens (chat: max_completion_tokens) that the prompt leaves no room for is a 400 naming the
+    field, as vLLM answers; at the limit, and without the field (the rest of the context), the request is served."""
+    ctx = httpx.post(server.url + "/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+    url = server.url + "/v1/completions"
+    for prompt in ([5, 6, 7], [[5, 6, 7], [8, 9]]):
+        r = httpx.post(url, json={"model": model_name, "prompt": prompt, "max_tokens": ctx - 2}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert f"the prompt has 3, so at most {ctx - 3} can follow" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={"model": model_name, "prompt": [5, 6, 7], "max_tokens": ctx - 3, "stop": ["a", "e", " "]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.post(url, json={"model": model_name, "prompt": [5, 6, 7]}, timeout=60).status_code == 200
+    chat = server.url + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(chat, json={"model": model_name, "messages": msgs, "max_completion_tokens": ctx}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    r = httpx.post(chat, json={"model": model_name, "messages": msgs, "max_tokens": ctx}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),

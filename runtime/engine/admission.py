@@ -54,7 +54,7 @@ class EngineAdmission:
             text, token_ids = prompt, None
         elif isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs",
-                                     "add_special_tokens"}
+                                     "add_special_tokens", "max_tokens_must_fit"}
             if unknown:
                 raise ValueError(f"{where}: unknown prompt key(s) {sorted(map(str, unknown))}")
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
@@ -104,6 +104,14 @@ class EngineAdmission:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"{where}: prompt of {len(token_ids)} tokens does not fit the model's context "
                              f"of {self.max_model_len} tokens (max_model_len)")
+        # the server's rule for a max_tokens the client set (vLLM's 400): prompt + max_tokens must fit the context;
+        # the key names the body field. LLM.generate runs to the context's end instead (finish_reason "length")
+        must_fit = prompt.get("max_tokens_must_fit") if isinstance(prompt, dict) else None
+        if must_fit and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"{must_fit}: {params.max_tokens} is too large: this model's context is "
+                             f"{self.max_model_len} tokens and the prompt has {len(token_ids)}, so at most "
+                             f"{self.max_model_len - len(token_ids)} can follow (without {must_fit} a request gets "
+                             "the rest of the context)")
         if not self.scheduler.fits_at_all(len(token_ids) + 1):
             raise ValueError(f"{where}: prompt of {len(token_ids)} tokens needs more KV blocks than the cache "
                              f"holds ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")

@@ -190,8 +190,11 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         except RuntimeError as e:
             raise APIError(str(e), status=503, type="server_error") from None
 
-    async def admit_all(base: str, prompts: list, params, batched: bool = False) -> list:
-        """`batched`: the body's prompt is a list of prompts (errors name the index)."""
+    async def admit_all(base: str, prompts: list, params, batched: bool = False, body=None) -> list:
+        """`batched`: the body's prompt is a list of prompts (errors name the index). `body`: where max_tokens was
+        set explicitly, each prompt plus it must fit the context (a 400 naming the field, as vLLM's)."""
+        if body is not None and body._max_tokens() is not None:
+            prompts = [{**p, "max_tokens_must_fit": body._max_tokens_field()} for p in prompts]
         queues = []
         try:
             for i, p in enumerate(prompts):
@@ -286,7 +289,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         base = f"cmpl-{body.request_id or uuid.uuid4().hex}"          # vLLM's id of a request_id
         created = int(time.time())
         queues = await admit_all(f"{base}-{uuid.uuid4().hex[:8]}" if body.request_id else base, prompts, params,
-                                 body.batched)
+                                 body.batched, body)
         n = params.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -403,7 +406,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         base = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
         rid, q = (await admit_all(base if body.request_id is None else f"{base}-{uuid.uuid4().hex[:8]}",
-                                  [prompt], params))[0]
+                                  [prompt], params, body=body))[0]
         reader = reasoning
         opened = reader is not None and reader.opened_by(prompt.get("prompt"))       # the template opened it
         if opened and constrained_from_start(engine, so):    # no room to reason: reasoning only if it writes the end

@@ -40,7 +40,8 @@ _FIELD_RE = re.compile(r"^(?:request \S+: )?(?:invalid SamplingParams: )?([a-z_]
 
 
 _PARAMS = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "model", "stream_options",
-                                                               "response_format", "tools", "tool_choice"}
+                                                               "response_format", "tools", "tool_choice",
+                                                               "max_completion_tokens"}
 _ALIASES = {"prompt_token_ids": "prompt", "multi_modal_data": "messages", "mm_processor_kwargs": "messages"}
 
 
