@@ -25,7 +25,9 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 
+from .draft_config_lists import read_list_default
 from .draft_mla import _attention_class, _fn_layout, _init_call
+from .draft_rope_layers import rotary_enabled, with_locals
 from .draft_source import add_symbol, class_source, meta_model, self_assignments, translate
 
 WINDOW = "sliding_attention"
@@ -43,6 +45,7 @@ class Attn:
     clip: str | None = None
     theta: str | None = None            # per layer type (transformers 5's rope_parameters per layer type)
     scaling: str | None = None
+    rope_enabled: str | None = None     # the layers that apply rotary (draft_rope_layers.py)
     answered: set = field(default_factory=set)      # checklist topics answered: qk_norm, interleaved, window, ...
 
 
@@ -103,10 +106,12 @@ def find_attention(d, cls, config, layer, controls: dict, defaults: dict) -> Att
     module = sys.modules.get(attn_cls.__module__)
     init_src, fwd_src = _method(attn_cls, "__init__"), _method(attn_cls, "forward")
     fields = set(d.config) | set(defaults)
-    attrs = {k: _strip_hasattr(v, fields) for k, v in self_assignments(init_src).items()}
+    attrs = {k: _strip_hasattr(v, fields) for k, v in with_locals(init_src, self_assignments(init_src)).items()}
     _qk_norm(d, a, cls, config, layer, controls, defaults, init_src, fwd_src)
     _window(d, a, attrs, fields, defaults, type(config))
     _rotary(d, a, fwd_src, module, defaults, type(config))
+    rotary_enabled(d, a, fwd_src, attrs, fields, defaults, type(config),
+                   lambda: _layer_types_symbol(d, defaults, type(config)))
     _scale(d, a, init_src, fwd_src, attrs, fields, defaults, type(config))
     _clip(d, a, fwd_src, attrs, fields, defaults)
     return a
@@ -311,6 +316,21 @@ def _window_default(config_cls, defaults: dict) -> str:
     return ""
 
 
+def _layer_types_symbol(d, defaults: dict, config_cls) -> None:
+    """`layer_types` read with the list the config class computes when absent: its source translated
+    (draft_config_lists.py), else one of the patterns above, else required (on the checklist)."""
+    if "layer_types" in d.symbols or read_list_default(d, "layer_types", defaults, config_cls, "str_tuple"):
+        return
+    found = _layer_types_default(config_cls, defaults)
+    if found:
+        d.symbols["layer_types"] = f'{{type: str_tuple, from: layer_types, default_expr: "{found[0]}"}}'
+        _pattern_symbols(d, found[1:], defaults, config_cls)
+    else:
+        d.symbols["layer_types"] = "{type: str_tuple, from: layer_types}"
+        d.checklist.append("`layer_types` is read from config.json (required): the list the config class "
+                           "computes when it is absent was not recognized; write its `default_expr`")
+
+
 def _window(d, a: Attn, attrs: dict, fields: set, defaults: dict, config_cls) -> None:
     node = attrs.get("sliding_window")
     if node is None:
@@ -323,14 +343,7 @@ def _window(d, a: Attn, attrs: dict, fields: set, defaults: dict, config_cls) ->
     expr, used = t
     for f in sorted(used):
         if f == "layer_types":
-            found = _layer_types_default(config_cls, defaults)
-            if found:
-                d.symbols[f] = f'{{type: str_tuple, from: layer_types, default_expr: "{found[0]}"}}'
-                _pattern_symbols(d, found[1:], defaults, config_cls)
-            else:
-                d.symbols[f] = "{type: str_tuple, from: layer_types}"
-                d.checklist.append("`layer_types` is read from config.json (required): the list the config class "
-                                   "computes when it is absent was not recognized; write its `default_expr`")
+            _layer_types_symbol(d, defaults, config_cls)
         elif f == "sliding_window":
             d.symbols[f] = "{type: int, from: sliding_window, optional: true, " + _window_default(
                 config_cls, defaults) + "min: 1}"
@@ -395,7 +408,7 @@ def attention_lines(a: Attn) -> list:
 
 
 def rotary_keys(a: Attn) -> str:
-    return (f"layout: {a.layout}, " if a.layout else "") + (f"fraction: {a.fraction}, " if a.fraction else "")
+    return (f'enabled: "{a.rope_enabled}", ' if a.rope_enabled else "") + (f"layout: {a.layout}, " if a.layout else "") + (f"fraction: {a.fraction}, " if a.fraction else "")
 
 
 ANSWERS = {     # a checklist item's start -> the topic that answers it
