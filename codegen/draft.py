@@ -364,7 +364,7 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: M
 
 def _eps(d: Draft, full: dict) -> str:
     """The norms' epsilon: the config field that holds it, else a literal (on the checklist)."""
-    eps_field = next((f for f in EPS_FIELDS if f in full), None)
+    eps_field = next((f for f in EPS_FIELDS if full.get(f) is not None), None)
     if eps_field is None:
         d.checklist.append("no norm epsilon field found: eps is a literal 1e-6 (check the modeling file)")
         return "1.0e-6"
@@ -404,7 +404,7 @@ def _config_symbols(d: Draft, full: dict, config_cls=None) -> None:
             d.symbols[f] = f"{{type: int_tuple, from: eos_token_id, default: {eos}}}"
         else:
             d.symbols[f] = f"{{type: {typ}, from: {src(f)}, default: {_yaml_scalar(full.get(f))}}}"
-    eps_field = next((f for f in EPS_FIELDS if f in full), None)
+    eps_field = next((f for f in EPS_FIELDS if full.get(f) is not None), None)
     if eps_field:
         d.symbols[eps_field] = f"{{type: float, from: {eps_field}, default: {_yaml_scalar(float(full[eps_field]))}}}"
     rope = full.get("rope_parameters")

@@ -45,6 +45,7 @@ class _Conv:
 
     def __init__(self, fields: set):
         self.fields, self.used, self.depth = fields, set(), 0
+        self.keywords: dict = {}        # a keyword the class pops from kwargs -> its default (read as a field)
 
     def __call__(self, n, env: dict):
         c = self
@@ -64,6 +65,10 @@ class _Conv:
         if isinstance(n, ast.ListComp):
             return c.comp(n, env)
         if isinstance(n, ast.Call):
+            k = _keyword(n)
+            if k is not None:       # kwargs.pop("first_k_dense_replace", 0): a field config.json may hold
+                self.keywords[k[0]], _ = k[1], self.used.add(k[0])
+                return ast.Name(k[0], ast.Load())
             if isinstance(n.func, ast.Name) and n.func.id in CALLS and not n.keywords:
                 return ast.Call(n.func, [c(a, env) for a in n.args], [])
             raise _No
@@ -118,6 +123,16 @@ class _Truth(ast.NodeTransformer):
         self.generic_visit(n)
         n.test = self._strip(n.test)
         return n
+
+
+def _keyword(n: ast.Call):
+    """(name, default) of `kwargs.pop("name", default)` / `kwargs.get(...)` with a constant default, else None."""
+    f = n.func
+    if isinstance(f, ast.Attribute) and f.attr in ("pop", "get") and isinstance(f.value, ast.Name) and \
+            f.value.id == "kwargs" and len(n.args) == 2 and all(isinstance(a, ast.Constant) for a in n.args) and \
+            isinstance(n.args[0].value, str):
+        return n.args[0].value, n.args[1].value
+    return None
 
 
 def _locals(stmts, conv: _Conv, env: dict) -> dict:
@@ -213,7 +228,7 @@ def _alternatives(dv, nullable: bool, n: int) -> list:
     return []
 
 
-def _agrees(config_cls, f: str, expr: str, used: set, defaults: dict) -> bool:
+def _agrees(config_cls, f: str, expr: str, used: set, defaults: dict, keywords: dict | None = None) -> bool:
     """expr gives the class's own value of f at every probe (the layer counts 4 and 7 times each read field at its
     default or varied; the fields passed read as passed, the others as the class holds them)."""
     import builtins
@@ -236,7 +251,7 @@ def _agrees(config_cls, f: str, expr: str, used: set, defaults: dict) -> bool:
                 cfg = config_cls(**kw)
             except Exception:  # noqa: BLE001 - the class refuses these values: no evidence
                 continue
-            env = {u: kw[u] if u in kw else getattr(cfg, u, None) for u in used}
+            env = {u: kw[u] if u in kw else (keywords or {}).get(u, getattr(cfg, u, None)) for u in used}
             try:
                 want = eval(expr, {**env0, **env})  # noqa: S307 - the draft's own translated expression (a comprehension
                 # sees globals only)
@@ -248,8 +263,8 @@ def _agrees(config_cls, f: str, expr: str, used: set, defaults: dict) -> bool:
     return checked >= 2
 
 
-def computed_default(config_cls, f: str, defaults: dict, fields: set) -> tuple[str, set] | None:
-    """(default_expr, the fields it reads) of list field f as the config class computes it when absent, checked."""
+def computed_default(config_cls, f: str, defaults: dict, fields: set) -> tuple[str, set, dict] | None:
+    """(default_expr, the fields it reads, {keyword the class pops: its default}) of list field f as the config class computes it when absent, checked."""
     fn = _function(config_cls)
     if fn is None:
         return None
@@ -263,7 +278,8 @@ def computed_default(config_cls, f: str, defaults: dict, fields: set) -> tuple[s
     node = _Truth().visit(node)
     used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & conv.used
     expr = ast.unparse(ast.fix_missing_locations(node)).replace('"', "'")
-    return (expr, used) if _agrees(config_cls, f, expr, used, defaults) else None
+    kw = {k: v for k, v in conv.keywords.items() if k in used}
+    return (expr, used, kw) if _agrees(config_cls, f, expr, used, {**defaults, **kw}, kw) else None
 
 
 def read_list_default(d, f: str, defaults: dict, config_cls, typ: str | None = None) -> bool:
@@ -277,6 +293,7 @@ def read_list_default(d, f: str, defaults: dict, config_cls, typ: str | None = N
     if found is None:
         return False
     d.symbols[f] = f'{{type: {typ}, from: {f}, default_expr: "{found[0]}"}}'
+    defaults = {**defaults, **found[2]}
     for u in sorted(found[1] - {f}):
         v = defaults.get(u, d.config.get(u))
         if isinstance(v, list):

@@ -155,8 +155,10 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
         mlp_step.append(f"        post_norm: {rel(roles.mlp_post)}")
     first = [f"      - {step(rel, layer.attn_norm, attn_name, roles and roles.attn_post, rs)}"]
     if roles and roles.parallel:        # both blocks on one norm's output, one residual add (Cohere)
+        ff = (f"{{if: {json.dumps(sparse_if)}, then: {moe_name}, else: {mlp_name}, name: {moe.module}}}"
+              if moe is not None and dense and sparse_if is not None else moe_name or mlp_name)    # a block choice
         first, mlp_step = [f"      - parallel: [{step(rel, layer.attn_norm, attn_name, None, rs)}, "
-                           f"{step(rel, layer.mlp_norm, moe_name or mlp_name, None, rs)}]"], []
+                           f"{step(rel, layer.mlp_norm, ff, None, rs)}]"], []
     L += ["    dataflow:", *first, *mlp_step,
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"

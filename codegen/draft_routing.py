@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import re
 
+from .draft_scoring import scoring_switch, switch_renormalization
 from .draft_source import add_symbol, class_source, self_assignments, translate
 
 
@@ -57,7 +58,11 @@ def find_routing(d, moe, layer_prefix: str, defaults: dict, config_cls, out: dic
     body = "\n".join(lines)
     what = []
     sig, soft = re.search(r"\bsigmoid\(", body), re.search(r"\bsoftmax\(", body)
-    if sig and not soft:
+    switch = scoring_switch(d, src, attrs, fields, defaults, config_cls)     # draft_scoring.py
+    if switch is not None:
+        out["scoring"] = switch.field
+        what.append(f"{switch.field} choosing softmax or sigmoid scores")
+    elif sig and not soft:
         out["scoring"] = "sigmoid"
         what.append("sigmoid scores")
     elif soft and not sig:
@@ -115,6 +120,8 @@ def find_routing(d, moe, layer_prefix: str, defaults: dict, config_cls, out: dic
         else:
             d.checklist.append(f"routing: the weights are scaled by `self.{s.group(1)}`: `routed_scale` by hand")
     _renormalization(d, body, attrs, fields, defaults, config_cls, out, what)
+    if switch is not None:
+        switch_renormalization(d, switch, out, what)
     _shared_width(d, moe, src, attrs, fields, defaults, config_cls, out)
     d.checklist[:] = [c for c in d.checklist if not c.startswith((
         "routing: the draft scores experts by softmax", "the router has an e_score_correction_bias",

@@ -173,6 +173,11 @@ def add_symbol(d, f: str, defaults: dict, config_cls, **extra) -> None:
     if typ == "float" and isinstance(dv, int) and not isinstance(dv, bool):
         dv = float(dv)
     derived = _layer_derived(config_cls, f, dv) if config_cls is not None else None
+    if derived is None and isinstance(v, (list, tuple)) and config_cls is not None:
+        from .draft_config_lists import read_list_default  # the class's own computation of the list
+
+        if read_list_default(d, f, defaults, config_cls, typ):
+            return
     default = f'default_expr: "{derived}"' if derived else f"default: {_yaml(dv)}"
     if typ == "str":
         default += f", values: [{_yaml(dv)}" + (f", {_yaml(v)}]" if v != dv else "]")

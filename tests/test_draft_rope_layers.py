@@ -56,7 +56,7 @@ def test_list_defaults_from_the_config_source():
         c = getattr(transformers, cls_name)
         d = c().to_dict()
         return computed_default(c, f, d, set(d))
-    expr, used = default("Llama4TextConfig", "layer_types")     # a comprehension over another list field
+    expr, used, _ = default("Llama4TextConfig", "layer_types")      # a comprehension over another list field
     assert expr == ("['chunked_attention' if no_rope_layers[i] and attention_chunk_size is not None else "
                     "'full_attention' for i in range(len(no_rope_layers))]")
     assert used == {"no_rope_layers", "attention_chunk_size"}
