@@ -171,6 +171,12 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
         self.graphs = None                 # decode CUDA graphs, one per bucket (runtime/cuda_graph.py)
         if self.device.type == "cuda":     # decode GEMMs: cuBLAS or the Triton skinny GEMM, measured per shape
             rows = self.graph_buckets if not self.enforce_eager else (1, 2, 4, 8)
+            # packed int4 / fp8 layers first: the fused-prologue tuning (in tune_decode_gemms) of packed fp8 layers
+            # times their plain pair with the decode GEMM chosen here
+            self.quant_gemv_tuning = tune_quant_gemvs(self.model, rows)
+            if self.quant_gemv_tuning:
+                logger.info("packed-weight decode GEMMs measured (tensor-core us, split-K us, choice): %s",
+                            self.quant_gemv_tuning)
             t0 = time.perf_counter()
             self.decode_gemm_tuning = tune_decode_gemms(self.model, rows)
             if self.decode_gemm_tuning:      # what was measured now (the rest came from ops/tuning_cache.py)
@@ -179,10 +185,6 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
             picked = sorted(k for k, v in self.decode_gemm_tuning.items() if v[2])
             if picked:
                 logger.info("decode GEMMs on the Triton skinny GEMM (rows, N, K): %s", picked)
-            self.quant_gemv_tuning = tune_quant_gemvs(self.model, rows)    # packed int4 / fp8 layers
-            if self.quant_gemv_tuning:
-                logger.info("packed-weight decode GEMMs measured (tensor-core us, split-K us, choice): %s",
-                            self.quant_gemv_tuning)
         if not self.enforce_eager and self.graph_buckets:
             from xllm_gen.runtime.executor.cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(self)

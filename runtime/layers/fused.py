@@ -9,8 +9,10 @@ the generated source:
 
 On a CUDA decode batch (<= 64 rows, bf16 / fp16, an unquantized weight, norm an RMSNorm without bias, act silu or
 gelu) the pair runs as ONE kernel (ops/fused_gemv.py: the skinny GEMV computing its x chunk from the norm's or the
-activation's input as it streams the weight); everywhere else (CPU, prefill, quantized input, other norms and
-activations) the plain ops run, so CPU results are unchanged.
+activation's input as it streams the weight); so does a packed fp8 layer's (quant_linear.PackedFp8) up to 8 rows,
+its input bf16 / fp16 or quantized to fp8 per token and group inside the prologue (ops/fused_gemv_fp8.py: the
+roundings that differ from the unfused path); everywhere else (CPU, prefill, other quantized forms or input
+quantizations, other norms and activations) the plain ops run, so CPU results are unchanged.
 
 XLLM_FUSED_DECODE: "auto" (the default; measured on an H200, graph decode of a 0.6B model (28 layers, hidden 1024): TPOT 0.90-0.93x of "0" at
 batch 1, 0.97-0.98x at batch 16, 10.1 -> 6.1 kernel launches per layer at batch 1, bench/results/h200_fused_decode.md, h200_fused_pdl_call2.md, h200_fused_pdl.md)
@@ -51,16 +53,41 @@ def _fused_ops():
     return fused_gemv
 
 
-def gemv_config(linear, x: torch.Tensor, prologue: str):
+def _weight_form(linear, x: torch.Tensor, prologue: str) -> Optional[tuple]:
+    """(weight, the fused GEMV's weight keywords, its choice-key suffix) of linear as the fused GEMV takes it, or None:
+    an unquantized weight of x's dtype ({}, ()), or a packed fp8 layer (layers/quant_linear.py PackedFp8, up to 8
+    rows: ops/fused_gemv_fp8.py) with its scales, whose input is bf16 / fp16 (act_quant None) or quantized per token
+    and group (ActQuant "group"; power-of-two scales for the act prologue only) where the scale geometry fits."""
+    p = linear.packed
+    if p is None:
+        w = linear.weight
+        if linear.act_quant is not None or w.dim() != 2 or not w.dtype.is_floating_point or x.dtype != w.dtype:
+            return None
+        return w, {}, ()
+    from xllm_gen.runtime.layers.quant_linear import PackedFp8
+    from xllm_gen.runtime.ops import fused_gemv_fp8 as F8
+    if not isinstance(p, PackedFp8) or not x.dtype.is_floating_point or x.dim() != 2:
+        return None
+    group = F8.quant_group(linear.act_quant, prologue)
+    if group is None or not F8.fits(x.shape[0], p.in_features, p.block, group):
+        return None
+    pow2 = bool(group) and linear.act_quant.pow2
+    kw = dict(scale=p.scale, block=p.block, group=group, **(dict(pow2=pow2) if prologue == "act" else {}))
+    return p.weight, kw, ("fp8", p.block[1], group, pow2)
+
+
+def gemv_config(linear, x: torch.Tensor, prologue: str, form: Optional[tuple] = None):
     """The launch config of the fused GEMV for linear(x) with the prologue "norm" or "act" (None: the launch
-    table's), or False where the fused kernel does not apply or was not chosen."""
-    w = linear.weight
+    table's), or False where the fused kernel does not apply or was not chosen. form: _weight_form's (computed
+    when not given)."""
     if MODE == "0" or x.dim() != 2 or not 0 < x.shape[0] <= min(_FUSED_MAX_ROWS, _lin._SKINNY_MAX_ROWS):
         return False
     if x.is_cuda and not _lin.decode_step():      # prefill: the plain ops (cuBLAS: row-count invariant, _lin._linear)
         return False
-    if linear.act_quant is not None or w.dim() != 2 or not w.dtype.is_floating_point or x.dtype != w.dtype:
+    form = form or _weight_form(linear, x, prologue)
+    if form is None:
         return False
+    w, kw, suffix = form
     if not isinstance(linear, (_lin.ReplicatedLinear, _lin.ColumnParallelLinear, _lin.MergedColumnParallelLinear,
                                _lin.QKVParallelLinear, _lin.RowParallelLinear)):
         return False
@@ -69,13 +96,13 @@ def gemv_config(linear, x: torch.Tensor, prologue: str):
     if not x.is_cuda:      # the tests: the interpreter runs programs one by one, so few wide ones
         if MODE == "1" and _CPU_KERNELS and x.device == w.device:
             if x.shape[0] <= 8:
-                return min(64, 1 << (w.shape[0] - 1).bit_length()), 64, 1, 1
-            if x.dtype == torch.float32:    # (the interpreter's bf16 tl.dot is wrong: the tensor-core form in fp32)
+                return min(64, 1 << (w.shape[0] - 1).bit_length()), max(64, kw.get("group", 0)), 1, 1
+            if x.dtype == torch.float32 and not kw:     # (the interpreter's bf16 tl.dot is wrong: fp32 tensor cores)
                 return 16 if x.shape[0] <= 16 else 32 if x.shape[0] <= 32 else 64, 64, 64, 1, 1, 2
         return False
-    if w.dtype not in _lin._SKINNY_DTYPES or ops._FORCE_TORCH or torch.compiler.is_compiling():
+    if x.dtype not in _lin._SKINNY_DTYPES or ops._FORCE_TORCH or torch.compiler.is_compiling():
         return False
-    choice = FUSED_GEMV_CHOICE[prologue].get((x.shape[0], w.shape[0], w.shape[1], w.dtype))
+    choice = FUSED_GEMV_CHOICE[prologue].get((x.shape[0], w.shape[0], w.shape[1], x.dtype) + suffix)
     if MODE == "1" or _lin._FORCE:
         return choice[0] if choice else None
     if _lin._FORCE is False or not choice:
@@ -83,12 +110,16 @@ def gemv_config(linear, x: torch.Tensor, prologue: str):
     return choice[0] if choice[1] else False
 
 
-def fused_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list:
+def fused_candidates(M: int, N: int, K: int, elem_size: int = 2, group: int = 0) -> list:
     """Launch configs timed for a fused GEMV: the skinny GEMM's measured alternatives (its launch table's own config
     is rarely the fastest), and for more than 2 rows one with 8 output rows per program: each program computes its
-    x chunk (the norm / activation of all rows) itself, so fewer, wider programs read less of it."""
+    x chunk (the norm / activation of all rows) itself, so fewer, wider programs read less of it. A float8 weight
+    (elem_size 1; group: its input's quantization group, 0 none): ops/fused_gemv_fp8.py `candidates`."""
     from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, skinny_gemm_candidates
     from xllm_gen.runtime.ops.skinny_mma import skinny_mma_candidates
+    if elem_size == 1:
+        from xllm_gen.runtime.ops.fused_gemv_fp8 import candidates
+        return candidates(M, N, K, group)
     if M > SKINNY_MAX_M:        # the tensor-core form: its GEMM's candidates
         return skinny_mma_candidates(M, N, K)
     cands = skinny_gemm_candidates(M, N, K, elem_size)
@@ -97,55 +128,103 @@ def fused_candidates(M: int, N: int, K: int, elem_size: int = 2) -> list:
     return out + [wide] if M > 2 and wide not in out else out
 
 
+def packed_shape(linear) -> Optional[tuple]:
+    """The key (N, K, activation dtype, form) under which tune_decode_gemms collects a packed fp8 layer for
+    tune_fused_gemvs (form: ("fp8", scale columns, input group or 0, power-of-two scales), _weight_form's
+    choice-key suffix: never mixed with an unquantized weight of the same N, K), or None where the fused GEMV
+    cannot take the layer."""
+    from xllm_gen.runtime.layers.quant_linear import PackedFp8
+    from xllm_gen.runtime.ops import fused_gemv_fp8 as F8
+    p, dt = linear.packed, linear.weight.dtype
+    if not isinstance(p, PackedFp8) or not p.weight.is_cuda or dt not in _lin._SKINNY_DTYPES:
+        return None
+    group = F8.quant_group(linear.act_quant, "act")
+    if group is None or not F8.fits(1, p.in_features, p.block, group):
+        return None
+    return p.out_features, p.in_features, dt, ("fp8", p.block[1], group, bool(group) and linear.act_quant.pow2)
+
+
 @torch.inference_mode()
-def tune_fused_gemvs(shapes: dict, rows, cache: Optional[tuple] = None) -> None:
+def tune_fused_gemvs(shapes: dict, rows, cache: Optional[tuple] = None, packed: Optional[dict] = None) -> None:
     """For every (rows, N, K) of the model's decode GEMMs (shapes: {(N, K, dtype): [(weight, bias), ...]}, as
     tune_decode_gemms collects them) not decided yet: times the plain pair (fused_add_rms_norm, resp. silu_and_mul,
     then the GEMM as the layer runs it) against the fused GEMV in each candidate launch config, over all the
     layers' weights of the shape (CUDA-graph replays, weights streamed from HBM), and keeps the fastest config and
-    whether it beat the plain pair. `cache`: (decisions read from ops/tuning_cache.py's file, those measured now:
+    whether it beat the plain pair. `packed`: {packed_shape: [(float8 weight, bias, PackedFp8, act_quant), ...]},
+    up to 8 rows: the plain pair is the norm / activation kernel (ending in the input's fp8 round trip where the
+    layer quantizes its input) then the packed layer's own decode GEMM (PackedFp8.forward: as tune_quant_gemvs
+    chose it, when that ran first). `cache`: (decisions read from ops/tuning_cache.py's file, those measured now:
     filled here)."""
-    from xllm_gen.runtime.ops import fused_gemv as FG
     from xllm_gen.runtime.ops import tuning_cache
+    from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M
     cache = cache if cache is not None else ({}, {})
     if MODE == "0":
         return
-    for (N, K, dt), ws in shapes.items():
+    jobs = [(N, K, dt, (), ws) for (N, K, dt), ws in shapes.items()]
+    jobs += [(N, K, dt, form, ws) for (N, K, dt, form), ws in (packed or {}).items()]
+    for N, K, dt, form, ws in jobs:
         seq = _lin.timing_sequence(ws, N, K)
-        dev = ws[0][0].device
+        tag = f"_fp8_{form[1]}_g{form[2]}" + ("_pow2" if form[3] else "") if form else ""
         for prologue in ("norm", "act"):
-            chosen = {}
-            for M in rows:
-                key, ckey = (M, N, K, dt), tuning_cache.key(f"fused_{prologue}", M, N, K, dt)
-                if key not in FUSED_GEMV_CHOICE[prologue] and ckey in cache[0]:
-                    FUSED_GEMV_CHOICE[prologue][key] = cache[0][ckey]
-                if key not in FUSED_GEMV_CHOICE[prologue]:
-                    if prologue == "norm":
-                        x, r = torch.randn(M, K, device=dev, dtype=dt), torch.randn(M, K, device=dev, dtype=dt)
-                        g = torch.randn(K, device=dev, dtype=dt)
+            if form and form[3] and prologue == "norm":     # power-of-two scales: the act prologue only
+                continue
+            table, chosen = FUSED_GEMV_CHOICE[prologue], {}
+            for M in (r for r in rows if not form or r <= SKINNY_MAX_M):
+                key, ckey = (M, N, K, dt) + form, tuning_cache.key(f"fused_{prologue}{tag}", M, N, K, dt)
+                if key not in table and ckey in cache[0]:
+                    table[key] = cache[0][ckey]
+                if key not in table:
+                    table[key] = cache[1][ckey] = _measure(prologue, M, N, K, dt, form, seq)
+                chosen[M] = table[key]
+            _lin.fill_row_choices(chosen, N, K, dt, table, form)
 
-                        def plain():
-                            for w, b in seq:
-                                _lin._linear(ops.fused_add_rms_norm(x, r, g, 1e-6)[0], w, b)
 
-                        def fused(cfg):
-                            return lambda: [FG.norm_gemv(x, r, g, 1e-6, 0.0, w, b, config=cfg) for w, b in seq]
-                    else:
-                        x = torch.randn(M, 2 * K, device=dev, dtype=dt)
+def _measure(prologue: str, M: int, N: int, K: int, dt, form: tuple, seq: list) -> tuple:
+    """(the fused GEMV's fastest config, whether it beat the plain pair) for tune_fused_gemvs; recorded in
+    FUSED_TUNING."""
+    from xllm_gen.runtime.ops import fused_gemv as FG
+    from xllm_gen.runtime.ops import norm_act_kernels as NK
+    dev = seq[0][0].device
+    group, pow2 = (form[2], form[3]) if form else (0, False)
+    quant = (group, None, pow2) if group else None
+    epilogue = quant is not None and NK.quant_fits(quant, K, prologue == "act")
+    aq = seq[0][3] if form else None
 
-                        def plain():
-                            for w, b in seq:
-                                _lin._linear(ops.silu_and_mul(x), w, b)
+    def gemm(h, item):          # the layer's own product (its input already quantized: Linear.forward's order)
+        return item[2](h, item[1], item[3]) if form else _lin._linear(h, item[0], item[1])
 
-                        def fused(cfg):
-                            return lambda: [FG.act_gemv(x, w, b, "silu", config=cfg) for w, b in seq]
-                    t_plain = _lin.graph_time_ms(plain) / len(seq)
-                    t_fused, cfg = min((_lin.graph_time_ms(fused(c)) / len(seq), c)
-                                       for c in fused_candidates(M, N, K, ws[0][0].element_size()))
-                    FUSED_GEMV_CHOICE[prologue][key] = cache[1][ckey] = (cfg, t_fused < t_plain)
-                    FUSED_TUNING[(prologue, M, N, K)] = (1e3 * t_plain, 1e3 * t_fused, cfg)
-                chosen[M] = FUSED_GEMV_CHOICE[prologue][key]
-            _lin.fill_row_choices(chosen, N, K, dt, FUSED_GEMV_CHOICE[prologue])
+    def kw(item):
+        return dict(scale=item[2].scale, block=item[2].block, group=group,
+                    **(dict(pow2=pow2) if prologue == "act" else {})) if form else {}
+
+    if prologue == "norm":
+        x, r = torch.randn(M, K, device=dev, dtype=dt), torch.randn(M, K, device=dev, dtype=dt)
+        g = torch.randn(K, device=dev, dtype=dt)
+
+        def pro():
+            if epilogue:
+                return NK.fused_add_rms_norm(x, r, g, 1e-6, quant=quant)[0]
+            h = ops.fused_add_rms_norm(x, r, g, 1e-6)[0]
+            return h if aq is None else aq(h)
+
+        def fused(cfg):
+            return lambda: [FG.norm_gemv(x, r, g, 1e-6, 0.0, it[0], it[1], config=cfg, **kw(it)) for it in seq]
+    else:
+        x = torch.randn(M, 2 * K, device=dev, dtype=dt)
+
+        def pro():
+            if epilogue:
+                return NK.silu_and_mul(x, quant=quant)
+            h = ops.silu_and_mul(x)
+            return h if aq is None else aq(h)
+
+        def fused(cfg):
+            return lambda: [FG.act_gemv(x, it[0], it[1], "silu", config=cfg, **kw(it)) for it in seq]
+    t_plain = _lin.graph_time_ms(lambda: [gemm(pro(), it) for it in seq]) / len(seq)
+    t_fused, cfg = min((_lin.graph_time_ms(fused(c)) / len(seq), c)
+                       for c in fused_candidates(M, N, K, seq[0][0].element_size(), group))
+    FUSED_TUNING[(prologue, M, N, K) + form] = (1e3 * t_plain, 1e3 * t_fused, cfg)
+    return cfg, t_fused < t_plain
 
 
 def _norm_args(norm) -> Optional[tuple]:
@@ -204,7 +283,8 @@ def _norm_quant_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.T
 def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor]):
     """(linear(norm(x + residual)), x + residual); residual None: (linear(norm(x)), x)."""
     args = _norm_args(norm)
-    cfg = gemv_config(linear, x, "norm") if args is not None else False
+    form = _weight_form(linear, x, "norm") if args is not None else None
+    cfg = gemv_config(linear, x, "norm", form) if form is not None else False
     if (cfg is False or norm.weight.dtype != x.dtype or norm.weight.shape[0] != x.shape[-1]
             or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
         quant = (_quant_epilogue(linear, x, x.shape[-1], False) if args is not None and norm.residual_float32 is None
@@ -215,7 +295,7 @@ def norm_linear(norm, linear, x: torch.Tensor, residual: Optional[torch.Tensor])
         return linear(h), residual
     weight, eps, offset = args
     bias, tail = _split_bias(linear)
-    y, residual = _fused_ops().norm_gemv(x, residual, weight, eps, offset, linear.weight, bias, config=cfg)
+    y, residual = _fused_ops().norm_gemv(x, residual, weight, eps, offset, form[0], bias, config=cfg, **form[1])
     return (_row_parallel_tail(linear, y) if tail else y), residual
 
 
@@ -223,7 +303,8 @@ def act_linear(act, linear, x: torch.Tensor) -> torch.Tensor:
     """linear(act(x)) for a gated activation act (x: gate | up halves)."""
     kind = _act_kind(act)
     fits = kind is not None and x.dim() == 2 and x.shape[-1] == 2 * linear.in_features
-    cfg = gemv_config(linear, x, "act") if fits else False
+    form = _weight_form(linear, x, "act") if fits else None
+    cfg = gemv_config(linear, x, "act", form) if form is not None else False
     if cfg is False:
         quant = _quant_epilogue(linear, x, x.shape[-1] // 2, True) if kind is not None else None
         if quant is not None:       # the activation's kernel ends in linear's input quantization
@@ -233,7 +314,7 @@ def act_linear(act, linear, x: torch.Tensor) -> torch.Tensor:
             return linear(h, quantized=True)
         return linear(act(x))
     bias, tail = _split_bias(linear)
-    y = _fused_ops().act_gemv(x, linear.weight, bias, kind, config=cfg)
+    y = _fused_ops().act_gemv(x, form[0], bias, kind, config=cfg, **form[1])
     return _row_parallel_tail(linear, y) if tail else y
 
 

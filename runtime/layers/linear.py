@@ -89,21 +89,28 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
     each over all the layers' weights of that shape in turn (repeated to at least 96 MB, so that they stream from
     HBM as in a decode step, not from L2), and takes the fastest config when it is faster than `margin` x cuBLAS.
     Decisions a previous process measured on this GPU and software are read from ops/tuning_cache.py's file instead.
+    Packed fp8 layers (layers/quant_linear.py PackedFp8) have no cuBLAS GEMM to weigh: their shapes go to the
+    fused-prologue tuning only (layers/fused.py packed_shape, tune_fused_gemvs; run tune_quant_gemvs first so that
+    its plain pair times the layer's tuned GEMM).
     Returns {(M, N, K): (cuBLAS us, best Triton us, config chosen or False)} of what it measured."""
     from xllm_gen.runtime.ops import tuning_cache
     from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, skinny_gemm_candidates
     from xllm_gen.runtime.ops.skinny_mma import skinny_mma_candidates
     if _FORCE is not None:
         return {}
+    from xllm_gen.runtime.layers.fused import packed_shape
     shapes: dict = {}
+    packed: dict = {}           # packed fp8 layers the fused-prologue GEMVs take (their own key: never mixed with shapes)
     for m in model.modules():
         w = getattr(m, "weight", None)
         if isinstance(m, _Linear) and w is not None and w.is_cuda and w.dtype in _SKINNY_DTYPES and w.dim() == 2:
             shapes.setdefault((w.shape[0], w.shape[1], w.dtype), []).append((w, m.bias))
+        elif isinstance(m, _Linear) and m.packed is not None and (key := packed_shape(m)) is not None:
+            packed.setdefault(key, []).append((m.packed.weight, m.bias, m.packed, m.act_quant))
     report: dict = {}
-    if not shapes:
+    if not shapes and not packed:
         return report
-    path = tuning_cache.cache_path(next(iter(shapes.values()))[0][0].device)
+    path = tuning_cache.cache_path(next(iter((shapes or packed).values()))[0][0].device)
     cache = (tuning_cache.load(path), {})          # (read from the file, measured now)
     tuned = sorted({int(r) for r in rows if 1 <= r <= _SKINNY_MAX_ROWS})
     for (N, K, dt), ws in shapes.items():
@@ -127,7 +134,7 @@ def tune_decode_gemms(model: nn.Module, rows, margin: float = 0.9) -> dict:
             chosen[M] = DECODE_GEMM_CHOICE[key]
         fill_row_choices(chosen, N, K, dt)
     from xllm_gen.runtime.layers.fused import tune_fused_gemvs  # the fused-prologue GEMVs of the same shapes
-    tune_fused_gemvs(shapes, tuned, cache)
+    tune_fused_gemvs(shapes, tuned, cache, packed)
     tuning_cache.save(path, cache[1])
     return report
 
@@ -160,14 +167,15 @@ def timing_sequence(ws: list, N: int, K: int, stream_bytes: int = 96 << 20, max_
     return (ws * reps)[:max(max_calls, len(ws))]
 
 
-def fill_row_choices(chosen: dict, N: int, K: int, dtype, table: Optional[dict] = None) -> None:
+def fill_row_choices(chosen: dict, N: int, K: int, dtype, table: Optional[dict] = None, suffix: tuple = ()) -> None:
     """Row counts between measured ones take the choice of the next measured count above: the decode-graph bucket
     they are padded to. An eager step of 3 rows then runs the kernel the bucket of 4 does (with the same launch
-    configuration, so each row's result is the same), and graph and eager decode agree bit for bit."""
+    configuration, so each row's result is the same), and graph and eager decode agree bit for bit. suffix: the
+    rest of the table's key after (rows, N, K, dtype) (layers/fused.py: a packed weight's form)."""
     prev = 0
     for M in sorted(chosen):
         for m in range(prev + 1, M + 1):
-            (DECODE_GEMM_CHOICE if table is None else table).setdefault((m, N, K, dtype), chosen[M])
+            (DECODE_GEMM_CHOICE if table is None else table).setdefault((m, N, K, dtype) + suffix, chosen[M])
         prev = M
 
 

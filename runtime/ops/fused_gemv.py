@@ -16,6 +16,9 @@ GEMM (skinny_mma.py's `_skinny_mma_kernel`, split-K; `_prologue_mma_kernel` belo
   [M, 2K]: silu, gelu (tanh or erf), with the roundings of ops.silu_and_mul / gelu_and_mul (act rounded to the
   dtype, then the product rounded), so the GEMV reads exactly the values the unfused activation kernel writes.
 
+Up to 8 rows the weight may also be float8 e4m3 with block scales (a packed fp8 layer: `scale`, `block`), its input
+optionally quantized to fp8 per row and group of columns inside the prologue (`group`): fused_gemv_fp8.py.
+
 The launchers take CPU tensors under TRITON_INTERPRET=1 (tests), like the kernel modules' (triton_kernels.py).
 """
 from __future__ import annotations
@@ -26,9 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from xllm_gen.runtime.ops import fused_gemv_fp8 as F8
 from xllm_gen.runtime.ops import pdl
+from xllm_gen.runtime.ops.fused_gemv_fp8 import group_fp8
 from xllm_gen.runtime.ops.pdl import pdl_enter, pdl_trigger, prefetch_rows_l2
-from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, skinny_gemm_config
+from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, _slice_dots, skinny_gemm_config
 from xllm_gen.runtime.ops.skinny_mma import SKINNY_MMA_MAX_M, _splitk_counters, skinny_mma_config
 
 ACT_CODES = {"silu": 0, "gelu_tanh": 1, "gelu": 2}   # act_gemv's activations (gelu: exact erf)
@@ -76,12 +81,30 @@ def _x_chunk(x_ptr, r_ptr, ro_ptr, m, k0, offs_k, km, g, write_res, stride_xm, s
 
 
 @triton.jit
-def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_rm, stride_om,
-                          stride_wn, stride_ym, half, eps, g_offset,
+def _row_step(acc, ss, w, sc, g, m, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm, stride_rm, stride_om,
+              half, PRO: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
+              SCALED: tl.constexpr, QUANT: tl.constexpr, KC: tl.constexpr, QGS: tl.constexpr):
+    """Row m's step of the K loop: its x chunk (the prologue), then acc += the tile's VEC-wide partial dots, times
+    the weight's block scales sc where SCALED; QUANT (1, 2: power-of-two scales): the chunk as fp8 codes per group of
+    QGS slices, each partial dot also times its group's scale (fused_gemv_fp8.py)."""
+    x, s = _x_chunk(x_ptr, r_ptr, ro_ptr, m, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om, half,
+                    PRO, HAS_RES, ACT, EVEN_K)
+    if QUANT != 0:
+        q, gs = group_fp8(x, PRO, QUANT == 2, KC, QGS)
+        d = tl.sum(w * q, axis=2) * (sc * gs)
+    else:
+        d = _slice_dots(w, x, sc, SCALED)
+    return acc + d, ss + s
+
+
+@triton.jit
+def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_xm, stride_rm,
+                          stride_om, stride_wn, stride_ym, stride_sn, S_ROWS, S_COLS, half, eps, g_offset,
                           M: tl.constexpr, PRO: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
                           EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
-                          KP: tl.constexpr = 1, LINE: tl.constexpr = 64):
+                          KP: tl.constexpr = 1, LINE: tl.constexpr = 64, SCALED: tl.constexpr = False,
+                          QUANT: tl.constexpr = 0, QGS: tl.constexpr = 1):
     KC: tl.constexpr = BLOCK_K // VEC
     pid = tl.program_id(0)
     write_res = pid == 0
@@ -93,6 +116,8 @@ def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K
     kv = tl.max_contiguous(tl.multiple_of(tl.arange(0, VEC), VEC), VEC)
     offs_k = kc[None, :, None] * VEC + kv[None, None, :]                  # [1, KC, VEC]
     w_ptrs = w_ptr + rows[:, None, None] * stride_wn + offs_k             # [BLOCK_N, KC, VEC]
+    if SCALED:      # the scale rows of the program's weight rows (skinny_fma.py `_skinny_gemm_kernel`)
+        s_rows = s_ptr + (rows // S_ROWS)[:, None] * stride_sn
     acc0 = tl.zeros([BLOCK_N, KC], dtype=tl.float32)
     ss0 = tl.zeros([1, KC], dtype=tl.float32)
     if M > 1:
@@ -126,45 +151,32 @@ def _prologue_gemv_kernel(x_ptr, r_ptr, ro_ptr, g_ptr, w_ptr, b_ptr, y_ptr, N, K
             g = _load(g_ptr + k0 + offs_k, km, EVEN_K).to(tl.float32) + g_offset
         else:
             g = 0.0
-        x0, s0 = _x_chunk(x_ptr, r_ptr, ro_ptr, 0, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                          half, PRO, HAS_RES, ACT, EVEN_K)
-        acc0 += tl.sum(w * x0, axis=2)
-        ss0 += s0
+        sc = 1.0
+        if SCALED:      # each (row, VEC-wide slice)'s scale; slices past K (masked tail, w = 0) clamped
+            sc = tl.load(s_rows + (tl.minimum(k0 + kc * VEC, K - 1) // S_COLS)[None, :])
+        acc0, ss0 = _row_step(acc0, ss0, w, sc, g, 0, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                              stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
         if M > 1:
-            x1, s1 = _x_chunk(x_ptr, r_ptr, ro_ptr, 1, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                              half, PRO, HAS_RES, ACT, EVEN_K)
-            acc1 += tl.sum(w * x1, axis=2)
-            ss1 += s1
+            acc1, ss1 = _row_step(acc1, ss1, w, sc, g, 1, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                                  stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
         if M > 2:
-            x2, s2 = _x_chunk(x_ptr, r_ptr, ro_ptr, 2, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                              half, PRO, HAS_RES, ACT, EVEN_K)
-            acc2 += tl.sum(w * x2, axis=2)
-            ss2 += s2
+            acc2, ss2 = _row_step(acc2, ss2, w, sc, g, 2, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                                  stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
         if M > 3:
-            x3, s3 = _x_chunk(x_ptr, r_ptr, ro_ptr, 3, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                              half, PRO, HAS_RES, ACT, EVEN_K)
-            acc3 += tl.sum(w * x3, axis=2)
-            ss3 += s3
+            acc3, ss3 = _row_step(acc3, ss3, w, sc, g, 3, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                                  stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
         if M > 4:
-            x4, s4 = _x_chunk(x_ptr, r_ptr, ro_ptr, 4, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                              half, PRO, HAS_RES, ACT, EVEN_K)
-            acc4 += tl.sum(w * x4, axis=2)
-            ss4 += s4
+            acc4, ss4 = _row_step(acc4, ss4, w, sc, g, 4, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                                  stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
         if M > 5:
-            x5, s5 = _x_chunk(x_ptr, r_ptr, ro_ptr, 5, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                              half, PRO, HAS_RES, ACT, EVEN_K)
-            acc5 += tl.sum(w * x5, axis=2)
-            ss5 += s5
+            acc5, ss5 = _row_step(acc5, ss5, w, sc, g, 5, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                                  stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
         if M > 6:
-            x6, s6 = _x_chunk(x_ptr, r_ptr, ro_ptr, 6, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                              half, PRO, HAS_RES, ACT, EVEN_K)
-            acc6 += tl.sum(w * x6, axis=2)
-            ss6 += s6
+            acc6, ss6 = _row_step(acc6, ss6, w, sc, g, 6, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                                  stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
         if M > 7:
-            x7, s7 = _x_chunk(x_ptr, r_ptr, ro_ptr, 7, k0, offs_k, km, g, write_res, stride_xm, stride_rm, stride_om,
-                              half, PRO, HAS_RES, ACT, EVEN_K)
-            acc7 += tl.sum(w * x7, axis=2)
-            ss7 += s7
+            acc7, ss7 = _row_step(acc7, ss7, w, sc, g, 7, k0, offs_k, km, write_res, x_ptr, r_ptr, ro_ptr, stride_xm,
+                                  stride_rm, stride_om, half, PRO, HAS_RES, ACT, EVEN_K, SCALED, QUANT, KC, QGS)
     pdl_trigger(PDL)
     n_mask = offs_n < N
     if HAS_BIAS:
@@ -304,18 +316,28 @@ def _check(x: torch.Tensor, weight: torch.Tensor, K: int, what: str) -> None:
         raise ValueError(f"{what}: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
 
 
-def _launch(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config):
+def _launch(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config, fp8=None):
+    """fp8: (scale, block, group, pow2) of a float8 weight (fused_gemv_fp8.py), None for a bf16 / fp16 one."""
     M, N = y.shape
-    if M > SKINNY_MAX_M:
+    if fp8 is not None:
+        scale, block, group, pow2 = fp8
+        if not F8.fits(M, K, block, group) or weight.element_size() != 1 or \
+                scale.shape != (-(-N // block[0]), -(-K // block[1])):
+            raise ValueError(f"fused fp8 GEMV: {M} rows, weight {tuple(weight.shape)} {weight.dtype}, scale "
+                             f"{tuple(scale.shape)}, block {block}, group {group} do not fit")
+        config = config or F8.default_config(M, N, K, group)
+    elif M > SKINNY_MAX_M:
         return _launch_mma(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config)
     bn, bk, warps, stages = config or skinny_gemm_config(M, N, K, weight.element_size())
     vec = min(16 // weight.element_size(), bk)
+    (stride_sn, s_rows, s_cols), meta = F8.kernel_args(fp8, bk, vec)
     has_bias = bias is not None
     _prologue_gemv_kernel[(triton.cdiv(N, bn),)](
-        x, r, ro, g, weight, bias if has_bias else weight, y, N, K, x.stride(0), r.stride(0), ro.stride(0),
-        weight.stride(0), y.stride(0), half, float(eps), float(g_offset),
+        x, r, ro, g, weight, bias if has_bias else weight, y, weight if fp8 is None else scale, N, K, x.stride(0),
+        r.stride(0), ro.stride(0), weight.stride(0), y.stride(0), stride_sn, s_rows, s_cols, half, float(eps),
+        float(g_offset),
         M=M, PRO=pro, HAS_RES=r is not x, ACT=act, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, VEC=vec,
-        EVEN_K=K % bk == 0, NUM_STAGES=stages, num_warps=warps, num_stages=stages, **pdl.launch(x),
+        EVEN_K=K % bk == 0, NUM_STAGES=stages, num_warps=warps, num_stages=stages, **meta, **pdl.launch(x),
         **pdl.prefetch_meta(K, weight.element_size()))
 
 
@@ -349,11 +371,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
               weight_offset: float, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              config: Optional[tuple] = None):
+              config: Optional[tuple] = None, scale: Optional[torch.Tensor] = None, block: Optional[tuple] = None,
+              group: int = 0):
     """(W rmsnorm(x + residual) + bias, x + residual) for x, residual [M <= 64, K] (residual None: rmsnorm(x), x);
     the norm's weight [K] scales as (weight_offset + w). config: for M <= 8 the skinny GEMM's (BLOCK_N, BLOCK_K,
     warps, stages), else the MMA kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K); default the launch
-    table's."""
+    table's. A float8 weight (M <= 8, fused_gemv_fp8.py): its float32 `scale` [ceil(N / block[0]), ceil(K /
+    block[1])]; `group`: the normalized x quantized to fp8 per row and `group` columns as the layer's input
+    (ActQuant("group", group), dynamic scales not powers of two), 0: not."""
     M, K = x.shape
     _check(x, weight, K, "norm_gemv")
     x, weight = _rows(x), _rows(weight)
@@ -369,14 +394,17 @@ def norm_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: to
         if residual is not None:
             torch.add(x, residual, out=new_residual)
         return y, new_residual
-    _launch(x, r, ro, norm_weight, weight, bias, y, K, 0, eps, weight_offset, 1, 0, config)
+    fp8 = None if scale is None else (scale.contiguous(), tuple(block), int(group), False)
+    _launch(x, r, ro, norm_weight, weight, bias, y, K, 0, eps, weight_offset, 1, 0, config, fp8)
     return y, new_residual
 
 
 def act_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, act: str = "silu",
-             config: Optional[tuple] = None) -> torch.Tensor:
+             config: Optional[tuple] = None, scale: Optional[torch.Tensor] = None, block: Optional[tuple] = None,
+             group: int = 0, pow2: bool = False) -> torch.Tensor:
     """W (act(x[:, :K]) * x[:, K:]) + bias for x [M <= 64, 2K] (gate | up), weight [N, K]; act one of ACT_CODES;
-    config as norm_gemv's."""
+    config, a float8 weight's scale / block and the input quantization's group as norm_gemv's; pow2: the group
+    scales rounded up to powers of two (ActQuant pow2)."""
     M = x.shape[0]
     K = x.shape[1] // 2
     _check(x, weight, K, "act_gemv")
@@ -389,5 +417,6 @@ def act_gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         return y
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
-    _launch(x, x, x, weight, weight, bias, y, K, K, 0.0, 0.0, 2, ACT_CODES[act], config)
+    fp8 = None if scale is None else (scale.contiguous(), tuple(block), int(group), bool(pow2))
+    _launch(x, x, x, weight, weight, bias, y, K, K, 0.0, 0.0, 2, ACT_CODES[act], config, fp8)
     return y
