@@ -25,12 +25,10 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 
-from .draft_config_lists import read_list_default
+from .draft_layer_types import WINDOW, _layer_types_symbol
 from .draft_mla import _attention_class, _fn_layout, _init_call
 from .draft_rope_layers import rotary_enabled, with_locals
 from .draft_source import add_symbol, class_source, meta_model, self_assignments, translate
-
-WINDOW = "sliding_attention"
 
 
 @dataclass
@@ -109,6 +107,7 @@ def find_attention(d, cls, config, layer, controls: dict, defaults: dict) -> Att
     attrs = {k: _strip_hasattr(v, fields) for k, v in with_locals(init_src, self_assignments(init_src)).items()}
     _qk_norm(d, a, cls, config, layer, controls, defaults, init_src, fwd_src)
     _window(d, a, attrs, fields, defaults, type(config))
+    _window_by_mask(d, a, module, fields, defaults, type(config))
     _rotary(d, a, fwd_src, module, defaults, type(config))
     rotary_enabled(d, a, fwd_src, attrs, fields, defaults, type(config),
                    lambda: _layer_types_symbol(d, defaults, type(config)))
@@ -243,62 +242,6 @@ def _rope_per_type(d, a: Attn, rope: dict) -> None:
     a.scaling = f"\"rope_{s0} if layer_types[layer] == '{types[0]}' else rope_{s1}\""
 
 
-def _layer_types_default(config_cls, defaults: dict) -> tuple | None:
-    """(default_expr, the int field or keyword it reads, the bool field it reads) of `layer_types` as the config class
-    computes it when absent: a pattern checked against the class built at several layer counts and field values."""
-    src = class_source(config_cls)
-    ints = [f for f, v in defaults.items() if isinstance(v, int) and not isinstance(v, bool)
-            and f != "num_hidden_layers" and re.search(rf"\b{f}\b", src)]
-    kwargs = [k for k in re.findall(r'kwargs\.(?:get|pop)\("(\w+)"', src) if k not in defaults]
-    bools = [f for f, v in defaults.items() if isinstance(v, bool) and re.search(rf"\b{f}\b", src) and "sliding" in f]
-    cands = []
-    for p in ints + kwargs:
-        cands.append((f"['{WINDOW}' if (i + 1) % {p} else 'full_attention' for i in range(num_hidden_layers)]",
-                      p, None))
-        for b in bools:
-            cands.append((f"['{WINDOW}' if {b} and sliding_window is not None and i >= {p} else 'full_attention' "
-                          f"for i in range(num_hidden_layers)]", p, b))
-        cands.append((f"['{WINDOW}' if sliding_window is not None and i >= {p} else 'full_attention' "
-                      f"for i in range(num_hidden_layers)]", p, None))
-    for n in range(2, 9):       # a constant period (Gemma 2: every other layer)
-        cands.append((f"['{WINDOW}' if (i + 1) % {n} else 'full_attention' for i in range(num_hidden_layers)]",
-                      None, None))
-    for v in ("full_attention", WINDOW):
-        cands.append((f"['{v}' for i in range(num_hidden_layers)]", None, None))
-
-    def agrees(expr, p, b) -> bool:
-        for n, pv, sw, bv in ((4, 2, 16, True), (7, 3, None, True), (5, 3, 8, False), (6, 4, 32, True)):
-            kw = {"num_hidden_layers": n, "sliding_window": sw, **({p: pv} if p else {}), **({b: bv} if b else {})}
-            try:
-                got = getattr(config_cls(**kw), "layer_types", None)
-            except Exception:  # noqa: BLE001 - the class refuses these values: no evidence
-                return False
-            env = {"num_hidden_layers": n, "sliding_window": sw, **({p: pv} if p else {}), **({b: bv} if b else {})}
-            if got != eval(expr, {"range": range, **env}):      # noqa: S307 - the draft's own expression
-                return False
-        return True
-    for expr, p, b in cands:
-        if agrees(expr, p, b):
-            return expr, p, b
-    return None
-
-
-def _pattern_symbols(d, read: tuple, defaults: dict, config_cls) -> None:
-    """Symbols of the fields a layer_types default reads; a keyword the class keeps only privately (Gemma 3's
-    `sliding_window_pattern`, saved as `_sliding_window_pattern`) read under its public name with its keyword default,
-    the private field ignored."""
-    for f in read:
-        if f is None or f in d.symbols:
-            continue
-        if f in defaults:
-            add_symbol(d, f, defaults, config_cls)
-            continue
-        m = re.search(rf'kwargs\.(?:get|pop)\("{f}",\s*(\d+)\)', class_source(config_cls))
-        d.symbols[f] = f"{{type: int, from: {f}" + (f", default: {m.group(1)}" if m else "") + ", min: 1}"
-        if f"_{f}" in defaults and f"_{f}" not in d.ignore:
-            d.ignore.append(f"_{f}")
-
-
 def _window_default(config_cls, defaults: dict) -> str:
     """`default: N, ` of the class's window, or where the class nulls it unless a flag is set (Qwen3's
     use_sliding_window) `default_expr: "N if flag else None", `."""
@@ -314,21 +257,6 @@ def _window_default(config_cls, defaults: dict) -> str:
             if isinstance(w, int):
                 return f'default_expr: "{w} if {"not " if v else ""}{b} else None", '
     return ""
-
-
-def _layer_types_symbol(d, defaults: dict, config_cls) -> None:
-    """`layer_types` read with the list the config class computes when absent: its source translated
-    (draft_config_lists.py), else one of the patterns above, else required (on the checklist)."""
-    if "layer_types" in d.symbols or read_list_default(d, "layer_types", defaults, config_cls, "str_tuple"):
-        return
-    found = _layer_types_default(config_cls, defaults)
-    if found:
-        d.symbols["layer_types"] = f'{{type: str_tuple, from: layer_types, default_expr: "{found[0]}"}}'
-        _pattern_symbols(d, found[1:], defaults, config_cls)
-    else:
-        d.symbols["layer_types"] = "{type: str_tuple, from: layer_types}"
-        d.checklist.append("`layer_types` is read from config.json (required): the list the config class "
-                           "computes when it is absent was not recognized; write its `default_expr`")
 
 
 def _window(d, a: Attn, attrs: dict, fields: set, defaults: dict, config_cls) -> None:
@@ -349,6 +277,31 @@ def _window(d, a: Attn, attrs: dict, fields: set, defaults: dict, config_cls) ->
                 config_cls, defaults) + "min: 1}"
         else:
             add_symbol(d, f, defaults, config_cls)
+    a.window = expr
+    a.answered.add("window")
+
+
+MASK_BY_TYPE = re.compile(r"""["']sliding_attention["']\]?\s*[:=]\s*create_sliding_window_causal_mask\(""")
+
+
+def _window_by_mask(d, a: Attn, module, fields: set, defaults: dict, config_cls) -> None:
+    """Where the model builds its masks per layer type (`"sliding_attention": create_sliding_window_causal_mask(...)`,
+    the window `config.sliding_window`), the eager / sdpa window is that mask's whatever the attention's own
+    `sliding_window` attribute (a flash-attention argument) says: EXAONE 4's attention holds the window on every layer,
+    SmolLM3's only under use_sliding_window; the mask applies it on the layers `layer_types` marks."""
+    try:
+        msrc = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return
+    if not MASK_BY_TYPE.search(msrc) or "sliding_window" not in fields or "layer_types" not in fields:
+        return
+    expr = f"sliding_window if layer_types[layer] == '{WINDOW}' else None"
+    if a.window == expr:
+        return
+    _layer_types_symbol(d, defaults, config_cls)
+    if "sliding_window" not in d.symbols:
+        d.symbols["sliding_window"] = "{type: int, from: sliding_window, optional: true, " + _window_default(
+            config_cls, defaults) + "min: 1}"
     a.window = expr
     a.answered.add("window")
 
