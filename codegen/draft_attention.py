@@ -44,6 +44,7 @@ class Attn:
     theta: str | None = None            # per layer type (transformers 5's rope_parameters per layer type)
     scaling: str | None = None
     rope_enabled: str | None = None     # the layers that apply rotary (draft_rope_layers.py)
+    weights: list = field(default_factory=list)     # `weights` lines (per-head norm lists stacked)
     answered: set = field(default_factory=set)      # checklist topics answered: qk_norm, interleaved, window, ...
 
 
@@ -118,9 +119,12 @@ def find_attention(d, cls, config, layer, controls: dict, defaults: dict) -> Att
 
 def _qk_norm(d, a: Attn, cls, config, layer, controls, defaults, init_src, fwd_src) -> None:
     mod = layer.attn_mod
+    # a norm per head held as a list of modules (StableLM's `q_layernorm.norms.{h}`): module -> the list's name
+    lists = {f"{mod}.{m.group(1)}": m.group(2) for n in set(controls) | {f"{x}.weight" for x in layer.inner_norms}
+             for m in [re.fullmatch(re.escape(mod) + r"\.(\w*norm\w*)\.(\w+)\.0\.weight", n, re.I)] if m}
     cands = sorted({n.rsplit(".", 1)[0] for n in set(controls) | {f"{m}.weight" for m in layer.inner_norms}
                     if n.startswith(mod + ".") and n.count(".") == mod.count(".") + 2
-                    and re.search(r"norm", n.rsplit(".", 2)[-2], re.I)})
+                    and re.search(r"norm", n.rsplit(".", 2)[-2], re.I)} | set(lists))
     if not cands:
         return
     rel = [c[len(mod) + 1:] for c in cands]
@@ -130,25 +134,33 @@ def _qk_norm(d, a: Attn, cls, config, layer, controls, defaults, init_src, fwd_s
         d.checklist.append(f"norms inside the attention ({', '.join(rel)}): not one q and one k norm, write `qk_norm` "
                            f"by hand")
         return
-    flags = {controls.get(f"{c}.weight") for c in cands}
+    flags = {controls.get(f"{c}.{lists[c]}.0.weight" if c in lists else f"{c}.weight") for c in cands}
     flag = flags.pop() if len(flags) == 1 else None
-    model = meta_model(cls, config, 2, **({flag: not d.config.get(flag, False)} if flag and
-                                          f"{cands[0]}.weight" not in _names(layer) else {}))
-    try:
-        qn = model.get_submodule(f"{mod}.{q}".replace("{i}", "0"))
-        kn = model.get_submodule(f"{mod}.{k}".replace("{i}", "0"))
-    except Exception:  # noqa: BLE001 - model None or the module missing
+    qn = kn = None
+    # the model as configured, else with the flag that adds the norms flipped
+    for change in ({}, {flag: not d.config.get(flag, False)} if flag else None):
+        model = meta_model(cls, config, 2, **change) if change is not None else None
+        try:
+            qn = model.get_submodule(f"{mod}.{q}".replace("{i}", "0"))
+            kn = model.get_submodule(f"{mod}.{k}".replace("{i}", "0"))
+            break
+        except Exception:  # noqa: BLE001 - model None or the module missing
+            continue
+    if qn is None or kn is None:
         d.checklist.append(f"q/k norms {q}, {k}: not built on the meta device, write `qk_norm` by hand")
         return
-    qw, kw = getattr(qn, "weight", None), getattr(kn, "weight", None)
     cfg = config.to_dict()
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     heads = cfg["num_attention_heads"]
+    per_head = _norm_lists(a, layer, qn, kn, lists, f"{mod}.{q}", f"{mod}.{k}", heads, head_dim)
+    if per_head:
+        qn, kn = per_head
+    qw, kw = getattr(qn, "weight", None), getattr(kn, "weight", None)
     if qw is None or kw is None:
         d.checklist.append(f"q/k norms {q}, {k} hold no `weight` (weightless, or per-head norm modules): write "
                            f"`qk_norm` by hand")
         return
-    shape = tuple(qw.shape)
+    shape = (heads, head_dim) if per_head else tuple(qw.shape)
     over = "projection" if shape == (heads * head_dim,) else "per_head" if shape == (heads, head_dim) else \
         "head" if shape == (head_dim,) else None
     if over is None or heads * head_dim == head_dim:
@@ -189,8 +201,23 @@ def _qk_norm(d, a: Attn, cls, config, layer, controls, defaults, init_src, fwd_s
     a.answered.add("qk_norm")
 
 
-def _names(layer) -> set:
-    return {f"{m}.weight" for m in layer.inner_norms}
+def _norm_lists(a: Attn, layer, qn, kn, lists: dict, qmod: str, kmod: str, heads: int, head_dim: int):
+    """(the q and k norms' first per-head modules) where each is a list of one norm per head (`[head_dim]` weights, as
+    many as the q / k heads), with the `weights` entries that stack them into the `[heads, head_dim]` parameter; None
+    otherwise."""
+    import torch.nn as nn
+    if qmod not in lists or kmod not in lists:
+        return None
+    ql, kl = getattr(qn, lists[qmod], None), getattr(kn, lists[kmod], None)
+    if not (isinstance(ql, nn.ModuleList) and isinstance(kl, nn.ModuleList) and len(ql) == heads and len(kl) >= 1
+            and all(getattr(n, "weight", None) is not None and tuple(n.weight.shape) == (head_dim,)
+                    for n in [*ql, *kl])):
+        return None
+    for m, lst in ((qmod, ql), (kmod, kl)):
+        for p in ("weight", "bias") if getattr(lst[0], "bias", None) is not None else ("weight",):
+            a.weights += [f"  {m}.{p}:", f"    from: {m}.{lists[m]}.{{h}}.{p}"]
+        layer.inner_norms += [f"{m}.{lists[m]}.{j}" for j in range(len(lst))]      # the checkpoint's tensors: used
+    return ql[0], kl[0]
 
 
 def _rotary(d, a: Attn, fwd_src: str, module, defaults: dict, config_cls) -> None:

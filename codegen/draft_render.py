@@ -183,6 +183,8 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     if layer.final_norm != "model.norm":       # the decoder's `norm` loads from the module the checkpoint names
         L += [f"  model.norm.{p}: {{from: {layer.final_norm}.{p}}}" for p in ("weight", "bias")
               if f"{layer.final_norm}.{p}" in names]
+    if layer.attn is not None:
+        L += layer.attn.weights
     if moe is not None:
         L += render_weights(moe)
     L += ["", "ignore_checkpoint_tensors:", "  - '.*rotary_emb\\.inv_freq$'"]

@@ -12,7 +12,9 @@ source and the config class, never from a family's name; then `xllm-gen verify` 
   - the layer's pre- / post-norms from its forward (codegen/draft_layer.py): OLMo 2's post-norms, Gemma 2 / 3's
     sandwich of (1 + w) norms, Cohere's / Phi's parallel layer, the lm_head's soft-cap; Gemma 3's rope parameters
     per layer type;
-  - the drafts of tiny GLM-4-MoE (at the tiny builder's defaults), ERNIE 4.5 MoE, Dots1, OLMoE, Helium, StableLM,
+  - StableLM's per-head q/k LayerNorm lists (`q_layernorm.norms.{h}`): `weights: per_head` with `weights` entries
+    stacking the heads' tensors, behind `qk_layernorm`;
+  - the drafts of tiny GLM-4-MoE (at the tiny builder's defaults), ERNIE 4.5 MoE, Dots1, OLMoE, Helium, StableLM (qk_layernorm),
     OLMo 2, Gemma 2, Gemma 3, Cohere and Phi verify OK (slow); with the interleaved layout, the partial rotary or the q/k norms'
     (1 + w) dropped, or the window on the wrong layers, verify fails (slow).
 Default arms draft by class name only (~2.5 s after the first draft of the session); the verify arms are slow.
@@ -74,7 +76,12 @@ def test_partial_rotary_of_a_dense_family_and_a_multiplier_scale():
     assert doc["lm_head"]["bias"] is True
     _, doc, attn = _draft("StableLmForCausalLM")
     assert attn["rotary"]["fraction"] == "partial_rotary_factor" and doc["config"]["partial_rotary_factor"]["default"] == 0.25
-    assert "layout" not in attn["rotary"] and "qk_norm" not in attn       # qk_layernorm: per-head norm lists
+    assert "layout" not in attn["rotary"]
+    # qk_layernorm: a LayerNorm module per head (`norms.{h}`), stacked into the per-head weight
+    assert attn["qk_norm"] == {"kind": "layernorm", "eps": "layer_norm_eps", "q": "q_layernorm", "k": "k_layernorm",
+                               "weights": "per_head", "enabled": "qk_layernorm"}
+    assert doc["weights"]["model.layers.{i}.self_attn.k_layernorm.weight"] == {
+        "from": "model.layers.{i}.self_attn.k_layernorm.norms.{h}.weight"}
 
 
 def test_interleaved_rotary_from_rotate_half():
@@ -150,7 +157,7 @@ FAMILIES = {
     "Dots1ForCausalLM": {},             # q/k norms, a window of 6 on layer 2 (max_window_layers 2)
     "OlmoeForCausalLM": {},             # projection-wide q/k norms, clip_qkv
     "HeliumForCausalLM": {},            # interleaved rotary
-    "StableLmForCausalLM": {},          # partial rotary 0.25
+    "StableLmForCausalLM": {"qk_layernorm": True},      # partial rotary 0.25, a LayerNorm per head on q and k
     "Olmo2ForCausalLM": {},             # post-norms only, projection-wide q/k norms
     "Gemma2ForCausalLM": {},            # sandwich (1 + w) norms, soft-caps, a window every other layer
     "Gemma3ForCausalLM": {},            # + (1 + w) q/k norms, rope parameters per layer type
@@ -193,6 +200,9 @@ def test_verify_accepts_the_drafted_attention(drafted, arch):
                  "layer_types[layer] != 'sliding_attention'", 0, id="window-on-the-wrong-layers"),
     pytest.param("Gemma3ForCausalLM", "q: q_norm, k: k_norm, weight_offset: 1}", "q: q_norm, k: k_norm}", 0,
                  id="qk-norm-offset-dropped"),
+    # StableLM's per-head LayerNorms read as RMSNorms (position 0 attends to itself only: position 1 differs)
+    pytest.param("StableLmForCausalLM", "qk_norm: {kind: layernorm,", "qk_norm: {kind: rmsnorm,", 0,
+                 id="per-head-qk-norm-kind"),
 ])
 def test_verify_fails_a_draft_with_an_attention_fact_wrong(drafted, arch, old, new, layer):
     from xllm_gen.codegen.verify import verify
