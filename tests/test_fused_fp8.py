@@ -66,15 +66,15 @@ def _kernel_checks() -> dict:
     out = {}
     N, K = 40, 384
     # (M, dtype, weight scale columns, config, residual, bias, norm weight offset); config (BLOCK_N, BLOCK_K, warps,
-    # stages): few programs (the interpreter runs them one by one), BLOCK_K 128 (one group a chunk) or 256 (two, and a
+    # stages[, VEC]): few programs (the interpreter runs them one by one), BLOCK_K 128 (one group a chunk) or 256 (two, and a
     # masked tail: K 384)
     cases = [(1, torch.float32, K, (64, 128, 1, 1), True, False, 0.0),
              (2, torch.float32, 128, (64, 256, 1, 1), False, True, 1.0),
-             (5, torch.float32, 128, (16, 128, 1, 1), True, True, 0.0),
+             (5, torch.float32, 128, (16, 128, 1, 1, 4), True, True, 0.0),      # VEC 4
              (8, torch.float32, K, (64, 256, 1, 1), True, False, 1.0),
              (1, torch.bfloat16, 128, (64, 256, 1, 1), True, True, 0.0),
              (5, torch.bfloat16, K, (64, 128, 1, 1), False, False, 1.0),
-             (8, torch.bfloat16, 128, (64, 128, 1, 1), True, True, 1.0)]
+             (8, torch.bfloat16, 128, (64, 128, 1, 1, 8), True, True, 1.0)]     # VEC 8
     for M, dt, bk, cfg, res, bias, off in cases:
         f32 = dt == torch.float32
         tol = 2e-6 if f32 else 2e-2

@@ -59,7 +59,11 @@ def _x_chunk(x_ptr, r_ptr, ro_ptr, m, k0, offs_k, km, g, write_res, stride_xm, s
         if HAS_RES:
             r = _load(r_ptr + m * stride_rm + k0 + offs_k, km, EVEN_K)
             h = (x.to(tl.float32) + r.to(tl.float32)).to(ro_ptr.dtype.element_ty)
-            tl.store(ro_ptr + m * stride_om + k0 + offs_k, h, mask=km & write_res)
+            if write_res:       # (a uniform branch: the other programs issue no store)
+                if EVEN_K:
+                    tl.store(ro_ptr + m * stride_om + k0 + offs_k, h)
+                else:
+                    tl.store(ro_ptr + m * stride_om + k0 + offs_k, h, mask=km)
             hf = h.to(tl.float32)
         else:
             hf = x.to(tl.float32)
@@ -328,8 +332,10 @@ def _launch(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, conf
         config = config or F8.default_config(M, N, K, group)
     elif M > SKINNY_MAX_M:
         return _launch_mma(x, r, ro, g, weight, bias, y, K, half, eps, g_offset, pro, act, config)
-    bn, bk, warps, stages = config or skinny_gemm_config(M, N, K, weight.element_size())
-    vec = min(16 // weight.element_size(), bk)
+    bn, bk, warps, stages = (config or skinny_gemm_config(M, N, K, weight.element_size()))[:4]
+    # a float8 config's optional 5th entry: VEC, the elements a thread loads of a weight row (default 16 bytes); 4
+    # gives each thread more weight rows for the x chunk it computes
+    vec = config[4] if fp8 is not None and len(config) > 4 else min(16 // weight.element_size(), bk)
     (stride_sn, s_rows, s_cols), meta = F8.kernel_args(fp8, bk, vec)
     has_bias = bias is not None
     _prologue_gemv_kernel[(triton.cdiv(N, bn),)](

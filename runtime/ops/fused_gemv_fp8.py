@@ -29,6 +29,11 @@
     scale = max(amax / 448, 1e-12) (correctly rounded, power-of-two scales rounded up), code e4m3(v / scale)
     (correctly rounded): the codes and scales are the unfused path's bit for bit; only the bf16 rounding of
     q * scale (relative 2^-9) and the summation order differ.
+
+Measured on an H100 (bench/bench_fused_fp8.py, bench/results/h100_fused_fp8.md): slower than the plain pair at
+Qwen3-8B's shapes (one row: qkv 13.3 against 10.6 us, down 26.4 / 27.2 against 24.1 / 23.4; the quantized act
+prologue about 2x): each program recomputes the prologue for its whole K while the float8 weight streams twice as
+fast as bf16, so XLLM_FUSED_DECODE=auto (layers/fused.py, tune_fused_gemvs) keeps the plain ops there.
 """
 from __future__ import annotations
 
@@ -91,11 +96,14 @@ def default_config(M: int, N: int, K: int, group: int = 0) -> tuple:
 
 def candidates(M: int, N: int, K: int, group: int = 0) -> list:
     """Launch configs timed for an fp8 fused GEMV: the float8 skinny GEMM's, and wider ones (4 / 8 weight rows a
-    program: each program quantizes its x chunk itself, so fewer programs do less of that), BLOCK_K a multiple of
-    the group."""
+    program: each program computes its x chunk itself, so fewer programs do less of that; for more than 2 rows 8
+    rows a program with VEC 8 / 4, the config's 5th entry: each thread holds more weight rows for the x it
+    computes), BLOCK_K a multiple of the group. An H100 sweep (bench/bench_fused_fp8.py,
+    bench/results/h100_fused_fp8.md) found (4, 512 / 1024, 2 / 4, 1) best at one row, the VEC 8 / 4 ones at four."""
     table_bk = skinny_gemm_config(M, N, K, 1)[1]
-    out = [(bn, max(min(bk, table_bk), group, VEC), w, st) for bn, bk, w, st in
-           skinny_gemm_candidates(M, N, K, 1) + [(4, 1024, 4, 1), (8, 512, 4, 1)]]
+    wide = [(4, 1024, 4, 1), (4, 512, 2, 1)] + ([(8, 512, 2, 1, 8), (8, 512, 4, 1, 4)] if M > 2 else [])
+    out = [(bn, max(min(bk, table_bk), group, VEC if len(rest) == 0 else rest[0]), w, st, *rest)
+           for bn, bk, w, st, *rest in skinny_gemm_candidates(M, N, K, 1) + wide]
     return list(dict.fromkeys(out))
 
 
