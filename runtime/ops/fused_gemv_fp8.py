@@ -31,7 +31,7 @@
     q * scale (relative 2^-9) and the summation order differ.
 
 Measured on an H100 (bench/bench_fused_fp8.py, bench/results/h100_fused_fp8.md): slower than the plain pair at
-Qwen3-8B's shapes (one row: qkv 13.3 against 10.6 us, down 26.4 / 27.2 against 24.1 / 23.4; the quantized act
+an 8B model's decode shapes (one row: qkv 13.3 against 10.6 us, down 26.4 / 27.2 against 24.1 / 23.4; the quantized act
 prologue about 2x): each program recomputes the prologue for its whole K while the float8 weight streams twice as
 fast as bf16, so XLLM_FUSED_DECODE=auto (layers/fused.py, tune_fused_gemvs) keeps the plain ops there.
 """
