@@ -23,14 +23,18 @@ def _q(kind, group, scale, pow2):
     return (group if kind == "group" else None, scale if kind == "static" else None, pow2)
 
 
-def _checks(dev: str = "cpu") -> dict:
+# the shapes of the default run / of --runslow (one tile and several tiles of a row, widths no power of two)
+NORM_WIDTHS, ACT_WIDTHS = {False: (300,), True: (256, 300, 1024)}, {False: (300,), True: (96, 300, 2048)}
+
+
+def _checks(dev: str = "cpu", full: bool = True) -> dict:
     from xllm_gen.runtime.layers.quant import ActQuant
     from xllm_gen.runtime.ops import norm_act_kernels as K
     from xllm_gen.runtime.ops.fp8_act_quant import fp8_act_quant
     g = torch.Generator().manual_seed(0)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for D in (256, 300, 1024):
+        for D in NORM_WIDTHS[full]:
             x = (torch.randn(3, D, generator=g) * 3).to(dev, dtype)
             r = torch.randn(3, D, generator=g).to(dev, dtype)
             w = (torch.rand(D, generator=g) + 0.5).to(dev, dtype)
@@ -46,7 +50,7 @@ def _checks(dev: str = "cpu") -> dict:
                     want = fp8_act_quant(p, group if kind == "group" else None, scale, pow2)
                     ok = ok and torch.equal(y, want) and (dtype != torch.float32 or torch.equal(y, aq.reference(p)))
                     out[f"norm_res{int(res)}_{D}_{name}_{dtype}"] = bool(ok and not torch.equal(y, p))
-            for n in (96, 300, 2048):
+            for n in ACT_WIDTHS[full]:
                 h = (torch.randn(2, 2 * n, generator=g) * 2).to(dev, dtype)
                 for name, (kind, group, scale, pow2) in QUANTS.items():
                     aq, q = ActQuant(kind, group, scale, pow2), _q(kind, group, scale, pow2)
@@ -95,23 +99,29 @@ def _layer_checks(dev: str) -> dict:
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
-    print("RESULT " + json.dumps(_checks()))
+    print("RESULT " + json.dumps(_checks(full=os.environ.get("XLLM_TEST_FULL") == "1")))
     sys.exit(0)
 
 
+def _full(config) -> bool:
+    return bool(config.getoption("--runslow") or os.environ.get("XLLM_RUN_SLOW") == "1")
+
+
 @pytest.fixture(scope="module")
-def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", XLLM_FUSED_DECODE="1")
+def interpreted(request):
+    env = dict(os.environ, TRITON_INTERPRET="1", XLLM_FUSED_DECODE="1", XLLM_TEST_FULL=str(int(_full(request.config))))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
 
 
-def test_epilogue_round_trip_is_bit_exact(interpreted):
+def test_epilogue_round_trip_is_bit_exact(interpreted, request):
+    """(the default run: one width of each op; --runslow: three)"""
     kernels = {k: v for k, v in interpreted.items() if not k.startswith(("norm_linear", "act_linear"))}
     bad = [k for k, v in kernels.items() if not v]
-    assert not bad and len(kernels) == 2 * 3 * len(QUANTS) * 2 * 2, bad
+    full = _full(request.config)
+    assert not bad and len(kernels) == 2 * len(QUANTS) * 2 * (len(NORM_WIDTHS[full]) + len(ACT_WIDTHS[full])), bad
 
 
 def test_layer_wiring_quantizes_once(interpreted):

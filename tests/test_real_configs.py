@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from spec_sample import in_default
 
 from xllm_gen.runtime.loading import registry
 from xllm_gen.runtime.loading.hf_config import ConfigError
@@ -324,7 +325,8 @@ def _at_size_default(path: Path) -> bool:
         and _expert_groups(path) <= HEAVY_EXPERT_GROUPS
 
 
-@pytest.mark.parametrize("path", [p if _at_size_default(p) else pytest.param(p, marks=pytest.mark.slow)
+@pytest.mark.parametrize("path", [p if _at_size_default(p) and in_default("real_size", _spec(p))
+                                  else pytest.param(p, marks=pytest.mark.slow)
                                   for p in FILES], ids=_stem)
 def test_real_config_fits_transformers_checkpoint_at_real_size(path, tmp_path, monkeypatch):
     hf, model = _read(path)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from fixtures.tiny_hf import make_tiny_checkpoint, tiny_config, tokenizer_size
 from hf_ref import hf_greedy
+from spec_sample import sampled
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM", "Qwen3ForCausalLM",
@@ -47,7 +48,7 @@ def _stored_layers(ckpt) -> int:
     return len(found)
 
 
-@pytest.mark.parametrize("architecture", ARCHS)
+@pytest.mark.parametrize("architecture", sampled("tiny_hf", ARCHS))
 def test_tiny_checkpoint_loads_and_decodes(architecture, tiny_checkpoint):
     ckpt = tiny_checkpoint(architecture)
     cfg = json.loads((ckpt / "config.json").read_text())
