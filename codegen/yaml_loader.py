@@ -14,8 +14,10 @@ file that is not UTF-8 (Latin-1, UTF-16/32, binary) and control characters are l
 from __future__ import annotations
 
 import codecs
+import copy
 import hashlib
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -212,10 +214,29 @@ def _text_location(text: str, index: int, name: str) -> Location:
     return Location(name, text.count("\n", 0, index) + 1, index - (text.rfind("\n", 0, index) + 1) + 1)
 
 
+# (display name, text) -> (data, SourceMap) of files parsed in this process, returned as deep copies: the
+# line-tracking loader is pure Python (~0.1 s a spec), and a compile of all specs, the tests' collection and `extends`
+# chains parse the same files many times. Keyed by the text, so an edited file is parsed again; bounded (fuzzers).
+_PARSED: "OrderedDict[tuple, tuple]" = OrderedDict()
+_PARSED_MAX = 512
+
+
 def load_yaml(path: Path) -> Tuple[Any, SourceMap]:
     """One YAML file -> (data, SourceMap). Malformed YAML raises one SpecError at the problem mark."""
     name = display_path(path)
     text = read_spec_text(Path(path), name)
+    key = (name, text)
+    if key in _PARSED:
+        _PARSED.move_to_end(key)
+        return copy.deepcopy(_PARSED[key])
+    data, smap = _parse(text, name)
+    _PARSED[key] = copy.deepcopy((data, smap))
+    if len(_PARSED) > _PARSED_MAX:
+        _PARSED.popitem(last=False)
+    return data, smap
+
+
+def _parse(text: str, name: str) -> Tuple[Any, SourceMap]:
     smap = SourceMap()
     try:
         loader = _Loader(text, name)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spec_yaml import read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT_CANDIDATES = {
@@ -31,7 +32,7 @@ DRAFT_CANDIDATES = {
 def _claimed() -> set:
     out = set()
     for p in (ROOT / "specs").glob("*.yaml"):
-        out |= set((yaml.safe_load(p.read_text()) or {}).get("architectures") or ())
+        out |= set((read_yaml(p) or {}).get("architectures") or ())
     return out
 
 

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from fixtures.tiny_hf import make_tiny_checkpoint, tiny_config, tokenizer_size
 from hf_ref import hf_greedy
 from spec_sample import sampled
+from spec_yaml import read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM", "Qwen3ForCausalLM",
@@ -20,7 +20,7 @@ def _spec_architectures() -> set[str]:
     out = set()
     for p in (ROOT / "specs").glob("*.yaml"):
         try:
-            out.update((yaml.safe_load(p.read_text()) or {}).get("architectures") or [])
+            out.update((read_yaml(p) or {}).get("architectures") or [])
         except Exception:
             pass  # the battery reports an unreadable spec
     return out

@@ -166,6 +166,7 @@ def _wait_gone(pids, timeout=5.0) -> list[int]:
 
 
 # ================================================================================== machinery (fake runner)
+@pytest.mark.slow     # a second process group; the default keeps TP 2 parity (test_qwen3_tp_matches_tp1_and_hf)
 def test_steps_reach_every_rank_exactly():
     r = _tp(3)
     try:
@@ -211,6 +212,7 @@ def test_steps_reach_every_rank_exactly():
         r.run([c], True)
 
 
+@pytest.mark.slow     # a second process group (--runslow)
 def test_kv_blocks_agree_without_hook():
     r = _tp(2, FakeRunnerNoHook)
     try:
@@ -237,6 +239,7 @@ def test_rank0_error_at_load_is_raised_as_is():
     assert _rank_children() == []
 
 
+@pytest.mark.slow     # a second process group; test_killed_worker_is_reported covers a failing rank by default
 def test_worker_error_in_step_surfaces_and_stops_the_group():
     r = _tp(2, fail_step=1)
     pids = r.worker_pids()
@@ -334,7 +337,8 @@ print("OK", flush=True)                     # no shutdown(): rank 0's exit relea
 """
 
 
-@pytest.mark.parametrize("mode", ["sigint", pytest.param("kill", marks=pytest.mark.slow)])   # kill: also test_killed_worker_is_reported
+@pytest.mark.slow     # signals to a whole process tree, ~6 s each (--runslow); serving's SIGTERM test runs by default
+@pytest.mark.parametrize("mode", ["sigint", "kill"])   # kill: also test_killed_worker_is_reported
 def test_no_orphans_after_exit_ctrl_c_or_kill(mode, tmp_path):
     script = tmp_path / "tp_script.py"
     script.write_text(_SCRIPT.format(tests=str(TESTS_DIR)))

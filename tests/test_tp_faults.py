@@ -47,6 +47,7 @@ def test_bad_timeout_is_refused_before_any_process():
         _tp(2, timeout_s=-1)
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps test_tp.py's killed-worker and load-error arms)
 def test_timeout_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("XLLM_TP_TIMEOUT_S", "2.5")
     r = _tp(2)
@@ -105,6 +106,7 @@ def test_stopped_worker_during_a_query_is_named():
     _no_orphans(pids)
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps test_tp.py's killed-worker and load-error arms)
 def test_shutdown_with_a_stopped_worker_is_prompt():
     r = _tp(2, timeout_s=60)
     pids = r.worker_pids()
@@ -115,6 +117,7 @@ def test_shutdown_with_a_stopped_worker_is_prompt():
     _no_orphans(pids)
 
 
+@pytest.mark.slow     # multi-process fault arm: --runslow (the default keeps test_tp.py's killed-worker and load-error arms)
 def test_killed_worker_mid_step_is_reported_at_once():
     r = _tp(2, timeout_s=60)
     pids = r.worker_pids()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from fixtures.report import report as _report
+from spec_yaml import read_yaml
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -69,7 +69,7 @@ def _text_specs():
     from fixtures.tiny_hf import model_class
     out = []
     for path in sorted((ROOT / "specs").glob("*.yaml")):
-        data = yaml.safe_load(path.read_text())
+        data = read_yaml(path)
         if not isinstance(data, dict) or not data.get("architectures"):
             continue
         arch = data["architectures"][0]
