@@ -121,7 +121,7 @@ def greedy_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits are not finite (a NaN anywhere, or an infinite maximum): a model fault the engine reports, where a plain
     argmax would return a token chosen from garbage (all-NaN rows give token 0)."""
     vals, idx = logits.max(dim=-1)                  # NaN propagates into the row's maximum
-    return idx, torch.where(torch.isfinite(vals), idx, torch.full_like(idx, -1))
+    return idx, torch.where(torch.isfinite(vals), idx, -1)
 
 
 def sample_row(logits: torch.Tensor, seq: Sequence, default_generator: torch.Generator) -> int:
