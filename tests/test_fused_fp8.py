@@ -374,3 +374,19 @@ def test_fused_fp8_decode_model_tokens_quantized_input(tiny_qwen3):
 def test_fused_fp8_decode_model_tokens_weight_only(tiny_qwen3):
     res = _interpret("model", tiny_qwen3, 0, 0, 1)
     _assert_model(res, True)
+
+
+def test_a_fused_form_that_cannot_run_leaves_the_plain_ops(monkeypatch, caplog):
+    """Start-up tuning never keeps a model from serving: a fused GEMV that fails to build or run for a shape is
+    logged and that shape keeps the plain ops."""
+    from xllm_gen.runtime.layers import fused
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this geometry")
+    monkeypatch.setattr(fused, "_measure", broken)
+    monkeypatch.setattr(fused, "FUSED_GEMV_CHOICE", {"norm": {}, "act": {}})
+    w = torch.randn(64, 128)
+    with caplog.at_level("WARNING", logger="xllm_gen"):
+        fused.tune_fused_gemvs({(64, 128, w.dtype): [(w, None)]}, [1], ({}, {}))
+    assert fused.FUSED_GEMV_CHOICE["norm"][(1, 64, 128, w.dtype)] == (None, False)
+    assert "no kernel for this geometry" in caplog.text

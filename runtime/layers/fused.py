@@ -24,6 +24,7 @@ take the same choice and launch config, so graph == eager stays bit for bit.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -35,6 +36,7 @@ from xllm_gen.runtime.layers import linear as _lin
 from xllm_gen.runtime.layers.activation import GeluAndMul, SiluAndMul
 from xllm_gen.runtime.layers.norm import RMSNorm
 
+logger = logging.getLogger("xllm_gen")
 _SETTING = os.environ.get("XLLM_FUSED_DECODE", "auto").strip().lower()
 MODE = "" if _SETTING == "auto" else _SETTING      # "" auto (default) | "1" force | "0" off
 _CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
@@ -174,7 +176,12 @@ def tune_fused_gemvs(shapes: dict, rows, cache: Optional[tuple] = None, packed: 
                 if key not in table and ckey in cache[0]:
                     table[key] = cache[0][ckey]
                 if key not in table:
-                    table[key] = cache[1][ckey] = _measure(prologue, M, N, K, dt, form, seq)
+                    try:
+                        table[key] = cache[1][ckey] = _measure(prologue, M, N, K, dt, form, seq)
+                    except Exception as e:  # noqa: BLE001 - a fused form that cannot run here: the plain ops serve
+                        logger.warning("fused %s GEMV not measured for rows %d, N %d, K %d%s (%s: %s): plain ops",
+                                       prologue, M, N, K, tag, type(e).__name__, str(e)[:200])
+                        table[key] = (None, False)
                 chosen[M] = table[key]
             _lin.fill_row_choices(chosen, N, K, dt, table, form)
 
