@@ -22,23 +22,14 @@ Default arms draft by class name only (~2.5 s after the first draft of the sessi
 from __future__ import annotations
 
 import pytest
-import yaml
-
-_CACHE: dict = {}
+from draft_util import checklist as _checklist
+from draft_util import draft_by_name, drafts_of_checkpoints
 
 
 def _draft(target: str) -> tuple[str, dict, dict]:
     """(text, doc, the attention block) of the draft of `target` (a class name: drafted once per session)."""
-    from xllm_gen.codegen.draft import draft_spec
-    if target not in _CACHE:
-        text, _ = draft_spec(target)
-        doc = yaml.safe_load(text)
-        _CACHE[target] = (text, doc, doc["decoder"]["layers"]["blocks"]["self_attn"])
-    return _CACHE[target]
-
-
-def _checklist(text: str) -> str:
-    return "\n".join(line for line in text.splitlines() if line.startswith("# - [ ]"))
+    text, doc = draft_by_name(target)
+    return text, doc, doc["decoder"]["layers"]["blocks"]["self_attn"]
 
 
 def test_per_head_qk_norm_and_a_window_by_layer_type():
@@ -168,18 +159,8 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def drafted(tiny_checkpoint, tmp_path_factory):
-    from xllm_gen.codegen.draft import draft_spec
-    root = tmp_path_factory.mktemp("draft_attention")
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            ckpt = tiny_checkpoint(arch, overrides=FAMILIES[arch])
-            spec = root / f"{arch}.yaml"
-            spec.write_text(draft_spec(str(ckpt))[0])
-            cache[arch] = (ckpt, spec)
-        return cache[arch]
-    return get
+    return drafts_of_checkpoints(tiny_checkpoint, tmp_path_factory.mktemp("draft_attention"),
+                                 lambda arch: (arch, FAMILIES[arch]))
 
 
 @pytest.mark.slow

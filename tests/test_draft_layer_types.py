@@ -13,18 +13,10 @@ codegen/draft_config_lists.py) and of the window the model's per-type masks appl
 from __future__ import annotations
 
 import pytest
-import yaml
+from draft_util import draft_by_name, drafts_of_checkpoints
 
-_CACHE: dict = {}
 BY_TYPE = "sliding_window if layer_types[layer] == 'sliding_attention' else None"
-
-
-def _draft(target: str) -> tuple[str, dict]:
-    from xllm_gen.codegen.draft import draft_spec
-    if target not in _CACHE:
-        text, _ = draft_spec(target)
-        _CACHE[target] = (text, yaml.safe_load(text))
-    return _CACHE[target]
+_draft = draft_by_name
 
 
 def test_the_window_of_the_per_type_masks():
@@ -60,19 +52,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def drafted(tiny_checkpoint, tmp_path_factory):
-    from xllm_gen.codegen.draft import draft_spec
-    root = tmp_path_factory.mktemp("draft_layer_types")
-    cache = {}
-
-    def get(case):
-        if case not in cache:
-            arch, overrides = CASES[case]
-            ckpt = tiny_checkpoint(arch, overrides=overrides or None)
-            spec = root / f"{case}.yaml"
-            spec.write_text(draft_spec(str(ckpt))[0])
-            cache[case] = (ckpt, spec)
-        return cache[case]
-    return get
+    return drafts_of_checkpoints(tiny_checkpoint, tmp_path_factory.mktemp("draft_layer_types"), CASES.__getitem__)
 
 
 @pytest.mark.slow

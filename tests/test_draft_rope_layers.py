@@ -14,22 +14,14 @@ computes when config.json lacks them (codegen/draft_config_lists.py), read from 
 from __future__ import annotations
 
 import pytest
-import yaml
-
-_CACHE: dict = {}
+from draft_util import checklist as _checklist
+from draft_util import draft_by_name, drafts_of_checkpoints
 
 
 def _draft(target: str) -> tuple[str, dict, dict]:
-    from xllm_gen.codegen.draft import draft_spec
-    if target not in _CACHE:
-        text, _ = draft_spec(target)
-        doc = yaml.safe_load(text)
-        _CACHE[target] = (text, doc, doc["decoder"]["layers"]["blocks"]["self_attn"])
-    return _CACHE[target]
-
-
-def _checklist(text: str) -> str:
-    return "\n".join(line for line in text.splitlines() if line.startswith("# - [ ]"))
+    """(text, doc, the attention block) of the draft of `target` (a class name: drafted once per session)."""
+    text, doc = draft_by_name(target)
+    return text, doc, doc["decoder"]["layers"]["blocks"]["self_attn"]
 
 
 def test_no_rope_layers_drafted_with_the_class_default():
@@ -96,19 +88,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def drafted(tiny_checkpoint, tmp_path_factory):
-    from xllm_gen.codegen.draft import draft_spec
-    root = tmp_path_factory.mktemp("draft_rope_layers")
-    cache = {}
-
-    def get(case):
-        if case not in cache:
-            arch, overrides = CASES[case]
-            ckpt = tiny_checkpoint(arch, overrides=overrides or None)
-            spec = root / f"{case}.yaml"
-            spec.write_text(draft_spec(str(ckpt))[0])
-            cache[case] = (ckpt, spec)
-        return cache[case]
-    return get
+    return drafts_of_checkpoints(tiny_checkpoint, tmp_path_factory.mktemp("draft_rope_layers"), CASES.__getitem__)
 
 
 @pytest.mark.slow

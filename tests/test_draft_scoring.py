@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from draft_util import draft_by_name, drafts_of_checkpoints
 
 ARCH = "Cohere2MoeForCausalLM"
-_CACHE: dict = {}
 
 
 def _draft() -> tuple[str, dict]:
-    from xllm_gen.codegen.draft import draft_spec
-    if not _CACHE:
-        text, _ = draft_spec(ARCH)
-        _CACHE["d"] = (text, yaml.safe_load(text))
-    return _CACHE["d"]
+    return draft_by_name(ARCH)
 
 
 def test_a_scoring_switch_is_a_str_symbol():
@@ -62,18 +58,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def drafted(tiny_checkpoint, tmp_path_factory):
-    from xllm_gen.codegen.draft import draft_spec
-    root = tmp_path_factory.mktemp("draft_scoring")
-    cache = {}
-
-    def get(case):
-        if case not in cache:
-            ckpt = tiny_checkpoint(ARCH, overrides=CASES[case])
-            spec = root / f"{case}.yaml"
-            spec.write_text(draft_spec(str(ckpt))[0])
-            cache[case] = (ckpt, spec)
-        return cache[case]
-    return get
+    return drafts_of_checkpoints(tiny_checkpoint, tmp_path_factory.mktemp("draft_scoring"),
+                                 lambda case: (ARCH, CASES[case]))
 
 
 @pytest.mark.slow
