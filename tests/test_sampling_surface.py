@@ -213,6 +213,63 @@ def test_skip_special_tokens(qwen3_tied, make_llm):
     assert skipped.text == "" and kept.text == tok.all_special_tokens[0] * 2
 
 
+def _stream(eng, prompts, params) -> dict:
+    """Each request's streamed deltas (step_deltas) joined: request index -> (text, token ids, finish_reason)."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"s{i}", p, sp)
+    acc: dict = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step_deltas():
+            for c in out.outputs:
+                text, ids, _ = acc.get(int(out.request_id[1:]), ("", [], None))
+                acc[int(out.request_id[1:])] = (text + c.text, ids + list(c.token_ids), c.finish_reason)
+    return acc
+
+
+def test_the_stop_token_is_not_in_the_text(qwen3_tied, make_llm):
+    """vLLM's rule: the token that ends a completion (EOS, a stop_token_ids id) stays in token_ids but its text is
+    left out, special or not (skip_special_tokens false); include_stop_str_in_output puts it in. Streamed deltas
+    and the serving API side's detokenization (the engine core sends token ids) agree."""
+    from xllm_gen.runtime.serving.core_client import _RequestDetok
+
+    llm = make_llm(qwen3_tied)
+    eng, tok = llm.engine, llm.get_tokenizer()
+    ids = {"prompt_token_ids": [5, 17, 99, 3]}
+    full = llm.generate([ids], _sp(max_tokens=12))[0].outputs[0].token_ids
+    k = next(i for i, t in enumerate(full) if i >= 2 and t not in full[:i] and tok.decode([t]).strip().isalnum())
+    stop_tok, eos = full[k], min(eng.eos_token_ids)
+    eos_text = tok.decode([eos])
+    cases = [  # (params, the text wanted)
+        (_sp(stop_token_ids=[stop_tok]), tok.decode(full[:k])),
+        (_sp(stop_token_ids=[stop_tok], include_stop_str_in_output=True), tok.decode(full[:k + 1])),
+        (_sp(stop_token_ids=[stop_tok], skip_special_tokens=False), tok.decode(full[:k])),
+        (_sp(ignore_eos=False, skip_special_tokens=False, logit_bias={eos: 100.0}, min_tokens=2, max_tokens=4),
+         None),
+        (_sp(ignore_eos=False, skip_special_tokens=False, logit_bias={eos: 100.0}, include_stop_str_in_output=True),
+         eos_text),
+    ]
+    outs = [o.outputs[0] for o in llm.generate([ids] * len(cases), [c[0] for c in cases])]
+    head = outs[3].token_ids[:2]
+    assert outs[3].token_ids == head + [eos] and eos not in head
+    wants = [w if w is not None else tok.decode(head, skip_special_tokens=False) for _, w in cases]
+    assert [(o.text, o.finish_reason) for o in outs] == [(w, "stop") for w in wants]
+    assert outs[0].token_ids == full[:k + 1] and outs[0].stop_reason == stop_tok
+    streamed = _stream(eng, [ids] * len(cases), [c[0] for c in cases])
+    assert [streamed[i] for i in range(len(cases))] == [(o.text, o.token_ids, "stop") for o in outs]
+    eng.detokenize = False            # as in the engine core: the API side detokenizes the token ids
+    try:
+        for i, (sp, _) in enumerate(cases):
+            det, text = _RequestDetok(tok, sp, eng.eos_token_ids), ""
+            eng.add_request("c", ids, sp)
+            while eng.has_unfinished_requests():
+                for out in eng.step_deltas():
+                    det(out)
+                    text += "".join(c.text for c in out.outputs)
+            assert text == outs[i].text, i
+    finally:
+        eng.detokenize = True
+
+
 def test_prompt_logprobs_match_hf(qwen3_tied, make_llm):
     llm = make_llm(qwen3_tied, enable_chunked_prefill=True, max_num_batched_tokens=5)
     ids = [random.Random(0).randrange(400) for _ in range(13)]

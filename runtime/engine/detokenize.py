@@ -53,7 +53,7 @@ class EngineOutputs:
         d = self._detok(seq)
         if d is not None:
             try:
-                d.flush(seq.completion_token_ids)
+                d.flush(seq.text_token_ids)
             except Exception as e:
                 seq.error = f"detokenization failed: {type(e).__name__}: {e}"
 
@@ -61,12 +61,15 @@ class EngineOutputs:
         p = seq.params
         d = self._detok(seq)
         old_len = 0
+        eos = not p.ignore_eos and tok in self.eos_token_ids
+        if (eos or tok in p.stop_token_ids) and not p.include_stop_str_in_output:
+            seq.stop_token_hidden = True        # the token that ends it: in token_ids, its text left out (vLLM's)
         # text is needed every step only for stop strings or streamed deltas; otherwise it is decoded once at
         # the finish (_flush): two tokenizer calls per request per step cost ~30% of a batch-100 decode step
         if d is not None and (p.stop or self._stream_text):
             old_len = len(d.text)
-            d.step(seq.completion_token_ids)
-        if not p.ignore_eos and tok in self.eos_token_ids:
+            d.step(seq.text_token_ids)
+        if eos:
             return "stop"
         if tok in p.stop_token_ids:
             seq.stop_reason = tok

@@ -36,6 +36,7 @@ class Sequence:
         self.gate = None                        # (start id, end id, open): its reasoning gate (ReasoningGate)
         self.vision_cache = None                # (embeds, deepstack) while the prompt's visual rows are prefilled
         self.stop_reason = None                 # the stop string or stop token id that ended it
+        self.stop_token_hidden = False          # it ended on EOS / a stop_token_ids id: in token_ids, not in the text
         self.error: Optional[str] = None        # set when the request failed after admission
         self.prompt_logprobs: Optional[list] = None
         self.state_slot: Optional[int] = None   # the recurrent-state pool slot it holds (models with recurrent layers)
@@ -66,6 +67,13 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The completion tokens its text is decoded from: all but the stop token that ended it (vLLM's rule:
+        EOS or a stop_token_ids id is returned in token_ids, its text only with include_stop_str_in_output)."""
+        ids = self.completion_token_ids
+        return ids[:-1] if self.stop_token_hidden and ids else ids
 
     @property
     def num_completion_tokens(self) -> int:

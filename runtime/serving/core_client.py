@@ -70,11 +70,15 @@ class CoreFrontend:
 class _RequestDetok:
     """The text of one request's completions, from the token ids of its deltas."""
 
-    def __init__(self, tokenizer, params):
+    def __init__(self, tokenizer, params, eos_token_ids=()):
         self.tokenizer = tokenizer
         self.skip = getattr(params, "skip_special_tokens", True)
         self.core_text = bool(getattr(params, "stop", None))      # stop strings: the core detokenizes
         self.completions: dict = {}
+        # the tokens whose text a completion they end leaves out (the engine's rule: EOS, stop_token_ids)
+        self.stop_ids = set() if getattr(params, "include_stop_str_in_output", False) else \
+            set(getattr(params, "stop_token_ids", None) or ()) | \
+            (set() if getattr(params, "ignore_eos", False) else set(eos_token_ids or ()))
 
     def __call__(self, out) -> None:
         from xllm_gen.runtime.engine.engine import IncrementalDetokenizer
@@ -87,9 +91,10 @@ class _RequestDetok:
                 d, ids = self.completions.setdefault(c.index, (IncrementalDetokenizer(tok, self.skip), []))
                 ids.extend(c.token_ids)
                 old = len(d.text)
-                d.step(ids)
+                text_ids = ids[:-1] if c.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else ids
+                d.step(text_ids)
                 if c.finish_reason is not None:
-                    d.flush(ids)
+                    d.flush(text_ids)
                 c.text = d.text[old:]
             _name_tokens(tok, c.logprobs)
         _name_tokens(tok, out.prompt_logprobs)
@@ -288,7 +293,7 @@ class CoreClient(AsyncEngine):
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._tracks[request_id] = track
         self._pending[request_id] = fut
-        self._detoks[request_id] = _RequestDetok(self.engine.tokenizer, params)
+        self._detoks[request_id] = _RequestDetok(self.engine.tokenizer, params, self.engine.eos_token_ids)
         try:
             self._send(("add", request_id, prompt, params, track.arrival, self.index))
             await asyncio.wrap_future(fut)
