@@ -258,6 +258,20 @@ def test_batched_prompt_errors_name_the_index(server):
     server.wait_idle()
 
 
+def test_prompt_errors_name_the_body_field(server, model_name):
+    """What the engine finds wrong with a prompt names the field the client sent: a completions prompt of token ids
+    is `prompt` (never the engine's prompt_token_ids); a chat conversation too long for the context is `messages`
+    (a chat body has no prompt)."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [3, -1], "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: token id -1 out of"), r.text
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"model": model_name, "messages": [{"role": "user", "content": "x " * 5000}], "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages", r.text
+    assert err["message"].startswith("messages: the conversation, rendered by the chat template: prompt of "), r.text
+    server.wait_idle()
+
+
 def test_max_tokens_past_the_context_is_a_400(server, model_name):
     """An explicit max_tokens (chat: max_completion_tokens) that the prompt leaves no room for is a 400 naming the
     field, as vLLM answers; at the limit, and without the field (the rest of the context), the request is served."""

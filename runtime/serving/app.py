@@ -176,7 +176,8 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             raise APIError(f"{where}: the constraint is nested too deeply to compile", param=param) from None
 
     async def admit(rid: str, prompt: Any, params, name: Optional[str] = None) -> asyncio.Queue:
-        """`name`: the prompt's place in the body (prompt[1]), which an error about the prompt names."""
+        """`name`: the prompt's place in the body (prompt[1]; "messages" for a chat), which an error about the
+        prompt names (never the engine's own prompt_token_ids)."""
         try:
             return await async_engine.add(rid, prompt, params)
         except QueueFullError as e:
@@ -184,22 +185,26 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         except ValueError as e:
             msg = str(e).replace(f"request {rid}: ", "")
             param = param_of(msg) or "prompt"
-            if name is not None and param == "prompt":
-                msg = f"{name}: {msg.removeprefix('prompt_token_ids: ')}"
+            if param == "prompt" and name == "messages":
+                param, msg = "messages", f"messages: the conversation, rendered by the chat template: {msg}"
+            elif param == "prompt" and (name is not None or msg.startswith("prompt_token_ids: ")):
+                msg = f"{name or 'prompt'}: {msg.removeprefix('prompt_token_ids: ')}"
             raise APIError(msg, param=param) from None
         except RuntimeError as e:
             raise APIError(str(e), status=503, type="server_error") from None
 
-    async def admit_all(base: str, prompts: list, params, batched: bool = False, body=None) -> list:
+    async def admit_all(base: str, prompts: list, params, batched: bool = False, body=None,
+                        field: Optional[str] = None) -> list:
         """`batched`: the body's prompt is a list of prompts (errors name the index). `body`: where max_tokens was
-        set explicitly, each prompt plus it must fit the context (a 400 naming the field, as vLLM's)."""
+        set explicitly, each prompt plus it must fit the context (a 400 naming the field, as vLLM's). `field`: the
+        body field an unbatched prompt's error names (a chat's "messages")."""
         if body is not None and body._max_tokens() is not None:
             prompts = [{**p, "max_tokens_must_fit": body._max_tokens_field()} for p in prompts]
         queues = []
         try:
             for i, p in enumerate(prompts):
                 queues.append((f"{base}-{i}", await admit(f"{base}-{i}", p, params,
-                                                          f"prompt[{i}]" if batched else None)))
+                                                          f"prompt[{i}]" if batched else field)))
         except BaseException:
             for rid, _ in queues:
                 async_engine.abort(rid)
@@ -406,7 +411,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         base = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         created = int(time.time())
         rid, q = (await admit_all(base if body.request_id is None else f"{base}-{uuid.uuid4().hex[:8]}",
-                                  [prompt], params, body=body))[0]
+                                  [prompt], params, body=body, field="messages"))[0]
         reader = reasoning
         opened = reader is not None and reader.opened_by(prompt.get("prompt"))       # the template opened it
         if opened and constrained_from_start(engine, so):    # no room to reason: reasoning only if it writes the end
