@@ -30,9 +30,11 @@ from pathlib import Path
 
 from .draft_attention import drop_answered, find_attention
 from .draft_checklist import other_fields, source_hints, unused_parameters
+from .draft_flow import drop_flow_hints, flow_symbols
 from .draft_layer import final_softcap, norm_roles
 from .draft_mla import MLA, find_mla, mla_symbols
 from .draft_moe import MoE, find_moe, moe_symbols, sparse_condition
+from .draft_parts import fused_qkv, mlp_width, model_parts
 from .draft_render import _act_field, _render, _yaml_scalar
 from .draft_routing import find_routing
 from .draft_source import _fixed_default, _if_null, drop_answered_hints, find_scalings  # noqa: F401 - tests use _fixed_default
@@ -177,6 +179,9 @@ class _Layer:
     attn: object = None                         # q/k norms, rotary, window, scale (draft_attention.Attn)
     roles: object = None                        # pre / post norms read from the forward (draft_layer.Roles)
     final_norm: str = "model.norm"              # the final norm's module as saved (Phi: model.final_layernorm)
+    qkv_layout: str | None = None               # the fused q/k/v's row layout (draft_qkv.py): head, kv_group, ...
+    kv_heads: str | None = None                 # the attention's KV heads where not num_key_value_heads
+    parts: dict = field(default_factory=dict)   # the embedding's and the head's module names (draft_parts.py)
 
     def rel(self, n: str) -> str:
         return n[len(self.prefix):]
@@ -204,7 +209,9 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
         names = set(_meta_params(cls, config, **moe.probe))
     controls = _bias_controls(cls, config, full, names, moe.probe if moe is not None else {})
     mla = find_mla(d, cls, config, names, prefix)     # multi-head latent attention (draft_mla.py)
-    layer = _find_layer(d, names, prefix, moe, mla, lambda *a: norm_roles(cls, config, prefix, *a))
+    parts = model_parts(cls, config)                                            # draft_parts.py
+    layer = _find_layer(d, names, prefix, moe, mla, lambda *a: norm_roles(cls, config, prefix, *a), parts.get("embed_memory"))
+    layer.parts = parts
     norm_kind = "layernorm" if ((layer.attn_norm or layer.extra_norms[0]) + ".bias") in names else \
         "layernorm_nobias" if layer.roles is not None and layer.roles.mean_free_layernorm else "rmsnorm"
     # a symbol's default is what an absent field means to transformers (the class's default), not the checkpoint's
@@ -221,6 +228,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     defaults.update({core: defaults[src] for core, src in d.sources.items()})
     eps = _eps(d, defaults)
     _config_symbols(d, defaults, type(config))
+    flow_symbols(d, layer)                                                      # draft_flow.py
     source = inspect.getsource(inspect.getmodule(cls))
     if "head_dim" in d.symbols and defaults.get("head_dim", 0) is None and re.search(
             r'getattr\(config, "head_dim", None\) or config\.hidden_size // config\.num_attention_heads', source):
@@ -243,10 +251,13 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
                            "is ignored: where a config field makes some layers dense, model that MLP and read it")
     if mla is None:
         layer.attn = find_attention(d, cls, config, layer, controls, defaults)     # draft_attention.py
+        fused_qkv(d, layer, cls, config, defaults)                                 # draft_parts.py
+    mlp_width(d, layer, type(config), defaults)                                    # draft_parts.py
     final_softcap(d, cls, defaults)
     other_fields(d, full, controls)
     source_hints(d, cls)
     drop_answered_hints(d)
+    drop_flow_hints(d, layer)
     if layer.attn is not None:
         drop_answered(d, layer.attn, layer)
     unused_parameters(d, names - (moe.owned if moe else set()) - (mla.owned if mla else set()), layer)
@@ -264,8 +275,8 @@ def _layer_prefix(d: Draft, names: set) -> str:
     if layer is None:
         raise DraftError(f"{d.architecture}: no per-layer parameters found in the model's state_dict")
     if layer != "model.layers.{i}.":
-        d.checklist.append(f"decoder layers live at `{layer}` (not `model.layers.{{i}}.`): rename every tensor in "
-                           f"`weights` or set decoder.prefix")
+        d.checklist.append(f"decoder layers live at `{layer}` (not `model.layers.{{i}}.`): the draft maps the names "
+                           f"with `checkpoint_prefixes` (the embedding, final norm and head as the model names them)")
     return layer
 
 
@@ -286,7 +297,7 @@ def _bias_controls(cls, config, full: dict, names: set, probe: dict) -> dict[str
 
 
 def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: MLA | None = None,
-                roles_of=None) -> _Layer:
+                roles_of=None, embed_module: str | None = None) -> _Layer:
     """The attention and MLP projections and the norms of a layer, by their usual names (the MLP of the dense layers
     where `moe` holds the sparse ones'); what does not fit a Llama-like pre-norm layer is refused or put on the
     checklist."""
@@ -352,7 +363,8 @@ def _find_layer(d: Draft, names: set, layer: str, moe: MoE | None = None, mla: M
                          f": not a pre-norm decoder layer, write the dataflow by hand")
     final_norm = next((n.rsplit(".", 1)[0] for n in sorted(names) if not n.startswith(layer.split("{i}")[0])
                        and re.search(r"norm|(^|\.)ln_f\.", n) and n.endswith(".weight")), None)
-    embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings|tok_embeddings)\.weight$", n)), None)
+    embed = next((n for n in sorted(names) if re.search(r"(embed_tokens|wte|word_embeddings|tok_embeddings)\.weight$", n)),
+                 None) or (embed_module and f"{embed_module}.weight" in names and f"{embed_module}.weight")
     if final_norm is None or embed is None:
         raise DraftError(f"{arch}: cannot find the embedding or the final norm in the state_dict")
     if not ((up or gate_up_fused) and down):        # every layer sparse: no dense MLP

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from .draft_attention import _method
+from .draft_flow import read_flow
 from .draft_source import class_source, meta_model
 
 OFFSET = r"1(\.0)? \+ self\.weight|self\.weight(\.float\(\))? \+ 1(\.0)?\b"
@@ -26,6 +27,7 @@ class Roles:
     offset: bool = False            # the layer norms scale by (1 + w)
     parallel: bool = False          # both blocks read one norm's output and join the residual together (Cohere)
     mean_free_layernorm: bool = False   # a LayerNorm (mean subtracted) without a bias parameter
+    flow: object = None             # the dataflow read as data flow, where it says more (draft_flow.Flow)
 
     @property
     def sandwich(self) -> bool:
@@ -34,7 +36,41 @@ class Roles:
 
 def norm_roles(cls, config, prefix: str, norms: list, attn: str, mlp: str) -> Roles | None:
     """The pre- / post-norm of the attention (`attn`, the block's attribute name) and of the MLP (`mlp`) among the layer's
-    norms `norms` (full module names), from the decoder layer's forward; None where the forward does not read so."""
+    norms `norms` (full module names), from the decoder layer's forward; None where the forward does not read so. The
+    residual adds' reading below answers where the data-flow reading (draft_flow.py) says no more than it (one form,
+    no parallel step over two norms) or cannot read the forward."""
+    roles = _add_roles(cls, config, prefix, norms, attn, mlp)
+    try:
+        defaults = type(config)().to_dict()
+    except Exception:  # noqa: BLE001 - a class that cannot build with its defaults
+        defaults = config.to_dict()
+    flow = read_flow(cls, config, prefix, attn, mlp, defaults, set(defaults) | set(config.to_dict()))
+    if flow is None or not (flow.rich or roles is None):
+        return roles
+    short = {n.rsplit(".", 1)[1]: n for n in norms}
+    form = next((f for f in flow.forms if all(n in short for n in _norms_of(f))), None)
+    if form is None or set(_norms_of(form)) != set(short):
+        return roles
+    steps = [b for stp in form for b in stp]
+    if len(steps) != 2 or len(form) not in (1, 2):
+        return roles
+    (ap, _, apost), (mp, _, mpost) = steps
+    model = meta_model(cls, config)
+    layer = model.get_submodule(prefix.replace("{i}", "0").rstrip("."))
+    nsrc = class_source(type(layer.get_submodule(next(iter(short)))))
+    full = {k: short.get(k) for k in (ap, apost, mp, mpost)}
+    return Roles(full[ap], full[apost], full[mp], full[mpost], offset=bool(re.search(OFFSET, nsrc)),
+                 parallel=len(form) == 1, flow=flow,
+                 mean_free_layernorm=bool(re.search(r"\(hidden_states - mean\)|- *\w*\.mean\(", nsrc))
+                 and "self.bias" not in nsrc)
+
+
+def _norms_of(form) -> list:
+    return [n for stp in form for pre, _, post in stp for n in (pre, post) if n]
+
+
+def _add_roles(cls, config, prefix: str, norms: list, attn: str, mlp: str) -> Roles | None:
+    """norm_roles read from the residual adds (`residual + ...`) of the forward."""
     model = meta_model(cls, config)
     if model is None:
         return None

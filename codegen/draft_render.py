@@ -6,14 +6,16 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .draft_attention import attention_lines, rotary_keys
+from .draft_flow import flow_lines
 from .draft_layer import step
 from .draft_mla import render_mla
 from .draft_moe import render_block, render_weights
+from .draft_parts import prefix_lines
 
 if TYPE_CHECKING:
     from .draft import Draft, _Layer
 
-ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function", "activation")
 
 
 def _yaml_scalar(v: Any) -> str:
@@ -29,6 +31,11 @@ def _yaml_scalar(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)
     return json.dumps(v)
+
+
+def _q(expr: str) -> str:
+    """An expression as a YAML scalar (quoted where it is more than a name)."""
+    return expr if expr.isidentifier() else json.dumps(expr)
 
 
 def _act_field(full: dict) -> str | None:
@@ -71,7 +78,7 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     arch = d.architecture
     attn_lines = render_mla(d, layer.mla, controls, names, full, max_pos, rel) if layer.mla else [
         f"      {attn_name}:", "        kind: attention", "        hidden: hidden_size",
-        "        heads: num_attention_heads", "        kv_heads: num_key_value_heads", "        head_dim: head_dim",
+        "        heads: num_attention_heads", f"        kv_heads: {_q(layer.kv_heads or 'num_key_value_heads')}", "        head_dim: head_dim",
         f"        qkv: {{name: {qkv_fused.rsplit('.', 1)[1] if qkv_fused else 'qkv_proj'}, segments: [q, k, v], "
         f"bias: {qb}}}",
         f"        out: {{name: {layer.o.rsplit('.', 1)[1]}, bias: {ob}}}"]
@@ -121,10 +128,14 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     L += ["", "decoder:",
           "  embed_tokens: {kind: embedding, vocab: vocab_size, dim: hidden_size"
           + (f", scale: {d.scales['embed']}}}" if "embed" in d.scales else "}"),
-          "  layers:", "    count: num_hidden_layers", "    blocks:",
-          *([f"      {rel(layer.attn_norm)}: {norm}"] if layer.attn_norm else []), *attn_lines]
-    L += [f"      {rel(n)}: {norm}" for n in ((roles.attn_post, roles.mlp_pre) if roles else (layer.mlp_norm,)) if n
-          and not (roles and roles.parallel)]
+          "  layers:", "    count: num_hidden_layers", "    blocks:"]
+    flow = roles.flow if roles is not None and roles.flow is not None and roles.flow.rich else None
+    if flow is not None:        # the norms of every drafted form (draft_flow.py)
+        L += [f"      {n}: {norm}" for n in flow.norms] + attn_lines
+    else:
+        L += [*([f"      {rel(layer.attn_norm)}: {norm}"] if layer.attn_norm else []), *attn_lines]
+        L += [f"      {rel(n)}: {norm}" for n in ((roles.attn_post, roles.mlp_pre) if roles else (layer.mlp_norm,))
+              if n and not (roles and roles.parallel)]
     # the MoE block: named as the module where every layer is sparse, else `moe` (one module with the dense MLP)
     moe_name = None if moe is None else (moe.module if sparse_if is None or not dense else "moe")
     if moe is not None:
@@ -141,7 +152,7 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
               f"        activation: {act_ref}",
               f"        up: {{name: {layer.up.rsplit('.', 1)[1]}, bias: {up_b}}}",
               f"        down: {{name: {layer.down.rsplit('.', 1)[1]}, bias: {down_b}}}"]
-    if roles and roles.mlp_post:
+    if roles and roles.mlp_post and flow is None:
         L.append(f"      {rel(roles.mlp_post)}: {norm}")
     # each residual branch scaled (MiniCPM's scale_depth / sqrt(layers), Granite's residual_multiplier)
     rs = f", scale: {d.scales['residual']}" if "residual" in d.scales else ""
@@ -159,28 +170,36 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
               if moe is not None and dense and sparse_if is not None else moe_name or mlp_name)    # a block choice
         first, mlp_step = [f"      - parallel: [{step(rel, layer.attn_norm, attn_name, None, rs)}, "
                            f"{step(rel, layer.mlp_norm, ff, None, rs)}]"], []
+    if flow is not None:
+        ff = (f"{{if: {json.dumps(sparse_if)}, then: {moe_name}, else: {mlp_name}, name: {moe.module}}}"
+              if moe is not None and dense and sparse_if is not None else moe_name or mlp_name)
+        first, mlp_step = flow_lines(flow, lambda b: attn_name if b == attn_name else ff, rs), []
     L += ["    dataflow:", *first, *mlp_step,
           f"  norm: {norm}", "",
           "lm_head: {kind: lm_head, vocab: vocab_size, dim: hidden_size"
           + (", tie: tie_word_embeddings" if tied else "") + (", bias: true" if "lm_head.bias" in names else "")
           + (f", logit_scale: {d.scales['logit']}" if "logit" in d.scales else "")
-          + (f", softcap: {d.scales['softcap']}}}" if "softcap" in d.scales else "}"), "", "weights:"]
-    fused = [] if layer.mla else [(qkv_fused, qkv_fused, qb) if qkv_fused else
-                                  (f"{layer.prefix}{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
+          + (f", softcap: {d.scales['softcap']}}}" if "softcap" in d.scales else "}")]
+    prefixes = prefix_lines(layer, layer.parts)         # draft_parts.py
+    L += prefixes + ["", "weights:"]
+    fused = [] if layer.mla else [(f"model.layers.{{i}}.{rel(qkv_fused)}", qkv_fused, qb) if qkv_fused else
+                                  (f"model.layers.{{i}}.{attn_name}.qkv_proj", {"q": q, "k": layer.k, "v": layer.v}, qb)]
     if dense and gate_up_fused:
-        fused.append((gate_up_fused, gate_up_fused, up_b))
+        fused.append((f"model.layers.{{i}}.{rel(gate_up_fused)}", gate_up_fused, up_b))
     elif dense and gated:
-        fused.append((f"{layer.prefix}{mlp_name}.gate_up_proj", {"gate": layer.gate, "up": layer.up}, up_b))
+        fused.append((f"model.layers.{{i}}.{mlp_name}.gate_up_proj", {"gate": layer.gate, "up": layer.up}, up_b))
     for target_name, parts, b in fused:
         for suffix in ("weight", "bias") if b != "false" else ("weight",):
             L.append(f"  {target_name}.{suffix}:")
             if isinstance(parts, str):       # stored stacked: one tensor, split into its segments at load
                 L.append(f"    from: {parts}.{suffix}")
+                if parts == qkv_fused and layer.qkv_layout not in (None, "tensor"):     # draft_qkv.py
+                    L.append(f"    layout: {{interleave: [q, k, v], per: {layer.qkv_layout}}}")
                 continue
             L.append("    from:")
             for seg, src in parts.items():
                 L.append(f"      {seg}: {src}.{suffix}")
-    if layer.final_norm != "model.norm":       # the decoder's `norm` loads from the module the checkpoint names
+    if layer.final_norm != "model.norm" and not any("model.norm.:" in x for x in prefixes):     # the decoder's `norm` loads from the module as named
         L += [f"  model.norm.{p}: {{from: {layer.final_norm}.{p}}}" for p in ("weight", "bias")
               if f"{layer.final_norm}.{p}" in names]
     if layer.attn is not None:

@@ -177,9 +177,10 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
     ("HeliumForCausalLM", ["interleaved"]),
     # Phi's parallel layer is now read from its forward (codegen/draft_layer.py), no longer refused
     ("PhiForCausalLM", ["- parallel: [{norm: input_layernorm, block: self_attn}", "fraction: partial_rotary_factor"]),
-    # Falcon / Bloom name their MLP dense_h_to_4h / dense_4h_to_h: found (the draft failed on "no up/down MLP"),
-    # Falcon's one-norm parallel layer then named as what it is, Bloom's fused per-head qkv and ALiBi flagged
-    ("FalconForCausalLM", ["not a pre-norm decoder layer"]),
+    # Falcon / Bloom name their MLP dense_h_to_4h / dense_4h_to_h: found (the draft failed on "no up/down MLP");
+    # Falcon's parallel layer is now read as data flow under its flags (codegen/draft_flow.py, tests/test_draft_flow.py),
+    # Bloom's fused per-head qkv and ALiBi flagged
+    ("FalconForCausalLM", ["per: kv_group", "parallel: [{norm: ln_attn, block: self_attention}"]),
     ("BloomForCausalLM", ["query_key_value", "no rope parameters"]),
     # flags that add or remove parameters the draft does not wire (q/k LayerNorms, the parallel residual's norm):
     # assumed at their defaults and on the checklist (they were neither read nor assumed: every saved StableLM refused)
