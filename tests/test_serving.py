@@ -281,10 +281,19 @@ def test_max_tokens_past_the_context_is_a_400(server, model_name):
         r = httpx.post(url, json={"model": model_name, "prompt": prompt, "max_tokens": ctx - 2}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         assert f"the prompt has 3, so at most {ctx - 3} can follow" in r.json()["error"]["message"], r.text
-    r = httpx.post(url, json={"model": model_name, "prompt": [5, 6, 7], "max_tokens": ctx - 3, "stop": ["a", "e", " "]},
-                   timeout=60)
+    cap = 96 * 4               # SERVER_ARGS' KV cache, smaller than the context: the limit of one request
+    r = httpx.post(url, json={"model": model_name, "prompt": [5, 6, 7], "max_tokens": min(ctx, cap + 1) - 3,
+                              "stop": ["a", "e", " "]}, timeout=60)
     assert r.status_code == 200, r.text
     assert httpx.post(url, json={"model": model_name, "prompt": [5, 6, 7]}, timeout=60).status_code == 200
+    # the KV cache (96 blocks of 4: 384 tokens) is smaller than the context here: an explicit max_tokens that it
+    # cannot hold for the prompt is a 400 too, never a reply cut short with finish_reason "length"
+    r = httpx.post(url, json={"model": model_name, "prompt": [5] * 300, "max_tokens": cap - 300 + 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert f"so at most {cap - 300 + 1} can follow" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={"model": model_name, "prompt": [5] * 300, "max_tokens": cap - 300 + 1,
+                              "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == cap - 300 + 1, r.text
     chat = server.url + "/v1/chat/completions"
     msgs = [{"role": "user", "content": "hi"}]
     r = httpx.post(chat, json={"model": model_name, "messages": msgs, "max_completion_tokens": ctx}, timeout=30)

@@ -112,6 +112,12 @@ class EngineAdmission:
                              f"{self.max_model_len} tokens and the prompt has {len(token_ids)}, so at most "
                              f"{self.max_model_len - len(token_ids)} can follow (without {must_fit} a request gets "
                              "the rest of the context)")
+        if must_fit and not self.scheduler.fits_at_all(len(token_ids) + params.max_tokens - 1):
+            bm = self.block_manager             # a reply the KV cache cannot hold would end early ("length")
+            room = bm.num_blocks * bm.block_size - len(token_ids) + 1
+            raise ValueError(f"{must_fit}: {params.max_tokens} is too large: the KV cache holds {bm.num_blocks} "
+                             f"blocks of {bm.block_size} tokens, {bm.num_blocks * bm.block_size} tokens of one "
+                             f"request, and the prompt has {len(token_ids)}, so at most {max(room, 0)} can follow")
         if not self.scheduler.fits_at_all(len(token_ids) + 1):
             raise ValueError(f"{where}: prompt of {len(token_ids)} tokens needs more KV blocks than the cache "
                              f"holds ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
