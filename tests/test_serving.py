@@ -203,6 +203,7 @@ def test_tokenize_and_detokenize(server, model_name):
     for path, body, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
                               ("/detokenize", {"tokens": [True]}, "tokens"),
                               ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt"),
+                              ("/tokenize", {"messages": msgs, "chat_template": "{{ x }"}, "chat_template"),
                               ("/tokenize", {"prompt": "a\ud800"}, "prompt"),        # a lone surrogate
                               ("/tokenize", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udc00"}]},
@@ -311,6 +312,7 @@ def test_max_tokens_past_the_context_is_a_400(server, model_name):
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{% for %}"}, "chat_template"),
 ])
 def test_bad_chat_bodies(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)

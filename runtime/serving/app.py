@@ -122,6 +122,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         if engine.tokenizer is None:
             raise APIError("this model has no tokenizer", param="prompt")
         if body.messages is not None:
+            check_template(body)
             rendered = await asyncio.to_thread(render_chat, engine, body.messages, body.chat_template or chat_template,
                                                body.add_generation_prompt, body.tools, body.chat_template_kwargs,
                                                allowed_local_media_path)
@@ -153,6 +154,15 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         if body.model not in (None, model_name, str(engine.model_dir)):
             raise APIError(f"model {body.model!r} does not exist; this server serves {model_name!r}",
                            status=404, param="model", type="not_found_error")
+
+    def check_template(body) -> None:
+        """A chat_template sent in the body that does not compile is a 400 naming it (not a render error of the
+        messages)."""
+        if body.chat_template is not None:
+            from xllm_gen.runtime.engine.chat_template import template_problem
+            problem = template_problem(body.chat_template)
+            if problem:
+                raise APIError(f"chat_template does not compile: {problem}", param="chat_template")
 
     async def precompile(params, where: str, param: str) -> None:
         """Compiles the request's constraint in a worker thread (cached), so that the engine's step never
@@ -392,6 +402,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
         body.check_supported()
+        check_template(body)
         params = body.sampling_params(engine.max_model_len)
         template_tools, parser = plan_tools(body, params, tools_cls)
         where, param = body.structured_where()
