@@ -96,6 +96,9 @@ def kernels(x, M: int, group: int = 128):
         ks["fp8 block128 fma"] = lambda d, cfg=None: Q.fp8_gemm(x, *d["fp8b"], (128, 128), config=cfg, kernel="fma")
         ks["fp8 channel fma"] = lambda d, cfg=None: Q.fp8_gemm(x, d["fp8c"][0], d["fp8c"][1], (1, x.shape[1]),
                                                                config=cfg, kernel="fma")
+    from xllm_gen.runtime.ops import quant_int4_codes as C
+    if C.fits(M, x.shape[1], group, x.dtype):       # the tensor cores over the raw codes (ops/quant_int4_codes.py)
+        ks["int4 g128 codes"] = lambda d, cfg=None: C.int4_codes_gemm(x, *d["int4"], group, config=cfg)
     if hasattr(torch.ops.aten, "_weight_int4pack_mm"):      # tinygemm (gpt-fast / torchao's int4 weight-only)
         ks["int4 g128 tinygemm"] = lambda d: torch.ops.aten._weight_int4pack_mm(x, d["tinygemm"]()[0], group,
                                                                                  d["tinygemm"]()[1])
@@ -125,6 +128,10 @@ def candidates(name: str, M: int, N: int, K: int) -> list:
     if name.endswith("fma"):
         return [T.skinny_gemm_config(M, N, K, 1)], T.skinny_gemm_candidates(M, N, K, 1) + [
             (bn, bk, w, 1) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (2, 4, 8)]
+    if name.endswith("codes"):
+        from xllm_gen.runtime.ops import quant_int4_codes as C
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return [C.codes_config(M, N, K, 128, sms)], C.codes_candidates(M, N, K, 128, sms)
     if name.endswith("splitk"):
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return [S.splitk_config(M, N, K, int4, s_cols, sms)], S.splitk_candidates(M, N, K, int4, s_cols, sms)
@@ -178,7 +185,7 @@ def bench_gemms(args) -> list:
                 row.update(us=round(us, 2), gbs=round(weight_bytes(name, N, K) / us / 1e3, 1),
                            vs_bf16_cublas=round(us / base_us, 3) if base_us else None, rel_err=err,
                            ok=err < (0.05 if "_scaled_mm" in name or "act quant" in name else 0.01))
-                if args.sweep and name.endswith(("mma", "splitk", "fma")):
+                if args.sweep and name.endswith(tuple(args.sweep_kernels.split(","))):
                     table, cands = candidates(name, M, N, K)
                     timed = []
                     for cfg in cands:
@@ -284,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_quant.md"))
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-kernels", default="mma,splitk,fma,codes", help="kernels --sweep times the configs of")
     ap.add_argument("--only", default="", help="kernels whose name holds one of these (comma list; bf16 cuBLAS kept)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table (e.g. only --e2e)")
     ap.add_argument("--e2e", default="", help="Qwen3 variants for the decode-TPOT arm, e.g. Qwen3-0.6B,Qwen3-8B, "

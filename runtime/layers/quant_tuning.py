@@ -3,11 +3,11 @@
 For every distinct (form, N, K, group / block, dtype) of a model's packed layers (quant_linear.PackedInt4 /
 PackedFp8 on CUDA) and every decode row count up to quant_splitk.SPLITK_MAX_M: the tensor-core tile
 (quant_gemv's launch table) against the split-K GEMV in its table config and a few neighbours
-(quant_splitk.splitk_candidates), and, for int4 layers with bf16 activations that hold its layout, tinygemm
-(ops/quant_tinygemm.py), for fp8 layers up to 8 rows the skinny GEMM streaming the float8 weight in a few launch
-configs (ops/skinny_fma.py fp8_skinny_gemm), each over all the layers' weights of that shape in turn (repeated to about 96 MB, so they
-stream from HBM as in a decode step), in a CUDA graph. Another kernel is taken over the tensor-core tile when it
-beats `margin` x the best time so far; the decision goes to quant_gemv.QUANT_GEMV_CHOICE (every later call of the
+(quant_splitk.splitk_candidates), and, for int4 layers, the tensor cores over the raw codes (ops/quant_int4_codes.py)
+and, with bf16 activations and its layout, tinygemm (ops/quant_tinygemm.py); for fp8 layers up to 8 rows the skinny
+GEMM streaming the float8 weight in a few launch configs (ops/skinny_fma.py fp8_skinny_gemm); each over all the
+layers' weights of that shape in turn (repeated to about 96 MB, so they stream from HBM as in a decode step), in a
+CUDA graph. Another kernel is taken over the tensor-core tile when it beats `margin` x the best time so far; the decision goes to quant_gemv.QUANT_GEMV_CHOICE (every later call of the
 process) and to ops/tuning_cache.py's file (every later start on this GPU and software). Row counts between
 measured ones take the next measured count's decision (the bucket they are padded to: eager and graph decode run
 the same kernel). Only under XLLM_QUANT_GEMV=auto; a kernel that fails to build or run is logged and the
@@ -26,6 +26,7 @@ CANDIDATES = 4          # split-K configs timed per shape: the table's and the f
 # the tile's 18-55, 871 us on down at 16: ARCHITECTURE.md), and each timed config is a Triton compile at start-up
 # (~190 s for int4 on a fresh host before this bound)
 SPLITK_TUNE_MAX_M = 2
+CODES_CANDIDATES = 2    # configs of the int4 raw-code tensor-core kernel timed per shape (the table's and one more)
 
 
 def _call(p, x, b, kernel, cfg):
@@ -41,8 +42,8 @@ def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes:
     from xllm_gen.runtime.layers.linear import _Linear, graph_time_ms
     from xllm_gen.runtime.layers.quant_linear import PackedInt4
     from xllm_gen.runtime.ops import quant_gemv as Q
+    from xllm_gen.runtime.ops import quant_int4_codes, tuning_cache
     from xllm_gen.runtime.ops import quant_splitk as S
-    from xllm_gen.runtime.ops import tuning_cache
     from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, fp8_fits, skinny_gemm_candidates
     if Q.QUANT_GEMV_MODE != "auto":
         return {}
@@ -84,6 +85,11 @@ def tune_quant_gemvs(model: nn.Module, rows, margin: float = 0.95, stream_bytes:
                         t_tiny = graph_time_ms(lambda: [_call(p, x, b, "tinygemm", None) for p, b in seq]) / len(seq)
                         if t_tiny < margin * t_best:
                             best, t_best = "tinygemm", t_tiny
+                    if kind == "int4" and quant_int4_codes.fits(M, K, s_cols, dt):
+                        for cfg in quant_int4_codes.codes_candidates(M, N, K, s_cols, sms)[:CODES_CANDIDATES]:
+                            t_codes = graph_time_ms(lambda: [_call(p, x, b, "codes", cfg) for p, b in seq]) / len(seq)
+                            if t_codes < margin * t_best:
+                                best, t_best = ("codes", *cfg), t_codes
                     if kind == "fp8" and M <= SKINNY_MAX_M and fp8_fits(K, (1, s_cols)):
                         for cfg in skinny_gemm_candidates(M, N, K, 1)[:CANDIDATES]:
                             t_fma = graph_time_ms(lambda: [_call(p, x, b, "fma", cfg) for p, b in seq]) / len(seq)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xllm_gen.runtime.ops import quant_tinygemm
+from xllm_gen.runtime.ops import quant_int4_codes, quant_tinygemm
 from xllm_gen.runtime.ops.quant_splitk import SPLITK_MAX_M, splitk_gemv
 from xllm_gen.runtime.ops.skinny_fma import SKINNY_MAX_M, fp8_fits, fp8_skinny_gemm
 
@@ -167,9 +167,11 @@ def _launch(x, q, s, z, bias, N, K, s_rows, s_cols, int4, config):
 # "tinygemm": auto takes it up to TINYGEMM_AUTO_MAX_M rows where nothing was measured; XLLM_QUANT_GEMV=tinygemm
 # forces it where the layer has it. fp8 layers up to 8 rows have the skinny GEMM streaming the float8 weight
 # (ops/skinny_fma.py fp8_skinny_gemm, "fma"): taken where measured faster, or forced by XLLM_QUANT_GEMV=fma.
+# int4 layers with 1-16 bf16 / fp16 rows have the tensor cores over the raw codes (ops/quant_int4_codes.py,
+# "codes"): taken where measured faster, or forced by XLLM_QUANT_GEMV=codes where the shape fits.
 QUANT_GEMV_MODE = os.environ.get("XLLM_QUANT_GEMV", "auto").strip().lower() or "auto"
-if QUANT_GEMV_MODE not in ("auto", "splitk", "mma", "tinygemm", "fma"):
-    raise ValueError(f"XLLM_QUANT_GEMV={QUANT_GEMV_MODE!r}: 'auto', 'splitk', 'mma', 'tinygemm' or 'fma'")
+if QUANT_GEMV_MODE not in ("auto", "splitk", "mma", "tinygemm", "fma", "codes"):
+    raise ValueError(f"XLLM_QUANT_GEMV={QUANT_GEMV_MODE!r}: 'auto', 'splitk', 'mma', 'tinygemm', 'fma' or 'codes'")
 TINYGEMM_AUTO_MAX_M = 4
 # rows up to which `auto` takes split-K for a shape nothing measured. H200, an 8B model's qkv 6144 x 4096 (bench/bench_quant.py
 # --sweep, bench/results/h200_quant_splitk.md): int4 split-K 12.8 / 16.4 us at M = 1 / 2 against 24.8 / 25.0 for
@@ -184,16 +186,21 @@ SPLITK_AUTO_MAX_M = {"int4": 1, "fp8": 0}
 # against 35.1: bench/results/h200_quant_fma_2026-12-04.md)
 FMA_AUTO_MAX_M = 2
 # (kind "int4" | "fp8", M, N, K, scale columns (group / block), activation dtype) -> "mma" | "tinygemm" | a split-K
-# launch config (tuple of ints) | ("fma", BLOCK_N, BLOCK_K, num_warps, num_stages): measured per shape
+# launch config (tuple of ints) | ("fma", BLOCK_N, BLOCK_K, num_warps, num_stages) | ("codes", BLOCK_N, BLOCK_K,
+# CHUNK, num_warps, num_stages): measured per shape
 QUANT_GEMV_CHOICE: dict = {}
 
 
 def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype,
                 tinygemm: bool = False) -> tuple[str, Optional[tuple]]:
-    """("splitk" | "mma" | "tinygemm" | "fma", launch config or None) for a call of M rows; `tinygemm`: the layer
-    holds that layout (int4, bf16); "fma" only for fp8 scales of 16-column multiples (or one block a row)."""
+    """("splitk" | "mma" | "tinygemm" | "fma" | "codes", launch config or None) for a call of M rows; `tinygemm`:
+    the layer holds that layout (int4, bf16); "fma" only for fp8 scales of 16-column multiples (or one block a row);
+    "codes" only for int4 shapes quant_int4_codes.fits."""
     if QUANT_GEMV_MODE == "tinygemm" and tinygemm:
         return "tinygemm", None
+    codes_fits = kind == "int4" and quant_int4_codes.fits(M, K, s_cols, dtype)
+    if QUANT_GEMV_MODE == "codes" and codes_fits:
+        return "codes", None
     fma_fits = kind == "fp8" and M <= SKINNY_MAX_M and fp8_fits(K, (1, s_cols))
     if QUANT_GEMV_MODE == "fma" and fma_fits:
         return "fma", None
@@ -212,6 +219,8 @@ def gemv_choice(kind: str, M: int, N: int, K: int, s_cols: int, dtype,
         return ("splitk" if M <= SPLITK_AUTO_MAX_M[kind] else "mma"), None
     if isinstance(c, tuple) and c[:1] == ("fma",):
         return ("fma", tuple(c[1:])) if fma_fits else ("mma", None)
+    if isinstance(c, tuple) and c[:1] == ("codes",):
+        return ("codes", tuple(c[1:])) if codes_fits else ("mma", None)
     return ("splitk", c) if isinstance(c, tuple) else (c, None)
 
 
@@ -220,10 +229,11 @@ def _pick(kind, x, N, K, s_cols, config, kernel, tinygemm=False):
         if config is not None:
             return "mma", config
         return gemv_choice(kind, x.shape[0], N, K, s_cols, x.dtype, tinygemm)
-    if (kernel not in ("splitk", "mma", "tinygemm", "fma") or (kernel == "tinygemm" and not tinygemm)
-            or (kernel == "fma" and kind != "fp8")):
-        raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk', 'mma', (int4 with its layout) 'tinygemm' or "
-                         "(fp8) 'fma'")
+    if (kernel not in ("splitk", "mma", "tinygemm", "fma", "codes") or (kernel == "tinygemm" and not tinygemm)
+            or (kernel == "fma" and kind != "fp8")
+            or (kernel == "codes" and not (kind == "int4" and quant_int4_codes.fits(x.shape[0], K, s_cols, x.dtype)))):
+        raise ValueError(f"{kind}_gemm: kernel {kernel!r}: 'splitk', 'mma', (int4 with its layout) 'tinygemm', "
+                         "(fp8) 'fma' or (int4, 1-16 bf16 / fp16 rows, groups tiling K / 8) 'codes'")
     return kernel, config
 
 
@@ -231,7 +241,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
               bias: Optional[torch.Tensor] = None, config: Optional[tuple] = None, kernel: Optional[str] = None,
               locks: Optional[torch.Tensor] = None, tinygemm: Optional[tuple] = None) -> torch.Tensor:
     """x [M, K] @ dequant_int4(qweight [N, K/8] int32, scales [N, K/g], zeros uint8 [N, K/g])^T (+ bias [N]).
-    kernel: "splitk" / "mma" / "tinygemm" / None (gemv_choice; a `config` alone means the tensor-core kernel's);
+    kernel: "splitk" / "mma" / "tinygemm" / "codes" / None (gemv_choice; a `config` alone means the tensor-core
+    kernel's);
     locks: the layer's split-K counters (quant_splitk.new_lock_buffer); tinygemm: the same weight in tinygemm's
     layout (quant_tinygemm.pack), used for bf16 activations."""
     N, KW = qweight.shape
@@ -246,6 +257,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         return quant_tinygemm.gemm(x, tinygemm, group, bias)
     if kernel == "splitk":
         return splitk_gemv(x, qweight, scales, zeros, bias, N, K, 1, group, True, config, locks)
+    if kernel == "codes":
+        return quant_int4_codes.int4_codes_gemm(x, qweight, scales, zeros, group, bias, config, locks)
     return _launch(x, qweight, scales, zeros, bias, N, K, 1, group, True, config)
 
 

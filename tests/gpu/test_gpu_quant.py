@@ -95,8 +95,11 @@ def test_int4_gemm_cuda(M):
         ref = torch.nn.functional.linear(x, Q.dequant_int4(qw, s, z, g, torch.bfloat16), b)
         from xllm_gen.runtime.ops import quant_tinygemm as TG
         tiny, tiny_bad = TG.pack(codes, s, z, g), TG.pack(codes, s, (z + 1) % 16, g)
-        # the tensor-core tile, the split-K GEMV (ops/quant_splitk.py) and torch's tinygemm (ops/quant_tinygemm.py)
-        for kernel in ("mma", "splitk") + (("tinygemm",) if tiny is not None else ()):
+        # the tensor-core tile, the split-K GEMV (ops/quant_splitk.py), torch's tinygemm (ops/quant_tinygemm.py) and
+        # the tensor cores over the raw codes (ops/quant_int4_codes.py: the bf16 magic, which the interpreter can't)
+        from xllm_gen.runtime.ops import quant_int4_codes as QC
+        for kernel in (("mma", "splitk") + (("tinygemm",) if tiny is not None else ())
+                       + (("codes",) if QC.fits(M, K, g, x.dtype) else ())):
             e = _rel_err(Q.int4_gemm(x, qw, s, z, g, b, kernel=kernel, tinygemm=tiny), ref)
             bad = _rel_err(Q.int4_gemm(x, qw, s, (z + 1) % 16, g, b, kernel=kernel, tinygemm=tiny_bad), ref)
             print(f"\n[int4 g{g} {kernel}] M {M} N {N} K {K}: relative error {e:.2e} (zeros off by one: {bad:.2e})")
@@ -198,11 +201,12 @@ def test_quant_gemms_in_cuda_graph():
     x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
     from xllm_gen.runtime.ops import quant_tinygemm as TG
     tiny = TG.pack(Q.unpack_int4(qw), s, z, 128)
-    # split-K: its counters zero again after every call, graph or not; tinygemm (int4 only, the fp8 call takes mma)
+    # split-K and codes: their counters zero again after every call, graph or not; tinygemm and codes (int4 only, the
+    # fp8 call takes mma)
     # fma: the fp8 skinny GEMM (its int4 call takes mma)
-    for kernel in ("mma", "splitk", "fma") + (("tinygemm",) if tiny is not None else ()):
+    for kernel in ("mma", "splitk", "fma", "codes") + (("tinygemm",) if tiny is not None else ()):
         fn = lambda: (Q.int4_gemm(x, qw, s, z, 128, kernel=kernel if kernel != "fma" else "mma", tinygemm=tiny),  # noqa: E731
-                      Q.fp8_gemm(x, w8, s8, (128, 128), kernel=kernel if kernel != "tinygemm" else "mma"))
+                      Q.fp8_gemm(x, w8, s8, (128, 128), kernel=kernel if kernel not in ("tinygemm", "codes") else "mma"))
         out = fn()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
