@@ -323,3 +323,44 @@ def test_slow_compile_is_a_400_and_never_starves_chat():
         assert r.status_code == 200
         assert all(t.daemon for t in threading.enumerate() if t.name.startswith("xllm-grammar"))
         release.set()
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_the_engine():
+    """A text prompt many times the context's length in characters is tokenized in a worker thread of the API
+    process and refused there (the engine's message, naming prompt[i] / messages): the engine, which tokenizes
+    what it admits on its step loop, never sees it, so a multi-megabyte prompt cannot stall the other requests'
+    steps. A batch with one such prompt admits none of them; a short prompt goes to the engine untouched."""
+    where: list = []
+
+    class Tok(ScriptTokenizer):
+        def encode(self, text, add_special_tokens=False):
+            try:
+                asyncio.get_running_loop()
+                where.append("event loop")
+            except RuntimeError:
+                where.append("worker")
+            return super().encode(text, add_special_tokens)
+
+    stub = ScriptedEngine("x", tokenizer=Tok())
+    added: list = []
+    scripted = stub.add
+
+    async def add(rid, prompt, params):
+        added.append(prompt)
+        return await scripted(rid, prompt, params)
+
+    stub.add = add
+    huge = "x" * 5000                                # the stub's context: 64 tokens
+    with _client(stub) as c:
+        for path, body, param, start in (
+                ("/v1/completions", {"prompt": huge}, "prompt", "prompt of 5000 tokens does not fit the model's"),
+                ("/v1/completions", {"prompt": ["ok", huge]}, "prompt", "prompt[1]: prompt of 5000 tokens"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages",
+                 "messages: the conversation, rendered by the chat template: prompt of 50")):
+            r = c.post(path, json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and err["message"].startswith(start), r.text
+        assert added == [] and where and set(where) == {"worker"}, (added, where)
+        where.clear()
+        assert c.post("/v1/completions", json={"prompt": "ok"}).status_code == 200
+        assert [p["prompt"] for p in added] == ["ok"] and where == []

@@ -34,6 +34,10 @@ from xllm_gen.runtime.serving.protocol import (
 
 logger = logging.getLogger("xllm_gen.serving")
 
+# a text prompt longer than this many characters per context token is tokenized in the API process first (a worker
+# thread) and refused there if it does not fit: the engine would tokenize it on its step loop (app.far_too_long)
+PRECHECK_CHARS_PER_TOKEN = 8
+
 # ------------------------------------------------------------------------------------ the app
 def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
@@ -193,15 +197,35 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         except QueueFullError as e:
             raise APIError(str(e), status=503, type="server_overloaded") from None
         except ValueError as e:
-            msg = str(e).replace(f"request {rid}: ", "")
-            param = param_of(msg) or "prompt"
-            if param == "prompt" and name == "messages":
-                param, msg = "messages", f"messages: the conversation, rendered by the chat template: {msg}"
-            elif param == "prompt" and (name is not None or msg.startswith("prompt_token_ids: ")):
-                msg = f"{name or 'prompt'}: {msg.removeprefix('prompt_token_ids: ')}"
-            raise APIError(msg, param=param) from None
+            raise refusal(str(e).replace(f"request {rid}: ", ""), name) from None
         except RuntimeError as e:
             raise APIError(str(e), status=503, type="server_error") from None
+
+    def refusal(msg: str, name: Optional[str]) -> APIError:
+        """The 400 of an admission error `msg` about the prompt named `name` (see admit)."""
+        param = param_of(msg) or "prompt"
+        if param == "prompt" and name == "messages":
+            param, msg = "messages", f"messages: the conversation, rendered by the chat template: {msg}"
+        elif param == "prompt" and (name is not None or msg.startswith("prompt_token_ids: ")):
+            msg = f"{name or 'prompt'}: {msg.removeprefix('prompt_token_ids: ')}"
+        return APIError(msg, param=param)
+
+    async def far_too_long(prompt: Any) -> Optional[str]:
+        """The engine's refusal of a text prompt longer than PRECHECK_CHARS_PER_TOKEN characters a context token,
+        found by tokenizing it here, in a worker thread: the engine tokenizes what it admits on its step loop, where
+        a multi-megabyte prompt would stall every other request's steps for seconds. None when the prompt is not
+        such a text, or fits (the engine then admits it as any other)."""
+        text = prompt.get("prompt") if isinstance(prompt, dict) and not prompt.get("multi_modal_data") else None
+        limit, tok = engine.max_model_len, engine.tokenizer
+        if not isinstance(text, str) or tok is None or len(text) <= PRECHECK_CHARS_PER_TOKEN * limit:
+            return None
+        try:
+            n = len(await asyncio.to_thread(tok.encode, text, add_special_tokens=prompt.get("add_special_tokens", True)))
+        except Exception:                # the engine's admission names what is wrong with it
+            return None
+        if n < limit:
+            return None
+        return f"prompt of {n} tokens does not fit the model's context of {limit} tokens (max_model_len)"
 
     async def admit_all(base: str, prompts: list, params, batched: bool = False, body=None,
                         field: Optional[str] = None) -> list:
@@ -210,6 +234,10 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         body field an unbatched prompt's error names (a chat's "messages")."""
         if body is not None and body._max_tokens() is not None:
             prompts = [{**p, "max_tokens_must_fit": body._max_tokens_field()} for p in prompts]
+        for i, p in enumerate(prompts):           # before any is admitted: a refused batch admits none
+            msg = await far_too_long(p)
+            if msg is not None:
+                raise refusal(msg, f"prompt[{i}]" if batched else field)
         queues = []
         try:
             for i, p in enumerate(prompts):
