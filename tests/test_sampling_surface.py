@@ -270,6 +270,18 @@ def test_the_stop_token_is_not_in_the_text(qwen3_tied, make_llm):
         eng.detokenize = True
 
 
+def test_stop_strings_need_a_tokenizer(qwen3_tied, make_llm, monkeypatch):
+    """Without a tokenizer no stop string can match: a request with `stop` is refused naming the field (it ran to
+    max_tokens, the stop silently ignored), alone; token ids with stop_token_ids are served."""
+    llm = make_llm(qwen3_tied)
+    monkeypatch.setattr(llm.engine, "tokenizer", None)
+    ids = {"prompt_token_ids": [5, 17, 99, 3]}
+    outs = llm.generate([ids, ids], [_sp(max_tokens=4, stop=["a"]), _sp(max_tokens=4, stop_token_ids=[7])],
+                        on_error="return")
+    assert outs[0].error and outs[0].error.startswith("request 0: stop: ") and "tokenizer" in outs[0].error
+    assert outs[1].error is None and outs[1].outputs[0].token_ids
+
+
 def test_prompt_logprobs_match_hf(qwen3_tied, make_llm):
     llm = make_llm(qwen3_tied, enable_chunked_prefill=True, max_num_batched_tokens=5)
     ids = [random.Random(0).randrange(400) for _ in range(13)]

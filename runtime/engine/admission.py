@@ -121,6 +121,9 @@ class EngineAdmission:
         if not self.scheduler.fits_at_all(len(token_ids) + 1):
             raise ValueError(f"{where}: prompt of {len(token_ids)} tokens needs more KV blocks than the cache "
                              f"holds ({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+        if params.stop and self.tokenizer is None:      # no text to find them in: never silently ignored
+            raise ValueError(f"{where}: stop: stop strings need a tokenizer and this checkpoint has none; use "
+                             "stop_token_ids")
         if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"{where}: logit_bias: token id {max(params.logit_bias)} out of vocabulary "
                              f"(size {self.vocab_size})")
