@@ -214,6 +214,21 @@ def test_tokenize_and_detokenize(server, model_name):
     assert "Traceback" not in server.log.read_text()
 
 
+def test_text_part_kinds_render_as_text(server, model_name):
+    """vLLM's text content parts besides "text": "input_text" / "output_text" (the Responses API's names) and an
+    assistant's "refusal" render as the text they hold (they were a 400 "unsupported content part type")."""
+    plain = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "no"},
+             {"role": "user", "content": "ok"}]
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "hi "}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+             {"role": "user", "content": [{"type": "output_text", "text": "ok"}]}]
+    assert _post(server, "/tokenize", {"messages": parts})["tokens"] == \
+        _post(server, "/tokenize", {"messages": plain})["tokens"]
+    _post(server, "/v1/chat/completions", {"model": model_name, "messages": parts, "max_tokens": 1})
+    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": [{"type": "refusal"}]}]})
+    assert r.status_code == 400 and "messages[0].content[0]: a 'refusal' part needs 'refusal'" in r.text, r.text
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "top_p": 7}, "top_p"),
     ({"prompt": "x", "max_tokens": "abc"}, "max_tokens"),

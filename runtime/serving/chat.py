@@ -114,6 +114,10 @@ def _turn(msg, content) -> dict:
     return turn
 
 
+# content part kinds that hold text (vLLM's): the kind -> the key of its text
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def render_chat(engine, messages: list, chat_template: Optional[str] = None,
                 add_generation_prompt: bool = True, tools: Optional[list] = None,
                 template_kwargs: Optional[dict] = None, allowed_media: Optional[str] = None,
@@ -142,10 +146,12 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
         for k, part in enumerate(content):
             where = f"messages[{m}].content[{k}]"
             kind = part.get("type")
-            if kind == "text":
-                if not isinstance(part.get("text"), str):
-                    raise APIError(f"{where}: a text part needs 'text' (a string)", param="messages")
-                parts.append({"type": "text", "text": part["text"]})
+            if kind in _TEXT_PARTS:           # vLLM's text kinds: the Responses API's names, an assistant's refusal
+                key = _TEXT_PARTS[kind]
+                if not isinstance(part.get(key), str):
+                    raise APIError(f"{where}: a {kind!r} part needs {key!r} (a string)",
+                                   param="messages")
+                parts.append({"type": "text", "text": part[key]})
             elif kind in ("image_url", "image", "input_image"):
                 if not multimodal:
                     raise APIError(f"{where}: this model takes no images", param="messages")
