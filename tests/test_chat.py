@@ -56,6 +56,24 @@ def test_a_bad_conversation_fails_alone(qwen3_tied, make_llm):
     assert e.value.outputs[0].outputs[0].token_ids == want
 
 
+def test_continue_final_message(qwen3_tied, make_llm):
+    """vLLM's LLM.chat(continue_final_message=True): the last (assistant) message is left open for the reply to
+    continue, the prompt as transformers' template renders it; with add_generation_prompt it is a ValueError, and an
+    argument LLM.chat does not have is a TypeError naming LLM.chat (it named the private LLM._run)."""
+    llm = make_llm(qwen3_tied)
+    conv = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+    tok = hf_tokenizer(qwen3_tied)
+    text = tok.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert text.endswith("Once upon a")
+    out = llm.chat(conv, _sp(), add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == text
+    assert out.outputs[0].token_ids == llm.generate([text], _sp())[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conv, _sp(), continue_final_message=True)
+    with pytest.raises(TypeError, match="chat"):
+        llm.chat(conv, _sp(), no_such_argument=True)
+
+
 BROKEN = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
 
 

@@ -138,13 +138,21 @@ class LLM:
              sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *,
              chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              mm_processor_kwargs: Optional[dict] = None, chat_template_kwargs: Optional[dict] = None,
-             tools: Optional[list] = None, **generate_kwargs: Any) -> list[RequestOutput]:
+             tools: Optional[list] = None, continue_final_message: bool = False, on_error: str = "raise",
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, rendered with the checkpoint's chat
         template (its processor's for multimodal checkpoints). Content parts {"type": "image", "image": PIL}
         and {"type": "video", "video": frames} become placeholders plus multi_modal_data, in order.
-        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` (OpenAI's list) reach the template.
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` (OpenAI's list) reach the template;
+        `continue_final_message` (vLLM's; with add_generation_prompt=False): the last message is left open and the
+        reply continues it.
         A conversation that cannot be rendered (malformed messages, the template's own error) fails alone, as a bad
         prompt does in `generate`: named by its index, the others served, `on_error` as there."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true (pass "
+                             "add_generation_prompt=False)")
+        if continue_final_message:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "continue_final_message": True}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         engine = self.engine
         renderer = engine.mm_processor.processor if engine.mm_processor is not None else engine.tokenizer
@@ -166,7 +174,7 @@ class LLM:
             except ValueError as e:
                 prompts.append(None)
                 failed[i] = str(e)
-        return self._run(prompts, sampling_params, failed=failed, **generate_kwargs)
+        return self._run(prompts, sampling_params, failed=failed, on_error=on_error, use_tqdm=use_tqdm)
 
     @staticmethod
     def _chat_prompt(renderer, conv, chat_template, add_generation_prompt, tools, chat_template_kwargs,
