@@ -282,6 +282,21 @@ def test_stop_strings_need_a_tokenizer(qwen3_tied, make_llm, monkeypatch):
     assert outs[1].error is None and outs[1].outputs[0].token_ids
 
 
+def test_vllm_none_values(qwen3_tied, make_llm):
+    """vLLM's SamplingParams take None for stop and stop_token_ids (none) and for max_tokens (up to the context's
+    end); scripts that pass them through were refused."""
+    from xllm_gen import SamplingParams
+
+    llm = make_llm(qwen3_tied, max_model_len=24)
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, stop=None, stop_token_ids=None, max_tokens=None)
+    assert (sp.stop, sp.stop_token_ids, sp.max_tokens) == ([], [], None)
+    out = llm.generate([{"prompt_token_ids": [5, 17, 99, 3]}], sp)[0].outputs[0]
+    assert len(out.token_ids) == 24 - 4 and out.finish_reason == "length"
+    assert sp.max_tokens is None                             # the caller's object is not changed
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=None, min_tokens=-1)
+
+
 def test_prompt_logprobs_match_hf(qwen3_tied, make_llm):
     llm = make_llm(qwen3_tied, enable_chunked_prefill=True, max_num_batched_tokens=5)
     ids = [random.Random(0).randrange(400) for _ in range(13)]
@@ -322,7 +337,7 @@ def _clean(llm):
     ("temperature", float("nan")), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("max_tokens", 0),
     ("max_tokens", 2.5), ("n", 0), ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", float("inf")),
     ("repetition_penalty", 0.0), ("logit_bias", {"a": 1}), ("logit_bias", {1: float("nan")}), ("logprobs", 10 ** 6),
-    ("prompt_logprobs", -1), ("seed", 1.5), ("stop_token_ids", None), ("stop", [""]), ("stop", 5),
+    ("prompt_logprobs", -1), ("seed", 1.5), ("stop_token_ids", [None]), ("stop", [""]), ("stop", 5),
     ("stop", ["\ud800"]), ("skip_special_tokens", "yes"), ("min_tokens", 99), ("ignore_eos", None),
 ])
 def test_fields_changed_after_construction_are_revalidated(qwen3_tied, make_llm, field, value):

@@ -49,6 +49,8 @@ class EngineAdmission:
             raise ValueError(f"{where}: {e}") from None
         except Exception as e:         # an attribute deleted or replaced by something odd
             raise ValueError(f"{where}: sampling params are malformed ({type(e).__name__}: {e})") from None
+        if params.max_tokens is None:  # vLLM's: up to the end of the context (the private copy's bound)
+            params.max_tokens = self.max_model_len
         text, mm_inputs = None, None
         if isinstance(prompt, str):
             text, token_ids = prompt, None

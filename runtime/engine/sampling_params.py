@@ -57,10 +57,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0       # OpenAI: - penalty * count in the output
     repetition_penalty: float = 1.0      # HF/CTRL: over prompt and output, logit / p if > 0 else logit * p
     logit_bias: Optional[Dict[int, float]] = None   # token id -> added to its logit (clamped to [-100, 100])
-    max_tokens: int = 16
+    max_tokens: Optional[int] = 16       # None: up to the end of the context (vLLM's)
     ignore_eos: bool = False
-    stop_token_ids: List[int] = field(default_factory=list)
-    stop: List[str] = field(default_factory=list)    # stop strings (excluded from .text, as in vLLM)
+    stop_token_ids: List[int] = field(default_factory=list)     # None: none (vLLM's)
+    stop: List[str] = field(default_factory=list)    # stop strings (excluded from .text, as in vLLM); None: none
     include_stop_str_in_output: bool = False
     min_tokens: int = 0                  # EOS and stop tokens cannot be sampled before this many tokens
     seed: Optional[int] = None           # per-request generator: same output whatever the batch around it
@@ -76,6 +76,10 @@ class SamplingParams:
         self._plain_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         problems = self.problems()
@@ -98,8 +102,8 @@ class SamplingParams:
         p: list[str] = []
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             p.append(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            p.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            p.append(f"max_tokens must be an integer >= 1 or None (the rest of the context), got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             p.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -128,10 +132,10 @@ class SamplingParams:
                 p.append(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if self.seed is not None and not _is_int(self.seed):
             p.append(f"seed must be an integer, got {self.seed!r}")
-        sti = self.stop_token_ids
+        sti = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(sti, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in sti):
             p.append("stop_token_ids must be a list of token ids (integers >= 0)")
-        stop = self.stop
+        stop = [] if self.stop is None else self.stop
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(t, str) and t for t in stop):
@@ -165,8 +169,8 @@ class SamplingParams:
         problems = c.problems()
         if problems:
             raise ValueError("; ".join(problems))
-        c.stop = [c.stop] if isinstance(c.stop, str) else list(c.stop)
-        c.stop_token_ids = list(c.stop_token_ids)
+        c.stop = [c.stop] if isinstance(c.stop, str) else list(c.stop or ())
+        c.stop_token_ids = list(c.stop_token_ids or ())
         c.logit_bias = dict(c.logit_bias) if c.logit_bias else None
         c.temperature = float(c.temperature)
         if c.temperature < GREEDY_EPS:
