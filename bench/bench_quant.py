@@ -187,6 +187,8 @@ def bench_gemms(args) -> list:
                            ok=err < (0.05 if "_scaled_mm" in name or "act quant" in name else 0.01))
                 if args.sweep and name.endswith(tuple(args.sweep_kernels.split(","))):
                     table, cands = candidates(name, M, N, K)
+                    if args.configs:        # the configs given, for a short sweep (kept only where they fit)
+                        cands = [tuple(c) for c in json.loads(args.configs)]
                     timed = []
                     for cfg in cands:
                         try:
@@ -291,6 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "h200_quant.md"))
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--configs", default="", help="JSON list of launch configs --sweep times instead of the candidates")
     ap.add_argument("--sweep-kernels", default="mma,splitk,fma,codes", help="kernels --sweep times the configs of")
     ap.add_argument("--only", default="", help="kernels whose name holds one of these (comma list; bf16 cuBLAS kept)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM table (e.g. only --e2e)")
