@@ -76,7 +76,11 @@ class Draft:
     scales: dict = field(default_factory=dict)
 
 
-def _snake(cls_name: str) -> str:
+def _snake(cls_name: str, model_type: str = "") -> str:
+    """The spec's name: the config's model_type (`gpt_neox`, `llama4_text` -> `llama4`), else the class's."""
+    mt = re.sub(r"_text(_model)?$", "", re.sub(r"[-.]", "_", (model_type or "").lower()))
+    if re.fullmatch(r"[a-z][a-z0-9_]*", mt):
+        return mt
     base = re.sub(r"(ForCausalLM|LMHeadModel)$", "", cls_name)
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower() or "model"
 
@@ -201,7 +205,7 @@ def draft_spec(target: str, name: str | None = None) -> tuple[str, Draft]:
     values = dict(full)
     if raw is not None:
         values.update(raw)
-    d = Draft(arch, name or _snake(arch), re.sub(r"(ForCausalLM|LMHeadModel)$", "", arch) or "Model", values)
+    d = Draft(arch, name or _snake(arch, getattr(type(config), "model_type", "")), re.sub(r"(ForCausalLM|LMHeadModel)$", "", arch) or "Model", values)
     names = set(_meta_params(cls, config))
     prefix = _layer_prefix(d, names)
     moe = find_moe(d, cls, config, prefix)

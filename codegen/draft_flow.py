@@ -14,7 +14,9 @@ config flags its `if`s test:
   - the flags the `if` tests read (their values: both of a bool, the constants an int is compared with) are tried
     together: where the forms differ, a test of the forward, translated into a spec expression, that tells them
     apart on every combination that builds becomes the `dataflow: {if: ...}` choice. Where more than two forms
-    remain, the fewest flags are held at their defaults (config_assume) and named on the checklist.
+    remain, two of one residual shape whose norms differ only in name are drafted as one, the norms loading from the
+    other's tensors where another test says so (draft_forms.py); failing that, the fewest flags are held at their
+    defaults (config_assume) and named on the checklist.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import ast
 import itertools
 from dataclasses import dataclass
 
+from .draft_forms import merge_groups, renames, separates, shape
 from .draft_source import class_source, meta_model, self_assignments, translate
 
 PASS_METHODS = ("to", "float", "type_as", "contiguous", "clone", "view_as", "half", "bfloat16")
@@ -61,6 +64,8 @@ class Flow:
     name: str | None = None
     symbols: dict | None = None      # symbol -> its flow mapping text (the flags `cond` reads)
     held: dict | None = None         # flag -> the default it is held at (another form there)
+    members: list | None = None      # every form read (a merged form's others among them)
+    renames: list | None = None      # (norm, the name it loads from as a `{...}` expression, its parameters)
 
     @property
     def norms(self) -> list:
@@ -230,7 +235,7 @@ def read_flow(cls, config, prefix: str, attn: str, mlp: str, defaults: dict, fie
     tests = _tests(fwd)
     flags = _flag_values(tests, attrs, fields, defaults)
     combos = [dict(zip(flags, vs)) for vs in itertools.product(*flags.values())][:64] if flags else [{}]
-    seen = []      # (combo, the config as the layer reads it, form)
+    seen, params = [], {}      # (combo, the config as the layer reads it, form); norm -> its parameters' names
     for combo in combos:
         model = base if not combo else meta_model(cls, config, **combo)
         if model is None:
@@ -255,9 +260,13 @@ def read_flow(cls, config, prefix: str, attn: str, mlp: str, defaults: dict, fie
                 return None         # the defaults' form is unread: nothing to say
             continue
         seen.append((combo, {f: getattr(model.config, f, combo[f]) for f in combo}, form))
+        params.update({n: [p for p, _ in inst.get_submodule(n).named_parameters()] for n in norms})
     if not seen or seen[0][0] != {f: v[0] for f, v in flags.items()}:
         return None
-    return _choose(seen, tests, attrs, fields, flags, defaults)
+    flow = _choose(seen, tests, attrs, fields, flags, defaults)
+    flow.members = list(dict.fromkeys(s[2] for s in seen))
+    flow.renames = [(n, e, params.get(n, ["weight"])) for n, e in flow.renames or ()]
+    return flow
 
 
 def _choose(seen: list, tests: list, attrs: dict, fields: set, flags: dict, defaults: dict) -> Flow | None:
@@ -269,43 +278,33 @@ def _choose(seen: list, tests: list, attrs: dict, fields: set, flags: dict, defa
         tr = translate(t, attrs, fields)
         if tr is not None and tr[1]:
             conds += [(tr[0], tr[1]), (f"not ({tr[0]})", tr[1])]
+    conds.sort(key=lambda c: len(c[1]))     # the tests of the fewest flags first
     default = {f: v[0] for f, v in flags.items()}
     for k in range(len(flags)):        # the fewest flags held at their defaults
         found = []
         for held in itertools.combinations(sorted(flags), k):
             rest = [s for s in seen if all(s[0][f] == default[f] for f in held)]
             kinds = list(dict.fromkeys(s[2] for s in rest))
-            if len(kinds) != 2:
+            group = {f: f for f in kinds} if len(kinds) == 2 else merge_groups(kinds)
+            if group is None or len(set(group.values())) != 2:
+                continue
+            moved, rused = renames(group, rest, conds)
+            if moved is None:
                 continue
             for c, used in conds:
-                then = _separates(c, rest)
+                then = separates(c, [(a, b, group[f]) for a, b, f in rest])
                 if then is not None:
-                    other = kinds[1] if then == kinds[0] else kinds[0]
+                    other = next(f for f in group.values() if f != then)
                     # the most combinations kept; then the pair of one residual shape (norms differ only)
-                    found.append(((-len(rest), _shape(then) != _shape(other)), held, c, used, then, other, rest))
+                    found.append(((-len(rest), shape(then) != shape(other)), held, c, used, then, other,
+                                  rest, (moved, rused)))
                     break
         if found:
-            _, held, c, used, then, other, rest = min(found, key=lambda x: x[0])
+            _, held, c, used, then, other, rest, (moved, rused) = min(found, key=lambda x: x[0])
             return Flow([then, other], c, "".join(w.capitalize() for w in sorted(used)[0].split("_")),
-                        {f: _symbol(f, rest, defaults) for f in sorted(used)}, {f: default[f] for f in held})
+                        {f: _symbol(f, rest, defaults) for f in sorted(set(used) | rused)},
+                        {f: default[f] for f in held}, renames=moved)
     return Flow([forms[0]], held={f: default[f] for f in flags})
-
-
-def _shape(form) -> tuple:
-    return tuple(tuple((pre is not None, b, post is not None) for pre, b, post in stp) for stp in form)
-
-
-def _separates(cond: str, rest: list):
-    """The form `cond` holds for, where it tells the two forms apart on every combination in `rest`, else None."""
-    by: dict = {True: set(), False: set()}
-    for _, post, form in rest:
-        try:
-            by[bool(eval(cond, {"__builtins__": {}}, dict(post)))].add(form)  # noqa: S307 - a translated config test
-        except Exception:  # noqa: BLE001
-            return None
-    if len(by[True]) != 1 or len(by[False]) != 1 or by[True] == by[False]:
-        return None
-    return next(iter(by[True]))
 
 
 def _symbol(f: str, rest: list, defaults: dict) -> str:

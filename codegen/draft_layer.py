@@ -48,8 +48,9 @@ def norm_roles(cls, config, prefix: str, norms: list, attn: str, mlp: str) -> Ro
     if flow is None or not (flow.rich or roles is None):
         return roles
     short = {n.rsplit(".", 1)[1]: n for n in norms}
-    form = next((f for f in flow.forms if all(n in short for n in _norms_of(f))), None)
-    if form is None or set(_norms_of(form)) != set(short):
+    # the form the layer built with the defaults runs: the one whose norms are the norms it built
+    form = next((f for f in flow.members or flow.forms if set(_norms_of(f)) == set(short)), None)
+    if form is None:
         return roles
     steps = [b for stp in form for b in stp]
     if len(steps) != 2 or len(form) not in (1, 2):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from .draft_attention import attention_lines, rotary_keys
 from .draft_flow import flow_lines
+from .draft_forms import flow_weights
 from .draft_layer import step
 from .draft_mla import render_mla
 from .draft_moe import render_block, render_weights
@@ -202,6 +203,7 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
     if layer.final_norm != "model.norm" and not any("model.norm.:" in x for x in prefixes):     # the decoder's `norm` loads from the module as named
         L += [f"  model.norm.{p}: {{from: {layer.final_norm}.{p}}}" for p in ("weight", "bias")
               if f"{layer.final_norm}.{p}" in names]
+    L += flow_weights(flow, layer.prefix)      # a merged form's norms loaded from another's tensors (draft_flow.py)
     if layer.attn is not None:
         L += layer.attn.weights
     if moe is not None:

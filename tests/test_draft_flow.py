@@ -4,13 +4,20 @@ and of the checkpoint's own names for the decoder's parts (codegen/draft_parts.p
 
   - GPT-NeoX's `use_parallel_residual`: x + attn(ln1(x)) + mlp(ln2(x)) (a parallel step over two norms) or the
     sequential layer, the choice `dataflow: {if: use_parallel_residual}`; q/k/v stored per head;
-  - Falcon's flags: ln_attn / ln_mlp in parallel where `new_decoder_architecture and num_ln_in_parallel_attn == 2` (a
-    null read as 2, as the layer's `__init__` sets it), one shared input_layernorm otherwise; `parallel_attn` (a third
-    form) held at its default and named; q/k/v per KV group, its KV heads `num_kv_heads if new_decoder_architecture or
-    not multi_query else 1` (multi-query); `transformer.h.` / `word_embeddings` / `ln_f` as checkpoint_prefixes;
-  - verify (slow): tiny GPT-NeoX (parallel and sequential) and Falcon (new decoder architecture with GQA and its own MLP
-    width; the old multi-query form with one shared norm) verify OK as drafted; with the parallel step made sequential,
-    the two norms swapped or the q/k/v layout made stacked, verify fails at layer 0.
+  - Falcon's three forms: the sequential one where `not parallel_attn`, else one parallel step over ln_attn / ln_mlp,
+    the two-norm form and the one-shared-norm form merged (codegen/draft_forms.py: one residual shape, norms differ
+    only in name): ln_attn / ln_mlp load from input_layernorm unless `new_decoder_architecture and
+    num_ln_in_parallel_attn == 2` (a null read as 2, as the layer's `__init__` sets it), nothing held; q/k/v per KV
+    group, its KV heads `num_kv_heads if new_decoder_architecture or not multi_query else 1` (multi-query);
+    `transformer.h.` / `word_embeddings` / `ln_f` as checkpoint_prefixes;
+  - StableLM's `use_parallel_residual` (default false: the sequential form, the one whose norms are those the default
+    layer builds): one shared input_layernorm in parallel or input_layernorm / post_attention_layernorm in sequence,
+    the choice drafted (it was assumed false);
+  - the spec's name is the config class's model_type (`gpt_neox`, not `gptneo_x`; a text config's without `_text`);
+  - verify (slow): tiny GPT-NeoX (parallel and sequential), Falcon (new decoder architecture with GQA and its own MLP
+    width; the old multi-query form with one shared norm; the old sequential form) and StableLM (both residual forms)
+    verify OK as drafted; with the parallel step made sequential (or the sequential made parallel), the two norms
+    swapped (in the dataflow or in the merged form's `weights` sources) or the q/k/v layout made stacked, verify fails at layer 0.
 """
 from __future__ import annotations
 
@@ -36,6 +43,31 @@ def test_two_norm_parallel_residual_chosen_by_its_flag():
     assert flow.symbols == {"use_parallel_residual": "{type: bool, from: use_parallel_residual, default: true}"}
 
 
+def test_falcon_forms_of_one_shape_merged_by_their_norm_names():
+    flow = _flow("FalconForCausalLM", "transformer.h.{i}.", "self_attention")
+    assert flow.cond == "parallel_attn" and not flow.held
+    assert flow.forms == [((("ln_attn", "self_attention", None), ("ln_mlp", "mlp", None)),),
+                          ((("input_layernorm", "self_attention", None),), (("post_attention_layernorm", "mlp", None),))]
+    assert len(flow.members) == 3
+    cond = "new_decoder_architecture and num_ln_in_parallel_attn == 2"
+    assert flow.renames == [(n, f"{{'{n}' if {cond} else 'input_layernorm'}}", ["weight", "bias"])
+                            for n in ("ln_attn", "ln_mlp")]
+    assert set(flow.symbols) == {"parallel_attn", "new_decoder_architecture", "num_ln_in_parallel_attn"}
+
+
+def test_choice_whose_default_form_has_fewer_norms_is_drafted():
+    flow = _flow("StableLmForCausalLM", "model.layers.{i}.", "self_attn")
+    assert flow.cond == "use_parallel_residual" and not flow.held and not flow.renames
+    assert flow.forms[0] == ((("input_layernorm", "self_attn", None), ("input_layernorm", "mlp", None)),)
+
+
+def test_spec_name_is_the_model_type():
+    from xllm_gen.codegen.draft import _snake
+    assert _snake("GPTNeoXForCausalLM", "gpt_neox") == "gpt_neox"
+    assert _snake("XForCausalLM", "x-lm") == "x_lm" and _snake("FooBarForCausalLM", "") == "foo_bar"
+    assert _snake("Llama4ForCausalLM", "llama4_text") == "llama4" and _snake("E3ForCausalLM", "e3_text_model") == "e3"
+
+
 def test_fused_qkv_rows_read_by_running_the_attention():
     import transformers
 
@@ -55,18 +87,22 @@ def test_fused_qkv_rows_read_by_running_the_attention():
 def test_falcon_layer_forms_heads_and_names():
     text, doc = draft_by_name("FalconForCausalLM")
     flow = doc["decoder"]["layers"]["dataflow"]
-    assert flow["if"] == "new_decoder_architecture and num_ln_in_parallel_attn == 2"
+    assert flow["if"] == "parallel_attn"
     assert flow["then"] == [{"parallel": [{"norm": "ln_attn", "block": "self_attention"},
                                           {"norm": "ln_mlp", "block": "mlp"}]}]
-    assert flow["else"] == [{"parallel": [{"norm": "input_layernorm", "block": "self_attention"},
-                                          {"norm": "input_layernorm", "block": "mlp"}]}]
+    assert flow["else"] == [{"norm": "input_layernorm", "block": "self_attention"},
+                            {"norm": "post_attention_layernorm", "block": "mlp"}]
+    assert doc["weights"]["model.layers.{i}.ln_mlp.bias"]["from"] == (
+        "transformer.h.{i}.{'ln_mlp' if new_decoder_architecture and num_ln_in_parallel_attn == 2 "
+        "else 'input_layernorm'}.bias")
     cfg = doc["config"]
     assert cfg["num_ln_in_parallel_attn"]["if_null"] == 2 and cfg["num_kv_heads"]["from"] == [
         "num_kv_heads", "num_attention_heads"]
     assert cfg["intermediate_size"]["from"] == "ffn_hidden_size"
     assert doc["decoder"]["layers"]["blocks"]["self_attention"]["kv_heads"] == (
         "num_kv_heads if new_decoder_architecture or not multi_query else 1")
-    assert doc["config_assume"]["parallel_attn"] is True and "`parallel_attn` is not True" in checklist(text)
+    assert "config_assume" not in doc and "parallel_attn" not in checklist(text)
+    assert doc["name"] == "falcon" and cfg["parallel_attn"]["default"] is True
     assert doc["checkpoint_prefixes"] == {"model.embed_tokens.": "transformer.word_embeddings.",
                                           "model.norm.": "transformer.ln_f.", "model.layers.": "transformer.h."}
     w = doc["weights"]["model.layers.{i}.self_attention.query_key_value.weight"]
@@ -80,6 +116,9 @@ CASES = {
     "neox-sequential": ("GPTNeoXForCausalLM", {"use_parallel_residual": False}),
     "falcon": ("FalconForCausalLM", {"ffn_hidden_size": 96}),               # new decoder architecture, GQA 4 / 2
     "falcon-mq": ("FalconForCausalLM", {"new_decoder_architecture": False, "multi_query": True, "num_kv_heads": 4}),
+    "falcon-seq": ("FalconForCausalLM", {"new_decoder_architecture": False, "parallel_attn": False}),
+    "stablelm": ("StableLmForCausalLM", {}),                                # use_parallel_residual false
+    "stablelm-parallel": ("StableLmForCausalLM", {"use_parallel_residual": True}),
 }
 
 
@@ -106,6 +145,10 @@ def test_verify_accepts_the_drafted_layer(drafted, case):
     pytest.param("falcon", "{norm: ln_attn, block: self_attention}, {norm: ln_mlp, block: mlp}",
                  "{norm: ln_mlp, block: self_attention}, {norm: ln_attn, block: mlp}", id="norms-swapped"),
     pytest.param("falcon", "per: kv_group", "per: tensor", id="qkv-stacked"),
+    pytest.param("stablelm", "        - {norm: input_layernorm, block: self_attn}\n"
+                             "        - {norm: post_attention_layernorm, block: mlp}",
+                 "        - parallel: [{norm: input_layernorm, block: self_attn}, {norm: post_attention_layernorm, "
+                 "block: mlp}]", id="sequential-made-parallel"),
 ])
 def test_verify_fails_a_wrong_layer(drafted, case, old, new):
     from xllm_gen.codegen.verify import verify
@@ -114,6 +157,21 @@ def test_verify_fails_a_wrong_layer(drafted, case, old, new):
     assert old in text
     bad = spec.parent / f"bad_{case}.yaml"
     bad.write_text(text.replace(old, new))
+    r = verify(bad, ckpt, max_tokens=4, prompt_lens=[9])
+    assert not r.ok
+    assert r.first_divergence()[2].layer == 0, r.text()
+
+
+@pytest.mark.slow
+def test_verify_fails_merged_norms_loading_each_others_tensors(drafted):
+    """The merged form's `weights` entries are what loads ln_attn / ln_mlp: their sources swapped, layer 0 differs."""
+    from xllm_gen.codegen.verify import verify
+    ckpt, spec = drafted("falcon")
+    text = spec.read_text()
+    assert text.count("{'ln_mlp' if") == 2 and text.count("{'ln_attn' if") == 2
+    bad = spec.parent / "bad_falcon_merged.yaml"
+    bad.write_text(text.replace("{'ln_mlp' if", "{'X' if").replace("{'ln_attn' if", "{'ln_mlp' if")
+                   .replace("{'X' if", "{'ln_attn' if"))
     r = verify(bad, ckpt, max_tokens=4, prompt_lens=[9])
     assert not r.ok
     assert r.first_divergence()[2].layer == 0, r.text()

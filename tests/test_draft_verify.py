@@ -182,10 +182,11 @@ def test_draft_and_verify_errors_are_one_line(tmp_path):
     # Bloom's fused per-head qkv and ALiBi flagged
     ("FalconForCausalLM", ["per: kv_group", "parallel: [{norm: ln_attn, block: self_attention}"]),
     ("BloomForCausalLM", ["query_key_value", "no rope parameters"]),
-    # flags that add or remove parameters the draft does not wire (q/k LayerNorms, the parallel residual's norm):
-    # assumed at their defaults and on the checklist (they were neither read nor assumed: every saved StableLM refused)
-    # (its per-head q / k layernorm list is drafted now: read as a symbol, not assumed off)
-    ("StableLmForCausalLM", ["from: qk_layernorm", "`use_parallel_residual` = False is assumed"]),
+    # flags that add or remove parameters (q/k LayerNorms, the parallel residual's norm): read as symbols (they were
+    # neither read nor assumed: every saved StableLM refused; then assumed at their defaults). Its per-head q / k
+    # layernorm list is drafted; `use_parallel_residual` is the dataflow's choice (codegen/draft_flow.py: the form the
+    # default layer runs is the one whose norms it builds, tests/test_draft_flow.py)
+    ("StableLmForCausalLM", ["from: qk_layernorm", "if: \"use_parallel_residual\"", "name: stablelm"]),
     # transformers' own NemotronConfig defaults do not build (num_key_value_heads null): said, with the way out
     ("NemotronForCausalLM", ["null in num_key_value_heads", "draft from a checkpoint directory"]),
 ])
