@@ -18,6 +18,7 @@ from xllm_gen.runtime.engine.detokenize import EngineOutputs, IncrementalDetoken
 from xllm_gen.runtime.engine.engine_args import check_engine_args, resolve_device
 from xllm_gen.runtime.engine.requests import EngineRequests
 from xllm_gen.runtime.engine.sampler import Sampler, greedy_argmax, nonfinite_error
+from xllm_gen.runtime.engine.sampling_params import sampling_defaults
 from xllm_gen.runtime.engine.scheduler import Scheduler
 from xllm_gen.runtime.engine.sequence import Sequence
 from xllm_gen.runtime.engine.spec_decode import SpecDecoder, SpeculativeConfig, check_target, load_draft_runner
@@ -106,7 +107,8 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
                  debug: Optional[dict] = None,
                  tokenizer: Optional[str] = None, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 mm_preprocess_device: Optional[str] = "cpu", speculative_config: Any = None):
+                 mm_preprocess_device: Optional[str] = "cpu", speculative_config: Any = None,
+                 generation_config: Any = "auto"):
         spec_cfg = SpeculativeConfig.parse(speculative_config)      # errors name the key, before any loading
         check_engine_args(block_size=block_size, num_kv_blocks=num_kv_blocks,
                            max_num_batched_tokens=max_num_batched_tokens,
@@ -139,6 +141,12 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
         except ValueError as e:
             raise CheckpointFileError(f"{cfg_path}: {str(e).removeprefix('config.json ')}") from None
         self.generation_config = read_generation_config(self.model_dir, self.config.vocab_size)
+        # the checkpoint's sampling defaults (vLLM's generation_config "auto"): what a request leaves unset
+        self.default_sampling = sampling_defaults(generation_config, self.model_dir, self.generation_config,
+                                                  self.config.vocab_size)
+        if self.default_sampling:
+            logger.info("sampling defaults from the generation config (a request's own values win; "
+                        "generation_config='vllm' leaves them out): %s", self.default_sampling)
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if tensor_parallel_size != 1:     # impossible sizes fail here, before any process starts

@@ -35,7 +35,7 @@ class LLM:
                  enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  mm_preprocess_device: Optional[str] = "cpu",
-                 speculative_config: Optional[dict] = None,
+                 speculative_config: Optional[dict] = None, generation_config: Any = "auto",
                  _debug: Optional[dict] = None, **vllm_kwargs: Any):
         unknown = set(vllm_kwargs) - _IGNORED_VLLM_KWARGS
         if unknown:       # a typo must not pass silently (tensor_parallel=2 would serve on one rank)
@@ -51,12 +51,18 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching,
                                 async_scheduling=async_scheduling, quantization=quantization,
                                 kv_cache_dtype=kv_cache_dtype, mm_preprocess_device=mm_preprocess_device,
-                                speculative_config=speculative_config)
+                                speculative_config=speculative_config, generation_config=generation_config)
         # `del llm` (or the object going out of scope) releases the model, KV cache and graphs like shutdown()
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's sampling defaults (its generation_config.json's temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens; with generation_config="auto", vLLM's default), else
+        SamplingParams(); `generate` / `chat` use it when given no sampling_params."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def generate(self, prompts: Union[str, dict, Seq[Union[str, dict]]],
                  sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None, *,
@@ -78,7 +84,7 @@ class LLM:
         if on_error not in ("raise", "return"):
             raise ValueError("on_error must be 'raise' or 'return'")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

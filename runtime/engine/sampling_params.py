@@ -198,3 +198,43 @@ def _utf8(s: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
+
+
+# generation_config.json fields a checkpoint ships as its sampling defaults, and the SamplingParams field each sets
+# (vLLM's --generation-config auto): used where a request leaves the field unset; max_new_tokens is the default
+# max_tokens
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_OPTIONS = "'auto' (the checkpoint's generation_config.json), 'vllm' (none: vLLM's built-in " \
+                            "defaults) or a directory holding a generation_config.json"
+
+
+def generation_defaults(gen: dict, where: str = "generation_config.json") -> dict:
+    """{SamplingParams field: value} of the sampling defaults in a generation config (read_generation_config's
+    dict); a value SamplingParams refuses is a ValueError naming `where` and the field."""
+    out = {param: gen[key] for key, param in GENERATION_DEFAULTS.items() if gen.get(key) is not None}
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        key_of = {param: key for key, param in GENERATION_DEFAULTS.items()}
+        parts = str(e).removeprefix("invalid SamplingParams: ").split("; ")
+        raise ValueError(f"{where}: " + "; ".join(
+            f"field '{key_of[p.split()[0]]}'{p[len(p.split()[0]):]}" if p.split()[0] in key_of else p
+            for p in parts)) from None
+    return out
+
+
+def sampling_defaults(option, model_dir, generation_config: dict, vocab_size: Optional[int] = None) -> dict:
+    """The default SamplingParams fields for `option` (LLM's / the server's generation_config): 'auto' reads the
+    checkpoint's (`generation_config`, already read from `model_dir`), 'vllm' none, a directory its own file."""
+    from pathlib import Path
+
+    from xllm_gen.runtime.loading.checkpoint_files import read_generation_config
+    if option in ("vllm", None):
+        return {}
+    if option == "auto":
+        return generation_defaults(generation_config, f"{model_dir}/generation_config.json")
+    path = Path(str(option))
+    if not isinstance(option, (str, Path)) or not (path / "generation_config.json").is_file():
+        raise ValueError(f"generation_config={option!r}: {GENERATION_CONFIG_OPTIONS}")
+    return generation_defaults(read_generation_config(path, vocab_size), str(path / "generation_config.json"))

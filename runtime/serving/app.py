@@ -327,7 +327,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             raise APIError(f"prompt: {len(prompts)} prompts in one request, more than this server admits at once "
                            f"({limit}: --max-num-seqs plus --max-queue); send them in smaller batches",
                            param="prompt")
-        params = body.sampling_params(engine.max_model_len)
+        params = body.sampling_params(engine.max_model_len, getattr(engine, "default_sampling", None))
         await precompile(params, *body.structured_where())
         base = f"cmpl-{body.request_id or uuid.uuid4().hex}"          # vLLM's id of a request_id
         created = int(time.time())
@@ -431,7 +431,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         check_model(body)
         body.check_supported()
         check_template(body)
-        params = body.sampling_params(engine.max_model_len)
+        params = body.sampling_params(engine.max_model_len, getattr(engine, "default_sampling", None))
         template_tools, parser = plan_tools(body, params, tools_cls)
         where, param = body.structured_where()
         if parser is not None and params.structured_outputs is not None and body.tool_choice not in (None, "auto"):

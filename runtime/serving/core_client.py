@@ -40,6 +40,7 @@ class CoreFrontend:
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self.eos_token_ids = set(info["eos_token_ids"])
+        self.default_sampling = info["default_sampling"]
         self.device, self.dtype = info["device"], info["dtype"]
         self.tokenizer = load_tokenizer(self.tokenizer_dir, required=True) if info["has_tokenizer"] else None
         self.mm_processor = None

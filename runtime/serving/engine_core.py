@@ -68,7 +68,8 @@ def engine_info(engine) -> dict:
             "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
             "num_blocks": bm.num_blocks, "block_size": bm.block_size,
             "kv_bytes": per_block() * bm.num_blocks if callable(per_block) else None,
-            "max_num_seqs": engine.scheduler.max_num_seqs, "pid": os.getpid()}
+            "max_num_seqs": engine.scheduler.max_num_seqs, "pid": os.getpid(),
+            "default_sampling": engine.default_sampling}
 
 
 def _error(e: BaseException) -> tuple:

@@ -213,8 +213,9 @@ class _Sampling(_Request, SamplingExtras):
     def _num_logprobs(self) -> Optional[int]:
         raise NotImplementedError
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams of this body; APIError (400, naming the field) when a value is invalid."""
+    def sampling_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
+        """SamplingParams of this body; APIError (400, naming the field) when a value is invalid. `defaults`: the
+        model's sampling defaults (sampling_params.generation_defaults), for the fields the body leaves unset."""
         bad = unsupported(self)
         if bad is not None:
             raise APIError(bad[0], param=bad[1])
@@ -227,9 +228,13 @@ class _Sampling(_Request, SamplingExtras):
                      "repetition_penalty", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
                      "include_stop_str_in_output", "prompt_logprobs"):
             v = getattr(self, name)
+            if v is None and defaults:
+                v = defaults.get(name)
             if v is not None:
                 kw[name] = v
-        kw["max_tokens"] = self._max_tokens() if self._max_tokens() is not None else default_max_tokens
+        kw["max_tokens"] = self._max_tokens()
+        if kw["max_tokens"] is None:
+            kw["max_tokens"] = min(default_max_tokens, (defaults or {}).get("max_tokens") or default_max_tokens)
         if self.stop is not None:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids is not None:
@@ -306,8 +311,8 @@ class CompletionRequest(_Sampling):
     def _max_tokens(self) -> Optional[int]:
         return 1 if self.echo_only else self.max_tokens       # one step computes the prompt's logprobs
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        params = super().sampling_params(default_max_tokens)
+    def sampling_params(self, default_max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
+        params = super().sampling_params(default_max_tokens, defaults)
         if self.echo and self.logprobs is not None:    # echoed prompt tokens carry logprobs too
             params = dataclasses.replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, self.logprobs))
         return params

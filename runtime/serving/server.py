@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
                          '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": DIR, '
                          '"num_speculative_tokens": 4}\' (runtime/engine/spec_decode.py)')
     ap.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    ap.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                    help="sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p, "
+                         "repetition_penalty; max_new_tokens for an absent max_tokens): auto, the checkpoint's "
+                         "generation_config.json (as vLLM); vllm, none; or a directory holding one")
     ap.add_argument("--chat-template", help="chat template (a Jinja file, or the template text) used instead of the "
                     "checkpoint's (a request's chat_template still wins)")
     ap.add_argument("--tool-call-parser", help="how tool calls are read from the output (hermes: <tool_call> JSON "
@@ -190,7 +194,8 @@ def make_engine(args):
               seed=args.seed, enable_chunked_prefill=args.enable_chunked_prefill or None, tokenizer=args.tokenizer,
               load_format=args.load_format, cuda_graph_sizes=args.cuda_graph_sizes,
               prefill_graph_sizes=args.prefill_graph_sizes, async_scheduling=args.async_scheduling,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              generation_config=args.generation_config)
     if args.mm_preprocess_device != "cpu":
         kw["mm_preprocess_device"] = args.mm_preprocess_device
     if getattr(args, "speculative_config", None):
