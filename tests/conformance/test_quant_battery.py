@@ -15,11 +15,13 @@ experts arm; all families, W8A16 and GPTQ with --runslow.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hf_ref import hf_model
 from quant_ckpt import emulate, hf_linear_tensors, write_ct_fp8
-from test_spec_battery import Tokens, _assert_same
+from test_spec_battery import DEFAULT_PROMPT_LENS, Tokens, _assert_same
 
 from conformance import families as F
 
@@ -47,8 +49,10 @@ CASES = [pytest.param(p, id=p.spec.name, marks=() if p.spec.name in _DEFAULT els
 
 
 @pytest.fixture(scope="module")
-def tokens() -> Tokens:
-    return Tokens()
+def tokens(request) -> Tokens:
+    """The default run compares two of the battery's four prompts (all with --runslow)."""
+    full = request.config.getoption("--runslow") or os.environ.get("XLLM_RUN_SLOW") == "1"
+    return Tokens() if full else Tokens(DEFAULT_PROMPT_LENS)
 
 
 def _called(ckpt, linears: dict) -> dict:
