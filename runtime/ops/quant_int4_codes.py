@@ -18,8 +18,8 @@ cancellation: a relative error ~1e-6 of the dot, far below the output's rounding
 
 Layout: acc [BLOCK_N, 16] = codes [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, 16] per slice (the weight tile is the dot's
 first operand, so a program holds 64+ weight rows and the 1-16 activation rows pad only the small side). A program
-owns BLOCK_N rows and a CHUNK of the K / 8 words; the split-K partials are combined as in quant_splitk.py (serial
-tickets, deterministic order). Needs the group to be a multiple of BLOCK_K and K / 8 a multiple of the group (every
+owns BLOCK_N rows and a CHUNK of the K / 8 words; the split-K partials are combined by quant_splitk.py's _finish_split
+(serial tickets, deterministic order). Needs the group to be a multiple of BLOCK_K and K / 8 a multiple of the group (every
 tile of a slice lies in one group); other shapes keep the other kernels (`fits`).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xllm_gen.runtime.ops.quant_splitk import _store_rows, lock_buffer
+from xllm_gen.runtime.ops.quant_splitk import _finish_split, _sm_count, lock_buffer
 
 CODES_MAX_M = 16
 
@@ -117,20 +117,8 @@ def _int4_codes_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, lock_
                    stride_zn, GROUP, OFF)
     acc = _correct(acc, r7, x_ptr, stride_xm, ms, m_mask, 7 * KW + k_lo, CHUNK, s_ptr, z_ptr, rows, stride_sn,
                    stride_zn, GROUP, OFF)
-    if SPLIT_K == 1:
-        _store_rows(y_ptr, b_ptr, acc, ms, M, offs_n, n_mask, stride_ym, HAS_BIAS)
-    else:
-        p_off = ms[None, :].to(tl.int64) * N + offs_n[:, None]                       # part: [SPLIT_K, BLOCK_M, N]
-        pm = n_mask[:, None] & m_mask[None, :]
-        tl.store(part_ptr + pid_k * BLOCK_M * N + p_off, acc, mask=pm)
-        tl.debug_barrier()              # every thread's partial written before the ticket (release)
-        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:       # the last of the N tile's programs: sum the partials in split order
-            tot = tl.zeros_like(acc)
-            for sk in range(0, SPLIT_K):
-                tot += tl.load(part_ptr + sk * BLOCK_M * N + p_off, mask=pm, other=0.0, cache_modifier=".cg")
-            _store_rows(y_ptr, b_ptr, tot, ms, M, offs_n, n_mask, stride_ym, HAS_BIAS)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)
+    _finish_split(acc, ms, M, N, offs_n, n_mask, pid_n, pid_k, y_ptr, b_ptr, part_ptr, lock_ptr, stride_ym,
+                  HAS_BIAS, BLOCK_M, SPLIT_K, True)
 
 
 def fits(M: int, K: int, group: int, dtype: torch.dtype) -> bool:
@@ -180,7 +168,7 @@ def int4_codes_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         x = x.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     KW = K // 8
-    bn, bk, chunk, warps, stages = config or codes_config(M, N, K, group, _sms(x.device))
+    bn, bk, chunk, warps, stages = config or codes_config(M, N, K, group, _sm_count(x.device))
     split = KW // chunk
     n_tiles = triton.cdiv(N, bn)
     if split > 1:
@@ -198,6 +186,3 @@ def int4_codes_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         OFF=1024.0 if fp16 else 128.0, NUM_STAGES=stages, num_warps=warps, num_stages=stages)
     return y
 
-
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

@@ -63,6 +63,29 @@ def _store_rows(y_ptr, b_ptr, acc, ms, M, offs_n, n_mask, stride_ym, HAS_BIAS: t
 
 
 @triton.jit
+def _finish_split(out, ms, M, N, offs_n, n_mask, pid_n, pid_k, y_ptr, b_ptr, part_ptr, lock_ptr, stride_ym,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, SERIAL: tl.constexpr):
+    """A program's partial out [BN, C] (column c: activation row ms[c]) to y: stored directly without a split; else
+    written to part [SPLIT_K, BLOCK_M, N] and, SERIAL, the last of the N tile's programs (a ticket from its counter)
+    sums the partials in split order (deterministic), stores, and resets the counter."""
+    if SPLIT_K == 1:
+        _store_rows(y_ptr, b_ptr, out, ms, M, offs_n, n_mask, stride_ym, HAS_BIAS)
+    else:
+        p_off = ms[None, :].to(tl.int64) * N + offs_n[:, None]
+        pm = n_mask[:, None] & (ms < M)[None, :]
+        tl.store(part_ptr + pid_k * BLOCK_M * N + p_off, out, mask=pm)
+        if SERIAL:
+            tl.debug_barrier()              # every thread's partial written before the ticket (release)
+            ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+            if ticket == SPLIT_K - 1:       # the last of the N tile's programs: sum the partials in split order
+                tot = tl.zeros_like(out)
+                for sk in range(0, SPLIT_K):
+                    tot += tl.load(part_ptr + sk * BLOCK_M * N + p_off, mask=pm, other=0.0, cache_modifier=".cg")
+                _store_rows(y_ptr, b_ptr, tot, ms, M, offs_n, n_mask, stride_ym, HAS_BIAS)
+                tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
 def _rows_dot(acc, w, x_ptr, stride_xm, M, cols, k_mask, colid, BLOCK_M: tl.constexpr):
     """acc [BN, BK] + w [BN, BK] times the activations at `cols`. One row: element-wise (reduced over K once, at the
     end). BLOCK_M rows: each row's dot reduced over the tile (in-thread) and added to column m of acc (a select on
@@ -201,21 +224,8 @@ def _splitk_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, lock
     else:
         out = acc                                           # [BN, BK]: column m is row m
         ms = offs_k
-    if SPLIT_K == 1:
-        _store_rows(y_ptr, b_ptr, out, ms, M, offs_n, n_mask, stride_ym, HAS_BIAS)
-    else:
-        p_off = ms[None, :].to(tl.int64) * N + offs_n[:, None]                       # part: [SPLIT_K, BLOCK_M, N]
-        pm = n_mask[:, None] & (ms < M)[None, :]
-        tl.store(part_ptr + pid_k * BLOCK_M * N + p_off, out, mask=pm)
-        if SERIAL:
-            tl.debug_barrier()              # every thread's partial written before the ticket (release)
-            ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
-            if ticket == SPLIT_K - 1:       # the last of the N tile's programs: sum the partials in split order
-                tot = tl.zeros_like(out)
-                for sk in range(0, SPLIT_K):
-                    tot += tl.load(part_ptr + sk * BLOCK_M * N + p_off, mask=pm, other=0.0, cache_modifier=".cg")
-                _store_rows(y_ptr, b_ptr, tot, ms, M, offs_n, n_mask, stride_ym, HAS_BIAS)
-                tl.atomic_xchg(lock_ptr + pid_n, 0)
+    _finish_split(out, ms, M, N, offs_n, n_mask, pid_n, pid_k, y_ptr, b_ptr, part_ptr, lock_ptr, stride_ym,
+                  HAS_BIAS, BLOCK_M, SPLIT_K, SERIAL)
 
 
 @triton.jit
