@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 # --------------------------------------------------------------------------------------------- the math
 
@@ -303,12 +303,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--interpret"
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("case", ["epilogue_sinks_v", "epilogue_sinks_", "epilogue_v_", "fold_k_scale",

@@ -7,12 +7,11 @@ Sensitivity: rounding half away from zero, or a group of 64, differs."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 
 def _inputs() -> list:
@@ -50,11 +49,7 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    return run_interpreted(__file__)
 
 
 def test_fused_round_trip_is_bit_exact(interpreted):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 # ------------------------------------------------------------------------------------------------ kernel checks
 # Each check returns the error of the Triton kernel vs the reference (max |a-b| / max(1, max |ref|)) and the
@@ -248,12 +248,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--interpret"
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted(__file__, timeout=300)
 
 
 KERNEL_CASES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "qk_norm_rope_neox", "qk_norm_rope_mrope_interleaved",

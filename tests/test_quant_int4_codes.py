@@ -9,12 +9,11 @@ spills) without a GPU."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 CASES = {   # name: (M, N, K, group, launch config or None for the table's)
     "table": (1, 128, 1024, 128, None),                  # a chunk of one group, split K 1
@@ -65,12 +64,7 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", [*CASES, "int4_gemm"])

@@ -11,12 +11,11 @@ float32 and float16 (the interpreter's bfloat16 dot is wrong on CPU; bfloat16 ru
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 
 def pack_bits(codes: torch.Tensor) -> torch.Tensor:
@@ -87,12 +86,7 @@ if __name__ == "__main__" and "--interpret" in sys.argv:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret"], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", ["int4", "fp8", "dequant", "packer", "sensitive_order", "sensitive_zero",
