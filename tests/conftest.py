@@ -61,7 +61,22 @@ QWEN3_VL_VARIANTS: dict[str, dict] = {
 LLM_DEFAULTS = dict(device="cpu", dtype="float32", tensor_parallel_size=1, block_size=4)
 
 
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist (README's `-n 2`) each worker gets its share of the cores: torch's default of one
+    intra-op thread per core in every worker oversubscribes them, and spinning threads make both workers slower
+    than one. Subprocesses the tests start inherit OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    share = str(max(1, (os.cpu_count() or 1) // workers))
+    os.environ.setdefault("OMP_NUM_THREADS", share)
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_configure(config):
+    _share_cores_between_workers()
     config.addinivalue_line("markers", "vl: Qwen3-VL parity tests (tiny checkpoint, CPU)")
     config.addinivalue_line("markers", "engine: needs the xllm_gen engine (LLM.generate)")
 
