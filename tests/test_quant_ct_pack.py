@@ -149,6 +149,23 @@ def test_faulty_tensors_named(ckpts, tmp_path, edit, needle):
         _llm(edit_ckpt(ckpts["w4_g32_sym"][0], tmp_path / "x", tensors=edit))
 
 
+@pytest.mark.parametrize("actorder", ["group", "dynamic"])
+def test_actorder_group_without_g_idx_refused(ckpts, tmp_path, actorder):
+    """actorder "group" (and its alias "dynamic") promises a `weight_g_idx` per layer; one stripped would be read as
+    groups in order (wrong tokens, silently): refused naming the tensor. The alias serves as "group" does."""
+    ckpt, ref = ckpts["w4_actorder"]
+    name = "model.layers.0.self_attn.o_proj.weight_g_idx"
+    set_order = lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("actorder", actorder)  # noqa: E731
+    with pytest.raises(ValueError, match=rf"missing tensor '{name}': compressed-tensors actorder 'group'"):
+        _llm(edit_ckpt(ckpt, tmp_path / "x", tensors=lambda sd: sd.pop(name), qc=set_order))
+    if actorder == "dynamic":
+        llm = _llm(edit_ckpt(ckpt, tmp_path / "d", qc=set_order))
+        try:
+            assert _greedy(llm) == hf_greedy(ref, PROMPTS, N_NEW)
+        finally:
+            llm.shutdown()
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda qc: qc["config_groups"]["group_0"]["weights"].__setitem__("num_bits", 2), r"num_bits=2 is not supported"),
     (lambda qc: qc["config_groups"]["group_0"].__setitem__(

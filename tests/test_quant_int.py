@@ -188,6 +188,19 @@ def test_missing_or_misshaped_tensors_named(awq128, gptq32, tmp_path):
         _llm(noqc)
 
 
+def test_act_order_without_g_idx_refused(gptq32, tmp_path):
+    """desc_act=true promises a `.g_idx` per layer (the group of each input row); one stripped would be read as
+    groups in order, wrong tokens without a word: refused naming the tensor. AutoGPTQ's static_groups with
+    desc_act writes a g_idx of groups in order: served as transformers on the dequantized weights."""
+    ckpt, ref = gptq32
+    gname = "model.layers.1.mlp.down_proj.g_idx"
+    bad = _edit(ckpt, tmp_path / "b", edit_sd=lambda sd: sd.pop(gname), edit_qc=lambda qc: qc.update(desc_act=True))
+    with pytest.raises(ValueError, match=rf"missing tensor '{gname}': gptq desc_act=true"):
+        _llm(bad)
+    static = _edit(ckpt, tmp_path / "s", edit_qc=lambda qc: qc.update(desc_act=True, static_groups=True))
+    assert _greedy(_llm(static)) == hf_greedy(ref, PROMPTS, N_NEW)
+
+
 def test_nonzero_bias_of_bias_free_layer_is_unexpected(gptq32, tmp_path):
     ckpt, _ = gptq32
     name = "model.layers.0.mlp.down_proj.bias"

@@ -102,6 +102,9 @@ class IntWeightView:
         ng = -(-K // g)
         want = {"scales": (s_sc, (ng, N)), "qzeros": (s_qz, (ng, -(-N // p)))}
         gi = None
+        if qc.method == "gptq" and qc.act_order and names["g_idx"] not in have:
+            raise IntQuantError(f"missing tensor {names['g_idx']!r}: gptq desc_act=true (act-order) layer {base!r} "
+                                f"needs its group index per input row (groups in order would dequantize it wrong)")
         if qc.method == "gptq" and names["g_idx"] in have:
             gi = ckpt.slice(names["g_idx"])
             if _dtype(gi) not in ("I32", "I64", "torch.int32", "torch.int64"):
@@ -149,6 +152,9 @@ class IntWeightView:
             if _dtype(qz) not in ("I32", "torch.int32"):
                 raise IntQuantError(f"tensor {names['zero_point']!r}: dtype {_dtype(qz)}, expected I32")
             want["zero_point"] = (_shape(qz), (-(-N // p), ng))
+        if qc.act_order and names["g_idx"] not in have:
+            raise IntQuantError(f"missing tensor {names['g_idx']!r}: compressed-tensors actorder 'group' layer {base!r} "
+                                f"needs its group index per input column (groups in order would dequantize it wrong)")
         gi = ckpt.slice(names["g_idx"]) if names["g_idx"] in have else None
         if gi is not None:
             want["g_idx"] = (_shape(gi), (K,))

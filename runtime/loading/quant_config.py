@@ -89,7 +89,10 @@ class QuantConfig:
         powers of two.
     kv_scheme: "tensor" / "head" when the config promises static fp8 KV-cache scales per tensor / per KV head
     (compressed-tensors `kv_cache_scheme` strategy tensor / attn_head, AutoFP8's `kv_cache_scheme: static`); the
-    tensors themselves (runtime.loading.kv_scales) are read whenever the checkpoint holds them, by their shape."""
+    tensors themselves (runtime.loading.kv_scales) are read whenever the checkpoint holds them, by their shape.
+    act_order: GPTQ's `desc_act: true` / compressed-tensors' `actorder: group`: each quantized layer's group map
+    (`.g_idx` / `.weight_g_idx`) is part of the format, and its absence an error naming the tensor (groups in order
+    would be read wrong, silently)."""
     method: str
     scale_suffix: str = ""
     weight_block: Optional[tuple] = None
@@ -101,6 +104,7 @@ class QuantConfig:
     zero_offset: int = 0
     kv_scheme: Optional[str] = None
     scale_pow2: bool = False
+    act_order: bool = False
 
     def describe(self) -> str:
         if self.method == "mxfp4":
@@ -215,7 +219,7 @@ def _gptq(qc: dict) -> QuantConfig:
     bits = _pos_int(qc, "bits", (4, 8), "gptq")
     group = _pos_int(qc, "group_size", _GROUPS, "gptq")
     return QuantConfig("gptq", ignore=tuple(qc.get("modules_to_not_convert") or ()), bits=bits, group=group,
-                       zero_offset=1 if fmt == "gptq" else 0)
+                       zero_offset=1 if fmt == "gptq" else 0, act_order=bool(qc.get("desc_act", False)))
 
 
 def _ct(qc: dict) -> QuantConfig:
@@ -316,9 +320,10 @@ def _ct_pack(qc: dict, g: dict, w: dict, where: str) -> QuantConfig:
     else:
         raise _err(f"{where}.weights.strategy={strategy!r} is not supported with format 'pack-quantized' "
                    f"('group', 'channel')")
-    if w.get("actorder") not in (None, False, "group", "weight", "static"):
-        raise _err(f"{where}.weights.actorder={w.get('actorder')!r} is not supported (null, 'group', 'weight', "
-                   f"'static')")
+    # "static" is the library's alias of "weight" (groups in order: no g_idx), "dynamic" of "group" (weight_g_idx)
+    if w.get("actorder") not in (None, False, "group", "dynamic", "weight", "static"):
+        raise _err(f"{where}.weights.actorder={w.get('actorder')!r} is not supported (null, 'group', 'dynamic', "
+                   f"'weight', 'static')")
     if w.get("block_structure") not in (None, False):
         raise _err(f"{where}.weights.block_structure={w.get('block_structure')!r} is not supported")
     if g.get("input_activations") is not None:
@@ -326,7 +331,8 @@ def _ct_pack(qc: dict, g: dict, w: dict, where: str) -> QuantConfig:
     if g.get("output_activations") is not None:
         raise _err(f"{where}.output_activations is not supported")
     return QuantConfig("pack-quantized", ignore=_ct_ignore(qc), bits=bits, group=group,
-                       kv_scheme=_ct_kv_scheme(qc.get("kv_cache_scheme")))
+                       kv_scheme=_ct_kv_scheme(qc.get("kv_cache_scheme")),
+                       act_order=w.get("actorder") in ("group", "dynamic"))
 
 
 # kv_cache_scheme fields of compressed-tensors' QuantizationArgs that change nothing the runtime computes
