@@ -337,6 +337,29 @@ def test_online_fp8(base, ct_channel_token):
         _llm(base, quantization="int4")
 
 
+def test_online_fp8_on_kv_cache_only_checkpoint(kv_scaled, ct_channel_token, base, tmp_path):
+    """quantization="fp8" on a compressed-tensors KV-cache-only checkpoint (float weights, per-layer k_scale /
+    v_scale): the weights are quantized online (per channel, dynamic per-token activations: what the float
+    checkpoint serves with quantization="fp8") and the KV scales still reach the attention layers; it was served
+    unquantized, silently. On a checkpoint whose weights are int8 (another format than fp8) it is refused by name."""
+    from quant_ckpt import write_ct_int8
+    ref, scales, ckpt = kv_scaled
+    llm = _llm(ckpt, quantization="fp8", kv_cache_dtype="fp8")
+    layer = llm.engine.runner.model.model.layers[0]
+    assert repr(layer.mlp.down_proj.act_quant) == "ActQuant(token)"
+    online = _llm(ref, quantization="fp8")
+    assert torch.equal(layer.mlp.down_proj.weight, online.engine.runner.model.model.layers[0].mlp.down_proj.weight)
+    attn = [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_cache") and m.k_cache.numel()]
+    assert [(a.k_scale, a.v_scale) for a in attn] == [
+        tuple(float(torch.tensor(x, dtype=torch.float32)) for x in scales[i]) for i in range(len(attn))]
+    # KV cache "auto" (the scales consumed, unused): the tokens of online fp8 on the same float weights
+    assert _greedy(_llm(ckpt, quantization="fp8")) == _greedy(online)
+    int8, _ = write_ct_int8(base, tmp_path / "i8", tmp_path / "i8r", act="token")
+    with pytest.raises(ValueError, match=r"quantization='fp8' on a checkpoint quantized with 'compressed-tensors' "
+                                         r"\(compressed-tensors \(weights int8"):
+        _llm(int8, quantization="fp8")
+
+
 # --------------------------------------------------------------------------------------------------- TP 2
 def _tp2(path, fn, **kw):
     llm = _llm(path, tensor_parallel_size=2, **kw)

@@ -27,7 +27,9 @@ What is supported (everything else is refused, naming the method or the setting)
   stored in a float dtype load as they are). Activations are not quantized.
 - online fp8 (`quantization="fp8"` on an unquantized checkpoint): the linear layers' weights quantized per output
   channel at load, MoE experts stored per expert too (not the embeddings, the lm_head, the MoE router or experts
-  stored stacked in one tensor), activations dynamically per token.
+  stored stacked in one tensor), activations dynamically per token. Also on a compressed-tensors KV-cache-only
+  checkpoint (float weights; its KV scales kept); on a checkpoint whose weights are quantized other than as fp8
+  (awq, gptq, int8, ...) it is refused, naming the checkpoint's format.
 
 Which layers are quantized follows the checkpoint: a float8 weight needs its scale tensor (its absence is an
 error naming it); a weight stored in a float dtype (lm_head, embeddings, `ignore` / `modules_to_not_convert`
@@ -388,8 +390,13 @@ def parse_quant_config(hf: Any, quantization: Optional[str] = None) -> Optional[
         parsed = _mxfp4(qc)
     else:
         raise _err(f"quant_method={method!r} is not supported (supported: {SUPPORTED})")
-    if quantization == "fp8" and parsed.method not in ("fp8", "compressed-tensors"):
-        raise QuantConfigError(f"quantization='fp8' on a checkpoint quantized with {method!r}")
+    if quantization == "fp8":
+        if method == "compressed-tensors" and not qc.get("config_groups"):
+            # a KV-cache-only recipe: its weights are float, so they are quantized online; its KV scales stay
+            return QuantConfig("online-fp8", "", None, "token", kv_scheme=parsed.kv_scheme)
+        if parsed.method not in ("fp8", "compressed-tensors") or parsed.bits == 8:
+            raise QuantConfigError(f"quantization='fp8' on a checkpoint quantized with {method!r} "
+                                   f"({parsed.describe()}): leave quantization unset to serve the checkpoint's own")
     return parsed
 
 
