@@ -231,6 +231,56 @@ def test_named_and_required_tool_calls(client, model):
             assert ch.message.tool_calls[0].function.name == "add"
 
 
+# a Pydantic-style schema: nested models under $defs (draft 2020-12) or definitions (draft 7), reached by $ref; the
+# two tools name a different "Place" each
+_PLACE = {"type": "object", "additionalProperties": False, "required": ["city"],
+          "properties": {"city": {"type": "string", "maxLength": 6}}}
+REF_TOOLS = [
+    {"type": "function", "function": {"name": "visit", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["place"],
+        "properties": {"place": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": _PLACE}}}},
+    {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["place", "n"],
+        "properties": {"place": {"$ref": "#/definitions/Place"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "definitions": {"Place": {"enum": ["home", "work"]}}}}}]
+
+
+def test_forced_calls_take_schemas_with_refs(client, model):
+    """tool_choice required / named with parameters that reach $defs / definitions by $ref (what Pydantic writes
+    for nested models): the call is forced and its arguments validate; the refs resolve within their own tool."""
+    for choice in ("required", {"type": "function", "function": {"name": "visit"}},
+                   {"type": "function", "function": {"name": "count"}}):
+        for seed in (1, 2):
+            r = client.chat.completions.create(model=model, messages=MSGS, tools=REF_TOOLS, tool_choice=choice,
+                                               max_tokens=120, temperature=1.0, seed=seed)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+            _check_call(ch.message.tool_calls[0], REF_TOOLS)
+
+
+def test_call_grammar_keeps_recursive_refs_within_the_tool():
+    """A recursive model ("#/$defs/Node" inside Node, or "#": the parameters themselves) forced beside another tool:
+    each tool's refs resolve within its own parameters (not the grammar's root), nested calls are accepted."""
+    import xgrammar as xgr
+
+    from xllm_gen.runtime.serving import tool_parsers
+
+    node = {"type": "object", "additionalProperties": False, "properties": {"child": {"$ref": "#/$defs/Node"}},
+            "$defs": {"Node": {"type": "object", "additionalProperties": False,
+                               "properties": {"child": {"$ref": "#/$defs/Node"}}}}}
+    self_ref = {"type": "object", "additionalProperties": False, "properties": {"up": {"$ref": "#"}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": node}},
+             {"type": "function", "function": {"name": "loop", "parameters": self_ref}}]
+    call = lambda n, a: '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (n, json.dumps(a))  # noqa: E731
+    for forced in (tools, tools[:1], tools[1:]):
+        g = xgr.Grammar.from_ebnf(tool_parsers.get("hermes")(forced).grammar(forced))
+        ok = lambda text: xgr.testing._is_grammar_accept_string(g, text)  # noqa: E731
+        if forced[0] is tools[0]:
+            assert ok(call("tree", {"child": {"child": {}}})) and not ok(call("tree", {"child": {"up": {}}}))
+        if forced[-1] is tools[1]:
+            assert ok(call("loop", {"up": {"up": {}}})) and not ok(call("loop", {"up": {"child": {}}}))
+
+
 def test_streamed_tool_call_deltas(client, model):
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         s = client.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, tool_choice=choice,

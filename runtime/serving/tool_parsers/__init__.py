@@ -57,11 +57,40 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _call_schema(tool: dict) -> dict:
+def _call_schema(tool: dict, at: str = "") -> dict:
+    """The JSON schema of one call of `tool` ({"name": ..., "arguments": ...}); `at`: the JSON pointer of this schema
+    within the whole grammar's schema ("" at its root, "/anyOf/1" as a branch), so that the parameters' own local
+    $refs ("#/$defs/Place", what Pydantic writes for nested models) still resolve within them there."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+    return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                             "arguments": rebase_refs(params, f"{at}/properties/arguments")},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples"})     # values of the instance, never subschemas
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # name ->
+
+
+def rebase_refs(schema, prefix: str):
+    """A copy of `schema` to be placed at the JSON pointer `prefix` of a larger schema: its local $refs ("#",
+    "#/$defs/X") point at the same subschemas there ("#" + prefix, "#" + prefix + "/$defs/X"); other refs as they
+    are."""
+    if isinstance(schema, list):
+        return [rebase_refs(x, prefix) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = "#" + prefix + v[1:]
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):       # (a property may be called "default")
+            out[k] = {name: rebase_refs(sub, prefix) for name, sub in v.items()}
+        elif k in _NOT_SCHEMAS:
+            out[k] = v
+        else:
+            out[k] = rebase_refs(v, prefix)
+    return out
 
 
 class TaggedJSONToolParser(ToolParser):
@@ -96,7 +125,8 @@ class TaggedJSONToolParser(ToolParser):
 
         from xllm_gen.runtime.engine.structured_outputs import bounded_strings
 
-        schemas = [bounded_strings(_call_schema(t)) for t in tools]
+        schemas = [bounded_strings(_call_schema(t, "" if len(tools) == 1 else f"/anyOf/{i}"))
+                   for i, t in enumerate(tools)]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         lit = xgr.Grammar.from_ebnf
         g = xgr.Grammar.concat(lit(f"root ::= {json.dumps(self.start + self.sep)}"),
