@@ -364,3 +364,20 @@ def test_a_prompt_far_past_the_context_is_refused_before_the_engine():
         where.clear()
         assert c.post("/v1/completions", json={"prompt": "ok"}).status_code == 200
         assert [p["prompt"] for p in added] == ["ok"] and where == []
+
+
+def test_top_logprobs_of_tokens_that_decode_alike():
+    """/v1/completions' top_logprobs is keyed by the token's text, and distinct ids can decode alike (byte tokens
+    of a split character all read "\\ufffd"): the entry keeps the likeliest of them, so it holds the sampled token's
+    own logprob (top_logprobs[i][tokens[i]] == token_logprobs[i]), generated or echoed."""
+    from xllm_gen.runtime.engine.outputs import CompletionOutput, Logprob
+    from xllm_gen.runtime.serving import shaping as S
+
+    for order in ((116, 139, 209), (139, 209, 116)):      # the sampled token's entry first or last
+        table = {116: Logprob(-0.8, 1, "\ufffd"), 139: Logprob(-2.25, 2, "\ufffd"), 209: Logprob(-2.7, 3, "x")}
+        entry = {t: table[t] for t in order}
+        lp = S.completion_logprobs(CompletionOutput(0, "", [116], "length", [entry]), None, 0)
+        assert lp["top_logprobs"] == [{"\ufffd": -0.8, "x": -2.7}] and lp["token_logprobs"] == [-0.8]
+        echoed = S.echoed_logprobs([5, 116], [None, entry], SimpleNamespace(decode_text=lambda ids: "five"))
+        assert echoed["top_logprobs"] == [None, {"\ufffd": -0.8, "x": -2.7}]
+        assert echoed["top_logprobs"][1][echoed["tokens"][1]] == echoed["token_logprobs"][1]

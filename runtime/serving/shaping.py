@@ -6,6 +6,16 @@ import json
 from typing import Any, NamedTuple, Optional
 
 
+def _top_by_text(entry) -> dict:
+    """A completions top_logprobs entry: {token text: logprob}. Distinct ids can decode alike (each byte token of
+    a split character reads "\ufffd"): the text keeps the likeliest, so the sampled token's entry holds at least
+    its own logprob and the top ones stay the top ones."""
+    out: dict = {}
+    for v in sorted(entry.values(), key=lambda v: v.rank):
+        out.setdefault(v.decoded_token or "", v.logprob)
+    return out
+
+
 def completion_logprobs(c, engine, text_offset: int) -> Optional[dict]:
     if c.logprobs is None:
         return None
@@ -16,7 +26,7 @@ def completion_logprobs(c, engine, text_offset: int) -> Optional[dict]:
         s = lp.decoded_token if lp and lp.decoded_token is not None else engine.decode_text([tid])
         tokens.append(s)
         token_lps.append(lp.logprob if lp else None)
-        tops.append({(v.decoded_token or ""): v.logprob for t, v in entry.items()})
+        tops.append(_top_by_text(entry))
         offsets.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -49,7 +59,7 @@ def echoed_logprobs(prompt_ids: list, entries, engine) -> dict:
         s = lp.decoded_token if lp and lp.decoded_token is not None else engine.decode_text([tid])
         tokens.append(s)
         token_lps.append(lp.logprob if lp else None)
-        tops.append({(v.decoded_token or ""): v.logprob for v in entry.values()} if entry else None)
+        tops.append(_top_by_text(entry) if entry else None)
         offsets.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
