@@ -704,3 +704,103 @@ def hf_linear_tensors(ckpt: Path) -> dict[str, list[str]]:
             if mods:
                 found[name[: -len(".weight")]] = mods
     return found
+
+
+# ---------------------------------------------------------------------------------------------- GGUF, any architecture
+GGUF_ARCH = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+             "Gemma2ForCausalLM": "gemma2", "LlamaForCausalLM": "llama"}
+# K-quant super-blocks of 256 values: bytes a block, byte offsets of the float16 scale fields (d, and dmin where any)
+K_QUANT_FIELDS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+                  "Q6_K": (210, (208,))}
+
+
+def _k_quant_bytes(rows: int, cols: int, qtype: str, gen: torch.Generator):
+    """Random K-quant blocks [rows, cols / 256 * block bytes] (uint8) whose float16 scales are small and finite (the
+    gguf package writes no K-quants: random codes, the format's own dequantization gives their values)."""
+    import numpy as np
+    size, fields = K_QUANT_FIELDS[qtype]
+    b = torch.randint(0, 256, (rows, cols // 256, size), generator=gen, dtype=torch.uint8).numpy()
+    for k, off in enumerate(fields):
+        d = (torch.rand(rows, cols // 256, generator=gen) * 2e-3 + 1e-3) / (k + 1)
+        b[..., off:off + 2] = d.to(torch.float16).numpy()[..., None].view(np.uint8)
+    return np.ascontiguousarray(b.reshape(rows, -1))
+
+
+def write_gguf(src: Path, out: Path, qtype="Q8_0", *, tokens: list | None = None, split_max_tensors: int = 0,
+               deq: Path | None = None, seed: int = 0) -> Path:
+    """A tiny checkpoint of an architecture in GGUF_ARCH as llama.cpp's converter writes it: <arch>.* metadata
+    (head_dim as attention.key_length), the gguf package's tensor names, llama's q/k rows permuted, gemma's norms
+    stored plus one; 2-D weights in `qtype` (a GGML type name, "F32", or a callable name -> type), the rest float32.
+    K-quant tensors hold random codes (see _k_quant_bytes). `deq` receives the float32 checkpoint of what the file
+    holds (the HF names and config of `src`, the quantized tensors dequantized by the gguf package; not for llama).
+    `tokens`: a gpt2-style token list instead of `<arch>.vocab_size`. `split_max_tensors`: a split set
+    (<stem>-0000i-of-0000n.gguf, gguf-split's names); the first file's path is returned."""
+    import gguf
+    import numpy as np
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    sd = load_file(str(Path(src) / "model.safetensors"))
+    arch = GGUF_ARCH[cfg["architectures"][0]]
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                     cfg["num_hidden_layers"])
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    w.add_name("tiny")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if tokens is None:
+        w.add_vocab_size(cfg["vocab_size"])
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * len(tokens))
+        w.add_token_merges([])
+    gen = torch.Generator().manual_seed(seed)
+    deq_sd = {}
+    for name, t in sd.items():
+        a = t.float().numpy()
+        base, suffix = name.rsplit(".", 1)
+        g = f"{names.get_name(base)}.{suffix}"
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            a = a + 1
+        if arch == "llama" and ".q_proj." in name:
+            a = _permute(a, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            a = _permute(a, kv)
+        q = qtype(name) if callable(qtype) else qtype
+        deq_sd[name] = t.float()
+        if a.ndim != 2 or q == "F32":
+            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+            continue
+        qt = getattr(gguf.GGMLQuantizationType, q)
+        data = _k_quant_bytes(*a.shape, q, gen) if q in K_QUANT_FIELDS else \
+            gguf.quants.quantize(np.ascontiguousarray(a), qt)
+        if arch != "llama":                   # (llama's q / k rows are permuted in the file: its twin is left out)
+            deq_sd[name] = torch.from_numpy(gguf.quants.dequantize(data, qt).copy()).float()
+        else:
+            assert deq is None and q not in K_QUANT_FIELDS, "a llama GGUF's dequantized twin is not written here"
+        w.add_tensor(g, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if deq is not None:
+        _copy_small_files(Path(src), Path(deq))
+        _write(Path(deq), deq_sd, None)
+    if split_max_tensors:
+        first = sorted(Path(out).parent.glob(f"{Path(out).stem}-00001-of-*.gguf"))
+        return first[0]
+    return Path(out)
