@@ -150,3 +150,42 @@ def test_bad_text_and_tool_calls_are_named_by_their_message(qwen3_tied, make_llm
     assert outs[1].error.startswith("request 1: messages[0].content[1].text: not valid Unicode")
     assert outs[2].error.startswith("request 2: messages[1].tool_calls[1]: a tool call is")
     assert outs[3].error is None and outs[3].outputs[0].token_ids
+
+
+# A template that takes content as a string, as Qwen3's does: a list of parts would render as nothing
+_STRING_TEMPLATE = ("{%- for message in messages %}{%- if message.content is string %}{%- set content = message.content "
+                    "%}{%- else %}{%- set content = '' %}{%- endif %}{{- '<|im_start|>' + message.role + '\\n' + content "
+                    "+ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                    "{%- endif %}")
+
+
+def test_content_format_of_templates():
+    """vLLM's content formats: a template that loops over a message's content takes OpenAI's list of parts
+    ("openai"), any other takes a string ("string"), whatever names the loops use."""
+    from xllm_gen.runtime.engine.chat_template import takes_content_parts
+
+    loops = ["{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
+             "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+             "{{ p.text }}{% endfor %}{% endif %}{% endfor %}",
+             "{% set msgs = messages[1:] %}{% for m in msgs %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
+             "{% endfor %}{% endfor %}"]
+    strings = [_STRING_TEMPLATE, "{% for m in messages %}{{ m.content }}{% endfor %}",
+               "{% for m in messages %}{% for t in m.tool_calls %}{{ t }}{% endfor %}{% endfor %}", "{% for"]
+    assert [takes_content_parts(t) for t in loops] == [True] * 3
+    assert [takes_content_parts(t) for t in strings] == [False] * 4
+
+
+def test_text_parts_reach_a_string_template_joined(qwen3_tied, make_llm):
+    """A message whose content is a list of text parts: a template that takes content as a string gets their text
+    joined by newlines (vLLM's "string" format: Qwen3's template renders a list as nothing, the user's words
+    dropped), one that loops over the parts gets the list (the tiny checkpoint's own template)."""
+    llm = make_llm(qwen3_tied)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "input_text", "text": "more."}]}]
+    joined = [{"role": "user", "content": "Tell me\nmore."}]
+    sp = _sp()
+    got = llm.chat(parts, sp, chat_template=_STRING_TEMPLATE)[0]
+    assert got.prompt == llm.chat(joined, sp, chat_template=_STRING_TEMPLATE)[0].prompt
+    assert "Tell me\nmore." in got.prompt
+    own = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "more."}]}],
+                   sp)[0]
+    assert own.prompt == llm.chat([{"role": "user", "content": "Tell me more."}], sp)[0].prompt

@@ -340,6 +340,20 @@ def test_tool_choice_auto_and_none(client, model, server):
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
 
 
+def test_text_parts_reach_a_string_template_joined(server, model):
+    """This server's template takes content as a string (as Qwen3's): a message's text parts reach it joined by
+    newlines (vLLM's "string" content format), not glued together nor failing the template."""
+    def ids(content):
+        r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": content}]}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert ids([{"type": "text", "text": "Tell me"}, {"type": "input_text", "text": "more."}]) == ids("Tell me\nmore.")
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids("hi")), r.text
+
+
 def test_tool_results_go_through_the_template(client, model):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                               "arguments": '{"city": "Paris", "days": 1, "unit": "celsius"}'}}

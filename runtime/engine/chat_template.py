@@ -14,6 +14,7 @@ tool_calls need OpenAI's shape (function.name; arguments as JSON text or an obje
 Unicode is named by its message, not by a character of the rendered prompt."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -39,6 +40,62 @@ def template_problem(text: Any) -> Optional[str]:
     except jinja2.TemplateError as e:
         return str(e)
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def takes_content_parts(text: Any) -> bool:
+    """Whether a chat template reads a message's content as OpenAI's list of parts (it loops over
+    `message.content` / `message['content']`: vLLM's "openai" content format), else as a string (vLLM's "string"
+    format: a message's text parts reach it joined by newlines). Found from the template's syntax tree, as vLLM
+    does; a template that does not parse is taken as a string one."""
+    if not isinstance(text, str):
+        return False
+    try:
+        from jinja2 import nodes
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        tree = _compile_jinja_template(text).environment.parse(text)
+    except Exception:
+        return False
+
+    def names(node) -> set:
+        return {n.name for n in ([node] if isinstance(node, nodes.Name) else []) + list(node.find_all(nodes.Name))}
+
+    def targets(node) -> set:
+        return {n.name for n in ([node] if isinstance(node, nodes.Name) else node.find_all(nodes.Name))}
+
+    def reads_content(node, holders: set) -> bool:      # message.content / message['content'] in `node`
+        for n in [node, *node.find_all((nodes.Getattr, nodes.Getitem))]:
+            if isinstance(n, nodes.Getattr) and n.attr == "content" and names(n.node) & holders:
+                return True
+            if isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Const) and n.arg.value == "content" \
+                    and names(n.node) & holders:
+                return True
+        return False
+
+    lists, messages, contents = {"messages"}, set(), set()
+    for _ in range(4):               # names bound from the messages (loop_messages = messages[1:]), their items,
+        for n in tree.find_all(nodes.Assign):             # and their content (content = message.content)
+            if names(n.node) & lists and not reads_content(n.node, messages):
+                lists |= targets(n.target)
+            elif reads_content(n.node, messages):
+                contents |= targets(n.target)
+        for n in tree.find_all(nodes.For):
+            if names(n.iter) & lists and not reads_content(n.iter, messages):
+                messages |= targets(n.target)
+    return any(reads_content(n.iter, messages) or (isinstance(n.iter, nodes.Name) and n.iter.name in contents)
+               for n in tree.find_all(nodes.For))
+
+
+def template_of(renderer, chat_template: Optional[str], tools: Any = None) -> Optional[str]:
+    """The template text transformers renders with: `chat_template` (the text, or the name of one of the
+    renderer's named templates), else the renderer's own ("tool_use" of named ones when tools are given)."""
+    own = getattr(renderer, "chat_template", None)
+    if isinstance(own, dict):
+        if chat_template in own:
+            return own[chat_template]
+        if chat_template is None:
+            return own.get("tool_use") if tools and "tool_use" in own else own.get("default")
+    return chat_template if chat_template is not None else own if isinstance(own, str) else None
 
 
 def _read_json(path: Path) -> Any:

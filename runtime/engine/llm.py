@@ -176,7 +176,8 @@ class LLM:
         for i, conv in enumerate(conversations):
             try:
                 prompts.append(self._chat_prompt(renderer, conv, chat_template, add_generation_prompt, tools,
-                                                 chat_template_kwargs, mm_processor_kwargs))
+                                                 chat_template_kwargs, mm_processor_kwargs,
+                                                 text_only=engine.mm_processor is None))
             except ValueError as e:
                 prompts.append(None)
                 failed[i] = str(e)
@@ -184,12 +185,19 @@ class LLM:
 
     @staticmethod
     def _chat_prompt(renderer, conv, chat_template, add_generation_prompt, tools, chat_template_kwargs,
-                     mm_processor_kwargs) -> dict:
-        """One conversation's engine prompt; ValueError saying why it cannot be rendered."""
-        from xllm_gen.runtime.engine.chat_template import message_problem
+                     mm_processor_kwargs, text_only: bool = True) -> dict:
+        """One conversation's engine prompt; ValueError saying why it cannot be rendered. `text_only`: the renderer
+        is a text tokenizer (not a multimodal processor, whose templates take the parts)."""
+        from xllm_gen.runtime.engine.chat_template import message_problem, takes_content_parts, template_of
         if not isinstance(conv, list):
             raise ValueError(f"a conversation is a list of messages, got {type(conv).__name__}")
         media: dict[str, list] = {"image": [], "video": []}
+        if text_only and any(isinstance(m, dict) and _text_parts(m.get("content")) is not None for m in conv) \
+                and not takes_content_parts(template_of(renderer, chat_template, tools)):
+            # a template that takes content as a string gets a message's text parts joined by newlines (vLLM's
+            # "string" content format); one that loops over the parts gets them as they are
+            conv = [{**m, "content": "\n".join(_text_parts(m["content"]))}
+                    if isinstance(m, dict) and _text_parts(m.get("content")) is not None else m for m in conv]
         for k, message in enumerate(conv):
             problem = message_problem(f"messages[{k}]", message)
             if problem:
@@ -237,3 +245,20 @@ class LLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+# content part kinds that hold text (vLLM's): the kind -> the key of its text
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def _text_parts(content) -> Optional[list]:
+    """The texts of a message content that is a list of text parts only; None for anything else."""
+    if not isinstance(content, list) or not content:
+        return None
+    out = []
+    for part in content:
+        key = _TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+        if key is None or not isinstance(part.get(key), str):
+            return None
+        out.append(part[key])
+    return out

@@ -17,7 +17,7 @@ import os
 from typing import Any, Optional
 from urllib.parse import unquote, urlparse
 
-from xllm_gen.runtime.engine.chat_template import message_problem
+from xllm_gen.runtime.engine.chat_template import message_problem, takes_content_parts, template_of
 from xllm_gen.runtime.serving.protocol import APIError
 
 
@@ -133,6 +133,10 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
                        param="messages")
     media: dict[str, list] = {"image": [], "video": []}
     conv = []
+    # a text model's template that loops over a message's parts gets them; another gets their text joined by
+    # newlines (vLLM's "openai" and "string" content formats)
+    as_parts = not multimodal and any(isinstance(msg.content, list) for msg in messages) and \
+        takes_content_parts(template_of(renderer, chat_template, tools))
     for m, msg in enumerate(messages):
         content = msg.content
         problem = message_problem(f"messages[{m}]", {"role": msg.role, "content": content,
@@ -166,8 +170,8 @@ def render_chat(engine, messages: list, chat_template: Optional[str] = None,
                 parts.append({"type": "video", "video": media["video"][-1]})
             else:
                 raise APIError(f"{where}: unsupported content part type {kind!r}", param="messages")
-        if not multimodal:          # a text tokenizer's template wants a string
-            conv.append(_turn(msg, "".join(p["text"] for p in parts)))
+        if not multimodal:
+            conv.append(_turn(msg, parts if as_parts else "\n".join(p["text"] for p in parts)))
         else:
             conv.append(_turn(msg, parts))
     kwargs = dict(template_kwargs or {})
