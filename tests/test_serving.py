@@ -188,6 +188,25 @@ def test_echo_and_prompt_logprobs_match_transformers(server, model_name, qwen3_t
     assert streamed[0] is None and streamed[1:] == pytest.approx(g["logprobs"]["token_logprobs"][1:], abs=1e-4)
 
 
+def test_chat_logprob_bytes_rebuild_split_characters(server, model_name):
+    """OpenAI's logprobs `bytes` are each token's own UTF-8 bytes, so that the tokens of a character split over
+    several (byte tokens, whose text reads "\ufffd") join into it: the bytes of the content's tokens, streamed or
+    not, decode to the content (top_logprobs entries' bytes too are their tokens' own)."""
+    body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "structured_outputs": {"regex": "h\u00e9llo w\u00f6rld \U0001F389"}}
+    r = _post(server, "/v1/chat/completions", body)
+    content, lps = r["choices"][0]["message"]["content"], r["choices"][0]["logprobs"]["content"]
+    assert any(t["token"] == "\ufffd" for t in lps), lps        # the check means something: split characters
+    lps = [t for t in lps if t["token"] != "<|endoftext|>"]    # the EOS token's entry (not in the content)
+    assert bytes(b for t in lps for b in t["bytes"]).decode("utf-8") == content == "h\u00e9llo w\u00f6rld \U0001F389"
+    assert all(all(e["bytes"] != [239, 191, 189] or e["token"] != "\ufffd" for e in t["top_logprobs"]) for t in lps)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    streamed = [t for ch in chunks for c in ch["choices"] for t in (c.get("logprobs") or {}).get("content") or []
+                if t["token"] != "<|endoftext|>"]
+    assert bytes(b for t in streamed for b in t["bytes"]).decode("utf-8") == content
+
+
 def test_tokenize_and_detokenize(server, model_name):
     """vLLM's /tokenize gives the ids a completion / chat request is served with (their usage counts agree);
     /detokenize inverts it; a bad id is a 400 naming `tokens`."""

@@ -460,7 +460,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             so_ = body.stream_options
             opts = ChatStreamOptions(params.n, bool(so_ and so_.include_usage), bool(so_ and so_.continuous_usage_stats),
                                      body.top_logprobs or 0, reader, parser, opened, keep_reasoning,
-                                     bool(body.return_token_ids))
+                                     bool(body.return_token_ids), engine.tokenizer)
             head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "system_fingerprint": fingerprint}
             return StreamingResponse(stream_chat(head, results(rid, q), opts, lambda: async_engine.abort(rid)),
@@ -472,7 +472,8 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
         choices = []
         for c in comps:
             message = reply_message(c.text, reader, parser, opened, c.finish_reason == "length", keep_reasoning)
-            choice = {"index": c.index, "message": message, "logprobs": S.chat_logprobs(c, body.top_logprobs or 0),
+            choice = {"index": c.index, "message": message,
+                      "logprobs": S.chat_logprobs(c, body.top_logprobs or 0, engine.tokenizer),
                       "finish_reason": finish_reason(c.finish_reason, bool(message.get("tool_calls"))),
                       "stop_reason": c.stop_reason}
             if body.return_token_ids:

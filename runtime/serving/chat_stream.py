@@ -24,6 +24,7 @@ class ChatStreamOptions:
     opened: bool = False
     include_reasoning: bool = True
     return_token_ids: bool = False
+    tokenizer: Any = None               # logprobs' bytes of a split character's tokens (shaping.token_bytes)
 
 
 async def stream_chat(head: dict, deltas: AsyncIterator, o: ChatStreamOptions,
@@ -74,7 +75,7 @@ async def stream_chat(head: dict, deltas: AsyncIterator, o: ChatStreamOptions,
                     delta = state[c.index].feed(c.text, last, c.finish_reason == "length")
                     if not delta and not last and not c.logprobs and not o.return_token_ids:
                         continue                  # held back (a tag may be starting)
-                choice = {"index": c.index, "delta": delta, "logprobs": S.chat_logprobs(c, o.n_top),
+                choice = {"index": c.index, "delta": delta, "logprobs": S.chat_logprobs(c, o.n_top, o.tokenizer),
                           "finish_reason": finish_reason(c.finish_reason, state[c.index].calls_sent > 0),
                           "stop_reason": c.stop_reason}
                 if o.return_token_ids:

@@ -3,6 +3,7 @@ prompt and its logprobs, vLLM's prompt_logprobs field, usage, Server-Sent Event 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NamedTuple, Optional
 
 
@@ -89,7 +90,45 @@ def completion_choice(body, got: Collected, c, engine, index: int, prompt_only: 
     return choice
 
 
-def chat_logprobs(c, n_top: int) -> Optional[dict]:
+def _byte_level_map() -> dict:
+    """Byte-level BPE's printable stand-in character of each byte (GPT-2's bytes_to_unicode), inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_map()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, tid: int, text: str) -> list:
+    """OpenAI's logprobs `bytes` of one token: its own UTF-8 bytes, so that the tokens of a character split over
+    several join into it. A token whose text is whole is that text's bytes; one that holds part of a character
+    (its text reads U+FFFD) is read from the vocabulary: a byte-fallback piece (<0xE9>) or a byte-level BPE piece
+    (one stand-in character per byte); else (no tokenizer, another vocabulary) the text's bytes."""
+    if "\ufffd" in text and tokenizer is not None:
+        try:
+            piece = tokenizer.convert_ids_to_tokens(int(tid))
+        except Exception:
+            piece = None
+        if isinstance(piece, str) and piece:
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m:
+                return [int(m.group(1), 16)]
+            if all(ch in _BYTE_OF for ch in piece):
+                return [_BYTE_OF[ch] for ch in piece]
+    return list(text.encode("utf-8", "replace"))
+
+
+def chat_logprobs(c, n_top: int, tokenizer=None) -> Optional[dict]:
+    """A chat choice's logprobs (OpenAI's shape); `tokenizer`: where a split character's tokens get their own
+    bytes (token_bytes)."""
     if c.logprobs is None:
         return None
     content = []
@@ -97,10 +136,10 @@ def chat_logprobs(c, n_top: int) -> Optional[dict]:
         lp = entry.get(tid)
         tok = lp.decoded_token or ""
         tops = sorted(((v.rank, t, v) for t, v in entry.items() if v.rank <= n_top), key=lambda x: x[0])
-        content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8", "replace")),
+        content.append({"token": tok, "logprob": lp.logprob, "bytes": token_bytes(tokenizer, tid, tok),
                         "top_logprobs": [{"token": v.decoded_token or "", "logprob": v.logprob,
-                                          "bytes": list((v.decoded_token or "").encode("utf-8", "replace"))}
-                                         for _, _, v in tops[:n_top]]})
+                                          "bytes": token_bytes(tokenizer, t, v.decoded_token or "")}
+                                         for _, t, v in tops[:n_top]]})
     return {"content": content}
 
 
