@@ -148,6 +148,13 @@ def _model_checks(ckpt: str) -> dict:
         FU.MODE = "1"
         out["fused"] = run()
         out["fused_calls"] = dict(calls)
+        # the rotary + KV store handed to the attention (XLLM_ATTENTION_ROPE): the CPU backend runs it first itself
+        made, rope_store = [], FR.RopeStore
+        FR.RopeStore = lambda *a, **kw: made.append(1) or rope_store(*a, **kw)
+        FU.ATTENTION_ROPE = True
+        out["deferred"] = run()
+        out["deferred_made"] = len(made)
+        FU.ATTENTION_ROPE, FR.RopeStore = False, rope_store
         norm_args = FU._norm_args
 
         def wrong(norm):          # the fused kernel alone gets a wrong norm weight: (0.5 + w) for w
@@ -198,6 +205,7 @@ def test_fused_decode_model_tokens(qwen3_tied):
     assert calls["norm_gemv"] >= 2 * 2 * steps and calls["act_gemv"] >= 2 * steps, res
     assert calls["qk_norm_rope_store"] == 2 * steps, res                     # decode only: prefill unchanged
     assert res["fused"] == res["unfused"], f"fused {res['fused']} != unfused {res['unfused']}"
+    assert res["deferred"] == res["unfused"] and res["deferred_made"] == 2 * steps, res
     assert res["wrong_norm"] != res["fused"], "a wrong norm weight in the fused kernel must change the tokens"
     assert res["no_kv_store"] != res["fused"], "the attention must read the K/V the fused rotary kernel stores"
 

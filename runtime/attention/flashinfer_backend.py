@@ -77,6 +77,8 @@ def prefill_attention_choice(backend: Optional[str] = None) -> str:
 
 
 class FlashInferBackend(AttentionBackend):
+    takes_rope = True       # forward's `rope`: a decode step's q/k norm + rotary + KV store (runtime/layers/attention.py)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cuda", *, block_size: int = 16, max_batch: int = 256,
                  max_model_len: Optional[int] = None, max_num_blocks: Optional[int] = None,
@@ -341,11 +343,12 @@ class FlashInferBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------------------------ running
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
-                k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None):
+                k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None, rope=None):
         """k_scale / v_scale: a scaled cache's scales, per tensor (floats: FlashInfer folds k_scale into the softmax
         scale and multiplies the output by v_scale) or per KV head (float32 [Hk, 1]: q times its KV head's k_scale,
         the output times v_scale); sinks [H]: attention sinks (the output rescaled from the kernel's log-sum-exp).
-        See attention/flashinfer_run.py."""
+        See attention/flashinfer_run.py. rope (ops/fused_rope_store.RopeStore): q / k not yet normed and rotated, k / v
+        not yet stored; the Triton decode kernel does it in its launch, FlashInfer's kernels after `rope.apply`."""
         if self._wrapper is None:
             raise RuntimeError("FlashInferBackend.forward before plan(ctx)")
         if abs(scale - self.sm_scale) > 1e-9 * max(1.0, abs(scale)):
@@ -361,6 +364,11 @@ class FlashInferBackend(AttentionBackend):
                                    "register it with add_variants(...) first")
             self.add_variants((variant,))
             wrapper = self._plan_variant(variant)
+        if rope is not None:
+            if isinstance(wrapper, TritonDecodeWrapper):
+                return run_attention(wrapper, q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                                     rope=rope)
+            q, k = rope.apply(q, k_cache, v_cache)
         if self._mode == "ragged":      # (never scaled: a float8 cache plans paged prefill)
             return run_attention(wrapper, q, (k.contiguous(), v.contiguous()), k_scale=k_scale, v_scale=v_scale,
                                  sinks=sinks, ragged=True)

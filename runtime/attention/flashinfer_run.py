@@ -23,17 +23,22 @@ import torch
 
 
 def run_attention(wrapper, q: torch.Tensor, kv: tuple, *, k_scale=None, v_scale=None,
-                  sinks: Optional[torch.Tensor] = None, ragged: bool = False) -> torch.Tensor:
+                  sinks: Optional[torch.Tensor] = None, ragged: bool = False, rope=None) -> torch.Tensor:
     """`wrapper.run` on q and kv ((k_cache, v_cache), or with ragged=True this step's (k, v) for a ragged prefill
     wrapper), with attention sinks (sinks [H]) and KV-cache scales (k_scale / v_scale: floats per tensor, float32
-    tensors [Hk, 1] per KV head, or None)."""
+    tensors [Hk, 1] per KV head, or None); rope: the Triton decode kernel's q/k norm + rotary + KV-store prologue
+    (ops/fused_rope_store.RopeStore; that kernel only)."""
     from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
     from xllm_gen.runtime.ops.attention_epilogue import attention_epilogue_, fold_k_scale  # (imports triton)
     if isinstance(wrapper, TritonDecodeWrapper):
         extra = {} if sinks is None else {"sinks": sinks}
+        if rope is not None:
+            extra["rope"] = rope
         if k_scale is None and v_scale is None:
             return wrapper.run(q, kv, **extra)
         return wrapper.run(q, kv, k_scale=k_scale, v_scale=v_scale, **extra)
+    if rope is not None:
+        raise RuntimeError("run_attention: a rope prologue for a kernel other than the Triton decode kernel")
     if ragged and (k_scale is not None or v_scale is not None):     # never: a float8 cache plans paged prefill
         raise RuntimeError("ragged prefill on this step's K / V cannot apply KV-cache scales")
     kw: dict = {}

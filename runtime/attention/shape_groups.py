@@ -30,6 +30,10 @@ class ShapeGroupBackend(AttentionBackend):
             raise ValueError("ShapeGroupBackend needs at least one shape group")
         self.groups = dict(groups)
 
+    @property
+    def takes_rope(self) -> bool:
+        return all(getattr(b, "takes_rope", False) for b in self.groups.values())
+
     def plan(self, ctx: ForwardContext) -> None:
         for backend in self.groups.values():
             backend.plan(ctx)

@@ -225,10 +225,10 @@ class TritonDecodeWrapper:
                         window_left=int(window_left), soft_cap=logits_soft_cap, chunk_size=chunk_size)
 
     def run(self, q: torch.Tensor, kv, *, k_scale=None, v_scale=None,
-            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+            sinks: Optional[torch.Tensor] = None, rope=None) -> torch.Tensor:
         """k_scale / v_scale: the scales of a scaled KV cache, per tensor (floats, as FlashInfer's run takes them) or
         per KV head (float32 tensors [Hk, 1]); sinks [H]: attention sinks (the kernel adds them to its softmax
-        denominator)."""
+        denominator); rope: the q/k norm + rotary + KV-store prologue (ops/fused_rope_store.RopeStore)."""
         from xllm_gen.runtime.ops.decode_attention import paged_decode_attention
         if self._table is None:
             raise RuntimeError("TritonDecodeWrapper.run before plan")
@@ -240,4 +240,4 @@ class TritonDecodeWrapper:
                                       chunk_size=kw["chunk_size"], k_scale=1.0 if k_scale is None else k_scale,
                                       v_scale=1.0 if v_scale is None else v_scale, sinks=sinks,
                                       num_warps=self.num_warps,
-                                      num_stages=self.num_stages, merge_vec=self.merge_vec)
+                                      num_stages=self.num_stages, merge_vec=self.merge_vec, rope=rope)

@@ -110,12 +110,21 @@ class _BucketAttention(AttentionBackend):
         w = self.wrappers.get(FULL)
         return None if w is None else decode_page_table_of(w)
 
+    takes_rope = True       # forward's `rope` (runtime/layers/attention.py)
+
     def forward(self, q, k, v, k_cache, v_cache, ctx, scale, variant: Optional[AttentionVariant] = None,
-                k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None):
+                k_scale=None, v_scale=None, sinks: Optional[torch.Tensor] = None, rope=None):
         w = self.wrappers.get(variant or FULL)
         if w is None:
             raise RuntimeError(f"decode graph bucket {self.batch_size} has no wrapper for attention variant "
                                f"{variant}: the backend was not given the model's variants before capture")
+        if rope is not None:    # the q/k norm + rotary + KV store: in the Triton kernel's launch, else before it
+            from xllm_gen.runtime.attention.flashinfer_run import run_attention
+            from xllm_gen.runtime.attention.triton_decode import TritonDecodeWrapper
+            if isinstance(w, TritonDecodeWrapper):
+                return run_attention(w, q, (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                                     rope=rope)
+            q, k = rope.apply(q, k_cache, v_cache)
         if k_scale is None and v_scale is None and sinks is None:
             return w.run(q, (k_cache, v_cache))
         # a scaled cache: per-tensor scales are constants of the captured launches (FlashInfer folds k_scale into the

@@ -137,6 +137,11 @@ class Attention(nn.Module):
             return self._attend_shared(ctx, q.view(-1, self.num_heads, self.head_dim), sinks)
         if self.kv_readers:                   # this step's k, v for the layers that read this layer's cache
             self.last_kv = (k, v)
+        # kv_stored, a RopeStore (L.qk_norm_rope_store with XLLM_ATTENTION_ROPE): q / k are not normed and rotated yet
+        # and k / v not stored; the Triton decode kernel does it in its launch, any other path runs its kernel first
+        rope = None if isinstance(kv_stored, bool) else kv_stored
+        if rope is not None:
+            rope.check(q, k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.v_head_dim)
@@ -145,9 +150,15 @@ class Attention(nn.Module):
         # a scaled cache: the backend gets the scales (only then: backends without them serve unscaled caches)
         kv = {} if unit_scale(self.k_scale) and unit_scale(self.v_scale) else \
             {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if rope is not None and not (getattr(ctx.backend, "takes_rope", False) and key_mask is None
+                                     and key_bias is None and self.alibi_slopes is None and not kv):
+            q, k = rope.apply(q, self.k_cache, self.v_cache)
+            rope = None
+        if rope is not None:                  # (a unit-scaled cache: kv was empty) the backend's kernel takes it
+            kv = {"rope": rope}
         if self.k_cache.numel() and self.v_cache.numel() and not kv_stored:
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
-        elif kv_stored and kv:
+        elif kv_stored and kv and rope is None:
             raise RuntimeError("Attention: K / V already stored by a fused kernel that does not apply KV-cache scales")
         if key_mask is not None or key_bias is not None:   # a selection / a bias of keys: the torch backend
             if self.alibi_slopes is not None and self.alibi_slopes.device != q.device:

@@ -35,6 +35,7 @@ from xllm_gen.runtime.executor.distributed import all_reduce
 from xllm_gen.runtime.layers import linear as _lin
 from xllm_gen.runtime.layers.activation import GeluAndMul, SiluAndMul
 from xllm_gen.runtime.layers.norm import RMSNorm
+from xllm_gen.runtime.ops.reference import unit_scale
 
 logger = logging.getLogger("xllm_gen")
 _SETTING = os.environ.get("XLLM_FUSED_DECODE", "auto").strip().lower()
@@ -46,6 +47,10 @@ _CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
 FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
 # the fused GEMVs: the FMA skinny GEMM's up to 8 rows, the tensor-core one's up to 64 (ops/skinny_fma.py
 # SKINNY_MAX_M, ops/skinny_mma.py SKINNY_MMA_MAX_M); XLLM_FUSED_MMA=0 keeps 9..64 rows unfused (the benchmark's baseline)
+# XLLM_ATTENTION_ROPE=1: a decode step's q/k norm + rotary + KV-cache store run inside the Triton decode-attention
+# kernel where a layer's attention takes that kernel (qk_norm_rope_store's `into_attention`); "0" (the default until
+# measured on a GPU): in their own kernel before it
+ATTENTION_ROPE = os.environ.get("XLLM_ATTENTION_ROPE", "0").strip() == "1"
 _FUSED_MAX_ROWS = 8 if os.environ.get("XLLM_FUSED_MMA", "1") == "0" else 64
 FUSED_TUNING: dict = {}
 
@@ -338,12 +343,18 @@ def _fused_rope_args(q_norm, k_norm, rotary):
 
 
 def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm, k_norm,
-                       rotary, attn):
+                       rotary, attn, into_attention: bool = True):
     """L.qk_norm_rope(positions, q, k, q_norm, k_norm, rotary) -> (q, k, kv_stored). On a CUDA decode step the same
     kernel also writes k (normed, rotated) and v into attn's paged KV cache at the step's slots, and kv_stored is
     True: the attention layer then skips its store_kvcache (`attn(q, k, v, kv_stored=True)`). Prefill (and the
     piecewise prefill-graph capture), CPU and the norms / rotary the kernel does not cover: the plain
-    qk_norm_rope, kv_stored False."""
+    qk_norm_rope, kv_stored False.
+
+    With XLLM_ATTENTION_ROPE on (ATTENTION_ROPE) and `into_attention` (the generated code passes False where it
+    changes q between this call and the attention), the kernel is not launched here: q and k come back as given and
+    kv_stored is an ops.fused_rope_store.RopeStore, which the attention hands to its Triton decode kernel (that
+    kernel then norms, rotates and stores in its own launch: one launch fewer a layer) or runs first itself
+    (`RopeStore.apply`, this same kernel) where its kernel is another."""
     from xllm_gen.runtime.executor.context import get_context
     from xllm_gen.runtime.layers.rotary import qk_norm_rope
     args = None
@@ -359,10 +370,17 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if args is None:
         q, k = qk_norm_rope(positions, q, k, q_norm, k_norm, rotary)
         return q, k, False
+    from xllm_gen.runtime.ops.fused_rope_store import RopeStore
     from xllm_gen.runtime.ops.fused_rope_store import qk_norm_rope_store as kernel
     rotary._check_positions(positions)
     rotary._to(q.device)
     qw, kw, eps = args
+    D = q.shape[-1]
+    if (ATTENTION_ROPE and into_attention and positions.dim() == 1 and rotary.axis_map is None and not attn.kv_readers
+            and attn.kv_owner is None and D & (D - 1) == 0 and k.shape[-1] == D and v.numel() == k.numel()
+            and unit_scale(attn.k_scale) and unit_scale(attn.v_scale)):
+        return q, k, RopeStore(k, v.view(k.shape), qw, kw, eps, positions, rotary.cos_sin_cache, get_context().slot_mapping,
+                               q=q)
     q, k = kernel(q, k, v.view(k.shape), qw, kw, eps, positions, rotary.cos_sin_cache, rotary.axis_map,
                   attn.k_cache, attn.v_cache, get_context().slot_mapping)
     return q, k, True

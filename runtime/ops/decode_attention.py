@@ -15,6 +15,12 @@ Attention sinks (GPT-OSS), where given: a logit per query head added to the soft
 normalisation of a single split, in the merge of several). KV-cache scales (a float8 cache holding K / k_scale,
 V / v_scale), per tensor or per KV head: k_scale folded into the softmax scale of the (row, KV head) program, the
 output times v_scale.
+With a `rope` prologue (ops/fused_rope_store.RopeStore: the step's q / k / v as the qkv projection left them) the
+kernel also does what qk_norm_rope_store did before it, so a decode layer launches one kernel fewer: every program
+norms and rotates its group's q heads itself (`_norm_rope_tile`, a few hundred flops), and the one program whose
+split holds the row's new position (L - 1) norms and rotates k, writes it and v into the cache at the row's slot
+(slot -1: a padding row, nothing written) and then reads its keys as always (a CTA barrier between: the same
+program's threads read what it wrote); no other program reads that position.
 Reference: ops.reference.paged_decode_attention.
 """
 from __future__ import annotations
@@ -32,8 +38,35 @@ MERGE_VEC_MAX_ELEMS = 8192     # float32 partials the vectorized merge holds at 
 
 
 @triton.jit
+def _norm_rope_tile(src, dd, w_ptr, c, sn, eps, D: tl.constexpr, HAS_NORM: tl.constexpr, mask):
+    """Per-head RMSNorm (weight w) then neox rotary of the heads at src ([rows, D] pointers; dims dd) in src's dtype,
+    with rope_kernels._norm_rope_values' roundings: dim j of the first half pairs with j + D/2, c / sn the cos / sin of
+    each dim's frequency."""
+    HALF: tl.constexpr = D // 2
+    first = dd < HALF
+    partner = tl.where(first, dd + HALF, dd - HALF)
+    x = tl.load(src + dd[None, :], mask=mask, other=0.0)
+    xp = tl.load(src + partner[None, :], mask=mask, other=0.0)
+    dt = x.dtype
+    f = x.to(tl.float32)
+    fp = xp.to(tl.float32)
+    if HAS_NORM:
+        rstd = (1.0 / tl.sqrt(tl.sum(f * f, axis=1) / D + eps))[:, None]
+        w = tl.load(w_ptr + dd).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+        f = (w * (f * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        fp = (wp * (fp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    cc = c.to(dt).to(tl.float32)[None, :]
+    ss = sn.to(dt).to(tl.float32)[None, :]
+    o = (f * cc).to(dt).to(tl.float32) + (tl.where(first[None, :], -fp, fp) * ss).to(dt).to(tl.float32)
+    return o.to(dt)
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                          indptr_ptr, indices_ptr, last_ptr, sinks_ptr, ks_ptr, vs_ptr,
+                         kr_ptr, vr_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr,
+                         stride_krb, stride_krh, stride_vrb, stride_vrh, eps,
                          sm_scale, soft_cap, window_left, chunk_size, v_scale,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                          H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
@@ -43,7 +76,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          HAS_SINKS: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
                          MERGE_VEC: tl.constexpr = False, GM_PAD: tl.constexpr = 1,
                          V_SCALED: tl.constexpr = False, K_HEAD: tl.constexpr = False, V_HEAD: tl.constexpr = False,
-                         PDL: tl.constexpr = 0):
+                         ROPE: tl.constexpr = False, ROPE_NORM: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_enter(PDL, LARGE=True)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -75,8 +108,26 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         gd_mask = g_ok[:, None]
     else:
         gd_mask = g_ok[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask,
-                other=0.0)
+    if ROPE:                # q as the projection left it: normed and rotated here (D == D_PAD)
+        HALF: tl.constexpr = D // 2
+        fj = tl.where(d < HALF, d, d - HALF)
+        p_cs = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * D
+        c = tl.load(p_cs + fj)
+        sn = tl.load(p_cs + HALF + fj)
+        q = _norm_rope_tile(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh, d, qw_ptr, c, sn, eps,
+                            D, ROPE_NORM, g_ok[:, None])
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (slot >= 0) & (lo <= L - 1) & (L - 1 < hi):     # this split holds the new position: write its k, v first
+            kn = _norm_rope_tile(kr_ptr + b.to(tl.int64) * stride_krb + kh * stride_krh + tl.zeros([1, 1], tl.int64),
+                                 d, kw_ptr, c, sn, eps, D, ROPE_NORM, d[None, :] < D)
+            dst = (slot // PAGE) * stride_kp + (slot % PAGE) * stride_kt + kh * stride_kh
+            tl.store(k_ptr + dst + d[None, :], kn.to(k_ptr.dtype.element_ty))
+            vv = tl.load(vr_ptr + b.to(tl.int64) * stride_vrb + kh * stride_vrh + d)
+            tl.store(v_ptr + dst + d, vv.to(v_ptr.dtype.element_ty))
+        tl.debug_barrier()  # the stores above are seen by every thread's loads below
+    else:
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask,
+                    other=0.0)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -206,7 +257,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int = 64, out: Optional[torch.Tensor] = None,
                            sinks: Optional[torch.Tensor] = None, chunk_size: Optional[int] = None,
                            k_scale=1.0, v_scale=1.0, num_warps: int = 4,
-                           num_stages: Optional[int] = None, merge_vec: Optional[bool] = None) -> torch.Tensor:
+                           num_stages: Optional[int] = None, merge_vec: Optional[bool] = None,
+                           rope=None) -> torch.Tensor:
     """q [B, H, D] (one query token per row, the row's last position) -> [B, H, D] in q's dtype, attending to
     the row's keys in the paged cache (k_cache / v_cache [pages, page_size, Hk, D]) through the CSR page table
     (indptr [>= B+1] int32, indices int32, last_page_len [>= B] int32), in `scratch.splits` splits. `sinks` [H]
@@ -216,7 +268,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the softmax scale (q . k_cache * sm_scale * k_scale), the output is multiplied by v_scale (as FlashInfer's run
     does with its k_scale / v_scale). Per KV head, k_scale / v_scale are float32 tensors [Hk] or [Hk, 1] on q's device:
     program (row, KV head kh) folds k_scale[kh] into its softmax scale and multiplies its heads' output by
-    v_scale[kh]."""
+    v_scale[kh]. `rope` (ops/fused_rope_store.RopeStore): q is the projection's, not yet normed and rotated; the kernel
+    does that and writes the step's k (normed, rotated) and v into the caches (see the module docstring)."""
     B, H, D = q.shape
     _, page, Hk, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape or H % Hk:
@@ -238,6 +291,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
+    r = rope.launch_args(q, k_cache, v_cache, k_scale, v_scale) if rope is not None else None
     k_head, v_head = "k" in head_scales, "v" in head_scales
     group = H // Hk
     gm_pad = triton.next_power_of_2(group)
@@ -248,6 +302,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_kernel[(B, Hk, scratch.splits)](
         q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
         indptr, indices, last_page_len, q if sinks is None else sinks, head_scales.get("k", q), head_scales.get("v", q),
+        *(r or (q, q, q, q, q, q, q, 0, 0, 0, 0, 0.0)),
         float(sm_scale) * (1.0 if k_head else float(k_scale)), float(soft_cap or 1.0), int(window_left),
         int(chunk_size or 1), 1.0 if v_head else float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -258,5 +313,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HAS_SOFT_CAP=soft_cap is not None, HAS_WINDOW=window_left >= 0, IEEE=q.dtype == torch.float32,
         HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None,
         V_SCALED=v_head or float(v_scale) != 1.0, K_HEAD=k_head, V_HEAD=v_head,
-        MERGE_VEC=merge_vec, GM_PAD=gm_pad, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
+        MERGE_VEC=merge_vec, GM_PAD=gm_pad, ROPE=r is not None, ROPE_NORM=r is not None and rope.q_weight is not None,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
     return out

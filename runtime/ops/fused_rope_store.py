@@ -6,6 +6,7 @@ twice), by the same code as qk_norm_rope's, so both are bit for bit what qk_norm
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -78,3 +79,49 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
         D_BLOCK=triton.next_power_of_2(r.D), HAS_NORM=r.has_norm, IS_MROPE=r.is_mrope,
         num_warps=_warps(r.qh * r.half_block), **pdl.launch(r.q))
     return r.qo, r.ko
+
+
+@dataclass
+class RopeStore:
+    """A decode step's q/k norm + rotary + KV-cache write, handed to the attention instead of run before it
+    (runtime/layers/fused.qk_norm_rope_store): the attention's Triton decode kernel does it in its own launch
+    (decode_attention's `rope` prologue); any other kernel runs `apply` first, the kernel above."""
+    k: torch.Tensor                          # [N, Hk, D] as the projection left it
+    v: torch.Tensor                          # [N, Hk, D]
+    q_weight: Optional[torch.Tensor]         # the q / k RMSNorm weights (None: no norms)
+    k_weight: Optional[torch.Tensor]
+    eps: float
+    positions: torch.Tensor                  # [N] (one position axis)
+    cos_sin_cache: torch.Tensor              # [max_position, D]: cos | sin
+    slot_mapping: torch.Tensor               # [N], -1: a padding row
+    q: Optional[torch.Tensor] = None         # the q it was made for: the attention must get exactly that q
+
+    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """q / k as the attention got them must be the ones given with this (nothing changed q or k in between)."""
+        if (self.q is not None and q is not self.q) or k is not self.k:
+            raise RuntimeError("q or k changed between qk_norm_rope_store and the attention that runs its rotary: the "
+                               "generated code must pass into_attention=False there")
+
+    def apply(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """(q, k) normed and rotated, k and v written to the caches: the separate kernel."""
+        return qk_norm_rope_store(q, self.k, self.v, self.q_weight, self.k_weight, self.eps, self.positions,
+                                  self.cos_sin_cache, None, k_cache, v_cache, self.slot_mapping)
+
+    def launch_args(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> tuple:
+        """The decode kernel's prologue arguments (k, v, q / k norm weights, positions, cos / sin, slots, the k and v
+        row and head strides, eps), checked against q and the caches."""
+        B, H, D = q.shape
+        Hk = k_cache.shape[2]
+        k, v = _heads(self.k), _heads(self.v)
+        if (k.shape != (B, Hk, D) or v.shape != k.shape or D & (D - 1) or k_cache.dtype != q.dtype
+                or v_cache.dtype != q.dtype or self.positions.dim() != 1 or self.positions.shape[0] < B
+                or self.slot_mapping.shape[0] < B or self.cos_sin_cache.shape[-1] != D):
+            raise ValueError(f"decode attention rope prologue: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v "
+                             f"{tuple(v.shape)}, caches {k_cache.dtype} {tuple(k_cache.shape)}, positions "
+                             f"{tuple(self.positions.shape)}, cos/sin {tuple(self.cos_sin_cache.shape)}")
+        if not all(isinstance(s, (int, float)) and float(s) == 1.0 for s in (k_scale, v_scale)):
+            raise ValueError("decode attention rope prologue: a scaled KV cache (the prologue writes unscaled values)")
+        qw = self.q_weight if self.q_weight is not None else q
+        kw = self.k_weight if self.k_weight is not None else q
+        return (k, v, qw, kw, self.positions, self.cos_sin_cache, self.slot_mapping,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(self.eps))
