@@ -301,3 +301,96 @@ def test_pdl_bit_exact(tiny_dir, launch):
         _report(test=f"pdl_bit_exact_{launch}", batches=list(out["0"]), bit_exact=True)
     finally:
         FU.MODE, PDL.MODE = saved
+
+
+def test_attention_rope_prologue_kernel():
+    """The decode-attention kernel with the q/k norm + rotary + KV-store prologue (XLLM_ATTENTION_ROPE) against the
+    two launches it replaces, bf16 at Qwen3-0.6B's attention shape (16 / 8 heads of 128, pages of 16): outputs within
+    bf16 rounding, the caches equal, for 1-4 splits and a padding row."""
+    from xllm_gen.runtime.ops.decode_attention import DecodeScratch, paged_decode_attention
+    from xllm_gen.runtime.ops.fused_rope_store import RopeStore, qk_norm_rope_store
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    H, Hk, D, page = 16, 8, 128, 16
+    lens = [1, 200, 0, 1025, 17]
+    pool = sum((L + page - 1) // page for L in lens) + 4
+    perm = torch.randperm(pool, device="cpu").tolist()
+    ptr, idx, last, slots = [0], [], [], []
+    for L in lens:
+        n = (L + page - 1) // page
+        t = perm[len(idx): len(idx) + n]
+        idx += t
+        ptr.append(ptr[-1] + n)
+        last.append(L - (n - 1) * page if n else 1)
+        slots.append(t[(L - 1) // page] * page + (L - 1) % page if L else -1)
+    ip, ix, lp = (torch.tensor(a, dtype=torch.int32, device=dev) for a in (ptr, idx, last))
+    slot_mapping = torch.tensor(slots, device=dev)
+    positions = torch.tensor([max(L - 1, 0) for L in lens], device=dev)
+    B = len(lens)
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev).float() / D))
+    ang = torch.arange(2048, device=dev).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1)
+    qkv = torch.randn(B, (H + 2 * Hk) * D, device=dev, generator=g).to(dt)
+    q, k, v = (qkv[:, a * D:b * D].view(B, -1, D) for a, b in ((0, H), (H, H + Hk), (H + Hk, H + 2 * Hk)))
+    qw = (1 + 0.3 * torch.randn(D, device=dev, generator=g)).to(dt)
+    kw = (1 + 0.3 * torch.randn(D, device=dev, generator=g)).to(dt)
+    kc0 = torch.randn(pool, page, Hk, D, device=dev, generator=g).to(dt)
+    vc0 = torch.randn(pool, page, Hk, D, device=dev, generator=g).to(dt)
+    worst = {}
+    for splits in (1, 2, 4):
+        scratch = DecodeScratch(8, H, Hk, D, splits, dev)
+        kc_ref, vc_ref = kc0.clone(), vc0.clone()
+        q_rot, _ = qk_norm_rope_store(q, k, v, qw, kw, 1e-6, positions, cos_sin, None, kc_ref, vc_ref, slot_mapping)
+        want = paged_decode_attention(q_rot, kc_ref, vc_ref, ip, ix, lp, D ** -0.5, scratch)
+        kc, vc = kc0.clone(), vc0.clone()
+        got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch,
+                                     rope=RopeStore(k, v, qw, kw, 1e-6, positions, cos_sin, slot_mapping))
+        torch.cuda.synchronize()
+        worst[splits] = (_err(got, want), _err(kc, kc_ref), (vc != vc_ref).sum().item(),
+                         int(scratch.counters.abs().sum()))
+    _report(test="attention_rope_prologue_kernel", worst=worst)
+    print(worst)
+    for splits, (e_out, e_k, v_diff, tickets) in worst.items():
+        assert e_out < 2e-2 and e_k < 2e-2 and v_diff == 0 and tickets == 0, (splits, worst)
+
+
+def test_attention_rope_in_the_engine(tiny_dir, monkeypatch):
+    """XLLM_ATTENTION_ROPE on, with the Triton decode kernel (XLLM_DECODE_ATTENTION=triton): greedy tokens equal the
+    separate-launch path's up to bf16 near-ties, graph decode == eager decode bit for bit, and the kernel ran with the
+    prologue."""
+    from xllm_gen.runtime.layers import fused as FU
+    from xllm_gen.runtime.ops import decode_attention as DA
+    monkeypatch.setenv("XLLM_DECODE_ATTENTION", "triton")
+    saved = FU.MODE, FU.ATTENTION_ROPE
+    calls = {"rope": 0}
+    orig = DA.paged_decode_attention
+
+    def counted(*a, **kw):
+        calls["rope"] += kw.get("rope") is not None
+        return orig(*a, **kw)
+    try:
+        FU.ATTENTION_ROPE = False
+        llm = _llm(tiny_dir, "1")
+        prompts = {B: _prompts(B, llm.engine.vocab_size, 200 + B) for B in (1, 3, 8)}
+        separate = {B: llm.generate(p, _params()) for B, p in prompts.items()}
+        llm.shutdown()
+        FU.ATTENTION_ROPE = True
+        DA.paged_decode_attention = counted
+        llm = _llm(tiny_dir, "1")
+        runner = llm.engine.runner
+        for B, p in prompts.items():
+            one = llm.generate(p, _params())
+            _compare(separate[B], one, f"attention_rope_vs_separate_b{B}", max_diff=MAX_LOGPROB_DIFF)
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                eager = llm.generate(p, _params())
+            finally:
+                runner.graphs = graphs
+            res = _compare(eager, one, f"attention_rope_graph_vs_eager_b{B}")
+            assert res["diverged"] == 0, res
+        llm.shutdown()
+        _report(test="attention_rope_calls", **calls)
+        assert calls["rope"] > 0, calls
+    finally:
+        FU.MODE, FU.ATTENTION_ROPE = saved
+        DA.paged_decode_attention = orig
