@@ -8,8 +8,9 @@
   vocabulary rows almost never (rate ~0), and the output is the same;
 - sampled: the empirical distribution of a 3-token continuation (many samples) passes a chi-square test
   against the exact distribution computed with transformers, for a draft model whose q differs from p and for
-  n-gram drafts (q one-hot); the same test FAILS with a biased acceptance rule (always accept; accept with p(d)),
-  so it can tell;
+  n-gram drafts (q one-hot); the same test FAILS with a biased acceptance rule (always accept; for the draft model
+  also accept with p(d)), so it can tell; a seeded request with n-gram drafts gets the tokens of the engine without
+  speculation, under a tight KV cache and token budget too;
 - KV rollback: blocks registered in the prefix cache after speculative steps hold the committed tokens' KV (a
   prompt reusing them decodes as without the cache); no block leaks;
 - configuration errors name the key; the server's stats line shows the acceptance rate."""
@@ -178,6 +179,32 @@ def test_small_kv_cache_preempts_identical(ckpts):
     llm.shutdown()
 
 
+def test_ngram_seeded_sampling_is_reproducible_whatever_the_batch(ckpts, plain):
+    """n-gram drafts are one-hot (q = the draft), so a sampled row can draw its token exactly as non-speculative
+    sampling does (one draw from p on the request's own generator) and keep the draft iff that token is it: the
+    same acceptance probability p(d) as rejection sampling, and a seeded request's tokens no longer depend on how
+    many drafts it got (which follows the free KV blocks, the token budget, the other requests). Before, the
+    accept test drew a uniform and a rejection a residual sample, so a seeded request changed with a tighter KV
+    cache or token budget and never matched the engine without speculation."""
+    rng = random.Random(5)
+    prompts = []
+    for _ in range(6):
+        base = [rng.randrange(500) for _ in range(rng.randint(2, 4))]
+        prompts.append({"prompt_token_ids": (base * 6)[:rng.randint(6, 16)]})   # repeats: n-gram drafts
+    params = [SamplingParams(temperature=0.8, seed=10 + i, max_tokens=16, ignore_eos=True, n=1 + i % 2)
+              for i in range(6)]
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params)]
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    for kw in (dict(), dict(num_kv_blocks=14, enable_chunked_prefill=True, max_num_batched_tokens=3)):
+        llm = _spec(ckpts, cfg, **kw)
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        solo = [[c.token_ids for c in llm.generate(q, p)[0].outputs] for q, p in zip(prompts, params)]
+        assert llm.engine.stats["spec_accepted_tokens"] > 0
+        assert got == want and solo == want, kw
+        _no_leak(llm)
+        llm.shutdown()
+
+
 def test_prefix_cache_holds_committed_kv_only(ckpts, plain):
     """Blocks registered after speculative steps (many rejected drafts) are reused by a longer prompt: its
     output must equal decoding it without the cache (a block holding a rejected draft's KV would change it)."""
@@ -277,9 +304,16 @@ def test_sampled_distribution_matches_and_biased_rule_fails(ckpts, plain, monkey
     assert stat < crit, f"speculative sampling differs from the target's distribution: chi2 {stat:.1f} >= {crit:.1f}"
     st = llm.engine.stats
     assert st["spec_draft_tokens"] >= N_SAMPLES // 2 and 0.05 < llm.engine.spec_acceptance_rate < 1.0
-    for biased in (lambda pd, qd: 1.0, lambda pd, qd: pd):        # always accept; ignore q
-        if method == "ngram" and biased(0.5, 1.0) == 0.5:
-            continue                                             # q is one-hot: p(d) is the right rule there
+    if method == "ngram":     # q is one-hot: the sampler's token, the draft kept iff equal; biased: always keep it
+        token = spec_decode.SpecDecoder._token
+
+        def always_accept(self, logits, argmax, seq, draft, q):
+            tok = token(self, logits, argmax, seq, draft, q)
+            return draft if draft is not None and tok is not None else tok
+        monkeypatch.setattr(spec_decode.SpecDecoder, "_token", always_accept)
+        stat, crit = sample()
+        assert stat > crit, f"a biased acceptance rule passed the distribution test (chi2 {stat:.1f} < {crit:.1f})"
+    for biased in ((lambda pd, qd: 1.0, lambda pd, qd: pd) if method == "draft_model" else ()):   # always; ignore q
         monkeypatch.setattr(spec_decode, "acceptance_probability", biased)
         stat, crit = sample()
         assert stat > crit, f"a biased acceptance rule passed the distribution test (chi2 {stat:.1f} < {crit:.1f})"

@@ -25,8 +25,11 @@ max_tokens, max_model_len, logprobs, grammars), so a run is cut exactly where no
 - sampled rows: exact rejection sampling (Leviathan et al. / Chen et al.): draft d is accepted with probability
   min(1, p(d) / q(d)); otherwise a token is drawn from norm(max(0, p - q)), and the walk stops. p is the
   request's processed distribution at that row (penalties and min_tokens see the tokens accepted before it), so
-  the output distribution equals non-speculative sampling with the same parameters (a seeded request gets the
-  same distribution, not the same tokens: the draws are consumed differently);
+  the output distribution equals non-speculative sampling with the same parameters. An n-gram draft is one-hot
+  (q = the draft), where this rule is the sampler's own draw from p with the draft kept iff it is that token: one
+  draw per token emitted, so a seeded request gets the same tokens as without speculation, whatever drafts it
+  got (free blocks, token budget, batch). A draft model's q is not one-hot: a seeded request gets the same
+  distribution, not the same tokens (its drafts and checks consume the request's generator);
 - after the last accepted draft, the next row gives one more token (the "bonus"), sampled as usual.
 KV rollback: the target wrote KV for every draft; the sequence's computed tokens become its committed tokens
 minus the last, so the slots of rejected drafts lie past it and are overwritten by the next step; blocks past
@@ -417,13 +420,15 @@ class SpecDecoder:
         if p.greedy and not p.needs_processing and p.logprobs is None and seq.grammar is None \
                 and seq.num_completion_tokens >= p.min_tokens:
             return argmax
-        if draft is None or p.greedy:
+        if draft is None or p.greedy or q is None:
+            # the sampler's own token; the walk keeps the draft iff it is that token. For an n-gram draft (q one-hot
+            # at d) this IS rejection sampling: d kept with probability p(d), otherwise a token drawn from p without
+            # d. It takes one draw from the request's generator per token emitted, as decoding without drafts does,
+            # so a seeded request's tokens do not depend on how many drafts it got (free blocks, token budget, the
+            # batch around it) and equal those of the engine without speculation
             return eng.sampler(logits[None], [seq], eng.eos_token_ids)[0]
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eng.eos_token_ids))
         probs = row_probs(process_row(logits.float().cpu(), seq, banned), seq)
-        if q is None:                                   # n-gram drafts: q is one-hot at the draft
-            q = torch.zeros_like(probs)
-            q[draft] = 1.0
         gen = generator_of(seq, eng.sampler.default_generator)
         u = float(torch.rand((), generator=gen))
         if u < acceptance_probability(float(probs[draft]), float(q[draft])):
