@@ -356,8 +356,10 @@ def test_attention_rope_prologue_kernel():
 
 def test_attention_rope_in_the_engine(tiny_dir, monkeypatch):
     """XLLM_ATTENTION_ROPE on, with the Triton decode kernel (XLLM_DECODE_ATTENTION=triton): greedy tokens equal the
-    separate-launch path's up to bf16 near-ties, graph decode == eager decode bit for bit, and the kernel ran with the
-    prologue."""
+    separate-launch path's up to bf16 near-ties and no less accurate against the float32 run (the criterion of
+    test_fused_vs_unfused_and_graph_vs_eager: the q norm's sum runs in another order, so bf16 roundings differ; on
+    an H100 the two bf16 runs' logprobs differed by up to 0.111 at batch 8), graph decode == eager decode bit for
+    bit, and the kernel ran with the prologue."""
     from xllm_gen.runtime.layers import fused as FU
     from xllm_gen.runtime.ops import decode_attention as DA
     monkeypatch.setenv("XLLM_DECODE_ATTENTION", "triton")
@@ -370,8 +372,11 @@ def test_attention_rope_in_the_engine(tiny_dir, monkeypatch):
         return orig(*a, **kw)
     try:
         FU.ATTENTION_ROPE = False
-        llm = _llm(tiny_dir, "1")
+        llm = _llm(tiny_dir, "0", "float32")
         prompts = {B: _prompts(B, llm.engine.vocab_size, 200 + B) for B in (1, 3, 8)}
+        fp32 = {B: llm.generate(p, _params()) for B, p in prompts.items()}
+        llm.shutdown()
+        llm = _llm(tiny_dir, "1")
         separate = {B: llm.generate(p, _params()) for B, p in prompts.items()}
         llm.shutdown()
         FU.ATTENTION_ROPE = True
@@ -380,7 +385,11 @@ def test_attention_rope_in_the_engine(tiny_dir, monkeypatch):
         runner = llm.engine.runner
         for B, p in prompts.items():
             one = llm.generate(p, _params())
-            _compare(separate[B], one, f"attention_rope_vs_separate_b{B}", max_diff=MAX_LOGPROB_DIFF)
+            _compare(separate[B], one, f"attention_rope_vs_separate_b{B}", max_diff=None)
+            err_sep, err_one = _error_vs(fp32[B], separate[B]), _error_vs(fp32[B], one)
+            _report(test=f"attention_rope_accuracy_b{B}", err_separate_vs_fp32=err_sep, err_one_launch_vs_fp32=err_one)
+            assert err_one <= 1.5 * err_sep + BF16_LOGIT_ULP, \
+                f"b{B}: one-launch logprobs are {err_one:.4f} from float32's, the separate launches' {err_sep:.4f}"
             graphs, runner.graphs = runner.graphs, None
             try:
                 eager = llm.generate(p, _params())
