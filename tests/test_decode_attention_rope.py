@@ -18,6 +18,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def decode_rows(lens: list, page: int, pool: int, device="cpu", seed: int = 1):
+    """A decode step's page table over a shuffled pool of `pool` pages for rows of `lens` keys (0: a padding row):
+    (indptr, page indices, last-page lengths) int32, the slot of each row's new position (-1: padding) and the
+    positions, on `device`."""
+    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(seed)).tolist()
+    ptr, idx, last, slots = [0], [], [], []
+    for L in lens:
+        n = (L + page - 1) // page
+        table = perm[len(idx): len(idx) + n]
+        idx += table
+        ptr.append(ptr[-1] + n)
+        last.append(L - (n - 1) * page if n else 1)
+        slots.append(table[(L - 1) // page] * page + (L - 1) % page if L else -1)
+    ip, ix, lp = (torch.tensor(a, dtype=torch.int32, device=device) for a in (ptr, idx, last))
+    return (ip, ix, lp, torch.tensor(slots, dtype=torch.int64, device=device),
+            torch.tensor([max(L - 1, 0) for L in lens], dtype=torch.int64, device=device))
+
+
 def _checks() -> dict:
     from xllm_gen.runtime.ops.decode_attention import DecodeScratch, paged_decode_attention
     from xllm_gen.runtime.ops.fused_rope_store import RopeStore, qk_norm_rope_store
@@ -32,18 +50,7 @@ def _checks() -> dict:
 
     page, pool = 4, 40
     lens = [1, 9, 0, 23, 5]
-    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(1)).tolist()
-    ptr, idx, last, slots = [0], [], [], []
-    for L in lens:
-        n = (L + page - 1) // page
-        table = perm[len(idx): len(idx) + n]
-        idx += table
-        ptr.append(ptr[-1] + n)
-        last.append(L - (n - 1) * page if n else 1)
-        slots.append(table[(L - 1) // page] * page + (L - 1) % page if L else -1)
-    ip, ix, lp = (torch.tensor(a, dtype=torch.int32) for a in (ptr, idx, last))
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
-    positions = torch.tensor([max(L - 1, 0) for L in lens], dtype=torch.int64)
+    ip, ix, lp, slot_mapping, positions = decode_rows(lens, page, pool)
     B = len(lens)
     out = {}
     for H, Hk, D, norms, window, runs in [(4, 2, 32, True, -1, [(torch.float32, 1), (torch.float32, 3),

@@ -307,6 +307,8 @@ def test_attention_rope_prologue_kernel():
     """The decode-attention kernel with the q/k norm + rotary + KV-store prologue (XLLM_ATTENTION_ROPE) against the
     two launches it replaces, bf16 at Qwen3-0.6B's attention shape (16 / 8 heads of 128, pages of 16): outputs within
     bf16 rounding, the caches equal, for 1-4 splits and a padding row."""
+    from test_decode_attention_rope import decode_rows
+
     from xllm_gen.runtime.ops.decode_attention import DecodeScratch, paged_decode_attention
     from xllm_gen.runtime.ops.fused_rope_store import RopeStore, qk_norm_rope_store
     dev, dt = "cuda", torch.bfloat16
@@ -314,18 +316,7 @@ def test_attention_rope_prologue_kernel():
     H, Hk, D, page = 16, 8, 128, 16
     lens = [1, 200, 0, 1025, 17]
     pool = sum((L + page - 1) // page for L in lens) + 4
-    perm = torch.randperm(pool, device="cpu").tolist()
-    ptr, idx, last, slots = [0], [], [], []
-    for L in lens:
-        n = (L + page - 1) // page
-        t = perm[len(idx): len(idx) + n]
-        idx += t
-        ptr.append(ptr[-1] + n)
-        last.append(L - (n - 1) * page if n else 1)
-        slots.append(t[(L - 1) // page] * page + (L - 1) % page if L else -1)
-    ip, ix, lp = (torch.tensor(a, dtype=torch.int32, device=dev) for a in (ptr, idx, last))
-    slot_mapping = torch.tensor(slots, device=dev)
-    positions = torch.tensor([max(L - 1, 0) for L in lens], device=dev)
+    ip, ix, lp, slot_mapping, positions = decode_rows(lens, page, pool, dev)
     B = len(lens)
     inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev).float() / D))
     ang = torch.arange(2048, device=dev).float()[:, None] * inv[None, :]
