@@ -54,3 +54,12 @@ def test_request_longer_than_the_kv_cache_ends_with_length(qwen3_tied, make_llm)
     assert short.finish_reason == "length" and len(short.token_ids) == 20
     want = hf_greedy(qwen3_tied, [p["prompt_token_ids"] for p in prompts], 20)
     assert long.token_ids == want[0][:len(long.token_ids)] and short.token_ids == want[1]
+
+
+def test_step_capacity_without_chunking_covers_a_whole_prompt(qwen3_tied, make_llm):
+    """Without chunked prefill a prompt longer than max_num_batched_tokens is prefilled whole, alone: the runner (its
+    buffers, the attention workspace on CUDA) is sized for max_model_len tokens a step; with chunking, for the budget."""
+    whole = make_llm(qwen3_tied, max_num_batched_tokens=8, max_model_len=64)
+    assert whole.engine.scheduler.max_num_batched_tokens == 8 and whole.engine.runner.max_num_batched_tokens == 64
+    chunked = make_llm(qwen3_tied, enable_chunked_prefill=True, max_num_batched_tokens=8, max_model_len=64)
+    assert chunked.engine.runner.max_num_batched_tokens == 8

@@ -165,9 +165,12 @@ class LLMEngine(EngineAdmission, EngineOutputs, EngineRequests):
         # Whole prompts by default; enable_chunked_prefill=True prefills in chunks of max_num_batched_tokens.
         chunked = bool(enable_chunked_prefill)
         self.max_num_batched_tokens = max_num_batched_tokens or (8192 if chunked else max(8192, self.max_model_len))
+        # the most tokens one step carries: without chunking a prompt is prefilled whole, alone past the budget (the
+        # scheduler's first prompt always fits), so the runner's buffers and attention workspace take max_model_len
+        step_tokens = self.max_num_batched_tokens if chunked else max(self.max_num_batched_tokens, self.max_model_len)
         runner_kwargs = dict(device=self.device, dtype=self.dtype, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                             max_model_len=self.max_model_len, max_num_batched_tokens=step_tokens,
                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                              load_format=load_format, cuda_graph_sizes=cuda_graph_sizes,
                              prefill_graph_sizes=prefill_graph_sizes, debug=debug, quantization=quantization,
