@@ -47,11 +47,11 @@ _CPU_KERNELS = os.environ.get("TRITON_INTERPRET") == "1"
 FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
 # the fused GEMVs: the FMA skinny GEMM's up to 8 rows, the tensor-core one's up to 64 (ops/skinny_fma.py
 # SKINNY_MAX_M, ops/skinny_mma.py SKINNY_MMA_MAX_M); XLLM_FUSED_MMA=0 keeps 9..64 rows unfused (the benchmark's baseline)
-# XLLM_ATTENTION_ROPE=1: a decode step's q/k norm + rotary + KV-cache store run inside the Triton decode-attention
-# kernel where a layer's attention takes that kernel (qk_norm_rope_store's `into_attention`); "0" (the default until its
-# GPU engine test passes): in their own kernel before it. H100, Qwen3-0.6B graph decode: TPOT 1.106 -> 1.048 ms at
-# batch 1, 2.093 -> 2.016 ms at batch 16 (bench/results/h100_2026-12-06_session32.md)
-ATTENTION_ROPE = os.environ.get("XLLM_ATTENTION_ROPE", "0").strip() == "1"
+# XLLM_ATTENTION_ROPE: "1" (the default) runs a decode step's q/k norm + rotary + KV-cache store inside the Triton
+# decode-attention kernel where a layer's attention takes that kernel (qk_norm_rope_store's `into_attention`); "0" in
+# their own kernel before it. H100, Qwen3-0.6B graph decode: TPOT 1.106 -> 1.048 ms at batch 1, 2.093 -> 2.016 ms at
+# batch 16 (bench/results/h100_2026-12-06_session32.md)
+ATTENTION_ROPE = os.environ.get("XLLM_ATTENTION_ROPE", "1").strip() != "0"
 _FUSED_MAX_ROWS = 8 if os.environ.get("XLLM_FUSED_MMA", "1") == "0" else 64
 FUSED_TUNING: dict = {}
 
@@ -351,7 +351,7 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     piecewise prefill-graph capture), CPU and the norms / rotary the kernel does not cover: the plain
     qk_norm_rope, kv_stored False.
 
-    With XLLM_ATTENTION_ROPE on (ATTENTION_ROPE) and `into_attention` (the generated code passes False where it
+    With XLLM_ATTENTION_ROPE on (ATTENTION_ROPE, the default) and `into_attention` (the generated code passes False where it
     changes q between this call and the attention), the kernel is not launched here: q and k come back as given and
     kv_stored is an ops.fused_rope_store.RopeStore, which the attention hands to its Triton decode kernel (that
     kernel then norms, rotates and stores in its own launch: one launch fewer a layer) or runs first itself
