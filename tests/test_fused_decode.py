@@ -146,6 +146,7 @@ def _model_checks(ckpt: str) -> dict:
         out["unfused"] = run()
         out["unfused_calls"] = dict(calls)
         FU.MODE = "1"
+        FU.ATTENTION_ROPE = False     # the rotary + KV store in its own kernel (below: handed to the attention)
         out["fused"] = run()
         out["fused_calls"] = dict(calls)
         # the rotary + KV store handed to the attention (XLLM_ATTENTION_ROPE): the CPU backend runs it first itself
@@ -154,7 +155,7 @@ def _model_checks(ckpt: str) -> dict:
         FU.ATTENTION_ROPE = True
         out["deferred"] = run()
         out["deferred_made"] = len(made)
-        FU.ATTENTION_ROPE, FR.RopeStore = False, rope_store
+        FU.ATTENTION_ROPE, FR.RopeStore = False, rope_store     # the arms below: the rotary's own kernel
         norm_args = FU._norm_args
 
         def wrong(norm):          # the fused kernel alone gets a wrong norm weight: (0.5 + w) for w
