@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -90,6 +91,9 @@ class _SetReader:
         self.tensors = list(first.tensors) + [t for r in others for t in r.tensors]
 
 
+_SWAP = threading.Lock()     # _as_one_file swaps a module attribute: one conversion of a split set at a time
+
+
 @contextlib.contextmanager
 def _as_one_file(files: list[Path]):
     """While open, gguf.GGUFReader of the set's first file reads the whole set (transformers' GGUF loader opens
@@ -98,20 +102,21 @@ def _as_one_file(files: list[Path]):
     if len(files) == 1:
         yield
         return
-    reader_cls = _gguf.GGUFReader
     first = str(files[0].resolve())
+    with _SWAP:
+        reader_cls = _gguf.GGUFReader
 
-    def reader(path, *args, **kwargs):
-        r = reader_cls(path, *args, **kwargs)
-        if str(Path(path).resolve()) != first:
-            return r
-        return _SetReader(r, [reader_cls(str(f)) for f in files[1:]])
+        def reader(path, *args, **kwargs):
+            r = reader_cls(path, *args, **kwargs)
+            if str(Path(path).resolve()) != first:
+                return r
+            return _SetReader(r, [reader_cls(str(f)) for f in files[1:]])
 
-    _gguf.GGUFReader = reader
-    try:
-        yield
-    finally:
-        _gguf.GGUFReader = reader_cls
+        _gguf.GGUFReader = reader
+        try:
+            yield
+        finally:
+            _gguf.GGUFReader = reader_cls
 
 
 def _field(gguf: Path, key: str):
