@@ -133,6 +133,7 @@ def format_resolved(ir: ModelIR) -> str:
     w(f"lm_head  (vocab={ir.lm_head.vocab}, dim={ir.lm_head.dim}, tied={ir.lm_head.tie}"
       + (f", logit_scale={ir.lm_head.logit_scale}" if ir.lm_head.logit_scale else "")
       + (f", bias={ir.lm_head.bias}" if ir.lm_head.bias.literal is not False else "")
+      + (f", rows L2-normalized={ir.lm_head.normalize}" if ir.lm_head.normalize.literal is not False else "")
       + (f", softcap={ir.lm_head.softcap})" if ir.lm_head.softcap else ")"))
     v = ir.vision
     if v:

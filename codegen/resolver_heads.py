@@ -117,7 +117,12 @@ class HeadResolver:
                         self.flag(p + ("tie",), h.tie),
                         self.positive(p + ("softcap",), h.softcap, optional=True) if h.softcap is not None else None,
                         self.positive(p + ("logit_scale",), h.logit_scale) if h.logit_scale is not None else None,
-                        self.flag(p + ("bias",), h.bias))
+                        self.flag(p + ("bias",), h.bias), self.flag(p + ("normalize",), h.normalize))
+        if head.normalize.literal is not False and head.tie.literal is not False:
+            # normalizing the rows of a tied head would normalize the embedding it shares
+            raise self.err(p + ("normalize",), "lm_head.normalize: the head's rows are normalized in place at load, "
+                                               "so the head must be untied (tie: false); a tied head would normalize "
+                                               "the embedding too")
         if head.tie.literal is not False and (str(head.vocab) != str(embed.vocab) or str(head.dim) != str(embed.dim)):
             # a tie decided per checkpoint may go with a head of another width (a pruned head): the generated model
             # refuses a tied checkpoint whose widths differ, and each variant that ties is checked here

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ([5, 17, 3], [9, 1, 40, 22, 7, 31, 2, 11, 60], list(range(3, 60, 3)))   # 3, 9, 19 tokens
 MAX_TOKENS = 8
 LOGPROB_TOL = 1e-3

@@ -160,3 +160,4 @@ class LMHeadIR:
     softcap: Optional[Value] = None   # final logit soft-capping
     logit_scale: Optional[Value] = None   # logits multiplied by it (before the soft-cap)
     bias: Value = Value(literal=False)    # a [vocab] bias, vocab-parallel like the weight
+    normalize: Value = Value(literal=False)   # rows L2-normalized once at load (an untied head)

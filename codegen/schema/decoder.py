@@ -43,6 +43,8 @@ class LMHeadBlock(Strict):
     logit_scale: Optional[Num] = None    # logits are multiplied by it, before any soft-cap (Granite:
                                          # "1 / logits_scaling"); None = 1
     bias: Flag = False                   # a [vocab] bias (Phi, GPT-J), split over ranks as the weight is
+    normalize: Flag = False              # each row of the weight L2-normalized once at load (Baichuan2's NormHead);
+                                         # an untied head only
 
 
 LayerBlock = Annotated[

@@ -149,6 +149,10 @@ class ModelRunner(RunnerCacheSetup, RunnerAttentionBackend):
                 ignored=getattr(self.model_module, "IGNORED_CHECKPOINT_TENSORS", ()),
                 quant=quant, kv_cache_dtype=kv_cache_dtype,
                 renames=getattr(self.model_module, "CHECKPOINT_RENAMES", ()))
+        for m in self.model.modules():     # weight transforms a module does once its weights are loaded (a normalized
+            finish = getattr(m, "finish_loading", None)    # LM head): after the dummy weights too
+            if callable(finish):
+                finish()
         # the attention layers with a KV cache of their own (a layer that reads another's, L.share_kv, has none)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is None]
         self.kv_reader_layers = [m for m in self.model.modules() if isinstance(m, L.Attention) and m.kv_owner is not None]

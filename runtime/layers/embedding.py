@@ -51,16 +51,26 @@ class VocabParallelEmbedding(_VocabShard):
 class ParallelLMHead(_VocabShard):
     """forward(hidden [B, dim]) -> logits [B, vocab] float32, gathered over ranks, padding trimmed.
     A tied head shares the embedding's parameter object (`head.weight = embed.weight`). `bias=True` gives it a
-    [vocab] bias split over ranks as the weight's rows are (padding entries zeroed), never tied."""
+    [vocab] bias split over ranks as the weight's rows are (padding entries zeroed), never tied. `normalize=True`:
+    each row of the weight is L2-normalized once, after the weights are loaded (`finish_loading`, called by the model
+    runner), in the weight's dtype: `F.normalize(w, dim=1)` (a row's norm is its own, so every rank normalizes its
+    rows alone; the zero padding rows stay zero); never tied (it would normalize the embedding)."""
 
-    def __init__(self, vocab: int, dim: int, bias: bool = False):
+    def __init__(self, vocab: int, dim: int, bias: bool = False, normalize: bool = False):
         super().__init__(vocab, dim)
+        self.normalize = bool(normalize)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start))
             seg = SegmentSlice("vocab", vocab, self.vocab_start, self.vocab_end)
             attach(self.bias, ParamSplit("vocab", 0, (seg,), tuple(self.bias.shape), self.tp_size, self.tp_rank,
                                          type(self).__name__))
+
+    def finish_loading(self) -> None:
+        """After the weights are loaded: the rows L2-normalized where `normalize` (once; the forward reads them)."""
+        if self.normalize:
+            with torch.no_grad():
+                self.weight.data = F.normalize(self.weight.data, dim=1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight, self.bias)
@@ -69,7 +79,7 @@ class ParallelLMHead(_VocabShard):
 
     def extra_repr(self) -> str:
         return (f"vocab={self.vocab_size} (padded {self.padded_vocab}), dim={self.dim}"
-                + (", bias=True" if self.bias is not None else ""))
+                + (", bias=True" if self.bias is not None else "") + (", normalize=True" if self.normalize else ""))
 
 
 class LearnedPositionEmbedding(nn.Module):
