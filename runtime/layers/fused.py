@@ -49,7 +49,7 @@ FUSED_GEMV_CHOICE: dict = {"norm": {}, "act": {}}
 # SKINNY_MAX_M, ops/skinny_mma.py SKINNY_MMA_MAX_M); XLLM_FUSED_MMA=0 keeps 9..64 rows unfused (the benchmark's baseline)
 # XLLM_ATTENTION_ROPE: "1" (the default) runs a decode step's q/k norm + rotary + KV-cache store inside the Triton
 # decode-attention kernel where a layer's attention takes that kernel (qk_norm_rope_store's `into_attention`); "0" in
-# their own kernel before it. H100, Qwen3-0.6B graph decode: TPOT 1.106 -> 1.048 ms at batch 1, 2.093 -> 2.016 ms at
+# their own kernel before it. H100, graph decode of a 0.6B model: TPOT 1.106 -> 1.048 ms at batch 1, 2.093 -> 2.016 ms at
 # batch 16 (bench/results/h100_2026-12-06_session32.md)
 ATTENTION_ROPE = os.environ.get("XLLM_ATTENTION_ROPE", "1").strip() != "0"
 _FUSED_MAX_ROWS = 8 if os.environ.get("XLLM_FUSED_MMA", "1") == "0" else 64
