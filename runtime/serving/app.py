@@ -31,6 +31,8 @@ from xllm_gen.runtime.serving.protocol import (
     param_of,
     validation_error,
 )
+from xllm_gen.runtime.serving.request_results import collect as collect_results
+from xllm_gen.runtime.serving.request_results import results, unless_disconnected
 
 logger = logging.getLogger("xllm_gen.serving")
 
@@ -249,74 +251,6 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             raise
         return queues
 
-    async def results(rid: str, q: asyncio.Queue):
-        """The deltas of one request until it finishes."""
-        while True:
-            item = await q.get()
-            if isinstance(item, BaseException):
-                raise APIError(f"the engine failed: {type(item).__name__}: {item}", status=500, type="server_error")
-            yield item
-            if item.finished:
-                return
-
-    async def until_disconnected(request: Request) -> None:
-        """Returns once the client has gone away (http.disconnect; the body has been read by then)."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    async def unless_disconnected(request: Request, work) -> Any:
-        """The result of the coroutine `work`, or None as soon as the client goes away first (`work` is then
-        cancelled, which aborts the request it is collecting)."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(until_disconnected(request))
-        try:
-            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            task.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        return None
-
-    async def collect(rid: str, q: asyncio.Queue):
-        """Accumulates a request's deltas (non-streaming); aborts it if cancelled (the client went away)."""
-        texts: dict[int, str] = {}
-        ids: dict[int, list] = {}
-        lps: dict[int, list] = {}
-        final: dict[int, Any] = {}
-        prompt_ids: list = []
-        prompt_text, prompt_lps = None, None
-        err = None
-        try:
-            async for out in results(rid, q):
-                prompt_ids = out.prompt_token_ids
-                prompt_text = out.prompt if prompt_text is None else prompt_text
-                prompt_lps = out.prompt_logprobs if prompt_lps is None else prompt_lps
-                err = err or out.error
-                for c in out.outputs:
-                    texts[c.index] = texts.get(c.index, "") + c.text
-                    ids.setdefault(c.index, []).extend(c.token_ids)
-                    if c.logprobs is not None:
-                        lps.setdefault(c.index, []).extend(c.logprobs)
-                    final[c.index] = c
-        except BaseException:
-            async_engine.abort(rid)
-            raise
-        if err:
-            raise APIError(err, status=500, type="server_error")
-        from xllm_gen.runtime.engine.outputs import CompletionOutput
-        comps = [CompletionOutput(i, texts.get(i, ""), ids.get(i, []), final[i].finish_reason,
-                                  lps.get(i) if final[i].logprobs is not None else None, None, final[i].stop_reason)
-                 for i in sorted(final)]
-        return S.Collected(prompt_ids, comps, prompt_lps, prompt_text)
-
     # ---- /v1/completions ------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -340,7 +274,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
             return StreamingResponse(stream_completions(base, created, queues, n, include_usage, body, continuous),
                                      media_type="text/event-stream")
         async def collect_all():
-            return [await collect(rid, q) for rid, q in queues]
+            return [await collect_results(async_engine, rid, q) for rid, q in queues]
 
         collected = None
         try:
@@ -465,7 +399,7 @@ def build_app(async_engine, model_name: str, metrics, *, tool_parser: Optional[s
                     "system_fingerprint": fingerprint}
             return StreamingResponse(stream_chat(head, results(rid, q), opts, lambda: async_engine.abort(rid)),
                                      media_type="text/event-stream")
-        got = await unless_disconnected(request, collect(rid, q))
+        got = await unless_disconnected(request, collect_results(async_engine, rid, q))
         if got is None:
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         prompt_ids, comps = got.prompt_ids, got.comps
