@@ -4,8 +4,9 @@ and v into the paged caches and attends, in one launch. Its reference is the two
 qk_norm_rope_store kernel (itself bit-exact to qk_norm_rope + store_kvcache, tests/test_fused_decode.py) then the
 same decode kernel on the rotated q. On CPU under TRITON_INTERPRET=1 (a subprocess): rows of 1 to 23 keys, a
 padding row (slot -1, no pages), GQA group 2 and 4, one and three splits (the new position in the last split of
-its row), with and without q/k norms, a sliding window; float32 and float16. Sensitivity: wrong norm weights, the
-new k / v written to another slot, or no prologue at all change the output."""
+its row), with and without q/k norms, a sliding window; float32 and float16; mRoPE (positions [3, B] whose rows
+differ, interleaved and blocked axis maps). Sensitivity: wrong norm weights, the
+new k / v written to another slot, no prologue at all, or mRoPE read as 1-D rope change the output."""
 from __future__ import annotations
 
 import json
@@ -100,6 +101,34 @@ def _checks() -> dict:
                 live = torch.tensor([L > 0 for L in lens])
                 bad = attend(qq, kc0.clone(), vc0.clone(), rr)
                 out[f"changes_output_{what}_{name}"] = (float(not err(bad[live], want[live]) > 1e-2), 0.0)
+
+    # mRoPE (positions [3, B], each frequency reading its axis's row): rows that differ, so the axis gather matters
+    from xllm_gen.runtime.layers.rotary import mrope_axis_map
+    H, Hk, D = 4, 2, 32
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+    cos_sin = torch.cat([(torch.arange(64).float()[:, None] * inv).cos(), (torch.arange(64).float()[:, None] * inv).sin()], -1)
+    pos3 = torch.stack([positions, positions // 2, (positions * 3) % 40])
+    qkv = rnd(B, (H + 2 * Hk) * D)
+    q, k, v = (qkv[:, a * D: b * D].view(B, -1, D) for a, b in ((0, H), (H, H + Hk), (H + Hk, H + 2 * Hk)))
+    qw, kw = 1.0 + 0.3 * rnd(D), 1.0 + 0.3 * rnd(D)
+    kc0, vc0 = rnd(pool, page, Hk, D), rnd(pool, page, Hk, D)
+    scratch = DecodeScratch(8, H, Hk, D, 3, "cpu")
+    live = torch.tensor([L > 0 for L in lens])
+    for kind in ("mrope_interleaved", "mrope_blocked"):
+        ax = mrope_axis_map(kind, [4, 6, 6], D // 2)
+        kc_ref, vc_ref = kc0.clone(), vc0.clone()
+        q_rot, _ = qk_norm_rope_store(q, k, v, qw, kw, 1e-6, pos3, cos_sin, ax, kc_ref, vc_ref, slot_mapping)
+        want = paged_decode_attention(q_rot, kc_ref, vc_ref, ip, ix, lp, D ** -0.5, scratch, block_n=4)
+        kc, vc = kc0.clone(), vc0.clone()
+        got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch, block_n=4,
+                                     rope=RopeStore(k, v, qw, kw, 1e-6, pos3, cos_sin, slot_mapping, axis_map=ax))
+        out[f"output_{kind}"] = (err(got, want), 1e-6)
+        out[f"k_cache_{kind}"] = (err(kc, kc_ref), 1e-6)
+        out[f"v_cache_{kind}"] = (err(vc, vc_ref), 0.0)
+        # sensitivity: the first row alone (1-D rope at the temporal positions) must differ from the axis gather
+        bad = paged_decode_attention(q, kc0.clone(), vc0.clone(), ip, ix, lp, D ** -0.5, scratch, block_n=4,
+                                     rope=RopeStore(k, v, qw, kw, 1e-6, pos3[0], cos_sin, slot_mapping))
+        out[f"changes_output_axis_gather_{kind}"] = (float(not err(bad[live], want[live]) > 1e-2), 0.0)
     return out
 
 
@@ -114,6 +143,7 @@ def test_rope_prologue_matches_the_two_launch_path(results):
     assert not bad, bad
     assert any(k.startswith("changes_output_slot_shifted") for k in results)
     assert any(k.startswith("changes_output_q_norm_weight") for k in results)
+    assert "output_mrope_interleaved" in results and "changes_output_axis_gather_mrope_blocked" in results
 
 
 def test_rope_store_refuses_a_changed_q():

@@ -222,6 +222,15 @@ def test_fused_decode_model_tokens_gemma2(tiny_checkpoint):
     assert res["wrong_norm"] != res["fused"] and res["no_kv_store"] != res["fused"], res
 
 
+@pytest.mark.slow
+def test_fused_decode_model_tokens_mrope(qwen3_vl_tied):
+    """mRoPE (positions [3, N], the axis map): the rotary + KV store handed to the attention as a RopeStore too."""
+    res = _interpret("model", str(qwen3_vl_tied))
+    assert res["fused"] == res["unfused"] and res["deferred"] == res["unfused"], res
+    assert res["deferred_made"] > 0 and res["deferred_made"] == res["fused_calls"]["qk_norm_rope_store"], res
+    assert res["wrong_norm"] != res["fused"] and res["no_kv_store"] != res["fused"], res
+
+
 def test_generated_code_fuses_where_the_pattern_holds():
     qwen3 = (ROOT / "generated/qwen3/model.py").read_text()
     assert "L.norm_linear(norm, self.qkv_proj, hidden_states, residual)" in qwen3

@@ -377,11 +377,11 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     rotary._to(q.device)
     qw, kw, eps = args
     D = q.shape[-1]
-    if (ATTENTION_ROPE and into_attention and positions.dim() == 1 and rotary.axis_map is None and not attn.kv_readers
+    if (ATTENTION_ROPE and into_attention and not attn.kv_readers
             and attn.kv_owner is None and D & (D - 1) == 0 and k.shape[-1] == D and v.numel() == k.numel()
             and unit_scale(attn.k_scale) and unit_scale(attn.v_scale)):
         return q, k, RopeStore(k, v.view(k.shape), qw, kw, eps, positions, rotary.cos_sin_cache, get_context().slot_mapping,
-                               q=q)
+                               q=q, axis_map=rotary.axis_map)
     q, k = kernel(q, k, v.view(k.shape), qw, kw, eps, positions, rotary.cos_sin_cache, rotary.axis_map,
                   attn.k_cache, attn.v_cache, get_context().slot_mapping)
     return q, k, True

@@ -20,7 +20,8 @@ kernel also does what qk_norm_rope_store did before it, so a decode layer launch
 norms and rotates its group's q heads itself (`_norm_rope_tile`, a few hundred flops), and the one program whose
 split holds the row's new position (L - 1) norms and rotates k, writes it and v into the cache at the row's slot
 (slot -1: a padding row, nothing written) and then reads its keys as always (a CTA barrier between: the same
-program's threads read what it wrote); no other program reads that position.
+program's threads read what it wrote); no other program reads that position. mRoPE (positions [axes, B] and the
+rotary's axis map): each frequency's cos / sin come from its axis's position, as in rope_kernels.
 Reference: ops.reference.paged_decode_attention.
 """
 from __future__ import annotations
@@ -65,8 +66,8 @@ def _norm_rope_tile(src, dd, w_ptr, c, sn, eps, D: tl.constexpr, HAS_NORM: tl.co
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
                          indptr_ptr, indices_ptr, last_ptr, sinks_ptr, ks_ptr, vs_ptr,
-                         kr_ptr, vr_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr,
-                         stride_krb, stride_krh, stride_vrb, stride_vrh, eps,
+                         kr_ptr, vr_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, ax_ptr,
+                         stride_krb, stride_krh, stride_vrb, stride_vrh, stride_pos_axis, eps,
                          sm_scale, soft_cap, window_left, chunk_size, v_scale,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                          H: tl.constexpr, HK: tl.constexpr, PAGE: tl.constexpr,
@@ -76,7 +77,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
                          HAS_SINKS: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
                          MERGE_VEC: tl.constexpr = False, GM_PAD: tl.constexpr = 1,
                          V_SCALED: tl.constexpr = False, K_HEAD: tl.constexpr = False, V_HEAD: tl.constexpr = False,
-                         ROPE: tl.constexpr = False, ROPE_NORM: tl.constexpr = False, PDL: tl.constexpr = 0):
+                         ROPE: tl.constexpr = False, ROPE_NORM: tl.constexpr = False, MROPE: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
     pdl_enter(PDL, LARGE=True)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -111,9 +113,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     if ROPE:                # q as the projection left it: normed and rotated here (D == D_PAD)
         HALF: tl.constexpr = D // 2
         fj = tl.where(d < HALF, d, d - HALF)
-        p_cs = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * D
-        c = tl.load(p_cs + fj)
-        sn = tl.load(p_cs + HALF + fj)
+        if MROPE:           # positions [axes, B]: frequency j rotates by its axis's position (axis map [D/2])
+            p = tl.load(pos_ptr + tl.load(ax_ptr + fj).to(tl.int64) * stride_pos_axis + b).to(tl.int64)
+        else:
+            p = tl.load(pos_ptr + b).to(tl.int64)
+        c = tl.load(cs_ptr + p * D + fj)
+        sn = tl.load(cs_ptr + p * D + HALF + fj)
         q = _norm_rope_tile(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh, d, qw_ptr, c, sn, eps,
                             D, ROPE_NORM, g_ok[:, None])
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -302,7 +307,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_kernel[(B, Hk, scratch.splits)](
         q, k_cache, v_cache, out, scratch.part_o, scratch.part_lse, scratch.counters,
         indptr, indices, last_page_len, q if sinks is None else sinks, head_scales.get("k", q), head_scales.get("v", q),
-        *(r or (q, q, q, q, q, q, q, 0, 0, 0, 0, 0.0)),
+        *(r or (q, q, q, q, q, q, q, q, 0, 0, 0, 0, 0, 0.0)),
         float(sm_scale) * (1.0 if k_head else float(k_scale)), float(soft_cap or 1.0), int(window_left),
         int(chunk_size or 1), 1.0 if v_head else float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -314,5 +319,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HAS_SINKS=sinks is not None, HAS_CHUNK=chunk_size is not None,
         V_SCALED=v_head or float(v_scale) != 1.0, K_HEAD=k_head, V_HEAD=v_head,
         MERGE_VEC=merge_vec, GM_PAD=gm_pad, ROPE=r is not None, ROPE_NORM=r is not None and rope.q_weight is not None,
+        MROPE=r is not None and rope.axis_map is not None,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **pdl.launch(q))
     return out

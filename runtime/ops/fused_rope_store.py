@@ -91,10 +91,11 @@ class RopeStore:
     q_weight: Optional[torch.Tensor]         # the q / k RMSNorm weights (None: no norms)
     k_weight: Optional[torch.Tensor]
     eps: float
-    positions: torch.Tensor                  # [N] (one position axis)
+    positions: torch.Tensor                  # [N], or [axes, N] with axis_map (mRoPE)
     cos_sin_cache: torch.Tensor              # [max_position, D]: cos | sin
     slot_mapping: torch.Tensor               # [N], -1: a padding row
     q: Optional[torch.Tensor] = None         # the q it was made for: the attention must get exactly that q
+    axis_map: Optional[torch.Tensor] = None  # mRoPE: [D/2], the positions row each frequency reads
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """q / k as the attention got them must be the ones given with this (nothing changed q or k in between)."""
@@ -105,23 +106,29 @@ class RopeStore:
     def apply(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
         """(q, k) normed and rotated, k and v written to the caches: the separate kernel."""
         return qk_norm_rope_store(q, self.k, self.v, self.q_weight, self.k_weight, self.eps, self.positions,
-                                  self.cos_sin_cache, None, k_cache, v_cache, self.slot_mapping)
+                                  self.cos_sin_cache, self.axis_map, k_cache, v_cache, self.slot_mapping)
 
     def launch_args(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> tuple:
-        """The decode kernel's prologue arguments (k, v, q / k norm weights, positions, cos / sin, slots, the k and v
-        row and head strides, eps), checked against q and the caches."""
+        """The decode kernel's prologue arguments (k, v, q / k norm weights, positions, cos / sin, slots, the axis map,
+        the k and v row and head strides, the positions' axis stride, eps), checked against q and the caches."""
         B, H, D = q.shape
         Hk = k_cache.shape[2]
         k, v = _heads(self.k), _heads(self.v)
+        pos, ax = self.positions, self.axis_map
+        if pos.stride(-1) != 1:
+            pos = pos.contiguous()
+        multi = pos.dim() == 2
         if (k.shape != (B, Hk, D) or v.shape != k.shape or D & (D - 1) or k_cache.dtype != q.dtype
-                or v_cache.dtype != q.dtype or self.positions.dim() != 1 or self.positions.shape[0] < B
+                or v_cache.dtype != q.dtype or pos.dim() not in (1, 2) or pos.shape[-1] < B
+                or multi != (ax is not None) or (multi and (ax.shape != (D // 2,) or ax.device != q.device))
                 or self.slot_mapping.shape[0] < B or self.cos_sin_cache.shape[-1] != D):
             raise ValueError(f"decode attention rope prologue: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v "
                              f"{tuple(v.shape)}, caches {k_cache.dtype} {tuple(k_cache.shape)}, positions "
-                             f"{tuple(self.positions.shape)}, cos/sin {tuple(self.cos_sin_cache.shape)}")
+                             f"{tuple(pos.shape)}, axis map {None if ax is None else tuple(ax.shape)}, cos/sin "
+                             f"{tuple(self.cos_sin_cache.shape)}")
         if not all(isinstance(s, (int, float)) and float(s) == 1.0 for s in (k_scale, v_scale)):
             raise ValueError("decode attention rope prologue: a scaled KV cache (the prologue writes unscaled values)")
         qw = self.q_weight if self.q_weight is not None else q
         kw = self.k_weight if self.k_weight is not None else q
-        return (k, v, qw, kw, self.positions, self.cos_sin_cache, self.slot_mapping,
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(self.eps))
+        return (k, v, qw, kw, pos, self.cos_sin_cache, self.slot_mapping, ax if multi else pos,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), pos.stride(0) if multi else 0, float(self.eps))

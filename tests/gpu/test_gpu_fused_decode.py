@@ -306,7 +306,7 @@ def test_pdl_bit_exact(tiny_dir, launch):
 def test_attention_rope_prologue_kernel():
     """The decode-attention kernel with the q/k norm + rotary + KV-store prologue (XLLM_ATTENTION_ROPE) against the
     two launches it replaces, bf16 at Qwen3-0.6B's attention shape (16 / 8 heads of 128, pages of 16): outputs within
-    bf16 rounding, the caches equal, for 1-4 splits and a padding row."""
+    bf16 rounding, the caches equal, for 1-4 splits and a padding row; 1-D rotary and mRoPE (positions [3, B])."""
     from test_decode_attention_rope import decode_rows
 
     from xllm_gen.runtime.ops.decode_attention import DecodeScratch, paged_decode_attention
@@ -327,18 +327,23 @@ def test_attention_rope_prologue_kernel():
     kw = (1 + 0.3 * torch.randn(D, device=dev, generator=g)).to(dt)
     kc0 = torch.randn(pool, page, Hk, D, device=dev, generator=g).to(dt)
     vc0 = torch.randn(pool, page, Hk, D, device=dev, generator=g).to(dt)
+    from xllm_gen.runtime.layers.rotary import mrope_axis_map
+    # mRoPE (Qwen3-VL's interleaved [24, 20, 20]) at rows whose three positions differ, and the 1-D rotary
+    axes = {"rope": (positions, None),
+            "mrope": (torch.stack([positions, positions // 2, positions // 3]),
+                      mrope_axis_map("mrope_interleaved", [24, 20, 20], D // 2).to(dev))}
     worst = {}
-    for splits in (1, 2, 4):
+    for (kind, (pos, ax)), splits in [(a, s) for a in axes.items() for s in (1, 2, 4)]:
         scratch = DecodeScratch(8, H, Hk, D, splits, dev)
         kc_ref, vc_ref = kc0.clone(), vc0.clone()
-        q_rot, _ = qk_norm_rope_store(q, k, v, qw, kw, 1e-6, positions, cos_sin, None, kc_ref, vc_ref, slot_mapping)
+        q_rot, _ = qk_norm_rope_store(q, k, v, qw, kw, 1e-6, pos, cos_sin, ax, kc_ref, vc_ref, slot_mapping)
         want = paged_decode_attention(q_rot, kc_ref, vc_ref, ip, ix, lp, D ** -0.5, scratch)
         kc, vc = kc0.clone(), vc0.clone()
         got = paged_decode_attention(q, kc, vc, ip, ix, lp, D ** -0.5, scratch,
-                                     rope=RopeStore(k, v, qw, kw, 1e-6, positions, cos_sin, slot_mapping))
+                                     rope=RopeStore(k, v, qw, kw, 1e-6, pos, cos_sin, slot_mapping, axis_map=ax))
         torch.cuda.synchronize()
-        worst[splits] = (_err(got, want), _err(kc, kc_ref), (vc != vc_ref).sum().item(),
-                         int(scratch.counters.abs().sum()))
+        worst[f"{kind}_splits{splits}"] = (_err(got, want), _err(kc, kc_ref), (vc != vc_ref).sum().item(),
+                                           int(scratch.counters.abs().sum()))
     _report(test="attention_rope_prologue_kernel", worst=worst)
     print(worst)
     for splits, (e_out, e_k, v_diff, tickets) in worst.items():
