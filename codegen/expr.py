@@ -6,7 +6,7 @@
 The grammar is Python's own (ast.parse, mode "eval") cut down to: literals (numbers, strings, True/False/None,
 lists/tuples of those), names (config symbols; `layer` = the layer index where a per-layer value is allowed),
 arithmetic (+ - * / // % **, unary -), comparisons, and/or/not, `a if c else b`, subscripts `xs[i]`, and
-the calls len/min/max/int/float/bool. A list comprehension over `range(n)` is allowed for config defaults
+the calls len/min/max/int/float/bool/round. A list comprehension over `range(n)` is allowed for config defaults
 (`['sliding_attention' if (i + 1) % 2 else 'full_attention' for i in range(num_hidden_layers)]`).
 
 An Expr renders itself as Python source over `config.<symbol>` (generated code evaluates it at run time,
@@ -25,7 +25,8 @@ _BINOPS: dict = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operato
 _CMPOPS: dict = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
                  ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
                  ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-_CALLS: dict = {"len": len, "min": min, "max": max, "int": int, "float": float, "bool": bool, "range": range}
+_CALLS: dict = {"len": len, "min": min, "max": max, "int": int, "float": float, "bool": bool, "round": round,
+                 "range": range}
 _MAX_LEN = 400          # characters: an expression is a short formula, not a program
 _MAX_NODES = 120
 MAX_EXPONENT = 64       # |b| of a power a ** b: a literal (or constant) exponent at most this large
@@ -263,7 +264,10 @@ class _Eval:
         args = [self.run(a) for a in n.args]
         if n.func.id == "range" and args and max(args) > MAX_SEQ:
             raise ExprError("range too large")
-        return _bounded(_CALLS[n.func.id](*args))
+        try:
+            return _bounded(_CALLS[n.func.id](*args))
+        except OverflowError:
+            raise ExprError(f"{n.func.id}(...) is out of range") from None
 
     def _List(self, n):
         return [self.run(e) for e in n.elts]

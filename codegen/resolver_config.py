@@ -32,7 +32,7 @@ class ConfigResolver:
         for name, f in self.spec.config.items():
             path = ("config", name)
             self.ident(path, name, "config symbol", at_key=True)
-            if name in ("layer", "config") or name in ("len", "min", "max", "int", "float", "bool", "range"):
+            if name in ("layer", "config") or name in ("len", "min", "max", "int", "float", "bool", "round", "range"):
                 raise self.err(path, f"config.{name}: '{name}' is reserved in spec expressions", at_key=True)
             if f.values is not None:
                 if f.type not in ("str", "str_tuple", "rope"):

@@ -132,7 +132,7 @@ BAD = {
         "unknown config symbol 'num_atention_heads' (did you mean 'num_attention_heads'?)", "num_atention_heads"),
     "expression_not_allowed": (
         'from: head_dim, default: 128}', 'from: head_dim, default_expr: "__import__(\'os\').getpid()"}',
-        "config.head_dim.default_expr: only the calls bool, float, int, len, max, min are allowed",
+        "config.head_dim.default_expr: only the calls bool, float, int, len, max, min, round are allowed",
         "__import__"),
     "bare_range": (         # a range object is no spec value: it was refused at load as a config.json error
         'from: head_dim, default: 128}', 'from: head_dim, default_expr: "max(range(4))"}',
