@@ -45,11 +45,31 @@ from .schema import (
 )
 from .yaml_loader import display_path
 
-# transformers' name suffixes of image-text models (Qwen3-VL, Gemma 3, LLaVA, ...): such a spec has a vision
-# tower; a text-only decoder is served as *ForCausalLM
+# The spec decides what a model takes: with a `vision` section images, without one text only. A text-only spec may
+# not claim a class that takes images: a name with one of transformers' image-text suffixes (Qwen3-VL, Gemma 3, LLaVA)
+# that transformers registers in one of its multimodal auto mappings. Remote-code text decoders use the suffix too
+# (ChatGLMForConditionalGeneration), and transformers registers them nowhere: what their spec says holds.
 MULTIMODAL_SUFFIXES = ("ForConditionalGeneration", "ForImageTextToText", "ForVision2Seq")
+MULTIMODAL_MAPPINGS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+                       "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES")   # the last: transformers 4's name of the first
 # variants are a family's published checkpoints; each is checked statically, the TP sizes on a meta model each
 MAX_VARIANTS = 64
+
+
+def multimodal_registration(arch: str) -> Optional[str]:
+    """Why `arch` takes images ("transformers' <mapping>['<model_type>']"), or None where it is not known to: a name
+    without a multimodal suffix is never looked up (transformers' tables are imported for the suffixed ones only)."""
+    if not arch.endswith(MULTIMODAL_SUFFIXES):
+        return None
+    try:
+        from transformers.models.auto import modeling_auto
+    except Exception:  # noqa: BLE001 - without transformers' tables the suffix alone decides
+        return f"its suffix *{next(x for x in MULTIMODAL_SUFFIXES if arch.endswith(x))} (transformers not importable)"
+    for table in MULTIMODAL_MAPPINGS:
+        for model_type, names in getattr(modeling_auto, table, {}).items():
+            if arch in ((names,) if isinstance(names, str) else tuple(names)):
+                return f"transformers' {table}['{model_type}']"
+    return None
 
 
 class _Resolver(SymbolResolver, ConfigResolver, LayerResolver, HeadResolver, BlockResolver, VisionResolver,
@@ -76,12 +96,12 @@ class _Resolver(SymbolResolver, ConfigResolver, LayerResolver, HeadResolver, Blo
         self.ident(("class_prefix",), s.class_prefix, "class prefix")
         if not s.architectures:
             raise self.err(("architectures",), "architectures: list at least one config.json architecture")
-        multimodal = [a for a in s.architectures if a.endswith(MULTIMODAL_SUFFIXES)]
-        if multimodal and s.vision is None:
-            suffix = next(x for x in MULTIMODAL_SUFFIXES if multimodal[0].endswith(x))
-            raise self.err(("architectures",), f"architectures: {multimodal[0]} is a multimodal architecture (a "
-                                               f"*{suffix} takes images): the spec needs its `vision` tower; a "
-                                               f"text-only decoder is served as *ForCausalLM", at_key=True)
+        for arch in s.architectures if s.vision is None else ():
+            why = multimodal_registration(arch)
+            if why is not None:
+                raise self.err(("architectures",), f"architectures: {arch} is a multimodal architecture (it takes "
+                                                   f"images: {why}): the spec needs its `vision` tower; a text-only "
+                                                   f"decoder is served as *ForCausalLM", at_key=True)
         self.resolve_config()
 
         d = s.decoder

@@ -336,6 +336,25 @@ def test_vl_spec_without_vision_does_not_compile(tmp_path):
     err = _compile_error(path)
     assert "Qwen3VLForConditionalGeneration" in err.message and "vision" in err.message
     assert err.location.line == _line_of(head, "architectures:")
+    assert "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES" in err.message     # why it is multimodal: transformers says
+
+
+@pytest.mark.parametrize("arch, multimodal", [
+    ("ChatGLMForConditionalGeneration", False),    # remote code (ChatGLM2/3, GLM-4): a text decoder, so named
+    ("Gemma3ForConditionalGeneration", True),      # transformers registers it as image-text-to-text
+    ("LlavaForConditionalGeneration", True),
+])
+def test_multimodal_suffix_follows_what_transformers_registers(tmp_path, arch, multimodal):
+    """The spec decides what a model takes (a `vision` section or not); a `*ForConditionalGeneration` name is refused
+    by a text-only spec only where transformers registers that class as taking images (text-only remote-code
+    families name their class so too)."""
+    path, text = _mutant(tmp_path, "llama.yaml", ("architectures: [", f"architectures: [{arch}, "))
+    if not multimodal:
+        assert arch in compile_spec(path).ir.architectures
+        return
+    err = _compile_error(path)
+    assert arch in err.message and "vision" in err.message and "transformers" in err.message
+    assert err.location.line == _line_of(text, "architectures:")
 
 
 # ---- 8. compile time is linear in the variants ---------------------------------------------------------------
