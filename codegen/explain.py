@@ -64,7 +64,8 @@ def format_resolved(ir: ModelIR) -> str:
         w(f"  embed_positions  {pe.kind}(positions={pe.positions}, dim={pe.dim}"
           + (f", offset={pe.offset}" if pe.offset else "")
           + (f", frequencies={pe.frequencies}" if pe.kind == "sinusoidal" and pe.frequencies != "fairseq" else "")
-          + "): added to the embedding")
+          + (f", scale={pe.scale}" if pe.scale is not None else "")
+          + "): added to the embedding" + ("" if pe.enabled.literal is True else f", where {pe.enabled}"))
     if ir.project_in:
         w(f"  project_in  {_proj(ir.project_in)}: embedding -> residual width")
     if ir.embed_norm:

@@ -33,13 +33,17 @@ class PositionsResolver:
             if isinstance(b.zero_row, str) and is_symbol(b.zero_row):
                 self.symbol(p + ("zero_row",), b.zero_row, ("int",))
             zero_row = self.num(p + ("zero_row",), b.zero_row, optional=True)
+        scale = self.positive(p + ("scale",), b.scale) if b.scale is not None else None
         return PositionEmbeddingIR(b.kind, self.dim(p + ("positions",), b.positions), dim, b.offset,
-                                   b.frequencies or "fairseq", zero_row)
+                                   b.frequencies or "fairseq", zero_row, scale, self.flag(p + ("enabled",), b.enabled))
 
     def position_param(self, pe: PositionEmbeddingIR) -> ParamIR:
-        """A learned table: `<prefix>.embed_positions.weight [positions + offset, dim]`, replicated."""
+        """A learned table: `<prefix>.embed_positions.weight [positions + offset, dim]`, replicated; where `enabled`
+        is not literally true it exists only in the checkpoints where it holds."""
         rows = pe.positions + Size.of(pe.offset) if pe.offset else pe.positions
-        return ParamIR(f"{self.prefix}.embed_positions.weight", "decoder.embed_positions", (rows, pe.dim), "replicated")
+        when = None if pe.enabled.literal is True else (pe.enabled, True)
+        return ParamIR(f"{self.prefix}.embed_positions.weight", "decoder.embed_positions", (rows, pe.dim), "replicated",
+                       when=when)
 
     def resolve_embed_norm(self, embed: EmbeddingIR) -> NormIR:
         p = ("decoder", "embed_norm")

@@ -52,6 +52,8 @@ class PositionEmbeddingIR:
     offset: int = 0
     frequencies: str = "fairseq"  # sinusoidal: fairseq (10000 ** (-j / (d/2 - 1))) | transformer (10000 ** (-2j / d))
     zero_row: Optional[Value] = None   # sinusoidal: a table row set to zeros (None at load: none)
+    scale: Optional[Value] = None      # the position embedding is multiplied by it before the add (Jais)
+    enabled: Value = Value(literal=True)   # where the position embedding exists (a per-checkpoint flag)
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,18 @@ class PositionEmbeddingBlock(Strict):
     half of the dims, cos of the second; XGLM), computed, no parameter, read at `position + offset`.
     `frequencies` (sinusoidal only): `fairseq` f_j = 10000 ** (-j / (dim/2 - 1)) (XGLM); `transformer` the original
     Transformer's f_j = 10000 ** (-2j / dim) (CTRL). `zero_row` (sinusoidal only): a table row set to zeros, an int
-    symbol or expression, None for none (transformers' padding_idx: XGLM zeroes row pad_token_id)."""
+    symbol or expression, None for none (transformers' padding_idx: XGLM zeroes row pad_token_id). `scale`: the
+    position embedding is multiplied by it before it is added (Jais's mup_embeddings_scale, which scales
+    wte + wpe). `enabled`: a flag, where the position embedding exists (Jais: learned positions or ALiBi per
+    checkpoint); where it does not, no table and nothing added."""
     kind: Literal["learned", "sinusoidal"]
     positions: Dim
     dim: Dim
     offset: StrictInt = 0
     frequencies: Optional[Literal["fairseq", "transformer"]] = None
     zero_row: Optional[Union[StrictStr, StrictInt]] = None
+    scale: Optional[Num] = None
+    enabled: Flag = True
 
 
 class NormGate(Strict):

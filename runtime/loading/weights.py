@@ -21,7 +21,7 @@ Nothing here knows a model family.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 from xllm_gen.runtime.executor.sharding import Segment, WeightLoadError
 
@@ -34,8 +34,9 @@ class TensorLayout:
     `segments_interleaved`): `transpose` swaps the last two dims (the tensor stores [..., in, out]);
     `interleave` n > 1: along `dim` of the parameter layout, the n segments are interleaved element by element
     (segment s's row r at r * n + s) rather than stacked. `source` is the checkpoint tensor name (in a
-    WEIGHT_SOURCES entry)."""
-    source: str = ""
+    WEIGHT_SOURCES entry), or a mapping segment -> tensor name for a fused parameter stacked from one tensor per
+    segment, each stored in the layout (Conv1D's [in, out] gate and up tensors: `transpose`)."""
+    source: "str | Mapping[str, str]" = ""
     transpose: bool = False
     interleave: int = 1
     dim: int = 0
