@@ -114,11 +114,11 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         HALF: tl.constexpr = D // 2
         fj = tl.where(d < HALF, d, d - HALF)
         if MROPE:           # positions [axes, B]: frequency j rotates by its axis's position (axis map [D/2])
-            p = tl.load(pos_ptr + tl.load(ax_ptr + fj).to(tl.int64) * stride_pos_axis + b).to(tl.int64)
+            pos_j = tl.load(pos_ptr + tl.load(ax_ptr + fj).to(tl.int64) * stride_pos_axis + b).to(tl.int64)
         else:
-            p = tl.load(pos_ptr + b).to(tl.int64)
-        c = tl.load(cs_ptr + p * D + fj)
-        sn = tl.load(cs_ptr + p * D + HALF + fj)
+            pos_j = tl.load(pos_ptr + b).to(tl.int64)
+        c = tl.load(cs_ptr + pos_j * D + fj)
+        sn = tl.load(cs_ptr + pos_j * D + HALF + fj)
         q = _norm_rope_tile(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh, d, qw_ptr, c, sn, eps,
                             D, ROPE_NORM, g_ok[:, None])
         slot = tl.load(slot_ptr + b).to(tl.int64)
