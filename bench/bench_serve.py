@@ -236,6 +236,12 @@ def compare_modes(args) -> int:
     for m in modes:
         reports[m] = offline_run(args) if m == "offline" else serve_and_run(args, m)
         reports[m]["mode"] = m
+        r = reports[m]           # as each mode ends (a timeout later keeps it)
+        print(f"[{m}] req/s {r['request_throughput']:.2f}, out tok/s {r['output_throughput']:.1f}, ITL ms "
+              f"{r.get('itl_ms', {})}, TTFT ms {r.get('ttft_ms', {})}, failed {r['failed']}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "modes": reports}, f, indent=2)
     base = reports.get("offline", {}).get("request_throughput")
     print(f"\n{'mode':11s} {'req/s':>8s} {'x offline':>9s} {'out tok/s':>10s} {'ITL p50':>8s} {'ITL p99':>8s} "
           f"{'p99/p50':>7s} {'TTFT p50':>9s}")
