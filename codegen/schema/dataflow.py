@@ -113,10 +113,10 @@ class DataflowChoice(Strict):
     """`{if: <bool expression over config symbols>, then: [steps], else: [steps]}`: the layer's dataflow chosen
     per checkpoint (StableLM's and GPT-NeoX's `use_parallel_residual`), or per layer where the expression reads
     `layer` (OLMo-Hybrid: post-norm attention layers, pre-norm DeltaNet layers). Each is a list of residual / parallel
-    steps; a block used by one of them only exists in that one's checkpoints. Rendered as two layer classes (the
+    / branch steps (Arctic's MoE layers: a branch of the layer's input joined after the residual MLP); a block used by one of them only exists in that one's checkpoints. Rendered as two layer classes (the
     `then` one named `<class_prefix><name>DecoderLayer`; `name` defaults to the flag in CamelCase), picked when
     the model is built."""
     if_: StrictStr = Field(alias="if")
-    then: List[Union[ResidualStep, ParallelStep]]
-    else_: List[Union[ResidualStep, ParallelStep]] = Field(alias="else")
+    then: List[Union[ResidualStep, ParallelStep, BranchStep]]
+    else_: List[Union[ResidualStep, ParallelStep, BranchStep]] = Field(alias="else")
     name: Optional[StrictStr] = None
