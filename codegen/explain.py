@@ -280,22 +280,42 @@ def variant_config(module, ir: ModelIR, v: VariantIR):
     for f in sorted(ir.config, key=lambda f: not isinstance(values.get(f.name), dict)):
         if not f.paths or values.get(f.name) is None:
             continue
-        *parents, leaf = f.paths[0].split(".")
-        node = hf
-        for p in parents:
-            node = node.setdefault(p, {})
         value = values[f.name]
-        node[leaf] = list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict) else value)
+        if "[*]" in f.paths[0]:        # a per-element read: the list of mappings, one entry per element
+            head, rest = f.paths[0].split("[*].", 1)
+            _put(hf, head, [{} for _ in value], keep=True)
+            for element, item in zip(_get(hf, head), value):
+                _put(element, rest, item)
+            continue
+        _put(hf, f.paths[0], list(value) if isinstance(value, tuple) else (dict(value) if isinstance(value, dict)
+                                                                           else value))
     for key, value in ir.config_assume:     # a variant is a checkpoint the spec models: it has the assumed values
-        *parents, leaf = key.split(".")
-        node = hf
-        for p in parents:
-            node = node.setdefault(p, {})
         if isinstance(value, dict) and set(value) == {"any_of"}:
             value = value["any_of"][0]
-        if value is not None and isinstance(node, dict) and leaf not in node:
-            node[leaf] = value
+        if value is None:
+            continue
+        if "[*]" in key:
+            head, rest = key.split("[*].", 1)
+            for element in _get(hf, head) or ():
+                _put(element, rest, value, keep=True)
+            continue
+        _put(hf, key, value, keep=True)
     return module.Config.from_hf(hf)
+
+
+def _get(node: dict, path: str):
+    for p in path.split("."):
+        node = node.get(p) if isinstance(node, dict) else None
+    return node
+
+
+def _put(node: dict, path: str, value, keep: bool = False) -> None:
+    """node[path] = value (`keep`: unless the field is there), creating the mappings on the way."""
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    if isinstance(node, dict) and not (keep and leaf in node):
+        node[leaf] = value
 
 
 def rank_table_from_plan(ir: ModelIR, plan, rank: int = 0) -> RankTableIR:

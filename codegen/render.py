@@ -131,6 +131,8 @@ def from_hf_line(f: ConfigFieldIR) -> str:
         args.append(f"if_null=lambda: {f.if_null.py('c', subscript=True)}")
     if f.read_if is not None:
         args.append(f"read_if=lambda: {f.read_if.py('c', subscript=True)}")
+    if f.item_default is not None:
+        args.append(f"item_default={f.item_default!r}")
     if f.values and f.type == "rope":          # checkpoint names -> the rotary's scaling kinds
         kinds = {v: HF_ROPE_TYPES[v] for v in f.values}
         kinds.update((alias, HF_ROPE_TYPES[target]) for alias, target in f.aliases)

@@ -99,10 +99,12 @@ class ConfigResolver:
                                      f"symbol)", at_key=True)
             paths = (f.from_,) if isinstance(f.from_, str) else tuple(f.from_)
             # a `*` part (not first, not last) reads every key of a mapping, which must all hold one value (transformers'
-            # per_layer_config.<layer>.head_dim)
-            if not paths or any(not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|\*))*$", p)
-                                or p.endswith(".*") for p in paths):
+            # per_layer_config.<layer>.head_dim); a `name[*]` part reads a field of every element of the list `name`
+            # into a tuple (Nemotron-NAS's block_configs[*].attention.no_op)
+            if not paths or any(not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\[\*\])?(\.([A-Za-z_][A-Za-z0-9_]*(\[\*\])?|\*))*$",
+                                             p) or p.endswith(".*") for p in paths):
                 raise self.err(path + ("from",), f"config.{name}.from: give one or more dotted config.json paths")
+            self.check_each_read(path, name, f, paths)
             if f.default is not None and f.default_expr is not None:
                 raise self.err(path + ("default_expr",), f"config.{name}: give `default` or `default_expr`, not both")
             default = f.default
@@ -120,7 +122,7 @@ class ConfigResolver:
             if f.default_expr is not None or f.if_null is not None or f.read_if is not None:
                 pending.append((name, f, path))
             self.config[name] = ConfigFieldIR(
-                name, f.type, paths, default, has_default, f.doc.strip(),
+                name, f.type, paths, default, has_default, f.doc.strip(), item_default=f.item_default,
                 values=tuple(f.values) if f.values else None, optional=f.optional, bounds=(f.min, f.max),
                 guard=f.guard, aliases=tuple((f.aliases or {}).items()), truthy=f.truthy, present=f.present,
                 same_meaning=f.same_meaning.strip())
@@ -146,6 +148,31 @@ class ConfigResolver:
                                   "max_model_len) from an int symbol of this name; a family without a position "
                                   "table still has one: read its config field (e.g. `from: seq_length`) or state "
                                   "one (`expr: \"2048\"`)", at_key=True)
+
+    def check_each_read(self, path, name: str, f, paths) -> None:
+        """`from: list[*].field`: a tuple symbol, one entry per element; one `[*]` per path, followed by the element's
+        field, no `*` part beside it. `item_default` (an element's absent / null field) only there, of the item type."""
+        each = [p for p in paths if "[*]" in p]
+        if f.item_default is not None and not each:
+            raise self.err(path + ("item_default",), f"config.{name}.item_default: only a per-element read "
+                                                     f"(`from: list[*].field`) has items")
+        if not each:
+            return
+        if not f.type.endswith("_tuple"):
+            raise self.err(path + ("type",), f"config.{name}.type: '{each[0]}' reads one value per element of a "
+                                             f"list: the symbol is a tuple (int_tuple, float_tuple, str_tuple, "
+                                             f"bool_tuple), not {f.type}")
+        for p in each:
+            head, rest = p.split("[*]", 1)
+            if "[*]" in rest or ".*" in p or not rest.startswith("."):
+                raise self.err(path + ("from",), f"config.{name}.from: '{p}': one `[*]` per path, followed by the "
+                                                 f"field of each element (`list[*].field`), no `*` part beside it")
+        if f.present or f.read_if is not None or f.if_null is not None:
+            raise self.err(path + ("from",), f"config.{name}: a per-element read takes no `present` / `read_if` / "
+                                             f"`if_null` (an element's null field: `item_default` or `optional`)")
+        if f.item_default is not None and not _type_ok(f.type, [f.item_default]):
+            raise self.err(path + ("item_default",), f"config.{name}.item_default: {f.item_default!r} is not an item "
+                                                     f"of a {f.type}")
 
     def check_defaults(self) -> None:
         """A literal `default` of a symbol used as a size, or as a positive number (eps, theta, scale, ...), is
@@ -257,8 +284,10 @@ class ConfigResolver:
         read = {p for f in self.config.values() for p in f.paths}
         for key, value in self.spec.config_assume.items():
             path = ("config_assume", key)
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", key):
-                raise self.err(path, f"config_assume: '{key}' is not a dotted config.json path", at_key=True)
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\[\*\])?(\.[A-Za-z_][A-Za-z0-9_]*(\[\*\])?)*$", key) \
+                    or key.count("[*]") > 1 or key.endswith("[*]"):
+                raise self.err(path, f"config_assume: '{key}' is not a dotted config.json path (`list[*].field`: "
+                                     f"that field of each element)", at_key=True)
             if key in read:
                 raise self.err(path, f"config_assume.{key}: this field is read by a config symbol; a field is "
                                      f"either read or assumed", at_key=True)
@@ -266,6 +295,9 @@ class ConfigResolver:
                 raise self.err(path + ("any_of",), f"config_assume.{key}.any_of: list the values transformers treats "
                                                    f"alike (at least one)")
         for key in self.spec.config_defaults:
+            if "[*]" in key:
+                raise self.err(("config_defaults", key), f"config_defaults.{key}: an element's absent field is its "
+                                                         f"config class's default; assume that value", at_key=True)
             if key not in self.spec.config_assume:
                 where = "read by a config symbol: state its default with the symbol's `default`" if key in read \
                     else "not in config_assume: list the value the spec assumes there"

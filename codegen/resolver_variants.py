@@ -22,10 +22,13 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-_ITEM_OK = {"int_tuple": _is_int, "float_tuple": _is_num, "str_tuple": lambda v: isinstance(v, str)}
+_ITEM_OK = {"int_tuple": _is_int, "float_tuple": _is_num, "str_tuple": lambda v: isinstance(v, str),
+            "bool_tuple": lambda v: isinstance(v, bool)}
 
 
-def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
+def _type_ok(kind: str, value: Any, optional: bool = False, items_optional: bool = False) -> bool:
+    """`items_optional`: a per-element read (`list[*].field`) that is `optional` holds None for an element's null or
+    absent field."""
     if value is None:
         return optional
     if kind == "int":
@@ -38,7 +41,8 @@ def _type_ok(kind: str, value: Any, optional: bool = False) -> bool:
         return isinstance(value, str)
     if kind == "rope":
         return isinstance(value, dict)
-    return isinstance(value, (list, tuple)) and all(_ITEM_OK[kind](v) for v in value)
+    return isinstance(value, (list, tuple)) and all(_ITEM_OK[kind](v) or (items_optional and v is None)
+                                                    for v in value)
 
 
 class VariantResolver:
@@ -91,7 +95,7 @@ class VariantResolver:
             if f.derived:
                 raise self.err(vp + (key,), f"variants.{name}.{key}: '{key}' is derived ({f.expr}): set the "
                                             f"symbols it reads instead", at_key=True)
-            if not _type_ok(f.type, value, f.optional):
+            if not _type_ok(f.type, value, f.optional, f.optional and any("[*]" in p for p in f.paths)):
                 raise self.err(vp + (key,), f"variants.{name}.{key}: {value!r} is not {f.type}")
             self.check_value(vp + (key,), f"variants.{name}.{key}", f, value)
         values: Dict[str, Any] = {}

@@ -90,10 +90,11 @@ def test_decilm_matches_reference(ckpt):
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}}, "yarn"),
     ({"hidden_size": 68}, "head_dim_fits"),         # 68 // 8 heads = 8: DeciLMAttention raises
-    # the Nemotron-NAS form of the class (per-layer mappings), not read by this spec
+    # both forms of the class at once (the Nemotron-NAS per-layer mappings beside the per-layer KV list)
     ({"model_type": "nemotron-nas", "block_configs": [{"attention": {"n_heads_in_group": 2, "no_op": False},
                                                        "ffn": {"ffn_mult": 1.5, "no_op": False}}] * L},
-     "block_configs"),
+     "one_form"),
+    ({"intermediate_size": None}, "dense_intermediate_size"),
 ])
 def test_decilm_refuses_what_it_does_not_model(ckpt, tmp_path, edit, named):
     from xllm_gen import LLM

@@ -8,7 +8,7 @@ from typing import Any, Optional, Tuple
 @dataclass(frozen=True)
 class ConfigFieldIR:
     name: str
-    type: str                     # int | float | bool | str | int_tuple | float_tuple | str_tuple | rope
+    type: str                     # int | float | bool | str | int_tuple | float_tuple | str_tuple | bool_tuple | rope
     paths: Tuple[str, ...]
     default: Any                  # None when required (has_default False)
     has_default: bool
@@ -26,6 +26,7 @@ class ConfigFieldIR:
     present: bool = False         # bool: whether config.json has the path (its content is not read)
     same_meaning: str = ""        # why the defaults check does not compare it with transformers' class (a reason)
     read_if: Any = None           # Expr (bool): the field is read only where it holds, else the default / None
+    item_default: Any = None      # a per-element read (`list[*].field`): an element's absent / null field
 
     @property
     def derived(self) -> bool:
@@ -34,5 +35,5 @@ class ConfigFieldIR:
     @property
     def py_type(self) -> str:
         t = {"int": "int", "float": "float", "bool": "bool", "str": "str", "int_tuple": "tuple",
-             "float_tuple": "tuple", "str_tuple": "tuple", "rope": "dict"}[self.type]
+             "float_tuple": "tuple", "str_tuple": "tuple", "bool_tuple": "tuple", "rope": "dict"}[self.type]
         return f"{t} | None" if self.optional else t

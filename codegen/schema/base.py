@@ -11,7 +11,9 @@ Symbol = StrictStr                                   # the name of a config symb
 Dim = Union[StrictInt, StrictStr]                    # a size: an int literal, a symbol or an expression
 Num = Union[StrictInt, StrictFloat, StrictStr]       # a number: a literal, a symbol or an expression
 Flag = Union[StrictBool, StrictStr]                  # a bool literal, a bool symbol or an expression
-Scalar = Union[StrictBool, StrictInt, StrictFloat, StrictStr, None, List[Union[StrictInt, StrictFloat, StrictStr]],
+# a list's items: bools (a bool_tuple), and None (an element's null field in a per-element read, `list[*].field`)
+Scalar = Union[StrictBool, StrictInt, StrictFloat, StrictStr, None,
+               List[Union[StrictBool, StrictInt, StrictFloat, StrictStr, None]],
                Dict[StrictStr, Union[StrictBool, StrictInt, StrictFloat, StrictStr, None, List[StrictInt]]]]
 
 

@@ -12,17 +12,22 @@ class ConfigField(Strict):
     """`name: {type: int, from: [dotted.path, fallback.path], default: 10}`; the first present path wins.
 
     Types are strict at load (no bool("false"), no int(2.7)): int, float (ints accepted), bool, str,
-    int_tuple / float_tuple / str_tuple (a scalar is a 1-tuple), and rope (the rope-parameters mapping,
+    int_tuple / float_tuple / str_tuple / bool_tuple (a scalar is a 1-tuple), and rope (the rope-parameters mapping,
     transformers' `rope_parameters` or the older `rope_scaling`: its `rope_type` must be one of `values`).
     `values` restricts a str (or rope) symbol to the variants the spec models: a checkpoint with another
     value is refused at load, naming the spec and the field. `optional: true` admits null / absence (None).
     `default` is a literal; `default_expr` an expression over other symbols (`hidden_size //
     num_attention_heads`). A derived symbol reads no config.json field: `expr: "len(deepstack_visual_indexes)"`
     (rendered as a Config property, evaluated for every variant)."""
-    type: Literal["int", "float", "bool", "str", "int_tuple", "float_tuple", "str_tuple", "rope"]  # strict at load
+    type: Literal["int", "float", "bool", "str", "int_tuple", "float_tuple", "str_tuple", "bool_tuple",
+                  "rope"]  # strict at load
     # dotted config.json path, or a list of them: the first present wins
     from_: Optional[Union[StrictStr, List[StrictStr]]] = Field(default=None, alias="from")
     default: Optional[Scalar] = None     # a literal used when no path is present (none: the field is required)
+    # a per-element read (`from: block_configs[*].attention.no_op`, a tuple symbol): the entry of an element whose field
+    # is absent or null (the config class's default for it); without it such an element is None where the symbol is
+    # `optional`, false in a bool_tuple where the field is null, and refused naming the element otherwise
+    item_default: Optional[Union[StrictBool, StrictInt, StrictFloat, StrictStr]] = None
     default_expr: Optional[StrictStr] = None  # an expression over other symbols used when no path is present
     # what an explicit null in config.json means, where the config class computes a value for None (Qwen3Config's
     # num_key_value_heads: absent 32, null num_attention_heads): an expression over other symbols. Without it a null

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from xllm_gen.runtime.rope_kinds import (
@@ -87,6 +88,22 @@ def _lookup(cfg: Any, path: str) -> Any:
     return node
 
 
+EACH = "[*]"     # a path part `name[*]`: every element of the list `name` (a per-element read into a tuple)
+
+
+def each_split(path: str) -> Optional[tuple[str, str]]:
+    """`block_configs[*].attention.no_op` -> ('block_configs', 'attention.no_op'); None for a path without `[*]`."""
+    if EACH not in path:
+        return None
+    head, rest = path.split(EACH, 1)
+    return head, rest[1:] if rest.startswith(".") else rest
+
+
+def each_path(path: str) -> str:
+    """A config.json path with list indices (`block_configs[3].attention.no_op`) as a spec names it (`[*]`)."""
+    return re.sub(r"\[\d+\]", EACH, path)
+
+
 def _present_null(cfg: Any, path: str) -> bool:
     """The field is written in config.json with the value null (transformers then holds None, not its class
     default: what an `optional` symbol with a default reads as None)."""
@@ -118,10 +135,15 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _flatten(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+def _flatten(node: Any, prefix: str = "", lists: frozenset = frozenset()) -> Iterable[tuple[str, Any]]:
+    """(dotted path, leaf value) of every field; a list that a spec reads per element (its path, indices as `[*]`, in
+    `lists`) is descended into, its elements' fields named `list[i].field`."""
     if isinstance(node, dict) and node:
         for k, v in node.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k), lists)
+    elif isinstance(node, list) and node and prefix and each_path(prefix) in lists:
+        for i, v in enumerate(node):
+            yield from _flatten(v, f"{prefix}[{i}]", lists)
     elif prefix:
         yield prefix, node
 
@@ -185,14 +207,14 @@ class ConfigReader:
              default_fn: Optional[Callable[[], Any]] = None, values: Optional[tuple] = None,
              optional: bool = False, bounds: tuple = (None, None), positive: bool = False,
              truthy: bool = False, if_null: Optional[Callable[[], Any]] = None,
-             read_if: Optional[Callable[[], Any]] = None) -> Any:
+             read_if: Optional[Callable[[], Any]] = None, item_default: Any = MISSING) -> Any:
         self.read_paths.update(paths)
         where = None
         # `read_if` false: the field is not read (whatever it holds), the symbol is its default (None where optional)
         unread = read_if is not None and not self._formula(name, "read_if", read_if)
         for p in () if unread else paths:
             try:
-                v = _lookup(self.hf, p)
+                v = self._each(name, type_, p, optional, item_default) if EACH in p else _lookup(self.hf, p)
             except WildcardConflict as e:
                 raise self.error(f"{e} (symbol '{name}' reads one value)") from None
             if v is not MISSING:
@@ -234,6 +256,58 @@ class ConfigReader:
             raise self.error(f"config.json field '{where}' = {value!r} must be > 0")
         self.values[name] = value
         return value
+
+    def _each(self, name: str, type_: str, path: str, optional: bool, item_default: Any) -> Any:
+        """A `list[*].field` path: the field of every element of a list of mappings, one tuple entry each (MISSING
+        where the list is absent or null). An element's absent or null field is `item_default` where the spec gives
+        one, false in a bool_tuple where it is null (the modeling code tests a flag by truth), None where the symbol is
+        `optional`; otherwise refused naming the element (`block_configs[3].attention.n_heads_in_group`)."""
+        head, rest = each_split(path)
+        items = _lookup(self.hf, head)
+        if items is MISSING:
+            return MISSING
+        if not isinstance(items, list):
+            raise self.error(f"config.json field '{head}' = {_short_repr(items)} is not a list (symbol '{name}' reads "
+                             f"'{path}': a field of each element)")
+        ok = _ITEM_OK[type_]
+        out = []
+        for i, element in enumerate(items):
+            at = f"{head}[{i}].{rest}"
+            if not isinstance(element, dict):
+                raise self.error(f"config.json field '{head}[{i}]' = {_short_repr(element)} is not a mapping (symbol "
+                                 f"'{name}' reads '{path}')")
+            v = _lookup(element, rest)
+            if v is MISSING:
+                null = _present_null(element, rest)
+                if item_default is not MISSING:
+                    v = item_default
+                elif null and type_ == "bool_tuple":
+                    v = False
+                elif not optional:
+                    raise self.error(f"config.json field '{at}' is {'null' if null else 'missing'} (symbol '{name}' "
+                                     f"reads it in every element of '{head}'; the spec gives no `item_default`)")
+                else:
+                    v = None
+            elif not ok(v):
+                raise self.error(f"config.json field '{at}' = {v!r} is not {_ARTICLE[type_[:-len('_tuple')]]} "
+                                 f"(symbol '{name}' reads '{path}')")
+            out.append(v)
+        return tuple(out)
+
+    def _assume_each(self, key: str, expected: Any) -> None:
+        """`config_assume: {list[*].field: value}`: every element of the list that has the field (non-null) holds the
+        value (or one of `any_of`); the first that does not is refused by its index."""
+        head, rest = each_split(key)
+        items = _lookup(self.hf, head)
+        if not isinstance(items, list):
+            return
+        alike = expected["any_of"] if isinstance(expected, dict) and set(expected) == {"any_of"} else [expected]
+        for i, element in enumerate(items):
+            got = _lookup(element, rest) if isinstance(element, dict) else MISSING
+            if got is not MISSING and not any(_same(got, v) for v in alike):
+                shown = " or ".join(repr(v) for v in alike)
+                raise self.error(f"assumes config.json {key}={shown}, but this checkpoint has {head}[{i}].{rest}="
+                                 f"{got!r}: the spec does not model it")
 
     def _formula(self, name: str, key: str, fn: Callable[[], Any]) -> Any:
         """A symbol's `default_expr` / `if_null` evaluated on this checkpoint (a formula that fails on it is a
@@ -280,24 +354,26 @@ class ConfigReader:
             if type_ == "str_tuple" and isinstance(value, str):     # one string is not a list of one string
                 raise bad
             items = value if isinstance(value, (list, tuple)) else [value]
-            ok = {"int_tuple": _is_int, "float_tuple": lambda x: _is_num(x) and math.isfinite(x),
-                  "str_tuple": lambda x: isinstance(x, str)}[type_]
-            if not all(ok(x) for x in items):
+            ok = _ITEM_OK[type_]
+            # a per-element read (`list[*].field`, `optional`) holds None where an element's field is null or absent
+            each = optional and EACH in where
+            if not all(ok(x) or (each and x is None) for x in items):
                 raise bad
             value = tuple(items)
         elif type_ == "rope":
             value = self.rope(where, value, values)
             values = None
         if values is not None and type_ == "str_tuple":       # each entry one of them (per-layer kinds)
-            bad_at = next((i for i, x in enumerate(value) if x not in values), None)
+            bad_at = next((i for i, x in enumerate(value) if x not in values and x is not None), None)
             if bad_at is not None:
-                raise self.error(f"does not model {where.split(' ')[0]}[{bad_at}]={value[bad_at]!r} (it models: "
-                                 f"{', '.join(values)})")
+                field = where.split(" ")[0]
+                field = field.replace(EACH, f"[{bad_at}]", 1) if EACH in field else f"{field}[{bad_at}]"
+                raise self.error(f"does not model {field}={value[bad_at]!r} (it models: {', '.join(values)})")
         elif values is not None and value not in values:
             shown = where[:-len(" (derived)")] + " =" if where.endswith("(derived)") else where.split(" ")[0] + "="
             raise self.error(f"does not model {shown}{value!r} (it models: {', '.join(values)})")
         if type_ == "int" and not -_MAX_INT < value < _MAX_INT or \
-                type_ == "int_tuple" and any(not -_MAX_INT < x < _MAX_INT for x in value):
+                type_ == "int_tuple" and any(x is not None and not -_MAX_INT < x < _MAX_INT for x in value):
             raise self.error(f"config.json field '{where}' is out of range (ints lie within +-2**63)")
         lo, hi = bounds
         if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -375,6 +451,9 @@ class ConfigReader:
                 raise self.error(f"does not model {key}={v!r} (rope type {name!r} reads: "
                                  f"{', '.join(known) or 'nothing'}; no symbol of the spec reads it)")
         for key, expected in self.assume.items():
+            if EACH in key:             # each element's field: absent or null is the config class's default
+                self._assume_each(key, expected)
+                continue
             got = _lookup(self.hf, key)
             if isinstance(expected, dict) and set(expected) == {"any_of"}:   # values transformers treats alike
                 shown = " or ".join(repr(v) for v in expected["any_of"])
@@ -396,10 +475,12 @@ class ConfigReader:
                 raise self.error(f"assumes config.json {key}={expected!r}, but this checkpoint has {key}={got!r}: "
                                  f"the spec does not model it")
         unknown = []
+        lists = frozenset(each_split(p)[0] for p in (*self.read_paths, *self.assume) if EACH in p)
         for path, value in ((p, v) for key, sub in self.hf.items() if key not in GENERIC_FIELDS
-                            for p, v in _flatten(sub, key)):
+                            for p, v in _flatten(sub, key, lists)):
             if value is None or value == [] or value == {}:
                 continue
+            shown_path, path = path, each_path(path)     # block_configs[3].attention.no_op: read as [*]
             parts = path.split(".")
             prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
             if any(p in self.read_paths or p in self.assume or parts[i] in GENERIC_FIELDS
@@ -407,10 +488,10 @@ class ConfigReader:
                 continue
             if any("*" in r and fnmatch.fnmatchcase(p, r) for r in self.read_paths for p in prefixes):
                 continue        # read through a `*` path (every key of a mapping)
-            if any(fnmatch.fnmatchcase(p, pat) for p in prefixes for pat in self.ignore):
-                continue
-            unknown.append(f"{path}={value!r}" if not isinstance(value, (list, dict)) or len(repr(value)) < 60
-                           else path)
+            if any(fnmatch.fnmatchcase(p, pat.replace(EACH, "[[]*[]]")) for p in prefixes for pat in self.ignore):
+                continue        # an ignore pattern's `[*]`: each element of a list read per element
+            unknown.append(f"{shown_path}={value!r}" if not isinstance(value, (list, dict)) or len(repr(value)) < 60
+                           else shown_path)
         if unknown:
             shown = ", ".join(unknown[:6]) + (f" (and {len(unknown) - 6} more)" if len(unknown) > 6 else "")
             raise self.error(f"does not model config.json field(s) {shown}: the spec neither reads them nor declares "
@@ -419,7 +500,15 @@ class ConfigReader:
 
 
 _ARTICLE = {"int": "an int", "float": "a finite number", "bool": "a bool (true / false)", "str": "a string",
-            "int_tuple": "a list of ints", "float_tuple": "a list of numbers", "str_tuple": "a list of strings"}
+            "int_tuple": "a list of ints", "float_tuple": "a list of numbers", "str_tuple": "a list of strings",
+            "bool_tuple": "a list of bools"}
+_ITEM_OK = {"int_tuple": _is_int, "float_tuple": lambda x: _is_num(x) and math.isfinite(x),
+            "str_tuple": lambda x: isinstance(x, str), "bool_tuple": lambda x: isinstance(x, bool)}
+
+
+def _short_repr(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) < 80 else r[:76] + " ..."
 
 
 def _json_float(v: Any) -> Any:
