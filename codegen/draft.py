@@ -183,7 +183,7 @@ class _Layer:
     attn: object = None                         # q/k norms, rotary, window, scale (draft_attention.Attn)
     roles: object = None                        # pre / post norms read from the forward (draft_layer.Roles)
     final_norm: str = "model.norm"              # the final norm's module as saved (Phi: model.final_layernorm)
-    qkv_layout: str | None = None               # the fused q/k/v's row layout (draft_qkv.py): head, kv_group, ...
+    qkv_layout: object = None                 # the fused q/k/v's row layout (draft_qkv.py): head, kv_group, ..., or a LayoutIf
     kv_heads: str | None = None                 # the attention's KV heads where not num_key_value_heads
     parts: dict = field(default_factory=dict)   # the embedding's and the head's module names (draft_parts.py)
 

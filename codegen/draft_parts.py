@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .draft_qkv import probe_qkv
+from .draft_qkv import LayoutIf, probe_qkv
 from .draft_source import add_symbol
 
 
@@ -62,8 +62,14 @@ def fused_qkv(d, layer, cls, config, defaults: dict) -> None:
     layer.qkv_layout = found.layout
     if found.layout:        # the assumed order replaced by the one read
         how = {"tensor": "[q | k | v] stacked", "head": "per head [h0: q k v, ...]",
-               "kv_group": "per KV group [g0: q * (heads / kv_heads), k, v, ...]"}[found.layout]
-        d.checklist[:] = [f"the checkpoint stores q/k/v fused in `{layer.rel(layer.qkv_fused)}`: {how}, read by "
+               "kv_group": "per KV group [g0: q * (heads / kv_heads), k, v, ...]"}
+        if isinstance(found.layout, LayoutIf):     # a layout chosen by a flag: the flag becomes a symbol
+            add_symbol(d, found.layout.flag, defaults, type(config))
+            text = (f"{how[found.layout.then]} where {found.layout.flag}, {how[found.layout.else_]} where not "
+                    f"(`layout: {{if: {found.layout.flag}, ...}}`)")
+        else:
+            text = how[found.layout]
+        d.checklist[:] = [f"the checkpoint stores q/k/v fused in `{layer.rel(layer.qkv_fused)}`: {text}, read by "
                           f"running the attention on its rows (every combination of the attention's bool flags)"
                           if c.startswith("the checkpoint stores q/k/v fused") else c for c in d.checklist]
     if found.kv_heads is None or found.kv_heads == "num_key_value_heads":

@@ -8,7 +8,9 @@ found by running the attention, never from a family's name:
     (heads / kv_heads), k, v, ...]);
   - every combination of the bool config fields the attention class reads is run (Falcon's `new_decoder_architecture`,
     `multi_query`): the layout drafted is the one every combination agrees with; a combination transformers' own
-    attention fails on is left out;
+    attention fails on is left out. Where none fits every combination but one flag splits them into two sets that
+    each agree (ChatGLM's `multi_query_attention`: blocked with it, per head without), the layout is chosen by that
+    flag (`layout: {if: flag, then: ..., else: ...}`, a `LayoutIf`);
   - the KV head count: `num_attention_heads`, or an attribute of the attention's `__init__` named for KV heads,
     translated into a spec expression, where it equals the keys' head count in every combination.
 """
@@ -26,9 +28,17 @@ PROBE = "xllm_draft_probe"
 KV_NAME = re.compile(r"(kv|key_value).*head|head.*(kv|key_value)", re.I)
 
 
+@dataclass(frozen=True)
+class LayoutIf:
+    """A layout chosen by a bool config field: `then` where it is true, `else_` where false."""
+    flag: str
+    then: str
+    else_: str
+
+
 @dataclass
 class QKV:
-    layout: str | None          # tensor | head | kv_group (None: none fits every combination)
+    layout: str | LayoutIf | None   # tensor | head | kv_group, or one chosen by a flag (None: none fits)
     kv_heads: str | None        # the spec expression of the KV heads (None: not found)
     fields: set                 # the config fields kv_heads reads
 
@@ -109,6 +119,23 @@ def _probe(cls, config, qkv_name: str, attn_name: str, changes: dict):
     return fits, k.shape[0], q.shape[0], model.config
 
 
+def _agreed(fits: list) -> str | None:
+    """The layout every combination's rows fit (the plainest where several do), or None."""
+    common = set.intersection(*fits) if fits else set()
+    return next((lay for lay in ("tensor", "head", "kv_group") if lay in common), None)
+
+
+def _chosen_by_flag(flags: list, combos: list, fits: list) -> LayoutIf | None:
+    """The first flag under which the combinations of each value agree on a layout of their own (two different
+    ones, each value run at least once)."""
+    for f in flags:
+        then = _agreed([x for c, x in zip(combos, fits) if c[f]])
+        else_ = _agreed([x for c, x in zip(combos, fits) if not c[f]])
+        if then and else_ and then != else_:
+            return LayoutIf(f, then, else_)
+    return None
+
+
 def probe_qkv(cls, config, layer_prefix: str, qkv_rel: str, attn_rel: str, fields: set) -> QKV | None:
     """The layout and KV heads of the fused projection `qkv_rel` of the attention `attn_rel` (relative to the layer)."""
     pre = layer_prefix.replace("{i}", "0")
@@ -127,15 +154,15 @@ def probe_qkv(cls, config, layer_prefix: str, qkv_rel: str, attn_rel: str, field
     flags = sorted({f for f in re.findall(r"config\.(\w+)", src) if isinstance(full.get(f), bool)} |
                    {f for a in attrs.values() for f in (translate(a, attrs, fields) or ("", set()))[1]
                     if isinstance(full.get(f), bool)})[:4]
-    runs = []
+    runs, combos = [], []
     for vals in itertools.product(*[(full[f], not full[f]) for f in flags]):
         r = _probe(cls, config, pre + qkv_rel, pre + attn_rel, dict(zip(flags, vals)))
         if r is not None:
             runs.append(r)
+            combos.append(dict(zip(flags, vals)))
     if not runs:
         return None
-    common = set.intersection(*(r[0] for r in runs))
-    layout = next((lay for lay in ("tensor", "head", "kv_group") if lay in common), None)
+    layout = _agreed([r[0] for r in runs]) or _chosen_by_flag(flags, combos, [r[0] for r in runs])
     cands = [("num_attention_heads", {"num_attention_heads"})]
     for a, node in attrs.items():
         t = translate(node, attrs, fields) if KV_NAME.search(a) else None

@@ -12,6 +12,7 @@ from .draft_layer import step
 from .draft_mla import render_mla
 from .draft_moe import render_block, render_weights
 from .draft_parts import prefix_lines
+from .draft_qkv import LayoutIf
 
 if TYPE_CHECKING:
     from .draft import Draft, _Layer
@@ -194,8 +195,13 @@ def _render(d: Draft, target: str, config_class: str, full: dict, names: set, co
             L.append(f"  {target_name}.{suffix}:")
             if isinstance(parts, str):       # stored stacked: one tensor, split into its segments at load
                 L.append(f"    from: {parts}.{suffix}")
-                if parts == qkv_fused and layer.qkv_layout not in (None, "tensor"):     # draft_qkv.py
-                    L.append(f"    layout: {{interleave: [q, k, v], per: {layer.qkv_layout}}}")
+                lay = layer.qkv_layout if parts == qkv_fused else None
+                if isinstance(lay, LayoutIf):       # chosen by a flag (draft_qkv.py)
+                    L += ["    layout:", f"      if: {lay.flag}",
+                          f"      then: {{interleave: [q, k, v], per: {lay.then}}}",
+                          f"      else: {{interleave: [q, k, v], per: {lay.else_}}}"]
+                elif lay not in (None, "tensor"):     # draft_qkv.py
+                    L.append(f"    layout: {{interleave: [q, k, v], per: {lay}}}")
                 continue
             L.append("    from:")
             for seg, src in parts.items():

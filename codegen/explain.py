@@ -8,10 +8,12 @@ from typing import List
 
 from .explain_blocks import _block, _proj, _steps
 from .ir import (
+    LayoutChoice,
     ModelIR,
     RankTableIR,
     VariantIR,
 )
+from .ir.params import layout_text
 
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4,
                "float": 4, "float8": 1, "fp8": 1}
@@ -175,8 +177,8 @@ def format_resolved(ir: ModelIR) -> str:
         if p.when is not None:
             cond += f"  [only where {'' if p.when[1] else 'not '}({p.when[0]})]"
         w(f"  {p.name}  {shape}  {shard}{cond}")
-        layout = (f" (rows per {wt.layout[0]}{' of ' + str(wt.layout[2]) if len(wt.layout) > 2 else ''}: "
-                  f"{' '.join(wt.layout[1])})" if wt.layout else "") + \
+        layout = (f" (rows {wt.layout})" if isinstance(wt.layout, LayoutChoice) else
+                  f" (rows {layout_text(wt.layout)})" if wt.layout else "") + \
             (" (stored transposed)" if wt.transpose else "") + \
             (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "") + \
             ((" (stored under a leading unit dim)" if wt.squeeze is True else f" (stored with unit dims at {list(wt.squeeze)})")

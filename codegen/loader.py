@@ -73,7 +73,8 @@ def _unwrap(tp):
 def _union_members(tp):
     origin = typing.get_origin(tp)
     if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
-        return [_unwrap(a) for a in typing.get_args(tp)]
+        # flattened: an optional discriminated union (a `weights` layout) is Optional[Annotated[Union[...], ...]]
+        return [m for a in typing.get_args(tp) for m in (_union_members(_unwrap(a)) or [_unwrap(a)])]
     return None
 
 

@@ -1,8 +1,9 @@
 """The `weights` part of the resolver: each parameter's checkpoint source(s) (`weights` entries, `{i}` / `{e}`,
 segment stacking), `checkpoint_prefixes` (the checkpoint name of a parameter without an entry), the storage
 layouts of a checkpoint tensor (`transpose`, `segments_interleaved`) and the row `layout` of a fused tensor
-(`weights[...].layout`), with their static checks: the layout names the parameter's segments, the parameter is a
-fused column-parallel one, and in every variant the segments' heads fit the groups; and `ignore_checkpoint_tensors`.
+(`weights[...].layout`, fixed or chosen by a config flag: `{if: ..., then: ..., else: ...}`), with their static
+checks: the layout names the parameter's segments, the parameter is a fused column-parallel one, and in every
+variant the segments' heads fit the groups (of the branch the variant's flag chooses); and `ignore_checkpoint_tensors`.
 A mixin of resolver._Resolver, as resolver_blocks.py is."""
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import re
 from typing import Any, Mapping, Optional, Tuple
 
 from .errors import did_you_mean
-from .ir import ParamIR, WeightIR, size_at
+from .ir import LayoutChoice, ParamIR, WeightIR, size_at
+from .schema import RowLayoutChoice
 
 _PLACEHOLDER = re.compile(r"\{(?![ieh]\})[^{}]+\}")   # {<expression>}: any placeholder but {i}, {e}, {h}
 
@@ -232,49 +234,79 @@ class WeightsResolver:
                                      f"{did_you_mean(pre, sorted({p.name.rsplit('.', 1)[0] + '.' for p in params}))}",
                                at_key=True)
 
-    def resolve_layout(self, path: tuple, where: str, p: ParamIR, entry) -> Optional[Tuple[str, Tuple[str, ...]]]:
+    def resolve_layout(self, path: tuple, where: str, p: ParamIR, entry):
+        """The row layout of a `weights` entry: a fixed one, as WeightIR.layout holds it, or a LayoutChoice
+        (`{if: flag, then: <layout>, else: <layout>}`: the checkpoint's config chooses; each branch is checked as a
+        fixed layout, and per variant only the branch its flag chooses must fit its heads)."""
         lay = entry.layout
         if lay is None:
             return None
         lp = path + ("layout",)
-        names = [s.name for s in p.segments]
         if not isinstance(entry.from_, str):
             raise self.err(lp, f"{where}.layout: a layout describes one fused checkpoint tensor: give `from` one name "
                                f"(a mapping of segments is already split)", at_key=True)
         if len(p.segments) < 2 or p.shard != "colwise" or p.experts is not None or p.tp_if is not None:
             raise self.err(lp, f"{where}.layout: only a fused column-parallel parameter (attention qkv, gated MLP "
                                f"gate_up, fused_linear) has segments to lay out", at_key=True)
+        if not isinstance(lay, RowLayoutChoice):
+            return self.fixed_layout(lp, f"{where}.layout", p, lay, None)
+        cond = self.flag(lp + ("if",), lay.if_)          # over config symbols only: `layer` is refused there
+        names = tuple(s.name for s in p.segments)
+        branches = []
+        for key, holds in (("then", True), ("else", False)):
+            fixed = self.fixed_layout(lp + (key,), f"{where}.layout.{key}", p, getattr(lay, key + "_" * (key == "else")),
+                                      (cond, holds))
+            branches.append(None if fixed == ("tensor", names) else fixed)   # blocked in segment order: nothing to undo
+        return LayoutChoice(cond, *branches)
+
+    def fixed_layout(self, lp: tuple, where: str, p: ParamIR, lay, branch) -> tuple:
+        """One RowLayout, checked (segments, groups) and queued for the per-variant head check; `branch`: None, or
+        (cond, value) for a branch of a choice, checked only in the variants where cond is value."""
+        names = [s.name for s in p.segments]
         inter = list(lay.interleave)
         if sorted(inter) != sorted(names) or len(set(inter)) != len(inter):
             bad = next((n for n in inter if n not in names), None)
-            raise self.err(lp + ("interleave",), f"{where}.layout.interleave: must name each of the parameter's "
+            raise self.err(lp + ("interleave",), f"{where}.interleave: must name each of the parameter's "
                                                  f"segments {names} once, got {inter}"
                                                  f"{did_you_mean(bad, names) if bad else ''}")
         if (lay.per == "group") != (lay.groups is not None):
-            raise self.err(lp, f"{where}.layout: `groups` (the number of groups) goes with `per: group` and only with "
+            raise self.err(lp, f"{where}: `groups` (the number of groups) goes with `per: group` and only with "
                                f"it", at_key=True)
         if lay.groups is not None and lay.groups < 1:
-            raise self.err(lp + ("groups",), f"{where}.layout.groups: must be >= 1, got {lay.groups}")
-        self.layouts_to_check.append((lp, where, p, lay.per if lay.groups is None else lay.groups))
+            raise self.err(lp + ("groups",), f"{where}.groups: must be >= 1, got {lay.groups}")
+        self.layouts_to_check.append((lp, where, p, lay.per if lay.groups is None else lay.groups, branch))
         return (lay.per, tuple(inter)) if lay.groups is None else (lay.per, tuple(inter), lay.groups)
 
     def check_layout_variant(self, name: str, values: Mapping[str, Any]) -> None:
-        """In a variant, each laid-out parameter's segments split into the layout's groups."""
-        for lp, where, p, per in self.layouts_to_check:
+        """In a variant, each laid-out parameter's segments split into the layout's groups (for a layout chosen by a
+        flag: the flag gives a bool, and the branch it chooses fits)."""
+        for lp, where, p, per, branch in self.layouts_to_check:
+            if branch is not None:
+                cond, holds = branch
+                ip = lp[:-1] + ("if",)
+                try:
+                    x = cond.eval(values)
+                except Exception as exc:  # noqa: BLE001 - the spec's formula fails for this variant
+                    raise self.err(ip, f"variants.{name}: {where.rsplit('.', 1)[0]}.if fails: "
+                                       f"{type(exc).__name__}: {exc}") from None
+                if not isinstance(x, bool):
+                    raise self.err(ip, f"variants.{name}: {where.rsplit('.', 1)[0]}.if gives {x!r}, not a bool")
+                if x != holds:
+                    continue
             heads = {s.name: size_at(s.heads, values) for s in p.segments}   # (a per-layer count: in layer 0)
             shown = ", ".join(f"{n}: {h}" for n, h in heads.items())
+            chosen = "" if branch is None else f" (chosen: {branch[0]} is {branch[1]})"
             if per == "head" and len(set(heads.values())) != 1:
-                raise self.err(lp + ("per",), f"variants.{name}: {where}.layout per: head needs every segment to "
-                                              f"have as many heads, got {shown}")
+                raise self.err(lp + ("per",), f"variants.{name}: {where} per: head needs every segment to "
+                                              f"have as many heads, got {shown}{chosen}")
             if isinstance(per, int):             # per: group, `per` groups
                 bad = [n for n, h in heads.items() if h % per]
                 if bad:
-                    raise self.err(lp + ("groups",), f"variants.{name}: {where}.layout per: group: {shown}: segment "
-                                                     f"'{bad[0]}' does not split into {per} groups")
+                    raise self.err(lp + ("groups",), f"variants.{name}: {where} per: group: {shown}: segment "
+                                                     f"'{bad[0]}' does not split into {per} groups{chosen}")
             if per == "kv_group":
                 g = min(heads.values())
                 bad = [n for n, h in heads.items() if h % g]
                 if bad:
-                    raise self.err(lp + ("per",), f"variants.{name}: {where}.layout per: kv_group: {shown}: segment "
-                                                  f"'{bad[0]}' does not split into {g} groups")
-
+                    raise self.err(lp + ("per",), f"variants.{name}: {where} per: kv_group: {shown}: segment "
+                                                  f"'{bad[0]}' does not split into {g} groups{chosen}")

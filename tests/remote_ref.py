@@ -88,10 +88,10 @@ def ref_greedy(forward: Callable[[torch.Tensor], torch.Tensor], prompt: list[int
     return ids[len(prompt):], lps
 
 
-def engine_greedy(ckpt: Path, prompts=PROMPTS, n: int = MAX_TOKENS):
+def engine_greedy(ckpt: Path, prompts=PROMPTS, n: int = MAX_TOKENS, tp: int = 1):
     from xllm_gen import LLM, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
-    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4) as llm:
+    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 

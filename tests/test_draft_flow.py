@@ -17,11 +17,15 @@ and of the checkpoint's own names for the decoder's parts (codegen/draft_parts.p
   - verify (slow): tiny GPT-NeoX (parallel and sequential), Falcon (new decoder architecture with GQA and its own MLP
     width; the old multi-query form with one shared norm; the old sequential form) and StableLM (both residual forms)
     verify OK as drafted; with the parallel step made sequential (or the sequential made parallel), the two norms
-    swapped (in the dataflow or in the merged form's `weights` sources) or the q/k/v layout made stacked, verify fails at layer 0.
+    swapped (in the dataflow or in the merged form's `weights` sources) or the q/k/v layout made stacked, verify fails at layer 0;
+  - a fused q/k/v blocked or per head by a config flag (a GPT-NeoX so changed, tests/fixtures/flag_qkv.py, as ChatGLM
+    does by multi_query_attention): the layout drafted is chosen by that flag, and (slow) the draft verifies on a
+    checkpoint of each flag value, the branches swapped failing at layer 0.
 """
 from __future__ import annotations
 
 import pytest
+import yaml
 from draft_util import checklist, draft_by_name, drafts_of_checkpoints
 
 
@@ -81,6 +85,55 @@ def test_fused_qkv_rows_read_by_running_the_attention():
         d = config.to_dict()
         found = probe_qkv(cls, config, prefix, f"{attn}.query_key_value", attn, set(d))
         assert (found.layout, found.kv_heads) == (layout, kv), arch
+
+
+@pytest.fixture
+def flag_qkv(monkeypatch):
+    """A GPT-NeoX whose fused q/k/v is blocked where `blocked_qkv`, per head where not (tests/fixtures/flag_qkv.py),
+    reachable by name as a transformers class (the draft and verify look architectures up there)."""
+    import sys
+
+    from fixtures.flag_qkv import FlagQKVForCausalLM
+    monkeypatch.setattr(sys.modules["transformers"], "FlagQKVForCausalLM", FlagQKVForCausalLM, raising=False)
+    return FlagQKVForCausalLM
+
+
+def test_fused_qkv_layout_chosen_by_a_flag_is_read(flag_qkv):
+    """No layout fits every combination of the attention's flags, but `blocked_qkv` splits them into two that each
+    agree: the layout drafted is chosen by it (`layout: {if: blocked_qkv, then: per tensor, else: per head}`)."""
+    from xllm_gen.codegen.draft_qkv import LayoutIf, probe_qkv
+    for blocked in (True, False):
+        config = flag_qkv.config_class(blocked_qkv=blocked)
+        found = probe_qkv(flag_qkv, config, "gpt_neox.layers.{i}.", "attention.query_key_value", "attention",
+                          set(config.to_dict()))
+        assert found.layout == LayoutIf("blocked_qkv", "tensor", "head"), blocked
+
+
+@pytest.mark.slow       # two tiny checkpoints, a draft and four verify runs (~30 s)
+def test_flag_chosen_qkv_layout_drafted_and_verified(flag_qkv, tmp_path):
+    """The draft of one checkpoint names the flag and both layouts; the spec verifies against transformers on a
+    checkpoint of each flag value, and with the branches swapped it fails at layer 0 on both."""
+    from fixtures.tiny_hf import make_tiny_checkpoint
+
+    from xllm_gen.codegen.draft import draft_spec
+    from xllm_gen.codegen.verify import verify
+    ckpts = {b: make_tiny_checkpoint("FlagQKVForCausalLM", tmp_path / f"blocked_{b}", overrides={
+        "blocked_qkv": b, "rope_parameters.partial_rotary_factor": 1.0}) for b in (True, False)}
+    text = draft_spec(str(ckpts[True]))[0]
+    doc = yaml.safe_load(text)
+    assert doc["config"]["blocked_qkv"] == {"type": "bool", "from": "blocked_qkv", "default": True}
+    for suffix in ("weight", "bias"):
+        assert doc["weights"][f"model.layers.{{i}}.attention.query_key_value.{suffix}"]["layout"] == {
+            "if": "blocked_qkv", "then": {"interleave": ["q", "k", "v"], "per": "tensor"},
+            "else": {"interleave": ["q", "k", "v"], "per": "head"}}
+    spec, bad = tmp_path / "flag_qkv.yaml", tmp_path / "bad_flag_qkv.yaml"
+    spec.write_text(text)
+    bad.write_text(text.replace("if: blocked_qkv", 'if: "not blocked_qkv"'))
+    for b, ckpt in ckpts.items():
+        r = verify(spec, ckpt, max_tokens=4, prompt_lens=[3, 9])
+        assert r.ok, r.text()
+        r = verify(bad, ckpt, max_tokens=4, prompt_lens=[9])
+        assert not r.ok and r.first_divergence()[2].layer == 0, r.text()
 
 
 @pytest.mark.slow       # the whole draft by class name (~15 s: Falcon's flags built 12 ways on the meta device)

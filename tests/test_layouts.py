@@ -297,3 +297,72 @@ def test_a_fused_bias_takes_its_weights_layout(tmp_path):
     (tmp_path / "other.yaml").write_text(text.replace(bias, bias.replace("per: kv_group", "per: head")))
     with pytest.raises((SpecError, SpecErrors), match=r"layout: the bias's rows are laid out as its weight's"):
         compile_spec(tmp_path / "other.yaml")
+
+
+# ------------------------------------------------------------------------------ a layout chosen by a config flag
+_GLM = "model.layers.{i}.self_attention.query_key_value"
+# a released-shape variant without multi-query attention (k and v of every head: the `else` branch, per head)
+_GLM_NO_MQA = ("variants:\n  no-mqa: {hidden_size: 4096, intermediate_size: 13696, num_hidden_layers: 28, "
+               "num_attention_heads: 32, head_dim: 128, multi_query_attention: false, vocab_size: 65024}\n")
+
+
+def _glm_child(tmp_path, body: str):
+    from pathlib import Path
+
+    spec = Path(__file__).resolve().parents[1] / "specs" / "chatglm.yaml"
+    child = tmp_path / "child.yaml"
+    child.write_text(f"spec_version: 2\nextends: {spec}\nname: glm_child\n" + body)
+    return child
+
+
+def test_a_layout_chosen_by_a_flag_compiles_and_renders(tmp_path):
+    """`layout: {if: flag, then: A, else: B}` (specs/chatglm.yaml: blocked with multi_query_attention, per head
+    without): both branches resolved (the blocked one as None: nothing to undo), the bias inheriting the choice,
+    a variant of each branch checked, and the generated module listing a RowLayoutChoice of the flag."""
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.ir import LayoutChoice
+
+    compiled = compile_spec(_glm_child(tmp_path, _GLM_NO_MQA))
+    weights = {w.param.name: w for w in compiled.ir.weights}
+    w, b = (weights[f"{compiled.ir.decoder_prefix}{_GLM[len('model'):]}.{k}"] for k in ("weight", "bias"))
+    assert isinstance(w.layout, LayoutChoice) and b.layout == w.layout
+    assert (str(w.layout.cond), w.layout.then, w.layout.else_) == ("multi_query_attention", None,
+                                                                    ("head", ("q", "k", "v")))
+    assert {v.name for v in compiled.ir.variants} >= {"chatglm3-6b", "no-mqa"}
+    model = compiled.module()
+    choice = model.WEIGHT_LAYOUTS[f"{_GLM}.weight"]
+    assert choice.cond_text == "multi_query_attention" and choice.then is None
+    assert choice.else_ == model.RowLayout("head", ("q", "k", "v"))
+
+
+@pytest.mark.parametrize("body, match", [
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      else: {{interleave: [q, k, x]}}\n",
+     r"child\.yaml:\d+:\d+: .*layout\.else\.interleave: must name each of the parameter's segments "
+     r"\['q', 'k', 'v'\] once, got \['q', 'k', 'x'\]"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      then: {{per: group}}\n",
+     r"child\.yaml:\d+:\d+: .*layout\.then: `groups` \(the number of groups\) goes with `per: group`"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      if: \"layer < 2\"\n",
+     r"child\.yaml:\d+:\d+: .*`layer` \(the layer index\) is only defined"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      if: multi_query_atention\n",
+     r"child\.yaml:\d+:\d+: .*unknown config symbol 'multi_query_atention'.*multi_query_attention"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      if: rope_ratio\n",
+     r"child\.yaml:\d+:\d+: .*rope_ratio"),
+    # the branch a variant's flag chooses must fit its heads (the multi-query releases, k and v of 2 heads)
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      then: {{per: head}}\n",
+     r"child\.yaml:\d+:\d+: error: variants\.chatglm3-6b: .*layout\.then per: head needs every segment to have as "
+     r"many heads, got q: 32, k: 2, v: 2 \(chosen: multi_query_attention is True\)"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      if: \"multi_query_group_num * 1\"\n",
+     r"child\.yaml:\d+:\d+: error: variants\.chatglm3-6b: .*layout\.if gives 2, not a bool"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      else: ~\n",
+     r"child\.yaml:\d+:\d+: .*layout: missing required key 'else'"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      per: head\n",
+     r"child\.yaml:\d+:\d+: .*layout: unknown key 'per' \(allowed: if, then, else\)"),
+    (f"weights:\n  {_GLM}.weight:\n    layout:\n      then: {{per: heads}}\n",
+     r"child\.yaml:\d+:\d+: .*layout\.then\.per: 'heads' \(str\) is not allowed \(did you mean 'head'\?\)"),
+])
+def test_a_layout_choice_errors_are_located(tmp_path, body, match):
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError, SpecErrors
+
+    with pytest.raises((SpecError, SpecErrors), match=match):
+        compile_spec(_glm_child(tmp_path, body))

@@ -4,9 +4,12 @@ served by specs/chatglm.yaml, against a plain-PyTorch reference written from mod
 first `rot_dim = kv_channels // 2` dims as (even, odd) pairs with `theta = 1 / (10000 * rope_ratio) ** (2j / rot_dim)`,
 `swiglu` = `silu(x0) * x1` of `dense_h_to_4h`'s two halves, RMSNorms, the residual from the stream or (with
 apply_residual_connection_post_layernorm) from the normed input, `final_layernorm` where post_layer_norm,
-`transformer.output_layer`."""
+`transformer.output_layer`. Without multi_query_attention `query_key_value`'s output is viewed as (heads, 3 * head_dim)
+and each head's slice split into its q, k, v (per head [h0: q k v, ...]): the spec's layout chosen by that flag, at TP
+1 and (slow) 2, and read in the other branch's layout it serves another model."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -31,8 +34,9 @@ CONFIG = {
 }
 
 
-def _tensors(seed=3):
+def _tensors(seed=3, mqa=True):
     g = torch.Generator().manual_seed(seed)
+    kv = G if mqa else HEADS                  # without multi-query attention k and v have every head
     t = {"transformer.embedding.word_embeddings.weight": R.rand(g, V, H, std=1.0),
          "transformer.encoder.final_layernorm.weight": R.norm_weight(g, H),
          "transformer.output_layer.weight": R.rand(g, V, H),
@@ -40,8 +44,8 @@ def _tensors(seed=3):
     for i in range(L):
         p = f"transformer.encoder.layers.{i}."
         t |= {p + "input_layernorm.weight": R.norm_weight(g, H), p + "post_attention_layernorm.weight": R.norm_weight(g, H),
-              p + "self_attention.query_key_value.weight": R.rand(g, (HEADS + 2 * G) * D, H),
-              p + "self_attention.query_key_value.bias": R.rand(g, (HEADS + 2 * G) * D),
+              p + "self_attention.query_key_value.weight": R.rand(g, (HEADS + 2 * kv) * D, H),
+              p + "self_attention.query_key_value.bias": R.rand(g, (HEADS + 2 * kv) * D),
               p + "self_attention.dense.weight": R.rand(g, H, HEADS * D),
               p + "mlp.dense_h_to_4h.weight": R.rand(g, 2 * I, H), p + "mlp.dense_4h_to_h.weight": R.rand(g, H, I)}
     return t
@@ -59,9 +63,14 @@ def glm_rope(x, pos, base):
     return torch.cat([out.flatten(-2), xp], -1)
 
 
-def reference(t, cfg):
+def reference(t, cfg, qkv_rows=None):
+    """`qkv_rows`: how the fused output is split, as modeling_chatglm.py does per multi_query_attention (None), or
+    forced ("blocked" / "per_head": the sensitivity arm's reading of the other layout)."""
     eps, post_ln = cfg["layernorm_epsilon"], cfg["apply_residual_connection_post_layernorm"]
     base = 10000 * cfg["rope_ratio"]
+    mqa = cfg["multi_query_attention"]
+    kv = G if mqa else HEADS
+    rows = qkv_rows or ("blocked" if mqa else "per_head")
 
     def forward(ids):
         x = t["transformer.embedding.word_embeddings.weight"][ids]
@@ -70,8 +79,11 @@ def reference(t, cfg):
             p = f"transformer.encoder.layers.{i}."
             ln = R.rms_norm(x, t[p + "input_layernorm.weight"], eps)
             qkv = ln @ t[p + "self_attention.query_key_value.weight"].T + t[p + "self_attention.query_key_value.bias"]
-            q, k, v = qkv.split([HEADS * D, G * D, G * D], -1)
-            q, k, v = q.view(-1, HEADS, D), k.view(-1, G, D), v.view(-1, G, D)
+            if rows == "blocked":             # [np * hn | g * hn | g * hn]
+                q, k, v = qkv.split([HEADS * D, kv * D, kv * D], -1)
+                q, k, v = q.view(-1, HEADS, D), k.view(-1, kv, D), v.view(-1, kv, D)
+            else:                             # view (np, 3 * hn), then split_tensor_along_last_dim(x, 3)
+                q, k, v = qkv.view(-1, HEADS, 3 * D).split(D, -1)
             o = R.causal_attention(glm_rope(q, pos, base), glm_rope(k, pos, base), v, D ** -0.5)
             x = o @ t[p + "self_attention.dense.weight"].T + (ln if post_ln else x)
             ln = R.rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
@@ -104,8 +116,49 @@ def test_chatglm_forms_match_reference(ckpt, tmp_path, edit):
     R.assert_matches(R.engine_greedy(arm), reference(t, cfg), what=f"chatglm {edit}")
 
 
+NO_MQA = {**CONFIG, "multi_query_attention": False}
+
+
+@pytest.fixture(scope="module")
+def ckpt_no_mqa(tmp_path_factory):
+    return R.write_checkpoint(tmp_path_factory.mktemp("chatglm_no_mqa"), NO_MQA, _tensors(mqa=False))
+
+
+def test_chatglm_without_multi_query_matches_reference(ckpt_no_mqa):
+    """multi_query_attention false: query_key_value per head [h0: q k v, ...] (the layout's `else` branch)."""
+    t = _tensors(mqa=False)
+    want = reference(t, NO_MQA)
+    assert R.distinct(want, reference(t, NO_MQA, qkv_rows="blocked")), "fixture: the row layout matters"
+    R.assert_matches(R.engine_greedy(ckpt_no_mqa), want, what="chatglm without multi-query attention")
+
+
+@pytest.mark.slow      # an engine of two ranks (~10 s); the multi-query form at TP 2: tests/test_remote_tp2.py
+def test_chatglm_without_multi_query_matches_reference_at_tp2(ckpt_no_mqa):
+    """Each rank reads its heads' [q k v] rows of the per-head tensor (and bias): the layout the flag chooses is the
+    one the TP slicing follows."""
+    R.assert_matches(R.engine_greedy(ckpt_no_mqa, tp=2), reference(_tensors(mqa=False), NO_MQA),
+                     what="chatglm without multi-query attention at TP 2")
+
+
+def test_chatglm_other_layout_branch_changes_the_output(ckpt, ckpt_no_mqa, monkeypatch):
+    """The sensitivity arm: the same non-MQA checkpoint read in the other branch's layout (blocked [q | k | v]) serves
+    another model; the MQA checkpoint read per head is refused (its k and v have fewer heads than q)."""
+    import dataclasses
+
+    mod = importlib.import_module("xllm_gen.generated.chatglm.model")
+    choices = {k: v for k, v in mod.WEIGHT_LAYOUTS.items() if "query_key_value" in k}
+    assert len(choices) == 2 and all(c.cond_text == "multi_query_attention" for c in choices.values())
+    monkeypatch.setattr(mod, "WEIGHT_LAYOUTS", {**mod.WEIGHT_LAYOUTS, **{
+        k: dataclasses.replace(c, then=c.else_, else_=c.then) for k, c in choices.items()}})
+    got = [tokens for tokens, _ in R.engine_greedy(ckpt_no_mqa)]
+    want = [R.ref_greedy(reference(_tensors(mqa=False), NO_MQA), p)[0] for p in R.PROMPTS]
+    assert got != want, "reading the per-head query_key_value as blocked does not change the output"
+    assert got == [R.ref_greedy(reference(_tensors(mqa=False), NO_MQA, qkv_rows="blocked"), p)[0] for p in R.PROMPTS]
+    with pytest.raises(Exception, match="per: head needs segments of equal heads"):
+        R.engine_greedy(ckpt)
+
+
 @pytest.mark.parametrize("edit, named", [
-    ({"multi_query_attention": False}, "mqa_only"),     # query_key_value laid out per head then: not modeled
     ({"pre_seq_len": 16}, "pre_seq_len"),               # P-tuning v2 prefix
     ({"rmsnorm": False}, "rmsnorm"),
 ])

@@ -62,6 +62,7 @@ from .model import (
 )
 from .params import (
     AllOf,
+    LayoutChoice,
     ParamIR,
     SegmentIR,
     WeightIR,

@@ -1,5 +1,6 @@
 """Parameters and their checkpoint sources: `SegmentIR` (a fused projection's segment, its TP split),
-`ParamIR` (a parameter, its shape and sharding), `AllOf`, `WeightIR` (where a parameter comes from)."""
+`ParamIR` (a parameter, its shape and sharding), `AllOf`, `WeightIR` (where a parameter comes from), `LayoutChoice`
+(a fused tensor's row layout chosen by the checkpoint's config)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,11 +57,32 @@ class AllOf:
         return " and ".join(f"({c})" if v else f"not ({c})" for c, v in self.conds)
 
 
+def layout_text(layout: Optional[tuple]) -> str:
+    """A fixed row layout as explain prints it: `per head: q k v`, `per group of 4: q v k`; None: `blocked`."""
+    if layout is None:
+        return "blocked"
+    return f"per {layout[0]}{' of ' + str(layout[2]) if len(layout) > 2 else ''}: {' '.join(layout[1])}"
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """`layout: {if: cond, then: A, else: B}`: the row layout the checkpoint's config chooses, A where `cond` (a
+    Value over config symbols, never `layer`) holds, else B. A and B are fixed layouts as WeightIR.layout holds them,
+    or None where the branch is the blocked tensor itself (`per: tensor` in the segments' order: nothing to undo)."""
+    cond: Any                     # a Value
+    then: Optional[tuple]
+    else_: Optional[tuple]
+
+    def __str__(self) -> str:
+        return f"{layout_text(self.then)} if {self.cond}, else {layout_text(self.else_)}"
+
+
 @dataclass(frozen=True)
 class WeightIR:
     param: ParamIR
     sources: Tuple[str, ...]      # with "{i}" for the layer index
-    layout: Optional[tuple] = None   # (per, interleave) of one fused tensor's rows; (per, interleave, groups) for per: group
+    # (per, interleave) of one fused tensor's rows; (per, interleave, groups) for per: group; or a LayoutChoice
+    layout: Any = None
     transpose: bool = False       # the tensor stores [..., in, out]
     interleave: int = 1           # n > 1: the n segments interleaved along the output dim
     squeeze: Any = False          # True: one extra leading unit dim; a tuple: unit dims at those stored positions
@@ -70,3 +92,14 @@ class WeightIR:
     @property
     def shard(self) -> str:
         return self.param.shard
+
+    @property
+    def layout_choice(self) -> Optional[LayoutChoice]:
+        """The LayoutChoice of a row layout chosen by a config flag (None: fixed, or none)."""
+        return self.layout if isinstance(self.layout, LayoutChoice) else None
+
+    @property
+    def fixed_layouts(self) -> Tuple[tuple, ...]:
+        """The fixed row layouts the generated module names (a choice's branches other than the blocked one)."""
+        c = self.layout_choice
+        return tuple(x for x in ((c.then, c.else_) if c else (self.layout,)) if x is not None)

@@ -133,5 +133,6 @@ from .vision import (
 )
 from .weights import (
     RowLayout,
+    RowLayoutChoice,
     WeightEntry,
 )

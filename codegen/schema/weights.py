@@ -1,10 +1,10 @@
 """The `weights` section: where each parameter comes from in the checkpoint (`WeightEntry`) and the row layout of
-a fused tensor (`RowLayout`)."""
+a fused tensor (`RowLayout`, or one of two chosen by the checkpoint's config: `RowLayoutChoice`)."""
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Optional, Union
+from typing import Annotated, Dict, List, Literal, Optional, Union
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
 from .base import Strict
 
@@ -20,6 +20,27 @@ class RowLayout(Strict):
     interleave: List[StrictStr]
     per: Literal["tensor", "head", "kv_group", "group"]
     groups: Optional[StrictInt] = None   # per: group only: the number of groups
+
+
+class RowLayoutChoice(Strict):
+    """A row layout chosen by the checkpoint's config: `{if: <bool expression over config symbols>, then: <layout>,
+    else: <layout>}` (each a RowLayout), decided when the weights are loaded, as `dataflow: {if: ...}` chooses a
+    dataflow. ChatGLM2/3's `query_key_value` is blocked [q | k | v] with `multi_query_attention` and per head
+    [h0: q k v, ...] without: `{if: multi_query_attention, then: {interleave: [q, k, v], per: tensor}, else:
+    {interleave: [q, k, v], per: head}}`. The expression may not read `layer`; each variant is checked against the
+    layout its flag chooses."""
+    if_: StrictStr = Field(alias="if")
+    then: RowLayout
+    else_: RowLayout = Field(alias="else")
+
+
+def _layout_kind(value) -> str:
+    """A mapping with `if`, `then` or `else` is a RowLayoutChoice (its errors are then that form's alone)."""
+    return "RowLayoutChoice" if isinstance(value, dict) and {"if", "then", "else"} & set(value) else "RowLayout"
+
+
+LayoutSpec = Annotated[Union[Annotated[RowLayout, Tag("RowLayout")], Annotated[RowLayoutChoice, Tag("RowLayoutChoice")]],
+                       Discriminator(_layout_kind)]
 
 
 class WeightEntry(Strict):
@@ -40,5 +61,6 @@ class WeightEntry(Strict):
     # bias moe_statics.e_score_correction_bias [1, experts] for the [experts] parameter); dropped at load. A list of
     # dims: the stored shape has unit dims at those positions (Kimi's A_log [1, 1, heads, 1]: [0, 1, 3])
     squeeze: Union[StrictBool, List[StrictInt]] = False
-    # the row layout of a single fused tensor (`from` one name) stored per head / per KV group / reordered
-    layout: Optional[RowLayout] = None
+    # the row layout of a single fused tensor (`from` one name) stored per head / per KV group / reordered, or
+    # `{if: <flag>, then: <layout>, else: <layout>}`: one of two chosen by the checkpoint's config
+    layout: Optional[LayoutSpec] = None

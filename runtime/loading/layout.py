@@ -12,6 +12,11 @@ all of q's rows, then k's, then v's. Checkpoints store some of them otherwise:
                     with as many KV heads as heads it is per head)
     per: group      the same with a fixed number of groups (`groups`; CodeGen: 4 groups of [q v k])
 
+A spec may let the checkpoint's config choose the layout (`layout: {if: <flag>, then: ..., else: ...}`): the generated
+module lists a `RowLayoutChoice`, resolved against the model's config when the weight plan is made (runtime.loading.
+plan), so a checkpoint is read, and sharded, in the one layout its config says (ChatGLM2/3's `query_key_value`:
+blocked [q | k | v] with multi_query_attention, per head without).
+
 A head is `unit` rows (head_dim for attention; 1 for an MLP's rows, so `per: head` over gate | up is the
 row-interleaved [g0 u0 g1 u1 ...]). `LayoutView` presents the checkpoint tensor as the blocked one the parameter's
 weight loader expects; a row range read through it reads only the whole groups holding those rows (a lazy
@@ -22,7 +27,7 @@ one group, reads each segment's rows of the rank, as a blocked fused tensor with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from xllm_gen.runtime.executor.sharding import WeightLoadError, source_shape
 
@@ -46,6 +51,20 @@ class RowLayout:
         """`loaded` (a lazy slice or tensor) as the blocked tensor of `segments` (the parameter's split segments in
         the model's order: objects with name, heads, unit)."""
         return LayoutView(loaded, self, [(s.name, int(s.heads), int(s.unit)) for s in segments])
+
+
+@dataclass(frozen=True)
+class RowLayoutChoice:
+    """A row layout chosen by the checkpoint's config (a spec's `layout: {if: ..., then: ..., else: ...}`): `then`
+    where `cond(config)` holds, else `else_`; None is the blocked tensor itself (nothing to undo). `cond_text` is
+    the spec's expression (what the choice reads, for a reader of the generated module and for tests)."""
+    cond: Callable[[Any], Any]
+    cond_text: str
+    then: Optional[RowLayout]
+    else_: Optional[RowLayout]
+
+    def pick(self, config) -> Optional[RowLayout]:
+        return self.then if self.cond(config) else self.else_
 
 
 class LayoutView:

@@ -5,7 +5,9 @@ segments of fused parameters); every other parameter loads the tensor of its own
 layer index; `{e}` in a source is the expert index of a stacked expert parameter: the rule lists one tensor per
 expert (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>" (the layer skips another rank's). How a tensor is
 sharded is the business of the parameter's layer (its `weight_loader`), never restated here. `WEIGHT_LAYOUTS` (optional)
-gives the row layout (runtime.loading.layout.RowLayout) of a fused tensor stored per head or per KV group. A source given as a TensorLayout (a
+gives the row layout (runtime.loading.layout.RowLayout) of a fused tensor stored per head or per KV group, or a
+RowLayoutChoice that the model's config resolves here (the loader then reads, and shards, the tensor in the layout
+this checkpoint's config chooses). A source given as a TensorLayout (a
 `weights` entry's `transpose` / `segments_interleaved`) is read through its layout view. A callable source gives the
 name(s) of layer i's tensor (a spec's `{<expression>}` placeholder: the checkpoint's name depends on the layer).
 """
@@ -16,7 +18,7 @@ from typing import Callable, Mapping, Optional, Union
 
 from torch import nn
 
-from xllm_gen.runtime.loading.layout import RowLayout
+from xllm_gen.runtime.loading.layout import RowLayout, RowLayoutChoice
 from xllm_gen.runtime.loading.weights import TensorLayout, WeightRule
 
 Sources = Union[str, Mapping[str, str], TensorLayout, Callable[[int], Union[str, Mapping[str, str]]]]
@@ -40,10 +42,13 @@ def _per_expert(name: str, param, fill, src: Sources) -> WeightRule:
 
 
 def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
-                         layouts: Optional[Mapping[str, RowLayout]] = None) -> list[WeightRule]:
+                         layouts: Optional[Mapping[str, Union[RowLayout, RowLayoutChoice]]] = None) -> list[WeightRule]:
     """One rule per parameter of `model` (shared parameters once, under their first name); `layouts`: parameter
-    name (with {i}) -> the row layout of its one fused checkpoint tensor."""
-    layouts = layouts or {}
+    name (with {i}) -> the row layout of its one fused checkpoint tensor (a RowLayoutChoice: the one `model.config`
+    chooses; None: blocked)."""
+    layouts = {k: lay.pick(model.config) if isinstance(lay, RowLayoutChoice) else lay
+               for k, lay in (layouts or {}).items()}
+    layouts = {k: lay for k, lay in layouts.items() if lay is not None}
     table = [(_pattern(k), v, layouts.get(k)) for k, v in sources.items()]
     # a laid-out tensor stored under the parameter's own name has no WEIGHT_SOURCES entry: its layout still applies
     table += [(_pattern(k), k, lay) for k, lay in layouts.items() if k not in sources]
