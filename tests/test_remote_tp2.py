@@ -85,6 +85,7 @@ def test_internlm2_tp2_matches_reference(tmp_path):
 
 
 # ---- Qwen v1: c_attn [q | k | v] with bias ---------------------------------------------------------------------------
+@pytest.mark.slow     # plain row / column sharding; the default run keeps the unusual ones
 def test_qwen_tp2_matches_reference(tmp_path):
     """seq_length 64 (beyond the prompts + 8 tokens: logn attention and dynamic NTK are the identity there)."""
     import test_remote_qwen as m
@@ -132,6 +133,7 @@ def test_baichuan_7b_form_tp2_matches_reference(tmp_path):
 
 
 # ---- MiniCPM: tied, scaled --------------------------------------------------------------------------------------------
+@pytest.mark.slow     # plain row / column sharding; the default run keeps the unusual ones
 def test_minicpm_tp2_matches_reference(tmp_path):
     import test_remote_minicpm as m
     t = m._tensors()
