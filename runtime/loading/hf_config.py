@@ -8,9 +8,21 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from xllm_gen.runtime.loading.config_paths import (  # noqa: F401  (re-exported: ConfigError, MISSING)
+    EACH,
+    MISSING,
+    ConfigError,
+    WildcardConflict,
+    _flatten,
+    _is_int,
+    _is_num,
+    _lookup,
+    _present_null,
+    each_path,
+    each_split,
+)
 from xllm_gen.runtime.rope_kinds import (
     LEGACY_ROPE_MAPPING,
     ROPE_LIST_KEYS,
@@ -19,15 +31,9 @@ from xllm_gen.runtime.rope_kinds import (
     ROPE_SHARED_KEYS,
 )
 
-MISSING = object()
 _MAX_INT = 2 ** 63          # ints a config field or a spec expression may hold (codegen/expr.py MAX_INT)
 
 
-class ConfigError(ValueError):
-    pass
-
-
-# Fields of every transformers config that do not change the math of a forward pass (any nesting level).
 GENERIC_FIELDS = frozenset("""
     _name_or_path _commit_hash _attn_implementation _attn_implementation_autoset _attn_implementation_internal
     transformers_version model_type architectures dtype torch_dtype use_bfloat16 return_dict output_hidden_states
@@ -60,92 +66,6 @@ _ROPE_NEEDS_ORIGINAL = ("frequency_bands", "longrope")
 # YaRN keys transformers tests by their truth (its attention factor takes the mscale ratio only when both are set,
 # the attention's softmax mscale only when mscale_all_dim is): a 0 is the same as the key left out
 _ROPE_ZERO_IS_ABSENT = {"yarn": ("mscale", "mscale_all_dim")}
-
-
-class WildcardConflict(ValueError):
-    """A path with a `*` part matched values that differ."""
-
-
-def _lookup(cfg: Any, path: str) -> Any:
-    node: Any = cfg
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part == "*":      # every key of a mapping (transformers' per_layer_config): the one value they all hold
-            if not isinstance(node, dict):
-                return MISSING
-            rest = ".".join(parts[i + 1:])
-            found = {k: v for k, v in ((k, _lookup(sub, rest) if rest else sub) for k, sub in node.items())
-                     if v is not MISSING}
-            if not found:
-                return MISSING
-            if len({repr(v) for v in found.values()}) > 1:
-                raise WildcardConflict(f"config.json field '{path}' differs between keys: "
-                                       + ", ".join(f"{'.'.join(parts[:i])}.{k}: {v!r}" for k, v in found.items()))
-            return next(iter(found.values()))
-        if not isinstance(node, dict) or part not in node or node[part] is None:
-            return MISSING
-        node = node[part]
-    return node
-
-
-EACH = "[*]"     # a path part `name[*]`: every element of the list `name` (a per-element read into a tuple)
-
-
-def each_split(path: str) -> Optional[tuple[str, str]]:
-    """`block_configs[*].attention.no_op` -> ('block_configs', 'attention.no_op'); None for a path without `[*]`."""
-    if EACH not in path:
-        return None
-    head, rest = path.split(EACH, 1)
-    return head, rest[1:] if rest.startswith(".") else rest
-
-
-def each_path(path: str) -> str:
-    """A config.json path with list indices (`block_configs[3].attention.no_op`) as a spec names it (`[*]`)."""
-    return re.sub(r"\[\d+\]", EACH, path)
-
-
-def _present_null(cfg: Any, path: str) -> bool:
-    """The field is written in config.json with the value null (transformers then holds None, not its class
-    default: what an `optional` symbol with a default reads as None)."""
-    node: Any = cfg
-    parts = path.split(".")
-    for part in parts[:-1]:
-        if not isinstance(node, dict) or node.get(part) is None:
-            return False
-        node = node[part]
-    return isinstance(node, dict) and parts[-1] in node and node[parts[-1]] is None
-
-
-def config_value(cfg: dict, *paths: str, default: Any = MISSING) -> Any:
-    """The first of `paths` present in `cfg`, else `default` (a missing field without one raises)."""
-    for path in paths:
-        value = _lookup(cfg, path)
-        if value is not MISSING:
-            return value
-    if default is MISSING:
-        raise ConfigError(f"config.json: missing field {' or '.join(repr(p) for p in paths)}")
-    return default
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _flatten(node: Any, prefix: str = "", lists: frozenset = frozenset()) -> Iterable[tuple[str, Any]]:
-    """(dotted path, leaf value) of every field; a list that a spec reads per element (its path, indices as `[*]`, in
-    `lists`) is descended into, its elements' fields named `list[i].field`."""
-    if isinstance(node, dict) and node:
-        for k, v in node.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k), lists)
-    elif isinstance(node, list) and node and prefix and each_path(prefix) in lists:
-        for i, v in enumerate(node):
-            yield from _flatten(v, f"{prefix}[{i}]", lists)
-    elif prefix:
-        yield prefix, node
 
 
 def _rope_scaling_wins(node: dict) -> dict:
