@@ -4,7 +4,7 @@ client measures it, so that the serving layouts' own costs show without a GPU.
 
     python bench/bench_api_process.py --layouts core,core2,in-process,ideal \
         [--step-ms 7 --num-prompts 256 --max-concurrency 64 --input-len 1024 --output-len 129] [--json out.json]
-        [--profile DIR]   # py-spy (if installed) records the API process of each layout: DIR/<layout>.txt
+        [--profile DIR]   # py-spy (if installed) samples the API process (GIL holder): DIR/<layout>.txt
 
 Layouts: core (the default: engine-core process, one API process), core2 (--api-server-count 2), in-process
 (--engine-in-process), ideal (the fake engine stepped here without HTTP: the step cadence the server could reach).
@@ -21,7 +21,8 @@ real. The server runs as `python bench/bench_api_process.py --_serve SERVER-ARGS
 replaced, the core process started as `--_core`), configured by XLLM_FAKE_* environment variables.
 
 Reported per layout: req/s and its ratio to the ideal, ITL p50 / p99 (ms), TTFT p50, and the API processes' CPU
-time per streamed token (µs; the machine's other load does not inflate it as much as wall time)."""
+time per streamed token (µs; the machine's other load does not inflate it as much as wall time), and the client's
+(this process: bench_serve's httpx client parses every chunk; on a small machine it competes with the server)."""
 from __future__ import annotations
 
 import argparse
@@ -246,7 +247,7 @@ def run_layout(args, layout: str) -> dict:
         pids = _api_pids(proc.pid)
         if args.profile:
             os.makedirs(args.profile, exist_ok=True)
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--threads", "--format", "raw",
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--threads", "--gil", "--format", "raw",
                                     "--rate", "200", "-o", f"{args.profile}/{layout}.txt"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
@@ -254,10 +255,11 @@ def run_layout(args, layout: str) -> dict:
                                  request_rate=float("inf"), max_concurrency=args.max_concurrency,
                                  input_len=args.input_len, output_len=args.output_len, shared_prefix_len=0,
                                  vocab_size=400, warmup=2, seed=0, timeout=600.0)
-        cpu0 = _cpu_of(pids)
+        cpu0, own0 = _cpu_of(pids), time.process_time()
         report = asyncio.run(bench_serve.run(sub))
-        cpu = _cpu_of(pids) - cpu0
+        cpu, own = _cpu_of(pids) - cpu0, time.process_time() - own0
         tokens = report["output_throughput"] * report["duration_s"]
+        report["client_cpu_us_per_token"] = own / max(1.0, tokens) * 1e6
         report["api_processes"] = len(pids)
         report["api_cpu_us_per_token"] = cpu / max(1.0, tokens) * 1e6
         return report
@@ -328,13 +330,14 @@ def main(argv=None) -> int:
     ideal = reports.get("ideal", {}).get("request_throughput") or \
         args.max_concurrency / (args.output_len * args.step_ms / 1e3)
     print(f"\n{'layout':11s} {'req/s':>7s} {'x ideal':>7s} {'ITL p50':>8s} {'ITL p99':>8s} {'p99/p50':>7s} "
-          f"{'TTFT p50':>8s} {'API us/tok':>10s}")
+          f"{'TTFT p50':>8s} {'API us/tok':>10s} {'client us/tok':>13s}")
     for m, r in reports.items():
         itl = r.get("itl_ms", {})
         p50, p99 = itl.get("p50", float("nan")), itl.get("p99", float("nan"))
         print(f"{m:11s} {r['request_throughput']:7.2f} {r['request_throughput'] / ideal:7.2f} {p50:8.2f} {p99:8.2f} "
               f"{p99 / p50 if p50 == p50 and p50 else float('nan'):7.2f} "
-              f"{r.get('ttft_ms', {}).get('p50', float('nan')):8.2f} {r.get('api_cpu_us_per_token', float('nan')):10.1f}")
+              f"{r.get('ttft_ms', {}).get('p50', float('nan')):8.2f} {r.get('api_cpu_us_per_token', float('nan')):10.1f} "
+              f"{r.get('client_cpu_us_per_token', float('nan')):13.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "layouts": reports}, f, indent=2)

@@ -7,7 +7,8 @@ decode_text), built in this process from the core's "ready" message.
 
 A receiver thread reads the core's messages: it resolves admissions, detokenizes each delta's new token ids
 (per completion, incrementally, safe for multi-byte characters) and names the logprob tokens, accounts
-metrics from the core's gauges, and hands the deltas to the event loop in one call_soon_threadsafe per step."""
+metrics from the core's gauges, and hands the deltas to the event loop in one call_soon_threadsafe per step. The
+core sends a request's prompt (ids and text) with its first delta only: the receiver puts it back on the later ones."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,7 @@ class _RequestDetok:
         self.skip = getattr(params, "skip_special_tokens", True)
         self.core_text = bool(getattr(params, "stop", None))      # stop strings: the core detokenizes
         self.completions: dict = {}
+        self.prompt = self.prompt_ids = None      # from the first delta (the core sends the prompt once)
         # the tokens whose text a completion they end leaves out (the engine's rule: EOS, stop_token_ids)
         self.stop_ids = set() if getattr(params, "include_stop_str_in_output", False) else \
             set(getattr(params, "stop_token_ids", None) or ()) | \
@@ -338,6 +340,10 @@ class CoreClient(AsyncEngine):
                     for out in outs:
                         det = self._detoks.get(out.request_id)
                         if det is not None:
+                            if out.prompt_token_ids is None:          # sent with the first delta only
+                                out.prompt_token_ids, out.prompt = det.prompt_ids, det.prompt
+                            else:
+                                det.prompt_ids, det.prompt = out.prompt_token_ids, out.prompt
                             det(out)
                             if out.finished:
                                 self._detoks.pop(out.request_id, None)

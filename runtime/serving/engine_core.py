@@ -11,6 +11,9 @@ output socket, which this process connects to,
                             ("fail", [rid], kind, message)             a step failed: these requests fail
 
 pickled; a request's messages go to the API process that added it, gauges and ready / failed / dead to all.
+A request's prompt (its token ids and text) travels in its first delta only (the later ones carry None, which the
+API process fills from the first): unpickling a 1k-token prompt with every token of 64 streams was the API
+process's largest cost.
 The core drains every queued command before each step and steps while requests are unfinished; the deltas it
 sends carry token ids (text only for requests with stop strings, which it must find itself): the API process
 detokenizes. Structured outputs are masked here, where the sampler runs, and compiled here in worker threads
@@ -82,6 +85,7 @@ class EngineCore:
         self.client_of: dict = {}                      # request id -> index of the API process that added it
         self.fault = os.environ.get(FAULT_ENV) or None
         self.compiling: dict = {}                      # request id -> (compile future, its "add" message)
+        self.prompt_sent: set = set()                  # request ids whose prompt went out with a delta
         self._pool = None
 
     def admit(self, msg) -> None:
@@ -126,6 +130,12 @@ class EngineCore:
     def send_per_client(self, kind: str, items: list, *rest) -> None:
         """("out" / "fail", the items of each API process, *rest) to each API process that has some."""
         per: dict = {}
+        if kind == "out":
+            for out in items:                          # the prompt with a request's first delta only
+                if out.request_id in self.prompt_sent:
+                    out.prompt_token_ids = out.prompt = None
+                elif not out.finished:
+                    self.prompt_sent.add(out.request_id)
         for item in items:
             rid = item.request_id if kind == "out" else item
             per.setdefault(self.client_of.get(rid, 0), []).append(item)
@@ -154,6 +164,7 @@ class EngineCore:
                 elif msg[0] == "abort":
                     engine.abort_request(msg[1])
                     self.client_of.pop(msg[1], None)
+                    self.prompt_sent.discard(msg[1])
                     self.compiling.pop(msg[1], None)
                 elif msg[0] == "shutdown":
                     return
@@ -172,6 +183,7 @@ class EngineCore:
                 self.send_per_client("fail", ids, *_error(e))
                 for rid in ids:
                     self.client_of.pop(rid, None)
+                    self.prompt_sent.discard(rid)
                 continue
             self.send_per_client("out", outs, engine_stats(engine))
             if len(self.pushes) > 1:                # the other API processes' gauges
@@ -181,6 +193,7 @@ class EngineCore:
             for o in outs:
                 if o.finished:
                     self.client_of.pop(o.request_id, None)
+                    self.prompt_sent.discard(o.request_id)
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         r = self.registry = CollectorRegistry()
         lab = ["model_name"]
+        self._children: dict = {}                # id(metric) -> its child of this model name
         self.model_name = model_name
         self.running = Gauge("xllm:num_requests_running", "Requests in the running batch", lab, registry=r)
         self.waiting = Gauge("xllm:num_requests_waiting", "Requests waiting for KV blocks or a batch slot", lab,
@@ -56,13 +57,19 @@ class ServerMetrics:
                        self.tokens_per_s, self.ttft, self.tpot, self.itl, self.e2e):
             self.labels(metric)              # exported (as 0) from the start
         self._window: collections.deque = collections.deque()     # (time, tokens) of the last 10 s
+        self._window_tokens = 0                                    # their sum (kept, not summed each step)
         self._last_preemptions = 0
         self._last_hits = (0, 0)
         self._last_spec = (0, 0)
         self.speculative = False             # a speculating engine: the stats line shows the acceptance rate
 
     def labels(self, metric, **kw):
-        return metric.labels(model_name=self.model_name, **kw)
+        if kw:
+            return metric.labels(model_name=self.model_name, **kw)
+        child = self._children.get(id(metric))          # the per-token path: no label lookup each time
+        if child is None:
+            child = self._children[id(metric)] = metric.labels(model_name=self.model_name)
+        return child
 
     def on_step(self, engine, new_tokens: int) -> None:
         """Gauges and counters after one engine step (engine thread)."""
@@ -97,10 +104,11 @@ class ServerMetrics:
         if new_tokens:
             self.labels(self.generation_tokens).inc(new_tokens)
             self._window.append((now, new_tokens))
+            self._window_tokens += new_tokens
         while self._window and self._window[0][0] < now - 10.0:
-            self._window.popleft()
+            self._window_tokens -= self._window.popleft()[1]
         span = (now - self._window[0][0]) if len(self._window) > 1 else 0.0
-        self.labels(self.tokens_per_s).set(sum(n for _, n in self._window) / span if span > 0 else 0.0)
+        self.labels(self.tokens_per_s).set(self._window_tokens / span if span > 0 else 0.0)
 
     def stats_line(self) -> str:
         """running, waiting, KV usage and generation tokens/s (the periodic log line, like vLLM's)."""

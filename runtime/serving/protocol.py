@@ -68,8 +68,8 @@ def _bad_unicode(value) -> Optional[tuple]:
                 if at is not None:              # the key is not printable: the object that holds it is named
                     return loc, at, True
                 stack.append(((*loc, k), x))
-        elif isinstance(v, list):
-            stack.extend(((*loc, i), x) for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, list):                   # only what can hold text (a prompt's 1k token ids cannot)
+            stack.extend(((*loc, i), x) for i, x in reversed(list(enumerate(v))) if isinstance(x, (str, dict, list)))
     return None
 
 

@@ -12,12 +12,49 @@ from xllm_gen.runtime.serving import shaping as S
 from xllm_gen.runtime.serving.protocol import APIError
 
 
+def _failed(item: BaseException) -> APIError:
+    return APIError(f"the engine failed: {type(item).__name__}: {item}", status=500, type="server_error")
+
+
+def merge_deltas(a, b):
+    """One delta of a request that says what its consecutive deltas `a` then `b` say: each completion's text and
+    token ids concatenated, its logprobs lists too, the finish and stop reasons (and `finished`, `error`) of the
+    later one, the prompt logprobs of the one that has them. A new RequestOutput (`a` and `b` are left as they
+    are)."""
+    from dataclasses import replace
+
+    comps = {c.index: c for c in a.outputs}
+    for c in b.outputs:
+        p = comps.get(c.index)
+        if p is None:
+            comps[c.index] = c
+            continue
+        lps = p.logprobs + c.logprobs if p.logprobs is not None and c.logprobs is not None else \
+            (c.logprobs if p.logprobs is None else p.logprobs)
+        comps[c.index] = replace(c, text=p.text + c.text, token_ids=[*p.token_ids, *c.token_ids], logprobs=lps)
+    return replace(b, outputs=list(comps.values()), error=b.error if b.error is not None else a.error,
+                   prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+                   prompt=b.prompt if b.prompt is not None else a.prompt,
+                   prompt_token_ids=b.prompt_token_ids if b.prompt_token_ids is not None else a.prompt_token_ids)
+
+
 async def results(rid: str, q: asyncio.Queue):
-    """The deltas of one request until it finishes."""
+    """The deltas of one request until it finishes. A consumer that falls behind (the deltas of several steps are
+    waiting when it asks for the next) gets them as one (merge_deltas), so that under load a streamed chunk carries
+    several tokens instead of the stream lagging further behind (vLLM's streaming does the same); one that keeps up
+    gets every step's delta as it comes."""
+    held = None                                   # an error that came after deltas merged into the one yielded
     while True:
-        item = await q.get()
+        item = held if held is not None else await q.get()
+        held = None
         if isinstance(item, BaseException):
-            raise APIError(f"the engine failed: {type(item).__name__}: {item}", status=500, type="server_error")
+            raise _failed(item)
+        while not item.finished and not q.empty():
+            nxt = q.get_nowait()
+            if isinstance(nxt, BaseException):
+                held = nxt
+                break
+            item = merge_deltas(item, nxt)
         yield item
         if item.finished:
             return
