@@ -240,6 +240,11 @@ def format_variant(ir: ModelIR, v: VariantIR, table: RankTableIR, dtype: str) ->
     label = f"total ({v.layers} layers)" + (" per rank" if table.tp > 1 else "")
     w(f"  {label:<{width}}  {'':>{swidth}}  {table.total_numel:>15,}  {table.total_numel * nbytes:>15,}"
       f"  ({_human(table.total_numel * nbytes)})")
+    if table.padded:
+        w(f"  padded with zero rows to split over {table.tp} ranks (exact: zero up/gate rows, zero down columns; "
+          f"the checkpoint's rows are the real ones):")
+        for n, seg, size, total in table.padded:
+            w(f"    {n} {seg}: {size} -> {total} ({total // table.tp} per rank)")
     return "\n".join(out) + "\n"
 
 
@@ -328,7 +333,7 @@ def rank_table_from_plan(ir: ModelIR, plan, rank: int = 0) -> RankTableIR:
 
     r = plan.ranks[[x.rank for x in plan.ranks].index(rank)]
     layer0 = f"{ir.decoder_prefix}.layers.0."
-    rows, seen, layer_numel = [], set(), 0
+    rows, seen, layer_numel, padded = [], set(), 0, []
     for p in r.params:
         key = re.sub(r"\.\d+\.", ".{i}.", p.name)
         if p.name.startswith(layer0):
@@ -337,8 +342,9 @@ def rank_table_from_plan(ir: ModelIR, plan, rank: int = 0) -> RankTableIR:
             continue
         seen.add(key)
         rows.append((key, tuple(p.shape), p.numel))
+        padded += [(key, s.name, s.size, s.padded) for s in p.segments if getattr(s, "padded", 0)]
     heads = tuple((n[len(layer0):].split(".")[0], h, kv) for n, h, kv in r.heads if n.startswith(layer0))
-    return RankTableIR(plan.tp_size, heads, tuple(rows), layer_numel, r.numel)
+    return RankTableIR(plan.tp_size, heads, tuple(rows), layer_numel, r.numel, tuple(padded))
 
 
 def tp_rank_table(ir: ModelIR, files: dict, v: VariantIR, tp: int, module=None) -> RankTableIR:

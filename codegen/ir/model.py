@@ -30,6 +30,9 @@ class RankTableIR:
     params: Tuple[Tuple[str, Tuple[int, ...], int], ...]  # (param, per-rank shape, numel), layer params once
     layer_numel: int
     total_numel: int
+    # (param, segment, checkpoint rows, rows over all ranks): the widths padded with zero rows to split (an MLP's
+    # intermediate that the TP size does not divide; runtime/executor/sharding.py)
+    padded: Tuple[Tuple[str, str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

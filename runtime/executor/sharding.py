@@ -11,6 +11,14 @@ A segment is `heads` units of `unit` rows each; every rank takes its share of ev
 are concatenated. When a segment has fewer heads than ranks (KV heads < TP) and may be replicated, rank r
 serves head r // (tp // heads).
 
+A segment of plain rows that the TP size does not divide may be *padded* where its layer asks (`pad=True`: an
+MLP's intermediate width, read by an elementwise activation between a column- and a row-parallel projection,
+e.g. jais-13b's 13653): every rank holds `padded_rows(size, tp)` rows, the checkpoint's rows [start, stop) of its
+share followed by `pad` zero rows (`SegmentSlice.pad`). Zero rows of gate/up (and of their bias) give act(0) * 0,
+zero columns of the down projection drop whatever the activation makes of them: the output is exact. The padding
+lives in the parameters only: the checkpoint coordinates (`size`, `start`, `stop`) are the real ones, and the
+loader zero-fills the rest (ParamSplit.load).
+
 `weight_loader(param, loaded, shard_id=None)`: `loaded` is a lazy safetensors slice (`get_shape()`,
 `[a:b]`, `[:, a:b]`) or a tensor; each rank reads only its rows. `shard_id` names the segment that
 `loaded` fills (a name, or its index); None means `loaded` is the whole parameter (for a fused layer: its
@@ -62,6 +70,21 @@ def check_segment(seg: Segment, tp: int) -> Optional[str]:
         return (f"segment '{seg.name}' has {seg.heads} heads: tensor parallel size {tp} must divide it "
                 f"or be a multiple of it")
     return f"segment '{seg.name}' has {seg.heads} units: not divisible by tensor parallel size {tp}"
+
+
+# a padded segment's rows per rank are aligned to this many rows where each rank holds at least ALIGN_MIN_ROWS of them
+# (128: fp8 weight blocks and activation groups, tensor-core tiles; the padding then adds < 1/8 of the width), to 8
+# (16-byte bf16 vectors) from 64 rows, not at all below (test checkpoints)
+PAD_ALIGN = ((1024, 128), (64, 8))
+
+
+def padded_rows(size: int, tp: int) -> int:
+    """Rows per rank of a padded `size`-row segment over `tp` ranks (`size` when tp is 1)."""
+    per = -(-size // tp)
+    if tp == 1 or size % tp == 0:
+        return per
+    align = next((a for least, a in PAD_ALIGN if per >= least), 1)
+    return -(-per // align) * align
 
 
 def segment_range(seg: Segment, tp: int, rank: int) -> tuple[int, int]:
@@ -132,15 +155,29 @@ class SegmentSlice:
     stop: int
     heads: int = 0      # units of the segment (heads for attention), 0 when rows
     unit: int = 1
+    pad: int = 0        # zero rows this rank holds after its real ones (a padded segment: split_segment(pad=True))
+    padded: int = 0     # a padded segment's rows over all ranks (padded_rows * tp, on every rank), else 0
 
     @property
     def rows(self) -> int:
+        """This rank's rows of the parameter (the real ones and the padding)."""
+        return self.stop - self.start + self.pad
+
+    @property
+    def real(self) -> int:
+        """This rank's rows read from the checkpoint."""
         return self.stop - self.start
 
 
-def split_segment(seg: Segment, tp: int, rank: int, problems: list) -> SegmentSlice:
+def split_segment(seg: Segment, tp: int, rank: int, problems: list, pad: bool = False) -> SegmentSlice:
     """This rank's SegmentSlice of `seg`; a segment that cannot be split appends its message to `problems`
-    and gets a stand-in share (ceil) so a deferred build can go on."""
+    and gets a stand-in share (ceil) so a deferred build can go on. `pad`: a segment of plain rows (unit 1) that
+    `tp` does not divide is padded instead (padded_rows per rank, zero rows after each rank's real ones; the
+    caller's computation must make zero rows exact, as an MLP's intermediate width does)."""
+    if pad and seg.unit == 1 and not seg.replicate_ok and seg.heads % tp:
+        per = padded_rows(seg.heads, tp)
+        a, b = min(rank * per, seg.heads), min((rank + 1) * per, seg.heads)
+        return SegmentSlice(seg.name, seg.size, a, b, seg.heads, seg.unit, pad=per - (b - a), padded=per * tp)
     msg = check_segment(seg, tp)
     if msg:
         problems.append(msg)
@@ -217,6 +254,16 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.to(dtype=dst.dtype))
 
 
+def _fill(param: torch.Tensor, dim: int, dst: int, seg: SegmentSlice, src: torch.Tensor) -> None:
+    """This rank's rows of one segment at `dst` along `dim`: the checkpoint's, then the padding's zeros."""
+    _copy(param.narrow(dim, dst, seg.real), src)
+    if seg.pad:
+        import torch
+
+        with torch.no_grad():
+            param.narrow(dim, dst + seg.real, seg.pad).zero_()
+
+
 @dataclass(frozen=True)
 class ParamSplit:
     """How one parameter is split over the TP ranks, for this rank; `load` is its weight loader.
@@ -268,8 +315,7 @@ class ParamSplit:
                 return _copy(param, read_all(loaded))
             offset, dst = 0, 0                                    # whole (possibly fused) tensor: per segment
             for seg in self.segments:
-                _copy(param.narrow(self.dim, dst, seg.rows),
-                      read_range(loaded, self.dim, offset + seg.start, offset + seg.stop))
+                _fill(param, self.dim, dst, seg, read_range(loaded, self.dim, offset + seg.start, offset + seg.stop))
                 offset += seg.size
                 dst += seg.rows
             return
@@ -280,7 +326,7 @@ class ParamSplit:
         if shape != tuple(want):
             raise _mismatch(shape, want, f" (segment {seg.name!r})")
         dst = sum(s.rows for s in self.segments[:i])
-        _copy(param.narrow(self.dim, dst, seg.rows), read_range(loaded, self.dim, seg.start, seg.stop))
+        _fill(param, self.dim, dst, seg, read_range(loaded, self.dim, seg.start, seg.stop))
 
     def _load_vocab(self, param, loaded, shape) -> None:
         seg = self.segments[0]

@@ -5,7 +5,10 @@ Each layer is the single source of its sharding: it computes this rank's split o
 loaded, shard_id=None)`: replicated (full copy), column (this rank's rows), row (this rank's columns; the
 bias is not split), merged column (per named segment), QKV (per q/k/v segment; KV heads replicated when
 num_kv_heads < tp: rank r holds KV head r // (tp // num_kv_heads)). `shard_id=None` on a fused layer
-means the checkpoint tensor holds all its segments stacked (e.g. a fused q|k|v), split before sharding."""
+means the checkpoint tensor holds all its segments stacked (e.g. a fused q|k|v), split before sharding.
+`pad=True` (column, merged column, row): a width of plain rows that the TP size does not divide is padded with zero
+rows (columns of a row-parallel layer) instead of refused (sharding.split_segment): what an MLP's intermediate width
+asks, where zero gate/up rows and zero down columns leave the output exact."""
 from __future__ import annotations
 
 import logging
@@ -238,11 +241,11 @@ class ColumnParallelLinear(_Linear):
     """Output features split over ranks; no gather (the next row-parallel layer consumes the shard)."""
     kind = "column"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, unit: int = 1):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, unit: int = 1, pad: bool = False):
         # unit: rows per indivisible group (a head's width): the split keeps each group on one rank
         problems: list = []
         seg = split_segment(Segment("out_features", out_features // unit, unit), get_tp_size(), get_tp_rank(),
-                            problems)
+                            problems, pad=pad)
         super().__init__(in_features, seg.rows, bias)
         raise_or_defer(self, problems)
         self._attach(0, (seg,))
@@ -256,7 +259,7 @@ class MergedColumnParallelLinear(_Linear):
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
                  segment_names: Optional[Sequence[str]] = None, units: Optional[Sequence[int]] = None,
-                 replicate: Optional[Sequence[bool]] = None):
+                 replicate: Optional[Sequence[bool]] = None, pad: bool = False):
         # replicate: per segment, whether a segment of fewer units than ranks is replicated (rank r serves unit
         # r // (tp / units)), as KV heads are
         # units: rows per indivisible group of each segment (a head's width): the split keeps each group on one rank
@@ -272,7 +275,7 @@ class MergedColumnParallelLinear(_Linear):
         tp, rank = get_tp_size(), get_tp_rank()
         problems: list = []
         rep = [False] * len(out_sizes) if replicate is None else [bool(r) for r in replicate]
-        segs = tuple(split_segment(Segment(n, o // u, u, r), tp, rank, problems)
+        segs = tuple(split_segment(Segment(n, o // u, u, r), tp, rank, problems, pad=pad)
                      for n, o, u, r in zip(names, out_sizes, units, rep))
         super().__init__(in_features, sum(s.rows for s in segs), bias)
         raise_or_defer(self, problems)
@@ -331,11 +334,11 @@ class RowParallelLinear(_Linear):
     kind = "row"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
-                 unit: int = 1):
+                 unit: int = 1, pad: bool = False):
         # unit: input columns per indivisible group (a head's width): the split keeps each group on one rank
         problems: list = []
         seg = split_segment(Segment("in_features", in_features // unit, unit), get_tp_size(), get_tp_rank(),
-                            problems)
+                            problems, pad=pad)
         super().__init__(seg.rows, out_features, bias)
         raise_or_defer(self, problems)
         self.reduce = reduce

@@ -11,7 +11,9 @@ Sharding, decided here (and only here):
   parallel="tensor": every rank holds every expert, split over the intermediate dimension: gate_up_proj is
       column-parallel along dim 1 (per segment gate / up), down_proj row-parallel along dim 2; the partial
       outputs are summed with one all-reduce. gate_up_proj_bias splits as gate_up_proj's rows; down_proj_bias is
-      whole on every rank and added by rank 0 alone (once, before the all-reduce).
+      whole on every rank and added by rank 0 alone (once, before the all-reduce). An intermediate width that the
+      TP size does not divide is padded (sharding.split_segment pad=True): zero gate / up rows and bias, zero down
+      columns after each rank's real ones, so the padded intermediate values contribute nothing.
   parallel="expert": rank r holds experts [r * E / tp, (r + 1) * E / tp) whole; pairs routed to another rank's
       experts contribute nothing here, and the all-reduce sums the ranks' outputs (each rank adds its own experts'
       biases).
@@ -180,9 +182,10 @@ class FusedMoE(nn.Module):
         problems: list = []
         owner = type(self).__name__
         if parallel == "tensor":
-            gate = split_segment(Segment("gate", intermediate), tp, rank, problems)
-            up = split_segment(Segment("up", intermediate), tp, rank, [])
-            down = split_segment(Segment("down_proj", intermediate), tp, rank, [])
+            # an intermediate width the TP size does not divide is padded with zero rows / columns (exact)
+            gate = split_segment(Segment("gate", intermediate), tp, rank, problems, pad=True)
+            up = split_segment(Segment("up", intermediate), tp, rank, [], pad=True)
+            down = split_segment(Segment("down_proj", intermediate), tp, rank, [], pad=True)
             e0, e1 = 0, num_experts
         else:
             ex = split_segment(Segment("experts", num_experts), tp, rank, problems)

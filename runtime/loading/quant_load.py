@@ -450,8 +450,10 @@ class QuantLoad:
                 continue
             aq = ActQuant(act, self.qc.act_group, pow2=self.qc.scale_pow2)
             seg = self._split_input(mod, attr)
-            if act == "group" and seg is not None and (seg.start % aq.group or (seg.rows % aq.group
-                                                                                and seg.stop != seg.size)):
+            # (a padded split, sharding.split_segment: the real columns [start, stop) count; its zero columns
+            # after them change no group's scale)
+            if act == "group" and seg is not None and seg.real and (seg.start % aq.group or (
+                    seg.real % aq.group and seg.stop != seg.size)):
                 raise QuantLoadError(
                     f"{'layer' if where in self.layers else 'parameter'} {where!r} ({type(mod).__name__}): its "
                     f"{seg.size} input features split over tp={mod.tp_size} give rank {mod.tp_rank} columns "
