@@ -2,7 +2,8 @@
 
 Decided from the IR, so a spec whose layers do not have the pattern keeps the plain code:
 
-- norm prologue: a residual step `norm -> block` (not a parallel branch, not a per-layer choice) whose norm is an
+- norm prologue: a residual step `norm -> block` (not a parallel branch; a per-layer choice alternative by
+  alternative, the layer's `self.<module>_fused` flag choosing the call) whose norm is an
   RMSNorm without bias (any weight_offset) and whose block's first op is a column-parallel linear of the normed
   input (attention: the fused q/k/v projection; gated MLP: gate/up; MLP: up). The layer then calls
   `block(..., hidden_states, residual, norm)` and the block computes `L.norm_linear(norm, first_linear, ...)`,
@@ -110,16 +111,20 @@ def fusion_plan(ir: ModelIR) -> FusionPlan:
             # the stream the fused call returns, or their own norm of it)
             alone = not parallel or (getattr(s, "value", None) is None and st is s.branches[0]   # not a branch step
                                      and all(b.norm != st.norm for b in s.branches[1:]))
-            fusable = (alone and st.choice is None and st.input_scale is None   # the GEMV reads norm(x) itself
+            step_ok = (alone and (st.choice is None or not parallel)   # a choice: per layer, in a plain step
+                       and st.input_scale is None                            # the GEMV reads norm(x) itself
                        and isinstance(norm, NormIR) and norm.kind == "rmsnorm" and norm.gate_rank is None
-                       and not norm.bias and norm.always and blocks[st.block].kind in NORM_PROLOGUE_KINDS
-                       and not getattr(blocks[st.block], "out_gate", None)   # the gate reads the normed input
-                       and not getattr(blocks[st.block], "lora", None)       # the adapters read the normed input
-                       and not getattr(blocks[st.block], "experts", None)    # the router reads it too
+                       and not norm.bias and norm.always
                        and getattr(st, "add", None) is None                  # the norm reads residual + a value
                        and getattr(st, "hyper", None) is None                # the norm reads a stream mix, no add
-                       and not getattr(st, "residual_normed", False)         # the stream becomes norm(x) itself
-                       and not getattr(blocks[st.block], "multiply", False))  # it takes a per-layer input too
-            (ok if fusable else bad).update(names)
+                       and not getattr(st, "residual_normed", False))        # the stream becomes norm(x) itself
+            for name in names:        # a per-layer choice: each alternative on its own (the layer's flag picks the call)
+                b = blocks[name]
+                fusable = (step_ok and b.kind in NORM_PROLOGUE_KINDS
+                           and not getattr(b, "out_gate", None)   # the gate reads the normed input
+                           and not getattr(b, "lora", None)       # the adapters read the normed input
+                           and not getattr(b, "experts", None)    # the router reads it too
+                           and not getattr(b, "multiply", False))  # it takes a per-layer input too
+                (ok if fusable else bad).add(name)
     norm_prologue = frozenset(ok - bad)
     return FusionPlan(norm_prologue, _layer_kernel(ir, norm_prologue))

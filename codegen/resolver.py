@@ -281,8 +281,8 @@ class _Resolver(SymbolResolver, ConfigResolver, LayerResolver, HeadResolver, Blo
             when_of[b] = (layer.alt_cond, in_then)
         for b in layer.blocks:                # a block of a branch that runs on some layers only
             w = layer.branch_when(b.name)
-            if w is not None:
-                when_of[b.name] = (w, True)
+            if w is not None:                 # (a per-layer choice's alternative: both conditions)
+                when_of[b.name] = (AllOf((when_of[b.name], (w, True))), True) if b.name in when_of else (w, True)
         for b in layer.blocks:
             ps = self.block_params(f"{pre}.layers.{{i}}.{module_of.get(b.name, b.name)}", f"decoder.layers.blocks.{b.name}",
                                    b, True)

@@ -21,6 +21,7 @@ from .ir import (
     HeadTransformIR,
     LayerIR,
     LightningIR,
+    LinearIR,
     LMHeadIR,
     Mamba2IR,
     MambaIR,
@@ -101,6 +102,9 @@ class HeadResolver:
             elif isinstance(b, (AttentionIR, GatedMLPIR, MLPIR, MoEIR, MLAIR, GatedDeltaNetIR, Mamba2IR, MambaIR,
                                 ShortConvIR, RGLRUIR, LightningIR, WKVIR, ChannelMixIR, MLSTMIR, ResidualGateIR)):
                 checks.append((bp + ("hidden",), f"decoder.layers.blocks.{b.name}.hidden", b.hidden))
+            elif isinstance(b, LinearIR) and b.on_stream:   # a residual step's linear: stream width in and out
+                checks.append((bp + ("in",), f"decoder.layers.blocks.{b.name}.in", b.in_features))
+                checks.append((bp + ("out",), f"decoder.layers.blocks.{b.name}.out", b.out_sizes[0][1]))
         for path, where, size in checks:
             if str(size) != str(embed.dim):
                 raise self.err(path, f"{where}: is {size}, but the residual stream has the embedding's width "

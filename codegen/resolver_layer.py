@@ -2,6 +2,7 @@
 (`resolve_layer`): its blocks, its per-layer choices and its dataflow steps."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict
 
@@ -109,7 +110,7 @@ class LayerResolver:
 
         def step(st, sp, where, shared_norm_ok=()):
             mixers = ("attention", "mla_attention", "gated_delta_net", "mamba2", "mamba", "short_conv", "rg_lru",
-                      "lightning_attention", "wkv", "channel_mix", "mlstm", "gated_mlp", "mlp", "moe")
+                      "lightning_attention", "wkv", "channel_mix", "mlstm", "gated_mlp", "mlp", "moe", "linear")
             choice = None
             # a per-layer expression may read `layer` (MiniMax's per-layer-type beta factors)
             scale = self.num(sp + ("scale",), st.scale, per_layer=True) if st.scale is not None else None
@@ -129,9 +130,9 @@ class LayerResolver:
                                                       f"`norm` (a step without one reads the residual stream itself)")
             when = None
             if getattr(st, "when", None) is not None:     # the step runs only where it holds
-                if not isinstance(st.block, str) or st.after_norm is not None or getattr(st, "add", None):
-                    raise self.err(sp + ("when",), f"{where}.when: a step `{{norm: N, block: B}}` or `{{block: B}}` "
-                                                   f"(no per-layer choice, after_norm or add)")
+                if st.after_norm is not None or getattr(st, "add", None):
+                    raise self.err(sp + ("when",), f"{where}.when: a step `{{norm: N, block: B}}` or `{{block: B}}`, "
+                                                   f"B a block or a per-layer choice (no after_norm or add)")
                 when = Value(expr=self.expr(sp + ("when",), st.when, per_layer=True))
             if isinstance(st.block, Choice):
                 c = st.block
@@ -188,6 +189,13 @@ class LayerResolver:
                 if blocks[ref].kind not in kinds:
                     raise self.err(rp, f"{where}.{role}: block '{ref}' is "
                                        f"{blocks[ref].kind}, expected {' or '.join(kinds)}")
+                if blocks[ref].kind == "linear":      # a linear on the stream: its input and output are whole
+                    if blocks[ref].parallel == "column":
+                        raise self.err(("decoder", "layers", "blocks", ref, "parallel"),
+                                       f"decoder.layers.blocks.{ref}.parallel: column: a residual step's linear "
+                                       f"joins the stream whole on every rank; write `row` (each rank multiplies "
+                                       f"its columns of the normed stream, one all-reduce) or `replicated`")
+                    blocks[ref] = dataclasses.replace(blocks[ref], on_stream=True)
                 # a norm may be shared by the branches of one parallel step, and by a branch op and a step
                 # (both read the same stream: LongCat-Flash's shortcut MoE and its first MLP)
                 if ref in used and not (role == "norm" and (ref in shared_norm_ok or norm_uses.get(ref) == "branch")):
@@ -220,7 +228,7 @@ class LayerResolver:
                 # alternatives of different inputs (positions + hidden vs hidden): a per-layer flag in the layer
                 return StepIR(st.norm, module, takes == {True}, st.post_norm, choice, scale, st.after_norm,
                               mixed_input=len(takes) > 1, input_scale=in_scale, residual_normed=normed,
-                              residual_scale=res_scale, hyper=getattr(st, "hyper", None),
+                              residual_scale=res_scale, when=when, hyper=getattr(st, "hyper", None),
                               gate=getattr(st, "gate", None))
             return StepIR(st.norm, st.block, isinstance(blocks[st.block], ATTENTION_IRS), st.post_norm, None, scale,
                           st.after_norm, add=add, input_scale=in_scale, residual_normed=normed,

@@ -263,6 +263,21 @@ def test_fusion_plan_rules():
     assert fusion_plan(ir2).norm_prologue == frozenset({"mlp"})
 
 
+def test_fusion_of_a_per_layer_choice_is_per_alternative():
+    """A per-layer choice fuses its step's norm into the alternatives that take the prologue (a dense MLP), not the
+    others (a MoE, a linear): the layer records which one it built (`self.<module>_fused`) and calls accordingly."""
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.fusion import fusion_plan
+    plan = fusion_plan(compile_spec(str(ROOT / "specs/qwen3_moe.yaml")).ir)
+    assert plan.norm_prologue == frozenset({"self_attn", "mlp"})        # not the MoE alternative
+    src = (ROOT / "generated/qwen3_moe/model.py").read_text()
+    assert "self.mlp_fused = True" in src and "self.mlp_fused = False" in src
+    assert "if self.mlp_fused:" in src
+    decilm = (ROOT / "generated/decilm/model.py").read_text()     # attention / linear / absent per layer
+    assert "self.self_attn_fused = False" in decilm and "if self.self_attn_fused:" in decilm
+    assert "L.RowParallelLinear(config.hidden_size, config.hidden_size, bias=False, input_is_parallel=False)" in decilm
+
+
 def test_fused_helpers_fall_back_to_plain_ops_on_cpu():
     """Without the interpreter (or with XLLM_FUSED_DECODE=0) the helpers are exactly the plain ops."""
     from xllm_gen.runtime import layers as L

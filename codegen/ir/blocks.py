@@ -64,6 +64,9 @@ class LinearIR:
     out_sizes: Tuple[Tuple[str, Size], ...]   # (segment name, size); one segment for a plain linear
     parallel: str                 # column | row | replicated
     bias: bool
+    # a residual step's block: its input is the whole normed stream on every rank (a row-parallel one multiplies its
+    # rank's columns of it, runtime RowParallelLinear(input_is_parallel=False)), its output joins the stream whole
+    on_stream: bool = False
 
 
 @dataclass(frozen=True)

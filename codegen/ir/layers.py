@@ -138,7 +138,8 @@ class LayerIR:
             if getattr(s, "value", None) is not None:
                 if any(op.block == block or op.norm == block for op in s.branches):
                     return s.when
-            elif getattr(s, "when", None) is not None and block in (s.norm, s.block, s.post_norm):
+            elif getattr(s, "when", None) is not None and (
+                    block in (s.norm, s.block, s.post_norm) or (s.choice is not None and block in s.choice.alternatives)):
                 return s.when
         return None
 

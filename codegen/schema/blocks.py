@@ -111,6 +111,9 @@ class LayerNormBlock(Strict):
 
 
 class LinearBlock(Strict):
+    """One linear `in -> out` (weight [out, in], `bias` optional), split as `parallel` says: an operation of a branch,
+    or a residual step's block (in = out = the stream width; `row`: each rank multiplies its columns of the whole
+    normed stream, one all-reduce; `replicated`; `column` refused there: its output would be a shard)."""
     kind: Literal["linear"]
     in_: Dim = Field(alias="in")
     out: Dim

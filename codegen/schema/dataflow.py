@@ -65,7 +65,8 @@ class ResidualStep(Strict):
     join: Optional[StrictStr] = None
     # a bool expression over config symbols (and `layer`): the step runs, and the blocks only it uses exist, only
     # where it holds (per checkpoint: Gemma 4's per-layer-input step where hidden_size_per_layer_input > 0); elsewhere
-    # the stream passes the step unchanged. Not inside `parallel`
+    # the stream passes the step unchanged; with a per-layer choice `block`, the choice's module exists only there
+    # (Nemotron-NAS: attention, a linear, or nothing per layer). Not inside `parallel`
     when: Optional[StrictStr] = None
     # hyper-connections: a `hyper_connection` block of the layer that forms the block's input from the residual streams
     # and writes its output back into them (streams_out = post * h + mix(streams)); `norm` then normalizes that input

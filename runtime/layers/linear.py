@@ -334,17 +334,24 @@ class RowParallelLinear(_Linear):
     kind = "row"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
-                 unit: int = 1, pad: bool = False):
+                 unit: int = 1, pad: bool = False, input_is_parallel: bool = True):
         # unit: input columns per indivisible group (a head's width): the split keeps each group on one rank
+        # input_is_parallel False: the input is whole on every rank (a residual step's normed stream), and each rank
+        # multiplies its own columns of it [start, stop) by its columns of the weight before the all-reduce
         problems: list = []
         seg = split_segment(Segment("in_features", in_features // unit, unit), get_tp_size(), get_tp_rank(),
                             problems, pad=pad)
         super().__init__(seg.rows, out_features, bias)
         raise_or_defer(self, problems)
         self.reduce = reduce
+        if pad and not input_is_parallel:
+            raise ValueError("RowParallelLinear: a padded split reads a sharded input (input_is_parallel=True)")
+        self.input_cols = None if input_is_parallel or self.tp_size == 1 else (seg.start, seg.stop)
         self._attach(1, (seg,))
 
     def forward(self, x: torch.Tensor, quantized: bool = False) -> torch.Tensor:
+        if self.input_cols is not None:     # this rank's columns of a whole input
+            x = x[..., self.input_cols[0]:self.input_cols[1]].contiguous()
         if self.act_quant is not None and not quantized:
             x = self.act_quant(x)
         if self.packed is not None:
