@@ -121,7 +121,8 @@ class ScriptTokenizer:
 
 class ScriptedEngine(StubEngine):
     """Each request's reply is `reply` (one step of `steps` deltas), finished with `finish`; the sampling params
-    of the last request are kept."""
+    of the last request are kept. The deltas are queued one at a time, each once the reader has taken the one
+    before (a reader that keeps up: request_results.results would merge deltas queued together)."""
 
     def __init__(self, reply: str, finish: str = "stop", steps: int = 1, tokenizer=None):
         super().__init__(tokenizer or ScriptTokenizer())
@@ -135,10 +136,18 @@ class ScriptedEngine(StubEngine):
         self.params = params
         q = asyncio.Queue()
         cut = [len(self.reply) * k // self.steps for k in range(self.steps + 1)]
-        for k in range(self.steps):
-            last = k == self.steps - 1
-            q.put_nowait(RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(
-                0, self.reply[cut[k]:cut[k + 1]], [10 + k], self.finish if last else None)], finished=last))
+        outs = [RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(
+            0, self.reply[cut[k]:cut[k + 1]], [10 + k], self.finish if k == self.steps - 1 else None)],
+            finished=k == self.steps - 1) for k in range(self.steps)]
+
+        async def feed():
+            for out in outs:
+                while not q.empty():
+                    await asyncio.sleep(0)
+                q.put_nowait(out)
+
+        q.put_nowait(outs.pop(0))
+        self.feeders = [*getattr(self, "feeders", []), asyncio.ensure_future(feed())]    # kept referenced
         return q
 
 
