@@ -9,7 +9,8 @@
 #          the API process (--engine-in-process), 2 API processes, and offline (no HTTP) on the same prompts
 #          (issue 23's target: serving >= 0.9x offline req/s, ITL p99 <= 2x p50)
 # Each server runs alone; the reports (JSON + the printed table) go to $OUT/serve_*.json and $OUT/serve.log.
-#   usage: OUT=/tmp/out bash bench/serve_gpu.sh [0.6b,async,prefix,8b,modes]
+#   modes_core: as modes, the default layout (engine-core process, one API process) and offline only
+#   usage: OUT=/tmp/out bash bench/serve_gpu.sh [0.6b,async,prefix,8b,modes,modes_core]
 set -u
 phases=",${1:-0.6b,prefix,8b},"
 OUT=${OUT:-/tmp/xllm_out}
@@ -62,5 +63,11 @@ if [[ $phases == *,modes,* ]]; then
     $m64 --json "$OUT/serve_modes.json" 2>&1 | tee -a "$L"
   timeout 600 python bench/bench_serve.py --serve "$W/Qwen3-0.6B" --modes core --serve-args "$sa --api-server-count 2" \
     $m64 --json "$OUT/serve_modes_2api.json" 2>&1 | tee -a "$L"
+fi
+if [[ $phases == *,modes_core,* ]]; then      # the default layout against offline only (a short re-measure)
+  m64="--num-prompts 64 --max-concurrency 64 --input-len 1024 --output-len 129"
+  sa="--load-format dummy --dtype bfloat16 --max-model-len 2048"
+  timeout 600 python bench/bench_serve.py --serve "$W/Qwen3-0.6B" --modes core,offline --serve-args "$sa" \
+    $m64 --json "$OUT/serve_modes_core.json" 2>&1 | tee -a "$L"
 fi
 echo "=== done" | tee -a "$L"
