@@ -135,7 +135,7 @@ def test_dead_core_fails_requests_and_health(qwen3_tied):
     server = ServerProcess(qwen3_tied, *ARGS)
     try:
         got = {}
-        t = threading.Thread(target=lambda: got.setdefault("r", _complete(server, "cut short", 400)))
+        t = threading.Thread(target=lambda: got.setdefault("r", _complete(server, "cut short", 300)))
         t.start()
         deadline = time.monotonic() + 20
         while server.metrics()["xllm:num_requests_running"] < 1:
