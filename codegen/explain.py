@@ -183,7 +183,19 @@ def format_resolved(ir: ModelIR) -> str:
             (f" ({wt.interleave} segments interleaved)" if wt.interleave > 1 else "") + \
             ((" (stored under a leading unit dim)" if wt.squeeze is True else f" (stored with unit dims at {list(wt.squeeze)})")
              if wt.squeeze else "")
-        w(f"      <- {' + '.join(wt.sources)}{layout}")
+        if wt.groups:         # a segment mapping whose tensors hold several segments (keys `k+v`)
+            grouped = {n: g for g in wt.groups for n in g.segments}
+            parts, seen = [], set()
+            for seg, src in zip((s.name for s in p.segments), wt.sources):
+                g = grouped.get(seg)
+                if g is None:
+                    parts.append(f"{seg}: {src}")
+                elif g.key not in seen:
+                    seen.add(g.key)
+                    parts.append(f"{g.key}: {src} (rows {g})")
+            w(f"      <- {', '.join(parts)}{layout}")
+        else:
+            w(f"      <- {' + '.join(wt.sources)}{layout}")
     if ir.ignored:
         w("ignored checkpoint tensors: " + ", ".join(ir.ignored))
     if ir.checkpoint_renames:

@@ -78,7 +78,7 @@ class _Resolver(SymbolResolver, ConfigResolver, LayerResolver, HeadResolver, Blo
     def __init__(self, loaded: LoadedSpec):
         self.spec: Spec = loaded.spec
         self.tree = loaded.tree
-        self.layouts_to_check: list = []   # (path, where, param, per, branch) of `weights` row layouts, checked per variant
+        self.layouts_to_check: list = []   # (path, where, segments, per, branch) of `weights` row layouts, checked per variant
         self.smap = loaded.tree.smap
         self.config: Dict[str, ConfigFieldIR] = {}
         self.positives: List[Tuple[tuple, Value]] = []   # (path, value) that must be > 0 in every variant

@@ -1,9 +1,11 @@
 """The `weights` part of the resolver: each parameter's checkpoint source(s) (`weights` entries, `{i}` / `{e}`,
 segment stacking), `checkpoint_prefixes` (the checkpoint name of a parameter without an entry), the storage
 layouts of a checkpoint tensor (`transpose`, `segments_interleaved`) and the row `layout` of a fused tensor
-(`weights[...].layout`, fixed or chosen by a config flag: `{if: ..., then: ..., else: ...}`), with their static
-checks: the layout names the parameter's segments, the parameter is a fused column-parallel one, and in every
-variant the segments' heads fit the groups (of the branch the variant's flag chooses); and `ignore_checkpoint_tensors`.
+(`weights[...].layout`, fixed or chosen by a config flag: `{if: ..., then: ..., else: ...}`), and the tensors of a
+segment mapping that hold several segments (a key `k+v`, with a layout of its own over those segments), with their
+static checks: the layout names the parameter's (or the tensor's) segments, the parameter is a fused
+column-parallel one, and in every variant the segments' heads fit the groups (of the branch the variant's flag
+chooses); and `ignore_checkpoint_tensors`.
 A mixin of resolver._Resolver, as resolver_blocks.py is."""
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import re
 from typing import Any, Mapping, Optional, Tuple
 
 from .errors import did_you_mean
-from .ir import LayoutChoice, ParamIR, WeightIR, size_at
+from .ir import LayoutChoice, ParamIR, SegmentGroupIR, WeightIR, size_at
 from .schema import RowLayoutChoice
 
 _PLACEHOLDER = re.compile(r"\{(?![ieh]\})[^{}]+\}")   # {<expression>}: any placeholder but {i}, {e}, {h}
@@ -67,13 +69,18 @@ class WeightsResolver:
                 if len(p.segments) < 2:
                     raise self.err(path + ("from",), f"{where_s}['{keys[p.name]}'].from: a mapping of segments stacks a fused "
                                                      f"parameter; this one has no segments, give one tensor name")
-                if list(e.from_) != names:
-                    bad = next((k for k in e.from_ if k not in names), None)
-                    where = path + ("from", bad) if bad else path + ("from",)
+                # a key `k+v`: the consecutive segments one tensor holds (a SegmentSource gives its row layout)
+                split = [tuple(k.split("+")) for k in e.from_]
+                flat = [n for g in split for n in g]
+                if flat != names:
+                    bad_key, bad = next(((k, n) for k, g in zip(e.from_, split) for n in g if n not in names),
+                                        (None, None))
+                    where = path + ("from", bad_key) if bad_key else path + ("from",)
                     hint = did_you_mean(bad, names) if bad else ""
                     raise self.err(where, f"{where_s}['{keys[p.name]}'].from: segments must be {names} in this order, got "
-                                          f"{list(e.from_)}{hint}", at_key=bool(bad))
-                sources = tuple(rename(v) for v in e.from_.values())
+                                          f"{flat}{hint}", at_key=bool(bad_key))
+                sources = tuple(rename(v if isinstance(v, str) else v.from_)
+                                for g, v in zip(split, e.from_.values()) for _ in g)
             looped = p.per_layer or p.repeat is not None
             per_expert = p.experts is not None and e is not None and any("{e}" in src for src in sources)
             fstrings = self.source_exprs(p, sources, path, where_s, keys.get(p.name, ""), looped)
@@ -102,6 +109,8 @@ class WeightsResolver:
                 wt = dataclasses.replace(wt, fstrings=fstrings)
             if e is not None:
                 wt = dataclasses.replace(wt, layout=self.resolve_layout(path, f"{where_s}['{keys[p.name]}']", p, e))
+            if e is not None and isinstance(e.from_, dict):
+                wt = dataclasses.replace(wt, groups=self.segment_groups(path, f"{where_s}['{keys[p.name]}']", p, e))
             out.append(wt)
         return self.bias_layouts(out, keys, section, where_s)
 
@@ -244,43 +253,86 @@ class WeightsResolver:
         lp = path + ("layout",)
         if not isinstance(entry.from_, str):
             raise self.err(lp, f"{where}.layout: a layout describes one fused checkpoint tensor: give `from` one name "
-                               f"(a mapping of segments is already split)", at_key=True)
+                               f"(a mapping of segments is already split; a tensor that holds several of them takes "
+                               f"its own: `k+v: {{from: <tensor>, layout: ...}}`)", at_key=True)
+        self.check_layout_param(lp, f"{where}.layout", p)
+        return self.layout_value(lp, f"{where}.layout", p, lay, p.segments)
+
+    def check_layout_param(self, lp: tuple, where: str, p: ParamIR) -> None:
         if len(p.segments) < 2 or p.shard != "colwise" or p.experts is not None or p.tp_if is not None:
-            raise self.err(lp, f"{where}.layout: only a fused column-parallel parameter (attention qkv, gated MLP "
+            raise self.err(lp, f"{where}: only a fused column-parallel parameter (attention qkv, gated MLP "
                                f"gate_up, fused_linear) has segments to lay out", at_key=True)
+
+    def layout_value(self, lp: tuple, where: str, p: ParamIR, lay, segs):
+        """A RowLayout (a fixed layout) or RowLayoutChoice (a LayoutChoice) over the segments `segs` of `p` (all of
+        them, or those one tensor of a segment mapping holds)."""
         if not isinstance(lay, RowLayoutChoice):
-            return self.fixed_layout(lp, f"{where}.layout", p, lay, None)
+            return self.fixed_layout(lp, where, p, lay, None, segs)
         cond = self.flag(lp + ("if",), lay.if_)          # over config symbols only: `layer` is refused there
-        names = tuple(s.name for s in p.segments)
+        names = tuple(s.name for s in segs)
         branches = []
         for key, holds in (("then", True), ("else", False)):
-            fixed = self.fixed_layout(lp + (key,), f"{where}.layout.{key}", p, getattr(lay, key + "_" * (key == "else")),
-                                      (cond, holds))
+            fixed = self.fixed_layout(lp + (key,), f"{where}.{key}", p, getattr(lay, key + "_" * (key == "else")),
+                                      (cond, holds), segs)
             branches.append(None if fixed == ("tensor", names) else fixed)   # blocked in segment order: nothing to undo
         return LayoutChoice(cond, *branches)
 
-    def fixed_layout(self, lp: tuple, where: str, p: ParamIR, lay, branch) -> tuple:
-        """One RowLayout, checked (segments, groups) and queued for the per-variant head check; `branch`: None, or
-        (cond, value) for a branch of a choice, checked only in the variants where cond is value."""
-        names = [s.name for s in p.segments]
+    def segment_groups(self, path: tuple, where: str, p: ParamIR, entry) -> Tuple[SegmentGroupIR, ...]:
+        """The keys `k+v` of a segment mapping: one tensor holding those consecutive segments, blocked in their order
+        or in its SegmentSource's row layout (over those segments alone: undone before sharding, each rank reading
+        its heads' rows); checked as an entry's layout is (segments named once, heads fitting the groups per
+        variant), on a fused column-parallel parameter only."""
+        out = []
+        by_name = {s.name: s for s in p.segments}
+        for key, value in entry.from_.items():
+            group = tuple(key.split("+"))
+            if len(group) < 2 and isinstance(value, str):
+                continue
+            gp, gw = path + ("from", key), f"{where}.from.{key}"
+            if len(group) < 2:
+                raise self.err(gp, f"{gw}: a mapping of `from` and `layout` reads several segments from one tensor, "
+                                   f"named by a key that joins them with '+' (`k+v`); one segment is a tensor name "
+                                   f"(`{key}: <tensor>`)", at_key=True)
+            if len(group) == len(p.segments):
+                raise self.err(gp, f"{gw}: one tensor holds every segment: give `from` its name (and the entry its "
+                                   f"`layout`)", at_key=True)
+            if p.shard != "colwise" or p.experts is not None or p.tp_if is not None:
+                raise self.err(gp, f"{gw}: only a fused column-parallel parameter (attention qkv, gated MLP gate_up, "
+                                   f"fused_linear) reads several segments from one tensor", at_key=True)
+            lay = None
+            if not isinstance(value, str) and value.layout is not None:
+                lay = self.layout_value(gp + ("layout",), f"{gw}.layout", p, value.layout,
+                                        tuple(by_name[n] for n in group))
+                if lay == ("tensor", group):                 # blocked in the segments' order: nothing to undo
+                    lay = None
+            out.append(SegmentGroupIR(group, lay))
+        return tuple(out)
+
+    def fixed_layout(self, lp: tuple, where: str, p: ParamIR, lay, branch, segs=None) -> tuple:
+        """One RowLayout over `segs` (default: every segment of `p`), checked (segments, groups) and queued for the
+        per-variant head check; `branch`: None, or (cond, value) for a branch of a choice, checked only in the
+        variants where cond is value."""
+        segs = tuple(p.segments if segs is None else segs)
+        names = [s.name for s in segs]
         inter = list(lay.interleave)
         if sorted(inter) != sorted(names) or len(set(inter)) != len(inter):
             bad = next((n for n in inter if n not in names), None)
-            raise self.err(lp + ("interleave",), f"{where}.interleave: must name each of the parameter's "
-                                                 f"segments {names} once, got {inter}"
+            whose = "the parameter's segments" if len(segs) == len(p.segments) else "the tensor's segments"
+            raise self.err(lp + ("interleave",), f"{where}.interleave: must name each of {whose} "
+                                                 f"{names} once, got {inter}"
                                                  f"{did_you_mean(bad, names) if bad else ''}")
         if (lay.per == "group") != (lay.groups is not None):
             raise self.err(lp, f"{where}: `groups` (the number of groups) goes with `per: group` and only with "
                                f"it", at_key=True)
         if lay.groups is not None and lay.groups < 1:
             raise self.err(lp + ("groups",), f"{where}.groups: must be >= 1, got {lay.groups}")
-        self.layouts_to_check.append((lp, where, p, lay.per if lay.groups is None else lay.groups, branch))
+        self.layouts_to_check.append((lp, where, segs, lay.per if lay.groups is None else lay.groups, branch))
         return (lay.per, tuple(inter)) if lay.groups is None else (lay.per, tuple(inter), lay.groups)
 
     def check_layout_variant(self, name: str, values: Mapping[str, Any]) -> None:
         """In a variant, each laid-out parameter's segments split into the layout's groups (for a layout chosen by a
         flag: the flag gives a bool, and the branch it chooses fits)."""
-        for lp, where, p, per, branch in self.layouts_to_check:
+        for lp, where, segs, per, branch in self.layouts_to_check:
             if branch is not None:
                 cond, holds = branch
                 ip = lp[:-1] + ("if",)
@@ -293,7 +345,7 @@ class WeightsResolver:
                     raise self.err(ip, f"variants.{name}: {where.rsplit('.', 1)[0]}.if gives {x!r}, not a bool")
                 if x != holds:
                     continue
-            heads = {s.name: size_at(s.heads, values) for s in p.segments}   # (a per-layer count: in layer 0)
+            heads = {s.name: size_at(s.heads, values) for s in segs}   # (a per-layer count: in layer 0)
             shown = ", ".join(f"{n}: {h}" for n, h in heads.items())
             chosen = "" if branch is None else f" (chosen: {branch[0]} is {branch[1]})"
             if per == "head" and len(set(heads.values())) != 1:

@@ -366,3 +366,156 @@ def test_a_layout_choice_errors_are_located(tmp_path, body, match):
 
     with pytest.raises((SpecError, SpecErrors), match=match):
         compile_spec(_glm_child(tmp_path, body))
+
+
+# ------------------------------------------------------- a fused parameter filled from several tensors (k+v of one)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("per", ["head", "blocked"])
+def test_segments_of_one_tensor_load_per_rank(tp, per):
+    """q from its own tensor, k and v from one `key_value` ([kv0: k v, kv1: k v]: TeleChat2; or blocked [k | v]) read
+    through a FusedSource: each rank's q / k / v rows equal the blocked [q | k | v]'s (KV heads replicated at TP 4),
+    and a rank reads only its KV heads' rows of key_value, once for k and v together."""
+    from xllm_gen.runtime.loading.layout import FusedSource
+    hd, heads, kv, hidden = 3, 4, 2, 5
+    torch.manual_seed(2)
+    q, k, v = torch.randn(heads * hd, hidden), torch.randn(kv * hd, hidden), torch.randn(kv * hd, hidden)
+    if per == "head":
+        key_value = torch.stack([k.view(kv, hd, hidden), v.view(kv, hd, hidden)], 1).reshape(2 * kv * hd, hidden)
+        fused = FusedSource(("k", "v"), RowLayout("head", ("k", "v")))
+    else:
+        key_value, fused = torch.cat([k, v]), FusedSource(("k", "v"))
+    full = torch.cat([q, k, v])
+    for rank in range(tp):
+        D.init_tp(rank, tp)
+        try:
+            layer = L.QKVParallelLinear(hidden, hd, heads, kv)
+        finally:
+            D.reset_tp()
+        w = layer.weight
+        src = CountingSlice(key_value)
+        view = fused.view(src, w.tp_split.segments)
+        w.weight_loader(w, q, "q")
+        for seg in ("k", "v"):
+            w.weight_loader(w, fused.segment_view(view, seg), seg)
+        ref = torch.empty_like(w)
+        w.tp_split.load(ref, full)
+        assert torch.equal(w.data, ref), (per, tp, rank)
+        if per == "head":       # the rank's KV heads' [k v] groups, one read for both
+            assert src.read == 2 * kv * hd // min(tp, kv), (src.read, tp)
+    if per == "head":           # the same tensor read blocked is another model
+        layer = L.QKVParallelLinear(hidden, hd, heads, kv)
+        w = layer.weight
+        view = FusedSource(("k", "v")).view(key_value, w.tp_split.segments)
+        w.weight_loader(w, q, "q")
+        for seg in ("k", "v"):
+            w.weight_loader(w, FusedSource(("k", "v")).segment_view(view, seg), seg)
+        assert not torch.equal(w.data, full)
+
+
+def test_segments_of_one_tensor_stored_transposed():
+    """An entry's `transpose` (TensorLayout) applies to a FusedSource's tensor too: the key_value stored [in, out]."""
+    from xllm_gen.runtime.loading.layout import FusedSource
+    from xllm_gen.runtime.loading.weights import TensorLayout
+    hd, heads, kv, hidden = 2, 4, 2, 3
+    torch.manual_seed(3)
+    q, k, v = torch.randn(heads * hd, hidden), torch.randn(kv * hd, hidden), torch.randn(kv * hd, hidden)
+    key_value = torch.stack([k.view(kv, hd, hidden), v.view(kv, hd, hidden)], 1).reshape(2 * kv * hd, hidden)
+    fused = FusedSource(("k", "v"), RowLayout("head", ("k", "v")))
+    D.init_tp(1, 2)
+    try:
+        w = L.QKVParallelLinear(hidden, hd, heads, kv).weight
+    finally:
+        D.reset_tp()
+    view = fused.view(TensorLayout(transpose=True).view(key_value.T.contiguous()), w.tp_split.segments)
+    w.weight_loader(w, TensorLayout(transpose=True).view(q.T.contiguous()), "q")
+    for seg in ("k", "v"):
+        w.weight_loader(w, fused.segment_view(view, seg), seg)
+    ref = torch.empty_like(w)
+    w.tp_split.load(ref, torch.cat([q, k, v]))
+    assert torch.equal(w.data, ref)
+
+
+def test_segments_of_one_tensor_errors_are_named():
+    from xllm_gen.runtime.loading.layout import FusedSource
+    from xllm_gen.runtime.loading.weights import WeightRule
+    segs = L.QKVParallelLinear(4, 2, 4, 2).weight.tp_split.segments
+    with pytest.raises(WeightLoadError, match=r"cannot hold the segments k \[4\], v \[4\]"):
+        FusedSource(("k", "v"), RowLayout("head", ("k", "v"))).view(torch.zeros(6, 4), segs)
+    with pytest.raises(WeightLoadError, match="the parameter has no segment 'x'"):
+        FusedSource(("k", "x")).view(torch.zeros(8, 4), segs)
+    with pytest.raises(ValueError, match="two or more distinct segments"):
+        FusedSource(("k",))
+    with pytest.raises(ValueError, match=r"layout order \['k', 'q'\] must name the segments"):
+        FusedSource(("k", "v"), RowLayout("head", ("k", "q")))
+    with pytest.raises(ValueError, match="which its FusedSource \\(k\\+v\\) does not hold"):
+        WeightRule("w", ("a", "b", "b"), segments=("q", "k", "v"), fused=(FusedSource(("k", "v")), None,
+                                                                          FusedSource(("k", "v"))))
+
+
+_TC = "model.layers.{i}.self_attention.qkv_proj.weight"
+_TC_Q = "      q: transformer.h.{i}.self_attention.query.weight\n"
+_TC_KV = "transformer.h.{i}.self_attention.key_value.weight"
+
+
+def _telechat_child(tmp_path, body: str):
+    from pathlib import Path
+
+    spec = Path(__file__).resolve().parents[1] / "specs" / "telechat2.yaml"
+    child = tmp_path / "child.yaml"
+    child.write_text(f"spec_version: 2\nextends: {spec}\nname: telechat_child\n" + body)
+    return child
+
+
+def test_segments_of_one_tensor_compile_and_render(tmp_path):
+    """specs/telechat2.yaml's `k+v` source: the IR keeps one source name per segment and the group with its layout;
+    the generated module lists a FusedSource; a group's layout chosen by a flag renders a RowLayoutChoice that the
+    checkpoint's config resolves (its blocked branch: None, nothing to undo)."""
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.ir import LayoutChoice
+
+    compiled = compile_spec(_telechat_child(tmp_path, (
+        f"weights:\n  {_TC}:\n    from:\n      k+v:\n        layout:\n          interleave: ~\n          per: ~\n"
+        f"          if: \"num_key_value_heads == num_attention_heads\"\n"
+        f"          then: {{interleave: [k, v], per: head}}\n          else: {{interleave: [k, v], per: tensor}}\n")))
+    weights = {w.param.name: w for w in compiled.ir.weights}
+    w = weights[_TC]
+    assert w.sources == ("transformer.h.{i}.self_attention.query.weight", _TC_KV, _TC_KV)
+    (g,) = w.groups
+    assert g.segments == ("k", "v") and isinstance(g.layout, LayoutChoice)
+    assert (g.layout.then, g.layout.else_) == (("head", ("k", "v")), None)
+    model = compiled.module()
+    (fs,) = model.WEIGHT_FUSED_SOURCES[_TC]
+    assert fs.layout.cond_text == "num_key_value_heads == num_attention_heads"
+    assert fs.resolved(model.Config.from_hf({"n_head": 4, "num_key_value_heads": 4, "hidden_size": 64})).layout == \
+        model.RowLayout("head", ("k", "v"))
+    assert fs.resolved(model.Config.from_hf({"n_head": 4, "num_key_value_heads": 2, "hidden_size": 64})).layout is None
+
+
+@pytest.mark.parametrize("body, match", [
+    (f"weights:\n  {_TC}:\n    from:\n      k+v: ~\n      k+x: {_TC_KV}\n",
+     r"child\.yaml:\d+:\d+: .*from: segments must be \['q', 'k', 'v'\] in this order, got \['q', 'k', 'x'\]"),
+    (f"weights:\n  {_TC}:\n    from:\n      k+v: ~\n      v+k: {_TC_KV}\n",
+     r"child\.yaml:\d+:\d+: .*from: segments must be \['q', 'k', 'v'\] in this order, got \['q', 'v', 'k'\]"),
+    (f"weights:\n  {_TC}:\n    from:\n      q: {{from: \"x.{{i}}.q\"}}\n",
+     r"child\.yaml:\d+:\d+: .*from\.q: a mapping of `from` and `layout` reads several segments from one tensor"),
+    (f"weights:\n  {_TC}:\n    from:\n      q: ~\n      k+v: ~\n      q+k+v: {{from: \"x.{{i}}.qkv\"}}\n",
+     r"child\.yaml:\d+:\d+: .*from\.q\+k\+v: one tensor holds every segment: give `from` its name"),
+    (f"weights:\n  {_TC}:\n    from:\n      k+v:\n        layout: {{interleave: [k, q]}}\n",
+     r"child\.yaml:\d+:\d+: .*from\.k\+v\.layout\.interleave: must name each of the tensor's segments \['k', 'v'\] "
+     r"once, got \['k', 'q'\]"),
+    (f"weights:\n  {_TC}:\n    from:\n      k+v:\n        layout: {{per: group, groups: 3}}\n",
+     r"child\.yaml:\d+:\d+: error: variants\.TeleChat2-7B: .*from\.k\+v\.layout per: group: k: 32, v: 32: segment "
+     r"'k' does not split into 3 groups"),
+    (f"weights:\n  {_TC}:\n    from:\n      k+v:\n        layot: {{per: tensor}}\n",
+     r"child\.yaml:\d+:\d+: .*layot"),
+    (f"weights:\n  {_TC}:\n    layout: {{interleave: [q, k, v], per: head}}\n",
+     r"child\.yaml:\d+:\d+: .*a layout describes one fused checkpoint tensor.*`k\+v: \{from: <tensor>, layout"),
+    (f"weights:\n  {_TC}:\n    from:\n      k+v:\n        from: transformer.h.0.self_attention.key_value.weight\n",
+     r"child\.yaml:\d+:\d+: .*'transformer\.h\.0\.self_attention\.key_value\.weight' is a per-layer tensor"),
+])
+def test_segments_of_one_tensor_errors_are_located(tmp_path, body, match):
+    from xllm_gen.codegen.compiler import compile_spec
+    from xllm_gen.codegen.errors import SpecError, SpecErrors
+
+    with pytest.raises((SpecError, SpecErrors), match=match):
+        compile_spec(_telechat_child(tmp_path, body))

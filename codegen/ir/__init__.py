@@ -64,6 +64,7 @@ from .params import (
     AllOf,
     LayoutChoice,
     ParamIR,
+    SegmentGroupIR,
     SegmentIR,
     WeightIR,
 )

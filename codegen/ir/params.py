@@ -1,6 +1,7 @@
 """Parameters and their checkpoint sources: `SegmentIR` (a fused projection's segment, its TP split),
 `ParamIR` (a parameter, its shape and sharding), `AllOf`, `WeightIR` (where a parameter comes from), `LayoutChoice`
-(a fused tensor's row layout chosen by the checkpoint's config)."""
+(a fused tensor's row layout chosen by the checkpoint's config), `SegmentGroupIR` (one tensor holding several segments
+of a fused parameter)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,6 +79,32 @@ class LayoutChoice:
 
 
 @dataclass(frozen=True)
+class SegmentGroupIR:
+    """Consecutive segments of a fused parameter read from one checkpoint tensor (a `from` mapping's key `k+v`): its
+    rows hold them blocked in their order (`layout` None) or in a fixed row layout (as WeightIR.layout holds one) or
+    a LayoutChoice over these segments alone."""
+    segments: Tuple[str, ...]
+    layout: Any = None
+
+    @property
+    def key(self) -> str:
+        return "+".join(self.segments)
+
+    @property
+    def layout_choice(self) -> Optional[LayoutChoice]:
+        return self.layout if isinstance(self.layout, LayoutChoice) else None
+
+    @property
+    def fixed_layouts(self) -> Tuple[tuple, ...]:
+        c = self.layout_choice
+        return tuple(x for x in ((c.then, c.else_) if c else (self.layout,)) if x is not None)
+
+    def __str__(self) -> str:
+        lay = self.layout
+        return str(lay) if isinstance(lay, LayoutChoice) else layout_text(lay)
+
+
+@dataclass(frozen=True)
 class WeightIR:
     param: ParamIR
     sources: Tuple[str, ...]      # with "{i}" for the layer index
@@ -88,6 +115,8 @@ class WeightIR:
     squeeze: Any = False          # True: one extra leading unit dim; a tuple: unit dims at those stored positions
     # sources with `{<expression>}` placeholders: each source as a Python f-string body over `layer_idx`, `config`
     fstrings: Tuple[str, ...] = ()
+    # a `from` mapping's keys `k+v`: the segments one tensor holds (sources still lists one name per segment)
+    groups: Tuple[SegmentGroupIR, ...] = ()
 
     @property
     def shard(self) -> str:
@@ -100,6 +129,13 @@ class WeightIR:
 
     @property
     def fixed_layouts(self) -> Tuple[tuple, ...]:
-        """The fixed row layouts the generated module names (a choice's branches other than the blocked one)."""
+        """The fixed row layouts the generated module names (a choice's branches other than the blocked one), its
+        segment groups' included."""
         c = self.layout_choice
-        return tuple(x for x in ((c.then, c.else_) if c else (self.layout,)) if x is not None)
+        own = tuple(x for x in ((c.then, c.else_) if c else (self.layout,)) if x is not None)
+        return own + tuple(x for g in self.groups for x in g.fixed_layouts)
+
+    @property
+    def layout_choices(self) -> Tuple[LayoutChoice, ...]:
+        """Every LayoutChoice the generated module names: the tensor's own, its segment groups'."""
+        return tuple(c for c in (self.layout_choice,) + tuple(g.layout_choice for g in self.groups) if c is not None)

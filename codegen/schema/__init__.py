@@ -134,5 +134,6 @@ from .vision import (
 from .weights import (
     RowLayout,
     RowLayoutChoice,
+    SegmentSource,
     WeightEntry,
 )

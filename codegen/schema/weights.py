@@ -1,5 +1,6 @@
-"""The `weights` section: where each parameter comes from in the checkpoint (`WeightEntry`) and the row layout of
-a fused tensor (`RowLayout`, or one of two chosen by the checkpoint's config: `RowLayoutChoice`)."""
+"""The `weights` section: where each parameter comes from in the checkpoint (`WeightEntry`), the row layout of
+a fused tensor (`RowLayout`, or one of two chosen by the checkpoint's config: `RowLayoutChoice`), and a tensor that
+fills several segments of a fused parameter (`SegmentSource`, under a key `k+v` of a `from` mapping)."""
 from __future__ import annotations
 
 from typing import Annotated, Dict, List, Literal, Optional, Union
@@ -43,18 +44,46 @@ LayoutSpec = Annotated[Union[Annotated[RowLayout, Tag("RowLayout")], Annotated[R
                        Discriminator(_layout_kind)]
 
 
+class SegmentSource(Strict):
+    """One checkpoint tensor that holds several consecutive segments of a fused parameter, the value of a `from`
+    mapping's key naming them joined by `+` (`k+v`): `from` the tensor, `layout` how its rows hold those segments
+    (a RowLayout or RowLayoutChoice over them alone; none: blocked in their order). TeleChat2 stores q in `query` and
+    k, v in one `key_value` laid out per KV head [kv0: k v, kv1: k v, ...]: `from: {q: ...query.weight, k+v: {from:
+    ...key_value.weight, layout: {interleave: [k, v], per: head}}}`."""
+    from_: StrictStr = Field(alias="from")
+    layout: Optional[LayoutSpec] = None
+
+
+def _segment_source_kind(value) -> str:
+    return "SegmentSource" if isinstance(value, dict) else "str"
+
+
+SegmentFrom = Annotated[Union[Annotated[StrictStr, Tag("str")], Annotated[SegmentSource, Tag("SegmentSource")]],
+                        Discriminator(_segment_source_kind)]
+
+
+def _from_kind(value) -> str:
+    """`from` is one tensor name or a mapping of segments (the errors inside a mapping are then that form's alone)."""
+    return "segments" if isinstance(value, dict) else "name"
+
+
+FromSpec = Annotated[Union[Annotated[StrictStr, Tag("name")], Annotated[Dict[StrictStr, SegmentFrom], Tag("segments")]],
+                     Discriminator(_from_kind)]
+
+
 class WeightEntry(Strict):
     """Where one parameter comes from in the checkpoint (names only: the layer kind implies the sharding).
 
     A parameter without an entry loads the tensor of its own name. `from` renames it; a mapping
     {segment: tensor} stacks several checkpoint tensors into a fused parameter, in the block's segment order
-    (which is the order of its forward split). `{i}` stands for the layer index, `{e}` for the expert index of a
+    (which is the order of its forward split); a key `k+v` names consecutive segments one tensor holds (blocked in
+    their order, or in its SegmentSource's `layout`). `{i}` stands for the layer index, `{e}` for the expert index of a
     stacked expert parameter (the per-expert tensors are stacked at load; each rank reads only its slices).
     `transpose: true`: the tensor stores each matrix as [in, out] (the last two dims swapped). `segments_interleaved:
     true`: a single tensor holds the fused parameter's segments interleaved element by element along the output
     dim (gate = [..., 0::2], up = [..., 1::2]) instead of stacked. Without `from`, the tensor of the parameter's
     own name is read in that layout."""
-    from_: Optional[Union[StrictStr, Dict[StrictStr, StrictStr]]] = Field(default=None, alias="from")
+    from_: Optional[FromSpec] = Field(default=None, alias="from")
     transpose: StrictBool = False
     segments_interleaved: StrictBool = False
     # `squeeze: true`: the tensor stores the parameter under one extra leading dim of size 1 (ERNIE 4.5's routing

@@ -118,7 +118,7 @@ def relocate_layers(rules: list, layers_prefix: str, stored_as: Sequence[str]) -
         return src if m is None else stored_as[int(m.group(1))] + src[m.end():]
 
     return [WeightRule(r.param, tuple(move(s) for s in r.sources), segments=r.segments, layout=r.layout,
-                       stored=r.stored) for r in rules]
+                       stored=r.stored, fused=r.fused) for r in rules]
 
 
 def check_schedule(on: Sequence[tuple], reads: Sequence[tuple], sets: Sequence[str]) -> None:

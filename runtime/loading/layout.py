@@ -17,6 +17,12 @@ module lists a `RowLayoutChoice`, resolved against the model's config when the w
 plan), so a checkpoint is read, and sharded, in the one layout its config says (ChatGLM2/3's `query_key_value`:
 blocked [q | k | v] with multi_query_attention, per head without).
 
+A checkpoint may also hold some segments of a fused parameter in one tensor and the others elsewhere (TeleChat2: q in
+`query`, k and v in one `key_value` laid out per KV head [kv0: k v, kv1: k v, ...]): a `FusedSource` names the
+segments that tensor holds and its RowLayout over them alone (a spec's `from: {q: ..., k+v: {from: ..., layout:
+...}}`); each of those segments is read through `FusedSource.segment_view`, the rows of that segment in the tensor
+seen blocked, so a rank reads its heads' rows of k and of v (one read of their groups for both).
+
 A head is `unit` rows (head_dim for attention; 1 for an MLP's rows, so `per: head` over gate | up is the
 row-interleaved [g0 u0 g1 u1 ...]). `LayoutView` presents the checkpoint tensor as the blocked one the parameter's
 weight loader expects; a row range read through it reads only the whole groups holding those rows (a lazy
@@ -29,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from xllm_gen.runtime.executor.sharding import WeightLoadError, source_shape
+from xllm_gen.runtime.executor.sharding import RowWindow, WeightLoadError, source_shape
 
 PER = ("tensor", "head", "kv_group", "group")
 
@@ -65,6 +71,47 @@ class RowLayoutChoice:
 
     def pick(self, config) -> Optional[RowLayout]:
         return self.then if self.cond(config) else self.else_
+
+
+@dataclass(frozen=True)
+class FusedSource:
+    """Consecutive segments of a fused parameter that one checkpoint tensor holds (a spec's segment-mapping key
+    `k+v`), its rows blocked in their order (`layout` None) or in `layout` (a RowLayout over these segments alone, or
+    a RowLayoutChoice the model's config resolves: `resolved`)."""
+    segments: tuple[str, ...]
+    layout: "RowLayout | RowLayoutChoice | None" = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "segments", tuple(self.segments))
+        if len(self.segments) < 2 or len(set(self.segments)) != len(self.segments):
+            raise ValueError(f"FusedSource: two or more distinct segments, got {self.segments!r}")
+        if isinstance(self.layout, RowLayout) and sorted(self.layout.order) != sorted(self.segments):
+            raise ValueError(f"FusedSource: layout order {list(self.layout.order)} must name the segments "
+                             f"{list(self.segments)}")
+
+    def resolved(self, config) -> "FusedSource":
+        """The source with a RowLayoutChoice replaced by the layout `config` chooses."""
+        if isinstance(self.layout, RowLayoutChoice):
+            return FusedSource(self.segments, self.layout.pick(config))
+        return self
+
+    def view(self, loaded, segments: Sequence) -> "LayoutView":
+        """`loaded` (the tensor) seen blocked [s1 | s2 | ...] in these segments' order; `segments`: the parameter's
+        split segments (objects with name, heads, unit), those this tensor holds among them."""
+        by = {s.name: s for s in segments}
+        missing = [n for n in self.segments if n not in by]
+        if missing:
+            raise WeightLoadError(f"the tensor holds segments {'+'.join(self.segments)}, but the parameter has no "
+                                  f"segment {missing[0]!r} (its segments are {', '.join(by)})")
+        layout = self.layout or RowLayout("tensor", self.segments)      # blocked: its rows checked all the same
+        return layout.view(loaded, [by[n] for n in self.segments])
+
+    def segment_view(self, view: "LayoutView", name: str) -> RowWindow:
+        """The rows of segment `name` in `view` (this source's blocked view), lazily sliceable."""
+        for start, stop, seg, _ in view._segments:
+            if seg == name:
+                return RowWindow(view, start, stop)
+        raise WeightLoadError(f"the tensor holds segments {'+'.join(self.segments)}, not {name!r}")
 
 
 class LayoutView:

@@ -146,6 +146,10 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
         quantized = []                    # (source view, shard_id) of a quantized layer's weight (to repack)
         deferred = []                     # a meta-device parameter's sources (experts_on_meta): filled packed, or
                                           # into the parameter once it is made real
+        fused_of = dict(zip(rule.segments, rule.fused))     # segment -> the FusedSource of the tensor holding it
+        fused_views: dict = {}            # (id of the source slice, its segments) -> its blocked view: k and v of a
+                                          # `key_value` read through one view (one read of a rank's groups for both)
+
         def fill(dst, sl, name, shard_id):
             try:
                 if rule.stored is not None:                    # stored transposed / segments interleaved
@@ -159,6 +163,16 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                         raise WeightLoadError(f"row layout per {rule.layout.per}: the parameter is not a fused "
                                               f"column-parallel one")
                     sl = rule.layout.view(sl, split.segments)
+                part = fused_of.get(shard_id)
+                if part is not None:              # a tensor holding several segments: this segment's rows of it
+                    split = getattr(param, "tp_split", None)
+                    if split is None or split.dim != 0 or len(split.segments) < 2:
+                        raise WeightLoadError(f"segments {'+'.join(part.segments)} of one tensor: the parameter is "
+                                              f"not a fused column-parallel one")
+                    key = (id(sl), part.segments)
+                    if key not in fused_views:
+                        fused_views[key] = (sl, part.view(sl, split.segments))   # (sl kept alive: ids stay unique)
+                    sl = part.segment_view(fused_views[key][1], shard_id)
                 loader(dst, sl, shard_id)
             except WeightLoadError as e:
                 seg = f" (segment {shard_id!r})" if shard_id is not None and "segment" not in str(e) else ""
@@ -170,24 +184,30 @@ def load_weights(model: torch.nn.Module, plan: list[WeightRule], model_dir: str 
                 raise CheckpointError(f"tensor {name!r}: cannot be read from {ckpt.path_of(name)}: "
                                       f"{type(e).__name__}: {e}") from None
 
+        opened: dict = {}                 # a tensor that fills several segments (fused_of): opened once
         for name, shard_id in zip(rule.sources, shard_ids):
-            if "{h}" in name:           # one tensor per row (head) of the parameter: h = 0, 1, ... while present
-                rows = list(itertools.takewhile(lambda n: n in ckpt.file_of,
-                                                (name.replace("{h}", str(h)) for h in itertools.count())))
-                if not rows:
-                    raise CheckpointError(f"{model_dir}: missing tensor {name.replace('{h}', '0')!r} (row 0 of "
-                                          f"{name!r}, stacked into parameter {rule.param!r})")
-                used_sources.update(rows)
-                sl, name = StackedRows([qload.open(n) for n in rows]), rows[0]
+            if fused_of.get(shard_id) is not None and name in opened:
+                sl = opened[name]
             else:
+                if "{h}" in name:           # one tensor per row (head) of the parameter: h = 0, 1, ... while present
+                    rows = list(itertools.takewhile(lambda n: n in ckpt.file_of,
+                                                    (name.replace("{h}", str(h)) for h in itertools.count())))
+                    if not rows:
+                        raise CheckpointError(f"{model_dir}: missing tensor {name.replace('{h}', '0')!r} (row 0 of "
+                                              f"{name!r}, stacked into parameter {rule.param!r})")
+                    used_sources.update(rows)
+                    sl, name = StackedRows([qload.open(n) for n in rows]), rows[0]
+                else:
+                    try:
+                        sl = qload.open(name)
+                    except QuantLoadError as e:       # a quantized weight's parts: named with their file
+                        raise CheckpointError(f"{model_dir}: {e} (file {ckpt.path_of(name)})") from None
                 try:
-                    sl = qload.open(name)
-                except QuantLoadError as e:       # a quantized weight's parts: named with their file
-                    raise CheckpointError(f"{model_dir}: {e} (file {ckpt.path_of(name)})") from None
-            try:
-                sl = qload.source(rule.param, name, sl)
-            except QuantLoadError as e:
-                raise CheckpointError(f"{model_dir}: {e}") from None
+                    sl = qload.source(rule.param, name, sl)
+                except QuantLoadError as e:
+                    raise CheckpointError(f"{model_dir}: {e}") from None
+                if fused_of.get(shard_id) is not None:
+                    opened[name] = sl
             _check_dtype(sl, name, param, rule.param, ckpt.path_of(name))
             if param.is_meta and device is not None:
                 deferred.append((sl, name, shard_id))

@@ -7,7 +7,9 @@ expert (`param.tp_split.expert_ids`), each filling shard "e" or "e.<segment>" (t
 sharded is the business of the parameter's layer (its `weight_loader`), never restated here. `WEIGHT_LAYOUTS` (optional)
 gives the row layout (runtime.loading.layout.RowLayout) of a fused tensor stored per head or per KV group, or a
 RowLayoutChoice that the model's config resolves here (the loader then reads, and shards, the tensor in the layout
-this checkpoint's config chooses). A source given as a TensorLayout (a
+this checkpoint's config chooses). `WEIGHT_FUSED_SOURCES` (optional): per parameter, the FusedSources of a segment
+mapping whose tensor holds several segments (the mapping names that tensor for each of them; the rule reads each
+segment's rows through the FusedSource, its RowLayoutChoice resolved against the model's config). A source given as a TensorLayout (a
 `weights` entry's `transpose` / `segments_interleaved`) is read through its layout view. A callable source gives the
 name(s) of layer i's tensor (a spec's `{<expression>}` placeholder: the checkpoint's name depends on the layer).
 """
@@ -18,7 +20,7 @@ from typing import Callable, Mapping, Optional, Union
 
 from torch import nn
 
-from xllm_gen.runtime.loading.layout import RowLayout, RowLayoutChoice
+from xllm_gen.runtime.loading.layout import FusedSource, RowLayout, RowLayoutChoice
 from xllm_gen.runtime.loading.weights import TensorLayout, WeightRule
 
 Sources = Union[str, Mapping[str, str], TensorLayout, Callable[[int], Union[str, Mapping[str, str]]]]
@@ -41,20 +43,34 @@ def _per_expert(name: str, param, fill, src: Sources) -> WeightRule:
                       segments=tuple(f"{e}.{seg}" for e in ids for seg in src))
 
 
+def _fused_parts(name: str, src: Mapping[str, str], groups) -> tuple:
+    """Per segment of `src` (segment -> tensor), the FusedSource of the tensor holding it, or None."""
+    by_seg = {seg: g for g in groups for seg in g.segments}
+    for g in groups:
+        left = [seg for seg in g.segments if seg not in src]
+        if left and len(left) < len(g.segments):
+            raise ValueError(f"weight plan: {name!r} fills segments {', '.join(src)}, but the tensor of "
+                             f"{'+'.join(g.segments)} also holds {', '.join(left)}, which this layer has not")
+    return tuple(by_seg.get(seg) for seg in src)
+
+
 def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
-                         layouts: Optional[Mapping[str, Union[RowLayout, RowLayoutChoice]]] = None) -> list[WeightRule]:
+                         layouts: Optional[Mapping[str, Union[RowLayout, RowLayoutChoice]]] = None,
+                         fused: Optional[Mapping[str, tuple[FusedSource, ...]]] = None) -> list[WeightRule]:
     """One rule per parameter of `model` (shared parameters once, under their first name); `layouts`: parameter
     name (with {i}) -> the row layout of its one fused checkpoint tensor (a RowLayoutChoice: the one `model.config`
-    chooses; None: blocked)."""
+    chooses; None: blocked); `fused`: parameter name -> the FusedSources of its segment mapping (tensors that hold
+    several of its segments)."""
     layouts = {k: lay.pick(model.config) if isinstance(lay, RowLayoutChoice) else lay
                for k, lay in (layouts or {}).items()}
     layouts = {k: lay for k, lay in layouts.items() if lay is not None}
-    table = [(_pattern(k), v, layouts.get(k)) for k, v in sources.items()]
+    fused = {k: tuple(g.resolved(model.config) for g in groups) for k, groups in (fused or {}).items()}
+    table = [(_pattern(k), v, layouts.get(k), fused.get(k, ())) for k, v in sources.items()]
     # a laid-out tensor stored under the parameter's own name has no WEIGHT_SOURCES entry: its layout still applies
-    table += [(_pattern(k), k, lay) for k, lay in layouts.items() if k not in sources]
+    table += [(_pattern(k), k, lay, ()) for k, lay in layouts.items() if k not in sources]
     rules = []
     for name, param in model.named_parameters():
-        for pat, src, row_layout in table:
+        for pat, src, row_layout, groups in table:
             m = pat.match(name)
             if m is None:
                 continue
@@ -77,13 +93,17 @@ def plan_from_parameters(model: nn.Module, sources: Mapping[str, Sources],
                     # a fused parameter built without some segments in this layer (an attention whose values are its
                     # keys has no `v`): it loads the segments it has
                     src = {seg: s for seg, s in src.items() if seg in have}
-                if have is not None and len(have) == 1 and len(src) == 1:    # one segment left: the whole parameter
+                parts = _fused_parts(name, src, groups) if groups else ()
+                if have is not None and len(have) == 1 and len(src) == 1 and not any(parts):
+                    # one segment left: the whole parameter
                     rules.append(WeightRule(name, (fill(next(iter(src.values()))),), layout=row_layout))
                 else:
-                    rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src)))
+                    rules.append(WeightRule(name, tuple(fill(s) for s in src.values()), segments=tuple(src),
+                                            fused=parts))
             if stored is not None:
                 r = rules.pop()
-                rules.append(WeightRule(r.param, r.sources, segments=r.segments, layout=r.layout, stored=stored))
+                rules.append(WeightRule(r.param, r.sources, segments=r.segments, layout=r.layout, stored=stored,
+                                        fused=r.fused))
             break
         else:
             rules.append(WeightRule(name, (name,)))

@@ -12,6 +12,11 @@ parameter decides how it is sharded, the plan never restates it.
     WeightRule(param, source, layout=RowLayout)   one fused tensor whose rows are laid out per head / per KV
                                                   group (runtime.loading.layout), undone before sharding
 
+    WeightRule(param, sources, segments, fused=(None, FusedSource(..), FusedSource(..)))
+                                                  source i holds the segments of fused[i] (one tensor, e.g. a
+                                                  `key_value` of k and v per KV head): its segments[i]'s rows are
+                                                  read through that FusedSource's layout, undone before sharding
+
     WeightRule(param, sources, stored=TensorLayout(...))  each source tensor is stored in another layout
                                                   (transposed, segments interleaved) and read through a
                                                   LayoutView that presents the parameter's layout
@@ -163,9 +168,11 @@ class WeightRule:
     legacy: bool = field(default=False, repr=False, compare=False)
     layout: Any = None                           # a RowLayout for one fused tensor stored per head / KV group
     stored: Optional[TensorLayout] = None         # each source's storage layout, where it is not the parameter's
+    # per source: None, or the FusedSource (runtime.loading.layout) of a tensor that holds several segments
+    fused: Tuple[Any, ...] = ()
 
     def __init__(self, param: str, sources, *args, segments=(), shard: str = "", vocab_size: int = 0,
-                 layout: Any = None, stored: Optional[TensorLayout] = None):
+                 layout: Any = None, stored: Optional[TensorLayout] = None, fused=()):
         # Legacy positional form: WeightRule(param, sources, shard, segments).
         if args and isinstance(args[0], str) and args[0] in SHARD_KINDS:
             shard, args = args[0], args[1:]
@@ -193,6 +200,7 @@ class WeightRule:
         set_(self, "legacy_segments", legacy_segments)     # for the transitional plan-vs-layer check only
         set_(self, "layout", layout)
         set_(self, "stored", stored)
+        set_(self, "fused", tuple(fused) if any(f is not None for f in fused) else ())
         self._validate()
 
     def _validate(self) -> None:
@@ -211,3 +219,11 @@ class WeightRule:
             raise ValueError(f"{self.param}: a row layout applies to one fused tensor (one source, no segments)")
         if len(set(self.segments)) != len(self.segments):
             raise ValueError(f"{self.param}: segment listed twice in {self.segments!r}")
+        if self.fused:
+            if len(self.fused) != len(self.sources) or not self.segments:
+                raise ValueError(f"{self.param}: `fused` gives one entry (None or a FusedSource) per source of a "
+                                 f"segmented rule")
+            for seg, src, f in zip(self.segments, self.sources, self.fused):
+                if f is not None and seg not in f.segments:
+                    raise ValueError(f"{self.param}: source {src!r} fills segment {seg!r}, which its FusedSource "
+                                     f"({'+'.join(f.segments)}) does not hold")
