@@ -281,7 +281,8 @@ HEAD = "extends: llama.yaml\nname: x\nclass_prefix: X\narchitectures: [XForCausa
 
 def test_parallel_and_when_errors_are_located(tmp_path):
     """A parallel branch may read the stream itself (no `norm`), but takes no `when`; a parallel step's `post_norm`
-    names a norm; a step's `when` needs a plain block (no per-layer choice): each a located error naming the key."""
+    names a norm; a step's `when` may gate a per-layer choice (Nemotron-NAS: attention, a linear or nothing), whose
+    alternatives must exist: each a located error naming the key."""
     par = "    dataflow:\n      - parallel: [{block: self_attn%s}, {norm: input_layernorm, block: mlp}]%s\n"
     blocks = "decoder:\n  layers:\n    blocks:\n      post_attention_layernorm: ~\n"
     err = _compile_error(tmp_path, HEAD + blocks + par % (", when: 'True'", ""))
@@ -293,8 +294,15 @@ def test_parallel_and_when_errors_are_located(tmp_path):
                                           "      - {norm: input_layernorm, block: self_attn}\n"
                                           "      - {norm: post_attention_layernorm, block: {if: 'layer > 0', then: mlp,"
                                           " else: mlp2}, when: 'True'}\n")
-    assert "x.yaml:" in err and ".when: a step" in err
+    assert "x.yaml:" in err and "dataflow[1].block.else: no block 'mlp2'" in err      # a `when` may gate a choice now
     from xllm_gen.codegen.cli import main as cli_main
+    (tmp_path / "specs" / "x.yaml").write_text(
+        HEAD + "decoder:\n  layers:\n    blocks:\n      mlp2: {kind: gated_mlp, hidden: hidden_size, intermediate: "
+        "intermediate_size, activation: hidden_act, gate_up: {name: gate_up_proj, segments: [gate, up]}, down: "
+        "{name: down_proj}}\n    dataflow:\n      - {norm: input_layernorm, block: self_attn}\n"
+        "      - {norm: post_attention_layernorm, block: {if: 'layer > 0', then: mlp, else: mlp2, name: mlp}, "
+        "when: 'True'}\n", encoding="utf-8")
+    assert cli_main(["--dry-run", str(tmp_path / "specs" / "x.yaml")]) == 0       # a `when` on a per-layer choice
     (tmp_path / "specs" / "x.yaml").write_text(HEAD + blocks + par % ("", ""), encoding="utf-8")
     assert cli_main(["--dry-run", str(tmp_path / "specs" / "x.yaml")]) == 0      # a branch without norm compiles
 
