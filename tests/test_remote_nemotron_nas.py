@@ -188,8 +188,7 @@ def test_linear_subblocks_have_no_kv_cache_slot():
 
 @pytest.mark.slow
 def test_nemotron_nas_tp2_matches_reference(ckpt):
-    from test_remote_tp2 import engine_greedy_tp
-    R.assert_matches(engine_greedy_tp(ckpt, tp=2), reference(_tensors(), CONFIG), what="nemotron-nas tp2")
+    R.assert_matches(R.engine_greedy(ckpt, tp=2), reference(_tensors(), CONFIG), what="nemotron-nas tp2")
 
 
 def _edit(layer: int, part: str, **kw) -> list:

@@ -26,14 +26,6 @@ import torch.nn.functional as F
 TP = 2
 
 
-def engine_greedy_tp(ckpt, tp=TP):
-    from xllm_gen import LLM, SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=R.MAX_TOKENS, ignore_eos=True, logprobs=5)
-    with LLM(model=str(ckpt), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in R.PROMPTS], params)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
-
-
 def _naive_split(w: torch.Tensor, sizes: list[int], tp: int = TP) -> torch.Tensor:
     """The fused tensor a wrong loader would effectively serve: rank r takes rows [r * n / tp, (r + 1) * n / tp) and
     reads them as its [seg_0 / tp | seg_1 / tp | ...]; returned in the checkpoint's layout (segments concatenated)."""
@@ -62,7 +54,7 @@ def test_chatglm_tp2_matches_reference(tmp_path):
     import test_remote_chatglm as m
     t = m._tensors()
     ckpt = R.write_checkpoint(tmp_path / "chatglm", m.CONFIG, t)
-    R.assert_matches(engine_greedy_tp(ckpt), m.reference(t, m.CONFIG), what="chatglm tp2 (2 groups)")
+    R.assert_matches(R.engine_greedy(ckpt, tp=TP), m.reference(t, m.CONFIG), what="chatglm tp2 (2 groups)")
 
 
 @pytest.mark.slow
@@ -72,7 +64,7 @@ def test_chatglm_one_group_tp2_matches_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(m, "G", 1)
     t, cfg = m._tensors(), {**m.CONFIG, "multi_query_group_num": 1}
     ckpt = R.write_checkpoint(tmp_path / "chatglm_g1", cfg, t)
-    R.assert_matches(engine_greedy_tp(ckpt), m.reference(t, cfg), what="chatglm tp2 (1 group)")
+    R.assert_matches(R.engine_greedy(ckpt, tp=TP), m.reference(t, cfg), what="chatglm tp2 (1 group)")
 
 
 # ---- InternLM2: wqkv per KV group ---------------------------------------------------------------------------------------
@@ -81,7 +73,7 @@ def test_internlm2_tp2_matches_reference(tmp_path):
     t = m._tensors()
     assert R.distinct(m.reference(t, m.CONFIG), m.reference(t, m.CONFIG, blocked=True)), "fixture: the layout matters"
     ckpt = R.write_checkpoint(tmp_path / "internlm2", m.CONFIG, t)
-    R.assert_matches(engine_greedy_tp(ckpt), m.reference(t, m.CONFIG), what="internlm2 tp2")
+    R.assert_matches(R.engine_greedy(ckpt, tp=TP), m.reference(t, m.CONFIG), what="internlm2 tp2")
 
 
 # ---- Qwen v1: c_attn [q | k | v] with bias ---------------------------------------------------------------------------
@@ -95,7 +87,7 @@ def test_qwen_tp2_matches_reference(tmp_path):
     assert R.distinct(want, m.reference(_naive(_naive(t, "c_attn.weight", sizes), "c_attn.bias", sizes), cfg)), \
         "fixture: a per-rank row block of c_attn read as [q | k | v]"
     ckpt = R.write_checkpoint(tmp_path / "qwen", cfg, t)
-    R.assert_matches(engine_greedy_tp(ckpt), want, what="qwen tp2")
+    R.assert_matches(R.engine_greedy(ckpt, tp=TP), want, what="qwen tp2")
 
 
 # ---- Baichuan 2 13B form: ALiBi + NormHead; W_pack ---------------------------------------------------------------------
@@ -119,7 +111,7 @@ def test_baichuan2_13b_form_tp2_matches_reference(tmp_path):
     import test_remote_baichuan as m
     t = m._tensors(m.ALIBI)
     ckpt = R.write_checkpoint(tmp_path / "b13", m.ALIBI, t)
-    R.assert_matches(engine_greedy_tp(ckpt), m.reference(t, m.ALIBI, alibi=True, norm_head=True),
+    R.assert_matches(R.engine_greedy(ckpt, tp=TP), m.reference(t, m.ALIBI, alibi=True, norm_head=True),
                      what="baichuan tp2 (ALiBi, NormHead)")
 
 
@@ -128,7 +120,7 @@ def test_baichuan_7b_form_tp2_matches_reference(tmp_path):
     import test_remote_baichuan as m
     t = m._tensors(m.ROPE)
     ckpt = R.write_checkpoint(tmp_path / "b7", m.ROPE, t)
-    R.assert_matches(engine_greedy_tp(ckpt), m.reference(t, m.ROPE, alibi=False, norm_head=False),
+    R.assert_matches(R.engine_greedy(ckpt, tp=TP), m.reference(t, m.ROPE, alibi=False, norm_head=False),
                      what="baichuan tp2 (rotary)")
 
 
@@ -138,4 +130,4 @@ def test_minicpm_tp2_matches_reference(tmp_path):
     import test_remote_minicpm as m
     t = m._tensors()
     ckpt = R.write_checkpoint(tmp_path / "minicpm", m.CONFIG, t)
-    R.assert_matches(engine_greedy_tp(ckpt), m.reference(t, m.CONFIG), what="minicpm tp2")
+    R.assert_matches(R.engine_greedy(ckpt, tp=TP), m.reference(t, m.CONFIG), what="minicpm tp2")
