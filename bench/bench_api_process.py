@@ -206,14 +206,6 @@ def _api_pids(root: int) -> list:
     return pids
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_layout(args, layout: str) -> dict:
     import urllib.request
 
@@ -222,7 +214,7 @@ def run_layout(args, layout: str) -> dict:
     from xllm_gen.runtime.cli import default_checkpoint
 
     model = str(default_checkpoint())
-    port = _free_port()
+    port = bench_serve._free_port()
     extra = {"core": [], "core2": ["--api-server-count", "2"], "in-process": ["--engine-in-process"]}[layout]
     cmd = [sys.executable, str(HERE), "--_serve", model, "--port", str(port), "--log-level", "warning",
            "--disable-log-requests", "--max-num-seqs", str(args.max_num_seqs), *extra, *shlex.split(args.serve_args)]
